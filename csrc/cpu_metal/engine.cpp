@@ -1,0 +1,1146 @@
+// The CPU Metal executor's engine. See engine.h for the interface and
+// mx_abi.h for what a shader library provides and calls.
+//
+// Execution model
+// - Threadgroups are spread over a pool of CPU threads ("workers").
+// - The threads of one threadgroup ("lanes") run as fibers on one worker, in
+//   a seeded random order, each until it finishes or blocks at a barrier or a
+//   simd operation. A lane gets a stack only when it first runs, and a lane
+//   that finishes hands its stack to the next one, so kernels without
+//   barriers need one stack per worker.
+// - When every lane is blocked or done, simd operations are completed first:
+//   per simdgroup, the waiting lanes with the earliest call site in the
+//   source form the active set (lanes elsewhere in divergent code are
+//   inactive, as on a GPU, and join at a later site). Then, if all lanes that
+//   have not finished wait at the same threadgroup barrier, it opens;
+//   anything else is a BarrierDivergenceError.
+//
+// Checks, on every instrumented access (mx_abi.h, _instrument.py)
+// - Device buffers are copied into slots of a reserved address range, 64 GiB
+//   apart, so an address tells which buffer it belongs to and any access
+//   outside a buffer is an OutOfBoundsError naming it; copies go back after.
+// - Threadgroup memory is one arena per worker with red zones between the
+//   allocations, filled with 0xFF (NaN in every float format) before each
+//   threadgroup. A shadow byte map finds two lanes touching the same byte
+//   between barriers, one of them writing (RaceError).
+// - An access less aligned than its type needs is a MisalignedAccessError.
+#include "engine.h"
+
+#include <dlfcn.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "fiber.h"
+
+namespace cpu_metal {
+namespace {
+
+constexpr uint32_t kMaxThreads = 1024;
+constexpr uint64_t kThreadgroupLimit = 32 * 1024;  // Metal's threadgroup memory limit
+constexpr uint64_t kRedZone = 64;
+constexpr uint64_t kArenaSize = 2 * kThreadgroupLimit + 64 * kRedZone;
+constexpr int kSlotShift = 36;                      // 64 GiB per buffer slot
+constexpr uint64_t kSlotMid = uint64_t(1) << 35;    // buffer copies start mid-slot
+constexpr uint64_t kDirectSlack = 1 << 20;          // non-isolated: bounds checked this near a buffer
+
+size_t page_size() {
+  static size_t p = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return p;
+}
+
+size_t stack_size() {
+  static size_t s = [] {
+    const char* e = getenv("MPS_EXT_EXECUTOR_STACK_KB");
+    size_t kb = e ? static_cast<size_t>(atol(e)) : 256;
+    return std::max<size_t>(kb, 64) * 1024;
+  }();
+  return s;
+}
+
+std::string size3(const Size3& s) {
+  std::ostringstream o;
+  o << "(" << s[0] << ", " << s[1] << ", " << s[2] << ")";
+  return o.str();
+}
+
+uint64_t splitmix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// ------------------------------------------------------------------ slots --
+// One reserved range holds the isolated copies of all buffers of a dispatch.
+struct SlotRegion {
+  char* base = nullptr;
+  uint64_t span = 0;
+  SlotRegion() {
+    span = uint64_t(MX_MAX_BUFFERS + 1) << kSlotShift;
+    void* p = mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) {
+      span = 0;
+      return;
+    }
+    base = static_cast<char*>(p);
+  }
+};
+SlotRegion& slot_region() {
+  static SlotRegion r;
+  return r;
+}
+
+// --------------------------------------------------------------- dispatch --
+// A bound buffer as the kernel sees it.
+struct Bound {
+  int index = -1;
+  char* begin = nullptr;  // address the kernel gets
+  uint64_t size = 0;
+  bool from_bytes = false;
+  std::string name;       // the kernel parameter's name
+};
+
+enum class ErrorKind { kNone, kBounds, kAlign, kDivergence, kRace, kOther };
+
+struct Counters {
+  uint64_t read[MX_MAX_BUFFERS] = {};
+  uint64_t written[MX_MAX_BUFFERS] = {};
+  uint64_t read_width[MX_MAX_BUFFERS][8] = {};   // by log2 of the width (1..128 bytes)
+  uint64_t write_width[MX_MAX_BUFFERS][8] = {};
+  uint64_t tg_read = 0, tg_written = 0;
+  uint64_t threads = 0, barriers = 0, simd_barriers = 0, simd_ops = 0;
+
+  void add(const Counters& o) {
+    for (int i = 0; i < MX_MAX_BUFFERS; ++i) {
+      read[i] += o.read[i];
+      written[i] += o.written[i];
+      for (int k = 0; k < 8; ++k) {
+        read_width[i][k] += o.read_width[i][k];
+        write_width[i][k] += o.write_width[i][k];
+      }
+    }
+    tg_read += o.tg_read;
+    tg_written += o.tg_written;
+    threads += o.threads;
+    barriers += o.barriers;
+    simd_barriers += o.simd_barriers;
+    simd_ops += o.simd_ops;
+  }
+};
+
+struct DispatchState {
+  const Library* library = nullptr;
+  const mx_kernel* kernel = nullptr;
+  const Dispatch* dispatch = nullptr;
+  void* buffer_table[MX_MAX_BUFFERS] = {};
+  std::vector<Bound> bound;                       // every bound buffer
+  std::vector<std::vector<int>> slot_members;     // isolated: slot -> indices into `bound`
+  std::vector<std::pair<uint64_t, uint64_t>> tg_buffers;  // [[threadgroup(i)]]: (offset, size)
+  std::vector<std::string> tg_names;
+  Size3 groups{}, tpt{}, grid{};
+  uint64_t group_count = 0;
+  bool isolated = true;
+
+  std::atomic<uint64_t> next_group{0};
+  std::atomic<bool> failed{false};
+  std::mutex mutex;
+  ErrorKind error = ErrorKind::kNone;
+  std::string message;
+  Counters totals;
+
+  void fail(ErrorKind kind, const std::string& msg) {
+    std::lock_guard<std::mutex> g(mutex);
+    if (error == ErrorKind::kNone) {
+      error = kind;
+      message = msg;
+    }
+    failed = true;
+  }
+};
+
+// ----------------------------------------------------------------- lanes --
+enum class LaneState : uint8_t { kUnstarted, kRunnable, kRunning, kBarrier, kSimd, kDone };
+
+struct Lane {
+  mx_thread_info info;
+  uint32_t index = 0;  // thread_index_in_threadgroup
+  LaneState state = LaneState::kUnstarted;
+  void* sp = nullptr;
+  int stack = -1;
+  uint32_t site = 0;
+  uint32_t flags = 0;  // barrier: mem flags; simd: MX_SIMD_*
+  bool simd_barrier = false;
+  mx_simd_fn fn = nullptr;
+  const void* in = nullptr;
+  void* out = nullptr;
+  int64_t arg = 0;
+};
+
+// Shadow state of one byte of threadgroup memory, for race detection.
+struct Shadow {
+  uint32_t epoch;      // threadgroup-barrier epoch this entry belongs to
+  uint16_t writer;     // lane + 1, 0 = none
+  uint16_t reader;     // lane + 1, 0 = none, kMany = several lanes
+  uint16_t reader_sg;  // simdgroup of the readers, kMany if several
+  uint16_t pad;
+  uint32_t writer_sg_epoch;
+  uint32_t reader_sg_epoch;
+};
+constexpr uint16_t kMany = 0xffff;
+
+const char* site_name(const Library* lib, uint32_t site, std::string& buf) {
+  buf = lib->site(site);
+  return buf.c_str();
+}
+
+std::string where(uint32_t site_line_col) {
+  std::ostringstream o;
+  o << "line " << (site_line_col >> 12) << ", column " << (site_line_col & 4095);
+  return o.str();
+}
+
+struct Worker {
+  DispatchState* ds = nullptr;
+  Lane lanes[kMaxThreads];
+  uint32_t lane_count = 0;
+  uint32_t simdgroup_count = 0;
+  std::vector<uint32_t> runq;
+  std::vector<FiberStack> stacks;
+  std::vector<int> free_stacks;
+  void* scheduler_sp = nullptr;
+  Lane* current = nullptr;
+  bool aborted = false;
+  std::mt19937_64 rng;
+  Counters counters;
+  mx_uint3 group_pos{};
+
+  // threadgroup memory
+  char* arena = nullptr;
+  uint8_t region[kArenaSize];  // 0: red zone / unallocated, else region id
+  std::vector<std::string> region_names;
+  std::vector<std::pair<const void*, uint64_t>> statics;  // key -> offset
+  uint64_t arena_top = 0, arena_used = 0;
+  void* tg_table[MX_MAX_TG_BUFFERS] = {};
+  std::vector<Shadow> shadow;
+  uint32_t epoch = 0;
+  uint32_t sg_epoch[kMaxThreads / 32] = {};
+
+  Worker() {
+    arena = static_cast<char*>(mmap(nullptr, kArenaSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    if (arena == MAP_FAILED) throw std::runtime_error("CPU Metal executor: cannot allocate threadgroup memory");
+    shadow.assign(kArenaSize, Shadow{});
+    runq.reserve(kMaxThreads);
+  }
+  ~Worker() {
+    munmap(arena, kArenaSize);
+    for (auto& s : stacks) s.release();
+  }
+
+  int take_stack() {
+    if (free_stacks.empty()) {
+      stacks.push_back(FiberStack::allocate(stack_size()));
+      return static_cast<int>(stacks.size()) - 1;
+    }
+    int s = free_stacks.back();
+    free_stacks.pop_back();
+    return s;
+  }
+
+  // ------------------------------------------------------------- errors --
+  [[noreturn]] void fail(ErrorKind kind, const std::string& msg) {
+    ds->fail(kind, msg);
+    aborted = true;
+    void* dead;
+    mx_fiber_switch(&dead, scheduler_sp);
+    __builtin_unreachable();
+  }
+
+  std::string thread_name(const Lane& l) const {
+    std::ostringstream o;
+    o << "thread " << l.index << " (position " << size3({l.info.thread_position_in_threadgroup.x,
+                                                         l.info.thread_position_in_threadgroup.y,
+                                                         l.info.thread_position_in_threadgroup.z})
+      << ") of threadgroup " << size3({group_pos.x, group_pos.y, group_pos.z});
+    return o.str();
+  }
+
+  std::string at_site(uint32_t flags) const {
+    std::string s = ds->library->site(flags >> MX_ACC_SITE_SHIFT);
+    return s.empty() ? std::string() : " at " + s;
+  }
+
+  // ---------------------------------------------------- threadgroup memory --
+  uint64_t allocate(uint64_t size, uint64_t align, const std::string& name) {
+    align = std::max<uint64_t>(align, 16);
+    uint64_t off = (arena_top + kRedZone + align - 1) / align * align;
+    if (arena_used + size > kThreadgroupLimit || off + size + kRedZone > kArenaSize) {
+      std::ostringstream o;
+      o << "kernel '" << ds->kernel->name << "' uses more than Metal's 32 KiB of threadgroup memory: "
+        << arena_used << " bytes allocated, and '" << name << "' asks for " << size << " more";
+      fail(ErrorKind::kOther, o.str());
+    }
+    region_names.push_back(name);
+    uint8_t id = static_cast<uint8_t>(region_names.size());
+    std::memset(arena + off, 0xff, size);
+    std::memset(region + off, id, size);
+    arena_top = off + size;
+    arena_used += size;
+    return off;
+  }
+
+  void reset_threadgroup_memory() {
+    std::memset(region, 0, std::min<uint64_t>(arena_top + kRedZone, kArenaSize));
+    region_names.clear();
+    statics.clear();
+    arena_top = 0;
+    arena_used = 0;
+    if (++epoch == 0) {  // wrapped: forget every shadow entry
+      std::fill(shadow.begin(), shadow.end(), Shadow{});
+      epoch = 1;
+    }
+    std::fill(std::begin(sg_epoch), std::end(sg_epoch), 0u);
+    for (size_t i = 0; i < ds->tg_buffers.size(); ++i) {
+      uint64_t size = ds->tg_buffers[i].second;
+      tg_table[i] = size ? arena + allocate(size, 16, ds->tg_names[i]) : nullptr;
+    }
+  }
+
+  void* threadgroup_variable(const void* key, uint64_t size, uint64_t align) {
+    for (auto& s : statics)
+      if (s.first == key) return arena + s.second;
+    // The translator names each key after its variable.
+    std::string name = std::string("threadgroup variable '") + static_cast<const char*>(key) + "'";
+    uint64_t off = allocate(size, align, name);
+    statics.push_back({key, off});
+    return arena + off;
+  }
+
+  void check_threadgroup_access(uint64_t off, uint64_t size, uint32_t flags) {
+    uint8_t id = region[off];
+    uint64_t last = off + (size ? size - 1 : 0);
+    if (id == 0 || last >= kArenaSize || region[last] != id) {
+      uint8_t near = id ? id : (off >= 1 && region[off - 1] ? region[off - 1] : (last + 1 < kArenaSize ? region[last + 1] : 0));
+      std::ostringstream o;
+      o << "out-of-bounds " << ((flags & MX_ACC_WRITE) ? "write" : "read") << " of " << size
+        << " bytes of threadgroup memory";
+      if (near) o << " next to " << region_names[near - 1];
+      o << " by " << thread_name(*current) << " in kernel '" << ds->kernel->name << "'" << at_site(flags);
+      fail(ErrorKind::kBounds, o.str());
+    }
+    if (flags & MX_ACC_WRITE) counters.tg_written += size; else counters.tg_read += size;
+    if (flags & MX_ACC_ATOMIC) return;
+    check_races(off, size, flags);
+  }
+
+  void check_races(uint64_t off, uint64_t size, uint32_t flags) {
+    const Lane& l = *current;
+    uint16_t me = static_cast<uint16_t>(l.index + 1);
+    uint16_t sg = static_cast<uint16_t>(l.index / 32);
+    uint32_t sgep = sg_epoch[sg];
+    auto ordered = [&](uint16_t other, uint32_t other_sgep) {
+      return other == me || ((other - 1) / 32 == sg && other_sgep < sgep);
+    };
+    for (uint64_t b = off; b < off + size; ++b) {
+      Shadow& s = shadow[b];
+      if (s.epoch != epoch) s = Shadow{epoch, 0, 0, 0, 0, 0, 0};
+      uint16_t conflict = 0;
+      const char* what = nullptr;
+      if (flags & MX_ACC_WRITE) {
+        if (s.writer && !ordered(s.writer, s.writer_sg_epoch)) {
+          conflict = s.writer;
+          what = "wrote";
+        } else if (s.reader == kMany && !(s.reader_sg == sg && s.reader_sg_epoch < sgep)) {
+          conflict = kMany;
+          what = "read";
+        } else if (s.reader && s.reader != kMany && !ordered(s.reader, s.reader_sg_epoch)) {
+          conflict = s.reader;
+          what = "read";
+        }
+        if (!conflict) {
+          s.writer = me;
+          s.writer_sg_epoch = sgep;
+          s.reader = 0;
+        }
+      } else {
+        if (s.writer && !ordered(s.writer, s.writer_sg_epoch)) {
+          conflict = s.writer;
+          what = "wrote";
+        } else if (s.reader == 0) {
+          s.reader = me;
+          s.reader_sg = sg;
+          s.reader_sg_epoch = sgep;
+        } else if (s.reader != me) {
+          if (s.reader_sg != sg) s.reader_sg = kMany;
+          s.reader = kMany;
+          s.reader_sg_epoch = std::max(s.reader_sg_epoch, sgep);
+        }
+      }
+      if (conflict) {
+        uint8_t id = region[b];
+        std::ostringstream o;
+        o << "data race on threadgroup memory in kernel '" << ds->kernel->name << "': ";
+        if (conflict == kMany) o << "several threads";
+        else o << "thread " << (conflict - 1);
+        o << " " << what << " byte " << (b - off) << " of " << (id ? region_names[id - 1] : "threadgroup memory")
+          << " and thread " << l.index << " " << ((flags & MX_ACC_WRITE) ? "writes" : "reads")
+          << " it" << at_site(flags) << " with no threadgroup_barrier(mem_flags::mem_threadgroup) between them"
+          << " (threadgroup " << size3({group_pos.x, group_pos.y, group_pos.z}) << ")";
+        fail(ErrorKind::kRace, o.str());
+      }
+    }
+  }
+
+  // ------------------------------------------------------- device memory --
+  const Bound* find_bound(uintptr_t a, uint64_t size, const Bound** nearest) {
+    DispatchState& d = *ds;
+    const Bound* best = nullptr;
+    uint64_t best_dist = ~uint64_t(0);
+    auto consider = [&](const Bound& b) -> bool {
+      uintptr_t lo = reinterpret_cast<uintptr_t>(b.begin), hi = lo + b.size;
+      if (a >= lo && a + size <= hi) return true;
+      uint64_t dist = a < lo ? lo - a : a + size - hi;
+      if (dist < best_dist) {
+        best_dist = dist;
+        best = &b;
+      }
+      return false;
+    };
+    if (d.isolated) {
+      uint64_t slot = (a - reinterpret_cast<uintptr_t>(slot_region().base)) >> kSlotShift;
+      if (slot < d.slot_members.size())
+        for (int m : d.slot_members[slot])
+          if (consider(d.bound[m])) return &d.bound[m];
+      if (!best)  // a slot no buffer uses: blame the nearest buffer anywhere
+        for (const Bound& b : d.bound) consider(b);
+    } else {
+      for (const Bound& b : d.bound)
+        if (consider(b)) return &b;
+      if (best_dist > kDirectSlack) best = nullptr;  // not near a buffer: private memory
+    }
+    *nearest = best;
+    return nullptr;
+  }
+
+  void access(uintptr_t a, uint64_t size, uint32_t flags) {
+    uint64_t align = uint64_t(1) << ((flags >> MX_ACC_ALIGN_SHIFT) & 15);
+    uint64_t toff = a - reinterpret_cast<uintptr_t>(arena);
+    if (toff < kArenaSize) {
+      if (a & (align - 1)) misaligned(a, size, flags, "threadgroup memory", toff);
+      check_threadgroup_access(toff, size, flags);
+      return;
+    }
+    DispatchState& d = *ds;
+    if (d.isolated) {
+      SlotRegion& r = slot_region();
+      if (a - reinterpret_cast<uintptr_t>(r.base) >= r.span) return;  // thread-private memory
+    }
+    const Bound* nearest = nullptr;
+    const Bound* b = find_bound(a, size, &nearest);
+    if (!b) {
+      if (!nearest) {
+        if (!d.isolated) return;  // thread-private memory
+        std::ostringstream o;
+        o << "access to device memory outside every bound buffer in kernel '" << d.kernel->name << "' by "
+          << thread_name(*current) << at_site(flags);
+        fail(ErrorKind::kBounds, o.str());
+      }
+      std::ostringstream o;
+      int64_t off = static_cast<int64_t>(a - reinterpret_cast<uintptr_t>(nearest->begin));
+      o << "out-of-bounds " << ((flags & MX_ACC_WRITE) ? "write" : "read") << " of " << size << " bytes at byte offset "
+        << off << " of buffer " << nearest->index << " ('" << nearest->name << "', " << nearest->size
+        << " bytes bound) in kernel '" << d.kernel->name << "' by " << thread_name(*current) << at_site(flags);
+      fail(ErrorKind::kBounds, o.str());
+    }
+    if (a & (align - 1)) misaligned(a, size, flags, b->name.c_str(), a - reinterpret_cast<uintptr_t>(b->begin));
+    int i = b->index;
+    int w = std::min(63 - __builtin_clzll(size ? size : 1), 7);
+    if (flags & MX_ACC_WRITE) {
+      if (b->from_bytes) {
+        std::ostringstream o;
+        o << "kernel '" << d.kernel->name << "' writes buffer " << i << " ('" << b->name
+          << "'), which was bound from bytes (constant data)" << at_site(flags);
+        fail(ErrorKind::kOther, o.str());
+      }
+      counters.written[i] += size;
+      counters.write_width[i][w]++;
+    }
+    if (flags & MX_ACC_READ) {
+      counters.read[i] += size;
+      counters.read_width[i][w]++;
+    }
+  }
+
+  [[noreturn]] void misaligned(uintptr_t a, uint64_t size, uint32_t flags, const std::string& what, uint64_t off) {
+    std::ostringstream o;
+    o << "misaligned " << ((flags & MX_ACC_WRITE) ? "write" : "read") << " of " << size << " bytes at byte offset "
+      << off << " of " << what << ": the type needs " << (uint64_t(1) << ((flags >> MX_ACC_ALIGN_SHIFT) & 15))
+      << "-byte alignment (kernel '" << ds->kernel->name << "', " << thread_name(*current) << at_site(flags) << ")";
+    fail(ErrorKind::kAlign, o.str());
+  }
+
+  // ------------------------------------------------------ synchronisation --
+  void block(LaneState state) {
+    current->state = state;
+    mx_fiber_switch(&current->sp, scheduler_sp);
+  }
+
+  void barrier(uint32_t scope, uint32_t mem, uint32_t site) {
+    Lane& l = *current;
+    l.site = site;
+    l.flags = mem;
+    if (scope == MX_SCOPE_SIMDGROUP) {
+      l.simd_barrier = true;
+      l.fn = nullptr;
+      block(LaneState::kSimd);
+      l.simd_barrier = false;
+    } else {
+      block(LaneState::kBarrier);
+    }
+  }
+
+  void simd(mx_simd_fn fn, const void* in, void* out, int64_t arg, uint32_t flags, uint32_t site) {
+    Lane& l = *current;
+    l.fn = fn;
+    l.in = in;
+    l.out = out;
+    l.arg = arg;
+    l.flags = flags;
+    l.site = site;
+    block(LaneState::kSimd);
+  }
+
+  std::string describe_lanes(const std::vector<Lane*>& ls) {
+    std::ostringstream o;
+    size_t shown = 0;
+    for (Lane* l : ls) {
+      if (shown++ == 4) {
+        o << ", ...";
+        break;
+      }
+      if (shown > 1) o << ", ";
+      o << "thread " << l->index;
+      if (l->state == LaneState::kDone) o << " had returned";
+      else if (l->state == LaneState::kBarrier) o << " waits at a threadgroup_barrier at " << where(l->site);
+      else if (l->state == LaneState::kSimd) o << " waits at a simd operation at " << where(l->site);
+    }
+    return o.str();
+  }
+
+  // Complete the simd operations that can be completed. True if any was.
+  bool resolve_simd() {
+    bool progress = false;
+    for (uint32_t g = 0; g < simdgroup_count; ++g) {
+      uint32_t lo = g * 32, hi = std::min(lane_count, lo + 32);
+      uint32_t site = ~0u;
+      for (uint32_t i = lo; i < hi; ++i)
+        if (lanes[i].state == LaneState::kSimd) site = std::min(site, lanes[i].site);
+      if (site == ~0u) continue;
+      mx_simd_lane part[32] = {};
+      uint32_t mask = 0;
+      bool uniform = false, simd_barrier = false;
+      uint32_t mem = 0;
+      mx_simd_fn fn = nullptr;
+      for (uint32_t i = lo; i < hi; ++i) {
+        Lane& l = lanes[i];
+        if (l.state != LaneState::kSimd || l.site != site) continue;
+        mask |= 1u << (i - lo);
+        part[i - lo] = {l.in, l.out, l.arg};
+        uniform |= l.simd_barrier || (l.flags & MX_SIMD_UNIFORM);
+        simd_barrier |= l.simd_barrier;
+        if (l.simd_barrier) mem |= l.flags;
+        fn = l.fn;
+      }
+      uint32_t full = hi - lo == 32 ? ~0u : ((1u << (hi - lo)) - 1);
+      if (uniform && mask != full) {
+        std::vector<Lane*> missing;
+        for (uint32_t i = lo; i < hi; ++i)
+          if (!((mask >> (i - lo)) & 1)) missing.push_back(&lanes[i]);
+        std::ostringstream o;
+        o << (simd_barrier ? "simdgroup_barrier" : "simdgroup matrix operation") << " at " << where(site)
+          << " in kernel '" << ds->kernel->name << "' is reached by " << __builtin_popcount(mask) << " of the "
+          << (hi - lo) << " threads of simdgroup " << g << " of threadgroup "
+          << size3({group_pos.x, group_pos.y, group_pos.z}) << "; every thread of the simdgroup must reach it ("
+          << describe_lanes(missing) << ")";
+        ds->fail(ErrorKind::kDivergence, o.str());
+        return false;
+      }
+      if (simd_barrier) {
+        if (mem & MX_MEM_THREADGROUP) ++sg_epoch[g];
+        counters.simd_barriers++;
+      } else {
+        fn(part, mask, hi - lo);
+        counters.simd_ops++;
+      }
+      for (uint32_t i = lo; i < hi; ++i)
+        if ((mask >> (i - lo)) & 1) {
+          lanes[i].state = LaneState::kRunnable;
+          runq.push_back(i);
+        }
+      progress = true;
+    }
+    return progress;
+  }
+
+  bool resolve_barrier() {
+    Lane* first = nullptr;
+    std::vector<Lane*> off;
+    uint32_t mem = 0;
+    for (uint32_t i = 0; i < lane_count; ++i) {
+      Lane& l = lanes[i];
+      if (l.state == LaneState::kBarrier) {
+        if (!first) first = &l;
+        mem |= l.flags;
+      }
+    }
+    if (!first) return false;
+    for (uint32_t i = 0; i < lane_count; ++i) {
+      Lane& l = lanes[i];
+      if (l.state != LaneState::kBarrier || l.site != first->site) off.push_back(&l);
+    }
+    if (!off.empty()) {
+      std::ostringstream o;
+      o << "threadgroup_barrier at " << where(first->site) << " in kernel '" << ds->kernel->name
+        << "' is not reached by every thread of threadgroup " << size3({group_pos.x, group_pos.y, group_pos.z})
+        << ": " << describe_lanes(off);
+      ds->fail(ErrorKind::kDivergence, o.str());
+      return false;
+    }
+    if (mem & MX_MEM_THREADGROUP) {
+      if (++epoch == 0) {
+        std::fill(shadow.begin(), shadow.end(), Shadow{});
+        epoch = 1;
+      }
+    }
+    counters.barriers++;
+    for (uint32_t i = 0; i < lane_count; ++i) {
+      lanes[i].state = LaneState::kRunnable;
+      runq.push_back(i);
+    }
+    return true;
+  }
+
+  // ------------------------------------------------------------- running --
+  static void fiber_main(void* self) {
+    Worker* w = static_cast<Worker*>(self);
+    for (;;) {
+      Lane* l = w->current;
+      l->state = LaneState::kRunning;
+      w->ds->kernel->entry(&l->info);
+      l->state = LaneState::kDone;
+      w->counters.threads++;
+      // Run the next lane on this stack if it has not started yet.
+      if (!w->runq.empty() && w->lanes[w->runq.back()].state == LaneState::kUnstarted && !w->ds->failed) {
+        Lane* next = &w->lanes[w->runq.back()];
+        w->runq.pop_back();
+        next->stack = l->stack;
+        l->stack = -1;
+        w->current = next;
+        continue;
+      }
+      w->free_stacks.push_back(l->stack);
+      l->stack = -1;
+      void* dead;
+      mx_fiber_switch(&dead, w->scheduler_sp);
+    }
+  }
+
+  void shuffle_runq() {
+    // The order in which runnable lanes go: random, so that a kernel that
+    // relies on one (a missing barrier) gives different results.
+    for (size_t i = runq.size(); i > 1; --i) std::swap(runq[i - 1], runq[rng() % i]);
+  }
+
+  void setup_lanes(uint64_t linear) {
+    DispatchState& d = *ds;
+    const Dispatch& dp = *d.dispatch;
+    uint32_t gx = static_cast<uint32_t>(linear % d.groups[0]);
+    uint32_t gy = static_cast<uint32_t>((linear / d.groups[0]) % d.groups[1]);
+    uint32_t gz = static_cast<uint32_t>(linear / (uint64_t(d.groups[0]) * d.groups[1]));
+    group_pos = {gx, gy, gz};
+    uint32_t size[3];
+    for (int k = 0; k < 3; ++k) {
+      uint32_t g = k == 0 ? gx : k == 1 ? gy : gz;
+      size[k] = d.tpt[k];
+      if (dp.use_threads) size[k] = std::min<uint32_t>(d.tpt[k], d.grid[k] - g * d.tpt[k]);
+    }
+    lane_count = size[0] * size[1] * size[2];
+    simdgroup_count = (lane_count + 31) / 32;
+    mx_uint3 actual{size[0], size[1], size[2]};
+    uint32_t n = 0;
+    for (uint32_t z = 0; z < size[2]; ++z)
+      for (uint32_t y = 0; y < size[1]; ++y)
+        for (uint32_t x = 0; x < size[0]; ++x, ++n) {
+          Lane& l = lanes[n];
+          l = Lane{};
+          l.index = n;
+          mx_thread_info& t = l.info;
+          t.buffers = d.buffer_table;
+          t.tg_buffers = tg_table;
+          t.thread_position_in_threadgroup = {x, y, z};
+          t.threadgroup_position_in_grid = group_pos;
+          t.thread_position_in_grid = {gx * d.tpt[0] + x, gy * d.tpt[1] + y, gz * d.tpt[2] + z};
+          t.threads_per_threadgroup = actual;
+          t.dispatch_threads_per_threadgroup = {d.tpt[0], d.tpt[1], d.tpt[2]};
+          t.threadgroups_per_grid = {d.groups[0], d.groups[1], d.groups[2]};
+          t.threads_per_grid = {d.grid[0], d.grid[1], d.grid[2]};
+          t.thread_index_in_threadgroup = n;
+          t.thread_index_in_simdgroup = n % 32;
+          t.simdgroup_index_in_threadgroup = n / 32;
+          t.simdgroups_per_threadgroup = simdgroup_count;
+        }
+  }
+
+  // Runs one threadgroup; false if the dispatch failed.
+  bool run_group(uint64_t linear) {
+    aborted = false;
+    rng.seed(splitmix(ds->dispatch->seed ^ splitmix(linear)));
+    setup_lanes(linear);
+    reset_threadgroup_memory();
+    if (aborted) return false;
+    runq.clear();
+    for (uint32_t i = 0; i < lane_count; ++i) runq.push_back(i);
+    shuffle_runq();
+    free_stacks.clear();
+    for (size_t s = 0; s < stacks.size(); ++s) free_stacks.push_back(static_cast<int>(s));
+    for (;;) {
+      while (!runq.empty()) {
+        Lane& l = lanes[runq.back()];
+        runq.pop_back();
+        current = &l;
+        if (l.state == LaneState::kUnstarted) {
+          l.stack = take_stack();
+          FiberStack& st = stacks[l.stack];
+          void* sp = fiber_prepare(st.base, st.size, &Worker::fiber_main, this);
+          mx_fiber_switch(&scheduler_sp, sp);
+        } else {
+          l.state = LaneState::kRunning;
+          mx_fiber_switch(&scheduler_sp, l.sp);
+        }
+        current = nullptr;
+        if (aborted || ds->failed) return false;
+      }
+      if (resolve_simd()) {
+        shuffle_runq();
+        continue;
+      }
+      if (ds->failed) return false;
+      if (resolve_barrier()) {
+        shuffle_runq();
+        continue;
+      }
+      return !ds->failed;
+    }
+  }
+
+  void run(DispatchState* d) {
+    ds = d;
+    counters = Counters{};
+    while (!d->failed) {
+      uint64_t g = d->next_group.fetch_add(1);
+      if (g >= d->group_count) break;
+      if (!run_group(g)) break;
+    }
+    std::lock_guard<std::mutex> lock(d->mutex);
+    d->totals.add(counters);
+    ds = nullptr;
+  }
+};
+
+thread_local Worker* tls_worker = nullptr;
+
+Worker& this_worker() {
+  if (!tls_worker) tls_worker = new Worker();  // lives as long as its thread
+  return *tls_worker;
+}
+
+// ----------------------------------------------------------- engine api --
+void api_access(const void* p, mx_u64 size, mx_u32 flags) {
+  Worker* w = tls_worker;
+  if (!w || !w->current) return;  // shader code running outside a dispatch
+  w->access(reinterpret_cast<uintptr_t>(p), size, flags);
+}
+void api_barrier(mx_u32 scope, mx_u32 mem, mx_u32 site) { tls_worker->barrier(scope, mem, site); }
+void api_simd(mx_simd_fn fn, const void* in, void* out, mx_i64 arg, mx_u32 flags, mx_u32 site) {
+  tls_worker->simd(fn, in, out, arg, flags, site);
+}
+void* api_threadgroup_variable(const void* key, mx_u64 size, mx_u64 align) {
+  return tls_worker->threadgroup_variable(key, size, align);
+}
+void api_fail(const char* message) {
+  Worker& w = *tls_worker;
+  if (!w.current) {  // only lanes may fail; an engine callback never should
+    fprintf(stderr, "CPU Metal executor: internal error: %s\n", message);
+    abort();
+  }
+  w.fail(ErrorKind::kOther, std::string("kernel '") + w.ds->kernel->name + "': " + message + " (" +
+                                w.thread_name(*w.current) + ")");
+}
+const mx_thread_info* api_current_thread() { return &tls_worker->current->info; }
+
+const mx_engine_api kApi = {MX_ABI_VERSION,           &api_access, &api_barrier, &api_simd,
+                            &api_threadgroup_variable, &api_fail,   &api_current_thread};
+
+// ----------------------------------------------------------- worker pool --
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool* p = new Pool();  // never destroyed: threads outlive static destruction
+    return *p;
+  }
+  unsigned size() const { return static_cast<unsigned>(threads_.size()) + 1; }
+
+  // Run job on every pool thread and on the caller; return when all are done.
+  void run(const std::function<void()>& job, unsigned want) {
+    want = std::min(want, size());
+    if (want <= 1) {
+      job();
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> g(m_);
+      job_ = &job;
+      pending_ = want - 1;
+      active_ = want - 1;
+      ++generation_;
+    }
+    cv_.notify_all();
+    job();
+    std::unique_lock<std::mutex> g(m_);
+    done_cv_.wait(g, [&] { return pending_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  Pool() {
+    unsigned n = std::thread::hardware_concurrency();
+    if (const char* e = getenv("MPS_EXT_EXECUTOR_THREADS")) n = static_cast<unsigned>(std::max(1, atoi(e)));
+    if (n == 0) n = 1;
+    for (unsigned i = 1; i < n; ++i) threads_.emplace_back([this, i] { loop(i); });
+    for (auto& t : threads_) t.detach();
+  }
+  void loop(unsigned id) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void()>* job;
+      {
+        std::unique_lock<std::mutex> g(m_);
+        cv_.wait(g, [&] { return generation_ != seen && active_ > 0 && id <= active_; });
+        seen = generation_;
+        job = job_;
+      }
+      (*job)();
+      {
+        std::lock_guard<std::mutex> g(m_);
+        if (--pending_ == 0) done_cv_.notify_all();
+      }
+    }
+  }
+  std::vector<std::thread> threads_;
+  std::mutex m_;
+  std::condition_variable cv_, done_cv_;
+  const std::function<void()>* job_ = nullptr;
+  unsigned pending_ = 0, active_ = 0;
+  uint64_t generation_ = 0;
+};
+
+// ------------------------------------------------------------- recording --
+std::mutex g_record_mutex;
+std::vector<std::shared_ptr<Recorder>> g_recorders;
+
+// One dispatch at a time: the slot region and the pool are shared.
+std::mutex g_dispatch_mutex;
+
+std::string kernel_param_name(const mx_kernel& k, uint32_t kind, uint32_t index) {
+  for (uint32_t i = 0; i < k.param_count; ++i)
+    if (k.params[i].kind == kind && k.params[i].index == index) return k.params[i].name;
+  return "";
+}
+
+}  // namespace
+
+// ================================================================ Library ==
+std::shared_ptr<Library> Library::load(const std::string& path) {
+  void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!h) throw std::runtime_error(std::string("CPU Metal executor: cannot load ") + path + ": " + dlerror());
+  auto abi = reinterpret_cast<mx_u32 (*)()>(dlsym(h, MX_LIBRARY_ABI_SYMBOL));
+  auto bind = reinterpret_cast<void (*)(const mx_engine_api*)>(dlsym(h, MX_LIBRARY_BIND_SYMBOL));
+  auto kernels = reinterpret_cast<const mx_kernel* (*)(mx_u32*)>(dlsym(h, MX_LIBRARY_KERNELS_SYMBOL));
+  auto sites = reinterpret_cast<const char* const* (*)(mx_u32*)>(dlsym(h, MX_LIBRARY_SITES_SYMBOL));
+  if (!abi || !bind || !kernels || !sites || abi() != MX_ABI_VERSION) {
+    dlclose(h);
+    throw std::runtime_error("CPU Metal executor: " + path + " was not built for this version of the executor");
+  }
+  std::shared_ptr<Library> lib(new Library());
+  lib->handle_ = h;
+  lib->path_ = path;
+  bind(&kApi);
+  lib->kernels_ = kernels(&lib->kernel_count_);
+  lib->sites_ = sites(&lib->site_count_);
+  return lib;
+}
+
+Library::~Library() {
+  // Shader libraries stay loaded: a pointer into one may outlive this
+  // object (a pipeline cache, a recorded site name), and they are small.
+}
+
+std::vector<std::string> Library::function_names() const {
+  std::vector<std::string> names;
+  for (uint32_t i = 0; i < kernel_count_; ++i) names.push_back(kernels_[i].name);
+  return names;
+}
+
+const mx_kernel& Library::kernel(const std::string& name) const {
+  for (uint32_t i = 0; i < kernel_count_; ++i)
+    if (name == kernels_[i].name) return kernels_[i];
+  std::ostringstream o;
+  o << "no kernel named '" << name << "' in this library; it has:";
+  for (uint32_t i = 0; i < kernel_count_; ++i) o << (i ? ", " : " ") << kernels_[i].name;
+  throw DispatchError(o.str());
+}
+
+std::string Library::site(uint32_t index) const {
+  if (index == 0 || index >= site_count_) return "";
+  return sites_[index];
+}
+
+Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
+  const mx_kernel& k = kernel(name);
+  auto error = [&](const std::string& msg) { return DispatchError("kernel '" + name + "': " + msg); };
+
+  // ---- the grid
+  uint64_t per_group = uint64_t(dp.threads_per_threadgroup[0]) * dp.threads_per_threadgroup[1] *
+                       dp.threads_per_threadgroup[2];
+  if (per_group == 0 || per_group > kMaxThreads)
+    throw error("threads_per_threadgroup " + size3(dp.threads_per_threadgroup) + " has " +
+                std::to_string(per_group) + " threads; Metal allows 1 to 1024");
+  if (k.max_total_threads_per_threadgroup && per_group > k.max_total_threads_per_threadgroup)
+    throw error("threads_per_threadgroup " + size3(dp.threads_per_threadgroup) +
+                " exceeds the kernel's [[max_total_threads_per_threadgroup(" +
+                std::to_string(k.max_total_threads_per_threadgroup) + ")]]");
+  DispatchState ds;
+  ds.library = this;
+  ds.kernel = &k;
+  ds.dispatch = &dp;
+  ds.tpt = dp.threads_per_threadgroup;
+  for (int i = 0; i < 3; ++i) {
+    if (dp.use_threads) {
+      if (dp.threads[i] == 0) throw error("threads " + size3(dp.threads) + " has a zero dimension");
+      ds.grid[i] = dp.threads[i];
+      ds.groups[i] = (dp.threads[i] + ds.tpt[i] - 1) / ds.tpt[i];
+    } else {
+      if (dp.threadgroups[i] == 0) throw error("threadgroups " + size3(dp.threadgroups) + " has a zero dimension");
+      ds.groups[i] = dp.threadgroups[i];
+      uint64_t g = uint64_t(dp.threadgroups[i]) * ds.tpt[i];
+      if (g > 0xffffffffull) throw error("the grid has more than 2^32 threads along one dimension");
+      ds.grid[i] = static_cast<uint32_t>(g);
+    }
+  }
+  ds.group_count = uint64_t(ds.groups[0]) * ds.groups[1] * ds.groups[2];
+
+  // ---- the arguments
+  uint32_t max_buffer = 0, max_tg = 0;
+  bool any_buffer = false, any_tg = false;
+  for (uint32_t i = 0; i < k.param_count; ++i) {
+    const mx_param& p = k.params[i];
+    if (p.kind == MX_PARAM_BUFFER) {
+      any_buffer = true;
+      max_buffer = std::max(max_buffer, p.index);
+    } else if (p.kind == MX_PARAM_THREADGROUP) {
+      any_tg = true;
+      max_tg = std::max(max_tg, p.index);
+    }
+  }
+  size_t want_buffers = any_buffer ? max_buffer + 1 : 0, want_tg = any_tg ? max_tg + 1 : 0;
+  if (dp.buffers.size() != want_buffers)
+    throw error("takes " + std::to_string(want_buffers) + " buffer arguments ([[buffer(0)]] to [[buffer(" +
+                std::to_string(want_buffers ? want_buffers - 1 : 0) + ")]]), " + std::to_string(dp.buffers.size()) +
+                " given");
+  if (dp.threadgroup_memory.size() != want_tg)
+    throw error("has " + std::to_string(want_tg) + " [[threadgroup(i)]] parameters, but threadgroup_memory gives " +
+                std::to_string(dp.threadgroup_memory.size()) + " sizes");
+  for (size_t i = 0; i < dp.buffers.size(); ++i) {
+    std::string pname = kernel_param_name(k, MX_PARAM_BUFFER, static_cast<uint32_t>(i));
+    if (pname.empty() && dp.buffers[i].kind != Binding::Kind::kNone)
+      throw error("has no [[buffer(" + std::to_string(i) + ")]] parameter; pass None there");
+  }
+  uint64_t tg_total = 0;
+  for (size_t i = 0; i < dp.threadgroup_memory.size(); ++i) {
+    uint64_t sz = dp.threadgroup_memory[i];
+    std::string pname = kernel_param_name(k, MX_PARAM_THREADGROUP, static_cast<uint32_t>(i));
+    if (pname.empty() && sz) throw error("has no [[threadgroup(" + std::to_string(i) + ")]] parameter");
+    if (sz % 16)
+      throw error("threadgroup_memory[" + std::to_string(i) + "] = " + std::to_string(sz) +
+                  " bytes; Metal needs a multiple of 16");
+    tg_total += sz;
+    ds.tg_buffers.push_back({0, sz});
+    ds.tg_names.push_back("threadgroup buffer " + std::to_string(i) + " ('" + pname + "', " + std::to_string(sz) +
+                          " bytes)");
+  }
+  if (tg_total > kThreadgroupLimit)
+    throw error("asks for " + std::to_string(tg_total) + " bytes of threadgroup memory; Metal allows 32768");
+
+  for (uint32_t i = 0; i < k.param_count; ++i) {
+    const mx_param& p = k.params[i];
+    if (p.kind != MX_PARAM_BUFFER) continue;
+    const Binding& b = dp.buffers[p.index];
+    std::string what = "parameter '" + std::string(p.name) + "' ([[buffer(" + std::to_string(p.index) + ")]])";
+    if (b.kind == Binding::Kind::kNone) throw error(what + " is not bound");
+    if (b.kind == Binding::Kind::kBytes && !(p.flags & MX_PARAM_READONLY))
+      throw error(what + " is a writable device buffer; bind a tensor, not bytes");
+    if (p.flags & MX_PARAM_REFERENCE) {
+      if (b.kind == Binding::Kind::kBytes && b.size != p.pointee_size)
+        throw error(what + " is a reference to a " + std::to_string(p.pointee_size) + "-byte struct, but " +
+                    std::to_string(b.size) + " bytes were given (does the host struct match the shader's?)");
+      if (b.size < p.pointee_size)
+        throw error(what + " is a reference to " + std::to_string(p.pointee_size) + " bytes, but the buffer has " +
+                    std::to_string(b.size));
+    }
+  }
+
+  std::lock_guard<std::mutex> serial(g_dispatch_mutex);
+
+  // ---- place the buffers
+  std::vector<Bound>& bound = ds.bound;
+  for (size_t i = 0; i < dp.buffers.size(); ++i) {
+    const Binding& b = dp.buffers[i];
+    if (b.kind == Binding::Kind::kNone) continue;
+    Bound x;
+    x.index = static_cast<int>(i);
+    x.size = b.size;
+    x.from_bytes = b.kind == Binding::Kind::kBytes;
+    x.begin = x.from_bytes ? const_cast<char*>(reinterpret_cast<const char*>(b.bytes.data()))
+                           : static_cast<char*>(b.data);
+    x.name = kernel_param_name(k, MX_PARAM_BUFFER, static_cast<uint32_t>(i));
+    bound.push_back(x);
+  }
+  SlotRegion& region = slot_region();
+  ds.isolated = dp.isolate && region.base;
+  // Isolated: buffers whose memory overlaps share one copy (a kernel may read
+  // and write the same tensor through two arguments).
+  struct Copy {
+    char* host;
+    uint64_t size;
+    char* at;
+    std::vector<int> members;
+  };
+  std::vector<Copy> copies;
+  if (ds.isolated) {
+    std::vector<int> order(bound.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return bound[a].begin < bound[b].begin; });
+    for (int m : order) {
+      Bound& b = bound[m];
+      if (!copies.empty() && !b.from_bytes && b.begin < copies.back().host + copies.back().size &&
+          !bound[copies.back().members[0]].from_bytes) {
+        Copy& c = copies.back();
+        c.size = std::max<uint64_t>(c.size, b.begin + b.size - c.host);
+        c.members.push_back(m);
+      } else {
+        copies.push_back({b.begin, b.size, nullptr, {m}});
+      }
+    }
+    ds.slot_members.assign(copies.size(), {});
+    size_t page = page_size();
+    for (size_t s = 0; s < copies.size(); ++s) {
+      Copy& c = copies[s];
+      if (c.size > kSlotMid) throw error("a buffer of " + std::to_string(c.size) + " bytes is too large to isolate");
+      char* slot = region.base + (uint64_t(s) << kSlotShift) + kSlotMid;
+      // Keep the address's alignment within a page, so that misaligned data
+      // stays misaligned.
+      c.at = slot + (reinterpret_cast<uintptr_t>(c.host) & (page - 1));
+      uint64_t len = (c.at - slot) + c.size;
+      len = (len + page - 1) / page * page;
+      if (len && mprotect(slot, len, PROT_READ | PROT_WRITE) != 0)
+        throw std::runtime_error("CPU Metal executor: cannot map a buffer copy");
+      if (c.size) std::memcpy(c.at, c.host, c.size);
+      for (int m : c.members) {
+        bound[m].begin = c.at + (bound[m].begin - c.host);
+        ds.slot_members[s].push_back(m);
+      }
+    }
+  }
+  for (const Bound& b : bound) ds.buffer_table[b.index] = b.begin;
+
+  // ---- run
+  unsigned want = static_cast<unsigned>(std::min<uint64_t>(ds.group_count, Pool::get().size()));
+  Pool::get().run([&] { this_worker().run(&ds); }, want);
+
+  // ---- copy back and release
+  if (ds.isolated) {
+    size_t page = page_size();
+    for (size_t s = 0; s < copies.size(); ++s) {
+      Copy& c = copies[s];
+      bool written = false;
+      for (int m : c.members) written |= ds.totals.written[bound[m].index] > 0;
+      if (written && !bound[c.members[0]].from_bytes && c.size) std::memcpy(c.host, c.at, c.size);
+      char* slot = region.base + (uint64_t(s) << kSlotShift) + kSlotMid;
+      uint64_t len = ((c.at - slot) + c.size + page - 1) / page * page;
+      if (len) mmap(slot, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    }
+  }
+
+  if (ds.error != ErrorKind::kNone) {
+    switch (ds.error) {
+      case ErrorKind::kBounds: throw OutOfBoundsError(ds.message);
+      case ErrorKind::kAlign: throw MisalignedAccessError(ds.message);
+      case ErrorKind::kDivergence: throw BarrierDivergenceError(ds.message);
+      case ErrorKind::kRace: throw RaceError(ds.message);
+      default: throw KernelError(ds.message);
+    }
+  }
+
+  Stats st;
+  st.kernel = name;
+  st.threadgroups = ds.groups;
+  st.threads_per_threadgroup = ds.tpt;
+  st.threads = ds.totals.threads;
+  st.barriers = ds.totals.barriers;
+  st.simdgroup_barriers = ds.totals.simd_barriers;
+  st.simd_operations = ds.totals.simd_ops;
+  st.threadgroup_bytes_read = ds.totals.tg_read;
+  st.threadgroup_bytes_written = ds.totals.tg_written;
+  size_t n = dp.buffers.size();
+  st.bytes_read.assign(n, 0);
+  st.bytes_written.assign(n, 0);
+  st.read_widths.assign(n, {});
+  st.write_widths.assign(n, {});
+  for (size_t i = 0; i < n; ++i) {
+    st.bytes_read[i] = ds.totals.read[i];
+    st.bytes_written[i] = ds.totals.written[i];
+    for (int w = 0; w < 8; ++w) {
+      if (ds.totals.read_width[i][w]) st.read_widths[i][1u << w] = ds.totals.read_width[i][w];
+      if (ds.totals.write_width[i][w]) st.write_widths[i][1u << w] = ds.totals.write_width[i][w];
+    }
+  }
+  {
+    std::lock_guard<std::mutex> g(g_record_mutex);
+    for (auto& r : g_recorders) r->dispatches.push_back(st);
+  }
+  return st;
+}
+
+void start_recording(const std::shared_ptr<Recorder>& r) {
+  std::lock_guard<std::mutex> g(g_record_mutex);
+  g_recorders.push_back(r);
+}
+
+void stop_recording(const std::shared_ptr<Recorder>& r) {
+  std::lock_guard<std::mutex> g(g_record_mutex);
+  g_recorders.erase(std::remove(g_recorders.begin(), g_recorders.end(), r), g_recorders.end());
+}
+
+unsigned worker_count() { return Pool::get().size(); }
+
+}  // namespace cpu_metal

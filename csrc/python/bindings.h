@@ -1,0 +1,6 @@
+#pragma once
+#include <pybind11/pybind11.h>
+
+namespace mps_ext {
+void bind_executor(pybind11::module_& m);
+}

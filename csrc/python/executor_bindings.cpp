@@ -1,0 +1,131 @@
+// Python binding of the CPU Metal executor's engine (mps_ext._C). The
+// Python-facing API lives in mps_ext/cpu_metal/__init__.py; this file only
+// converts arguments and results.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "cpu_metal/engine.h"
+#include "python/bindings.h"
+
+namespace py = pybind11;
+
+namespace mps_ext {
+namespace {
+
+cpu_metal::Size3 size3(const std::vector<uint64_t>& v, const char* what) {
+  if (v.empty() || v.size() > 3) throw py::value_error(std::string(what) + " must have 1 to 3 dimensions");
+  cpu_metal::Size3 s{1, 1, 1};
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (v[i] > 0xffffffffull) throw py::value_error(std::string(what) + " is larger than 2^32 - 1");
+    s[i] = static_cast<uint32_t>(v[i]);
+  }
+  return s;
+}
+
+py::dict stats_to_dict(const cpu_metal::Stats& s) {
+  py::dict d;
+  d["kernel"] = s.kernel;
+  d["threadgroups"] = py::make_tuple(s.threadgroups[0], s.threadgroups[1], s.threadgroups[2]);
+  d["threads_per_threadgroup"] =
+      py::make_tuple(s.threads_per_threadgroup[0], s.threads_per_threadgroup[1], s.threads_per_threadgroup[2]);
+  d["threads"] = s.threads;
+  d["barriers"] = s.barriers;
+  d["simdgroup_barriers"] = s.simdgroup_barriers;
+  d["simd_operations"] = s.simd_operations;
+  d["bytes_read"] = s.bytes_read;
+  d["bytes_written"] = s.bytes_written;
+  d["read_widths"] = s.read_widths;
+  d["write_widths"] = s.write_widths;
+  d["threadgroup_bytes_read"] = s.threadgroup_bytes_read;
+  d["threadgroup_bytes_written"] = s.threadgroup_bytes_written;
+  return d;
+}
+
+}  // namespace
+
+void bind_executor(py::module_& m) {
+  using cpu_metal::Library;
+  auto kernel_error = py::register_exception<cpu_metal::KernelError>(m, "KernelError", PyExc_RuntimeError);
+  py::register_exception<cpu_metal::OutOfBoundsError>(m, "OutOfBoundsError", kernel_error.ptr());
+  py::register_exception<cpu_metal::MisalignedAccessError>(m, "MisalignedAccessError", kernel_error.ptr());
+  py::register_exception<cpu_metal::BarrierDivergenceError>(m, "BarrierDivergenceError", kernel_error.ptr());
+  py::register_exception<cpu_metal::RaceError>(m, "RaceError", kernel_error.ptr());
+  py::register_exception<cpu_metal::DispatchError>(m, "DispatchError", PyExc_ValueError);
+
+  py::class_<Library, std::shared_ptr<Library>>(m, "ExecutorLibrary")
+      .def_static("load", &Library::load, py::arg("path"))
+      .def_property_readonly("function_names", &Library::function_names)
+      .def_property_readonly("path", &Library::path)
+      .def(
+          "kernel_params",
+          [](const Library& lib, const std::string& name) {
+            const mx_kernel& k = lib.kernel(name);
+            py::list out;
+            for (uint32_t i = 0; i < k.param_count; ++i) {
+              const mx_param& p = k.params[i];
+              py::dict d;
+              d["name"] = p.name;
+              d["kind"] = p.kind == MX_PARAM_BUFFER ? "buffer" : p.kind == MX_PARAM_THREADGROUP ? "threadgroup" : "builtin";
+              d["index"] = p.index;
+              d["address_space"] = p.address_space;
+              d["reference"] = bool(p.flags & MX_PARAM_REFERENCE);
+              d["readonly"] = bool(p.flags & MX_PARAM_READONLY);
+              d["pointee_size"] = p.pointee_size;
+              out.append(d);
+            }
+            return out;
+          },
+          py::arg("name"))
+      .def(
+          "dispatch",
+          [](const Library& lib, const std::string& name, const py::list& buffers, std::vector<uint64_t> threadgroups,
+             std::vector<uint64_t> threads, std::vector<uint64_t> threads_per_threadgroup,
+             std::vector<uint64_t> threadgroup_memory, uint64_t seed, bool isolate) {
+            cpu_metal::Dispatch d;
+            // Each entry: None, ("memory", address, size) or ("bytes", bytes).
+            for (const py::handle& h : buffers) {
+              if (h.is_none()) {
+                d.buffers.emplace_back();
+                continue;
+              }
+              py::tuple t = py::reinterpret_borrow<py::tuple>(h);
+              std::string kind = t[0].cast<std::string>();
+              if (kind == "memory") {
+                d.buffers.push_back(cpu_metal::Binding::memory(reinterpret_cast<void*>(t[1].cast<uintptr_t>()),
+                                                               t[2].cast<uint64_t>()));
+              } else {
+                std::string b = t[1].cast<py::bytes>();
+                d.buffers.push_back(cpu_metal::Binding::constant_bytes(b.data(), b.size()));
+              }
+            }
+            d.use_threads = !threads.empty();
+            if (d.use_threads) d.threads = size3(threads, "threads");
+            else d.threadgroups = size3(threadgroups, "threadgroups");
+            d.threads_per_threadgroup = size3(threads_per_threadgroup, "threads_per_threadgroup");
+            d.threadgroup_memory = threadgroup_memory;
+            d.seed = seed;
+            d.isolate = isolate;
+            cpu_metal::Stats s;
+            {
+              py::gil_scoped_release nogil;
+              s = lib.dispatch(name, d);
+            }
+            return stats_to_dict(s);
+          },
+          py::arg("name"), py::arg("buffers"), py::arg("threadgroups"), py::arg("threads"),
+          py::arg("threads_per_threadgroup"), py::arg("threadgroup_memory"), py::arg("seed"), py::arg("isolate"));
+
+  py::class_<cpu_metal::Recorder, std::shared_ptr<cpu_metal::Recorder>>(m, "ExecutorRecorder")
+      .def(py::init<>())
+      .def("start", [](const std::shared_ptr<cpu_metal::Recorder>& r) { cpu_metal::start_recording(r); })
+      .def("stop", [](const std::shared_ptr<cpu_metal::Recorder>& r) { cpu_metal::stop_recording(r); })
+      .def("take", [](cpu_metal::Recorder& r) {
+        py::list out;
+        for (const auto& s : r.dispatches) out.append(stats_to_dict(s));
+        r.dispatches.clear();
+        return out;
+      });
+  m.def("executor_worker_count", &cpu_metal::worker_count);
+}
+
+}  // namespace mps_ext

@@ -1,0 +1,11 @@
+// mps_ext._C: the native extension. Ops register themselves with torch's
+// dispatcher from their own files (TORCH_LIBRARY); this file adds the Python
+// functions of the package.
+#include <torch/extension.h>
+
+#include "python/bindings.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "mps_ext native extension";
+  mps_ext::bind_executor(m);
+}

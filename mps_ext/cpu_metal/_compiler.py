@@ -1,0 +1,291 @@
+"""Build a host shared library from Metal Shading Language source.
+
+Pipeline (every step by the same clang, Debian's clang-19 or Apple's):
+  1. preprocess the shader, with stand-in <metal_*> headers that are empty,
+     so that only the shader's own text comes out (line markers kept);
+  2. translate it to C++ (_translate.py) and generate the kernel entry points;
+  3. compile that once with Metal's address spaces as clang address spaces,
+     syntax only, so that mixing them fails as on a Mac;
+  4. compile it with address spaces erased to LLVM IR (-O2, debug lines);
+  5. instrument every memory access (_instrument.py);
+  6. compile and link the IR into a shared object the engine loads.
+
+Results are cached by a hash of everything that goes into them, in
+$MPS_EXT_CACHE_DIR or ~/.cache/mps_ext/cpu_metal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from . import _instrument, _translate
+
+__all__ = ["CompileError", "Built", "build", "preprocess", "check_address_spaces", "find_clang", "cache_dir"]
+
+HERE = Path(__file__).resolve().parent
+INCLUDE = HERE / "include"
+SCAN_INCLUDE = INCLUDE / "scan"
+
+# What Metal's compiler predefines, as far as shaders look at it.
+METAL_MACROS = {"__METAL_VERSION__": "310", "__METAL_MACOS__": "1", "__HAVE_BFLOAT__": "1", "__METAL__": "1"}
+
+_LANGUAGE = ["-x", "c++", "-std=c++17", "-nostdinc", "-nostdinc++", "-fno-exceptions", "-fno-rtti"]
+# Metal rounds half and bfloat arithmetic to the type after every operation,
+# and the executor must not fuse a*b+c into an fma on one CPU but not another.
+_ARITHMETIC = [
+    "-Xclang", "-ffloat16-excess-precision=none",
+    "-Xclang", "-fbfloat16-excess-precision=none",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+]
+
+
+@dataclasses.dataclass
+class Diagnostic:
+    file: str
+    line: int
+    column: int
+    severity: str
+    message: str
+
+
+class CompileError(Exception):
+    """A shader failed to compile. `diagnostics` lists the compiler's
+    messages; the exception's text shows them as file:line:col lines of the
+    shader source."""
+
+    def __init__(self, message: str, diagnostics: list[Diagnostic] | None = None):
+        super().__init__(message)
+        self.diagnostics = diagnostics or []
+
+
+@dataclasses.dataclass
+class Built:
+    path: Path  # the shared object
+    kernels: list[dict]  # name, line and parameters of each kernel
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("MPS_EXT_CACHE_DIR")
+    return Path(d) if d else Path.home() / ".cache" / "mps_ext" / "cpu_metal"
+
+
+@functools.lru_cache(maxsize=None)
+def find_clang() -> str:
+    """The clang++ to use: $MPS_EXT_CLANG, clang++-19, or clang++."""
+    candidates = [os.environ.get("MPS_EXT_CLANG"), "clang++-19", "clang++"]
+    for c in candidates:
+        if c and shutil.which(c):
+            return shutil.which(c)
+    raise CompileError(
+        "the CPU Metal executor needs clang++ (Debian: apt-get install clang-19; "
+        "macOS: xcode-select --install), or set MPS_EXT_CLANG"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _clang_identity() -> str:
+    out = subprocess.run([find_clang(), "--version"], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+@functools.lru_cache(maxsize=None)
+def _supported_arithmetic_flags() -> tuple[str, ...]:
+    """The _ARITHMETIC flags this clang accepts (Apple's may lack some)."""
+    ok = []
+    pairs = [_ARITHMETIC[i : i + 2] for i in (0, 2)] + [[f] for f in _ARITHMETIC[4:]]
+    for flag in pairs:
+        r = subprocess.run(
+            [find_clang(), *_LANGUAGE, "-fsyntax-only", *flag, "-"],
+            input="", capture_output=True, text=True,
+        )
+        if r.returncode == 0:
+            ok += flag
+    return tuple(ok)
+
+
+def _run(cmd: list[str], stdin: str | None = None, what: str = "compile") -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, input=stdin, capture_output=True, text=True)
+    if r.returncode != 0:
+        diags = parse_diagnostics(r.stderr)
+        raise CompileError(format_diagnostics(diags) or r.stderr.strip() or f"{what} failed", diags)
+    return r
+
+
+_DIAG_RE = re.compile(r"^(.*?):(\d+):(\d+): (fatal error|error|warning|note): (.*)$")
+
+
+def parse_diagnostics(text: str) -> list[Diagnostic]:
+    diags = []
+    for line in text.splitlines():
+        m = _DIAG_RE.match(line)
+        if m:
+            diags.append(Diagnostic(m.group(1), int(m.group(2)), int(m.group(3)), m.group(4), m.group(5)))
+    return diags
+
+
+def format_diagnostics(diags: list[Diagnostic]) -> str:
+    return "\n".join(f"{d.file}:{d.line}:{d.column}: {d.severity}: {d.message}" for d in diags)
+
+
+def _define_flags(defines: dict | None) -> list[str]:
+    flags = [f"-D{k}={v}" for k, v in METAL_MACROS.items()]
+    for k, v in (defines or {}).items():
+        if not re.match(r"^[A-Za-z_][A-Za-z_0-9]*$", str(k)):
+            raise CompileError(f"define name {k!r} is not an identifier")
+        if isinstance(v, bool):
+            v = int(v)
+        flags.append(f"-D{k}={v}")
+    return flags
+
+
+def preprocess(source: str, filename: str, defines: dict | None, include_dirs=()) -> str:
+    """The shader's own text after the preprocessor, with line markers."""
+    cmd = [find_clang(), "-E", *_LANGUAGE, "-I", str(SCAN_INCLUDE)]
+    for d in include_dirs:
+        cmd += ["-I", str(d)]
+    cmd += [*_define_flags(defines), "-"]
+    text = f'#line 1 "{filename}"\n{source}'
+    return _run(cmd, text, "preprocessing").stdout
+
+
+def translation_unit(preprocessed: str) -> tuple[str, list[dict], list[str]]:
+    """The C++ translation unit, the kernels, and problems found on the way."""
+    tr = _translate.translate(preprocessed)
+    entry, entry_problems = _translate.entry_points(tr.kernels)
+    problems = [msg for _, msg in tr.problems] + [msg for _, msg in entry_problems]
+    tu = (
+        '#include "mx_metal.h"\n'
+        + tr.text
+        + '\n#line 1 "<executor entry points>"\n'
+        + entry
+    )
+    kernels = [
+        {
+            "name": k.host_name,
+            "line": k.line,
+            "params": [dataclasses.asdict(p) for p in k.params],
+        }
+        for k in tr.kernels
+    ]
+    return tu, kernels, problems
+
+
+# Copying a struct out of device or constant memory is legal Metal, but C++
+# has no implicit copy constructor from another address space. In the
+# address-space check such errors are dropped; the executable build has no
+# address spaces, so it copies as Metal does.
+_STRUCT_COPY_NOTES = (
+    re.compile(r"implicit (copy|move) (constructor|assignment operator)\) not viable: .*address space"),
+    re.compile(r"no known conversion from '__attribute__\(\(address_space\(\d\)\)\) (?:const )?(.+?)' to '(?:const )?\1"),
+)
+
+
+def _drop_struct_copies(stderr: str) -> list[Diagnostic]:
+    groups: list[list[Diagnostic]] = []
+    for d in parse_diagnostics(stderr):
+        if d.severity == "note" and groups:
+            groups[-1].append(d)
+        else:
+            groups.append([d])
+    kept = []
+    for g in groups:
+        head = g[0]
+        if head.severity in ("error", "fatal error") and any(
+            pat.search(n.message) for n in g[1:] for pat in _STRUCT_COPY_NOTES
+        ):
+            continue
+        kept.extend(g)
+    return kept
+
+
+def check_address_spaces(tu: str, workdir: Path) -> list[Diagnostic]:
+    """Errors of the translation unit compiled with real address spaces."""
+    path = workdir / "address_spaces.cpp"
+    path.write_text(tu)
+    cmd = [find_clang(), *_LANGUAGE, "-fsyntax-only", "-w", "-ferror-limit=0", "-fno-color-diagnostics",
+           "-fno-caret-diagnostics", "-DMX_ADDRESS_SPACES=1", "-I", str(INCLUDE), str(path)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode == 0:
+        return []
+    diags = [d for d in _drop_struct_copies(r.stderr)]
+    if not any(d.severity in ("error", "fatal error") for d in diags):
+        return []
+    return diags
+
+
+def _cache_key(source: str, filename: str, defines: dict | None, check: bool) -> str:
+    h = hashlib.sha256()
+    for part in (
+        _clang_identity(),
+        sys.platform,
+        json.dumps(sorted((str(k), str(v)) for k, v in (defines or {}).items())),
+        filename,
+        str(check),
+        source,
+    ):
+        h.update(part.encode())
+        h.update(b"\0")
+    # The executor's own code decides what comes out: fold it in.
+    for f in sorted(INCLUDE.glob("*.h")) + [HERE / "_translate.py", HERE / "_instrument.py", Path(__file__)]:
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def build(source: str, defines: dict | None = None, filename: str = "shader.metal",
+          check: bool = True) -> Built:
+    """Compile MSL source to a shared object (cached)."""
+    key = _cache_key(source, filename, defines, check)
+    final = cache_dir() / key[:2] / key
+    meta_path = final / "kernels.json"
+    if meta_path.exists():
+        return Built(final / "library.so", json.loads(meta_path.read_text()))
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="build-", dir=final.parent))
+    try:
+        pre = preprocess(source, filename, defines)
+        tu, kernels, problems = translation_unit(pre)
+        if problems:
+            raise CompileError("\n".join(problems))
+        if check:
+            diags = check_address_spaces(tu, work)
+            if diags:
+                raise CompileError(format_diagnostics(diags), diags)
+        cpp = work / "library.cpp"
+        cpp.write_text(tu)
+        ll = work / "library.ll"
+        clang = find_clang()
+        _run([clang, *_LANGUAGE, *_supported_arithmetic_flags(), "-O2", "-fno-vectorize", "-fno-slp-vectorize",
+              "-gline-tables-only", "-fPIC", "-w", "-fno-color-diagnostics", "-DMX_ADDRESS_SPACES=0",
+              "-I", str(INCLUDE), "-S", "-emit-llvm", "-o", str(ll), str(cpp)])
+        instrumented, _sites = _instrument.instrument(ll.read_text())
+        ill = work / "library.instrumented.ll"
+        ill.write_text(instrumented)
+        so = work / "library.so"
+        _run([clang, "-O2", "-fno-vectorize", "-fno-slp-vectorize", "-fPIC", "-shared", "-w",
+              "-x", "ir", str(ill), "-o", str(so), "-lm"], what="linking")
+        (work / "kernels.json").write_text(json.dumps(kernels))
+        try:
+            os.rename(work, final)
+        except OSError:
+            if not meta_path.exists():  # lost a race to a broken build
+                raise
+        return Built(final / "library.so", json.loads(meta_path.read_text()))
+    except _instrument.InstrumentError as e:
+        raise CompileError(f"{filename}: {e}") from None
+    except _translate.TranslateError as e:
+        raise CompileError(f"{filename}: {e}") from None
+    finally:
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)

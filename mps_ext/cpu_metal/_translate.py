@@ -1,0 +1,723 @@
+"""Metal Shading Language -> C++ for the CPU Metal executor.
+
+The input is the preprocessed shader (clang -E output, line markers kept). The
+rewrite is token based and keeps every newline where it was, so a compiler
+message about the rewritten text points at the right line of the shader.
+
+What changes, and why C++ needs it:
+- Metal attributes ([[buffer(0)]], [[host_name("x")]], [[kernel]], ...) are
+  recorded and removed; `kernel` is removed.
+- `threadgroup T x[N];` inside a function becomes a reference to storage the
+  engine hands out per threadgroup (a C++ local would be per thread).
+- `constant` at program scope becomes `const` (data, not an address space).
+- Vector constructors (`float4(a.xy, 0, 1)`) become `__mx_make<float4>(...)`;
+  `1.5h` becomes a _Float16 literal; an unsuffixed floating literal becomes a
+  float one, because Metal has no double.
+- Explicit instantiations (`template [[host_name("k_f32")]] kernel ...;`) are
+  removed and recorded: the generated entry point instantiates the template.
+
+Then `entry_points()` generates, per kernel, an extern "C" entry that unpacks
+an mx_thread_info into the kernel's parameters, and the table the engine reads
+(mx_abi.h).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+__all__ = ["TranslateError", "Kernel", "Param", "Translation", "translate", "entry_points", "VECTOR_TYPES"]
+
+
+class TranslateError(Exception):
+    """The shader uses something the executor cannot translate."""
+
+
+_SCALARS = ["float", "half", "bfloat", "int", "uint", "short", "ushort", "char", "uchar", "long", "ulong", "bool"]
+VECTOR_TYPES = frozenset(
+    [f"{s}{n}" for s in _SCALARS for n in (2, 3, 4)]
+    + [f"packed_{s}{n}" for s in _SCALARS if s != "bool" for n in (2, 3, 4)]
+)
+
+# Attributes C++ itself understands; everything else inside [[ ]] is Metal's.
+_STANDARD_ATTRIBUTES = {"maybe_unused", "likely", "unlikely", "nodiscard", "fallthrough", "noreturn", "deprecated"}
+
+# Builtin kernel parameters: attribute -> C++ value from `t` (mx_thread_info*).
+BUILTINS = {
+    "thread_position_in_grid": "t->thread_position_in_grid",
+    "thread_position_in_threadgroup": "t->thread_position_in_threadgroup",
+    "threadgroup_position_in_grid": "t->threadgroup_position_in_grid",
+    "threads_per_threadgroup": "t->threads_per_threadgroup",
+    "dispatch_threads_per_threadgroup": "t->dispatch_threads_per_threadgroup",
+    "threadgroups_per_grid": "t->threadgroups_per_grid",
+    "threads_per_grid": "t->threads_per_grid",
+    "thread_index_in_threadgroup": "t->thread_index_in_threadgroup",
+    "thread_index_in_simdgroup": "t->thread_index_in_simdgroup",
+    "simdgroup_index_in_threadgroup": "t->simdgroup_index_in_threadgroup",
+    "simdgroups_per_threadgroup": "t->simdgroups_per_threadgroup",
+    "dispatch_simdgroups_per_threadgroup": "t->simdgroups_per_threadgroup",
+    "threads_per_simdgroup": "32u",
+    "thread_execution_width": "32u",
+    "thread_index_in_quadgroup": "t->thread_index_in_threadgroup % 4u",
+    "quadgroup_index_in_threadgroup": "t->thread_index_in_threadgroup / 4u",
+}
+
+_TOKEN_RE = re.compile(
+    r"""
+    (?P<ws>[ \t\r\f\v]+|\n)
+  | (?P<directive>(?<![^\n])[ \t]*\#[^\n]*)
+  | (?P<comment>//[^\n]*|/\*.*?\*/)
+  | (?P<string>(?:u8|u|U|L)?"(?:\\.|[^"\\\n])*")
+  | (?P<char>(?:u8|u|U|L)?'(?:\\.|[^'\\\n])*')
+  | (?P<number>\.?[0-9](?:[eEpP][+-]|[0-9A-Za-z_.']|)*)
+  | (?P<ident>[A-Za-z_][A-Za-z_0-9]*)
+  | (?P<punct>::|->\*?|\.\.\.|<<=|>>=|<=>|[-+*/%&|^!=<>]=|&&|\|\||\+\+|--|<<|>>|\#\#|.)
+    """,
+    re.VERBOSE | re.DOTALL,
+)
+
+
+@dataclasses.dataclass
+class Tok:
+    kind: str
+    text: str
+    start: int
+    end: int
+
+
+def tokenize(text: str) -> list[Tok]:
+    toks = []
+    for m in _TOKEN_RE.finditer(text):
+        kind = m.lastgroup
+        if kind in ("ws", "comment", "directive"):
+            continue
+        toks.append(Tok(kind, m.group(), m.start(), m.end()))
+    return toks
+
+
+@dataclasses.dataclass
+class Param:
+    name: str
+    attribute: str  # e.g. "buffer", "threadgroup", "thread_position_in_grid"
+    argument: str  # the attribute's argument, a C++ expression ("" if none)
+    address_space: str  # "device", "constant", "threadgroup", "thread" or ""
+    is_reference: bool
+    line: int
+
+
+@dataclasses.dataclass
+class Kernel:
+    host_name: str
+    callee: str  # qualified C++ name to call, e.g. "ns::softmax<float>"
+    params: list[Param]
+    max_threads: str  # C++ expression, "0" if not given
+    line: int
+
+
+@dataclasses.dataclass
+class Translation:
+    text: str  # the rewritten shader
+    kernels: list[Kernel]
+    problems: list[tuple[int, str]]  # (line, message) the translator noticed
+
+
+@dataclasses.dataclass
+class _KernelDef:
+    name: str
+    namespace: tuple[str, ...]
+    is_template: bool
+    params: list[Param]
+    max_threads: str
+    line: int
+
+
+class _Translator:
+    def __init__(self, text: str):
+        self.text = text
+        self.toks = tokenize(text)
+        self.edits: list[tuple[int, int, str]] = []
+        self.kernel_defs: dict[tuple[tuple[str, ...], str], _KernelDef] = {}
+        self.kernels: list[Kernel] = []
+        self.problems: list[tuple[int, str]] = []
+        self.tg_counter = 0
+        self._line_cache = self._build_line_map()
+
+    # ----------------------------------------------------------- positions --
+    def _build_line_map(self):
+        """Presumed (file, line) at every offset, from the line markers."""
+        marks = []  # (offset of the line after the marker, file, line)
+        for m in re.finditer(r'(?m)^#\s*(?:line\s+)?(\d+)\s+"([^"]*)"[^\n]*\n', self.text):
+            marks.append((m.end(), m.group(2), int(m.group(1))))
+        return marks
+
+    def where(self, offset: int) -> tuple[str, int]:
+        file, line, base = "<shader>", 1, 0
+        for start, f, ln in self._line_cache:
+            if start > offset:
+                break
+            file, line, base = f, ln, start
+        return file, line + self.text.count("\n", base, offset)
+
+    def line(self, offset: int) -> int:
+        return self.where(offset)[1]
+
+    def problem(self, offset: int, message: str):
+        file, line = self.where(offset)
+        self.problems.append((line, f"{file}:{line}: {message}"))
+
+    # --------------------------------------------------------------- edits --
+    def blank(self, a: int, b: int):
+        """Replace toks[a:b] (token indices) with whitespace, keeping newlines."""
+        start, end = self.toks[a].start, self.toks[b - 1].end
+        self.edits.append((start, end, _whitespace_like(self.text[start:end])))
+
+    def replace(self, i: int, text: str):
+        self.edits.append((self.toks[i].start, self.toks[i].end, text))
+
+    def insert(self, offset: int, text: str):
+        self.edits.append((offset, offset, text))
+
+    def result(self) -> str:
+        out, pos = [], 0
+        for start, end, text in sorted(self.edits, key=lambda e: (e[0], e[1])):
+            if start < pos:
+                raise TranslateError(f"internal error: overlapping rewrites at offset {start}")
+            out.append(self.text[pos:start])
+            out.append(text)
+            pos = end
+        out.append(self.text[pos:])
+        return "".join(out)
+
+    # ------------------------------------------------------------- helpers --
+    def t(self, i: int) -> str:
+        return self.toks[i].text if 0 <= i < len(self.toks) else ""
+
+    def match(self, i: int, open_: str, close: str) -> int:
+        """Index of the token closing the bracket opened at i."""
+        depth = 0
+        for j in range(i, len(self.toks)):
+            s = self.toks[j].text
+            if s == open_:
+                depth += 1
+            elif s == close:
+                depth -= 1
+                if depth == 0:
+                    return j
+            elif open_ == "<" and s == ">>":
+                depth -= 2
+                if depth <= 0:
+                    return j
+            elif open_ == "<" and s in (";", "{", "}"):
+                break
+        raise TranslateError(f"{self.where(self.toks[i].start)}: unbalanced '{open_}'")
+
+    def attribute_at(self, i: int):
+        """If toks[i:] starts `[[ ... ]]`, return (end index, [(name, arg)])."""
+        if self.t(i) != "[" or self.t(i + 1) != "[":
+            return None
+        depth, j = 0, i
+        while j < len(self.toks):
+            s = self.t(j)
+            if s == "[":
+                depth += 1
+            elif s == "]":
+                depth -= 1
+                if depth == 0:
+                    break
+            j += 1
+        if self.t(j - 1) != "]":
+            return None
+        items, k = [], i + 2
+        while k < j - 1:
+            if self.toks[k].kind != "ident":
+                k += 1
+                continue
+            name = self.t(k)
+            k += 1
+            while self.t(k) == "::":
+                name += "::" + self.t(k + 1)
+                k += 2
+            arg = ""
+            if self.t(k) == "(":
+                close = self.match(k, "(", ")")
+                arg = self.text[self.toks[k].end : self.toks[close].start].strip()
+                k = close + 1
+            items.append((name, arg))
+            while k < j - 1 and self.t(k) != ",":
+                k += 1
+            k += 1
+        return j + 1, items
+
+    # ---------------------------------------------------------------- walk --
+    def run(self) -> Translation:
+        toks = self.toks
+        # Scopes: ("ns", name) for namespaces and extern "C" blocks,
+        # ("class",), ("func",), ("init",) for braced initialisers.
+        scopes: list[tuple] = [("ns", None)]
+        stmt_start = 0  # token index where the current statement began
+        stmt_attrs: list[tuple[str, str]] = []
+        stmt_kernel = False
+        parens = 0  # parenthesis depth at namespace or class scope
+        i = 0
+        while i < len(toks):
+            tok = toks[i]
+            scope = scopes[-1][0]
+            s = tok.text
+
+            attr = self.attribute_at(i)
+            if attr:
+                end, items = attr
+                names = {n for n, _ in items}
+                if not names <= _STANDARD_ATTRIBUTES:
+                    self.blank(i, end)
+                if scope in ("ns", "class") and parens == 0:
+                    stmt_attrs.extend(items)
+                    stmt_kernel = stmt_kernel or "kernel" in names
+                i = end
+                continue
+
+            if tok.kind == "number":
+                self._rewrite_number(i)
+            elif tok.kind == "ident" and self._rewrite_vector_constructor(i):
+                i += 1
+                continue
+
+            if scope in ("ns", "class"):
+                if s == "(":
+                    parens += 1
+                elif s == ")":
+                    parens -= 1
+                elif parens > 0:
+                    pass  # a parameter list: address spaces stay what they are
+                elif s == "template" and self.t(i + 1) != "<" and scope == "ns":
+                    i = self._explicit_instantiation(i, scopes)
+                    stmt_start, stmt_attrs, stmt_kernel = i, [], False
+                    continue
+                elif s in ("kernel", "vertex", "fragment") and scope == "ns" and self.t(i + 1) not in ("(", "=", ";", ","):
+                    if s != "kernel":
+                        self.problem(tok.start, f"{s} functions are not supported by the CPU Metal executor")
+                    self.blank(i, i + 1)
+                    stmt_kernel = stmt_kernel or s == "kernel"
+                elif s == "constant":
+                    self.replace(i, "const   ")  # program-scope data, not an address space
+                elif s == ";":
+                    stmt_start, stmt_attrs, stmt_kernel = i + 1, [], False
+                elif s == "}":
+                    scopes.pop()
+                    if not scopes:
+                        raise TranslateError("unbalanced '}'")
+                    stmt_start, stmt_attrs, stmt_kernel = i + 1, [], False
+                elif s == "{":
+                    kind = self._classify_brace(stmt_start, i)
+                    if kind == "func" and stmt_kernel:
+                        self._kernel_definition(stmt_start, i, scopes, stmt_attrs)
+                    name = self._namespace_name(stmt_start, i) if kind == "ns" else None
+                    scopes.append((kind, name))
+                    stmt_start, stmt_attrs, stmt_kernel = i + 1, [], False
+                i += 1
+                continue
+
+            # Inside a function body or an initialiser.
+            if s == "{":
+                scopes.append((scope,))
+            elif s == "}":
+                scopes.pop()
+                if scopes[-1][0] in ("ns", "class"):
+                    stmt_start, stmt_attrs, stmt_kernel = i + 1, [], False
+            elif s == "threadgroup" and scope == "func" and self.t(i - 1) in (";", "{", "}"):
+                nxt = self._threadgroup_declaration(i)
+                if nxt is not None:
+                    i = nxt
+                    continue
+            i += 1
+        return Translation(self.result(), self.kernels, self.problems)
+
+    def _classify_brace(self, start: int, i: int) -> str:
+        words = [t.text for t in self.toks[start:i]]
+        if not words:
+            return "init"
+        if words[0] == "namespace" or (words[0] == "extern" and len(words) == 2 and words[1].startswith('"')):
+            return "ns"
+        if words[0] == "inline" and len(words) > 1 and words[1] == "namespace":
+            return "ns"
+        depth = 0
+        saw_paren = saw_eq = False
+        for w in words:
+            if w == "(":
+                if depth == 0:
+                    saw_paren = True
+                depth += 1
+            elif w == ")":
+                depth -= 1
+            elif w == "=" and depth == 0:
+                saw_eq = True
+            elif w in ("struct", "class", "union", "enum") and depth == 0 and not saw_paren:
+                return "class" if w != "enum" else "init"
+        if saw_eq:
+            return "init"
+        return "func" if saw_paren else "init"
+
+    def _namespace_name(self, start: int, i: int):
+        words = [t.text for t in self.toks[start:i]]
+        if words and words[0] in ("namespace", "inline"):
+            names = [w for w in words if w not in ("namespace", "inline")]
+            return "::".join(n for n in names if n != "::") or ""  # "" = anonymous
+        return None
+
+    # -------------------------------------------------------- local rewrites --
+    def _rewrite_number(self, i: int):
+        s = self.t(i)
+        low = s.lower()
+        if low.startswith("0x"):
+            is_float = "p" in low
+            body = low
+        else:
+            is_float = "." in s or "e" in low
+            body = low
+        if not is_float:
+            return
+        if body.endswith("h"):
+            self.replace(i, s[:-1] + "f16")
+        elif body.endswith("bf"):
+            self.replace(i, f"((bfloat){s[:-2]}f)")
+        elif not body.endswith("f"):
+            self.replace(i, s + "f")
+
+    def _rewrite_vector_constructor(self, i: int) -> bool:
+        s, prev = self.t(i), self.t(i - 1)
+        if prev in ("operator", ".", "->", "struct", "class", "typedef"):
+            return False
+        if s in VECTOR_TYPES and self.t(i + 1) == "(":
+            self.replace(i, f"__mx_make<{s}>")
+            return True
+        if s == "vec" and self.t(i + 1) == "<":
+            close = self.match(i + 1, "<", ">")
+            if self.t(close + 1) == "(" and self.t(close) == ">":
+                self.insert(self.toks[i].start, "__mx_make<")
+                self.insert(self.toks[close].end, ">")
+            return False
+        if s == "static_cast" and self.t(i + 1) == "<" and self.t(i + 3) == ">" and self.t(i + 2) in VECTOR_TYPES:
+            self.blank(i, i + 4)
+            self.insert(self.toks[i].start, f"__mx_make<{self.t(i + 2)}>")
+            return False
+        return False
+
+    # ------------------------------------------------- threadgroup variables --
+    def _threadgroup_declaration(self, i: int):
+        """`threadgroup T a[N], b;` in a function -> references to engine storage."""
+        j, depth = i + 1, 0
+        while j < len(self.toks) and not (self.t(j) == ";" and depth == 0):
+            s = self.t(j)
+            if s in ("(", "[", "{", "<"):
+                depth += 1
+            elif s in (")", "]", "}", ">"):
+                depth -= 1
+            elif s == ">>":
+                depth -= 2
+            elif depth == 0 and s in ("*", "&", "&&"):
+                return None  # a pointer or reference into threadgroup memory
+            elif depth == 0 and s == "=":
+                self.problem(self.toks[i].start, "a threadgroup variable cannot have an initializer")
+                return None
+            j += 1
+        # Split declarators at top-level commas.
+        parts, cur, depth = [], [], 0
+        for k in range(i + 1, j):
+            s = self.t(k)
+            if s in ("(", "[", "{", "<"):
+                depth += 1
+            elif s in (")", "]", "}", ">"):
+                depth -= 1
+            elif s == ">>":
+                depth -= 2
+            if s == "," and depth == 0:
+                parts.append(cur)
+                cur = []
+            else:
+                cur.append(k)
+        parts.append(cur)
+        first = parts[0]
+        # The first declarator's name: the last identifier at depth 0 before any '['.
+        depth, name_at = 0, None
+        for k in first:
+            s = self.t(k)
+            if s in ("<", "("):
+                depth += 1
+            elif s in (">", ")"):
+                depth -= 1
+            elif s == ">>":
+                depth -= 2
+            elif s == "[" and depth == 0:
+                break
+            elif depth == 0 and self.toks[k].kind == "ident":
+                name_at = k
+        if name_at is None or name_at == first[0]:
+            self.problem(self.toks[i].start, "cannot parse this threadgroup declaration")
+            return None
+        type_text = self.text[self.toks[first[0]].start : self.toks[name_at - 1].end]
+        declarators = [(name_at, first[first.index(name_at) :])] + [(p[0], p) for p in parts[1:]]
+        pieces = []
+        for name_tok, toks in declarators:
+            name = self.t(name_tok)
+            dims = "".join(self.t(k) for k in toks[1:])
+            self.tg_counter += 1
+            key = f"__mx_tg_key_{self.tg_counter}"
+            pieces.append(
+                f"static const char {key} = 0; "
+                f"threadgroup {type_text} (&{name}){dims} = "
+                f"*(threadgroup {type_text} (*){dims})__mx_threadgroup_variable("
+                f"&{key}, sizeof({type_text}{dims}), alignof({type_text}{dims}));"
+            )
+        start, end = self.toks[i].start, self.toks[j].end
+        newlines = self.text.count("\n", start, end)
+        self.edits.append((start, end, " ".join(pieces) + "\n" * newlines))
+        return j + 1
+
+    # ----------------------------------------------------------- kernels --
+    def _split_params(self, a: int, b: int) -> list[list[int]]:
+        parts, cur, depth = [], [], 0
+        for k in range(a, b):
+            s = self.t(k)
+            if s in ("(", "[", "{", "<"):
+                depth += 1
+            elif s in (")", "]", "}", ">"):
+                depth -= 1
+            elif s == ">>":
+                depth -= 2
+            if s == "," and depth == 0:
+                parts.append(cur)
+                cur = []
+            else:
+                cur.append(k)
+        if cur:
+            parts.append(cur)
+        return parts
+
+    def _kernel_definition(self, start: int, brace: int, scopes, attrs):
+        k = start
+        is_template = False
+        if self.t(k) == "template":
+            is_template = True
+            k = self.match(k + 1, "<", ">") + 1
+        # The kernel's name is the identifier before the first '(' at depth 0
+        # that is not part of an __attribute__((...)).
+        j = k
+        while j < brace:
+            if self.t(j) == "__attribute__":
+                j = self.match(j + 1, "(", ")") + 1
+                continue
+            if self.t(j) == "(":
+                break
+            j += 1
+        if j >= brace or self.toks[j - 1].kind != "ident":
+            self.problem(self.toks[start].start, "cannot find this kernel's name")
+            return
+        name = self.t(j - 1)
+        close = self.match(j, "(", ")")
+        params = []
+        for ptoks in self._split_params(j + 1, close):
+            params.append(self._param(ptoks, name))
+        namespace = tuple(n for kind, n in scopes if kind == "ns" and n)
+        max_threads = "0"
+        for aname, arg in attrs:
+            if aname == "max_total_threads_per_threadgroup":
+                max_threads = arg
+        line = self.line(self.toks[start].start)
+        key = (namespace, name)
+        if key in self.kernel_defs:
+            self.problem(self.toks[start].start, f"kernel '{name}' is defined twice")
+        kdef = _KernelDef(name, namespace, is_template, params, max_threads, line)
+        self.kernel_defs[key] = kdef
+        if not is_template:
+            self.kernels.append(Kernel(name, "::".join(namespace + (name,)), params, max_threads, line))
+
+    def _param(self, ptoks: list[int], kernel: str) -> Param:
+        attr_name, attr_arg, plain = "", "", []
+        k = 0
+        while k < len(ptoks):
+            a = self.attribute_at(ptoks[k])
+            if a:
+                end, items = a
+                for n, arg in items:
+                    if n not in _STANDARD_ATTRIBUTES:
+                        attr_name, attr_arg = n, arg
+                while k < len(ptoks) and ptoks[k] < end:
+                    k += 1
+                continue
+            plain.append(ptoks[k])
+            k += 1
+        words = [self.t(k) for k in plain]
+        idents = [k for k in plain if self.toks[k].kind == "ident"]
+        name = self.t(idents[-1]) if idents else "?"
+        space = next((w for w in words if w in ("device", "constant", "threadgroup", "thread")), "")
+        line = self.line(self.toks[ptoks[0]].start) if ptoks else 0
+        return Param(name, attr_name, attr_arg, space, "&" in words, line)
+
+    def _explicit_instantiation(self, i: int, scopes) -> int:
+        j = i
+        depth = 0
+        while j < len(self.toks) and not (self.t(j) == ";" and depth == 0):
+            s = self.t(j)
+            if s in ("(", "{"):
+                depth += 1
+            elif s in (")", "}"):
+                depth -= 1
+            j += 1
+        host_name = None
+        for k in range(i, j):
+            a = self.attribute_at(k)
+            if a:
+                for n, arg in a[1]:
+                    if n == "host_name":
+                        host_name = arg.strip().strip('"')
+        # The template-id: last `name<...>` at depth 0 followed by '(' or ';'.
+        callee, depth, k = None, 0, i + 1
+        while k < j:
+            s = self.t(k)
+            if s == "(":
+                depth += 1
+            elif s == ")":
+                depth -= 1
+            elif depth == 0 and self.toks[k].kind == "ident" and self.t(k + 1) == "<" and s != "template":
+                close = self.match(k + 1, "<", ">")
+                if self.t(close + 1) in ("(", ";"):
+                    qual_start = k
+                    while self.t(qual_start - 1) == "::" and self.toks[qual_start - 2].kind == "ident":
+                        qual_start -= 2
+                    callee = (qual_start, k, close)
+                k = close
+            k += 1
+        self.blank(i, j + 1)
+        if host_name is None:
+            return j + 1  # an ordinary explicit instantiation of a helper
+        if callee is None:
+            self.problem(self.toks[i].start, f"cannot find the template instantiated as '{host_name}'")
+            return j + 1
+        qual_start, name_at, close = callee
+        name = self.t(name_at)
+        qualifier = self.text[self.toks[qual_start].start : self.toks[name_at].start].replace(" ", "")
+        template_args = self.text[self.toks[name_at + 1].start : self.toks[close].end]
+        namespace = tuple(n for kind, n in scopes if kind == "ns" and n)
+        lookup = namespace + tuple(q for q in qualifier.split("::") if q)
+        kdef = self.kernel_defs.get((lookup, name)) or self.kernel_defs.get((namespace, name))
+        if kdef is None:
+            kdef = next((d for (ns, n), d in self.kernel_defs.items() if n == name), None)
+        if kdef is None:
+            self.problem(self.toks[i].start, f"'{host_name}' instantiates '{name}', which is not a kernel defined before it")
+            return j + 1
+        callee_text = "::".join(kdef.namespace + (name,)) + template_args
+        self.kernels.append(Kernel(host_name, callee_text, kdef.params, kdef.max_threads, self.line(self.toks[i].start)))
+        return j + 1
+
+
+def _whitespace_like(s: str) -> str:
+    return "".join(c if c == "\n" else " " for c in s)
+
+
+def translate(preprocessed: str) -> Translation:
+    """Rewrite preprocessed MSL into C++ and find its kernels."""
+    tr = _Translator(preprocessed)
+    translation = tr.run()
+    names = [k.host_name for k in translation.kernels]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        translation.problems.append((0, f"kernel names used twice: {', '.join(sorted(dup))}"))
+    return translation
+
+
+def entry_points(kernels: list[Kernel]) -> tuple[str, list[tuple[int, str]]]:
+    """C++ for the entry points and the kernel table of mx_abi.h.
+
+    Returns the code and a list of problems (kernel parameters the executor
+    cannot bind).
+    """
+    problems = []
+    out = [
+        "namespace __mx_gen {",
+        "template <class F> struct fn;",
+        "template <class R, class... A> struct fn<R (*)(A...)> {",
+        "  template <int I> using arg = __type_pack_element<I, A...>;",
+        "};",
+        "template <class F, int I> using arg_t = typename fn<F>::template arg<I>;",
+        "template <class P> inline P buffer_arg(void* p) {",
+        "  if constexpr (__is_reference(P)) return *(typename __mx::remove_ref<P>::type*)p;",
+        "  else return (P)p;",
+        "}",
+        "template <class P> inline P builtin_arg(mx_uint3 v) {",
+        "  typedef typename __mx::remove_cv<P>::type T;",
+        "  typedef typename __mx::vt<T>::elem E;",
+        "  if constexpr (__mx::vt<T>::n == 1) return (T)v.x;",
+        "  else if constexpr (__mx::vt<T>::n == 2) return T{(E)v.x, (E)v.y};",
+        "  else return T{(E)v.x, (E)v.y, (E)v.z};",
+        "}",
+        "template <class P> inline P builtin_arg(mx_u32 v) { return (P)v; }",
+        "template <class T> constexpr mx_u64 size_of() { if constexpr (__is_void(T)) return 1; else return sizeof(T); }",
+        "template <class P> constexpr mx_u64 pointee_size() {",
+        "  if constexpr (__is_reference(P)) return size_of<typename __mx::remove_ref<P>::type>();",
+        "  else return size_of<typename __mx::remove_ptr<P>::type>();",
+        "}",
+        "template <class P> constexpr bool pointee_const() {",
+        "  typedef typename __mx::remove_ptr<typename __mx::remove_ref<P>::type>::type T;",
+        "  return __is_const(T);",
+        "}",
+        "template <class P> constexpr mx_u32 param_flags(bool constant_space) {",
+        "  return (__is_reference(P) ? MX_PARAM_REFERENCE : 0u) |",
+        "         ((constant_space || pointee_const<P>()) ? MX_PARAM_READONLY : 0u);",
+        "}",
+        "}  // namespace __mx_gen",
+        "",
+    ]
+    spaces = {"device": "MX_AS_DEVICE", "constant": "MX_AS_CONSTANT", "threadgroup": "MX_AS_THREADGROUP"}
+    table = []
+    for n, k in enumerate(kernels):
+        f = f"decltype(&{k.callee})"
+        args, descs = [], []
+        for i, p in enumerate(k.params):
+            pt = f"__mx_gen::arg_t<{f}, {i}>"
+            where = f"kernel '{k.host_name}' parameter '{p.name}' (line {p.line})"
+            if p.attribute == "buffer":
+                args.append(f"__mx_gen::buffer_arg<{pt}>(t->buffers[{p.argument}])")
+                flags = f"__mx_gen::param_flags<{pt}>({'true' if p.address_space == 'constant' else 'false'})"
+                descs.append(
+                    f'{{"{p.name}", MX_PARAM_BUFFER, (mx_u32)({p.argument}), {spaces.get(p.address_space, "MX_AS_NONE")}, '
+                    f"{flags}, __mx_gen::pointee_size<{pt}>()}}"
+                )
+                if p.address_space not in ("device", "constant"):
+                    problems.append((p.line, f"{where}: a buffer parameter needs the device or constant address space"))
+            elif p.attribute == "threadgroup":
+                args.append(f"({pt})t->tg_buffers[{p.argument}]")
+                descs.append(
+                    f'{{"{p.name}", MX_PARAM_THREADGROUP, (mx_u32)({p.argument}), MX_AS_THREADGROUP, 0u, '
+                    f"__mx_gen::pointee_size<{pt}>()}}"
+                )
+                if p.address_space != "threadgroup":
+                    problems.append((p.line, f"{where}: a [[threadgroup]] parameter needs the threadgroup address space"))
+            elif p.attribute in BUILTINS:
+                args.append(f"__mx_gen::builtin_arg<{pt}>({BUILTINS[p.attribute]})")
+                descs.append(f'{{"{p.name}", MX_PARAM_BUILTIN, 0u, MX_AS_NONE, 0u, 0u}}')
+            elif not p.attribute:
+                problems.append((p.line, f"{where} has no attribute ([[buffer(i)]], [[threadgroup(i)]] or a builtin)"))
+            else:
+                problems.append((p.line, f"{where}: attribute [[{p.attribute}]] is not supported by the CPU Metal executor"))
+        out.append(f'extern "C" void __mx_entry_{n}(const mx_thread_info* t) {{')
+        out.append(f"  {k.callee}({', '.join(args)});")
+        out.append("}")
+        if descs:
+            out.append(f"static const mx_param __mx_params_{n}[] = {{{', '.join(descs)}}};")
+            params = f"__mx_params_{n}"
+        else:
+            params = "nullptr"
+        table.append(f'{{"{k.host_name}", &__mx_entry_{n}, {params}, {len(k.params)}u, (mx_u32)({k.max_threads})}}')
+    if table:
+        out.append("static const mx_kernel __mx_kernels[] = {" + ", ".join(table) + "};")
+        kernels_expr = "__mx_kernels"
+    else:
+        kernels_expr = "nullptr"
+    out += [
+        f'extern "C" const mx_kernel* mx_library_kernels(mx_u32* n) {{ *n = {len(table)}u; return {kernels_expr}; }}',
+        'extern "C" mx_u32 mx_library_abi(void) { return MX_ABI_VERSION; }',
+        'extern "C" { const mx_engine_api* __mx_api; }',
+        'extern "C" void mx_library_bind(const mx_engine_api* api) { __mx_api = api; }',
+        "",
+    ]
+    return "\n".join(out), problems

@@ -1,0 +1,135 @@
+// The interface between the CPU Metal executor's engine (csrc/cpu_metal, part
+// of the Python extension) and a shader library (a shared object built from MSL
+// by mps_ext/cpu_metal/_compiler.py).
+//
+// Included by both sides: by the engine as C++, and by every shader translation
+// unit, which is compiled freestanding (no system headers), hence the plain
+// integer typedefs. Bump MX_ABI_VERSION whenever a layout here changes; the
+// compiler folds this file into its cache key and the engine refuses a library
+// built against another version.
+#ifndef MX_ABI_H
+#define MX_ABI_H
+
+#define MX_ABI_VERSION 3u
+
+typedef unsigned int mx_u32;
+typedef unsigned long long mx_u64;
+typedef long long mx_i64;
+
+enum {
+  MX_MAX_BUFFERS = 31,     // Metal's buffer argument table has 31 entries
+  MX_MAX_TG_BUFFERS = 31,
+  MX_SIMD_WIDTH = 32,
+};
+
+// Flags of one instrumented memory access (__mx_access). The instrumenter
+// (_instrument.py) writes these bits; keep the two in step.
+enum {
+  MX_ACC_READ = 1u,
+  MX_ACC_WRITE = 2u,
+  MX_ACC_ATOMIC = 4u,
+  MX_ACC_ALIGN_SHIFT = 4,  // bits 4..7: log2 of the alignment the code assumed
+  MX_ACC_SITE_SHIFT = 8,   // bits 8..31: index into the library's site table
+};
+
+// Scopes of __mx_api->barrier.
+enum { MX_SCOPE_THREADGROUP = 0u, MX_SCOPE_SIMDGROUP = 1u };
+// Bits of the mem_flags argument of a barrier (values of metal::mem_flags).
+enum { MX_MEM_DEVICE = 1u, MX_MEM_THREADGROUP = 2u };
+
+// Flags of a simd operation.
+enum {
+  MX_SIMD_UNIFORM = 1u,  // every live lane of the simdgroup must take part
+                         // (simdgroup_matrix operations, simdgroup_barrier)
+};
+
+typedef struct mx_uint3 { mx_u32 x, y, z; } mx_uint3;
+
+// What one kernel invocation (one Metal thread) sees.
+typedef struct mx_thread_info {
+  void* const* buffers;     // [MX_MAX_BUFFERS] [[buffer(i)]] base addresses
+  void* const* tg_buffers;  // [MX_MAX_TG_BUFFERS] [[threadgroup(i)]] addresses
+  mx_uint3 thread_position_in_grid;
+  mx_uint3 thread_position_in_threadgroup;
+  mx_uint3 threadgroup_position_in_grid;
+  mx_uint3 threads_per_threadgroup;           // this threadgroup's actual size
+  mx_uint3 dispatch_threads_per_threadgroup;  // the size asked for at dispatch
+  mx_uint3 threadgroups_per_grid;
+  mx_uint3 threads_per_grid;
+  mx_u32 thread_index_in_threadgroup;
+  mx_u32 thread_index_in_simdgroup;
+  mx_u32 simdgroup_index_in_threadgroup;
+  mx_u32 simdgroups_per_threadgroup;
+} mx_thread_info;
+
+// One lane's part in a simd operation. `in` is null for a lane that is not
+// active in the operation (exited, or elsewhere in divergent code).
+typedef struct mx_simd_lane {
+  const void* in;
+  void* out;
+  mx_i64 arg;
+} mx_simd_lane;
+
+// Computes the results of one simd operation for a whole simdgroup at once:
+// reads lanes[i].in and writes lanes[i].out for every active lane i.
+// `lane_count` is the simdgroup's size (smaller for a partial last one).
+typedef void (*mx_simd_fn)(const mx_simd_lane* lanes, mx_u32 active_mask,
+                           mx_u32 lane_count);
+
+// Services of the engine, called by shader code. Each blocking call returns
+// once every thread it waits for has arrived; an error never returns.
+typedef struct mx_engine_api {
+  mx_u32 abi_version;
+  void (*access)(const void* address, mx_u64 size, mx_u32 flags);
+  void (*barrier)(mx_u32 scope, mx_u32 mem_flags, mx_u32 site);
+  void (*simd)(mx_simd_fn fn, const void* in, void* out, mx_i64 arg,
+               mx_u32 flags, mx_u32 site);
+  // Storage of a `threadgroup` variable declared inside a function; `key`
+  // tells the declarations apart.
+  void* (*threadgroup_variable)(const void* key, mx_u64 size, mx_u64 align);
+  void (*fail)(const char* message);
+  // The thread (fiber) running right now.
+  const mx_thread_info* (*current_thread)(void);
+} mx_engine_api;
+
+// Parameter descriptions generated for each kernel.
+enum {
+  MX_PARAM_BUFFER = 1u,
+  MX_PARAM_THREADGROUP = 2u,
+  MX_PARAM_BUILTIN = 3u,
+};
+enum {
+  MX_PARAM_REFERENCE = 1u,  // `constant T& p [[buffer(i)]]`
+  MX_PARAM_READONLY = 2u,   // constant address space, or pointer to const
+};
+enum {
+  MX_AS_NONE = 0u,
+  MX_AS_DEVICE = 1u,
+  MX_AS_CONSTANT = 2u,
+  MX_AS_THREADGROUP = 3u,
+};
+
+typedef struct mx_param {
+  const char* name;
+  mx_u32 kind;           // MX_PARAM_*
+  mx_u32 index;          // buffer or threadgroup index
+  mx_u32 address_space;  // MX_AS_*
+  mx_u32 flags;          // MX_PARAM_REFERENCE | MX_PARAM_READONLY
+  mx_u64 pointee_size;   // sizeof the pointed-to or referenced type
+} mx_param;
+
+typedef struct mx_kernel {
+  const char* name;  // host name
+  void (*entry)(const mx_thread_info*);
+  const mx_param* params;
+  mx_u32 param_count;
+  mx_u32 max_total_threads_per_threadgroup;  // 0: no attribute
+} mx_kernel;
+
+// Symbols every shader library exports (extern "C").
+#define MX_LIBRARY_ABI_SYMBOL "mx_library_abi"          // mx_u32 (void)
+#define MX_LIBRARY_BIND_SYMBOL "mx_library_bind"        // void (const mx_engine_api*)
+#define MX_LIBRARY_KERNELS_SYMBOL "mx_library_kernels"  // const mx_kernel* (mx_u32*)
+#define MX_LIBRARY_SITES_SYMBOL "mx_library_sites"      // const char* const* (mx_u32*)
+
+#endif

@@ -1,0 +1,999 @@
+// The Metal Shading Language standard library, as the CPU Metal executor
+// compiles it: a freestanding C++17 header for clang that plays
+// <metal_stdlib> for a kernel translated by _translate.py.
+//
+// Two modes, chosen by MX_ADDRESS_SPACES:
+//  1  address spaces are distinct clang address spaces (device=1, constant=2,
+//     threadgroup=3, thread=generic), so that mixing them fails to compile as
+//     it does on a Mac. Used by `python -m mps_ext.cpu_metal check` and by the
+//     check every compile_library runs. Syntax only, never executed.
+//  0  address spaces are erased; this is what runs. The engine tells device,
+//     threadgroup and thread memory apart by address at run time.
+//
+// Vectors are clang ext_vector_type, as in Metal itself, so swizzles (.xy,
+// .zyx, .rgba, .lo/.hi/.even/.odd) and vector arithmetic are native. What C++
+// lacks (vector constructors such as float4(a.xy, 0, 1)) the translator
+// rewrites into __mx_make<float4>(...).
+//
+// Simd and barrier operations hand over to the engine (mx_abi.h), which runs
+// the threads of a threadgroup as fibers. Every such call carries its source
+// position (__mx::site), so the engine can tell call sites apart when lanes
+// diverge.
+#ifndef MX_METAL_H
+#define MX_METAL_H
+
+#include "mx_abi.h"
+
+#if MX_ADDRESS_SPACES
+#define device __attribute__((address_space(1)))
+#define constant __attribute__((address_space(2))) const
+#define threadgroup __attribute__((address_space(3)))
+#define threadgroup_imageblock __attribute__((address_space(3)))
+#else
+#define device
+#define constant const
+#define threadgroup
+#define threadgroup_imageblock
+#endif
+#define thread
+#define ray_data
+#define object_data
+
+#define METAL_FUNC inline __attribute__((always_inline))
+#define __METAL_CPU_EXECUTOR__ 1
+
+// ---------------------------------------------------------------- scalars --
+typedef _Float16 half;
+typedef __bf16 bfloat;
+typedef unsigned char uchar;
+typedef unsigned short ushort;
+typedef unsigned int uint;
+typedef unsigned long ulong;
+typedef unsigned long size_t;
+typedef long ptrdiff_t;
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+typedef short int16_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long int64_t;
+typedef unsigned long uint64_t;
+typedef long intptr_t;
+typedef unsigned long uintptr_t;
+
+// ---------------------------------------------------------------- vectors --
+// packed_T2 / packed_T4 are the same vectors with the scalar's alignment, as
+// in Metal. packed_T3 (12 bytes for float) has no ext_vector equivalent and
+// is a plain struct with x, y, z.
+#define MX_VECTORS(T, name)                                                  \
+  typedef T name##2 __attribute__((ext_vector_type(2)));                     \
+  typedef T name##3 __attribute__((ext_vector_type(3)));                     \
+  typedef T name##4 __attribute__((ext_vector_type(4)));                     \
+  typedef T packed_##name##2 __attribute__((ext_vector_type(2), aligned(sizeof(T)))); \
+  typedef T packed_##name##4 __attribute__((ext_vector_type(4), aligned(sizeof(T)))); \
+  struct packed_##name##3 {                                                  \
+    T x, y, z;                                                               \
+    T& operator[](int i) { return (&x)[i]; }                                 \
+    const T& operator[](int i) const { return (&x)[i]; }                     \
+    operator name##3() const { return name##3{x, y, z}; }                    \
+  };
+
+MX_VECTORS(float, float)
+MX_VECTORS(half, half)
+MX_VECTORS(bfloat, bfloat)
+MX_VECTORS(int, int)
+MX_VECTORS(uint, uint)
+MX_VECTORS(short, short)
+MX_VECTORS(ushort, ushort)
+MX_VECTORS(signed char, char)
+MX_VECTORS(uchar, uchar)
+MX_VECTORS(long, long)
+MX_VECTORS(ulong, ulong)
+#undef MX_VECTORS
+// bool vectors exist, but vector comparisons yield integer masks (-1 / 0) as
+// in OpenCL; all(), any() and select() take either.
+typedef bool bool2 __attribute__((ext_vector_type(2)));
+typedef bool bool3 __attribute__((ext_vector_type(3)));
+typedef bool bool4 __attribute__((ext_vector_type(4)));
+
+namespace metal {
+template <class T, int N>
+using vec = T __attribute__((ext_vector_type(N)));
+}
+using metal::vec;
+
+// ------------------------------------------------------------ type traits --
+namespace __mx {
+template <bool B, class T = void> struct enable_if {};
+template <class T> struct enable_if<true, T> { typedef T type; };
+template <class A, class B> struct is_same { static constexpr bool value = false; };
+template <class A> struct is_same<A, A> { static constexpr bool value = true; };
+template <class T> struct remove_cv { typedef T type; };
+template <class T> struct remove_cv<const T> { typedef T type; };
+template <class T> struct remove_cv<volatile T> { typedef T type; };
+template <class T> struct remove_cv<const volatile T> { typedef T type; };
+template <class T> struct remove_ref { typedef T type; };
+template <class T> struct remove_ref<T&> { typedef T type; };
+template <class T> struct remove_ref<T&&> { typedef T type; };
+template <class T> struct remove_ptr { typedef T type; };
+template <class T> struct remove_ptr<T*> { typedef T type; };
+template <class T> struct remove_ptr<T* const> { typedef T type; };
+
+// vt<V>: element type and width of a scalar or vector.
+template <class T> struct vt {
+  typedef T elem;
+  static constexpr int n = 1;
+  static constexpr bool is_vec = false;
+};
+template <class T, int N> struct vt<T __attribute__((ext_vector_type(N)))> {
+  typedef T elem;
+  static constexpr int n = N;
+  static constexpr bool is_vec = true;
+};
+#define MX_PACKED3_TRAIT(T, name) \
+  template <> struct vt<::packed_##name##3> { typedef T elem; static constexpr int n = 3; static constexpr bool is_vec = false; };
+MX_PACKED3_TRAIT(float, float) MX_PACKED3_TRAIT(half, half) MX_PACKED3_TRAIT(bfloat, bfloat)
+MX_PACKED3_TRAIT(int, int) MX_PACKED3_TRAIT(uint, uint) MX_PACKED3_TRAIT(short, short)
+MX_PACKED3_TRAIT(ushort, ushort) MX_PACKED3_TRAIT(signed char, char)
+MX_PACKED3_TRAIT(uchar, uchar) MX_PACKED3_TRAIT(long, long) MX_PACKED3_TRAIT(ulong, ulong)
+#undef MX_PACKED3_TRAIT
+
+template <class T> struct is_fp { static constexpr bool value = false; };
+template <> struct is_fp<float> { static constexpr bool value = true; };
+template <> struct is_fp<half> { static constexpr bool value = true; };
+template <> struct is_fp<bfloat> { static constexpr bool value = true; };
+template <class T> struct is_int { static constexpr bool value = false; };
+#define MX_INT_TRAIT(T) template <> struct is_int<T> { static constexpr bool value = true; };
+MX_INT_TRAIT(signed char) MX_INT_TRAIT(char) MX_INT_TRAIT(uchar) MX_INT_TRAIT(short)
+MX_INT_TRAIT(ushort) MX_INT_TRAIT(int) MX_INT_TRAIT(uint) MX_INT_TRAIT(long)
+MX_INT_TRAIT(ulong) MX_INT_TRAIT(bool)
+#undef MX_INT_TRAIT
+
+// Enabled for vectors whose elements satisfy Pred.
+template <class V, template <class> class Pred>
+using if_vec = typename enable_if<vt<V>::is_vec && Pred<typename vt<V>::elem>::value, int>::type;
+
+template <class T> constexpr int width_of() { return vt<T>::n; }
+template <class... A> constexpr int total_width() { return (0 + ... + width_of<A>()); }
+
+template <class E, class V> inline void put(V& r, int& i, E x) { r[i++] = x; }
+template <class E, class V, class A> inline void put_any(V& r, int& i, A a) {
+  if constexpr (vt<A>::n == 1) {
+    r[i++] = (E)a;
+  } else {
+    for (int k = 0; k < vt<A>::n; ++k) r[i++] = (E)a[k];
+  }
+}
+}  // namespace __mx
+
+// The vector constructors of Metal: float4(x) splats, float4(h4) converts
+// element-wise, float4(a.xy, z, w) concatenates. The translator turns every
+// `<vector type>(` into `__mx_make<vector type>(`.
+template <class V, class... A>
+inline V __mx_make(A... a) {
+  typedef typename __mx::vt<V>::elem E;
+  constexpr int N = __mx::vt<V>::n;
+  if constexpr (sizeof...(A) == 0) {
+    return V{};
+  } else if constexpr (sizeof...(A) == 1 && __mx::total_width<A...>() == 1) {
+    V r;
+    for (int k = 0; k < N; ++k) r[k] = (E)(a, ...);
+    return r;
+  } else {
+    static_assert(__mx::total_width<A...>() == N,
+                  "vector constructor: the arguments' widths do not add up to the vector's");
+    V r;
+    int i = 0;
+    (__mx::put_any<E>(r, i, a), ...);
+    return r;
+  }
+}
+namespace metal { using ::__mx_make; }
+
+namespace metal {
+// ---------------------------------------------------------------- as_type --
+template <class T, class U>
+inline T as_type(U u) {
+  static_assert(sizeof(T) == sizeof(U), "as_type: the two types differ in size");
+  return __builtin_bit_cast(T, u);
+}
+
+// ------------------------------------------------------------ type traits --
+template <bool B, class T = void> using enable_if = __mx::enable_if<B, T>;
+template <bool B, class T = void> using enable_if_t = typename __mx::enable_if<B, T>::type;
+template <class A, class B> using is_same = __mx::is_same<A, B>;
+template <class A, class B> constexpr bool is_same_v = __mx::is_same<A, B>::value;
+template <class T> struct is_floating_point { static constexpr bool value = __mx::is_fp<typename __mx::remove_cv<T>::type>::value; };
+template <class T> constexpr bool is_floating_point_v = is_floating_point<T>::value;
+template <class T> struct is_integral { static constexpr bool value = __mx::is_int<typename __mx::remove_cv<T>::type>::value; };
+template <class T> constexpr bool is_integral_v = is_integral<T>::value;
+template <bool B, class A, class C> struct conditional { typedef A type; };
+template <class A, class C> struct conditional<false, A, C> { typedef C type; };
+template <bool B, class A, class C> using conditional_t = typename conditional<B, A, C>::type;
+template <class T> struct remove_cv { typedef typename __mx::remove_cv<T>::type type; };
+template <class T> using remove_cv_t = typename __mx::remove_cv<T>::type;
+
+// ---------------------------------------------------------- numeric limits --
+template <class T> struct numeric_limits;
+template <> struct numeric_limits<float> {
+  static constexpr float infinity() { return __builtin_inff(); }
+  static constexpr float quiet_NaN() { return __builtin_nanf(""); }
+  static constexpr float max() { return 3.40282347e+38f; }
+  static constexpr float min() { return 1.17549435e-38f; }
+  static constexpr float lowest() { return -3.40282347e+38f; }
+  static constexpr float epsilon() { return 1.1920929e-07f; }
+  static constexpr bool has_infinity = true;
+};
+template <> struct numeric_limits<half> {
+  static constexpr half infinity() { return (half)__builtin_inff(); }
+  static constexpr half quiet_NaN() { return (half)__builtin_nanf(""); }
+  static constexpr half max() { return (half)65504.0f; }
+  static constexpr half min() { return (half)6.103515625e-05f; }
+  static constexpr half lowest() { return (half)-65504.0f; }
+  static constexpr half epsilon() { return (half)0.0009765625f; }
+  static constexpr bool has_infinity = true;
+};
+template <> struct numeric_limits<bfloat> {
+  static constexpr bfloat infinity() { return (bfloat)__builtin_inff(); }
+  static constexpr bfloat quiet_NaN() { return (bfloat)__builtin_nanf(""); }
+  static constexpr bfloat max() { return __builtin_bit_cast(bfloat, (ushort)0x7f7f); }
+  static constexpr bfloat min() { return __builtin_bit_cast(bfloat, (ushort)0x0080); }
+  static constexpr bfloat lowest() { return __builtin_bit_cast(bfloat, (ushort)0xff7f); }
+  static constexpr bfloat epsilon() { return __builtin_bit_cast(bfloat, (ushort)0x3c00); }
+  static constexpr bool has_infinity = true;
+};
+#define MX_INT_LIMITS(T, lo, hi)                              \
+  template <> struct numeric_limits<T> {                      \
+    static constexpr T max() { return hi; }                   \
+    static constexpr T min() { return lo; }                   \
+    static constexpr T lowest() { return lo; }                \
+    static constexpr bool has_infinity = false;               \
+  };
+MX_INT_LIMITS(char, (char)-128, (char)127)
+MX_INT_LIMITS(signed char, (signed char)-128, (signed char)127)
+MX_INT_LIMITS(uchar, (uchar)0, (uchar)255)
+MX_INT_LIMITS(short, (short)-32768, (short)32767)
+MX_INT_LIMITS(ushort, (ushort)0, (ushort)65535)
+MX_INT_LIMITS(int, (-2147483647 - 1), 2147483647)
+MX_INT_LIMITS(uint, 0u, 4294967295u)
+MX_INT_LIMITS(long, (-9223372036854775807L - 1), 9223372036854775807L)
+MX_INT_LIMITS(ulong, 0ul, 18446744073709551615ul)
+#undef MX_INT_LIMITS
+}  // namespace metal
+
+#define INFINITY __builtin_inff()
+#define NAN __builtin_nanf("")
+#define HUGE_VALF __builtin_inff()
+#define MAXFLOAT 3.40282347e+38f
+#define FLT_MAX 3.40282347e+38f
+#define FLT_MIN 1.17549435e-38f
+#define FLT_EPSILON 1.1920929e-07f
+#define HALF_MAX ((half)65504.0f)
+#define HALF_MIN ((half)6.103515625e-05f)
+#define HALF_EPSILON ((half)0.0009765625f)
+#define INT_MAX 2147483647
+#define INT_MIN (-2147483647 - 1)
+#define UINT_MAX 4294967295u
+#define M_E_F 2.71828183f
+#define M_LOG2E_F 1.44269504f
+#define M_LOG10E_F 0.434294482f
+#define M_LN2_F 0.693147181f
+#define M_LN10_F 2.30258509f
+#define M_PI_F 3.14159265f
+#define M_PI_2_F 1.57079633f
+#define M_PI_4_F 0.785398163f
+#define M_1_PI_F 0.318309886f
+#define M_2_PI_F 0.636619772f
+#define M_2_SQRTPI_F 1.12837917f
+#define M_SQRT2_F 1.41421356f
+#define M_SQRT1_2_F 0.707106781f
+
+// ------------------------------------------------------------------- math --
+// Float functions come from the C library through clang builtins; half and
+// bfloat compute in float and round once, which is at least as accurate as
+// Metal's own half functions.
+namespace metal {
+namespace precise {
+
+#define MX_FP_OVERLOADS1(name)                                                 \
+  inline half name(half x) { return (half)name((float)x); }                    \
+  inline bfloat name(bfloat x) { return (bfloat)name((float)x); }              \
+  template <class V, __mx::if_vec<V, __mx::is_fp> = 0>                         \
+  inline V name(V x) {                                                         \
+    V r;                                                                       \
+    for (int i = 0; i < __mx::vt<V>::n; ++i) r[i] = name(x[i]);                \
+    return r;                                                                  \
+  }
+#define MX_FP_OVERLOADS2(name)                                                 \
+  inline half name(half x, half y) { return (half)name((float)x, (float)y); }  \
+  inline bfloat name(bfloat x, bfloat y) { return (bfloat)name((float)x, (float)y); } \
+  template <class V, __mx::if_vec<V, __mx::is_fp> = 0>                         \
+  inline V name(V x, V y) {                                                    \
+    V r;                                                                       \
+    for (int i = 0; i < __mx::vt<V>::n; ++i) r[i] = name(x[i], y[i]);          \
+    return r;                                                                  \
+  }
+#define MX_FP_FUNC1(name, expr)            \
+  inline float name(float x) { return expr; } \
+  MX_FP_OVERLOADS1(name)
+#define MX_FP_FUNC2(name, expr)                     \
+  inline float name(float x, float y) { return expr; } \
+  MX_FP_OVERLOADS2(name)
+
+MX_FP_FUNC1(acos, __builtin_acosf(x))
+MX_FP_FUNC1(acosh, __builtin_acoshf(x))
+MX_FP_FUNC1(asin, __builtin_asinf(x))
+MX_FP_FUNC1(asinh, __builtin_asinhf(x))
+MX_FP_FUNC1(atan, __builtin_atanf(x))
+MX_FP_FUNC1(atanh, __builtin_atanhf(x))
+MX_FP_FUNC1(ceil, __builtin_ceilf(x))
+MX_FP_FUNC1(cos, __builtin_cosf(x))
+MX_FP_FUNC1(cosh, __builtin_coshf(x))
+MX_FP_FUNC1(cospi, __builtin_cosf(x * M_PI_F))
+MX_FP_FUNC1(exp, __builtin_expf(x))
+MX_FP_FUNC1(exp2, __builtin_exp2f(x))
+MX_FP_FUNC1(exp10, __builtin_powf(10.0f, x))
+MX_FP_FUNC1(fabs, __builtin_fabsf(x))
+MX_FP_FUNC1(floor, __builtin_floorf(x))
+MX_FP_FUNC1(fract, __builtin_fminf(x - __builtin_floorf(x), 0x1.fffffep-1f))
+MX_FP_FUNC1(log, __builtin_logf(x))
+MX_FP_FUNC1(log2, __builtin_log2f(x))
+MX_FP_FUNC1(log10, __builtin_log10f(x))
+MX_FP_FUNC1(rint, __builtin_rintf(x))
+MX_FP_FUNC1(round, __builtin_roundf(x))
+MX_FP_FUNC1(rsqrt, 1.0f / __builtin_sqrtf(x))
+MX_FP_FUNC1(sin, __builtin_sinf(x))
+MX_FP_FUNC1(sinh, __builtin_sinhf(x))
+MX_FP_FUNC1(sinpi, __builtin_sinf(x * M_PI_F))
+MX_FP_FUNC1(sqrt, __builtin_sqrtf(x))
+MX_FP_FUNC1(tan, __builtin_tanf(x))
+MX_FP_FUNC1(tanh, __builtin_tanhf(x))
+MX_FP_FUNC1(tanpi, __builtin_tanf(x * M_PI_F))
+MX_FP_FUNC1(trunc, __builtin_truncf(x))
+MX_FP_FUNC1(saturate, __builtin_fminf(__builtin_fmaxf(x, 0.0f), 1.0f))
+MX_FP_FUNC1(erf, __builtin_erff(x))
+MX_FP_FUNC2(atan2, __builtin_atan2f(x, y))
+MX_FP_FUNC2(copysign, __builtin_copysignf(x, y))
+MX_FP_FUNC2(fdim, __builtin_fdimf(x, y))
+MX_FP_FUNC2(fmax, __builtin_fmaxf(x, y))
+MX_FP_FUNC2(fmin, __builtin_fminf(x, y))
+MX_FP_FUNC2(fmod, __builtin_fmodf(x, y))
+MX_FP_FUNC2(pow, __builtin_powf(x, y))
+MX_FP_FUNC2(powr, __builtin_powf(x, y))
+MX_FP_FUNC2(nextafter, __builtin_nextafterf(x, y))
+MX_FP_FUNC2(divide, x / y)
+#undef MX_FP_FUNC1
+#undef MX_FP_FUNC2
+
+inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+inline half fma(half a, half b, half c) { return (half)__builtin_fmaf((float)a, (float)b, (float)c); }
+inline bfloat fma(bfloat a, bfloat b, bfloat c) { return (bfloat)__builtin_fmaf((float)a, (float)b, (float)c); }
+template <class V, __mx::if_vec<V, __mx::is_fp> = 0>
+inline V fma(V a, V b, V c) {
+  V r;
+  for (int i = 0; i < __mx::vt<V>::n; ++i) r[i] = fma(a[i], b[i], c[i]);
+  return r;
+}
+inline float ldexp(float x, int k) { return __builtin_ldexpf(x, k); }
+inline half ldexp(half x, int k) { return (half)__builtin_ldexpf((float)x, k); }
+inline float frexp(float x, thread int& e) { return __builtin_frexpf(x, &e); }
+inline float modf(float x, thread float& ip) { return __builtin_modff(x, &ip); }
+inline float sincos(float x, thread float& c) { c = __builtin_cosf(x); return __builtin_sinf(x); }
+}  // namespace precise
+using namespace precise;
+namespace fast { using namespace precise; }
+
+// min / max / clamp / abs for every scalar and vector type.
+#define MX_MINMAX(T)                                                   \
+  inline T min(T a, T b) { return b < a ? b : a; }                     \
+  inline T max(T a, T b) { return a < b ? b : a; }                     \
+  inline T clamp(T x, T lo, T hi) { return min(max(x, lo), hi); }      \
+  inline T min3(T a, T b, T c) { return min(min(a, b), c); }           \
+  inline T max3(T a, T b, T c) { return max(max(a, b), c); }           \
+  inline T median3(T a, T b, T c) { return max(min(a, b), min(max(a, b), c)); }
+MX_MINMAX(char) MX_MINMAX(signed char) MX_MINMAX(uchar) MX_MINMAX(short) MX_MINMAX(ushort)
+MX_MINMAX(int) MX_MINMAX(uint) MX_MINMAX(long) MX_MINMAX(ulong)
+#undef MX_MINMAX
+// Floating min/max follow fmin/fmax: a NaN operand yields the other operand.
+#define MX_FMINMAX(T)                                                                        \
+  inline T min(T a, T b) { return (T)__builtin_fminf((float)a, (float)b); }                  \
+  inline T max(T a, T b) { return (T)__builtin_fmaxf((float)a, (float)b); }                  \
+  inline T clamp(T x, T lo, T hi) { return min(max(x, lo), hi); }                            \
+  inline T min3(T a, T b, T c) { return min(min(a, b), c); }                                 \
+  inline T max3(T a, T b, T c) { return max(max(a, b), c); }                                 \
+  inline T median3(T a, T b, T c) { return max(min(a, b), min(max(a, b), c)); }
+MX_FMINMAX(float) MX_FMINMAX(half) MX_FMINMAX(bfloat)
+#undef MX_FMINMAX
+template <class V, class = typename __mx::enable_if<__mx::vt<V>::is_vec>::type>
+inline V min(V a, V b) { V r; for (int i = 0; i < __mx::vt<V>::n; ++i) r[i] = min(a[i], b[i]); return r; }
+template <class V, class = typename __mx::enable_if<__mx::vt<V>::is_vec>::type>
+inline V max(V a, V b) { V r; for (int i = 0; i < __mx::vt<V>::n; ++i) r[i] = max(a[i], b[i]); return r; }
+template <class V, class = typename __mx::enable_if<__mx::vt<V>::is_vec>::type>
+inline V clamp(V x, V lo, V hi) { return min(max(x, lo), hi); }
+template <class V, class = typename __mx::enable_if<__mx::vt<V>::is_vec>::type>
+inline V clamp(V x, typename __mx::vt<V>::elem lo, typename __mx::vt<V>::elem hi) { return min(max(x, V(lo)), V(hi)); }
+
+inline float abs(float x) { return __builtin_fabsf(x); }
+inline half abs(half x) { return (half)__builtin_fabsf((float)x); }
+inline bfloat abs(bfloat x) { return (bfloat)__builtin_fabsf((float)x); }
+inline int abs(int x) { return x < 0 ? -x : x; }
+inline short abs(short x) { return x < 0 ? (short)-x : x; }
+inline long abs(long x) { return x < 0 ? -x : x; }
+inline uint abs(uint x) { return x; }
+template <class V, class = typename __mx::enable_if<__mx::vt<V>::is_vec>::type>
+inline V abs(V x) { V r; for (int i = 0; i < __mx::vt<V>::n; ++i) r[i] = abs(x[i]); return r; }
+
+// mix / step / smoothstep / sign
+template <class T, class = typename __mx::enable_if<__mx::is_fp<typename __mx::vt<T>::elem>::value>::type>
+inline T mix(T x, T y, T a) { return x + (y - x) * a; }
+template <class T, class = typename __mx::enable_if<__mx::is_fp<typename __mx::vt<T>::elem>::value>::type>
+inline T step(T edge, T x) {
+  if constexpr (__mx::vt<T>::is_vec) { T r; for (int i = 0; i < __mx::vt<T>::n; ++i) r[i] = x[i] < edge[i] ? 0 : 1; return r; }
+  else return x < edge ? (T)0 : (T)1;
+}
+template <class T, class = typename __mx::enable_if<__mx::is_fp<typename __mx::vt<T>::elem>::value>::type>
+inline T smoothstep(T e0, T e1, T x) {
+  T t = clamp((x - e0) / (e1 - e0), T(0), T(1));
+  return t * t * (T(3) - T(2) * t);
+}
+inline float sign(float x) { return x > 0 ? 1.0f : x < 0 ? -1.0f : (x == x ? 0.0f : 0.0f); }
+inline half sign(half x) { return (half)sign((float)x); }
+
+// -------------------------------------------------------------- relational --
+inline bool isnan(float x) { return __builtin_isnan(x); }
+inline bool isnan(half x) { return __builtin_isnan((float)x); }
+inline bool isnan(bfloat x) { return __builtin_isnan((float)x); }
+inline bool isinf(float x) { return __builtin_isinf(x); }
+inline bool isinf(half x) { return __builtin_isinf((float)x); }
+inline bool isinf(bfloat x) { return __builtin_isinf((float)x); }
+inline bool isfinite(float x) { return __builtin_isfinite(x); }
+inline bool isfinite(half x) { return __builtin_isfinite((float)x); }
+inline bool isfinite(bfloat x) { return __builtin_isfinite((float)x); }
+inline bool isnormal(float x) { return __builtin_isnormal(x); }
+inline bool signbit(float x) { return __builtin_signbit(x); }
+inline bool signbit(half x) { return __builtin_signbit((float)x); }
+inline bool all(bool b) { return b; }
+inline bool any(bool b) { return b; }
+template <class V, class = typename __mx::enable_if<__mx::vt<V>::is_vec>::type>
+inline bool all(V v) { for (int i = 0; i < __mx::vt<V>::n; ++i) if (!v[i]) return false; return true; }
+template <class V, class = typename __mx::enable_if<__mx::vt<V>::is_vec>::type>
+inline bool any(V v) { for (int i = 0; i < __mx::vt<V>::n; ++i) if (v[i]) return true; return false; }
+template <class T>
+inline T select(T a, T b, bool c) { return c ? b : a; }
+template <class T, class M, class = typename __mx::enable_if<__mx::vt<T>::is_vec && __mx::vt<M>::is_vec>::type>
+inline T select(T a, T b, M c) {
+  static_assert(__mx::vt<T>::n == __mx::vt<M>::n, "select: mask width differs");
+  T r; for (int i = 0; i < __mx::vt<T>::n; ++i) r[i] = c[i] ? b[i] : a[i]; return r;
+}
+#define MX_VEC_PRED(name)                                                     \
+  template <class V, __mx::if_vec<V, __mx::is_fp> = 0>                        \
+  inline vec<bool, __mx::vt<V>::n> name(V v) {                                \
+    vec<bool, __mx::vt<V>::n> r;                                              \
+    for (int i = 0; i < __mx::vt<V>::n; ++i) r[i] = name(v[i]);               \
+    return r;                                                                 \
+  }
+MX_VEC_PRED(isnan) MX_VEC_PRED(isinf) MX_VEC_PRED(isfinite)
+#undef MX_VEC_PRED
+
+// --------------------------------------------------------------- geometric --
+template <class V, __mx::if_vec<V, __mx::is_fp> = 0>
+inline typename __mx::vt<V>::elem dot(V a, V b) {
+  float s = 0;
+  for (int i = 0; i < __mx::vt<V>::n; ++i) s += (float)a[i] * (float)b[i];
+  return (typename __mx::vt<V>::elem)s;
+}
+template <class V, __mx::if_vec<V, __mx::is_fp> = 0>
+inline typename __mx::vt<V>::elem length_squared(V a) { return dot(a, a); }
+template <class V, __mx::if_vec<V, __mx::is_fp> = 0>
+inline typename __mx::vt<V>::elem length(V a) { return sqrt(dot(a, a)); }
+template <class V, __mx::if_vec<V, __mx::is_fp> = 0>
+inline typename __mx::vt<V>::elem distance(V a, V b) { return length(a - b); }
+template <class V, __mx::if_vec<V, __mx::is_fp> = 0>
+inline V normalize(V a) { return a * rsqrt(dot(a, a)); }
+inline float3 cross(float3 a, float3 b) { return a.yzx * b.zxy - a.zxy * b.yzx; }
+
+// ----------------------------------------------------------------- integer --
+template <class T, class = typename __mx::enable_if<__mx::is_int<T>::value>::type>
+inline T popcount(T x) { return (T)__builtin_popcountll((unsigned long long)x & (~0ull >> (64 - 8 * sizeof(T)))); }
+template <class T, class = typename __mx::enable_if<__mx::is_int<T>::value>::type>
+inline T clz(T x) {
+  unsigned long long u = (unsigned long long)x & (~0ull >> (64 - 8 * sizeof(T)));
+  return u == 0 ? (T)(8 * sizeof(T)) : (T)(__builtin_clzll(u) - (64 - 8 * sizeof(T)));
+}
+template <class T, class = typename __mx::enable_if<__mx::is_int<T>::value>::type>
+inline T ctz(T x) {
+  unsigned long long u = (unsigned long long)x & (~0ull >> (64 - 8 * sizeof(T)));
+  return u == 0 ? (T)(8 * sizeof(T)) : (T)__builtin_ctzll(u);
+}
+inline uint mulhi(uint a, uint b) { return (uint)(((ulong)a * b) >> 32); }
+inline int mulhi(int a, int b) { return (int)(((long)a * b) >> 32); }
+inline uint extract_bits(uint x, uint offset, uint bits) { return bits == 32 ? x : (x >> offset) & ((1u << bits) - 1u); }
+inline uint insert_bits(uint base, uint ins, uint offset, uint bits) {
+  uint mask = (bits == 32 ? ~0u : ((1u << bits) - 1u)) << offset;
+  return (base & ~mask) | ((ins << offset) & mask);
+}
+inline uint reverse_bits(uint x) { return __builtin_bitreverse32(x); }
+inline uint rotate(uint v, uint i) { return __builtin_rotateleft32(v, i); }
+inline uint absdiff(int a, int b) { return a > b ? (uint)(a - b) : (uint)(b - a); }
+inline uint absdiff(uint a, uint b) { return a > b ? a - b : b - a; }
+inline uint hadd(uint a, uint b) { return (uint)(((ulong)a + b) >> 1); }
+inline int hadd(int a, int b) { return (int)(((long)a + b) >> 1); }
+inline uint addsat(uint a, uint b) { uint s = a + b; return s < a ? 0xffffffffu : s; }
+inline uint subsat(uint a, uint b) { return a > b ? a - b : 0u; }
+}  // namespace metal
+
+// ------------------------------------------------------ engine connection --
+extern "C" const mx_engine_api* __mx_api;
+
+// Every memory access the instrumenter found becomes a call to this function
+// (see _instrument.py, which never instruments this function itself).
+extern "C" __attribute__((used)) inline void __mx_access(const void* p, mx_u64 n, mx_u32 f) {
+  __mx_api->access(p, n, f);
+}
+
+// float -> bfloat conversion with round-to-nearest-even, for C runtimes that
+// lack it (libgcc before 13).
+extern "C" __attribute__((weak)) __bf16 __truncsfbf2(float f) {
+  unsigned u = __builtin_bit_cast(unsigned, f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    u |= 0x00400000u;  // quiet the NaN, keep its sign
+  } else {
+    u += 0x7fffu + ((u >> 16) & 1u);
+  }
+  return __builtin_bit_cast(__bf16, (unsigned short)(u >> 16));
+}
+
+namespace __mx {
+// Where in the source a simd or barrier operation is called: line and column
+// of the call, through default arguments evaluated at the call site.
+struct site {
+  mx_u32 v;
+  constexpr site(mx_u32 line = __builtin_LINE(), mx_u32 col = __builtin_COLUMN())
+      : v((line << 12) | (col & 4095u)) {}
+};
+
+template <class T>
+inline T poison() {
+  struct bytes { unsigned char b[sizeof(T)]; } p;
+  for (unsigned i = 0; i < sizeof(T); ++i) p.b[i] = 0xff;  // NaN in every float format
+  return __builtin_bit_cast(T, p);
+}
+
+template <class T>
+inline const T& in(const mx_simd_lane* l, int i) { return *static_cast<const T*>(l[i].in); }
+template <class T>
+inline void out(const mx_simd_lane* l, int i, T v) { *static_cast<T*>(l[i].out) = v; }
+inline bool active(mx_u32 mask, int i) { return (mask >> i) & 1u; }
+
+template <class T, class R = T>
+inline R simd_call(mx_simd_fn fn, const T& x, mx_i64 arg, mx_u32 flags, site s) {
+  R r;
+  __mx_api->simd(fn, &x, &r, arg, flags, s.v);
+  return r;
+}
+
+struct op_add { template <class T> static T apply(T a, T b) { return a + b; } static constexpr int identity = 0; };
+struct op_mul { template <class T> static T apply(T a, T b) { return a * b; } static constexpr int identity = 1; };
+struct op_min { template <class T> static T apply(T a, T b) { return metal::min(a, b); } };
+struct op_max { template <class T> static T apply(T a, T b) { return metal::max(a, b); } };
+struct op_and { template <class T> static T apply(T a, T b) { return a & b; } };
+struct op_or { template <class T> static T apply(T a, T b) { return a | b; } };
+struct op_xor { template <class T> static T apply(T a, T b) { return a ^ b; } };
+
+// Reduction over the active lanes, as a butterfly tree (pairs at distance
+// 16, 8, 4, 2, 1), the shape of a hardware simd reduction.
+template <class Op, class T>
+void reduce_fn(const mx_simd_lane* l, mx_u32 mask, mx_u32) {
+  T v[32];
+  bool has[32];
+  for (int i = 0; i < 32; ++i) {
+    has[i] = active(mask, i);
+    if (has[i]) v[i] = in<T>(l, i);
+  }
+  for (int d = 16; d >= 1; d >>= 1) {
+    for (int i = 0; i < d; ++i) {
+      if (has[i] && has[i + d]) v[i] = Op::apply(v[i], v[i + d]);
+      else if (has[i + d]) { v[i] = v[i + d]; has[i] = true; }
+    }
+  }
+  for (int i = 0; i < 32; ++i)
+    if (active(mask, i)) out<T>(l, i, v[0]);
+}
+
+// Prefix over the active lanes in lane order.
+template <class Op, class T, bool Inclusive>
+void scan_fn(const mx_simd_lane* l, mx_u32 mask, mx_u32) {
+  T acc = T(Op::identity);
+  for (int i = 0; i < 32; ++i) {
+    if (!active(mask, i)) continue;
+    T x = in<T>(l, i);
+    if (Inclusive) { acc = Op::apply(acc, x); out<T>(l, i, acc); }
+    else { out<T>(l, i, acc); acc = Op::apply(acc, x); }
+  }
+}
+
+enum shuffle_kind { SH_INDEX, SH_UP, SH_DOWN, SH_XOR, SH_BROADCAST_FIRST, SH_ROTATE_UP, SH_ROTATE_DOWN };
+
+// Lane `src` must exist and be active; otherwise the value is undefined in
+// Metal, and here it is poison.
+template <class T>
+inline T from_lane(const mx_simd_lane* l, mx_u32 mask, int src) {
+  if (src < 0 || src >= 32 || !active(mask, src)) return poison<T>();
+  return in<T>(l, src);
+}
+
+template <class T, int Kind>
+void shuffle_fn(const mx_simd_lane* l, mx_u32 mask, mx_u32 n) {
+  int first = __builtin_ctz(mask);
+  for (int i = 0; i < 32; ++i) {
+    if (!active(mask, i)) continue;
+    long a = l[i].arg;
+    T r;
+    switch (Kind) {
+      case SH_INDEX: r = from_lane<T>(l, mask, (int)a); break;
+      case SH_UP: r = (long)i >= a ? from_lane<T>(l, mask, i - (int)a) : in<T>(l, i); break;
+      case SH_DOWN: r = i + a < 32 ? from_lane<T>(l, mask, i + (int)a) : in<T>(l, i); break;
+      case SH_XOR: r = from_lane<T>(l, mask, i ^ (int)a); break;
+      case SH_BROADCAST_FIRST: r = in<T>(l, first); break;
+      case SH_ROTATE_UP: r = from_lane<T>(l, mask, (int)((i - a % n + n) % n)); break;
+      case SH_ROTATE_DOWN: r = from_lane<T>(l, mask, (int)((i + a) % n)); break;
+    }
+    out<T>(l, i, r);
+  }
+}
+
+template <class T> struct fill_pair { T data; T fill; };
+
+// simd_shuffle_and_fill_{up,down}: within segments of `modulo` lanes (the
+// whole simdgroup by default), shift by delta and take the lanes shifted in
+// from `filling_data` of the same segment.
+template <class T, bool Up>
+void fill_fn(const mx_simd_lane* l, mx_u32 mask, mx_u32) {
+  for (int i = 0; i < 32; ++i) {
+    if (!active(mask, i)) continue;
+    int delta = (int)(l[i].arg & 0xffff), modulo = (int)(l[i].arg >> 16);
+    int base = i - i % modulo, k = i % modulo;
+    T r;
+    if (Up) {
+      int s = k - delta;
+      r = s >= 0 ? from_lane<fill_pair<T>>(l, mask, base + s).data
+                 : from_lane<fill_pair<T>>(l, mask, base + s + modulo).fill;
+    } else {
+      int s = k + delta;
+      r = s < modulo ? from_lane<fill_pair<T>>(l, mask, base + s).data
+                     : from_lane<fill_pair<T>>(l, mask, base + s - modulo).fill;
+    }
+    out<T>(l, i, r);
+  }
+}
+
+inline void mask_fn(const mx_simd_lane* l, mx_u32 mask, mx_u32) {
+  for (int i = 0; i < 32; ++i)
+    if (active(mask, i)) out<mx_u64>(l, i, (mx_u64)mask);
+}
+inline void ballot_fn(const mx_simd_lane* l, mx_u32 mask, mx_u32) {
+  mx_u64 v = 0;
+  for (int i = 0; i < 32; ++i)
+    if (active(mask, i) && in<bool>(l, i)) v |= 1ull << i;
+  for (int i = 0; i < 32; ++i)
+    if (active(mask, i)) out<mx_u64>(l, i, v);
+}
+}  // namespace __mx
+
+namespace metal {
+// ------------------------------------------------------------- barriers --
+enum class mem_flags : uint {
+  mem_none = 0,
+  mem_device = MX_MEM_DEVICE,
+  mem_threadgroup = MX_MEM_THREADGROUP,
+  mem_texture = 4,
+  mem_threadgroup_imageblock = 8,
+  mem_object_data = 16,
+};
+constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags((uint)a | (uint)b); }
+
+inline void threadgroup_barrier(mem_flags f, __mx::site s = __mx::site()) {
+  __mx_api->barrier(MX_SCOPE_THREADGROUP, (mx_u32)f, s.v);
+}
+inline void simdgroup_barrier(mem_flags f, __mx::site s = __mx::site()) {
+  __mx_api->barrier(MX_SCOPE_SIMDGROUP, (mx_u32)f, s.v);
+}
+
+// ------------------------------------------------------- simd functions --
+#define MX_SIMD_REDUCE(name, Op)                                                       \
+  template <class T>                                                                   \
+  inline T name(T x, __mx::site s = __mx::site()) {                                    \
+    return __mx::simd_call<T>(&__mx::reduce_fn<__mx::Op, T>, x, 0, 0, s);              \
+  }
+MX_SIMD_REDUCE(simd_sum, op_add)
+MX_SIMD_REDUCE(simd_product, op_mul)
+MX_SIMD_REDUCE(simd_min, op_min)
+MX_SIMD_REDUCE(simd_max, op_max)
+MX_SIMD_REDUCE(simd_and, op_and)
+MX_SIMD_REDUCE(simd_or, op_or)
+MX_SIMD_REDUCE(simd_xor, op_xor)
+#undef MX_SIMD_REDUCE
+
+#define MX_SIMD_SCAN(name, Op, incl)                                                   \
+  template <class T>                                                                   \
+  inline T name(T x, __mx::site s = __mx::site()) {                                    \
+    return __mx::simd_call<T>(&__mx::scan_fn<__mx::Op, T, incl>, x, 0, 0, s);          \
+  }
+MX_SIMD_SCAN(simd_prefix_inclusive_sum, op_add, true)
+MX_SIMD_SCAN(simd_prefix_exclusive_sum, op_add, false)
+MX_SIMD_SCAN(simd_prefix_inclusive_product, op_mul, true)
+MX_SIMD_SCAN(simd_prefix_exclusive_product, op_mul, false)
+#undef MX_SIMD_SCAN
+
+#define MX_SIMD_SHUFFLE(name, kind)                                                    \
+  template <class T>                                                                   \
+  inline T name(T x, ushort a, __mx::site s = __mx::site()) {                          \
+    return __mx::simd_call<T>(&__mx::shuffle_fn<T, __mx::kind>, x, a, 0, s);           \
+  }
+MX_SIMD_SHUFFLE(simd_shuffle, SH_INDEX)
+MX_SIMD_SHUFFLE(simd_broadcast, SH_INDEX)
+MX_SIMD_SHUFFLE(simd_shuffle_up, SH_UP)
+MX_SIMD_SHUFFLE(simd_shuffle_down, SH_DOWN)
+MX_SIMD_SHUFFLE(simd_shuffle_xor, SH_XOR)
+MX_SIMD_SHUFFLE(simd_shuffle_rotate_up, SH_ROTATE_UP)
+MX_SIMD_SHUFFLE(simd_shuffle_rotate_down, SH_ROTATE_DOWN)
+#undef MX_SIMD_SHUFFLE
+
+template <class T>
+inline T simd_broadcast_first(T x, __mx::site s = __mx::site()) {
+  return __mx::simd_call<T>(&__mx::shuffle_fn<T, __mx::SH_BROADCAST_FIRST>, x, 0, 0, s);
+}
+template <class T>
+inline T simd_shuffle_and_fill_up(T data, T fill, ushort delta, ushort modulo, __mx::site s = __mx::site()) {
+  __mx::fill_pair<T> p{data, fill};
+  return __mx::simd_call<__mx::fill_pair<T>, T>(&__mx::fill_fn<T, true>, p, (mx_i64)delta | ((mx_i64)modulo << 16), 0, s);
+}
+template <class T>
+inline T simd_shuffle_and_fill_up(T data, T fill, ushort delta, __mx::site s = __mx::site()) {
+  return simd_shuffle_and_fill_up(data, fill, delta, (ushort)MX_SIMD_WIDTH, s);
+}
+template <class T>
+inline T simd_shuffle_and_fill_down(T data, T fill, ushort delta, ushort modulo, __mx::site s = __mx::site()) {
+  __mx::fill_pair<T> p{data, fill};
+  return __mx::simd_call<__mx::fill_pair<T>, T>(&__mx::fill_fn<T, false>, p, (mx_i64)delta | ((mx_i64)modulo << 16), 0, s);
+}
+template <class T>
+inline T simd_shuffle_and_fill_down(T data, T fill, ushort delta, __mx::site s = __mx::site()) {
+  return simd_shuffle_and_fill_down(data, fill, delta, (ushort)MX_SIMD_WIDTH, s);
+}
+
+struct simd_vote {
+  typedef ulong vote_t;
+  vote_t v;
+  explicit constexpr simd_vote(vote_t x = 0) : v(x) {}
+  explicit constexpr operator vote_t() const { return v; }
+  constexpr bool all() const { return v == 0xffffffffull; }
+  constexpr bool any() const { return v != 0; }
+};
+inline simd_vote simd_ballot(bool pred, __mx::site s = __mx::site()) {
+  return simd_vote(__mx::simd_call<bool, mx_u64>(&__mx::ballot_fn, pred, 0, 0, s));
+}
+inline simd_vote simd_active_threads_mask(__mx::site s = __mx::site()) {
+  return simd_vote(__mx::simd_call<bool, mx_u64>(&__mx::mask_fn, true, 0, 0, s));
+}
+inline bool simd_all(bool pred, __mx::site s = __mx::site()) {
+  mx_u64 active = __mx::simd_call<bool, mx_u64>(&__mx::mask_fn, true, 0, 0, s);
+  mx_u64 yes = __mx::simd_call<bool, mx_u64>(&__mx::ballot_fn, pred, 0, 0, s);
+  return active == yes;
+}
+inline bool simd_any(bool pred, __mx::site s = __mx::site()) {
+  return __mx::simd_call<bool, mx_u64>(&__mx::ballot_fn, pred, 0, 0, s) != 0;
+}
+}  // namespace metal
+
+// ------------------------------------------------------------ threads info --
+namespace __mx {
+// The calling thread's lane, for simdgroup_matrix fragments.
+inline mx_u32 lane_id() { return __mx_api->current_thread()->thread_index_in_simdgroup; }
+}  // namespace __mx
+
+// ---------------------------------------------------------------- atomics --
+namespace metal {
+enum memory_order {
+  memory_order_relaxed = __ATOMIC_RELAXED,
+  memory_order_seq_cst = __ATOMIC_SEQ_CST,
+};
+enum class thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup, thread_scope_device };
+
+template <class T>
+struct atomic {
+  typedef T value_type;
+  alignas(sizeof(T)) T __v;
+};
+typedef atomic<int> atomic_int;
+typedef atomic<uint> atomic_uint;
+typedef atomic<float> atomic_float;
+typedef atomic<bool> atomic_bool;
+typedef atomic<ulong> atomic_ulong;
+typedef atomic<long> atomic_long;
+
+// Metal's atomics are relaxed; the executor makes every one sequentially
+// consistent, which is one of the orders relaxed allows.
+template <class A>
+inline void atomic_store_explicit(A* obj, typename A::value_type v, memory_order) {
+  __atomic_store_n(&obj->__v, v, __ATOMIC_SEQ_CST);
+}
+template <class A>
+inline typename A::value_type atomic_load_explicit(A* obj, memory_order) {
+  return __atomic_load_n(&obj->__v, __ATOMIC_SEQ_CST);
+}
+template <class A>
+inline typename A::value_type atomic_exchange_explicit(A* obj, typename A::value_type v, memory_order) {
+  return __atomic_exchange_n(&obj->__v, v, __ATOMIC_SEQ_CST);
+}
+template <class A>
+inline bool atomic_compare_exchange_weak_explicit(A* obj, thread typename A::value_type* expected,
+                                                  typename A::value_type desired, memory_order, memory_order) {
+  return __atomic_compare_exchange_n(&obj->__v, expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
+template <class A>
+inline typename A::value_type atomic_fetch_add_explicit(A* obj, typename A::value_type v, memory_order) {
+  return __atomic_fetch_add(&obj->__v, v, __ATOMIC_SEQ_CST);
+}
+template <class A>
+inline typename A::value_type atomic_fetch_sub_explicit(A* obj, typename A::value_type v, memory_order) {
+  return __atomic_fetch_sub(&obj->__v, v, __ATOMIC_SEQ_CST);
+}
+#define MX_ATOMIC_INT_OP(name, builtin)                                                        \
+  template <class A>                                                                           \
+  inline typename A::value_type name(A* obj, typename A::value_type v, memory_order) {         \
+    static_assert(__mx::is_int<typename A::value_type>::value, #name " needs an integer atomic"); \
+    return builtin(&obj->__v, v, __ATOMIC_SEQ_CST);                                            \
+  }
+MX_ATOMIC_INT_OP(atomic_fetch_and_explicit, __atomic_fetch_and)
+MX_ATOMIC_INT_OP(atomic_fetch_or_explicit, __atomic_fetch_or)
+MX_ATOMIC_INT_OP(atomic_fetch_xor_explicit, __atomic_fetch_xor)
+MX_ATOMIC_INT_OP(atomic_fetch_min_explicit, __atomic_fetch_min)
+MX_ATOMIC_INT_OP(atomic_fetch_max_explicit, __atomic_fetch_max)
+#undef MX_ATOMIC_INT_OP
+
+// ------------------------------------------------------- simdgroup_matrix --
+// An 8x8 matrix spread over the 32 lanes of a simdgroup, two elements per
+// lane, in the layout Apple GPUs use: lane l holds row
+// (l/4 & 4) + (l/2) % 4, columns c and c+1 with c = (l/4 & 2) * 2 + (l % 2) * 2.
+// Loads and stores touch only the lane's own two elements, so the executor's
+// byte counters see what the hardware reads.
+template <class T, int R, int C>
+struct simdgroup_matrix {
+  static_assert(R == 8 && C == 8, "the CPU Metal executor supports 8x8 simdgroup matrices");
+  vec<T, 2> __e;
+  simdgroup_matrix() = default;
+  // A diagonal matrix, as Metal's scalar constructor makes.
+  explicit simdgroup_matrix(T diagonal) {
+    mx_u32 l = __mx::lane_id(), q = l / 4;
+    mx_u32 row = (q & 4) + (l / 2) % 4, col = (q & 2) * 2 + (l % 2) * 2;
+    __e[0] = row == col ? diagonal : T(0);
+    __e[1] = row == col + 1 ? diagonal : T(0);
+  }
+  thread vec<T, 2>& thread_elements() { return __e; }
+  const thread vec<T, 2>& thread_elements() const { return __e; }
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+
+template <class T, int R, int C>
+inline simdgroup_matrix<T, R, C> make_filled_simdgroup_matrix(T value) {
+  simdgroup_matrix<T, R, C> m;
+  m.__e = vec<T, 2>(value);
+  return m;
+}
+}  // namespace metal
+
+namespace __mx {
+inline void frag_coord(mx_u32& row, mx_u32& col) {
+  mx_u32 l = lane_id(), q = l / 4;
+  row = (q & 4) + (l / 2) % 4;
+  col = (q & 2) * 2 + (l % 2) * 2;
+}
+// The arguments of a collective load or store must be the same in every lane.
+struct matrix_args {
+  const void* p;
+  ulong elements_per_row;
+  ulong origin_x, origin_y;
+  bool transpose;
+};
+// Each lane learns whether all lanes passed the same arguments; the lanes
+// report a mismatch themselves (an engine callback must not fail).
+inline void uniform_args_fn(const mx_simd_lane* l, mx_u32 mask, mx_u32) {
+  const matrix_args* first = nullptr;
+  bool same = true;
+  for (int i = 0; i < 32; ++i) {
+    if (!active(mask, i)) continue;
+    const matrix_args& a = in<matrix_args>(l, i);
+    if (!first) { first = &a; continue; }
+    same = same && a.p == first->p && a.elements_per_row == first->elements_per_row &&
+           a.origin_x == first->origin_x && a.origin_y == first->origin_y && a.transpose == first->transpose;
+  }
+  for (int i = 0; i < 32; ++i)
+    if (active(mask, i)) out<bool>(l, i, same);
+}
+inline void require_uniform(const matrix_args& a, const char* what, site s) {
+  bool same;
+  __mx_api->simd(&uniform_args_fn, &a, &same, 0, MX_SIMD_UNIFORM, s.v);
+  if (!same) __mx_api->fail(what);
+}
+// Element (row, col) of the matrix lives at this offset from the pointer.
+inline ulong matrix_offset(const matrix_args& a, mx_u32 row, mx_u32 col) {
+  return a.transpose ? (a.origin_y + col) * a.elements_per_row + a.origin_x + row
+                     : (a.origin_y + row) * a.elements_per_row + a.origin_x + col;
+}
+
+struct mma_lane { float a[2], b[2], c[2]; };
+// D = A * B + C over the whole simdgroup, accumulated in float.
+inline void mma_fn(const mx_simd_lane* l, mx_u32, mx_u32) {
+  float A[8][8], B[8][8], Cm[8][8];
+  for (mx_u32 i = 0; i < 32; ++i) {
+    mx_u32 q = i / 4, row = (q & 4) + (i / 2) % 4, col = (q & 2) * 2 + (i % 2) * 2;
+    const mma_lane& x = in<mma_lane>(l, i);
+    for (int j = 0; j < 2; ++j) {
+      A[row][col + j] = x.a[j];
+      B[row][col + j] = x.b[j];
+      Cm[row][col + j] = x.c[j];
+    }
+  }
+  for (mx_u32 i = 0; i < 32; ++i) {
+    mx_u32 q = i / 4, row = (q & 4) + (i / 2) % 4, col = (q & 2) * 2 + (i % 2) * 2;
+    float* d = static_cast<float*>(l[i].out);
+    for (int j = 0; j < 2; ++j) {
+      float s = Cm[row][col + j];
+      for (int k = 0; k < 8; ++k) s += A[row][k] * B[k][col + j];
+      d[j] = s;
+    }
+  }
+}
+}  // namespace __mx
+
+namespace metal {
+template <class T, class P>
+inline void simdgroup_load(thread simdgroup_matrix<T, 8, 8>& d, P* src, ulong elements_per_row = 8,
+                           ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false,
+                           __mx::site s = __mx::site()) {
+  __mx::matrix_args a{(const void*)src, elements_per_row, matrix_origin.x, matrix_origin.y, transpose_matrix};
+  __mx::require_uniform(a, "simdgroup_load: the lanes of a simdgroup passed different arguments", s);
+  mx_u32 row, col;
+  __mx::frag_coord(row, col);
+  d.__e[0] = T(src[__mx::matrix_offset(a, row, col)]);
+  d.__e[1] = T(src[__mx::matrix_offset(a, row, col + 1)]);
+}
+template <class T, class P>
+inline void simdgroup_store(simdgroup_matrix<T, 8, 8> m, P* dst, ulong elements_per_row = 8,
+                            ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false,
+                            __mx::site s = __mx::site()) {
+  __mx::matrix_args a{(const void*)dst, elements_per_row, matrix_origin.x, matrix_origin.y, transpose_matrix};
+  __mx::require_uniform(a, "simdgroup_store: the lanes of a simdgroup passed different arguments", s);
+  mx_u32 row, col;
+  __mx::frag_coord(row, col);
+  dst[__mx::matrix_offset(a, row, col)] = m.__e[0];
+  dst[__mx::matrix_offset(a, row, col + 1)] = m.__e[1];
+}
+template <class TD, class TA, class TB, class TC>
+inline void simdgroup_multiply_accumulate(thread simdgroup_matrix<TD, 8, 8>& d, simdgroup_matrix<TA, 8, 8> a,
+                                          simdgroup_matrix<TB, 8, 8> b, simdgroup_matrix<TC, 8, 8> c,
+                                          __mx::site s = __mx::site()) {
+  __mx::mma_lane x{{(float)a.__e[0], (float)a.__e[1]}, {(float)b.__e[0], (float)b.__e[1]}, {(float)c.__e[0], (float)c.__e[1]}};
+  float r[2];
+  __mx_api->simd(&__mx::mma_fn, &x, r, 0, MX_SIMD_UNIFORM, s.v);
+  d.__e[0] = TD(r[0]);
+  d.__e[1] = TD(r[1]);
+}
+template <class TD, class TA, class TB>
+inline void simdgroup_multiply(thread simdgroup_matrix<TD, 8, 8>& d, simdgroup_matrix<TA, 8, 8> a,
+                               simdgroup_matrix<TB, 8, 8> b, __mx::site s = __mx::site()) {
+  simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<TD, 8, 8>(TD(0)), s);
+}
+}  // namespace metal
+
+// A `threadgroup` variable declared in a function; the translator rewrites
+// the declaration into a reference to this storage.
+inline void* __mx_threadgroup_variable(const void* key, mx_u64 size, mx_u64 align) {
+  return __mx_api->threadgroup_variable(key, size, align);
+}
+
+#endif  // MX_METAL_H
