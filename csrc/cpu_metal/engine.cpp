@@ -1077,14 +1077,16 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
   unsigned want = static_cast<unsigned>(std::min<uint64_t>(ds.group_count, Pool::get().size()));
   Pool::get().run([&] { this_worker().run(&ds); }, want);
 
-  // ---- copy back and release
+  // ---- copy back (unless the kernel failed: then the caller's memory is
+  // left as it was) and release
   if (ds.isolated) {
     size_t page = page_size();
     for (size_t s = 0; s < copies.size(); ++s) {
       Copy& c = copies[s];
       bool written = false;
       for (int m : c.members) written |= ds.totals.written[bound[m].index] > 0;
-      if (written && !bound[c.members[0]].from_bytes && c.size) std::memcpy(c.host, c.at, c.size);
+      if (written && ds.error == ErrorKind::kNone && !bound[c.members[0]].from_bytes && c.size)
+        std::memcpy(c.host, c.at, c.size);
       char* slot = region.base + (uint64_t(s) << kSlotShift) + kSlotMid;
       uint64_t len = ((c.at - slot) + c.size + page - 1) / page * page;
       if (len) mmap(slot, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);

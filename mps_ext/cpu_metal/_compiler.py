@@ -159,9 +159,9 @@ def preprocess(source: str, filename: str, defines: dict | None, include_dirs=()
     return _run(cmd, text, "preprocessing").stdout
 
 
-def translation_unit(preprocessed: str) -> tuple[str, list[dict], list[str]]:
+def translation_unit(preprocessed: str, tr: "_translate.Translation | None" = None) -> tuple[str, list[dict], list[str]]:
     """The C++ translation unit, the kernels, and problems found on the way."""
-    tr = _translate.translate(preprocessed)
+    tr = tr or _translate.translate(preprocessed)
     entry, entry_problems = _translate.entry_points(tr.kernels)
     problems = [msg for _, msg in tr.problems] + [msg for _, msg in entry_problems]
     tu = (
@@ -222,6 +222,34 @@ def check_address_spaces(tu: str, workdir: Path) -> list[Diagnostic]:
     if not any(d.severity in ("error", "fatal error") for d in diags):
         return []
     return diags
+
+
+def check_file(path: str | Path, include_dirs=()) -> list[str]:
+    """Check mode: Metal rules C++ accepts (the lint), then the address-space
+    compile. Returns findings as 'file:line[:col]: message'."""
+    from . import _lint
+
+    path = Path(path)
+    source = path.read_text()
+    name = str(path)
+    findings = _lint.lint_includes(source, name)
+    try:
+        pre = preprocess(source, name, None, [path.parent, *include_dirs])
+    except CompileError as e:
+        return findings + [line for line in str(e).splitlines() if line.strip()]
+    tr = _translate.translate(pre)
+    findings += _lint.lint(tr)
+    findings += [msg for _, msg in tr.problems]
+    tu, _, entry_problems = translation_unit(pre, tr)
+    with tempfile.TemporaryDirectory() as work:
+        diags = check_address_spaces(tu, Path(work))
+    for d in diags:
+        # Parameters the lint already reported also break the generated
+        # entry points; do not report them twice.
+        if d.severity == "note" or (entry_problems and d.file == "<executor entry points>"):
+            continue
+        findings.append(f"{d.file}:{d.line}:{d.column}: {d.severity}: {d.message}")
+    return findings
 
 
 def _cache_key(source: str, filename: str, defines: dict | None, check: bool) -> str:

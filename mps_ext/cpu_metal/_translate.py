@@ -103,6 +103,7 @@ class Param:
     address_space: str  # "device", "constant", "threadgroup", "thread" or ""
     is_reference: bool
     line: int
+    is_pointer: bool = False
 
 
 @dataclasses.dataclass
@@ -115,10 +116,23 @@ class Kernel:
 
 
 @dataclasses.dataclass
+class Function:
+    """A function definition, for the lint."""
+
+    name: str
+    file: str
+    line: int
+    is_kernel: bool
+    params: list[Param]
+    calls: set[str]  # names called in the body
+
+
+@dataclasses.dataclass
 class Translation:
     text: str  # the rewritten shader
     kernels: list[Kernel]
     problems: list[tuple[int, str]]  # (line, message) the translator noticed
+    functions: list[Function] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -139,6 +153,7 @@ class _Translator:
         self.kernel_defs: dict[tuple[tuple[str, ...], str], _KernelDef] = {}
         self.kernels: list[Kernel] = []
         self.problems: list[tuple[int, str]] = []
+        self.functions: list[Function] = []
         self.tg_counter = 0
         self._line_cache = self._build_line_map()
 
@@ -309,6 +324,8 @@ class _Translator:
                     stmt_start, stmt_attrs, stmt_kernel = i + 1, [], False
                 elif s == "{":
                     kind = self._classify_brace(stmt_start, i)
+                    if kind == "func":
+                        self._function_definition(stmt_start, i, stmt_kernel)
                     if kind == "func" and stmt_kernel:
                         self._kernel_definition(stmt_start, i, scopes, stmt_attrs)
                     name = self._namespace_name(stmt_start, i) if kind == "ns" else None
@@ -330,7 +347,7 @@ class _Translator:
                     i = nxt
                     continue
             i += 1
-        return Translation(self.result(), self.kernels, self.problems)
+        return Translation(self.result(), self.kernels, self.problems, self.functions)
 
     def _classify_brace(self, start: int, i: int) -> str:
         words = [t.text for t in self.toks[start:i]]
@@ -462,11 +479,14 @@ class _Translator:
             dims = "".join(self.t(k) for k in toks[1:])
             self.tg_counter += 1
             key = f"__mx_tg_key_{self.tg_counter}"
+            # The key's address tells declarations apart (one per template
+            # instantiation, being a static local); its text names the
+            # variable in the engine's messages.
             pieces.append(
-                f"static const char {key} = 0; "
+                f'static const char {key}[] = "{name}"; '
                 f"threadgroup {type_text} (&{name}){dims} = "
                 f"*(threadgroup {type_text} (*){dims})__mx_threadgroup_variable("
-                f"&{key}, sizeof({type_text}{dims}), alignof({type_text}{dims}));"
+                f"{key}, sizeof({type_text}{dims}), alignof({type_text}{dims}));"
             )
         start, end = self.toks[i].start, self.toks[j].end
         newlines = self.text.count("\n", start, end)
@@ -493,14 +513,14 @@ class _Translator:
             parts.append(cur)
         return parts
 
-    def _kernel_definition(self, start: int, brace: int, scopes, attrs):
+    _NOT_CALLS = {"if", "for", "while", "switch", "return", "sizeof", "alignof", "decltype", "static_assert",
+                  "__attribute__", "catch", "noexcept"}
+
+    def _signature(self, start: int, brace: int):
+        """(name token index, '(' index, ')' index) of a function definition."""
         k = start
-        is_template = False
         if self.t(k) == "template":
-            is_template = True
             k = self.match(k + 1, "<", ">") + 1
-        # The kernel's name is the identifier before the first '(' at depth 0
-        # that is not part of an __attribute__((...)).
         j = k
         while j < brace:
             if self.t(j) == "__attribute__":
@@ -510,13 +530,33 @@ class _Translator:
                 break
             j += 1
         if j >= brace or self.toks[j - 1].kind != "ident":
+            return None
+        return j - 1, j, self.match(j, "(", ")")
+
+    def _function_definition(self, start: int, brace: int, is_kernel: bool):
+        sig = self._signature(start, brace)
+        if not sig:
+            return
+        name_at, open_, close = sig
+        end = self.match(brace, "{", "}")
+        calls = {
+            self.t(k) for k in range(brace + 1, end)
+            if self.toks[k].kind == "ident" and self.t(k + 1) == "(" and self.t(k) not in self._NOT_CALLS
+            and self.t(k - 1) not in (".", "->")
+        }
+        file, line = self.where(self.toks[start].start)
+        params = [self._param(p, self.t(name_at)) for p in self._split_params(open_ + 1, close)]
+        self.functions.append(Function(self.t(name_at), file, line, is_kernel, params, calls))
+
+    def _kernel_definition(self, start: int, brace: int, scopes, attrs):
+        sig = self._signature(start, brace)
+        if not sig:
             self.problem(self.toks[start].start, "cannot find this kernel's name")
             return
-        name = self.t(j - 1)
-        close = self.match(j, "(", ")")
-        params = []
-        for ptoks in self._split_params(j + 1, close):
-            params.append(self._param(ptoks, name))
+        name_at, open_, close = sig
+        name = self.t(name_at)
+        is_template = self.t(start) == "template"
+        params = [self._param(p, name) for p in self._split_params(open_ + 1, close)]
         namespace = tuple(n for kind, n in scopes if kind == "ns" and n)
         max_threads = "0"
         for aname, arg in attrs:
@@ -526,10 +566,9 @@ class _Translator:
         key = (namespace, name)
         if key in self.kernel_defs:
             self.problem(self.toks[start].start, f"kernel '{name}' is defined twice")
-        kdef = _KernelDef(name, namespace, is_template, params, max_threads, line)
-        self.kernel_defs[key] = kdef
+        self.kernel_defs[key] = _KernelDef(name, namespace, is_template, params, max_threads, line)
         if not is_template:
-            self.kernels.append(Kernel(name, "::".join(namespace + (name,)), params, max_threads, line))
+            self.kernels.append(Kernel(name, _qualified(namespace, name), params, max_threads, line))
 
     def _param(self, ptoks: list[int], kernel: str) -> Param:
         attr_name, attr_arg, plain = "", "", []
@@ -551,7 +590,7 @@ class _Translator:
         name = self.t(idents[-1]) if idents else "?"
         space = next((w for w in words if w in ("device", "constant", "threadgroup", "thread")), "")
         line = self.line(self.toks[ptoks[0]].start) if ptoks else 0
-        return Param(name, attr_name, attr_arg, space, "&" in words, line)
+        return Param(name, attr_name, attr_arg, space, "&" in words, line, "*" in words)
 
     def _explicit_instantiation(self, i: int, scopes) -> int:
         j = i
@@ -605,9 +644,15 @@ class _Translator:
         if kdef is None:
             self.problem(self.toks[i].start, f"'{host_name}' instantiates '{name}', which is not a kernel defined before it")
             return j + 1
-        callee_text = "::".join(kdef.namespace + (name,)) + template_args
+        callee_text = _qualified(kdef.namespace, name) + template_args
         self.kernels.append(Kernel(host_name, callee_text, kdef.params, kdef.max_threads, self.line(self.toks[i].start)))
         return j + 1
+
+
+def _qualified(namespace: tuple[str, ...], name: str) -> str:
+    # Fully qualified from the global namespace, so that a kernel named like
+    # a Metal function (`divide`) is not ambiguous under `using namespace metal`.
+    return "::" + "::".join(namespace + (name,))
 
 
 def _whitespace_like(s: str) -> str:
