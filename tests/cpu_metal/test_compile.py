@@ -1,0 +1,169 @@
+"""Compiling MSL: kernel names, errors mapped to the shader, defines, cache."""
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from mps_ext import cpu_metal
+from tests.cpu_metal.conftest import KERNELS
+
+
+def test_function_names_include_host_name_instantiations(kernels):
+    assert kernels("rounding").function_names == [
+        "to_half_and_bfloat", "mul_add_half", "mul_add_bfloat", "vector_rounding"]
+    assert set(kernels("matrix").function_names) == {"matmul_float", "matmul_half", "matmul_bfloat",
+                                                     "transpose_load"}
+
+
+def test_template_without_instantiation_is_not_a_kernel():
+    lib = cpu_metal.compile_library("""
+#include <metal_stdlib>
+using namespace metal;
+template <typename T> kernel void t(device T* x [[buffer(0)]]) { x[0] = 1; }
+kernel void plain(device float* x [[buffer(0)]]) { x[0] = 1; }
+""", filename="names.metal")
+    assert lib.function_names == ["plain"]
+
+
+def test_kernels_in_namespaces_and_macro_instantiations():
+    lib = cpu_metal.compile_library("""
+#include <metal_stdlib>
+using namespace metal;
+namespace ops {
+template <typename T, int N>
+kernel void fill(device T* x [[buffer(0)]], uint i [[thread_position_in_grid]]) { x[i] = T(N); }
+#define INSTANTIATE(name, T, N) \\
+  template [[host_name(#name)]] kernel decltype(fill<T, N>) fill<T, N>;
+INSTANTIATE(fill_f32_3, float, 3)
+INSTANTIATE(fill_i32_7, int, 7)
+}
+""", filename="macros.metal")
+    assert lib.function_names == ["fill_f32_3", "fill_i32_7"]
+    x = torch.zeros(4)
+    lib.dispatch("fill_f32_3", [x], threads=4, threads_per_threadgroup=4)
+    assert x.tolist() == [3.0] * 4
+    y = torch.zeros(4, dtype=torch.int32)
+    lib.dispatch("fill_i32_7", [y], threads=4, threads_per_threadgroup=4)
+    assert y.tolist() == [7] * 4
+
+
+def test_defines_become_macros():
+    src = """
+#include <metal_stdlib>
+using namespace metal;
+kernel void k(device float* x [[buffer(0)]], uint i [[thread_position_in_grid]]) { x[i] = N * SCALE; }
+"""
+    x = torch.zeros(2)
+    cpu_metal.compile_library(src, defines={"N": 4, "SCALE": 0.5}).dispatch("k", [x], threads=2,
+                                                                             threads_per_threadgroup=2)
+    assert x.tolist() == [2.0, 2.0]
+    cpu_metal.compile_library(src, defines={"N": 3, "SCALE": 2}).dispatch("k", [x], threads=2,
+                                                                           threads_per_threadgroup=2)
+    assert x.tolist() == [6.0, 6.0]
+
+
+def test_compile_error_is_mapped_to_the_shader_source():
+    src = "#include <metal_stdlib>\nusing namespace metal;\n\nkernel void k(device float* x [[buffer(0)]]) {\n" \
+          "  x[0] = undefined_thing;\n}\n"
+    with pytest.raises(cpu_metal.CompileError) as e:
+        cpu_metal.compile_library(src, filename="broken.metal")
+    assert "broken.metal:5:" in str(e.value)
+    assert "undefined_thing" in str(e.value)
+    d = e.value.diagnostics[0]
+    assert (d.file, d.line, d.severity) == ("broken.metal", 5, "error")
+
+
+def test_address_space_mismatch_fails_to_compile():
+    with pytest.raises(cpu_metal.CompileError, match="address_space_mismatch.metal:13:.*no matching function"):
+        cpu_metal.compile_library((KERNELS / "address_space_mismatch.metal").read_text(),
+                                  filename="address_space_mismatch.metal")
+
+
+def test_struct_copied_out_of_constant_and_device_memory_is_legal():
+    # C++ has no copy constructor across address spaces; Metal copies.
+    lib = cpu_metal.compile_library("""
+#include <metal_stdlib>
+using namespace metal;
+struct P { float a; float b; };
+float sum(P p) { return p.a + p.b; }
+kernel void k(device float* out [[buffer(0)]], constant P& params [[buffer(1)]],
+              device P* items [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+  P copy = params;
+  P item = items[i];
+  items[i] = copy;
+  out[i] = sum(item) + sum(params);
+}
+""", filename="copies.metal")
+    out = torch.zeros(2)
+    items = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    lib.dispatch("k", [out, np.array([10.0, 20.0], dtype=np.float32).tobytes(), items], threads=2,
+                 threads_per_threadgroup=2)
+    assert out.tolist() == [33.0, 37.0]
+    assert items.tolist() == [10.0, 20.0, 10.0, 20.0]
+
+
+def test_unsupported_kernel_parameter_is_a_clear_error():
+    with pytest.raises(cpu_metal.CompileError, match=r"parameter 'n' .* has no attribute"):
+        cpu_metal.compile_library("""
+#include <metal_stdlib>
+using namespace metal;
+kernel void k(device float* x [[buffer(0)]], uint n) { x[0] = n; }
+""", filename="noattr.metal")
+
+
+def test_build_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPS_EXT_CACHE_DIR", str(tmp_path))
+    src = (KERNELS / "scan.metal").read_text() + "\n// cache test\n"
+    t0 = time.perf_counter()
+    a = cpu_metal.compile_library(src, filename="scan.metal")
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    b = cpu_metal.compile_library(src, filename="scan.metal")
+    second = time.perf_counter() - t0
+    assert a.path == b.path and a.path.startswith(str(tmp_path))
+    assert second < first / 5
+    assert len(list(tmp_path.glob("*/*/library.so"))) == 1
+    # a different define is a different build
+    cpu_metal.compile_library(src, defines={"X": 1}, filename="scan.metal")
+    assert len(list(tmp_path.glob("*/*/library.so"))) == 2
+
+
+def test_check_mode_passes_the_test_kernels():
+    files = [str(p) for p in sorted(KERNELS.glob("*.metal")) if p.name != "address_space_mismatch.metal"]
+    r = subprocess.run([sys.executable, "-m", "mps_ext.cpu_metal", "check", *files], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_check_mode_reports_an_address_space_mismatch():
+    path = KERNELS / "address_space_mismatch.metal"
+    r = subprocess.run([sys.executable, "-m", "mps_ext.cpu_metal", "check", str(path)], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert f"{path}:13:" in r.stdout and f"{path}:14:" in r.stdout
+
+
+LINT_CASES = {
+    "double": ("kernel void k(device float* x [[buffer(0)]]) { double d = 1; x[0] = d; }", "Metal has no double"),
+    "include": ("#include <cmath>\nkernel void k(device float* x [[buffer(0)]]) { x[0] = 1; }",
+                "<cmath> is not a Metal header"),
+    "pointer": ("kernel void k(float* x [[buffer(0)]]) { x[0] = 1; }", "without an address space"),
+    "attribute": ("kernel void k(device float* x [[buffer(0)]], uint n) { x[0] = n; }", "has no attribute"),
+    "mutual_recursion": ("float g(float x);\nfloat f(float x) { return x > 0 ? g(x - 1) : 0; }\n"
+                         "float g(float x) { return f(x); }\n"
+                         "kernel void k(device float* x [[buffer(0)]]) { x[0] = f(3); }",
+                         "recursion is not allowed in Metal: f -> g -> f"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LINT_CASES))
+def test_check_mode_lint(tmp_path, case):
+    body, expected = LINT_CASES[case]
+    path = tmp_path / f"{case}.metal"
+    path.write_text("#include <metal_stdlib>\nusing namespace metal;\n" + body + "\n")
+    r = subprocess.run([sys.executable, "-m", "mps_ext.cpu_metal", "check", str(path)], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert expected in r.stdout
+    assert f"{path}:" in r.stdout  # file:line
