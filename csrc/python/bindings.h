@@ -3,4 +3,5 @@
 
 namespace mps_ext {
 void bind_executor(pybind11::module_& m);
+void bind_ops(pybind11::module_& m);
 }

@@ -1,0 +1,27 @@
+// The ops of mps_ext, as the op layer implements them once for every backend.
+// Each checks its arguments (torch's messages), allocates its output, picks
+// a kernel variant and launch geometry, and launches through backend/launch.h.
+// `*_unsupported` returns why an input goes to the stock kernel instead
+// (empty: mps_ext handles it).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Scalar.h>
+
+#include <string>
+
+namespace mps_ext {
+
+// softmax.cpp: _softmax / _log_softmax and their backward.
+std::string softmax_unsupported(const at::Tensor& self);
+at::Tensor softmax_forward(const at::Tensor& self, int64_t dim, bool half_to_float, bool log);
+std::string softmax_backward_unsupported(const at::Tensor& grad, const at::Tensor& output,
+                                         c10::ScalarType input_dtype);
+at::Tensor softmax_backward(const at::Tensor& grad, const at::Tensor& output, int64_t dim,
+                            c10::ScalarType input_dtype, bool log);
+
+// pad.cpp: constant_pad_nd.
+std::string pad_unsupported(const at::Tensor& self, c10::IntArrayRef pad);
+at::Tensor constant_pad(const at::Tensor& self, c10::IntArrayRef pad, const c10::Scalar& value);
+
+}  // namespace mps_ext

@@ -1,0 +1,83 @@
+#include "ops/registry.h"
+
+#include <c10/util/Exception.h>
+
+#include <memory>
+
+namespace mps_ext {
+
+void Family::count_ran() {
+  std::lock_guard<std::mutex> g(mutex_);
+  ++ran_;
+}
+void Family::count_fallback(const std::string& reason) {
+  std::lock_guard<std::mutex> g(mutex_);
+  ++fallbacks_[reason];
+}
+uint64_t Family::ran() const {
+  std::lock_guard<std::mutex> g(mutex_);
+  return ran_;
+}
+std::map<std::string, uint64_t> Family::fallbacks() const {
+  std::lock_guard<std::mutex> g(mutex_);
+  return fallbacks_;
+}
+void Family::reset() {
+  std::lock_guard<std::mutex> g(mutex_);
+  ran_ = 0;
+  fallbacks_.clear();
+}
+
+namespace {
+std::mutex g_mutex;
+std::map<std::string, std::unique_ptr<Family>>& families() {
+  static auto* f = new std::map<std::string, std::unique_ptr<Family>>();
+  return *f;
+}
+std::map<std::pair<std::string, c10::DispatchKey>, c10::SafeKernelFunction>& stock() {
+  static auto* s = new std::map<std::pair<std::string, c10::DispatchKey>, c10::SafeKernelFunction>();
+  return *s;
+}
+std::pair<std::string, std::string> split_name(const std::string& op) {
+  auto dot = op.find('.');
+  if (dot == std::string::npos) return {op, ""};
+  return {op.substr(0, dot), op.substr(dot + 1)};
+}
+}  // namespace
+
+Family& family(const std::string& name) {
+  std::lock_guard<std::mutex> g(g_mutex);
+  auto& f = families()[name];
+  if (!f) f = std::make_unique<Family>(name);
+  return *f;
+}
+
+std::vector<std::string> family_names() {
+  std::lock_guard<std::mutex> g(g_mutex);
+  std::vector<std::string> names;
+  for (auto& kv : families()) names.push_back(kv.first);
+  return names;
+}
+
+c10::OperatorHandle op_handle(const std::string& op) {
+  auto [name, overload] = split_name(op);
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+}
+
+void capture_stock_kernel(const std::string& op, c10::DispatchKey key) {
+  std::lock_guard<std::mutex> g(g_mutex);
+  auto k = std::make_pair(op, key);
+  if (stock().count(k)) return;
+  auto handle = op_handle(op);
+  TORCH_CHECK(handle.hasComputedKernelForDispatchKey(key), "mps_ext: ", op, " has no kernel for ", key,
+              " to fall back to");
+  stock().emplace(k, handle.getComputedKernelForDispatchKey(key));
+}
+
+const c10::SafeKernelFunction& stock_kernel(const std::string& op, c10::DispatchKey key) {
+  capture_stock_kernel(op, key);
+  std::lock_guard<std::mutex> g(g_mutex);
+  return stock().at(std::make_pair(op, key));
+}
+
+}  // namespace mps_ext
