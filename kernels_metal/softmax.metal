@@ -17,7 +17,7 @@ using namespace metal;
 
 // Elements each thread holds.
 #define SEGMENT_ELEMENTS 4
-#define BLOCK_ELEMENTS 8
+#define BLOCK_ELEMENTS 16
 
 // ------------------------------------------------------------- indexing --
 struct RowOffsets {

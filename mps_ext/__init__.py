@@ -1,0 +1,160 @@
+"""mps_ext: Metal kernels that make PyTorch models faster and smaller on
+Apple-silicon Macs.
+
+`import mps_ext` overrides some of PyTorch's MPS ops with Metal kernels of its
+own, where the installed torch's are slower or wrong. Model code does not
+change. Importing never raises: if the kernels cannot be used here,
+`unavailable_reason()` says why and torch runs as before.
+
+    mps_ext.is_available()        # are the Metal kernels active?
+    mps_ext.unavailable_reason()  # None, or one sentence why not
+    mps_ext.enabled_ops()         # op families in use
+    with mps_ext.disabled("pad"): ...   # torch's own kernel inside the block
+    mps_ext.stats()               # per family: calls run, fallbacks and why
+
+MPS_EXT_DISABLE=softmax,pad in the environment turns families off before
+anything is installed. `python -m mps_ext` prints a report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import sys
+import warnings
+
+__version__ = "0.1.0"
+__all__ = ["is_available", "unavailable_reason", "families", "enabled_ops", "set_enabled", "disabled",
+           "stats", "reset_stats", "family_status"]
+
+_load_error: str | None = None
+try:
+    import torch as _torch
+
+    from . import _C
+except Exception as e:  # never let a broken install break the user's import
+    _C = None
+    _load_error = f"{type(e).__name__}: {e}"
+
+_env_disabled: set[str] = set()
+_policy_skipped: dict[str, str] = {}
+_installed: list[str] = []
+
+
+def _mac_version() -> tuple[int, ...]:
+    v = platform.mac_ver()[0]
+    return tuple(int(x) for x in v.split(".")) if v else ()
+
+
+def unavailable_reason() -> str | None:
+    """None if mps_ext's Metal kernels can run here; otherwise one sentence
+    naming the cause."""
+    if sys.platform != "darwin":
+        return f"mps_ext's Metal kernels run on macOS with an Apple GPU; this is {platform.system()}."
+    mac = _mac_version()
+    if mac and mac < (14,):
+        return f"macOS {'.'.join(map(str, mac))} is older than 14, the oldest macOS mps_ext supports."
+    if _load_error is not None:
+        return f"the native extension failed to load: {_load_error}"
+    if not _torch.backends.mps.is_built():
+        return "this torch was built without MPS support."
+    if not _torch.backends.mps.is_available():
+        return "torch sees no Metal GPU (torch.backends.mps.is_available() is False)."
+    return None
+
+
+def is_available() -> bool:
+    return unavailable_reason() is None
+
+
+def families() -> list[str]:
+    """Every op family mps_ext has, available here or not."""
+    return list(_C.families()) if _C is not None else []
+
+
+def family_status(name: str) -> str:
+    """'on', or why the family is off."""
+    if _C is None:
+        return "off: the native extension is not loaded"
+    if name in _env_disabled:
+        return "off: listed in MPS_EXT_DISABLE"
+    if not _C.is_enabled(name):
+        return "off: turned off at run time"
+    if name in _policy_skipped:
+        return f"left to torch on MPS: {_policy_skipped[name]}"
+    return "on"
+
+
+def enabled_ops() -> list[str]:
+    """Op families whose kernels run: for torch's MPS ops where mps_ext is
+    available, and for torch.ops.mps_ext (CPU tensors through the CPU Metal
+    executor) everywhere."""
+    return [f for f in families() if family_status(f) == "on"]
+
+
+def set_enabled(name: str, enabled: bool) -> None:
+    """Turn a family on or off; off sends its calls to torch's own kernel."""
+    if name not in families():
+        raise ValueError(f"no op family {name!r}; mps_ext has {', '.join(families())}")
+    _C.set_enabled(name, bool(enabled))
+
+
+@contextlib.contextmanager
+def disabled(*names: str):
+    """Inside the block, these families (all if none named) use torch's own
+    kernels."""
+    names = names or tuple(families())
+    before = {n: _C.is_enabled(n) for n in names if n in families()}
+    for n in names:
+        set_enabled(n, False)
+    try:
+        yield
+    finally:
+        for n, was in before.items():
+            _C.set_enabled(n, was)
+
+
+def stats() -> dict[str, dict]:
+    """Per family: {'ran': calls that ran mps_ext's kernels, 'fallbacks':
+    {reason: calls that went to torch's own kernel}}."""
+    return {k: {"ran": v["ran"], "fallbacks": dict(v["fallbacks"])} for k, v in _C.stats().items()} if _C else {}
+
+
+def reset_stats() -> None:
+    if _C is not None:
+        _C.reset_stats()
+
+
+def installed_overrides() -> list[str]:
+    """Families installed as overrides of torch's MPS ops in this process."""
+    return list(_installed)
+
+
+def _setup() -> None:
+    if _C is None:
+        return
+    known = set(_C.families())
+    requested = {n.strip() for n in os.environ.get("MPS_EXT_DISABLE", "").split(",") if n.strip()}
+    unknown = requested - known - {"all"}
+    if unknown:
+        warnings.warn(f"MPS_EXT_DISABLE names unknown op families {sorted(unknown)}; "
+                      f"mps_ext has {sorted(known)}", stacklevel=3)
+    _env_disabled.update(known if "all" in requested else requested & known)
+    from . import _policy
+
+    for name in known:
+        why = _policy.steps_aside(name, _torch.__version__)
+        if why:
+            _policy_skipped[name] = why
+    for name in _env_disabled:
+        _C.set_enabled(name, False)
+    if is_available():
+        wanted = sorted(known - _env_disabled - set(_policy_skipped))
+        try:
+            _installed.extend(_C.install_overrides(wanted))
+        except Exception as e:  # keep torch usable whatever happens
+            warnings.warn(f"mps_ext could not install its MPS overrides: {e}", stacklevel=3)
+
+
+_setup()

@@ -42,10 +42,8 @@ struct Launch {
 // Runs the launch on the device its tensors live on (all must agree).
 void launch(const Launch& launch);
 
-// Backends.
+// Backends. metal_launch exists on macOS only (metal.mm).
 void executor_launch(const Launch& launch);
-#ifdef __APPLE__
 void metal_launch(const Launch& launch);
-#endif
 
 }  // namespace mps_ext

@@ -12,12 +12,15 @@ namespace {
 
 // Must match SEGMENT_ELEMENTS and BLOCK_ELEMENTS in softmax.metal.
 constexpr int64_t kSegmentElements = 4;
-constexpr int64_t kBlockElements = 8;
+constexpr int64_t kBlockElements = 16;
+// Block threadgroups stay at 512 threads: a pipeline's
+// maxTotalThreadsPerThreadgroup can be below 1024 on a real GPU.
+constexpr int64_t kBlockThreads = 512;
 constexpr int64_t kSegmentMax = 32 * kSegmentElements;   // one simdgroup
-constexpr int64_t kBlockMax = 1024 * kBlockElements;     // one full threadgroup
+constexpr int64_t kBlockMax = kBlockThreads * kBlockElements;
 constexpr uint32_t kSegmentThreads = 256;
 constexpr uint32_t kSplitThreads = 256;
-constexpr int64_t kSplitChunk = kSplitThreads * kBlockElements;
+constexpr int64_t kSplitChunk = 2048;
 
 const char* type_name(c10::ScalarType t) {
   switch (t) {
@@ -40,8 +43,8 @@ uint32_t next_pow2(int64_t v) {
 //   D <= 128    segment: lanes_per_row = next_pow2(D / 4) lanes of a
 //               simdgroup per row, 256 threads per threadgroup, so short rows
 //               pack 256 / lanes_per_row rows per threadgroup.
-//   D <= 8192   block: one threadgroup per row, D / 8 threads rounded up to a
-//               whole simdgroup (32 to 1024).
+//   D <= 8192   block: one threadgroup per row, D / 16 threads rounded up to
+//               a whole simdgroup (32 to 512).
 //   longer      split: chunks of 2048 elements, one threadgroup each, in two
 //               dispatches. A 128K-vocabulary row becomes 63 threadgroups.
 // Segment and block read each element once; split reads it twice.
@@ -60,7 +63,7 @@ Plan plan(int64_t D) {
   }
   if (D <= kBlockMax) {
     int64_t threads = (D + kBlockElements - 1) / kBlockElements;
-    threads = std::min<int64_t>(1024, (threads + 31) / 32 * 32);
+    threads = std::min<int64_t>(kBlockThreads, (threads + 31) / 32 * 32);
     return {Shape::kBlock, static_cast<uint32_t>(threads)};
   }
   return {Shape::kSplit, kSplitThreads, 0, (D + kSplitChunk - 1) / kSplitChunk};

@@ -1,0 +1,4 @@
+#pragma once
+#import <Metal/Metal.h>
+@interface MPSCommandBuffer : NSObject
+@end

@@ -1,0 +1,71 @@
+"""python -m mps_ext [--self-check]
+
+Prints whether mps_ext's Metal kernels are active here and why not, the op
+families with their state, and the calls counted so far. --self-check also
+runs every op against torch's own CPU kernels (exit status 1 on a failure).
+"""
+
+import argparse
+import platform
+import sys
+
+import torch
+
+import mps_ext
+
+
+def report() -> None:
+    print(f"mps_ext {mps_ext.__version__}  torch {torch.__version__}  Python {platform.python_version()}  "
+          f"{platform.system()} {platform.machine()}")
+    reason = mps_ext.unavailable_reason()
+    print("Metal kernels active: " + ("yes" if reason is None else f"no. {reason}"))
+    installed = mps_ext.installed_overrides()
+    print()
+    print(f"{'op family':<10} {'state':<55} overrides")
+    for fam in mps_ext.families():
+        ops = ", ".join(op.split("::")[1] for op in mps_ext._C.family_aten_ops(fam))
+        where = ops if fam in installed else f"(not installed) {ops}"
+        print(f"{fam:<10} {mps_ext.family_status(fam):<55} {where}")
+    stats = mps_ext.stats()
+    if any(s["ran"] or s["fallbacks"] for s in stats.values()):
+        print()
+        for fam, s in stats.items():
+            fb = "; ".join(f"{n} x {why}" for why, n in s["fallbacks"].items()) or "none"
+            print(f"{fam:<10} ran {s['ran']}, fell back: {fb}")
+    print()
+    print("Turn a family off: MPS_EXT_DISABLE=softmax,pad, or `with mps_ext.disabled('pad'):`.")
+
+
+def self_check() -> bool:
+    from mps_ext import _selfcheck
+
+    print()
+    print("self-check against torch's CPU kernels" + ("" if mps_ext.is_available() else " (CPU Metal executor only)"))
+    results = _selfcheck.run()
+    failed = [r for r in results if not r.ok]
+    for r in results:
+        if not r.ok:
+            print(f"  FAIL {r.device:<8} {r.case.name}: {r.detail}")
+    by_family = {}
+    for r in results:
+        by_family.setdefault(r.case.family, []).append(r)
+    for fam, rs in by_family.items():
+        print(f"  {fam:<10} {sum(r.ok for r in rs)}/{len(rs)} passed")
+    print("self-check " + ("passed" if not failed else f"FAILED ({len(failed)} of {len(results)})"))
+    return not failed
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mps_ext", description=__doc__.splitlines()[2])
+    parser.add_argument("--self-check", action="store_true", help="run every op against torch's CPU kernels")
+    args = parser.parse_args(argv)
+    if mps_ext._C is None:
+        print(f"mps_ext's native extension did not load: {mps_ext._load_error}")
+        return 1
+    report()
+    ok = self_check() if args.self_check else True
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Self-check: every op family of mps_ext against torch's own CPU kernels.
+
+On every machine the kernels run on CPU tensors through the CPU Metal
+executor (the same Metal source the Mac compiles), as torch.ops.mps_ext.*.
+Where mps_ext is available they also run on the GPU, through the overridden
+aten ops, and are compared with the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import mps_ext
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@dataclasses.dataclass
+class Case:
+    family: str
+    name: str
+    op: object  # the aten function, e.g. torch._softmax
+    args: tuple
+    want: torch.Tensor  # torch's CPU result
+
+
+@dataclasses.dataclass
+class Result:
+    case: Case
+    device: str
+    ok: bool
+    detail: str = ""
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, str]:
+    got, want = got.cpu(), want.cpu()
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False, f"got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
+    if not got.is_floating_point():
+        return bool(torch.equal(got, want)), "values differ"
+    tol = TOLERANCE.get(got.dtype, 1e-5)
+    if torch.allclose(got.float(), want.float(), rtol=tol, atol=tol, equal_nan=True):
+        return True, ""
+    return False, f"max difference {(got.float() - want.float()).abs().nan_to_num(0).max().item():.3g}"
+
+
+def cases() -> list[Case]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for shape, dim in [((3, 7), 1), ((4, 300), -1), ((2, 20000), 1), ((5, 6, 7), 1)]:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            x = (torch.randn(shape, generator=g) * 3).to(dtype)
+            grad = torch.randn(shape, generator=g).to(dtype)
+            for log in (False, True):
+                fwd = torch._log_softmax if log else torch._softmax
+                bwd = torch._log_softmax_backward_data if log else torch._softmax_backward_data
+                name = f"{fwd.__name__[1:]} {tuple(shape)} dim={dim} {str(dtype)[6:]}"
+                # torch's CPU kernels, in float, rounded once: the reference
+                y = fwd(x.float(), dim, False).to(dtype)
+                out.append(Case("softmax", name, fwd, (x, dim, False), y))
+                out.append(Case("softmax", name + " backward", bwd, (grad, y, dim, dtype),
+                                bwd(grad.float(), y.float(), dim, torch.float32).to(dtype)))
+    for shape, pad, dtype in [((2, 3, 4), [1, 2], torch.float32), ((1, 2, 3, 8, 8), [1, 1, 1, 1, 1, 1], torch.float16),
+                              ((4, 5), [-1, 2, 0, -2], torch.int64), ((3, 3), [2, 2], torch.bool)]:
+        x = (torch.randn(shape, generator=g) * 10).to(dtype)
+        out.append(Case("pad", f"constant_pad_nd {tuple(shape)} pad={pad} {str(dtype)[6:]}", torch.constant_pad_nd,
+                        (x, pad, 1), torch.constant_pad_nd(x, pad, 1)))
+    return out
+
+
+def executor_op(op):
+    """The torch.ops.mps_ext op that runs mps_ext's kernel for aten function `op`."""
+    return getattr(torch.ops.mps_ext, op.__name__)
+
+
+def run() -> list[Result]:
+    results = []
+    devices = ["executor"] + (["mps"] if mps_ext.is_available() else [])
+    for case in cases():
+        for device in devices:
+            try:
+                before = mps_ext.stats()[case.family]["ran"]
+                if device == "executor":
+                    got = executor_op(case.op)(*case.args)
+                else:
+                    got = case.op(*(a.to("mps") if isinstance(a, torch.Tensor) else a for a in case.args))
+                ok, detail = close(got, case.want)
+                if mps_ext.stats()[case.family]["ran"] == before:
+                    ok, detail = False, "mps_ext's kernel did not run (the call went to torch's own)"
+            except Exception as e:
+                ok, detail = False, f"{type(e).__name__}: {e}".splitlines()[0]
+            results.append(Result(case, device, ok, detail))
+    return results
