@@ -57,11 +57,11 @@ def cases() -> list[Case]:
                 fwd = torch._log_softmax if log else torch._softmax
                 bwd = torch._log_softmax_backward_data if log else torch._softmax_backward_data
                 name = f"{fwd.__name__[1:]} {tuple(shape)} dim={dim} {str(dtype)[6:]}"
-                # torch's CPU kernels, in float, rounded once: the reference
-                y = fwd(x.float(), dim, False).to(dtype)
+                # torch's CPU kernels in float64, rounded once: the reference
+                y = fwd(x.double(), dim, False).to(dtype)
                 out.append(Case("softmax", name, fwd, (x, dim, False), y))
                 out.append(Case("softmax", name + " backward", bwd, (grad, y, dim, dtype),
-                                bwd(grad.float(), y.float(), dim, torch.float32).to(dtype)))
+                                bwd(grad.double(), y.double(), dim, torch.float64).to(dtype)))
     for shape, pad, dtype in [((2, 3, 4), [1, 2], torch.float32), ((1, 2, 3, 8, 8), [1, 1, 1, 1, 1, 1], torch.float16),
                               ((4, 5), [-1, 2, 0, -2], torch.int64), ((3, 3), [2, 2], torch.bool)]:
         x = (torch.randn(shape, generator=g) * 10).to(dtype)

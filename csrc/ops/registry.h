@@ -70,8 +70,9 @@ at::Tensor route(Family& fam, const std::string& op, c10::DispatchKey key, const
     fam.count_fallback(reason);
     return call_stock(op, key, args...);
   }
+  at::Tensor out = ours();
   fam.count_ran();
-  return ours();
+  return out;
 }
 
 }  // namespace mps_ext

@@ -1,0 +1,40 @@
+"""Op tests run on every device mps_ext has here: 'executor' (CPU tensors
+through torch.ops.mps_ext and the CPU Metal executor, always) and 'mps' (the
+overridden aten ops on the GPU, where mps_ext is available). The reference is
+torch's own CPU kernel."""
+
+import pytest
+import torch
+
+import mps_ext
+
+DEVICES = ["executor"] + (["mps"] if mps_ext.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+class Runner:
+    """Calls aten op `name` so that mps_ext's kernel runs on `device`, and
+    checks that it did (not a fallback)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __call__(self, name, *args, family):
+        before = mps_ext.stats()[family]
+        if self.device == "executor":
+            out = getattr(torch.ops.mps_ext, name)(*args)
+        else:
+            moved = [a.to("mps") if isinstance(a, torch.Tensor) else a for a in args]
+            out = getattr(torch.ops.aten, name)(*moved).cpu()
+        after = mps_ext.stats()[family]
+        assert after["ran"] == before["ran"] + 1, f"mps_ext's kernel did not run: {after['fallbacks']}"
+        return out
+
+
+@pytest.fixture
+def run(device):
+    return Runner(device)

@@ -1,0 +1,194 @@
+"""_softmax, _log_softmax and their backward against torch's CPU kernels."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mps_ext import cpu_metal
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# fp32: torch's vectorised exp and the Metal one differ by an ulp or so;
+# fp16/bf16: one rounding of the fp32 result, both sides.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float16: dict(rtol=1e-3, atol=1e-5),
+       torch.bfloat16: dict(rtol=8e-3, atol=1e-5)}
+WIDTHS = [1, 2, 3, 31, 32, 33, 100, 127, 128, 129, 1000, 4096, 8192, 8193, 20000]
+
+gen = torch.Generator().manual_seed(0)
+
+
+def reference(x, dim, log, half_to_float=False):
+    """torch's CPU softmax, computed in float64 and rounded once. (torch's
+    float32 kernel itself loses up to 6e-5 relative on long rows, by summing
+    in float: a worse oracle than the kernels under test.)"""
+    out = (torch._log_softmax if log else torch._softmax)(x.double(), dim, False)
+    return out.float() if half_to_float else out.to(x.dtype)
+
+
+def check(got, want):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, equal_nan=True, **TOL[want.dtype])
+
+
+def fwd_name(log):
+    return "_log_softmax" if log else "_softmax"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_row_widths(run, dtype, width):
+    rows = 3 if width < 10000 else 1
+    x = (torch.randn(rows, width, generator=gen) * 4).to(dtype)
+    for log in (False, True):
+        check(run(fwd_name(log), x, 1, False, family="softmax"), reference(x, 1, log))
+
+
+def test_one_vocabulary_row_is_split_over_many_threadgroups(run, device):
+    x = torch.randn(1, 128256, generator=gen)
+    with cpu_metal.record() as rec:
+        out = run("_softmax", x, -1, False, family="softmax")
+    check(out, reference(x, -1, False))
+    if device == "executor":
+        assert len(rec.dispatches) == 2  # partials, then finish
+        assert all(d.total_threadgroups >= 60 for d in rec.dispatches)
+
+
+def test_short_rows_pack_into_one_threadgroup(run, device):
+    x = torch.randn(100, 16, generator=gen)
+    with cpu_metal.record() as rec:
+        out = run("_softmax", x, 1, False, family="softmax")
+    check(out, reference(x, 1, False))
+    if device == "executor":
+        (d,) = rec.dispatches
+        assert d.total_threadgroups == 2  # 4 lanes per row: 64 rows per threadgroup
+        assert d.bytes_read[1] == x.nbytes and d.bytes_written[0] == x.nbytes  # each element read once
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (7, 1, 3), (1,), (4, 300, 2)])
+def test_every_dim(run, shape):
+    x = torch.randn(*shape, generator=gen)
+    for dim in range(-len(shape), len(shape)):
+        for log in (False, True):
+            check(run(fwd_name(log), x, dim, False, family="softmax"), reference(x, dim, log))
+
+
+def test_scalar_and_empty(run):
+    s = torch.tensor(2.5)
+    check(run("_softmax", s, 0, False, family="softmax"), reference(s, 0, False))
+    check(run("_log_softmax", s, -1, False, family="softmax"), reference(s, -1, True))
+    for shape, dim in [((0, 5), 1), ((3, 0), 1), ((3, 0), 0), ((2, 0, 4), 2)]:
+        e = torch.randn(*shape)
+        out = run("_softmax", e, dim, False, family="softmax")
+        assert out.shape == e.shape and out.dtype == e.dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_and_offset_views(run, dtype):
+    base = torch.randn(9, 40, 50, generator=gen).to(dtype)
+    views = {
+        "transposed": base.transpose(1, 2),
+        "sliced": base[1::2, 3:, ::3],
+        "offset by one element": base.reshape(-1)[1:1 + 37 * 41].view(37, 41),
+        "expanded": torch.randn(1, 50, generator=gen).to(dtype).expand(6, 50),
+        "channels last": base[:2].reshape(2, 4, 10, 50).contiguous(memory_format=torch.channels_last),
+    }
+    for name, v in views.items():
+        for dim in range(v.dim()):
+            check(run("_softmax", v, dim, False, family="softmax"), reference(v, dim, False))
+
+
+def test_half_to_float(run):
+    x = torch.randn(4, 3000, generator=gen).half()
+    for log in (False, True):
+        out = run(fwd_name(log), x, 1, True, family="softmax")
+        assert out.dtype == torch.float32
+        check(out, reference(x, 1, log, half_to_float=True))
+
+
+def test_half_to_float_needs_half(run):
+    with pytest.raises(RuntimeError, match="conversion is supported for Half type only"):
+        run("_softmax", torch.randn(2, 3), 1, True, family="softmax")
+
+
+SPECIAL_ROWS = {
+    "-inf among finite": [-math.inf, 0.0, 1.0, -math.inf],
+    "all -inf": [-math.inf] * 4,
+    "nan": [1.0, math.nan, 2.0, 3.0],
+    "+inf": [1.0, math.inf, 2.0, 3.0],
+    "two +inf": [math.inf, math.inf, 0.0, 0.0],
+    "huge range": [3e38, -3e38, 0.0, 1.0],
+    "all equal": [7.0] * 4,
+}
+
+
+@pytest.mark.parametrize("width", [4, 300, 9000])  # segment, block, split
+def test_special_values_as_torch(run, width):
+    rows = []
+    for vals in SPECIAL_ROWS.values():
+        row = torch.full((width,), -5.0)
+        row[: len(vals)] = torch.tensor(vals)
+        rows.append(row)
+    x = torch.stack(rows)
+    for log in (False, True):
+        out = run(fwd_name(log), x, 1, False, family="softmax")
+        want = reference(x, 1, log)
+        assert torch.equal(out.isnan(), want.isnan()), f"NaN pattern, log={log}"
+        assert torch.equal(out.isinf(), want.isinf())
+        check(out, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 5, 128, 1000, 9000])
+def test_backward(run, dtype, width):
+    x = torch.randn(3, width, generator=gen)
+    g = torch.randn(3, width, generator=gen).to(dtype)
+    for log in (False, True):
+        y = reference(x.to(dtype), 1, log)
+        name = "_log_softmax_backward_data" if log else "_softmax_backward_data"
+        want = getattr(torch.ops.aten, name)(g.double(), y.double(), 1, torch.float64).to(dtype)
+        got = run(name, g, y, 1, dtype, family="softmax")
+        torch.testing.assert_close(got, want, **{k: v * 4 for k, v in TOL[dtype].items()})
+
+
+def test_backward_strided_every_dim(run):
+    x = torch.randn(5, 6, 7, generator=gen)
+    for dim in range(3):
+        y = torch._softmax(x, dim, False).transpose(0, 2)
+        g = torch.randn(7, 6, 5, generator=gen)
+        want = torch._softmax_backward_data(g, y, 2 - dim, torch.float32)
+        torch.testing.assert_close(run("_softmax_backward_data", g, y, 2 - dim, torch.float32, family="softmax"),
+                                   want, rtol=1e-5, atol=1e-6)
+
+
+def test_backward_after_half_to_float(run):
+    x = torch.randn(2, 700, generator=gen).half()
+    y = reference(x, 1, False, half_to_float=True)  # float output of a half input
+    g = torch.randn(2, 700, generator=gen)
+    got = run("_softmax_backward_data", g, y, 1, torch.float16, family="softmax")
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, torch._softmax_backward_data(g, y, 1, torch.float32).half(), rtol=1e-3, atol=1e-5)
+
+
+def test_autograd_matches_cpu():
+    # Through torch.ops.mps_ext the backward kernel is reachable only directly;
+    # on a Mac, the aten overrides carry autograd. Check the formula end to end
+    # on the executor against torch's autograd on the CPU.
+    x = torch.randn(4, 50, generator=gen, requires_grad=True)
+    g = torch.randn(4, 50, generator=gen)
+    y = torch.log_softmax(x, 1)
+    y.backward(g)
+    ours = torch.ops.mps_ext._log_softmax_backward_data(g, y.detach(), 1, torch.float32)
+    torch.testing.assert_close(ours, x.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dim", [2, -4])
+def test_dim_out_of_range(run, dim):
+    with pytest.raises(IndexError, match=r"Dimension out of range \(expected to be in range of \[-2, 1\]"):
+        run("_softmax", torch.randn(2, 3), dim, False, family="softmax")
+
+
+def test_backward_device_and_shape_mismatch(run, device):
+    g, y = torch.randn(2, 3), torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match="same shape"):
+        run("_softmax_backward_data", g, y, 1, torch.float32, family="softmax")

@@ -1,0 +1,118 @@
+"""The package surface: availability, registration with aten schemas, routing
+to the stock kernel, switches, counters, the report."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mps_ext
+from mps_ext import _policy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def python(code, env=None):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+
+
+def test_unavailable_reason_is_one_sentence_naming_the_cause():
+    reason = mps_ext.unavailable_reason()
+    if sys.platform != "darwin":
+        assert reason == f"mps_ext's Metal kernels run on macOS with an Apple GPU; this is Linux."
+        assert not mps_ext.is_available()
+    else:
+        assert (reason is None) == mps_ext.is_available()
+
+
+def test_import_never_raises_even_when_the_extension_is_broken():
+    code = """
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "mps_ext._C":
+            raise ImportError("simulated: libtorch mismatch")
+sys.meta_path.insert(0, Block())
+import mps_ext
+print(mps_ext.is_available(), mps_ext.families(), mps_ext.stats(), repr(mps_ext._load_error))
+"""
+    r = python(code)
+    assert r.returncode == 0, r.stderr
+    assert "False [] {} 'ImportError: simulated: libtorch mismatch'" in r.stdout
+
+
+def test_ops_have_the_aten_schemas():
+    for fam in mps_ext.families():
+        for op in mps_ext._C.family_aten_ops(fam):
+            name = op.split("::")[1]
+            ours = getattr(torch.ops.mps_ext, name).default._schema
+            aten = getattr(torch.ops.aten, name).default._schema
+            assert [(a.name, str(a.type)) for a in ours.arguments] == [(a.name, str(a.type)) for a in aten.arguments]
+            assert [str(r.type) for r in ours.returns] == [str(r.type) for r in aten.returns]
+
+
+def test_unsupported_inputs_go_to_the_stock_kernel_and_are_counted():
+    mps_ext.reset_stats()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert torch.equal(torch.ops.mps_ext._softmax(x, 1, False), torch._softmax(x, 1, False))
+    y = torch.zeros(2, dtype=torch.complex128)
+    assert torch.equal(torch.ops.mps_ext.constant_pad_nd(y, [1, 1], 0), torch.constant_pad_nd(y, [1, 1]))
+    s = mps_ext.stats()
+    assert s["softmax"] == {"ran": 0, "fallbacks": {"dtype Double (float32, float16 and bfloat16 are handled)": 1}}
+    assert s["pad"]["fallbacks"] == {"dtype ComplexDouble (elements of 1, 2, 4 or 8 bytes are handled)": 1}
+
+
+def test_disabled_sends_calls_to_the_stock_kernel():
+    mps_ext.reset_stats()
+    x = torch.randn(2, 5)
+    with mps_ext.disabled("softmax"):
+        assert "softmax" not in mps_ext.enabled_ops() and "pad" in mps_ext.enabled_ops()
+        torch.ops.mps_ext._softmax(x, 1, False)
+        torch.ops.mps_ext.constant_pad_nd(x, [1, 1], 0)
+    torch.ops.mps_ext._softmax(x, 1, False)
+    s = mps_ext.stats()
+    assert s["softmax"] == {"ran": 1, "fallbacks": {"turned off": 1}}
+    assert s["pad"] == {"ran": 1, "fallbacks": {}}
+    assert "softmax" in mps_ext.enabled_ops()
+
+
+def test_disabled_restores_after_an_error():
+    with pytest.raises(ZeroDivisionError):
+        with mps_ext.disabled():
+            assert mps_ext.enabled_ops() == []
+            1 / 0
+    assert set(mps_ext.enabled_ops()) == set(mps_ext.families())
+
+
+def test_set_enabled_rejects_unknown_families():
+    with pytest.raises(ValueError, match="no op family 'nope'; mps_ext has pad, softmax"):
+        mps_ext.set_enabled("nope", False)
+
+
+def test_environment_variable_turns_families_off():
+    r = python("import mps_ext; print(mps_ext.enabled_ops(), mps_ext.family_status('pad'))",
+               env={"MPS_EXT_DISABLE": "pad, bogus"})
+    assert r.returncode == 0
+    assert "['softmax'] off: listed in MPS_EXT_DISABLE" in r.stdout
+    assert "unknown op families ['bogus']" in r.stderr
+    r = python("import mps_ext; print(mps_ext.enabled_ops())", env={"MPS_EXT_DISABLE": "all"})
+    assert "[]" in r.stdout
+
+
+def test_policy_steps_aside_for_torch_with_its_own_kernels():
+    assert _policy.steps_aside("softmax", "2.13.0+cpu") is None
+    assert "2.15" in _policy.steps_aside("softmax", "2.15.0")
+    assert _policy.steps_aside("pad", "2.16.1") is not None
+    assert set(_policy.NATIVE_SINCE) <= set(mps_ext.families())
+
+
+def test_report_and_self_check():
+    r = subprocess.run([sys.executable, "-m", "mps_ext", "--self-check"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Metal kernels active:" in r.stdout
+    assert "self-check passed" in r.stdout
+    for fam in mps_ext.families():
+        assert fam in r.stdout
