@@ -1118,6 +1118,8 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
   st.bytes_written.assign(n, 0);
   st.read_widths.assign(n, {});
   st.write_widths.assign(n, {});
+  st.bound_from_bytes.assign(n, false);
+  for (size_t i = 0; i < n; ++i) st.bound_from_bytes[i] = dp.buffers[i].kind == Binding::Kind::kBytes;
   for (size_t i = 0; i < n; ++i) {
     st.bytes_read[i] = ds.totals.read[i];
     st.bytes_written[i] = ds.totals.written[i];

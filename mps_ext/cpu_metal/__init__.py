@@ -78,6 +78,7 @@ class DispatchStats:
     write_widths: dict[int, dict[int, int]]
     threadgroup_bytes_read: int
     threadgroup_bytes_written: int
+    constant_buffers: frozenset[int] = frozenset()  # indices bound from bytes
 
     @classmethod
     def _from_native(cls, d: dict) -> "DispatchStats":
@@ -98,6 +99,7 @@ class DispatchStats:
             write_widths=per_buffer(d["write_widths"]),
             threadgroup_bytes_read=d["threadgroup_bytes_read"],
             threadgroup_bytes_written=d["threadgroup_bytes_written"],
+            constant_buffers=frozenset(i for i, b in enumerate(d["bound_from_bytes"]) if b),
         )
 
     @property
@@ -109,6 +111,14 @@ class DispatchStats:
     def bytes_moved(self) -> int:
         """Bytes read plus bytes written over all device buffers."""
         return sum(self.bytes_read.values()) + sum(self.bytes_written.values())
+
+    @property
+    def memory_bytes_moved(self) -> int:
+        """Bytes read plus written over buffers bound to memory (tensors),
+        leaving out constant data such as parameter structs, which a GPU
+        serves from its constant cache, not from DRAM."""
+        return sum(v for i, v in self.bytes_read.items() if i not in self.constant_buffers) + sum(
+            v for i, v in self.bytes_written.items() if i not in self.constant_buffers)
 
 
 def _size3(value, what: str) -> list[int]:

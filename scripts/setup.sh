@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Sets up a machine to build, test and run mps_ext from this checkout:
+# clang (the CPU Metal executor compiles Metal shaders with it), the pinned
+# torch, and the package itself, built in place (editable).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "$(uname)" = "Linux" ] && ! command -v clang++-19 >/dev/null && ! command -v clang++ >/dev/null; then
+  SUDO=""
+  if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq clang-19 >/dev/null
+fi
+
+# Pin torch: an unpinned or ranged torch pulls the newest build, with several
+# GB of CUDA packages on Linux.
+python -m pip install -q "torch==${MPS_EXT_TORCH:-2.13.0}" numpy pytest pybind11 ninja setuptools wheel
+python -m pip install -q --no-build-isolation -e .
