@@ -88,7 +88,7 @@ def test_disabled_restores_after_an_error():
 
 
 def test_set_enabled_rejects_unknown_families():
-    with pytest.raises(ValueError, match="no op family 'nope'; mps_ext has pad, softmax"):
+    with pytest.raises(ValueError, match="no op family 'nope'; mps_ext has linear, pad, softmax"):
         mps_ext.set_enabled("nope", False)
 
 

@@ -24,4 +24,17 @@ at::Tensor softmax_backward(const at::Tensor& grad, const at::Tensor& output, in
 std::string pad_unsupported(const at::Tensor& self, c10::IntArrayRef pad);
 at::Tensor constant_pad(const at::Tensor& self, c10::IntArrayRef pad, const c10::Scalar& value);
 
+// linear.cpp: aten::linear, aten::mm, aten::addmm with 1 to 8 activation rows.
+std::string linear_unsupported(const at::Tensor& input, const at::Tensor& weight,
+                               const c10::optional<at::Tensor>& bias);
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+// `self`: addmm's bias (nullptr for mm).
+std::string mm_unsupported(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor* self);
+at::Tensor mm(const at::Tensor& mat1, const at::Tensor& mat2);
+at::Tensor addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2, const c10::Scalar& beta,
+                 const c10::Scalar& alpha);
+// Fewer rows than this go to the stock kernel (2 on a torch with its own
+// one-row GEMV: mps_ext/_policy.py).
+void set_linear_min_rows(int64_t rows);
+
 }  // namespace mps_ext

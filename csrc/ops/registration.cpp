@@ -58,6 +58,25 @@ at::Tensor constant_pad_impl(const at::Tensor& self, c10::SymIntArrayRef pad, co
                [&] { return constant_pad(self, p, value); }, self, pad, value);
 }
 
+template <DispatchKey K>
+at::Tensor linear_impl(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return route(family("linear"), "aten::linear", K, linear_unsupported(input, weight, bias),
+               [&] { return linear(input, weight, bias); }, input, weight, bias);
+}
+
+template <DispatchKey K>
+at::Tensor mm_impl(const at::Tensor& self, const at::Tensor& mat2) {
+  return route(family("linear"), "aten::mm", K, mm_unsupported(self, mat2, nullptr), [&] { return mm(self, mat2); },
+               self, mat2);
+}
+
+template <DispatchKey K>
+at::Tensor addmm_impl(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
+                      const c10::Scalar& beta, const c10::Scalar& alpha) {
+  return route(family("linear"), "aten::addmm", K, mm_unsupported(mat1, mat2, &self),
+               [&] { return addmm(self, mat1, mat2, beta, alpha); }, self, mat1, mat2, beta, alpha);
+}
+
 // Family -> the aten ops it overrides, for install_overrides.
 template <DispatchKey K>
 void register_family(torch::Library& m, const std::string& fam) {
@@ -68,6 +87,10 @@ void register_family(torch::Library& m, const std::string& fam) {
     m.impl("_log_softmax_backward_data", TORCH_FN(log_softmax_backward_impl<K>));
   } else if (fam == "pad") {
     m.impl("constant_pad_nd", TORCH_FN(constant_pad_impl<K>));
+  } else if (fam == "linear") {
+    m.impl("linear", TORCH_FN(linear_impl<K>));
+    m.impl("mm", TORCH_FN(mm_impl<K>));
+    m.impl("addmm", TORCH_FN(addmm_impl<K>));
   }
 }
 
@@ -76,6 +99,7 @@ const std::map<std::string, std::vector<std::string>>& family_ops() {
       {"softmax", {"aten::_softmax", "aten::_log_softmax", "aten::_softmax_backward_data",
                    "aten::_log_softmax_backward_data"}},
       {"pad", {"aten::constant_pad_nd"}},
+      {"linear", {"aten::linear", "aten::mm", "aten::addmm"}},
   };
   return ops;
 }
@@ -120,16 +144,17 @@ TORCH_LIBRARY(mps_ext, m) {
   m.def("_softmax_backward_data(Tensor grad_output, Tensor output, int dim, ScalarType input_dtype) -> Tensor");
   m.def("_log_softmax_backward_data(Tensor grad_output, Tensor output, int dim, ScalarType input_dtype) -> Tensor");
   m.def("constant_pad_nd(Tensor self, SymInt[] pad, Scalar value=0) -> Tensor");
+  m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("mm(Tensor self, Tensor mat2) -> Tensor");
+  m.def("addmm(Tensor self, Tensor mat1, Tensor mat2, *, Scalar beta=1, Scalar alpha=1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mps_ext, CPU, m) {
-  mps_ext::register_family<c10::DispatchKey::CPU>(m, "softmax");
-  mps_ext::register_family<c10::DispatchKey::CPU>(m, "pad");
+  for (const char* fam : {"softmax", "pad", "linear"}) mps_ext::register_family<c10::DispatchKey::CPU>(m, fam);
 }
 
 #ifdef __APPLE__
 TORCH_LIBRARY_IMPL(mps_ext, MPS, m) {
-  mps_ext::register_family<c10::DispatchKey::MPS>(m, "softmax");
-  mps_ext::register_family<c10::DispatchKey::MPS>(m, "pad");
+  for (const char* fam : {"softmax", "pad", "linear"}) mps_ext::register_family<c10::DispatchKey::MPS>(m, fam);
 }
 #endif

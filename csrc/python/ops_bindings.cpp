@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "ops/ops.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
 #include "python/bindings.h"
@@ -27,6 +28,7 @@ void bind_ops(py::module_& m) {
     }
     return out;
   });
+  m.def("set_linear_min_rows", &set_linear_min_rows, py::arg("rows"));
   m.def("reset_stats", [] {
     for (const auto& name : families()) family(name).reset();
   });

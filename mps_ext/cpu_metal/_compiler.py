@@ -50,6 +50,12 @@ _ARITHMETIC = [
 ]
 
 
+# The IR is instrumented before optimisation (every memory access the source
+# makes, at the width the source makes it: an optimiser may split a 16-byte
+# load into four 4-byte ones), then optimised with the checks in place.
+_IR_OPT = ["-O0", "-Xclang", "-disable-O0-optnone"]
+
+
 @dataclasses.dataclass
 class Diagnostic:
     file: str
@@ -294,7 +300,7 @@ def build(source: str, defines: dict | None = None, filename: str = "shader.meta
         cpp.write_text(tu)
         ll = work / "library.ll"
         clang = find_clang()
-        _run([clang, *_LANGUAGE, *_supported_arithmetic_flags(), "-O2", "-fno-vectorize", "-fno-slp-vectorize",
+        _run([clang, *_LANGUAGE, *_supported_arithmetic_flags(), *_IR_OPT,
               "-gline-tables-only", "-fPIC", "-w", "-fno-color-diagnostics", "-DMX_ADDRESS_SPACES=0",
               "-I", str(INCLUDE), "-S", "-emit-llvm", "-o", str(ll), str(cpp)])
         instrumented, _sites = _instrument.instrument(ll.read_text())

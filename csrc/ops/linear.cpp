@@ -1,0 +1,268 @@
+// Decode-time linear layers: aten::linear, aten::mm and aten::addmm with 1 to
+// 8 activation rows (or, for mm, 1 to 8 columns of the other operand), as
+// matrix-vector products. Kernels: kernels_metal/gemv.metal.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <atomic>
+
+#include "backend/launch.h"
+#include "gemv_params.h"
+#include "ops/ops.h"
+
+namespace mps_ext {
+namespace {
+
+constexpr int64_t kMaxRows = 8;
+// An 80-core M3 Ultra runs several threadgroups per core; aim for 4 per core.
+constexpr int64_t kTargetThreadgroups = 4 * 80;
+
+std::atomic<int64_t> g_min_rows{1};
+
+// One matrix-vector problem: y[r, n] = alpha * x[r, :] . w[n, :] + beta * bias[r, n].
+// Views with strides; no data is moved to set it up.
+struct Problem {
+  at::Tensor x, w, y, bias;  // bias undefined: none
+  int64_t rows, n, k;
+  int64_t x_row_stride, x_k_stride, w_n_stride, w_k_stride, y_row_stride, y_n_stride;
+  int64_t bias_row_stride = 0, bias_n_stride = 0;
+  double alpha = 1, beta = 0;
+  bool transposed = false;  // mm: the activation is mat2's columns, y written transposed
+};
+
+const char* type_name(c10::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "f32";
+    case at::kHalf: return "f16";
+    case at::kBFloat16: return "bf16";
+    default: TORCH_CHECK(false, "mps_ext linear: no kernel for ", t);
+  }
+}
+
+bool aligned16(const at::Tensor& t, int64_t stride) {
+  const int64_t size = t.itemsize();
+  return (t.storage_offset() * size) % 16 == 0 && (stride * size) % 16 == 0;
+}
+
+int64_t pow2_floor(int64_t v) {
+  int64_t p = 1;
+  while (p * 2 <= v) p *= 2;
+  return p;
+}
+
+// The variant policy.
+// - Layout: gemv_rows when the weight is contiguous along K (F.linear's
+//   [N, K]), gemv_cols when it is contiguous along N ([K, N], as in x @ W);
+//   otherwise gemv_rows with element loads.
+// - VEC (16-byte loads): gemv_rows needs the weight rows and the activation
+//   rows 16-byte aligned and contiguous along K; gemv_cols needs the weight
+//   rows along N aligned. Storage offsets that break alignment take element
+//   loads.
+// - Row variant: the smallest of 1, 2, 4, 8 activation rows that holds them.
+// - gemv_rows geometry: outputs per threadgroup = N / 320 rounded down to a
+//   power of two, clamped to 1..8 (2 simdgroups of up to 4 outputs), so that
+//   N >= 2048 gives at least 4 threadgroups per core of an 80-core GPU.
+void run(const Problem& pr) {
+  GemvParams p{};
+  p.rows = pr.rows;
+  p.n_out = pr.n;
+  p.k = pr.k;
+  p.x_row_stride = pr.x_row_stride;
+  p.x_k_stride = pr.x_k_stride;
+  p.w_n_stride = pr.w_n_stride;
+  p.w_k_stride = pr.w_k_stride;
+  p.y_row_stride = pr.y_row_stride;
+  p.y_n_stride = pr.y_n_stride;
+  p.bias_row_stride = pr.bias_row_stride;
+  p.bias_n_stride = pr.bias_n_stride;
+  p.alpha = static_cast<float>(pr.alpha);
+  p.beta = static_cast<float>(pr.beta);
+  p.has_bias = pr.bias.defined() ? 1 : 0;
+
+  int64_t variant = 1;
+  while (variant < pr.rows) variant *= 2;
+  const bool cols = pr.w_n_stride == 1 && pr.w_k_stride != 1 && pr.n > 1;
+  bool vec;
+  Launch l;
+  l.library = "gemv";
+  if (cols) {
+    vec = aligned16(pr.w, pr.w_k_stride);
+    int64_t per_group = 32 * (vec ? 16 / pr.w.itemsize() : 1);
+    l.threadgroups = {static_cast<uint32_t>((pr.n + per_group - 1) / per_group), 1, 1};
+    l.threads_per_threadgroup = {GEMV_COLS_THREADS, 1, 1};
+  } else {
+    vec = pr.w_k_stride == 1 && pr.x_k_stride == 1 && aligned16(pr.w, pr.w_n_stride) &&
+          aligned16(pr.x, pr.rows > 1 ? pr.x_row_stride : 0);
+    int64_t outputs = std::clamp<int64_t>(pow2_floor(std::max<int64_t>(pr.n / kTargetThreadgroups, 1)), 1,
+                                          2 * GEMV_MAX_OUTPUTS_PER_SIMDGROUP);
+    int64_t simdgroups = outputs >= 2 ? 2 : 1;
+    p.outputs_per_simdgroup = static_cast<uint32_t>(outputs / simdgroups);
+    l.threadgroups = {static_cast<uint32_t>((pr.n + outputs - 1) / outputs), 1, 1};
+    l.threads_per_threadgroup = {static_cast<uint32_t>(32 * simdgroups), 1, 1};
+  }
+  l.kernel = std::string("gemv_") + (cols ? "cols_" : "rows_") + type_name(pr.w.scalar_type()) + "_r" +
+             std::to_string(variant) + (vec ? "_vec" : "_scalar");
+  // Without a bias the output stands in for buffer 4; the kernel never reads it.
+  l.args = {KernelArg::of(pr.y), KernelArg::of(pr.x), KernelArg::of(pr.w), KernelArg::value(p),
+            KernelArg::of(pr.bias.defined() ? pr.bias : pr.y)};
+  launch(l);
+}
+
+bool kernel_dtype(c10::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+
+std::string dtypes_unsupported(std::initializer_list<const at::Tensor*> ts) {
+  c10::ScalarType t = (*ts.begin())->scalar_type();
+  if (!kernel_dtype(t)) return std::string("dtype ") + c10::toString(t) + " (float32, float16 and bfloat16 are handled)";
+  for (const at::Tensor* x : ts) {
+    if (!x->defined()) continue;
+    if (x->scalar_type() != t) return "operands of different dtypes";
+    if (x->layout() != at::kStrided) return "layout is not strided";
+  }
+  return "";
+}
+
+// The activation of linear as [rows, K] strides, if its leading dimensions
+// flatten without a copy.
+bool flat_rows(const at::Tensor& x, int64_t& row_stride) {
+  row_stride = 0;
+  int64_t expected = -1;
+  for (int64_t d = x.dim() - 2; d >= 0; --d) {
+    if (x.size(d) == 1) continue;
+    if (expected == -1) {
+      row_stride = x.stride(d);
+      expected = x.stride(d) * x.size(d);
+    } else {
+      if (x.stride(d) != expected) return false;
+      expected *= x.size(d);
+    }
+  }
+  return true;
+}
+
+std::string rows_unsupported(int64_t rows) {
+  if (rows == 0) return "";  // an empty result
+  if (rows > kMaxRows) return "more than 8 rows (a general matmul)";
+  if (rows < g_min_rows.load()) return "one row (torch's own GEMV)";
+  return "";
+}
+
+}  // namespace
+
+void set_linear_min_rows(int64_t rows) { g_min_rows = rows; }
+
+// ------------------------------------------------------------- F.linear --
+std::string linear_unsupported(const at::Tensor& input, const at::Tensor& weight,
+                               const c10::optional<at::Tensor>& bias) {
+  std::string why = dtypes_unsupported({&input, &weight, bias ? &*bias : &weight});
+  if (!why.empty()) return why;
+  if (input.dim() == 0 || weight.dim() != 2 || input.size(-1) != weight.size(1)) return "shapes";  // torch's errors
+  if (bias && bias->defined() && !(bias->dim() == 1 && bias->size(0) == weight.size(0)))
+    return "a bias that is not 1-D of size N";
+  int64_t row_stride;
+  if (!flat_rows(input, row_stride)) return "activation rows that do not flatten without a copy";
+  int64_t k = input.size(-1);
+  return rows_unsupported(k == 0 ? 0 : input.numel() / k);
+}
+
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const int64_t k = input.size(-1), n = weight.size(0);
+  std::vector<int64_t> out_shape = input.sizes().vec();
+  out_shape.back() = n;
+  at::Tensor y = at::empty(out_shape, input.options());
+  const int64_t rows = k == 0 ? y.numel() / std::max<int64_t>(n, 1) : input.numel() / k;
+  if (y.numel() == 0) return y;
+  Problem pr;
+  pr.x = input;
+  pr.w = weight;
+  pr.y = y;
+  pr.rows = rows;
+  pr.n = n;
+  pr.k = k;
+  flat_rows(input, pr.x_row_stride);
+  pr.x_k_stride = input.stride(-1);
+  pr.w_n_stride = weight.stride(0);
+  pr.w_k_stride = weight.stride(1);
+  pr.y_row_stride = n;
+  pr.y_n_stride = 1;
+  if (bias && bias->defined()) {
+    pr.bias = *bias;
+    pr.bias_n_stride = bias->stride(0);
+    pr.beta = 1;
+  }
+  run(pr);
+  return y;
+}
+
+// ----------------------------------------------------------- mm / addmm --
+// mat1 [M, K] @ mat2 [K, N]: the activation is mat1 when M <= 8 (mat2 is the
+// weight, seen as [N, K]); else mat2's N <= 8 columns, with mat1 the weight
+// and the output written transposed.
+std::string mm_unsupported(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor* self) {
+  std::string why = dtypes_unsupported({&mat1, &mat2, self ? self : &mat1});
+  if (!why.empty()) return why;
+  if (mat1.dim() != 2 || mat2.dim() != 2 || mat1.size(1) != mat2.size(0)) return "shapes";  // torch's errors
+  if (self && !self->defined()) return "";
+  int64_t rows = std::min(mat1.size(0), mat2.size(1));
+  return rows_unsupported(rows);
+}
+
+static Problem mm_problem(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& y) {
+  const int64_t M = mat1.size(0), N = mat2.size(1);
+  Problem pr;
+  pr.y = y;
+  pr.k = mat1.size(1);
+  if (M <= N && M <= kMaxRows) {  // y = mat1 @ mat2: rows of mat1 against mat2's columns
+    pr.x = mat1;
+    pr.rows = M;
+    pr.x_row_stride = mat1.stride(0);
+    pr.x_k_stride = mat1.stride(1);
+    pr.w = mat2;
+    pr.n = N;
+    pr.w_n_stride = mat2.stride(1);
+    pr.w_k_stride = mat2.stride(0);
+    pr.y_row_stride = y.stride(0);
+    pr.y_n_stride = y.stride(1);
+  } else {  // y^T = mat2^T @ mat1^T: columns of mat2 against mat1's rows
+    pr.transposed = true;
+    pr.x = mat2;
+    pr.rows = N;
+    pr.x_row_stride = mat2.stride(1);
+    pr.x_k_stride = mat2.stride(0);
+    pr.w = mat1;
+    pr.n = M;
+    pr.w_n_stride = mat1.stride(0);
+    pr.w_k_stride = mat1.stride(1);
+    pr.y_row_stride = y.stride(1);
+    pr.y_n_stride = y.stride(0);
+  }
+  return pr;
+}
+
+at::Tensor mm(const at::Tensor& mat1, const at::Tensor& mat2) {
+  at::Tensor y = at::empty({mat1.size(0), mat2.size(1)}, mat1.options());
+  if (y.numel() == 0) return y;
+  run(mm_problem(mat1, mat2, y));  // K == 0 writes zeros
+  return y;
+}
+
+at::Tensor addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2, const c10::Scalar& beta,
+                 const c10::Scalar& alpha) {
+  const int64_t M = mat1.size(0), N = mat2.size(1);
+  TORCH_CHECK(self.dim() <= 2, "addmm: self must be a matrix or broadcastable to one, got ", self.dim(), " dims");
+  at::Tensor b = self.expand({M, N});  // torch's error if it does not broadcast
+  at::Tensor y = at::empty({M, N}, mat1.options());
+  if (y.numel() == 0) return y;
+  Problem pr = mm_problem(mat1, mat2, y);
+  pr.alpha = alpha.toDouble();
+  // beta == 0: the bias is not read, so NaN or inf in it do not reach y.
+  if (beta.toDouble() != 0) {
+    pr.bias = b;
+    pr.beta = beta.toDouble();
+    pr.bias_row_stride = pr.transposed ? b.stride(1) : b.stride(0);
+    pr.bias_n_stride = pr.transposed ? b.stride(0) : b.stride(1);
+  }
+  run(pr);
+  return y;
+}
+
+}  // namespace mps_ext

@@ -1,0 +1,28 @@
+// Parameters of the decode-time matrix-vector kernels (gemv.metal,
+// csrc/ops/linear.cpp).
+#pragma once
+#include "shared_types.h"
+
+// y[r, n] = alpha * sum_k x[r, k] * w[n, k] + beta * bias[r, n]
+// for r < rows (1 to 8 activation rows) and n < n_out. Every tensor is
+// described by element strides, so F.linear's [N, K] weight, its transpose
+// (x @ W with W [K, N]), mm with few columns and broadcast biases all map
+// onto the same two kernels.
+struct GemvParams {
+  int64_t rows;
+  int64_t n_out;
+  int64_t k;
+  int64_t x_row_stride, x_k_stride;
+  int64_t w_n_stride, w_k_stride;
+  int64_t y_row_stride, y_n_stride;
+  int64_t bias_row_stride, bias_n_stride;
+  float alpha;
+  float beta;
+  uint32_t has_bias;           // 0: bias is not read (addmm with beta = 0)
+  uint32_t outputs_per_simdgroup;  // gemv_rows: 1, 2 or 4 outputs per simdgroup
+};
+
+// Weight rows per simdgroup the kernel can hold (outputs_per_simdgroup).
+#define GEMV_MAX_OUTPUTS_PER_SIMDGROUP 4
+// Threads of a gemv_cols threadgroup: simdgroups split K between them.
+#define GEMV_COLS_THREADS 256
