@@ -96,7 +96,7 @@ def test_environment_variable_turns_families_off():
     r = python("import mps_ext; print(mps_ext.enabled_ops(), mps_ext.family_status('pad'))",
                env={"MPS_EXT_DISABLE": "pad, bogus"})
     assert r.returncode == 0
-    assert "['softmax'] off: listed in MPS_EXT_DISABLE" in r.stdout
+    assert "['linear', 'softmax'] off: listed in MPS_EXT_DISABLE" in r.stdout
     assert "unknown op families ['bogus']" in r.stderr
     r = python("import mps_ext; print(mps_ext.enabled_ops())", env={"MPS_EXT_DISABLE": "all"})
     assert "[]" in r.stdout
