@@ -75,6 +75,8 @@ def families() -> list[str]:
 
 def family_status(name: str) -> str:
     """'on', or why the family is off."""
+    from . import _policy
+
     if _C is None:
         return "off: the native extension is not loaded"
     if name in _env_disabled:
@@ -83,6 +85,8 @@ def family_status(name: str) -> str:
         return "off: turned off at run time"
     if name in _policy_skipped:
         return f"left to torch on MPS: {_policy_skipped[name]}"
+    if name == "linear" and _policy.linear_min_rows(_torch.__version__) > 1:
+        return "on for 2 to 8 rows (one row: torch's own GEMV)"
     return "on"
 
 
@@ -90,7 +94,7 @@ def enabled_ops() -> list[str]:
     """Op families whose kernels run: for torch's MPS ops where mps_ext is
     available, and for torch.ops.mps_ext (CPU tensors through the CPU Metal
     executor) everywhere."""
-    return [f for f in families() if family_status(f) == "on"]
+    return [f for f in families() if family_status(f).startswith("on")]
 
 
 def set_enabled(name: str, enabled: bool) -> None:
@@ -149,6 +153,7 @@ def _setup() -> None:
             _policy_skipped[name] = why
     for name in _env_disabled:
         _C.set_enabled(name, False)
+    _C.set_linear_min_rows(_policy.linear_min_rows(_torch.__version__))
     if is_available():
         wanted = sorted(known - _env_disabled - set(_policy_skipped))
         try:

@@ -14,6 +14,12 @@ NATIVE_SINCE: dict[str, tuple[tuple[int, int], str]] = {
 }
 
 
+# torch 2.15 added GEMV kernels for exactly one activation row; mps_ext's
+# linear keeps 2 to 8 rows there (speculative decoding, beam search, small
+# batches) and leaves one row to torch.
+ONE_ROW_GEMV_SINCE = (2, 15)
+
+
 def torch_version(version: str) -> tuple[int, int]:
     parts = version.split("+")[0].split(".")
     return int(parts[0]), int(parts[1])
@@ -26,3 +32,8 @@ def steps_aside(family: str, version: str) -> str | None:
     if entry and torch_version(version) >= entry[0]:
         return entry[1]
     return None
+
+
+def linear_min_rows(version: str) -> int:
+    """Fewest activation rows mps_ext's linear takes on torch `version`."""
+    return 2 if torch_version(version) >= ONE_ROW_GEMV_SINCE else 1

@@ -107,6 +107,7 @@ def test_policy_steps_aside_for_torch_with_its_own_kernels():
     assert "2.15" in _policy.steps_aside("softmax", "2.15.0")
     assert _policy.steps_aside("pad", "2.16.1") is not None
     assert set(_policy.NATIVE_SINCE) <= set(mps_ext.families())
+    assert _policy.linear_min_rows("2.13.0") == 1 and _policy.linear_min_rows("2.15.0") == 2
 
 
 def test_report_and_self_check():

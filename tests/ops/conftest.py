@@ -23,13 +23,13 @@ class Runner:
     def __init__(self, device):
         self.device = device
 
-    def __call__(self, name, *args, family):
+    def __call__(self, name, *args, family, **kwargs):
         before = mps_ext.stats()[family]
         if self.device == "executor":
-            out = getattr(torch.ops.mps_ext, name)(*args)
+            out = getattr(torch.ops.mps_ext, name)(*args, **kwargs)
         else:
             moved = [a.to("mps") if isinstance(a, torch.Tensor) else a for a in args]
-            out = getattr(torch.ops.aten, name)(*moved).cpu()
+            out = getattr(torch.ops.aten, name)(*moved, **kwargs).cpu()
         after = mps_ext.stats()[family]
         assert after["ran"] == before["ran"] + 1, f"mps_ext's kernel did not run: {after['fallbacks']}"
         return out
