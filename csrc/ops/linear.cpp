@@ -19,15 +19,12 @@ constexpr int64_t kTargetThreadgroups = 4 * 80;
 
 std::atomic<int64_t> g_min_rows{1};
 
-// One matrix-vector problem: y[r, n] = alpha * x[r, :] . w[n, :] + beta * bias[r, n].
-// Views with strides; no data is moved to set it up.
+// One matrix-vector problem, y[r, n] = alpha * x[r, :] . w[n, :] + beta * bias[r, n],
+// given as 2-D strided views (x [rows, K], w [N, K], y and bias [rows, N])
+// of the caller's tensors: setting it up moves no data.
 struct Problem {
   at::Tensor x, w, y, bias;  // bias undefined: none
-  int64_t rows, n, k;
-  int64_t x_row_stride, x_k_stride, w_n_stride, w_k_stride, y_row_stride, y_n_stride;
-  int64_t bias_row_stride = 0, bias_n_stride = 0;
   double alpha = 1, beta = 0;
-  bool transposed = false;  // mm: the activation is mat2's columns, y written transposed
 };
 
 const char* type_name(c10::ScalarType t) {
@@ -63,41 +60,45 @@ int64_t pow2_floor(int64_t v) {
 //   power of two, clamped to 1..8 (2 simdgroups of up to 4 outputs), so that
 //   N >= 2048 gives at least 4 threadgroups per core of an 80-core GPU.
 void run(const Problem& pr) {
+  const int64_t rows = pr.x.size(0), n = pr.w.size(0);
+  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "mps_ext linear: ", rows, " rows reached the GEMV kernel");
   GemvParams p{};
-  p.rows = pr.rows;
-  p.n_out = pr.n;
-  p.k = pr.k;
-  p.x_row_stride = pr.x_row_stride;
-  p.x_k_stride = pr.x_k_stride;
-  p.w_n_stride = pr.w_n_stride;
-  p.w_k_stride = pr.w_k_stride;
-  p.y_row_stride = pr.y_row_stride;
-  p.y_n_stride = pr.y_n_stride;
-  p.bias_row_stride = pr.bias_row_stride;
-  p.bias_n_stride = pr.bias_n_stride;
+  p.rows = rows;
+  p.n_out = n;
+  p.k = pr.x.size(1);
+  p.x_row_stride = pr.x.stride(0);
+  p.x_k_stride = pr.x.stride(1);
+  p.w_n_stride = pr.w.stride(0);
+  p.w_k_stride = pr.w.stride(1);
+  p.y_row_stride = pr.y.stride(0);
+  p.y_n_stride = pr.y.stride(1);
   p.alpha = static_cast<float>(pr.alpha);
   p.beta = static_cast<float>(pr.beta);
   p.has_bias = pr.bias.defined() ? 1 : 0;
+  if (p.has_bias) {
+    p.bias_row_stride = pr.bias.stride(0);
+    p.bias_n_stride = pr.bias.stride(1);
+  }
 
   int64_t variant = 1;
-  while (variant < pr.rows) variant *= 2;
-  const bool cols = pr.w_n_stride == 1 && pr.w_k_stride != 1 && pr.n > 1;
+  while (variant < rows) variant *= 2;
+  const bool cols = p.w_n_stride == 1 && p.w_k_stride != 1 && n > 1;
   bool vec;
   Launch l;
   l.library = "gemv";
   if (cols) {
-    vec = aligned16(pr.w, pr.w_k_stride);
+    vec = aligned16(pr.w, p.w_k_stride);
     int64_t per_group = 32 * (vec ? 16 / pr.w.itemsize() : 1);
-    l.threadgroups = {static_cast<uint32_t>((pr.n + per_group - 1) / per_group), 1, 1};
+    l.threadgroups = {static_cast<uint32_t>((n + per_group - 1) / per_group), 1, 1};
     l.threads_per_threadgroup = {GEMV_COLS_THREADS, 1, 1};
   } else {
-    vec = pr.w_k_stride == 1 && pr.x_k_stride == 1 && aligned16(pr.w, pr.w_n_stride) &&
-          aligned16(pr.x, pr.rows > 1 ? pr.x_row_stride : 0);
-    int64_t outputs = std::clamp<int64_t>(pow2_floor(std::max<int64_t>(pr.n / kTargetThreadgroups, 1)), 1,
+    vec = p.w_k_stride == 1 && p.x_k_stride == 1 && aligned16(pr.w, p.w_n_stride) &&
+          aligned16(pr.x, rows > 1 ? p.x_row_stride : 0);
+    int64_t outputs = std::clamp<int64_t>(pow2_floor(std::max<int64_t>(n / kTargetThreadgroups, 1)), 1,
                                           2 * GEMV_MAX_OUTPUTS_PER_SIMDGROUP);
     int64_t simdgroups = outputs >= 2 ? 2 : 1;
     p.outputs_per_simdgroup = static_cast<uint32_t>(outputs / simdgroups);
-    l.threadgroups = {static_cast<uint32_t>((pr.n + outputs - 1) / outputs), 1, 1};
+    l.threadgroups = {static_cast<uint32_t>((n + outputs - 1) / outputs), 1, 1};
     l.threads_per_threadgroup = {static_cast<uint32_t>(32 * simdgroups), 1, 1};
   }
   l.kernel = std::string("gemv_") + (cols ? "cols_" : "rows_") + type_name(pr.w.scalar_type()) + "_r" +
@@ -139,6 +140,13 @@ bool flat_rows(const at::Tensor& x, int64_t& row_stride) {
   return true;
 }
 
+// Rows of F.linear's activation: every dimension but the last.
+int64_t leading_rows(const at::Tensor& input) {
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < input.dim(); ++d) rows *= input.size(d);
+  return rows;
+}
+
 std::string rows_unsupported(int64_t rows) {
   if (rows == 0) return "";  // an empty result
   if (rows > kMaxRows) return "more than 8 rows (a general matmul)";
@@ -155,13 +163,12 @@ std::string linear_unsupported(const at::Tensor& input, const at::Tensor& weight
                                const c10::optional<at::Tensor>& bias) {
   std::string why = dtypes_unsupported({&input, &weight, bias ? &*bias : &weight});
   if (!why.empty()) return why;
-  if (input.dim() == 0 || weight.dim() != 2 || input.size(-1) != weight.size(1)) return "shapes";  // torch's errors
+  if (input.dim() == 0 || weight.dim() != 2 || input.size(-1) != weight.size(1)) return "shapes torch rejects";  // its error follows
   if (bias && bias->defined() && !(bias->dim() == 1 && bias->size(0) == weight.size(0)))
     return "a bias that is not 1-D of size N";
   int64_t row_stride;
   if (!flat_rows(input, row_stride)) return "activation rows that do not flatten without a copy";
-  int64_t k = input.size(-1);
-  return rows_unsupported(k == 0 ? 0 : input.numel() / k);
+  return rows_unsupported(leading_rows(input));
 }
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -169,24 +176,16 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::
   std::vector<int64_t> out_shape = input.sizes().vec();
   out_shape.back() = n;
   at::Tensor y = at::empty(out_shape, input.options());
-  const int64_t rows = k == 0 ? y.numel() / std::max<int64_t>(n, 1) : input.numel() / k;
   if (y.numel() == 0) return y;
+  const int64_t rows = leading_rows(input);
+  int64_t row_stride;
+  flat_rows(input, row_stride);
   Problem pr;
-  pr.x = input;
+  pr.x = input.as_strided({rows, k}, {row_stride, input.stride(-1)});
   pr.w = weight;
-  pr.y = y;
-  pr.rows = rows;
-  pr.n = n;
-  pr.k = k;
-  flat_rows(input, pr.x_row_stride);
-  pr.x_k_stride = input.stride(-1);
-  pr.w_n_stride = weight.stride(0);
-  pr.w_k_stride = weight.stride(1);
-  pr.y_row_stride = n;
-  pr.y_n_stride = 1;
+  pr.y = y.view({rows, n});
   if (bias && bias->defined()) {
-    pr.bias = *bias;
-    pr.bias_n_stride = bias->stride(0);
+    pr.bias = bias->expand({rows, n});
     pr.beta = 1;
   }
   run(pr);
@@ -200,40 +199,29 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::
 std::string mm_unsupported(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor* self) {
   std::string why = dtypes_unsupported({&mat1, &mat2, self ? self : &mat1});
   if (!why.empty()) return why;
-  if (mat1.dim() != 2 || mat2.dim() != 2 || mat1.size(1) != mat2.size(0)) return "shapes";  // torch's errors
+  if (mat1.dim() != 2 || mat2.dim() != 2 || mat1.size(1) != mat2.size(0)) return "shapes torch rejects";  // its error follows
   if (self && !self->defined()) return "";
   int64_t rows = std::min(mat1.size(0), mat2.size(1));
   return rows_unsupported(rows);
 }
 
+// The activation is mat1 when it has at most 8 rows and no more rows than
+// mat2 has columns; otherwise it is mat2's columns, and the whole product
+// is computed transposed: y^T = mat2^T @ mat1^T.
+static bool mm_transposed(const at::Tensor& mat1, const at::Tensor& mat2) {
+  return !(mat1.size(0) <= mat2.size(1) && mat1.size(0) <= kMaxRows);
+}
+
 static Problem mm_problem(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& y) {
-  const int64_t M = mat1.size(0), N = mat2.size(1);
   Problem pr;
-  pr.y = y;
-  pr.k = mat1.size(1);
-  if (M <= N && M <= kMaxRows) {  // y = mat1 @ mat2: rows of mat1 against mat2's columns
-    pr.x = mat1;
-    pr.rows = M;
-    pr.x_row_stride = mat1.stride(0);
-    pr.x_k_stride = mat1.stride(1);
-    pr.w = mat2;
-    pr.n = N;
-    pr.w_n_stride = mat2.stride(1);
-    pr.w_k_stride = mat2.stride(0);
-    pr.y_row_stride = y.stride(0);
-    pr.y_n_stride = y.stride(1);
-  } else {  // y^T = mat2^T @ mat1^T: columns of mat2 against mat1's rows
-    pr.transposed = true;
-    pr.x = mat2;
-    pr.rows = N;
-    pr.x_row_stride = mat2.stride(1);
-    pr.x_k_stride = mat2.stride(0);
+  if (mm_transposed(mat1, mat2)) {
+    pr.x = mat2.t();
     pr.w = mat1;
-    pr.n = M;
-    pr.w_n_stride = mat1.stride(0);
-    pr.w_k_stride = mat1.stride(1);
-    pr.y_row_stride = y.stride(1);
-    pr.y_n_stride = y.stride(0);
+    pr.y = y.t();
+  } else {
+    pr.x = mat1;
+    pr.w = mat2.t();
+    pr.y = y;
   }
   return pr;
 }
@@ -256,10 +244,8 @@ at::Tensor addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tenso
   pr.alpha = alpha.toDouble();
   // beta == 0: the bias is not read, so NaN or inf in it do not reach y.
   if (beta.toDouble() != 0) {
-    pr.bias = b;
+    pr.bias = mm_transposed(mat1, mat2) ? b.t() : b;
     pr.beta = beta.toDouble();
-    pr.bias_row_stride = pr.transposed ? b.stride(1) : b.stride(0);
-    pr.bias_n_stride = pr.transposed ? b.stride(0) : b.stride(1);
   }
   run(pr);
   return y;

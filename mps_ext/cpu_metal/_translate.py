@@ -425,49 +425,24 @@ class _Translator:
         j, depth = i + 1, 0
         while j < len(self.toks) and not (self.t(j) == ";" and depth == 0):
             s = self.t(j)
-            if s in ("(", "[", "{", "<"):
-                depth += 1
-            elif s in (")", "]", "}", ">"):
-                depth -= 1
-            elif s == ">>":
-                depth -= 2
-            elif depth == 0 and s in ("*", "&", "&&"):
+            if depth == 0 and s in ("*", "&", "&&"):
                 return None  # a pointer or reference into threadgroup memory
-            elif depth == 0 and s == "=":
+            if depth == 0 and s == "=":
                 self.problem(self.toks[i].start, "a threadgroup variable cannot have an initializer")
                 return None
+            depth = _nest(s, depth)
             j += 1
-        # Split declarators at top-level commas.
-        parts, cur, depth = [], [], 0
-        for k in range(i + 1, j):
-            s = self.t(k)
-            if s in ("(", "[", "{", "<"):
-                depth += 1
-            elif s in (")", "]", "}", ">"):
-                depth -= 1
-            elif s == ">>":
-                depth -= 2
-            if s == "," and depth == 0:
-                parts.append(cur)
-                cur = []
-            else:
-                cur.append(k)
-        parts.append(cur)
+        parts = self._split_top_level(i + 1, j)  # one per declarator
         first = parts[0]
         # The first declarator's name: the last identifier at depth 0 before any '['.
         depth, name_at = 0, None
         for k in first:
             s = self.t(k)
-            if s in ("<", "("):
-                depth += 1
-            elif s in (">", ")"):
-                depth -= 1
-            elif s == ">>":
-                depth -= 2
-            elif s == "[" and depth == 0:
+            if s == "[" and depth == 0:
                 break
-            elif depth == 0 and self.toks[k].kind == "ident":
+            if depth == 0 and self.toks[k].kind == "ident":
                 name_at = k
+            depth = _nest(s, depth)
         if name_at is None or name_at == first[0]:
             self.problem(self.toks[i].start, "cannot parse this threadgroup declaration")
             return None
@@ -494,21 +469,17 @@ class _Translator:
         return j + 1
 
     # ----------------------------------------------------------- kernels --
-    def _split_params(self, a: int, b: int) -> list[list[int]]:
+    def _split_top_level(self, a: int, b: int) -> list[list[int]]:
+        """Token indices of toks[a:b] split at commas outside brackets."""
         parts, cur, depth = [], [], 0
         for k in range(a, b):
             s = self.t(k)
-            if s in ("(", "[", "{", "<"):
-                depth += 1
-            elif s in (")", "]", "}", ">"):
-                depth -= 1
-            elif s == ">>":
-                depth -= 2
             if s == "," and depth == 0:
                 parts.append(cur)
                 cur = []
-            else:
-                cur.append(k)
+                continue
+            depth = _nest(s, depth)
+            cur.append(k)
         if cur:
             parts.append(cur)
         return parts
@@ -545,7 +516,7 @@ class _Translator:
             and self.t(k - 1) not in (".", "->")
         }
         file, line = self.where(self.toks[start].start)
-        params = [self._param(p, self.t(name_at)) for p in self._split_params(open_ + 1, close)]
+        params = [self._param(p, self.t(name_at)) for p in self._split_top_level(open_ + 1, close)]
         self.functions.append(Function(self.t(name_at), file, line, is_kernel, params, calls))
 
     def _kernel_definition(self, start: int, brace: int, scopes, attrs):
@@ -556,7 +527,7 @@ class _Translator:
         name_at, open_, close = sig
         name = self.t(name_at)
         is_template = self.t(start) == "template"
-        params = [self._param(p, name) for p in self._split_params(open_ + 1, close)]
+        params = [self._param(p, name) for p in self._split_top_level(open_ + 1, close)]
         namespace = tuple(n for kind, n in scopes if kind == "ns" and n)
         max_threads = "0"
         for aname, arg in attrs:
@@ -647,6 +618,17 @@ class _Translator:
         callee_text = _qualified(kdef.namespace, name) + template_args
         self.kernels.append(Kernel(host_name, callee_text, kdef.params, kdef.max_threads, self.line(self.toks[i].start)))
         return j + 1
+
+
+def _nest(token: str, depth: int) -> int:
+    """Bracket depth after `token` ('<' and '>' count: these are declarations)."""
+    if token in ("(", "[", "{", "<"):
+        return depth + 1
+    if token in (")", "]", "}", ">"):
+        return depth - 1
+    if token == ">>":
+        return depth - 2
+    return depth
 
 
 def _qualified(namespace: tuple[str, ...], name: str) -> str:

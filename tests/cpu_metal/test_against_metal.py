@@ -81,3 +81,10 @@ def test_simdgroup_matrix_layout(kernels):
     A = torch.from_numpy(rng.standard_normal((8, 8)).astype(np.float32))
     cpu, mps = run_both(kernels, "matrix", "transpose_load", [torch.zeros(64), A.t().contiguous().view(-1)], 32, 32)
     assert torch.equal(cpu[0], mps[0])
+
+
+def test_math(kernels):
+    x = torch.linspace(-8, 8, 64)
+    cpu, mps = run_both(kernels, "math", "float_math", [torch.zeros(64 * 16), x], 64, 32)
+    # Metal's default (fast) math, with which compile_shader builds, is looser
+    torch.testing.assert_close(cpu[0], mps[0], rtol=1e-4, atol=1e-5)

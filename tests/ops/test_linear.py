@@ -61,6 +61,13 @@ def test_any_k_and_n(run, k, n):
     torch.testing.assert_close(run("linear", x, w, None, family="linear"), linear_ref(x, w), **tol(torch.float16, k))
 
 
+def test_k_zero_with_many_rows_goes_to_the_stock_kernel():
+    x, w = randn(20, 0), randn(5, 0)
+    mps_ext.reset_stats()
+    assert torch.equal(torch.ops.mps_ext.linear(x, w, None), torch.zeros(20, 5))
+    assert mps_ext.stats()["linear"]["ran"] == 0
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 96), (4, 1, 96), (2, 4, 96), (96,), (8, 96)])
 def test_decode_shaped_activations(run, shape):
     x = randn(*shape)
