@@ -22,7 +22,7 @@ def python(code, env=None):
 def test_unavailable_reason_is_one_sentence_naming_the_cause():
     reason = mps_ext.unavailable_reason()
     if sys.platform != "darwin":
-        assert reason == f"mps_ext's Metal kernels run on macOS with an Apple GPU; this is Linux."
+        assert reason == "mps_ext's Metal kernels run on macOS with an Apple GPU; this is Linux."
         assert not mps_ext.is_available()
     else:
         assert (reason is None) == mps_ext.is_available()

@@ -199,11 +199,6 @@ struct Shadow {
 };
 constexpr uint16_t kMany = 0xffff;
 
-const char* site_name(const Library* lib, uint32_t site, std::string& buf) {
-  buf = lib->site(site);
-  return buf.c_str();
-}
-
 std::string where(uint32_t site_line_col) {
   std::ostringstream o;
   o << "line " << (site_line_col >> 12) << ", column " << (site_line_col & 4095);

@@ -1,7 +1,5 @@
 """Every check of the executor, each shown failing on a kernel with that bug."""
 
-import re
-
 import numpy as np
 import pytest
 import torch
