@@ -1046,11 +1046,17 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
         copies.push_back({b.begin, b.size, nullptr, {m}});
       }
     }
+    // A buffer larger than half a slot (32 GiB) cannot be isolated: run the
+    // whole dispatch on the caller's memory instead.
+    for (const Copy& c : copies)
+      if (c.size > kSlotMid) ds.isolated = false;
+    if (!ds.isolated) copies.clear();
+  }
+  if (ds.isolated) {
     ds.slot_members.assign(copies.size(), {});
     size_t page = page_size();
     for (size_t s = 0; s < copies.size(); ++s) {
       Copy& c = copies[s];
-      if (c.size > kSlotMid) throw error("a buffer of " + std::to_string(c.size) + " bytes is too large to isolate");
       char* slot = region.base + (uint64_t(s) << kSlotShift) + kSlotMid;
       // Keep the address's alignment within a page, so that misaligned data
       // stays misaligned.
