@@ -397,6 +397,20 @@ struct Worker {
   }
 
   // ------------------------------------------------------- device memory --
+  // Memory a kernel reaches that is neither a buffer nor threadgroup memory.
+  // Only needed without isolation, where buffers are anywhere in the heap.
+  bool is_engine_memory(uintptr_t a) const {
+    auto inside = [a](const void* p, size_t n) {
+      return a - reinterpret_cast<uintptr_t>(p) < n;
+    };
+    if (inside(this, sizeof(Worker)) || inside(ds, sizeof(DispatchState))) return true;
+    if (current && current->stack >= 0) {
+      const FiberStack& st = stacks[current->stack];
+      if (inside(st.base, st.size)) return true;
+    }
+    return false;
+  }
+
   const Bound* find_bound(uintptr_t a, uint64_t size, const Bound** nearest) {
     DispatchState& d = *ds;
     const Bound* best = nullptr;
@@ -439,6 +453,8 @@ struct Worker {
     if (d.isolated) {
       SlotRegion& r = slot_region();
       if (a - reinterpret_cast<uintptr_t>(r.base) >= r.span) return;  // thread-private memory
+    } else if (is_engine_memory(a)) {
+      return;  // the lane's stack, its mx_thread_info, the buffer table
     }
     const Bound* nearest = nullptr;
     const Bound* b = find_bound(a, size, &nearest);

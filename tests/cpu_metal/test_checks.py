@@ -187,3 +187,16 @@ def test_unknown_kernel_lists_the_known_ones(kernels):
 def test_grid_must_be_given_once(kernels):
     with pytest.raises(ValueError, match="exactly one"):
         kernels("reduce").dispatch("tree_max", [], threadgroups=1, threads=1)
+
+
+def test_in_place_mode_runs_and_still_catches_an_overrun(kernels):
+    # isolate=False runs on the caller's memory (for buffers too large to copy);
+    # bounds are then checked near each buffer.
+    x = torch.arange(128, dtype=torch.float32)
+    out = torch.zeros(128)
+    kernels("checks").dispatch("reverse_with_barrier", [out, x], threadgroups=2, threads_per_threadgroup=64,
+                               isolate=False)
+    assert torch.equal(out, x.view(2, 64).flip(1).reshape(-1))
+    with pytest.raises(cpu_metal.OutOfBoundsError, match="byte offset 64 of buffer 1"):
+        kernels("checks").dispatch("off_by_one", [torch.zeros(16), torch.zeros(16), np.uint32(16)], threads=17,
+                                   threads_per_threadgroup=32, isolate=False)
