@@ -24,6 +24,8 @@ import platform
 import sys
 import warnings
 
+from . import _policy
+
 __version__ = "0.1.0"
 __all__ = ["is_available", "unavailable_reason", "families", "enabled_ops", "set_enabled", "disabled",
            "stats", "reset_stats", "family_status"]
@@ -75,8 +77,6 @@ def families() -> list[str]:
 
 def family_status(name: str) -> str:
     """'on', or why the family is off."""
-    from . import _policy
-
     if _C is None:
         return "off: the native extension is not loaded"
     if name in _env_disabled:
@@ -145,8 +145,6 @@ def _setup() -> None:
         warnings.warn(f"MPS_EXT_DISABLE names unknown op families {sorted(unknown)}; "
                       f"mps_ext has {sorted(known)}", stacklevel=3)
     _env_disabled.update(known if "all" in requested else requested & known)
-    from . import _policy
-
     for name in known:
         why = _policy.steps_aside(name, _torch.__version__)
         if why:

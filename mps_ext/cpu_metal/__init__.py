@@ -164,6 +164,7 @@ class Library:
     def __init__(self, path: str, kernels: list[dict]):
         self._native = _C.ExecutorLibrary.load(str(path))
         self._kernels = {k["name"]: k for k in kernels}
+        self._buffer_names: dict[str, dict[int, str]] = {}  # per kernel, for messages
 
     @property
     def function_names(self) -> list[str]:
@@ -193,7 +194,10 @@ class Library:
         or dispatchThreads (threads=, with non-uniform edge threadgroups)."""
         if (threadgroups is None) == (threads is None):
             raise ValueError("give exactly one of threadgroups= (dispatchThreadgroups) or threads= (dispatchThreads)")
-        names = {p["index"]: p["name"] for p in self.parameters(name) if p["kind"] == "buffer"}
+        names = self._buffer_names.get(name)
+        if names is None:
+            names = {p["index"]: p["name"] for p in self.parameters(name) if p["kind"] == "buffer"}
+            self._buffer_names[name] = names
         buffers = [_binding(a, i, names.get(i, "")) for i, a in enumerate(args)]
         stats = self._native.dispatch(
             name,

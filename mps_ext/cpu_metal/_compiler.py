@@ -224,7 +224,7 @@ def check_address_spaces(tu: str, workdir: Path) -> list[Diagnostic]:
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode == 0:
         return []
-    diags = [d for d in _drop_struct_copies(r.stderr)]
+    diags = _drop_struct_copies(r.stderr)
     if not any(d.severity in ("error", "fatal error") for d in diags):
         return []
     return diags
