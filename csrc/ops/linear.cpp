@@ -9,6 +9,8 @@
 #include "backend/launch.h"
 #include "gemv_params.h"
 #include "ops/ops.h"
+#include "ops/registration.h"
+#include "ops/registry.h"
 
 namespace mps_ext {
 namespace {
@@ -251,4 +253,39 @@ at::Tensor addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tenso
   return y;
 }
 
+
+// -------------------------------------------------------- registration --
+namespace {
+
+using c10::DispatchKey;
+
+template <DispatchKey K>
+at::Tensor linear_impl(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return route(family("linear"), "aten::linear", K, linear_unsupported(input, weight, bias),
+               [&] { return mps_ext::linear(input, weight, bias); }, input, weight, bias);
+}
+
+template <DispatchKey K>
+at::Tensor mm_impl(const at::Tensor& self, const at::Tensor& mat2) {
+  return route(family("linear"), "aten::mm", K, mm_unsupported(self, mat2, nullptr), [&] { return mps_ext::mm(self, mat2); },
+               self, mat2);
+}
+
+template <DispatchKey K>
+at::Tensor addmm_impl(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
+                      const c10::Scalar& beta, const c10::Scalar& alpha) {
+  return route(family("linear"), "aten::addmm", K, mm_unsupported(mat1, mat2, &self),
+               [&] { return mps_ext::addmm(self, mat1, mat2, beta, alpha); }, self, mat1, mat2, beta, alpha);
+}
+
+template <DispatchKey K>
+void register_linear(torch::Library& m) {
+  m.impl("linear", TORCH_FN(linear_impl<K>));
+  m.impl("mm", TORCH_FN(mm_impl<K>));
+  m.impl("addmm", TORCH_FN(addmm_impl<K>));
+}
+
+}  // namespace
 }  // namespace mps_ext
+
+MPS_EXT_FAMILY("linear", mps_ext::register_linear, "aten::linear", "aten::mm", "aten::addmm")

@@ -9,6 +9,8 @@
 
 #include "backend/launch.h"
 #include "ops/ops.h"
+#include "ops/registration.h"
+#include "ops/registry.h"
 #include "pad_params.h"
 
 namespace mps_ext {
@@ -125,4 +127,23 @@ at::Tensor constant_pad(const at::Tensor& self, c10::IntArrayRef pad, const c10:
   return out;
 }
 
+
+// -------------------------------------------------------- registration --
+namespace {
+
+template <c10::DispatchKey K>
+at::Tensor constant_pad_impl(const at::Tensor& self, c10::SymIntArrayRef pad, const c10::Scalar& value) {
+  c10::IntArrayRef p = C10_AS_INTARRAYREF_SLOW(pad);
+  return route(family("pad"), "aten::constant_pad_nd", K, pad_unsupported(self, p),
+               [&] { return constant_pad(self, p, value); }, self, pad, value);
+}
+
+template <c10::DispatchKey K>
+void register_pad(torch::Library& m) {
+  m.impl("constant_pad_nd", TORCH_FN(constant_pad_impl<K>));
+}
+
+}  // namespace
 }  // namespace mps_ext
+
+MPS_EXT_FAMILY("pad", mps_ext::register_pad, "aten::constant_pad_nd")

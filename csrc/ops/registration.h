@@ -1,12 +1,63 @@
+// Registration of op families with torch's dispatcher.
+//
+// Each family registers itself from its own file with MPS_EXT_FAMILY: its
+// name, the aten ops it implements and a function template that registers
+// its kernels for a dispatch key. That gives, on every platform,
+// torch.ops.mps_ext.<aten name> with the aten op's own schema (read from the
+// installed torch, so it matches every release) for CPU tensors (the CPU
+// Metal executor) and, on macOS, MPS tensors; and, on a Mac,
+// install_overrides() puts the same kernels on the MPS key of the aten ops
+// themselves, after capturing the kernel each replaces. Which families to
+// install is decided in Python (mps_ext/_policy.py).
 #pragma once
+
+#include <c10/core/DispatchKey.h>
+#include <torch/library.h>
+
 #include <string>
 #include <vector>
 
 namespace mps_ext {
-// Names of the op families ("pad", "softmax", ...).
+
+using RegisterKernels = void (*)(torch::Library&);
+
+struct FamilyDef {
+  std::string name;                   // what a user turns off: "softmax"
+  std::vector<std::string> aten_ops;  // "aten::_softmax", ... (default overloads)
+  RegisterKernels register_mps;       // the family's kernels for the MPS key
+};
+
+// Called at static initialisation by MPS_EXT_FAMILY.
+struct FamilyRegistrar {
+  explicit FamilyRegistrar(FamilyDef def);
+};
+
+// Names of the op families ("pad", "softmax", ...), sorted.
 std::vector<std::string> families();
-// The aten ops a family overrides.
+// The aten ops a family implements.
 std::vector<std::string> family_aten_ops(const std::string& family);
 // Override those aten ops on the MPS key (macOS); returns the families done.
 std::vector<std::string> install_overrides(const std::vector<std::string>& families);
+// Defines `ops` ("aten::x") in `m` (the mps_ext namespace) with aten's
+// schemas as the installed torch has them.
+void define_like_aten(torch::Library& m, const std::vector<std::string>& ops);
+
 }  // namespace mps_ext
+
+// MPS_EXT_FAMILY(name, Register, "aten::op", ...): `Register` is a function
+// template `template <c10::DispatchKey K> void Register(torch::Library& m)`
+// that calls m.impl for each op with kernels that fall back to the stock
+// kernel of key K.
+#define MPS_EXT_FAMILY(NAME, REGISTER, ...)                                               \
+  TORCH_LIBRARY_FRAGMENT(mps_ext, m) { ::mps_ext::define_like_aten(m, {__VA_ARGS__}); } \
+  TORCH_LIBRARY_IMPL(mps_ext, CPU, m) { REGISTER<c10::DispatchKey::CPU>(m); }            \
+  MPS_EXT_FAMILY_MPS_IMPL(REGISTER)                                                      \
+  static const ::mps_ext::FamilyRegistrar C10_CONCATENATE(mps_ext_family_, __COUNTER__)( \
+      ::mps_ext::FamilyDef{NAME, {__VA_ARGS__}, &REGISTER<c10::DispatchKey::MPS>});
+
+#ifdef __APPLE__
+#define MPS_EXT_FAMILY_MPS_IMPL(REGISTER) \
+  TORCH_LIBRARY_IMPL(mps_ext, MPS, m) { REGISTER<c10::DispatchKey::MPS>(m); }
+#else
+#define MPS_EXT_FAMILY_MPS_IMPL(REGISTER)
+#endif

@@ -5,6 +5,8 @@
 
 #include "backend/launch.h"
 #include "ops/ops.h"
+#include "ops/registration.h"
+#include "ops/registry.h"
 #include "softmax_params.h"
 
 namespace mps_ext {
@@ -184,4 +186,52 @@ at::Tensor softmax_backward(const at::Tensor& grad, const at::Tensor& output, in
   return out;
 }
 
+
+// -------------------------------------------------------- registration --
+namespace {
+
+using c10::DispatchKey;
+
+template <DispatchKey K>
+at::Tensor softmax_impl(const at::Tensor& self, int64_t dim, bool half_to_float) {
+  return route(family("softmax"), "aten::_softmax", K, softmax_unsupported(self),
+               [&] { return softmax_forward(self, dim, half_to_float, false); }, self, dim, half_to_float);
+}
+
+template <DispatchKey K>
+at::Tensor log_softmax_impl(const at::Tensor& self, int64_t dim, bool half_to_float) {
+  return route(family("softmax"), "aten::_log_softmax", K, softmax_unsupported(self),
+               [&] { return softmax_forward(self, dim, half_to_float, true); }, self, dim, half_to_float);
+}
+
+template <DispatchKey K>
+at::Tensor softmax_backward_impl(const at::Tensor& grad, const at::Tensor& output, int64_t dim,
+                                 c10::ScalarType input_dtype) {
+  return route(family("softmax"), "aten::_softmax_backward_data", K,
+               softmax_backward_unsupported(grad, output, input_dtype),
+               [&] { return softmax_backward(grad, output, dim, input_dtype, false); }, grad, output, dim,
+               input_dtype);
+}
+
+template <DispatchKey K>
+at::Tensor log_softmax_backward_impl(const at::Tensor& grad, const at::Tensor& output, int64_t dim,
+                                     c10::ScalarType input_dtype) {
+  return route(family("softmax"), "aten::_log_softmax_backward_data", K,
+               softmax_backward_unsupported(grad, output, input_dtype),
+               [&] { return softmax_backward(grad, output, dim, input_dtype, true); }, grad, output, dim,
+               input_dtype);
+}
+
+template <DispatchKey K>
+void register_softmax(torch::Library& m) {
+  m.impl("_softmax", TORCH_FN(softmax_impl<K>));
+  m.impl("_log_softmax", TORCH_FN(log_softmax_impl<K>));
+  m.impl("_softmax_backward_data", TORCH_FN(softmax_backward_impl<K>));
+  m.impl("_log_softmax_backward_data", TORCH_FN(log_softmax_backward_impl<K>));
+}
+
+}  // namespace
 }  // namespace mps_ext
+
+MPS_EXT_FAMILY("softmax", mps_ext::register_softmax, "aten::_softmax", "aten::_log_softmax",
+               "aten::_softmax_backward_data", "aten::_log_softmax_backward_data")
