@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <memory>
+#include <set>
 
 namespace mps_ext {
 
@@ -38,6 +39,11 @@ std::map<std::pair<std::string, c10::DispatchKey>, c10::SafeKernelFunction>& sto
   static auto* s = new std::map<std::pair<std::string, c10::DispatchKey>, c10::SafeKernelFunction>();
   return *s;
 }
+// Ops that had no kernel for a key when mps_ext looked (mps_ext registers one).
+std::set<std::pair<std::string, c10::DispatchKey>>& no_stock() {
+  static auto* s = new std::set<std::pair<std::string, c10::DispatchKey>>();
+  return *s;
+}
 std::pair<std::string, std::string> split_name(const std::string& op) {
   auto dot = op.find('.');
   if (dot == std::string::npos) return {op, ""};
@@ -67,17 +73,26 @@ c10::OperatorHandle op_handle(const std::string& op) {
 void capture_stock_kernel(const std::string& op, c10::DispatchKey key) {
   std::lock_guard<std::mutex> g(g_mutex);
   auto k = std::make_pair(op, key);
-  if (stock().count(k)) return;
+  if (stock().count(k) || no_stock().count(k)) return;
   auto handle = op_handle(op);
-  TORCH_CHECK(handle.hasComputedKernelForDispatchKey(key), "mps_ext: ", op, " has no kernel for ", key,
-              " to fall back to");
-  stock().emplace(k, handle.getComputedKernelForDispatchKey(key));
+  if (handle.hasComputedKernelForDispatchKey(key))
+    stock().emplace(k, handle.getComputedKernelForDispatchKey(key));
+  else
+    no_stock().insert(k);
+}
+
+bool has_stock_kernel(const std::string& op, c10::DispatchKey key) {
+  capture_stock_kernel(op, key);
+  std::lock_guard<std::mutex> g(g_mutex);
+  return stock().count(std::make_pair(op, key)) > 0;
 }
 
 const c10::SafeKernelFunction& stock_kernel(const std::string& op, c10::DispatchKey key) {
   capture_stock_kernel(op, key);
   std::lock_guard<std::mutex> g(g_mutex);
-  return stock().at(std::make_pair(op, key));
+  auto it = stock().find(std::make_pair(op, key));
+  TORCH_CHECK(it != stock().end(), "mps_ext: ", op, " has no kernel for ", key, " to fall back to");
+  return it->second;
 }
 
 }  // namespace mps_ext

@@ -11,6 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/boxing/impl/boxing.h>
 #include <ATen/core/stack.h>
 
 #include <atomic>
@@ -43,34 +44,41 @@ Family& family(const std::string& name);
 std::vector<std::string> family_names();
 
 // The kernel `op` ("aten::_softmax") had for `key` before mps_ext overrode
-// it. Captured now if it was not captured before.
+// it. Captured now if it was not captured before; an error if there was none
+// (check has_stock_kernel first where torch may lack one, e.g. an op torch
+// has no MPS kernel for, which mps_ext registers rather than overrides).
 const c10::SafeKernelFunction& stock_kernel(const std::string& op, c10::DispatchKey key);
+bool has_stock_kernel(const std::string& op, c10::DispatchKey key);
+// Captures the current kernel of `op` for `key`, if there is one.
 void capture_stock_kernel(const std::string& op, c10::DispatchKey key);
 
 // The dispatcher's handle of `op` ("aten::_softmax", "aten::add.Tensor").
 c10::OperatorHandle op_handle(const std::string& op);
 
-// Calls the stock kernel with boxed arguments and returns its tensor.
-template <class... Args>
-at::Tensor call_stock(const std::string& op, c10::DispatchKey key, const Args&... args) {
+// Calls the stock kernel with boxed arguments and returns its result: a
+// tensor, or a tuple of them for ops with several outputs.
+template <class Ret = at::Tensor, class... Args>
+Ret call_stock(const std::string& op, c10::DispatchKey key, const Args&... args) {
   const c10::SafeKernelFunction& k = stock_kernel(op, key);
   torch::jit::Stack stack;
   (torch::jit::push(stack, args), ...);
   k.callBoxed(op_handle(op), c10::DispatchKeySet(key), &stack);
-  return stack.back().toTensor();
+  return c10::impl::PopResult<Ret>::call(stack);
 }
 
 // Runs `ours` unless the family is off or `unsupported` (a reason, or empty)
-// says no; then the stock kernel of `op` for `key`.
+// says no; then the stock kernel of `op` for `key`. Returns what `ours`
+// returns (by value: a tensor or a tuple of tensors).
 template <class Ours, class... Args>
-at::Tensor route(Family& fam, const std::string& op, c10::DispatchKey key, const std::string& unsupported,
-                 Ours ours, const Args&... args) {
+auto route(Family& fam, const std::string& op, c10::DispatchKey key, const std::string& unsupported, Ours ours,
+           const Args&... args) -> std::decay_t<decltype(ours())> {
+  using Ret = std::decay_t<decltype(ours())>;
   std::string reason = !fam.enabled.load() ? "turned off" : unsupported;
   if (!reason.empty()) {
     fam.count_fallback(reason);
-    return call_stock(op, key, args...);
+    return call_stock<Ret>(op, key, args...);
   }
-  at::Tensor out = ours();
+  Ret out = ours();
   fam.count_ran();
   return out;
 }
