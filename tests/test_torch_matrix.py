@@ -51,3 +51,9 @@ def test_a_wrong_selector_fails(tmp_path):
     mm.write_text(mm.read_text().replace("setBuffer:buffer", "setBufer:buffer"))
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode != 0 and "setBufer" in r.stderr
+
+
+def test_a_failed_download_is_an_error_not_a_skip(tmp_path):
+    with pytest.raises(torch_matrix.MatrixError, match=r"downloading torch 2\.9\.999 .* failed"):
+        torch_matrix.fetch("2.9.999", tmp_path)
+    assert not (tmp_path / "2.9.999").exists()

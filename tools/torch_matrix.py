@@ -75,10 +75,12 @@ def fetch(version: str, root: Path | None = None) -> Path:
         return dest
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=f".{version}-") as tmp:
-        # A machine-wide pip configuration may cap torch's version (this
-        # project's development machines have one): the matrix needs every
-        # release, so it runs pip without any configuration file.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+        # A machine-wide pip configuration may cap torch's version with a
+        # constraints file (this project's development machines have one):
+        # the matrix needs every release, so pip runs without configuration
+        # files or constraints (other PIP_* settings, such as a certificate
+        # bundle, still apply).
+        env = {k: v for k, v in os.environ.items() if k != "PIP_CONSTRAINT"}
         env["PIP_CONFIG_FILE"] = os.devnull
         cmd = [sys.executable, "-m", "pip", "download", f"torch=={version}", "--no-deps", "--only-binary=:all:",
                "--platform", WHEEL_PLATFORM, "--python-version", PYTHON_VERSION, "-d", tmp, "-q",

@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import _instrument, _translate
+from . import _instrument, _lint, _translate
 
 __all__ = ["CompileError", "Built", "build", "preprocess", "check_address_spaces", "find_clang", "cache_dir"]
 
@@ -248,8 +248,6 @@ def check_address_spaces(tu: str, workdir: Path) -> list[Diagnostic]:
 def check_file(path: str | Path, include_dirs=()) -> list[str]:
     """Check mode: Metal rules C++ accepts (the lint), then the address-space
     compile. Returns findings as 'file:line[:col]: message'."""
-    from . import _lint
-
     path = Path(path)
     source = path.read_text()
     name = str(path)
@@ -307,8 +305,6 @@ def build(source: str, defines: dict | None = None, filename: str = "shader.meta
         pre = preprocess(source, filename, defines)
         tu, kernels, problems = translation_unit(pre)
         if check:  # what Apple's compiler would reject (_lint.py); a standard header already failed above
-            from . import _lint
-
             problems = _lint.lint(pre) + problems
         if problems:
             raise CompileError("\n".join(problems))
