@@ -139,7 +139,7 @@ class _Reader(_translate._Translator):
     def __init__(self, text: str):
         super().__init__(text)
         self.bodies: list[_Body] = []
-        self.kernel_heads: dict[int, tuple] = {}  # '{' index -> (first token, attributes)
+        self.kernel_attributes: dict[int, tuple] = {}  # '{' index of a kernel -> its Metal attributes
         self.threadgroup_vars: list[tuple[int, list[int]]] = []  # ('threadgroup' index, declaration tokens)
         self.param_types: dict[int, str] = {}  # id(Param) -> type text
         self.kernel_files: list[str] = []  # file of each of self.kernels
@@ -151,7 +151,7 @@ class _Reader(_translate._Translator):
             self.bodies.append(_Body(brace, self.match(brace, "{", "}"), self.functions[-1], start))
 
     def _kernel_definition(self, start, brace, scopes, attrs):
-        self.kernel_heads[brace] = (start, tuple(attrs))
+        self.kernel_attributes[brace] = tuple(attrs)
         self._note_kernel_file(start, super()._kernel_definition, start, brace, scopes, attrs)
 
     def _explicit_instantiation(self, i, scopes):
@@ -194,9 +194,7 @@ def _read(preprocessed: str) -> _Reader:
     r = _Reader(preprocessed)
     r.run()
     for b in r.bodies:
-        head = r.kernel_heads.get(b.open)
-        if head:
-            b.attributes = head[1]
+        b.attributes = r.kernel_attributes.get(b.open, ())
     return r
 
 
