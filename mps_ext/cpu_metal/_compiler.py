@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import _instrument, _translate
+from . import _instrument, _lint, _translate
 
 __all__ = ["CompileError", "Built", "build", "preprocess", "check_address_spaces", "find_clang", "cache_dir"]
 
@@ -215,26 +215,39 @@ def _drop_struct_copies(stderr: str) -> list[Diagnostic]:
     return kept
 
 
+# The check compile takes the shader as C++14, the base of MSL 3.1: what
+# Apple's compiler accepts from later standards only as extensions (with a
+# warning, and not in every Metal version) is an error here. The executor's
+# own headers are system headers and its entry points are exempt: they are
+# C++17 and never reach a Mac.
+_CHECK_LANGUAGE = [f if f != "-std=c++17" else "-std=c++14" for f in _LANGUAGE]
+_CXX14_ONLY = ["-Wno-everything", "-Werror=c++17-extensions", "-Werror=c++20-extensions", "-Werror=c++23-extensions"]
+_ENTRY_POINTS = '\n#line 1 "<executor entry points>"\n'
+
+
 def check_address_spaces(tu: str, workdir: Path) -> list[Diagnostic]:
-    """Errors of the translation unit compiled with real address spaces."""
+    """Errors of the translation unit compiled with real address spaces, as
+    C++14 (the shader's own text)."""
     path = workdir / "address_spaces.cpp"
-    path.write_text(tu)
-    cmd = [find_clang(), *_LANGUAGE, "-fsyntax-only", "-w", "-ferror-limit=0", "-fno-color-diagnostics",
-           "-fno-caret-diagnostics", "-DMX_ADDRESS_SPACES=1", "-I", str(INCLUDE), str(path)]
+    path.write_text(tu.replace(_ENTRY_POINTS, '\n#pragma clang diagnostic ignored "-Wc++17-extensions"' + _ENTRY_POINTS))
+    cmd = [find_clang(), *_CHECK_LANGUAGE, "-fsyntax-only", *_CXX14_ONLY, "-ferror-limit=0",
+           "-fno-color-diagnostics", "-fno-caret-diagnostics", "-DMX_ADDRESS_SPACES=1", "-isystem", str(INCLUDE),
+           str(path)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode == 0:
         return []
     diags = _drop_struct_copies(r.stderr)
     if not any(d.severity in ("error", "fatal error") for d in diags):
         return []
+    for d in diags:
+        if re.search(r"\[-Werror,-Wc\+\+\d+", d.message):
+            d.message += "; Metal Shading Language 3.1 is based on C++14 [msl-cxx14]"
     return diags
 
 
 def check_file(path: str | Path, include_dirs=()) -> list[str]:
     """Check mode: Metal rules C++ accepts (the lint), then the address-space
     compile. Returns findings as 'file:line[:col]: message'."""
-    from . import _lint
-
     path = Path(path)
     source = path.read_text()
     name = str(path)
@@ -244,7 +257,7 @@ def check_file(path: str | Path, include_dirs=()) -> list[str]:
     except CompileError as e:
         return findings + [line for line in str(e).splitlines() if line.strip()]
     tr = _translate.translate(pre)
-    findings += _lint.lint(tr)
+    findings += _lint.lint(pre)
     findings += [msg for _, msg in tr.problems]
     tu, _, entry_problems = translation_unit(pre, tr)
     with tempfile.TemporaryDirectory() as work:
@@ -271,7 +284,8 @@ def _cache_key(source: str, filename: str, defines: dict | None, check: bool) ->
         h.update(part.encode())
         h.update(b"\0")
     # The executor's own code decides what comes out: fold it in.
-    for f in sorted(INCLUDE.glob("*.h")) + [HERE / "_translate.py", HERE / "_instrument.py", Path(__file__)]:
+    for f in sorted(INCLUDE.glob("*.h")) + [HERE / "_translate.py", HERE / "_instrument.py", HERE / "_lint.py",
+                                            Path(__file__)]:
         h.update(f.read_bytes())
     return h.hexdigest()
 
@@ -290,6 +304,8 @@ def build(source: str, defines: dict | None = None, filename: str = "shader.meta
     try:
         pre = preprocess(source, filename, defines)
         tu, kernels, problems = translation_unit(pre)
+        if check:  # what Apple's compiler would reject (_lint.py); a standard header already failed above
+            problems = _lint.lint(pre) + problems
         if problems:
             raise CompileError("\n".join(problems))
         if check:
