@@ -6,8 +6,10 @@ Pipeline (every step by the same clang, Debian's clang-19 or Apple's):
   2. translate it to C++ (_translate.py) and generate the kernel entry points;
   3. compile that once with Metal's address spaces as clang address spaces,
      syntax only, so that mixing them fails as on a Mac;
-  4. compile it with address spaces erased to LLVM IR (-O2, debug lines);
-  5. instrument every memory access (_instrument.py);
+  4. compile it with address spaces erased to LLVM IR (front end only, with
+     line tables);
+  5. instrument it (_instrument.py): memory accesses, SIMT positions,
+     conversions;
   6. compile and link the IR into a shared object the engine loads.
 
 Results are cached by a hash of everything that goes into them, in
@@ -47,13 +49,18 @@ _ARITHMETIC = [
     "-Xclang", "-fbfloat16-excess-precision=none",
     "-ffp-contract=off",
     "-fno-math-errno",
+    # Apple GPUs flush fp32 denormals (engine.cpp sets the CPU to do the
+    # same at run time); constant folding must agree.
+    "-fdenormal-fp-math-f32=preserve-sign,preserve-sign",
 ]
 
 
 # The IR is instrumented before optimisation (every memory access the source
 # makes, at the width the source makes it: an optimiser may split a 16-byte
-# load into four 4-byte ones), then optimised with the checks in place.
-_IR_OPT = ["-O0", "-Xclang", "-disable-O0-optnone"]
+# load into four 4-byte ones; and every call still a call, always_inline
+# helpers included, for the SIMT positions), then optimised with the checks
+# in place.
+_IR_OPT = ["-O0", "-Xclang", "-disable-O0-optnone", "-Xclang", "-disable-llvm-passes"]
 
 
 @dataclasses.dataclass
