@@ -172,12 +172,17 @@ def preprocess(source: str, filename: str, defines: dict | None, include_dirs=()
     return _run(cmd, text, "preprocessing").stdout
 
 
-def translation_unit(preprocessed: str, tr: "_translate.Translation | None" = None) -> tuple[str, list[dict], list[str]]:
-    """The C++ translation unit, the kernels, and problems found on the way."""
+def translation_unit(preprocessed: str, tr: "_translate.Translation | None" = None,
+                     defines: dict | None = None) -> tuple[str, list[dict], list[str]]:
+    """The C++ translation unit, the kernels, and problems found on the way.
+    The stand-in <metal_stdlib> sees the Metal version the shader was
+    preprocessed for (functions newer than it are missing, as on a Mac)."""
     tr = tr or _translate.translate(preprocessed)
     entry, entry_problems = _translate.entry_points(tr.kernels)
     problems = [msg for _, msg in tr.problems] + [msg for _, msg in entry_problems]
+    version = (defines or {}).get("__METAL_VERSION__", METAL_MACROS["__METAL_VERSION__"])
     tu = (
+        f"#define __METAL_VERSION__ {int(version)}\n"
         '#include "mx_metal.h"\n'
         + tr.text
         + '\n#line 1 "<executor entry points>"\n'
@@ -296,7 +301,7 @@ def build(source: str, defines: dict | None = None, filename: str = "shader.meta
     work = Path(tempfile.mkdtemp(prefix="build-", dir=final.parent))
     try:
         pre = preprocess(source, filename, defines)
-        tu, kernels, problems = translation_unit(pre)
+        tu, kernels, problems = translation_unit(pre, defines=defines)
         if problems:
             raise CompileError("\n".join(problems))
         if check:

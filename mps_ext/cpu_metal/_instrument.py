@@ -687,6 +687,15 @@ def _based_on(gep: str, private: set[str]) -> bool:
     return bool(m and m.group(1) in private)
 
 
+def _pointer(operand: str) -> str:
+    """The pointer of 'ptr %p', 'ptr addrspace(1) %p' or, in an atomic load
+    or store, 'ptr %p syncscope("x") seq_cst'."""
+    for word in operand.split():
+        if word.startswith(("%", "@")):
+            return word
+    return operand.split()[-1]
+
+
 def _call(ptr: str, size: str, flags: int, dbg: str) -> str:
     return f"  call void @__mx_access(ptr {ptr}, i64 {size}, i32 {flags}){dbg}"
 
@@ -706,7 +715,7 @@ def _instrument_instruction(lhs, rhs, line, private, site_of, fresh):
         kind = ACC_READ | (ACC_ATOMIC if " atomic " in f" {body} " else 0)
         ty, after = _first_type(rest)
         ops = _split_top(after.lstrip(", "))
-        ptr = ops[0].split()[-1]
+        ptr = _pointer(ops[0])
         if not wanted(ptr):
             return None
         site, dbg = site_of(line)
@@ -717,7 +726,7 @@ def _instrument_instruction(lhs, rhs, line, private, site_of, fresh):
         kind = ACC_WRITE | (ACC_ATOMIC if body.startswith("store atomic") else 0)
         ops = _split_top(rest)
         ty, _ = _first_type(ops[0])
-        ptr = ops[1].split()[-1]
+        ptr = _pointer(ops[1])
         if not wanted(ptr):
             return None
         site, dbg = site_of(line)
@@ -726,7 +735,7 @@ def _instrument_instruction(lhs, rhs, line, private, site_of, fresh):
     if body.startswith("atomicrmw ") or body.startswith("cmpxchg "):
         rest = re.sub(r"^(atomicrmw|cmpxchg)( weak)?( volatile)?( [a-z_]+(?= ptr))? ", "", body)
         ops = _split_top(rest)
-        ptr = ops[0].split()[-1]
+        ptr = _pointer(ops[0])
         ty, _ = _first_type(ops[1])
         if not wanted(ptr):
             return None
