@@ -175,7 +175,7 @@ _TERMINATORS = ("br ", "switch ", "ret", "unreachable", "indirectbr ", "invoke "
 
 # The executor's own entry functions (mx_metal.h): never instrumented.
 _HOOKS = {"__mx_access", "__mx_enter", "__mx_leave", "__mx_loop", "__mx_convert_check", "__mx_simd", "__mx_barrier"}
-# The simd operations and barriers every one of mx_metal.h goes through.
+# Every simd operation and barrier of mx_metal.h goes through one of these.
 _SYNC = {"__mx_simd", "__mx_barrier"}
 # Files whose functions are the executor's, not the shader's.
 _EXECUTOR_FILES = ("mx_metal.h", "mx_abi.h", "<executor entry points>")
