@@ -90,9 +90,9 @@ def test_math(kernels):
     torch.testing.assert_close(cpu[0], mps[0], rtol=1e-4, atol=1e-5)
 
 
-SIMT_KERNELS = ["helper_after_divergent_if", "helpers_nested", "helper_in_both_branches", "template_in_both_branches",
-                "branches_inline", "loop_trip_count_continue", "loop_while_break", "work_until_all_done",
-                "work_fixed_passes", "nested_loop_scan"]
+SIMT_KERNELS = ["helper_after_divergent_if", "helpers_nested", "helper_in_both_branches", "branches_in_one_macro",
+                "template_in_both_branches", "branches_inline", "loop_trip_count_continue", "loop_while_break",
+                "work_until_all_done", "work_fixed_passes", "nested_loop_scan", "simd_in_for_increment"]
 
 
 @pytest.mark.parametrize("name", SIMT_KERNELS)

@@ -43,6 +43,7 @@ def test_one_helper_in_both_branches_sums_each_branch(kernels):
     lib = kernels("simt")
     expected = [8.0] * 8 + [48.0] * 24
     assert run32(lib, "helper_in_both_branches") == expected
+    assert run32(lib, "branches_in_one_macro") == expected
     assert run32(lib, "branches_inline") == expected
     assert run32(lib, "template_in_both_branches") == [48.0 if l % 2 == 0 else 8.0 for l in range(32)]
 
@@ -59,6 +60,12 @@ def test_loops_with_per_lane_trip_counts_and_continue(kernels):
         expected.append(total + 1000.0 * 32)
     assert run32(lib, "loop_trip_count_continue") == expected
     assert run32(lib, "loop_while_break") == expected
+
+
+def test_simd_operation_in_a_for_increment(kernels):
+    # the increment runs after the body, with every lane of the iteration
+    expected = [(0.0 if l % 2 == 0 else 3 * 16.0) + 1000.0 * 3 * 32 for l in range(32)]
+    assert run32(kernels("simt"), "simd_in_for_increment") == expected
 
 
 def test_work_until_every_lane_is_done(kernels):

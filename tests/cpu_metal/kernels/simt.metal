@@ -48,7 +48,14 @@ kernel void template_in_both_branches(device float* out [[buffer(0)]],
   out[lane] = x;
 }
 
-// The GPU-valid variant of the two above: the branches without helpers.
+// Both branches in one macro: the two calls have the same line and column.
+#define EITHER_SUM(c) ((c) ? simd_sum(1.0f) : simd_sum(2.0f))
+kernel void branches_in_one_macro(device float* out [[buffer(0)]],
+                                  uint lane [[thread_index_in_simdgroup]]) {
+  out[lane] = EITHER_SUM(lane < 8);
+}
+
+// The GPU-valid variant of the three above: the branches written out.
 kernel void branches_inline(device float* out [[buffer(0)]],
                             uint lane [[thread_index_in_simdgroup]]) {
   float x;
@@ -113,6 +120,18 @@ kernel void work_fixed_passes(device float* out [[buffer(0)]],
     }
   }
   out[lane] = total + 1000.0f * 5.0f;
+}
+
+// A simd operation in the increment of a for loop: written before the body,
+// run after it, by every lane of the iteration (those that continued too).
+kernel void simd_in_for_increment(device float* out [[buffer(0)]],
+                                  uint lane [[thread_index_in_simdgroup]]) {
+  float total = 0.0f, inc = 0.0f;
+  for (uint k = 0; k < 3; ++k, inc += simd_sum(1.0f)) {
+    if (lane % 2 == 0) continue;
+    total += simd_sum(1.0f);
+  }
+  out[lane] = total + 1000.0f * inc;
 }
 
 // A simd prefix sum inside a nested loop whose inner trip count depends on
