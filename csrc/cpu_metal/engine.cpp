@@ -275,6 +275,8 @@ struct DispatchState {
   Size3 groups{}, tpt{}, grid{};
   uint64_t group_count = 0;
   bool isolated = true;
+  uintptr_t slot_base = 0;  // isolated: the reserved range of buffer copies
+  uint64_t slot_span = 0;
   size_t stack_bytes = 0;
   bool flush_denormals = true;
   uint64_t watchdog_ns = 0;
@@ -509,21 +511,25 @@ struct Worker {
   void check_threadgroup_access(uint64_t off, uint64_t size, uint32_t flags) {
     uint8_t id = region[off];
     uint64_t last = off + (size ? size - 1 : 0);
-    if (id == 0 || last >= kArenaSize || region[last] != id) {
-      uint8_t near = id ? id : (off >= 1 && region[off - 1] ? region[off - 1] : (last + 1 < kArenaSize ? region[last + 1] : 0));
-      std::ostringstream o;
-      o << "out-of-bounds " << ((flags & MX_ACC_WRITE) ? "write" : "read") << " of " << size
-        << " bytes of threadgroup memory";
-      if (near) o << " next to " << region_names[near - 1];
-      o << " by " << thread_name(*current) << " in kernel '" << ds->kernel->name << "'" << at_site(flags);
-      fail(ErrorKind::kBounds, o.str());
-    }
+    if (id == 0 || last >= kArenaSize || region[last] != id) threadgroup_out_of_bounds(off, size, flags);
     if (flags & MX_ACC_WRITE) counters.tg_written += size; else counters.tg_read += size;
     if (flags & MX_ACC_ATOMIC) return;
     check_races(off, size, flags);
   }
 
-  void check_races(uint64_t off, uint64_t size, uint32_t flags) {
+  [[noreturn, gnu::noinline, gnu::cold]] void threadgroup_out_of_bounds(uint64_t off, uint64_t size, uint32_t flags) {
+    uint8_t id = region[off];
+    uint64_t last = off + (size ? size - 1 : 0);
+    uint8_t near = id ? id : (off >= 1 && region[off - 1] ? region[off - 1] : (last + 1 < kArenaSize ? region[last + 1] : 0));
+    std::ostringstream o;
+    o << "out-of-bounds " << ((flags & MX_ACC_WRITE) ? "write" : "read") << " of " << size
+      << " bytes of threadgroup memory";
+    if (near) o << " next to " << region_names[near - 1];
+    o << " by " << thread_name(*current) << " in kernel '" << ds->kernel->name << "'" << at_site(flags);
+    fail(ErrorKind::kBounds, o.str());
+  }
+
+  [[gnu::noinline]] void check_races(uint64_t off, uint64_t size, uint32_t flags) {
     const Lane& l = *current;
     uint16_t me = static_cast<uint16_t>(l.index + 1);
     uint16_t sg = static_cast<uint16_t>(l.index / 32);
@@ -566,19 +572,22 @@ struct Worker {
           s.reader_sg_epoch = std::max(s.reader_sg_epoch, sgep);
         }
       }
-      if (conflict) {
-        uint8_t id = region[b];
-        std::ostringstream o;
-        o << "data race on threadgroup memory in kernel '" << ds->kernel->name << "': ";
-        if (conflict == kMany) o << "several threads";
-        else o << "thread " << (conflict - 1);
-        o << " " << what << " byte " << (b - off) << " of " << (id ? region_names[id - 1] : "threadgroup memory")
-          << " and thread " << l.index << " " << ((flags & MX_ACC_WRITE) ? "writes" : "reads")
-          << " it" << at_site(flags) << " with no threadgroup_barrier(mem_flags::mem_threadgroup) between them"
-          << " (threadgroup " << size3({group_pos.x, group_pos.y, group_pos.z}) << ")";
-        fail(ErrorKind::kRace, o.str());
-      }
+      if (conflict) race(off, b, conflict, what, flags);
     }
+  }
+
+  [[noreturn, gnu::noinline, gnu::cold]] void race(uint64_t off, uint64_t b, uint16_t conflict, const char* what,
+                                                   uint32_t flags) {
+    uint8_t id = region[b];
+    std::ostringstream o;
+    o << "data race on threadgroup memory in kernel '" << ds->kernel->name << "': ";
+    if (conflict == kMany) o << "several threads";
+    else o << "thread " << (conflict - 1);
+    o << " " << what << " byte " << (b - off) << " of " << (id ? region_names[id - 1] : "threadgroup memory")
+      << " and thread " << current->index << " " << ((flags & MX_ACC_WRITE) ? "writes" : "reads")
+      << " it" << at_site(flags) << " with no threadgroup_barrier(mem_flags::mem_threadgroup) between them"
+      << " (threadgroup " << size3({group_pos.x, group_pos.y, group_pos.z}) << ")";
+    fail(ErrorKind::kRace, o.str());
   }
 
   // ------------------------------------------------------- device memory --
@@ -611,7 +620,7 @@ struct Worker {
       return false;
     };
     if (d.isolated) {
-      uint64_t slot = (a - reinterpret_cast<uintptr_t>(slot_region().base)) >> kSlotShift;
+      uint64_t slot = (a - d.slot_base) >> kSlotShift;
       if (slot < d.slot_members.size())
         for (int m : d.slot_members[slot])
           if (consider(d.bound[m])) return &d.bound[m];
@@ -626,9 +635,11 @@ struct Worker {
     return nullptr;
   }
 
+  // Every instrumented access. The common case stays short: error messages
+  // and the rarer work are in functions of their own.
   void access(uintptr_t a, uint64_t size, uint32_t flags) {
     uint64_t align = uint64_t(1) << ((flags >> MX_ACC_ALIGN_SHIFT) & 15);
-    if (++access_ticks == 1u << 16) {
+    if (__builtin_expect(++access_ticks == 1u << 16, 0)) {
       access_ticks = 0;
       watchdog();
     }
@@ -641,38 +652,21 @@ struct Worker {
     }
     DispatchState& d = *ds;
     if (d.isolated) {
-      SlotRegion& r = slot_region();
-      if (a - reinterpret_cast<uintptr_t>(r.base) >= r.span) return;  // thread-private memory
+      if (a - d.slot_base >= d.slot_span) return;  // thread-private memory
     } else if (is_engine_memory(a)) {
       return;  // the lane's stack, its mx_thread_info, the buffer table
     }
     const Bound* nearest = nullptr;
     const Bound* b = find_bound(a, size, &nearest);
     if (!b) {
-      if (!nearest) {
-        if (!d.isolated) return;  // thread-private memory
-        std::ostringstream o;
-        o << "access to device memory outside every bound buffer in kernel '" << d.kernel->name << "' by "
-          << thread_name(*current) << at_site(flags);
-        fail(ErrorKind::kBounds, o.str());
-      }
-      std::ostringstream o;
-      int64_t off = static_cast<int64_t>(a - reinterpret_cast<uintptr_t>(nearest->begin));
-      o << "out-of-bounds " << ((flags & MX_ACC_WRITE) ? "write" : "read") << " of " << size << " bytes at byte offset "
-        << off << " of buffer " << nearest->index << " ('" << nearest->name << "', " << nearest->size
-        << " bytes bound) in kernel '" << d.kernel->name << "' by " << thread_name(*current) << at_site(flags);
-      fail(ErrorKind::kBounds, o.str());
+      if (!nearest && !d.isolated) return;  // thread-private memory
+      out_of_bounds(a, size, flags, nearest);
     }
     if (a & (align - 1)) misaligned(a, size, flags, b->name.c_str(), a - reinterpret_cast<uintptr_t>(b->begin));
     int i = b->index;
     int w = std::min(63 - __builtin_clzll(size ? size : 1), 7);
     if (flags & MX_ACC_WRITE) {
-      if (b->from_bytes) {
-        std::ostringstream o;
-        o << "kernel '" << d.kernel->name << "' writes buffer " << i << " ('" << b->name
-          << "'), which was bound from bytes (constant data)" << at_site(flags);
-        fail(ErrorKind::kOther, o.str());
-      }
+      if (b->from_bytes) write_to_constant(*b, flags);
       counters.written[i] += size;
       counters.write_width[i][w]++;
     }
@@ -680,8 +674,31 @@ struct Worker {
       counters.read[i] += size;
       counters.read_width[i][w]++;
     }
-    if (d.isolated) device_visibility(*b, a, size, flags);
+    if (d.isolated && ((flags & MX_ACC_ATOMIC) || d.shadows[(a - d.slot_base) >> kSlotShift].tags))
+      device_visibility(*b, a, size, flags);
     if (flags & MX_ACC_ATOMIC) yield(flags);
+  }
+
+  [[noreturn, gnu::noinline, gnu::cold]] void out_of_bounds(uintptr_t a, uint64_t size, uint32_t flags,
+                                                              const Bound* nearest) {
+    std::ostringstream o;
+    if (!nearest) {
+      o << "access to device memory outside every bound buffer in kernel '" << ds->kernel->name << "' by "
+        << thread_name(*current) << at_site(flags);
+      fail(ErrorKind::kBounds, o.str());
+    }
+    int64_t off = static_cast<int64_t>(a - reinterpret_cast<uintptr_t>(nearest->begin));
+    o << "out-of-bounds " << ((flags & MX_ACC_WRITE) ? "write" : "read") << " of " << size << " bytes at byte offset "
+      << off << " of buffer " << nearest->index << " ('" << nearest->name << "', " << nearest->size
+      << " bytes bound) in kernel '" << ds->kernel->name << "' by " << thread_name(*current) << at_site(flags);
+    fail(ErrorKind::kBounds, o.str());
+  }
+
+  [[noreturn, gnu::noinline, gnu::cold]] void write_to_constant(const Bound& b, uint32_t flags) {
+    std::ostringstream o;
+    o << "kernel '" << ds->kernel->name << "' writes buffer " << b.index << " ('" << b.name
+      << "'), which was bound from bytes (constant data)" << at_site(flags);
+    fail(ErrorKind::kOther, o.str());
   }
 
   // ------------------------------------------ device memory across groups --
@@ -690,7 +707,7 @@ struct Worker {
     dirty = false;
   }
 
-  void device_visibility(const Bound& b, uintptr_t a, uint64_t size, uint32_t flags) {
+  [[gnu::noinline]] void device_visibility(const Bound& b, uintptr_t a, uint64_t size, uint32_t flags) {
     DispatchState& d = *ds;
     if (flags & MX_ACC_ATOMIC) {
       uint64_t seq = d.atomic_seq.fetch_add(1) + 1;
@@ -703,8 +720,7 @@ struct Worker {
       acquired = seq;
       return;
     }
-    uint64_t slot = (a - reinterpret_cast<uintptr_t>(slot_region().base)) >> kSlotShift;
-    Shadow32& sh = d.shadows[slot];
+    Shadow32& sh = d.shadows[(a - d.slot_base) >> kSlotShift];
     if (!sh.tags) return;
     uint32_t* t = sh.tags + (a - reinterpret_cast<uintptr_t>(sh.at));
     if (flags & MX_ACC_WRITE) {
@@ -749,7 +765,7 @@ struct Worker {
     fail(ErrorKind::kRace, o.str());
   }
 
-  [[noreturn]] void misaligned(uintptr_t a, uint64_t size, uint32_t flags, const std::string& what, uint64_t off) {
+  [[noreturn, gnu::noinline, gnu::cold]] void misaligned(uintptr_t a, uint64_t size, uint32_t flags, const std::string& what, uint64_t off) {
     std::ostringstream o;
     o << "misaligned " << ((flags & MX_ACC_WRITE) ? "write" : "read") << " of " << size << " bytes at byte offset "
       << off << " of " << what << ": the type needs " << (uint64_t(1) << ((flags >> MX_ACC_ALIGN_SHIFT) & 15))
@@ -764,7 +780,7 @@ struct Worker {
   }
 
   // An atomic operation: let the other lanes run (the lane stays runnable).
-  void yield(uint32_t flags) {
+  [[gnu::noinline]] void yield(uint32_t flags) {
     Lane& l = *current;
     l.flags = flags;
     if (++yield_ticks == 256) {
@@ -886,6 +902,9 @@ struct Worker {
   // lane, or from the scheduler when current is null).
   void watchdog() {
     if (now_ns() - last_progress <= ds->watchdog_ns) return;
+    watchdog_fires();
+  }
+  [[gnu::noinline, gnu::cold]] void watchdog_fires() {
     std::vector<Lane*> live;
     for (uint32_t i = 0; i < lane_count; ++i)
       if (lanes[i].state != LaneState::kDone && lanes[i].state != LaneState::kUnstarted) live.push_back(&lanes[i]);
@@ -1486,6 +1505,8 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
   }
   SlotRegion& region = slot_region();
   ds.isolated = dp.isolate && region.base;
+  ds.slot_base = reinterpret_cast<uintptr_t>(region.base);
+  ds.slot_span = region.span;
   // Isolated: buffers whose memory overlaps share one copy (a kernel may read
   // and write the same tensor through two arguments).
   struct Copy {

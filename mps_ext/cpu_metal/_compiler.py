@@ -59,8 +59,9 @@ _ARITHMETIC = [
 # makes, at the width the source makes it: an optimiser may split a 16-byte
 # load into four 4-byte ones; and every call still a call, always_inline
 # helpers included, for the SIMT positions), then optimised with the checks
-# in place.
-_IR_OPT = ["-O0", "-Xclang", "-disable-O0-optnone", "-Xclang", "-disable-llvm-passes"]
+# in place. -O2 without LLVM passes: the front end's output as at -O0, but
+# not marked noinline, so the optimiser can inline the stand-in stdlib.
+_IR_OPT = ["-O2", "-Xclang", "-disable-llvm-passes"]
 
 
 @dataclasses.dataclass
