@@ -6,8 +6,10 @@ Pipeline (every step by the same clang, Debian's clang-19 or Apple's):
   2. translate it to C++ (_translate.py) and generate the kernel entry points;
   3. compile that once with Metal's address spaces as clang address spaces,
      syntax only, so that mixing them fails as on a Mac;
-  4. compile it with address spaces erased to LLVM IR (-O2, debug lines);
-  5. instrument every memory access (_instrument.py);
+  4. compile it with address spaces erased to LLVM IR (front end only, with
+     line tables);
+  5. instrument it (_instrument.py): memory accesses, SIMT positions,
+     conversions;
   6. compile and link the IR into a shared object the engine loads.
 
 Results are cached by a hash of everything that goes into them, in
@@ -47,13 +49,19 @@ _ARITHMETIC = [
     "-Xclang", "-fbfloat16-excess-precision=none",
     "-ffp-contract=off",
     "-fno-math-errno",
+    # Apple GPUs flush fp32 denormals (engine.cpp sets the CPU to do the
+    # same at run time); constant folding must agree.
+    "-fdenormal-fp-math-f32=preserve-sign,preserve-sign",
 ]
 
 
 # The IR is instrumented before optimisation (every memory access the source
 # makes, at the width the source makes it: an optimiser may split a 16-byte
-# load into four 4-byte ones), then optimised with the checks in place.
-_IR_OPT = ["-O0", "-Xclang", "-disable-O0-optnone"]
+# load into four 4-byte ones; and every call still a call, always_inline
+# helpers included, for the SIMT positions), then optimised with the checks
+# in place. -O2 without LLVM passes: the front end's output as at -O0, but
+# not marked noinline, so the optimiser can inline the stand-in stdlib.
+_IR_OPT = ["-O2", "-Xclang", "-disable-llvm-passes"]
 
 
 @dataclasses.dataclass
@@ -165,12 +173,17 @@ def preprocess(source: str, filename: str, defines: dict | None, include_dirs=()
     return _run(cmd, text, "preprocessing").stdout
 
 
-def translation_unit(preprocessed: str, tr: "_translate.Translation | None" = None) -> tuple[str, list[dict], list[str]]:
-    """The C++ translation unit, the kernels, and problems found on the way."""
+def translation_unit(preprocessed: str, tr: "_translate.Translation | None" = None,
+                     defines: dict | None = None) -> tuple[str, list[dict], list[str]]:
+    """The C++ translation unit, the kernels, and problems found on the way.
+    The stand-in <metal_stdlib> sees the Metal version the shader was
+    preprocessed for (functions newer than it are missing, as on a Mac)."""
     tr = tr or _translate.translate(preprocessed)
     entry, entry_problems = _translate.entry_points(tr.kernels)
     problems = [msg for _, msg in tr.problems] + [msg for _, msg in entry_problems]
+    version = (defines or {}).get("__METAL_VERSION__", METAL_MACROS["__METAL_VERSION__"])
     tu = (
+        f"#define __METAL_VERSION__ {int(version)}\n"
         '#include "mx_metal.h"\n'
         + tr.text
         + '\n#line 1 "<executor entry points>"\n'
@@ -303,7 +316,7 @@ def build(source: str, defines: dict | None = None, filename: str = "shader.meta
     work = Path(tempfile.mkdtemp(prefix="build-", dir=final.parent))
     try:
         pre = preprocess(source, filename, defines)
-        tu, kernels, problems = translation_unit(pre)
+        tu, kernels, problems = translation_unit(pre, defines=defines)
         if check:  # what Apple's compiler would reject (_lint.py); a standard header already failed above
             problems = _lint.lint(pre) + problems
         if problems:
