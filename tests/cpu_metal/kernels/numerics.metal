@@ -22,8 +22,10 @@ kernel void denormals(device float* f [[buffer(0)]],
 kernel void scaled_products(device float* f [[buffer(0)]],
                             const device float* x [[buffer(1)]],
                             uint i [[thread_position_in_grid]]) {
-  float scaled = (x[i] * 0x1p64f) * 0.5f;  // exact: a normal number
-  f[i] = scaled < 0x1p64f * FLT_MIN ? 0.0f : scaled * 0x1p-64f;
+  // 2^64 and 2^-64 (hexadecimal float literals are C++17, not MSL 3.1).
+  const float up = 18446744073709551616.0f, down = 5.42101086242752217e-20f;
+  float scaled = (x[i] * up) * 0.5f;  // exact: a normal number
+  f[i] = scaled < up * FLT_MIN ? 0.0f : scaled * down;
 }
 
 // sinpi, cospi, tanpi and sign: out has 4 values per input.
