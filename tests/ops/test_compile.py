@@ -12,8 +12,8 @@ torch.manual_seed(0)
 
 
 def model(x, w, b, grad):
-    y = torch.ops.mps_ext.linear(x, w, b)
-    y = torch.ops.mps_ext.addmm(b, x, w.t(), beta=0.5, alpha=2.0) + torch.ops.mps_ext.mm(x, w.t())
+    y = torch.ops.mps_ext.linear(x, w, b) + torch.ops.mps_ext.mm(x, w.t())
+    y = y + torch.ops.mps_ext.addmm(b, x, w.t(), beta=0.5, alpha=2.0)
     p = torch.ops.mps_ext._softmax(y, -1, False)
     lp = torch.ops.mps_ext._log_softmax(y, 0, False)
     g = torch.ops.mps_ext._softmax_backward_data(grad, p, -1, p.dtype)
