@@ -145,6 +145,11 @@ auto route(Family& fam, const std::string& op, c10::DispatchKey key, const std::
     }
   }
   fam.count_fallback(reason);
+  // An op torch has no kernel of its own for here (mps_ext registers it
+  // rather than overriding it) has nowhere to go: say why.
+  TORCH_CHECK(has_stock_kernel(op, key), "mps_ext: ", op, " cannot run on ",
+              c10::DeviceTypeName(detail::device_of(key)), " here (", reason, ") and torch has no kernel of its own ",
+              "for it to run instead");
   return call_stock<Ret>(op, key, args...);
 }
 
