@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "backend/launch.h"
+#include "ops/index_width.h"
 #include "ops/ops.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
@@ -15,8 +16,6 @@
 
 namespace mps_ext {
 namespace {
-
-constexpr uint32_t kThreads = 256;
 
 // The output shape and, per dimension, how far the input is shifted.
 // Checks and messages follow torch's constant_pad_nd.
@@ -67,6 +66,35 @@ uint64_t fill_bits(const c10::Scalar& value, c10::ScalarType dtype) {
   return bits;
 }
 
+// One dimension as the kernel sees it (PadParams).
+struct Dim {
+  int64_t out, in, stride, pad_before;
+};
+
+// Fewer dimensions, same pad: drops unpadded dimensions of size 1 and merges
+// an unpadded dimension into the one outside it when the input steps over
+// it contiguously (its stride is the inner one's times its size). A typical
+// F.pad of the last two dimensions of a contiguous [N, C, H, W] becomes
+// [N * C, H, W]. `dims` is in the output's memory order, outermost first.
+std::vector<Dim> merge_dims(const std::vector<Dim>& dims) {
+  std::vector<Dim> kept;
+  for (const Dim& d : dims)
+    if (!(d.out == 1 && d.in == 1 && d.pad_before == 0)) kept.push_back(d);
+  if (kept.empty()) return {Dim{1, 1, 1, 0}};
+  std::vector<Dim> merged{kept.back()};  // built innermost first
+  for (int64_t k = static_cast<int64_t>(kept.size()) - 2; k >= 0; --k) {
+    Dim& inner = merged.back();
+    const Dim& outer = kept[k];
+    if (inner.out == inner.in && inner.pad_before == 0 && outer.stride == inner.stride * inner.in) {
+      inner = Dim{outer.out * inner.out, outer.in * inner.in, inner.stride, outer.pad_before * inner.out};
+    } else {
+      merged.push_back(outer);
+    }
+  }
+  std::reverse(merged.begin(), merged.end());
+  return merged;
+}
+
 const char* size_name(int64_t itemsize) {
   switch (itemsize) {
     case 1: return "1";
@@ -104,35 +132,45 @@ at::Tensor constant_pad(const at::Tensor& self, c10::IntArrayRef pad, const c10:
   const int64_t numel = out.numel();
   if (numel == 0) return out;
 
-  // Dimensions in the output's memory order, outermost first, so that
-  // consecutive threads write consecutive addresses.
+  // Dimensions in the output's memory order, outermost first: the output
+  // is contiguous in that order.
   const int64_t ndim = self.dim();
   std::vector<int64_t> order(ndim);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return out.stride(a) > out.stride(b); });
+  std::vector<Dim> dims;
+  for (int64_t d : order) dims.push_back({g.out_sizes[d], self.size(d), self.stride(d), g.pad_before[d]});
+  dims = merge_dims(dims);
 
   PadParams p{};
-  p.numel = numel;
-  p.rank = static_cast<uint32_t>(ndim);
+  p.rank = static_cast<uint32_t>(dims.size());
   p.fill_bits = fill;
-  int64_t max_offset = 0;
-  for (int64_t k = 0; k < ndim; ++k) {
-    int64_t d = order[k];
-    p.out_sizes[k] = g.out_sizes[d];
-    p.in_sizes[k] = self.size(d);
-    p.in_strides[k] = self.stride(d);
-    p.pad_before[k] = g.pad_before[d];
-    max_offset += (self.size(d) - 1) * std::abs(self.stride(d));
+  int64_t max_offset = 0, rows = 1;
+  for (size_t k = 0; k < dims.size(); ++k) {
+    p.out_sizes[k] = dims[k].out;
+    p.in_sizes[k] = dims[k].in;
+    p.in_strides[k] = dims[k].stride;
+    p.pad_before[k] = dims[k].pad_before;
+    max_offset += std::max<int64_t>(dims[k].in - 1, 0) * dims[k].stride;
+    if (k + 1 < dims.size()) rows *= dims[k].out;
   }
-  // Index width: 32-bit arithmetic is faster on the GPU; any offset past
-  // 2^31 needs the 64-bit variant.
-  const bool wide = numel > INT32_MAX - 2 * PAD_ELEMENTS_PER_THREAD || max_offset > INT32_MAX;
-  const int64_t threads = (numel + PAD_ELEMENTS_PER_THREAD - 1) / PAD_ELEMENTS_PER_THREAD;
-  TORCH_CHECK(threads <= 0xffffffffll, "mps_ext constant_pad_nd: output too large (", numel, " elements)");
-  const int64_t groups = (threads + kThreads - 1) / kThreads;
-  std::string kernel = std::string("constant_pad_") + size_name(self.itemsize()) + (wide ? "_i64" : "_i32");
+  // A simdgroup per 16-byte-aligned segment of a row; a row with `head`
+  // bytes before its first aligned address spans at most this many.
+  const int64_t itemsize = self.itemsize();
+  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 || !out.is_cpu());
+  const int64_t segments = (dims.back().out * itemsize + 15 + PAD_SEGMENT_BYTES - 1) / PAD_SEGMENT_BYTES;
+  const int64_t tasks = rows * segments;
+  TORCH_CHECK(tasks <= INT32_MAX && rows <= INT32_MAX, "mps_ext constant_pad_nd: output too large (", numel,
+              " elements)");
+  p.segments_per_row = static_cast<uint32_t>(segments);
+  p.tasks = static_cast<uint32_t>(tasks);
+  // Index width: 32-bit arithmetic is faster on the GPU (64-bit integer math
+  // is emulated); any offset past 2^31 needs the 64-bit variant.
+  const bool wide = !fits_32bit(numel + PAD_SEGMENT_BYTES) || !fits_32bit(max_offset);
+  const int64_t groups = (tasks + PAD_THREADS / 32 - 1) / (PAD_THREADS / 32);
+  std::string kernel = std::string("constant_pad_") + size_name(itemsize) + (wide ? "_i64" : "_i32");
   launch(Launch{"pad", kernel, {KernelArg::of(out), KernelArg::of(self), KernelArg::value(p)},
-                {static_cast<uint32_t>(groups), 1, 1}, {kThreads, 1, 1}});
+                {static_cast<uint32_t>(groups), 1, 1}, {PAD_THREADS, 1, 1}});
   return out;
 }
 

@@ -2,8 +2,12 @@
 
 #include <c10/util/Exception.h>
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <set>
+
+#include "ops/index_width.h"
 
 namespace mps_ext {
 
@@ -157,5 +161,17 @@ const c10::SafeKernelFunction& stock_kernel(const std::string& op, c10::Dispatch
   TORCH_CHECK(it != stock().end(), "mps_ext: ", op, " has no kernel for ", key, " to fall back to");
   return it->second;
 }
+
+}  // namespace mps_ext
+
+// ------------------------------------------------------- index width --
+namespace mps_ext {
+namespace {
+constexpr int64_t kDefaultIndexLimit = INT32_MAX;
+std::atomic<int64_t> g_index_limit{kDefaultIndexLimit};
+}  // namespace
+
+int64_t index_limit() { return g_index_limit.load(); }
+void set_index_limit(int64_t limit) { g_index_limit = limit > 0 ? limit : kDefaultIndexLimit; }
 
 }  // namespace mps_ext

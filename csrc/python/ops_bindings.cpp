@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include "backend/launch.h"
+#include "ops/index_width.h"
 #include "ops/ops.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
@@ -78,6 +79,9 @@ void bind_ops(py::module_& m) {
       },
       py::arg("library"), py::arg("kernel") = "", py::arg("kind") = "none", py::arg("max_threads") = 0);
   m.def("_simulated_failure_hits", &simulated_failure_hits);
+  m.def("_set_index_limit", &set_index_limit, py::arg("limit"),
+        "Largest index the 32-bit kernel variants may compute; <= 0 restores 2^31 - 1 (tests run the 64-bit "
+        "variants on small tensors with it).");
   m.def("_clear_unavailable", [](const std::string& fam) { family(fam).clear_unavailable(); }, py::arg("family"));
   m.def(
       "_warn_without_override_warning",

@@ -45,3 +45,13 @@ class Runner:
 @pytest.fixture
 def run(device):
     return Runner(device)
+
+
+@pytest.fixture
+def wide_index():
+    """Makes the ops pick their 64-bit index variants for any tensor, so that
+    those run on small tensors (a tensor that needs them has offsets past
+    2^31 elements: the executor would copy gigabytes)."""
+    mps_ext._C._set_index_limit(1)
+    yield
+    mps_ext._C._set_index_limit(0)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from host_names import host_names
 
 from mps_ext import cpu_metal
 
@@ -137,6 +138,75 @@ def test_64_bit_indexing_past_2_31_elements(run, device):
         out = run("constant_pad_nd", x, [-(2**31), 3], 7, family="pad")
     assert rec.dispatches[0].kernel == "constant_pad_1_i64"
     assert torch.equal(out, torch.cat([torch.arange(100, dtype=torch.uint8), torch.full((3,), 7, dtype=torch.uint8)]))
+
+
+# One dtype per element size, the kernel's only type parameter.
+BY_SIZE = {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.int64}
+
+
+@pytest.mark.parametrize("width", [1, 3, 15, 16, 17, 63, 64, 65, 255, 256, 257, 600])
+@pytest.mark.parametrize("size", sorted(BY_SIZE))
+def test_rows_against_aligned_segments(run, device, size, width):
+    # A simdgroup writes a 16-byte-aligned 512-byte segment of a row with
+    # vector stores, and the elements at either end of the row one at a time:
+    # rows shorter, longer, and not a multiple of the 16 bytes, starting at
+    # every alignment (5 rows), with the input cropped, padded and both.
+    x = sample((5, width), BY_SIZE[size])
+    with cpu_metal.record() as rec:
+        for pad in ([1, 2, 0, 0], [3, 0, 1, 1], [0, 17, 2, 0], [-1, 5, 0, 1]):
+            if width + pad[0] + pad[1] > 0:
+                check(run, x, pad, 3)
+    if device == "executor":
+        assert {d.kernel for d in rec.dispatches} == {f"constant_pad_{size}_i32"}
+
+
+@pytest.mark.parametrize("shape,pad,view", [
+    ((2, 3, 4, 5, 6), [1, 1, 0, 0, 0, 0, 1, 0], "contiguous"),  # unpadded middle dims merge
+    ((2, 3, 4, 5, 6), [0, 0, 2, 1], "contiguous"),              # ... and the last one into them
+    ((2, 3, 4, 5, 6), [0, 0, 0, 0, 0, 0, 0, 0, 1, 1], "contiguous"),  # only the outermost padded
+    ((2, 3, 4, 5, 6), [1, 0, 0, 0, 1, 0], "sliced"),            # strides that do not merge
+    ((1, 1, 3, 1, 7), [2, 2], "contiguous"),                    # size-1 dimensions dropped
+    ((4, 1, 6), [0, 0, 1, 1], "contiguous"),                    # a padded size-1 dimension kept
+    ((3, 0, 5), [1, 1, 0, 2], "contiguous"),                    # an empty input dimension
+    ((2, 2, 2, 2, 2, 2, 2, 3), [1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1], "contiguous"),  # 8 dims, none merge
+])
+def test_dimensions_the_host_merges(run, shape, pad, view):
+    x = sample(shape, torch.float16)
+    if view == "sliced":
+        x = sample((2, 3, 8, 5, 6), torch.float16)[:, :, ::2]
+    check(run, x, pad, -1)
+
+
+@pytest.mark.parametrize("size", sorted(BY_SIZE))
+def test_64_bit_variants(run, device, wide_index, size):
+    # The 64-bit variants on small views (test_64_bit_indexing_past_2_31_elements
+    # runs one past 2^31 elements): rows segments, crops, several dimensions.
+    dtype = BY_SIZE[size]
+    base = sample((3, 9, 70), dtype)
+    with cpu_metal.record() as rec:
+        for x, pad in [(base, [1, 2, 0, 1, 1, 0]), (base[:, ::2, 5:], [-1, 3, 2, 0]), (base.transpose(0, 2), [4, 4])]:
+            check(run, x, pad, 5)
+    if device == "executor":
+        assert {d.kernel for d in rec.dispatches} == {f"constant_pad_{size}_i64"}
+
+
+def test_every_pad_kernel_is_tested():
+    # The tests above run constant_pad_<size>_i32 (test_rows_against_aligned_segments)
+    # and constant_pad_<size>_i64 (test_64_bit_variants) for
+    # every element size: that is all the library has.
+    assert host_names("pad") == {f"constant_pad_{s}_{w}" for s in BY_SIZE for w in ("i32", "i64")}
+
+
+def test_rows_are_written_with_vector_stores(run, device):
+    x = sample((3, 64, 255, 255), torch.uint8)
+    with cpu_metal.record() as rec:
+        check(run, x, [1, 2, 3, 4], 0)
+    if device == "executor":
+        (d,) = rec.dispatches
+        assert d.kernel == "constant_pad_1_i32"
+        stored = sum(w * n for w, n in d.write_widths[0].items())
+        assert d.write_widths[0].get(16, 0) * 16 / stored > 0.9  # 1-byte elements, 16 at a time
+        assert d.bytes_read[1] == x.nbytes
 
 
 @pytest.mark.parametrize("pad,message", [
