@@ -6,6 +6,13 @@
 
 #ifdef __METAL_VERSION__
 #include <metal_stdlib>
+// A thread's small arrays (the elements it holds, its accumulators) stay in
+// registers only if every index into them is known at compile time: so the
+// helpers that take them are always inlined (Apple's own headers declare
+// their functions so, METAL_FUNC) and the loops over them fully unrolled.
+// Otherwise the array lives in stack memory.
+#define MPS_EXT_INLINE inline __attribute__((__always_inline__))
+#define MPS_EXT_UNROLL _Pragma("clang loop unroll(full)")
 #else
 #include <cstdint>
 #endif

@@ -1,137 +1,307 @@
 // softmax, log_softmax and their backward passes over one dimension of a
 // tensor of any rank and strides, accumulating in float.
 //
-// Three shapes of work, chosen on the host (csrc/ops/softmax.cpp):
-//  segment  rows of up to 128 elements: lanes_per_row lanes of a simdgroup
-//           share a row, so one threadgroup packs many rows;
+// Four shapes of work, chosen on the host (csrc/ops/softmax.cpp):
+//  segment  rows of up to 128 elements (256 in the 16-bit vector variants):
+//           2^lanes_shift lanes of a simdgroup share a row, so one
+//           threadgroup packs many rows;
 //  block    rows of up to 8192 elements: one threadgroup per row;
+//  strided  a softmax dimension that is not contiguous while the last
+//           dimension is (dim 1 of [32, 1024, 16]): lanes walk the
+//           contiguous dimension, so one load instruction reads consecutive
+//           addresses, and a threadgroup owns several rows;
 //  split    longer rows: a row is cut into chunks, one threadgroup each.
 //           partial_* writes each chunk's partial reduction, finish_*
 //           combines a row's partials and writes the chunk: two dispatches,
 //           and a long decode-time row spreads over the whole GPU.
-// Each thread keeps its elements in registers between the reduction and the
-// write, so segment and block read the input once.
+// Each thread keeps its elements in registers between the reductions and the
+// write, so segment, block and strided read the input once; split reads it
+// twice (the second time a chunk another threadgroup read just before, so
+// likely from the system-level cache). Reading once would need every chunk
+// of a row to wait for the row's total: a grid-wide barrier, which Metal does
+// not offer (threadgroups of one dispatch are not guaranteed to run at the
+// same time, so one spinning on another may never finish).
+//
+// Forward: the row's max first, then one exp per element (exp(x - max),
+// kept for the write), then the sum; split rows take one more exp per
+// element in finish_*. Special values come out as torch's: a NaN anywhere or
+// a +inf makes the row NaN; a row of -inf gives 0 / 0 = NaN; -inf elements of
+// a finite row give 0.
+//
+// Variants: I is the index type, uint when every offset fits in 31 bits
+// (the host checks), ulong beyond: 64-bit integer division is a software
+// loop on Apple GPUs, and every thread divides to find its row. VEC: 16-byte
+// loads and stores, when the row is contiguous and every row start is
+// 16-byte aligned (the host checks the pointers and strides); 32-bit only.
 #include <metal_stdlib>
 #include "softmax_params.h"
 using namespace metal;
 
-// Elements each thread holds.
-#define SEGMENT_ELEMENTS 4
-#define BLOCK_ELEMENTS 16
-
 // ------------------------------------------------------------- indexing --
+template <typename I>
 struct RowOffsets {
-  long x, y, out;
+  I x, y, out;
 };
 
-// Where row `row` starts in each tensor.
-inline RowOffsets row_offsets(constant SoftmaxParams& p, long row) {
-  RowOffsets o = {0, 0, 0};
-  for (int d = int(p.rank) - 1; d >= 0; --d) {
-    long c = row % p.row_sizes[d];
-    row /= p.row_sizes[d];
-    o.x += c * p.x_strides[d];
-    o.y += c * p.y_strides[d];
-    o.out += c * p.out_strides[d];
+// Where row `row` starts in each tensor, from the first `dims` row
+// dimensions. The outermost coordinate is what remains: no division.
+template <typename I>
+MPS_EXT_INLINE RowOffsets<I> row_offsets(constant SoftmaxParams& p, I row, int dims) {
+  RowOffsets<I> o = {0, 0, 0};
+  for (int d = dims - 1; d >= 0; --d) {
+    I c = row;
+    if (d > 0) {
+      const I size = I(p.row_sizes[d]);
+      c = row % size;
+      row /= size;
+    }
+    o.x += c * I(p.x_strides[d]);
+    o.y += c * I(p.y_strides[d]);
+    o.out += c * I(p.out_strides[d]);
   }
   return o;
 }
 
-// ------------------------------------------------------------ reductions --
-// (max, sum of exp(x - max)) of the elements seen so far, mergeable in any
-// order. It follows torch's results for special values: a NaN anywhere or a
-// +inf makes the row NaN; a row of -inf gives 0 / 0 = NaN; -inf elements
-// of a finite row contribute exp(-inf) = 0.
-struct MaxSum {
-  float m;
-  float s;
+// The elements a thread holds: J pieces of C consecutive elements (C > 1 in
+// the vector variants), piece j starting at element (first + j * step) * C.
+template <typename I, int J, int C>
+struct Slots {
+  I first, step;
+  MPS_EXT_INLINE I at(int j) const { return (first + I(j) * step) * I(C); }
 };
 
-inline float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
+// 16 bytes of T at p (16-byte aligned) as floats: 4 floats or 8 halves.
+MPS_EXT_INLINE void load16(const device float* p, thread float* v) {
+  float4 f = *(const device float4*)p;
+  MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) v[i] = f[i];
+}
+template <typename H>
+MPS_EXT_INLINE void load16_pairs(const device H* p, thread float* v) {
+  uint4 bits = *(const device uint4*)p;
+  MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) {
+    vec<H, 2> pair = as_type<vec<H, 2>>(bits[i]);
+    v[2 * i] = float(pair.x);
+    v[2 * i + 1] = float(pair.y);
+  }
+}
+MPS_EXT_INLINE void load16(const device half* p, thread float* v) { load16_pairs(p, v); }
+MPS_EXT_INLINE void load16(const device bfloat* p, thread float* v) { load16_pairs(p, v); }
 
-// exp(a - m), where an -inf element contributes 0 even if the max is -inf.
-inline float exp_from(float a, float m) { return a == -INFINITY ? 0.0f : precise::exp(a - m); }
+// N (4 or 8) values as O at p, aligned to their size: 16 or 32 bytes of
+// float, 8 or 16 bytes of half / bfloat.
+template <int N>
+MPS_EXT_INLINE void store_n(device float* p, thread const float* v) {
+  MPS_EXT_UNROLL for (int i = 0; i < N; i += 4) *(device float4*)(p + i) = float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+}
+template <int N, typename H>
+MPS_EXT_INLINE void store_n_pairs(device H* p, thread const float* v) {
+  uint4 bits = uint4(0);
+  MPS_EXT_UNROLL for (int i = 0; i < N / 2; ++i) bits[i] = as_type<uint>(vec<H, 2>(H(v[2 * i]), H(v[2 * i + 1])));
+  if (N == 8) *(device uint4*)p = bits;
+  else *(device uint2*)p = bits.xy;
+}
+template <int N>
+MPS_EXT_INLINE void store_n(device half* p, thread const float* v) { store_n_pairs<N>(p, v); }
+template <int N>
+MPS_EXT_INLINE void store_n(device bfloat* p, thread const float* v) { store_n_pairs<N>(p, v); }
 
-inline MaxSum merge(MaxSum a, MaxSum b) {
-  float m = nan_max(a.m, b.m);
-  return MaxSum{m, a.s * exp_from(a.m, m) + b.s * exp_from(b.m, m)};
+// A thread's elements of the row starting at `base` (length n, elements
+// `stride` apart; in the vector variants the host checked it is 1), or
+// `fill` where the row has none (or the thread has no row).
+template <typename T, typename I, int J, int C>
+MPS_EXT_INLINE void load_row(thread float* v, const device T* base, I stride, I n, Slots<I, J, C> s, bool valid, float fill) {
+  MPS_EXT_UNROLL for (int j = 0; j < J; ++j) {
+    const I k = s.at(j);
+    if (C > 1 && valid && k + C <= n) {
+      load16(base + k, v + j * C);
+    } else {
+      MPS_EXT_UNROLL for (int e = 0; e < C; ++e)
+        v[j * C + e] = valid && k + e < n ? float(base[C > 1 ? k + e : k * stride]) : fill;
+    }
+  }
 }
 
-inline MaxSum empty_max_sum() { return MaxSum{-INFINITY, 0.0f}; }
+template <typename O, typename I, int J, int C>
+MPS_EXT_INLINE void store_row(device O* base, I stride, I n, thread const float* v, Slots<I, J, C> s, bool valid) {
+  if (!valid) return;
+  MPS_EXT_UNROLL for (int j = 0; j < J; ++j) {
+    const I k = s.at(j);
+    if (C > 1 && k + C <= n) {
+      store_n<C>(base + k, v + j * C);
+    } else {
+      MPS_EXT_UNROLL for (int e = 0; e < C; ++e)
+        if (k + e < n) base[C > 1 ? k + e : k * stride] = O(v[j * C + e]);
+    }
+  }
+}
 
-// Reduce across `lanes` consecutive lanes (a power of two up to 32); every
-// lane of the group gets the result.
-inline MaxSum lanes_merge(MaxSum v, uint lanes) {
-  for (ushort offset = ushort(lanes / 2); offset > 0; offset /= 2)
-    v = merge(v, MaxSum{simd_shuffle_xor(v.m, offset), simd_shuffle_xor(v.s, offset)});
+// ------------------------------------------------------------ reductions --
+// max that keeps a NaN (Metal's max and simd_max return the other operand).
+MPS_EXT_INLINE float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
+
+// exp(a - m), where an -inf element contributes 0 even if the max is -inf (a
+// chunk of -inf in a split row must add 0, not NaN, to the row's sum).
+MPS_EXT_INLINE float exp_from(float a, float m) { return a == -INFINITY ? 0.0f : precise::exp(a - m); }
+
+MPS_EXT_INLINE float lanes_max(float v, uint from_offset) {
+  for (ushort offset = ushort(from_offset); offset < 32; offset *= 2) v = nan_max(v, simd_shuffle_xor(v, offset));
   return v;
 }
-inline float lanes_sum(float v, uint lanes) {
-  for (ushort offset = ushort(lanes / 2); offset > 0; offset /= 2) v += simd_shuffle_xor(v, offset);
+MPS_EXT_INLINE float lanes_sum(float v, uint from_offset) {
+  for (ushort offset = ushort(from_offset); offset < 32; offset *= 2) v += simd_shuffle_xor(v, offset);
   return v;
 }
 
-// Reduce across the threadgroup; every thread gets the result. `scratch`
-// holds one partial per simdgroup.
-inline MaxSum block_merge(MaxSum v, threadgroup float2* scratch, uint lane, uint sg, uint simdgroups) {
-  v = lanes_merge(v, 32);
-  if (lane == 0) scratch[sg] = float2(v.m, v.s);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  MaxSum total = empty_max_sum();
-  for (uint i = 0; i < simdgroups; ++i) total = merge(total, MaxSum{scratch[i].x, scratch[i].y});
-  return total;
-}
-inline float block_sum(float v, threadgroup float* scratch, uint lane, uint sg, uint simdgroups) {
-  v = simd_sum(v);
-  if (lane == 0) scratch[sg] = v;
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  float total = 0.0f;
-  for (uint i = 0; i < simdgroups; ++i) total += scratch[i];
-  return total;
-}
+// Rows shared by 2^k consecutive lanes of a simdgroup (segment): shuffles
+// over those lanes, every lane gets the result.
+struct LanesReduce {
+  uint lanes;
+  MPS_EXT_INLINE float reduce_max(float v) const {
+    for (ushort offset = ushort(lanes / 2); offset > 0; offset /= 2) v = nan_max(v, simd_shuffle_xor(v, offset));
+    return v;
+  }
+  MPS_EXT_INLINE float reduce_sum(float v) const {
+    for (ushort offset = ushort(lanes / 2); offset > 0; offset /= 2) v += simd_shuffle_xor(v, offset);
+    return v;
+  }
+};
 
-// ----------------------------------------------------------- the results --
-inline float softmax_value(float x, MaxSum t, bool log) {
-  return log ? x - t.m - precise::log(t.s) : exp_from(x, t.m) / t.s;
+// Rows owned by threads whose index differs in the bits from `spread` up
+// (every thread of a block; the threads of one inner row in strided): shuffles
+// across the simdgroup's lanes from offset `spread`, then one value per
+// simdgroup and row through threadgroup memory, which every thread reads back.
+// `scratch` holds simdgroups x spread floats per reduction; a reduction has
+// its own scratch, so no barrier is needed before the next one.
+struct GroupReduce {
+  threadgroup float* scratch_max;
+  threadgroup float* scratch_sum;
+  uint spread;  // 1 (block) or the strided rows per threadgroup, <= 32
+  uint lane, sg, simdgroups;
+  MPS_EXT_INLINE float publish_then_fold(float v, threadgroup float* scratch, bool is_max) const {
+    // Lanes [0, spread) of each simdgroup hold its values, one per row:
+    // consecutive words, read back by lanes of one row from one address.
+    const uint row = lane & (spread - 1);
+    if (lane < spread) scratch[sg * spread + row] = v;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float total = is_max ? -INFINITY : 0.0f;
+    for (uint s = 0; s < simdgroups; ++s) {
+      const float w = scratch[s * spread + row];
+      total = is_max ? nan_max(total, w) : total + w;
+    }
+    return total;
+  }
+  MPS_EXT_INLINE float reduce_max(float v) const { return publish_then_fold(lanes_max(v, spread), scratch_max, true); }
+  MPS_EXT_INLINE float reduce_sum(float v) const { return publish_then_fold(lanes_sum(v, spread), scratch_sum, false); }
+};
+
+// ------------------------------------------------------------ row bodies --
+// The forward pass over the elements a thread holds: max, one exp per
+// element, sum, write.
+template <typename T, typename O, typename I, int J, int C, typename Reduce>
+MPS_EXT_INLINE void forward_row(device O* out, const device T* x, constant SoftmaxParams& p, RowOffsets<I> o,
+                        Slots<I, J, C> s, bool valid, Reduce r) {
+  const I n = I(p.row_length);
+  float v[J * C];
+  load_row(v, x + o.x, I(p.x_dim_stride), n, s, valid, -INFINITY);
+  float m = -INFINITY;
+  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) m = nan_max(m, v[i]);
+  m = r.reduce_max(m);
+  float sum = 0.0f;
+  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) {
+    const float e = exp_from(v[i], m);
+    sum += e;
+    if (!p.log) v[i] = e;
+  }
+  sum = r.reduce_sum(sum);
+  const float log_sum = precise::log(sum);
+  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) v[i] = p.log ? v[i] - m - log_sum : v[i] / sum;
+  store_row(out + o.out, I(p.out_dim_stride), n, v, s, valid);
 }
 
 // grad_input of softmax: y * (g - sum(g * y)); of log_softmax: g - exp(y) * sum(g).
-inline float backward_term(float g, float y, bool log) { return log ? g : g * y; }
-inline float backward_value(float g, float y, float sum, bool log) {
+MPS_EXT_INLINE float backward_term(float g, float y, bool log) { return log ? g : g * y; }
+MPS_EXT_INLINE float backward_value(float g, float y, float sum, bool log) {
   return log ? g - precise::exp(y) * sum : y * (g - sum);
 }
 
+template <typename G, typename O, typename I, int J, int C, typename Reduce>
+MPS_EXT_INLINE void backward_row(device O* out, const device G* g, const device G* y, constant SoftmaxParams& p,
+                         RowOffsets<I> o, Slots<I, J, C> s, bool valid, Reduce r) {
+  const I n = I(p.row_length);
+  float gv[J * C], yv[J * C];
+  load_row(gv, g + o.x, I(p.x_dim_stride), n, s, valid, 0.0f);
+  load_row(yv, y + o.y, I(p.y_dim_stride), n, s, valid, 0.0f);
+  float sum = 0.0f;
+  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) sum += backward_term(gv[i], yv[i], p.log);
+  sum = r.reduce_sum(sum);
+  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) gv[i] = backward_value(gv[i], yv[i], sum, p.log);
+  store_row(out + o.out, I(p.out_dim_stride), n, gv, s, valid);
+}
+
+// Pieces of C elements: 16 bytes in the vector variants.
+#define PIECE(T, VEC) ((VEC) ? int(16 / sizeof(T)) : 1)
+// Pieces a thread holds to have `elements` elements (at least one).
+#define PIECES(elements, T, VEC) ((elements) / PIECE(T, VEC) > 0 ? (elements) / PIECE(T, VEC) : 1)
+
+// ---------------------------------------------------------------- shapes --
+// Where the rows of a segment threadgroup are, and the thread's lane in its row.
+template <typename I>
+struct SegmentRow {
+  I row;
+  uint lane, lanes;
+  bool valid;
+  RowOffsets<I> o;
+};
+template <typename I>
+MPS_EXT_INLINE SegmentRow<I> segment_row(constant SoftmaxParams& p, uint tid, uint group) {
+  SegmentRow<I> r;
+  r.lanes = 1u << p.lanes_shift;
+  r.row = I(group) * I(SOFTMAX_SEGMENT_THREADS >> p.lanes_shift) + I(tid >> p.lanes_shift);
+  r.lane = tid & (r.lanes - 1);
+  r.valid = r.row < I(p.rows);  // idle lanes still join the shuffles
+  r.o = r.valid ? row_offsets<I>(p, r.row, int(p.rank)) : RowOffsets<I>{0, 0, 0};
+  return r;
+}
+
+// Where a strided threadgroup's rows are: its inner row, its outer row, and
+// the thread's place in the row. Every thread of a row reaches the barriers.
+template <typename I>
+struct StridedRow {
+  bool valid;
+  RowOffsets<I> o;
+  I first, step;
+};
+template <typename I>
+MPS_EXT_INLINE StridedRow<I> strided_row(constant SoftmaxParams& p, uint tid, uint threads, uint2 group) {
+  const int last = int(p.rank) - 1;
+  const uint rows_here = 1u << p.lanes_shift;
+  const I inner = I(group.x) * I(rows_here) + I(tid & (rows_here - 1));
+  StridedRow<I> r;
+  r.valid = inner < I(p.row_sizes[last]);
+  r.o = row_offsets<I>(p, I(group.y), last);  // the last row dimension has stride 1 everywhere
+  r.o.x += inner;
+  r.o.y += inner;
+  r.o.out += inner;
+  r.first = I(tid >> p.lanes_shift);
+  r.step = I(threads >> p.lanes_shift);
+  return r;
+}
+
 // --------------------------------------------------------------- forward --
-template <typename T, typename O>
+template <typename T, typename O, typename I, bool VEC>
 [[max_total_threads_per_threadgroup(SOFTMAX_SEGMENT_THREADS)]]
 kernel void softmax_segment(device O* out [[buffer(0)]],
                             const device T* x [[buffer(1)]],
                             constant SoftmaxParams& p [[buffer(2)]],
                             uint tid [[thread_index_in_threadgroup]],
-                            uint threads [[threads_per_threadgroup]],
                             uint group [[threadgroup_position_in_grid]]) {
-  const uint lanes = p.lanes_per_row;
-  const long row = long(group) * (threads / lanes) + tid / lanes;
-  const uint lane = tid % lanes;
-  const bool valid = row < p.rows;  // idle lanes still join the shuffles
-  RowOffsets o = valid ? row_offsets(p, row) : RowOffsets{0, 0, 0};
-  float v[SEGMENT_ELEMENTS];
-  MaxSum st = empty_max_sum();
-  for (uint j = 0; j < SEGMENT_ELEMENTS; ++j) {
-    long k = lane + long(j) * lanes;
-    if (valid && k < p.row_length) {
-      v[j] = float(x[o.x + k * p.x_dim_stride]);
-      st = merge(st, MaxSum{v[j], 1.0f});
-    }
-  }
-  st = lanes_merge(st, lanes);
-  for (uint j = 0; j < SEGMENT_ELEMENTS; ++j) {
-    long k = lane + long(j) * lanes;
-    if (valid && k < p.row_length) out[o.out + k * p.out_dim_stride] = O(softmax_value(v[j], st, p.log));
-  }
+  constexpr int C = PIECE(T, VEC);
+  const SegmentRow<I> r = segment_row<I>(p, tid, group);
+  forward_row(out, x, p, r.o, Slots<I, PIECES(SOFTMAX_SEGMENT_ELEMENTS, T, VEC), C>{I(r.lane), I(r.lanes)}, r.valid,
+              LanesReduce{r.lanes});
 }
 
-template <typename T, typename O>
+template <typename T, typename O, typename I, bool VEC>
 [[max_total_threads_per_threadgroup(SOFTMAX_BLOCK_MAX_THREADS)]]
 kernel void softmax_block(device O* out [[buffer(0)]],
                           const device T* x [[buffer(1)]],
@@ -142,32 +312,20 @@ kernel void softmax_block(device O* out [[buffer(0)]],
                           uint lane [[thread_index_in_simdgroup]],
                           uint sg [[simdgroup_index_in_threadgroup]],
                           uint simdgroups [[simdgroups_per_threadgroup]]) {
-  threadgroup float2 scratch[32];
-  RowOffsets o = row_offsets(p, row);
-  float v[BLOCK_ELEMENTS];
-  MaxSum st = empty_max_sum();
-  for (uint j = 0; j < BLOCK_ELEMENTS; ++j) {
-    long k = tid + long(j) * threads;
-    if (k < p.row_length) {
-      v[j] = float(x[o.x + k * p.x_dim_stride]);
-      st = merge(st, MaxSum{v[j], 1.0f});
-    }
-  }
-  st = block_merge(st, scratch, lane, sg, simdgroups);
-  for (uint j = 0; j < BLOCK_ELEMENTS; ++j) {
-    long k = tid + long(j) * threads;
-    if (k < p.row_length) out[o.out + k * p.out_dim_stride] = O(softmax_value(v[j], st, p.log));
-  }
+  threadgroup float scratch[2][SOFTMAX_BLOCK_MAX_THREADS / 32];
+  constexpr int C = PIECE(T, VEC);
+  forward_row(out, x, p, row_offsets<I>(p, I(row), int(p.rank)),
+              Slots<I, PIECES(SOFTMAX_BLOCK_ELEMENTS, T, VEC), C>{I(tid), I(threads)}, true,
+              GroupReduce{scratch[0], scratch[1], 1, lane, sg, simdgroups});
 }
 
-// Split rows run on a 2-D grid (chunk, row) of 1-D threadgroups. Metal wants
-// every position and size attribute of a kernel with the same number of
-// components, so the threadgroup size comes as uint2 too.
-//
-// Split rows, pass 1: the (max, sum) of each chunk.
-template <typename T>
-[[max_total_threads_per_threadgroup(SOFTMAX_SPLIT_THREADS)]]
-kernel void softmax_partial(device float2* partials [[buffer(0)]],
+// Strided rows run on a 2-D grid (inner rows / 2^lanes_shift, outer rows) of
+// 1-D threadgroups. Metal wants every position and size attribute of a
+// kernel with the same number of components, so the threadgroup size comes
+// as uint2 too.
+template <typename T, typename O, typename I>
+[[max_total_threads_per_threadgroup(SOFTMAX_STRIDED_MAX_THREADS)]]
+kernel void softmax_strided(device O* out [[buffer(0)]],
                             const device T* x [[buffer(1)]],
                             constant SoftmaxParams& p [[buffer(2)]],
                             uint tid [[thread_index_in_threadgroup]],
@@ -176,79 +334,105 @@ kernel void softmax_partial(device float2* partials [[buffer(0)]],
                             uint lane [[thread_index_in_simdgroup]],
                             uint sg [[simdgroup_index_in_threadgroup]],
                             uint simdgroups [[simdgroups_per_threadgroup]]) {
-  threadgroup float2 scratch[32];
-  const uint chunk = group.x, row = group.y, threads = group_size.x;
-  RowOffsets o = row_offsets(p, row);
-  const long begin = long(chunk) * p.chunk_length;
-  const long end = min(begin + p.chunk_length, p.row_length);
-  MaxSum st = empty_max_sum();
-  for (long k = begin + tid; k < end; k += threads) st = merge(st, MaxSum{float(x[o.x + k * p.x_dim_stride]), 1.0f});
-  st = block_merge(st, scratch, lane, sg, simdgroups);
-  if (tid == 0) partials[long(row) * p.chunks + chunk] = float2(st.m, st.s);
+  threadgroup float scratch[2][SOFTMAX_STRIDED_MAX_THREADS];
+  const StridedRow<I> r = strided_row<I>(p, tid, group_size.x, group);
+  forward_row(out, x, p, r.o, Slots<I, SOFTMAX_STRIDED_ELEMENTS, 1>{r.first, r.step}, r.valid,
+              GroupReduce{scratch[0], scratch[1], 1u << p.lanes_shift, lane, sg, simdgroups});
 }
 
-// Split rows, pass 2: combine the row's partials and write the chunk.
-template <typename T, typename O>
+// Split rows run on a 2-D grid (chunk, row) of 1-D threadgroups, each thread
+// holding SOFTMAX_SPLIT_CHUNK / SOFTMAX_SPLIT_THREADS elements of its chunk.
+#define SPLIT_ELEMENTS (SOFTMAX_SPLIT_CHUNK / SOFTMAX_SPLIT_THREADS)
+
+template <typename I, int J, int C>
+MPS_EXT_INLINE Slots<I, J, C> split_slots(uint chunk, uint tid) {
+  return Slots<I, J, C>{I(chunk) * I(SOFTMAX_SPLIT_CHUNK / C) + I(tid), I(SOFTMAX_SPLIT_THREADS)};
+}
+
+// Split rows, pass 1: the (max, sum of exp(x - max)) of each chunk.
+template <typename T, typename I, bool VEC>
+[[max_total_threads_per_threadgroup(SOFTMAX_SPLIT_THREADS)]]
+kernel void softmax_partial(device float2* partials [[buffer(0)]],
+                            const device T* x [[buffer(1)]],
+                            constant SoftmaxParams& p [[buffer(2)]],
+                            uint tid [[thread_index_in_threadgroup]],
+                            uint2 group [[threadgroup_position_in_grid]],
+                            uint lane [[thread_index_in_simdgroup]],
+                            uint sg [[simdgroup_index_in_threadgroup]],
+                            uint simdgroups [[simdgroups_per_threadgroup]]) {
+  threadgroup float scratch[2][SOFTMAX_SPLIT_THREADS / 32];
+  constexpr int C = PIECE(T, VEC);
+  constexpr int J = PIECES(SPLIT_ELEMENTS, T, VEC);
+  const GroupReduce r{scratch[0], scratch[1], 1, lane, sg, simdgroups};
+  const RowOffsets<I> o = row_offsets<I>(p, I(group.y), int(p.rank));
+  float v[J * C];
+  load_row(v, x + o.x, I(p.x_dim_stride), I(p.row_length), split_slots<I, J, C>(group.x, tid), true, -INFINITY);
+  float m = -INFINITY;
+  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) m = nan_max(m, v[i]);
+  m = r.reduce_max(m);
+  float sum = 0.0f;
+  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) sum += exp_from(v[i], m);
+  sum = r.reduce_sum(sum);
+  if (tid == 0) partials[I(group.y) * I(p.chunks) + I(group.x)] = float2(m, sum);
+}
+
+// Split rows, pass 2: combine the row's partials (the row's max, then the
+// chunks' sums rescaled to it) and write the chunk.
+template <typename T, typename O, typename I, bool VEC>
 [[max_total_threads_per_threadgroup(SOFTMAX_SPLIT_THREADS)]]
 kernel void softmax_finish(device O* out [[buffer(0)]],
                            const device T* x [[buffer(1)]],
                            constant SoftmaxParams& p [[buffer(2)]],
                            const device float2* partials [[buffer(3)]],
                            uint tid [[thread_index_in_threadgroup]],
-                           uint2 group_size [[threads_per_threadgroup]],
                            uint2 group [[threadgroup_position_in_grid]],
                            uint lane [[thread_index_in_simdgroup]],
                            uint sg [[simdgroup_index_in_threadgroup]],
                            uint simdgroups [[simdgroups_per_threadgroup]]) {
-  threadgroup float2 scratch[32];
-  const uint chunk = group.x, row = group.y, threads = group_size.x;
-  MaxSum st = empty_max_sum();
-  for (long c = tid; c < p.chunks; c += threads) {
-    float2 q = partials[long(row) * p.chunks + c];
-    st = merge(st, MaxSum{q.x, q.y});
+  threadgroup float scratch[2][SOFTMAX_SPLIT_THREADS / 32];
+  constexpr int C = PIECE(T, VEC);
+  constexpr int J = PIECES(SPLIT_ELEMENTS, T, VEC);
+  const GroupReduce r{scratch[0], scratch[1], 1, lane, sg, simdgroups};
+  // Each partial is read once: a thread merges its chunks' (max, sum), then
+  // the threadgroup takes the row's max and the sums rescaled to it.
+  const device float2* row_partials = partials + I(group.y) * I(p.chunks);
+  float m_t = -INFINITY, s_t = 0.0f;
+  for (uint c = tid; c < uint(p.chunks); c += SOFTMAX_SPLIT_THREADS) {
+    const float2 q = row_partials[c];
+    const float m_new = nan_max(m_t, q.x);
+    s_t = s_t * exp_from(m_t, m_new) + q.y * exp_from(q.x, m_new);
+    m_t = m_new;
   }
-  st = block_merge(st, scratch, lane, sg, simdgroups);
-  RowOffsets o = row_offsets(p, row);
-  const long begin = long(chunk) * p.chunk_length;
-  const long end = min(begin + p.chunk_length, p.row_length);
-  for (long k = begin + tid; k < end; k += threads)
-    out[o.out + k * p.out_dim_stride] = O(softmax_value(float(x[o.x + k * p.x_dim_stride]), st, p.log));
+  const float m = r.reduce_max(m_t);
+  const float sum = r.reduce_sum(s_t * exp_from(m_t, m));
+
+  const RowOffsets<I> o = row_offsets<I>(p, I(group.y), int(p.rank));
+  const Slots<I, J, C> s = split_slots<I, J, C>(group.x, tid);
+  const I n = I(p.row_length);
+  float v[J * C];
+  load_row(v, x + o.x, I(p.x_dim_stride), n, s, true, -INFINITY);
+  const float log_sum = precise::log(sum);
+  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) v[i] = p.log ? v[i] - m - log_sum : exp_from(v[i], m) / sum;
+  store_row(out + o.out, I(p.out_dim_stride), n, v, s, true);
 }
 
 // -------------------------------------------------------------- backward --
 // g: grad_output, y: the forward output (same dtype G); out: grad_input.
-template <typename G, typename O>
+template <typename G, typename O, typename I, bool VEC>
 [[max_total_threads_per_threadgroup(SOFTMAX_SEGMENT_THREADS)]]
 kernel void softmax_backward_segment(device O* out [[buffer(0)]],
                                      const device G* g [[buffer(1)]],
                                      constant SoftmaxParams& p [[buffer(2)]],
                                      const device G* y [[buffer(3)]],
                                      uint tid [[thread_index_in_threadgroup]],
-                                     uint threads [[threads_per_threadgroup]],
                                      uint group [[threadgroup_position_in_grid]]) {
-  const uint lanes = p.lanes_per_row;
-  const long row = long(group) * (threads / lanes) + tid / lanes;
-  const uint lane = tid % lanes;
-  const bool valid = row < p.rows;
-  RowOffsets o = valid ? row_offsets(p, row) : RowOffsets{0, 0, 0};
-  float gv[SEGMENT_ELEMENTS], yv[SEGMENT_ELEMENTS];
-  float sum = 0.0f;
-  for (uint j = 0; j < SEGMENT_ELEMENTS; ++j) {
-    long k = lane + long(j) * lanes;
-    if (valid && k < p.row_length) {
-      gv[j] = float(g[o.x + k * p.x_dim_stride]);
-      yv[j] = float(y[o.y + k * p.y_dim_stride]);
-      sum += backward_term(gv[j], yv[j], p.log);
-    }
-  }
-  sum = lanes_sum(sum, lanes);
-  for (uint j = 0; j < SEGMENT_ELEMENTS; ++j) {
-    long k = lane + long(j) * lanes;
-    if (valid && k < p.row_length) out[o.out + k * p.out_dim_stride] = O(backward_value(gv[j], yv[j], sum, p.log));
-  }
+  constexpr int C = PIECE(G, VEC);
+  const SegmentRow<I> r = segment_row<I>(p, tid, group);
+  backward_row(out, g, y, p, r.o, Slots<I, PIECES(SOFTMAX_SEGMENT_ELEMENTS, G, VEC), C>{I(r.lane), I(r.lanes)},
+               r.valid, LanesReduce{r.lanes});
 }
 
-template <typename G, typename O>
+template <typename G, typename O, typename I, bool VEC>
 [[max_total_threads_per_threadgroup(SOFTMAX_BLOCK_MAX_THREADS)]]
 kernel void softmax_backward_block(device O* out [[buffer(0)]],
                                    const device G* g [[buffer(1)]],
@@ -260,28 +444,16 @@ kernel void softmax_backward_block(device O* out [[buffer(0)]],
                                    uint lane [[thread_index_in_simdgroup]],
                                    uint sg [[simdgroup_index_in_threadgroup]],
                                    uint simdgroups [[simdgroups_per_threadgroup]]) {
-  threadgroup float scratch[32];
-  RowOffsets o = row_offsets(p, row);
-  float gv[BLOCK_ELEMENTS], yv[BLOCK_ELEMENTS];
-  float sum = 0.0f;
-  for (uint j = 0; j < BLOCK_ELEMENTS; ++j) {
-    long k = tid + long(j) * threads;
-    if (k < p.row_length) {
-      gv[j] = float(g[o.x + k * p.x_dim_stride]);
-      yv[j] = float(y[o.y + k * p.y_dim_stride]);
-      sum += backward_term(gv[j], yv[j], p.log);
-    }
-  }
-  sum = block_sum(sum, scratch, lane, sg, simdgroups);
-  for (uint j = 0; j < BLOCK_ELEMENTS; ++j) {
-    long k = tid + long(j) * threads;
-    if (k < p.row_length) out[o.out + k * p.out_dim_stride] = O(backward_value(gv[j], yv[j], sum, p.log));
-  }
+  threadgroup float scratch[2][SOFTMAX_BLOCK_MAX_THREADS / 32];
+  constexpr int C = PIECE(G, VEC);
+  backward_row(out, g, y, p, row_offsets<I>(p, I(row), int(p.rank)),
+               Slots<I, PIECES(SOFTMAX_BLOCK_ELEMENTS, G, VEC), C>{I(tid), I(threads)}, true,
+               GroupReduce{scratch[0], scratch[1], 1, lane, sg, simdgroups});
 }
 
-template <typename G>
-[[max_total_threads_per_threadgroup(SOFTMAX_SPLIT_THREADS)]]
-kernel void softmax_backward_partial(device float* partials [[buffer(0)]],
+template <typename G, typename O, typename I>
+[[max_total_threads_per_threadgroup(SOFTMAX_STRIDED_MAX_THREADS)]]
+kernel void softmax_backward_strided(device O* out [[buffer(0)]],
                                      const device G* g [[buffer(1)]],
                                      constant SoftmaxParams& p [[buffer(2)]],
                                      const device G* y [[buffer(3)]],
@@ -291,19 +463,40 @@ kernel void softmax_backward_partial(device float* partials [[buffer(0)]],
                                      uint lane [[thread_index_in_simdgroup]],
                                      uint sg [[simdgroup_index_in_threadgroup]],
                                      uint simdgroups [[simdgroups_per_threadgroup]]) {
-  threadgroup float scratch[32];
-  const uint chunk = group.x, row = group.y, threads = group_size.x;
-  RowOffsets o = row_offsets(p, row);
-  const long begin = long(chunk) * p.chunk_length;
-  const long end = min(begin + p.chunk_length, p.row_length);
-  float sum = 0.0f;
-  for (long k = begin + tid; k < end; k += threads)
-    sum += backward_term(float(g[o.x + k * p.x_dim_stride]), float(y[o.y + k * p.y_dim_stride]), p.log);
-  sum = block_sum(sum, scratch, lane, sg, simdgroups);
-  if (tid == 0) partials[long(row) * p.chunks + chunk] = sum;
+  threadgroup float scratch[2][SOFTMAX_STRIDED_MAX_THREADS];
+  const StridedRow<I> r = strided_row<I>(p, tid, group_size.x, group);
+  backward_row(out, g, y, p, r.o, Slots<I, SOFTMAX_STRIDED_BACKWARD_ELEMENTS, 1>{r.first, r.step}, r.valid,
+               GroupReduce{scratch[0], scratch[1], 1u << p.lanes_shift, lane, sg, simdgroups});
 }
 
-template <typename G, typename O>
+template <typename G, typename I, bool VEC>
+[[max_total_threads_per_threadgroup(SOFTMAX_SPLIT_THREADS)]]
+kernel void softmax_backward_partial(device float* partials [[buffer(0)]],
+                                     const device G* g [[buffer(1)]],
+                                     constant SoftmaxParams& p [[buffer(2)]],
+                                     const device G* y [[buffer(3)]],
+                                     uint tid [[thread_index_in_threadgroup]],
+                                     uint2 group [[threadgroup_position_in_grid]],
+                                     uint lane [[thread_index_in_simdgroup]],
+                                     uint sg [[simdgroup_index_in_threadgroup]],
+                                     uint simdgroups [[simdgroups_per_threadgroup]]) {
+  threadgroup float scratch[2][SOFTMAX_SPLIT_THREADS / 32];
+  constexpr int C = PIECE(G, VEC);
+  constexpr int J = PIECES(SPLIT_ELEMENTS, G, VEC);
+  const GroupReduce r{scratch[0], scratch[1], 1, lane, sg, simdgroups};
+  const RowOffsets<I> o = row_offsets<I>(p, I(group.y), int(p.rank));
+  const Slots<I, J, C> s = split_slots<I, J, C>(group.x, tid);
+  const I n = I(p.row_length);
+  float gv[J * C], yv[J * C];
+  load_row(gv, g + o.x, I(p.x_dim_stride), n, s, true, 0.0f);
+  load_row(yv, y + o.y, I(p.y_dim_stride), n, s, true, 0.0f);
+  float sum = 0.0f;
+  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) sum += backward_term(gv[i], yv[i], p.log);
+  sum = r.reduce_sum(sum);
+  if (tid == 0) partials[I(group.y) * I(p.chunks) + I(group.x)] = sum;
+}
+
+template <typename G, typename O, typename I, bool VEC>
 [[max_total_threads_per_threadgroup(SOFTMAX_SPLIT_THREADS)]]
 kernel void softmax_backward_finish(device O* out [[buffer(0)]],
                                     const device G* g [[buffer(1)]],
@@ -311,54 +504,70 @@ kernel void softmax_backward_finish(device O* out [[buffer(0)]],
                                     const device G* y [[buffer(3)]],
                                     const device float* partials [[buffer(4)]],
                                     uint tid [[thread_index_in_threadgroup]],
-                                    uint2 group_size [[threads_per_threadgroup]],
                                     uint2 group [[threadgroup_position_in_grid]],
                                     uint lane [[thread_index_in_simdgroup]],
                                     uint sg [[simdgroup_index_in_threadgroup]],
                                     uint simdgroups [[simdgroups_per_threadgroup]]) {
-  threadgroup float scratch[32];
-  const uint chunk = group.x, row = group.y, threads = group_size.x;
+  threadgroup float scratch[2][SOFTMAX_SPLIT_THREADS / 32];
+  constexpr int C = PIECE(G, VEC);
+  constexpr int J = PIECES(SPLIT_ELEMENTS, G, VEC);
+  const GroupReduce r{scratch[0], scratch[1], 1, lane, sg, simdgroups};
+  const device float* row_partials = partials + I(group.y) * I(p.chunks);
   float sum = 0.0f;
-  for (long c = tid; c < p.chunks; c += threads) sum += partials[long(row) * p.chunks + c];
-  sum = block_sum(sum, scratch, lane, sg, simdgroups);
-  RowOffsets o = row_offsets(p, row);
-  const long begin = long(chunk) * p.chunk_length;
-  const long end = min(begin + p.chunk_length, p.row_length);
-  for (long k = begin + tid; k < end; k += threads)
-    out[o.out + k * p.out_dim_stride] =
-        O(backward_value(float(g[o.x + k * p.x_dim_stride]), float(y[o.y + k * p.y_dim_stride]), sum, p.log));
+  for (uint c = tid; c < uint(p.chunks); c += SOFTMAX_SPLIT_THREADS) sum += row_partials[c];
+  sum = r.reduce_sum(sum);
+  const RowOffsets<I> o = row_offsets<I>(p, I(group.y), int(p.rank));
+  const Slots<I, J, C> s = split_slots<I, J, C>(group.x, tid);
+  const I n = I(p.row_length);
+  float gv[J * C], yv[J * C];
+  load_row(gv, g + o.x, I(p.x_dim_stride), n, s, true, 0.0f);
+  load_row(yv, y + o.y, I(p.y_dim_stride), n, s, true, 0.0f);
+  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) gv[i] = backward_value(gv[i], yv[i], sum, p.log);
+  store_row(out + o.out, I(p.out_dim_stride), n, gv, s, true);
 }
 
 // ------------------------------------------------------- instantiations --
-// Forward: input -> output dtype (same, or half -> float for half_to_float).
-#define INSTANTIATE_FORWARD(in_name, T, out_name, O)                                          \
-  template [[host_name("softmax_segment_" #in_name "_" #out_name)]] kernel                    \
-      decltype(softmax_segment<T, O>) softmax_segment<T, O>;                                  \
-  template [[host_name("softmax_block_" #in_name "_" #out_name)]] kernel                      \
-      decltype(softmax_block<T, O>) softmax_block<T, O>;                                      \
-  template [[host_name("softmax_finish_" #in_name "_" #out_name)]] kernel                     \
-      decltype(softmax_finish<T, O>) softmax_finish<T, O>;
+// Every shape in three variants: 32-bit indices with 16-byte accesses
+// (_i32_vec), 32-bit with element accesses (_i32), 64-bit with element
+// accesses (_i64); strided has no vector variant (its rows are not
+// contiguous). Forward: input -> output dtype (same, or half -> float for
+// half_to_float).
+#define INSTANTIATE_VARIANTS(kernel_name, prefix, ...)                                                         \
+  template [[host_name(prefix "_i32_vec")]] kernel decltype(kernel_name<__VA_ARGS__, uint, true>)              \
+      kernel_name<__VA_ARGS__, uint, true>;                                                                     \
+  template [[host_name(prefix "_i32")]] kernel decltype(kernel_name<__VA_ARGS__, uint, false>)                 \
+      kernel_name<__VA_ARGS__, uint, false>;                                                                    \
+  template [[host_name(prefix "_i64")]] kernel decltype(kernel_name<__VA_ARGS__, ulong, false>)                \
+      kernel_name<__VA_ARGS__, ulong, false>;
+#define INSTANTIATE_STRIDED(kernel_name, prefix, ...)                                                          \
+  template [[host_name(prefix "_i32")]] kernel decltype(kernel_name<__VA_ARGS__, uint>) kernel_name<__VA_ARGS__, uint>; \
+  template [[host_name(prefix "_i64")]] kernel decltype(kernel_name<__VA_ARGS__, ulong>)                       \
+      kernel_name<__VA_ARGS__, ulong>;
+
+#define INSTANTIATE_FORWARD(in_name, T, out_name, O)                                                 \
+  INSTANTIATE_VARIANTS(softmax_segment, "softmax_segment_" #in_name "_" #out_name, T, O)            \
+  INSTANTIATE_VARIANTS(softmax_block, "softmax_block_" #in_name "_" #out_name, T, O)                \
+  INSTANTIATE_VARIANTS(softmax_finish, "softmax_finish_" #in_name "_" #out_name, T, O)              \
+  INSTANTIATE_STRIDED(softmax_strided, "softmax_strided_" #in_name "_" #out_name, T, O)
 INSTANTIATE_FORWARD(f32, float, f32, float)
 INSTANTIATE_FORWARD(f16, half, f16, half)
 INSTANTIATE_FORWARD(bf16, bfloat, bf16, bfloat)
 INSTANTIATE_FORWARD(f16, half, f32, float)
-template [[host_name("softmax_partial_f32")]] kernel decltype(softmax_partial<float>) softmax_partial<float>;
-template [[host_name("softmax_partial_f16")]] kernel decltype(softmax_partial<half>) softmax_partial<half>;
-template [[host_name("softmax_partial_bf16")]] kernel decltype(softmax_partial<bfloat>) softmax_partial<bfloat>;
+INSTANTIATE_VARIANTS(softmax_partial, "softmax_partial_f32", float)
+INSTANTIATE_VARIANTS(softmax_partial, "softmax_partial_f16", half)
+INSTANTIATE_VARIANTS(softmax_partial, "softmax_partial_bf16", bfloat)
 
-// Backward: grad dtype -> grad_input dtype (same, or float -> half / bfloat
-// after a half_to_float forward).
-#define INSTANTIATE_BACKWARD(g_name, G, out_name, O)                                          \
-  template [[host_name("softmax_backward_segment_" #g_name "_" #out_name)]] kernel            \
-      decltype(softmax_backward_segment<G, O>) softmax_backward_segment<G, O>;                \
-  template [[host_name("softmax_backward_block_" #g_name "_" #out_name)]] kernel              \
-      decltype(softmax_backward_block<G, O>) softmax_backward_block<G, O>;                    \
-  template [[host_name("softmax_backward_finish_" #g_name "_" #out_name)]] kernel             \
-      decltype(softmax_backward_finish<G, O>) softmax_backward_finish<G, O>;
+// Backward: grad dtype -> grad_input dtype (same, or float -> half after a
+// half_to_float forward).
+#define INSTANTIATE_BACKWARD(g_name, G, out_name, O)                                                          \
+  INSTANTIATE_VARIANTS(softmax_backward_segment, "softmax_backward_segment_" #g_name "_" #out_name, G, O)    \
+  INSTANTIATE_VARIANTS(softmax_backward_block, "softmax_backward_block_" #g_name "_" #out_name, G, O)        \
+  INSTANTIATE_VARIANTS(softmax_backward_finish, "softmax_backward_finish_" #g_name "_" #out_name, G, O)      \
+  INSTANTIATE_STRIDED(softmax_backward_strided, "softmax_backward_strided_" #g_name "_" #out_name, G, O)
 INSTANTIATE_BACKWARD(f32, float, f32, float)
 INSTANTIATE_BACKWARD(f16, half, f16, half)
 INSTANTIATE_BACKWARD(bf16, bfloat, bf16, bfloat)
 INSTANTIATE_BACKWARD(f32, float, f16, half)
-template [[host_name("softmax_backward_partial_f32")]] kernel decltype(softmax_backward_partial<float>) softmax_backward_partial<float>;
-template [[host_name("softmax_backward_partial_f16")]] kernel decltype(softmax_backward_partial<half>) softmax_backward_partial<half>;
-template [[host_name("softmax_backward_partial_bf16")]] kernel decltype(softmax_backward_partial<bfloat>) softmax_backward_partial<bfloat>;
+INSTANTIATE_VARIANTS(softmax_backward_partial, "softmax_backward_partial_f32", float)
+INSTANTIATE_VARIANTS(softmax_backward_partial, "softmax_backward_partial_f16", half)
+INSTANTIATE_VARIANTS(softmax_backward_partial, "softmax_backward_partial_bf16", bfloat)

@@ -4,8 +4,13 @@
 
 // A softmax runs over `rows` rows of `row_length` elements. A row is one
 // index into every dimension but the softmax one; row_sizes lists those
-// dimensions, outermost first, and the strides say where a row starts in
-// each tensor. Along the row, elements are `*_dim_stride` apart.
+// dimensions, outermost first (after the host merged the ones it could), and
+// the strides say where a row starts in each tensor. Along the row, elements
+// are `*_dim_stride` apart.
+//
+// The strided kernels take the last row dimension, contiguous in every
+// tensor, as the `inner` one their lanes walk: a threadgroup owns
+// 2^lanes_shift consecutive rows of it, in one outer row (the others).
 struct SoftmaxParams {
   int64_t row_length;
   int64_t rows;
@@ -19,13 +24,24 @@ struct SoftmaxParams {
   int64_t y_strides[MPS_EXT_MAX_DIMS];
   int64_t out_strides[MPS_EXT_MAX_DIMS];
   uint32_t rank;           // entries used in row_sizes
-  uint32_t lanes_per_row;  // segment kernels: 1, 2, 4, 8, 16 or 32
+  uint32_t lanes_shift;    // segment: log2(lanes per row); strided: log2(rows per threadgroup)
   uint32_t log;            // 1: log_softmax
   uint32_t pad;
 };
 
-// Threads per threadgroup of each kernel shape (csrc/ops/softmax.cpp), declared
-// by the kernels as [[max_total_threads_per_threadgroup]].
+// Elements a thread holds in registers between the reduction and the write
+// (csrc/ops/softmax.cpp sizes the launches from them). The vector variants'
+// segment threads hold one 16-byte piece: 4 floats or 8 halves.
+#define SOFTMAX_SEGMENT_ELEMENTS 4
+#define SOFTMAX_BLOCK_ELEMENTS 16
+#define SOFTMAX_STRIDED_ELEMENTS 32           // forward: one value per element
+#define SOFTMAX_STRIDED_BACKWARD_ELEMENTS 16  // backward: two (gradient and output)
+#define SOFTMAX_SPLIT_CHUNK 2048
+
+// Threads per threadgroup of each kernel shape, declared by the kernels as
+// [[max_total_threads_per_threadgroup]]. None asks for 1024: a pipeline's
+// maxTotalThreadsPerThreadgroup can be lower on a real GPU.
 #define SOFTMAX_SEGMENT_THREADS 256
 #define SOFTMAX_BLOCK_MAX_THREADS 512
+#define SOFTMAX_STRIDED_MAX_THREADS 512
 #define SOFTMAX_SPLIT_THREADS 256

@@ -79,19 +79,19 @@ def test_a_failure_at_the_second_dispatch_of_an_op(simulate, capfd):
     with cpu_metal.record() as rec:
         torch.ops.mps_ext._softmax(x, 1, False)
     kernels = [d.kernel for d in rec.dispatches]
-    assert kernels == ["softmax_partial_f32", "softmax_finish_f32_f32"]
+    assert kernels == ["softmax_partial_f32_i32_vec", "softmax_finish_f32_f32_i32_vec"]
     mps_ext.reset_stats()
-    simulate("softmax", "softmax_finish_f32_f32", kind="pipeline")
+    simulate("softmax", "softmax_finish_f32_f32_i32_vec", kind="pipeline")
     with cpu_metal.record() as rec:
         got = torch.ops.mps_ext._softmax(x, 1, False)
         again = torch.ops.mps_ext._softmax(x, 1, False)
-    assert [d.kernel for d in rec.dispatches] == ["softmax_partial_f32"]  # the first call only
+    assert [d.kernel for d in rec.dispatches] == ["softmax_partial_f32_i32_vec"]  # the first call only
     want = torch._softmax(x, 1, False)
     assert torch.equal(got, want) and torch.equal(again, want)
     assert _C._simulated_failure_hits() == 1
     assert len(overriding_warnings(capfd.readouterr().err)) == 1
     assert mps_ext.stats()["softmax"]["unavailable"] == {
-        "CPU": "cannot build the pipeline of softmax_finish_f32_f32 (simulated)"}
+        "CPU": "cannot build the pipeline of softmax_finish_f32_f32_i32_vec (simulated)"}
 
 
 def test_a_pipeline_with_fewer_threads_than_the_op_needs(simulate, capfd):

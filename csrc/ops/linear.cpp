@@ -11,6 +11,7 @@
 #include "ops/ops.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
+#include "ops/variants.h"
 
 namespace mps_ext {
 namespace {
@@ -37,16 +38,6 @@ const char* type_name(c10::ScalarType t) {
     case at::kBFloat16: return "bf16";
     default: TORCH_CHECK(false, "mps_ext linear: no kernel for ", t);
   }
-}
-
-// 16-byte loads need the address the kernel sees 16-byte aligned, as well as
-// the stride. That address is, on CPU, the memory itself (torch.frombuffer,
-// numpy arrays and memory-mapped checkpoints can be 8-byte aligned); on MPS,
-// the buffer (which Metal aligns) plus the storage offset it is bound at.
-bool aligned16(const at::Tensor& t, int64_t stride) {
-  const uint64_t size = t.itemsize();
-  const uint64_t base = t.is_cpu() ? reinterpret_cast<uintptr_t>(t.data_ptr()) : t.storage_offset() * size;
-  return base % 16 == 0 && (stride * size) % 16 == 0;
 }
 
 int64_t pow2_floor(int64_t v) {

@@ -8,7 +8,7 @@
 #include <numeric>
 
 #include "backend/launch.h"
-#include "ops/index_width.h"
+#include "ops/variants.h"
 #include "ops/ops.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
@@ -157,7 +157,7 @@ at::Tensor constant_pad(const at::Tensor& self, c10::IntArrayRef pad, const c10:
   // A simdgroup per 16-byte-aligned segment of a row; a row with `head`
   // bytes before its first aligned address spans at most this many.
   const int64_t itemsize = self.itemsize();
-  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 || !out.is_cpu());
+  TORCH_INTERNAL_ASSERT(base_aligned16(out));  // ours: the kernel's vector stores need it
   const int64_t segments = (dims.back().out * itemsize + 15 + PAD_SEGMENT_BYTES - 1) / PAD_SEGMENT_BYTES;
   const int64_t tasks = rows * segments;
   TORCH_CHECK(tasks <= INT32_MAX && rows <= INT32_MAX, "mps_ext constant_pad_nd: output too large (", numel,

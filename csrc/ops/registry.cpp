@@ -7,7 +7,7 @@
 #include <memory>
 #include <set>
 
-#include "ops/index_width.h"
+#include "ops/variants.h"
 
 namespace mps_ext {
 

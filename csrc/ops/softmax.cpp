@@ -3,26 +3,26 @@
 #include <ATen/ATen.h>
 #include <ATen/WrapDimUtils.h>
 
+#include <algorithm>
+#include <array>
+
 #include "backend/launch.h"
 #include "ops/ops.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
+#include "ops/variants.h"
 #include "softmax_params.h"
 
 namespace mps_ext {
 namespace {
 
-// Must match SEGMENT_ELEMENTS and BLOCK_ELEMENTS in softmax.metal.
-constexpr int64_t kSegmentElements = 4;
-constexpr int64_t kBlockElements = 16;
-// Block threadgroups stay at 512 threads: a pipeline's
-// maxTotalThreadsPerThreadgroup can be below 1024 on a real GPU.
-constexpr int64_t kBlockThreads = 512;
-constexpr int64_t kSegmentMax = 32 * kSegmentElements;   // one simdgroup
-constexpr int64_t kBlockMax = kBlockThreads * kBlockElements;
-constexpr uint32_t kSegmentThreads = 256;
-constexpr uint32_t kSplitThreads = 256;
-constexpr int64_t kSplitChunk = 2048;
+constexpr int64_t kSegmentThreads = SOFTMAX_SEGMENT_THREADS;
+constexpr int64_t kBlockThreads = SOFTMAX_BLOCK_MAX_THREADS;
+constexpr int64_t kStridedThreads = SOFTMAX_STRIDED_MAX_THREADS;
+constexpr int64_t kSplitThreads = SOFTMAX_SPLIT_THREADS;
+constexpr int64_t kSplitChunk = SOFTMAX_SPLIT_CHUNK;
+constexpr int64_t kBlockMax = kBlockThreads * SOFTMAX_BLOCK_ELEMENTS;
+static_assert(kSplitChunk % (kSplitThreads * 8) == 0, "a split thread holds whole 16-byte pieces");
 
 const char* type_name(c10::ScalarType t) {
   switch (t) {
@@ -35,76 +35,181 @@ const char* type_name(c10::ScalarType t) {
 
 bool is_kernel_float(c10::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 
-uint32_t next_pow2(int64_t v) {
-  uint32_t p = 1;
+int64_t next_pow2(int64_t v) {
+  int64_t p = 1;
   while (p < v) p <<= 1;
   return p;
 }
 
-// The variant policy, by row length D:
-//   D <= 128    segment: lanes_per_row = next_pow2(D / 4) lanes of a
-//               simdgroup per row, 256 threads per threadgroup, so short rows
-//               pack 256 / lanes_per_row rows per threadgroup.
-//   D <= 8192   block: one threadgroup per row, D / 16 threads rounded up to
-//               a whole simdgroup (32 to 512).
-//   longer      split: chunks of 2048 elements, one threadgroup each, in two
-//               dispatches. A 128K-vocabulary row becomes 63 threadgroups.
-// Segment and block read each element once; split reads it twice.
-enum class Shape { kSegment, kBlock, kSplit };
-struct Plan {
-  Shape shape;
-  uint32_t threads;
-  uint32_t lanes = 0;
-  int64_t chunks = 0;
-};
-
-Plan plan(int64_t D) {
-  if (D <= kSegmentMax) {
-    uint32_t lanes = std::min<uint32_t>(32, next_pow2((D + kSegmentElements - 1) / kSegmentElements));
-    return {Shape::kSegment, kSegmentThreads, lanes};
-  }
-  if (D <= kBlockMax) {
-    int64_t threads = (D + kBlockElements - 1) / kBlockElements;
-    threads = std::min<int64_t>(kBlockThreads, (threads + 31) / 32 * 32);
-    return {Shape::kBlock, static_cast<uint32_t>(threads)};
-  }
-  return {Shape::kSplit, kSplitThreads, 0, (D + kSplitChunk - 1) / kSplitChunk};
+uint32_t log2_of(int64_t pow2) {
+  uint32_t s = 0;
+  while ((int64_t{1} << s) < pow2) ++s;
+  return s;
 }
 
-// Rows: every dimension but `dim`, outermost first, with each tensor's strides.
-SoftmaxParams row_params(const at::Tensor& x, const at::Tensor* y, const at::Tensor& out, int64_t dim) {
+// The tensors of one pass: x (input or grad_output), y (forward output, for
+// backward) and out.
+struct Tensors {
+  const at::Tensor& x;
+  const at::Tensor* y;
+  const at::Tensor& out;
+  template <class F>
+  bool all(F f) const {
+    return f(x) && (!y || f(*y)) && f(out);
+  }
+};
+
+// Rows: every dimension but `dim`, outermost first, with each tensor's
+// strides; then fewer of them: size-1 dimensions dropped, and a dimension
+// merged into the one outside it when every tensor steps over the pair
+// contiguously. Each remaining one costs the kernels a division per row.
+SoftmaxParams row_params(const Tensors& t, int64_t dim) {
   SoftmaxParams p{};
   p.rows = 1;
-  p.row_length = x.dim() == 0 ? 1 : x.size(dim);
-  for (int64_t d = 0; d < x.dim(); ++d) {
-    if (d == dim) continue;
-    p.row_sizes[p.rank] = x.size(d);
-    p.x_strides[p.rank] = x.stride(d);
-    p.y_strides[p.rank] = y ? y->stride(d) : 0;
-    p.out_strides[p.rank] = out.stride(d);
-    p.rows *= x.size(d);
-    ++p.rank;
+  p.row_length = t.x.dim() == 0 ? 1 : t.x.size(dim);
+  for (int64_t d = 0; d < t.x.dim(); ++d) {
+    if (d == dim || t.x.size(d) == 1) continue;
+    const int64_t size = t.x.size(d), xs = t.x.stride(d), ys = t.y ? t.y->stride(d) : 0, os = t.out.stride(d);
+    const uint32_t r = p.rank;
+    if (r > 0 && p.x_strides[r - 1] == xs * size && p.y_strides[r - 1] == ys * size &&
+        p.out_strides[r - 1] == os * size) {
+      p.row_sizes[r - 1] *= size;
+      p.x_strides[r - 1] = xs;
+      p.y_strides[r - 1] = ys;
+      p.out_strides[r - 1] = os;
+    } else {
+      p.row_sizes[r] = size;
+      p.x_strides[r] = xs;
+      p.y_strides[r] = ys;
+      p.out_strides[r] = os;
+      ++p.rank;
+    }
+    p.rows *= size;
   }
-  if (x.dim() > 0) {
-    p.x_dim_stride = x.stride(dim);
-    p.y_dim_stride = y ? y->stride(dim) : 0;
-    p.out_dim_stride = out.stride(dim);
+  if (t.x.dim() > 0) {
+    p.x_dim_stride = t.x.stride(dim);
+    p.y_dim_stride = t.y ? t.y->stride(dim) : 0;
+    p.out_dim_stride = t.out.stride(dim);
   }
   return p;
 }
+
+// Largest offset of a tensor's elements, in elements.
+int64_t max_offset(const at::Tensor& t) {
+  int64_t m = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) m += (t.size(d) - 1) * t.stride(d);
+  return m;
+}
+
+// 16-byte accesses along the rows: every tensor contiguous along the softmax
+// dimension and every row start (and, in split rows, chunk start) 16-byte
+// aligned.
+bool rows_aligned16(const Tensors& t, const SoftmaxParams& p) {
+  if (p.x_dim_stride != 1 || p.out_dim_stride != 1 || (t.y && p.y_dim_stride != 1)) return false;
+  auto rows_aligned = [&](const at::Tensor& x, const int64_t* strides) {
+    if (!base_aligned16(x)) return false;
+    for (uint32_t d = 0; d < p.rank; ++d)
+      if ((strides[d] * x.itemsize()) % 16 != 0) return false;
+    return true;
+  };
+  return rows_aligned(t.x, p.x_strides) && rows_aligned(t.out, p.out_strides) &&
+         (!t.y || rows_aligned(*t.y, p.y_strides));
+}
+
+// The variant policy, by row length D and layout:
+//   strided  the softmax dimension is not contiguous but the last row
+//            dimension is, in every tensor (softmax over dim 1 of
+//            [32, 1024, 16]): 2^lanes_shift consecutive inner rows per
+//            threadgroup (as many as the inner dimension has, up to 32;
+//            halved, down to 4, while the rows are too long), each thread
+//            holding up to SOFTMAX_STRIDED_ELEMENTS of its row (16
+//            backward), so D <= 32 * 512 / rows per threadgroup.
+//   segment  D <= 128 (256 for 16-bit types with 16-byte accesses):
+//            lanes_per_row = next_pow2(D / elements per lane) lanes of a
+//            simdgroup per row, 256 threads per threadgroup, so short rows
+//            pack 256 / lanes_per_row rows per threadgroup.
+//   block    D <= 8192: one threadgroup per row, D / 16 threads rounded up
+//            to a whole simdgroup (32 to 512).
+//   split    longer: chunks of 2048 elements, one threadgroup each, in two
+//            dispatches. A 128K-vocabulary row becomes 63 threadgroups.
+// Segment, block and strided read each element once; split reads it twice.
+// 16-byte accesses (_vec) where rows_aligned16; 64-bit indices (_i64) where
+// an offset can pass 2^31 (never with 16-byte accesses: such tensors are
+// rare, and their kernels stay simple).
+enum class Shape { kSegment, kBlock, kStrided, kSplit };
+struct Plan {
+  Shape shape;
+  uint32_t threads = 0;
+  uint32_t lanes_shift = 0;
+  int64_t chunks = 0;
+  std::array<uint32_t, 3> grid{1, 1, 1};
+};
 
 uint32_t grid_dim(int64_t v, const char* what) {
   TORCH_CHECK(v <= 0xffffffffll, "mps_ext softmax: too many ", what, " (", v, ")");
   return static_cast<uint32_t>(v);
 }
 
+// The strided plan, or threads == 0 if the layout or length do not fit it.
+Plan strided_plan(const Tensors& t, const SoftmaxParams& p, bool backward) {
+  Plan pl{Shape::kStrided};
+  if (p.rank == 0 || p.x_dim_stride == 1) return pl;
+  const uint32_t last = p.rank - 1;
+  if (p.x_strides[last] != 1 || p.out_strides[last] != 1 || (t.y && p.y_strides[last] != 1)) return pl;
+  const int64_t inner = p.row_sizes[last], D = p.row_length;
+  const int64_t elements = backward ? SOFTMAX_STRIDED_BACKWARD_ELEMENTS : SOFTMAX_STRIDED_ELEMENTS;
+  int64_t rows_here = std::min<int64_t>(32, next_pow2(inner));
+  while (rows_here > 4 && D > elements * (kStridedThreads / rows_here)) rows_here /= 2;
+  if (D > elements * (kStridedThreads / rows_here)) return pl;
+  const int64_t threads_per_row = next_pow2((D + elements - 1) / elements);
+  pl.threads = static_cast<uint32_t>(std::max<int64_t>(32, rows_here * threads_per_row));
+  pl.lanes_shift = log2_of(rows_here);
+  pl.grid = {grid_dim((inner + rows_here - 1) / rows_here, "rows"), grid_dim(p.rows / inner, "rows"), 1};
+  return pl;
+}
+
+Plan plan(const Tensors& t, const SoftmaxParams& p, bool vec, int64_t itemsize, bool backward) {
+  Plan strided = strided_plan(t, p, backward);
+  if (strided.threads) return strided;
+  const int64_t D = p.row_length;
+  const int64_t piece = vec ? 16 / itemsize : 1;
+  const int64_t per_lane = std::max<int64_t>(piece, SOFTMAX_SEGMENT_ELEMENTS);
+  if (D <= 32 * per_lane) {
+    const int64_t lanes = std::min<int64_t>(32, next_pow2((D + per_lane - 1) / per_lane));
+    Plan pl{Shape::kSegment, static_cast<uint32_t>(kSegmentThreads), log2_of(lanes)};
+    pl.grid[0] = grid_dim((p.rows * lanes + kSegmentThreads - 1) / kSegmentThreads, "rows");
+    return pl;
+  }
+  if (D <= kBlockMax) {
+    const int64_t pieces = (D + piece - 1) / piece, per_thread = SOFTMAX_BLOCK_ELEMENTS / std::min(piece, int64_t{SOFTMAX_BLOCK_ELEMENTS});
+    const int64_t threads = std::min<int64_t>(kBlockThreads, ((pieces + per_thread - 1) / per_thread + 31) / 32 * 32);
+    Plan pl{Shape::kBlock, static_cast<uint32_t>(threads)};
+    pl.grid[0] = grid_dim(p.rows, "rows");
+    return pl;
+  }
+  Plan pl{Shape::kSplit, static_cast<uint32_t>(kSplitThreads)};
+  pl.chunks = (D + kSplitChunk - 1) / kSplitChunk;
+  pl.grid = {grid_dim(pl.chunks, "chunks"), grid_dim(p.rows, "rows"), 1};
+  return pl;
+}
+
 // One forward or backward pass. `y` is the forward output for backward.
 void run(const at::Tensor& x, const at::Tensor* y, const at::Tensor& out, int64_t dim, bool log) {
-  SoftmaxParams p = row_params(x, y, out, dim);
+  const Tensors t{x, y, out};
+  SoftmaxParams p = row_params(t, dim);
   p.log = log ? 1 : 0;
-  const Plan pl = plan(p.row_length);
   const bool backward = y != nullptr;
+  int64_t largest = std::max({p.rows, p.row_length, max_offset(x), max_offset(out), y ? max_offset(*y) : 0});
+  const bool wide = !fits_32bit(largest + kSplitChunk + kBlockMax);
+  const bool vec = !wide && rows_aligned16(t, p);
+  const Plan pl = plan(t, p, vec, x.itemsize(), backward);
+  p.lanes_shift = pl.lanes_shift;
+  const char* shape = pl.shape == Shape::kSegment ? "segment_"
+                      : pl.shape == Shape::kBlock ? "block_"
+                      : pl.shape == Shape::kStrided ? "strided_" : "finish_";
   const std::string prefix = backward ? "softmax_backward_" : "softmax_";
+  // The strided shape has no vector variant.
+  const std::string variant = wide ? "_i64" : vec && pl.shape != Shape::kStrided ? "_i32_vec" : "_i32";
   const std::string types = std::string(type_name(x.scalar_type())) + "_" + type_name(out.scalar_type());
 
   auto args = [&](std::initializer_list<KernelArg> extra) {
@@ -113,27 +218,18 @@ void run(const at::Tensor& x, const at::Tensor* y, const at::Tensor& out, int64_
     a.insert(a.end(), extra);
     return a;
   };
+  const std::array<uint32_t, 3> threads{pl.threads, 1, 1};
+  if (pl.shape != Shape::kSplit) return launch(Launch{"softmax", prefix + shape + types + variant, args({}), pl.grid, threads});
 
-  if (pl.shape == Shape::kSegment) {
-    p.lanes_per_row = pl.lanes;
-    int64_t rows_per_group = pl.threads / pl.lanes;
-    Launch l{"softmax", prefix + "segment_" + types, args({}),
-             {grid_dim((p.rows + rows_per_group - 1) / rows_per_group, "rows"), 1, 1}, {pl.threads, 1, 1}};
-    return launch(l);
-  }
-  if (pl.shape == Shape::kBlock) {
-    Launch l{"softmax", prefix + "block_" + types, args({}), {grid_dim(p.rows, "rows"), 1, 1}, {pl.threads, 1, 1}};
-    return launch(l);
-  }
   p.chunk_length = kSplitChunk;
   p.chunks = pl.chunks;
+  TORCH_CHECK(wide || fits_32bit(p.rows * p.chunks), "mps_ext softmax: internal: partials past 2^31");
   // (max, sum) per chunk forward, sum per chunk backward: float2 or float.
   at::Tensor partials = at::empty({p.rows * p.chunks * (backward ? 1 : 2)}, x.options().dtype(at::kFloat));
-  std::array<uint32_t, 3> grid{grid_dim(p.chunks, "chunks"), grid_dim(p.rows, "rows"), 1};
   std::vector<KernelArg> first = {KernelArg::of(partials), KernelArg::of(x), KernelArg::value(p)};
   if (backward) first.push_back(KernelArg::of(*y));
-  launch(Launch{"softmax", prefix + "partial_" + type_name(x.scalar_type()), first, grid, {pl.threads, 1, 1}});
-  launch(Launch{"softmax", prefix + "finish_" + types, args({KernelArg::of(partials)}), grid, {pl.threads, 1, 1}});
+  launch(Launch{"softmax", prefix + "partial_" + type_name(x.scalar_type()) + variant, first, pl.grid, threads});
+  launch(Launch{"softmax", prefix + shape + types + variant, args({KernelArg::of(partials)}), pl.grid, threads});
 }
 
 std::string dims_unsupported(const at::Tensor& t) {

@@ -6,7 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include "backend/launch.h"
-#include "ops/index_width.h"
+#include "ops/variants.h"
 #include "ops/ops.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
