@@ -1,56 +1,102 @@
 // Matrix-vector products for decode: 1 to 8 activation rows against a weight
 // whose bytes must stream from memory exactly once. Every weight element is
-// loaded once and applied to all activation rows, held in registers; the
-// accumulation is in float.
+// loaded once and applied to all activation rows; the accumulation is in
+// float.
 //
 // gemv_rows  the weight's K dimension is contiguous (F.linear's [N, K] W).
-//            A simdgroup owns outputs_per_simdgroup weight rows; its lanes
-//            stride K with 16-byte loads and the row sums end in simd_sum.
+//            A simdgroup owns Q (1 or 2) weight rows; its lanes stride K with
+//            16-byte loads and the row sums end in simd_sum. The threadgroup
+//            stages the activations in threadgroup memory, a K-tile at a
+//            time, so that its simdgroups do not each read them from memory.
 // gemv_cols  the weight's N dimension is contiguous (x @ W with W [K, N]).
-//            Each lane owns 16 bytes of consecutive outputs; the simdgroups
-//            of a threadgroup split K and add up through threadgroup memory.
-// VEC: 16-byte loads of the weight (and the activations), used when the host
-// found the addresses 16-byte aligned; otherwise element loads.
+//            A threadgroup owns 128 bytes of columns (one cache line of each
+//            weight row) and a range of K: 8 lanes cover the columns with
+//            16-byte loads, 4 lanes and 8 simdgroups split the rows, and the
+//            partial sums add up through shuffles and threadgroup memory.
+//            When the columns alone give too few threadgroups, K is split
+//            over several (gemv_cols_finish adds their sums).
+// VEC: 16-byte loads of the weight (and, in gemv_rows, the activations),
+// used when the host found the addresses 16-byte aligned; otherwise element
+// loads.
+//
+// Registers (a lane's live 32-bit values in the hot loop, for full
+// occupancy): gemv_rows R * Q accumulators + 4 pieces of 16 bytes in flight
+// + one 16-byte activation piece, at most 16 + 16 + 4 (R = 8, Q = 2);
+// gemv_cols R * 4 accumulators (16-bit types at 8 rows: lane pairs swap
+// halves of their pieces, so that each accumulates 4 columns, not 8) + its
+// pieces in flight, at most 32 + 8.
 #include <metal_stdlib>
 #include "gemv_params.h"
 using namespace metal;
 
-// 16 bytes of T as float: 4 floats, or 8 halves / bfloats. (N is an
-// enumerator: a static data member would be a program-scope variable, which
-// Metal allows only in the constant address space.)
-template <typename T>
-struct Wide {
-  enum : int { N = int(16 / sizeof(T)) };
-  float v[N];
-};
+// Elements of a piece: 16 bytes with VEC, one element without.
+#define PIECE(T, VEC) ((VEC) ? int(16 / sizeof(T)) : 1)
 
-// One 16-byte load; the overloads pick how to unpack it (MSL has no
-// `if constexpr`).
-inline Wide<float> load16(const device float* p) {
-  float4 f = *(const device float4*)p;
-  Wide<float> w;
-  for (int i = 0; i < 4; ++i) w.v[i] = f[i];
-  return w;
+// A piece of T, held as its bits: with VEC 16 bytes of T; without, one
+// element, converted to float, in .x (the other lanes of the vector are
+// never used, so they take no registers).
+template <typename T, bool VEC>
+MPS_EXT_INLINE uint4 load_piece(const device T* p) {
+  if (VEC) return *(const device uint4*)p;
+  return uint4(as_type<uint>(float(*p)), 0u, 0u, 0u);
 }
-template <typename T>
-inline Wide<T> load16_pairs(const device T* p) {
-  uint4 bits = *(const device uint4*)p;
-  Wide<T> w;
-  for (int i = 0; i < 4; ++i) {
-    vec<T, 2> pair = as_type<vec<T, 2>>(bits[i]);
-    w.v[2 * i] = float(pair.x);
-    w.v[2 * i + 1] = float(pair.y);
+
+// The floats of a piece's bits.
+MPS_EXT_INLINE void unpack(uint4 bits, thread float* v, float) {
+  MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) v[i] = as_type<float>(bits[i]);
+}
+template <typename H>
+MPS_EXT_INLINE void unpack_pairs(uint4 bits, thread float* v) {
+  MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) {
+    vec<H, 2> pair = as_type<vec<H, 2>>(bits[i]);
+    v[2 * i] = float(pair.x);
+    v[2 * i + 1] = float(pair.y);
   }
-  return w;
 }
-inline Wide<half> load16(const device half* p) { return load16_pairs(p); }
-inline Wide<bfloat> load16(const device bfloat* p) { return load16_pairs(p); }
+MPS_EXT_INLINE void unpack(uint4 bits, thread float* v, half) { unpack_pairs<half>(bits, v); }
+MPS_EXT_INLINE void unpack(uint4 bits, thread float* v, bfloat) { unpack_pairs<bfloat>(bits, v); }
 
-inline float finish(float acc, constant GemvParams& p, float bias) {
+// ... and back: E (4 or 8) floats as a piece of T.
+MPS_EXT_INLINE uint4 repack(thread const float* v, float) {
+  return uint4(as_type<uint>(v[0]), as_type<uint>(v[1]), as_type<uint>(v[2]), as_type<uint>(v[3]));
+}
+template <typename H>
+MPS_EXT_INLINE uint4 repack_pairs(thread const float* v) {
+  uint4 bits;
+  MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) bits[i] = as_type<uint>(vec<H, 2>(H(v[2 * i]), H(v[2 * i + 1])));
+  return bits;
+}
+MPS_EXT_INLINE uint4 repack(thread const float* v, half) { return repack_pairs<half>(v); }
+MPS_EXT_INLINE uint4 repack(thread const float* v, bfloat) { return repack_pairs<bfloat>(v); }
+
+MPS_EXT_INLINE float4 float4_at(thread const float* v) { return float4(v[0], v[1], v[2], v[3]); }
+
+// sum_e a[e] * b[e] over the elements of two pieces.
+template <typename T, bool VEC>
+MPS_EXT_INLINE float dot_pieces(uint4 a, uint4 b) {
+  if (!VEC) return as_type<float>(a.x) * as_type<float>(b.x);
+  constexpr int E = PIECE(T, VEC);
+  float va[E], vb[E];
+  unpack(a, va, T(0));
+  unpack(b, vb, T(0));
+  float s = 0.0f;
+  MPS_EXT_UNROLL for (int e = 0; e < E; ++e) s += va[e] * vb[e];
+  return s;
+}
+
+MPS_EXT_INLINE float finish(float acc, constant GemvParams& p, float bias) {
   return p.has_bias ? p.alpha * acc + p.beta * bias : p.alpha * acc;
 }
 
-template <typename T, int R, bool VEC>
+template <typename T>
+MPS_EXT_INLINE void write_output(device T* y, const device T* bias, constant GemvParams& p, long r, long n,
+                                 float total) {
+  const float b = p.has_bias ? float(bias[r * p.bias_row_stride + n * p.bias_n_stride]) : 0.0f;
+  y[r * p.y_row_stride + n * p.y_n_stride] = T(finish(total, p, b));
+}
+
+// ------------------------------------------------------------ gemv_rows --
+template <typename T, int R, int Q, bool VEC>
 [[max_total_threads_per_threadgroup(GEMV_ROWS_MAX_THREADS)]]
 kernel void gemv_rows(device T* y [[buffer(0)]],
                       const device T* x [[buffer(1)]],
@@ -58,72 +104,109 @@ kernel void gemv_rows(device T* y [[buffer(0)]],
                       constant GemvParams& p [[buffer(3)]],
                       const device T* bias [[buffer(4)]],
                       uint group [[threadgroup_position_in_grid]],
+                      uint tid [[thread_index_in_threadgroup]],
+                      uint threads [[threads_per_threadgroup]],
                       uint sg [[simdgroup_index_in_threadgroup]],
                       uint simdgroups [[simdgroups_per_threadgroup]],
                       uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int Q = GEMV_MAX_OUTPUTS_PER_SIMDGROUP;
-  const int outputs = int(p.outputs_per_simdgroup);
-  const long first = (long(group) * simdgroups + sg) * outputs;
-  const int rows = int(p.rows);
-  float acc[R][Q];
+  constexpr int E = PIECE(T, VEC);
+  constexpr int TILE = GEMV_ROWS_TILE_BYTES / (R * int(sizeof(T)));  // elements of each row per tile
+  constexpr int TILE_PIECES = TILE / E;
+  constexpr int PER_LANE = TILE_PIECES / 32;  // pieces of a weight row a lane takes per tile
+  // Weight pieces a lane loads before it uses the first: 4 (per output: 4 / Q).
+  constexpr int U = PER_LANE < 4 / Q ? PER_LANE : 4 / Q;
+  threadgroup uint4 tile_pieces[GEMV_ROWS_TILE_BYTES / 16];  // [R][TILE] of T
+  threadgroup T* tile = (threadgroup T*)tile_pieces;
+
+  const int rows = int(p.rows), K = int(p.k);
+  const int x_row_stride = int(p.x_row_stride), x_k_stride = int(p.x_k_stride);
+  const long first = (long(group) * simdgroups + sg) * Q;  // this simdgroup's first output
   const device T* wrow[Q];
   bool live[Q];
-  for (int q = 0; q < Q; ++q) {
-    live[q] = q < outputs && first + q < p.n_out;
+  float acc[R][Q];
+  MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+    live[q] = first + q < p.n_out;
     wrow[q] = w + (live[q] ? (first + q) * p.w_n_stride : 0);
-    for (int r = 0; r < R; ++r) acc[r][q] = 0.0f;
+    MPS_EXT_UNROLL for (int r = 0; r < R; ++r) acc[r][q] = 0.0f;
   }
 
-  long k_done = 0;
-  if (VEC) {
-    // Lanes take consecutive 16-byte pieces of the row: a simdgroup reads
-    // 512 contiguous bytes of each weight row per step.
-    constexpr int E = Wide<T>::N;
-    const long k_vec = p.k / E * E;
-    for (long k = long(lane) * E; k < k_vec; k += 32 * E) {
-      Wide<T> xv[R];
-      for (int r = 0; r < R; ++r)
-        if (r < rows) xv[r] = load16(x + r * p.x_row_stride + k);
-      for (int q = 0; q < Q; ++q) {
-        if (!live[q]) continue;
-        Wide<T> wv = load16(wrow[q] + k);
-        for (int r = 0; r < R; ++r) {
+  // Elements whole pieces cover (all of them without VEC); the rest below.
+  const int k_pieces = VEC ? K / E * E : K;
+  for (int k0 = 0; k0 < k_pieces; k0 += TILE) {
+    const int tile_len = min(TILE, k_pieces - k0);
+    // Consecutive threads stage consecutive pieces of an activation row.
+    for (int i = int(tid); i < R * TILE_PIECES; i += int(threads)) {
+      const int r = i / TILE_PIECES, c = i % TILE_PIECES;
+      if (r < rows && c * E < tile_len) {
+        const int at = r * x_row_stride + (k0 + c * E) * x_k_stride;
+        if (VEC) tile_pieces[i] = *(const device uint4*)(x + at);
+        else tile[i] = x[at];
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // Lanes take consecutive pieces of the weight row: a simdgroup reads 512
+    // contiguous bytes of it per load instruction.
+    for (int j0 = 0; j0 < PER_LANE; j0 += U) {
+      uint4 wv[U][Q];
+      MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
+        const int c = (j0 + u) * 32 + int(lane);
+        MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
+          wv[u][q] = live[q] && c * E < tile_len
+                         ? load_piece<T, VEC>(wrow[q] + (VEC ? long(k0 + c * E) : long(k0 + c) * p.w_k_stride))
+                         : uint4(0u);
+      }
+      MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
+        const int c = (j0 + u) * 32 + int(lane);
+        if (c * E >= tile_len) continue;
+        MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
           if (r >= rows) continue;
-          float s = 0.0f;
-          for (int e = 0; e < E; ++e) s += xv[r].v[e] * wv.v[e];
-          acc[r][q] += s;
+          const uint4 xv = VEC ? tile_pieces[r * TILE_PIECES + c] : uint4(as_type<uint>(float(tile[r * TILE + c])), 0u, 0u, 0u);
+          MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) acc[r][q] += dot_pieces<T, VEC>(xv, wv[u][q]);
         }
       }
     }
-    k_done = k_vec;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
   }
-  // The elements a 16-byte step cannot take (all of them without VEC).
-  for (long k = k_done + lane; k < p.k; k += 32) {
-    float xs[R];
-    for (int r = 0; r < R; ++r) xs[r] = r < rows ? float(x[r * p.x_row_stride + k * p.x_k_stride]) : 0.0f;
-    for (int q = 0; q < Q; ++q) {
+  // The last K % E elements (VEC only: fewer than a piece).
+  for (int k = k_pieces + int(lane); k < K; k += 32) {
+    MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
       if (!live[q]) continue;
-      float wv = float(wrow[q][k * p.w_k_stride]);
-      for (int r = 0; r < R; ++r) acc[r][q] += xs[r] * wv;
+      const float wk = float(wrow[q][k]);
+      MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
+        if (r < rows) acc[r][q] += float(x[r * x_row_stride + k]) * wk;
     }
   }
 
-  for (int q = 0; q < Q; ++q) {
-    if (q >= outputs) break;
-    for (int r = 0; r < R; ++r) {
-      if (r >= rows) break;
-      float total = simd_sum(acc[r][q]);
+  MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+    MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+      if (r >= rows) continue;
+      const float total = simd_sum(acc[r][q]);
       // Lane i writes output i: stores spread over the simdgroup.
-      if (lane == uint(r * Q + q) % 32 && live[q]) {
-        long n = first + q;
-        float b = p.has_bias ? float(bias[r * p.bias_row_stride + n * p.bias_n_stride]) : 0.0f;
-        y[r * p.y_row_stride + n * p.y_n_stride] = T(finish(total, p, b));
-      }
+      if (lane == uint(r * Q + q) % 32 && live[q]) write_output(y, bias, p, r, first + q, total);
     }
   }
 }
 
-// `partial` holds one row per simdgroup of at most GEMV_COLS_THREADS threads.
+// ------------------------------------------------------------ gemv_cols --
+// Where column c of a threadgroup's block sits in its threadgroup memory
+// partial sums: lanes write their pieces' columns 4 at a time (float4), so
+// that the first 4 columns of every lane's piece come first, then the next
+// 4, and each store instruction of a simdgroup fills consecutive words (no
+// two lanes in one bank).
+template <int E, int LN>
+MPS_EXT_INLINE int partial_slot(int c) {
+  if (E < 4) return c;
+  return (c % E) / 4 * (LN * 4) + c / E * 4 + c % 4;
+}
+// ... and its inverse: the column whose sums a thread reading slot s adds.
+template <int E, int LN>
+MPS_EXT_INLINE int partial_column(int s) {
+  if (E < 4) return s;
+  return s % (LN * 4) / 4 * E + s / (LN * 4) * 4 + s % 4;
+}
+
+// Grid: (column blocks, splits of K). partials: [splits, rows, N] floats
+// when splits > 1 (then y is written by gemv_cols_finish).
 template <typename T, int R, bool VEC>
 [[max_total_threads_per_threadgroup(GEMV_COLS_THREADS)]]
 kernel void gemv_cols(device T* y [[buffer(0)]],
@@ -131,68 +214,195 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
                       const device T* w [[buffer(2)]],
                       constant GemvParams& p [[buffer(3)]],
                       const device T* bias [[buffer(4)]],
-                      uint group [[threadgroup_position_in_grid]],
-                      uint threads [[threads_per_threadgroup]],
+                      device float* partials [[buffer(5)]],
+                      uint2 group [[threadgroup_position_in_grid]],
                       uint tid [[thread_index_in_threadgroup]],
                       uint sg [[simdgroup_index_in_threadgroup]],
-                      uint simdgroups [[simdgroups_per_threadgroup]],
                       uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int E = VEC ? Wide<T>::N : 1;
-  constexpr int COLS = 32 * E;  // outputs of one threadgroup
-  // Partial sums of every simdgroup for one activation row: 8 x 256 floats.
-  threadgroup float partial[GEMV_COLS_THREADS / 32][COLS];
-  const long col0 = long(group) * COLS + long(lane) * E;
-  const int rows = int(p.rows);
-  float acc[R][E];
-  for (int r = 0; r < R; ++r)
-    for (int e = 0; e < E; ++e) acc[r][e] = 0.0f;
+  constexpr int E = PIECE(T, VEC);       // columns of a lane's piece
+  constexpr int LN = VEC ? 8 : 32;       // lanes along N: 128 bytes of a row with VEC
+  constexpr int LK = 32 / LN;            // lanes along K
+  constexpr int CB = LN * E;             // columns of the threadgroup
+  constexpr int S = GEMV_COLS_THREADS / 32;
+  constexpr int RS = S * LK;             // rows of K a threadgroup step covers
+  // 16-bit types at 8 rows would need 64 accumulators a lane: lane pairs
+  // (rows k and k + 1, the same columns) swap halves of their pieces, and
+  // each accumulates 4 columns of both rows.
+  constexpr bool PAIR = VEC && E * R > 32;
+  constexpr int OWN = PAIR ? E / 2 : E;  // columns a lane accumulates
+  constexpr int U = R * OWN <= 16 ? 4 : 2;  // pieces a lane loads before it uses the first
+  constexpr int RB = GEMV_COLS_THREADS / CB;  // rows of partial sums per round through threadgroup memory
+  constexpr int CB4 = (CB + 3) / 4;
+  threadgroup float4 partial_mem[S][RB][CB4];
+  // The activations of U steps of K rows, as float, a row of K at a time:
+  // x_tile[k][r], so that a lane reads all its activation rows at one k
+  // with R / 4 loads, and the threadgroup reads x from memory once.
+  constexpr int TK = U * RS;
+  constexpr int R4 = (R + 3) / 4;
+  threadgroup float4 x_tile[TK * R4];
+  threadgroup float* x_tile_f = (threadgroup float*)x_tile;
 
-  const bool whole = col0 + E <= p.n_out;  // all E columns exist
-  for (long k = sg; k < p.k; k += simdgroups) {
-    const device T* wk = w + k * p.w_k_stride + col0 * p.w_n_stride;
-    float wv[E];
-    if (VEC && whole) {
-      Wide<T> v = load16(wk);
-      for (int e = 0; e < E; ++e) wv[e] = v.v[e];
-    } else {
-      for (int e = 0; e < E; ++e) wv[e] = col0 + e < p.n_out ? float(wk[e * p.w_n_stride]) : 0.0f;
+  const int rows = int(p.rows);
+  const int x_row_stride = int(p.x_row_stride), x_k_stride = int(p.x_k_stride);
+  const int nq = int(lane) % LN, kq = int(lane) / LN;
+  const long col0 = long(group.x) * CB + nq * E;
+  const long left = p.n_out - col0;
+  const int ncols = left <= 0 ? 0 : left >= E ? E : int(left);  // columns of the piece that exist
+  const long k_begin = long(group.y) * p.k_split;
+  const long k_end = min(k_begin + p.k_split, p.k);
+  // K fits in 31 bits (the host checks the activation's offsets).
+  const uint steps = k_end > k_begin ? (uint(k_end - k_begin) + RS - 1) / RS : 0u;
+  const int lane_row = int(sg) * LK + kq;  // this lane's row within a step
+
+  float acc[R][OWN];
+  MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
+    MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e) acc[r][e] = 0.0f;
+
+  // The weight pointer advances by a step's rows: no 64-bit multiply in the loop.
+  const device T* wp = w + (k_begin + lane_row) * p.w_k_stride + col0 * p.w_n_stride;
+  const long w_step = RS * p.w_k_stride;
+  for (uint i0 = 0; i0 < steps; i0 += U) {
+    const long tile_k = k_begin + long(i0) * RS;
+    // The weight pieces first: they are in flight while the tile is staged.
+    uint4 wv[U];
+    MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
+      const bool ok = tile_k + u * RS + lane_row < k_end;
+      const device T* wu = wp + u * w_step;
+      if (ok && ncols == E) {
+        wv[u] = load_piece<T, VEC>(wu);
+      } else {  // past K, or a piece past the last column: its elements one by one, zeros beyond
+        float v[E];
+        MPS_EXT_UNROLL for (int e = 0; e < E; ++e) v[e] = ok && e < ncols ? float(wu[e * p.w_n_stride]) : 0.0f;
+        wv[u] = VEC ? repack(v, T(0)) : uint4(as_type<uint>(v[0]), 0u, 0u, 0u);
+      }
     }
-    for (int r = 0; r < R; ++r) {
-      if (r >= rows) break;
-      float xs = float(x[r * p.x_row_stride + k * p.x_k_stride]);
-      for (int e = 0; e < E; ++e) acc[r][e] += xs * wv[e];
+    // Rows past K (and activation rows past `rows`) stage as 0, so that the
+    // products below need no checks: their weights are 0 too.
+    for (int t = int(tid); t < TK * R4 * 4; t += GEMV_COLS_THREADS) {
+      const int kk = t / (R4 * 4), r = t % (R4 * 4);
+      const long k = tile_k + kk;
+      x_tile_f[t] = r < rows && k < k_end ? float(x[r * x_row_stride + int(k) * x_k_stride]) : 0.0f;
     }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
+      const int kk = u * RS + lane_row;
+      if (PAIR) {
+        // Lanes kq = 2m (row k) and 2m + 1 (row k + 1) swap: the even lane
+        // keeps the first OWN columns of both rows, the odd one the last.
+        const bool odd = (kq & 1) != 0;
+        const uint2 mine = odd ? wv[u].zw : wv[u].xy;
+        const uint2 theirs = simd_shuffle_xor(odd ? wv[u].xy : wv[u].zw, ushort(LN));
+        float w_even[E], w_odd[E];
+        unpack(uint4(odd ? theirs : mine, 0u, 0u), w_even, T(0));
+        unpack(uint4(odd ? mine : theirs, 0u, 0u), w_odd, T(0));
+        const int kk_even = odd ? kk - 1 : kk;
+        float x_even[R4 * 4], x_odd[R4 * 4];
+        MPS_EXT_UNROLL for (int j = 0; j < R4; ++j) {
+          const float4 a = x_tile[kk_even * R4 + j], b = x_tile[(kk_even + 1) * R4 + j];
+          MPS_EXT_UNROLL for (int c = 0; c < 4; ++c) {
+            x_even[4 * j + c] = a[c];
+            x_odd[4 * j + c] = b[c];
+          }
+        }
+        MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
+          MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e) acc[r][e] += x_even[r] * w_even[e] + x_odd[r] * w_odd[e];
+      } else {
+        float wf[E];
+        if (VEC) unpack(wv[u], wf, T(0));
+        else wf[0] = as_type<float>(wv[u].x);
+        float xs[R4 * 4];
+        MPS_EXT_UNROLL for (int j = 0; j < R4; ++j) {
+          const float4 a = x_tile[kk * R4 + j];
+          MPS_EXT_UNROLL for (int c = 0; c < 4; ++c) xs[4 * j + c] = a[c];
+        }
+        MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
+          MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e) acc[r][e] += xs[r] * wf[e];
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    wp += U * w_step;
   }
 
-  for (int r = 0; r < R; ++r) {
-    if (r >= rows) break;
-    for (int e = 0; e < E; ++e) partial[sg][lane * E + e] = acc[r][e];
+  // The simdgroup's sums: lanes of one column group (and, in pairs, one
+  // parity) add up across their rows of K.
+  MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
+    MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e)
+      for (ushort offset = ushort(PAIR ? 2 * LN : LN); offset < 32; offset *= 2)
+        acc[r][e] += simd_shuffle_xor(acc[r][e], offset);
+  // Then the threadgroup's, RB rows at a time: the holders (kq 0, and 1 in
+  // pairs) write their columns, every thread adds one column of one row.
+  const bool holder = kq < (PAIR ? 2 : 1);
+  const int own_first = nq * E + (PAIR ? (kq & 1) * OWN : 0);  // first column this lane holds
+  threadgroup float* slots = (threadgroup float*)partial_mem;
+  MPS_EXT_UNROLL for (int r0 = 0; r0 < R; r0 += RB) {
+    if (r0 >= rows) break;
+    if (holder) {
+      MPS_EXT_UNROLL for (int rr = 0; rr < RB; ++rr) {
+        const int r = r0 + rr;
+        if (r >= R) break;
+        // 4 columns at a time where a lane holds 4 or 8: one float4 store.
+        MPS_EXT_UNROLL for (int e = 0; e < OWN; e += OWN >= 4 ? 4 : 1) {
+          const int slot = partial_slot<E, LN>(own_first + e);
+          if (OWN >= 4) partial_mem[sg][rr][slot / 4] = float4_at(acc[r] + e);
+          else slots[(int(sg) * RB + rr) * CB + slot] = acc[r][e];
+        }
+      }
+    }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint c = tid; c < uint(COLS); c += threads) {
-      long n = long(group) * COLS + c;
-      if (n < p.n_out) {
+    {
+      const int rr = int(tid) / CB, s = int(tid) % CB;
+      const int r = r0 + rr;
+      const long n = long(group.x) * CB + partial_column<E, LN>(s);
+      if (r < rows && n < p.n_out) {
         float total = 0.0f;
-        for (uint s = 0; s < simdgroups; ++s) total += partial[s][c];
-        float b = p.has_bias ? float(bias[r * p.bias_row_stride + n * p.bias_n_stride]) : 0.0f;
-        y[r * p.y_row_stride + n * p.y_n_stride] = T(finish(total, p, b));
+        MPS_EXT_UNROLL for (int g = 0; g < S; ++g) total += slots[(g * RB + rr) * CB + s];
+        if (p.splits == 1) write_output(y, bias, p, r, n, total);
+        else partials[(long(group.y) * rows + r) * p.n_out + n] = total;
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 }
 
-#define INSTANTIATE_GEMV(kind, tname, T, R)                                                              \
-  template [[host_name("gemv_" #kind "_" #tname "_r" #R "_vec")]] kernel                                 \
-      decltype(gemv_##kind<T, R, true>) gemv_##kind<T, R, true>;                                         \
-  template [[host_name("gemv_" #kind "_" #tname "_r" #R "_scalar")]] kernel                              \
-      decltype(gemv_##kind<T, R, false>) gemv_##kind<T, R, false>;
-#define INSTANTIATE_GEMV_ROWS(kind, tname, T) \
-  INSTANTIATE_GEMV(kind, tname, T, 1) INSTANTIATE_GEMV(kind, tname, T, 2) \
-  INSTANTIATE_GEMV(kind, tname, T, 4) INSTANTIATE_GEMV(kind, tname, T, 8)
+// Split K: y from the splits' partial sums, added in split order (the same
+// result every run). Grid: (N / GEMV_COLS_THREADS, rows). Bound like
+// gemv_cols; x and w are not read.
+template <typename T>
+[[max_total_threads_per_threadgroup(GEMV_COLS_THREADS)]]
+kernel void gemv_cols_finish(device T* y [[buffer(0)]],
+                             const device T* x [[buffer(1)]],
+                             const device T* w [[buffer(2)]],
+                             constant GemvParams& p [[buffer(3)]],
+                             const device T* bias [[buffer(4)]],
+                             const device float* partials [[buffer(5)]],
+                             uint2 group [[threadgroup_position_in_grid]],
+                             uint2 tid [[thread_position_in_threadgroup]]) {
+  const long n = long(group.x) * GEMV_COLS_THREADS + tid.x, r = group.y;
+  if (n >= p.n_out) return;
+  float total = 0.0f;
+  for (uint s = 0; s < p.splits; ++s) total += partials[(long(s) * p.rows + r) * p.n_out + n];
+  write_output(y, bias, p, r, n, total);
+}
 
-INSTANTIATE_GEMV_ROWS(rows, f32, float)
-INSTANTIATE_GEMV_ROWS(rows, f16, half)
-INSTANTIATE_GEMV_ROWS(rows, bf16, bfloat)
-INSTANTIATE_GEMV_ROWS(cols, f32, float)
-INSTANTIATE_GEMV_ROWS(cols, f16, half)
-INSTANTIATE_GEMV_ROWS(cols, bf16, bfloat)
+#define INSTANTIATE_GEMV_ROWS(tname, T, R, Q)                                                                   \
+  template [[host_name("gemv_rows_" #tname "_r" #R "_q" #Q "_vec")]] kernel                                      \
+      decltype(gemv_rows<T, R, Q, true>) gemv_rows<T, R, Q, true>;                                               \
+  template [[host_name("gemv_rows_" #tname "_r" #R "_q" #Q "_scalar")]] kernel                                   \
+      decltype(gemv_rows<T, R, Q, false>) gemv_rows<T, R, Q, false>;
+#define INSTANTIATE_GEMV_COLS(tname, T, R)                                                                      \
+  template [[host_name("gemv_cols_" #tname "_r" #R "_vec")]] kernel decltype(gemv_cols<T, R, true>)             \
+      gemv_cols<T, R, true>;                                                                                     \
+  template [[host_name("gemv_cols_" #tname "_r" #R "_scalar")]] kernel decltype(gemv_cols<T, R, false>)         \
+      gemv_cols<T, R, false>;
+#define INSTANTIATE_GEMV(tname, T)                                                                               \
+  INSTANTIATE_GEMV_ROWS(tname, T, 1, 1) INSTANTIATE_GEMV_ROWS(tname, T, 2, 1)                                   \
+  INSTANTIATE_GEMV_ROWS(tname, T, 4, 1) INSTANTIATE_GEMV_ROWS(tname, T, 8, 1)                                   \
+  INSTANTIATE_GEMV_ROWS(tname, T, 1, 2) INSTANTIATE_GEMV_ROWS(tname, T, 2, 2)                                   \
+  INSTANTIATE_GEMV_ROWS(tname, T, 4, 2) INSTANTIATE_GEMV_ROWS(tname, T, 8, 2)                                   \
+  INSTANTIATE_GEMV_COLS(tname, T, 1) INSTANTIATE_GEMV_COLS(tname, T, 2)                                         \
+  INSTANTIATE_GEMV_COLS(tname, T, 4) INSTANTIATE_GEMV_COLS(tname, T, 8)                                         \
+  template [[host_name("gemv_cols_finish_" #tname)]] kernel decltype(gemv_cols_finish<T>) gemv_cols_finish<T>;
+
+INSTANTIATE_GEMV(f32, float)
+INSTANTIATE_GEMV(f16, half)
+INSTANTIATE_GEMV(bf16, bfloat)

@@ -7,7 +7,8 @@
 // for r < rows (1 to 8 activation rows) and n < n_out. Every tensor is
 // described by element strides, so F.linear's [N, K] weight, its transpose
 // (x @ W with W [K, N]), mm with few columns and broadcast biases all map
-// onto the same two kernels.
+// onto the same kernels. Offsets into x are below 2^31 (the host checks);
+// the weight, y and bias are addressed in 64 bits.
 struct GemvParams {
   int64_t rows;
   int64_t n_out;
@@ -16,15 +17,20 @@ struct GemvParams {
   int64_t w_n_stride, w_k_stride;
   int64_t y_row_stride, y_n_stride;
   int64_t bias_row_stride, bias_n_stride;
+  int64_t k_split;   // gemv_cols: K rows per threadgroup along K (k when not split)
   float alpha;
   float beta;
-  uint32_t has_bias;           // 0: bias is not read (addmm with beta = 0)
-  uint32_t outputs_per_simdgroup;  // gemv_rows: 1, 2 or 4 outputs per simdgroup
+  uint32_t has_bias;  // 0: bias is not read (addmm with beta = 0)
+  uint32_t splits;    // gemv_cols: threadgroups along K; 1 writes y, more write partial sums
 };
 
-// Weight rows per simdgroup the kernel can hold (outputs_per_simdgroup).
-#define GEMV_MAX_OUTPUTS_PER_SIMDGROUP 4
-// Threads of a gemv_cols threadgroup: simdgroups split K between them.
+// Threads of a gemv_cols threadgroup (and of gemv_cols_finish): its 8
+// simdgroups split the threadgroup's K rows.
 #define GEMV_COLS_THREADS 256
-// Most threads of a gemv_rows threadgroup: 2 simdgroups.
-#define GEMV_ROWS_MAX_THREADS 64
+// Most threads of a gemv_rows threadgroup: 8 simdgroups, each owning 1 or 2
+// weight rows.
+#define GEMV_ROWS_MAX_THREADS 256
+// Activation rows a gemv_rows threadgroup stages in threadgroup memory per
+// step along K, all rows together (R rows of 8192 / R bytes): every
+// simdgroup of the threadgroup reads them there instead of from memory.
+#define GEMV_ROWS_TILE_BYTES 8192

@@ -40,10 +40,26 @@ const char* type_name(c10::ScalarType t) {
   }
 }
 
-int64_t pow2_floor(int64_t v) {
-  int64_t p = 1;
-  while (p * 2 <= v) p *= 2;
-  return p;
+// gemv_cols: how many threadgroups split K. The fewest that make
+// kTargetThreadgroups with the column blocks, within two limits:
+// - every threadgroup takes at least one step (32 rows of K);
+// - the partial sums, written and read back once each (2 * splits * rows *
+//   N floats), stay within a quarter of the weight's bytes (K * N * itemsize),
+//   so a small K with many rows keeps fewer threadgroups rather than double
+//   its traffic.
+// Splitting costs a second dispatch, gemv_cols_finish, which adds the splits'
+// sums in a fixed order: one kernel launch and a wait for the first to drain
+// (a few microseconds on a GPU), against a weight the columns alone would
+// spread over a tenth of an 80-core GPU (N = 4096 in half: 64 blocks). The
+// alternatives need more: float atomics on y lose the fixed order and need y
+// zeroed first, and a last-threadgroup-finishes counter needs a zeroed
+// counter buffer, itself a fill (a blit or a dispatch) on every call.
+int64_t cols_splits(int64_t blocks, int64_t k, int64_t rows, int64_t itemsize) {
+  if (blocks >= kTargetThreadgroups || k == 0) return 1;
+  int64_t splits = (kTargetThreadgroups + blocks - 1) / blocks;
+  splits = std::min(splits, (k + GEMV_COLS_THREADS / 8 - 1) / (GEMV_COLS_THREADS / 8));
+  splits = std::min(splits, k * itemsize / (32 * rows));
+  return std::max<int64_t>(splits, 1);
 }
 
 // The variant policy.
@@ -52,12 +68,17 @@ int64_t pow2_floor(int64_t v) {
 //   otherwise gemv_rows with element loads.
 // - VEC (16-byte loads): gemv_rows needs the weight rows and the activation
 //   rows 16-byte aligned and contiguous along K; gemv_cols needs the weight
-//   rows along N aligned. Storage offsets that break alignment take element
-//   loads.
+//   rows along N aligned. Storage offsets or pointers that break alignment
+//   take element loads.
 // - Row variant: the smallest of 1, 2, 4, 8 activation rows that holds them.
-// - gemv_rows geometry: outputs per threadgroup = N / 320 rounded down to a
-//   power of two, clamped to 1..8 (2 simdgroups of up to 4 outputs), so that
-//   N >= 2048 gives at least 4 threadgroups per core of an 80-core GPU.
+// - Both aim at kTargetThreadgroups (4 per core of an 80-core GPU), with as
+//   much work per threadgroup as that leaves:
+//   gemv_rows: O = N / 320 outputs per threadgroup (1 to 16): Q = 2 outputs
+//   per simdgroup from 4 on (they share each activation piece), O / Q
+//   simdgroups, which share each staged activation tile. N >= 2048 gives at
+//   least 320 threadgroups (N = 4096: 342 of 12 outputs).
+//   gemv_cols: a threadgroup owns 128 bytes of columns (32 elements without
+//   VEC); when those blocks are fewer than 320, K is split (cols_splits).
 void run(const Problem& pr) {
   const int64_t rows = pr.x.size(0), n = pr.w.size(0);
   TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "mps_ext linear: ", rows, " rows reached the GEMV kernel");
@@ -78,34 +99,53 @@ void run(const Problem& pr) {
     p.bias_row_stride = pr.bias.stride(0);
     p.bias_n_stride = pr.bias.stride(1);
   }
+  p.k_split = p.k;
+  p.splits = 1;
 
   int64_t variant = 1;
   while (variant < rows) variant *= 2;
+  const int64_t itemsize = pr.w.itemsize();
+  const std::string type = type_name(pr.w.scalar_type());
   const bool cols = p.w_n_stride == 1 && p.w_k_stride != 1 && n > 1;
-  bool vec;
-  Launch l;
-  l.library = "gemv";
+  // Without a bias the output stands in for buffer 4, and without a split
+  // for gemv_cols' partial sums (buffer 5): the kernels never touch them then.
+  at::Tensor partials;
+  auto args = [&] {
+    std::vector<KernelArg> a{KernelArg::of(pr.y), KernelArg::of(pr.x), KernelArg::of(pr.w), KernelArg::value(p),
+                             KernelArg::of(pr.bias.defined() ? pr.bias : pr.y)};
+    if (cols) a.push_back(KernelArg::of(partials.defined() ? partials : pr.y));
+    return a;
+  };
   if (cols) {
-    vec = aligned16(pr.w, p.w_k_stride);
-    int64_t per_group = 32 * (vec ? 16 / pr.w.itemsize() : 1);
-    l.threadgroups = {static_cast<uint32_t>((n + per_group - 1) / per_group), 1, 1};
-    l.threads_per_threadgroup = {GEMV_COLS_THREADS, 1, 1};
-  } else {
-    vec = p.w_k_stride == 1 && p.x_k_stride == 1 && aligned16(pr.w, p.w_n_stride) &&
-          aligned16(pr.x, rows > 1 ? p.x_row_stride : 0);
-    int64_t outputs = std::clamp<int64_t>(pow2_floor(std::max<int64_t>(n / kTargetThreadgroups, 1)), 1,
-                                          2 * GEMV_MAX_OUTPUTS_PER_SIMDGROUP);
-    int64_t simdgroups = outputs >= 2 ? 2 : 1;
-    p.outputs_per_simdgroup = static_cast<uint32_t>(outputs / simdgroups);
-    l.threadgroups = {static_cast<uint32_t>((n + outputs - 1) / outputs), 1, 1};
-    l.threads_per_threadgroup = {static_cast<uint32_t>(32 * simdgroups), 1, 1};
+    const bool vec = aligned16(pr.w, p.w_k_stride);
+    const int64_t columns = vec ? 8 * (16 / itemsize) : 32;  // of a threadgroup
+    const int64_t blocks = (n + columns - 1) / columns;
+    const int64_t splits = cols_splits(blocks, p.k, rows, itemsize);
+    if (splits > 1) {
+      p.k_split = (p.k + splits - 1) / splits;
+      p.splits = static_cast<uint32_t>((p.k + p.k_split - 1) / p.k_split);
+      partials = at::empty({p.splits, rows, n}, pr.x.options().dtype(at::kFloat));
+    }
+    launch(Launch{"gemv", "gemv_cols_" + type + "_r" + std::to_string(variant) + (vec ? "_vec" : "_scalar"), args(),
+                  {static_cast<uint32_t>(blocks), p.splits, 1}, {GEMV_COLS_THREADS, 1, 1}});
+    if (p.splits > 1)
+      launch(Launch{"gemv", "gemv_cols_finish_" + type, args(),
+                    {static_cast<uint32_t>((n + GEMV_COLS_THREADS - 1) / GEMV_COLS_THREADS),
+                     static_cast<uint32_t>(rows), 1},
+                    {GEMV_COLS_THREADS, 1, 1}});
+    return;
   }
-  l.kernel = std::string("gemv_") + (cols ? "cols_" : "rows_") + type_name(pr.w.scalar_type()) + "_r" +
-             std::to_string(variant) + (vec ? "_vec" : "_scalar");
-  // Without a bias the output stands in for buffer 4; the kernel never reads it.
-  l.args = {KernelArg::of(pr.y), KernelArg::of(pr.x), KernelArg::of(pr.w), KernelArg::value(p),
-            KernelArg::of(pr.bias.defined() ? pr.bias : pr.y)};
-  launch(l);
+  const bool vec = p.w_k_stride == 1 && p.x_k_stride == 1 && aligned16(pr.w, p.w_n_stride) &&
+                   aligned16(pr.x, rows > 1 ? p.x_row_stride : 0);
+  const int64_t outputs = std::clamp<int64_t>(n / kTargetThreadgroups, 1, 16);
+  const int64_t per_simdgroup = outputs >= 4 ? 2 : 1;
+  const int64_t simdgroups = outputs / per_simdgroup;
+  const int64_t per_group = simdgroups * per_simdgroup;
+  launch(Launch{"gemv",
+                "gemv_rows_" + type + "_r" + std::to_string(variant) + "_q" + std::to_string(per_simdgroup) +
+                    (vec ? "_vec" : "_scalar"),
+                args(), {static_cast<uint32_t>((n + per_group - 1) / per_group), 1, 1},
+                {static_cast<uint32_t>(32 * simdgroups), 1, 1}});
 }
 
 bool kernel_dtype(c10::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
@@ -146,6 +186,16 @@ int64_t leading_rows(const at::Tensor& input) {
   return rows;
 }
 
+// The kernels index the activation in 32 bits (the weight, the output and
+// the bias in 64): an activation view reaching past 2^31 elements is left to
+// the stock kernel.
+std::string activation_unsupported(const at::Tensor& x) {
+  int64_t last = 0;
+  for (int64_t d = 0; d < x.dim(); ++d) last += (x.size(d) - 1) * x.stride(d);
+  if (last > INT32_MAX || (x.dim() > 0 && x.size(-1) > INT32_MAX)) return "activation offsets past 2^31 elements";
+  return "";
+}
+
 std::string rows_unsupported(int64_t rows, int64_t min_rows) {
   if (rows == 0) return "";  // an empty result
   if (rows > kMaxRows) return "more than 8 rows (a general matmul)";
@@ -178,6 +228,8 @@ std::string linear_unsupported(const at::Tensor& input, const at::Tensor& weight
     return "a bias that is not 1-D of size N";
   int64_t row_stride;
   if (!flat_rows(input, row_stride)) return "activation rows that do not flatten without a copy";
+  why = activation_unsupported(input);
+  if (!why.empty()) return why;
   return rows_unsupported(leading_rows(input), 1);
 }
 
@@ -212,6 +264,8 @@ std::string mm_unsupported(const at::Tensor& mat1, const at::Tensor& mat2, const
   if (!why.empty()) return why;
   if (mat1.dim() != 2 || mat2.dim() != 2 || mat1.size(1) != mat2.size(0)) return "shapes torch rejects";  // its error follows
   if (self && !self->defined()) return "";
+  why = activation_unsupported(mat1.size(0) <= mat2.size(1) && mat1.size(0) <= kMaxRows ? mat1 : mat2);
+  if (!why.empty()) return why;
   int64_t rows = std::min(mat1.size(0), mat2.size(1));
   return rows_unsupported(rows, (key == c10::DispatchKey::MPS ? g_min_rows_mps : g_min_rows_cpu).load());
 }

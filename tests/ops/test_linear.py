@@ -8,6 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mps_ext
+from host_names import host_names
 from mps_ext import cpu_metal
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -121,10 +122,16 @@ def test_transposed_weight_layout_reads_once_with_16_byte_loads(run, device):
         got = run("mm", x, wt, family="linear")
     torch.testing.assert_close(got, (x.double() @ wt.double()).to(torch.bfloat16), **tol(torch.bfloat16, k))
     if device == "executor":
-        (d,) = rec.dispatches
-        assert d.kernel == "gemv_cols_bf16_r4_vec"
+        # 16 blocks of 64 columns: K is split over 8 threadgroups each (the
+        # partial sums stay within a quarter of the weight's bytes), then
+        # added up.
+        d, finish = rec.dispatches
+        assert (d.kernel, finish.kernel) == ("gemv_cols_bf16_r4_vec", "gemv_cols_finish_bf16")
+        assert d.threadgroups == (16, 8, 1)
         assert d.bytes_read[W] == wt.nbytes
-        assert 16 in d.read_widths[W]
+        assert d.read_widths[W] == {16: wt.nbytes // 16}
+        partial_bytes = 8 * 4 * n * 4
+        assert d.bytes_written[5] == partial_bytes and finish.bytes_read[5] == partial_bytes
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 64, 100), (8, 33, 20), (50, 40, 3), (300, 16, 1), (5, 9, 7), (2, 0, 6)])
@@ -231,3 +238,94 @@ def test_matmul_of_decode_activations_reaches_mm(shape):
         with _AtenLog() as log:
             torch.matmul(randn(*shape), rhs)
         assert "aten.mm" in log.ops and "aten.bmm" not in log.ops, log.ops
+
+
+# ------------------------------------------------------------ variants --
+SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+def padded(rows, cols, dtype, vec, scale=1.0):
+    """A [rows, cols] tensor whose rows start 16-byte aligned (vec: every
+    piece of 16 bytes can be loaded as one) or one element off (not vec)."""
+    step = (cols + 15) // 16 * 16 + 16
+    base = randn(rows * step + 16, dtype=dtype, scale=scale)
+    start = 0 if vec else 1
+    return base[start:start + rows * step].view(rows, step)[:, :cols]
+
+
+@pytest.mark.parametrize("vec", [True, False], ids=["vec", "scalar"])
+@pytest.mark.parametrize("q", [1, 2])
+@pytest.mark.parametrize("r", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_gemv_rows_variant(run, device, dtype, r, q, vec):
+    # q: outputs per simdgroup, 2 from 4 outputs per threadgroup (N >= 1280).
+    # K = 75: the vector variants' last elements are fewer than a piece.
+    n, k = (700, 75) if q == 1 else (1300, 75)
+    x = padded({1: 1, 2: 2, 4: 3, 8: 7}[r], k, dtype, vec)  # 3 rows take the 4-row variant, 7 the 8-row one
+    w = padded(n, k, dtype, vec, scale=k ** -0.5)
+    b = randn(n, dtype=dtype)
+    with cpu_metal.record() as rec:
+        got = run("linear", x, w, b, family="linear")
+    torch.testing.assert_close(got, linear_ref(x, w, b), **tol(dtype, k))
+    if device == "executor":
+        (d,) = rec.dispatches
+        assert d.kernel == f"gemv_rows_{SHORT[dtype]}_r{r}_q{q}_{'vec' if vec else 'scalar'}"
+
+
+@pytest.mark.parametrize("k", [24, 1031])
+@pytest.mark.parametrize("vec", [True, False], ids=["vec", "scalar"])
+@pytest.mark.parametrize("r", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_gemv_cols_variant(run, device, dtype, r, vec, k):
+    # x @ W with W [K, N]: K = 24 fits one threadgroup per column block, K =
+    # 1031 (odd: lane pairs with a row past K) is split and finished.
+    n = 300  # not a whole number of column blocks
+    x = randn(r, k, dtype=dtype)
+    wt = padded(k, n, dtype, vec, scale=k ** -0.5)
+    with cpu_metal.record() as rec:
+        got = run("mm", x, wt, family="linear")
+    torch.testing.assert_close(got, (x.double() @ wt.double()).to(dtype), **tol(dtype, k))
+    if device == "executor":
+        kernels = [d.kernel for d in rec.dispatches]
+        main = f"gemv_cols_{SHORT[dtype]}_r{r}_{'vec' if vec else 'scalar'}"
+        assert kernels == ([main] if k == 24 else [main, f"gemv_cols_finish_{SHORT[dtype]}"])
+        assert rec.dispatches[0].bytes_read[W] == wt.shape[0] * wt.shape[1] * wt.element_size()
+
+
+def test_every_gemv_kernel_is_tested():
+    types, rows = SHORT.values(), (1, 2, 4, 8)
+    tested = {f"gemv_rows_{t}_r{r}_q{q}_{v}" for t in types for r in rows for q in (1, 2) for v in ("vec", "scalar")}
+    tested |= {f"gemv_cols_{t}_r{r}_{v}" for t in types for r in rows for v in ("vec", "scalar")}
+    tested |= {f"gemv_cols_finish_{t}" for t in types}
+    assert host_names("gemv") == tested
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_transposed_weight_keeps_every_core_busy(run, device, rows):
+    # N >= 2048: at least 4 threadgroups per core of an 80-core GPU, every
+    # weight byte read once with 16-byte loads, the activations read once
+    # per threadgroup (staged in threadgroup memory).
+    n, k = 2048, 2560
+    x = randn(rows, k, dtype=torch.float16)
+    wt = randn(k, n, dtype=torch.float16, scale=k ** -0.5)
+    with cpu_metal.record() as rec:
+        got = run("mm", x, wt, family="linear")
+    torch.testing.assert_close(got, (x.double() @ wt.double()).half(), **tol(torch.float16, k))
+    if device == "executor":
+        d, finish = rec.dispatches
+        assert d.total_threadgroups >= 4 * 80
+        assert d.read_widths[W] == {16: wt.nbytes // 16}
+        assert d.bytes_read[X] == d.threadgroups[0] * x.nbytes
+        assert finish.kernel == "gemv_cols_finish_f16"
+
+
+def test_activations_are_read_once_per_threadgroup(run, device):
+    # Staged in threadgroup memory, not read by every simdgroup: 12 outputs
+    # per threadgroup at N = 4096.
+    x, w = randn(8, 512, dtype=torch.float16), randn(4096, 512, dtype=torch.float16)
+    with cpu_metal.record() as rec:
+        run("linear", x, w, None, family="linear")
+    if device == "executor":
+        (d,) = rec.dispatches
+        assert d.kernel == "gemv_rows_f16_r8_q2_vec" and d.threads_per_threadgroup == (192, 1, 1)
+        assert d.bytes_read[X] == d.total_threadgroups * x.nbytes == 342 * x.nbytes
