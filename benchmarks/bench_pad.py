@@ -24,7 +24,8 @@ def main():
         t = traffic(lambda: torch.ops.mps_ext.constant_pad_nd(x, pad, 0))
         minimum = x.nbytes + out.nbytes
         row = {"shape": "x".join(map(str, shape)), "dtype": str(dtype)[6:], "dispatches": t["dispatches"],
-               "bytes/min": f"{t['memory_bytes'] / minimum:.3f}"}
+               "threadgroups": t["threadgroups"], "bytes/min": f"{t['memory_bytes'] / minimum:.3f}",
+               "16B stores": f"{t['wide_store_share']:.0%}", "kernels": ", ".join(t["kernels"])}
         times = None
         if torch.backends.mps.is_available():
             xm = x.to("mps")
@@ -33,10 +34,12 @@ def main():
             (f"{times[0] * 1e6:.1f}", f"{times[1] * 1e6:.1f}", f"{times[0] / times[1]:.2f}x") if times else ("-",) * 3)
         rows.append(row)
     print(table(rows, [("shape", "shape"), ("dtype", "dtype"), ("dispatches", "dispatches"),
-                       ("bytes/min", "bytes / minimum"), ("stock us", "stock (us)"),
-                       ("mps_ext us", "mps_ext (us)"), ("speedup", "speedup")]))
+                       ("threadgroups", "threadgroups"), ("bytes/min", "bytes / minimum"),
+                       ("16B stores", "16-byte stores"), ("stock us", "stock (us)"),
+                       ("mps_ext us", "mps_ext (us)"), ("speedup", "speedup"), ("kernels", "kernel")]))
     print("bytes / minimum: bytes read and written over tensor buffers, against reading the input once and "
-          "writing the output once. Times only on a Mac.")
+          "writing the output once. 16-byte stores: share of the output's bytes stored 16 at a time. "
+          "Times only on a Mac.")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ def main():
         t = traffic(lambda: torch.ops.mps_ext._softmax(x, dim, False))
         minimum = 2 * x.nbytes  # read the input once, write the output once
         row = {"shape": "x".join(map(str, shape)), "dtype": str(dtype)[6:], "dispatches": t["dispatches"],
-               "threadgroups": t["threadgroups"], "bytes/min": f"{t['memory_bytes'] / minimum:.3f}"}
+               "threadgroups": t["threadgroups"], "bytes/min": f"{t['memory_bytes'] / minimum:.3f}",
+               "16B": f"{t['wide_share']:.0%}", "kernels": ", ".join(t["kernels"])}
         times = None
         if torch.backends.mps.is_available():
             xm = x.to("mps")
@@ -34,9 +35,11 @@ def main():
         rows.append(row)
     print(table(rows, [("shape", "shape"), ("dtype", "dtype"), ("dispatches", "dispatches"),
                        ("threadgroups", "threadgroups"), ("bytes/min", "bytes / minimum"),
-                       ("stock us", "stock (us)"), ("mps_ext us", "mps_ext (us)"), ("speedup", "speedup")]))
+                       ("16B", "16-byte accesses"), ("stock us", "stock (us)"), ("mps_ext us", "mps_ext (us)"),
+                       ("speedup", "speedup"), ("kernels", "kernels")]))
     print("bytes / minimum: bytes read and written over tensor buffers, against reading the input once and "
-          "writing the output once. Times only on a Mac.")
+          "writing the output once (a split row is read twice). 16-byte accesses: share of those bytes moved by "
+          "16-byte loads and stores. Times only on a Mac.")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,21 @@ from mps_ext import cpu_metal
 BANDWIDTH_GBPS = {"M1": 68, "M2 Pro": 200, "M3 Max": 400, "M3 Ultra": 819, "M4 Max": 546}
 
 
+def sixteen_byte_share(dispatches, reads=True, writes=True) -> float:
+    """Share of the bytes moved over tensor buffers (not constant data) by
+    16-byte accesses."""
+    total = sixteen = 0
+    for d in dispatches:
+        for counted, widths_of in ((reads, d.read_widths), (writes, d.write_widths)):
+            if not counted:
+                continue
+            for buffer, widths in widths_of.items():
+                if buffer not in d.constant_buffers:
+                    total += sum(width * n for width, n in widths.items())
+                    sixteen += 16 * widths.get(16, 0)
+    return sixteen / total if total else 0.0
+
+
 def traffic(fn) -> dict:
     """Run fn (which calls torch.ops.mps_ext ops on CPU tensors) and sum the
     executor's counters over its dispatches."""
@@ -22,6 +37,8 @@ def traffic(fn) -> dict:
         fn()
     return {
         "dispatches": len(rec.dispatches),
+        "wide_share": sixteen_byte_share(rec.dispatches),
+        "wide_store_share": sixteen_byte_share(rec.dispatches, reads=False),
         "threadgroups": sum(d.total_threadgroups for d in rec.dispatches),
         "memory_bytes": sum(d.memory_bytes_moved for d in rec.dispatches),
         "all_bytes": sum(d.bytes_moved for d in rec.dispatches),

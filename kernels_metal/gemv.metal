@@ -27,6 +27,7 @@
 // pieces in flight, at most 32 + 8.
 #include <metal_stdlib>
 #include "gemv_params.h"
+#include "pieces.h"
 using namespace metal;
 
 // Elements of a piece: 16 bytes with VEC, one element without.
@@ -41,34 +42,6 @@ MPS_EXT_INLINE uint4 load_piece(const device T* p) {
   return uint4(as_type<uint>(float(*p)), 0u, 0u, 0u);
 }
 
-// The floats of a piece's bits.
-MPS_EXT_INLINE void unpack(uint4 bits, thread float* v, float) {
-  MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) v[i] = as_type<float>(bits[i]);
-}
-template <typename H>
-MPS_EXT_INLINE void unpack_pairs(uint4 bits, thread float* v) {
-  MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) {
-    vec<H, 2> pair = as_type<vec<H, 2>>(bits[i]);
-    v[2 * i] = float(pair.x);
-    v[2 * i + 1] = float(pair.y);
-  }
-}
-MPS_EXT_INLINE void unpack(uint4 bits, thread float* v, half) { unpack_pairs<half>(bits, v); }
-MPS_EXT_INLINE void unpack(uint4 bits, thread float* v, bfloat) { unpack_pairs<bfloat>(bits, v); }
-
-// ... and back: E (4 or 8) floats as a piece of T.
-MPS_EXT_INLINE uint4 repack(thread const float* v, float) {
-  return uint4(as_type<uint>(v[0]), as_type<uint>(v[1]), as_type<uint>(v[2]), as_type<uint>(v[3]));
-}
-template <typename H>
-MPS_EXT_INLINE uint4 repack_pairs(thread const float* v) {
-  uint4 bits;
-  MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) bits[i] = as_type<uint>(vec<H, 2>(H(v[2 * i]), H(v[2 * i + 1])));
-  return bits;
-}
-MPS_EXT_INLINE uint4 repack(thread const float* v, half) { return repack_pairs<half>(v); }
-MPS_EXT_INLINE uint4 repack(thread const float* v, bfloat) { return repack_pairs<bfloat>(v); }
-
 MPS_EXT_INLINE float4 float4_at(thread const float* v) { return float4(v[0], v[1], v[2], v[3]); }
 
 // sum_e a[e] * b[e] over the elements of two pieces.
@@ -77,8 +50,8 @@ MPS_EXT_INLINE float dot_pieces(uint4 a, uint4 b) {
   if (!VEC) return as_type<float>(a.x) * as_type<float>(b.x);
   constexpr int E = PIECE(T, VEC);
   float va[E], vb[E];
-  unpack(a, va, T(0));
-  unpack(b, vb, T(0));
+  unpack16(a, va, T(0));
+  unpack16(b, vb, T(0));
   float s = 0.0f;
   MPS_EXT_UNROLL for (int e = 0; e < E; ++e) s += va[e] * vb[e];
   return s;
@@ -273,7 +246,7 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
       } else {  // past K, or a piece past the last column: its elements one by one, zeros beyond
         float v[E];
         MPS_EXT_UNROLL for (int e = 0; e < E; ++e) v[e] = ok && e < ncols ? float(wu[e * p.w_n_stride]) : 0.0f;
-        wv[u] = VEC ? repack(v, T(0)) : uint4(as_type<uint>(v[0]), 0u, 0u, 0u);
+        wv[u] = VEC ? pack16<E>(v, T(0)) : uint4(as_type<uint>(v[0]), 0u, 0u, 0u);
       }
     }
     // Rows past K (and activation rows past `rows`) stage as 0, so that the
@@ -293,8 +266,8 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
         const uint2 mine = odd ? wv[u].zw : wv[u].xy;
         const uint2 theirs = simd_shuffle_xor(odd ? wv[u].xy : wv[u].zw, ushort(LN));
         float w_even[E], w_odd[E];
-        unpack(uint4(odd ? theirs : mine, 0u, 0u), w_even, T(0));
-        unpack(uint4(odd ? mine : theirs, 0u, 0u), w_odd, T(0));
+        unpack16(uint4(odd ? theirs : mine, 0u, 0u), w_even, T(0));
+        unpack16(uint4(odd ? mine : theirs, 0u, 0u), w_odd, T(0));
         const int kk_even = odd ? kk - 1 : kk;
         float x_even[R4 * 4], x_odd[R4 * 4];
         MPS_EXT_UNROLL for (int j = 0; j < R4; ++j) {
@@ -308,7 +281,7 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
           MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e) acc[r][e] += x_even[r] * w_even[e] + x_odd[r] * w_odd[e];
       } else {
         float wf[E];
-        if (VEC) unpack(wv[u], wf, T(0));
+        if (VEC) unpack16(wv[u], wf, T(0));
         else wf[0] = as_type<float>(wv[u].x);
         float xs[R4 * 4];
         MPS_EXT_UNROLL for (int j = 0; j < R4; ++j) {

@@ -34,6 +34,7 @@
 // loads and stores, when the row is contiguous and every row start is
 // 16-byte aligned (the host checks the pointers and strides); 32-bit only.
 #include <metal_stdlib>
+#include "pieces.h"
 #include "softmax_params.h"
 using namespace metal;
 
@@ -71,32 +72,20 @@ struct Slots {
 };
 
 // 16 bytes of T at p (16-byte aligned) as floats: 4 floats or 8 halves.
-MPS_EXT_INLINE void load16(const device float* p, thread float* v) {
-  float4 f = *(const device float4*)p;
-  MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) v[i] = f[i];
+template <typename T>
+MPS_EXT_INLINE void load16(const device T* p, thread float* v) {
+  unpack16(*(const device uint4*)p, v, T(0));
 }
-template <typename H>
-MPS_EXT_INLINE void load16_pairs(const device H* p, thread float* v) {
-  uint4 bits = *(const device uint4*)p;
-  MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) {
-    vec<H, 2> pair = as_type<vec<H, 2>>(bits[i]);
-    v[2 * i] = float(pair.x);
-    v[2 * i + 1] = float(pair.y);
-  }
-}
-MPS_EXT_INLINE void load16(const device half* p, thread float* v) { load16_pairs(p, v); }
-MPS_EXT_INLINE void load16(const device bfloat* p, thread float* v) { load16_pairs(p, v); }
 
 // N (4 or 8) values as O at p, aligned to their size: 16 or 32 bytes of
-// float, 8 or 16 bytes of half / bfloat.
+// float (one or two pieces), 8 or 16 bytes of half / bfloat.
 template <int N>
 MPS_EXT_INLINE void store_n(device float* p, thread const float* v) {
-  MPS_EXT_UNROLL for (int i = 0; i < N; i += 4) *(device float4*)(p + i) = float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+  MPS_EXT_UNROLL for (int i = 0; i < N; i += 4) *(device uint4*)(p + i) = pack16<4>(v + i, 0.0f);
 }
 template <int N, typename H>
 MPS_EXT_INLINE void store_n_pairs(device H* p, thread const float* v) {
-  uint4 bits = uint4(0);
-  MPS_EXT_UNROLL for (int i = 0; i < N / 2; ++i) bits[i] = as_type<uint>(vec<H, 2>(H(v[2 * i]), H(v[2 * i + 1])));
+  const uint4 bits = pack16<N>(v, H(0));
   if (N == 8) *(device uint4*)p = bits;
   else *(device uint2*)p = bits.xy;
 }
