@@ -11,6 +11,7 @@ from __future__ import annotations
 NATIVE_SINCE: dict[str, tuple[tuple[int, int], str]] = {
     "softmax": ((2, 15), "torch 2.15 splits long softmax rows over many threadgroups itself"),
     "pad": ((2, 15), "torch 2.15 has a Metal constant_pad_nd kernel"),
+    "linalg": ((2, 15), "torch 2.15 has Metal complex64 LU, triangular solves and inverses up to 4x4"),
 }
 
 

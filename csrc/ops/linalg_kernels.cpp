@@ -27,6 +27,9 @@ uint32_t threads_for(int64_t rows, int64_t most) {
   return static_cast<uint32_t>(std::clamp<int64_t>(t, 32, most));
 }
 
+// setThreadgroupMemoryLength takes multiples of 16 bytes.
+uint32_t threadgroup_bytes(int64_t bytes) { return static_cast<uint32_t>((bytes + 15) / 16 * 16); }
+
 uint32_t grid_size(int64_t groups) {
   TORCH_CHECK(groups <= std::numeric_limits<uint32_t>::max(), "mps_ext linalg: too many matrices (", groups, ")");
   return static_cast<uint32_t>(groups);
@@ -269,7 +272,7 @@ Factors lu_factor(const at::Tensor& a, bool pivot, uint32_t det_mode) {
                  KernelArg::of(a), KernelArg::value(p)},
                 {grid_size(p.batch.count), 1, 1},
                 {threads_for(std::max(m, n), LINALG_MAX_THREADS), 1, 1},
-                {static_cast<uint32_t>(m * p.panel * elem)}});
+                {threadgroup_bytes(m * p.panel * elem)}});
   return f;
 }
 
@@ -325,7 +328,7 @@ void lu_unpack_into(const at::Tensor& lu, const at::Tensor& pivots, const at::Te
                  KernelArg::of(U.defined() ? U : lu), KernelArg::of(lu), KernelArg::of(piv), KernelArg::value(p)},
                 {grid_size(p.batch.count), 1, 1},
                 {threads_for(work, 256), 1, 1},
-                {static_cast<uint32_t>(std::max<int64_t>(m, 4) * 4)}});
+                {threadgroup_bytes(m * 4)}});
 }
 
 }  // namespace linalg
