@@ -308,7 +308,10 @@ void lu_unpack_into(const at::Tensor& lu, const at::Tensor& pivots, const at::Te
                     const at::Tensor& U) {
   const int64_t m = lu.size(-2), n = lu.size(-1);
   if (std::min(m, n) == 0) {  // L and U have no element; P is the identity
-    if (P.defined() && P.numel() > 0) P.copy_(at::eye(m, P.options()).expand_as(P));
+    if (P.defined() && P.numel() > 0) {
+      P.zero_();
+      P.diagonal(0, -2, -1).fill_(1);
+    }
     return;
   }
   UnpackParams p{};

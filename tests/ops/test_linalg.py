@@ -282,15 +282,25 @@ def test_lu_without_pivoting(device, dtype, n):
     assert_close(LU, torch.from_numpy(ref_lu).to(dtype), 1e-4, "LU")
 
 
-@pytest.mark.parametrize("shape", [(0, 3, 3), (2, 0, 0), (3, 0, 4), (2, 4, 0), (0, 0), (1, 0, 2, 2)],
+@pytest.mark.parametrize("shape", [(0, 3, 3), (2, 0, 0), (3, 0, 4), (2, 4, 0), (0, 0), (1, 0, 2, 2), (0, 6, 6)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_empty_batches_and_empty_matrices(device, shape):
     for dtype in DTYPES:
         A = rand(*shape, dtype=dtype)
-        got = call(device, "linalg_lu_factor_ex", A)
-        want = aten("linalg_lu_factor_ex", A)
-        for g, w in zip(got, want):
-            assert g.shape == w.shape and g.dtype == w.dtype and torch.equal(g, w)
+        calls = [("linalg_lu_factor_ex", (A,)), ("linalg_lu", (A,))]
+        calls.append(("lu_unpack", aten("linalg_lu_factor_ex", A)[:2]))
+        if shape[-1] == shape[-2]:
+            B = rand(*shape[:-1], 2, dtype=dtype)
+            LU, piv = aten("linalg_lu_factor_ex", A)[:2]
+            calls += [("linalg_inv_ex", (A,)), ("_linalg_det", (A,)), ("_linalg_slogdet", (A,)),
+                      ("_linalg_solve_ex", (A, B)), ("linalg_lu_solve", (LU, piv, B)),
+                      ("linalg_solve_triangular", (A, B, True)), ("triangular_solve", (B, A))]
+        for name, args in calls:
+            args, kwargs = (args[:2], {"upper": True}) if name == "linalg_solve_triangular" else (args, {})
+            got = call(device, name, *args, **kwargs)
+            want = aten(name, *args, **kwargs)
+            for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+                assert g.shape == w.shape and g.dtype == w.dtype and torch.equal(g, w), name
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
