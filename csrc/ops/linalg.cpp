@@ -24,6 +24,8 @@
 #include <ATen/native/LinearAlgebraUtils.h>
 #include <torch/version.h>
 
+#include <limits>
+
 #include "linalg_params.h"
 #include "ops/linalg.h"
 #include "ops/registration.h"
@@ -38,9 +40,10 @@ using linalg::Factors;
 
 // torch 2.9 and 2.10 factor A^T instead of A in _linalg_solve_ex (and so in
 // linalg_inv_ex) when A is contiguous and real, and solve with the adjoint;
-// 2.11 and later factor A. (Both read from torch's own kernel, which the
-// tests compare with.) _linalg_det and _linalg_slogdet factor A^H for
-// contiguous real A in every release.
+// 2.11 and later factor A (their kernel no longer calls mT:
+// tools/linalg_entry_points.py). _linalg_det and _linalg_slogdet factor A^H
+// for contiguous real A in every release. The factors are outputs that the
+// derivative formulas use, so they must be the ones torch computes.
 constexpr bool kSolveFactorsTransposedA = TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR <= 10;
 
 Family& fam() { return family("linalg"); }
