@@ -3,7 +3,9 @@
 One table, read at import: an aten op is overridden on the MPS key only on
 torch releases older than the one that shipped an equal kernel of its own;
 from that release on, mps_ext leaves the op to torch (a family whose every op
-is left to torch is not installed at all). The policy applies to the MPS
+is left to torch is not installed at all). A rule may leave only some calls
+of an op to torch: those of some dtypes, and not those with an argument
+value torch's kernel refuses. The policy applies to the MPS
 overrides only: torch.ops.mps_ext on CPU tensors always runs mps_ext's
 kernels.
 
@@ -30,6 +32,22 @@ class Native:
     ops: tuple[str, ...]    # the aten ops mps_ext leaves to it on MPS
     what: str               # what torch has, in one sentence
     evidence: str           # the files that show it
+    # Only calls whose first tensor has one of these dtypes (torch's names:
+    # "float32"); empty: every dtype.
+    dtypes: tuple[str, ...] = ()
+    # Not calls with these bool argument values (name, value): inputs
+    # torch's kernel refuses, which mps_ext keeps.
+    kept_args: tuple[tuple[str, bool], ...] = ()
+
+    def whole(self) -> bool:
+        """Every call of the ops is left to torch."""
+        return not self.dtypes and not self.kept_args
+
+    def scope(self) -> str:
+        """Which calls, in words: '' for all."""
+        parts = [", ".join(self.dtypes)] if self.dtypes else []
+        parts += [f"not {name}={value}" for name, value in self.kept_args]
+        return "; ".join(parts)
 
 
 # What each release's MPS kernels are, per family, whether or not mps_ext
@@ -125,11 +143,39 @@ NATIVE: dict[str, list[Native]] = {
         "mps_ext keeps the backward)", HISTORY["softmax"][1][2])],
     "pad": [Native((2, 15), ("aten::constant_pad_nd",), "torch 2.15 has Metal constant_pad_nd kernels",
                    HISTORY["pad"][1][2])],
-    "linalg": [Native(
-        (2, 15), ("aten::linalg_lu_factor_ex", "aten::linalg_lu_factor", "aten::linalg_lu", "aten::lu_unpack",
-                  "aten::linalg_solve_triangular", "aten::triangular_solve", "aten::linalg_inv_ex",
-                  "aten::_linalg_solve_ex", "aten::linalg_lu_solve", "aten::_linalg_det", "aten::_linalg_slogdet"),
-        "torch 2.15 has Metal complex64 LU, triangular solves and inverses up to 4x4", HISTORY["linalg"][2][2])],
+    # Op by op on torch 2.15 (HISTORY["linalg"][2] says what torch has):
+    # - LU: torch's blocked getrf spreads a matrix over many threadgroups, with
+    #   its trailing updates as GEMMs; mps_ext's factors a matrix in one
+    #   threadgroup. Nothing measurable here shows ours as good, so torch
+    #   keeps it, except LU without pivoting, which torch refuses ("MPS
+    #   doesn't allow pivot == False.").
+    # - Triangular solves, LU solves, solve, det and slogdet run on torch's
+    #   Metal LU and triangular kernels: left to torch. (For matrices up to
+    #   4x4 mps_ext factors and solves in one dispatch where torch runs an LU
+    #   and then luApplyPivotsRHS and two trsmDiagSolveLU, but that count is
+    #   read from torch's kernel names, not measured; not taken as evidence.)
+    # - Inverse: float32 left to torch, whose luInvSmall inverts matrices up
+    #   to 4x4 in one thread each as mps_ext's does (and larger ones by its
+    #   LU); complex64 stays: torch 2.15 refuses it before any kernel runs.
+    # - lu_unpack stays: torch's is the generic structured kernel, 12 aten
+    #   calls on MPS (tril_out, triu_out, fill_ of the diagonal, arange,
+    #   expand().contiguous(), le, ge, logical_and, _is_all_true and a read
+    #   back, unpack_pivots_*, zero_, scatter_), each a dispatch reading or
+    #   writing whole matrices; mps_ext's writes P, L and U in one dispatch
+    #   that reads LU and the pivots once and writes each output once
+    #   (tests/ops/test_linalg.py counts it), after the same pivot range
+    #   check with the same read back (4 small dispatches).
+    "linalg": [
+        Native((2, 15), ("aten::linalg_lu_factor_ex", "aten::linalg_lu"),
+               "torch 2.15 has its own Metal LU for float32 and complex64", HISTORY["linalg"][2][2],
+               kept_args=(("pivot", False),)),
+        Native((2, 15), ("aten::linalg_solve_triangular", "aten::triangular_solve", "aten::linalg_lu_solve",
+                         "aten::_linalg_solve_ex", "aten::_linalg_det", "aten::_linalg_slogdet"),
+               "torch 2.15 has its own Metal LU and triangular solves for float32 and complex64",
+               HISTORY["linalg"][2][2]),
+        Native((2, 15), ("aten::linalg_inv_ex",), "torch 2.15 has its own Metal float32 inverse",
+               HISTORY["linalg"][2][2], dtypes=("float32",)),
+    ],
 }
 
 # torch 2.14 gave aten::mm and aten::addmm a GEMV of their own for a single
@@ -145,22 +191,23 @@ def torch_version(version: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def left_to_torch(family: str, version: str) -> dict[str, str]:
-    """The aten ops of `family` that mps_ext leaves to torch `version` on
-    MPS, each with the reason."""
+def left_to_torch(family: str, version: str) -> dict[str, Native]:
+    """The aten ops of `family` that mps_ext leaves (in all or some calls)
+    to torch `version` on MPS, each with its rule."""
     out = {}
     for native in NATIVE.get(family, []):
         if torch_version(version) >= native.since:
-            out.update({op: native.what for op in native.ops})
+            out.update({op: native for op in native.ops})
     return out
 
 
 def steps_aside(family: str, ops: list[str], version: str) -> str | None:
     """Why mps_ext does not install `family` (whose aten ops are `ops`) on
-    torch `version`: every op is left to torch. None if it installs it."""
+    torch `version`: every call of every op is left to torch. None if it
+    installs it."""
     left = left_to_torch(family, version)
-    if ops and all(op in left for op in ops):
-        return "; ".join(sorted(set(left.values())))
+    if ops and all(op in left and left[op].whole() for op in ops):
+        return "; ".join(sorted({native.what for native in left.values()}))
     return None
 
 

@@ -6,6 +6,7 @@ unscaled and sets info).
 Each op runs on 'executor' (torch.ops.mps_ext.*, the CPU Metal executor) and,
 on a Mac, on 'mps' (torch's own aten ops, overridden)."""
 
+import functools
 import itertools
 from pathlib import Path
 
@@ -36,18 +37,12 @@ def well_conditioned(*shape, dtype=torch.float32):
     return (rand(*shape, dtype=dtype) + 2 * n**0.5 * torch.eye(n, dtype=dtype)).to(dtype)
 
 
-def call(device, name, *args, **kwargs):
-    """Run op `name` so that mps_ext's kernels do it; check that they did."""
-    before = mps_ext.stats()["linalg"]
-    if device == "executor":
-        out = getattr(torch.ops.mps_ext, name)(*args, **kwargs)
-    else:
-        moved = [a.to("mps") if isinstance(a, torch.Tensor) else a for a in args]
-        out = getattr(torch.ops.aten, name)(*moved, **kwargs)
-        out = tuple(o.cpu() for o in out) if isinstance(out, tuple) else out.cpu()
-    after = mps_ext.stats()["linalg"]
-    assert after["ran"] == before["ran"] + 1, f"mps_ext's kernel did not run: {after['fallbacks']}"
-    return out
+@pytest.fixture
+def call(run):
+    """Runs an op of the family so that mps_ext's kernels do it, and checks
+    that they did (tests/ops/conftest.py), on 'executor' and, on a Mac,
+    'mps'."""
+    return functools.partial(run, family="linalg")
 
 
 def aten(name, *args, **kwargs):
@@ -138,13 +133,6 @@ def check_lu(A, LU, piv, info, pivot=True):
         assert_close(reconstruct(lu, p), wide(a), 50 * n * EPS[A.dtype], "P L U")
 
 
-# On a Mac the overridden aten ops run on the GPU, where the family is
-# installed (mps_ext leaves linalg to torch from 2.15 on: mps_ext/_policy.py).
-@pytest.fixture(params=["executor"] + (["mps"] if "linalg" in mps_ext.installed_overrides() else []))
-def device(request):
-    return request.param
-
-
 # ------------------------------------------------------------------- LU --
 def test_the_reference_getrf_is_lapacks():
     # Our oracle agrees with LAPACK (torch's CPU kernel) on pivots and info,
@@ -162,35 +150,35 @@ def test_the_reference_getrf_is_lapacks():
 @pytest.mark.parametrize("shape", [(1, 1), (2, 2), (3, 3), (4, 4), (2, 3, 4, 4), (5, 5), (7, 3), (3, 7), (2, 33, 33),
                                    (70, 70), (40, 75), (75, 40)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_lu_factor_is_lapacks(device, dtype, shape):
+def test_lu_factor_is_lapacks(call, dtype, shape):
     # 1-4: one thread per matrix; larger: the panel kernel (70 and 75: three
     # panels of 32 columns).
     A = rand(*shape, dtype=dtype)
-    LU, piv, info = call(device, "linalg_lu_factor_ex", A)
+    LU, piv, info = call("linalg_lu_factor_ex", A)
     want = aten("linalg_lu_factor_ex", A)
     for g, w in zip((LU, piv, info), want):
         same_layout(g, w)
     check_lu(A, LU, piv, info)
 
 
-def test_lu_factor_of_512_rows(device):
+def test_lu_factor_of_512_rows(call):
     # The largest matrices the kernels take: 512 x 512 (16 panels of 15
     # columns in float32), and 512 x 40 complex64 (panels of 6 columns).
     A = rand(512, 512)
-    LU, piv, info = call(device, "linalg_lu_factor_ex", A)
+    LU, piv, info = call("linalg_lu_factor_ex", A)
     check_lu(A, LU, piv, info)
     A = rand(512, 40, dtype=torch.complex64)
-    LU, piv, info = call(device, "linalg_lu_factor_ex", A)
+    LU, piv, info = call("linalg_lu_factor_ex", A)
     check_lu(A, LU, piv, info)
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 9])
-def test_complex_pivots_compare_re_plus_im_not_the_modulus(device, n):
+def test_complex_pivots_compare_re_plus_im_not_the_modulus(call, n):
     # Column 0 holds 5 (|re|+|im| 5, modulus 5) and 3+3j (6 and 4.24):
     # LAPACK's icamax takes 3+3j; a modulus argmax would take 5.
     A = rand(n, n, dtype=torch.complex64) * 0.1
     A[0, 0], A[n - 1, 0] = 5, 3 + 3j
-    LU, piv, info = call(device, "linalg_lu_factor_ex", A)
+    LU, piv, info = call("linalg_lu_factor_ex", A)
     assert piv[0].item() == n
     assert torch.equal(piv, torch.linalg.lu_factor_ex(A).pivots)
     check_lu(A, LU, piv, info)
@@ -198,19 +186,19 @@ def test_complex_pivots_compare_re_plus_im_not_the_modulus(device, n):
 
 @pytest.mark.parametrize("n", [3, 6])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_ties_take_the_first_row(device, dtype, n):
+def test_ties_take_the_first_row(call, dtype, n):
     # Equal magnitudes (1, -1, and for complex 1j, -1j: |re| + |im| = 1):
     # isamax / icamax return the first.
     col = torch.tensor([1, -1, 1j, -1j, 1, -1][:n] if dtype.is_complex else [1, -1, -1, 1, 1, -1][:n], dtype=dtype)
     A = torch.eye(n, dtype=dtype) * 0.5
     A[:, 0] = col
-    LU, piv, info = call(device, "linalg_lu_factor_ex", A)
+    LU, piv, info = call("linalg_lu_factor_ex", A)
     assert piv[0].item() == 1
     want = aten("linalg_lu_factor_ex", A)
     assert torch.equal(piv, want[1]) and torch.equal(info, want[2])
     assert_close(LU, want[0], 1e-6, "LU")
     ones = torch.ones(2, n, n, dtype=dtype)  # every candidate ties, and U is singular
-    got = call(device, "linalg_lu_factor_ex", ones)
+    got = call("linalg_lu_factor_ex", ones)
     want = aten("linalg_lu_factor_ex", ones)
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]) and torch.equal(got[0], want[0])
 
@@ -230,54 +218,54 @@ def singular_matrices(n, dtype):
 
 @pytest.mark.parametrize("n", [3, 4, 8, 40])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_singular_matrices_set_info_as_lapack(device, dtype, n):
+def test_singular_matrices_set_info_as_lapack(call, dtype, n):
     A = singular_matrices(n, dtype)
-    LU, piv, info = call(device, "linalg_lu_factor_ex", A)
+    LU, piv, info = call("linalg_lu_factor_ex", A)
     want = aten("linalg_lu_factor_ex", A)
     assert info.tolist() == want[2].tolist()
     assert info.tolist()[0] == 1 and info.tolist()[-1] == 0
     check_lu(A, LU, piv, info)
 
 
-def test_nearly_singular_matrices_factor_with_small_residuals(device):
+def test_nearly_singular_matrices_factor_with_small_residuals(call):
     u, _ = torch.linalg.qr(torch.randn(2, 24, 24, generator=gen, dtype=torch.float64))
     s = torch.logspace(0, -6, 24, dtype=torch.float64)
     A = (u * s) @ u.mT  # condition number 1e6
     for dtype in DTYPES:
         a = A.to(dtype)
-        LU, piv, info = call(device, "linalg_lu_factor_ex", a)
+        LU, piv, info = call("linalg_lu_factor_ex", a)
         assert info.tolist() == [0, 0]
         for b in range(2):
             assert_close(reconstruct(LU[b], piv[b]), wide(a[b]), 1e-5, "P L U")
 
 
 @pytest.mark.parametrize("op", ["linalg_lu_factor_ex", "linalg_lu_factor"])
-def test_check_errors_raise_torchs_message(device, op):
+def test_check_errors_raise_torchs_message(call, op):
     A = singular_matrices(4, torch.float32)
     kwargs = {"check_errors": True} if op == "linalg_lu_factor_ex" else {}
     for a in (A, A[1]):
         with pytest.raises(Exception) as want:
             aten(op, a, **kwargs)
         with pytest.raises(type(want.value)) as got:
-            call(device, op, a, **kwargs) if device == "executor" else aten(op, a.to("mps"), **kwargs)
+            call(op, a, **kwargs)
         assert str(got.value) == str(want.value)
-    LU, piv = call(device, "linalg_lu_factor", A[-1:])
+    LU, piv = call("linalg_lu_factor", A[-1:])
     assert_close(LU, aten("linalg_lu_factor", A[-1:])[0], 1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [2, 4, 6, 40])
-def test_lu_without_pivoting(device, dtype, n):
+def test_lu_without_pivoting(call, dtype, n):
     # torch's CPU has no LU without pivoting, and MPS refuses it: the oracle
     # is the reference getrf without row exchanges; pivots are 1..k.
     A = well_conditioned(3, n, n, dtype=dtype)
-    LU, piv, info = call(device, "linalg_lu_factor_ex", A, pivot=False)
+    LU, piv, info = call("linalg_lu_factor_ex", A, pivot=False)
     assert torch.equal(piv, torch.arange(1, n + 1, dtype=torch.int32).expand(3, n))
     check_lu(A, LU, piv, info, pivot=False)
     # A zero leading pivot: info 1; the column stays unscaled, as getf2 leaves it.
     Z = well_conditioned(n, n, dtype=dtype)
     Z[0, 0] = 0
-    LU, piv, info = call(device, "linalg_lu_factor_ex", Z, pivot=False)
+    LU, piv, info = call("linalg_lu_factor_ex", Z, pivot=False)
     ref_lu, _, ref_info, _ = reference_getrf(wide(Z).numpy(), pivot=False)
     assert info.item() == ref_info == 1
     assert torch.equal(LU[1:, 0], Z[1:, 0])
@@ -286,7 +274,7 @@ def test_lu_without_pivoting(device, dtype, n):
 
 @pytest.mark.parametrize("shape", [(0, 3, 3), (2, 0, 0), (3, 0, 4), (2, 4, 0), (0, 0), (1, 0, 2, 2), (0, 6, 6)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_empty_batches_and_empty_matrices(device, shape):
+def test_empty_batches_and_empty_matrices(call, shape):
     for dtype in DTYPES:
         A = rand(*shape, dtype=dtype)
         calls = [("linalg_lu_factor_ex", (A,)), ("linalg_lu", (A,))]
@@ -299,14 +287,14 @@ def test_empty_batches_and_empty_matrices(device, shape):
                       ("linalg_solve_triangular", (A, B, True)), ("triangular_solve", (B, A))]
         for name, args in calls:
             args, kwargs = (args[:2], {"upper": True}) if name == "linalg_solve_triangular" else (args, {})
-            got = call(device, name, *args, **kwargs)
+            got = call(name, *args, **kwargs)
             want = aten(name, *args, **kwargs)
             for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
                 assert g.shape == w.shape and g.dtype == w.dtype and torch.equal(g, w), name
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_non_contiguous_inputs(device, dtype):
+def test_non_contiguous_inputs(call, dtype):
     base = rand(3, 2, 12, 12, dtype=dtype)
     views = {
         "transposed": base.mT,
@@ -320,7 +308,7 @@ def test_non_contiguous_inputs(device, dtype):
         views["conjugated"] = base.conj()
         views["conjugated transposed"] = base.mH
     for name, A in views.items():
-        LU, piv, info = call(device, "linalg_lu_factor_ex", A)
+        LU, piv, info = call("linalg_lu_factor_ex", A)
         want = aten("linalg_lu_factor_ex", A)
         assert torch.equal(piv, want[1]), name
         assert_close(LU, want[0], 1e-4, name)
@@ -345,23 +333,23 @@ def test_float64_and_half_go_to_torchs_kernel():
 # ------------------------------------------------------------ lu_unpack --
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(3, 3), (2, 6, 6), (5, 3), (3, 5), (1, 40, 40)], ids=lambda s: "x".join(map(str, s)))
-def test_linalg_lu_and_lu_unpack(device, dtype, shape):
+def test_linalg_lu_and_lu_unpack(call, dtype, shape):
     A = rand(*shape, dtype=dtype)
-    P, L, U = call(device, "linalg_lu", A)
+    P, L, U = call("linalg_lu", A)
     for g, w in zip((P, L, U), aten("linalg_lu", A)):
         same_layout(g, w)
     assert_close(P @ L @ U, A, 50 * shape[-1] * EPS[dtype], "P L U")
     LU, piv = torch.linalg.lu_factor(A)
     for flags in itertools.product((True, False), repeat=2):
-        got = call(device, "lu_unpack", LU, piv, *flags)
+        got = call("lu_unpack", LU, piv, *flags)
         want = aten("lu_unpack", LU, piv, *flags)
         for g, w in zip(got, want):
             assert g.shape == w.shape and torch.equal(g, w), flags
 
 
-def test_linalg_lu_without_pivoting_has_an_empty_p(device):
+def test_linalg_lu_without_pivoting_has_an_empty_p(call):
     A = well_conditioned(2, 5, 5)
-    P, L, U = call(device, "linalg_lu", A, pivot=False)
+    P, L, U = call("linalg_lu", A, pivot=False)
     assert P.shape == (0,)
     assert_close(L @ U, A, 1e-5)
 
@@ -379,26 +367,26 @@ def test_lu_unpack_rejects_pivots_out_of_range_as_torch(device):
 # ------------------------------------------------------ triangular solve --
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n,k", [(1, 1), (5, 1), (5, 3), (33, 20), (4, 7)])
-def test_solve_triangular(device, dtype, n, k):
+def test_solve_triangular(call, dtype, n, k):
     # k = 1, 3, 20 (and 7): one, four and sixteen right-hand sides per
     # threadgroup, and a batch broadcast between A and B.
     A = well_conditioned(2, 1, n, n, dtype=dtype)
     for upper, left, unit in itertools.product((True, False), repeat=3):
         T = A.triu() if upper else A.tril()
         B = rand(3, n, k, dtype=dtype) if left else rand(3, k, n, dtype=dtype)
-        X = call(device, "linalg_solve_triangular", T, B, upper=upper, left=left, unitriangular=unit)
+        X = call("linalg_solve_triangular", T, B, upper=upper, left=left, unitriangular=unit)
         want = aten("linalg_solve_triangular", wide(T), wide(B), upper=upper, left=left, unitriangular=unit)
         same_layout(X, aten("linalg_solve_triangular", T, B, upper=upper, left=left, unitriangular=unit))
         assert_close(X, want.to(dtype), 1e-4, f"upper={upper} left={left} unit={unit}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_triangular_solve_with_transpose(device, dtype):
+def test_triangular_solve_with_transpose(call, dtype):
     A = well_conditioned(2, 6, 6, dtype=dtype)
     B = rand(3, 1, 6, 4, dtype=dtype)
     for upper, transpose, unit in itertools.product((True, False), repeat=3):
         T = A.triu() if upper else A.tril()
-        X, clone = call(device, "triangular_solve", B, T, upper, transpose, unit)
+        X, clone = call("triangular_solve", B, T, upper, transpose, unit)
         want_x, want_clone = aten("triangular_solve", wide(B), wide(T), upper, transpose, unit)
         assert_close(X, want_x.to(dtype), 1e-4, f"upper={upper} transpose={transpose} unit={unit}")
         assert torch.equal(clone, want_clone.to(dtype))
@@ -406,17 +394,17 @@ def test_triangular_solve_with_transpose(device, dtype):
             same_layout(g, w)
 
 
-def test_solve_triangular_of_512(device):
+def test_solve_triangular_of_512(call):
     A = well_conditioned(512, 512).tril()
     B = rand(512, 2)
-    X = call(device, "linalg_solve_triangular", A, B, upper=False)
+    X = call("linalg_solve_triangular", A, B, upper=False)
     assert_close(X, aten("linalg_solve_triangular", A.double(), B.double(), upper=False).float(), 1e-4)
 
 
-def test_conjugated_and_transposed_operands(device):
+def test_conjugated_and_transposed_operands(call):
     A = well_conditioned(4, 9, 9, dtype=torch.complex64)
     B = rand(4, 3, 9, dtype=torch.complex64)
-    X = call(device, "linalg_solve_triangular", A.triu().mH, B.conj().mT, upper=False)
+    X = call("linalg_solve_triangular", A.triu().mH, B.conj().mT, upper=False)
     want = aten("linalg_solve_triangular", wide(A.triu().mH), wide(B.conj().mT), upper=False)
     assert_close(X, want.to(torch.complex64), 1e-4)
 
@@ -424,13 +412,13 @@ def test_conjugated_and_transposed_operands(device):
 # ------------------------------------------------------ solves with LU --
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [1, 3, 6, 40])
-def test_lu_solve(device, dtype, n):
+def test_lu_solve(call, dtype, n):
     A = well_conditioned(2, n, n, dtype=dtype)
     LU, piv = torch.linalg.lu_factor(A)
     for left, adjoint in itertools.product((True, False), repeat=2):
         for k in (1, 5):
             B = rand(3, 1, n, k, dtype=dtype) if left else rand(3, 1, k, n, dtype=dtype)
-            X = call(device, "linalg_lu_solve", LU, piv, B, left=left, adjoint=adjoint)
+            X = call("linalg_lu_solve", LU, piv, B, left=left, adjoint=adjoint)
             same_layout(X, aten("linalg_lu_solve", LU, piv, B, left=left, adjoint=adjoint))
             Aop = wide(A.mH if adjoint else A)
             residual = Aop @ wide(X) - wide(B) if left else wide(X) @ Aop - wide(B)
@@ -439,7 +427,7 @@ def test_lu_solve(device, dtype, n):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [1, 2, 4, 5, 40])
-def test_solve(device, dtype, n):
+def test_solve(call, dtype, n):
     # n <= 4 factors and solves in one dispatch (one thread per matrix) when
     # B does not broadcast A; otherwise LU then a solve.
     A = well_conditioned(3, n, n, dtype=dtype)
@@ -448,7 +436,7 @@ def test_solve(device, dtype, n):
              (A, rand(n, 1, dtype=dtype), True), (A.mT, rand(3, n, 3, dtype=dtype), True),
              (A.mT.contiguous(), rand(3, 2, n, dtype=dtype), False)]
     for a, b, left in cases:
-        got = call(device, "_linalg_solve_ex", a, b, left=left)
+        got = call("_linalg_solve_ex", a, b, left=left)
         want = aten("_linalg_solve_ex", a, b, left=left)
         for g, w in zip(got, want):
             same_layout(g, w)
@@ -457,23 +445,23 @@ def test_solve(device, dtype, n):
         assert_close(got[0], aten("_linalg_solve_ex", wide(a), wide(b), left=left)[0].to(dtype), 1e-4, "X")
 
 
-def test_solve_check_errors(device):
+def test_solve_check_errors(call):
     A = singular_matrices(3, torch.float32)
     B = rand(5, 3, 1)
     with pytest.raises(RuntimeError) as want:
         aten("_linalg_solve_ex", A, B, check_errors=True)
     with pytest.raises(RuntimeError) as got:
-        call(device, "_linalg_solve_ex", A, B, check_errors=True)
+        call("_linalg_solve_ex", A, B, check_errors=True)
     assert str(got.value) == str(want.value)
 
 
 # --------------------------------------------------------------- inverse --
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 24])
-def test_inverse(device, dtype, n):
+def test_inverse(call, dtype, n):
     A = well_conditioned(2, 3, n, n, dtype=dtype)
     for a in (A, A.mT, A[:, 1]):
-        inv, info = call(device, "linalg_inv_ex", a)
+        inv, info = call("linalg_inv_ex", a)
         want_inv, want_info = aten("linalg_inv_ex", a)
         same_layout(inv, want_inv)
         assert torch.equal(info, want_info)
@@ -482,33 +470,33 @@ def test_inverse(device, dtype, n):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
-def test_inverse_of_singular_matrices_sets_info(device, dtype, n):
+def test_inverse_of_singular_matrices_sets_info(call, dtype, n):
     A = singular_matrices(n, dtype)
     for a in (A, A.mT):
-        inv, info = call(device, "linalg_inv_ex", a)
+        inv, info = call("linalg_inv_ex", a)
         assert torch.equal(info, aten("linalg_inv_ex", a)[1])
         assert_close(inv[-1], aten("linalg_inv_ex", wide(a[-1]))[0].to(dtype), 1e-5)
     for a in (A, A[0]):
         with pytest.raises(RuntimeError) as want:
             aten("linalg_inv_ex", a, check_errors=True)
         with pytest.raises(RuntimeError) as got:
-            call(device, "linalg_inv_ex", a, check_errors=True)
+            call("linalg_inv_ex", a, check_errors=True)
         assert str(got.value) == str(want.value)
 
 
 # ---------------------------------------------------------- determinants --
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [0, 1, 3, 4, 7, 30])
-def test_det_and_slogdet(device, dtype, n):
+def test_det_and_slogdet(call, dtype, n):
     A = torch.cat([rand(3, n, n, dtype=dtype), singular_matrices(n, dtype)[:2] if n else rand(2, 0, 0, dtype=dtype)])
     for a in (A, A.mT):
-        det, LU, piv = call(device, "_linalg_det", a)
+        det, LU, piv = call("_linalg_det", a)
         want = aten("_linalg_det", a)
         for g, w in zip((det, LU, piv), want):
             same_layout(g, w)
         assert torch.equal(piv, want[2])  # torch's convention: the LU of A^T for contiguous real A
         assert_close(det, aten("_linalg_det", wide(a))[0].to(dtype), 1e-4, "det")
-        sign, logabs, LU, piv = call(device, "_linalg_slogdet", a)
+        sign, logabs, LU, piv = call("_linalg_slogdet", a)
         want = aten("_linalg_slogdet", wide(a))
         assert torch.equal(piv, want[3])
         assert sign.dtype == dtype and logabs.dtype == torch.float32
@@ -640,7 +628,7 @@ def test_every_kernel_instantiation_runs():
 
 
 @pytest.mark.parametrize("n", [3, 9])
-def test_nan_and_inf_inputs_give_nan_not_a_crash(device, n):
+def test_nan_and_inf_inputs_give_nan_not_a_crash(call, n):
     # Which row LAPACK pivots on next to a NaN depends on the BLAS; the
     # kernels must stay inside the matrix and let the NaN through.
     for dtype in DTYPES:
@@ -648,8 +636,8 @@ def test_nan_and_inf_inputs_give_nan_not_a_crash(device, n):
         A[0, 1, 1] = float("nan")
         A[1, :, 0] = float("nan")  # a whole column of NaN: no row compares larger
         A[2, 0, 0] = float("inf")
-        LU, piv, info = call(device, "linalg_lu_factor_ex", A)
+        LU, piv, info = call("linalg_lu_factor_ex", A)
         assert ((piv >= 1) & (piv <= n)).all()
         assert LU[0].isnan().any() and LU[1].isnan().any() and not LU[2].isfinite().all()
-        inv, info = call(device, "linalg_inv_ex", A)
+        inv, info = call("linalg_inv_ex", A)
         assert inv[0].isnan().any() and inv[1].isnan().any()
