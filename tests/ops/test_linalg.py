@@ -227,6 +227,22 @@ def test_singular_matrices_set_info_as_lapack(call, dtype, n):
     check_lu(A, LU, piv, info)
 
 
+@pytest.mark.parametrize("n", [3, 8])
+def test_denormal_pivots_are_zero_as_on_an_apple_gpu(call, n):
+    # Apple GPUs flush fp32 denormals (inputs and results), and so does the
+    # executor: a pivot of 1e-39 is an exact zero there (info, det 0), where
+    # LAPACK on the CPU divides by it. The smallest normal numbers are not.
+    A = torch.eye(n).expand(2, n, n).clone()
+    A[0, 1, 1], A[1, 1, 1] = 1e-39, 1e-37
+    LU, piv, info = call("linalg_lu_factor_ex", A)
+    assert info.tolist() == [2, 0]
+    assert torch.linalg.lu_factor_ex(A).info.tolist() == [0, 0]
+    inv, info = call("linalg_inv_ex", A)
+    assert info.tolist() == [2, 0] and inv[1, 1, 1].item() == pytest.approx(1e37, rel=1e-6)
+    det = call("_linalg_det", A)[0]
+    assert det[0].item() == 0 and det[1].item() == pytest.approx(1e-37, rel=1e-6)
+
+
 def test_nearly_singular_matrices_factor_with_small_residuals(call):
     u, _ = torch.linalg.qr(torch.randn(2, 24, 24, generator=gen, dtype=torch.float64))
     s = torch.logspace(0, -6, 24, dtype=torch.float64)
