@@ -53,47 +53,39 @@ def test_every_op_is_in_a_model():
     assert all(f"torch.ops.mps_ext.{n}(" in source for n in names)
 
 
+# name -> (model, its inputs for a size, two sizes, calls of mps_ext's kernels per family)
+MODELS = {
+    "nn": (model, inputs, [(3,), (5,)], {"linalg": 0, "linear": 3, "softmax": 4, "pad": 1}),
+    "linalg": (linalg_model, linalg_inputs, [(3, 5), (2, 7)], {"linalg": 11, "linear": 0, "softmax": 0, "pad": 0}),
+}
+
+
+def ran():
+    return {fam: s["ran"] for fam, s in mps_ext.stats().items()}
+
+
+@pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_aot_eager(dynamic):
+def test_aot_eager(dynamic, name):
+    fn, make_inputs, sizes, calls = MODELS[name]
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=dynamic)
-    for rows in (3, 5):
-        args = inputs(rows)
-        want = model(*args)
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for size in sizes:  # a second size: dynamic shapes, or a recompilation
+        args = make_inputs(*size)
+        want = fn(*args)
         mps_ext.reset_stats()
         got = compiled(*args)
         torch.testing.assert_close(got, want)
-        assert {fam: s["ran"] for fam, s in mps_ext.stats().items()} == {"linalg": 0, "linear": 3, "softmax": 4, "pad": 1}
+        assert ran() == calls
 
 
-def test_inductor_on_cpu():
+@pytest.mark.parametrize("name", MODELS)
+def test_inductor_on_cpu(name):
+    fn, make_inputs, sizes, calls = MODELS[name]
     torch._dynamo.reset()
-    args = inputs()
-    want = model(*args)
+    args = make_inputs(*sizes[0])
+    want = fn(*args)
     mps_ext.reset_stats()
-    got = torch.compile(model, backend="inductor", fullgraph=True)(*args)
+    got = torch.compile(fn, backend="inductor", fullgraph=True)(*args)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert {fam: s["ran"] for fam, s in mps_ext.stats().items()} == {"linalg": 0, "linear": 3, "softmax": 4, "pad": 1}
-
-
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_linalg_aot_eager(dynamic):
-    torch._dynamo.reset()
-    compiled = torch.compile(linalg_model, backend="aot_eager", fullgraph=True, dynamic=dynamic)
-    for batch, n in ((3, 5), (2, 7)):  # a new shape: dynamic recompiles nothing
-        args = linalg_inputs(batch, n)
-        want = linalg_model(*args)
-        mps_ext.reset_stats()
-        got = compiled(*args)
-        torch.testing.assert_close(got, want)
-        assert mps_ext.stats()["linalg"]["ran"] == 11
-
-
-def test_linalg_inductor_on_cpu():
-    torch._dynamo.reset()
-    args = linalg_inputs()
-    want = linalg_model(*args)
-    mps_ext.reset_stats()
-    got = torch.compile(linalg_model, backend="inductor", fullgraph=True)(*args)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert mps_ext.stats()["linalg"]["ran"] == 11
+    assert ran() == calls
