@@ -5,11 +5,11 @@ time of stock torch against mps_ext.
     python benchmarks/bench_linalg.py [--count N]
 
 Cases: N batched inverses of 2x2, 3x3 and 4x4 matrices (N = 10^6 by
-default), and LU factorisation (torch.linalg.lu_factor) and
-torch.linalg.solve with one right-hand side at n = 32, 128 and 512, batch 1
+default), and LU factorisation (torch.linalg.lu_factor), torch.linalg.solve
+with one right-hand side and torch.lu_unpack at n = 32, 128 and 512, batch 1
 and 64, float32 and complex64. The minimum is reading every input once and
 writing every output once (for solve: A and b in; x, LU, pivots and info
-out).
+out; for lu_unpack: LU and pivots in, P, L and U out).
 
 A 512 x 512 LU takes seconds on the executor (it runs every thread of the
 GPU on the CPU); batch 64 at n = 512 is not run but computed as 64 times
@@ -102,13 +102,19 @@ def main():
                 r["stock us"], r["mps_ext us"], r["speedup"] = on_mac(lambda: torch.linalg.solve_ex(Am, bm),
                                                                       lambda: torch.linalg.solve_ex(Am, bm))
                 rows.append(r)
+                t, (P, L, U) = run(lambda: torch.ops.mps_ext.lu_unpack(lu, piv))
+                r = row(f"lu_unpack {batch} x {n}x{n}", dtype, t, nbytes(lu, piv, P, L, U), scale, note)
+                lum, pivm = torch.linalg.lu_factor(Am) if Am is not None else (None, None)
+                r["stock us"], r["mps_ext us"], r["speedup"] = on_mac(lambda: torch.lu_unpack(lum, pivm),
+                                                                      lambda: torch.lu_unpack(lum, pivm))
+                rows.append(r)
     print(table(rows, [("case", "case"), ("dtype", "dtype"), ("dispatches", "dispatches"),
                        ("threadgroups", "threadgroups"), ("bytes/min", "bytes / minimum"),
                        ("stock us", "stock (us)"), ("mps_ext us", "mps_ext (us)"), ("speedup", "speedup"),
                        ("kernels", "kernels")]))
     print("bytes / minimum: bytes read and written over tensor buffers, against reading every input once and "
-          "writing every output once. Times only on a Mac (with torch >= 2.15 mps_ext leaves linalg to torch, "
-          "so both columns time torch there).")
+          "writing every output once. Times only on a Mac (with torch >= 2.15 mps_ext leaves LU, solves and "
+          "float32 inverses to torch, so both columns time torch there; complex64 inverses stay mps_ext's).")
     print(f"executor run time: {time.perf_counter() - start:.0f} s")
 
 

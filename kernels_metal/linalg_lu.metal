@@ -368,7 +368,8 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
 // One threadgroup per matrix: the permutation from the pivots (thread 0, in
 // threadgroup memory: `perm`, m ints), then P, L and U, one thread per
 // output element in memory order. Pivots outside 1..m are ignored: no read
-// or write leaves the matrix (torch does not check them either on the GPU).
+// or write leaves the matrix (the host rejects them first, except on MPS
+// with torch 2.9, whose own kernel does not check them either).
 template <typename T>
 [[max_total_threads_per_threadgroup(LINALG_MAX_THREADS)]]
 kernel void lu_unpack(device T* P [[buffer(0)]],

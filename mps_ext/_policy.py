@@ -97,13 +97,17 @@ HISTORY: dict[str, list[tuple[str, str, str]]] = {
         ("2.9-2.13", "Apple's MPS matrix kernels, float32 only: LU by MPSMatrixDecompositionLU (linalg_lu_factor_ex; "
          "2.9 also linalg_lu_factor), solves by MPSMatrixSolveLU and MPSMatrixSolveTriangular; complex64 LU, "
          "triangular solves and inverses are refused, and so is LU without pivoting; linalg_lu_solve has no MPS "
-         "kernel at all (nor linalg_lu in 2.9)",
+         "kernel at all (nor linalg_lu in 2.9); lu_unpack: 2.9 its own MPS kernel (tril, triu, diagonal fills and "
+         "copies; pivots not checked), 2.10 on the generic structured kernel, whose unpack_pivots_* runs after a "
+         "range check of the pivots read back to the CPU",
          "native_functions.yaml (MPS: linalg_lu_factor_ex_out_mps, linalg_solve_triangular_mps, "
          "triangular_solve_mps_out, linalg_inv_ex_out_mps, _linalg_solve_ex_out_mps; none for linalg_lu_solve); the "
          "dylib links _OBJC_CLASS_$_MPSMatrixDecompositionLU, MPSMatrixSolveLU, MPSMatrixSolveTriangular and has "
          "no LU kernel of its own; strings \"linalg.lu_factor(): MPS doesn't support complex types.\", \"MPS doesn't "
          "allow pivot == False.\", \"linalg_inv: not supported for complex types yet!\" (and in 2.9 "
-         "\"linalg.solve.triangular(); Not supported for complex yet!\"); tools/linalg_entry_points.py"),
+         "\"linalg.solve.triangular(); Not supported for complex yet!\"); structured_lu_unpack_out_mps::impl "
+         "(2.9) calls sub, fill_, tril, triu, diagonal, copy_ and no item; unpack_pivots_stub_impl (2.10 on) calls "
+         "le, ge, logical_and, _is_all_true and item<bool>; tools/linalg_entry_points.py"),
         ("2.14", "float32 LU in torch's own Metal kernels (a blocked right-looking getrf: factorPanelLU or "
          "luStreamUpdate/luStreamPivot panels, laswpGatherLU, trsmPanelLU, gemmLU/gemmSimdLU trailing updates, "
          "transposeInPlaceLU) and a Metal linalg_lu_solve (luApplyPivotsRHS, trsmDiagSolveLU), float32 only; "
@@ -164,7 +168,8 @@ NATIVE: dict[str, list[Native]] = {
     #   writing whole matrices; mps_ext's writes P, L and U in one dispatch
     #   that reads LU and the pivots once and writes each output once
     #   (tests/ops/test_linalg.py counts it), after the same pivot range
-    #   check with the same read back (4 small dispatches).
+    #   check with the same read back (4 small dispatches; none on torch
+    #   2.9, whose MPS lu_unpack does not check: csrc/ops/linalg.cpp).
     "linalg": [
         Native((2, 15), ("aten::linalg_lu_factor_ex", "aten::linalg_lu"),
                "torch 2.15 has its own Metal LU for float32 and complex64", HISTORY["linalg"][2][2],

@@ -46,6 +46,13 @@ using linalg::Factors;
 // derivative formulas use, so they must be the ones torch computes.
 constexpr bool kSolveFactorsTransposedA = TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR <= 10;
 
+// torch checks lu_unpack's pivots on the CPU and, from 2.10 on, on MPS
+// (unpack_pivots_stub_impl: le, ge, logical_and, _is_all_true, item: a read
+// back, which waits for the GPU); torch 2.9's MPS lu_unpack checks nothing
+// and does not wait. mps_ext does as the installed torch does; its kernel
+// ignores a pivot outside 1..m, so an unchecked one stays inside the matrix.
+constexpr bool kMpsChecksPivots = !(TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR <= 9);
+
 Family& fam() { return family("linalg"); }
 
 // ------------------------------------------------------------- support --
@@ -131,9 +138,8 @@ std::tuple<Tensor, Tensor, Tensor> unpack(const Tensor& LU, const Tensor& pivots
                                           bool unpack_pivots) {
   const int64_t m = LU.size(-2), n = LU.size(-1), k = std::min(m, n);
   const auto batch = LU.sizes().slice(0, LU.dim() - 2).vec();
-  if (unpack_pivots && pivots.numel() > 0) {
-    // As torch's CPU kernel: a pivot outside 1..m is an error, not a
-    // permutation (this reads the pivots back: a sync on the GPU).
+  if (unpack_pivots && pivots.numel() > 0 && (!LU.is_mps() || kMpsChecksPivots)) {
+    // A pivot outside 1..m is an error, not a permutation.
     const bool bad = pivots.lt(1).logical_or(pivots.gt(m)).any().item<bool>();
     TORCH_CHECK(!bad, "pivots passed to lu_unpack must be between 1 and LU.size(-2) inclusive."
                       "Did you properly pass the result of lu_factor?");

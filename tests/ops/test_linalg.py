@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import mps_ext
-from mps_ext import cpu_metal
+from mps_ext import _policy, cpu_metal
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = [torch.float32, torch.complex64]
@@ -382,11 +382,18 @@ def test_linalg_lu_without_pivoting_has_an_empty_p(call):
     assert_close(L @ U, A, 1e-5)
 
 
-def test_lu_unpack_rejects_pivots_out_of_range_as_torch(call):
-    # As torch's MPS kernel does (it reads the check back, as ours does).
+def test_lu_unpack_rejects_pivots_out_of_range_as_torch(call, device):
+    # As torch does: on the CPU, and on MPS from torch 2.10 on (it reads the
+    # check back, waiting for the GPU, as ours does). torch 2.9's MPS kernel
+    # neither checks nor waits; ours then ignores the bad pivots.
     LU, piv = torch.linalg.lu_factor(rand(3, 3))
     for bad in ([5, 1, 1], [0, 2, 3]):
-        raises_as_torch(call, "lu_unpack", LU, torch.tensor(bad, dtype=torch.int32))
+        bad = torch.tensor(bad, dtype=torch.int32)
+        if device == "mps" and _policy.torch_version(torch.__version__) < (2, 10):
+            P, _, _ = call("lu_unpack", LU, bad)
+            assert torch.equal(P.sum(-1), torch.ones(3)) and torch.equal(P.sum(-2), torch.ones(3))
+        else:
+            raises_as_torch(call, "lu_unpack", LU, bad)
 
 
 # ------------------------------------------------------ triangular solve --
@@ -588,6 +595,19 @@ def test_small_inverse_is_one_dispatch_at_minimum_traffic(dtype, n):
     assert d.kernel == f"lu_small_{'c64' if dtype.is_complex else 'f32'}_{n}"
     assert d.total_threadgroups == (1000 + 63) // 64
     assert d.memory_bytes_moved / (A.nbytes + inv.nbytes + info.nbytes) <= 1.05
+
+
+@pytest.mark.parametrize("shape", [(16, 32, 32), (4, 40, 75), (4, 75, 40)], ids=lambda s: "x".join(map(str, s)))
+def test_lu_unpack_is_one_dispatch_at_minimum_traffic(shape):
+    # What keeps lu_unpack on torch 2.15 (mps_ext/_policy.py): torch's runs a
+    # dozen aten ops over whole matrices, ours reads LU and the pivots once
+    # and writes P, L and U once.
+    LU, piv = torch.linalg.lu_factor(rand(*shape))
+    with cpu_metal.record() as rec:
+        P, L, U = torch.ops.mps_ext.lu_unpack(LU, piv)
+    (d,) = rec.dispatches
+    assert d.kernel == "lu_unpack_f32" and d.total_threadgroups == shape[0]
+    assert d.memory_bytes_moved == LU.nbytes + piv.nbytes + P.nbytes + L.nbytes + U.nbytes
 
 
 def test_lu_of_a_batch_is_one_dispatch():
