@@ -64,8 +64,8 @@ void bind_ops(py::module_& m) {
          const std::vector<at::ScalarType>& dtypes, const std::vector<std::pair<std::string, bool>>& kept_args) {
         family(fam).leave_to_torch(op, key_of(device), why, dtypes, kept_args);
       },
-      py::arg("family"), py::arg("op"), py::arg("device"), py::arg("why"), py::arg("dtypes") = std::vector<at::ScalarType>{},
-      py::arg("kept_args") = std::vector<std::pair<std::string, bool>>{});
+      py::arg("family"), py::arg("op"), py::arg("device"), py::arg("why"),
+      py::arg("dtypes") = std::vector<at::ScalarType>{}, py::arg("kept_args") = std::vector<std::pair<std::string, bool>>{});
   m.def(
       "set_mm_min_rows", [](const std::string& device, int64_t rows) { set_mm_min_rows(key_of(device), rows); },
       py::arg("device"), py::arg("rows"));
