@@ -44,6 +44,15 @@ def test_what_each_release_leaves_to_torch():
     assert _policy.steps_aside("softmax", ops["softmax"], "2.15.0") is None  # its backward stays
     assert "Metal constant_pad_nd" in _policy.steps_aside("pad", ops["pad"], "2.15.0")
     assert _policy.steps_aside("pad", ops["pad"], "2.14.1") is None
+    # linalg on 2.15: torch's Metal LU and solves, its float32 inverse; mps_ext
+    # keeps LU without pivoting, complex64 inverses (torch refuses both) and
+    # lu_unpack.
+    assert _policy.left_to_torch("linalg", "2.14.1") == {}
+    left = _policy.left_to_torch("linalg", "2.15.0")
+    assert set(left) == set(ops["linalg"]) - {"aten::lu_unpack", "aten::linalg_lu_factor"}
+    assert left["aten::linalg_inv_ex"].scope() == "float32"
+    assert left["aten::linalg_lu_factor_ex"].scope() == left["aten::linalg_lu"].scope() == "not pivot=False"
+    assert _policy.steps_aside("linalg", ops["linalg"], "2.15.0") is None
     for fam, natives in _policy.NATIVE.items():
         for native in natives:
             assert set(native.ops) <= set(ops[fam]), fam
@@ -79,6 +88,65 @@ def test_one_row_mm_goes_to_torch_gemv_but_linear_keeps_it(cpu_policy):
     torch.ops.mps_ext.mm(torch.randn(2, 64), w.t())
     s = mps_ext.stats()["linear"]
     assert s["fallbacks"] == {"policy: one row (torch's own GEMV)": 3} and s["ran"] == 2
+
+
+def test_a_rule_can_leave_some_dtypes_and_keep_some_argument_values(cpu_policy):
+    why = "policy: torch's own (test)"
+    _C.leave_to_torch("linalg", "aten::linalg_inv_ex", "CPU", why, [torch.float32])
+    _C.leave_to_torch("linalg", "aten::linalg_lu_factor_ex", "CPU", why, [], [("pivot", False)])
+    try:
+        a = torch.randn(3, 3) + 3 * torch.eye(3)
+        for dtype, ours in [(torch.float32, False), (torch.complex64, True)]:
+            mps_ext.reset_stats()
+            inv, _ = torch.ops.mps_ext.linalg_inv_ex(a.to(dtype))
+            torch.testing.assert_close(inv, torch.linalg.inv(a.to(dtype)))
+            assert mps_ext.stats()["linalg"]["ran"] == int(ours)
+        for pivot, ours in [(True, False), (False, True)]:
+            mps_ext.reset_stats()
+            torch.ops.mps_ext.linalg_lu_factor_ex(a, pivot=pivot)
+            assert mps_ext.stats()["linalg"]["ran"] == int(ours)
+            assert mps_ext.stats()["linalg"]["fallbacks"] == ({} if ours else {why: 1})
+        with pytest.raises(RuntimeError, match="has no bool argument named 'pivoting'"):
+            _C.leave_to_torch("linalg", "aten::linalg_lu", "CPU", why, [], [("pivoting", False)])
+    finally:
+        for op in ("aten::linalg_inv_ex", "aten::linalg_lu_factor_ex"):
+            _C.leave_to_torch("linalg", op, "CPU", "")
+
+
+def test_linalg_on_torch_2_15_op_by_op(cpu_policy):
+    """The 2.15 table as it is installed (here on the CPU key): which calls
+    go to torch's kernel."""
+    rules = _policy.left_to_torch("linalg", "2.15.0")
+    mps_ext._leave_to_torch("linalg", rules, "CPU")
+    try:
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(2, 5, 5, generator=g) + 4 * torch.eye(5)
+        b = torch.randn(2, 5, 3, generator=g)
+        lu, piv = torch.linalg.lu_factor(a)
+        calls = [  # (call, mps_ext's kernel runs)
+            (lambda: torch.ops.mps_ext.linalg_lu_factor_ex(a), False),
+            (lambda: torch.ops.mps_ext.linalg_lu_factor_ex(a, pivot=False), True),
+            (lambda: torch.ops.mps_ext.linalg_lu(a.to(torch.complex64)), False),
+            (lambda: torch.ops.mps_ext.linalg_lu(a, pivot=False), True),
+            (lambda: torch.ops.mps_ext.lu_unpack(lu, piv), True),
+            (lambda: torch.ops.mps_ext.linalg_solve_triangular(a.triu(), b, upper=True), False),
+            (lambda: torch.ops.mps_ext.triangular_solve(b, a.triu()), False),
+            (lambda: torch.ops.mps_ext.linalg_lu_solve(lu, piv, b), False),
+            (lambda: torch.ops.mps_ext._linalg_solve_ex(a, b), False),
+            (lambda: torch.ops.mps_ext._linalg_det(a), False),
+            (lambda: torch.ops.mps_ext._linalg_slogdet(a.to(torch.complex64)), False),
+            (lambda: torch.ops.mps_ext.linalg_inv_ex(a), False),
+            (lambda: torch.ops.mps_ext.linalg_inv_ex(a.to(torch.complex64)), True),
+        ]
+        for i, (fn, ours) in enumerate(calls):
+            mps_ext.reset_stats()
+            fn()
+            s = mps_ext.stats()["linalg"]
+            assert s["ran"] == int(ours), i
+            assert all(why.startswith(mps_ext.POLICY_PREFIX) for why in s["fallbacks"]), i
+    finally:
+        for op in rules:
+            _C.leave_to_torch("linalg", op, "CPU", "")
 
 
 def stats(ran, **fallbacks):

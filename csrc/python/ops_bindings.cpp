@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/utils/pybind.h>  // torch.dtype <-> at::ScalarType
 
 #include "backend/launch.h"
 #include "ops/variants.h"
@@ -60,10 +61,12 @@ void bind_ops(py::module_& m) {
   });
   m.def(
       "leave_to_torch",
-      [](const std::string& fam, const std::string& op, const std::string& device, const std::string& why) {
-        family(fam).leave_to_torch(op, key_of(device), why);
+      [](const std::string& fam, const std::string& op, const std::string& device, const std::string& why,
+         const std::vector<at::ScalarType>& dtypes, const std::vector<std::pair<std::string, bool>>& kept_args) {
+        family(fam).leave_to_torch(op, key_of(device), why, dtypes, kept_args);
       },
-      py::arg("family"), py::arg("op"), py::arg("device"), py::arg("why"));
+      py::arg("family"), py::arg("op"), py::arg("device"), py::arg("why"),
+      py::arg("dtypes") = std::vector<at::ScalarType>{}, py::arg("kept_args") = std::vector<std::pair<std::string, bool>>{});
   m.def(
       "set_mm_min_rows", [](const std::string& device, int64_t rows) { set_mm_min_rows(key_of(device), rows); },
       py::arg("device"), py::arg("rows"));

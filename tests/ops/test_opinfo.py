@@ -52,6 +52,10 @@ def _linear(s):
     return (s.input, s.args[0], bias), {}
 
 
+def _with_kwargs(s):
+    return (s.input, *s.args), dict(s.kwargs)
+
+
 # aten op -> (OpInfo name, its variant, the aten op's (args, kwargs) from a sample)
 CASES = {
     "aten::linear": ("nn.functional.linear", "", _linear),
@@ -62,6 +66,19 @@ CASES = {
     "aten::_softmax_backward_data": ("_softmax_backward_data", "", _positional),
     "aten::_log_softmax_backward_data": ("log_softmax", "", _log_softmax_backward),
     "aten::constant_pad_nd": ("constant_pad_nd", "", _positional),
+    # The linalg family: each aten op from the OpInfo of the torch.linalg
+    # function that reaches it (the function's sample has the op's arguments).
+    "aten::linalg_lu_factor_ex": ("linalg.lu_factor_ex", "", _with_kwargs),
+    "aten::linalg_lu_factor": ("linalg.lu_factor", "", _with_kwargs),
+    "aten::linalg_lu": ("linalg.lu", "", _with_kwargs),
+    "aten::lu_unpack": ("lu_unpack", "", _with_kwargs),
+    "aten::linalg_solve_triangular": ("linalg.solve_triangular", "", _with_kwargs),
+    "aten::triangular_solve": ("triangular_solve", "", _with_kwargs),
+    "aten::linalg_inv_ex": ("linalg.inv_ex", "", _with_kwargs),
+    "aten::_linalg_solve_ex": ("linalg.solve_ex", "", _with_kwargs),
+    "aten::linalg_lu_solve": ("linalg.lu_solve", "", _with_kwargs),
+    "aten::_linalg_det": ("linalg.det", "", _positional),
+    "aten::_linalg_slogdet": ("linalg.slogdet", "", _positional),
 }
 
 # aten op -> why torch's op_db has nothing for it.
@@ -101,6 +118,11 @@ def tolerance(dtype):
     return {torch.float16: dict(rtol=2e-3, atol=1e-3), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}.get(dtype, {})
 
 
+def outputs(x):
+    """An op's outputs as a tuple (one tensor, or several)."""
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
 def samples(info, dtype):
     # reference_inputs are the sample inputs and more (larger, strided,
     # extremal) where the OpInfo has them.
@@ -128,10 +150,13 @@ def test_opinfo_samples(op_db, aten_name, dtype):
             assert str(got_error).splitlines()[0] == str(want_error).splitlines()[0], where
             continue
         assert got_error is None, f"{where}: {got_error!r}"
-        assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride()), where
-        torch.testing.assert_close(got, want, equal_nan=True, **tolerance(got.dtype), msg=lambda m: f"{where}: {m}")
         meta, meta_error = call(ours, [to_meta(a) for a in args], {k: to_meta(v) for k, v in kwargs.items()})
         assert meta_error is None, f"{where} on meta: {meta_error!r}"
-        assert (meta.shape, meta.dtype, meta.stride()) == (want.shape, want.dtype, want.stride()), where
+        assert len(outputs(got)) == len(outputs(want)) == len(outputs(meta)), where
+        for i, (g, w, m) in enumerate(zip(outputs(got), outputs(want), outputs(meta))):
+            at = f"{where} output {i}"
+            assert (g.shape, g.dtype, g.stride()) == (w.shape, w.dtype, w.stride()), at
+            torch.testing.assert_close(g, w, equal_nan=True, **tolerance(g.dtype), msg=lambda m: f"{at}: {m}")
+            assert (m.shape, m.dtype, m.stride()) == (w.shape, w.dtype, w.stride()), f"{at} on meta"
         checked += 1
     assert checked > 0, f"{aten_name}: no {dtype} sample ran"
