@@ -789,7 +789,12 @@ struct Worker {
   // position, so the inlined copies of a helper share one and are matched
   // in the order they run). An instance is complete once every lane has
   // passed it: at a threadgroup barrier and at the end of the threadgroup,
-  // where the instances are measured and dropped.
+  // where the instances are measured and dropped. Memory stays bounded: only
+  // the first kMaxOccurrences times a lane reaches a site in a threadgroup
+  // are measured (a long loop is sampled by its first iterations), and at
+  // most kMaxInstances instances between two barriers.
+  static constexpr uint32_t kMaxOccurrences = 1024;
+  static constexpr size_t kMaxInstances = size_t(1) << 17;
   bool measuring = false;
   FlatMap site_counts;     // lane << 24 | site -> times the lane reached the site
   FlatMap instance_index;  // simdgroup << 56 | site << 32 | n -> index into instances
@@ -800,12 +805,18 @@ struct Worker {
     uint64_t site = flags >> MX_ACC_SITE_SHIFT;
     uint32_t lane = current->index;
     uint32_t n = site_counts.at((uint64_t(lane) << 24) | site, 0)++;
+    if (n >= kMaxOccurrences) return;
     uint64_t key = (uint64_t(lane / 32) << 56) | (site << 32) | n;
     uint32_t& slot = instance_index.at(key, kNoInstance);
     if (slot == kNoInstance) {
+      if (instances.size() >= kMaxInstances) {
+        slot = kNoInstance - 1;  // not measured
+        return;
+      }
       slot = static_cast<uint32_t>(instances.size());
       instances.push_back(Instance{buffer, static_cast<uint32_t>(size), 0, {}});
     }
+    if (slot >= instances.size()) return;
     Instance& in = instances[slot];
     // Another instruction under the same key (lanes on different paths):
     // not the same instance, left out.
