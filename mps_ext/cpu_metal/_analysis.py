@@ -24,9 +24,9 @@ registers
 private_bytes
     Bytes of thread-private arrays that stay in memory after optimisation:
     an array indexed by a value known only at run time cannot live in
-    registers, so the GPU keeps it in stack memory. Locals whose address only
-    goes to the executor's simd and barrier calls are not counted (on a GPU
-    those are registers).
+    registers, so the GPU keeps it in stack memory. Locals whose address (or
+    the address of a field at a constant offset) only goes to the executor's
+    simd and barrier calls are not counted (on a GPU those are registers).
 loads_in_flight, hot_loop
     The device loads of one iteration of the kernel's hot loop whose
     addresses do not depend on another device load of that iteration: what
@@ -588,11 +588,18 @@ def _private_bytes(k: _Kernel) -> int:
         for inst in insts:
             for u in set(inst.uses):
                 uses.setdefault(u, []).append(inst)
+    def register_like(v: str, depth: int = 0) -> bool:
+        for u in uses.get(v, []):
+            if u.op == "getelementptr" and depth < 8 and u.lhs and k.base_offset(u.lhs)[0] == v:
+                if not register_like(u.lhs, depth + 1):  # a field at a constant offset
+                    return False
+            elif not _register_like(v, u):
+                return False
+        return True
+
     total = 0
     for v, d in k.defs.items():
-        if d.op != "alloca":
-            continue
-        if all(_register_like(v, u) for u in uses.get(v, [])):
+        if d.op != "alloca" or register_like(v):
             continue
         m = re.search(r"= alloca (?:inalloca )?(.*)$", d.text)
         ty, rest = _ir._first_type(m.group(1))
@@ -603,15 +610,19 @@ def _private_bytes(k: _Kernel) -> int:
 
 def _register_like(v: str, inst: _Inst) -> bool:
     """A use that a GPU would serve from a register: the value loaded or
-    stored whole, or the address handed to the executor's simd and barrier
-    calls (indirect calls through its API table)."""
+    stored whole, a copy or fill of a constant size, or the address handed to
+    the executor's simd and barrier calls (indirect calls through its API
+    table: a simd operation's value, a simdgroup matrix's elements)."""
     if inst.op == "load":
         return True
     if inst.op == "store":
         ops = _ir._split_top(re.sub(r"^store (volatile )?", "", inst.text.split(" = ", 1)[-1]))
         return len(ops) >= 2 and ops[1].split()[-1] == v and v not in _VALUE_RE.findall(ops[0])
-    if inst.op == "call":
-        return inst.callee is not None and (inst.callee == "@llvm.lifetime" or inst.callee.startswith("%"))
+    if inst.op == "call" and inst.callee:
+        if inst.callee.startswith(("@llvm.memset.", "@llvm.memcpy.", "@llvm.memmove.")):
+            args = _ir._split_top(inst.text[inst.text.index(inst.callee) + len(inst.callee):].strip()[1:-1])
+            return len(args) >= 3 and re.fullmatch(r"i[0-9]+ [0-9]+", args[2].strip()) is not None
+        return inst.callee == "@llvm.lifetime" or inst.callee.startswith("%")
     return False
 
 
