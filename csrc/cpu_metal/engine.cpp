@@ -53,6 +53,15 @@
 //   otherwise, so a GPU may return stale data. A shadow of 4 bytes per byte
 //   records the writing threadgroup of each byte of a writable buffer copy
 //   (isolated mode, buffers up to kShadowLimit).
+//
+// Cost counters (what a GPU pays beyond bytes; the README lists them)
+// - 64-bit integer divisions and multiplications: the instrumented library
+//   adds to the running lane's counters (api op_counts, Lane::ops), summed
+//   and maxed over lanes when each finishes.
+// - With Dispatch::counters (or a recorder that asks for them): coalescing
+//   of device accesses and bank conflicts of threadgroup accesses, per
+//   memory instruction a simdgroup executes (Worker::track, measure).
+// - Static costs of each kernel come with the library (mx_library_kernel_info).
 #include "engine.h"
 
 #include <dlfcn.h>

@@ -46,6 +46,11 @@ Also:
 - The thread-private memory each kernel may need (its allocas, along the
   deepest chain of calls) is exported as mx_library_frames, so the engine can
   give fibers stacks large enough.
+
+After optimisation, count_int64 adds counters of the 64-bit integer
+divisions and multiplications that are left (see its doc), and
+kernel_info_table the static costs of each kernel (_analysis.py) as
+mx_library_kernel_info.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from __future__ import annotations
 import re
 import struct
 
-__all__ = ["instrument", "InstrumentError"]
+__all__ = ["instrument", "count_int64", "kernel_info_table", "InstrumentError"]
 
 # Keep in step with mx_abi.h.
 ACC_READ, ACC_WRITE, ACC_ATOMIC = 1, 2, 4

@@ -53,7 +53,9 @@ enum {
 
 typedef struct mx_uint3 { mx_u32 x, y, z; } mx_uint3;
 
-// What one kernel invocation (one Metal thread) sees.
+// What one kernel invocation (one Metal thread) sees. The cost analysis
+// (_analysis.py, _INFO_TABLES and _INFO_UNIFORM) knows the byte offsets of
+// the tables and of the grid-wide fields: keep it in step.
 typedef struct mx_thread_info {
   void* const* buffers;     // [MX_MAX_BUFFERS] [[buffer(i)]] base addresses
   void* const* tg_buffers;  // [MX_MAX_TG_BUFFERS] [[threadgroup(i)]] addresses
