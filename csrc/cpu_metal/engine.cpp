@@ -341,6 +341,7 @@ struct Frame {
   uint32_t site;       // index into the library's site table
   uint32_t saved_base : 31;  // calls: the caller's base
   uint32_t loop : 1;
+  uint64_t hash;  // of frames[0, this one]: the position, for the cost counters (when measuring)
 };
 constexpr uint32_t kMaxFrames = 48;
 
@@ -792,11 +793,13 @@ struct Worker {
   // ---------------------------------------------- memory cost counters --
   // With counters on, every access is also filed under the memory
   // instruction that a simdgroup executes. Lanes run one after another here,
-  // so the n-th time a lane reaches an access site is matched with the n-th
-  // time the other lanes of its simdgroup reach it: the same instruction
-  // instance, as long as the lanes took the same path (a site is a source
-  // position, so the inlined copies of a helper share one and are matched
-  // in the order they run). An instance is complete once every lane has
+  // so the n-th time a lane reaches an access site at a SIMT position (the
+  // calls and iterations of loops around simd operations and barriers) is
+  // matched with the n-th time the other lanes of its simdgroup reach it
+  // there: the same instruction instance, as long as the lanes took the same
+  // path through other loops and branches (a site is a source position, so
+  // the inlined copies of a helper share one and are matched in the order
+  // they run). An instance is complete once every lane has
   // passed it: at a threadgroup barrier and at the end of the threadgroup,
   // where the instances are measured and dropped. Memory stays bounded: only
   // the first kMaxOccurrences times a lane reaches a site in a threadgroup
@@ -805,17 +808,18 @@ struct Worker {
   static constexpr uint32_t kMaxOccurrences = 1024;
   static constexpr size_t kMaxInstances = size_t(1) << 17;
   bool measuring = false;
-  FlatMap site_counts;     // lane << 24 | site -> times the lane reached the site
-  FlatMap instance_index;  // simdgroup << 56 | site << 32 | n -> index into instances
+  FlatMap site_counts;     // hash of (lane, site, position) -> times the lane reached the site there
+  FlatMap instance_index;  // hash of (simdgroup, site, position, n) -> index into instances
   std::vector<Instance> instances;
   std::vector<uint64_t> words;  // scratch of measure()
 
   void track(int buffer, uint64_t offset, uint64_t size, uint32_t flags) {
     uint64_t site = flags >> MX_ACC_SITE_SHIFT;
-    uint32_t lane = current->index;
-    uint32_t n = site_counts.at((uint64_t(lane) << 24) | site, 0)++;
+    const Lane& l = *current;
+    uint64_t position = l.depth ? l.frames[l.depth - 1].hash : 0;
+    uint32_t n = site_counts.at(splitmix(position ^ splitmix((uint64_t(l.index) << 24) | site)), 0)++;
     if (n >= kMaxOccurrences) return;
-    uint64_t key = (uint64_t(lane / 32) << 56) | (site << 32) | n;
+    uint64_t key = splitmix(position ^ splitmix((uint64_t(l.index / 32) << 56) | (site << 32) | n));
     uint32_t& slot = instance_index.at(key, kNoInstance);
     if (slot == kNoInstance) {
       if (instances.size() >= kMaxInstances) {
@@ -1011,8 +1015,16 @@ struct Worker {
     Lane& l = *current;
     uint32_t n = std::min(l.base + depth, l.depth);  // drops the frames of loops already left
     if (n >= kMaxFrames) too_deep(site);
-    l.frames[n] = Frame{key, 0, site, l.base, 0};
+    l.frames[n] = Frame{key, 0, site, l.base, 0, 0};
+    if (measuring) rehash(l, n);
     l.depth = l.base = n + 1;
+  }
+
+  // The position's hash (Frame::hash), for matching the lanes of a memory
+  // instruction in the same iteration of a loop around a simd operation.
+  static void rehash(Lane& l, uint32_t i) {
+    const Frame& f = l.frames[i];
+    l.frames[i].hash = splitmix((i ? l.frames[i - 1].hash : 0) ^ (uint64_t(f.key) << 32 | f.iteration) ^ f.loop);
   }
 
   void leave() {
@@ -1031,12 +1043,14 @@ struct Worker {
     uint32_t i = l.base + depth;
     if (i < l.depth && l.frames[i].loop && l.frames[i].key == key) {  // the next iteration
       l.frames[i].iteration++;
+      if (measuring) rehash(l, i);
       l.depth = i + 1;
       return;
     }
     i = std::min(i, l.depth);  // entering the loop
     if (i >= kMaxFrames) too_deep(site);
-    l.frames[i] = Frame{key, 0, site, 0, 1};
+    l.frames[i] = Frame{key, 0, site, 0, 1, 0};
+    if (measuring) rehash(l, i);
     l.depth = i + 1;
   }
 

@@ -84,6 +84,16 @@ def test_a_broadcast_read_is_one_line(lib):
     assert s.cache_lines[1] == SIMDGROUPS and s.cache_lines_minimum[1] == SIMDGROUPS
 
 
+def test_lanes_are_matched_in_the_same_iteration_of_a_loop_around_a_simd_operation(lib):
+    # Lane i stores in iteration i: four instructions of one lane each, not
+    # one instruction of four lanes 128 bytes apart.
+    out = torch.zeros(8 * 32)  # 2 simdgroups x 4 iterations, a line each
+    s = lib.dispatch("write_in_turn", [out], threadgroups=1, threads_per_threadgroup=64, counters=True)
+    assert out[::32][:8].tolist() == [sum(range(32))] * 8
+    assert s.cache_lines[0] == 2 * 4 and s.cache_lines_minimum[0] == 2 * 4
+    assert s.coalescing[0] == 1.0
+
+
 def test_counters_off_by_default_and_on_in_a_record_block(lib):
     x, out = torch.randn(THREADS), torch.zeros(THREADS)
     s = lib.dispatch("copy_contiguous", [out, x], threads=THREADS, threads_per_threadgroup=GROUP)

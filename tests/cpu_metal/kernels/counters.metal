@@ -30,6 +30,16 @@ kernel void broadcast(device float* out [[buffer(0)]], const device float* in [[
   out[gid] = in[0];
 }
 
+// One lane at a time writes, in successive iterations of a loop around a
+// simd operation: each store instruction has one active lane, one line.
+kernel void write_in_turn(device float* out [[buffer(0)]], uint lane [[thread_index_in_simdgroup]],
+                          uint sg [[simdgroup_index_in_threadgroup]]) {
+  for (uint i = 0; i < 4; ++i) {
+    float s = simd_sum(float(lane));
+    if (lane == i) out[(sg * 4 + i) * 32] = s;
+  }
+}
+
 // -------------------------------------------------- 64-bit integer work --
 struct IntParams {
   ulong divisor;
