@@ -108,7 +108,7 @@ void executor_encode(const Launch& l) {
       uint64_t offset = static_cast<uint64_t>(t.storage_offset()) * t.itemsize();
       uint64_t size = storage.nbytes() > offset ? storage.nbytes() - offset : 0;
       char* base = static_cast<char*>(const_cast<void*>(storage.data()));
-      d.buffers.push_back(cpu_metal::Binding::memory(base ? base + offset : nullptr, size));
+      d.buffers.push_back(cpu_metal::Binding::memory(base ? base + offset : nullptr, size, offset));
     } else {
       d.buffers.push_back(cpu_metal::Binding::constant_bytes(a.bytes.data(), a.bytes.size()));
     }

@@ -53,6 +53,15 @@
 //   otherwise, so a GPU may return stale data. A shadow of 4 bytes per byte
 //   records the writing threadgroup of each byte of a writable buffer copy
 //   (isolated mode, buffers up to kShadowLimit).
+//
+// Cost counters (what a GPU pays beyond bytes; the README lists them)
+// - 64-bit integer divisions and multiplications: the instrumented library
+//   adds to the running lane's counters (api op_counts, Lane::ops), summed
+//   and maxed over lanes when each finishes.
+// - With Dispatch::counters (or a recorder that asks for them): coalescing
+//   of device accesses and bank conflicts of threadgroup accesses, per
+//   memory instruction a simdgroup executes (Worker::track, measure).
+// - Static costs of each kernel come with the library (mx_library_kernel_info).
 #include "engine.h"
 
 #include <dlfcn.h>
@@ -220,6 +229,7 @@ struct Bound {
   uint64_t size = 0;
   bool from_bytes = false;
   bool writable = false;  // memory, and the parameter is not read-only
+  uint64_t origin = 0;    // Binding::origin
   std::string name;       // the kernel parameter's name
 };
 
@@ -232,16 +242,27 @@ struct Counters {
   uint64_t write_width[MX_MAX_BUFFERS][8] = {};
   uint64_t tg_read = 0, tg_written = 0;
   uint64_t threads = 0, barriers = 0, simd_barriers = 0, simd_ops = 0;
+  uint64_t ops[MX_OPS_COUNT] = {}, max_ops[MX_OPS_COUNT] = {};  // 64-bit integer work
+  uint64_t lines[MX_MAX_BUFFERS] = {}, min_lines[MX_MAX_BUFFERS] = {};  // coalescing
+  uint64_t tg_instructions = 0, bank_cycles = 0;                      // bank conflicts
 
   void add(const Counters& o) {
     for (int i = 0; i < MX_MAX_BUFFERS; ++i) {
       read[i] += o.read[i];
       written[i] += o.written[i];
+      lines[i] += o.lines[i];
+      min_lines[i] += o.min_lines[i];
       for (int k = 0; k < 8; ++k) {
         read_width[i][k] += o.read_width[i][k];
         write_width[i][k] += o.write_width[i][k];
       }
     }
+    for (int k = 0; k < MX_OPS_COUNT; ++k) {
+      ops[k] += o.ops[k];
+      max_ops[k] = std::max(max_ops[k], o.max_ops[k]);
+    }
+    tg_instructions += o.tg_instructions;
+    bank_cycles += o.bank_cycles;
     tg_read += o.tg_read;
     tg_written += o.tg_written;
     threads += o.threads;
@@ -279,6 +300,7 @@ struct DispatchState {
   uint64_t slot_span = 0;
   size_t stack_bytes = 0;
   bool flush_denormals = true;
+  bool counters = false;  // measure coalescing and bank conflicts
   uint64_t watchdog_ns = 0;
   std::unique_ptr<Permutation> order;
 
@@ -319,6 +341,7 @@ struct Frame {
   uint32_t site;       // index into the library's site table
   uint32_t saved_base : 31;  // calls: the caller's base
   uint32_t loop : 1;
+  uint64_t hash;  // of frames[0, this one]: the position, for the cost counters (when measuring)
 };
 constexpr uint32_t kMaxFrames = 48;
 
@@ -338,6 +361,7 @@ struct Lane {
   // start at `base`.
   uint32_t depth = 0, base = 0;
   Frame frames[kMaxFrames];
+  mx_u64 ops[MX_OPS_COUNT] = {};  // 64-bit integer work (api op_counts)
 
   void reset() {
     state = LaneState::kUnstarted;
@@ -350,6 +374,7 @@ struct Lane {
     out = nullptr;
     arg = 0;
     depth = base = 0;
+    for (mx_u64& o : ops) o = 0;
   }
 };
 
@@ -377,6 +402,67 @@ struct Shadow {
 constexpr uint16_t kMany = 0xffff;
 
 
+// uint64 -> uint32, cleared in O(1) (entries of an older generation are
+// empty), for the counters that match accesses of the lanes of a simdgroup.
+class FlatMap {
+ public:
+  // The value of `key`, inserted as `fresh` if absent. The reference is
+  // valid until the next call.
+  uint32_t& at(uint64_t key, uint32_t fresh) {
+    if ((size_ + 1) * 2 > table_.size()) grow();
+    size_t mask = table_.size() - 1;
+    for (size_t i = slot(key); ; i = (i + 1) & mask) {
+      Entry& e = table_[i];
+      if (e.gen != gen_) {
+        e = Entry{key, fresh, gen_};
+        ++size_;
+        return e.value;
+      }
+      if (e.key == key) return e.value;
+    }
+  }
+  void clear() {
+    if (++gen_ == 0) {
+      std::fill(table_.begin(), table_.end(), Entry{});
+      gen_ = 1;
+    }
+    size_ = 0;
+  }
+
+ private:
+  struct Entry {
+    uint64_t key = 0;
+    uint32_t value = 0;
+    uint32_t gen = 0;
+  };
+  size_t slot(uint64_t key) const { return static_cast<size_t>((key * 0x9e3779b97f4a7c15ull) >> shift_); }
+  void grow() {
+    std::vector<Entry> old;
+    old.swap(table_);
+    size_t cap = std::max<size_t>(1024, old.size() * 2);
+    table_.assign(cap, Entry{});
+    shift_ = 64 - __builtin_ctzll(cap);
+    uint32_t g = gen_;
+    gen_ = 1;
+    size_ = 0;
+    for (const Entry& e : old)
+      if (e.gen == g) at(e.key, e.value);
+  }
+  std::vector<Entry> table_;
+  size_t size_ = 0;
+  int shift_ = 64;
+  uint32_t gen_ = 1;
+};
+
+// One memory instruction executed by (the lanes of) a simdgroup.
+struct Instance {
+  int32_t buffer;       // device buffer index; -1: threadgroup memory
+  uint32_t size;        // bytes per lane
+  uint32_t lanes;       // lanes recorded
+  uint64_t offset[32];  // per lane: bytes from the buffer's storage start, or from the threadgroup arena
+};
+constexpr uint32_t kNoInstance = ~0u;
+
 struct Worker {
   DispatchState* ds = nullptr;
   Lane lanes[kMaxThreads];
@@ -392,6 +478,7 @@ struct Worker {
   bool aborted = false;
   std::mt19937_64 rng;
   Counters counters;
+  mx_u64 ops_sink[MX_OPS_COUNT] = {};  // op_counts of shader code run outside a lane
   mx_uint3 group_pos{};
   uint64_t group_linear = 0;
 
@@ -647,6 +734,7 @@ struct Worker {
     if (toff < kArenaSize) {
       if (a & (align - 1)) misaligned(a, size, flags, "threadgroup memory", toff);
       check_threadgroup_access(toff, size, flags);
+      if (measuring) track(-1, toff, size, flags);
       if (flags & MX_ACC_ATOMIC) yield(flags);
       return;
     }
@@ -674,6 +762,7 @@ struct Worker {
       counters.read[i] += size;
       counters.read_width[i][w]++;
     }
+    if (measuring) track(i, a - reinterpret_cast<uintptr_t>(b->begin) + b->origin, size, flags);
     if (d.isolated && ((flags & MX_ACC_ATOMIC) || d.shadows[(a - d.slot_base) >> kSlotShift].tags))
       device_visibility(*b, a, size, flags);
     if (flags & MX_ACC_ATOMIC) yield(flags);
@@ -699,6 +788,104 @@ struct Worker {
     o << "kernel '" << ds->kernel->name << "' writes buffer " << b.index << " ('" << b.name
       << "'), which was bound from bytes (constant data)" << at_site(flags);
     fail(ErrorKind::kOther, o.str());
+  }
+
+  // ---------------------------------------------- memory cost counters --
+  // With counters on, every access is also filed under the memory
+  // instruction that a simdgroup executes. Lanes run one after another here,
+  // so the n-th time a lane reaches an access site at a SIMT position (the
+  // calls and iterations of loops around simd operations and barriers) is
+  // matched with the n-th time the other lanes of its simdgroup reach it
+  // there: the same instruction instance, as long as the lanes took the same
+  // path through other loops and branches (a site is a source position, so
+  // the inlined copies of a helper share one and are matched in the order
+  // they run). An instance is complete once every lane has
+  // passed it: at a threadgroup barrier and at the end of the threadgroup,
+  // where the instances are measured and dropped. Memory stays bounded: only
+  // the first kMaxOccurrences times a lane reaches a site in a threadgroup
+  // are measured (a long loop is sampled by its first iterations), and at
+  // most kMaxInstances instances between two barriers.
+  static constexpr uint32_t kMaxOccurrences = 1024;
+  static constexpr size_t kMaxInstances = size_t(1) << 17;
+  bool measuring = false;
+  FlatMap site_counts;     // hash of (lane, site, position) -> times the lane reached the site there
+  FlatMap instance_index;  // hash of (simdgroup, site, position, n) -> index into instances
+  std::vector<Instance> instances;
+  std::vector<uint64_t> words;  // scratch of measure()
+
+  void track(int buffer, uint64_t offset, uint64_t size, uint32_t flags) {
+    uint64_t site = flags >> MX_ACC_SITE_SHIFT;
+    const Lane& l = *current;
+    uint64_t position = l.depth ? l.frames[l.depth - 1].hash : 0;
+    uint32_t n = site_counts.at(splitmix(position ^ splitmix((uint64_t(l.index) << 24) | site)), 0)++;
+    if (n >= kMaxOccurrences) return;
+    uint64_t key = splitmix(position ^ splitmix((uint64_t(l.index / 32) << 56) | (site << 32) | n));
+    uint32_t& slot = instance_index.at(key, kNoInstance);
+    if (slot == kNoInstance) {
+      if (instances.size() >= kMaxInstances) {
+        slot = kNoInstance - 1;  // not measured
+        return;
+      }
+      slot = static_cast<uint32_t>(instances.size());
+      instances.push_back(Instance{buffer, static_cast<uint32_t>(size), 0, {}});
+    }
+    if (slot >= instances.size()) return;
+    Instance& in = instances[slot];
+    // Another instruction under the same key (lanes on different paths):
+    // not the same instance, left out.
+    if (in.buffer != buffer || in.size != size || in.lanes == 32) return;
+    in.offset[in.lanes++] = offset;
+  }
+
+  void reset_instances(bool counts) {
+    instances.clear();
+    instance_index.clear();
+    if (counts) site_counts.clear();
+  }
+
+  void flush_instances() {
+    for (const Instance& in : instances) measure(in);
+    reset_instances(false);
+  }
+
+  // Coalescing (device memory): the 128-byte lines the lanes touch, against
+  // the fewest lines that hold the bytes they access. Bank conflicts
+  // (threadgroup memory, 32 banks of 4 bytes): the cycles beyond what the
+  // access needs without conflicts, i.e. the most distinct 4-byte words
+  // falling in one bank, less the distinct words over 32 banks (1 for an
+  // access of up to 4 bytes a lane). The same word read by several lanes is
+  // a broadcast, free.
+  void measure(const Instance& in) {
+    uint64_t o[32];
+    std::copy(in.offset, in.offset + in.lanes, o);
+    std::sort(o, o + in.lanes);
+    uint64_t size = std::max<uint64_t>(in.size, 1);
+    if (in.buffer >= 0) {
+      uint64_t lines = 0, bytes = 0, line_end = 0, byte_end = 0;
+      for (uint32_t i = 0; i < in.lanes; ++i) {
+        uint64_t first = o[i] >> 7, last = (o[i] + size - 1) >> 7;
+        if (i == 0 || first >= line_end) lines += last - first + 1;
+        else if (last >= line_end) lines += last - line_end + 1;
+        line_end = std::max(line_end, last + 1);
+        uint64_t begin = i == 0 ? o[i] : std::max(o[i], byte_end);
+        if (o[i] + size > begin) bytes += o[i] + size - begin;
+        byte_end = std::max(byte_end, o[i] + size);
+      }
+      counters.lines[in.buffer] += lines;
+      counters.min_lines[in.buffer] += (bytes + 127) / 128;
+      return;
+    }
+    words.clear();
+    for (uint32_t i = 0; i < in.lanes; ++i)
+      for (uint64_t w = o[i] >> 2; w <= (o[i] + size - 1) >> 2; ++w) words.push_back(w);
+    std::sort(words.begin(), words.end());
+    words.erase(std::unique(words.begin(), words.end()), words.end());
+    uint32_t per_bank[32] = {};
+    uint32_t most = 0;
+    for (uint64_t w : words) most = std::max(most, ++per_bank[w & 31]);
+    uint64_t needed = (words.size() + 31) / 32;
+    counters.tg_instructions++;
+    counters.bank_cycles += most > needed ? most - needed : 0;
   }
 
   // ------------------------------------------ device memory across groups --
@@ -828,8 +1015,16 @@ struct Worker {
     Lane& l = *current;
     uint32_t n = std::min(l.base + depth, l.depth);  // drops the frames of loops already left
     if (n >= kMaxFrames) too_deep(site);
-    l.frames[n] = Frame{key, 0, site, l.base, 0};
+    l.frames[n] = Frame{key, 0, site, l.base, 0, 0};
+    if (measuring) rehash(l, n);
     l.depth = l.base = n + 1;
+  }
+
+  // The position's hash (Frame::hash), for matching the lanes of a memory
+  // instruction in the same iteration of a loop around a simd operation.
+  static void rehash(Lane& l, uint32_t i) {
+    const Frame& f = l.frames[i];
+    l.frames[i].hash = splitmix((i ? l.frames[i - 1].hash : 0) ^ (uint64_t(f.key) << 32 | f.iteration) ^ f.loop);
   }
 
   void leave() {
@@ -848,12 +1043,14 @@ struct Worker {
     uint32_t i = l.base + depth;
     if (i < l.depth && l.frames[i].loop && l.frames[i].key == key) {  // the next iteration
       l.frames[i].iteration++;
+      if (measuring) rehash(l, i);
       l.depth = i + 1;
       return;
     }
     i = std::min(i, l.depth);  // entering the loop
     if (i >= kMaxFrames) too_deep(site);
-    l.frames[i] = Frame{key, 0, site, 0, 1};
+    l.frames[i] = Frame{key, 0, site, 0, 1, 0};
+    if (measuring) rehash(l, i);
     l.depth = i + 1;
   }
 
@@ -1027,6 +1224,7 @@ struct Worker {
       }
     }
     counters.barriers++;
+    if (measuring) flush_instances();
     progress();
     for (uint32_t i = 0; i < lane_count; ++i) {
       lanes[i].state = LaneState::kRunnable;
@@ -1044,6 +1242,10 @@ struct Worker {
       w->ds->kernel->entry(&l->info);
       l->state = LaneState::kDone;
       w->counters.threads++;
+      for (int k = 0; k < MX_OPS_COUNT; ++k) {
+        w->counters.ops[k] += l->ops[k];
+        w->counters.max_ops[k] = std::max<uint64_t>(w->counters.max_ops[k], l->ops[k]);
+      }
       w->progress();
       // Run the next lane on this stack if it has not started yet.
       if (!w->runq.empty() && w->lanes[w->runq.back()].state == LaneState::kUnstarted && !w->ds->failed) {
@@ -1121,6 +1323,7 @@ struct Worker {
     setup_lanes(linear);
     reset_threadgroup_memory();
     if (aborted) return false;
+    if (measuring) reset_instances(true);
     runq.clear();
     yieldq.clear();
     for (uint32_t i = 0; i < lane_count; ++i) runq.push_back(i);
@@ -1160,6 +1363,7 @@ struct Worker {
         shuffle_runq();
         continue;
       }
+      if (measuring && !ds->failed) flush_instances();
       return !ds->failed;
     }
   }
@@ -1167,6 +1371,7 @@ struct Worker {
   void run(DispatchState* d) {
     ds = d;
     counters = Counters{};
+    measuring = d->counters;
     FpControl fp(d->flush_denormals);  // restored when the job ends: the worker may be the caller's thread
     if (stack_bytes < d->stack_bytes) {  // stacks only grow
       for (auto& s : stacks) s.release();
@@ -1245,11 +1450,18 @@ void api_fail(const char* message) {
                                 w.thread_name(*w.current) + ")");
 }
 const mx_thread_info* api_current_thread() { return &tls_worker->current->info; }
+mx_u64* api_op_counts() {
+  static thread_local mx_u64 outside[MX_OPS_COUNT];  // shader code run by no worker
+  Worker* w = tls_worker;
+  if (!w) return outside;
+  return w->current ? w->current->ops : w->ops_sink;
+}
 
 const mx_engine_api kApi = {MX_ABI_VERSION, &api_access,         &api_barrier,
                             &api_simd,      &api_threadgroup_variable, &api_fail,
                             &api_current_thread, &api_enter,       &api_leave,
-                            &api_loop,      &api_conversion_error, &api_fence};
+                            &api_loop,      &api_conversion_error, &api_fence,
+                            &api_op_counts};
 
 // ----------------------------------------------------------- worker pool --
 class Pool {
@@ -1321,6 +1533,13 @@ std::vector<std::shared_ptr<Recorder>> g_recorders;
 // One dispatch at a time: the slot region and the pool are shared.
 std::mutex g_dispatch_mutex;
 
+bool recording_counters() {
+  std::lock_guard<std::mutex> g(g_record_mutex);
+  for (const auto& r : g_recorders)
+    if (r->counters) return true;
+  return false;
+}
+
 std::string kernel_param_name(const mx_kernel& k, uint32_t kind, uint32_t index) {
   for (uint32_t i = 0; i < k.param_count; ++i)
     if (k.params[i].kind == kind && k.params[i].index == index) return k.params[i].name;
@@ -1338,7 +1557,8 @@ std::shared_ptr<Library> Library::load(const std::string& path) {
   auto kernels = reinterpret_cast<const mx_kernel* (*)(mx_u32*)>(dlsym(h, MX_LIBRARY_KERNELS_SYMBOL));
   auto sites = reinterpret_cast<const char* const* (*)(mx_u32*)>(dlsym(h, MX_LIBRARY_SITES_SYMBOL));
   auto frames = reinterpret_cast<const mx_u64* (*)(mx_u32*)>(dlsym(h, MX_LIBRARY_FRAMES_SYMBOL));
-  if (!abi || !bind || !kernels || !sites || !frames || abi() != MX_ABI_VERSION) {
+  auto infos = reinterpret_cast<const mx_kernel_info* (*)(mx_u32*)>(dlsym(h, MX_LIBRARY_KERNEL_INFO_SYMBOL));
+  if (!abi || !bind || !kernels || !sites || !frames || !infos || abi() != MX_ABI_VERSION) {
     dlclose(h);
     throw std::runtime_error("CPU Metal executor: " + path + " was not built for this version of the executor");
   }
@@ -1349,6 +1569,7 @@ std::shared_ptr<Library> Library::load(const std::string& path) {
   lib->kernels_ = kernels(&lib->kernel_count_);
   lib->sites_ = sites(&lib->site_count_);
   lib->frames_ = frames(&lib->frame_count_);
+  lib->infos_ = infos(&lib->info_count_);
   return lib;
 }
 
@@ -1370,6 +1591,20 @@ const mx_kernel& Library::kernel(const std::string& name) const {
   o << "no kernel named '" << name << "' in this library; it has:";
   for (uint32_t i = 0; i < kernel_count_; ++i) o << (i ? ", " : " ") << kernels_[i].name;
   throw DispatchError(o.str());
+}
+
+KernelInfo Library::kernel_info(const std::string& name) const {
+  size_t i = static_cast<size_t>(&kernel(name) - kernels_);
+  KernelInfo info;
+  if (i < info_count_) {
+    const mx_kernel_info& k = infos_[i];
+    info.registers = k.registers;
+    info.uniform_registers = k.uniform_registers;
+    info.private_bytes = k.private_bytes;
+    info.loads_in_flight = k.loads_in_flight;
+    info.hot_loop = k.hot_loop ? k.hot_loop : "";
+  }
+  return info;
 }
 
 std::string Library::site(uint32_t index) const {
@@ -1412,6 +1647,7 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
   ds.group_count = uint64_t(ds.groups[0]) * ds.groups[1] * ds.groups[2];
   ds.order.reset(new Permutation(ds.group_count, dp.seed));
   ds.flush_denormals = flush_denormals();
+  ds.counters = dp.counters || recording_counters();
   ds.watchdog_ns = static_cast<uint64_t>(watchdog_seconds() * 1e9);
 
   // ---- thread-private memory: stacks large enough for the kernel's frames
@@ -1498,6 +1734,7 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
     x.begin = x.from_bytes ? const_cast<char*>(reinterpret_cast<const char*>(b.bytes.data()))
                            : static_cast<char*>(b.data);
     x.name = kernel_param_name(k, MX_PARAM_BUFFER, static_cast<uint32_t>(i));
+    x.origin = x.from_bytes ? 0 : b.origin;
     for (uint32_t j = 0; j < k.param_count; ++j)
       if (k.params[j].kind == MX_PARAM_BUFFER && k.params[j].index == i)
         x.writable = !x.from_bytes && !(k.params[j].flags & MX_PARAM_READONLY);
@@ -1619,6 +1856,19 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
   st.write_widths.assign(n, {});
   st.bound_from_bytes.assign(n, false);
   for (size_t i = 0; i < n; ++i) st.bound_from_bytes[i] = dp.buffers[i].kind == Binding::Kind::kBytes;
+  for (size_t i = 0; i < n; ++i) st.buffer_names.push_back(kernel_param_name(k, MX_PARAM_BUFFER, static_cast<uint32_t>(i)));
+  st.kernel_info = kernel_info(name);
+  st.int64_divisions = ds.totals.ops[MX_OPS_INT64_DIVISIONS];
+  st.int64_multiplications = ds.totals.ops[MX_OPS_INT64_MULTIPLICATIONS];
+  st.max_int64_divisions = ds.totals.max_ops[MX_OPS_INT64_DIVISIONS];
+  st.max_int64_multiplications = ds.totals.max_ops[MX_OPS_INT64_MULTIPLICATIONS];
+  st.counters = ds.counters;
+  if (ds.counters) {
+    st.cache_lines.assign(ds.totals.lines, ds.totals.lines + n);
+    st.cache_lines_minimum.assign(ds.totals.min_lines, ds.totals.min_lines + n);
+    st.threadgroup_memory_instructions = ds.totals.tg_instructions;
+    st.bank_conflict_cycles = ds.totals.bank_cycles;
+  }
   for (size_t i = 0; i < n; ++i) {
     st.bytes_read[i] = ds.totals.read[i];
     st.bytes_written[i] = ds.totals.written[i];

@@ -46,12 +46,17 @@ struct Binding {
   void* data = nullptr;  // kMemory: the caller's memory; the kernel writes it
   uint64_t size = 0;     // kMemory: bytes from data to the end of the storage
   std::vector<uint8_t> bytes;  // kBytes: constant data (setBytes)
+  // kMemory: bytes from the start of the storage (a tensor's storage offset)
+  // to data. A GPU buffer starts page-aligned, so the 128-byte cache lines
+  // of the coalescing counter are counted from data - origin.
+  uint64_t origin = 0;
 
-  static Binding memory(void* data, uint64_t size) {
+  static Binding memory(void* data, uint64_t size, uint64_t origin = 0) {
     Binding b;
     b.kind = Kind::kMemory;
     b.data = data;
     b.size = size;
+    b.origin = origin;
     return b;
   }
   static Binding constant_bytes(const void* data, uint64_t size) {
@@ -80,6 +85,18 @@ struct Dispatch {
   // kernel runs on the caller's memory and bounds are checked only near each
   // buffer (for tensors too large to copy).
   bool isolate = true;
+  // Measure coalescing and threadgroup-memory bank conflicts (slower; also
+  // on for every dispatch while a recorder that asks for them is active).
+  bool counters = false;
+};
+
+// What a kernel costs a GPU, from its optimised IR (mps_ext/cpu_metal/_analysis.py).
+struct KernelInfo {
+  uint32_t registers = 0;          // 32-bit registers live per thread at the peak
+  uint32_t uniform_registers = 0;  // values the same for the whole dispatch
+  uint32_t private_bytes = 0;      // thread-private arrays that stay in stack memory
+  uint32_t loads_in_flight = 0;    // independent device loads per iteration of the hot loop
+  std::string hot_loop;            // its source position, "" if none
 };
 
 struct Stats {
@@ -96,6 +113,19 @@ struct Stats {
   std::vector<std::map<uint32_t, uint64_t>> read_widths, write_widths;
   uint64_t threadgroup_bytes_read = 0, threadgroup_bytes_written = 0;
   std::vector<bool> bound_from_bytes;  // per buffer index: constant data, not memory
+  std::vector<std::string> buffer_names;  // per buffer index: the kernel's parameter name
+  KernelInfo kernel_info;
+  // 64-bit integer work the threads executed (see count_int64 in
+  // _instrument.py): totals, and the most one thread did.
+  uint64_t int64_divisions = 0, int64_multiplications = 0;
+  uint64_t max_int64_divisions = 0, max_int64_multiplications = 0;
+  // Measured only with Dispatch::counters (or a recorder asking for them):
+  bool counters = false;
+  // per buffer index: 128-byte lines the memory instructions of each
+  // simdgroup touched, and the fewest lines their bytes could have taken
+  std::vector<uint64_t> cache_lines, cache_lines_minimum;
+  uint64_t threadgroup_memory_instructions = 0;  // executed by a simdgroup
+  uint64_t bank_conflict_cycles = 0;  // extra cycles of those over conflict-free
 };
 
 class Library {
@@ -109,6 +139,7 @@ class Library {
   const std::string& path() const { return path_; }
 
   Stats dispatch(const std::string& name, const Dispatch& dispatch) const;
+  KernelInfo kernel_info(const std::string& name) const;  // throws DispatchError
 
   // Source position ("file:line:col") of an instrumented access.
   std::string site(uint32_t index) const;
@@ -123,11 +154,16 @@ class Library {
   uint32_t site_count_ = 0;
   const mx_u64* frames_ = nullptr;  // per kernel: thread-private bytes it may need
   uint32_t frame_count_ = 0;
+  const mx_kernel_info* infos_ = nullptr;  // per kernel: static costs
+  uint32_t info_count_ = 0;
 };
 
 // Every dispatch made while a recorder is active is appended to it
-// (`with cpu_metal.record()`), from Python or C++ alike.
+// (`with cpu_metal.record()`), from Python or C++ alike. A recorder that
+// asks for counters turns on Dispatch::counters for every dispatch while it
+// is active.
 struct Recorder {
+  bool counters = false;
   std::vector<Stats> dispatches;
 };
 void start_recording(const std::shared_ptr<Recorder>& recorder);

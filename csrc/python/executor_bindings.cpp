@@ -22,6 +22,16 @@ cpu_metal::Size3 size3(const std::vector<uint64_t>& v, const char* what) {
   return s;
 }
 
+py::dict kernel_info_to_dict(const cpu_metal::KernelInfo& k) {
+  py::dict d;
+  d["registers"] = k.registers;
+  d["uniform_registers"] = k.uniform_registers;
+  d["private_bytes"] = k.private_bytes;
+  d["loads_in_flight"] = k.loads_in_flight;
+  d["hot_loop"] = k.hot_loop;
+  return d;
+}
+
 py::dict stats_to_dict(const cpu_metal::Stats& s) {
   py::dict d;
   d["kernel"] = s.kernel;
@@ -39,6 +49,17 @@ py::dict stats_to_dict(const cpu_metal::Stats& s) {
   d["threadgroup_bytes_read"] = s.threadgroup_bytes_read;
   d["threadgroup_bytes_written"] = s.threadgroup_bytes_written;
   d["bound_from_bytes"] = s.bound_from_bytes;
+  d["buffer_names"] = s.buffer_names;
+  d["kernel_info"] = kernel_info_to_dict(s.kernel_info);
+  d["int64_divisions"] = s.int64_divisions;
+  d["int64_multiplications"] = s.int64_multiplications;
+  d["max_int64_divisions"] = s.max_int64_divisions;
+  d["max_int64_multiplications"] = s.max_int64_multiplications;
+  d["counters"] = s.counters;
+  d["cache_lines"] = s.cache_lines;
+  d["cache_lines_minimum"] = s.cache_lines_minimum;
+  d["threadgroup_memory_instructions"] = s.threadgroup_memory_instructions;
+  d["bank_conflict_cycles"] = s.bank_conflict_cycles;
   return d;
 }
 
@@ -78,12 +99,15 @@ void bind_executor(py::module_& m) {
           },
           py::arg("name"))
       .def(
+          "kernel_info", [](const Library& lib, const std::string& name) { return kernel_info_to_dict(lib.kernel_info(name)); },
+          py::arg("name"))
+      .def(
           "dispatch",
           [](const Library& lib, const std::string& name, const py::list& buffers, std::vector<uint64_t> threadgroups,
              std::vector<uint64_t> threads, std::vector<uint64_t> threads_per_threadgroup,
-             std::vector<uint64_t> threadgroup_memory, uint64_t seed, bool isolate) {
+             std::vector<uint64_t> threadgroup_memory, uint64_t seed, bool isolate, bool counters) {
             cpu_metal::Dispatch d;
-            // Each entry: None, ("memory", address, size) or ("bytes", bytes).
+            // Each entry: None, ("memory", address, size, origin) or ("bytes", bytes).
             for (const py::handle& h : buffers) {
               if (h.is_none()) {
                 d.buffers.emplace_back();
@@ -93,7 +117,7 @@ void bind_executor(py::module_& m) {
               std::string kind = t[0].cast<std::string>();
               if (kind == "memory") {
                 d.buffers.push_back(cpu_metal::Binding::memory(reinterpret_cast<void*>(t[1].cast<uintptr_t>()),
-                                                               t[2].cast<uint64_t>()));
+                                                               t[2].cast<uint64_t>(), t[3].cast<uint64_t>()));
               } else {
                 std::string b = t[1].cast<py::bytes>();
                 d.buffers.push_back(cpu_metal::Binding::constant_bytes(b.data(), b.size()));
@@ -106,6 +130,7 @@ void bind_executor(py::module_& m) {
             d.threadgroup_memory = threadgroup_memory;
             d.seed = seed;
             d.isolate = isolate;
+            d.counters = counters;
             cpu_metal::Stats s;
             {
               py::gil_scoped_release nogil;
@@ -114,11 +139,18 @@ void bind_executor(py::module_& m) {
             return stats_to_dict(s);
           },
           py::arg("name"), py::arg("buffers"), py::arg("threadgroups"), py::arg("threads"),
-          py::arg("threads_per_threadgroup"), py::arg("threadgroup_memory"), py::arg("seed"), py::arg("isolate"));
+          py::arg("threads_per_threadgroup"), py::arg("threadgroup_memory"), py::arg("seed"), py::arg("isolate"),
+          py::arg("counters"));
 
   py::class_<cpu_metal::Recorder, std::shared_ptr<cpu_metal::Recorder>>(m, "ExecutorRecorder")
       .def(py::init<>())
-      .def("start", [](const std::shared_ptr<cpu_metal::Recorder>& r) { cpu_metal::start_recording(r); })
+      .def(
+          "start",
+          [](const std::shared_ptr<cpu_metal::Recorder>& r, bool counters) {
+            r->counters = counters;
+            cpu_metal::start_recording(r);
+          },
+          py::arg("counters") = false)
       .def("stop", [](const std::shared_ptr<cpu_metal::Recorder>& r) { cpu_metal::stop_recording(r); })
       .def("take", [](cpu_metal::Recorder& r) {
         py::list out;

@@ -25,9 +25,13 @@ and spin-waits that never end (KernelError) raise the errors below (all
 KernelError). Environment: MPS_EXT_EXECUTOR_WATCHDOG_SECONDS (default 60),
 MPS_EXT_EXECUTOR_DENORMALS=keep (fp32 and bfloat denormals are flushed, as on
 Apple GPUs, unless set). Each dispatch returns DispatchStats: bytes read and
-written per buffer, barriers, threads.
+written per buffer, barriers, threads, 64-bit integer divisions and
+multiplications, and the kernel's static costs (kernel_info: registers,
+private memory, loads in flight); with counters=True also coalescing per
+buffer and threadgroup-memory bank conflicts.
 `with cpu_metal.record() as rec:` collects the stats of every dispatch made
-inside it, from Python or from C++ (the op layer).
+inside it, from Python or from C++ (the op layer); record(counters=True)
+turns the counters on for all of them.
 """
 
 from __future__ import annotations
@@ -50,12 +54,33 @@ RaceError = _C.RaceError
 DispatchError = _C.DispatchError
 
 __all__ = [
-    "compile_library", "Library", "DispatchStats", "record", "set_default_seed", "worker_count",
+    "compile_library", "Library", "DispatchStats", "KernelInfo", "record", "set_default_seed", "worker_count",
+    "FULL_OCCUPANCY_REGISTERS", "MAX_REGISTERS",
     "CompileError", "Diagnostic", "KernelError", "OutOfBoundsError", "MisalignedAccessError",
     "BarrierDivergenceError", "RaceError", "DispatchError", "cache_dir",
 ]
 
 _default_seed = int(os.environ.get("MPS_EXT_EXECUTOR_SEED", "0"))
+
+# The register budget of a thread, in 32-bit registers as KernelInfo.registers
+# counts them. Apple GPUs (G13, M1; M2 is the same family) give a thread up to
+# 128 32-bit registers, addressable as 256 16-bit halves (Dougall Johnson's
+# reverse-engineered "Apple G13 GPU Architecture Reference",
+# github.com/dougallj/applegpu). The more a kernel uses, the fewer threads a
+# core keeps resident: Alyssa Rosenzweig measured, through the pipeline's
+# maxTotalThreadsPerThreadgroup, from 1024 threads at the lowest register
+# pressure down to 384 at the highest, which puts the register file at
+# 208 KiB or more per core ("Dissecting the Apple M1 GPU, part III", 2021,
+# rosenzweig.io/blog/asahi-gpu-part-3.html; discussed in realworldtech.com
+# forum thread 201676); Philip Turner's measurements give the same ~208 KB per
+# core for Apple 7 and 8 (github.com/philipturner/metal-benchmarks, "On-Chip
+# Memory"). 208 KiB over 1024 threads is 208 bytes, 52 32-bit registers: a
+# kernel within that keeps a full 1024 threads per core; 128 (512 bytes)
+# leaves 384. From Apple family 9 (M3) registers are allocated dynamically
+# ("Dynamic Caching"), so the budget matters most on M1 and M2. Memory-bound
+# kernels need full occupancy to hide the latency of their loads.
+FULL_OCCUPANCY_REGISTERS = 52
+MAX_REGISTERS = 128
 
 
 def set_default_seed(seed: int) -> None:
@@ -67,6 +92,23 @@ def set_default_seed(seed: int) -> None:
 def worker_count() -> int:
     """CPU threads that run threadgroups in parallel."""
     return _C.executor_worker_count()
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelInfo:
+    """What a kernel costs a GPU beyond its bytes, from its optimised IR
+    (computed when the library is built; see mps_ext/cpu_metal/_analysis.py
+    and the README)."""
+
+    registers: int  # 32-bit registers live per thread at the peak (16-bit values count half)
+    uniform_registers: int  # values the same for the whole dispatch (buffer addresses, parameters)
+    private_bytes: int  # thread-private arrays that stay in (stack) memory
+    loads_in_flight: int  # independent device loads per iteration of the hot loop
+    hot_loop: str  # the hot loop's source position, "" if the kernel has none
+
+    @classmethod
+    def _from_native(cls, d: dict) -> "KernelInfo":
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass
@@ -87,6 +129,21 @@ class DispatchStats:
     threadgroup_bytes_read: int
     threadgroup_bytes_written: int
     constant_buffers: frozenset[int] = frozenset()  # indices bound from bytes
+    buffer_names: dict[int, str] = dataclasses.field(default_factory=dict)  # buffer index -> parameter name
+    kernel_info: KernelInfo | None = None
+    # 64-bit integer work (always counted): divisions and remainders by a
+    # run-time value, and multiplications (divisions by a constant count as
+    # one), in total and by the busiest thread.
+    int64_divisions: int = 0
+    int64_multiplications: int = 0
+    max_int64_divisions_per_thread: int = 0
+    max_int64_multiplications_per_thread: int = 0
+    # Measured with counters=True only (`counters` says whether they were):
+    counters: bool = False
+    cache_lines: dict[int, int] = dataclasses.field(default_factory=dict)  # 128-byte lines touched per buffer
+    cache_lines_minimum: dict[int, int] = dataclasses.field(default_factory=dict)  # fewest that hold the bytes
+    threadgroup_memory_instructions: int = 0  # executed by a simdgroup
+    bank_conflict_cycles: int = 0  # extra cycles of those for bank conflicts
 
     @classmethod
     def _from_native(cls, d: dict) -> "DispatchStats":
@@ -108,7 +165,47 @@ class DispatchStats:
             threadgroup_bytes_read=d["threadgroup_bytes_read"],
             threadgroup_bytes_written=d["threadgroup_bytes_written"],
             constant_buffers=frozenset(i for i, b in enumerate(d["bound_from_bytes"]) if b),
+            buffer_names={i: n for i, n in enumerate(d["buffer_names"]) if n},
+            kernel_info=KernelInfo._from_native(d["kernel_info"]),
+            int64_divisions=d["int64_divisions"],
+            int64_multiplications=d["int64_multiplications"],
+            max_int64_divisions_per_thread=d["max_int64_divisions"],
+            max_int64_multiplications_per_thread=d["max_int64_multiplications"],
+            counters=d["counters"],
+            cache_lines=per_buffer(d["cache_lines"]),
+            cache_lines_minimum=per_buffer(d["cache_lines_minimum"]),
+            threadgroup_memory_instructions=d["threadgroup_memory_instructions"],
+            bank_conflict_cycles=d["bank_conflict_cycles"],
         )
+
+    def buffer(self, name: str) -> int:
+        """The index of the kernel's buffer parameter `name` (KeyError if none)."""
+        for i, n in self.buffer_names.items():
+            if n == name:
+                return i
+        raise KeyError(f"kernel {self.kernel} has no buffer parameter {name!r}; it has {self.buffer_names}")
+
+    def _measured(self, what: str):
+        if not self.counters:
+            raise ValueError(f"{what} of kernel '{self.kernel}' was not measured: dispatch with counters=True, "
+                             "or inside cpu_metal.record(counters=True)")
+
+    @property
+    def coalescing(self) -> dict[int, float]:
+        """Per device buffer: 128-byte lines the memory instructions of each
+        simdgroup touched, over the fewest lines their bytes fit in (1.0:
+        perfectly coalesced; 32: every lane of a 4-byte access on its own
+        line)."""
+        self._measured("coalescing")
+        return {i: self.cache_lines[i] / m for i, m in self.cache_lines_minimum.items() if m}
+
+    @property
+    def int64_divisions_per_thread(self) -> float:
+        return self.int64_divisions / self.threads if self.threads else 0.0
+
+    @property
+    def int64_multiplications_per_thread(self) -> float:
+        return self.int64_multiplications / self.threads if self.threads else 0.0
 
     @property
     def total_threadgroups(self) -> int:
@@ -147,11 +244,11 @@ def _binding(arg, i: int, param: str):
             raise TypeError(f"{where} is a tensor on {arg.device}; the CPU Metal executor runs CPU tensors")
         storage = arg.untyped_storage()
         offset = arg.storage_offset() * arg.element_size()
-        return ("memory", storage.data_ptr() + offset, max(storage.nbytes() - offset, 0))
+        return ("memory", storage.data_ptr() + offset, max(storage.nbytes() - offset, 0), offset)
     if isinstance(arg, np.ndarray):
         if not arg.flags.c_contiguous or not arg.flags.writeable:
             raise TypeError(f"{where}: a numpy array must be C-contiguous and writable to bind as a buffer")
-        return ("memory", arg.ctypes.data, arg.nbytes)
+        return ("memory", arg.ctypes.data, arg.nbytes, 0)
     if isinstance(arg, np.generic):  # numpy scalars, structured scalars included
         return ("bytes", arg.tobytes())
     if isinstance(arg, (bytes, bytearray, memoryview)):
@@ -186,6 +283,11 @@ class Library:
         """The kernel's parameters: name, kind, index, address space, ..."""
         return self._native.kernel_params(name)
 
+    def kernel_info(self, name: str) -> KernelInfo:
+        """What kernel `name` costs a GPU beyond its bytes: registers,
+        private memory, loads in flight (computed when it was built)."""
+        return KernelInfo._from_native(self._native.kernel_info(name))
+
     def dispatch(
         self,
         name: str,
@@ -197,9 +299,11 @@ class Library:
         threadgroup_memory: Sequence[int] = (),
         seed: int | None = None,
         isolate: bool = True,
+        counters: bool = False,
     ) -> DispatchStats:
         """Run kernel `name` over a grid, like dispatchThreadgroups (threadgroups=)
-        or dispatchThreads (threads=, with non-uniform edge threadgroups)."""
+        or dispatchThreads (threads=, with non-uniform edge threadgroups).
+        counters=True also measures coalescing and bank conflicts (slower)."""
         if (threadgroups is None) == (threads is None):
             raise ValueError("give exactly one of threadgroups= (dispatchThreadgroups) or threads= (dispatchThreads)")
         names = self._buffer_names.get(name)
@@ -216,6 +320,7 @@ class Library:
             [int(s) for s in threadgroup_memory],
             _default_seed if seed is None else int(seed),
             bool(isolate),
+            bool(counters),
         )
         return DispatchStats._from_native(stats)
 
@@ -240,14 +345,18 @@ class record:
     with cpu_metal.record() as rec:
         ...
     rec.dispatches  # list of DispatchStats
+
+    counters=True measures coalescing and bank conflicts in every dispatch
+    made inside the block (slower).
     """
 
-    def __init__(self):
+    def __init__(self, counters: bool = False):
         self._native = _C.ExecutorRecorder()
+        self._counters = bool(counters)
         self.dispatches: list[DispatchStats] = []
 
     def __enter__(self) -> "record":
-        self._native.start()
+        self._native.start(self._counters)
         return self
 
     def __exit__(self, *exc):

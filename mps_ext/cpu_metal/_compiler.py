@@ -8,9 +8,14 @@ Pipeline (every step by the same clang, Debian's clang-19 or Apple's):
      syntax only, so that mixing them fails as on a Mac;
   4. compile it with address spaces erased to LLVM IR (front end only, with
      line tables);
-  5. instrument it (_instrument.py): memory accesses, SIMT positions,
-     conversions;
-  6. compile and link the IR into a shared object the engine loads.
+  5. optimise that IR once more as a GPU compiler would, for the static
+     costs of each kernel (_analysis.py: registers, private memory, loads
+     in flight);
+  6. instrument the front end's IR (_instrument.py): memory accesses, SIMT
+     positions, conversions;
+  7. optimise it, count the 64-bit integer work that is left
+     (_instrument.count_int64), add the table of static costs, and compile
+     and link it into a shared object the engine loads.
 
 Results are cached by a hash of everything that goes into them, in
 $MPS_EXT_CACHE_DIR or ~/.cache/mps_ext/cpu_metal.
@@ -30,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import _instrument, _lint, _translate
+from . import _analysis, _instrument, _lint, _translate
 
 __all__ = ["CompileError", "Built", "build", "preprocess", "check_address_spaces", "find_clang", "cache_dir"]
 
@@ -298,7 +303,7 @@ def _cache_key(source: str, filename: str, defines: dict | None, check: bool) ->
         h.update(b"\0")
     # The executor's own code decides what comes out: fold it in.
     for f in sorted(INCLUDE.glob("*.h")) + [HERE / "_translate.py", HERE / "_instrument.py", HERE / "_lint.py",
-                                            Path(__file__)]:
+                                            HERE / "_analysis.py", Path(__file__)]:
         h.update(f.read_bytes())
     return h.hexdigest()
 
@@ -332,12 +337,25 @@ def build(source: str, defines: dict | None = None, filename: str = "shader.meta
         _run([clang, *_LANGUAGE, *_supported_arithmetic_flags(), *_IR_OPT,
               "-gline-tables-only", "-fPIC", "-w", "-fno-color-diagnostics", "-DMX_ADDRESS_SPACES=0",
               "-I", str(INCLUDE), "-S", "-emit-llvm", "-o", str(ll), str(cpp)])
+        # What the kernels cost a GPU, from the IR optimised as a GPU
+        # compiler would (_analysis.py).
+        analysed = work / "library.analysis.ll"
+        _run([clang, *_analysis.ANALYSIS_FLAGS, "-w", "-S", "-emit-llvm", "-x", "ir", str(ll), "-o", str(analysed)],
+             what="analysis")
+        costs = _analysis.kernel_costs(analysed.read_text(), kernels)
         instrumented, _sites = _instrument.instrument(ll.read_text())
         ill = work / "library.instrumented.ll"
         ill.write_text(instrumented)
+        # Optimise, count the 64-bit integer work that is left, then
+        # generate code without optimising again.
+        oll = work / "library.optimised.ll"
+        _run([clang, "-O2", "-fno-vectorize", "-fno-slp-vectorize", "-w", "-S", "-emit-llvm",
+              "-x", "ir", str(ill), "-o", str(oll)], what="optimising")
+        counted = work / "library.counted.ll"
+        counted.write_text(_instrument.count_int64(oll.read_text()) + _instrument.kernel_info_table(costs))
         so = work / "library.so"
-        _run([clang, "-O2", "-fno-vectorize", "-fno-slp-vectorize", "-fPIC", "-shared", "-w",
-              "-x", "ir", str(ill), "-o", str(so), "-lm"], what="linking")
+        _run([clang, "-O2", "-Xclang", "-disable-llvm-passes", "-fPIC", "-shared", "-w",
+              "-x", "ir", str(counted), "-o", str(so), "-lm"], what="linking")
         (work / "kernels.json").write_text(json.dumps(kernels))
         try:
             os.rename(work, final)
@@ -345,7 +363,7 @@ def build(source: str, defines: dict | None = None, filename: str = "shader.meta
             if not meta_path.exists():  # lost a race to a broken build
                 raise
         return Built(final / "library.so", json.loads(meta_path.read_text()))
-    except _instrument.InstrumentError as e:
+    except (_instrument.InstrumentError, _analysis.AnalysisError) as e:
         raise CompileError(f"{filename}: {e}") from None
     except _translate.TranslateError as e:
         raise CompileError(f"{filename}: {e}") from None

@@ -46,6 +46,11 @@ Also:
 - The thread-private memory each kernel may need (its allocas, along the
   deepest chain of calls) is exported as mx_library_frames, so the engine can
   give fibers stacks large enough.
+
+After optimisation, count_int64 adds counters of the 64-bit integer
+divisions and multiplications that are left (see its doc), and
+kernel_info_table the static costs of each kernel (_analysis.py) as
+mx_library_kernel_info.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from __future__ import annotations
 import re
 import struct
 
-__all__ = ["instrument", "InstrumentError"]
+__all__ = ["instrument", "count_int64", "kernel_info_table", "InstrumentError"]
 
 # Keep in step with mx_abi.h.
 ACC_READ, ACC_WRITE, ACC_ATOMIC = 1, 2, 4
@@ -147,6 +152,11 @@ class _Metadata:
         """The file a debug-info node (a function's DISubprogram) is in."""
         return self._file_of(node)
 
+    def innermost_file(self, dbg: str) -> str:
+        """The file of a location's own scope (after inlining, the function
+        the instruction was written in)."""
+        return self._file_of(self._field(dbg, "scope"))
+
     def position(self, dbg: str) -> str | None:
         """'file:line:col' of a location, preferring the innermost frame that
         is shader code rather than the executor's stand-in headers."""
@@ -174,7 +184,8 @@ _LOOP_MD_RE = re.compile(r"!llvm\.loop (![0-9]+)")
 _TERMINATORS = ("br ", "switch ", "ret", "unreachable", "indirectbr ", "invoke ", "callbr ", "resume ")
 
 # The executor's own entry functions (mx_metal.h): never instrumented.
-_HOOKS = {"__mx_access", "__mx_enter", "__mx_leave", "__mx_loop", "__mx_convert_check", "__mx_simd", "__mx_barrier"}
+_HOOKS = {"__mx_access", "__mx_enter", "__mx_leave", "__mx_loop", "__mx_convert_check", "__mx_simd", "__mx_barrier",
+          "__mx_op_counts"}
 # Every simd operation and barrier of mx_metal.h goes through one of these.
 _SYNC = {"__mx_simd", "__mx_barrier"}
 # Files whose functions are the executor's, not the shader's.
@@ -822,3 +833,129 @@ def _site_table(sites: list[str]) -> str:
             "",
         ]
     )
+
+
+# ------------------------------------------------------- 64-bit integer work --
+# Keep in step with mx_abi.h.
+OPS_INT64_DIVISIONS, OPS_INT64_MULTIPLICATIONS = 0, 1
+
+_INT64_OP_RE = re.compile(rf"^\s*({_NAME}) = (mul|sdiv|udiv|srem|urem)((?: nuw| nsw| exact)*) (.*)$")
+
+
+def _power_of_two(operand: str) -> bool:
+    try:
+        v = int(operand)
+    except ValueError:
+        return False
+    v = abs(v)
+    return v > 0 and v & (v - 1) == 0
+
+
+def _int64_op(line: str) -> tuple[int, int] | None:
+    """(counter, count) for an instruction that is 64-bit integer work on a
+    GPU, else None. A division or remainder by a run-time value runs in
+    software on Apple GPUs (they have no 64-bit divider); by a constant, a
+    compiler multiplies by its reciprocal instead (one 64-bit multiply), or
+    shifts (a power of two: nothing). A vector counts once per element."""
+    m = _INT64_OP_RE.match(_DBG_RE.sub("", re.sub(r", ![a-z.]+ ![0-9]+", "", line)))
+    if not m:
+        return None
+    op, rest = m.group(2), m.group(4)
+    ty, after = _first_type(rest)
+    vec = re.fullmatch(r"<([0-9]+) x i64>", ty)
+    if ty != "i64" and not vec:
+        return None
+    n = int(vec.group(1)) if vec else 1
+    operands = [x.strip() for x in _split_top(after)]
+    if op == "mul":
+        return None if any(_power_of_two(x) for x in operands[:2]) else (OPS_INT64_MULTIPLICATIONS, n)
+    divisor = operands[1] if len(operands) > 1 else ""
+    if divisor.startswith("%"):
+        return OPS_INT64_DIVISIONS, n
+    return None if _power_of_two(divisor) else (OPS_INT64_MULTIPLICATIONS, n)
+
+
+def count_int64(ir: str) -> str:
+    """Count the 64-bit integer divisions and multiplications every thread
+    executes. Runs on the optimised (instrumented) IR, so that what is
+    counted is what the optimiser left: constant divisions folded, invariant
+    work hoisted out of loops. The shader's own code counts; the executor's
+    stand-in library (mx_*.h) does not (its 64-bit arithmetic is a GPU
+    instruction or not there at all). Address arithmetic of getelementptr
+    is not a multiply instruction and is not counted: scaling an index by an
+    element size is a shift or part of the load's addressing.
+
+    Each function that has such work calls @__mx_op_counts() once (the
+    running thread's counters, mx_abi.h) and adds to them after each
+    instruction."""
+    lines = ir.split("\n")
+    meta = _Metadata(lines)
+    items = _parse(lines)
+    ids = [int(m.group(1)) for line in lines for m in [re.match(r"^!([0-9]+) = ", line)] if m]
+    next_id = [max(ids, default=-1) + 1]
+    new_metadata: list[str] = []
+    counter = [0]
+
+    def fresh() -> str:
+        counter[0] += 1
+        return f"%__mxc{counter[0]}"
+
+    for f in items:
+        if not isinstance(f, _Function) or f.name in _HOOKS or f.name.startswith("mx_library_"):
+            continue
+        found = False
+        for b in f.blocks:
+            new: list[list[str]] = []
+            for inst in b.insts:
+                new.append(inst)
+                counted = _int64_op(inst[0]) if len(inst) == 1 else None
+                if counted is None:
+                    continue
+                dbg = _DBG_RE.search(inst[0])
+                if dbg and meta.innermost_file(dbg.group(1)).startswith(_EXECUTOR_FILES):
+                    continue
+                which, n = counted
+                slot, old, total = fresh(), fresh(), fresh()
+                new += [[f"  {slot} = getelementptr inbounds i64, ptr %__mxops, i64 {which}"],
+                        [f"  {old} = load i64, ptr {slot}, align 8"],
+                        [f"  {total} = add i64 {old}, {n}"],
+                        [f"  store i64 {total}, ptr {slot}, align 8"]]
+                found = True
+            b.insts = new
+        if not found:
+            continue
+        dbg = ""
+        if f.dbg:  # a call in a function with debug info needs a location
+            new_metadata.append(f"!{next_id[0]} = !DILocation(line: 0, scope: {f.dbg})")
+            dbg = f", !dbg !{next_id[0]}"
+            next_id[0] += 1
+        entry = f.blocks[0]
+        k = 0
+        while k < len(entry.insts) and re.search(r"= alloca ", entry.insts[k][0]):
+            k += 1
+        entry.insts.insert(k, [f"  %__mxops = call ptr @__mx_op_counts(){dbg}"])
+    out: list[str] = []
+    for it in items:
+        out.extend(it.lines() if isinstance(it, _Function) else [it])
+    return "\n".join(out + new_metadata) + "\n"
+
+
+def kernel_info_table(costs: list) -> str:
+    """The mx_library_kernel_info table (mx_abi.h) of the kernels' static
+    costs (_analysis.KernelCosts, in kernel order)."""
+    decls, rows = [], []
+    for i, c in enumerate(costs):
+        data = c.hot_loop.encode()[:200] + b"\0"
+        enc = "".join(chr(x) if 32 <= x < 127 and x not in (34, 92) else f"\\{x:02X}" for x in data)
+        decls.append(f'@__mx_hot_loop_{i} = private unnamed_addr constant [{len(data)} x i8] c"{enc}"')
+        rows.append(f"{{ i32, i32, i32, i32, ptr }} {{ i32 {c.registers}, i32 {c.uniform_registers}, "
+                    f"i32 {c.private_bytes}, i32 {c.loads_in_flight}, ptr @__mx_hot_loop_{i} }}")
+    body = f"[{', '.join(rows)}]" if rows else "zeroinitializer"
+    return "\n".join(decls + [
+        f"@__mx_kernel_info = private constant [{len(costs)} x {{ i32, i32, i32, i32, ptr }}] {body}",
+        "define dso_local ptr @mx_library_kernel_info(ptr %n) {",
+        f"  store i32 {len(costs)}, ptr %n",
+        "  ret ptr @__mx_kernel_info",
+        "}",
+        "",
+    ])

@@ -10,7 +10,7 @@
 #ifndef MX_ABI_H
 #define MX_ABI_H
 
-#define MX_ABI_VERSION 4u
+#define MX_ABI_VERSION 5u
 
 typedef unsigned int mx_u32;
 typedef unsigned long long mx_u64;
@@ -53,7 +53,9 @@ enum {
 
 typedef struct mx_uint3 { mx_u32 x, y, z; } mx_uint3;
 
-// What one kernel invocation (one Metal thread) sees.
+// What one kernel invocation (one Metal thread) sees. The cost analysis
+// (_analysis.py, _INFO_TABLES and _INFO_UNIFORM) knows the byte offsets of
+// the tables and of the grid-wide fields: keep it in step.
 typedef struct mx_thread_info {
   void* const* buffers;     // [MX_MAX_BUFFERS] [[buffer(i)]] base addresses
   void* const* tg_buffers;  // [MX_MAX_TG_BUFFERS] [[threadgroup(i)]] addresses
@@ -114,7 +116,17 @@ typedef struct mx_engine_api {
   void (*conversion_error)(mx_u32 flags, const char* file, mx_u32 line, mx_u32 col);
   // atomic_thread_fence: a fence over the given memory (mem_flags bits).
   void (*fence)(mx_u32 mem_flags);
+  // The running thread's counters of 64-bit integer work (MX_OPS_*), which
+  // the instrumenter increments (_instrument.py, count_int64).
+  mx_u64* (*op_counts)(void);
 } mx_engine_api;
+
+// Indices into op_counts().
+enum {
+  MX_OPS_INT64_DIVISIONS = 0,  // sdiv/udiv/srem/urem of 64-bit integers by a run-time value
+  MX_OPS_INT64_MULTIPLICATIONS = 1,  // mul of 64-bit integers, and divisions by a constant
+  MX_OPS_COUNT = 2,
+};
 
 // Parameter descriptions generated for each kernel.
 enum {
@@ -150,6 +162,15 @@ typedef struct mx_kernel {
   mx_u32 max_total_threads_per_threadgroup;  // 0: no attribute
 } mx_kernel;
 
+// Static costs of one kernel (see _analysis.py).
+typedef struct mx_kernel_info {
+  mx_u32 registers;          // 32-bit registers live per thread at the peak
+  mx_u32 uniform_registers;  // values the same for the whole dispatch, at their peak
+  mx_u32 private_bytes;      // thread-private arrays that stay in (stack) memory
+  mx_u32 loads_in_flight;    // independent device loads per iteration of the hot loop
+  const char* hot_loop;      // "file:line:col" of that loop, "" if none
+} mx_kernel_info;
+
 // Symbols every shader library exports (extern "C").
 #define MX_LIBRARY_ABI_SYMBOL "mx_library_abi"          // mx_u32 (void)
 #define MX_LIBRARY_BIND_SYMBOL "mx_library_bind"        // void (const mx_engine_api*)
@@ -158,5 +179,8 @@ typedef struct mx_kernel {
 // Thread-private bytes (an upper bound of the stack) each kernel needs, in
 // the order of mx_library_kernels.
 #define MX_LIBRARY_FRAMES_SYMBOL "mx_library_frames"    // const mx_u64* (mx_u32*)
+// What each kernel costs a GPU, from its optimised IR (_analysis.py), in the
+// order of mx_library_kernels.
+#define MX_LIBRARY_KERNEL_INFO_SYMBOL "mx_library_kernel_info"  // const mx_kernel_info* (mx_u32*)
 
 #endif

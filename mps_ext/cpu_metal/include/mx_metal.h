@@ -686,6 +686,9 @@ extern "C" __attribute__((used)) inline void __mx_simd(mx_simd_fn fn, const void
   __mx_api->simd(fn, in, out, arg, flags);
 }
 extern "C" __attribute__((used)) inline void __mx_barrier(mx_u32 scope, mx_u32 mem) { __mx_api->barrier(scope, mem); }
+// The running thread's counters of 64-bit integer work: the instrumenter
+// calls this once per invocation of a function it counts in (count_int64).
+extern "C" __attribute__((used)) inline mx_u64* __mx_op_counts() { return __mx_api->op_counts(); }
 
 // float -> bfloat conversion with round-to-nearest-even, for C runtimes that
 // lack it (libgcc before 13).
@@ -715,8 +718,13 @@ inline bool active(mx_u32 mask, int i) { return (mask >> i) & 1u; }
 
 template <class T, class R = T>
 inline R simd_call(mx_simd_fn fn, const T& x, mx_i64 arg = 0, mx_u32 flags = 0) {
+  // The engine gets the address of a copy, not of the caller's variable: a
+  // simd operation takes a value, and an element of a thread-private array
+  // whose address escaped would keep the whole array in memory (in the
+  // optimised IR the register estimate reads, and in the executable).
+  T in = x;
   R r;
-  __mx_simd(fn, &x, &r, arg, flags);
+  __mx_simd(fn, &in, &r, arg, flags);
   return r;
 }
 

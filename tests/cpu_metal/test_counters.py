@@ -1,0 +1,294 @@
+"""The executor's cost counters (what an Apple GPU pays beyond bytes): for
+each, a kernel that is bad on purpose and one that is good
+(kernels/counters.metal), with the expected values worked out by hand from
+the access pattern."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mps_ext import cpu_metal
+
+SOURCE = Path(__file__).parent / "kernels" / "counters.metal"
+ROOT = Path(__file__).resolve().parents[2]
+
+# 128 threads in threadgroups of 64: two threadgroups of two simdgroups.
+THREADS, GROUP = 128, 64
+SIMDGROUPS = THREADS // 32
+
+
+@pytest.fixture
+def lib(kernels):
+    return kernels("counters")
+
+
+def run(lib, name, args, threads=THREADS, **kwargs):
+    return lib.dispatch(name, args, threads=threads, threads_per_threadgroup=GROUP, counters=True, **kwargs)
+
+
+def line_of(marker: str) -> int:
+    lines = SOURCE.read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if marker in line)
+
+
+# ------------------------------------------------------------- coalescing --
+def test_contiguous_access_is_one_line_per_simdgroup_instruction(lib):
+    x = torch.randn(THREADS)
+    out = torch.zeros(THREADS)
+    s = run(lib, "copy_contiguous", [out, x])
+    assert torch.equal(out, x)
+    # Each simdgroup reads and writes 32 x 4 = 128 aligned bytes: one line.
+    assert s.cache_lines == {0: SIMDGROUPS, 1: SIMDGROUPS}
+    assert s.cache_lines_minimum == {0: SIMDGROUPS, 1: SIMDGROUPS}
+    assert s.coalescing == {0: 1.0, 1: 1.0}
+
+
+def test_strided_access_touches_a_line_per_lane(lib):
+    x = torch.randn(THREADS * 32)
+    out = torch.zeros(THREADS)
+    s = run(lib, "copy_strided", [out, x])
+    assert torch.equal(out, x[::32])
+    # Lanes 128 bytes apart: 32 lines where the 128 bytes would fit in one.
+    assert s.cache_lines[1] == 32 * SIMDGROUPS
+    assert s.cache_lines_minimum[1] == SIMDGROUPS
+    assert s.coalescing[1] == 32.0
+    assert s.coalescing[0] == 1.0  # the writes are contiguous
+
+
+def test_lines_are_counted_from_the_start_of_the_storage(lib):
+    # A GPU buffer starts page-aligned; a view 64 bytes into it puts each
+    # simdgroup's 128 bytes across two lines, one 128 bytes in does not.
+    storage = torch.randn(THREADS + 32)
+    out = torch.zeros(THREADS)
+    s = run(lib, "copy_contiguous", [out, storage[16:]])
+    assert s.cache_lines[1] == 2 * SIMDGROUPS and s.cache_lines_minimum[1] == SIMDGROUPS
+    assert s.coalescing[1] == 2.0
+    s = run(lib, "copy_contiguous", [out, storage[32:]])
+    assert s.coalescing[1] == 1.0
+
+
+def test_sixteen_byte_access_takes_four_lines_and_needs_four(lib):
+    x = torch.randn(THREADS * 4)
+    out = torch.zeros(THREADS * 4)
+    s = run(lib, "copy_float4", [out, x])
+    assert s.cache_lines == {0: 4 * SIMDGROUPS, 1: 4 * SIMDGROUPS}
+    assert s.coalescing == {0: 1.0, 1: 1.0}
+
+
+def test_a_broadcast_read_is_one_line(lib):
+    out = torch.zeros(THREADS)
+    s = run(lib, "broadcast", [out, torch.tensor([3.0])])
+    assert (out == 3.0).all()
+    assert s.cache_lines[1] == SIMDGROUPS and s.cache_lines_minimum[1] == SIMDGROUPS
+
+
+def test_lanes_are_matched_in_the_same_iteration_of_a_loop_around_a_simd_operation(lib):
+    # Lane i stores in iteration i: four instructions of one lane each, not
+    # one instruction of four lanes 128 bytes apart.
+    out = torch.zeros(8 * 32)  # 2 simdgroups x 4 iterations, a line each
+    s = lib.dispatch("write_in_turn", [out], threadgroups=1, threads_per_threadgroup=64, counters=True)
+    assert out[::32][:8].tolist() == [sum(range(32))] * 8
+    assert s.cache_lines[0] == 2 * 4 and s.cache_lines_minimum[0] == 2 * 4
+    assert s.coalescing[0] == 1.0
+
+
+def test_counters_off_by_default_and_on_in_a_record_block(lib):
+    x, out = torch.randn(THREADS), torch.zeros(THREADS)
+    s = lib.dispatch("copy_contiguous", [out, x], threads=THREADS, threads_per_threadgroup=GROUP)
+    assert not s.counters and s.cache_lines == {} and s.bank_conflict_cycles == 0
+    with pytest.raises(ValueError, match="not measured.*counters=True"):
+        s.coalescing
+    with cpu_metal.record(counters=True) as rec:
+        lib.dispatch("copy_contiguous", [out, x], threads=THREADS, threads_per_threadgroup=GROUP)
+    (d,) = rec.dispatches
+    assert d.counters and d.coalescing == {0: 1.0, 1: 1.0}
+    with cpu_metal.record() as rec:
+        lib.dispatch("copy_contiguous", [out, x], threads=THREADS, threads_per_threadgroup=GROUP)
+    assert not rec.dispatches[0].counters
+
+
+# -------------------------------------------------- 64-bit integer work --
+def int_params(divisor=7, factor=5):
+    dtype = np.dtype([("divisor", "<u8"), ("factor", "<u8"), ("divisor32", "<u4"), ("pad", "<u4")])
+    return np.array([(divisor, factor, divisor, 0)], dtype=dtype)[0]
+
+
+def test_64_bit_division_and_remainder_are_counted(lib):
+    x = torch.randint(0, 2**40, (2 * THREADS,), dtype=torch.int64)
+    out = torch.zeros(2 * THREADS, dtype=torch.int64)
+    s = run(lib, "div_mod_64", [out, x, int_params(7)])
+    assert torch.equal(out[0::2], x[0::2] // 7) and torch.equal(out[1::2], x[1::2] % 7)
+    # One division and one remainder by a run-time value per thread.
+    assert s.int64_divisions == 2 * THREADS
+    assert s.int64_divisions_per_thread == 2.0 and s.max_int64_divisions_per_thread == 2
+    assert s.int64_multiplications == 0
+
+
+def test_32_bit_division_and_index_arithmetic_are_not_64_bit_work(lib):
+    x = torch.randint(0, 2**30, (2 * THREADS,), dtype=torch.int32)
+    out = torch.zeros(2 * THREADS, dtype=torch.int32)
+    s = run(lib, "div_mod_32", [out, x, int_params(7)])
+    assert torch.equal(out[0::2], x[0::2] // 7) and torch.equal(out[1::2], x[1::2] % 7)
+    assert s.int64_divisions == 0 and s.int64_multiplications == 0
+
+
+def test_64_bit_multiplications_and_divisions_by_constants(lib):
+    x = torch.randint(0, 2**40, (4 * THREADS,), dtype=torch.int64)
+    out = torch.zeros(4 * THREADS, dtype=torch.int64)
+    s = run(lib, "mul_64", [out, x, int_params(factor=5)])
+    assert torch.equal(out[0::4], x[0::4] * 5) and torch.equal(out[1::4], x[1::4] * 8)
+    assert torch.equal(out[2::4], x[2::4] // 8) and torch.equal(out[3::4], x[3::4] // 7)
+    # a * factor, and d / 7 (a multiplication by the reciprocal); * 8 and / 8
+    # are shifts.
+    assert s.int64_multiplications == 2 * THREADS
+    assert s.int64_divisions == 0
+
+
+def test_a_vector_multiplication_counts_each_element(lib):
+    x = torch.randint(0, 2**20, (4 * THREADS,), dtype=torch.int64)
+    out = torch.zeros(2 * THREADS, dtype=torch.int64)
+    s = run(lib, "mul_64_vector", [out, x])
+    pairs = x.view(THREADS, 2, 2)
+    assert torch.equal(out.view(THREADS, 2), pairs[:, 0] * pairs[:, 1])
+    assert s.int64_multiplications == 2 * THREADS
+
+
+def test_the_busiest_thread_and_the_total(lib):
+    x = torch.arange(THREADS, dtype=torch.int64) * 100
+    out = torch.zeros(THREADS, dtype=torch.int64)
+    s = run(lib, "div_some", [out, x, int_params(7)])
+    assert s.int64_divisions == 3 and s.max_int64_divisions_per_thread == 1
+
+
+# -------------------------------------------------------------- registers --
+def test_a_kernel_holding_64_floats_needs_64_registers(lib):
+    info = lib.kernel_info("hold_64_floats")
+    # 64 loaded floats are all live before the first product; beyond them
+    # only the index, an address and the sum.
+    assert 64 <= info.registers <= 64 + 12
+    assert info.registers > cpu_metal.FULL_OCCUPANCY_REGISTERS
+    assert info.private_bytes == 0  # indexed by constants once unrolled: registers
+
+
+def test_halves_take_half_a_register(lib):
+    assert 32 <= lib.kernel_info("hold_64_halves").registers <= 32 + 12
+
+
+def test_a_streaming_kernel_needs_few_registers(lib):
+    info = lib.kernel_info("scale")
+    assert info.registers <= 8
+    assert info.registers <= cpu_metal.FULL_OCCUPANCY_REGISTERS
+
+
+def test_parameters_from_a_constant_buffer_are_uniform_registers(lib):
+    info = lib.kernel_info("uniform_params")
+    assert info.uniform_registers >= 16 * 2  # sixteen ulongs
+    assert info.registers <= 12
+
+
+def test_the_stats_carry_the_kernel_info(lib):
+    x, out = torch.randn(THREADS * 64), torch.zeros(THREADS)
+    s = lib.dispatch("hold_64_floats", [out, x], threads=THREADS, threads_per_threadgroup=GROUP)
+    assert s.kernel_info == lib.kernel_info("hold_64_floats")
+    v = x.view(THREADS, 64).double()
+    torch.testing.assert_close(out.double(), (v * v.flip(1)).sum(1), rtol=1e-5, atol=1e-4)
+
+
+# --------------------------------------------------------- private memory --
+def test_a_dynamically_indexed_private_array_stays_in_memory(lib):
+    assert lib.kernel_info("private_dynamic").private_bytes == 16 * 4
+
+
+def test_a_constantly_indexed_private_array_is_registers(lib):
+    assert lib.kernel_info("private_constant").private_bytes == 0
+
+
+def test_values_handed_to_simd_operations_are_not_private_memory(lib):
+    assert lib.kernel_info("simd_reduce").private_bytes == 0
+
+
+# ----------------------------------------------------------- bank conflicts --
+# 64 threads store and then load threadgroup memory: 2 simdgroups x 2
+# instructions.
+@pytest.mark.parametrize("stride,extra", [
+    (1, 0),    # consecutive words: one per bank
+    (2, 1),    # two words in every other bank: 2-way, 1 extra cycle
+    (32, 31),  # all 32 words in bank 0: 31 extra cycles
+    (33, 0),   # padded: one per bank again
+])
+def test_bank_conflicts_of_a_strided_threadgroup_access(lib, stride, extra):
+    out = torch.zeros(64)
+    s = run(lib, "threadgroup_stride", [out, np.uint32(stride)], threads=64)
+    assert torch.equal(out, torch.arange(64.0))
+    assert s.threadgroup_memory_instructions == 4
+    assert s.bank_conflict_cycles == 4 * extra
+
+
+def test_a_broadcast_from_threadgroup_memory_is_free(lib):
+    out = torch.zeros(64)
+    s = run(lib, "threadgroup_broadcast", [out], threads=64)
+    assert (out == 0).all()
+    assert s.threadgroup_memory_instructions == 4 and s.bank_conflict_cycles == 0
+
+
+def test_sixteen_bytes_a_thread_is_not_a_conflict(lib):
+    out = torch.zeros(64 * 4)
+    s = run(lib, "threadgroup_float4", [out], threads=64)
+    assert torch.equal(out.view(64, 4)[:, 0], torch.arange(63.0, -1, -1))
+    assert s.bank_conflict_cycles == 0
+
+
+# --------------------------------------------------------- loads in flight --
+def test_pointer_chasing_has_one_load_in_flight(lib):
+    info = lib.kernel_info("chase")
+    assert info.loads_in_flight == 1
+    assert info.hot_loop == f"counters.metal:{line_of('k < steps')}:3"
+
+
+def test_independent_streams_are_all_in_flight(lib):
+    assert lib.kernel_info("four_streams").loads_in_flight == 4  # the constant `n` is not device memory
+
+
+def test_a_sixteen_byte_load_is_one_load(lib):
+    assert lib.kernel_info("one_float4_stream").loads_in_flight == 1
+
+
+def test_the_hot_loop_is_the_one_with_the_most_loads(lib):
+    info = lib.kernel_info("two_loops")
+    assert info.loads_in_flight == 3
+    assert info.hot_loop == f"counters.metal:{line_of('the hot loop')}:3"
+
+
+def test_a_kernel_without_a_loop_counts_as_one_iteration(lib):
+    info = lib.kernel_info("copy_contiguous")
+    assert info.loads_in_flight == 1 and info.hot_loop == ""
+
+
+# --------------------------------------------------------- buffer names --
+def test_buffer_names_of_a_python_dispatch(lib):
+    s = run(lib, "div_mod_64", [torch.zeros(2 * THREADS, dtype=torch.int64),
+                                torch.ones(2 * THREADS, dtype=torch.int64), int_params()])
+    assert s.buffer_names == {0: "out", 1: "in", 2: "p"}
+    assert s.buffer("in") == 1
+
+
+def test_dispatches_of_the_op_layer_carry_names_info_and_counters():
+    from tools.embed_shaders import flatten
+
+    x = torch.randn(4, 64)
+    with cpu_metal.record(counters=True) as rec:
+        out = torch.ops.mps_ext.constant_pad_nd(x, [1, 1], 0.0)
+    (d,) = rec.dispatches
+    pad = cpu_metal.compile_library(flatten(ROOT / "kernels_metal" / "pad.metal"), filename="pad.metal")
+    names = {p["index"]: p["name"] for p in pad.parameters(d.kernel) if p["kind"] == "buffer"}
+    assert d.buffer_names == names
+    assert d.kernel_info == pad.kernel_info(d.kernel)
+    assert d.counters
+    # Every output byte is written once, so the instructions that write it
+    # need at least its size in lines.
+    o = next(i for i, n in names.items() if d.bytes_written.get(i))
+    assert d.bytes_written[o] == out.nbytes
+    assert d.cache_lines_minimum[o] >= out.nbytes / 128
+    assert d.coalescing[o] >= 1.0
