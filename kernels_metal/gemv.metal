@@ -7,7 +7,8 @@
 //            A simdgroup owns Q (1 or 2) weight rows; its lanes stride K with
 //            16-byte loads and the row sums end in simd_sum. The threadgroup
 //            stages the activations in threadgroup memory, a K-tile at a
-//            time, so that its simdgroups do not each read them from memory.
+//            time, so that its simdgroups do not each read them from memory
+//            (and Q outputs share each activation word a lane reads there).
 // gemv_cols  the weight's N dimension is contiguous (x @ W with W [K, N]).
 //            A threadgroup owns 128 bytes of columns (one cache line of each
 //            weight row) and a range of K: 8 lanes cover the columns with
@@ -19,12 +20,14 @@
 // used when the host found the addresses 16-byte aligned; otherwise element
 // loads.
 //
-// Registers (a lane's live 32-bit values in the hot loop, for full
-// occupancy): gemv_rows R * Q accumulators + 4 pieces of 16 bytes in flight
-// + one 16-byte activation piece, at most 16 + 16 + 4 (R = 8, Q = 2);
-// gemv_cols R * 4 accumulators (16-bit types at 8 rows: lane pairs swap
+// Registers: these kernels are memory-bound, so they need every thread a
+// core can hold (full occupancy) to keep loads in flight; a thread's live
+// 32-bit values must stay within cpu_metal.FULL_OCCUPANCY_REGISTERS (52).
+// gemv_rows holds R * Q accumulators + U * Q weight pieces in flight (at
+// most 24 together) + one word of activations and its products; gemv_cols
+// R * 4 or R * 8 accumulators (16-bit types at 8 rows: lane pairs swap
 // halves of their pieces, so that each accumulates 4 columns, not 8) + its
-// pieces in flight, at most 32 + 8.
+// pieces in flight.
 #include <metal_stdlib>
 #include "gemv_params.h"
 #include "pieces.h"
@@ -44,18 +47,18 @@ MPS_EXT_INLINE uint4 load_piece(const device T* p) {
 
 MPS_EXT_INLINE float4 float4_at(thread const float* v) { return float4(v[0], v[1], v[2], v[3]); }
 
-// sum_e a[e] * b[e] over the elements of two pieces.
-template <typename T, bool VEC>
-MPS_EXT_INLINE float dot_pieces(uint4 a, uint4 b) {
-  if (!VEC) return as_type<float>(a.x) * as_type<float>(b.x);
-  constexpr int E = PIECE(T, VEC);
-  float va[E], vb[E];
-  unpack16(a, va, T(0));
-  unpack16(b, vb, T(0));
-  float s = 0.0f;
-  MPS_EXT_UNROLL for (int e = 0; e < E; ++e) s += va[e] * vb[e];
-  return s;
+// acc + sum of the products of the elements in two 32-bit words: one float
+// each, or two halves / bfloats each.
+MPS_EXT_INLINE float dot_words(uint a, uint b, float acc, float) {
+  return acc + as_type<float>(a) * as_type<float>(b);
 }
+template <typename H>
+MPS_EXT_INLINE float dot_pairs(uint a, uint b, float acc) {
+  const vec<H, 2> x = as_type<vec<H, 2>>(a), y = as_type<vec<H, 2>>(b);
+  return acc + float(x.x) * float(y.x) + float(x.y) * float(y.y);
+}
+MPS_EXT_INLINE float dot_words(uint a, uint b, float acc, half) { return dot_pairs<half>(a, b, acc); }
+MPS_EXT_INLINE float dot_words(uint a, uint b, float acc, bfloat) { return dot_pairs<bfloat>(a, b, acc); }
 
 MPS_EXT_INLINE float finish(float acc, constant GemvParams& p, float bias) {
   return p.has_bias ? p.alpha * acc + p.beta * bias : p.alpha * acc;
@@ -69,6 +72,17 @@ MPS_EXT_INLINE void write_output(device T* y, const device T* bias, constant Gem
 }
 
 // ------------------------------------------------------------ gemv_rows --
+// Weight pieces of one output a lane loads before it uses the first (U per
+// output, U * Q in all): 4 pieces of 16 bytes in flight where the
+// accumulators leave room, so that R * Q accumulators + 4 * U * Q registers
+// of pieces stay within 24 (the rest of the budget: the activation piece,
+// the products, the pointers); at most a tile's pieces per lane.
+// (Metal's min and max are not constexpr.)
+constexpr int clamp_constexpr(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
+constexpr int rows_pieces_per_output(int R, int Q, int tile_pieces) {
+  return clamp_constexpr((24 - R * Q) / (4 * Q), 1, 4 / Q < tile_pieces / 32 ? 4 / Q : tile_pieces / 32);
+}
+
 template <typename T, int R, int Q, bool VEC>
 [[max_total_threads_per_threadgroup(GEMV_ROWS_MAX_THREADS)]]
 kernel void gemv_rows(device T* y [[buffer(0)]],
@@ -83,68 +97,87 @@ kernel void gemv_rows(device T* y [[buffer(0)]],
                       uint simdgroups [[simdgroups_per_threadgroup]],
                       uint lane [[thread_index_in_simdgroup]]) {
   constexpr int E = PIECE(T, VEC);
-  constexpr int TILE = GEMV_ROWS_TILE_BYTES / (R * int(sizeof(T)));  // elements of each row per tile
+  constexpr int TILE = GEMV_ROWS_TILE_BYTES / (R * int(sizeof(T)));  // elements of each activation row per tile
   constexpr int TILE_PIECES = TILE / E;
-  constexpr int PER_LANE = TILE_PIECES / 32;  // pieces of a weight row a lane takes per tile
-  // Weight pieces a lane loads before it uses the first: 4 (per output: 4 / Q).
-  constexpr int U = PER_LANE < 4 / Q ? PER_LANE : 4 / Q;
-  threadgroup uint4 tile_pieces[GEMV_ROWS_TILE_BYTES / 16];  // [R][TILE] of T
-  threadgroup T* tile = (threadgroup T*)tile_pieces;
+  constexpr int U = rows_pieces_per_output(R, Q, TILE_PIECES);
+  // Every full tile takes each lane the same number of steps of 32 * U
+  // pieces: a lane's pieces are consecutive across tiles, and its weight
+  // pointers just advance.
+  static_assert(TILE_PIECES % (32 * U) == 0, "a tile is whole steps");
+  // The activations of a tile. With VEC, word j of piece c of row r at
+  // words[r][j][c]: a simdgroup's loads of one word of 32 pieces hit 32
+  // banks, and a lane needs one word of one row at a time. Without, T
+  // elements [r][c].
+  threadgroup uint tile_mem[GEMV_ROWS_TILE_BYTES / 4];
+  threadgroup T* tile = (threadgroup T*)tile_mem;
 
   const int rows = int(p.rows), K = int(p.k);
   const int x_row_stride = int(p.x_row_stride), x_k_stride = int(p.x_k_stride);
   const long first = (long(group) * simdgroups + sg) * Q;  // this simdgroup's first output
-  const device T* wrow[Q];
+  // Along K: elements one apart with VEC (the host checked), else w_k_stride.
+  const long w_k_stride = VEC ? 1 : p.w_k_stride;
+  const long u_step = 32 * E * w_k_stride;  // from a lane's piece to its next one
   bool live[Q];
+  const device T* wp[Q];  // the lane's next piece of each weight row
   float acc[R][Q];
   MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
     live[q] = first + q < p.n_out;
-    wrow[q] = w + (live[q] ? (first + q) * p.w_n_stride : 0);
+    wp[q] = w + (live[q] ? (first + q) * p.w_n_stride : 0) + long(lane) * E * w_k_stride;
     MPS_EXT_UNROLL for (int r = 0; r < R; ++r) acc[r][q] = 0.0f;
   }
 
   // Elements whole pieces cover (all of them without VEC); the rest below.
   const int k_pieces = VEC ? K / E * E : K;
   for (int k0 = 0; k0 < k_pieces; k0 += TILE) {
-    const int tile_len = min(TILE, k_pieces - k0);
-    // Consecutive threads stage consecutive pieces of an activation row.
+    const int pieces = min(TILE, k_pieces - k0) / E;  // of each row in this tile
+    // Consecutive threads stage consecutive pieces of an activation row;
+    // rows past `rows` stage as zeros, so that the products need no check.
     for (int i = int(tid); i < R * TILE_PIECES; i += int(threads)) {
       const int r = i / TILE_PIECES, c = i % TILE_PIECES;
-      if (r < rows && c * E < tile_len) {
-        const int at = r * x_row_stride + (k0 + c * E) * x_k_stride;
-        if (VEC) tile_pieces[i] = *(const device uint4*)(x + at);
-        else tile[i] = x[at];
+      if (c >= pieces) continue;
+      const int at = r * x_row_stride + (k0 + c * E) * x_k_stride;
+      if (VEC) {
+        const uint4 v = r < rows ? *(const device uint4*)(x + at) : uint4(0u);
+        MPS_EXT_UNROLL for (int j = 0; j < 4; ++j) tile_mem[(r * 4 + j) * TILE_PIECES + c] = v[j];
+      } else {
+        tile[i] = r < rows ? x[at] : T(0);
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    // Lanes take consecutive pieces of the weight row: a simdgroup reads 512
-    // contiguous bytes of it per load instruction.
-    for (int j0 = 0; j0 < PER_LANE; j0 += U) {
+    // Lanes take consecutive pieces of the weight rows: a simdgroup reads
+    // 512 contiguous bytes of a row per load instruction.
+    for (int c = int(lane); c < pieces; c += 32 * U) {
       uint4 wv[U][Q];
-      MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
-        const int c = (j0 + u) * 32 + int(lane);
+      MPS_EXT_UNROLL for (int u = 0; u < U; ++u)
         MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
-          wv[u][q] = live[q] && c * E < tile_len
-                         ? load_piece<T, VEC>(wrow[q] + (VEC ? long(k0 + c * E) : long(k0 + c) * p.w_k_stride))
-                         : uint4(0u);
-      }
+          wv[u][q] = live[q] && c + 32 * u < pieces ? load_piece<T, VEC>(wp[q] + u * u_step) : uint4(0u);
       MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
-        const int c = (j0 + u) * 32 + int(lane);
-        if (c * E >= tile_len) continue;
-        MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
-          if (r >= rows) continue;
-          const uint4 xv = VEC ? tile_pieces[r * TILE_PIECES + c] : uint4(as_type<uint>(float(tile[r * TILE + c])), 0u, 0u, 0u);
-          MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) acc[r][q] += dot_pieces<T, VEC>(xv, wv[u][q]);
+        // Past the tile's pieces the weights are 0: any staged value will do.
+        const int cu = min(c + 32 * u, pieces - 1);
+        // A word of the pieces at a time, every row and output: each
+        // weight word is converted once, and only one is live per output.
+        MPS_EXT_UNROLL for (int j = 0; j < (VEC ? 4 : 1); ++j) {
+          MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+            if (VEC) {
+              const uint xw = tile_mem[(r * 4 + j) * TILE_PIECES + cu];
+              MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) acc[r][q] = dot_words(xw, wv[u][q][j], acc[r][q], T(0));
+            } else {  // the weight element is a float already
+              const uint xw = as_type<uint>(float(tile[r * TILE + cu]));
+              MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) acc[r][q] = dot_words(xw, wv[u][q].x, acc[r][q], 0.0f);
+            }
+          }
         }
       }
+      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wp[q] += U * u_step;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
-  // The last K % E elements (VEC only: fewer than a piece).
-  for (int k = k_pieces + int(lane); k < K; k += 32) {
+  // The last K % E elements (VEC only: fewer than a piece, so one a lane).
+  const int k = k_pieces + int(lane);
+  if (k < K) {
     MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
       if (!live[q]) continue;
-      const float wk = float(wrow[q][k]);
+      const float wk = float(w[(first + q) * p.w_n_stride + k]);
       MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
         if (r < rows) acc[r][q] += float(x[r * x_row_stride + k]) * wk;
     }

@@ -272,6 +272,27 @@ def test_every_gemv_rows_variant(run, device, dtype, r, q, vec):
         assert d.kernel == f"gemv_rows_{SHORT[dtype]}_r{r}_q{q}_{'vec' if vec else 'scalar'}"
 
 
+@pytest.mark.parametrize("vec", [True, False], ids=["vec", "scalar"])
+@pytest.mark.parametrize("r", [1, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_rows_over_several_activation_tiles(run, device, dtype, r, vec):
+    # gemv_rows stages 8 KB of activations at a time (GEMV_ROWS_TILE_BYTES):
+    # two full tiles, a partial one that is not a whole number of lanes'
+    # pieces, and (vec) 3 elements past the last 16-byte piece.
+    tile = 8192 // (r * dtype.itemsize)
+    k = 2 * tile + 40 * (16 // dtype.itemsize) + 3
+    n = 1300  # 2 outputs per simdgroup
+    x = padded(r, k, dtype, vec)
+    w = padded(n, k, dtype, vec, scale=k ** -0.5)
+    with cpu_metal.record() as rec:
+        got = run("linear", x, w, None, family="linear")
+    torch.testing.assert_close(got, linear_ref(x, w), **tol(dtype, k))
+    if device == "executor":
+        (d,) = rec.dispatches
+        assert d.kernel == f"gemv_rows_{SHORT[dtype]}_r{r}_q2_{'vec' if vec else 'scalar'}"
+        assert d.bytes_read[W] == n * k * dtype.itemsize
+
+
 @pytest.mark.parametrize("k", [24, 1031])
 @pytest.mark.parametrize("vec", [True, False], ids=["vec", "scalar"])
 @pytest.mark.parametrize("r", [1, 2, 4, 8])
