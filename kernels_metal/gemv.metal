@@ -194,21 +194,40 @@ kernel void gemv_rows(device T* y [[buffer(0)]],
 }
 
 // ------------------------------------------------------------ gemv_cols --
+// A lane's 16-byte piece holds E columns of one row of K. Lanes along K
+// in groups of G (rows k, k + 1, ... of one step, the same columns) swap
+// parts of their pieces so that each accumulates OWN = E / G columns of all
+// G rows: G = 1, 2 or 4, so that no lane holds more than 16 accumulators.
+constexpr int cols_group(int E, int R, bool VEC) { return !VEC ? 1 : E * R > 32 ? 4 : E * R > 16 ? 2 : 1; }
+
+// The elements of a 32-bit word as floats: one float, or two halves / bfloats.
+MPS_EXT_INLINE void word_floats(uint bits, thread float* v, float) { v[0] = as_type<float>(bits); }
+template <typename H>
+MPS_EXT_INLINE void word_floats_pairs(uint bits, thread float* v) {
+  const vec<H, 2> pair = as_type<vec<H, 2>>(bits);
+  v[0] = float(pair.x);
+  v[1] = float(pair.y);
+}
+MPS_EXT_INLINE void word_floats(uint bits, thread float* v, half) { word_floats_pairs<half>(bits, v); }
+MPS_EXT_INLINE void word_floats(uint bits, thread float* v, bfloat) { word_floats_pairs<bfloat>(bits, v); }
+
 // Where column c of a threadgroup's block sits in its threadgroup memory
-// partial sums: lanes write their pieces' columns 4 at a time (float4), so
-// that the first 4 columns of every lane's piece come first, then the next
-// 4, and each store instruction of a simdgroup fills consecutive words (no
-// two lanes in one bank).
-template <int E, int LN>
+// partial sums. The lane holding it (nq along N, g in its group) stores its
+// OWN columns 4 at a time (float4) or one at a time; lanes' slots of one
+// store instruction are consecutive, so no two lanes hit one bank.
+template <int E, int OWN, int LN>
 MPS_EXT_INLINE int partial_slot(int c) {
-  if (E < 4) return c;
-  return (c % E) / 4 * (LN * 4) + c / E * 4 + c % 4;
+  constexpr int G = E / OWN, L = LN * G;  // lanes that hold distinct columns
+  const int holder = c / E * G + c % E / OWN, e = c % OWN;
+  return OWN >= 4 ? e / 4 * (L * 4) + holder * 4 + e % 4 : e * L + holder;
 }
 // ... and its inverse: the column whose sums a thread reading slot s adds.
-template <int E, int LN>
+template <int E, int OWN, int LN>
 MPS_EXT_INLINE int partial_column(int s) {
-  if (E < 4) return s;
-  return s % (LN * 4) / 4 * E + s / (LN * 4) * 4 + s % 4;
+  constexpr int G = E / OWN, L = LN * G;
+  const int holder = OWN >= 4 ? s % (L * 4) / 4 : s % L;
+  const int e = OWN >= 4 ? s / (L * 4) * 4 + s % 4 : s / L;
+  return holder / G * E + holder % G * OWN + e;
 }
 
 // Grid: (column blocks, splits of K). partials: [splits, rows, N] floats
@@ -231,22 +250,28 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
   constexpr int CB = LN * E;             // columns of the threadgroup
   constexpr int S = GEMV_COLS_THREADS / 32;
   constexpr int RS = S * LK;             // rows of K a threadgroup step covers
-  // 16-bit types at 8 rows would need 64 accumulators a lane: lane pairs
-  // (rows k and k + 1, the same columns) swap halves of their pieces, and
-  // each accumulates 4 columns of both rows.
-  constexpr bool PAIR = VEC && E * R > 32;
-  constexpr int OWN = PAIR ? E / 2 : E;  // columns a lane accumulates
-  constexpr int U = R * OWN <= 16 ? 4 : 2;  // pieces a lane loads before it uses the first
+  constexpr int G = cols_group(E, R, VEC);  // lanes along K that share their pieces
+  constexpr int OWN = E / G;                // columns a lane accumulates
+  constexpr int WO = 4 / G;                 // words of each row's piece it keeps (VEC)
+  // Pieces a lane loads before it uses the first: 4 while the accumulators
+  // are few, fewer as they grow (registers: accumulators + 4 U <= 24).
+  constexpr int U = R * OWN <= 8 ? 4 : R * OWN < 16 ? 2 : 1;
   constexpr int RB = GEMV_COLS_THREADS / CB;  // rows of partial sums per round through threadgroup memory
   constexpr int CB4 = (CB + 3) / 4;
   threadgroup float4 partial_mem[S][RB][CB4];
-  // The activations of U steps of K rows, as float, a row of K at a time:
-  // x_tile[k][r], so that a lane reads all its activation rows at one k
-  // with R / 4 loads, and the threadgroup reads x from memory once.
+  // The activations of two steps of U * RS rows of K, as float: row r of x
+  // at k in x_tile[r][k % (2 * TK)], a ring. Staged by consecutive threads
+  // along k (coalesced reads of each row, stores to consecutive words); read
+  // one float at a time, by the lanes of a row of K at one address (a
+  // broadcast). Consecutive steps fill alternate halves, so one barrier a
+  // step suffices (a thread staging step i + 2 passed the barrier of step
+  // i + 1, which every thread reaches after it used step i); and the
+  // addresses a lane reads change with the step, so that a compiler keeps
+  // no R * U addresses of its own live through the loop.
   constexpr int TK = U * RS;
-  constexpr int R4 = (R + 3) / 4;
-  threadgroup float4 x_tile[TK * R4];
-  threadgroup float* x_tile_f = (threadgroup float*)x_tile;
+  constexpr int RING = 2 * TK;
+  static_assert((RING & (RING - 1)) == 0, "the ring is a power of two");
+  threadgroup float x_tile[R * RING];
 
   const int rows = int(p.rows);
   const int x_row_stride = int(p.x_row_stride), x_k_stride = int(p.x_k_stride);
@@ -254,10 +279,9 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
   const long col0 = long(group.x) * CB + nq * E;
   const long left = p.n_out - col0;
   const int ncols = left <= 0 ? 0 : left >= E ? E : int(left);  // columns of the piece that exist
-  const long k_begin = long(group.y) * p.k_split;
-  const long k_end = min(k_begin + p.k_split, p.k);
   // K fits in 31 bits (the host checks the activation's offsets).
-  const uint steps = k_end > k_begin ? (uint(k_end - k_begin) + RS - 1) / RS : 0u;
+  const int k_begin = int(group.y) * int(p.k_split);
+  const int k_end = int(min(long(k_begin) + p.k_split, p.k));
   const int lane_row = int(sg) * LK + kq;  // this lane's row within a step
 
   float acc[R][OWN];
@@ -265,10 +289,9 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
     MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e) acc[r][e] = 0.0f;
 
   // The weight pointer advances by a step's rows: no 64-bit multiply in the loop.
-  const device T* wp = w + (k_begin + lane_row) * p.w_k_stride + col0 * p.w_n_stride;
+  const device T* wp = w + long(k_begin + lane_row) * p.w_k_stride + col0 * p.w_n_stride;
   const long w_step = RS * p.w_k_stride;
-  for (uint i0 = 0; i0 < steps; i0 += U) {
-    const long tile_k = k_begin + long(i0) * RS;
+  for (int tile_k = k_begin; tile_k < k_end; tile_k += TK) {
     // The weight pieces first: they are in flight while the tile is staged.
     uint4 wv[U];
     MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
@@ -284,61 +307,47 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
     }
     // Rows past K (and activation rows past `rows`) stage as 0, so that the
     // products below need no checks: their weights are 0 too.
-    for (int t = int(tid); t < TK * R4 * 4; t += GEMV_COLS_THREADS) {
-      const int kk = t / (R4 * 4), r = t % (R4 * 4);
-      const long k = tile_k + kk;
-      x_tile_f[t] = r < rows && k < k_end ? float(x[r * x_row_stride + int(k) * x_k_stride]) : 0.0f;
+    for (int t = int(tid); t < R * TK; t += GEMV_COLS_THREADS) {
+      const int r = t / TK, k = tile_k + t % TK;
+      x_tile[r * RING + (k & (RING - 1))] = r < rows && k < k_end ? float(x[r * x_row_stride + k * x_k_stride]) : 0.0f;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
-      const int kk = u * RS + lane_row;
-      if (PAIR) {
-        // Lanes kq = 2m (row k) and 2m + 1 (row k + 1) swap: the even lane
-        // keeps the first OWN columns of both rows, the odd one the last.
-        const bool odd = (kq & 1) != 0;
-        const uint2 mine = odd ? wv[u].zw : wv[u].xy;
-        const uint2 theirs = simd_shuffle_xor(odd ? wv[u].xy : wv[u].zw, ushort(LN));
-        float w_even[E], w_odd[E];
-        unpack16(uint4(odd ? theirs : mine, 0u, 0u), w_even, T(0));
-        unpack16(uint4(odd ? mine : theirs, 0u, 0u), w_odd, T(0));
-        const int kk_even = odd ? kk - 1 : kk;
-        float x_even[R4 * 4], x_odd[R4 * 4];
-        MPS_EXT_UNROLL for (int j = 0; j < R4; ++j) {
-          const float4 a = x_tile[kk_even * R4 + j], b = x_tile[(kk_even + 1) * R4 + j];
-          MPS_EXT_UNROLL for (int c = 0; c < 4; ++c) {
-            x_even[4 * j + c] = a[c];
-            x_odd[4 * j + c] = b[c];
+      const int k = tile_k + u * RS + lane_row;
+      const int g = kq % G;
+      // Lane g ^ m of the group holds row k - g + (g ^ m): it sends this
+      // lane its part g of that row's piece, and takes part g ^ m of ours.
+      MPS_EXT_UNROLL for (int m = 0; m < G; ++m) {
+        float wf[OWN];
+        if (VEC) {
+          MPS_EXT_UNROLL for (int i = 0; i < WO; ++i) {
+            uint word = wv[u][(g ^ m) * WO + i];
+            if (m > 0) word = simd_shuffle_xor(word, ushort(m * LN));
+            word_floats(word, wf + i * (OWN / WO), T(0));
           }
+        } else {
+          wf[0] = as_type<float>(wv[u].x);
         }
-        MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
-          MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e) acc[r][e] += x_even[r] * w_even[e] + x_odd[r] * w_odd[e];
-      } else {
-        float wf[E];
-        if (VEC) unpack16(wv[u], wf, T(0));
-        else wf[0] = as_type<float>(wv[u].x);
-        float xs[R4 * 4];
-        MPS_EXT_UNROLL for (int j = 0; j < R4; ++j) {
-          const float4 a = x_tile[kk * R4 + j];
-          MPS_EXT_UNROLL for (int c = 0; c < 4; ++c) xs[4 * j + c] = a[c];
+        const int slot = (k - g + (g ^ m)) & (RING - 1);
+        MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+          const float xr = x_tile[r * RING + slot];
+          MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e) acc[r][e] += xr * wf[e];
         }
-        MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
-          MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e) acc[r][e] += xs[r] * wf[e];
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
     wp += U * w_step;
   }
 
-  // The simdgroup's sums: lanes of one column group (and, in pairs, one
-  // parity) add up across their rows of K.
+  // The simdgroup's sums: lanes that hold the same columns (one g in each
+  // group along K) add up across their rows of K.
   MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
     MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e)
-      for (ushort offset = ushort(PAIR ? 2 * LN : LN); offset < 32; offset *= 2)
+      for (ushort offset = ushort(G * LN); offset < 32; offset *= 2)
         acc[r][e] += simd_shuffle_xor(acc[r][e], offset);
-  // Then the threadgroup's, RB rows at a time: the holders (kq 0, and 1 in
-  // pairs) write their columns, every thread adds one column of one row.
-  const bool holder = kq < (PAIR ? 2 : 1);
-  const int own_first = nq * E + (PAIR ? (kq & 1) * OWN : 0);  // first column this lane holds
+  // Then the threadgroup's, RB rows at a time: the holders (the first group
+  // along K) write their columns, every thread adds one column of one row.
+  const bool holder = kq < G;
+  const int own_first = nq * E + kq % G * OWN;  // first column this lane holds
   threadgroup float* slots = (threadgroup float*)partial_mem;
   MPS_EXT_UNROLL for (int r0 = 0; r0 < R; r0 += RB) {
     if (r0 >= rows) break;
@@ -348,7 +357,7 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
         if (r >= R) break;
         // 4 columns at a time where a lane holds 4 or 8: one float4 store.
         MPS_EXT_UNROLL for (int e = 0; e < OWN; e += OWN >= 4 ? 4 : 1) {
-          const int slot = partial_slot<E, LN>(own_first + e);
+          const int slot = partial_slot<E, OWN, LN>(own_first + e);
           if (OWN >= 4) partial_mem[sg][rr][slot / 4] = float4_at(acc[r] + e);
           else slots[(int(sg) * RB + rr) * CB + slot] = acc[r][e];
         }
@@ -358,7 +367,7 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
     {
       const int rr = int(tid) / CB, s = int(tid) % CB;
       const int r = r0 + rr;
-      const long n = long(group.x) * CB + partial_column<E, LN>(s);
+      const long n = long(group.x) * CB + partial_column<E, OWN, LN>(s);
       if (r < rows && n < p.n_out) {
         float total = 0.0f;
         MPS_EXT_UNROLL for (int g = 0; g < S; ++g) total += slots[(g * RB + rr) * CB + s];
