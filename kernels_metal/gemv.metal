@@ -211,23 +211,18 @@ MPS_EXT_INLINE void word_floats_pairs(uint bits, thread float* v) {
 MPS_EXT_INLINE void word_floats(uint bits, thread float* v, half) { word_floats_pairs<half>(bits, v); }
 MPS_EXT_INLINE void word_floats(uint bits, thread float* v, bfloat) { word_floats_pairs<bfloat>(bits, v); }
 
-// Where column c of a threadgroup's block sits in its threadgroup memory
-// partial sums. The lane holding it (nq along N, g in its group) stores its
-// OWN columns 4 at a time (float4) or one at a time; lanes' slots of one
-// store instruction are consecutive, so no two lanes hit one bank.
-template <int E, int OWN, int LN>
-MPS_EXT_INLINE int partial_slot(int c) {
-  constexpr int G = E / OWN, L = LN * G;  // lanes that hold distinct columns
-  const int holder = c / E * G + c % E / OWN, e = c % OWN;
-  return OWN >= 4 ? e / 4 * (L * 4) + holder * 4 + e % 4 : e * L + holder;
+// V floats to threadgroup memory, one store (V = 1, 2 or 4).
+template <int V>
+MPS_EXT_INLINE void store_floats(threadgroup float* p, thread const float* v);
+template <>
+MPS_EXT_INLINE void store_floats<1>(threadgroup float* p, thread const float* v) { *p = v[0]; }
+template <>
+MPS_EXT_INLINE void store_floats<2>(threadgroup float* p, thread const float* v) {
+  *(threadgroup float2*)p = float2(v[0], v[1]);
 }
-// ... and its inverse: the column whose sums a thread reading slot s adds.
-template <int E, int OWN, int LN>
-MPS_EXT_INLINE int partial_column(int s) {
-  constexpr int G = E / OWN, L = LN * G;
-  const int holder = OWN >= 4 ? s % (L * 4) / 4 : s % L;
-  const int e = OWN >= 4 ? s / (L * 4) * 4 + s % 4 : s / L;
-  return holder / G * E + holder % G * OWN + e;
+template <>
+MPS_EXT_INLINE void store_floats<4>(threadgroup float* p, thread const float* v) {
+  *(threadgroup float4*)p = float4(v[0], v[1], v[2], v[3]);
 }
 
 // Grid: (column blocks, splits of K). partials: [splits, rows, N] floats
@@ -254,8 +249,9 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
   constexpr int OWN = E / G;                // columns a lane accumulates
   constexpr int WO = 4 / G;                 // words of each row's piece it keeps (VEC)
   // Pieces a lane loads before it uses the first: 4 while the accumulators
-  // are few, fewer as they grow (registers: accumulators + 4 U <= 24).
-  constexpr int U = R * OWN <= 8 ? 4 : R * OWN < 16 ? 2 : 1;
+  // are few, fewer as they grow (registers: accumulators + 4 U <= 20; U a
+  // power of two, for the activation ring below).
+  constexpr int U = R * OWN <= 4 ? 4 : R * OWN <= 12 ? 2 : 1;
   constexpr int RB = GEMV_COLS_THREADS / CB;  // rows of partial sums per round through threadgroup memory
   constexpr int CB4 = (CB + 3) / 4;
   threadgroup float4 partial_mem[S][RB][CB4];
@@ -280,8 +276,9 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
   const long left = p.n_out - col0;
   const int ncols = left <= 0 ? 0 : left >= E ? E : int(left);  // columns of the piece that exist
   // K fits in 31 bits (the host checks the activation's offsets).
-  const int k_begin = int(group.y) * int(p.k_split);
-  const int k_end = int(min(long(k_begin) + p.k_split, p.k));
+  const int K = int(p.k), chunks = (K + GEMV_COLS_K_CHUNK - 1) / GEMV_COLS_K_CHUNK, splits = int(p.splits);
+  const int k_begin = int(group.y) * chunks / splits * GEMV_COLS_K_CHUNK;
+  const int k_end = min((int(group.y) + 1) * chunks / splits * GEMV_COLS_K_CHUNK, K);
   const int lane_row = int(sg) * LK + kq;  // this lane's row within a step
 
   float acc[R][OWN];
@@ -345,9 +342,15 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
       for (ushort offset = ushort(G * LN); offset < 32; offset *= 2)
         acc[r][e] += simd_shuffle_xor(acc[r][e], offset);
   // Then the threadgroup's, RB rows at a time: the holders (the first group
-  // along K) write their columns, every thread adds one column of one row.
+  // along K: holder h has columns [h * OWN, (h + 1) * OWN) of the block)
+  // write their columns, every thread adds one column of one row, so that
+  // consecutive threads write consecutive outputs. A holder stores V
+  // columns at a time; with two such chunks (OWN = 8), lanes from the fifth
+  // on store their second chunk first, so that the 8 lanes' stores of one
+  // instruction hit 32 distinct banks, not 16 twice.
+  constexpr int V = OWN >= 4 ? 4 : OWN, CHUNKS = OWN / V;
   const bool holder = kq < G;
-  const int own_first = nq * E + kq % G * OWN;  // first column this lane holds
+  const int h = nq * G + kq % G;
   threadgroup float* slots = (threadgroup float*)partial_mem;
   MPS_EXT_UNROLL for (int r0 = 0; r0 < R; r0 += RB) {
     if (r0 >= rows) break;
@@ -355,11 +358,13 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
       MPS_EXT_UNROLL for (int rr = 0; rr < RB; ++rr) {
         const int r = r0 + rr;
         if (r >= R) break;
-        // 4 columns at a time where a lane holds 4 or 8: one float4 store.
-        MPS_EXT_UNROLL for (int e = 0; e < OWN; e += OWN >= 4 ? 4 : 1) {
-          const int slot = partial_slot<E, OWN, LN>(own_first + e);
-          if (OWN >= 4) partial_mem[sg][rr][slot / 4] = float4_at(acc[r] + e);
-          else slots[(int(sg) * RB + rr) * CB + slot] = acc[r][e];
+        MPS_EXT_UNROLL for (int i = 0; i < CHUNKS; ++i) {
+          const int j = (i + h / (32 / OWN)) % CHUNKS;
+          float v[V];
+          MPS_EXT_UNROLL for (int t = 0; t < V; ++t) v[t] = acc[r][t];
+          MPS_EXT_UNROLL for (int jj = 1; jj < CHUNKS; ++jj)
+            if (j == jj) MPS_EXT_UNROLL for (int t = 0; t < V; ++t) v[t] = acc[r][jj * V + t];
+          store_floats<V>(slots + (int(sg) * RB + rr) * CB + h * OWN + j * V, v);
         }
       }
     }
@@ -367,7 +372,7 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
     {
       const int rr = int(tid) / CB, s = int(tid) % CB;
       const int r = r0 + rr;
-      const long n = long(group.x) * CB + partial_column<E, OWN, LN>(s);
+      const long n = long(group.x) * CB + s;
       if (r < rows && n < p.n_out) {
         float total = 0.0f;
         MPS_EXT_UNROLL for (int g = 0; g < S; ++g) total += slots[(g * RB + rr) * CB + s];
@@ -395,7 +400,9 @@ kernel void gemv_cols_finish(device T* y [[buffer(0)]],
   const long n = long(group.x) * GEMV_COLS_THREADS + tid.x, r = group.y;
   if (n >= p.n_out) return;
   float total = 0.0f;
-  for (uint s = 0; s < p.splits; ++s) total += partials[(long(s) * p.rows + r) * p.n_out + n];
+  const long split_stride = p.rows * p.n_out;  // the same for every thread: no 64-bit multiply a split
+  const device float* part = partials + r * p.n_out + n;
+  for (uint s = 0; s < p.splits; ++s, part += split_stride) total += *part;
   write_output(y, bias, p, r, n, total);
 }
 

@@ -17,7 +17,6 @@ struct GemvParams {
   int64_t w_n_stride, w_k_stride;
   int64_t y_row_stride, y_n_stride;
   int64_t bias_row_stride, bias_n_stride;
-  int64_t k_split;   // gemv_cols: K rows per threadgroup along K (k when not split)
   float alpha;
   float beta;
   uint32_t has_bias;  // 0: bias is not read (addmm with beta = 0)
@@ -27,6 +26,12 @@ struct GemvParams {
 // Threads of a gemv_cols threadgroup (and of gemv_cols_finish): its 8
 // simdgroups split the threadgroup's K rows.
 #define GEMV_COLS_THREADS 256
+// gemv_cols splits K into chunks of this many rows, `splits` threadgroups
+// taking chunks [i * chunks / splits, (i + 1) * chunks / splits): each
+// threadgroup's rows start at a multiple of 32, so that its loads of an
+// activation row start at a cache line or halfway into one. The host keeps
+// splits * chunks below 2^31.
+#define GEMV_COLS_K_CHUNK 32
 // Most threads of a gemv_rows threadgroup: 8 simdgroups, each owning 1 or 2
 // weight rows.
 #define GEMV_ROWS_MAX_THREADS 256

@@ -41,12 +41,15 @@ const char* type_name(c10::ScalarType t) {
 }
 
 // gemv_cols: how many threadgroups split K. The fewest that make
-// kTargetThreadgroups with the column blocks, within two limits:
-// - every threadgroup takes at least one step (32 rows of K);
+// kTargetThreadgroups with the column blocks, within limits:
+// - every threadgroup takes at least one chunk of GEMV_COLS_K_CHUNK rows;
 // - the partial sums, written and read back once each (2 * splits * rows *
-//   N floats), stay within a quarter of the weight's bytes (K * N * itemsize),
-//   so a small K with many rows keeps fewer threadgroups rather than double
-//   its traffic.
+//   N floats), stay within half the weight's bytes (K * N * itemsize), so
+//   that a small K with many rows keeps fewer threadgroups rather than
+//   double its traffic. (Half, not less: it lets N >= 2048 reach the target
+//   down to K = 768 at 8 rows, a Qwen3 expert's down projection; the
+//   partial sums are small enough to stay in the system-level cache.)
+// - the kernel's 32-bit split * chunks products stay below 2^31.
 // Splitting costs a second dispatch, gemv_cols_finish, which adds the splits'
 // sums in a fixed order: one kernel launch and a wait for the first to drain
 // (a few microseconds on a GPU), against a weight the columns alone would
@@ -56,9 +59,9 @@ const char* type_name(c10::ScalarType t) {
 // counter buffer, itself a fill (a blit or a dispatch) on every call.
 int64_t cols_splits(int64_t blocks, int64_t k, int64_t rows, int64_t itemsize) {
   if (blocks >= kTargetThreadgroups || k == 0) return 1;
+  const int64_t chunks = (k + GEMV_COLS_K_CHUNK - 1) / GEMV_COLS_K_CHUNK;
   int64_t splits = (kTargetThreadgroups + blocks - 1) / blocks;
-  splits = std::min(splits, (k + GEMV_COLS_THREADS / 8 - 1) / (GEMV_COLS_THREADS / 8));
-  splits = std::min(splits, k * itemsize / (32 * rows));
+  splits = std::min({splits, chunks, k * itemsize / (16 * rows), INT32_MAX / chunks});
   return std::max<int64_t>(splits, 1);
 }
 
@@ -99,7 +102,6 @@ void run(const Problem& pr) {
     p.bias_row_stride = pr.bias.stride(0);
     p.bias_n_stride = pr.bias.stride(1);
   }
-  p.k_split = p.k;
   p.splits = 1;
 
   int64_t variant = 1;
@@ -122,9 +124,8 @@ void run(const Problem& pr) {
     const int64_t blocks = (n + columns - 1) / columns;
     const int64_t splits = cols_splits(blocks, p.k, rows, itemsize);
     if (splits > 1) {
-      p.k_split = (p.k + splits - 1) / splits;
-      p.splits = static_cast<uint32_t>((p.k + p.k_split - 1) / p.k_split);
-      partials = at::empty({p.splits, rows, n}, pr.x.options().dtype(at::kFloat));
+      p.splits = static_cast<uint32_t>(splits);
+      partials = at::empty({splits, rows, n}, pr.x.options().dtype(at::kFloat));
     }
     launch(Launch{"gemv", "gemv_cols_" + type + "_r" + std::to_string(variant) + (vec ? "_vec" : "_scalar"), args(),
                   {static_cast<uint32_t>(blocks), p.splits, 1}, {GEMV_COLS_THREADS, 1, 1}});

@@ -122,15 +122,15 @@ def test_transposed_weight_layout_reads_once_with_16_byte_loads(run, device):
         got = run("mm", x, wt, family="linear")
     torch.testing.assert_close(got, (x.double() @ wt.double()).to(torch.bfloat16), **tol(torch.bfloat16, k))
     if device == "executor":
-        # 16 blocks of 64 columns: K is split over 8 threadgroups each (the
-        # partial sums stay within a quarter of the weight's bytes), then
-        # added up.
+        # 16 blocks of 64 columns: K is split over 16 threadgroups each,
+        # one chunk of 32 rows each (the partial sums stay within half the
+        # weight's bytes), then added up.
         d, finish = rec.dispatches
         assert (d.kernel, finish.kernel) == ("gemv_cols_bf16_r4_vec", "gemv_cols_finish_bf16")
-        assert d.threadgroups == (16, 8, 1)
+        assert d.threadgroups == (16, 16, 1)
         assert d.bytes_read[W] == wt.nbytes
         assert d.read_widths[W] == {16: wt.nbytes // 16}
-        partial_bytes = 8 * 4 * n * 4
+        partial_bytes = 16 * 4 * n * 4
         assert d.bytes_written[5] == partial_bytes and finish.bytes_read[5] == partial_bytes
 
 
@@ -321,15 +321,17 @@ def test_every_gemv_kernel_is_tested():
     assert host_names("gemv") == tested
 
 
-@pytest.mark.parametrize("rows", [1, 8])
-def test_transposed_weight_keeps_every_core_busy(run, device, rows):
-    # N >= 2048: at least 4 threadgroups per core of an 80-core GPU, every
-    # weight byte read once with 16-byte loads, the activations read once
-    # per threadgroup (staged in threadgroup memory).
-    n, k = 2048, 2560
+@pytest.mark.parametrize("rows,k", [(1, 2560), (8, 2560), (8, 768)])
+def test_transposed_weight_keeps_every_core_busy(run, device, rows, k):
+    # N >= 2048: at least 4 threadgroups per core of an 80-core GPU (K = 768
+    # at 8 rows: a Qwen3 expert's down projection), every weight byte read
+    # once with 16-byte loads, the activations read once per threadgroup
+    # (staged in threadgroup memory); every access coalesced and the
+    # partial sums through threadgroup memory without bank conflicts.
+    n = 2048
     x = randn(rows, k, dtype=torch.float16)
     wt = randn(k, n, dtype=torch.float16, scale=k ** -0.5)
-    with cpu_metal.record() as rec:
+    with cpu_metal.record(counters=True) as rec:
         got = run("mm", x, wt, family="linear")
     torch.testing.assert_close(got, (x.double() @ wt.double()).half(), **tol(torch.float16, k))
     if device == "executor":
@@ -338,6 +340,9 @@ def test_transposed_weight_keeps_every_core_busy(run, device, rows):
         assert d.read_widths[W] == {16: wt.nbytes // 16}
         assert d.bytes_read[X] == d.threadgroups[0] * x.nbytes
         assert finish.kernel == "gemv_cols_finish_f16"
+        for stats in (d, finish):
+            assert stats.bank_conflict_cycles == 0, stats.kernel
+            assert max(stats.coalescing.values()) <= 1.1, (stats.kernel, stats.coalescing)
 
 
 def test_activations_are_read_once_per_threadgroup(run, device):
