@@ -45,20 +45,17 @@ MPS_EXT_INLINE uint4 load_piece(const device T* p) {
   return uint4(as_type<uint>(float(*p)), 0u, 0u, 0u);
 }
 
-MPS_EXT_INLINE float4 float4_at(thread const float* v) { return float4(v[0], v[1], v[2], v[3]); }
-
-// acc + sum of the products of the elements in two 32-bit words: one float
-// each, or two halves / bfloats each.
-MPS_EXT_INLINE float dot_words(uint a, uint b, float acc, float) {
-  return acc + as_type<float>(a) * as_type<float>(b);
+// acc + the sum of the products of the elements of two 32-bit words of T
+// (one float each, or two halves / bfloats).
+template <typename T>
+MPS_EXT_INLINE float dot_words(uint a, uint b, float acc) {
+  constexpr int N = 4 / sizeof(T);
+  float x[N], y[N];
+  word_floats(a, x, T(0));
+  word_floats(b, y, T(0));
+  MPS_EXT_UNROLL for (int e = 0; e < N; ++e) acc += x[e] * y[e];
+  return acc;
 }
-template <typename H>
-MPS_EXT_INLINE float dot_pairs(uint a, uint b, float acc) {
-  const vec<H, 2> x = as_type<vec<H, 2>>(a), y = as_type<vec<H, 2>>(b);
-  return acc + float(x.x) * float(y.x) + float(x.y) * float(y.y);
-}
-MPS_EXT_INLINE float dot_words(uint a, uint b, float acc, half) { return dot_pairs<half>(a, b, acc); }
-MPS_EXT_INLINE float dot_words(uint a, uint b, float acc, bfloat) { return dot_pairs<bfloat>(a, b, acc); }
 
 MPS_EXT_INLINE float finish(float acc, constant GemvParams& p, float bias) {
   return p.has_bias ? p.alpha * acc + p.beta * bias : p.alpha * acc;
@@ -160,10 +157,10 @@ kernel void gemv_rows(device T* y [[buffer(0)]],
           MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
             if (VEC) {
               const uint xw = tile_mem[(r * 4 + j) * TILE_PIECES + cu];
-              MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) acc[r][q] = dot_words(xw, wv[u][q][j], acc[r][q], T(0));
+              MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) acc[r][q] = dot_words<T>(xw, wv[u][q][j], acc[r][q]);
             } else {  // the weight element is a float already
               const uint xw = as_type<uint>(float(tile[r * TILE + cu]));
-              MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) acc[r][q] = dot_words(xw, wv[u][q].x, acc[r][q], 0.0f);
+              MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) acc[r][q] = dot_words<float>(xw, wv[u][q].x, acc[r][q]);
             }
           }
         }
@@ -199,17 +196,6 @@ kernel void gemv_rows(device T* y [[buffer(0)]],
 // parts of their pieces so that each accumulates OWN = E / G columns of all
 // G rows: G = 1, 2 or 4, so that no lane holds more than 16 accumulators.
 constexpr int cols_group(int E, int R, bool VEC) { return !VEC ? 1 : E * R > 32 ? 4 : E * R > 16 ? 2 : 1; }
-
-// The elements of a 32-bit word as floats: one float, or two halves / bfloats.
-MPS_EXT_INLINE void word_floats(uint bits, thread float* v, float) { v[0] = as_type<float>(bits); }
-template <typename H>
-MPS_EXT_INLINE void word_floats_pairs(uint bits, thread float* v) {
-  const vec<H, 2> pair = as_type<vec<H, 2>>(bits);
-  v[0] = float(pair.x);
-  v[1] = float(pair.y);
-}
-MPS_EXT_INLINE void word_floats(uint bits, thread float* v, half) { word_floats_pairs<half>(bits, v); }
-MPS_EXT_INLINE void word_floats(uint bits, thread float* v, bfloat) { word_floats_pairs<bfloat>(bits, v); }
 
 // V floats to threadgroup memory, one store (V = 1, 2 or 4).
 template <int V>

@@ -4,21 +4,24 @@
 #pragma once
 #include "shared_types.h"
 
-// The floats of a piece's bits: 4 for float, 8 for half and bfloat (the last
-// argument only picks the element type).
-MPS_EXT_INLINE void unpack16(uint4 bits, thread float* v, float) {
-  MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) v[i] = metal::as_type<float>(bits[i]);
-}
+// The elements of a 32-bit word as floats: one float, or two halves /
+// bfloats (the last argument only picks the element type).
+MPS_EXT_INLINE void word_floats(uint bits, thread float* v, float) { v[0] = metal::as_type<float>(bits); }
 template <typename H>
-MPS_EXT_INLINE void unpack16_pairs(uint4 bits, thread float* v) {
-  MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) {
-    metal::vec<H, 2> pair = metal::as_type<metal::vec<H, 2>>(bits[i]);
-    v[2 * i] = float(pair.x);
-    v[2 * i + 1] = float(pair.y);
-  }
+MPS_EXT_INLINE void word_floats_pairs(uint bits, thread float* v) {
+  const metal::vec<H, 2> pair = metal::as_type<metal::vec<H, 2>>(bits);
+  v[0] = float(pair.x);
+  v[1] = float(pair.y);
 }
-MPS_EXT_INLINE void unpack16(uint4 bits, thread float* v, half) { unpack16_pairs<half>(bits, v); }
-MPS_EXT_INLINE void unpack16(uint4 bits, thread float* v, bfloat) { unpack16_pairs<bfloat>(bits, v); }
+MPS_EXT_INLINE void word_floats(uint bits, thread float* v, half) { word_floats_pairs<half>(bits, v); }
+MPS_EXT_INLINE void word_floats(uint bits, thread float* v, bfloat) { word_floats_pairs<bfloat>(bits, v); }
+
+// The floats of a piece's bits: 4 for float, 8 for half and bfloat.
+template <typename T>
+MPS_EXT_INLINE void unpack16(uint4 bits, thread float* v, T) {
+  constexpr int N = 4 / sizeof(T);  // elements of a word
+  MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) word_floats(bits[i], v + i * N, T(0));
+}
 
 // ... and back: N floats as the bits of N elements: 4 for float (N must be
 // 4), 4 or 8 for half and bfloat (N = 4 fills the first 8 bytes). Qualified
