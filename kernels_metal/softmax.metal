@@ -362,7 +362,7 @@ kernel void softmax_partial(device float2* partials [[buffer(0)]],
   float sum = 0.0f;
   MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) sum += exp_from(v[i], m);
   sum = r.reduce_sum(sum);
-  if (tid == 0) partials[I(group.y) * I(p.chunks) + I(group.x)] = float2(m, sum);
+  if (tid == 0) partials[I(group.y) * I(p.partials_stride) + I(group.x)] = float2(m, sum);
 }
 
 // Split rows, pass 2: combine the row's partials (the row's max, then the
@@ -384,7 +384,7 @@ kernel void softmax_finish(device O* out [[buffer(0)]],
   const GroupReduce r{scratch[0], scratch[1], 1, lane, sg, simdgroups};
   // Each partial is read once: a thread merges its chunks' (max, sum), then
   // the threadgroup takes the row's max and the sums rescaled to it.
-  const device float2* row_partials = partials + I(group.y) * I(p.chunks);
+  const device float2* row_partials = partials + I(group.y) * I(p.partials_stride);
   float m_t = -INFINITY, s_t = 0.0f;
   for (uint c = tid; c < uint(p.chunks); c += SOFTMAX_SPLIT_THREADS) {
     const float2 q = row_partials[c];
@@ -482,7 +482,7 @@ kernel void softmax_backward_partial(device float* partials [[buffer(0)]],
   float sum = 0.0f;
   MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) sum += backward_term(gv[i], yv[i], p.log);
   sum = r.reduce_sum(sum);
-  if (tid == 0) partials[I(group.y) * I(p.chunks) + I(group.x)] = sum;
+  if (tid == 0) partials[I(group.y) * I(p.partials_stride) + I(group.x)] = sum;
 }
 
 template <typename G, typename O, typename I, bool VEC>
@@ -501,7 +501,7 @@ kernel void softmax_backward_finish(device O* out [[buffer(0)]],
   constexpr int C = PIECE(G, VEC);
   constexpr int J = PIECES(SPLIT_ELEMENTS, G, VEC);
   const GroupReduce r{scratch[0], scratch[1], 1, lane, sg, simdgroups};
-  const device float* row_partials = partials + I(group.y) * I(p.chunks);
+  const device float* row_partials = partials + I(group.y) * I(p.partials_stride);
   float sum = 0.0f;
   for (uint c = tid; c < uint(p.chunks); c += SOFTMAX_SPLIT_THREADS) sum += row_partials[c];
   sum = r.reduce_sum(sum);

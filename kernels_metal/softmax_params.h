@@ -17,7 +17,8 @@ struct SoftmaxParams {
   int64_t x_dim_stride;    // input (forward) or grad_output (backward)
   int64_t y_dim_stride;    // output of the forward pass (backward only)
   int64_t out_dim_stride;
-  int64_t chunk_length;    // split rows: elements per threadgroup
+  int64_t partials_stride; // split rows: from one row's partials to the next (chunks, rounded up to
+                           // 32 entries: a row's partials start at a cache line)
   int64_t chunks;          // split rows: threadgroups per row
   int64_t row_sizes[MPS_EXT_MAX_DIMS];
   int64_t x_strides[MPS_EXT_MAX_DIMS];

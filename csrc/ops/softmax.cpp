@@ -221,11 +221,11 @@ void run(const at::Tensor& x, const at::Tensor* y, const at::Tensor& out, int64_
   const std::array<uint32_t, 3> threads{pl.threads, 1, 1};
   if (pl.shape != Shape::kSplit) return launch(Launch{"softmax", prefix + shape + types + variant, args({}), pl.grid, threads});
 
-  p.chunk_length = kSplitChunk;
   p.chunks = pl.chunks;
-  TORCH_CHECK(wide || fits_32bit(p.rows * p.chunks), "mps_ext softmax: internal: partials past 2^31");
+  p.partials_stride = (pl.chunks + 31) / 32 * 32;
+  TORCH_CHECK(wide || fits_32bit(p.rows * p.partials_stride), "mps_ext softmax: internal: partials past 2^31");
   // (max, sum) per chunk forward, sum per chunk backward: float2 or float.
-  at::Tensor partials = at::empty({p.rows * p.chunks * (backward ? 1 : 2)}, x.options().dtype(at::kFloat));
+  at::Tensor partials = at::empty({p.rows * p.partials_stride * (backward ? 1 : 2)}, x.options().dtype(at::kFloat));
   std::vector<KernelArg> first = {KernelArg::of(partials), KernelArg::of(x), KernelArg::value(p)};
   if (backward) first.push_back(KernelArg::of(*y));
   launch(Launch{"softmax", prefix + "partial_" + type_name(x.scalar_type()) + variant, first, pl.grid, threads});
