@@ -24,6 +24,6 @@ struct PadParams {
 // Threads of a threadgroup (kernels declare it: their staging buffer has one
 // segment per simdgroup).
 #define PAD_THREADS 256
-// A simdgroup writes one 16-byte-aligned segment of an output row: 16 bytes a
-// lane, one vector store each.
+// A simdgroup writes one segment of an output row, starting at a 128-byte
+// line: 16 bytes a lane, one vector store each.
 #define PAD_SEGMENT_BYTES 512

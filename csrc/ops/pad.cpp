@@ -154,11 +154,11 @@ at::Tensor constant_pad(const at::Tensor& self, c10::IntArrayRef pad, const c10:
     max_offset += std::max<int64_t>(dims[k].in - 1, 0) * dims[k].stride;
     if (k + 1 < dims.size()) rows *= dims[k].out;
   }
-  // A simdgroup per 16-byte-aligned segment of a row; a row with `head`
-  // bytes before its first aligned address spans at most this many.
+  // A simdgroup per segment of a row, starting at a cache line (128 bytes);
+  // a row with `head` bytes before its first line spans at most this many.
   const int64_t itemsize = self.itemsize();
   TORCH_INTERNAL_ASSERT(base_aligned16(out));  // ours: the kernel's vector stores need it
-  const int64_t segments = (dims.back().out * itemsize + 15 + PAD_SEGMENT_BYTES - 1) / PAD_SEGMENT_BYTES;
+  const int64_t segments = (dims.back().out * itemsize + 127 + PAD_SEGMENT_BYTES - 1) / PAD_SEGMENT_BYTES;
   const int64_t tasks = rows * segments;
   TORCH_CHECK(tasks <= INT32_MAX && rows <= INT32_MAX, "mps_ext constant_pad_nd: output too large (", numel,
               " elements)");

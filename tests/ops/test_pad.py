@@ -147,7 +147,7 @@ BY_SIZE = {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.int64}
 @pytest.mark.parametrize("width", [1, 3, 15, 16, 17, 63, 64, 65, 255, 256, 257, 600])
 @pytest.mark.parametrize("size", sorted(BY_SIZE))
 def test_rows_against_aligned_segments(run, device, size, width):
-    # A simdgroup writes a 16-byte-aligned 512-byte segment of a row with
+    # A simdgroup writes a 512-byte segment of a row, from a 128-byte line, with
     # vector stores, and the elements at either end of the row one at a time:
     # rows shorter, longer, and not a multiple of the 16 bytes, starting at
     # every alignment (5 rows), with the input cropped, padded and both.
@@ -188,6 +188,27 @@ def test_64_bit_variants(run, device, wide_index, size):
             check(run, x, pad, 5)
     if device == "executor":
         assert {d.kernel for d in rec.dispatches} == {f"constant_pad_{size}_i64"}
+
+
+@pytest.mark.parametrize("shape,dtype,pad", [((2, 3, 40, 100), torch.float32, [1, 1, 1, 1]),
+                                             ((4, 64, 64), torch.bfloat16, [0, 1, 0, 1])])
+def test_what_a_gpu_pays_beyond_bytes(run, device, shape, dtype, pad):
+    # Contiguous input: every load and store instruction of a simdgroup
+    # touches the fewest cache lines its bytes fit in (to 10%: a 130-byte
+    # row is split between simdgroups where it crosses a line), no bank
+    # conflicts in the staging, no stack arrays, no 64-bit division, and
+    # the output's interior stored 16 bytes at a time (a 130-byte row has
+    # about 16 bytes at its ends that are not a whole aligned piece).
+    x = sample(shape, dtype)
+    with cpu_metal.record(counters=True) as rec:
+        check(run, x, pad, 3)
+    if device == "executor":
+        (d,) = rec.dispatches
+        assert max(d.coalescing.values()) <= 1.1, d.coalescing
+        assert d.bank_conflict_cycles == 0
+        assert d.kernel_info.private_bytes == 0 and d.int64_divisions == 0
+        widths = d.write_widths[0]
+        assert widths[16] * 16 >= 0.85 * sum(w * n for w, n in widths.items()), widths
 
 
 def test_every_pad_kernel_is_tested():
