@@ -110,16 +110,31 @@ MPS_EXT_INLINE void load_row(thread float* v, const device T* base, I stride, I 
   }
 }
 
+// ... and back. Which of the thread's pieces exist is counted here, once,
+// rather than checked per piece as the loads do: nothing of the loads'
+// per-piece offsets and checks is reused, so a compiler need not keep J of
+// each live from the loads, across the reductions, to the stores. Piece j
+// (element (first + j * step) * C) is whole for j < full; the row's last
+// C - 1 elements or fewer, if any, are piece `part`.
 template <typename O, typename I, int J, int C>
 MPS_EXT_INLINE void store_row(device O* base, I stride, I n, thread const float* v, Slots<I, J, C> s, bool valid) {
   if (!valid) return;
-  MPS_EXT_UNROLL for (int j = 0; j < J; ++j) {
-    const I k = s.at(j);
-    if (C > 1 && k + C <= n) {
-      store_n<C>(base + k, v + j * C);
-    } else {
+  const I whole = n / I(C), rest = n % I(C);  // whole pieces of the row, elements after them
+  I full = 0, part = I(J);
+  if (s.first <= whole) {
+    const I d = whole - s.first, q = d / s.step, r = d - q * s.step;
+    full = r != 0 ? q + 1 : q;
+    if (rest != 0 && r == 0) part = q;
+  }
+  device O* at = base + s.first * I(C) * stride;
+  const I jump = s.step * I(C) * stride;
+  MPS_EXT_UNROLL for (int j = 0; j < J; ++j, at += jump) {
+    if (I(j) < full) {
+      if (C > 1) store_n<C>(at, v + j * C);
+      else *at = O(v[j]);
+    } else if (I(j) == part) {
       MPS_EXT_UNROLL for (int e = 0; e < C; ++e)
-        if (k + e < n) base[C > 1 ? k + e : k * stride] = O(v[j * C + e]);
+        if (I(e) < rest) at[e] = O(v[j * C + e]);
     }
   }
 }
