@@ -113,7 +113,32 @@ class KernelInfo:
 
 @dataclasses.dataclass
 class DispatchStats:
-    """What one dispatch did, from the executor's counters."""
+    """What one dispatch did, from the executor's counters.
+
+    Bytes, barriers, simd operations and threads are counted as the kernel
+    runs. What a GPU pays beyond bytes (README, "What a kernel costs a GPU
+    beyond its bytes", has the details and limits of each):
+    - int64_divisions / int64_multiplications (always counted): an increment
+      the instrumenter puts after optimisation before every 64-bit integer
+      sdiv/udiv/srem/urem by a run-time value, and every 64-bit mul (a
+      division by a constant counts as a multiplication, by a power of two
+      as nothing); totals, per-thread means, and the busiest thread.
+    - kernel_info (static, computed when the library is built, see
+      KernelInfo): registers from SSA liveness over the kernel's IR optimised
+      as a GPU compiler would; private_bytes from the allocas that stay;
+      loads_in_flight from the independent device loads of the hot loop.
+    - with counters=True only (`counters` says whether they were measured):
+      cache_lines / cache_lines_minimum per buffer, from the byte ranges of
+      the active lanes of each simdgroup memory instruction (lanes matched
+      by access site and SIMT position): the distinct 128-byte lines they
+      touch, counted from the start of the storage, and the fewest lines
+      their distinct bytes fit in; `coalescing` is their ratio.
+      threadgroup_memory_instructions and bank_conflict_cycles, from the
+      same instructions on threadgroup memory: the most distinct 4-byte
+      words in one of 32 banks, less the distinct words over 32 banks
+      (several lanes on one word is a broadcast, free).
+    - buffer_names: the kernel's parameter name of each buffer index.
+    """
 
     kernel: str
     threadgroups: tuple[int, int, int]
