@@ -55,7 +55,7 @@ DispatchError = _C.DispatchError
 
 __all__ = [
     "compile_library", "Library", "DispatchStats", "KernelInfo", "record", "set_default_seed", "worker_count",
-    "FULL_OCCUPANCY_REGISTERS", "MAX_REGISTERS",
+    "FULL_OCCUPANCY_REGISTERS", "MAX_REGISTERS", "occupancy", "registers_for",
     "CompileError", "Diagnostic", "KernelError", "OutOfBoundsError", "MisalignedAccessError",
     "BarrierDivergenceError", "RaceError", "DispatchError", "cache_dir",
 ]
@@ -79,8 +79,33 @@ _default_seed = int(os.environ.get("MPS_EXT_EXECUTOR_SEED", "0"))
 # leaves 384. From Apple family 9 (M3) registers are allocated dynamically
 # ("Dynamic Caching"), so the budget matters most on M1 and M2. Memory-bound
 # kernels need full occupancy to hide the latency of their loads.
+# The whole curve is in Mesa's compiler for these GPUs, as (16-bit registers,
+# threads) pairs: up to 104 halves (52 registers) 1024 threads, ..., 256
+# halves (128) 384 (src/asahi/compiler/agx_performance.c, `occupancies`,
+# Alyssa Rosenzweig, 2023). A compute pipeline keeps its whole threadgroup on
+# one core, so the same figure bounds the threadgroup size a pipeline allows
+# (maxTotalThreadsPerThreadgroup): a kernel that needs 1024 threads in a
+# threadgroup must fit 52 registers.
 FULL_OCCUPANCY_REGISTERS = 52
 MAX_REGISTERS = 128
+_OCCUPANCY = ((52, 1024), (56, 896), (64, 832), (68, 768), (72, 704), (80, 640), (92, 576), (104, 512),
+              (116, 448), (128, 384))  # (32-bit registers, threads), Mesa's table in 32-bit units
+
+
+def occupancy(registers: int) -> int:
+    """Threads an Apple GPU core (M1/M2) keeps resident for a kernel using
+    `registers` 32-bit registers per thread (KernelInfo.registers), which is
+    also the largest threadgroup its pipeline allows; 0 beyond
+    MAX_REGISTERS, where the compiler spills."""
+    return next((threads for most, threads in _OCCUPANCY if registers <= most), 0)
+
+
+def registers_for(threads: int) -> int:
+    """The most 32-bit registers a thread may use for a core to keep
+    `threads` threads (or a threadgroup of that size) resident."""
+    if not 0 < threads <= 1024:
+        raise ValueError(f"threads must be in 1..1024, got {threads}")
+    return max(most for most, n in _OCCUPANCY if n >= threads)
 
 
 def set_default_seed(seed: int) -> None:
