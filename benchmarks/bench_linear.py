@@ -4,9 +4,9 @@
 
 1, 2, 4 and 8 activation rows against the weights of real models, fp16 and
 bf16: F.linear's [N, K] weight (gemv_rows) at every shape, x @ W with W
-stored [K, N] (gemv_cols) at the shapes below the vocabulary size; fp32 and
-a weight 16-byte misaligned (the element-load kernels) at the MoE expert
-shapes. --quick leaves out the vocabulary-sized shapes and the 4096 x 14336
+stored [K, N] (gemv_cols) at the shapes below the vocabulary size; fp32 at
+an MoE expert's shape, and a weight 16-byte misaligned (the element-load
+kernels) at the MoE router's. --quick leaves out the vocabulary-sized shapes and the 4096 x 14336
 ones. On a Mac, weights are rotated so that the system-level cache
 cannot hold them.
 """
@@ -30,7 +30,7 @@ SHAPES = [  # (K -> N, model)
     (2048, 768, "Qwen3-30B-A3B expert up"),
     (768, 2048, "Qwen3-30B-A3B expert down"),
     (2048, 151936, "Qwen3 lm_head"),
-]
+]  # and (2048 -> 128, the Qwen3-30B-A3B router) misaligned
 VOCABULARY = 100000  # N beyond this: a vocabulary-sized lm_head (no x @ W)
 ROWS = [1, 2, 4, 8]
 ROTATE_BYTES = 512 * 2**20  # more than any system-level cache
@@ -84,7 +84,7 @@ def cases(size: str) -> list[Case]:
             layouts = ["[N,K]"] + (["[K,N]"] if n <= VOCABULARY else [])
             plan.append((k, n, model, [torch.float16, torch.bfloat16], layouts, 0))
         plan.append((768, 2048, "Qwen3-30B-A3B expert down", [torch.float32], ["[N,K]", "[K,N]"], 0))
-        plan.append((2048, 768, "Qwen3-30B-A3B expert up, misaligned weight",
+        plan.append((2048, 128, "Qwen3-30B-A3B router, misaligned weight",
                      [torch.float32, torch.float16, torch.bfloat16], ["[N,K]", "[K,N]"], 1))
     out = []
     for k, n, model, dtypes, layouts, misaligned in plan:

@@ -20,6 +20,7 @@ from benchmarks.common import Case, Prepared, run_as_script  # noqa: E402
 CASES = [  # (shape, dtype, pad, value, what, sizes it runs at)
     ((1, 16, 4, 256, 256), torch.float32, [1, 1, 1, 1, 1, 1], 0, "video-VAE latent, for a 3x3x3 conv",
      ("full", "quick")),
+    ((1, 320, 64, 64), torch.float32, [1, 1, 1, 1], 0, "UNet activation, for a 3x3 conv", ("full", "quick")),
     ((1, 128, 512, 512), torch.float16, [1, 1, 1, 1], 0, "image-VAE decoder activation", ("full",)),
     ((1, 512, 64, 64), torch.bfloat16, [0, 1, 0, 1], 0, "asymmetric, before a stride-2 conv", ("full", "quick")),
     ((1, 3, 1024, 1024), torch.uint8, [16, 16, 16, 16], 0, "an 8-bit image, bordered", ("full", "quick")),
