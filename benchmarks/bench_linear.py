@@ -1,21 +1,26 @@
-"""Decode-time linear layers: from the CPU Metal executor's counters, bytes
-read from the weight against its size, 16-byte loads, dispatches,
-threadgroups, and the time the weight traffic takes at the bandwidth of Apple
-chips; on a Mac also the median time of stock torch against mps_ext, with
-weights rotated so that the system-level cache cannot hold them. Both weight
-layouts: F.linear's [N, K] (gemv_rows) and x @ W with W stored [K, N]
-(gemv_cols).
+"""Decode-time linear layers: the cases of `python -m benchmarks linear`.
 
-    python benchmarks/bench_linear.py [--quick] [--layout nk|kn]
+    python benchmarks/bench_linear.py [--quick | --tiny]   (the same)
+
+1, 2, 4 and 8 activation rows against the weights of real models, fp16 and
+bf16: F.linear's [N, K] weight (gemv_rows) at every shape, x @ W with W
+stored [K, N] (gemv_cols) at the shapes below the vocabulary size; fp32 at
+an MoE expert's shape, and a weight 16-byte misaligned (the element-load
+kernels) at the MoE router's. --quick leaves out the vocabulary-sized shapes and the 4096 x 14336
+ones. On a Mac, weights are rotated so that the system-level cache
+cannot hold them.
 """
 
-import argparse
+from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import torch
 
-import mps_ext  # noqa: F401
-from common import BANDWIDTH_GBPS, mac_times, table
-from mps_ext import cpu_metal
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import Case, Prepared, run_as_script  # noqa: E402
 
 SHAPES = [  # (K -> N, model)
     (4096, 4096, "Llama-3-8B q/o proj"),
@@ -25,36 +30,35 @@ SHAPES = [  # (K -> N, model)
     (2048, 768, "Qwen3-30B-A3B expert up"),
     (768, 2048, "Qwen3-30B-A3B expert down"),
     (2048, 151936, "Qwen3 lm_head"),
-]
+]  # and (2048 -> 128, the Qwen3-30B-A3B router) misaligned
+VOCABULARY = 100000  # N beyond this: a vocabulary-sized lm_head (no x @ W)
 ROWS = [1, 2, 4, 8]
-DTYPES = [torch.float16, torch.bfloat16]
 ROTATE_BYTES = 512 * 2**20  # more than any system-level cache
+NOTES = ("weight read / size: bytes the kernel read from the weight over its size. 16-byte loads: the share of "
+         "weight bytes read by 16-byte loads. activation reads: times the activation was read (from cache on a GPU).")
 
 
-def measure(k, n, rows, dtype, layout):
+def weight_columns(stats, w: torch.Tensor, x: torch.Tensor) -> dict[str, str]:
+    (d,) = stats
+    i = d.buffer("w")
+    read = d.bytes_read[i]
+    return {"weight read / size": f"{read / w.nbytes:.3f}",
+            "16-byte loads": f"{d.read_widths[i].get(16, 0) * 16 / read:.0%}",
+            "activation reads": f"{d.bytes_read[d.buffer('x')] / x.nbytes:.0f}"}
+
+
+def prepare(k, n, rows, dtype, layout, misaligned) -> Prepared:
+    """layout "[N,K]": F.linear(x, w); "[K,N]": x @ w with w stored [K, N]."""
+    shape = (n, k) if layout == "[N,K]" else (k, n)
+    # One element more in front puts the weight 2 or 4 bytes off 16-byte alignment.
+    w = torch.randn(n * k + misaligned).to(dtype)[misaligned:].view(shape)
     x = torch.randn(rows, k).to(dtype)
-    if layout == "nk":
-        w = torch.randn(n, k).to(dtype)
-        op = lambda: torch.ops.mps_ext.linear(x, w, None)  # noqa: E731
-    else:
-        w = torch.randn(k, n).to(dtype)
-        op = lambda: torch.ops.mps_ext.mm(x, w)  # noqa: E731
-    with cpu_metal.record() as rec:
-        op()
-    d = rec.dispatches[0]  # the weight's dispatch; gemv_cols_finish adds split-K sums
-    wide = d.read_widths[2].get(16, 0) * 16
-    row = {
-        "weight read/size": f"{d.bytes_read[2] / w.nbytes:.3f}",
-        "x reads": f"{d.bytes_read[1] / x.nbytes:.0f}",
-        "16B loads": f"{wide / d.bytes_read[2]:.0%}",
-        "dispatches": len(rec.dispatches),
-        "threadgroups": sum(r.total_threadgroups for r in rec.dispatches),
-        "kernel": d.kernel,
-    }
-    for chip in ("M3 Max", "M3 Ultra"):
-        row[chip] = f"{d.bytes_read[2] / (BANDWIDTH_GBPS[chip] * 1e9) * 1e6:.1f}"
-    row["stock us"] = row["mps_ext us"] = row["speedup"] = "-"
-    if torch.backends.mps.is_available():
+    minimum = w.nbytes + x.nbytes + rows * n * w.element_size()
+
+    def run():
+        return torch.ops.mps_ext.linear(x, w, None) if layout == "[N,K]" else torch.ops.mps_ext.mm(x, w)
+
+    def mac():
         copies = max(1, ROTATE_BYTES // w.nbytes)
         ws = [w.to("mps") for _ in range(copies)]
         xm = x.to("mps")
@@ -62,48 +66,38 @@ def measure(k, n, rows, dtype, layout):
 
         def step():
             i[0] = (i[0] + 1) % copies
-            if layout == "nk":
-                torch.nn.functional.linear(xm, ws[i[0]])
-            else:
-                xm @ ws[i[0]]
+            return torch.nn.functional.linear(xm, ws[i[0]]) if layout == "[N,K]" else xm @ ws[i[0]]
 
-        stock, ours = mac_times(step, step)
-        row.update({"stock us": f"{stock * 1e6:.1f}", "mps_ext us": f"{ours * 1e6:.1f}",
-                    "speedup": f"{stock / ours:.2f}x"})
-    return row
+        return step, step
+
+    return Prepared(run, minimum, mac, lambda stats: weight_columns(stats, w, x))
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="skip the vocabulary-sized shapes")
-    parser.add_argument("--layout", choices=["nk", "kn"], action="append",
-                        help="weight layout: nk (F.linear, [N, K]) or kn (x @ W, [K, N]); both by default")
-    args = parser.parse_args()
-    rows_out = []
-    for layout in args.layout or ["nk", "kn"]:
+def cases(size: str) -> list[Case]:
+    plan = []  # (k, n, model, dtypes, layouts, misaligned)
+    if size == "tiny":
+        plan = [(256, 128, "tiny", [torch.float16], ["[N,K]", "[K,N]"], 0)]
+    else:
         for k, n, model in SHAPES:
-            if args.quick and n > 100000:
+            if size == "quick" and n * k > 4096 * 4096:
                 continue
-            for dtype in DTYPES:
-                for rows in ROWS:
-                    r = {"layout": "W[N,K]" if layout == "nk" else "W[K,N]", "shape": f"{k}->{n}", "model": model,
-                         "dtype": str(dtype)[6:], "rows": rows}
-                    r.update(measure(k, n, rows, dtype, layout))
-                    rows_out.append(r)
-                    print(f"  {r['layout']} {r['shape']} {r['dtype']} rows={rows}: {r['weight read/size']}", flush=True)
-    print(table(rows_out, [("layout", "weight"), ("shape", "K->N"), ("model", "layer"), ("dtype", "dtype"),
-                           ("rows", "rows"), ("weight read/size", "weight read / size"),
-                           ("16B loads", "16-byte loads"), ("x reads", "activation reads"),
-                           ("dispatches", "dispatches"), ("threadgroups", "threadgroups"), ("M3 Max", "us @400GB/s"),
-                           ("M3 Ultra", "us @819GB/s"), ("stock us", "stock (us)"),
-                           ("mps_ext us", "mps_ext (us)"), ("speedup", "speedup")]))
-    print("weight read / size: bytes the kernel read from the weight buffer over its size (executor counters). "
-          "us @N GB/s: the time that weight traffic takes at the chip's bandwidth (the decode limit). "
-          "activation reads: the activation's bytes read, over its size, counted per lane (threadgroups "
-          "read it from cache on a GPU; each reads it once into threadgroup memory). "
-          "W[K,N] with few column blocks splits K: a second dispatch adds the partial sums. "
-          "Times only on a Mac.")
+            layouts = ["[N,K]"] + (["[K,N]"] if n <= VOCABULARY else [])
+            plan.append((k, n, model, [torch.float16, torch.bfloat16], layouts, 0))
+        plan.append((768, 2048, "Qwen3-30B-A3B expert down", [torch.float32], ["[N,K]", "[K,N]"], 0))
+        plan.append((2048, 128, "Qwen3-30B-A3B router, misaligned weight",
+                     [torch.float32, torch.float16, torch.bfloat16], ["[N,K]", "[K,N]"], 1))
+    out = []
+    for k, n, model, dtypes, layouts, misaligned in plan:
+        for layout in layouts:
+            for dtype in dtypes:
+                for rows in ROWS if size != "tiny" else [1, 2]:
+                    labels = {"K->N": f"{k}->{n}", "layer": model, "weight": layout, "dtype": str(dtype)[6:],
+                              "rows": str(rows)}
+                    id_ = f"{k}->{n} {layout} {labels['dtype']} rows={rows}" + (" misaligned" if misaligned else "")
+                    out.append(Case("linear", id_, labels,
+                                    lambda a=(k, n, rows, dtype, layout, misaligned): prepare(*a)))
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    run_as_script("linear")

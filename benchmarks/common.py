@@ -1,49 +1,114 @@
-"""Shared by the benchmarks: traffic from the CPU Metal executor's counters,
-and, on a Mac, wall-clock timing of stock torch against mps_ext."""
+"""Shared by the benchmarks: every op's cases are measured here, once, with
+the CPU Metal executor's counters (traffic, coalescing, 64-bit integer work,
+registers, bank conflicts), and on a Mac also timed, stock torch against
+mps_ext. `python -m benchmarks` (benchmarks/__main__.py) runs them all; each
+benchmarks/bench_<op>.py only lists its op's cases.
+
+A case is measured by running it once inside cpu_metal.record(counters=True);
+the tables report, per case, the worst of its dispatches (the most lines per
+instruction, the most registers, the fewest loads in flight).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
+import sys
 import time
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 import mps_ext
 from mps_ext import cpu_metal
 
-# GB/s of Apple GPUs (anchors.md): the physical limit of a memory-bound op.
+ROOT = Path(__file__).resolve().parent.parent
+
+# GB/s of Apple GPUs (/work/shared/reference/anchors.md, "Apple GPU memory
+# bandwidth"): the physical limit of a memory-bound op.
 BANDWIDTH_GBPS = {"M1": 68, "M2 Pro": 200, "M3 Max": 400, "M3 Ultra": 819, "M4 Max": 546}
+SIZES = ("full", "quick", "tiny")  # full: every shape; quick: no vocabulary-sized ones; tiny: a smoke test
 
 
-def sixteen_byte_share(dispatches, reads=True, writes=True) -> float:
-    """Share of the bytes moved over tensor buffers (not constant data) by
-    16-byte accesses."""
-    total = sixteen = 0
-    for d in dispatches:
-        for counted, widths_of in ((reads, d.read_widths), (writes, d.write_widths)):
-            if not counted:
-                continue
-            for buffer, widths in widths_of.items():
-                if buffer not in d.constant_buffers:
-                    total += sum(width * n for width, n in widths.items())
-                    sixteen += 16 * widths.get(16, 0)
-    return sixteen / total if total else 0.0
+@dataclasses.dataclass
+class Prepared:
+    """A case's inputs, made when it runs (some weigh a gigabyte)."""
+
+    run: Callable[[], Any]  # calls torch.ops.mps_ext ops on CPU tensors
+    minimum_bytes: int  # reading every input once and writing every output once
+    # On a Mac: returns (stock, ours), two callables on MPS tensors (ours may be
+    # the same callable: stock runs with mps_ext disabled).
+    mac: Callable[[], tuple[Callable, Callable]] | None = None
+    # Op-specific columns from the case's dispatches.
+    extras: Callable[[list[cpu_metal.DispatchStats]], dict[str, str]] | None = None
 
 
-def traffic(fn) -> dict:
-    """Run fn (which calls torch.ops.mps_ext ops on CPU tensors) and sum the
-    executor's counters over its dispatches."""
-    with cpu_metal.record() as rec:
-        fn()
-    return {
-        "dispatches": len(rec.dispatches),
-        "wide_share": sixteen_byte_share(rec.dispatches),
-        "wide_store_share": sixteen_byte_share(rec.dispatches, reads=False),
-        "threadgroups": sum(d.total_threadgroups for d in rec.dispatches),
-        "memory_bytes": sum(d.memory_bytes_moved for d in rec.dispatches),
-        "all_bytes": sum(d.bytes_moved for d in rec.dispatches),
-        "kernels": [d.kernel for d in rec.dispatches],
-    }
+@dataclasses.dataclass
+class Case:
+    op: str
+    id: str  # unique within the op; the budget tests name cases by it
+    labels: dict[str, str]  # the table's first columns
+    prepare: Callable[[], Prepared]
+    scale: int = 1  # the case stands for `scale` copies of what runs (an extrapolated batch)
+
+
+@dataclasses.dataclass
+class Result:
+    case: Case
+    stats: list[cpu_metal.DispatchStats]
+    minimum_bytes: int
+    seconds: float  # the executor's wall time
+    times: tuple[str, str, str] | None  # on a Mac: stock us, mps_ext us, speedup
+    extras: dict[str, str]
+
+    @property
+    def kernels(self) -> list[str]:
+        return [d.kernel for d in self.stats]
+
+    @property
+    def threadgroups(self) -> int:
+        return sum(d.total_threadgroups for d in self.stats) * self.case.scale
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes moved over tensor buffers, for the case's whole batch."""
+        return sum(d.memory_bytes_moved for d in self.stats) * self.case.scale
+
+    @property
+    def bytes_over_minimum(self) -> float:
+        return sum(d.memory_bytes_moved for d in self.stats) / self.minimum_bytes if self.minimum_bytes else 1.0
+
+    def projected_us(self, chip: str) -> float:
+        """The time the case's traffic takes at the chip's bandwidth: a
+        bound, not a prediction (no launch cost, no latency)."""
+        return self.memory_bytes / (BANDWIDTH_GBPS[chip] * 1e3)
+
+    def limit_us(self, chip: str) -> float:
+        """The bandwidth limit: the minimum bytes at the chip's bandwidth."""
+        return self.minimum_bytes * self.case.scale / (BANDWIDTH_GBPS[chip] * 1e3)
+
+
+# ---------------------------------------------------------------- counters --
+def device_coalescing(d: cpu_metal.DispatchStats) -> dict[str, float]:
+    """Coalescing per device buffer, by parameter name; constant data bound
+    from bytes (parameter structs) is served by the constant cache and left out."""
+    return {d.buffer_names.get(i, str(i)): r for i, r in d.coalescing.items() if i not in d.constant_buffers}
+
+
+def worst_coalescing(stats: list[cpu_metal.DispatchStats]) -> tuple[float, str]:
+    """The highest ratio over the dispatches' device buffers, and where."""
+    worst, where = 1.0, ""
+    for d in stats:
+        for name, r in device_coalescing(d).items():
+            if r > worst:
+                worst, where = r, f"{d.kernel} {name}" if len(stats) > 1 else name
+    return worst, where
+
+
+def bank_conflicts_per_instruction(stats: list[cpu_metal.DispatchStats]) -> float:
+    instructions = sum(d.threadgroup_memory_instructions for d in stats)
+    return sum(d.bank_conflict_cycles for d in stats) / instructions if instructions else 0.0
 
 
 def mac_times(stock, ours, repeat: int = 50, warmup: int = 5) -> tuple[float, float] | None:
@@ -73,7 +138,142 @@ def mac_times(stock, ours, repeat: int = 50, warmup: int = 5) -> tuple[float, fl
     return median(stock, True), median(ours, False)
 
 
-def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
-    widths = [max(len(title), *(len(str(r[key])) for r in rows)) for key, title in columns]
-    line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([line([t for _, t in columns])] + [line([r[k] for k, _ in columns]) for r in rows])
+def _time_on_mac(prepared: Prepared) -> tuple[str, str, str] | None:
+    if prepared.mac is None or not torch.backends.mps.is_available():
+        return None
+    stock, ours = prepared.mac()
+    try:
+        with mps_ext.disabled():
+            stock()
+    except Exception as e:  # e.g. torch before 2.15 refuses complex64 LU on MPS
+        t = mac_times(ours, ours)
+        return (f"error ({type(e).__name__})", f"{t[1] * 1e6:.1f}", "-") if t else None
+    t = mac_times(stock, ours)
+    return (f"{t[0] * 1e6:.1f}", f"{t[1] * 1e6:.1f}", f"{t[0] / t[1]:.2f}x") if t else None
+
+
+def measure(case: Case, mac: bool = True) -> Result:
+    """Run the case once on the executor with every counter on (and, on a
+    Mac, time it)."""
+    prepared = case.prepare()
+    start = time.perf_counter()
+    with cpu_metal.record(counters=True) as rec:
+        prepared.run()
+    seconds = time.perf_counter() - start
+    if not rec.dispatches:
+        raise RuntimeError(f"{case.op} case {case.id!r} made no dispatch: it did not reach mps_ext's kernels")
+    extras = prepared.extras(rec.dispatches) if prepared.extras else {}
+    return Result(case, rec.dispatches, prepared.minimum_bytes, seconds,
+                  _time_on_mac(prepared) if mac else None, extras)
+
+
+# ------------------------------------------------------------------ tables --
+def markdown(rows: list[dict], columns: list[str]) -> str:
+    """A markdown table of `rows` (dicts) over `columns` (their keys, also the titles)."""
+    def cell(v):
+        return str(v).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def case_row(r: Result, chips: list[str]) -> dict:
+    worst, where = worst_coalescing(r.stats)
+    registers = max(d.kernel_info.registers for d in r.stats)
+    row = dict(r.case.labels)
+    row.update({
+        "kernels": " ".join(dict.fromkeys(r.kernels)),
+        "dispatches": len(r.stats),
+        "threadgroups": r.threadgroups,
+        "bytes / min": f"{r.bytes_over_minimum:.3f}",
+        "lines / min": f"{worst:.2f}" + (f" ({where})" if worst > 1.0 else ""),
+        "i64 div / thread": f"{max(d.int64_divisions_per_thread for d in r.stats):.2f}",
+        "registers": f"{registers} ({cpu_metal.occupancy(registers)})",
+        "bank conflicts": f"{bank_conflicts_per_instruction(r.stats):.2f}",
+        "loads in flight": min(d.kernel_info.loads_in_flight for d in r.stats),
+    })
+    row.update(r.extras)
+    for chip in chips:
+        row[f"us @{chip}"] = f"{r.projected_us(chip):.1f}"
+    row["stock us"], row["mps_ext us"], row["speedup"] = r.times or ("-", "-", "-")
+    return row
+
+
+CASE_COLUMNS = ["kernels", "dispatches", "threadgroups", "bytes / min", "lines / min", "i64 div / thread",
+                "registers", "bank conflicts", "loads in flight"]
+CASE_NOTES = (
+    "bytes / min: bytes read and written over tensor buffers against reading every input and writing every "
+    "output once. lines / min: the most 128-byte lines a simdgroup's memory instruction touched over the fewest "
+    "its bytes fit in, for the worst device buffer (1.00 = coalesced). i64 div / thread: 64-bit integer "
+    "divisions and remainders per thread (software on Apple GPUs). registers: 32-bit registers live per thread "
+    "at the peak (threads an M1/M2 core keeps at that count; 1024 is full occupancy). bank conflicts: extra "
+    "cycles per threadgroup-memory instruction. loads in flight: independent device loads per iteration of the "
+    "hot loop (the fewest over the case's kernels). us @chip: the traffic at the chip's bandwidth (a bound, not "
+    "a prediction). stock / mps_ext: median times on a Mac only. README, \"What a kernel costs a GPU beyond its "
+    "bytes\", says how each counter is computed.")
+
+
+def op_table(results: list[Result], chips: list[str]) -> str:
+    rows = [case_row(r, chips) for r in results]
+    labels = list(results[0].case.labels)
+    extras = list(dict.fromkeys(k for r in results for k in r.extras))
+    columns = labels + CASE_COLUMNS + extras + [f"us @{c}" for c in chips] + ["stock us", "mps_ext us", "speedup"]
+    return markdown(rows, columns)
+
+
+def library_kernels() -> dict[str, dict[str, cpu_metal.KernelInfo]]:
+    """Every kernel host name of kernels_metal/*.metal, per library, with its
+    static costs, as the executor compiles the shaders the build embeds."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tools.embed_shaders import sources
+
+    out = {}
+    for name, text in sources().items():
+        lib = cpu_metal.compile_library(text, filename=f"{name}.metal")
+        out[name] = {k: lib.kernel_info(k) for k in sorted(lib.function_names)}
+    return out
+
+
+def kernel_table(results: list[Result]) -> str:
+    """One row per kernel host name of kernels_metal/: its static costs, and
+    the worst of what it did over the cases that reached it."""
+    reached: dict[str, list[tuple[Result, cpu_metal.DispatchStats]]] = {}
+    for r in results:
+        for d in r.stats:
+            reached.setdefault(d.kernel, []).append((r, d))
+    rows = []
+    for library, kernels in library_kernels().items():
+        for name, info in kernels.items():
+            row = {"kernel": name, "registers": info.registers, "threads / core": cpu_metal.occupancy(info.registers),
+                   "uniform": info.uniform_registers, "private bytes": info.private_bytes,
+                   "loads in flight": info.loads_in_flight}
+            runs = reached.get(name, [])
+            if not runs:
+                row["cases"] = "not reached by a benchmark case"
+                rows.append(row)
+                continue
+            lines: dict[str, float] = {}
+            for _, d in runs:
+                for buffer, ratio in device_coalescing(d).items():
+                    lines[buffer] = max(lines.get(buffer, 0.0), ratio)
+            row.update({
+                "cases": len(runs),
+                "lines / min per buffer (worst)": ", ".join(f"{b} {v:.2f}" for b, v in sorted(lines.items())),
+                "i64 div / thread": f"{max(d.int64_divisions_per_thread for _, d in runs):.2f}",
+                "i64 mul / thread": f"{max(d.int64_multiplications_per_thread for _, d in runs):.2f}",
+                "bank conflicts": f"{max(bank_conflicts_per_instruction([d]) for _, d in runs):.2f}",
+                "threadgroups (fewest)": min(d.total_threadgroups * r.case.scale for r, d in runs),
+            })
+            rows.append(row)
+    return markdown(rows, ["kernel", "cases", "registers", "threads / core", "uniform", "private bytes",
+                           "loads in flight", "lines / min per buffer (worst)", "i64 div / thread",
+                           "i64 mul / thread", "bank conflicts", "threadgroups (fewest)"])
+
+
+def run_as_script(op: str) -> None:
+    """`python benchmarks/bench_<op>.py [options]`: the runner on one op."""
+    from benchmarks.__main__ import main
+
+    main([op] + sys.argv[1:])

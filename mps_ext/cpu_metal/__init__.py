@@ -55,7 +55,7 @@ DispatchError = _C.DispatchError
 
 __all__ = [
     "compile_library", "Library", "DispatchStats", "KernelInfo", "record", "set_default_seed", "worker_count",
-    "FULL_OCCUPANCY_REGISTERS", "MAX_REGISTERS",
+    "FULL_OCCUPANCY_REGISTERS", "MAX_REGISTERS", "occupancy", "registers_for",
     "CompileError", "Diagnostic", "KernelError", "OutOfBoundsError", "MisalignedAccessError",
     "BarrierDivergenceError", "RaceError", "DispatchError", "cache_dir",
 ]
@@ -79,8 +79,33 @@ _default_seed = int(os.environ.get("MPS_EXT_EXECUTOR_SEED", "0"))
 # leaves 384. From Apple family 9 (M3) registers are allocated dynamically
 # ("Dynamic Caching"), so the budget matters most on M1 and M2. Memory-bound
 # kernels need full occupancy to hide the latency of their loads.
+# The whole curve is in Mesa's compiler for these GPUs, as (16-bit registers,
+# threads) pairs: up to 104 halves (52 registers) 1024 threads, ..., 256
+# halves (128) 384 (src/asahi/compiler/agx_performance.c, `occupancies`,
+# Alyssa Rosenzweig, 2023). A compute pipeline keeps its whole threadgroup on
+# one core, so the same figure bounds the threadgroup size a pipeline allows
+# (maxTotalThreadsPerThreadgroup): a kernel that needs 1024 threads in a
+# threadgroup must fit 52 registers.
 FULL_OCCUPANCY_REGISTERS = 52
 MAX_REGISTERS = 128
+_OCCUPANCY = ((52, 1024), (56, 896), (64, 832), (68, 768), (72, 704), (80, 640), (92, 576), (104, 512),
+              (116, 448), (128, 384))  # (32-bit registers, threads), Mesa's table in 32-bit units
+
+
+def occupancy(registers: int) -> int:
+    """Threads an Apple GPU core (M1/M2) keeps resident for a kernel using
+    `registers` 32-bit registers per thread (KernelInfo.registers), which is
+    also the largest threadgroup its pipeline allows; 0 beyond
+    MAX_REGISTERS, where the compiler spills."""
+    return next((threads for most, threads in _OCCUPANCY if registers <= most), 0)
+
+
+def registers_for(threads: int) -> int:
+    """The most 32-bit registers a thread may use for a core to keep
+    `threads` threads (or a threadgroup of that size) resident."""
+    if not 0 < threads <= 1024:
+        raise ValueError(f"threads must be in 1..1024, got {threads}")
+    return max(most for most, n in _OCCUPANCY if n >= threads)
 
 
 def set_default_seed(seed: int) -> None:
@@ -113,7 +138,32 @@ class KernelInfo:
 
 @dataclasses.dataclass
 class DispatchStats:
-    """What one dispatch did, from the executor's counters."""
+    """What one dispatch did, from the executor's counters.
+
+    Bytes, barriers, simd operations and threads are counted as the kernel
+    runs. What a GPU pays beyond bytes (README, "What a kernel costs a GPU
+    beyond its bytes", has the details and limits of each):
+    - int64_divisions / int64_multiplications (always counted): an increment
+      the instrumenter puts after optimisation before every 64-bit integer
+      sdiv/udiv/srem/urem by a run-time value, and every 64-bit mul (a
+      division by a constant counts as a multiplication, by a power of two
+      as nothing); totals, per-thread means, and the busiest thread.
+    - kernel_info (static, computed when the library is built, see
+      KernelInfo): registers from SSA liveness over the kernel's IR optimised
+      as a GPU compiler would; private_bytes from the allocas that stay;
+      loads_in_flight from the independent device loads of the hot loop.
+    - with counters=True only (`counters` says whether they were measured):
+      cache_lines / cache_lines_minimum per buffer, from the byte ranges of
+      the active lanes of each simdgroup memory instruction (lanes matched
+      by access site and SIMT position): the distinct 128-byte lines they
+      touch, counted from the start of the storage, and the fewest lines
+      their distinct bytes fit in; `coalescing` is their ratio.
+      threadgroup_memory_instructions and bank_conflict_cycles, from the
+      same instructions on threadgroup memory: the most distinct 4-byte
+      words in one of 32 banks, less the distinct words over 32 banks
+      (several lanes on one word is a broadcast, free).
+    - buffer_names: the kernel's parameter name of each buffer index.
+    """
 
     kernel: str
     threadgroups: tuple[int, int, int]

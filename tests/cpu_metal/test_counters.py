@@ -172,6 +172,18 @@ def test_a_kernel_holding_64_floats_needs_64_registers(lib):
     assert info.private_bytes == 0  # indexed by constants once unrolled: registers
 
 
+def test_occupancy_follows_mesas_table():
+    # Mesa's AGX compiler (src/asahi/compiler/agx_performance.c): up to 104
+    # 16-bit registers 1024 threads, 112: 896, ..., 256: 384.
+    assert cpu_metal.occupancy(cpu_metal.FULL_OCCUPANCY_REGISTERS) == 1024
+    assert [cpu_metal.occupancy(r) for r in (1, 52, 53, 56, 57, 92, 104, 128)] == [1024, 1024, 896, 896, 832, 576,
+                                                                                  512, 384]
+    assert cpu_metal.occupancy(cpu_metal.MAX_REGISTERS + 1) == 0  # spills
+    assert [cpu_metal.registers_for(t) for t in (1024, 1000, 896, 512, 384, 32)] == [52, 52, 56, 104, 128, 128]
+    with pytest.raises(ValueError, match="threads must be in 1..1024"):
+        cpu_metal.registers_for(2048)
+
+
 def test_halves_take_half_a_register(lib):
     assert 32 <= lib.kernel_info("hold_64_halves").registers <= 32 + 12
 
