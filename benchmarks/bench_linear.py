@@ -5,8 +5,8 @@
 1, 2, 4 and 8 activation rows against the weights of real models, fp16 and
 bf16: F.linear's [N, K] weight (gemv_rows) at every shape, x @ W with W
 stored [K, N] (gemv_cols) at the shapes below the vocabulary size; fp32 at
-an MoE expert's shape, and a weight 16-byte misaligned (the element-load
-kernels) at the MoE router's. --quick leaves out the vocabulary-sized shapes and the 4096 x 14336
+an MoE expert's shapes, and a weight 16-byte misaligned (the element-load
+kernels) at the MoE router's and an expert's (2 outputs per simdgroup). --quick leaves out the vocabulary-sized shapes and the 4096 x 14336
 ones. On a Mac, weights are rotated so that the system-level cache
 cannot hold them.
 """
@@ -39,7 +39,7 @@ NOTES = ("weight read / size: bytes the kernel read from the weight over its siz
 
 
 def weight_columns(stats, w: torch.Tensor, x: torch.Tensor) -> dict[str, str]:
-    (d,) = stats
+    d = stats[0]  # the weight's dispatch (x @ W with K split: gemv_cols_finish adds the splits' sums after it)
     i = d.buffer("w")
     read = d.bytes_read[i]
     return {"weight read / size": f"{read / w.nbytes:.3f}",
@@ -84,8 +84,11 @@ def cases(size: str) -> list[Case]:
             layouts = ["[N,K]"] + (["[K,N]"] if n <= VOCABULARY else [])
             plan.append((k, n, model, [torch.float16, torch.bfloat16], layouts, 0))
         plan.append((768, 2048, "Qwen3-30B-A3B expert down", [torch.float32], ["[N,K]", "[K,N]"], 0))
+        plan.append((2048, 768, "Qwen3-30B-A3B expert up", [torch.float32], ["[N,K]"], 0))
         plan.append((2048, 128, "Qwen3-30B-A3B router, misaligned weight",
                      [torch.float32, torch.float16, torch.bfloat16], ["[N,K]", "[K,N]"], 1))
+        plan.append((768, 2048, "Qwen3-30B-A3B expert down, misaligned weight",
+                     [torch.float32, torch.float16, torch.bfloat16], ["[N,K]"], 1))
     out = []
     for k, n, model, dtypes, layouts, misaligned in plan:
         for layout in layouts:

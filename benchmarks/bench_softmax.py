@@ -3,9 +3,11 @@
     python benchmarks/bench_softmax.py [--quick | --tiny]   (the same)
 
 Every forward case has its backward (_softmax_backward_data, which mps_ext
-keeps on every torch release). Between them they reach every softmax kernel:
-segment (rows up to 128), block (up to 8192), split (longer: partial then
-finish), in every dtype pair (half_to_float: fp16 in, fp32 out).
+keeps on every torch release). Between them they reach each softmax kernel
+shape: segment (rows up to 128), block (up to 8192), split (longer: partial
+then finish), strided (a softmax over a dimension that is not the last), in
+every dtype pair (half_to_float: fp16 in, fp32 out) with 16-byte accesses,
+and with element accesses where rows are not 16-byte aligned.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ CASES = [  # (shape, dtype, dim, half_to_float, what, sizes it runs at)
     ((4096, 256), BF16, -1, False, "MoE router, 256 experts (Qwen3.5)", ("full", "quick")),
     ((32, 1024, 16), F32, 1, False, "over a middle dimension", ("full", "quick")),
     ((4096, 128), BF16, -1, False, "MoE router, 128 experts (Qwen3)", ("full", "quick")),
+    # Rows whose starts are not 16-byte aligned take the element-access
+    # kernels (the others here take 16-byte accesses).
+    ((4096, 60), BF16, -1, False, "MoE router, 60 experts (Qwen1.5-MoE): unaligned rows", ("full", "quick")),
+    ((1, 32, 1, 4097), F16, -1, False, "decode attention over 4097 keys: unaligned rows", ("full", "quick")),
+    ((8, 50257), F32, -1, False, "GPT-2 logits, 8 rows: unaligned rows", ("full", "quick")),
+    ((8, 512, 64), BF16, 1, False, "over a middle dimension in bf16", ("full", "quick")),
     ((4096, 128), F16, -1, True, "MoE router in fp32 from fp16 logits", ("full", "quick")),
     ((4096, 32), F32, -1, False, "MoE router, 32 experts (LFM2)", ("full", "quick")),
     ((1, 32, 128, 128), F16, -1, False, "attention over a 128-token prompt", ("full", "quick")),

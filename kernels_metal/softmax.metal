@@ -94,19 +94,35 @@ MPS_EXT_INLINE void store_n(device half* p, thread const float* v) { store_n_pai
 template <int N>
 MPS_EXT_INLINE void store_n(device bfloat* p, thread const float* v) { store_n_pairs<N>(p, v); }
 
-// A thread's elements of the row starting at `base` (length n, elements
-// `stride` apart; in the vector variants the host checked it is 1), or
-// `fill` where the row has none (or the thread has no row).
+// Piece k of the row starting at `base` (length n, elements `stride` apart;
+// in the vector variants the host checked it is 1) as C floats, `fill`
+// where the row has none (or the thread has no row).
+template <typename T, typename I, int C>
+MPS_EXT_INLINE void load_piece(thread float* v, const device T* base, I stride, I k, I n, bool valid, float fill) {
+  if (C > 1 && valid && k + C <= n) {
+    load16(base + k, v);
+  } else {
+    MPS_EXT_UNROLL for (int e = 0; e < C; ++e) v[e] = valid && k + e < n ? float(base[C > 1 ? k + e : k * stride]) : fill;
+  }
+}
+
+// A thread's elements of a row.
 template <typename T, typename I, int J, int C>
 MPS_EXT_INLINE void load_row(thread float* v, const device T* base, I stride, I n, Slots<I, J, C> s, bool valid, float fill) {
+  MPS_EXT_UNROLL for (int j = 0; j < J; ++j) load_piece<T, I, C>(v + j * C, base, stride, s.at(j), n, valid, fill);
+}
+
+// ... of the same row of two tensors (backward: the gradient and the
+// forward's output), a piece of each in turn: a piece's offset and checks
+// serve both loads and end there (loading one row after the other keeps J
+// of them live in between).
+template <typename T, typename I, int J, int C>
+MPS_EXT_INLINE void load_rows(thread float* a, const device T* a_base, I a_stride, thread float* b,
+                              const device T* b_base, I b_stride, I n, Slots<I, J, C> s, bool valid, float fill) {
   MPS_EXT_UNROLL for (int j = 0; j < J; ++j) {
     const I k = s.at(j);
-    if (C > 1 && valid && k + C <= n) {
-      load16(base + k, v + j * C);
-    } else {
-      MPS_EXT_UNROLL for (int e = 0; e < C; ++e)
-        v[j * C + e] = valid && k + e < n ? float(base[C > 1 ? k + e : k * stride]) : fill;
-    }
+    load_piece<T, I, C>(a + j * C, a_base, a_stride, k, n, valid, fill);
+    load_piece<T, I, C>(b + j * C, b_base, b_stride, k, n, valid, fill);
   }
 }
 
@@ -233,8 +249,7 @@ MPS_EXT_INLINE void backward_row(device O* out, const device G* g, const device 
                          RowOffsets<I> o, Slots<I, J, C> s, bool valid, Reduce r) {
   const I n = I(p.row_length);
   float gv[J * C], yv[J * C];
-  load_row(gv, g + o.x, I(p.x_dim_stride), n, s, valid, 0.0f);
-  load_row(yv, y + o.y, I(p.y_dim_stride), n, s, valid, 0.0f);
+  load_rows(gv, g + o.x, I(p.x_dim_stride), yv, y + o.y, I(p.y_dim_stride), n, s, valid, 0.0f);
   float sum = 0.0f;
   MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) sum += backward_term(gv[i], yv[i], p.log);
   sum = r.reduce_sum(sum);
@@ -492,8 +507,7 @@ kernel void softmax_backward_partial(device float* partials [[buffer(0)]],
   const Slots<I, J, C> s = split_slots<I, J, C>(group.x, tid);
   const I n = I(p.row_length);
   float gv[J * C], yv[J * C];
-  load_row(gv, g + o.x, I(p.x_dim_stride), n, s, true, 0.0f);
-  load_row(yv, y + o.y, I(p.y_dim_stride), n, s, true, 0.0f);
+  load_rows(gv, g + o.x, I(p.x_dim_stride), yv, y + o.y, I(p.y_dim_stride), n, s, true, 0.0f);
   float sum = 0.0f;
   MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) sum += backward_term(gv[i], yv[i], p.log);
   sum = r.reduce_sum(sum);
@@ -524,8 +538,7 @@ kernel void softmax_backward_finish(device O* out [[buffer(0)]],
   const Slots<I, J, C> s = split_slots<I, J, C>(group.x, tid);
   const I n = I(p.row_length);
   float gv[J * C], yv[J * C];
-  load_row(gv, g + o.x, I(p.x_dim_stride), n, s, true, 0.0f);
-  load_row(yv, y + o.y, I(p.y_dim_stride), n, s, true, 0.0f);
+  load_rows(gv, g + o.x, I(p.x_dim_stride), yv, y + o.y, I(p.y_dim_stride), n, s, true, 0.0f);
   MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) gv[i] = backward_value(gv[i], yv[i], sum, p.log);
   store_row(out + o.out, I(p.out_dim_stride), n, gv, s, true);
 }
