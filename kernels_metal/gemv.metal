@@ -250,10 +250,12 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
   // i + 1, which every thread reaches after it used step i); and the
   // addresses a lane reads change with the step, so that a compiler keeps
   // no R * U addresses of its own live through the loop.
+  // Rows of the ring XS = RING + TK words apart: where a simdgroup stages
+  // several rows at once (TK < 32), they fall in distinct banks.
   constexpr int TK = U * RS;
-  constexpr int RING = 2 * TK;
+  constexpr int RING = 2 * TK, XS = RING + TK;
   static_assert((RING & (RING - 1)) == 0, "the ring is a power of two");
-  threadgroup float x_tile[R * RING];
+  threadgroup float x_tile[R * XS];
 
   const int rows = int(p.rows);
   const int x_row_stride = int(p.x_row_stride), x_k_stride = int(p.x_k_stride);
@@ -292,7 +294,7 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
     // products below need no checks: their weights are 0 too.
     for (int t = int(tid); t < R * TK; t += GEMV_COLS_THREADS) {
       const int r = t / TK, k = tile_k + t % TK;
-      x_tile[r * RING + (k & (RING - 1))] = r < rows && k < k_end ? float(x[r * x_row_stride + k * x_k_stride]) : 0.0f;
+      x_tile[r * XS + (k & (RING - 1))] = r < rows && k < k_end ? float(x[r * x_row_stride + k * x_k_stride]) : 0.0f;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
@@ -313,7 +315,7 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
         }
         const int slot = (k - g + (g ^ m)) & (RING - 1);
         MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
-          const float xr = x_tile[r * RING + slot];
+          const float xr = x_tile[r * XS + slot];
           MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e) acc[r][e] += xr * wf[e];
         }
       }

@@ -30,9 +30,12 @@
 //
 // Variants: I is the index type, uint when every offset fits in 31 bits
 // (the host checks), ulong beyond: 64-bit integer division is a software
-// loop on Apple GPUs, and every thread divides to find its row. VEC: 16-byte
-// loads and stores, when the row is contiguous and every row start is
-// 16-byte aligned (the host checks the pointers and strides); 32-bit only.
+// loop on Apple GPUs, and every thread divides to find its row. VEC: a
+// thread's elements in pieces of 16 bytes of the wider of the input and
+// output types (8 bytes of the narrower: fp16 in, fp32 out and back), so
+// that each load and store instruction of a simdgroup covers consecutive
+// memory; when the row is contiguous and every row start is 16-byte aligned
+// (the host checks the pointers and strides); 32-bit only.
 #include <metal_stdlib>
 #include "pieces.h"
 #include "softmax_params.h"
@@ -71,10 +74,16 @@ struct Slots {
   MPS_EXT_INLINE I at(int j) const { return (first + I(j) * step) * I(C); }
 };
 
-// 16 bytes of T at p (16-byte aligned) as floats: 4 floats or 8 halves.
-template <typename T>
-MPS_EXT_INLINE void load16(const device T* p, thread float* v) {
-  unpack16(*(const device uint4*)p, v, T(0));
+// N elements of T at p (16 or 8 bytes, aligned to their size) as floats.
+template <int N, typename T>
+MPS_EXT_INLINE void load_n(const device T* p, thread float* v) {
+  constexpr int WORDS = N * int(sizeof(T)) / 4, PER_WORD = 4 / int(sizeof(T));
+  if (WORDS == 4) {
+    unpack16(*(const device uint4*)p, v, T(0));
+  } else {
+    const uint2 bits = *(const device uint2*)p;
+    MPS_EXT_UNROLL for (int i = 0; i < 2; ++i) word_floats(bits[i], v + i * PER_WORD, T(0));
+  }
 }
 
 // N (4 or 8) values as O at p, aligned to their size: 16 or 32 bytes of
@@ -100,7 +109,7 @@ MPS_EXT_INLINE void store_n(device bfloat* p, thread const float* v) { store_n_p
 template <typename T, typename I, int C>
 MPS_EXT_INLINE void load_piece(thread float* v, const device T* base, I stride, I k, I n, bool valid, float fill) {
   if (C > 1 && valid && k + C <= n) {
-    load16(base + k, v);
+    load_n<C>(base + k, v);
   } else {
     MPS_EXT_UNROLL for (int e = 0; e < C; ++e) v[e] = valid && k + e < n ? float(base[C > 1 ? k + e : k * stride]) : fill;
   }
@@ -257,10 +266,11 @@ MPS_EXT_INLINE void backward_row(device O* out, const device G* g, const device 
   store_row(out + o.out, I(p.out_dim_stride), n, gv, s, valid);
 }
 
-// Pieces of C elements: 16 bytes in the vector variants.
-#define PIECE(T, VEC) ((VEC) ? int(16 / sizeof(T)) : 1)
+// Pieces of C elements: in the vector variants 16 bytes of the wider of the
+// input type T and the output type O.
+#define PIECE(T, O, VEC) ((VEC) ? int(16 / (sizeof(T) > sizeof(O) ? sizeof(T) : sizeof(O))) : 1)
 // Pieces a thread holds to have `elements` elements (at least one).
-#define PIECES(elements, T, VEC) ((elements) / PIECE(T, VEC) > 0 ? (elements) / PIECE(T, VEC) : 1)
+#define PIECES(elements, T, O, VEC) ((elements) / PIECE(T, O, VEC) > 0 ? (elements) / PIECE(T, O, VEC) : 1)
 
 // ---------------------------------------------------------------- shapes --
 // Where the rows of a segment threadgroup are, and the thread's lane in its row.
@@ -314,9 +324,9 @@ kernel void softmax_segment(device O* out [[buffer(0)]],
                             constant SoftmaxParams& p [[buffer(2)]],
                             uint tid [[thread_index_in_threadgroup]],
                             uint group [[threadgroup_position_in_grid]]) {
-  constexpr int C = PIECE(T, VEC);
+  constexpr int C = PIECE(T, O, VEC);
   const SegmentRow<I> r = segment_row<I>(p, tid, group);
-  forward_row(out, x, p, r.o, Slots<I, PIECES(SOFTMAX_SEGMENT_ELEMENTS, T, VEC), C>{I(r.lane), I(r.lanes)}, r.valid,
+  forward_row(out, x, p, r.o, Slots<I, PIECES(SOFTMAX_SEGMENT_ELEMENTS, T, O, VEC), C>{I(r.lane), I(r.lanes)}, r.valid,
               LanesReduce{r.lanes});
 }
 
@@ -332,9 +342,9 @@ kernel void softmax_block(device O* out [[buffer(0)]],
                           uint sg [[simdgroup_index_in_threadgroup]],
                           uint simdgroups [[simdgroups_per_threadgroup]]) {
   threadgroup float scratch[2][SOFTMAX_BLOCK_MAX_THREADS / 32];
-  constexpr int C = PIECE(T, VEC);
+  constexpr int C = PIECE(T, O, VEC);
   forward_row(out, x, p, row_offsets<I>(p, I(row), int(p.rank)),
-              Slots<I, PIECES(SOFTMAX_BLOCK_ELEMENTS, T, VEC), C>{I(tid), I(threads)}, true,
+              Slots<I, PIECES(SOFTMAX_BLOCK_ELEMENTS, T, O, VEC), C>{I(tid), I(threads)}, true,
               GroupReduce{scratch[0], scratch[1], 1, lane, sg, simdgroups});
 }
 
@@ -380,8 +390,8 @@ kernel void softmax_partial(device float2* partials [[buffer(0)]],
                             uint sg [[simdgroup_index_in_threadgroup]],
                             uint simdgroups [[simdgroups_per_threadgroup]]) {
   threadgroup float scratch[2][SOFTMAX_SPLIT_THREADS / 32];
-  constexpr int C = PIECE(T, VEC);
-  constexpr int J = PIECES(SPLIT_ELEMENTS, T, VEC);
+  constexpr int C = PIECE(T, T, VEC);
+  constexpr int J = PIECES(SPLIT_ELEMENTS, T, T, VEC);
   const GroupReduce r{scratch[0], scratch[1], 1, lane, sg, simdgroups};
   const RowOffsets<I> o = row_offsets<I>(p, I(group.y), int(p.rank));
   float v[J * C];
@@ -409,8 +419,8 @@ kernel void softmax_finish(device O* out [[buffer(0)]],
                            uint sg [[simdgroup_index_in_threadgroup]],
                            uint simdgroups [[simdgroups_per_threadgroup]]) {
   threadgroup float scratch[2][SOFTMAX_SPLIT_THREADS / 32];
-  constexpr int C = PIECE(T, VEC);
-  constexpr int J = PIECES(SPLIT_ELEMENTS, T, VEC);
+  constexpr int C = PIECE(T, O, VEC);
+  constexpr int J = PIECES(SPLIT_ELEMENTS, T, O, VEC);
   const GroupReduce r{scratch[0], scratch[1], 1, lane, sg, simdgroups};
   // Each partial is read once: a thread merges its chunks' (max, sum), then
   // the threadgroup takes the row's max and the sums rescaled to it.
@@ -445,9 +455,9 @@ kernel void softmax_backward_segment(device O* out [[buffer(0)]],
                                      const device G* y [[buffer(3)]],
                                      uint tid [[thread_index_in_threadgroup]],
                                      uint group [[threadgroup_position_in_grid]]) {
-  constexpr int C = PIECE(G, VEC);
+  constexpr int C = PIECE(G, O, VEC);
   const SegmentRow<I> r = segment_row<I>(p, tid, group);
-  backward_row(out, g, y, p, r.o, Slots<I, PIECES(SOFTMAX_SEGMENT_ELEMENTS, G, VEC), C>{I(r.lane), I(r.lanes)},
+  backward_row(out, g, y, p, r.o, Slots<I, PIECES(SOFTMAX_SEGMENT_ELEMENTS, G, O, VEC), C>{I(r.lane), I(r.lanes)},
                r.valid, LanesReduce{r.lanes});
 }
 
@@ -464,9 +474,9 @@ kernel void softmax_backward_block(device O* out [[buffer(0)]],
                                    uint sg [[simdgroup_index_in_threadgroup]],
                                    uint simdgroups [[simdgroups_per_threadgroup]]) {
   threadgroup float scratch[2][SOFTMAX_BLOCK_MAX_THREADS / 32];
-  constexpr int C = PIECE(G, VEC);
+  constexpr int C = PIECE(G, O, VEC);
   backward_row(out, g, y, p, row_offsets<I>(p, I(row), int(p.rank)),
-               Slots<I, PIECES(SOFTMAX_BLOCK_ELEMENTS, G, VEC), C>{I(tid), I(threads)}, true,
+               Slots<I, PIECES(SOFTMAX_BLOCK_ELEMENTS, G, O, VEC), C>{I(tid), I(threads)}, true,
                GroupReduce{scratch[0], scratch[1], 1, lane, sg, simdgroups});
 }
 
@@ -500,8 +510,8 @@ kernel void softmax_backward_partial(device float* partials [[buffer(0)]],
                                      uint sg [[simdgroup_index_in_threadgroup]],
                                      uint simdgroups [[simdgroups_per_threadgroup]]) {
   threadgroup float scratch[2][SOFTMAX_SPLIT_THREADS / 32];
-  constexpr int C = PIECE(G, VEC);
-  constexpr int J = PIECES(SPLIT_ELEMENTS, G, VEC);
+  constexpr int C = PIECE(G, G, VEC);
+  constexpr int J = PIECES(SPLIT_ELEMENTS, G, G, VEC);
   const GroupReduce r{scratch[0], scratch[1], 1, lane, sg, simdgroups};
   const RowOffsets<I> o = row_offsets<I>(p, I(group.y), int(p.rank));
   const Slots<I, J, C> s = split_slots<I, J, C>(group.x, tid);
@@ -527,8 +537,8 @@ kernel void softmax_backward_finish(device O* out [[buffer(0)]],
                                     uint sg [[simdgroup_index_in_threadgroup]],
                                     uint simdgroups [[simdgroups_per_threadgroup]]) {
   threadgroup float scratch[2][SOFTMAX_SPLIT_THREADS / 32];
-  constexpr int C = PIECE(G, VEC);
-  constexpr int J = PIECES(SPLIT_ELEMENTS, G, VEC);
+  constexpr int C = PIECE(G, O, VEC);
+  constexpr int J = PIECES(SPLIT_ELEMENTS, G, O, VEC);
   const GroupReduce r{scratch[0], scratch[1], 1, lane, sg, simdgroups};
   const device float* row_partials = partials + I(group.y) * I(p.partials_stride);
   float sum = 0.0f;

@@ -62,7 +62,7 @@ def test_the_runner_on_its_tiny_configuration(tmp_path, capsys):
         for name in names:
             assert f"| {name} |" in kernels
     reached = {d.kernel for r in results for d in r.stats}
-    assert "softmax_segment_f16_f32" in reached and "gemv_cols_f16_r2_vec" in reached
+    assert "softmax_segment_f16_f32_i32" in reached and "gemv_cols_f16_r2_vec" in reached
     # The plot: a group of bars per case, and each case's bars in the legend.
     image = decode_png(png.read_bytes())
     group = len(plot.SERIES) * (plot.BAR + plot.GAP) + plot.GROUP_GAP

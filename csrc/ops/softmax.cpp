@@ -202,7 +202,8 @@ void run(const at::Tensor& x, const at::Tensor* y, const at::Tensor& out, int64_
   int64_t largest = std::max({p.rows, p.row_length, max_offset(x), max_offset(out), y ? max_offset(*y) : 0});
   const bool wide = !fits_32bit(largest + kSplitChunk + kBlockMax);
   const bool vec = !wide && rows_aligned16(t, p);
-  const Plan pl = plan(t, p, vec, x.itemsize(), backward);
+  // The kernels' pieces are 16 bytes of the wider of the two types.
+  const Plan pl = plan(t, p, vec, std::max(x.itemsize(), out.itemsize()), backward);
   p.lanes_shift = pl.lanes_shift;
   const char* shape = pl.shape == Shape::kSegment ? "segment_"
                       : pl.shape == Shape::kBlock ? "block_"
