@@ -39,8 +39,11 @@ std::vector<std::string> family_aten_ops(const std::string& family);
 // Override those aten ops on the MPS key (macOS); returns the families done.
 std::vector<std::string> install_overrides(const std::vector<std::string>& families);
 // Defines `ops` ("aten::x") in `m` (the mps_ext namespace) with aten's
-// schemas as the installed torch has them.
+// schemas as the installed torch has them (or, for an op it lacks, the
+// schema of the newest release that has it: registration.cpp).
 void define_like_aten(torch::Library& m, const std::vector<std::string>& ops);
+// Whether the installed torch has the aten op ("aten::fill_.Scalar").
+bool aten_has(const std::string& op);
 
 }  // namespace mps_ext
 
