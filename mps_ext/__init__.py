@@ -28,7 +28,7 @@ from . import _policy
 
 __version__ = "0.1.0"
 __all__ = ["is_available", "unavailable_reason", "families", "enabled_ops", "set_enabled", "disabled",
-           "stats", "reset_stats", "family_status"]
+           "stats", "reset_stats", "family_status", "quantize_fp8", "FP8Linear"]
 
 _load_error: str | None = None
 try:
@@ -38,6 +38,8 @@ try:
 except Exception as e:  # never let a broken install break the user's import
     _C = None
     _load_error = f"{type(e).__name__}: {e}"
+
+from .fp8 import FP8Linear, quantize_fp8  # noqa: E402,F401
 
 _env_disabled: set[str] = set()
 _policy_skipped: dict[str, str] = {}
@@ -152,6 +154,7 @@ def _setup() -> None:
     for name in _env_disabled:
         _C.set_enabled(name, False)
     _C.set_linear_min_rows(_policy.linear_min_rows(_torch.__version__))
+    _C.set_fp8_e4m3_native(_policy.fp8_e4m3_native(_torch.__version__))
     if is_available():
         wanted = sorted(known - _env_disabled - set(_policy_skipped))
         try:

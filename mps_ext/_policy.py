@@ -37,3 +37,15 @@ def steps_aside(family: str, version: str) -> str | None:
 def linear_min_rows(version: str) -> int:
     """Fewest activation rows mps_ext's linear takes on torch `version`."""
     return 2 if torch_version(version) >= ONE_ROW_GEMV_SINCE else 1
+
+
+# torch 2.15 has float8_e4m3fn tensors on MPS and runs tensor-wise and
+# row-wise e4m3fn scaled_mm there; mps_ext's fp8 and scaled_mm families then
+# keep float8_e5m2 and the block-wise recipes (torch has Metal kernels for
+# e4m3fn only: no e5m2 instantiation in its 2.15 metallib).
+FP8_E4M3_NATIVE_SINCE = (2, 15)
+
+
+def fp8_e4m3_native(version: str) -> bool:
+    """Whether torch `version` handles float8_e4m3fn on MPS itself."""
+    return torch_version(version) >= FP8_E4M3_NATIVE_SINCE

@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "ops/fp8.h"
 #include "ops/ops.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
@@ -29,6 +30,7 @@ void bind_ops(py::module_& m) {
     return out;
   });
   m.def("set_linear_min_rows", &set_linear_min_rows, py::arg("rows"));
+  m.def("set_fp8_e4m3_native", &set_fp8_e4m3_native, py::arg("native"));
   m.def("reset_stats", [] {
     for (const auto& name : families()) family(name).reset();
   });
