@@ -92,7 +92,8 @@ kernel void fp8_convert_strided(device typename D::T* dst [[buffer(0)]],
 INSTANTIATE_TO_FP8(f32, F32)
 INSTANTIATE_TO_FP8(f16, F16)
 INSTANTIATE_TO_FP8(bf16, BF16)
-INSTANTIATE_TO_FP8(e4m3, E4M3)
-INSTANTIATE_TO_FP8(e5m2, E5M2)
+// Same-format copies move bytes (torch keeps NaN payloads); no kernel.
+INSTANTIATE_FP8_CONVERT(e4m3, E4M3, e5m2, E5M2)
+INSTANTIATE_FP8_CONVERT(e5m2, E5M2, e4m3, E4M3)
 INSTANTIATE_FROM_FP8(e4m3, E4M3)
 INSTANTIATE_FROM_FP8(e5m2, E5M2)

@@ -13,6 +13,7 @@
 // clone, contiguous, zeros, cat, index_select and print.
 //
 // Conversions run in kernels_metal/fp8.metal; moves that need no conversion
+// (same dtype)
 // run torch's own kernels on uint8 views of the same bytes (a float8 tensor
 // and its uint8 view share storage, and torch handles uint8 everywhere).
 // All of this is device-agnostic: the same code runs for CPU tensors as
@@ -21,7 +22,7 @@
 #include "ops/fp8.h"
 
 #include <ATen/ATen.h>
-#include <ATen/WrapDimUtils.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <algorithm>
 #include <atomic>
@@ -138,7 +139,11 @@ void copy_fp8(at::Tensor& self, const at::Tensor& src_, bool non_blocking) {
       call_stock<at::Tensor>("aten::copy_", K, self, converted, non_blocking);
     return;
   }
-  if (self.is_alias_of(src)) src = src.clone();  // the kernel reads and writes in one pass
+  at::assert_no_overlap(self, src);  // torch's error for partly overlapping copies
+  if (to == from) {  // a move of bytes, NaN payloads included, as torch does it
+    call_stock<at::Tensor>("aten::copy_", K, bytes(self), bytes(src), non_blocking);
+    return;
+  }
   if (convert_name(to) && convert_name(from)) {
     TORCH_CHECK(fp8_convert(self, src), "mps_ext fp8: copy_ of a tensor with more than ", MPS_EXT_MAX_DIMS,
                 " dimensions that do not merge");
@@ -218,15 +223,11 @@ at::Tensor cat_impl(const at::ITensorListRef& tensors, int64_t dim) {
     if (ours(t.scalar_type())) why = "";
   return route(family("fp8"), "aten::cat", K, why, [&] {
     c10::ScalarType out = list.front().scalar_type();
-    for (const auto& t : list) out = c10::promoteTypes(out, t.scalar_type());  // torch's error for e4m3fn + e5m2
-    if (is_fp8(out)) {
-      std::vector<at::Tensor> b;
-      for (const auto& t : list) b.push_back(bytes(t));
-      return call_stock<at::Tensor>("aten::cat", K, b, dim).view(out);
-    }
-    std::vector<at::Tensor> converted;
-    for (const auto& t : list) converted.push_back(is_fp8(t.scalar_type()) ? t.to(out) : t);
-    return call_stock<at::Tensor>("aten::cat", K, converted, dim);
+    // torch's error for float8 with any other dtype
+    for (const auto& t : list) out = c10::promoteTypes(out, t.scalar_type());
+    std::vector<at::Tensor> b;
+    for (const auto& t : list) b.push_back(bytes(t));
+    return call_stock<at::Tensor>("aten::cat", K, b, dim).view(out);
   }, list, dim);
 }
 
