@@ -181,9 +181,10 @@ std::string self_unsupported(const at::Tensor& self) {
 // The byte torch's CPU fill_ writes for `value` (its conversion and its
 // overflow checks, on one CPU element).
 uint8_t fill_byte(c10::ScalarType dtype, const c10::Scalar& value) {
-  at::Tensor one = at::empty({}, at::TensorOptions().dtype(dtype));
+  // Two elements: torch fills a single one by another path, without the check.
+  at::Tensor one = at::empty({2}, at::TensorOptions().dtype(dtype));
   one.fill_(value);
-  return bytes(one).item<uint8_t>();
+  return bytes(one)[0].item<uint8_t>();
 }
 
 template <c10::DispatchKey K>
