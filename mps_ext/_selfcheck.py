@@ -77,6 +77,18 @@ def cases() -> list[Case]:
         out.append(Case("linear", f"mm {tag}", torch.mm, (x, w.t()), (x.double() @ w.double().t()).to(dtype)))
         out.append(Case("linear", f"addmm {tag}", torch.addmm, (b, x, w.t()),
                         (b.double() + x.double() @ w.double().t()).to(dtype)))
+    for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x = (torch.randn(6, 40, generator=g) * 30).to(fmt)
+        idx = torch.tensor([5, 0, 2])
+        out.append(Case("fp8", f"index_select {str(fmt)[6:]}", torch.index_select, (x, 0, idx),
+                        torch.index_select(x, 0, idx)))
+    for rows in (2, 40):
+        a = (torch.randn(rows, 96, generator=g) * 20).to(torch.float8_e4m3fn)
+        w = (torch.randn(80, 96, generator=g) * 20).to(torch.float8_e4m3fn)
+        sa, sb = torch.rand(rows, 1, generator=g) / 100, torch.rand(1, 80, generator=g) / 100
+        out.append(Case("scaled_mm", f"_scaled_mm row-wise {rows}x96 @ 96x80 e4m3fn", torch._scaled_mm,
+                        (a, w.t(), sa, sb, None, None, torch.float32),
+                        torch._scaled_mm(a, w.t(), sa, sb, out_dtype=torch.float32)))
     return out
 
 
