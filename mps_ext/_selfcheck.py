@@ -4,6 +4,12 @@ On every machine the kernels run on CPU tensors through the CPU Metal
 executor (the same Metal source the Mac compiles), as torch.ops.mps_ext.*.
 Where mps_ext is available they also run on the GPU, through the overridden
 aten ops, and are compared with the CPU.
+
+A call that goes to torch's own kernel by decision (the policy leaves the op
+to the installed torch, or the family is turned off) is checked the same way
+and passes if torch's result is right; a call that goes there for any other
+reason (a Metal kernel that failed to build, an input mps_ext should handle)
+is a failure.
 """
 
 from __future__ import annotations
@@ -32,6 +38,23 @@ class Result:
     device: str
     ok: bool
     detail: str = ""
+    ours: bool = True  # mps_ext's kernel ran (False: torch's, by decision)
+
+
+def judge(family: str, device: str, before: dict, after: dict) -> tuple[bool, str]:
+    """For one call of an op of `family` on `device` ("executor" or "mps"),
+    given the family's stats() before and after it: whether mps_ext's kernel
+    ran, and what is wrong ("" if nothing) if it did not for a reason that is
+    not a decision."""
+    if after["ran"] == before["ran"] + 1:
+        return True, ""
+    if device == "mps" and family not in mps_ext.installed_overrides():
+        return False, ""  # torch's own kernel: the policy or MPS_EXT_DISABLE left the family out
+    new = {why: n - before["fallbacks"].get(why, 0) for why, n in after["fallbacks"].items()
+           if n != before["fallbacks"].get(why, 0)}
+    if new and all(why == mps_ext.TURNED_OFF or why.startswith(mps_ext.POLICY_PREFIX) for why in new):
+        return False, ""
+    return False, f"mps_ext's kernel did not run: {new or 'the call was not counted'}"
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, str]:
@@ -102,16 +125,18 @@ def run() -> list[Result]:
     devices = ["executor"] + (["mps"] if mps_ext.is_available() else [])
     for case in cases():
         for device in devices:
+            ours = True
             try:
-                before = mps_ext.stats()[case.family]["ran"]
+                before = mps_ext.stats()[case.family]
                 if device == "executor":
                     got = executor_op(case.op)(*case.args)
                 else:
                     got = case.op(*(a.to("mps") if isinstance(a, torch.Tensor) else a for a in case.args))
                 ok, detail = close(got, case.want)
-                if mps_ext.stats()[case.family]["ran"] == before:
-                    ok, detail = False, "mps_ext's kernel did not run (the call went to torch's own)"
+                ours, problem = judge(case.family, device, before, mps_ext.stats()[case.family])
+                if problem:
+                    ok, detail = False, problem
             except Exception as e:
                 ok, detail = False, f"{type(e).__name__}: {e}".splitlines()[0]
-            results.append(Result(case, device, ok, detail))
+            results.append(Result(case, device, ok, detail, ours))
     return results

@@ -1,6 +1,8 @@
 // FP8 tensors on MPS: the aten ops that refuse float8 on MPS in torch
-// 2.9-2.14 (and float8_e5m2 in 2.15), handled for float8 tensors; every
-// other dtype goes to the captured stock kernel.
+// 2.9-2.14 (and float8_e5m2 in 2.15), handled for float8 tensors. Every
+// other dtype passes through to the captured stock kernel, uncounted (the
+// dispatcher overrides an op for all dtypes; these calls are torch's, not a
+// fallback of ours: PassThrough in ops/registry.h).
 //
 // What refuses, read from each release (README "FP8 tensors on MPS"):
 // copy_ between dtypes and strided copies go through MPSGraph casts or
@@ -35,7 +37,7 @@
 namespace mps_ext {
 namespace {
 
-std::atomic<bool> g_e4m3_native{false};
+std::atomic<bool> g_e4m3fn_native_mps{false}, g_e4m3fn_native_cpu{false};
 constexpr uint32_t kConvertThreads = 256;
 
 const char* convert_name(c10::ScalarType t) {
@@ -72,20 +74,25 @@ Dims merged_dims(const at::Tensor& dst, const at::Tensor& src) {
   return m;
 }
 
-// The float8 tensors in these ops are mps_ext's unless torch handles them.
-bool ours(c10::ScalarType t) {
-  return t == at::kFloat8_e5m2 || (t == at::kFloat8_e4m3fn && !g_e4m3_native.load());
+// The float8 dtypes this family takes for `key`: both, but float8_e4m3fn
+// where torch has kernels of its own for it (the policy). The others go
+// to torch with this reason.
+bool takes(c10::ScalarType t, c10::DispatchKey key) {
+  return t == at::kFloat8_e5m2 || (t == at::kFloat8_e4m3fn && !fp8_e4m3fn_native(key));
 }
-
-const char* kNoFp8 = "no float8 tensor";
+const char* kE4m3fnNative = "policy: float8_e4m3fn (torch's own kernels)";
 
 at::Tensor bytes(const at::Tensor& t) { return t.view(at::kByte); }
 
 }  // namespace
 
 bool is_fp8(c10::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
-void set_fp8_e4m3_native(bool native) { g_e4m3_native = native; }
-bool fp8_e4m3_native() { return g_e4m3_native.load(); }
+void set_fp8_e4m3fn_native(c10::DispatchKey key, bool native) {
+  (key == c10::DispatchKey::MPS ? g_e4m3fn_native_mps : g_e4m3fn_native_cpu) = native;
+}
+bool fp8_e4m3fn_native(c10::DispatchKey key) {
+  return (key == c10::DispatchKey::MPS ? g_e4m3fn_native_mps : g_e4m3fn_native_cpu).load();
+}
 
 bool fp8_convert(const at::Tensor& dst, const at::Tensor& src) {
   const int64_t numel = dst.numel();
@@ -117,8 +124,8 @@ bool fp8_convert(const at::Tensor& dst, const at::Tensor& src) {
 namespace {
 
 // ---------------------------------------------------------------- copy_ --
-std::string copy_unsupported(const at::Tensor& self, const at::Tensor& src) {
-  if (!ours(self.scalar_type()) && !ours(src.scalar_type())) return kNoFp8;
+std::string copy_unsupported(const at::Tensor& self, const at::Tensor& src, c10::DispatchKey key) {
+  if (!takes(self.scalar_type(), key) && !takes(src.scalar_type(), key)) return kE4m3fnNative;
   if (self.layout() != at::kStrided || src.layout() != at::kStrided) return "layout is not strided";
   if (self.is_neg() || src.is_neg() || self.is_conj() || src.is_conj()) return "a tensor with the neg or conj bit";
   return "";
@@ -164,7 +171,12 @@ void copy_fp8(at::Tensor& self, const at::Tensor& src_, bool non_blocking) {
 
 template <c10::DispatchKey K>
 at::Tensor& copy_impl(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
-  route(family("fp8"), "aten::copy_", K, copy_unsupported(self, src), [&] {
+  if (!is_fp8(self.scalar_type()) && !is_fp8(src.scalar_type())) {
+    static const PassThrough stock("aten::copy_", K);
+    stock(self, src, non_blocking);
+    return self;
+  }
+  route(family("fp8"), "aten::copy_", K, copy_unsupported(self, src, K), [&] {
     copy_fp8<K>(self, src, non_blocking);
     return self;
   }, self, src, non_blocking);
@@ -172,8 +184,9 @@ at::Tensor& copy_impl(at::Tensor& self, const at::Tensor& src, bool non_blocking
 }
 
 // ---------------------------------------------------------- fill_, zero_ --
-std::string self_unsupported(const at::Tensor& self) {
-  if (!ours(self.scalar_type())) return kNoFp8;
+// For an op on a float8 `self`.
+std::string self_unsupported(const at::Tensor& self, c10::DispatchKey key) {
+  if (!takes(self.scalar_type(), key)) return kE4m3fnNative;
   if (self.layout() != at::kStrided) return "layout is not strided";
   return "";
 }
@@ -189,7 +202,12 @@ uint8_t fill_byte(c10::ScalarType dtype, const c10::Scalar& value) {
 
 template <c10::DispatchKey K>
 at::Tensor& fill_scalar_impl(at::Tensor& self, const c10::Scalar& value) {
-  route(family("fp8"), "aten::fill_.Scalar", K, self_unsupported(self), [&] {
+  if (!is_fp8(self.scalar_type())) {
+    static const PassThrough stock("aten::fill_.Scalar", K);
+    stock(self, value);
+    return self;
+  }
+  route(family("fp8"), "aten::fill_.Scalar", K, self_unsupported(self, K), [&] {
     const uint8_t b = fill_byte(self.scalar_type(), value);
     return call_stock<at::Tensor>("aten::fill_.Scalar", K, bytes(self), c10::Scalar(static_cast<int64_t>(b)));
   }, self, value);
@@ -198,7 +216,12 @@ at::Tensor& fill_scalar_impl(at::Tensor& self, const c10::Scalar& value) {
 
 template <c10::DispatchKey K>
 at::Tensor& fill_tensor_impl(at::Tensor& self, const at::Tensor& value) {
-  route(family("fp8"), "aten::fill_.Tensor", K, self_unsupported(self), [&] {
+  if (!is_fp8(self.scalar_type())) {
+    static const PassThrough stock("aten::fill_.Tensor", K);
+    stock(self, value);
+    return self;
+  }
+  route(family("fp8"), "aten::fill_.Tensor", K, self_unsupported(self, K), [&] {
     TORCH_CHECK(value.dim() == 0, "fill_ only supports 0-dimension value tensor but got tensor with ", value.dim(),
                 " dimensions.");
     // The value's own float8 bytes may sit on the GPU: read it through copy_.
@@ -210,7 +233,12 @@ at::Tensor& fill_tensor_impl(at::Tensor& self, const at::Tensor& value) {
 
 template <c10::DispatchKey K>
 at::Tensor& zero_impl(at::Tensor& self) {
-  route(family("fp8"), "aten::zero_", K, self_unsupported(self),
+  if (!is_fp8(self.scalar_type())) {
+    static const PassThrough stock("aten::zero_", K);
+    stock(self);
+    return self;
+  }
+  route(family("fp8"), "aten::zero_", K, self_unsupported(self, K),
         [&] { return call_stock<at::Tensor>("aten::zero_", K, bytes(self)); }, self);
   return self;
 }
@@ -219,10 +247,16 @@ at::Tensor& zero_impl(at::Tensor& self) {
 template <c10::DispatchKey K>
 at::Tensor cat_impl(const at::ITensorListRef& tensors, int64_t dim) {
   std::vector<at::Tensor> list(tensors.begin(), tensors.end());
-  std::string why = kNoFp8;
-  for (const auto& t : list)
-    if (ours(t.scalar_type())) why = "";
-  return route(family("fp8"), "aten::cat", K, why, [&] {
+  bool fp8 = false, taken = false;
+  for (const auto& t : list) {
+    fp8 = fp8 || is_fp8(t.scalar_type());
+    taken = taken || takes(t.scalar_type(), K);
+  }
+  if (!fp8) {
+    static const PassThrough stock("aten::cat", K);
+    return stock(list, dim);
+  }
+  return route(family("fp8"), "aten::cat", K, taken ? "" : kE4m3fnNative, [&] {
     c10::ScalarType out = list.front().scalar_type();
     // torch's error for float8 with any other dtype
     for (const auto& t : list) out = c10::promoteTypes(out, t.scalar_type());
@@ -234,7 +268,11 @@ at::Tensor cat_impl(const at::ITensorListRef& tensors, int64_t dim) {
 
 template <c10::DispatchKey K>
 at::Tensor index_select_impl(const at::Tensor& self, int64_t dim, const at::Tensor& index) {
-  return route(family("fp8"), "aten::index_select", K, self_unsupported(self), [&] {
+  if (!is_fp8(self.scalar_type())) {
+    static const PassThrough stock("aten::index_select", K);
+    return stock(self, dim, index);
+  }
+  return route(family("fp8"), "aten::index_select", K, self_unsupported(self, K), [&] {
     return call_stock<at::Tensor>("aten::index_select", K, bytes(self), dim, index).view(self.scalar_type());
   }, self, dim, index);
 }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/DispatchKey.h>
 
 #include <string>
 
@@ -16,10 +17,11 @@ bool is_fp8(c10::ScalarType t);
 // dimensions than the kernels index after merging contiguous ones.
 bool fp8_convert(const at::Tensor& dst, const at::Tensor& src);
 
-// Torch releases from 2.15 have float8_e4m3fn tensors and tensor-wise and
-// row-wise scaled_mm on MPS themselves; then mps_ext leaves those to torch
-// (mps_ext/_policy.py) and keeps float8_e5m2 and the block-wise recipes.
-void set_fp8_e4m3_native(bool native);
-bool fp8_e4m3_native();
+// Whether torch has float8_e4m3fn kernels of its own for `key` (MPS from
+// torch 2.15: tensors, and tensor-wise and row-wise _scaled_mm_v2; set from
+// mps_ext/_policy.py). Then mps_ext leaves those to torch, counted as a
+// policy fallback, and keeps float8_e5m2 and the block-wise recipes.
+void set_fp8_e4m3fn_native(c10::DispatchKey key, bool native);
+bool fp8_e4m3fn_native(c10::DispatchKey key);
 
 }  // namespace mps_ext

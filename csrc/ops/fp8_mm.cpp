@@ -212,10 +212,22 @@ std::string or_raise(const std::string& why, const std::string& op, c10::Dispatc
   return why;
 }
 
-// torch 2.15 runs tensor-wise and row-wise e4m3fn products on MPS itself.
-bool native_recipe(const at::Tensor& a, const at::Tensor& b, int64_t ra) {
-  return fp8_e4m3_native() && ra <= kRowWise && a.scalar_type() == at::kFloat8_e4m3fn &&
-         b.scalar_type() == at::kFloat8_e4m3fn;
+// The policy: torch 2.15's _scaled_mm_v2 on MPS (operations/ScaledMM.mm)
+// runs tensor-wise and row-wise float8_e4m3fn products with outputs
+// f32/f16/bf16/e4m3fn, and a bias only of the output's dtype (bf16 or f16)
+// or, for an e4m3fn output, either; mps_ext keeps what it rejects.
+std::string left_to_torch(const std::string& op, c10::DispatchKey key, const at::Tensor& a, const at::Tensor& b,
+                          int64_t recipe, c10::ScalarType out, const c10::optional<at::Tensor>& bias) {
+  if (!fp8_e4m3fn_native(key) || !has_stock_kernel(op, key) || recipe > kRowWise ||
+      a.scalar_type() != at::kFloat8_e4m3fn || b.scalar_type() != at::kFloat8_e4m3fn || out == at::kFloat8_e5m2)
+    return "";
+  if (bias && bias->defined()) {
+    const auto t = bias->scalar_type();
+    if (out == at::kFloat || !(t == at::kBFloat16 || t == at::kHalf) ||
+        (out != at::kFloat8_e4m3fn && t != out))
+      return "";
+  }
+  return "policy: tensor-wise or row-wise float8_e4m3fn (torch's own kernel)";
 }
 
 template <c10::DispatchKey K>
@@ -233,8 +245,8 @@ at::Tensor scaled_mm_impl(const at::Tensor& self, const at::Tensor& mat2, const 
       why = "scales torch rejects";
     else if (scale_result && scale_result->defined() && !fp32_scalar(*scale_result))
       why = "a scale_result torch rejects";
-    else if (native_recipe(self, mat2, kRowWise) && has_stock_kernel("aten::_scaled_mm", K))
-      why = "torch's own kernel";
+    else
+      why = left_to_torch("aten::_scaled_mm", K, self, mat2, kRowWise, out, bias);
   }
   return route(family("scaled_mm"), "aten::_scaled_mm", K, or_raise(why, "aten::_scaled_mm", K),
                [&] { return scaled_mm(self, mat2, p, scale_a, scale_b, bias, scale_result, out); }, self, mat2,
@@ -264,8 +276,8 @@ at::Tensor scaled_mm_v2_impl(const at::Tensor& self, const at::Tensor& mat2, at:
     else if (!set_scales(p, recipe_a[0], scale_a[0], recipe_b[0], scale_b[0], self.size(0), self.size(1),
                          mat2.size(1)))
       why = "scales torch rejects";
-    else if (native_recipe(self, mat2, recipe_a[0]) && has_stock_kernel("aten::_scaled_mm_v2", K))
-      why = "torch's own kernel";
+    else
+      why = left_to_torch("aten::_scaled_mm_v2", K, self, mat2, recipe_a[0], out, bias);
   }
   return route(family("scaled_mm"), "aten::_scaled_mm_v2", K, or_raise(why, "aten::_scaled_mm_v2", K),
                [&] { return scaled_mm(self, mat2, p, scale_a[0], scale_b[0], bias, c10::nullopt, out); }, self, mat2,
@@ -279,18 +291,11 @@ at::Tensor scaled_mm_v2_impl(const at::Tensor& self, const at::Tensor& mat2, at:
 // accurate than quantising it, for the same weight traffic).
 // weight_scale by granularity: "tensor" one element, "row" [N, 1], "block"
 // [ceil(N/128), ceil(K/128)] (weight blocks of 128 x 128).
-at::Tensor dequantize(const at::Tensor& weight, const at::Tensor& scale, c10::string_view granularity) {
-  at::Tensor w = weight.to(at::kFloat);
-  if (granularity == "block") {
-    at::Tensor s = scale.repeat_interleave(FP8_SCALE_BLOCK, 0).repeat_interleave(FP8_SCALE_BLOCK, 1);
-    return w * s.slice(0, 0, w.size(0)).slice(1, 0, w.size(1));
-  }
-  return w * scale.reshape({granularity == "row" ? w.size(0) : 1, 1});
-}
 
-// The same for every key: there is no stock kernel.
-at::Tensor fp8_linear_impl(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_scale,
-                           c10::string_view granularity, const c10::optional<at::Tensor>& bias) {
+// The weight's scale strides for the kernel, after checking every argument
+// (the real kernels and the Meta kernel check alike).
+Fp8MatmulParams linear_params(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_scale,
+                              c10::string_view granularity, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.dim() == 2 && is_fp8(weight.scalar_type()), "mps_ext fp8_linear: weight must be a 2-D float8 "
               "tensor, got ", weight.scalar_type(), " of ", weight.dim(), " dimensions");
   TORCH_CHECK(input.dim() >= 1 && input.size(-1) == weight.size(1), "mps_ext fp8_linear: input's last dimension (",
@@ -321,23 +326,79 @@ at::Tensor fp8_linear_impl(const at::Tensor& input, const at::Tensor& weight, co
   if (bias && bias->defined())
     TORCH_CHECK(bias->numel() == N && bias->scalar_type() == t, "mps_ext fp8_linear: bias must have N = ", N,
                 " elements of the input's dtype");
-  Family& fam = family("scaled_mm");
-  if (!fam.enabled.load()) {  // turned off: the same result through torch's ops
-    fam.count_fallback("turned off");
-    return at::linear(input, dequantize(weight, weight_scale, granularity).to(t), bias);
+  return p;
+}
+
+std::vector<int64_t> linear_out_shape(const at::Tensor& input, const at::Tensor& weight) {
+  std::vector<int64_t> shape = input.sizes().vec();
+  shape.back() = weight.size(0);
+  return shape;
+}
+
+// The same product through torch's own ops (the weight de-quantised in
+// memory): where mps_ext's kernels do not run (turned off, Metal failed).
+at::Tensor linear_with_torch_ops(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scale,
+                                 c10::string_view granularity, const c10::optional<at::Tensor>& bias) {
+  at::Tensor w = weight.to(at::kFloat);
+  if (granularity == "block") {
+    at::Tensor s = scale.repeat_interleave(FP8_SCALE_BLOCK, 0).repeat_interleave(FP8_SCALE_BLOCK, 1);
+    w = w * s.slice(0, 0, w.size(0)).slice(1, 0, w.size(1));
+  } else {
+    w = w * scale.reshape({granularity == "row" ? w.size(0) : 1, 1});
   }
-  std::vector<int64_t> out_shape = input.sizes().vec();
-  out_shape.back() = N;
-  Problem pr;
-  pr.p = p;
-  pr.a = input.reshape({-1, K});
-  pr.w = weight;
-  pr.y = at::empty({pr.a.size(0), N}, input.options());
-  pr.scale_b = weight_scale;
-  if (bias && bias->defined()) pr.bias = bias->reshape({N});
-  run(pr);
-  fam.count_ran();
-  return pr.y.view(out_shape);
+  return at::linear(input, w.to(input.scalar_type()), bias);
+}
+
+// torch has no kernel of its own: the fallback is linear_with_torch_ops.
+template <c10::DispatchKey K>
+at::Tensor fp8_linear_impl(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_scale,
+                           c10::string_view granularity, const c10::optional<at::Tensor>& bias) {
+  const Fp8MatmulParams p = linear_params(input, weight, weight_scale, granularity, bias);
+  auto ours = [&] {
+    const int64_t N = weight.size(0), K_ = weight.size(1);
+    Problem pr;
+    pr.p = p;
+    pr.a = input.reshape({-1, K_});
+    pr.w = weight;
+    pr.y = at::empty({pr.a.size(0), N}, input.options());
+    pr.scale_b = weight_scale;
+    if (bias && bias->defined()) pr.bias = bias->reshape({N});
+    run(pr);
+    return pr.y.view(linear_out_shape(input, weight));
+  };
+  auto theirs = [&](const std::string&) { return linear_with_torch_ops(input, weight, weight_scale, granularity, bias); };
+  return route_to(family("scaled_mm"), "mps_ext::fp8_linear", K, "", ours, theirs, input, weight, weight_scale, bias);
+}
+
+// ------------------------------------------------------------------ Meta --
+// Shapes and dtypes only. Not the aten ops' meta functions: those check
+// CUDA's layout rules (mat2 column-major, dimensions multiples of 16),
+// which mps_ext does not need, so a traced model would fail where the
+// eager one runs.
+at::Tensor meta_product(const at::Tensor& a, const at::Tensor& b, c10::ScalarType out, const char* op) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, op, ": self and mat2 must be matrices");
+  TORCH_CHECK(a.size(1) == b.size(0), op, ": self and mat2 shapes cannot be multiplied (", a.size(0), "x",
+              a.size(1), " and ", b.size(0), "x", b.size(1), ")");
+  return at::empty({a.size(0), b.size(1)}, a.options().dtype(out));
+}
+
+at::Tensor scaled_mm_meta(const at::Tensor& self, const at::Tensor& mat2, const at::Tensor&, const at::Tensor&,
+                          const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                          c10::optional<c10::ScalarType> out_dtype, bool) {
+  return meta_product(self, mat2, out_dtype.value_or(self.scalar_type()), "_scaled_mm");
+}
+
+at::Tensor scaled_mm_v2_meta(const at::Tensor& self, const at::Tensor& mat2, at::TensorList, at::IntArrayRef,
+                             at::IntArrayRef, at::TensorList, at::IntArrayRef, at::IntArrayRef,
+                             const c10::optional<at::Tensor>&, c10::optional<c10::ScalarType> out_dtype,
+                             at::IntArrayRef, bool) {
+  return meta_product(self, mat2, out_dtype.value_or(at::kBFloat16), "_scaled_mm_v2");
+}
+
+at::Tensor fp8_linear_meta(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_scale,
+                           c10::string_view granularity, const c10::optional<at::Tensor>& bias) {
+  linear_params(input, weight, weight_scale, granularity, bias);
+  return at::empty(linear_out_shape(input, weight), input.options());
 }
 
 template <c10::DispatchKey K>
@@ -349,12 +410,17 @@ void register_scaled_mm(torch::Library& m) {
 }  // namespace
 }  // namespace mps_ext
 
-MPS_EXT_FAMILY("scaled_mm", mps_ext::register_scaled_mm, "aten::_scaled_mm", "aten::_scaled_mm_v2")
+MPS_EXT_FAMILY_OWN_META("scaled_mm", mps_ext::register_scaled_mm, "aten::_scaled_mm", "aten::_scaled_mm_v2")
 
 TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
   m.def("fp8_linear(Tensor input, Tensor weight, Tensor weight_scale, str granularity, Tensor? bias=None) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(mps_ext, CPU, m) { m.impl("fp8_linear", TORCH_FN(mps_ext::fp8_linear_impl)); }
+TORCH_LIBRARY_IMPL(mps_ext, Meta, m) {
+  m.impl("_scaled_mm", TORCH_FN(mps_ext::scaled_mm_meta));
+  m.impl("_scaled_mm_v2", TORCH_FN(mps_ext::scaled_mm_v2_meta));
+  m.impl("fp8_linear", TORCH_FN(mps_ext::fp8_linear_meta));
+}
+TORCH_LIBRARY_IMPL(mps_ext, CPU, m) { m.impl("fp8_linear", TORCH_FN(mps_ext::fp8_linear_impl<c10::DispatchKey::CPU>)); }
 #ifdef __APPLE__
-TORCH_LIBRARY_IMPL(mps_ext, MPS, m) { m.impl("fp8_linear", TORCH_FN(mps_ext::fp8_linear_impl)); }
+TORCH_LIBRARY_IMPL(mps_ext, MPS, m) { m.impl("fp8_linear", TORCH_FN(mps_ext::fp8_linear_impl<c10::DispatchKey::MPS>)); }
 #endif

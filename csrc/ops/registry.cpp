@@ -29,6 +29,69 @@ void Family::reset() {
   fallbacks_.clear();
 }
 
+std::string Family::unavailable(c10::DispatchKey key) const {
+  if (!any_unavailable_.load()) return "";
+  std::lock_guard<std::mutex> g(mutex_);
+  auto it = unavailable_.find(key);
+  return it == unavailable_.end() ? "" : it->second;
+}
+
+void Family::mark_unavailable(c10::DispatchKey key, const std::string& cause) {
+  {
+    std::lock_guard<std::mutex> g(mutex_);
+    if (!unavailable_.emplace(key, cause).second) return;  // another thread got there first
+    any_unavailable_ = true;
+  }
+  const std::string device = c10::DeviceTypeName(detail::device_of(key));
+  TORCH_WARN("mps_ext: the ", name, " kernels cannot run on ", device, " here (", cause, "); every ", name,
+             " call on ", device, " now goes to PyTorch's own kernel for the rest of this process.");
+}
+
+std::map<c10::DispatchKey, std::string> Family::unavailable_all() const {
+  std::lock_guard<std::mutex> g(mutex_);
+  return unavailable_;
+}
+
+void Family::clear_unavailable() {
+  std::lock_guard<std::mutex> g(mutex_);
+  unavailable_.clear();
+  any_unavailable_ = false;
+}
+
+void Family::leave_to_torch(const std::string& op, c10::DispatchKey key, const std::string& why) {
+  std::lock_guard<std::mutex> g(mutex_);
+  if (why.empty())
+    left_to_torch_.erase(std::make_pair(op, key));
+  else
+    left_to_torch_[std::make_pair(op, key)] = why;
+  any_left_to_torch_ = !left_to_torch_.empty();
+}
+
+std::string Family::left_to_torch(const std::string& op, c10::DispatchKey key) const {
+  if (!any_left_to_torch_.load()) return "";
+  std::lock_guard<std::mutex> g(mutex_);
+  auto it = left_to_torch_.find(std::make_pair(op, key));
+  return it == left_to_torch_.end() ? "" : it->second;
+}
+
+namespace detail {
+
+c10::DeviceType device_of(c10::DispatchKey key) {
+  switch (key) {
+    case c10::DispatchKey::CPU: return c10::DeviceType::CPU;
+    case c10::DispatchKey::MPS: return c10::DeviceType::MPS;
+    default: TORCH_CHECK(false, "mps_ext: no kernels for dispatch key ", key);
+  }
+}
+
+std::string precheck(Family& fam, const std::string& op, c10::DispatchKey key) {
+  if (!fam.enabled.load()) return "turned off";
+  if (!fam.unavailable(key).empty()) return "kernels unavailable on this device";
+  return fam.left_to_torch(op, key);
+}
+
+}  // namespace detail
+
 namespace {
 std::mutex g_mutex;
 std::map<std::string, std::unique_ptr<Family>>& families() {
@@ -70,13 +133,19 @@ c10::OperatorHandle op_handle(const std::string& op) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
 }
 
+c10::optional<c10::OperatorHandle> find_op(const std::string& op) {
+  auto [name, overload] = split_name(op);
+  return c10::Dispatcher::singleton().findSchema({name, overload});
+}
+
 void capture_stock_kernel(const std::string& op, c10::DispatchKey key) {
   std::lock_guard<std::mutex> g(g_mutex);
   auto k = std::make_pair(op, key);
   if (stock().count(k) || no_stock().count(k)) return;
-  auto handle = op_handle(op);
-  if (handle.hasComputedKernelForDispatchKey(key))
-    stock().emplace(k, handle.getComputedKernelForDispatchKey(key));
+  // An op this torch lacks (aten::_scaled_mm_v2 before 2.10) has no kernel.
+  auto handle = find_op(op);
+  if (handle && handle->hasComputedKernelForDispatchKey(key))
+    stock().emplace(k, handle->getComputedKernelForDispatchKey(key));
   else
     no_stock().insert(k);
 }
