@@ -92,14 +92,6 @@ class FP8Linear(nn.Module):
         bias = self.bias.to(x.dtype) if self.bias is not None and self.bias.dtype != x.dtype else self.bias
         return torch.ops.mps_ext.fp8_linear(x, self.weight, self.weight_scale, self.granularity, bias)
 
-    def dequantized_weight(self) -> torch.Tensor:
-        """The float32 weight this layer computes with."""
-        w = self.weight.float()
-        if self.granularity == "block":
-            s = self.weight_scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
-            return w * s[: w.shape[0], : w.shape[1]]
-        return w * self.weight_scale
-
     def extra_repr(self) -> str:
         recipe = {"tensor": "one fp32 scale", "row": "fp32 scale per output row",
                   "block": "fp32 scale per 128x128 block"}[self.granularity]

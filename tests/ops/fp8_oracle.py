@@ -51,7 +51,8 @@ def encode(x: np.ndarray, dtype) -> np.ndarray:
     a = np.abs(x)
     hi = np.clip(np.searchsorted(grid, a, side="left"), 0, len(grid) - 1)
     lo = np.clip(hi - 1, 0, len(grid) - 1)
-    d_lo, d_hi = np.abs(a - grid[lo]), np.abs(grid[hi] - a)
+    with np.errstate(invalid="ignore"):  # inf - inf, NaN: their codes are set below
+        d_lo, d_hi = np.abs(a - grid[lo]), np.abs(grid[hi] - a)
     tie = d_lo == d_hi
     pick_hi = (d_hi < d_lo) | (tie & (grid_codes[hi] % 2 == 0) & (grid_codes[lo] % 2 == 1))
     out = np.where(pick_hi, grid_codes[hi], grid_codes[lo]).astype(np.int64)

@@ -2,8 +2,7 @@
 and the fp8 tensor ops, against torch's CPU conversions (bit for bit) and
 the float64 numpy model in fp8_oracle.py."""
 
-import itertools
-import warnings
+import contextlib
 
 import numpy as np
 import pytest
@@ -17,7 +16,6 @@ from fp8_oracle import decode, encode
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-warnings.filterwarnings("ignore", category=RuntimeWarning)
 
 
 def convert(src, dtype, device):
@@ -165,12 +163,33 @@ def test_large_offsets_use_64_bit_indexing():
     assert dst.float().tolist() == [1.0, 2.0, -448.0]
 
 
-def test_non_fp8_copies_go_to_the_stock_kernel():
-    mps_ext.reset_stats()
+def other_dtype_calls():
+    """Calls of each fp8-family op with no float8 tensor: (op, args, aten's result)."""
     a, b = torch.empty(3), torch.randn(3).double()
-    torch.ops.mps_ext.copy_(a, b)
-    assert torch.equal(a, b.float())
-    assert mps_ext.stats()["fp8"] == {"ran": 0, "fallbacks": {"no float8 tensor": 1}}
+    x, idx = torch.randn(4, 5), torch.tensor([2, 0])
+    return [
+        (torch.ops.mps_ext.copy_, (a, b), b.float()),
+        (torch.ops.mps_ext.fill_.Scalar, (torch.empty(4, dtype=torch.int64), 7), torch.full((4,), 7)),
+        (torch.ops.mps_ext.fill_.Tensor, (torch.empty(2, 2), torch.tensor(2.5)), torch.full((2, 2), 2.5)),
+        (torch.ops.mps_ext.zero_, (torch.ones(3, dtype=torch.bfloat16),), torch.zeros(3, dtype=torch.bfloat16)),
+        (torch.ops.mps_ext.cat, ([x, x.half()], 0), torch.cat([x, x.half()], 0)),
+        (torch.ops.mps_ext.index_select, (x, 1, idx), x.index_select(1, idx)),
+    ]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_other_dtypes_pass_through_uncounted(enabled):
+    # The fp8 family overrides these ops for every dtype (on MPS: every
+    # float32 .to("mps") is a copy_): the others go to torch's kernel and are
+    # neither runs nor fallbacks, whatever the family's switch says.
+    mps_ext.reset_stats()
+    torch.ops.mps_ext.copy_(torch.empty(2, dtype=torch.float8_e5m2), torch.ones(2))  # one counted call
+    before = mps_ext.stats()["fp8"]
+    assert before["ran"] == 1
+    with mps_ext.disabled() if not enabled else contextlib.nullcontext():
+        for op, args, want in other_dtype_calls():
+            assert torch.equal(op(*args), want), op
+    assert mps_ext.stats()["fp8"] == before
 
 
 @pytest.mark.parametrize("fmt", FP8)
@@ -213,16 +232,23 @@ def test_cat_of_two_fp8_formats_gives_torchs_error():
 
 
 def test_torch_2_15_keeps_e5m2_only():
-    mps_ext._C.set_fp8_e4m3_native(True)
+    # The policy on a torch with float8_e4m3fn kernels of its own (applied to
+    # the CPU key here; mps_ext sets it for MPS from _policy).
+    mps_ext._C.set_fp8_e4m3fn_native("CPU", True)
     try:
         mps_ext.reset_stats()
-        out = torch.empty(3, dtype=torch.float8_e4m3fn)
-        torch.ops.mps_ext.copy_(out, torch.randn(3))
-        out5 = torch.empty(3, dtype=torch.float8_e5m2)
-        torch.ops.mps_ext.copy_(out5, torch.randn(3))
-        assert mps_ext.stats()["fp8"] == {"ran": 1, "fallbacks": {"no float8 tensor": 1}}
+        e4, e5 = torch.randn(4, 3).to(torch.float8_e4m3fn), torch.randn(4, 3).to(torch.float8_e5m2)
+        torch.ops.mps_ext.copy_(torch.empty(3, dtype=torch.float8_e4m3fn), torch.randn(3))  # torch's
+        torch.ops.mps_ext.zero_(e4.clone())                                                  # torch's
+        torch.ops.mps_ext.index_select(e4, 0, torch.tensor([1]))                             # torch's
+        torch.ops.mps_ext.copy_(torch.empty(3, dtype=torch.float8_e5m2), torch.randn(3))     # ours
+        got = torch.ops.mps_ext.copy_(torch.empty(4, 3, dtype=torch.float8_e5m2), e4)      # ours: e5m2 on one side
+        assert torch.equal(got.view(torch.uint8), e4.to(torch.float8_e5m2).view(torch.uint8))
+        torch.ops.mps_ext.cat([e5, e5])                                                       # ours
+        assert mps_ext.stats()["fp8"] == {"ran": 3, "fallbacks": {"policy: float8_e4m3fn (torch's own kernels)": 3},
+                                          "unavailable": {}}
     finally:
-        mps_ext._C.set_fp8_e4m3_native(False)
+        mps_ext._C.set_fp8_e4m3fn_native("CPU", False)
 
 
 @pytest.mark.mac

@@ -230,6 +230,63 @@ def test_prefill_reads_weights_once_per_32_rows(m):
     assert set(d.read_widths[wi]) == {16}
 
 
+def test_torch_2_15_keeps_what_its_kernel_rejects():
+    # The policy on a torch whose scaled_mm runs tensor-wise and row-wise
+    # e4m3fn products (applied to the CPU key here, where aten::_scaled_mm
+    # has a kernel to leave them to; mps_ext sets it for MPS from _policy).
+    a, b, b5 = fp8(3, 32), fp8(16, 32).t(), fp8(16, 32, dtype=E5).t()
+    sa, sb = torch.rand(3, 1, generator=g), torch.rand(1, 16, generator=g)
+    bias16 = torch.randn(16, generator=g).bfloat16()
+    mps_ext._C.set_fp8_e4m3fn_native("CPU", True)
+    try:
+        mps_ext.reset_stats()
+        torch.ops.mps_ext._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)                # torch's
+        torch.ops.mps_ext._scaled_mm(a, b, sa, sb, bias16, out_dtype=torch.bfloat16)        # torch's
+        torch.ops.mps_ext._scaled_mm(a, b5, sa, sb, out_dtype=torch.bfloat16)               # ours: e5m2
+        torch.ops.mps_ext._scaled_mm(a, b, sa, sb, bias16.float(), out_dtype=torch.bfloat16)  # ours: f32 bias
+        torch.ops.mps_ext._scaled_mm(a, b, sa, sb, bias16, out_dtype=torch.float32)         # ours: bias, f32 out
+        torch.ops.mps_ext._scaled_mm(a, b, sa, sb, out_dtype=E5)                            # ours: e5m2 out
+        assert mps_ext.stats()["scaled_mm"] == {
+            "ran": 4, "fallbacks": {"policy: tensor-wise or row-wise float8_e4m3fn (torch's own kernel)": 2},
+            "unavailable": {}}
+    finally:
+        mps_ext._C.set_fp8_e4m3fn_native("CPU", False)
+
+
+def dequantized(layer):
+    """The float64 weight an FP8Linear stands for (weight * its scale group)."""
+    w = layer.weight.double()
+    s = layer.weight_scale.double()
+    if layer.granularity == "block":
+        s = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+    return w * s
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_fp8_linear_without_its_kernels(granularity):
+    """Turned off, or its Metal library failing to build: fp8_linear gives
+    the same product through torch's ops (torch has no kernel to fall back
+    to), and says why in stats()."""
+    layer = mps_ext.FP8Linear.from_linear(nn.Linear(300, 130).bfloat16(), granularity)
+    x = torch.randn(3, 2, 300, generator=g).bfloat16()
+    want = (x.double() @ dequantized(layer).t() + layer.bias.double()).to(torch.bfloat16)
+    mps_ext.reset_stats()
+    ours = layer(x)
+    with mps_ext.disabled("scaled_mm"):
+        off = layer(x)
+    mps_ext._C._simulate_executor_failure("fp8_mm", "", "library", 0)
+    try:
+        failed = layer(x)
+        assert mps_ext.stats()["scaled_mm"]["unavailable"] == {"CPU": "fp8_mm.metal failed to compile (simulated)"}
+    finally:
+        mps_ext._C._simulate_executor_failure("", "", "none", 0)
+        mps_ext._C._clear_unavailable("scaled_mm")
+    for got in (ours, off, failed):
+        assert got.shape == (3, 2, 130)
+        torch.testing.assert_close(got.double(), want.double(), rtol=2e-2, atol=2e-2)
+    assert mps_ext.stats()["scaled_mm"]["fallbacks"] == {"turned off": 1, "kernels unavailable on this device": 1}
+
+
 class Tiny(nn.Module):
     def __init__(self, d=256, vocab=300):
         super().__init__()
@@ -263,9 +320,9 @@ def test_quantize_fp8(granularity):
     rel = (y.float() - want.float()).norm() / want.float().norm()
     assert rel < 0.06, rel
     # The kernels compute what the stored fp8 weights say (no more error than bf16 rounding).
-    exact = nn.functional.linear(torch.relu(nn.functional.linear(x.float(), model.up.dequantized_weight(),
+    exact = nn.functional.linear(torch.relu(nn.functional.linear(x.float(), dequantized(model.up).float(),
                                                                  model.up.bias.float())).bfloat16().float(),
-                                 model.down.dequantized_weight())
+                                 dequantized(model.down).float())
     torch.testing.assert_close(model.down(torch.relu(model.up(x))).float(), exact, rtol=2e-2, atol=2e-2)
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
