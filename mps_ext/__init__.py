@@ -34,7 +34,9 @@ _load_error: str | None = None
 try:
     import torch as _torch
 
-    from . import _C
+    from . import _C, _meta
+
+    _meta.register()
 except Exception as e:  # never let a broken install break the user's import
     _C = None
     _load_error = f"{type(e).__name__}: {e}"

@@ -92,9 +92,11 @@ HISTORY: dict[str, list[tuple[str, str, str]]] = {
     "scaled_mm": [
         ("2.9", "_scaled_mm: CPU and CUDA kernels only; no _scaled_mm_v2 op (F.scaled_mm)",
          "ATen/ops/_scaled_mm_native.h (_scaled_mm_cpu, _scaled_mm_cuda); no ATen/ops/_scaled_mm_v2*.h"),
-        ("2.10-2.14", "_scaled_mm_v2 (F.scaled_mm) and _scaled_mm: CPU and CUDA kernels only",
-         "ATen/ops/_scaled_mm_v2_native.h: _scaled_mm_cuda_v2 (2.10-2.13), structured__scaled_mm_cpu_v2_out "
-         "and structured__scaled_mm_cuda_v2_out (2.14); _scaled_mm_native.h: cpu and cuda"),
+        ("2.10-2.14", "_scaled_mm_v2 (F.scaled_mm): CUDA kernels (2.10, 2.11), CPU and CUDA (2.12-2.14); "
+         "_scaled_mm: CPU and CUDA; nothing on MPS",
+         "ATen/ops/_scaled_mm_v2_native.h: _scaled_mm_cuda_v2 (2.10, 2.11), _scaled_mm_cpu_v2 and "
+         "_scaled_mm_cuda_v2 (2.12, 2.13), structured _scaled_mm_cpu_v2_out and _scaled_mm_cuda_v2_out (2.14); "
+         "_scaled_mm_native.h: cpu and cuda"),
         ("2.15", "_scaled_mm_v2 on MPS: Metal kernels scaled_mm_<output dtype> (32 x 32 tiles) for "
          "float8_e4m3fn operands with tensor-wise or row-wise fp32 scales, outputs f32/f16/bf16/e4m3fn, a "
          "bias only of the output's dtype (bf16 or f16); no block-wise recipes, no e5m2; _scaled_mm (v1): "

@@ -47,6 +47,25 @@ def test_what_each_release_leaves_to_torch():
     for fam, natives in _policy.NATIVE.items():
         for native in natives:
             assert set(native.ops) <= set(ops[fam]), fam
+    for fam, partly in _policy.PARTLY_NATIVE.items():
+        for native, _ in partly:
+            assert set(native.ops) <= set(ops[fam]), fam
+
+
+def test_what_each_release_does_with_float8():
+    ops = {f: _C.family_aten_ops(f) for f in ("fp8", "scaled_mm")}
+    # One switch (set_fp8_e4m3fn_native) serves both families: the same release.
+    assert _policy.FP8_E4M3FN.since == _policy.SCALED_MM_E4M3FN.since
+    for version in RELEASES[:6]:  # 2.9 to 2.14: no float8 kernel of torch's on MPS
+        assert not _policy.fp8_e4m3fn_native(version)
+        assert _policy.partly_left_to_torch("fp8", version) == []
+    for version in ["2.15.0", "2.16.0+cpu"]:
+        assert _policy.fp8_e4m3fn_native(version)
+        assert _policy.partly_left_to_torch("fp8", version) == ["float8_e4m3fn left to torch"]
+        # float8_e5m2, block-wise recipes and _scaled_mm (v1) stay: both families install.
+        for fam in ops:
+            assert _policy.left_to_torch(fam, version) == {}
+            assert _policy.steps_aside(fam, ops[fam], version) is None
 
 
 @pytest.fixture

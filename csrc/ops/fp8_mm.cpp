@@ -292,8 +292,7 @@ at::Tensor scaled_mm_v2_impl(const at::Tensor& self, const at::Tensor& mat2, at:
 // weight_scale by granularity: "tensor" one element, "row" [N, 1], "block"
 // [ceil(N/128), ceil(K/128)] (weight blocks of 128 x 128).
 
-// The weight's scale strides for the kernel, after checking every argument
-// (the real kernels and the Meta kernel check alike).
+// The weight's scale strides for the kernel, after checking every argument.
 Fp8MatmulParams linear_params(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_scale,
                               c10::string_view granularity, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.dim() == 2 && is_fp8(weight.scalar_type()), "mps_ext fp8_linear: weight must be a 2-D float8 "
@@ -329,12 +328,6 @@ Fp8MatmulParams linear_params(const at::Tensor& input, const at::Tensor& weight,
   return p;
 }
 
-std::vector<int64_t> linear_out_shape(const at::Tensor& input, const at::Tensor& weight) {
-  std::vector<int64_t> shape = input.sizes().vec();
-  shape.back() = weight.size(0);
-  return shape;
-}
-
 // The same product through torch's own ops (the weight de-quantised in
 // memory): where mps_ext's kernels do not run (turned off, Metal failed).
 at::Tensor linear_with_torch_ops(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scale,
@@ -364,41 +357,12 @@ at::Tensor fp8_linear_impl(const at::Tensor& input, const at::Tensor& weight, co
     pr.scale_b = weight_scale;
     if (bias && bias->defined()) pr.bias = bias->reshape({N});
     run(pr);
-    return pr.y.view(linear_out_shape(input, weight));
+    std::vector<int64_t> out_shape = input.sizes().vec();
+    out_shape.back() = N;
+    return pr.y.view(out_shape);
   };
   auto theirs = [&](const std::string&) { return linear_with_torch_ops(input, weight, weight_scale, granularity, bias); };
   return route_to(family("scaled_mm"), "mps_ext::fp8_linear", K, "", ours, theirs, input, weight, weight_scale, bias);
-}
-
-// ------------------------------------------------------------------ Meta --
-// Shapes and dtypes only. Not the aten ops' meta functions: those check
-// CUDA's layout rules (mat2 column-major, dimensions multiples of 16),
-// which mps_ext does not need, so a traced model would fail where the
-// eager one runs.
-at::Tensor meta_product(const at::Tensor& a, const at::Tensor& b, c10::ScalarType out, const char* op) {
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, op, ": self and mat2 must be matrices");
-  TORCH_CHECK(a.size(1) == b.size(0), op, ": self and mat2 shapes cannot be multiplied (", a.size(0), "x",
-              a.size(1), " and ", b.size(0), "x", b.size(1), ")");
-  return at::empty({a.size(0), b.size(1)}, a.options().dtype(out));
-}
-
-at::Tensor scaled_mm_meta(const at::Tensor& self, const at::Tensor& mat2, const at::Tensor&, const at::Tensor&,
-                          const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
-                          c10::optional<c10::ScalarType> out_dtype, bool) {
-  return meta_product(self, mat2, out_dtype.value_or(self.scalar_type()), "_scaled_mm");
-}
-
-at::Tensor scaled_mm_v2_meta(const at::Tensor& self, const at::Tensor& mat2, at::TensorList, at::IntArrayRef,
-                             at::IntArrayRef, at::TensorList, at::IntArrayRef, at::IntArrayRef,
-                             const c10::optional<at::Tensor>&, c10::optional<c10::ScalarType> out_dtype,
-                             at::IntArrayRef, bool) {
-  return meta_product(self, mat2, out_dtype.value_or(at::kBFloat16), "_scaled_mm_v2");
-}
-
-at::Tensor fp8_linear_meta(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_scale,
-                           c10::string_view granularity, const c10::optional<at::Tensor>& bias) {
-  linear_params(input, weight, weight_scale, granularity, bias);
-  return at::empty(linear_out_shape(input, weight), input.options());
 }
 
 template <c10::DispatchKey K>
@@ -410,15 +374,11 @@ void register_scaled_mm(torch::Library& m) {
 }  // namespace
 }  // namespace mps_ext
 
+// Meta kernels: mps_ext/_meta.py.
 MPS_EXT_FAMILY_OWN_META("scaled_mm", mps_ext::register_scaled_mm, "aten::_scaled_mm", "aten::_scaled_mm_v2")
 
 TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
   m.def("fp8_linear(Tensor input, Tensor weight, Tensor weight_scale, str granularity, Tensor? bias=None) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(mps_ext, Meta, m) {
-  m.impl("_scaled_mm", TORCH_FN(mps_ext::scaled_mm_meta));
-  m.impl("_scaled_mm_v2", TORCH_FN(mps_ext::scaled_mm_v2_meta));
-  m.impl("fp8_linear", TORCH_FN(mps_ext::fp8_linear_meta));
 }
 TORCH_LIBRARY_IMPL(mps_ext, CPU, m) { m.impl("fp8_linear", TORCH_FN(mps_ext::fp8_linear_impl<c10::DispatchKey::CPU>)); }
 #ifdef __APPLE__

@@ -62,9 +62,9 @@ void without_override_warning(const std::function<void()>& f);
 // template `template <c10::DispatchKey K> void Register(torch::Library& m)`
 // that calls m.impl for each op with kernels that fall back to the stock
 // kernel of key K (through route(), ops/registry.h). The Meta kernels are
-// the aten ops'. MPS_EXT_FAMILY_OWN_META: the same, for a family whose file
-// registers Meta kernels of its own (where the aten op's meta function
-// rejects inputs mps_ext takes).
+// the aten ops'. MPS_EXT_FAMILY_OWN_META: the same, for a family whose Meta
+// kernels are mps_ext's own (mps_ext/_meta.py), where the aten op's meta
+// function rejects inputs mps_ext takes.
 #define MPS_EXT_FAMILY(NAME, REGISTER, ...)                                              \
   TORCH_LIBRARY_IMPL(mps_ext, Meta, m) { ::mps_ext::register_meta(m, {__VA_ARGS__}); } \
   MPS_EXT_FAMILY_OWN_META(NAME, REGISTER, __VA_ARGS__)
