@@ -5,6 +5,7 @@
 //   fp8_convert_strided_<src>_<dst>  any strides (0 broadcasts), 64-bit offsets
 #include <metal_stdlib>
 #include "fp8_codec.h"
+#include "fp8_params.h"
 using namespace metal;
 
 // Each element type reads into float32 bits and writes from them.

@@ -1,4 +1,5 @@
-// FP8 encoding and decoding for the Metal kernels (fp8.metal, fp8_mm.metal).
+// FP8 encoding and decoding for the Metal kernels (fp8.metal, fp8_mm.metal),
+// self-contained (metal_stdlib only) so that any shader can include it.
 //
 // Everything goes through the bits of a float32, in integer arithmetic:
 // no float-to-int conversion (undefined out of range on a GPU), and no
@@ -17,7 +18,6 @@
 //              through half or float leaves it); bf16 NaN is 0x7FC0.
 #pragma once
 #include <metal_stdlib>
-#include "fp8_params.h"
 using namespace metal;
 
 // float32 bits -> fp8 byte. MAN mantissa bits, exponent bias BIAS; FN: no
@@ -70,9 +70,6 @@ inline uint e5m2_to_bits(uchar b) {
   if (e == 0) return sign | as_type<uint>(float(m) * 0.0000152587890625f);  // m * 2^-16
   return sign | ((e + 112u) << 23) | (m << 21);
 }
-inline uint fp8_to_bits(uchar b, uint format) { return format == FP8_TYPE_E5M2 ? e5m2_to_bits(b) : e4m3_to_bits(b); }
-inline uchar fp8_from_bits(uint f, uint format) { return format == FP8_TYPE_E5M2 ? e5m2_from_bits(f) : e4m3_from_bits(f); }
-
 // float32 bits of an exactly representable value (or NaN) -> half / bfloat.
 inline half half_from_exact_bits(uint f) {
   if ((f & 0x7FFFFFFFu) > 0x7F800000u)
@@ -83,26 +80,21 @@ inline bfloat bfloat_from_exact_bits(uint f) {
   return as_type<bfloat>(ushort((f & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : (f >> 16)));
 }
 
-// Four fp8 bytes packed in a uint (little end first) -> four floats, with
-// the e4m3 values divided by 256 (the caller multiplies that back in, once
-// per sum): e4m3 bits placed into half bits give x / 256 exactly, e5m2
-// bits are the top byte of a half. e4m3 NaN codes (0x7F, 0xFF) are not
-// halves of any value and are restored explicitly.
-inline float4 fp8x4_to_float(uint u, uint format) {
-  half2 even, odd;  // bytes (0, 2) and (1, 3)
-  if (format == FP8_TYPE_E5M2) {
-    even = as_type<half2>((u & 0x00FF00FFu) << 8);
-    odd = as_type<half2>(u & 0xFF00FF00u);
-  } else {
-    even = as_type<half2>(((u & 0x007F007Fu) << 7) | ((u & 0x00800080u) << 8));
-    odd = as_type<half2>(((u & 0x7F007F00u) >> 1) | (u & 0x80008000u));
-  }
+// Four fp8 bytes packed in a uint (little end first) -> four floats, for
+// matrix kernels that decode weights in registers. e4m3: the values divided
+// by 256 (the caller multiplies that back in, once per sum): e4m3 bits
+// placed into half bits give x / 256 exactly, and the e4m3 NaN codes (0x7F,
+// 0xFF), which are not halves of any value, are restored explicitly. e5m2:
+// the bits are the top byte of a half.
+inline float4 e4m3x4_to_float_div256(uint u) {
+  const half2 even = as_type<half2>(((u & 0x007F007Fu) << 7) | ((u & 0x00800080u) << 8));  // bytes 0, 2
+  const half2 odd = as_type<half2>(((u & 0x7F007F00u) >> 1) | (u & 0x80008000u));          // bytes 1, 3
   float4 v = float4(float(even.x), float(odd.x), float(even.y), float(odd.y));
-  if (format != FP8_TYPE_E5M2) {
-    for (int i = 0; i < 4; ++i)
-      if (((u >> (8 * i)) & 0x7Fu) == 0x7Fu) v[i] = NAN;
-  }
+  for (int i = 0; i < 4; ++i)
+    if (((u >> (8 * i)) & 0x7Fu) == 0x7Fu) v[i] = NAN;
   return v;
 }
-// The factor fp8x4_to_float leaves out.
-inline float fp8_unit(uint format) { return format == FP8_TYPE_E5M2 ? 1.0f : 256.0f; }
+inline float4 e5m2x4_to_float(uint u) {
+  const half2 even = as_type<half2>((u & 0x00FF00FFu) << 8), odd = as_type<half2>(u & 0xFF00FF00u);
+  return float4(float(even.x), float(odd.x), float(even.y), float(odd.y));
+}

@@ -18,7 +18,19 @@
 #include <metal_stdlib>
 #include <metal_simdgroup_matrix>
 #include "fp8_codec.h"
+#include "fp8_params.h"
 using namespace metal;
+
+// Decoding by the float8 format code of an operand (p.a_format, p.w_format).
+// fp8x4_to_float and fp8_to_float give e4m3 values divided by fp8_unit (256;
+// see e4m3x4_to_float_div256), e5m2 values as they are.
+inline float4 fp8x4_to_float(uint u, uint format) {
+  return format == FP8_TYPE_E5M2 ? e5m2x4_to_float(u) : e4m3x4_to_float_div256(u);
+}
+inline float fp8_unit(uint format) { return format == FP8_TYPE_E5M2 ? 1.0f : 256.0f; }
+inline float fp8_to_float(uchar b, uint format) {
+  return as_type<float>(format == FP8_TYPE_E5M2 ? e5m2_to_bits(b) : e4m3_to_bits(b)) / fp8_unit(format);
+}
 
 // Activation loaders: values divided by unit(format) (fp8x4_to_float's
 // convention for e4m3; 1 for everything else). E: elements in 16 bytes.
@@ -32,9 +44,7 @@ struct ActFp8 {
       for (int j = 0; j < 4; ++j) v[4 * i + j] = f[j];
     }
   }
-  static float load1(const device uchar* p, uint format) {
-    return as_type<float>(fp8_to_bits(*p, format)) / fp8_unit(format);
-  }
+  static float load1(const device uchar* p, uint format) { return fp8_to_float(*p, format); }
   static float unit(uint format) { return fp8_unit(format); }
 };
 struct ActF16 {
@@ -74,11 +84,6 @@ struct ActF32 {
   static float load1(const device float* p, uint) { return *p; }
   static float unit(uint) { return 1.0f; }
 };
-
-// One fp8 weight element, divided by fp8_unit (as fp8x4_to_float gives it).
-inline float weight1(const device uchar* p, uint format) {
-  return as_type<float>(fp8_to_bits(*p, format)) / fp8_unit(format);
-}
 
 inline float scale_a_at(constant Fp8MatmulParams& p, const device float* sa, long row, long kb) {
   return p.has_scale_a ? sa[row * p.sa_row_stride + kb * p.sa_k_stride] : 1.0f;
@@ -173,7 +178,7 @@ kernel void fp8_gemv(device uchar* y [[buffer(0)]],
                        : 0.0f;
     for (int q = 0; q < Q; ++q) {
       if (!live[q]) continue;
-      const float wv = weight1(wrow[q] + k * p.w_k_stride, p.w_format) * scale_b_at(p, scale_b, first + q, kb);
+      const float wv = fp8_to_float(wrow[q][k * p.w_k_stride], p.w_format) * scale_b_at(p, scale_b, first + q, kb);
       for (int r = 0; r < R; ++r) acc[r][q] += xs[r] * wv;
     }
   }
@@ -251,7 +256,7 @@ kernel void fp8_mm_tile(device uchar* y [[buffer(0)]],
         }
       } else {
         for (int e = 0; e < 16; ++e)
-          v[e] = gn < p.n && gk + e < p.k ? weight1(w + gn * p.w_n_stride + (gk + e) * p.w_k_stride, p.w_format) : 0.0f;
+          v[e] = gn < p.n && gk + e < p.k ? fp8_to_float(w[gn * p.w_n_stride + (gk + e) * p.w_k_stride], p.w_format) : 0.0f;
       }
       for (int e = 0; e < 16; ++e) b_tile[kc + e][row] = v[e] * s;
     }

@@ -31,6 +31,7 @@
 
 #include "backend/launch.h"
 #include "fp8_params.h"
+#include "ops/kernel_choice.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
 
@@ -39,17 +40,6 @@ namespace {
 
 std::atomic<bool> g_e4m3fn_native_mps{false}, g_e4m3fn_native_cpu{false};
 constexpr uint32_t kConvertThreads = 256;
-
-const char* convert_name(c10::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "f32";
-    case at::kHalf: return "f16";
-    case at::kBFloat16: return "bf16";
-    case at::kFloat8_e4m3fn: return "e4m3";
-    case at::kFloat8_e5m2: return "e5m2";
-    default: return nullptr;
-  }
-}
 
 // Dimensions of dst (and src, expanded to it) with size-1 dimensions dropped
 // and dimensions merged where both tensors step through them as one.
@@ -115,7 +105,7 @@ bool fp8_convert(const at::Tensor& dst, const at::Tensor& src) {
   const int64_t groups = (threads + kConvertThreads - 1) / kConvertThreads;
   TORCH_CHECK(groups <= 0xffffffffll, "mps_ext fp8: tensor too large (", numel, " elements)");
   const std::string kernel = std::string("fp8_convert_") + (dense ? "dense_" : "strided_") +
-                             convert_name(src.scalar_type()) + "_" + convert_name(dst.scalar_type());
+                             kernel_type_name(src.scalar_type()) + "_" + kernel_type_name(dst.scalar_type());
   launch(Launch{"fp8", kernel, {KernelArg::of(dst), KernelArg::of(src), KernelArg::value(p)},
                 {static_cast<uint32_t>(groups), 1, 1}, {kConvertThreads, 1, 1}});
   return true;
@@ -151,7 +141,7 @@ void copy_fp8(at::Tensor& self, const at::Tensor& src_, bool non_blocking) {
     call_stock<at::Tensor>("aten::copy_", K, bytes(self), bytes(src), non_blocking);
     return;
   }
-  if (convert_name(to) && convert_name(from)) {
+  if (kernel_type_name(to) && kernel_type_name(from)) {
     TORCH_CHECK(fp8_convert(self, src), "mps_ext fp8: copy_ of a tensor with more than ", MPS_EXT_MAX_DIMS,
                 " dimensions that do not merge");
     return;
@@ -191,13 +181,16 @@ std::string self_unsupported(const at::Tensor& self, c10::DispatchKey key) {
   return "";
 }
 
-// The byte torch's CPU fill_ writes for `value` (its conversion and its
-// overflow checks, on one CPU element).
-uint8_t fill_byte(c10::ScalarType dtype, const c10::Scalar& value) {
+// Fills float8 `self` with the byte torch's CPU fill_ writes for `value`
+// (its conversion and its overflow checks, done on a CPU tensor), through
+// torch's fill_ of the uint8 view.
+template <c10::DispatchKey K>
+at::Tensor fill_fp8(at::Tensor& self, const c10::Scalar& value) {
   // Two elements: torch fills a single one by another path, without the check.
-  at::Tensor one = at::empty({2}, at::TensorOptions().dtype(dtype));
-  one.fill_(value);
-  return bytes(one)[0].item<uint8_t>();
+  at::Tensor two = at::empty({2}, at::TensorOptions().dtype(self.scalar_type()));
+  two.fill_(value);
+  const int64_t byte = bytes(two)[0].item<uint8_t>();
+  return call_stock<at::Tensor>("aten::fill_.Scalar", K, bytes(self), c10::Scalar(byte));
 }
 
 template <c10::DispatchKey K>
@@ -207,10 +200,8 @@ at::Tensor& fill_scalar_impl(at::Tensor& self, const c10::Scalar& value) {
     stock(self, value);
     return self;
   }
-  route(family("fp8"), "aten::fill_.Scalar", K, self_unsupported(self, K), [&] {
-    const uint8_t b = fill_byte(self.scalar_type(), value);
-    return call_stock<at::Tensor>("aten::fill_.Scalar", K, bytes(self), c10::Scalar(static_cast<int64_t>(b)));
-  }, self, value);
+  route(family("fp8"), "aten::fill_.Scalar", K, self_unsupported(self, K), [&] { return fill_fp8<K>(self, value); },
+        self, value);
   return self;
 }
 
@@ -225,8 +216,7 @@ at::Tensor& fill_tensor_impl(at::Tensor& self, const at::Tensor& value) {
     TORCH_CHECK(value.dim() == 0, "fill_ only supports 0-dimension value tensor but got tensor with ", value.dim(),
                 " dimensions.");
     // The value's own float8 bytes may sit on the GPU: read it through copy_.
-    const uint8_t b = fill_byte(self.scalar_type(), value.to(at::kCPU).item());
-    return call_stock<at::Tensor>("aten::fill_.Scalar", K, bytes(self), c10::Scalar(static_cast<int64_t>(b)));
+    return fill_fp8<K>(self, value.to(at::kCPU).item());
   }, self, value);
   return self;
 }

@@ -17,14 +17,12 @@
 #include "backend/launch.h"
 #include "fp8_params.h"
 #include "ops/fp8.h"
+#include "ops/kernel_choice.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
 
 namespace mps_ext {
 namespace {
-
-constexpr int64_t kMaxDecodeRows = 8;
-constexpr int64_t kTargetThreadgroups = 4 * 80;  // 4 per core of an 80-core M3 Ultra
 
 uint32_t type_code(c10::ScalarType t) {
   switch (t) {
@@ -37,35 +35,14 @@ uint32_t type_code(c10::ScalarType t) {
   }
 }
 
-const char* act_name(c10::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "f32";
-    case at::kHalf: return "f16";
-    case at::kBFloat16: return "bf16";
-    default: return "fp8";
-  }
-}
-
-// 16-byte alignment of the first element. A CPU tensor's address is real;
-// an MPS tensor's storage is a Metal buffer, whose start is aligned, so
-// only the offset counts there.
-bool aligned16(const at::Tensor& t) {
-  if (t.device().is_cpu()) return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  return (t.storage_offset() * t.itemsize()) % 16 == 0;
-}
+// The activation's name in kernel names: fp8 for both float8 formats (the
+// kernel reads the format from the parameters).
+const char* act_name(c10::ScalarType t) { return is_fp8(t) ? "fp8" : kernel_type_name(t); }
 
 // Rows of a matrix contiguous along K, each starting 16-byte aligned.
 bool rows_vectorizable(const at::Tensor& t, int64_t k_stride, int64_t row_stride, int64_t rows) {
-  return k_stride == 1 && aligned16(t) && (rows <= 1 || (row_stride * t.itemsize()) % 16 == 0);
+  return k_stride == 1 && aligned16(t, rows > 1 ? row_stride : 0);
 }
-
-int64_t pow2_floor(int64_t v) {
-  int64_t p = 1;
-  while (p * 2 <= v) p *= 2;
-  return p;
-}
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // One scaled product: a [M, K] (fp8, or f32/f16/bf16 for fp8_linear),
 // w [N, K] fp8, y [M, N] written in its dtype.
@@ -77,8 +54,7 @@ struct Problem {
 
 // The variant policy.
 // - M <= 8 rows: fp8_gemv with R = the smallest of 1, 2, 4, 8 holding them;
-//   N / 320 outputs per threadgroup (a power of two, 1 to 8; 2 simdgroups
-//   from 2 outputs), so that N >= 2048 gives at least 320 threadgroups.
+//   decode_geometry (ops/kernel_choice.h): 2 simdgroups of up to 4 outputs.
 // - More rows: fp8_mm_tile, one threadgroup per 32 x 64 outputs.
 // - vec (16-byte loads) when the weight rows and the activation rows are
 //   contiguous along K and 16-byte aligned; otherwise element loads.
@@ -110,16 +86,12 @@ void run(Problem& pr) {
   l.library = "fp8_mm";
   const std::string act = act_name(pr.a.scalar_type());
   if (p.m <= kMaxDecodeRows) {
-    int64_t r = 1;
-    while (r < p.m) r *= 2;
-    const int64_t outputs = std::clamp<int64_t>(pow2_floor(std::max<int64_t>(p.n / kTargetThreadgroups, 1)), 1,
-                                                2 * FP8_GEMV_MAX_OUTPUTS);
-    const int64_t simdgroups = outputs >= 2 ? 2 : 1;
-    p.outputs_per_simdgroup = static_cast<uint32_t>(outputs / simdgroups);
-    TORCH_CHECK(ceil_div(p.n, outputs) <= 0xffffffffll, "mps_ext scaled_mm: N too large");
-    l.kernel = "fp8_gemv_" + act + "_r" + std::to_string(r) + (vec ? "_vec" : "_scalar");
-    l.threadgroups = {static_cast<uint32_t>(ceil_div(p.n, outputs)), 1, 1};
-    l.threads_per_threadgroup = {static_cast<uint32_t>(32 * simdgroups), 1, 1};
+    const DecodeGeometry g = decode_geometry(p.n, FP8_GEMV_MAX_OUTPUTS);
+    p.outputs_per_simdgroup = static_cast<uint32_t>(g.outputs_per_simdgroup);
+    TORCH_CHECK(g.threadgroups <= 0xffffffffll, "mps_ext scaled_mm: N too large");
+    l.kernel = "fp8_gemv_" + act + "_r" + std::to_string(row_variant(p.m)) + (vec ? "_vec" : "_scalar");
+    l.threadgroups = {static_cast<uint32_t>(g.threadgroups), 1, 1};
+    l.threads_per_threadgroup = {static_cast<uint32_t>(32 * g.simdgroups), 1, 1};
   } else {
     TORCH_CHECK(ceil_div(p.m, FP8_TILE_M) <= 0xffffffffll && ceil_div(p.n, FP8_TILE_N) <= 0xffffffffll,
                 "mps_ext scaled_mm: too many tiles");

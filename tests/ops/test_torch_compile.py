@@ -65,17 +65,24 @@ def test_every_op_is_in_a_model():
     assert all(f"torch.ops.mps_ext.{n}(" in source for n in names | {"fp8_linear"})
 
 
+# model, its inputs for a number of rows, the calls each family runs
+MODELS = {"float": (model, inputs, {"linear": 3, "softmax": 4, "pad": 1}),
+          "fp8": (fp8_model, fp8_inputs, {"scaled_mm": 3, "fp8": 2})}
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_aot_eager(dynamic):
+@pytest.mark.parametrize("name", MODELS)
+def test_aot_eager(name, dynamic):
+    fn, make_inputs, runs = MODELS[name]
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=dynamic)
     for rows in (3, 5):
-        args = inputs(rows)
-        want = model(*args)
+        args = make_inputs(rows)
+        want = fn(*args)
         mps_ext.reset_stats()
         got = compiled(*args)
         torch.testing.assert_close(got, want)
-        assert {fam: s["ran"] for fam, s in mps_ext.stats().items() if s["ran"]} == {"linear": 3, "softmax": 4, "pad": 1}
+        assert {fam: s["ran"] for fam, s in mps_ext.stats().items() if s["ran"]} == runs
 
 
 def test_inductor_on_cpu():
@@ -86,19 +93,6 @@ def test_inductor_on_cpu():
     got = torch.compile(model, backend="inductor", fullgraph=True)(*args)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert {fam: s["ran"] for fam, s in mps_ext.stats().items() if s["ran"]} == {"linear": 3, "softmax": 4, "pad": 1}
-
-
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_fp8_ops_aot_eager(dynamic):
-    torch._dynamo.reset()
-    compiled = torch.compile(fp8_model, backend="aot_eager", fullgraph=True, dynamic=dynamic)
-    for rows in (3, 5):
-        args = fp8_inputs(rows)
-        want = fp8_model(*args)
-        mps_ext.reset_stats()
-        got = compiled(*args)
-        torch.testing.assert_close(got, want)
-        assert {fam: s["ran"] for fam, s in mps_ext.stats().items() if s["ran"]} == {"scaled_mm": 3, "fp8": 2}
 
 
 def test_fp8_in_place_ops_trace_with_dynamo():
