@@ -182,13 +182,14 @@ std::string self_unsupported(const at::Tensor& self, c10::DispatchKey key) {
 }
 
 // Fills float8 `self` with the byte torch's CPU fill_ writes for `value`
-// (its conversion and its overflow checks, done on a CPU tensor), through
-// torch's fill_ of the uint8 view.
+// (its conversion and its overflow checks, done on a CPU tensor by aten's
+// own CPU kernel: the CPU key may carry this override too, in tests),
+// through torch's fill_ of the uint8 view.
 template <c10::DispatchKey K>
 at::Tensor fill_fp8(at::Tensor& self, const c10::Scalar& value) {
   // Two elements: torch fills a single one by another path, without the check.
   at::Tensor two = at::empty({2}, at::TensorOptions().dtype(self.scalar_type()));
-  two.fill_(value);
+  call_stock<at::Tensor>("aten::fill_.Scalar", c10::DispatchKey::CPU, two, value);
   const int64_t byte = bytes(two)[0].item<uint8_t>();
   return call_stock<at::Tensor>("aten::fill_.Scalar", K, bytes(self), c10::Scalar(byte));
 }
