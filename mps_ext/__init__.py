@@ -34,6 +34,7 @@ _load_error: str | None = None
 try:
     import torch as _torch
 
+    from .fp8 import FP8Linear, quantize_fp8
     from . import _C, _meta
 
     _meta.register()
@@ -41,7 +42,6 @@ except Exception as e:  # never let a broken install break the user's import
     _C = None
     _load_error = f"{type(e).__name__}: {e}"
 
-from .fp8 import FP8Linear, quantize_fp8  # noqa: E402,F401
 
 _env_disabled: set[str] = set()
 _policy_skipped: dict[str, str] = {}        # family -> why it is not installed
