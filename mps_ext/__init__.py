@@ -45,7 +45,7 @@ except Exception as e:  # never let a broken install break the user's import
 
 _env_disabled: set[str] = set()
 _policy_skipped: dict[str, str] = {}        # family -> why it is not installed
-_policy_left: dict[str, dict[str, str]] = {}  # family -> {aten op: why torch keeps it}
+_policy_left: dict[str, dict[str, _policy.Native]] = {}  # family -> {aten op: the rule that leaves it to torch}
 _installed: list[str] = []
 
 # Fallback reasons that are decisions, not problems: a user's switch and the
@@ -99,12 +99,11 @@ def family_status(name: str) -> str:
         return f"off on MPS: {unavailable['MPS']}"
     if name in _policy_skipped:
         return f"left to torch on MPS: {_policy_skipped[name]}"
-    notes = []
     if name in _policy_left:
-        ops = ", ".join(op.split("::")[1] for op in sorted(_policy_left[name]))
-        notes.append(f"{ops} left to torch on MPS")
-    notes += [f"{which} on MPS" for which in _policy.partly_left_to_torch(name, _torch.__version__)]
-    return "on" + (f" ({'; '.join(notes)})" if notes else "")
+        ops = ", ".join(op.split("::")[1] + (f" ({rule.scope()})" if rule.scope() else "")
+                        for op, rule in sorted(_policy_left[name].items()))
+        return f"on ({ops} left to torch on MPS)"
+    return "on"
 
 
 def enabled_ops() -> list[str]:
@@ -160,6 +159,14 @@ def installed_overrides() -> list[str]:
     return list(_installed)
 
 
+def _leave_to_torch(family: str, rules: dict[str, _policy.Native], device: str) -> None:
+    """Hands the policy's rules for `family` ({aten op: rule}) to the op
+    layer for `device` ("MPS"; "CPU" in tests)."""
+    for op, rule in rules.items():
+        _C.leave_to_torch(family, op, device, POLICY_PREFIX + rule.what,
+                          [getattr(_torch, d) for d in rule.kept_dtypes], list(rule.kept_args), bool(rule.calls))
+
+
 def _setup() -> None:
     if _C is None:
         return
@@ -179,12 +186,9 @@ def _setup() -> None:
         left = _policy.left_to_torch(name, version)
         if left:
             _policy_left[name] = left
-        for op, why in left.items():
-            _C.leave_to_torch(name, op, "MPS", POLICY_PREFIX + why)
+        _leave_to_torch(name, left, "MPS")
     for name in _env_disabled:
         _C.set_enabled(name, False)
-    _C.set_mm_min_rows("MPS", _policy.mm_min_rows(version))
-    _C.set_fp8_e4m3fn_native("MPS", _policy.fp8_e4m3fn_native(version))
     if is_available():
         wanted = sorted(known - _env_disabled - set(_policy_skipped))
         try:

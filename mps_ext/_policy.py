@@ -3,7 +3,10 @@
 One table, read at import: an aten op is overridden on the MPS key only on
 torch releases older than the one that shipped an equal kernel of its own;
 from that release on, mps_ext leaves the op to torch (a family whose every op
-is left to torch is not installed at all). The policy applies to the MPS
+is left to torch is not installed at all). A rule may leave only some calls
+of an op to torch: not those with a dtype or an argument value torch's
+kernel refuses, or only those the op's own code picks by what torch's kernel
+takes (a row count, a scale recipe). The policy applies to the MPS
 overrides only: torch.ops.mps_ext on CPU tensors always runs mps_ext's
 kernels.
 
@@ -30,6 +33,32 @@ class Native:
     ops: tuple[str, ...]    # the aten ops mps_ext leaves to it on MPS
     what: str               # what torch has, in one sentence
     evidence: str           # the files that show it
+    # Not calls with a tensor argument of these dtypes (torch's names:
+    # "complex64"), nor those with these bool argument values (name, value):
+    # inputs torch's kernel refuses, which mps_ext keeps.
+    kept_dtypes: tuple[str, ...] = ()
+    kept_args: tuple[tuple[str, bool], ...] = ()
+    # Only the calls the op's own code picks (csrc/ops/: linear.cpp's
+    # mm_unsupported, fp8_mm.cpp's policy), in words: for a choice the
+    # arguments' dtypes and bools do not express.
+    calls: str = ""
+
+    def __post_init__(self):
+        # route (csrc/ops/registry.h) applies kept dtypes and arguments; an op
+        # that picks its calls is handed the rule alone.
+        if self.calls and (self.kept_dtypes or self.kept_args):
+            raise ValueError(f"{self.ops}: a rule whose calls the op picks keeps no dtypes or arguments")
+
+    def whole(self) -> bool:
+        """Every call of the ops is left to torch."""
+        return not (self.kept_dtypes or self.kept_args or self.calls)
+
+    def scope(self) -> str:
+        """Which calls, in words: '' for all."""
+        parts = [self.calls] if self.calls else []
+        parts += [f"not {dtype}" for dtype in self.kept_dtypes]
+        parts += [f"not {name}={value}" for name, value in self.kept_args]
+        return "; ".join(parts)
 
 
 # What each release's MPS kernels are, per family, whether or not mps_ext
@@ -106,6 +135,50 @@ HISTORY: dict[str, list[tuple[str, str, str]]] = {
          "operations/ScaledMM.mm (TensorWise/RowWise dispatch table, its bias checks); _scaled_mm_native.h "
          "without an mps kernel"),
     ],
+    "linalg": [
+        ("2.9-2.13", "Apple's MPS matrix kernels, float32 only: LU by MPSMatrixDecompositionLU (linalg_lu_factor_ex; "
+         "2.9 also linalg_lu_factor), solves by MPSMatrixSolveLU and MPSMatrixSolveTriangular; complex64 LU, "
+         "triangular solves and inverses are refused, and so is LU without pivoting; linalg_lu_solve has no MPS "
+         "kernel at all (nor linalg_lu in 2.9); lu_unpack: 2.9 its own MPS kernel (tril, triu, diagonal fills and "
+         "copies; pivots not checked), 2.10 on the generic structured kernel, whose unpack_pivots_* runs after a "
+         "range check of the pivots read back to the CPU",
+         "native_functions.yaml (MPS: linalg_lu_factor_ex_out_mps, linalg_solve_triangular_mps, "
+         "triangular_solve_mps_out, linalg_inv_ex_out_mps, _linalg_solve_ex_out_mps; none for linalg_lu_solve); the "
+         "dylib links _OBJC_CLASS_$_MPSMatrixDecompositionLU, MPSMatrixSolveLU, MPSMatrixSolveTriangular and has "
+         "no LU kernel of its own; strings \"linalg.lu_factor(): MPS doesn't support complex types.\", \"MPS doesn't "
+         "allow pivot == False.\", \"linalg_inv: not supported for complex types yet!\" (and in 2.9 "
+         "\"linalg.solve.triangular(); Not supported for complex yet!\"); structured_lu_unpack_out_mps::impl "
+         "(2.9) calls sub, fill_, tril, triu, diagonal, copy_ and no item; unpack_pivots_stub_impl (2.10 on) calls "
+         "le, ge, logical_and, _is_all_true and item<bool>; tools/linalg_entry_points.py"),
+        ("2.14", "float32 LU in torch's own Metal kernels (a blocked right-looking getrf: factorPanelLU or "
+         "luStreamUpdate/luStreamPivot panels, laswpGatherLU, trsmPanelLU, gemmLU/gemmSimdLU trailing updates, "
+         "transposeInPlaceLU) and a Metal linalg_lu_solve (luApplyPivotsRHS, trsmDiagSolveLU), float32 only; "
+         "triangular solves still MPSMatrixSolveTriangular (float only); complex64 LU, solves and inverses and LU "
+         "without pivoting still refused",
+         "kernels/LinearAlgebra.h (new in 2.14: kLUStreamNT 'for LU streaming-panel kernels'); dylib: "
+         "factorPanelLU_{1_32,2_16,4_8}, luStream{Update,Pivot}, gemmLU_*, trsmDiagSolveLU_* without a dtype "
+         "suffix (float only), no MPSMatrixDecompositionLU; strings \"linalg.lu_solve(): MPS only supports "
+         "float32.\", \"linalg.solve.triangular(); Only float is supported!\", \"MPS doesn't support complex "
+         "types.\", \"MPS doesn't allow pivot == False.\""),
+        ("2.15", "LU (linalg_lu_factor_ex) in Metal for float32 and complex64, pivot=False still refused; "
+         "triangular solves in Metal (triangular_solve_{float,float2}, triangular_solve_small_* for n = 16/32/64 "
+         "with MPP variants), float32 and complex64; linalg_lu_solve and _linalg_solve_ex (LU, then "
+         "luApplyPivotsRHS and two trsmDiagSolveLU) for float32 and complex64; linalg_inv_ex: float32 matrices up "
+         "to 4x4 one thread each in registers (luInvSmall_1..4), larger ones by LU and solve; complex64 inverses "
+         "still refused, before any kernel runs; _linalg_det/_linalg_slogdet: their structured kernels over "
+         "linalg_lu_factor_ex_out (so Metal), then diagonal/prod/mul (and abs, log, sum); lu_unpack: the generic "
+         "structured kernel (tril_out, triu_out, a fill_ of the diagonal, arange + expand, unpack_pivots_* after a "
+         "range check of the pivots read back to the CPU, zero_, scatter_)",
+         "kernels/LinearAlgebra.h (new in 2.15: TriangularSolveParams, kLUSmallInvMax = 4, LUSmallInvParams, "
+         "LUStreamScratch<T> 'T is float or c10::metal::complex<float>'); dylib: factorPanelLU_{float,float2}_*, "
+         "luStream*_{float,float2}, triangular_solve_float(2), triangular_solve_small_*, luApplyPivotsRHS_float(2), "
+         "trsmDiagSolveLU_float(2)_*, luInvSmall_1..4 (only air.fabs.f32: float32), unpack_pivots_*; strings "
+         "\"linalg.lu_factor(): MPS supports float32 and complex64 inputs\", \"MPS doesn't allow pivot == False.\", "
+         "\"linalg.solve_triangular(): MPS only supports float32 and complex64\", \"linalg_inv: not supported for "
+         "complex types yet!\" (loaded by structured_linalg_inv_ex_out_mps::impl when the dtype is complex, before "
+         "'luInvSmall_{}'); unpack_pivots_stub_impl calls le, ge, logical_and, _is_all_true and item<bool>; "
+         "tools/linalg_entry_points.py"),
+    ],
 }
 
 # Ops mps_ext leaves to torch from a release on.
@@ -116,40 +189,60 @@ NATIVE: dict[str, list[Native]] = {
         "mps_ext keeps the backward)", HISTORY["softmax"][1][2])],
     "pad": [Native((2, 15), ("aten::constant_pad_nd",), "torch 2.15 has Metal constant_pad_nd kernels",
                    HISTORY["pad"][1][2])],
+    # Op by op on torch 2.15 (HISTORY["linalg"][2] says what torch has):
+    # - LU: torch's blocked getrf spreads a matrix over many threadgroups, with
+    #   its trailing updates as GEMMs; mps_ext's factors a matrix in one
+    #   threadgroup. Nothing measurable here shows ours as good, so torch
+    #   keeps it, except LU without pivoting, which torch refuses ("MPS
+    #   doesn't allow pivot == False.").
+    # - Triangular solves, LU solves, solve, det and slogdet run on torch's
+    #   Metal LU and triangular kernels: left to torch. (For matrices up to
+    #   4x4 mps_ext factors and solves in one dispatch where torch runs an LU
+    #   and then luApplyPivotsRHS and two trsmDiagSolveLU, but that count is
+    #   read from torch's kernel names, not measured; not taken as evidence.)
+    # - Inverse: float32 left to torch, whose luInvSmall inverts matrices up
+    #   to 4x4 in one thread each as mps_ext's does (and larger ones by its
+    #   LU); complex64 stays: torch 2.15 refuses it before any kernel runs.
+    # - lu_unpack stays: torch's is the generic structured kernel, 12 aten
+    #   calls on MPS (tril_out, triu_out, fill_ of the diagonal, arange,
+    #   expand().contiguous(), le, ge, logical_and, _is_all_true and a read
+    #   back, unpack_pivots_*, zero_, scatter_), each a dispatch reading or
+    #   writing whole matrices; mps_ext's writes P, L and U in one dispatch
+    #   that reads LU and the pivots once and writes each output once
+    #   (tests/ops/test_linalg.py counts it), after the same pivot range
+    #   check with the same read back (4 small dispatches; none on torch
+    #   2.9, whose MPS lu_unpack does not check: csrc/ops/linalg.cpp).
+    "linalg": [
+        Native((2, 15), ("aten::linalg_lu_factor_ex", "aten::linalg_lu"),
+               "torch 2.15 has its own Metal LU for float32 and complex64", HISTORY["linalg"][2][2],
+               kept_args=(("pivot", False),)),
+        Native((2, 15), ("aten::linalg_solve_triangular", "aten::triangular_solve", "aten::linalg_lu_solve",
+                         "aten::_linalg_solve_ex", "aten::_linalg_det", "aten::_linalg_slogdet"),
+               "torch 2.15 has its own Metal LU and triangular solves for float32 and complex64",
+               HISTORY["linalg"][2][2]),
+        Native((2, 15), ("aten::linalg_inv_ex",), "torch 2.15 has its own Metal float32 inverse",
+               HISTORY["linalg"][2][2], kept_dtypes=("complex64",)),
+    ],
+    # torch 2.14 gave aten::mm and aten::addmm a GEMV of their own for a
+    # single row (or column); mps_ext keeps 2 to 8 rows there (speculative
+    # decoding, beam search, small batches), and F.linear's single row, which
+    # torch's aten::linear does not send to that GEMV.
+    "linear": [Native((2, 14), ("aten::mm", "aten::addmm"), "torch 2.14 has its own one-row GEMV for mm and addmm",
+                      HISTORY["linear"][1][2], calls="one row")],
+    # torch 2.15 handles float8_e4m3fn tensors on MPS (not float8_e5m2), and
+    # tensor-wise and row-wise float8_e4m3fn _scaled_mm_v2 products with the
+    # outputs and bias dtypes its kernel takes; mps_ext keeps float8_e5m2,
+    # the block-wise recipes, _scaled_mm (v1) and what torch's kernel rejects.
+    "fp8": [Native((2, 15), ("aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor", "aten::zero_", "aten::cat",
+                             "aten::index_select"),
+                   "torch 2.15 has float8_e4m3fn tensors on MPS", HISTORY["fp8"][1][2],
+                   kept_dtypes=("float8_e5m2",))],
+    "scaled_mm": [Native((2, 15), ("aten::_scaled_mm_v2",),
+                         "torch 2.15's _scaled_mm_v2 runs tensor-wise and row-wise float8_e4m3fn products on MPS",
+                         HISTORY["scaled_mm"][2][2],
+                         calls="tensor-wise and row-wise float8_e4m3fn, with outputs and bias torch's kernel "
+                               "takes")],
 }
-
-# torch 2.14 gave aten::mm and aten::addmm a GEMV of their own for a single
-# row (or column); mps_ext keeps 2 to 8 rows there (speculative decoding, beam
-# search, small batches), and F.linear's single row, which torch's
-# aten::linear does not send to that GEMV.
-MM_ONE_ROW_GEMV = Native((2, 14), ("aten::mm", "aten::addmm"), "torch 2.14 has its own one-row GEMV for mm and addmm",
-                         HISTORY["linear"][1][2])
-
-
-# torch 2.15 handles float8_e4m3fn tensors on MPS, and tensor-wise and
-# row-wise float8_e4m3fn _scaled_mm_v2 products (with the outputs and bias
-# dtypes its kernel takes): mps_ext's fp8 and scaled_mm families then keep
-# float8_e5m2, the block-wise recipes, _scaled_mm (v1) and what torch's
-# kernel rejects (csrc/ops/fp8.cpp, fp8_mm.cpp decide per call).
-FP8_E4M3FN = Native((2, 15), ("aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor", "aten::zero_", "aten::cat",
-                              "aten::index_select"),
-                    "torch 2.15 has float8_e4m3fn tensors on MPS", HISTORY["fp8"][1][2])
-SCALED_MM_E4M3FN = Native((2, 15), ("aten::_scaled_mm_v2",),
-                          "torch 2.15's _scaled_mm_v2 runs tensor-wise and row-wise float8_e4m3fn products on MPS",
-                          HISTORY["scaled_mm"][2][2])
-
-# What each family leaves to torch for some inputs only, decided per call:
-# family -> [(the kernel torch has, which inputs)].
-PARTLY_NATIVE: dict[str, list[tuple[Native, str]]] = {
-    "linear": [(MM_ONE_ROW_GEMV, "one-row mm/addmm left to torch's own GEMV")],
-    "fp8": [(FP8_E4M3FN, "float8_e4m3fn left to torch")],
-    "scaled_mm": [(SCALED_MM_E4M3FN, "tensor-wise and row-wise float8_e4m3fn _scaled_mm_v2 left to torch")],
-}
-
-
-def has(native: Native, version: str) -> bool:
-    """Whether torch `version` has that kernel."""
-    return torch_version(version) >= native.since
 
 
 def torch_version(version: str) -> tuple[int, int]:
@@ -157,37 +250,21 @@ def torch_version(version: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def left_to_torch(family: str, version: str) -> dict[str, str]:
-    """The aten ops of `family` that mps_ext leaves to torch `version` on
-    MPS, each with the reason."""
+def left_to_torch(family: str, version: str) -> dict[str, Native]:
+    """The aten ops of `family` that mps_ext leaves (in all or some calls)
+    to torch `version` on MPS, each with its rule."""
     out = {}
     for native in NATIVE.get(family, []):
-        if has(native, version):
-            out.update({op: native.what for op in native.ops})
+        if torch_version(version) >= native.since:
+            out.update({op: native for op in native.ops})
     return out
 
 
 def steps_aside(family: str, ops: list[str], version: str) -> str | None:
     """Why mps_ext does not install `family` (whose aten ops are `ops`) on
-    torch `version`: every op is left to torch. None if it installs it."""
+    torch `version`: every call of every op is left to torch. None if it
+    installs it."""
     left = left_to_torch(family, version)
-    if ops and all(op in left for op in ops):
-        return "; ".join(sorted(set(left.values())))
+    if ops and all(op in left and left[op].whole() for op in ops):
+        return "; ".join(sorted({native.what for native in left.values()}))
     return None
-
-
-def mm_min_rows(version: str) -> int:
-    """Fewest rows (or columns) of an mm/addmm product mps_ext takes on MPS
-    with torch `version`."""
-    return 2 if has(MM_ONE_ROW_GEMV, version) else 1
-
-
-def fp8_e4m3fn_native(version: str) -> bool:
-    """Whether torch `version` handles float8_e4m3fn tensors and tensor-wise
-    and row-wise e4m3fn scaled_mm on MPS itself."""
-    return has(FP8_E4M3FN, version)
-
-
-def partly_left_to_torch(family: str, version: str) -> list[str]:
-    """What `family` leaves to torch `version` on MPS for some inputs."""
-    return [which for native, which in PARTLY_NATIVE.get(family, []) if has(native, version)]

@@ -57,16 +57,23 @@ def judge(family: str, device: str, before: dict, after: dict) -> tuple[bool, st
     return False, f"mps_ext's kernel did not run: {new or 'the call was not counted'}"
 
 
-def close(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, str]:
+def close(got, want) -> tuple[bool, str]:
+    if isinstance(want, tuple):  # ops with several outputs
+        for i, (g, w) in enumerate(zip(got, want)):
+            ok, detail = close(g, w)
+            if not ok:
+                return False, f"output {i}: {detail}"
+        return True, ""
     got, want = got.cpu(), want.cpu()
     if got.shape != want.shape or got.dtype != want.dtype:
         return False, f"got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
-    if not got.is_floating_point():
+    if not (got.is_floating_point() or got.is_complex()):
         return bool(torch.equal(got, want)), "values differ"
     tol = TOLERANCE.get(got.dtype, 1e-5)
-    if torch.allclose(got.float(), want.float(), rtol=tol, atol=tol, equal_nan=True):
+    wide = torch.complex128 if got.is_complex() else torch.float64
+    if torch.allclose(got.to(wide), want.to(wide), rtol=tol, atol=tol, equal_nan=True):
         return True, ""
-    return False, f"max difference {(got.float() - want.float()).abs().nan_to_num(0).max().item():.3g}"
+    return False, f"max difference {(got.to(wide) - want.to(wide)).abs().nan_to_num(0).max().item():.3g}"
 
 
 def cases() -> list[Case]:
@@ -122,7 +129,37 @@ def cases() -> list[Case]:
             + layer.bias.double()).bfloat16()
     out.append(Case("scaled_mm", "fp8_linear block 3x200 @ 48x200^T bfloat16", torch.ops.mps_ext.fp8_linear,
                     (x, w8, ws, "block", layer.bias.detach()), want))
+    for dtype in (torch.float32, torch.complex64):
+        tag = str(dtype)[6:]
+        for shape in [(4, 3, 3), (2, 24, 24)]:  # one thread per matrix; a threadgroup per matrix
+            a = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) + 5 * torch.eye(shape[-1], dtype=dtype)
+            b = torch.randn(shape[:-1] + (2,), generator=g, dtype=torch.float64).to(dtype)
+            a64, b64 = a.to(_wide(dtype)), b.to(_wide(dtype))
+            name = f"{tuple(shape)} {tag}"
+            # The same factors as torch (same pivots): outputs compared whole.
+            out.append(Case("linalg", f"linalg_lu_factor_ex {name}", torch.ops.aten.linalg_lu_factor_ex, (a,),
+                            _narrow(torch.ops.aten.linalg_lu_factor_ex(a64), dtype)))
+            out.append(Case("linalg", f"linalg_inv_ex {name}", torch.ops.aten.linalg_inv_ex, (a,),
+                            _narrow(torch.ops.aten.linalg_inv_ex(a64), dtype)))
+            out.append(Case("linalg", f"_linalg_solve_ex {name}", torch.ops.aten._linalg_solve_ex, (a, b),
+                            _narrow(torch.ops.aten._linalg_solve_ex(a64, b64), dtype)))
+            lu, piv = torch.linalg.lu_factor(a)
+            out.append(Case("linalg", f"linalg_lu_solve {name}", torch.ops.aten.linalg_lu_solve, (lu, piv, b),
+                            torch.linalg.lu_solve(lu.to(_wide(dtype)), piv, b64).to(dtype)))
+            out.append(Case("linalg", f"_linalg_slogdet {name}", torch.ops.aten._linalg_slogdet, (a,),
+                            _narrow(torch.ops.aten._linalg_slogdet(a64), dtype)))
     return out
+
+
+def _wide(dtype):
+    return torch.complex128 if dtype.is_complex else torch.float64
+
+
+def _narrow(outputs, dtype):
+    """torch's float64 / complex128 results in the dtypes of a `dtype` call."""
+    real = torch.float32
+    return tuple(o if not o.is_floating_point() and not o.is_complex()
+                 else o.to(dtype if o.is_complex() or not dtype.is_complex else real) for o in outputs)
 
 
 def executor_op(op):

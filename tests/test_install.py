@@ -57,18 +57,19 @@ def test_the_filter_passes_every_other_warning(capfd):
 
 COMPILED_MODEL = """
 import torch, mps_ext, torch.nn.functional as F
-FAMILIES = ["linear", "softmax", "pad"]
+FAMILIES = ["linalg", "linear", "softmax", "pad"]
 mps_ext._C.install_overrides(FAMILIES, "CPU")
-def model(x, w, b, w2):
+def model(x, w, b, w2, m):
     y = F.linear(x, w, b)    # aten::addmm once traced
     y = torch.softmax(y, -1)
     y = F.pad(y, (1, 1))
-    return y @ w2            # aten::mm
+    return y @ w2, torch.linalg.solve(m, x[:, :16].mT)  # aten::mm; aten::_linalg_solve_ex
 x, w, b, w2 = torch.randn(2, 64), torch.randn(32, 64), torch.randn(32), torch.randn(34, 16)
-want = model(x, w, b, w2)
+m = torch.randn(16, 16) + 8 * torch.eye(16)
+want = model(x, w, b, w2, m)
 torch._dynamo.reset()
 mps_ext.reset_stats()
-got = torch.compile(model, backend=BACKEND)(x, w, b, w2)
+got = torch.compile(model, backend=BACKEND)(x, w, b, w2, m)
 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 print({fam: s["ran"] for fam, s in sorted(mps_ext.stats().items()) if fam in FAMILIES})
 """
@@ -76,7 +77,7 @@ print({fam: s["ran"] for fam, s in sorted(mps_ext.stats().items()) if fam in FAM
 
 def test_a_model_compiled_with_aot_eager_reaches_every_override():
     r = python(COMPILED_MODEL.replace("BACKEND", "'aot_eager'"))
-    assert r.stdout.strip() == "{'linear': 2, 'pad': 1, 'softmax': 1}"
+    assert r.stdout.strip() == "{'linalg': 1, 'linear': 2, 'pad': 1, 'softmax': 1}"
 
 
 def test_what_inductor_calls():
@@ -84,17 +85,22 @@ def test_what_inductor_calls():
     own, and calls matmuls as extern kernels with out= (aten::addmm.out,
     aten::mm.out): none of these reach the overrides of the functional aten
     ops, on the CPU here as on MPS (the lowering of mm and addmm to extern
-    kernels does not depend on the device)."""
+    kernels does not depend on the device). The linear-algebra ops have no
+    lowering: inductor calls the functional aten op as a fallback, which
+    reaches the override."""
     code = COMPILED_MODEL.replace("BACKEND", "'inductor'") + """
 from torch._inductor.utils import run_and_get_code
 torch._dynamo.reset()
-_, (source, *_) = run_and_get_code(torch.compile(model, backend="inductor"), x, w, b, w2)
+_, (source, *_) = run_and_get_code(torch.compile(model, backend="inductor"), x, w, b, w2, m)
 print(sorted(line.strip().split("(")[0] for line in source.splitlines() if "extern_kernels." in line and "out=" in line))
+print(sorted({line.split("=")[1].strip().split("(")[0] for line in source.splitlines()
+              if "= torch.ops.aten." in line}))
 """
     r = python(code)
-    ran, extern = r.stdout.strip().splitlines()
-    assert ran == "{'linear': 0, 'pad': 0, 'softmax': 0}"
+    ran, extern, fallbacks = r.stdout.strip().splitlines()
+    assert ran == "{'linalg': 1, 'linear': 0, 'pad': 0, 'softmax': 0}"
     assert extern == "['extern_kernels.addmm', 'extern_kernels.mm']"
+    assert fallbacks == "['torch.ops.aten._linalg_solve_ex.default']"
 
 
 def test_a_compiled_model_reaches_the_float8_overrides():

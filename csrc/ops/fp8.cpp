@@ -15,9 +15,11 @@
 // clone, contiguous, zeros, cat, index_select and print.
 //
 // Conversions run in kernels_metal/fp8.metal; moves that need no conversion
-// (same dtype)
-// run torch's own kernels on uint8 views of the same bytes (a float8 tensor
-// and its uint8 view share storage, and torch handles uint8 everywhere).
+// (same dtype) run torch's own kernels on uint8 views of the same bytes (a
+// float8 tensor and its uint8 view share storage, and torch handles uint8
+// everywhere). On torch 2.15, whose MPS kernels take float8_e4m3fn, the
+// policy (mps_ext/_policy.py) sends every call without a float8_e5m2 tensor
+// to torch's kernel (in route: a rule with kept dtypes).
 // All of this is device-agnostic: the same code runs for CPU tensors as
 // torch.ops.mps_ext.<op> through the CPU Metal executor, which is how CI
 // tests it. Only the cross-device branch of copy_ cannot run there.
@@ -27,7 +29,6 @@
 #include <ATen/MemoryOverlap.h>
 
 #include <algorithm>
-#include <atomic>
 
 #include "backend/launch.h"
 #include "fp8_params.h"
@@ -38,7 +39,6 @@
 namespace mps_ext {
 namespace {
 
-std::atomic<bool> g_e4m3fn_native_mps{false}, g_e4m3fn_native_cpu{false};
 constexpr uint32_t kConvertThreads = 256;
 
 // Dimensions of dst (and src, expanded to it) with size-1 dimensions dropped
@@ -64,25 +64,11 @@ Dims merged_dims(const at::Tensor& dst, const at::Tensor& src) {
   return m;
 }
 
-// The float8 dtypes this family takes for `key`: both, but float8_e4m3fn
-// where torch has kernels of its own for it (the policy). The others go
-// to torch with this reason.
-bool takes(c10::ScalarType t, c10::DispatchKey key) {
-  return t == at::kFloat8_e5m2 || (t == at::kFloat8_e4m3fn && !fp8_e4m3fn_native(key));
-}
-const char* kE4m3fnNative = "policy: float8_e4m3fn (torch's own kernels)";
-
 at::Tensor bytes(const at::Tensor& t) { return t.view(at::kByte); }
 
 }  // namespace
 
 bool is_fp8(c10::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
-void set_fp8_e4m3fn_native(c10::DispatchKey key, bool native) {
-  (key == c10::DispatchKey::MPS ? g_e4m3fn_native_mps : g_e4m3fn_native_cpu) = native;
-}
-bool fp8_e4m3fn_native(c10::DispatchKey key) {
-  return (key == c10::DispatchKey::MPS ? g_e4m3fn_native_mps : g_e4m3fn_native_cpu).load();
-}
 
 bool fp8_convert(const at::Tensor& dst, const at::Tensor& src) {
   const int64_t numel = dst.numel();
@@ -114,8 +100,7 @@ bool fp8_convert(const at::Tensor& dst, const at::Tensor& src) {
 namespace {
 
 // ---------------------------------------------------------------- copy_ --
-std::string copy_unsupported(const at::Tensor& self, const at::Tensor& src, c10::DispatchKey key) {
-  if (!takes(self.scalar_type(), key) && !takes(src.scalar_type(), key)) return kE4m3fnNative;
+std::string copy_unsupported(const at::Tensor& self, const at::Tensor& src) {
   if (self.layout() != at::kStrided || src.layout() != at::kStrided) return "layout is not strided";
   if (self.is_neg() || src.is_neg() || self.is_conj() || src.is_conj()) return "a tensor with the neg or conj bit";
   return "";
@@ -141,7 +126,10 @@ void copy_fp8(at::Tensor& self, const at::Tensor& src_, bool non_blocking) {
     call_stock<at::Tensor>("aten::copy_", K, bytes(self), bytes(src), non_blocking);
     return;
   }
-  if (kernel_type_name(to) && kernel_type_name(from)) {
+  auto convertible = [](c10::ScalarType t) {  // fp8.metal's kernels
+    return is_fp8(t) || t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+  };
+  if (convertible(to) && convertible(from)) {
     TORCH_CHECK(fp8_convert(self, src), "mps_ext fp8: copy_ of a tensor with more than ", MPS_EXT_MAX_DIMS,
                 " dimensions that do not merge");
     return;
@@ -166,7 +154,7 @@ at::Tensor& copy_impl(at::Tensor& self, const at::Tensor& src, bool non_blocking
     stock(self, src, non_blocking);
     return self;
   }
-  route(family("fp8"), "aten::copy_", K, copy_unsupported(self, src, K), [&] {
+  route(family("fp8"), "aten::copy_", K, copy_unsupported(self, src), [&] {
     copy_fp8<K>(self, src, non_blocking);
     return self;
   }, self, src, non_blocking);
@@ -175,8 +163,7 @@ at::Tensor& copy_impl(at::Tensor& self, const at::Tensor& src, bool non_blocking
 
 // ---------------------------------------------------------- fill_, zero_ --
 // For an op on a float8 `self`.
-std::string self_unsupported(const at::Tensor& self, c10::DispatchKey key) {
-  if (!takes(self.scalar_type(), key)) return kE4m3fnNative;
+std::string self_unsupported(const at::Tensor& self) {
   if (self.layout() != at::kStrided) return "layout is not strided";
   return "";
 }
@@ -201,7 +188,7 @@ at::Tensor& fill_scalar_impl(at::Tensor& self, const c10::Scalar& value) {
     stock(self, value);
     return self;
   }
-  route(family("fp8"), "aten::fill_.Scalar", K, self_unsupported(self, K), [&] { return fill_fp8<K>(self, value); },
+  route(family("fp8"), "aten::fill_.Scalar", K, self_unsupported(self), [&] { return fill_fp8<K>(self, value); },
         self, value);
   return self;
 }
@@ -213,7 +200,7 @@ at::Tensor& fill_tensor_impl(at::Tensor& self, const at::Tensor& value) {
     stock(self, value);
     return self;
   }
-  route(family("fp8"), "aten::fill_.Tensor", K, self_unsupported(self, K), [&] {
+  route(family("fp8"), "aten::fill_.Tensor", K, self_unsupported(self), [&] {
     TORCH_CHECK(value.dim() == 0, "fill_ only supports 0-dimension value tensor but got tensor with ", value.dim(),
                 " dimensions.");
     // The value's own float8 bytes may sit on the GPU: read it through copy_.
@@ -229,7 +216,7 @@ at::Tensor& zero_impl(at::Tensor& self) {
     stock(self);
     return self;
   }
-  route(family("fp8"), "aten::zero_", K, self_unsupported(self, K),
+  route(family("fp8"), "aten::zero_", K, self_unsupported(self),
         [&] { return call_stock<at::Tensor>("aten::zero_", K, bytes(self)); }, self);
   return self;
 }
@@ -238,16 +225,12 @@ at::Tensor& zero_impl(at::Tensor& self) {
 template <c10::DispatchKey K>
 at::Tensor cat_impl(const at::ITensorListRef& tensors, int64_t dim) {
   std::vector<at::Tensor> list(tensors.begin(), tensors.end());
-  bool fp8 = false, taken = false;
-  for (const auto& t : list) {
-    fp8 = fp8 || is_fp8(t.scalar_type());
-    taken = taken || takes(t.scalar_type(), K);
-  }
+  const bool fp8 = std::any_of(list.begin(), list.end(), [](const at::Tensor& t) { return is_fp8(t.scalar_type()); });
   if (!fp8) {
     static const PassThrough stock("aten::cat", K);
     return stock(list, dim);
   }
-  return route(family("fp8"), "aten::cat", K, taken ? "" : kE4m3fnNative, [&] {
+  return route(family("fp8"), "aten::cat", K, "", [&] {
     c10::ScalarType out = list.front().scalar_type();
     // torch's error for float8 with any other dtype
     for (const auto& t : list) out = c10::promoteTypes(out, t.scalar_type());
@@ -263,7 +246,7 @@ at::Tensor index_select_impl(const at::Tensor& self, int64_t dim, const at::Tens
     static const PassThrough stock("aten::index_select", K);
     return stock(self, dim, index);
   }
-  return route(family("fp8"), "aten::index_select", K, self_unsupported(self, K), [&] {
+  return route(family("fp8"), "aten::index_select", K, self_unsupported(self), [&] {
     return call_stock<at::Tensor>("aten::index_select", K, bytes(self), dim, index).view(self.scalar_type());
   }, self, dim, index);
 }

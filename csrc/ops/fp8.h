@@ -17,11 +17,4 @@ bool is_fp8(c10::ScalarType t);
 // dimensions than the kernels index after merging contiguous ones.
 bool fp8_convert(const at::Tensor& dst, const at::Tensor& src);
 
-// Whether torch has float8_e4m3fn kernels of its own for `key` (MPS from
-// torch 2.15: tensors, and tensor-wise and row-wise _scaled_mm_v2; set from
-// mps_ext/_policy.py). Then mps_ext leaves those to torch, counted as a
-// policy fallback, and keeps float8_e5m2 and the block-wise recipes.
-void set_fp8_e4m3fn_native(c10::DispatchKey key, bool native);
-bool fp8_e4m3fn_native(c10::DispatchKey key);
-
 }  // namespace mps_ext

@@ -184,14 +184,17 @@ std::string or_raise(const std::string& why, const std::string& op, c10::Dispatc
   return why;
 }
 
-// The policy: torch 2.15's _scaled_mm_v2 on MPS (operations/ScaledMM.mm)
-// runs tensor-wise and row-wise float8_e4m3fn products with outputs
-// f32/f16/bf16/e4m3fn, and a bias only of the output's dtype (bf16 or f16)
-// or, for an e4m3fn output, either; mps_ext keeps what it rejects.
-std::string left_to_torch(const std::string& op, c10::DispatchKey key, const at::Tensor& a, const at::Tensor& b,
-                          int64_t recipe, c10::ScalarType out, const c10::optional<at::Tensor>& bias) {
-  if (!fp8_e4m3fn_native(key) || !has_stock_kernel(op, key) || recipe > kRowWise ||
-      a.scalar_type() != at::kFloat8_e4m3fn || b.scalar_type() != at::kFloat8_e4m3fn || out == at::kFloat8_e5m2)
+// The policy, for an op whose rule leaves to torch the calls picked here
+// (mps_ext/_policy.py; on MPS from torch 2.15): torch's _scaled_mm_v2 on MPS
+// (operations/ScaledMM.mm) runs tensor-wise and row-wise float8_e4m3fn
+// products with outputs f32/f16/bf16/e4m3fn, and a bias only of the output's
+// dtype (bf16 or f16) or, for an e4m3fn output, either; mps_ext keeps what
+// it rejects. The rule's reason, or "".
+std::string policy(const std::string& op, c10::DispatchKey key, const at::Tensor& a, const at::Tensor& b,
+                   int64_t recipe, c10::ScalarType out, const c10::optional<at::Tensor>& bias) {
+  c10::optional<LeftToTorch> rule = family("scaled_mm").left_to_torch(op, key);
+  if (!rule || !has_stock_kernel(op, key) || recipe > kRowWise || a.scalar_type() != at::kFloat8_e4m3fn ||
+      b.scalar_type() != at::kFloat8_e4m3fn || out == at::kFloat8_e5m2)
     return "";
   if (bias && bias->defined()) {
     const auto t = bias->scalar_type();
@@ -199,7 +202,7 @@ std::string left_to_torch(const std::string& op, c10::DispatchKey key, const at:
         (out != at::kFloat8_e4m3fn && t != out))
       return "";
   }
-  return "policy: tensor-wise or row-wise float8_e4m3fn (torch's own kernel)";
+  return rule->why;
 }
 
 template <c10::DispatchKey K>
@@ -218,7 +221,7 @@ at::Tensor scaled_mm_impl(const at::Tensor& self, const at::Tensor& mat2, const 
     else if (scale_result && scale_result->defined() && !fp32_scalar(*scale_result))
       why = "a scale_result torch rejects";
     else
-      why = left_to_torch("aten::_scaled_mm", K, self, mat2, kRowWise, out, bias);
+      why = policy("aten::_scaled_mm", K, self, mat2, kRowWise, out, bias);
   }
   return route(family("scaled_mm"), "aten::_scaled_mm", K, or_raise(why, "aten::_scaled_mm", K),
                [&] { return scaled_mm(self, mat2, p, scale_a, scale_b, bias, scale_result, out); }, self, mat2,
@@ -249,7 +252,7 @@ at::Tensor scaled_mm_v2_impl(const at::Tensor& self, const at::Tensor& mat2, at:
                          mat2.size(1)))
       why = "scales torch rejects";
     else
-      why = left_to_torch("aten::_scaled_mm_v2", K, self, mat2, recipe_a[0], out, bias);
+      why = policy("aten::_scaled_mm_v2", K, self, mat2, recipe_a[0], out, bias);
   }
   return route(family("scaled_mm"), "aten::_scaled_mm_v2", K, or_raise(why, "aten::_scaled_mm_v2", K),
                [&] { return scaled_mm(self, mat2, p, scale_a[0], scale_b[0], bias, c10::nullopt, out); }, self, mat2,

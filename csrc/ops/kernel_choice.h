@@ -23,6 +23,7 @@ inline const char* kernel_type_name(c10::ScalarType t) {
     case at::kBFloat16: return "bf16";
     case at::kFloat8_e4m3fn: return "e4m3";
     case at::kFloat8_e5m2: return "e5m2";
+    case at::kComplexFloat: return "c64";
     default: return nullptr;
   }
 }

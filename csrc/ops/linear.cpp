@@ -4,7 +4,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <atomic>
 
 #include "backend/launch.h"
 #include "gemv_params.h"
@@ -15,9 +14,6 @@
 
 namespace mps_ext {
 namespace {
-
-// Fewest rows of mm/addmm products on MPS and CPU (set_mm_min_rows).
-std::atomic<int64_t> g_min_rows_mps{1}, g_min_rows_cpu{1};
 
 // One matrix-vector problem, y[r, n] = alpha * x[r, :] . w[n, :] + beta * bias[r, n],
 // given as 2-D strided views (x [rows, K], w [N, K], y and bias [rows, N])
@@ -129,10 +125,9 @@ int64_t leading_rows(const at::Tensor& input) {
   return rows;
 }
 
-std::string rows_unsupported(int64_t rows, int64_t min_rows) {
+std::string rows_unsupported(int64_t rows) {
   if (rows == 0) return "";  // an empty result
   if (rows > kMaxDecodeRows) return "more than 8 rows (a general matmul)";
-  if (rows < min_rows) return "policy: one row (torch's own GEMV)";
   return "";
 }
 
@@ -146,11 +141,6 @@ float to_float(const c10::Scalar& v, int64_t k) {
 
 }  // namespace
 
-void set_mm_min_rows(c10::DispatchKey key, int64_t rows) {
-  TORCH_CHECK(rows >= 1 && rows <= kMaxDecodeRows, "mps_ext: mm min rows must be in 1..8, got ", rows);
-  (key == c10::DispatchKey::MPS ? g_min_rows_mps : g_min_rows_cpu) = rows;
-}
-
 // ------------------------------------------------------------- F.linear --
 std::string linear_unsupported(const at::Tensor& input, const at::Tensor& weight,
                                const c10::optional<at::Tensor>& bias) {
@@ -161,7 +151,7 @@ std::string linear_unsupported(const at::Tensor& input, const at::Tensor& weight
     return "a bias that is not 1-D of size N";
   int64_t row_stride;
   if (!flat_rows(input, row_stride)) return "activation rows that do not flatten without a copy";
-  return rows_unsupported(leading_rows(input), 1);
+  return rows_unsupported(leading_rows(input));
 }
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -195,8 +185,11 @@ std::string mm_unsupported(const at::Tensor& mat1, const at::Tensor& mat2, const
   if (!why.empty()) return why;
   if (mat1.dim() != 2 || mat2.dim() != 2 || mat1.size(1) != mat2.size(0)) return "shapes torch rejects";  // its error follows
   if (self && !self->defined()) return "";
-  int64_t rows = std::min(mat1.size(0), mat2.size(1));
-  return rows_unsupported(rows, (key == c10::DispatchKey::MPS ? g_min_rows_mps : g_min_rows_cpu).load());
+  const int64_t rows = std::min(mat1.size(0), mat2.size(1));
+  // The policy from torch 2.14 on MPS: one row to torch's own GEMV.
+  if (rows == 1)
+    if (auto rule = family("linear").left_to_torch(self ? "aten::addmm" : "aten::mm", key)) return rule->why;
+  return rows_unsupported(rows);
 }
 
 // The activation is mat1 when it has at most 8 rows and no more rows than

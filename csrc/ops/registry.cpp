@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <memory>
 #include <set>
 
@@ -58,20 +59,48 @@ void Family::clear_unavailable() {
   any_unavailable_ = false;
 }
 
-void Family::leave_to_torch(const std::string& op, c10::DispatchKey key, const std::string& why) {
+bool LeftToTorch::applies(const torch::jit::Stack& args) const {
+  auto kept = [&](const at::Tensor& t) {
+    return t.defined() && std::find(kept_dtypes.begin(), kept_dtypes.end(), t.scalar_type()) != kept_dtypes.end();
+  };
+  for (const auto& a : args) {
+    if (a.isTensor() && kept(a.toTensor())) return false;
+    if (a.isTensorList())
+      for (const at::Tensor& t : a.toTensorVector())
+        if (kept(t)) return false;
+  }
+  for (const auto& [index, value] : kept_args)
+    if (index < args.size() && args[index].isBool() && args[index].toBool() == value) return false;
+  return true;
+}
+
+void Family::leave_to_torch(const std::string& op, c10::DispatchKey key, const std::string& why,
+                            const std::vector<c10::ScalarType>& kept_dtypes,
+                            const std::vector<std::pair<std::string, bool>>& kept_args, bool op_picks) {
+  LeftToTorch rule{why, kept_dtypes, {}, op_picks};
+  if (!kept_args.empty()) {
+    const c10::FunctionSchema& schema = op_handle(op).schema();
+    for (const auto& [name, value] : kept_args) {
+      auto index = schema.argumentIndexWithName(name);
+      TORCH_CHECK(index && schema.arguments()[*index].type()->kind() == c10::TypeKind::BoolType, "mps_ext: ", op,
+                  " has no bool argument named '", name, "'");
+      rule.kept_args.emplace_back(static_cast<size_t>(*index), value);
+    }
+  }
   std::lock_guard<std::mutex> g(mutex_);
   if (why.empty())
     left_to_torch_.erase(std::make_pair(op, key));
   else
-    left_to_torch_[std::make_pair(op, key)] = why;
+    left_to_torch_[std::make_pair(op, key)] = std::move(rule);
   any_left_to_torch_ = !left_to_torch_.empty();
 }
 
-std::string Family::left_to_torch(const std::string& op, c10::DispatchKey key) const {
-  if (!any_left_to_torch_.load()) return "";
+c10::optional<LeftToTorch> Family::left_to_torch(const std::string& op, c10::DispatchKey key) const {
+  if (!any_left_to_torch_.load()) return c10::nullopt;
   std::lock_guard<std::mutex> g(mutex_);
   auto it = left_to_torch_.find(std::make_pair(op, key));
-  return it == left_to_torch_.end() ? "" : it->second;
+  if (it == left_to_torch_.end()) return c10::nullopt;
+  return it->second;
 }
 
 namespace detail {
@@ -84,10 +113,10 @@ c10::DeviceType device_of(c10::DispatchKey key) {
   }
 }
 
-std::string precheck(Family& fam, const std::string& op, c10::DispatchKey key) {
+std::string precheck(Family& fam, c10::DispatchKey key) {
   if (!fam.enabled.load()) return "turned off";
   if (!fam.unavailable(key).empty()) return "kernels unavailable on this device";
-  return fam.left_to_torch(op, key);
+  return "";
 }
 
 }  // namespace detail

@@ -9,7 +9,10 @@
 //   - the family is turned off;
 //   - the family's kernels cannot run on this device (a Metal library or
 //     pipeline that failed to build here: see BackendUnavailable);
-//   - the policy leaves this op to the installed torch (mps_ext/_policy.py);
+//   - the policy leaves this op to the installed torch (mps_ext/_policy.py),
+//     possibly not for dtypes or argument values torch's kernel refuses (a
+//     LeftToTorch rule; a rule whose calls the op's own code picks is the
+//     op's `unsupported` reason);
 //   - a tensor argument lives on another device than the kernel's (a 0-dim
 //     CPU tensor beside MPS tensors: torch's kernel does what torch does);
 //   - the op says it does not handle these inputs (`unsupported`);
@@ -34,6 +37,23 @@
 
 namespace mps_ext {
 
+// A policy decision (mps_ext/_policy.py): which calls of an op go to the
+// stock kernel because torch's own is as good.
+struct LeftToTorch {
+  std::string why;  // the fallback's reason: "policy: ..."
+  // Not calls with a tensor argument (or one in a list) of one of these
+  // dtypes, nor those whose argument at this index (of the op's schema) is
+  // this bool: inputs torch's kernel refuses, which mps_ext keeps.
+  std::vector<c10::ScalarType> kept_dtypes;
+  std::vector<std::pair<size_t, bool>> kept_args;
+  // The op's own code picks the calls (by what torch's kernel takes: a row
+  // count, a scale recipe) and gives `why` as its `unsupported` reason;
+  // route does not apply the rule itself.
+  bool op_picks = false;
+
+  bool applies(const torch::jit::Stack& args) const;
+};
+
 struct Family {
   explicit Family(std::string n) : name(std::move(n)) {}
   const std::string name;
@@ -52,17 +72,22 @@ struct Family {
   std::map<c10::DispatchKey, std::string> unavailable_all() const;
   void clear_unavailable();  // for tests only: a real failure does not heal
 
-  // The policy's per-op decision: `op` for `key` goes to the stock kernel,
-  // counted under `why` (empty `why`: clears it).
-  void leave_to_torch(const std::string& op, c10::DispatchKey key, const std::string& why);
-  std::string left_to_torch(const std::string& op, c10::DispatchKey key) const;
+  // The policy's per-op decision: calls of `op` for `key` go to the stock
+  // kernel, counted under `why` (empty `why`: clears it); not those with a
+  // tensor of one of `kept_dtypes`, nor those whose bool argument named in
+  // `kept_args` has the value given there; with `op_picks`, those the op's
+  // code picks (LeftToTorch).
+  void leave_to_torch(const std::string& op, c10::DispatchKey key, const std::string& why,
+                      const std::vector<c10::ScalarType>& kept_dtypes = {},
+                      const std::vector<std::pair<std::string, bool>>& kept_args = {}, bool op_picks = false);
+  c10::optional<LeftToTorch> left_to_torch(const std::string& op, c10::DispatchKey key) const;
 
  private:
   mutable std::mutex mutex_;
   uint64_t ran_ = 0;
   std::map<std::string, uint64_t> fallbacks_;
   std::map<c10::DispatchKey, std::string> unavailable_;
-  std::map<std::pair<std::string, c10::DispatchKey>, std::string> left_to_torch_;
+  std::map<std::pair<std::string, c10::DispatchKey>, LeftToTorch> left_to_torch_;
   // Read on every call without the lock: most families have neither.
   std::atomic<bool> any_unavailable_{false}, any_left_to_torch_{false};
 };
@@ -144,9 +169,21 @@ void foreign_device(const T&, c10::DeviceType, std::string&) {}
 // The device type whose tensors the kernels of `key` take.
 c10::DeviceType device_of(c10::DispatchKey key);
 
-// Why the call goes to the stock kernel before mps_ext's kernel is tried
-// ("" if it does not): every reason but the op's own.
-std::string precheck(Family& fam, const std::string& op, c10::DispatchKey key);
+// Why the call goes to the stock kernel before anything about its
+// arguments is looked at ("" if it does not): turned off, unavailable.
+std::string precheck(Family& fam, c10::DispatchKey key);
+
+// Why the policy sends this call to the stock kernel ("" if it does not).
+// The arguments are boxed only for a rule that looks at them.
+template <class... Args>
+std::string policy(Family& fam, const std::string& op, c10::DispatchKey key, const Args&... args) {
+  c10::optional<LeftToTorch> rule = fam.left_to_torch(op, key);
+  if (!rule || rule->op_picks) return "";
+  if (rule->kept_dtypes.empty() && rule->kept_args.empty()) return rule->why;
+  torch::jit::Stack stack;
+  (torch::jit::push(stack, args), ...);
+  return rule->applies(stack) ? rule->why : "";
+}
 
 }  // namespace detail
 
@@ -158,7 +195,8 @@ template <class Ours, class Theirs, class... Args>
 auto route_to(Family& fam, const std::string& op, c10::DispatchKey key, const std::string& unsupported, Ours ours,
               Theirs theirs, const Args&... args) -> std::decay_t<decltype(ours())> {
   using Ret = std::decay_t<decltype(ours())>;
-  std::string reason = detail::precheck(fam, op, key);
+  std::string reason = detail::precheck(fam, key);
+  if (reason.empty()) reason = detail::policy(fam, op, key, args...);
   if (reason.empty()) (detail::foreign_device(args, detail::device_of(key), reason), ...);
   if (reason.empty()) reason = unsupported;
   if (reason.empty()) {

@@ -23,9 +23,19 @@ def device(request):
     return request.param
 
 
+def _to(x, device):
+    """Tensors in x (or in a tuple of them: ops with several outputs) on `device`."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, tuple):
+        return tuple(_to(v, device) for v in x)
+    return x
+
+
 class Runner:
     """Calls aten op `name` so that mps_ext's kernel runs on `device`, and
-    checks that it did, unless torch's own kernel ran by decision."""
+    checks that it did, unless torch's own kernel ran by decision. Returns
+    the op's output on the CPU: a tensor, or a tuple of them."""
 
     def __init__(self, device):
         self.device = device
@@ -35,8 +45,8 @@ class Runner:
         if self.device == "executor":
             out = getattr(torch.ops.mps_ext, name)(*args, **kwargs)
         else:
-            moved = [a.to("mps") if isinstance(a, torch.Tensor) else a for a in args]
-            out = getattr(torch.ops.aten, name)(*moved, **kwargs).cpu()
+            args, kwargs = _to(args, "mps"), {k: _to(v, "mps") for k, v in kwargs.items()}
+            out = _to(getattr(torch.ops.aten, name)(*args, **kwargs), "cpu")
         _, problem = judge(family, self.device, before, mps_ext.stats()[family])
         assert not problem, problem
         return out

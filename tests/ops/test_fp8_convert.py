@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mps_ext
-from mps_ext import cpu_metal
+from mps_ext import _policy, cpu_metal
 
 from fp8_oracle import decode, encode
 
@@ -231,24 +231,21 @@ def test_cat_of_two_fp8_formats_gives_torchs_error():
     assert str(theirs.value).split("\n")[0] in str(ours.value)
 
 
-def test_torch_2_15_keeps_e5m2_only():
-    # The policy on a torch with float8_e4m3fn kernels of its own (applied to
-    # the CPU key here; mps_ext sets it for MPS from _policy).
-    mps_ext._C.set_fp8_e4m3fn_native("CPU", True)
-    try:
-        mps_ext.reset_stats()
-        e4, e5 = torch.randn(4, 3).to(torch.float8_e4m3fn), torch.randn(4, 3).to(torch.float8_e5m2)
-        torch.ops.mps_ext.copy_(torch.empty(3, dtype=torch.float8_e4m3fn), torch.randn(3))  # torch's
-        torch.ops.mps_ext.zero_(e4.clone())                                                  # torch's
-        torch.ops.mps_ext.index_select(e4, 0, torch.tensor([1]))                             # torch's
-        torch.ops.mps_ext.copy_(torch.empty(3, dtype=torch.float8_e5m2), torch.randn(3))     # ours
-        got = torch.ops.mps_ext.copy_(torch.empty(4, 3, dtype=torch.float8_e5m2), e4)      # ours: e5m2 on one side
-        assert torch.equal(got.view(torch.uint8), e4.to(torch.float8_e5m2).view(torch.uint8))
-        torch.ops.mps_ext.cat([e5, e5])                                                       # ours
-        assert mps_ext.stats()["fp8"] == {"ran": 3, "fallbacks": {"policy: float8_e4m3fn (torch's own kernels)": 3},
-                                          "unavailable": {}}
-    finally:
-        mps_ext._C.set_fp8_e4m3fn_native("CPU", False)
+def test_torch_2_15_keeps_e5m2_only(cpu_policy):
+    # The policy of a torch with float8_e4m3fn kernels of its own (applied to
+    # the CPU key here; mps_ext applies it to MPS on torch 2.15).
+    mps_ext._leave_to_torch("fp8", _policy.left_to_torch("fp8", "2.15.0"), "CPU")
+    e4, e5 = torch.randn(4, 3).to(torch.float8_e4m3fn), torch.randn(4, 3).to(torch.float8_e5m2)
+    torch.ops.mps_ext.copy_(torch.empty(3, dtype=torch.float8_e4m3fn), torch.randn(3))  # torch's
+    torch.ops.mps_ext.zero_(e4.clone())                                                  # torch's
+    torch.ops.mps_ext.index_select(e4, 0, torch.tensor([1]))                             # torch's
+    torch.ops.mps_ext.cat([e4, e4])                                                       # torch's
+    torch.ops.mps_ext.copy_(torch.empty(3, dtype=torch.float8_e5m2), torch.randn(3))     # ours
+    got = torch.ops.mps_ext.copy_(torch.empty(4, 3, dtype=torch.float8_e5m2), e4)      # ours: e5m2 on one side
+    assert torch.equal(got.view(torch.uint8), e4.to(torch.float8_e5m2).view(torch.uint8))
+    torch.ops.mps_ext.cat([e5, e5])                                                       # ours
+    assert mps_ext.stats()["fp8"] == {
+        "ran": 3, "fallbacks": {"policy: torch 2.15 has float8_e4m3fn tensors on MPS": 4}, "unavailable": {}}
 
 
 @pytest.mark.mac

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import mps_ext
-from mps_ext import cpu_metal
+from mps_ext import _policy, cpu_metal
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 g = torch.Generator().manual_seed(0)
@@ -230,27 +230,30 @@ def test_prefill_reads_weights_once_per_32_rows(m):
     assert set(d.read_widths[wi]) == {16}
 
 
-def test_torch_2_15_keeps_what_its_kernel_rejects():
-    # The policy on a torch whose scaled_mm runs tensor-wise and row-wise
-    # e4m3fn products (applied to the CPU key here, where aten::_scaled_mm
-    # has a kernel to leave them to; mps_ext sets it for MPS from _policy).
+def test_torch_2_15_keeps_what_its_kernel_rejects(cpu_policy):
+    # The policy of a torch whose _scaled_mm_v2 runs tensor-wise and row-wise
+    # e4m3fn products (applied to the CPU key here, where aten::_scaled_mm_v2
+    # has a kernel to leave them to; mps_ext applies it to MPS on torch 2.15).
+    if not torch._C._dispatch_has_computed_kernel_for_dispatch_key("aten::_scaled_mm_v2", "CPU"):
+        pytest.skip(f"torch {torch.__version__} has no CPU kernel for aten::_scaled_mm_v2 to leave calls to")
+    mps_ext._leave_to_torch("scaled_mm", _policy.left_to_torch("scaled_mm", "2.15.0"), "CPU")
     a, b, b5 = fp8(3, 32), fp8(16, 32).t(), fp8(16, 32, dtype=E5).t()
     sa, sb = torch.rand(3, 1, generator=g), torch.rand(1, 16, generator=g)
     bias16 = torch.randn(16, generator=g).bfloat16()
-    mps_ext._C.set_fp8_e4m3fn_native("CPU", True)
-    try:
-        mps_ext.reset_stats()
-        torch.ops.mps_ext._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)                # torch's
-        torch.ops.mps_ext._scaled_mm(a, b, sa, sb, bias16, out_dtype=torch.bfloat16)        # torch's
-        torch.ops.mps_ext._scaled_mm(a, b5, sa, sb, out_dtype=torch.bfloat16)               # ours: e5m2
-        torch.ops.mps_ext._scaled_mm(a, b, sa, sb, bias16.float(), out_dtype=torch.bfloat16)  # ours: f32 bias
-        torch.ops.mps_ext._scaled_mm(a, b, sa, sb, bias16, out_dtype=torch.float32)         # ours: bias, f32 out
-        torch.ops.mps_ext._scaled_mm(a, b, sa, sb, out_dtype=E5)                            # ours: e5m2 out
-        assert mps_ext.stats()["scaled_mm"] == {
-            "ran": 4, "fallbacks": {"policy: tensor-wise or row-wise float8_e4m3fn (torch's own kernel)": 2},
-            "unavailable": {}}
-    finally:
-        mps_ext._C.set_fp8_e4m3fn_native("CPU", False)
+
+    def v2(b, bias, out, recipe=1):
+        return torch.ops.mps_ext._scaled_mm_v2(a, b, [sa], [recipe], [], [sb], [recipe], [], bias, out, [], False)
+
+    v2(b, None, torch.bfloat16)                             # torch's
+    v2(b, bias16, torch.bfloat16)                           # torch's
+    v2(b5, None, torch.bfloat16)                            # ours: e5m2
+    v2(b, bias16.float(), torch.bfloat16)                   # ours: f32 bias
+    v2(b, bias16, torch.float32)                            # ours: bias, f32 out
+    v2(b, None, E5)                                         # ours: e5m2 out
+    torch.ops.mps_ext._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)  # ours: no rule for _scaled_mm (v1)
+    assert mps_ext.stats()["scaled_mm"] == {
+        "ran": 5, "fallbacks": {"policy: torch 2.15's _scaled_mm_v2 runs tensor-wise and row-wise float8_e4m3fn "
+                                "products on MPS": 2}, "unavailable": {}}
 
 
 def dequantized(layer):

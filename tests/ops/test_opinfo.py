@@ -53,6 +53,10 @@ def _linear(s):
     return (s.input, s.args[0], bias), {}
 
 
+def _with_kwargs(s):
+    return (s.input, *s.args), dict(s.kwargs)
+
+
 def _scaled_mm_v2(s):
     # The OpInfo passes torch's ScalingType / SwizzleType enums; the aten op takes ints.
     def ints(a):
@@ -66,7 +70,7 @@ def _scaled_mm_v2(s):
 CASES = {
     "aten::linear": ("nn.functional.linear", "", _linear),
     "aten::mm": ("mm", "", _positional),
-    "aten::addmm": ("addmm", "", lambda s: ((s.input, *s.args), dict(s.kwargs))),
+    "aten::addmm": ("addmm", "", _with_kwargs),
     "aten::_softmax": ("softmax", "", _softmax),
     "aten::_log_softmax": ("log_softmax", "", _softmax),
     "aten::_softmax_backward_data": ("_softmax_backward_data", "", _positional),
@@ -77,8 +81,21 @@ CASES = {
     "aten::zero_": ("zero_", "", lambda s: ((s.input.clone(),), {})),
     "aten::cat": ("cat", "", lambda s: ((list(s.input), *s.args), dict(s.kwargs))),
     "aten::index_select": ("index_select", "", _positional),
-    "aten::_scaled_mm": ("torch._scaled_mm", "", lambda s: ((s.input, *s.args), dict(s.kwargs))),
+    "aten::_scaled_mm": ("torch._scaled_mm", "", _with_kwargs),
     "aten::_scaled_mm_v2": ("torch._scaled_mm_v2", "", _scaled_mm_v2),
+    # The linalg family: each aten op from the OpInfo of the torch.linalg
+    # function that reaches it (the function's sample has the op's arguments).
+    "aten::linalg_lu_factor_ex": ("linalg.lu_factor_ex", "", _with_kwargs),
+    "aten::linalg_lu_factor": ("linalg.lu_factor", "", _with_kwargs),
+    "aten::linalg_lu": ("linalg.lu", "", _with_kwargs),
+    "aten::lu_unpack": ("lu_unpack", "", _with_kwargs),
+    "aten::linalg_solve_triangular": ("linalg.solve_triangular", "", _with_kwargs),
+    "aten::triangular_solve": ("triangular_solve", "", _with_kwargs),
+    "aten::linalg_inv_ex": ("linalg.inv_ex", "", _with_kwargs),
+    "aten::_linalg_solve_ex": ("linalg.solve_ex", "", _with_kwargs),
+    "aten::linalg_lu_solve": ("linalg.lu_solve", "", _with_kwargs),
+    "aten::_linalg_det": ("linalg.det", "", _positional),
+    "aten::_linalg_slogdet": ("linalg.slogdet", "", _positional),
 }
 
 # aten op -> why torch's op_db has nothing for it.
@@ -147,6 +164,11 @@ def _to(a, dtype):
 FP8_FROM_FLOAT32 = set(mps_ext._C.family_aten_ops("fp8"))
 
 
+def outputs(x):
+    """An op's outputs as a tuple (one tensor, or several)."""
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
 def samples(info, dtype):
     # reference_inputs are the sample inputs and more (larger, strided,
     # extremal) where the OpInfo has them.
@@ -187,10 +209,13 @@ def test_opinfo_samples(op_db, aten_name, dtype):
             assert str(got_error).splitlines()[0] == str(want_error).splitlines()[0], where
             continue
         assert got_error is None, f"{where}: {got_error!r}"
-        assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride()), where
-        assert_same_values(got, want, where)
         meta, meta_error = call(ours, [to_meta(a) for a in args], {k: to_meta(v) for k, v in kwargs.items()})
         assert meta_error is None, f"{where} on meta: {meta_error!r}"
-        assert (meta.shape, meta.dtype, meta.stride()) == (want.shape, want.dtype, want.stride()), where
+        assert len(outputs(got)) == len(outputs(want)) == len(outputs(meta)), where
+        for i, (g, w, m) in enumerate(zip(outputs(got), outputs(want), outputs(meta))):
+            at = f"{where} output {i}"
+            assert (g.shape, g.dtype, g.stride()) == (w.shape, w.dtype, w.stride()), at
+            assert_same_values(g, w, at)
+            assert (m.shape, m.dtype, m.stride()) == (w.shape, w.dtype, w.stride()), f"{at} on meta"
         checked += 1
     assert checked > 0, f"{aten_name}: no {dtype} sample ran"

@@ -59,40 +59,71 @@ def fp8_in_place(x, dst8, idx):
     return out.index_select(1, idx)
 
 
+def linalg_model(a, b):
+    """Every op of the linalg family, on a batch of n x n matrices `a` and
+    right-hand sides `b` (n x 2)."""
+    lu, piv, _ = torch.ops.mps_ext.linalg_lu_factor_ex(a)
+    lu_np, _ = torch.ops.mps_ext.linalg_lu_factor(a, pivot=False)
+    p, l, u = torch.ops.mps_ext.linalg_lu(a)
+    p2, l2, u2 = torch.ops.mps_ext.lu_unpack(lu, piv)
+    x1 = torch.ops.mps_ext.linalg_solve_triangular(u, b, upper=True)
+    x2, _ = torch.ops.mps_ext.triangular_solve(b, l2, upper=False, unitriangular=True)
+    inv, _ = torch.ops.mps_ext.linalg_inv_ex(a)
+    x3, *_ = torch.ops.mps_ext._linalg_solve_ex(a, b)
+    x4 = torch.ops.mps_ext.linalg_lu_solve(lu, piv, b, adjoint=True)
+    det, *_ = torch.ops.mps_ext._linalg_det(a)
+    sign, logabsdet, *_ = torch.ops.mps_ext._linalg_slogdet(a)
+    return (lu_np + p @ l + p2 @ u2 + inv, x1 + x2 + x3 + x4, det + sign * logabsdet)
+
+
+def linalg_inputs(batch=3, n=5):
+    return torch.randn(batch, n, n) + 2 * n * torch.eye(n), torch.randn(batch, n, 2)
+
+
 def test_every_op_is_in_a_model():
     names = {op.split("::")[1] for fam in mps_ext.families() for op in mps_ext._C.family_aten_ops(fam)}
-    source = "".join(inspect.getsource(f) for f in (model, fp8_model, fp8_in_place))
+    source = "".join(inspect.getsource(f) for f in (model, linalg_model, fp8_model, fp8_in_place))
     assert all(f"torch.ops.mps_ext.{n}(" in source for n in names | {"fp8_linear"})
 
 
-# model, its inputs for a number of rows, the calls each family runs
-MODELS = {"float": (model, inputs, {"linear": 3, "softmax": 4, "pad": 1}),
-          "fp8": (fp8_model, fp8_inputs, {"scaled_mm": 3, "fp8": 2})}
+# name -> (model, its inputs for a size, two sizes, calls of mps_ext's kernels
+# per family: every family that ran)
+MODELS = {
+    "nn": (model, inputs, [(3,), (5,)], {"linear": 3, "softmax": 4, "pad": 1}),
+    "linalg": (linalg_model, linalg_inputs, [(3, 5), (2, 7)], {"linalg": 11}),
+    "fp8": (fp8_model, fp8_inputs, [(3,), (5,)], {"scaled_mm": 3, "fp8": 2}),
+}
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
+def ran():
+    return {fam: s["ran"] for fam, s in mps_ext.stats().items() if s["ran"]}
+
+
 @pytest.mark.parametrize("name", MODELS)
-def test_aot_eager(name, dynamic):
-    fn, make_inputs, runs = MODELS[name]
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_aot_eager(dynamic, name):
+    fn, make_inputs, sizes, calls = MODELS[name]
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=dynamic)
-    for rows in (3, 5):
-        args = make_inputs(rows)
+    for size in sizes:  # a second size: dynamic shapes, or a recompilation
+        args = make_inputs(*size)
         want = fn(*args)
         mps_ext.reset_stats()
         got = compiled(*args)
         torch.testing.assert_close(got, want)
-        assert {fam: s["ran"] for fam, s in mps_ext.stats().items() if s["ran"]} == runs
+        assert ran() == calls
 
 
-def test_inductor_on_cpu():
+@pytest.mark.parametrize("name", MODELS)
+def test_inductor_on_cpu(name):
+    fn, make_inputs, sizes, calls = MODELS[name]
     torch._dynamo.reset()
-    args = inputs()
-    want = model(*args)
+    args = make_inputs(*sizes[0])
+    want = fn(*args)
     mps_ext.reset_stats()
-    got = torch.compile(model, backend="inductor", fullgraph=True)(*args)
+    got = torch.compile(fn, backend="inductor", fullgraph=True)(*args)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert {fam: s["ran"] for fam, s in mps_ext.stats().items() if s["ran"]} == {"linear": 3, "softmax": 4, "pad": 1}
+    assert ran() == calls
 
 
 def test_fp8_in_place_ops_trace_with_dynamo():
