@@ -107,6 +107,28 @@ def cases() -> list[Case]:
         out.append(Case("linear", f"mm {tag}", torch.mm, (x, w.t()), (x.double() @ w.double().t()).to(dtype)))
         out.append(Case("linear", f"addmm {tag}", torch.addmm, (b, x, w.t()),
                         (b.double() + x.double() @ w.double().t()).to(dtype)))
+    for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x = (torch.randn(6, 40, generator=g) * 30).to(fmt)
+        idx = torch.tensor([5, 0, 2])
+        out.append(Case("fp8", f"index_select {str(fmt)[6:]}", torch.index_select, (x, 0, idx),
+                        torch.index_select(x, 0, idx)))
+        src = torch.randn(5, 33, generator=g).bfloat16() * 100
+        out.append(Case("fp8", f"copy_ bfloat16 -> {str(fmt)[6:]}", torch.Tensor.copy_,
+                        (torch.empty(5, 33, dtype=fmt), src), src.to(fmt)))
+    for rows in (2, 40):
+        a = (torch.randn(rows, 96, generator=g) * 20).to(torch.float8_e4m3fn)
+        w = (torch.randn(80, 96, generator=g) * 20).to(torch.float8_e4m3fn)
+        sa, sb = torch.rand(rows, 1, generator=g) / 100, torch.rand(1, 80, generator=g) / 100
+        out.append(Case("scaled_mm", f"_scaled_mm row-wise {rows}x96 @ 96x80 e4m3fn", torch._scaled_mm,
+                        (a, w.t(), sa, sb, None, None, torch.float32),
+                        torch._scaled_mm(a, w.t(), sa, sb, out_dtype=torch.float32)))
+    layer = torch.nn.Linear(200, 48, dtype=torch.bfloat16)
+    w8, ws = mps_ext.fp8.quantize_weight(layer.weight, "block")
+    x = torch.randn(3, 200, generator=g).bfloat16()
+    want = (x.double() @ (w8.double() * ws.repeat_interleave(128, 0).repeat_interleave(128, 1)[:48, :200]).t()
+            + layer.bias.double()).bfloat16()
+    out.append(Case("scaled_mm", "fp8_linear block 3x200 @ 48x200^T bfloat16", torch.ops.mps_ext.fp8_linear,
+                    (x, w8, ws, "block", layer.bias.detach()), want))
     for dtype in (torch.float32, torch.complex64):
         tag = str(dtype)[6:]
         for shape in [(4, 3, 3), (2, 24, 24)]:  # one thread per matrix; a threadgroup per matrix
@@ -152,13 +174,17 @@ def run() -> list[Result]:
         for device in devices:
             ours = True
             try:
-                before = mps_ext.stats()[case.family]
                 if device == "executor":
-                    got = executor_op(case.op)(*case.args)
+                    op, args = executor_op(case.op), case.args
                 else:
-                    got = case.op(*(a.to("mps") if isinstance(a, torch.Tensor) else a for a in case.args))
+                    op, args = case.op, [a.to("mps") if isinstance(a, torch.Tensor) else a for a in case.args]
+                # Only the op's call between the two: moving float8 tensors
+                # to and from the GPU is a call of the fp8 family too.
+                before = mps_ext.stats()[case.family]
+                got = op(*args)
+                after = mps_ext.stats()[case.family]
                 ok, detail = close(got, case.want)
-                ours, problem = judge(case.family, device, before, mps_ext.stats()[case.family])
+                ours, problem = judge(case.family, device, before, after)
                 if problem:
                     ok, detail = False, problem
             except Exception as e:

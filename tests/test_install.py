@@ -57,7 +57,8 @@ def test_the_filter_passes_every_other_warning(capfd):
 
 COMPILED_MODEL = """
 import torch, mps_ext, torch.nn.functional as F
-mps_ext._C.install_overrides(["linalg", "linear", "softmax", "pad"], "CPU")
+FAMILIES = ["linalg", "linear", "softmax", "pad"]
+mps_ext._C.install_overrides(FAMILIES, "CPU")
 def model(x, w, b, w2, m):
     y = F.linear(x, w, b)    # aten::addmm once traced
     y = torch.softmax(y, -1)
@@ -70,7 +71,7 @@ torch._dynamo.reset()
 mps_ext.reset_stats()
 got = torch.compile(model, backend=BACKEND)(x, w, b, w2, m)
 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-print({fam: s["ran"] for fam, s in sorted(mps_ext.stats().items())})
+print({fam: s["ran"] for fam, s in sorted(mps_ext.stats().items()) if fam in FAMILIES})
 """
 
 
@@ -81,12 +82,12 @@ def test_a_model_compiled_with_aot_eager_reaches_every_override():
 
 def test_what_inductor_calls():
     """Inductor decomposes softmax and constant padding into kernels of its
-    own, and calls matmuls as extern kernels with out= (aten::addmm.out,
-    aten::mm.out): none of these reach the overrides of the functional aten
-    ops, on the CPU here as on MPS (the lowering of mm and addmm to extern
-    kernels does not depend on the device). The linear-algebra ops have no
-    lowering: inductor calls the functional aten op as a fallback, which
-    reaches the override."""
+    own (they do not reach the overrides), and calls matmuls as extern
+    kernels with out= (aten::addmm.out, aten::mm.out), which mps_ext
+    overrides too: on the CPU here as on MPS (the lowering of mm and addmm
+    to extern kernels does not depend on the device). The linear-algebra
+    ops have no lowering: inductor calls the functional aten op as a
+    fallback, which reaches the override."""
     code = COMPILED_MODEL.replace("BACKEND", "'inductor'") + """
 from torch._inductor.utils import run_and_get_code
 torch._dynamo.reset()
@@ -97,6 +98,36 @@ print(sorted({line.split("=")[1].strip().split("(")[0] for line in source.splitl
 """
     r = python(code)
     ran, extern, fallbacks = r.stdout.strip().splitlines()
-    assert ran == "{'linalg': 1, 'linear': 0, 'pad': 0, 'softmax': 0}"
+    assert ran == "{'linalg': 1, 'linear': 2, 'pad': 0, 'softmax': 0}"
     assert extern == "['extern_kernels.addmm', 'extern_kernels.mm']"
     assert fallbacks == "['torch.ops.aten._linalg_solve_ex.default']"
+
+
+def test_a_compiled_model_reaches_the_float8_overrides():
+    """Float8 tensor ops and _scaled_mm in a compiled model reach the fp8 and
+    scaled_mm overrides (on the CPU key here): .to(float8) and .float() as
+    copy_ inside aten's _to_copy, zeros as zero_, fill_, cat, index_select,
+    _scaled_mm. Every call of torch's own that the overrides make inside
+    (fill_'s conversion of the value on a CPU tensor) goes to aten's CPU
+    kernel, not back into the override."""
+    r = python("""
+import torch, mps_ext
+mps_ext._C.install_overrides(["fp8", "scaled_mm"], "CPU")
+def model(x, w8, sa, sb, idx):
+    q = torch.cat([x.to(torch.float8_e5m2)] * 2).index_select(0, idx)
+    y = torch._scaled_mm(x.to(torch.float8_e4m3fn), w8.t(), sa, sb, out_dtype=torch.float32)
+    z = torch.zeros(3, dtype=torch.float8_e5m2).fill_(2.0)
+    return q.float(), y, z.float()
+x, w8 = torch.randn(4, 64) * 10, (torch.randn(48, 64) * 10).to(torch.float8_e4m3fn)
+sa, sb, idx = torch.rand(4, 1), torch.rand(1, 48), torch.tensor([7, 0, 3])
+want = model(x, w8, sa, sb, idx)
+assert torch.equal(want[2], torch.full((3,), 2.0))
+for backend in ["eager", "aot_eager"]:
+    torch._dynamo.reset()
+    mps_ext.reset_stats()
+    got = torch.compile(model, backend=backend, fullgraph=True)(x, w8, sa, sb, idx)
+    torch.testing.assert_close(got, want)
+    print(backend, {fam: s["ran"] for fam, s in sorted(mps_ext.stats().items()) if fam in ("fp8", "scaled_mm")})
+""")
+    # fp8: two .to(float8) and two .float() (copy_), cat, index_select, zero_, fill_
+    assert r.stdout.splitlines() == ["eager {'fp8': 8, 'scaled_mm': 1}", "aot_eager {'fp8': 8, 'scaled_mm': 1}"]

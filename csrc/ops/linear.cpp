@@ -2,26 +2,19 @@
 // 8 activation rows (or, for mm, 1 to 8 columns of the other operand), as
 // matrix-vector products. Kernels: kernels_metal/gemv.metal.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <algorithm>
-#include <atomic>
 
 #include "backend/launch.h"
 #include "gemv_params.h"
+#include "ops/kernel_choice.h"
 #include "ops/ops.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
-#include "ops/variants.h"
 
 namespace mps_ext {
 namespace {
-
-constexpr int64_t kMaxRows = 8;
-// An 80-core M3 Ultra runs several threadgroups per core; aim for 4 per core.
-constexpr int64_t kTargetThreadgroups = 4 * 80;
-
-// Fewest rows of mm/addmm products on MPS and CPU (set_mm_min_rows).
-std::atomic<int64_t> g_min_rows_mps{1}, g_min_rows_cpu{1};
 
 // One matrix-vector problem, y[r, n] = alpha * x[r, :] . w[n, :] + beta * bias[r, n],
 // given as 2-D strided views (x [rows, K], w [N, K], y and bias [rows, N])
@@ -32,12 +25,9 @@ struct Problem {
 };
 
 const char* type_name(c10::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "f32";
-    case at::kHalf: return "f16";
-    case at::kBFloat16: return "bf16";
-    default: TORCH_CHECK(false, "mps_ext linear: no kernel for ", t);
-  }
+  const char* name = t == at::kFloat || t == at::kHalf || t == at::kBFloat16 ? kernel_type_name(t) : nullptr;
+  TORCH_CHECK(name, "mps_ext linear: no kernel for ", t);
+  return name;
 }
 
 // gemv_cols: how many threadgroups split K. The fewest that make
@@ -84,7 +74,7 @@ int64_t cols_splits(int64_t blocks, int64_t k, int64_t rows, int64_t itemsize) {
 //   VEC); when those blocks are fewer than 320, K is split (cols_splits).
 void run(const Problem& pr) {
   const int64_t rows = pr.x.size(0), n = pr.w.size(0);
-  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "mps_ext linear: ", rows, " rows reached the GEMV kernel");
+  TORCH_CHECK(rows >= 1 && rows <= kMaxDecodeRows, "mps_ext linear: ", rows, " rows reached the GEMV kernel");
   GemvParams p{};
   p.rows = rows;
   p.n_out = n;
@@ -104,8 +94,7 @@ void run(const Problem& pr) {
   }
   p.splits = 1;
 
-  int64_t variant = 1;
-  while (variant < rows) variant *= 2;
+  const int64_t variant = row_variant(rows);
   const int64_t itemsize = pr.w.itemsize();
   const std::string type = type_name(pr.w.scalar_type());
   const bool cols = p.w_n_stride == 1 && p.w_k_stride != 1 && n > 1;
@@ -197,10 +186,9 @@ std::string activation_unsupported(const at::Tensor& x) {
   return "";
 }
 
-std::string rows_unsupported(int64_t rows, int64_t min_rows) {
+std::string rows_unsupported(int64_t rows) {
   if (rows == 0) return "";  // an empty result
-  if (rows > kMaxRows) return "more than 8 rows (a general matmul)";
-  if (rows < min_rows) return "policy: one row (torch's own GEMV)";
+  if (rows > kMaxDecodeRows) return "more than 8 rows (a general matmul)";
   return "";
 }
 
@@ -214,11 +202,6 @@ float to_float(const c10::Scalar& v, int64_t k) {
 
 }  // namespace
 
-void set_mm_min_rows(c10::DispatchKey key, int64_t rows) {
-  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "mps_ext: mm min rows must be in 1..8, got ", rows);
-  (key == c10::DispatchKey::MPS ? g_min_rows_mps : g_min_rows_cpu) = rows;
-}
-
 // ------------------------------------------------------------- F.linear --
 std::string linear_unsupported(const at::Tensor& input, const at::Tensor& weight,
                                const c10::optional<at::Tensor>& bias) {
@@ -231,7 +214,7 @@ std::string linear_unsupported(const at::Tensor& input, const at::Tensor& weight
   if (!flat_rows(input, row_stride)) return "activation rows that do not flatten without a copy";
   why = activation_unsupported(input);
   if (!why.empty()) return why;
-  return rows_unsupported(leading_rows(input), 1);
+  return rows_unsupported(leading_rows(input));
 }
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -259,23 +242,27 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::
 // mat1 [M, K] @ mat2 [K, N]: the activation is mat1 when M <= 8 (mat2 is the
 // weight, seen as [N, K]); else mat2's N <= 8 columns, with mat1 the weight
 // and the output written transposed.
-std::string mm_unsupported(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor* self,
-                           c10::DispatchKey key) {
+std::string mm_unsupported(const std::string& op, const at::Tensor& mat1, const at::Tensor& mat2,
+                           const at::Tensor* self, c10::DispatchKey key) {
   std::string why = dtypes_unsupported({&mat1, &mat2, self ? self : &mat1});
   if (!why.empty()) return why;
   if (mat1.dim() != 2 || mat2.dim() != 2 || mat1.size(1) != mat2.size(0)) return "shapes torch rejects";  // its error follows
   if (self && !self->defined()) return "";
-  why = activation_unsupported(mat1.size(0) <= mat2.size(1) && mat1.size(0) <= kMaxRows ? mat1 : mat2);
+  // (The activation: see mm_transposed below.)
+  why = activation_unsupported(mat1.size(0) <= mat2.size(1) && mat1.size(0) <= kMaxDecodeRows ? mat1 : mat2);
   if (!why.empty()) return why;
-  int64_t rows = std::min(mat1.size(0), mat2.size(1));
-  return rows_unsupported(rows, (key == c10::DispatchKey::MPS ? g_min_rows_mps : g_min_rows_cpu).load());
+  const int64_t rows = std::min(mat1.size(0), mat2.size(1));
+  // The policy from torch 2.14 on MPS: one row to torch's own GEMV.
+  if (rows == 1)
+    if (auto rule = family("linear").left_to_torch(op, key)) return rule->why;
+  return rows_unsupported(rows);
 }
 
 // The activation is mat1 when it has at most 8 rows and no more rows than
 // mat2 has columns; otherwise it is mat2's columns, and the whole product
 // is computed transposed: y^T = mat2^T @ mat1^T.
 static bool mm_transposed(const at::Tensor& mat1, const at::Tensor& mat2) {
-  return !(mat1.size(0) <= mat2.size(1) && mat1.size(0) <= kMaxRows);
+  return !(mat1.size(0) <= mat2.size(1) && mat1.size(0) <= kMaxDecodeRows);
 }
 
 static Problem mm_problem(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& y) {
@@ -292,20 +279,30 @@ static Problem mm_problem(const at::Tensor& mat1, const at::Tensor& mat2, const 
   return pr;
 }
 
-at::Tensor mm(const at::Tensor& mat1, const at::Tensor& mat2) {
-  at::Tensor y = at::empty({mat1.size(0), mat2.size(1)}, mat1.options());
-  if (y.numel() == 0) return y;
-  run(mm_problem(mat1, mat2, y));  // K == 0 writes zeros
-  return y;
+std::string out_unsupported(const at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2,
+                            const at::Tensor* self) {
+  if (out.scalar_type() != mat1.scalar_type()) return "an out tensor of another dtype";
+  if (out.dim() != 2 || out.size(0) != mat1.size(0) || out.size(1) != mat2.size(1))
+    return "an out tensor that needs resizing";
+  if (!out.is_contiguous()) return "a non-contiguous out tensor";
+  // The kernels read the inputs while other threadgroups write the output.
+  for (const at::Tensor* t : {&mat1, &mat2, self})
+    if (t && t->defined() && at::get_overlap_status(out, *t) != at::MemOverlapStatus::No)
+      return "an out tensor that overlaps an input";
+  return "";
 }
 
-at::Tensor addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2, const c10::Scalar& beta,
-                 const c10::Scalar& alpha) {
+// mat1 @ mat2 written into y ([M, N], contiguous); K == 0 writes zeros.
+static void mm_into(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& y) {
+  if (y.numel() != 0) run(mm_problem(mat1, mat2, y));
+}
+
+static void addmm_into(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
+                       const c10::Scalar& beta, const c10::Scalar& alpha, const at::Tensor& y) {
   const int64_t M = mat1.size(0), N = mat2.size(1);
   TORCH_CHECK(self.dim() <= 2, "addmm: self must be a matrix or broadcastable to one, got ", self.dim(), " dims");
   at::Tensor b = self.expand({M, N});  // torch's error if it does not broadcast
-  at::Tensor y = at::empty({M, N}, mat1.options());
-  if (y.numel() == 0) return y;
+  if (y.numel() == 0) return;
   Problem pr = mm_problem(mat1, mat2, y);
   const int64_t k = mat1.size(1);
   pr.alpha = to_float(alpha, k);
@@ -316,9 +313,31 @@ at::Tensor addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tenso
     pr.beta = beta_f;
   }
   run(pr);
+}
+
+at::Tensor mm(const at::Tensor& mat1, const at::Tensor& mat2) {
+  at::Tensor y = at::empty({mat1.size(0), mat2.size(1)}, mat1.options());
+  mm_into(mat1, mat2, y);
   return y;
 }
 
+at::Tensor& mm_out(const at::Tensor& mat1, const at::Tensor& mat2, at::Tensor& out) {
+  mm_into(mat1, mat2, out);
+  return out;
+}
+
+at::Tensor addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2, const c10::Scalar& beta,
+                 const c10::Scalar& alpha) {
+  at::Tensor y = at::empty({mat1.size(0), mat2.size(1)}, mat1.options());
+  addmm_into(self, mat1, mat2, beta, alpha, y);
+  return y;
+}
+
+at::Tensor& addmm_out(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
+                      const c10::Scalar& beta, const c10::Scalar& alpha, at::Tensor& out) {
+  addmm_into(self, mat1, mat2, beta, alpha, out);
+  return out;
+}
 
 // -------------------------------------------------------- registration --
 namespace {
@@ -333,15 +352,39 @@ at::Tensor linear_impl(const at::Tensor& input, const at::Tensor& weight, const 
 
 template <DispatchKey K>
 at::Tensor mm_impl(const at::Tensor& self, const at::Tensor& mat2) {
-  return route(family("linear"), "aten::mm", K, mm_unsupported(self, mat2, nullptr, K),
+  return route(family("linear"), "aten::mm", K, mm_unsupported("aten::mm", self, mat2, nullptr, K),
                [&] { return mps_ext::mm(self, mat2); }, self, mat2);
 }
 
 template <DispatchKey K>
 at::Tensor addmm_impl(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
                       const c10::Scalar& beta, const c10::Scalar& alpha) {
-  return route(family("linear"), "aten::addmm", K, mm_unsupported(mat1, mat2, &self, K),
+  return route(family("linear"), "aten::addmm", K, mm_unsupported("aten::addmm", mat1, mat2, &self, K),
                [&] { return mps_ext::addmm(self, mat1, mat2, beta, alpha); }, self, mat1, mat2, beta, alpha);
+}
+
+// The out= forms are what torch.compile's inductor calls for matmuls
+// (extern_kernels.mm / addmm with out=). The result is written into `out`
+// when it already has the product's shape and dtype, is contiguous and
+// overlaps no input (inductor allocates it so); anything else, and every
+// error, is the stock kernel's.
+template <DispatchKey K>
+at::Tensor& mm_out_impl(const at::Tensor& self, const at::Tensor& mat2, at::Tensor& out) {
+  std::string why = mm_unsupported("aten::mm.out", self, mat2, nullptr, K);
+  if (why.empty()) why = out_unsupported(out, self, mat2, nullptr);
+  route(family("linear"), "aten::mm.out", K, why, [&] { return mps_ext::mm_out(self, mat2, out); }, self, mat2,
+        out);
+  return out;
+}
+
+template <DispatchKey K>
+at::Tensor& addmm_out_impl(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
+                           const c10::Scalar& beta, const c10::Scalar& alpha, at::Tensor& out) {
+  std::string why = mm_unsupported("aten::addmm.out", mat1, mat2, &self, K);
+  if (why.empty()) why = out_unsupported(out, mat1, mat2, &self);
+  route(family("linear"), "aten::addmm.out", K, why,
+        [&] { return mps_ext::addmm_out(self, mat1, mat2, beta, alpha, out); }, self, mat1, mat2, beta, alpha, out);
+  return out;
 }
 
 template <DispatchKey K>
@@ -349,9 +392,12 @@ void register_linear(torch::Library& m) {
   m.impl("linear", TORCH_FN(linear_impl<K>));
   m.impl("mm", TORCH_FN(mm_impl<K>));
   m.impl("addmm", TORCH_FN(addmm_impl<K>));
+  m.impl("mm.out", TORCH_FN(mm_out_impl<K>));
+  m.impl("addmm.out", TORCH_FN(addmm_out_impl<K>));
 }
 
 }  // namespace
 }  // namespace mps_ext
 
-MPS_EXT_FAMILY("linear", mps_ext::register_linear, "aten::linear", "aten::mm", "aten::addmm")
+MPS_EXT_FAMILY("linear", mps_ext::register_linear, "aten::linear", "aten::mm", "aten::addmm", "aten::mm.out",
+               "aten::addmm.out")

@@ -8,7 +8,7 @@
 #include <numeric>
 
 #include "backend/launch.h"
-#include "ops/variants.h"
+#include "ops/kernel_choice.h"
 #include "ops/ops.h"
 #include "ops/registration.h"
 #include "ops/registry.h"

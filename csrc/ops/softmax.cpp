@@ -10,7 +10,7 @@
 #include "ops/ops.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
-#include "ops/variants.h"
+#include "ops/kernel_choice.h"
 #include "softmax_params.h"
 
 namespace mps_ext {
