@@ -24,10 +24,10 @@
 // core can hold (full occupancy) to keep loads in flight; a thread's live
 // 32-bit values must stay within cpu_metal.FULL_OCCUPANCY_REGISTERS (52).
 // gemv_rows holds R * Q accumulators + U * Q weight pieces in flight (at
-// most 24 together) + one word of activations and its products; gemv_cols
-// R * 4 or R * 8 accumulators (16-bit types at 8 rows: lane pairs swap
-// halves of their pieces, so that each accumulates 4 columns, not 8) + its
-// pieces in flight.
+// most 24 registers together) + one word of activations and its products;
+// gemv_cols at most 16 accumulators (lanes along K in groups of 2 or 4 swap
+// parts of their pieces) + U pieces in flight (at most 20 together) + one
+// activation and a piece's floats.
 #include <metal_stdlib>
 #include "gemv_params.h"
 #include "pieces.h"
