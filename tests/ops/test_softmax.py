@@ -261,6 +261,26 @@ def test_every_kernel_variant(run, device, request, kind, variant, backward, t_i
         assert [d.kernel for d in rec.dispatches] == kernels_of(kind, variant, backward, t_in, t_out) * 2
 
 
+@pytest.mark.parametrize("length", [45, 1005, 9005])  # segment, block, split
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+def test_vector_variants_end_rows_with_a_partial_piece(run, device, length, backward):
+    # One row (its start is the only one, aligned): 16-byte pieces, of the
+    # wider of the two types (fp16 in, fp32 out: 4 elements), the last one
+    # partial. Every dtype pair.
+    for t_in, t_out in BACKWARD_TYPES if backward else FORWARD_TYPES:
+        x = (torch.randn(1, length, generator=gen) * 3).to(t_in)
+        with cpu_metal.record() as rec:
+            if not backward:
+                check(run("_softmax", x, 1, t_in != t_out, family="softmax"), reference(x, 1, False, t_in != t_out))
+            else:
+                y = reference(torch.randn(1, length, generator=gen), 1, False).to(t_in)
+                want = torch.ops.aten._softmax_backward_data(x.double(), y.double(), 1, torch.float64).to(t_out)
+                got = run("_softmax_backward_data", x, y, 1, t_out, family="softmax")
+                torch.testing.assert_close(got, want, **{k: v * 4 for k, v in TOL[t_out].items()})
+        if device == "executor":
+            assert all(d.kernel.endswith("_i32_vec") for d in rec.dispatches), [d.kernel for d in rec.dispatches]
+
+
 def test_every_softmax_kernel_is_tested():
     covered = set()
     for case in variant_cases():
