@@ -32,7 +32,8 @@ struct SoftmaxParams {
 
 // Elements a thread holds in registers between the reduction and the write
 // (csrc/ops/softmax.cpp sizes the launches from them). The vector variants'
-// segment threads hold one 16-byte piece: 4 floats or 8 halves.
+// segment threads hold one piece: 16 bytes of the wider of the input and
+// output types (4 floats, or 8 halves / bfloats when both are 16-bit).
 #define SOFTMAX_SEGMENT_ELEMENTS 4
 #define SOFTMAX_BLOCK_ELEMENTS 16
 #define SOFTMAX_STRIDED_ELEMENTS 32           // forward: one value per element

@@ -124,7 +124,8 @@ bool rows_aligned16(const Tensors& t, const SoftmaxParams& p) {
 //            halved, down to 4, while the rows are too long), each thread
 //            holding up to SOFTMAX_STRIDED_ELEMENTS of its row (16
 //            backward), so D <= 32 * 512 / rows per threadgroup.
-//   segment  D <= 128 (256 for 16-bit types with 16-byte accesses):
+//   segment  D <= 128 (256 with 16-byte accesses when input and output are
+//            both 16-bit):
 //            lanes_per_row = next_pow2(D / elements per lane) lanes of a
 //            simdgroup per row, 256 threads per threadgroup, so short rows
 //            pack 256 / lanes_per_row rows per threadgroup.
@@ -168,11 +169,13 @@ Plan strided_plan(const Tensors& t, const SoftmaxParams& p, bool backward) {
   return pl;
 }
 
-Plan plan(const Tensors& t, const SoftmaxParams& p, bool vec, int64_t itemsize, bool backward) {
+// wider_itemsize: of the input and output types, the wider (the vector
+// variants' pieces are 16 bytes of it).
+Plan plan(const Tensors& t, const SoftmaxParams& p, bool vec, int64_t wider_itemsize, bool backward) {
   Plan strided = strided_plan(t, p, backward);
   if (strided.threads) return strided;
   const int64_t D = p.row_length;
-  const int64_t piece = vec ? 16 / itemsize : 1;
+  const int64_t piece = vec ? 16 / wider_itemsize : 1;
   const int64_t per_lane = std::max<int64_t>(piece, SOFTMAX_SEGMENT_ELEMENTS);
   if (D <= 32 * per_lane) {
     const int64_t lanes = std::min<int64_t>(32, next_pow2((D + per_lane - 1) / per_lane));
@@ -202,7 +205,6 @@ void run(const at::Tensor& x, const at::Tensor* y, const at::Tensor& out, int64_
   int64_t largest = std::max({p.rows, p.row_length, max_offset(x), max_offset(out), y ? max_offset(*y) : 0});
   const bool wide = !fits_32bit(largest + kSplitChunk + kBlockMax);
   const bool vec = !wide && rows_aligned16(t, p);
-  // The kernels' pieces are 16 bytes of the wider of the two types.
   const Plan pl = plan(t, p, vec, std::max(x.itemsize(), out.itemsize()), backward);
   p.lanes_shift = pl.lanes_shift;
   const char* shape = pl.shape == Shape::kSegment ? "segment_"
