@@ -236,8 +236,10 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
   constexpr int WO = 4 / G;                 // words of each row's piece it keeps (VEC)
   // Pieces a lane loads before it uses the first: 4 while the accumulators
   // are few, fewer as they grow (registers: accumulators + 4 U <= 20; U a
-  // power of two, for the activation ring below).
-  constexpr int U = R * OWN <= 4 ? 4 : R * OWN <= 12 ? 2 : 1;
+  // power of two, for the activation ring below). Element loads: 4 (a piece
+  // is one register; 4 steps of 8 rows stage 32 consecutive activations of
+  // a row per simdgroup).
+  constexpr int U = !VEC || R * OWN <= 4 ? 4 : R * OWN <= 12 ? 2 : 1;
   constexpr int RB = GEMV_COLS_THREADS / CB;  // rows of partial sums per round through threadgroup memory
   constexpr int CB4 = (CB + 3) / 4;
   threadgroup float4 partial_mem[S][RB][CB4];
