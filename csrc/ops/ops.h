@@ -37,4 +37,14 @@ at::Tensor addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tenso
 // one-row GEMV: mps_ext/_policy.py).
 void set_linear_min_rows(int64_t rows);
 
+// grouped_mm.cpp: _grouped_mm and _scaled_grouped_mm (mixture-of-experts layers).
+std::string grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b);
+at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& offs,
+                      const c10::optional<at::Tensor>& bias, c10::optional<c10::ScalarType> out_dtype);
+std::string scaled_grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b);
+at::Tensor scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                             const at::Tensor& scale_b, const c10::optional<at::Tensor>& offs,
+                             const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale_result,
+                             c10::optional<c10::ScalarType> out_dtype);
+
 }  // namespace mps_ext

@@ -497,6 +497,10 @@ class _Translator:
             if self.t(j) == "__attribute__":
                 j = self.match(j + 1, "(", ")") + 1
                 continue
+            attr = self.attribute_at(j)  # [[max_total_threads_per_threadgroup(N)]] before `kernel`
+            if attr:
+                j = attr[0]
+                continue
             if self.t(j) == "(":
                 break
             j += 1
