@@ -156,17 +156,23 @@ def test_any_k_with_scalar_tails(run, device, k):
     check_rows(got, exp, offs, torch.float16, k)
 
 
-def test_unaligned_operands_take_element_loads(run, device):
-    # Storage offsets that break 16-byte alignment (torch accepts them on the CPU).
-    base = randn(4 * 64 + 3, dtype=torch.float32)
-    a = base[3:3 + 4 * 64].view(4, 64)
-    b = experts(2, 16, 64, torch.float32, "nk")
-    offs = offsets([1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_unaligned_operands_take_element_loads(run, device, dtype, layout):
+    # A weight whose storage offset breaks 16-byte alignment (torch accepts
+    # it on the CPU): no 16-byte loads.
+    e, k, n = 3, 64, 24
+    w = experts(e, n, k, dtype, layout)
+    store = torch.empty(w.numel() + 1, dtype=dtype)
+    b = store[1:].as_strided(w.shape, w.stride()).copy_(w)
+    a = randn(5, k, dtype=dtype)
+    offs = offsets([1, 0, 4])
     with cpu_metal.record() as rec:
         got = run("_grouped_mm", a, b, offs, family="grouped_mm")
-    check_rows(got, torch._grouped_mm(a, b, offs=offs), offs, torch.float32, 64)
+    check_rows(got, torch._grouped_mm(a, b, offs=offs), offs, dtype, k)
     if device == "executor":
-        assert rec.dispatches[0].kernel == "gmm_decode_rows_f32_scalar"
+        kind = "rows" if layout == "nk" else "cols"
+        assert rec.dispatches[0].kernel == f"gmm_decode_{kind}_{dict(zip(DTYPES, ['f32', 'f16', 'bf16']))[dtype]}_scalar"
 
 
 def test_strided_views_of_offs_and_operands(run):
@@ -304,8 +310,8 @@ class _GuardedOffsets(torch.Tensor):
         kwargs = kwargs or {}
         if func in (torch.ops.mps_ext._grouped_mm.default, torch.ops.mps_ext._scaled_grouped_mm.default,
                     torch.ops.aten._grouped_mm.default):
-            keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
-            return func.redispatch(keys, *args, **kwargs)
+            key = torch._C.DispatchKey.MPS if args[0].device.type == "mps" else torch._C.DispatchKey.CPU
+            return func.redispatch(torch._C.DispatchKeySet(key), *args, **kwargs)
         cls.touched.append(str(func))
         unwrap = lambda t: t.plain if isinstance(t, cls) else t  # noqa: E731
         return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in kwargs.items()})
@@ -327,18 +333,21 @@ def test_guard_catches_host_reads():
 
 
 @pytest.mark.parametrize("m", [8, 100], ids=["decode", "tiles"])
-def test_offsets_are_never_read_on_the_host(m):
+def test_offsets_are_never_read_on_the_host(device, m):
     a = randn(m, 32, dtype=torch.bfloat16)
     b = experts(4, 16, 32, torch.bfloat16, "nk")
     counts = [m // 4, 0, m // 2, m - m // 4 - m // 2]
     offs = offsets(counts)
+    on = "cpu" if device == "executor" else device
+    op = torch.ops.mps_ext._grouped_mm if device == "executor" else torch.ops.aten._grouped_mm
     _GuardedOffsets.touched.clear()
-    got = torch.ops.mps_ext._grouped_mm(a, b, guarded(offs))
+    got = op(a.to(on), b.to(on), guarded(offs.to(on))).cpu()
     assert _GuardedOffsets.touched == []
     check_rows(got, torch._grouped_mm(a, b, offs=offs), offs, torch.bfloat16, 32)
-    # torch's own kernel of these releases copies them to the CPU: the guard sees it.
-    torch._grouped_mm(a, b, offs=guarded(offs))
-    assert _GuardedOffsets.touched == ["aten.to.dtype_layout"]
+    if device == "executor":
+        # torch's own CPU kernel copies them to the CPU: the guard sees it.
+        torch._grouped_mm(a, b, offs=guarded(offs))
+        assert _GuardedOffsets.touched == ["aten.to.dtype_layout"]
 
 
 @pytest.mark.parametrize("m", [8, 64, 100])
