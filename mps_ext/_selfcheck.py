@@ -77,6 +77,27 @@ def cases() -> list[Case]:
         out.append(Case("linear", f"mm {tag}", torch.mm, (x, w.t()), (x.double() @ w.double().t()).to(dtype)))
         out.append(Case("linear", f"addmm {tag}", torch.addmm, (b, x, w.t()),
                         (b.double() + x.double() @ w.double().t()).to(dtype)))
+    for rows, counts, dtype in [(8, [0, 3, 0, 4, 1], torch.bfloat16), (90, [40, 0, 50], torch.float16)]:
+        k, n = 64, 48
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        w = (torch.randn(len(counts), n, k, generator=g) / k**0.5).to(dtype)  # W[E, N, K]
+        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).int()
+        want, start = torch.empty(rows, n, dtype=torch.float64), 0
+        for e, end in enumerate(offs.tolist()):
+            want[start:end] = x[start:end].double() @ w[e].double().t()
+            start = end
+        out.append(Case("grouped_mm", f"_grouped_mm {rows}x{k} @ experts {tuple(w.shape)} {str(dtype)[6:]}",
+                        torch._grouped_mm, (x, w.transpose(-2, -1), offs), want.to(dtype)))
+    x8 = torch.randn(8, 64, generator=g).to(torch.float8_e4m3fn)
+    w8 = torch.randn(4, 32, 64, generator=g).to(torch.float8_e4m3fn)
+    sx, sw = torch.rand(8, generator=g) + 0.5, torch.rand(4, 32, generator=g) + 0.5
+    offs = torch.tensor([2, 2, 5, 8], dtype=torch.int32)
+    want, start = torch.empty(8, 32, dtype=torch.float64), 0
+    for e, end in enumerate(offs.tolist()):
+        want[start:end] = (x8[start:end].double() @ w8[e].double().t()) * sx[start:end, None] * sw[e][None]
+        start = end
+    out.append(Case("grouped_mm", "_scaled_grouped_mm fp8 8x64 @ experts (4, 32, 64)", torch._scaled_grouped_mm,
+                    (x8, w8.transpose(-2, -1), sx, sw, offs), want.to(torch.bfloat16)))
     return out
 
 
