@@ -128,17 +128,30 @@ inline RowSlot decode_slot(const device int* offs, constant GroupedMMParams& p, 
 
 inline float scale_of(constant GroupedMMParams& p, const device float* row_scale, const device float* col_scale,
                       uint g, uint m, uint n) {
-  if (!p.has_scales) return p.mul;
-  return p.mul * row_scale[ulong(g) * ulong(p.row_scale_batch) + m] * col_scale[ulong(g) * ulong(p.col_scale_batch) + n];
+  float s = p.mul;
+  if (p.scales & GMM_ROW_SCALE) s *= row_scale[ulong(g) * ulong(p.row_scale_batch) + m];
+  if (p.scales & GMM_COL_SCALE) s *= col_scale[ulong(g) * ulong(p.col_scale_batch) + n];
+  return s;
 }
 
 // ------------------------------------------------------ gmm_decode_rows --
+// E consecutive activations as floats, from 16-byte loads (E is the number
+// of weights in 16 bytes: 16 fp8 weights take two 16-byte loads of bfloat).
+template <typename TA, int E>
+inline void load_run(const device TA* p, thread float* out) {
+  for (int i = 0; i < E; i += Vec16<TA>::N) {
+    Vec16<TA> v = load_vec16(p + i);
+    for (int e = 0; e < Vec16<TA>::N; ++e) out[i + e] = v.v[e];
+  }
+}
+
 // R rows (a power of two >= the slot's rows) of one group against
 // GMM_ROWS_OUTPUTS weight columns per simdgroup, K contiguous (VEC) or not.
-template <typename T, typename TO, int R, bool VEC>
-inline void decode_rows_body(device TO* out, const device T* a, const device T* w, constant GroupedMMParams& p,
-                             const device float* row_scale, const device float* col_scale, RowSlot s,
-                             uint col0, uint lane) {
+// Activations TA, weights TB (the same, or fp8 weights under bfloat).
+template <typename TA, typename TB, typename TO, int R, bool VEC>
+inline void decode_rows_body(device TO* out, const device TA* a, const device TB* w, constant GroupedMMParams& p,
+                             const device float* row_scale, const device float* col_scale,
+                             const device int* rows_of, RowSlot s, uint col0, uint lane) {
   constexpr int Q = GMM_ROWS_OUTPUTS;
   const int rows = int(s.rows);
   // swiglu: outputs col0, col0 + 1 of silu(gate) * up, from b's columns
@@ -152,28 +165,34 @@ inline void decode_rows_body(device TO* out, const device T* a, const device T* 
     live[q] = (p.swiglu ? col0 + q % (Q / 2) : c) < outputs;
     col[q] = live[q] ? c : 0;
   }
-  const device T* arow = a + ulong(s.row) * ulong(p.a_m);
+  // Each row's activations: its own row of `a`, or its token's.
+  const device TA* arow[R];
+  for (int r = 0; r < R; ++r) {
+    const uint m = s.row + uint(min(r, rows - 1));
+    const uint src = p.gather ? uint(rows_of[m]) / p.gather : m;
+    arow[r] = a + ulong(src) * ulong(p.a_m);
+  }
   float acc[R][Q];
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < Q; ++q) acc[r][q] = 0.0f;
 
   uint k_done = 0;
   if (VEC) {
-    // Lanes take consecutive 16-byte pieces: a simdgroup reads 512
-    // contiguous bytes of each weight column per step.
-    constexpr int E = Vec16<T>::N;
+    // Lanes take consecutive 16-byte pieces of the weights: a simdgroup
+    // reads 512 contiguous bytes of each weight column per step.
+    constexpr int E = Vec16<TB>::N;
     const uint k_vec = p.k / E * E;
     for (uint k = lane * E; k < k_vec; k += 32 * E) {
-      Vec16<T> xv[R];
+      float xv[R][E];
       for (int r = 0; r < R; ++r)
-        if (r < rows) xv[r] = load_vec16(arow + uint(r) * uint(p.a_m) + k);
+        if (r < rows) load_run<TA, E>(arow[r] + k, xv[r]);
       for (int q = 0; q < Q; ++q) {
         if (!live[q]) continue;
-        Vec16<T> wv = load_vec16(w + col[q] * uint(p.b_n) + k);
+        Vec16<TB> wv = load_vec16(w + col[q] * uint(p.b_n) + k);
         for (int r = 0; r < R; ++r) {
           if (r >= rows) continue;
           float d = 0.0f;
-          for (int e = 0; e < E; ++e) d += xv[r].v[e] * wv.v[e];
+          for (int e = 0; e < E; ++e) d += xv[r][e] * wv.v[e];
           acc[r][q] += d;
         }
       }
@@ -182,7 +201,7 @@ inline void decode_rows_body(device TO* out, const device T* a, const device T* 
   }
   for (uint k = k_done + lane; k < p.k; k += 32) {  // what 16-byte steps cannot take
     float xs[R];
-    for (int r = 0; r < R; ++r) xs[r] = r < rows ? elem(arow[uint(r) * uint(p.a_m) + k * uint(p.a_k)]) : 0.0f;
+    for (int r = 0; r < R; ++r) xs[r] = r < rows ? elem(arow[r][k * uint(p.a_k)]) : 0.0f;
     for (int q = 0; q < Q; ++q) {
       if (!live[q]) continue;
       const float wv = elem(w[col[q] * uint(p.b_n) + k * uint(p.b_k)]);
@@ -212,32 +231,33 @@ inline void decode_rows_body(device TO* out, const device T* a, const device T* 
   }
 }
 
-template <typename T, typename TO, bool VEC>
+template <typename TA, typename TB, typename TO, bool VEC>
 [[max_total_threads_per_threadgroup(64)]]
 kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
-                            const device T* a [[buffer(1)]],
-                            const device T* b [[buffer(2)]],
+                            const device TA* a [[buffer(1)]],
+                            const device TB* b [[buffer(2)]],
                             const device int* offs [[buffer(3)]],
                             constant GroupedMMParams& p [[buffer(4)]],
                             const device float* row_scale [[buffer(5)]],
                             const device float* col_scale [[buffer(6)]],
+                            const device int* rows_of [[buffer(7)]],
                             uint2 tg [[threadgroup_position_in_grid]],
                             uint sg [[simdgroup_index_in_threadgroup]],
                             uint lane [[thread_index_in_simdgroup]]) {
   threadgroup uint shared[2];
   const RowSlot s = decode_slot(offs, p, tg.y, sg, lane, shared);
   if (s.rows == 0) return;  // not the first row of a chunk, or past offs[-1]
-  const device T* w = b + ulong(s.g) * ulong(p.b_batch);
+  const device TB* w = b + ulong(s.g) * ulong(p.b_batch);
   const uint col0 = (tg.x * GMM_ROWS_SIMDGROUPS + sg) * (p.swiglu ? GMM_ROWS_OUTPUTS / 2 : GMM_ROWS_OUTPUTS);
   // One specialisation per row count, so one routed row does not pay for 8.
   if (s.rows == 1)
-    decode_rows_body<T, TO, 1, VEC>(out, a, w, p, row_scale, col_scale, s, col0, lane);
+    decode_rows_body<TA, TB, TO, 1, VEC>(out, a, w, p, row_scale, col_scale, rows_of, s, col0, lane);
   else if (s.rows == 2)
-    decode_rows_body<T, TO, 2, VEC>(out, a, w, p, row_scale, col_scale, s, col0, lane);
+    decode_rows_body<TA, TB, TO, 2, VEC>(out, a, w, p, row_scale, col_scale, rows_of, s, col0, lane);
   else if (s.rows <= 4)
-    decode_rows_body<T, TO, 4, VEC>(out, a, w, p, row_scale, col_scale, s, col0, lane);
+    decode_rows_body<TA, TB, TO, 4, VEC>(out, a, w, p, row_scale, col_scale, rows_of, s, col0, lane);
   else
-    decode_rows_body<T, TO, 8, VEC>(out, a, w, p, row_scale, col_scale, s, col0, lane);
+    decode_rows_body<TA, TB, TO, 8, VEC>(out, a, w, p, row_scale, col_scale, rows_of, s, col0, lane);
 }
 
 // ------------------------------------------------------ gmm_decode_cols --
@@ -423,11 +443,11 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
 }
 
 // ------------------------------------------------------ instantiations --
-#define GMM_DECODE_ROWS(tname, T, TO)                                                                 \
+#define GMM_DECODE_ROWS(tname, TA, TB, TO)                                                            \
   template [[host_name("gmm_decode_rows_" #tname "_vec")]] kernel                                     \
-      decltype(gmm_decode_rows<T, TO, true>) gmm_decode_rows<T, TO, true>;                            \
+      decltype(gmm_decode_rows<TA, TB, TO, true>) gmm_decode_rows<TA, TB, TO, true>;                  \
   template [[host_name("gmm_decode_rows_" #tname "_scalar")]] kernel                                  \
-      decltype(gmm_decode_rows<T, TO, false>) gmm_decode_rows<T, TO, false>;
+      decltype(gmm_decode_rows<TA, TB, TO, false>) gmm_decode_rows<TA, TB, TO, false>;
 #define GMM_DECODE_COLS(tname, T)                                                                     \
   template [[host_name("gmm_decode_cols_" #tname "_vec")]] kernel                                     \
       decltype(gmm_decode_cols<T, true>) gmm_decode_cols<T, true>;                                    \
@@ -436,10 +456,11 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
 #define GMM_TILED(tname, T, TO) \
   template [[host_name("gmm_tiled_" #tname)]] kernel decltype(gmm_tiled<T, TO>) gmm_tiled<T, TO>;
 
-GMM_DECODE_ROWS(f32, float, float)
-GMM_DECODE_ROWS(f16, half, half)
-GMM_DECODE_ROWS(bf16, bfloat, bfloat)
-GMM_DECODE_ROWS(fp8, uchar, bfloat)
+GMM_DECODE_ROWS(f32, float, float, float)
+GMM_DECODE_ROWS(f16, half, half, half)
+GMM_DECODE_ROWS(bf16, bfloat, bfloat, bfloat)
+GMM_DECODE_ROWS(fp8, uchar, uchar, bfloat)
+GMM_DECODE_ROWS(bf16_fp8w, bfloat, uchar, bfloat)  // bfloat activations, fp8 weights (mps_ext's MoE ops)
 GMM_DECODE_COLS(f32, float)
 GMM_DECODE_COLS(f16, half)
 GMM_DECODE_COLS(bf16, bfloat)

@@ -17,20 +17,23 @@
 #define GMM_MODE_ROWS 0
 #define GMM_MODE_K 1
 #define GMM_MODE_BATCHED 2
+#define GMM_ROW_SCALE 1
+#define GMM_COL_SCALE 2
 
 struct GroupedMMParams {
   uint32_t m, n, k;
   uint32_t groups;
   uint32_t mode;
-  uint32_t has_scales;  // _scaled_grouped_mm: row_scale and col_scale are read
-  uint32_t swiglu;      // decode rows kernel: out[:, j] = silu(gate_j) * up_j, b's columns [gate | up]
-  uint32_t pad0;
+  uint32_t scales;      // GMM_ROW_SCALE | GMM_COL_SCALE: which of row_scale, col_scale are read
+  // gmm_decode_rows only (the fused MoE ops of mps_ext):
+  uint32_t swiglu;      // out[:, j] = silu(gate_j) * up_j with b's columns [gate | up]
+  uint32_t gather;      // > 0: row r of `a` is a[rows[r] / gather] (a token's slots -> its row)
   int64_t a_batch, a_m, a_k;
   int64_t b_batch, b_k, b_n;
   int64_t out_batch, out_m, out_n;
   int64_t row_scale_batch;  // row_scale[g * row_scale_batch + m]
   int64_t col_scale_batch;  // col_scale[g * col_scale_batch + n]
-  float mul;                // 65536 for fp8 x fp8 (each decoded operand is x / 256), else 1
+  float mul;                // 256 per fp8 operand (each is decoded as x / 256), else 1
   float pad1;
 };
 

@@ -122,6 +122,7 @@ struct Problem {
   GroupedMMParams p{};
   at::Tensor a, b, out;         // bound as they are, with the strides in p
   at::Tensor row_scale, col_scale;  // undefined without scales
+  at::Tensor rows_of;               // p.gather: the slot of each row (fused MoE ops)
 };
 
 Problem make_problem(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, int64_t groups,
@@ -136,7 +137,7 @@ Problem make_problem(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
   const bool a2 = a.dim() == 2, b2 = b.dim() == 2;
   auto scales = [&](const at::Tensor* rows, int64_t rows_batch, const at::Tensor* cols, int64_t cols_batch) {
     if (!scale_a) return;
-    p.has_scales = 1;
+    p.scales = GMM_ROW_SCALE | GMM_COL_SCALE;
     // Each fp8 operand was decoded as x / 256.
     p.mul = 65536.0f;
     pr.row_scale = *rows;
@@ -212,30 +213,34 @@ std::string problem_unsupported(const at::Tensor& a, const at::Tensor& b) {
 // - everything else: gmm_tiled, a 32 x 32 tile per threadgroup; the rows
 //   mode launches ceil(m / 32) row tiles (a tile may span groups), the
 //   K-split and batched modes one tile grid per group.
-void run(const Problem& pr, const at::Tensor& offs, c10::ScalarType elem_type) {
+// `types`: the kernels' type suffix ("bf16", "fp8", "bf16_fp8w": bfloat
+// activations with fp8 weights).
+void run(const Problem& pr, const at::Tensor& offs, const std::string& types) {
   const GroupedMMParams& p = pr.p;
-  const int64_t item = c10::elementSize(elem_type);
+  const int64_t a_item = pr.a.element_size(), item = pr.b.element_size();
   Launch l;
   l.library = "grouped_mm";
   const bool decode = p.mode == GMM_MODE_ROWS && p.m <= kDecodeMaxRows;
-  const bool cols = p.b_n == 1 && p.b_k != 1 && p.n > 1 && elem_type != at::kFloat8_e4m3fn && !p.swiglu;
+  const bool fp8 = pr.b.scalar_type() == at::kFloat8_e4m3fn;
+  const bool cols = p.b_n == 1 && p.b_k != 1 && p.n > 1 && !fp8 && !p.swiglu && !p.gather;
+  TORCH_CHECK(decode || !(p.swiglu || p.gather), "mps_ext grouped_mm: the fused MoE ops run the decode kernel only");
   std::string name;
   if (decode && !cols) {
-    const bool vec = p.a_k == 1 && p.b_k == 1 && aligned16(pr.a) && aligned16(pr.b) && stride16(p.a_m, item) &&
+    const bool vec = p.a_k == 1 && p.b_k == 1 && aligned16(pr.a) && aligned16(pr.b) && stride16(p.a_m, a_item) &&
                      stride16(p.b_n, item) && stride16(p.b_batch, item);
     const int64_t outputs = p.swiglu ? p.n / 2 : p.n;
     const int64_t per_group = GMM_ROWS_SIMDGROUPS * (p.swiglu ? GMM_ROWS_OUTPUTS / 2 : GMM_ROWS_OUTPUTS);
-    name = std::string("gmm_decode_rows_") + type_name(elem_type) + (vec ? "_vec" : "_scalar");
+    name = "gmm_decode_rows_" + types + (vec ? "_vec" : "_scalar");
     l.threadgroups = {static_cast<uint32_t>((outputs + per_group - 1) / per_group), p.m, 1};
     l.threads_per_threadgroup = {32 * GMM_ROWS_SIMDGROUPS, 1, 1};
   } else if (decode) {
     const bool vec = aligned16(pr.b) && stride16(p.b_k, item) && stride16(p.b_batch, item);
     const int64_t per_group = GMM_COLS_LANES * (vec ? 16 / item : 1);
-    name = std::string("gmm_decode_cols_") + type_name(elem_type) + (vec ? "_vec" : "_scalar");
+    name = "gmm_decode_cols_" + types + (vec ? "_vec" : "_scalar");
     l.threadgroups = {static_cast<uint32_t>((p.n + per_group - 1) / per_group), p.m, 1};
     l.threads_per_threadgroup = {GMM_COLS_THREADS, 1, 1};
   } else {
-    name = std::string("gmm_tiled_") + type_name(elem_type);
+    name = "gmm_tiled_" + types;
     l.threadgroups = {(p.n + GMM_TILE_N - 1) / GMM_TILE_N, (p.m + GMM_TILE_M - 1) / GMM_TILE_M,
                       p.mode == GMM_MODE_ROWS ? 1u : p.groups};
     l.threads_per_threadgroup = {GMM_TILE_THREADS, 1, 1};
@@ -248,6 +253,7 @@ void run(const Problem& pr, const at::Tensor& offs, c10::ScalarType elem_type) {
     l.args.push_back(KernelArg::of(pr.row_scale.defined() ? pr.row_scale : pr.out));
     l.args.push_back(KernelArg::of(pr.col_scale.defined() ? pr.col_scale : pr.out));
   }
+  if (name.rfind("gmm_decode_rows", 0) == 0) l.args.push_back(KernelArg::of(pr.rows_of.defined() ? pr.rows_of : offs));
   launch(l);
 }
 
@@ -279,7 +285,7 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const c10::optio
   at::Tensor out = grouped_output(a, b, offs, a.scalar_type());
   const int64_t groups = group_count(a, b, offs);
   if (out.numel() == 0 || groups == 0) return out;
-  run(make_problem(a, b, out, groups, nullptr, nullptr), offs_for_kernel(offs, out), a.scalar_type());
+  run(make_problem(a, b, out, groups, nullptr, nullptr), offs_for_kernel(offs, out), type_name(a.scalar_type()));
   return out;
 }
 
@@ -380,7 +386,68 @@ at::Tensor scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at:
   at::Tensor out = grouped_output(a, b, offs, at::kBFloat16);
   const int64_t groups = group_count(a, b, offs);
   if (out.numel() == 0 || groups == 0) return out;
-  run(make_problem(a, b, out, groups, &scale_a, &scale_b), offs_for_kernel(offs, out), at::kFloat8_e4m3fn);
+  run(make_problem(a, b, out, groups, &scale_a, &scale_b), offs_for_kernel(offs, out), "fp8");
+  return out;
+}
+
+// ----------------------------------------------------------- moe_experts --
+// mps_ext's fused decode product of a MoE layer (see grouped_mm_moe.cpp).
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& weight_scale,
+                       const at::Tensor& offs, const c10::optional<at::Tensor>& slot_of_row, int64_t slots_per_token,
+                       bool swiglu) {
+  const bool fp8 = weight.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && x.size(1) == weight.size(2),
+              "moe_experts: x [tokens or rows, K] and weight [experts, N, K] expected, got ", x.sizes(), " and ",
+              weight.sizes());
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), "moe_experts: x must be float32, float16 or bfloat16, got ",
+              x.scalar_type());
+  TORCH_CHECK(fp8 ? x.scalar_type() == at::kBFloat16 : weight.scalar_type() == x.scalar_type(),
+              "moe_experts: weight must have x's dtype, or be float8_e4m3fn with bfloat16 x; got ", weight.scalar_type(),
+              " and ", x.scalar_type());
+  TORCH_CHECK(fp8 == weight_scale.has_value(), "moe_experts: fp8 weights need weight_scale [experts, N] (float32), "
+              "other weights none");
+  if (fp8)
+    TORCH_CHECK(weight_scale->scalar_type() == at::kFloat && weight_scale->dim() == 2 &&
+                    weight_scale->size(0) == weight.size(0) && weight_scale->size(1) == weight.size(1) &&
+                    weight_scale->stride(1) == 1,
+                "moe_experts: weight_scale must be float32 [experts, N] contiguous in N, got ", weight_scale->sizes());
+  TORCH_CHECK(offs.dim() == 1 && offs.scalar_type() == at::kInt && offs.size(0) == weight.size(0),
+              "moe_experts: offs must be int32 [experts]");
+  const int64_t rows = slot_of_row ? slot_of_row->numel() : x.size(0);
+  if (slot_of_row)
+    TORCH_CHECK(slot_of_row->scalar_type() == at::kInt && slot_of_row->dim() == 1 && slot_of_row->is_contiguous() &&
+                    slots_per_token >= 1 && rows <= x.size(0) * slots_per_token,
+                "moe_experts: slot_of_row must be contiguous int32 [rows] with rows <= tokens * slots_per_token");
+  TORCH_CHECK(rows <= kDecodeMaxRows, "moe_experts is the decode path: at most ", kDecodeMaxRows,
+              " routed rows, got ", rows, "; use F.grouped_mm");
+  TORCH_CHECK(!swiglu || weight.size(1) % 2 == 0, "moe_experts: swiglu needs weight rows [gate | up], got ",
+              weight.size(1));
+  TORCH_CHECK(problem_unsupported(x, weight).empty(), "moe_experts: ", problem_unsupported(x, weight));
+  at::Tensor out = at::empty({rows, swiglu ? weight.size(1) / 2 : weight.size(1)}, x.options());
+  if (out.numel() == 0 || weight.size(0) == 0) return out;
+  Problem pr;
+  GroupedMMParams& p = pr.p;
+  pr.a = x, pr.b = weight, pr.out = out;
+  p.mode = GMM_MODE_ROWS;
+  p.groups = static_cast<uint32_t>(weight.size(0));
+  p.m = static_cast<uint32_t>(rows), p.n = weight.size(1), p.k = x.size(1);
+  p.a_m = x.stride(0), p.a_k = x.stride(1);
+  p.b_batch = weight.stride(0), p.b_k = weight.stride(2), p.b_n = weight.stride(1);
+  p.out_m = out.stride(0), p.out_n = out.stride(1);
+  p.swiglu = swiglu ? 1 : 0;
+  p.mul = 1.0f;
+  if (slot_of_row) {
+    p.gather = static_cast<uint32_t>(slots_per_token);
+    pr.rows_of = *slot_of_row;
+  }
+  if (fp8) {
+    p.scales = GMM_COL_SCALE;
+    p.mul = 256.0f;  // the weights were decoded as w / 256
+    pr.col_scale = *weight_scale;
+    p.col_scale_batch = weight_scale->stride(0);
+  }
+  run(pr, offs.contiguous(), fp8 ? "bf16_fp8w" : type_name(x.scalar_type()));
+  family("grouped_mm").count_ran();
   return out;
 }
 

@@ -46,5 +46,10 @@ at::Tensor scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at:
                              const at::Tensor& scale_b, const c10::optional<at::Tensor>& offs,
                              const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale_result,
                              c10::optional<c10::ScalarType> out_dtype);
+// The fused MoE decode ops (grouped_mm_moe.cpp): one grouped product at
+// decode, optionally gathering each row's token and fusing silu(gate) * up.
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& weight_scale,
+                       const at::Tensor& offs, const c10::optional<at::Tensor>& slot_of_row, int64_t slots_per_token,
+                       bool swiglu);
 
 }  // namespace mps_ext
