@@ -143,3 +143,42 @@ def test_counts_as_grouped_mm_runs():
     mps_ext.reset_stats()
     torch.ops.mps_ext.moe_route(randn(1, 8), 2, True, False)
     assert mps_ext.stats()["grouped_mm"]["ran"] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_combine_sums_each_tokens_slots_with_their_weights(device, dtype):
+    tokens, slots, hidden = 3, 5, 37  # hidden not a multiple of a thread's 8 outputs
+    y = randn(tokens * slots + 2, hidden, dtype=dtype)  # two rows no slot uses
+    weights = torch.rand(tokens, slots, generator=gen)
+    row_of_slot = torch.randperm(tokens * slots + 2, generator=gen)[:tokens * slots].int()
+    got = ops(device)("moe_combine", y, weights, row_of_slot)
+    exp = (weights.double()[..., None] * y.double()[row_of_slot.long()].view(tokens, slots, hidden)).sum(1)
+    torch.testing.assert_close(got.double(), exp, rtol=4e-3, atol=4e-3)
+    assert got.dtype == dtype
+
+
+def test_route_of_half_logits(device):
+    logits = randn(2, 40, dtype=torch.float16)
+    w, offs, _, _ = ops(device)("moe_route", logits, 3, False, False)
+    w_ref, _ = routing_ref(logits, 3, False, 0)
+    torch.testing.assert_close(w.double(), w_ref, rtol=1e-5, atol=1e-6)
+    assert int(offs[-1]) == 6
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_experts_with_unaligned_activations_take_element_loads(device, fp8):
+    # x one element off 16-byte alignment: element loads, same result.
+    store = randn(3 * 64 + 1)
+    x = store[1:].view(3, 64)
+    w = randn(4, 16, 64, scale=0.125)
+    scale = None
+    if fp8:
+        w, scale = quantize_rows(w)
+    offs = torch.tensor([1, 1, 3, 3], dtype=torch.int32)
+    with cpu_metal.record() as rec:
+        got = ops(device)("moe_experts", x, w, scale, offs, None, 1, False)
+    wd = w.double() * (scale.double()[..., None] if fp8 else 1)
+    exp = torch.cat([x[:1].double() @ wd[0].t(), x[1:].double() @ wd[2].t()])
+    torch.testing.assert_close(got.double(), exp, rtol=1e-2, atol=1e-2)
+    if device == "executor":
+        assert rec.dispatches[0].kernel == ("gmm_decode_rows_bf16_fp8w_scalar" if fp8 else "gmm_decode_rows_bf16_scalar")
