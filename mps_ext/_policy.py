@@ -14,6 +14,14 @@ NATIVE_SINCE: dict[str, tuple[tuple[int, int], str]] = {
 }
 
 
+# grouped_mm is not in NATIVE_SINCE. torch 2.9-2.14 have no MPS _grouped_mm:
+# the CompositeExplicitAutograd kernel runs, which copies offs to the CPU (a
+# sync) and launches one mm per group; torch 2.15 ships a Metal kernel
+# (_grouped_mm_mps) that does not sync, but it has no decode path that reads
+# each chosen expert once in one dispatch, and no release has an MPS
+# _scaled_grouped_mm. Whether mps_ext's grouped_mm beats 2.15's own needs a
+# Mac to time (benchmarks/bench_moe.py does it there).
+
 # torch 2.15 added GEMV kernels for exactly one activation row; mps_ext's
 # linear keeps 2 to 8 rows there (speculative decoding, beam search, small
 # batches) and leaves one row to torch.
