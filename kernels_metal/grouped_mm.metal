@@ -35,9 +35,13 @@ inline float elem(bfloat v) { return float(v); }
 inline float elem(uchar v) { return float(e4m3_to_half_div256(v)); }
 
 // 16 bytes of T as floats: 4 floats, 8 halves or bfloats, 16 fp8 values.
+// (A function, not a static data member: MSL allows those only in `constant`.)
+template <typename T>
+constexpr int vec16_n() {
+  return 16 / sizeof(T);
+}
 template <typename T>
 struct Vec16 {
-  static constexpr int N = 16 / sizeof(T);
   float v[16 / sizeof(T)];
 };
 
@@ -139,9 +143,9 @@ inline float scale_of(constant GroupedMMParams& p, const device float* row_scale
 // of weights in 16 bytes: 16 fp8 weights take two 16-byte loads of bfloat).
 template <typename TA, int E>
 inline void load_run(const device TA* p, thread float* out) {
-  for (int i = 0; i < E; i += Vec16<TA>::N) {
+  for (int i = 0; i < E; i += vec16_n<TA>()) {
     Vec16<TA> v = load_vec16(p + i);
-    for (int e = 0; e < Vec16<TA>::N; ++e) out[i + e] = v.v[e];
+    for (int e = 0; e < vec16_n<TA>(); ++e) out[i + e] = v.v[e];
   }
 }
 
@@ -180,7 +184,7 @@ inline void decode_rows_body(device TO* out, const device TA* a, const device TB
   if (VEC) {
     // Lanes take consecutive 16-byte pieces of the weights: a simdgroup
     // reads 512 contiguous bytes of each weight column per step.
-    constexpr int E = Vec16<TB>::N;
+    constexpr int E = vec16_n<TB>();
     const uint k_vec = p.k / E * E;
     for (uint k = lane * E; k < k_vec; k += 32 * E) {
       float xv[R][E];
@@ -264,7 +268,7 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
 template <typename T, int R, bool VEC>
 inline void decode_cols_body(device T* out, const device T* a, const device T* w, constant GroupedMMParams& p,
                              RowSlot s, uint col_base, uint tid, threadgroup float* partial) {
-  constexpr int E = VEC ? Vec16<T>::N : 1;
+  constexpr int E = VEC ? vec16_n<T>() : 1;
   constexpr int CT = GMM_COLS_LANES * E;  // columns of the threadgroup
   constexpr int KL = GMM_COLS_THREADS / GMM_COLS_LANES;
   const uint cl = tid % GMM_COLS_LANES, kl = tid / GMM_COLS_LANES;
@@ -320,7 +324,7 @@ kernel void gmm_decode_cols(device T* out [[buffer(0)]],
   const RowSlot s = decode_slot(offs, p, tg.y, sg, lane, shared);
   if (s.rows == 0) return;  // uniform: every thread read the same slot
   const device T* w = b + ulong(s.g) * ulong(p.b_batch);
-  const uint col_base = tg.x * GMM_COLS_LANES * (VEC ? Vec16<T>::N : 1);
+  const uint col_base = tg.x * GMM_COLS_LANES * (VEC ? vec16_n<T>() : 1);
   if (s.rows == 1)
     decode_cols_body<T, 1, VEC>(out, a, w, p, s, col_base, tid, partial);
   else if (s.rows == 2)
