@@ -309,7 +309,7 @@ class _GuardedOffsets(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (torch.ops.mps_ext._grouped_mm.default, torch.ops.mps_ext._scaled_grouped_mm.default,
-                    torch.ops.aten._grouped_mm.default):
+                    torch.ops.aten._grouped_mm.default, torch.ops.mps_ext.moe_experts.default):
             key = torch._C.DispatchKey.MPS if args[0].device.type == "mps" else torch._C.DispatchKey.CPU
             return func.redispatch(torch._C.DispatchKeySet(key), *args, **kwargs)
         cls.touched.append(str(func))

@@ -182,3 +182,23 @@ def test_experts_with_unaligned_activations_take_element_loads(device, fp8):
     torch.testing.assert_close(got.double(), exp, rtol=1e-2, atol=1e-2)
     if device == "executor":
         assert rec.dispatches[0].kernel == ("gmm_decode_rows_bf16_fp8w_scalar" if fp8 else "gmm_decode_rows_bf16_scalar")
+
+
+def test_a_layer_launches_the_same_whatever_the_routing_and_reads_nothing_on_the_host():
+    from test_grouped_mm import _GuardedOffsets, guarded
+    hidden, experts, inter, top_k = 64, 16, 32, 4
+    x = randn(4, hidden)
+    w_gate_up = randn(experts, 2 * inter, hidden)
+    w_down = randn(experts, hidden, inter)
+    launches = set()
+    for seed in range(3):
+        router = torch.randn(experts, hidden, generator=torch.Generator().manual_seed(seed)).bfloat16()
+        with cpu_metal.record() as rec:
+            logits = torch.ops.mps_ext.linear(x, router, None)
+            w, offs, slot_of_row, row_of_slot = torch.ops.mps_ext.moe_route(logits, top_k, True, False)
+            _GuardedOffsets.touched.clear()
+            h = torch.ops.mps_ext.moe_experts(x, w_gate_up, None, guarded(offs), slot_of_row, top_k, True)
+            assert _GuardedOffsets.touched == []
+            torch.ops.mps_ext.moe_combine(torch.ops.mps_ext.moe_experts(h, w_down, None, offs), w, row_of_slot)
+        launches.add(tuple((d.kernel, d.threadgroups, d.threads_per_threadgroup) for d in rec.dispatches))
+    assert len(launches) == 1
