@@ -29,6 +29,10 @@ namespace {
 // routed to their top-8 experts. A group has at most 8 rows there (a token
 // picks an expert once), so each chosen expert's weights stream once.
 constexpr int64_t kDecodeMaxRows = 64;
+// The fused MoE ops (a decode step's token slots, as moe_route makes them)
+// always run the decode kernel; a group of more than 8 rows streams its
+// weights once per 8 rows.
+constexpr int64_t kFusedMaxRows = 1024;
 
 bool is_float_dtype(c10::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 
@@ -215,12 +219,13 @@ std::string problem_unsupported(const at::Tensor& a, const at::Tensor& b) {
 //   K-split and batched modes one tile grid per group.
 // `types`: the kernels' type suffix ("bf16", "fp8", "bf16_fp8w": bfloat
 // activations with fp8 weights).
-void run(const Problem& pr, const at::Tensor& offs, const std::string& types) {
+// `fused`: mps_ext's MoE ops, which always take the decode kernel.
+void run(const Problem& pr, const at::Tensor& offs, const std::string& types, bool fused = false) {
   const GroupedMMParams& p = pr.p;
   const int64_t a_item = pr.a.element_size(), item = pr.b.element_size();
   Launch l;
   l.library = "grouped_mm";
-  const bool decode = p.mode == GMM_MODE_ROWS && p.m <= kDecodeMaxRows;
+  const bool decode = p.mode == GMM_MODE_ROWS && (p.m <= kDecodeMaxRows || fused);
   const bool fp8 = pr.b.scalar_type() == at::kFloat8_e4m3fn;
   const bool cols = p.b_n == 1 && p.b_k != 1 && p.n > 1 && !fp8 && !p.swiglu && !p.gather;
   TORCH_CHECK(decode || !(p.swiglu || p.gather), "mps_ext grouped_mm: the fused MoE ops run the decode kernel only");
@@ -418,7 +423,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10:
     TORCH_CHECK(slot_of_row->scalar_type() == at::kInt && slot_of_row->dim() == 1 && slot_of_row->is_contiguous() &&
                     slots_per_token >= 1 && rows <= x.size(0) * slots_per_token,
                 "moe_experts: slot_of_row must be contiguous int32 [rows] with rows <= tokens * slots_per_token");
-  TORCH_CHECK(rows <= kDecodeMaxRows, "moe_experts is the decode path: at most ", kDecodeMaxRows,
+  TORCH_CHECK(rows <= kFusedMaxRows, "moe_experts is the decode path: at most ", kFusedMaxRows,
               " routed rows, got ", rows, "; use F.grouped_mm");
   TORCH_CHECK(!swiglu || weight.size(1) % 2 == 0, "moe_experts: swiglu needs weight rows [gate | up], got ",
               weight.size(1));
@@ -446,7 +451,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10:
     pr.col_scale = *weight_scale;
     p.col_scale_batch = weight_scale->stride(0);
   }
-  run(pr, offs.contiguous(), fp8 ? "bf16_fp8w" : type_name(x.scalar_type()));
+  run(pr, offs.contiguous(), fp8 ? "bf16_fp8w" : type_name(x.scalar_type()), true);
   family("grouped_mm").count_ran();
   return out;
 }

@@ -94,10 +94,10 @@ def moe_layer(run, x, router, w_gate_up, w_down, top_k, shared, s_gu=None, s_d=N
     return run("moe_combine", y, w, row_of_slot)
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 8])
+@pytest.mark.parametrize("tokens,top_k", [(1, 4), (2, 4), (8, 4), (8, 8)])  # 8 x (8 + 1) = 72 rows
 @pytest.mark.parametrize("weights", ["bf16", "fp8"])
-def test_layer_matches_reference_and_streams_each_chosen_expert_once(device, tokens, weights):
-    hidden, experts, inter, top_k, shared = 128, 32, 48, 4, 1
+def test_layer_matches_reference_and_streams_each_chosen_expert_once(device, tokens, top_k, weights):
+    hidden, experts, inter, shared = 128, 32, 48, 1
     x = randn(tokens, hidden)
     router = randn(experts + shared, hidden, scale=0.3)
     w_gate_up = randn(experts + shared, 2 * inter, hidden, scale=hidden ** -0.5)
@@ -120,6 +120,7 @@ def test_layer_matches_reference_and_streams_each_chosen_expert_once(device, tok
         chosen = len(set(ids.flatten().tolist()))
         item = 1 if weights == "fp8" else 2
         gate_up, down = rec.dispatches[-3], rec.dispatches[-2]
+        # The shared expert has 8 rows at 8 tokens: still one chunk, read once.
         assert gate_up.bytes_read[2] == chosen * 2 * inter * hidden * item
         assert down.bytes_read[2] == chosen * hidden * inter * item
 
@@ -127,8 +128,8 @@ def test_layer_matches_reference_and_streams_each_chosen_expert_once(device, tok
 def test_experts_checks():
     x, w = randn(2, 32), randn(4, 16, 32)
     offs = torch.tensor([1, 1, 2, 2], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="at most 64 routed rows"):
-        torch.ops.mps_ext.moe_experts(randn(65, 32), w, None, torch.tensor([65, 65, 65, 65], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="at most 1024 routed rows"):
+        torch.ops.mps_ext.moe_experts(randn(1025, 32), w, None, torch.tensor([1025] * 4, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="fp8 weights need weight_scale"):
         torch.ops.mps_ext.moe_experts(x, w.float().to(FP8), None, offs)
     with pytest.raises(RuntimeError, match="weight must have x's dtype"):
