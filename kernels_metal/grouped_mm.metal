@@ -440,7 +440,8 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
   for (uint i = tid; i < BM * BN; i += GMM_TILE_THREADS) {
     const uint r = i / BN, c = i % BN, m = r0 + r, n = n0 + c;
     if (m >= rows_end || n >= p.n) continue;
-    const uint g = p.mode == GMM_MODE_ROWS ? row_group[r] : tg.z;
+    // (min: offsets out of order, which torch forbids, must still not read out of bounds)
+    const uint g = p.mode == GMM_MODE_ROWS ? min(row_group[r], p.groups - 1) : tg.z;
     out[out_base + ulong(m) * ulong(p.out_m) + ulong(n) * ulong(p.out_n)] =
         TO(Cs[i] * scale_of(p, row_scale, col_scale, g, m, n));
   }
