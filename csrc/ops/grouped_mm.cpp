@@ -12,6 +12,7 @@
 // kernel of its own. Neither has an MPS _scaled_grouped_mm: mps_ext
 // registers one.)
 #include <ATen/ATen.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <limits>
@@ -52,6 +53,12 @@ bool aligned16(const at::Tensor& t) {
 bool stride16(int64_t stride, int64_t itemsize) { return (stride * itemsize) % 16 == 0; }
 
 // ------------------------------------------------------------- checks --
+// The checks of the torch this is built against (and runs with), which
+// changed across releases: from 2.14 the batch stride of a 3-D operand (off
+// the CPU) and offs's stride are checked too.
+#define MPS_EXT_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
 // torch's check_valid_strides_and_return_transposed (GroupedMMUtils.h):
 // the last two dimensions are row- or column-major with the leading stride
 // a multiple of 16 bytes, and (off the CPU) the data 16-byte aligned.
@@ -61,6 +68,11 @@ void check_strides(const at::Tensor& mat) {
   const int64_t end = mat.dim() - 1;
   const int64_t alignment = 16 / mat.element_size();
   TORCH_CHECK(mat.device().is_cpu() || aligned16(mat), "expected data_ptr to be aligned to 16 bytes");
+#if MPS_EXT_TORCH_AT_LEAST(2, 14)
+  if (!mat.device().is_cpu() && mat.dim() == 3)
+    TORCH_CHECK(strides[0] % alignment == 0, "batch stride must yield 16-byte-aligned per-batch pointers, got stride(0)=",
+                strides[0], " with element size ", mat.element_size(), " (sizes=", sizes, ", strides=", strides, ")");
+#endif
   if (strides[end - 1] == 1 && strides[end] >= std::max<int64_t>(1, sizes[end - 1])) {
     TORCH_CHECK(strides[end] % alignment == 0, "strides should be multiple of 16 bytes");
   } else if (strides[end] == 1 && strides[end - 1] >= std::max<int64_t>(1, sizes[end])) {
@@ -88,6 +100,9 @@ void check_grouped_mm(const at::Tensor& a, const at::Tensor& b, const c10::optio
   if (offs.has_value()) {
     TORCH_CHECK(offs->dim() == 1, "offs has to be 1D");
     TORCH_CHECK(offs->scalar_type() == at::kInt, "Offsets have to be int32");
+#if MPS_EXT_TORCH_AT_LEAST(2, 14)
+    TORCH_CHECK(offs->stride(0) == 1, "Offsets must have stride (1,)");
+#endif
   }
   TORCH_CHECK(!bias.has_value(), "Bias not supported yet");
   TORCH_CHECK(out_dtype.value_or(a.scalar_type()) == a.scalar_type(),
