@@ -9,7 +9,6 @@ with
     pip install --no-build-isolation .
 """
 
-import glob
 import os
 import sys
 
@@ -18,18 +17,12 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+import build_config  # noqa: E402
 import embed_shaders  # noqa: E402
 
-GENERATED = os.path.join("csrc", "generated", "shaders.cpp")
-embed_shaders.generate(embed_shaders.Path(ROOT) / GENERATED)
-
-sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
-compile_args = ["-O2", "-std=c++17", "-fvisibility=hidden"]
-link_args = []
-if sys.platform == "darwin":
-    sources += sorted(glob.glob("csrc/**/*.mm", recursive=True))
-    compile_args += ["-fobjc-arc"]
-    link_args += ["-framework", "Metal", "-framework", "Foundation"]
+embed_shaders.generate(build_config.ROOT / build_config.GENERATED)
+# Relative paths, as setuptools wants them; no -std flag (tools/build_config.py).
+sources = [str(p.relative_to(build_config.ROOT)) for p in build_config.sources(build_config.ROOT, sys.platform)]
 
 setup(
     packages=find_packages(include=["mps_ext", "mps_ext.*"]),
@@ -38,13 +31,9 @@ setup(
         CppExtension(
             name="mps_ext._C",
             sources=sources,
-            include_dirs=[
-                os.path.join(ROOT, "csrc"),
-                os.path.join(ROOT, "kernels_metal"),
-                os.path.join(ROOT, "mps_ext", "cpu_metal", "include"),
-            ],
-            extra_compile_args={"cxx": compile_args},
-            extra_link_args=link_args,
+            include_dirs=[str(d) for d in build_config.include_dirs(build_config.ROOT)],
+            extra_compile_args={"cxx": build_config.compile_args(sys.platform)},
+            extra_link_args=build_config.link_args(sys.platform),
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

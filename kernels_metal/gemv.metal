@@ -15,10 +15,12 @@
 #include "gemv_params.h"
 using namespace metal;
 
-// 16 bytes of T as float: 4 floats, or 8 halves / bfloats.
+// 16 bytes of T as float: 4 floats, or 8 halves / bfloats. (N is an
+// enumerator: a static data member would be a program-scope variable, which
+// Metal allows only in the constant address space.)
 template <typename T>
 struct Wide {
-  static constexpr int N = 16 / sizeof(T);
+  enum : int { N = int(16 / sizeof(T)) };
   float v[N];
 };
 
@@ -49,6 +51,7 @@ inline float finish(float acc, constant GemvParams& p, float bias) {
 }
 
 template <typename T, int R, bool VEC>
+[[max_total_threads_per_threadgroup(GEMV_ROWS_MAX_THREADS)]]
 kernel void gemv_rows(device T* y [[buffer(0)]],
                       const device T* x [[buffer(1)]],
                       const device T* w [[buffer(2)]],
@@ -120,13 +123,16 @@ kernel void gemv_rows(device T* y [[buffer(0)]],
   }
 }
 
+// `partial` holds one row per simdgroup of at most GEMV_COLS_THREADS threads.
 template <typename T, int R, bool VEC>
+[[max_total_threads_per_threadgroup(GEMV_COLS_THREADS)]]
 kernel void gemv_cols(device T* y [[buffer(0)]],
                       const device T* x [[buffer(1)]],
                       const device T* w [[buffer(2)]],
                       constant GemvParams& p [[buffer(3)]],
                       const device T* bias [[buffer(4)]],
                       uint group [[threadgroup_position_in_grid]],
+                      uint threads [[threads_per_threadgroup]],
                       uint tid [[thread_index_in_threadgroup]],
                       uint sg [[simdgroup_index_in_threadgroup]],
                       uint simdgroups [[simdgroups_per_threadgroup]],
@@ -162,7 +168,7 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
     if (r >= rows) break;
     for (int e = 0; e < E; ++e) partial[sg][lane * E + e] = acc[r][e];
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint c = tid; c < uint(COLS); c += GEMV_COLS_THREADS) {
+    for (uint c = tid; c < uint(COLS); c += threads) {
       long n = long(group) * COLS + c;
       if (n < p.n_out) {
         float total = 0.0f;

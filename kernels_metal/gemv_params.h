@@ -26,3 +26,5 @@ struct GemvParams {
 #define GEMV_MAX_OUTPUTS_PER_SIMDGROUP 4
 // Threads of a gemv_cols threadgroup: simdgroups split K between them.
 #define GEMV_COLS_THREADS 256
+// Most threads of a gemv_rows threadgroup: 2 simdgroups.
+#define GEMV_ROWS_MAX_THREADS 64

@@ -103,6 +103,7 @@ inline float backward_value(float g, float y, float sum, bool log) {
 
 // --------------------------------------------------------------- forward --
 template <typename T, typename O>
+[[max_total_threads_per_threadgroup(SOFTMAX_SEGMENT_THREADS)]]
 kernel void softmax_segment(device O* out [[buffer(0)]],
                             const device T* x [[buffer(1)]],
                             constant SoftmaxParams& p [[buffer(2)]],
@@ -131,6 +132,7 @@ kernel void softmax_segment(device O* out [[buffer(0)]],
 }
 
 template <typename T, typename O>
+[[max_total_threads_per_threadgroup(SOFTMAX_BLOCK_MAX_THREADS)]]
 kernel void softmax_block(device O* out [[buffer(0)]],
                           const device T* x [[buffer(1)]],
                           constant SoftmaxParams& p [[buffer(2)]],
@@ -158,19 +160,24 @@ kernel void softmax_block(device O* out [[buffer(0)]],
   }
 }
 
+// Split rows run on a 2-D grid (chunk, row) of 1-D threadgroups. Metal wants
+// every position and size attribute of a kernel with the same number of
+// components, so the threadgroup size comes as uint2 too.
+//
 // Split rows, pass 1: the (max, sum) of each chunk.
 template <typename T>
+[[max_total_threads_per_threadgroup(SOFTMAX_SPLIT_THREADS)]]
 kernel void softmax_partial(device float2* partials [[buffer(0)]],
                             const device T* x [[buffer(1)]],
                             constant SoftmaxParams& p [[buffer(2)]],
                             uint tid [[thread_index_in_threadgroup]],
-                            uint threads [[threads_per_threadgroup]],
+                            uint2 group_size [[threads_per_threadgroup]],
                             uint2 group [[threadgroup_position_in_grid]],
                             uint lane [[thread_index_in_simdgroup]],
                             uint sg [[simdgroup_index_in_threadgroup]],
                             uint simdgroups [[simdgroups_per_threadgroup]]) {
   threadgroup float2 scratch[32];
-  const uint chunk = group.x, row = group.y;
+  const uint chunk = group.x, row = group.y, threads = group_size.x;
   RowOffsets o = row_offsets(p, row);
   const long begin = long(chunk) * p.chunk_length;
   const long end = min(begin + p.chunk_length, p.row_length);
@@ -182,18 +189,19 @@ kernel void softmax_partial(device float2* partials [[buffer(0)]],
 
 // Split rows, pass 2: combine the row's partials and write the chunk.
 template <typename T, typename O>
+[[max_total_threads_per_threadgroup(SOFTMAX_SPLIT_THREADS)]]
 kernel void softmax_finish(device O* out [[buffer(0)]],
                            const device T* x [[buffer(1)]],
                            constant SoftmaxParams& p [[buffer(2)]],
                            const device float2* partials [[buffer(3)]],
                            uint tid [[thread_index_in_threadgroup]],
-                           uint threads [[threads_per_threadgroup]],
+                           uint2 group_size [[threads_per_threadgroup]],
                            uint2 group [[threadgroup_position_in_grid]],
                            uint lane [[thread_index_in_simdgroup]],
                            uint sg [[simdgroup_index_in_threadgroup]],
                            uint simdgroups [[simdgroups_per_threadgroup]]) {
   threadgroup float2 scratch[32];
-  const uint chunk = group.x, row = group.y;
+  const uint chunk = group.x, row = group.y, threads = group_size.x;
   MaxSum st = empty_max_sum();
   for (long c = tid; c < p.chunks; c += threads) {
     float2 q = partials[long(row) * p.chunks + c];
@@ -210,6 +218,7 @@ kernel void softmax_finish(device O* out [[buffer(0)]],
 // -------------------------------------------------------------- backward --
 // g: grad_output, y: the forward output (same dtype G); out: grad_input.
 template <typename G, typename O>
+[[max_total_threads_per_threadgroup(SOFTMAX_SEGMENT_THREADS)]]
 kernel void softmax_backward_segment(device O* out [[buffer(0)]],
                                      const device G* g [[buffer(1)]],
                                      constant SoftmaxParams& p [[buffer(2)]],
@@ -240,6 +249,7 @@ kernel void softmax_backward_segment(device O* out [[buffer(0)]],
 }
 
 template <typename G, typename O>
+[[max_total_threads_per_threadgroup(SOFTMAX_BLOCK_MAX_THREADS)]]
 kernel void softmax_backward_block(device O* out [[buffer(0)]],
                                    const device G* g [[buffer(1)]],
                                    constant SoftmaxParams& p [[buffer(2)]],
@@ -270,18 +280,19 @@ kernel void softmax_backward_block(device O* out [[buffer(0)]],
 }
 
 template <typename G>
+[[max_total_threads_per_threadgroup(SOFTMAX_SPLIT_THREADS)]]
 kernel void softmax_backward_partial(device float* partials [[buffer(0)]],
                                      const device G* g [[buffer(1)]],
                                      constant SoftmaxParams& p [[buffer(2)]],
                                      const device G* y [[buffer(3)]],
                                      uint tid [[thread_index_in_threadgroup]],
-                                     uint threads [[threads_per_threadgroup]],
+                                     uint2 group_size [[threads_per_threadgroup]],
                                      uint2 group [[threadgroup_position_in_grid]],
                                      uint lane [[thread_index_in_simdgroup]],
                                      uint sg [[simdgroup_index_in_threadgroup]],
                                      uint simdgroups [[simdgroups_per_threadgroup]]) {
   threadgroup float scratch[32];
-  const uint chunk = group.x, row = group.y;
+  const uint chunk = group.x, row = group.y, threads = group_size.x;
   RowOffsets o = row_offsets(p, row);
   const long begin = long(chunk) * p.chunk_length;
   const long end = min(begin + p.chunk_length, p.row_length);
@@ -293,19 +304,20 @@ kernel void softmax_backward_partial(device float* partials [[buffer(0)]],
 }
 
 template <typename G, typename O>
+[[max_total_threads_per_threadgroup(SOFTMAX_SPLIT_THREADS)]]
 kernel void softmax_backward_finish(device O* out [[buffer(0)]],
                                     const device G* g [[buffer(1)]],
                                     constant SoftmaxParams& p [[buffer(2)]],
                                     const device G* y [[buffer(3)]],
                                     const device float* partials [[buffer(4)]],
                                     uint tid [[thread_index_in_threadgroup]],
-                                    uint threads [[threads_per_threadgroup]],
+                                    uint2 group_size [[threads_per_threadgroup]],
                                     uint2 group [[threadgroup_position_in_grid]],
                                     uint lane [[thread_index_in_simdgroup]],
                                     uint sg [[simdgroup_index_in_threadgroup]],
                                     uint simdgroups [[simdgroups_per_threadgroup]]) {
   threadgroup float scratch[32];
-  const uint chunk = group.x, row = group.y;
+  const uint chunk = group.x, row = group.y, threads = group_size.x;
   float sum = 0.0f;
   for (long c = tid; c < p.chunks; c += threads) sum += partials[long(row) * p.chunks + c];
   sum = block_sum(sum, scratch, lane, sg, simdgroups);

@@ -23,3 +23,9 @@ struct SoftmaxParams {
   uint32_t log;            // 1: log_softmax
   uint32_t pad;
 };
+
+// Threads per threadgroup of each kernel shape (csrc/ops/softmax.cpp), declared
+// by the kernels as [[max_total_threads_per_threadgroup]].
+#define SOFTMAX_SEGMENT_THREADS 256
+#define SOFTMAX_BLOCK_MAX_THREADS 512
+#define SOFTMAX_SPLIT_THREADS 256

@@ -40,8 +40,14 @@ except Exception as e:  # never let a broken install break the user's import
     _load_error = f"{type(e).__name__}: {e}"
 
 _env_disabled: set[str] = set()
-_policy_skipped: dict[str, str] = {}
+_policy_skipped: dict[str, str] = {}        # family -> why it is not installed
+_policy_left: dict[str, dict[str, _policy.Native]] = {}  # family -> {aten op: the rule that leaves it to torch}
 _installed: list[str] = []
+
+# Fallback reasons that are decisions, not problems: a user's switch and the
+# policy (C++ prefixes every policy reason with "policy: ").
+POLICY_PREFIX = "policy: "
+TURNED_OFF = "turned off"
 
 
 def _mac_version() -> tuple[int, ...]:
@@ -76,18 +82,27 @@ def families() -> list[str]:
 
 
 def family_status(name: str) -> str:
-    """'on', or why the family is off."""
+    """'on' (possibly with what the policy leaves to torch on MPS), or why
+    the family is off."""
     if _C is None:
         return "off: the native extension is not loaded"
     if name in _env_disabled:
         return "off: listed in MPS_EXT_DISABLE"
     if not _C.is_enabled(name):
         return "off: turned off at run time"
+    unavailable = _C.stats()[name]["unavailable"]
+    if "MPS" in unavailable:
+        return f"off on MPS: {unavailable['MPS']}"
     if name in _policy_skipped:
         return f"left to torch on MPS: {_policy_skipped[name]}"
-    if name == "linear" and _policy.linear_min_rows(_torch.__version__) > 1:
-        return "on for 2 to 8 rows (one row: torch's own GEMV)"
-    return "on"
+    notes = []
+    if name in _policy_left:
+        ops = ", ".join(op.split("::")[1] + (f" ({rule.scope()})" if rule.scope() else "")
+                        for op, rule in sorted(_policy_left[name].items()))
+        notes.append(f"{ops} left to torch on MPS")
+    if name == "linear" and _policy.mm_min_rows(_torch.__version__) > 1:
+        notes.append("one-row mm/addmm left to torch's own GEMV on MPS")
+    return "on" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def enabled_ops() -> list[str]:
@@ -121,8 +136,13 @@ def disabled(*names: str):
 
 def stats() -> dict[str, dict]:
     """Per family: {'ran': calls that ran mps_ext's kernels, 'fallbacks':
-    {reason: calls that went to torch's own kernel}}."""
-    return {k: {"ran": v["ran"], "fallbacks": dict(v["fallbacks"])} for k, v in _C.stats().items()} if _C else {}
+    {reason: calls that went to torch's own kernel}, 'unavailable':
+    {device: why mps_ext's kernels cannot run there}} (a Metal library or
+    pipeline that did not build on this Mac; empty normally)."""
+    if _C is None:
+        return {}
+    return {k: {"ran": v["ran"], "fallbacks": dict(v["fallbacks"]), "unavailable": dict(v["unavailable"])}
+            for k, v in _C.stats().items()}
 
 
 def reset_stats() -> None:
@@ -135,6 +155,14 @@ def installed_overrides() -> list[str]:
     return list(_installed)
 
 
+def _leave_to_torch(family: str, rules: dict[str, _policy.Native], device: str) -> None:
+    """Hands the policy's rules for `family` ({aten op: rule}) to the op
+    layer for `device` ("MPS"; "CPU" in tests)."""
+    for op, rule in rules.items():
+        _C.leave_to_torch(family, op, device, POLICY_PREFIX + rule.what, [getattr(_torch, d) for d in rule.dtypes],
+                          list(rule.kept_args))
+
+
 def _setup() -> None:
     if _C is None:
         return
@@ -145,13 +173,19 @@ def _setup() -> None:
         warnings.warn(f"MPS_EXT_DISABLE names unknown op families {sorted(unknown)}; "
                       f"mps_ext has {sorted(known)}", stacklevel=3)
     _env_disabled.update(known if "all" in requested else requested & known)
+    version = _torch.__version__
     for name in known:
-        why = _policy.steps_aside(name, _torch.__version__)
+        why = _policy.steps_aside(name, _C.family_aten_ops(name), version)
         if why:
             _policy_skipped[name] = why
+            continue
+        left = _policy.left_to_torch(name, version)
+        if left:
+            _policy_left[name] = left
+        _leave_to_torch(name, left, "MPS")
     for name in _env_disabled:
         _C.set_enabled(name, False)
-    _C.set_linear_min_rows(_policy.linear_min_rows(_torch.__version__))
+    _C.set_mm_min_rows("MPS", _policy.mm_min_rows(version))
     if is_available():
         wanted = sorted(known - _env_disabled - set(_policy_skipped))
         try:

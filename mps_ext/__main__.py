@@ -27,11 +27,13 @@ def report() -> None:
         where = ops if fam in installed else f"(not installed) {ops}"
         print(f"{fam:<10} {mps_ext.family_status(fam):<55} {where}")
     stats = mps_ext.stats()
-    if any(s["ran"] or s["fallbacks"] for s in stats.values()):
+    if any(s["ran"] or s["fallbacks"] or s["unavailable"] for s in stats.values()):
         print()
         for fam, s in stats.items():
             fb = "; ".join(f"{n} x {why}" for why, n in s["fallbacks"].items()) or "none"
             print(f"{fam:<10} ran {s['ran']}, fell back: {fb}")
+            for device, why in s["unavailable"].items():
+                print(f"{'':<10} kernels unavailable on {device}: {why}")
     print()
     print("Turn a family off: MPS_EXT_DISABLE=softmax,pad, or `with mps_ext.disabled('pad'):`.")
 
@@ -50,7 +52,9 @@ def self_check() -> bool:
     for r in results:
         by_family.setdefault(r.case.family, []).append(r)
     for fam, rs in by_family.items():
-        print(f"  {fam:<10} {sum(r.ok for r in rs)}/{len(rs)} passed")
+        torch_runs = sum(r.ok and not r.ours for r in rs)
+        note = f" ({torch_runs} on torch's own kernel by policy or switch)" if torch_runs else ""
+        print(f"  {fam:<10} {sum(r.ok for r in rs)}/{len(rs)} passed{note}")
     print("self-check " + ("passed" if not failed else f"FAILED ({len(failed)} of {len(results)})"))
     return not failed
 

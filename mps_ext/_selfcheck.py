@@ -4,6 +4,12 @@ On every machine the kernels run on CPU tensors through the CPU Metal
 executor (the same Metal source the Mac compiles), as torch.ops.mps_ext.*.
 Where mps_ext is available they also run on the GPU, through the overridden
 aten ops, and are compared with the CPU.
+
+A call that goes to torch's own kernel by decision (the policy leaves the op
+to the installed torch, or the family is turned off) is checked the same way
+and passes if torch's result is right; a call that goes there for any other
+reason (a Metal kernel that failed to build, an input mps_ext should handle)
+is a failure.
 """
 
 from __future__ import annotations
@@ -32,18 +38,42 @@ class Result:
     device: str
     ok: bool
     detail: str = ""
+    ours: bool = True  # mps_ext's kernel ran (False: torch's, by decision)
 
 
-def close(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, str]:
+def judge(family: str, device: str, before: dict, after: dict) -> tuple[bool, str]:
+    """For one call of an op of `family` on `device` ("executor" or "mps"),
+    given the family's stats() before and after it: whether mps_ext's kernel
+    ran, and what is wrong ("" if nothing) if it did not for a reason that is
+    not a decision."""
+    if after["ran"] == before["ran"] + 1:
+        return True, ""
+    if device == "mps" and family not in mps_ext.installed_overrides():
+        return False, ""  # torch's own kernel: the policy or MPS_EXT_DISABLE left the family out
+    new = {why: n - before["fallbacks"].get(why, 0) for why, n in after["fallbacks"].items()
+           if n != before["fallbacks"].get(why, 0)}
+    if new and all(why == mps_ext.TURNED_OFF or why.startswith(mps_ext.POLICY_PREFIX) for why in new):
+        return False, ""
+    return False, f"mps_ext's kernel did not run: {new or 'the call was not counted'}"
+
+
+def close(got, want) -> tuple[bool, str]:
+    if isinstance(want, tuple):  # ops with several outputs
+        for i, (g, w) in enumerate(zip(got, want)):
+            ok, detail = close(g, w)
+            if not ok:
+                return False, f"output {i}: {detail}"
+        return True, ""
     got, want = got.cpu(), want.cpu()
     if got.shape != want.shape or got.dtype != want.dtype:
         return False, f"got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
-    if not got.is_floating_point():
+    if not (got.is_floating_point() or got.is_complex()):
         return bool(torch.equal(got, want)), "values differ"
     tol = TOLERANCE.get(got.dtype, 1e-5)
-    if torch.allclose(got.float(), want.float(), rtol=tol, atol=tol, equal_nan=True):
+    wide = torch.complex128 if got.is_complex() else torch.float64
+    if torch.allclose(got.to(wide), want.to(wide), rtol=tol, atol=tol, equal_nan=True):
         return True, ""
-    return False, f"max difference {(got.float() - want.float()).abs().nan_to_num(0).max().item():.3g}"
+    return False, f"max difference {(got.to(wide) - want.to(wide)).abs().nan_to_num(0).max().item():.3g}"
 
 
 def cases() -> list[Case]:
@@ -77,6 +107,25 @@ def cases() -> list[Case]:
         out.append(Case("linear", f"mm {tag}", torch.mm, (x, w.t()), (x.double() @ w.double().t()).to(dtype)))
         out.append(Case("linear", f"addmm {tag}", torch.addmm, (b, x, w.t()),
                         (b.double() + x.double() @ w.double().t()).to(dtype)))
+    for dtype in (torch.float32, torch.complex64):
+        tag = str(dtype)[6:]
+        for shape in [(4, 3, 3), (2, 24, 24)]:  # one thread per matrix; a threadgroup per matrix
+            a = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) + 5 * torch.eye(shape[-1], dtype=dtype)
+            b = torch.randn(shape[:-1] + (2,), generator=g, dtype=torch.float64).to(dtype)
+            a64, b64 = a.to(_wide(dtype)), b.to(_wide(dtype))
+            name = f"{tuple(shape)} {tag}"
+            # The same factors as torch (same pivots): outputs compared whole.
+            out.append(Case("linalg", f"linalg_lu_factor_ex {name}", torch.ops.aten.linalg_lu_factor_ex, (a,),
+                            _narrow(torch.ops.aten.linalg_lu_factor_ex(a64), dtype)))
+            out.append(Case("linalg", f"linalg_inv_ex {name}", torch.ops.aten.linalg_inv_ex, (a,),
+                            _narrow(torch.ops.aten.linalg_inv_ex(a64), dtype)))
+            out.append(Case("linalg", f"_linalg_solve_ex {name}", torch.ops.aten._linalg_solve_ex, (a, b),
+                            _narrow(torch.ops.aten._linalg_solve_ex(a64, b64), dtype)))
+            lu, piv = torch.linalg.lu_factor(a)
+            out.append(Case("linalg", f"linalg_lu_solve {name}", torch.ops.aten.linalg_lu_solve, (lu, piv, b),
+                            torch.linalg.lu_solve(lu.to(_wide(dtype)), piv, b64).to(dtype)))
+            out.append(Case("linalg", f"_linalg_slogdet {name}", torch.ops.aten._linalg_slogdet, (a,),
+                            _narrow(torch.ops.aten._linalg_slogdet(a64), dtype)))
     for rows, counts, dtype in [(8, [0, 3, 0, 4, 1], torch.bfloat16), (90, [40, 0, 50], torch.float16)]:
         k, n = 64, 48
         x = torch.randn(rows, k, generator=g).to(dtype)
@@ -101,6 +150,17 @@ def cases() -> list[Case]:
     return out
 
 
+def _wide(dtype):
+    return torch.complex128 if dtype.is_complex else torch.float64
+
+
+def _narrow(outputs, dtype):
+    """torch's float64 / complex128 results in the dtypes of a `dtype` call."""
+    real = torch.float32
+    return tuple(o if not o.is_floating_point() and not o.is_complex()
+                 else o.to(dtype if o.is_complex() or not dtype.is_complex else real) for o in outputs)
+
+
 def executor_op(op):
     """The torch.ops.mps_ext op that runs mps_ext's kernel for aten function `op`."""
     return getattr(torch.ops.mps_ext, op.__name__)  # F.linear's __name__ is 'linear' too
@@ -111,16 +171,18 @@ def run() -> list[Result]:
     devices = ["executor"] + (["mps"] if mps_ext.is_available() else [])
     for case in cases():
         for device in devices:
+            ours = True
             try:
-                before = mps_ext.stats()[case.family]["ran"]
+                before = mps_ext.stats()[case.family]
                 if device == "executor":
                     got = executor_op(case.op)(*case.args)
                 else:
                     got = case.op(*(a.to("mps") if isinstance(a, torch.Tensor) else a for a in case.args))
                 ok, detail = close(got, case.want)
-                if mps_ext.stats()[case.family]["ran"] == before:
-                    ok, detail = False, "mps_ext's kernel did not run (the call went to torch's own)"
+                ours, problem = judge(case.family, device, before, mps_ext.stats()[case.family])
+                if problem:
+                    ok, detail = False, problem
             except Exception as e:
                 ok, detail = False, f"{type(e).__name__}: {e}".splitlines()[0]
-            results.append(Result(case, device, ok, detail))
+            results.append(Result(case, device, ok, detail, ours))
     return results

@@ -61,7 +61,8 @@ def test_unsupported_inputs_go_to_the_stock_kernel_and_are_counted():
     y = torch.zeros(2, dtype=torch.complex128)
     assert torch.equal(torch.ops.mps_ext.constant_pad_nd(y, [1, 1], 0), torch.constant_pad_nd(y, [1, 1]))
     s = mps_ext.stats()
-    assert s["softmax"] == {"ran": 0, "fallbacks": {"dtype Double (float32, float16 and bfloat16 are handled)": 1}}
+    assert s["softmax"] == {"ran": 0, "fallbacks": {"dtype Double (float32, float16 and bfloat16 are handled)": 1},
+                            "unavailable": {}}
     assert s["pad"]["fallbacks"] == {"dtype ComplexDouble (elements of 1, 2, 4 or 8 bytes are handled)": 1}
 
 
@@ -74,8 +75,8 @@ def test_disabled_sends_calls_to_the_stock_kernel():
         torch.ops.mps_ext.constant_pad_nd(x, [1, 1], 0)
     torch.ops.mps_ext._softmax(x, 1, False)
     s = mps_ext.stats()
-    assert s["softmax"] == {"ran": 1, "fallbacks": {"turned off": 1}}
-    assert s["pad"] == {"ran": 1, "fallbacks": {}}
+    assert s["softmax"] == {"ran": 1, "fallbacks": {"turned off": 1}, "unavailable": {}}
+    assert s["pad"] == {"ran": 1, "fallbacks": {}, "unavailable": {}}
     assert "softmax" in mps_ext.enabled_ops()
 
 
@@ -88,7 +89,7 @@ def test_disabled_restores_after_an_error():
 
 
 def test_set_enabled_rejects_unknown_families():
-    with pytest.raises(ValueError, match="no op family 'nope'; mps_ext has grouped_mm, linear, pad, softmax"):
+    with pytest.raises(ValueError, match="no op family 'nope'; mps_ext has grouped_mm, linalg, linear, pad, softmax"):
         mps_ext.set_enabled("nope", False)
 
 
@@ -96,18 +97,12 @@ def test_environment_variable_turns_families_off():
     r = python("import mps_ext; print(mps_ext.enabled_ops(), mps_ext.family_status('pad'))",
                env={"MPS_EXT_DISABLE": "pad, bogus"})
     assert r.returncode == 0
-    assert "['grouped_mm', 'linear', 'softmax'] off: listed in MPS_EXT_DISABLE" in r.stdout
+    assert "['grouped_mm', 'linalg', 'linear', 'softmax'] off: listed in MPS_EXT_DISABLE" in r.stdout
     assert "unknown op families ['bogus']" in r.stderr
     r = python("import mps_ext; print(mps_ext.enabled_ops())", env={"MPS_EXT_DISABLE": "all"})
     assert "[]" in r.stdout
 
 
-def test_policy_steps_aside_for_torch_with_its_own_kernels():
-    assert _policy.steps_aside("softmax", "2.13.0+cpu") is None
-    assert "2.15" in _policy.steps_aside("softmax", "2.15.0")
-    assert _policy.steps_aside("pad", "2.16.1") is not None
-    assert set(_policy.NATIVE_SINCE) <= set(mps_ext.families())
-    assert _policy.linear_min_rows("2.13.0") == 1 and _policy.linear_min_rows("2.15.0") == 2
 
 
 def test_report_and_self_check():

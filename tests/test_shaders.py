@@ -18,3 +18,34 @@ def test_there_are_shaders():
 @pytest.mark.parametrize("path", SHADERS, ids=lambda p: p.name)
 def test_check_mode_finds_nothing(path):
     assert check_file(path) == []
+
+
+# Kernels whose code assumes a threadgroup size declare it (the host's sizes,
+# kernels_metal/*_params.h), and the executor refuses a bigger threadgroup, as
+# a Metal pipeline would: an op that asked for more would fail its tests.
+DECLARED = [("gemv", "gemv_rows_f32_r1_vec", 64), ("gemv", "gemv_cols_f16_r8_scalar", 256),
+            ("softmax", "softmax_segment_f32_f32", 256), ("softmax", "softmax_block_bf16_bf16", 512),
+            ("softmax", "softmax_partial_f16", 256), ("softmax", "softmax_backward_finish_f32_f16", 256)]
+
+
+@pytest.mark.parametrize("library,kernel,declared", DECLARED, ids=[d[1] for d in DECLARED])
+def test_declared_threadgroup_size_is_enforced(library, kernel, declared):
+    import torch
+
+    from mps_ext import cpu_metal
+    from tools.embed_shaders import flatten
+
+    lib = cpu_metal.compile_library(flatten(ROOT / "kernels_metal" / f"{library}.metal"), filename=f"{library}.metal")
+    args = [torch.zeros(16) for _ in range(5)]
+    with pytest.raises(cpu_metal.DispatchError, match=rf"max_total_threads_per_threadgroup\({declared}\)"):
+        lib.dispatch(kernel, args, threadgroups=(1,), threads_per_threadgroup=(declared + 32,))
+
+
+def test_every_gemv_and_softmax_kernel_declares_its_threadgroup_size():
+    from mps_ext.cpu_metal import _compiler, _translate
+    from tools.embed_shaders import flatten
+
+    for library in ("gemv", "softmax"):
+        pre = _compiler.preprocess(flatten(ROOT / "kernels_metal" / f"{library}.metal"), f"{library}.metal", None)
+        kernels = _translate.translate(pre).kernels
+        assert kernels and all(k.max_threads != "0" for k in kernels), [k.host_name for k in kernels if k.max_threads == "0"]

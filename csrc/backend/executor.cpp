@@ -1,6 +1,11 @@
 // The CPU Metal executor backend: runs a Launch on CPU tensors by compiling
 // the embedded shader with mps_ext.cpu_metal (once per library and process,
 // cached on disk) and dispatching it on the executor engine.
+//
+// It also holds the test hook that makes a launch fail the way the Metal
+// backend can on a Mac (a library or pipeline that does not build, a
+// pipeline with fewer threads than asked), so that the fallback decided in
+// launch.cpp and ops/registry.h runs in CI.
 #include <pybind11/pybind11.h>
 
 #include <map>
@@ -16,31 +21,84 @@ namespace py = pybind11;
 namespace mps_ext {
 namespace {
 
+std::mutex g_mutex;
+std::map<std::string, std::shared_ptr<cpu_metal::Library>>& cache() {
+  static auto* c = new std::map<std::string, std::shared_ptr<cpu_metal::Library>>();
+  return *c;
+}
+
 std::shared_ptr<cpu_metal::Library> library(const std::string& name) {
-  // The GIL first, then the cache lock: a thread holding the lock never
-  // waits for the GIL.
-  py::gil_scoped_acquire gil;
-  static std::mutex mutex;
-  static std::map<std::string, std::shared_ptr<cpu_metal::Library>> cache;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = cache.find(name);
-  if (it != cache.end()) return it->second;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = cache().find(name);
+    if (it != cache().end()) return it->second;
+  }
+  // Built without holding g_mutex: the build runs Python, which releases the
+  // GIL while the compiler runs, and a thread waiting for g_mutex while it
+  // held the GIL would then deadlock the process. Two threads may both build
+  // on a first call; the build is cached on disk and safe to run at once.
   std::string path;
-  try {
-    py::object built = py::module_::import("mps_ext.cpu_metal._compiler")
-                           .attr("build")(shader_source(name), py::none(), name + ".metal");
-    path = py::str(built.attr("path"));
-  } catch (py::error_already_set& e) {
-    TORCH_CHECK(false, "mps_ext: the CPU Metal executor could not build ", name, ".metal: ", e.what());
+  {
+    py::gil_scoped_acquire gil;
+    try {
+      py::object built = py::module_::import("mps_ext.cpu_metal._compiler")
+                             .attr("build")(shader_source(name), py::none(), name + ".metal");
+      path = py::str(built.attr("path"));
+    } catch (py::error_already_set& e) {
+      TORCH_CHECK(false, "mps_ext: the CPU Metal executor could not build ", name, ".metal: ", e.what());
+    }
   }
   auto lib = cpu_metal::Library::load(path);
-  cache[name] = lib;
-  return lib;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto& slot = cache()[name];
+  if (!slot) slot = lib;
+  return slot;
 }
+
+struct Simulated {
+  std::string library, kernel;
+  SimulatedFailure kind = SimulatedFailure::kNone;
+  uint64_t max_threads = 0;
+  uint64_t hits = 0;
+};
+std::mutex g_sim_mutex;
+Simulated g_sim;
 
 }  // namespace
 
-void executor_launch(const Launch& l) {
+void simulate_executor_failure(const std::string& library, const std::string& kernel, SimulatedFailure kind,
+                               uint64_t max_threads) {
+  std::lock_guard<std::mutex> lock(g_sim_mutex);
+  g_sim = Simulated{library, kernel, kind, max_threads, 0};
+}
+
+uint64_t simulated_failure_hits() {
+  std::lock_guard<std::mutex> lock(g_sim_mutex);
+  return g_sim.hits;
+}
+
+PipelineInfo executor_pipeline(const std::string& library_name, const std::string& kernel) {
+  {
+    std::lock_guard<std::mutex> lock(g_sim_mutex);
+    const bool this_library = g_sim.kind != SimulatedFailure::kNone && g_sim.library == library_name;
+    if (this_library && g_sim.kind == SimulatedFailure::kLibrary) {
+      ++g_sim.hits;
+      throw BackendUnavailable(library_name, kernel, library_name + ".metal failed to compile (simulated)");
+    }
+    if (this_library && g_sim.kernel == kernel) {
+      ++g_sim.hits;
+      if (g_sim.kind == SimulatedFailure::kPipeline)
+        throw BackendUnavailable(library_name, kernel, "cannot build the pipeline of " + kernel + " (simulated)");
+      return PipelineInfo{g_sim.max_threads};
+    }
+  }
+  library(library_name);
+  // The executor runs any threadgroup size Metal allows; it checks the
+  // dispatch itself (DispatchError).
+  return PipelineInfo{UINT64_MAX};
+}
+
+void executor_encode(const Launch& l) {
   auto lib = library(l.library);
   cpu_metal::Dispatch d;
   for (const auto& a : l.args) {

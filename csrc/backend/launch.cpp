@@ -12,6 +12,22 @@ const char* shader_source(const std::string& name) {
   TORCH_CHECK(false, "mps_ext: no shader library named '", name, "' was built in");
 }
 
+namespace {
+
+// Decided here rather than in a backend, so that CI runs it: a pipeline that
+// cannot run the threads the op asks for is a machine limit, not an error.
+void check_threads(const Launch& l, const PipelineInfo& p) {
+  const auto& t = l.threads_per_threadgroup;
+  const uint64_t threads = uint64_t(t[0]) * t[1] * t[2];
+  if (threads > p.max_threads_per_threadgroup)
+    throw BackendUnavailable(l.library, l.kernel,
+                             "the pipeline of kernel " + l.kernel + " runs at most " +
+                                 std::to_string(p.max_threads_per_threadgroup) +
+                                 " threads per threadgroup on this GPU; it needs " + std::to_string(threads));
+}
+
+}  // namespace
+
 void launch(const Launch& l) {
   c10::optional<c10::Device> device;
   for (const auto& a : l.args) {
@@ -21,9 +37,15 @@ void launch(const Launch& l) {
                 "two devices, ", *device, " and ", a.tensor.device(), "!");
   }
   TORCH_CHECK(device, "mps_ext: kernel ", l.kernel, " has no tensor argument");
-  if (device->is_cpu()) return executor_launch(l);
+  if (device->is_cpu()) {
+    check_threads(l, executor_pipeline(l.library, l.kernel));
+    return executor_encode(l);
+  }
 #ifdef __APPLE__
-  if (device->is_mps()) return metal_launch(l);
+  if (device->is_mps()) {
+    check_threads(l, metal_pipeline(l.library, l.kernel));
+    return metal_encode(l);
+  }
 #endif
   TORCH_CHECK(false, "mps_ext: kernels run on MPS tensors, or on CPU tensors through the CPU Metal executor; got ",
               *device);

@@ -9,6 +9,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -39,11 +40,41 @@ struct Launch {
   std::vector<uint32_t> threadgroup_memory;  // bytes of [[threadgroup(i)]]
 };
 
+// The kernel cannot run here, for a reason of the machine rather than of the
+// inputs: its library or pipeline failed to build, or the pipeline cannot
+// run the threads the launch asks. Never reaches the user: route()
+// (ops/registry.h) sends the call to the stock kernel and turns the family
+// off on that device, with one warning naming `cause`.
+struct BackendUnavailable : std::runtime_error {
+  BackendUnavailable(std::string library_, std::string kernel_, std::string cause_)
+      : std::runtime_error(cause_), library(std::move(library_)), kernel(std::move(kernel_)),
+        cause(std::move(cause_)) {}
+  std::string library, kernel, cause;
+};
+
+// What a backend reports of a kernel's pipeline once it is built.
+struct PipelineInfo {
+  uint64_t max_threads_per_threadgroup;
+};
+
 // Runs the launch on the device its tensors live on (all must agree).
+// Throws BackendUnavailable as described above.
 void launch(const Launch& launch);
 
-// Backends. metal_launch exists on macOS only (metal.mm).
-void executor_launch(const Launch& launch);
-void metal_launch(const Launch& launch);
+// Backends. Each builds a kernel's pipeline once (pipeline(), which throws
+// BackendUnavailable if it cannot) and encodes launches of it (encode()).
+// The metal_* functions exist on macOS only (metal.mm).
+PipelineInfo executor_pipeline(const std::string& library, const std::string& kernel);
+void executor_encode(const Launch& launch);
+PipelineInfo metal_pipeline(const std::string& library, const std::string& kernel);
+void metal_encode(const Launch& launch);
+
+// Test hook: the executor backend fails the way a Mac can (see
+// executor.cpp), so that the fallback path runs in CI.
+enum class SimulatedFailure { kNone, kLibrary, kPipeline, kMaxThreads };
+void simulate_executor_failure(const std::string& library, const std::string& kernel, SimulatedFailure kind,
+                               uint64_t max_threads);
+// How often a simulated failure was hit since it was set.
+uint64_t simulated_failure_hits();
 
 }  // namespace mps_ext

@@ -1,14 +1,20 @@
 // The Metal backend (macOS): runs a Launch on MPS tensors, on PyTorch's own
 // MPS stream. Kept thin on purpose: everything decided per call lives in the
-// op layer, which CI runs through the CPU Metal executor; this file is only
-// compile-checked on Linux (tests/test_mac_host_code.py).
+// op layer and launch.cpp, which CI runs through the CPU Metal executor; this
+// file is only compile-checked on Linux (tests/test_mac_host_code.py).
 //
 // - The embedded shader source is compiled once per library at run time
 //   (newLibraryWithSource: no Xcode needed on the user's Mac) and each
 //   pipeline state is cached by kernel name. Nothing depends on shapes.
+// - A library or pipeline that does not build is reported as
+//   BackendUnavailable, never as an error: launch.cpp and route() decide what
+//   happens (the stock kernel, one warning). A failed build is remembered, so
+//   it is not retried.
 // - Encoding shares PyTorch's compute encoder on the current MPS stream,
 //   inside dispatch_sync on the stream's queue, and never commits or waits:
 //   PyTorch commits when it needs the results.
+// - Every build and every encode runs in an @autoreleasepool, as PyTorch's
+//   own do: the Objective-C objects they create are released there.
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
 
@@ -22,75 +28,118 @@
 
 #include "backend/launch.h"
 #include "backend/shaders.h"
+#include "backend/torch_compat.h"
 
 namespace mps_ext {
 namespace {
 
-id<MTLLibrary> compile_library(id<MTLDevice> device, const std::string& name) {
-  MTLCompileOptions* options = [MTLCompileOptions new];
-  options.languageVersion = MTLLanguageVersion3_1;  // bfloat; macOS 14 and later
-  // IEEE semantics for inf and NaN, as torch's CPU results have them.
-  options.fastMathEnabled = NO;
-  NSError* error = nil;
-  id<MTLLibrary> library = [device newLibraryWithSource:[NSString stringWithUTF8String:shader_source(name)]
-                                                options:options
-                                                  error:&error];
-  TORCH_CHECK(library != nil, "mps_ext: compiling ", name, ".metal failed: ",
-              error ? error.localizedDescription.UTF8String : "unknown error");
-  return library;
+std::string describe(NSError* error) {
+  return error ? std::string(error.localizedDescription.UTF8String) : std::string("no error description");
 }
 
-id<MTLComputePipelineState> pipeline(const std::string& library_name, const std::string& kernel) {
-  static std::mutex mutex;
-  static std::map<std::string, id<MTLLibrary>> libraries;
-  static std::map<std::string, id<MTLComputePipelineState>> pipelines;
-  std::lock_guard<std::mutex> lock(mutex);
-  const std::string key = library_name + "/" + kernel;
-  auto found = pipelines.find(key);
-  if (found != pipelines.end()) return found->second;
+std::mutex g_mutex;
+// Per library: the compiled library, or why it did not compile.
+std::map<std::string, id<MTLLibrary>> g_libraries;
+std::map<std::string, std::string> g_library_errors;
+// Per "library/kernel": the pipeline, or why it did not build.
+std::map<std::string, id<MTLComputePipelineState>> g_pipelines;
+std::map<std::string, std::string> g_pipeline_errors;
 
-  id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
-  id<MTLLibrary> library = libraries[library_name];
-  if (library == nil) {
-    library = compile_library(device, library_name);
-    libraries[library_name] = library;
+// The library, or nil with `error` set. Called with g_mutex held.
+id<MTLLibrary> library(id<MTLDevice> device, const std::string& name, std::string& error) {
+  auto found = g_libraries.find(name);
+  if (found != g_libraries.end()) return found->second;
+  auto failed = g_library_errors.find(name);
+  if (failed == g_library_errors.end()) {
+    @autoreleasepool {
+      MTLCompileOptions* options = [MTLCompileOptions new];
+      options.languageVersion = MTLLanguageVersion3_1;  // bfloat; macOS 14 and later
+      // IEEE semantics for inf and NaN, as torch's CPU results have them.
+      options.fastMathEnabled = NO;
+      NSError* ns_error = nil;
+      id<MTLLibrary> lib = [device newLibraryWithSource:[NSString stringWithUTF8String:shader_source(name)]
+                                                options:options
+                                                  error:&ns_error];
+      if (lib != nil) {
+        g_libraries[name] = lib;
+        return lib;
+      }
+      g_library_errors[name] = name + ".metal failed to compile: " + describe(ns_error);
+    }
+    failed = g_library_errors.find(name);
   }
-  id<MTLFunction> function = [library newFunctionWithName:[NSString stringWithUTF8String:kernel.c_str()]];
-  TORCH_CHECK(function != nil, "mps_ext: ", library_name, ".metal has no kernel ", kernel);
-  NSError* error = nil;
-  id<MTLComputePipelineState> state = [device newComputePipelineStateWithFunction:function error:&error];
-  TORCH_CHECK(state != nil, "mps_ext: cannot build the pipeline of ", kernel, ": ",
-              error ? error.localizedDescription.UTF8String : "unknown error");
-  pipelines[key] = state;
-  return state;
+  error = failed->second;
+  return nil;
 }
 
 }  // namespace
 
-void metal_launch(const Launch& l) {
-  id<MTLComputePipelineState> state = pipeline(l.library, l.kernel);
-  const auto& t = l.threads_per_threadgroup;
-  const NSUInteger threads = NSUInteger(t[0]) * t[1] * t[2];
-  TORCH_CHECK(threads <= state.maxTotalThreadsPerThreadgroup, "mps_ext: kernel ", l.kernel, " runs at most ",
-              state.maxTotalThreadsPerThreadgroup, " threads per threadgroup on this GPU, ", threads, " asked");
-  at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
-  at::mps::dispatch_sync_with_rethrow(stream->queue(), ^() {
-    id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
-    [encoder setComputePipelineState:state];
-    for (NSUInteger i = 0; i < l.args.size(); ++i) {
-      const KernelArg& a = l.args[i];
-      if (a.tensor.defined()) {
-        // An MPS tensor's storage pointer is its MTLBuffer.
-        id<MTLBuffer> buffer = (__bridge id<MTLBuffer>)const_cast<void*>(a.tensor.storage().data());
-        [encoder setBuffer:buffer offset:NSUInteger(a.tensor.storage_offset()) * a.tensor.itemsize() atIndex:i];
-      } else {
-        [encoder setBytes:a.bytes.data() length:a.bytes.size() atIndex:i];
+PipelineInfo metal_pipeline(const std::string& library_name, const std::string& kernel) {
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const std::string key = library_name + "/" + kernel;
+    auto found = g_pipelines.find(key);
+    if (found != g_pipelines.end()) return PipelineInfo{found->second.maxTotalThreadsPerThreadgroup};
+    auto failed = g_pipeline_errors.find(key);
+    if (failed != g_pipeline_errors.end()) {
+      error = failed->second;
+    } else {
+      id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
+      id<MTLLibrary> lib = library(device, library_name, error);
+      if (lib != nil) {
+        @autoreleasepool {
+          id<MTLFunction> function = [lib newFunctionWithName:[NSString stringWithUTF8String:kernel.c_str()]];
+          if (function == nil) {
+            error = library_name + ".metal has no kernel " + kernel;
+          } else {
+            NSError* ns_error = nil;
+            id<MTLComputePipelineState> state = [device newComputePipelineStateWithFunction:function
+                                                                                       error:&ns_error];
+            if (state != nil) {
+              g_pipelines[key] = state;
+              return PipelineInfo{state.maxTotalThreadsPerThreadgroup};
+            }
+            error = "cannot build the pipeline of " + kernel + ": " + describe(ns_error);
+          }
+        }
+        g_pipeline_errors[key] = error;
       }
     }
-    for (NSUInteger i = 0; i < l.threadgroup_memory.size(); ++i)
-      [encoder setThreadgroupMemoryLength:l.threadgroup_memory[i] atIndex:i];
-    [encoder dispatchThreadgroups:MTLSizeMake(l.threadgroups[0], l.threadgroups[1], l.threadgroups[2])
-            threadsPerThreadgroup:MTLSizeMake(t[0], t[1], t[2])];
+  }
+  // Thrown outside the autorelease pools and the lock.
+  throw BackendUnavailable(library_name, kernel, error);
+}
+
+void metal_encode(const Launch& l) {
+  id<MTLComputePipelineState> state;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto found = g_pipelines.find(l.library + "/" + l.kernel);
+    TORCH_CHECK(found != g_pipelines.end(), "mps_ext: no pipeline built for ", l.kernel);
+    state = found->second;
+  }
+  const auto& t = l.threads_per_threadgroup;
+  at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
+  compat::dispatch_sync_with_rethrow(stream->queue(), ^() {
+    @autoreleasepool {
+      id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
+      [encoder setComputePipelineState:state];
+      for (NSUInteger i = 0; i < l.args.size(); ++i) {
+        const KernelArg& a = l.args[i];
+        if (a.tensor.defined()) {
+          // An MPS tensor's storage pointer is its MTLBuffer.
+          id<MTLBuffer> buffer = (__bridge id<MTLBuffer>)const_cast<void*>(a.tensor.storage().data());
+          [encoder setBuffer:buffer offset:NSUInteger(a.tensor.storage_offset()) * a.tensor.itemsize() atIndex:i];
+        } else {
+          [encoder setBytes:a.bytes.data() length:a.bytes.size() atIndex:i];
+        }
+      }
+      for (NSUInteger i = 0; i < l.threadgroup_memory.size(); ++i)
+        [encoder setThreadgroupMemoryLength:l.threadgroup_memory[i] atIndex:i];
+      [encoder dispatchThreadgroups:MTLSizeMake(l.threadgroups[0], l.threadgroups[1], l.threadgroups[2])
+              threadsPerThreadgroup:MTLSizeMake(t[0], t[1], t[2])];
+    }
   });
 }
 

@@ -2,18 +2,38 @@
 // mx_abi.h for what a shader library provides and calls.
 //
 // Execution model
-// - Threadgroups are spread over a pool of CPU threads ("workers").
+// - Threadgroups are spread over a pool of CPU threads ("workers"), started in
+//   a seeded random order (a permutation of the grid, computed, not stored).
 // - The threads of one threadgroup ("lanes") run as fibers on one worker, in
-//   a seeded random order, each until it finishes or blocks at a barrier or a
-//   simd operation. A lane gets a stack only when it first runs, and a lane
-//   that finishes hands its stack to the next one, so kernels without
-//   barriers need one stack per worker.
-// - When every lane is blocked or done, simd operations are completed first:
-//   per simdgroup, the waiting lanes with the earliest call site in the
-//   source form the active set (lanes elsewhere in divergent code are
-//   inactive, as on a GPU, and join at a later site). Then, if all lanes that
-//   have not finished wait at the same threadgroup barrier, it opens;
-//   anything else is a BarrierDivergenceError.
+//   a seeded random order, each until it finishes, blocks at a barrier or a
+//   simd operation, or yields at an atomic operation (so that a lane spinning
+//   on an atomic lets the others run). A lane gets a stack only when it
+//   first runs, and a lane that finishes hands its stack to the next one, so
+//   kernels without barriers need one stack per worker. Stacks are as large
+//   as the kernel's thread-private memory needs (mx_library_frames).
+// - Every lane has a SIMT position: the stack of calls and loop iterations
+//   that brought it where it is (the instrumenter reports calls and loop
+//   headers that lead to simd operations and barriers; see _instrument.py).
+//   Positions compare lexicographically, in control-flow order within a
+//   function, then by iteration. When every lane is blocked or done, per
+//   simdgroup the lanes at the smallest position form the active set and
+//   their simd operation completes, as a GPU runs the lanes on one path
+//   together and reconverges them after an if, a loop or a call. A
+//   threadgroup barrier opens when every lane that has not finished waits
+//   at it at the same position (same call path, same iterations); anything
+//   else is a BarrierDivergenceError.
+// - A watchdog: a threadgroup in which no lane finishes and no barrier opens
+//   for MPS_EXT_EXECUTOR_WATCHDOG_SECONDS (default 60) is an error naming the
+//   kernel (a spin-wait that never ends, or one that waits for another
+//   threadgroup, which Metal does not promise to run at the same time).
+// - Floating point as on Apple GPUs: fp32 (and so bfloat) denormals are
+//   flushed to zero, on input and output, while a threadgroup runs (MXCSR
+//   FTZ|DAZ on x86-64, FPCR.FZ on arm64); half keeps its denormals (they are
+//   normal numbers in float). Evidence: on MPS `nextafter(0, 1) > 0` is false
+//   in fp32 (pytorch/pytorch#125051); MLX reduces fp32 and bfloat16 denormals
+//   as zeros on Metal even with -fno-fast-math, while float16 is unaffected
+//   (ml-explore/mlx#4205). MPS_EXT_EXECUTOR_DENORMALS=keep keeps them, for
+//   debugging.
 //
 // Checks, on every instrumented access (mx_abi.h, _instrument.py)
 // - Device buffers are copied into slots of a reserved address range, 64 GiB
@@ -24,6 +44,15 @@
 //   threadgroup. A shadow byte map finds two lanes touching the same byte
 //   between barriers, one of them writing (RaceError).
 // - An access less aligned than its type needs is a MisalignedAccessError.
+// - A read of device memory that another threadgroup of the same dispatch
+//   wrote is a RaceError unless the writer made it visible: a device fence
+//   (threadgroup_barrier(mem_flags::mem_device) or atomic_thread_fence)
+//   after the write, then a device atomic that writes, and after that (in
+//   the order the executor ran them) a device atomic of the reader's
+//   threadgroup. Metal gives device memory only threadgroup coherence
+//   otherwise, so a GPU may return stale data. A shadow of 4 bytes per byte
+//   records the writing threadgroup of each byte of a writable buffer copy
+//   (isolated mode, buffers up to kShadowLimit).
 #include "engine.h"
 
 #include <dlfcn.h>
@@ -31,6 +60,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <atomic>
@@ -40,6 +70,7 @@
 #include <random>
 #include <sstream>
 #include <thread>
+#include <unordered_map>
 
 #include "fiber.h"
 
@@ -59,13 +90,58 @@ size_t page_size() {
   return p;
 }
 
-size_t stack_size() {
+// The smallest fiber stack: engine code (error messages) and the spills of
+// optimised shader code run on it too.
+size_t min_stack_size() {
   static size_t s = [] {
     const char* e = getenv("MPS_EXT_EXECUTOR_STACK_KB");
     size_t kb = e ? static_cast<size_t>(atol(e)) : 256;
     return std::max<size_t>(kb, 64) * 1024;
   }();
   return s;
+}
+constexpr uint64_t kStackMargin = 128 * 1024;
+constexpr uint64_t kMaxThreadPrivate = 64ull << 20;  // per thread: beyond this, an error
+constexpr uint64_t kShadowLimit = 256ull << 20;      // buffers larger than this: no visibility check
+
+double watchdog_seconds() {
+  const char* e = getenv("MPS_EXT_EXECUTOR_WATCHDOG_SECONDS");
+  double s = e ? atof(e) : 60.0;
+  return s > 0 ? s : 60.0;
+}
+
+bool flush_denormals() {
+  const char* e = getenv("MPS_EXT_EXECUTOR_DENORMALS");
+  return !(e && std::string(e) == "keep");
+}
+
+// The floating-point control register, with fp32 denormals flushed or not.
+struct FpControl {
+#if defined(__x86_64__)
+  uint32_t saved = 0;
+  explicit FpControl(bool flush) {
+    asm volatile("stmxcsr %0" : "=m"(saved));
+    uint32_t csr = flush ? (saved | 0x8040u) : (saved & ~0x8040u);  // FTZ (bit 15), DAZ (bit 6)
+    asm volatile("ldmxcsr %0" : : "m"(csr));
+  }
+  ~FpControl() { asm volatile("ldmxcsr %0" : : "m"(saved)); }
+#else
+  uint64_t saved = 0;
+  explicit FpControl(bool flush) {
+    asm volatile("mrs %0, fpcr" : "=r"(saved));
+    uint64_t fpcr = flush ? (saved | (1ull << 24)) : (saved & ~(1ull << 24));  // FZ; FZ16 (bit 19) stays off
+    asm volatile("msr fpcr, %0" : : "r"(fpcr));
+  }
+  ~FpControl() { asm volatile("msr fpcr, %0" : : "r"(saved)); }
+#endif
+  FpControl(const FpControl&) = delete;
+  FpControl& operator=(const FpControl&) = delete;
+};
+
+uint64_t now_ns() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
 }
 
 std::string size3(const Size3& s) {
@@ -80,6 +156,41 @@ uint64_t splitmix(uint64_t x) {
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
 }
+
+// A seeded random permutation of [0, n) without a table: a 4-round Feistel
+// network on the smallest even number of bits that covers n, walked until
+// it lands inside [0, n) (fewer than 4 steps on average).
+class Permutation {
+ public:
+  Permutation(uint64_t n, uint64_t seed) : n_(n) {
+    int bits = 0;
+    while (bits < 64 && (uint64_t(1) << bits) < n) ++bits;
+    half_ = std::max(1, (bits + 1) / 2);
+    mask_ = (uint64_t(1) << half_) - 1;
+    for (int r = 0; r < 4; ++r) keys_[r] = splitmix(seed * 4 + r + 0x5eed);
+  }
+  uint64_t operator()(uint64_t i) const {
+    do i = round_trip(i);
+    while (i >= n_);
+    return i;
+  }
+
+ private:
+  uint64_t round_trip(uint64_t x) const {
+    uint64_t l = x >> half_, r = x & mask_;
+    for (int k = 0; k < 4; ++k) {
+      uint64_t f = splitmix(r ^ keys_[k]) & mask_;
+      uint64_t nl = r;
+      r = l ^ f;
+      l = nl;
+    }
+    return (l << half_) | r;
+  }
+  uint64_t n_;
+  int half_;
+  uint64_t mask_;
+  uint64_t keys_[4];
+};
 
 // ------------------------------------------------------------------ slots --
 // One reserved range holds the isolated copies of all buffers of a dispatch.
@@ -108,6 +219,7 @@ struct Bound {
   char* begin = nullptr;  // address the kernel gets
   uint64_t size = 0;
   bool from_bytes = false;
+  bool writable = false;  // memory, and the parameter is not read-only
   std::string name;       // the kernel parameter's name
 };
 
@@ -139,6 +251,18 @@ struct Counters {
   }
 };
 
+// The writing threadgroup of each byte of a buffer copy (isolated mode), for
+// the check of reads across threadgroups: tag << 4 | min(releases, 15), where
+// tag identifies the threadgroup and `releases` is how many times it had
+// made its writes visible before this write (see Worker::device_access).
+struct Shadow32 {
+  char* at = nullptr;  // the copy
+  uint64_t size = 0;
+  uint32_t* tags = nullptr;
+  std::atomic<bool> written{false};
+};
+constexpr uint32_t kTagLimit = (1u << 28) - 1;
+
 struct DispatchState {
   const Library* library = nullptr;
   const mx_kernel* kernel = nullptr;
@@ -151,6 +275,20 @@ struct DispatchState {
   Size3 groups{}, tpt{}, grid{};
   uint64_t group_count = 0;
   bool isolated = true;
+  uintptr_t slot_base = 0;  // isolated: the reserved range of buffer copies
+  uint64_t slot_span = 0;
+  size_t stack_bytes = 0;
+  bool flush_denormals = true;
+  uint64_t watchdog_ns = 0;
+  std::unique_ptr<Permutation> order;
+
+  // Cross-threadgroup visibility (isolated mode).
+  Shadow32 shadows[MX_MAX_BUFFERS + 1];
+  std::atomic<uint64_t> atomic_seq{0};  // device atomics, in the order they ran
+  std::mutex release_mutex;
+  // threadgroup tag -> atomic_seq of its 1st, 2nd, ... release (a device
+  // atomic write after a device fence that followed device writes)
+  std::unordered_map<uint32_t, std::vector<uint64_t>> releases;
 
   std::atomic<uint64_t> next_group{0};
   std::atomic<bool> failed{false};
@@ -172,20 +310,59 @@ struct DispatchState {
 // ----------------------------------------------------------------- lanes --
 enum class LaneState : uint8_t { kUnstarted, kRunnable, kRunning, kBarrier, kSimd, kDone };
 
+// One level of a lane's SIMT position: a call (by the shader, of a function
+// that reaches a simd operation or barrier) or an iteration of a loop that
+// contains such a call. `key` orders the calls and loops of one function.
+struct Frame {
+  uint32_t key;
+  uint32_t iteration;  // loops
+  uint32_t site;       // index into the library's site table
+  uint32_t saved_base : 31;  // calls: the caller's base
+  uint32_t loop : 1;
+};
+constexpr uint32_t kMaxFrames = 48;
+
 struct Lane {
   mx_thread_info info;
   uint32_t index = 0;  // thread_index_in_threadgroup
   LaneState state = LaneState::kUnstarted;
   void* sp = nullptr;
   int stack = -1;
-  uint32_t site = 0;
   uint32_t flags = 0;  // barrier: mem flags; simd: MX_SIMD_*
   bool simd_barrier = false;
   mx_simd_fn fn = nullptr;
   const void* in = nullptr;
   void* out = nullptr;
   int64_t arg = 0;
+  // The SIMT position: frames[0, depth); the current function's loop frames
+  // start at `base`.
+  uint32_t depth = 0, base = 0;
+  Frame frames[kMaxFrames];
+
+  void reset() {
+    state = LaneState::kUnstarted;
+    sp = nullptr;
+    stack = -1;
+    flags = 0;
+    simd_barrier = false;
+    fn = nullptr;
+    in = nullptr;
+    out = nullptr;
+    arg = 0;
+    depth = base = 0;
+  }
 };
+
+// -1, 0, 1 as a's position comes before, equals or follows b's.
+int compare_positions(const Lane& a, const Lane& b) {
+  uint32_t n = std::min(a.depth, b.depth);
+  for (uint32_t i = 0; i < n; ++i) {
+    const Frame &x = a.frames[i], &y = b.frames[i];
+    if (x.key != y.key) return x.key < y.key ? -1 : 1;
+    if (x.iteration != y.iteration) return x.iteration < y.iteration ? -1 : 1;
+  }
+  return a.depth < b.depth ? -1 : a.depth > b.depth ? 1 : 0;
+}
 
 // Shadow state of one byte of threadgroup memory, for race detection.
 struct Shadow {
@@ -199,11 +376,6 @@ struct Shadow {
 };
 constexpr uint16_t kMany = 0xffff;
 
-std::string where(uint32_t site_line_col) {
-  std::ostringstream o;
-  o << "line " << (site_line_col >> 12) << ", column " << (site_line_col & 4095);
-  return o.str();
-}
 
 struct Worker {
   DispatchState* ds = nullptr;
@@ -211,7 +383,9 @@ struct Worker {
   uint32_t lane_count = 0;
   uint32_t simdgroup_count = 0;
   std::vector<uint32_t> runq;
+  std::vector<uint32_t> yieldq;  // lanes that yielded at an atomic
   std::vector<FiberStack> stacks;
+  size_t stack_bytes = 0;  // of every stack in `stacks`
   std::vector<int> free_stacks;
   void* scheduler_sp = nullptr;
   Lane* current = nullptr;
@@ -219,6 +393,19 @@ struct Worker {
   std::mt19937_64 rng;
   Counters counters;
   mx_uint3 group_pos{};
+  uint64_t group_linear = 0;
+
+  // watchdog
+  uint64_t last_progress = 0;  // ns: a lane finished or a barrier opened
+  uint32_t access_ticks = 0, loop_ticks = 0, yield_ticks = 0;
+
+  // this threadgroup's device writes, for the cross-threadgroup check
+  uint32_t tag = 0;         // identifies the threadgroup in the shadow
+  bool dirty = false;       // device writes since the last device fence
+  bool pending = false;     // fenced writes not yet released by a device atomic
+  uint32_t releases = 0;
+  uint64_t acquired = 0;    // atomic_seq of this threadgroup's latest device atomic
+  uint32_t verified = 0;    // the last shadow value found visible
 
   // threadgroup memory
   char* arena = nullptr;
@@ -244,7 +431,7 @@ struct Worker {
 
   int take_stack() {
     if (free_stacks.empty()) {
-      stacks.push_back(FiberStack::allocate(stack_size()));
+      stacks.push_back(FiberStack::allocate(stack_bytes));
       return static_cast<int>(stacks.size()) - 1;
     }
     int s = free_stacks.back();
@@ -324,21 +511,25 @@ struct Worker {
   void check_threadgroup_access(uint64_t off, uint64_t size, uint32_t flags) {
     uint8_t id = region[off];
     uint64_t last = off + (size ? size - 1 : 0);
-    if (id == 0 || last >= kArenaSize || region[last] != id) {
-      uint8_t near = id ? id : (off >= 1 && region[off - 1] ? region[off - 1] : (last + 1 < kArenaSize ? region[last + 1] : 0));
-      std::ostringstream o;
-      o << "out-of-bounds " << ((flags & MX_ACC_WRITE) ? "write" : "read") << " of " << size
-        << " bytes of threadgroup memory";
-      if (near) o << " next to " << region_names[near - 1];
-      o << " by " << thread_name(*current) << " in kernel '" << ds->kernel->name << "'" << at_site(flags);
-      fail(ErrorKind::kBounds, o.str());
-    }
+    if (id == 0 || last >= kArenaSize || region[last] != id) threadgroup_out_of_bounds(off, size, flags);
     if (flags & MX_ACC_WRITE) counters.tg_written += size; else counters.tg_read += size;
     if (flags & MX_ACC_ATOMIC) return;
     check_races(off, size, flags);
   }
 
-  void check_races(uint64_t off, uint64_t size, uint32_t flags) {
+  [[noreturn, gnu::noinline, gnu::cold]] void threadgroup_out_of_bounds(uint64_t off, uint64_t size, uint32_t flags) {
+    uint8_t id = region[off];
+    uint64_t last = off + (size ? size - 1 : 0);
+    uint8_t near = id ? id : (off >= 1 && region[off - 1] ? region[off - 1] : (last + 1 < kArenaSize ? region[last + 1] : 0));
+    std::ostringstream o;
+    o << "out-of-bounds " << ((flags & MX_ACC_WRITE) ? "write" : "read") << " of " << size
+      << " bytes of threadgroup memory";
+    if (near) o << " next to " << region_names[near - 1];
+    o << " by " << thread_name(*current) << " in kernel '" << ds->kernel->name << "'" << at_site(flags);
+    fail(ErrorKind::kBounds, o.str());
+  }
+
+  [[gnu::noinline]] void check_races(uint64_t off, uint64_t size, uint32_t flags) {
     const Lane& l = *current;
     uint16_t me = static_cast<uint16_t>(l.index + 1);
     uint16_t sg = static_cast<uint16_t>(l.index / 32);
@@ -381,19 +572,22 @@ struct Worker {
           s.reader_sg_epoch = std::max(s.reader_sg_epoch, sgep);
         }
       }
-      if (conflict) {
-        uint8_t id = region[b];
-        std::ostringstream o;
-        o << "data race on threadgroup memory in kernel '" << ds->kernel->name << "': ";
-        if (conflict == kMany) o << "several threads";
-        else o << "thread " << (conflict - 1);
-        o << " " << what << " byte " << (b - off) << " of " << (id ? region_names[id - 1] : "threadgroup memory")
-          << " and thread " << l.index << " " << ((flags & MX_ACC_WRITE) ? "writes" : "reads")
-          << " it" << at_site(flags) << " with no threadgroup_barrier(mem_flags::mem_threadgroup) between them"
-          << " (threadgroup " << size3({group_pos.x, group_pos.y, group_pos.z}) << ")";
-        fail(ErrorKind::kRace, o.str());
-      }
+      if (conflict) race(off, b, conflict, what, flags);
     }
+  }
+
+  [[noreturn, gnu::noinline, gnu::cold]] void race(uint64_t off, uint64_t b, uint16_t conflict, const char* what,
+                                                   uint32_t flags) {
+    uint8_t id = region[b];
+    std::ostringstream o;
+    o << "data race on threadgroup memory in kernel '" << ds->kernel->name << "': ";
+    if (conflict == kMany) o << "several threads";
+    else o << "thread " << (conflict - 1);
+    o << " " << what << " byte " << (b - off) << " of " << (id ? region_names[id - 1] : "threadgroup memory")
+      << " and thread " << current->index << " " << ((flags & MX_ACC_WRITE) ? "writes" : "reads")
+      << " it" << at_site(flags) << " with no threadgroup_barrier(mem_flags::mem_threadgroup) between them"
+      << " (threadgroup " << size3({group_pos.x, group_pos.y, group_pos.z}) << ")";
+    fail(ErrorKind::kRace, o.str());
   }
 
   // ------------------------------------------------------- device memory --
@@ -426,7 +620,7 @@ struct Worker {
       return false;
     };
     if (d.isolated) {
-      uint64_t slot = (a - reinterpret_cast<uintptr_t>(slot_region().base)) >> kSlotShift;
+      uint64_t slot = (a - d.slot_base) >> kSlotShift;
       if (slot < d.slot_members.size())
         for (int m : d.slot_members[slot])
           if (consider(d.bound[m])) return &d.bound[m];
@@ -441,48 +635,38 @@ struct Worker {
     return nullptr;
   }
 
+  // Every instrumented access. The common case stays short: error messages
+  // and the rarer work are in functions of their own.
   void access(uintptr_t a, uint64_t size, uint32_t flags) {
     uint64_t align = uint64_t(1) << ((flags >> MX_ACC_ALIGN_SHIFT) & 15);
+    if (__builtin_expect(++access_ticks == 1u << 16, 0)) {
+      access_ticks = 0;
+      watchdog();
+    }
     uint64_t toff = a - reinterpret_cast<uintptr_t>(arena);
     if (toff < kArenaSize) {
       if (a & (align - 1)) misaligned(a, size, flags, "threadgroup memory", toff);
       check_threadgroup_access(toff, size, flags);
+      if (flags & MX_ACC_ATOMIC) yield(flags);
       return;
     }
     DispatchState& d = *ds;
     if (d.isolated) {
-      SlotRegion& r = slot_region();
-      if (a - reinterpret_cast<uintptr_t>(r.base) >= r.span) return;  // thread-private memory
+      if (a - d.slot_base >= d.slot_span) return;  // thread-private memory
     } else if (is_engine_memory(a)) {
       return;  // the lane's stack, its mx_thread_info, the buffer table
     }
     const Bound* nearest = nullptr;
     const Bound* b = find_bound(a, size, &nearest);
     if (!b) {
-      if (!nearest) {
-        if (!d.isolated) return;  // thread-private memory
-        std::ostringstream o;
-        o << "access to device memory outside every bound buffer in kernel '" << d.kernel->name << "' by "
-          << thread_name(*current) << at_site(flags);
-        fail(ErrorKind::kBounds, o.str());
-      }
-      std::ostringstream o;
-      int64_t off = static_cast<int64_t>(a - reinterpret_cast<uintptr_t>(nearest->begin));
-      o << "out-of-bounds " << ((flags & MX_ACC_WRITE) ? "write" : "read") << " of " << size << " bytes at byte offset "
-        << off << " of buffer " << nearest->index << " ('" << nearest->name << "', " << nearest->size
-        << " bytes bound) in kernel '" << d.kernel->name << "' by " << thread_name(*current) << at_site(flags);
-      fail(ErrorKind::kBounds, o.str());
+      if (!nearest && !d.isolated) return;  // thread-private memory
+      out_of_bounds(a, size, flags, nearest);
     }
     if (a & (align - 1)) misaligned(a, size, flags, b->name.c_str(), a - reinterpret_cast<uintptr_t>(b->begin));
     int i = b->index;
     int w = std::min(63 - __builtin_clzll(size ? size : 1), 7);
     if (flags & MX_ACC_WRITE) {
-      if (b->from_bytes) {
-        std::ostringstream o;
-        o << "kernel '" << d.kernel->name << "' writes buffer " << i << " ('" << b->name
-          << "'), which was bound from bytes (constant data)" << at_site(flags);
-        fail(ErrorKind::kOther, o.str());
-      }
+      if (b->from_bytes) write_to_constant(*b, flags);
       counters.written[i] += size;
       counters.write_width[i][w]++;
     }
@@ -490,9 +674,98 @@ struct Worker {
       counters.read[i] += size;
       counters.read_width[i][w]++;
     }
+    if (d.isolated && ((flags & MX_ACC_ATOMIC) || d.shadows[(a - d.slot_base) >> kSlotShift].tags))
+      device_visibility(*b, a, size, flags);
+    if (flags & MX_ACC_ATOMIC) yield(flags);
   }
 
-  [[noreturn]] void misaligned(uintptr_t a, uint64_t size, uint32_t flags, const std::string& what, uint64_t off) {
+  [[noreturn, gnu::noinline, gnu::cold]] void out_of_bounds(uintptr_t a, uint64_t size, uint32_t flags,
+                                                              const Bound* nearest) {
+    std::ostringstream o;
+    if (!nearest) {
+      o << "access to device memory outside every bound buffer in kernel '" << ds->kernel->name << "' by "
+        << thread_name(*current) << at_site(flags);
+      fail(ErrorKind::kBounds, o.str());
+    }
+    int64_t off = static_cast<int64_t>(a - reinterpret_cast<uintptr_t>(nearest->begin));
+    o << "out-of-bounds " << ((flags & MX_ACC_WRITE) ? "write" : "read") << " of " << size << " bytes at byte offset "
+      << off << " of buffer " << nearest->index << " ('" << nearest->name << "', " << nearest->size
+      << " bytes bound) in kernel '" << ds->kernel->name << "' by " << thread_name(*current) << at_site(flags);
+    fail(ErrorKind::kBounds, o.str());
+  }
+
+  [[noreturn, gnu::noinline, gnu::cold]] void write_to_constant(const Bound& b, uint32_t flags) {
+    std::ostringstream o;
+    o << "kernel '" << ds->kernel->name << "' writes buffer " << b.index << " ('" << b.name
+      << "'), which was bound from bytes (constant data)" << at_site(flags);
+    fail(ErrorKind::kOther, o.str());
+  }
+
+  // ------------------------------------------ device memory across groups --
+  void device_fence() {
+    if (dirty) pending = true;
+    dirty = false;
+  }
+
+  [[gnu::noinline]] void device_visibility(const Bound& b, uintptr_t a, uint64_t size, uint32_t flags) {
+    DispatchState& d = *ds;
+    if (flags & MX_ACC_ATOMIC) {
+      uint64_t seq = d.atomic_seq.fetch_add(1) + 1;
+      if ((flags & MX_ACC_WRITE) && pending) {
+        pending = false;
+        std::lock_guard<std::mutex> g(d.release_mutex);
+        d.releases[tag].push_back(seq);
+        ++releases;
+      }
+      acquired = seq;
+      return;
+    }
+    Shadow32& sh = d.shadows[(a - d.slot_base) >> kSlotShift];
+    if (!sh.tags) return;
+    uint32_t* t = sh.tags + (a - reinterpret_cast<uintptr_t>(sh.at));
+    if (flags & MX_ACC_WRITE) {
+      uint32_t v = (tag << 4) | std::min<uint32_t>(releases, 15);
+      for (uint64_t k = 0; k < size; ++k) __atomic_store_n(&t[k], v, __ATOMIC_RELAXED);
+      if (!sh.written.load(std::memory_order_relaxed)) sh.written.store(true, std::memory_order_relaxed);
+      dirty = true;
+      return;
+    }
+    if (!sh.written.load(std::memory_order_relaxed)) return;
+    for (uint64_t k = 0; k < size; ++k) {
+      uint32_t v = __atomic_load_n(&t[k], __ATOMIC_RELAXED);
+      if (v == 0 || (v >> 4) == tag || v == verified) continue;
+      if (!visible(v)) stale_read(b, a + k, v, flags);
+      verified = v;
+    }
+  }
+
+  // Did the writer of shadow value v release the write before this
+  // threadgroup's latest device atomic?
+  bool visible(uint32_t v) {
+    DispatchState& d = *ds;
+    std::lock_guard<std::mutex> g(d.release_mutex);
+    auto it = d.releases.find(v >> 4);
+    if (it == d.releases.end()) return false;
+    size_t k = v & 15;  // the write came after the writer's k-th release
+    return it->second.size() > k && it->second[k] < acquired;
+  }
+
+  [[noreturn]] void stale_read(const Bound& b, uintptr_t a, uint32_t v, uint32_t flags) {
+    uint64_t w = (v >> 4) - 1;
+    Size3 wp{static_cast<uint32_t>(w % ds->groups[0]), static_cast<uint32_t>((w / ds->groups[0]) % ds->groups[1]),
+             static_cast<uint32_t>(w / (uint64_t(ds->groups[0]) * ds->groups[1]))};
+    std::ostringstream o;
+    o << "kernel '" << ds->kernel->name << "': " << thread_name(*current) << " reads byte "
+      << (a - reinterpret_cast<uintptr_t>(b.begin)) << " of buffer " << b.index << " ('" << b.name << "')"
+      << at_site(flags) << ", which threadgroup " << size3(wp)
+      << " wrote in this dispatch without making it visible. Metal keeps device memory coherent only within a "
+         "threadgroup, so a GPU may read a stale value: the writer needs a device fence after its writes "
+         "(threadgroup_barrier(mem_flags::mem_device), or atomic_thread_fence in MSL 3.2) and then a device atomic "
+         "write, and the reader a device atomic after that one";
+    fail(ErrorKind::kRace, o.str());
+  }
+
+  [[noreturn, gnu::noinline, gnu::cold]] void misaligned(uintptr_t a, uint64_t size, uint32_t flags, const std::string& what, uint64_t off) {
     std::ostringstream o;
     o << "misaligned " << ((flags & MX_ACC_WRITE) ? "write" : "read") << " of " << size << " bytes at byte offset "
       << off << " of " << what << ": the type needs " << (uint64_t(1) << ((flags >> MX_ACC_ALIGN_SHIFT) & 15))
@@ -506,9 +779,21 @@ struct Worker {
     mx_fiber_switch(&current->sp, scheduler_sp);
   }
 
-  void barrier(uint32_t scope, uint32_t mem, uint32_t site) {
+  // An atomic operation: let the other lanes run (the lane stays runnable).
+  [[gnu::noinline]] void yield(uint32_t flags) {
     Lane& l = *current;
-    l.site = site;
+    l.flags = flags;
+    if (++yield_ticks == 256) {
+      yield_ticks = 0;
+      watchdog();
+    }
+    l.state = LaneState::kRunnable;
+    yieldq.push_back(l.index);
+    mx_fiber_switch(&l.sp, scheduler_sp);
+  }
+
+  void barrier(uint32_t scope, uint32_t mem) {
+    Lane& l = *current;
     l.flags = mem;
     if (scope == MX_SCOPE_SIMDGROUP) {
       l.simd_barrier = true;
@@ -516,19 +801,78 @@ struct Worker {
       block(LaneState::kSimd);
       l.simd_barrier = false;
     } else {
+      if (mem & MX_MEM_DEVICE) device_fence();
       block(LaneState::kBarrier);
     }
   }
 
-  void simd(mx_simd_fn fn, const void* in, void* out, int64_t arg, uint32_t flags, uint32_t site) {
+  void simd(mx_simd_fn fn, const void* in, void* out, int64_t arg, uint32_t flags) {
     Lane& l = *current;
     l.fn = fn;
     l.in = in;
     l.out = out;
     l.arg = arg;
     l.flags = flags;
-    l.site = site;
     block(LaneState::kSimd);
+  }
+
+  // ----------------------------------------------------- SIMT positions --
+  [[noreturn]] void too_deep(uint32_t site) {
+    std::ostringstream o;
+    o << "kernel '" << ds->kernel->name << "': calls and loops leading to simd operations or barriers are nested "
+      << "more than " << kMaxFrames << " deep at " << site_name(site) << " (" << thread_name(*current) << ")";
+    fail(ErrorKind::kOther, o.str());
+  }
+
+  void enter(uint32_t key, uint32_t site, uint32_t depth) {
+    Lane& l = *current;
+    uint32_t n = std::min(l.base + depth, l.depth);  // drops the frames of loops already left
+    if (n >= kMaxFrames) too_deep(site);
+    l.frames[n] = Frame{key, 0, site, l.base, 0};
+    l.depth = l.base = n + 1;
+  }
+
+  void leave() {
+    Lane& l = *current;
+    if (l.base == 0) return;
+    l.depth = l.base - 1;
+    l.base = l.frames[l.depth].saved_base;
+  }
+
+  void loop(uint32_t key, uint32_t site, uint32_t depth) {
+    Lane& l = *current;
+    if (++loop_ticks == 1u << 12) {
+      loop_ticks = 0;
+      watchdog();
+    }
+    uint32_t i = l.base + depth;
+    if (i < l.depth && l.frames[i].loop && l.frames[i].key == key) {  // the next iteration
+      l.frames[i].iteration++;
+      l.depth = i + 1;
+      return;
+    }
+    i = std::min(i, l.depth);  // entering the loop
+    if (i >= kMaxFrames) too_deep(site);
+    l.frames[i] = Frame{key, 0, site, 0, 1};
+    l.depth = i + 1;
+  }
+
+  std::string site_name(uint32_t site) const {
+    std::string s = ds->library->site(site);
+    return s.empty() ? "an unknown position" : s;
+  }
+
+  // "file:line:col (iteration 2 of the loop at file:line:col)" for a blocked lane.
+  std::string position_name(const Lane& l) const {
+    if (l.depth == 0) return "an unknown position";
+    std::ostringstream o;
+    o << site_name(l.frames[l.depth - 1].site);
+    for (uint32_t i = l.depth; i-- > 0;)
+      if (l.frames[i].loop) {
+        o << " (iteration " << l.frames[i].iteration + 1 << " of the loop at " << site_name(l.frames[i].site) << ")";
+        break;
+      }
+    return o.str();
   }
 
   std::string describe_lanes(const std::vector<Lane*>& ls) {
@@ -542,35 +886,86 @@ struct Worker {
       if (shown > 1) o << ", ";
       o << "thread " << l->index;
       if (l->state == LaneState::kDone) o << " had returned";
-      else if (l->state == LaneState::kBarrier) o << " waits at a threadgroup_barrier at " << where(l->site);
-      else if (l->state == LaneState::kSimd) o << " waits at a simd operation at " << where(l->site);
+      else if (l->state == LaneState::kBarrier) o << " waits at a threadgroup_barrier at " << position_name(*l);
+      else if (l->state == LaneState::kSimd) o << " waits at a simd operation at " << position_name(*l);
+      else if (l->state == LaneState::kRunnable && l->sp)
+        o << " spins at an atomic at " << site_name(l->flags >> MX_ACC_SITE_SHIFT);
+      else o << " is running";
     }
     return o.str();
   }
 
-  // Complete the simd operations that can be completed. True if any was.
+  // ----------------------------------------------------------- watchdog --
+  void progress() { last_progress = now_ns(); }
+
+  // No lane finished and no barrier opened for too long: an error (from a
+  // lane, or from the scheduler when current is null).
+  void watchdog() {
+    if (now_ns() - last_progress <= ds->watchdog_ns) return;
+    watchdog_fires();
+  }
+  [[gnu::noinline, gnu::cold]] void watchdog_fires() {
+    std::vector<Lane*> live;
+    for (uint32_t i = 0; i < lane_count; ++i)
+      if (lanes[i].state != LaneState::kDone && lanes[i].state != LaneState::kUnstarted) live.push_back(&lanes[i]);
+    std::ostringstream o;
+    o << "kernel '" << ds->kernel->name << "' made no progress for " << ds->watchdog_ns / 1e9 << " s in threadgroup "
+      << size3({group_pos.x, group_pos.y, group_pos.z}) << ": no thread finished and no threadgroup barrier opened ("
+      << describe_lanes(live) << "). A spin-wait that never ends, or one that waits for another threadgroup, which "
+      << "Metal does not promise to run at the same time? (MPS_EXT_EXECUTOR_WATCHDOG_SECONDS sets the limit)";
+    if (current) fail(ErrorKind::kOther, o.str());
+    ds->fail(ErrorKind::kOther, o.str());
+    aborted = true;
+  }
+
+  // --------------------------------------------------------- resolution --
+  // Per simdgroup, complete the simd operation of the lanes at the smallest
+  // position, unless those wait at a threadgroup barrier. True if any was.
   bool resolve_simd() {
     bool progress = false;
     for (uint32_t g = 0; g < simdgroup_count; ++g) {
       uint32_t lo = g * 32, hi = std::min(lane_count, lo + 32);
-      uint32_t site = ~0u;
-      for (uint32_t i = lo; i < hi; ++i)
-        if (lanes[i].state == LaneState::kSimd) site = std::min(site, lanes[i].site);
-      if (site == ~0u) continue;
-      mx_simd_lane part[32] = {};
-      uint32_t mask = 0;
-      bool uniform = false, simd_barrier = false;
-      uint32_t mem = 0;
-      mx_simd_fn fn = nullptr;
+      Lane* first = nullptr;
       for (uint32_t i = lo; i < hi; ++i) {
         Lane& l = lanes[i];
-        if (l.state != LaneState::kSimd || l.site != site) continue;
+        if ((l.state == LaneState::kSimd || l.state == LaneState::kBarrier) &&
+            (!first || compare_positions(l, *first) < 0))
+          first = &l;
+      }
+      if (!first || first->state != LaneState::kSimd) continue;
+      mx_simd_lane part[32] = {};
+      uint32_t mask = 0;
+      bool uniform = false, simd_barrier = false, matrix = false;
+      uint32_t mem = 0;
+      mx_simd_fn fn = first->fn;
+      for (uint32_t i = lo; i < hi; ++i) {
+        Lane& l = lanes[i];
+        if (l.state != LaneState::kSimd || compare_positions(l, *first) != 0) continue;
+        if (l.fn != fn || l.simd_barrier != first->simd_barrier) {
+          std::ostringstream o;
+          o << "internal error: threads " << first->index << " and " << l.index << " of kernel '"
+            << ds->kernel->name << "' wait at different simd operations at the same position "
+            << position_name(l);
+          ds->fail(ErrorKind::kOther, o.str());
+          return false;
+        }
         mask |= 1u << (i - lo);
         part[i - lo] = {l.in, l.out, l.arg};
         uniform |= l.simd_barrier || (l.flags & MX_SIMD_UNIFORM);
+        matrix |= !l.simd_barrier && (l.flags & MX_SIMD_MATRIX);
         simd_barrier |= l.simd_barrier;
         if (l.simd_barrier) mem |= l.flags;
-        fn = l.fn;
+      }
+      std::string what = simd_barrier ? "simdgroup_barrier" : matrix ? "simdgroup matrix operation" : "";
+      std::string in_group = " of threadgroup " + size3({group_pos.x, group_pos.y, group_pos.z});
+      if (matrix && hi - lo < 32) {
+        std::ostringstream o;
+        o << "simdgroup matrix operation at " << position_name(*first) << " in kernel '" << ds->kernel->name
+          << "' runs in simdgroup " << g << in_group << ", which has " << (hi - lo)
+          << " threads: a simdgroup_matrix needs all 32 (threads_per_threadgroup "
+          << size3({ds->tpt[0], ds->tpt[1], ds->tpt[2]}) << " is not a multiple of 32)";
+        ds->fail(ErrorKind::kDivergence, o.str());
+        return false;
       }
       uint32_t full = hi - lo == 32 ? ~0u : ((1u << (hi - lo)) - 1);
       if (uniform && mask != full) {
@@ -578,11 +973,9 @@ struct Worker {
         for (uint32_t i = lo; i < hi; ++i)
           if (!((mask >> (i - lo)) & 1)) missing.push_back(&lanes[i]);
         std::ostringstream o;
-        o << (simd_barrier ? "simdgroup_barrier" : "simdgroup matrix operation") << " at " << where(site)
-          << " in kernel '" << ds->kernel->name << "' is reached by " << __builtin_popcount(mask) << " of the "
-          << (hi - lo) << " threads of simdgroup " << g << " of threadgroup "
-          << size3({group_pos.x, group_pos.y, group_pos.z}) << "; every thread of the simdgroup must reach it ("
-          << describe_lanes(missing) << ")";
+        o << what << " at " << position_name(*first) << " in kernel '" << ds->kernel->name << "' is reached by "
+          << __builtin_popcount(mask) << " of the " << (hi - lo) << " threads of simdgroup " << g << in_group
+          << "; every thread of the simdgroup must reach it (" << describe_lanes(missing) << ")";
         ds->fail(ErrorKind::kDivergence, o.str());
         return false;
       }
@@ -617,13 +1010,13 @@ struct Worker {
     if (!first) return false;
     for (uint32_t i = 0; i < lane_count; ++i) {
       Lane& l = lanes[i];
-      if (l.state != LaneState::kBarrier || l.site != first->site) off.push_back(&l);
+      if (l.state != LaneState::kBarrier || compare_positions(l, *first) != 0) off.push_back(&l);
     }
     if (!off.empty()) {
       std::ostringstream o;
-      o << "threadgroup_barrier at " << where(first->site) << " in kernel '" << ds->kernel->name
+      o << "threadgroup_barrier at " << position_name(*first) << " in kernel '" << ds->kernel->name
         << "' is not reached by every thread of threadgroup " << size3({group_pos.x, group_pos.y, group_pos.z})
-        << ": " << describe_lanes(off);
+        << " on the same path: thread " << first->index << " waits there, " << describe_lanes(off);
       ds->fail(ErrorKind::kDivergence, o.str());
       return false;
     }
@@ -634,6 +1027,7 @@ struct Worker {
       }
     }
     counters.barriers++;
+    progress();
     for (uint32_t i = 0; i < lane_count; ++i) {
       lanes[i].state = LaneState::kRunnable;
       runq.push_back(i);
@@ -650,6 +1044,7 @@ struct Worker {
       w->ds->kernel->entry(&l->info);
       l->state = LaneState::kDone;
       w->counters.threads++;
+      w->progress();
       // Run the next lane on this stack if it has not started yet.
       if (!w->runq.empty() && w->lanes[w->runq.back()].state == LaneState::kUnstarted && !w->ds->failed) {
         Lane* next = &w->lanes[w->runq.back()];
@@ -693,7 +1088,7 @@ struct Worker {
       for (uint32_t y = 0; y < size[1]; ++y)
         for (uint32_t x = 0; x < size[0]; ++x, ++n) {
           Lane& l = lanes[n];
-          l = Lane{};
+          l.reset();  // not Lane{}: the frames need no clearing
           l.index = n;
           mx_thread_info& t = l.info;
           t.buffers = d.buffer_table;
@@ -716,10 +1111,18 @@ struct Worker {
   bool run_group(uint64_t linear) {
     aborted = false;
     rng.seed(splitmix(ds->dispatch->seed ^ splitmix(linear)));
+    group_linear = linear;
+    tag = static_cast<uint32_t>(linear % kTagLimit) + 1;
+    dirty = pending = false;
+    releases = 0;
+    acquired = 0;
+    verified = 0;
+    progress();
     setup_lanes(linear);
     reset_threadgroup_memory();
     if (aborted) return false;
     runq.clear();
+    yieldq.clear();
     for (uint32_t i = 0; i < lane_count; ++i) runq.push_back(i);
     shuffle_runq();
     free_stacks.clear();
@@ -741,6 +1144,13 @@ struct Worker {
         current = nullptr;
         if (aborted || ds->failed) return false;
       }
+      if (!yieldq.empty()) {  // lanes that yielded at an atomic go again
+        runq.swap(yieldq);
+        shuffle_runq();
+        continue;
+      }
+      watchdog();
+      if (aborted) return false;
       if (resolve_simd()) {
         shuffle_runq();
         continue;
@@ -757,10 +1167,16 @@ struct Worker {
   void run(DispatchState* d) {
     ds = d;
     counters = Counters{};
+    FpControl fp(d->flush_denormals);  // restored when the job ends: the worker may be the caller's thread
+    if (stack_bytes < d->stack_bytes) {  // stacks only grow
+      for (auto& s : stacks) s.release();
+      stacks.clear();
+      stack_bytes = d->stack_bytes;
+    }
     while (!d->failed) {
       uint64_t g = d->next_group.fetch_add(1);
       if (g >= d->group_count) break;
-      if (!run_group(g)) break;
+      if (!run_group((*d->order)(g))) break;
     }
     std::lock_guard<std::mutex> lock(d->mutex);
     d->totals.add(counters);
@@ -781,9 +1197,40 @@ void api_access(const void* p, mx_u64 size, mx_u32 flags) {
   if (!w || !w->current) return;  // shader code running outside a dispatch
   w->access(reinterpret_cast<uintptr_t>(p), size, flags);
 }
-void api_barrier(mx_u32 scope, mx_u32 mem, mx_u32 site) { tls_worker->barrier(scope, mem, site); }
-void api_simd(mx_simd_fn fn, const void* in, void* out, mx_i64 arg, mx_u32 flags, mx_u32 site) {
-  tls_worker->simd(fn, in, out, arg, flags, site);
+void api_barrier(mx_u32 scope, mx_u32 mem) { tls_worker->barrier(scope, mem); }
+void api_simd(mx_simd_fn fn, const void* in, void* out, mx_i64 arg, mx_u32 flags) {
+  tls_worker->simd(fn, in, out, arg, flags);
+}
+// Position updates come only from lanes; shader code run by the engine
+// itself (a user-defined operator inside a simd reduction) has none.
+void api_enter(mx_u32 key, mx_u32 site, mx_u32 depth) {
+  Worker* w = tls_worker;
+  if (w && w->current) w->enter(key, site, depth);
+}
+void api_leave() {
+  Worker* w = tls_worker;
+  if (w && w->current) w->leave();
+}
+void api_loop(mx_u32 key, mx_u32 site, mx_u32 depth) {
+  Worker* w = tls_worker;
+  if (w && w->current) w->loop(key, site, depth);
+}
+void api_fence(mx_u32 mem) {
+  Worker* w = tls_worker;
+  if (w && w->current && (mem & MX_MEM_DEVICE)) w->device_fence();
+}
+void api_conversion_error(mx_u32 flags, const char* file, mx_u32 line, mx_u32 col) {
+  Worker* w = tls_worker;
+  if (!w || !w->current) return;
+  std::ostringstream where;
+  if (file) where << file << ":" << line << ":" << col;
+  else where << w->site_name(flags >> MX_CONV_SITE_SHIFT);
+  std::ostringstream o;
+  o << "kernel '" << w->ds->kernel->name << "' converts a NaN or out-of-range floating-point value to a "
+    << (flags & 0x7f) << "-bit " << ((flags & MX_CONV_SIGNED) ? "signed" : "unsigned") << " integer at "
+    << where.str() << " (" << w->thread_name(*w->current)
+    << "); Metal leaves the result undefined: clamp the value into the integer's range (and handle NaN) first";
+  w->fail(ErrorKind::kOther, o.str());
 }
 void* api_threadgroup_variable(const void* key, mx_u64 size, mx_u64 align) {
   return tls_worker->threadgroup_variable(key, size, align);
@@ -799,8 +1246,10 @@ void api_fail(const char* message) {
 }
 const mx_thread_info* api_current_thread() { return &tls_worker->current->info; }
 
-const mx_engine_api kApi = {MX_ABI_VERSION,           &api_access, &api_barrier, &api_simd,
-                            &api_threadgroup_variable, &api_fail,   &api_current_thread};
+const mx_engine_api kApi = {MX_ABI_VERSION, &api_access,         &api_barrier,
+                            &api_simd,      &api_threadgroup_variable, &api_fail,
+                            &api_current_thread, &api_enter,       &api_leave,
+                            &api_loop,      &api_conversion_error, &api_fence};
 
 // ----------------------------------------------------------- worker pool --
 class Pool {
@@ -888,7 +1337,8 @@ std::shared_ptr<Library> Library::load(const std::string& path) {
   auto bind = reinterpret_cast<void (*)(const mx_engine_api*)>(dlsym(h, MX_LIBRARY_BIND_SYMBOL));
   auto kernels = reinterpret_cast<const mx_kernel* (*)(mx_u32*)>(dlsym(h, MX_LIBRARY_KERNELS_SYMBOL));
   auto sites = reinterpret_cast<const char* const* (*)(mx_u32*)>(dlsym(h, MX_LIBRARY_SITES_SYMBOL));
-  if (!abi || !bind || !kernels || !sites || abi() != MX_ABI_VERSION) {
+  auto frames = reinterpret_cast<const mx_u64* (*)(mx_u32*)>(dlsym(h, MX_LIBRARY_FRAMES_SYMBOL));
+  if (!abi || !bind || !kernels || !sites || !frames || abi() != MX_ABI_VERSION) {
     dlclose(h);
     throw std::runtime_error("CPU Metal executor: " + path + " was not built for this version of the executor");
   }
@@ -898,6 +1348,7 @@ std::shared_ptr<Library> Library::load(const std::string& path) {
   bind(&kApi);
   lib->kernels_ = kernels(&lib->kernel_count_);
   lib->sites_ = sites(&lib->site_count_);
+  lib->frames_ = frames(&lib->frame_count_);
   return lib;
 }
 
@@ -959,6 +1410,19 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
     }
   }
   ds.group_count = uint64_t(ds.groups[0]) * ds.groups[1] * ds.groups[2];
+  ds.order.reset(new Permutation(ds.group_count, dp.seed));
+  ds.flush_denormals = flush_denormals();
+  ds.watchdog_ns = static_cast<uint64_t>(watchdog_seconds() * 1e9);
+
+  // ---- thread-private memory: stacks large enough for the kernel's frames
+  size_t kernel_index = static_cast<size_t>(&k - kernels_);
+  uint64_t frame = kernel_index < frame_count_ ? frames_[kernel_index] : 0;
+  if (frame > kMaxThreadPrivate)
+    throw KernelError("kernel '" + name + "' needs about " + std::to_string(frame >> 10) +
+                      " KiB of thread-private memory per thread (its local arrays and those of the functions it "
+                      "calls); the CPU Metal executor allows " + std::to_string(kMaxThreadPrivate >> 20) +
+                      " MiB: keep large arrays in device or threadgroup memory");
+  ds.stack_bytes = std::max<size_t>(min_stack_size(), (frame + kStackMargin + page_size() - 1) / page_size() * page_size());
 
   // ---- the arguments
   uint32_t max_buffer = 0, max_tg = 0;
@@ -1034,10 +1498,15 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
     x.begin = x.from_bytes ? const_cast<char*>(reinterpret_cast<const char*>(b.bytes.data()))
                            : static_cast<char*>(b.data);
     x.name = kernel_param_name(k, MX_PARAM_BUFFER, static_cast<uint32_t>(i));
+    for (uint32_t j = 0; j < k.param_count; ++j)
+      if (k.params[j].kind == MX_PARAM_BUFFER && k.params[j].index == i)
+        x.writable = !x.from_bytes && !(k.params[j].flags & MX_PARAM_READONLY);
     bound.push_back(x);
   }
   SlotRegion& region = slot_region();
   ds.isolated = dp.isolate && region.base;
+  ds.slot_base = reinterpret_cast<uintptr_t>(region.base);
+  ds.slot_span = region.span;
   // Isolated: buffers whose memory overlaps share one copy (a kernel may read
   // and write the same tensor through two arguments).
   struct Copy {
@@ -1045,6 +1514,7 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
     uint64_t size;
     char* at;
     std::vector<int> members;
+    bool writable;
   };
   std::vector<Copy> copies;
   if (ds.isolated) {
@@ -1058,8 +1528,9 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
         Copy& c = copies.back();
         c.size = std::max<uint64_t>(c.size, b.begin + b.size - c.host);
         c.members.push_back(m);
+        c.writable |= b.writable;
       } else {
-        copies.push_back({b.begin, b.size, nullptr, {m}});
+        copies.push_back({b.begin, b.size, nullptr, {m}, b.writable});
       }
     }
     // A buffer larger than half a slot (32 GiB) cannot be isolated: run the
@@ -1086,6 +1557,16 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
         bound[m].begin = c.at + (bound[m].begin - c.host);
         ds.slot_members[s].push_back(m);
       }
+      // Which threadgroup wrote each byte, for the check of reads across
+      // threadgroups; reserved, so only pages the kernel touches cost memory.
+      if (c.writable && c.size && c.size <= kShadowLimit) {
+        void* t = mmap(nullptr, c.size * 4, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (t != MAP_FAILED) {
+          ds.shadows[s].at = c.at;
+          ds.shadows[s].size = c.size;
+          ds.shadows[s].tags = static_cast<uint32_t*>(t);
+        }
+      }
     }
   }
   for (const Bound& b : bound) ds.buffer_table[b.index] = b.begin;
@@ -1107,6 +1588,7 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
       char* slot = region.base + (uint64_t(s) << kSlotShift) + kSlotMid;
       uint64_t len = ((c.at - slot) + c.size + page - 1) / page * page;
       if (len) mmap(slot, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+      if (ds.shadows[s].tags) munmap(ds.shadows[s].tags, ds.shadows[s].size * 4);
     }
   }
 

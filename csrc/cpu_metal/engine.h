@@ -121,6 +121,8 @@ class Library {
   uint32_t kernel_count_ = 0;
   const char* const* sites_ = nullptr;
   uint32_t site_count_ = 0;
+  const mx_u64* frames_ = nullptr;  // per kernel: thread-private bytes it may need
+  uint32_t frame_count_ = 0;
 };
 
 // Every dispatch made while a recorder is active is appended to it

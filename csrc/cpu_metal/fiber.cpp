@@ -98,7 +98,9 @@ void* fiber_prepare(void* base, size_t size, void (*fn)(void*), void* arg) {
 FiberStack FiberStack::allocate(size_t size) {
   size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   size = (size + page - 1) / page * page;
-  void* p = mmap(nullptr, size + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  // Reserved, not committed: a kernel with large private arrays gets large
+  // stacks, of which only the pages it touches cost memory.
+  void* p = mmap(nullptr, size + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) throw std::runtime_error("CPU Metal executor: cannot allocate a fiber stack");
   mprotect(p, page, PROT_NONE);  // overflow faults instead of corrupting
   FiberStack s;

@@ -19,14 +19,15 @@ constexpr int64_t kMaxRows = 8;
 // An 80-core M3 Ultra runs several threadgroups per core; aim for 4 per core.
 constexpr int64_t kTargetThreadgroups = 4 * 80;
 
-std::atomic<int64_t> g_min_rows{1};
+// Fewest rows of mm/addmm products on MPS and CPU (set_mm_min_rows).
+std::atomic<int64_t> g_min_rows_mps{1}, g_min_rows_cpu{1};
 
 // One matrix-vector problem, y[r, n] = alpha * x[r, :] . w[n, :] + beta * bias[r, n],
 // given as 2-D strided views (x [rows, K], w [N, K], y and bias [rows, N])
 // of the caller's tensors: setting it up moves no data.
 struct Problem {
   at::Tensor x, w, y, bias;  // bias undefined: none
-  double alpha = 1, beta = 0;
+  float alpha = 1, beta = 0;  // as the kernel takes them
 };
 
 const char* type_name(c10::ScalarType t) {
@@ -38,9 +39,14 @@ const char* type_name(c10::ScalarType t) {
   }
 }
 
+// 16-byte loads need the address the kernel sees 16-byte aligned, as well as
+// the stride. That address is, on CPU, the memory itself (torch.frombuffer,
+// numpy arrays and memory-mapped checkpoints can be 8-byte aligned); on MPS,
+// the buffer (which Metal aligns) plus the storage offset it is bound at.
 bool aligned16(const at::Tensor& t, int64_t stride) {
-  const int64_t size = t.itemsize();
-  return (t.storage_offset() * size) % 16 == 0 && (stride * size) % 16 == 0;
+  const uint64_t size = t.itemsize();
+  const uint64_t base = t.is_cpu() ? reinterpret_cast<uintptr_t>(t.data_ptr()) : t.storage_offset() * size;
+  return base % 16 == 0 && (stride * size) % 16 == 0;
 }
 
 int64_t pow2_floor(int64_t v) {
@@ -74,8 +80,8 @@ void run(const Problem& pr) {
   p.w_k_stride = pr.w.stride(1);
   p.y_row_stride = pr.y.stride(0);
   p.y_n_stride = pr.y.stride(1);
-  p.alpha = static_cast<float>(pr.alpha);
-  p.beta = static_cast<float>(pr.beta);
+  p.alpha = pr.alpha;
+  p.beta = pr.beta;
   p.has_bias = pr.bias.defined() ? 1 : 0;
   if (p.has_bias) {
     p.bias_row_stride = pr.bias.stride(0);
@@ -149,16 +155,27 @@ int64_t leading_rows(const at::Tensor& input) {
   return rows;
 }
 
-std::string rows_unsupported(int64_t rows) {
+std::string rows_unsupported(int64_t rows, int64_t min_rows) {
   if (rows == 0) return "";  // an empty result
   if (rows > kMaxRows) return "more than 8 rows (a general matmul)";
-  if (rows < g_min_rows.load()) return "one row (torch's own GEMV)";
+  if (rows < min_rows) return "policy: one row (torch's own GEMV)";
   return "";
+}
+
+// alpha and beta as the kernel's float, converted as aten's addmm converts
+// them (to its opmath type, float for every dtype handled here): a value
+// out of float's range raises torch's error. With K == 0 aten computes no
+// product and converts nothing (nor do we).
+float to_float(const c10::Scalar& v, int64_t k) {
+  return k > 0 ? v.to<float>() : static_cast<float>(v.toDouble());
 }
 
 }  // namespace
 
-void set_linear_min_rows(int64_t rows) { g_min_rows = rows; }
+void set_mm_min_rows(c10::DispatchKey key, int64_t rows) {
+  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "mps_ext: mm min rows must be in 1..8, got ", rows);
+  (key == c10::DispatchKey::MPS ? g_min_rows_mps : g_min_rows_cpu) = rows;
+}
 
 // ------------------------------------------------------------- F.linear --
 std::string linear_unsupported(const at::Tensor& input, const at::Tensor& weight,
@@ -170,7 +187,7 @@ std::string linear_unsupported(const at::Tensor& input, const at::Tensor& weight
     return "a bias that is not 1-D of size N";
   int64_t row_stride;
   if (!flat_rows(input, row_stride)) return "activation rows that do not flatten without a copy";
-  return rows_unsupported(leading_rows(input));
+  return rows_unsupported(leading_rows(input), 1);
 }
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -198,13 +215,14 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::
 // mat1 [M, K] @ mat2 [K, N]: the activation is mat1 when M <= 8 (mat2 is the
 // weight, seen as [N, K]); else mat2's N <= 8 columns, with mat1 the weight
 // and the output written transposed.
-std::string mm_unsupported(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor* self) {
+std::string mm_unsupported(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor* self,
+                           c10::DispatchKey key) {
   std::string why = dtypes_unsupported({&mat1, &mat2, self ? self : &mat1});
   if (!why.empty()) return why;
   if (mat1.dim() != 2 || mat2.dim() != 2 || mat1.size(1) != mat2.size(0)) return "shapes torch rejects";  // its error follows
   if (self && !self->defined()) return "";
   int64_t rows = std::min(mat1.size(0), mat2.size(1));
-  return rows_unsupported(rows);
+  return rows_unsupported(rows, (key == c10::DispatchKey::MPS ? g_min_rows_mps : g_min_rows_cpu).load());
 }
 
 // The activation is mat1 when it has at most 8 rows and no more rows than
@@ -243,11 +261,13 @@ at::Tensor addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tenso
   at::Tensor y = at::empty({M, N}, mat1.options());
   if (y.numel() == 0) return y;
   Problem pr = mm_problem(mat1, mat2, y);
-  pr.alpha = alpha.toDouble();
+  const int64_t k = mat1.size(1);
+  pr.alpha = to_float(alpha, k);
+  const float beta_f = to_float(beta, k);
   // beta == 0: the bias is not read, so NaN or inf in it do not reach y.
-  if (beta.toDouble() != 0) {
+  if (beta_f != 0) {
     pr.bias = mm_transposed(mat1, mat2) ? b.t() : b;
-    pr.beta = beta.toDouble();
+    pr.beta = beta_f;
   }
   run(pr);
   return y;
@@ -267,14 +287,14 @@ at::Tensor linear_impl(const at::Tensor& input, const at::Tensor& weight, const 
 
 template <DispatchKey K>
 at::Tensor mm_impl(const at::Tensor& self, const at::Tensor& mat2) {
-  return route(family("linear"), "aten::mm", K, mm_unsupported(self, mat2, nullptr), [&] { return mps_ext::mm(self, mat2); },
-               self, mat2);
+  return route(family("linear"), "aten::mm", K, mm_unsupported(self, mat2, nullptr, K),
+               [&] { return mps_ext::mm(self, mat2); }, self, mat2);
 }
 
 template <DispatchKey K>
 at::Tensor addmm_impl(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
                       const c10::Scalar& beta, const c10::Scalar& alpha) {
-  return route(family("linear"), "aten::addmm", K, mm_unsupported(mat1, mat2, &self),
+  return route(family("linear"), "aten::addmm", K, mm_unsupported(mat1, mat2, &self, K),
                [&] { return mps_ext::addmm(self, mat1, mat2, beta, alpha); }, self, mat1, mat2, beta, alpha);
 }
 

@@ -62,7 +62,7 @@ uint64_t fill_bits(const c10::Scalar& value, c10::ScalarType dtype) {
                      std::memcpy(&bits, &v, sizeof(scalar_t));
                    }
                  }),
-                 AT_EXPAND(AT_ALL_TYPES_AND_COMPLEX), at::kHalf, at::kBFloat16, at::kBool,
+                 AT_EXPAND(AT_ALL_TYPES_AND_COMPLEX), at::kHalf, at::kBFloat16, at::kBool, at::kComplexHalf,
                  AT_EXPAND(AT_FLOAT8_TYPES), AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES));
   return bits;
 }
@@ -90,6 +90,15 @@ std::string pad_unsupported(const at::Tensor& self, c10::IntArrayRef) {
 
 at::Tensor constant_pad(const at::Tensor& self, c10::IntArrayRef pad, const c10::Scalar& value) {
   Geometry g = geometry(self, pad);
+  // With nothing to fill, aten returns a copy of the cropped input (clone()
+  // keeps its stride order) and never converts the fill value; so do we.
+  if (std::none_of(pad.begin(), pad.end(), [](int64_t p) { return p > 0; })) {
+    at::Tensor cropped = self;
+    for (int64_t d = 0; d < self.dim(); ++d)
+      if (cropped.size(d) != g.out_sizes[d])
+        cropped = cropped.narrow(d, std::max<int64_t>(-g.pad_before[d], 0), g.out_sizes[d]);
+    return cropped.clone();
+  }
   uint64_t fill = fill_bits(value, self.scalar_type());
   auto out = at::empty(g.out_sizes, self.options().memory_format(self.suggest_memory_format()));
   const int64_t numel = out.numel();

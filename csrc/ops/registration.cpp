@@ -1,8 +1,9 @@
-// The family table behind MPS_EXT_FAMILY, and installation of the MPS
-// overrides (see registration.h).
+// The family table behind MPS_EXT_FAMILY, installation of the MPS overrides
+// and the Meta kernels of torch.ops.mps_ext (see registration.h).
 #include "ops/registration.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -27,6 +28,34 @@ const FamilyDef& find(const std::string& name) {
   auto it = table().find(name);
   TORCH_CHECK(it != table().end(), "mps_ext: no op family named '", name, "'");
   return it->second;
+}
+
+// Torch warns (once per process) when a kernel replaces another for the same
+// op and key, which is what an override does on purpose. This handler drops
+// that one warning and hands every other to the handler it replaced.
+class OverrideWarningFilter : public c10::WarningHandler {
+ public:
+  explicit OverrideWarningFilter(c10::WarningHandler* next) : next_(next) {}
+  void process(const c10::Warning& warning) override {
+    if (warning.msg().find("Overriding a previously registered kernel for the same operator and the same dispatch key") !=
+        std::string::npos)
+      return;
+    next_->process(warning);
+  }
+
+ private:
+  c10::WarningHandler* next_;
+};
+
+// Meta kernel of every torch.ops.mps_ext op: the same-named aten op's Meta
+// kernel (its structured meta function, or its composite implementation),
+// called with the same stack: the schemas are the same.
+void aten_meta_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  const c10::OperatorName& name = op.schema().operator_name();
+  std::string aten = "aten::" + name.name.substr(name.name.find("::") + 2);
+  if (!name.overload_name.empty()) aten += "." + name.overload_name;
+  stock_kernel(aten, c10::DispatchKey::Meta)
+      .callBoxed(op_handle(aten), c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
 }
 
 }  // namespace
@@ -57,19 +86,35 @@ void define_like_aten(torch::Library& m, const std::vector<std::string>& ops) {
   }
 }
 
-// Override the aten ops of these families on the MPS key. Each op's current
-// MPS kernel is captured first: it is where unsupported inputs go.
-std::vector<std::string> install_overrides(const std::vector<std::string>& fams) {
-  static std::unique_ptr<torch::Library> lib;
-  static std::set<std::string> installed;
-  if (!lib) lib = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::MPS, __FILE__, __LINE__);
+void register_meta(torch::Library& m, const std::vector<std::string>& ops) {
+  for (const auto& op : ops)
+    m.impl(op.substr(6).c_str(), torch::CppFunction::makeFromBoxedFunction<&aten_meta_kernel>());
+}
+
+void without_override_warning(const std::function<void()>& f) {
+  OverrideWarningFilter filter(c10::WarningUtils::get_warning_handler());
+  c10::WarningUtils::WarningHandlerGuard guard(&filter);
+  f();
+}
+
+// Override the aten ops of these families on `key`. Each op's current
+// kernel is captured first: it is where unsupported inputs go.
+std::vector<std::string> install_overrides(const std::vector<std::string>& fams, c10::DispatchKey key) {
+  TORCH_CHECK(key == c10::DispatchKey::MPS || key == c10::DispatchKey::CPU,
+              "mps_ext: overrides go on the MPS key (or CPU, in tests), not ", key);
+  static std::mutex install_mutex;
+  static std::map<c10::DispatchKey, std::unique_ptr<torch::Library>> libs;
+  static std::set<std::pair<std::string, c10::DispatchKey>> installed;
+  std::lock_guard<std::mutex> lock(install_mutex);
+  auto& lib = libs[key];
+  if (!lib) lib = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", key, __FILE__, __LINE__);
   std::vector<std::string> done;
   for (const auto& name : fams) {
     const FamilyDef& def = find(name);
-    if (!installed.count(name)) {
-      for (const auto& op : def.aten_ops) capture_stock_kernel(op, c10::DispatchKey::MPS);
-      def.register_mps(*lib);
-      installed.insert(name);
+    if (!installed.count({name, key})) {
+      for (const auto& op : def.aten_ops) capture_stock_kernel(op, key);
+      without_override_warning([&] { (key == c10::DispatchKey::MPS ? def.register_mps : def.register_cpu)(*lib); });
+      installed.insert({name, key});
     }
     done.push_back(name);
   }

@@ -8,12 +8,15 @@
 // Metal executor) and, on macOS, MPS tensors; and, on a Mac,
 // install_overrides() puts the same kernels on the MPS key of the aten ops
 // themselves, after capturing the kernel each replaces. Which families to
-// install is decided in Python (mps_ext/_policy.py).
+// install is decided in Python (mps_ext/_policy.py). Every torch.ops.mps_ext
+// op also gets a Meta kernel, the aten op's own (so FakeTensor and
+// torch.compile can trace it).
 #pragma once
 
 #include <c10/core/DispatchKey.h>
 #include <torch/library.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -25,6 +28,7 @@ struct FamilyDef {
   std::string name;                   // what a user turns off: "softmax"
   std::vector<std::string> aten_ops;  // "aten::_softmax", ... (default overloads)
   RegisterKernels register_mps;       // the family's kernels for the MPS key
+  RegisterKernels register_cpu;       // and for the CPU key (tests install overrides there)
 };
 
 // Called at static initialisation by MPS_EXT_FAMILY.
@@ -36,24 +40,35 @@ struct FamilyRegistrar {
 std::vector<std::string> families();
 // The aten ops a family implements.
 std::vector<std::string> family_aten_ops(const std::string& family);
-// Override those aten ops on the MPS key (macOS); returns the families done.
-std::vector<std::string> install_overrides(const std::vector<std::string>& families);
+// Override those aten ops on `key` (MPS, on macOS; CPU only in tests, in a
+// process of their own); returns the families done. Torch's "Overriding a
+// previously registered kernel" warning is not printed (it is expected);
+// any other warning is.
+std::vector<std::string> install_overrides(const std::vector<std::string>& families,
+                                           c10::DispatchKey key = c10::DispatchKey::MPS);
 // Defines `ops` ("aten::x") in `m` (the mps_ext namespace) with aten's
 // schemas as the installed torch has them.
 void define_like_aten(torch::Library& m, const std::vector<std::string>& ops);
+// Registers in `m` (mps_ext, Meta key) each op's Meta kernel: the aten op's.
+void register_meta(torch::Library& m, const std::vector<std::string>& ops);
+// Runs `f` with torch's override warning filtered out (as install_overrides
+// does); exposed for its test.
+void without_override_warning(const std::function<void()>& f);
 
 }  // namespace mps_ext
 
 // MPS_EXT_FAMILY(name, Register, "aten::op", ...): `Register` is a function
 // template `template <c10::DispatchKey K> void Register(torch::Library& m)`
 // that calls m.impl for each op with kernels that fall back to the stock
-// kernel of key K.
+// kernel of key K (through route(), ops/registry.h).
 #define MPS_EXT_FAMILY(NAME, REGISTER, ...)                                               \
   TORCH_LIBRARY_FRAGMENT(mps_ext, m) { ::mps_ext::define_like_aten(m, {__VA_ARGS__}); } \
   TORCH_LIBRARY_IMPL(mps_ext, CPU, m) { REGISTER<c10::DispatchKey::CPU>(m); }            \
+  TORCH_LIBRARY_IMPL(mps_ext, Meta, m) { ::mps_ext::register_meta(m, {__VA_ARGS__}); }  \
   MPS_EXT_FAMILY_MPS_IMPL(REGISTER)                                                      \
   static const ::mps_ext::FamilyRegistrar C10_CONCATENATE(mps_ext_family_, __COUNTER__)( \
-      ::mps_ext::FamilyDef{NAME, {__VA_ARGS__}, &REGISTER<c10::DispatchKey::MPS>});
+      ::mps_ext::FamilyDef{NAME, {__VA_ARGS__}, &REGISTER<c10::DispatchKey::MPS>,        \
+                           &REGISTER<c10::DispatchKey::CPU>});
 
 #ifdef __APPLE__
 #define MPS_EXT_FAMILY_MPS_IMPL(REGISTER) \

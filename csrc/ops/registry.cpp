@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <memory>
 #include <set>
 
@@ -28,6 +29,95 @@ void Family::reset() {
   ran_ = 0;
   fallbacks_.clear();
 }
+
+std::string Family::unavailable(c10::DispatchKey key) const {
+  if (!any_unavailable_.load()) return "";
+  std::lock_guard<std::mutex> g(mutex_);
+  auto it = unavailable_.find(key);
+  return it == unavailable_.end() ? "" : it->second;
+}
+
+void Family::mark_unavailable(c10::DispatchKey key, const std::string& cause) {
+  {
+    std::lock_guard<std::mutex> g(mutex_);
+    if (!unavailable_.emplace(key, cause).second) return;  // another thread got there first
+    any_unavailable_ = true;
+  }
+  const std::string device = c10::DeviceTypeName(detail::device_of(key));
+  TORCH_WARN("mps_ext: the ", name, " kernels cannot run on ", device, " here (", cause, "); every ", name,
+             " call on ", device, " now goes to PyTorch's own kernel for the rest of this process.");
+}
+
+std::map<c10::DispatchKey, std::string> Family::unavailable_all() const {
+  std::lock_guard<std::mutex> g(mutex_);
+  return unavailable_;
+}
+
+void Family::clear_unavailable() {
+  std::lock_guard<std::mutex> g(mutex_);
+  unavailable_.clear();
+  any_unavailable_ = false;
+}
+
+bool LeftToTorch::applies(const torch::jit::Stack& args) const {
+  if (!dtypes.empty()) {
+    for (const auto& a : args) {
+      if (!a.isTensor()) continue;
+      if (std::find(dtypes.begin(), dtypes.end(), a.toTensor().scalar_type()) == dtypes.end()) return false;
+      break;
+    }
+  }
+  for (const auto& [index, value] : kept_args)
+    if (index < args.size() && args[index].isBool() && args[index].toBool() == value) return false;
+  return true;
+}
+
+void Family::leave_to_torch(const std::string& op, c10::DispatchKey key, const std::string& why,
+                            const std::vector<c10::ScalarType>& dtypes,
+                            const std::vector<std::pair<std::string, bool>>& kept_args) {
+  LeftToTorch rule{why, dtypes, {}};
+  if (!kept_args.empty()) {
+    const c10::FunctionSchema& schema = op_handle(op).schema();
+    for (const auto& [name, value] : kept_args) {
+      auto index = schema.argumentIndexWithName(name);
+      TORCH_CHECK(index && schema.arguments()[*index].type()->kind() == c10::TypeKind::BoolType, "mps_ext: ", op,
+                  " has no bool argument named '", name, "'");
+      rule.kept_args.emplace_back(static_cast<size_t>(*index), value);
+    }
+  }
+  std::lock_guard<std::mutex> g(mutex_);
+  if (why.empty())
+    left_to_torch_.erase(std::make_pair(op, key));
+  else
+    left_to_torch_[std::make_pair(op, key)] = std::move(rule);
+  any_left_to_torch_ = !left_to_torch_.empty();
+}
+
+c10::optional<LeftToTorch> Family::left_to_torch(const std::string& op, c10::DispatchKey key) const {
+  if (!any_left_to_torch_.load()) return c10::nullopt;
+  std::lock_guard<std::mutex> g(mutex_);
+  auto it = left_to_torch_.find(std::make_pair(op, key));
+  if (it == left_to_torch_.end()) return c10::nullopt;
+  return it->second;
+}
+
+namespace detail {
+
+c10::DeviceType device_of(c10::DispatchKey key) {
+  switch (key) {
+    case c10::DispatchKey::CPU: return c10::DeviceType::CPU;
+    case c10::DispatchKey::MPS: return c10::DeviceType::MPS;
+    default: TORCH_CHECK(false, "mps_ext: no kernels for dispatch key ", key);
+  }
+}
+
+std::string precheck(Family& fam, c10::DispatchKey key) {
+  if (!fam.enabled.load()) return "turned off";
+  if (!fam.unavailable(key).empty()) return "kernels unavailable on this device";
+  return "";
+}
+
+}  // namespace detail
 
 namespace {
 std::mutex g_mutex;

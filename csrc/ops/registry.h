@@ -2,11 +2,23 @@
 // stock kernel it falls back to for inputs it does not handle.
 //
 // A family ("softmax", "pad", ...) is what a user turns off. Each op runs
-// through `route`: if the family is off or the op returns a reason it
-// cannot handle these inputs, the call goes to the kernel registered for the
+// through `route`, which sends the call to the kernel registered for the
 // same aten op and dispatch key before mps_ext's override (on MPS: PyTorch's
 // own kernel, captured when the override was installed; on CPU, for the
-// torch.ops.mps_ext ops: aten's CPU kernel), and the reason is counted.
+// torch.ops.mps_ext ops: aten's CPU kernel) when
+//   - the family is turned off;
+//   - the family's kernels cannot run on this device (a Metal library or
+//     pipeline that failed to build here: see BackendUnavailable);
+//   - the policy leaves this op to the installed torch (mps_ext/_policy.py),
+//     possibly only for some dtypes, and not for argument values torch's
+//     kernel refuses (a LeftToTorch rule);
+//   - a tensor argument lives on another device than the kernel's (a 0-dim
+//     CPU tensor beside MPS tensors: torch's kernel does what torch does);
+//   - the op says it does not handle these inputs (`unsupported`);
+// and counts the reason. A reason that is a policy decision (torch has as
+// good a kernel) starts with "policy: ": the self-check and the tests accept
+// those fallbacks on MPS, and "turned off", but no other. Everything here is
+// generic over op families: a new family gets all of it by calling route.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -20,7 +32,21 @@
 #include <string>
 #include <vector>
 
+#include "backend/launch.h"
+
 namespace mps_ext {
+
+// A policy decision (mps_ext/_policy.py): which calls of an op go to the
+// stock kernel because torch's own is as good.
+struct LeftToTorch {
+  std::string why;                      // the fallback's reason: "policy: ..."
+  std::vector<c10::ScalarType> dtypes;  // only calls whose first tensor has one of these; empty: all
+  // Not calls whose argument at this index (of the op's schema) is this
+  // bool: inputs torch's kernel refuses, which mps_ext keeps.
+  std::vector<std::pair<size_t, bool>> kept_args;
+
+  bool applies(const torch::jit::Stack& args) const;
+};
 
 struct Family {
   explicit Family(std::string n) : name(std::move(n)) {}
@@ -33,10 +59,30 @@ struct Family {
   std::map<std::string, uint64_t> fallbacks() const;
   void reset();
 
+  // The family's kernels cannot run for `key` in this process (empty: they
+  // can). The first call warns once, naming the cause; later ones are no-ops.
+  std::string unavailable(c10::DispatchKey key) const;
+  void mark_unavailable(c10::DispatchKey key, const std::string& cause);
+  std::map<c10::DispatchKey, std::string> unavailable_all() const;
+  void clear_unavailable();  // for tests only: a real failure does not heal
+
+  // The policy's per-op decision: calls of `op` for `key` go to the stock
+  // kernel, counted under `why` (empty `why`: clears it); only those whose
+  // first tensor argument has one of `dtypes` (empty: any), and not those
+  // whose bool argument named in `kept_args` has the value given there.
+  void leave_to_torch(const std::string& op, c10::DispatchKey key, const std::string& why,
+                      const std::vector<c10::ScalarType>& dtypes = {},
+                      const std::vector<std::pair<std::string, bool>>& kept_args = {});
+  c10::optional<LeftToTorch> left_to_torch(const std::string& op, c10::DispatchKey key) const;
+
  private:
   mutable std::mutex mutex_;
   uint64_t ran_ = 0;
   std::map<std::string, uint64_t> fallbacks_;
+  std::map<c10::DispatchKey, std::string> unavailable_;
+  std::map<std::pair<std::string, c10::DispatchKey>, LeftToTorch> left_to_torch_;
+  // Read on every call without the lock: most families have neither.
+  std::atomic<bool> any_unavailable_{false}, any_left_to_torch_{false};
 };
 
 // The family of this name, created on first use.
@@ -66,21 +112,76 @@ Ret call_stock(const std::string& op, c10::DispatchKey key, const Args&... args)
   return c10::impl::PopResult<Ret>::call(stack);
 }
 
-// Runs `ours` unless the family is off or `unsupported` (a reason, or empty)
-// says no; then the stock kernel of `op` for `key`. Returns what `ours`
-// returns (by value: a tensor or a tuple of tensors).
+namespace detail {
+
+// A tensor argument on another device than `want`: why the call goes to the
+// stock kernel ("" if none). Arguments that are not tensors are ignored.
+inline void foreign_device(const at::Tensor& t, c10::DeviceType want, std::string& why) {
+  if (why.empty() && t.defined() && t.device().type() != want)
+    why = std::string("a ") + c10::DeviceTypeName(t.device().type()) + " tensor beside " +
+          c10::DeviceTypeName(want) + " tensors";
+}
+inline void foreign_device(const c10::optional<at::Tensor>& t, c10::DeviceType want, std::string& why) {
+  if (t) foreign_device(*t, want, why);
+}
+inline void foreign_device(at::TensorList ts, c10::DeviceType want, std::string& why) {
+  for (const auto& t : ts) foreign_device(t, want, why);
+}
+template <class T>
+void foreign_device(const T&, c10::DeviceType, std::string&) {}
+
+// The device type whose tensors the kernels of `key` take.
+c10::DeviceType device_of(c10::DispatchKey key);
+
+// Why the call goes to the stock kernel before anything about its
+// arguments is looked at ("" if it does not): turned off, unavailable.
+std::string precheck(Family& fam, c10::DispatchKey key);
+
+// Why the policy sends this call to the stock kernel ("" if it does not).
+// The arguments are boxed only for a rule that looks at them.
+template <class... Args>
+std::string policy(Family& fam, const std::string& op, c10::DispatchKey key, const Args&... args) {
+  c10::optional<LeftToTorch> rule = fam.left_to_torch(op, key);
+  if (!rule) return "";
+  if (rule->dtypes.empty() && rule->kept_args.empty()) return rule->why;
+  torch::jit::Stack stack;
+  (torch::jit::push(stack, args), ...);
+  return rule->applies(stack) ? rule->why : "";
+}
+
+}  // namespace detail
+
+// Runs `ours` unless a reason listed at the top of this file says no; then
+// the stock kernel of `op` for `key`. Returns what `ours` returns (by
+// value: a tensor or a tuple of tensors). `unsupported`: the op's own reason
+// not to handle these inputs, or empty.
 template <class Ours, class... Args>
 auto route(Family& fam, const std::string& op, c10::DispatchKey key, const std::string& unsupported, Ours ours,
            const Args&... args) -> std::decay_t<decltype(ours())> {
   using Ret = std::decay_t<decltype(ours())>;
-  std::string reason = !fam.enabled.load() ? "turned off" : unsupported;
-  if (!reason.empty()) {
-    fam.count_fallback(reason);
-    return call_stock<Ret>(op, key, args...);
+  std::string reason = detail::precheck(fam, key);
+  if (reason.empty()) reason = detail::policy(fam, op, key, args...);
+  if (reason.empty()) (detail::foreign_device(args, detail::device_of(key), reason), ...);
+  if (reason.empty()) reason = unsupported;
+  if (reason.empty()) {
+    try {
+      Ret out = ours();
+      fam.count_ran();
+      return out;
+    } catch (const BackendUnavailable& e) {
+      // Nothing ours() wrote is returned: the stock kernel recomputes the
+      // whole result, so an op that failed at its second dispatch is safe.
+      fam.mark_unavailable(key, e.cause);
+      reason = "kernels unavailable on this device";
+    }
   }
-  Ret out = ours();
-  fam.count_ran();
-  return out;
+  fam.count_fallback(reason);
+  // An op torch has no kernel of its own for here (mps_ext registers it
+  // rather than overriding it) has nowhere to go: say why.
+  TORCH_CHECK(has_stock_kernel(op, key), "mps_ext: ", op, " cannot run on ",
+              c10::DeviceTypeName(detail::device_of(key)), " here (", reason, ") and torch has no kernel of its own ",
+              "for it to run instead");
+  return call_stock<Ret>(op, key, args...);
 }
 
 }  // namespace mps_ext

@@ -1,7 +1,12 @@
-// Python access to the op families: switches, counters, overrides.
+// Python access to the op families: switches, counters, overrides, policy,
+// and the test hooks of the fallback paths.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <c10/util/Exception.h>
+#include <torch/csrc/utils/pybind.h>  // torch.dtype <-> at::ScalarType
+
+#include "backend/launch.h"
 #include "ops/ops.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
@@ -10,11 +15,33 @@
 namespace py = pybind11;
 
 namespace mps_ext {
+namespace {
+
+c10::DispatchKey key_of(const std::string& device) {
+  if (device == "MPS") return c10::DispatchKey::MPS;
+  if (device == "CPU") return c10::DispatchKey::CPU;
+  throw py::value_error("mps_ext: device must be 'MPS' or 'CPU', not '" + device + "'");
+}
+
+SimulatedFailure failure_of(const std::string& kind) {
+  if (kind == "none") return SimulatedFailure::kNone;
+  if (kind == "library") return SimulatedFailure::kLibrary;
+  if (kind == "pipeline") return SimulatedFailure::kPipeline;
+  if (kind == "max_threads") return SimulatedFailure::kMaxThreads;
+  throw py::value_error("mps_ext: failure kind must be none, library, pipeline or max_threads, not '" + kind + "'");
+}
+
+}  // namespace
 
 void bind_ops(py::module_& m) {
   m.def("families", &families);
   m.def("family_aten_ops", &family_aten_ops, py::arg("family"));
-  m.def("install_overrides", &install_overrides, py::arg("families"));
+  m.def(
+      "install_overrides",
+      [](const std::vector<std::string>& fams, const std::string& device) {
+        return install_overrides(fams, key_of(device));
+      },
+      py::arg("families"), py::arg("device") = "MPS");
   m.def("set_enabled", [](const std::string& fam, bool on) { family(fam).enabled = on; });
   m.def("is_enabled", [](const std::string& fam) { return family(fam).enabled.load(); });
   m.def("stats", [] {
@@ -24,14 +51,43 @@ void bind_ops(py::module_& m) {
       py::dict d;
       d["ran"] = f.ran();
       d["fallbacks"] = f.fallbacks();
+      py::dict unavailable;
+      for (const auto& kv : f.unavailable_all()) unavailable[py::str(c10::DeviceTypeName(detail::device_of(kv.first)))] = kv.second;
+      d["unavailable"] = unavailable;
       out[py::str(name)] = d;
     }
     return out;
   });
-  m.def("set_linear_min_rows", &set_linear_min_rows, py::arg("rows"));
+  m.def(
+      "leave_to_torch",
+      [](const std::string& fam, const std::string& op, const std::string& device, const std::string& why,
+         const std::vector<at::ScalarType>& dtypes, const std::vector<std::pair<std::string, bool>>& kept_args) {
+        family(fam).leave_to_torch(op, key_of(device), why, dtypes, kept_args);
+      },
+      py::arg("family"), py::arg("op"), py::arg("device"), py::arg("why"),
+      py::arg("dtypes") = std::vector<at::ScalarType>{}, py::arg("kept_args") = std::vector<std::pair<std::string, bool>>{});
+  m.def(
+      "set_mm_min_rows", [](const std::string& device, int64_t rows) { set_mm_min_rows(key_of(device), rows); },
+      py::arg("device"), py::arg("rows"));
   m.def("reset_stats", [] {
     for (const auto& name : families()) family(name).reset();
   });
+
+  // Test hooks.
+  m.def(
+      "_simulate_executor_failure",
+      [](const std::string& library, const std::string& kernel, const std::string& kind, uint64_t max_threads) {
+        simulate_executor_failure(library, kernel, failure_of(kind), max_threads);
+      },
+      py::arg("library"), py::arg("kernel") = "", py::arg("kind") = "none", py::arg("max_threads") = 0);
+  m.def("_simulated_failure_hits", &simulated_failure_hits);
+  m.def("_clear_unavailable", [](const std::string& fam) { family(fam).clear_unavailable(); }, py::arg("family"));
+  m.def(
+      "_warn_without_override_warning",
+      [](const std::string& message) {
+        without_override_warning([&] { TORCH_WARN(message); });
+      },
+      py::arg("message"));
 }
 
 }  // namespace mps_ext

@@ -14,10 +14,18 @@ does a numpy array); bytes, numpy scalars and numpy structured scalars bind
 as constant data of exactly their size. threadgroup_memory[i] sizes the
 [[threadgroup(i)]] parameter.
 
-Threads of a threadgroup run as fibers in a seeded random order; out-of-bounds
-and misaligned accesses, barriers not every thread reaches and races on
-threadgroup memory raise the errors below (all KernelError). Each dispatch
-returns DispatchStats: bytes read and written per buffer, barriers, threads.
+Threadgroups start, and the threads of a threadgroup run as fibers, in a
+seeded random order; simd operations run over the threads on the same
+control-flow path. Out-of-bounds and misaligned accesses (OutOfBoundsError,
+MisalignedAccessError), barriers not every thread reaches on the same path
+and simdgroup matrices in partial simdgroups (BarrierDivergenceError), races
+on threadgroup memory and unsynchronised reads of another threadgroup's device
+writes (RaceError), float-to-integer conversions of NaN or out-of-range values
+and spin-waits that never end (KernelError) raise the errors below (all
+KernelError). Environment: MPS_EXT_EXECUTOR_WATCHDOG_SECONDS (default 60),
+MPS_EXT_EXECUTOR_DENORMALS=keep (fp32 and bfloat denormals are flushed, as on
+Apple GPUs, unless set). Each dispatch returns DispatchStats: bytes read and
+written per buffer, barriers, threads.
 `with cpu_metal.record() as rec:` collects the stats of every dispatch made
 inside it, from Python or from C++ (the op layer).
 """

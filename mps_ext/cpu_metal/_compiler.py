@@ -6,8 +6,10 @@ Pipeline (every step by the same clang, Debian's clang-19 or Apple's):
   2. translate it to C++ (_translate.py) and generate the kernel entry points;
   3. compile that once with Metal's address spaces as clang address spaces,
      syntax only, so that mixing them fails as on a Mac;
-  4. compile it with address spaces erased to LLVM IR (-O2, debug lines);
-  5. instrument every memory access (_instrument.py);
+  4. compile it with address spaces erased to LLVM IR (front end only, with
+     line tables);
+  5. instrument it (_instrument.py): memory accesses, SIMT positions,
+     conversions;
   6. compile and link the IR into a shared object the engine loads.
 
 Results are cached by a hash of everything that goes into them, in
@@ -28,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import _instrument, _translate
+from . import _instrument, _lint, _translate
 
 __all__ = ["CompileError", "Built", "build", "preprocess", "check_address_spaces", "find_clang", "cache_dir"]
 
@@ -47,13 +49,19 @@ _ARITHMETIC = [
     "-Xclang", "-fbfloat16-excess-precision=none",
     "-ffp-contract=off",
     "-fno-math-errno",
+    # Apple GPUs flush fp32 denormals (engine.cpp sets the CPU to do the
+    # same at run time); constant folding must agree.
+    "-fdenormal-fp-math-f32=preserve-sign,preserve-sign",
 ]
 
 
 # The IR is instrumented before optimisation (every memory access the source
 # makes, at the width the source makes it: an optimiser may split a 16-byte
-# load into four 4-byte ones), then optimised with the checks in place.
-_IR_OPT = ["-O0", "-Xclang", "-disable-O0-optnone"]
+# load into four 4-byte ones; and every call still a call, always_inline
+# helpers included, for the SIMT positions), then optimised with the checks
+# in place. -O2 without LLVM passes: the front end's output as at -O0, but
+# not marked noinline, so the optimiser can inline the stand-in stdlib.
+_IR_OPT = ["-O2", "-Xclang", "-disable-llvm-passes"]
 
 
 @dataclasses.dataclass
@@ -165,12 +173,17 @@ def preprocess(source: str, filename: str, defines: dict | None, include_dirs=()
     return _run(cmd, text, "preprocessing").stdout
 
 
-def translation_unit(preprocessed: str, tr: "_translate.Translation | None" = None) -> tuple[str, list[dict], list[str]]:
-    """The C++ translation unit, the kernels, and problems found on the way."""
+def translation_unit(preprocessed: str, tr: "_translate.Translation | None" = None,
+                     defines: dict | None = None) -> tuple[str, list[dict], list[str]]:
+    """The C++ translation unit, the kernels, and problems found on the way.
+    The stand-in <metal_stdlib> sees the Metal version the shader was
+    preprocessed for (functions newer than it are missing, as on a Mac)."""
     tr = tr or _translate.translate(preprocessed)
     entry, entry_problems = _translate.entry_points(tr.kernels)
     problems = [msg for _, msg in tr.problems] + [msg for _, msg in entry_problems]
+    version = (defines or {}).get("__METAL_VERSION__", METAL_MACROS["__METAL_VERSION__"])
     tu = (
+        f"#define __METAL_VERSION__ {int(version)}\n"
         '#include "mx_metal.h"\n'
         + tr.text
         + '\n#line 1 "<executor entry points>"\n'
@@ -215,26 +228,39 @@ def _drop_struct_copies(stderr: str) -> list[Diagnostic]:
     return kept
 
 
+# The check compile takes the shader as C++14, the base of MSL 3.1: what
+# Apple's compiler accepts from later standards only as extensions (with a
+# warning, and not in every Metal version) is an error here. The executor's
+# own headers are system headers and its entry points are exempt: they are
+# C++17 and never reach a Mac.
+_CHECK_LANGUAGE = [f if f != "-std=c++17" else "-std=c++14" for f in _LANGUAGE]
+_CXX14_ONLY = ["-Wno-everything", "-Werror=c++17-extensions", "-Werror=c++20-extensions", "-Werror=c++23-extensions"]
+_ENTRY_POINTS = '\n#line 1 "<executor entry points>"\n'
+
+
 def check_address_spaces(tu: str, workdir: Path) -> list[Diagnostic]:
-    """Errors of the translation unit compiled with real address spaces."""
+    """Errors of the translation unit compiled with real address spaces, as
+    C++14 (the shader's own text)."""
     path = workdir / "address_spaces.cpp"
-    path.write_text(tu)
-    cmd = [find_clang(), *_LANGUAGE, "-fsyntax-only", "-w", "-ferror-limit=0", "-fno-color-diagnostics",
-           "-fno-caret-diagnostics", "-DMX_ADDRESS_SPACES=1", "-I", str(INCLUDE), str(path)]
+    path.write_text(tu.replace(_ENTRY_POINTS, '\n#pragma clang diagnostic ignored "-Wc++17-extensions"' + _ENTRY_POINTS))
+    cmd = [find_clang(), *_CHECK_LANGUAGE, "-fsyntax-only", *_CXX14_ONLY, "-ferror-limit=0",
+           "-fno-color-diagnostics", "-fno-caret-diagnostics", "-DMX_ADDRESS_SPACES=1", "-isystem", str(INCLUDE),
+           str(path)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode == 0:
         return []
     diags = _drop_struct_copies(r.stderr)
     if not any(d.severity in ("error", "fatal error") for d in diags):
         return []
+    for d in diags:
+        if re.search(r"\[-Werror,-Wc\+\+\d+", d.message):
+            d.message += "; Metal Shading Language 3.1 is based on C++14 [msl-cxx14]"
     return diags
 
 
 def check_file(path: str | Path, include_dirs=()) -> list[str]:
     """Check mode: Metal rules C++ accepts (the lint), then the address-space
     compile. Returns findings as 'file:line[:col]: message'."""
-    from . import _lint
-
     path = Path(path)
     source = path.read_text()
     name = str(path)
@@ -244,7 +270,7 @@ def check_file(path: str | Path, include_dirs=()) -> list[str]:
     except CompileError as e:
         return findings + [line for line in str(e).splitlines() if line.strip()]
     tr = _translate.translate(pre)
-    findings += _lint.lint(tr)
+    findings += _lint.lint(pre)
     findings += [msg for _, msg in tr.problems]
     tu, _, entry_problems = translation_unit(pre, tr)
     with tempfile.TemporaryDirectory() as work:
@@ -271,7 +297,8 @@ def _cache_key(source: str, filename: str, defines: dict | None, check: bool) ->
         h.update(part.encode())
         h.update(b"\0")
     # The executor's own code decides what comes out: fold it in.
-    for f in sorted(INCLUDE.glob("*.h")) + [HERE / "_translate.py", HERE / "_instrument.py", Path(__file__)]:
+    for f in sorted(INCLUDE.glob("*.h")) + [HERE / "_translate.py", HERE / "_instrument.py", HERE / "_lint.py",
+                                            Path(__file__)]:
         h.update(f.read_bytes())
     return h.hexdigest()
 
@@ -289,7 +316,9 @@ def build(source: str, defines: dict | None = None, filename: str = "shader.meta
     work = Path(tempfile.mkdtemp(prefix="build-", dir=final.parent))
     try:
         pre = preprocess(source, filename, defines)
-        tu, kernels, problems = translation_unit(pre)
+        tu, kernels, problems = translation_unit(pre, defines=defines)
+        if check:  # what Apple's compiler would reject (_lint.py); a standard header already failed above
+            problems = _lint.lint(pre) + problems
         if problems:
             raise CompileError("\n".join(problems))
         if check:

@@ -1,7 +1,14 @@
 """Instrument the LLVM IR of a shader library for the CPU Metal executor.
 
-Every load, store, atomic and memory intrinsic whose address is not plainly a
-local variable of the function (an alloca) gets a call
+The IR is clang's front-end output for the translated shader (no LLVM
+passes: every function is still a function, every local an alloca), with
+line tables. It is instrumented here, then optimised with the
+instrumentation in place. The instrumenter insists on understanding every
+memory instruction: an unknown one is an error, not a silent gap in the
+checks.
+
+Memory. Every load, store, atomic and memory intrinsic whose address is not
+plainly a local variable of the function (an alloca) gets a call
 
     call void @__mx_access(ptr %address, i64 <bytes>, i32 <flags>)
 
@@ -12,17 +19,39 @@ csrc/cpu_metal/engine.cpp). The flags carry read/write/atomic, the alignment
 the compiler assumed (a Metal vector load must be aligned) and an index into
 a table of source positions, so an error can name the line.
 
-Integer division by zero (or INT_MIN / -1) would trap on the CPU; the GPU
-gives an unspecified value. Such divisions are made to divide by 1 instead.
+SIMT positions. A simd operation runs over the lanes that are on the same
+control-flow path, as on a GPU. Every simd operation and barrier of
+mx_metal.h goes through @__mx_simd or @__mx_barrier; a function "reaches" one
+if it calls one of them or a function that reaches one. In shader functions
+(not the executor's headers) every call of such a function is bracketed by
+@__mx_enter(key, site, depth) and @__mx_leave(), and every natural loop that
+contains such a call gets @__mx_loop(key, site, depth) at its header. A
+lane's position is then its stack of calls and loop iterations (engine.cpp
+compares positions). `key` numbers the calls and loops of a function in
+reverse post-order of its control-flow graph (so a key comes after every key
+that can run before it in one pass through the function, and a loop's key
+before everything in and after the loop); `depth` counts the enclosing
+instrumented loops of the function, so the engine can drop the frames of
+loops that were left without instrumenting loop exits.
 
-The IR is the output of clang -O2 -gline-tables-only on the translated
-shader. The instrumenter insists on understanding every memory instruction:
-an unknown one is an error, not a silent gap in the checks.
+Also:
+- A vector comparison's result (clang: `sext <N x i1>`, -1 for true)
+  becomes `zext` (1 for true): Metal's comparison gives a bool vector, and
+  bool converts to 1.
+- Integer division by zero (or INT_MIN / -1) would trap on the CPU; the GPU
+  gives an unspecified value. Such divisions divide by 1 instead.
+- A float-to-integer conversion (fptosi/fptoui) in shader code is checked:
+  NaN or a value outside the integer's range is undefined in Metal, and the
+  engine reports it with the line (@__mx_convert_check).
+- The thread-private memory each kernel may need (its allocas, along the
+  deepest chain of calls) is exported as mx_library_frames, so the engine can
+  give fibers stacks large enough.
 """
 
 from __future__ import annotations
 
 import re
+import struct
 
 __all__ = ["instrument", "InstrumentError"]
 
@@ -114,6 +143,10 @@ class _Metadata:
             seen += 1
         return "?"
 
+    def file_of_node(self, node: str) -> str:
+        """The file a debug-info node (a function's DISubprogram) is in."""
+        return self._file_of(node)
+
     def position(self, dbg: str) -> str | None:
         """'file:line:col' of a location, preferring the innermost frame that
         is shader code rather than the executor's stand-in headers."""
@@ -131,79 +164,536 @@ class _Metadata:
         return None
 
 
+# ------------------------------------------------------------------ module --
+_LABEL_RE = re.compile(r'^([-a-zA-Z$._0-9]+|"[^"]*"):(\s*;.*)?$')
+_SUCC_RE = re.compile(r'label %([-a-zA-Z$._0-9]+|"[^"]*")')
+_CALL_RE = re.compile(r'\bcall\b[^@]*@("[^"]+"|[-a-zA-Z$._0-9]+)\(')
+_F2I_RE = re.compile(r"^(fptosi|fptoui) (.+) to (i[0-9]+|<[0-9]+ x i[0-9]+>)$")
+_SEXT_MASK_RE = re.compile(r"^sext (<[0-9]+ x i1>) ")
+_LOOP_MD_RE = re.compile(r"!llvm\.loop (![0-9]+)")
+_TERMINATORS = ("br ", "switch ", "ret", "unreachable", "indirectbr ", "invoke ", "callbr ", "resume ")
+
+# The executor's own entry functions (mx_metal.h): never instrumented.
+_HOOKS = {"__mx_access", "__mx_enter", "__mx_leave", "__mx_loop", "__mx_convert_check", "__mx_simd", "__mx_barrier"}
+# Every simd operation and barrier of mx_metal.h goes through one of these.
+_SYNC = {"__mx_simd", "__mx_barrier"}
+# Files whose functions are the executor's, not the shader's.
+_EXECUTOR_FILES = ("mx_metal.h", "mx_abi.h", "<executor entry points>")
+
+
+class _Block:
+    def __init__(self, label: str, label_line: str | None):
+        self.label = label
+        self.label_line = label_line
+        self.insts: list[list[str]] = []  # each instruction's lines (a switch spans several)
+
+    def terminator(self) -> str:
+        return " ".join(self.insts[-1]) if self.insts else ""
+
+    def successors(self) -> list[str]:
+        t = self.terminator().strip()
+        if not t.startswith(_TERMINATORS):
+            return []
+        return _SUCC_RE.findall(t)
+
+
+class _Function:
+    def __init__(self, header: str):
+        self.header = header
+        m = _DEFINE_RE.match(header)
+        self.name = m.group(1).strip('"')
+        d = re.search(r"!dbg (![0-9]+)", header)
+        self.dbg = d.group(1) if d else None
+        self.blocks: list[_Block] = []
+        self.file = "?"
+
+    def lines(self) -> list[str]:
+        out = [self.header]
+        for i, b in enumerate(self.blocks):
+            if i:
+                out.append("")
+            if b.label_line is not None:
+                out.append(b.label_line)
+            for inst in b.insts:
+                out.extend(inst)
+        out.append("}")
+        return out
+
+
+def _parse(lines: list[str]) -> list:
+    """The module as a list of plain lines and _Function objects."""
+    items: list = []
+    fn: _Function | None = None
+    block: _Block | None = None
+    pending: list[str] | None = None  # an instruction spanning lines
+    for line in lines:
+        if fn is None:
+            if _DEFINE_RE.match(line) and line.rstrip().endswith("{"):
+                fn = _Function(line)
+                block = _Block("%entry", None)
+                fn.blocks.append(block)
+            else:
+                items.append(line)
+            continue
+        if pending is not None:
+            pending.append(line)
+            if line.strip().startswith("]"):
+                pending = None
+            continue
+        if line.startswith("}"):
+            fn.blocks = [b for b in fn.blocks if b.insts or b.label_line is not None]
+            items.append(fn)
+            fn = block = None
+            continue
+        s = line.strip()
+        if not s or s.startswith(";"):
+            continue
+        m = _LABEL_RE.match(s)
+        if m and not line.startswith(" "):
+            block = _Block(m.group(1), line)
+            fn.blocks.append(block)
+            continue
+        inst = [line]
+        block.insts.append(inst)
+        if s.startswith("switch ") or re.search(r"= switch ", s):
+            if s.endswith("["):
+                pending = inst
+    if fn is not None:
+        raise InstrumentError("the IR ends inside a function")
+    return items
+
+
+def _callee(inst: list[str]) -> str | None:
+    m = _CALL_RE.search(inst[0])
+    return m.group(1).strip('"') if m else None
+
+
+# --------------------------------------------------------------- analysis --
+def _reverse_postorder(fn: _Function) -> list[_Block]:
+    by_label = {b.label: b for b in fn.blocks}
+    seen, post = set(), []
+    stack = [(fn.blocks[0], iter(fn.blocks[0].successors()))]
+    seen.add(fn.blocks[0].label)
+    while stack:
+        b, it = stack[-1]
+        nxt = next(it, None)
+        if nxt is None:
+            post.append(b)
+            stack.pop()
+        elif nxt in by_label and nxt not in seen:
+            seen.add(nxt)
+            stack.append((by_label[nxt], iter(by_label[nxt].successors())))
+    return post[::-1]
+
+
+def _dominators(rpo: list[_Block]) -> dict[str, str]:
+    """Immediate dominators (Cooper, Harvey and Kennedy)."""
+    index = {b.label: i for i, b in enumerate(rpo)}
+    preds: dict[str, list[str]] = {b.label: [] for b in rpo}
+    for b in rpo:
+        for s in b.successors():
+            if s in preds:
+                preds[s].append(b.label)
+    idom = {rpo[0].label: rpo[0].label}
+
+    def intersect(a: str, b: str) -> str:
+        while a != b:
+            while index[a] > index[b]:
+                a = idom[a]
+            while index[b] > index[a]:
+                b = idom[b]
+        return a
+
+    changed = True
+    while changed:
+        changed = False
+        for b in rpo[1:]:
+            new = None
+            for p in preds[b.label]:
+                if p in idom:
+                    new = p if new is None else intersect(p, new)
+            if new is not None and idom.get(b.label) != new:
+                idom[b.label] = new
+                changed = True
+    return idom
+
+
+def _dominates(idom: dict[str, str], a: str, b: str) -> bool:
+    while True:
+        if a == b:
+            return True
+        up = idom.get(b)
+        if up is None or up == b:
+            return False
+        b = up
+
+
+def _natural_loops(fn: _Function, rpo: list[_Block], idom) -> dict[str, set[str]]:
+    """Header label -> labels of the loop's blocks. Irreducible control flow
+    (a cycle not entered through one header) is an error."""
+    index = {b.label: i for i, b in enumerate(rpo)}
+    preds: dict[str, list[str]] = {b.label: [] for b in rpo}
+    for b in rpo:
+        for s in b.successors():
+            if s in preds:
+                preds[s].append(b.label)
+    loops: dict[str, set[str]] = {}
+    for b in rpo:
+        for h in b.successors():
+            if h not in index or index[h] > index[b.label]:
+                continue
+            if not _dominates(idom, h, b.label):
+                raise InstrumentError(f"function {fn.name} has irreducible control flow, which the executor cannot "
+                                      "order for simd operations")
+            body = loops.setdefault(h, {h})
+            work = [b.label]
+            while work:
+                x = work.pop()
+                if x not in body:
+                    body.add(x)
+                    work.extend(preds[x])
+    return loops
+
+
+# ------------------------------------------------------------ frame sizes --
+_PRIM_SIZES = {"half": 2, "bfloat": 2, "float": 4, "double": 8, "ptr": 8, "x86_fp80": 16, "fp128": 16}
+
+
+class _TypeSizes:
+    """Allocation sizes of IR types (x86-64 and arm64 data layouts)."""
+
+    def __init__(self, lines: list[str]):
+        self.named: dict[str, str] = {}
+        for line in lines:
+            m = re.match(r'^(%[-a-zA-Z$._0-9]+|%"[^"]*") = type (.*)$', line)
+            if m:
+                self.named[m.group(1)] = m.group(2).strip()
+        self.cache: dict[str, tuple[int, int]] = {}
+
+    def size_align(self, ty: str) -> tuple[int, int]:
+        ty = ty.strip()
+        if ty in self.cache:
+            return self.cache[ty]
+        self.cache[ty] = (8, 8)  # a recursive type refers to itself through a pointer
+        r = self._compute(ty)
+        self.cache[ty] = r
+        return r
+
+    def _compute(self, ty: str) -> tuple[int, int]:
+        if ty in _PRIM_SIZES:
+            n = _PRIM_SIZES[ty]
+            return n, n
+        if ty.startswith("ptr"):
+            return 8, 8
+        m = re.fullmatch(r"i([0-9]+)", ty)
+        if m:
+            n = max(1, (int(m.group(1)) + 7) // 8)
+            p2 = 1 << (n - 1).bit_length()
+            return p2, min(p2, 16)
+        if ty.startswith("%"):
+            body = self.named.get(ty, "opaque")
+            return (0, 1) if body == "opaque" else self.size_align(body)
+        if ty.startswith("<{") or ty.startswith("{"):
+            packed = ty.startswith("<{")
+            inner = ty[2:-2] if packed else ty[1:-1]
+            off, align = 0, 1
+            for field in _split_top(inner) if inner.strip() else []:
+                fs, fa = self.size_align(field)
+                if not packed:
+                    off = (off + fa - 1) // fa * fa
+                    align = max(align, fa)
+                off += fs
+            return (off + align - 1) // align * align, align
+        m = re.fullmatch(r"\[([0-9]+) x (.*)\]", ty)
+        if m:
+            es, ea = self.size_align(m.group(2))
+            return int(m.group(1)) * es, ea
+        m = re.fullmatch(r"<([0-9]+) x (.*)>", ty)
+        if m:
+            es, _ = self.size_align(m.group(2))
+            n = int(m.group(1)) * es
+            p2 = 1 << max(0, (n - 1).bit_length())
+            return p2, p2
+        return 16, 16  # unknown: count it, generously
+
+
+def _alloca_bytes(inst: str, sizes: _TypeSizes) -> int:
+    m = re.search(r"= alloca (?:inalloca )?(.*)$", inst)
+    if not m:
+        return 0
+    ty, rest = _first_type(m.group(1))
+    size, align = sizes.size_align(ty)
+    count = re.match(r",\s*i[0-9]+ ([0-9]+)", rest)
+    if count:
+        size *= int(count.group(1))
+    a = re.search(r"\balign ([0-9]+)", rest)
+    return size + (int(a.group(1)) if a else align)
+
+
+# Bytes of stack a call costs beyond the callee's allocas: return address,
+# saved registers, spills of the optimised code.
+_CALL_OVERHEAD = 256
+
+
+def _frames(functions: dict[str, _Function], sizes: _TypeSizes) -> dict[str, int]:
+    own = {n: sum(_alloca_bytes(i[0], sizes) for b in f.blocks for i in b.insts if " alloca " in i[0])
+           for n, f in functions.items()}
+    callees = {n: {c for b in f.blocks for i in b.insts if (c := _callee(i)) in functions}
+               for n, f in functions.items()}
+    memo: dict[str, int] = {}
+
+    def frame(n: str, active: frozenset) -> int:
+        if n in memo:
+            return memo[n]
+        deepest = max((frame(c, active | {n}) for c in callees[n] if c not in active), default=0)
+        memo[n] = own[n] + _CALL_OVERHEAD + deepest
+        return memo[n]
+
+    return {n: frame(n, frozenset()) for n in functions}
+
+
+# ------------------------------------------------------------- instrument --
 def instrument(ir: str) -> tuple[str, list[str]]:
     """Return the instrumented IR and the table of source positions."""
     lines = ir.split("\n")
     meta = _Metadata(lines)
+    items = _parse(lines)
+    functions = {it.name: it for it in items if isinstance(it, _Function)}
+    for f in functions.values():
+        f.file = meta.file_of_node(f.dbg) if f.dbg else "?"
+
     sites: list[str] = ["?"]
     site_index: dict[str, int] = {}
-    out: list[str] = []
     counter = [0]
+    declares: set[str] = set()
 
     def fresh() -> str:
         counter[0] += 1
         return f"%__mx{counter[0]}"
 
+    def site_at(dbg: str | None) -> int:
+        pos = meta.position(dbg) if dbg else None
+        if not pos:
+            return 0
+        idx = site_index.get(pos)
+        if idx is None and len(sites) < MAX_SITES:
+            idx = site_index[pos] = len(sites)
+            sites.append(pos)
+        return idx or 0
+
     def site_of(line: str) -> tuple[int, str]:
         m = _DBG_RE.search(line)
         if not m:
             return 0, ""
-        pos = meta.position(m.group(1))
-        idx = 0
-        if pos:
-            idx = site_index.get(pos)
-            if idx is None and len(sites) < MAX_SITES:
-                idx = site_index[pos] = len(sites)
-                sites.append(pos)
-        return idx or 0, f", !dbg {m.group(1)}"
+        return site_at(m.group(1)), f", !dbg {m.group(1)}"
 
-    in_function = skip_function = False
-    private: set[str] = set()
+    # Which functions reach a simd operation or barrier.
+    calls = {n: {c for b in f.blocks for i in b.insts if (c := _callee(i))} for n, f in functions.items()}
+    reaches = set(_SYNC)
+    changed = True
+    while changed:
+        changed = False
+        for n, cs in calls.items():
+            if n not in reaches and cs & reaches:
+                reaches.add(n)
+                changed = True
 
-    for line in lines:
-        if not in_function:
-            m = _DEFINE_RE.match(line)
-            if m:
-                in_function = True
-                name = m.group(1).strip('"')
-                # The access hook itself, and the library's glue the engine
-                # calls outside any dispatch.
-                skip_function = name == "__mx_access" or name.startswith("mx_library_")
-                private = set()
-            out.append(line)
+    for f in functions.values():
+        if f.name in _HOOKS or f.name.startswith("mx_library_"):
             continue
-        if line.startswith("}"):
-            in_function = False
-            out.append(line)
-            continue
-        if skip_function:
-            out.append(line)
-            continue
+        shader = not f.file.startswith(_EXECUTOR_FILES) and f.file != "?"
+        if shader and calls[f.name] & reaches:
+            _positions(f, reaches, meta, site_of, site_at)
+        _instrument_body(f, shader, site_of, fresh, declares)
 
-        m = _ASSIGN_RE.match(line)
-        lhs, rhs = (m.group(1), m.group(2)) if m else (None, line.strip())
-        if lhs and (rhs.startswith("alloca ") or rhs.startswith("getelementptr") and _based_on(rhs, private)):
-            private.add(lhs)
-            out.append(line)
-            continue
-
-        try:
-            inserted = _instrument_instruction(lhs, rhs, line, private, site_of, fresh)
-        except (IndexError, AttributeError, ValueError) as e:
-            raise InstrumentError(f"the executor cannot parse this instruction ({e}): {line.strip()[:200]}") from None
-        if inserted is None:
-            out.append(line)
+    out: list[str] = []
+    for it in items:
+        if isinstance(it, _Function):
+            out.extend(it.lines())
         else:
-            out.extend(inserted)
-
+            out.append(it)
     _check_nothing_missed(out)
+    existing = {m.group(1) for line in lines if line.startswith("declare")
+                for m in [re.search(r"@([-a-zA-Z$._0-9]+)\(", line)] if m}
+    out.extend(d for d in sorted(declares) if re.search(r"@([-a-zA-Z$._0-9]+)\(", d).group(1) not in existing)
     out.append(_site_table(sites))
+    out.append(_frame_table(_frames(functions, _TypeSizes(lines))))
     return "\n".join(out), sites
+
+
+def _positions(f: _Function, reaches: set[str], meta: "_Metadata", site_of, site_at):
+    """Bracket calls that reach a simd operation or barrier, and mark the
+    headers of the loops around them (see the module's doc)."""
+    rpo = _reverse_postorder(f)
+    idom = _dominators(rpo)
+    loops = _natural_loops(f, rpo, idom)
+    sync_blocks = {b.label for b in rpo for i in b.insts if _callee(i) in reaches}
+    instrumented = {h: body for h, body in loops.items() if body & sync_blocks}
+
+    def depth_of(label: str, exclude: str | None = None) -> int:
+        return sum(1 for h, body in instrumented.items() if label in body and h != exclude)
+
+    key = 0
+    for b in rpo:
+        new: list[list[str]] = []
+        insts = b.insts
+        if b.label in instrumented:
+            key += 1
+            k = 0
+            while k < len(insts) and re.search(r"= phi ", insts[k][0]):
+                new.append(insts[k])
+                k += 1
+            site, dbg = _loop_site(b.label, instrumented[b.label], rpo, meta, site_at)
+            new.append([f"  call void @__mx_loop(i32 {key}, i32 {site}, i32 {depth_of(b.label, b.label)}){dbg}"])
+            insts = insts[k:]
+        for inst in insts:
+            if _callee(inst) in reaches:
+                key += 1
+                site, dbg = site_of(inst[0])
+                new.append([f"  call void @__mx_enter(i32 {key}, i32 {site}, i32 {depth_of(b.label)}){dbg}"])
+                new.append(inst)
+                new.append([f"  call void @__mx_leave(){dbg}"])
+            else:
+                new.append(inst)
+        b.insts = new
+
+
+def _loop_site(header: str, body: set[str], rpo: list[_Block], meta: "_Metadata", site_at) -> tuple[int, str]:
+    """The loop's source position (the start location clang attaches to the
+    back edge as !llvm.loop, else the loop's first line) and a !dbg for the
+    call (every call in a function with debug info needs one)."""
+    dbg = None
+    for b in rpo:
+        if b.label in body:
+            for inst in b.insts:
+                m = _DBG_RE.search(inst[0])
+                if m:
+                    dbg = dbg or m.group(1)
+    for b in rpo:
+        if b.label in body and header in b.successors():
+            m = _LOOP_MD_RE.search(b.terminator())
+            if m:
+                for ref in re.findall(r"![0-9]+", meta.nodes.get(m.group(1), "")):
+                    if meta.nodes.get(ref, "").startswith("!DILocation("):
+                        return site_at(ref), f", !dbg {ref}"
+    return (site_at(dbg), f", !dbg {dbg}") if dbg else (0, "")
+
+
+def _instrument_body(f: _Function, shader: bool, site_of, fresh, declares: set[str]):
+    private: set[str] = set()
+    for b in f.blocks:
+        new: list[list[str]] = []
+        for inst in b.insts:
+            line = inst[0]
+            if len(inst) > 1:
+                new.append(inst)
+                continue
+            m = _ASSIGN_RE.match(line)
+            lhs, rhs = (m.group(1), m.group(2)) if m else (None, line.strip())
+            if lhs and (rhs.startswith("alloca ") or rhs.startswith("getelementptr") and _based_on(rhs, private)):
+                private.add(lhs)
+                new.append(inst)
+                continue
+            if lhs and _SEXT_MASK_RE.match(rhs):
+                # A comparison's mask: Metal's bool is 1 where true, not -1.
+                new.append([line.replace(" = sext <", " = zext <", 1)])
+                continue
+            if lhs and shader:
+                mc = _F2I_RE.match(_DBG_RE.sub("", rhs))
+                if mc:
+                    new.extend([x] for x in _conversion_check(mc, line, site_of, fresh, declares))
+                    new.append(inst)
+                    continue
+            try:
+                inserted = _instrument_instruction(lhs, rhs, line, private, site_of, fresh)
+            except (IndexError, AttributeError, ValueError) as e:
+                raise InstrumentError(f"the executor cannot parse this instruction ({e}): {line.strip()[:200]}") from None
+            if inserted is None:
+                new.append(inst)
+            else:
+                new.extend([x] for x in inserted)
+        b.insts = new
+
+
+def _double_hex(x: float) -> str:
+    return "0x%016X" % struct.unpack("<Q", struct.pack("<d", x))[0]
+
+
+def _conversion_check(m, line: str, site_of, fresh, declares: set[str]) -> list[str]:
+    """Lines that call __mx_convert_check before a float-to-integer
+    conversion: false for NaN or a value whose truncation is outside the
+    integer's range."""
+    op, src, dst = m.groups()
+    src_ty, value = _first_type(src)
+    signed = op == "fptosi"
+    bits = int(re.search(r"i([0-9]+)", dst).group(1))
+    lo = -(2.0 ** (bits - 1)) if signed else 0.0
+    hi = 2.0 ** (bits - 1) if signed else 2.0 ** bits
+    site, dbg = site_of(line)
+    flags = (0x80 if signed else 0) | bits | (site << SITE_SHIFT)
+    vec = re.match(r"<([0-9]+) x (.*)>", src_ty)
+    ext, trunc, lo_ok, hi_ok, ok = fresh(), fresh(), fresh(), fresh(), fresh()
+    if vec:
+        n, elem = int(vec.group(1)), vec.group(2)
+        dty, mty = f"<{n} x double>", f"<{n} x i1>"
+        splat = lambda x: "<" + ", ".join([f"double {_double_hex(x)}"] * n) + ">"
+        trunc_fn = f"llvm.trunc.v{n}f64"
+        declares.add(f"declare {dty} @{trunc_fn}({dty})")
+        declares.add(f"declare i1 @llvm.vector.reduce.and.v{n}i1({mty})")
+        all_ok = fresh()
+        ext_line = (f"  {ext} = fpext {src_ty} {value} to {dty}" if elem != "double"
+                    else f"  {ext} = fadd {dty} {value}, zeroinitializer")
+        return [
+            ext_line,
+            f"  {trunc} = call {dty} @{trunc_fn}({dty} {ext})",
+            f"  {lo_ok} = fcmp oge {dty} {trunc}, {splat(lo)}",
+            f"  {hi_ok} = fcmp olt {dty} {trunc}, {splat(hi)}",
+            f"  {ok} = and {mty} {lo_ok}, {hi_ok}",
+            f"  {all_ok} = call i1 @llvm.vector.reduce.and.v{n}i1({mty} {ok})",
+            f"  call void @__mx_convert_check(i1 zeroext {all_ok}, i32 {flags}){dbg}",
+        ]
+    declares.add("declare double @llvm.trunc.f64(double)")
+    ext_line = (f"  {ext} = fpext {src_ty} {value} to double" if src_ty != "double"
+                else f"  {ext} = fadd double {value}, 0.0")
+    return [
+        ext_line,
+        f"  {trunc} = call double @llvm.trunc.f64(double {ext})",
+        f"  {lo_ok} = fcmp oge double {trunc}, {_double_hex(lo)}",
+        f"  {hi_ok} = fcmp olt double {trunc}, {_double_hex(hi)}",
+        f"  {ok} = and i1 {lo_ok}, {hi_ok}",
+        f"  call void @__mx_convert_check(i1 zeroext {ok}, i32 {flags}){dbg}",
+    ]
+
+
+def _frame_table(frames: dict[str, int]) -> str:
+    entries = sorted((int(n[len("__mx_entry_"):]), v) for n, v in frames.items()
+                     if re.fullmatch(r"__mx_entry_[0-9]+", n))
+    count = entries[-1][0] + 1 if entries else 0
+    values = dict(entries)
+    body = ", ".join(f"i64 {values.get(i, 0)}" for i in range(count))
+    init = f"[{body}]" if count else "zeroinitializer"
+    return "\n".join([
+        f"@__mx_frames = private constant [{count} x i64] {init}",
+        "define dso_local ptr @mx_library_frames(ptr %n) {",
+        f"  store i32 {count}, ptr %n",
+        "  ret ptr @__mx_frames",
+        "}",
+        "",
+    ])
 
 
 def _based_on(gep: str, private: set[str]) -> bool:
     m = re.search(rf"\bptr ({_NAME})", gep)
     return bool(m and m.group(1) in private)
+
+
+def _pointer(operand: str) -> str:
+    """The pointer of 'ptr %p', 'ptr addrspace(1) %p' or, in an atomic load
+    or store, 'ptr %p syncscope("x") seq_cst'."""
+    for word in operand.split():
+        if word.startswith(("%", "@")):
+            return word
+    return operand.split()[-1]
 
 
 def _call(ptr: str, size: str, flags: int, dbg: str) -> str:
@@ -225,7 +715,7 @@ def _instrument_instruction(lhs, rhs, line, private, site_of, fresh):
         kind = ACC_READ | (ACC_ATOMIC if " atomic " in f" {body} " else 0)
         ty, after = _first_type(rest)
         ops = _split_top(after.lstrip(", "))
-        ptr = ops[0].split()[-1]
+        ptr = _pointer(ops[0])
         if not wanted(ptr):
             return None
         site, dbg = site_of(line)
@@ -236,7 +726,7 @@ def _instrument_instruction(lhs, rhs, line, private, site_of, fresh):
         kind = ACC_WRITE | (ACC_ATOMIC if body.startswith("store atomic") else 0)
         ops = _split_top(rest)
         ty, _ = _first_type(ops[0])
-        ptr = ops[1].split()[-1]
+        ptr = _pointer(ops[1])
         if not wanted(ptr):
             return None
         site, dbg = site_of(line)
@@ -245,7 +735,7 @@ def _instrument_instruction(lhs, rhs, line, private, site_of, fresh):
     if body.startswith("atomicrmw ") or body.startswith("cmpxchg "):
         rest = re.sub(r"^(atomicrmw|cmpxchg)( weak)?( volatile)?( [a-z_]+(?= ptr))? ", "", body)
         ops = _split_top(rest)
-        ptr = ops[0].split()[-1]
+        ptr = _pointer(ops[0])
         ty, _ = _first_type(ops[1])
         if not wanted(ptr):
             return None

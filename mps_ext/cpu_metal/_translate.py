@@ -401,23 +401,44 @@ class _Translator:
             self.replace(i, s + "f")
 
     def _rewrite_vector_constructor(self, i: int) -> bool:
+        """`float4(...)`, `vec<float, 4>(...)` and `static_cast<float4>(...)`
+        become `__mx_make<float4>(__mx::site(), ...)`: the site names the
+        line if a conversion in it fails (mx_metal.h). `vec<bool, N>` becomes
+        boolN, Metal's bool vector (a class in mx_metal.h)."""
         s, prev = self.t(i), self.t(i - 1)
         if prev in ("operator", ".", "->", "struct", "class", "typedef"):
             return False
         if s in VECTOR_TYPES and self.t(i + 1) == "(":
             self.replace(i, f"__mx_make<{s}>")
+            self._insert_site(i + 1)
             return True
         if s == "vec" and self.t(i + 1) == "<":
             close = self.match(i + 1, "<", ">")
+            if self.t(i + 2) == "bool" and self.t(i + 3) == "," and close == i + 5 and self.t(i + 4) in ("2", "3", "4"):
+                name = f"bool{self.t(i + 4)}"
+                self.blank(i, close + 1)
+                if self.t(close + 1) == "(":
+                    self.insert(self.toks[i].start, f"__mx_make<{name}>")
+                    self._insert_site(close + 1)
+                else:
+                    self.insert(self.toks[i].start, name)
+                return False
             if self.t(close + 1) == "(" and self.t(close) == ">":
                 self.insert(self.toks[i].start, "__mx_make<")
                 self.insert(self.toks[close].end, ">")
+                self._insert_site(close + 1)
             return False
         if s == "static_cast" and self.t(i + 1) == "<" and self.t(i + 3) == ">" and self.t(i + 2) in VECTOR_TYPES:
             self.blank(i, i + 4)
             self.insert(self.toks[i].start, f"__mx_make<{self.t(i + 2)}>")
+            if self.t(i + 4) == "(":
+                self._insert_site(i + 4)
             return False
         return False
+
+    def _insert_site(self, paren: int):
+        """After the '(' at token `paren`: the site argument of __mx_make."""
+        self.insert(self.toks[paren].end, "__mx::site()" if self.t(paren + 1) == ")" else "__mx::site(), ")
 
     # ------------------------------------------------- threadgroup variables --
     def _threadgroup_declaration(self, i: int):
@@ -497,7 +518,7 @@ class _Translator:
             if self.t(j) == "__attribute__":
                 j = self.match(j + 1, "(", ")") + 1
                 continue
-            attr = self.attribute_at(j)  # [[max_total_threads_per_threadgroup(N)]] before `kernel`
+            attr = self.attribute_at(j)  # [[max_total_threads_per_threadgroup(N)]]
             if attr:
                 j = attr[0]
                 continue

@@ -88,3 +88,30 @@ def test_math(kernels):
     cpu, mps = run_both(kernels, "math", "float_math", [torch.zeros(64 * 16), x], 64, 32)
     # Metal's default (fast) math, with which compile_shader builds, is looser
     torch.testing.assert_close(cpu[0], mps[0], rtol=1e-4, atol=1e-5)
+
+
+SIMT_KERNELS = ["helper_after_divergent_if", "helpers_nested", "helper_in_both_branches", "branches_in_one_macro",
+                "template_in_both_branches", "branches_inline", "loop_trip_count_continue", "loop_while_break",
+                "work_until_all_done", "work_fixed_passes", "nested_loop_scan", "simd_in_for_increment"]
+
+
+@pytest.mark.parametrize("name", SIMT_KERNELS)
+def test_divergent_simd_operations(kernels, name):
+    # which lanes take part in a simd operation in divergent code (issue 12)
+    cpu, mps = run_both(kernels, "simt", name, [torch.zeros(32)], 32, 32)
+    assert torch.equal(cpu[0], mps[0])
+
+
+def test_bool_vectors_and_denormals(kernels):
+    a = torch.from_numpy(rng.integers(-3, 4, (64, 4)).astype(np.float32))
+    b = torch.from_numpy(rng.integers(-3, 4, (64, 4)).astype(np.float32))
+    cpu, mps = run_both(kernels, "boolvec", "comparisons_convert_to_one",
+                        [torch.zeros(64, 4, dtype=torch.int32), torch.zeros(64, 4), a, b], 64, 32)
+    assert torch.equal(cpu[0], mps[0]) and torch.equal(cpu[1], mps[1])
+    x = torch.tensor([1e-38, 2.35e-38, 1.4e-45, -3e-39])
+    hx = torch.tensor([2 ** -14, 2 ** -22, 2 ** -23, -(2 ** -20)], dtype=torch.float16)
+    cpu, mps = run_both(kernels, "numerics", "denormals",
+                        [torch.zeros(8), torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.float16),
+                         x, hx], 4, 4)
+    for c, m in zip(cpu[:3], mps[:3]):
+        assert torch.equal(c.view(torch.int8), m.view(torch.int8))

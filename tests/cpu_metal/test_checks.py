@@ -50,7 +50,7 @@ def test_divergent_barrier(kernels):
         kernels("checks").dispatch("divergent_barrier", [out, np.uint32(40)], threads=64, threads_per_threadgroup=64)
     msg = str(e.value)
     assert "threadgroup_barrier" in msg and "had returned" in msg
-    assert f"at line {line_of('if (i >= n) return;') + 2}," in msg  # the barrier's line
+    assert f"at checks.metal:{line_of('if (i >= n) return;') + 2}:" in msg  # the barrier's line
     # with every thread in range it runs
     kernels("checks").dispatch("divergent_barrier", [out, np.uint32(64)], threads=64, threads_per_threadgroup=64)
     assert out.tolist() == [float(63 - i) for i in range(64)]

@@ -133,7 +133,8 @@ def test_build_is_cached(tmp_path, monkeypatch):
 
 
 def test_check_mode_passes_the_test_kernels():
-    files = [str(p) for p in sorted(KERNELS.glob("*.metal")) if p.name != "address_space_mismatch.metal"]
+    # *_mismatch.metal are the kernels a Metal compiler must reject
+    files = [str(p) for p in sorted(KERNELS.glob("*.metal")) if not p.name.endswith("_mismatch.metal")]
     r = subprocess.run([sys.executable, "-m", "mps_ext.cpu_metal", "check", *files], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 

@@ -10,7 +10,7 @@
 #ifndef MX_ABI_H
 #define MX_ABI_H
 
-#define MX_ABI_VERSION 3u
+#define MX_ABI_VERSION 4u
 
 typedef unsigned int mx_u32;
 typedef unsigned long long mx_u64;
@@ -39,8 +39,16 @@ enum { MX_MEM_DEVICE = 1u, MX_MEM_THREADGROUP = 2u };
 
 // Flags of a simd operation.
 enum {
-  MX_SIMD_UNIFORM = 1u,  // every live lane of the simdgroup must take part
+  MX_SIMD_UNIFORM = 1u,  // every lane of the simdgroup must take part
                          // (simdgroup_matrix operations, simdgroup_barrier)
+  MX_SIMD_MATRIX = 2u,   // a simdgroup_matrix operation: needs 32 lanes
+};
+
+// Flags of a float-to-integer conversion check (__mx_convert_check): the
+// integer's width and signedness, and the site of the conversion.
+enum {
+  MX_CONV_SIGNED = 0x80u,    // bits 0..6: the integer's width in bits
+  MX_CONV_SITE_SHIFT = 8,    // bits 8..31: index into the site table
 };
 
 typedef struct mx_uint3 { mx_u32 x, y, z; } mx_uint3;
@@ -78,18 +86,34 @@ typedef void (*mx_simd_fn)(const mx_simd_lane* lanes, mx_u32 active_mask,
 
 // Services of the engine, called by shader code. Each blocking call returns
 // once every thread it waits for has arrived; an error never returns.
+//
+// Where a thread is, for matching the threads of a simd operation or barrier
+// (the SIMT position): the instrumenter (_instrument.py) brackets every call
+// of shader code that can reach one with enter/leave, and calls `loop` at the
+// header of every loop that contains such a call. `key` orders the calls and
+// loops of one function as control flow does; `site` indexes the site table;
+// `depth` is how many such loops of the function enclose the call or loop.
 typedef struct mx_engine_api {
   mx_u32 abi_version;
   void (*access)(const void* address, mx_u64 size, mx_u32 flags);
-  void (*barrier)(mx_u32 scope, mx_u32 mem_flags, mx_u32 site);
+  void (*barrier)(mx_u32 scope, mx_u32 mem_flags);
   void (*simd)(mx_simd_fn fn, const void* in, void* out, mx_i64 arg,
-               mx_u32 flags, mx_u32 site);
+               mx_u32 flags);
   // Storage of a `threadgroup` variable declared inside a function; `key`
   // tells the declarations apart.
   void* (*threadgroup_variable)(const void* key, mx_u64 size, mx_u64 align);
   void (*fail)(const char* message);
   // The thread (fiber) running right now.
   const mx_thread_info* (*current_thread)(void);
+  void (*enter)(mx_u32 key, mx_u32 site, mx_u32 depth);
+  void (*leave)(void);
+  void (*loop)(mx_u32 key, mx_u32 site, mx_u32 depth);
+  // A float-to-integer conversion of a NaN or out-of-range value. `flags`
+  // are MX_CONV_*; the place is the site in the flags (instrumented shader
+  // code) or, if `file` is not null, file:line:col (a vector constructor).
+  void (*conversion_error)(mx_u32 flags, const char* file, mx_u32 line, mx_u32 col);
+  // atomic_thread_fence: a fence over the given memory (mem_flags bits).
+  void (*fence)(mx_u32 mem_flags);
 } mx_engine_api;
 
 // Parameter descriptions generated for each kernel.
@@ -131,5 +155,8 @@ typedef struct mx_kernel {
 #define MX_LIBRARY_BIND_SYMBOL "mx_library_bind"        // void (const mx_engine_api*)
 #define MX_LIBRARY_KERNELS_SYMBOL "mx_library_kernels"  // const mx_kernel* (mx_u32*)
 #define MX_LIBRARY_SITES_SYMBOL "mx_library_sites"      // const char* const* (mx_u32*)
+// Thread-private bytes (an upper bound of the stack) each kernel needs, in
+// the order of mx_library_kernels.
+#define MX_LIBRARY_FRAMES_SYMBOL "mx_library_frames"    // const mx_u64* (mx_u32*)
 
 #endif

@@ -16,9 +16,11 @@
 // rewrites into __mx_make<float4>(...).
 //
 // Simd and barrier operations hand over to the engine (mx_abi.h), which runs
-// the threads of a threadgroup as fibers. Every such call carries its source
-// position (__mx::site), so the engine can tell call sites apart when lanes
-// diverge.
+// the threads of a threadgroup as fibers, through the entry functions
+// __mx_simd and __mx_barrier. The instrumenter (_instrument.py) finds every
+// call of shader code that can reach one and tells the engine where each
+// thread is (its SIMT position), so that a simd operation runs over the
+// threads on the same control-flow path, as on a GPU.
 #ifndef MX_METAL_H
 #define MX_METAL_H
 
@@ -41,6 +43,20 @@
 
 #define METAL_FUNC inline __attribute__((always_inline))
 #define __METAL_CPU_EXECUTOR__ 1
+
+extern "C" const mx_engine_api* __mx_api;
+
+namespace __mx {
+// Where in the shader a vector constructor is written: the translator passes
+// `__mx::site()` as the first argument of __mx_make, and the default
+// arguments take the position of that call.
+struct site {
+  const char* file;
+  mx_u32 line, col;
+  constexpr site(const char* f = __builtin_FILE(), mx_u32 l = __builtin_LINE(), mx_u32 c = __builtin_COLUMN())
+      : file(f), line(l), col(c) {}
+};
+}  // namespace __mx
 
 // ---------------------------------------------------------------- scalars --
 typedef _Float16 half;
@@ -91,11 +107,8 @@ MX_VECTORS(uchar, uchar)
 MX_VECTORS(long, long)
 MX_VECTORS(ulong, ulong)
 #undef MX_VECTORS
-// bool vectors exist, but vector comparisons yield integer masks (-1 / 0) as
-// in OpenCL; all(), any() and select() take either.
-typedef bool bool2 __attribute__((ext_vector_type(2)));
-typedef bool bool3 __attribute__((ext_vector_type(3)));
-typedef bool bool4 __attribute__((ext_vector_type(4)));
+
+namespace __mx { template <int N> struct boolv; }
 
 namespace metal {
 template <class T, int N>
@@ -116,6 +129,22 @@ template <class T> struct remove_cv<const volatile T> { typedef T type; };
 template <class T> struct remove_ref { typedef T type; };
 template <class T> struct remove_ref<T&> { typedef T type; };
 template <class T> struct remove_ref<T&&> { typedef T type; };
+// T without const, volatile and (in check mode) its address space.
+template <class T> struct unqual { typedef typename remove_cv<T>::type type; };
+#if MX_ADDRESS_SPACES
+template <class T> struct unqual<__attribute__((address_space(1))) T> { typedef typename unqual<T>::type type; };
+template <class T> struct unqual<__attribute__((address_space(2))) T> { typedef typename unqual<T>::type type; };
+template <class T> struct unqual<__attribute__((address_space(3))) T> { typedef typename unqual<T>::type type; };
+#endif
+// True for T in the threadgroup address space (known only in check mode).
+template <class T> struct in_threadgroup { static constexpr bool value = false; };
+#if MX_ADDRESS_SPACES
+template <class T> struct in_threadgroup<__attribute__((address_space(3))) T> { static constexpr bool value = true; };
+#endif
+template <class T, class P>
+using if_same_unqual = typename enable_if<is_same<T, typename unqual<P>::type>::value, int>::type;
+template <class T, class P>
+using if_not_same_unqual = typename enable_if<!is_same<T, typename unqual<P>::type>::value, int>::type;
 template <class T> struct remove_ptr { typedef T type; };
 template <class T> struct remove_ptr<T*> { typedef T type; };
 template <class T> struct remove_ptr<T* const> { typedef T type; };
@@ -128,6 +157,11 @@ template <class T> struct vt {
 };
 template <class T, int N> struct vt<T __attribute__((ext_vector_type(N)))> {
   typedef T elem;
+  static constexpr int n = N;
+  static constexpr bool is_vec = true;
+};
+template <int N> struct vt<boolv<N>> {
+  typedef bool elem;
   static constexpr int n = N;
   static constexpr bool is_vec = true;
 };
@@ -157,35 +191,93 @@ using if_vec = typename enable_if<vt<V>::is_vec && Pred<typename vt<V>::elem>::v
 template <class T> constexpr int width_of() { return vt<T>::n; }
 template <class... A> constexpr int total_width() { return (0 + ... + width_of<A>()); }
 
-template <class E, class V> inline void put(V& r, int& i, E x) { r[i++] = x; }
-template <class E, class V, class A> inline void put_any(V& r, int& i, A a) {
+// (E)x, where a floating x that is NaN or outside E's range is an error, as
+// the instrumenter makes it in shader code: Metal leaves the result undefined.
+template <class E, class S>
+inline E convert(S x, site s) {
+  if constexpr (is_int<E>::value && !is_same<E, bool>::value && is_fp<S>::value) {
+    constexpr bool sgn = E(-1) < E(0);
+    constexpr double lo = sgn ? -(double)(1ull << (8 * sizeof(E) - 1)) : 0.0;
+    constexpr double hi = sgn ? (double)(1ull << (8 * sizeof(E) - 1)) : 2.0 * (double)(1ull << (8 * sizeof(E) - 1));
+    double t = __builtin_trunc((double)x);
+    if (!(t >= lo && t < hi))
+      __mx_api->conversion_error((sgn ? MX_CONV_SIGNED : 0u) | (8u * sizeof(E)), s.file, s.line, s.col);
+  }
+  return (E)x;
+}
+template <class E, class V, class A> inline void put_any(V& r, int& i, A a, site s) {
   if constexpr (vt<A>::n == 1) {
-    r[i++] = (E)a;
+    r[i++] = convert<E>(a, s);
   } else {
-    for (int k = 0; k < vt<A>::n; ++k) r[i++] = (E)a[k];
+    for (int k = 0; k < vt<A>::n; ++k) r[i++] = convert<E>(a[k], s);
   }
 }
 }  // namespace __mx
 
+// Metal's bool vectors: one byte per element, 0 or 1 (bool3 is padded to 4
+// bytes, like char3). They are a class here, not a clang vector: clang's
+// ext_vector bool is a bit vector (sizeof(bool4) == 1). A vector comparison
+// in clang yields an integer vector, which the instrumenter makes 1 where
+// true (Metal's bool converts to 1), and a boolN converts from it, so that
+// `bool4 m = a > b;`, all(), any(), select(), m.x and int4(m) work as in
+// Metal. No swizzles (.xy) on bool vectors, and no `m ? a : b` (not Metal:
+// use select).
+namespace __mx {
+template <int N> struct bool_storage;
+template <> struct bool_storage<2> { union { bool __v[2]; struct { bool x, y; }; }; };
+template <> struct bool_storage<3> { union { bool __v[4]; struct { bool x, y, z; }; }; };
+template <> struct bool_storage<4> { union { bool __v[4]; struct { bool x, y, z, w; }; }; };
+
+template <int N>
+struct alignas(N == 2 ? 2 : 4) boolv : bool_storage<N> {
+  boolv() = default;
+  boolv(bool b) {  // a scalar splats, as for the other vectors
+    for (int i = 0; i < N; ++i) this->__v[i] = b;
+  }
+  // From a comparison's result (or any integer or floating vector of N
+  // elements): element != 0.
+  template <class V, typename enable_if<vt<V>::is_vec && vt<V>::n == N, int>::type = 0>
+  boolv(V m) {
+    for (int i = 0; i < N; ++i) this->__v[i] = m[i] != 0;
+  }
+  bool& operator[](int i) { return this->__v[i]; }
+  const bool& operator[](int i) const { return this->__v[i]; }
+  friend boolv operator!(boolv a) { boolv r; for (int i = 0; i < N; ++i) r.__v[i] = !a.__v[i]; return r; }
+#define MX_BOOLV_OP(op)                                                                   \
+  friend boolv operator op(boolv a, boolv b) {                                            \
+    boolv r;                                                                              \
+    for (int i = 0; i < N; ++i) r.__v[i] = a.__v[i] op b.__v[i];                          \
+    return r;                                                                             \
+  }
+  MX_BOOLV_OP(&&) MX_BOOLV_OP(||) MX_BOOLV_OP(&) MX_BOOLV_OP(|) MX_BOOLV_OP(^) MX_BOOLV_OP(==) MX_BOOLV_OP(!=)
+#undef MX_BOOLV_OP
+};
+}  // namespace __mx
+typedef __mx::boolv<2> bool2;
+typedef __mx::boolv<3> bool3;
+typedef __mx::boolv<4> bool4;
+static_assert(sizeof(bool2) == 2 && sizeof(bool3) == 4 && sizeof(bool4) == 4, "Metal's bool vector sizes");
+
 // The vector constructors of Metal: float4(x) splats, float4(h4) converts
 // element-wise, float4(a.xy, z, w) concatenates. The translator turns every
-// `<vector type>(` into `__mx_make<vector type>(`.
+// `<vector type>(` into `__mx_make<vector type>(__mx::site(), `.
 template <class V, class... A>
-inline V __mx_make(A... a) {
+inline V __mx_make(__mx::site s, A... a) {
   typedef typename __mx::vt<V>::elem E;
   constexpr int N = __mx::vt<V>::n;
   if constexpr (sizeof...(A) == 0) {
     return V{};
   } else if constexpr (sizeof...(A) == 1 && __mx::total_width<A...>() == 1) {
     V r;
-    for (int k = 0; k < N; ++k) r[k] = (E)(a, ...);
+    E e = __mx::convert<E>((a, ...), s);
+    for (int k = 0; k < N; ++k) r[k] = e;
     return r;
   } else {
     static_assert(__mx::total_width<A...>() == N,
                   "vector constructor: the arguments' widths do not add up to the vector's");
     V r;
     int i = 0;
-    (__mx::put_any<E>(r, i, a), ...);
+    (__mx::put_any<E>(r, i, a, s), ...);
     return r;
   }
 }
@@ -293,6 +385,43 @@ MX_INT_LIMITS(ulong, 0ul, 18446744073709551615ul)
 // Float functions come from the C library through clang builtins; half and
 // bfloat compute in float and round once, which is at least as accurate as
 // Metal's own half functions.
+namespace __mx {
+// sin(pi x), cos(pi x), tan(pi x) with the argument reduced exactly: fmod by
+// 1 or 2 is exact, and so are the symmetries below in double, so integers and
+// half-integers give exactly 0, +-1 and +-inf, and a large x loses nothing
+// (sin(x * M_PI_F) is -8.7e-8 at x = 1 and 0.99967 at x = 1000000.5).
+// sinpi(-x) = -sinpi(x); a zero result has the sign of x.
+inline float sinpi(float x) {
+  if (!__builtin_isfinite(x)) return __builtin_nanf("");
+  double r = __builtin_fmod((double)__builtin_fabsf(x), 2.0), s = 1.0;
+  if (r >= 1.0) r -= 1.0, s = -1.0;  // sin(pi (r + 1)) = -sin(pi r)
+  if (r > 0.5) r = 1.0 - r;          // sin(pi (1 - r)) = sin(pi r)
+  float v = (float)(s * __builtin_sin(3.141592653589793 * r));
+  return v == 0.0f ? __builtin_copysignf(0.0f, x) : (x < 0.0f ? -v : v);
+}
+// cos(pi x) = sin(pi (1/2 - r)) for r = |x| mod 2 folded into [0, 1]; +0 at
+// half-integers.
+inline float cospi(float x) {
+  if (!__builtin_isfinite(x)) return __builtin_nanf("");
+  double r = __builtin_fmod((double)__builtin_fabsf(x), 2.0);
+  if (r > 1.0) r = 2.0 - r;
+  return (float)__builtin_sin(3.141592653589793 * (0.5 - r));
+}
+// tan(pi x), period 1: +inf at n + 1/2 for even n, -inf for odd n.
+inline float tanpi(float x) {
+  if (!__builtin_isfinite(x)) return __builtin_nanf("");
+  double r2 = __builtin_fmod((double)__builtin_fabsf(x), 2.0);
+  double r = r2 >= 1.0 ? r2 - 1.0 : r2, s = 1.0;
+  if (r == 0.5) {
+    float inf = r2 < 1.0 ? __builtin_inff() : -__builtin_inff();
+    return x < 0.0f ? -inf : inf;
+  }
+  if (r > 0.5) r = 1.0 - r, s = -1.0;  // tan(pi (1 - r)) = -tan(pi r)
+  double v = s * __builtin_sin(3.141592653589793 * r) / __builtin_sin(3.141592653589793 * (0.5 - r));
+  return (float)(x < 0.0f ? -v : v);
+}
+}  // namespace __mx
+
 namespace metal {
 namespace precise {
 
@@ -330,7 +459,7 @@ MX_FP_FUNC1(atanh, __builtin_atanhf(x))
 MX_FP_FUNC1(ceil, __builtin_ceilf(x))
 MX_FP_FUNC1(cos, __builtin_cosf(x))
 MX_FP_FUNC1(cosh, __builtin_coshf(x))
-MX_FP_FUNC1(cospi, __builtin_cosf(x * M_PI_F))
+MX_FP_FUNC1(cospi, __mx::cospi(x))
 MX_FP_FUNC1(exp, __builtin_expf(x))
 MX_FP_FUNC1(exp2, __builtin_exp2f(x))
 MX_FP_FUNC1(exp10, __builtin_powf(10.0f, x))
@@ -345,11 +474,11 @@ MX_FP_FUNC1(round, __builtin_roundf(x))
 MX_FP_FUNC1(rsqrt, 1.0f / __builtin_sqrtf(x))
 MX_FP_FUNC1(sin, __builtin_sinf(x))
 MX_FP_FUNC1(sinh, __builtin_sinhf(x))
-MX_FP_FUNC1(sinpi, __builtin_sinf(x * M_PI_F))
+MX_FP_FUNC1(sinpi, __mx::sinpi(x))
 MX_FP_FUNC1(sqrt, __builtin_sqrtf(x))
 MX_FP_FUNC1(tan, __builtin_tanf(x))
 MX_FP_FUNC1(tanh, __builtin_tanhf(x))
-MX_FP_FUNC1(tanpi, __builtin_tanf(x * M_PI_F))
+MX_FP_FUNC1(tanpi, __mx::tanpi(x))
 MX_FP_FUNC1(trunc, __builtin_truncf(x))
 MX_FP_FUNC1(saturate, __builtin_fminf(__builtin_fmaxf(x, 0.0f), 1.0f))
 MX_FP_FUNC2(atan2, __builtin_atan2f(x, y))
@@ -436,8 +565,12 @@ inline T smoothstep(T e0, T e1, T x) {
   T t = clamp((x - e0) / (e1 - e0), T(0), T(1));
   return t * t * (T(3) - T(2) * t);
 }
-inline float sign(float x) { return x > 0 ? 1.0f : x < 0 ? -1.0f : (x == x ? 0.0f : 0.0f); }
+// MSL: 1 for x > 0, -1 for x < 0, x itself for +-0, +0 for NaN.
+inline float sign(float x) { return x > 0 ? 1.0f : x < 0 ? -1.0f : x == 0 ? __builtin_copysignf(0.0f, x) : 0.0f; }
 inline half sign(half x) { return (half)sign((float)x); }
+inline bfloat sign(bfloat x) { return (bfloat)sign((float)x); }
+template <class V, __mx::if_vec<V, __mx::is_fp> = 0>
+inline V sign(V x) { V r; for (int i = 0; i < __mx::vt<V>::n; ++i) r[i] = sign(x[i]); return r; }
 
 // -------------------------------------------------------------- relational --
 inline bool isnan(float x) { return __builtin_isnan(x); }
@@ -467,8 +600,8 @@ inline T select(T a, T b, M c) {
 }
 #define MX_VEC_PRED(name)                                                     \
   template <class V, __mx::if_vec<V, __mx::is_fp> = 0>                        \
-  inline vec<bool, __mx::vt<V>::n> name(V v) {                                \
-    vec<bool, __mx::vt<V>::n> r;                                              \
+  inline __mx::boolv<__mx::vt<V>::n> name(V v) {                              \
+    __mx::boolv<__mx::vt<V>::n> r;                                            \
     for (int i = 0; i < __mx::vt<V>::n; ++i) r[i] = name(v[i]);               \
     return r;                                                                 \
   }
@@ -476,6 +609,11 @@ MX_VEC_PRED(isnan) MX_VEC_PRED(isinf) MX_VEC_PRED(isfinite)
 #undef MX_VEC_PRED
 
 // --------------------------------------------------------------- geometric --
+// On half and bfloat vectors these accumulate in float and round once. Apple
+// does not document how the GPU evaluates them; if it rounds to half after
+// every multiply-add, an n-element dot product (n <= 4) differs from this one
+// by at most (n + 1) * 2^-11 * sum |a_i b_i| (length and distance: the same
+// bound on the squared length, then one more half-ulp for the square root).
 template <class V, __mx::if_vec<V, __mx::is_fp> = 0>
 inline typename __mx::vt<V>::elem dot(V a, V b) {
   float s = 0;
@@ -523,13 +661,31 @@ inline uint subsat(uint a, uint b) { return a > b ? a - b : 0u; }
 }  // namespace metal
 
 // ------------------------------------------------------ engine connection --
-extern "C" const mx_engine_api* __mx_api;
 
-// Every memory access the instrumenter found becomes a call to this function
-// (see _instrument.py, which never instruments this function itself).
+// The instrumenter (_instrument.py) calls these; it never instruments them.
+// Every memory access it finds becomes a call to __mx_access.
 extern "C" __attribute__((used)) inline void __mx_access(const void* p, mx_u64 n, mx_u32 f) {
   __mx_api->access(p, n, f);
 }
+extern "C" __attribute__((used)) inline void __mx_enter(mx_u32 key, mx_u32 site, mx_u32 depth) {
+  __mx_api->enter(key, site, depth);
+}
+extern "C" __attribute__((used)) inline void __mx_leave() { __mx_api->leave(); }
+extern "C" __attribute__((used)) inline void __mx_loop(mx_u32 key, mx_u32 site, mx_u32 depth) {
+  __mx_api->loop(key, site, depth);
+}
+// A float-to-integer conversion in shader code: `ok` is false for NaN or a
+// value outside the integer's range.
+extern "C" __attribute__((used)) inline void __mx_convert_check(bool ok, mx_u32 flags) {
+  if (__builtin_expect(!ok, 0)) __mx_api->conversion_error(flags, nullptr, 0, 0);
+}
+// Every simd operation and barrier goes through these two, so that the
+// instrumenter sees which functions reach one.
+extern "C" __attribute__((used)) inline void __mx_simd(mx_simd_fn fn, const void* in, void* out, mx_i64 arg,
+                                                       mx_u32 flags) {
+  __mx_api->simd(fn, in, out, arg, flags);
+}
+extern "C" __attribute__((used)) inline void __mx_barrier(mx_u32 scope, mx_u32 mem) { __mx_api->barrier(scope, mem); }
 
 // float -> bfloat conversion with round-to-nearest-even, for C runtimes that
 // lack it (libgcc before 13).
@@ -544,14 +700,6 @@ extern "C" __attribute__((weak)) __bf16 __truncsfbf2(float f) {
 }
 
 namespace __mx {
-// Where in the source a simd or barrier operation is called: line and column
-// of the call, through default arguments evaluated at the call site.
-struct site {
-  mx_u32 v;
-  constexpr site(mx_u32 line = __builtin_LINE(), mx_u32 col = __builtin_COLUMN())
-      : v((line << 12) | (col & 4095u)) {}
-};
-
 template <class T>
 inline T poison() {
   struct bytes { unsigned char b[sizeof(T)]; } p;
@@ -566,9 +714,9 @@ inline void out(const mx_simd_lane* l, int i, T v) { *static_cast<T*>(l[i].out) 
 inline bool active(mx_u32 mask, int i) { return (mask >> i) & 1u; }
 
 template <class T, class R = T>
-inline R simd_call(mx_simd_fn fn, const T& x, mx_i64 arg, mx_u32 flags, site s) {
+inline R simd_call(mx_simd_fn fn, const T& x, mx_i64 arg = 0, mx_u32 flags = 0) {
   R r;
-  __mx_api->simd(fn, &x, &r, arg, flags, s.v);
+  __mx_simd(fn, &x, &r, arg, flags);
   return r;
 }
 
@@ -692,18 +840,14 @@ enum class mem_flags : uint {
 };
 constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags((uint)a | (uint)b); }
 
-inline void threadgroup_barrier(mem_flags f, __mx::site s = __mx::site()) {
-  __mx_api->barrier(MX_SCOPE_THREADGROUP, (mx_u32)f, s.v);
-}
-inline void simdgroup_barrier(mem_flags f, __mx::site s = __mx::site()) {
-  __mx_api->barrier(MX_SCOPE_SIMDGROUP, (mx_u32)f, s.v);
-}
+inline void threadgroup_barrier(mem_flags f) { __mx_barrier(MX_SCOPE_THREADGROUP, (mx_u32)f); }
+inline void simdgroup_barrier(mem_flags f) { __mx_barrier(MX_SCOPE_SIMDGROUP, (mx_u32)f); }
 
 // ------------------------------------------------------- simd functions --
 #define MX_SIMD_REDUCE(name, Op)                                                       \
   template <class T>                                                                   \
-  inline T name(T x, __mx::site s = __mx::site()) {                                    \
-    return __mx::simd_call<T>(&__mx::reduce_fn<__mx::Op, T>, x, 0, 0, s);              \
+  inline T name(T x) {                                    \
+    return __mx::simd_call<T>(&__mx::reduce_fn<__mx::Op, T>, x);              \
   }
 MX_SIMD_REDUCE(simd_sum, op_add)
 MX_SIMD_REDUCE(simd_product, op_mul)
@@ -716,8 +860,8 @@ MX_SIMD_REDUCE(simd_xor, op_xor)
 
 #define MX_SIMD_SCAN(name, Op, incl)                                                   \
   template <class T>                                                                   \
-  inline T name(T x, __mx::site s = __mx::site()) {                                    \
-    return __mx::simd_call<T>(&__mx::scan_fn<__mx::Op, T, incl>, x, 0, 0, s);          \
+  inline T name(T x) {                                    \
+    return __mx::simd_call<T>(&__mx::scan_fn<__mx::Op, T, incl>, x);          \
   }
 MX_SIMD_SCAN(simd_prefix_inclusive_sum, op_add, true)
 MX_SIMD_SCAN(simd_prefix_exclusive_sum, op_add, false)
@@ -727,8 +871,8 @@ MX_SIMD_SCAN(simd_prefix_exclusive_product, op_mul, false)
 
 #define MX_SIMD_SHUFFLE(name, kind)                                                    \
   template <class T>                                                                   \
-  inline T name(T x, ushort a, __mx::site s = __mx::site()) {                          \
-    return __mx::simd_call<T>(&__mx::shuffle_fn<T, __mx::kind>, x, a, 0, s);           \
+  inline T name(T x, ushort a) {                          \
+    return __mx::simd_call<T>(&__mx::shuffle_fn<T, __mx::kind>, x, a);           \
   }
 MX_SIMD_SHUFFLE(simd_shuffle, SH_INDEX)
 MX_SIMD_SHUFFLE(simd_broadcast, SH_INDEX)
@@ -740,26 +884,26 @@ MX_SIMD_SHUFFLE(simd_shuffle_rotate_down, SH_ROTATE_DOWN)
 #undef MX_SIMD_SHUFFLE
 
 template <class T>
-inline T simd_broadcast_first(T x, __mx::site s = __mx::site()) {
-  return __mx::simd_call<T>(&__mx::shuffle_fn<T, __mx::SH_BROADCAST_FIRST>, x, 0, 0, s);
+inline T simd_broadcast_first(T x) {
+  return __mx::simd_call<T>(&__mx::shuffle_fn<T, __mx::SH_BROADCAST_FIRST>, x);
 }
 template <class T>
-inline T simd_shuffle_and_fill_up(T data, T fill, ushort delta, ushort modulo, __mx::site s = __mx::site()) {
+inline T simd_shuffle_and_fill_up(T data, T fill, ushort delta, ushort modulo) {
   __mx::fill_pair<T> p{data, fill};
-  return __mx::simd_call<__mx::fill_pair<T>, T>(&__mx::fill_fn<T, true>, p, (mx_i64)delta | ((mx_i64)modulo << 16), 0, s);
+  return __mx::simd_call<__mx::fill_pair<T>, T>(&__mx::fill_fn<T, true>, p, (mx_i64)delta | ((mx_i64)modulo << 16));
 }
 template <class T>
-inline T simd_shuffle_and_fill_up(T data, T fill, ushort delta, __mx::site s = __mx::site()) {
-  return simd_shuffle_and_fill_up(data, fill, delta, (ushort)MX_SIMD_WIDTH, s);
+inline T simd_shuffle_and_fill_up(T data, T fill, ushort delta) {
+  return simd_shuffle_and_fill_up(data, fill, delta, (ushort)MX_SIMD_WIDTH);
 }
 template <class T>
-inline T simd_shuffle_and_fill_down(T data, T fill, ushort delta, ushort modulo, __mx::site s = __mx::site()) {
+inline T simd_shuffle_and_fill_down(T data, T fill, ushort delta, ushort modulo) {
   __mx::fill_pair<T> p{data, fill};
-  return __mx::simd_call<__mx::fill_pair<T>, T>(&__mx::fill_fn<T, false>, p, (mx_i64)delta | ((mx_i64)modulo << 16), 0, s);
+  return __mx::simd_call<__mx::fill_pair<T>, T>(&__mx::fill_fn<T, false>, p, (mx_i64)delta | ((mx_i64)modulo << 16));
 }
 template <class T>
-inline T simd_shuffle_and_fill_down(T data, T fill, ushort delta, __mx::site s = __mx::site()) {
-  return simd_shuffle_and_fill_down(data, fill, delta, (ushort)MX_SIMD_WIDTH, s);
+inline T simd_shuffle_and_fill_down(T data, T fill, ushort delta) {
+  return simd_shuffle_and_fill_down(data, fill, delta, (ushort)MX_SIMD_WIDTH);
 }
 
 struct simd_vote {
@@ -770,19 +914,19 @@ struct simd_vote {
   constexpr bool all() const { return v == 0xffffffffull; }
   constexpr bool any() const { return v != 0; }
 };
-inline simd_vote simd_ballot(bool pred, __mx::site s = __mx::site()) {
-  return simd_vote(__mx::simd_call<bool, mx_u64>(&__mx::ballot_fn, pred, 0, 0, s));
+inline simd_vote simd_ballot(bool pred) {
+  return simd_vote(__mx::simd_call<bool, mx_u64>(&__mx::ballot_fn, pred));
 }
-inline simd_vote simd_active_threads_mask(__mx::site s = __mx::site()) {
-  return simd_vote(__mx::simd_call<bool, mx_u64>(&__mx::mask_fn, true, 0, 0, s));
+inline simd_vote simd_active_threads_mask() {
+  return simd_vote(__mx::simd_call<bool, mx_u64>(&__mx::mask_fn, true));
 }
-inline bool simd_all(bool pred, __mx::site s = __mx::site()) {
-  mx_u64 active = __mx::simd_call<bool, mx_u64>(&__mx::mask_fn, true, 0, 0, s);
-  mx_u64 yes = __mx::simd_call<bool, mx_u64>(&__mx::ballot_fn, pred, 0, 0, s);
+inline bool simd_all(bool pred) {
+  mx_u64 active = __mx::simd_call<bool, mx_u64>(&__mx::mask_fn, true);
+  mx_u64 yes = __mx::simd_call<bool, mx_u64>(&__mx::ballot_fn, pred);
   return active == yes;
 }
-inline bool simd_any(bool pred, __mx::site s = __mx::site()) {
-  return __mx::simd_call<bool, mx_u64>(&__mx::ballot_fn, pred, 0, 0, s) != 0;
+inline bool simd_any(bool pred) {
+  return __mx::simd_call<bool, mx_u64>(&__mx::ballot_fn, pred) != 0;
 }
 }  // namespace metal
 
@@ -798,7 +942,7 @@ enum memory_order {
   memory_order_relaxed = __ATOMIC_RELAXED,
   memory_order_seq_cst = __ATOMIC_SEQ_CST,
 };
-enum class thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup, thread_scope_device };
+enum thread_scope { thread_scope_thread, thread_scope_threadgroup, thread_scope_device, thread_scope_simdgroup };
 
 template <class T>
 struct atomic {
@@ -811,48 +955,122 @@ typedef atomic<float> atomic_float;
 typedef atomic<bool> atomic_bool;
 typedef atomic<ulong> atomic_ulong;
 typedef atomic<long> atomic_long;
+}  // namespace metal
 
+namespace __mx {
+// Which atomic functions MSL 3.1 has, by type and address space:
+// atomic_int, atomic_uint and atomic_bool: all of them, in device and
+// threadgroup memory; atomic_float (Metal 3.0+): load, store, exchange,
+// compare-exchange, fetch_add and fetch_sub, in device memory only;
+// atomic_ulong: only atomic_min_explicit / atomic_max_explicit (no fetch,
+// Apple8+), in device memory only. The address space is known in check mode
+// (which every compile_library runs); the other checks hold in both modes.
+enum atomic_kind { ATOMIC_ANY, ATOMIC_ADD_SUB, ATOMIC_BITS_MIN_MAX, ATOMIC_MIN_MAX_64 };
+template <class A, int Kind>
+struct atomic_ok {
+  typedef typename remove_cv<typename A::value_type>::type T;
+  static constexpr bool i32 = is_same<T, int>::value || is_same<T, uint>::value || is_same<T, bool>::value;
+  static constexpr bool f32 = is_same<T, float>::value && !in_threadgroup<A>::value;
+  static constexpr bool value = Kind == ATOMIC_ANY       ? i32 || f32
+                                : Kind == ATOMIC_ADD_SUB ? i32 || f32
+                                : Kind == ATOMIC_BITS_MIN_MAX
+                                    ? i32
+                                    : is_same<T, ulong>::value && !in_threadgroup<A>::value;
+};
+template <class A, int Kind> using if_atomic_ok = typename enable_if<atomic_ok<A, Kind>::value, int>::type;
+template <class A, int Kind> using if_atomic_bad = typename enable_if<!atomic_ok<A, Kind>::value, int>::type;
+}  // namespace __mx
+
+namespace metal {
 // Metal's atomics are relaxed; the executor makes every one sequentially
-// consistent, which is one of the orders relaxed allows.
-template <class A>
-inline void atomic_store_explicit(A* obj, typename A::value_type v, memory_order) {
-  __atomic_store_n(&obj->__v, v, __ATOMIC_SEQ_CST);
-}
-template <class A>
-inline typename A::value_type atomic_load_explicit(A* obj, memory_order) {
-  return __atomic_load_n(&obj->__v, __ATOMIC_SEQ_CST);
-}
-template <class A>
-inline typename A::value_type atomic_exchange_explicit(A* obj, typename A::value_type v, memory_order) {
-  return __atomic_exchange_n(&obj->__v, v, __ATOMIC_SEQ_CST);
-}
-template <class A>
-inline bool atomic_compare_exchange_weak_explicit(A* obj, thread typename A::value_type* expected,
-                                                  typename A::value_type desired, memory_order, memory_order) {
-  return __atomic_compare_exchange_n(&obj->__v, expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
-}
-template <class A>
-inline typename A::value_type atomic_fetch_add_explicit(A* obj, typename A::value_type v, memory_order) {
+// consistent, which is one of the orders relaxed allows, and a point where
+// another thread may run (so that a thread spinning on an atomic lets the
+// thread it waits for proceed).
+#define MX_ATOMIC_UNSUPPORTED                                                                          \
+  __attribute__((unavailable(                                                                          \
+      "Metal has no such atomic function for this type and address space: atomic_int, atomic_uint "   \
+      "and atomic_bool have all of them, atomic_float (device memory only) load, store, exchange, "   \
+      "compare-exchange, fetch_add and fetch_sub, atomic_ulong (device memory only) atomic_min/max_explicit")))
+// Each function twice: for the combinations Metal has, and, unavailable,
+// for the others, so that the error names the shader's line.
+// In check mode the bodies are not compiled (C++ has no pointer to a local
+// in another address space for the __atomic builtins); the signatures are
+// what is checked.
+#if MX_ADDRESS_SPACES
+#define MX_ATOMIC_BODY(R, body) { return R(); }
+#else
+#define MX_ATOMIC_BODY(R, body) body
+#endif
+#define MX_ATOMIC_FN(kind, R, name, params, body)                                                         \
+  template <class A, __mx::if_atomic_ok<A, __mx::kind> = 0> inline R name params MX_ATOMIC_BODY(R, body) \
+  template <class A, __mx::if_atomic_bad<A, __mx::kind> = 0> MX_ATOMIC_UNSUPPORTED R name params;
+#define MX_V typename A::value_type
+
+MX_ATOMIC_FN(ATOMIC_ANY, void, atomic_store_explicit, (A* obj, MX_V v, memory_order), {
+  MX_V x = v;
+  __atomic_store(&obj->__v, &x, __ATOMIC_SEQ_CST);
+})
+MX_ATOMIC_FN(ATOMIC_ANY, MX_V, atomic_load_explicit, (A* obj, memory_order), {
+  typename __mx::remove_cv<MX_V>::type r;
+  __atomic_load(&obj->__v, &r, __ATOMIC_SEQ_CST);
+  return r;
+})
+MX_ATOMIC_FN(ATOMIC_ANY, MX_V, atomic_exchange_explicit, (A* obj, MX_V v, memory_order), {
+  typename __mx::remove_cv<MX_V>::type x = v;
+  typename __mx::remove_cv<MX_V>::type r;
+  __atomic_exchange(&obj->__v, &x, &r, __ATOMIC_SEQ_CST);
+  return r;
+})
+// Compares the bytes, as C++ does (so +0.0 and -0.0 differ for atomic_float).
+MX_ATOMIC_FN(ATOMIC_ANY, bool, atomic_compare_exchange_weak_explicit,
+             (A* obj, thread MX_V* expected, MX_V desired, memory_order, memory_order), {
+  typename __mx::remove_cv<MX_V>::type d = desired;
+  return __atomic_compare_exchange(&obj->__v, expected, &d, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+})
+MX_ATOMIC_FN(ATOMIC_ADD_SUB, MX_V, atomic_fetch_add_explicit, (A* obj, MX_V v, memory_order), {
   return __atomic_fetch_add(&obj->__v, v, __ATOMIC_SEQ_CST);
-}
-template <class A>
-inline typename A::value_type atomic_fetch_sub_explicit(A* obj, typename A::value_type v, memory_order) {
+})
+MX_ATOMIC_FN(ATOMIC_ADD_SUB, MX_V, atomic_fetch_sub_explicit, (A* obj, MX_V v, memory_order), {
   return __atomic_fetch_sub(&obj->__v, v, __ATOMIC_SEQ_CST);
+})
+MX_ATOMIC_FN(ATOMIC_BITS_MIN_MAX, MX_V, atomic_fetch_and_explicit, (A* obj, MX_V v, memory_order), {
+  return __atomic_fetch_and(&obj->__v, v, __ATOMIC_SEQ_CST);
+})
+MX_ATOMIC_FN(ATOMIC_BITS_MIN_MAX, MX_V, atomic_fetch_or_explicit, (A* obj, MX_V v, memory_order), {
+  return __atomic_fetch_or(&obj->__v, v, __ATOMIC_SEQ_CST);
+})
+MX_ATOMIC_FN(ATOMIC_BITS_MIN_MAX, MX_V, atomic_fetch_xor_explicit, (A* obj, MX_V v, memory_order), {
+  return __atomic_fetch_xor(&obj->__v, v, __ATOMIC_SEQ_CST);
+})
+MX_ATOMIC_FN(ATOMIC_BITS_MIN_MAX, MX_V, atomic_fetch_min_explicit, (A* obj, MX_V v, memory_order), {
+  return __atomic_fetch_min(&obj->__v, v, __ATOMIC_SEQ_CST);
+})
+MX_ATOMIC_FN(ATOMIC_BITS_MIN_MAX, MX_V, atomic_fetch_max_explicit, (A* obj, MX_V v, memory_order), {
+  return __atomic_fetch_max(&obj->__v, v, __ATOMIC_SEQ_CST);
+})
+MX_ATOMIC_FN(ATOMIC_MIN_MAX_64, void, atomic_min_explicit, (A* obj, MX_V v, memory_order), {
+  __atomic_fetch_min(&obj->__v, v, __ATOMIC_SEQ_CST);
+})
+MX_ATOMIC_FN(ATOMIC_MIN_MAX_64, void, atomic_max_explicit, (A* obj, MX_V v, memory_order), {
+  __atomic_fetch_max(&obj->__v, v, __ATOMIC_SEQ_CST);
+})
+#undef MX_V
+#undef MX_ATOMIC_FN
+#undef MX_ATOMIC_BODY
+#undef MX_ATOMIC_UNSUPPORTED
+
+#if __METAL_VERSION__ >= 320
+// MSL 3.2: orders this thread's accesses to the given memory before and
+// after it. The executor's check for reads of other threadgroups' writes
+// (engine.cpp) counts a device fence like threadgroup_barrier(mem_device).
+inline void atomic_thread_fence(mem_flags f, memory_order, thread_scope = thread_scope_device) {
+  __mx_api->fence((mx_u32)f);
 }
-#define MX_ATOMIC_INT_OP(name, builtin)                                                        \
-  template <class A>                                                                           \
-  inline typename A::value_type name(A* obj, typename A::value_type v, memory_order) {         \
-    static_assert(__mx::is_int<typename A::value_type>::value, #name " needs an integer atomic"); \
-    return builtin(&obj->__v, v, __ATOMIC_SEQ_CST);                                            \
-  }
-MX_ATOMIC_INT_OP(atomic_fetch_and_explicit, __atomic_fetch_and)
-MX_ATOMIC_INT_OP(atomic_fetch_or_explicit, __atomic_fetch_or)
-MX_ATOMIC_INT_OP(atomic_fetch_xor_explicit, __atomic_fetch_xor)
-MX_ATOMIC_INT_OP(atomic_fetch_min_explicit, __atomic_fetch_min)
-MX_ATOMIC_INT_OP(atomic_fetch_max_explicit, __atomic_fetch_max)
-#undef MX_ATOMIC_INT_OP
+#endif
+}  // namespace metal
 
 // ------------------------------------------------------- simdgroup_matrix --
+namespace metal {
 // An 8x8 matrix spread over the 32 lanes of a simdgroup, two elements per
 // lane, in the layout Apple GPUs use: lane l holds row
 // (l/4 & 4) + (l/2) % 4, columns c and c+1 with c = (l/4 & 2) * 2 + (l % 2) * 2.
@@ -913,9 +1131,9 @@ inline void uniform_args_fn(const mx_simd_lane* l, mx_u32 mask, mx_u32) {
   for (int i = 0; i < 32; ++i)
     if (active(mask, i)) out<bool>(l, i, same);
 }
-inline void require_uniform(const matrix_args& a, const char* what, site s) {
+inline void require_uniform(const matrix_args& a, const char* what) {
   bool same;
-  __mx_api->simd(&uniform_args_fn, &a, &same, 0, MX_SIMD_UNIFORM, s.v);
+  __mx_simd(&uniform_args_fn, &a, &same, 0, MX_SIMD_UNIFORM | MX_SIMD_MATRIX);
   if (!same) __mx_api->fail(what);
 }
 // Element (row, col) of the matrix lives at this offset from the pointer.
@@ -925,7 +1143,13 @@ inline ulong matrix_offset(const matrix_args& a, mx_u32 row, mx_u32 col) {
 }
 
 struct mma_lane { float a[2], b[2], c[2]; };
-// D = A * B + C over the whole simdgroup, accumulated in float.
+// D = A * B + C over the whole simdgroup, accumulated in float and rounded
+// once to D's type. With float D this is what the hardware does up to the
+// order of the 8 additions. With half D, Apple does not document whether
+// the GPU rounds to half after each multiply-add; if it does, its result
+// differs from this one by at most 9 * 2^-11 * (sum_k |a_ik b_kj| + |c_ij|)
+// (8 roundings of partial sums, one of the result, each within half an ulp
+// of 2^-10 relative).
 inline void mma_fn(const mx_simd_lane* l, mx_u32, mx_u32) {
   float A[8][8], B[8][8], Cm[8][8];
   for (mx_u32 i = 0; i < 32; ++i) {
@@ -950,42 +1174,51 @@ inline void mma_fn(const mx_simd_lane* l, mx_u32, mx_u32) {
 }  // namespace __mx
 
 namespace metal {
-template <class T, class P>
+// Metal loads and stores a simdgroup_matrix<T> from and to memory of T only
+// (const T for loads); anything else does not compile on a Mac.
+#define MX_MATRIX_MEMORY_MISMATCH                                                              \
+  __attribute__((unavailable("the element type of the memory differs from the matrix's; Metal " \
+                             "loads and stores a simdgroup_matrix<T> only from and to T")))
+template <class T, class P, __mx::if_same_unqual<T, P> = 0>
 inline void simdgroup_load(thread simdgroup_matrix<T, 8, 8>& d, P* src, ulong elements_per_row = 8,
-                           ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false,
-                           __mx::site s = __mx::site()) {
+                           ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
   __mx::matrix_args a{(const void*)src, elements_per_row, matrix_origin.x, matrix_origin.y, transpose_matrix};
-  __mx::require_uniform(a, "simdgroup_load: the lanes of a simdgroup passed different arguments", s);
+  __mx::require_uniform(a, "simdgroup_load: the lanes of a simdgroup passed different arguments");
   mx_u32 row, col;
   __mx::frag_coord(row, col);
-  d.__e[0] = T(src[__mx::matrix_offset(a, row, col)]);
-  d.__e[1] = T(src[__mx::matrix_offset(a, row, col + 1)]);
+  d.__e[0] = src[__mx::matrix_offset(a, row, col)];
+  d.__e[1] = src[__mx::matrix_offset(a, row, col + 1)];
 }
-template <class T, class P>
+template <class T, class P, __mx::if_not_same_unqual<T, P> = 0>
+MX_MATRIX_MEMORY_MISMATCH void simdgroup_load(thread simdgroup_matrix<T, 8, 8>& d, P* src, ulong elements_per_row = 8,
+                                              ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false);
+template <class T, class P, __mx::if_same_unqual<T, P> = 0>
 inline void simdgroup_store(simdgroup_matrix<T, 8, 8> m, P* dst, ulong elements_per_row = 8,
-                            ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false,
-                            __mx::site s = __mx::site()) {
+                            ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
   __mx::matrix_args a{(const void*)dst, elements_per_row, matrix_origin.x, matrix_origin.y, transpose_matrix};
-  __mx::require_uniform(a, "simdgroup_store: the lanes of a simdgroup passed different arguments", s);
+  __mx::require_uniform(a, "simdgroup_store: the lanes of a simdgroup passed different arguments");
   mx_u32 row, col;
   __mx::frag_coord(row, col);
   dst[__mx::matrix_offset(a, row, col)] = m.__e[0];
   dst[__mx::matrix_offset(a, row, col + 1)] = m.__e[1];
 }
+template <class T, class P, __mx::if_not_same_unqual<T, P> = 0>
+MX_MATRIX_MEMORY_MISMATCH void simdgroup_store(simdgroup_matrix<T, 8, 8> m, P* dst, ulong elements_per_row = 8,
+                                               ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false);
+#undef MX_MATRIX_MEMORY_MISMATCH
 template <class TD, class TA, class TB, class TC>
 inline void simdgroup_multiply_accumulate(thread simdgroup_matrix<TD, 8, 8>& d, simdgroup_matrix<TA, 8, 8> a,
-                                          simdgroup_matrix<TB, 8, 8> b, simdgroup_matrix<TC, 8, 8> c,
-                                          __mx::site s = __mx::site()) {
+                                          simdgroup_matrix<TB, 8, 8> b, simdgroup_matrix<TC, 8, 8> c) {
   __mx::mma_lane x{{(float)a.__e[0], (float)a.__e[1]}, {(float)b.__e[0], (float)b.__e[1]}, {(float)c.__e[0], (float)c.__e[1]}};
   float r[2];
-  __mx_api->simd(&__mx::mma_fn, &x, r, 0, MX_SIMD_UNIFORM, s.v);
+  __mx_simd(&__mx::mma_fn, &x, r, 0, MX_SIMD_UNIFORM | MX_SIMD_MATRIX);
   d.__e[0] = TD(r[0]);
   d.__e[1] = TD(r[1]);
 }
 template <class TD, class TA, class TB>
 inline void simdgroup_multiply(thread simdgroup_matrix<TD, 8, 8>& d, simdgroup_matrix<TA, 8, 8> a,
-                               simdgroup_matrix<TB, 8, 8> b, __mx::site s = __mx::site()) {
-  simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<TD, 8, 8>(TD(0)), s);
+                               simdgroup_matrix<TB, 8, 8> b) {
+  simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<TD, 8, 8>(TD(0)));
 }
 }  // namespace metal
 

@@ -89,16 +89,21 @@ kernel void write_constant(device float* out [[buffer(0)]],
   out[i] = 1;
 }
 
-// Over Metal's 32 KiB of threadgroup memory.
+// Over Metal's 32 KiB of threadgroup memory. The sizes depend on a template
+// parameter, which check mode does not evaluate: the engine's check at
+// dispatch is what catches it (with literal sizes check mode would).
+template <int N>
 kernel void too_much_threadgroup_memory(device float* out [[buffer(0)]],
                                         uint lid [[thread_position_in_threadgroup]]) {
-  threadgroup float big[6000];
-  threadgroup float more[3000];
+  threadgroup float big[N];
+  threadgroup float more[N / 2];
   big[lid] = 1;
   more[lid] = 2;
   threadgroup_barrier(mem_flags::mem_threadgroup);
   out[lid] = big[lid] + more[lid];
 }
+template [[host_name("too_much_threadgroup_memory")]] kernel decltype(too_much_threadgroup_memory<6000>)
+    too_much_threadgroup_memory<6000>;
 
 // Reads past a threadgroup array into the next one.
 kernel void threadgroup_overflow(device float* out [[buffer(0)]],

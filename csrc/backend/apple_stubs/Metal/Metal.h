@@ -24,11 +24,9 @@ typedef NS_ENUM(NSUInteger, MTLLanguageVersion){
 
 @protocol MTLComputePipelineState <NSObject>
 @property(readonly) NSUInteger maxTotalThreadsPerThreadgroup;
-@property(readonly) NSUInteger threadExecutionWidth;
 @end
 
 @protocol MTLBuffer <NSObject>
-@property(readonly) NSUInteger length;
 @end
 
 @interface MTLCompileOptions : NSObject
@@ -43,7 +41,6 @@ typedef NS_ENUM(NSUInteger, MTLLanguageVersion){
 @end
 
 @protocol MTLCommandEncoder <NSObject>
-- (void)endEncoding;
 @end
 
 @protocol MTLComputeCommandEncoder <MTLCommandEncoder>
@@ -52,7 +49,6 @@ typedef NS_ENUM(NSUInteger, MTLLanguageVersion){
 - (void)setBytes:(const void*)bytes length:(NSUInteger)length atIndex:(NSUInteger)index;
 - (void)setThreadgroupMemoryLength:(NSUInteger)length atIndex:(NSUInteger)index;
 - (void)dispatchThreadgroups:(MTLSize)threadgroupsPerGrid threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup;
-- (void)dispatchThreads:(MTLSize)threadsPerGrid threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup;
 @end
 
 @protocol MTLCommandBuffer <NSObject>

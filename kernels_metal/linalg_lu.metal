@@ -1,0 +1,440 @@
+// LU factorisation with LAPACK's results (getrf: partial pivoting, the
+// first row of largest |x| or |re| + |im| wins, unit lower L and U stored in
+// one matrix, 1-based pivots, info = the first zero pivot), float and
+// complex64, for a batch of m x n matrices of any strides; and lu_unpack.
+//
+// Two kernels factor, chosen on the host (csrc/ops/linalg_kernels.cpp):
+//  lu_small  matrices up to 4 x 4, one thread per matrix in registers. It
+//            can also solve with its factors (an inverse, a linalg.solve),
+//            so a batch of millions of tiny systems is one dispatch that
+//            reads each input and writes each output once.
+//  lu_panel  one threadgroup per matrix, right-looking and blocked: a panel
+//            of columns is factored in threadgroup memory (the whole matrix
+//            when it fits), then the columns right of it are updated in
+//            device memory, one simdgroup per column. One dispatch per call
+//            whatever the size.
+#include <metal_stdlib>
+#include "linalg_common.h"
+using namespace metal;
+
+// ------------------------------------------------ one thread per matrix --
+// Registers are indexed by compile-time loops only (N is a template
+// argument): a dynamically indexed register array would spill on the GPU.
+template <typename T, int N>
+[[max_total_threads_per_threadgroup(LINALG_SMALL_THREADS)]]
+kernel void lu_small(device T* lu [[buffer(0)]],
+                     device int* pivots [[buffer(1)]],
+                     device int* info [[buffer(2)]],
+                     device T* x [[buffer(3)]],
+                     device T* det [[buffer(4)]],
+                     device float* logabsdet [[buffer(5)]],
+                     const device T* a [[buffer(6)]],
+                     const device T* b [[buffer(7)]],
+                     constant LuParams& p [[buffer(8)]],
+                     uint gid [[thread_position_in_grid]]) {
+  const long mat = long(gid);
+  if (mat >= p.batch.count) return;
+
+  // 64-bit arithmetic once, for where the matrix starts; 32-bit inside it
+  // (the host checked that every matrix spans less than 2^31 elements).
+  T M[N][N];
+  {
+    const device T* am = a + batch_offset(p.batch, p.a.batch_strides, mat);
+    const int rs = int(p.a.row_stride), cs = int(p.a.col_stride);
+    for (int i = 0; i < N; ++i)
+      for (int j = 0; j < N; ++j) M[i][j] = conj_if(am[i * rs + j * cs], p.a.conj != 0);
+  }
+
+  // getf2 in registers. Pivot search as isamax / icamax: first row of the
+  // largest magnitude. A zero pivot leaves its column unscaled (LAPACK).
+  int piv[N];
+  int first_zero = 0;
+  DetAccumulator<T> acc;
+  acc.init();
+  for (int j = 0; j < N; ++j) {
+    int r = j;
+    if (p.pivot != 0) {
+      float best = abs1(M[j][j]);
+      for (int i = j + 1; i < N; ++i) {
+        float v = abs1(M[i][j]);
+        if (v > best) {
+          best = v;
+          r = i;
+        }
+      }
+    }
+    piv[j] = r;
+    for (int i = j + 1; i < N; ++i) {
+      if (i == r) {
+        for (int c = 0; c < N; ++c) {
+          T t = M[j][c];
+          M[j][c] = M[i][c];
+          M[i][c] = t;
+        }
+      }
+    }
+    const T d = M[j][j];
+    const bool zero = is_zero(d);
+    if (zero && first_zero == 0) first_zero = j + 1;
+    acc.add(d, r != j, p.det);
+    for (int i = j + 1; i < N; ++i) {
+      if (!zero) M[i][j] = cdiv(M[i][j], d);
+      for (int c = j + 1; c < N; ++c) M[i][c] -= cmul(M[i][j], M[j][c]);
+    }
+  }
+
+  info[mat] = first_zero;
+  if (p.write_lu != 0) {
+    device T* lm = lu + mat * (N * N);
+    device int* pm = pivots + mat * N;
+    for (int j = 0; j < N; ++j) {
+      pm[j] = piv[j] + 1;
+      for (int i = 0; i < N; ++i) lm[j * N + i] = M[i][j];
+    }
+  }
+  if (p.det != LINALG_DET_NONE) det[mat] = acc.det;
+  if (p.det == LINALG_SLOGDET) logabsdet[mat] = acc.log_abs;
+  if (p.solve == LINALG_SOLVE_NONE) return;
+
+  // The permutation: row i of P^T M is row perm[i] of M.
+  int perm[N];
+  for (int i = 0; i < N; ++i) perm[i] = i;
+  for (int j = 0; j < N; ++j) {
+    for (int i = j + 1; i < N; ++i) {
+      if (i == piv[j]) {
+        int t = perm[j];
+        perm[j] = perm[i];
+        perm[i] = t;
+      }
+    }
+  }
+  const device T* bm = b + batch_offset(p.batch, p.b.batch_strides, mat);
+  device T* xm = x + batch_offset(p.batch, p.x.batch_strides, mat);
+  const int brs = int(p.b.row_stride), bcs = int(p.b.col_stride);
+  const int xrs = int(p.x.row_stride), xcs = int(p.x.col_stride);
+  const bool transposed = p.solve == LINALG_SOLVE_MT;
+  for (int col = 0; col < p.k; ++col) {
+    T y[N];
+    for (int i = 0; i < N; ++i) {
+      // M X = B reads B's rows permuted (P^T B); M^T X = B permutes at the end.
+      const int row = transposed ? i : perm[i];
+      y[i] = p.identity != 0 ? (row == col ? one<T>() : T(0.0f))
+                             : conj_if(bm[row * brs + col * bcs], p.b.conj != 0);
+    }
+    if (!transposed) {  // L (unit lower), then U
+      for (int i = 0; i < N; ++i)
+        for (int j = 0; j < i; ++j) y[i] -= cmul(M[i][j], y[j]);
+      for (int i = N - 1; i >= 0; --i) {
+        for (int j = i + 1; j < N; ++j) y[i] -= cmul(M[i][j], y[j]);
+        y[i] = cdiv(y[i], M[i][i]);
+      }
+    } else {  // U^T (lower), then L^T (unit upper), then P
+      for (int i = 0; i < N; ++i) {
+        for (int j = 0; j < i; ++j) y[i] -= cmul(M[j][i], y[j]);
+        y[i] = cdiv(y[i], M[i][i]);
+      }
+      for (int i = N - 1; i >= 0; --i)
+        for (int j = i + 1; j < N; ++j) y[i] -= cmul(M[j][i], y[j]);
+    }
+    for (int i = 0; i < N; ++i) {
+      const int row = transposed ? perm[i] : i;
+      xm[row * xrs + col * xcs] = y[i];
+    }
+  }
+}
+
+// --------------------------------------------- one threadgroup per matrix --
+// Best (magnitude, row) of a pivot search; ties go to the lower row, as
+// isamax / icamax return the first maximum.
+struct PivotCandidate {
+  float value;
+  int row;
+};
+
+inline PivotCandidate better(PivotCandidate a, PivotCandidate b) {
+  return (b.value > a.value || (b.value == a.value && b.row < a.row)) ? b : a;
+}
+
+// Largest-magnitude row of a panel column over the threadgroup; every
+// thread gets the result. Rows a thread did not see count as (-1, large).
+inline PivotCandidate threadgroup_argmax(PivotCandidate c, threadgroup PivotCandidate* scratch, uint lane, uint sg,
+                                         uint simdgroups) {
+  for (ushort offset = 16; offset > 0; offset /= 2) {
+    PivotCandidate o = {simd_shuffle_xor(c.value, offset), simd_shuffle_xor(c.row, offset)};
+    c = better(c, o);
+  }
+  if (lane == 0) scratch[sg] = c;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  PivotCandidate best = scratch[0];
+  for (uint i = 1; i < simdgroups; ++i) best = better(best, scratch[i]);
+  return best;
+}
+
+// The panel is `panel` columns starting at column p0, rows p0..m-1, held in
+// threadgroup memory column-major with leading dimension m (`tile`). Each
+// step:
+//  1. load the panel (from A in the first step, from LU after);
+//  2. factor it: per column a pivot search (threadgroup argmax), the row
+//     swap, the column scaled by the pivot, the rest of the panel updated;
+//  3. every column outside the panel gets the panel's row swaps (columns
+//     left of it: the L already computed; LAPACK swaps those too), and
+//     each column right of it its rows of U (a unit lower triangular solve
+//     with the panel's L11) and the update of the rows below by L21 U12;
+//     one simdgroup per column, so a column needs no threadgroup barrier;
+//  4. the panel is written to LU.
+// In the first step the columns right of the panel are read from A through
+// the row map (a row swap is where a row is read from), so A is copied to
+// LU by the same pass that updates it, and A and LU are read and written
+// once when the matrix fits in one panel.
+template <typename T>
+[[max_total_threads_per_threadgroup(LINALG_MAX_THREADS)]]
+kernel void lu_panel(device T* lu [[buffer(0)]],
+                     device int* pivots [[buffer(1)]],
+                     device int* info [[buffer(2)]],
+                     device T* det [[buffer(3)]],
+                     device float* logabsdet [[buffer(4)]],
+                     const device T* a [[buffer(5)]],
+                     constant LuParams& p [[buffer(6)]],
+                     threadgroup T* tile [[threadgroup(0)]],
+                     uint tid [[thread_index_in_threadgroup]],
+                     uint threads [[threads_per_threadgroup]],
+                     uint group [[threadgroup_position_in_grid]],
+                     uint lane [[thread_index_in_simdgroup]],
+                     uint sg [[simdgroup_index_in_threadgroup]],
+                     uint simdgroups [[simdgroups_per_threadgroup]]) {
+  threadgroup PivotCandidate scratch[LINALG_MAX_THREADS / 32];
+  threadgroup int row_map[LINALG_MAX_ROWS];               // row i of the swapped panel rows is row row_map[i]
+  threadgroup int panel_pivots[LINALG_MAX_PANEL];          // 0-based pivot rows of the current panel
+  threadgroup int swap_dst[2 * LINALG_MAX_PANEL];          // rows a panel's swaps change, and
+  threadgroup int swap_src[2 * LINALG_MAX_PANEL];          // the row each one takes its value from
+  threadgroup int swap_count[1];
+  threadgroup T u12[LINALG_MAX_THREADS / 32][LINALG_MAX_PANEL];  // a column's rows of U, per simdgroup
+
+  const int m = p.m, n = p.n, kmin = min(m, n);
+  const long mat = long(group);
+  // 64-bit arithmetic once, for where the matrices start; 32-bit inside
+  // them (the host checked that a matrix spans less than 2^31 elements).
+  const device T* am = a + batch_offset(p.batch, p.a.batch_strides, mat);
+  const int ars = int(p.a.row_stride), acs = int(p.a.col_stride);
+  const bool aconj = p.a.conj != 0;
+  device T* out = lu + mat * long(m * n);  // column-major, leading dimension m
+  device int* piv_out = pivots + mat * kmin;
+  int first_zero = 0;                             // thread 0's
+  DetAccumulator<T> acc;
+  acc.init();
+
+  for (int p0 = 0; p0 < kmin; p0 += p.panel) {
+    const int nb = min(p.panel, kmin - p0);
+    const bool first = p0 == 0;
+
+    // 1. Load the panel; reset the row map.
+    for (int idx = int(tid); idx < (m - p0) * nb; idx += int(threads)) {
+      const int i = p0 + idx % (m - p0), t = idx / (m - p0);
+      tile[t * m + i] = first ? conj_if(am[i * ars + t * acs], aconj) : out[(p0 + t) * m + i];
+    }
+    for (int i = int(tid); i < m; i += int(threads)) row_map[i] = i;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // 2. Factor the panel.
+    for (int j = 0; j < nb; ++j) {
+      const int col = p0 + j;
+      threadgroup T* tj = tile + j * m;
+      int r = col;
+      if (p.pivot != 0) {
+        PivotCandidate c = {-1.0f, m};
+        for (int i = col + int(tid); i < m; i += int(threads)) c = better(c, PivotCandidate{abs1(tj[i]), i});
+        r = threadgroup_argmax(c, scratch, lane, sg, simdgroups).row;
+        if (r >= m) r = col;  // a column of NaN: no row compares larger; keep the diagonal
+      }
+      if (r != col) {
+        for (int t = int(tid); t < nb; t += int(threads)) {
+          T v = tile[t * m + col];
+          tile[t * m + col] = tile[t * m + r];
+          tile[t * m + r] = v;
+        }
+      }
+      if (tid == 0) panel_pivots[j] = r;
+      // The swap is done, and the rows below are as the last step left
+      // them (each thread updates the rows it searches, so without
+      // pivoting this barrier is also what orders the steps).
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      const T d = tj[col];
+      const bool zero = is_zero(d);
+      if (tid == 0) {
+        if (zero && first_zero == 0) first_zero = col + 1;
+        acc.add(d, r != col, p.det);
+      }
+      for (int i = col + 1 + int(tid); i < m; i += int(threads)) {
+        T l = tj[i];
+        if (!zero) {
+          l = cdiv(l, d);
+          tj[i] = l;
+        }
+        for (int t = j + 1; t < nb; ++t) tile[t * m + i] -= cmul(l, tile[t * m + col]);
+      }
+    }
+
+    // The panel's swaps as a row map, and as the list of rows they change.
+    if (tid == 0) {
+      for (int j = 0; j < nb; ++j) {
+        const int r = panel_pivots[j];
+        piv_out[p0 + j] = r + 1;
+        const int v = row_map[p0 + j];
+        row_map[p0 + j] = row_map[r];
+        row_map[r] = v;
+      }
+      int count = 0;
+      for (int j = 0; j < nb; ++j) {
+        const int row = p0 + j;
+        if (row_map[row] != row) {
+          swap_dst[count] = row;
+          swap_src[count] = row_map[row];
+          ++count;
+        }
+      }
+      for (int j = 0; j < nb; ++j) {  // rows below the panel's rows, each once
+        const int row = panel_pivots[j];
+        bool seen = row < p0 + nb || row_map[row] == row;
+        for (int q = 0; q < j && !seen; ++q) seen = panel_pivots[q] == row;
+        if (!seen) {
+          swap_dst[count] = row;
+          swap_src[count] = row_map[row];
+          ++count;
+        }
+      }
+      swap_count[0] = count;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // 3. The columns outside the panel, one simdgroup each.
+    const int swaps = swap_count[0];
+    for (int q = int(sg); q < n - nb; q += int(simdgroups)) {
+      const int c = q < p0 ? q : q + nb;
+      device T* oc = out + c * m;
+      if (!first && swaps > 0) {  // every lane reads its rows before any lane writes
+        T v0 = T(0.0f), v1 = T(0.0f);
+        const int s0 = int(lane), s1 = int(lane) + 32;
+        if (s0 < swaps) v0 = oc[swap_src[s0]];
+        if (s1 < swaps) v1 = oc[swap_src[s1]];
+        simdgroup_barrier(mem_flags::mem_device);
+        if (s0 < swaps) oc[swap_dst[s0]] = v0;
+        if (s1 < swaps) oc[swap_dst[s1]] = v1;
+        simdgroup_barrier(mem_flags::mem_device);
+      }
+      if (c < p0) continue;
+      // Rows p0..p0+nb-1 of U: x = L11^-1 (swapped column), lane t holds row p0 + t.
+      const device T* ac = am + c * acs;
+      T xv = T(0.0f);
+      if (int(lane) < nb) {
+        const int i = p0 + int(lane);
+        xv = first ? conj_if(ac[row_map[i] * ars], aconj) : oc[i];
+      }
+      for (int t = 0; t < nb; ++t) {
+        const T xt = simd_shuffle(xv, ushort(t));
+        if (int(lane) > t && int(lane) < nb) xv -= cmul(tile[t * m + p0 + int(lane)], xt);
+      }
+      if (int(lane) < nb) {
+        oc[p0 + int(lane)] = xv;
+        u12[sg][lane] = xv;
+      }
+      simdgroup_barrier(mem_flags::mem_threadgroup);
+      for (int i = p0 + nb + int(lane); i < m; i += 32) {
+        T v = first ? conj_if(ac[row_map[i] * ars], aconj) : oc[i];
+        for (int t = 0; t < nb; ++t) v -= cmul(tile[t * m + i], u12[sg][t]);
+        oc[i] = v;
+      }
+      // The next column's U rows overwrite u12 only after every lane used it.
+      simdgroup_barrier(mem_flags::mem_threadgroup);
+    }
+
+    // 4. The panel to LU.
+    for (int idx = int(tid); idx < (m - p0) * nb; idx += int(threads)) {
+      const int i = p0 + idx % (m - p0), t = idx / (m - p0);
+      out[(p0 + t) * m + i] = tile[t * m + i];
+    }
+    // LU is complete up to the next panel; the next panel reads it, and
+    // reuses the tile and the row map.
+    threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
+  }
+
+  if (tid == 0) {
+    info[mat] = first_zero;
+    if (p.det != LINALG_DET_NONE) det[mat] = acc.det;
+    if (p.det == LINALG_SLOGDET) logabsdet[mat] = acc.log_abs;
+  }
+}
+
+// ------------------------------------------------------------- lu_unpack --
+// One threadgroup per matrix: the permutation from the pivots (thread 0, in
+// threadgroup memory: `perm`, m ints), then P, L and U, one thread per
+// output element in memory order. Pivots outside 1..m are ignored: no read
+// or write leaves the matrix (the host rejects them first, except on MPS
+// with torch 2.9, whose own kernel does not check them either).
+template <typename T>
+[[max_total_threads_per_threadgroup(LINALG_MAX_THREADS)]]
+kernel void lu_unpack(device T* P [[buffer(0)]],
+                      device T* L [[buffer(1)]],
+                      device T* U [[buffer(2)]],
+                      const device T* lu [[buffer(3)]],
+                      const device int* pivots [[buffer(4)]],
+                      constant UnpackParams& p [[buffer(5)]],
+                      threadgroup int* perm [[threadgroup(0)]],
+                      uint tid [[thread_index_in_threadgroup]],
+                      uint threads [[threads_per_threadgroup]],
+                      uint group [[threadgroup_position_in_grid]]) {
+  const int m = p.m, n = p.n, kmin = min(m, n);
+  const long mat = long(group);
+  if (p.unpack_pivots != 0) {
+    for (int i = int(tid); i < m; i += int(threads)) perm[i] = i;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tid == 0) {
+      const device int* pm = pivots + batch_offset(p.batch, p.pivot_batch_strides, mat);
+      for (int j = 0; j < kmin; ++j) {
+        const int r = pm[j] - 1;
+        if (r < 0 || r >= m) continue;
+        const int v = perm[j];
+        perm[j] = perm[r];
+        perm[r] = v;
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // P[perm[c], c] = 1: A = P L U.
+    device T* out = P + mat * long(m * m);
+    for (int idx = int(tid); idx < m * m; idx += int(threads)) {
+      const int r = idx / m, c = idx % m;
+      out[idx] = perm[c] == r ? one<T>() : T(0.0f);
+    }
+  }
+  if (p.unpack_data != 0) {
+    const device T* in = lu + batch_offset(p.batch, p.lu.batch_strides, mat);
+    const int rs = int(p.lu.row_stride), cs = int(p.lu.col_stride);
+    const bool conj = p.lu.conj != 0;
+    device T* lm = L + mat * long(m * kmin);
+    for (int idx = int(tid); idx < m * kmin; idx += int(threads)) {
+      const int r = idx / kmin, c = idx % kmin;
+      lm[idx] = r == c ? one<T>() : (r > c ? conj_if(in[r * rs + c * cs], conj) : T(0.0f));
+    }
+    device T* um = U + mat * long(kmin * n);
+    for (int idx = int(tid); idx < kmin * n; idx += int(threads)) {
+      const int r = idx / n, c = idx % n;
+      um[idx] = r <= c ? conj_if(in[r * rs + c * cs], conj) : T(0.0f);
+    }
+  }
+}
+
+// ------------------------------------------------------- instantiations --
+#define INSTANTIATE_SMALL(name, T, N) \
+  template [[host_name("lu_small_" #name "_" #N)]] kernel decltype(lu_small<T, N>) lu_small<T, N>;
+INSTANTIATE_SMALL(f32, float, 1)
+INSTANTIATE_SMALL(f32, float, 2)
+INSTANTIATE_SMALL(f32, float, 3)
+INSTANTIATE_SMALL(f32, float, 4)
+INSTANTIATE_SMALL(c64, float2, 1)
+INSTANTIATE_SMALL(c64, float2, 2)
+INSTANTIATE_SMALL(c64, float2, 3)
+INSTANTIATE_SMALL(c64, float2, 4)
+
+template [[host_name("lu_panel_f32")]] kernel decltype(lu_panel<float>) lu_panel<float>;
+template [[host_name("lu_panel_c64")]] kernel decltype(lu_panel<float2>) lu_panel<float2>;
+template [[host_name("lu_unpack_f32")]] kernel decltype(lu_unpack<float>) lu_unpack<float>;
+template [[host_name("lu_unpack_c64")]] kernel decltype(lu_unpack<float2>) lu_unpack<float2>;

@@ -1,0 +1,178 @@
+"""Check mode rejects what Apple's Metal compiler rejects (mps_ext/cpu_metal/
+_lint.py and the C++14 address-space compile): for every rule, a shader with
+that bug fails with a message naming the rule and the line (marked `// BUG`),
+and a valid variant of it passes."""
+
+from pathlib import Path
+
+import pytest
+
+from mps_ext import cpu_metal
+from mps_ext.cpu_metal import _lint
+from mps_ext.cpu_metal._compiler import check_file
+
+ROOT = Path(__file__).resolve().parents[2]
+HEAD = "#include <metal_stdlib>\nusing namespace metal;\n"
+K = "kernel void k(device float* x [[buffer(0)]], uint i [[thread_position_in_grid]])"
+
+# case -> (shader with the bug, a valid variant). The case name starts with the rule.
+CASES = {
+    "std-header": ("#include <cmath> // BUG\n" + K + " { x[i] = 1; }",
+                   K + " { x[i] = 1; }"),
+    "double": (K + " {\n  double d = x[i]; // BUG\n  x[i] = d * 2;\n}",
+               K + " {\n  float d = x[i];\n  x[i] = d * 2;\n}"),
+    "recursion": ("float g(float v);\nfloat f(float v) { return v > 0 ? g(v - 1) : 0; } // BUG\n"
+                  "float g(float v) { return f(v); }\n" + K + " { x[i] = f(3); }",
+                  "float g(float v) { return v; }\nfloat f(float v) { return v > 0 ? g(v - 1) : 0; }\n"
+                  + K + " { x[i] = f(3); }"),
+    "kernel-param-attribute": ("kernel void k(device float* x [[buffer(0)]],\n uint i) { x[i] = 1; } // BUG",
+                               K + " { x[i] = 1; }"),
+    "pointer-address-space": ("kernel void k(float* x [[buffer(0)]], // BUG\n"
+                              " uint i [[thread_position_in_grid]]) { x[i] = 1; }",
+                              K + " { x[i] = 1; }"),
+    "program-scope-variable": ("float scale = 2.0f; // BUG\n" + K + " { x[i] *= scale; }",
+                               "constant float scale = 2.0f;\n" + K + " { x[i] *= scale; }"),
+    "program-scope-variable:constexpr": ("constexpr int N = 4; // BUG\n" + K + " { x[i] = N; }",
+                                         "constant constexpr int N = 4;\n" + K + " { x[i] = N; }"),
+    # gemv.metal's bug: a static constexpr data member.
+    "static-variable:member": ("template <typename T> struct Wide {\n  static constexpr int N = 16 / sizeof(T); // BUG\n"
+                               "  float v[N];\n};\n" + K + " { Wide<half> w; w.v[0] = 1; x[i] = w.v[0] + Wide<half>::N; }",
+                               "template <typename T> struct Wide {\n  enum : int { N = int(16 / sizeof(T)) };\n"
+                               "  float v[N];\n};\n" + K + " { Wide<half> w; w.v[0] = 1; x[i] = w.v[0] + Wide<half>::N; }"),
+    "static-variable:constant-member": ("struct S {\n  static const int n = 3; // BUG\n};\n" + K + " { x[i] = S::n; }",
+                                        "struct S {\n  static constant constexpr int n = 3;\n};\n" + K + " { x[i] = S::n; }"),
+    "static-variable:local": ("float next() {\n  static int calls = 0; // BUG\n  return ++calls;\n}\n"
+                              + K + " { x[i] = next(); }",
+                              "float next(thread int& calls) {\n  return ++calls;\n}\n"
+                              + K + " { int calls = 0; x[i] = next(calls); }"),
+    "constant-initializer": ("constant float scale; // BUG\n" + K + " { x[i] = scale; }",
+                             "constant float scale = 1;\n" + K + " { x[i] = scale; }"),
+    "threadgroup-variable-scope": ("float stage(float v, uint i) {\n  threadgroup float t[32]; // BUG\n  t[i % 32] = v;\n"
+                                   "  return t[0];\n}\n" + K + " { x[i] = stage(x[i], i); }",
+                                   "float stage(threadgroup float* t, float v, uint i) {\n  t[i % 32] = v;\n"
+                                   "  return t[0];\n}\n" + K + " {\n  threadgroup float t[32];\n"
+                                   "  x[i] = stage(t, x[i], i);\n}"),
+    "cxx14:if-constexpr": ("template <int N> float f(float v) {\n  if constexpr (N > 1) return v * N; // BUG\n"
+                           "  else return v;\n}\n" + K + " { x[i] = f<2>(x[i]); }",
+                           "template <int N> float f(float v) {\n  if (N > 1) return v * N;\n"
+                           "  else return v;\n}\n" + K + " { x[i] = f<2>(x[i]); }"),
+    "cxx14:structured-binding": ("struct P { float a, b; };\n" + K + " {\n  P p = {1, 2};\n  auto [a, b] = p; // BUG\n"
+                                 "  x[i] = a + b;\n}",
+                                 "struct P { float a, b; };\n" + K + " {\n  P p = {1, 2};\n  x[i] = p.a + p.b;\n}"),
+    "cxx14:fold-expression": ("template <typename... A> float sum(A... a) {\n  return (a + ...); // BUG\n}\n"
+                              + K + " { x[i] = sum(1.0f, 2.0f); }",
+                              "float sum(float a, float b) {\n  return a + b;\n}\n" + K + " { x[i] = sum(1.0f, 2.0f); }"),
+    "cxx14:inline-variable": ("struct S {\n  static inline constant float k = 2; // BUG\n};\n" + K + " { x[i] = S::k; }",
+                              "struct S {\n  static constant constexpr float k = 2;\n};\n" + K + " { x[i] = S::k; }"),
+    "cxx14:designated-initializer": ("struct P { float a, b; };\n" + K + " {\n  P p = {.a = 1, .b = 2}; // BUG\n"
+                                     "  x[i] = p.a + p.b;\n}",
+                                     "struct P { float a, b; };\n" + K + " {\n  P p = {1, 2};\n  x[i] = p.a + p.b;\n}"),
+    "virtual": ("struct Op {\n  virtual float apply(float v) { return v; } // BUG\n};\n"
+                + K + " { Op op; x[i] = op.apply(x[i]); }",
+                "struct Op {\n  float apply(float v) { return v; }\n};\n" + K + " { Op op; x[i] = op.apply(x[i]); }"),
+    "derived-class": ("struct A { float v; };\nstruct B : A { float w; }; // BUG\n" + K + " { B b; b.v = 1; x[i] = b.v; }",
+                      "struct A { float v; };\nstruct B { A a; float w; };\n" + K + " { B b; b.a.v = 1; x[i] = b.a.v; }"),
+    "exceptions": (K + " {\n  if (x[i] < 0) throw 1; // BUG\n  x[i] = 1;\n}",
+                   K + " {\n  if (x[i] < 0) return;\n  x[i] = 1;\n}"),
+    "new-delete": (K + " {\n  thread float* p = new float(1); // BUG\n  x[i] = *p;\n}",
+                   K + " {\n  float v = 1;\n  thread float* p = &v;\n  x[i] = *p;\n}"),
+    "rtti": ("struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = dynamic_cast<thread A*>(&a) != nullptr; // BUG\n}",
+             "struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = (&a) != nullptr;\n}"),
+    "goto": (K + " {\n  if (x[i] < 0) goto done; // BUG\n  x[i] = 1;\ndone:\n  return;\n}",
+             K + " {\n  if (x[i] < 0) return;\n  x[i] = 1;\n}"),
+    "storage-class": (K + " {\n  register float v = x[i]; // BUG\n  x[i] = v;\n}",
+                      K + " {\n  float v = x[i];\n  x[i] = v;\n}"),
+    "lambda": (K + " {\n  auto twice = [](float v) { return v * 2; }; // BUG\n  x[i] = twice(x[i]);\n}",
+               "inline float twice(float v) { return v * 2; }\n" + K + " {\n  x[i] = twice(x[i]);\n}"),
+    "noexcept-operator": ("float f(float v) { return v; }\n" + K + " {\n  x[i] = noexcept(f(1)); // BUG\n}",
+                          "float f(float v) { return v; }\n" + K + " {\n  x[i] = f(1);\n}"),
+    "function-pointer": ("float twice(float v) { return v * 2; }\n" + K + " {\n  float (*op)(float) = twice; // BUG\n"
+                         "  x[i] = op(x[i]);\n}",
+                         "float twice(float v) { return v * 2; }\n" + K + " {\n  x[i] = twice(x[i]);\n}"),
+    "main": ("float main(float v) { return v; } // BUG\n" + K + " { x[i] = main(1); }",
+             "float helper(float v) { return v; }\n" + K + " { x[i] = helper(1); }"),
+    "builtin-type": ("kernel void k(device float* x [[buffer(0)]],\n  int i [[thread_position_in_grid]]) { x[i] = 1; } // BUG",
+                     "kernel void k(device float* x [[buffer(0)]],\n  uint i [[thread_position_in_grid]]) { x[i] = 1; }"),
+    "builtin-type:vector4": ("kernel void k(device float* x [[buffer(0)]],\n"
+                             "  uint4 i [[thread_position_in_grid]]) { x[i.x] = 1; } // BUG",
+                             "kernel void k(device float* x [[buffer(0)]],\n"
+                             "  uint3 i [[thread_position_in_grid]]) { x[i.x] = 1; }"),
+    # softmax.metal's bug: a scalar size beside a 2-component position.
+    "builtin-width": ("kernel void k(device float* x [[buffer(0)]],\n  uint threads [[threads_per_threadgroup]],\n"
+                      "  uint2 group [[threadgroup_position_in_grid]]) { x[group.y * threads + group.x] = 1; } // BUG",
+                      "kernel void k(device float* x [[buffer(0)]],\n  uint2 threads [[threads_per_threadgroup]],\n"
+                      "  uint2 group [[threadgroup_position_in_grid]]) { x[group.y * threads.x + group.x] = 1; }"),
+    "builtin-same-type": ("kernel void k(device float* x [[buffer(0)]],\n  uint2 pos [[thread_position_in_grid]],\n"
+                          "  ushort2 size [[threads_per_grid]]) { x[pos.y * size.x + pos.x] = 1; } // BUG",
+                          "kernel void k(device float* x [[buffer(0)]],\n  uint2 pos [[thread_position_in_grid]],\n"
+                          "  uint2 size [[threads_per_grid]]) { x[pos.y * size.x + pos.x] = 1; }"),
+    "thread-index-type": ("kernel void k(device float* x [[buffer(0)]],\n  uint2 lid [[thread_position_in_threadgroup]],\n"
+                          "  ushort index [[thread_index_in_threadgroup]]) { x[index] = lid.x; } // BUG",
+                          "kernel void k(device float* x [[buffer(0)]],\n  uint2 lid [[thread_position_in_threadgroup]],\n"
+                          "  uint index [[thread_index_in_threadgroup]]) { x[index] = lid.x; }"),
+    "builtin-conflict": ("kernel void k(device float* x [[buffer(0)]],\n  uint w [[thread_execution_width]],\n"
+                         "  uint s [[threads_per_simdgroup]]) { x[0] = w + s; } // BUG",
+                         "kernel void k(device float* x [[buffer(0)]],\n  uint s [[threads_per_simdgroup]]) { x[0] = s; }"),
+    "buffer-index:duplicate": ("kernel void k(device float* x [[buffer(0)]],\n  device float* y [[buffer(0)]]) { x[0] = y[0]; } // BUG",
+                               "kernel void k(device float* x [[buffer(0)]],\n  device float* y [[buffer(1)]]) { x[0] = y[0]; }"),
+    "buffer-index:range": ("kernel void k(device float* x [[buffer(0)]],\n  device float* y [[buffer(31)]]) { x[0] = y[0]; } // BUG",
+                           "kernel void k(device float* x [[buffer(0)]],\n  device float* y [[buffer(30)]]) { x[0] = y[0]; }"),
+    "threadgroup-index": ("kernel void k(device float* x [[buffer(0)]], threadgroup float* a [[threadgroup(0)]],\n"
+                          "  threadgroup float* b [[threadgroup(0)]]) { a[0] = 1; b[0] = 2; x[0] = a[0]; } // BUG",
+                          "kernel void k(device float* x [[buffer(0)]], threadgroup float* a [[threadgroup(0)]],\n"
+                          "  threadgroup float* b [[threadgroup(1)]]) { a[0] = 1; b[0] = 2; x[0] = a[0]; }"),
+    "kernel-return": ("kernel float k(device float* x [[buffer(0)]], // BUG\n  uint i [[thread_position_in_grid]]) {\n"
+                      "  x[i] = 1;\n  return 0;\n}",
+                      K + " {\n  x[i] = 1;\n}"),
+    "max-threads": ("[[max_total_threads_per_threadgroup(2048)]] // BUG\n" + K + " { x[i] = 1; }",
+                    "[[max_total_threads_per_threadgroup(1024)]]\n" + K + " { x[i] = 1; }"),
+    "threadgroup-memory": ("kernel void k(device float* x [[buffer(0)]], // BUG\n  uint i [[thread_position_in_threadgroup]]) {\n"
+                           "  threadgroup float a[6000];\n  threadgroup float2 b[2000];\n  a[i] = 1;\n  b[i] = 2;\n"
+                           "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  x[i] = a[i] + b[i].x;\n}",
+                           "kernel void k(device float* x [[buffer(0)]],\n  uint i [[thread_position_in_threadgroup]]) {\n"
+                           "  threadgroup float a[6000];\n  threadgroup float2 b[1000 / 4];\n  a[i] = 1;\n  b[i] = 2;\n"
+                           "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  x[i] = a[i] + b[i].x;\n}"),
+    "host-name": ("template <int N> kernel void k(device float* x [[buffer(0)]]) { x[0] = N; }\n"
+                  "template [[host_name(\"k1\")]] kernel decltype(k<1>) k<1>;\n"
+                  "template [[host_name(\"k1\")]] kernel decltype(k<2>) k<2>; // BUG",
+                  "template <int N> kernel void k(device float* x [[buffer(0)]]) { x[0] = N; }\n"
+                  "template [[host_name(\"k1\")]] kernel decltype(k<1>) k<1>;\n"
+                  "template [[host_name(\"k2\")]] kernel decltype(k<2>) k<2>;"),
+}
+
+
+def _write(tmp_path, name: str, body: str) -> Path:
+    path = tmp_path / f"{name.replace(':', '_')}.metal"
+    path.write_text(HEAD + body + "\n")
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_planted_bug_is_rejected_with_rule_and_line(tmp_path, case):
+    rule = case.split(":")[0]
+    path = _write(tmp_path, "bad_" + case, CASES[case][0])
+    line = next(n for n, text in enumerate(path.read_text().splitlines(), 1) if "// BUG" in text)
+    findings = check_file(path)
+    assert any(f.startswith(f"{path}:{line}:") and f"[msl-{rule}]" in f for f in findings), findings
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_valid_variant_passes(tmp_path, case):
+    path = _write(tmp_path, "ok_" + case, CASES[case][1])
+    assert check_file(path) == []
+
+
+def test_every_rule_has_a_planted_bug_and_a_row_in_the_readme():
+    assert {c.split(":")[0] for c in CASES} == set(_lint.RULES)
+    readme = (ROOT / "README.md").read_text()
+    for rule in _lint.RULES:
+        assert f"`msl-{rule}`" in readme, rule
+
+
+def test_the_executor_builds_nothing_check_mode_rejects():
+    """compile_library (every test and op) applies the same rules."""
+    with pytest.raises(cpu_metal.CompileError, match=r"k\.metal:4: static member 'N' .*\[msl-static-variable\]"):
+        cpu_metal.compile_library(HEAD + CASES["static-variable:member"][0], filename="k.metal")
+    with pytest.raises(cpu_metal.CompileError, match=r"C\+\+17 extension.*\[msl-cxx14\]"):
+        cpu_metal.compile_library(HEAD + CASES["cxx14:if-constexpr"][0], filename="k.metal")
+    cpu_metal.compile_library(HEAD + CASES["static-variable:member"][1], filename="k.metal")

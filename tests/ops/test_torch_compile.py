@@ -1,0 +1,91 @@
+"""torch.compile traces torch.ops.mps_ext.* through their Meta kernels (the
+aten ops' own, registered for every op of every family) and runs mps_ext's
+kernels in the compiled code. What a compiled model on MPS reaches of the
+aten overrides is in tests/test_install.py."""
+
+import pytest
+import torch
+
+import mps_ext
+
+torch.manual_seed(0)
+
+
+def model(x, w, b, grad):
+    y = torch.ops.mps_ext.linear(x, w, b) + torch.ops.mps_ext.mm(x, w.t())
+    y = y + torch.ops.mps_ext.addmm(b, x, w.t(), beta=0.5, alpha=2.0)
+    p = torch.ops.mps_ext._softmax(y, -1, False)
+    lp = torch.ops.mps_ext._log_softmax(y, 0, False)
+    g = torch.ops.mps_ext._softmax_backward_data(grad, p, -1, p.dtype)
+    g = g + torch.ops.mps_ext._log_softmax_backward_data(grad, lp, 0, lp.dtype)
+    return torch.ops.mps_ext.constant_pad_nd(g, [1, 2, 0, 1], 0.25)
+
+
+def inputs(rows=3):
+    return torch.randn(rows, 64), torch.randn(40, 64) / 8, torch.randn(40), torch.randn(rows, 40)
+
+
+def linalg_model(a, b):
+    """Every op of the linalg family, on a batch of n x n matrices `a` and
+    right-hand sides `b` (n x 2)."""
+    lu, piv, _ = torch.ops.mps_ext.linalg_lu_factor_ex(a)
+    lu_np, _ = torch.ops.mps_ext.linalg_lu_factor(a, pivot=False)
+    p, l, u = torch.ops.mps_ext.linalg_lu(a)
+    p2, l2, u2 = torch.ops.mps_ext.lu_unpack(lu, piv)
+    x1 = torch.ops.mps_ext.linalg_solve_triangular(u, b, upper=True)
+    x2, _ = torch.ops.mps_ext.triangular_solve(b, l2, upper=False, unitriangular=True)
+    inv, _ = torch.ops.mps_ext.linalg_inv_ex(a)
+    x3, *_ = torch.ops.mps_ext._linalg_solve_ex(a, b)
+    x4 = torch.ops.mps_ext.linalg_lu_solve(lu, piv, b, adjoint=True)
+    det, *_ = torch.ops.mps_ext._linalg_det(a)
+    sign, logabsdet, *_ = torch.ops.mps_ext._linalg_slogdet(a)
+    return (lu_np + p @ l + p2 @ u2 + inv, x1 + x2 + x3 + x4, det + sign * logabsdet)
+
+
+def linalg_inputs(batch=3, n=5):
+    return torch.randn(batch, n, n) + 2 * n * torch.eye(n), torch.randn(batch, n, 2)
+
+
+def test_every_op_is_in_a_model():
+    names = {op.split("::")[1] for fam in mps_ext.families() for op in mps_ext._C.family_aten_ops(fam)}
+    import inspect
+    source = inspect.getsource(model) + inspect.getsource(linalg_model)
+    assert all(f"torch.ops.mps_ext.{n}(" in source for n in names)
+
+
+# name -> (model, its inputs for a size, two sizes, calls of mps_ext's kernels per family)
+MODELS = {
+    "nn": (model, inputs, [(3,), (5,)], {"linalg": 0, "linear": 3, "softmax": 4, "pad": 1}),
+    "linalg": (linalg_model, linalg_inputs, [(3, 5), (2, 7)], {"linalg": 11, "linear": 0, "softmax": 0, "pad": 0}),
+}
+
+
+def ran():
+    return {fam: s["ran"] for fam, s in mps_ext.stats().items()}
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_aot_eager(dynamic, name):
+    fn, make_inputs, sizes, calls = MODELS[name]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for size in sizes:  # a second size: dynamic shapes, or a recompilation
+        args = make_inputs(*size)
+        want = fn(*args)
+        mps_ext.reset_stats()
+        got = compiled(*args)
+        torch.testing.assert_close(got, want)
+        assert ran() == calls
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_inductor_on_cpu(name):
+    fn, make_inputs, sizes, calls = MODELS[name]
+    torch._dynamo.reset()
+    args = make_inputs(*sizes[0])
+    want = fn(*args)
+    mps_ext.reset_stats()
+    got = torch.compile(fn, backend="inductor", fullgraph=True)(*args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert ran() == calls

@@ -1,0 +1,144 @@
+"""A kernel the machine cannot run never becomes the user's exception.
+
+On a Mac, a Metal library or pipeline can fail to build, or a pipeline can
+allow fewer threads per threadgroup than an op asks. The Metal backend only
+reports that (BackendUnavailable); launch.cpp and route() decide: one
+warning naming the cause, the call and every later one of that family go to
+torch's own kernel, stats() and the report say so. Here the executor backend
+fails the same way through a test hook (_C._simulate_executor_failure), so
+that exactly that decision code runs."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mps_ext
+from mps_ext import _C, cpu_metal
+from mps_ext.__main__ import report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REASON = "kernels unavailable on this device"
+
+
+@pytest.fixture
+def simulate():
+    """Sets a simulated failure; afterwards the executor works again and the
+    families are available again (a real failure lasts the process)."""
+    mps_ext.reset_stats()
+
+    def set_failure(library, kernel="", kind="library", max_threads=0):
+        _C._simulate_executor_failure(library, kernel, kind, max_threads)
+
+    yield set_failure
+    _C._simulate_executor_failure("")
+    for fam in mps_ext.families():
+        _C._clear_unavailable(fam)
+    mps_ext.reset_stats()
+
+
+def overriding_warnings(text):
+    return [line for line in text.splitlines() if "cannot run on CPU here" in line]
+
+
+def test_a_library_that_does_not_build(simulate, capfd):
+    simulate("softmax", kind="library")
+    x = torch.randn(4, 300)
+    want = torch._softmax(x, 1, False)
+    with cpu_metal.record() as rec:
+        first = torch.ops.mps_ext._softmax(x, 1, False)
+        later = [torch.ops.mps_ext._log_softmax(x, 0, False), torch.ops.mps_ext._softmax(x, 1, False)]
+    assert torch.equal(first, want) and torch.equal(later[1], want)
+    assert torch.equal(later[0], torch._log_softmax(x, 0, False))
+    assert rec.dispatches == []  # nothing of softmax ran, and nothing was retried
+    assert _C._simulated_failure_hits() == 1
+    warned = overriding_warnings(capfd.readouterr().err)
+    assert len(warned) == 1, warned
+    assert "the softmax kernels cannot run on CPU here (softmax.metal failed to compile (simulated))" in warned[0]
+    s = mps_ext.stats()["softmax"]
+    assert s == {"ran": 0, "fallbacks": {REASON: 3}, "unavailable": {"CPU": "softmax.metal failed to compile (simulated)"}}
+    # Other families are not affected.
+    torch.ops.mps_ext.constant_pad_nd(x, [1, 1], 0)
+    assert mps_ext.stats()["pad"]["ran"] == 1
+
+
+def test_the_report_shows_it(simulate, capsys):
+    simulate("pad", kind="library")
+    torch.ops.mps_ext.constant_pad_nd(torch.ones(3), [1, 1], 0)
+    report()
+    out = capsys.readouterr().out
+    assert f"pad        ran 0, fell back: 1 x {REASON}" in out
+    assert "kernels unavailable on CPU: pad.metal failed to compile (simulated)" in out
+
+
+def test_a_failure_at_the_second_dispatch_of_an_op(simulate, capfd):
+    # A row this long is split: a partial dispatch, then a finishing one.
+    x = torch.randn(2, 20000)
+    with cpu_metal.record() as rec:
+        torch.ops.mps_ext._softmax(x, 1, False)
+    kernels = [d.kernel for d in rec.dispatches]
+    assert kernels == ["softmax_partial_f32", "softmax_finish_f32_f32"]
+    mps_ext.reset_stats()
+    simulate("softmax", "softmax_finish_f32_f32", kind="pipeline")
+    with cpu_metal.record() as rec:
+        got = torch.ops.mps_ext._softmax(x, 1, False)
+        again = torch.ops.mps_ext._softmax(x, 1, False)
+    assert [d.kernel for d in rec.dispatches] == ["softmax_partial_f32"]  # the first call only
+    want = torch._softmax(x, 1, False)
+    assert torch.equal(got, want) and torch.equal(again, want)
+    assert _C._simulated_failure_hits() == 1
+    assert len(overriding_warnings(capfd.readouterr().err)) == 1
+    assert mps_ext.stats()["softmax"]["unavailable"] == {
+        "CPU": "cannot build the pipeline of softmax_finish_f32_f32 (simulated)"}
+
+
+def test_a_pipeline_with_fewer_threads_than_the_op_needs(simulate, capfd):
+    x, w = torch.randn(3, 512), torch.randn(700, 512)
+    with cpu_metal.record() as rec:
+        torch.ops.mps_ext.linear(x, w, None)
+    (d,) = rec.dispatches
+    needs = d.threads_per_threadgroup[0]
+    assert needs > 32
+    mps_ext.reset_stats()
+    simulate("gemv", d.kernel, kind="max_threads", max_threads=32)
+    got = torch.ops.mps_ext.linear(x, w, None)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+    (warned,) = overriding_warnings(capfd.readouterr().err)
+    cause = f"the pipeline of kernel {d.kernel} runs at most 32 threads per threadgroup on this GPU; it needs {needs}"
+    assert cause in warned
+    assert mps_ext.stats()["linear"] == {"ran": 0, "fallbacks": {REASON: 1}, "unavailable": {"CPU": cause}}
+
+
+def test_a_pipeline_with_enough_threads_runs(simulate):
+    x, w = torch.randn(3, 512), torch.randn(700, 512)
+    with cpu_metal.record() as rec:
+        torch.ops.mps_ext.linear(x, w, None)
+    (d,) = rec.dispatches
+    simulate("gemv", d.kernel, kind="max_threads", max_threads=d.threads_per_threadgroup[0])
+    torch.ops.mps_ext.linear(x, w, None)
+    assert mps_ext.stats()["linear"]["ran"] == 2 and mps_ext.stats()["linear"]["unavailable"] == {}
+
+
+def test_through_an_aten_override_it_is_a_python_warning():
+    """What a Mac user sees: the override of an aten op (installed here on
+    the CPU key, in a process of its own) warns through Python's warnings."""
+    code = """
+import warnings, torch, mps_ext
+mps_ext._C.install_overrides(["softmax"], "CPU")
+mps_ext._C._simulate_executor_failure("softmax", "", "library", 0)
+x = torch.randn(3, 5)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    ys = [torch.softmax(x, 1) for _ in range(4)]
+print(len(w), str(w[0].message) if w else "")
+print(mps_ext.stats()["softmax"])
+print(all(torch.allclose(y, x.exp() / x.exp().sum(1, keepdim=True)) for y in ys))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("1 mps_ext: the softmax kernels cannot run on CPU here"), r.stdout
+    assert f"'fallbacks': {{'{REASON}': 4}}" in lines[1]
+    assert lines[2] == "True"

@@ -1,0 +1,102 @@
+"""Installing the overrides: torch's "Overriding a previously registered
+kernel" warning is not printed, every other warning is; and what a
+torch.compile'd model reaches. On a Mac the overrides go on the MPS key; the
+same mechanism puts them on the CPU key here, each time in a process of its
+own (the aten CPU kernels of the test process stay torch's)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCH_WARNING = "Overriding a previously registered kernel for the same operator and the same dispatch key"
+
+
+def python(code):
+    r = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_torch_warns_at_the_first_override_of_a_process():
+    """The premise: without mps_ext's filter, the first override a process
+    makes prints torch's warning."""
+    r = python("""
+import torch
+lib = torch.library.Library("aten", "IMPL", "CPU")
+lib.impl("mm", lambda *args: None)  # aten::mm has a CPU kernel to override
+""")
+    assert TORCH_WARNING in r.stderr
+
+
+def test_installing_overrides_prints_no_override_warning():
+    r = python("""
+import warnings, torch, mps_ext
+warnings.simplefilter("error")  # a Python warning would fail the process
+# aten::linear, mm and addmm have CPU kernels: this is the override torch warns about.
+print(mps_ext._C.install_overrides(["linear"], "CPU"))
+print(mps_ext._C.install_overrides(["linear", "softmax", "pad"], "CPU"))
+x = torch.ones(2, 3)
+assert torch.equal(torch.nn.functional.pad(x, (1, 1)), torch.cat([torch.zeros(2, 1), x, torch.zeros(2, 1)], 1))
+print(mps_ext.stats()["pad"]["ran"])
+""")
+    assert r.stdout.splitlines() == ["['linear']", "['linear', 'softmax', 'pad']", "1"]  # the aten op reached ours
+    assert TORCH_WARNING not in r.stderr and "Warning" not in r.stderr, r.stderr
+
+
+def test_the_filter_passes_every_other_warning(capfd):
+    from mps_ext import _C
+    _C._warn_without_override_warning("something else torch says")
+    _C._warn_without_override_warning(f"Warning only once for all operators.\n  {TORCH_WARNING}\n  operator: x")
+    err = capfd.readouterr().err
+    assert "something else torch says" in err
+    assert TORCH_WARNING not in err
+
+
+COMPILED_MODEL = """
+import torch, mps_ext, torch.nn.functional as F
+mps_ext._C.install_overrides(["linalg", "linear", "softmax", "pad"], "CPU")
+def model(x, w, b, w2, m):
+    y = F.linear(x, w, b)    # aten::addmm once traced
+    y = torch.softmax(y, -1)
+    y = F.pad(y, (1, 1))
+    return y @ w2, torch.linalg.solve(m, x[:, :16].mT)  # aten::mm; aten::_linalg_solve_ex
+x, w, b, w2 = torch.randn(2, 64), torch.randn(32, 64), torch.randn(32), torch.randn(34, 16)
+m = torch.randn(16, 16) + 8 * torch.eye(16)
+want = model(x, w, b, w2, m)
+torch._dynamo.reset()
+mps_ext.reset_stats()
+got = torch.compile(model, backend=BACKEND)(x, w, b, w2, m)
+torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+print({fam: s["ran"] for fam, s in sorted(mps_ext.stats().items())})
+"""
+
+
+def test_a_model_compiled_with_aot_eager_reaches_every_override():
+    r = python(COMPILED_MODEL.replace("BACKEND", "'aot_eager'"))
+    assert r.stdout.strip() == "{'linalg': 1, 'linear': 2, 'pad': 1, 'softmax': 1}"
+
+
+def test_what_inductor_calls():
+    """Inductor decomposes softmax and constant padding into kernels of its
+    own, and calls matmuls as extern kernels with out= (aten::addmm.out,
+    aten::mm.out): none of these reach the overrides of the functional aten
+    ops, on the CPU here as on MPS (the lowering of mm and addmm to extern
+    kernels does not depend on the device). The linear-algebra ops have no
+    lowering: inductor calls the functional aten op as a fallback, which
+    reaches the override."""
+    code = COMPILED_MODEL.replace("BACKEND", "'inductor'") + """
+from torch._inductor.utils import run_and_get_code
+torch._dynamo.reset()
+_, (source, *_) = run_and_get_code(torch.compile(model, backend="inductor"), x, w, b, w2, m)
+print(sorted(line.strip().split("(")[0] for line in source.splitlines() if "extern_kernels." in line and "out=" in line))
+print(sorted({line.split("=")[1].strip().split("(")[0] for line in source.splitlines()
+              if "= torch.ops.aten." in line}))
+"""
+    r = python(code)
+    ran, extern, fallbacks = r.stdout.strip().splitlines()
+    assert ran == "{'linalg': 1, 'linear': 0, 'pad': 0, 'softmax': 0}"
+    assert extern == "['extern_kernels.addmm', 'extern_kernels.mm']"
+    assert fallbacks == "['torch.ops.aten._linalg_solve_ex.default']"

@@ -1,0 +1,59 @@
+"""The host code compiles against every supported torch release, as a Mac
+build of that release compiles it (tools/torch_matrix.py: the release's
+macOS arm64 headers and BuildExtension flags, the .mm files as Objective-C++
+against the Apple stub headers). The first run downloads each release's
+headers; a failed download fails the test."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import torch_matrix  # noqa: E402
+
+pytestmark = pytest.mark.skipif(sys.platform == "darwin",
+                                reason="on macOS setup.py compiles the sources against the real SDK")
+
+
+@pytest.mark.parametrize("version", torch_matrix.VERSIONS)
+def test_host_code_compiles(version):
+    results = torch_matrix.check([version], log=lambda *_: None)
+    assert {r.source for r in results} >= {"csrc/backend/metal.mm", "csrc/ops/registration.cpp",
+                                           "csrc/generated/shaders.cpp"}
+    assert all(r.ok for r in results), torch_matrix.report(results)
+
+
+def test_the_standard_is_the_one_buildextension_adds():
+    stds = {v: torch_matrix.torch_flags(torch_matrix.fetch(v)).std for v in ("2.9.0", "2.15.0")}
+    assert stds == {"2.9.0": "c++17", "2.15.0": "c++20"}
+
+
+def test_our_macos_code_is_compiled():
+    text = "#ifdef __APPLE__\nA\n#endif\n#if defined(__APPLE__) && X\nB\n#endif\n#ifndef __APPLE__\nC\n#endif\n"
+    mac = torch_matrix.as_on_mac(text, "x.cpp")
+    assert mac.splitlines()[0] == "#if 1 /* __APPLE__ */" and mac.count("\n") == text.count("\n")
+    assert mac.splitlines()[3].startswith("#if 1 /* __APPLE__ */ && X")
+    assert mac.splitlines()[6] == "#if 0 /* !__APPLE__ */"
+    with pytest.raises(torch_matrix.MatrixError, match="x.cpp:2"):
+        torch_matrix.as_on_mac("\nint apple = __APPLE__;\n", "x.cpp")
+
+
+def test_a_wrong_selector_fails(tmp_path):
+    """The stubs declare Apple's selectors; under ARC an unknown one is an error."""
+    tree = torch_matrix.mac_tree(tmp_path)
+    mm = tree / "csrc/backend/metal.mm"
+    flags = torch_matrix.torch_flags(torch_matrix.fetch("2.13.0"))
+    cmd = torch_matrix.compile_command(torch_matrix.find_clang(), mm, tree, flags)
+    assert subprocess.run(cmd, capture_output=True, text=True).returncode == 0
+    mm.write_text(mm.read_text().replace("setBuffer:buffer", "setBufer:buffer"))
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode != 0 and "setBufer" in r.stderr
+
+
+def test_a_failed_download_is_an_error_not_a_skip(tmp_path):
+    with pytest.raises(torch_matrix.MatrixError, match=r"downloading torch 2\.9\.999 .* failed"):
+        torch_matrix.fetch("2.9.999", tmp_path)
+    assert not (tmp_path / "2.9.999").exists()
