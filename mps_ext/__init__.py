@@ -39,6 +39,13 @@ except Exception as e:  # never let a broken install break the user's import
     _C = None
     _load_error = f"{type(e).__name__}: {e}"
 
+if _C is not None:
+    try:
+        from . import _moe  # noqa: F401  (fake kernels of mps_ext's own ops, for torch.compile)
+    except Exception as e:  # eager calls still work; tracing them would not
+        warnings.warn(f"mps_ext: fake kernels of its MoE ops not registered ({type(e).__name__}: {e}); "
+                      "torch.compile cannot trace them", stacklevel=2)
+
 _env_disabled: set[str] = set()
 _policy_skipped: dict[str, str] = {}        # family -> why it is not installed
 _policy_left: dict[str, dict[str, _policy.Native]] = {}  # family -> {aten op: the rule that leaves it to torch}

@@ -39,6 +39,7 @@ class Result:
     ok: bool
     detail: str = ""
     ours: bool = True  # mps_ext's kernel ran (False: torch's, by decision)
+    ran: bool = True  # False: not run, the family is off and torch has no kernel for the op here
 
 
 def judge(family: str, device: str, before: dict, after: dict) -> tuple[bool, str]:
@@ -166,11 +167,25 @@ def executor_op(op):
     return getattr(torch.ops.mps_ext, op.__name__)  # F.linear's __name__ is 'linear' too
 
 
+def torch_has_kernel(op, device: str) -> bool:
+    """Whether torch has a kernel of its own for aten function `op` where
+    `device` ("executor": CPU tensors) runs it."""
+    return mps_ext._C.has_stock_kernel(f"aten::{op.__name__}", "CPU" if device == "executor" else "MPS")
+
+
 def run() -> list[Result]:
     results = []
     devices = ["executor"] + (["mps"] if mps_ext.is_available() else [])
     for case in cases():
         for device in devices:
+            off = case.family not in mps_ext.enabled_ops() or (
+                device == "mps" and case.family not in mps_ext.installed_overrides())
+            if off and not torch_has_kernel(case.op, device):
+                # Switched off, with nothing of torch's to run instead (an op
+                # mps_ext registers where torch has none): a decision, not run.
+                results.append(Result(case, device, True, "not run: off, and torch has no kernel for it",
+                                      ours=False, ran=False))
+                continue
             ours = True
             try:
                 before = mps_ext.stats()[case.family]

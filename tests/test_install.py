@@ -57,18 +57,21 @@ def test_the_filter_passes_every_other_warning(capfd):
 
 COMPILED_MODEL = """
 import torch, mps_ext, torch.nn.functional as F
-mps_ext._C.install_overrides(["linalg", "linear", "softmax", "pad"], "CPU")
-def model(x, w, b, w2, m):
+mps_ext._C.install_overrides(["grouped_mm", "linalg", "linear", "softmax", "pad"], "CPU")
+grouped_mm = getattr(F, "grouped_mm", torch._grouped_mm)  # aten::_grouped_mm either way
+def model(x, w, b, w2, m, experts, offs):
     y = F.linear(x, w, b)    # aten::addmm once traced
     y = torch.softmax(y, -1)
     y = F.pad(y, (1, 1))
-    return y @ w2, torch.linalg.solve(m, x[:, :16].mT)  # aten::mm; aten::_linalg_solve_ex
+    moe = grouped_mm(x.bfloat16(), experts.transpose(-2, -1), offs=offs)  # aten::_grouped_mm
+    return y @ w2, torch.linalg.solve(m, x[:, :16].mT), moe  # aten::mm; aten::_linalg_solve_ex
 x, w, b, w2 = torch.randn(2, 64), torch.randn(32, 64), torch.randn(32), torch.randn(34, 16)
 m = torch.randn(16, 16) + 8 * torch.eye(16)
-want = model(x, w, b, w2, m)
+experts, offs = torch.randn(3, 8, 64).bfloat16(), torch.tensor([1, 1, 2], dtype=torch.int32)
+want = model(x, w, b, w2, m, experts, offs)
 torch._dynamo.reset()
 mps_ext.reset_stats()
-got = torch.compile(model, backend=BACKEND)(x, w, b, w2, m)
+got = torch.compile(model, backend=BACKEND)(x, w, b, w2, m, experts, offs)
 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 print({fam: s["ran"] for fam, s in sorted(mps_ext.stats().items())})
 """
@@ -76,7 +79,7 @@ print({fam: s["ran"] for fam, s in sorted(mps_ext.stats().items())})
 
 def test_a_model_compiled_with_aot_eager_reaches_every_override():
     r = python(COMPILED_MODEL.replace("BACKEND", "'aot_eager'"))
-    assert r.stdout.strip() == "{'linalg': 1, 'linear': 2, 'pad': 1, 'softmax': 1}"
+    assert r.stdout.strip() == "{'grouped_mm': 1, 'linalg': 1, 'linear': 2, 'pad': 1, 'softmax': 1}"
 
 
 def test_what_inductor_calls():
@@ -86,17 +89,21 @@ def test_what_inductor_calls():
     ops, on the CPU here as on MPS (the lowering of mm and addmm to extern
     kernels does not depend on the device). The linear-algebra ops have no
     lowering: inductor calls the functional aten op as a fallback, which
-    reaches the override."""
+    reaches the override; _grouped_mm is an extern kernel without out=
+    (extern_kernels._grouped_mm, torch._grouped_mm), which reaches it too."""
     code = COMPILED_MODEL.replace("BACKEND", "'inductor'") + """
 from torch._inductor.utils import run_and_get_code
 torch._dynamo.reset()
-_, (source, *_) = run_and_get_code(torch.compile(model, backend="inductor"), x, w, b, w2, m)
+_, (source, *_) = run_and_get_code(torch.compile(model, backend="inductor"), x, w, b, w2, m, experts, offs)
 print(sorted(line.strip().split("(")[0] for line in source.splitlines() if "extern_kernels." in line and "out=" in line))
 print(sorted({line.split("=")[1].strip().split("(")[0] for line in source.splitlines()
               if "= torch.ops.aten." in line}))
+print(sorted({line.split("=")[1].strip().split("(")[0] for line in source.splitlines()
+              if "= extern_kernels." in line and "out=" not in line}))
 """
     r = python(code)
-    ran, extern, fallbacks = r.stdout.strip().splitlines()
-    assert ran == "{'linalg': 1, 'linear': 0, 'pad': 0, 'softmax': 0}"
+    ran, extern, fallbacks, functional_extern = r.stdout.strip().splitlines()
+    assert ran == "{'grouped_mm': 1, 'linalg': 1, 'linear': 0, 'pad': 0, 'softmax': 0}"
     assert extern == "['extern_kernels.addmm', 'extern_kernels.mm']"
     assert fallbacks == "['torch.ops.aten._linalg_solve_ex.default']"
+    assert functional_extern == "['extern_kernels._grouped_mm']"

@@ -467,7 +467,6 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10:
     p.col_scale_batch = weight_scale->stride(0);
   }
   run(pr, offs.contiguous(), fp8 ? "bf16_fp8w" : type_name(x.scalar_type()), true);
-  family("grouped_mm").count_ran();
   return out;
 }
 

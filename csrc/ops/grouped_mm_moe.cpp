@@ -64,7 +64,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(const at::T
                    KernelArg::of(logits), KernelArg::value(p)},
                   {1, 1, 1}, {MOE_ROUTE_THREADS, 1, 1}});
   }
-  family("grouped_mm").count_ran();
   return {weights, offs, slot_of_row, row_of_slot};
 }
 
@@ -92,13 +91,47 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& weights, const at:
                 {static_cast<uint32_t>((threads + MOE_COMBINE_THREADS - 1) / MOE_COMBINE_THREADS),
                  static_cast<uint32_t>(tokens), 1},
                 {MOE_COMBINE_THREADS, 1, 1}});
-  family("grouped_mm").count_ran();
   return out;
+}
+
+// Each op runs mps_ext's kernel (or says why it cannot: there is no torch
+// kernel to fall back to) and counts as a grouped_mm call.
+using c10::DispatchKey;
+
+template <DispatchKey K>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_impl(const at::Tensor& logits, int64_t top_k,
+                                                                        bool renormalize, bool shared_expert) {
+  return run_own(family("grouped_mm"), "mps_ext::moe_route", K,
+                 [&] { return moe_route(logits, top_k, renormalize, shared_expert); });
+}
+
+template <DispatchKey K>
+at::Tensor moe_experts_impl(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& weight_scale,
+                            const at::Tensor& offs, const c10::optional<at::Tensor>& slot_of_row,
+                            int64_t slots_per_token, bool swiglu) {
+  return run_own(family("grouped_mm"), "mps_ext::moe_experts", K, [&] {
+    return moe_experts(x, weight, weight_scale, offs, slot_of_row, slots_per_token, swiglu);
+  });
+}
+
+template <DispatchKey K>
+at::Tensor moe_combine_impl(const at::Tensor& y, const at::Tensor& weights, const at::Tensor& row_of_slot) {
+  return run_own(family("grouped_mm"), "mps_ext::moe_combine", K, [&] { return moe_combine(y, weights, row_of_slot); });
+}
+
+template <DispatchKey K>
+void register_moe(torch::Library& m) {
+  m.impl("moe_route", TORCH_FN(moe_route_impl<K>));
+  m.impl("moe_experts", TORCH_FN(moe_experts_impl<K>));
+  m.impl("moe_combine", TORCH_FN(moe_combine_impl<K>));
 }
 
 }  // namespace
 }  // namespace mps_ext
 
+// mps_ext's own ops (not aten's): defined here, with kernels for CPU tensors
+// (the executor) and, on macOS, MPS tensors. Their Meta (fake) kernels, for
+// torch.compile, are in mps_ext/_moe.py.
 TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
   m.def("moe_route(Tensor logits, int top_k, bool renormalize=True, bool shared_expert=False) -> "
         "(Tensor weights, Tensor offs, Tensor slot_of_row, Tensor row_of_slot)");
@@ -107,16 +140,8 @@ TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
   m.def("moe_combine(Tensor y, Tensor weights, Tensor row_of_slot) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(mps_ext, CPU, m) {
-  m.impl("moe_route", TORCH_FN(mps_ext::moe_route));
-  m.impl("moe_experts", TORCH_FN(mps_ext::moe_experts));
-  m.impl("moe_combine", TORCH_FN(mps_ext::moe_combine));
-}
+TORCH_LIBRARY_IMPL(mps_ext, CPU, m) { mps_ext::register_moe<c10::DispatchKey::CPU>(m); }
 
 #ifdef __APPLE__
-TORCH_LIBRARY_IMPL(mps_ext, MPS, m) {
-  m.impl("moe_route", TORCH_FN(mps_ext::moe_route));
-  m.impl("moe_experts", TORCH_FN(mps_ext::moe_experts));
-  m.impl("moe_combine", TORCH_FN(mps_ext::moe_combine));
-}
+TORCH_LIBRARY_IMPL(mps_ext, MPS, m) { mps_ext::register_moe<c10::DispatchKey::MPS>(m); }
 #endif

@@ -391,3 +391,36 @@ def test_offsets_out_of_order_or_range_stay_in_bounds(m, offs):
     assert out.shape == (m, 16)
     a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
     torch.ops.mps_ext._scaled_grouped_mm(a8, b8, torch.ones(m), torch.ones(4, 16), torch.tensor(offs, dtype=torch.int32))
+
+
+# --------------------------------------------------------------- meta --
+def _meta(t):
+    return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+BF = torch.bfloat16
+LAYOUTS = {  # (a, b, offs) of each layout, N odd so the output's row stride is padded
+    "2d x 3d": lambda: (randn(10, 32, dtype=BF), experts(3, 13, 32, BF, "nk"), offsets([4, 0, 5])),
+    "3d x 2d": lambda: (randn(3, 6, 32, dtype=BF), randn(13, 32, dtype=BF).t(), offsets([4, 0, 9])),
+    "2d x 2d": lambda: (randn(6, 40, dtype=BF)[:, :32], randn(13, 40, dtype=BF)[:, :32].t(), offsets([16, 16, 32])),
+    "3d x 3d": lambda: (randn(3, 6, 32, dtype=BF), experts(3, 13, 32, BF, "nk"), None),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_meta_kernel_is_torchs(layout):
+    # torch.compile traces torch.ops.mps_ext._grouped_mm through aten's Meta
+    # kernel: it gives what aten's gives on meta, and the sizes and dtype of
+    # the op itself. Torch's own Meta kernel takes bfloat16 only up to torch
+    # 2.13, also float16 from 2.14, never float32, and pads the output's
+    # leading stride (as every eager kernel does) only for CUDA, and for MPS
+    # from torch 2.15: a torch limitation, the same with torch's own kernels.
+    a, b, offs = LAYOUTS[layout]()
+    want = torch._grouped_mm(a, b, offs=offs)
+    got = torch.ops.mps_ext._grouped_mm(a, b, offs)
+    assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+    meta = torch.ops.mps_ext._grouped_mm(_meta(a), _meta(b), _meta(offs))
+    aten_meta = torch.ops.aten._grouped_mm(_meta(a), _meta(b), _meta(offs))
+    assert meta.device.type == "meta"
+    assert (meta.shape, meta.stride(), meta.dtype) == (aten_meta.shape, aten_meta.stride(), aten_meta.dtype)
+    assert (meta.shape, meta.dtype) == (want.shape, want.dtype)

@@ -177,3 +177,20 @@ def test_torchs_checks_and_messages(case):
     kw = {key: to_meta(v) for key, v in change.get("kw", {}).items()}
     with pytest.raises(RuntimeError, match=message):
         torch.ops.aten._scaled_grouped_mm(*map(to_meta, (a8, b8, sa, sb, offs)), **kw)
+
+
+def test_meta_kernel_is_torchs():
+    # torch.compile traces torch.ops.mps_ext._scaled_grouped_mm through
+    # aten's Meta kernel: the output's sizes and dtype (torch has no CPU
+    # kernel to compare the rest with; its Meta kernel pads the leading
+    # stride only for CUDA, and for MPS from 2.15, as for _grouped_mm).
+    a8, sa = quantize_rows(randn(10, 32), 1)
+    b8, sb = experts_fp8(3, 13, 32)
+    offs = torch.tensor([4, 4, 9], dtype=torch.int32)
+    got = torch.ops.mps_ext._scaled_grouped_mm(a8, b8, sa, sb, offs)
+    args = [t.to("meta") for t in (a8, b8, sa, sb, offs)]
+    meta, aten_meta = torch.ops.mps_ext._scaled_grouped_mm(*args), torch.ops.aten._scaled_grouped_mm(*args)
+    assert meta.device.type == "meta"
+    assert (meta.shape, meta.stride(), meta.dtype) == (aten_meta.shape, aten_meta.stride(), aten_meta.dtype)
+    assert (got.shape, got.stride(), got.dtype) == ((10, 13), (16, 1), torch.bfloat16)
+    assert (meta.shape, meta.dtype) == (got.shape, got.dtype)
