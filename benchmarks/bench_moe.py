@@ -136,12 +136,12 @@ def layer(model: Model, tokens: int, fp8: bool, seed: int = 0) -> dict:
     if len(rec.dispatches) == 4:  # torch's own one-row GEMV took the router (torch >= 2.15): count it
         router_read, extra_dispatch = router.nbytes, 1
     else:
-        router_read, extra_dispatch = rec.dispatches[0].bytes_read[2], 0
+        router_read, extra_dispatch = rec.dispatches[0].bytes_read[rec.dispatches[0].buffer("w")], 0
     gate_up, down = rec.dispatches[-3], rec.dispatches[-2]
     chosen = int((torch.diff(offs.long(), prepend=torch.zeros(1).long()) > 0).sum())
     expert_bytes = (w_gu[0].nbytes + w_d[0].nbytes)
     scale_bytes = (s_gu[0].nbytes + s_d[0].nbytes) if fp8 else 0
-    weight_read = gate_up.bytes_read[2] + down.bytes_read[2]
+    weight_read = gate_up.bytes_read[gate_up.buffer("w")] + down.bytes_read[down.buffer("w")]
     minimum = chosen * (expert_bytes + scale_bytes) + router.nbytes
     device = sum(d.memory_bytes_moved for d in rec.dispatches) + (router.nbytes if extra_dispatch else 0)
     # DRAM model: weights as read; every activation-sized tensor once at its

@@ -22,9 +22,10 @@
 //                  group's weights (other rows masked to zero).
 //
 // Element types: float, half, bfloat, and float8_e4m3fn bytes (uchar),
-// decoded to half / 256 (e4m3_decode.h) with the 256s folded into p.mul.
+// decoded as value / 256 (fp8_codec.h: e4m3 bits placed into half bits, four
+// bytes at a time) with the 256s folded into p.mul.
 #include <metal_stdlib>
-#include "e4m3_decode.h"
+#include "fp8_codec.h"
 #include "grouped_mm_params.h"
 using namespace metal;
 
@@ -32,7 +33,7 @@ using namespace metal;
 inline float elem(float v) { return v; }
 inline float elem(half v) { return float(v); }
 inline float elem(bfloat v) { return float(v); }
-inline float elem(uchar v) { return float(e4m3_to_half_div256(v)); }
+inline float elem(uchar v) { return e4m3x4_to_float_div256(uint(v)).x; }
 
 // 16 bytes of T as floats: 4 floats, 8 halves or bfloats, 16 fp8 values.
 // (A function, not a static data member: MSL allows those only in `constant`.)
@@ -67,8 +68,10 @@ inline Vec16<bfloat> load_vec16(const device bfloat* p) { return load_vec16_16bi
 inline Vec16<uchar> load_vec16(const device uchar* p) {
   uint4 bits = *(const device uint4*)p;
   Vec16<uchar> r;
-  for (int i = 0; i < 4; ++i)
-    for (int j = 0; j < 4; ++j) r.v[4 * i + j] = elem(uchar((bits[i] >> (8 * j)) & 0xFF));
+  for (int i = 0; i < 4; ++i) {
+    const float4 four = e4m3x4_to_float_div256(bits[i]);
+    for (int j = 0; j < 4; ++j) r.v[4 * i + j] = four[j];
+  }
   return r;
 }
 
@@ -239,7 +242,7 @@ template <typename TA, typename TB, typename TO, bool VEC>
 [[max_total_threads_per_threadgroup(64)]]
 kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
                             const device TA* a [[buffer(1)]],
-                            const device TB* b [[buffer(2)]],
+                            const device TB* w [[buffer(2)]],
                             const device int* offs [[buffer(3)]],
                             constant GroupedMMParams& p [[buffer(4)]],
                             const device float* row_scale [[buffer(5)]],
@@ -251,17 +254,17 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
   threadgroup uint shared[2];
   const RowSlot s = decode_slot(offs, p, tg.y, sg, lane, shared);
   if (s.rows == 0) return;  // not the first row of a chunk, or past offs[-1]
-  const device TB* w = b + ulong(s.g) * ulong(p.b_batch);
+  const device TB* wg = w + ulong(s.g) * ulong(p.b_batch);
   const uint col0 = (tg.x * GMM_ROWS_SIMDGROUPS + sg) * (p.swiglu ? GMM_ROWS_OUTPUTS / 2 : GMM_ROWS_OUTPUTS);
   // One specialisation per row count, so one routed row does not pay for 8.
   if (s.rows == 1)
-    decode_rows_body<TA, TB, TO, 1, VEC>(out, a, w, p, row_scale, col_scale, rows_of, s, col0, lane);
+    decode_rows_body<TA, TB, TO, 1, VEC>(out, a, wg, p, row_scale, col_scale, rows_of, s, col0, lane);
   else if (s.rows == 2)
-    decode_rows_body<TA, TB, TO, 2, VEC>(out, a, w, p, row_scale, col_scale, rows_of, s, col0, lane);
+    decode_rows_body<TA, TB, TO, 2, VEC>(out, a, wg, p, row_scale, col_scale, rows_of, s, col0, lane);
   else if (s.rows <= 4)
-    decode_rows_body<TA, TB, TO, 4, VEC>(out, a, w, p, row_scale, col_scale, rows_of, s, col0, lane);
+    decode_rows_body<TA, TB, TO, 4, VEC>(out, a, wg, p, row_scale, col_scale, rows_of, s, col0, lane);
   else
-    decode_rows_body<TA, TB, TO, 8, VEC>(out, a, w, p, row_scale, col_scale, rows_of, s, col0, lane);
+    decode_rows_body<TA, TB, TO, 8, VEC>(out, a, wg, p, row_scale, col_scale, rows_of, s, col0, lane);
 }
 
 // ------------------------------------------------------ gmm_decode_cols --
@@ -311,7 +314,7 @@ template <typename T, bool VEC>
 [[max_total_threads_per_threadgroup(GMM_COLS_THREADS)]]
 kernel void gmm_decode_cols(device T* out [[buffer(0)]],
                             const device T* a [[buffer(1)]],
-                            const device T* b [[buffer(2)]],
+                            const device T* w [[buffer(2)]],
                             const device int* offs [[buffer(3)]],
                             constant GroupedMMParams& p [[buffer(4)]],
                             uint2 tg [[threadgroup_position_in_grid]],
@@ -323,16 +326,16 @@ kernel void gmm_decode_cols(device T* out [[buffer(0)]],
   threadgroup uint shared[2];
   const RowSlot s = decode_slot(offs, p, tg.y, sg, lane, shared);
   if (s.rows == 0) return;  // uniform: every thread read the same slot
-  const device T* w = b + ulong(s.g) * ulong(p.b_batch);
+  const device T* wg = w + ulong(s.g) * ulong(p.b_batch);
   const uint col_base = tg.x * GMM_COLS_LANES * (VEC ? vec16_n<T>() : 1);
   if (s.rows == 1)
-    decode_cols_body<T, 1, VEC>(out, a, w, p, s, col_base, tid, partial);
+    decode_cols_body<T, 1, VEC>(out, a, wg, p, s, col_base, tid, partial);
   else if (s.rows == 2)
-    decode_cols_body<T, 2, VEC>(out, a, w, p, s, col_base, tid, partial);
+    decode_cols_body<T, 2, VEC>(out, a, wg, p, s, col_base, tid, partial);
   else if (s.rows <= 4)
-    decode_cols_body<T, 4, VEC>(out, a, w, p, s, col_base, tid, partial);
+    decode_cols_body<T, 4, VEC>(out, a, wg, p, s, col_base, tid, partial);
   else
-    decode_cols_body<T, 8, VEC>(out, a, w, p, s, col_base, tid, partial);
+    decode_cols_body<T, 8, VEC>(out, a, wg, p, s, col_base, tid, partial);
 }
 
 // ------------------------------------------------------------ gmm_tiled --
@@ -343,7 +346,7 @@ template <typename T, typename TO>
 [[max_total_threads_per_threadgroup(GMM_TILE_THREADS)]]
 kernel void gmm_tiled(device TO* out [[buffer(0)]],
                       const device T* a [[buffer(1)]],
-                      const device T* b [[buffer(2)]],
+                      const device T* w [[buffer(2)]],
                       const device int* offs [[buffer(3)]],
                       constant GroupedMMParams& p [[buffer(4)]],
                       const device float* row_scale [[buffer(5)]],
@@ -399,7 +402,7 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
       k1 = max(k0, group_end(offs, g, p.k));
     }
     const device T* ag = a + ulong(g) * ulong(p.a_batch);
-    const device T* bg = b + ulong(g) * ulong(p.b_batch);
+    const device T* bg = w + ulong(g) * ulong(p.b_batch);
     for (uint kt = k0; kt < k1; kt += BK) {
       // Consecutive threads take consecutive elements along whichever
       // dimension of b is contiguous, so the loads coalesce.
@@ -448,6 +451,8 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
 }
 
 // ------------------------------------------------------ instantiations --
+// Buffer 2, `w`, is the grouped operand: the experts' weights of the MoE
+// forward (the name the benchmarks and tests count weight traffic by).
 #define GMM_DECODE_ROWS(tname, TA, TB, TO)                                                            \
   template [[host_name("gmm_decode_rows_" #tname "_vec")]] kernel                                     \
       decltype(gmm_decode_rows<TA, TB, TO, true>) gmm_decode_rows<TA, TB, TO, true>;                  \
@@ -464,12 +469,12 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
 GMM_DECODE_ROWS(f32, float, float, float)
 GMM_DECODE_ROWS(f16, half, half, half)
 GMM_DECODE_ROWS(bf16, bfloat, bfloat, bfloat)
-GMM_DECODE_ROWS(fp8, uchar, uchar, bfloat)
-GMM_DECODE_ROWS(bf16_fp8w, bfloat, uchar, bfloat)  // bfloat activations, fp8 weights (mps_ext's MoE ops)
+GMM_DECODE_ROWS(e4m3, uchar, uchar, bfloat)
+GMM_DECODE_ROWS(bf16_e4m3w, bfloat, uchar, bfloat)  // bfloat activations, e4m3 weights (mps_ext's MoE ops)
 GMM_DECODE_COLS(f32, float)
 GMM_DECODE_COLS(f16, half)
 GMM_DECODE_COLS(bf16, bfloat)
 GMM_TILED(f32, float, float)
 GMM_TILED(f16, half, half)
 GMM_TILED(bf16, bfloat, bfloat)
-GMM_TILED(fp8, uchar, bfloat)
+GMM_TILED(e4m3, uchar, bfloat)

@@ -28,23 +28,20 @@ from . import _policy
 
 __version__ = "0.1.0"
 __all__ = ["is_available", "unavailable_reason", "families", "enabled_ops", "set_enabled", "disabled",
-           "stats", "reset_stats", "family_status"]
+           "stats", "reset_stats", "family_status", "quantize_fp8", "FP8Linear", "FP8Experts"]
 
 _load_error: str | None = None
 try:
     import torch as _torch
 
-    from . import _C
+    from .fp8 import FP8Experts, FP8Linear, quantize_fp8
+    from . import _C, _meta
+
+    _meta.register()
 except Exception as e:  # never let a broken install break the user's import
     _C = None
     _load_error = f"{type(e).__name__}: {e}"
 
-if _C is not None:
-    try:
-        from . import _moe  # noqa: F401  (fake kernels of mps_ext's own ops, for torch.compile)
-    except Exception as e:  # eager calls still work; tracing them would not
-        warnings.warn(f"mps_ext: fake kernels of its MoE ops not registered ({type(e).__name__}: {e}); "
-                      "torch.compile cannot trace them", stacklevel=2)
 
 _env_disabled: set[str] = set()
 _policy_skipped: dict[str, str] = {}        # family -> why it is not installed
@@ -102,14 +99,11 @@ def family_status(name: str) -> str:
         return f"off on MPS: {unavailable['MPS']}"
     if name in _policy_skipped:
         return f"left to torch on MPS: {_policy_skipped[name]}"
-    notes = []
     if name in _policy_left:
         ops = ", ".join(op.split("::")[1] + (f" ({rule.scope()})" if rule.scope() else "")
                         for op, rule in sorted(_policy_left[name].items()))
-        notes.append(f"{ops} left to torch on MPS")
-    if name == "linear" and _policy.mm_min_rows(_torch.__version__) > 1:
-        notes.append("one-row mm/addmm left to torch's own GEMV on MPS")
-    return "on" + (f" ({'; '.join(notes)})" if notes else "")
+        return f"on ({ops} left to torch on MPS)"
+    return "on"
 
 
 def enabled_ops() -> list[str]:
@@ -145,7 +139,10 @@ def stats() -> dict[str, dict]:
     """Per family: {'ran': calls that ran mps_ext's kernels, 'fallbacks':
     {reason: calls that went to torch's own kernel}, 'unavailable':
     {device: why mps_ext's kernels cannot run there}} (a Metal library or
-    pipeline that did not build on this Mac; empty normally)."""
+    pipeline that did not build on this Mac; empty normally). Calls a family
+    never takes are in neither count: the fp8 family overrides copy_, fill_,
+    zero_, cat and index_select for every dtype (the dispatcher knows no
+    finer key) and passes all but float8 straight to torch's kernel."""
     if _C is None:
         return {}
     return {k: {"ran": v["ran"], "fallbacks": dict(v["fallbacks"]), "unavailable": dict(v["unavailable"])}
@@ -166,8 +163,8 @@ def _leave_to_torch(family: str, rules: dict[str, _policy.Native], device: str) 
     """Hands the policy's rules for `family` ({aten op: rule}) to the op
     layer for `device` ("MPS"; "CPU" in tests)."""
     for op, rule in rules.items():
-        _C.leave_to_torch(family, op, device, POLICY_PREFIX + rule.what, [getattr(_torch, d) for d in rule.dtypes],
-                          list(rule.kept_args))
+        _C.leave_to_torch(family, op, device, POLICY_PREFIX + rule.what,
+                          [getattr(_torch, d) for d in rule.kept_dtypes], list(rule.kept_args), bool(rule.calls))
 
 
 def _setup() -> None:
@@ -192,7 +189,6 @@ def _setup() -> None:
         _leave_to_torch(name, left, "MPS")
     for name in _env_disabled:
         _C.set_enabled(name, False)
-    _C.set_mm_min_rows("MPS", _policy.mm_min_rows(version))
     if is_available():
         wanted = sorted(known - _env_disabled - set(_policy_skipped))
         try:

@@ -4,8 +4,9 @@ One table, read at import: an aten op is overridden on the MPS key only on
 torch releases older than the one that shipped an equal kernel of its own;
 from that release on, mps_ext leaves the op to torch (a family whose every op
 is left to torch is not installed at all). A rule may leave only some calls
-of an op to torch: those of some dtypes, and not those with an argument
-value torch's kernel refuses. The policy applies to the MPS
+of an op to torch: not those with a dtype or an argument value torch's
+kernel refuses, or only those the op's own code picks by what torch's kernel
+takes (a row count, a scale recipe). The policy applies to the MPS
 overrides only: torch.ops.mps_ext on CPU tensors always runs mps_ext's
 kernels.
 
@@ -32,20 +33,30 @@ class Native:
     ops: tuple[str, ...]    # the aten ops mps_ext leaves to it on MPS
     what: str               # what torch has, in one sentence
     evidence: str           # the files that show it
-    # Only calls whose first tensor has one of these dtypes (torch's names:
-    # "float32"); empty: every dtype.
-    dtypes: tuple[str, ...] = ()
-    # Not calls with these bool argument values (name, value): inputs
-    # torch's kernel refuses, which mps_ext keeps.
+    # Not calls with a tensor argument of these dtypes (torch's names:
+    # "complex64"), nor those with these bool argument values (name, value):
+    # inputs torch's kernel refuses, which mps_ext keeps.
+    kept_dtypes: tuple[str, ...] = ()
     kept_args: tuple[tuple[str, bool], ...] = ()
+    # Only the calls the op's own code picks (csrc/ops/: linear.cpp's
+    # mm_unsupported, fp8_mm.cpp's policy), in words: for a choice the
+    # arguments' dtypes and bools do not express.
+    calls: str = ""
+
+    def __post_init__(self):
+        # route (csrc/ops/registry.h) applies kept dtypes and arguments; an op
+        # that picks its calls is handed the rule alone.
+        if self.calls and (self.kept_dtypes or self.kept_args):
+            raise ValueError(f"{self.ops}: a rule whose calls the op picks keeps no dtypes or arguments")
 
     def whole(self) -> bool:
         """Every call of the ops is left to torch."""
-        return not self.dtypes and not self.kept_args
+        return not (self.kept_dtypes or self.kept_args or self.calls)
 
     def scope(self) -> str:
         """Which calls, in words: '' for all."""
-        parts = [", ".join(self.dtypes)] if self.dtypes else []
+        parts = [self.calls] if self.calls else []
+        parts += [f"not {dtype}" for dtype in self.kept_dtypes]
         parts += [f"not {name}={value}" for name, value in self.kept_args]
         return "; ".join(parts)
 
@@ -92,6 +103,37 @@ HISTORY: dict[str, list[tuple[str, str, str]]] = {
          "'mm_out_mps_impl' and 'addmm_out_mps_impl' (operations/LinearAlgebra.mm); the disassembly of "
          "at::native::_mps_linear calls _mps_linear_nograph, runMPSGraph and, once each, at::_ops::mm and "
          "at::_ops::addmm"),
+    ],
+    "fp8": [
+        ("2.9-2.14", "no Metal kernel for a float8 dtype, and getMPSDataType refuses float8 (\"does not have "
+         "support for that dtype\"): copy_ between dtypes or devices, fill_, zero_, cat and index_select of "
+         "float8 tensors raise on MPS; empty/empty_strided accept float8 (they refuse only float64), views are "
+         "dtype-blind, printing converts float8 to half first (a copy_)",
+         "c10/metal/ has no float8.h and C10_METAL_ALL_TYPES_FUNCTOR (c10/metal/common.h) no float8 entry; no "
+         "float8 kernel name in the dylib's Metal library; operations/Copy.mm, OperationUtils.mm "
+         "(getMPSDataType), EmptyTensor.cpp, torch/_tensor_str.py"),
+        ("2.15", "float8_e4m3fn tensors on MPS: Metal conversions to and from float (c10/metal/float8.h) in "
+         "torch's copy, fill, cat, gather, pad kernels; float8_e5m2: none, as before",
+         "c10/metal/float8.h (new in 2.15: fp8e4m3fn_to_fp32, fp8e4m3fn_from_fp32, struct float8_e4m3fn, "
+         "nothing for e5m2); C10_METAL_ALL_TYPES_FUNCTOR gains Float8_e4m3fn; MPSScalar's value union gains "
+         "c10::Float8_e4m3fn (native/mps/OperationUtils.h); dylib: e4m3fn kernel instantiations, none for e5m2"),
+    ],
+    "scaled_mm": [
+        ("2.9", "_scaled_mm: CPU and CUDA kernels only; no _scaled_mm_v2 op (F.scaled_mm)",
+         "ATen/ops/_scaled_mm_native.h (_scaled_mm_cpu, _scaled_mm_cuda); no ATen/ops/_scaled_mm_v2*.h"),
+        ("2.10-2.14", "_scaled_mm_v2 (F.scaled_mm): CUDA kernels (2.10, 2.11), CPU and CUDA (2.12-2.14); "
+         "_scaled_mm: CPU and CUDA; nothing on MPS",
+         "ATen/ops/_scaled_mm_v2_native.h: _scaled_mm_cuda_v2 (2.10, 2.11), _scaled_mm_cpu_v2 and "
+         "_scaled_mm_cuda_v2 (2.12, 2.13), structured _scaled_mm_cpu_v2_out and _scaled_mm_cuda_v2_out (2.14); "
+         "_scaled_mm_native.h: cpu and cuda"),
+        ("2.15", "_scaled_mm_v2 on MPS: Metal kernels scaled_mm_<output dtype> (32 x 32 tiles) for "
+         "float8_e4m3fn operands with tensor-wise or row-wise fp32 scales, outputs f32/f16/bf16/e4m3fn, a "
+         "bias only of the output's dtype (bf16 or f16); no block-wise recipes, no e5m2; _scaled_mm (v1): "
+         "still no MPS kernel",
+         "ATen/ops/_scaled_mm_v2_native.h (structured__scaled_mm_mps_v2_out, new in 2.15), "
+         "native/mps/kernels/ScaledMM.h (new in 2.15: ScaledMMParams with rowwise, has_bias, bias_bfloat16), "
+         "operations/ScaledMM.mm (TensorWise/RowWise dispatch table, its bias checks); _scaled_mm_native.h "
+         "without an mps kernel"),
     ],
     "linalg": [
         ("2.9-2.13", "Apple's MPS matrix kernels, float32 only: LU by MPSMatrixDecompositionLU (linalg_lu_factor_ex; "
@@ -140,12 +182,14 @@ HISTORY: dict[str, list[tuple[str, str, str]]] = {
     "grouped_mm": [
         ("2.9-2.14", "_grouped_mm has no MPS kernel: its CompositeExplicitAutograd kernel runs "
          "_grouped_mm_fallback, which copies offs to the CPU (a sync on every call) and runs one mm_out per group "
-         "(bmm for 3D x 3D); _scaled_grouped_mm (and _scaled_grouped_mm_v2, from 2.10) are CUDA only",
+         "(bmm for 3D x 3D); _scaled_grouped_mm (and _scaled_grouped_mm_v2, from 2.10) are CUDA only. "
+         "F.grouped_mm (-> _grouped_mm) and F.scaled_grouped_mm (-> _scaled_grouped_mm_v2) exist from 2.10",
          "torch/include/ATen/ops/: _grouped_mm_compositeexplicitautograd_dispatch.h and _grouped_mm_cuda_dispatch.h, "
          "no _grouped_mm_mps_dispatch.h; _scaled_grouped_mm_cuda_dispatch.h (and _scaled_grouped_mm_v2_cuda_dispatch.h) "
          "only; ATen/native/GroupedMMUtils.h: _grouped_mm_fallback ('auto offs_cpu = offs.value().cpu();', then "
          "offs_cpu[group_idx].item<int>() per group); tests/ops/test_grouped_mm.py sees that copy in the installed "
-         "torch's CPU kernel"),
+         "torch's CPU kernel; torch/nn/functional.py of 2.9 has neither grouped_mm nor scaled_grouped_mm, 2.10-2.14 "
+         "both; ATen/ops/_scaled_grouped_mm_v2.h from 2.10"),
         ("2.15", "_grouped_mm_mps: Metal kernels launched from shapes alone (the jagged grid axis sized for the worst "
          "case of one partial tile per group; the kernel discards the excess tiles), offs read only on the GPU: a "
          "few-rows kernel for up to 32 rows with no more rows than groups and K contiguous in both operands "
@@ -201,7 +245,7 @@ NATIVE: dict[str, list[Native]] = {
                "torch 2.15 has its own Metal LU and triangular solves for float32 and complex64",
                HISTORY["linalg"][2][2]),
         Native((2, 15), ("aten::linalg_inv_ex",), "torch 2.15 has its own Metal float32 inverse",
-               HISTORY["linalg"][2][2], dtypes=("float32",)),
+               HISTORY["linalg"][2][2], kept_dtypes=("complex64",)),
     ],
     # grouped_mm on torch 2.15 (HISTORY["grouped_mm"][1]): torch's own
     # _grouped_mm no longer reads offs on the CPU, and by its source it streams
@@ -216,14 +260,26 @@ NATIVE: dict[str, list[Native]] = {
         Native((2, 15), ("aten::_grouped_mm",), "torch 2.15 has its own Metal _grouped_mm, which reads offs only "
                "on the GPU", HISTORY["grouped_mm"][1][2]),
     ],
+    # torch 2.14 gave aten::mm and aten::addmm a GEMV of their own for a
+    # single row (or column); mps_ext keeps 2 to 8 rows there (speculative
+    # decoding, beam search, small batches), and F.linear's single row, which
+    # torch's aten::linear does not send to that GEMV.
+    "linear": [Native((2, 14), ("aten::mm", "aten::addmm"), "torch 2.14 has its own one-row GEMV for mm and addmm",
+                      HISTORY["linear"][1][2], calls="one row")],
+    # torch 2.15 handles float8_e4m3fn tensors on MPS (not float8_e5m2), and
+    # tensor-wise and row-wise float8_e4m3fn _scaled_mm_v2 products with the
+    # outputs and bias dtypes its kernel takes; mps_ext keeps float8_e5m2,
+    # the block-wise recipes, _scaled_mm (v1) and what torch's kernel rejects.
+    "fp8": [Native((2, 15), ("aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor", "aten::zero_", "aten::cat",
+                             "aten::index_select"),
+                   "torch 2.15 has float8_e4m3fn tensors on MPS", HISTORY["fp8"][1][2],
+                   kept_dtypes=("float8_e5m2",))],
+    "scaled_mm": [Native((2, 15), ("aten::_scaled_mm_v2",),
+                         "torch 2.15's _scaled_mm_v2 runs tensor-wise and row-wise float8_e4m3fn products on MPS",
+                         HISTORY["scaled_mm"][2][2],
+                         calls="tensor-wise and row-wise float8_e4m3fn, with outputs and bias torch's kernel "
+                               "takes")],
 }
-
-# torch 2.14 gave aten::mm and aten::addmm a GEMV of their own for a single
-# row (or column); mps_ext keeps 2 to 8 rows there (speculative decoding, beam
-# search, small batches), and F.linear's single row, which torch's
-# aten::linear does not send to that GEMV.
-MM_ONE_ROW_GEMV = Native((2, 14), ("aten::mm", "aten::addmm"), "torch 2.14 has its own one-row GEMV for mm and addmm",
-                         HISTORY["linear"][1][2])
 
 
 def torch_version(version: str) -> tuple[int, int]:
@@ -249,9 +305,3 @@ def steps_aside(family: str, ops: list[str], version: str) -> str | None:
     if ops and all(op in left and left[op].whole() for op in ops):
         return "; ".join(sorted({native.what for native in left.values()}))
     return None
-
-
-def mm_min_rows(version: str) -> int:
-    """Fewest rows (or columns) of an mm/addmm product mps_ext takes on MPS
-    with torch `version`."""
-    return 2 if torch_version(version) >= MM_ONE_ROW_GEMV.since else 1

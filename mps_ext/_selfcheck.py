@@ -108,6 +108,28 @@ def cases() -> list[Case]:
         out.append(Case("linear", f"mm {tag}", torch.mm, (x, w.t()), (x.double() @ w.double().t()).to(dtype)))
         out.append(Case("linear", f"addmm {tag}", torch.addmm, (b, x, w.t()),
                         (b.double() + x.double() @ w.double().t()).to(dtype)))
+    for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x = (torch.randn(6, 40, generator=g) * 30).to(fmt)
+        idx = torch.tensor([5, 0, 2])
+        out.append(Case("fp8", f"index_select {str(fmt)[6:]}", torch.index_select, (x, 0, idx),
+                        torch.index_select(x, 0, idx)))
+        src = torch.randn(5, 33, generator=g).bfloat16() * 100
+        out.append(Case("fp8", f"copy_ bfloat16 -> {str(fmt)[6:]}", torch.Tensor.copy_,
+                        (torch.empty(5, 33, dtype=fmt), src), src.to(fmt)))
+    for rows in (2, 40):
+        a = (torch.randn(rows, 96, generator=g) * 20).to(torch.float8_e4m3fn)
+        w = (torch.randn(80, 96, generator=g) * 20).to(torch.float8_e4m3fn)
+        sa, sb = torch.rand(rows, 1, generator=g) / 100, torch.rand(1, 80, generator=g) / 100
+        out.append(Case("scaled_mm", f"_scaled_mm row-wise {rows}x96 @ 96x80 e4m3fn", torch._scaled_mm,
+                        (a, w.t(), sa, sb, None, None, torch.float32),
+                        torch._scaled_mm(a, w.t(), sa, sb, out_dtype=torch.float32)))
+    layer = torch.nn.Linear(200, 48, dtype=torch.bfloat16)
+    w8, ws = mps_ext.fp8.quantize_weight(layer.weight, "block")
+    x = torch.randn(3, 200, generator=g).bfloat16()
+    want = (x.double() @ (w8.double() * ws.repeat_interleave(128, 0).repeat_interleave(128, 1)[:48, :200]).t()
+            + layer.bias.double()).bfloat16()
+    out.append(Case("scaled_mm", "fp8_linear block 3x200 @ 48x200^T bfloat16", torch.ops.mps_ext.fp8_linear,
+                    (x, w8, ws, "block", layer.bias.detach()), want))
     for dtype in (torch.float32, torch.complex64):
         tag = str(dtype)[6:]
         for shape in [(4, 3, 3), (2, 24, 24)]:  # one thread per matrix; a threadgroup per matrix
@@ -148,6 +170,10 @@ def cases() -> list[Case]:
         start = end
     out.append(Case("grouped_mm", "_scaled_grouped_mm fp8 8x64 @ experts (4, 32, 64)", torch._scaled_grouped_mm,
                     (x8, w8.transpose(-2, -1), sx, sw, offs), want.to(torch.bfloat16)))
+    if hasattr(torch.ops.aten, "_scaled_grouped_mm_v2"):  # torch 2.10 on (F.scaled_grouped_mm)
+        out.append(Case("grouped_mm", "_scaled_grouped_mm_v2 row-wise fp8 8x64 @ experts (4, 32, 64)",
+                        torch.ops.aten._scaled_grouped_mm_v2,
+                        (x8, w8.transpose(-2, -1), [sx], [1], [], [sw], [1], [], offs), want.to(torch.bfloat16)))
     return out
 
 
@@ -167,10 +193,13 @@ def executor_op(op):
     return getattr(torch.ops.mps_ext, op.__name__)  # F.linear's __name__ is 'linear' too
 
 
-def torch_has_kernel(op, device: str) -> bool:
-    """Whether torch has a kernel of its own for aten function `op` where
-    `device` ("executor": CPU tensors) runs it."""
-    return mps_ext._C.has_stock_kernel(f"aten::{op.__name__}", "CPU" if device == "executor" else "MPS")
+def torch_lacks_kernel(case: Case, device: str) -> bool:
+    """Whether the case's op is an aten op of its family for which torch has
+    no kernel of its own where `device` ("executor": CPU tensors) runs it
+    (mps_ext registers one there rather than overriding torch's)."""
+    name = f"aten::{case.op.__name__}"
+    return (name in mps_ext._C.family_aten_ops(case.family)
+            and not mps_ext._C.has_stock_kernel(name, "CPU" if device == "executor" else "MPS"))
 
 
 def run() -> list[Result]:
@@ -180,7 +209,7 @@ def run() -> list[Result]:
         for device in devices:
             off = case.family not in mps_ext.enabled_ops() or (
                 device == "mps" and case.family not in mps_ext.installed_overrides())
-            if off and not torch_has_kernel(case.op, device):
+            if off and torch_lacks_kernel(case, device):
                 # Switched off, with nothing of torch's to run instead (an op
                 # mps_ext registers where torch has none): a decision, not run.
                 results.append(Result(case, device, True, "not run: off, and torch has no kernel for it",
@@ -188,13 +217,17 @@ def run() -> list[Result]:
                 continue
             ours = True
             try:
-                before = mps_ext.stats()[case.family]
                 if device == "executor":
-                    got = executor_op(case.op)(*case.args)
+                    op, args = executor_op(case.op), case.args
                 else:
-                    got = case.op(*(a.to("mps") if isinstance(a, torch.Tensor) else a for a in case.args))
+                    op, args = case.op, [a.to("mps") if isinstance(a, torch.Tensor) else a for a in case.args]
+                # Only the op's call between the two: moving float8 tensors
+                # to and from the GPU is a call of the fp8 family too.
+                before = mps_ext.stats()[case.family]
+                got = op(*args)
+                after = mps_ext.stats()[case.family]
                 ok, detail = close(got, case.want)
-                ours, problem = judge(case.family, device, before, mps_ext.stats()[case.family])
+                ours, problem = judge(case.family, device, before, after)
                 if problem:
                     ok, detail = False, problem
             except Exception as e:

@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -8,3 +10,17 @@ if ROOT not in sys.path:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "mac: needs an Apple GPU (MPS)")
+
+
+@pytest.fixture
+def cpu_policy():
+    """Lets a test apply policy rules to the CPU key (in production they
+    apply to MPS only; mps_ext._leave_to_torch or _C.leave_to_torch), and
+    removes them afterwards."""
+    import mps_ext
+    mps_ext.reset_stats()
+    yield
+    for fam in mps_ext.families():
+        for op in mps_ext._C.family_aten_ops(fam):
+            mps_ext._C.leave_to_torch(fam, op, "CPU", "")
+    mps_ext.reset_stats()

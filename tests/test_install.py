@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_WARNING = "Overriding a previously registered kernel for the same operator and the same dispatch key"
@@ -57,8 +58,9 @@ def test_the_filter_passes_every_other_warning(capfd):
 
 COMPILED_MODEL = """
 import torch, mps_ext, torch.nn.functional as F
-mps_ext._C.install_overrides(["grouped_mm", "linalg", "linear", "softmax", "pad"], "CPU")
-grouped_mm = getattr(F, "grouped_mm", torch._grouped_mm)  # aten::_grouped_mm either way
+FAMILIES = ["grouped_mm", "linalg", "linear", "softmax", "pad"]
+mps_ext._C.install_overrides(FAMILIES, "CPU")
+grouped_mm = getattr(F, "grouped_mm", torch._grouped_mm)  # aten::_grouped_mm either way (F's from torch 2.10)
 def model(x, w, b, w2, m, experts, offs):
     y = F.linear(x, w, b)    # aten::addmm once traced
     y = torch.softmax(y, -1)
@@ -73,7 +75,7 @@ torch._dynamo.reset()
 mps_ext.reset_stats()
 got = torch.compile(model, backend=BACKEND)(x, w, b, w2, m, experts, offs)
 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-print({fam: s["ran"] for fam, s in sorted(mps_ext.stats().items())})
+print({fam: s["ran"] for fam, s in sorted(mps_ext.stats().items()) if fam in FAMILIES})
 """
 
 
@@ -107,3 +109,59 @@ print(sorted({line.split("=")[1].strip().split("(")[0] for line in source.splitl
     assert extern == "['extern_kernels.addmm', 'extern_kernels.mm']"
     assert fallbacks == "['torch.ops.aten._linalg_solve_ex.default']"
     assert functional_extern == "['extern_kernels._grouped_mm']"
+
+
+def test_a_compiled_model_reaches_the_float8_overrides():
+    """Float8 tensor ops and _scaled_mm in a compiled model reach the fp8 and
+    scaled_mm overrides (on the CPU key here): .to(float8) and .float() as
+    copy_ inside aten's _to_copy, zeros as zero_, fill_, cat, index_select,
+    _scaled_mm. Every call of torch's own that the overrides make inside
+    (fill_'s conversion of the value on a CPU tensor) goes to aten's CPU
+    kernel, not back into the override."""
+    r = python("""
+import torch, mps_ext
+mps_ext._C.install_overrides(["fp8", "scaled_mm"], "CPU")
+def model(x, w8, sa, sb, idx):
+    q = torch.cat([x.to(torch.float8_e5m2)] * 2).index_select(0, idx)
+    y = torch._scaled_mm(x.to(torch.float8_e4m3fn), w8.t(), sa, sb, out_dtype=torch.float32)
+    z = torch.zeros(3, dtype=torch.float8_e5m2).fill_(2.0)
+    return q.float(), y, z.float()
+x, w8 = torch.randn(4, 64) * 10, (torch.randn(48, 64) * 10).to(torch.float8_e4m3fn)
+sa, sb, idx = torch.rand(4, 1), torch.rand(1, 48), torch.tensor([7, 0, 3])
+want = model(x, w8, sa, sb, idx)
+assert torch.equal(want[2], torch.full((3,), 2.0))
+for backend in ["eager", "aot_eager"]:
+    torch._dynamo.reset()
+    mps_ext.reset_stats()
+    got = torch.compile(model, backend=backend, fullgraph=True)(x, w8, sa, sb, idx)
+    torch.testing.assert_close(got, want)
+    print(backend, {fam: s["ran"] for fam, s in sorted(mps_ext.stats().items()) if fam in ("fp8", "scaled_mm")})
+""")
+    # fp8: two .to(float8) and two .float() (copy_), cat, index_select, zero_, fill_
+    assert r.stdout.splitlines() == ["eager {'fp8': 8, 'scaled_mm': 1}", "aot_eager {'fp8': 8, 'scaled_mm': 1}"]
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "scaled_grouped_mm"),
+                    reason="this torch has no F.scaled_grouped_mm (torch 2.9; from 2.10 it calls _scaled_grouped_mm_v2)")
+def test_f_grouped_mm_and_f_scaled_grouped_mm_reach_the_overrides():
+    """The public functions of torch 2.10+ reach the grouped_mm overrides (on
+    the CPU key here, as on MPS): F.grouped_mm as _grouped_mm, and
+    F.scaled_grouped_mm, with row-wise scales, as _scaled_grouped_mm_v2,
+    which no torch runs off CUDA."""
+    r = python("""
+import torch, torch.nn.functional as F, mps_ext
+mps_ext._C.install_overrides(["grouped_mm"], "CPU")
+a, w = torch.randn(6, 32), torch.randn(3, 16, 32) / 6
+offs = torch.tensor([2, 2, 6], dtype=torch.int32)
+want = torch.cat([a[:2] @ w[0].t(), a[2:] @ w[2].t()])
+a8, w8 = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+got = F.grouped_mm(a, w.transpose(-2, -1), offs=offs)
+torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+sa, sw = torch.full((6,), 0.5), torch.full((3, 16), 2.0)
+got8 = F.scaled_grouped_mm(a8, w8.transpose(-2, -1), sa, F.ScalingType.RowWise, sw, F.ScalingType.RowWise, offs=offs)
+want8 = torch.cat([a8[:2].float() @ w8[0].float().t(), a8[2:].float() @ w8[2].float().t()]).bfloat16()
+assert got8.dtype == torch.bfloat16
+torch.testing.assert_close(got8.float(), want8.float(), rtol=1e-2, atol=1e-2)
+print(mps_ext.stats()["grouped_mm"])
+""")
+    assert r.stdout.strip() == "{'ran': 2, 'fallbacks': {}, 'unavailable': {}}"

@@ -47,9 +47,9 @@ print(mps_ext.is_available(), mps_ext.families(), mps_ext.stats(), repr(mps_ext.
 def test_ops_have_the_aten_schemas():
     for fam in mps_ext.families():
         for op in mps_ext._C.family_aten_ops(fam):
-            name = op.split("::")[1]
-            ours = getattr(torch.ops.mps_ext, name).default._schema
-            aten = getattr(torch.ops.aten, name).default._schema
+            name, _, overload = op.split("::")[1].partition(".")
+            ours = getattr(getattr(torch.ops.mps_ext, name), overload or "default")._schema
+            aten = getattr(getattr(torch.ops.aten, name), overload or "default")._schema
             assert [(a.name, str(a.type)) for a in ours.arguments] == [(a.name, str(a.type)) for a in aten.arguments]
             assert [str(r.type) for r in ours.returns] == [str(r.type) for r in aten.returns]
 
@@ -89,7 +89,7 @@ def test_disabled_restores_after_an_error():
 
 
 def test_set_enabled_rejects_unknown_families():
-    with pytest.raises(ValueError, match="no op family 'nope'; mps_ext has grouped_mm, linalg, linear, pad, softmax"):
+    with pytest.raises(ValueError, match="no op family 'nope'; mps_ext has fp8, grouped_mm, linalg, linear, pad, scaled_mm, softmax"):
         mps_ext.set_enabled("nope", False)
 
 
@@ -97,7 +97,7 @@ def test_environment_variable_turns_families_off():
     r = python("import mps_ext; print(mps_ext.enabled_ops(), mps_ext.family_status('pad'))",
                env={"MPS_EXT_DISABLE": "pad, bogus"})
     assert r.returncode == 0
-    assert "['grouped_mm', 'linalg', 'linear', 'softmax'] off: listed in MPS_EXT_DISABLE" in r.stdout
+    assert "['fp8', 'grouped_mm', 'linalg', 'linear', 'scaled_mm', 'softmax'] off: listed in MPS_EXT_DISABLE" in r.stdout
     assert "unknown op families ['bogus']" in r.stderr
     r = python("import mps_ext; print(mps_ext.enabled_ops())", env={"MPS_EXT_DISABLE": "all"})
     assert "[]" in r.stdout

@@ -35,10 +35,12 @@ def test_what_each_release_leaves_to_torch():
     ops = {f: _C.family_aten_ops(f) for f in mps_ext.families()}
     for version in RELEASES[:5]:  # 2.9 to 2.13
         assert all(_policy.left_to_torch(f, version) == {} for f in ops), version
-        assert _policy.mm_min_rows(version) == 1
     for version in ["2.14.1", "2.15.0", "2.16.0+cpu"]:
-        assert _policy.mm_min_rows(version) == 2  # torch's one-row GEMV for mm and addmm
-        assert "aten::linear" not in _policy.left_to_torch("linear", version)  # aten::linear does not use it
+        # torch's one-row GEMV for mm and addmm; aten::linear does not use it
+        left = _policy.left_to_torch("linear", version)
+        assert set(left) == {"aten::mm", "aten::addmm"}
+        assert left["aten::mm"].scope() == "one row"
+        assert _policy.steps_aside("linear", ops["linear"], version) is None
     assert _policy.left_to_torch("softmax", "2.14.1") == {}
     assert set(_policy.left_to_torch("softmax", "2.15.0")) == {"aten::_softmax", "aten::_log_softmax"}
     assert _policy.steps_aside("softmax", ops["softmax"], "2.15.0") is None  # its backward stays
@@ -50,7 +52,7 @@ def test_what_each_release_leaves_to_torch():
     assert _policy.left_to_torch("linalg", "2.14.1") == {}
     left = _policy.left_to_torch("linalg", "2.15.0")
     assert set(left) == set(ops["linalg"]) - {"aten::lu_unpack", "aten::linalg_lu_factor"}
-    assert left["aten::linalg_inv_ex"].scope() == "float32"
+    assert left["aten::linalg_inv_ex"].scope() == "not complex64"
     assert left["aten::linalg_lu_factor_ex"].scope() == left["aten::linalg_lu"].scope() == "not pivot=False"
     assert _policy.steps_aside("linalg", ops["linalg"], "2.15.0") is None
     # grouped_mm on 2.15: torch's Metal _grouped_mm; _scaled_grouped_mm, which
@@ -64,15 +66,21 @@ def test_what_each_release_leaves_to_torch():
             assert set(native.ops) <= set(ops[fam]), fam
 
 
-@pytest.fixture
-def cpu_policy():
-    """Applies policy decisions to the CPU key (in production they apply to
-    MPS only), and removes them afterwards."""
-    mps_ext.reset_stats()
-    yield
-    _C.leave_to_torch("softmax", "aten::_softmax", "CPU", "")
-    _C.set_mm_min_rows("CPU", 1)
-    mps_ext.reset_stats()
+def test_what_each_release_does_with_float8():
+    ops = {f: _C.family_aten_ops(f) for f in ("fp8", "scaled_mm")}
+    for version in RELEASES[:6]:  # 2.9 to 2.14: no float8 kernel of torch's on MPS
+        assert all(_policy.left_to_torch(f, version) == {} for f in ops), version
+    for version in ["2.15.0", "2.16.0+cpu"]:
+        # float8_e4m3fn tensors left to torch, float8_e5m2 kept; tensor-wise
+        # and row-wise e4m3fn _scaled_mm_v2 left to torch (the op picks the
+        # calls), block-wise recipes and _scaled_mm (v1, no MPS kernel) kept:
+        # both families install.
+        fp8 = _policy.left_to_torch("fp8", version)
+        assert set(fp8) == set(ops["fp8"]) and {r.scope() for r in fp8.values()} == {"not float8_e5m2"}
+        scaled = _policy.left_to_torch("scaled_mm", version)
+        assert set(scaled) == {"aten::_scaled_mm_v2"} and scaled["aten::_scaled_mm_v2"].calls
+        for fam in ops:
+            assert _policy.steps_aside(fam, ops[fam], version) is None
 
 
 def test_an_op_left_to_torch_goes_to_the_stock_kernel(cpu_policy):
@@ -85,7 +93,8 @@ def test_an_op_left_to_torch_goes_to_the_stock_kernel(cpu_policy):
 
 
 def test_one_row_mm_goes_to_torch_gemv_but_linear_keeps_it(cpu_policy):
-    _C.set_mm_min_rows("CPU", 2)
+    # A rule whose calls the op's own code picks (one row).
+    mps_ext._leave_to_torch("linear", _policy.left_to_torch("linear", "2.14.1"), "CPU")
     x, w, b = torch.randn(1, 64), torch.randn(32, 64), torch.randn(32)
     torch.ops.mps_ext.mm(x, w.t())
     torch.ops.mps_ext.addmm(b, x, w.t())
@@ -93,30 +102,26 @@ def test_one_row_mm_goes_to_torch_gemv_but_linear_keeps_it(cpu_policy):
     torch.ops.mps_ext.linear(x, w, b)
     torch.ops.mps_ext.mm(torch.randn(2, 64), w.t())
     s = mps_ext.stats()["linear"]
-    assert s["fallbacks"] == {"policy: one row (torch's own GEMV)": 3} and s["ran"] == 2
+    assert s["fallbacks"] == {"policy: torch 2.14 has its own one-row GEMV for mm and addmm": 3} and s["ran"] == 2
 
 
-def test_a_rule_can_leave_some_dtypes_and_keep_some_argument_values(cpu_policy):
+def test_a_rule_can_keep_some_dtypes_and_some_argument_values(cpu_policy):
     why = "policy: torch's own (test)"
-    _C.leave_to_torch("linalg", "aten::linalg_inv_ex", "CPU", why, [torch.float32])
+    _C.leave_to_torch("linalg", "aten::linalg_inv_ex", "CPU", why, [torch.complex64])
     _C.leave_to_torch("linalg", "aten::linalg_lu_factor_ex", "CPU", why, [], [("pivot", False)])
-    try:
-        a = torch.randn(3, 3) + 3 * torch.eye(3)
-        for dtype, ours in [(torch.float32, False), (torch.complex64, True)]:
-            mps_ext.reset_stats()
-            inv, _ = torch.ops.mps_ext.linalg_inv_ex(a.to(dtype))
-            torch.testing.assert_close(inv, torch.linalg.inv(a.to(dtype)))
-            assert mps_ext.stats()["linalg"]["ran"] == int(ours)
-        for pivot, ours in [(True, False), (False, True)]:
-            mps_ext.reset_stats()
-            torch.ops.mps_ext.linalg_lu_factor_ex(a, pivot=pivot)
-            assert mps_ext.stats()["linalg"]["ran"] == int(ours)
-            assert mps_ext.stats()["linalg"]["fallbacks"] == ({} if ours else {why: 1})
-        with pytest.raises(RuntimeError, match="has no bool argument named 'pivoting'"):
-            _C.leave_to_torch("linalg", "aten::linalg_lu", "CPU", why, [], [("pivoting", False)])
-    finally:
-        for op in ("aten::linalg_inv_ex", "aten::linalg_lu_factor_ex"):
-            _C.leave_to_torch("linalg", op, "CPU", "")
+    a = torch.randn(3, 3) + 3 * torch.eye(3)
+    for dtype, ours in [(torch.float32, False), (torch.complex64, True)]:
+        mps_ext.reset_stats()
+        inv, _ = torch.ops.mps_ext.linalg_inv_ex(a.to(dtype))
+        torch.testing.assert_close(inv, torch.linalg.inv(a.to(dtype)))
+        assert mps_ext.stats()["linalg"]["ran"] == int(ours)
+    for pivot, ours in [(True, False), (False, True)]:
+        mps_ext.reset_stats()
+        torch.ops.mps_ext.linalg_lu_factor_ex(a, pivot=pivot)
+        assert mps_ext.stats()["linalg"]["ran"] == int(ours)
+        assert mps_ext.stats()["linalg"]["fallbacks"] == ({} if ours else {why: 1})
+    with pytest.raises(RuntimeError, match="has no bool argument named 'pivoting'"):
+        _C.leave_to_torch("linalg", "aten::linalg_lu", "CPU", why, [], [("pivoting", False)])
 
 
 def test_linalg_on_torch_2_15_op_by_op(cpu_policy):
@@ -124,35 +129,31 @@ def test_linalg_on_torch_2_15_op_by_op(cpu_policy):
     go to torch's kernel."""
     rules = _policy.left_to_torch("linalg", "2.15.0")
     mps_ext._leave_to_torch("linalg", rules, "CPU")
-    try:
-        g = torch.Generator().manual_seed(0)
-        a = torch.randn(2, 5, 5, generator=g) + 4 * torch.eye(5)
-        b = torch.randn(2, 5, 3, generator=g)
-        lu, piv = torch.linalg.lu_factor(a)
-        calls = [  # (call, mps_ext's kernel runs)
-            (lambda: torch.ops.mps_ext.linalg_lu_factor_ex(a), False),
-            (lambda: torch.ops.mps_ext.linalg_lu_factor_ex(a, pivot=False), True),
-            (lambda: torch.ops.mps_ext.linalg_lu(a.to(torch.complex64)), False),
-            (lambda: torch.ops.mps_ext.linalg_lu(a, pivot=False), True),
-            (lambda: torch.ops.mps_ext.lu_unpack(lu, piv), True),
-            (lambda: torch.ops.mps_ext.linalg_solve_triangular(a.triu(), b, upper=True), False),
-            (lambda: torch.ops.mps_ext.triangular_solve(b, a.triu()), False),
-            (lambda: torch.ops.mps_ext.linalg_lu_solve(lu, piv, b), False),
-            (lambda: torch.ops.mps_ext._linalg_solve_ex(a, b), False),
-            (lambda: torch.ops.mps_ext._linalg_det(a), False),
-            (lambda: torch.ops.mps_ext._linalg_slogdet(a.to(torch.complex64)), False),
-            (lambda: torch.ops.mps_ext.linalg_inv_ex(a), False),
-            (lambda: torch.ops.mps_ext.linalg_inv_ex(a.to(torch.complex64)), True),
-        ]
-        for i, (fn, ours) in enumerate(calls):
-            mps_ext.reset_stats()
-            fn()
-            s = mps_ext.stats()["linalg"]
-            assert s["ran"] == int(ours), i
-            assert all(why.startswith(mps_ext.POLICY_PREFIX) for why in s["fallbacks"]), i
-    finally:
-        for op in rules:
-            _C.leave_to_torch("linalg", op, "CPU", "")
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 5, 5, generator=g) + 4 * torch.eye(5)
+    b = torch.randn(2, 5, 3, generator=g)
+    lu, piv = torch.linalg.lu_factor(a)
+    calls = [  # (call, mps_ext's kernel runs)
+        (lambda: torch.ops.mps_ext.linalg_lu_factor_ex(a), False),
+        (lambda: torch.ops.mps_ext.linalg_lu_factor_ex(a, pivot=False), True),
+        (lambda: torch.ops.mps_ext.linalg_lu(a.to(torch.complex64)), False),
+        (lambda: torch.ops.mps_ext.linalg_lu(a, pivot=False), True),
+        (lambda: torch.ops.mps_ext.lu_unpack(lu, piv), True),
+        (lambda: torch.ops.mps_ext.linalg_solve_triangular(a.triu(), b, upper=True), False),
+        (lambda: torch.ops.mps_ext.triangular_solve(b, a.triu()), False),
+        (lambda: torch.ops.mps_ext.linalg_lu_solve(lu, piv, b), False),
+        (lambda: torch.ops.mps_ext._linalg_solve_ex(a, b), False),
+        (lambda: torch.ops.mps_ext._linalg_det(a), False),
+        (lambda: torch.ops.mps_ext._linalg_slogdet(a.to(torch.complex64)), False),
+        (lambda: torch.ops.mps_ext.linalg_inv_ex(a), False),
+        (lambda: torch.ops.mps_ext.linalg_inv_ex(a.to(torch.complex64)), True),
+    ]
+    for i, (fn, ours) in enumerate(calls):
+        mps_ext.reset_stats()
+        fn()
+        s = mps_ext.stats()["linalg"]
+        assert s["ran"] == int(ours), i
+        assert all(why.startswith(mps_ext.POLICY_PREFIX) for why in s["fallbacks"]), i
 
 
 def test_grouped_mm_on_torch_2_15(cpu_policy):

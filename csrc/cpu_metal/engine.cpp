@@ -1619,6 +1619,7 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
   st.write_widths.assign(n, {});
   st.bound_from_bytes.assign(n, false);
   for (size_t i = 0; i < n; ++i) st.bound_from_bytes[i] = dp.buffers[i].kind == Binding::Kind::kBytes;
+  for (size_t i = 0; i < n; ++i) st.buffer_names.push_back(kernel_param_name(k, MX_PARAM_BUFFER, static_cast<uint32_t>(i)));
   for (size_t i = 0; i < n; ++i) {
     st.bytes_read[i] = ds.totals.read[i];
     st.bytes_written[i] = ds.totals.written[i];

@@ -96,6 +96,7 @@ struct Stats {
   std::vector<std::map<uint32_t, uint64_t>> read_widths, write_widths;
   uint64_t threadgroup_bytes_read = 0, threadgroup_bytes_written = 0;
   std::vector<bool> bound_from_bytes;  // per buffer index: constant data, not memory
+  std::vector<std::string> buffer_names;  // per buffer index: the kernel's parameter name
 };
 
 class Library {

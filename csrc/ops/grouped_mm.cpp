@@ -19,6 +19,7 @@
 
 #include "backend/launch.h"
 #include "grouped_mm_params.h"
+#include "ops/kernel_choice.h"
 #include "ops/ops.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
@@ -38,19 +39,14 @@ constexpr int64_t kFusedMaxRows = 1024;
 bool is_float_dtype(c10::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 
 const char* type_name(c10::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "f32";
-    case at::kHalf: return "f16";
-    case at::kBFloat16: return "bf16";
-    case at::kFloat8_e4m3fn: return "fp8";
-    default: TORCH_CHECK(false, "mps_ext grouped_mm: no kernel for ", t);
-  }
+  const char* name = kernel_type_name(t);
+  TORCH_CHECK(name && t != at::kFloat8_e5m2, "mps_ext grouped_mm: no kernel for ", t);
+  return name;
 }
 
-bool aligned16(const at::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-}
-bool stride16(int64_t stride, int64_t itemsize) { return (stride * itemsize) % 16 == 0; }
+// torch's own check of a data pointer (GroupedMMUtils.h), for its error;
+// whether 16-byte loads are safe is kernel_choice.h's aligned16.
+bool data_ptr_aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 // ------------------------------------------------------------- checks --
 // The checks of the torch this is built against (and runs with), which
@@ -67,7 +63,7 @@ void check_strides(const at::Tensor& mat) {
   const auto sizes = mat.sizes();
   const int64_t end = mat.dim() - 1;
   const int64_t alignment = 16 / mat.element_size();
-  TORCH_CHECK(mat.device().is_cpu() || aligned16(mat), "expected data_ptr to be aligned to 16 bytes");
+  TORCH_CHECK(mat.device().is_cpu() || data_ptr_aligned16(mat), "expected data_ptr to be aligned to 16 bytes");
 #if MPS_EXT_TORCH_AT_LEAST(2, 14)
   if (!mat.device().is_cpu() && mat.dim() == 3)
     TORCH_CHECK(strides[0] % alignment == 0, "batch stride must yield 16-byte-aligned per-batch pointers, got stride(0)=",
@@ -232,12 +228,12 @@ std::string problem_unsupported(const at::Tensor& a, const at::Tensor& b) {
 // - everything else: gmm_tiled, a 32 x 32 tile per threadgroup; the rows
 //   mode launches ceil(m / 32) row tiles (a tile may span groups), the
 //   K-split and batched modes one tile grid per group.
-// `types`: the kernels' type suffix ("bf16", "fp8", "bf16_fp8w": bfloat
+// `types`: the kernels' type suffix ("bf16", "e4m3", "bf16_e4m3w": bfloat
 // activations with fp8 weights).
 // `fused`: mps_ext's MoE ops, which always take the decode kernel.
 void run(const Problem& pr, const at::Tensor& offs, const std::string& types, bool fused = false) {
   const GroupedMMParams& p = pr.p;
-  const int64_t a_item = pr.a.element_size(), item = pr.b.element_size();
+  const int64_t item = pr.b.element_size();
   Launch l;
   l.library = "grouped_mm";
   const bool decode = p.mode == GMM_MODE_ROWS && (p.m <= kDecodeMaxRows || fused);
@@ -246,15 +242,15 @@ void run(const Problem& pr, const at::Tensor& offs, const std::string& types, bo
   TORCH_CHECK(decode || !(p.swiglu || p.gather), "mps_ext grouped_mm: the fused MoE ops run the decode kernel only");
   std::string name;
   if (decode && !cols) {
-    const bool vec = p.a_k == 1 && p.b_k == 1 && aligned16(pr.a) && aligned16(pr.b) && stride16(p.a_m, a_item) &&
-                     stride16(p.b_n, item) && stride16(p.b_batch, item);
+    const bool vec = p.a_k == 1 && p.b_k == 1 && aligned16(pr.a, p.a_m) && aligned16(pr.b, p.b_n) &&
+                     aligned16(pr.b, p.b_batch);
     const int64_t outputs = p.swiglu ? p.n / 2 : p.n;
     const int64_t per_group = GMM_ROWS_SIMDGROUPS * (p.swiglu ? GMM_ROWS_OUTPUTS / 2 : GMM_ROWS_OUTPUTS);
     name = "gmm_decode_rows_" + types + (vec ? "_vec" : "_scalar");
     l.threadgroups = {static_cast<uint32_t>((outputs + per_group - 1) / per_group), p.m, 1};
     l.threads_per_threadgroup = {32 * GMM_ROWS_SIMDGROUPS, 1, 1};
   } else if (decode) {
-    const bool vec = aligned16(pr.b) && stride16(p.b_k, item) && stride16(p.b_batch, item);
+    const bool vec = aligned16(pr.b, p.b_k) && aligned16(pr.b, p.b_batch);
     const int64_t per_group = GMM_COLS_LANES * (vec ? 16 / item : 1);
     name = "gmm_decode_cols_" + types + (vec ? "_vec" : "_scalar");
     l.threadgroups = {static_cast<uint32_t>((p.n + per_group - 1) / per_group), p.m, 1};
@@ -338,7 +334,7 @@ void check_fp8_strides(const char* name, const at::Tensor& mat) {
   const int64_t end = mat.dim() - 1;
   const int64_t alignment = 16 / mat.element_size();
   const auto st = mat.strides();
-  TORCH_CHECK(mat.device().is_cpu() || aligned16(mat), "expected data_ptr to be aligned to 16 bytes");
+  TORCH_CHECK(mat.device().is_cpu() || data_ptr_aligned16(mat), "expected data_ptr to be aligned to 16 bytes");
   if (st[end - 1] == 1 && st[end] >= std::max<int64_t>(1, mat.size(end - 1))) {
     TORCH_CHECK(st[end] % alignment == 0, "Expected ", name, " stride along ", end, " dim to be multiple of 16 bytes, got ",
                 st[end], ".");
@@ -406,7 +402,7 @@ at::Tensor scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at:
   at::Tensor out = grouped_output(a, b, offs, at::kBFloat16);
   const int64_t groups = group_count(a, b, offs);
   if (out.numel() == 0 || groups == 0) return out;
-  run(make_problem(a, b, out, groups, &scale_a, &scale_b), offs_for_kernel(offs, out), "fp8");
+  run(make_problem(a, b, out, groups, &scale_a, &scale_b), offs_for_kernel(offs, out), type_name(a.scalar_type()));
   return out;
 }
 
@@ -466,7 +462,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10:
     pr.col_scale = *weight_scale;
     p.col_scale_batch = weight_scale->stride(0);
   }
-  run(pr, offs.contiguous(), fp8 ? "bf16_fp8w" : type_name(x.scalar_type()), true);
+  run(pr, offs.contiguous(), fp8 ? "bf16_e4m3w" : type_name(x.scalar_type()), true);
   return out;
 }
 
@@ -492,13 +488,58 @@ at::Tensor scaled_grouped_mm_impl(const at::Tensor& a, const at::Tensor& b, cons
                a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype, use_fast_accum);
 }
 
+// _scaled_grouped_mm_v2 (F.scaled_grouped_mm, torch 2.10 on): the recipe
+// _scaled_grouped_mm takes, as v2 spells it (one RowWise float32 scale per
+// operand, unswizzled, K the last dimension of a and the second-to-last of
+// b); then _scaled_grouped_mm's checks. torch has no kernel for it off CUDA,
+// so what else it is given gets an error saying what is supported.
+std::string scaled_grouped_mm_v2_unsupported(const at::Tensor& a, const at::Tensor& b, at::TensorList scale_a,
+                                             at::IntArrayRef recipe_a, at::IntArrayRef swizzle_a,
+                                             at::TensorList scale_b, at::IntArrayRef recipe_b,
+                                             at::IntArrayRef swizzle_b, at::IntArrayRef contraction_dim) {
+  auto one = [](at::TensorList scales, at::IntArrayRef recipe) {
+    return scales.size() == 1 && recipe.size() == 1 && recipe[0] == kRowWise;
+  };
+  auto no_swizzle = [](at::IntArrayRef s) { return s.empty() || (s.size() == 1 && s[0] == 0); };
+  if (!one(scale_a, recipe_a) || !one(scale_b, recipe_b) || !no_swizzle(swizzle_a) || !no_swizzle(swizzle_b))
+    return "scale recipes a=" + c10::str(recipe_a) + " b=" + c10::str(recipe_b) + ", swizzles a=" +
+           c10::str(swizzle_a) + " b=" + c10::str(swizzle_b) +
+           "; mps_ext takes RowWise (1) for both, one float32 scale tensor each, unswizzled";
+  if (!contraction_dim.empty() && !(contraction_dim.size() == 2 && contraction_dim[0] == -1 && contraction_dim[1] == -2))
+    return "contraction_dim " + c10::str(contraction_dim) + "; mps_ext takes [] or [-1, -2]";
+  return scaled_grouped_mm_unsupported(a, b);
+}
+
+template <DispatchKey K>
+at::Tensor scaled_grouped_mm_v2_impl(const at::Tensor& a, const at::Tensor& b, at::TensorList scale_a,
+                                     at::IntArrayRef recipe_a, at::IntArrayRef swizzle_a, at::TensorList scale_b,
+                                     at::IntArrayRef recipe_b, at::IntArrayRef swizzle_b,
+                                     const c10::optional<at::Tensor>& offs, const c10::optional<at::Tensor>& bias,
+                                     c10::optional<c10::ScalarType> out_dtype, at::IntArrayRef contraction_dim,
+                                     bool use_fast_accum) {
+  return route(family("grouped_mm"), "aten::_scaled_grouped_mm_v2", K,
+               scaled_grouped_mm_v2_unsupported(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b,
+                                                contraction_dim),
+               [&] {
+                 return mps_ext::scaled_grouped_mm(a, b, scale_a[0], scale_b[0], offs, bias, c10::nullopt,
+                                                   out_dtype);
+               },
+               a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, offs, bias, out_dtype, contraction_dim,
+               use_fast_accum);
+}
+
 template <DispatchKey K>
 void register_grouped_mm(torch::Library& m) {
   m.impl("_grouped_mm", TORCH_FN(grouped_mm_impl<K>));
   m.impl("_scaled_grouped_mm", TORCH_FN(scaled_grouped_mm_impl<K>));
+  m.impl("_scaled_grouped_mm_v2", TORCH_FN(scaled_grouped_mm_v2_impl<K>));
 }
 
 }  // namespace
 }  // namespace mps_ext
 
-MPS_EXT_FAMILY("grouped_mm", mps_ext::register_grouped_mm, "aten::_grouped_mm", "aten::_scaled_grouped_mm")
+// Meta kernels: mps_ext/_meta.py (torch's own take bfloat16 only before torch
+// 2.14, pad the output's stride only for CUDA before 2.15, and do not exist
+// for _scaled_grouped_mm_v2 before 2.14).
+MPS_EXT_FAMILY_OWN_META("grouped_mm", mps_ext::register_grouped_mm, "aten::_grouped_mm", "aten::_scaled_grouped_mm",
+                        "aten::_scaled_grouped_mm_v2")

@@ -131,7 +131,7 @@ void register_moe(torch::Library& m) {
 
 // mps_ext's own ops (not aten's): defined here, with kernels for CPU tensors
 // (the executor) and, on macOS, MPS tensors. Their Meta (fake) kernels, for
-// torch.compile, are in mps_ext/_moe.py.
+// torch.compile, are in mps_ext/_meta.py.
 TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
   m.def("moe_route(Tensor logits, int top_k, bool renormalize=True, bool shared_expert=False) -> "
         "(Tensor weights, Tensor offs, Tensor slot_of_row, Tensor row_of_slot)");

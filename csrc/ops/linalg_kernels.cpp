@@ -8,6 +8,7 @@
 
 #include "backend/launch.h"
 #include "linalg_params.h"
+#include "ops/kernel_choice.h"
 #include "ops/linalg.h"
 
 namespace mps_ext {
@@ -15,11 +16,9 @@ namespace linalg {
 namespace {
 
 const char* type_name(c10::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "f32";
-    case at::kComplexFloat: return "c64";
-    default: TORCH_CHECK(false, "mps_ext linalg: no kernel for ", t);
-  }
+  const char* name = t == at::kFloat || t == at::kComplexFloat ? kernel_type_name(t) : nullptr;
+  TORCH_CHECK(name, "mps_ext linalg: no kernel for ", t);
+  return name;
 }
 
 uint32_t threads_for(int64_t rows, int64_t most) {

@@ -4,23 +4,16 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <atomic>
 
 #include "backend/launch.h"
 #include "gemv_params.h"
+#include "ops/kernel_choice.h"
 #include "ops/ops.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
 
 namespace mps_ext {
 namespace {
-
-constexpr int64_t kMaxRows = 8;
-// An 80-core M3 Ultra runs several threadgroups per core; aim for 4 per core.
-constexpr int64_t kTargetThreadgroups = 4 * 80;
-
-// Fewest rows of mm/addmm products on MPS and CPU (set_mm_min_rows).
-std::atomic<int64_t> g_min_rows_mps{1}, g_min_rows_cpu{1};
 
 // One matrix-vector problem, y[r, n] = alpha * x[r, :] . w[n, :] + beta * bias[r, n],
 // given as 2-D strided views (x [rows, K], w [N, K], y and bias [rows, N])
@@ -31,28 +24,9 @@ struct Problem {
 };
 
 const char* type_name(c10::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "f32";
-    case at::kHalf: return "f16";
-    case at::kBFloat16: return "bf16";
-    default: TORCH_CHECK(false, "mps_ext linear: no kernel for ", t);
-  }
-}
-
-// 16-byte loads need the address the kernel sees 16-byte aligned, as well as
-// the stride. That address is, on CPU, the memory itself (torch.frombuffer,
-// numpy arrays and memory-mapped checkpoints can be 8-byte aligned); on MPS,
-// the buffer (which Metal aligns) plus the storage offset it is bound at.
-bool aligned16(const at::Tensor& t, int64_t stride) {
-  const uint64_t size = t.itemsize();
-  const uint64_t base = t.is_cpu() ? reinterpret_cast<uintptr_t>(t.data_ptr()) : t.storage_offset() * size;
-  return base % 16 == 0 && (stride * size) % 16 == 0;
-}
-
-int64_t pow2_floor(int64_t v) {
-  int64_t p = 1;
-  while (p * 2 <= v) p *= 2;
-  return p;
+  const char* name = t == at::kFloat || t == at::kHalf || t == at::kBFloat16 ? kernel_type_name(t) : nullptr;
+  TORCH_CHECK(name, "mps_ext linear: no kernel for ", t);
+  return name;
 }
 
 // The variant policy.
@@ -64,12 +38,11 @@ int64_t pow2_floor(int64_t v) {
 //   rows along N aligned. Storage offsets that break alignment take element
 //   loads.
 // - Row variant: the smallest of 1, 2, 4, 8 activation rows that holds them.
-// - gemv_rows geometry: outputs per threadgroup = N / 320 rounded down to a
-//   power of two, clamped to 1..8 (2 simdgroups of up to 4 outputs), so that
-//   N >= 2048 gives at least 4 threadgroups per core of an 80-core GPU.
+// - gemv_rows geometry: decode_geometry (ops/kernel_choice.h), 2 simdgroups
+//   of up to 4 outputs.
 void run(const Problem& pr) {
   const int64_t rows = pr.x.size(0), n = pr.w.size(0);
-  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "mps_ext linear: ", rows, " rows reached the GEMV kernel");
+  TORCH_CHECK(rows >= 1 && rows <= kMaxDecodeRows, "mps_ext linear: ", rows, " rows reached the GEMV kernel");
   GemvParams p{};
   p.rows = rows;
   p.n_out = n;
@@ -88,8 +61,7 @@ void run(const Problem& pr) {
     p.bias_n_stride = pr.bias.stride(1);
   }
 
-  int64_t variant = 1;
-  while (variant < rows) variant *= 2;
+  const int64_t variant = row_variant(rows);
   const bool cols = p.w_n_stride == 1 && p.w_k_stride != 1 && n > 1;
   bool vec;
   Launch l;
@@ -102,12 +74,10 @@ void run(const Problem& pr) {
   } else {
     vec = p.w_k_stride == 1 && p.x_k_stride == 1 && aligned16(pr.w, p.w_n_stride) &&
           aligned16(pr.x, rows > 1 ? p.x_row_stride : 0);
-    int64_t outputs = std::clamp<int64_t>(pow2_floor(std::max<int64_t>(n / kTargetThreadgroups, 1)), 1,
-                                          2 * GEMV_MAX_OUTPUTS_PER_SIMDGROUP);
-    int64_t simdgroups = outputs >= 2 ? 2 : 1;
-    p.outputs_per_simdgroup = static_cast<uint32_t>(outputs / simdgroups);
-    l.threadgroups = {static_cast<uint32_t>((n + outputs - 1) / outputs), 1, 1};
-    l.threads_per_threadgroup = {static_cast<uint32_t>(32 * simdgroups), 1, 1};
+    const DecodeGeometry g = decode_geometry(n, GEMV_MAX_OUTPUTS_PER_SIMDGROUP);
+    p.outputs_per_simdgroup = static_cast<uint32_t>(g.outputs_per_simdgroup);
+    l.threadgroups = {static_cast<uint32_t>(g.threadgroups), 1, 1};
+    l.threads_per_threadgroup = {static_cast<uint32_t>(32 * g.simdgroups), 1, 1};
   }
   l.kernel = std::string("gemv_") + (cols ? "cols_" : "rows_") + type_name(pr.w.scalar_type()) + "_r" +
              std::to_string(variant) + (vec ? "_vec" : "_scalar");
@@ -155,10 +125,9 @@ int64_t leading_rows(const at::Tensor& input) {
   return rows;
 }
 
-std::string rows_unsupported(int64_t rows, int64_t min_rows) {
+std::string rows_unsupported(int64_t rows) {
   if (rows == 0) return "";  // an empty result
-  if (rows > kMaxRows) return "more than 8 rows (a general matmul)";
-  if (rows < min_rows) return "policy: one row (torch's own GEMV)";
+  if (rows > kMaxDecodeRows) return "more than 8 rows (a general matmul)";
   return "";
 }
 
@@ -172,11 +141,6 @@ float to_float(const c10::Scalar& v, int64_t k) {
 
 }  // namespace
 
-void set_mm_min_rows(c10::DispatchKey key, int64_t rows) {
-  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "mps_ext: mm min rows must be in 1..8, got ", rows);
-  (key == c10::DispatchKey::MPS ? g_min_rows_mps : g_min_rows_cpu) = rows;
-}
-
 // ------------------------------------------------------------- F.linear --
 std::string linear_unsupported(const at::Tensor& input, const at::Tensor& weight,
                                const c10::optional<at::Tensor>& bias) {
@@ -187,7 +151,7 @@ std::string linear_unsupported(const at::Tensor& input, const at::Tensor& weight
     return "a bias that is not 1-D of size N";
   int64_t row_stride;
   if (!flat_rows(input, row_stride)) return "activation rows that do not flatten without a copy";
-  return rows_unsupported(leading_rows(input), 1);
+  return rows_unsupported(leading_rows(input));
 }
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -221,15 +185,18 @@ std::string mm_unsupported(const at::Tensor& mat1, const at::Tensor& mat2, const
   if (!why.empty()) return why;
   if (mat1.dim() != 2 || mat2.dim() != 2 || mat1.size(1) != mat2.size(0)) return "shapes torch rejects";  // its error follows
   if (self && !self->defined()) return "";
-  int64_t rows = std::min(mat1.size(0), mat2.size(1));
-  return rows_unsupported(rows, (key == c10::DispatchKey::MPS ? g_min_rows_mps : g_min_rows_cpu).load());
+  const int64_t rows = std::min(mat1.size(0), mat2.size(1));
+  // The policy from torch 2.14 on MPS: one row to torch's own GEMV.
+  if (rows == 1)
+    if (auto rule = family("linear").left_to_torch(self ? "aten::addmm" : "aten::mm", key)) return rule->why;
+  return rows_unsupported(rows);
 }
 
 // The activation is mat1 when it has at most 8 rows and no more rows than
 // mat2 has columns; otherwise it is mat2's columns, and the whole product
 // is computed transposed: y^T = mat2^T @ mat1^T.
 static bool mm_transposed(const at::Tensor& mat1, const at::Tensor& mat2) {
-  return !(mat1.size(0) <= mat2.size(1) && mat1.size(0) <= kMaxRows);
+  return !(mat1.size(0) <= mat2.size(1) && mat1.size(0) <= kMaxDecodeRows);
 }
 
 static Problem mm_problem(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& y) {

@@ -29,18 +29,15 @@ at::Tensor constant_pad(const at::Tensor& self, c10::IntArrayRef pad, const c10:
 std::string linear_unsupported(const at::Tensor& input, const at::Tensor& weight,
                                const c10::optional<at::Tensor>& bias);
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
-// `self`: addmm's bias (nullptr for mm); `key`: the dispatch key called (the
-// one-row policy below applies to it).
+// `self`: addmm's bias (nullptr for mm); `key`: the dispatch key called (a
+// policy rule may leave one-row products on it to torch's own GEMV:
+// mps_ext/_policy.py; F.linear keeps one row, torch's aten::linear does not
+// use that GEMV).
 std::string mm_unsupported(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor* self,
                            c10::DispatchKey key);
 at::Tensor mm(const at::Tensor& mat1, const at::Tensor& mat2);
 at::Tensor addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2, const c10::Scalar& beta,
                  const c10::Scalar& alpha);
-// mm and addmm products with fewer rows (or columns) than this go to the
-// stock kernel of `key`: 2 on MPS with a torch whose mm has its own one-row
-// GEMV (mps_ext/_policy.py); 1 otherwise. F.linear keeps one row: torch's
-// aten::linear does not use that GEMV.
-void set_mm_min_rows(c10::DispatchKey key, int64_t rows);
 
 // grouped_mm.cpp: _grouped_mm and _scaled_grouped_mm (mixture-of-experts layers).
 std::string grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b);

@@ -78,9 +78,24 @@ std::vector<std::string> families() {
 
 std::vector<std::string> family_aten_ops(const std::string& fam) { return find(fam).aten_ops; }
 
+// Schemas of aten ops that the oldest supported torch (2.9) lacks, from the
+// newest release that has them, so that torch.ops.mps_ext has them anyway.
+static const std::map<std::string, std::string> kNewerSchemas = {
+    {"aten::_scaled_mm_v2",  // torch 2.10-2.15
+     "aten::_scaled_mm_v2(Tensor self, Tensor mat2, Tensor[] scale_a, int[] recipe_a, int[] swizzle_a, "
+     "Tensor[] scale_b, int[] recipe_b, int[] swizzle_b, Tensor? bias, ScalarType? out_dtype, "
+     "int[] contraction_dim=[], bool use_fast_accum=False) -> Tensor"},
+    {"aten::_scaled_grouped_mm_v2",  // torch 2.10-2.15
+     "aten::_scaled_grouped_mm_v2(Tensor self, Tensor mat2, Tensor[] scale_a, int[] recipe_a, int[] swizzle_a, "
+     "Tensor[] scale_b, int[] recipe_b, int[] swizzle_b, Tensor? offs=None, Tensor? bias=None, "
+     "ScalarType? out_dtype=None, int[] contraction_dim=[], bool use_fast_accum=False) -> Tensor"},
+};
+
 void define_like_aten(torch::Library& m, const std::vector<std::string>& ops) {
   for (const auto& op : ops) {
-    std::string schema = c10::toString(op_handle(op).schema());
+    auto newer = kNewerSchemas.find(op);
+    std::string schema = !find_op(op) && newer != kNewerSchemas.end() ? newer->second
+                                                                        : c10::toString(op_handle(op).schema());
     TORCH_CHECK(schema.rfind("aten::", 0) == 0, "mps_ext: unexpected schema ", schema);
     m.def(torch::schema(schema.substr(6).c_str()));
   }

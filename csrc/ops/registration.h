@@ -9,8 +9,8 @@
 // install_overrides() puts the same kernels on the MPS key of the aten ops
 // themselves, after capturing the kernel each replaces. Which families to
 // install is decided in Python (mps_ext/_policy.py). Every torch.ops.mps_ext
-// op also gets a Meta kernel, the aten op's own (so FakeTensor and
-// torch.compile can trace it).
+// op also gets a Meta kernel, the aten op's own or the family's (so
+// FakeTensor and torch.compile can trace it).
 #pragma once
 
 #include <c10/core/DispatchKey.h>
@@ -47,7 +47,8 @@ std::vector<std::string> family_aten_ops(const std::string& family);
 std::vector<std::string> install_overrides(const std::vector<std::string>& families,
                                            c10::DispatchKey key = c10::DispatchKey::MPS);
 // Defines `ops` ("aten::x") in `m` (the mps_ext namespace) with aten's
-// schemas as the installed torch has them.
+// schemas as the installed torch has them (or, for an op it lacks, the
+// schema of the newest release that has it: registration.cpp).
 void define_like_aten(torch::Library& m, const std::vector<std::string>& ops);
 // Registers in `m` (mps_ext, Meta key) each op's Meta kernel: the aten op's.
 void register_meta(torch::Library& m, const std::vector<std::string>& ops);
@@ -60,11 +61,17 @@ void without_override_warning(const std::function<void()>& f);
 // MPS_EXT_FAMILY(name, Register, "aten::op", ...): `Register` is a function
 // template `template <c10::DispatchKey K> void Register(torch::Library& m)`
 // that calls m.impl for each op with kernels that fall back to the stock
-// kernel of key K (through route(), ops/registry.h).
-#define MPS_EXT_FAMILY(NAME, REGISTER, ...)                                               \
+// kernel of key K (through route(), ops/registry.h). The Meta kernels are
+// the aten ops'. MPS_EXT_FAMILY_OWN_META: the same, for a family whose Meta
+// kernels are mps_ext's own (mps_ext/_meta.py), where the aten op's meta
+// function rejects inputs mps_ext takes.
+#define MPS_EXT_FAMILY(NAME, REGISTER, ...)                                              \
+  TORCH_LIBRARY_IMPL(mps_ext, Meta, m) { ::mps_ext::register_meta(m, {__VA_ARGS__}); } \
+  MPS_EXT_FAMILY_OWN_META(NAME, REGISTER, __VA_ARGS__)
+
+#define MPS_EXT_FAMILY_OWN_META(NAME, REGISTER, ...)                                      \
   TORCH_LIBRARY_FRAGMENT(mps_ext, m) { ::mps_ext::define_like_aten(m, {__VA_ARGS__}); } \
   TORCH_LIBRARY_IMPL(mps_ext, CPU, m) { REGISTER<c10::DispatchKey::CPU>(m); }            \
-  TORCH_LIBRARY_IMPL(mps_ext, Meta, m) { ::mps_ext::register_meta(m, {__VA_ARGS__}); }  \
   MPS_EXT_FAMILY_MPS_IMPL(REGISTER)                                                      \
   static const ::mps_ext::FamilyRegistrar C10_CONCATENATE(mps_ext_family_, __COUNTER__)( \
       ::mps_ext::FamilyDef{NAME, {__VA_ARGS__}, &REGISTER<c10::DispatchKey::MPS>,        \

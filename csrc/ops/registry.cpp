@@ -60,12 +60,14 @@ void Family::clear_unavailable() {
 }
 
 bool LeftToTorch::applies(const torch::jit::Stack& args) const {
-  if (!dtypes.empty()) {
-    for (const auto& a : args) {
-      if (!a.isTensor()) continue;
-      if (std::find(dtypes.begin(), dtypes.end(), a.toTensor().scalar_type()) == dtypes.end()) return false;
-      break;
-    }
+  auto kept = [&](const at::Tensor& t) {
+    return t.defined() && std::find(kept_dtypes.begin(), kept_dtypes.end(), t.scalar_type()) != kept_dtypes.end();
+  };
+  for (const auto& a : args) {
+    if (a.isTensor() && kept(a.toTensor())) return false;
+    if (a.isTensorList())
+      for (const at::Tensor& t : a.toTensorVector())
+        if (kept(t)) return false;
   }
   for (const auto& [index, value] : kept_args)
     if (index < args.size() && args[index].isBool() && args[index].toBool() == value) return false;
@@ -73,9 +75,9 @@ bool LeftToTorch::applies(const torch::jit::Stack& args) const {
 }
 
 void Family::leave_to_torch(const std::string& op, c10::DispatchKey key, const std::string& why,
-                            const std::vector<c10::ScalarType>& dtypes,
-                            const std::vector<std::pair<std::string, bool>>& kept_args) {
-  LeftToTorch rule{why, dtypes, {}};
+                            const std::vector<c10::ScalarType>& kept_dtypes,
+                            const std::vector<std::pair<std::string, bool>>& kept_args, bool op_picks) {
+  LeftToTorch rule{why, kept_dtypes, {}, op_picks};
   if (!kept_args.empty()) {
     const c10::FunctionSchema& schema = op_handle(op).schema();
     for (const auto& [name, value] : kept_args) {
@@ -165,13 +167,19 @@ c10::OperatorHandle op_handle(const std::string& op) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
 }
 
+c10::optional<c10::OperatorHandle> find_op(const std::string& op) {
+  auto [name, overload] = split_name(op);
+  return c10::Dispatcher::singleton().findSchema({name, overload});
+}
+
 void capture_stock_kernel(const std::string& op, c10::DispatchKey key) {
   std::lock_guard<std::mutex> g(g_mutex);
   auto k = std::make_pair(op, key);
   if (stock().count(k) || no_stock().count(k)) return;
-  auto handle = op_handle(op);
-  if (handle.hasComputedKernelForDispatchKey(key))
-    stock().emplace(k, handle.getComputedKernelForDispatchKey(key));
+  // An op this torch lacks (aten::_scaled_mm_v2 before 2.10) has no kernel.
+  auto handle = find_op(op);
+  if (handle && handle->hasComputedKernelForDispatchKey(key))
+    stock().emplace(k, handle->getComputedKernelForDispatchKey(key));
   else
     no_stock().insert(k);
 }

@@ -10,8 +10,9 @@
 //   - the family's kernels cannot run on this device (a Metal library or
 //     pipeline that failed to build here: see BackendUnavailable);
 //   - the policy leaves this op to the installed torch (mps_ext/_policy.py),
-//     possibly only for some dtypes, and not for argument values torch's
-//     kernel refuses (a LeftToTorch rule);
+//     possibly not for dtypes or argument values torch's kernel refuses (a
+//     LeftToTorch rule; a rule whose calls the op's own code picks is the
+//     op's `unsupported` reason);
 //   - a tensor argument lives on another device than the kernel's (a 0-dim
 //     CPU tensor beside MPS tensors: torch's kernel does what torch does);
 //   - the op says it does not handle these inputs (`unsupported`);
@@ -39,11 +40,16 @@ namespace mps_ext {
 // A policy decision (mps_ext/_policy.py): which calls of an op go to the
 // stock kernel because torch's own is as good.
 struct LeftToTorch {
-  std::string why;                      // the fallback's reason: "policy: ..."
-  std::vector<c10::ScalarType> dtypes;  // only calls whose first tensor has one of these; empty: all
-  // Not calls whose argument at this index (of the op's schema) is this
-  // bool: inputs torch's kernel refuses, which mps_ext keeps.
+  std::string why;  // the fallback's reason: "policy: ..."
+  // Not calls with a tensor argument (or one in a list) of one of these
+  // dtypes, nor those whose argument at this index (of the op's schema) is
+  // this bool: inputs torch's kernel refuses, which mps_ext keeps.
+  std::vector<c10::ScalarType> kept_dtypes;
   std::vector<std::pair<size_t, bool>> kept_args;
+  // The op's own code picks the calls (by what torch's kernel takes: a row
+  // count, a scale recipe) and gives `why` as its `unsupported` reason;
+  // route does not apply the rule itself.
+  bool op_picks = false;
 
   bool applies(const torch::jit::Stack& args) const;
 };
@@ -67,12 +73,13 @@ struct Family {
   void clear_unavailable();  // for tests only: a real failure does not heal
 
   // The policy's per-op decision: calls of `op` for `key` go to the stock
-  // kernel, counted under `why` (empty `why`: clears it); only those whose
-  // first tensor argument has one of `dtypes` (empty: any), and not those
-  // whose bool argument named in `kept_args` has the value given there.
+  // kernel, counted under `why` (empty `why`: clears it); not those with a
+  // tensor of one of `kept_dtypes`, nor those whose bool argument named in
+  // `kept_args` has the value given there; with `op_picks`, those the op's
+  // code picks (LeftToTorch).
   void leave_to_torch(const std::string& op, c10::DispatchKey key, const std::string& why,
-                      const std::vector<c10::ScalarType>& dtypes = {},
-                      const std::vector<std::pair<std::string, bool>>& kept_args = {});
+                      const std::vector<c10::ScalarType>& kept_dtypes = {},
+                      const std::vector<std::pair<std::string, bool>>& kept_args = {}, bool op_picks = false);
   c10::optional<LeftToTorch> left_to_torch(const std::string& op, c10::DispatchKey key) const;
 
  private:
@@ -98,19 +105,48 @@ bool has_stock_kernel(const std::string& op, c10::DispatchKey key);
 // Captures the current kernel of `op` for `key`, if there is one.
 void capture_stock_kernel(const std::string& op, c10::DispatchKey key);
 
-// The dispatcher's handle of `op` ("aten::_softmax", "aten::add.Tensor").
+// The dispatcher's handle of `op` ("aten::_softmax", "aten::add.Tensor"):
+// an error if the installed torch lacks it; find_op: none.
 c10::OperatorHandle op_handle(const std::string& op);
+c10::optional<c10::OperatorHandle> find_op(const std::string& op);
+
+namespace detail {
+template <class Ret, class... Args>
+Ret call_boxed(const c10::SafeKernelFunction& kernel, const c10::OperatorHandle& op, c10::DispatchKey key,
+               const Args&... args) {
+  torch::jit::Stack stack;
+  (torch::jit::push(stack, args), ...);
+  kernel.callBoxed(op, c10::DispatchKeySet(key), &stack);
+  return c10::impl::PopResult<Ret>::call(stack);
+}
+}  // namespace detail
 
 // Calls the stock kernel with boxed arguments and returns its result: a
 // tensor, or a tuple of them for ops with several outputs.
 template <class Ret = at::Tensor, class... Args>
 Ret call_stock(const std::string& op, c10::DispatchKey key, const Args&... args) {
-  const c10::SafeKernelFunction& k = stock_kernel(op, key);
-  torch::jit::Stack stack;
-  (torch::jit::push(stack, args), ...);
-  k.callBoxed(op_handle(op), c10::DispatchKeySet(key), &stack);
-  return c10::impl::PopResult<Ret>::call(stack);
+  return detail::call_boxed<Ret>(stock_kernel(op, key), op_handle(op), key, args...);
 }
+
+// The stock kernel of one op and key, looked up once, for inputs an
+// override never handles and sees on every call (the fp8 family overrides
+// copy_ for every dtype to handle float8): they go there for one boxed call,
+// without route's bookkeeping, and are not counted (they are not a fallback:
+// the family never takes them). Keep one in a function-local static.
+class PassThrough {
+ public:
+  PassThrough(const std::string& op, c10::DispatchKey key)
+      : kernel_(stock_kernel(op, key)), op_(op_handle(op)), key_(key) {}
+  template <class Ret = at::Tensor, class... Args>
+  Ret operator()(const Args&... args) const {
+    return detail::call_boxed<Ret>(kernel_, op_, key_, args...);
+  }
+
+ private:
+  const c10::SafeKernelFunction& kernel_;  // in stock_kernel's map, never erased
+  c10::OperatorHandle op_;
+  c10::DispatchKey key_;
+};
 
 namespace detail {
 
@@ -146,8 +182,8 @@ std::string cannot_run(const std::string& op, c10::DispatchKey key, const std::s
 template <class... Args>
 std::string policy(Family& fam, const std::string& op, c10::DispatchKey key, const Args&... args) {
   c10::optional<LeftToTorch> rule = fam.left_to_torch(op, key);
-  if (!rule) return "";
-  if (rule->dtypes.empty() && rule->kept_args.empty()) return rule->why;
+  if (!rule || rule->op_picks) return "";
+  if (rule->kept_dtypes.empty() && rule->kept_args.empty()) return rule->why;
   torch::jit::Stack stack;
   (torch::jit::push(stack, args), ...);
   return rule->applies(stack) ? rule->why : "";
@@ -156,12 +192,12 @@ std::string policy(Family& fam, const std::string& op, c10::DispatchKey key, con
 }  // namespace detail
 
 // Runs `ours` unless a reason listed at the top of this file says no; then
-// the stock kernel of `op` for `key`. Returns what `ours` returns (by
-// value: a tensor or a tuple of tensors). `unsupported`: the op's own reason
-// not to handle these inputs, or empty.
-template <class Ours, class... Args>
-auto route(Family& fam, const std::string& op, c10::DispatchKey key, const std::string& unsupported, Ours ours,
-           const Args&... args) -> std::decay_t<decltype(ours())> {
+// `theirs(reason)`. Returns what `ours` returns (by value: a tensor or a
+// tuple of tensors). `unsupported`: the op's own reason not to handle these
+// inputs, or empty. `args`: the op's arguments (their devices are checked).
+template <class Ours, class Theirs, class... Args>
+auto route_to(Family& fam, const std::string& op, c10::DispatchKey key, const std::string& unsupported, Ours ours,
+              Theirs theirs, const Args&... args) -> std::decay_t<decltype(ours())> {
   using Ret = std::decay_t<decltype(ours())>;
   std::string reason = detail::precheck(fam, key);
   if (reason.empty()) reason = detail::policy(fam, op, key, args...);
@@ -173,17 +209,28 @@ auto route(Family& fam, const std::string& op, c10::DispatchKey key, const std::
       fam.count_ran();
       return out;
     } catch (const BackendUnavailable& e) {
-      // Nothing ours() wrote is returned: the stock kernel recomputes the
-      // whole result, so an op that failed at its second dispatch is safe.
+      // Nothing ours() wrote is returned: the fallback recomputes the whole
+      // result, so an op that failed at its second dispatch is safe.
       fam.mark_unavailable(key, e.cause);
       reason = "kernels unavailable on this device";
     }
   }
   fam.count_fallback(reason);
-  // An op torch has no kernel of its own for here (mps_ext registers it
-  // rather than overriding it) has nowhere to go: say why.
-  TORCH_CHECK(has_stock_kernel(op, key), detail::cannot_run(op, key, reason));
-  return call_stock<Ret>(op, key, args...);
+  return theirs(reason);
+}
+
+// route_to with the stock kernel of `op` for `key` as the fallback.
+template <class Ours, class... Args>
+auto route(Family& fam, const std::string& op, c10::DispatchKey key, const std::string& unsupported, Ours ours,
+           const Args&... args) -> std::decay_t<decltype(ours())> {
+  using Ret = std::decay_t<decltype(ours())>;
+  auto stock = [&](const std::string& reason) {
+    // An op torch has no kernel of its own for here (mps_ext registers it
+    // rather than overriding it) has nowhere to go: say why.
+    TORCH_CHECK(has_stock_kernel(op, key), detail::cannot_run(op, key, reason));
+    return call_stock<Ret>(op, key, args...);
+  };
+  return route_to(fam, op, key, unsupported, ours, stock, args...);
 }
 
 // For an op of mps_ext's own (torch.ops.mps_ext.moe_route, ...: no torch
@@ -193,19 +240,8 @@ auto route(Family& fam, const std::string& op, c10::DispatchKey key, const std::
 template <class Ours>
 auto run_own(Family& fam, const std::string& op, c10::DispatchKey key, Ours ours) -> std::decay_t<decltype(ours())> {
   using Ret = std::decay_t<decltype(ours())>;
-  std::string reason = detail::precheck(fam, key);
-  if (reason.empty()) {
-    try {
-      Ret out = ours();
-      fam.count_ran();
-      return out;
-    } catch (const BackendUnavailable& e) {
-      fam.mark_unavailable(key, e.cause);
-      reason = "kernels unavailable on this device";
-    }
-  }
-  fam.count_fallback(reason);
-  TORCH_CHECK(false, detail::cannot_run(op, key, reason));
+  auto refuse = [&](const std::string& reason) -> Ret { C10_THROW_ERROR(Error, detail::cannot_run(op, key, reason)); };
+  return route_to(fam, op, key, "", ours, refuse);
 }
 
 }  // namespace mps_ext

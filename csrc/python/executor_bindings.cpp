@@ -39,6 +39,7 @@ py::dict stats_to_dict(const cpu_metal::Stats& s) {
   d["threadgroup_bytes_read"] = s.threadgroup_bytes_read;
   d["threadgroup_bytes_written"] = s.threadgroup_bytes_written;
   d["bound_from_bytes"] = s.bound_from_bytes;
+  d["buffer_names"] = s.buffer_names;
   return d;
 }
 

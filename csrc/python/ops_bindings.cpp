@@ -7,7 +7,6 @@
 #include <torch/csrc/utils/pybind.h>  // torch.dtype <-> at::ScalarType
 
 #include "backend/launch.h"
-#include "ops/ops.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
 #include "python/bindings.h"
@@ -67,14 +66,11 @@ void bind_ops(py::module_& m) {
   m.def(
       "leave_to_torch",
       [](const std::string& fam, const std::string& op, const std::string& device, const std::string& why,
-         const std::vector<at::ScalarType>& dtypes, const std::vector<std::pair<std::string, bool>>& kept_args) {
-        family(fam).leave_to_torch(op, key_of(device), why, dtypes, kept_args);
-      },
+         const std::vector<at::ScalarType>& kept_dtypes, const std::vector<std::pair<std::string, bool>>& kept_args,
+         bool op_picks) { family(fam).leave_to_torch(op, key_of(device), why, kept_dtypes, kept_args, op_picks); },
       py::arg("family"), py::arg("op"), py::arg("device"), py::arg("why"),
-      py::arg("dtypes") = std::vector<at::ScalarType>{}, py::arg("kept_args") = std::vector<std::pair<std::string, bool>>{});
-  m.def(
-      "set_mm_min_rows", [](const std::string& device, int64_t rows) { set_mm_min_rows(key_of(device), rows); },
-      py::arg("device"), py::arg("rows"));
+      py::arg("kept_dtypes") = std::vector<at::ScalarType>{},
+      py::arg("kept_args") = std::vector<std::pair<std::string, bool>>{}, py::arg("op_picks") = false);
   m.def("reset_stats", [] {
     for (const auto& name : families()) family(name).reset();
   });

@@ -87,6 +87,7 @@ class DispatchStats:
     threadgroup_bytes_read: int
     threadgroup_bytes_written: int
     constant_buffers: frozenset[int] = frozenset()  # indices bound from bytes
+    buffer_names: dict[int, str] = dataclasses.field(default_factory=dict)  # buffer index -> parameter name
 
     @classmethod
     def _from_native(cls, d: dict) -> "DispatchStats":
@@ -108,7 +109,15 @@ class DispatchStats:
             threadgroup_bytes_read=d["threadgroup_bytes_read"],
             threadgroup_bytes_written=d["threadgroup_bytes_written"],
             constant_buffers=frozenset(i for i, b in enumerate(d["bound_from_bytes"]) if b),
+            buffer_names={i: n for i, n in enumerate(d["buffer_names"]) if n},
         )
+
+    def buffer(self, name: str) -> int:
+        """The index of the kernel's buffer parameter `name` (KeyError if none)."""
+        for i, n in self.buffer_names.items():
+            if n == name:
+                return i
+        raise KeyError(f"kernel {self.kernel} has no buffer parameter {name!r}; it has {self.buffer_names}")
 
     @property
     def total_threadgroups(self) -> int:

@@ -5,6 +5,7 @@ expert matmuls), and the traffic of a whole layer."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import mps_ext
 from mps_ext import cpu_metal
@@ -112,7 +113,7 @@ def test_layer_matches_reference_and_streams_each_chosen_expert_once(device, tok
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
     if device == "executor":
         kernels = [d.kernel for d in rec.dispatches]
-        wtype = "bf16_fp8w" if weights == "fp8" else "bf16"
+        wtype = "bf16_e4m3w" if weights == "fp8" else "bf16"
         # The router's GEMV (mps_ext's linear, unless torch's own takes one row), then four dispatches.
         assert kernels[-4:] == ["moe_route_bf16", f"gmm_decode_rows_{wtype}_vec", f"gmm_decode_rows_{wtype}_vec",
                                 "moe_combine_bf16"]
@@ -121,8 +122,8 @@ def test_layer_matches_reference_and_streams_each_chosen_expert_once(device, tok
         item = 1 if weights == "fp8" else 2
         gate_up, down = rec.dispatches[-3], rec.dispatches[-2]
         # The shared expert has 8 rows at 8 tokens: still one chunk, read once.
-        assert gate_up.bytes_read[2] == chosen * 2 * inter * hidden * item
-        assert down.bytes_read[2] == chosen * hidden * inter * item
+        assert gate_up.bytes_read[gate_up.buffer("w")] == chosen * 2 * inter * hidden * item
+        assert down.bytes_read[down.buffer("w")] == chosen * hidden * inter * item
 
 
 def test_experts_checks():
@@ -182,7 +183,7 @@ def test_experts_with_unaligned_activations_take_element_loads(device, fp8):
     exp = torch.cat([x[:1].double() @ wd[0].t(), x[1:].double() @ wd[2].t()])
     torch.testing.assert_close(got.double(), exp, rtol=1e-2, atol=1e-2)
     if device == "executor":
-        assert rec.dispatches[0].kernel == ("gmm_decode_rows_bf16_fp8w_scalar" if fp8 else "gmm_decode_rows_bf16_scalar")
+        assert rec.dispatches[0].kernel == ("gmm_decode_rows_bf16_e4m3w_scalar" if fp8 else "gmm_decode_rows_bf16_scalar")
 
 
 def test_a_layer_launches_the_same_whatever_the_routing_and_reads_nothing_on_the_host():
@@ -203,3 +204,126 @@ def test_a_layer_launches_the_same_whatever_the_routing_and_reads_nothing_on_the
             torch.ops.mps_ext.moe_combine(torch.ops.mps_ext.moe_experts(h, w_down, None, offs), w, row_of_slot)
         launches.add(tuple((d.kernel, d.threadgroups, d.threads_per_threadgroup) for d in rec.dispatches))
     assert len(launches) == 1
+
+
+# ------------------------------------------- quantize_fp8 of expert banks --
+class Experts(nn.Module):
+    """Expert banks as transformers stores them (Qwen3-MoE, Qwen3.5, LFM2-MoE):
+    gate_up_proj [E, 2I, H], down_proj [E, H, I], SiLU gate; the forward is
+    the per-expert loop those modules run."""
+
+    def __init__(self, experts=16, hidden=128, inter=48):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5)
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for t in range(hidden_states.shape[0]):
+            for j, e in enumerate(top_k_index[t].tolist()):
+                gate, up = F.linear(hidden_states[t], self.gate_up_proj[e]).chunk(2, -1)
+                out[t] += top_k_weights[t, j] * F.linear(self.act_fn(gate) * up, self.down_proj[e])
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, experts=16, top_k=4, hidden=128):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = Experts(experts, hidden)
+
+    def forward(self, x):
+        w, ids = torch.topk(torch.softmax(self.gate(x).float(), -1), self.top_k, -1)
+        return self.experts(x, ids, (w / w.sum(-1, keepdim=True)).to(x.dtype))
+
+
+def experts_with_stored_fp8(fp8_experts, x, ids, w):
+    """float64 reference of FP8Experts from its own fp8 banks and scales (h
+    rounded to bf16 as the fused op stores it)."""
+    gu = fp8_experts.gate_up_proj.double() * fp8_experts.gate_up_scale.double()[..., None]
+    dn = fp8_experts.down_proj.double() * fp8_experts.down_scale.double()[..., None]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(ids[t].tolist()):
+            g, u = (gu[e] @ x[t].double()).chunk(2)
+            out[t] += float(w[t, j]) * (dn[e] @ (F.silu(g) * u).bfloat16().double())
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_quantize_fp8_converts_expert_banks(tokens):
+    ref = Block().bfloat16()
+    model = Block().bfloat16()
+    model.load_state_dict(ref.state_dict())
+    mps_ext.quantize_fp8(model)
+    assert isinstance(model.experts, mps_ext.FP8Experts)
+    assert isinstance(model.gate, nn.Linear)  # the router is kept by default
+    assert "float8_e4m3fn" in repr(model.experts) and "scale per expert output row" in repr(model.experts)
+    # Weight memory: one byte per weight plus a float32 scale per output row.
+    bf16 = ref.experts.gate_up_proj.nbytes + ref.experts.down_proj.nbytes
+    fp8 = sum(b.nbytes for b in model.experts.buffers())
+    assert fp8 <= 0.51 * bf16 * (1 + 8 / 128)  # 0.5 + 2 / hidden (128 here; 0.501 at hidden 2048)
+    x = randn(tokens, 128)
+    ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, 4, generator=gen), -1)
+    mps_ext.reset_stats()
+    with cpu_metal.record() as rec:
+        got = model.experts(x, ids, w.bfloat16())
+    # Four dispatches of mps_ext's (the slot sort is torch's, on the device).
+    assert [d.kernel for d in rec.dispatches] == ["gmm_decode_rows_bf16_e4m3w_vec"] * 2 + ["moe_combine_bf16"]
+    chosen = len(set(ids.flatten().tolist()))
+    assert rec.dispatches[0].bytes_read[rec.dispatches[0].buffer("w")] == chosen * 96 * 128  # each chosen expert once
+    assert mps_ext.stats()["grouped_mm"]["ran"] == 3
+    # What the stored fp8 weights say, to bf16 rounding ...
+    exact = experts_with_stored_fp8(model.experts, x, ids, w.bfloat16())
+    torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=2e-2 * exact.abs().max().item())
+    # ... and the bf16 experts within e4m3's rounding (3 mantissa bits: each
+    # weight off by at most 2^-4 of its row's largest).
+    want = ref.experts(x, ids, w.bfloat16())
+    rel = (got.float() - want.float()).norm() / want.float().norm()
+    assert rel < 0.06, rel
+    # The whole block, with the bf16 router.
+    rel = (model(x).float() - ref(x).float()).norm() / ref(x).float().norm()
+    assert rel < 0.06, rel
+    assert isinstance(mps_ext.quantize_fp8(Block(), filter=lambda name, m: True).gate, mps_ext.FP8Linear)
+    # state_dict round trip.
+    again = mps_ext.quantize_fp8(Block().bfloat16())
+    again.load_state_dict(model.state_dict())
+    assert torch.equal(again.experts(x, ids, w.bfloat16()), got)
+
+
+def test_fp8_experts_prefill_quantizes_activations_too():
+    # Past 1024 routed rows the products are _scaled_grouped_mm's tiles with
+    # row-wise e4m3 activations.
+    torch.manual_seed(0)
+    ref = Experts(experts=8, hidden=64, inter=32).bfloat16()
+    fp8 = mps_ext.FP8Experts.from_experts(ref)
+    tokens = 300  # x top-4 = 1200 rows
+    x = randn(tokens, 64)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, 4, generator=gen), -1).bfloat16()
+    with cpu_metal.record() as rec:
+        got = fp8(x, ids, w)
+    assert [d.kernel for d in rec.dispatches] == ["gmm_tiled_e4m3"] * 2 + ["moe_combine_bf16"]
+    want = ref(x, ids, w)
+    rel = (got.float() - want.float()).norm() / want.float().norm()
+    assert rel < 0.08, rel  # weights and activations each within 2^-4 of their rows' largest
+
+
+def test_quantize_weight_of_expert_banks():
+    bank = torch.randn(3, 5, 40, generator=gen)
+    q, s = mps_ext.fp8.quantize_weight(bank, "row")
+    assert q.dtype == torch.float8_e4m3fn and q.shape == bank.shape and s.shape == (3, 5)
+    # The largest magnitude of each row maps to 448; the rest round to nearest e4m3.
+    torch.testing.assert_close(s, bank.abs().amax(-1) / 448)
+    assert torch.equal(q, (bank / s[..., None]).to(torch.float8_e4m3fn))
+    for granularity in ("tensor", "block"):
+        with pytest.raises(ValueError, match="3-D expert bank with granularity 'row'"):
+            mps_ext.fp8.quantize_weight(bank, granularity)
+    # Not SiLU-gated, or not the bank layout: left as it is.
+    other = Experts()
+    other.act_fn = nn.GELU()
+    assert not mps_ext.FP8Experts.convertible(other) and mps_ext.FP8Experts.convertible(Experts())
+    assert isinstance(mps_ext.quantize_fp8(nn.Sequential(other))[0], Experts)

@@ -11,7 +11,6 @@ import torch
 from mps_ext import cpu_metal
 
 FP8 = torch.float8_e4m3fn
-B = 2  # buffer index of the weights
 gen = torch.Generator().manual_seed(1)
 
 
@@ -62,7 +61,7 @@ def test_2d_3d(run, device, counts):
     check(got, ref_rows(a8, sa, b8, sb, offs), k, rows=sum(counts))
     if device == "executor":
         (d,) = rec.dispatches
-        assert d.kernel == ("gmm_decode_rows_fp8_vec" if m <= 64 else "gmm_tiled_fp8")
+        assert d.kernel == ("gmm_decode_rows_e4m3_vec" if m <= 64 else "gmm_tiled_e4m3")
 
 
 @pytest.mark.parametrize("k,offset", [(256, 0), (255, 0), (256, 1)], ids=["16-byte", "tail", "unaligned"])
@@ -85,7 +84,7 @@ def test_every_e4m3_value_decodes_exactly(run, device, k, offset):
         exp = (a8.double() @ b8[0].double()).to(torch.bfloat16)
         torch.testing.assert_close(got, exp, rtol=0, atol=0, equal_nan=True)
         if device == "executor":
-            assert rec.dispatches[0].kernel == "gmm_decode_rows_fp8_" + ("scalar" if offset else "vec")
+            assert rec.dispatches[0].kernel == "gmm_decode_rows_e4m3_" + ("scalar" if offset else "vec")
 
 
 def test_3d_2d(run):
@@ -142,8 +141,8 @@ def test_decode_reads_each_chosen_fp8_expert_once_with_16_byte_loads(run, device
     check(got, ref_rows(a8, sa, b8, sb, offs), k)
     if device == "executor":
         (d,) = rec.dispatches
-        assert d.bytes_read[B] == 8 * n * k  # one byte per weight, chosen experts only
-        assert d.read_widths[B] == {16: 8 * n * k // 16}
+        assert d.bytes_read[d.buffer("w")] == 8 * n * k  # one byte per weight, chosen experts only
+        assert d.read_widths[d.buffer("w")] == {16: 8 * n * k // 16}
 
 
 ERRORS = [
@@ -179,18 +178,67 @@ def test_torchs_checks_and_messages(case):
         torch.ops.aten._scaled_grouped_mm(*map(to_meta, (a8, b8, sa, sb, offs)), **kw)
 
 
-def test_meta_kernel_is_torchs():
-    # torch.compile traces torch.ops.mps_ext._scaled_grouped_mm through
-    # aten's Meta kernel: the output's sizes and dtype (torch has no CPU
-    # kernel to compare the rest with; its Meta kernel pads the leading
-    # stride only for CUDA, and for MPS from 2.15, as for _grouped_mm).
+def test_meta_kernel_gives_the_kernels_sizes_and_strides():
+    # torch.compile traces torch.ops.mps_ext._scaled_grouped_mm (and _v2)
+    # through mps_ext's Meta kernels (mps_ext/_meta.py).
     a8, sa = quantize_rows(randn(10, 32), 1)
     b8, sb = experts_fp8(3, 13, 32)
     offs = torch.tensor([4, 4, 9], dtype=torch.int32)
     got = torch.ops.mps_ext._scaled_grouped_mm(a8, b8, sa, sb, offs)
-    args = [t.to("meta") for t in (a8, b8, sa, sb, offs)]
-    meta, aten_meta = torch.ops.mps_ext._scaled_grouped_mm(*args), torch.ops.aten._scaled_grouped_mm(*args)
-    assert meta.device.type == "meta"
-    assert (meta.shape, meta.stride(), meta.dtype) == (aten_meta.shape, aten_meta.stride(), aten_meta.dtype)
     assert (got.shape, got.stride(), got.dtype) == ((10, 13), (16, 1), torch.bfloat16)
-    assert (meta.shape, meta.dtype) == (got.shape, got.dtype)
+    a, b, s_a, s_b, o = (t.to("meta") for t in (a8, b8, sa, sb, offs))
+    for meta in (torch.ops.mps_ext._scaled_grouped_mm(a, b, s_a, s_b, o),
+                 torch.ops.mps_ext._scaled_grouped_mm_v2(a, b, [s_a], [1], [], [s_b], [1], [], o)):
+        assert meta.device.type == "meta"
+        assert (meta.shape, meta.stride(), meta.dtype) == (got.shape, got.stride(), got.dtype)
+
+
+# ------------------------------------------------- _scaled_grouped_mm_v2 --
+# F.scaled_grouped_mm (torch 2.10 on) calls _scaled_grouped_mm_v2 with a list
+# of scales and a recipe (torch's ScalingType) per operand.
+ROW_WISE = 1
+
+
+@pytest.mark.parametrize("counts", [[1, 0, 2, 0, 3, 0], [0, 30, 5, 0, 40, 1]], ids=["decode", "tiles"])
+def test_v2_row_wise_is_the_v1_product(run, device, counts):
+    e, k, n = len(counts), 96, 40
+    m = sum(counts) + 3
+    a8, sa = quantize_rows(randn(m, k), 1)
+    b8, sb = experts_fp8(e, n, k)
+    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).int()
+    got = run("_scaled_grouped_mm_v2", a8, b8, [sa], [ROW_WISE], [], [sb], [ROW_WISE], [], offs, family="grouped_mm")
+    check(got, ref_rows(a8, sa, b8, sb, offs), k, rows=sum(counts))
+    v1 = run("_scaled_grouped_mm", a8, b8, sa, sb, offs, family="grouped_mm")
+    assert torch.equal(got[:sum(counts)], v1[:sum(counts)])
+    # The same with every optional argument spelled out as F.scaled_grouped_mm passes them.
+    got = run("_scaled_grouped_mm_v2", a8, b8, [sa], [ROW_WISE], [0], [sb], [ROW_WISE], [0], offs, None,
+              torch.bfloat16, [-1, -2], False, family="grouped_mm")
+    assert torch.equal(got[:sum(counts)], v1[:sum(counts)])
+
+
+V2_REFUSED = {  # what the call changes -> what the error names
+    "tensor-wise": (dict(recipe_a=[0], recipe_b=[0]), r"scale recipes a=\[0\] b=\[0\]"),
+    "two scales": (dict(scale_a=2), r"RowWise \(1\) for both, one float32 scale tensor each"),
+    "swizzled": (dict(swizzle_b=[1]), r"swizzles a=\[\] b=\[1\]"),
+    "contraction_dim": (dict(contraction_dim=[0, 1]), r"contraction_dim \[0, 1\]; mps_ext takes \[\] or \[-1, -2\]"),
+}
+
+
+@pytest.mark.parametrize("case", V2_REFUSED)
+def test_v2_says_what_it_takes(case):
+    change, message = V2_REFUSED[case]
+    a8, sa = quantize_rows(randn(8, 32), 1)
+    b8, sb = experts_fp8(2, 16, 32)
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    kw = dict(scale_a=[sa], recipe_a=[ROW_WISE], swizzle_a=[], scale_b=[sb], recipe_b=[ROW_WISE], swizzle_b=[],
+              contraction_dim=[])
+    kw.update({k: v for k, v in change.items() if k != "scale_a"})
+    if "scale_a" in change:
+        kw["scale_a"], kw["recipe_a"] = [sa, sa], [ROW_WISE, ROW_WISE]
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.mps_ext._scaled_grouped_mm_v2(a8, b8, kw["scale_a"], kw["recipe_a"], kw["swizzle_a"], kw["scale_b"],
+                                                kw["recipe_b"], kw["swizzle_b"], offs, None, None,
+                                                kw["contraction_dim"])
+    # and the v1 checks still apply
+    with pytest.raises(RuntimeError, match="Expected scale_a to have 8 elements"):
+        torch.ops.mps_ext._scaled_grouped_mm_v2(a8, b8, [sa[:-1]], [ROW_WISE], [], [sb], [ROW_WISE], [], offs)

@@ -1,10 +1,13 @@
 """torch.compile traces torch.ops.mps_ext.* through their Meta kernels (the
-aten ops' own, registered for every op of every family) and runs mps_ext's
+aten ops' own, or the family's: scaled_mm, fp8_linear) and runs mps_ext's
 kernels in the compiled code. What a compiled model on MPS reaches of the
 aten overrides is in tests/test_install.py."""
 
+import inspect
+
 import pytest
 import torch
+from torch import nn
 
 import mps_ext
 
@@ -23,6 +26,37 @@ def model(x, w, b, grad):
 
 def inputs(rows=3):
     return torch.randn(rows, 64), torch.randn(40, 64) / 8, torch.randn(40), torch.randn(rows, 40)
+
+
+def fp8_model(x, a8, w8, ws, sa, sb, idx):
+    y = torch.ops.mps_ext.fp8_linear(x, w8, ws, "row", None)
+    y = y + torch.ops.mps_ext._scaled_mm(a8, w8.t(), sa, sb, None, None, torch.float32)
+    y = y + torch.ops.mps_ext._scaled_mm_v2(a8, w8.t(), [sa], [1], [], [sb], [1], [], None, torch.float32, [],
+                                            False)
+    rows = torch.ops.mps_ext.index_select(torch.ops.mps_ext.cat([w8, w8], 0), 0, idx)
+    return y, rows.view(torch.uint8)
+
+
+def fp8_inputs(rows=3):
+    w8 = (torch.randn(40, 64) * 50).to(torch.float8_e4m3fn)
+    return (torch.randn(rows, 64), (torch.randn(rows, 64) * 50).to(torch.float8_e4m3fn), w8,
+            torch.rand(40, 1) / 50, torch.rand(rows, 1) / 50, torch.rand(1, 40) / 50, torch.tensor([79, 0, 41]))
+
+
+def fp8_in_place(x, dst8, idx):
+    # Ops that write into an argument. aot_eager cannot functionalize a
+    # custom op whose output aliases an input (torch refuses "a custom
+    # (non-ATen) operator whose output has alias annotations"; aten's own
+    # copy_/fill_/zero_ are functionalized and reach mps_ext's MPS override
+    # through aten), so these are traced by dynamo alone (their Meta kernels
+    # on fake tensors) and run eagerly.
+    torch.ops.mps_ext.copy_(dst8, x)
+    torch.ops.mps_ext.fill_.Scalar(dst8[0], 2.5)
+    torch.ops.mps_ext.fill_.Tensor(dst8[1], x[0, 0])
+    torch.ops.mps_ext.zero_(dst8[2])
+    out = torch.empty(dst8.shape)
+    torch.ops.mps_ext.copy_(out, dst8)
+    return out.index_select(1, idx)
 
 
 def linalg_model(a, b):
@@ -48,8 +82,8 @@ def linalg_inputs(batch=3, n=5):
 
 def moe_model(x, router, w_gate_up, w_down, a8, b8, scale_a, scale_b, offs8):
     """A mixture-of-experts decode layer through mps_ext's own ops (their fake
-    kernels, mps_ext/_moe.py), its first expert product again through
-    _grouped_mm, and an fp8 _scaled_grouped_mm."""
+    kernels, mps_ext/_meta.py), its first expert product again through
+    _grouped_mm, and an fp8 _scaled_grouped_mm (v1 and v2)."""
     top_k = 2
     logits = torch.ops.mps_ext.linear(x, router, None)
     weights, offs, slot_of_row, row_of_slot = torch.ops.mps_ext.moe_route(logits, top_k, True, False)
@@ -59,12 +93,11 @@ def moe_model(x, router, w_gate_up, w_down, a8, b8, scale_a, scale_b, offs8):
     rows = x[slot_of_row.long() // top_k]  # the tokens' rows sorted by expert
     gate_up = torch.ops.mps_ext._grouped_mm(rows, w_gate_up.transpose(-2, -1), offs)
     fp8 = torch.ops.mps_ext._scaled_grouped_mm(a8, b8, scale_a, scale_b, offs8)
-    return out, gate_up, fp8
+    fp8_v2 = torch.ops.mps_ext._scaled_grouped_mm_v2(a8, b8, [scale_a], [1], [], [scale_b], [1], [], offs8)
+    return out, gate_up, fp8, fp8_v2
 
 
 def moe_inputs(tokens=3, hidden=64, experts=8, ffn=32):
-    # bfloat16: the one dtype torch's Meta kernel of _grouped_mm takes in every
-    # release (torch 2.14 adds float16).
     g = torch.Generator().manual_seed(tokens)
     bf16 = lambda *shape, scale=1.0: (torch.randn(shape, generator=g) * scale).bfloat16()  # noqa: E731
     w8 = torch.randn(4, 16, hidden, generator=g).to(torch.float8_e4m3fn)  # W[E, N, K]
@@ -76,23 +109,23 @@ def moe_inputs(tokens=3, hidden=64, experts=8, ffn=32):
 
 def test_every_op_is_in_a_model():
     names = {op.split("::")[1] for fam in mps_ext.families() for op in mps_ext._C.family_aten_ops(fam)}
-    names |= {"moe_route", "moe_experts", "moe_combine"}  # mps_ext's own
-    import inspect
-    source = inspect.getsource(model) + inspect.getsource(linalg_model) + inspect.getsource(moe_model)
+    names |= {"fp8_linear", "moe_route", "moe_experts", "moe_combine"}  # mps_ext's own ops
+    source = "".join(inspect.getsource(f) for f in (model, linalg_model, fp8_model, fp8_in_place, moe_model))
     assert all(f"torch.ops.mps_ext.{n}(" in source for n in names)
 
 
-# name -> (model, its inputs for a size, two sizes, calls of mps_ext's kernels per family)
+# name -> (model, its inputs for a size, two sizes, calls of mps_ext's kernels
+# per family: every family that ran)
 MODELS = {
-    "nn": (model, inputs, [(3,), (5,)], {"grouped_mm": 0, "linalg": 0, "linear": 3, "softmax": 4, "pad": 1}),
-    "linalg": (linalg_model, linalg_inputs, [(3, 5), (2, 7)],
-               {"grouped_mm": 0, "linalg": 11, "linear": 0, "softmax": 0, "pad": 0}),
-    "moe": (moe_model, moe_inputs, [(3,), (5,)], {"grouped_mm": 6, "linalg": 0, "linear": 1, "softmax": 0, "pad": 0}),
+    "nn": (model, inputs, [(3,), (5,)], {"linear": 3, "softmax": 4, "pad": 1}),
+    "linalg": (linalg_model, linalg_inputs, [(3, 5), (2, 7)], {"linalg": 11}),
+    "fp8": (fp8_model, fp8_inputs, [(3,), (5,)], {"scaled_mm": 3, "fp8": 2}),
+    "moe": (moe_model, moe_inputs, [(3,), (5,)], {"grouped_mm": 7, "linear": 1}),
 }
 
 
 def ran():
-    return {fam: s["ran"] for fam, s in mps_ext.stats().items()}
+    return {fam: s["ran"] for fam, s in mps_ext.stats().items() if s["ran"]}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -120,3 +153,37 @@ def test_inductor_on_cpu(name):
     got = torch.compile(fn, backend="inductor", fullgraph=True)(*args)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert ran() == calls
+
+
+def test_fp8_in_place_ops_trace_with_dynamo():
+    torch._dynamo.reset()
+    compiled = torch.compile(fp8_in_place, backend="eager", fullgraph=True)
+    x, idx = torch.randn(4, 6) * 30, torch.tensor([5, 1])
+    want = fp8_in_place(x, torch.empty(4, 6, dtype=torch.float8_e5m2), idx)
+    mps_ext.reset_stats()
+    got = compiled(x, torch.empty(4, 6, dtype=torch.float8_e5m2), idx)
+    assert torch.equal(got, want)
+    assert mps_ext.stats()["fp8"]["ran"] == 5
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_quantized_model_aot_eager(granularity):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = mps_ext.quantize_fp8(TwoLayers().bfloat16(), granularity=granularity)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    for rows in (1, 4, 40):  # decode and prefill kernels
+        x = torch.randn(rows, 64).bfloat16()
+        want = model(x)
+        mps_ext.reset_stats()
+        assert torch.equal(compiled(x), want)
+        assert mps_ext.stats()["scaled_mm"]["ran"] == 2

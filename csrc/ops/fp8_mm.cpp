@@ -1,0 +1,358 @@
+// Scaled matrix products with float8 operands: aten::_scaled_mm,
+// aten::_scaled_mm_v2 (F.scaled_mm) and mps_ext::fp8_linear (the weight-only
+// FP8 linear of mps_ext.quantize_fp8). Kernels: kernels_metal/fp8_mm.metal.
+//
+// Recipes (scales are fp32 de-quantisation multipliers):
+//   tensor-wise  one scale per operand                         (_scaled_mm, v2 recipe 0/0)
+//   row-wise     scale_a [M, 1], scale_b [1, N]                (_scaled_mm, v2 recipe 1/1)
+//   1x128 x 128x128  scale_a [M, ceil(K/128)], scale_b [ceil(K/128), ceil(N/128)]  (v2 4/5)
+//   1x128 x 1x128    scale_a [M, ceil(K/128)], scale_b [ceil(K/128), N]            (v2 4/4)
+// Block scales may have any strides (CUDA demands particular ones). Inputs
+// torch rejects go to torch's own kernel where there is one (its error
+// message); on MPS, where torch 2.9-2.14 has none, mps_ext raises.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "backend/launch.h"
+#include "fp8_params.h"
+#include "ops/fp8.h"
+#include "ops/kernel_choice.h"
+#include "ops/registration.h"
+#include "ops/registry.h"
+
+namespace mps_ext {
+namespace {
+
+uint32_t type_code(c10::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return FP8_TYPE_F32;
+    case at::kHalf: return FP8_TYPE_F16;
+    case at::kBFloat16: return FP8_TYPE_BF16;
+    case at::kFloat8_e4m3fn: return FP8_TYPE_E4M3;
+    case at::kFloat8_e5m2: return FP8_TYPE_E5M2;
+    default: return FP8_TYPE_NONE;
+  }
+}
+
+// The activation's name in kernel names: fp8 for both float8 formats (the
+// kernel reads the format from the parameters).
+const char* act_name(c10::ScalarType t) { return is_fp8(t) ? "fp8" : kernel_type_name(t); }
+
+// Rows of a matrix contiguous along K, each starting 16-byte aligned.
+bool rows_vectorizable(const at::Tensor& t, int64_t k_stride, int64_t row_stride, int64_t rows) {
+  return k_stride == 1 && aligned16(t, rows > 1 ? row_stride : 0);
+}
+
+// One scaled product: a [M, K] (fp8, or f32/f16/bf16 for fp8_linear),
+// w [N, K] fp8, y [M, N] written in its dtype.
+struct Problem {
+  at::Tensor a, w, y;
+  at::Tensor scale_a, scale_b, bias, scale_result;  // undefined: absent
+  Fp8MatmulParams p{};
+};
+
+// The variant policy.
+// - M <= 8 rows: fp8_gemv with R = the smallest of 1, 2, 4, 8 holding them;
+//   decode_geometry (ops/kernel_choice.h): 2 simdgroups of up to 4 outputs.
+// - More rows: fp8_mm_tile, one threadgroup per 32 x 64 outputs.
+// - vec (16-byte loads) when the weight rows and the activation rows are
+//   contiguous along K and 16-byte aligned; otherwise element loads.
+void run(Problem& pr) {
+  Fp8MatmulParams& p = pr.p;
+  p.m = pr.a.size(0);
+  p.k = pr.a.size(1);
+  p.n = pr.w.size(0);
+  p.a_row_stride = pr.a.stride(0);
+  p.a_k_stride = pr.a.stride(1);
+  p.w_n_stride = pr.w.stride(0);
+  p.w_k_stride = pr.w.stride(1);
+  p.y_row_stride = pr.y.stride(0);
+  p.y_n_stride = pr.y.stride(1);
+  p.a_format = type_code(pr.a.scalar_type());
+  p.w_format = type_code(pr.w.scalar_type());
+  p.out_type = type_code(pr.y.scalar_type());
+  p.has_scale_a = pr.scale_a.defined() ? 1 : 0;
+  p.has_scale_result = pr.scale_result.defined() && is_fp8(pr.y.scalar_type()) ? 1 : 0;
+  if (pr.bias.defined()) {
+    p.bias_type = type_code(pr.bias.scalar_type());
+    p.bias_stride = pr.bias.stride(0);
+  }
+  if (pr.y.numel() == 0) return;
+
+  const bool vec = rows_vectorizable(pr.w, p.w_k_stride, p.w_n_stride, p.n) &&
+                   rows_vectorizable(pr.a, p.a_k_stride, p.a_row_stride, p.m);
+  Launch l;
+  l.library = "fp8_mm";
+  const std::string act = act_name(pr.a.scalar_type());
+  if (p.m <= kMaxDecodeRows) {
+    const DecodeGeometry g = decode_geometry(p.n, FP8_GEMV_MAX_OUTPUTS);
+    p.outputs_per_simdgroup = static_cast<uint32_t>(g.outputs_per_simdgroup);
+    TORCH_CHECK(g.threadgroups <= 0xffffffffll, "mps_ext scaled_mm: N too large");
+    l.kernel = "fp8_gemv_" + act + "_r" + std::to_string(row_variant(p.m)) + (vec ? "_vec" : "_scalar");
+    l.threadgroups = {static_cast<uint32_t>(g.threadgroups), 1, 1};
+    l.threads_per_threadgroup = {static_cast<uint32_t>(32 * g.simdgroups), 1, 1};
+  } else {
+    TORCH_CHECK(ceil_div(p.m, FP8_TILE_M) <= 0xffffffffll && ceil_div(p.n, FP8_TILE_N) <= 0xffffffffll,
+                "mps_ext scaled_mm: too many tiles");
+    l.kernel = "fp8_mm_tile_" + act + (vec ? "_vec" : "_scalar");
+    l.threadgroups = {static_cast<uint32_t>(ceil_div(p.n, FP8_TILE_N)), static_cast<uint32_t>(ceil_div(p.m, FP8_TILE_M)),
+                      1};
+    l.threads_per_threadgroup = {FP8_TILE_THREADS, 1, 1};
+  }
+  // Absent operands are stood in for by the output or scale_b; the kernel
+  // does not read them (has_scale_a, bias_type, has_scale_result).
+  auto or_else = [](const at::Tensor& t, const at::Tensor& stand_in) { return KernelArg::of(t.defined() ? t : stand_in); };
+  l.args = {KernelArg::of(pr.y), KernelArg::of(pr.a),          KernelArg::of(pr.w),
+            KernelArg::value(p), or_else(pr.scale_a, pr.scale_b), KernelArg::of(pr.scale_b),
+            or_else(pr.bias, pr.y), or_else(pr.scale_result, pr.scale_b)};
+  launch(l);
+}
+
+bool fp32_scalar(const at::Tensor& s) { return s.scalar_type() == at::kFloat && s.numel() == 1; }
+
+// Scale strides of a recipe into p (sa: activation, sb: weight), given the
+// scale tensors as torch's callers pass them. False: not that recipe.
+bool set_scales(Fp8MatmulParams& p, int64_t ra, const at::Tensor& sa, int64_t rb, const at::Tensor& sb, int64_t M,
+                int64_t K, int64_t N) {
+  if (sa.scalar_type() != at::kFloat || sb.scalar_type() != at::kFloat) return false;
+  p.sb_n_group = 1;
+  if (ra == kTensorWise && rb == kTensorWise) return sa.numel() == 1 && sb.numel() == 1;  // strides 0
+  if (ra == kRowWise && rb == kRowWise) {
+    if (!(sa.dim() == 2 && sa.size(0) == M && sa.size(1) == 1 && sa.is_contiguous())) return false;
+    if (!(sb.dim() == 2 && sb.size(0) == 1 && sb.size(1) == N && sb.t().is_contiguous())) return false;
+    p.sa_row_stride = 1;
+    p.sb_n_stride = 1;
+    return true;
+  }
+  const int64_t kb = ceil_div(K, FP8_SCALE_BLOCK);
+  if (ra != kBlock1x128 || !(sa.dim() == 2 && sa.size(0) == M && sa.size(1) == kb) || sb.dim() != 2) return false;
+  p.sa_row_stride = sa.stride(0);
+  p.sa_k_stride = sa.stride(1);
+  if (rb == kBlock128x128 && sb.size(0) == kb && sb.size(1) == ceil_div(N, FP8_SCALE_BLOCK)) {
+    p.sb_n_group = FP8_SCALE_BLOCK;
+  } else if (!(rb == kBlock1x128 && sb.size(0) == kb && sb.size(1) == N)) {
+    return false;
+  }
+  p.sb_k_stride = sb.stride(0);
+  p.sb_n_stride = sb.stride(1);
+  return true;
+}
+
+// Checks shared by both ops; "" when mps_ext's kernels take the call.
+std::string operands_unsupported(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
+                                 c10::ScalarType out) {
+  if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0)) return "shapes torch rejects";
+  if (!is_fp8(a.scalar_type()) || !is_fp8(b.scalar_type())) return "operands that are not float8";
+  if (a.layout() != at::kStrided || b.layout() != at::kStrided) return "layout is not strided";
+  if (type_code(out) == FP8_TYPE_NONE) return std::string("output dtype ") + c10::toString(out);
+  if (bias && bias->defined()) {
+    if (bias->numel() != b.size(1)) return "a bias torch rejects";
+    const auto t = bias->scalar_type();
+    if (t != at::kFloat && t != at::kHalf && t != at::kBFloat16) return std::string("bias dtype ") + c10::toString(t);
+  }
+  return "";
+}
+
+at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const Fp8MatmulParams& scales, const at::Tensor& sa,
+                     const at::Tensor& sb, const c10::optional<at::Tensor>& bias,
+                     const c10::optional<at::Tensor>& scale_result, c10::ScalarType out) {
+  Problem pr;
+  pr.p = scales;
+  pr.a = a;
+  pr.w = b.t();
+  pr.y = at::empty({a.size(0), b.size(1)}, a.options().dtype(out));
+  pr.scale_a = sa;
+  pr.scale_b = sb;
+  if (bias && bias->defined()) pr.bias = bias->reshape({b.size(1)});
+  if (scale_result && scale_result->defined()) pr.scale_result = *scale_result;
+  run(pr);
+  return pr.y;
+}
+
+// A reason for the stock kernel, or raise where there is none: on MPS
+// torch 2.9-2.14 have no _scaled_mm kernel to give their error.
+std::string or_raise(const std::string& why, const std::string& op, c10::DispatchKey key) {
+  if (!why.empty() && !has_stock_kernel(op, key))
+    TORCH_CHECK(false, "mps_ext ", op.substr(6), " on ", key, ": unsupported input (", why,
+                "). Supported: float8 operands (mat2 any layout), tensor-wise or row-wise fp32 scales "
+                "(_scaled_mm, _scaled_mm_v2), block-wise 1x128 x 128x128 and 1x128 x 1x128 (_scaled_mm_v2); "
+                "outputs float32, float16, bfloat16, float8_e4m3fn, float8_e5m2; bias float32/float16/bfloat16.");
+  return why;
+}
+
+// The policy, for an op whose rule leaves to torch the calls picked here
+// (mps_ext/_policy.py; on MPS from torch 2.15): torch's _scaled_mm_v2 on MPS
+// (operations/ScaledMM.mm) runs tensor-wise and row-wise float8_e4m3fn
+// products with outputs f32/f16/bf16/e4m3fn, and a bias only of the output's
+// dtype (bf16 or f16) or, for an e4m3fn output, either; mps_ext keeps what
+// it rejects. The rule's reason, or "".
+std::string policy(const std::string& op, c10::DispatchKey key, const at::Tensor& a, const at::Tensor& b,
+                   int64_t recipe, c10::ScalarType out, const c10::optional<at::Tensor>& bias) {
+  c10::optional<LeftToTorch> rule = family("scaled_mm").left_to_torch(op, key);
+  if (!rule || !has_stock_kernel(op, key) || recipe > kRowWise || a.scalar_type() != at::kFloat8_e4m3fn ||
+      b.scalar_type() != at::kFloat8_e4m3fn || out == at::kFloat8_e5m2)
+    return "";
+  if (bias && bias->defined()) {
+    const auto t = bias->scalar_type();
+    if (out == at::kFloat || !(t == at::kBFloat16 || t == at::kHalf) ||
+        (out != at::kFloat8_e4m3fn && t != out))
+      return "";
+  }
+  return rule->why;
+}
+
+template <c10::DispatchKey K>
+at::Tensor scaled_mm_impl(const at::Tensor& self, const at::Tensor& mat2, const at::Tensor& scale_a,
+                          const at::Tensor& scale_b, const c10::optional<at::Tensor>& bias,
+                          const c10::optional<at::Tensor>& scale_result, c10::optional<c10::ScalarType> out_dtype,
+                          bool use_fast_accum) {
+  const c10::ScalarType out = out_dtype.value_or(self.scalar_type());
+  Fp8MatmulParams p{};
+  std::string why = operands_unsupported(self, mat2, bias, out);
+  if (why.empty()) {
+    const bool tensorwise = fp32_scalar(scale_a) && fp32_scalar(scale_b);
+    if (!set_scales(p, tensorwise ? kTensorWise : kRowWise, scale_a, tensorwise ? kTensorWise : kRowWise, scale_b,
+                    self.size(0), self.size(1), mat2.size(1)))
+      why = "scales torch rejects";
+    else if (scale_result && scale_result->defined() && !fp32_scalar(*scale_result))
+      why = "a scale_result torch rejects";
+    else
+      why = policy("aten::_scaled_mm", K, self, mat2, kRowWise, out, bias);
+  }
+  return route(family("scaled_mm"), "aten::_scaled_mm", K, or_raise(why, "aten::_scaled_mm", K),
+               [&] { return scaled_mm(self, mat2, p, scale_a, scale_b, bias, scale_result, out); }, self, mat2,
+               scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum);
+}
+
+template <c10::DispatchKey K>
+at::Tensor scaled_mm_v2_impl(const at::Tensor& self, const at::Tensor& mat2, at::TensorList scale_a,
+                             at::IntArrayRef recipe_a, at::IntArrayRef swizzle_a, at::TensorList scale_b,
+                             at::IntArrayRef recipe_b, at::IntArrayRef swizzle_b, const c10::optional<at::Tensor>& bias,
+                             c10::optional<c10::ScalarType> out_dtype, at::IntArrayRef contraction_dim,
+                             bool use_fast_accum) {
+  const c10::ScalarType out = out_dtype.value_or(at::kBFloat16);  // torch's default for v2
+  Fp8MatmulParams p{};
+  std::string why = operands_unsupported(self, mat2, bias, out);
+  auto no_swizzle = [](at::IntArrayRef s) { return s.empty() || (s.size() == 1 && s[0] == 0); };
+  if (why.empty()) {
+    if (scale_a.size() != 1 || scale_b.size() != 1 || recipe_a.size() != 1 || recipe_b.size() != 1)
+      why = "more than one scale per operand";
+    else if (!no_swizzle(swizzle_a) || !no_swizzle(swizzle_b))
+      why = "swizzled scales";
+    else if (!contraction_dim.empty())
+      why = "contraction_dim";
+    else if (recipe_a[0] >= kBlock1x128 &&
+             (self.scalar_type() != at::kFloat8_e4m3fn || mat2.scalar_type() != at::kFloat8_e4m3fn))
+      why = "block-wise scales with float8_e5m2 operands";
+    else if (!set_scales(p, recipe_a[0], scale_a[0], recipe_b[0], scale_b[0], self.size(0), self.size(1),
+                         mat2.size(1)))
+      why = "scales torch rejects";
+    else
+      why = policy("aten::_scaled_mm_v2", K, self, mat2, recipe_a[0], out, bias);
+  }
+  return route(family("scaled_mm"), "aten::_scaled_mm_v2", K, or_raise(why, "aten::_scaled_mm_v2", K),
+               [&] { return scaled_mm(self, mat2, p, scale_a[0], scale_b[0], bias, c10::nullopt, out); }, self, mat2,
+               scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, bias, out_dtype, contraction_dim,
+               use_fast_accum);
+}
+
+// ------------------------------------------------------------ fp8_linear --
+// y = input @ dequant(weight).T + bias with the weight kept in float8 and
+// de-quantised in registers; the activation stays in its dtype (more
+// accurate than quantising it, for the same weight traffic).
+// weight_scale by granularity: "tensor" one element, "row" [N, 1], "block"
+// [ceil(N/128), ceil(K/128)] (weight blocks of 128 x 128).
+
+// The weight's scale strides for the kernel, after checking every argument.
+Fp8MatmulParams linear_params(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_scale,
+                              c10::string_view granularity, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 2 && is_fp8(weight.scalar_type()), "mps_ext fp8_linear: weight must be a 2-D float8 "
+              "tensor, got ", weight.scalar_type(), " of ", weight.dim(), " dimensions");
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) == weight.size(1), "mps_ext fp8_linear: input's last dimension (",
+              input.dim() ? input.size(-1) : 0, ") must equal the weight's K (", weight.size(1), ")");
+  const auto t = input.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16,
+              "mps_ext fp8_linear: input must be float32, float16 or bfloat16, got ", t);
+  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat, "mps_ext fp8_linear: weight_scale must be float32");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  Fp8MatmulParams p{};
+  p.sb_n_group = 1;
+  if (granularity == "tensor") {
+    TORCH_CHECK(weight_scale.numel() == 1, "mps_ext fp8_linear: a tensor-wise weight_scale has one element");
+  } else if (granularity == "row") {
+    TORCH_CHECK(weight_scale.numel() == N, "mps_ext fp8_linear: a row-wise weight_scale has N = ", N, " elements");
+    p.sb_n_stride = weight_scale.dim() ? weight_scale.stride(0) : 0;
+  } else if (granularity == "block") {
+    TORCH_CHECK(weight_scale.dim() == 2 && weight_scale.size(0) == ceil_div(N, FP8_SCALE_BLOCK) &&
+                    weight_scale.size(1) == ceil_div(K, FP8_SCALE_BLOCK),
+                "mps_ext fp8_linear: a block-wise weight_scale is [ceil(N/128), ceil(K/128)] = [",
+                ceil_div(N, FP8_SCALE_BLOCK), ", ", ceil_div(K, FP8_SCALE_BLOCK), "], got ", weight_scale.sizes());
+    p.sb_n_group = FP8_SCALE_BLOCK;
+    p.sb_n_stride = weight_scale.stride(0);
+    p.sb_k_stride = weight_scale.stride(1);
+  } else {
+    TORCH_CHECK(false, "mps_ext fp8_linear: granularity must be 'tensor', 'row' or 'block', got '", granularity, "'");
+  }
+  if (bias && bias->defined())
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == t, "mps_ext fp8_linear: bias must have N = ", N,
+                " elements of the input's dtype");
+  return p;
+}
+
+// The same product through torch's own ops (the weight de-quantised in
+// memory): where mps_ext's kernels do not run (turned off, Metal failed).
+at::Tensor linear_with_torch_ops(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scale,
+                                 c10::string_view granularity, const c10::optional<at::Tensor>& bias) {
+  at::Tensor w = weight.to(at::kFloat);
+  if (granularity == "block") {
+    at::Tensor s = scale.repeat_interleave(FP8_SCALE_BLOCK, 0).repeat_interleave(FP8_SCALE_BLOCK, 1);
+    w = w * s.slice(0, 0, w.size(0)).slice(1, 0, w.size(1));
+  } else {
+    w = w * scale.reshape({granularity == "row" ? w.size(0) : 1, 1});
+  }
+  return at::linear(input, w.to(input.scalar_type()), bias);
+}
+
+// torch has no kernel of its own: the fallback is linear_with_torch_ops.
+template <c10::DispatchKey K>
+at::Tensor fp8_linear_impl(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_scale,
+                           c10::string_view granularity, const c10::optional<at::Tensor>& bias) {
+  const Fp8MatmulParams p = linear_params(input, weight, weight_scale, granularity, bias);
+  auto ours = [&] {
+    const int64_t N = weight.size(0), K_ = weight.size(1);
+    Problem pr;
+    pr.p = p;
+    pr.a = input.reshape({-1, K_});
+    pr.w = weight;
+    pr.y = at::empty({pr.a.size(0), N}, input.options());
+    pr.scale_b = weight_scale;
+    if (bias && bias->defined()) pr.bias = bias->reshape({N});
+    run(pr);
+    std::vector<int64_t> out_shape = input.sizes().vec();
+    out_shape.back() = N;
+    return pr.y.view(out_shape);
+  };
+  auto theirs = [&](const std::string&) { return linear_with_torch_ops(input, weight, weight_scale, granularity, bias); };
+  return route_to(family("scaled_mm"), "mps_ext::fp8_linear", K, "", ours, theirs, input, weight, weight_scale, bias);
+}
+
+template <c10::DispatchKey K>
+void register_scaled_mm(torch::Library& m) {
+  m.impl("_scaled_mm", TORCH_FN(scaled_mm_impl<K>));
+  m.impl("_scaled_mm_v2", TORCH_FN(scaled_mm_v2_impl<K>));
+}
+
+}  // namespace
+}  // namespace mps_ext
+
+// Meta kernels: mps_ext/_meta.py.
+MPS_EXT_FAMILY_OWN_META("scaled_mm", mps_ext::register_scaled_mm, "aten::_scaled_mm", "aten::_scaled_mm_v2")
+
+TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
+  m.def("fp8_linear(Tensor input, Tensor weight, Tensor weight_scale, str granularity, Tensor? bias=None) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(mps_ext, CPU, m) { m.impl("fp8_linear", TORCH_FN(mps_ext::fp8_linear_impl<c10::DispatchKey::CPU>)); }
+#ifdef __APPLE__
+TORCH_LIBRARY_IMPL(mps_ext, MPS, m) { m.impl("fp8_linear", TORCH_FN(mps_ext::fp8_linear_impl<c10::DispatchKey::MPS>)); }
+#endif

@@ -1,0 +1,100 @@
+// Conversions between float8 (e4m3fn, e5m2) and float32 / float16 /
+// bfloat16, bit-exact with torch's CPU conversions (fp8_codec.h has the
+// rules). One thread converts FP8_CONVERT_PER_THREAD consecutive elements.
+//   fp8_convert_dense_<src>_<dst>    both contiguous, numel < 2^31: 32-bit index
+//   fp8_convert_strided_<src>_<dst>  any strides (0 broadcasts), 64-bit offsets
+#include <metal_stdlib>
+#include "fp8_codec.h"
+#include "fp8_params.h"
+using namespace metal;
+
+// Each element type reads into float32 bits and writes from them.
+struct F32 {
+  typedef float T;
+  static uint bits(T v) { return as_type<uint>(v); }
+  static T from_bits(uint f) { return as_type<float>(f); }
+};
+struct F16 {
+  typedef half T;
+  static uint bits(T v) { return as_type<uint>(float(v)); }
+  static T from_bits(uint f) { return half_from_exact_bits(f); }
+};
+struct BF16 {
+  typedef bfloat T;
+  // A bfloat is the top half of a float32: no conversion, so nothing a GPU
+  // could flush.
+  static uint bits(T v) { return uint(as_type<ushort>(v)) << 16; }
+  static T from_bits(uint f) { return bfloat_from_exact_bits(f); }
+};
+struct E4M3 {
+  typedef uchar T;
+  static uint bits(T v) { return e4m3_to_bits(v); }
+  static T from_bits(uint f) { return e4m3_from_bits(f); }
+};
+struct E5M2 {
+  typedef uchar T;
+  static uint bits(T v) { return e5m2_to_bits(v); }
+  static T from_bits(uint f) { return e5m2_from_bits(f); }
+};
+
+template <typename S, typename D>
+kernel void fp8_convert_dense(device typename D::T* dst [[buffer(0)]],
+                              const device typename S::T* src [[buffer(1)]],
+                              constant Fp8ConvertParams& p [[buffer(2)]],
+                              uint gid [[thread_position_in_grid]]) {
+  const uint first = gid * FP8_CONVERT_PER_THREAD;
+  const uint numel = uint(p.numel);
+  for (uint i = first; i < min(first + FP8_CONVERT_PER_THREAD, numel); ++i) dst[i] = D::from_bits(S::bits(src[i]));
+}
+
+template <typename S, typename D>
+kernel void fp8_convert_strided(device typename D::T* dst [[buffer(0)]],
+                                const device typename S::T* src [[buffer(1)]],
+                                constant Fp8ConvertParams& p [[buffer(2)]],
+                                uint gid [[thread_position_in_grid]]) {
+  const long first = long(gid) * FP8_CONVERT_PER_THREAD;
+  if (first >= p.numel) return;
+  const int rank = int(p.rank);
+  // Coordinates of the first element, then stepped like an odometer.
+  long coord[MPS_EXT_MAX_DIMS];
+  long rest = first;
+  for (int d = rank - 1; d >= 0; --d) {
+    coord[d] = rest % p.sizes[d];
+    rest /= p.sizes[d];
+  }
+  const long last = min(first + FP8_CONVERT_PER_THREAD, p.numel);
+  for (long index = first; index < last; ++index) {
+    long d_off = 0, s_off = 0;
+    for (int d = 0; d < rank; ++d) {
+      d_off += coord[d] * p.dst_strides[d];
+      s_off += coord[d] * p.src_strides[d];
+    }
+    dst[d_off] = D::from_bits(S::bits(src[s_off]));
+    for (int d = rank - 1; d >= 0; --d) {
+      if (++coord[d] < p.sizes[d]) break;
+      coord[d] = 0;
+    }
+  }
+}
+
+#define INSTANTIATE_FP8_CONVERT(sname, S, dname, D)                                            \
+  template [[host_name("fp8_convert_dense_" #sname "_" #dname)]] kernel                        \
+      decltype(fp8_convert_dense<S, D>) fp8_convert_dense<S, D>;                               \
+  template [[host_name("fp8_convert_strided_" #sname "_" #dname)]] kernel                      \
+      decltype(fp8_convert_strided<S, D>) fp8_convert_strided<S, D>;
+#define INSTANTIATE_TO_FP8(sname, S)                \
+  INSTANTIATE_FP8_CONVERT(sname, S, e4m3, E4M3)     \
+  INSTANTIATE_FP8_CONVERT(sname, S, e5m2, E5M2)
+#define INSTANTIATE_FROM_FP8(sname, S)              \
+  INSTANTIATE_FP8_CONVERT(sname, S, f32, F32)       \
+  INSTANTIATE_FP8_CONVERT(sname, S, f16, F16)       \
+  INSTANTIATE_FP8_CONVERT(sname, S, bf16, BF16)
+
+INSTANTIATE_TO_FP8(f32, F32)
+INSTANTIATE_TO_FP8(f16, F16)
+INSTANTIATE_TO_FP8(bf16, BF16)
+// Same-format copies move bytes (torch keeps NaN payloads); no kernel.
+INSTANTIATE_FP8_CONVERT(e4m3, E4M3, e5m2, E5M2)
+INSTANTIATE_FP8_CONVERT(e5m2, E5M2, e4m3, E4M3)
+INSTANTIATE_FROM_FP8(e4m3, E4M3)
+INSTANTIATE_FROM_FP8(e5m2, E5M2)

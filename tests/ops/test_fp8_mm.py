@@ -1,0 +1,343 @@
+"""Scaled matrix products with float8 operands (kernels_metal/fp8_mm.metal):
+_scaled_mm and _scaled_mm_v2 against torch's CPU kernels (tensor-wise,
+row-wise), the block-wise recipes against a float64 reference, the
+kernels' memory traffic from the executor's counters, and quantize_fp8."""
+
+import io
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import mps_ext
+from mps_ext import _policy, cpu_metal
+
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+g = torch.Generator().manual_seed(0)
+OUTS = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def fp8(*shape, dtype=E4, scale=100.0):
+    return (torch.randn(shape, generator=g) * scale).clamp(-440, 440).to(dtype)
+
+
+def run(op, *args, device="executor", **kwargs):
+    before = mps_ext.stats()["scaled_mm"]["ran"]
+    if device == "executor":
+        out = getattr(torch.ops.mps_ext, op)(*args, **kwargs)
+    else:
+        mv = [a.to("mps") if isinstance(a, torch.Tensor) else [t.to("mps") for t in a] if isinstance(a, list) else a
+              for a in args]
+        out = getattr(torch.ops.aten, op)(*mv, **kwargs).cpu()
+    assert mps_ext.stats()["scaled_mm"]["ran"] == before + 1, mps_ext.stats()["scaled_mm"]
+    return out
+
+
+def close(got, want, k):
+    if got.dtype in (E4, E5):  # one step of the fp8 grid at most (rounding of a float sum)
+        g64, w64 = got.double(), want.double()
+        step = w64.abs().clamp(min=2**-6) * (2**-3 if got.dtype == E4 else 2**-2)
+        assert ((g64 - w64).abs() <= step).all()
+        return
+    eps = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[got.dtype]
+    torch.testing.assert_close(got.double(), want.double(), rtol=eps, atol=eps * math.sqrt(max(k, 1)) * 50)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 40, 70])
+@pytest.mark.parametrize("out", OUTS + [E4])
+def test_tensorwise_and_rowwise_match_torch_cpu(device, m, out):
+    k, n = 160, 72
+    a, b = fp8(m, k), fp8(n, k).t()
+    bias = torch.randn(n, generator=g).to(out if out != E4 and out != torch.float32 else torch.bfloat16)
+    for recipe, sa, sb in [(0, torch.tensor(0.02), torch.tensor(0.003)),
+                           (1, torch.rand(m, 1, generator=g) / 50, torch.rand(1, n, generator=g) / 50)]:
+        kw = dict(out_dtype=out, bias=bias)
+        if out == E4:
+            kw["scale_result"] = torch.tensor(0.25)
+        want = torch._scaled_mm(a, b, sa, sb, **kw)
+        close(run("_scaled_mm", a, b, sa, sb, device=device, **kw), want, k)
+        if out != E4:
+            want2 = torch._scaled_mm_v2(a, b, [sa], [recipe], [], [sb], [recipe], [], bias, out, [], False)
+            close(run("_scaled_mm_v2", a, b, [sa], [recipe], [], [sb], [recipe], [], bias, out, [], False,
+                      device=device), want2, k)
+
+
+@pytest.mark.parametrize("case", ["k=0", "m=0", "n=0", "k=17", "n=17", "row-major mat2", "e5m2", "mixed formats",
+                                  "misaligned offsets", "strided rows", "default out dtype", "fast accum"])
+def test_shapes_and_layouts_torch_accepts(device, case):
+    m, k, n = 4, 64, 48
+    a, b = fp8(m, k), fp8(n, k).t()
+    one = torch.tensor(1.0)
+    kw = {"out_dtype": torch.float32}
+    if case == "k=0":
+        a, b = fp8(m, 0), fp8(n, 0).t()
+    elif case == "m=0":
+        a = fp8(0, k)
+    elif case == "n=0":
+        b = fp8(0, k).t()
+    elif case == "k=17":
+        a, b = fp8(m, 17), fp8(n, 17).t()
+    elif case == "n=17":
+        b = fp8(17, k).t()
+    elif case == "row-major mat2":
+        b = fp8(k, n)
+    elif case == "e5m2":
+        a, b = fp8(m, k, dtype=E5), fp8(n, k, dtype=E5).t()
+    elif case == "mixed formats":
+        b = fp8(n, k, dtype=E5).t()
+    elif case == "misaligned offsets":
+        a = fp8(m * k + 3)[3:].view(m, k)
+        b = fp8(n * k + 1)[1:].view(n, k).t()
+    elif case == "strided rows":
+        a = fp8(m, 2 * k)[:, :k]
+    elif case == "default out dtype":
+        kw = {}
+    elif case == "fast accum":
+        kw["use_fast_accum"] = True
+    with cpu_metal.record() as rec:
+        got = run("_scaled_mm", a, b, one, one, device=device, **kw)
+    close(got, torch._scaled_mm(a, b, one, one, **kw), k)
+    if device == "executor" and case in ("misaligned offsets", "row-major mat2"):
+        assert all(d.kernel.endswith("_scalar") for d in rec.dispatches)  # no 16-byte loads where not aligned
+
+
+def block_reference(a, b, sa, sb, recipe_b, out, bias=None):
+    """float64: sum over 128-wide K blocks of (a_blk @ b_blk) * sa * sb."""
+    a64, b64 = a.double().numpy(), b.double().numpy()
+    m, k = a64.shape
+    n = b64.shape[1]
+    y = np.zeros((m, n))
+    for kb in range(-(-k // 128)):
+        ks = slice(kb * 128, min(k, kb * 128 + 128))
+        part = a64[:, ks] @ b64[ks, :]
+        sbk = sb[kb].double().numpy()
+        sbn = np.repeat(sbk, 128)[:n] if recipe_b == 5 else sbk
+        y += part * sa[:, kb].double().numpy()[:, None] * sbn[None, :]
+    y = torch.from_numpy(y)
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(out)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 256, 256), (3, 384, 200), (8, 130, 129), (40, 256, 160), (33, 300, 64)])
+@pytest.mark.parametrize("recipe_b", [5, 4])
+def test_blockwise_recipes_against_float64(device, m, k, n, recipe_b):
+    a, w = fp8(m, k), fp8(n, k)
+    kb = -(-k // 128)
+    sa = torch.rand(m, kb, generator=g) / 100 + 1e-3
+    sa = sa.t().contiguous().t()  # M-major, as CUDA wants it; any strides work here
+    sb = (torch.rand(kb, -(-n // 128), generator=g) if recipe_b == 5 else torch.rand(kb, n, generator=g)) / 100 + 1e-3
+    bias = torch.randn(n, generator=g).bfloat16()
+    got = run("_scaled_mm_v2", a, w.t(), [sa], [4], [], [sb], [recipe_b], [], bias, torch.bfloat16, [], False,
+              device=device)
+    close(got, block_reference(a, w.t(), sa, sb, recipe_b, torch.bfloat16, bias), k)
+
+
+@pytest.mark.parametrize("case", ["wrong scale shape", "double scale", "non-fp8 operand", "3-D", "shapes"])
+def test_bad_inputs_give_torchs_errors(case):
+    a, b = fp8(4, 32), fp8(16, 32).t()
+    one = torch.tensor(1.0)
+    args = {"wrong scale shape": (a, b, torch.ones(4, 1), torch.ones(16, 1)),
+            "double scale": (a, b, one.double(), one),
+            "non-fp8 operand": (a.half(), b, one, one),
+            "3-D": (a[None], b, one, one),
+            "shapes": (a, fp8(16, 16).t(), one, one)}[case]
+    with pytest.raises(Exception) as theirs:
+        torch._scaled_mm(*args)
+    mps_ext.reset_stats()
+    with pytest.raises(type(theirs.value), match=re.escape(str(theirs.value).split("\n")[0][:60])):
+        torch.ops.mps_ext._scaled_mm(*args)
+    assert mps_ext.stats()["scaled_mm"]["ran"] == 0
+
+
+def test_blockwise_with_wrong_scale_shape_gives_torchs_error():
+    a, b = fp8(4, 256), fp8(128, 256).t()
+    with pytest.raises(ValueError, match="Invalid scaling configuration"):
+        torch.ops.mps_ext._scaled_mm_v2(a, b, [torch.ones(4, 3)], [4], [], [torch.ones(2, 1)], [5], [], None,
+                                       torch.bfloat16, [], False)
+
+
+ACTS = {"fp8": E4, "f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+
+
+def test_every_matrix_kernel_runs():
+    """Each [[host_name]] of fp8_mm.metal, through _scaled_mm (fp8
+    activations) or fp8_linear (the others), against float64."""
+    seen = set()
+    for act, dtype in ACTS.items():
+        for m in (1, 2, 3, 5, 40):
+            for aligned in (True, False):
+                k, n = 64, 24
+                w = fp8(n, k)
+                ws = torch.rand(n, 1, generator=g) / 100
+                if dtype in (E4,):
+                    x = fp8(m, k) if aligned else fp8(m * k + 1)[1:].view(m, k)
+                    with cpu_metal.record() as rec:
+                        got = torch.ops.mps_ext._scaled_mm(x, w.t(), torch.ones(m, 1), ws.t().contiguous(),
+                                                           out_dtype=torch.float32)
+                    want = (x.double() @ (w.double() * ws.double()).t())
+                else:
+                    x = torch.randn(m, k, generator=g).to(dtype)
+                    if not aligned:
+                        x = torch.randn(m * k + 1, generator=g).to(dtype)[1:].view(m, k)
+                    with cpu_metal.record() as rec:
+                        got = torch.ops.mps_ext.fp8_linear(x, w, ws, "row", None)
+                    want = (x.double() @ (w.double() * ws.double()).t())
+                close(got, want.to(got.dtype), k)
+                seen.update(d.kernel for d in rec.dispatches)
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "tools"))
+    import embed_shaders
+    lib = cpu_metal.compile_library(embed_shaders.flatten(root / "kernels_metal" / "fp8_mm.metal"),
+                                    filename="fp8_mm.metal")
+    assert set(lib.function_names) == seen, sorted(set(lib.function_names) ^ seen)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+@pytest.mark.parametrize("recipe", ["row", "block"])
+def test_decode_reads_each_weight_byte_once_with_16_byte_loads(rows, recipe):
+    n, k = 2048, 512
+    a, w = fp8(rows, k), fp8(n, k)
+    if recipe == "row":
+        args = ([torch.ones(rows, 1)], [1], [], [torch.ones(1, n)], [1], [])
+    else:
+        args = ([torch.ones(rows, k // 128)], [4], [], [torch.ones(k // 128, n // 128)], [5], [])
+    with cpu_metal.record() as rec:
+        torch.ops.mps_ext._scaled_mm_v2(a, w.t(), *args, None, torch.bfloat16, [], False)
+    (d,) = rec.dispatches
+    wi = d.buffer("w")
+    assert d.bytes_read[wi] == w.nbytes
+    assert d.read_widths[wi] == {16: w.nbytes // 16}
+    assert d.total_threadgroups >= 320
+
+
+@pytest.mark.parametrize("m", [64, 96])
+def test_prefill_reads_weights_once_per_32_rows(m):
+    n, k = 256, 256
+    a, w = fp8(m, k), fp8(n, k)
+    one = torch.tensor(1.0)
+    with cpu_metal.record() as rec:
+        torch.ops.mps_ext._scaled_mm(a, w.t(), one, one, out_dtype=torch.bfloat16)
+    (d,) = rec.dispatches
+    assert d.kernel == "fp8_mm_tile_fp8_vec"
+    wi = d.buffer("w")
+    assert d.bytes_read[wi] <= w.nbytes * m / 32
+    assert set(d.read_widths[wi]) == {16}
+
+
+def test_torch_2_15_keeps_what_its_kernel_rejects(cpu_policy):
+    # The policy of a torch whose _scaled_mm_v2 runs tensor-wise and row-wise
+    # e4m3fn products (applied to the CPU key here, where aten::_scaled_mm_v2
+    # has a kernel to leave them to; mps_ext applies it to MPS on torch 2.15).
+    if not torch._C._dispatch_has_computed_kernel_for_dispatch_key("aten::_scaled_mm_v2", "CPU"):
+        pytest.skip(f"torch {torch.__version__} has no CPU kernel for aten::_scaled_mm_v2 to leave calls to")
+    mps_ext._leave_to_torch("scaled_mm", _policy.left_to_torch("scaled_mm", "2.15.0"), "CPU")
+    a, b, b5 = fp8(3, 32), fp8(16, 32).t(), fp8(16, 32, dtype=E5).t()
+    sa, sb = torch.rand(3, 1, generator=g), torch.rand(1, 16, generator=g)
+    bias16 = torch.randn(16, generator=g).bfloat16()
+
+    def v2(b, bias, out, recipe=1):
+        return torch.ops.mps_ext._scaled_mm_v2(a, b, [sa], [recipe], [], [sb], [recipe], [], bias, out, [], False)
+
+    v2(b, None, torch.bfloat16)                             # torch's
+    v2(b, bias16, torch.bfloat16)                           # torch's
+    v2(b5, None, torch.bfloat16)                            # ours: e5m2
+    v2(b, bias16.float(), torch.bfloat16)                   # ours: f32 bias
+    v2(b, bias16, torch.float32)                            # ours: bias, f32 out
+    v2(b, None, E5)                                         # ours: e5m2 out
+    torch.ops.mps_ext._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)  # ours: no rule for _scaled_mm (v1)
+    assert mps_ext.stats()["scaled_mm"] == {
+        "ran": 5, "fallbacks": {"policy: torch 2.15's _scaled_mm_v2 runs tensor-wise and row-wise float8_e4m3fn "
+                                "products on MPS": 2}, "unavailable": {}}
+
+
+def dequantized(layer):
+    """The float64 weight an FP8Linear stands for (weight * its scale group)."""
+    w = layer.weight.double()
+    s = layer.weight_scale.double()
+    if layer.granularity == "block":
+        s = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+    return w * s
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_fp8_linear_without_its_kernels(granularity):
+    """Turned off, or its Metal library failing to build: fp8_linear gives
+    the same product through torch's ops (torch has no kernel to fall back
+    to), and says why in stats()."""
+    layer = mps_ext.FP8Linear.from_linear(nn.Linear(300, 130).bfloat16(), granularity)
+    x = torch.randn(3, 2, 300, generator=g).bfloat16()
+    want = (x.double() @ dequantized(layer).t() + layer.bias.double()).to(torch.bfloat16)
+    mps_ext.reset_stats()
+    ours = layer(x)
+    with mps_ext.disabled("scaled_mm"):
+        off = layer(x)
+    mps_ext._C._simulate_executor_failure("fp8_mm", "", "library", 0)
+    try:
+        failed = layer(x)
+        assert mps_ext.stats()["scaled_mm"]["unavailable"] == {"CPU": "fp8_mm.metal failed to compile (simulated)"}
+    finally:
+        mps_ext._C._simulate_executor_failure("", "", "none", 0)
+        mps_ext._C._clear_unavailable("scaled_mm")
+    for got in (ours, off, failed):
+        assert got.shape == (3, 2, 130)
+        torch.testing.assert_close(got.double(), want.double(), rtol=2e-2, atol=2e-2)
+    assert mps_ext.stats()["scaled_mm"]["fallbacks"] == {"turned off": 1, "kernels unavailable on this device": 1}
+
+
+class Tiny(nn.Module):
+    def __init__(self, d=256, vocab=300):
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d, bias=False)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x):
+        return self.lm_head(self.down(torch.relu(self.up(x))))
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_quantize_fp8(granularity):
+    torch.manual_seed(0)
+    ref = Tiny().bfloat16()
+    model = Tiny().bfloat16()
+    model.load_state_dict(ref.state_dict())
+    mps_ext.quantize_fp8(model, granularity=granularity)
+    assert isinstance(model.up, mps_ext.FP8Linear) and isinstance(model.down, mps_ext.FP8Linear)
+    assert isinstance(model.lm_head, nn.Linear)  # the LM head is kept by default
+    assert f"granularity={granularity}" in repr(model) and "float8_e4m3fn" in repr(model)
+    fp8_bytes = sum(b.nbytes for n, b in model.named_buffers() if "lm_head" not in n)
+    bf16_bytes = ref.up.weight.nbytes + ref.down.weight.nbytes
+    assert fp8_bytes <= 0.51 * bf16_bytes
+    x = torch.randn(5, 256).bfloat16()
+    mps_ext.reset_stats()
+    y, want = model(x), ref(x)
+    assert mps_ext.stats()["scaled_mm"]["ran"] == 2
+    # e4m3 keeps 3 mantissa bits: each weight is off by at most 2^-4 of its
+    # group's scale; through two layers the output moves by a few percent.
+    rel = (y.float() - want.float()).norm() / want.float().norm()
+    assert rel < 0.06, rel
+    # The kernels compute what the stored fp8 weights say (no more error than bf16 rounding).
+    exact = nn.functional.linear(torch.relu(nn.functional.linear(x.float(), dequantized(model.up).float(),
+                                                                 model.up.bias.float())).bfloat16().float(),
+                                 dequantized(model.down).float())
+    torch.testing.assert_close(model.down(torch.relu(model.up(x))).float(), exact, rtol=2e-2, atol=2e-2)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    again = mps_ext.quantize_fp8(Tiny().bfloat16(), granularity=granularity)
+    again.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))
+    assert torch.equal(again(x), y)
+
+
+def test_quantize_fp8_filter_and_errors():
+    model = mps_ext.quantize_fp8(Tiny(), filter=lambda name, m: name == "up")
+    assert isinstance(model.up, mps_ext.FP8Linear) and isinstance(model.down, nn.Linear)
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        mps_ext.quantize_fp8(Tiny(), granularity="channel")
+    with pytest.raises(RuntimeError, match="input must be float32, float16 or bfloat16"):
+        model.up(torch.ones(2, 256, dtype=torch.float64))
