@@ -52,22 +52,30 @@ def check_rows(got, exp, offs, dtype, k):
 
 
 # ------------------------------------------------------------- layouts --
+TYPE_NAMES = dict(zip(DTYPES, ["f32", "f16", "bf16"]))
+
+
+def run_2d_3d(run, counts, extra_rows, k, n, dtype, layout):
+    """The MoE forward, rows of `a` sorted by expert (plus rows past
+    offs[-1]), checked against torch's CPU kernel; the dispatches."""
+    a = randn(sum(counts) + extra_rows, k, dtype=dtype)
+    b = experts(len(counts), n, k, dtype, layout)
+    offs = offsets(counts)
+    with cpu_metal.record() as rec:
+        got = run("_grouped_mm", a, b, offs, family="grouped_mm")
+    check_rows(got, torch._grouped_mm(a, b, offs=offs), offs, dtype, k)
+    return rec.dispatches
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize("counts", [[3, 0, 2, 1], [0, 0, 5, 0], [1, 1, 1, 1, 1, 1, 1, 1], [0, 2, 0, 3, 0]],
                          ids=["mixed", "one-expert", "one-row-each", "empty-at-both-ends"])
 def test_2d_3d_decode(run, device, dtype, layout, counts):
-    e, k, n = len(counts), 72, 40
-    m = sum(counts) + 2  # two rows past offs[-1]
-    a = randn(m, k, dtype=dtype)
-    b = experts(e, n, k, dtype, layout)
-    offs = offsets(counts)
-    with cpu_metal.record() as rec:
-        got = run("_grouped_mm", a, b, offs, family="grouped_mm")
-    check_rows(got, torch._grouped_mm(a, b, offs=offs), offs, dtype, k)
+    dispatches = run_2d_3d(run, counts, 2, 72, 40, dtype, layout)  # two rows past offs[-1]
     if device == "executor":
-        (d,) = rec.dispatches
-        assert d.kernel == f"gmm_decode_{'rows' if layout == 'nk' else 'cols'}_{dict(zip(DTYPES, ['f32', 'f16', 'bf16']))[dtype]}_vec"
+        (d,) = dispatches
+        assert d.kernel == f"gmm_decode_{'rows' if layout == 'nk' else 'cols'}_{TYPE_NAMES[dtype]}_vec"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -75,17 +83,9 @@ def test_2d_3d_decode(run, device, dtype, layout, counts):
 def test_2d_3d_prefill_tiles(run, device, dtype, layout):
     # Groups that start and end inside 32-row tiles, empty ones, one longer
     # than a tile, and rows past offs[-1].
-    counts = [0, 37, 5, 0, 70, 1, 0]
-    e, k, n = len(counts), 40, 72
-    m = sum(counts) + 9
-    a = randn(m, k, dtype=dtype)
-    b = experts(e, n, k, dtype, layout)
-    offs = offsets(counts)
-    with cpu_metal.record() as rec:
-        got = run("_grouped_mm", a, b, offs, family="grouped_mm")
-    check_rows(got, torch._grouped_mm(a, b, offs=offs), offs, dtype, k)
+    dispatches = run_2d_3d(run, [0, 37, 5, 0, 70, 1, 0], 9, 40, 72, dtype, layout)
     if device == "executor":
-        assert [d.kernel for d in rec.dispatches] == [f"gmm_tiled_{dict(zip(DTYPES, ['f32', 'f16', 'bf16']))[dtype]}"]
+        assert [d.kernel for d in dispatches] == [f"gmm_tiled_{TYPE_NAMES[dtype]}"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -172,7 +172,7 @@ def test_unaligned_operands_take_element_loads(run, device, dtype, layout):
     check_rows(got, torch._grouped_mm(a, b, offs=offs), offs, dtype, k)
     if device == "executor":
         kind = "rows" if layout == "nk" else "cols"
-        assert rec.dispatches[0].kernel == f"gmm_decode_{kind}_{dict(zip(DTYPES, ['f32', 'f16', 'bf16']))[dtype]}_scalar"
+        assert rec.dispatches[0].kernel == f"gmm_decode_{kind}_{TYPE_NAMES[dtype]}_scalar"
 
 
 def test_strided_views_of_offs_and_operands(run):

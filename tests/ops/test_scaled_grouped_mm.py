@@ -49,13 +49,18 @@ def experts_fp8(e, n, k):
     return w8.transpose(-2, -1), sw
 
 
+def moe_forward_operands(counts, k=96, n=40):
+    """fp8 rows sorted by expert (three past offs[-1]) and experts, with their
+    row-wise scales, and offs."""
+    a8, sa = quantize_rows(randn(sum(counts) + 3, k), 1)
+    b8, sb = experts_fp8(len(counts), n, k)
+    return a8, sa, b8, sb, torch.tensor(counts, dtype=torch.int32).cumsum(0).int()
+
+
 @pytest.mark.parametrize("counts", [[1, 0, 2, 0, 3, 0], [0, 30, 5, 0, 40, 1]], ids=["decode", "tiles"])
 def test_2d_3d(run, device, counts):
-    e, k, n = len(counts), 96, 40
-    m = sum(counts) + 3
-    a8, sa = quantize_rows(randn(m, k), 1)
-    b8, sb = experts_fp8(e, n, k)
-    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).int()
+    a8, sa, b8, sb, offs = moe_forward_operands(counts)
+    m, k = a8.shape
     with cpu_metal.record() as rec:
         got = run("_scaled_grouped_mm", a8, b8, sa, sb, offs, family="grouped_mm")
     check(got, ref_rows(a8, sa, b8, sb, offs), k, rows=sum(counts))
@@ -201,11 +206,8 @@ ROW_WISE = 1
 
 @pytest.mark.parametrize("counts", [[1, 0, 2, 0, 3, 0], [0, 30, 5, 0, 40, 1]], ids=["decode", "tiles"])
 def test_v2_row_wise_is_the_v1_product(run, device, counts):
-    e, k, n = len(counts), 96, 40
-    m = sum(counts) + 3
-    a8, sa = quantize_rows(randn(m, k), 1)
-    b8, sb = experts_fp8(e, n, k)
-    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).int()
+    a8, sa, b8, sb, offs = moe_forward_operands(counts)
+    k = a8.shape[1]
     got = run("_scaled_grouped_mm_v2", a8, b8, [sa], [ROW_WISE], [], [sb], [ROW_WISE], [], offs, family="grouped_mm")
     check(got, ref_rows(a8, sa, b8, sb, offs), k, rows=sum(counts))
     v1 = run("_scaled_grouped_mm", a8, b8, sa, sb, offs, family="grouped_mm")
