@@ -88,21 +88,24 @@ DENSE_DISPATCHES_PER_LAYER = 6
 HEAD_DISPATCHES = 2
 
 
-def dense_bytes(model: Model, weight_bytes: float) -> float:
+def dense_bytes(model: Model, weight_bytes: float, head_bytes: float | None = None) -> float:
     """Weights read once per decode step outside the MoE layers' routed and
-    shared experts: mixers, dense FFN layers, LM head; bf16 router (measured
-    with the layer). fp8 models: every linear weight fp8."""
-    return (model.mixer_params + model.dense_ffn_params + model.vocab * model.hidden) * weight_bytes
+    shared experts: mixers, dense FFN layers, LM head (`head_bytes` per
+    weight, default `weight_bytes`); bf16 router (measured with the layer).
+    fp8 models: every linear weight fp8, unless the head is kept bf16 (what
+    mps_ext.quantize_fp8 does by default)."""
+    head = model.vocab * model.hidden * (weight_bytes if head_bytes is None else head_bytes)
+    return (model.mixer_params + model.dense_ffn_params) * weight_bytes + head
 
 
 def project(model: Model, layer_bytes: int, layer_dispatches: int, tokens: int, weight_bytes: float,
-            bandwidth: float, dense_dispatches: bool) -> float:
+            bandwidth: float, dense_dispatches: bool, head_bytes: float | None = None) -> float:
     """Tokens/s of a decode step of `tokens` tokens: the MoE layers' measured
     bytes plus the dense weights, over the bandwidth, plus 4 us per dispatch.
     Assumes weights stream at the full bandwidth (no cache reuse across
     steps), ignores the KV cache and activations outside the MoE layers
     (short contexts) and the time kernels overlap."""
-    seconds = (model.moe_layers * layer_bytes + dense_bytes(model, weight_bytes)) / bandwidth
+    seconds = (model.moe_layers * layer_bytes + dense_bytes(model, weight_bytes, head_bytes)) / bandwidth
     dispatches = model.moe_layers * layer_dispatches
     if dense_dispatches:
         dispatches += model.layers * DENSE_DISPATCHES_PER_LAYER + HEAD_DISPATCHES
@@ -206,6 +209,8 @@ def main():
                 for chip, bw in CHIPS.items():
                     row[chip] = f"{project(model, r['dram'], r['dispatches'], tokens, wb, bw, True):.0f}"
                 row["M3U moe-only"] = f"{project(model, r['dram'], r['dispatches'], tokens, wb, CHIPS['M3 Ultra'], False):.0f}"
+                row["M3U bf16 head"] = (f"{project(model, r['dram'], r['dispatches'], tokens, wb, CHIPS['M3 Ultra'], True, 2):.0f}"
+                                        if fp8 else "-")
                 row["torch 2.15"] = str(TORCH_215.get(model.name, "-")) if tokens == 1 and not fp8 else "-"
                 row["mac stock/ours us"] = "-"
                 if mps_ext.is_available() and not fp8:
@@ -218,7 +223,8 @@ def main():
                        ("disp", "dispatches"), ("wread", "weight read/chosen"), ("dev", "device bytes/min"),
                        ("dram", "DRAM model/min"), ("tgs", "gate/up threadgroups"), ("layer MB", "layer MB"),
                        ("M3 Ultra", "tok/s M3 Ultra"), ("M4 Max", "tok/s M4 Max"),
-                       ("M3U moe-only", "tok/s M3U (MoE dispatches only)"), ("torch 2.15", "torch 2.15 M3U"),
+                       ("M3U moe-only", "tok/s M3U (MoE dispatches only)"),
+                       ("M3U bf16 head", "tok/s M3U (LM head bf16)"), ("torch 2.15", "torch 2.15 M3U"),
                        ("mac stock/ours us", "Mac layer stock/ours us")]))
     print()
     for m in models:
@@ -236,8 +242,10 @@ tok/s: (MoE layers x layer bytes + dense weights) / bandwidth + 4 us x dispatche
   `tokens` tokens (tokens/s = tokens / step time). Dispatches: the layer's, measured, x MoE layers, plus
   {DENSE_DISPATCHES_PER_LAYER} per layer and {HEAD_DISPATCHES} for the head outside MoE blocks (assumed); the
   'MoE dispatches only' column leaves the assumed ones out. fp8: every linear weight fp8 (experts, mixers, LM
-  head), the router bf16. Weights stream at the full bandwidth, KV cache and other activations are ignored,
-  kernels do not overlap. Dense weights per model are printed above; those not in anchors.md are assumptions.
+  head: quantize_fp8(model, filter=...) choosing the head too), the router bf16; the 'LM head bf16' column keeps
+  the head in bf16, as quantize_fp8 does by default. Weights stream at the full bandwidth, KV cache and other
+  activations are ignored, kernels do not overlap. Dense weights per model are printed above; those not in
+  anchors.md are assumptions.
 torch 2.15 M3U: anchors.md, measured end to end with torch.compile (not a projection).
 executor run time: {time.perf_counter() - started:.0f} s""")
 
