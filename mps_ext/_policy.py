@@ -264,7 +264,8 @@ NATIVE: dict[str, list[Native]] = {
     # single row (or column); mps_ext keeps 2 to 8 rows there (speculative
     # decoding, beam search, small batches), and F.linear's single row, which
     # torch's aten::linear does not send to that GEMV.
-    "linear": [Native((2, 14), ("aten::mm", "aten::addmm"), "torch 2.14 has its own one-row GEMV for mm and addmm",
+    "linear": [Native((2, 14), ("aten::mm", "aten::addmm", "aten::mm.out", "aten::addmm.out"),
+                      "torch 2.14 has its own one-row GEMV for mm and addmm",
                       HISTORY["linear"][1][2], calls="one row")],
     # torch 2.15 handles float8_e4m3fn tensors on MPS (not float8_e5m2), and
     # tensor-wise and row-wise float8_e4m3fn _scaled_mm_v2 products with the

@@ -86,13 +86,14 @@ def test_a_model_compiled_with_aot_eager_reaches_every_override():
 
 def test_what_inductor_calls():
     """Inductor decomposes softmax and constant padding into kernels of its
-    own, and calls matmuls as extern kernels with out= (aten::addmm.out,
-    aten::mm.out): none of these reach the overrides of the functional aten
-    ops, on the CPU here as on MPS (the lowering of mm and addmm to extern
-    kernels does not depend on the device). The linear-algebra ops have no
-    lowering: inductor calls the functional aten op as a fallback, which
-    reaches the override; _grouped_mm is an extern kernel without out=
-    (extern_kernels._grouped_mm, torch._grouped_mm), which reaches it too."""
+    own (they do not reach the overrides), and calls matmuls as extern
+    kernels with out= (aten::addmm.out, aten::mm.out), which mps_ext
+    overrides too: on the CPU here as on MPS (the lowering of mm and addmm
+    to extern kernels does not depend on the device). The linear-algebra
+    ops have no lowering: inductor calls the functional aten op as a
+    fallback, which reaches the override; _grouped_mm is an extern kernel
+    without out= (extern_kernels._grouped_mm, torch._grouped_mm), which
+    reaches it too."""
     code = COMPILED_MODEL.replace("BACKEND", "'inductor'") + """
 from torch._inductor.utils import run_and_get_code
 torch._dynamo.reset()
@@ -105,7 +106,7 @@ print(sorted({line.split("=")[1].strip().split("(")[0] for line in source.splitl
 """
     r = python(code)
     ran, extern, fallbacks, functional_extern = r.stdout.strip().splitlines()
-    assert ran == "{'grouped_mm': 1, 'linalg': 1, 'linear': 0, 'pad': 0, 'softmax': 0}"
+    assert ran == "{'grouped_mm': 1, 'linalg': 1, 'linear': 2, 'pad': 0, 'softmax': 0}"
     assert extern == "['extern_kernels.addmm', 'extern_kernels.mm']"
     assert fallbacks == "['torch.ops.aten._linalg_solve_ex.default']"
     assert functional_extern == "['extern_kernels._grouped_mm']"

@@ -38,7 +38,7 @@ def test_what_each_release_leaves_to_torch():
     for version in ["2.14.1", "2.15.0", "2.16.0+cpu"]:
         # torch's one-row GEMV for mm and addmm; aten::linear does not use it
         left = _policy.left_to_torch("linear", version)
-        assert set(left) == {"aten::mm", "aten::addmm"}
+        assert set(left) == {"aten::mm", "aten::addmm", "aten::mm.out", "aten::addmm.out"}
         assert left["aten::mm"].scope() == "one row"
         assert _policy.steps_aside("linear", ops["linear"], version) is None
     assert _policy.left_to_torch("softmax", "2.14.1") == {}
@@ -99,10 +99,13 @@ def test_one_row_mm_goes_to_torch_gemv_but_linear_keeps_it(cpu_policy):
     torch.ops.mps_ext.mm(x, w.t())
     torch.ops.mps_ext.addmm(b, x, w.t())
     torch.ops.mps_ext.mm(w, x.t())  # one column: the same GEMV in torch
+    torch.ops.mps_ext.mm(x, w.t(), out=torch.empty(1, 32))  # the out= forms (torch.compile's inductor)
+    torch.ops.mps_ext.addmm(b, x, w.t(), out=torch.empty(1, 32))
     torch.ops.mps_ext.linear(x, w, b)
     torch.ops.mps_ext.mm(torch.randn(2, 64), w.t())
+    torch.ops.mps_ext.mm(torch.randn(2, 64), w.t(), out=torch.empty(2, 32))
     s = mps_ext.stats()["linear"]
-    assert s["fallbacks"] == {"policy: torch 2.14 has its own one-row GEMV for mm and addmm": 3} and s["ran"] == 2
+    assert s["fallbacks"] == {"policy: torch 2.14 has its own one-row GEMV for mm and addmm": 5} and s["ran"] == 3
 
 
 def test_a_rule_can_keep_some_dtypes_and_some_argument_values(cpu_policy):

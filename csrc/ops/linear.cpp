@@ -2,6 +2,7 @@
 // 8 activation rows (or, for mm, 1 to 8 columns of the other operand), as
 // matrix-vector products. Kernels: kernels_metal/gemv.metal.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <algorithm>
 
@@ -179,8 +180,8 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::
 // mat1 [M, K] @ mat2 [K, N]: the activation is mat1 when M <= 8 (mat2 is the
 // weight, seen as [N, K]); else mat2's N <= 8 columns, with mat1 the weight
 // and the output written transposed.
-std::string mm_unsupported(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor* self,
-                           c10::DispatchKey key) {
+std::string mm_unsupported(const std::string& op, const at::Tensor& mat1, const at::Tensor& mat2,
+                           const at::Tensor* self, c10::DispatchKey key) {
   std::string why = dtypes_unsupported({&mat1, &mat2, self ? self : &mat1});
   if (!why.empty()) return why;
   if (mat1.dim() != 2 || mat2.dim() != 2 || mat1.size(1) != mat2.size(0)) return "shapes torch rejects";  // its error follows
@@ -188,7 +189,7 @@ std::string mm_unsupported(const at::Tensor& mat1, const at::Tensor& mat2, const
   const int64_t rows = std::min(mat1.size(0), mat2.size(1));
   // The policy from torch 2.14 on MPS: one row to torch's own GEMV.
   if (rows == 1)
-    if (auto rule = family("linear").left_to_torch(self ? "aten::addmm" : "aten::mm", key)) return rule->why;
+    if (auto rule = family("linear").left_to_torch(op, key)) return rule->why;
   return rows_unsupported(rows);
 }
 
@@ -213,20 +214,30 @@ static Problem mm_problem(const at::Tensor& mat1, const at::Tensor& mat2, const 
   return pr;
 }
 
-at::Tensor mm(const at::Tensor& mat1, const at::Tensor& mat2) {
-  at::Tensor y = at::empty({mat1.size(0), mat2.size(1)}, mat1.options());
-  if (y.numel() == 0) return y;
-  run(mm_problem(mat1, mat2, y));  // K == 0 writes zeros
-  return y;
+std::string out_unsupported(const at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2,
+                            const at::Tensor* self) {
+  if (out.scalar_type() != mat1.scalar_type()) return "an out tensor of another dtype";
+  if (out.dim() != 2 || out.size(0) != mat1.size(0) || out.size(1) != mat2.size(1))
+    return "an out tensor that needs resizing";
+  if (!out.is_contiguous()) return "a non-contiguous out tensor";
+  // The kernels read the inputs while other threadgroups write the output.
+  for (const at::Tensor* t : {&mat1, &mat2, self})
+    if (t && t->defined() && at::get_overlap_status(out, *t) != at::MemOverlapStatus::No)
+      return "an out tensor that overlaps an input";
+  return "";
 }
 
-at::Tensor addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2, const c10::Scalar& beta,
-                 const c10::Scalar& alpha) {
+// mat1 @ mat2 written into y ([M, N], contiguous); K == 0 writes zeros.
+static void mm_into(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& y) {
+  if (y.numel() != 0) run(mm_problem(mat1, mat2, y));
+}
+
+static void addmm_into(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
+                       const c10::Scalar& beta, const c10::Scalar& alpha, const at::Tensor& y) {
   const int64_t M = mat1.size(0), N = mat2.size(1);
   TORCH_CHECK(self.dim() <= 2, "addmm: self must be a matrix or broadcastable to one, got ", self.dim(), " dims");
   at::Tensor b = self.expand({M, N});  // torch's error if it does not broadcast
-  at::Tensor y = at::empty({M, N}, mat1.options());
-  if (y.numel() == 0) return y;
+  if (y.numel() == 0) return;
   Problem pr = mm_problem(mat1, mat2, y);
   const int64_t k = mat1.size(1);
   pr.alpha = to_float(alpha, k);
@@ -237,9 +248,31 @@ at::Tensor addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tenso
     pr.beta = beta_f;
   }
   run(pr);
+}
+
+at::Tensor mm(const at::Tensor& mat1, const at::Tensor& mat2) {
+  at::Tensor y = at::empty({mat1.size(0), mat2.size(1)}, mat1.options());
+  mm_into(mat1, mat2, y);
   return y;
 }
 
+at::Tensor& mm_out(const at::Tensor& mat1, const at::Tensor& mat2, at::Tensor& out) {
+  mm_into(mat1, mat2, out);
+  return out;
+}
+
+at::Tensor addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2, const c10::Scalar& beta,
+                 const c10::Scalar& alpha) {
+  at::Tensor y = at::empty({mat1.size(0), mat2.size(1)}, mat1.options());
+  addmm_into(self, mat1, mat2, beta, alpha, y);
+  return y;
+}
+
+at::Tensor& addmm_out(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
+                      const c10::Scalar& beta, const c10::Scalar& alpha, at::Tensor& out) {
+  addmm_into(self, mat1, mat2, beta, alpha, out);
+  return out;
+}
 
 // -------------------------------------------------------- registration --
 namespace {
@@ -254,15 +287,39 @@ at::Tensor linear_impl(const at::Tensor& input, const at::Tensor& weight, const 
 
 template <DispatchKey K>
 at::Tensor mm_impl(const at::Tensor& self, const at::Tensor& mat2) {
-  return route(family("linear"), "aten::mm", K, mm_unsupported(self, mat2, nullptr, K),
+  return route(family("linear"), "aten::mm", K, mm_unsupported("aten::mm", self, mat2, nullptr, K),
                [&] { return mps_ext::mm(self, mat2); }, self, mat2);
 }
 
 template <DispatchKey K>
 at::Tensor addmm_impl(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
                       const c10::Scalar& beta, const c10::Scalar& alpha) {
-  return route(family("linear"), "aten::addmm", K, mm_unsupported(mat1, mat2, &self, K),
+  return route(family("linear"), "aten::addmm", K, mm_unsupported("aten::addmm", mat1, mat2, &self, K),
                [&] { return mps_ext::addmm(self, mat1, mat2, beta, alpha); }, self, mat1, mat2, beta, alpha);
+}
+
+// The out= forms are what torch.compile's inductor calls for matmuls
+// (extern_kernels.mm / addmm with out=). The result is written into `out`
+// when it already has the product's shape and dtype, is contiguous and
+// overlaps no input (inductor allocates it so); anything else, and every
+// error, is the stock kernel's.
+template <DispatchKey K>
+at::Tensor& mm_out_impl(const at::Tensor& self, const at::Tensor& mat2, at::Tensor& out) {
+  std::string why = mm_unsupported("aten::mm.out", self, mat2, nullptr, K);
+  if (why.empty()) why = out_unsupported(out, self, mat2, nullptr);
+  route(family("linear"), "aten::mm.out", K, why, [&] { return mps_ext::mm_out(self, mat2, out); }, self, mat2,
+        out);
+  return out;
+}
+
+template <DispatchKey K>
+at::Tensor& addmm_out_impl(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
+                           const c10::Scalar& beta, const c10::Scalar& alpha, at::Tensor& out) {
+  std::string why = mm_unsupported("aten::addmm.out", mat1, mat2, &self, K);
+  if (why.empty()) why = out_unsupported(out, mat1, mat2, &self);
+  route(family("linear"), "aten::addmm.out", K, why,
+        [&] { return mps_ext::addmm_out(self, mat1, mat2, beta, alpha, out); }, self, mat1, mat2, beta, alpha, out);
+  return out;
 }
 
 template <DispatchKey K>
@@ -270,9 +327,12 @@ void register_linear(torch::Library& m) {
   m.impl("linear", TORCH_FN(linear_impl<K>));
   m.impl("mm", TORCH_FN(mm_impl<K>));
   m.impl("addmm", TORCH_FN(addmm_impl<K>));
+  m.impl("mm.out", TORCH_FN(mm_out_impl<K>));
+  m.impl("addmm.out", TORCH_FN(addmm_out_impl<K>));
 }
 
 }  // namespace
 }  // namespace mps_ext
 
-MPS_EXT_FAMILY("linear", mps_ext::register_linear, "aten::linear", "aten::mm", "aten::addmm")
+MPS_EXT_FAMILY("linear", mps_ext::register_linear, "aten::linear", "aten::mm", "aten::addmm", "aten::mm.out",
+               "aten::addmm.out")

@@ -25,19 +25,27 @@ at::Tensor softmax_backward(const at::Tensor& grad, const at::Tensor& output, in
 std::string pad_unsupported(const at::Tensor& self, c10::IntArrayRef pad);
 at::Tensor constant_pad(const at::Tensor& self, c10::IntArrayRef pad, const c10::Scalar& value);
 
-// linear.cpp: aten::linear, aten::mm, aten::addmm with 1 to 8 activation rows.
+// linear.cpp: aten::linear, aten::mm, aten::addmm (and their out= forms)
+// with 1 to 8 activation rows.
 std::string linear_unsupported(const at::Tensor& input, const at::Tensor& weight,
                                const c10::optional<at::Tensor>& bias);
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
-// `self`: addmm's bias (nullptr for mm); `key`: the dispatch key called (a
+// `op`: the aten op called ("aten::mm.out"); `self`: addmm's bias (nullptr
+// for mm); `key`: the dispatch key called (a
 // policy rule may leave one-row products on it to torch's own GEMV:
 // mps_ext/_policy.py; F.linear keeps one row, torch's aten::linear does not
 // use that GEMV).
-std::string mm_unsupported(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor* self,
-                           c10::DispatchKey key);
+std::string mm_unsupported(const std::string& op, const at::Tensor& mat1, const at::Tensor& mat2,
+                           const at::Tensor* self, c10::DispatchKey key);
+// Why the out= forms do not write into `out` ("" if they do).
+std::string out_unsupported(const at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2,
+                            const at::Tensor* self);
 at::Tensor mm(const at::Tensor& mat1, const at::Tensor& mat2);
 at::Tensor addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2, const c10::Scalar& beta,
                  const c10::Scalar& alpha);
+at::Tensor& mm_out(const at::Tensor& mat1, const at::Tensor& mat2, at::Tensor& out);
+at::Tensor& addmm_out(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
+                      const c10::Scalar& beta, const c10::Scalar& alpha, at::Tensor& out);
 
 // grouped_mm.cpp: _grouped_mm and _scaled_grouped_mm (mixture-of-experts layers).
 std::string grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b);

@@ -207,6 +207,45 @@ def test_outside_the_fast_path_goes_to_the_stock_kernel(case):
     assert s["ran"] == 0 and sum(s["fallbacks"].values()) == 1
 
 
+@pytest.mark.parametrize("m,n", [(1, 40), (8, 40), (50, 3)])
+def test_out_forms_write_into_out(run, device, m, n):
+    # What torch.compile's inductor calls for a matmul: mm/addmm with out=.
+    k = 64
+    a, b, bias = randn(m, k), randn(k, n), randn(n)
+    out = torch.full((m, n), math.nan)
+    got = run("mm", a, b, out=out, family="linear")
+    torch.testing.assert_close(got, (a.double() @ b.double()).float(), **tol(torch.float32, k))
+    if device == "executor":
+        assert got is out
+    out = torch.full((m, n), math.nan)
+    got = run("addmm", bias, a, b, beta=0.5, alpha=2.0, out=out, family="linear")
+    want = (0.5 * bias.double() + 2.0 * (a.double() @ b.double())).float()
+    torch.testing.assert_close(got, want, **tol(torch.float32, k))
+
+
+@pytest.mark.parametrize("case", ["needs resizing", "non-contiguous", "another dtype", "overlaps an input"])
+def test_out_forms_leave_other_outs_to_the_stock_kernel(case):
+    a, b = randn(3, 16), randn(16, 8)
+    out = {"needs resizing": torch.empty(0), "non-contiguous": torch.empty(8, 3).t(),
+           "another dtype": torch.empty(3, 8, dtype=torch.float64), "overlaps an input": None}[case]
+    want_a, want_out = a.clone(), out.clone() if out is not None else None
+    if out is None:  # the product written over the start of its own left operand, as aten does it
+        out, want_out = a.view(-1)[:24].view(3, 8), want_a.view(-1)[:24].view(3, 8)
+    mps_ext.reset_stats()
+    try:
+        want = torch.mm(want_a, b, out=want_out)
+    except RuntimeError as e:
+        with pytest.raises(RuntimeError, match=str(e)[:30]):
+            torch.ops.mps_ext.mm(a, b, out=out)
+    else:
+        got = torch.ops.mps_ext.mm(a, b, out=out)
+        assert got is out and torch.equal(got, want) and got.stride() == want.stride()
+    s = mps_ext.stats()["linear"]
+    assert s["ran"] == 0 and list(s["fallbacks"]) == [f"an out tensor that {case}" if case in (
+        "needs resizing", "overlaps an input") else f"a {case} out tensor" if case == "non-contiguous"
+        else "an out tensor of another dtype"]
+
+
 def test_shape_errors_are_torchs(run):
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
         torch.ops.mps_ext.mm(randn(2, 3), randn(4, 5))

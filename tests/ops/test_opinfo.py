@@ -57,6 +57,10 @@ def _with_kwargs(s):
     return (s.input, *s.args), dict(s.kwargs)
 
 
+def _product_out(mat1, mat2):
+    return torch.empty(mat1.shape[0], mat2.shape[-1], dtype=mat1.dtype)
+
+
 def _scaled_mm_v2(s):
     # The OpInfo passes torch's ScalingType / SwizzleType enums; the aten op takes ints.
     def ints(a):
@@ -71,6 +75,9 @@ CASES = {
     "aten::linear": ("nn.functional.linear", "", _linear),
     "aten::mm": ("mm", "", _positional),
     "aten::addmm": ("addmm", "", _with_kwargs),
+    # The out= forms, with an out tensor of the product's shape (what inductor passes).
+    "aten::mm.out": ("mm", "", lambda s: ((s.input, s.args[0]), {"out": _product_out(s.input, s.args[0])})),
+    "aten::addmm.out": ("addmm", "", lambda s: ((s.input, *s.args), {**s.kwargs, "out": _product_out(*s.args)})),
     "aten::_softmax": ("softmax", "", _softmax),
     "aten::_log_softmax": ("log_softmax", "", _softmax),
     "aten::_softmax_backward_data": ("_softmax_backward_data", "", _positional),

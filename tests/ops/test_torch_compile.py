@@ -59,6 +59,16 @@ def fp8_in_place(x, dst8, idx):
     return out.index_select(1, idx)
 
 
+def mm_out_forms(x, w, b):
+    # The out= forms, traced by dynamo alone and run eagerly, as fp8_in_place
+    # (their out argument is an alias annotation).
+    y = torch.empty(x.shape[0], w.shape[0])
+    torch.ops.mps_ext.mm.out(x, w.t(), out=y)
+    z = torch.empty(x.shape[0], w.shape[0])
+    torch.ops.mps_ext.addmm.out(b, x, w.t(), beta=0.5, alpha=2.0, out=z)
+    return y + z
+
+
 def linalg_model(a, b):
     """Every op of the linalg family, on a batch of n x n matrices `a` and
     right-hand sides `b` (n x 2)."""
@@ -110,7 +120,8 @@ def moe_inputs(tokens=3, hidden=64, experts=8, ffn=32):
 def test_every_op_is_in_a_model():
     names = {op.split("::")[1] for fam in mps_ext.families() for op in mps_ext._C.family_aten_ops(fam)}
     names |= {"fp8_linear", "moe_route", "moe_experts", "moe_combine"}  # mps_ext's own ops
-    source = "".join(inspect.getsource(f) for f in (model, linalg_model, fp8_model, fp8_in_place, moe_model))
+    source = "".join(inspect.getsource(f) for f in (model, mm_out_forms, linalg_model, fp8_model, fp8_in_place,
+                                                     moe_model))
     assert all(f"torch.ops.mps_ext.{n}(" in source for n in names)
 
 
@@ -164,6 +175,16 @@ def test_fp8_in_place_ops_trace_with_dynamo():
     got = compiled(x, torch.empty(4, 6, dtype=torch.float8_e5m2), idx)
     assert torch.equal(got, want)
     assert mps_ext.stats()["fp8"]["ran"] == 5
+
+
+def test_mm_out_forms_trace_with_dynamo():
+    torch._dynamo.reset()
+    compiled = torch.compile(mm_out_forms, backend="eager", fullgraph=True)
+    x, w, b, _ = inputs()
+    want = mm_out_forms(x, w, b)
+    mps_ext.reset_stats()
+    torch.testing.assert_close(compiled(x, w, b), want)
+    assert ran() == {"linear": 2}
 
 
 class TwoLayers(nn.Module):
