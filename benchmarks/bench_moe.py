@@ -7,7 +7,8 @@ the gate/up threadgroups, and a projected whole-model tokens/s on an M3 Ultra
 and an M4 Max. On a Mac it also times stock torch's MoE layer (F.grouped_mm)
 against mps_ext's fused one.
 
-    python benchmarks/bench_moe.py [--tokens 1,8] [--models qwen3.6]
+    python -m benchmarks moe [--quick | --tiny]
+    python benchmarks/bench_moe.py [--quick | --tiny]   (the same)
 
 The layer, as mps_ext runs it (5 dispatches, nothing read on the host):
     logits = F.linear(x, router)                    router GEMV (mps_ext linear)
@@ -22,20 +23,27 @@ routes with torch ops.
 
 Expert banks are zeros (the counters do not depend on values, and zeros cost
 nothing to create); the router weights are random, so routing is.
+
+Besides the layers, the grouped products themselves (F.grouped_mm,
+_scaled_grouped_mm, moe_experts) at a Qwen3-30B-A3B expert's down projection
+(K = 768 -> N = 2048, 8 experts): decode (64 routed rows) in both weight
+layouts, prefill tiles (128 rows), and operands 16-byte misaligned (the
+element-load kernels), so that every grouped_mm kernel is measured; they run
+on 256 of the 2048 output columns and count for 8 times that.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-import mps_ext  # noqa: F401
-from common import mac_times, table
-from mps_ext import cpu_metal
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import Case, Prepared, run_as_script  # noqa: E402
 
 DISPATCH_SECONDS = 4e-6
 CHIPS = {"M3 Ultra": 819e9, "M4 Max": 546e9}  # bytes/s (anchors.md)
@@ -117,44 +125,74 @@ def quantize_rows_zero(shape):
     return torch.zeros(shape, dtype=torch.float8_e4m3fn), torch.ones(shape[:-1])
 
 
-def layer(model: Model, tokens: int, fp8: bool, seed: int = 0) -> dict:
+TINY = Model("tiny", 256, 2, 2, 8, 2, 1, 128, 1000, 0, 0, "a smoke test")
+
+
+def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int = 0) -> Prepared:
+    """One MoE layer of `model` for `tokens` tokens, as mps_ext runs it."""
     g = torch.Generator().manual_seed(seed)
     h, e, f = model.hidden, model.experts + model.shared, model.ffn
-    x = torch.randn(tokens, h, generator=g).bfloat16()
-    router = (torch.randn(model.experts + model.shared, h, generator=g) * h ** -0.5).bfloat16()
+    x = torch.randn(tokens, h, generator=g).to(dtype)
+    router = (torch.randn(model.experts + model.shared, h, generator=g) * h ** -0.5).to(dtype)
     if fp8:
         w_gu, s_gu = quantize_rows_zero((e, 2 * f, h))
         w_d, s_d = quantize_rows_zero((e, h, f))
     else:
-        w_gu, s_gu = torch.zeros(e, 2 * f, h, dtype=torch.bfloat16), None
-        w_d, s_d = torch.zeros(e, h, f, dtype=torch.bfloat16), None
+        w_gu, s_gu = torch.zeros(e, 2 * f, h, dtype=dtype), None
+        w_d, s_d = torch.zeros(e, h, f, dtype=dtype), None
     slots = model.top_k + model.shared
     ops = torch.ops.mps_ext
-    with cpu_metal.record() as rec:
-        logits = ops.linear(x, router, None)
+    out = {}
+
+    def run():
+        out["logits"] = logits = ops.linear(x, router, None)
         weights, offs, slot_of_row, row_of_slot = ops.moe_route(logits, model.top_k, True, bool(model.shared))
         hid = ops.moe_experts(x, w_gu, s_gu, offs, slot_of_row, slots, True)
         y = ops.moe_experts(hid, w_d, s_d, offs, None, 1, False)
-        out = ops.moe_combine(y, weights, row_of_slot)
-    if len(rec.dispatches) == 4:  # torch's own one-row GEMV took the router (torch >= 2.15): count it
-        router_read, extra_dispatch = router.nbytes, 1
-    else:
-        router_read, extra_dispatch = rec.dispatches[0].bytes_read[rec.dispatches[0].buffer("w")], 0
-    gate_up, down = rec.dispatches[-3], rec.dispatches[-2]
-    chosen = int((torch.diff(offs.long(), prepend=torch.zeros(1).long()) > 0).sum())
-    expert_bytes = (w_gu[0].nbytes + w_d[0].nbytes)
-    scale_bytes = (s_gu[0].nbytes + s_d[0].nbytes) if fp8 else 0
-    weight_read = gate_up.bytes_read[gate_up.buffer("w")] + down.bytes_read[down.buffer("w")]
-    minimum = chosen * (expert_bytes + scale_bytes) + router.nbytes
-    device = sum(d.memory_bytes_moved for d in rec.dispatches) + (router.nbytes if extra_dispatch else 0)
-    # DRAM model: weights as read; every activation-sized tensor once at its
-    # size (re-reads by many threadgroups hit the GPU's caches; they are KB).
-    small = [x, logits, weights, offs, slot_of_row, row_of_slot, hid, y, out]
-    dram = weight_read + router_read + chosen * scale_bytes + 2 * sum(t.nbytes for t in small)
-    return {"chosen": chosen, "dispatches": len(rec.dispatches) + extra_dispatch,
-            "weight_ratio": weight_read / (chosen * expert_bytes), "device_ratio": device / minimum,
-            "dram_ratio": dram / minimum, "dram": dram, "gate_up_tgs": gate_up.total_threadgroups,
-            "kernels": [d.kernel for d in rec.dispatches]}
+        out.update(weights=weights, offs=offs, slot_of_row=slot_of_row, row_of_slot=row_of_slot, hid=hid, y=y,
+                   out=ops.moe_combine(y, weights, row_of_slot))
+
+    def measures(stats):
+        """The layer's figures: from the dispatches and what the run returned."""
+        if len(stats) == 4:  # torch's own one-row GEMV took the router (torch >= 2.15): count it
+            router_read, extra_dispatch = router.nbytes, 1
+        else:
+            router_read, extra_dispatch = stats[0].bytes_read[stats[0].buffer("w")], 0
+        gate_up, down = stats[-3], stats[-2]
+        offs = out["offs"]
+        chosen = int((torch.diff(offs.long(), prepend=torch.zeros(1).long()) > 0).sum())
+        expert_bytes = w_gu[0].nbytes + w_d[0].nbytes
+        scale_bytes = (s_gu[0].nbytes + s_d[0].nbytes) if fp8 else 0
+        weight_read = gate_up.bytes_read[gate_up.buffer("w")] + down.bytes_read[down.buffer("w")]
+        # DRAM model: weights as read; every activation-sized tensor once at
+        # its size (re-reads by many threadgroups hit the GPU's caches; they are KB).
+        small = [x] + [out[k] for k in ("logits", "weights", "offs", "slot_of_row", "row_of_slot", "hid", "y", "out")]
+        dram = weight_read + router_read + chosen * scale_bytes + 2 * sum(t.nbytes for t in small)
+        return {"chosen": chosen, "dispatches": len(stats) + extra_dispatch, "extra": router.nbytes * extra_dispatch,
+                "weight_ratio": weight_read / (chosen * expert_bytes), "dram": dram,
+                "minimum": chosen * (expert_bytes + scale_bytes) + router.nbytes, "gate_up_tgs": gate_up.total_threadgroups}
+
+    def extras(stats):
+        r = measures(stats)
+        wb = 1 if fp8 else 2
+        row = {"chosen": r["chosen"], "weight read / chosen": f"{r['weight_ratio']:.3f}",
+               "DRAM model / min": f"{r['dram'] / r['minimum']:.3f}", "gate/up threadgroups": r["gate_up_tgs"],
+               "layer MB": f"{r['dram'] / 1e6:.1f}"}
+        if model is not TINY:
+            for chip, bw in CHIPS.items():
+                row[f"tok/s {chip}"] = f"{project(model, r['dram'], r['dispatches'], tokens, wb, bw, True):.0f}"
+            m3u = CHIPS["M3 Ultra"]
+            row["tok/s M3U (MoE dispatches only)"] = f"{project(model, r['dram'], r['dispatches'], tokens, wb, m3u, False):.0f}"
+            row["tok/s M3U (LM head bf16)"] = (
+                f"{project(model, r['dram'], r['dispatches'], tokens, wb, m3u, True, 2):.0f}" if fp8 else "-")
+            row["torch 2.15 M3U"] = str(TORCH_215.get(model.name, "-")) if tokens == 1 and not fp8 else "-"
+        return row
+
+    def mac():
+        return stock_layer_fn(model, tokens)
+
+    return Prepared(run, lambda stats: measures(stats)["minimum"], None if fp8 else mac, extras,
+                    dram_bytes=lambda stats: measures(stats)["dram"])
 
 
 def stock_layer_fn(model: Model, tokens: int, device: str = "mps"):
@@ -188,67 +226,109 @@ def stock_layer_fn(model: Model, tokens: int, device: str = "mps"):
     return stock, ours
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", default="1,2,4,8")
-    parser.add_argument("--models", default="", help="comma-separated name fragments (default: all)")
-    args = parser.parse_args()
-    token_counts = [int(t) for t in args.tokens.split(",")]
-    models = [m for m in MODELS if not args.models or any(s.lower() in m.name.lower() for s in args.models.split(","))]
-    started = time.perf_counter()
-    rows = []
-    for model in models:
+SAMPLE_N = 256  # output columns the grouped products run on (of N)
+
+
+def grouped(kind, dtype, rows, k, n, experts, layout, misaligned=0) -> Prepared:
+    """One grouped product of `rows` rows spread evenly over `experts`
+    experts of [N, K] (layout "nk": F.grouped_mm's W[E, N, K] transposed;
+    "kn": W[E, K, N] stored as is). kind "_grouped_mm"; "_scaled_grouped_mm"
+    (fp8 operands, row-wise scales); "moe_experts" (bf16 rows, fp8 weights).
+    It runs on SAMPLE_N of the N output columns and counts for N / SAMPLE_N
+    times that: the kernels split N evenly over threadgroups, each doing the
+    same work."""
+    g = torch.Generator().manual_seed(rows + k + n)
+    counts = [rows // experts + (1 if i < rows % experts else 0) for i in range(experts)]
+    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    act = torch.float8_e4m3fn if kind == "_scaled_grouped_mm" else dtype
+    a = torch.randn(rows * k + misaligned, generator=g).to(act)[misaligned:].view(rows, k)
+    m = SAMPLE_N
+    ops = torch.ops.mps_ext
+    if kind == "_grouped_mm":
+        shape = (experts, m, k) if layout == "nk" else (experts, k, m)
+        w = torch.randn(experts * m * k + misaligned, generator=g).to(dtype)[misaligned:].view(shape)
+        b = w.transpose(-2, -1) if layout == "nk" else w
+        run = lambda: ops._grouped_mm(a, b, offs)  # noqa: E731
+        minimum = a.nbytes + experts * n * k * a.element_size() + rows * n * a.element_size()
+    elif kind == "_scaled_grouped_mm":
+        w, sa, sb = torch.randn(experts, m, k, generator=g).to(act), torch.ones(rows), torch.ones(experts, m)
+        run = lambda: ops._scaled_grouped_mm(a, w.transpose(-2, -1), sa, sb, offs)  # noqa: E731
+        minimum = a.nbytes + experts * n * k + sa.nbytes + experts * n * 4 + rows * n * 2
+    else:
+        w, scale = quantize_rows_zero((experts, m, k))
+        run = lambda: ops.moe_experts(a, w, scale, offs, None, 1, False)  # noqa: E731
+        minimum = a.nbytes + experts * n * k + experts * n * 4 + rows * n * a.element_size()
+    return Prepared(run, minimum, scale=n / m)
+
+
+EXPERT_DOWN = (768, 2048)  # Qwen3-30B-A3B: an expert's down projection, K -> N
+
+
+def cases(size: str) -> list[Case]:
+    out = []
+
+    def add_layer(model, tokens, fp8, dtype=torch.bfloat16):
+        labels = {"case": "layer", "model": model.name, "experts": "fp8" if fp8 else str(dtype)[6:],
+                  "activation": str(dtype)[6:], "tokens / rows": str(tokens), "weight": ""}
+        id_ = f"layer {model.name} {labels['experts']} tokens={tokens}" + (
+            f" {labels['activation']}" if dtype != torch.bfloat16 else "")
+        out.append(Case("moe", id_, labels, lambda: layer(model, tokens, fp8, dtype)))
+
+    def add_grouped(kind, dtype, rows, layout, misaligned=0):
+        k, n = EXPERT_DOWN
+        labels = {"case": kind, "model": f"Qwen3-30B-A3B expert down {k}->{n}, 8 experts",
+                  "experts": "fp8" if kind != "_grouped_mm" else str(dtype)[6:],
+                  "activation": "float8_e4m3fn" if kind == "_scaled_grouped_mm" else str(dtype)[6:],
+                  "tokens / rows": str(rows), "weight": f"[E,{layout.upper()}]" + (" misaligned" if misaligned else "")}
+        id_ = f"{kind} {labels['experts']} {labels['activation']} rows={rows} {layout}" + (
+            " misaligned" if misaligned else "")
+        out.append(Case("moe", id_, labels, lambda: grouped(kind, dtype, rows, k, n, 8, layout, misaligned)))
+
+    if size == "tiny":
+        add_layer(TINY, 2, False)
+        add_layer(TINY, 2, True)
+        return out
+    for model in MODELS:
         for fp8 in (False, True):
-            for tokens in token_counts:
-                r = layer(model, tokens, fp8)
-                wb = 1 if fp8 else 2
-                row = {"model": model.name, "w": "fp8" if fp8 else "bf16", "tokens": tokens, "experts": r["chosen"],
-                       "disp": r["dispatches"], "wread": f"{r['weight_ratio']:.3f}",
-                       "dev": f"{r['device_ratio']:.2f}", "dram": f"{r['dram_ratio']:.3f}",
-                       "tgs": r["gate_up_tgs"], "layer MB": f"{r['dram'] / 1e6:.1f}"}
-                for chip, bw in CHIPS.items():
-                    row[chip] = f"{project(model, r['dram'], r['dispatches'], tokens, wb, bw, True):.0f}"
-                row["M3U moe-only"] = f"{project(model, r['dram'], r['dispatches'], tokens, wb, CHIPS['M3 Ultra'], False):.0f}"
-                row["M3U bf16 head"] = (f"{project(model, r['dram'], r['dispatches'], tokens, wb, CHIPS['M3 Ultra'], True, 2):.0f}"
-                                        if fp8 else "-")
-                row["torch 2.15"] = str(TORCH_215.get(model.name, "-")) if tokens == 1 and not fp8 else "-"
-                row["mac stock/ours us"] = "-"
-                if mps_ext.is_available() and not fp8:
-                    times = mac_times(*stock_layer_fn(model, tokens))
-                    if times:
-                        row["mac stock/ours us"] = f"{times[0] * 1e6:.0f}/{times[1] * 1e6:.0f}"
-                rows.append(row)
-                print(f"  {model.name} {row['w']} tokens={tokens}: {r['kernels']}", flush=True)
-    print(table(rows, [("model", "model"), ("w", "experts"), ("tokens", "tokens"), ("experts", "chosen"),
-                       ("disp", "dispatches"), ("wread", "weight read/chosen"), ("dev", "device bytes/min"),
-                       ("dram", "DRAM model/min"), ("tgs", "gate/up threadgroups"), ("layer MB", "layer MB"),
-                       ("M3 Ultra", "tok/s M3 Ultra"), ("M4 Max", "tok/s M4 Max"),
-                       ("M3U moe-only", "tok/s M3U (MoE dispatches only)"),
-                       ("M3U bf16 head", "tok/s M3U (LM head bf16)"), ("torch 2.15", "torch 2.15 M3U"),
-                       ("mac stock/ours us", "Mac layer stock/ours us")]))
-    print()
-    for m in models:
-        print(f"{m.name}: {m.layers} layers, {m.moe_layers} MoE; dense weights {dense_bytes(m, 2) / 1e9:.2f} GB bf16 / "
-              f"{dense_bytes(m, 1) / 1e9:.2f} GB fp8 per step ({m.note}).")
-    print(f"""
-weight read/chosen: expert weight bytes the two expert kernels read over (distinct chosen experts x one expert's
-  gate/up + down bytes); the routed and shared experts only, never an idle one.
-device bytes/min: every byte any dispatch of the layer read or wrote (executor counters) over the minimum, the
-  chosen experts' weights (and fp8 row scales) and the router once. Activation rows re-read by each threadgroup
-  that uses them count every time here.
-DRAM model/min: the weights as read, plus every activation-sized tensor once read and once written (re-reads of
-  KB-sized activations are served by the GPU's caches). This is the layer's bytes in the projection.
-tok/s: (MoE layers x layer bytes + dense weights) / bandwidth + 4 us x dispatches, for one decode step of
-  `tokens` tokens (tokens/s = tokens / step time). Dispatches: the layer's, measured, x MoE layers, plus
-  {DENSE_DISPATCHES_PER_LAYER} per layer and {HEAD_DISPATCHES} for the head outside MoE blocks (assumed); the
-  'MoE dispatches only' column leaves the assumed ones out. fp8: every linear weight fp8 (experts, mixers, LM
-  head: quantize_fp8(model, filter=...) choosing the head too), the router bf16; the 'LM head bf16' column keeps
-  the head in bf16, as quantize_fp8 does by default. Weights stream at the full bandwidth, KV cache and other
-  activations are ignored, kernels do not overlap. Dense weights per model are printed above; those not in
-  anchors.md are assumptions.
-torch 2.15 M3U: anchors.md, measured end to end with torch.compile (not a projection).
-executor run time: {time.perf_counter() - started:.0f} s""")
+            for tokens in (1, 2, 4, 8) if size == "full" else (1, 8):
+                add_layer(model, tokens, fp8)
+    for dtype in (torch.float32, torch.float16):  # the route and combine kernels of other activation dtypes
+        add_layer(MODELS[0], 1, False, dtype)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for layout in ("nk", "kn"):
+            add_grouped("_grouped_mm", dtype, 64, layout)
+            add_grouped("_grouped_mm", dtype, 64, layout, misaligned=1)
+        add_grouped("_grouped_mm", dtype, 128, "nk")
+    add_grouped("_scaled_grouped_mm", None, 64, "nk")
+    add_grouped("_scaled_grouped_mm", None, 64, "nk", misaligned=1)
+    add_grouped("_scaled_grouped_mm", None, 128, "nk")
+    add_grouped("moe_experts", torch.bfloat16, 64, "nk", misaligned=1)
+    return out
+
+
+def notes() -> str:
+    lines = [f"{m.name}: {m.layers} layers, {m.moe_layers} MoE; dense weights {dense_bytes(m, 2) / 1e9:.2f} GB bf16 / "
+             f"{dense_bytes(m, 1) / 1e9:.2f} GB fp8 per step ({m.note})." for m in MODELS]
+    return "\n".join(lines) + f"""
+
+chosen: distinct experts the layer's tokens chose (routed and shared). weight read / chosen: expert weight bytes the two
+expert kernels read over (chosen experts x one expert's gate/up + down bytes); never an idle expert's. bytes / min (the
+layers): every byte any dispatch read or wrote over the minimum, the chosen experts' weights (and fp8 row scales) and
+the router once; activation rows re-read by each threadgroup count every time. DRAM model / min: the weights as read,
+plus every activation-sized tensor once read and once written (re-reads of KB-sized activations are served by the GPU's
+caches): the layer's bytes in us @chip and in the projection. tok/s: (MoE layers x layer bytes + dense weights) /
+bandwidth + {DISPATCH_SECONDS * 1e6:.0f} us x dispatches, for one decode step of `tokens` tokens. Dispatches: the
+layer's, measured, x MoE layers, plus {DENSE_DISPATCHES_PER_LAYER} per layer and {HEAD_DISPATCHES} for the head outside
+MoE blocks (assumed); the 'MoE dispatches only' column leaves the assumed ones out. fp8: every linear weight fp8
+(experts, mixers, LM head), the router bf16; 'LM head bf16' keeps the head in bf16, as quantize_fp8 does by default.
+Weights stream at the full bandwidth, KV cache and other activations are ignored, kernels do not overlap. The grouped
+products run on 256 of the N output columns, scaled by N / 256. torch 2.15
+M3U: anchors.md, measured end to end with torch.compile (not a projection). On a Mac the bf16 layers are timed against
+stock torch's MoE layer (F.grouped_mm)."""
+
+
+NOTES = notes()
 
 
 if __name__ == "__main__":
-    main()
+    run_as_script("moe")

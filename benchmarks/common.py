@@ -40,8 +40,9 @@ class Prepared:
 
     run: Callable[[], Any]  # calls torch.ops.mps_ext ops on CPU tensors
     # Reading every input once and writing every output once, for the whole
-    # case (all it stands for when `scale` is not 1).
-    minimum_bytes: int
+    # case (all it stands for when `scale` is not 1); or computed from the
+    # dispatches (and what the run returned, which `run` may keep).
+    minimum_bytes: int | Callable[[Stats], int]
     # On a Mac: returns (stock, ours), two callables on MPS tensors (ours may be
     # the same callable: stock runs with mps_ext disabled).
     mac: Callable[[], tuple[Callable, Callable]] | None = None
@@ -175,10 +176,11 @@ def measure(case: Case, mac: bool = True) -> Result:
     if not rec.dispatches:
         raise RuntimeError(f"{case.op} case {case.id!r} made no dispatch: it did not reach mps_ext's kernels")
     stats = rec.dispatches
+    minimum = prepared.minimum_bytes(stats) if callable(prepared.minimum_bytes) else prepared.minimum_bytes
     scale = prepared.scale(stats) if callable(prepared.scale) else prepared.scale
     dram = prepared.dram_bytes(stats) if prepared.dram_bytes else sum(d.memory_bytes_moved for d in stats) * scale
     extras = prepared.extras(stats) if prepared.extras else {}
-    return Result(case, stats, prepared.minimum_bytes, scale, dram, seconds,
+    return Result(case, stats, minimum, scale, dram, seconds,
                   _time_on_mac(prepared) if mac else None, extras)
 
 
