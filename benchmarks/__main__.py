@@ -3,7 +3,7 @@ PNG plot.
 
     python -m benchmarks [OP ...] [--quick | --tiny] [--png PATH] [--chip CHIP]
 
-OP: softmax, linear, pad, linalg (default: all). --quick leaves out the
+OP: softmax, linear, pad, linalg, fp8, moe (default: all). --quick leaves out the
 largest shapes (vocabulary-sized weights, 4096 x 4096 attention scores,
 512 x 512 LU, ...), --tiny runs a few small cases (a smoke test). The
 counters come from the CPU Metal executor, anywhere; on a Mac with MPS each
@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # python benchmarks/__main__.py
 
 from benchmarks import common, plot  # noqa: E402
 
-OPS = ("softmax", "linear", "pad", "linalg")
+OPS = ("softmax", "linear", "pad", "linalg", "fp8", "moe")
 
 
 def op_cases(op: str, size: str) -> list[common.Case]:

@@ -19,6 +19,7 @@ dispatches stay 1 (or 2) and threadgroups and bytes scale with the batch
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -114,8 +115,12 @@ def cases(size: str) -> list[Case]:
         labels = {"case": f"{what} {batch} x {n}x{n}", "dtype": str(dtype)[6:],
                   "note": f"batch {run_batch} x {scale}" if scale > 1 else ""}
         seed = len(out)
-        out.append(Case("linalg", f"{labels['case']} {labels['dtype']}", labels,
-                        lambda: prepare(run_batch, n, dtype, seed, **kw), scale))
+
+        def scaled():
+            p = prepare(run_batch, n, dtype, seed, **kw)
+            return dataclasses.replace(p, minimum_bytes=p.minimum_bytes * scale, scale=scale)
+
+        out.append(Case("linalg", f"{labels['case']} {labels['dtype']}", labels, scaled))
 
     for n in (1, 2, 3, 4) if size != "tiny" else (2,):
         for dtype in dtypes:

@@ -31,17 +31,29 @@ BANDWIDTH_GBPS = {"M1": 68, "M2 Pro": 200, "M3 Max": 400, "M3 Ultra": 819, "M4 M
 SIZES = ("full", "quick", "tiny")  # full: every shape; quick: no vocabulary-sized ones; tiny: a smoke test
 
 
+Stats = list[cpu_metal.DispatchStats]
+
+
 @dataclasses.dataclass
 class Prepared:
     """A case's inputs, made when it runs (some weigh a gigabyte)."""
 
     run: Callable[[], Any]  # calls torch.ops.mps_ext ops on CPU tensors
-    minimum_bytes: int  # reading every input once and writing every output once
+    # Reading every input once and writing every output once, for the whole
+    # case (all it stands for when `scale` is not 1); or computed from the
+    # dispatches (and what the run returned, which `run` may keep).
+    minimum_bytes: int | Callable[[Stats], int]
     # On a Mac: returns (stock, ours), two callables on MPS tensors (ours may be
     # the same callable: stock runs with mps_ext disabled).
     mac: Callable[[], tuple[Callable, Callable]] | None = None
     # Op-specific columns from the case's dispatches.
-    extras: Callable[[list[cpu_metal.DispatchStats]], dict[str, str]] | None = None
+    extras: Callable[[Stats], dict[str, str]] | None = None
+    # The case stands for `scale` times what runs (an extrapolated batch, a
+    # sample block of tiles): a number, or computed from the dispatches.
+    scale: float | Callable[[Stats], float] = 1
+    # The bytes that reach DRAM, when the run re-reads operands small enough
+    # to stay in the GPU's caches (default: every byte moved, scaled).
+    dram_bytes: Callable[[Stats], float] | None = None
 
 
 @dataclasses.dataclass
@@ -50,14 +62,15 @@ class Case:
     id: str  # unique within the op; the budget tests name cases by it
     labels: dict[str, str]  # the table's first columns
     prepare: Callable[[], Prepared]
-    scale: int = 1  # the case stands for `scale` copies of what runs (an extrapolated batch)
 
 
 @dataclasses.dataclass
 class Result:
     case: Case
-    stats: list[cpu_metal.DispatchStats]
+    stats: Stats
     minimum_bytes: int
+    scale: float
+    dram: float  # bytes that reach DRAM, for the whole case
     seconds: float  # the executor's wall time
     times: tuple[str, str, str] | None  # on a Mac: stock us, mps_ext us, speedup
     extras: dict[str, str]
@@ -68,25 +81,25 @@ class Result:
 
     @property
     def threadgroups(self) -> int:
-        return sum(d.total_threadgroups for d in self.stats) * self.case.scale
+        return round(sum(d.total_threadgroups for d in self.stats) * self.scale)
 
     @property
-    def memory_bytes(self) -> int:
-        """Bytes moved over tensor buffers, for the case's whole batch."""
-        return sum(d.memory_bytes_moved for d in self.stats) * self.case.scale
+    def memory_bytes(self) -> float:
+        """Bytes moved over tensor buffers, for the whole case."""
+        return sum(d.memory_bytes_moved for d in self.stats) * self.scale
 
     @property
     def bytes_over_minimum(self) -> float:
-        return sum(d.memory_bytes_moved for d in self.stats) / self.minimum_bytes if self.minimum_bytes else 1.0
+        return self.memory_bytes / self.minimum_bytes if self.minimum_bytes else 1.0
 
     def projected_us(self, chip: str) -> float:
-        """The time the case's traffic takes at the chip's bandwidth: a
+        """The time the case's DRAM traffic takes at the chip's bandwidth: a
         bound, not a prediction (no launch cost, no latency)."""
-        return self.memory_bytes / (BANDWIDTH_GBPS[chip] * 1e3)
+        return self.dram / (BANDWIDTH_GBPS[chip] * 1e3)
 
     def limit_us(self, chip: str) -> float:
         """The bandwidth limit: the minimum bytes at the chip's bandwidth."""
-        return self.minimum_bytes * self.case.scale / (BANDWIDTH_GBPS[chip] * 1e3)
+        return self.minimum_bytes / (BANDWIDTH_GBPS[chip] * 1e3)
 
 
 # ---------------------------------------------------------------- counters --
@@ -96,7 +109,7 @@ def device_coalescing(d: cpu_metal.DispatchStats) -> dict[str, float]:
     return {d.buffer_names.get(i, str(i)): r for i, r in d.coalescing.items() if i not in d.constant_buffers}
 
 
-def worst_coalescing(stats: list[cpu_metal.DispatchStats]) -> tuple[float, str]:
+def worst_coalescing(stats: Stats) -> tuple[float, str]:
     """The highest ratio over the dispatches' device buffers, and where."""
     worst, where = 1.0, ""
     for d in stats:
@@ -106,7 +119,7 @@ def worst_coalescing(stats: list[cpu_metal.DispatchStats]) -> tuple[float, str]:
     return worst, where
 
 
-def bank_conflicts_per_instruction(stats: list[cpu_metal.DispatchStats]) -> float:
+def bank_conflicts_per_instruction(stats: Stats) -> float:
     instructions = sum(d.threadgroup_memory_instructions for d in stats)
     return sum(d.bank_conflict_cycles for d in stats) / instructions if instructions else 0.0
 
@@ -162,8 +175,12 @@ def measure(case: Case, mac: bool = True) -> Result:
     seconds = time.perf_counter() - start
     if not rec.dispatches:
         raise RuntimeError(f"{case.op} case {case.id!r} made no dispatch: it did not reach mps_ext's kernels")
-    extras = prepared.extras(rec.dispatches) if prepared.extras else {}
-    return Result(case, rec.dispatches, prepared.minimum_bytes, seconds,
+    stats = rec.dispatches
+    minimum = prepared.minimum_bytes(stats) if callable(prepared.minimum_bytes) else prepared.minimum_bytes
+    scale = prepared.scale(stats) if callable(prepared.scale) else prepared.scale
+    dram = prepared.dram_bytes(stats) if prepared.dram_bytes else sum(d.memory_bytes_moved for d in stats) * scale
+    extras = prepared.extras(stats) if prepared.extras else {}
+    return Result(case, stats, minimum, scale, dram, seconds,
                   _time_on_mac(prepared) if mac else None, extras)
 
 
@@ -209,8 +226,8 @@ CASE_NOTES = (
     "divisions and remainders per thread (software on Apple GPUs). registers: 32-bit registers live per thread "
     "at the peak (threads an M1/M2 core keeps at that count; 1024 is full occupancy). bank conflicts: extra "
     "cycles per threadgroup-memory instruction. loads in flight: independent device loads per iteration of the "
-    "hot loop (the fewest over the case's kernels). us @chip: the traffic at the chip's bandwidth (a bound, not "
-    "a prediction). stock / mps_ext: median times on a Mac only. README, \"What a kernel costs a GPU beyond its "
+    "hot loop (the fewest over the case's kernels). us @chip: the DRAM traffic at the chip's bandwidth (a bound, "
+    "not a prediction). stock / mps_ext: median times on a Mac only. README, \"What a kernel costs a GPU beyond its "
     "bytes\", says how each counter is computed.")
 
 
@@ -264,7 +281,7 @@ def kernel_table(results: list[Result]) -> str:
                 "i64 div / thread": f"{max(d.int64_divisions_per_thread for _, d in runs):.2f}",
                 "i64 mul / thread": f"{max(d.int64_multiplications_per_thread for _, d in runs):.2f}",
                 "bank conflicts": f"{max(bank_conflicts_per_instruction([d]) for _, d in runs):.2f}",
-                "threadgroups (fewest)": min(d.total_threadgroups * r.case.scale for r, d in runs),
+                "threadgroups (fewest)": min(round(d.total_threadgroups * r.scale) for r, d in runs),
             })
             rows.append(row)
     return markdown(rows, ["kernel", "cases", "registers", "threads / core", "uniform", "private bytes",

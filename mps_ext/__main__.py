@@ -52,8 +52,11 @@ def self_check() -> bool:
     for r in results:
         by_family.setdefault(r.case.family, []).append(r)
     for fam, rs in by_family.items():
-        torch_runs = sum(r.ok and not r.ours for r in rs)
-        note = f" ({torch_runs} on torch's own kernel by policy or switch)" if torch_runs else ""
+        torch_runs = sum(r.ok and not r.ours and r.ran for r in rs)
+        not_run = sum(not r.ran for r in rs)
+        notes = [f"{torch_runs} on torch's own kernel by policy or switch"] if torch_runs else []
+        notes += [f"{not_run} not run: off, and torch has no kernel for the op"] if not_run else []
+        note = f" ({'; '.join(notes)})" if notes else ""
         print(f"  {fam:<10} {sum(r.ok for r in rs)}/{len(rs)} passed{note}")
     print("self-check " + ("passed" if not failed else f"FAILED ({len(failed)} of {len(results)})"))
     return not failed

@@ -1,8 +1,13 @@
 """Meta kernels (shapes and dtypes) of the torch.ops.mps_ext ops that do not
-take the aten op's own: fp8_linear (no aten op) and the scaled_mm family,
-whose aten meta functions check CUDA's layout rules (mat2 column-major,
-dimensions multiples of 16) that mps_ext does not need, so a traced model
-would fail where the eager one runs. In Python so that symbolic shapes
+take the aten op's own: fp8_linear and the mixture-of-experts ops moe_route,
+moe_experts, moe_combine (no aten op); the scaled_mm family, whose aten meta
+functions check CUDA's layout rules (mat2 column-major, dimensions multiples
+of 16) that mps_ext does not need, so a traced model would fail where the
+eager one runs; and the grouped_mm family, whose aten meta functions take
+_grouped_mm in bfloat16 only before torch 2.14 (float16 too from 2.14, never
+float32), give the output's leading stride unpadded off CUDA before 2.15
+(every eager kernel pads it to 16 bytes), and do not exist for
+_scaled_grouped_mm_v2 before 2.14. In Python so that symbolic shapes
 (torch.compile(dynamic=True)) pass through. The real kernels check the
 arguments when the compiled code runs."""
 
@@ -34,6 +39,64 @@ def _fp8_linear(input, weight, weight_scale, granularity, bias=None):
     return input.new_empty((*input.shape[:-1], weight.shape[0]))
 
 
+def _grouped_output(a: torch.Tensor, b: torch.Tensor, offs, out_dtype: torch.dtype, op: str) -> torch.Tensor:
+    """The output of a grouped product as the eager kernels make it (torch's
+    create_grouped_gemm_output_tensor): the last dimension's stride padded
+    to 16 bytes."""
+    torch._check(a.dim() in (2, 3) and b.dim() in (2, 3), lambda: f"{op}: mat_a and mat_b have to be 2 or 3d")
+    torch._check(offs is not None or (a.dim() == 3 and b.dim() == 3),
+                 lambda: f"{op}: offsets are needed unless both matrices are 3d")
+    if a.dim() == 2 and b.dim() == 2:
+        size = [offs.shape[0], a.shape[0], b.shape[1]]
+    elif a.dim() == 2:
+        size = [a.shape[0], b.shape[-1]]
+    elif b.dim() == 2:
+        size = [a.shape[1], b.shape[1]]
+    else:
+        size = [a.shape[0], a.shape[1], b.shape[-1]]
+    align = 16 // torch.empty((), dtype=out_dtype).element_size()
+    padded = (size[-1] + align - 1) // align * align
+    stride = [padded, 1] if len(size) == 2 else [size[1] * padded, padded, 1]
+    return a.new_empty_strided(size, stride, dtype=out_dtype)
+
+
+def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
+    return _grouped_output(self, mat2, offs, out_dtype or self.dtype, "_grouped_mm")
+
+
+def _scaled_grouped_mm(self, mat2, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None,
+                       use_fast_accum=False):
+    return _grouped_output(self, mat2, offs, out_dtype or torch.bfloat16, "_scaled_grouped_mm")
+
+
+def _scaled_grouped_mm_v2(self, mat2, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, offs=None,
+                          bias=None, out_dtype=None, contraction_dim=(), use_fast_accum=False):
+    return _grouped_output(self, mat2, offs, out_dtype or torch.bfloat16, "_scaled_grouped_mm_v2")
+
+
+# mps_ext's own MoE decode ops (csrc/ops/grouped_mm_moe.cpp): output sizes
+# depend on shapes alone (the routing is decided on the GPU), so these give
+# them exactly.
+def _moe_route(logits, top_k, renormalize=True, shared_expert=False):
+    tokens, columns = logits.shape
+    slots = top_k + (1 if shared_expert else 0)
+    i32 = dict(dtype=torch.int32)
+    return (logits.new_empty((tokens, slots), dtype=torch.float32), logits.new_empty((columns,), **i32),
+            logits.new_empty((tokens * slots,), **i32), logits.new_empty((tokens * slots,), **i32))
+
+
+def _moe_experts(x, weight, weight_scale, offs, slot_of_row=None, slots_per_token=1, swiglu=False):
+    rows = slot_of_row.shape[0] if slot_of_row is not None else x.shape[0]
+    return x.new_empty((rows, weight.shape[1] // 2 if swiglu else weight.shape[1]))
+
+
+def _moe_combine(y, weights, row_of_slot):
+    return y.new_empty((weights.shape[0], y.shape[1]))
+
+
 def register() -> None:
-    for name, fn in [("_scaled_mm", _scaled_mm), ("_scaled_mm_v2", _scaled_mm_v2), ("fp8_linear", _fp8_linear)]:
+    for name, fn in [("_scaled_mm", _scaled_mm), ("_scaled_mm_v2", _scaled_mm_v2), ("fp8_linear", _fp8_linear),
+                     ("_grouped_mm", _grouped_mm), ("_scaled_grouped_mm", _scaled_grouped_mm),
+                     ("_scaled_grouped_mm_v2", _scaled_grouped_mm_v2), ("moe_route", _moe_route),
+                     ("moe_experts", _moe_experts), ("moe_combine", _moe_combine)]:
         torch.library.register_fake(f"mps_ext::{name}", fn)

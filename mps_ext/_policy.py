@@ -179,6 +179,30 @@ HISTORY: dict[str, list[tuple[str, str, str]]] = {
          "'luInvSmall_{}'); unpack_pivots_stub_impl calls le, ge, logical_and, _is_all_true and item<bool>; "
          "tools/linalg_entry_points.py"),
     ],
+    "grouped_mm": [
+        ("2.9-2.14", "_grouped_mm has no MPS kernel: its CompositeExplicitAutograd kernel runs "
+         "_grouped_mm_fallback, which copies offs to the CPU (a sync on every call) and runs one mm_out per group "
+         "(bmm for 3D x 3D); _scaled_grouped_mm (and _scaled_grouped_mm_v2, from 2.10) are CUDA only. "
+         "F.grouped_mm (-> _grouped_mm) and F.scaled_grouped_mm (-> _scaled_grouped_mm_v2) exist from 2.10",
+         "torch/include/ATen/ops/: _grouped_mm_compositeexplicitautograd_dispatch.h and _grouped_mm_cuda_dispatch.h, "
+         "no _grouped_mm_mps_dispatch.h; _scaled_grouped_mm_cuda_dispatch.h (and _scaled_grouped_mm_v2_cuda_dispatch.h) "
+         "only; ATen/native/GroupedMMUtils.h: _grouped_mm_fallback ('auto offs_cpu = offs.value().cpu();', then "
+         "offs_cpu[group_idx].item<int>() per group); tests/ops/test_grouped_mm.py sees that copy in the installed "
+         "torch's CPU kernel; torch/nn/functional.py of 2.9 has neither grouped_mm nor scaled_grouped_mm, 2.10-2.14 "
+         "both; ATen/ops/_scaled_grouped_mm_v2.h from 2.10"),
+        ("2.15", "_grouped_mm_mps: Metal kernels launched from shapes alone (the jagged grid axis sized for the worst "
+         "case of one partial tile per group; the kernel discards the excess tiles), offs read only on the GPU: a "
+         "few-rows kernel for up to 32 rows with no more rows than groups and K contiguous in both operands "
+         "(grouped_mm_few_rows_<dtype>: a threadgroup of 16 simdgroups per row of a and 16 output columns), "
+         "otherwise simdgroup_matrix tiles of 16/32/64 rows by 64 columns (grouped_mm_{rows,k}_<dtype>_bm*; "
+         "matmul2d tiles on GPUs with Metal Performance Primitives); 3D x 3D by bmm; a new same-dtype check. "
+         "_scaled_grouped_mm and _scaled_grouped_mm_v2 are still CUDA only",
+         "torch/include/ATen/ops/_grouped_mm_mps_dispatch.h (new in 2.15); ATen/native/mps/kernels/GroupedMM.h (new "
+         "in 2.15: kGroupedMMFewRowsMax = 32, kGroupedMMFewRowsSimdgroups = 16, GroupedMMParams<idx_t>); "
+         "GroupedMMUtils.h: 'Expected mat_a and mat_b to have the same dtype'; no _scaled_grouped_mm*_mps_dispatch.h; "
+         "pytorch/pytorch aten/src/ATen/native/mps/operations/GroupedMM.mm (grouped_mm_out_mps, _grouped_mm_mps), "
+         "whose constants and parameter struct are those of the 2.15 header"),
+    ],
 }
 
 # Ops mps_ext leaves to torch from a release on.
@@ -222,6 +246,19 @@ NATIVE: dict[str, list[Native]] = {
                HISTORY["linalg"][2][2]),
         Native((2, 15), ("aten::linalg_inv_ex",), "torch 2.15 has its own Metal float32 inverse",
                HISTORY["linalg"][2][2], kept_dtypes=("complex64",)),
+    ],
+    # grouped_mm on torch 2.15 (HISTORY["grouped_mm"][1]): torch's own
+    # _grouped_mm no longer reads offs on the CPU, and by its source it streams
+    # each chosen expert's weights once per decode row (few-rows kernel) or per
+    # 16-row tile, in one dispatch: the minimum traffic and dispatch count
+    # mps_ext's kernels reach (benchmarks/bench_moe.py). Where they differ
+    # (mps_ext's 16-byte weight loads and one read for up to 8 rows of an
+    # expert; torch's matmul2d prefill tiles) only a Mac can time, so torch
+    # keeps _grouped_mm. _scaled_grouped_mm stays: no release has an MPS
+    # kernel for it.
+    "grouped_mm": [
+        Native((2, 15), ("aten::_grouped_mm",), "torch 2.15 has its own Metal _grouped_mm, which reads offs only "
+               "on the GPU", HISTORY["grouped_mm"][1][2]),
     ],
     # torch 2.14 gave aten::mm and aten::addmm a GEMV of their own for a
     # single row (or column); mps_ext keeps 2 to 8 rows there (speculative

@@ -39,6 +39,7 @@ class Result:
     ok: bool
     detail: str = ""
     ours: bool = True  # mps_ext's kernel ran (False: torch's, by decision)
+    ran: bool = True  # False: not run, the family is off and torch has no kernel for the op here
 
 
 def judge(family: str, device: str, before: dict, after: dict) -> tuple[bool, str]:
@@ -148,6 +149,31 @@ def cases() -> list[Case]:
                             torch.linalg.lu_solve(lu.to(_wide(dtype)), piv, b64).to(dtype)))
             out.append(Case("linalg", f"_linalg_slogdet {name}", torch.ops.aten._linalg_slogdet, (a,),
                             _narrow(torch.ops.aten._linalg_slogdet(a64), dtype)))
+    for rows, counts, dtype in [(8, [0, 3, 0, 4, 1], torch.bfloat16), (90, [40, 0, 50], torch.float16)]:
+        k, n = 64, 48
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        w = (torch.randn(len(counts), n, k, generator=g) / k**0.5).to(dtype)  # W[E, N, K]
+        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).int()
+        want, start = torch.empty(rows, n, dtype=torch.float64), 0
+        for e, end in enumerate(offs.tolist()):
+            want[start:end] = x[start:end].double() @ w[e].double().t()
+            start = end
+        out.append(Case("grouped_mm", f"_grouped_mm {rows}x{k} @ experts {tuple(w.shape)} {str(dtype)[6:]}",
+                        torch._grouped_mm, (x, w.transpose(-2, -1), offs), want.to(dtype)))
+    x8 = torch.randn(8, 64, generator=g).to(torch.float8_e4m3fn)
+    w8 = torch.randn(4, 32, 64, generator=g).to(torch.float8_e4m3fn)
+    sx, sw = torch.rand(8, generator=g) + 0.5, torch.rand(4, 32, generator=g) + 0.5
+    offs = torch.tensor([2, 2, 5, 8], dtype=torch.int32)
+    want, start = torch.empty(8, 32, dtype=torch.float64), 0
+    for e, end in enumerate(offs.tolist()):
+        want[start:end] = (x8[start:end].double() @ w8[e].double().t()) * sx[start:end, None] * sw[e][None]
+        start = end
+    out.append(Case("grouped_mm", "_scaled_grouped_mm fp8 8x64 @ experts (4, 32, 64)", torch._scaled_grouped_mm,
+                    (x8, w8.transpose(-2, -1), sx, sw, offs), want.to(torch.bfloat16)))
+    if hasattr(torch.ops.aten, "_scaled_grouped_mm_v2"):  # torch 2.10 on (F.scaled_grouped_mm)
+        out.append(Case("grouped_mm", "_scaled_grouped_mm_v2 row-wise fp8 8x64 @ experts (4, 32, 64)",
+                        torch.ops.aten._scaled_grouped_mm_v2,
+                        (x8, w8.transpose(-2, -1), [sx], [1], [], [sw], [1], [], offs), want.to(torch.bfloat16)))
     return out
 
 
@@ -167,11 +193,28 @@ def executor_op(op):
     return getattr(torch.ops.mps_ext, op.__name__)  # F.linear's __name__ is 'linear' too
 
 
+def torch_lacks_kernel(case: Case, device: str) -> bool:
+    """Whether the case's op is an aten op of its family for which torch has
+    no kernel of its own where `device` ("executor": CPU tensors) runs it
+    (mps_ext registers one there rather than overriding torch's)."""
+    name = f"aten::{case.op.__name__}"
+    return (name in mps_ext._C.family_aten_ops(case.family)
+            and not mps_ext._C.has_stock_kernel(name, "CPU" if device == "executor" else "MPS"))
+
+
 def run() -> list[Result]:
     results = []
     devices = ["executor"] + (["mps"] if mps_ext.is_available() else [])
     for case in cases():
         for device in devices:
+            off = case.family not in mps_ext.enabled_ops() or (
+                device == "mps" and case.family not in mps_ext.installed_overrides())
+            if off and torch_lacks_kernel(case, device):
+                # Switched off, with nothing of torch's to run instead (an op
+                # mps_ext registers where torch has none): a decision, not run.
+                results.append(Result(case, device, True, "not run: off, and torch has no kernel for it",
+                                      ours=False, ran=False))
+                continue
             ours = True
             try:
                 if device == "executor":

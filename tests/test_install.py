@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_WARNING = "Overriding a previously registered kernel for the same operator and the same dispatch key"
@@ -57,19 +58,22 @@ def test_the_filter_passes_every_other_warning(capfd):
 
 COMPILED_MODEL = """
 import torch, mps_ext, torch.nn.functional as F
-FAMILIES = ["linalg", "linear", "softmax", "pad"]
+FAMILIES = ["grouped_mm", "linalg", "linear", "softmax", "pad"]
 mps_ext._C.install_overrides(FAMILIES, "CPU")
-def model(x, w, b, w2, m):
+grouped_mm = getattr(F, "grouped_mm", torch._grouped_mm)  # aten::_grouped_mm either way (F's from torch 2.10)
+def model(x, w, b, w2, m, experts, offs):
     y = F.linear(x, w, b)    # aten::addmm once traced
     y = torch.softmax(y, -1)
     y = F.pad(y, (1, 1))
-    return y @ w2, torch.linalg.solve(m, x[:, :16].mT)  # aten::mm; aten::_linalg_solve_ex
+    moe = grouped_mm(x.bfloat16(), experts.transpose(-2, -1), offs=offs)  # aten::_grouped_mm
+    return y @ w2, torch.linalg.solve(m, x[:, :16].mT), moe  # aten::mm; aten::_linalg_solve_ex
 x, w, b, w2 = torch.randn(2, 64), torch.randn(32, 64), torch.randn(32), torch.randn(34, 16)
 m = torch.randn(16, 16) + 8 * torch.eye(16)
-want = model(x, w, b, w2, m)
+experts, offs = torch.randn(3, 8, 64).bfloat16(), torch.tensor([1, 1, 2], dtype=torch.int32)
+want = model(x, w, b, w2, m, experts, offs)
 torch._dynamo.reset()
 mps_ext.reset_stats()
-got = torch.compile(model, backend=BACKEND)(x, w, b, w2, m)
+got = torch.compile(model, backend=BACKEND)(x, w, b, w2, m, experts, offs)
 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 print({fam: s["ran"] for fam, s in sorted(mps_ext.stats().items()) if fam in FAMILIES})
 """
@@ -77,7 +81,7 @@ print({fam: s["ran"] for fam, s in sorted(mps_ext.stats().items()) if fam in FAM
 
 def test_a_model_compiled_with_aot_eager_reaches_every_override():
     r = python(COMPILED_MODEL.replace("BACKEND", "'aot_eager'"))
-    assert r.stdout.strip() == "{'linalg': 1, 'linear': 2, 'pad': 1, 'softmax': 1}"
+    assert r.stdout.strip() == "{'grouped_mm': 1, 'linalg': 1, 'linear': 2, 'pad': 1, 'softmax': 1}"
 
 
 def test_what_inductor_calls():
@@ -87,20 +91,25 @@ def test_what_inductor_calls():
     overrides too: on the CPU here as on MPS (the lowering of mm and addmm
     to extern kernels does not depend on the device). The linear-algebra
     ops have no lowering: inductor calls the functional aten op as a
-    fallback, which reaches the override."""
+    fallback, which reaches the override; _grouped_mm is an extern kernel
+    without out= (extern_kernels._grouped_mm, torch._grouped_mm), which
+    reaches it too."""
     code = COMPILED_MODEL.replace("BACKEND", "'inductor'") + """
 from torch._inductor.utils import run_and_get_code
 torch._dynamo.reset()
-_, (source, *_) = run_and_get_code(torch.compile(model, backend="inductor"), x, w, b, w2, m)
+_, (source, *_) = run_and_get_code(torch.compile(model, backend="inductor"), x, w, b, w2, m, experts, offs)
 print(sorted(line.strip().split("(")[0] for line in source.splitlines() if "extern_kernels." in line and "out=" in line))
 print(sorted({line.split("=")[1].strip().split("(")[0] for line in source.splitlines()
               if "= torch.ops.aten." in line}))
+print(sorted({line.split("=")[1].strip().split("(")[0] for line in source.splitlines()
+              if "= extern_kernels." in line and "out=" not in line}))
 """
     r = python(code)
-    ran, extern, fallbacks = r.stdout.strip().splitlines()
-    assert ran == "{'linalg': 1, 'linear': 2, 'pad': 0, 'softmax': 0}"
+    ran, extern, fallbacks, functional_extern = r.stdout.strip().splitlines()
+    assert ran == "{'grouped_mm': 1, 'linalg': 1, 'linear': 2, 'pad': 0, 'softmax': 0}"
     assert extern == "['extern_kernels.addmm', 'extern_kernels.mm']"
     assert fallbacks == "['torch.ops.aten._linalg_solve_ex.default']"
+    assert functional_extern == "['extern_kernels._grouped_mm']"
 
 
 def test_a_compiled_model_reaches_the_float8_overrides():
@@ -131,3 +140,29 @@ for backend in ["eager", "aot_eager"]:
 """)
     # fp8: two .to(float8) and two .float() (copy_), cat, index_select, zero_, fill_
     assert r.stdout.splitlines() == ["eager {'fp8': 8, 'scaled_mm': 1}", "aot_eager {'fp8': 8, 'scaled_mm': 1}"]
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "scaled_grouped_mm"),
+                    reason="this torch has no F.scaled_grouped_mm (torch 2.9; from 2.10 it calls _scaled_grouped_mm_v2)")
+def test_f_grouped_mm_and_f_scaled_grouped_mm_reach_the_overrides():
+    """The public functions of torch 2.10+ reach the grouped_mm overrides (on
+    the CPU key here, as on MPS): F.grouped_mm as _grouped_mm, and
+    F.scaled_grouped_mm, with row-wise scales, as _scaled_grouped_mm_v2,
+    which no torch runs off CUDA."""
+    r = python("""
+import torch, torch.nn.functional as F, mps_ext
+mps_ext._C.install_overrides(["grouped_mm"], "CPU")
+a, w = torch.randn(6, 32), torch.randn(3, 16, 32) / 6
+offs = torch.tensor([2, 2, 6], dtype=torch.int32)
+want = torch.cat([a[:2] @ w[0].t(), a[2:] @ w[2].t()])
+a8, w8 = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+got = F.grouped_mm(a, w.transpose(-2, -1), offs=offs)
+torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+sa, sw = torch.full((6,), 0.5), torch.full((3, 16), 2.0)
+got8 = F.scaled_grouped_mm(a8, w8.transpose(-2, -1), sa, F.ScalingType.RowWise, sw, F.ScalingType.RowWise, offs=offs)
+want8 = torch.cat([a8[:2].float() @ w8[0].float().t(), a8[2:].float() @ w8[2].float().t()]).bfloat16()
+assert got8.dtype == torch.bfloat16
+torch.testing.assert_close(got8.float(), want8.float(), rtol=1e-2, atol=1e-2)
+print(mps_ext.stats()["grouped_mm"])
+""")
+    assert r.stdout.strip() == "{'ran': 2, 'fallbacks': {}, 'unavailable': {}}"

@@ -55,6 +55,12 @@ def test_what_each_release_leaves_to_torch():
     assert left["aten::linalg_inv_ex"].scope() == "not complex64"
     assert left["aten::linalg_lu_factor_ex"].scope() == left["aten::linalg_lu"].scope() == "not pivot=False"
     assert _policy.steps_aside("linalg", ops["linalg"], "2.15.0") is None
+    # grouped_mm on 2.15: torch's Metal _grouped_mm; _scaled_grouped_mm, which
+    # no release has on MPS, stays (so the family is installed).
+    assert _policy.left_to_torch("grouped_mm", "2.14.1") == {}
+    assert set(_policy.left_to_torch("grouped_mm", "2.15.0")) == {"aten::_grouped_mm"}
+    assert _policy.left_to_torch("grouped_mm", "2.15.0")["aten::_grouped_mm"].whole()
+    assert _policy.steps_aside("grouped_mm", ops["grouped_mm"], "2.15.0") is None
     for fam, natives in _policy.NATIVE.items():
         for native in natives:
             assert set(native.ops) <= set(ops[fam]), fam
@@ -151,6 +157,31 @@ def test_linalg_on_torch_2_15_op_by_op(cpu_policy):
         s = mps_ext.stats()["linalg"]
         assert s["ran"] == int(ours), i
         assert all(why.startswith(mps_ext.POLICY_PREFIX) for why in s["fallbacks"]), i
+
+
+def test_grouped_mm_on_torch_2_15(cpu_policy):
+    """The 2.15 table installed on the CPU key: _grouped_mm goes to torch's
+    kernel; _scaled_grouped_mm and mps_ext's own MoE ops run mps_ext's."""
+    rules = _policy.left_to_torch("grouped_mm", "2.15.0")
+    mps_ext._leave_to_torch("grouped_mm", rules, "CPU")
+    try:
+        a, w = torch.randn(4, 32).bfloat16(), torch.randn(3, 16, 32).bfloat16()
+        offs = torch.tensor([1, 1, 4], dtype=torch.int32)
+        a8, w8 = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn).transpose(-2, -1)
+        calls = [  # (call, mps_ext's kernel runs)
+            (lambda: torch.ops.mps_ext._grouped_mm(a, w.transpose(-2, -1), offs), False),
+            (lambda: torch.ops.mps_ext._scaled_grouped_mm(a8, w8, torch.ones(4), torch.ones(3, 16), offs), True),
+            (lambda: torch.ops.mps_ext.moe_experts(a, w, None, offs), True),
+        ]
+        for i, (fn, ours) in enumerate(calls):
+            mps_ext.reset_stats()
+            fn()
+            s = mps_ext.stats()["grouped_mm"]
+            assert s["ran"] == int(ours), i
+            assert all(why.startswith(mps_ext.POLICY_PREFIX) for why in s["fallbacks"]) and bool(s["fallbacks"]) != ours
+    finally:
+        for op in rules:
+            _C.leave_to_torch("grouped_mm", op, "CPU", "")
 
 
 def stats(ran, **fallbacks):

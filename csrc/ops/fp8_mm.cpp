@@ -109,9 +109,6 @@ void run(Problem& pr) {
   launch(l);
 }
 
-// Recipe codes of torch's ScalingType (torch/nn/functional.py).
-enum Recipe : int64_t { kTensorWise = 0, kRowWise = 1, kBlock1x128 = 4, kBlock128x128 = 5 };
-
 bool fp32_scalar(const at::Tensor& s) { return s.scalar_type() == at::kFloat && s.numel() == 1; }
 
 // Scale strides of a recipe into p (sa: activation, sb: weight), given the

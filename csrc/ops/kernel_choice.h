@@ -1,6 +1,7 @@
 // What the op files share when they choose a kernel: a dtype's name in
-// kernel names, the index width, when 16-byte loads are safe, and how the
-// decode kernels spread N outputs over threadgroups.
+// kernel names, torch's scale recipe codes, the index width, when 16-byte
+// loads are safe, and how the decode kernels spread N outputs over
+// threadgroups.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -32,6 +33,11 @@ inline const char* kernel_type_name(c10::ScalarType t) {
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Recipe codes of torch's ScalingType (F.ScalingType; at::blas::ScalingType
+// in ATen/BlasBackend.h from torch 2.10), as the *_v2 scaled products take
+// them; the same in torch 2.10-2.15.
+enum Recipe : int64_t { kTensorWise = 0, kRowWise = 1, kBlock1x128 = 4, kBlock128x128 = 5 };
 
 // The smallest row variant (1, 2, 4, 8) that holds `rows`.
 inline int64_t row_variant(int64_t rows) {

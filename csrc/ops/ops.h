@@ -47,4 +47,19 @@ at::Tensor& mm_out(const at::Tensor& mat1, const at::Tensor& mat2, at::Tensor& o
 at::Tensor& addmm_out(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
                       const c10::Scalar& beta, const c10::Scalar& alpha, at::Tensor& out);
 
+// grouped_mm.cpp: _grouped_mm and _scaled_grouped_mm (mixture-of-experts layers).
+std::string grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b);
+at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& offs,
+                      const c10::optional<at::Tensor>& bias, c10::optional<c10::ScalarType> out_dtype);
+std::string scaled_grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b);
+at::Tensor scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                             const at::Tensor& scale_b, const c10::optional<at::Tensor>& offs,
+                             const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale_result,
+                             c10::optional<c10::ScalarType> out_dtype);
+// The fused MoE decode ops (grouped_mm_moe.cpp): one grouped product at
+// decode, optionally gathering each row's token and fusing silu(gate) * up.
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& weight_scale,
+                       const at::Tensor& offs, const c10::optional<at::Tensor>& slot_of_row, int64_t slots_per_token,
+                       bool swiglu);
+
 }  // namespace mps_ext

@@ -85,6 +85,10 @@ static const std::map<std::string, std::string> kNewerSchemas = {
      "aten::_scaled_mm_v2(Tensor self, Tensor mat2, Tensor[] scale_a, int[] recipe_a, int[] swizzle_a, "
      "Tensor[] scale_b, int[] recipe_b, int[] swizzle_b, Tensor? bias, ScalarType? out_dtype, "
      "int[] contraction_dim=[], bool use_fast_accum=False) -> Tensor"},
+    {"aten::_scaled_grouped_mm_v2",  // torch 2.10-2.15
+     "aten::_scaled_grouped_mm_v2(Tensor self, Tensor mat2, Tensor[] scale_a, int[] recipe_a, int[] swizzle_a, "
+     "Tensor[] scale_b, int[] recipe_b, int[] swizzle_b, Tensor? offs=None, Tensor? bias=None, "
+     "ScalarType? out_dtype=None, int[] contraction_dim=[], bool use_fast_accum=False) -> Tensor"},
 };
 
 void define_like_aten(torch::Library& m, const std::vector<std::string>& ops) {

@@ -123,6 +123,11 @@ std::string precheck(Family& fam, c10::DispatchKey key) {
   return "";
 }
 
+std::string cannot_run(const std::string& op, c10::DispatchKey key, const std::string& reason) {
+  return "mps_ext: " + op + " cannot run on " + c10::DeviceTypeName(device_of(key)) + " here (" + reason +
+         ") and torch has no kernel of its own for it to run instead";
+}
+
 }  // namespace detail
 
 namespace {

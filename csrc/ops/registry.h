@@ -173,6 +173,10 @@ c10::DeviceType device_of(c10::DispatchKey key);
 // arguments is looked at ("" if it does not): turned off, unavailable.
 std::string precheck(Family& fam, c10::DispatchKey key);
 
+// The error of a call that cannot run mps_ext's kernel (`reason`) and has no
+// torch kernel to go to.
+std::string cannot_run(const std::string& op, c10::DispatchKey key, const std::string& reason);
+
 // Why the policy sends this call to the stock kernel ("" if it does not).
 // The arguments are boxed only for a rule that looks at them.
 template <class... Args>
@@ -223,12 +227,21 @@ auto route(Family& fam, const std::string& op, c10::DispatchKey key, const std::
   auto stock = [&](const std::string& reason) {
     // An op torch has no kernel of its own for here (mps_ext registers it
     // rather than overriding it) has nowhere to go: say why.
-    TORCH_CHECK(has_stock_kernel(op, key), "mps_ext: ", op, " cannot run on ",
-                c10::DeviceTypeName(detail::device_of(key)), " here (", reason,
-                ") and torch has no kernel of its own for it to run instead");
+    TORCH_CHECK(has_stock_kernel(op, key), detail::cannot_run(op, key, reason));
     return call_stock<Ret>(op, key, args...);
   };
   return route_to(fam, op, key, unsupported, ours, stock, args...);
+}
+
+// For an op of mps_ext's own (torch.ops.mps_ext.moe_route, ...: no torch
+// kernel exists anywhere): runs `ours` and counts it, or raises, saying why,
+// where route() would fall back (the family turned off, its kernels
+// unavailable on this device).
+template <class Ours>
+auto run_own(Family& fam, const std::string& op, c10::DispatchKey key, Ours ours) -> std::decay_t<decltype(ours())> {
+  using Ret = std::decay_t<decltype(ours())>;
+  auto refuse = [&](const std::string& reason) -> Ret { C10_THROW_ERROR(Error, detail::cannot_run(op, key, reason)); };
+  return route_to(fam, op, key, "", ours, refuse);
 }
 
 }  // namespace mps_ext

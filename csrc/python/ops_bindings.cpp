@@ -42,6 +42,12 @@ void bind_ops(py::module_& m) {
         return install_overrides(fams, key_of(device));
       },
       py::arg("families"), py::arg("device") = "MPS");
+  // Whether torch has a kernel of its own for aten op `op` on `device` (the
+  // one captured before mps_ext's override, if any).
+  m.def(
+      "has_stock_kernel",
+      [](const std::string& op, const std::string& device) { return has_stock_kernel(op, key_of(device)); },
+      py::arg("op"), py::arg("device"));
   m.def("set_enabled", [](const std::string& fam, bool on) { family(fam).enabled = on; });
   m.def("is_enabled", [](const std::string& fam) { return family(fam).enabled.load(); });
   m.def("stats", [] {

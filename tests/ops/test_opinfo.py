@@ -105,11 +105,18 @@ CASES = {
     "aten::_linalg_slogdet": ("linalg.slogdet", "", _positional),
 }
 
-# aten op -> why torch's op_db has nothing for it.
+# aten op -> why torch's op_db has nothing for it (test_ops_without_opinfo_have_none
+# fails once the installed torch gains an entry).
 NO_OPINFO: dict[str, str] = {
     "aten::copy_": "torch's op_db has no copy_ entry; tests/ops/test_fp8_convert.py compares every float8 "
                    "conversion with torch's CPU copy_ bit for bit (all fp16/bf16 inputs, all fp8 codes, 10^6 "
                    "float32 samples, strided, broadcast and overlapping layouts)",
+    "aten::_grouped_mm": "no OpInfo in torch's op_db; tests/ops/test_grouped_mm.py runs the four layouts, both "
+                         "weight layouts, strides and torch's errors against aten's CPU kernel, and on meta",
+    "aten::_scaled_grouped_mm": "no OpInfo in torch's op_db, and no CPU kernel in torch; "
+                                "tests/ops/test_scaled_grouped_mm.py compares with a float64 reference",
+    "aten::_scaled_grouped_mm_v2": "no OpInfo in torch's op_db, and no CPU kernel in torch; "
+                                   "tests/ops/test_scaled_grouped_mm.py compares with a float64 reference",
 }
 
 ALL_OPS = sorted(op for fam in mps_ext.families() for op in mps_ext._C.family_aten_ops(fam))
@@ -125,6 +132,14 @@ def test_every_op_mps_ext_implements_has_cases():
 def op_db():
     from torch.testing._internal.common_methods_invocations import op_db
     return {(op.name, op.variant_test_name): op for op in op_db}
+
+
+def test_ops_without_opinfo_have_none(op_db):
+    for aten_name in NO_OPINFO:
+        short = aten_name.split("::")[1]
+        entries = [key for key, info in op_db.items() if short in (info.name, info.aten_name)
+                   or info.name.endswith("." + short.lstrip("_"))]
+        assert not entries, f"torch's op_db has {entries} for {aten_name}: add it to CASES"
 
 
 def to_meta(a):

@@ -90,10 +90,39 @@ def linalg_inputs(batch=3, n=5):
     return torch.randn(batch, n, n) + 2 * n * torch.eye(n), torch.randn(batch, n, 2)
 
 
+def moe_model(x, router, w_gate_up, w_down, a8, b8, scale_a, scale_b, offs8):
+    """A mixture-of-experts decode layer through mps_ext's own ops (their fake
+    kernels, mps_ext/_meta.py), its first expert product again through
+    _grouped_mm, and an fp8 _scaled_grouped_mm (v1 and v2)."""
+    top_k = 2
+    logits = torch.ops.mps_ext.linear(x, router, None)
+    weights, offs, slot_of_row, row_of_slot = torch.ops.mps_ext.moe_route(logits, top_k, True, False)
+    h = torch.ops.mps_ext.moe_experts(x, w_gate_up, None, offs, slot_of_row, top_k, True)
+    y = torch.ops.mps_ext.moe_experts(h, w_down, None, offs)
+    out = torch.ops.mps_ext.moe_combine(y, weights, row_of_slot)
+    rows = x[slot_of_row.long() // top_k]  # the tokens' rows sorted by expert
+    gate_up = torch.ops.mps_ext._grouped_mm(rows, w_gate_up.transpose(-2, -1), offs)
+    fp8 = torch.ops.mps_ext._scaled_grouped_mm(a8, b8, scale_a, scale_b, offs8)
+    fp8_v2 = torch.ops.mps_ext._scaled_grouped_mm_v2(a8, b8, [scale_a], [1], [], [scale_b], [1], [], offs8)
+    return out, gate_up, fp8, fp8_v2
+
+
+def moe_inputs(tokens=3, hidden=64, experts=8, ffn=32):
+    g = torch.Generator().manual_seed(tokens)
+    bf16 = lambda *shape, scale=1.0: (torch.randn(shape, generator=g) * scale).bfloat16()  # noqa: E731
+    w8 = torch.randn(4, 16, hidden, generator=g).to(torch.float8_e4m3fn)  # W[E, N, K]
+    return (bf16(tokens, hidden), bf16(experts, hidden), bf16(experts, 2 * ffn, hidden, scale=1 / 8),
+            bf16(experts, hidden, ffn, scale=1 / 6), torch.randn(6, hidden, generator=g).to(torch.float8_e4m3fn),
+            w8.transpose(-2, -1), torch.rand(6, generator=g) + 0.5, torch.rand(4, 16, generator=g) + 0.5,
+            torch.tensor([1, 1, 4, 6], dtype=torch.int32))
+
+
 def test_every_op_is_in_a_model():
     names = {op.split("::")[1] for fam in mps_ext.families() for op in mps_ext._C.family_aten_ops(fam)}
-    source = "".join(inspect.getsource(f) for f in (model, mm_out_forms, linalg_model, fp8_model, fp8_in_place))
-    assert all(f"torch.ops.mps_ext.{n}(" in source for n in names | {"fp8_linear"})
+    names |= {"fp8_linear", "moe_route", "moe_experts", "moe_combine"}  # mps_ext's own ops
+    source = "".join(inspect.getsource(f) for f in (model, mm_out_forms, linalg_model, fp8_model, fp8_in_place,
+                                                     moe_model))
+    assert all(f"torch.ops.mps_ext.{n}(" in source for n in names)
 
 
 # name -> (model, its inputs for a size, two sizes, calls of mps_ext's kernels
@@ -102,6 +131,7 @@ MODELS = {
     "nn": (model, inputs, [(3,), (5,)], {"linear": 3, "softmax": 4, "pad": 1}),
     "linalg": (linalg_model, linalg_inputs, [(3, 5), (2, 7)], {"linalg": 11}),
     "fp8": (fp8_model, fp8_inputs, [(3,), (5,)], {"scaled_mm": 3, "fp8": 2}),
+    "moe": (moe_model, moe_inputs, [(3,), (5,)], {"grouped_mm": 7, "linear": 1}),
 }
 
 

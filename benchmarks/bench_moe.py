@@ -1,0 +1,334 @@
+"""Mixture-of-experts decode: one synthetic MoE layer per model, with the real
+shapes of Qwen3-30B-A3B, Qwen3.5/3.6-35B-A3B and LFM2-8B-A1B, for 1, 2, 4 and
+8 tokens, bfloat16 and fp8 (e4m3fn) expert weights. From the CPU Metal
+executor's counters it prints per layer the dispatches, the expert weight
+bytes read over the chosen experts' size, the device bytes over the minimum,
+the gate/up threadgroups, and a projected whole-model tokens/s on an M3 Ultra
+and an M4 Max. On a Mac it also times stock torch's MoE layer (F.grouped_mm)
+against mps_ext's fused one.
+
+    python -m benchmarks moe [--quick | --tiny]
+    python benchmarks/bench_moe.py [--quick | --tiny]   (the same)
+
+The layer, as mps_ext runs it (5 dispatches, nothing read on the host):
+    logits = F.linear(x, router)                    router GEMV (mps_ext linear)
+    moe_route(logits, top_k)                        softmax, top-k, sort by expert, offsets
+    h = moe_experts(x, W_gate_up, ..., swiglu=True) gather + gate/up + silu(gate) * up
+    y = moe_experts(h, W_down, ...)                 down projection
+    out = moe_combine(y, weights, ...)              weighted sum per token
+The shared expert (Qwen3.5/3.6) is expert E of the banks, chosen by every
+token with weight sigmoid(router row E). The same expert products are what
+F.grouped_mm runs (one dispatch each, no host sync) for model code that
+routes with torch ops.
+
+Expert banks are zeros (the counters do not depend on values, and zeros cost
+nothing to create); the router weights are random, so routing is.
+
+Besides the layers, the grouped products themselves (F.grouped_mm,
+_scaled_grouped_mm, moe_experts) at a Qwen3-30B-A3B expert's down projection
+(K = 768 -> N = 2048, 8 experts): decode (64 routed rows) in both weight
+layouts, prefill tiles (128 rows), and operands 16-byte misaligned (the
+element-load kernels), so that every grouped_mm kernel is measured; they run
+on 256 of the 2048 output columns and count for 8 times that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import Case, Prepared, run_as_script  # noqa: E402
+
+DISPATCH_SECONDS = 4e-6
+CHIPS = {"M3 Ultra": 819e9, "M4 Max": 546e9}  # bytes/s (anchors.md)
+TORCH_215 = {"Qwen3.6-35B-A3B": 61.3, "LFM2-8B-A1B": 123.6}  # tokens/s, M3 Ultra, torch.compile (anchors.md)
+
+
+@dataclasses.dataclass
+class Model:
+    name: str
+    hidden: int
+    layers: int
+    moe_layers: int
+    experts: int
+    top_k: int
+    shared: int          # shared experts (one, of the routed experts' shape, or none)
+    ffn: int             # expert FFN width
+    vocab: int
+    mixer_params: int    # attention (or linear-attention / conv) weights of all layers
+    dense_ffn_params: int  # FFN weights of the layers that are not MoE
+    note: str
+
+
+def _attention(hidden, q_heads, kv_heads, head_dim, gate=False):
+    q = q_heads * head_dim * (2 if gate else 1)
+    return hidden * (q + 2 * kv_heads * head_dim) + q_heads * head_dim * hidden
+
+
+MODELS = [
+    # anchors.md: hidden 2048, 48 layers, 128 experts, top-8, FFN 768, 32 q / 4 KV heads of 128, vocab 151936.
+    Model("Qwen3-30B-A3B", 2048, 48, 48, 128, 8, 0, 768, 151936, 48 * _attention(2048, 32, 4, 128), 0,
+          "attention from anchors.md (32 q / 4 KV heads of 128)"),
+    # anchors.md: hidden 2048, 40 layers, 256 experts, top-8 + 1 shared, FFN 512, vocab 248320. Not in
+    # anchors.md (public config, assumed): 30 Gated DeltaNet layers (in_proj 2048 -> 12288 + 64,
+    # out_proj 4096 -> 2048) and 10 gated attention layers (16 q heads of 256 with gate, 2 KV heads).
+    Model("Qwen3.6-35B-A3B", 2048, 40, 40, 256, 8, 1, 512, 248320,
+          30 * (2048 * (12288 + 64) + 4096 * 2048) + 10 * _attention(2048, 16, 2, 256, gate=True), 0,
+          "mixers assumed: 30 Gated DeltaNet + 10 gated attention layers"),
+    # anchors.md: hidden 2048, 24 layers (2 dense, FFN 7168), 32 experts, top-4, FFN 1792, 32 q / 8 KV
+    # heads, vocab 65536. Not in anchors.md (assumed): 6 attention layers (heads of 64) and 18 short-conv
+    # layers (in_proj 2048 -> 6144, out_proj 2048 -> 2048); tied embedding read once as the LM head.
+    Model("LFM2-8B-A1B", 2048, 24, 22, 32, 4, 0, 1792, 65536,
+          6 * _attention(2048, 32, 8, 64) + 18 * (2048 * 6144 + 2048 * 2048), 2 * 3 * 2048 * 7168,
+          "mixers assumed: 6 attention + 18 short-conv layers"),
+]
+
+# Dispatches per layer outside the MoE block (norms, the mixer's projections
+# and kernel, residual adds), and for the final norm + LM head: an
+# assumption, not a measurement; the second tokens/s column leaves them out.
+DENSE_DISPATCHES_PER_LAYER = 6
+HEAD_DISPATCHES = 2
+
+
+def dense_bytes(model: Model, weight_bytes: float, head_bytes: float | None = None) -> float:
+    """Weights read once per decode step outside the MoE layers' routed and
+    shared experts: mixers, dense FFN layers, LM head (`head_bytes` per
+    weight, default `weight_bytes`); bf16 router (measured with the layer).
+    fp8 models: every linear weight fp8, unless the head is kept bf16 (what
+    mps_ext.quantize_fp8 does by default)."""
+    head = model.vocab * model.hidden * (weight_bytes if head_bytes is None else head_bytes)
+    return (model.mixer_params + model.dense_ffn_params) * weight_bytes + head
+
+
+def project(model: Model, layer_bytes: int, layer_dispatches: int, tokens: int, weight_bytes: float,
+            bandwidth: float, dense_dispatches: bool, head_bytes: float | None = None) -> float:
+    """Tokens/s of a decode step of `tokens` tokens: the MoE layers' measured
+    bytes plus the dense weights, over the bandwidth, plus 4 us per dispatch.
+    Assumes weights stream at the full bandwidth (no cache reuse across
+    steps), ignores the KV cache and activations outside the MoE layers
+    (short contexts) and the time kernels overlap."""
+    seconds = (model.moe_layers * layer_bytes + dense_bytes(model, weight_bytes, head_bytes)) / bandwidth
+    dispatches = model.moe_layers * layer_dispatches
+    if dense_dispatches:
+        dispatches += model.layers * DENSE_DISPATCHES_PER_LAYER + HEAD_DISPATCHES
+    return tokens / (seconds + dispatches * DISPATCH_SECONDS)
+
+
+def quantize_rows_zero(shape):
+    """fp8 zeros and unit row scales (values do not change the counters)."""
+    return torch.zeros(shape, dtype=torch.float8_e4m3fn), torch.ones(shape[:-1])
+
+
+TINY = Model("tiny", 256, 2, 2, 8, 2, 1, 128, 1000, 0, 0, "a smoke test")
+
+
+def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int = 0) -> Prepared:
+    """One MoE layer of `model` for `tokens` tokens, as mps_ext runs it."""
+    g = torch.Generator().manual_seed(seed)
+    h, e, f = model.hidden, model.experts + model.shared, model.ffn
+    x = torch.randn(tokens, h, generator=g).to(dtype)
+    router = (torch.randn(model.experts + model.shared, h, generator=g) * h ** -0.5).to(dtype)
+    if fp8:
+        w_gu, s_gu = quantize_rows_zero((e, 2 * f, h))
+        w_d, s_d = quantize_rows_zero((e, h, f))
+    else:
+        w_gu, s_gu = torch.zeros(e, 2 * f, h, dtype=dtype), None
+        w_d, s_d = torch.zeros(e, h, f, dtype=dtype), None
+    slots = model.top_k + model.shared
+    ops = torch.ops.mps_ext
+    out = {}
+
+    def run():
+        out["logits"] = logits = ops.linear(x, router, None)
+        weights, offs, slot_of_row, row_of_slot = ops.moe_route(logits, model.top_k, True, bool(model.shared))
+        hid = ops.moe_experts(x, w_gu, s_gu, offs, slot_of_row, slots, True)
+        y = ops.moe_experts(hid, w_d, s_d, offs, None, 1, False)
+        out.update(weights=weights, offs=offs, slot_of_row=slot_of_row, row_of_slot=row_of_slot, hid=hid, y=y,
+                   out=ops.moe_combine(y, weights, row_of_slot))
+
+    def measures(stats):
+        """The layer's figures: from the dispatches and what the run returned."""
+        if len(stats) == 4:  # torch's own one-row GEMV took the router (torch >= 2.15): count it
+            router_read, extra_dispatch = router.nbytes, 1
+        else:
+            router_read, extra_dispatch = stats[0].bytes_read[stats[0].buffer("w")], 0
+        gate_up, down = stats[-3], stats[-2]
+        offs = out["offs"]
+        chosen = int((torch.diff(offs.long(), prepend=torch.zeros(1).long()) > 0).sum())
+        expert_bytes = w_gu[0].nbytes + w_d[0].nbytes
+        scale_bytes = (s_gu[0].nbytes + s_d[0].nbytes) if fp8 else 0
+        weight_read = gate_up.bytes_read[gate_up.buffer("w")] + down.bytes_read[down.buffer("w")]
+        # DRAM model: weights as read; every activation-sized tensor once at
+        # its size (re-reads by many threadgroups hit the GPU's caches; they are KB).
+        small = [x] + [out[k] for k in ("logits", "weights", "offs", "slot_of_row", "row_of_slot", "hid", "y", "out")]
+        dram = weight_read + router_read + chosen * scale_bytes + 2 * sum(t.nbytes for t in small)
+        return {"chosen": chosen, "dispatches": len(stats) + extra_dispatch, "extra": router.nbytes * extra_dispatch,
+                "weight_ratio": weight_read / (chosen * expert_bytes), "dram": dram,
+                "minimum": chosen * (expert_bytes + scale_bytes) + router.nbytes, "gate_up_tgs": gate_up.total_threadgroups}
+
+    def extras(stats):
+        r = measures(stats)
+        wb = 1 if fp8 else 2
+        row = {"chosen": r["chosen"], "weight read / chosen": f"{r['weight_ratio']:.3f}",
+               "DRAM model / min": f"{r['dram'] / r['minimum']:.3f}", "gate/up threadgroups": r["gate_up_tgs"],
+               "layer MB": f"{r['dram'] / 1e6:.1f}"}
+        if model is not TINY:
+            for chip, bw in CHIPS.items():
+                row[f"tok/s {chip}"] = f"{project(model, r['dram'], r['dispatches'], tokens, wb, bw, True):.0f}"
+            m3u = CHIPS["M3 Ultra"]
+            row["tok/s M3U (MoE dispatches only)"] = f"{project(model, r['dram'], r['dispatches'], tokens, wb, m3u, False):.0f}"
+            row["tok/s M3U (LM head bf16)"] = (
+                f"{project(model, r['dram'], r['dispatches'], tokens, wb, m3u, True, 2):.0f}" if fp8 else "-")
+            row["torch 2.15 M3U"] = str(TORCH_215.get(model.name, "-")) if tokens == 1 and not fp8 else "-"
+        return row
+
+    def mac():
+        return stock_layer_fn(model, tokens)
+
+    return Prepared(run, lambda stats: measures(stats)["minimum"], None if fp8 else mac, extras,
+                    dram_bytes=lambda stats: measures(stats)["dram"])
+
+
+def stock_layer_fn(model: Model, tokens: int, device: str = "mps"):
+    """A MoE layer as model code writes it with torch ops and F.grouped_mm (for Mac timing)."""
+    h, e, f = model.hidden, model.experts + model.shared, model.ffn
+    x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)
+    router = torch.randn(e, h, device=device, dtype=torch.bfloat16) * h ** -0.5
+    w_gu = torch.randn(e, 2 * f, h, device=device, dtype=torch.bfloat16) * h ** -0.5
+    w_d = torch.randn(e, h, f, device=device, dtype=torch.bfloat16) * f ** -0.5
+
+    def stock():
+        probs = torch.softmax(F.linear(x, router)[:, :model.experts].float(), -1)
+        w, ids = torch.topk(probs, model.top_k, -1)
+        w = w / w.sum(-1, keepdim=True)
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        offs = torch.histc(flat.float(), bins=model.experts, min=0, max=model.experts - 1).cumsum(0).int()
+        xs = x[order // model.top_k]
+        gu = F.grouped_mm(xs, w_gu[:model.experts].transpose(-2, -1), offs=offs)
+        g, u = gu.chunk(2, -1)
+        ys = F.grouped_mm(F.silu(g) * u, w_d[:model.experts].transpose(-2, -1), offs=offs)
+        out = torch.zeros_like(x).index_add_(0, order // model.top_k, ys * w.flatten()[order, None].to(ys.dtype))
+        return out
+
+    def ours():
+        ops = torch.ops.mps_ext
+        weights, offs, s2r, r2s = ops.moe_route(F.linear(x, router), model.top_k, True, bool(model.shared))
+        hid = ops.moe_experts(x, w_gu, None, offs, s2r, model.top_k + model.shared, True)
+        return ops.moe_combine(ops.moe_experts(hid, w_d, None, offs), weights, r2s)
+
+    return stock, ours
+
+
+SAMPLE_N = 256  # output columns the grouped products run on (of N)
+
+
+def grouped(kind, dtype, rows, k, n, experts, layout, misaligned=0) -> Prepared:
+    """One grouped product of `rows` rows spread evenly over `experts`
+    experts of [N, K] (layout "nk": F.grouped_mm's W[E, N, K] transposed;
+    "kn": W[E, K, N] stored as is). kind "_grouped_mm"; "_scaled_grouped_mm"
+    (fp8 operands, row-wise scales); "moe_experts" (bf16 rows, fp8 weights).
+    It runs on SAMPLE_N of the N output columns and counts for N / SAMPLE_N
+    times that: the kernels split N evenly over threadgroups, each doing the
+    same work."""
+    g = torch.Generator().manual_seed(rows + k + n)
+    counts = [rows // experts + (1 if i < rows % experts else 0) for i in range(experts)]
+    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    act = torch.float8_e4m3fn if kind == "_scaled_grouped_mm" else dtype
+    a = torch.randn(rows * k + misaligned, generator=g).to(act)[misaligned:].view(rows, k)
+    m = SAMPLE_N
+    ops = torch.ops.mps_ext
+    if kind == "_grouped_mm":
+        shape = (experts, m, k) if layout == "nk" else (experts, k, m)
+        w = torch.randn(experts * m * k + misaligned, generator=g).to(dtype)[misaligned:].view(shape)
+        b = w.transpose(-2, -1) if layout == "nk" else w
+        run = lambda: ops._grouped_mm(a, b, offs)  # noqa: E731
+        minimum = a.nbytes + experts * n * k * a.element_size() + rows * n * a.element_size()
+    elif kind == "_scaled_grouped_mm":
+        w, sa, sb = torch.randn(experts, m, k, generator=g).to(act), torch.ones(rows), torch.ones(experts, m)
+        run = lambda: ops._scaled_grouped_mm(a, w.transpose(-2, -1), sa, sb, offs)  # noqa: E731
+        minimum = a.nbytes + experts * n * k + sa.nbytes + experts * n * 4 + rows * n * 2
+    else:
+        w, scale = quantize_rows_zero((experts, m, k))
+        run = lambda: ops.moe_experts(a, w, scale, offs, None, 1, False)  # noqa: E731
+        minimum = a.nbytes + experts * n * k + experts * n * 4 + rows * n * a.element_size()
+    return Prepared(run, minimum, scale=n / m)
+
+
+EXPERT_DOWN = (768, 2048)  # Qwen3-30B-A3B: an expert's down projection, K -> N
+
+
+def cases(size: str) -> list[Case]:
+    out = []
+
+    def add_layer(model, tokens, fp8, dtype=torch.bfloat16):
+        labels = {"case": "layer", "model": model.name, "experts": "fp8" if fp8 else str(dtype)[6:],
+                  "activation": str(dtype)[6:], "tokens / rows": str(tokens), "weight": ""}
+        id_ = f"layer {model.name} {labels['experts']} tokens={tokens}" + (
+            f" {labels['activation']}" if dtype != torch.bfloat16 else "")
+        out.append(Case("moe", id_, labels, lambda: layer(model, tokens, fp8, dtype)))
+
+    def add_grouped(kind, dtype, rows, layout, misaligned=0):
+        k, n = EXPERT_DOWN
+        labels = {"case": kind, "model": f"Qwen3-30B-A3B expert down {k}->{n}, 8 experts",
+                  "experts": "fp8" if kind != "_grouped_mm" else str(dtype)[6:],
+                  "activation": "float8_e4m3fn" if kind == "_scaled_grouped_mm" else str(dtype)[6:],
+                  "tokens / rows": str(rows), "weight": f"[E,{layout.upper()}]" + (" misaligned" if misaligned else "")}
+        id_ = f"{kind} {labels['experts']} {labels['activation']} rows={rows} {layout}" + (
+            " misaligned" if misaligned else "")
+        out.append(Case("moe", id_, labels, lambda: grouped(kind, dtype, rows, k, n, 8, layout, misaligned)))
+
+    if size == "tiny":
+        add_layer(TINY, 2, False)
+        add_layer(TINY, 2, True)
+        return out
+    for model in MODELS:
+        for fp8 in (False, True):
+            for tokens in (1, 2, 4, 8) if size == "full" else (1, 8):
+                add_layer(model, tokens, fp8)
+    for dtype in (torch.float32, torch.float16):  # the route and combine kernels of other activation dtypes
+        add_layer(MODELS[0], 1, False, dtype)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for layout in ("nk", "kn"):
+            add_grouped("_grouped_mm", dtype, 64, layout)
+            add_grouped("_grouped_mm", dtype, 64, layout, misaligned=1)
+        add_grouped("_grouped_mm", dtype, 128, "nk")
+    add_grouped("_scaled_grouped_mm", None, 64, "nk")
+    add_grouped("_scaled_grouped_mm", None, 64, "nk", misaligned=1)
+    add_grouped("_scaled_grouped_mm", None, 128, "nk")
+    add_grouped("moe_experts", torch.bfloat16, 64, "nk", misaligned=1)
+    return out
+
+
+def notes() -> str:
+    lines = [f"{m.name}: {m.layers} layers, {m.moe_layers} MoE; dense weights {dense_bytes(m, 2) / 1e9:.2f} GB bf16 / "
+             f"{dense_bytes(m, 1) / 1e9:.2f} GB fp8 per step ({m.note})." for m in MODELS]
+    return "\n".join(lines) + f"""
+
+chosen: distinct experts the layer's tokens chose (routed and shared). weight read / chosen: expert weight bytes the two
+expert kernels read over (chosen experts x one expert's gate/up + down bytes); never an idle expert's. bytes / min (the
+layers): every byte any dispatch read or wrote over the minimum, the chosen experts' weights (and fp8 row scales) and
+the router once; activation rows re-read by each threadgroup count every time. DRAM model / min: the weights as read,
+plus every activation-sized tensor once read and once written (re-reads of KB-sized activations are served by the GPU's
+caches): the layer's bytes in us @chip and in the projection. tok/s: (MoE layers x layer bytes + dense weights) /
+bandwidth + {DISPATCH_SECONDS * 1e6:.0f} us x dispatches, for one decode step of `tokens` tokens. Dispatches: the
+layer's, measured, x MoE layers, plus {DENSE_DISPATCHES_PER_LAYER} per layer and {HEAD_DISPATCHES} for the head outside
+MoE blocks (assumed); the 'MoE dispatches only' column leaves the assumed ones out. fp8: every linear weight fp8
+(experts, mixers, LM head), the router bf16; 'LM head bf16' keeps the head in bf16, as quantize_fp8 does by default.
+Weights stream at the full bandwidth, KV cache and other activations are ignored, kernels do not overlap. The grouped
+products run on 256 of the N output columns, scaled by N / 256. torch 2.15
+M3U: anchors.md, measured end to end with torch.compile (not a projection). On a Mac the bf16 layers are timed against
+stock torch's MoE layer (F.grouped_mm)."""
+
+
+NOTES = notes()
+
+
+if __name__ == "__main__":
+    run_as_script("moe")

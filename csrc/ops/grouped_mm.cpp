@@ -1,0 +1,545 @@
+// Grouped matrix products for mixture-of-experts layers: aten::_grouped_mm
+// (F.grouped_mm) and aten::_scaled_grouped_mm (fp8 experts, row-wise
+// scales). Kernels: kernels_metal/grouped_mm.metal.
+//
+// The offsets never reach the host: nothing here reads `offs` (no .item(),
+// .cpu(), .tolist(), no data pointer of it). Launch geometry comes from
+// shapes alone: the decode kernel has one slot per row of the jagged
+// operand, the tiled kernel one tile per 32 rows, and each threadgroup finds
+// its group in `offs` on the GPU; threadgroups with no work exit at once.
+// (torch 2.9-2.14 run _grouped_mm on MPS through a composite kernel that
+// copies offs to the CPU and launches one mm per group; 2.15 has a Metal
+// kernel of its own. Neither has an MPS _scaled_grouped_mm: mps_ext
+// registers one.)
+#include <ATen/ATen.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "backend/launch.h"
+#include "grouped_mm_params.h"
+#include "ops/kernel_choice.h"
+#include "ops/ops.h"
+#include "ops/registration.h"
+#include "ops/registry.h"
+
+namespace mps_ext {
+namespace {
+
+// Rows of the jagged operand up to which the decode kernels run: 8 tokens
+// routed to their top-8 experts. A group has at most 8 rows there (a token
+// picks an expert once), so each chosen expert's weights stream once.
+constexpr int64_t kDecodeMaxRows = 64;
+// The fused MoE ops (a decode step's token slots, as moe_route makes them)
+// always run the decode kernel; a group of more than 8 rows streams its
+// weights once per 8 rows.
+constexpr int64_t kFusedMaxRows = 1024;
+
+bool is_float_dtype(c10::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+
+const char* type_name(c10::ScalarType t) {
+  const char* name = kernel_type_name(t);
+  TORCH_CHECK(name && t != at::kFloat8_e5m2, "mps_ext grouped_mm: no kernel for ", t);
+  return name;
+}
+
+// torch's own check of a data pointer (GroupedMMUtils.h), for its error;
+// whether 16-byte loads are safe is kernel_choice.h's aligned16.
+bool data_ptr_aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// ------------------------------------------------------------- checks --
+// The checks of the torch this is built against (and runs with), which
+// changed across releases: from 2.14 the batch stride of a 3-D operand (off
+// the CPU) and offs's stride are checked too.
+#define MPS_EXT_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+// torch's check_valid_strides_and_return_transposed (GroupedMMUtils.h):
+// the last two dimensions are row- or column-major with the leading stride
+// a multiple of 16 bytes, and (off the CPU) the data 16-byte aligned.
+void check_strides(const at::Tensor& mat) {
+  const auto strides = mat.strides();
+  const auto sizes = mat.sizes();
+  const int64_t end = mat.dim() - 1;
+  const int64_t alignment = 16 / mat.element_size();
+  TORCH_CHECK(mat.device().is_cpu() || data_ptr_aligned16(mat), "expected data_ptr to be aligned to 16 bytes");
+#if MPS_EXT_TORCH_AT_LEAST(2, 14)
+  if (!mat.device().is_cpu() && mat.dim() == 3)
+    TORCH_CHECK(strides[0] % alignment == 0, "batch stride must yield 16-byte-aligned per-batch pointers, got stride(0)=",
+                strides[0], " with element size ", mat.element_size(), " (sizes=", sizes, ", strides=", strides, ")");
+#endif
+  if (strides[end - 1] == 1 && strides[end] >= std::max<int64_t>(1, sizes[end - 1])) {
+    TORCH_CHECK(strides[end] % alignment == 0, "strides should be multiple of 16 bytes");
+  } else if (strides[end] == 1 && strides[end - 1] >= std::max<int64_t>(1, sizes[end])) {
+    TORCH_CHECK(strides[end - 1] % alignment == 0, "strides should be multiple of 16 bytes");
+  } else {
+    TORCH_CHECK(false, "Invalid strides/sizes, got ", mat.strides(), " for strides and ", mat.sizes(), " for sizes");
+  }
+}
+
+// torch's _grouped_mm_validate_inputs and _resolve_grouped_mm_out_dtype.
+void check_grouped_mm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& offs,
+                      const c10::optional<at::Tensor>& bias, c10::optional<c10::ScalarType> out_dtype) {
+  TORCH_CHECK(is_float_dtype(a.scalar_type()), "Expected mat_a to be Float32, BFloat16 or Float16 matrix, got ",
+              a.scalar_type());
+  TORCH_CHECK(is_float_dtype(b.scalar_type()), "Expected mat_b to be Float32, BFloat16 or Float16 matrix, got ",
+              b.scalar_type());
+  TORCH_CHECK(a.dim() == 2 || a.dim() == 3, "mat_a has to be 2 or 3d");
+  TORCH_CHECK(b.dim() == 2 || b.dim() == 3, "mat_b has to be 2 or 3d");
+  if (a.dim() == 3 || b.dim() == 3)
+    TORCH_CHECK(a.size(-1) == b.size(-2), "contraction dimension of mat_a and mat_b must match");
+  check_strides(a);
+  check_strides(b);
+  TORCH_CHECK(offs.has_value() == (a.dim() == 2 || b.dim() == 2),
+              "Have to provide offsets if there is a 2d matrix, or no offset if both matrices are 3d");
+  if (offs.has_value()) {
+    TORCH_CHECK(offs->dim() == 1, "offs has to be 1D");
+    TORCH_CHECK(offs->scalar_type() == at::kInt, "Offsets have to be int32");
+#if MPS_EXT_TORCH_AT_LEAST(2, 14)
+    TORCH_CHECK(offs->stride(0) == 1, "Offsets must have stride (1,)");
+#endif
+  }
+  TORCH_CHECK(!bias.has_value(), "Bias not supported yet");
+  TORCH_CHECK(out_dtype.value_or(a.scalar_type()) == a.scalar_type(),
+              "Grouped gemm output dtype must match `mat_a` dtype");
+}
+
+// torch's create_grouped_gemm_output_tensor: the last dimension's stride is
+// padded to 16 bytes.
+at::Tensor grouped_output(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& offs,
+                          c10::ScalarType dtype) {
+  std::vector<int64_t> size;
+  if (a.dim() == 2 && b.dim() == 2) {
+    size = {offs->size(0), a.size(0), b.size(1)};
+  } else if (a.dim() == 2) {
+    TORCH_CHECK(offs->size(0) == b.size(0), "matrix batch sizes have to match");
+    size = {a.size(0), b.size(-1)};
+  } else if (b.dim() == 2) {
+    TORCH_CHECK(offs->size(0) == a.size(0), "matrix batch sizes have to match");
+    size = {a.size(1), b.size(1)};
+  } else {
+    TORCH_CHECK(a.size(0) == b.size(0), "batched dimension has to match");
+    size = {a.size(0), a.size(1), b.size(-1)};
+  }
+  const int64_t alignment = 16 / c10::elementSize(dtype);
+  const int64_t padded = (size.back() + alignment - 1) / alignment * alignment;
+  std::vector<int64_t> stride = size.size() == 2 ? std::vector<int64_t>{padded, 1}
+                                                 : std::vector<int64_t>{size[1] * padded, padded, 1};
+  return at::empty_strided(size, stride, a.options().dtype(dtype));
+}
+
+// ------------------------------------------------------------ problem --
+// Every layout as one GroupedMMParams problem over strided operands (see
+// grouped_mm_params.h). 3D x 2D is the rows mode transposed:
+// out[:, s:e] = A[g] @ B[:, s:e]  <=>  out^T[s:e, :] = B^T[s:e, :] @ A[g]^T.
+struct Problem {
+  GroupedMMParams p{};
+  at::Tensor a, b, out;         // bound as they are, with the strides in p
+  at::Tensor row_scale, col_scale;  // undefined without scales
+  at::Tensor rows_of;               // p.gather: the slot of each row (fused MoE ops)
+};
+
+Problem make_problem(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, int64_t groups,
+                     const at::Tensor* scale_a, const at::Tensor* scale_b) {
+  Problem pr;
+  GroupedMMParams& p = pr.p;
+  pr.a = a;
+  pr.b = b;
+  pr.out = out;
+  p.groups = static_cast<uint32_t>(groups);
+  p.mul = 1.0f;
+  const bool a2 = a.dim() == 2, b2 = b.dim() == 2;
+  auto scales = [&](const at::Tensor* rows, int64_t rows_batch, const at::Tensor* cols, int64_t cols_batch) {
+    if (!scale_a) return;
+    p.scales = GMM_ROW_SCALE | GMM_COL_SCALE;
+    // Each fp8 operand was decoded as x / 256.
+    p.mul = 65536.0f;
+    pr.row_scale = *rows;
+    pr.col_scale = *cols;
+    p.row_scale_batch = rows_batch;
+    p.col_scale_batch = cols_batch;
+  };
+  if (a2 && !b2) {  // rows of a split by offs
+    p.mode = GMM_MODE_ROWS;
+    p.m = a.size(0), p.n = b.size(2), p.k = a.size(1);
+    p.a_m = a.stride(0), p.a_k = a.stride(1);
+    p.b_batch = b.stride(0), p.b_k = b.stride(1), p.b_n = b.stride(2);
+    p.out_m = out.stride(0), p.out_n = out.stride(1);
+    if (scale_a) scales(scale_a, 0, scale_b, scale_b->stride(0));
+  } else if (!a2 && b2) {  // columns of b split by offs: transposed
+    p.mode = GMM_MODE_ROWS;
+    pr.a = b;
+    pr.b = a;
+    p.m = b.size(1), p.n = a.size(1), p.k = b.size(0);
+    p.a_m = b.stride(1), p.a_k = b.stride(0);
+    p.b_batch = a.stride(0), p.b_k = a.stride(2), p.b_n = a.stride(1);
+    p.out_m = out.stride(1), p.out_n = out.stride(0);
+    if (scale_a) scales(scale_b, 0, scale_a, scale_a->stride(0));
+  } else if (a2 && b2) {  // K split by offs, one output per group
+    p.mode = GMM_MODE_K;
+    p.m = a.size(0), p.n = b.size(1), p.k = std::min(a.size(1), b.size(0));
+    p.a_m = a.stride(0), p.a_k = a.stride(1);
+    p.b_k = b.stride(0), p.b_n = b.stride(1);
+    p.out_batch = out.stride(0), p.out_m = out.stride(1), p.out_n = out.stride(2);
+    if (scale_a) scales(scale_a, a.size(0), scale_b, b.size(1));
+  } else {  // batched
+    p.mode = GMM_MODE_BATCHED;
+    p.m = a.size(1), p.n = b.size(2), p.k = a.size(2);
+    p.a_batch = a.stride(0), p.a_m = a.stride(1), p.a_k = a.stride(2);
+    p.b_batch = b.stride(0), p.b_k = b.stride(1), p.b_n = b.stride(2);
+    p.out_batch = out.stride(0), p.out_m = out.stride(1), p.out_n = out.stride(2);
+    if (scale_a) scales(scale_a, scale_a->stride(0), scale_b, scale_b->stride(0));
+  }
+  return pr;
+}
+
+// The kernels index within one group's matrices in 32 bits.
+bool fits_32_bits(int64_t rows, int64_t row_stride, int64_t cols, int64_t col_stride) {
+  if (rows == 0 || cols == 0) return true;
+  const uint64_t last = uint64_t(rows - 1) * uint64_t(row_stride) + uint64_t(cols - 1) * uint64_t(col_stride);
+  return last <= std::numeric_limits<uint32_t>::max();
+}
+
+std::string problem_unsupported(const at::Tensor& a, const at::Tensor& b) {
+  for (const at::Tensor* t : {&a, &b})
+    if (t->layout() != at::kStrided) return "layout is not strided";
+  // Rows and columns of a and of one group of b, in whichever orientation.
+  auto last2 = [](const at::Tensor& t) {
+    return fits_32_bits(t.size(-2), t.stride(-2), t.size(-1), t.stride(-1));
+  };
+  if (!last2(a) || !last2(b)) return "a matrix with more than 2^32 elements per group";
+  for (const at::Tensor* t : {&a, &b})
+    if (t->size(-1) > std::numeric_limits<int32_t>::max() || t->size(-2) > std::numeric_limits<int32_t>::max() ||
+        (t->dim() == 3 && t->size(0) > std::numeric_limits<int32_t>::max()))
+      return "a dimension past 2^31";
+  return "";
+}
+
+// ---------------------------------------------------------- the launch --
+// The variant policy (shapes and alignment only; never offs):
+// - rows mode with at most kDecodeMaxRows rows: decode kernels, a grid slot
+//   per row. gmm_decode_rows when b's K is contiguous (the MoE layout
+//   W[E, N, K].transpose(-2, -1)) or neither dimension is; gmm_decode_cols
+//   when b's N is contiguous (W[E, K, N]). _vec (16-byte loads) where the
+//   host checked every address such a load can touch is 16-byte aligned.
+//   8 outputs per gmm_decode_rows threadgroup: a 1024-wide gate/up
+//   projection of one token's 8 experts makes 1024 threadgroups.
+// - everything else: gmm_tiled, a 32 x 32 tile per threadgroup; the rows
+//   mode launches ceil(m / 32) row tiles (a tile may span groups), the
+//   K-split and batched modes one tile grid per group.
+// `types`: the kernels' type suffix ("bf16", "e4m3", "bf16_e4m3w": bfloat
+// activations with fp8 weights).
+// `fused`: mps_ext's MoE ops, which always take the decode kernel.
+void run(const Problem& pr, const at::Tensor& offs, const std::string& types, bool fused = false) {
+  const GroupedMMParams& p = pr.p;
+  const int64_t item = pr.b.element_size();
+  Launch l;
+  l.library = "grouped_mm";
+  const bool decode = p.mode == GMM_MODE_ROWS && (p.m <= kDecodeMaxRows || fused);
+  const bool fp8 = pr.b.scalar_type() == at::kFloat8_e4m3fn;
+  const bool cols = p.b_n == 1 && p.b_k != 1 && p.n > 1 && !fp8 && !p.swiglu && !p.gather;
+  TORCH_CHECK(decode || !(p.swiglu || p.gather), "mps_ext grouped_mm: the fused MoE ops run the decode kernel only");
+  std::string name;
+  if (decode && !cols) {
+    const bool vec = p.a_k == 1 && p.b_k == 1 && aligned16(pr.a, p.a_m) && aligned16(pr.b, p.b_n) &&
+                     aligned16(pr.b, p.b_batch);
+    const int64_t outputs = p.swiglu ? p.n / 2 : p.n;
+    const int64_t per_group = GMM_ROWS_SIMDGROUPS * (p.swiglu ? GMM_ROWS_OUTPUTS / 2 : GMM_ROWS_OUTPUTS);
+    name = "gmm_decode_rows_" + types + (vec ? "_vec" : "_scalar");
+    l.threadgroups = {static_cast<uint32_t>((outputs + per_group - 1) / per_group), p.m, 1};
+    l.threads_per_threadgroup = {32 * GMM_ROWS_SIMDGROUPS, 1, 1};
+  } else if (decode) {
+    const bool vec = aligned16(pr.b, p.b_k) && aligned16(pr.b, p.b_batch);
+    const int64_t per_group = GMM_COLS_LANES * (vec ? 16 / item : 1);
+    name = "gmm_decode_cols_" + types + (vec ? "_vec" : "_scalar");
+    l.threadgroups = {static_cast<uint32_t>((p.n + per_group - 1) / per_group), p.m, 1};
+    l.threads_per_threadgroup = {GMM_COLS_THREADS, 1, 1};
+  } else {
+    name = "gmm_tiled_" + types;
+    l.threadgroups = {(p.n + GMM_TILE_N - 1) / GMM_TILE_N, (p.m + GMM_TILE_M - 1) / GMM_TILE_M,
+                      p.mode == GMM_MODE_ROWS ? 1u : p.groups};
+    l.threads_per_threadgroup = {GMM_TILE_THREADS, 1, 1};
+  }
+  l.kernel = name;
+  // Without scales the output stands in for buffers 5 and 6; never read.
+  l.args = {KernelArg::of(pr.out), KernelArg::of(pr.a), KernelArg::of(pr.b), KernelArg::of(offs),
+            KernelArg::value(p)};
+  if (name.rfind("gmm_decode_cols", 0) != 0) {
+    l.args.push_back(KernelArg::of(pr.row_scale.defined() ? pr.row_scale : pr.out));
+    l.args.push_back(KernelArg::of(pr.col_scale.defined() ? pr.col_scale : pr.out));
+  }
+  if (name.rfind("gmm_decode_rows", 0) == 0) l.args.push_back(KernelArg::of(pr.rows_of.defined() ? pr.rows_of : offs));
+  launch(l);
+}
+
+// offs as the kernels read it: contiguous int32 (a device copy if it was a
+// strided view; its values are never looked at here). 3D x 3D has none:
+// the output stands in (the batched mode never reads it).
+at::Tensor offs_for_kernel(const c10::optional<at::Tensor>& offs, const at::Tensor& out) {
+  if (!offs.has_value()) return out;
+  return offs->is_contiguous() ? *offs : offs->contiguous();
+}
+
+int64_t group_count(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& offs) {
+  return offs.has_value() ? offs->size(0) : a.size(0);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------ _grouped_mm --
+std::string grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type() && is_float_dtype(a.scalar_type()) && is_float_dtype(b.scalar_type()))
+    return "operands of different dtypes";  // torch's own error follows
+  if (a.dim() < 2 || b.dim() < 2) return "";  // our checks raise torch's error
+  return problem_unsupported(a, b);
+}
+
+at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& offs,
+                      const c10::optional<at::Tensor>& bias, c10::optional<c10::ScalarType> out_dtype) {
+  check_grouped_mm(a, b, offs, bias, out_dtype);
+  at::Tensor out = grouped_output(a, b, offs, a.scalar_type());
+  const int64_t groups = group_count(a, b, offs);
+  if (out.numel() == 0 || groups == 0) return out;
+  run(make_problem(a, b, out, groups, nullptr, nullptr), offs_for_kernel(offs, out), type_name(a.scalar_type()));
+  return out;
+}
+
+// ---------------------------------------------------- _scaled_grouped_mm --
+namespace {
+
+bool row_major(const at::Tensor& t) { return t.stride(-2) > 1 && t.stride(-1) == 1; }
+bool col_major(const at::Tensor& t) { return t.stride(-2) == 1 && t.stride(-1) > 1; }
+
+// torch's checks for _scaled_grouped_mm (the ones of its meta function,
+// torch/_meta_registrations.py, which mirror the CUDA kernel's).
+void check_scale(const char* name, const at::Tensor& scale, const at::Tensor& mat, int64_t scaled_dim,
+                 int64_t multiplier) {
+  if (mat.dim() == 2) {
+    TORCH_CHECK(scale.is_contiguous(), "Expected ", name, " to be contiguous.");
+    TORCH_CHECK(scale.dim() == 1, "Expected ", name, " to be 1D tensor, but got ", scale.dim(), "D tensor.");
+    TORCH_CHECK(scale.size(0) == mat.size(scaled_dim) * multiplier, "Expected ", name, " to have ",
+                mat.size(scaled_dim) * multiplier, " elements, got ", scale.size(0), " elements.");
+  } else {
+    TORCH_CHECK(scale.dim() >= 1 && scale.stride(-1) == 1, "Expected ", name, " to be contiguous in the last dimension.");
+    TORCH_CHECK(scale.size(0) == mat.size(0), "Expected ", name, " batch dimension to be ", mat.size(0), ", got ",
+                scale.size(0), ".");
+    TORCH_CHECK(scale.dim() == 2, "Expected ", name, " to be 2D tensor, but got ", scale.dim(), "D tensor.");
+    TORCH_CHECK(scale.size(1) == mat.size(1 + scaled_dim), "Expected ", name, " non-batch dimension to be ",
+                mat.size(1 + scaled_dim), ", got ", scale.size(1), ".");
+  }
+}
+
+void check_fp8_strides(const char* name, const at::Tensor& mat) {
+  const int64_t end = mat.dim() - 1;
+  const int64_t alignment = 16 / mat.element_size();
+  const auto st = mat.strides();
+  TORCH_CHECK(mat.device().is_cpu() || data_ptr_aligned16(mat), "expected data_ptr to be aligned to 16 bytes");
+  if (st[end - 1] == 1 && st[end] >= std::max<int64_t>(1, mat.size(end - 1))) {
+    TORCH_CHECK(st[end] % alignment == 0, "Expected ", name, " stride along ", end, " dim to be multiple of 16 bytes, got ",
+                st[end], ".");
+  } else if (st[end] == 1 && st[end - 1] >= std::max<int64_t>(1, mat.size(end))) {
+    TORCH_CHECK(st[end - 1] % alignment == 0, "Expected ", name, " stride along ", end - 1,
+                " dim to be multiple of 16 bytes, got ", st[end - 1], ".");
+  } else {
+    TORCH_CHECK(false, "Invalid strides/sizes, got ", mat.strides(), " for strides and ", mat.sizes(), " for sizes.");
+  }
+}
+
+void check_scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                             const at::Tensor& scale_b, const c10::optional<at::Tensor>& offs,
+                             const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale_result,
+                             c10::optional<c10::ScalarType> out_dtype) {
+  TORCH_CHECK(a.scalar_type() == at::kFloat8_e4m3fn && b.scalar_type() == at::kFloat8_e4m3fn,
+              "Expected inputs of E4M3 FP8 type but got mat_a.dtype=", a.scalar_type(), " and mat_b.dtype=",
+              b.scalar_type(), ".");
+  TORCH_CHECK((a.dim() == 2 || a.dim() == 3) && (b.dim() == 2 || b.dim() == 3),
+              "Multiplicands must be 2D or 3D but got mat_a.dim()=", a.dim(), " and mat_b.dim()=", b.dim());
+  const bool a2 = a.dim() == 2, b2 = b.dim() == 2;
+  if (!a2 || !b2) TORCH_CHECK(a.size(-1) == b.size(-2), "contraction dimension of mat_a and mat_b must match");
+  TORCH_CHECK(row_major(a), "Expected mat_a tensor to be row major in the last two dimensions, got strides ",
+              a.strides().slice(a.dim() - 2));
+  TORCH_CHECK(col_major(b), "Expected mat_b tensor to be column major in the last two dimensions, got strides ",
+              b.strides().slice(b.dim() - 2));
+  check_fp8_strides("mat_a", a);
+  check_fp8_strides("mat_b", b);
+  TORCH_CHECK(scale_a.scalar_type() != at::kFloat8_e8m0fnu || scale_b.scalar_type() != at::kFloat8_e8m0fnu,
+              "mps_ext _scaled_grouped_mm: MXFP8 (float8_e8m0fnu block scales) is not implemented; it takes "
+              "float32 row-wise scales");
+  TORCH_CHECK(scale_a.scalar_type() == at::kFloat && scale_b.scalar_type() == at::kFloat,
+              "For FP8 scales must both be float32, or for MXFP8 both scales must be float8_e8m0fnu. Got "
+              "scale_a.dtype=", scale_a.scalar_type(), " and scale_b.dtype=", scale_b.scalar_type(), ".");
+  const int64_t multiplier = offs.has_value() && a2 && b2 ? offs->size(0) : 1;
+  check_scale("scale_a", scale_a, a, 0, multiplier);
+  check_scale("scale_b", scale_b, b, 1, multiplier);
+  TORCH_CHECK(!scale_result.has_value(), "Scale result tensor provided, but it is not supported yet.");
+  if (a2 || b2) {
+    TORCH_CHECK(offs.has_value(), "Offsets tensor not provided, but is needed for ", a.dim(), "D/", b.dim(),
+                "D multiplicand layouts.");
+    TORCH_CHECK(offs->dim() == 1, "Offsets tensor must be 1D, but got offs.dim()=", offs->dim(), ".");
+    TORCH_CHECK(offs->scalar_type() == at::kInt, "Offsets tensor must be integer (int32) tensor, but got ",
+                offs->scalar_type(), ".");
+  } else {
+    TORCH_CHECK(!offs.has_value(), "Offsets tensor provided, but is not needed for 3D/3D multiplicand layouts.");
+  }
+  TORCH_CHECK(!bias.has_value(), "Bias tensor provided, but it is not supported yet.");
+  TORCH_CHECK(!out_dtype.has_value() || *out_dtype == at::kBFloat16,
+              "If output dtype provided, it must be torch.bfloat16.");
+}
+
+}  // namespace
+
+std::string scaled_grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b) {
+  if (a.dim() < 2 || b.dim() < 2) return "";  // our checks raise torch's error
+  return problem_unsupported(a, b);
+}
+
+at::Tensor scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                             const at::Tensor& scale_b, const c10::optional<at::Tensor>& offs,
+                             const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale_result,
+                             c10::optional<c10::ScalarType> out_dtype) {
+  check_scaled_grouped_mm(a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype);
+  at::Tensor out = grouped_output(a, b, offs, at::kBFloat16);
+  const int64_t groups = group_count(a, b, offs);
+  if (out.numel() == 0 || groups == 0) return out;
+  run(make_problem(a, b, out, groups, &scale_a, &scale_b), offs_for_kernel(offs, out), type_name(a.scalar_type()));
+  return out;
+}
+
+// ----------------------------------------------------------- moe_experts --
+// mps_ext's fused decode product of a MoE layer (see grouped_mm_moe.cpp).
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& weight_scale,
+                       const at::Tensor& offs, const c10::optional<at::Tensor>& slot_of_row, int64_t slots_per_token,
+                       bool swiglu) {
+  const bool fp8 = weight.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && x.size(1) == weight.size(2),
+              "moe_experts: x [tokens or rows, K] and weight [experts, N, K] expected, got ", x.sizes(), " and ",
+              weight.sizes());
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), "moe_experts: x must be float32, float16 or bfloat16, got ",
+              x.scalar_type());
+  TORCH_CHECK(fp8 ? x.scalar_type() == at::kBFloat16 : weight.scalar_type() == x.scalar_type(),
+              "moe_experts: weight must have x's dtype, or be float8_e4m3fn with bfloat16 x; got ", weight.scalar_type(),
+              " and ", x.scalar_type());
+  TORCH_CHECK(fp8 == weight_scale.has_value(), "moe_experts: fp8 weights need weight_scale [experts, N] (float32), "
+              "other weights none");
+  if (fp8)
+    TORCH_CHECK(weight_scale->scalar_type() == at::kFloat && weight_scale->dim() == 2 &&
+                    weight_scale->size(0) == weight.size(0) && weight_scale->size(1) == weight.size(1) &&
+                    weight_scale->stride(1) == 1,
+                "moe_experts: weight_scale must be float32 [experts, N] contiguous in N, got ", weight_scale->sizes());
+  TORCH_CHECK(offs.dim() == 1 && offs.scalar_type() == at::kInt && offs.size(0) == weight.size(0),
+              "moe_experts: offs must be int32 [experts]");
+  const int64_t rows = slot_of_row ? slot_of_row->numel() : x.size(0);
+  if (slot_of_row)
+    TORCH_CHECK(slot_of_row->scalar_type() == at::kInt && slot_of_row->dim() == 1 && slot_of_row->is_contiguous() &&
+                    slots_per_token >= 1 && rows <= x.size(0) * slots_per_token,
+                "moe_experts: slot_of_row must be contiguous int32 [rows] with rows <= tokens * slots_per_token");
+  TORCH_CHECK(rows <= kFusedMaxRows, "moe_experts is the decode path: at most ", kFusedMaxRows,
+              " routed rows, got ", rows, "; use F.grouped_mm");
+  TORCH_CHECK(!swiglu || weight.size(1) % 2 == 0, "moe_experts: swiglu needs weight rows [gate | up], got ",
+              weight.size(1));
+  TORCH_CHECK(problem_unsupported(x, weight).empty(), "moe_experts: ", problem_unsupported(x, weight));
+  at::Tensor out = at::empty({rows, swiglu ? weight.size(1) / 2 : weight.size(1)}, x.options());
+  if (out.numel() == 0 || weight.size(0) == 0) return out;
+  Problem pr;
+  GroupedMMParams& p = pr.p;
+  pr.a = x, pr.b = weight, pr.out = out;
+  p.mode = GMM_MODE_ROWS;
+  p.groups = static_cast<uint32_t>(weight.size(0));
+  p.m = static_cast<uint32_t>(rows), p.n = weight.size(1), p.k = x.size(1);
+  p.a_m = x.stride(0), p.a_k = x.stride(1);
+  p.b_batch = weight.stride(0), p.b_k = weight.stride(2), p.b_n = weight.stride(1);
+  p.out_m = out.stride(0), p.out_n = out.stride(1);
+  p.swiglu = swiglu ? 1 : 0;
+  p.mul = 1.0f;
+  if (slot_of_row) {
+    p.gather = static_cast<uint32_t>(slots_per_token);
+    pr.rows_of = *slot_of_row;
+  }
+  if (fp8) {
+    p.scales = GMM_COL_SCALE;
+    p.mul = 256.0f;  // the weights were decoded as w / 256
+    pr.col_scale = *weight_scale;
+    p.col_scale_batch = weight_scale->stride(0);
+  }
+  run(pr, offs.contiguous(), fp8 ? "bf16_e4m3w" : type_name(x.scalar_type()), true);
+  return out;
+}
+
+// -------------------------------------------------------- registration --
+namespace {
+
+using c10::DispatchKey;
+
+template <DispatchKey K>
+at::Tensor grouped_mm_impl(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& offs,
+                           const c10::optional<at::Tensor>& bias, c10::optional<c10::ScalarType> out_dtype) {
+  return route(family("grouped_mm"), "aten::_grouped_mm", K, grouped_mm_unsupported(a, b),
+               [&] { return mps_ext::grouped_mm(a, b, offs, bias, out_dtype); }, a, b, offs, bias, out_dtype);
+}
+
+template <DispatchKey K>
+at::Tensor scaled_grouped_mm_impl(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                                  const at::Tensor& scale_b, const c10::optional<at::Tensor>& offs,
+                                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale_result,
+                                  c10::optional<c10::ScalarType> out_dtype, bool use_fast_accum) {
+  return route(family("grouped_mm"), "aten::_scaled_grouped_mm", K, scaled_grouped_mm_unsupported(a, b),
+               [&] { return mps_ext::scaled_grouped_mm(a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype); },
+               a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype, use_fast_accum);
+}
+
+// _scaled_grouped_mm_v2 (F.scaled_grouped_mm, torch 2.10 on): the recipe
+// _scaled_grouped_mm takes, as v2 spells it (one RowWise float32 scale per
+// operand, unswizzled, K the last dimension of a and the second-to-last of
+// b); then _scaled_grouped_mm's checks. torch has no kernel for it off CUDA,
+// so what else it is given gets an error saying what is supported.
+std::string scaled_grouped_mm_v2_unsupported(const at::Tensor& a, const at::Tensor& b, at::TensorList scale_a,
+                                             at::IntArrayRef recipe_a, at::IntArrayRef swizzle_a,
+                                             at::TensorList scale_b, at::IntArrayRef recipe_b,
+                                             at::IntArrayRef swizzle_b, at::IntArrayRef contraction_dim) {
+  auto one = [](at::TensorList scales, at::IntArrayRef recipe) {
+    return scales.size() == 1 && recipe.size() == 1 && recipe[0] == kRowWise;
+  };
+  auto no_swizzle = [](at::IntArrayRef s) { return s.empty() || (s.size() == 1 && s[0] == 0); };
+  if (!one(scale_a, recipe_a) || !one(scale_b, recipe_b) || !no_swizzle(swizzle_a) || !no_swizzle(swizzle_b))
+    return "scale recipes a=" + c10::str(recipe_a) + " b=" + c10::str(recipe_b) + ", swizzles a=" +
+           c10::str(swizzle_a) + " b=" + c10::str(swizzle_b) +
+           "; mps_ext takes RowWise (1) for both, one float32 scale tensor each, unswizzled";
+  if (!contraction_dim.empty() && !(contraction_dim.size() == 2 && contraction_dim[0] == -1 && contraction_dim[1] == -2))
+    return "contraction_dim " + c10::str(contraction_dim) + "; mps_ext takes [] or [-1, -2]";
+  return scaled_grouped_mm_unsupported(a, b);
+}
+
+template <DispatchKey K>
+at::Tensor scaled_grouped_mm_v2_impl(const at::Tensor& a, const at::Tensor& b, at::TensorList scale_a,
+                                     at::IntArrayRef recipe_a, at::IntArrayRef swizzle_a, at::TensorList scale_b,
+                                     at::IntArrayRef recipe_b, at::IntArrayRef swizzle_b,
+                                     const c10::optional<at::Tensor>& offs, const c10::optional<at::Tensor>& bias,
+                                     c10::optional<c10::ScalarType> out_dtype, at::IntArrayRef contraction_dim,
+                                     bool use_fast_accum) {
+  return route(family("grouped_mm"), "aten::_scaled_grouped_mm_v2", K,
+               scaled_grouped_mm_v2_unsupported(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b,
+                                                contraction_dim),
+               [&] {
+                 return mps_ext::scaled_grouped_mm(a, b, scale_a[0], scale_b[0], offs, bias, c10::nullopt,
+                                                   out_dtype);
+               },
+               a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, offs, bias, out_dtype, contraction_dim,
+               use_fast_accum);
+}
+
+template <DispatchKey K>
+void register_grouped_mm(torch::Library& m) {
+  m.impl("_grouped_mm", TORCH_FN(grouped_mm_impl<K>));
+  m.impl("_scaled_grouped_mm", TORCH_FN(scaled_grouped_mm_impl<K>));
+  m.impl("_scaled_grouped_mm_v2", TORCH_FN(scaled_grouped_mm_v2_impl<K>));
+}
+
+}  // namespace
+}  // namespace mps_ext
+
+// Meta kernels: mps_ext/_meta.py (torch's own take bfloat16 only before torch
+// 2.14, pad the output's stride only for CUDA before 2.15, and do not exist
+// for _scaled_grouped_mm_v2 before 2.14).
+MPS_EXT_FAMILY_OWN_META("grouped_mm", mps_ext::register_grouped_mm, "aten::_grouped_mm", "aten::_scaled_grouped_mm",
+                        "aten::_scaled_grouped_mm_v2")

@@ -1,0 +1,480 @@
+// Grouped matrix products for mixture-of-experts layers (_grouped_mm,
+// _scaled_grouped_mm). The group offsets are read here, on the GPU, never by
+// the host: every launch is sized from shapes alone, and a threadgroup finds
+// its group by searching `offs` itself. Threadgroups that find no work exit
+// at once. Accumulation is in float.
+//
+// gmm_decode_rows  few rows (decode): one threadgroup owns 8 output columns
+//                  of one group's rows (up to 8 at a time), streams those 8
+//                  weight columns of the group's expert once with 16-byte
+//                  loads along K and applies each to all its rows. The grid
+//                  has one slot per row of `a`; the slot of a group's first
+//                  row (and of every 8th after it) works, the others exit.
+//                  So experts nobody chose are never touched, and the
+//                  launch is the same whatever the routing.
+// gmm_decode_cols  the same for a weight whose N dimension is contiguous
+//                  (W[E, K, N]): lanes own 16 bytes of consecutive outputs,
+//                  the threadgroup's 32 K lanes add up in threadgroup memory.
+// gmm_tiled        many rows (prefill, and the K-split and batched modes):
+//                  32 x 32 output tiles from simdgroup_matrix products.
+//                  In the rows mode a tile of 32 rows may span several
+//                  groups; it accumulates each group's rows against that
+//                  group's weights (other rows masked to zero).
+//
+// Element types: float, half, bfloat, and float8_e4m3fn bytes (uchar),
+// decoded as value / 256 (fp8_codec.h: e4m3 bits placed into half bits, four
+// bytes at a time) with the 256s folded into p.mul.
+#include <metal_stdlib>
+#include "fp8_codec.h"
+#include "grouped_mm_params.h"
+using namespace metal;
+
+// ------------------------------------------------------------ elements --
+inline float elem(float v) { return v; }
+inline float elem(half v) { return float(v); }
+inline float elem(bfloat v) { return float(v); }
+inline float elem(uchar v) { return e4m3x4_to_float_div256(uint(v)).x; }
+
+// 16 bytes of T as floats: 4 floats, 8 halves or bfloats, 16 fp8 values.
+// (A function, not a static data member: MSL allows those only in `constant`.)
+template <typename T>
+constexpr int vec16_n() {
+  return 16 / sizeof(T);
+}
+template <typename T>
+struct Vec16 {
+  float v[16 / sizeof(T)];
+};
+
+inline Vec16<float> load_vec16(const device float* p) {
+  float4 f = *(const device float4*)p;
+  Vec16<float> r;
+  for (int i = 0; i < 4; ++i) r.v[i] = f[i];
+  return r;
+}
+template <typename T>
+inline Vec16<T> load_vec16_16bit(const device T* p) {
+  uint4 bits = *(const device uint4*)p;
+  Vec16<T> r;
+  for (int i = 0; i < 4; ++i) {
+    vec<T, 2> two = as_type<vec<T, 2>>(bits[i]);
+    r.v[2 * i] = float(two.x);
+    r.v[2 * i + 1] = float(two.y);
+  }
+  return r;
+}
+inline Vec16<half> load_vec16(const device half* p) { return load_vec16_16bit(p); }
+inline Vec16<bfloat> load_vec16(const device bfloat* p) { return load_vec16_16bit(p); }
+inline Vec16<uchar> load_vec16(const device uchar* p) {
+  uint4 bits = *(const device uint4*)p;
+  Vec16<uchar> r;
+  for (int i = 0; i < 4; ++i) {
+    const float4 four = e4m3x4_to_float_div256(bits[i]);
+    for (int j = 0; j < 4; ++j) r.v[4 * i + j] = four[j];
+  }
+  return r;
+}
+
+inline float silu(float x) { return x / (1.0f + exp(-x)); }
+
+// -------------------------------------------------------------- groups --
+// end(g) = clamp(offs[g], 0, m): the rows of group g are [end(g-1), end(g)).
+inline uint group_end(const device int* offs, uint g, uint m) {
+  return uint(clamp(offs[g], 0, int(min(m, uint(INT_MAX)))));
+}
+inline uint group_start(const device int* offs, uint g, uint m) { return g == 0 ? 0 : group_end(offs, g - 1, m); }
+
+// The group holding row r: the first g with end(g) > r, or `groups` if none
+// (a row past offs[-1]). Run by one whole simdgroup: each round the 32 lanes
+// probe 32 evenly spaced offsets at once, so 256 groups take 2 rounds of one
+// load each instead of 8 dependent loads. Offsets are non-decreasing (torch's
+// contract); if they are not, the answer is some group, still in bounds.
+inline uint find_group(const device int* offs, uint groups, uint m, uint r, uint lane) {
+  uint lo = 0, hi = groups;  // the answer is in [lo, hi]
+  while (lo < hi) {
+    const uint step = (hi - lo + 31) / 32;
+    const uint probe = lo + (lane + 1) * step - 1;
+    const bool below = probe < hi && group_end(offs, probe, m) <= r;
+    const uint count = uint(simd_sum(below ? 1 : 0));  // probes below r form a prefix
+    const uint next = lo + (count + 1) * step - 1;     // first probe not below, if any
+    lo = min(lo + count * step, hi);
+    hi = next < hi ? next : hi;
+  }
+  return lo;
+}
+
+// What a decode threadgroup works on: `rows` rows from `row` of group `g`.
+struct RowSlot {
+  uint g, row, rows;
+};
+
+// Simdgroup 0 finds the slot's group and shares it; rows == 0: no work.
+// Every thread of the threadgroup must call this (it has a barrier).
+inline RowSlot decode_slot(const device int* offs, constant GroupedMMParams& p, uint row, uint sg, uint lane,
+                           threadgroup uint* shared) {
+  if (sg == 0) {
+    const uint g = find_group(offs, p.groups, p.m, row, lane);
+    if (lane == 0) {
+      uint rows = 0;
+      if (g < p.groups) {
+        const uint start = group_start(offs, g, p.m), end = group_end(offs, g, p.m);
+        // Rows of a group are taken 8 at a time, by the slots of its 1st, 9th, ... row.
+        if ((row - start) % GMM_DECODE_MAX_ROWS == 0) rows = min(uint(GMM_DECODE_MAX_ROWS), end - row);
+      }
+      shared[0] = g;
+      shared[1] = rows;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  RowSlot s;
+  s.g = shared[0];
+  s.row = row;
+  s.rows = shared[1];
+  return s;
+}
+
+inline float scale_of(constant GroupedMMParams& p, const device float* row_scale, const device float* col_scale,
+                      uint g, uint m, uint n) {
+  float s = p.mul;
+  if (p.scales & GMM_ROW_SCALE) s *= row_scale[ulong(g) * ulong(p.row_scale_batch) + m];
+  if (p.scales & GMM_COL_SCALE) s *= col_scale[ulong(g) * ulong(p.col_scale_batch) + n];
+  return s;
+}
+
+// ------------------------------------------------------ gmm_decode_rows --
+// E consecutive activations as floats, from 16-byte loads (E is the number
+// of weights in 16 bytes: 16 fp8 weights take two 16-byte loads of bfloat).
+template <typename TA, int E>
+inline void load_run(const device TA* p, thread float* out) {
+  for (int i = 0; i < E; i += vec16_n<TA>()) {
+    Vec16<TA> v = load_vec16(p + i);
+    for (int e = 0; e < vec16_n<TA>(); ++e) out[i + e] = v.v[e];
+  }
+}
+
+// R rows (a power of two >= the slot's rows) of one group against
+// GMM_ROWS_OUTPUTS weight columns per simdgroup, K contiguous (VEC) or not.
+// Activations TA, weights TB (the same, or fp8 weights under bfloat).
+template <typename TA, typename TB, typename TO, int R, bool VEC>
+inline void decode_rows_body(device TO* out, const device TA* a, const device TB* w, constant GroupedMMParams& p,
+                             const device float* row_scale, const device float* col_scale,
+                             const device int* rows_of, RowSlot s, uint col0, uint lane) {
+  constexpr int Q = GMM_ROWS_OUTPUTS;
+  const int rows = int(s.rows);
+  // swiglu: outputs col0, col0 + 1 of silu(gate) * up, from b's columns
+  // col0, col0 + 1 (gate) and half + col0, half + col0 + 1 (up).
+  const uint half_n = p.n / 2;
+  const uint outputs = p.swiglu ? half_n : p.n;
+  uint col[Q];
+  bool live[Q];
+  for (int q = 0; q < Q; ++q) {
+    const uint c = p.swiglu ? (q < Q / 2 ? col0 + q : half_n + col0 + q - Q / 2) : col0 + q;
+    live[q] = (p.swiglu ? col0 + q % (Q / 2) : c) < outputs;
+    col[q] = live[q] ? c : 0;
+  }
+  // Each row's activations: its own row of `a`, or its token's.
+  const device TA* arow[R];
+  for (int r = 0; r < R; ++r) {
+    const uint m = s.row + uint(min(r, rows - 1));
+    const uint src = p.gather ? uint(rows_of[m]) / p.gather : m;
+    arow[r] = a + ulong(src) * ulong(p.a_m);
+  }
+  float acc[R][Q];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < Q; ++q) acc[r][q] = 0.0f;
+
+  uint k_done = 0;
+  if (VEC) {
+    // Lanes take consecutive 16-byte pieces of the weights: a simdgroup
+    // reads 512 contiguous bytes of each weight column per step.
+    constexpr int E = vec16_n<TB>();
+    const uint k_vec = p.k / E * E;
+    for (uint k = lane * E; k < k_vec; k += 32 * E) {
+      float xv[R][E];
+      for (int r = 0; r < R; ++r)
+        if (r < rows) load_run<TA, E>(arow[r] + k, xv[r]);
+      for (int q = 0; q < Q; ++q) {
+        if (!live[q]) continue;
+        Vec16<TB> wv = load_vec16(w + col[q] * uint(p.b_n) + k);
+        for (int r = 0; r < R; ++r) {
+          if (r >= rows) continue;
+          float d = 0.0f;
+          for (int e = 0; e < E; ++e) d += xv[r][e] * wv.v[e];
+          acc[r][q] += d;
+        }
+      }
+    }
+    k_done = k_vec;
+  }
+  for (uint k = k_done + lane; k < p.k; k += 32) {  // what 16-byte steps cannot take
+    float xs[R];
+    for (int r = 0; r < R; ++r) xs[r] = r < rows ? elem(arow[r][k * uint(p.a_k)]) : 0.0f;
+    for (int q = 0; q < Q; ++q) {
+      if (!live[q]) continue;
+      const float wv = elem(w[col[q] * uint(p.b_n) + k * uint(p.b_k)]);
+      for (int r = 0; r < R; ++r) acc[r][q] += xs[r] * wv;
+    }
+  }
+
+  for (int r = 0; r < R; ++r) {
+    if (r >= rows) break;
+    const uint m = s.row + uint(r);
+    float total[Q];
+    for (int q = 0; q < Q; ++q) total[q] = simd_sum(acc[r][q]);
+    device TO* orow = out + ulong(m) * ulong(p.out_m);
+    // Lane q writes output q (and alone reads its scales).
+    if (p.swiglu) {
+      for (int q = 0; q < Q / 2; ++q)
+        if (lane == uint(q) && live[q]) {
+          const float gate = total[q] * scale_of(p, row_scale, col_scale, s.g, m, col[q]);
+          const float up = total[q + Q / 2] * scale_of(p, row_scale, col_scale, s.g, m, col[q + Q / 2]);
+          orow[ulong(col0 + q) * ulong(p.out_n)] = TO(silu(gate) * up);
+        }
+    } else {
+      for (int q = 0; q < Q; ++q)
+        if (lane == uint(q) && live[q])
+          orow[ulong(col[q]) * ulong(p.out_n)] = TO(total[q] * scale_of(p, row_scale, col_scale, s.g, m, col[q]));
+    }
+  }
+}
+
+template <typename TA, typename TB, typename TO, bool VEC>
+[[max_total_threads_per_threadgroup(64)]]
+kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
+                            const device TA* a [[buffer(1)]],
+                            const device TB* w [[buffer(2)]],
+                            const device int* offs [[buffer(3)]],
+                            constant GroupedMMParams& p [[buffer(4)]],
+                            const device float* row_scale [[buffer(5)]],
+                            const device float* col_scale [[buffer(6)]],
+                            const device int* rows_of [[buffer(7)]],
+                            uint2 tg [[threadgroup_position_in_grid]],
+                            uint sg [[simdgroup_index_in_threadgroup]],
+                            uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup uint shared[2];
+  const RowSlot s = decode_slot(offs, p, tg.y, sg, lane, shared);
+  if (s.rows == 0) return;  // not the first row of a chunk, or past offs[-1]
+  const device TB* wg = w + ulong(s.g) * ulong(p.b_batch);
+  const uint col0 = (tg.x * GMM_ROWS_SIMDGROUPS + sg) * (p.swiglu ? GMM_ROWS_OUTPUTS / 2 : GMM_ROWS_OUTPUTS);
+  // One specialisation per row count, so one routed row does not pay for 8.
+  if (s.rows == 1)
+    decode_rows_body<TA, TB, TO, 1, VEC>(out, a, wg, p, row_scale, col_scale, rows_of, s, col0, lane);
+  else if (s.rows == 2)
+    decode_rows_body<TA, TB, TO, 2, VEC>(out, a, wg, p, row_scale, col_scale, rows_of, s, col0, lane);
+  else if (s.rows <= 4)
+    decode_rows_body<TA, TB, TO, 4, VEC>(out, a, wg, p, row_scale, col_scale, rows_of, s, col0, lane);
+  else
+    decode_rows_body<TA, TB, TO, 8, VEC>(out, a, wg, p, row_scale, col_scale, rows_of, s, col0, lane);
+}
+
+// ------------------------------------------------------ gmm_decode_cols --
+template <typename T, int R, bool VEC>
+inline void decode_cols_body(device T* out, const device T* a, const device T* w, constant GroupedMMParams& p,
+                             RowSlot s, uint col_base, uint tid, threadgroup float* partial) {
+  constexpr int E = VEC ? vec16_n<T>() : 1;
+  constexpr int CT = GMM_COLS_LANES * E;  // columns of the threadgroup
+  constexpr int KL = GMM_COLS_THREADS / GMM_COLS_LANES;
+  const uint cl = tid % GMM_COLS_LANES, kl = tid / GMM_COLS_LANES;
+  const uint c0 = col_base + cl * E;
+  const int rows = int(s.rows);
+  const device T* arow = a + ulong(s.row) * ulong(p.a_m);
+  float acc[R][E];
+  for (int r = 0; r < R; ++r)
+    for (int e = 0; e < E; ++e) acc[r][e] = 0.0f;
+  const bool whole = c0 + E <= p.n;
+  for (uint k = kl; k < p.k; k += KL) {
+    const device T* wk = w + k * uint(p.b_k) + c0 * uint(p.b_n);
+    float wv[E];
+    if (VEC && whole) {
+      Vec16<T> v = load_vec16(wk);
+      for (int e = 0; e < E; ++e) wv[e] = v.v[e];
+    } else {
+      for (int e = 0; e < E; ++e) wv[e] = c0 + e < p.n ? elem(wk[uint(e) * uint(p.b_n)]) : 0.0f;
+    }
+    for (int r = 0; r < R; ++r) {
+      if (r >= rows) break;
+      const float x = elem(arow[uint(r) * uint(p.a_m) + k * uint(p.a_k)]);
+      for (int e = 0; e < E; ++e) acc[r][e] += x * wv[e];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (r >= rows) break;
+    for (int e = 0; e < E; ++e) partial[kl * CT + cl * E + e] = acc[r][e];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tid < uint(CT) && col_base + tid < p.n) {
+      float total = 0.0f;
+      for (int l = 0; l < KL; ++l) total += partial[l * CT + tid];
+      out[ulong(s.row + r) * ulong(p.out_m) + ulong(col_base + tid) * ulong(p.out_n)] = T(total);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
+template <typename T, bool VEC>
+[[max_total_threads_per_threadgroup(GMM_COLS_THREADS)]]
+kernel void gmm_decode_cols(device T* out [[buffer(0)]],
+                            const device T* a [[buffer(1)]],
+                            const device T* w [[buffer(2)]],
+                            const device int* offs [[buffer(3)]],
+                            constant GroupedMMParams& p [[buffer(4)]],
+                            uint2 tg [[threadgroup_position_in_grid]],
+                            uint tid [[thread_index_in_threadgroup]],
+                            uint sg [[simdgroup_index_in_threadgroup]],
+                            uint lane [[thread_index_in_simdgroup]]) {
+  // 32 K lanes x up to 64 columns of partial sums.
+  threadgroup float partial[(GMM_COLS_THREADS / GMM_COLS_LANES) * GMM_COLS_LANES * 8];
+  threadgroup uint shared[2];
+  const RowSlot s = decode_slot(offs, p, tg.y, sg, lane, shared);
+  if (s.rows == 0) return;  // uniform: every thread read the same slot
+  const device T* wg = w + ulong(s.g) * ulong(p.b_batch);
+  const uint col_base = tg.x * GMM_COLS_LANES * (VEC ? vec16_n<T>() : 1);
+  if (s.rows == 1)
+    decode_cols_body<T, 1, VEC>(out, a, wg, p, s, col_base, tid, partial);
+  else if (s.rows == 2)
+    decode_cols_body<T, 2, VEC>(out, a, wg, p, s, col_base, tid, partial);
+  else if (s.rows <= 4)
+    decode_cols_body<T, 4, VEC>(out, a, wg, p, s, col_base, tid, partial);
+  else
+    decode_cols_body<T, 8, VEC>(out, a, wg, p, s, col_base, tid, partial);
+}
+
+// ------------------------------------------------------------ gmm_tiled --
+// One threadgroup: a GMM_TILE_M x GMM_TILE_N output tile; 4 simdgroups in a
+// 2 x 2 arrangement, each 16 x 16 (2 x 2 simdgroup matrices). Operand tiles
+// are staged in threadgroup memory as float, converted once on the way in.
+template <typename T, typename TO>
+[[max_total_threads_per_threadgroup(GMM_TILE_THREADS)]]
+kernel void gmm_tiled(device TO* out [[buffer(0)]],
+                      const device T* a [[buffer(1)]],
+                      const device T* w [[buffer(2)]],
+                      const device int* offs [[buffer(3)]],
+                      constant GroupedMMParams& p [[buffer(4)]],
+                      const device float* row_scale [[buffer(5)]],
+                      const device float* col_scale [[buffer(6)]],
+                      uint3 tg [[threadgroup_position_in_grid]],
+                      uint3 tpos [[thread_position_in_threadgroup]],
+                      uint sg [[simdgroup_index_in_threadgroup]],
+                      uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint BM = GMM_TILE_M, BN = GMM_TILE_N, BK = GMM_TILE_K;
+  threadgroup float As[BM * BK];
+  threadgroup float Bs[BK * BN];
+  threadgroup float Cs[BM * BN];
+  threadgroup uint row_group[BM];  // rows mode: each row's group, for the scales
+  threadgroup uint first[1];
+  const uint tid = tpos.x;
+  const uint r0 = tg.y * BM, n0 = tg.x * BN;
+  const uint r1 = min(r0 + BM, p.m);
+
+  // The groups this tile meets, [g_begin, g_end), and the K range of each.
+  uint g_begin, g_end;
+  if (p.mode == GMM_MODE_ROWS) {
+    if (sg == 0) {
+      const uint g = find_group(offs, p.groups, p.m, r0, lane);
+      if (lane == 0) first[0] = g;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    g_begin = first[0];
+    g_end = p.groups;
+  } else {
+    g_begin = tg.z;
+    g_end = tg.z + 1;
+  }
+  for (uint i = tid; i < BM; i += GMM_TILE_THREADS) row_group[i] = g_begin;
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // the segments below overwrite some
+
+  simdgroup_float8x8 acc[2][2];
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  const uint sr = (sg / 2) * 16, sc = (sg % 2) * 16;
+
+  for (uint g = g_begin; g < g_end; ++g) {
+    // Rows [seg0, seg1) of this tile belong to group g; K runs over [k0, k1).
+    uint seg0 = r0, seg1 = r1, k0 = 0, k1 = p.k;
+    if (p.mode == GMM_MODE_ROWS) {
+      const uint start = group_start(offs, g, p.m);
+      if (start >= r1) break;  // this group and all later ones start past the tile
+      seg0 = max(r0, start);
+      seg1 = min(r1, group_end(offs, g, p.m));
+      if (seg0 >= seg1) continue;  // an empty group
+      for (uint i = seg0 + tid; i < seg1; i += GMM_TILE_THREADS) row_group[i - r0] = g;
+    } else if (p.mode == GMM_MODE_K) {
+      k0 = min(group_start(offs, g, p.k), p.k);
+      k1 = max(k0, group_end(offs, g, p.k));
+    }
+    const device T* ag = a + ulong(g) * ulong(p.a_batch);
+    const device T* bg = w + ulong(g) * ulong(p.b_batch);
+    for (uint kt = k0; kt < k1; kt += BK) {
+      // Consecutive threads take consecutive elements along whichever
+      // dimension of b is contiguous, so the loads coalesce.
+      for (uint i = tid; i < BM * BK; i += GMM_TILE_THREADS) {
+        const uint r = i / BK, kk = i % BK, row = r0 + r, k = kt + kk;
+        As[i] = row >= seg0 && row < seg1 && k < k1 ? elem(ag[row * uint(p.a_m) + k * uint(p.a_k)]) : 0.0f;
+      }
+      for (uint i = tid; i < BK * BN; i += GMM_TILE_THREADS) {
+        uint kk, c;
+        if (p.b_k == 1) {
+          c = i / BK;
+          kk = i % BK;
+        } else {
+          kk = i / BN;
+          c = i % BN;
+        }
+        const uint k = kt + kk, n = n0 + c;
+        Bs[kk * BN + c] = k < k1 && n < p.n ? elem(bg[k * uint(p.b_k) + n * uint(p.b_n)]) : 0.0f;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (uint kk = 0; kk < BK; kk += 8) {
+        simdgroup_float8x8 am[2], bm[2];
+        for (int i = 0; i < 2; ++i) simdgroup_load(am[i], As, BK, ulong2(kk, sr + 8 * i));
+        for (int j = 0; j < 2; ++j) simdgroup_load(bm[j], Bs, BN, ulong2(sc + 8 * j, kk));
+        for (int i = 0; i < 2; ++i)
+          for (int j = 0; j < 2; ++j) simdgroup_multiply_accumulate(acc[i][j], am[i], bm[j], acc[i][j]);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+  }
+
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) simdgroup_store(acc[i][j], Cs, BN, ulong2(sc + 8 * j, sr + 8 * i));
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // Rows past offs[-1] belong to no group: torch leaves them unwritten too.
+  const uint rows_end = p.mode == GMM_MODE_ROWS ? min(r1, group_end(offs, p.groups - 1, p.m)) : r1;
+  const ulong out_base = p.mode == GMM_MODE_ROWS ? 0 : ulong(tg.z) * ulong(p.out_batch);
+  for (uint i = tid; i < BM * BN; i += GMM_TILE_THREADS) {
+    const uint r = i / BN, c = i % BN, m = r0 + r, n = n0 + c;
+    if (m >= rows_end || n >= p.n) continue;
+    // (min: offsets out of order, which torch forbids, must still not read out of bounds)
+    const uint g = p.mode == GMM_MODE_ROWS ? min(row_group[r], p.groups - 1) : tg.z;
+    out[out_base + ulong(m) * ulong(p.out_m) + ulong(n) * ulong(p.out_n)] =
+        TO(Cs[i] * scale_of(p, row_scale, col_scale, g, m, n));
+  }
+}
+
+// ------------------------------------------------------ instantiations --
+// Buffer 2, `w`, is the grouped operand: the experts' weights of the MoE
+// forward (the name the benchmarks and tests count weight traffic by).
+#define GMM_DECODE_ROWS(tname, TA, TB, TO)                                                            \
+  template [[host_name("gmm_decode_rows_" #tname "_vec")]] kernel                                     \
+      decltype(gmm_decode_rows<TA, TB, TO, true>) gmm_decode_rows<TA, TB, TO, true>;                  \
+  template [[host_name("gmm_decode_rows_" #tname "_scalar")]] kernel                                  \
+      decltype(gmm_decode_rows<TA, TB, TO, false>) gmm_decode_rows<TA, TB, TO, false>;
+#define GMM_DECODE_COLS(tname, T)                                                                     \
+  template [[host_name("gmm_decode_cols_" #tname "_vec")]] kernel                                     \
+      decltype(gmm_decode_cols<T, true>) gmm_decode_cols<T, true>;                                    \
+  template [[host_name("gmm_decode_cols_" #tname "_scalar")]] kernel                                  \
+      decltype(gmm_decode_cols<T, false>) gmm_decode_cols<T, false>;
+#define GMM_TILED(tname, T, TO) \
+  template [[host_name("gmm_tiled_" #tname)]] kernel decltype(gmm_tiled<T, TO>) gmm_tiled<T, TO>;
+
+GMM_DECODE_ROWS(f32, float, float, float)
+GMM_DECODE_ROWS(f16, half, half, half)
+GMM_DECODE_ROWS(bf16, bfloat, bfloat, bfloat)
+GMM_DECODE_ROWS(e4m3, uchar, uchar, bfloat)
+GMM_DECODE_ROWS(bf16_e4m3w, bfloat, uchar, bfloat)  // bfloat activations, e4m3 weights (mps_ext's MoE ops)
+GMM_DECODE_COLS(f32, float)
+GMM_DECODE_COLS(f16, half)
+GMM_DECODE_COLS(bf16, bfloat)
+GMM_TILED(f32, float, float)
+GMM_TILED(f16, half, half)
+GMM_TILED(bf16, bfloat, bfloat)
+GMM_TILED(e4m3, uchar, bfloat)

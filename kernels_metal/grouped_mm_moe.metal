@@ -1,0 +1,165 @@
+// Routing and combine of a mixture-of-experts layer at decode, as single
+// dispatches, around the grouped products of grouped_mm.metal:
+//   moe_route    router logits -> top-k weights, per-expert offsets and the
+//                slot <-> expert-sorted row maps (one threadgroup: at decode
+//                a few tokens, so one GPU core does it in a few microseconds
+//                and nothing goes to the CPU).
+//   moe_combine  each token's expert outputs summed with its weights.
+#include <metal_stdlib>
+#include "grouped_mm_moe_params.h"
+using namespace metal;
+
+// The best (largest value, then smallest index) of every thread's
+// candidate, known to all threads. Two barriers; `vals`, `idxs` hold one
+// entry per simdgroup.
+inline void best_of_threadgroup(thread float& v, thread uint& i, uint sg, uint lane, uint simdgroups,
+                                threadgroup float* vals, threadgroup uint* idxs) {
+  float best = simd_max(v);
+  uint at = simd_min(v == best ? i : 0xffffffffu);
+  if (lane == 0) {
+    vals[sg] = best;
+    idxs[sg] = at;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  v = vals[0];
+  i = idxs[0];
+  for (uint s = 1; s < simdgroups; ++s)
+    if (vals[s] > v || (vals[s] == v && idxs[s] < i)) {
+      v = vals[s];
+      i = idxs[s];
+    }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // before the arrays are written again
+}
+
+template <typename T>
+[[max_total_threads_per_threadgroup(MOE_ROUTE_THREADS)]]
+kernel void moe_route(device float* weights [[buffer(0)]],
+                      device int* offs [[buffer(1)]],
+                      device int* slot_of_row [[buffer(2)]],
+                      device int* row_of_slot [[buffer(3)]],
+                      const device T* logits [[buffer(4)]],
+                      constant MoeRouteParams& p [[buffer(5)]],
+                      uint tid [[thread_index_in_threadgroup]],
+                      uint sg [[simdgroup_index_in_threadgroup]],
+                      uint simdgroups [[simdgroups_per_threadgroup]],
+                      uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint PER = MOE_MAX_EXPERTS / MOE_ROUTE_THREADS;  // experts per thread
+  threadgroup float vals[MOE_ROUTE_THREADS / 32];
+  threadgroup uint idxs[MOE_ROUTE_THREADS / 32];
+  threadgroup int ids[MOE_MAX_SLOTS];
+  threadgroup int start[MOE_MAX_EXPERTS + 1];
+  const uint slots = p.top_k + p.shared;
+  const uint threads = simdgroups * 32;
+
+  for (uint t = 0; t < p.tokens; ++t) {
+    const device T* lt = logits + ulong(t) * ulong(p.logits_t_stride);
+    float l[PER];
+    bool taken[PER];
+    for (uint j = 0; j < PER; ++j) {
+      taken[j] = false;
+      const uint e = tid + j * threads;
+      l[j] = e < p.experts ? float(lt[ulong(e) * ulong(p.logits_e_stride)]) : -INFINITY;
+    }
+    // Softmax denominators: the max, then the sum of exponentials.
+    float mx = l[0];
+    for (uint j = 1; j < PER; ++j) mx = max(mx, l[j]);
+    uint unused = 0;
+    best_of_threadgroup(mx, unused, sg, lane, simdgroups, vals, idxs);
+    float sum = 0.0f;
+    for (uint j = 0; j < PER; ++j) sum += l[j] == -INFINITY ? 0.0f : exp(l[j] - mx);
+    sum = simd_sum(sum);
+    if (lane == 0) vals[sg] = sum;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    sum = 0.0f;
+    for (uint s = 0; s < simdgroups; ++s) sum += vals[s];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // Top-k, one winner at a time; its owner drops it from its candidates.
+    float chosen_sum = 0.0f;
+    for (uint k = 0; k < p.top_k; ++k) {
+      float v = -INFINITY;
+      uint at = 0xffffffffu;
+      for (uint j = 0; j < PER; ++j) {
+        const uint e = tid + j * threads;
+        if (e < p.experts && !taken[j] && (l[j] > v || at == 0xffffffffu)) {
+          v = l[j];
+          at = e;
+        }
+      }
+      best_of_threadgroup(v, at, sg, lane, simdgroups, vals, idxs);
+      for (uint j = 0; j < PER; ++j)
+        if (tid + j * threads == at) taken[j] = true;
+      const float prob = exp(v - mx) / sum;
+      chosen_sum += prob;
+      if (tid == 0) {
+        ids[t * slots + k] = int(at);
+        weights[t * slots + k] = prob;
+      }
+    }
+    if (tid == 0) {
+      if (p.renormalize)
+        for (uint k = 0; k < p.top_k; ++k) weights[t * slots + k] /= chosen_sum;
+      if (p.shared) {
+        const float g = float(lt[ulong(p.experts) * ulong(p.logits_e_stride)]);
+        ids[t * slots + p.top_k] = int(p.experts);
+        weights[t * slots + p.top_k] = 1.0f / (1.0f + exp(-g));
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // Counting sort of the slots by expert.
+  const uint total = p.tokens * slots, experts = p.experts + p.shared;
+  for (uint e = tid; e < experts; e += threads) {
+    int count = 0;
+    for (uint i = 0; i < total; ++i) count += ids[i] == int(e) ? 1 : 0;
+    start[e + 1] = count;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid == 0) {
+    start[0] = 0;
+    for (uint e = 0; e < experts; ++e) {
+      start[e + 1] += start[e];
+      offs[e] = start[e + 1];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint i = tid; i < total; i += threads) {
+    const int e = ids[i];
+    int rank = 0;
+    for (uint j = 0; j < i; ++j) rank += ids[j] == e ? 1 : 0;
+    const int row = start[e] + rank;
+    slot_of_row[row] = int(i);
+    row_of_slot[i] = row;
+  }
+}
+
+template <typename T>
+[[max_total_threads_per_threadgroup(MOE_COMBINE_THREADS)]]
+kernel void moe_combine(device T* out [[buffer(0)]],
+                        const device T* y [[buffer(1)]],
+                        const device float* weights [[buffer(2)]],
+                        const device int* row_of_slot [[buffer(3)]],
+                        constant MoeCombineParams& p [[buffer(4)]],
+                        uint2 pos [[thread_position_in_grid]]) {
+  const uint t = pos.y, h0 = pos.x * MOE_COMBINE_OUTPUTS;
+  if (h0 >= p.hidden) return;
+  float acc[MOE_COMBINE_OUTPUTS];
+  for (int i = 0; i < MOE_COMBINE_OUTPUTS; ++i) acc[i] = 0.0f;
+  for (uint j = 0; j < p.slots; ++j) {
+    const uint slot = t * p.slots + j;
+    const float w = weights[slot];
+    const device T* yr = y + ulong(row_of_slot[slot]) * ulong(p.y_row_stride);
+    for (uint i = 0; i < MOE_COMBINE_OUTPUTS; ++i)
+      if (h0 + i < p.hidden) acc[i] += w * float(yr[h0 + i]);
+  }
+  device T* o = out + ulong(t) * ulong(p.out_row_stride);
+  for (uint i = 0; i < MOE_COMBINE_OUTPUTS; ++i)
+    if (h0 + i < p.hidden) o[h0 + i] = T(acc[i]);
+}
+
+template [[host_name("moe_route_f32")]] kernel decltype(moe_route<float>) moe_route<float>;
+template [[host_name("moe_route_f16")]] kernel decltype(moe_route<half>) moe_route<half>;
+template [[host_name("moe_route_bf16")]] kernel decltype(moe_route<bfloat>) moe_route<bfloat>;
+template [[host_name("moe_combine_f32")]] kernel decltype(moe_combine<float>) moe_combine<float>;
+template [[host_name("moe_combine_f16")]] kernel decltype(moe_combine<half>) moe_combine<half>;
+template [[host_name("moe_combine_bf16")]] kernel decltype(moe_combine<bfloat>) moe_combine<bfloat>;

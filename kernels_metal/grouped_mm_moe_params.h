@@ -1,0 +1,31 @@
+// Parameters of mps_ext's fused mixture-of-experts decode ops
+// (grouped_mm_moe.metal, csrc/ops/grouped_mm_moe.cpp): routing and combine
+// around the grouped products of grouped_mm.metal.
+#pragma once
+#include "shared_types.h"
+
+// Routing of `tokens` tokens over `experts` experts, top_k each, plus (if
+// `shared`) one shared expert with index `experts` that every token uses,
+// weighted by sigmoid of its logit (logits column `experts`). Slot i = t *
+// slots + j (slots = top_k + shared) of token t is sorted by expert into
+// row rows_of_slot[i]; slot_of_row is its inverse.
+struct MoeRouteParams {
+  uint32_t tokens, experts, top_k, shared;
+  uint32_t renormalize;  // top-k weights divided by their sum (Qwen3's norm_topk_prob)
+  uint32_t pad;
+  int64_t logits_t_stride, logits_e_stride;
+};
+
+// out[t, h] = sum_j weights[t, j] * y[rows_of_slot[t * slots + j], h]
+struct MoeCombineParams {
+  uint32_t tokens, slots, hidden, pad;
+  int64_t y_row_stride, out_row_stride;
+};
+
+// One routing threadgroup holds every slot and every expert count.
+#define MOE_ROUTE_THREADS 256
+#define MOE_MAX_SLOTS 1024
+#define MOE_MAX_EXPERTS 1024
+// A combine thread computes this many consecutive outputs of a token.
+#define MOE_COMBINE_OUTPUTS 8
+#define MOE_COMBINE_THREADS 64

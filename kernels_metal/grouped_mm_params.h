@@ -1,0 +1,53 @@
+// Parameters of the grouped matrix products (grouped_mm.metal,
+// csrc/ops/grouped_mm.cpp).
+#pragma once
+#include "shared_types.h"
+
+// The host maps every layout of _grouped_mm onto one problem:
+//   out[g][m, n] = mul * row_scale[m] * col_scale[g][n] * sum_k a[g][m, k] * b[g][k, n]
+// over the groups g of one of three modes:
+//   GMM_MODE_ROWS     the rows m of a 2-D `a` are split into groups by offs
+//                     (2D x 3D, the MoE forward; 3D x 2D reaches it transposed);
+//                     group g covers rows [end(g-1), end(g)), end(g) = clamp(offs[g], 0, m).
+//   GMM_MODE_K        the contraction dimension is split by offs (2D x 2D);
+//                     every group has its own [m, n] output.
+//   GMM_MODE_BATCHED  no offs (3D x 3D): a batched matmul.
+// Strides are in elements. Offsets within one group's matrices fit in 32
+// bits (the host checks); a group's base offset is computed in 64 bits.
+#define GMM_MODE_ROWS 0
+#define GMM_MODE_K 1
+#define GMM_MODE_BATCHED 2
+#define GMM_ROW_SCALE 1
+#define GMM_COL_SCALE 2
+
+struct GroupedMMParams {
+  uint32_t m, n, k;
+  uint32_t groups;
+  uint32_t mode;
+  uint32_t scales;      // GMM_ROW_SCALE | GMM_COL_SCALE: which of row_scale, col_scale are read
+  // gmm_decode_rows only (the fused MoE ops of mps_ext):
+  uint32_t swiglu;      // out[:, j] = silu(gate_j) * up_j with b's columns [gate | up]
+  uint32_t gather;      // > 0: row r of `a` is a[rows[r] / gather] (a token's slots -> its row)
+  int64_t a_batch, a_m, a_k;
+  int64_t b_batch, b_k, b_n;
+  int64_t out_batch, out_m, out_n;
+  int64_t row_scale_batch;  // row_scale[g * row_scale_batch + m]
+  int64_t col_scale_batch;  // col_scale[g * col_scale_batch + n]
+  float mul;                // 256 per fp8 operand (each is decoded as x / 256), else 1
+  float pad1;
+};
+
+// Decode kernels: rows of one group handled by one threadgroup at a time
+// (each weight byte read once for all of them).
+#define GMM_DECODE_MAX_ROWS 8
+// gmm_decode_rows: simdgroups per threadgroup, outputs per simdgroup.
+#define GMM_ROWS_SIMDGROUPS 2
+#define GMM_ROWS_OUTPUTS 4
+// gmm_decode_cols: 256 threads = 8 column lanes x 32 K lanes.
+#define GMM_COLS_THREADS 256
+#define GMM_COLS_LANES 8
+// gmm_tiled: a 32 x 32 output tile per threadgroup of 4 simdgroups, K in steps of 16.
+#define GMM_TILE_M 32
+#define GMM_TILE_N 32
+#define GMM_TILE_K 16
+#define GMM_TILE_THREADS 128
