@@ -7,9 +7,10 @@ OP: softmax, linear, pad, linalg, fp8, moe (default: all). --quick leaves out th
 largest shapes (vocabulary-sized weights, 4096 x 4096 attention scores,
 512 x 512 LU, ...), --tiny runs a few small cases (a smoke test). The
 counters come from the CPU Metal executor, anywhere; on a Mac with MPS each
-case is also timed, stock torch against mps_ext. The plot shows, per case,
-the bandwidth limit (minimum bytes at the chip's bandwidth) against the time
-mps_ext's traffic takes there, and the measured times on a Mac.
+case is also timed, stock torch against mps_ext. The plot shows, per op
+(summed over its cases), the bandwidth limit (minimum bytes at the chip's
+bandwidth) against the time mps_ext's traffic takes there, and the measured
+times on a Mac.
 """
 
 from __future__ import annotations
@@ -37,18 +38,23 @@ def op_notes(op: str) -> str:
 
 
 def legend(results: list[common.Result], chip: str) -> tuple[list[dict], str]:
-    """The plot's bars (us by series) and its legend as markdown."""
+    """The plot's bars and its legend as markdown: per op, the sum over its
+    cases of each series (us); a measured series only where every case of
+    the op has it."""
     groups, rows = [], []
-    for i, r in enumerate(results, 1):
-        g = {"bandwidth limit": r.limit_us(chip), "mps_ext projected": r.projected_us(chip)}
-        if r.times and not r.times[0].startswith("error"):
-            g["stock measured"] = float(r.times[0])
-        if r.times:
-            g["mps_ext measured"] = float(r.times[1])
+    for op in dict.fromkeys(r.case.op for r in results):
+        mine = [r for r in results if r.case.op == op]
+        g = {"bandwidth limit": sum(r.limit_us(chip) for r in mine),
+             "mps_ext projected": sum(r.projected_us(chip) for r in mine)}
+        measured = [r.times for r in mine]
+        if all(t and not t[0].startswith("error") for t in measured):
+            g["stock measured"] = sum(float(t[0]) for t in measured)
+        if all(measured):
+            g["mps_ext measured"] = sum(float(t[1]) for t in measured)
         groups.append(g)
-        rows.append({"#": i, "case": f"{r.case.op} {r.case.id}",
-                     **{name: f"{g[name]:.3g}" if name in g else "-" for name in plot.SERIES}})
-    return groups, common.markdown(rows, ["#", "case", *plot.SERIES])
+        rows.append({"#": len(groups), "op": op, "cases": len(mine),
+                     **{name: f"{g[name]:.4g}" if name in g else "-" for name in plot.SERIES}})
+    return groups, common.markdown(rows, ["#", "op", "cases", *plot.SERIES])
 
 
 def main(argv: list[str] | None = None) -> list[common.Result]:
@@ -84,7 +90,8 @@ def main(argv: list[str] | None = None) -> list[common.Result]:
     groups, table = legend(results, args.chip)
     image, lowest = plot.bar_chart(groups)
     Path(args.png).write_bytes(plot.png(image))
-    print(f"## Plot\n\n{args.png}: per case (numbered below its bars), on a log scale of time with a gridline at "
+    print(f"## Plot\n\n{args.png}: per op (numbered below its bars), the sum over its cases, on a log scale of "
+          f"time with a gridline at "
           f"every decade from {lowest:g} us, at the {args.chip}'s {common.BANDWIDTH_GBPS[args.chip]} GB/s: "
           + ", ".join(f"{name} ({'rgb(%d, %d, %d)' % colour})" for name, colour in plot.SERIES.items())
           + f" (us):\n\n{table}\n")

@@ -11,6 +11,7 @@ instruction, the most registers, the fewest loads in flight).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import sys
@@ -124,22 +125,26 @@ def bank_conflicts_per_instruction(stats: Stats) -> float:
     return sum(d.bank_conflict_cycles for d in stats) / instructions if instructions else 0.0
 
 
+# Bytes written between timed calls so that no operand stays in the GPU's
+# caches: more than the largest system-level cache of anchors.md's chips
+# (a weight read again from it looks faster than DRAM).
+CACHE_FLUSH_BYTES = 256 << 20
+
+
 def mac_times(stock, ours, repeat: int = 50, warmup: int = 5) -> tuple[float, float] | None:
     """Median seconds of stock torch and of mps_ext on the GPU, or None if
-    there is no GPU here. Each call is synchronised so the time is the GPU's."""
+    there is no GPU here. Each call is synchronised so the time is the GPU's,
+    and each starts with its weights out of the cache (CACHE_FLUSH_BYTES
+    written first, not timed)."""
     if not mps_ext.is_available():
         return None
+    flush = torch.empty(CACHE_FLUSH_BYTES // 4, dtype=torch.float32, device="mps")
 
     def median(fn, disable):
         samples = []
         for i in range(warmup + repeat):
-            if disable:
-                with mps_ext.disabled():
-                    torch.mps.synchronize()
-                    t = time.perf_counter()
-                    fn()
-                    torch.mps.synchronize()
-            else:
+            with mps_ext.disabled() if disable else contextlib.nullcontext():
+                flush.zero_()
                 torch.mps.synchronize()
                 t = time.perf_counter()
                 fn()

@@ -1,9 +1,9 @@
 """A bar chart as a PNG, written with zlib and numpy alone (no plotting
-library): per op case, the bandwidth limit against mps_ext's projected time
+library): per op (its cases summed), the bandwidth limit against mps_ext's projected time
 (and, on a Mac, stock torch's and mps_ext's measured times), on a log scale
 of time with a gridline at every decade, from the decade below the shortest
 time. The chart carries only
-the case numbers (a 3x5 digit font); benchmarks/__main__.py prints the
+the op numbers (a 3x5 digit font); benchmarks/__main__.py prints the
 legend, a markdown table of the same numbers.
 """
 
@@ -22,7 +22,7 @@ SERIES = {
     "stock measured": (210, 60, 50),
     "mps_ext measured": (40, 160, 70),
 }
-BAR, GAP, GROUP_GAP, MARGIN, DECADE = 6, 1, 10, 12, 40  # pixels
+BAR, GAP, GROUP_GAP, MARGIN, DECADE = 16, 2, 24, 16, 48  # pixels
 
 # 3x5 digits, one row of three bits (left to right) per line.
 _DIGITS = {
@@ -57,7 +57,7 @@ def _text(image: np.ndarray, x: int, y: int, digits: str, scale: int = 2) -> Non
 
 
 def bar_chart(groups: list[dict[str, float]]) -> tuple[np.ndarray, float]:
-    """An RGB image: one group of bars per case (its values in us, by the
+    """An RGB image: one group of bars per op (its values in us, by the
     names of SERIES; a missing series leaves a gap), numbered from 1 below;
     and the time at its baseline (a power of ten)."""
     values = [v for g in groups for v in g.values() if v > 0] or [1.0]

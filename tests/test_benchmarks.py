@@ -63,13 +63,21 @@ def test_the_runner_on_its_tiny_configuration(tmp_path, capsys):
             assert f"| {name} |" in kernels
     reached = {d.kernel for r in results for d in r.stats}
     assert "softmax_segment_f16_f32_i32" in reached and "gemv_cols_f16_r2_vec" in reached
-    # The plot: a group of bars per case, and each case's bars in the legend.
+    # The plot: a group of bars per op, and each op's sums in the legend.
     image = decode_png(png.read_bytes())
     group = len(plot.SERIES) * (plot.BAR + plot.GAP) + plot.GROUP_GAP
-    assert image.shape[1] == 2 * plot.MARGIN + len(results) * group
+    assert image.shape[1] == 2 * plot.MARGIN + len(runner.OPS) * group
     blue = np.all(image == plot.SERIES["mps_ext projected"], axis=2)
-    assert blue.any(axis=0).sum() == len(results) * plot.BAR  # one bar per case
-    assert out.count("\n| ") >= len(results)
+    assert blue.any(axis=0).sum() == len(runner.OPS) * plot.BAR  # one bar per op
+    legend = out.split("## Plot\n\n")[1].split("\n\n")[1].splitlines()
+    assert len(legend) == 2 + len(runner.OPS)
+    for i, op in enumerate(runner.OPS):
+        mine = [r for r in results if r.case.op == op]
+        cells = [c.strip() for c in legend[2 + i].strip("|").split("|")]
+        assert cells[:3] == [str(i + 1), op, str(len(mine))]
+        assert float(cells[3]) == pytest.approx(sum(r.limit_us("M3 Ultra") for r in mine), rel=1e-3)
+        assert float(cells[4]) == pytest.approx(sum(r.projected_us("M3 Ultra") for r in mine), rel=1e-3)
+        assert cells[5:] == ["-", "-"]  # no Mac here
 
 
 def test_a_case_that_reaches_no_kernel_is_an_error():
