@@ -61,7 +61,7 @@ def bar_chart(groups: list[dict[str, float]]) -> tuple[np.ndarray, float]:
     names of SERIES; a missing series leaves a gap), numbered from 1 below;
     and the time at its baseline (a power of ten)."""
     values = [v for g in groups for v in g.values() if v > 0] or [1.0]
-    lowest = 10.0 ** math.floor(math.log10(min(values)))
+    lowest = 10.0 ** (math.floor(math.log10(min(values))) - 1)  # the shortest bar at least a decade tall
     decades = max(1, math.ceil(math.log10(max(values) / lowest)))
     plot_h = decades * DECADE
     group_w = len(SERIES) * (BAR + GAP) + GROUP_GAP
