@@ -34,7 +34,7 @@ SHAPES = [  # (K -> N, model)
 VOCABULARY = 100000  # N beyond this: a vocabulary-sized lm_head (no x @ W)
 ROWS = [1, 2, 4, 8]
 NOTES = ("weight read / size: bytes the kernel read from the weight over its size. 16-byte loads: the share of "
-         "weight bytes read by 16-byte loads. activation reads: times the activation was read (from cache on a GPU).")
+         "weight bytes read by 16-byte loads. activation reads: times the activation was read (from cache on a GPU: the projected times count it once).")
 
 
 def weight_columns(stats, w: torch.Tensor, x: torch.Tensor) -> dict[str, str]:
@@ -44,6 +44,14 @@ def weight_columns(stats, w: torch.Tensor, x: torch.Tensor) -> dict[str, str]:
     return {"weight read / size": f"{read / w.nbytes:.3f}",
             "16-byte loads": f"{d.read_widths[i].get(16, 0) * 16 / read:.0%}",
             "activation reads": f"{d.bytes_read[d.buffer('x')] / x.nbytes:.0f}"}
+
+
+def dram_bytes(stats, x: torch.Tensor) -> int:
+    """Bytes moved, with the activation read once: every threadgroup reads
+    it (at most 8 rows, a few hundred KB) at the same time, so a GPU serves the
+    re-reads from its cache."""
+    moved = sum(d.memory_bytes_moved for d in stats)
+    return moved - stats[0].bytes_read[stats[0].buffer("x")] + x.nbytes
 
 
 def prepare(k, n, rows, dtype, layout, misaligned) -> Prepared:
@@ -65,7 +73,8 @@ def prepare(k, n, rows, dtype, layout, misaligned) -> Prepared:
 
         return step, step
 
-    return Prepared(run, minimum, mac, lambda stats: weight_columns(stats, w, x))
+    return Prepared(run, minimum, mac, lambda stats: weight_columns(stats, w, x),
+                    dram_bytes=lambda stats: dram_bytes(stats, x))
 
 
 def cases(size: str) -> list[Case]:
