@@ -207,16 +207,22 @@ def library_infos() -> dict[str, cpu_metal.KernelInfo]:
 # What is left of issue 11's findings in GEMV, softmax and pad (branch
 # kernels11 fixed the rest), and what this test found in the kernels merged
 # since, which no branch fixes yet.
-PAD_SHORT_ROWS = ("pad: a simdgroup fills a segment of one output row; rows of 264 bytes (66 floats) start at a "
-                  "cache line's 16-byte boundary and end mid-line, so a row's vector stores touch a line more than "
-                  "its bytes need (segments of the flattened output would not; branch kernels11 leaves it)")
-SOFTMAX_SHORT_UNALIGNED = ("softmax segment, element accesses: rows of 120 bytes (60 bf16) that do not start 16-byte "
-                           "aligned, two rows an instruction: up to two lines each for 32 bytes (branch kernels11 "
-                           "leaves it)")
+PAD_SHORT_ROWS = ("pad: a simdgroup fills a segment of one output row, its vector stores aligned to 16 bytes; an "
+                  "output row of 264 bytes (66 floats) starts 8 bytes into a piece, so its interior, 256 bytes, "
+                  "spans 3 lines: 1.22 over the fewest. Only segments of the flattened output, across rows, would "
+                  "meet the budget, at the price of an integer division per element to find its row; the extra "
+                  "line is one partial line per row end, which a neighbouring simdgroup writes too")
+SOFTMAX_SHORT_UNALIGNED = ("softmax segment, element accesses (rows that do not start 16-byte aligned): rows of 120 "
+                           "bytes (60 bf16), 16 lanes a row and two rows an instruction, 32 bytes per row per "
+                           "instruction that straddle a line boundary at most rows' offsets: 2.09 lines over the "
+                           "fewest, against the 2.0 of misaligned operands; 8-byte loads would need one more "
+                           "variant per kernel")
 SOFTMAX_STRIDED_BACKWARD = ("softmax backward over a strided dimension: a thread holds 16 gradient and 16 output "
-                            "elements (32 would pass the register budget), so at D = 1024 a threadgroup of 512 "
-                            "takes 8 of the 16 contiguous inner rows: 32-byte pieces, 64 bytes apart (branch "
-                            "kernels11 leaves it)")
+                            "elements (32 of each would be 64 registers, over the full-occupancy budget), so a "
+                            "threadgroup of 512 takes fewer contiguous inner rows than a line holds: fp32 at "
+                            "D = 1024 8 of 16, bf16 at D = 512 16 of 64, 32-byte pieces, 2 lines over the fewest. "
+                            "1024-thread threadgroups would take twice as many, but a pipeline whose registers "
+                            "Apple's compiler counts higher than the executor would then refuse the launch")
 LINALG = ("{kernel} accesses {what}: not fixed by any branch yet (found by this test, which the linear-algebra kernels "
           "postdate issue 11's list; the lead decides)")
 FP8 = ("{what} (FP8 kernels, merged after issue 11's list: no branch fixes them yet; the lead decides)")
