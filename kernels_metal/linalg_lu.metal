@@ -20,6 +20,33 @@ using namespace metal;
 // ------------------------------------------------ one thread per matrix --
 // Registers are indexed by compile-time loops only (N is a template
 // argument): a dynamically indexed register array would spill on the GPU.
+// Operands that are blocks (the usual contiguous batch) go through
+// threadgroup memory (Staging): `stage` holds A, then LU, then X (E <= N^2
+// elements per matrix), and after it B when B is read; `piv_stage` the
+// pivots. The host sizes `stage`.
+template <typename T>
+MPS_EXT_INLINE void swap_values(thread T& a, thread T& b) {
+  const T t = a;
+  a = b;
+  b = t;
+}
+template <typename T, int N>
+MPS_EXT_INLINE void swap_values(thread T (&a)[N], thread T (&b)[N]) {
+  MPS_EXT_UNROLL for (int c = 0; c < N; ++c) {
+    const T t = a[c];
+    a[c] = b[c];
+    b[c] = t;
+  }
+}
+
+// Swaps rows j and r (r >= j) of a thread's array of N rows (values, or
+// rows of a matrix), by compile-time indices only (see above).
+template <typename R, int N>
+MPS_EXT_INLINE void swap_rows(thread R (&rows)[N], int j, int r) {
+  MPS_EXT_UNROLL for (int i = j + 1; i < N; ++i)
+    if (i == r) swap_values(rows[j], rows[i]);
+}
+
 template <typename T, int N>
 [[max_total_threads_per_threadgroup(LINALG_SMALL_THREADS)]]
 kernel void lu_small(device T* lu [[buffer(0)]],
@@ -31,18 +58,40 @@ kernel void lu_small(device T* lu [[buffer(0)]],
                      const device T* a [[buffer(6)]],
                      const device T* b [[buffer(7)]],
                      constant LuParams& p [[buffer(8)]],
-                     uint gid [[thread_position_in_grid]]) {
-  const long mat = long(gid);
-  if (mat >= p.batch.count) return;
+                     threadgroup T* stage [[threadgroup(0)]],
+                     uint tid [[thread_index_in_threadgroup]],
+                     uint group [[threadgroup_position_in_grid]]) {
+  threadgroup int piv_stage[LINALG_STAGED_ELEMENTS(N)];
+  constexpr uint NN = N * N;
+  // 64-bit arithmetic once, for where the threadgroup's run of matrices and
+  // a matrix start; 32-bit inside them (the host checked that every matrix
+  // spans less than 2^31 elements).
+  const long first = long(group) * LINALG_SMALL_THREADS;
+  const long mat = first + long(tid);
+  const bool live = mat < p.batch.count;
+  const uint count = uint(min(p.batch.count - first, long(LINALG_SMALL_THREADS)));  // matrices of the threadgroup
+  const bool solve = p.solve != LINALG_SOLVE_NONE;
+  const bool read_b = solve && p.identity == 0;
+  const uint E = uint(N * p.k);  // elements of a matrix of B and X
+  threadgroup T* b_stage = stage + LINALG_STAGED_ELEMENTS(NN);
+  const Staging sa = staging<T>(NN);
+  const Staging sb = staging<T>(max(E, 1u));
 
-  // 64-bit arithmetic once, for where the matrix starts; 32-bit inside it
-  // (the host checked that every matrix spans less than 2^31 elements).
+  if (p.a.block != 0) stage_in(stage, sa, a + first * NN, count * NN, tid);
+  if (read_b && p.b.block != 0) stage_in(b_stage, sb, b + first * E, count * E, tid);
+  if (p.a.block != 0 || (read_b && p.b.block != 0)) threadgroup_barrier(mem_flags::mem_threadgroup);
+
   T M[N][N];
   {
-    const device T* am = a + batch_offset(p.batch, p.a.batch_strides, mat);
     const int rs = int(p.a.row_stride), cs = int(p.a.col_stride);
+    const bool conj = p.a.conj != 0;
+    const device T* am = live && p.a.block == 0 ? a + batch_offset(p.batch, p.a.batch_strides, mat) : a;
     for (int i = 0; i < N; ++i)
-      for (int j = 0; j < N; ++j) M[i][j] = conj_if(am[i * rs + j * cs], p.a.conj != 0);
+      for (int j = 0; j < N; ++j) {
+        T v = T(0.0f);
+        if (live) v = p.a.block != 0 ? stage[sa.at(tid * NN + uint(i * rs + j * cs))] : am[i * rs + j * cs];
+        M[i][j] = conj_if(v, conj);
+      }
   }
 
   // getf2 in registers. Pivot search as isamax / icamax: first row of the
@@ -64,15 +113,7 @@ kernel void lu_small(device T* lu [[buffer(0)]],
       }
     }
     piv[j] = r;
-    for (int i = j + 1; i < N; ++i) {
-      if (i == r) {
-        for (int c = 0; c < N; ++c) {
-          T t = M[j][c];
-          M[j][c] = M[i][c];
-          M[i][c] = t;
-        }
-      }
-    }
+    swap_rows(M, j, r);
     const T d = M[j][j];
     const bool zero = is_zero(d);
     if (zero && first_zero == 0) first_zero = j + 1;
@@ -83,45 +124,49 @@ kernel void lu_small(device T* lu [[buffer(0)]],
     }
   }
 
-  info[mat] = first_zero;
-  if (p.write_lu != 0) {
-    device T* lm = lu + mat * (N * N);
-    device int* pm = pivots + mat * N;
-    for (int j = 0; j < N; ++j) {
-      pm[j] = piv[j] + 1;
-      for (int i = 0; i < N; ++i) lm[j * N + i] = M[i][j];
-    }
+  if (live) {
+    info[mat] = first_zero;
+    if (p.det != LINALG_DET_NONE) det[mat] = acc.det;
+    if (p.det == LINALG_SLOGDET) logabsdet[mat] = acc.log_abs;
   }
-  if (p.det != LINALG_DET_NONE) det[mat] = acc.det;
-  if (p.det == LINALG_SLOGDET) logabsdet[mat] = acc.log_abs;
-  if (p.solve == LINALG_SOLVE_NONE) return;
-
-  // The permutation: row i of P^T M is row perm[i] of M.
-  int perm[N];
-  for (int i = 0; i < N; ++i) perm[i] = i;
-  for (int j = 0; j < N; ++j) {
-    for (int i = j + 1; i < N; ++i) {
-      if (i == piv[j]) {
-        int t = perm[j];
-        perm[j] = perm[i];
-        perm[i] = t;
+  if (p.write_lu != 0) {  // column-major LU and the pivots, matrix after matrix
+    // Every thread has read A from `stage` (the barrier after the loads is
+    // behind it) before any thread writes LU there.
+    if (p.a.block != 0) threadgroup_barrier(mem_flags::mem_threadgroup);
+    const Staging sp = staging<int>(N);
+    if (live) {
+      for (int j = 0; j < N; ++j) {
+        piv_stage[sp.at(tid * N + uint(j))] = piv[j] + 1;
+        for (int i = 0; i < N; ++i) stage[sa.at(tid * NN + uint(j * N + i))] = M[i][j];
       }
     }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    stage_out(lu + first * NN, stage, sa, count * NN, tid);
+    stage_out(pivots + first * N, piv_stage, sp, count * N, tid);
   }
-  const device T* bm = b + batch_offset(p.batch, p.b.batch_strides, mat);
-  device T* xm = x + batch_offset(p.batch, p.x.batch_strides, mat);
+  if (!solve) return;
+
+  // X goes to `stage` after every thread is done with what it held (A, or
+  // LU on its way out).
+  if (p.x.block != 0 && (p.a.block != 0 || p.write_lu != 0)) threadgroup_barrier(mem_flags::mem_threadgroup);
+  const device T* bm = live && read_b && p.b.block == 0 ? b + batch_offset(p.batch, p.b.batch_strides, mat) : b;
+  device T* xm = live && p.x.block == 0 ? x + batch_offset(p.batch, p.x.batch_strides, mat) : x;
   const int brs = int(p.b.row_stride), bcs = int(p.b.col_stride);
   const int xrs = int(p.x.row_stride), xcs = int(p.x.col_stride);
   const bool transposed = p.solve == LINALG_SOLVE_MT;
-  for (int col = 0; col < p.k; ++col) {
+  // Lanes read and write the same element of their matrices (no bank
+  // conflict in `stage`): the row permutation is applied in registers, as
+  // the pivots' swaps (getrs' laswp), with selects rather than indices.
+  for (int col = 0; col < p.k && live; ++col) {
     T y[N];
     for (int i = 0; i < N; ++i) {
-      // M X = B reads B's rows permuted (P^T B); M^T X = B permutes at the end.
-      const int row = transposed ? i : perm[i];
-      y[i] = p.identity != 0 ? (row == col ? one<T>() : T(0.0f))
-                             : conj_if(bm[row * brs + col * bcs], p.b.conj != 0);
+      const int at = i * brs + col * bcs;
+      T v = i == col ? one<T>() : T(0.0f);
+      if (read_b) v = conj_if(p.b.block != 0 ? b_stage[sb.at(tid * E + uint(at))] : bm[at], p.b.conj != 0);
+      y[i] = v;
     }
-    if (!transposed) {  // L (unit lower), then U
+    if (!transposed) {  // P^T B, then L (unit lower), then U
+      for (int j = 0; j < N; ++j) swap_rows(y, j, piv[j]);
       for (int i = 0; i < N; ++i)
         for (int j = 0; j < i; ++j) y[i] -= cmul(M[i][j], y[j]);
       for (int i = N - 1; i >= 0; --i) {
@@ -135,11 +180,19 @@ kernel void lu_small(device T* lu [[buffer(0)]],
       }
       for (int i = N - 1; i >= 0; --i)
         for (int j = i + 1; j < N; ++j) y[i] -= cmul(M[j][i], y[j]);
+      for (int j = N - 1; j >= 0; --j) swap_rows(y, j, piv[j]);
     }
     for (int i = 0; i < N; ++i) {
-      const int row = transposed ? perm[i] : i;
-      xm[row * xrs + col * xcs] = y[i];
+      const int at = i * xrs + col * xcs;
+      if (p.x.block != 0)
+        stage[sb.at(tid * E + uint(at))] = y[i];
+      else
+        xm[at] = y[i];
     }
+  }
+  if (p.x.block != 0) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    stage_out(x + first * E, stage, sb, count * E, tid);
   }
 }
 

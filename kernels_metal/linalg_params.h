@@ -23,6 +23,10 @@
 #define LINALG_SMALL_MAX 4
 // Threads per threadgroup of the one-thread-per-matrix kernel.
 #define LINALG_SMALL_THREADS 64
+// Elements of threadgroup memory that stage the matrices of its threads, E
+// elements each (linalg_common.h, Staging: one element of padding per 16 or
+// more).
+#define LINALG_STAGED_ELEMENTS(e) ((LINALG_SMALL_THREADS + LINALG_SMALL_THREADS / 16) * (e))
 
 // What the LU kernels compute besides the factors.
 #define LINALG_DET_NONE 0
@@ -57,7 +61,11 @@ struct LinalgOperand {
   int64_t row_stride;
   int64_t col_stride;
   uint32_t conj;
-  uint32_t pad;
+  // 1: matrix b is the E = rows * cols elements from b * E on, row- or
+  // column-major (row_stride and col_stride are then offsets inside it), so
+  // the matrices of consecutive threads are one contiguous run: lu_small
+  // copies them through threadgroup memory (linalg_common.h, Staging).
+  uint32_t block;
 };
 
 // LU factorisation of the m x n matrices `a` (LAPACK getrf), written

@@ -597,6 +597,52 @@ def test_small_inverse_is_one_dispatch_at_minimum_traffic(dtype, n):
     assert d.memory_bytes_moved / (A.nbytes + inv.nbytes + info.nbytes) <= 1.05
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_small_kernel_over_threadgroups_and_layouts(call, dtype, n):
+    # 150 matrices: two full threadgroups of lu_small and a partial one, with
+    # operands it copies through threadgroup memory as one run (contiguous,
+    # row- or column-major) and operands it reads matrix by matrix.
+    A = well_conditioned(300, n, n, dtype=dtype)
+    for name, a in {"contiguous": A[:150], "transposed": A[:150].mT, "every other": A[::2]}.items():
+        LU, piv, info = call("linalg_lu_factor_ex", a)
+        want = aten("linalg_lu_factor_ex", a)
+        assert torch.equal(piv, want[1]) and torch.equal(info, want[2]), name
+        assert_close(LU, want[0], 1e-5, name)
+        inv, info = call("linalg_inv_ex", a)
+        assert_close(inv, aten("linalg_inv_ex", wide(a))[0].to(dtype), 1e-5, name)
+    a = A[:150]
+    for b, left in [(rand(150, n, dtype=dtype), True), (rand(150, n, 1, dtype=dtype), True),
+                    (rand(150, n, n, dtype=dtype), True), (rand(150, n, n, dtype=dtype).mT, True),
+                    (rand(150, n + 1, n, dtype=dtype), False), (rand(150, n, n + 2, dtype=dtype), True),
+                    (rand(300, n, 1, dtype=dtype)[::2], True)]:
+        got = call("_linalg_solve_ex", a, b, left=left)
+        want = aten("_linalg_solve_ex", a, b, left=left)
+        for g, w in zip(got, want):
+            same_layout(g, w)
+        assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+        assert_close(got[0], aten("_linalg_solve_ex", wide(a), wide(b), left=left)[0].to(dtype), 1e-4, "X")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_small_kernel_accesses_are_coalesced(dtype, n):
+    # Each thread's matrix is n^2 elements from its neighbour's: read and
+    # written through threadgroup memory, every device access of a
+    # simdgroup covers consecutive elements (the fewest cache lines), and
+    # the copies and the threads' own accesses have no bank conflicts.
+    A, b = well_conditioned(256, n, n, dtype=dtype), rand(256, n, dtype=dtype)
+    with cpu_metal.record(counters=True) as rec:
+        torch.ops.mps_ext.linalg_lu_factor_ex(A)
+        torch.ops.mps_ext._linalg_solve_ex(A, b)
+        torch.ops.mps_ext._linalg_solve_ex(A, rand(256, n, n, dtype=dtype))
+        torch.ops.mps_ext.linalg_inv_ex(A)
+    assert len(rec.dispatches) == 4
+    for d in rec.dispatches:
+        worst = {d.buffer_names[i]: r for i, r in d.coalescing.items() if i not in d.constant_buffers and r > 1.0}
+        assert not worst and d.bank_conflict_cycles == 0, (d.kernel, worst, d.bank_conflict_cycles)
+
+
 @pytest.mark.parametrize("shape", [(16, 32, 32), (4, 40, 75), (4, 75, 40)], ids=lambda s: "x".join(map(str, s)))
 def test_lu_unpack_is_one_dispatch_at_minimum_traffic(shape):
     # What keeps lu_unpack on torch 2.15 (mps_ext/_policy.py): torch's runs a
