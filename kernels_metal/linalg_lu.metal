@@ -419,10 +419,16 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
 
 // ------------------------------------------------------------- lu_unpack --
 // One threadgroup per matrix: the permutation from the pivots (thread 0, in
-// threadgroup memory: `perm`, m ints), then P, L and U, one thread per
-// output element in memory order. Pivots outside 1..m are ignored: no read
-// or write leaves the matrix (the host rejects them first, except on MPS
-// with torch 2.9, whose own kernel does not check them either).
+// threadgroup memory: `perm`, m ints, and its inverse after it), then P, one thread per output element
+// in memory order, then L and U by 32 x 32 tiles of LU: LU is read with the
+// lanes of a simdgroup along its contiguous dimension (down a column of the
+// usual column-major LU), L's and U's rows are written with lanes along them,
+// and the tile in threadgroup memory turns one into the other (rows padded
+// to 33 elements: both directions free of bank conflicts). Every element of
+// LU is L's or U's, so LU is read once. Pivots outside 1..m are ignored: no
+// read or write leaves the matrix (the host rejects them first, except on
+// MPS with torch 2.9, whose own kernel does not check them either).
+#define UNPACK_TILE 32
 template <typename T>
 [[max_total_threads_per_threadgroup(LINALG_MAX_THREADS)]]
 kernel void lu_unpack(device T* P [[buffer(0)]],
@@ -434,43 +440,63 @@ kernel void lu_unpack(device T* P [[buffer(0)]],
                       threadgroup int* perm [[threadgroup(0)]],
                       uint tid [[thread_index_in_threadgroup]],
                       uint threads [[threads_per_threadgroup]],
-                      uint group [[threadgroup_position_in_grid]]) {
+                      uint group [[threadgroup_position_in_grid]],
+                      uint lane [[thread_index_in_simdgroup]],
+                      uint sg [[simdgroup_index_in_threadgroup]],
+                      uint simdgroups [[simdgroups_per_threadgroup]]) {
+  threadgroup T tile[UNPACK_TILE][UNPACK_TILE + 1];
   const int m = p.m, n = p.n, kmin = min(m, n);
   const long mat = long(group);
   if (p.unpack_pivots != 0) {
-    for (int i = int(tid); i < m; i += int(threads)) perm[i] = i;
+    threadgroup int* inverse = perm + m;
+    for (int i = int(tid); i < m; i += int(threads)) perm[i] = inverse[i] = i;
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (tid == 0) {
       const device int* pm = pivots + batch_offset(p.batch, p.pivot_batch_strides, mat);
       for (int j = 0; j < kmin; ++j) {
         const int r = pm[j] - 1;
         if (r < 0 || r >= m) continue;
-        const int v = perm[j];
-        perm[j] = perm[r];
+        const int v = perm[j], w = perm[r];
+        perm[j] = w;
         perm[r] = v;
+        inverse[w] = j;
+        inverse[v] = r;
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    // P[perm[c], c] = 1: A = P L U.
+    // P[perm[c], c] = 1 (A = P L U): row r's 1 is in column inverse[r],
+    // which the lanes on a row read as one word.
     device T* out = P + mat * long(m * m);
     for (int idx = int(tid); idx < m * m; idx += int(threads)) {
       const int r = idx / m, c = idx % m;
-      out[idx] = perm[c] == r ? one<T>() : T(0.0f);
+      out[idx] = inverse[r] == c ? one<T>() : T(0.0f);
     }
   }
   if (p.unpack_data != 0) {
     const device T* in = lu + batch_offset(p.batch, p.lu.batch_strides, mat);
     const int rs = int(p.lu.row_stride), cs = int(p.lu.col_stride);
     const bool conj = p.lu.conj != 0;
+    const bool down_columns = rs <= cs;  // the lanes' direction in LU
     device T* lm = L + mat * long(m * kmin);
-    for (int idx = int(tid); idx < m * kmin; idx += int(threads)) {
-      const int r = idx / kmin, c = idx % kmin;
-      lm[idx] = r == c ? one<T>() : (r > c ? conj_if(in[r * rs + c * cs], conj) : T(0.0f));
-    }
     device T* um = U + mat * long(kmin * n);
-    for (int idx = int(tid); idx < kmin * n; idx += int(threads)) {
-      const int r = idx / n, c = idx % n;
-      um[idx] = r <= c ? conj_if(in[r * rs + c * cs], conj) : T(0.0f);
+    const int l = int(lane);
+    for (int r0 = 0; r0 < m; r0 += UNPACK_TILE) {
+      for (int c0 = 0; c0 < n; c0 += UNPACK_TILE) {
+        for (int s = int(sg); s < UNPACK_TILE; s += int(simdgroups)) {
+          const int r = r0 + (down_columns ? l : s), c = c0 + (down_columns ? s : l);
+          if (r < m && c < n) tile[r - r0][c - c0] = conj_if(in[r * rs + c * cs], conj);
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        const int c = c0 + l;
+        for (int s = int(sg); s < UNPACK_TILE && r0 + s < m; s += int(simdgroups)) {
+          const int r = r0 + s;
+          const T v = tile[s][l];
+          if (c < kmin) lm[r * kmin + c] = r == c ? one<T>() : (r > c ? v : T(0.0f));
+          if (r < kmin && c < n) um[r * n + c] = r <= c ? v : T(0.0f);
+        }
+        // The next tile overwrites this one after every thread wrote it out.
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+      }
     }
   }
 }

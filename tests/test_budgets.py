@@ -247,7 +247,6 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
            for k in LU_PANEL},
         **{k: LINALG.format(kernel=k, what="x or b a row per lane") for k in names("lu_solve_{t}_{c}", t=("f32", "c64"),
                                                                                   c=(1, 4))},
-        **{k: LINALG.format(kernel=k, what="LU a row per lane") for k in LU_UNPACK},
     },
     "no_64_bit_division": {
         **{k: FP8.format(what="4 (strided conversions, vec GEMV) or 64 (scalar GEMV, tiles) 64-bit divisions per thread") for k in _CONVERT_STRIDED + FP8_GEMV + FP8_TILE},

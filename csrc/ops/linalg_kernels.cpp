@@ -346,7 +346,7 @@ void lu_unpack_into(const at::Tensor& lu, const at::Tensor& pivots, const at::Te
                  KernelArg::of(U.defined() ? U : lu), KernelArg::of(lu), KernelArg::of(piv), KernelArg::value(p)},
                 {grid_size(p.batch.count), 1, 1},
                 {threads_for(work, 256), 1, 1},
-                {threadgroup_bytes(m * 4)}});
+                {threadgroup_bytes(2 * m * 4)}});  // the permutation and its inverse
 }
 
 }  // namespace linalg

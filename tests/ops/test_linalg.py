@@ -375,6 +375,21 @@ def test_linalg_lu_and_lu_unpack(call, dtype, shape):
             assert g.shape == w.shape and torch.equal(g, w), flags
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 70, 70), (40, 75), (75, 40)], ids=lambda s: "x".join(map(str, s)))
+def test_lu_unpack_of_any_layout(call, dtype, shape):
+    # lu_unpack copies LU by 32 x 32 tiles, read along LU's contiguous
+    # dimension: partial tiles, and LU column-major (as lu_factor gives it),
+    # row-major, conjugated, or neither.
+    LU, piv = torch.linalg.lu_factor(rand(*shape, dtype=dtype))
+    views = {"column-major": LU, "row-major": LU.contiguous(), "strided": LU.repeat_interleave(2, -1)[..., ::2]}
+    if dtype.is_complex:
+        views["conjugated"] = LU.conj()
+    for name, lu in views.items():
+        for g, w in zip(call("lu_unpack", lu, piv), aten("lu_unpack", lu, piv)):
+            assert g.shape == w.shape and torch.equal(g, w), name
+
+
 def test_linalg_lu_without_pivoting_has_an_empty_p(call):
     A = well_conditioned(2, 5, 5)
     P, L, U = call("linalg_lu", A, pivot=False)
