@@ -271,6 +271,10 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
   const int ars = int(p.a.row_stride), acs = int(p.a.col_stride);
   const bool aconj = p.a.conj != 0;
   device T* out = lu + mat * long(m * n);  // column-major, leading dimension m
+  // The panel's leading dimension in `tile`: odd, so that lanes on one row
+  // across the panel's columns (loads along rows, row swaps) fall on
+  // distinct banks.
+  const int ld = LINALG_PANEL_LD(m);
   device int* piv_out = pivots + mat * kmin;
   int first_zero = 0;                             // thread 0's
   DetAccumulator<T> acc;
@@ -280,10 +284,13 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
     const int nb = min(p.panel, kmin - p0);
     const bool first = p0 == 0;
 
-    // 1. Load the panel; reset the row map.
+    // 1. Load the panel; reset the row map. Lanes go down the panel's
+    // columns, except along its rows when they are what is contiguous (the
+    // first panel of a row-major A).
+    const bool along_rows = first && acs < ars;
     for (int idx = int(tid); idx < (m - p0) * nb; idx += int(threads)) {
-      const int i = p0 + idx % (m - p0), t = idx / (m - p0);
-      tile[t * m + i] = first ? conj_if(am[i * ars + t * acs], aconj) : out[(p0 + t) * m + i];
+      const int i = p0 + (along_rows ? idx / nb : idx % (m - p0)), t = along_rows ? idx % nb : idx / (m - p0);
+      tile[t * ld + i] = first ? conj_if(am[i * ars + t * acs], aconj) : out[(p0 + t) * m + i];
     }
     for (int i = int(tid); i < m; i += int(threads)) row_map[i] = i;
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -291,7 +298,7 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
     // 2. Factor the panel.
     for (int j = 0; j < nb; ++j) {
       const int col = p0 + j;
-      threadgroup T* tj = tile + j * m;
+      threadgroup T* tj = tile + j * ld;
       int r = col;
       if (p.pivot != 0) {
         PivotCandidate c = {-1.0f, m};
@@ -301,9 +308,9 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
       }
       if (r != col) {
         for (int t = int(tid); t < nb; t += int(threads)) {
-          T v = tile[t * m + col];
-          tile[t * m + col] = tile[t * m + r];
-          tile[t * m + r] = v;
+          T v = tile[t * ld + col];
+          tile[t * ld + col] = tile[t * ld + r];
+          tile[t * ld + r] = v;
         }
       }
       if (tid == 0) panel_pivots[j] = r;
@@ -323,7 +330,7 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
           l = cdiv(l, d);
           tj[i] = l;
         }
-        for (int t = j + 1; t < nb; ++t) tile[t * m + i] -= cmul(l, tile[t * m + col]);
+        for (int t = j + 1; t < nb; ++t) tile[t * ld + i] -= cmul(l, tile[t * ld + col]);
       }
     }
 
@@ -384,7 +391,7 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
       }
       for (int t = 0; t < nb; ++t) {
         const T xt = simd_shuffle(xv, ushort(t));
-        if (int(lane) > t && int(lane) < nb) xv -= cmul(tile[t * m + p0 + int(lane)], xt);
+        if (int(lane) > t && int(lane) < nb) xv -= cmul(tile[t * ld + p0 + int(lane)], xt);
       }
       if (int(lane) < nb) {
         oc[p0 + int(lane)] = xv;
@@ -393,7 +400,7 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
       simdgroup_barrier(mem_flags::mem_threadgroup);
       for (int i = p0 + nb + int(lane); i < m; i += 32) {
         T v = first ? conj_if(ac[row_map[i] * ars], aconj) : oc[i];
-        for (int t = 0; t < nb; ++t) v -= cmul(tile[t * m + i], u12[sg][t]);
+        for (int t = 0; t < nb; ++t) v -= cmul(tile[t * ld + i], u12[sg][t]);
         oc[i] = v;
       }
       // The next column's U rows overwrite u12 only after every lane used it.
@@ -403,7 +410,7 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
     // 4. The panel to LU.
     for (int idx = int(tid); idx < (m - p0) * nb; idx += int(threads)) {
       const int i = p0 + idx % (m - p0), t = idx / (m - p0);
-      out[(p0 + t) * m + i] = tile[t * m + i];
+      out[(p0 + t) * m + i] = tile[t * ld + i];
     }
     // LU is complete up to the next panel; the next panel reads it, and
     // reuses the tile and the row map.

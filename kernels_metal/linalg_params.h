@@ -18,6 +18,9 @@
 #define LINALG_PANEL_STATIC_BYTES(elem)                                               \
   (8 * (LINALG_MAX_THREADS / 32) + 4 * LINALG_MAX_ROWS + 4 * LINALG_MAX_PANEL +         \
    2 * 4 * 2 * LINALG_MAX_PANEL + 4 + (elem) * (LINALG_MAX_THREADS / 32) * LINALG_MAX_PANEL)
+// Leading dimension of lu_panel's tile of m rows (odd: no bank conflicts
+// along its rows).
+#define LINALG_PANEL_LD(m) ((m) | 1)
 // Matrices up to this size are factored (and inverted, solved) in the
 // registers of one thread per matrix.
 #define LINALG_SMALL_MAX 4

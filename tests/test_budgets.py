@@ -243,8 +243,6 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
         **{k: SOFTMAX_SHORT_UNALIGNED for k in ("softmax_segment_bf16_bf16_i32", "softmax_backward_segment_bf16_bf16_i32")},
         **{k: SOFTMAX_STRIDED_BACKWARD for k in ("softmax_backward_strided_f32_f32_i32",
                                                  "softmax_backward_strided_bf16_bf16_i32")},
-        **{k: LINALG.format(kernel=k, what="the matrix by columns of its row-major storage (a line per lane)")
-           for k in LU_PANEL},
         **{k: LINALG.format(kernel=k, what="x or b a row per lane") for k in names("lu_solve_{t}_{c}", t=("f32", "c64"),
                                                                                   c=(1, 4))},
     },

@@ -274,11 +274,12 @@ Factors lu_factor(const at::Tensor& a, bool pivot, uint32_t det_mode) {
   p.pivot = pivot ? 1 : 0;
   p.det = det_mode;
   p.write_lu = 1;
-  // The widest panel (up to 32 columns) whose m rows fit in threadgroup
+  // The widest panel (up to 32 columns) whose m rows (ld apart) fit in threadgroup
   // memory beside what the kernel declares itself; 64 bytes for alignment.
   const int64_t elem = a.itemsize();
   const int64_t room = LINALG_THREADGROUP_MEMORY - LINALG_PANEL_STATIC_BYTES(elem) - 64;
-  p.panel = static_cast<int32_t>(std::min<int64_t>({LINALG_MAX_PANEL, kmin, room / (m * elem)}));
+  const int64_t ld = LINALG_PANEL_LD(m);
+  p.panel = static_cast<int32_t>(std::min<int64_t>({LINALG_MAX_PANEL, kmin, room / (ld * elem)}));
   TORCH_INTERNAL_ASSERT(p.panel >= 1);
   const at::Tensor& info = f.info;
   launch(Launch{"linalg_lu", std::string("lu_panel_") + type_name(a.scalar_type()),
@@ -287,7 +288,7 @@ Factors lu_factor(const at::Tensor& a, bool pivot, uint32_t det_mode) {
                  KernelArg::of(a), KernelArg::value(p)},
                 {grid_size(p.batch.count), 1, 1},
                 {threads_for(std::max(m, n), LINALG_MAX_THREADS), 1, 1},
-                {threadgroup_bytes(m * p.panel * elem)}});
+                {threadgroup_bytes(ld * p.panel * elem)}});
   return f;
 }
 
