@@ -95,17 +95,18 @@ struct DetAccumulator {
 };
 
 // ------------------------------------------- staging a run of matrices --
-// When an operand is a block (LinalgOperand::block) the matrices of a
-// threadgroup's threads, E elements each, are one contiguous run. Each
-// thread reading its own matrix would put its lanes E elements apart (a
-// cache line per lane); instead the threadgroup copies the run between
-// device and threadgroup memory with lanes on consecutive elements, and
-// each thread reads or writes its matrix in threadgroup memory.
+// Threads that each own E consecutive elements of a run in device memory
+// (lu_small: a thread's matrix when the operand is a block,
+// LinalgOperand::block; lu_solve: a row's C right-hand sides of a
+// row-major B) would put the lanes of an access E elements apart, a cache
+// line per lane. Instead the threadgroup copies the run between device and
+// threadgroup memory with lanes on consecutive elements, and each thread
+// reads or writes its own elements in threadgroup memory.
 // Element q of the run sits at q + q / period, period = the elements of 32
 // banks (32 or 16) times the odd part of E. A copy instruction covers 32
 // consecutive elements from a multiple of 32, never across a multiple of
 // the period: consecutive words, no bank conflict. Lane t on element
-// t E + e of its matrix: with E = 2^s o, the lanes fall into 2^s groups
+// t E + e of its own: with E = 2^s o, the lanes fall into 2^s groups
 // whose words t E mod 32 are the same set, and the groups are exactly one
 // period apart, so the padding element shifts each group onto other banks.
 // (Checked for every E up to 31 and both element sizes by enumeration.)
@@ -115,8 +116,8 @@ struct Staging {
 };
 
 template <typename T>
-inline Staging staging(uint elements_per_matrix) {
-  return Staging{128u / uint(sizeof(T)) * (elements_per_matrix >> ctz(elements_per_matrix))};
+inline Staging staging(uint E) {
+  return Staging{128u / uint(sizeof(T)) * (E >> ctz(E))};
 }
 
 // Copies `count` elements of a run, the threadgroup's LINALG_SMALL_THREADS

@@ -31,6 +31,12 @@
 // more).
 #define LINALG_STAGED_ELEMENTS(e) ((LINALG_SMALL_THREADS + LINALG_SMALL_THREADS / 16) * (e))
 
+// Elements of a row-major B that lu_solve stages in threadgroup memory at a
+// time (rows of C right-hand sides; linalg_common.h, Staging: one element
+// of padding per 16 or more).
+#define LINALG_SOLVE_STAGE 512
+#define LINALG_SOLVE_STAGED(C) ((C) == 1 ? 1 : LINALG_SOLVE_STAGE + LINALG_SOLVE_STAGE / 16)  // none for one column
+
 // What the LU kernels compute besides the factors.
 #define LINALG_DET_NONE 0
 #define LINALG_DET 1      // det: the product of U's diagonal and the permutation's sign
