@@ -280,9 +280,36 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
   DetAccumulator<T> acc;
   acc.init();
 
+  // A row-major A's columns right of the first panel: read down a column,
+  // as step 3 reads them, lanes would be a row (a line) apart. They are
+  // copied to LU first instead, by 32 x 32 tiles (rows padded to 33) in the
+  // panel's tile memory, read along A's rows and written down LU's columns;
+  // step 3 then takes them from LU, as in later steps. (One more write and
+  // read of them, for no line per lane.)
+  constexpr int TILE = 32;
+  const bool a_to_lu = acs < ars && n > p.panel && ld * p.panel >= TILE * (TILE + 1);
+  if (a_to_lu) {
+    for (int r0 = 0; r0 < m; r0 += TILE) {
+      for (int c0 = p.panel / TILE * TILE; c0 < n; c0 += TILE) {
+        for (int s = int(sg); s < TILE; s += int(simdgroups)) {
+          const int r = r0 + s, c = c0 + int(lane);
+          if (r < m && c >= p.panel && c < n) tile[s * (TILE + 1) + int(lane)] = conj_if(am[r * ars + c * acs], aconj);
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        for (int s = int(sg); s < TILE; s += int(simdgroups)) {
+          const int r = r0 + int(lane), c = c0 + s;
+          if (r < m && c >= p.panel && c < n) out[c * m + r] = tile[int(lane) * (TILE + 1) + s];
+        }
+        // The next tile overwrites this one after every thread wrote it out.
+        threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
+      }
+    }
+  }
+
   for (int p0 = 0; p0 < kmin; p0 += p.panel) {
     const int nb = min(p.panel, kmin - p0);
     const bool first = p0 == 0;
+    const bool from_a = first && !a_to_lu;  // step 3 reads A (through the row map), not LU
 
     // 1. Load the panel; reset the row map. Lanes go down the panel's
     // columns, except along its rows when they are what is contiguous (the
@@ -371,7 +398,7 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
     for (int q = int(sg); q < n - nb; q += int(simdgroups)) {
       const int c = q < p0 ? q : q + nb;
       device T* oc = out + c * m;
-      if (!first && swaps > 0) {  // every lane reads its rows before any lane writes
+      if (!from_a && swaps > 0) {  // every lane reads its rows before any lane writes
         T v0 = T(0.0f), v1 = T(0.0f);
         const int s0 = int(lane), s1 = int(lane) + 32;
         if (s0 < swaps) v0 = oc[swap_src[s0]];
@@ -387,7 +414,7 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
       T xv = T(0.0f);
       if (int(lane) < nb) {
         const int i = p0 + int(lane);
-        xv = first ? conj_if(ac[row_map[i] * ars], aconj) : oc[i];
+        xv = from_a ? conj_if(ac[row_map[i] * ars], aconj) : oc[i];
       }
       for (int t = 0; t < nb; ++t) {
         const T xt = simd_shuffle(xv, ushort(t));
@@ -399,7 +426,7 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
       }
       simdgroup_barrier(mem_flags::mem_threadgroup);
       for (int i = p0 + nb + int(lane); i < m; i += 32) {
-        T v = first ? conj_if(ac[row_map[i] * ars], aconj) : oc[i];
+        T v = from_a ? conj_if(ac[row_map[i] * ars], aconj) : oc[i];
         for (int t = 0; t < nb; ++t) v -= cmul(tile[t * ld + i], u12[sg][t]);
         oc[i] = v;
       }

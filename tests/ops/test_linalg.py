@@ -342,6 +342,20 @@ def test_non_contiguous_inputs(call, dtype):
         assert_close(LU, want[0], 1e-4, name)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layouts_of_a_matrix_wider_than_a_panel(call, dtype):
+    # Right of the first panel, a row-major A is copied to LU by tiles
+    # before the factorisation; other layouts are read in place.
+    base = rand(2, 75, 75, dtype=dtype)
+    views = {"row-major": base[:, :40], "column-major": base.mT[:, :70], "sliced rows": base[:, ::2, 1:]}
+    if dtype.is_complex:
+        views["conjugated"] = base[:, :40].conj()
+    for name, A in views.items():
+        LU, piv, info = call("linalg_lu_factor_ex", A)
+        check_lu(A.resolve_conj(), LU, piv, info)
+        assert torch.equal(piv, aten("linalg_lu_factor_ex", A)[1]), name
+
+
 def test_larger_than_512_goes_to_torchs_kernel():
     mps_ext.reset_stats()
     A = rand(513, 2)
