@@ -238,7 +238,9 @@ inline PivotCandidate threadgroup_argmax(PivotCandidate c, threadgroup PivotCand
 // In the first step the columns right of the panel are read from A through
 // the row map (a row swap is where a row is read from), so A is copied to
 // LU by the same pass that updates it, and A and LU are read and written
-// once when the matrix fits in one panel.
+// once when the matrix fits in one panel. A row-major A is read along its
+// rows instead: the first panel's load takes lanes along them, and the
+// columns right of it are copied to LU by tiles before step 1 (a_to_lu).
 template <typename T>
 [[max_total_threads_per_threadgroup(LINALG_MAX_THREADS)]]
 kernel void lu_panel(device T* lu [[buffer(0)]],
