@@ -316,10 +316,14 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
     // 1. Load the panel; reset the row map. Lanes go down the panel's
     // columns, except along its rows when they are what is contiguous (the
     // first panel of a row-major A).
+    // Down a column, lanes start at a multiple of 32 rows (rows above p0
+    // idle): a column of LU starts on a line when m is a multiple of 32,
+    // and so does every simdgroup's run of rows.
     const bool along_rows = first && acs < ars;
-    for (int idx = int(tid); idx < (m - p0) * nb; idx += int(threads)) {
-      const int i = p0 + (along_rows ? idx / nb : idx % (m - p0)), t = along_rows ? idx % nb : idx / (m - p0);
-      tile[t * ld + i] = first ? conj_if(am[i * ars + t * acs], aconj) : out[(p0 + t) * m + i];
+    const int base = p0 / 32 * 32, rows = m - base;
+    for (int idx = int(tid); idx < rows * nb; idx += int(threads)) {
+      const int i = base + (along_rows ? idx / nb : idx % rows), t = along_rows ? idx % nb : idx / rows;
+      if (i >= p0) tile[t * ld + i] = first ? conj_if(am[i * ars + t * acs], aconj) : out[(p0 + t) * m + i];
     }
     for (int i = int(tid); i < m; i += int(threads)) row_map[i] = i;
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -427,7 +431,8 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
         u12[sg][lane] = xv;
       }
       simdgroup_barrier(mem_flags::mem_threadgroup);
-      for (int i = p0 + nb + int(lane); i < m; i += 32) {
+      for (int i = (p0 + nb) / 32 * 32 + int(lane); i < m; i += 32) {  // from a multiple of 32, as in step 1
+        if (i < p0 + nb) continue;
         T v = from_a ? conj_if(ac[row_map[i] * ars], aconj) : oc[i];
         for (int t = 0; t < nb; ++t) v -= cmul(tile[t * ld + i], u12[sg][t]);
         oc[i] = v;
@@ -437,9 +442,9 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
     }
 
     // 4. The panel to LU.
-    for (int idx = int(tid); idx < (m - p0) * nb; idx += int(threads)) {
-      const int i = p0 + idx % (m - p0), t = idx / (m - p0);
-      out[(p0 + t) * m + i] = tile[t * ld + i];
+    for (int idx = int(tid); idx < rows * nb; idx += int(threads)) {  // from a multiple of 32, as in step 1
+      const int i = base + idx % rows, t = idx / rows;
+      if (i >= p0) out[(p0 + t) * m + i] = tile[t * ld + i];
     }
     // LU is complete up to the next panel; the next panel reads it, and
     // reuses the tile and the row map.
