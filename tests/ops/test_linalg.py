@@ -672,6 +672,26 @@ def test_small_kernel_accesses_are_coalesced(dtype, n):
         assert not worst and d.bank_conflict_cycles == 0, (d.kernel, worst, d.bank_conflict_cycles)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_panel_unpack_and_solve_accesses_are_coalesced(dtype):
+    # Row-major A wider than a panel (its first panel loaded along rows, the
+    # rest copied to LU by tiles), lu_unpack's tiles, a row-major B of 4
+    # columns staged by lu_solve: every device access of a simdgroup on the
+    # fewest cache lines (diagonally dominant matrices: no row swaps, which
+    # gather rows wherever the pivots are).
+    A = well_conditioned(2, 64, 64, dtype=dtype)
+    LU, piv = torch.linalg.lu_factor(A)
+    with cpu_metal.record(counters=True) as rec:
+        torch.ops.mps_ext.linalg_lu_factor_ex(A)
+        torch.ops.mps_ext.lu_unpack(LU, piv)
+        torch.ops.mps_ext.linalg_lu_solve(LU, piv, rand(2, 64, 4, dtype=dtype))
+    assert [d.kernel.rsplit("_", 1)[0] for d in rec.dispatches] == ["lu_panel", "lu_unpack", "lu_solve_" + (
+        "c64" if dtype.is_complex else "f32")]
+    for d in rec.dispatches:
+        worst = {d.buffer_names[i]: r for i, r in d.coalescing.items() if i not in d.constant_buffers and r > 1.0}
+        assert not worst and d.bank_conflict_cycles == 0, (d.kernel, worst, d.bank_conflict_cycles)
+
+
 @pytest.mark.parametrize("shape", [(16, 32, 32), (4, 40, 75), (4, 75, 40)], ids=lambda s: "x".join(map(str, s)))
 def test_lu_unpack_is_one_dispatch_at_minimum_traffic(shape):
     # What keeps lu_unpack on torch 2.15 (mps_ext/_policy.py): torch's runs a
