@@ -93,3 +93,40 @@ struct DetAccumulator {
     if (swapped) det = -det;
   }
 };
+
+// ------------------------------------------- staging a run of matrices --
+// Threads that each own E consecutive elements of a run in device memory
+// (lu_small: a thread's matrix when the operand is a block,
+// LinalgOperand::block; lu_solve: a row's C right-hand sides of a
+// row-major B) would put the lanes of an access E elements apart, a cache
+// line per lane. Instead the threadgroup copies the run between device and
+// threadgroup memory with lanes on consecutive elements, and each thread
+// reads or writes its own elements in threadgroup memory.
+// Element q of the run sits at q + q / period, period = the elements of 32
+// banks (32 or 16) times the odd part of E. A copy instruction covers 32
+// consecutive elements from a multiple of 32, never across a multiple of
+// the period: consecutive words, no bank conflict. Lane t on element
+// t E + e of its own: with E = 2^s o, the lanes fall into 2^s groups
+// whose words t E mod 32 are the same set, and the groups are exactly one
+// period apart, so the padding element shifts each group onto other banks.
+// (Checked for every E up to 31 and both element sizes by enumeration.)
+struct Staging {
+  uint period;
+  uint at(uint q) const { return q + q / period; }
+};
+
+template <typename T>
+inline Staging staging(uint E) {
+  return Staging{128u / uint(sizeof(T)) * (E >> ctz(E))};
+}
+
+// Copies `count` elements of a run, the threadgroup's LINALG_SMALL_THREADS
+// threads on consecutive elements.
+template <typename T>
+inline void stage_in(threadgroup T* s, Staging st, const device T* run, uint count, uint tid) {
+  for (uint q = tid; q < count; q += LINALG_SMALL_THREADS) s[st.at(q)] = run[q];
+}
+template <typename T>
+inline void stage_out(device T* run, const threadgroup T* s, Staging st, uint count, uint tid) {
+  for (uint q = tid; q < count; q += LINALG_SMALL_THREADS) run[q] = s[st.at(q)];
+}

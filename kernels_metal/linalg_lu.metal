@@ -20,6 +20,33 @@ using namespace metal;
 // ------------------------------------------------ one thread per matrix --
 // Registers are indexed by compile-time loops only (N is a template
 // argument): a dynamically indexed register array would spill on the GPU.
+// Operands that are blocks (the usual contiguous batch) go through
+// threadgroup memory (Staging): `stage` holds A, then LU, then X (E <= N^2
+// elements per matrix), and after it B when B is read; `piv_stage` the
+// pivots. The host sizes `stage`.
+template <typename T>
+MPS_EXT_INLINE void swap_values(thread T& a, thread T& b) {
+  const T t = a;
+  a = b;
+  b = t;
+}
+template <typename T, int N>
+MPS_EXT_INLINE void swap_values(thread T (&a)[N], thread T (&b)[N]) {
+  MPS_EXT_UNROLL for (int c = 0; c < N; ++c) {
+    const T t = a[c];
+    a[c] = b[c];
+    b[c] = t;
+  }
+}
+
+// Swaps rows j and r (r >= j) of a thread's array of N rows (values, or
+// rows of a matrix), by compile-time indices only (see above).
+template <typename R, int N>
+MPS_EXT_INLINE void swap_rows(thread R (&rows)[N], int j, int r) {
+  MPS_EXT_UNROLL for (int i = j + 1; i < N; ++i)
+    if (i == r) swap_values(rows[j], rows[i]);
+}
+
 template <typename T, int N>
 [[max_total_threads_per_threadgroup(LINALG_SMALL_THREADS)]]
 kernel void lu_small(device T* lu [[buffer(0)]],
@@ -31,18 +58,40 @@ kernel void lu_small(device T* lu [[buffer(0)]],
                      const device T* a [[buffer(6)]],
                      const device T* b [[buffer(7)]],
                      constant LuParams& p [[buffer(8)]],
-                     uint gid [[thread_position_in_grid]]) {
-  const long mat = long(gid);
-  if (mat >= p.batch.count) return;
+                     threadgroup T* stage [[threadgroup(0)]],
+                     uint tid [[thread_index_in_threadgroup]],
+                     uint group [[threadgroup_position_in_grid]]) {
+  threadgroup int piv_stage[LINALG_STAGED_ELEMENTS(N)];
+  constexpr uint NN = N * N;
+  // 64-bit arithmetic once, for where the threadgroup's run of matrices and
+  // a matrix start; 32-bit inside them (the host checked that every matrix
+  // spans less than 2^31 elements).
+  const long first = long(group) * LINALG_SMALL_THREADS;
+  const long mat = first + long(tid);
+  const bool live = mat < p.batch.count;
+  const uint count = uint(min(p.batch.count - first, long(LINALG_SMALL_THREADS)));  // matrices of the threadgroup
+  const bool solve = p.solve != LINALG_SOLVE_NONE;
+  const bool read_b = solve && p.identity == 0;
+  const uint E = uint(N * p.k);  // elements of a matrix of B and X
+  threadgroup T* b_stage = stage + LINALG_STAGED_ELEMENTS(NN);
+  const Staging sa = staging<T>(NN);
+  const Staging sb = staging<T>(max(E, 1u));
 
-  // 64-bit arithmetic once, for where the matrix starts; 32-bit inside it
-  // (the host checked that every matrix spans less than 2^31 elements).
+  if (p.a.block != 0) stage_in(stage, sa, a + first * NN, count * NN, tid);
+  if (read_b && p.b.block != 0) stage_in(b_stage, sb, b + first * E, count * E, tid);
+  if (p.a.block != 0 || (read_b && p.b.block != 0)) threadgroup_barrier(mem_flags::mem_threadgroup);
+
   T M[N][N];
   {
-    const device T* am = a + batch_offset(p.batch, p.a.batch_strides, mat);
     const int rs = int(p.a.row_stride), cs = int(p.a.col_stride);
+    const bool conj = p.a.conj != 0;
+    const device T* am = live && p.a.block == 0 ? a + batch_offset(p.batch, p.a.batch_strides, mat) : a;
     for (int i = 0; i < N; ++i)
-      for (int j = 0; j < N; ++j) M[i][j] = conj_if(am[i * rs + j * cs], p.a.conj != 0);
+      for (int j = 0; j < N; ++j) {
+        T v = T(0.0f);
+        if (live) v = p.a.block != 0 ? stage[sa.at(tid * NN + uint(i * rs + j * cs))] : am[i * rs + j * cs];
+        M[i][j] = conj_if(v, conj);
+      }
   }
 
   // getf2 in registers. Pivot search as isamax / icamax: first row of the
@@ -64,15 +113,7 @@ kernel void lu_small(device T* lu [[buffer(0)]],
       }
     }
     piv[j] = r;
-    for (int i = j + 1; i < N; ++i) {
-      if (i == r) {
-        for (int c = 0; c < N; ++c) {
-          T t = M[j][c];
-          M[j][c] = M[i][c];
-          M[i][c] = t;
-        }
-      }
-    }
+    swap_rows(M, j, r);
     const T d = M[j][j];
     const bool zero = is_zero(d);
     if (zero && first_zero == 0) first_zero = j + 1;
@@ -83,45 +124,49 @@ kernel void lu_small(device T* lu [[buffer(0)]],
     }
   }
 
-  info[mat] = first_zero;
-  if (p.write_lu != 0) {
-    device T* lm = lu + mat * (N * N);
-    device int* pm = pivots + mat * N;
-    for (int j = 0; j < N; ++j) {
-      pm[j] = piv[j] + 1;
-      for (int i = 0; i < N; ++i) lm[j * N + i] = M[i][j];
-    }
+  if (live) {
+    info[mat] = first_zero;
+    if (p.det != LINALG_DET_NONE) det[mat] = acc.det;
+    if (p.det == LINALG_SLOGDET) logabsdet[mat] = acc.log_abs;
   }
-  if (p.det != LINALG_DET_NONE) det[mat] = acc.det;
-  if (p.det == LINALG_SLOGDET) logabsdet[mat] = acc.log_abs;
-  if (p.solve == LINALG_SOLVE_NONE) return;
-
-  // The permutation: row i of P^T M is row perm[i] of M.
-  int perm[N];
-  for (int i = 0; i < N; ++i) perm[i] = i;
-  for (int j = 0; j < N; ++j) {
-    for (int i = j + 1; i < N; ++i) {
-      if (i == piv[j]) {
-        int t = perm[j];
-        perm[j] = perm[i];
-        perm[i] = t;
+  if (p.write_lu != 0) {  // column-major LU and the pivots, matrix after matrix
+    // Every thread has read A from `stage` (the barrier after the loads is
+    // behind it) before any thread writes LU there.
+    if (p.a.block != 0) threadgroup_barrier(mem_flags::mem_threadgroup);
+    const Staging sp = staging<int>(N);
+    if (live) {
+      for (int j = 0; j < N; ++j) {
+        piv_stage[sp.at(tid * N + uint(j))] = piv[j] + 1;
+        for (int i = 0; i < N; ++i) stage[sa.at(tid * NN + uint(j * N + i))] = M[i][j];
       }
     }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    stage_out(lu + first * NN, stage, sa, count * NN, tid);
+    stage_out(pivots + first * N, piv_stage, sp, count * N, tid);
   }
-  const device T* bm = b + batch_offset(p.batch, p.b.batch_strides, mat);
-  device T* xm = x + batch_offset(p.batch, p.x.batch_strides, mat);
+  if (!solve) return;
+
+  // X goes to `stage` after every thread is done with what it held (A, or
+  // LU on its way out).
+  if (p.x.block != 0 && (p.a.block != 0 || p.write_lu != 0)) threadgroup_barrier(mem_flags::mem_threadgroup);
+  const device T* bm = live && read_b && p.b.block == 0 ? b + batch_offset(p.batch, p.b.batch_strides, mat) : b;
+  device T* xm = live && p.x.block == 0 ? x + batch_offset(p.batch, p.x.batch_strides, mat) : x;
   const int brs = int(p.b.row_stride), bcs = int(p.b.col_stride);
   const int xrs = int(p.x.row_stride), xcs = int(p.x.col_stride);
   const bool transposed = p.solve == LINALG_SOLVE_MT;
-  for (int col = 0; col < p.k; ++col) {
+  // Lanes read and write the same element of their matrices (no bank
+  // conflict in `stage`): the row permutation is applied in registers, as
+  // the pivots' swaps (getrs' laswp), with selects rather than indices.
+  for (int col = 0; col < p.k && live; ++col) {
     T y[N];
     for (int i = 0; i < N; ++i) {
-      // M X = B reads B's rows permuted (P^T B); M^T X = B permutes at the end.
-      const int row = transposed ? i : perm[i];
-      y[i] = p.identity != 0 ? (row == col ? one<T>() : T(0.0f))
-                             : conj_if(bm[row * brs + col * bcs], p.b.conj != 0);
+      const int at = i * brs + col * bcs;
+      T v = i == col ? one<T>() : T(0.0f);
+      if (read_b) v = conj_if(p.b.block != 0 ? b_stage[sb.at(tid * E + uint(at))] : bm[at], p.b.conj != 0);
+      y[i] = v;
     }
-    if (!transposed) {  // L (unit lower), then U
+    if (!transposed) {  // P^T B, then L (unit lower), then U
+      for (int j = 0; j < N; ++j) swap_rows(y, j, piv[j]);
       for (int i = 0; i < N; ++i)
         for (int j = 0; j < i; ++j) y[i] -= cmul(M[i][j], y[j]);
       for (int i = N - 1; i >= 0; --i) {
@@ -135,11 +180,19 @@ kernel void lu_small(device T* lu [[buffer(0)]],
       }
       for (int i = N - 1; i >= 0; --i)
         for (int j = i + 1; j < N; ++j) y[i] -= cmul(M[j][i], y[j]);
+      for (int j = N - 1; j >= 0; --j) swap_rows(y, j, piv[j]);
     }
     for (int i = 0; i < N; ++i) {
-      const int row = transposed ? perm[i] : i;
-      xm[row * xrs + col * xcs] = y[i];
+      const int at = i * xrs + col * xcs;
+      if (p.x.block != 0)
+        stage[sb.at(tid * E + uint(at))] = y[i];
+      else
+        xm[at] = y[i];
     }
+  }
+  if (p.x.block != 0) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    stage_out(x + first * E, stage, sb, count * E, tid);
   }
 }
 
@@ -185,7 +238,9 @@ inline PivotCandidate threadgroup_argmax(PivotCandidate c, threadgroup PivotCand
 // In the first step the columns right of the panel are read from A through
 // the row map (a row swap is where a row is read from), so A is copied to
 // LU by the same pass that updates it, and A and LU are read and written
-// once when the matrix fits in one panel.
+// once when the matrix fits in one panel. A row-major A is read along its
+// rows instead: the first panel's load takes lanes along them, and the
+// columns right of it are copied to LU by tiles before step 1 (a_to_lu).
 template <typename T>
 [[max_total_threads_per_threadgroup(LINALG_MAX_THREADS)]]
 kernel void lu_panel(device T* lu [[buffer(0)]],
@@ -218,19 +273,57 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
   const int ars = int(p.a.row_stride), acs = int(p.a.col_stride);
   const bool aconj = p.a.conj != 0;
   device T* out = lu + mat * long(m * n);  // column-major, leading dimension m
+  // The panel's leading dimension in `tile`: odd, so that lanes on one row
+  // across the panel's columns (loads along rows, row swaps) fall on
+  // distinct banks.
+  const int ld = LINALG_PANEL_LD(m);
   device int* piv_out = pivots + mat * kmin;
   int first_zero = 0;                             // thread 0's
   DetAccumulator<T> acc;
   acc.init();
 
+  // A row-major A's columns right of the first panel: read down a column,
+  // as step 3 reads them, lanes would be a row (a line) apart. They are
+  // copied to LU first instead, by 32 x 32 tiles (rows padded to 33) in the
+  // panel's tile memory, read along A's rows and written down LU's columns;
+  // step 3 then takes them from LU, as in later steps. (One more write and
+  // read of them, for no line per lane.)
+  constexpr int TILE = 32;
+  const bool a_to_lu = acs < ars && n > p.panel && ld * p.panel >= TILE * (TILE + 1);
+  if (a_to_lu) {
+    for (int r0 = 0; r0 < m; r0 += TILE) {
+      for (int c0 = p.panel / TILE * TILE; c0 < n; c0 += TILE) {
+        for (int s = int(sg); s < TILE; s += int(simdgroups)) {
+          const int r = r0 + s, c = c0 + int(lane);
+          if (r < m && c >= p.panel && c < n) tile[s * (TILE + 1) + int(lane)] = conj_if(am[r * ars + c * acs], aconj);
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        for (int s = int(sg); s < TILE; s += int(simdgroups)) {
+          const int r = r0 + int(lane), c = c0 + s;
+          if (r < m && c >= p.panel && c < n) out[c * m + r] = tile[int(lane) * (TILE + 1) + s];
+        }
+        // The next tile overwrites this one after every thread wrote it out.
+        threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
+      }
+    }
+  }
+
   for (int p0 = 0; p0 < kmin; p0 += p.panel) {
     const int nb = min(p.panel, kmin - p0);
     const bool first = p0 == 0;
+    const bool from_a = first && !a_to_lu;  // step 3 reads A (through the row map), not LU
 
-    // 1. Load the panel; reset the row map.
-    for (int idx = int(tid); idx < (m - p0) * nb; idx += int(threads)) {
-      const int i = p0 + idx % (m - p0), t = idx / (m - p0);
-      tile[t * m + i] = first ? conj_if(am[i * ars + t * acs], aconj) : out[(p0 + t) * m + i];
+    // 1. Load the panel; reset the row map. Lanes go down the panel's
+    // columns, except along its rows when they are what is contiguous (the
+    // first panel of a row-major A).
+    // Down a column, lanes start at a multiple of 32 rows (rows above p0
+    // idle): a column of LU starts on a line when m is a multiple of 32,
+    // and so does every simdgroup's run of rows.
+    const bool along_rows = first && acs < ars;
+    const int base = p0 / 32 * 32, rows = m - base;
+    for (int idx = int(tid); idx < rows * nb; idx += int(threads)) {
+      const int i = base + (along_rows ? idx / nb : idx % rows), t = along_rows ? idx % nb : idx / rows;
+      if (i >= p0) tile[t * ld + i] = first ? conj_if(am[i * ars + t * acs], aconj) : out[(p0 + t) * m + i];
     }
     for (int i = int(tid); i < m; i += int(threads)) row_map[i] = i;
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -238,7 +331,7 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
     // 2. Factor the panel.
     for (int j = 0; j < nb; ++j) {
       const int col = p0 + j;
-      threadgroup T* tj = tile + j * m;
+      threadgroup T* tj = tile + j * ld;
       int r = col;
       if (p.pivot != 0) {
         PivotCandidate c = {-1.0f, m};
@@ -248,9 +341,9 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
       }
       if (r != col) {
         for (int t = int(tid); t < nb; t += int(threads)) {
-          T v = tile[t * m + col];
-          tile[t * m + col] = tile[t * m + r];
-          tile[t * m + r] = v;
+          T v = tile[t * ld + col];
+          tile[t * ld + col] = tile[t * ld + r];
+          tile[t * ld + r] = v;
         }
       }
       if (tid == 0) panel_pivots[j] = r;
@@ -270,7 +363,7 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
           l = cdiv(l, d);
           tj[i] = l;
         }
-        for (int t = j + 1; t < nb; ++t) tile[t * m + i] -= cmul(l, tile[t * m + col]);
+        for (int t = j + 1; t < nb; ++t) tile[t * ld + i] -= cmul(l, tile[t * ld + col]);
       }
     }
 
@@ -311,7 +404,7 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
     for (int q = int(sg); q < n - nb; q += int(simdgroups)) {
       const int c = q < p0 ? q : q + nb;
       device T* oc = out + c * m;
-      if (!first && swaps > 0) {  // every lane reads its rows before any lane writes
+      if (!from_a && swaps > 0) {  // every lane reads its rows before any lane writes
         T v0 = T(0.0f), v1 = T(0.0f);
         const int s0 = int(lane), s1 = int(lane) + 32;
         if (s0 < swaps) v0 = oc[swap_src[s0]];
@@ -327,20 +420,21 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
       T xv = T(0.0f);
       if (int(lane) < nb) {
         const int i = p0 + int(lane);
-        xv = first ? conj_if(ac[row_map[i] * ars], aconj) : oc[i];
+        xv = from_a ? conj_if(ac[row_map[i] * ars], aconj) : oc[i];
       }
       for (int t = 0; t < nb; ++t) {
         const T xt = simd_shuffle(xv, ushort(t));
-        if (int(lane) > t && int(lane) < nb) xv -= cmul(tile[t * m + p0 + int(lane)], xt);
+        if (int(lane) > t && int(lane) < nb) xv -= cmul(tile[t * ld + p0 + int(lane)], xt);
       }
       if (int(lane) < nb) {
         oc[p0 + int(lane)] = xv;
         u12[sg][lane] = xv;
       }
       simdgroup_barrier(mem_flags::mem_threadgroup);
-      for (int i = p0 + nb + int(lane); i < m; i += 32) {
-        T v = first ? conj_if(ac[row_map[i] * ars], aconj) : oc[i];
-        for (int t = 0; t < nb; ++t) v -= cmul(tile[t * m + i], u12[sg][t]);
+      for (int i = (p0 + nb) / 32 * 32 + int(lane); i < m; i += 32) {  // from a multiple of 32, as in step 1
+        if (i < p0 + nb) continue;
+        T v = from_a ? conj_if(ac[row_map[i] * ars], aconj) : oc[i];
+        for (int t = 0; t < nb; ++t) v -= cmul(tile[t * ld + i], u12[sg][t]);
         oc[i] = v;
       }
       // The next column's U rows overwrite u12 only after every lane used it.
@@ -348,9 +442,9 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
     }
 
     // 4. The panel to LU.
-    for (int idx = int(tid); idx < (m - p0) * nb; idx += int(threads)) {
-      const int i = p0 + idx % (m - p0), t = idx / (m - p0);
-      out[(p0 + t) * m + i] = tile[t * m + i];
+    for (int idx = int(tid); idx < rows * nb; idx += int(threads)) {  // from a multiple of 32, as in step 1
+      const int i = base + idx % rows, t = idx / rows;
+      if (i >= p0) out[(p0 + t) * m + i] = tile[t * ld + i];
     }
     // LU is complete up to the next panel; the next panel reads it, and
     // reuses the tile and the row map.
@@ -366,10 +460,16 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
 
 // ------------------------------------------------------------- lu_unpack --
 // One threadgroup per matrix: the permutation from the pivots (thread 0, in
-// threadgroup memory: `perm`, m ints), then P, L and U, one thread per
-// output element in memory order. Pivots outside 1..m are ignored: no read
-// or write leaves the matrix (the host rejects them first, except on MPS
-// with torch 2.9, whose own kernel does not check them either).
+// threadgroup memory: `perm`, m ints, and its inverse after it), then P, one thread per output element
+// in memory order, then L and U by 32 x 32 tiles of LU: LU is read with the
+// lanes of a simdgroup along its contiguous dimension (down a column of the
+// usual column-major LU), L's and U's rows are written with lanes along them,
+// and the tile in threadgroup memory turns one into the other (rows padded
+// to 33 elements: both directions free of bank conflicts). Every element of
+// LU is L's or U's, so LU is read once. Pivots outside 1..m are ignored: no
+// read or write leaves the matrix (the host rejects them first, except on
+// MPS with torch 2.9, whose own kernel does not check them either).
+#define UNPACK_TILE 32
 template <typename T>
 [[max_total_threads_per_threadgroup(LINALG_MAX_THREADS)]]
 kernel void lu_unpack(device T* P [[buffer(0)]],
@@ -381,43 +481,63 @@ kernel void lu_unpack(device T* P [[buffer(0)]],
                       threadgroup int* perm [[threadgroup(0)]],
                       uint tid [[thread_index_in_threadgroup]],
                       uint threads [[threads_per_threadgroup]],
-                      uint group [[threadgroup_position_in_grid]]) {
+                      uint group [[threadgroup_position_in_grid]],
+                      uint lane [[thread_index_in_simdgroup]],
+                      uint sg [[simdgroup_index_in_threadgroup]],
+                      uint simdgroups [[simdgroups_per_threadgroup]]) {
+  threadgroup T tile[UNPACK_TILE][UNPACK_TILE + 1];
   const int m = p.m, n = p.n, kmin = min(m, n);
   const long mat = long(group);
   if (p.unpack_pivots != 0) {
-    for (int i = int(tid); i < m; i += int(threads)) perm[i] = i;
+    threadgroup int* inverse = perm + m;
+    for (int i = int(tid); i < m; i += int(threads)) perm[i] = inverse[i] = i;
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (tid == 0) {
       const device int* pm = pivots + batch_offset(p.batch, p.pivot_batch_strides, mat);
       for (int j = 0; j < kmin; ++j) {
         const int r = pm[j] - 1;
         if (r < 0 || r >= m) continue;
-        const int v = perm[j];
-        perm[j] = perm[r];
+        const int v = perm[j], w = perm[r];
+        perm[j] = w;
         perm[r] = v;
+        inverse[w] = j;
+        inverse[v] = r;
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    // P[perm[c], c] = 1: A = P L U.
+    // P[perm[c], c] = 1 (A = P L U): row r's 1 is in column inverse[r],
+    // which the lanes on a row read as one word.
     device T* out = P + mat * long(m * m);
     for (int idx = int(tid); idx < m * m; idx += int(threads)) {
       const int r = idx / m, c = idx % m;
-      out[idx] = perm[c] == r ? one<T>() : T(0.0f);
+      out[idx] = inverse[r] == c ? one<T>() : T(0.0f);
     }
   }
   if (p.unpack_data != 0) {
     const device T* in = lu + batch_offset(p.batch, p.lu.batch_strides, mat);
     const int rs = int(p.lu.row_stride), cs = int(p.lu.col_stride);
     const bool conj = p.lu.conj != 0;
+    const bool down_columns = rs <= cs;  // the lanes' direction in LU
     device T* lm = L + mat * long(m * kmin);
-    for (int idx = int(tid); idx < m * kmin; idx += int(threads)) {
-      const int r = idx / kmin, c = idx % kmin;
-      lm[idx] = r == c ? one<T>() : (r > c ? conj_if(in[r * rs + c * cs], conj) : T(0.0f));
-    }
     device T* um = U + mat * long(kmin * n);
-    for (int idx = int(tid); idx < kmin * n; idx += int(threads)) {
-      const int r = idx / n, c = idx % n;
-      um[idx] = r <= c ? conj_if(in[r * rs + c * cs], conj) : T(0.0f);
+    const int l = int(lane);
+    for (int r0 = 0; r0 < m; r0 += UNPACK_TILE) {
+      for (int c0 = 0; c0 < n; c0 += UNPACK_TILE) {
+        for (int s = int(sg); s < UNPACK_TILE; s += int(simdgroups)) {
+          const int r = r0 + (down_columns ? l : s), c = c0 + (down_columns ? s : l);
+          if (r < m && c < n) tile[r - r0][c - c0] = conj_if(in[r * rs + c * cs], conj);
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        const int c = c0 + l;
+        for (int s = int(sg); s < UNPACK_TILE && r0 + s < m; s += int(simdgroups)) {
+          const int r = r0 + s;
+          const T v = tile[s][l];
+          if (c < kmin) lm[r * kmin + c] = r == c ? one<T>() : (r > c ? v : T(0.0f));
+          if (r < kmin && c < n) um[r * n + c] = r <= c ? v : T(0.0f);
+        }
+        // The next tile overwrites this one after every thread wrote it out.
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+      }
     }
   }
 }

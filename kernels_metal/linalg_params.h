@@ -18,11 +18,24 @@
 #define LINALG_PANEL_STATIC_BYTES(elem)                                               \
   (8 * (LINALG_MAX_THREADS / 32) + 4 * LINALG_MAX_ROWS + 4 * LINALG_MAX_PANEL +         \
    2 * 4 * 2 * LINALG_MAX_PANEL + 4 + (elem) * (LINALG_MAX_THREADS / 32) * LINALG_MAX_PANEL)
+// Leading dimension of lu_panel's tile of m rows (odd: no bank conflicts
+// along its rows).
+#define LINALG_PANEL_LD(m) ((m) | 1)
 // Matrices up to this size are factored (and inverted, solved) in the
 // registers of one thread per matrix.
 #define LINALG_SMALL_MAX 4
 // Threads per threadgroup of the one-thread-per-matrix kernel.
 #define LINALG_SMALL_THREADS 64
+// Elements of threadgroup memory that stage the matrices of its threads, E
+// elements each (linalg_common.h, Staging: one element of padding per 16 or
+// more).
+#define LINALG_STAGED_ELEMENTS(e) ((LINALG_SMALL_THREADS + LINALG_SMALL_THREADS / 16) * (e))
+
+// Elements of a row-major B that lu_solve stages in threadgroup memory at a
+// time (rows of C right-hand sides; linalg_common.h, Staging: one element
+// of padding per 16 or more).
+#define LINALG_SOLVE_STAGE 512
+#define LINALG_SOLVE_STAGED(C) ((C) == 1 ? 1 : LINALG_SOLVE_STAGE + LINALG_SOLVE_STAGE / 16)  // none for one column
 
 // What the LU kernels compute besides the factors.
 #define LINALG_DET_NONE 0
@@ -57,7 +70,11 @@ struct LinalgOperand {
   int64_t row_stride;
   int64_t col_stride;
   uint32_t conj;
-  uint32_t pad;
+  // 1: matrix b is the E = rows * cols elements from b * E on, row- or
+  // column-major (row_stride and col_stride are then offsets inside it), so
+  // the matrices of consecutive threads are one contiguous run: lu_small
+  // copies them through threadgroup memory (linalg_common.h, Staging).
+  uint32_t block;
 };
 
 // LU factorisation of the m x n matrices `a` (LAPACK getrf), written

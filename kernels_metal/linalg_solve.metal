@@ -22,8 +22,10 @@ kernel void lu_solve(device T* x [[buffer(0)]],
                      const device int* pivots [[buffer(3)]],
                      constant SolveParams& p [[buffer(4)]],
                      uint tid [[thread_index_in_threadgroup]],
+                     uint threads [[threads_per_threadgroup]],
                      uint group [[threadgroup_position_in_grid]]) {
   threadgroup int perm[LINALG_MAX_ROWS];  // row i of P^T B is row perm[i] of B
+  threadgroup T b_stage[LINALG_SOLVE_STAGED(C)];
   threadgroup T published[2][C];          // the finished row, double-buffered: one barrier per step
 
   const int n = p.n, k = p.k, i = int(tid);
@@ -50,19 +52,43 @@ kernel void lu_solve(device T* x [[buffer(0)]],
 
   // 64-bit arithmetic once, for where the matrices start; 32-bit inside
   // them (the host checked that a matrix spans less than 2^31 elements).
+  //
+  // B's rows, as P^T B for LINALG_PERM_GATHER. Lanes on consecutive rows
+  // read consecutive elements of a column-major B; a row-major B's rows
+  // (C values each) go through threadgroup memory, LINALG_SOLVE_STAGE
+  // elements at a time, copied with lanes along the rows.
   T xr[C];
-  if (active) {
-    const int row = p.perm == LINALG_PERM_GATHER ? perm[i] : i;
+  for (int c = 0; c < C; ++c) {
+    const int row = p.perm == LINALG_PERM_GATHER && active ? perm[i] : i;
+    xr[c] = p.identity != 0 && row == col0 + c && col0 + c < k ? one<T>() : T(0.0f);
+  }
+  if (p.identity == 0) {
     const device T* bm = b + batch_offset(p.batch, p.b.batch_strides, mat);
     const int rs = int(p.b.row_stride), cs = int(p.b.col_stride);
-    for (int c = 0; c < C; ++c) {
-      const int col = col0 + c;
-      if (col >= k)
-        xr[c] = T(0.0f);
-      else if (p.identity != 0)
-        xr[c] = row == col ? one<T>() : T(0.0f);
-      else
-        xr[c] = conj_if(bm[row * rs + col * cs], p.b.conj != 0);
+    const bool conj = p.b.conj != 0;
+    if (C > 1 && cs == 1) {
+      constexpr int R = LINALG_SOLVE_STAGE / C;  // rows per copy
+      const Staging st = staging<T>(C);
+      for (int r0 = 0; r0 < n; r0 += R) {
+        const int rows = min(R, n - r0);
+        for (int idx = int(tid); idx < rows * C; idx += int(threads)) {
+          const int slot = r0 + idx / C, col = col0 + idx % C;
+          const int row = p.perm == LINALG_PERM_GATHER ? perm[slot] : slot;
+          if (col < k) b_stage[st.at(uint(idx))] = conj_if(bm[row * rs + col], conj);
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (active && i >= r0 && i < r0 + rows) {
+          for (int c = 0; c < C; ++c)
+            if (col0 + c < k) xr[c] = b_stage[st.at(uint((i - r0) * C + c))];
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);  // the next copy overwrites the stage
+      }
+    } else if (active) {
+      const int row = p.perm == LINALG_PERM_GATHER ? perm[i] : i;
+      for (int c = 0; c < C; ++c) {
+        const int col = col0 + c;
+        if (col < k) xr[c] = conj_if(bm[row * rs + col * cs], conj);
+      }
     }
   }
 

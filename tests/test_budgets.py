@@ -223,8 +223,11 @@ SOFTMAX_STRIDED_BACKWARD = ("softmax backward over a strided dimension: a thread
                             "D = 1024 8 of 16, bf16 at D = 512 16 of 64, 32-byte pieces, 2 lines over the fewest. "
                             "1024-thread threadgroups would take twice as many, but a pipeline whose registers "
                             "Apple's compiler counts higher than the executor would then refuse the launch")
-LINALG = ("{kernel} accesses {what}: not fixed by any branch yet (found by this test, which the linear-algebra kernels "
-          "postdate issue 11's list; the lead decides)")
+LU_SOLVE_VECTOR = ("lu_solve with one right-hand side: x at 32 (f32) / 16 (c64) lines per instruction in the batched "
+                   "solve (1 rhs) cases, because torch gives a batch of vector solutions the strides of a column-major "
+                   "(batch, n) matrix (batched_matrix_contiguous_strides), so x[b, i] is at b + batch * i and a "
+                   "matrix's rows, one per lane, are a line apart; lanes over matrices instead would read the factors "
+                   "(n^2 elements a matrix against x's n) a line per lane")
 FP8 = ("{what} (FP8 kernels, merged after issue 11's list: no branch fixes them yet; the lead decides)")
 MOE = "{what} (MoE kernels, merged after issue 11's list: no branch fixes them yet; the lead decides)"
 _GMM_ROWS = [k for k in GMM_DECODE if k.startswith("gmm_decode_rows_")]
@@ -249,13 +252,7 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
         **{k: SOFTMAX_SHORT_UNALIGNED for k in ("softmax_segment_bf16_bf16_i32", "softmax_backward_segment_bf16_bf16_i32")},
         **{k: SOFTMAX_STRIDED_BACKWARD for k in ("softmax_backward_strided_f32_f32_i32",
                                                  "softmax_backward_strided_bf16_bf16_i32")},
-        **{k: LINALG.format(kernel=k, what="each thread's own n x n matrix element by element (n^2 lines per "
-                                          "instruction)") for k in names("lu_small_{t}_{n}", t=("f32", "c64"), n=(2, 3, 4))},
-        **{k: LINALG.format(kernel=k, what="the matrix by columns of its row-major storage (a line per lane)")
-           for k in LU_PANEL},
-        **{k: LINALG.format(kernel=k, what="x or b a row per lane") for k in names("lu_solve_{t}_{c}", t=("f32", "c64"),
-                                                                                  c=(1, 4))},
-        **{k: LINALG.format(kernel=k, what="LU a row per lane") for k in LU_UNPACK},
+        **{k: LU_SOLVE_VECTOR for k in names("lu_solve_{t}_1", t=("f32", "c64"))},
     },
     "no_64_bit_division": {
         **{k: FP8.format(what="4 (strided conversions, vec GEMV) or 64 (scalar GEMV, tiles) 64-bit divisions per thread") for k in _CONVERT_STRIDED + FP8_GEMV + FP8_TILE},

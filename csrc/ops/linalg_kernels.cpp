@@ -92,6 +92,16 @@ void set_matrix(LinalgOperand& o, const at::Tensor& t, bool transposed = false) 
   o.conj = t.is_conj() ? 1 : 0;
 }
 
+// Whether the operand is a block (LinalgOperand::block): matrix b at b * E
+// elements, E = rows * cols, row- or column-major.
+void set_block(LinalgOperand& o, const LinalgBatch& batch, int64_t rows, int64_t cols) {
+  const int64_t rs = o.row_stride, cs = o.col_stride;
+  const bool row_major = (rows == 1 || rs == cols) && (cols == 1 || cs == 1);
+  const bool col_major = (rows == 1 || rs == 1) && (cols == 1 || cs == rows);
+  const bool batch_dense = batch.rank == 0 || (batch.rank == 1 && o.batch_strides[0] == rows * cols);
+  o.block = (row_major || col_major) && batch_dense ? 1 : 0;
+}
+
 c10::IntArrayRef batch_shape(const at::Tensor& t, int64_t matrix_dims) {
   return t.sizes().slice(0, t.dim() - matrix_dims);
 }
@@ -221,8 +231,13 @@ void small_factor_solve(const at::Tensor& a, bool pivot, uint32_t det_mode, bool
                                            {xv.defined() ? &xv : &a, 2, xv.defined() ? p.x.batch_strides : unused}});
   if (p.batch.count == 0) return;
   set_matrix(p.a, a);
+  set_block(p.a, p.batch, n, n);
+  // B and X are staged where A was (LINALG_STAGED_ELEMENTS(n * n)): up to n
+  // columns.
   if (bv.defined()) set_matrix(p.b, bv);
+  if (bv.defined() && p.k <= n) set_block(p.b, p.batch, n, p.k);
   if (xv.defined()) set_matrix(p.x, xv);
+  if (xv.defined() && p.k <= n) set_block(p.x, p.batch, n, p.k);
   p.m = p.n = static_cast<int32_t>(n);
   p.pivot = pivot ? 1 : 0;
   p.det = det_mode;
@@ -235,7 +250,8 @@ void small_factor_solve(const at::Tensor& a, bool pivot, uint32_t det_mode, bool
                  KernelArg::of(f.logabsdet.defined() ? f.logabsdet : info), KernelArg::of(a),
                  KernelArg::of(bv.defined() ? bv : a), KernelArg::value(p)},
                 {grid_size((p.batch.count + LINALG_SMALL_THREADS - 1) / LINALG_SMALL_THREADS), 1, 1},
-                {LINALG_SMALL_THREADS, 1, 1}});
+                {LINALG_SMALL_THREADS, 1, 1},
+                {threadgroup_bytes((p.b.block != 0 ? 2 : 1) * LINALG_STAGED_ELEMENTS(n * n) * a.itemsize())}});
 }
 
 Factors lu_factor(const at::Tensor& a, bool pivot, uint32_t det_mode) {
@@ -258,11 +274,12 @@ Factors lu_factor(const at::Tensor& a, bool pivot, uint32_t det_mode) {
   p.pivot = pivot ? 1 : 0;
   p.det = det_mode;
   p.write_lu = 1;
-  // The widest panel (up to 32 columns) whose m rows fit in threadgroup
+  // The widest panel (up to 32 columns) whose m rows (ld apart) fit in threadgroup
   // memory beside what the kernel declares itself; 64 bytes for alignment.
   const int64_t elem = a.itemsize();
   const int64_t room = LINALG_THREADGROUP_MEMORY - LINALG_PANEL_STATIC_BYTES(elem) - 64;
-  p.panel = static_cast<int32_t>(std::min<int64_t>({LINALG_MAX_PANEL, kmin, room / (m * elem)}));
+  const int64_t ld = LINALG_PANEL_LD(m);
+  p.panel = static_cast<int32_t>(std::min<int64_t>({LINALG_MAX_PANEL, kmin, room / (ld * elem)}));
   TORCH_INTERNAL_ASSERT(p.panel >= 1);
   const at::Tensor& info = f.info;
   launch(Launch{"linalg_lu", std::string("lu_panel_") + type_name(a.scalar_type()),
@@ -271,7 +288,7 @@ Factors lu_factor(const at::Tensor& a, bool pivot, uint32_t det_mode) {
                  KernelArg::of(a), KernelArg::value(p)},
                 {grid_size(p.batch.count), 1, 1},
                 {threads_for(std::max(m, n), LINALG_MAX_THREADS), 1, 1},
-                {threadgroup_bytes(m * p.panel * elem)}});
+                {threadgroup_bytes(ld * p.panel * elem)}});
   return f;
 }
 
@@ -330,7 +347,7 @@ void lu_unpack_into(const at::Tensor& lu, const at::Tensor& pivots, const at::Te
                  KernelArg::of(U.defined() ? U : lu), KernelArg::of(lu), KernelArg::of(piv), KernelArg::value(p)},
                 {grid_size(p.batch.count), 1, 1},
                 {threads_for(work, 256), 1, 1},
-                {threadgroup_bytes(m * 4)}});
+                {threadgroup_bytes(2 * m * 4)}});  // the permutation and its inverse
 }
 
 }  // namespace linalg

@@ -342,6 +342,20 @@ def test_non_contiguous_inputs(call, dtype):
         assert_close(LU, want[0], 1e-4, name)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layouts_of_a_matrix_wider_than_a_panel(call, dtype):
+    # Right of the first panel, a row-major A is copied to LU by tiles
+    # before the factorisation; other layouts are read in place.
+    base = rand(2, 75, 75, dtype=dtype)
+    views = {"row-major": base[:, :40], "column-major": base.mT[:, :70], "sliced rows": base[:, ::2, 1:]}
+    if dtype.is_complex:
+        views["conjugated"] = base[:, :40].conj()
+    for name, A in views.items():
+        LU, piv, info = call("linalg_lu_factor_ex", A)
+        check_lu(A.resolve_conj(), LU, piv, info)
+        assert torch.equal(piv, aten("linalg_lu_factor_ex", A)[1]), name
+
+
 def test_larger_than_512_goes_to_torchs_kernel():
     mps_ext.reset_stats()
     A = rand(513, 2)
@@ -373,6 +387,21 @@ def test_linalg_lu_and_lu_unpack(call, dtype, shape):
         want = aten("lu_unpack", LU, piv, *flags)
         for g, w in zip(got, want):
             assert g.shape == w.shape and torch.equal(g, w), flags
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 70, 70), (40, 75), (75, 40)], ids=lambda s: "x".join(map(str, s)))
+def test_lu_unpack_of_any_layout(call, dtype, shape):
+    # lu_unpack copies LU by 32 x 32 tiles, read along LU's contiguous
+    # dimension: partial tiles, and LU column-major (as lu_factor gives it),
+    # row-major, conjugated, or neither.
+    LU, piv = torch.linalg.lu_factor(rand(*shape, dtype=dtype))
+    views = {"column-major": LU, "row-major": LU.contiguous(), "strided": LU.repeat_interleave(2, -1)[..., ::2]}
+    if dtype.is_complex:
+        views["conjugated"] = LU.conj()
+    for name, lu in views.items():
+        for g, w in zip(call("lu_unpack", lu, piv), aten("lu_unpack", lu, piv)):
+            assert g.shape == w.shape and torch.equal(g, w), name
 
 
 def test_linalg_lu_without_pivoting_has_an_empty_p(call):
@@ -595,6 +624,72 @@ def test_small_inverse_is_one_dispatch_at_minimum_traffic(dtype, n):
     assert d.kernel == f"lu_small_{'c64' if dtype.is_complex else 'f32'}_{n}"
     assert d.total_threadgroups == (1000 + 63) // 64
     assert d.memory_bytes_moved / (A.nbytes + inv.nbytes + info.nbytes) <= 1.05
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_small_kernel_over_threadgroups_and_layouts(call, dtype, n):
+    # 150 matrices: two full threadgroups of lu_small and a partial one, with
+    # operands it copies through threadgroup memory as one run (contiguous,
+    # row- or column-major) and operands it reads matrix by matrix.
+    A = well_conditioned(300, n, n, dtype=dtype) + 2 * n * torch.eye(n, dtype=dtype)  # no near-singular one of 300
+    for name, a in {"contiguous": A[:150], "transposed": A[:150].mT, "every other": A[::2]}.items():
+        LU, piv, info = call("linalg_lu_factor_ex", a)
+        want = aten("linalg_lu_factor_ex", a)
+        assert torch.equal(piv, want[1]) and torch.equal(info, want[2]), name
+        assert_close(LU, want[0], 1e-5, name)
+        inv, info = call("linalg_inv_ex", a)
+        assert_close(inv, aten("linalg_inv_ex", wide(a))[0].to(dtype), 1e-5, name)
+    a = A[:150]
+    for b, left in [(rand(150, n, dtype=dtype), True), (rand(150, n, 1, dtype=dtype), True),
+                    (rand(150, n, n, dtype=dtype), True), (rand(150, n, n, dtype=dtype).mT, True),
+                    (rand(150, n + 1, n, dtype=dtype), False), (rand(150, n, n + 2, dtype=dtype), True),
+                    (rand(300, n, 1, dtype=dtype)[::2], True)]:
+        got = call("_linalg_solve_ex", a, b, left=left)
+        want = aten("_linalg_solve_ex", a, b, left=left)
+        for g, w in zip(got, want):
+            same_layout(g, w)
+        assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+        assert_close(got[0], aten("_linalg_solve_ex", wide(a), wide(b), left=left)[0].to(dtype), 1e-4, "X")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_small_kernel_accesses_are_coalesced(dtype, n):
+    # Each thread's matrix is n^2 elements from its neighbour's: read and
+    # written through threadgroup memory, every device access of a
+    # simdgroup covers consecutive elements (the fewest cache lines), and
+    # the copies and the threads' own accesses have no bank conflicts.
+    A, b = well_conditioned(256, n, n, dtype=dtype), rand(256, n, dtype=dtype)
+    with cpu_metal.record(counters=True) as rec:
+        torch.ops.mps_ext.linalg_lu_factor_ex(A)
+        torch.ops.mps_ext._linalg_solve_ex(A, b)
+        torch.ops.mps_ext._linalg_solve_ex(A, rand(256, n, n, dtype=dtype))
+        torch.ops.mps_ext.linalg_inv_ex(A)
+    assert len(rec.dispatches) == 4
+    for d in rec.dispatches:
+        worst = {d.buffer_names[i]: r for i, r in d.coalescing.items() if i not in d.constant_buffers and r > 1.0}
+        assert not worst and d.bank_conflict_cycles == 0, (d.kernel, worst, d.bank_conflict_cycles)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_panel_unpack_and_solve_accesses_are_coalesced(dtype):
+    # Row-major A wider than a panel (its first panel loaded along rows, the
+    # rest copied to LU by tiles), lu_unpack's tiles, a row-major B of 4
+    # columns staged by lu_solve: every device access of a simdgroup on the
+    # fewest cache lines (diagonally dominant matrices: no row swaps, which
+    # gather rows wherever the pivots are).
+    A = well_conditioned(2, 64, 64, dtype=dtype)
+    LU, piv = torch.linalg.lu_factor(A)
+    with cpu_metal.record(counters=True) as rec:
+        torch.ops.mps_ext.linalg_lu_factor_ex(A)
+        torch.ops.mps_ext.lu_unpack(LU, piv)
+        torch.ops.mps_ext.linalg_lu_solve(LU, piv, rand(2, 64, 4, dtype=dtype))
+    assert [d.kernel.rsplit("_", 1)[0] for d in rec.dispatches] == ["lu_panel", "lu_unpack", "lu_solve_" + (
+        "c64" if dtype.is_complex else "f32")]
+    for d in rec.dispatches:
+        worst = {d.buffer_names[i]: r for i, r in d.coalescing.items() if i not in d.constant_buffers and r > 1.0}
+        assert not worst and d.bank_conflict_cycles == 0, (d.kernel, worst, d.bank_conflict_cycles)
 
 
 @pytest.mark.parametrize("shape", [(16, 32, 32), (4, 40, 75), (4, 75, 40)], ids=lambda s: "x".join(map(str, s)))
