@@ -3,9 +3,10 @@
 // mps_ext.quantize_fp8). fp8_params.h defines what is computed.
 //
 // fp8_gemv_<act>_r<R>_<vec|scalar>   decode, 1 to R (1, 2, 4, 8) activation
-//     rows: like gemv.metal, a simdgroup owns up to 4 weight rows, its lanes
-//     stride K with 16-byte loads (16 fp8 weights each), every weight byte is
-//     read once and applied to all activation rows held in registers.
+//     rows: like gemv.metal's gemv_rows, a simdgroup owns 1 or 2 weight rows,
+//     its lanes stride K with 16-byte loads (16 fp8 weights each), every
+//     weight byte is read once and applied to all activation rows, which the
+//     threadgroup stages in threadgroup memory.
 // fp8_mm_tile_<act>_<vec|scalar>     prefill: a threadgroup computes a
 //     32 x 64 tile of outputs with simdgroup_matrix 8x8 products; each step
 //     decodes a 32 x 32 activation tile and a 64 x 32 weight tile (scaled,
@@ -34,6 +35,8 @@ inline float fp8_to_float(uchar b, uint format) {
 
 // Activation loaders: values divided by unit(format) (fp8x4_to_float's
 // convention for e4m3; 1 for everything else). E: elements in 16 bytes.
+// group4: 4 elements from the bits fp8_gemv staged, the words of the group
+// `stride` apart (one word for fp8, two for 16-bit types, four for float).
 struct ActFp8 {
   typedef uchar T;
   enum { E = 16 };
@@ -45,6 +48,7 @@ struct ActFp8 {
     }
   }
   static float load1(const device uchar* p, uint format) { return fp8_to_float(*p, format); }
+  static float4 group4(threadgroup const uint* p, int, uint format) { return fp8x4_to_float(p[0], format); }
   static float unit(uint format) { return fp8_unit(format); }
 };
 struct ActF16 {
@@ -59,6 +63,10 @@ struct ActF16 {
     }
   }
   static float load1(const device half* p, uint) { return float(*p); }
+  static float4 group4(threadgroup const uint* p, int stride, uint) {
+    const half2 a = as_type<half2>(p[0]), b = as_type<half2>(p[stride]);
+    return float4(float(a.x), float(a.y), float(b.x), float(b.y));
+  }
   static float unit(uint) { return 1.0f; }
 };
 struct ActBF16 {
@@ -72,6 +80,11 @@ struct ActBF16 {
     }
   }
   static float load1(const device bfloat* p, uint) { return float(*p); }
+  static float4 group4(threadgroup const uint* p, int stride, uint) {
+    const uint a = p[0], b = p[stride];
+    return float4(as_type<float>(a << 16), as_type<float>(a & 0xFFFF0000u), as_type<float>(b << 16),
+                  as_type<float>(b & 0xFFFF0000u));
+  }
   static float unit(uint) { return 1.0f; }
 };
 struct ActF32 {
@@ -82,14 +95,19 @@ struct ActF32 {
     for (int j = 0; j < 4; ++j) v[j] = f[j];
   }
   static float load1(const device float* p, uint) { return *p; }
+  static float4 group4(threadgroup const uint* p, int stride, uint) {
+    return float4(as_type<float>(p[0]), as_type<float>(p[stride]), as_type<float>(p[2 * stride]),
+                  as_type<float>(p[3 * stride]));
+  }
   static float unit(uint) { return 1.0f; }
 };
 
 inline float scale_a_at(constant Fp8MatmulParams& p, const device float* sa, long row, long kb) {
   return p.has_scale_a ? sa[row * p.sa_row_stride + kb * p.sa_k_stride] : 1.0f;
 }
+// n < 2^31 (the host checks): a 32-bit division.
 inline float scale_b_at(constant Fp8MatmulParams& p, const device float* sb, long n, long kb) {
-  return sb[(n / long(p.sb_n_group)) * p.sb_n_stride + kb * p.sb_k_stride];
+  return sb[long(uint(n) / p.sb_n_group) * p.sb_n_stride + kb * p.sb_k_stride];
 }
 
 // Bias, 1 / scale_result for fp8 outputs, rounding to the output type (in
@@ -109,8 +127,37 @@ inline void store_output(device uchar* y, long index, float v, long n, constant 
   }
 }
 
+// ------------------------------------------------------------- fp8_gemv --
+// A simdgroup owns up to Q = FP8_GEMV_OUTPUTS(R) weight rows (the host's
+// outputs_per_simdgroup). With VEC, a step of the
+// simdgroup takes 512 bytes of each of its weight rows, lane i the 16
+// bytes [16 i, 16 i + 16): one coalesced 16-byte load per output; the
+// activations of those 512 elements are staged by the threadgroup in
+// threadgroup memory (consecutive threads load consecutive 16-byte pieces
+// of a row), as their bits, and so are the scales of the tile's 128-wide
+// K blocks. Element loads (not VEC, and the last K % 16 elements): lanes
+// take consecutive elements, a scale block at a time.
+//
+// Staged layout: the 4 * E words of a row's step (E: bytes of an
+// activation element) are read by lane i as groups of 4 elements j = 0..3
+// (word w < E of each), at [(j * E + w) * STAGE_STRIDE(E) + i]: for one
+// (j, w) the 32 lanes hit 32 banks. The stride is 32 + 8 / E so that the
+// threads staging 32 consecutive pieces (of 4 words each) also write 32
+// distinct banks per store: piece c's words land in lane c * 4 / (4 * E)'s
+// column at rows shifted by 8 / E words a group. Tile t puts lane i's
+// column at (i + t) % 32 (any rotation keeps both properties): the
+// addresses a lane reads change with the tile, so that a compiler keeps no
+// R * 4 * E addresses of its own live through the loop.
+constexpr int fp8_stage_stride(int E) { return 32 + 8 / E; }
+// Steps of a tile: 8 KB of activation bits per tile (R rows of 512 E
+// bytes a step), at least one step.
+constexpr int fp8_gemv_steps(int R, int E) { return R * E >= 8 ? 1 : 8 / (R * E); }
+
+// Registers: R * Q accumulators + Q weight pieces (4 words each) + R
+// partial sums of one output + a group of 4 weights and of 4 activations
+// (+ addresses): within FULL_OCCUPANCY_REGISTERS.
 template <typename A, int R, bool VEC>
-[[max_total_threads_per_threadgroup(64)]]
+[[max_total_threads_per_threadgroup(FP8_GEMV_MAX_THREADS)]]
 kernel void fp8_gemv(device uchar* y [[buffer(0)]],
                      const device typename A::T* x [[buffer(1)]],
                      const device uchar* w [[buffer(2)]],
@@ -120,74 +167,116 @@ kernel void fp8_gemv(device uchar* y [[buffer(0)]],
                      const device uchar* bias [[buffer(6)]],
                      const device float* scale_result [[buffer(7)]],
                      uint group [[threadgroup_position_in_grid]],
+                     uint tid [[thread_index_in_threadgroup]],
+                     uint threads [[threads_per_threadgroup]],
                      uint sg [[simdgroup_index_in_threadgroup]],
                      uint simdgroups [[simdgroups_per_threadgroup]],
                      uint lane [[thread_index_in_simdgroup]]) {
-  const int Q = FP8_GEMV_MAX_OUTPUTS;
-  const int outputs = int(p.outputs_per_simdgroup);
-  const long first = (long(group) * simdgroups + sg) * outputs;
-  const int rows = int(p.m);
-  float acc[R][Q];
+  constexpr int Q = FP8_GEMV_OUTPUTS(R);
+  constexpr int E = sizeof(typename A::T);
+  constexpr int STEP = 32 * 16;                      // elements of K a step covers
+  constexpr int S = fp8_stage_stride(E);
+  constexpr int STEP_WORDS = 4 * E * S;              // staged words of one row's step
+  constexpr int PIECES = STEP * E / 16;              // 16-byte pieces of one row's step
+  constexpr int STEPS = fp8_gemv_steps(R, E);
+  constexpr int TILE = STEPS * STEP;
+  constexpr int TB = TILE / FP8_SCALE_BLOCK;         // scale blocks of a tile
+  constexpr int TQ = Q * FP8_GEMV_MAX_THREADS / 32;  // most outputs of a threadgroup
+  threadgroup uint x_mem[VEC ? R * STEPS * STEP_WORDS : 1];
+  threadgroup float sa_mem[VEC ? R * TB : 1];   // [row][block]
+  threadgroup float sb_mem[VEC ? TB * TQ : 1];  // [block][output of the threadgroup]
+
+  // The host keeps N and K below 2^31.
+  const int outputs = int(p.outputs_per_simdgroup), rows = int(p.m), K = int(p.k), N = int(p.n);
+  const int tg_first = int(group * simdgroups) * outputs;
+  const int first = tg_first + int(sg) * outputs;
   bool live[Q];
   const device uchar* wrow[Q];
-  for (int q = 0; q < Q; ++q) {
-    live[q] = q < outputs && first + q < p.n;
-    wrow[q] = w + (live[q] ? (first + q) * p.w_n_stride : 0);
-    for (int r = 0; r < R; ++r) acc[r][q] = 0.0f;
+  float acc[R][Q];
+  MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+    live[q] = q < outputs && first + q < N;
+    wrow[q] = w + (live[q] ? long(first + q) * p.w_n_stride : 0);
+    MPS_EXT_UNROLL for (int r = 0; r < R; ++r) acc[r][q] = 0.0f;
   }
 
-  long k_done = 0;
+  int k_done = 0;
   if (VEC) {
-    // Lane i takes bytes [16 i, 16 i + 16) of each 512-byte step of a weight
-    // row; 16 divides FP8_SCALE_BLOCK, so a step lies in one scale block.
-    const long k_vec = p.k / 16 * 16;
-    for (long k = long(lane) * 16; k < k_vec; k += 32 * 16) {
-      const long kb = k / FP8_SCALE_BLOCK;
-      float xv[R][16];
-      float sa[R];
-      for (int r = 0; r < R; ++r) {
-        if (r >= rows) break;
-        for (int c = 0; c < 16 / A::E; ++c) A::load16(x + r * p.a_row_stride + k + c * A::E, p.a_format, &xv[r][c * A::E]);
-        sa[r] = scale_a_at(p, scale_a, r, kb);
-      }
-      for (int q = 0; q < Q; ++q) {
-        if (!live[q]) continue;
-        float wv[16];
-        uint4 u = *(const device uint4*)(wrow[q] + k);
-        for (int i = 0; i < 4; ++i) {
-          float4 f = fp8x4_to_float(u[i], p.w_format);
-          for (int j = 0; j < 4; ++j) wv[4 * i + j] = f[j];
+    const int k_vec = K / 16 * 16, blocks = (K + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
+    for (int k0 = 0, t = 0; k0 < k_vec; k0 += TILE, ++t) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous tile is used up
+      // Activations past k_vec (and rows past `rows`) stage as 0: their
+      // weights are 0 as well, so that the products need no checks.
+      for (int i = int(tid); i < R * STEPS * PIECES; i += int(threads)) {
+        const int rs = i / PIECES, c = i % PIECES;  // rs: row * STEPS + step
+        const int r = rs / STEPS, k = k0 + (rs % STEPS) * STEP + c * (16 / E);
+        const uint4 v = r < rows && k < k_vec ? *(const device uint4*)(x + r * p.a_row_stride + k) : uint4(0u);
+        threadgroup uint* step = x_mem + rs * STEP_WORDS;
+        MPS_EXT_UNROLL for (int i4 = 0; i4 < 4; ++i4) {
+          const int word = c * 4 + i4, g = word / E;  // g: the group of 4 elements, of lane g / 4
+          step[((g % 4) * E + word % E) * S + ((g / 4 + t) & 31)] = v[i4];
         }
-        const float sb = scale_b_at(p, scale_b, first + q, kb);
-        for (int r = 0; r < R; ++r) {
-          if (r >= rows) break;
-          float s = 0.0f;
-          for (int e = 0; e < 16; ++e) s += xv[r][e] * wv[e];
-          acc[r][q] += s * (sa[r] * sb);
+      }
+      // Scales of the tile's blocks that exist (lanes past k_vec read none):
+      // a block per lane along a row of scale_a, an output per lane along
+      // scale_b's (the layouts of the row-wise and block-wise recipes).
+      // (Run-time trip counts: a compiler keeps no address per row or block.)
+      const int kb0 = k0 / FP8_SCALE_BLOCK, tile_blocks = min(TB, blocks - kb0);
+      if (int(tid) < tile_blocks)
+        for (int r = 0; r < rows; ++r) sa_mem[r * TB + int(tid)] = scale_a_at(p, scale_a, r, kb0 + int(tid));
+      if (int(tid) < TQ) {
+        const int n = tg_first + int(tid);
+        for (int b = 0; b < tile_blocks; ++b) sb_mem[b * TQ + int(tid)] = n < N ? scale_b_at(p, scale_b, n, kb0 + b) : 0.0f;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      const int steps = min(STEPS, (k_vec - k0 + STEP - 1) / STEP);  // of this tile
+      for (int s = 0; s < steps; ++s) {
+        const int k = k0 + s * STEP + int(lane) * 16;
+        if (k >= k_vec) break;  // the last step of K may leave lanes out
+        uint4 wv[Q];
+        MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
+          wv[q] = live[q] ? *(const device uint4*)(wrow[q] + k) : uint4(0u);
+        const int b = s * 4 + int(lane) / 8;  // this lane's scale block
+        threadgroup const uint* xs = x_mem + s * STEP_WORDS + ((int(lane) + t) & 31);
+        MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+          if (!live[q]) continue;
+          float part[R];
+          MPS_EXT_UNROLL for (int r = 0; r < R; ++r) part[r] = 0.0f;
+          MPS_EXT_UNROLL for (int j = 0; j < 4; ++j) {
+            const float4 wf = fp8x4_to_float(wv[q][j], p.w_format);
+            MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
+              part[r] += dot(A::group4(xs + r * STEPS * STEP_WORDS + j * E * S, S, p.a_format), wf);
+          }
+          const float sb = sb_mem[b * TQ + int(sg) * outputs + q];
+          MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
+            if (r < rows) acc[r][q] += part[r] * (sa_mem[r * TB + b] * sb);
         }
       }
     }
     k_done = k_vec;
   }
-  // The elements a 16-byte step cannot take (all of them without VEC).
-  for (long k = k_done + lane; k < p.k; k += 32) {
-    const long kb = k / FP8_SCALE_BLOCK;
-    float xs[R];
-    for (int r = 0; r < R; ++r)
-      xs[r] = r < rows ? A::load1(x + r * p.a_row_stride + k * p.a_k_stride, p.a_format) * scale_a_at(p, scale_a, r, kb)
-                       : 0.0f;
-    for (int q = 0; q < Q; ++q) {
-      if (!live[q]) continue;
-      const float wv = fp8_to_float(wrow[q][k * p.w_k_stride], p.w_format) * scale_b_at(p, scale_b, first + q, kb);
-      for (int r = 0; r < R; ++r) acc[r][q] += xs[r] * wv;
+  // Element loads from k_done on: a scale block at a time, lanes along K.
+  for (int kb0 = k_done; kb0 < K;) {
+    const int kb = kb0 / FP8_SCALE_BLOCK, end = min((kb + 1) * FP8_SCALE_BLOCK, K);
+    float sa[R], sb[Q];
+    MPS_EXT_UNROLL for (int r = 0; r < R; ++r) sa[r] = r < rows ? scale_a_at(p, scale_a, r, kb) : 0.0f;
+    MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) sb[q] = live[q] ? scale_b_at(p, scale_b, first + q, kb) : 0.0f;
+    for (int k = kb0 + int(lane); k < end; k += 32) {
+      float wk[Q];
+      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
+        wk[q] = live[q] ? fp8_to_float(wrow[q][k * p.w_k_stride], p.w_format) * sb[q] : 0.0f;
+      MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+        if (r >= rows) continue;
+        const float xk = A::load1(x + r * p.a_row_stride + k * p.a_k_stride, p.a_format) * sa[r];
+        MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) acc[r][q] += xk * wk[q];
+      }
     }
+    kb0 = end;
   }
 
   const float unit = A::unit(p.a_format) * fp8_unit(p.w_format);
-  for (int q = 0; q < Q; ++q) {
-    if (q >= outputs) break;
-    for (int r = 0; r < R; ++r) {
-      if (r >= rows) break;
+  MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+    MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+      if (q >= outputs || r >= rows) continue;
       const float total = simd_sum(acc[r][q]) * unit;
       // Lane i writes output i: stores spread over the simdgroup.
       if (lane == uint(r * Q + q) % 32 && live[q]) {

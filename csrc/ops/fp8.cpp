@@ -39,8 +39,6 @@
 namespace mps_ext {
 namespace {
 
-constexpr uint32_t kConvertThreads = 256;
-
 // Dimensions of dst (and src, expanded to it) with size-1 dimensions dropped
 // and dimensions merged where both tensors step through them as one.
 struct Dims {
@@ -88,12 +86,12 @@ bool fp8_convert(const at::Tensor& dst, const at::Tensor& src) {
   const bool flat = p.rank == 0 || (p.rank == 1 && p.dst_strides[0] == 1 && p.src_strides[0] == 1);
   const bool dense = flat && numel < INT32_MAX - FP8_CONVERT_PER_THREAD;
   const int64_t threads = (numel + FP8_CONVERT_PER_THREAD - 1) / FP8_CONVERT_PER_THREAD;
-  const int64_t groups = (threads + kConvertThreads - 1) / kConvertThreads;
+  const int64_t groups = (threads + FP8_CONVERT_THREADS - 1) / FP8_CONVERT_THREADS;
   TORCH_CHECK(groups <= 0xffffffffll, "mps_ext fp8: tensor too large (", numel, " elements)");
   const std::string kernel = std::string("fp8_convert_") + (dense ? "dense_" : "strided_") +
                              kernel_type_name(src.scalar_type()) + "_" + kernel_type_name(dst.scalar_type());
   launch(Launch{"fp8", kernel, {KernelArg::of(dst), KernelArg::of(src), KernelArg::value(p)},
-                {static_cast<uint32_t>(groups), 1, 1}, {kConvertThreads, 1, 1}});
+                {static_cast<uint32_t>(groups), 1, 1}, {FP8_CONVERT_THREADS, 1, 1}});
   return true;
 }
 
