@@ -287,6 +287,23 @@ kernel void fp8_gemv(device uchar* y [[buffer(0)]],
   }
 }
 
+// ---------------------------------------------------------- fp8_mm_tile --
+// The elements of an 8 x 8 simdgroup matrix that a lane holds
+// (thread_elements()): (row, col) and (row, col + 1), as Apple's GPUs lay
+// them out (the layout MLX's steel GEMM relies on, and the executor's).
+inline void fragment_coord(uint lane, thread uint& row, thread uint& col) {
+  const uint q = lane / 4;
+  row = (q & 4) + (lane / 2) % 4;
+  col = (q & 2) * 2 + (lane % 2) * 2;
+}
+
+// Threadgroup tiles, all K-contiguous rows (the activation [m][k], the
+// weight [n][k], the outputs [m][n]) FP8_TILE_K + 4 and FP8_TILE_N + 4
+// floats apart: threads store 16-byte chunks of rows, and lanes read their
+// fragments (two floats of a row, or one float of two rows), without bank
+// conflicts: rows 4 banks apart put the 8 rows x 8 columns of a fragment in
+// distinct banks two by two, and the 4 words of a chunk next to each other.
+
 template <typename A, bool VEC>
 [[max_total_threads_per_threadgroup(FP8_TILE_THREADS)]]
 kernel void fp8_mm_tile(device uchar* y [[buffer(0)]],
@@ -299,73 +316,103 @@ kernel void fp8_mm_tile(device uchar* y [[buffer(0)]],
                         const device float* scale_result [[buffer(7)]],
                         uint2 group [[threadgroup_position_in_grid]],
                         uint tid [[thread_index_in_threadgroup]],
-                        uint sg [[simdgroup_index_in_threadgroup]]) {
-  const int TM = FP8_TILE_M, TN = FP8_TILE_N, TK = FP8_TILE_K, THREADS = FP8_TILE_THREADS;
-  // Scaled operands in float: a[m][k] and w transposed, b[k][n], so that
-  // both load into simdgroup matrices without a transpose.
-  threadgroup float a_tile[FP8_TILE_M][FP8_TILE_K];
-  threadgroup float b_tile[FP8_TILE_K][FP8_TILE_N];
-  threadgroup float c_tile[FP8_TILE_M][FP8_TILE_N];
-  const long m0 = long(group.y) * TM, n0 = long(group.x) * TN;
+                        uint sg [[simdgroup_index_in_threadgroup]],
+                        uint lane [[thread_index_in_simdgroup]]) {
+  constexpr int TM = FP8_TILE_M, TN = FP8_TILE_N, TK = FP8_TILE_K, THREADS = FP8_TILE_THREADS;
+  constexpr int TILE_KS = TK + 4, TILE_NS = TN + 4;  // row strides (above)
+  constexpr int TILE_FLOATS = (TM + TN) * TILE_KS > TM * TILE_NS ? (TM + TN) * TILE_KS : TM * TILE_NS;
+  // Scaled operands in float; after the loop the same memory holds the outputs.
+  threadgroup float4 tile_mem[TILE_FLOATS / 4];
+  threadgroup float* a_tile = (threadgroup float*)tile_mem;  // [TM][TILE_KS]
+  threadgroup float* w_tile = a_tile + TM * TILE_KS;          // [TN][TILE_KS]
+  threadgroup float* c_tile = a_tile;                         // [TM][TILE_NS], after the loop
+  // The host keeps M, N and K below 2^31.
+  const int M = int(p.m), N = int(p.n), K = int(p.k);
+  const int m0 = int(group.y) * TM, n0 = int(group.x) * TN;
   const float a_unit = A::unit(p.a_format), w_unit = fp8_unit(p.w_format);
   // Simdgroup sg computes rows [16 (sg / 2), +16) and columns [32 (sg % 2), +32).
   const uint sm = (sg / 2) * 16, sn = (sg % 2) * 32;
+  uint fr, fc;
+  fragment_coord(lane, fr, fc);
   simdgroup_float8x8 acc[2][4];
   for (int i = 0; i < 2; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
-  for (long k0 = 0; k0 < p.k; k0 += TK) {
-    const long kb = k0 / FP8_SCALE_BLOCK;
+  for (int k0 = 0; k0 < K; k0 += TK) {
+    const int kb = k0 / FP8_SCALE_BLOCK;
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous step's products are done
-    // Activation tile: 16-byte chunks of A::E elements along K.
-    for (uint c = tid; c < uint(TM * TK / A::E); c += THREADS) {
-      const uint row = c / (TK / A::E), kc = (c % (TK / A::E)) * A::E;
-      const long gm = m0 + row, gk = k0 + kc;
-      const float s = gm < p.m ? scale_a_at(p, scale_a, gm, kb) * a_unit : 0.0f;
-      float v[16];
-      if (VEC && gm < p.m && gk + A::E <= p.k) {
-        A::load16(x + gm * p.a_row_stride + gk, p.a_format, v);
-      } else {
-        for (int e = 0; e < A::E; ++e)
-          v[e] = gm < p.m && gk + e < p.k ? A::load1(x + gm * p.a_row_stride + (gk + e) * p.a_k_stride, p.a_format) : 0.0f;
-      }
-      for (int e = 0; e < A::E; ++e) a_tile[row][kc + e] = v[e] * s;
-    }
-    // Weight tile: one 16-byte chunk (16 weights of one row) per thread.
-    for (uint c = tid; c < uint(TN * TK / 16); c += THREADS) {
-      const uint row = c / (TK / 16), kc = (c % (TK / 16)) * 16;
-      const long gn = n0 + row, gk = k0 + kc;
-      const float s = gn < p.n ? scale_b_at(p, scale_b, gn, kb) * w_unit : 0.0f;
-      float v[16];
-      if (VEC && gn < p.n && gk + 16 <= p.k) {
-        uint4 u = *(const device uint4*)(w + gn * p.w_n_stride + gk);
-        for (int i = 0; i < 4; ++i) {
-          float4 f = fp8x4_to_float(u[i], p.w_format);
-          for (int j = 0; j < 4; ++j) v[4 * i + j] = f[j];
+    if (VEC) {
+      // 16-byte chunks of A::E elements along K (past K or M: zeros).
+      for (int c = int(tid); c < TM * TK / A::E; c += THREADS) {
+        const int row = c / (TK / A::E), kc = (c % (TK / A::E)) * A::E;
+        const int gm = m0 + row, gk = k0 + kc;
+        float v[16];
+        if (gm < M && gk + A::E <= K) {
+          A::load16(x + gm * p.a_row_stride + gk, p.a_format, v);
+        } else {
+          for (int e = 0; e < A::E; ++e) v[e] = gm < M && gk + e < K ? A::load1(x + gm * p.a_row_stride + gk + e, p.a_format) : 0.0f;
         }
-      } else {
-        for (int e = 0; e < 16; ++e)
-          v[e] = gn < p.n && gk + e < p.k ? fp8_to_float(w[gn * p.w_n_stride + (gk + e) * p.w_k_stride], p.w_format) : 0.0f;
+        const float s = gm < M ? scale_a_at(p, scale_a, gm, kb) * a_unit : 0.0f;
+        for (int e = 0; e < A::E; e += 4)
+          *(threadgroup float4*)(a_tile + row * TILE_KS + kc + e) = float4(v[e], v[e + 1], v[e + 2], v[e + 3]) * s;
       }
-      for (int e = 0; e < 16; ++e) b_tile[kc + e][row] = v[e] * s;
+      // One 16-byte chunk (16 weights of one row) per thread.
+      for (int c = int(tid); c < TN * TK / 16; c += THREADS) {
+        const int row = c / (TK / 16), kc = (c % (TK / 16)) * 16;
+        const int gn = n0 + row, gk = k0 + kc;
+        uint4 u = uint4(0u);
+        if (gn < N && gk + 16 <= K) {
+          u = *(const device uint4*)(w + gn * p.w_n_stride + gk);
+        } else {
+          for (int e = 0; e < 16; ++e)
+            if (gn < N && gk + e < K) u[e / 4] |= uint(w[gn * p.w_n_stride + gk + e]) << (8 * (e % 4));
+        }
+        const float s = gn < N ? scale_b_at(p, scale_b, gn, kb) * w_unit : 0.0f;
+        for (int i = 0; i < 4; ++i)
+          *(threadgroup float4*)(w_tile + row * TILE_KS + kc + 4 * i) = fp8x4_to_float(u[i], p.w_format) * s;
+      }
+    } else {
+      // Element loads, consecutive threads along K: each simdgroup
+      // instruction reads 32 consecutive elements of a row.
+      for (int i = int(tid); i < TM * TK; i += THREADS) {
+        const int row = i / TK, k = i % TK, gm = m0 + row, gk = k0 + k;
+        a_tile[row * TILE_KS + k] = gm < M && gk < K ? A::load1(x + gm * p.a_row_stride + long(gk) * p.a_k_stride,
+                                                                p.a_format) * (scale_a_at(p, scale_a, gm, kb) * a_unit)
+                                                     : 0.0f;
+      }
+      for (int i = int(tid); i < TN * TK; i += THREADS) {
+        const int row = i / TK, k = i % TK, gn = n0 + row, gk = k0 + k;
+        w_tile[row * TILE_KS + k] = gn < N && gk < K ? fp8_to_float(w[gn * p.w_n_stride + long(gk) * p.w_k_stride],
+                                                                    p.w_format) * (scale_b_at(p, scale_b, gn, kb) * w_unit)
+                                                     : 0.0f;
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (int kk = 0; kk < TK; kk += 8) {
+      // a: rows of the activation; b[k][n] = w[n][k], a lane's two
+      // elements from two weight rows.
       simdgroup_float8x8 a[2], b[4];
-      for (int i = 0; i < 2; ++i) simdgroup_load(a[i], &a_tile[0][0], TK, ulong2(kk, sm + 8 * i));
-      for (int j = 0; j < 4; ++j) simdgroup_load(b[j], &b_tile[0][0], TN, ulong2(sn + 8 * j, kk));
+      for (int i = 0; i < 2; ++i)
+        a[i].thread_elements() = *(threadgroup const float2*)(a_tile + (sm + 8 * i + fr) * TILE_KS + kk + fc);
+      for (int j = 0; j < 4; ++j) {
+        threadgroup const float* wp = w_tile + (sn + 8 * j + fc) * TILE_KS + kk + fr;
+        b[j].thread_elements() = float2(wp[0], wp[TILE_KS]);
+      }
       for (int i = 0; i < 2; ++i)
         for (int j = 0; j < 4; ++j) simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
     }
   }
 
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // c_tile takes the operands' memory
   for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 4; ++j) simdgroup_store(acc[i][j], &c_tile[0][0], TN, ulong2(sn + 8 * j, sm + 8 * i));
+    for (int j = 0; j < 4; ++j)
+      *(threadgroup float2*)(c_tile + (sm + 8 * i + fr) * TILE_NS + sn + 8 * j + fc) = acc[i][j].thread_elements();
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint e = tid; e < uint(TM * TN); e += THREADS) {
-    const long gm = m0 + e / TN, gn = n0 + e % TN;
-    if (gm < p.m && gn < p.n)
-      store_output(y, gm * p.y_row_stride + gn * p.y_n_stride, c_tile[e / TN][e % TN], gn, p, bias, scale_result);
+  for (int e = int(tid); e < TM * TN; e += THREADS) {
+    const int gm = m0 + e / TN, gn = n0 + e % TN;
+    if (gm < M && gn < N)
+      store_output(y, gm * p.y_row_stride + long(gn) * p.y_n_stride, c_tile[(e / TN) * TILE_NS + e % TN], gn, p, bias,
+                   scale_result);
   }
 }
 

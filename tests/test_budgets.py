@@ -235,7 +235,10 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
             "moe_combine_{t}", t=("f32", "f16", "bf16"))},
         **{k: MOE.format(what="a and w at 2 lines per instruction") for k in GMM_TILED},
         **{k: FP8.format(what="the transposed source at 32 lines per instruction, a line per lane") for k in _CONVERT_STRIDED},
-        **{k: FP8.format(what="weights at 4-16 and activations at up to 16 lines per instruction") for k in FP8_TILE},
+        **{k: FP8.format(what="weights at 4 lines per instruction (a K step of 32 bytes of 16 weight rows), activations "
+                              "at 2 (f16, bf16) or 4 (fp8), fp8's block-wise scale_a at 8 (a column of the row-major "
+                              "scales a step)")
+           for k in names("fp8_mm_tile_{a}_vec", a=_ACTS)},
         "constant_pad_4_i32": PAD_SHORT_ROWS,
         **{k: SOFTMAX_SHORT_UNALIGNED for k in ("softmax_segment_bf16_bf16_i32", "softmax_backward_segment_bf16_bf16_i32")},
         **{k: SOFTMAX_STRIDED_BACKWARD for k in ("softmax_backward_strided_f32_f32_i32",
@@ -253,12 +256,8 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
     "registers": {
         **{k: MOE.format(what="102 to 188 registers") for k in _GMM_ROWS},
         **{k: MOE.format(what="58 to 96 registers") for k in names("gmm_decode_cols_{t}_vec", t=("f32", "f16", "bf16"))},
-        **{k: FP8.format(what="132 registers, over the 128 of a thread (spills)")
-           for k in ("fp8_mm_tile_f16_scalar", "fp8_mm_tile_bf16_scalar")},
     },
     "registers_fit_threadgroup": {
-        **{k: FP8.format(what="132 registers, over what a pipeline allows for 128 threads")
-           for k in ["fp8_mm_tile_f16_scalar", "fp8_mm_tile_bf16_scalar"]},
         **{k: MOE.format(what="152 to 188 registers, over the 128 a pipeline allows for 64 threads")
            for k in names("gmm_decode_rows_{t}_vec", t=("f16", "bf16", "e4m3", "bf16_e4m3w"))},
     },
@@ -271,7 +270,6 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
         **{k: MOE.format(what="an extra bank-conflict cycle (in 2014 threadgroup-memory instructions)")
            for k in names("moe_route_{t}", t=("f32", "f16", "bf16"))},
         **{k: MOE.format(what="5.8 extra bank-conflict cycles per threadgroup-memory instruction") for k in GMM_TILED},
-        **{k: FP8.format(what="5 to 6.5 extra bank-conflict cycles per threadgroup-memory instruction") for k in FP8_TILE},
     },
 }
 
