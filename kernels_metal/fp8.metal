@@ -2,7 +2,8 @@
 // bfloat16, bit-exact with torch's CPU conversions (fp8_codec.h has the
 // rules). One thread converts FP8_CONVERT_PER_THREAD elements.
 //   fp8_convert_dense_<src>_<dst>    both contiguous, numel < 2^31: 32-bit index
-//   fp8_convert_strided_<src>_<dst>  any strides (0 broadcasts), 64-bit offsets
+//   fp8_convert_strided_<src>_<dst>  any strides (0 broadcasts), 64-bit offsets;
+//                                    transposing copies by tiles
 #include <metal_stdlib>
 #include "fp8_codec.h"
 #include "fp8_params.h"
@@ -79,7 +80,31 @@ template <typename S, typename D>
 kernel void fp8_convert_strided(device typename D::T* dst [[buffer(0)]],
                                 const device typename S::T* src [[buffer(1)]],
                                 constant Fp8ConvertParams& p [[buffer(2)]],
-                                uint gid [[thread_position_in_grid]]) {
+                                uint gid [[thread_position_in_grid]],
+                                uint group [[threadgroup_position_in_grid]],
+                                uint tid [[thread_position_in_threadgroup]]) {
+  constexpr int T = FP8_CONVERT_TILE, ROWS = FP8_CONVERT_THREADS / T;
+  // A transposing copy: each simdgroup instruction reads T consecutive
+  // elements of src (along dimension 0) and writes T consecutive elements of
+  // dst (along dimension 1), through a tile of float32 bits whose rows are
+  // T + 1 words apart (both the column writes and the row reads hit T banks).
+  threadgroup uint tile[T * (T + 1)];
+  if (p.tiles) {
+    const long i0 = long(group / p.tiles) * T, j0 = long(group % p.tiles) * T;
+    const int lo = int(tid) % T, hi = int(tid) / T;
+    MPS_EXT_UNROLL for (int q = 0; q < T / ROWS; ++q) {  // src: i0 + lo along dimension 0, j0 + j along 1
+      const int j = hi + q * ROWS;
+      if (i0 + lo < p.sizes[0] && j0 + j < p.sizes[1])
+        tile[j * (T + 1) + lo] = S::bits(src[(i0 + lo) * p.src_strides[0] + (j0 + j) * p.src_strides[1]]);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    MPS_EXT_UNROLL for (int q = 0; q < T / ROWS; ++q) {  // dst: i0 + i along dimension 0, j0 + lo along 1
+      const int i = hi + q * ROWS;
+      if (i0 + i < p.sizes[0] && j0 + lo < p.sizes[1])
+        dst[(i0 + i) * p.dst_strides[0] + (j0 + lo) * p.dst_strides[1]] = D::from_bits(tile[lo * (T + 1) + i]);
+    }
+    return;
+  }
   const long first = long(gid) * FP8_CONVERT_PER_THREAD;
   if (first >= p.numel) return;
   const int rank = int(p.rank);

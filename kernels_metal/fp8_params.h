@@ -23,12 +23,16 @@ struct Fp8ConvertParams {
   int64_t dst_strides[MPS_EXT_MAX_DIMS];
   int64_t src_strides[MPS_EXT_MAX_DIMS];
   uint32_t rank;
-  uint32_t pad;
+  // > 0: a transposing copy (rank 2, src contiguous along dimension 0, dst
+  // along dimension 1) by tiles of FP8_CONVERT_TILE x FP8_CONVERT_TILE
+  // elements, one a threadgroup: `tiles` of them along dimension 1.
+  uint32_t tiles;
 };
 
 // Elements one conversion thread handles, and threads of a threadgroup.
 #define FP8_CONVERT_PER_THREAD 4
 #define FP8_CONVERT_THREADS 256
+#define FP8_CONVERT_TILE 32  // FP8_CONVERT_TILE^2 = FP8_CONVERT_PER_THREAD * FP8_CONVERT_THREADS
 
 // y[m, n] = out( sum over k of a(m, k) * sa(m, k / 128) * w(n, k) * sb(n, k / 128) + bias[n] )
 // where out() multiplies by 1 / scale_result (fp8 outputs that have one)

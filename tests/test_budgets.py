@@ -219,12 +219,12 @@ SOFTMAX_STRIDED_BACKWARD = ("softmax backward over a strided dimension: a thread
                             "kernels11 leaves it)")
 LINALG = ("{kernel} accesses {what}: not fixed by any branch yet (found by this test, which the linear-algebra kernels "
           "postdate issue 11's list; the lead decides)")
-FP8 = ("{what} (FP8 kernels, merged after issue 11's list: no branch fixes them yet; the lead decides)")
+FP8 = ("{what} (FP8 prefill tiles: branch b11fp8 leaves it; a K step of 32 elements keeps the scaled float tiles at "
+       "14 KB but reads 32 bytes of each weight row; steps of 128 bytes need the operands staged as their bits and "
+       "decoded per fragment, a rewrite of the tile)")
 MOE = "{what} (MoE kernels, merged after issue 11's list: no branch fixes them yet; the lead decides)"
 _GMM_ROWS = [k for k in GMM_DECODE if k.startswith("gmm_decode_rows_")]
 _ACTS = ("f32", "f16", "bf16", "fp8")
-_CONVERT_STRIDED = [k for k in FP8_CONVERT if "_strided_" in k]
-_CONVERT_WIDENING = [k for k in FP8_CONVERT if "_dense_" in k and not k.endswith(("e4m3_e5m2", "e5m2_e4m3"))]
 NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met yet}
     "coalescing": {
         **{k: MOE.format(what="offs at 1.75 lines per instruction (bf16 x fp8: activations at 2)")
@@ -234,7 +234,6 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
         **{k: MOE.format(what="y and out at 4 (fp32: 8) lines per instruction") for k in names(
             "moe_combine_{t}", t=("f32", "f16", "bf16"))},
         **{k: MOE.format(what="a and w at 2 lines per instruction") for k in GMM_TILED},
-        **{k: FP8.format(what="the transposed source at 32 lines per instruction, a line per lane") for k in _CONVERT_STRIDED},
         **{k: FP8.format(what="weights at 4 lines per instruction (a K step of 32 bytes of 16 weight rows), activations "
                               "at 2 (f16, bf16) or 4 (fp8), fp8's block-wise scale_a at 8 (a column of the row-major "
                               "scales a step)")
