@@ -37,68 +37,52 @@ inline float fp8_to_float(uchar b, uint format) {
 // convention for e4m3; 1 for everything else). E: elements in 16 bytes.
 // group4: 4 elements from the bits fp8_gemv staged, the words of the group
 // `stride` apart (one word for fp8, two for 16-bit types, four for float).
+// pair: elements k and k + 1 (k even) of a row fp8_mm_tile staged as bits.
 struct ActFp8 {
   typedef uchar T;
   enum { E = 16 };
-  static void load16(const device uchar* p, uint format, thread float* v) {
-    uint4 u = *(const device uint4*)p;
-    for (int i = 0; i < 4; ++i) {
-      float4 f = fp8x4_to_float(u[i], format);
-      for (int j = 0; j < 4; ++j) v[4 * i + j] = f[j];
-    }
-  }
   static float load1(const device uchar* p, uint format) { return fp8_to_float(*p, format); }
   static float4 group4(threadgroup const uint* p, int, uint format) { return fp8x4_to_float(p[0], format); }
+  static float2 pair(threadgroup const uint* row, int k, uint format) {
+    return fp8x4_to_float(row[k / 4] >> (8 * (k % 4)), format).xy;
+  }
   static float unit(uint format) { return fp8_unit(format); }
 };
 struct ActF16 {
   typedef half T;
   enum { E = 8 };
-  static void load16(const device half* p, uint, thread float* v) {
-    uint4 u = *(const device uint4*)p;
-    for (int i = 0; i < 4; ++i) {
-      half2 h = as_type<half2>(u[i]);
-      v[2 * i] = float(h.x);
-      v[2 * i + 1] = float(h.y);
-    }
-  }
   static float load1(const device half* p, uint) { return float(*p); }
   static float4 group4(threadgroup const uint* p, int stride, uint) {
     const half2 a = as_type<half2>(p[0]), b = as_type<half2>(p[stride]);
     return float4(float(a.x), float(a.y), float(b.x), float(b.y));
   }
+  static float2 pair(threadgroup const uint* row, int k, uint) { return float2(as_type<half2>(row[k / 2])); }
   static float unit(uint) { return 1.0f; }
 };
 struct ActBF16 {
   typedef bfloat T;
   enum { E = 8 };
-  static void load16(const device bfloat* p, uint, thread float* v) {
-    uint4 u = *(const device uint4*)p;
-    for (int i = 0; i < 4; ++i) {
-      v[2 * i] = as_type<float>(u[i] << 16);
-      v[2 * i + 1] = as_type<float>(u[i] & 0xFFFF0000u);
-    }
-  }
   static float load1(const device bfloat* p, uint) { return float(*p); }
   static float4 group4(threadgroup const uint* p, int stride, uint) {
     const uint a = p[0], b = p[stride];
     return float4(as_type<float>(a << 16), as_type<float>(a & 0xFFFF0000u), as_type<float>(b << 16),
                   as_type<float>(b & 0xFFFF0000u));
   }
+  static float2 pair(threadgroup const uint* row, int k, uint) {
+    const uint a = row[k / 2];
+    return float2(as_type<float>(a << 16), as_type<float>(a & 0xFFFF0000u));
+  }
   static float unit(uint) { return 1.0f; }
 };
 struct ActF32 {
   typedef float T;
   enum { E = 4 };
-  static void load16(const device float* p, uint, thread float* v) {
-    float4 f = *(const device float4*)p;
-    for (int j = 0; j < 4; ++j) v[j] = f[j];
-  }
   static float load1(const device float* p, uint) { return *p; }
   static float4 group4(threadgroup const uint* p, int stride, uint) {
     return float4(as_type<float>(p[0]), as_type<float>(p[stride]), as_type<float>(p[2 * stride]),
                   as_type<float>(p[3 * stride]));
   }
+  static float2 pair(threadgroup const uint* row, int k, uint) { return *(threadgroup const float2*)(row + k); }
   static float unit(uint) { return 1.0f; }
 };
 
@@ -297,13 +281,15 @@ inline void fragment_coord(uint lane, thread uint& row, thread uint& col) {
   col = (q & 2) * 2 + (lane % 2) * 2;
 }
 
-// Threadgroup tiles, all K-contiguous rows (the activation [m][k], the
-// weight [n][k], the outputs [m][n]) FP8_TILE_K + 4 and FP8_TILE_N + 4
-// floats apart: threads store 16-byte chunks of rows, and lanes read their
-// fragments (two floats of a row, or one float of two rows), without bank
-// conflicts: rows 4 banks apart put the 8 rows x 8 columns of a fragment in
-// distinct banks two by two, and the 4 words of a chunk next to each other.
-
+// A step of K is one scale block (FP8_TILE_K = FP8_SCALE_BLOCK): the
+// threadgroup stages the bits of 32 activation rows and 64 weight rows of
+// it (each a row of 128 to 512 bytes: whole cache lines), and the scales of
+// its rows and columns; lanes decode and scale their fragments' elements.
+// Rows of the staged bits are 4 words wider than their data (activations)
+// or 4 (weights), so that the 16-byte stores of consecutive chunks and the
+// fragment reads (8 rows x 2 to 8 words, or one byte of 4 weight rows) meet
+// no bank conflicts; the outputs go through the same memory, rows TN + 4
+// floats apart.
 template <typename A, bool VEC>
 [[max_total_threads_per_threadgroup(FP8_TILE_THREADS)]]
 kernel void fp8_mm_tile(device uchar* y [[buffer(0)]],
@@ -319,17 +305,24 @@ kernel void fp8_mm_tile(device uchar* y [[buffer(0)]],
                         uint sg [[simdgroup_index_in_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]]) {
   constexpr int TM = FP8_TILE_M, TN = FP8_TILE_N, TK = FP8_TILE_K, THREADS = FP8_TILE_THREADS;
-  constexpr int TILE_KS = TK + 4, TILE_NS = TN + 4;  // row strides (above)
-  constexpr int TILE_FLOATS = (TM + TN) * TILE_KS > TM * TILE_NS ? (TM + TN) * TILE_KS : TM * TILE_NS;
-  // Scaled operands in float; after the loop the same memory holds the outputs.
-  threadgroup float4 tile_mem[TILE_FLOATS / 4];
-  threadgroup float* a_tile = (threadgroup float*)tile_mem;  // [TM][TILE_KS]
-  threadgroup float* w_tile = a_tile + TM * TILE_KS;          // [TN][TILE_KS]
-  threadgroup float* c_tile = a_tile;                         // [TM][TILE_NS], after the loop
+  constexpr int E = sizeof(typename A::T);
+  constexpr int AS = TK * E / 4 + 4, WS = TK / 4 + 4, CS = TN + 4;  // row strides in words
+  constexpr int A_CHUNKS = TK * E / 16, W_CHUNKS = TK / 16;        // 16-byte chunks of a row
+  constexpr int WORDS = TM * AS + TN * WS > TM * CS ? TM * AS + TN * WS : TM * CS;
+  threadgroup uint4 tile_mem[WORDS / 4];
+  threadgroup uint* a_bits = (threadgroup uint*)tile_mem;  // [TM][AS]
+  threadgroup uint* w_bits = a_bits + TM * AS;               // [TN][WS]
+  threadgroup float* c_tile = (threadgroup float*)tile_mem;  // [TM][CS], after the loop
+  // Scales times the units: the weight's of the step, and the activation's
+  // of SA_BLOCKS steps [row][block] (its block-wise scales are a column of
+  // a row-major matrix a step: staged a row or a column at a time, along
+  // whichever dimension is contiguous).
+  constexpr int SA_BLOCKS = 32;
+  threadgroup float sb_tile[FP8_TILE_N];
+  threadgroup float sa_tile[FP8_TILE_M * (SA_BLOCKS + 1)];
   // The host keeps M, N and K below 2^31.
   const int M = int(p.m), N = int(p.n), K = int(p.k);
   const int m0 = int(group.y) * TM, n0 = int(group.x) * TN;
-  const float a_unit = A::unit(p.a_format), w_unit = fp8_unit(p.w_format);
   // Simdgroup sg computes rows [16 (sg / 2), +16) and columns [32 (sg % 2), +32).
   const uint sm = (sg / 2) * 16, sn = (sg % 2) * 32;
   uint fr, fc;
@@ -341,62 +334,69 @@ kernel void fp8_mm_tile(device uchar* y [[buffer(0)]],
   for (int k0 = 0; k0 < K; k0 += TK) {
     const int kb = k0 / FP8_SCALE_BLOCK;
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous step's products are done
+    // Bits past K, M or N stage as 0 (the value 0 in every type).
     if (VEC) {
-      // 16-byte chunks of A::E elements along K (past K or M: zeros).
-      for (int c = int(tid); c < TM * TK / A::E; c += THREADS) {
-        const int row = c / (TK / A::E), kc = (c % (TK / A::E)) * A::E;
-        const int gm = m0 + row, gk = k0 + kc;
-        float v[16];
-        if (gm < M && gk + A::E <= K) {
-          A::load16(x + gm * p.a_row_stride + gk, p.a_format, v);
-        } else {
-          for (int e = 0; e < A::E; ++e) v[e] = gm < M && gk + e < K ? A::load1(x + gm * p.a_row_stride + gk + e, p.a_format) : 0.0f;
+      for (int c = int(tid); c < TM * A_CHUNKS; c += THREADS) {
+        const int row = c / A_CHUNKS, chunk = c % A_CHUNKS, gm = m0 + row, gk = k0 + chunk * (16 / E);
+        uint4 u = uint4(0u);
+        if (gm < M && gk + 16 / E <= K) {
+          u = *(const device uint4*)(x + gm * p.a_row_stride + gk);
+        } else if (gm < M) {
+          for (int e = 0; e < 16 / E; ++e)
+            if (gk + e < K) ((thread typename A::T*)&u)[e] = x[gm * p.a_row_stride + gk + e];
         }
-        const float s = gm < M ? scale_a_at(p, scale_a, gm, kb) * a_unit : 0.0f;
-        for (int e = 0; e < A::E; e += 4)
-          *(threadgroup float4*)(a_tile + row * TILE_KS + kc + e) = float4(v[e], v[e + 1], v[e + 2], v[e + 3]) * s;
+        *(threadgroup uint4*)(a_bits + row * AS + chunk * 4) = u;
       }
-      // One 16-byte chunk (16 weights of one row) per thread.
-      for (int c = int(tid); c < TN * TK / 16; c += THREADS) {
-        const int row = c / (TK / 16), kc = (c % (TK / 16)) * 16;
-        const int gn = n0 + row, gk = k0 + kc;
+      for (int c = int(tid); c < TN * W_CHUNKS; c += THREADS) {
+        const int row = c / W_CHUNKS, chunk = c % W_CHUNKS, gn = n0 + row, gk = k0 + chunk * 16;
         uint4 u = uint4(0u);
         if (gn < N && gk + 16 <= K) {
           u = *(const device uint4*)(w + gn * p.w_n_stride + gk);
-        } else {
+        } else if (gn < N) {
           for (int e = 0; e < 16; ++e)
-            if (gn < N && gk + e < K) u[e / 4] |= uint(w[gn * p.w_n_stride + gk + e]) << (8 * (e % 4));
+            if (gk + e < K) u[e / 4] |= uint(w[gn * p.w_n_stride + gk + e]) << (8 * (e % 4));
         }
-        const float s = gn < N ? scale_b_at(p, scale_b, gn, kb) * w_unit : 0.0f;
-        for (int i = 0; i < 4; ++i)
-          *(threadgroup float4*)(w_tile + row * TILE_KS + kc + 4 * i) = fp8x4_to_float(u[i], p.w_format) * s;
+        *(threadgroup uint4*)(w_bits + row * WS + chunk * 4) = u;
       }
     } else {
       // Element loads, consecutive threads along K: each simdgroup
       // instruction reads 32 consecutive elements of a row.
       for (int i = int(tid); i < TM * TK; i += THREADS) {
         const int row = i / TK, k = i % TK, gm = m0 + row, gk = k0 + k;
-        a_tile[row * TILE_KS + k] = gm < M && gk < K ? A::load1(x + gm * p.a_row_stride + long(gk) * p.a_k_stride,
-                                                                p.a_format) * (scale_a_at(p, scale_a, gm, kb) * a_unit)
-                                                     : 0.0f;
+        ((threadgroup typename A::T*)(a_bits + row * AS))[k] =
+            gm < M && gk < K ? x[gm * p.a_row_stride + long(gk) * p.a_k_stride] : typename A::T(0);
       }
       for (int i = int(tid); i < TN * TK; i += THREADS) {
         const int row = i / TK, k = i % TK, gn = n0 + row, gk = k0 + k;
-        w_tile[row * TILE_KS + k] = gn < N && gk < K ? fp8_to_float(w[gn * p.w_n_stride + long(gk) * p.w_k_stride],
-                                                                    p.w_format) * (scale_b_at(p, scale_b, gn, kb) * w_unit)
-                                                     : 0.0f;
+        ((threadgroup uchar*)(w_bits + row * WS))[k] = gn < N && gk < K ? w[gn * p.w_n_stride + long(gk) * p.w_k_stride] : 0;
       }
+    }
+    if (kb % SA_BLOCKS == 0) {
+      const bool along_k = p.sa_k_stride == 1;
+      const int blocks = (K + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
+      for (int i = int(tid); i < TM * SA_BLOCKS; i += THREADS) {
+        const int r = along_k ? i / SA_BLOCKS : i % TM, b = along_k ? i % SA_BLOCKS : i / TM;
+        if (kb + b < blocks)
+          sa_tile[r * (SA_BLOCKS + 1) + b] = m0 + r < M ? scale_a_at(p, scale_a, m0 + r, kb + b) * A::unit(p.a_format) : 0.0f;
+      }
+    }
+    if (int(tid) < TN) {
+      const int gn = n0 + int(tid);
+      sb_tile[tid] = gn < N ? scale_b_at(p, scale_b, gn, kb) * fp8_unit(p.w_format) : 0.0f;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (int kk = 0; kk < TK; kk += 8) {
-      // a: rows of the activation; b[k][n] = w[n][k], a lane's two
-      // elements from two weight rows.
+      // a: elements (row, k) and (row, k + 1) of the activation; b[k][n] =
+      // w[n][k]: one element of two weight rows.
       simdgroup_float8x8 a[2], b[4];
-      for (int i = 0; i < 2; ++i)
-        a[i].thread_elements() = *(threadgroup const float2*)(a_tile + (sm + 8 * i + fr) * TILE_KS + kk + fc);
+      for (int i = 0; i < 2; ++i) {
+        const uint row = sm + 8 * i + fr;
+        a[i].thread_elements() = A::pair(a_bits + row * AS, kk + fc, p.a_format) * sa_tile[row * (SA_BLOCKS + 1) + kb % SA_BLOCKS];
+      }
       for (int j = 0; j < 4; ++j) {
-        threadgroup const float* wp = w_tile + (sn + 8 * j + fc) * TILE_KS + kk + fr;
-        b[j].thread_elements() = float2(wp[0], wp[TILE_KS]);
+        const uint n = sn + 8 * j + fc, k = kk + fr, shift = 8 * (k % 4);
+        const uint two = ((w_bits[n * WS + k / 4] >> shift) & 0xFFu) | (((w_bits[(n + 1) * WS + k / 4] >> shift) & 0xFFu) << 8);
+        b[j].thread_elements() = fp8x4_to_float(two, p.w_format).xy * float2(sb_tile[n], sb_tile[n + 1]);
       }
       for (int i = 0; i < 2; ++i)
         for (int j = 0; j < 4; ++j) simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
@@ -406,12 +406,12 @@ kernel void fp8_mm_tile(device uchar* y [[buffer(0)]],
   threadgroup_barrier(mem_flags::mem_threadgroup);  // c_tile takes the operands' memory
   for (int i = 0; i < 2; ++i)
     for (int j = 0; j < 4; ++j)
-      *(threadgroup float2*)(c_tile + (sm + 8 * i + fr) * TILE_NS + sn + 8 * j + fc) = acc[i][j].thread_elements();
+      *(threadgroup float2*)(c_tile + (sm + 8 * i + fr) * CS + sn + 8 * j + fc) = acc[i][j].thread_elements();
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (int e = int(tid); e < TM * TN; e += THREADS) {
     const int gm = m0 + e / TN, gn = n0 + e % TN;
     if (gm < M && gn < N)
-      store_output(y, gm * p.y_row_stride + long(gn) * p.y_n_stride, c_tile[(e / TN) * TILE_NS + e % TN], gn, p, bias,
+      store_output(y, gm * p.y_row_stride + long(gn) * p.y_n_stride, c_tile[(e / TN) * CS + e % TN], gn, p, bias,
                    scale_result);
   }
 }

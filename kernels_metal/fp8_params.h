@@ -71,9 +71,8 @@ struct Fp8MatmulParams {
 #define FP8_GEMV_OUTPUTS(R) ((R) >= 4 ? 1 : 2)
 #define FP8_GEMV_MAX_THREADS 64
 // Prefill tiles: a threadgroup of 4 simdgroups computes 32 x 64 outputs,
-// stepping K by 32 (a divisor of FP8_SCALE_BLOCK, so that one step lies in
-// one scale block).
+// stepping K by one scale block (whole cache lines of every row it reads).
 #define FP8_TILE_M 32
 #define FP8_TILE_N 64
-#define FP8_TILE_K 32
+#define FP8_TILE_K FP8_SCALE_BLOCK
 #define FP8_TILE_THREADS 128

@@ -219,12 +219,8 @@ SOFTMAX_STRIDED_BACKWARD = ("softmax backward over a strided dimension: a thread
                             "kernels11 leaves it)")
 LINALG = ("{kernel} accesses {what}: not fixed by any branch yet (found by this test, which the linear-algebra kernels "
           "postdate issue 11's list; the lead decides)")
-FP8 = ("{what} (FP8 prefill tiles: branch b11fp8 leaves it; a K step of 32 elements keeps the scaled float tiles at "
-       "14 KB but reads 32 bytes of each weight row; steps of 128 bytes need the operands staged as their bits and "
-       "decoded per fragment, a rewrite of the tile)")
 MOE = "{what} (MoE kernels, merged after issue 11's list: no branch fixes them yet; the lead decides)"
 _GMM_ROWS = [k for k in GMM_DECODE if k.startswith("gmm_decode_rows_")]
-_ACTS = ("f32", "f16", "bf16", "fp8")
 NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met yet}
     "coalescing": {
         **{k: MOE.format(what="offs at 1.75 lines per instruction (bf16 x fp8: activations at 2)")
@@ -234,10 +230,6 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
         **{k: MOE.format(what="y and out at 4 (fp32: 8) lines per instruction") for k in names(
             "moe_combine_{t}", t=("f32", "f16", "bf16"))},
         **{k: MOE.format(what="a and w at 2 lines per instruction") for k in GMM_TILED},
-        **{k: FP8.format(what="weights at 4 lines per instruction (a K step of 32 bytes of 16 weight rows), activations "
-                              "at 2 (f16, bf16) or 4 (fp8), fp8's block-wise scale_a at 8 (a column of the row-major "
-                              "scales a step)")
-           for k in names("fp8_mm_tile_{a}_vec", a=_ACTS)},
         "constant_pad_4_i32": PAD_SHORT_ROWS,
         **{k: SOFTMAX_SHORT_UNALIGNED for k in ("softmax_segment_bf16_bf16_i32", "softmax_backward_segment_bf16_bf16_i32")},
         **{k: SOFTMAX_STRIDED_BACKWARD for k in ("softmax_backward_strided_f32_f32_i32",
