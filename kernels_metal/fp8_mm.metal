@@ -9,9 +9,10 @@
 //     threadgroup stages in threadgroup memory.
 // fp8_mm_tile_<act>_<vec|scalar>     prefill: a threadgroup computes a
 //     32 x 64 tile of outputs with simdgroup_matrix 8x8 products; each step
-//     decodes a 32 x 32 activation tile and a 64 x 32 weight tile (scaled,
-//     in float) into threadgroup memory, so every weight byte is read once
-//     per 32 activation rows.
+//     of K (one 128-wide scale block) stages the bits of a 32 x 128
+//     activation tile and a 64 x 128 weight tile in threadgroup memory, which
+//     the lanes decode and scale into their fragments, so every weight byte
+//     is read once per 32 activation rows.
 // <act> is the activation type: fp8 (e4m3fn or e5m2, p.a_format), f16,
 // bf16 or f32. vec: the host found the weight rows and activation rows
 // contiguous along K and 16-byte aligned; scalar: element loads, any strides.
