@@ -1,8 +1,9 @@
 // Conversions between float8 (e4m3fn, e5m2) and float32 / float16 /
 // bfloat16, bit-exact with torch's CPU conversions (fp8_codec.h has the
-// rules). One thread converts FP8_CONVERT_PER_THREAD consecutive elements.
+// rules). One thread converts FP8_CONVERT_PER_THREAD elements.
 //   fp8_convert_dense_<src>_<dst>    both contiguous, numel < 2^31: 32-bit index
-//   fp8_convert_strided_<src>_<dst>  any strides (0 broadcasts), 64-bit offsets
+//   fp8_convert_strided_<src>_<dst>  any strides (0 broadcasts), 64-bit offsets;
+//                                    transposing copies by tiles
 #include <metal_stdlib>
 #include "fp8_codec.h"
 #include "fp8_params.h"
@@ -37,42 +38,94 @@ struct E5M2 {
   static T from_bits(uint f) { return e5m2_from_bits(f); }
 };
 
+// Thread tid of a threadgroup converts elements tid, tid + THREADS, ... of
+// the threadgroup's FP8_CONVERT_PER_THREAD * THREADS: every load and store
+// instruction of a simdgroup covers 32 consecutive elements (one cache line
+// of floats, a quarter of one of fp8 bytes).
 template <typename S, typename D>
+[[max_total_threads_per_threadgroup(FP8_CONVERT_THREADS)]]
 kernel void fp8_convert_dense(device typename D::T* dst [[buffer(0)]],
                               const device typename S::T* src [[buffer(1)]],
                               constant Fp8ConvertParams& p [[buffer(2)]],
-                              uint gid [[thread_position_in_grid]]) {
-  const uint first = gid * FP8_CONVERT_PER_THREAD;
+                              uint group [[threadgroup_position_in_grid]],
+                              uint tid [[thread_position_in_threadgroup]]) {
+  const uint first = group * (FP8_CONVERT_PER_THREAD * FP8_CONVERT_THREADS) + tid;
   const uint numel = uint(p.numel);
-  for (uint i = first; i < min(first + FP8_CONVERT_PER_THREAD, numel); ++i) dst[i] = D::from_bits(S::bits(src[i]));
+  MPS_EXT_UNROLL for (int j = 0; j < FP8_CONVERT_PER_THREAD; ++j) {
+    const uint i = first + j * FP8_CONVERT_THREADS;
+    if (i < numel) dst[i] = D::from_bits(S::bits(src[i]));
+  }
+}
+
+// The coordinates of element `index` in the row-major order of p.sizes (0
+// past the rank). I: the index type of the divisions, uint whenever numel
+// fits (a 64-bit division is a software loop on a GPU). The loops run over
+// every dimension a tensor may have, unrolled, so that `coord` stays in
+// registers.
+template <typename I>
+MPS_EXT_INLINE void coords_of(long index, constant Fp8ConvertParams& p, thread long* coord) {
+  I rest = I(index);
+  MPS_EXT_UNROLL for (int d = MPS_EXT_MAX_DIMS - 1; d >= 0; --d) {
+    coord[d] = 0;
+    if (d < int(p.rank)) {
+      const I size = I(p.sizes[d]);
+      coord[d] = long(rest % size);
+      rest /= size;
+    }
+  }
 }
 
 template <typename S, typename D>
+[[max_total_threads_per_threadgroup(FP8_CONVERT_THREADS)]]
 kernel void fp8_convert_strided(device typename D::T* dst [[buffer(0)]],
                                 const device typename S::T* src [[buffer(1)]],
                                 constant Fp8ConvertParams& p [[buffer(2)]],
-                                uint gid [[thread_position_in_grid]]) {
+                                uint gid [[thread_position_in_grid]],
+                                uint group [[threadgroup_position_in_grid]],
+                                uint tid [[thread_position_in_threadgroup]]) {
+  constexpr int T = FP8_CONVERT_TILE, ROWS = FP8_CONVERT_THREADS / T;
+  // A transposing copy: each simdgroup instruction reads T consecutive
+  // elements of src (along dimension 0) and writes T consecutive elements of
+  // dst (along dimension 1), through a tile of float32 bits whose rows are
+  // T + 1 words apart (both the column writes and the row reads hit T banks).
+  threadgroup uint tile[T * (T + 1)];
+  if (p.tiles) {
+    const long i0 = long(group / p.tiles) * T, j0 = long(group % p.tiles) * T;
+    const int lo = int(tid) % T, hi = int(tid) / T;
+    MPS_EXT_UNROLL for (int q = 0; q < T / ROWS; ++q) {  // src: i0 + lo along dimension 0, j0 + j along 1
+      const int j = hi + q * ROWS;
+      if (i0 + lo < p.sizes[0] && j0 + j < p.sizes[1])
+        tile[j * (T + 1) + lo] = S::bits(src[(i0 + lo) * p.src_strides[0] + (j0 + j) * p.src_strides[1]]);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    MPS_EXT_UNROLL for (int q = 0; q < T / ROWS; ++q) {  // dst: i0 + i along dimension 0, j0 + lo along 1
+      const int i = hi + q * ROWS;
+      if (i0 + i < p.sizes[0] && j0 + lo < p.sizes[1])
+        dst[(i0 + i) * p.dst_strides[0] + (j0 + lo) * p.dst_strides[1]] = D::from_bits(tile[lo * (T + 1) + i]);
+    }
+    return;
+  }
   const long first = long(gid) * FP8_CONVERT_PER_THREAD;
   if (first >= p.numel) return;
   const int rank = int(p.rank);
   // Coordinates of the first element, then stepped like an odometer.
   long coord[MPS_EXT_MAX_DIMS];
-  long rest = first;
-  for (int d = rank - 1; d >= 0; --d) {
-    coord[d] = rest % p.sizes[d];
-    rest /= p.sizes[d];
-  }
+  if (p.numel <= long(0xFFFFFFFFu)) coords_of<uint>(first, p, coord);
+  else coords_of<ulong>(first, p, coord);
   const long last = min(first + FP8_CONVERT_PER_THREAD, p.numel);
   for (long index = first; index < last; ++index) {
     long d_off = 0, s_off = 0;
-    for (int d = 0; d < rank; ++d) {
+    MPS_EXT_UNROLL for (int d = 0; d < MPS_EXT_MAX_DIMS; ++d) {
       d_off += coord[d] * p.dst_strides[d];
       s_off += coord[d] * p.src_strides[d];
     }
     dst[d_off] = D::from_bits(S::bits(src[s_off]));
-    for (int d = rank - 1; d >= 0; --d) {
-      if (++coord[d] < p.sizes[d]) break;
-      coord[d] = 0;
+    bool carry = true;
+    MPS_EXT_UNROLL for (int d = MPS_EXT_MAX_DIMS - 1; d >= 0; --d) {
+      if (carry && d < rank) {
+        carry = ++coord[d] == p.sizes[d];
+        if (carry) coord[d] = 0;
+      }
     }
   }
 }

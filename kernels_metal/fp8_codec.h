@@ -86,13 +86,18 @@ inline bfloat bfloat_from_exact_bits(uint f) {
 // placed into half bits give x / 256 exactly, and the e4m3 NaN codes (0x7F,
 // 0xFF), which are not halves of any value, are restored explicitly. e5m2:
 // the bits are the top byte of a half.
+// The NaN codes become the half NaN 0x7E00 (float NaN 0x7FC00000) in the
+// half bits, two bytes at a time: integer operations on the word.
+inline uint e4m3x2_to_half_bits(uint magnitudes, uint signs) {  // bytes 0 and 2 of each argument
+  // 0x80 in each 16-bit half whose magnitude is 0x7F (magnitudes <= 0x7F: no carry out)
+  const uint nan = (magnitudes + 0x00010001u) & 0x00800080u;
+  const uint mask = (nan >> 7) * 0xFFFFu;
+  return (((magnitudes << 7) | (signs << 8)) & ~mask) | (0x7E007E00u & mask);
+}
 inline float4 e4m3x4_to_float_div256(uint u) {
-  const half2 even = as_type<half2>(((u & 0x007F007Fu) << 7) | ((u & 0x00800080u) << 8));  // bytes 0, 2
-  const half2 odd = as_type<half2>(((u & 0x7F007F00u) >> 1) | (u & 0x80008000u));          // bytes 1, 3
-  float4 v = float4(float(even.x), float(odd.x), float(even.y), float(odd.y));
-  for (int i = 0; i < 4; ++i)
-    if (((u >> (8 * i)) & 0x7Fu) == 0x7Fu) v[i] = NAN;
-  return v;
+  const half2 even = as_type<half2>(e4m3x2_to_half_bits(u & 0x007F007Fu, u & 0x00800080u));              // bytes 0, 2
+  const half2 odd = as_type<half2>(e4m3x2_to_half_bits((u >> 8) & 0x007F007Fu, (u >> 8) & 0x00800080u));  // bytes 1, 3
+  return float4(float(even.x), float(odd.x), float(even.y), float(odd.y));
 }
 inline float4 e5m2x4_to_float(uint u) {
   const half2 even = as_type<half2>((u & 0x00FF00FFu) << 8), odd = as_type<half2>(u & 0xFF00FF00u);

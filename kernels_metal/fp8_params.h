@@ -14,19 +14,25 @@
 
 // dst[i] = convert(src[i]) over a tensor of up to MPS_EXT_MAX_DIMS
 // dimensions, in the row-major order of `sizes` (src strides are 0 where
-// it is broadcast). The dense kernels take only numel (both tensors
-// contiguous, numel < 2^31); the strided ones index with 64-bit math.
+// it is broadcast; fields past `rank` are 0). The dense kernels take only
+// numel (both tensors contiguous, numel < 2^31); the strided ones address
+// with 64-bit offsets.
 struct Fp8ConvertParams {
   int64_t numel;
   int64_t sizes[MPS_EXT_MAX_DIMS];
   int64_t dst_strides[MPS_EXT_MAX_DIMS];
   int64_t src_strides[MPS_EXT_MAX_DIMS];
   uint32_t rank;
-  uint32_t pad;
+  // > 0: a transposing copy (rank 2, src contiguous along dimension 0, dst
+  // along dimension 1) by tiles of FP8_CONVERT_TILE x FP8_CONVERT_TILE
+  // elements, one a threadgroup: `tiles` of them along dimension 1.
+  uint32_t tiles;
 };
 
-// Elements one conversion thread handles (consecutive in the index order).
+// Elements one conversion thread handles, and threads of a threadgroup.
 #define FP8_CONVERT_PER_THREAD 4
+#define FP8_CONVERT_THREADS 256
+#define FP8_CONVERT_TILE 32  // FP8_CONVERT_TILE^2 = FP8_CONVERT_PER_THREAD * FP8_CONVERT_THREADS
 
 // y[m, n] = out( sum over k of a(m, k) * sa(m, k / 128) * w(n, k) * sb(n, k / 128) + bias[n] )
 // where out() multiplies by 1 / scale_result (fp8 outputs that have one)
@@ -54,17 +60,19 @@ struct Fp8MatmulParams {
   uint32_t bias_type;      // FP8_TYPE_NONE, _F32, _F16 or _BF16
   uint32_t has_scale_a;
   uint32_t has_scale_result;  // fp8 output divided by scale_result
-  uint32_t outputs_per_simdgroup;  // decode: weight rows per simdgroup (1, 2 or 4)
+  uint32_t outputs_per_simdgroup;  // decode: weight rows per simdgroup (1 or 2)
 };
 
 // Scales of the block-wise recipes cover 128 elements of K.
 #define FP8_SCALE_BLOCK 128
-// Decode kernels: weight rows a simdgroup can hold.
-#define FP8_GEMV_MAX_OUTPUTS 4
+// Decode kernels: weight rows a simdgroup can hold with R activation rows
+// (its accumulators: R x outputs, at most 8; 4 or 8 rows: one output), and simdgroups of a
+// threadgroup (decode_geometry, csrc/ops/kernel_choice.h).
+#define FP8_GEMV_OUTPUTS(R) ((R) >= 4 ? 1 : 2)
+#define FP8_GEMV_MAX_THREADS 64
 // Prefill tiles: a threadgroup of 4 simdgroups computes 32 x 64 outputs,
-// stepping K by 32 (a divisor of FP8_SCALE_BLOCK, so that one step lies in
-// one scale block).
+// stepping K by one scale block (whole cache lines of every row it reads).
 #define FP8_TILE_M 32
 #define FP8_TILE_N 64
-#define FP8_TILE_K 32
+#define FP8_TILE_K FP8_SCALE_BLOCK
 #define FP8_TILE_THREADS 128

@@ -228,12 +228,8 @@ LU_SOLVE_VECTOR = ("lu_solve with one right-hand side: x at 32 (f32) / 16 (c64) 
                    "(batch, n) matrix (batched_matrix_contiguous_strides), so x[b, i] is at b + batch * i and a "
                    "matrix's rows, one per lane, are a line apart; lanes over matrices instead would read the factors "
                    "(n^2 elements a matrix against x's n) a line per lane")
-FP8 = ("{what} (FP8 kernels, merged after issue 11's list: no branch fixes them yet; the lead decides)")
 MOE = "{what} (MoE kernels, merged after issue 11's list: no branch fixes them yet; the lead decides)"
 _GMM_ROWS = [k for k in GMM_DECODE if k.startswith("gmm_decode_rows_")]
-_ACTS = ("f32", "f16", "bf16", "fp8")
-_CONVERT_STRIDED = [k for k in FP8_CONVERT if "_strided_" in k]
-_CONVERT_WIDENING = [k for k in FP8_CONVERT if "_dense_" in k and not k.endswith(("e4m3_e5m2", "e5m2_e4m3"))]
 NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met yet}
     "coalescing": {
         **{k: MOE.format(what="offs at 1.75 lines per instruction (bf16 x fp8: activations at 2)")
@@ -243,11 +239,6 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
         **{k: MOE.format(what="y and out at 4 (fp32: 8) lines per instruction") for k in names(
             "moe_combine_{t}", t=("f32", "f16", "bf16"))},
         **{k: MOE.format(what="a and w at 2 lines per instruction") for k in GMM_TILED},
-        **{k: FP8.format(what="the wider side at 2 or 4 lines per simdgroup instruction") for k in _CONVERT_WIDENING},
-        **{k: FP8.format(what="the transposed source at 32 lines per instruction, a line per lane") for k in _CONVERT_STRIDED},
-        **{k: FP8.format(what="activations at 2-4 lines per instruction (fp8: the weight scales at 1.5)")
-           for k in names("fp8_gemv_{a}_r{r}_vec", a=_ACTS, r=(1, 2, 4, 8))},
-        **{k: FP8.format(what="weights at 4-16 and activations at up to 16 lines per instruction") for k in FP8_TILE},
         "constant_pad_4_i32": PAD_SHORT_ROWS,
         **{k: SOFTMAX_SHORT_UNALIGNED for k in ("softmax_segment_bf16_bf16_i32", "softmax_backward_segment_bf16_bf16_i32")},
         **{k: SOFTMAX_STRIDED_BACKWARD for k in ("softmax_backward_strided_f32_f32_i32",
@@ -255,29 +246,17 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
         **{k: LU_SOLVE_VECTOR for k in names("lu_solve_{t}_1", t=("f32", "c64"))},
     },
     "no_64_bit_division": {
-        **{k: FP8.format(what="4 (strided conversions, vec GEMV) or 64 (scalar GEMV, tiles) 64-bit divisions per thread") for k in _CONVERT_STRIDED + FP8_GEMV + FP8_TILE},
     },
     "registers": {
         **{k: MOE.format(what="102 to 188 registers") for k in _GMM_ROWS},
         **{k: MOE.format(what="58 to 96 registers") for k in names("gmm_decode_cols_{t}_vec", t=("f32", "f16", "bf16"))},
-        **{k: FP8.format(what="54 to 211 registers")
-           for k in names("fp8_gemv_{a}_r{r}_vec", a=_ACTS, r=(1, 4, 8)) + names("fp8_gemv_{a}_r{r}_scalar", a=_ACTS,
-                                                                                  r=(4, 8))},
-        **{k: FP8.format(what="132 registers, over the 128 of a thread (spills)")
-           for k in ("fp8_mm_tile_f16_scalar", "fp8_mm_tile_bf16_scalar")},
     },
     "registers_fit_threadgroup": {
-        **{k: FP8.format(what="211 (r8 vec) or 132 (tiles) registers, over what a pipeline allows for 64 or 128 "
-                              "threads")
-           for k in names("fp8_gemv_{a}_r8_vec", a=("f32", "f16", "bf16")) + ["fp8_mm_tile_f16_scalar",
-                                                                               "fp8_mm_tile_bf16_scalar"]},
         **{k: MOE.format(what="152 to 188 registers, over the 128 a pipeline allows for 64 threads")
            for k in names("gmm_decode_rows_{t}_vec", t=("f16", "bf16", "e4m3", "bf16_e4m3w"))},
     },
     "no_private_memory": {
         **{k: MOE.format(what="48 to 788 bytes of thread-private arrays in stack memory") for k in GMM_DECODE},
-        **{k: FP8.format(what="64 bytes of thread-private arrays in stack memory") for k in _CONVERT_STRIDED},
-        **{k: FP8.format(what="20 to 676 bytes of thread-private arrays in stack memory") for k in FP8_GEMV},
     },
     "no_bank_conflicts": {
         **{k: MOE.format(what="1.2 to 3.1 extra bank-conflict cycles per threadgroup-memory instruction")
@@ -285,7 +264,6 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
         **{k: MOE.format(what="an extra bank-conflict cycle (in 2014 threadgroup-memory instructions)")
            for k in names("moe_route_{t}", t=("f32", "f16", "bf16"))},
         **{k: MOE.format(what="5.8 extra bank-conflict cycles per threadgroup-memory instruction") for k in GMM_TILED},
-        **{k: FP8.format(what="5 to 6.5 extra bank-conflict cycles per threadgroup-memory instruction") for k in FP8_TILE},
     },
 }
 

@@ -39,8 +39,6 @@
 namespace mps_ext {
 namespace {
 
-constexpr uint32_t kConvertThreads = 256;
-
 // Dimensions of dst (and src, expanded to it) with size-1 dimensions dropped
 // and dimensions merged where both tensors step through them as one.
 struct Dims {
@@ -88,12 +86,21 @@ bool fp8_convert(const at::Tensor& dst, const at::Tensor& src) {
   const bool flat = p.rank == 0 || (p.rank == 1 && p.dst_strides[0] == 1 && p.src_strides[0] == 1);
   const bool dense = flat && numel < INT32_MAX - FP8_CONVERT_PER_THREAD;
   const int64_t threads = (numel + FP8_CONVERT_PER_THREAD - 1) / FP8_CONVERT_PER_THREAD;
-  const int64_t groups = (threads + kConvertThreads - 1) / kConvertThreads;
+  int64_t groups = (threads + FP8_CONVERT_THREADS - 1) / FP8_CONVERT_THREADS;
+  // A transposing copy (src contiguous along the first of two dimensions,
+  // dst along the second): by tiles, so that both sides are read and
+  // written along their contiguous dimension.
+  if (p.rank == 2 && p.src_strides[0] == 1 && p.dst_strides[1] == 1) {
+    const int64_t tiles = ceil_div(p.sizes[1], FP8_CONVERT_TILE);
+    groups = ceil_div(p.sizes[0], FP8_CONVERT_TILE) * tiles;
+    TORCH_CHECK(tiles <= 0xffffffffll, "mps_ext fp8: tensor too large (", numel, " elements)");
+    p.tiles = static_cast<uint32_t>(tiles);
+  }
   TORCH_CHECK(groups <= 0xffffffffll, "mps_ext fp8: tensor too large (", numel, " elements)");
   const std::string kernel = std::string("fp8_convert_") + (dense ? "dense_" : "strided_") +
                              kernel_type_name(src.scalar_type()) + "_" + kernel_type_name(dst.scalar_type());
   launch(Launch{"fp8", kernel, {KernelArg::of(dst), KernelArg::of(src), KernelArg::value(p)},
-                {static_cast<uint32_t>(groups), 1, 1}, {kConvertThreads, 1, 1}});
+                {static_cast<uint32_t>(groups), 1, 1}, {FP8_CONVERT_THREADS, 1, 1}});
   return true;
 }
 

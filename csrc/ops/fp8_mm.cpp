@@ -54,7 +54,8 @@ struct Problem {
 
 // The variant policy.
 // - M <= 8 rows: fp8_gemv with R = the smallest of 1, 2, 4, 8 holding them;
-//   decode_geometry (ops/kernel_choice.h): 2 simdgroups of up to 4 outputs.
+//   decode_geometry (ops/kernel_choice.h): 1 or 2 simdgroups of up to
+//   FP8_GEMV_OUTPUTS(R) outputs.
 // - More rows: fp8_mm_tile, one threadgroup per 32 x 64 outputs.
 // - vec (16-byte loads) when the weight rows and the activation rows are
 //   contiguous along K and 16-byte aligned; otherwise element loads.
@@ -79,6 +80,9 @@ void run(Problem& pr) {
     p.bias_stride = pr.bias.stride(0);
   }
   if (pr.y.numel() == 0) return;
+  // The kernels count rows, columns and K in 32 bits.
+  TORCH_CHECK(p.m <= INT32_MAX && p.n <= INT32_MAX && p.k <= INT32_MAX, "mps_ext scaled_mm: M, N and K must be below "
+              "2^31, got ", p.m, ", ", p.n, ", ", p.k);
 
   const bool vec = rows_vectorizable(pr.w, p.w_k_stride, p.w_n_stride, p.n) &&
                    rows_vectorizable(pr.a, p.a_k_stride, p.a_row_stride, p.m);
@@ -86,10 +90,10 @@ void run(Problem& pr) {
   l.library = "fp8_mm";
   const std::string act = act_name(pr.a.scalar_type());
   if (p.m <= kMaxDecodeRows) {
-    const DecodeGeometry g = decode_geometry(p.n, FP8_GEMV_MAX_OUTPUTS);
+    const int64_t rows = row_variant(p.m);
+    const DecodeGeometry g = decode_geometry(p.n, FP8_GEMV_OUTPUTS(rows));
     p.outputs_per_simdgroup = static_cast<uint32_t>(g.outputs_per_simdgroup);
-    TORCH_CHECK(g.threadgroups <= 0xffffffffll, "mps_ext scaled_mm: N too large");
-    l.kernel = "fp8_gemv_" + act + "_r" + std::to_string(row_variant(p.m)) + (vec ? "_vec" : "_scalar");
+    l.kernel = "fp8_gemv_" + act + "_r" + std::to_string(rows) + (vec ? "_vec" : "_scalar");
     l.threadgroups = {static_cast<uint32_t>(g.threadgroups), 1, 1};
     l.threads_per_threadgroup = {static_cast<uint32_t>(32 * g.simdgroups), 1, 1};
   } else {

@@ -130,6 +130,25 @@ def test_every_conversion_kernel_runs_dense_and_strided():
     assert set(lib.function_names) <= seen, sorted(set(lib.function_names) - seen)
 
 
+@pytest.mark.parametrize("src_dtype,dst_dtype", PAIRS)
+def test_transposing_copies_by_tiles(src_dtype, dst_dtype):
+    # Sources contiguous along the first dimension, destinations along the
+    # second: fp8_convert_strided's tiles (32 x 32), whole and partial,
+    # strided rows on both sides and a broadcast column.
+    g = torch.Generator().manual_seed(2)
+    base = (torch.randn(70, 100, generator=g) * 50).to(src_dtype)
+    cases = [(base.t(), torch.empty(100, 70, dtype=dst_dtype), 4 * 3),                  # partial edge tiles
+             (base[::2, :64].t(), torch.empty(64, 96, dtype=dst_dtype)[:, 16:51], 2 * 2),  # strided rows
+             (base[:1].t().expand(100, 33), torch.empty(100, 33, dtype=dst_dtype), 4 * 2)]  # broadcast along dim 1
+    for src, dst, tiles in cases:
+        with cpu_metal.record() as rec:
+            torch.ops.mps_ext.copy_(dst, src)
+        (d,) = rec.dispatches
+        assert d.kernel.startswith("fp8_convert_strided_") and d.total_threadgroups == tiles
+        want = torch.empty_like(dst).copy_(src)
+        assert torch.equal(bits(dst), bits(want)), (src_dtype, dst_dtype, src.stride(), dst.stride())
+
+
 def test_copy_to_and_from_other_dtypes_goes_through_float32(device):
     if device != "executor":
         pytest.skip("the same code on MPS runs through the mps overrides")

@@ -136,6 +136,52 @@ def test_blockwise_recipes_against_float64(device, m, k, n, recipe_b):
     close(got, block_reference(a, w.t(), sa, sb, recipe_b, torch.bfloat16, bias), k)
 
 
+@pytest.mark.parametrize("sa_layout", ["row-major", "M-major"])
+@pytest.mark.parametrize("path", ["vec", "scalar"])
+def test_prefill_blockwise_scales_past_32_blocks(sa_layout, path):
+    # fp8_mm_tile stages the activation scales of 32 K blocks at a time,
+    # along whichever of their dimensions is contiguous: K of 33 blocks (the
+    # last one partial) takes a second chunk. Rows of K % 16 != 0 bytes are
+    # not 16-byte aligned: element loads.
+    m, k, n = 40, 32 * 128 + (112 if path == "vec" else 100), 72
+    a, w = fp8(m, k), fp8(n, k)
+    kb = -(-k // 128)
+    sa = torch.rand(m, kb, generator=g) / 100 + 1e-3
+    if sa_layout == "M-major":
+        sa = sa.t().contiguous().t()
+    sb = torch.rand(kb, -(-n // 128), generator=g) / 100 + 1e-3
+    with cpu_metal.record() as rec:
+        got = run("_scaled_mm_v2", a, w.t(), [sa], [4], [], [sb], [5], [], None, torch.float32, [], False)
+    assert rec.dispatches[0].kernel == f"fp8_mm_tile_fp8_{path}"
+    close(got, block_reference(a, w.t(), sa, sb, 5, torch.float32), k)
+
+
+@pytest.mark.parametrize("fmt", [E4, E5])
+@pytest.mark.parametrize("operand", ["activation", "weight"])
+def test_every_fp8_code_decodes_exactly(fmt, operand):
+    # Code c alone in row c of one operand, a 1 at the same K in the other:
+    # output c is the code's value (NaN codes: NaN), through the decode GEMV
+    # (8 rows at a time) and the prefill tile (all 256 rows).
+    codes = torch.zeros(256, 16, dtype=torch.uint8)
+    codes[:, 0] = torch.arange(256, dtype=torch.uint8)
+    codes = codes.view(fmt)
+    one = torch.zeros(16, 16, dtype=torch.uint8).view(fmt)
+    one[0, 0] = 1.0
+    want = codes.float()[:, 0]
+    t1 = torch.tensor(1.0)
+
+    def product(rows):
+        if operand == "activation":
+            return run("_scaled_mm", codes[rows], one.t(), t1, t1, out_dtype=torch.float32)[:, 0]
+        return run("_scaled_mm", one[:8], codes[rows].t(), t1, t1, out_dtype=torch.float32)[0]
+
+    got = torch.cat([product(slice(s, s + 8)) for s in range(0, 256, 8)] +
+                    ([product(slice(0, 256))] if operand == "activation" else []))
+    want = want.repeat(2) if operand == "activation" else want
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
+
+
 @pytest.mark.parametrize("case", ["wrong scale shape", "double scale", "non-fp8 operand", "3-D", "shapes"])
 def test_bad_inputs_give_torchs_errors(case):
     a, b = fp8(4, 32), fp8(16, 32).t()
