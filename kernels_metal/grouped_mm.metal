@@ -27,6 +27,7 @@
 #include <metal_stdlib>
 #include "fp8_codec.h"
 #include "grouped_mm_params.h"
+#include "pieces.h"
 using namespace metal;
 
 // ------------------------------------------------------------ elements --
@@ -85,22 +86,21 @@ inline uint group_end(const device int* offs, uint g, uint m) {
 inline uint group_start(const device int* offs, uint g, uint m) { return g == 0 ? 0 : group_end(offs, g - 1, m); }
 
 // The group holding row r: the first g with end(g) > r, or `groups` if none
-// (a row past offs[-1]). Run by one whole simdgroup: each round the 32 lanes
-// probe 32 evenly spaced offsets at once, so 256 groups take 2 rounds of one
-// load each instead of 8 dependent loads. Offsets are non-decreasing (torch's
-// contract); if they are not, the answer is some group, still in bounds.
+// (a row past offs[-1]). Run by one whole simdgroup: the groups ending at or
+// before r form a prefix (offsets are non-decreasing, torch's contract), so
+// the answer is their count; the lanes read 32 consecutive offsets (128
+// contiguous bytes, one cache line when aligned) a round and stop at the
+// first round not wholly below r: 4 rounds at most for 128 experts. If the
+// offsets are out of order the answer is some group, still in bounds.
 inline uint find_group(const device int* offs, uint groups, uint m, uint r, uint lane) {
-  uint lo = 0, hi = groups;  // the answer is in [lo, hi]
-  while (lo < hi) {
-    const uint step = (hi - lo + 31) / 32;
-    const uint probe = lo + (lane + 1) * step - 1;
-    const bool below = probe < hi && group_end(offs, probe, m) <= r;
-    const uint count = uint(simd_sum(below ? 1 : 0));  // probes below r form a prefix
-    const uint next = lo + (count + 1) * step - 1;     // first probe not below, if any
-    lo = min(lo + count * step, hi);
-    hi = next < hi ? next : hi;
+  uint g = 0;
+  for (uint base = 0; base < groups; base += 32) {
+    const bool below = base + lane < groups && group_end(offs, base + lane, m) <= r;
+    const uint count = uint(simd_sum(below ? 1 : 0));
+    g += count;
+    if (count < 32) break;  // uniform: every lane has the same count
   }
-  return lo;
+  return g;
 }
 
 // What a decode threadgroup works on: `rows` rows from `row` of group `g`.
@@ -142,104 +142,167 @@ inline float scale_of(constant GroupedMMParams& p, const device float* row_scale
 }
 
 // ------------------------------------------------------ gmm_decode_rows --
-// E consecutive activations as floats, from 16-byte loads (E is the number
-// of weights in 16 bytes: 16 fp8 weights take two 16-byte loads of bfloat).
-template <typename TA, int E>
-inline void load_run(const device TA* p, thread float* out) {
-  for (int i = 0; i < E; i += vec16_n<TA>()) {
-    Vec16<TA> v = load_vec16(p + i);
-    for (int e = 0; e < vec16_n<TA>(); ++e) out[i + e] = v.v[e];
-  }
+// The elements of a 32-bit word of e4m3 bytes as floats (value / 256), for
+// pieces.h's word_floats of the other types.
+MPS_EXT_INLINE void word_floats(uint bits, thread float* v, uchar) {
+  const float4 f = e4m3x4_to_float_div256(bits);
+  MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) v[i] = f[i];
 }
 
-// R rows (a power of two >= the slot's rows) of one group against
-// GMM_ROWS_OUTPUTS weight columns per simdgroup, K contiguous (VEC) or not.
+// A lane's piece of weights, as bits: 16 bytes with VEC; without, one
+// element converted to float, in .x (the other words are never used, so
+// they take no registers).
+template <typename T, bool VEC>
+MPS_EXT_INLINE uint4 weight_piece(const device T* p) {
+  if (VEC) return *(const device uint4*)p;
+  return uint4(as_type<uint>(elem(*p)), 0u, 0u, 0u);
+}
+
+// The pieces: with VEC a lane's weight piece is 16 bytes, EB weights along
+// K, and its activation piece the EB activations they multiply, WA words
+// (8 for bfloat activations under fp8 weights, else 4); without VEC one
+// weight and one activation, as floats.
+template <typename TA, typename TB, bool VEC>
+constexpr int rows_piece_weights() {
+  return VEC ? 16 / int(sizeof(TB)) : 1;
+}
+template <typename TA, typename TB, bool VEC>
+constexpr int rows_piece_words() {
+  return VEC ? 16 / int(sizeof(TB)) * int(sizeof(TA)) / 4 : 1;
+}
+// A tile: R rows of 256 / R pieces; word w of piece c of row r at
+// (r * WA + w) * stride + c, stride = pieces + 4. A simdgroup reads one word
+// of 32 consecutive pieces (32 banks); the + 4 puts the two 16-byte halves
+// of a 32-byte piece, which consecutive threads stage, 16 banks apart.
+constexpr int rows_tile_pieces(int R) { return GMM_ROWS_TILE_PIECES * GMM_DECODE_MAX_ROWS / R; }
+constexpr int rows_tile_stride(int R) { return rows_tile_pieces(R) + 4; }
+constexpr int rows_tile_words(int WA) {  // the most of any R: 8 rows
+  return GMM_DECODE_MAX_ROWS * WA * rows_tile_stride(GMM_DECODE_MAX_ROWS);
+}
+
+// R rows (a power of two >= the slot's rows; rows past them stage as 0)
+// of one group against the simdgroup's GMM_ROWS_OUTPUTS weight columns.
 // Activations TA, weights TB (the same, or fp8 weights under bfloat).
+// `rows_at`: each row's first activation, as staged by the kernel.
+// Registers: 2R accumulators (16 at 8 rows) + U pieces of each column in
+// flight (8 registers) + one weight word of each column and one row's
+// activation word(s) as floats: within full occupancy.
 template <typename TA, typename TB, typename TO, int R, bool VEC>
-inline void decode_rows_body(device TO* out, const device TA* a, const device TB* w, constant GroupedMMParams& p,
-                             const device float* row_scale, const device float* col_scale,
-                             const device int* rows_of, RowSlot s, uint col0, uint lane) {
+MPS_EXT_INLINE void decode_rows_body(device TO* out, const device TA* a, const device TB* w,
+                                     constant GroupedMMParams& p, const device float* row_scale,
+                                     const device float* col_scale, RowSlot s, uint col0, uint tid, uint lane,
+                                     threadgroup uint* tile, threadgroup const uint* rows_at) {
   constexpr int Q = GMM_ROWS_OUTPUTS;
-  const int rows = int(s.rows);
-  // swiglu: outputs col0, col0 + 1 of silu(gate) * up, from b's columns
-  // col0, col0 + 1 (gate) and half + col0, half + col0 + 1 (up).
+  constexpr int EB = rows_piece_weights<TA, TB, VEC>(), WA = rows_piece_words<TA, TB, VEC>();
+  constexpr int NW = VEC ? 4 / int(sizeof(TB)) : 1;  // weights of a weight word
+  constexpr int AW = VEC ? WA / 4 : 1;                // activation words of a weight word
+  constexpr int HALVES = VEC ? WA / 4 : 1;            // 16-byte loads of an activation piece
+  constexpr int TP = rows_tile_pieces(R), TS = rows_tile_stride(R);
+  // (20: the slot, the scales' indices and two column pointers stay live too)
+  constexpr int U = rows_pieces_per_output(R, Q, TP, 20);
+  static_assert(TP % (32 * U) == 0, "a tile is whole steps");
+  constexpr int THREADS = 32 * GMM_ROWS_SIMDGROUPS;
+  const int rows = int(s.rows), K = int(p.k);
+  const uint a_k = VEC ? 1 : p.a_k, b_k = VEC ? 1 : p.b_k;
+  // swiglu: one output, col0, of silu(gate) * up, from b's columns col0
+  // (gate) and half + col0 (up); else outputs col0 and col0 + 1.
   const uint half_n = p.n / 2;
-  const uint outputs = p.swiglu ? half_n : p.n;
   uint col[Q];
   bool live[Q];
-  for (int q = 0; q < Q; ++q) {
-    const uint c = p.swiglu ? (q < Q / 2 ? col0 + q : half_n + col0 + q - Q / 2) : col0 + q;
-    live[q] = (p.swiglu ? col0 + q % (Q / 2) : c) < outputs;
-    col[q] = live[q] ? c : 0;
-  }
-  // Each row's activations: its own row of `a`, or its token's.
-  const device TA* arow[R];
-  for (int r = 0; r < R; ++r) {
-    const uint m = s.row + uint(min(r, rows - 1));
-    const uint src = p.gather ? uint(rows_of[m]) / p.gather : m;
-    arow[r] = a + ulong(src) * ulong(p.a_m);
-  }
+  const device TB* wp[Q];  // the lane's next piece of each column
   float acc[R][Q];
-  for (int r = 0; r < R; ++r)
-    for (int q = 0; q < Q; ++q) acc[r][q] = 0.0f;
+  MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+    const uint c = p.swiglu ? col0 + q * half_n : col0 + q;
+    live[q] = p.swiglu ? col0 < half_n : c < p.n;
+    col[q] = live[q] ? c : 0;
+    wp[q] = w + col[q] * uint(p.b_n) + lane * (EB * b_k);
+    MPS_EXT_UNROLL for (int r = 0; r < R; ++r) acc[r][q] = 0.0f;
+  }
 
-  uint k_done = 0;
-  if (VEC) {
-    // Lanes take consecutive 16-byte pieces of the weights: a simdgroup
-    // reads 512 contiguous bytes of each weight column per step.
-    constexpr int E = vec16_n<TB>();
-    const uint k_vec = p.k / E * E;
-    for (uint k = lane * E; k < k_vec; k += 32 * E) {
-      float xv[R][E];
-      for (int r = 0; r < R; ++r)
-        if (r < rows) load_run<TA, E>(arow[r] + k, xv[r]);
-      for (int q = 0; q < Q; ++q) {
-        if (!live[q]) continue;
-        Vec16<TB> wv = load_vec16(w + col[q] * uint(p.b_n) + k);
-        for (int r = 0; r < R; ++r) {
-          if (r >= rows) continue;
-          float d = 0.0f;
-          for (int e = 0; e < E; ++e) d += xv[r][e] * wv.v[e];
-          acc[r][q] += d;
-        }
+  const int k_pieces = K / EB;  // whole pieces (all of K without VEC); the rest below
+  for (int p0 = 0; p0 < k_pieces; p0 += TP) {
+    const int pieces = min(TP, k_pieces - p0);  // of each row in this tile
+    // Consecutive threads stage consecutive 16-byte halves (VEC) or
+    // elements of a row.
+    for (int i = int(tid); i < R * TP * HALVES; i += THREADS) {
+      const int r = i / (TP * HALVES), c = i / HALVES % TP, h = i % HALVES;
+      if (c >= pieces) continue;
+      const uint at = rows_at[r] + uint((p0 + c) * EB + h * (16 / int(sizeof(TA)))) * a_k;
+      if (VEC) {
+        const uint4 v = r < rows ? *(const device uint4*)(a + at) : uint4(0u);
+        MPS_EXT_UNROLL for (int j = 0; j < 4; ++j) tile[(r * WA + h * 4 + j) * TS + c] = v[j];
+      } else {
+        tile[r * TS + c] = as_type<uint>(r < rows ? elem(a[at]) : 0.0f);
       }
     }
-    k_done = k_vec;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // Lanes take consecutive pieces of the weight columns: a simdgroup
+    // reads 512 contiguous bytes of a column per load instruction.
+    for (int c = int(lane); c < pieces; c += 32 * U) {
+      uint4 wv[U][Q];
+      MPS_EXT_UNROLL for (int u = 0; u < U; ++u)
+        MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
+          wv[u][q] = live[q] && c + 32 * u < pieces ? weight_piece<TB, VEC>(wp[q] + u * (32 * EB * b_k)) : uint4(0u);
+      MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
+        // Past the tile's pieces the weights are 0: any staged value will do.
+        const int cu = min(c + 32 * u, pieces - 1);
+        // A weight word of each column at a time, converted once for all rows.
+        MPS_EXT_UNROLL for (int j = 0; j < (VEC ? 4 : 1); ++j) {
+          float wf[Q][4];  // (4: the most floats of a word; NW used)
+          MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+            if (VEC) word_floats(wv[u][q][j], wf[q], TB(0));
+            else wf[q][0] = as_type<float>(wv[u][q].x);
+          }
+          MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+            float xf[4];
+            MPS_EXT_UNROLL for (int i = 0; i < AW; ++i) {
+              const uint xw = tile[(r * WA + j * AW + i) * TS + cu];
+              if (VEC) word_floats(xw, xf + i * (NW / AW), TA(0));
+              else xf[0] = as_type<float>(xw);
+            }
+            MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
+              MPS_EXT_UNROLL for (int e = 0; e < NW; ++e) acc[r][q] += xf[e] * wf[q][e];
+          }
+        }
+      }
+      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wp[q] += U * (32 * EB * b_k);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
   }
-  for (uint k = k_done + lane; k < p.k; k += 32) {  // what 16-byte steps cannot take
-    float xs[R];
-    for (int r = 0; r < R; ++r) xs[r] = r < rows ? elem(arow[r][k * uint(p.a_k)]) : 0.0f;
-    for (int q = 0; q < Q; ++q) {
+  // The last K % EB elements (VEC only: fewer than a piece, so one a lane).
+  const int k = k_pieces * EB + int(lane);
+  if (k < K) {
+    MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
       if (!live[q]) continue;
-      const float wv = elem(w[col[q] * uint(p.b_n) + k * uint(p.b_k)]);
-      for (int r = 0; r < R; ++r) acc[r][q] += xs[r] * wv;
+      const float wk = elem(w[col[q] * uint(p.b_n) + uint(k)]);
+      MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
+        if (r < rows) acc[r][q] += elem(a[rows_at[r] + uint(k)]) * wk;
     }
   }
 
-  for (int r = 0; r < R; ++r) {
-    if (r >= rows) break;
+  // Lane q writes column q's output (swiglu: lane 0 the one output), so
+  // that one store instruction writes consecutive outputs of one row.
+  const uint lane_col = lane == 1 ? col[1] : col[0];
+  const bool writes = p.swiglu ? lane == 0 && live[0] : lane < uint(Q) && (lane == 1 ? live[1] : live[0]);
+  MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+    if (r >= rows) continue;  // (not break: the loop must unroll, acc stay in registers)
     const uint m = s.row + uint(r);
-    float total[Q];
-    for (int q = 0; q < Q; ++q) total[q] = simd_sum(acc[r][q]);
-    device TO* orow = out + ulong(m) * ulong(p.out_m);
-    // Lane q writes output q (and alone reads its scales).
-    if (p.swiglu) {
-      for (int q = 0; q < Q / 2; ++q)
-        if (lane == uint(q) && live[q]) {
-          const float gate = total[q] * scale_of(p, row_scale, col_scale, s.g, m, col[q]);
-          const float up = total[q + Q / 2] * scale_of(p, row_scale, col_scale, s.g, m, col[q + Q / 2]);
-          orow[ulong(col0 + q) * ulong(p.out_n)] = TO(silu(gate) * up);
-        }
-    } else {
-      for (int q = 0; q < Q; ++q)
-        if (lane == uint(q) && live[q])
-          orow[ulong(col[q]) * ulong(p.out_n)] = TO(total[q] * scale_of(p, row_scale, col_scale, s.g, m, col[q]));
+    const float t0 = simd_sum(acc[r][0]), t1 = simd_sum(acc[r][1]);
+    if (writes) {
+      float v;
+      if (p.swiglu) {
+        const float gate = t0 * scale_of(p, row_scale, col_scale, s.g, m, col[0]);
+        v = silu(gate) * t1 * scale_of(p, row_scale, col_scale, s.g, m, col[1]);
+      } else {
+        v = (lane == 1 ? t1 : t0) * scale_of(p, row_scale, col_scale, s.g, m, lane_col);
+      }
+      out[ulong(m) * ulong(p.out_m) + ulong(p.swiglu ? col0 : lane_col) * ulong(p.out_n)] = TO(v);
     }
   }
 }
 
 template <typename TA, typename TB, typename TO, bool VEC>
-[[max_total_threads_per_threadgroup(64)]]
+[[max_total_threads_per_threadgroup(32 * GMM_ROWS_SIMDGROUPS)]]
 kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
                             const device TA* a [[buffer(1)]],
                             const device TB* w [[buffer(2)]],
@@ -249,22 +312,34 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
                             const device float* col_scale [[buffer(6)]],
                             const device int* rows_of [[buffer(7)]],
                             uint2 tg [[threadgroup_position_in_grid]],
+                            uint tid [[thread_index_in_threadgroup]],
                             uint sg [[simdgroup_index_in_threadgroup]],
                             uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup uint tile[rows_tile_words(rows_piece_words<TA, TB, VEC>())];
+  threadgroup uint rows_at[GMM_DECODE_MAX_ROWS];
   threadgroup uint shared[2];
   const RowSlot s = decode_slot(offs, p, tg.y, sg, lane, shared);
   if (s.rows == 0) return;  // not the first row of a chunk, or past offs[-1]
+  // Each row's activations: its own row of `a`, or its token's (offsets
+  // in `a` fit in 32 bits: the host checks).
+  if (tid < s.rows) {
+    const uint m = s.row + tid;
+    rows_at[tid] = (p.gather ? uint(rows_of[m]) / p.gather : m) * uint(p.a_m);
+  } else if (tid < GMM_DECODE_MAX_ROWS) {
+    rows_at[tid] = 0;  // rows past the slot's: never read from `a`
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
   const device TB* wg = w + ulong(s.g) * ulong(p.b_batch);
-  const uint col0 = (tg.x * GMM_ROWS_SIMDGROUPS + sg) * (p.swiglu ? GMM_ROWS_OUTPUTS / 2 : GMM_ROWS_OUTPUTS);
+  const uint col0 = (tg.x * GMM_ROWS_SIMDGROUPS + sg) * (p.swiglu ? 1 : GMM_ROWS_OUTPUTS);
   // One specialisation per row count, so one routed row does not pay for 8.
   if (s.rows == 1)
-    decode_rows_body<TA, TB, TO, 1, VEC>(out, a, wg, p, row_scale, col_scale, rows_of, s, col0, lane);
+    decode_rows_body<TA, TB, TO, 1, VEC>(out, a, wg, p, row_scale, col_scale, s, col0, tid, lane, tile, rows_at);
   else if (s.rows == 2)
-    decode_rows_body<TA, TB, TO, 2, VEC>(out, a, wg, p, row_scale, col_scale, rows_of, s, col0, lane);
+    decode_rows_body<TA, TB, TO, 2, VEC>(out, a, wg, p, row_scale, col_scale, s, col0, tid, lane, tile, rows_at);
   else if (s.rows <= 4)
-    decode_rows_body<TA, TB, TO, 4, VEC>(out, a, wg, p, row_scale, col_scale, rows_of, s, col0, lane);
+    decode_rows_body<TA, TB, TO, 4, VEC>(out, a, wg, p, row_scale, col_scale, s, col0, tid, lane, tile, rows_at);
   else
-    decode_rows_body<TA, TB, TO, 8, VEC>(out, a, wg, p, row_scale, col_scale, rows_of, s, col0, lane);
+    decode_rows_body<TA, TB, TO, 8, VEC>(out, a, wg, p, row_scale, col_scale, s, col0, tid, lane, tile, rows_at);
 }
 
 // ------------------------------------------------------ gmm_decode_cols --

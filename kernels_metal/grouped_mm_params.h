@@ -40,9 +40,14 @@ struct GroupedMMParams {
 // Decode kernels: rows of one group handled by one threadgroup at a time
 // (each weight byte read once for all of them).
 #define GMM_DECODE_MAX_ROWS 8
-// gmm_decode_rows: simdgroups per threadgroup, outputs per simdgroup.
-#define GMM_ROWS_SIMDGROUPS 2
-#define GMM_ROWS_OUTPUTS 4
+// gmm_decode_rows: simdgroups per threadgroup, weight columns per simdgroup
+// (2: R rows x 2 accumulators, at most 16, fit full occupancy at 8 rows;
+// with swiglu the gate and up columns of one output), and the activation
+// pieces of each row a tile stages at 8 rows (one per lane; more at fewer
+// rows, the same tile bytes).
+#define GMM_ROWS_SIMDGROUPS 4
+#define GMM_ROWS_OUTPUTS 2
+#define GMM_ROWS_TILE_PIECES 32
 // gmm_decode_cols: 256 threads = 8 column lanes x 32 K lanes.
 #define GMM_COLS_THREADS 256
 #define GMM_COLS_LANES 8
