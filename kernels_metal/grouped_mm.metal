@@ -36,46 +36,6 @@ inline float elem(half v) { return float(v); }
 inline float elem(bfloat v) { return float(v); }
 inline float elem(uchar v) { return e4m3x4_to_float_div256(uint(v)).x; }
 
-// 16 bytes of T as floats: 4 floats, 8 halves or bfloats, 16 fp8 values.
-// (A function, not a static data member: MSL allows those only in `constant`.)
-template <typename T>
-constexpr int vec16_n() {
-  return 16 / sizeof(T);
-}
-template <typename T>
-struct Vec16 {
-  float v[16 / sizeof(T)];
-};
-
-inline Vec16<float> load_vec16(const device float* p) {
-  float4 f = *(const device float4*)p;
-  Vec16<float> r;
-  for (int i = 0; i < 4; ++i) r.v[i] = f[i];
-  return r;
-}
-template <typename T>
-inline Vec16<T> load_vec16_16bit(const device T* p) {
-  uint4 bits = *(const device uint4*)p;
-  Vec16<T> r;
-  for (int i = 0; i < 4; ++i) {
-    vec<T, 2> two = as_type<vec<T, 2>>(bits[i]);
-    r.v[2 * i] = float(two.x);
-    r.v[2 * i + 1] = float(two.y);
-  }
-  return r;
-}
-inline Vec16<half> load_vec16(const device half* p) { return load_vec16_16bit(p); }
-inline Vec16<bfloat> load_vec16(const device bfloat* p) { return load_vec16_16bit(p); }
-inline Vec16<uchar> load_vec16(const device uchar* p) {
-  uint4 bits = *(const device uint4*)p;
-  Vec16<uchar> r;
-  for (int i = 0; i < 4; ++i) {
-    const float4 four = e4m3x4_to_float_div256(bits[i]);
-    for (int j = 0; j < 4; ++j) r.v[4 * i + j] = four[j];
-  }
-  return r;
-}
-
 inline float silu(float x) { return x / (1.0f + exp(-x)); }
 
 // -------------------------------------------------------------- groups --
@@ -343,43 +303,77 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
 }
 
 // ------------------------------------------------------ gmm_decode_cols --
+// A lane owns NE consecutive columns: a 4-byte word of T with VEC (1 float,
+// 2 halves or bfloats), one element without. A simdgroup's 32 lanes read
+// 128 contiguous bytes of one weight row per load instruction (64 without
+// VEC); the threadgroup's simdgroups take rows of K S apart, and their
+// partial sums add up in threadgroup memory. Registers: R * NE accumulators
+// (at most 16) + U words in flight, as floats + one activation per row.
+template <typename T, bool VEC>
+constexpr int cols_lane_columns() {
+  return VEC ? 4 / int(sizeof(T)) : 1;
+}
+template <typename T, bool VEC>
+constexpr int cols_partial_words() {  // a row's partial sums: every simdgroup's columns
+  return GMM_COLS_THREADS * cols_lane_columns<T, VEC>();
+}
+
 template <typename T, int R, bool VEC>
-inline void decode_cols_body(device T* out, const device T* a, const device T* w, constant GroupedMMParams& p,
-                             RowSlot s, uint col_base, uint tid, threadgroup float* partial) {
-  constexpr int E = VEC ? vec16_n<T>() : 1;
-  constexpr int CT = GMM_COLS_LANES * E;  // columns of the threadgroup
-  constexpr int KL = GMM_COLS_THREADS / GMM_COLS_LANES;
-  const uint cl = tid % GMM_COLS_LANES, kl = tid / GMM_COLS_LANES;
-  const uint c0 = col_base + cl * E;
+MPS_EXT_INLINE void decode_cols_body(device T* out, const device T* a, const device T* w,
+                                     constant GroupedMMParams& p, RowSlot s, uint col_base, uint tid, uint sg,
+                                     uint lane, threadgroup float* partial) {
+  constexpr int NE = cols_lane_columns<T, VEC>();
+  constexpr int S = GMM_COLS_THREADS / 32;
+  constexpr int U = R * NE > 8 ? 2 : 4;  // rows of K a lane loads before it uses the first
   const int rows = int(s.rows);
-  const device T* arow = a + ulong(s.row) * ulong(p.a_m);
-  float acc[R][E];
-  for (int r = 0; r < R; ++r)
-    for (int e = 0; e < E; ++e) acc[r][e] = 0.0f;
-  const bool whole = c0 + E <= p.n;
-  for (uint k = kl; k < p.k; k += KL) {
-    const device T* wk = w + k * uint(p.b_k) + c0 * uint(p.b_n);
-    float wv[E];
-    if (VEC && whole) {
-      Vec16<T> v = load_vec16(wk);
-      for (int e = 0; e < E; ++e) wv[e] = v.v[e];
-    } else {
-      for (int e = 0; e < E; ++e) wv[e] = c0 + e < p.n ? elem(wk[uint(e) * uint(p.b_n)]) : 0.0f;
+  const uint K = p.k, b_k = p.b_k;
+  const uint c0 = col_base + lane * NE;
+  const uint ncols = c0 >= p.n ? 0 : min(uint(NE), p.n - c0);  // of the lane's columns, those that exist
+  const device T* arow = a + s.row * uint(p.a_m);  // `a` fits 32-bit offsets (the host checks)
+  float acc[R][NE];
+  MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
+    MPS_EXT_UNROLL for (int e = 0; e < NE; ++e) acc[r][e] = 0.0f;
+
+  const device T* wp = w + sg * b_k + c0;  // b's columns are contiguous (the host's choice of kernel)
+  for (uint k = sg; k < K; k += S * U) {
+    // The weights first, zeros past K and past the last column.
+    float wf[U][4];  // (NE used)
+    MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
+      const bool ok = k + u * S < K;
+      const device T* wu = wp + u * (S * b_k);
+      if (VEC && ncols == NE) {
+        word_floats(ok ? *(const device uint*)wu : 0u, wf[u], T(0));
+      } else {
+        MPS_EXT_UNROLL for (int e = 0; e < NE; ++e) wf[u][e] = ok && uint(e) < ncols ? elem(wu[e]) : 0.0f;
+      }
     }
-    for (int r = 0; r < R; ++r) {
-      if (r >= rows) break;
-      const float x = elem(arow[uint(r) * uint(p.a_m) + k * uint(p.a_k)]);
-      for (int e = 0; e < E; ++e) acc[r][e] += x * wv[e];
+    MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
+      const uint ku = k + u * S;
+      MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+        if (r >= rows) continue;
+        // Every lane of the simdgroup reads the same activation: one line.
+        const float x = ku < K ? elem(arow[uint(r) * uint(p.a_m) + ku * uint(p.a_k)]) : 0.0f;
+        MPS_EXT_UNROLL for (int e = 0; e < NE; ++e) acc[r][e] += x * wf[u][e];
+      }
     }
+    wp += S * U * b_k;
   }
-  for (int r = 0; r < R; ++r) {
-    if (r >= rows) break;
-    for (int e = 0; e < E; ++e) partial[kl * CT + cl * E + e] = acc[r][e];
+
+  // A row at a time: column e of lane l of simdgroup g at partial[(g * NE
+  // + e) * 32 + l], so that both the stores and the sums below read 32
+  // consecutive words (32 banks).
+  constexpr int CT = 32 * NE;  // columns of the threadgroup
+  MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+    if (r >= rows) continue;  // uniform (not break: the loop must unroll, acc stay in registers)
+    MPS_EXT_UNROLL for (int e = 0; e < NE; ++e) partial[(sg * NE + e) * 32 + lane] = acc[r][e];
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (tid < uint(CT) && col_base + tid < p.n) {
-      float total = 0.0f;
-      for (int l = 0; l < KL; ++l) total += partial[l * CT + tid];
-      out[ulong(s.row + r) * ulong(p.out_m) + ulong(col_base + tid) * ulong(p.out_n)] = T(total);
+    if (tid < uint(CT)) {
+      const uint l = tid % 32, e = tid / 32, n = col_base + l * NE + e;
+      if (n < p.n) {
+        float total = 0.0f;
+        MPS_EXT_UNROLL for (int g = 0; g < S; ++g) total += partial[(g * NE + e) * 32 + l];
+        out[ulong(s.row + r) * ulong(p.out_m) + ulong(n) * ulong(p.out_n)] = T(total);
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
@@ -396,21 +390,20 @@ kernel void gmm_decode_cols(device T* out [[buffer(0)]],
                             uint tid [[thread_index_in_threadgroup]],
                             uint sg [[simdgroup_index_in_threadgroup]],
                             uint lane [[thread_index_in_simdgroup]]) {
-  // 32 K lanes x up to 64 columns of partial sums.
-  threadgroup float partial[(GMM_COLS_THREADS / GMM_COLS_LANES) * GMM_COLS_LANES * 8];
+  threadgroup float partial[(cols_partial_words<T, VEC>())];
   threadgroup uint shared[2];
   const RowSlot s = decode_slot(offs, p, tg.y, sg, lane, shared);
   if (s.rows == 0) return;  // uniform: every thread read the same slot
   const device T* wg = w + ulong(s.g) * ulong(p.b_batch);
-  const uint col_base = tg.x * GMM_COLS_LANES * (VEC ? vec16_n<T>() : 1);
+  const uint col_base = tg.x * 32 * cols_lane_columns<T, VEC>();
   if (s.rows == 1)
-    decode_cols_body<T, 1, VEC>(out, a, wg, p, s, col_base, tid, partial);
+    decode_cols_body<T, 1, VEC>(out, a, wg, p, s, col_base, tid, sg, lane, partial);
   else if (s.rows == 2)
-    decode_cols_body<T, 2, VEC>(out, a, wg, p, s, col_base, tid, partial);
+    decode_cols_body<T, 2, VEC>(out, a, wg, p, s, col_base, tid, sg, lane, partial);
   else if (s.rows <= 4)
-    decode_cols_body<T, 4, VEC>(out, a, wg, p, s, col_base, tid, partial);
+    decode_cols_body<T, 4, VEC>(out, a, wg, p, s, col_base, tid, sg, lane, partial);
   else
-    decode_cols_body<T, 8, VEC>(out, a, wg, p, s, col_base, tid, partial);
+    decode_cols_body<T, 8, VEC>(out, a, wg, p, s, col_base, tid, sg, lane, partial);
 }
 
 // ------------------------------------------------------------ gmm_tiled --

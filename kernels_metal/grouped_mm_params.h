@@ -48,9 +48,10 @@ struct GroupedMMParams {
 #define GMM_ROWS_SIMDGROUPS 4
 #define GMM_ROWS_OUTPUTS 2
 #define GMM_ROWS_TILE_PIECES 32
-// gmm_decode_cols: 256 threads = 8 column lanes x 32 K lanes.
+// gmm_decode_cols: 256 threads, 8 simdgroups along K; a threadgroup owns
+// 32 lanes' columns: 128 bytes of a weight row with 4-byte word loads
+// (_vec), 32 columns with element loads.
 #define GMM_COLS_THREADS 256
-#define GMM_COLS_LANES 8
 // gmm_tiled: a 32 x 32 output tile per threadgroup of 4 simdgroups, K in steps of 16.
 #define GMM_TILE_M 32
 #define GMM_TILE_N 32

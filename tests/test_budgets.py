@@ -226,8 +226,6 @@ _CONVERT_STRIDED = [k for k in FP8_CONVERT if "_strided_" in k]
 _CONVERT_WIDENING = [k for k in FP8_CONVERT if "_dense_" in k and not k.endswith(("e4m3_e5m2", "e5m2_e4m3"))]
 NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met yet}
     "coalescing": {
-        **{k: MOE.format(what="weights at 4.5 to 5 lines per instruction") for k in names(
-            "gmm_decode_cols_{t}_scalar", t=("f32", "f16", "bf16"))},
         **{k: MOE.format(what="y and out at 4 (fp32: 8) lines per instruction") for k in names(
             "moe_combine_{t}", t=("f32", "f16", "bf16"))},
         **{k: MOE.format(what="a and w at 2 lines per instruction") for k in GMM_TILED},
@@ -255,7 +253,6 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
         **{k: MOE.format(what="58 (bfloat x e4m3) or 70 (e4m3 x e4m3) registers: the fp8 words decode to 4 floats "
                               "each (with the NaN codes restored), next to 16 accumulators at 8 rows")
            for k in ("gmm_decode_rows_e4m3_vec", "gmm_decode_rows_bf16_e4m3w_vec")},
-        **{k: MOE.format(what="58 to 96 registers") for k in names("gmm_decode_cols_{t}_vec", t=("f32", "f16", "bf16"))},
         **{k: FP8.format(what="54 to 211 registers")
            for k in names("fp8_gemv_{a}_r{r}_vec", a=_ACTS, r=(1, 4, 8)) + names("fp8_gemv_{a}_r{r}_scalar", a=_ACTS,
                                                                                   r=(4, 8))},
@@ -269,14 +266,10 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
                                                                                "fp8_mm_tile_bf16_scalar"]},
     },
     "no_private_memory": {
-        **{k: MOE.format(what="48 to 384 bytes of thread-private arrays in stack memory")
-           for k in GMM_DECODE if k.startswith("gmm_decode_cols_")},
         **{k: FP8.format(what="64 bytes of thread-private arrays in stack memory") for k in _CONVERT_STRIDED},
         **{k: FP8.format(what="20 to 676 bytes of thread-private arrays in stack memory") for k in FP8_GEMV},
     },
     "no_bank_conflicts": {
-        **{k: MOE.format(what="1.2 to 3.1 extra bank-conflict cycles per threadgroup-memory instruction")
-           for k in names("gmm_decode_cols_{t}_vec", t=("f32", "f16", "bf16"))},
         **{k: MOE.format(what="an extra bank-conflict cycle (in 2014 threadgroup-memory instructions)")
            for k in names("moe_route_{t}", t=("f32", "f16", "bf16"))},
         **{k: MOE.format(what="5.8 extra bank-conflict cycles per threadgroup-memory instruction") for k in GMM_TILED},

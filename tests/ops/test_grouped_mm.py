@@ -83,16 +83,19 @@ def test_2d_3d_decode(run, device, dtype, layout, counts):
 def test_2d_3d_decode_many_groups_and_a_k_tail(run, device, dtype, layout):
     # 70 groups (the search for a row's group crosses rounds of 32 offsets),
     # groups of 1 to 9 rows (every row-count specialisation, and a group
-    # taken in two chunks of 8), and K = 75, which 16-byte pieces leave a
-    # tail of (rows of `a` and of the weights padded to 80, so still 16-byte
-    # loads).
+    # taken in two chunks of 8), K = 75, which 16-byte pieces leave a tail
+    # of, and N = 23, whose last 4-byte word of 16-bit weights is half a
+    # column ([E, K, N] rows padded to 24, [E, N, K] ones to 80: still
+    # aligned for vector loads).
     counts = [0] * 70
     for g, c in {0: 1, 31: 2, 32: 1, 33: 3, 34: 5, 63: 8, 64: 7, 69: 9}.items():
         counts[g] = c
-    k, n = 75, 24
+    k, n = 75, 23
     a = randn(sum(counts) + 2, 80, dtype=dtype)[:, :k]
-    w = randn(70, n, 80, dtype=dtype, scale=k ** -0.5)[..., :k]
-    b = w.transpose(-2, -1) if layout == "nk" else w.transpose(-2, -1).contiguous()
+    if layout == "nk":
+        b = randn(70, n, 80, dtype=dtype, scale=k ** -0.5)[..., :k].transpose(-2, -1)
+    else:
+        b = randn(70, k, 24, dtype=dtype, scale=k ** -0.5)[..., :n]
     offs = offsets(counts)
     with cpu_metal.record() as rec:
         got = run("_grouped_mm", a, b, offs, family="grouped_mm")
