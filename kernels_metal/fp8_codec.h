@@ -89,10 +89,13 @@ inline bfloat bfloat_from_exact_bits(uint f) {
 inline float4 e4m3x4_to_float_div256(uint u) {
   const half2 even = as_type<half2>(((u & 0x007F007Fu) << 7) | ((u & 0x00800080u) << 8));  // bytes 0, 2
   const half2 odd = as_type<half2>(((u & 0x7F007F00u) >> 1) | (u & 0x80008000u));          // bytes 1, 3
-  float4 v = float4(float(even.x), float(odd.x), float(even.y), float(odd.y));
-  for (int i = 0; i < 4; ++i)
-    if (((u >> (8 * i)) & 0x7Fu) == 0x7Fu) v[i] = NAN;
-  return v;
+  // Element by element, so that a compiler need not keep copies of the
+  // vector while it patches the NaN codes into it.
+  const float v0 = (u & 0x7Fu) == 0x7Fu ? NAN : float(even.x);
+  const float v1 = (u & 0x7F00u) == 0x7F00u ? NAN : float(odd.x);
+  const float v2 = (u & 0x7F0000u) == 0x7F0000u ? NAN : float(even.y);
+  const float v3 = (u & 0x7F000000u) == 0x7F000000u ? NAN : float(odd.y);
+  return float4(v0, v1, v2, v3);
 }
 inline float4 e5m2x4_to_float(uint u) {
   const half2 even = as_type<half2>((u & 0x00FF00FFu) << 8), odd = as_type<half2>(u & 0xFF00FF00u);

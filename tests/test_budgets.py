@@ -248,8 +248,9 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
         **{k: FP8.format(what="4 (strided conversions, vec GEMV) or 64 (scalar GEMV, tiles) 64-bit divisions per thread") for k in _CONVERT_STRIDED + FP8_GEMV + FP8_TILE},
     },
     "registers": {
-        **{k: MOE.format(what="58 (bfloat x e4m3) or 70 (e4m3 x e4m3) registers: the fp8 words decode to 4 floats "
-                              "each (with the NaN codes restored), next to 16 accumulators at 8 rows")
+        **{k: MOE.format(what="58 (bfloat x e4m3) or 59 (e4m3 x e4m3) registers at 8 rows: 16 accumulators, a "
+                              "16-byte piece of each of 2 columns and the 4 floats of one word of each (fp8: 4 "
+                              "weights a word, 2 of bfloat or half, which fit)")
            for k in ("gmm_decode_rows_e4m3_vec", "gmm_decode_rows_bf16_e4m3w_vec")},
         **{k: FP8.format(what="54 to 211 registers")
            for k in names("fp8_gemv_{a}_r{r}_vec", a=_ACTS, r=(1, 4, 8)) + names("fp8_gemv_{a}_r{r}_scalar", a=_ACTS,
