@@ -410,6 +410,20 @@ kernel void gmm_decode_cols(device T* out [[buffer(0)]],
 // One threadgroup: a GMM_TILE_M x GMM_TILE_N output tile; 4 simdgroups in a
 // 2 x 2 arrangement, each 16 x 16 (2 x 2 simdgroup matrices). Operand tiles
 // are staged in threadgroup memory as float, converted once on the way in.
+//
+// Bank conflicts: a simdgroup_load of 8 x 8 floats reads, per instruction,
+// one even (or odd) column of 4 and all 8 rows of the block. Rows stored S
+// floats apart always put two of those 32 words on one bank (all 8 rows
+// start on even banks, or the odd S puts rows 0 and 2 of columns 2 apart
+// together). Stored transposed (each row of memory one column of the
+// block) with S = 4 mod 16, the 4 columns start 8 banks apart and the 8
+// rows fill the 8 between: 32 banks. So A is staged as At[k][m], B as
+// Bt[n][k] and the result as Ct[n][m], all with S = GMM_TILE_STRIDE and
+// transposed loads and stores. Staging and reading back go along the
+// dimension contiguous in device memory (coalesced); where that is the
+// strided one of the tile, a thread moves 4 consecutive elements of the
+// contiguous one as one 16-byte access (4 words a lane: 4 cycles, the
+// fewest, as 8 lanes fill the 32 banks).
 template <typename T, typename TO>
 [[max_total_threads_per_threadgroup(GMM_TILE_THREADS)]]
 kernel void gmm_tiled(device TO* out [[buffer(0)]],
@@ -423,10 +437,15 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
                       uint3 tpos [[thread_position_in_threadgroup]],
                       uint sg [[simdgroup_index_in_threadgroup]],
                       uint lane [[thread_index_in_simdgroup]]) {
-  constexpr uint BM = GMM_TILE_M, BN = GMM_TILE_N, BK = GMM_TILE_K;
-  threadgroup float As[BM * BK];
-  threadgroup float Bs[BK * BN];
-  threadgroup float Cs[BM * BN];
+  constexpr uint BM = GMM_TILE_M, BN = GMM_TILE_N, BK = GMM_TILE_K, S = GMM_TILE_STRIDE;
+  static_assert(S % 4 == 0 && S % 16 == 4 && S >= BM && S >= BK, "rows of 16-byte words, 4 mod 16 floats apart");
+  // float4 arrays: the 16-byte accesses below are aligned.
+  threadgroup float4 at_mem[BK * S / 4];  // At[k][m] = a[m][k]
+  threadgroup float4 bt_mem[BN * S / 4];  // Bt[n][k] = b[k][n]
+  threadgroup float4 ct_mem[BN * S / 4];  // Ct[n][m] = out[m][n]
+  threadgroup float* At = (threadgroup float*)at_mem;
+  threadgroup float* Bt = (threadgroup float*)bt_mem;
+  threadgroup float* Ct = (threadgroup float*)ct_mem;
   threadgroup uint row_group[BM];  // rows mode: each row's group, for the scales
   threadgroup uint first[1];
   const uint tid = tpos.x;
@@ -472,29 +491,41 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
     const device T* ag = a + ulong(g) * ulong(p.a_batch);
     const device T* bg = w + ulong(g) * ulong(p.b_batch);
     for (uint kt = k0; kt < k1; kt += BK) {
-      // Consecutive threads take consecutive elements along whichever
-      // dimension of b is contiguous, so the loads coalesce.
-      for (uint i = tid; i < BM * BK; i += GMM_TILE_THREADS) {
-        const uint r = i / BK, kk = i % BK, row = r0 + r, k = kt + kk;
-        As[i] = row >= seg0 && row < seg1 && k < k1 ? elem(ag[row * uint(p.a_m) + k * uint(p.a_k)]) : 0.0f;
-      }
-      for (uint i = tid; i < BK * BN; i += GMM_TILE_THREADS) {
-        uint kk, c;
-        if (p.b_k == 1) {
-          c = i / BK;
-          kk = i % BK;
-        } else {
-          kk = i / BN;
-          c = i % BN;
+      // A: lanes along K (a's rows are contiguous in the MoE layouts), 4
+      // rows a thread, one 16-byte store of At.
+      for (uint i = tid; i < BM * BK / 4; i += GMM_TILE_THREADS) {
+        const uint kk = i % BK, m0 = i / BK * 4, k = kt + kk;
+        float v[4];
+        for (uint j = 0; j < 4; ++j) {
+          const uint row = r0 + m0 + j;
+          v[j] = row >= seg0 && row < seg1 && k < k1 ? elem(ag[row * uint(p.a_m) + k * uint(p.a_k)]) : 0.0f;
         }
-        const uint k = kt + kk, n = n0 + c;
-        Bs[kk * BN + c] = k < k1 && n < p.n ? elem(bg[k * uint(p.b_k) + n * uint(p.b_n)]) : 0.0f;
+        *(threadgroup float4*)(At + kk * S + m0) = float4(v[0], v[1], v[2], v[3]);
+      }
+      // B: lanes along whichever dimension of b is contiguous. K: one
+      // element a lane, consecutive words of Bt; N: 4 values of K a
+      // thread, one 16-byte store.
+      if (p.b_k == 1) {
+        for (uint i = tid; i < BK * BN; i += GMM_TILE_THREADS) {
+          const uint kk = i % BK, c = i / BK, k = kt + kk, n = n0 + c;
+          Bt[c * S + kk] = k < k1 && n < p.n ? elem(bg[k + n * uint(p.b_n)]) : 0.0f;
+        }
+      } else {
+        for (uint i = tid; i < BK * BN / 4; i += GMM_TILE_THREADS) {
+          const uint c = i % BN, kk0 = i / BN * 4, n = n0 + c;
+          float v[4];
+          for (uint j = 0; j < 4; ++j) {
+            const uint k = kt + kk0 + j;
+            v[j] = k < k1 && n < p.n ? elem(bg[k * uint(p.b_k) + n * uint(p.b_n)]) : 0.0f;
+          }
+          *(threadgroup float4*)(Bt + c * S + kk0) = float4(v[0], v[1], v[2], v[3]);
+        }
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
       for (uint kk = 0; kk < BK; kk += 8) {
         simdgroup_float8x8 am[2], bm[2];
-        for (int i = 0; i < 2; ++i) simdgroup_load(am[i], As, BK, ulong2(kk, sr + 8 * i));
-        for (int j = 0; j < 2; ++j) simdgroup_load(bm[j], Bs, BN, ulong2(sc + 8 * j, kk));
+        for (int i = 0; i < 2; ++i) simdgroup_load(am[i], At, S, ulong2(sr + 8 * i, kk), true);
+        for (int j = 0; j < 2; ++j) simdgroup_load(bm[j], Bt, S, ulong2(kk, sc + 8 * j), true);
         for (int i = 0; i < 2; ++i)
           for (int j = 0; j < 2; ++j) simdgroup_multiply_accumulate(acc[i][j], am[i], bm[j], acc[i][j]);
       }
@@ -503,18 +534,24 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
   }
 
   for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 2; ++j) simdgroup_store(acc[i][j], Cs, BN, ulong2(sc + 8 * j, sr + 8 * i));
+    for (int j = 0; j < 2; ++j) simdgroup_store(acc[i][j], Ct, S, ulong2(sr + 8 * i, sc + 8 * j), true);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   // Rows past offs[-1] belong to no group: torch leaves them unwritten too.
   const uint rows_end = p.mode == GMM_MODE_ROWS ? min(r1, group_end(offs, p.groups - 1, p.m)) : r1;
   const ulong out_base = p.mode == GMM_MODE_ROWS ? 0 : ulong(tg.z) * ulong(p.out_batch);
-  for (uint i = tid; i < BM * BN; i += GMM_TILE_THREADS) {
-    const uint r = i / BN, c = i % BN, m = r0 + r, n = n0 + c;
-    if (m >= rows_end || n >= p.n) continue;
-    // (min: offsets out of order, which torch forbids, must still not read out of bounds)
-    const uint g = p.mode == GMM_MODE_ROWS ? min(row_group[r], p.groups - 1) : tg.z;
-    out[out_base + ulong(m) * ulong(p.out_m) + ulong(n) * ulong(p.out_n)] =
-        TO(Cs[i] * scale_of(p, row_scale, col_scale, g, m, n));
+  // Lanes along N (the output's rows are contiguous), 4 rows a thread from
+  // one 16-byte read of Ct.
+  for (uint i = tid; i < BM * BN / 4; i += GMM_TILE_THREADS) {
+    const uint c = i % BN, rr0 = i / BN * 4, n = n0 + c;
+    const float4 v = *(threadgroup const float4*)(Ct + c * S + rr0);
+    for (uint j = 0; j < 4; ++j) {
+      const uint r = rr0 + j, m = r0 + r;
+      if (m >= rows_end || n >= p.n) continue;
+      // (min: offsets out of order, which torch forbids, must still not read out of bounds)
+      const uint g = p.mode == GMM_MODE_ROWS ? min(row_group[r], p.groups - 1) : tg.z;
+      out[out_base + ulong(m) * ulong(p.out_m) + ulong(n) * ulong(p.out_n)] =
+          TO(v[j] * scale_of(p, row_scale, col_scale, g, m, n));
+    }
   }
 }
 

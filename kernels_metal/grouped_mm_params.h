@@ -52,8 +52,12 @@ struct GroupedMMParams {
 // 32 lanes' columns: 128 bytes of a weight row with 4-byte word loads
 // (_vec), 32 columns with element loads.
 #define GMM_COLS_THREADS 256
-// gmm_tiled: a 32 x 32 output tile per threadgroup of 4 simdgroups, K in steps of 16.
+// gmm_tiled: a 32 x 32 output tile per threadgroup of 4 simdgroups, K in
+// steps of 32 (a simdgroup stages 32 consecutive elements of a row: 64 or
+// 128 contiguous bytes); the staged tiles are stored transposed, rows
+// GMM_TILE_STRIDE floats apart (a multiple of 4, 4 mod 16: see gmm_tiled).
 #define GMM_TILE_M 32
 #define GMM_TILE_N 32
-#define GMM_TILE_K 16
+#define GMM_TILE_K 32
+#define GMM_TILE_STRIDE 36
 #define GMM_TILE_THREADS 128

@@ -226,7 +226,6 @@ _CONVERT_STRIDED = [k for k in FP8_CONVERT if "_strided_" in k]
 _CONVERT_WIDENING = [k for k in FP8_CONVERT if "_dense_" in k and not k.endswith(("e4m3_e5m2", "e5m2_e4m3"))]
 NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met yet}
     "coalescing": {
-        **{k: MOE.format(what="a and w at 2 lines per instruction") for k in GMM_TILED},
         **{k: FP8.format(what="the wider side at 2 or 4 lines per simdgroup instruction") for k in _CONVERT_WIDENING},
         **{k: FP8.format(what="the transposed source at 32 lines per instruction, a line per lane") for k in _CONVERT_STRIDED},
         **{k: FP8.format(what="activations at 2-4 lines per instruction (fp8: the weight scales at 1.5)")
@@ -269,7 +268,6 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
         **{k: FP8.format(what="20 to 676 bytes of thread-private arrays in stack memory") for k in FP8_GEMV},
     },
     "no_bank_conflicts": {
-        **{k: MOE.format(what="5.8 extra bank-conflict cycles per threadgroup-memory instruction") for k in GMM_TILED},
         **{k: FP8.format(what="5 to 6.5 extra bank-conflict cycles per threadgroup-memory instruction") for k in FP8_TILE},
     },
 }
