@@ -7,14 +7,17 @@
 // gmm_decode_rows  few rows (decode): one threadgroup owns 8 output columns
 //                  of one group's rows (up to 8 at a time), streams those 8
 //                  weight columns of the group's expert once with 16-byte
-//                  loads along K and applies each to all its rows. The grid
+//                  loads along K (4 simdgroups of 2 columns) and applies
+//                  each to all its rows, staged in threadgroup memory. The grid
 //                  has one slot per row of `a`; the slot of a group's first
 //                  row (and of every 8th after it) works, the others exit.
 //                  So experts nobody chose are never touched, and the
 //                  launch is the same whatever the routing.
 // gmm_decode_cols  the same for a weight whose N dimension is contiguous
-//                  (W[E, K, N]): lanes own 16 bytes of consecutive outputs,
-//                  the threadgroup's 32 K lanes add up in threadgroup memory.
+//                  (W[E, K, N]): a lane owns a 4-byte word of consecutive
+//                  outputs, a simdgroup 128 bytes of a weight row; the
+//                  threadgroup's 8 simdgroups split K and add up in
+//                  threadgroup memory.
 // gmm_tiled        many rows (prefill, and the K-split and batched modes):
 //                  32 x 32 output tiles from simdgroup_matrix products.
 //                  In the rows mode a tile of 32 rows may span several
@@ -308,7 +311,8 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
 // 128 contiguous bytes of one weight row per load instruction (64 without
 // VEC); the threadgroup's simdgroups take rows of K S apart, and their
 // partial sums add up in threadgroup memory. Registers: R * NE accumulators
-// (at most 16) + U words in flight, as floats + one activation per row.
+// (at most 16) + U words in flight, as floats + one activation at a time,
+// from a tile of them in threadgroup memory.
 template <typename T, bool VEC>
 constexpr int cols_lane_columns() {
   return VEC ? 4 / int(sizeof(T)) : 1;
@@ -321,10 +325,10 @@ constexpr int cols_partial_words() {  // a row's partial sums: every simdgroup's
 template <typename T, int R, bool VEC>
 MPS_EXT_INLINE void decode_cols_body(device T* out, const device T* a, const device T* w,
                                      constant GroupedMMParams& p, RowSlot s, uint col_base, uint tid, uint sg,
-                                     uint lane, threadgroup float* partial) {
+                                     uint lane, threadgroup float* partial, threadgroup float* x_tile) {
   constexpr int NE = cols_lane_columns<T, VEC>();
   constexpr int S = GMM_COLS_THREADS / 32;
-  constexpr int U = R * NE > 8 ? 2 : 4;  // rows of K a lane loads before it uses the first
+  constexpr int U = GMM_COLS_K_TILE / S;  // rows of K a lane loads before it uses the first: 4
   const int rows = int(s.rows);
   const uint K = p.k, b_k = p.b_k;
   const uint c0 = col_base + lane * NE;
@@ -335,28 +339,44 @@ MPS_EXT_INLINE void decode_cols_body(device T* out, const device T* a, const dev
     MPS_EXT_UNROLL for (int e = 0; e < NE; ++e) acc[r][e] = 0.0f;
 
   const device T* wp = w + sg * b_k + c0;  // b's columns are contiguous (the host's choice of kernel)
-  for (uint k = sg; k < K; k += S * U) {
-    // The weights first, zeros past K and past the last column.
-    float wf[U][4];  // (NE used)
-    MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
-      const bool ok = k + u * S < K;
-      const device T* wu = wp + u * (S * b_k);
-      if (VEC && ncols == NE) {
-        word_floats(ok ? *(const device uint*)wu : 0u, wf[u], T(0));
-      } else {
-        MPS_EXT_UNROLL for (int e = 0; e < NE; ++e) wf[u][e] = ok && uint(e) < ncols ? elem(wu[e]) : 0.0f;
-      }
+  constexpr int XK = GMM_COLS_K_TILE;
+  static_assert(XK == S * U, "a tile of activations is one step");
+  // The rows' activations, XK at a time, staged once for the threadgroup
+  // (a simdgroup stages 32 consecutive ones of a row); every lane of a
+  // simdgroup then reads the same one (a broadcast). Row r at x_tile[r *
+  // 2XK + k % 2XK], a ring: consecutive steps fill alternate halves, so one
+  // barrier a step suffices (a thread staging step i + 2 passed the barrier
+  // of step i + 1, which every thread reaches after it used step i), and
+  // the addresses a lane reads change with the step (a compiler keeps no
+  // R * U addresses of its own live through the loop).
+  for (uint k0 = 0; k0 < K; k0 += XK) {
+    const uint ring = k0 & uint(XK);  // this step's half
+    for (uint t = tid; t < uint(R * XK); t += GMM_COLS_THREADS) {
+      const uint r = t / XK, k = k0 + t % XK;
+      x_tile[ring + r * 2 * XK + t % XK] = int(r) < rows && k < K ? elem(arow[r * uint(p.a_m) + k * uint(p.a_k)]) : 0.0f;
     }
-    MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
-      const uint ku = k + u * S;
-      MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
-        if (r >= rows) continue;
-        // Every lane of the simdgroup reads the same activation: one line.
-        const float x = ku < K ? elem(arow[uint(r) * uint(p.a_m) + ku * uint(p.a_k)]) : 0.0f;
-        MPS_EXT_UNROLL for (int e = 0; e < NE; ++e) acc[r][e] += x * wf[u][e];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    {
+      const uint kk = sg, k = k0 + kk;
+      // The weights first, zeros past K and past the last column.
+      float wf[U][4];  // (NE used)
+      MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
+        const bool ok = k + u * S < K;
+        const device T* wu = wp + u * (S * b_k);
+        if (VEC && ncols == NE) {
+          word_floats(ok ? *(const device uint*)wu : 0u, wf[u], T(0));
+        } else {
+          MPS_EXT_UNROLL for (int e = 0; e < NE; ++e) wf[u][e] = ok && uint(e) < ncols ? elem(wu[e]) : 0.0f;
+        }
       }
+      MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
+        MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+          const float x = x_tile[ring + r * 2 * XK + kk + u * S];  // (0 past K and past the slot's rows)
+          MPS_EXT_UNROLL for (int e = 0; e < NE; ++e) acc[r][e] += x * wf[u][e];
+        }
+      }
+      wp += S * U * b_k;
     }
-    wp += S * U * b_k;
   }
 
   // A row at a time: column e of lane l of simdgroup g at partial[(g * NE
@@ -391,19 +411,20 @@ kernel void gmm_decode_cols(device T* out [[buffer(0)]],
                             uint sg [[simdgroup_index_in_threadgroup]],
                             uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float partial[(cols_partial_words<T, VEC>())];
+  threadgroup float x_tile[GMM_DECODE_MAX_ROWS * 2 * GMM_COLS_K_TILE];
   threadgroup uint shared[2];
   const RowSlot s = decode_slot(offs, p, tg.y, sg, lane, shared);
   if (s.rows == 0) return;  // uniform: every thread read the same slot
   const device T* wg = w + ulong(s.g) * ulong(p.b_batch);
   const uint col_base = tg.x * 32 * cols_lane_columns<T, VEC>();
   if (s.rows == 1)
-    decode_cols_body<T, 1, VEC>(out, a, wg, p, s, col_base, tid, sg, lane, partial);
+    decode_cols_body<T, 1, VEC>(out, a, wg, p, s, col_base, tid, sg, lane, partial, x_tile);
   else if (s.rows == 2)
-    decode_cols_body<T, 2, VEC>(out, a, wg, p, s, col_base, tid, sg, lane, partial);
+    decode_cols_body<T, 2, VEC>(out, a, wg, p, s, col_base, tid, sg, lane, partial, x_tile);
   else if (s.rows <= 4)
-    decode_cols_body<T, 4, VEC>(out, a, wg, p, s, col_base, tid, sg, lane, partial);
+    decode_cols_body<T, 4, VEC>(out, a, wg, p, s, col_base, tid, sg, lane, partial, x_tile);
   else
-    decode_cols_body<T, 8, VEC>(out, a, wg, p, s, col_base, tid, sg, lane, partial);
+    decode_cols_body<T, 8, VEC>(out, a, wg, p, s, col_base, tid, sg, lane, partial, x_tile);
 }
 
 // ------------------------------------------------------------ gmm_tiled --

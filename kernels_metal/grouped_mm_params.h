@@ -52,6 +52,7 @@ struct GroupedMMParams {
 // 32 lanes' columns: 128 bytes of a weight row with 4-byte word loads
 // (_vec), 32 columns with element loads.
 #define GMM_COLS_THREADS 256
+#define GMM_COLS_K_TILE 32  // activations of each row staged at a time
 // gmm_tiled: a 32 x 32 output tile per threadgroup of 4 simdgroups, K in
 // steps of 32 (a simdgroup stages 32 consecutive elements of a row: 64 or
 // 128 contiguous bytes); the staged tiles are stored transposed, rows
