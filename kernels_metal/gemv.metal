@@ -69,16 +69,8 @@ MPS_EXT_INLINE void write_output(device T* y, const device T* bias, constant Gem
 }
 
 // ------------------------------------------------------------ gemv_rows --
-// Weight pieces of one output a lane loads before it uses the first (U per
-// output, U * Q in all): 4 pieces of 16 bytes in flight where the
-// accumulators leave room, so that R * Q accumulators + 4 * U * Q registers
-// of pieces stay within 24 (the rest of the budget: the activation piece,
-// the products, the pointers); at most a tile's pieces per lane.
-// (Metal's min and max are not constexpr.)
-constexpr int clamp_constexpr(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
-constexpr int rows_pieces_per_output(int R, int Q, int tile_pieces) {
-  return clamp_constexpr((24 - R * Q) / (4 * Q), 1, 4 / Q < tile_pieces / 32 ? 4 / Q : tile_pieces / 32);
-}
+// U, the weight pieces of one output a lane loads before it uses the first:
+// pieces.h's rows_pieces_per_output.
 
 template <typename T, int R, int Q, bool VEC>
 [[max_total_threads_per_threadgroup(GEMV_ROWS_MAX_THREADS)]]

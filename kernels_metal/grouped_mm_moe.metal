@@ -123,16 +123,23 @@ kernel void moe_route(device float* weights [[buffer(0)]],
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
+  // A slot's row: the slots of lower experts, then those of its own before
+  // it. Counted over `ids`, which every lane reads at one address at a time
+  // (a broadcast), not looked up in `start` at a per-lane expert (which
+  // would put lanes on one bank at experts 32 apart).
   for (uint i = tid; i < total; i += threads) {
     const int e = ids[i];
-    int rank = 0;
-    for (uint j = 0; j < i; ++j) rank += ids[j] == e ? 1 : 0;
-    const int row = start[e] + rank;
+    int row = 0;
+    for (uint j = 0; j < total; ++j) row += ids[j] < e || (ids[j] == e && j < i) ? 1 : 0;
     slot_of_row[row] = int(i);
     row_of_slot[i] = row;
   }
 }
 
+// A threadgroup owns MOE_COMBINE_THREADS * MOE_COMBINE_OUTPUTS consecutive
+// outputs of one token; thread t takes every MOE_COMBINE_THREADS-th from
+// its t-th, so that each load and store instruction of a simdgroup covers
+// 32 consecutive elements (one or two cache lines).
 template <typename T>
 [[max_total_threads_per_threadgroup(MOE_COMBINE_THREADS)]]
 kernel void moe_combine(device T* out [[buffer(0)]],
@@ -140,21 +147,25 @@ kernel void moe_combine(device T* out [[buffer(0)]],
                         const device float* weights [[buffer(2)]],
                         const device int* row_of_slot [[buffer(3)]],
                         constant MoeCombineParams& p [[buffer(4)]],
-                        uint2 pos [[thread_position_in_grid]]) {
-  const uint t = pos.y, h0 = pos.x * MOE_COMBINE_OUTPUTS;
-  if (h0 >= p.hidden) return;
+                        uint2 tg [[threadgroup_position_in_grid]],
+                        uint2 tpos [[thread_position_in_threadgroup]]) {
+  const uint t = tg.y, h0 = tg.x * (MOE_COMBINE_THREADS * MOE_COMBINE_OUTPUTS) + tpos.x;
   float acc[MOE_COMBINE_OUTPUTS];
   for (int i = 0; i < MOE_COMBINE_OUTPUTS; ++i) acc[i] = 0.0f;
   for (uint j = 0; j < p.slots; ++j) {
     const uint slot = t * p.slots + j;
     const float w = weights[slot];
     const device T* yr = y + ulong(row_of_slot[slot]) * ulong(p.y_row_stride);
-    for (uint i = 0; i < MOE_COMBINE_OUTPUTS; ++i)
-      if (h0 + i < p.hidden) acc[i] += w * float(yr[h0 + i]);
+    for (uint i = 0; i < MOE_COMBINE_OUTPUTS; ++i) {
+      const uint h = h0 + i * MOE_COMBINE_THREADS;
+      if (h < p.hidden) acc[i] += w * float(yr[h]);
+    }
   }
   device T* o = out + ulong(t) * ulong(p.out_row_stride);
-  for (uint i = 0; i < MOE_COMBINE_OUTPUTS; ++i)
-    if (h0 + i < p.hidden) o[h0 + i] = T(acc[i]);
+  for (uint i = 0; i < MOE_COMBINE_OUTPUTS; ++i) {
+    const uint h = h0 + i * MOE_COMBINE_THREADS;
+    if (h < p.hidden) o[h] = T(acc[i]);
+  }
 }
 
 template [[host_name("moe_route_f32")]] kernel decltype(moe_route<float>) moe_route<float>;

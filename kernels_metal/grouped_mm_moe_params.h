@@ -26,6 +26,6 @@ struct MoeCombineParams {
 #define MOE_ROUTE_THREADS 256
 #define MOE_MAX_SLOTS 1024
 #define MOE_MAX_EXPERTS 1024
-// A combine thread computes this many consecutive outputs of a token.
+// A combine thread computes this many outputs of a token, MOE_COMBINE_THREADS apart.
 #define MOE_COMBINE_OUTPUTS 8
 #define MOE_COMBINE_THREADS 64

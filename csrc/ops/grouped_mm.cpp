@@ -251,7 +251,7 @@ void run(const Problem& pr, const at::Tensor& offs, const std::string& types, bo
     l.threads_per_threadgroup = {32 * GMM_ROWS_SIMDGROUPS, 1, 1};
   } else if (decode) {
     const bool vec = aligned16(pr.b, p.b_k) && aligned16(pr.b, p.b_batch);
-    const int64_t per_group = GMM_COLS_LANES * (vec ? 16 / item : 1);
+    const int64_t per_group = 32 * (vec ? 4 / item : 1);  // a lane's word (_vec) or element
     name = "gmm_decode_cols_" + types + (vec ? "_vec" : "_scalar");
     l.threadgroups = {static_cast<uint32_t>((p.n + per_group - 1) / per_group), p.m, 1};
     l.threads_per_threadgroup = {GMM_COLS_THREADS, 1, 1};

@@ -80,6 +80,33 @@ def test_2d_3d_decode(run, device, dtype, layout, counts):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_2d_3d_decode_many_groups_and_a_k_tail(run, device, dtype, layout):
+    # 70 groups (the search for a row's group crosses rounds of 32 offsets),
+    # groups of 1 to 9 rows (every row-count specialisation, and a group
+    # taken in two chunks of 8), K = 75, which 16-byte pieces leave a tail
+    # of, and N = 23, whose last 4-byte word of 16-bit weights is half a
+    # column ([E, K, N] rows padded to 24, [E, N, K] ones to 80: still
+    # aligned for vector loads).
+    counts = [0] * 70
+    for g, c in {0: 1, 31: 2, 32: 1, 33: 3, 34: 5, 63: 8, 64: 7, 69: 9}.items():
+        counts[g] = c
+    k, n = 75, 23
+    a = randn(sum(counts) + 2, 80, dtype=dtype)[:, :k]
+    if layout == "nk":
+        b = randn(70, n, 80, dtype=dtype, scale=k ** -0.5)[..., :k].transpose(-2, -1)
+    else:
+        b = randn(70, k, 24, dtype=dtype, scale=k ** -0.5)[..., :n]
+    offs = offsets(counts)
+    with cpu_metal.record() as rec:
+        got = run("_grouped_mm", a, b, offs, family="grouped_mm")
+    check_rows(got, torch._grouped_mm(a, b, offs=offs), offs, dtype, k)
+    if device == "executor":
+        (d,) = rec.dispatches
+        assert d.kernel == f"gmm_decode_{'rows' if layout == 'nk' else 'cols'}_{TYPE_NAMES[dtype]}_vec"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["nk", "kn"])
 def test_2d_3d_prefill_tiles(run, device, dtype, layout):
     # Groups that start and end inside 32-row tiles, empty ones, one longer
     # than a tile, and rows past offs[-1].
