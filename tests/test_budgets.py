@@ -210,11 +210,6 @@ PAD_SHORT_ROWS = ("pad: a simdgroup fills a segment of one output row, its vecto
                   "spans 3 lines: 1.22 over the fewest. Only segments of the flattened output, across rows, would "
                   "meet the budget, at the price of an integer division per element to find its row; the extra "
                   "line is one partial line per row end, which a neighbouring simdgroup writes too")
-SOFTMAX_SHORT_UNALIGNED = ("softmax segment, element accesses (rows that do not start 16-byte aligned): rows of 120 "
-                           "bytes (60 bf16), 16 lanes a row and two rows an instruction, 32 bytes per row per "
-                           "instruction that straddle a line boundary at most rows' offsets: 2.09 lines over the "
-                           "fewest, against the 2.0 of misaligned operands; 8-byte loads would need one more "
-                           "variant per kernel")
 SOFTMAX_STRIDED_BACKWARD = ("softmax backward over a strided dimension: a thread holds 16 gradient and 16 output "
                             "elements (32 of each would be 64 registers, over the full-occupancy budget), so a "
                             "threadgroup of 512 takes fewer contiguous inner rows than a line holds: fp32 at "
@@ -233,7 +228,6 @@ GMM_FP8_ROWS = ("gmm_decode_rows with fp8 experts at 8 rows: 58 registers, 16 ac
 NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met yet}
     "coalescing": {
         "constant_pad_4_i32": PAD_SHORT_ROWS,
-        **{k: SOFTMAX_SHORT_UNALIGNED for k in ("softmax_segment_bf16_bf16_i32", "softmax_backward_segment_bf16_bf16_i32")},
         **{k: SOFTMAX_STRIDED_BACKWARD for k in ("softmax_backward_strided_f32_f32_i32",
                                                  "softmax_backward_strided_bf16_bf16_i32")},
         **{k: LU_SOLVE_VECTOR for k in names("lu_solve_{t}_1", t=("f32", "c64"))},

@@ -127,8 +127,9 @@ bool rows_aligned16(const Tensors& t, const SoftmaxParams& p) {
 //   segment  D <= 128 (256 with 16-byte accesses when input and output are
 //            both 16-bit):
 //            lanes_per_row = next_pow2(D / elements per lane) lanes of a
-//            simdgroup per row, 256 threads per threadgroup, so short rows
-//            pack 256 / lanes_per_row rows per threadgroup.
+//            simdgroup per row (element accesses: next_pow2(D), up to 32),
+//            256 threads per threadgroup, so short rows pack
+//            256 / lanes_per_row rows per threadgroup.
 //   block    D <= 8192: one threadgroup per row, D / 16 threads rounded up
 //            to a whole simdgroup (32 to 512).
 //   split    longer: chunks of 2048 elements, one threadgroup each, in two
@@ -178,7 +179,11 @@ Plan plan(const Tensors& t, const SoftmaxParams& p, bool vec, int64_t wider_item
   const int64_t piece = vec ? 16 / wider_itemsize : 1;
   const int64_t per_lane = std::max<int64_t>(piece, SOFTMAX_SEGMENT_ELEMENTS);
   if (D <= 32 * per_lane) {
-    const int64_t lanes = std::min<int64_t>(32, next_pow2((D + per_lane - 1) / per_lane));
+    // Element accesses (rows not 16-byte aligned): a lane per element, up
+    // to 32, so that each load instruction covers whole rows, or 32
+    // consecutive elements of one; a row that starts mid-line then crosses
+    // at most one line boundary per instruction.
+    const int64_t lanes = std::min<int64_t>(32, next_pow2(vec ? (D + per_lane - 1) / per_lane : D));
     Plan pl{Shape::kSegment, static_cast<uint32_t>(kSegmentThreads), log2_of(lanes)};
     pl.grid[0] = grid_dim((p.rows * lanes + kSegmentThreads - 1) / kSegmentThreads, "rows");
     return pl;
