@@ -27,7 +27,7 @@ import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_linear import SHAPES, VOCABULARY  # noqa: E402
+from benchmarks.bench_linear import SHAPES  # noqa: E402
 from benchmarks.common import Case, Prepared, measure, run_as_script  # noqa: E402
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
