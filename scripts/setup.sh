@@ -15,4 +15,5 @@ fi
 # Pin torch: an unpinned or ranged torch pulls the newest build, with several
 # GB of CUDA packages on Linux.
 python -m pip install -q "torch==${MPS_EXT_TORCH:-2.13.0}" numpy pytest pybind11 ninja setuptools wheel
-python -m pip install -q --no-build-isolation -e .
+# The test extra (pyproject.toml) pins the model libraries the tests run.
+python -m pip install -q --no-build-isolation -e ".[test]"
