@@ -1,0 +1,270 @@
+"""Fine-grained FP8 checkpoints from the Hub (DeepSeek-V3 / Qwen3-FP8 format)
+loaded with their weights kept in float8_e4m3fn:
+
+    model = mps_ext.load_fp8("Qwen/Qwen3-30B-A3B-FP8", device="mps", dtype=torch.bfloat16)
+
+The format: each quantized nn.Linear weight is float8_e4m3fn with a float32
+`weight_scale_inv` beside it, one per 128 x 128 block ([ceil(N/128),
+ceil(K/128)]), and weight = fp8 value * weight_scale_inv; config.json says
+{"quant_method": "fp8", "weight_block_size": [128, 128], ...}.
+
+transformers' own loader (FineGrainedFP8HfQuantizer) keeps these weights in
+fp8 only with CUDA or XPU: anywhere else it sets `dequantize=True` and
+expands every weight to bf16 at load. load_fp8 uses the same from_pretrained
+machinery (weight renaming, the merge of per-expert tensors into 3-D banks,
+sharded files, the Hub cache) through a quantizer registered under its own
+method name, which differs from transformers' only in not forcing that
+dequantization; then it swaps transformers' CUDA-only FP8 modules for
+mps_ext's:
+
+    FP8Linear (transformers)  -> mps_ext.FP8Linear, granularity "block": the
+                                 fp8 bytes and the scales as stored (exact)
+    FP8Experts (transformers) -> mps_ext.FP8Experts: one fp32 scale per expert
+                                 output row, so each row's 128-column blocks
+                                 are brought to one scale (see _row_scaled)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .fp8 import BLOCK, E4M3_MAX, FP8Experts, FP8Linear
+
+__all__ = ["load_fp8"]
+
+# The name our quantizer is registered under in transformers' registries;
+# it never reaches a saved config (load_fp8 puts the checkpoint's back).
+QUANT_METHOD = "mps_ext_fp8"
+# Memory for the float32 copy of an expert bank while its rows are re-scaled.
+_REQUANT_BYTES = 256 << 20
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
+               "trust_remote_code")
+
+
+def load_fp8(model_id_or_path, device="mps", *, model_class=None, **from_pretrained_kwargs) -> nn.Module:
+    """Load a fine-grained FP8 checkpoint (config.json's quantization_config:
+    quant_method "fp8", weight_block_size [128, 128] or none (one scale per
+    tensor)) with transformers' from_pretrained, its quantized Linear weights
+    and expert banks kept in float8_e4m3fn as mps_ext.FP8Linear /
+    mps_ext.FP8Experts, then move the model to `device`.
+
+    model_class: the transformers class to load with (default
+    AutoModelForCausalLM); other keyword arguments go to its
+    from_pretrained (dtype, revision, token, trust_remote_code...), except
+    device_map and quantization_config: the placement is `device` and the
+    quantization the checkpoint's. Activations stay in their dtype (the
+    checkpoint's "dynamic" or "static" activation scheme is not applied):
+    more accurate than quantizing them, for the same weight traffic."""
+    for key in ("device_map", "quantization_config"):
+        if key in from_pretrained_kwargs:
+            raise ValueError(f"load_fp8 takes no {key!r}: the model is placed on `device` ({device!r}) and "
+                             "quantized as its checkpoint says")
+    import transformers
+
+    _register()
+    hub = {k: from_pretrained_kwargs[k] for k in _HUB_KWARGS if k in from_pretrained_kwargs}
+    config = transformers.AutoConfig.from_pretrained(model_id_or_path, **hub)
+    owner = config if getattr(config, "quantization_config", None) else config.get_text_config(decoder=True)
+    original = getattr(owner, "quantization_config", None)
+    qc = _checked_quantization_config(original, model_id_or_path)
+    owner.quantization_config = {**qc, "quant_method": QUANT_METHOD, "dequantize": False}
+    cls = model_class or transformers.AutoModelForCausalLM
+    model = cls.from_pretrained(model_id_or_path, config=config, **from_pretrained_kwargs)
+    # Saved or printed, the config says what the checkpoint is, not how we loaded it.
+    model.config.quantization_config = original
+    if owner is not config:
+        owner.quantization_config = original
+    _swap_modules(model, torch.device(device))
+    return model.to(device)
+
+
+def _checked_quantization_config(qc, where) -> dict:
+    if qc is None:
+        raise ValueError(f"{where} has no quantization_config in its config.json: load_fp8 loads fine-grained "
+                         "FP8 checkpoints (quant_method 'fp8'); quantize a bf16 model with mps_ext.quantize_fp8")
+    qc = dict(qc) if isinstance(qc, dict) else qc.to_dict()
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"load_fp8 loads fine-grained FP8 checkpoints (quant_method 'fp8'); {where} has "
+                         f"quant_method {method!r}")
+    block = qc.get("weight_block_size")
+    if block is not None and list(block) != [BLOCK, BLOCK]:
+        raise ValueError(f"load_fp8 takes weight_block_size [{BLOCK}, {BLOCK}] (mps_ext's block-wise fp8 "
+                         f"kernels) or none (one scale per tensor); {where} has {list(block)}")
+    if qc.get("expert_dtype", "fp8") != "fp8":
+        raise ValueError(f"load_fp8 takes float8 expert weights; {where} has expert_dtype {qc['expert_dtype']!r}")
+    if qc.get("modules_to_convert"):
+        raise ValueError(f"load_fp8 does not take fp8 embeddings (quantization_config.modules_to_convert "
+                         f"{qc['modules_to_convert']}) in {where}")
+    return qc
+
+
+_registered = False
+
+
+def _register() -> None:
+    """Register, once, a quantization method that loads fine-grained FP8
+    checkpoints as transformers' FP8 modules without dequantizing them
+    (transformers' public extension points; nothing of transformers is
+    patched)."""
+    global _registered
+    if _registered:
+        return
+    from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING,
+                                              register_quantization_config, register_quantizer)
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    class MpsExtFP8Config(FineGrainedFP8Config):
+        """transformers' FineGrainedFP8Config under mps_ext's method name."""
+
+    class MpsExtFP8Quantizer(FineGrainedFP8HfQuantizer):
+        """FineGrainedFP8HfQuantizer without its environment check: that one
+        wants accelerate and a CUDA or XPU device, and otherwise turns on
+        dequantization. load_fp8 swaps the modules for mps_ext's after loading."""
+
+        def validate_environment(self, *args, **kwargs):
+            if self.quantization_config.dequantize or not self.pre_quantized:
+                raise ValueError("mps_ext's fp8 method loads fp8 checkpoints as they are (mps_ext.load_fp8)")
+
+    if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(QUANT_METHOD)(MpsExtFP8Config)
+    if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(QUANT_METHOD)(MpsExtFP8Quantizer)
+    _registered = True
+
+
+def _swap_modules(model: nn.Module, device: torch.device) -> None:
+    from transformers.integrations import finegrained_fp8 as hf
+
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, getattr(hf, "FP8GroupedLinear", ())):
+            raise ValueError(f"{name}: block-diagonal grouped FP8 linears ({type(mod).__name__}) are not "
+                             "supported by load_fp8")
+        if isinstance(mod, hf.FP8Linear):
+            new = _linear(name, mod, device)
+        elif isinstance(mod, hf.FP8Experts):
+            new = _experts(name, mod, device)
+        else:
+            continue
+        model.set_submodule(name, new)
+
+
+def _scales_fp32(scale: torch.Tensor) -> torch.Tensor:
+    if scale.dtype == torch.uint8:  # e8m0 exponents stored as bytes
+        return (scale.float() - 127.0).exp2()
+    return scale.float()
+
+
+def _linear(name: str, mod: nn.Module, device: torch.device) -> FP8Linear:
+    if mod.weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{name}: weight is {mod.weight.dtype}; load_fp8 takes float8_e4m3fn weights")
+    n, k = mod.weight.shape
+    granularity = "tensor" if mod.block_size is None else "block"
+    scale = _scales_fp32(mod.weight_scale_inv.detach())
+    bias = mod.bias
+    new = FP8Linear(k, n, bias is not None, granularity, device=device,
+                    dtype=bias.dtype if bias is not None else torch.bfloat16)
+    # transformers' weight_scale_inv multiplies the fp8 value to dequantize
+    # (integrations/finegrained_fp8.py, _dequantize_fp8_weight), as
+    # FP8Linear's weight_scale does: the bytes and scales move unchanged.
+    new.weight.copy_(mod.weight.detach())
+    new.weight_scale.copy_(scale.reshape(new.weight_scale.shape))
+    if bias is not None:
+        new.bias.data.copy_(bias.detach())
+    return new
+
+
+def _experts(name: str, mod: nn.Module, device: torch.device) -> FP8Experts:
+    why = _experts_unsupported(mod)
+    if why:
+        raise ValueError(f"{name}: mps_ext.FP8Experts runs SiLU-gated experts with [gate; up] banks and no "
+                         f"bias; this module has {why}")
+    e, two_i, h = mod.gate_up_proj.shape
+    i = two_i // 2
+    new = FP8Experts(e, h, i, device=device)
+    # A fused [gate; up] bank's scale rows: transformers concatenates the two
+    # checkpoint tensors' scales, so the up half's blocks start at row I (not
+    # at a multiple of 128 when I is not one), and a bank with one scale per
+    # tensor has two, gate's and up's.
+    per_half = math.ceil(i / BLOCK) if mod.block_size is not None else 1
+    halves = mod.gate_up_proj_scale_inv.dim() == 3 and mod.gate_up_proj_scale_inv.shape[-2] == 2 * per_half
+    for target, bank, scale, rows_in in (
+            ("gate_up", mod.gate_up_proj, mod.gate_up_proj_scale_inv, (i, i) if halves else (two_i,)),
+            ("down", mod.down_proj, mod.down_proj_scale_inv, (h,))):
+        q, s = _row_scaled(bank.detach().to(device), _scales_fp32(scale.detach().to(device)), rows_in,
+                           mod.block_size is not None)
+        getattr(new, target + "_proj").copy_(q)
+        getattr(new, target + "_scale").copy_(s)
+    return new
+
+
+def _experts_unsupported(mod: nn.Module) -> str | None:
+    if not getattr(mod, "has_gate", True):
+        return "no gate (up_proj only)"
+    if getattr(mod, "has_bias", False):
+        return "biases"
+    if getattr(mod, "is_transposed", False) or not getattr(mod, "is_concatenated", True):
+        return "a transposed or interleaved gate/up layout"
+    for attr in ("swiglu_alpha", "limit", "gate_softcap", "up_softcap"):
+        if getattr(mod, attr, None) is not None:
+            return f"a clamped or soft-capped gate ({attr}={getattr(mod, attr)})"
+    if mod.gate_up_proj.dtype != torch.float8_e4m3fn:
+        return f"{mod.gate_up_proj.dtype} weights"
+    # By value: transformers' activations are its own classes (SiLUActivation).
+    probe = torch.linspace(-8, 8, 33)
+    try:
+        same = torch.allclose(mod.act_fn(probe), nn.functional.silu(probe), rtol=1e-5, atol=1e-6)
+    except Exception:
+        same = False
+    return None if same else f"activation {mod.act_fn!r}, not SiLU"
+
+
+def _row_scaled(bank: torch.Tensor, scale: torch.Tensor, rows_in: tuple[int, ...],
+                blocks: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8 bank [E, N, K] with scales per 128 x 128 block (blocks: [E,
+    ceil(N/128), ceil(K/128)]) or per row range ([E, len(rows_in), 1]) as
+    e4m3 with one fp32 scale per row [E, N]. rows_in: the lengths of the row
+    ranges whose blocks were scaled apart (both halves of a fused [gate; up]
+    bank), summing to N.
+
+    A row takes the largest scale among its column blocks that hold a
+    non-zero value: the values of that block keep their exact fp8 bytes, the
+    others are rounded once more to e4m3, multiplied by that block's scale
+    over the row's (<= 1: no overflow; e4m3 keeps its relative precision down
+    to 2^-6, so only values more than 2^14.8 below 448 lose bits). All-zero
+    blocks are ignored: writers give them scale 1."""
+    e, n, k = bank.shape
+    dev = bank.device
+    if scale.dim() < 3:
+        scale = scale.reshape(e, -1, 1)
+    parts, start = [], 0
+    for length in rows_in:
+        height = BLOCK if blocks else length
+        parts.append(start + torch.arange(length, device=dev) // height)
+        start += math.ceil(length / height)
+    row_block = torch.cat(parts)
+    width = BLOCK if blocks else k
+    kb = math.ceil(k / width)
+    if tuple(scale.shape[1:]) != (start, kb):
+        raise ValueError(f"expert scales {tuple(scale.shape)} do not match a bank of {tuple(bank.shape)} "
+                         f"(expected [{e}, {start}, {kb}])")
+    col_block = torch.arange(k, device=dev) // width
+    q_out = torch.empty_like(bank)
+    s_out = torch.empty(e, n, dtype=torch.float32, device=dev)
+    chunk = max(1, _REQUANT_BYTES // max(1, n * k * 4))
+    for lo in range(0, e, chunk):
+        hi = min(e, lo + chunk)
+        q = bank[lo:hi].float()
+        s = scale[lo:hi][:, row_block]                                        # [c, N, KB]
+        # A row's largest |q| in each of its column blocks.
+        seg = nn.functional.pad(q.abs(), (0, kb * width - k)).view(hi - lo, n, kb, width).amax(-1)
+        row_scale = torch.where(seg > 0, s, torch.zeros_like(s)).amax(-1)   # [c, N]
+        row_scale = torch.where(row_scale > 0, row_scale, torch.ones_like(row_scale))
+        ratio = (s / row_scale[..., None])[..., col_block]                   # [c, N, K]
+        q_out[lo:hi] = (q * ratio).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        s_out[lo:hi] = row_scale
+    return q_out, s_out

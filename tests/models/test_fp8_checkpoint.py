@@ -1,0 +1,224 @@
+"""mps_ext.load_fp8 on fine-grained FP8 checkpoints written here in the Hub's
+layout (DeepSeek-V3 / Qwen3-FP8: float8_e4m3fn weights, a float32
+`weight_scale_inv` per 128 x 128 block, per-expert tensors of an MoE), for
+transformers' Qwen3 and Qwen3-MoE with tiny random configs. The checkpoint
+is quantized and de-quantized by this file's own reference code; the
+reference model runs in float64 on the de-quantized weights."""
+
+import json
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+import mps_ext  # noqa: E402
+from mps_ext import _executor_request, cpu_metal  # noqa: E402
+from mps_ext.checkpoint import load_fp8  # noqa: E402
+
+BLOCK = 128
+FP8_MAX = 448.0
+QUANT = {"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK], "activation_scheme": "dynamic",
+         "modules_to_not_convert": ["lm_head"]}
+
+
+def hub_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's recipe: per 128 x 128 block (ragged at the edges),
+    scale_inv = amax / 448 (1 for an all-zero block, as transformers writes
+    it), fp8 = w / scale_inv."""
+    n, k = w.shape
+    nb, kb = math.ceil(n / BLOCK), math.ceil(k / BLOCK)
+    scale_inv = torch.ones(nb, kb, dtype=torch.float32)
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    for i in range(nb):
+        for j in range(kb):
+            blk = w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK].double()
+            amax = blk.abs().max()
+            s = (amax / FP8_MAX).float() if amax > 0 else torch.tensor(1.0)
+            scale_inv[i, j] = s
+            q[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = \
+                (blk / s.double()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale_inv
+
+
+def hub_dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """float64 weight = fp8 * scale_inv of the element's block."""
+    n, k = q.shape
+    s = scale_inv.double().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:n, :k]
+    return q.double() * s
+
+
+def write_checkpoint(path, config, model) -> dict[str, torch.Tensor]:
+    """Writes `model` as a Hub FP8 checkpoint (config.json with
+    quantization_config, model.safetensors in the Hub's per-expert layout);
+    returns the model's state dict (transformers' layout) de-quantized in
+    float64 from what was written."""
+    hub, dequantized = {}, {}
+    for name, t in model.state_dict().items():
+        t = t.detach()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix, i = name[: -len("gate_up_proj")], t.shape[1] // 2
+            per_expert = {"gate_proj": t[:, :i], "up_proj": t[:, i:]}
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix, per_expert = name[: -len("down_proj")], {"down_proj": t}
+        else:
+            per_expert = None
+        if per_expert is not None:
+            halves = {}
+            for proj, bank in per_expert.items():
+                rows = []
+                for e in range(bank.shape[0]):
+                    q, s = hub_quantize(bank[e])
+                    hub[f"{prefix}{e}.{proj}.weight"] = q
+                    hub[f"{prefix}{e}.{proj}.weight_scale_inv"] = s
+                    rows.append(hub_dequantize(q, s))
+                halves[proj] = torch.stack(rows)
+            dequantized[name] = torch.cat(list(halves.values()), dim=1)
+        elif name.endswith("_proj.weight") and t.dim() == 2:  # attention and dense MLP Linears
+            q, s = hub_quantize(t)
+            hub[name], hub[name[: -len("weight")] + "weight_scale_inv"] = q, s
+            dequantized[name] = hub_dequantize(q, s)
+        else:  # embeddings, norms, the router, lm_head: bf16 on the Hub
+            hub[name] = t.to(torch.bfloat16).contiguous()
+            dequantized[name] = hub[name].double()
+    safetensors_torch.save_file(hub, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = config.to_dict()
+    cfg["quantization_config"] = QUANT
+    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+    (path / "config.json").write_text(json.dumps(cfg))
+    return dequantized
+
+
+def dense_config():
+    # K and N of 128 and 256 (whole blocks) and 320 / 64 (a ragged block).
+    return transformers.Qwen3Config(vocab_size=96, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                    max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def moe_config():
+    # I = 64: the fused [gate; up] bank's two halves each have one block row.
+    return transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=256, intermediate_size=256,
+                                       moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
+                                       norm_topk_prob=True)
+
+
+def random_model(config, zero_block: bool):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.05)
+        if zero_block:  # an all-zero 128 x 128 block (scale_inv 1) in an expert's gate_proj
+            model.model.layers[0].mlp.experts.gate_up_proj[1, :64, 128:] = 0
+    return model
+
+
+def reference(config, dequantized, dtype):
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    model.load_state_dict({k: v.to(dtype) for k, v in dequantized.items()})
+    return model
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits.double()
+
+
+@pytest.fixture(params=["dense", "moe"])
+def checkpoint(request, tmp_path):
+    config = dense_config() if request.param == "dense" else moe_config()
+    dequantized = write_checkpoint(tmp_path, config, random_model(config, request.param == "moe"))
+    return request.param, tmp_path, config, dequantized
+
+
+def test_load_fp8_keeps_weights_fp8_and_runs_the_kernels(checkpoint):
+    kind, path, config, dequantized = checkpoint
+    hub = safetensors_torch.load_file(str(path / "model.safetensors"))
+    model = load_fp8(path, device="cpu", dtype=torch.bfloat16)
+
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, mps_ext.FP8Linear)}
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, mps_ext.FP8Experts)}
+    quantized_in_file = {k[: -len(".weight_scale_inv")] for k in hub if k.endswith("_proj.weight_scale_inv")
+                         and ".experts." not in k}
+    assert set(linears) == quantized_in_file
+    assert not [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and n != "lm_head"]
+    for name, m in linears.items():
+        assert m.granularity == "block" and m.weight.dtype == torch.float8_e4m3fn
+        # The file's bytes and scales, unchanged.
+        assert torch.equal(m.weight.view(torch.uint8), hub[name + ".weight"].view(torch.uint8))
+        assert torch.equal(m.weight_scale, hub[name + ".weight_scale_inv"])
+    assert len(experts) == (config.num_hidden_layers if kind == "moe" else 0)
+    for name, m in experts.items():
+        assert m.gate_up_proj.dtype == m.down_proj.dtype == torch.float8_e4m3fn
+        # Brought to one scale per row: within one more e4m3 rounding of the file's values.
+        for bank, scale, key in ((m.gate_up_proj, m.gate_up_scale, "gate_up_proj"),
+                                 (m.down_proj, m.down_scale, "down_proj")):
+            want = dequantized[f"{name}.{key}"]
+            got = bank.double() * scale.double()[..., None]
+            assert torch.all((got - want).abs() <= want.abs() * 2.0 ** -4 + 1e-9), key
+
+    # Memory: fp8 bytes plus scales, against the bf16 the stock loader gives.
+    fp8_bytes = sum(b.numel() * b.element_size() for m in (*linears.values(), *experts.values())
+                    for b in m.buffers())
+    bf16_bytes = 2 * sum(m.weight.numel() for m in linears.values()) + \
+        2 * sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in experts.values())
+    assert fp8_bytes / bf16_bytes < 0.52
+
+    ids = torch.tensor([[3, 17, 42, 5, 77, 9, 60]])
+    exact = logits(reference(config, dequantized, torch.float64), ids)
+    stock = logits(reference(config, dequantized, torch.bfloat16), ids)
+    mps_ext.reset_stats()
+    with _executor_request.request(), cpu_metal.record() as rec:
+        ours = logits(model, ids)
+    ran = mps_ext.stats()
+    kernels = [d.kernel for d in rec.dispatches]
+    fp8_mm = [k for k in kernels if k.startswith(("fp8_gemv_", "fp8_mm_tile_"))]
+    assert len(fp8_mm) == len(linears), kernels
+    assert ran["scaled_mm"]["ran"] == len(linears) and not ran["scaled_mm"]["fallbacks"]
+    if kind == "moe":
+        assert ran["grouped_mm"]["ran"] >= 3 * len(experts) and not ran["grouped_mm"]["fallbacks"]
+
+    err_stock = (stock - exact).norm() / exact.norm()
+    err_ours = (ours - exact).norm() / exact.norm()
+    # Dense: the file's fp8 values exactly, bf16 activations as in stock's
+    # bf16 run. MoE: one more e4m3 rounding of the expert weights.
+    factor = 1.5 if kind == "dense" else 3.0
+    assert err_ours <= factor * err_stock, (float(err_ours), float(err_stock))
+
+
+def test_load_fp8_rejects_what_it_cannot_keep_in_fp8(tmp_path):
+    config = dense_config()
+    model = random_model(config, zero_block=False)
+    model.save_pretrained(tmp_path)  # no quantization_config
+    with pytest.raises(ValueError, match="no quantization_config"):
+        load_fp8(tmp_path, device="cpu")
+    write_checkpoint(tmp_path, config, model)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = [64, 64]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"weight_block_size \[128, 128\]"):
+        load_fp8(tmp_path, device="cpu")
+    with pytest.raises(ValueError, match="device_map"):
+        load_fp8(tmp_path, device="cpu", device_map="cpu")
+
+
+def test_stock_transformers_loader_dequantizes_without_cuda(monkeypatch):
+    """What the README says transformers' own loader does with these
+    checkpoints on a machine without CUDA or XPU (a Mac): it wants
+    accelerate, then falls back to de-quantizing to bf16."""
+    from transformers.quantizers import quantizer_finegrained_fp8 as hfq
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    if torch.cuda.is_available() or torch.xpu.is_available():
+        pytest.skip("shows the behaviour without CUDA or XPU")
+    quantizer = hfq.FineGrainedFP8HfQuantizer(FineGrainedFP8Config(weight_block_size=[BLOCK, BLOCK]),
+                                               pre_quantized=True)
+    monkeypatch.setattr(hfq, "is_accelerate_available", lambda: True)  # as if installed
+    quantizer.validate_environment()
+    assert quantizer.quantization_config.dequantize is True
