@@ -28,13 +28,14 @@ from . import _policy
 
 __version__ = "0.1.0"
 __all__ = ["is_available", "unavailable_reason", "families", "enabled_ops", "set_enabled", "disabled",
-           "stats", "reset_stats", "family_status", "quantize_fp8", "FP8Linear", "FP8Experts"]
+           "stats", "reset_stats", "family_status", "quantize_fp8", "FP8Linear", "FP8Experts", "load_fp8"]
 
 _load_error: str | None = None
 try:
     import torch as _torch
 
     from .fp8 import FP8Experts, FP8Linear, quantize_fp8
+    from .checkpoint import load_fp8
     from . import _C, _meta
 
     _meta.register()

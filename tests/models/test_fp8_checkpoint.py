@@ -26,21 +26,17 @@ QUANT = {"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK], "activation
 
 def hub_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's recipe: per 128 x 128 block (ragged at the edges),
-    scale_inv = amax / 448 (1 for an all-zero block, as transformers writes
-    it), fp8 = w / scale_inv."""
+    scale_inv = amax / 448 in float32 (1 for an all-zero block, as
+    transformers writes it), fp8 = w / scale_inv."""
     n, k = w.shape
     nb, kb = math.ceil(n / BLOCK), math.ceil(k / BLOCK)
-    scale_inv = torch.ones(nb, kb, dtype=torch.float32)
-    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
-    for i in range(nb):
-        for j in range(kb):
-            blk = w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK].double()
-            amax = blk.abs().max()
-            s = (amax / FP8_MAX).float() if amax > 0 else torch.tensor(1.0)
-            scale_inv[i, j] = s
-            q[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = \
-                (blk / s.double()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale_inv
+    padded = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float64)
+    padded[:n, :k] = w
+    blocks = padded.view(nb, BLOCK, kb, BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, 1.0).float()
+    q = (blocks / scale_inv.double()[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    return q.view(nb * BLOCK, kb * BLOCK)[:n, :k].to(torch.float8_e4m3fn).contiguous(), scale_inv
 
 
 def hub_dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -120,7 +116,9 @@ def random_model(config, zero_block: bool):
 
 
 def reference(config, dequantized, dtype):
-    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    # float64: transformers' eager experts (its grouped_mm takes no float64).
+    extra = {"experts_implementation": "eager"} if dtype == torch.float64 and hasattr(config, "num_experts") else {}
+    model = transformers.AutoModelForCausalLM.from_config(config, **extra).to(dtype).eval()
     model.load_state_dict({k: v.to(dtype) for k, v in dequantized.items()})
     return model
 
@@ -156,12 +154,16 @@ def test_load_fp8_keeps_weights_fp8_and_runs_the_kernels(checkpoint):
     assert len(experts) == (config.num_hidden_layers if kind == "moe" else 0)
     for name, m in experts.items():
         assert m.gate_up_proj.dtype == m.down_proj.dtype == torch.float8_e4m3fn
-        # Brought to one scale per row: within one more e4m3 rounding of the file's values.
+        # Brought to one scale per row: within one more e4m3 rounding of the
+        # file's values (half a step: 2^-4 of the value, 2^-10 of the row's
+        # scale among subnormals); an all-zero block stays zero.
         for bank, scale, key in ((m.gate_up_proj, m.gate_up_scale, "gate_up_proj"),
                                  (m.down_proj, m.down_scale, "down_proj")):
             want = dequantized[f"{name}.{key}"]
-            got = bank.double() * scale.double()[..., None]
-            assert torch.all((got - want).abs() <= want.abs() * 2.0 ** -4 + 1e-9), key
+            row_scale = scale.double()[..., None]
+            got = bank.double() * row_scale
+            assert torch.all((got - want).abs() <= want.abs() * 2.0 ** -4 + row_scale * 2.0 ** -10), key
+            assert torch.equal(got[want == 0], want[want == 0])
 
     # Memory: fp8 bytes plus scales, against the bf16 the stock loader gives.
     fp8_bytes = sum(b.numel() * b.element_size() for m in (*linears.values(), *experts.values())
@@ -187,8 +189,9 @@ def test_load_fp8_keeps_weights_fp8_and_runs_the_kernels(checkpoint):
     err_stock = (stock - exact).norm() / exact.norm()
     err_ours = (ours - exact).norm() / exact.norm()
     # Dense: the file's fp8 values exactly, bf16 activations as in stock's
-    # bf16 run. MoE: one more e4m3 rounding of the expert weights.
-    factor = 1.5 if kind == "dense" else 3.0
+    # bf16 run (measured 0.0075 against stock's 0.0094). MoE: one more e4m3
+    # rounding of the expert weights (0.0100 against 0.0066).
+    factor = 1.5 if kind == "dense" else 2.0
     assert err_ours <= factor * err_stock, (float(err_ours), float(err_stock))
 
 
