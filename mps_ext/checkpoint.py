@@ -57,11 +57,16 @@ def load_fp8(model_id_or_path, device="mps", *, model_class=None, **from_pretrai
     device_map and quantization_config: the placement is `device` and the
     quantization the checkpoint's. Activations stay in their dtype (the
     checkpoint's "dynamic" or "static" activation scheme is not applied):
-    more accurate than quantizing them, for the same weight traffic."""
+    more accurate than quantizing them, for the same weight traffic.
+    output_loading_info=True returns (model, transformers' loading info)."""
     for key in ("device_map", "quantization_config"):
         if key in from_pretrained_kwargs:
             raise ValueError(f"load_fp8 takes no {key!r}: the model is placed on `device` ({device!r}) and "
                              "quantized as its checkpoint says")
+    device = torch.device(device)
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("load_fp8: device 'mps' requested but torch sees no Metal GPU "
+                         "(torch.backends.mps.is_available() is False); pass device='cpu' to load on the CPU")
     import transformers
 
     _register()
@@ -72,13 +77,33 @@ def load_fp8(model_id_or_path, device="mps", *, model_class=None, **from_pretrai
     qc = _checked_quantization_config(original, model_id_or_path)
     owner.quantization_config = {**qc, "quant_method": QUANT_METHOD, "dequantize": False}
     cls = model_class or transformers.AutoModelForCausalLM
-    model = cls.from_pretrained(model_id_or_path, config=config, **from_pretrained_kwargs)
+    want_info = from_pretrained_kwargs.pop("output_loading_info", False)
+    model, info = cls.from_pretrained(model_id_or_path, config=config, output_loading_info=True,
+                                      **from_pretrained_kwargs)
+    _check_scales_loaded(info, model_id_or_path)
     # Saved or printed, the config says what the checkpoint is, not how we loaded it.
     model.config.quantization_config = original
     if owner is not config:
         owner.quantization_config = original
-    _swap_modules(model, torch.device(device))
-    return model.to(device)
+    _swap_modules(model, device)
+    model = model.to(device)
+    return (model, info) if want_info else model
+
+
+def _check_scales_loaded(info: dict, where) -> None:
+    """transformers only reports (and loads on regardless) a scale with no
+    fp8 module to take it, e.g. a quantized router that is not an nn.Linear
+    (its fp8 values would be read as weights, unscaled), or an fp8 module
+    whose scale the file lacks (left uninitialized)."""
+    problems = []
+    for kind in ("unexpected_keys", "missing_keys", "mismatched_keys"):
+        keys = sorted(k if isinstance(k, str) else k[0] for k in info.get(kind, ()))
+        bad = [k for k in keys if "scale_inv" in k]
+        if bad:
+            problems.append(f"{kind.replace('_', ' ')}: {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}")
+    if problems:
+        raise ValueError(f"load_fp8: {where}'s fp8 scales do not match the model's fp8 modules (transformers "
+                         f"converts nn.Linear and experts modules only); {'; '.join(problems)}")
 
 
 def _checked_quantization_config(qc, where) -> dict:

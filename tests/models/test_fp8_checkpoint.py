@@ -225,3 +225,17 @@ def test_stock_transformers_loader_dequantizes_without_cuda(monkeypatch):
     monkeypatch.setattr(hfq, "is_accelerate_available", lambda: True)  # as if installed
     quantizer.validate_environment()
     assert quantizer.quantization_config.dequantize is True
+
+
+def test_load_fp8_rejects_a_scale_no_module_takes(tmp_path):
+    """A quantized weight of a module transformers does not convert (here
+    Qwen3-MoE's router, not an nn.Linear): transformers would load its fp8
+    values as the weight, unscaled, and only report the scale as unexpected."""
+    config = moe_config()
+    write_checkpoint(tmp_path, config, random_model(config, zero_block=False))
+    hub = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
+    router = "model.layers.0.mlp.gate"
+    hub[router + ".weight"], hub[router + ".weight_scale_inv"] = hub_quantize(hub[router + ".weight"].float())
+    safetensors_torch.save_file(hub, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"unexpected keys: model\.layers\.0\.mlp\.gate\.weight_scale_inv"):
+        load_fp8(tmp_path, device="cpu")
