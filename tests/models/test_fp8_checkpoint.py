@@ -110,8 +110,12 @@ def random_model(config, zero_block: bool):
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0, 0.05)
-        if zero_block:  # an all-zero 128 x 128 block (scale_inv 1) in an expert's gate_proj
-            model.model.layers[0].mlp.experts.gate_up_proj[1, :64, 128:] = 0
+        if zero_block:
+            # An all-zero block (scale_inv 1) beside small weights in an
+            # expert's gate_proj: a row scale of 1 would flush them to zero.
+            gate = model.model.layers[0].mlp.experts.gate_up_proj[1, :64]
+            gate[:, :128] *= 1e-3
+            gate[:, 128:] = 0
     return model
 
 
@@ -163,6 +167,8 @@ def test_load_fp8_keeps_weights_fp8_and_runs_the_kernels(checkpoint):
             row_scale = scale.double()[..., None]
             got = bank.double() * row_scale
             assert torch.all((got - want).abs() <= want.abs() * 2.0 ** -4 + row_scale * 2.0 ** -10), key
+            rows = want.norm(dim=-1) > 0
+            assert torch.all((got - want).norm(dim=-1)[rows] <= 2.0 ** -4 * want.norm(dim=-1)[rows]), key
             assert torch.equal(got[want == 0], want[want == 0])
 
     # Memory: fp8 bytes plus scales, against the bf16 the stock loader gives.
