@@ -93,8 +93,9 @@ def load_fp8(model_id_or_path, device="mps", *, model_class=None, **from_pretrai
 def _check_scales_loaded(info: dict, where) -> None:
     """transformers only reports (and loads on regardless) a scale with no
     fp8 module to take it, e.g. a quantized router that is not an nn.Linear
-    (its fp8 values would be read as weights, unscaled), or an fp8 module
-    whose scale the file lacks (left uninitialized)."""
+    (its fp8 values would be read as weights, unscaled), an fp8 module whose
+    scale the file lacks (left uninitialized), and with
+    ignore_mismatched_sizes a scale of the wrong shape (re-initialized)."""
     problems = []
     for kind in ("unexpected_keys", "missing_keys", "mismatched_keys"):
         keys = sorted(k if isinstance(k, str) else k[0] for k in info.get(kind, ()))
@@ -212,16 +213,13 @@ def _experts(name: str, mod: nn.Module, device: torch.device) -> FP8Experts:
     i = two_i // 2
     new = FP8Experts(e, h, i, device=device)
     # A fused [gate; up] bank's scale rows: transformers concatenates the two
-    # checkpoint tensors' scales, so the up half's blocks start at row I (not
-    # at a multiple of 128 when I is not one), and a bank with one scale per
-    # tensor has two, gate's and up's.
-    per_half = math.ceil(i / BLOCK) if mod.block_size is not None else 1
-    halves = mod.gate_up_proj_scale_inv.dim() == 3 and mod.gate_up_proj_scale_inv.shape[-2] == 2 * per_half
+    # checkpoint tensors' scales, so the up half's blocks start at row I, not
+    # at a multiple of 128 when I is not one.
+    halves = mod.gate_up_proj_scale_inv.shape[-2] == 2 * math.ceil(i / BLOCK)
     for target, bank, scale, rows_in in (
             ("gate_up", mod.gate_up_proj, mod.gate_up_proj_scale_inv, (i, i) if halves else (two_i,)),
             ("down", mod.down_proj, mod.down_proj_scale_inv, (h,))):
-        q, s = _row_scaled(bank.detach().to(device), _scales_fp32(scale.detach().to(device)), rows_in,
-                           mod.block_size is not None)
+        q, s = _row_scaled(bank.detach().to(device), _scales_fp32(scale.detach().to(device)), rows_in)
         getattr(new, target + "_proj").copy_(q)
         getattr(new, target + "_scale").copy_(s)
     return new
@@ -239,6 +237,8 @@ def _experts_unsupported(mod: nn.Module) -> str | None:
             return f"a clamped or soft-capped gate ({attr}={getattr(mod, attr)})"
     if mod.gate_up_proj.dtype != torch.float8_e4m3fn:
         return f"{mod.gate_up_proj.dtype} weights"
+    if mod.block_size is None:
+        return "one scale per tensor (load_fp8 takes block-wise expert scales)"
     # By value: transformers' activations are its own classes (SiLUActivation).
     probe = torch.linspace(-8, 8, 33)
     try:
@@ -248,13 +248,12 @@ def _experts_unsupported(mod: nn.Module) -> str | None:
     return None if same else f"activation {mod.act_fn!r}, not SiLU"
 
 
-def _row_scaled(bank: torch.Tensor, scale: torch.Tensor, rows_in: tuple[int, ...],
-                blocks: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """An fp8 bank [E, N, K] with scales per 128 x 128 block (blocks: [E,
-    ceil(N/128), ceil(K/128)]) or per row range ([E, len(rows_in), 1]) as
-    e4m3 with one fp32 scale per row [E, N]. rows_in: the lengths of the row
-    ranges whose blocks were scaled apart (both halves of a fused [gate; up]
-    bank), summing to N.
+def _row_scaled(bank: torch.Tensor, scale: torch.Tensor,
+                rows_in: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8 bank [E, N, K] with a scale per 128 x 128 block as e4m3 with
+    one fp32 scale per row [E, N]. rows_in: the lengths of the row ranges
+    whose blocks were scaled apart (both halves of a fused [gate; up] bank),
+    summing to N; scale: [E, sum(ceil(length/128)), ceil(K/128)].
 
     A row takes the largest scale among its column blocks that hold a
     non-zero value: the values of that block keep their exact fp8 bytes, the
@@ -264,20 +263,16 @@ def _row_scaled(bank: torch.Tensor, scale: torch.Tensor, rows_in: tuple[int, ...
     blocks are ignored: writers give them scale 1."""
     e, n, k = bank.shape
     dev = bank.device
-    if scale.dim() < 3:
-        scale = scale.reshape(e, -1, 1)
     parts, start = [], 0
     for length in rows_in:
-        height = BLOCK if blocks else length
-        parts.append(start + torch.arange(length, device=dev) // height)
-        start += math.ceil(length / height)
+        parts.append(start + torch.arange(length, device=dev) // BLOCK)
+        start += math.ceil(length / BLOCK)
     row_block = torch.cat(parts)
-    width = BLOCK if blocks else k
-    kb = math.ceil(k / width)
-    if tuple(scale.shape[1:]) != (start, kb):
+    kb = math.ceil(k / BLOCK)
+    if scale.dim() != 3 or tuple(scale.shape) != (e, start, kb):
         raise ValueError(f"expert scales {tuple(scale.shape)} do not match a bank of {tuple(bank.shape)} "
                          f"(expected [{e}, {start}, {kb}])")
-    col_block = torch.arange(k, device=dev) // width
+    col_block = torch.arange(k, device=dev) // BLOCK
     q_out = torch.empty_like(bank)
     s_out = torch.empty(e, n, dtype=torch.float32, device=dev)
     chunk = max(1, _REQUANT_BYTES // max(1, n * k * 4))
@@ -286,7 +281,7 @@ def _row_scaled(bank: torch.Tensor, scale: torch.Tensor, rows_in: tuple[int, ...
         q = bank[lo:hi].float()
         s = scale[lo:hi][:, row_block]                                        # [c, N, KB]
         # A row's largest |q| in each of its column blocks.
-        seg = nn.functional.pad(q.abs(), (0, kb * width - k)).view(hi - lo, n, kb, width).amax(-1)
+        seg = nn.functional.pad(q.abs(), (0, kb * BLOCK - k)).view(hi - lo, n, kb, BLOCK).amax(-1)
         row_scale = torch.where(seg > 0, s, torch.zeros_like(s)).amax(-1)   # [c, N]
         row_scale = torch.where(row_scale > 0, row_scale, torch.ones_like(row_scale))
         ratio = (s / row_scale[..., None])[..., col_block]                   # [c, N, K]
