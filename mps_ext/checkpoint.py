@@ -46,8 +46,8 @@ _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revi
 
 def load_fp8(model_id_or_path, device="mps", *, model_class=None, **from_pretrained_kwargs) -> nn.Module:
     """Load a fine-grained FP8 checkpoint (config.json's quantization_config:
-    quant_method "fp8", weight_block_size [128, 128] or none (one scale per
-    tensor)) with transformers' from_pretrained, its quantized Linear weights
+    quant_method "fp8", weight_block_size [128, 128] or null (one scale per
+    tensor; expert banks must be block-wise)) with transformers' from_pretrained, its quantized Linear weights
     and expert banks kept in float8_e4m3fn as mps_ext.FP8Linear /
     mps_ext.FP8Experts, then move the model to `device`.
 
@@ -119,7 +119,7 @@ def _checked_quantization_config(qc, where) -> dict:
     block = qc.get("weight_block_size")
     if block is not None and list(block) != [BLOCK, BLOCK]:
         raise ValueError(f"load_fp8 takes weight_block_size [{BLOCK}, {BLOCK}] (mps_ext's block-wise fp8 "
-                         f"kernels) or none (one scale per tensor); {where} has {list(block)}")
+                         f"kernels) or null (one scale per tensor); {where} has {list(block)}")
     if qc.get("expert_dtype", "fp8") != "fp8":
         raise ValueError(f"load_fp8 takes float8 expert weights; {where} has expert_dtype {qc['expert_dtype']!r}")
     if qc.get("modules_to_convert"):
@@ -219,7 +219,8 @@ def _experts(name: str, mod: nn.Module, device: torch.device) -> FP8Experts:
     for target, bank, scale, rows_in in (
             ("gate_up", mod.gate_up_proj, mod.gate_up_proj_scale_inv, (i, i) if halves else (two_i,)),
             ("down", mod.down_proj, mod.down_proj_scale_inv, (h,))):
-        q, s = _row_scaled(bank.detach().to(device), _scales_fp32(scale.detach().to(device)), rows_in)
+        # Scales to fp32 before moving: MPS before torch 2.15 has no e8m0.
+        q, s = _row_scaled(bank.detach().to(device), _scales_fp32(scale.detach()).to(device), rows_in)
         getattr(new, target + "_proj").copy_(q)
         getattr(new, target + "_scale").copy_(s)
     return new

@@ -24,10 +24,11 @@ QUANT = {"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK], "activation
          "modules_to_not_convert": ["lm_head"]}
 
 
-def hub_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def hub_quantize(w: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's recipe: per 128 x 128 block (ragged at the edges),
     scale_inv = amax / 448 in float32 (1 for an all-zero block, as
-    transformers writes it), fp8 = w / scale_inv."""
+    transformers writes it), fp8 = w / scale_inv. pow2: scale_inv rounded up
+    to a power of two (scale_fmt "ue8m0", DeepSeek-V3.1)."""
     n, k = w.shape
     nb, kb = math.ceil(n / BLOCK), math.ceil(k / BLOCK)
     padded = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float64)
@@ -35,6 +36,8 @@ def hub_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = padded.view(nb, BLOCK, kb, BLOCK)
     amax = blocks.abs().amax(dim=(1, 3))
     scale_inv = torch.where(amax > 0, amax / FP8_MAX, 1.0).float()
+    if pow2:
+        scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
     q = (blocks / scale_inv.double()[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     return q.view(nb * BLOCK, kb * BLOCK)[:n, :k].to(torch.float8_e4m3fn).contiguous(), scale_inv
 
@@ -54,12 +57,12 @@ def hub_dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return q.double() * s
 
 
-def write_checkpoint(path, config, model, per_tensor=False) -> dict[str, torch.Tensor]:
+def write_checkpoint(path, config, model, per_tensor=False, pow2=False) -> dict[str, torch.Tensor]:
     """Writes `model` as a Hub FP8 checkpoint (config.json with
     quantization_config, model.safetensors in the Hub's per-expert layout);
     returns the model's state dict (transformers' layout) de-quantized in
     float64 from what was written. per_tensor: one scale per weight, no
-    weight_block_size (dense models only)."""
+    weight_block_size (dense models only). pow2: scale_fmt "ue8m0"."""
     hub, dequantized = {}, {}
     for name, t in model.state_dict().items():
         t = t.detach()
@@ -75,14 +78,14 @@ def write_checkpoint(path, config, model, per_tensor=False) -> dict[str, torch.T
             for proj, bank in per_expert.items():
                 rows = []
                 for e in range(bank.shape[0]):
-                    q, s = hub_quantize(bank[e])
+                    q, s = hub_quantize(bank[e], pow2)
                     hub[f"{prefix}{e}.{proj}.weight"] = q
                     hub[f"{prefix}{e}.{proj}.weight_scale_inv"] = s
                     rows.append(hub_dequantize(q, s))
                 halves[proj] = torch.stack(rows)
             dequantized[name] = torch.cat(list(halves.values()), dim=1)
         elif name.endswith("_proj.weight") and t.dim() == 2:  # attention and dense MLP Linears
-            q, s = (hub_quantize_tensor if per_tensor else hub_quantize)(t)
+            q, s = hub_quantize_tensor(t) if per_tensor else hub_quantize(t, pow2)
             hub[name], hub[name[: -len("weight")] + "weight_scale_inv"] = q, s
             dequantized[name] = hub_dequantize(q, s)
         else:  # embeddings, norms, the router, lm_head: bf16 on the Hub
@@ -91,7 +94,9 @@ def write_checkpoint(path, config, model, per_tensor=False) -> dict[str, torch.T
     safetensors_torch.save_file(hub, str(path / "model.safetensors"), metadata={"format": "pt"})
     cfg = config.to_dict()
     # Per tensor: weight_block_size null (absent, transformers defaults to 128 x 128).
-    cfg["quantization_config"] = {**QUANT, "weight_block_size": None} if per_tensor else QUANT
+    cfg["quantization_config"] = {**QUANT, "weight_block_size": None} if per_tensor else dict(QUANT)
+    if pow2:
+        cfg["quantization_config"]["scale_fmt"] = "ue8m0"
     cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
     (path / "config.json").write_text(json.dumps(cfg))
     return dequantized
@@ -142,11 +147,12 @@ def logits(model, ids):
         return model(ids).logits.double()
 
 
-@pytest.fixture(params=["dense", "dense-per-tensor", "moe"])
+@pytest.fixture(params=["dense", "dense-per-tensor", "moe", "moe-ue8m0"])
 def checkpoint(request, tmp_path):
-    config = moe_config() if request.param == "moe" else dense_config()
-    dequantized = write_checkpoint(tmp_path, config, random_model(config, request.param == "moe"),
-                                   per_tensor=request.param == "dense-per-tensor")
+    moe = request.param.startswith("moe")
+    config = moe_config() if moe else dense_config()
+    dequantized = write_checkpoint(tmp_path, config, random_model(config, moe),
+                                   per_tensor=request.param == "dense-per-tensor", pow2=request.param == "moe-ue8m0")
     return request.param, tmp_path, config, dequantized
 
 
@@ -168,7 +174,8 @@ def test_load_fp8_keeps_weights_fp8_and_runs_the_kernels(checkpoint):
         assert torch.equal(m.weight.view(torch.uint8), hub[name + ".weight"].view(torch.uint8))
         assert torch.equal(m.weight_scale.reshape(hub[name + ".weight_scale_inv"].shape),
                            hub[name + ".weight_scale_inv"])
-    assert len(experts) == (config.num_hidden_layers if kind == "moe" else 0)
+    moe = kind.startswith("moe")
+    assert len(experts) == (config.num_hidden_layers if moe else 0)
     for name, m in experts.items():
         assert m.gate_up_proj.dtype == m.down_proj.dtype == torch.float8_e4m3fn
         # Brought to one scale per row: within one more e4m3 rounding of the
@@ -179,7 +186,9 @@ def test_load_fp8_keeps_weights_fp8_and_runs_the_kernels(checkpoint):
             want = dequantized[f"{name}.{key}"]
             row_scale = scale.double()[..., None]
             got = bank.double() * row_scale
-            assert torch.all((got - want).abs() <= want.abs() * 2.0 ** -4 + row_scale * 2.0 ** -10), key
+            # Power-of-two scales: the ratios are too, and only subnormals round.
+            relative = 0 if kind == "moe-ue8m0" else 2.0 ** -4
+            assert torch.all((got - want).abs() <= want.abs() * relative + row_scale * 2.0 ** -10), key
             rows = want.norm(dim=-1) > 0
             assert torch.all((got - want).norm(dim=-1)[rows] <= 2.0 ** -4 * want.norm(dim=-1)[rows]), key
             assert torch.equal(got[want == 0], want[want == 0])
@@ -192,7 +201,7 @@ def test_load_fp8_keeps_weights_fp8_and_runs_the_kernels(checkpoint):
     assert fp8_bytes / bf16_bytes < 0.52
 
     # Dense: 12 rows (the fp8 tiles); MoE: 7 tokens (the GEMV, and 14 routed rows at decode).
-    ids = torch.tensor([[3, 17, 42, 5, 77, 9, 60, 1, 88, 23, 50, 11][: 7 if kind == "moe" else 12]])
+    ids = torch.tensor([[3, 17, 42, 5, 77, 9, 60, 1, 88, 23, 50, 11][: 7 if moe else 12]])
     exact = logits(reference(config, dequantized, torch.float64), ids)
     stock = logits(reference(config, dequantized, torch.bfloat16), ids)
     mps_ext.reset_stats()
@@ -200,10 +209,10 @@ def test_load_fp8_keeps_weights_fp8_and_runs_the_kernels(checkpoint):
         ours = logits(model, ids)
     ran = mps_ext.stats()
     kernels = [d.kernel for d in rec.dispatches]
-    fp8_mm = [k for k in kernels if k.startswith("fp8_gemv_" if kind == "moe" else "fp8_mm_tile_")]
+    fp8_mm = [k for k in kernels if k.startswith("fp8_gemv_" if moe else "fp8_mm_tile_")]
     assert len(fp8_mm) == len(linears), kernels
     assert ran["scaled_mm"]["ran"] == len(linears) and not ran["scaled_mm"]["fallbacks"]
-    if kind == "moe":
+    if moe:
         assert ran["grouped_mm"]["ran"] >= 3 * len(experts) and not ran["grouped_mm"]["fallbacks"]
 
     err_stock = (stock - exact).norm() / exact.norm()
@@ -211,7 +220,7 @@ def test_load_fp8_keeps_weights_fp8_and_runs_the_kernels(checkpoint):
     # Dense: the file's fp8 values exactly, bf16 activations as in stock's
     # bf16 run (measured 0.0075 against stock's 0.0094). MoE: one more e4m3
     # rounding of the expert weights (0.0100 against 0.0066).
-    factor = 2.0 if kind == "moe" else 1.5
+    factor = 2.0 if moe else 1.5
     assert err_ours <= factor * err_stock, (float(err_ours), float(err_stock))
 
 
