@@ -116,3 +116,14 @@ def test_lfm2_moe(figures):
                  intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_dense_layers=1,
                  layer_types=["conv", "full_attention"])
     check_llm(figures, model, torch.float32, {"linear", "grouped_mm"})
+
+
+def test_qwen3_dense_with_eager_attention(figures):
+    """transformers' eager attention: the attention weights' softmax in
+    fp32 over rows the causal mask fills with -inf (ours), for a bf16 model
+    whose products are bf16."""
+    model = tiny(transformers.Qwen3Config, transformers.Qwen3ForCausalLM, **COMMON, intermediate_size=128,
+                 attn_implementation="eager")
+    report = check_llm(figures, model, torch.bfloat16, {"linear", "softmax"})
+    # One per layer and forward: the prefill, the decode step, and generate()'s NEW_TOKENS forwards.
+    assert report.families["softmax"].ops["aten::_softmax"].ran == (2 + NEW_TOKENS) * COMMON["num_hidden_layers"]
