@@ -93,3 +93,16 @@ def test_bad_releases_and_nesting_are_refused():
         with pytest.raises(RuntimeError, match="already active"):
             with run_model("2.13"):
                 pass
+
+
+def test_the_fp8_modules_run_their_kernels_inside_and_are_reported():
+    """mps_ext's own ops, which its fp8 modules call (not an aten op a
+    family overrides), are reported under their family too."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 64)).bfloat16()
+    mps_ext.quantize_fp8(model)
+    x = torch.randn(2, 256).bfloat16()
+    with torch.no_grad(), run_model("2.13") as report:
+        model(x)
+    assert report.ran_kernels() == {"scaled_mm"}
+    assert report.families["scaled_mm"].ops["mps_ext::fp8_linear"].ran == 1
+    assert report.families["scaled_mm"].dispatches == 1
