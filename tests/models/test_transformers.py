@@ -1,6 +1,6 @@
 """transformers 5 language models, tiny random configs (no download):
 prefill, one decode step with the KV cache, and greedy generate(), in fp32
-and bf16, against stock torch and float64 (conftest.py). MoE blocks use
+and bf16, against stock torch and float64 (model_compare.py). MoE blocks use
 transformers' "grouped_mm" experts (integrations/moe.py: torch's
 F.grouped_mm over the fused 3-D expert weights, which is aten::_grouped_mm)."""
 
@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
+import mps_ext
 from mps_ext.cpu_metal import run_model
-
 from model_compare import RELEASE
 
 transformers = pytest.importorskip("transformers")
@@ -90,7 +90,8 @@ def test_deepseek_v3(figures):
     top-k and a correction bias, multi-head latent attention, the first
     layer dense."""
     model = tiny(transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
-                 **{**without_head_dim(), "num_hidden_layers": 3, "num_key_value_heads": 4}, **MOE, intermediate_size=128, moe_intermediate_size=32,
+                 **{**without_head_dim(), "num_hidden_layers": 3, "num_key_value_heads": 4}, **MOE,
+                 intermediate_size=128, moe_intermediate_size=32,
                  n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
                  kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
     check_llm(figures, model, torch.float32, {"linear", "grouped_mm"})
@@ -127,3 +128,22 @@ def test_qwen3_dense_with_eager_attention(figures):
     report = check_llm(figures, model, torch.bfloat16, {"linear", "softmax"})
     # One per layer and forward: the prefill, the decode step, and generate()'s NEW_TOKENS forwards.
     assert report.families["softmax"].ops["aten::_softmax"].ran == (2 + NEW_TOKENS) * COMMON["num_hidden_layers"]
+
+
+def test_qwen3_moe_under_the_policy_of_torch_2_15():
+    """On torch 2.15 torch's own _grouped_mm and softmax forward run on a
+    Mac (mps_ext/_policy.py); F.linear, whose decode rows torch's aten::linear
+    does not send to its GEMV, stays mps_ext's."""
+    model = tiny(transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, **COMMON, **MOE,
+                 intermediate_size=128, moe_intermediate_size=32, num_experts=8, norm_topk_prob=True)
+    ids = torch.randint(1, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+        with run_model("2.15") as report:
+            got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert report.ran_kernels() == {"linear"}
+    assert report.families["grouped_mm"].ran == 0 and report.families["softmax"].ran == 0
+    assert all(why.startswith(mps_ext.POLICY_PREFIX)
+               for fam in ("grouped_mm", "softmax") for why in report.left_to_torch(fam))
+    assert sum(report.left_to_torch("grouped_mm").values()) == 2 * COMMON["num_hidden_layers"]
