@@ -106,3 +106,16 @@ def test_the_fp8_modules_run_their_kernels_inside_and_are_reported():
     assert report.ran_kernels() == {"scaled_mm"}
     assert report.families["scaled_mm"].ops["mps_ext::fp8_linear"].ran == 1
     assert report.families["scaled_mm"].dispatches == 1
+
+
+def test_f_linear_that_needs_its_derivative_decomposes_and_still_trains():
+    """torch.ops.mps_ext.linear has no derivative: where autograd needs one,
+    F.linear decomposes as on CPU, and its addmm (and the backward's mm,
+    whose rows are too many for the GEMV) are routed."""
+    x, w, b = torch.randn(2, 32), torch.randn(16, 32, requires_grad=True), torch.randn(16, requires_grad=True)
+    with run_model("2.13") as report:
+        F.linear(x, w, b).square().sum().backward()
+    torch.testing.assert_close(w.grad, 2 * (x @ w.detach().t() + b.detach()).t() @ x)
+    ops = report.families["linear"].ops
+    assert "aten::linear" not in ops and ops["aten::addmm"].ran == 1
+    assert sum(ops["aten::mm"].left_to_torch.values()) == 1  # grad of w: [16, 2] @ [2, 32], 16 rows
