@@ -162,9 +162,11 @@ class _Linear(TorchFunctionMode):
 
 
 def _apply_policy(release: str, device: str = "CPU") -> None:
-    """The rules of `release` (mps_ext/_policy.py) on the CPU key: the same
-    call that puts the installed torch's on the MPS key at import."""
+    """The rules of `release` (mps_ext/_policy.py) on the CPU key, and no
+    others: the same call that puts the installed torch's on the MPS key at
+    import."""
     import mps_ext
+    _clear_policy(device)
     for fam in mps_ext.families():
         mps_ext._leave_to_torch(fam, _policy.left_to_torch(fam, release), device)
 

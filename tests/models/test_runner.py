@@ -119,3 +119,10 @@ def test_f_linear_that_needs_its_derivative_decomposes_and_still_trains():
     ops = report.families["linear"].ops
     assert "aten::linear" not in ops and ops["aten::addmm"].ran == 1
     assert sum(ops["aten::mm"].left_to_torch.values()) == 1  # grad of w: [16, 2] @ [2, 32], 16 rows
+
+
+def test_rules_set_on_the_cpu_key_before_the_run_do_not_leak_into_it(cpu_policy):
+    mps_ext._C.leave_to_torch("pad", "aten::constant_pad_nd", "CPU", mps_ext.POLICY_PREFIX + "a stale rule")
+    with run_model("2.13") as report:
+        F.pad(torch.randn(2, 5), (1, 1))
+    assert report.ran_kernels() == {"pad"}
