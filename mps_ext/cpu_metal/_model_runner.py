@@ -184,8 +184,8 @@ def run_model(torch_release: str | None = None):
     ("2.13"; default: the installed torch) would run them with mps_ext:
     what mps_ext takes there runs its kernels on the CPU Metal executor,
     what the release's policy leaves to torch, and what the ops do not
-    handle, run aten's CPU kernels. Yields a ModelReport, filled when the
-    block ends. mps_ext's fp8 modules use their kernels inside (it enters
+    handle, run aten's CPU kernels. Yields a ModelReport, filled in as the
+    calls run. mps_ext's fp8 modules use their kernels inside (it enters
     mps_ext._executor_request.request())."""
     import mps_ext
     from .. import _C
