@@ -32,6 +32,9 @@ buffer and threadgroup-memory bank conflicts.
 `with cpu_metal.record() as rec:` collects the stats of every dispatch made
 inside it, from Python or from C++ (the op layer); record(counters=True)
 turns the counters on for all of them.
+`with cpu_metal.run_model(torch_release="2.13") as report:` runs a whole
+model's CPU tensor ops through mps_ext's kernels where a Mac with that torch
+would (docs/model_runner.md).
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ DispatchError = _C.DispatchError
 __all__ = [
     "compile_library", "Library", "DispatchStats", "KernelInfo", "record", "set_default_seed", "worker_count",
     "FULL_OCCUPANCY_REGISTERS", "MAX_REGISTERS", "occupancy", "registers_for",
-    "CompileError", "Diagnostic", "KernelError", "OutOfBoundsError", "MisalignedAccessError",
+    "run_model", "ModelReport", "CompileError", "Diagnostic", "KernelError", "OutOfBoundsError",
+    "MisalignedAccessError",
     "BarrierDivergenceError", "RaceError", "DispatchError", "cache_dir",
 ]
 
@@ -411,5 +415,14 @@ class record:
 
     def __exit__(self, *exc):
         self._native.stop()
-        self.dispatches = [DispatchStats._from_native(d) for d in self._native.take()]
+        self.dispatches = self.take()
         return False
+
+    def take(self) -> list[DispatchStats]:
+        """The dispatches recorded since the block began or the last take(),
+        which no longer count in `dispatches` (run_model attributes each
+        call's dispatches to its op this way)."""
+        return [DispatchStats._from_native(d) for d in self._native.take()]
+
+
+from ._model_runner import ModelReport, run_model  # noqa: E402  (uses record, defined above)
