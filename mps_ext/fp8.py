@@ -106,11 +106,15 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, granularity: str = "
     return w * s
 
 
-@torch._dynamo.assume_constant_result
 def _executor_requested() -> bool:
-    # Dynamo cannot trace a ContextVar: the answer is taken when a graph is
-    # traced (compile inside request() to trace the kernels' path).
     return _executor_request.requested()
+
+
+# Dynamo cannot trace a ContextVar: it takes the answer when it traces a
+# graph (compile inside request() to trace the kernels' path). This is what
+# torch.compiler.assume_constant_result sets (torch 2.0-2.15), without
+# importing dynamo at `import mps_ext`.
+_executor_requested._dynamo_marked_constant = True
 
 
 def _use_torch_cpu_ops(x: torch.Tensor) -> bool:
