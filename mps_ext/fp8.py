@@ -139,10 +139,14 @@ class _FP8Module(nn.Module):
         def without_casts(t):
             if id(t) not in kept:
                 return fn(t)
-            # What fn does to a tensor like t, learnt on an empty one: if it
-            # casts, take only its device.
-            probe = fn(t.new_empty(0))
-            return fn(t) if probe.dtype == t.dtype else t.to(probe.device)
+            # What fn does to floating-point tensors, learnt on empty ones of
+            # two dtypes (any cast changes one of them; not float8, whose
+            # conversions on MPS before torch 2.15 are mps_ext's fp8 family,
+            # which may be turned off): if it casts, take its device only.
+            probes = [(fn(torch.empty(0, dtype=d, device=t.device)), d) for d in (torch.float16, torch.float32)]
+            if all(p.dtype == d for p, d in probes):
+                return fn(t)
+            return t.to(probes[0][0].device)
 
         return super()._apply(without_casts, recurse)
 
