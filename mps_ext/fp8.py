@@ -260,6 +260,8 @@ class FP8Experts(_FP8Module):
 
     @classmethod
     def from_experts(cls, module: nn.Module) -> "FP8Experts":
+        """An FP8Experts holding `module`'s banks quantized; ValueError
+        saying why if FP8Experts cannot run them."""
         banks = _expert_banks(module)
         if isinstance(banks, str):
             raise ValueError(f"{type(module).__name__} cannot become an FP8Experts: {banks}")
