@@ -149,7 +149,8 @@ def test_quantize_fp8_converts_the_moe_blocks_of_transformers_models(name):
               for n, m in original.named_modules() if isinstance(m, nn.Linear) or n in banks}
     model = quantize(copy.deepcopy(original))
     summary = model.fp8_summary
-    assert [n for n, m in model.named_modules() if isinstance(m, FP8Experts)] == banks == summary.converted["FP8Experts"]
+    fp8_experts = [n for n, m in model.named_modules() if isinstance(m, FP8Experts)]
+    assert fp8_experts == banks == summary.converted["FP8Experts"]
     linears = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
     assert linears == summary.converted["FP8Linear"] and linears
     assert not expert_modules(model)  # no bf16 bank left
