@@ -12,25 +12,43 @@ The forward keeps the activation in its own dtype (bf16, fp16 or fp32) and
 de-quantises the weight in registers (torch.ops.mps_ext.fp8_linear, the
 kernels of kernels_metal/fp8_mm.metal): the same weight traffic as
 quantising the activation to fp8 too, without the activation's rounding
-error. It runs on MPS and, through the CPU Metal executor, on CPU tensors.
+error. On CPU tensors the modules compute the same product with torch's own
+CPU ops (the weight de-quantised in memory): the CPU Metal executor runs
+Metal kernels thousands of times slower than a CPU library, so it runs only
+inside mps_ext._executor_request.request() (tests, the model runner).
 
 Every selected module holding a mixture-of-experts layer's expert banks as
-3-D parameters `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] with a
-SiLU gate (transformers' layout: Qwen3-MoE, Qwen3.5/3.6, LFM2-MoE experts,
-called as experts(hidden_states, top_k_index, top_k_weights)) becomes an
-FP8Experts: float8_e4m3fn banks with one fp32 scale per expert output row
-(whatever `granularity`: the recipe of the grouped fp8 kernels,
-kernels_metal/grouped_mm.metal), run by mps_ext's MoE ops.
+3-D parameters `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]
+(transformers 5's experts modules; also [E, H, 2I] / [E, I, H] where the
+module says `is_transposed`, and gate and up rows interleaved where it says
+`is_concatenated=False`) with a SiLU gate, called as experts(hidden_states,
+top_k_index, top_k_weights), becomes an FP8Experts: float8_e4m3fn banks with
+one fp32 scale per expert output row (whatever `granularity`: the recipe of
+the grouped fp8 kernels, kernels_metal/grouped_mm.metal), run by mps_ext's
+MoE ops. The gate is checked by value (the module's own gate evaluated on a
+probe), since transformers' activations are classes of its own.
+
+The fp8 modules keep their storage dtypes through `.to(dtype)`, `.half()`,
+`.float()` and the like (device moves apply, casts do not), and quantize_fp8
+says what it converted and what it left (FP8Summary).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import logging
+import warnings
 from typing import Callable
 
 import torch
 from torch import nn
 
-__all__ = ["FP8Experts", "FP8Linear", "quantize_fp8", "quantize_weight"]
+from . import _executor_request
+
+__all__ = ["FP8Experts", "FP8Linear", "FP8Summary", "quantize_fp8", "quantize_weight"]
+
+logger = logging.getLogger(__name__)
 
 E4M3_MAX = 448.0
 BLOCK = 128
@@ -75,8 +93,70 @@ def quantize_weight(weight: torch.Tensor, granularity: str = "row") -> tuple[tor
     return q.contiguous(), scale.contiguous()
 
 
-class FP8Linear(nn.Module):
-    """nn.Linear with a float8_e4m3fn weight and fp32 scales."""
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, granularity: str = "row") -> torch.Tensor:
+    """The float32 weight that quantize_weight's (q, scale) stand for: what
+    the kernels de-quantise in registers, for the CPU path of the fp8
+    modules."""
+    w = q.to(torch.float32)
+    if granularity == "block":
+        n, k = w.shape
+        s = scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+    else:  # one scale, or one per row ([N, 1], or [E, N] for a 3-D bank)
+        s = scale.reshape(w.shape[:-1] + (1,)) if granularity == "row" else scale.reshape(())
+    return w * s
+
+
+def _executor_requested() -> bool:
+    return _executor_request.requested()
+
+
+# Dynamo cannot trace a ContextVar: it takes the answer when it traces a
+# graph (compile inside request() to trace the kernels' path). This is what
+# torch.compiler.assume_constant_result sets (torch 2.0-2.15), without
+# importing dynamo at `import mps_ext`.
+_executor_requested._dynamo_marked_constant = True
+
+
+def _use_torch_cpu_ops(x: torch.Tensor) -> bool:
+    """CPU tensors take torch's own CPU ops unless the executor was asked
+    for: a Metal kernel on the executor is thousands of times slower than a
+    CPU library, and users quantize on the CPU and try a forward before
+    moving the model to MPS."""
+    return x.device.type == "cpu" and not _executor_requested()
+
+
+class _FP8Module(nn.Module):
+    """Base of the fp8 modules: their buffers (float8 weights, fp32 scales)
+    are stored in fixed dtypes, and a model-wide `.to(dtype)`, `.half()`,
+    `.bfloat16()` or `.float()` must not cast them (a cast fp8 weight is no
+    longer what the kernels take; an fp16 scale loses precision).
+    Parameters (an FP8Linear's bias) follow the requested dtype; device
+    moves, `to_empty` and the rest apply to everything."""
+
+    def _apply(self, fn, recurse=True):
+        kept = {id(b) for b in self._buffers.values() if b is not None}
+
+        def without_casts(t):
+            if id(t) not in kept:
+                return fn(t)
+            # What fn does to floating-point tensors, learnt on empty ones of
+            # two dtypes (any cast changes one of them; not float8, whose
+            # conversions on MPS before torch 2.15 are mps_ext's fp8 family,
+            # which may be turned off): if it casts, take its device only.
+            probes = [(fn(torch.empty(0, dtype=d, device=t.device)), d) for d in (torch.float16, torch.float32)]
+            if all(p.dtype == d for p, d in probes):
+                return fn(t)
+            return t.to(probes[0][0].device)
+
+        return super()._apply(without_casts, recurse)
+
+
+_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class FP8Linear(_FP8Module):
+    """nn.Linear with a float8_e4m3fn weight and fp32 scales. The output has
+    the input's dtype (the bias is cast to it if it differs)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, granularity: str = "row",
                  device=None, dtype=torch.bfloat16):
@@ -102,8 +182,18 @@ class FP8Linear(nn.Module):
             m.bias.data.copy_(linear.bias.detach())
         return m
 
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out_features, in_features] this layer stands for."""
+        return dequantize_weight(self.weight, self.weight_scale, self.granularity)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None and self.bias.dtype != x.dtype else self.bias
+        if _use_torch_cpu_ops(x):
+            if x.dtype not in _INPUT_DTYPES:  # the op's own check, for the same error on every device
+                raise RuntimeError(f"mps_ext fp8_linear: input must be float32, float16 or bfloat16, got {x.dtype}")
+            # The kernels' math: weight de-quantised in float32, float32 sums.
+            return nn.functional.linear(x.float(), self.dequantize(),
+                                        None if bias is None else bias.float()).to(x.dtype)
         return torch.ops.mps_ext.fp8_linear(x, self.weight, self.weight_scale, self.granularity, bias)
 
     def extra_repr(self) -> str:
@@ -114,20 +204,37 @@ class FP8Linear(nn.Module):
                 f"activation kept in its dtype, weight de-quantised in registers")
 
 
-class FP8Experts(nn.Module):
+@torch.library.custom_op("mps_ext::fp8_grouped_linear", mutates_args=())
+def _fp8_grouped_linear(rows: torch.Tensor, bank: torch.Tensor, bank_scale: torch.Tensor,
+                        offs: torch.Tensor) -> torch.Tensor:
+    """FP8Experts' prefill product: rows [R, K] (bf16, sorted by expert,
+    offs the cumulative row counts) @ bank[e]^T ([E, N, K] e4m3fn, [E, N]
+    fp32 scales), the rows quantised to e4m3 row-wise first -> [R, N] bf16.
+    One opaque op so that torch.compile hands inductor no float8 tensor op
+    of aten to lower (inductor's Metal code generator has no float8 type,
+    torch 2.9-2.15). Its Meta kernel is in mps_ext/_meta.py."""
+    a8, sa = quantize_weight(rows, "row")
+    out = torch.ops.mps_ext._scaled_grouped_mm(a8, bank.transpose(-2, -1), sa.reshape(-1), bank_scale, offs)
+    return out.contiguous()  # the grouped kernels pad rows to 16 bytes; the Meta kernel says contiguous
+
+
+class FP8Experts(_FP8Module):
     """A mixture-of-experts layer's expert banks in float8_e4m3fn with an fp32
     scale per expert output row, called as transformers' experts modules are:
     forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])
-    -> [T, H], each token's chosen experts' SiLU-gated MLPs summed with its
-    weights. The tokens' slots are sorted by expert on the device (argsort,
-    index_add_, cumsum): nothing is read on the host.
+    -> [T, H] in hidden_states' dtype, each token's chosen experts'
+    SiLU-gated MLPs summed with its weights. The tokens' slots are sorted by
+    expert on the device (argsort, index_add_, cumsum): nothing is read on
+    the host.
 
     Decode (up to 1024 routed rows, T * k): torch.ops.mps_ext.moe_experts
     (gather + gate/up + SiLU, then down; bfloat16 activations, the weights
     de-quantised in registers: each chosen expert's bytes read once) and
     moe_combine, four dispatches. More rows: the activations are quantised
     row-wise to e4m3 as well and the products are _scaled_grouped_mm's tiles
-    (prefill accuracy is then that of fp8 activations)."""
+    (prefill accuracy is then that of fp8 activations; mps_ext::
+    fp8_grouped_linear). On CPU tensors (unless the executor is asked for)
+    torch's CPU ops compute the decode math for any number of rows."""
 
     DECODE_ROWS = 1024  # moe_experts' limit
 
@@ -141,31 +248,46 @@ class FP8Experts(nn.Module):
         self.register_buffer("down_scale", torch.ones(num_experts, hidden, device=device))
 
     @staticmethod
+    def why_not_convertible(module: nn.Module) -> str | None:
+        """None if `module` holds expert banks FP8Experts can run, else why not."""
+        banks = _expert_banks(module)
+        return banks if isinstance(banks, str) else None
+
+    @staticmethod
     def convertible(module: nn.Module) -> bool:
-        """Whether `module` holds expert banks in the layout FP8Experts takes."""
-        gu, d = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-        if not (isinstance(gu, torch.Tensor) and isinstance(d, torch.Tensor) and gu.dim() == 3 and d.dim() == 3):
-            return False
-        e, two_i, h = gu.shape
-        act = getattr(module, "act_fn", None)
-        return (gu.is_floating_point() and two_i % 2 == 0 and tuple(d.shape) == (e, h, two_i // 2)
-                and (isinstance(act, nn.SiLU) or act is nn.functional.silu))
+        """Whether `module` holds expert banks FP8Experts can run."""
+        return FP8Experts.why_not_convertible(module) is None
 
     @classmethod
     def from_experts(cls, module: nn.Module) -> "FP8Experts":
-        e, two_i, h = module.gate_up_proj.shape
-        m = cls(e, h, two_i // 2, device=module.gate_up_proj.device)
-        for name in ("gate_up", "down"):
-            q, s = quantize_weight(getattr(module, name + "_proj"), "row")
+        """An FP8Experts holding `module`'s banks quantized; ValueError
+        saying why if FP8Experts cannot run them."""
+        banks = _expert_banks(module)
+        if isinstance(banks, str):
+            raise ValueError(f"{type(module).__name__} cannot become an FP8Experts: {banks}")
+        gate_up, down = banks
+        e, two_i, h = gate_up.shape
+        m = cls(e, h, two_i // 2, device=gate_up.device)
+        for name, bank in (("gate_up", gate_up), ("down", down)):
+            q, s = quantize_weight(bank, "row")
             getattr(m, name + "_proj").copy_(q)
             getattr(m, name + "_scale").copy_(s)
         return m
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        ops = torch.ops.mps_ext
         x = hidden_states.reshape(-1, self.hidden).to(torch.bfloat16)
-        tokens, k = top_k_index.reshape(x.shape[0], -1).shape
+        top_k_index = top_k_index.reshape(x.shape[0], -1)
+        weights = top_k_weights.reshape(top_k_index.shape).to(torch.float32).contiguous()
+        if _use_torch_cpu_ops(x):
+            out = self._forward_with_torch_ops(x, top_k_index, weights)
+        else:
+            out = self._forward_with_kernels(x, top_k_index, weights)
+        return out.to(hidden_states.dtype).reshape(hidden_states.shape)
+
+    def _forward_with_kernels(self, x, top_k_index, weights):
+        ops = torch.ops.mps_ext
+        k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
         rows = flat.numel()
         slot_of_row = torch.argsort(flat, stable=True)  # slot t * k + j, sorted by expert
@@ -174,27 +296,182 @@ class FP8Experts(nn.Module):
         offs = counts.cumsum(0, dtype=torch.int32)
         row_of_slot = torch.empty_like(slot_of_row).scatter_(0, slot_of_row, torch.arange(rows, device=x.device))
         slot_of_row, row_of_slot = slot_of_row.to(torch.int32), row_of_slot.to(torch.int32)
-        weights = top_k_weights.reshape(tokens, k).to(torch.float32).contiguous()
         if rows <= self.DECODE_ROWS:
             h = ops.moe_experts(x, self.gate_up_proj, self.gate_up_scale, offs, slot_of_row, k, True)
             y = ops.moe_experts(h, self.down_proj, self.down_scale, offs)
         else:
             xs = x[slot_of_row.long() // k]
-            gate, up = self._scaled(xs, self.gate_up_proj, self.gate_up_scale, offs).float().chunk(2, -1)
-            y = self._scaled((nn.functional.silu(gate) * up).bfloat16(), self.down_proj, self.down_scale, offs)
-        out = ops.moe_combine(y, weights, row_of_slot)
-        return out.to(hidden_states.dtype).reshape(hidden_states.shape)
+            gate, up = ops.fp8_grouped_linear(xs, self.gate_up_proj, self.gate_up_scale, offs).float().chunk(2, -1)
+            y = ops.fp8_grouped_linear((nn.functional.silu(gate) * up).bfloat16(), self.down_proj, self.down_scale,
+                                       offs)
+        return ops.moe_combine(y, weights, row_of_slot)
 
-    @staticmethod
-    def _scaled(rows: torch.Tensor, bank: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """rows [R, K] (bf16, sorted by expert) @ bank[e]^T, the rows quantised to e4m3 row-wise."""
-        a8, sa = quantize_weight(rows, "row")
-        return torch.ops.mps_ext._scaled_grouped_mm(a8, bank.transpose(-2, -1), sa.reshape(-1), scale, offs)
+    def _forward_with_torch_ops(self, x, top_k_index, weights):
+        """moe_experts' and moe_combine's math with torch's CPU ops: bf16
+        activations, each chosen expert's weights de-quantised in float32
+        (one expert at a time: no copy of a whole bank), float32 sums, the
+        gated activations, each expert's output and the sum rounded to bf16
+        where the kernels store them."""
+        tokens, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < self.num_experts:
+            raise ValueError(f"FP8Experts: top_k_index must hold experts 0 to {self.num_experts - 1}, got "
+                             f"{int(flat.min())} to {int(flat.max())}")
+        order = torch.argsort(flat, stable=True)
+        xs = x[order // k].float()
+        ys = torch.empty(flat.numel(), self.hidden)
+        start = 0
+        for e, n in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
+            if n:
+                gu = dequantize_weight(self.gate_up_proj[e], self.gate_up_scale[e])
+                gate, up = (xs[start:start + n] @ gu.T).chunk(2, -1)
+                h = (nn.functional.silu(gate) * up).bfloat16().float()
+                dn = dequantize_weight(self.down_proj[e], self.down_scale[e])
+                ys[start:start + n] = (h @ dn.T).bfloat16().float()
+                start += n
+        y = torch.empty_like(ys)
+        y[order] = ys
+        return (y.view(tokens, k, self.hidden) * weights[..., None]).sum(1).bfloat16()
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
                 f"weights=float8_e4m3fn, fp32 scale per expert output row, SiLU gate; decode: bfloat16 "
                 f"activations, weights de-quantised in registers")
+
+
+# ---------------------------------------------------------------- expert banks --
+_BANK_NAMES = ("gate_up_proj", "up_proj", "down_proj")
+_QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _holds_expert_banks(module: nn.Module) -> bool:
+    """A mixture-of-experts layer's experts as 3-D parameters (transformers
+    5's layout), whether FP8Experts can run them or not."""
+    return not isinstance(module, FP8Experts) and any(
+        isinstance(getattr(module, n, None), torch.Tensor) and getattr(module, n).dim() == 3 for n in _BANK_NAMES)
+
+
+def _takes_routing(module: nn.Module) -> bool:
+    """Whether forward takes (hidden_states, top_k_index, top_k_weights), as
+    FP8Experts does (Llama 4's experts take pre-grouped hidden states only)."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return True  # cannot tell
+    kinds = [p.kind for p in params]
+    positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds)
+    return positional >= 3 or inspect.Parameter.VAR_POSITIONAL in kinds
+
+
+def _silu_probe(inter: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate and up values [rows, inter] for _gate_is_not_silu: every value of
+    a SiLU's shape (-20 to 20) and magnitudes past any clamp of a gate or up
+    (GPT-OSS and DeepSeek-V4 clamp at 7-10), paired differently in gate and
+    up."""
+    values = torch.cat([torch.linspace(-20, 20, 401),
+                        torch.tensor([-1e4, -1e3, -100.0, -50.0, 50.0, 100.0, 1e3, 1e4])])  # 409, a prime
+    rows = -(-values.numel() // inter)
+    i = torch.arange(rows * inter)
+    return (values[i % values.numel()].view(rows, inter).to(device),
+            values[(7 * i + 3) % values.numel()].view(rows, inter).to(device))
+
+
+def _gate_is_not_silu(module: nn.Module, inter: int, concatenated: bool, device) -> str | None:
+    """None if the module's gate computes SiLU(gate) * up, else why not. By
+    value, not by class: transformers' ACT2FN["silu"] is a class of its own,
+    and a model's _apply_gate may clamp or scale (GPT-OSS, DeepSeek-V4,
+    MiniMax-M3). transformers' experts gate through _apply_gate in every
+    backend; other modules through act_fn(gate) * up."""
+    apply, act = getattr(module, "_apply_gate", None), getattr(module, "act_fn", None)
+    if callable(apply):
+        what = f"{type(module).__name__}._apply_gate" + (f" with act_fn {_name(act)}" if act is not None else "")
+    elif callable(act):
+        what = f"act_fn {_name(act)}"
+    else:
+        return "no act_fn or _apply_gate to check its gate against SiLU(gate) * up"
+    gate, up = _silu_probe(inter, device)
+    gate_up = torch.cat([gate, up], -1) if concatenated else torch.stack([gate, up], -1).flatten(-2)
+    with torch.no_grad():
+        try:
+            got = apply(gate_up) if callable(apply) else act(gate) * up
+        except Exception as e:  # a gate that cannot take the probe is not one FP8Experts can stand for
+            return f"its gate ({what}) raised on a probe: {type(e).__name__}: {e}"
+    want = nn.functional.silu(gate) * up
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return f"its gate ({what}) did not give [rows, {inter}] on a probe"
+    got = got.float()
+    err = (got - want).abs() / (want.abs() + 1e-3)
+    if torch.isfinite(got).all() and err.max() <= 1e-2:  # SiLU evaluated in bf16 passes
+        return None
+    i = int(err.flatten().argmax())
+    return (f"its gate ({what}) is not SiLU(gate) * up: gate={gate.flatten()[i].item():g}, "
+            f"up={up.flatten()[i].item():g} gives {got.flatten()[i].item():g}, SiLU {want.flatten()[i].item():g}; "
+            f"FP8Experts' kernels fuse SiLU")
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _expert_banks(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """(gate_up [E, 2I, H], down [E, H, I]) as FP8Experts stores them (views
+    of the module's banks; gate rows first), or why the module's experts
+    cannot be an FP8Experts. Layout flags are those transformers'
+    use_experts_implementation sets on its experts modules."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3):
+        return ("no 3-D gate_up_proj (experts without a gate, has_gate=False): FP8Experts runs gated experts, "
+                "SiLU(gate) * up")
+    if not (isinstance(down, torch.Tensor) and down.dim() == 3):
+        return "no 3-D down_proj"
+    if gate_up.dtype not in _QUANTIZABLE or down.dtype not in _QUANTIZABLE:
+        return f"expert banks of {gate_up.dtype} and {down.dtype}: quantize_fp8 quantizes floating-point banks"
+    if gate_up.device.type == "meta":
+        return "expert banks on the meta device (not loaded)"
+    biases = [n for n in ("gate_up_proj_bias", "down_proj_bias") if isinstance(getattr(module, n, None), torch.Tensor)]
+    if getattr(module, "has_bias", False) or biases:
+        return f"expert biases ({', '.join(biases) or 'has_bias'}): FP8Experts has none"
+    if getattr(module, "has_post_expert_norm", False):
+        return "a norm after each expert (has_post_expert_norm): FP8Experts has none"
+    if getattr(module, "_is_expert_parallel", False):
+        return "expert parallel (experts sharded across processes): FP8Experts holds every expert"
+    if not _takes_routing(module):
+        return (f"forward{inspect.signature(module.forward)} does not take (hidden_states, top_k_index, "
+                f"top_k_weights), as FP8Experts does")
+    transposed = bool(getattr(module, "is_transposed", False))
+    gu, dn = (gate_up.transpose(1, 2), down.transpose(1, 2)) if transposed else (gate_up, down)
+    e, two_i, h = gu.shape
+    if two_i % 2 or tuple(dn.shape) != (e, h, two_i // 2):
+        want = "[E, H, 2I] and [E, I, H] (is_transposed)" if transposed else "[E, 2I, H] and [E, H, I]"
+        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not {want}"
+    concatenated = bool(getattr(module, "is_concatenated", True))
+    why = _gate_is_not_silu(module, two_i // 2, concatenated, gu.device)
+    if why:
+        return why
+    if not concatenated:  # gate and up rows interleaved: FP8Experts takes all gate rows, then all up rows
+        gu = torch.cat([gu[:, 0::2], gu[:, 1::2]], 1)
+    return gu, dn
+
+
+# ------------------------------------------------------------------ quantize_fp8 --
+@dataclasses.dataclass
+class FP8Summary:
+    """What quantize_fp8 did. `converted`: kind ("FP8Linear", "FP8Experts")
+    -> qualified names of the modules replaced. `left`: qualified name of
+    each nn.Linear or expert-bank module kept as it was -> why.
+    `bytes_before` / `bytes_after`: the model's parameters and buffers."""
+
+    converted: dict[str, list[str]]
+    left: dict[str, str]
+    bytes_before: int
+    bytes_after: int
+
+    def __str__(self) -> str:
+        kinds = ", ".join(f"{len(names)} {kind}" for kind, names in self.converted.items() if names) or "nothing"
+        lines = [f"quantize_fp8 converted {kinds}: parameters and buffers {self.bytes_before:,} -> "
+                 f"{self.bytes_after:,} bytes ({self.bytes_after / max(self.bytes_before, 1):.2f}x)"]
+        lines += [f"  left {name}: {why}" for name, why in self.left.items()]
+        return "\n".join(lines)
 
 
 def _default_filter(name: str, module: nn.Module) -> bool:
@@ -205,20 +482,54 @@ def _default_filter(name: str, module: nn.Module) -> bool:
     return leaf not in ("lm_head", "output", "embed_out", "gate", "router")
 
 
+def _model_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
 def quantize_fp8(model: nn.Module, granularity: str = "row",
                  filter: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
     """Replace every nn.Linear for which filter(qualified_name, module) is
     true (default: all but an LM head named lm_head / output / embed_out and
-    a MoE router named gate / router) by an FP8Linear, and every expert-bank module (FP8Experts.convertible)
-    the filter keeps by an FP8Experts, in place; returns the model."""
+    a MoE router named gate / router) by an FP8Linear, and every expert-bank
+    module the filter keeps that FP8Experts can run by an FP8Experts, in
+    place; returns the model, with an FP8Summary of what was converted and
+    what was left (and why) as `model.fp8_summary`, also logged (logger
+    "mps_ext.fp8", INFO). Expert banks left for any reason but the filter
+    give a warning: they keep their memory."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     keep = filter or _default_filter
-    targets = [(name, mod) for name, mod in model.named_modules()
-               if (isinstance(mod, nn.Linear) or FP8Experts.convertible(mod)) and keep(name, mod)]
-    for name, mod in targets:
+    excluded = "excluded by the filter" + ("" if filter else " (LM head, MoE router: quantize_fp8's default)")
+    bytes_before = _model_bytes(model)
+    left: dict[str, str] = {}
+    banks_left: dict[str, str] = {}
+    targets = []
+    for name, mod in model.named_modules():
+        is_linear = isinstance(mod, nn.Linear)
+        if not (is_linear or _holds_expert_banks(mod)):
+            continue
+        if not keep(name, mod):
+            left[name] = excluded
+        elif not name:
+            left[name] = "the model itself: quantize_fp8 replaces modules inside it (FP8Linear.from_linear, " \
+                         "FP8Experts.from_experts convert a module)"
+        elif is_linear:
+            targets.append((name, FP8Linear.from_linear, "FP8Linear"))
+        elif (why := FP8Experts.why_not_convertible(mod)) is not None:
+            left[name] = banks_left[name] = why
+        else:
+            targets.append((name, FP8Experts.from_experts, "FP8Experts"))
+    converted: dict[str, list[str]] = {"FP8Linear": [], "FP8Experts": []}
+    for name, convert, kind in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        new = FP8Linear.from_linear(mod, granularity) if isinstance(mod, nn.Linear) else FP8Experts.from_experts(mod)
-        setattr(parent, leaf, new)
+        mod = getattr(parent, leaf)
+        setattr(parent, leaf, convert(mod, granularity) if kind == "FP8Linear" else convert(mod))
+        converted[kind].append(name)
+    summary = FP8Summary(converted, left, bytes_before, _model_bytes(model))
+    model.fp8_summary = summary
+    logger.info("%s", summary)
+    if banks_left:
+        warnings.warn("quantize_fp8 left expert banks in their dtype (they keep their memory): " +
+                      "; ".join(f"{n}: {why}" for n, why in banks_left.items()), stacklevel=2)
     return model

@@ -3,6 +3,7 @@ _scaled_mm and _scaled_mm_v2 against torch's CPU kernels (tensor-wise,
 row-wise), the block-wise recipes against a float64 reference, the
 kernels' memory traffic from the executor's counters, and quantize_fp8."""
 
+import contextlib
 import io
 import math
 import re
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 import mps_ext
-from mps_ext import _policy, cpu_metal
+from mps_ext import _executor_request, _policy, cpu_metal
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 g = torch.Generator().manual_seed(0)
@@ -312,6 +313,7 @@ def dequantized(layer):
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+@_executor_request.request()  # FP8Linear on CPU tensors: through the kernels, not torch's CPU ops
 def test_fp8_linear_without_its_kernels(granularity):
     """Turned off, or its Metal library failing to build: fp8_linear gives
     the same product through torch's ops (torch has no kernel to fall back
@@ -348,6 +350,7 @@ class Tiny(nn.Module):
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+@_executor_request.request()
 def test_quantize_fp8(granularity):
     torch.manual_seed(0)
     ref = Tiny().bfloat16()
@@ -385,5 +388,6 @@ def test_quantize_fp8_filter_and_errors():
     assert isinstance(model.up, mps_ext.FP8Linear) and isinstance(model.down, nn.Linear)
     with pytest.raises(ValueError, match="granularity must be one of"):
         mps_ext.quantize_fp8(Tiny(), granularity="channel")
-    with pytest.raises(RuntimeError, match="input must be float32, float16 or bfloat16"):
-        model.up(torch.ones(2, 256, dtype=torch.float64))
+    for path in (contextlib.nullcontext(), _executor_request.request()):  # torch's CPU ops, the kernels
+        with path, pytest.raises(RuntimeError, match="input must be float32, float16 or bfloat16"):
+            model.up(torch.ones(2, 256, dtype=torch.float64))

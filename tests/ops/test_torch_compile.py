@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import mps_ext
+from mps_ext import _executor_request
 
 torch.manual_seed(0)
 
@@ -90,10 +91,11 @@ def linalg_inputs(batch=3, n=5):
     return torch.randn(batch, n, n) + 2 * n * torch.eye(n), torch.randn(batch, n, 2)
 
 
-def moe_model(x, router, w_gate_up, w_down, a8, b8, scale_a, scale_b, offs8):
+def moe_model(x, router, w_gate_up, w_down, a8, b8, scale_a, scale_b, offs8, bank8, bank_scale):
     """A mixture-of-experts decode layer through mps_ext's own ops (their fake
     kernels, mps_ext/_meta.py), its first expert product again through
-    _grouped_mm, and an fp8 _scaled_grouped_mm (v1 and v2)."""
+    _grouped_mm and through FP8Experts' prefill op (fp8_grouped_linear, fp8
+    experts), and an fp8 _scaled_grouped_mm (v1 and v2)."""
     top_k = 2
     logits = torch.ops.mps_ext.linear(x, router, None)
     weights, offs, slot_of_row, row_of_slot = torch.ops.mps_ext.moe_route(logits, top_k, True, False)
@@ -102,9 +104,10 @@ def moe_model(x, router, w_gate_up, w_down, a8, b8, scale_a, scale_b, offs8):
     out = torch.ops.mps_ext.moe_combine(y, weights, row_of_slot)
     rows = x[slot_of_row.long() // top_k]  # the tokens' rows sorted by expert
     gate_up = torch.ops.mps_ext._grouped_mm(rows, w_gate_up.transpose(-2, -1), offs)
+    gate_up8 = torch.ops.mps_ext.fp8_grouped_linear(rows, bank8, bank_scale, offs)
     fp8 = torch.ops.mps_ext._scaled_grouped_mm(a8, b8, scale_a, scale_b, offs8)
     fp8_v2 = torch.ops.mps_ext._scaled_grouped_mm_v2(a8, b8, [scale_a], [1], [], [scale_b], [1], [], offs8)
-    return out, gate_up, fp8, fp8_v2
+    return out, gate_up, gate_up8, fp8, fp8_v2
 
 
 def moe_inputs(tokens=3, hidden=64, experts=8, ffn=32):
@@ -114,12 +117,14 @@ def moe_inputs(tokens=3, hidden=64, experts=8, ffn=32):
     return (bf16(tokens, hidden), bf16(experts, hidden), bf16(experts, 2 * ffn, hidden, scale=1 / 8),
             bf16(experts, hidden, ffn, scale=1 / 6), torch.randn(6, hidden, generator=g).to(torch.float8_e4m3fn),
             w8.transpose(-2, -1), torch.rand(6, generator=g) + 0.5, torch.rand(4, 16, generator=g) + 0.5,
-            torch.tensor([1, 1, 4, 6], dtype=torch.int32))
+            torch.tensor([1, 1, 4, 6], dtype=torch.int32),
+            torch.randn(experts, 2 * ffn, hidden, generator=g).to(torch.float8_e4m3fn),
+            torch.rand(experts, 2 * ffn, generator=g) / 50)
 
 
 def test_every_op_is_in_a_model():
     names = {op.split("::")[1] for fam in mps_ext.families() for op in mps_ext._C.family_aten_ops(fam)}
-    names |= {"fp8_linear", "moe_route", "moe_experts", "moe_combine"}  # mps_ext's own ops
+    names |= {"fp8_linear", "moe_route", "moe_experts", "moe_combine", "fp8_grouped_linear"}  # mps_ext's own ops
     source = "".join(inspect.getsource(f) for f in (model, mm_out_forms, linalg_model, fp8_model, fp8_in_place,
                                                      moe_model))
     assert all(f"torch.ops.mps_ext.{n}(" in source for n in names)
@@ -131,7 +136,7 @@ MODELS = {
     "nn": (model, inputs, [(3,), (5,)], {"linear": 3, "softmax": 4, "pad": 1}),
     "linalg": (linalg_model, linalg_inputs, [(3, 5), (2, 7)], {"linalg": 11}),
     "fp8": (fp8_model, fp8_inputs, [(3,), (5,)], {"scaled_mm": 3, "fp8": 2}),
-    "moe": (moe_model, moe_inputs, [(3,), (5,)], {"grouped_mm": 7, "linear": 1}),
+    "moe": (moe_model, moe_inputs, [(3,), (5,)], {"grouped_mm": 8, "linear": 1}),
 }
 
 
@@ -197,6 +202,7 @@ class TwoLayers(nn.Module):
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+@_executor_request.request()  # traced inside request(): the kernels' path, as on MPS
 def test_quantized_model_aot_eager(granularity):
     torch._dynamo.reset()
     torch.manual_seed(0)
