@@ -34,9 +34,10 @@ std::string cast_first(const std::string& what) {
          "x.to(torch.bfloat16)";
 }
 
-// t's values as float16 (exact for float8), contiguous.
+// t's values as float16 (exact for float8), in t's memory layout where it
+// is dense (torch's comparisons give their output the inputs' layout).
 at::Tensor decode(const at::Tensor& t) {
-  at::Tensor out = at::empty(t.sizes(), t.options().dtype(at::kHalf));
+  at::Tensor out = at::empty_like(t, t.options().dtype(at::kHalf));
   if (!fp8_convert(out, t)) TORCH_CHECK(fp8_convert(out, t.contiguous()), "mps_ext fp8: cannot decode ", t.sizes());
   return out;
 }
