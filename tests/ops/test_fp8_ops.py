@@ -6,6 +6,9 @@ has one, and otherwise the same op on the values decoded by torch's CPU
 conversion (float32), which holds every float8 value exactly."""
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -274,6 +277,45 @@ def test_torch_2_15_takes_e4m3fn_item_eq_ne_equal_gather(cpu_policy):
         ops.flip(x, [0])
     assert mps_ext.stats()["fp8"] == {
         "ran": 6 + 2, "fallbacks": {"policy: torch 2.15 has float8_e4m3fn tensors on MPS": 4}, "unavailable": {}}
+
+
+def test_what_users_write_reaches_the_overrides():
+    """.item(), operators, Python indexing and assignment, torch.where with a
+    number: the aten ops they reach are the family's (installed here on the
+    CPU key, in a process of their own, as on MPS on a Mac)."""
+    code = """
+import torch, mps_ext
+mps_ext._C.install_overrides(["fp8"], "CPU")
+for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+    c = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt).reshape(16, 16)
+    ref = c.float()  # torch's CPU conversion: the values, exactly
+    same = lambda a, b: torch.equal(a.float().nan_to_num(), b.nan_to_num()) and torch.equal(a.float().signbit(), b.signbit())
+    mps_ext.reset_stats()
+    assert c[3, 4].item() == ref[3, 4].item()
+    assert torch.equal(c < c.t(), ref < ref.t()) and torch.equal(c >= 1.5, ref >= 1.5) and torch.equal(c != c, ref != ref)
+    mask = ref > 1
+    assert same(c[mask], ref[mask]) and same(c[:, torch.tensor([3, 0])], ref[:, torch.tensor([3, 0])])
+    got, want = c.clone(), ref.clone()
+    got[mask] = 0.5
+    want[mask] = 0.5
+    assert same(got, want)
+    got, want = c.clone(), ref.clone()
+    got[torch.tensor([1, 2])] = c[:2]
+    want[torch.tensor([1, 2])] = ref[:2]
+    assert same(got, want)
+    assert same(torch.where(mask, c, 0.0), torch.where(mask, ref, 0.0))
+    assert same(c.flip(0), ref.flip(0)) and same(c.masked_fill(mask, 2.0), ref.masked_fill(mask, 2.0))
+    assert torch.equal(c[:4], c[:4].clone()) and not torch.equal(c, c.clone())
+    print(mps_ext.stats()["fp8"]["ran"], mps_ext.stats()["fp8"]["fallbacks"])
+x = torch.randn(3)
+assert (x == x).all() and isinstance(x[0].item(), float)  # other dtypes: torch's
+"""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert r.returncode == 0, r.stderr
+    for line in r.stdout.splitlines():
+        ran, fallbacks = line.split(" ", 1)
+        assert int(ran) >= 16 and fallbacks == "{}", r.stdout
 
 
 @pytest.mark.mac
