@@ -113,10 +113,17 @@ HISTORY: dict[str, list[tuple[str, str, str]]] = {
          "float8 kernel name in the dylib's Metal library; operations/Copy.mm, OperationUtils.mm "
          "(getMPSDataType), EmptyTensor.cpp, torch/_tensor_str.py"),
         ("2.15", "float8_e4m3fn tensors on MPS: Metal conversions to and from float (c10/metal/float8.h) in "
-         "torch's copy, fill, cat, gather, pad kernels; float8_e5m2: none, as before",
+         "torch's copy, fill, cat, pad, eye, eq/ne, gather and scatter kernels, .item() "
+         "(_local_scalar_dense) and torch.equal (eq, then all); no float8 lt/le/gt/ge; float8_e5m2: none, "
+         "as before",
          "c10/metal/float8.h (new in 2.15: fp8e4m3fn_to_fp32, fp8e4m3fn_from_fp32, struct float8_e4m3fn, "
          "nothing for e5m2); C10_METAL_ALL_TYPES_FUNCTOR gains Float8_e4m3fn; MPSScalar's value union gains "
-         "c10::Float8_e4m3fn (native/mps/OperationUtils.h); dylib: e4m3fn kernel instantiations, none for e5m2"),
+         "c10::Float8_e4m3fn (native/mps/OperationUtils.h); dylib: the only float8 kernel instantiations are "
+         "copy_*, cat_*, constant_pad_nd_*, eq_*, ne_*, eye_*, gather_*, scatter_set_* and scaled_mm_* of "
+         "float8_e4m3fn, none for e5m2; torch/testing/_internal/common_methods_invocations.py lists "
+         "float8_e4m3fn for item, cat, constant_pad_nd, eye (dtypes) and gather, scatter, _scaled_mm_v2 "
+         "(dtypesIfMPS); operations/Scalar.mm (_local_scalar_dense_mps dispatches Float8_e4m3fn, pytorch PR "
+         "197383), operations/Equal.cpp (mps_equal: at::mps::eq(...).all().item())"),
     ],
     "scaled_mm": [
         ("2.9", "_scaled_mm: CPU and CUDA kernels only; no _scaled_mm_v2 op (F.scaled_mm)",
@@ -271,8 +278,18 @@ NATIVE: dict[str, list[Native]] = {
     # tensor-wise and row-wise float8_e4m3fn _scaled_mm_v2 products with the
     # outputs and bias dtypes its kernel takes; mps_ext keeps float8_e5m2,
     # the block-wise recipes, _scaled_mm (v1) and what torch's kernel rejects.
+    # Of the fp8 family's value ops (csrc/ops/fp8_ops.cpp), torch 2.15 has for
+    # float8_e4m3fn on MPS only those with float8 kernels or float8 in their
+    # host dispatch: .item() (_local_scalar_dense_mps dispatches
+    # Float8_e4m3fn), eq/ne (eq_*/ne_*_float8_e4m3fn kernels), torch.equal
+    # (mps_equal: eq, all, item) and gather (gather_*_float8_e4m3fn). It has
+    # no float8 lt/le/gt/ge kernel; indexing, index_put_, where,
+    # masked_fill_, repeat and flip are not shown to take float8 (their
+    # kernels are instantiated by element size or built by MPSGraph, which
+    # has no float8 type), so mps_ext keeps them for both formats.
     "fp8": [Native((2, 15), ("aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor", "aten::zero_", "aten::cat",
-                             "aten::index_select"),
+                             "aten::index_select", "aten::_local_scalar_dense", "aten::eq.Tensor", "aten::eq.Scalar",
+                             "aten::ne.Tensor", "aten::ne.Scalar", "aten::equal", "aten::gather"),
                    "torch 2.15 has float8_e4m3fn tensors on MPS", HISTORY["fp8"][1][2],
                    kept_dtypes=("float8_e5m2",))],
     "scaled_mm": [Native((2, 15), ("aten::_scaled_mm_v2",),

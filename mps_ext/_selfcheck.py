@@ -116,6 +116,8 @@ def cases() -> list[Case]:
         src = torch.randn(5, 33, generator=g).bfloat16() * 100
         out.append(Case("fp8", f"copy_ bfloat16 -> {str(fmt)[6:]}", torch.Tensor.copy_,
                         (torch.empty(5, 33, dtype=fmt), src), src.to(fmt)))
+        out.append(Case("fp8", f"eq {str(fmt)[6:]}", torch.eq, (x, x[:1]), torch.eq(x, x[:1])))
+        out.append(Case("fp8", f"repeat {str(fmt)[6:]}", torch.Tensor.repeat, (x, (2, 1)), x.repeat(2, 1)))
     for rows in (2, 40):
         a = (torch.randn(rows, 96, generator=g) * 20).to(torch.float8_e4m3fn)
         w = (torch.randn(80, 96, generator=g) * 20).to(torch.float8_e4m3fn)

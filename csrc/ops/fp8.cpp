@@ -68,6 +68,13 @@ at::Tensor bytes(const at::Tensor& t) { return t.view(at::kByte); }
 
 bool is_fp8(c10::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
+uint8_t fp8_code(c10::ScalarType dtype, const c10::Scalar& value) {
+  // Two elements: torch fills a single one by another path, without the check.
+  at::Tensor two = at::empty({2}, at::TensorOptions().dtype(dtype));
+  call_stock<at::Tensor>("aten::fill_.Scalar", c10::DispatchKey::CPU, two, value);
+  return bytes(two)[0].item<uint8_t>();
+}
+
 bool fp8_convert(const at::Tensor& dst, const at::Tensor& src) {
   const int64_t numel = dst.numel();
   if (numel == 0) return true;
@@ -181,10 +188,7 @@ std::string self_unsupported(const at::Tensor& self) {
 // through torch's fill_ of the uint8 view.
 template <c10::DispatchKey K>
 at::Tensor fill_fp8(at::Tensor& self, const c10::Scalar& value) {
-  // Two elements: torch fills a single one by another path, without the check.
-  at::Tensor two = at::empty({2}, at::TensorOptions().dtype(self.scalar_type()));
-  call_stock<at::Tensor>("aten::fill_.Scalar", c10::DispatchKey::CPU, two, value);
-  const int64_t byte = bytes(two)[0].item<uint8_t>();
+  const int64_t byte = fp8_code(self.scalar_type(), value);
   return call_stock<at::Tensor>("aten::fill_.Scalar", K, bytes(self), c10::Scalar(byte));
 }
 
@@ -266,10 +270,11 @@ void register_fp8(torch::Library& m) {
   m.impl("zero_", TORCH_FN(zero_impl<K>));
   m.impl("cat", TORCH_FN(cat_impl<K>));
   m.impl("index_select", TORCH_FN(index_select_impl<K>));
+  register_fp8_tensor_ops<K>(m);  // fp8_ops.cpp
 }
 
 }  // namespace
 }  // namespace mps_ext
 
 MPS_EXT_FAMILY("fp8", mps_ext::register_fp8, "aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor", "aten::zero_",
-               "aten::cat", "aten::index_select")
+               "aten::cat", "aten::index_select", MPS_EXT_FP8_TENSOR_OPS)

@@ -4,7 +4,12 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/DispatchKey.h>
 
+#include <cstdint>
 #include <string>
+
+namespace torch {
+class Library;
+}
 
 namespace mps_ext {
 
@@ -17,4 +22,21 @@ bool is_fp8(c10::ScalarType t);
 // dimensions than the kernels index after merging contiguous ones.
 bool fp8_convert(const at::Tensor& dst, const at::Tensor& src);
 
+// The float8 code torch's CPU fill_ writes into a `dtype` tensor for `value`
+// (its rounding, saturation and overflow error).
+uint8_t fp8_code(c10::ScalarType dtype, const c10::Scalar& value);
+
+// The fp8 family's ops beyond moves and conversions (csrc/ops/fp8_ops.cpp):
+// indexing, comparisons, .item(); registered by fp8.cpp's register_fp8.
+template <c10::DispatchKey K>
+void register_fp8_tensor_ops(torch::Library& m);
+
 }  // namespace mps_ext
+
+// Their aten names, for the family's MPS_EXT_FAMILY list.
+#define MPS_EXT_FP8_TENSOR_OPS                                                                                   \
+  "aten::_local_scalar_dense", "aten::equal", "aten::eq.Tensor", "aten::eq.Scalar", "aten::ne.Tensor",             \
+      "aten::ne.Scalar", "aten::lt.Tensor", "aten::lt.Scalar", "aten::le.Tensor", "aten::le.Scalar",                \
+      "aten::gt.Tensor", "aten::gt.Scalar", "aten::ge.Tensor", "aten::ge.Scalar", "aten::index.Tensor",             \
+      "aten::_index_put_impl_", "aten::where.self", "aten::masked_fill_.Scalar", "aten::masked_fill_.Tensor",       \
+      "aten::gather", "aten::repeat", "aten::flip"
