@@ -124,7 +124,10 @@ class Function:
     line: int
     is_kernel: bool
     params: list[Param]
-    calls: set[str]  # names called in the body
+    # (qualifier, name) of each call in the body: ("", "f") for `f(`,
+    # ("C", "f") for `C::f(` (the last component before the name).
+    calls: set[tuple[str, str]]
+    owner: str = ""  # the class a member function belongs to, "" for a free function
 
 
 @dataclasses.dataclass
@@ -133,6 +136,10 @@ class Translation:
     kernels: list[Kernel]
     problems: list[tuple[int, str]]  # (line, message) the translator noticed
     functions: list[Function] = dataclasses.field(default_factory=list)
+    # (line, name) of each [[function_constant(N)]] declaration: check mode
+    # compiles them (value-initialised); the executor cannot run them, since
+    # their values come from the pipeline it does not have.
+    function_constants: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -154,6 +161,7 @@ class _Translator:
         self.kernels: list[Kernel] = []
         self.problems: list[tuple[int, str]] = []
         self.functions: list[Function] = []
+        self.function_constants: list[tuple[int, str]] = []
         self.tg_counter = 0
         self._line_cache = self._build_line_map()
 
@@ -209,10 +217,16 @@ class _Translator:
 
     def match(self, i: int, open_: str, close: str) -> int:
         """Index of the token closing the bracket opened at i."""
-        depth = 0
+        depth = parens = 0
         for j in range(i, len(self.toks)):
             s = self.toks[j].text
-            if s == open_:
+            if open_ == "<" and s in ("(", "["):
+                parens += 1  # `sizeof(T) < 8` in a template argument list compares
+            elif open_ == "<" and s in (")", "]"):
+                parens -= 1
+            elif parens > 0:
+                continue
+            elif s == open_:
                 depth += 1
             elif s == close:
                 depth -= 1
@@ -269,6 +283,7 @@ class _Translator:
         # Scopes: ("ns", name) for namespaces and extern "C" blocks,
         # ("class",), ("func",), ("init",) for braced initialisers.
         scopes: list[tuple] = [("ns", None)]
+        self._scopes = scopes  # the class a function definition is in, for the lint's call graph
         stmt_start = 0  # token index where the current statement began
         stmt_attrs: list[tuple[str, str]] = []
         stmt_kernel = False
@@ -316,6 +331,8 @@ class _Translator:
                 elif s == "constant":
                     self.replace(i, "const   ")  # program-scope data, not an address space
                 elif s == ";":
+                    if any(n == "function_constant" for n, _ in stmt_attrs):
+                        self._function_constant(stmt_start, i)
                     stmt_start, stmt_attrs, stmt_kernel = i + 1, [], False
                 elif s == "}":
                     scopes.pop()
@@ -328,7 +345,10 @@ class _Translator:
                         self._function_definition(stmt_start, i, stmt_kernel)
                     if kind == "func" and stmt_kernel:
                         self._kernel_definition(stmt_start, i, scopes, stmt_attrs)
-                    name = self._namespace_name(stmt_start, i) if kind == "ns" else None
+                    if kind == "ns":
+                        name = self._namespace_name(stmt_start, i)
+                    else:
+                        name = self._class_name(stmt_start, i) if kind == "class" else None
                     scopes.append((kind, name))
                     stmt_start, stmt_attrs, stmt_kernel = i + 1, [], False
                 i += 1
@@ -347,9 +367,21 @@ class _Translator:
                     i = nxt
                     continue
             i += 1
-        return Translation(self.result(), self.kernels, self.problems, self.functions)
+        return Translation(self.result(), self.kernels, self.problems, self.functions, self.function_constants)
+
+    def _function_constant(self, start: int, semicolon: int):
+        """`constant T name [[function_constant(N)]];`: value-initialised,
+        so that check mode compiles it; recorded, so that the executor
+        refuses to run it."""
+        name = next((self.t(k) for k in range(start, semicolon)
+                     if self.toks[k].kind == "ident" and self.t(k + 1) == "[" and self.t(k + 2) == "["), "?")
+        self.insert(self.toks[semicolon].start, "{}")
+        self.function_constants.append((self.line(self.toks[start].start), name))
 
     def _classify_brace(self, start: int, i: int) -> str:
+        if self.t(start) == "template" and self.t(start + 1) == "<":
+            # Default template arguments (`int N = 4`) are no initializer.
+            start = min(self.match(start + 1, "<", ">") + 1, i)
         words = [t.text for t in self.toks[start:i]]
         if not words:
             return "init"
@@ -373,6 +405,29 @@ class _Translator:
         if saw_eq:
             return "init"
         return "func" if saw_paren else "init"
+
+    def _class_name(self, start: int, i: int):
+        words = [t.text for t in self.toks[start:i]]
+        for k, w in enumerate(words[:-1]):
+            if w in ("struct", "class", "union") and re.match(r"[A-Za-z_]", words[k + 1]):
+                return words[k + 1]
+        return ""
+
+    def _qualifier(self, k: int) -> str:
+        """The class or namespace named before `::` ending at token k - 1
+        (`C::f`, `C<T>::f`), "" if the name at k is unqualified."""
+        if self.t(k - 1) != "::":
+            return ""
+        j = k - 2
+        if self.t(j) in (">", ">>"):
+            depth = 0
+            while j > 0:
+                depth += {">": 1, ">>": 2, "<": -1}.get(self.t(j), 0)
+                if depth <= 0:
+                    break
+                j -= 1
+            j -= 1
+        return self.t(j) if j >= 0 and self.toks[j].kind == "ident" else "::"
 
     def _namespace_name(self, start: int, i: int):
         words = [t.text for t in self.toks[start:i]]
@@ -536,13 +591,18 @@ class _Translator:
         name_at, open_, close = sig
         end = self.match(brace, "{", "}")
         calls = {
-            self.t(k) for k in range(brace + 1, end)
+            (self._qualifier(k), self.t(k)) for k in range(brace + 1, end)
             if self.toks[k].kind == "ident" and self.t(k + 1) == "(" and self.t(k) not in self._NOT_CALLS
             and self.t(k - 1) not in (".", "->")
         }
         file, line = self.where(self.toks[start].start)
         params = [self._param(p, self.t(name_at)) for p in self._split_top_level(open_ + 1, close)]
-        self.functions.append(Function(self.t(name_at), file, line, is_kernel, params, calls))
+        if is_kernel:
+            _assign_buffer_indices(params)
+        # A member function: defined in its class, or out of it as `C::f`.
+        scope = getattr(self, "_scopes", [("ns", None)])[-1]
+        owner = self._qualifier(name_at) or (scope[1] or "" if scope[0] == "class" else "")
+        self.functions.append(Function(self.t(name_at), file, line, is_kernel, params, calls, owner))
 
     def _kernel_definition(self, start: int, brace: int, scopes, attrs):
         sig = self._signature(start, brace)
@@ -553,6 +613,7 @@ class _Translator:
         name = self.t(name_at)
         is_template = self.t(start) == "template"
         params = [self._param(p, name) for p in self._split_top_level(open_ + 1, close)]
+        _assign_buffer_indices(params)
         namespace = tuple(n for kind, n in scopes if kind == "ns" and n)
         max_threads = "0"
         for aname, arg in attrs:
@@ -586,7 +647,8 @@ class _Translator:
         name = self.t(idents[-1]) if idents else "?"
         space = next((w for w in words if w in ("device", "constant", "threadgroup", "thread")), "")
         line = self.line(self.toks[ptoks[0]].start) if ptoks else 0
-        return Param(name, attr_name, attr_arg, space, "&" in words, line, "*" in words)
+        # `T (*op)(T, T)`: a function pointer, no pointer into an address space.
+        return Param(name, attr_name, attr_arg, space, "&" in words, line, "*" in words and "(" not in words)
 
     def _explicit_instantiation(self, i: int, scopes) -> int:
         j = i
@@ -643,6 +705,29 @@ class _Translator:
         callee_text = _qualified(kdef.namespace, name) + template_args
         self.kernels.append(Kernel(host_name, callee_text, kdef.params, kdef.max_threads, self.line(self.toks[i].start)))
         return j + 1
+
+
+def _assign_buffer_indices(params: list[Param]):
+    """A device or constant pointer or reference parameter of a kernel
+    without an attribute is a buffer at the lowest index no other buffer
+    takes, in declaration order, as Apple's compiler assigns it (MLX's
+    arange and hadamard kernels bind theirs so: `constant const T& start`
+    is buffer 0 of arange, `constant const float& scale` after
+    [[buffer(0)]] and [[buffer(1)]] is buffer 2 of hadamard)."""
+    taken = set()
+    for p in params:
+        if p.attribute == "buffer":
+            try:
+                taken.add(int(p.argument.rstrip("uU"), 0))
+            except ValueError:
+                return  # an index computed at compile time: leave the others to the lint
+    n = 0
+    for p in params:
+        if not p.attribute and p.address_space in ("device", "constant") and (p.is_pointer or p.is_reference):
+            while n in taken:
+                n += 1
+            p.attribute, p.argument = "buffer", str(n)
+            taken.add(n)
 
 
 def _nest(token: str, depth: int) -> int:

@@ -1236,4 +1236,7 @@ inline void* __mx_threadgroup_variable(const void* key, mx_u64 size, mx_u64 alig
   return __mx_api->threadgroup_variable(key, size, align);
 }
 
+// Quad-group functions, matrices, more type traits (a file of its own).
+#include "mx_metal_more.h"
+
 #endif  // MX_METAL_H
