@@ -140,6 +140,9 @@ class Translation:
     # compiles them (value-initialised); the executor cannot run them, since
     # their values come from the pipeline it does not have.
     function_constants: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    # Classes with member functions qualified with an address space: their
+    # objects in device, constant or threadgroup memory may call them.
+    address_space_classes: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -162,6 +165,10 @@ class _Translator:
         self.problems: list[tuple[int, str]] = []
         self.functions: list[Function] = []
         self.function_constants: list[tuple[int, str]] = []
+        # Member functions qualified with an address space (`T get() const device`):
+        # (class scope depth, '{' of the class, definition start, '{' of the body, qualifier token).
+        self.member_spaces: list[tuple] = []
+        self.address_space_classes: set[str] = set()
         self.tg_counter = 0
         self._line_cache = self._build_line_map()
 
@@ -343,6 +350,8 @@ class _Translator:
                     kind = self._classify_brace(stmt_start, i)
                     if kind == "func":
                         self._function_definition(stmt_start, i, stmt_kernel)
+                        if scope == "class":
+                            self._member_address_space(stmt_start, i, len(scopes))
                     if kind == "func" and stmt_kernel:
                         self._kernel_definition(stmt_start, i, scopes, stmt_attrs)
                     if kind == "ns":
@@ -367,7 +376,105 @@ class _Translator:
                     i = nxt
                     continue
             i += 1
-        return Translation(self.result(), self.kernels, self.problems, self.functions, self.function_constants)
+        self._resolve_member_address_spaces()
+        return Translation(self.result(), self.kernels, self.problems, self.functions, self.function_constants,
+                           sorted(self.address_space_classes))
+
+    _SPACES = ("device", "constant", "threadgroup", "threadgroup_imageblock", "thread")
+
+    def _member_address_space(self, start: int, brace: int, depth: int):
+        """Record a member function whose `this` is in an address space
+        (`operator vec<T, 2>() const device`, MSL 4.?): C++ has no such
+        qualifier, so _resolve_member_address_spaces rewrites them."""
+        sig = self._signature(start, brace)
+        if not sig:
+            return
+        k = sig[2] + 1
+        while self.t(k) in ("const", "volatile") + self._SPACES:
+            if self.t(k) in self._SPACES:
+                self.member_spaces.append((depth, self._class_open(start), start, brace, k))
+                return
+            k += 1
+        self.member_spaces.append((depth, self._class_open(start), start, brace, None))
+
+    def _class_open(self, start: int) -> int:
+        """Token index of the '{' of the class the statement at `start` is in."""
+        depth = 0
+        for k in range(start - 1, -1, -1):
+            s = self.t(k)
+            if s == "}":
+                depth += 1
+            elif s == "{":
+                if depth == 0:
+                    return k
+                depth -= 1
+        return -1
+
+    def _resolve_member_address_spaces(self):
+        """Overloads of one member function for several address spaces of
+        `this` (MLX's complex_t has `operator vec<T, 2>()` for thread,
+        threadgroup, device and constant objects) become one function with
+        the qualifier dropped: the one for `thread` (or unqualified) is
+        kept, the others removed; a function with only another address
+        space keeps its body without the qualifier. In check mode, calls on
+        objects of such a class in any address space are then accepted
+        (_compiler drops those diagnostics); the executable build has no
+        address spaces."""
+        by_class: dict[int, list] = {}
+        for entry in self.member_spaces:
+            by_class.setdefault(entry[1], []).append(entry)
+        for entries in by_class.values():
+            if not any(q is not None and self.t(q) != "thread" for *_, q in entries):
+                continue
+            groups: dict[str, list] = {}
+            for entry in entries:
+                _, _, start, brace, q = entry
+                key = " ".join(self.t(k) for k in range(start, brace) if k != q and self.t(k) != "thread")
+                # A constructor's member initialisers are not its signature.
+                key = key.split(" ) : ")[0] if " ) : " in key else key
+                groups.setdefault(key, []).append(entry)
+            for group in groups.values():
+                keep = next((e for e in group if e[4] is None or self.t(e[4]) == "thread"), group[0])
+                for e in group:
+                    _, class_open, start, brace, q = e
+                    name = self._class_name_before(class_open)
+                    if name:
+                        self.address_space_classes.add(name)
+                    if e is keep:
+                        if q is not None and self.t(q) != "thread":
+                            self._drop_edits(self.toks[q].start, self.toks[q].end)
+                            self.blank(q, q + 1)
+                    else:
+                        end = self.match(brace, "{", "}")
+                        a, b = self.toks[start].start, self.toks[end].end
+                        self._drop_edits(a, b)
+                        self.edits.append((a, b, _whitespace_like(self.text[a:b])))
+
+    def _class_name_before(self, class_open: int) -> str:
+        k = class_open - 1
+        while k >= 0 and self.t(k) not in (";", "{", "}"):
+            k -= 1
+        return self._class_name(k + 1, class_open) if class_open >= 0 else ""
+
+    def _drop_edits(self, a: int, b: int):
+        self.edits = [e for e in self.edits if not (a <= e[0] and e[1] <= b)]
+
+    def _array_parameter(self, ptoks: list[int]):
+        """`constant const int64_t strides[3]`: an array parameter is a
+        pointer into its address space (C++ would put the parameter itself
+        there); written as one: `constant const int64_t* strides`."""
+        words = [self.t(k) for k in ptoks]
+        if not set(words) & {"device", "constant", "threadgroup"} or "*" in words or "(" in words:
+            return
+        k = next((n for n, w in enumerate(words) if w == "["), None)
+        if k is None or k == 0 or self.toks[ptoks[k - 1]].kind != "ident" or self.attribute_at(ptoks[k]):
+            return
+        close = self.match(ptoks[k], "[", "]")
+        if close != ptoks[-1]:
+            return  # more dimensions: a pointer to arrays, left as written
+        self.insert(self.toks[ptoks[k - 1]].start, "*")
+        self._drop_edits(self.toks[ptoks[k]].start, self.toks[close].end)
+        self.blank(ptoks[k], close + 1)
 
     def _function_constant(self, start: int, semicolon: int):
         """`constant T name [[function_constant(N)]];`: value-initialised,
@@ -569,6 +676,7 @@ class _Translator:
         if self.t(k) == "template":
             k = self.match(k + 1, "<", ">") + 1
         j = k
+        operator = None
         while j < brace:
             if self.t(j) == "__attribute__":
                 j = self.match(j + 1, "(", ")") + 1
@@ -577,10 +685,18 @@ class _Translator:
             if attr:
                 j = attr[0]
                 continue
+            if self.t(j) == "operator":  # `operator()(`, `operator-(`, `operator vec<T, 2>(`
+                operator = j
+                j += 3 if self.t(j + 1) == "(" and self.t(j + 2) == ")" else 1
+                continue
             if self.t(j) == "(":
                 break
             j += 1
-        if j >= brace or self.toks[j - 1].kind != "ident":
+        if j >= brace:
+            return None
+        if operator is not None:
+            return operator, j, self.match(j, "(", ")")
+        if self.toks[j - 1].kind != "ident":
             return None
         return j - 1, j, self.match(j, "(", ")")
 
@@ -596,7 +712,10 @@ class _Translator:
             and self.t(k - 1) not in (".", "->")
         }
         file, line = self.where(self.toks[start].start)
-        params = [self._param(p, self.t(name_at)) for p in self._split_top_level(open_ + 1, close)]
+        ptoks = self._split_top_level(open_ + 1, close)
+        params = [self._param(p, self.t(name_at)) for p in ptoks]
+        for p in ptoks:
+            self._array_parameter(p)
         if is_kernel:
             _assign_buffer_indices(params)
         # A member function: defined in its class, or out of it as `C::f`.

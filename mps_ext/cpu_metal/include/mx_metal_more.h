@@ -284,6 +284,9 @@ template <class T> constexpr bool is_vector_v = is_vector<T>::value;
 // agree for these (no rounding involved), so each is the one metal:: form.
 namespace metal {
 namespace precise {
+template <class T> inline T fmax3(T a, T b, T c) { return fmax(fmax(a, b), c); }
+template <class T> inline T fmin3(T a, T b, T c) { return fmin(fmin(a, b), c); }
+template <class T> inline T fmedian3(T a, T b, T c) { return fmax(fmin(a, b), fmin(fmax(a, b), c)); }
 using metal::clamp;
 using metal::max;
 using metal::max3;
@@ -291,7 +294,81 @@ using metal::median3;
 using metal::min;
 using metal::min3;
 }  // namespace precise
+
+// The math functions are declared in metal:: and metal::fast:: themselves,
+// not only reached through `using namespace precise`: a shader that adds an
+// overload to metal:: (MLX's bf16_math.h adds metal::exp(bfloat) and the
+// rest to metal::, metal::fast:: and metal::precise::) would otherwise hide
+// them from qualified calls such as metal::exp(float4).
+#define MX_MATH_NAMES(X)                                                                                  \
+  X(acos) X(acosh) X(asin) X(asinh) X(atan) X(atanh) X(ceil) X(cos) X(cosh) X(cospi) X(exp) X(exp2)       \
+  X(exp10) X(fabs) X(floor) X(fract) X(log) X(log2) X(log10) X(rint) X(round) X(rsqrt) X(sin) X(sinh)      \
+  X(sinpi) X(sqrt) X(tan) X(tanh) X(tanpi) X(trunc) X(saturate) X(atan2) X(copysign) X(fdim) X(fmax)      \
+  X(fmin) X(fmod) X(pow) X(powr) X(nextafter) X(divide) X(fma) X(ldexp) X(frexp) X(modf) X(sincos)        \
+  X(fmax3) X(fmin3) X(fmedian3)
+#define MX_USING(name) using precise::name;
+MX_MATH_NAMES(MX_USING)
+namespace fast {
+MX_MATH_NAMES(MX_USING)
+using metal::clamp;
+using metal::max;
+using metal::max3;
+using metal::median3;
+using metal::min;
+using metal::min3;
+}  // namespace fast
+#undef MX_USING
 }  // namespace metal
+
+// Apple's compiler builtins behind its stdlib, which MLX's bf16_math.h
+// calls directly: __metal_NAME(x..., fast) computes NAME in float (the
+// executor has one, precise, form of each), the simd ones as simd_NAME.
+#define __METAL_MAYBE_FAST_MATH__ 0
+#define __METAL_FAST_MATH__ 1
+#define __METAL_PRECISE_MATH__ 0
+#define MX_BUILTIN1(name) inline float __metal_##name(float x, int = 0) { return metal::precise::name(x); }
+#define MX_BUILTIN2(name) inline float __metal_##name(float x, float y, int = 0) { return metal::precise::name(x, y); }
+#define MX_BUILTIN3(name) \
+  inline float __metal_##name(float x, float y, float z, int = 0) { return metal::precise::name(x, y, z); }
+MX_BUILTIN1(acos) MX_BUILTIN1(acosh) MX_BUILTIN1(asin) MX_BUILTIN1(asinh) MX_BUILTIN1(atan) MX_BUILTIN1(atanh)
+MX_BUILTIN1(ceil) MX_BUILTIN1(cos) MX_BUILTIN1(cosh) MX_BUILTIN1(cospi) MX_BUILTIN1(exp) MX_BUILTIN1(exp2)
+MX_BUILTIN1(exp10) MX_BUILTIN1(fabs) MX_BUILTIN1(floor) MX_BUILTIN1(fract) MX_BUILTIN1(log) MX_BUILTIN1(log2)
+MX_BUILTIN1(log10) MX_BUILTIN1(rint) MX_BUILTIN1(round) MX_BUILTIN1(rsqrt) MX_BUILTIN1(sin) MX_BUILTIN1(sinh)
+MX_BUILTIN1(sinpi) MX_BUILTIN1(sqrt) MX_BUILTIN1(tan) MX_BUILTIN1(tanh) MX_BUILTIN1(tanpi) MX_BUILTIN1(trunc)
+MX_BUILTIN2(atan2) MX_BUILTIN2(divide) MX_BUILTIN2(fdim) MX_BUILTIN2(fmax) MX_BUILTIN2(fmin) MX_BUILTIN2(fmod)
+MX_BUILTIN2(nextafter) MX_BUILTIN2(pow) MX_BUILTIN2(powr)
+MX_BUILTIN3(fma) MX_BUILTIN3(fmax3) MX_BUILTIN3(fmin3) MX_BUILTIN3(fmedian3)
+#undef MX_BUILTIN1
+#undef MX_BUILTIN2
+#undef MX_BUILTIN3
+inline float __metal_ldexp(float x, int k, int = 0) { return metal::precise::ldexp(x, k); }
+inline float __metal_frexp(float x, thread int* e) { return metal::precise::frexp(x, *e); }
+inline ushort __metal_get_simdgroup_size(ushort) { return 32; }
+#define MX_SIMD_BUILTIN(name, params, args) \
+  template <class T>                        \
+  inline T __metal_##name params { return metal::name args; }
+MX_SIMD_BUILTIN(simd_sum, (T x), (x)) MX_SIMD_BUILTIN(simd_product, (T x), (x))
+MX_SIMD_BUILTIN(simd_min, (T x), (x)) MX_SIMD_BUILTIN(simd_max, (T x), (x))
+// The bitwise reductions work on the bits of any type (MLX passes floats).
+#define MX_SIMD_BITS_BUILTIN(name)                                                              \
+  template <class T>                                                                            \
+  inline T __metal_##name(T x) {                                                                \
+    typedef metal::conditional_t<sizeof(T) == 2, ushort, metal::conditional_t<sizeof(T) == 4, uint, ulong>> U; \
+    return metal::as_type<T>(metal::name(metal::as_type<U>(x)));                                \
+  }
+MX_SIMD_BITS_BUILTIN(simd_and) MX_SIMD_BITS_BUILTIN(simd_or) MX_SIMD_BITS_BUILTIN(simd_xor)
+#undef MX_SIMD_BITS_BUILTIN
+MX_SIMD_BUILTIN(simd_prefix_inclusive_sum, (T x), (x)) MX_SIMD_BUILTIN(simd_prefix_exclusive_sum, (T x), (x))
+MX_SIMD_BUILTIN(simd_prefix_inclusive_product, (T x), (x))
+MX_SIMD_BUILTIN(simd_prefix_exclusive_product, (T x), (x))
+MX_SIMD_BUILTIN(simd_broadcast, (T x, ushort l), (x, l)) MX_SIMD_BUILTIN(simd_shuffle, (T x, ushort l), (x, l))
+MX_SIMD_BUILTIN(simd_shuffle_up, (T x, ushort d), (x, d)) MX_SIMD_BUILTIN(simd_shuffle_down, (T x, ushort d), (x, d))
+MX_SIMD_BUILTIN(simd_shuffle_xor, (T x, ushort m), (x, m))
+MX_SIMD_BUILTIN(simd_shuffle_rotate_up, (T x, ushort d), (x, d))
+MX_SIMD_BUILTIN(simd_shuffle_rotate_down, (T x, ushort d), (x, d))
+MX_SIMD_BUILTIN(simd_shuffle_and_fill_up, (T x, T f, ushort d, ushort m), (x, f, d, m))
+MX_SIMD_BUILTIN(simd_shuffle_and_fill_down, (T x, T f, ushort d, ushort m), (x, f, d, m))
+#undef MX_SIMD_BUILTIN
 
 // ----------------------------------------------------------------- matrices --
 // matrix<T, C, R> (MSL 2.3): C columns of vec<T, R>, stored column after
