@@ -23,6 +23,7 @@ an mx_thread_info into the kernel's parameters, and the table the engine reads
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import re
 
@@ -171,6 +172,7 @@ class _Translator:
         self.address_space_classes: set[str] = set()
         self.tg_counter = 0
         self._line_cache = self._build_line_map()
+        self._line_starts = [m[0] for m in self._line_cache]
 
     # ----------------------------------------------------------- positions --
     def _build_line_map(self):
@@ -181,11 +183,12 @@ class _Translator:
         return marks
 
     def where(self, offset: int) -> tuple[str, int]:
-        file, line, base = "<shader>", 1, 0
-        for start, f, ln in self._line_cache:
-            if start > offset:
-                break
-            file, line, base = f, ln, start
+        # The last line marker at or before offset (the markers are in
+        # order): a bisection, as the lint asks for every finding.
+        k = bisect.bisect_right(self._line_starts, offset) - 1
+        if k < 0:
+            return "<shader>", 1 + self.text.count("\n", 0, offset)
+        base, file, line = self._line_cache[k]
         return file, line + self.text.count("\n", base, offset)
 
     def line(self, offset: int) -> int:
