@@ -276,6 +276,40 @@ template <class T> constexpr bool is_scalar_v = is_scalar<T>::value;
 template <class T> constexpr bool is_vector_v = is_vector<T>::value;
 }  // namespace metal
 
+// ---------------------------------------------------------- small pieces --
+// as_type<T>(x) is an operator of the language (MSL 2.19), not a library
+// function: shaders use it without `metal::` (PyTorch's c10/metal/float8.h).
+using metal::as_type;
+namespace metal {
+// MSL 6.4 relational functions.
+template <class T, typename __mx::enable_if<__mx::is_fp<T>::value, int>::type = 0>
+inline bool isunordered(T x, T y) { return isnan(x) || isnan(y); }
+template <class T, typename __mx::enable_if<__mx::is_fp<T>::value, int>::type = 0>
+inline bool isordered(T x, T y) { return !isunordered(x, y); }
+}  // namespace metal
+
+// ------------------------------------------------------------------- arrays --
+// <metal_array>'s array<T, N> (MSL 2.1): an aggregate of N elements, as
+// std::array (PyTorch's c10/metal/common.h passes its parameters in them).
+namespace metal {
+template <class T, size_t N>
+struct array {
+  T __elems[N ? N : 1];
+  T& operator[](size_t i) { return __elems[i]; }
+  constexpr const T& operator[](size_t i) const { return __elems[i]; }
+  constexpr size_t size() const { return N; }
+  constexpr bool empty() const { return N == 0; }
+  T* data() { return __elems; }
+  constexpr const T* data() const { return __elems; }
+  T* begin() { return __elems; }
+  T* end() { return __elems + N; }
+  constexpr const T* begin() const { return __elems; }
+  constexpr const T* end() const { return __elems + N; }
+  T& front() { return __elems[0]; }
+  T& back() { return __elems[N - 1]; }
+};
+}  // namespace metal
+
 // ------------------------------------------- precise:: and fast:: min/max --
 // MSL 6.5 lists min, max, clamp (and fmin, fmax, ...) among the math
 // functions that have precise:: and fast:: forms; on Apple GPUs the forms
