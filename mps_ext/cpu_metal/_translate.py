@@ -236,6 +236,8 @@ class _Translator:
                 parens -= 1
             elif parens > 0:
                 continue
+            elif open_ == "<" and s == "<" and j > i and self.toks[j - 1].kind != "ident" and self.t(j - 1) != "template":
+                continue  # `sizeof(T) < 8`: a comparison, no template argument list opens after ')'
             elif s == open_:
                 depth += 1
             elif s == close:
@@ -318,6 +320,15 @@ class _Translator:
 
             if tok.kind == "number":
                 self._rewrite_number(i)
+            elif tok.kind == "string":
+                self._string_argument(i)
+            elif tok.kind == "ident" and scope == "func" and s in VECTOR_TYPES and self.toks[i + 1].kind == "ident" \
+                    and self.t(i + 2) == "(" and self.t(i - 1) in (";", "{", "}", "const", ")"):
+                # `short2 offset(a, b);`: a vector declared with constructor arguments.
+                self.insert(self.toks[i + 1].end, f" = __mx_make<{s}>")
+                self._insert_site(i + 2)
+                i += 1
+                continue
             elif tok.kind == "ident" and self._rewrite_vector_constructor(i):
                 i += 1
                 continue
@@ -462,6 +473,26 @@ class _Translator:
     def _drop_edits(self, a: int, b: int):
         self.edits = [e for e in self.edits if not (a <= e[0] and e[1] <= b)]
 
+    def _string_argument(self, i: int):
+        """A string literal passed to a function is in the constant address
+        space in Metal (MLX passes its logger's names so, to a
+        `constant char*` parameter); in C++ it is not, so it is cast."""
+        if self.t(i - 1) not in ("(", ",") or self.t(i + 1) not in (")", ","):
+            return
+        depth = 0
+        for k in range(i - 1, -1, -1):
+            t = self.t(k)
+            if t == ")":
+                depth += 1
+            elif t == "(":
+                if depth == 0:
+                    if self.t(k - 1) in ("static_assert", "__attribute__", "asm", "_Pragma"):
+                        return
+                    break
+                depth -= 1
+        self.insert(self.toks[i].start, "((constant char*)")
+        self.insert(self.toks[i].end, ")")
+
     def _array_parameter(self, ptoks: list[int]):
         """`constant const int64_t strides[3]`: an array parameter is a
         pointer into its address space (C++ would put the parameter itself
@@ -491,7 +522,10 @@ class _Translator:
     def _classify_brace(self, start: int, i: int) -> str:
         if self.t(start) == "template" and self.t(start + 1) == "<":
             # Default template arguments (`int N = 4`) are no initializer.
-            start = min(self.match(start + 1, "<", ">") + 1, i)
+            try:
+                start = min(self.match(start + 1, "<", ">") + 1, i)
+            except TranslateError:
+                pass
         words = [t.text for t in self.toks[start:i]]
         if not words:
             return "init"
@@ -770,7 +804,8 @@ class _Translator:
         space = next((w for w in words if w in ("device", "constant", "threadgroup", "thread")), "")
         line = self.line(self.toks[ptoks[0]].start) if ptoks else 0
         # `T (*op)(T, T)`: a function pointer, no pointer into an address space.
-        return Param(name, attr_name, attr_arg, space, "&" in words, line, "*" in words and "(" not in words)
+        pointer = ("*" in words or "[" in words) and "(" not in words  # an array parameter is a pointer
+        return Param(name, attr_name, attr_arg, space, "&" in words, line, pointer)
 
     def _explicit_instantiation(self, i: int, scopes) -> int:
         j = i

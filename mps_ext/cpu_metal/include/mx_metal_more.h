@@ -208,6 +208,7 @@ template <class T> using add_const_t = typename add_const<T>::type;
 template <class T> struct decay { typedef remove_cv_t<remove_reference_t<T>> type; };
 template <class T> using decay_t = typename decay<T>::type;
 template <class T> struct type_identity { typedef T type; };
+template <class T> typename __mx::remove_ref<T>::type&& declval() noexcept;
 
 template <class T> struct is_const : false_type {};
 template <class T> struct is_const<const T> : true_type {};
