@@ -200,9 +200,18 @@ VALID = {
     "default-template-argument": "template <typename T, int N = 4>\n[[kernel]] void k(device T* x [[buffer(0)]],\n"
                                  "  uint i [[thread_position_in_grid]]) { x[i] = N; }\n"
                                  "template [[host_name(\"k_f\")]] [[kernel]] void k<float>(device float*, uint);",
-    # MLX's complex.h: a braced return in an operator.
-    "braced-return": "struct P { float a, b; };\ninline P operator-(P x) { return {-x.a, -x.b}; }\n"
-                     "inline P make(float a) { return {a, a}; }\n" + K + " { P p = -make(x[i]); x[i] = p.a; }",
+    # MLX's complex.h: members overloaded on the address space of `this`,
+    # an operator with a braced return.
+    "address-space-members": "template <typename T> struct C {\n  T re, im;\n"
+                             "  constexpr C(T a, T b) thread : re(a), im(b) {}\n"
+                             "  constexpr C(T a, T b) device : re(a), im(b) {}\n"
+                             "  constexpr operator vec<T, 2>() const thread { return vec<T, 2>(re, im); }\n"
+                             "  constexpr operator vec<T, 2>() const device { return vec<T, 2>(re, im); }\n"
+                             "  T norm() const device { return re * re + im * im; }\n};\n"
+                             "template <typename T> constexpr C<T> operator-(C<T> x) {\n  return {-x.re, -x.im};\n}\n"
+                             "kernel void k(device C<float>* c [[buffer(0)]], device float* x [[buffer(1)]],\n"
+                             "  uint i [[thread_position_in_grid]]) {\n  float2 v = c[i];\n  C<float> n(v.x, v.y);\n"
+                             "  x[i] = (-n).re + c[i].norm();\n}",
     # MLX's steel type traits derive from integral_constant.
     "derived-class": "template <bool B> struct flag : metal::bool_constant<B> {};\n"
                      + K + " { x[i] = flag<true>::value; }",
