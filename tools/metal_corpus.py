@@ -103,6 +103,16 @@ PRELUDES = {
     "quantized_utils.h": ["utils.h", "steel/gemm/gemm.h"],
     "reduce.h": ["defines.h", "utils.h", "atomic.h", "reduction/ops.h"],
     "reduction/ops.h": ["defines.h", "utils.h", "atomic.h"],
+    "reduction/reduce_all.h": ["defines.h", "utils.h", "atomic.h", "reduction/ops.h"],
+    "reduction/reduce_col.h": ["defines.h", "utils.h", "atomic.h", "reduction/ops.h"],
+    "reduction/reduce_row.h": ["defines.h", "utils.h", "atomic.h", "reduction/ops.h"],
+    "reduce_utils.h": ["defines.h", "utils.h", "atomic.h", "reduction/ops.h"],
+    "indexing/scatter.h": ["defines.h", "utils.h", "atomic.h", "indexing/indexing.h"],
+    "indexing/scatter_axis.h": ["defines.h", "utils.h", "atomic.h"],
+    "steel/conv/loader.h": ["utils.h", "steel/gemm/mma.h", "steel/conv/conv.h", "steel/conv/params.h"],
+    "steel/conv/loaders/loader_channel_l.h": ["utils.h", "steel/gemm/mma.h", "steel/conv/params.h"],
+    "steel/conv/loaders/loader_channel_n.h": ["utils.h", "steel/gemm/mma.h", "steel/conv/params.h"],
+    "steel/conv/loaders/loader_general.h": ["utils.h", "steel/gemm/mma.h", "steel/conv/params.h"],
     "scan.h": ["defines.h", "utils.h"],
     "searchsorted.h": ["utils.h", "sort.h"],
     "steel/conv/conv.h": ["utils.h", "steel/gemm/mma.h"],
@@ -179,7 +189,10 @@ def _torch_entries(versions) -> list[Entry]:
                 if key in seen:
                     continue  # the same file as in an older release
                 seen.add(key)
-                stub = f"#include <metal_stdlib>\n#include <{rel}>\n"
+                # PyTorch's kernels include c10/metal's utilities and use
+                # namespace metal before their ATen/native/mps/kernels headers.
+                prelude = "#include <c10/metal/utils.h>\nusing namespace metal;\n" if rel.startswith("ATen/") else ""
+                stub = f"#include <metal_stdlib>\n{prelude}#include <{rel}>\n"
                 if rel in INSTANTIATIONS:
                     stub += INSTANTIATIONS[rel] + "\n"
                 out.append(Entry(f"torch-{v}/{rel}", path, [include], stub))

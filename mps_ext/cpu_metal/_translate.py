@@ -105,6 +105,7 @@ class Param:
     is_reference: bool
     line: int
     is_pointer: bool = False
+    is_array: bool = False  # `constant int64_t strides[3]`: a pointer into its address space
 
 
 @dataclasses.dataclass
@@ -349,8 +350,10 @@ class _Translator:
                         self.problem(tok.start, f"{s} functions are not supported by the CPU Metal executor")
                     self.blank(i, i + 1)
                     stmt_kernel = stmt_kernel or s == "kernel"
-                elif s == "constant":
-                    self.replace(i, "const   ")  # program-scope data, not an address space
+                elif s == "constant" and (scope == "ns" or "static" in (self.t(k) for k in range(stmt_start, i))):
+                    # Program-scope and static data, not an address space; a
+                    # member `constant T* p` points into constant memory.
+                    self.replace(i, "const   ")
                 elif s == ";":
                     if any(n == "function_constant" for n, _ in stmt_attrs):
                         self._function_constant(stmt_start, i)
@@ -804,8 +807,8 @@ class _Translator:
         space = next((w for w in words if w in ("device", "constant", "threadgroup", "thread")), "")
         line = self.line(self.toks[ptoks[0]].start) if ptoks else 0
         # `T (*op)(T, T)`: a function pointer, no pointer into an address space.
-        pointer = ("*" in words or "[" in words) and "(" not in words  # an array parameter is a pointer
-        return Param(name, attr_name, attr_arg, space, "&" in words, line, pointer)
+        pointer = "*" in words and "(" not in words
+        return Param(name, attr_name, attr_arg, space, "&" in words, line, pointer, "[" in words)
 
     def _explicit_instantiation(self, i: int, scopes) -> int:
         j = i
@@ -880,7 +883,7 @@ def _assign_buffer_indices(params: list[Param]):
                 return  # an index computed at compile time: leave the others to the lint
     n = 0
     for p in params:
-        if not p.attribute and p.address_space in ("device", "constant") and (p.is_pointer or p.is_reference):
+        if not p.attribute and p.address_space in ("device", "constant") and (p.is_pointer or p.is_reference or p.is_array):
             while n in taken:
                 n += 1
             p.attribute, p.argument = "buffer", str(n)

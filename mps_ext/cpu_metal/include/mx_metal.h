@@ -247,6 +247,10 @@ struct alignas(N == 2 ? 2 : 4) boolv : bool_storage<N> {
   boolv(V m) {
     for (int i = 0; i < N; ++i) this->__v[i] = m[i] != 0;
   }
+  // N elements, so that `b = {true, false, true, true}` assigns as for the
+  // other vectors (MLX's reduction/ops.h).
+  template <class... B, typename enable_if<sizeof...(B) == N && (N > 1), int>::type = 0>
+  boolv(B... b) : bool_storage<N>{{bool(b)...}} {}
   bool& operator[](int i) { return this->__v[i]; }
   const bool& operator[](int i) const { return this->__v[i]; }
   friend boolv operator!(boolv a) { boolv r; for (int i = 0; i < N; ++i) r.__v[i] = !a.__v[i]; return r; }

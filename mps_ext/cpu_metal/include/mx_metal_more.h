@@ -278,6 +278,13 @@ template <class T> constexpr bool is_vector_v = is_vector<T>::value;
 }  // namespace metal
 
 // ---------------------------------------------------------- small pieces --
+// uniform<T> (MSL 2.? 6.16): a value the same in every thread; the executor
+// does not check uniformity, so it is T itself.
+namespace metal {
+template <class T> using uniform = T;
+template <class T> inline T make_uniform(T x) { return x; }
+}  // namespace metal
+
 // as_type<T>(x) is an operator of the language (MSL 2.19), not a library
 // function: shaders use it without `metal::` (PyTorch's c10/metal/float8.h).
 using metal::as_type;
