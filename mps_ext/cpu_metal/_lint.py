@@ -25,8 +25,9 @@ __all__ = ["lint", "lint_includes", "RULES"]
 RULES = {
     "std-header": "no C or C++ standard-library header (<cmath>, <stdint.h>, ...): Metal has only its own (<metal_*>)",
     "double": "no double (MSL 2.1: Metal has no 64-bit floating point)",
-    "recursion": "no recursive calls",
-    "kernel-param-attribute": "every kernel parameter has an attribute ([[buffer(i)]], a builtin, ...)",
+    "recursion": "no recursive calls (calls to overloaded names are not followed)",
+    "kernel-param-attribute": "every kernel parameter has an attribute ([[buffer(i)]], a builtin, ...), except device "
+                              "and constant pointers and references, which take the lowest free buffer indices",
     "pointer-address-space": "pointer and reference parameters name an address space",
     "program-scope-variable": "program-scope variables are in the constant address space (MSL 4.2)",
     "static-variable": "static data members and static locals are in the constant address space",
