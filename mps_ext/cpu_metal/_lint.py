@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import re
+from pathlib import Path
 
 from . import _translate
 
@@ -21,19 +23,19 @@ __all__ = ["lint", "lint_includes", "RULES"]
 
 # rule -> what it says (the README's table lists the same rules and tests).
 RULES = {
-    "std-header": "only Metal's own headers (<metal_*>): Metal has no C or C++ standard library",
+    "std-header": "no C or C++ standard-library header (<cmath>, <stdint.h>, ...): Metal has only its own (<metal_*>)",
     "double": "no double (MSL 2.1: Metal has no 64-bit floating point)",
-    "recursion": "no recursive calls",
-    "kernel-param-attribute": "every kernel parameter has an attribute ([[buffer(i)]], a builtin, ...)",
+    "recursion": "no recursive calls (calls to overloaded names are not followed)",
+    "kernel-param-attribute": "every kernel parameter has an attribute ([[buffer(i)]], a builtin, ...), except device "
+                              "and constant pointers and references, which take the lowest free buffer indices",
     "pointer-address-space": "pointer and reference parameters name an address space",
     "program-scope-variable": "program-scope variables are in the constant address space (MSL 4.2)",
     "static-variable": "static data members and static locals are in the constant address space",
     "constant-initializer": "program-scope constant variables are initialized (MSL 4.2)",
     "threadgroup-variable-scope": "threadgroup variables are declared in kernel functions only (MSL 4.4)",
-    "cxx14": "no C++ newer than C++14, MSL 3.1's base (if constexpr, structured bindings, fold expressions, "
-             "inline variables, designated initializers, ...)",
+    "cxx20": "no C++ newer than C++20: Apple's compiler takes C++17 and C++20 features (if constexpr, fold "
+             "expressions, designated initializers, ...) as extensions of MSL's C++14, not C++23 ones",
     "virtual": "no virtual functions (MSL 1.4.4 restrictions)",
-    "derived-class": "no derived classes (MSL 1.4.4 restrictions)",
     "exceptions": "no exception handling: try, catch, throw (MSL 1.4.4 restrictions)",
     "new-delete": "no new and delete operators (MSL 1.4.4 restrictions)",
     "rtti": "no dynamic_cast or typeid (MSL 1.4.4 restrictions)",
@@ -60,7 +62,23 @@ RULES = {
     "host-name": "kernel names ([[host_name]] or the function's name) are unique in a library",
 }
 
-_METAL_HEADER = re.compile(r"^metal_[a-z_]+$")
+# The C and C++ standard libraries' headers (C++14 and C11 names, and the
+# C++17/20 ones a shader might reach for). Other <...> includes are the
+# shader's own headers on the include path (PyTorch's shaders include
+# <c10/metal/utils.h>), which Metal finds as any compiler does.
+_STD_HEADERS = frozenset("""
+algorithm any array atomic bitset cassert ccomplex cctype cerrno cfenv cfloat charconv chrono cinttypes ciso646
+climits clocale cmath codecvt complex condition_variable csetjmp csignal cstdalign cstdarg cstdbool cstddef
+cstdint cstdio cstdlib cstring ctgmath ctime cuchar cwchar cwctype deque exception execution filesystem
+forward_list fstream functional future initializer_list iomanip ios iosfwd iostream istream iterator limits
+list locale map memory memory_resource mutex new numeric optional ostream queue random ratio regex
+scoped_allocator set shared_mutex sstream stack stdexcept streambuf string string_view strstream
+system_error thread tuple type_traits typeindex typeinfo unordered_map unordered_set utility valarray
+variant vector bit span concepts numbers ranges format source_location compare version coroutine
+assert.h complex.h ctype.h errno.h fenv.h float.h inttypes.h iso646.h limits.h locale.h math.h setjmp.h
+signal.h stdalign.h stdarg.h stdatomic.h stdbool.h stddef.h stdint.h stdio.h stdlib.h stdnoreturn.h
+string.h tgmath.h threads.h time.h uchar.h wchar.h wctype.h
+""".split())
 _INCLUDE = re.compile(r'^\s*#\s*include\s*<([^>]+)>', re.M)
 
 # Builtin kernel attributes and the types MSL 5.2.3.6 allows for them.
@@ -112,11 +130,11 @@ def _finding(file: str, line: int, message: str, rule: str) -> str:
 
 
 def lint_includes(source: str, filename: str) -> list[str]:
-    """Standard-library headers: Metal has only its own."""
+    """C and C++ standard-library headers: Metal has only its own."""
     findings = []
     for m in _INCLUDE.finditer(source):
         header = m.group(1).strip()
-        if not _METAL_HEADER.match(header):
+        if header in _STD_HEADERS:
             line = source.count("\n", 0, m.start()) + 1
             findings.append(_finding(filename, line, f"<{header}> is not a Metal header; Metal has no C or C++ "
                                      "standard library", "std-header"))
@@ -182,11 +200,13 @@ class _Reader(_translate._Translator):
         return p
 
     def _threadgroup_declaration(self, i):
-        j, depth = i, 0
+        j, depth, pointer = i, 0, False
         while j < len(self.toks) and not (self.t(j) == ";" and depth == 0):
+            pointer = pointer or (depth == 0 and self.t(j) in ("*", "&", "&&"))
             depth = _translate._nest(self.t(j), depth)
             j += 1
-        self.threadgroup_vars.append((i, list(range(i + 1, j))))
+        if not pointer:  # `threadgroup T* p = ...;` is a thread's pointer into threadgroup memory
+            self.threadgroup_vars.append((i, list(range(i + 1, j))))
         return super()._threadgroup_declaration(i)
 
 
@@ -198,14 +218,47 @@ def _read(preprocessed: str) -> _Reader:
     return r
 
 
-def _find_cycles(functions: list[_translate.Function]) -> list[list[str]]:
-    graph = {f.name: sorted(c for c in f.calls) for f in functions}
-    cycles, seen_cycles = [], set()
-    state: dict[str, int] = {}
+@functools.lru_cache(maxsize=None)
+def _library_functions() -> frozenset[str]:
+    """Names the executor's Metal standard library declares as functions: a
+    shader's function of the same name may be an overload of it, so a call
+    to that name from inside is not known to be recursive."""
+    text = (Path(__file__).resolve().parent / "include" / "mx_metal.h").read_text()
+    return frozenset(re.findall(r"\b([A-Za-z_]\w*)\s*\(", text) + re.findall(r"\bMX_\w+\((\w+)", text))
 
-    def visit(name: str, path: list[str]):
-        state[name] = 1
-        for callee in graph.get(name, ()):
+
+def _find_cycles(functions: list[_translate.Function]) -> list[list[str]]:
+    """Cycles of calls between functions a call surely names. Without types,
+    a call to a name with several definitions (overloads, specialisations,
+    the same method of several classes) could go to any: such calls are
+    left out, so overloads calling each other are not taken for recursion."""
+    defs: dict[tuple[str, str], int] = {}
+    for f in functions:
+        defs[(f.owner, f.name)] = defs.get((f.owner, f.name), 0) + 1
+    library = _library_functions()
+
+    def target(f: _translate.Function, qualifier: str, name: str):
+        if qualifier and qualifier != "::":
+            key = (qualifier, name)
+        elif not qualifier and f.owner and (f.owner, name) in defs:
+            key = (f.owner, name)
+        else:
+            key = ("", name)
+        if defs.get(key) != 1 or (not key[0] and name in library):
+            return None
+        return key
+
+    def label(key):
+        return f"{key[0]}::{key[1]}" if key[0] else key[1]
+
+    graph = {(f.owner, f.name): sorted({t for q, n in f.calls if (t := target(f, q, n))})
+             for f in functions if defs[(f.owner, f.name)] == 1}
+    cycles, seen_cycles = [], set()
+    state: dict[tuple, int] = {}
+
+    def visit(node, path: list):
+        state[node] = 1
+        for callee in graph.get(node, ()):
             if callee not in graph:
                 continue
             if state.get(callee) == 1:
@@ -213,14 +266,14 @@ def _find_cycles(functions: list[_translate.Function]) -> list[list[str]]:
                 key = frozenset(cyc)
                 if key not in seen_cycles:
                     seen_cycles.add(key)
-                    cycles.append(cyc)
+                    cycles.append([label(c) for c in cyc])
             elif state.get(callee) is None:
                 visit(callee, path + [callee])
-        state[name] = 2
+        state[node] = 2
 
-    for f in functions:
-        if f.name not in state:
-            visit(f.name, [f.name])
+    for node in graph:
+        if node not in state:
+            visit(node, [node])
     return cycles
 
 
@@ -232,6 +285,8 @@ def _token_rules(r: _Reader, out: list[str]):
     toks = r.toks
     for i, tok in enumerate(toks):
         s = tok.text
+        if not (tok.kind == "ident" and (s == "double" or s in _FORBIDDEN or s == "noexcept")) and s not in ("[", "("):
+            continue  # most tokens: no rule looks at them
         file, line = r.where(tok.start)
         if tok.kind == "ident":
             if s == "double":
@@ -244,15 +299,6 @@ def _token_rules(r: _Reader, out: list[str]):
             elif s == "noexcept" and r.t(i + 1) == "(" and r.t(i - 1) not in (")", "]", "const", "&", "&&"):
                 out.append(_finding(file, line, "the noexcept operator is not available in Metal",
                                     "noexcept-operator"))
-            elif s in ("struct", "class") and r.t(i - 1) != "enum" and i + 1 < len(toks) and toks[i + 1].kind == "ident":
-                k = i + 2
-                if r.t(k) == "<":
-                    k = r.match(k, "<", ">") + 1
-                if r.t(k) == "final":
-                    k += 1
-                if r.t(k) == ":":
-                    out.append(_finding(file, line, f"'{r.t(i + 1)}' derives from another class; Metal has no "
-                                        "derived classes", "derived-class"))
         elif s == "[" and r.t(i + 1) != "[" and r.t(i - 1) != "[":
             prev = toks[i - 1] if i else None
             subscript = prev is not None and (prev.kind in _SUBSCRIPTABLE or prev.text in (")", "]"))
@@ -266,13 +312,33 @@ def _token_rules(r: _Reader, out: list[str]):
             k = i + 2
             while k < len(toks) and (toks[k].kind == "ident" or r.t(k) == "::"):
                 k += 1
-            if r.t(k) == ")" and r.t(k + 1) == "(" and (k > i + 2 or r.t(i + 1) == "*"):
+            if r.t(k) == ")" and r.t(k + 1) == "(" and (k > i + 2 or r.t(i + 1) == "*") \
+                    and not _in_parameter_list(r, i):
                 out.append(_finding(file, line, "function pointers are not available here (Metal allows them "
                                     "only for [[visible]] functions linked at pipeline creation)",
                                     "function-pointer"))
     for f in r.functions:
         if f.name == "main":
             out.append(_finding(f.file, f.line, "a Metal function cannot be named main", "main"))
+
+
+def _in_parameter_list(r: _Reader, i: int) -> bool:
+    """Whether the declarator starting at token i declares a parameter (what
+    precedes its type is '(' or ','). Apple's compiler takes a function
+    pointer parameter of a function it inlines: PyTorch's c10/metal/atomic.h
+    passes the operation of its atomic read-modify-write loops so."""
+    depth = 0
+    for k in range(i - 1, -1, -1):
+        s = r.t(k)
+        if s in (">", ">>", ")", "]"):
+            depth += 2 if s == ">>" else 1
+        elif s in ("<", "(", "[") and depth > 0:
+            depth -= 1
+        elif depth == 0 and s in ("(", ","):
+            return True
+        elif depth == 0 and s in (";", "{", "}", "="):
+            return False
+    return False
 
 
 # ---------------------------------------------------- static storage rules --
@@ -292,7 +358,7 @@ def _declaration_kind(r: _Reader, idx: list[int]) -> tuple[str, int | None]:
         return "other", None  # explicit instantiation
     if words[0] in ("typedef", "using", "static_assert", "friend", "namespace", "enum", "extern"):
         return "other", None
-    if "}" in words:  # `struct S {...} s;`: what follows the class body
+    if words.count("}") > words.count("{"):  # `struct S {...} s;`: what follows the class body (its '{' is not here)
         after = [k for k in idx[len(words) - words[::-1].index("}"):] if r.toks[k].kind == "ident"]
         return ("variable", after[0]) if after else ("other", None)
     if words[0] in ("struct", "class", "union") and len(words) <= 3:
@@ -320,12 +386,17 @@ def _storage_rules(r: _Reader, out: list[str]):
     toks = r.toks
     bodies = {b.open: b for b in r.bodies}
     attr_ranges = set()
+    function_constants = set()  # attribute tokens of [[function_constant(N)]]
     for i in range(len(toks)):
         a = r.attribute_at(i)
         if a:
             attr_ranges.update(range(i, a[0]))
+            if any(n == "function_constant" for n, _ in a[1]):
+                function_constants.update(range(i, a[0]))
 
     def check(stmt: list[int], scope: str):
+        # A function constant's value comes from the pipeline (MSL 5.8.1).
+        initialized_by_pipeline = any(k in function_constants for k in stmt)
         stmt = [k for k in stmt if k not in attr_ranges]
         kind, name_at = _declaration_kind(r, stmt)
         if kind != "variable":
@@ -342,7 +413,8 @@ def _storage_rules(r: _Reader, out: list[str]):
             else:
                 out.append(_finding(file, line, f"static member '{name}' must be in the constant address space "
                                     "(`static constant constexpr`), or use an enum", "static-variable"))
-        elif scope == "ns" and not ({"=", "{"} & {r.t(k) for k in stmt}) and "extern" not in words:
+        elif scope == "ns" and not ({"=", "{"} & {r.t(k) for k in stmt}) and "extern" not in words \
+                and not initialized_by_pipeline:
             out.append(_finding(file, line, f"constant variable '{name}' must be initialized where it is declared",
                                 "constant-initializer"))
 
@@ -589,7 +661,7 @@ def lint(preprocessed: str) -> list[str]:
     _kernel_rules(r, findings)
     _host_name_rules(r, findings)
 
-    by_name = {f.name: f for f in r.functions}
+    by_name = {(f"{f.owner}::{f.name}" if f.owner else f.name): f for f in r.functions}
     for cyc in _find_cycles(r.functions):
         f = by_name[cyc[0]]
         findings.append(_finding(f.file, f.line, f"recursion is not allowed in Metal: {' -> '.join(cyc)}", "recursion"))

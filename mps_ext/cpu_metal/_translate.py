@@ -23,6 +23,7 @@ an mx_thread_info into the kernel's parameters, and the table the engine reads
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import re
 
@@ -104,6 +105,7 @@ class Param:
     is_reference: bool
     line: int
     is_pointer: bool = False
+    is_array: bool = False  # `constant int64_t strides[3]`: a pointer into its address space
 
 
 @dataclasses.dataclass
@@ -124,7 +126,10 @@ class Function:
     line: int
     is_kernel: bool
     params: list[Param]
-    calls: set[str]  # names called in the body
+    # (qualifier, name) of each call in the body: ("", "f") for `f(`,
+    # ("C", "f") for `C::f(` (the last component before the name).
+    calls: set[tuple[str, str]]
+    owner: str = ""  # the class a member function belongs to, "" for a free function
 
 
 @dataclasses.dataclass
@@ -133,6 +138,13 @@ class Translation:
     kernels: list[Kernel]
     problems: list[tuple[int, str]]  # (line, message) the translator noticed
     functions: list[Function] = dataclasses.field(default_factory=list)
+    # (line, name) of each [[function_constant(N)]] declaration: check mode
+    # compiles them (value-initialised); the executor cannot run them, since
+    # their values come from the pipeline it does not have.
+    function_constants: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    # Classes with member functions qualified with an address space: their
+    # objects in device, constant or threadgroup memory may call them.
+    address_space_classes: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -154,8 +166,14 @@ class _Translator:
         self.kernels: list[Kernel] = []
         self.problems: list[tuple[int, str]] = []
         self.functions: list[Function] = []
+        self.function_constants: list[tuple[int, str]] = []
+        # Member functions qualified with an address space (`T get() const device`):
+        # (class scope depth, '{' of the class, definition start, '{' of the body, qualifier token).
+        self.member_spaces: list[tuple] = []
+        self.address_space_classes: set[str] = set()
         self.tg_counter = 0
         self._line_cache = self._build_line_map()
+        self._line_starts = [m[0] for m in self._line_cache]
 
     # ----------------------------------------------------------- positions --
     def _build_line_map(self):
@@ -166,11 +184,12 @@ class _Translator:
         return marks
 
     def where(self, offset: int) -> tuple[str, int]:
-        file, line, base = "<shader>", 1, 0
-        for start, f, ln in self._line_cache:
-            if start > offset:
-                break
-            file, line, base = f, ln, start
+        # The last line marker at or before offset (the markers are in
+        # order): a bisection, as the lint asks for every finding.
+        k = bisect.bisect_right(self._line_starts, offset) - 1
+        if k < 0:
+            return "<shader>", 1 + self.text.count("\n", 0, offset)
+        base, file, line = self._line_cache[k]
         return file, line + self.text.count("\n", base, offset)
 
     def line(self, offset: int) -> int:
@@ -209,10 +228,18 @@ class _Translator:
 
     def match(self, i: int, open_: str, close: str) -> int:
         """Index of the token closing the bracket opened at i."""
-        depth = 0
+        depth = parens = 0
         for j in range(i, len(self.toks)):
             s = self.toks[j].text
-            if s == open_:
+            if open_ == "<" and s in ("(", "["):
+                parens += 1  # `sizeof(T) < 8` in a template argument list compares
+            elif open_ == "<" and s in (")", "]"):
+                parens -= 1
+            elif parens > 0:
+                continue
+            elif open_ == "<" and s == "<" and j > i and self.toks[j - 1].kind != "ident" and self.t(j - 1) != "template":
+                continue  # `sizeof(T) < 8`: a comparison, no template argument list opens after ')'
+            elif s == open_:
                 depth += 1
             elif s == close:
                 depth -= 1
@@ -269,6 +296,7 @@ class _Translator:
         # Scopes: ("ns", name) for namespaces and extern "C" blocks,
         # ("class",), ("func",), ("init",) for braced initialisers.
         scopes: list[tuple] = [("ns", None)]
+        self._scopes = scopes  # the class a function definition is in, for the lint's call graph
         stmt_start = 0  # token index where the current statement began
         stmt_attrs: list[tuple[str, str]] = []
         stmt_kernel = False
@@ -293,6 +321,15 @@ class _Translator:
 
             if tok.kind == "number":
                 self._rewrite_number(i)
+            elif tok.kind == "string":
+                self._string_argument(i)
+            elif tok.kind == "ident" and scope == "func" and s in VECTOR_TYPES and self.toks[i + 1].kind == "ident" \
+                    and self.t(i + 2) == "(" and self.t(i - 1) in (";", "{", "}", "const", ")"):
+                # `short2 offset(a, b);`: a vector declared with constructor arguments.
+                self.insert(self.toks[i + 1].end, f" = __mx_make<{s}>")
+                self._insert_site(i + 2)
+                i += 1
+                continue
             elif tok.kind == "ident" and self._rewrite_vector_constructor(i):
                 i += 1
                 continue
@@ -313,9 +350,13 @@ class _Translator:
                         self.problem(tok.start, f"{s} functions are not supported by the CPU Metal executor")
                     self.blank(i, i + 1)
                     stmt_kernel = stmt_kernel or s == "kernel"
-                elif s == "constant":
-                    self.replace(i, "const   ")  # program-scope data, not an address space
+                elif s == "constant" and (scope == "ns" or "static" in (self.t(k) for k in range(stmt_start, i))):
+                    # Program-scope and static data, not an address space; a
+                    # member `constant T* p` points into constant memory.
+                    self.replace(i, "const   ")
                 elif s == ";":
+                    if any(n == "function_constant" for n, _ in stmt_attrs):
+                        self._function_constant(stmt_start, i)
                     stmt_start, stmt_attrs, stmt_kernel = i + 1, [], False
                 elif s == "}":
                     scopes.pop()
@@ -326,9 +367,14 @@ class _Translator:
                     kind = self._classify_brace(stmt_start, i)
                     if kind == "func":
                         self._function_definition(stmt_start, i, stmt_kernel)
+                        if scope == "class":
+                            self._member_address_space(stmt_start, i, len(scopes))
                     if kind == "func" and stmt_kernel:
                         self._kernel_definition(stmt_start, i, scopes, stmt_attrs)
-                    name = self._namespace_name(stmt_start, i) if kind == "ns" else None
+                    if kind == "ns":
+                        name = self._namespace_name(stmt_start, i)
+                    else:
+                        name = self._class_name(stmt_start, i) if kind == "class" else None
                     scopes.append((kind, name))
                     stmt_start, stmt_attrs, stmt_kernel = i + 1, [], False
                 i += 1
@@ -347,9 +393,142 @@ class _Translator:
                     i = nxt
                     continue
             i += 1
-        return Translation(self.result(), self.kernels, self.problems, self.functions)
+        self._resolve_member_address_spaces()
+        return Translation(self.result(), self.kernels, self.problems, self.functions, self.function_constants,
+                           sorted(self.address_space_classes))
+
+    _SPACES = ("device", "constant", "threadgroup", "threadgroup_imageblock", "thread")
+
+    def _member_address_space(self, start: int, brace: int, depth: int):
+        """Record a member function whose `this` is in an address space
+        (`operator vec<T, 2>() const device`, MSL 4.?): C++ has no such
+        qualifier, so _resolve_member_address_spaces rewrites them."""
+        sig = self._signature(start, brace)
+        if not sig:
+            return
+        k = sig[2] + 1
+        while self.t(k) in ("const", "volatile") + self._SPACES:
+            if self.t(k) in self._SPACES:
+                self.member_spaces.append((depth, self._class_open(start), start, brace, k))
+                return
+            k += 1
+        self.member_spaces.append((depth, self._class_open(start), start, brace, None))
+
+    def _class_open(self, start: int) -> int:
+        """Token index of the '{' of the class the statement at `start` is in."""
+        depth = 0
+        for k in range(start - 1, -1, -1):
+            s = self.t(k)
+            if s == "}":
+                depth += 1
+            elif s == "{":
+                if depth == 0:
+                    return k
+                depth -= 1
+        return -1
+
+    def _resolve_member_address_spaces(self):
+        """Overloads of one member function for several address spaces of
+        `this` (MLX's complex_t has `operator vec<T, 2>()` for thread,
+        threadgroup, device and constant objects) become one function with
+        the qualifier dropped: the one for `thread` (or unqualified) is
+        kept, the others removed; a function with only another address
+        space keeps its body without the qualifier. In check mode, calls on
+        objects of such a class in any address space are then accepted
+        (_compiler drops those diagnostics); the executable build has no
+        address spaces."""
+        by_class: dict[int, list] = {}
+        for entry in self.member_spaces:
+            by_class.setdefault(entry[1], []).append(entry)
+        for entries in by_class.values():
+            if not any(q is not None and self.t(q) != "thread" for *_, q in entries):
+                continue
+            groups: dict[str, list] = {}
+            for entry in entries:
+                _, _, start, brace, q = entry
+                key = " ".join(self.t(k) for k in range(start, brace) if k != q and self.t(k) != "thread")
+                # A constructor's member initialisers are not its signature.
+                key = key.split(" ) : ")[0] if " ) : " in key else key
+                groups.setdefault(key, []).append(entry)
+            for group in groups.values():
+                keep = next((e for e in group if e[4] is None or self.t(e[4]) == "thread"), group[0])
+                for e in group:
+                    _, class_open, start, brace, q = e
+                    name = self._class_name_before(class_open)
+                    if name:
+                        self.address_space_classes.add(name)
+                    if e is keep:
+                        if q is not None and self.t(q) != "thread":
+                            self._drop_edits(self.toks[q].start, self.toks[q].end)
+                            self.blank(q, q + 1)
+                    else:
+                        end = self.match(brace, "{", "}")
+                        a, b = self.toks[start].start, self.toks[end].end
+                        self._drop_edits(a, b)
+                        self.edits.append((a, b, _whitespace_like(self.text[a:b])))
+
+    def _class_name_before(self, class_open: int) -> str:
+        k = class_open - 1
+        while k >= 0 and self.t(k) not in (";", "{", "}"):
+            k -= 1
+        return self._class_name(k + 1, class_open) if class_open >= 0 else ""
+
+    def _drop_edits(self, a: int, b: int):
+        self.edits = [e for e in self.edits if not (a <= e[0] and e[1] <= b)]
+
+    def _string_argument(self, i: int):
+        """A string literal passed to a function is in the constant address
+        space in Metal (MLX passes its logger's names so, to a
+        `constant char*` parameter); in C++ it is not, so it is cast."""
+        if self.t(i - 1) not in ("(", ",") or self.t(i + 1) not in (")", ","):
+            return
+        depth = 0
+        for k in range(i - 1, -1, -1):
+            t = self.t(k)
+            if t == ")":
+                depth += 1
+            elif t == "(":
+                if depth == 0:
+                    if self.t(k - 1) in ("static_assert", "__attribute__", "asm", "_Pragma"):
+                        return
+                    break
+                depth -= 1
+        self.insert(self.toks[i].start, "((constant char*)")
+        self.insert(self.toks[i].end, ")")
+
+    def _array_parameter(self, ptoks: list[int]):
+        """`constant const int64_t strides[3]`: an array parameter is a
+        pointer into its address space (C++ would put the parameter itself
+        there); written as one: `constant const int64_t* strides`."""
+        words = [self.t(k) for k in ptoks]
+        if not set(words) & {"device", "constant", "threadgroup"} or "*" in words or "(" in words:
+            return
+        k = next((n for n, w in enumerate(words) if w == "["), None)
+        if k is None or k == 0 or self.toks[ptoks[k - 1]].kind != "ident" or self.attribute_at(ptoks[k]):
+            return
+        close = self.match(ptoks[k], "[", "]")
+        if close != ptoks[-1]:
+            return  # more dimensions: a pointer to arrays, left as written
+        self.insert(self.toks[ptoks[k - 1]].start, "*")
+        self._drop_edits(self.toks[ptoks[k]].start, self.toks[close].end)
+        self.blank(ptoks[k], close + 1)
+
+    def _function_constant(self, start: int, semicolon: int):
+        """`constant T name [[function_constant(N)]];`: value-initialised,
+        so that check mode compiles it; recorded, so that the executor
+        refuses to run it."""
+        name = next((self.t(k) for k in range(start, semicolon)
+                     if self.toks[k].kind == "ident" and self.t(k + 1) == "[" and self.t(k + 2) == "["), "?")
+        self.insert(self.toks[semicolon].start, "{}")
+        self.function_constants.append((self.line(self.toks[start].start), name))
 
     def _classify_brace(self, start: int, i: int) -> str:
+        if self.t(start) == "template" and self.t(start + 1) == "<":
+            # Default template arguments (`int N = 4`) are no initializer.
+            try:
+                start = min(self.match(start + 1, "<", ">") + 1, i)
+            except TranslateError:
+                pass
         words = [t.text for t in self.toks[start:i]]
         if not words:
             return "init"
@@ -373,6 +552,29 @@ class _Translator:
         if saw_eq:
             return "init"
         return "func" if saw_paren else "init"
+
+    def _class_name(self, start: int, i: int):
+        words = [t.text for t in self.toks[start:i]]
+        for k, w in enumerate(words[:-1]):
+            if w in ("struct", "class", "union") and re.match(r"[A-Za-z_]", words[k + 1]):
+                return words[k + 1]
+        return ""
+
+    def _qualifier(self, k: int) -> str:
+        """The class or namespace named before `::` ending at token k - 1
+        (`C::f`, `C<T>::f`), "" if the name at k is unqualified."""
+        if self.t(k - 1) != "::":
+            return ""
+        j = k - 2
+        if self.t(j) in (">", ">>"):
+            depth = 0
+            while j > 0:
+                depth += {">": 1, ">>": 2, "<": -1}.get(self.t(j), 0)
+                if depth <= 0:
+                    break
+                j -= 1
+            j -= 1
+        return self.t(j) if j >= 0 and self.toks[j].kind == "ident" else "::"
 
     def _namespace_name(self, start: int, i: int):
         words = [t.text for t in self.toks[start:i]]
@@ -514,6 +716,7 @@ class _Translator:
         if self.t(k) == "template":
             k = self.match(k + 1, "<", ">") + 1
         j = k
+        operator = None
         while j < brace:
             if self.t(j) == "__attribute__":
                 j = self.match(j + 1, "(", ")") + 1
@@ -522,10 +725,18 @@ class _Translator:
             if attr:
                 j = attr[0]
                 continue
+            if self.t(j) == "operator":  # `operator()(`, `operator-(`, `operator vec<T, 2>(`
+                operator = j
+                j += 3 if self.t(j + 1) == "(" and self.t(j + 2) == ")" else 1
+                continue
             if self.t(j) == "(":
                 break
             j += 1
-        if j >= brace or self.toks[j - 1].kind != "ident":
+        if j >= brace:
+            return None
+        if operator is not None:
+            return operator, j, self.match(j, "(", ")")
+        if self.toks[j - 1].kind != "ident":
             return None
         return j - 1, j, self.match(j, "(", ")")
 
@@ -536,13 +747,21 @@ class _Translator:
         name_at, open_, close = sig
         end = self.match(brace, "{", "}")
         calls = {
-            self.t(k) for k in range(brace + 1, end)
+            (self._qualifier(k), self.t(k)) for k in range(brace + 1, end)
             if self.toks[k].kind == "ident" and self.t(k + 1) == "(" and self.t(k) not in self._NOT_CALLS
             and self.t(k - 1) not in (".", "->")
         }
         file, line = self.where(self.toks[start].start)
-        params = [self._param(p, self.t(name_at)) for p in self._split_top_level(open_ + 1, close)]
-        self.functions.append(Function(self.t(name_at), file, line, is_kernel, params, calls))
+        ptoks = self._split_top_level(open_ + 1, close)
+        params = [self._param(p, self.t(name_at)) for p in ptoks]
+        for p in ptoks:
+            self._array_parameter(p)
+        if is_kernel:
+            _assign_buffer_indices(params)
+        # A member function: defined in its class, or out of it as `C::f`.
+        scope = getattr(self, "_scopes", [("ns", None)])[-1]
+        owner = self._qualifier(name_at) or (scope[1] or "" if scope[0] == "class" else "")
+        self.functions.append(Function(self.t(name_at), file, line, is_kernel, params, calls, owner))
 
     def _kernel_definition(self, start: int, brace: int, scopes, attrs):
         sig = self._signature(start, brace)
@@ -553,6 +772,7 @@ class _Translator:
         name = self.t(name_at)
         is_template = self.t(start) == "template"
         params = [self._param(p, name) for p in self._split_top_level(open_ + 1, close)]
+        _assign_buffer_indices(params)
         namespace = tuple(n for kind, n in scopes if kind == "ns" and n)
         max_threads = "0"
         for aname, arg in attrs:
@@ -586,7 +806,9 @@ class _Translator:
         name = self.t(idents[-1]) if idents else "?"
         space = next((w for w in words if w in ("device", "constant", "threadgroup", "thread")), "")
         line = self.line(self.toks[ptoks[0]].start) if ptoks else 0
-        return Param(name, attr_name, attr_arg, space, "&" in words, line, "*" in words)
+        # `T (*op)(T, T)`: a function pointer, no pointer into an address space.
+        pointer = "*" in words and "(" not in words
+        return Param(name, attr_name, attr_arg, space, "&" in words, line, pointer, "[" in words)
 
     def _explicit_instantiation(self, i: int, scopes) -> int:
         j = i
@@ -643,6 +865,29 @@ class _Translator:
         callee_text = _qualified(kdef.namespace, name) + template_args
         self.kernels.append(Kernel(host_name, callee_text, kdef.params, kdef.max_threads, self.line(self.toks[i].start)))
         return j + 1
+
+
+def _assign_buffer_indices(params: list[Param]):
+    """A device or constant pointer or reference parameter of a kernel
+    without an attribute is a buffer at the lowest index no other buffer
+    takes, in declaration order, as Apple's compiler assigns it (MLX's
+    arange and hadamard kernels bind theirs so: `constant const T& start`
+    is buffer 0 of arange, `constant const float& scale` after
+    [[buffer(0)]] and [[buffer(1)]] is buffer 2 of hadamard)."""
+    taken = set()
+    for p in params:
+        if p.attribute == "buffer":
+            try:
+                taken.add(int(p.argument.rstrip("uU"), 0))
+            except ValueError:
+                return  # an index computed at compile time: leave the others to the lint
+    n = 0
+    for p in params:
+        if not p.attribute and p.address_space in ("device", "constant") and (p.is_pointer or p.is_reference or p.is_array):
+            while n in taken:
+                n += 1
+            p.attribute, p.argument = "buffer", str(n)
+            taken.add(n)
 
 
 def _nest(token: str, depth: int) -> int:

@@ -4,6 +4,8 @@ threadgroup memory."""
 import numpy as np
 import torch
 
+from mps_ext import cpu_metal
+
 
 def test_float_math(kernels):
     x = np.concatenate([np.linspace(-8, 8, 61), [0.0, -0.0, 1e-30, 0.5, -2.5]]).astype(np.float32)
@@ -37,3 +39,121 @@ def test_threadgroup_memory_is_poisoned_for_every_threadgroup(kernels):
     bits = out.numpy().view(np.uint32)
     assert (bits == 0xFFFFFFFF).all()  # NaN as float, -1 as int: never 12345 from a previous threadgroup
     assert np.isnan(out.numpy().view(np.float32)).all()
+
+
+# ------------------------------------------------ quad-group functions --
+_QUAD = """#include <metal_stdlib>
+using namespace metal;
+kernel void quads(device float* out [[buffer(0)]], device const float* x [[buffer(1)]],
+                  uint i [[thread_index_in_simdgroup]]) {
+  float v = x[i];
+  device float* o = out + i * 16;
+  o[0] = quad_sum(v);
+  o[1] = quad_product(v);
+  o[2] = quad_min(v);
+  o[3] = quad_max(v);
+  o[4] = quad_prefix_inclusive_sum(v);
+  o[5] = quad_prefix_exclusive_sum(v);
+  o[6] = quad_shuffle(v, 3 - i % 4);
+  o[7] = quad_broadcast(v, 2);
+  o[8] = quad_shuffle_up(v, 1);
+  o[9] = quad_shuffle_down(v, 2);
+  o[10] = quad_shuffle_xor(v, 1);
+  o[11] = quad_shuffle_rotate_up(v, 1);
+  o[12] = quad_shuffle_rotate_down(v, 3);
+  o[13] = float(ushort(quad_ballot(v > 0)));
+  o[14] = float(quad_all(v > -10)) + 2 * float(quad_any(v > 5));
+  o[15] = (i % 4 != 3) ? quad_sum(v) : -1;  // a quad of three active lanes
+}
+"""
+
+
+def test_quad_functions_against_numpy():
+    """A quad is 4 consecutive lanes (MSL 6.9.3): every function compared
+    with numpy over the rows of x.reshape(8, 4)."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(-4, 8, 32).astype(np.float32)
+    out = np.zeros(32 * 16, np.float32)
+    cpu_metal.compile_library(_QUAD).dispatch("quads", [out, x], threads=32, threads_per_threadgroup=32)
+    got = out.reshape(8, 4, 16)
+    q = x.reshape(8, 4).astype(np.float64)
+    k = np.arange(4)
+    row = lambda v: np.broadcast_to(v[:, None], (8, 4))  # noqa: E731
+    want = {
+        0: row(q.sum(1)), 1: row(q.prod(1)), 2: row(q.min(1)), 3: row(q.max(1)),
+        4: np.cumsum(q, 1), 5: np.cumsum(q, 1) - q, 6: q[:, 3 - k], 7: row(q[:, 2]),
+        8: np.where(k >= 1, q[:, np.maximum(k - 1, 0)], q), 9: np.where(k + 2 < 4, q[:, np.minimum(k + 2, 3)], q),
+        10: q[:, k ^ 1], 11: q[:, (k - 1) % 4], 12: q[:, (k + 3) % 4],
+        13: row(((q > 0) * (1 << k)).sum(1)), 14: row((q > -10).all(1) + 2.0 * (q > 5).any(1)),
+        15: np.where(k != 3, row(q[:, :3].sum(1)), -1),
+    }
+    for col, w in want.items():
+        np.testing.assert_array_equal(got[:, :, col], w, err_msg=f"column {col}")
+
+
+# -------------------------------------- precise:: and fast:: min/max/clamp --
+def test_precise_and_fast_min_max_clamp():
+    src = """#include <metal_stdlib>
+using namespace metal;
+kernel void k(device float* out [[buffer(0)]], device const float2* x [[buffer(1)]], uint i [[thread_position_in_grid]]) {
+  float a = x[i].x, b = x[i].y;
+  out[i * 6 + 0] = precise::min(a, b);
+  out[i * 6 + 1] = precise::max(a, b);
+  out[i * 6 + 2] = precise::clamp(a, -1.0f, 1.0f);
+  out[i * 6 + 3] = fast::min(a, b);
+  out[i * 6 + 4] = fast::max(a, b);
+  out[i * 6 + 5] = fast::clamp(a, -1.0f, 1.0f) + precise::fmax3(a, b, 0.5f) - fast::fmin3(a, b, -0.5f);
+}
+"""
+    x = np.array([[0.5, -2], [3, 1], [-7, 7], [1, np.nan], [np.nan, 2]], np.float32)
+    out = np.zeros(len(x) * 6, np.float32)
+    cpu_metal.compile_library(src).dispatch("k", [out, x], threads=len(x), threads_per_threadgroup=1)
+    a, b = x[:, 0].astype(np.float64), x[:, 1].astype(np.float64)
+    clip = np.fmin(np.fmax(a, -1), 1)  # MSL clamp is fmin(fmax(x, lo), hi): a NaN x gives lo
+    want = np.stack([np.fmin(a, b), np.fmax(a, b), clip, np.fmin(a, b), np.fmax(a, b),
+                     clip + np.fmax(np.fmax(a, b), 0.5) - np.fmin(np.fmin(a, b), -0.5)], 1)
+    np.testing.assert_array_equal(out.reshape(-1, 6), want.astype(np.float32))
+
+
+# ----------------------------------------------------------------- matrices --
+_MATRIX = """#include <metal_stdlib>
+using namespace metal;
+kernel void k(device float* out [[buffer(0)]], device const float4* m [[buffer(1)]], uint i [[thread_position_in_grid]]) {
+  float4x4 a(m[0], m[1], m[2], m[3]);               // columns
+  float2x3 b(1, 2, 3, 4, 5, 6);                      // scalars in column order: columns (1,2,3), (4,5,6)
+  float3x2 c = transpose(b);
+  float4 v = a * float4(1, 2, 3, 4);                 // matrix x column vector
+  float4 w = float4(1, -1, 2, 0) * a;                // row vector x matrix
+  float4x4 p = a * transpose(a);
+  float3x3 bc = b * c;                               // (3 rows x 2) x (2 x 3)
+  float3x3 a3(a[0].xyz, a[1].xyz, a[2].xyz);
+  float2x2 a2(a[0].xy, a[1].xy);
+  half2x2 h = half2x2(a2) * half2x2(half(2));
+  int o = 0;
+  for (int j = 0; j < 4; ++j) out[o++] = v[j];
+  for (int j = 0; j < 4; ++j) out[o++] = w[j];
+  for (int cc = 0; cc < 4; ++cc) for (int r = 0; r < 4; ++r) out[o++] = p[cc][r];
+  for (int cc = 0; cc < 3; ++cc) for (int r = 0; r < 3; ++r) out[o++] = bc[cc][r];
+  out[o++] = determinant(a);
+  out[o++] = determinant(a3);
+  out[o++] = determinant(a2);
+  out[o++] = float(h[1][0]);
+  out[o++] = (-a + a * 2.0f)[2][1];
+  out[o++] = float4x4(3.0f)[1][1] + float4x4(3.0f)[1][2];
+}
+"""
+
+
+def test_matrices_against_numpy():
+    """matrix<T, C, R> is C columns of R rows (MSL 2.3): m[c][r] is numpy's M[r, c]."""
+    rng = np.random.default_rng(1)
+    cols = rng.integers(-3, 4, (4, 4)).astype(np.float32)  # cols[c] is column c
+    out = np.zeros(64, np.float32)
+    cpu_metal.compile_library(_MATRIX).dispatch("k", [out, cols], threads=1, threads_per_threadgroup=1)
+    A = cols.T.astype(np.float64)
+    B = np.array([[1, 4], [2, 5], [3, 6]], np.float64)  # 3 rows, 2 columns
+    want = np.concatenate([
+        A @ [1, 2, 3, 4], np.array([1, -1, 2, 0]) @ A, (A @ A.T).T.ravel(), (B @ B.T).T.ravel(),
+        [np.linalg.det(A), np.linalg.det(A[:3, :3]), np.linalg.det(A[:2, :2]), A[0, 1] * 2, A[1, 2], 3.0],
+    ])
+    np.testing.assert_allclose(out[:len(want)], want, rtol=1e-5, atol=1e-4)

@@ -184,6 +184,13 @@ MX_INT_TRAIT(ushort) MX_INT_TRAIT(int) MX_INT_TRAIT(uint) MX_INT_TRAIT(long)
 MX_INT_TRAIT(ulong) MX_INT_TRAIT(bool)
 #undef MX_INT_TRAIT
 
+// bfloat's math functions are templates enabled for bfloat only: Apple's
+// stdlib has no plain bfloat overloads (MLX's bf16_math.h defines
+// metal::exp(bfloat) and the rest itself), and a shader's own overload must
+// win over the executor's, not collide with it.
+template <class B>
+using if_bfloat = typename enable_if<is_same<B, bfloat>::value, int>::type;
+
 // Enabled for vectors whose elements satisfy Pred.
 template <class V, template <class> class Pred>
 using if_vec = typename enable_if<vt<V>::is_vec && Pred<typename vt<V>::elem>::value, int>::type;
@@ -240,6 +247,10 @@ struct alignas(N == 2 ? 2 : 4) boolv : bool_storage<N> {
   boolv(V m) {
     for (int i = 0; i < N; ++i) this->__v[i] = m[i] != 0;
   }
+  // N elements, so that `b = {true, false, true, true}` assigns as for the
+  // other vectors (MLX's reduction/ops.h).
+  template <class... B, typename enable_if<sizeof...(B) == N && (N > 1), int>::type = 0>
+  boolv(B... b) : bool_storage<N>{{bool(b)...}} {}
   bool& operator[](int i) { return this->__v[i]; }
   const bool& operator[](int i) const { return this->__v[i]; }
   friend boolv operator!(boolv a) { boolv r; for (int i = 0; i < N; ++i) r.__v[i] = !a.__v[i]; return r; }
@@ -427,7 +438,8 @@ namespace precise {
 
 #define MX_FP_OVERLOADS1(name)                                                 \
   inline half name(half x) { return (half)name((float)x); }                    \
-  inline bfloat name(bfloat x) { return (bfloat)name((float)x); }              \
+  template <class B, __mx::if_bfloat<B> = 0>                                   \
+  inline B name(B x) { return (B)name((float)x); }                             \
   template <class V, __mx::if_vec<V, __mx::is_fp> = 0>                         \
   inline V name(V x) {                                                         \
     V r;                                                                       \
@@ -436,7 +448,8 @@ namespace precise {
   }
 #define MX_FP_OVERLOADS2(name)                                                 \
   inline half name(half x, half y) { return (half)name((float)x, (float)y); }  \
-  inline bfloat name(bfloat x, bfloat y) { return (bfloat)name((float)x, (float)y); } \
+  template <class B, __mx::if_bfloat<B> = 0>                                   \
+  inline B name(B x, B y) { return (B)name((float)x, (float)y); }              \
   template <class V, __mx::if_vec<V, __mx::is_fp> = 0>                         \
   inline V name(V x, V y) {                                                    \
     V r;                                                                       \
@@ -496,7 +509,8 @@ MX_FP_FUNC2(divide, x / y)
 
 inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 inline half fma(half a, half b, half c) { return (half)__builtin_fmaf((float)a, (float)b, (float)c); }
-inline bfloat fma(bfloat a, bfloat b, bfloat c) { return (bfloat)__builtin_fmaf((float)a, (float)b, (float)c); }
+template <class B, __mx::if_bfloat<B> = 0>
+inline B fma(B a, B b, B c) { return (B)__builtin_fmaf((float)a, (float)b, (float)c); }
 template <class V, __mx::if_vec<V, __mx::is_fp> = 0>
 inline V fma(V a, V b, V c) {
   V r;
@@ -531,8 +545,16 @@ MX_MINMAX(int) MX_MINMAX(uint) MX_MINMAX(long) MX_MINMAX(ulong)
   inline T min3(T a, T b, T c) { return min(min(a, b), c); }                                 \
   inline T max3(T a, T b, T c) { return max(max(a, b), c); }                                 \
   inline T median3(T a, T b, T c) { return max(min(a, b), min(max(a, b), c)); }
-MX_FMINMAX(float) MX_FMINMAX(half) MX_FMINMAX(bfloat)
+MX_FMINMAX(float) MX_FMINMAX(half)
 #undef MX_FMINMAX
+#define MX_FMINMAX_TEMPLATE(decl) template <class B, __mx::if_bfloat<B> = 0> inline decl
+MX_FMINMAX_TEMPLATE(B min(B a, B b)) { return (B)__builtin_fminf((float)a, (float)b); }
+MX_FMINMAX_TEMPLATE(B max(B a, B b)) { return (B)__builtin_fmaxf((float)a, (float)b); }
+MX_FMINMAX_TEMPLATE(B clamp(B x, B lo, B hi)) { return min(max(x, lo), hi); }
+MX_FMINMAX_TEMPLATE(B min3(B a, B b, B c)) { return min(min(a, b), c); }
+MX_FMINMAX_TEMPLATE(B max3(B a, B b, B c)) { return max(max(a, b), c); }
+MX_FMINMAX_TEMPLATE(B median3(B a, B b, B c)) { return max(min(a, b), min(max(a, b), c)); }
+#undef MX_FMINMAX_TEMPLATE
 template <class V, class = typename __mx::enable_if<__mx::vt<V>::is_vec>::type>
 inline V min(V a, V b) { V r; for (int i = 0; i < __mx::vt<V>::n; ++i) r[i] = min(a[i], b[i]); return r; }
 template <class V, class = typename __mx::enable_if<__mx::vt<V>::is_vec>::type>
@@ -544,7 +566,8 @@ inline V clamp(V x, typename __mx::vt<V>::elem lo, typename __mx::vt<V>::elem hi
 
 inline float abs(float x) { return __builtin_fabsf(x); }
 inline half abs(half x) { return (half)__builtin_fabsf((float)x); }
-inline bfloat abs(bfloat x) { return (bfloat)__builtin_fabsf((float)x); }
+template <class B, __mx::if_bfloat<B> = 0>
+inline B abs(B x) { return (B)__builtin_fabsf((float)x); }
 inline int abs(int x) { return x < 0 ? -x : x; }
 inline short abs(short x) { return x < 0 ? (short)-x : x; }
 inline long abs(long x) { return x < 0 ? -x : x; }
@@ -1235,5 +1258,8 @@ inline void simdgroup_multiply(thread simdgroup_matrix<TD, 8, 8>& d, simdgroup_m
 inline void* __mx_threadgroup_variable(const void* key, mx_u64 size, mx_u64 align) {
   return __mx_api->threadgroup_variable(key, size, align);
 }
+
+// Quad-group functions, matrices, more type traits (a file of its own).
+#include "mx_metal_more.h"
 
 #endif  // MX_METAL_H
