@@ -32,7 +32,12 @@
 //   normal numbers in float). Evidence: on MPS `nextafter(0, 1) > 0` is false
 //   in fp32 (pytorch/pytorch#125051); MLX reduces fp32 and bfloat16 denormals
 //   as zeros on Metal even with -fno-fast-math, while float16 is unaffected
-//   (ml-explore/mlx#4205). MPS_EXT_EXECUTOR_DENORMALS=keep keeps them, for
+//   (ml-explore/mlx#4205). Converting a float denormal to bfloat gives a
+//   zero too: "the float -> bfloat convert (a single fptrunc) flushes
+//   subnormal results", measured over all inputs on MPS
+//   (pytorch/pytorch#193897). The CPU converts by integer rounding, which
+//   FTZ does not reach, so the instrumenter flushes its input
+//   (_instrument.py). MPS_EXT_EXECUTOR_DENORMALS=keep keeps them, for
 //   debugging.
 //
 // Checks, on every instrumented access (mx_abi.h, _instrument.py)
@@ -43,6 +48,13 @@
 //   allocations, filled with 0xFF (NaN in every float format) before each
 //   threadgroup. A shadow byte map finds two lanes touching the same byte
 //   between barriers, one of them writing (RaceError).
+// - Device memory that a threadgroup may write (buffers with a writable
+//   parameter) gets the same race check among the lanes of the threadgroup,
+//   with threadgroup_barrier(mem_flags::mem_device) (or simdgroup_barrier
+//   with mem_device, within a simdgroup) as what orders it: a barrier with
+//   only mem_threadgroup does not. Its shadow is per worker, for the bytes
+//   the threadgroup touched since its last device barrier (Worker::
+//   device_races), so read-only inputs cost nothing.
 // - An access less aligned than its type needs is a MisalignedAccessError.
 // - A read of device memory that another threadgroup of the same dispatch
 //   wrote is a RaceError unless the writer made it visible: a device fence
@@ -229,6 +241,7 @@ struct Bound {
   uint64_t size = 0;
   bool from_bytes = false;
   bool writable = false;  // memory, and the parameter is not read-only
+  bool race_checked = false;  // its memory is writable through some argument: races among lanes are checked
   uint64_t origin = 0;    // Binding::origin
   std::string name;       // the kernel parameter's name
 };
@@ -505,6 +518,17 @@ struct Worker {
   uint32_t epoch = 0;
   uint32_t sg_epoch[kMaxThreads / 32] = {};
 
+  // device memory touched by this threadgroup since its last device barrier,
+  // for races among its lanes: 16-byte granules (address >> 4) -> shadows
+  struct DeviceGranule {
+    Shadow bytes[16];
+  };
+  static constexpr size_t kMaxDeviceGranules = size_t(1) << 16;  // 20 MiB; beyond, new granules go unchecked
+  FlatMap device_index;
+  std::vector<DeviceGranule> device_granules;
+  uint32_t dsg_epoch[kMaxThreads / 32] = {};  // simdgroup_barrier(mem_device)s per simdgroup
+  uint16_t plain_barriers = 0;  // threadgroup barriers without mem_device since the last with it
+
   Worker() {
     arena = static_cast<char*>(mmap(nullptr, kArenaSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
     if (arena == MAP_FAILED) throw std::runtime_error("CPU Metal executor: cannot allocate threadgroup memory");
@@ -617,16 +641,29 @@ struct Worker {
   }
 
   [[gnu::noinline]] void check_races(uint64_t off, uint64_t size, uint32_t flags) {
+    uint16_t conflict = 0;
+    const char* what = nullptr;
+    uint64_t i = scan_races(&shadow[off], size, epoch, sg_epoch, 0, flags, &conflict, &what);
+    if (i < size) race(off, off + i, conflict, what, flags);
+  }
+
+  // The race rule of threadgroup and device memory alike: two lanes touch a
+  // byte between barriers (`ep`), one of them writing, unless both are in
+  // one simdgroup with a simdgroup barrier (`sg_ep`) between them. Records
+  // the access in the bytes' shadows s[0, size) (`stamp` in Shadow::pad)
+  // and returns the index of the first conflicting byte, or size.
+  uint64_t scan_races(Shadow* shadows, uint64_t size, uint32_t ep, const uint32_t* sg_ep, uint16_t stamp,
+                      uint32_t flags, uint16_t* conflict_out, const char** what_out) {
     const Lane& l = *current;
     uint16_t me = static_cast<uint16_t>(l.index + 1);
     uint16_t sg = static_cast<uint16_t>(l.index / 32);
-    uint32_t sgep = sg_epoch[sg];
+    uint32_t sgep = sg_ep[sg];
     auto ordered = [&](uint16_t other, uint32_t other_sgep) {
       return other == me || ((other - 1) / 32 == sg && other_sgep < sgep);
     };
-    for (uint64_t b = off; b < off + size; ++b) {
-      Shadow& s = shadow[b];
-      if (s.epoch != epoch) s = Shadow{epoch, 0, 0, 0, 0, 0, 0};
+    for (uint64_t b = 0; b < size; ++b) {
+      Shadow& s = shadows[b];
+      if (s.epoch != ep) s = Shadow{ep, 0, 0, 0, 0, 0, 0};
       uint16_t conflict = 0;
       const char* what = nullptr;
       if (flags & MX_ACC_WRITE) {
@@ -644,6 +681,7 @@ struct Worker {
           s.writer = me;
           s.writer_sg_epoch = sgep;
           s.reader = 0;
+          s.pad = stamp;
         }
       } else {
         if (s.writer && !ordered(s.writer, s.writer_sg_epoch)) {
@@ -653,14 +691,21 @@ struct Worker {
           s.reader = me;
           s.reader_sg = sg;
           s.reader_sg_epoch = sgep;
+          s.pad = stamp;
         } else if (s.reader != me) {
           if (s.reader_sg != sg) s.reader_sg = kMany;
           s.reader = kMany;
           s.reader_sg_epoch = std::max(s.reader_sg_epoch, sgep);
+          s.pad = stamp;
         }
       }
-      if (conflict) race(off, b, conflict, what, flags);
+      if (conflict) {
+        *conflict_out = conflict;
+        *what_out = what;
+        return b;
+      }
     }
+    return size;
   }
 
   [[noreturn, gnu::noinline, gnu::cold]] void race(uint64_t off, uint64_t b, uint16_t conflict, const char* what,
@@ -763,6 +808,7 @@ struct Worker {
       counters.read_width[i][w]++;
     }
     if (measuring) track(i, a - reinterpret_cast<uintptr_t>(b->begin) + b->origin, size, flags);
+    if (b->race_checked && !(flags & MX_ACC_ATOMIC)) device_races(*b, a, size, flags);
     if (d.isolated && ((flags & MX_ACC_ATOMIC) || d.shadows[(a - d.slot_base) >> kSlotShift].tags))
       device_visibility(*b, a, size, flags);
     if (flags & MX_ACC_ATOMIC) yield(flags);
@@ -886,6 +932,53 @@ struct Worker {
     uint64_t needed = (words.size() + 31) / 32;
     counters.tg_instructions++;
     counters.bank_cycles += most > needed ? most - needed : 0;
+  }
+
+  // ------------------------------------------- device memory in the group --
+  void reset_device_races() {
+    device_index.clear();
+    device_granules.clear();
+    plain_barriers = 0;
+  }
+
+  [[gnu::noinline]] void device_races(const Bound& b, uintptr_t a, uint64_t size, uint32_t flags) {
+    for (uintptr_t g = a >> 4, last = (a + (size ? size : 1) - 1) >> 4; g <= last; ++g) {
+      uint32_t& slot = device_index.at(g, kNoInstance);
+      if (slot == kNoInstance) {
+        if (device_granules.size() >= kMaxDeviceGranules) {
+          slot = kNoInstance - 1;  // not checked
+          continue;
+        }
+        slot = static_cast<uint32_t>(device_granules.size());
+        device_granules.emplace_back();  // epoch 0: empty (the device epoch is 1)
+      }
+      if (slot >= device_granules.size()) continue;
+      uintptr_t lo = std::max<uintptr_t>(a, g << 4), hi = std::min<uintptr_t>(a + size, (g + 1) << 4);
+      Shadow* bytes = device_granules[slot].bytes + (lo & 15);
+      uint16_t conflict = 0;
+      const char* what = nullptr;
+      uint64_t i = scan_races(bytes, hi - lo, 1, dsg_epoch, plain_barriers, flags, &conflict, &what);
+      if (i < hi - lo) device_race(b, a, lo + i, conflict, what, flags, bytes[i].pad != plain_barriers);
+    }
+  }
+
+  [[noreturn, gnu::noinline, gnu::cold]] void device_race(const Bound& b, uintptr_t a, uintptr_t at, uint16_t conflict,
+                                                            const char* what, uint32_t flags, bool barrier_between) {
+    std::ostringstream o;
+    o << "data race on device memory in kernel '" << ds->kernel->name << "': ";
+    if (conflict == kMany) o << "several threads";
+    else o << "thread " << (conflict - 1);
+    o << " " << what << " byte " << (at - reinterpret_cast<uintptr_t>(b.begin)) << " of buffer " << b.index << " ('"
+      << b.name << "') and thread " << current->index << " " << ((flags & MX_ACC_WRITE) ? "writes" : "reads") << " it"
+      << at_site(flags);
+    if (barrier_between)
+      o << " after a threadgroup_barrier without mem_flags::mem_device, which orders only threadgroup memory: "
+           "use threadgroup_barrier(mem_flags::mem_device)";
+    else
+      o << " with no threadgroup_barrier(mem_flags::mem_device) between them";
+    o << " (threadgroup " << size3({group_pos.x, group_pos.y, group_pos.z}) << ")";
+    (void)a;
+    fail(ErrorKind::kRace, o.str());
   }
 
   // ------------------------------------------ device memory across groups --
@@ -1178,6 +1271,7 @@ struct Worker {
       }
       if (simd_barrier) {
         if (mem & MX_MEM_THREADGROUP) ++sg_epoch[g];
+        if (mem & MX_MEM_DEVICE) ++dsg_epoch[g];
         counters.simd_barriers++;
       } else {
         fn(part, mask, hi - lo);
@@ -1223,6 +1317,8 @@ struct Worker {
         epoch = 1;
       }
     }
+    if (mem & MX_MEM_DEVICE) reset_device_races();
+    else if (plain_barriers < 0xffff) ++plain_barriers;
     counters.barriers++;
     if (measuring) flush_instances();
     progress();
@@ -1322,6 +1418,8 @@ struct Worker {
     progress();
     setup_lanes(linear);
     reset_threadgroup_memory();
+    reset_device_races();
+    std::fill(std::begin(dsg_epoch), std::end(dsg_epoch), 0u);
     if (aborted) return false;
     if (measuring) reset_instances(true);
     runq.clear();
@@ -1437,6 +1535,25 @@ void api_conversion_error(mx_u32 flags, const char* file, mx_u32 line, mx_u32 co
     << "); Metal leaves the result undefined: clamp the value into the integer's range (and handle NaN) first";
   w->fail(ErrorKind::kOther, o.str());
 }
+void api_arithmetic_error(mx_u32 kind, mx_u32 flags) {
+  Worker* w = tls_worker;
+  if (!w || !w->current) return;
+  unsigned bits = flags & 0x7f;
+  const char* sign = (flags & MX_CONV_SIGNED) ? "signed" : "unsigned";
+  std::ostringstream o;
+  o << "kernel '" << w->ds->kernel->name << "' ";
+  if (kind == MX_ARITH_OVERFLOW)
+    o << "divides the smallest " << bits << "-bit signed integer by -1";
+  else if (kind == MX_ARITH_NEGATIVE_REMAINDER)
+    o << "takes the remainder (%) of a negative " << bits << "-bit signed integer or by a negative one";
+  else
+    o << "divides a " << bits << "-bit " << sign << " integer by zero";
+  o << " at " << w->site_name(flags >> MX_CONV_SITE_SHIFT) << " (" << w->thread_name(*w->current) << "); Metal "
+    << (kind == MX_ARITH_NEGATIVE_REMAINDER ? "leaves % undefined when an operand is negative"
+                                             : "gives an unspecified value")
+    << ": guard the operands first";
+  w->fail(ErrorKind::kOther, o.str());
+}
 void* api_threadgroup_variable(const void* key, mx_u64 size, mx_u64 align) {
   return tls_worker->threadgroup_variable(key, size, align);
 }
@@ -1461,7 +1578,7 @@ const mx_engine_api kApi = {MX_ABI_VERSION, &api_access,         &api_barrier,
                             &api_simd,      &api_threadgroup_variable, &api_fail,
                             &api_current_thread, &api_enter,       &api_leave,
                             &api_loop,      &api_conversion_error, &api_fence,
-                            &api_op_counts};
+                            &api_op_counts, &api_arithmetic_error};
 
 // ----------------------------------------------------------- worker pool --
 class Pool {
@@ -1792,6 +1909,7 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
       if (c.size) std::memcpy(c.at, c.host, c.size);
       for (int m : c.members) {
         bound[m].begin = c.at + (bound[m].begin - c.host);
+        bound[m].race_checked = c.writable;  // also a read-only view of memory another argument writes
         ds.slot_members[s].push_back(m);
       }
       // Which threadgroup wrote each byte, for the check of reads across
@@ -1806,6 +1924,8 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
       }
     }
   }
+  if (!ds.isolated)
+    for (Bound& b : bound) b.race_checked = b.writable;
   for (const Bound& b : bound) ds.buffer_table[b.index] = b.begin;
 
   // ---- run

@@ -39,10 +39,20 @@ Also:
   becomes `zext` (1 for true): Metal's comparison gives a bool vector, and
   bool converts to 1.
 - Integer division by zero (or INT_MIN / -1) would trap on the CPU; the GPU
-  gives an unspecified value. Such divisions divide by 1 instead.
+  gives an unspecified value (MSL 3.1 of the specification), so in shader
+  code it is an error naming the line (@__mx_arith_check), as is `%` with a
+  negative operand, which Metal leaves undefined. Executor code divides by 1
+  instead.
+- Shifts: Metal shifts by the low log2(N) bits of the amount (N the width
+  of the left operand, or of its elements; MSL 3.1), where C++ is
+  undefined, so shader code's shift amounts are masked to that.
 - A float-to-integer conversion (fptosi/fptoui) in shader code is checked:
   NaN or a value outside the integer's range is undefined in Metal, and the
   engine reports it with the line (@__mx_convert_check).
+- float -> bfloat conversions (fptrunc) flush a denormal input to a zero of
+  its sign, as Apple GPUs do: the CPU's conversion is integer rounding,
+  which the executor's denormal flushing (engine.cpp) does not reach. The
+  test is `x == 0`, so with MPS_EXT_EXECUTOR_DENORMALS=keep denormals stay.
 - The thread-private memory each kernel may need (its allocas, along the
   deepest chain of calls) is exported as mx_library_frames, so the engine can
   give fibers stacks large enough.
@@ -77,6 +87,7 @@ _DBG_RE = re.compile(r", !dbg (![0-9]+)")
 _ALIGN_RE = re.compile(r"\balign ([0-9]+)")
 _MEMINTR_RE = re.compile(r"call void @llvm\.(memcpy|memmove|memset)(?:\.inline)?\.[^(]*\((.*)\)")
 _DIV_RE = re.compile(rf"^(sdiv|udiv|srem|urem)( exact)? (.+?) ({_NAME}|-?[0-9]+), ({_NAME})$")
+_DIV_CHECK_RE = re.compile(rf"^(sdiv|udiv|srem|urem)( exact)? (.+?) ({_NAME}|-?[0-9]+), ({_NAME}|-?[0-9]+)$")
 
 
 def _split_top(s: str) -> list[str]:
@@ -179,13 +190,15 @@ _LABEL_RE = re.compile(r'^([-a-zA-Z$._0-9]+|"[^"]*"):(\s*;.*)?$')
 _SUCC_RE = re.compile(r'label %([-a-zA-Z$._0-9]+|"[^"]*")')
 _CALL_RE = re.compile(r'\bcall\b[^@]*@("[^"]+"|[-a-zA-Z$._0-9]+)\(')
 _F2I_RE = re.compile(r"^(fptosi|fptoui) (.+) to (i[0-9]+|<[0-9]+ x i[0-9]+>)$")
+_SHIFT_RE = re.compile(r"^(shl|lshr|ashr)((?: nuw| nsw| exact)*) (.*)$")
+_F2BF_RE = re.compile(r"^fptrunc ((?:float|<[0-9]+ x float>) .+) to (bfloat|<[0-9]+ x bfloat>)$")
 _SEXT_MASK_RE = re.compile(r"^sext (<[0-9]+ x i1>) ")
 _LOOP_MD_RE = re.compile(r"!llvm\.loop (![0-9]+)")
 _TERMINATORS = ("br ", "switch ", "ret", "unreachable", "indirectbr ", "invoke ", "callbr ", "resume ")
 
 # The executor's own entry functions (mx_metal.h): never instrumented.
-_HOOKS = {"__mx_access", "__mx_enter", "__mx_leave", "__mx_loop", "__mx_convert_check", "__mx_simd", "__mx_barrier",
-          "__mx_op_counts"}
+_HOOKS = {"__mx_access", "__mx_enter", "__mx_leave", "__mx_loop", "__mx_convert_check", "__mx_arith_check",
+          "__mx_simd", "__mx_barrier", "__mx_op_counts"}
 # Every simd operation and barrier of mx_metal.h goes through one of these.
 _SYNC = {"__mx_simd", "__mx_barrier"}
 # Files whose functions are the executor's, not the shader's.
@@ -609,12 +622,24 @@ def _instrument_body(f: _Function, shader: bool, site_of, fresh, declares: set[s
                 # A comparison's mask: Metal's bool is 1 where true, not -1.
                 new.append([line.replace(" = sext <", " = zext <", 1)])
                 continue
+            plain = _DBG_RE.sub("", rhs)
+            if lhs and (mb := _F2BF_RE.match(plain)):
+                new.extend([x] for x in _flush_to_bfloat(lhs, mb, line, fresh, declares))
+                continue
             if lhs and shader:
-                mc = _F2I_RE.match(_DBG_RE.sub("", rhs))
+                mc = _F2I_RE.match(plain)
                 if mc:
                     new.extend([x] for x in _conversion_check(mc, line, site_of, fresh, declares))
                     new.append(inst)
                     continue
+                ms = _SHIFT_RE.match(plain)
+                if ms:
+                    new.extend([x] for x in _masked_shift(lhs, ms, line, fresh))
+                    continue
+                md = _DIV_CHECK_RE.match(re.sub(r", ![a-z.]+ ![0-9]+", "", plain))
+                if md and not (md.group(5).lstrip("-").isdigit() and int(md.group(5)) not in (0, -1)
+                               and md.group(1) != "srem"):
+                    new.extend([x] for x in _division_check(md, line, site_of, fresh, declares))
             try:
                 inserted = _instrument_instruction(lhs, rhs, line, private, site_of, fresh)
             except (IndexError, AttributeError, ValueError) as e:
@@ -628,6 +653,120 @@ def _instrument_body(f: _Function, shader: bool, site_of, fresh, declares: set[s
 
 def _double_hex(x: float) -> str:
     return "0x%016X" % struct.unpack("<Q", struct.pack("<d", x))[0]
+
+
+def _vector(ty: str) -> tuple[int, str] | None:
+    """(lanes, element type) of '<N x T>', else None."""
+    v = re.fullmatch(r"<([0-9]+) x (.*)>", ty.strip())
+    return (int(v.group(1)), v.group(2)) if v else None
+
+
+def _splat(ty: str, value) -> str:
+    """`value` as a constant of type ty (each element of a vector)."""
+    vec = _vector(ty)
+    if not vec:
+        return str(value)
+    return "<" + ", ".join([f"{vec[1]} {value}"] * vec[0]) + ">"
+
+
+def _any(ty: str, cond: str, fresh, declares: set[str]) -> tuple[list[str], str]:
+    """Lines reducing a comparison of type ty's shape to one i1 that is true
+    if any element is."""
+    vec = _vector(ty)
+    if not vec:
+        return [], cond
+    n = vec[0]
+    declares.add(f"declare i1 @llvm.vector.reduce.or.v{n}i1(<{n} x i1>)")
+    r = fresh()
+    return [f"  {r} = call i1 @llvm.vector.reduce.or.v{n}i1(<{n} x i1> {cond})"], r
+
+
+# Keep in step with mx_abi.h (MX_ARITH_*).
+ARITH_DIVIDE_BY_ZERO, ARITH_OVERFLOW, ARITH_NEGATIVE_REMAINDER = 0, 1, 2
+
+
+def _division_check(m, line: str, site_of, fresh, declares: set[str]) -> list[str]:
+    """Lines that call __mx_arith_check before an integer division or
+    remainder of shader code: false for a zero divisor, for the smallest
+    signed value divided by -1, and for `%` of a negative operand (Metal:
+    "If one or both operands are negative, the results are undefined")."""
+    op, _exact, ty, num, den = m.groups()
+    vec = _vector(ty)
+    bits = int((vec[1] if vec else ty)[1:])
+    signed = op in ("sdiv", "srem")
+    cmp_ty = f"<{vec[0]} x i1>" if vec else "i1"
+    out: list[str] = []
+
+    def cond(text: str) -> str:
+        c = fresh()
+        out.append(f"  {c} = {text}")
+        lines, r = _any(ty, c, fresh, declares)
+        out.extend(lines)
+        return r
+
+    zero = cond(f"icmp eq {ty} {den}, {_splat(ty, 0) if vec else 0}")
+    bad, kind = zero, str(ARITH_DIVIDE_BY_ZERO)
+    if signed:
+        minus1, minval, both = fresh(), fresh(), fresh()
+        out += [f"  {minus1} = icmp eq {ty} {den}, {_splat(ty, -1)}",
+                f"  {minval} = icmp eq {ty} {num}, {_splat(ty, -(1 << (bits - 1)))}"]
+        ovf = cond(f"and {cmp_ty} {minus1}, {minval}")
+        k1, b1 = fresh(), fresh()
+        out += [f"  {k1} = select i1 {ovf}, i32 {ARITH_OVERFLOW}, i32 {ARITH_DIVIDE_BY_ZERO}",
+                f"  {b1} = or i1 {bad}, {ovf}"]
+        bad, kind = b1, k1
+        if op == "srem":
+            nneg, dneg = fresh(), fresh()
+            out += [f"  {nneg} = icmp slt {ty} {num}, {_splat(ty, 0) if vec else 0}",
+                    f"  {dneg} = icmp slt {ty} {den}, {_splat(ty, 0) if vec else 0}"]
+            neg = cond(f"or {cmp_ty} {nneg}, {dneg}")
+            k2, b2 = fresh(), fresh()
+            out += [f"  {k2} = select i1 {neg}, i32 {ARITH_NEGATIVE_REMAINDER}, i32 {kind}",
+                    f"  {b2} = or i1 {bad}, {neg}"]
+            bad, kind = b2, k2
+        # a zero divisor is the first thing to name
+        k3 = fresh()
+        out.append(f"  {k3} = select i1 {zero}, i32 {ARITH_DIVIDE_BY_ZERO}, i32 {kind}")
+        kind = k3
+    ok = fresh()
+    site, dbg = site_of(line)
+    flags = (0x80 if signed else 0) | bits | (site << SITE_SHIFT)
+    out += [f"  {ok} = xor i1 {bad}, true",
+            f"  call void @__mx_arith_check(i1 zeroext {ok}, i32 {kind}, i32 {flags}){dbg}"]
+    return out
+
+
+def _masked_shift(lhs: str, m, line: str, fresh) -> list[str]:
+    """A shift of shader code by the amount's low log2(N) bits, as Metal
+    defines it (C++ leaves a shift by N or more undefined)."""
+    op, attrs, rest = m.groups()
+    ty, after = _first_type(rest)
+    value, amount = _split_top(after)
+    vec = _vector(ty)
+    bits = int((vec[1] if vec else ty)[1:])
+    if re.fullmatch(r"-?[0-9]+", amount) and 0 <= int(amount) < bits:
+        return [line]
+    masked = fresh()
+    dbg = _DBG_RE.search(line)
+    return [f"  {masked} = and {ty} {amount}, {_splat(ty, bits - 1)}",
+            f"  {lhs} = {op}{attrs} {ty} {value}, {masked}" + (f", !dbg {dbg.group(1)}" if dbg else "")]
+
+
+def _flush_to_bfloat(lhs: str, m, line: str, fresh, declares: set[str]) -> list[str]:
+    """A float -> bfloat conversion whose input compares equal to zero (a
+    denormal, while the engine flushes them) converts a zero of its sign."""
+    src, dst = m.groups()
+    ty, value = _first_type(src)
+    vec = _vector(ty)
+    suffix = f"v{vec[0]}f32" if vec else "f32"
+    cmp_ty = f"<{vec[0]} x i1>" if vec else "i1"
+    declares.add(f"declare {ty} @llvm.copysign.{suffix}({ty}, {ty})")
+    zero, signed_zero, flushed = fresh(), fresh(), fresh()
+    dbg = _DBG_RE.search(line)
+    return [f"  {zero} = fcmp oeq {ty} {value}, zeroinitializer",
+            f"  {signed_zero} = call {ty} @llvm.copysign.{suffix}({ty} zeroinitializer, {ty} {value})",
+            f"  {flushed} = select {cmp_ty} {zero}, {ty} {signed_zero}, {ty} {value}",
+            f"  {lhs} = fptrunc {ty} {flushed} to {dst}" + (f", !dbg {dbg.group(1)}" if dbg else "")]
 
 
 def _conversion_check(m, line: str, site_of, fresh, declares: set[str]) -> list[str]:

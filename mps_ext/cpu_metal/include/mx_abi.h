@@ -10,7 +10,7 @@
 #ifndef MX_ABI_H
 #define MX_ABI_H
 
-#define MX_ABI_VERSION 5u
+#define MX_ABI_VERSION 6u
 
 typedef unsigned int mx_u32;
 typedef unsigned long long mx_u64;
@@ -49,6 +49,14 @@ enum {
 enum {
   MX_CONV_SIGNED = 0x80u,    // bits 0..6: the integer's width in bits
   MX_CONV_SITE_SHIFT = 8,    // bits 8..31: index into the site table
+};
+
+// What an integer division or remainder of shader code did wrong
+// (__mx_arith_check); the flags are laid out as MX_CONV_*.
+enum {
+  MX_ARITH_DIVIDE_BY_ZERO = 0u,
+  MX_ARITH_OVERFLOW = 1u,           // the smallest signed value divided by -1
+  MX_ARITH_NEGATIVE_REMAINDER = 2u,  // `%` with a negative operand
 };
 
 typedef struct mx_uint3 { mx_u32 x, y, z; } mx_uint3;
@@ -119,6 +127,9 @@ typedef struct mx_engine_api {
   // The running thread's counters of 64-bit integer work (MX_OPS_*), which
   // the instrumenter increments (_instrument.py, count_int64).
   mx_u64* (*op_counts)(void);
+  // An integer division or remainder whose result Metal leaves unspecified
+  // or undefined: `kind` is MX_ARITH_*, `flags` as for conversion_error.
+  void (*arithmetic_error)(mx_u32 kind, mx_u32 flags);
 } mx_engine_api;
 
 // Indices into op_counts().

@@ -702,6 +702,11 @@ extern "C" __attribute__((used)) inline void __mx_loop(mx_u32 key, mx_u32 site, 
 extern "C" __attribute__((used)) inline void __mx_convert_check(bool ok, mx_u32 flags) {
   if (__builtin_expect(!ok, 0)) __mx_api->conversion_error(flags, nullptr, 0, 0);
 }
+// An integer division or remainder in shader code: `ok` is false for a
+// zero divisor, INT_MIN / -1 or `%` of a negative operand.
+extern "C" __attribute__((used)) inline void __mx_arith_check(bool ok, mx_u32 kind, mx_u32 flags) {
+  if (__builtin_expect(!ok, 0)) __mx_api->arithmetic_error(kind, flags);
+}
 // Every simd operation and barrier goes through these two, so that the
 // instrumenter sees which functions reach one.
 extern "C" __attribute__((used)) inline void __mx_simd(mx_simd_fn fn, const void* in, void* out, mx_i64 arg,
