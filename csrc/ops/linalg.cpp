@@ -162,7 +162,13 @@ std::string solve_triangular_unsupported(const Tensor& A, const Tensor& B, bool 
 
 Tensor solve_triangular(const Tensor& A, const Tensor& B, bool upper, bool left, bool unitriangular) {
   auto batch = *linalg::broadcast_batch(A, 2, B, 2);
-  Tensor X = empty_matrices(with_matrix(batch, B.size(-2), B.size(-1)), true, B.options());
+  // X's layout as torch's (linalg_solve_triangular_meta): row-major when the
+  // broadcast A is a conjugated row-major view's transpose (A.mH of a
+  // contiguous A, which torch solves with without a copy), column-major
+  // otherwise.
+  const Tensor A_ = A.expand(with_matrix(batch, A.size(-2), A.size(-1)));
+  const bool row_major = A_.is_conj() && A_.mT().is_contiguous();
+  Tensor X = empty_matrices(with_matrix(batch, B.size(-2), B.size(-1)), !row_major, B.options());
   linalg::triangular_solve_into(A.resolve_neg(), B.resolve_neg(), X, upper, false, unitriangular, left);
   return X;
 }
