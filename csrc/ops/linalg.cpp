@@ -388,6 +388,18 @@ void register_linalg(torch::Library& m) {
 }  // namespace
 }  // namespace mps_ext
 
+// aten::linalg_solve_triangular takes conjugated and negated views itself
+// (torch registers it as a fallthrough of the Conjugate and Negative keys),
+// so on MPS the override sees A.mH as a view, and its output's layout depends
+// on it (solve_triangular). torch.ops.mps_ext's op does the same, so that it
+// runs the kernels on CPU tensors as they run on MPS.
+TORCH_LIBRARY_IMPL(mps_ext, Conjugate, m) {
+  m.impl("linalg_solve_triangular", torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(mps_ext, Negative, m) {
+  m.impl("linalg_solve_triangular", torch::CppFunction::makeFallthrough());
+}
+
 MPS_EXT_FAMILY("linalg", mps_ext::register_linalg, "aten::linalg_lu_factor_ex", "aten::linalg_lu_factor",
                "aten::linalg_lu", "aten::lu_unpack", "aten::linalg_solve_triangular", "aten::triangular_solve",
                "aten::linalg_inv_ex", "aten::_linalg_solve_ex", "aten::linalg_lu_solve", "aten::_linalg_det",

@@ -547,7 +547,7 @@ def layouts(t):
     column-major, a conjugated view, the conjugate transpose of a contiguous
     tensor (a conjugated column-major view: torch solves with it without a
     copy), a strided slice, and a batch broadcast from one matrix."""
-    out = {"contiguous": t, "column-major": t.mT.contiguous().mT, "sliced": torch.cat([t, t], -1)[..., ::2],
+    out = {"contiguous": t, "column-major": t.mT.contiguous().mT, "sliced": torch.stack([t, t], -1)[..., 0],
            "broadcast": t[:1].expand(t.shape)}
     if t.is_complex():
         out["conj"] = t.conj().resolve_conj().conj()
