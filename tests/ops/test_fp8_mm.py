@@ -362,7 +362,8 @@ def test_torch_2_15_keeps_operands_its_kernel_cannot_align(cpu_policy):
         mps_ext.reset_stats()
         sa, sb = torch.rand(a.shape[0], 1, generator=g), torch.rand(1, b.shape[1], generator=g)
         got = torch.ops.mps_ext._scaled_mm_v2(a, b, [sa], [1], [], [sb], [1], [], None, torch.float32, [], False)
-        close(got, torch._scaled_mm(a, b, sa, sb, out_dtype=torch.float32), a.shape[1])
+        # (the routing is the point; torch's CPU kernel rounds through lower precision on some layouts)
+        torch.testing.assert_close(got, torch._scaled_mm(a, b, sa, sb, out_dtype=torch.float32), rtol=1e-3, atol=1e-3)
         assert mps_ext.stats()["scaled_mm"]["ran"] == int(not torchs), i
 
 
