@@ -65,7 +65,7 @@ def scaled_mm(rows, k, n, recipe, misaligned=0):
     x, w = fp8(rows, k, misaligned=misaligned), fp8(n, k)
     kb, nb = -(-k // 128), -(-n // 128)
     scales = ([torch.ones(rows, 1)], [1], [], [torch.ones(1, n)], [1], []) if recipe == "row" else (
-        [torch.ones(rows, kb)], [4], [], [torch.ones(kb, nb)], [5], [])
+        [torch.ones(rows, kb)], [4], [], [torch.ones((kb + 3) // 4 * 4, nb)], [5], [])
     return lambda: torch.ops.mps_ext._scaled_mm_v2(x, w.t(), *scales, None, torch.bfloat16, [], False)
 
 

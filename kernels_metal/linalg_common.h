@@ -49,6 +49,21 @@ inline float2 cdiv(float2 a, float2 b) {
   return float2((a.x * r + a.y) / d, (a.y * r - a.x) / d);
 }
 
+// How getf2 / getrf2 scale the column below a nonzero pivot d: times 1 / d
+// (rounded once) when |d| >= sfmin, the smallest normal number, else
+// divided by d. x * (1 / d) and x / d may differ in the last bit, and so
+// then do the updates and which later pivot comes out exactly zero (info).
+template <typename T>
+struct PivotScale {
+  T d, reciprocal;
+  bool by_reciprocal;
+  T apply(T x) const { return by_reciprocal ? cmul(x, reciprocal) : cdiv(x, d); }
+};
+template <typename T>
+inline PivotScale<T> pivot_scale(T d) {
+  return PivotScale<T>{d, cdiv(one<T>(), d), modulus(d) >= FLT_MIN};
+}
+
 // The sign of a nonzero pivot as torch's sgn gives it: x / |x|; 0 for 0.
 inline float sign_of(float a) { return a > 0.0f ? 1.0f : (a < 0.0f ? -1.0f : a); }
 inline float2 sign_of(float2 a) {

@@ -95,7 +95,9 @@ kernel void lu_small(device T* lu [[buffer(0)]],
   }
 
   // getf2 in registers. Pivot search as isamax / icamax: first row of the
-  // largest magnitude. A zero pivot leaves its column unscaled (LAPACK).
+  // largest magnitude; a NaN is taken only on the diagonal, where the search
+  // starts (LuParams::nan_first 0). A zero pivot leaves its column unscaled
+  // (LAPACK).
   int piv[N];
   int first_zero = 0;
   DetAccumulator<T> acc;
@@ -118,8 +120,9 @@ kernel void lu_small(device T* lu [[buffer(0)]],
     const bool zero = is_zero(d);
     if (zero && first_zero == 0) first_zero = j + 1;
     acc.add(d, r != j, p.det);
+    const PivotScale<T> scale = pivot_scale(d);
     for (int i = j + 1; i < N; ++i) {
-      if (!zero) M[i][j] = cdiv(M[i][j], d);
+      if (!zero) M[i][j] = scale.apply(M[i][j]);
       for (int c = j + 1; c < N; ++c) M[i][c] -= cmul(M[i][j], M[j][c]);
     }
   }
@@ -198,14 +201,18 @@ kernel void lu_small(device T* lu [[buffer(0)]],
 
 // --------------------------------------------- one threadgroup per matrix --
 // Best (magnitude, row) of a pivot search; ties go to the lower row, as
-// isamax / icamax return the first maximum.
+// isamax / icamax return the first maximum. A NaN magnitude beats every
+// number (the search makes the NaNs it skips -1 instead:
+// LuParams::nan_first).
 struct PivotCandidate {
   float value;
   int row;
 };
 
 inline PivotCandidate better(PivotCandidate a, PivotCandidate b) {
-  return (b.value > a.value || (b.value == a.value && b.row < a.row)) ? b : a;
+  const bool a_nan = isnan(a.value), b_nan = isnan(b.value);
+  if (a_nan != b_nan) return b_nan ? b : a;
+  return (b.value > a.value || ((a_nan || b.value == a.value) && b.row < a.row)) ? b : a;
 }
 
 // Largest-magnitude row of a panel column over the threadgroup; every
@@ -334,10 +341,15 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
       threadgroup T* tj = tile + j * ld;
       int r = col;
       if (p.pivot != 0) {
+        // Every row is a candidate (-1 below any magnitude), so the
+        // diagonal's thread always holds one and the winner is a row.
         PivotCandidate c = {-1.0f, m};
-        for (int i = col + int(tid); i < m; i += int(threads)) c = better(c, PivotCandidate{abs1(tj[i]), i});
+        for (int i = col + int(tid); i < m; i += int(threads)) {
+          float v = abs1(tj[i]);
+          if (isnan(v) && p.nan_first == 0 && i != col) v = -1.0f;
+          c = better(c, PivotCandidate{v, i});
+        }
         r = threadgroup_argmax(c, scratch, lane, sg, simdgroups).row;
-        if (r >= m) r = col;  // a column of NaN: no row compares larger; keep the diagonal
       }
       if (r != col) {
         for (int t = int(tid); t < nb; t += int(threads)) {
@@ -357,10 +369,11 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
         if (zero && first_zero == 0) first_zero = col + 1;
         acc.add(d, r != col, p.det);
       }
+      const PivotScale<T> scale = pivot_scale(d);
       for (int i = col + 1 + int(tid); i < m; i += int(threads)) {
         T l = tj[i];
         if (!zero) {
-          l = cdiv(l, d);
+          l = scale.apply(l);
           tj[i] = l;
         }
         for (int t = j + 1; t < nb; ++t) tile[t * ld + i] -= cmul(l, tile[t * ld + col]);

@@ -24,6 +24,10 @@
 // Matrices up to this size are factored (and inverted, solved) in the
 // registers of one thread per matrix.
 #define LINALG_SMALL_MAX 4
+// LuParams::nan_first: set for matrices with more rows or columns than this
+// (what torch 2.13's CPU LU, MKL 2024.2, does; measured in
+// tests/ops/test_linalg.py).
+#define LINALG_NAN_FIRST_ABOVE 16
 // Threads per threadgroup of the one-thread-per-matrix kernel.
 #define LINALG_SMALL_THREADS 64
 // Elements of threadgroup memory that stage the matrices of its threads, E
@@ -96,7 +100,12 @@ struct LuParams {
   uint32_t write_lu; // write LU and pivots (info is always written)
   uint32_t solve;    // LINALG_SOLVE_*
   uint32_t identity; // the right-hand sides are the identity (an inverse)
-  uint32_t pad;
+  // Pivot search with NaNs (lu_panel; lu_small always 0): 0, a NaN is
+  // skipped unless it is the diagonal element, where the search starts
+  // (isamax / icamax of reference BLAS); 1, the first NaN of the column
+  // wins. torch's CPU kernel (MKL) does the first for matrices up to
+  // LINALG_NAN_FIRST_ABOVE rows and columns, the second for larger ones.
+  uint32_t nan_first;
 };
 
 // One triangular sweep of the solve kernel over the n x n matrix `a`:

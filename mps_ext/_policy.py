@@ -81,10 +81,12 @@ HISTORY: dict[str, list[tuple[str, str, str]]] = {
          "native_functions.yaml: constant_pad_nd MPS: constant_pad_nd_mps; operations/Pad.mm; no "
          "constant_pad_nd kernel in the dylib's Metal library"),
         ("2.15", "constant_pad_nd_mps runs Metal kernels: constant_pad_nd_<dtype>_{u32,u64} for any strides and "
-         "constant_pad_nd_dense_<dtype> for contiguous input, 15 dtypes (bool, integers, half, bfloat, float, "
-         "complex, float8_e4m3fn)",
-         "kernels/Pad.h (new in 2.15: ConstantPadNdParams, ConstantPadDenseParams); dylib: 30 "
-         "constant_pad_nd_* kernels and the strings 'constant_pad_nd_dense_', 'constant_pad_nd_{}{}'"),
+         "constant_pad_nd_dense_<dtype> for contiguous input, 15 dtypes (bool, char, uchar, short, ushort, int, "
+         "uint, long, ulong, half, bfloat, float, half2, float2, float8_e4m3fn); none for float8_e5m2 or the "
+         "other float8 formats",
+         "kernels/Pad.h (new in 2.15: ConstantPadNdParams, ConstantPadDenseParams); dylib: 45 "
+         "constant_pad_nd_* kernels (constant_pad_nd_{dense_<dtype>,<dtype>_u32,<dtype>_u64} for the 15 dtypes "
+         "above) and the strings 'constant_pad_nd_dense_', 'constant_pad_nd_{}{}'"),
     ],
     "linear": [
         ("2.9-2.13", "mm/addmm: an MPSGraph matmul (graph keys 'MM/...'), or a naive Metal matmul ('matmul_') "
@@ -218,8 +220,12 @@ NATIVE: dict[str, list[Native]] = {
         (2, 15), ("aten::_softmax", "aten::_log_softmax"),
         "torch 2.15 splits long softmax rows over many threadgroups itself (its backward stays MPSGraph, so "
         "mps_ext keeps the backward)", HISTORY["softmax"][1][2])],
+    # torch 2.15's pad kernels cover every dtype mps_ext pads except the float8
+    # formats other than e4m3fn (a float8_e5m2 tensor on MPS is mps_ext's
+    # own): those stay.
     "pad": [Native((2, 15), ("aten::constant_pad_nd",), "torch 2.15 has Metal constant_pad_nd kernels",
-                   HISTORY["pad"][1][2])],
+                   HISTORY["pad"][1][2],
+                   kept_dtypes=("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"))],
     # Op by op on torch 2.15 (HISTORY["linalg"][2] says what torch has):
     # - LU: torch's blocked getrf spreads a matrix over many threadgroups, with
     #   its trailing updates as GEMMs; mps_ext's factors a matrix in one
@@ -296,7 +302,7 @@ NATIVE: dict[str, list[Native]] = {
                          "torch 2.15's _scaled_mm_v2 runs tensor-wise and row-wise float8_e4m3fn products on MPS",
                          HISTORY["scaled_mm"][2][2],
                          calls="tensor-wise and row-wise float8_e4m3fn, with outputs and bias torch's kernel "
-                               "takes")],
+                               "takes, K and N, operand storage offsets and strides multiples of 16")],
 }
 
 

@@ -44,8 +44,11 @@ def test_what_each_release_leaves_to_torch():
     assert _policy.left_to_torch("softmax", "2.14.1") == {}
     assert set(_policy.left_to_torch("softmax", "2.15.0")) == {"aten::_softmax", "aten::_log_softmax"}
     assert _policy.steps_aside("softmax", ops["softmax"], "2.15.0") is None  # its backward stays
-    assert "Metal constant_pad_nd" in _policy.steps_aside("pad", ops["pad"], "2.15.0")
-    assert _policy.steps_aside("pad", ops["pad"], "2.14.1") is None
+    # pad on 2.15: torch's Metal kernels, except the float8 formats they lack
+    assert _policy.left_to_torch("pad", "2.14.1") == {}
+    pad = _policy.left_to_torch("pad", "2.15.0")["aten::constant_pad_nd"]
+    assert set(pad.kept_dtypes) == {"float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"}
+    assert _policy.steps_aside("pad", ops["pad"], "2.15.0") is None
     # linalg on 2.15: torch's Metal LU and solves, its float32 inverse; mps_ext
     # keeps LU without pivoting, complex64 inverses (torch refuses both) and
     # lu_unpack.
@@ -134,6 +137,22 @@ def test_a_rule_can_keep_some_dtypes_and_some_argument_values(cpu_policy):
         assert mps_ext.stats()["linalg"]["fallbacks"] == ({} if ours else {why: 1})
     with pytest.raises(RuntimeError, match="has no bool argument named 'pivoting'"):
         _C.leave_to_torch("linalg", "aten::linalg_lu", "CPU", why, [], [("pivoting", False)])
+
+
+def test_pad_on_torch_2_15_keeps_the_dtypes_its_kernel_lacks(cpu_policy):
+    # torch 2.15's constant_pad_nd kernels are instantiated for 15 dtypes, no
+    # float8 format but e4m3fn (the names in its libtorch_cpu.dylib):
+    # mps_ext keeps the other float8 formats it pads.
+    mps_ext._leave_to_torch("pad", _policy.left_to_torch("pad", "2.15.0"), "CPU")
+    x = torch.randn(2, 3)
+    for dtype, ours in [(torch.float32, False), (torch.float8_e4m3fn, False), (torch.int16, False),
+                        (torch.float8_e5m2, True), (torch.float8_e4m3fnuz, True), (torch.float8_e5m2fnuz, True)]:
+        mps_ext.reset_stats()
+        got = torch.ops.mps_ext.constant_pad_nd(x.to(dtype), [1, 1])
+        want = torch.constant_pad_nd(x.to(dtype), [1, 1])
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) if dtype.is_floating_point else \
+            torch.equal(got, want)
+        assert mps_ext.stats()["pad"]["ran"] == int(ours), dtype
 
 
 def test_linalg_on_torch_2_15_op_by_op(cpu_policy):

@@ -123,6 +123,10 @@ std::string copy_unsupported(const at::Tensor& self, const at::Tensor& src) {
 template <c10::DispatchKey K>
 void copy_fp8(at::Tensor& self, const at::Tensor& src_, bool non_blocking) {
   if (self.is_same(src_) || self.numel() == 0) return;
+  // torch's error for a destination whose elements share memory (an
+  // expanded tensor), which its TensorIterator raises on every device:
+  // threads writing one element would race.
+  at::assert_no_internal_overlap(self);
   at::Tensor src = src_.expand(self.sizes());  // torch's message if it does not broadcast
   const c10::ScalarType to = self.scalar_type(), from = src.scalar_type();
   if (self.device() != src.device()) {

@@ -5,9 +5,9 @@
 // Recipes (scales are fp32 de-quantisation multipliers):
 //   tensor-wise  one scale per operand                         (_scaled_mm, v2 recipe 0/0)
 //   row-wise     scale_a [M, 1], scale_b [1, N]                (_scaled_mm, v2 recipe 1/1)
-//   1x128 x 128x128  scale_a [M, ceil(K/128)], scale_b [ceil(K/128), ceil(N/128)]  (v2 4/5)
-//   1x128 x 1x128    scale_a [M, ceil(K/128)], scale_b [ceil(K/128), N]            (v2 4/4)
-// Block scales may have any strides (CUDA demands particular ones). Inputs
+//   1x128 x 128x128  scale_a [M, ceil(K/128)], scale_b [round_up(ceil(K/128), 4), ceil(N/128)]  (v2 4/5)
+//   1x128 x 1x128    scale_a [M, ceil(K/128)], scale_b [N, ceil(K/128)]                        (v2 4/4)
+// (torch's layouts: set_scales). Inputs
 // torch rejects go to torch's own kernel where there is one (its error
 // message); on MPS, where torch 2.9-2.14 has none, mps_ext raises.
 #include <ATen/ATen.h>
@@ -115,32 +115,63 @@ void run(Problem& pr) {
 
 bool fp32_scalar(const at::Tensor& s) { return s.scalar_type() == at::kFloat && s.numel() == 1; }
 
+std::string sizes_of(const at::Tensor& t) { return c10::str(t.sizes(), " (strides ", t.strides(), ")"); }
+
 // Scale strides of a recipe into p (sa: activation, sb: weight), given the
-// scale tensors as torch's callers pass them. False: not that recipe.
-bool set_scales(Fp8MatmulParams& p, int64_t ra, const at::Tensor& sa, int64_t rb, const at::Tensor& sb, int64_t M,
-                int64_t K, int64_t N) {
-  if (sa.scalar_type() != at::kFloat || sb.scalar_type() != at::kFloat) return false;
+// scale tensors as torch's callers pass them. "" when they are that
+// recipe's; otherwise what was wrong and what is accepted.
+//
+// Block-wise scales are laid out as torch's contract for _scaled_mm_v2
+// says, kb = ceil(K / 128):
+//   scale_a                [M, kb]
+//   scale_b 1x128 x 1x128   [N, kb]   (one row per output column)
+//   scale_b 1x128 x 128x128 [round_up(kb, 4), ceil(N / 128)] (rows past kb
+//                           are padding, never read)
+// _meta_registrations.py of torch 2.10-2.13 (with K // 128, the same for a
+// K that is a multiple of 128; a K // 128 scale has no scale for the last,
+// partial block, and CUDA's checks take ceil) and the CUDA checks of 2.10-2.15
+// (_scaled_block1x128_block1x128, _scaled_block1x128_block128x128) ask for
+// these shapes column-major (strides (1, rows)); torch 2.15's meta also names
+// row-major ("both scales should be contiguous (row-major or column-major)").
+// Both are read here by their strides; any other strides are refused, and so
+// is any other shape, among them the transpose [kb, N] of 1x128 x 1x128,
+// which, when N == kb, could not be told from torch's layout.
+std::string set_scales(Fp8MatmulParams& p, int64_t ra, const at::Tensor& sa, int64_t rb, const at::Tensor& sb,
+                       int64_t M, int64_t K, int64_t N) {
+  const std::string rejected = "scales torch rejects";
+  if (sa.scalar_type() != at::kFloat || sb.scalar_type() != at::kFloat) return rejected;
   p.sb_n_group = 1;
-  if (ra == kTensorWise && rb == kTensorWise) return sa.numel() == 1 && sb.numel() == 1;  // strides 0
+  if (ra == kTensorWise && rb == kTensorWise) return sa.numel() == 1 && sb.numel() == 1 ? "" : rejected;  // strides 0
   if (ra == kRowWise && rb == kRowWise) {
-    if (!(sa.dim() == 2 && sa.size(0) == M && sa.size(1) == 1 && sa.is_contiguous())) return false;
-    if (!(sb.dim() == 2 && sb.size(0) == 1 && sb.size(1) == N && sb.t().is_contiguous())) return false;
+    if (!(sa.dim() == 2 && sa.size(0) == M && sa.size(1) == 1 && sa.is_contiguous())) return rejected;
+    if (!(sb.dim() == 2 && sb.size(0) == 1 && sb.size(1) == N && sb.t().is_contiguous())) return rejected;
     p.sa_row_stride = 1;
     p.sb_n_stride = 1;
-    return true;
+    return "";
   }
+  if (ra != kBlock1x128 || (rb != kBlock1x128 && rb != kBlock128x128)) return rejected;
   const int64_t kb = ceil_div(K, FP8_SCALE_BLOCK);
-  if (ra != kBlock1x128 || !(sa.dim() == 2 && sa.size(0) == M && sa.size(1) == kb) || sb.dim() != 2) return false;
+  const bool per_column = rb == kBlock1x128;
+  const int64_t sb_rows = per_column ? N : (kb + 3) / 4 * 4, sb_cols = per_column ? kb : ceil_div(N, FP8_SCALE_BLOCK);
+  auto dense = [](const at::Tensor& t) { return t.is_contiguous() || t.t().is_contiguous(); };
+  const bool ok = sa.dim() == 2 && sa.size(0) == M && sa.size(1) == kb && dense(sa) && sb.dim() == 2 &&
+                  sb.size(0) == sb_rows && sb.size(1) == sb_cols && dense(sb);
+  if (!ok)
+    return c10::str("block-wise scales scale_a ", sizes_of(sa), ", scale_b ", sizes_of(sb), "; 1x128 x ",
+                    per_column ? "1x128" : "128x128", " takes scale_a [M, ceil(K/128)] = [", M, ", ", kb,
+                    "] and scale_b ", per_column ? "[N, ceil(K/128)]" : "[round_up(ceil(K/128), 4), ceil(N/128)]",
+                    " = [", sb_rows, ", ", sb_cols, "], each column-major (torch's layout) or row-major");
   p.sa_row_stride = sa.stride(0);
   p.sa_k_stride = sa.stride(1);
-  if (rb == kBlock128x128 && sb.size(0) == kb && sb.size(1) == ceil_div(N, FP8_SCALE_BLOCK)) {
+  if (per_column) {
+    p.sb_n_stride = sb.stride(0);
+    p.sb_k_stride = sb.stride(1);
+  } else {
     p.sb_n_group = FP8_SCALE_BLOCK;
-  } else if (!(rb == kBlock1x128 && sb.size(0) == kb && sb.size(1) == N)) {
-    return false;
+    p.sb_k_stride = sb.stride(0);
+    p.sb_n_stride = sb.stride(1);
   }
-  p.sb_k_stride = sb.stride(0);
-  p.sb_n_stride = sb.stride(1);
-  return true;
+  return "";
 }
 
 // Checks shared by both ops; "" when mps_ext's kernels take the call.
@@ -185,17 +216,36 @@ std::string or_raise(const std::string& why, const std::string& op, c10::Dispatc
   return why;
 }
 
+// torch 2.15's scaled_mm kernels load 16 float8 values at a time and raise
+// unless K, N, each operand's storage offset and its leading stride are
+// multiples of this (kernels/ScaledMM.h: scaled_mm_alignment; the library's
+// "Expected K and N to be divisible by", "storage offset and leading stride
+// to be divisible by").
+constexpr int64_t kTorchScaledMMAlignment = 16;
+
+// An operand torch 2.15's kernel takes whichever stride it calls leading:
+// contiguous along one dimension, the other stride and the storage offset
+// multiples of 16. (Other layouts stay with mps_ext, which runs any.)
+bool torch_aligned(const at::Tensor& t) {
+  auto multiple = [](int64_t v) { return v % kTorchScaledMMAlignment == 0; };
+  const int64_t s0 = t.stride(0), s1 = t.stride(1);
+  return multiple(t.storage_offset()) && ((s1 == 1 && multiple(s0)) || (s0 == 1 && multiple(s1)));
+}
+
 // The policy, for an op whose rule leaves to torch the calls picked here
 // (mps_ext/_policy.py; on MPS from torch 2.15): torch's _scaled_mm_v2 on MPS
 // (operations/ScaledMM.mm) runs tensor-wise and row-wise float8_e4m3fn
 // products with outputs f32/f16/bf16/e4m3fn, and a bias only of the output's
-// dtype (bf16 or f16) or, for an e4m3fn output, either; mps_ext keeps what
-// it rejects. The rule's reason, or "".
+// dtype (bf16 or f16) or, for an e4m3fn output, either, on aligned operands
+// (torch_aligned); mps_ext keeps what it rejects. The rule's reason, or "".
 std::string policy(const std::string& op, c10::DispatchKey key, const at::Tensor& a, const at::Tensor& b,
                    int64_t recipe, c10::ScalarType out, const c10::optional<at::Tensor>& bias) {
   c10::optional<LeftToTorch> rule = family("scaled_mm").left_to_torch(op, key);
   if (!rule || !has_stock_kernel(op, key) || recipe > kRowWise || a.scalar_type() != at::kFloat8_e4m3fn ||
       b.scalar_type() != at::kFloat8_e4m3fn || out == at::kFloat8_e5m2)
+    return "";
+  if (a.size(1) % kTorchScaledMMAlignment != 0 || b.size(1) % kTorchScaledMMAlignment != 0 || !torch_aligned(a) ||
+      !torch_aligned(b))
     return "";
   if (bias && bias->defined()) {
     const auto t = bias->scalar_type();
@@ -216,13 +266,11 @@ at::Tensor scaled_mm_impl(const at::Tensor& self, const at::Tensor& mat2, const 
   std::string why = operands_unsupported(self, mat2, bias, out);
   if (why.empty()) {
     const bool tensorwise = fp32_scalar(scale_a) && fp32_scalar(scale_b);
-    if (!set_scales(p, tensorwise ? kTensorWise : kRowWise, scale_a, tensorwise ? kTensorWise : kRowWise, scale_b,
-                    self.size(0), self.size(1), mat2.size(1)))
-      why = "scales torch rejects";
-    else if (scale_result && scale_result->defined() && !fp32_scalar(*scale_result))
+    why = set_scales(p, tensorwise ? kTensorWise : kRowWise, scale_a, tensorwise ? kTensorWise : kRowWise, scale_b,
+                     self.size(0), self.size(1), mat2.size(1));
+    if (why.empty() && scale_result && scale_result->defined() && !fp32_scalar(*scale_result))
       why = "a scale_result torch rejects";
-    else
-      why = policy("aten::_scaled_mm", K, self, mat2, kRowWise, out, bias);
+    if (why.empty()) why = policy("aten::_scaled_mm", K, self, mat2, kRowWise, out, bias);
   }
   return route(family("scaled_mm"), "aten::_scaled_mm", K, or_raise(why, "aten::_scaled_mm", K),
                [&] { return scaled_mm(self, mat2, p, scale_a, scale_b, bias, scale_result, out); }, self, mat2,
@@ -249,10 +297,8 @@ at::Tensor scaled_mm_v2_impl(const at::Tensor& self, const at::Tensor& mat2, at:
     else if (recipe_a[0] >= kBlock1x128 &&
              (self.scalar_type() != at::kFloat8_e4m3fn || mat2.scalar_type() != at::kFloat8_e4m3fn))
       why = "block-wise scales with float8_e5m2 operands";
-    else if (!set_scales(p, recipe_a[0], scale_a[0], recipe_b[0], scale_b[0], self.size(0), self.size(1),
-                         mat2.size(1)))
-      why = "scales torch rejects";
-    else
+    else if ((why = set_scales(p, recipe_a[0], scale_a[0], recipe_b[0], scale_b[0], self.size(0), self.size(1),
+                               mat2.size(1))).empty())
       why = policy("aten::_scaled_mm_v2", K, self, mat2, recipe_a[0], out, bias);
   }
   return route(family("scaled_mm"), "aten::_scaled_mm_v2", K, or_raise(why, "aten::_scaled_mm_v2", K),

@@ -162,7 +162,13 @@ std::string solve_triangular_unsupported(const Tensor& A, const Tensor& B, bool 
 
 Tensor solve_triangular(const Tensor& A, const Tensor& B, bool upper, bool left, bool unitriangular) {
   auto batch = *linalg::broadcast_batch(A, 2, B, 2);
-  Tensor X = empty_matrices(with_matrix(batch, B.size(-2), B.size(-1)), true, B.options());
+  // X's layout as torch's (linalg_solve_triangular_meta): row-major when the
+  // broadcast A is a conjugated row-major view's transpose (A.mH of a
+  // contiguous A, which torch solves with without a copy), column-major
+  // otherwise.
+  const Tensor A_ = A.expand(with_matrix(batch, A.size(-2), A.size(-1)));
+  const bool row_major = A_.is_conj() && A_.mT().is_contiguous();
+  Tensor X = empty_matrices(with_matrix(batch, B.size(-2), B.size(-1)), !row_major, B.options());
   linalg::triangular_solve_into(A.resolve_neg(), B.resolve_neg(), X, upper, false, unitriangular, left);
   return X;
 }
@@ -381,6 +387,18 @@ void register_linalg(torch::Library& m) {
 
 }  // namespace
 }  // namespace mps_ext
+
+// aten::linalg_solve_triangular takes conjugated and negated views itself
+// (torch registers it as a fallthrough of the Conjugate and Negative keys),
+// so on MPS the override sees A.mH as a view, and its output's layout depends
+// on it (solve_triangular). torch.ops.mps_ext's op does the same, so that it
+// runs the kernels on CPU tensors as they run on MPS.
+TORCH_LIBRARY_IMPL(mps_ext, Conjugate, m) {
+  m.impl("linalg_solve_triangular", torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(mps_ext, Negative, m) {
+  m.impl("linalg_solve_triangular", torch::CppFunction::makeFallthrough());
+}
 
 MPS_EXT_FAMILY("linalg", mps_ext::register_linalg, "aten::linalg_lu_factor_ex", "aten::linalg_lu_factor",
                "aten::linalg_lu", "aten::lu_unpack", "aten::linalg_solve_triangular", "aten::triangular_solve",

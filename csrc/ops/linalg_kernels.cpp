@@ -272,6 +272,7 @@ Factors lu_factor(const at::Tensor& a, bool pivot, uint32_t det_mode) {
   p.m = static_cast<int32_t>(m);
   p.n = static_cast<int32_t>(n);
   p.pivot = pivot ? 1 : 0;
+  p.nan_first = std::max(m, n) > LINALG_NAN_FIRST_ABOVE ? 1 : 0;
   p.det = det_mode;
   p.write_lu = 1;
   // The widest panel (up to 32 columns) whose m rows (ld apart) fit in threadgroup

@@ -171,6 +171,25 @@ def test_copy_between_overlapping_views_gives_torchs_error():
             torch.ops.mps_ext.copy_(base[1:], src)
 
 
+def test_copy_into_an_expanded_destination_gives_torchs_error():
+    # Elements of the destination that share memory would be written by
+    # several threads at once; torch refuses on every device, before
+    # broadcasting the source.
+    msg = "more than one element of the written-to tensor refers to a single memory location"
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    for dst, src in [(torch.empty(1, dtype=e4).expand(3), torch.randn(3)),       # a conversion
+                     (torch.empty(2, 1, dtype=e5).expand(2, 4), torch.randn(2, 4).to(e5)),  # bytes
+                     (torch.empty(1, dtype=e4).expand(3), torch.randn(3).to(e5)),  # between formats
+                     (torch.empty(1, dtype=torch.int32).expand(3), torch.randn(3).to(e4)),  # through float32
+                     (torch.empty(1, dtype=e4).expand(3), torch.randn(2))]:       # and before the broadcast
+        with pytest.raises(RuntimeError, match=msg):
+            dst.copy_(src)
+        mps_ext.reset_stats()
+        with pytest.raises(RuntimeError, match=msg):
+            torch.ops.mps_ext.copy_(dst, src)
+        assert mps_ext.stats()["fp8"]["ran"] == 0
+
+
 def test_large_offsets_use_64_bit_indexing():
     # The destination's last element sits 2^31 + 8 bytes in: 32-bit offsets would wrap.
     storage = torch.zeros(2**31 + 16, dtype=torch.uint8)

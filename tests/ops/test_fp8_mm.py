@@ -106,35 +106,72 @@ def test_shapes_and_layouts_torch_accepts(device, case):
 
 
 def block_reference(a, b, sa, sb, recipe_b, out, bias=None):
-    """float64: sum over 128-wide K blocks of (a_blk @ b_blk) * sa * sb."""
-    a64, b64 = a.double().numpy(), b.double().numpy()
-    m, k = a64.shape
-    n = b64.shape[1]
-    y = np.zeros((m, n))
-    for kb in range(-(-k // 128)):
-        ks = slice(kb * 128, min(k, kb * 128 + 128))
-        part = a64[:, ks] @ b64[ks, :]
-        sbk = sb[kb].double().numpy()
-        sbn = np.repeat(sbk, 128)[:n] if recipe_b == 5 else sbk
-        y += part * sa[:, kb].double().numpy()[:, None] * sbn[None, :]
-    y = torch.from_numpy(y)
+    """float64: a and b de-quantised with the scales as torch's contract for
+    _scaled_mm_v2 defines them (kb = ceil(K / 128)): a[m, k] * sa[m, k // 128];
+    b[k, n] * sb[n, k // 128] (1x128, recipe 4) or sb[k // 128, n // 128]
+    (128x128, recipe 5; sb has round_up(kb, 4) rows), then their product."""
+    k = a.shape[1]
+    kblock = torch.arange(k) // 128
+    a64 = a.double() * sa.double()[:, kblock]
+    if recipe_b == 4:
+        b64 = b.double() * sb.double()[:, kblock].t()
+    else:
+        b64 = b.double() * sb.double()[kblock][:, torch.arange(b.shape[1]) // 128]
+    y = a64 @ b64
     if bias is not None:
         y = y + bias.double()
     return y.to(out)
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 256, 256), (3, 384, 200), (8, 130, 129), (40, 256, 160), (33, 300, 64)])
-@pytest.mark.parametrize("recipe_b", [5, 4])
-def test_blockwise_recipes_against_float64(device, m, k, n, recipe_b):
-    a, w = fp8(m, k), fp8(n, k)
+def block_scales(m, k, n, recipe_b, layout="torch"):
+    """Scales of a 1x128 x (1x128 | 128x128) product as torch's contract lays
+    them out: column-major (strides (1, rows)), or row-major."""
     kb = -(-k // 128)
     sa = torch.rand(m, kb, generator=g) / 100 + 1e-3
-    sa = sa.t().contiguous().t()  # M-major, as CUDA wants it; any strides work here
-    sb = (torch.rand(kb, -(-n // 128), generator=g) if recipe_b == 5 else torch.rand(kb, n, generator=g)) / 100 + 1e-3
+    sb = torch.rand(n, kb, generator=g) if recipe_b == 4 else torch.rand((kb + 3) // 4 * 4, -(-n // 128), generator=g)
+    sb = sb / 100 + 1e-3
+    if layout == "torch":
+        sa, sb = sa.t().contiguous().t(), sb.t().contiguous().t()
+    return sa, sb
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 256, 256), (3, 384, 200), (8, 130, 129), (40, 256, 160), (33, 300, 64),
+                                   (5, 384, 3), (40, 256, 2)])
+@pytest.mark.parametrize("recipe_b", [5, 4])
+@pytest.mark.parametrize("layout", ["torch", "row-major"])
+def test_blockwise_recipes_against_float64(device, m, k, n, recipe_b, layout):
+    # (5, 384, 3) and (40, 256, 2): N == ceil(K / 128), where scale_b of
+    # 1x128 x 1x128 read as its transpose has the right shape and wrong values.
+    a, w = fp8(m, k), fp8(n, k)
+    sa, sb = block_scales(m, k, n, recipe_b, layout)
     bias = torch.randn(n, generator=g).bfloat16()
     got = run("_scaled_mm_v2", a, w.t(), [sa], [4], [], [sb], [recipe_b], [], bias, torch.bfloat16, [], False,
               device=device)
     close(got, block_reference(a, w.t(), sa, sb, recipe_b, torch.bfloat16, bias), k)
+
+
+@pytest.mark.parametrize("case", ["1x128 transposed", "128x128 unpadded", "floor K/128", "strided scale_b"])
+def test_blockwise_scales_outside_torchs_contract_are_refused(case):
+    # Shapes and strides torch's contract does not take raise (torch's CPU
+    # kernel's error here; on MPS mps_ext's, naming the layouts it takes),
+    # and mps_ext's kernel does not run on them.
+    m, k, n = 4, 300, 200  # kb = ceil(K / 128) = 3, padded to 4 rows for 128x128
+    a, w = fp8(m, k), fp8(n, k)
+    recipe_b = 5 if case == "128x128 unpadded" else 4
+    sa, sb = block_scales(m, k, n, recipe_b)
+    if case == "1x128 transposed":
+        sb = sb.t()                                  # [kb, N], the layout mps_ext used to take
+    elif case == "128x128 unpadded":
+        sb = sb[:3]                                  # [kb, ceil(N/128)], mps_ext's old 128x128 layout
+    elif case == "floor K/128":
+        sa = sa[:, : k // 128]                       # K // 128 as torch 2.10-2.13's meta function writes it
+    elif case == "strided scale_b":
+        sb = torch.rand(n, 6)[:, ::2]                # [N, kb] with a column stride of 2
+    mps_ext.reset_stats()
+    with pytest.raises((ValueError, RuntimeError)):
+        torch.ops.mps_ext._scaled_mm_v2(a, w.t(), [sa], [4], [], [sb], [recipe_b], [], None, torch.bfloat16, [],
+                                        False)
+    assert mps_ext.stats()["scaled_mm"]["ran"] == 0
 
 
 @pytest.mark.parametrize("sa_layout", ["row-major", "M-major"])
@@ -146,11 +183,9 @@ def test_prefill_blockwise_scales_past_32_blocks(sa_layout, path):
     # not 16-byte aligned: element loads.
     m, k, n = 40, 32 * 128 + (112 if path == "vec" else 100), 72
     a, w = fp8(m, k), fp8(n, k)
-    kb = -(-k // 128)
-    sa = torch.rand(m, kb, generator=g) / 100 + 1e-3
-    if sa_layout == "M-major":
-        sa = sa.t().contiguous().t()
-    sb = torch.rand(kb, -(-n // 128), generator=g) / 100 + 1e-3
+    sa, sb = block_scales(m, k, n, 5)
+    if sa_layout == "row-major":
+        sa = sa.contiguous()
     with cpu_metal.record() as rec:
         got = run("_scaled_mm_v2", a, w.t(), [sa], [4], [], [sb], [5], [], None, torch.float32, [], False)
     assert rec.dispatches[0].kernel == f"fp8_mm_tile_fp8_{path}"
@@ -301,6 +336,36 @@ def test_torch_2_15_keeps_what_its_kernel_rejects(cpu_policy):
     assert mps_ext.stats()["scaled_mm"] == {
         "ran": 5, "fallbacks": {"policy: torch 2.15's _scaled_mm_v2 runs tensor-wise and row-wise float8_e4m3fn "
                                 "products on MPS": 2}, "unavailable": {}}
+
+
+def test_torch_2_15_keeps_operands_its_kernel_cannot_align(cpu_policy):
+    # torch 2.15's kernel raises unless K, N, each operand's storage offset
+    # and leading stride are multiples of 16 (kernels/ScaledMM.h,
+    # scaled_mm_alignment); torch 2.14 has no kernel of its own and mps_ext
+    # runs them all: they stay with mps_ext.
+    if not torch._C._dispatch_has_computed_kernel_for_dispatch_key("aten::_scaled_mm_v2", "CPU"):
+        pytest.skip(f"torch {torch.__version__} has no CPU kernel for aten::_scaled_mm_v2 to leave calls to")
+    mps_ext._leave_to_torch("scaled_mm", _policy.left_to_torch("scaled_mm", "2.15.0"), "CPU")
+    m, k, n = 3, 32, 16
+    cases = [  # (a, b = mat2, torch's kernel takes it)
+        (fp8(m, k), fp8(n, k).t(), True),
+        (fp8(m, 2 * k)[:, :k], fp8(n, k).t(), True),                    # row stride 64
+        (fp8(m, k), fp8(k, n), True),                                   # row-major mat2, row stride 16
+        (fp8(m, 40), fp8(n, 40).t(), False),                            # K = 40
+        (fp8(m, k), fp8(24, k).t(), False),                             # N = 24
+        (fp8(m * k + 8)[8:].view(m, k), fp8(n, k).t(), False),          # a's storage offset 8
+        (fp8(m, k), fp8(n * k + 4)[4:].view(n, k).t(), False),          # b's storage offset 4
+        (fp8(m, k + 8)[:, :k], fp8(n, k).t(), False),                   # a's row stride 40
+        (fp8(m, k), fp8(n, k + 8)[:, :k].t(), False),                   # b's column stride 40
+        (fp8(m, k), fp8(k, 2 * n)[:, ::2], False),                      # b contiguous along neither dimension
+    ]
+    for i, (a, b, torchs) in enumerate(cases):
+        mps_ext.reset_stats()
+        sa, sb = torch.rand(a.shape[0], 1, generator=g), torch.rand(1, b.shape[1], generator=g)
+        got = torch.ops.mps_ext._scaled_mm_v2(a, b, [sa], [1], [], [sb], [1], [], None, torch.float32, [], False)
+        # (the routing is the point; torch's CPU kernel rounds through lower precision on some layouts)
+        torch.testing.assert_close(got, torch._scaled_mm(a, b, sa, sb, out_dtype=torch.float32), rtol=1e-3, atol=1e-3)
+        assert mps_ext.stats()["scaled_mm"]["ran"] == int(not torchs), i
 
 
 def dequantized(layer):

@@ -271,6 +271,78 @@ def test_nearly_singular_matrices_factor_with_small_residuals(call):
             assert_close(reconstruct(LU[b], piv[b]), wide(a[b]), 1e-5, "P L U")
 
 
+# Integer matrices of rank n - 1 on which dividing by the pivot (x / d) and
+# multiplying by its reciprocal (x * (1 / d), as LAPACK's getf2 / getrf2 do
+# when |d| >= sfmin) round differently, and so leave the last pivot exactly
+# zero or not: LAPACK's info (torch's CPU kernel) is that of the reciprocal.
+# Found by searching random rank-deficient integer matrices.
+ROUNDING_SINGULAR = [
+    [[-27, -3, -33], [-135, -96, -3], [90, 53, 24]],
+    [[3, 24, 51], [7, -72, -73], [-5, -8, -37]],
+    [[58, -14, -58, -16], [-120, 76, -14, -44], [-43, 52, 7, -24], [-30, -32, 28, 28]],
+    [[54, 18, -60, -32], [-29, 27, -15, -48], [82, 34, -130, -116], [12, -20, -16, -26]],
+    [[33, -15, -109, 8, 68, -3], [-91, 130, 16, 53, 12, -31], [-40, 109, 19, 56, -30, 122],
+     [-61, -105, 9, 24, 52, 13], [-73, 20, 88, 27, -56, 156], [43, -116, -22, -50, 10, 14]],
+    [[-22, -66, 17, -73, -7, -15], [-73, -37, -64, -49, 165, 15], [-34, -163, -138, -57, 103, 82],
+     [0, 20, 7, 66, -24, -45], [-15, -179, -12, -82, -22, -35], [-43, -89, 20, 24, -54, -113]],
+    [[-99, 2, -126, -152, 158, -15, 43, 56], [-20, 43, -85, -31, 54, 16, 5, 55],
+     [12, 138, -24, -30, 83, -18, -8, 57], [56, -134, -140, 38, -36, -29, 41, 61],
+     [-154, 120, -138, -40, 193, 88, 21, 3], [136, 28, 175, 4, -149, -27, -68, 7],
+     [89, -52, 21, 142, -121, -19, 3, -4], [-12, -50, 20, -149, 10, -25, 35, 79]],
+]
+
+
+@pytest.mark.parametrize("a", ROUNDING_SINGULAR, ids=lambda a: f"{len(a)}x{len(a)}")
+def test_singular_in_rounding_info_is_lapacks(call, a):
+    A = torch.tensor(a, dtype=torch.float32)
+    want = aten("linalg_lu_factor_ex", A)
+    for batch in (A, A.expand(2, *A.shape)):  # one matrix, and a batch (the small kernel stages blocks)
+        LU, piv, info = call("linalg_lu_factor_ex", batch)
+        assert (info == want[2]).all() and (piv == want[1]).all()
+        # The same roundings: the factors agree to the last bits.
+        assert_close(LU.reshape(-1, *A.shape)[0], want[0], 4 * EPS[A.dtype], "LU")
+    if want[2].item() == 0:  # torch raises nothing, and neither does mps_ext
+        call("linalg_lu_factor_ex", A, check_errors=True)
+    else:
+        raises_as_torch(call, "linalg_lu_factor_ex", A, check_errors=True)
+
+
+def nan_matrices(n, dtype):
+    """Matrices with NaNs where a pivot search meets them: on the diagonal,
+    below it (before and after the largest element), a whole column, and in
+    a later column (row r is small until column n - 1, so its NaN reaches
+    that column's search and no other)."""
+    nan = float("nan")
+    base = well_conditioned(n, n, dtype=dtype) * 0.1
+    base[n - 1, 0] = 5  # the largest of column 0
+    cases = []
+    for rows in ([0], [1], [n - 1], [1, n - 1], list(range(n))):
+        a = base.clone()
+        a[rows, 0] = nan
+        cases.append(a)
+    a = base.clone()
+    a[n - 2, : n - 1] = 1e-6
+    a[n - 2, n - 1] = nan
+    cases.append(a)
+    return torch.stack(cases)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 16, 17, 40])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nan_pivots_are_torchs(call, dtype, n):
+    # torch's CPU LU (MKL) searches as reference isamax for matrices up to
+    # 16 x 16 (a NaN is taken only when it is the diagonal element, where the
+    # search starts) and takes the first NaN of the column for larger ones.
+    # 2-4: the one-thread kernel; 5 and up: the panel kernel.
+    A = nan_matrices(n, dtype)
+    LU, piv, info = call("linalg_lu_factor_ex", A)
+    want = aten("linalg_lu_factor_ex", A)
+    assert piv.tolist() == want[1].tolist()
+    assert info.tolist() == want[2].tolist()
+    assert torch.equal(LU.isnan(), want[0].isnan())
+    torch.testing.assert_close(LU, want[0], equal_nan=True, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("op", ["linalg_lu_factor_ex", "linalg_lu_factor"])
 def test_check_errors_raise_torchs_message(call, op):
     A = singular_matrices(4, torch.float32)
@@ -468,6 +540,35 @@ def test_conjugated_and_transposed_operands(call):
     X = call("linalg_solve_triangular", A.triu().mH, B.conj().mT, upper=False)
     want = aten("linalg_solve_triangular", wide(A.triu().mH), wide(B.conj().mT), upper=False)
     assert_close(X, want.to(torch.complex64), 1e-4)
+
+
+def layouts(t):
+    """A batch of matrices t in the layouts an op may be given: contiguous,
+    column-major, a conjugated view, the conjugate transpose of a contiguous
+    tensor (a conjugated column-major view: torch solves with it without a
+    copy), a strided slice, and a batch broadcast from one matrix."""
+    out = {"contiguous": t, "column-major": t.mT.contiguous().mT, "sliced": torch.stack([t, t], -1)[..., 0],
+           "broadcast": t[:1].expand(t.shape)}
+    if t.is_complex():
+        out["conj"] = t.conj().resolve_conj().conj()
+        out["mH of contiguous"] = t.mH.contiguous().mH
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("left", [True, False])
+def test_solve_triangular_output_strides_are_torchs(call, dtype, left):
+    # torch's result is column-major, except where A is a conjugated
+    # column-major view (A.mH of a contiguous A): row-major there
+    # (linalg_solve_triangular_meta); .view(-1) of the result depends on it.
+    n, k = 5, 3
+    A = well_conditioned(2, n, n, dtype=dtype).triu()
+    B = rand(2, n, k, dtype=dtype) if left else rand(2, k, n, dtype=dtype)
+    for (an, a), (bn, b) in itertools.product(layouts(A).items(), layouts(B).items()):
+        X = call("linalg_solve_triangular", a, b, upper=True, left=left)
+        want = aten("linalg_solve_triangular", a, b, upper=True, left=left)
+        same_layout(X, want)
+        assert_close(X, want, 1e-4, f"A {an}, B {bn}")
 
 
 # ------------------------------------------------------ solves with LU --
