@@ -1176,8 +1176,9 @@ inline ulong matrix_offset(const matrix_args& a, mx_u32 row, mx_u32 col) {
 // in matrix coordinates when transpose_matrix is true, and public code
 // (metal-flash-attention's reimplementation) reads it the other way from
 // this executor: only origin 0 means the same under both.
-inline void require_plain_origin(const matrix_args& a, const char* fn, const char* file, mx_u32 line) {
-  if (!a.transpose || (!a.origin_x && !a.origin_y)) return;
+// Out of line, so that its message buffer is not a private array of every
+// kernel that loads a matrix (the budgets count those).
+__attribute__((noinline, cold)) inline void fail_transposed_origin(const char* fn, const char* file, mx_u32 line) {
   char msg[768];
   mx_u32 n = 0;
   auto put = [&](const char* t) {
@@ -1192,6 +1193,9 @@ inline void require_plain_origin(const matrix_args& a, const char* fn, const cha
       "origin 0 and offset the pointer");
   msg[n] = 0;
   __mx_api->fail(msg);
+}
+inline void require_plain_origin(const matrix_args& a, const char* fn, const char* file, mx_u32 line) {
+  if (a.transpose && (a.origin_x || a.origin_y)) fail_transposed_origin(fn, file, line);
 }
 // Two adjacent elements in one access, as a GPU moves them: an 8-byte
 // access per lane for float, aligned to the element only (elements_per_row
