@@ -392,12 +392,12 @@ kernel void fp8_mm_tile(device uchar* y [[buffer(0)]],
       simdgroup_float8x8 a[2], b[4];
       for (int i = 0; i < 2; ++i) {
         const uint row = sm + 8 * i + fr;
-        a[i].thread_elements() = A::pair(a_bits + row * AS, kk + fc, p.a_format) * sa_tile[row * (SA_BLOCKS + 1) + kb % SA_BLOCKS];
+        reinterpret_cast<thread float2&>(a[i].thread_elements()) = A::pair(a_bits + row * AS, kk + fc, p.a_format) * sa_tile[row * (SA_BLOCKS + 1) + kb % SA_BLOCKS];
       }
       for (int j = 0; j < 4; ++j) {
         const uint n = sn + 8 * j + fc, k = kk + fr, shift = 8 * (k % 4);
         const uint two = ((w_bits[n * WS + k / 4] >> shift) & 0xFFu) | (((w_bits[(n + 1) * WS + k / 4] >> shift) & 0xFFu) << 8);
-        b[j].thread_elements() = fp8x4_to_float(two, p.w_format).xy * float2(sb_tile[n], sb_tile[n + 1]);
+        reinterpret_cast<thread float2&>(b[j].thread_elements()) = fp8x4_to_float(two, p.w_format).xy * float2(sb_tile[n], sb_tile[n + 1]);
       }
       for (int i = 0; i < 2; ++i)
         for (int j = 0; j < 4; ++j) simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
@@ -407,7 +407,8 @@ kernel void fp8_mm_tile(device uchar* y [[buffer(0)]],
   threadgroup_barrier(mem_flags::mem_threadgroup);  // c_tile takes the operands' memory
   for (int i = 0; i < 2; ++i)
     for (int j = 0; j < 4; ++j)
-      *(threadgroup float2*)(c_tile + (sm + 8 * i + fr) * CS + sn + 8 * j + fc) = acc[i][j].thread_elements();
+      *(threadgroup float2*)(c_tile + (sm + 8 * i + fr) * CS + sn + 8 * j + fc) =
+          reinterpret_cast<thread float2&>(acc[i][j].thread_elements());
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (int e = int(tid); e < TM * TN; e += THREADS) {
     const int gm = m0 + e / TN, gn = n0 + e % TN;

@@ -44,7 +44,7 @@ inline float silu(float x) { return x / (1.0f + exp(-x)); }
 // -------------------------------------------------------------- groups --
 // end(g) = clamp(offs[g], 0, m): the rows of group g are [end(g-1), end(g)).
 inline uint group_end(const device int* offs, uint g, uint m) {
-  return uint(clamp(offs[g], 0, int(min(m, uint(INT_MAX)))));
+  return uint(clamp(offs[g], 0, int(min(m, uint(numeric_limits<int>::max())))));
 }
 inline uint group_start(const device int* offs, uint g, uint m) { return g == 0 ? 0 : group_end(offs, g - 1, m); }
 
@@ -545,8 +545,12 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
       threadgroup_barrier(mem_flags::mem_threadgroup);
       for (uint kk = 0; kk < BK; kk += 8) {
         simdgroup_float8x8 am[2], bm[2];
-        for (int i = 0; i < 2; ++i) simdgroup_load(am[i], At, S, ulong2(sr + 8 * i, kk), true);
-        for (int j = 0; j < 2; ++j) simdgroup_load(bm[j], Bt, S, ulong2(kk, sc + 8 * j), true);
+        // Transposed: origin 0 and the block's first element as the pointer
+        // (Metal leaves a transposed origin's coordinates unspecified).
+        // Element (r, c) is read at p[c * S + r]: am[i] (r = m, c = k) from
+        // At[kk + c][sr + 8i + r], bm[j] (r = k, c = n) from Bt[sc + 8j + c][kk + r].
+        for (int i = 0; i < 2; ++i) simdgroup_load(am[i], At + kk * S + sr + 8 * i, S, ulong2(0), true);
+        for (int j = 0; j < 2; ++j) simdgroup_load(bm[j], Bt + (sc + 8 * j) * S + kk, S, ulong2(0), true);
         for (int i = 0; i < 2; ++i)
           for (int j = 0; j < 2; ++j) simdgroup_multiply_accumulate(acc[i][j], am[i], bm[j], acc[i][j]);
       }
@@ -555,7 +559,8 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
   }
 
   for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 2; ++j) simdgroup_store(acc[i][j], Ct, S, ulong2(sr + 8 * i, sc + 8 * j), true);
+    for (int j = 0; j < 2; ++j)  // (r = m, c = n) to Ct[sc + 8j + c][sr + 8i + r]
+      simdgroup_store(acc[i][j], Ct + (sc + 8 * j) * S + sr + 8 * i, S, ulong2(0), true);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   // Rows past offs[-1] belong to no group: torch leaves them unwritten too.
   const uint rows_end = p.mode == GMM_MODE_ROWS ? min(r1, group_end(offs, p.groups - 1, p.m)) : r1;

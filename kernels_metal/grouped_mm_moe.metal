@@ -9,23 +9,36 @@
 #include "grouped_mm_moe_params.h"
 using namespace metal;
 
-// The best (largest value, then smallest index) of every thread's
-// candidate, known to all threads. Two barriers; `vals`, `idxs` hold one
-// entry per simdgroup.
-inline void best_of_threadgroup(thread float& v, thread uint& i, uint sg, uint lane, uint simdgroups,
-                                threadgroup float* vals, threadgroup uint* idxs) {
-  float best = simd_max(v);
-  uint at = simd_min(v == best ? i : 0xffffffffu);
+// Logits ranked as torch.topk ranks them: NaN above every number. A uint
+// key in that order (a float's bits with the sign flipped, or all bits for
+// a negative number; every NaN the largest key) lets one uint simd_max
+// rank them, where a float max would drop a NaN. Keys of equal values are
+// equal (but -0 ranks below +0), and ties go to the smallest index.
+inline uint rank_key(float v) {
+  const uint b = as_type<uint>(v);
+  return isnan(v) ? 0xffffffffu : (b & 0x80000000u) ? ~b : b | 0x80000000u;
+}
+inline float key_value(uint k) {
+  return k == 0xffffffffu ? NAN : as_type<float>((k & 0x80000000u) ? k & 0x7fffffffu : ~k);
+}
+
+// The best (largest key, then smallest index) of every thread's candidate,
+// known to all threads. Two barriers; `keys`, `idxs` hold one entry per
+// simdgroup.
+inline void best_of_threadgroup(thread uint& key, thread uint& i, uint sg, uint lane, uint simdgroups,
+                                threadgroup uint* keys, threadgroup uint* idxs) {
+  const uint best = simd_max(key);
+  const uint at = simd_min(key == best ? i : 0xffffffffu);
   if (lane == 0) {
-    vals[sg] = best;
+    keys[sg] = best;
     idxs[sg] = at;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  v = vals[0];
+  key = keys[0];
   i = idxs[0];
   for (uint s = 1; s < simdgroups; ++s)
-    if (vals[s] > v || (vals[s] == v && idxs[s] < i)) {
-      v = vals[s];
+    if (keys[s] > key || (keys[s] == key && idxs[s] < i)) {
+      key = keys[s];
       i = idxs[s];
     }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // before the arrays are written again
@@ -44,8 +57,9 @@ kernel void moe_route(device float* weights [[buffer(0)]],
                       uint simdgroups [[simdgroups_per_threadgroup]],
                       uint lane [[thread_index_in_simdgroup]]) {
   constexpr uint PER = MOE_MAX_EXPERTS / MOE_ROUTE_THREADS;  // experts per thread
-  threadgroup float vals[MOE_ROUTE_THREADS / 32];
+  threadgroup uint keys[MOE_ROUTE_THREADS / 32];
   threadgroup uint idxs[MOE_ROUTE_THREADS / 32];
+  threadgroup float sums[MOE_ROUTE_THREADS / 32];
   threadgroup int ids[MOE_MAX_SLOTS];
   threadgroup int start[MOE_MAX_EXPERTS + 1];
   const uint slots = p.top_k + p.shared;
@@ -60,35 +74,36 @@ kernel void moe_route(device float* weights [[buffer(0)]],
       const uint e = tid + j * threads;
       l[j] = e < p.experts ? float(lt[ulong(e) * ulong(p.logits_e_stride)]) : -INFINITY;
     }
-    // Softmax denominators: the max, then the sum of exponentials.
-    float mx = l[0];
-    for (uint j = 1; j < PER; ++j) mx = max(mx, l[j]);
+    // Softmax denominators: the max (NaN if a logit is, so that every
+    // weight is NaN, as torch's softmax gives), then the sum of exponentials.
+    uint mk = rank_key(l[0]);
+    for (uint j = 1; j < PER; ++j) mk = max(mk, rank_key(l[j]));
     uint unused = 0;
-    best_of_threadgroup(mx, unused, sg, lane, simdgroups, vals, idxs);
+    best_of_threadgroup(mk, unused, sg, lane, simdgroups, keys, idxs);
+    const float mx = key_value(mk);
     float sum = 0.0f;
     for (uint j = 0; j < PER; ++j) sum += l[j] == -INFINITY ? 0.0f : exp(l[j] - mx);
     sum = simd_sum(sum);
-    if (lane == 0) vals[sg] = sum;
+    if (lane == 0) sums[sg] = sum;
     threadgroup_barrier(mem_flags::mem_threadgroup);
     sum = 0.0f;
-    for (uint s = 0; s < simdgroups; ++s) sum += vals[s];
+    for (uint s = 0; s < simdgroups; ++s) sum += sums[s];
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // Top-k, one winner at a time; its owner drops it from its candidates.
     float chosen_sum = 0.0f;
     for (uint k = 0; k < p.top_k; ++k) {
-      float v = -INFINITY;
-      uint at = 0xffffffffu;
+      uint key = 0, at = 0xffffffffu;
       for (uint j = 0; j < PER; ++j) {
         const uint e = tid + j * threads;
-        if (e < p.experts && !taken[j] && (l[j] > v || at == 0xffffffffu)) {
-          v = l[j];
+        if (e < p.experts && !taken[j] && (rank_key(l[j]) > key || at == 0xffffffffu)) {
+          key = rank_key(l[j]);
           at = e;
         }
       }
-      best_of_threadgroup(v, at, sg, lane, simdgroups, vals, idxs);
+      best_of_threadgroup(key, at, sg, lane, simdgroups, keys, idxs);
       for (uint j = 0; j < PER; ++j)
         if (tid + j * threads == at) taken[j] = true;
-      const float prob = exp(v - mx) / sum;
+      const float prob = exp(key_value(key) - mx) / sum;
       chosen_sum += prob;
       if (tid == 0) {
         ids[t * slots + k] = int(at);

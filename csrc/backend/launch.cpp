@@ -2,14 +2,43 @@
 
 #include <c10/util/Exception.h>
 
+#include <map>
+#include <mutex>
+
 #include "backend/shaders.h"
 
 namespace mps_ext {
 
+namespace {
+// Libraries registered at run time (register_shader_source). Never erased,
+// so the text a name points at stays put.
+std::mutex g_sources_mutex;
+std::map<std::string, std::string>& registered_sources() {
+  static auto* m = new std::map<std::string, std::string>();
+  return *m;
+}
+}  // namespace
+
 const char* shader_source(const std::string& name) {
   for (int i = 0; i < kShaderSourceCount; ++i)
     if (name == kShaderSources[i].name) return kShaderSources[i].text;
-  TORCH_CHECK(false, "mps_ext: no shader library named '", name, "' was built in");
+  {
+    std::lock_guard<std::mutex> lock(g_sources_mutex);
+    auto it = registered_sources().find(name);
+    if (it != registered_sources().end()) return it->second.c_str();
+  }
+  TORCH_CHECK(false, "mps_ext: no shader library named '", name, "' was built in or registered");
+}
+
+void register_shader_source(const std::string& name, const std::string& source) {
+  for (int i = 0; i < kShaderSourceCount; ++i)
+    TORCH_CHECK(name != kShaderSources[i].name, "mps_ext: '", name,
+                "' is a built-in shader library; register other source under another name");
+  std::lock_guard<std::mutex> lock(g_sources_mutex);
+  auto it = registered_sources().emplace(name, source).first;
+  // Both backends compile a library once per name and keep it.
+  TORCH_CHECK(it->second == source, "mps_ext: shader library '", name,
+              "' is registered already with other source; use a new name");
 }
 
 namespace {

@@ -69,6 +69,12 @@ void executor_encode(const Launch& launch);
 PipelineInfo metal_pipeline(const std::string& library, const std::string& kernel);
 void metal_encode(const Launch& launch);
 
+// Test hook: a shader library compiled from `source` under `name` (not a
+// built-in one's), which launch() then runs like the built-in libraries: on
+// a Mac with the same compile options (metal.mm), so that kernels can be
+// checked against Metal as mps_ext ships it.
+void register_shader_source(const std::string& name, const std::string& source);
+
 // Test hook: the executor backend fails the way a Mac can (see
 // executor.cpp), so that the fallback path runs in CI.
 enum class SimulatedFailure { kNone, kLibrary, kPipeline, kMaxThreads };

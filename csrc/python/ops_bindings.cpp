@@ -84,6 +84,19 @@ void bind_ops(py::module_& m) {
       },
       py::arg("library"), py::arg("kernel") = "", py::arg("kind") = "none", py::arg("max_threads") = 0);
   m.def("_simulated_failure_hits", &simulated_failure_hits);
+  m.def("_register_shader_source", &register_shader_source, py::arg("name"), py::arg("source"));
+  m.def(
+      "_launch",
+      [](const std::string& library, const std::string& kernel, const std::vector<at::Tensor>& buffers,
+         std::array<uint32_t, 3> threadgroups, std::array<uint32_t, 3> threads_per_threadgroup) {
+        Launch l{library, kernel, {}, threadgroups, threads_per_threadgroup, {}};
+        for (const auto& t : buffers) l.args.push_back(KernelArg::of(t));
+        launch(l);
+      },
+      py::arg("library"), py::arg("kernel"), py::arg("buffers"), py::arg("threadgroups"),
+      py::arg("threads_per_threadgroup"),
+      "Test hook: kernel `kernel` of `library` with `buffers` as [[buffer(0)]], [[buffer(1)]], ..., through "
+      "the backend of the tensors' device, as the ops launch theirs.");
   m.def("_set_index_limit", &set_index_limit, py::arg("limit"),
         "Largest index the 32-bit kernel variants may compute; <= 0 restores 2^31 - 1 (tests run the 64-bit "
         "variants on small tensors with it).");

@@ -60,6 +60,9 @@ RULES = {
     "max-threads": "[[max_total_threads_per_threadgroup(N)]] has 1 <= N <= 1024",
     "threadgroup-memory": "a kernel's threadgroup variables take at most 32 KiB",
     "host-name": "kernel names ([[host_name]] or the function's name) are unique in a library",
+    # Checked by the check compile (mx_metal.h's thread_elements() type), not the lint.
+    "thread-elements": "simdgroup_matrix::thread_elements() is indexed or reinterpret_cast to vec<T, 2>&, never "
+                       "assigned or read as a whole vector (Apple does not publish its type)",
 }
 
 # The C and C++ standard libraries' headers (C++14 and C11 names, and the

@@ -2,6 +2,7 @@ import functools
 from pathlib import Path
 
 import pytest
+import torch
 
 from mps_ext import cpu_metal
 
@@ -18,3 +19,22 @@ def load(name: str) -> cpu_metal.Library:
 @pytest.fixture
 def kernels():
     return load
+
+
+def run_through_mps_ext(file: str, name: str, args, threads: int, group: int):
+    """Kernel `name` of kernels/<file>.metal on copies of `args` (on their
+    device), launched through mps_ext's own backend as the ops launch theirs:
+    on MPS tensors the Metal backend compiles it with the options of the
+    libraries mps_ext ships (csrc/backend/metal.mm: MSL 3.1, no fast math),
+    on CPU tensors the executor runs it. Returns the buffers, on the CPU."""
+    import mps_ext
+
+    if threads % group:
+        raise ValueError(f"threads ({threads}) must be a multiple of the threadgroup size ({group})")
+    library = f"test_kernels_{file}"
+    mps_ext._C._register_shader_source(library, (KERNELS / f"{file}.metal").read_text())
+    buffers = [a.clone() for a in args]
+    mps_ext._C._launch(library, name, buffers, [threads // group, 1, 1], [group, 1, 1])
+    if any(b.device.type == "mps" for b in buffers):
+        torch.mps.synchronize()
+    return [b.cpu() for b in buffers]

@@ -77,6 +77,16 @@ def test_sixteen_byte_access_takes_four_lines_and_needs_four(lib):
     assert s.coalescing == {0: 1.0, 1: 1.0}
 
 
+def test_a_simdgroup_matrix_load_is_one_eight_byte_access_a_lane(lib):
+    x = torch.randn(SIMDGROUPS * 64)
+    out = torch.zeros(SIMDGROUPS * 64)
+    s = run(lib, "copy_matrix", [out, x])
+    assert torch.equal(out, x)
+    # Each simdgroup moves 256 contiguous aligned bytes: two lines, all used.
+    assert s.cache_lines == {0: 2 * SIMDGROUPS, 1: 2 * SIMDGROUPS}
+    assert s.coalescing == {0: 1.0, 1: 1.0}
+
+
 def test_a_broadcast_read_is_one_line(lib):
     out = torch.zeros(THREADS)
     s = run(lib, "broadcast", [out, torch.tensor([3.0])])

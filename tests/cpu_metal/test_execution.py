@@ -376,3 +376,30 @@ def test_offset_views_bind_from_their_storage_offset(kernels):
     out = torch.zeros(1)
     kernels("reduce").dispatch("tree_max", [out, view], threadgroups=1, threads_per_threadgroup=256)
     assert out.item() == 44 + 255
+
+
+# --------------------------------- mps_ext's own launch path (test hooks) --
+def test_a_test_kernel_through_mps_ext_launch_path_matches_the_executor(kernels):
+    """test_against_metal.py runs its kernels on a Mac through this path, so
+    that they are built with the options mps_ext's own kernels are built
+    with; here the same path runs them on the executor."""
+    from tests.cpu_metal.conftest import run_through_mps_ext
+
+    A = torch.randn(8, 8)
+    args = [torch.zeros(64), A.t().contiguous().view(-1)]
+    (out, _) = run_through_mps_ext("matrix", "transpose_load", args, 32, 32)
+    expected = [a.clone() for a in args]
+    kernels("matrix").dispatch("transpose_load", expected, threads=32, threads_per_threadgroup=32)
+    assert torch.equal(out, expected[0]) and torch.equal(out.view(8, 8), A)
+
+
+def test_registered_shader_sources_keep_their_name():
+    import mps_ext
+
+    with pytest.raises(RuntimeError, match="'softmax' is a built-in shader library"):
+        mps_ext._C._register_shader_source("softmax", "kernel void k() {}")
+    mps_ext._C._register_shader_source("test_registered_once", "kernel void k(device float* x [[buffer(0)]]) {}")
+    with pytest.raises(RuntimeError, match="registered already with other source"):
+        mps_ext._C._register_shader_source("test_registered_once", "kernel void k2(device float* x [[buffer(0)]]) {}")
+    with pytest.raises(RuntimeError, match="no shader library named 'test_never_registered'"):
+        mps_ext._C._launch("test_never_registered", "k", [torch.zeros(1)], [1, 1, 1], [1, 1, 1])

@@ -158,6 +158,28 @@ def test_simdgroup_matrix_in_a_partial_simdgroup_is_an_error(kernels):
     np.testing.assert_array_equal(out.numpy().reshape(2, 8, 8), np.stack([A @ A, A @ A]))
 
 
+@pytest.mark.parametrize("name,call", [("transposed_origin_load", "simdgroup_load(m, a, 16, ulong2(8, 1), true);"),
+                                       ("transposed_origin_store", "simdgroup_store(m, out, 16, ulong2(3, 2), true);")])
+def test_a_transposed_matrix_with_a_non_zero_origin_is_an_error(kernels, name, call):
+    a, out = torch.randn(256), torch.zeros(256)
+    with pytest.raises(cpu_metal.KernelError) as e:
+        kernels("robustness").dispatch(name, [out, a], threadgroups=1, threads_per_threadgroup=32)
+    msg = str(e.value)
+    assert "transpose_matrix" in msg and "origin" in msg and "offset the pointer" in msg
+    assert f"robustness.metal:{line_of(call, 'robustness.metal')}:" in msg
+
+
+def test_a_transposed_matrix_at_an_offset_pointer(kernels):
+    a, out = torch.randn(16, 16), torch.zeros(16, 16)
+    kernels("robustness").dispatch("transposed_at_pointer", [out.view(-1), a.view(-1)],
+                                   threadgroups=1, threads_per_threadgroup=32)
+    # Loaded transposed from row 1, column 8 and stored transposed at row 2,
+    # column 3: the 8 x 8 block moves unchanged.
+    expected = torch.zeros(16, 16)
+    expected[2:10, 3:11] = a[1:9, 8:16]
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("name,n", [("private_array_1k", 1024), ("private_array_400k", 102400)])
 def test_large_private_arrays_run(kernels, name, n):
     out = torch.zeros(64)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from mps_ext import cpu_metal
 from mps_ext.cpu_metal import _lint
@@ -137,6 +138,22 @@ CASES = {
                            "kernel void k(device float* x [[buffer(0)]],\n  uint i [[thread_position_in_threadgroup]]) {\n"
                            "  threadgroup float a[6000];\n  threadgroup float2 b[1000 / 4];\n  a[i] = 1;\n  b[i] = 2;\n"
                            "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  x[i] = a[i] + b[i].x;\n}"),
+    # fp8_mm.metal's bug: a whole float2 to and from thread_elements(), whose
+    # type Apple does not publish (vec<T, 2>& or a type of its own).
+    "thread-elements": (K + " {\n  simdgroup_float8x8 m;\n  m.thread_elements() = float2(x[i], 1); // BUG\n"
+                        "  simdgroup_store(m, x);\n}",
+                        K + " {\n  simdgroup_float8x8 m;\n"
+                        "  reinterpret_cast<thread float2&>(m.thread_elements()) = float2(x[i], 1);\n"
+                        "  simdgroup_store(m, x);\n}"),
+    "thread-elements:read": (K + " {\n  simdgroup_float8x8 m(1.0f);\n  float2 v = m.thread_elements(); // BUG\n"
+                             "  x[i] = v.x + v.y;\n}",
+                             K + " {\n  simdgroup_float8x8 m(1.0f);\n"
+                             "  float2 v = float2(m.thread_elements()[0], m.thread_elements()[1]);\n"
+                             "  x[i] = v.x + v.y;\n}"),
+    "thread-elements:store": ("kernel void k(threadgroup float2* t [[threadgroup(0)]], uint i [[thread_position_in_grid]]) {\n"
+                              "  simdgroup_float8x8 m(1.0f);\n  t[i] = m.thread_elements(); // BUG\n}",
+                              "kernel void k(threadgroup float2* t [[threadgroup(0)]], uint i [[thread_position_in_grid]]) {\n"
+                              "  simdgroup_float8x8 m(1.0f);\n  t[i] = reinterpret_cast<thread float2&>(m.thread_elements());\n}"),
     "host-name": ("template <int N> kernel void k(device float* x [[buffer(0)]]) { x[0] = N; }\n"
                   "template [[host_name(\"k1\")]] kernel decltype(k<1>) k<1>;\n"
                   "template [[host_name(\"k1\")]] kernel decltype(k<2>) k<2>; // BUG",
@@ -271,3 +288,20 @@ def test_function_constants_are_checked_but_not_run():
     a value, and says so instead of running with a made-up one."""
     with pytest.raises(cpu_metal.CompileError, match=r"k\.metal:3: function constant 'has_bias'"):
         cpu_metal.compile_library(HEAD + CASES["constant-initializer:function-constant"][1], filename="k.metal")
+
+
+def test_only_the_constants_the_specification_lists():
+    """INT_MAX and the rest of C's <limits.h> are not in the MSL
+    specification's tables (its constants are the float ones: MAXFLOAT,
+    INFINITY, NAN, M_PI_F, ...); Metal code spells the integer limits
+    numeric_limits<T>::max(), as torch's own Metal kernels do."""
+    for name in ("INT_MAX", "INT_MIN", "UINT_MAX"):
+        with pytest.raises(cpu_metal.CompileError, match=name):
+            cpu_metal.compile_library(HEAD + K + f" {{ x[i] = float({name}); }}", filename="k.metal")
+    lib = cpu_metal.compile_library(
+        HEAD + "kernel void k(device int* x [[buffer(0)]], device uint* y [[buffer(1)]]) {\n"
+        "  x[0] = numeric_limits<int>::max();\n  x[1] = numeric_limits<int>::min();\n"
+        "  y[0] = numeric_limits<uint>::max();\n}", filename="k.metal")
+    x, y = torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    lib.dispatch("k", [x, y], threads=1, threads_per_threadgroup=1)
+    assert x.tolist() == [2**31 - 1, -2**31] and y.item() == -1  # 0xffffffff

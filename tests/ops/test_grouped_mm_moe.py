@@ -159,6 +159,31 @@ def test_combine_sums_each_tokens_slots_with_their_weights(device, dtype):
     assert got.dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_ranks_nan_logits_highest_as_torch_topk(device, dtype):
+    # torch.topk ranks NaN above every number; softmax of a row with a NaN is
+    # NaN throughout, so every weight of such a token is NaN.
+    nan = float("nan")
+    logits = randn(4, 40, scale=3, dtype=dtype)
+    logits[0, 17] = nan                # one NaN expert: chosen first
+    logits[1, [3, 30]] = nan           # two, with top_k 4
+    logits[2, [1, 5, 9, 20, 33]] = nan  # more NaNs than top_k: the lowest-numbered
+    top_k = 4
+    w, offs, slot_of_row, _ = ops(device)("moe_route", logits, top_k, True, False)
+    ids = torch.repeat_interleave(torch.arange(len(offs)), torch.diff(offs.long(), prepend=torch.zeros(1).long()))
+    ids = torch.empty_like(ids).index_copy_(0, slot_of_row.long(), ids).view(4, top_k)
+    ref = torch.topk(logits.float(), top_k, -1).indices
+    for t in (0, 1, 3):  # a unique answer: torch's set
+        assert set(ids[t].tolist()) == set(ref[t].tolist()), t
+    # Among equal values (NaNs) torch.topk leaves the order open; mps_ext takes
+    # the lowest expert numbers.
+    assert set(ref[2].tolist()) < {1, 5, 9, 20, 33}
+    assert set(ids[2].tolist()) == {1, 5, 9, 20}
+    w_ref, _ = routing_ref(logits, top_k, True, 0)
+    assert torch.isnan(w[:3]).all() and torch.isnan(w_ref[:3]).all()
+    torch.testing.assert_close(w[3].double(), w_ref[3], rtol=1e-5, atol=1e-6)
+
+
 def test_route_of_half_logits(device):
     logits = randn(2, 40, dtype=torch.float16)
     w, offs, _, _ = ops(device)("moe_route", logits, 3, False, False)

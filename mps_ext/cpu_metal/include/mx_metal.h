@@ -375,9 +375,6 @@ MX_INT_LIMITS(ulong, 0ul, 18446744073709551615ul)
 #define HALF_MAX ((half)65504.0f)
 #define HALF_MIN ((half)6.103515625e-05f)
 #define HALF_EPSILON ((half)0.0009765625f)
-#define INT_MAX 2147483647
-#define INT_MIN (-2147483647 - 1)
-#define UINT_MAX 4294967295u
 #define M_E_F 2.71828183f
 #define M_LOG2E_F 1.44269504f
 #define M_LOG10E_F 0.434294482f
@@ -1106,6 +1103,28 @@ inline void atomic_thread_fence(mem_flags f, memory_order, thread_scope = thread
 }  // namespace metal
 
 // ------------------------------------------------------- simdgroup_matrix --
+namespace __mx {
+// What simdgroup_matrix::thread_elements() returns. Apple does not publish
+// its type: vec<T, 2>& or a type of its own. Public kernels index it ([0],
+// [1]) or reinterpret_cast it to vec<T, 2>&, which compile under either
+// reading, so this type allows just those: a whole vector assigned to or
+// taken from it fails to compile, as it may on a Mac.
+#define MX_WHOLE_FRAGMENT                                                                              \
+  __attribute__((unavailable("thread_elements() is not assigned or read as a whole vector: Apple does " \
+                             "not publish its type, and Metal converts no vector to another size; index " \
+                             "it ([0], [1]) or cast it first: reinterpret_cast<thread vec<T, 2>&>("    \
+                             "m.thread_elements()) [msl-thread-elements]")))
+template <class T>
+struct fragment {
+  vec<T, 2> __v;
+  thread T& operator[](int i) { return ((thread T*)&__v)[i]; }
+  T operator[](int i) const { return __v[i]; }
+  template <class V> MX_WHOLE_FRAGMENT thread fragment& operator=(const V&);
+  template <class V> MX_WHOLE_FRAGMENT operator V() const;
+};
+#undef MX_WHOLE_FRAGMENT
+}  // namespace __mx
+
 namespace metal {
 // An 8x8 matrix spread over the 32 lanes of a simdgroup, two elements per
 // lane, in the layout Apple GPUs use: lane l holds row
@@ -1124,8 +1143,10 @@ struct simdgroup_matrix {
     __e[0] = row == col ? diagonal : T(0);
     __e[1] = row == col + 1 ? diagonal : T(0);
   }
-  thread vec<T, 2>& thread_elements() { return __e; }
-  const thread vec<T, 2>& thread_elements() const { return __e; }
+  thread __mx::fragment<T>& thread_elements() { return reinterpret_cast<thread __mx::fragment<T>&>(__e); }
+  const thread __mx::fragment<T>& thread_elements() const {
+    return reinterpret_cast<const thread __mx::fragment<T>&>(__e);
+  }
 };
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
 typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
@@ -1173,10 +1194,44 @@ inline void require_uniform(const matrix_args& a, const char* what) {
   if (!same) __mx_api->fail(what);
 }
 // Element (row, col) of the matrix lives at this offset from the pointer.
+// With transpose the origin is 0 (require_plain_origin), so the question of
+// whether it counts in memory or in matrix coordinates does not arise.
 inline ulong matrix_offset(const matrix_args& a, mx_u32 row, mx_u32 col) {
-  return a.transpose ? (a.origin_y + col) * a.elements_per_row + a.origin_x + row
+  return a.transpose ? col * a.elements_per_row + row
                      : (a.origin_y + row) * a.elements_per_row + a.origin_x + col;
 }
+// The specification does not say whether matrix_origin counts in memory or
+// in matrix coordinates when transpose_matrix is true, and public code
+// (metal-flash-attention's reimplementation) reads it the other way from
+// this executor: only origin 0 means the same under both.
+// Out of line, so that its message buffer is not a private array of every
+// kernel that loads a matrix (the budgets count those).
+__attribute__((noinline, cold)) inline void fail_transposed_origin(const char* fn, const char* file, mx_u32 line) {
+  char msg[768];
+  mx_u32 n = 0;
+  auto put = [&](const char* t) {
+    while (*t && n + 1 < sizeof msg) msg[n++] = *t++;
+  };
+  char digits[12], *d = digits + sizeof digits;
+  *--d = 0;
+  do *--d = char('0' + line % 10); while (line /= 10);
+  put(file), put(":"), put(d), put(": "), put(fn);
+  put(": a non-zero matrix_origin with transpose_matrix = true: the Metal specification does not say whether it "
+      "then counts in memory or in matrix coordinates, and the two readings address different elements; pass "
+      "origin 0 and offset the pointer");
+  msg[n] = 0;
+  __mx_api->fail(msg);
+}
+inline void require_plain_origin(const matrix_args& a, const char* fn, const char* file, mx_u32 line) {
+  if (a.transpose && (a.origin_x || a.origin_y)) fail_transposed_origin(fn, file, line);
+}
+// Two adjacent elements in one access, as a GPU moves them: an 8-byte
+// access per lane for float, aligned to the element only (elements_per_row
+// and the origin may be odd).
+template <class T>
+struct __attribute__((packed, aligned(sizeof(T)))) pair {
+  vec<T, 2> v;
+};
 
 struct mma_lane { float a[2], b[2], c[2]; };
 // D = A * B + C over the whole simdgroup, accumulated in float and rounded
@@ -1217,11 +1272,19 @@ namespace metal {
                              "loads and stores a simdgroup_matrix<T> only from and to T")))
 template <class T, class P, __mx::if_same_unqual<T, P> = 0>
 inline void simdgroup_load(thread simdgroup_matrix<T, 8, 8>& d, P* src, ulong elements_per_row = 8,
-                           ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
+                           ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false,
+                           const char* __file = __builtin_FILE(), mx_u32 __line = __builtin_LINE()) {
   __mx::matrix_args a{(const void*)src, elements_per_row, matrix_origin.x, matrix_origin.y, transpose_matrix};
   __mx::require_uniform(a, "simdgroup_load: the lanes of a simdgroup passed different arguments");
+  __mx::require_plain_origin(a, "simdgroup_load", __file, __line);
   mx_u32 row, col;
   __mx::frag_coord(row, col);
+#if !MX_ADDRESS_SPACES
+  if (!transpose_matrix) {  // the lane's two elements are adjacent: one access
+    d.__e = ((const __mx::pair<T>*)(src + __mx::matrix_offset(a, row, col)))->v;
+    return;
+  }
+#endif
   d.__e[0] = src[__mx::matrix_offset(a, row, col)];
   d.__e[1] = src[__mx::matrix_offset(a, row, col + 1)];
 }
@@ -1230,11 +1293,19 @@ MX_MATRIX_MEMORY_MISMATCH void simdgroup_load(thread simdgroup_matrix<T, 8, 8>& 
                                               ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false);
 template <class T, class P, __mx::if_same_unqual<T, P> = 0>
 inline void simdgroup_store(simdgroup_matrix<T, 8, 8> m, P* dst, ulong elements_per_row = 8,
-                            ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
+                            ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false,
+                            const char* __file = __builtin_FILE(), mx_u32 __line = __builtin_LINE()) {
   __mx::matrix_args a{(const void*)dst, elements_per_row, matrix_origin.x, matrix_origin.y, transpose_matrix};
   __mx::require_uniform(a, "simdgroup_store: the lanes of a simdgroup passed different arguments");
+  __mx::require_plain_origin(a, "simdgroup_store", __file, __line);
   mx_u32 row, col;
   __mx::frag_coord(row, col);
+#if !MX_ADDRESS_SPACES
+  if (!transpose_matrix) {  // the lane's two elements are adjacent: one access
+    ((__mx::pair<T>*)(dst + __mx::matrix_offset(a, row, col)))->v = m.__e;
+    return;
+  }
+#endif
   dst[__mx::matrix_offset(a, row, col)] = m.__e[0];
   dst[__mx::matrix_offset(a, row, col + 1)] = m.__e[1];
 }

@@ -40,6 +40,16 @@ kernel void write_in_turn(device float* out [[buffer(0)]], uint lane [[thread_in
   }
 }
 
+// An 8x8 float tile per simdgroup through simdgroup_load and
+// simdgroup_store: each lane moves two adjacent floats, one 8-byte access
+// on a GPU, so a contiguous tile is 256 bytes in two lines.
+kernel void copy_matrix(device float* out [[buffer(0)]], const device float* in [[buffer(1)]],
+                        uint gid [[thread_position_in_grid]]) {
+  simdgroup_float8x8 m;
+  simdgroup_load(m, in + gid / 32 * 64);
+  simdgroup_store(m, out + gid / 32 * 64);
+}
+
 // -------------------------------------------------- 64-bit integer work --
 struct IntParams {
   ulong divisor;

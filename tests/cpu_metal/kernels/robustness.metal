@@ -81,3 +81,26 @@ kernel void spin_on_memory(device uint* out [[buffer(0)]],
   }
   out[lid] = 1;
 }
+
+// A transposed load or store with a non-zero matrix_origin: the MSL
+// specification does not say whether the origin then counts in memory or in
+// matrix coordinates, so the two readings address different elements. With
+// origin 0 they agree: offset the pointer instead (transposed_at_pointer).
+// a and out are 16 x 16, row-major.
+kernel void transposed_origin_load(device float* out [[buffer(0)]], const device float* a [[buffer(1)]]) {
+  simdgroup_float8x8 m;
+  simdgroup_load(m, a, 16, ulong2(8, 1), true);
+  simdgroup_store(m, out, 16);
+}
+kernel void transposed_origin_store(device float* out [[buffer(0)]], const device float* a [[buffer(1)]]) {
+  simdgroup_float8x8 m;
+  simdgroup_load(m, a, 16);
+  simdgroup_store(m, out, 16, ulong2(3, 2), true);
+}
+// Memory row 1, column 8 of a, transposed, to memory row 2, column 3 of out,
+// transposed back.
+kernel void transposed_at_pointer(device float* out [[buffer(0)]], const device float* a [[buffer(1)]]) {
+  simdgroup_float8x8 m;
+  simdgroup_load(m, a + 1 * 16 + 8, 16, ulong2(0), true);
+  simdgroup_store(m, out + 2 * 16 + 3, 16, ulong2(0), true);
+}
