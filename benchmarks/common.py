@@ -232,7 +232,7 @@ CASE_NOTES = (
     "at the peak (threads an M1/M2 core keeps at that count; 1024 is full occupancy). bank conflicts: extra "
     "cycles per threadgroup-memory instruction. loads in flight: independent device loads per iteration of the "
     "hot loop (the fewest over the case's kernels). us @chip: the DRAM traffic at the chip's bandwidth (a bound, "
-    "not a prediction). stock / mps_ext: median times on a Mac only. README, \"What a kernel costs a GPU beyond its "
+    "not a prediction). stock / mps_ext: median times on a Mac only. docs/contributing.md, \"What a kernel costs a GPU beyond its "
     "bytes\", says how each counter is computed.")
 
 

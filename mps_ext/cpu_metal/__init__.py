@@ -127,7 +127,7 @@ def worker_count() -> int:
 class KernelInfo:
     """What a kernel costs a GPU beyond its bytes, from its optimised IR
     (computed when the library is built; see mps_ext/cpu_metal/_analysis.py
-    and the README)."""
+    and docs/contributing.md)."""
 
     registers: int  # 32-bit registers live per thread at the peak (16-bit values count half)
     uniform_registers: int  # values the same for the whole dispatch (buffer addresses, parameters)
@@ -145,7 +145,7 @@ class DispatchStats:
     """What one dispatch did, from the executor's counters.
 
     Bytes, barriers, simd operations and threads are counted as the kernel
-    runs. What a GPU pays beyond bytes (README, "What a kernel costs a GPU
+    runs. What a GPU pays beyond bytes (docs/contributing.md, "What a kernel costs a GPU
     beyond its bytes", has the details and limits of each):
     - int64_divisions / int64_multiplications (always counted): an increment
       the instrumenter puts after optimisation before every 64-bit integer
