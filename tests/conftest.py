@@ -18,9 +18,8 @@ def cpu_policy():
     apply to MPS only; mps_ext._leave_to_torch or _C.leave_to_torch), and
     removes them afterwards."""
     import mps_ext
+    from mps_ext.cpu_metal._model_runner import _clear_policy
     mps_ext.reset_stats()
     yield
-    for fam in mps_ext.families():
-        for op in mps_ext._C.family_aten_ops(fam):
-            mps_ext._C.leave_to_torch(fam, op, "CPU", "")
+    _clear_policy("CPU")
     mps_ext.reset_stats()
