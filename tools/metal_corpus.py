@@ -156,8 +156,6 @@ EXCEPTED: dict[str, str] = {
     "mlx/fft.h": _VECTOR_ALIAS,
     "mlx/fft/readwrite.h": _VECTOR_ALIAS,
     **{f"torch-{v}/c10/metal/reduction_utils.h": _VECTOR_ALIAS for v in ("2.13.0", "2.14.1", "2.15.0")},
-    "mlx/gated_delta_update.h": "make_filled_simdgroup_matrix<float, 8>: the executor wants all three template "
-                                "arguments, Metal takes Rows = Cols by default (executor gap)",
     "mlx/steel/gemm/kernels/steel_gemm_masked.h": "two kernel templates of one name (block_masked_gemm, told apart "
                                                   "by their template parameters): the translator takes them for one "
                                                   "kernel defined twice (executor gap)",

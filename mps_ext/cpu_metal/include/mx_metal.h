@@ -1126,7 +1126,9 @@ typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
 typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
 typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
 
-template <class T, int R, int C>
+// MSL declares it <T, Cols, Rows = Cols>: make_filled_simdgroup_matrix<float, 8>
+// is a square matrix (MLX's gated_delta_update.h spells it so).
+template <class T, int R, int C = R>
 inline simdgroup_matrix<T, R, C> make_filled_simdgroup_matrix(T value) {
   simdgroup_matrix<T, R, C> m;
   m.__e = vec<T, 2>(value);
