@@ -156,9 +156,6 @@ EXCEPTED: dict[str, str] = {
     "mlx/fft.h": _VECTOR_ALIAS,
     "mlx/fft/readwrite.h": _VECTOR_ALIAS,
     **{f"torch-{v}/c10/metal/reduction_utils.h": _VECTOR_ALIAS for v in ("2.13.0", "2.14.1", "2.15.0")},
-    "mlx/steel/gemm/kernels/steel_gemm_masked.h": "two kernel templates of one name (block_masked_gemm, told apart "
-                                                  "by their template parameters): the translator takes them for one "
-                                                  "kernel defined twice (executor gap)",
     **{f"torch-{v}/ATen/native/mps/kernels/{f}": _ENTRY_POINTS for v, f in (
         ("2.13.0", "PrefillAttention.h"), ("2.14.1", "PrefillAttention.h"), ("2.14.1", "MppAttention.h"),
         ("2.15.0", "MppAttention.h"), ("2.13.0", "SortMerge.h"), ("2.13.0", "SortTopK.h"), ("2.15.0", "SortTopK.h"))},

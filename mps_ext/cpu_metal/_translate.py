@@ -780,8 +780,18 @@ class _Translator:
                 max_threads = arg
         line = self.line(self.toks[start].start)
         key = (namespace, name)
-        if key in self.kernel_defs:
-            self.problem(self.toks[start].start, f"kernel '{name}' is defined twice")
+        prev = self.kernel_defs.get(key)
+        if prev is not None:
+            # Kernel templates may overload one name (MLX's block_masked_gemm):
+            # C++ picks one per instantiation, and the entry point binds the
+            # same buffers whichever it is, if their parameters agree.
+            if not (is_template and prev.is_template):
+                self.problem(self.toks[start].start, f"kernel '{name}' is defined twice")
+            elif _binding(prev.params) != _binding(params) or prev.max_threads != max_threads:
+                self.problem(self.toks[start].start,
+                             f"kernel templates named '{name}' with different parameters or attributes: the executor "
+                             f"binds one parameter list per kernel name (give them different names)")
+            return
         self.kernel_defs[key] = _KernelDef(name, namespace, is_template, params, max_threads, line)
         if not is_template:
             self.kernels.append(Kernel(name, _qualified(namespace, name), params, max_threads, line))
@@ -865,6 +875,11 @@ class _Translator:
         callee_text = _qualified(kdef.namespace, name) + template_args
         self.kernels.append(Kernel(host_name, callee_text, kdef.params, kdef.max_threads, self.line(self.toks[i].start)))
         return j + 1
+
+
+def _binding(params: list[Param]) -> list[tuple]:
+    """What an entry point makes of a kernel's parameters (not where they are)."""
+    return [(p.name, p.attribute, p.argument, p.address_space, p.is_reference, p.is_pointer, p.is_array) for p in params]
 
 
 def _assign_buffer_indices(params: list[Param]):

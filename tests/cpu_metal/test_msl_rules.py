@@ -224,6 +224,17 @@ VALID = {
                                      "  threadgroup float* p = buf + j;\n  return p[0];\n}\n"
                                      + K + " {\n  threadgroup float t[32];\n  t[i % 32] = 1;\n"
                                      "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  x[i] = first(t, 0);\n}",
+    # MLX's steel_gemm_masked.h: two kernel templates of one name, told
+    # apart by their template parameters.
+    "overloaded-kernel-templates": "template <typename T, typename M>\n[[kernel]] void k(device T* x [[buffer(0)]],\n"
+                                   "  uint i [[thread_position_in_grid]]) { x[i] = sizeof(M); }\n"
+                                   "template <typename T, int N, bool B = false>\n[[kernel]] void k(device T* x [[buffer(0)]],\n"
+                                   "  uint i [[thread_position_in_grid]]) { x[i] = N; }\n"
+                                   "template [[host_name(\"k_short\")]] [[kernel]] void k<float, short>(device float*, uint);\n"
+                                   "template [[host_name(\"k_5\")]] [[kernel]] void k<float, 5>(device float*, uint);",
+    # MLX's gated_delta_update.h: Rows defaults to Cols.
+    "filled-simdgroup-matrix-two-arguments": K + " {\n  simdgroup_float8x8 m = make_filled_simdgroup_matrix<float, 8>(2.0f);\n"
+                                             "  x[i] = m.thread_elements()[0];\n}",
     # MLX's arange and hadamard: buffers without [[buffer(i)]].
     "buffer-without-attribute": "kernel void k(constant const float& start, device float* out,\n"
                                 "  uint i [[thread_position_in_grid]]) { out[i] = start + i; }",
@@ -264,6 +275,21 @@ def test_kernel_template_with_default_argument_runs():
     x = np.zeros(2, np.float32)
     lib.dispatch("k_f", [x], threads=2, threads_per_threadgroup=2)
     np.testing.assert_array_equal(x, [4, 4])
+
+
+def test_overloaded_kernel_templates_run_the_instantiated_one():
+    lib = cpu_metal.compile_library(HEAD + VALID["overloaded-kernel-templates"])
+    for name, want in (("k_short", 2), ("k_5", 5)):
+        x = np.zeros(2, np.float32)
+        lib.dispatch(name, [x], threads=2, threads_per_threadgroup=2)
+        np.testing.assert_array_equal(x, [want, want])
+
+
+def test_overloaded_kernel_templates_with_different_parameters_are_refused():
+    src = HEAD + ("template <typename T>\n[[kernel]] void k(device T* x [[buffer(0)]]) { x[0] = 1; }\n"
+                  "template <typename T, int N>\n[[kernel]] void k(device T* y [[buffer(1)]]) { y[0] = N; }\n")
+    with pytest.raises(cpu_metal.CompileError, match="kernel templates named 'k' with different parameters"):
+        cpu_metal.compile_library(src, filename="k.metal")
 
 
 def test_function_constants_are_checked_but_not_run():
