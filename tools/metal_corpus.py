@@ -136,8 +136,6 @@ PRELUDES = {
 # name: a torch file by the first release whose copy of it is checked).
 _METAL4 = ("Metal 4 (MetalPerformancePrimitives tensor operations, and the lambdas Metal 4 allows): the executor "
            "implements MSL 3.1 and documents Metal 4 as unsupported")
-_HALF_TO_BFLOAT = ("static_cast from half to bfloat, which Metal allows; the executor's bfloat is clang's __bf16, "
-                   "which has no conversion from _Float16 (executor gap)")
 _VECTOR_ALIAS = ("a vector constructed through a type alias or template parameter (`complex_T(x, y)` with "
                  "complex_T = float2): the translator rewrites only constructors spelled with a vector type's name "
                  "(executor gap)")
@@ -152,7 +150,6 @@ EXCEPTED: dict[str, str] = {
         "steel/gemm/kernels/steel_gemm_fused_nax.h", "steel/gemm/kernels/steel_gemm_gather_nax.h",
         "steel/gemm/kernels/steel_gemm_segmented_nax.h", "steel/gemm/kernels/steel_gemm_splitk_nax.h",
         "steel/gemm/kernels/steel_gemm_thin_nax.h", "steel/gemm/nax.h")},
-    **{f"mlx/{f}": _HALF_TO_BFLOAT for f in ("fp4.h", "fp8.h", "fp_quantized.h", "unary.h", "unary_ops.h")},
     "mlx/fft.h": _VECTOR_ALIAS,
     "mlx/fft/readwrite.h": _VECTOR_ALIAS,
     **{f"torch-{v}/c10/metal/reduction_utils.h": _VECTOR_ALIAS for v in ("2.13.0", "2.14.1", "2.15.0")},

@@ -636,6 +636,18 @@ class _Translator:
             if self.t(i + 4) == "(":
                 self._insert_site(i + 4)
             return False
+        if s == "static_cast" and self.t(i + 1) == "<":
+            # static_cast<bfloat>(h) of a half (MLX's fp8.h), or of a T that
+            # is one: the operand goes through __mx::cast_operand (mx_metal.h).
+            # Only for a target named by identifiers alone (T, bfloat16_t,
+            # typename Op::T): pointers and references are no such pair.
+            close = self.match(i + 1, "<", ">")
+            if self.t(close + 1) == "(" and all(
+                    self.toks[k].kind == "ident" or self.t(k) == "::" for k in range(i + 2, close)):
+                target = self.text[self.toks[i + 2].start : self.toks[close - 1].end]
+                end = self.match(close + 1, "(", ")")
+                self.insert(self.toks[close + 1].end, f"__mx::cast_operand<{target}>((")
+                self.insert(self.toks[end].start, "))")
         return False
 
     def _insert_site(self, paren: int):

@@ -297,3 +297,30 @@ def test_function_constants_are_checked_but_not_run():
     a value, and says so instead of running with a made-up one."""
     with pytest.raises(cpu_metal.CompileError, match=r"k\.metal:3: function constant 'has_bias'"):
         cpu_metal.compile_library(HEAD + CASES["constant-initializer:function-constant"][1], filename="k.metal")
+
+
+def test_half_and_bfloat_convert_both_ways(tmp_path):
+    """Metal converts between half and bfloat (MLX's fp8.h:
+    static_cast<bfloat16_t>(half)); clang's types do not. Each rounds once,
+    as torch's float16 <-> bfloat16 conversions do."""
+    import torch
+    body = (
+        "template <typename T, typename U> T to(U u) { return static_cast<T>(u); }\n"
+        "kernel void k(device const ushort* h [[buffer(0)]], device const ushort* b [[buffer(1)]],\n"
+        "  device ushort* h2b [[buffer(2)]], device ushort* b2h [[buffer(3)]], device ushort* v [[buffer(4)]],\n"
+        "  uint i [[thread_position_in_grid]]) {\n"
+        "  h2b[i] = as_type<ushort>(static_cast<bfloat>(as_type<half>(h[i])));\n"
+        "  b2h[i] = as_type<ushort>(to<half>(as_type<bfloat>(b[i])));\n"
+        "  bfloat2 w = bfloat2(half2(as_type<half>(h[i])));\n"
+        "  v[i] = as_type<ushort>(w.y);\n}\n")
+    assert check_file(_write(tmp_path, "half_bfloat", body)) == []
+    lib = cpu_metal.compile_library(HEAD + body)
+    h = torch.tensor([0.0, -1.5, 3.140625, 65504.0, 6e-5, 1e-7, float("inf"), 0.0999755859375], dtype=torch.float16)
+    b = torch.tensor([0.0, -1.5, 3.140625, 1e5, 6e-5, 1e-9, float("-inf"), 0.1], dtype=torch.bfloat16)
+    n = h.numel()
+    h2b, b2h, v = (torch.zeros(n, dtype=torch.int16) for _ in range(3))
+    lib.dispatch("k", [h.view(torch.int16), b.view(torch.int16), h2b, b2h, v], threads=n, threads_per_threadgroup=n)
+    assert torch.equal(h2b.view(torch.bfloat16), h.to(torch.bfloat16))
+    assert torch.equal(b2h.view(torch.float16), b.to(torch.float16))
+    assert torch.equal(v.view(torch.bfloat16), h.to(torch.bfloat16))
+
