@@ -172,8 +172,31 @@ class _Translator:
         self.member_spaces: list[tuple] = []
         self.address_space_classes: set[str] = set()
         self.tg_counter = 0
+        self.type_names = self._type_names()
         self._line_cache = self._build_line_map()
         self._line_starts = [m[0] for m in self._line_cache]
+
+    def _type_names(self) -> frozenset:
+        """Names that may stand for a vector type: aliases (`using
+        complex_T = float2;`, typedefs) and template type parameters, in any
+        scope (a name is one or the other throughout the corpora we know)."""
+        names, toks = set(), self.toks
+        for k, tok in enumerate(toks):
+            s = tok.text
+            if s == "using" and k + 2 < len(toks) and toks[k + 1].kind == "ident" and toks[k + 2].text == "=":
+                names.add(toks[k + 1].text)
+            elif s in ("typename", "class") and k > 0 and toks[k - 1].text in ("<", ",") \
+                    and k + 1 < len(toks) and toks[k + 1].kind == "ident" \
+                    and (k + 2 >= len(toks) or toks[k + 2].text in (",", ">", "=", ">>")):
+                names.add(toks[k + 1].text)  # a template type parameter
+            elif s == "typedef":
+                j, depth = k + 1, 0
+                while j < len(toks) and not (toks[j].text == ";" and depth == 0) and toks[j].text != "{":
+                    depth = _nest(toks[j].text, depth)
+                    j += 1
+                if j < len(toks) and toks[j].text == ";" and toks[j - 1].kind == "ident":
+                    names.add(toks[j - 1].text)
+        return frozenset(names - VECTOR_TYPES)
 
     # ----------------------------------------------------------- positions --
     def _build_line_map(self):
@@ -614,6 +637,14 @@ class _Translator:
             self.replace(i, f"__mx_make<{s}>")
             self._insert_site(i + 1)
             return True
+        if s in self.type_names and self.t(i + 1) == "(" and self.t(i + 2) not in (")", "*", "&", "^") \
+                and prev not in ("::", "~", "typename", "template"):
+            # `complex_T(x, y)` with complex_T = float2, or T(a, b) with T a
+            # vector: __mx_construct builds vectors as Metal does, any other
+            # type with the same arguments.
+            self.replace(i, f"__mx_construct<{s}>")
+            self._insert_site(i + 1)
+            return True
         if s == "vec" and self.t(i + 1) == "<":
             close = self.match(i + 1, "<", ">")
             if self.t(i + 2) == "bool" and self.t(i + 3) == "," and close == i + 5 and self.t(i + 4) in ("2", "3", "4"):
@@ -848,7 +879,9 @@ class _Translator:
             if a:
                 for n, arg in a[1]:
                     if n == "host_name":
-                        host_name = arg.strip().strip('"')
+                        # Adjacent literals concatenate (PyTorch's Sort.metal builds
+                        # names with `"sort_block_" #T "_tptg" #TPTG`).
+                        host_name = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', arg)) or arg.strip()
         # The template-id: last `name<...>` at depth 0 followed by '(' or ';'.
         callee, depth, k = None, 0, i + 1
         while k < j:

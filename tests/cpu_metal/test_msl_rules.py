@@ -235,6 +235,21 @@ VALID = {
     # MLX's gated_delta_update.h: Rows defaults to Cols.
     "filled-simdgroup-matrix-two-arguments": K + " {\n  simdgroup_float8x8 m = make_filled_simdgroup_matrix<float, 8>(2.0f);\n"
                                              "  x[i] = m.thread_elements()[0];\n}",
+    # MLX's fft/readwrite.h, PyTorch's c10/metal/utils.h: a vector built
+    # through an alias or a template parameter; a static_cast of a vector
+    # element (PyTorch's indexing.h).
+    "vector-through-alias": "template <typename T> struct P {\n  using complex_T = vec<T, 2>;\n"
+                            "  complex_T conj(complex_T v) const { return complex_T(v.x, -v.y); }\n};\n"
+                            "template <typename V> V mul(V a, V b) { return V(a.x * b.x - a.y * b.y, a.x * b.y + a.y * b.x); }\n"
+                            "typedef float2 cfloat;\n"
+                            + K + " {\n  float2 c = P<float>().conj(cfloat(x[i], 2));\n  half2 h = mul(half2(1, 1), half2(c.x, 1));\n"
+                            "  x[i] = static_cast<float>(h.y) + static_cast<int>(c.y);\n}",
+    # PyTorch's Sort.metal: a host name of adjacent string literals, the
+    # last one empty.
+    "host-name-concatenated": "#define NAME(T, N) \"k_\" #T \"_n\" #N \"\"\n"
+                              "template <typename T, int N>\n[[kernel]] void k(device T* x [[buffer(0)]],\n"
+                              "  uint i [[thread_position_in_grid]]) { x[i] = N; }\n"
+                              "template [[host_name(NAME(float, 3))]] [[kernel]] void k<float, 3>(device float*, uint);",
     # MLX's arange and hadamard: buffers without [[buffer(i)]].
     "buffer-without-attribute": "kernel void k(constant const float& start, device float* out,\n"
                                 "  uint i [[thread_position_in_grid]]) { out[i] = start + i; }",
@@ -324,3 +339,18 @@ def test_half_and_bfloat_convert_both_ways(tmp_path):
     assert torch.equal(b2h.view(torch.float16), b.to(torch.float16))
     assert torch.equal(v.view(torch.bfloat16), h.to(torch.bfloat16))
 
+
+
+def test_vector_through_alias_runs():
+    lib = cpu_metal.compile_library(HEAD + VALID["vector-through-alias"])
+    x = np.array([3, 5], np.float32)
+    lib.dispatch("k", [x], threads=2, threads_per_threadgroup=2)
+    # c = (x, -2); h = (1,1)*(x,1) = (x - 1, 1 + x); x = h.y + int(-2)
+    np.testing.assert_array_equal(x, [3 + 1 - 2, 5 + 1 - 2])
+
+
+def test_host_name_of_adjacent_literals_is_their_concatenation():
+    lib = cpu_metal.compile_library(HEAD + VALID["host-name-concatenated"])
+    x = np.zeros(2, np.float32)
+    lib.dispatch("k_float_n3", [x], threads=2, threads_per_threadgroup=2)
+    np.testing.assert_array_equal(x, [3, 3])

@@ -210,13 +210,14 @@ struct half_bfloat_pair {
 };
 // The operand of static_cast<E>(x) (the translator wraps every static_cast
 // to a type named without * or &): x itself, or float for the pair above,
-// so that the conversion itself stays in shader code.
+// so that the conversion itself stays in shader code. By value: a
+// reference cannot bind to a vector element (static_cast<T>(v.y)).
 template <class E, class S>
-constexpr decltype(auto) cast_operand(S&& x) {
+constexpr auto cast_operand(S x) {
   if constexpr (half_bfloat_pair<E, S>::value)
     return (float)x;
   else
-    return static_cast<S&&>(x);
+    return x;
 }
 
 // (E)x, where a floating x that is NaN or outside E's range is an error, as
@@ -316,7 +317,24 @@ inline V __mx_make(__mx::site s, A... a) {
     return r;
   }
 }
-namespace metal { using ::__mx_make; }
+// T(a, b) with T an alias or template parameter (the translator does not
+// know whether it is a vector): Metal's vector constructor for a vector,
+// else T's own, with the same arguments: forwarded to a class's
+// constructor (which may keep a reference), by value otherwise (a reference
+// cannot bind to a vector element such as v.x).
+template <class V, class... A, typename __mx::enable_if<__mx::vt<V>::is_vec, int>::type = 0>
+inline V __mx_construct(__mx::site s, A... a) {
+  return __mx_make<V>(s, a...);
+}
+template <class V, class... A, typename __mx::enable_if<!__mx::vt<V>::is_vec && !__is_class(V), int>::type = 0>
+constexpr V __mx_construct(__mx::site, A... a) {
+  return V(a...);
+}
+template <class V, class... A, typename __mx::enable_if<!__mx::vt<V>::is_vec && __is_class(V), int>::type = 0>
+constexpr V __mx_construct(__mx::site, A&&... a) {
+  return V(static_cast<A&&>(a)...);
+}
+namespace metal { using ::__mx_make; using ::__mx_construct; }
 
 namespace metal {
 // ---------------------------------------------------------------- as_type --
