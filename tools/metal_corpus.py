@@ -136,8 +136,6 @@ PRELUDES = {
 # name: a torch file by the first release whose copy of it is checked).
 _METAL4 = ("Metal 4 (MetalPerformancePrimitives tensor operations, and the lambdas Metal 4 allows): the executor "
            "implements MSL 3.1 and documents Metal 4 as unsupported")
-_ENTRY_POINTS = ("kernel templates whose parameters depend on template arguments the explicit instantiation does "
-                 "not spell out: the generated entry points do not compile (executor gap)")
 _RECURSION = ("recursion (log_gamma -> gamma -> log_gamma; bessel_j1_forward calls itself): Apple's compiler builds "
               "it (PyTorch ships it), msl-recursion rejects it as MSL 1.5.4 says; left to decide")
 EXCEPTED: dict[str, str] = {
@@ -147,9 +145,6 @@ EXCEPTED: dict[str, str] = {
         "steel/gemm/kernels/steel_gemm_fused_nax.h", "steel/gemm/kernels/steel_gemm_gather_nax.h",
         "steel/gemm/kernels/steel_gemm_segmented_nax.h", "steel/gemm/kernels/steel_gemm_splitk_nax.h",
         "steel/gemm/kernels/steel_gemm_thin_nax.h", "steel/gemm/nax.h")},
-    **{f"torch-{v}/ATen/native/mps/kernels/{f}": _ENTRY_POINTS for v, f in (
-        ("2.13.0", "PrefillAttention.h"), ("2.14.1", "PrefillAttention.h"), ("2.14.1", "MppAttention.h"),
-        ("2.15.0", "MppAttention.h"))},
     "torch-2.14.1/ATen/native/mps/kernels/Gemv.h": "uses GemmEpilogue, which its .metal file defines before "
                                                    "including it: the stub does not have it (corpus stub gap)",
     **{f"torch-{v}/c10/metal/special_math.h": _RECURSION for v in ("2.9.0", "2.10.0", "2.11.0", "2.12.1",

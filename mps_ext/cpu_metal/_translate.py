@@ -155,6 +155,8 @@ class _KernelDef:
     params: list[Param]
     max_threads: str
     line: int
+    # (is a type, name, default or "") of a template's parameters.
+    template_params: list = dataclasses.field(default_factory=list)
 
 
 class _Translator:
@@ -835,9 +837,39 @@ class _Translator:
                              f"kernel templates named '{name}' with different parameters or attributes: the executor "
                              f"binds one parameter list per kernel name (give them different names)")
             return
-        self.kernel_defs[key] = _KernelDef(name, namespace, is_template, params, max_threads, line)
+        tparams = self._template_params(start) if is_template else []
+        self.kernel_defs[key] = _KernelDef(name, namespace, is_template, params, max_threads, line, tparams)
         if not is_template:
             self.kernels.append(Kernel(name, _qualified(namespace, name), params, max_threads, line))
+
+    def _template_params(self, start: int) -> list:
+        """(is a type, name, default) of `template <...>` at `start`."""
+        close = self.match(start + 1, "<", ">")
+        out = []
+        for part in self._split_top_level(start + 2, close):
+            words = [self.t(k) for k in part]
+            eq = words.index("=") if "=" in words else len(words)
+            names = [k for k in part[:eq] if self.toks[k].kind == "ident"]
+            if not names or "template" in words[:eq] or "..." in words:
+                return []  # template template or variadic parameters: not substituted
+            default = self.text[self.toks[part[eq + 1]].start : self.toks[part[-1]].end] if eq < len(words) - 1 else ""
+            out.append((words[0] in ("typename", "class"), self.t(names[-1]), default))
+        return out
+
+    def _instantiated_expression(self, kdef: "_KernelDef", name_at: int, close: int, expr: str) -> str:
+        """`expr` (max_total_threads_per_threadgroup(WM * WN * 32)) with the
+        template's parameters bound to this instantiation's arguments."""
+        args = [self.text[self.toks[p[0]].start : self.toks[p[-1]].end]
+                for p in self._split_top_level(name_at + 2, close)]
+        if not kdef.template_params or len(args) > len(kdef.template_params):
+            return expr
+        binds = []
+        for k, (is_type, pname, default) in enumerate(kdef.template_params):
+            value = args[k] if k < len(args) else default
+            if not value:
+                return expr
+            binds.append(f"using {pname} = {value};" if is_type else f"constexpr auto {pname} = {value};")
+        return "[] { " + " ".join(binds) + f" return ({expr}); }}()"
 
     def _param(self, ptoks: list[int], kernel: str) -> Param:
         attr_name, attr_arg, plain = "", "", []
@@ -918,7 +950,10 @@ class _Translator:
             self.problem(self.toks[i].start, f"'{host_name}' instantiates '{name}', which is not a kernel defined before it")
             return j + 1
         callee_text = _qualified(kdef.namespace, name) + template_args
-        self.kernels.append(Kernel(host_name, callee_text, kdef.params, kdef.max_threads, self.line(self.toks[i].start)))
+        max_threads = kdef.max_threads
+        if kdef.is_template and max_threads != "0":
+            max_threads = self._instantiated_expression(kdef, name_at, close, max_threads)
+        self.kernels.append(Kernel(host_name, callee_text, kdef.params, max_threads, self.line(self.toks[i].start)))
         return j + 1
 
 

@@ -354,3 +354,18 @@ def test_host_name_of_adjacent_literals_is_their_concatenation():
     x = np.zeros(2, np.float32)
     lib.dispatch("k_float_n3", [x], threads=2, threads_per_threadgroup=2)
     np.testing.assert_array_equal(x, [3, 3])
+
+
+def test_max_threads_of_a_kernel_template_is_the_instantiation_s():
+    """PyTorch's attention kernels: max_total_threads_per_threadgroup(WM * WN * 32)
+    with WM and WN template parameters (one defaulted)."""
+    lib = cpu_metal.compile_library(HEAD + (
+        "template <typename T, int WM, int WN = 1>\n"
+        "[[kernel, max_total_threads_per_threadgroup(WM * WN * 32)]] void k(device T* x [[buffer(0)]],\n"
+        "  uint i [[thread_position_in_grid]]) { x[i] = WM; }\n"
+        "template [[host_name(\"k2\")]] [[kernel]] void k<float, 2>(device float*, uint);\n"))
+    x = np.zeros(64, np.float32)
+    lib.dispatch("k2", [x], threads=64, threads_per_threadgroup=64)
+    np.testing.assert_array_equal(x, 2)
+    with pytest.raises(cpu_metal.DispatchError, match=r"max_total_threads_per_threadgroup\(64\)"):
+        lib.dispatch("k2", [np.zeros(128, np.float32)], threads=128, threads_per_threadgroup=128)
