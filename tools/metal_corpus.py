@@ -136,13 +136,6 @@ PRELUDES = {
 # name: a torch file by the first release whose copy of it is checked).
 _METAL4 = ("Metal 4 (MetalPerformancePrimitives tensor operations, and the lambdas Metal 4 allows): the executor "
            "implements MSL 3.1 and documents Metal 4 as unsupported")
-_HALF_TO_BFLOAT = ("static_cast from half to bfloat, which Metal allows; the executor's bfloat is clang's __bf16, "
-                   "which has no conversion from _Float16 (executor gap)")
-_VECTOR_ALIAS = ("a vector constructed through a type alias or template parameter (`complex_T(x, y)` with "
-                 "complex_T = float2): the translator rewrites only constructors spelled with a vector type's name "
-                 "(executor gap)")
-_ENTRY_POINTS = ("kernel templates whose parameters depend on template arguments the explicit instantiation does "
-                 "not spell out: the generated entry points do not compile (executor gap)")
 _RECURSION = ("recursion (log_gamma -> gamma -> log_gamma; bessel_j1_forward calls itself): Apple's compiler builds "
               "it (PyTorch ships it), msl-recursion rejects it as MSL 1.5.4 says; left to decide")
 EXCEPTED: dict[str, str] = {
@@ -152,22 +145,11 @@ EXCEPTED: dict[str, str] = {
         "steel/gemm/kernels/steel_gemm_fused_nax.h", "steel/gemm/kernels/steel_gemm_gather_nax.h",
         "steel/gemm/kernels/steel_gemm_segmented_nax.h", "steel/gemm/kernels/steel_gemm_splitk_nax.h",
         "steel/gemm/kernels/steel_gemm_thin_nax.h", "steel/gemm/nax.h")},
-    **{f"mlx/{f}": _HALF_TO_BFLOAT for f in ("fp4.h", "fp8.h", "fp_quantized.h", "unary.h", "unary_ops.h")},
-    "mlx/fft.h": _VECTOR_ALIAS,
-    "mlx/fft/readwrite.h": _VECTOR_ALIAS,
-    **{f"torch-{v}/c10/metal/reduction_utils.h": _VECTOR_ALIAS for v in ("2.13.0", "2.14.1", "2.15.0")},
-    "mlx/gated_delta_update.h": "make_filled_simdgroup_matrix<float, 8>: the executor wants all three template "
-                                "arguments, Metal takes Rows = Cols by default (executor gap)",
-    "mlx/steel/gemm/kernels/steel_gemm_masked.h": "two kernel templates of one name (block_masked_gemm, told apart "
-                                                  "by their template parameters): the translator takes them for one "
-                                                  "kernel defined twice (executor gap)",
-    **{f"torch-{v}/ATen/native/mps/kernels/{f}": _ENTRY_POINTS for v, f in (
-        ("2.13.0", "PrefillAttention.h"), ("2.14.1", "PrefillAttention.h"), ("2.14.1", "MppAttention.h"),
-        ("2.15.0", "MppAttention.h"), ("2.13.0", "SortMerge.h"), ("2.13.0", "SortTopK.h"), ("2.15.0", "SortTopK.h"))},
-    **{f"torch-{v}/ATen/native/mps/kernels/SortRadix.h": "uses sort_init, which its .metal file defines before "
-       "including it: the stub does not have it (corpus stub gap)" for v in ("2.13.0", "2.14.1")},
-    "torch-2.14.1/ATen/native/mps/kernels/Gemv.h": "uses GemmEpilogue, which its .metal file defines before "
-                                                   "including it: the stub does not have it (corpus stub gap)",
+    "torch-2.14.1/ATen/native/mps/kernels/Gemv.h": "indexes a `constant c10::metal::array<float, 2>&`: the "
+                                                   "executor's metal::array has no operator[] for an object in the "
+                                                   "constant address space (C++ cannot qualify `this` with one); and "
+                                                   "its load_x/load_matrix calls fail substitution in check mode, "
+                                                   "cause not found (executor gaps)",
     **{f"torch-{v}/c10/metal/special_math.h": _RECURSION for v in ("2.9.0", "2.10.0", "2.11.0", "2.12.1",
                                                                    "2.14.1", "2.15.0")},
 }
@@ -214,6 +196,15 @@ def _mlx_entries(include: Path) -> list[Entry]:
 
 _TORCH_DIRS = ("ATen/native/mps/kernels", "c10/metal")
 
+# What PyTorch's .metal files include before a header that is not
+# self-contained: SortMerge.h says SortRadix.h uses its sort_init and is
+# included after it (as SortTopK.h does); Gemv.h's GemmEpilogue is
+# LinearAlgebra.h's.
+TORCH_PRELUDES = {
+    "ATen/native/mps/kernels/SortRadix.h": ["ATen/native/mps/kernels/SortMerge.h"],
+    "ATen/native/mps/kernels/Gemv.h": ["ATen/native/mps/kernels/LinearAlgebra.h"],
+}
+
 
 def _torch_entries(versions) -> list[Entry]:
     out, seen = [], set()
@@ -229,6 +220,7 @@ def _torch_entries(versions) -> list[Entry]:
                 # PyTorch's kernels include c10/metal's utilities and use
                 # namespace metal before their ATen/native/mps/kernels headers.
                 prelude = "#include <c10/metal/utils.h>\nusing namespace metal;\n" if rel.startswith("ATen/") else ""
+                prelude += "".join(f"#include <{p}>\n" for p in TORCH_PRELUDES.get(rel, []))
                 stub = f"#include <metal_stdlib>\n{prelude}#include <{rel}>\n"
                 if rel in INSTANTIATIONS:
                     stub += INSTANTIATIONS[rel] + "\n"

@@ -155,6 +155,8 @@ class _KernelDef:
     params: list[Param]
     max_threads: str
     line: int
+    # (is a type, name, default or "") of a template's parameters.
+    template_params: list = dataclasses.field(default_factory=list)
 
 
 class _Translator:
@@ -172,8 +174,31 @@ class _Translator:
         self.member_spaces: list[tuple] = []
         self.address_space_classes: set[str] = set()
         self.tg_counter = 0
+        self.type_names = self._type_names()
         self._line_cache = self._build_line_map()
         self._line_starts = [m[0] for m in self._line_cache]
+
+    def _type_names(self) -> frozenset:
+        """Names that may stand for a vector type: aliases (`using
+        complex_T = float2;`, typedefs) and template type parameters, in any
+        scope (a name is one or the other throughout the corpora we know)."""
+        names, toks = set(), self.toks
+        for k, tok in enumerate(toks):
+            s = tok.text
+            if s == "using" and k + 2 < len(toks) and toks[k + 1].kind == "ident" and toks[k + 2].text == "=":
+                names.add(toks[k + 1].text)
+            elif s in ("typename", "class") and k > 0 and toks[k - 1].text in ("<", ",") \
+                    and k + 1 < len(toks) and toks[k + 1].kind == "ident" \
+                    and (k + 2 >= len(toks) or toks[k + 2].text in (",", ">", "=", ">>")):
+                names.add(toks[k + 1].text)  # a template type parameter
+            elif s == "typedef":
+                j, depth = k + 1, 0
+                while j < len(toks) and not (toks[j].text == ";" and depth == 0) and toks[j].text != "{":
+                    depth = _nest(toks[j].text, depth)
+                    j += 1
+                if j < len(toks) and toks[j].text == ";" and toks[j - 1].kind == "ident":
+                    names.add(toks[j - 1].text)
+        return frozenset(names - VECTOR_TYPES)
 
     # ----------------------------------------------------------- positions --
     def _build_line_map(self):
@@ -614,6 +639,14 @@ class _Translator:
             self.replace(i, f"__mx_make<{s}>")
             self._insert_site(i + 1)
             return True
+        if s in self.type_names and self.t(i + 1) == "(" and self.t(i + 2) not in (")", "*", "&", "^") \
+                and prev not in ("::", "~", "typename", "template"):
+            # `complex_T(x, y)` with complex_T = float2, or T(a, b) with T a
+            # vector: __mx_construct builds vectors as Metal does, any other
+            # type with the same arguments.
+            self.replace(i, f"__mx_construct<{s}>")
+            self._insert_site(i + 1)
+            return True
         if s == "vec" and self.t(i + 1) == "<":
             close = self.match(i + 1, "<", ">")
             if self.t(i + 2) == "bool" and self.t(i + 3) == "," and close == i + 5 and self.t(i + 4) in ("2", "3", "4"):
@@ -636,6 +669,18 @@ class _Translator:
             if self.t(i + 4) == "(":
                 self._insert_site(i + 4)
             return False
+        if s == "static_cast" and self.t(i + 1) == "<":
+            # static_cast<bfloat>(h) of a half (MLX's fp8.h), or of a T that
+            # is one: the operand goes through __mx::cast_operand (mx_metal.h).
+            # Only for a target named by identifiers alone (T, bfloat16_t,
+            # typename Op::T): pointers and references are no such pair.
+            close = self.match(i + 1, "<", ">")
+            if self.t(close + 1) == "(" and all(
+                    self.toks[k].kind == "ident" or self.t(k) == "::" for k in range(i + 2, close)):
+                target = self.text[self.toks[i + 2].start : self.toks[close - 1].end]
+                end = self.match(close + 1, "(", ")")
+                self.insert(self.toks[close + 1].end, f"__mx::cast_operand<{target}>((")
+                self.insert(self.toks[end].start, "))")
         return False
 
     def _insert_site(self, paren: int):
@@ -780,11 +825,51 @@ class _Translator:
                 max_threads = arg
         line = self.line(self.toks[start].start)
         key = (namespace, name)
-        if key in self.kernel_defs:
-            self.problem(self.toks[start].start, f"kernel '{name}' is defined twice")
-        self.kernel_defs[key] = _KernelDef(name, namespace, is_template, params, max_threads, line)
+        prev = self.kernel_defs.get(key)
+        if prev is not None:
+            # Kernel templates may overload one name (MLX's block_masked_gemm):
+            # C++ picks one per instantiation, and the entry point binds the
+            # same buffers whichever it is, if their parameters agree.
+            if not (is_template and prev.is_template):
+                self.problem(self.toks[start].start, f"kernel '{name}' is defined twice")
+            elif _binding(prev.params) != _binding(params) or prev.max_threads != max_threads:
+                self.problem(self.toks[start].start,
+                             f"kernel templates named '{name}' with different parameters or attributes: the executor "
+                             f"binds one parameter list per kernel name (give them different names)")
+            return
+        tparams = self._template_params(start) if is_template else []
+        self.kernel_defs[key] = _KernelDef(name, namespace, is_template, params, max_threads, line, tparams)
         if not is_template:
             self.kernels.append(Kernel(name, _qualified(namespace, name), params, max_threads, line))
+
+    def _template_params(self, start: int) -> list:
+        """(is a type, name, default) of `template <...>` at `start`."""
+        close = self.match(start + 1, "<", ">")
+        out = []
+        for part in self._split_top_level(start + 2, close):
+            words = [self.t(k) for k in part]
+            eq = words.index("=") if "=" in words else len(words)
+            names = [k for k in part[:eq] if self.toks[k].kind == "ident"]
+            if not names or "template" in words[:eq] or "..." in words:
+                return []  # template template or variadic parameters: not substituted
+            default = self.text[self.toks[part[eq + 1]].start : self.toks[part[-1]].end] if eq < len(words) - 1 else ""
+            out.append((words[0] in ("typename", "class"), self.t(names[-1]), default))
+        return out
+
+    def _instantiated_expression(self, kdef: "_KernelDef", name_at: int, close: int, expr: str) -> str:
+        """`expr` (max_total_threads_per_threadgroup(WM * WN * 32)) with the
+        template's parameters bound to this instantiation's arguments."""
+        args = [self.text[self.toks[p[0]].start : self.toks[p[-1]].end]
+                for p in self._split_top_level(name_at + 2, close)]
+        if not kdef.template_params or len(args) > len(kdef.template_params):
+            return expr
+        binds = []
+        for k, (is_type, pname, default) in enumerate(kdef.template_params):
+            value = args[k] if k < len(args) else default
+            if not value:
+                return expr
+            binds.append(f"using {pname} = {value};" if is_type else f"constexpr auto {pname} = {value};")
+        return "[] { " + " ".join(binds) + f" return ({expr}); }}()"
 
     def _param(self, ptoks: list[int], kernel: str) -> Param:
         attr_name, attr_arg, plain = "", "", []
@@ -826,7 +911,9 @@ class _Translator:
             if a:
                 for n, arg in a[1]:
                     if n == "host_name":
-                        host_name = arg.strip().strip('"')
+                        # Adjacent literals concatenate (PyTorch's Sort.metal builds
+                        # names with `"sort_block_" #T "_tptg" #TPTG`).
+                        host_name = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', arg)) or arg.strip()
         # The template-id: last `name<...>` at depth 0 followed by '(' or ';'.
         callee, depth, k = None, 0, i + 1
         while k < j:
@@ -863,8 +950,16 @@ class _Translator:
             self.problem(self.toks[i].start, f"'{host_name}' instantiates '{name}', which is not a kernel defined before it")
             return j + 1
         callee_text = _qualified(kdef.namespace, name) + template_args
-        self.kernels.append(Kernel(host_name, callee_text, kdef.params, kdef.max_threads, self.line(self.toks[i].start)))
+        max_threads = kdef.max_threads
+        if kdef.is_template and max_threads != "0":
+            max_threads = self._instantiated_expression(kdef, name_at, close, max_threads)
+        self.kernels.append(Kernel(host_name, callee_text, kdef.params, max_threads, self.line(self.toks[i].start)))
         return j + 1
+
+
+def _binding(params: list[Param]) -> list[tuple]:
+    """What an entry point makes of a kernel's parameters (not where they are)."""
+    return [(p.name, p.attribute, p.argument, p.address_space, p.is_reference, p.is_pointer, p.is_array) for p in params]
 
 
 def _assign_buffer_indices(params: list[Param]):

@@ -241,6 +241,32 @@ VALID = {
                                      "  threadgroup float* p = buf + j;\n  return p[0];\n}\n"
                                      + K + " {\n  threadgroup float t[32];\n  t[i % 32] = 1;\n"
                                      "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  x[i] = first(t, 0);\n}",
+    # MLX's steel_gemm_masked.h: two kernel templates of one name, told
+    # apart by their template parameters.
+    "overloaded-kernel-templates": "template <typename T, typename M>\n[[kernel]] void k(device T* x [[buffer(0)]],\n"
+                                   "  uint i [[thread_position_in_grid]]) { x[i] = sizeof(M); }\n"
+                                   "template <typename T, int N, bool B = false>\n[[kernel]] void k(device T* x [[buffer(0)]],\n"
+                                   "  uint i [[thread_position_in_grid]]) { x[i] = N; }\n"
+                                   "template [[host_name(\"k_short\")]] [[kernel]] void k<float, short>(device float*, uint);\n"
+                                   "template [[host_name(\"k_5\")]] [[kernel]] void k<float, 5>(device float*, uint);",
+    # MLX's gated_delta_update.h: Rows defaults to Cols.
+    "filled-simdgroup-matrix-two-arguments": K + " {\n  simdgroup_float8x8 m = make_filled_simdgroup_matrix<float, 8>(2.0f);\n"
+                                             "  x[i] = m.thread_elements()[0];\n}",
+    # MLX's fft/readwrite.h, PyTorch's c10/metal/utils.h: a vector built
+    # through an alias or a template parameter; a static_cast of a vector
+    # element (PyTorch's indexing.h).
+    "vector-through-alias": "template <typename T> struct P {\n  using complex_T = vec<T, 2>;\n"
+                            "  complex_T conj(complex_T v) const { return complex_T(v.x, -v.y); }\n};\n"
+                            "template <typename V> V mul(V a, V b) { return V(a.x * b.x - a.y * b.y, a.x * b.y + a.y * b.x); }\n"
+                            "typedef float2 cfloat;\n"
+                            + K + " {\n  float2 c = P<float>().conj(cfloat(x[i], 2));\n  half2 h = mul(half2(1, 1), half2(c.x, 1));\n"
+                            "  x[i] = static_cast<float>(h.y) + static_cast<int>(c.y);\n}",
+    # PyTorch's Sort.metal: a host name of adjacent string literals, the
+    # last one empty.
+    "host-name-concatenated": "#define NAME(T, N) \"k_\" #T \"_n\" #N \"\"\n"
+                              "template <typename T, int N>\n[[kernel]] void k(device T* x [[buffer(0)]],\n"
+                              "  uint i [[thread_position_in_grid]]) { x[i] = N; }\n"
+                              "template [[host_name(NAME(float, 3))]] [[kernel]] void k<float, 3>(device float*, uint);",
     # MLX's arange and hadamard: buffers without [[buffer(i)]].
     "buffer-without-attribute": "kernel void k(constant const float& start, device float* out,\n"
                                 "  uint i [[thread_position_in_grid]]) { out[i] = start + i; }",
@@ -283,6 +309,21 @@ def test_kernel_template_with_default_argument_runs():
     np.testing.assert_array_equal(x, [4, 4])
 
 
+def test_overloaded_kernel_templates_run_the_instantiated_one():
+    lib = cpu_metal.compile_library(HEAD + VALID["overloaded-kernel-templates"])
+    for name, want in (("k_short", 2), ("k_5", 5)):
+        x = np.zeros(2, np.float32)
+        lib.dispatch(name, [x], threads=2, threads_per_threadgroup=2)
+        np.testing.assert_array_equal(x, [want, want])
+
+
+def test_overloaded_kernel_templates_with_different_parameters_are_refused():
+    src = HEAD + ("template <typename T>\n[[kernel]] void k(device T* x [[buffer(0)]]) { x[0] = 1; }\n"
+                  "template <typename T, int N>\n[[kernel]] void k(device T* y [[buffer(1)]]) { y[0] = N; }\n")
+    with pytest.raises(cpu_metal.CompileError, match="kernel templates named 'k' with different parameters"):
+        cpu_metal.compile_library(src, filename="k.metal")
+
+
 def test_function_constants_are_checked_but_not_run():
     """Check mode compiles them; the executor has no pipeline to give them
     a value, and says so instead of running with a made-up one."""
@@ -305,3 +346,60 @@ def test_only_the_constants_the_specification_lists():
     x, y = torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     lib.dispatch("k", [x, y], threads=1, threads_per_threadgroup=1)
     assert x.tolist() == [2**31 - 1, -2**31] and y.item() == -1  # 0xffffffff
+
+
+def test_half_and_bfloat_convert_both_ways(tmp_path):
+    """Metal converts between half and bfloat (MLX's fp8.h:
+    static_cast<bfloat16_t>(half)); clang's types do not. Each rounds once,
+    as torch's float16 <-> bfloat16 conversions do."""
+    import torch
+    body = (
+        "template <typename T, typename U> T to(U u) { return static_cast<T>(u); }\n"
+        "kernel void k(device const ushort* h [[buffer(0)]], device const ushort* b [[buffer(1)]],\n"
+        "  device ushort* h2b [[buffer(2)]], device ushort* b2h [[buffer(3)]], device ushort* v [[buffer(4)]],\n"
+        "  uint i [[thread_position_in_grid]]) {\n"
+        "  h2b[i] = as_type<ushort>(static_cast<bfloat>(as_type<half>(h[i])));\n"
+        "  b2h[i] = as_type<ushort>(to<half>(as_type<bfloat>(b[i])));\n"
+        "  bfloat2 w = bfloat2(half2(as_type<half>(h[i])));\n"
+        "  v[i] = as_type<ushort>(w.y);\n}\n")
+    assert check_file(_write(tmp_path, "half_bfloat", body)) == []
+    lib = cpu_metal.compile_library(HEAD + body)
+    h = torch.tensor([0.0, -1.5, 3.140625, 65504.0, 6e-5, 1e-7, float("inf"), 0.0999755859375], dtype=torch.float16)
+    b = torch.tensor([0.0, -1.5, 3.140625, 1e5, 6e-5, 1e-9, float("-inf"), 0.1], dtype=torch.bfloat16)
+    n = h.numel()
+    h2b, b2h, v = (torch.zeros(n, dtype=torch.int16) for _ in range(3))
+    lib.dispatch("k", [h.view(torch.int16), b.view(torch.int16), h2b, b2h, v], threads=n, threads_per_threadgroup=n)
+    assert torch.equal(h2b.view(torch.bfloat16), h.to(torch.bfloat16))
+    assert torch.equal(b2h.view(torch.float16), b.to(torch.float16))
+    assert torch.equal(v.view(torch.bfloat16), h.to(torch.bfloat16))
+
+
+
+def test_vector_through_alias_runs():
+    lib = cpu_metal.compile_library(HEAD + VALID["vector-through-alias"])
+    x = np.array([3, 5], np.float32)
+    lib.dispatch("k", [x], threads=2, threads_per_threadgroup=2)
+    # c = (x, -2); h = (1,1)*(x,1) = (x - 1, 1 + x); x = h.y + int(-2)
+    np.testing.assert_array_equal(x, [3 + 1 - 2, 5 + 1 - 2])
+
+
+def test_host_name_of_adjacent_literals_is_their_concatenation():
+    lib = cpu_metal.compile_library(HEAD + VALID["host-name-concatenated"])
+    x = np.zeros(2, np.float32)
+    lib.dispatch("k_float_n3", [x], threads=2, threads_per_threadgroup=2)
+    np.testing.assert_array_equal(x, [3, 3])
+
+
+def test_max_threads_of_a_kernel_template_is_the_instantiation_s():
+    """PyTorch's attention kernels: max_total_threads_per_threadgroup(WM * WN * 32)
+    with WM and WN template parameters (one defaulted)."""
+    lib = cpu_metal.compile_library(HEAD + (
+        "template <typename T, int WM, int WN = 1>\n"
+        "[[kernel, max_total_threads_per_threadgroup(WM * WN * 32)]] void k(device T* x [[buffer(0)]],\n"
+        "  uint i [[thread_position_in_grid]]) { x[i] = WM; }\n"
+        "template [[host_name(\"k2\")]] [[kernel]] void k<float, 2>(device float*, uint);\n"))
+    x = np.zeros(64, np.float32)
+    lib.dispatch("k2", [x], threads=64, threads_per_threadgroup=64)
+    np.testing.assert_array_equal(x, 2)
+    with pytest.raises(cpu_metal.DispatchError, match=r"max_total_threads_per_threadgroup\(64\)"):
+        lib.dispatch("k2", [np.zeros(128, np.float32)], threads=128, threads_per_threadgroup=128)

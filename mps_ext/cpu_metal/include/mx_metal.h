@@ -198,10 +198,34 @@ using if_vec = typename enable_if<vt<V>::is_vec && Pred<typename vt<V>::elem>::v
 template <class T> constexpr int width_of() { return vt<T>::n; }
 template <class... A> constexpr int total_width() { return (0 + ... + width_of<A>()); }
 
+// Metal converts between half and bfloat; clang's _Float16 and __bf16 have
+// no conversion either way (neither's range holds the other's). Through
+// float, which holds both exactly, it rounds once, as the direct one does.
+template <class E, class S>
+struct half_bfloat_pair {
+  typedef typename unqual<E>::type e;
+  typedef typename unqual<typename remove_ref<S>::type>::type s;
+  static constexpr bool value = (is_same<e, bfloat>::value && is_same<s, half>::value) ||
+                                (is_same<e, half>::value && is_same<s, bfloat>::value);
+};
+// The operand of static_cast<E>(x) (the translator wraps every static_cast
+// to a type named without * or &): x itself, or float for the pair above,
+// so that the conversion itself stays in shader code. By value: a
+// reference cannot bind to a vector element (static_cast<T>(v.y)).
+template <class E, class S>
+constexpr auto cast_operand(S x) {
+  if constexpr (half_bfloat_pair<E, S>::value)
+    return (float)x;
+  else
+    return x;
+}
+
 // (E)x, where a floating x that is NaN or outside E's range is an error, as
 // the instrumenter makes it in shader code: Metal leaves the result undefined.
 template <class E, class S>
 inline E convert(S x, site s) {
+  if constexpr (half_bfloat_pair<E, S>::value)
+    return (E)(float)x;
   if constexpr (is_int<E>::value && !is_same<E, bool>::value && is_fp<S>::value) {
     constexpr bool sgn = E(-1) < E(0);
     constexpr double lo = sgn ? -(double)(1ull << (8 * sizeof(E) - 1)) : 0.0;
@@ -210,7 +234,8 @@ inline E convert(S x, site s) {
     if (!(t >= lo && t < hi))
       __mx_api->conversion_error((sgn ? MX_CONV_SIGNED : 0u) | (8u * sizeof(E)), s.file, s.line, s.col);
   }
-  return (E)x;
+  if constexpr (!half_bfloat_pair<E, S>::value)
+    return (E)x;
 }
 template <class E, class V, class A> inline void put_any(V& r, int& i, A a, site s) {
   if constexpr (vt<A>::n == 1) {
@@ -292,7 +317,24 @@ inline V __mx_make(__mx::site s, A... a) {
     return r;
   }
 }
-namespace metal { using ::__mx_make; }
+// T(a, b) with T an alias or template parameter (the translator does not
+// know whether it is a vector): Metal's vector constructor for a vector,
+// else T's own, with the same arguments: forwarded to a class's
+// constructor (which may keep a reference), by value otherwise (a reference
+// cannot bind to a vector element such as v.x).
+template <class V, class... A, typename __mx::enable_if<__mx::vt<V>::is_vec, int>::type = 0>
+inline V __mx_construct(__mx::site s, A... a) {
+  return __mx_make<V>(s, a...);
+}
+template <class V, class... A, typename __mx::enable_if<!__mx::vt<V>::is_vec && !__is_class(V), int>::type = 0>
+constexpr V __mx_construct(__mx::site, A... a) {
+  return V(a...);
+}
+template <class V, class... A, typename __mx::enable_if<!__mx::vt<V>::is_vec && __is_class(V), int>::type = 0>
+constexpr V __mx_construct(__mx::site, A&&... a) {
+  return V(static_cast<A&&>(a)...);
+}
+namespace metal { using ::__mx_make; using ::__mx_construct; }
 
 namespace metal {
 // ---------------------------------------------------------------- as_type --
@@ -1152,7 +1194,9 @@ typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
 typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
 typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
 
-template <class T, int R, int C>
+// MSL declares it <T, Cols, Rows = Cols>: make_filled_simdgroup_matrix<float, 8>
+// is a square matrix (MLX's gated_delta_update.h spells it so).
+template <class T, int R, int C = R>
 inline simdgroup_matrix<T, R, C> make_filled_simdgroup_matrix(T value) {
   simdgroup_matrix<T, R, C> m;
   m.__e = vec<T, 2>(value);
