@@ -31,7 +31,6 @@ import dataclasses
 import hashlib
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,21 +65,14 @@ def fetch_mlx(root: Path | None = None) -> Path:
         return dest / "mlx" / "include"
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".mlx-") as tmp:
-        env = {k: v for k, v in os.environ.items() if k != "PIP_CONSTRAINT"}
-        env["PIP_CONFIG_FILE"] = os.devnull
-        cmd = [sys.executable, "-m", "pip", "download", f"mlx-metal=={MLX_VERSION}", "--no-deps",
-               "--only-binary=:all:", "--platform", MLX_PLATFORM, "-d", tmp, "-q", "--disable-pip-version-check"]
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        wheels = list(Path(tmp).glob("mlx_metal-*.whl"))
-        if r.returncode != 0 or len(wheels) != 1:
-            raise CorpusError(f"downloading mlx-metal {MLX_VERSION} for {MLX_PLATFORM} failed:\n{r.stderr.strip()}")
+        wheel = torch_matrix.download_wheel(f"mlx-metal=={MLX_VERSION}", MLX_PLATFORM, Path(tmp), error=CorpusError)
         tree = Path(tmp) / "tree"
-        with zipfile.ZipFile(wheels[0]) as z:
+        with zipfile.ZipFile(wheel) as z:
             names = [n for n in z.namelist() if n.startswith(MLX_KERNELS + "/")]
             if not names:
-                raise CorpusError(f"{wheels[0].name} has no {MLX_KERNELS}/")
+                raise CorpusError(f"{wheel.name} has no {MLX_KERNELS}/")
             z.extractall(tree, names)
-        (tree / _DONE).write_text(wheels[0].name + "\n")
+        (tree / _DONE).write_text(wheel.name + "\n")
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tree, dest)

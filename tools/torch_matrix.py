@@ -67,6 +67,26 @@ def cache_root() -> Path:
     return Path(d) if d else Path.home() / ".cache" / "mps_ext" / "torch-headers"
 
 
+def download_wheel(requirement: str, platform: str, dest: Path, extra: list[str] = (),
+                   error: type[Exception] = MatrixError) -> Path:
+    """The one wheel of `requirement` ("torch==2.15.0") for `platform`,
+    downloaded into `dest`; `error` if pip fails or finds no single wheel."""
+    # A machine-wide pip configuration may cap torch's version with a
+    # constraints file (this project's development machines have one): the
+    # matrix needs every release, so pip runs without configuration files or
+    # constraints (other PIP_* settings, such as a certificate bundle, still
+    # apply).
+    env = {k: v for k, v in os.environ.items() if k != "PIP_CONSTRAINT"}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    cmd = [sys.executable, "-m", "pip", "download", requirement, "--no-deps", "--only-binary=:all:",
+           "--platform", platform, *extra, "-d", str(dest), "-q", "--disable-pip-version-check"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wheels = list(dest.glob("*.whl"))
+    if r.returncode != 0 or len(wheels) != 1:
+        raise error(f"downloading {requirement.replace('==', ' ')} for {platform} failed:\n{r.stderr.strip()}")
+    return wheels[0]
+
+
 def fetch(version: str, root: Path | None = None) -> Path:
     """The release's extracted headers, downloaded on first use."""
     root = root or cache_root()
@@ -75,27 +95,15 @@ def fetch(version: str, root: Path | None = None) -> Path:
         return dest
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=f".{version}-") as tmp:
-        # A machine-wide pip configuration may cap torch's version with a
-        # constraints file (this project's development machines have one):
-        # the matrix needs every release, so pip runs without configuration
-        # files or constraints (other PIP_* settings, such as a certificate
-        # bundle, still apply).
-        env = {k: v for k, v in os.environ.items() if k != "PIP_CONSTRAINT"}
-        env["PIP_CONFIG_FILE"] = os.devnull
-        cmd = [sys.executable, "-m", "pip", "download", f"torch=={version}", "--no-deps", "--only-binary=:all:",
-               "--platform", WHEEL_PLATFORM, "--python-version", PYTHON_VERSION, "-d", tmp, "-q",
-               "--disable-pip-version-check"]
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        wheels = list(Path(tmp).glob("torch-*.whl"))
-        if r.returncode != 0 or len(wheels) != 1:
-            raise MatrixError(f"downloading torch {version} for {WHEEL_PLATFORM} failed:\n{r.stderr.strip()}")
+        wheel = download_wheel(f"torch=={version}", WHEEL_PLATFORM, Path(tmp),
+                               ["--python-version", PYTHON_VERSION])
         tree = Path(tmp) / "tree"
-        with zipfile.ZipFile(wheels[0]) as z:
+        with zipfile.ZipFile(wheel) as z:
             z.extractall(tree, [n for n in z.namelist() if _KEEP.match(n)])
         got = re.search(r"__version__\s*=\s*'([^']+)'", (tree / "torch" / "version.py").read_text())
         if not got or got.group(1).split("+")[0] != version:
             raise MatrixError(f"the wheel downloaded for torch {version} is {got and got.group(1)}")
-        (tree / _DONE).write_text(wheels[0].name + "\n")
+        (tree / _DONE).write_text(wheel.name + "\n")
         if dest.exists():  # an interrupted earlier attempt
             shutil.rmtree(dest)
         os.replace(tree, dest)

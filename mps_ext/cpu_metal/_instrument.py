@@ -707,7 +707,7 @@ def _division_check(m, line: str, site_of, fresh, declares: set[str]) -> list[st
     zero = cond(f"icmp eq {ty} {den}, {_splat(ty, 0) if vec else 0}")
     bad, kind = zero, str(ARITH_DIVIDE_BY_ZERO)
     if signed:
-        minus1, minval, both = fresh(), fresh(), fresh()
+        minus1, minval = fresh(), fresh()
         out += [f"  {minus1} = icmp eq {ty} {den}, {_splat(ty, -1)}",
                 f"  {minval} = icmp eq {ty} {num}, {_splat(ty, -(1 << (bits - 1)))}"]
         ovf = cond(f"and {cmp_ty} {minus1}, {minval}")

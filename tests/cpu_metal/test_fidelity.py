@@ -3,7 +3,6 @@ finding that the executor used to get wrong, next to a GPU-valid kernel that
 computes the same thing another way. Expected values come from the rules of
 SIMT execution, numpy and the Metal specification, never from the executor."""
 
-import struct
 import subprocess
 import sys
 

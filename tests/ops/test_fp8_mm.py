@@ -8,7 +8,6 @@ import io
 import math
 import re
 
-import numpy as np
 import pytest
 import torch
 from torch import nn

@@ -60,6 +60,31 @@ def fp8_in_place(x, dst8, idx):
     return out.index_select(1, idx)
 
 
+def fp8_value_ops(x8, y8, mask, idx):
+    # The fp8 family's value ops: comparisons, indexing, bit moves, scalars.
+    cmp = [torch.ops.mps_ext.eq.Tensor(x8, y8), torch.ops.mps_ext.eq.Scalar(x8, 1.0),
+           torch.ops.mps_ext.ne.Tensor(x8, y8), torch.ops.mps_ext.ne.Scalar(x8, 1.0),
+           torch.ops.mps_ext.lt.Tensor(x8, y8), torch.ops.mps_ext.lt.Scalar(x8, 1.0),
+           torch.ops.mps_ext.le.Tensor(x8, y8), torch.ops.mps_ext.le.Scalar(x8, 1.0),
+           torch.ops.mps_ext.gt.Tensor(x8, y8), torch.ops.mps_ext.gt.Scalar(x8, 1.0),
+           torch.ops.mps_ext.ge.Tensor(x8, y8), torch.ops.mps_ext.ge.Scalar(x8, 1.0)]
+    z = torch.ops.mps_ext.where.self(mask, x8, y8)
+    z = torch.ops.mps_ext.repeat(torch.ops.mps_ext.flip(z, [0]), [2, 1])
+    z = torch.ops.mps_ext.gather(z, 1, idx.expand(z.shape[0], -1))
+    w = x8.clone()
+    torch.ops.mps_ext._index_put_impl_(w, [None, idx], y8[:, :2], False, False)
+    torch.ops.mps_ext.masked_fill_.Scalar(w, mask, 0.5)
+    torch.ops.mps_ext.masked_fill_.Tensor(w, ~mask, torch.tensor(-2.0))
+    picked = torch.ops.mps_ext.index.Tensor(w, [mask])
+    return torch.stack(cmp), z.view(torch.uint8), w.view(torch.uint8), picked.view(torch.uint8), fp8_scalars(x8, y8)
+
+
+@torch.compiler.disable  # Python values: dynamo runs them eagerly (as it does aten's .item() on MPS)
+def fp8_scalars(x8, y8):
+    return torch.tensor([float(torch.ops.mps_ext._local_scalar_dense(x8[0, 0])),
+                         float(torch.ops.mps_ext.equal(x8, y8))])
+
+
 def mm_out_forms(x, w, b):
     # The out= forms, traced by dynamo alone and run eagerly, as fp8_in_place
     # (their out argument is an alias annotation).
@@ -126,7 +151,7 @@ def test_every_op_is_in_a_model():
     names = {op.split("::")[1] for fam in mps_ext.families() for op in mps_ext._C.family_aten_ops(fam)}
     names |= {"fp8_linear", "moe_route", "moe_experts", "moe_combine", "fp8_grouped_linear"}  # mps_ext's own ops
     source = "".join(inspect.getsource(f) for f in (model, mm_out_forms, linalg_model, fp8_model, fp8_in_place,
-                                                     moe_model))
+                                                     fp8_value_ops, fp8_scalars, moe_model))
     assert all(f"torch.ops.mps_ext.{n}(" in source for n in names)
 
 
@@ -180,6 +205,20 @@ def test_fp8_in_place_ops_trace_with_dynamo():
     got = compiled(x, torch.empty(4, 6, dtype=torch.float8_e5m2), idx)
     assert torch.equal(got, want)
     assert mps_ext.stats()["fp8"]["ran"] == 5
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_value_ops_run_compiled(fmt):
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    x8, y8 = ((torch.randn(4, 6, generator=g) * 3).to(fmt) for _ in range(2))
+    mask, idx = torch.rand(4, 6, generator=g) > 0.5, torch.tensor([5, 1])
+    want = fp8_value_ops(x8, y8, mask, idx)
+    mps_ext.reset_stats()
+    got = torch.compile(fp8_value_ops, backend="eager")(x8, y8, mask, idx)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert mps_ext.stats()["fp8"]["ran"] == 22
 
 
 def test_mm_out_forms_trace_with_dynamo():
