@@ -128,8 +128,6 @@ PRELUDES = {
 # name: a torch file by the first release whose copy of it is checked).
 _METAL4 = ("Metal 4 (MetalPerformancePrimitives tensor operations, and the lambdas Metal 4 allows): the executor "
            "implements MSL 3.1 and documents Metal 4 as unsupported")
-_RECURSION = ("recursion (log_gamma -> gamma -> log_gamma; bessel_j1_forward calls itself): Apple's compiler builds "
-              "it (PyTorch ships it), msl-recursion rejects it as MSL 1.5.4 says; left to decide")
 EXCEPTED: dict[str, str] = {
     **{f"mlx/{f}": _METAL4 for f in (
         "fp_quantized_nax.h", "gated_delta_nax_ops.h", "gated_delta_update_nax.h", "gated_delta_update_nax_vjp.h",
@@ -142,8 +140,6 @@ EXCEPTED: dict[str, str] = {
                                                    "constant address space (C++ cannot qualify `this` with one); and "
                                                    "its load_x/load_matrix calls fail substitution in check mode, "
                                                    "cause not found (executor gaps)",
-    **{f"torch-{v}/c10/metal/special_math.h": _RECURSION for v in ("2.9.0", "2.10.0", "2.11.0", "2.12.1",
-                                                                   "2.14.1", "2.15.0")},
 }
 
 # Kernel instantiations appended to a file's stub (MLX's .metal files

@@ -25,7 +25,7 @@ __all__ = ["lint", "lint_includes", "RULES"]
 RULES = {
     "std-header": "no C or C++ standard-library header (<cmath>, <stdint.h>, ...): Metal has only its own (<metal_*>)",
     "double": "no double (MSL 2.1: Metal has no 64-bit floating point)",
-    "recursion": "no recursive calls (calls to overloaded names are not followed)",
+    "recursion": "no recursion a kernel reaches (calls to overloaded names are not followed)",
     "kernel-param-attribute": "every kernel parameter has an attribute ([[buffer(i)]], a builtin, ...), except device "
                               "and constant pointers and references, which take the lowest free buffer indices",
     "pointer-address-space": "pointer and reference parameters name an address space",
@@ -230,11 +230,37 @@ def _library_functions() -> frozenset[str]:
     return frozenset(re.findall(r"\b([A-Za-z_]\w*)\s*\(", text) + re.findall(r"\bMX_\w+\((\w+)", text))
 
 
+def _reached_from_kernels(functions: list[_translate.Function]) -> set[tuple[str, str]]:
+    """(owner, name) of the functions a kernel may call, directly or not. A
+    function no kernel calls (a template especially) is never compiled to
+    GPU code, and Apple's compiler builds headers whose unused functions
+    recurse (PyTorch's c10/metal/special_math.h). Without types a call may
+    go to any definition of its name, in any class: all are taken as
+    reached. Operators are called without their name, so they count as
+    entry points too."""
+    by_name: dict[str, list[tuple[str, str]]] = {}
+    for f in functions:
+        by_name.setdefault(f.name, []).append((f.owner, f.name))
+    called: dict[tuple[str, str], set[str]] = {}
+    for f in functions:
+        called.setdefault((f.owner, f.name), set()).update({n for _, n in f.calls} | f.method_calls)
+    todo = [(f.owner, f.name) for f in functions if f.is_kernel or f.name.startswith("operator")]
+    reached = set(todo)
+    while todo:
+        for name in called.get(todo.pop(), ()):
+            for key in by_name.get(name, ()):
+                if key not in reached:
+                    reached.add(key)
+                    todo.append(key)
+    return reached
+
+
 def _find_cycles(functions: list[_translate.Function]) -> list[list[str]]:
-    """Cycles of calls between functions a call surely names. Without types,
-    a call to a name with several definitions (overloads, specialisations,
-    the same method of several classes) could go to any: such calls are
-    left out, so overloads calling each other are not taken for recursion."""
+    """Cycles of calls between functions a call surely names, among those a
+    kernel reaches. Without types, a call to a name with several definitions
+    (overloads, specialisations, the same method of several classes) could
+    go to any: such calls are left out, so overloads calling each other are
+    not taken for recursion."""
     defs: dict[tuple[str, str], int] = {}
     for f in functions:
         defs[(f.owner, f.name)] = defs.get((f.owner, f.name), 0) + 1
@@ -254,8 +280,9 @@ def _find_cycles(functions: list[_translate.Function]) -> list[list[str]]:
     def label(key):
         return f"{key[0]}::{key[1]}" if key[0] else key[1]
 
+    reached = _reached_from_kernels(functions)
     graph = {(f.owner, f.name): sorted({t for q, n in f.calls if (t := target(f, q, n))})
-             for f in functions if defs[(f.owner, f.name)] == 1}
+             for f in functions if defs[(f.owner, f.name)] == 1 and (f.owner, f.name) in reached}
     cycles, seen_cycles = [], set()
     state: dict[tuple, int] = {}
 

@@ -130,6 +130,8 @@ class Function:
     # ("C", "f") for `C::f(` (the last component before the name).
     calls: set[tuple[str, str]]
     owner: str = ""  # the class a member function belongs to, "" for a free function
+    # Names called as `x.f(` or `p->f(`: the object's class is not known.
+    method_calls: set[str] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass
@@ -796,6 +798,8 @@ class _Translator:
             if self.toks[k].kind == "ident" and self.t(k + 1) == "(" and self.t(k) not in self._NOT_CALLS
             and self.t(k - 1) not in (".", "->")
         }
+        method_calls = {self.t(k) for k in range(brace + 1, end)
+                        if self.toks[k].kind == "ident" and self.t(k + 1) == "(" and self.t(k - 1) in (".", "->")}
         file, line = self.where(self.toks[start].start)
         ptoks = self._split_top_level(open_ + 1, close)
         params = [self._param(p, self.t(name_at)) for p in ptoks]
@@ -806,7 +810,7 @@ class _Translator:
         # A member function: defined in its class, or out of it as `C::f`.
         scope = getattr(self, "_scopes", [("ns", None)])[-1]
         owner = self._qualifier(name_at) or (scope[1] or "" if scope[0] == "class" else "")
-        self.functions.append(Function(self.t(name_at), file, line, is_kernel, params, calls, owner))
+        self.functions.append(Function(self.t(name_at), file, line, is_kernel, params, calls, owner, method_calls))
 
     def _kernel_definition(self, start: int, brace: int, scopes, attrs):
         sig = self._signature(start, brace)

@@ -38,6 +38,15 @@ CASES = {
                          "struct A { static float h(float v) { return v; } };\n"
                          "struct C {\n  float h(float v) { return A::h(v); }\n  float h(half v) { return h(float(v)); }\n};\n"
                          + K + " { C c; x[i] = c.h(x[i]) + c.h(half(1)); }"),
+    # Only recursion a kernel reaches: a function no kernel calls is never
+    # compiled to GPU code (PyTorch's special_math.h has such templates). A
+    # call through an object (`s.run(`) still reaches.
+    "recursion:unreached": ("template <typename T> T fact(T v) { return v > 1 ? v * fact(v - 1) : T(1); } // BUG\n"
+                            "struct S { float run(float v) { return fact(v); } };\n"
+                            + K + " { S s; x[i] = s.run(x[i]); }",
+                            "template <typename T> T fact(T v) { return v > 1 ? v * fact(v - 1) : T(1); }\n"
+                            "struct S { float run(float v) { return v; } };\n"
+                            + K + " { S s; x[i] = s.run(x[i]); }"),
     "kernel-param-attribute": ("kernel void k(device float* x [[buffer(0)]],\n uint i) { x[i] = 1; } // BUG",
                                K + " { x[i] = 1; }"),
     "pointer-address-space": ("kernel void k(float* x [[buffer(0)]], // BUG\n"
