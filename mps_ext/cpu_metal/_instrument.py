@@ -706,24 +706,24 @@ def _division_check(m, line: str, site_of, fresh, declares: set[str]) -> list[st
 
     zero = cond(f"icmp eq {ty} {den}, {_splat(ty, 0) if vec else 0}")
     bad, kind = zero, str(ARITH_DIVIDE_BY_ZERO)
+
+    def also(flag: str, code: int):
+        """`flag` is one more undefined case, named `code` where it holds."""
+        nonlocal bad, kind
+        k, b = fresh(), fresh()
+        out.extend([f"  {k} = select i1 {flag}, i32 {code}, i32 {kind}", f"  {b} = or i1 {bad}, {flag}"])
+        bad, kind = b, k
+
     if signed:
         minus1, minval = fresh(), fresh()
-        out += [f"  {minus1} = icmp eq {ty} {den}, {_splat(ty, -1)}",
-                f"  {minval} = icmp eq {ty} {num}, {_splat(ty, -(1 << (bits - 1)))}"]
-        ovf = cond(f"and {cmp_ty} {minus1}, {minval}")
-        k1, b1 = fresh(), fresh()
-        out += [f"  {k1} = select i1 {ovf}, i32 {ARITH_OVERFLOW}, i32 {ARITH_DIVIDE_BY_ZERO}",
-                f"  {b1} = or i1 {bad}, {ovf}"]
-        bad, kind = b1, k1
+        out.extend([f"  {minus1} = icmp eq {ty} {den}, {_splat(ty, -1)}",
+                    f"  {minval} = icmp eq {ty} {num}, {_splat(ty, -(1 << (bits - 1)))}"])
+        also(cond(f"and {cmp_ty} {minus1}, {minval}"), ARITH_OVERFLOW)
         if op == "srem":
             nneg, dneg = fresh(), fresh()
-            out += [f"  {nneg} = icmp slt {ty} {num}, {_splat(ty, 0) if vec else 0}",
-                    f"  {dneg} = icmp slt {ty} {den}, {_splat(ty, 0) if vec else 0}"]
-            neg = cond(f"or {cmp_ty} {nneg}, {dneg}")
-            k2, b2 = fresh(), fresh()
-            out += [f"  {k2} = select i1 {neg}, i32 {ARITH_NEGATIVE_REMAINDER}, i32 {kind}",
-                    f"  {b2} = or i1 {bad}, {neg}"]
-            bad, kind = b2, k2
+            out.extend([f"  {nneg} = icmp slt {ty} {num}, {_splat(ty, 0) if vec else 0}",
+                        f"  {dneg} = icmp slt {ty} {den}, {_splat(ty, 0) if vec else 0}"])
+            also(cond(f"or {cmp_ty} {nneg}, {dneg}"), ARITH_NEGATIVE_REMAINDER)
         # a zero divisor is the first thing to name
         k3 = fresh()
         out.append(f"  {k3} = select i1 {zero}, i32 {ARITH_DIVIDE_BY_ZERO}, i32 {kind}")

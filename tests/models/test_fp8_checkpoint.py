@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+import transformers
+import safetensors.torch as safetensors_torch
 
 import mps_ext  # noqa: E402
 from mps_ext import _executor_request, cpu_metal  # noqa: E402

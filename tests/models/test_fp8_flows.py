@@ -14,7 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 import mps_ext  # noqa: E402
 from mps_ext import FP8Experts, FP8Linear, _executor_request, cpu_metal  # noqa: E402

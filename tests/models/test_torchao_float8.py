@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-torchao_quant = pytest.importorskip("torchao.quantization")
+import torchao.quantization as torchao_quant
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Conversions (copy_ underneath on MPS) and views (no kernel).

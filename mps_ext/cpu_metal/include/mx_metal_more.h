@@ -322,17 +322,16 @@ struct array {
 // MSL 6.5 lists min, max, clamp (and fmin, fmax, ...) among the math
 // functions that have precise:: and fast:: forms; on Apple GPUs the forms
 // agree for these (no rounding involved), so each is the one metal:: form.
+// min, max and clamp are exact in every math mode: precise:: and fast:: name
+// metal::'s own.
+#define MX_USING_EXACT using metal::clamp; using metal::max; using metal::max3; \
+  using metal::median3; using metal::min; using metal::min3;
 namespace metal {
 namespace precise {
 template <class T> inline T fmax3(T a, T b, T c) { return fmax(fmax(a, b), c); }
 template <class T> inline T fmin3(T a, T b, T c) { return fmin(fmin(a, b), c); }
 template <class T> inline T fmedian3(T a, T b, T c) { return fmax(fmin(a, b), fmin(fmax(a, b), c)); }
-using metal::clamp;
-using metal::max;
-using metal::max3;
-using metal::median3;
-using metal::min;
-using metal::min3;
+MX_USING_EXACT
 }  // namespace precise
 
 // The math functions are declared in metal:: and metal::fast:: themselves,
@@ -350,14 +349,10 @@ using metal::min3;
 MX_MATH_NAMES(MX_USING)
 namespace fast {
 MX_MATH_NAMES(MX_USING)
-using metal::clamp;
-using metal::max;
-using metal::max3;
-using metal::median3;
-using metal::min;
-using metal::min3;
+MX_USING_EXACT
 }  // namespace fast
 #undef MX_USING
+#undef MX_USING_EXACT
 }  // namespace metal
 
 // Apple's compiler builtins behind its stdlib, which MLX's bf16_math.h
