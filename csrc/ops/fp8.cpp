@@ -172,6 +172,7 @@ at::Tensor& copy_impl(at::Tensor& self, const at::Tensor& src, bool non_blocking
     stock(self, src, non_blocking);
     return self;
   }
+  float8_reached<K>();
   route(family("fp8"), "aten::copy_", K, copy_unsupported(self, src), [&] {
     copy_fp8<K>(self, src, non_blocking);
     return self;
@@ -203,6 +204,7 @@ at::Tensor& fill_scalar_impl(at::Tensor& self, const c10::Scalar& value) {
     stock(self, value);
     return self;
   }
+  float8_reached<K>();
   route(family("fp8"), "aten::fill_.Scalar", K, self_unsupported(self), [&] { return fill_fp8<K>(self, value); },
         self, value);
   return self;
@@ -215,6 +217,7 @@ at::Tensor& fill_tensor_impl(at::Tensor& self, const at::Tensor& value) {
     stock(self, value);
     return self;
   }
+  float8_reached<K>();
   route(family("fp8"), "aten::fill_.Tensor", K, self_unsupported(self), [&] {
     TORCH_CHECK(value.dim() == 0, "fill_ only supports 0-dimension value tensor but got tensor with ", value.dim(),
                 " dimensions.");
@@ -231,6 +234,7 @@ at::Tensor& zero_impl(at::Tensor& self) {
     stock(self);
     return self;
   }
+  float8_reached<K>();
   route(family("fp8"), "aten::zero_", K, self_unsupported(self),
         [&] { return call_stock<at::Tensor>("aten::zero_", K, bytes(self)); }, self);
   return self;

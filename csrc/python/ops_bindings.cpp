@@ -7,6 +7,7 @@
 #include <torch/csrc/utils/pybind.h>  // torch.dtype <-> at::ScalarType
 
 #include "backend/launch.h"
+#include "ops/fp8.h"
 #include "ops/kernel_choice.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
@@ -48,6 +49,11 @@ void bind_ops(py::module_& m) {
       "has_stock_kernel",
       [](const std::string& op, const std::string& device) { return has_stock_kernel(op, key_of(device)); },
       py::arg("op"), py::arg("device"));
+  // Test hook: name float8 errors of every op on `device` now (on MPS the
+  // fp8 family does it when float8 values first reach the device).
+  m.def(
+      "name_float8_errors", [](const std::string& device) { return name_float8_errors(key_of(device)); },
+      py::arg("device"));
   m.def("set_enabled", [](const std::string& fam, bool on) { family(fam).enabled = on; });
   m.def("is_enabled", [](const std::string& fam) { return family(fam).enabled.load(); });
   m.def("stats", [] {
