@@ -57,3 +57,28 @@ def test_a_failed_download_is_an_error_not_a_skip(tmp_path):
     with pytest.raises(torch_matrix.MatrixError, match=r"downloading torch 2\.9\.999 .* failed"):
         torch_matrix.fetch("2.9.999", tmp_path)
     assert not (tmp_path / "2.9.999").exists()
+
+
+def test_concurrent_fetches_download_once(tmp_path):
+    """Parallel test workers share the header cache: one makes it, the
+    others wait and read the finished tree."""
+    import threading
+    import time
+
+    made = []
+
+    def make(tree):
+        made.append(1)
+        time.sleep(0.3)
+        (tree / "header.h").write_text("x")
+        return "the.whl"
+
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(torch_matrix.cached_download(tmp_path / "v", make)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and got == [tmp_path / "v"] * 3
+    assert (tmp_path / "v" / "header.h").read_text() == "x"

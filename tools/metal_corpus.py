@@ -30,9 +30,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import os
-import shutil
 import sys
-import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -46,7 +44,6 @@ import torch_matrix  # noqa: E402
 MLX_VERSION = "0.32.4"
 MLX_PLATFORM = "macosx_14_0_arm64"  # the wheel is py3-none: one per macOS release, the same headers
 MLX_KERNELS = "mlx/include/mlx/backend/metal/kernels"
-_DONE = "COMPLETE"
 
 
 class CorpusError(Exception):
@@ -60,22 +57,17 @@ def cache_root() -> Path:
 
 def fetch_mlx(root: Path | None = None) -> Path:
     """The wheel's include directory (holding mlx/backend/metal/kernels)."""
-    dest = (root or cache_root()) / f"mlx-metal-{MLX_VERSION}"
-    if (dest / _DONE).exists():
-        return dest / "mlx" / "include"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".mlx-") as tmp:
-        wheel = torch_matrix.download_wheel(f"mlx-metal=={MLX_VERSION}", MLX_PLATFORM, Path(tmp), error=CorpusError)
-        tree = Path(tmp) / "tree"
+
+    def make(tree: Path) -> str:
+        wheel = torch_matrix.download_wheel(f"mlx-metal=={MLX_VERSION}", MLX_PLATFORM, tree.parent, error=CorpusError)
         with zipfile.ZipFile(wheel) as z:
             names = [n for n in z.namelist() if n.startswith(MLX_KERNELS + "/")]
             if not names:
                 raise CorpusError(f"{wheel.name} has no {MLX_KERNELS}/")
             z.extractall(tree, names)
-        (tree / _DONE).write_text(wheel.name + "\n")
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tree, dest)
+        return wheel.name
+
+    dest = torch_matrix.cached_download((root or cache_root()) / f"mlx-metal-{MLX_VERSION}", make)
     return dest / "mlx" / "include"
 
 

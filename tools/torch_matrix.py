@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import fcntl
 import os
 import re
 import shutil
@@ -39,6 +40,7 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -87,27 +89,43 @@ def download_wheel(requirement: str, platform: str, dest: Path, extra: list[str]
     return wheels[0]
 
 
-def fetch(version: str, root: Path | None = None) -> Path:
-    """The release's extracted headers, downloaded on first use."""
-    root = root or cache_root()
-    dest = root / version
+def cached_download(dest: Path, make: Callable[[Path], str]) -> Path:
+    """`dest`, made on first use by `make(tree)`, which fills the new
+    directory `tree` and returns what to record (the wheel's name). The tree
+    is made beside `dest` and moved into place when complete, one process at
+    a time: parallel test workers share the cache, and a second download
+    would replace the tree a reader of the first is using."""
     if (dest / _DONE).exists():
         return dest
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root, prefix=f".{version}-") as tmp:
-        wheel = download_wheel(f"torch=={version}", WHEEL_PLATFORM, Path(tmp),
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (dest / _DONE).exists():
+            return dest
+        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}-") as tmp:
+            tree = Path(tmp) / "tree"
+            tree.mkdir()
+            (tree / _DONE).write_text(make(tree) + "\n")
+            if dest.exists():  # an interrupted earlier attempt
+                shutil.rmtree(dest)
+            os.replace(tree, dest)
+    return dest
+
+
+def fetch(version: str, root: Path | None = None) -> Path:
+    """The release's extracted headers, downloaded on first use."""
+
+    def make(tree: Path) -> str:
+        wheel = download_wheel(f"torch=={version}", WHEEL_PLATFORM, tree.parent,
                                ["--python-version", PYTHON_VERSION])
-        tree = Path(tmp) / "tree"
         with zipfile.ZipFile(wheel) as z:
             z.extractall(tree, [n for n in z.namelist() if _KEEP.match(n)])
         got = re.search(r"__version__\s*=\s*'([^']+)'", (tree / "torch" / "version.py").read_text())
         if not got or got.group(1).split("+")[0] != version:
             raise MatrixError(f"the wheel downloaded for torch {version} is {got and got.group(1)}")
-        (tree / _DONE).write_text(wheel.name + "\n")
-        if dest.exists():  # an interrupted earlier attempt
-            shutil.rmtree(dest)
-        os.replace(tree, dest)
-    return dest
+        return wheel.name
+
+    return cached_download((root or cache_root()) / version, make)
 
 
 @dataclasses.dataclass
