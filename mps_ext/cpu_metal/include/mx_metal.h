@@ -43,29 +43,31 @@
 
 // Metal copies an object of class type out of any address space into the
 // thread: `P p = params;` of a `constant P&`, `return *(const device Vec*)q;`
-// (Apple-built PyTorch's Gemv.h). The MSL specification states no rule of its
-// own for it; it keeps C++14's special members and extends overloading by the
-// address space of an argument (1.4.1), and Apple's compiler declares the
-// implicit members per address space (its candidate lists name "the implicit
-// copy assignment operator" for `this` in threadgroup and in device memory:
-// KhronosGroup/SPIRV-Cross#1647; an Apple engineer on the developer forums,
-// thread 742665, copies `MyData d = buffer[0];` out of device memory). C++
-// declares them for the generic address space only, so in check mode the
-// translator gives each class of the shader whose copies the compiler writes
-// these explicitly defaulted ones (so do the stand-in library's value
-// classes). Defaulted on their first declaration they keep an aggregate an
-// aggregate (C++14 [dcl.init.aggr]) and a trivially copyable class so. What
-// stays illegal stays so: a reference or pointer of one address space does
-// not bind to an object of another. Assigning to an object in device or
-// threadgroup memory needs `this` there, which C++ cannot declare
-// (_compiler.py accepts that one after the fact). Empty in the executable
-// build, which has no address spaces.
+// (Apple-built PyTorch's Gemv.h). The MSL specification has no rule of its
+// own for it: it keeps C++14's special members and extends overloading by the
+// address space of an argument (1.4.1). Apple's compiler declares the
+// implicit members per address space: its candidate lists name "the implicit
+// copy assignment operator" for `this` in threadgroup and in device memory
+// (quoted in KhronosGroup/SPIRV-Cross#1647), and on Apple's developer forums
+// (thread 742665) `MyData d = buffer[0];` out of device memory compiles while
+// a member function needs `device const` on `this`. C++ declares them for
+// the generic address space only, so in check mode the translator gives each
+// class of the shader that leaves its copies to the compiler these explicitly
+// defaulted ones, with the moves declaring them would take away (as have the
+// stand-in library's value classes). Defaulted on their first declaration
+// they keep an aggregate an aggregate (C++14 [dcl.init.aggr]) and a trivially
+// copyable class so. What is illegal stays so: a reference or pointer of one
+// address space does not bind to an object of another. Assigning to an
+// object in device or threadgroup memory needs `this` there, which C++
+// cannot declare (_compiler.py accepts that one after the fact). Empty in the
+// executable build, which has no address spaces.
 #if MX_ADDRESS_SPACES
-#define __MX_COPY_CONSTRUCTORS(C) \
-  C(const C&) = default; C(const device C&) = default; C(constant C&) = default; C(const threadgroup C&) = default;
+#define __MX_COPY_CONSTRUCTORS(C)                                                                 \
+  C(const C&) = default; C(C&&) = default; C(const device C&) = default; C(constant C&) = default; \
+  C(const threadgroup C&) = default;
 #define __MX_COPY_ASSIGNMENTS(C)                                                                              \
-  C& operator=(const C&) = default; C& operator=(const device C&) = default; C& operator=(constant C&) = default; \
-  C& operator=(const threadgroup C&) = default;
+  C& operator=(const C&) = default; C& operator=(C&&) = default; C& operator=(const device C&) = default;     \
+  C& operator=(constant C&) = default; C& operator=(const threadgroup C&) = default;
 #define __MX_DEFAULT_CONSTRUCTOR(C) C() = default;
 #else
 #define __MX_COPY_CONSTRUCTORS(C)
