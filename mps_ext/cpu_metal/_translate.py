@@ -649,19 +649,22 @@ class _Translator:
         opens at `i` (`template <class T> struct alignas(16) V`: V; `struct
         A::B`: B; a specialisation `S<float>`: S), "" for an anonymous one."""
         k = start
-        if self.t(k) == "template" and self.t(k + 1) == "<":
-            k = self.match(k + 1, "<", ">") + 1  # `class T` there is a template parameter
-        while k < i and self.t(k) not in ("struct", "class", "union"):
+        try:
+            if self.t(k) == "template" and self.t(k + 1) == "<":
+                k = self.match(k + 1, "<", ">") + 1  # `class T` there is a template parameter
+            while k < i and self.t(k) not in ("struct", "class", "union"):
+                k += 1
             k += 1
-        k += 1
-        while k < i:
-            attr = self.attribute_at(k)
-            if attr:
-                k = attr[0]
-            elif self.t(k) in ("alignas", "__attribute__", "__declspec") and self.t(k + 1) == "(":
-                k = self.match(k + 1, "(", ")") + 1
-            else:
-                break
+            while k < i:
+                attr = self.attribute_at(k)
+                if attr:
+                    k = attr[0]
+                elif self.t(k) in ("alignas", "__attribute__", "__declspec") and self.t(k + 1) == "(":
+                    k = self.match(k + 1, "(", ")") + 1
+                else:
+                    break
+        except TranslateError:
+            return ""
         name = ""
         while k < i and self.toks[k].kind == "ident":
             name = self.t(k)
