@@ -282,7 +282,7 @@ VALID = {
     # PyTorch's Gemv.h (torch 2.14): a struct copied out of device memory in
     # a helper template two kernel instantiations call (check mode once
     # failed the second call, the helper's specialisation marked invalid).
-    "struct-copy-out-of-device-memory": "template <typename T, int N> struct alignas(sizeof(T) * N) Vec { T v[N]; };\n"
+    "struct-copy-out-of-device-memory": "template <class T, int N> struct alignas(sizeof(T) * N) Vec { T v[N]; };\n"
                                         "template <typename T, int N, typename I>\n"
                                         "inline Vec<T, N> load(device const T* p, I k) { return *((const device Vec<T, N>*)(p + k)); }\n"
                                         "template <typename T, int M, typename I = int>\n"
