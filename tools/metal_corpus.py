@@ -127,15 +127,6 @@ EXCEPTED: dict[str, str] = {
         "steel/gemm/kernels/steel_gemm_fused_nax.h", "steel/gemm/kernels/steel_gemm_gather_nax.h",
         "steel/gemm/kernels/steel_gemm_segmented_nax.h", "steel/gemm/kernels/steel_gemm_splitk_nax.h",
         "steel/gemm/kernels/steel_gemm_thin_nax.h", "steel/gemm/nax.h")},
-    "torch-2.14.1/ATen/native/mps/kernels/Gemv.h": "indexes a `constant c10::metal::array<float, 2>&`: the "
-                                                   "executor's metal::array has no operator[] for an object in the "
-                                                   "constant address space (C++ cannot qualify `this` with one); and "
-                                                   "its ~2,300 'no matching function' errors for load_x/load_matrix "
-                                                   "follow from the struct copy out of device memory in their bodies "
-                                                   "(`return *((const device Vec*)p)`): check mode drops that error as "
-                                                   "legal Metal, but clang has marked the specialization invalid and "
-                                                   "reports the calls to it as substitution failures (executor "
-                                                   "gaps)",
 }
 
 # Kernel instantiations appended to a file's stub (MLX's .metal files

@@ -205,30 +205,46 @@ def translation_unit(preprocessed: str, tr: "_translate.Translation | None" = No
     return tu, kernels, problems
 
 
-# Copying a struct out of device or constant memory is legal Metal, but C++
-# has no implicit copy constructor from another address space. In the
-# address-space check such errors are dropped; the executable build has no
-# address spaces, so it copies as Metal does.
+# Copies of a struct between address spaces (mx_metal.h, __MX_COPIES): the
+# translator gives each class of the shader constructors and assignments
+# from every address space, so that the address-space compile takes copies
+# out of device, constant and threadgroup memory as Metal does. Two kinds of
+# copy C++ cannot be given, and which are accepted after the fact instead
+# (an error in a template's body makes clang mark the specialisation
+# invalid, so every later use of it fails too: the fewer, the better):
+# - copy construction for a class the translator does not see (a local or
+#   anonymous class, one declaring its own copy constructor);
 _STRUCT_COPY_NOTES = (
-    re.compile(r"implicit (copy|move) (constructor|assignment operator)\) not viable: .*address space"),
+    re.compile(r"implicit (copy|move) constructor\) not viable: .*address space"),
     re.compile(r"no known conversion from '__attribute__\(\(address_space\(\d\)\)\) (?:const )?(.+?)' to '(?:const )?\1"),
 )
+# - assignment to an object in device or threadgroup memory: its `this`
+#   would need the address space. Legal where the same assignment compiles
+#   with the address spaces erased, which tells a const or `constant` target
+#   (Apple: read-only) from a writable one.
+_ASSIGNMENT_IN_SPACE = re.compile(r"'this' object is in address space '[13]'")
 
 
-def _drop_struct_copies(stderr: str) -> list[Diagnostic]:
+def _drop_struct_copies(stderr: str, erased_errors) -> list[Diagnostic]:
+    """The diagnostics without the copies above; `erased_errors()` gives
+    the (file, line, column) of each error of the compile with address
+    spaces erased."""
     groups: list[list[Diagnostic]] = []
     for d in parse_diagnostics(stderr):
         if d.severity == "note" and groups:
             groups[-1].append(d)
         else:
             groups.append([d])
-    kept = []
+    kept, erased = [], None
     for g in groups:
         head = g[0]
-        if head.severity in ("error", "fatal error") and any(
-            pat.search(n.message) for n in g[1:] for pat in _STRUCT_COPY_NOTES
-        ):
-            continue
+        if head.severity in ("error", "fatal error"):
+            if any(pat.search(n.message) for n in g[1:] for pat in _STRUCT_COPY_NOTES):
+                continue
+            if head.message == "no viable overloaded '='" and any(_ASSIGNMENT_IN_SPACE.search(n.message) for n in g[1:]):
+                erased = erased_errors() if erased is None else erased
+                if (head.file, head.line, head.column) not in erased:
+                    continue
         kept.extend(g)
     return kept
 
@@ -263,7 +279,13 @@ def check_address_spaces(tu: str, workdir: Path, address_space_classes=()) -> li
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode == 0:
         return []
-    diags = _drop_struct_copies(r.stderr)
+
+    def erased_errors():
+        erased = subprocess.run([c if c != "-DMX_ADDRESS_SPACES=1" else "-DMX_ADDRESS_SPACES=0" for c in cmd],
+                                capture_output=True, text=True)
+        return {(d.file, d.line, d.column) for d in parse_diagnostics(erased.stderr) if d.severity == "error"}
+
+    diags = _drop_struct_copies(r.stderr, erased_errors)
     classes = set(address_space_classes)
     diags = [d for d in diags if not ((m := _OBJECT_PARAMETER.match(d.message)) and m.group(1) in classes)]
     if not any(d.severity in ("error", "fatal error") for d in diags):

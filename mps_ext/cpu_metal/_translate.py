@@ -402,6 +402,8 @@ class _Translator:
                         name = self._namespace_name(stmt_start, i)
                     else:
                         name = self._class_name(stmt_start, i) if kind == "class" else None
+                    if kind == "class" and name:
+                        self._copies_from_address_spaces(i, name)
                     scopes.append((kind, name))
                     stmt_start, stmt_attrs, stmt_kernel = i + 1, [], False
                 i += 1
@@ -494,6 +496,50 @@ class _Translator:
                         self._drop_edits(a, b)
                         self.edits.append((a, b, _whitespace_like(self.text[a:b])))
 
+    def _copies_from_address_spaces(self, open_: int, name: str):
+        """Copy constructors and assignments from every address space for
+        the class `name` whose body opens at token `open_` (mx_metal.h's
+        __MX_COPIES: check mode only), where the class leaves them to the
+        compiler; and the default constructor that declaring them would
+        take away, where the class declares no constructor."""
+        close = self.match(open_, "{", "}")
+        ctor = copy_ctor = assign = False
+        depth = 0
+        for k in range(open_ + 1, close):
+            s = self.t(k)
+            if s in ("(", "[", "{"):
+                depth += 1
+            elif s in (")", "]", "}"):
+                depth -= 1
+            elif depth > 0:
+                continue
+            elif s == name and self.t(k + 1) == "(" and self.t(k - 1) not in (".", "->", "::", "~", "=", ",", "return"):
+                ctor = True
+                copy_ctor = copy_ctor or self._names_own_reference(k + 1, self.match(k + 1, "(", ")"), name)
+            elif s == "operator" and self.t(k + 1) == "=":
+                assign = True
+        parts = []
+        if not ctor:
+            parts.append(f"__MX_DEFAULT_CONSTRUCTOR({name})")
+        if not copy_ctor:
+            parts.append(f"__MX_COPY_CONSTRUCTORS({name})")
+        if not assign:
+            parts.append(f"__MX_COPY_ASSIGNMENTS({name})")
+        if parts:
+            self.insert(self.toks[close].start, " public: " + " ".join(parts) + " ")
+
+    def _names_own_reference(self, open_: int, close: int, name: str) -> bool:
+        """Whether the parameter list between tokens open_ and close has a
+        reference to the class `name` (`const thread C& o`, `C<T>&&`): a copy
+        or move constructor of the class's own."""
+        for k in range(open_ + 1, close):
+            if self.t(k) != name:
+                continue
+            after = self.match(k + 1, "<", ">") + 1 if self.t(k + 1) == "<" else k + 1
+            if self.t(after) in ("&", "&&"):
+                return True
+        return False
+
     def _class_name_before(self, class_open: int) -> str:
         k = class_open - 1
         while k >= 0 and self.t(k) not in (";", "{", "}"):
@@ -540,6 +586,24 @@ class _Translator:
         self._drop_edits(self.toks[ptoks[k]].start, self.toks[close].end)
         self.blank(ptoks[k], close + 1)
 
+    def _metal_array_parameter(self, ptoks: list[int], param: Param, brace: int, end: int):
+        """`constant metal::array<float, 2>& ab` indexed as `ab[0]` (PyTorch's
+        Gemv.h): Apple's array has an operator[] for each address space of
+        `this` (`const constant T& operator[](size_t) const constant`, the
+        form of MSL 1.4.1's overloading on address spaces), which C++ cannot
+        declare. In the body, `ab[i]` becomes `ab.__elems[i]`, the element
+        in the parameter's address space, as Apple's operator returns it."""
+        if param.address_space not in ("device", "constant", "threadgroup") or not param.is_reference \
+                or param.is_pointer:
+            return
+        if not any(self.t(k) == "array" and self.t(k + 1) == "<"
+                   and (self.t(k - 1) != "::" or self.t(k - 2) == "metal") for k in ptoks):
+            return
+        for k in range(brace + 1, end):
+            if self.t(k) == param.name and self.t(k + 1) == "[" and self.t(k + 2) != "[" \
+                    and self.t(k - 1) not in (".", "->", "::"):
+                self.insert(self.toks[k].end, ".__elems")
+
     def _function_constant(self, start: int, semicolon: int):
         """`constant T name [[function_constant(N)]];`: value-initialised,
         so that check mode compiles it; recorded, so that the executor
@@ -580,12 +644,34 @@ class _Translator:
             return "init"
         return "func" if saw_paren else "init"
 
-    def _class_name(self, start: int, i: int):
-        words = [t.text for t in self.toks[start:i]]
-        for k, w in enumerate(words[:-1]):
-            if w in ("struct", "class", "union") and re.match(r"[A-Za-z_]", words[k + 1]):
-                return words[k + 1]
-        return ""
+    def _class_name(self, start: int, i: int) -> str:
+        """The name of the class whose definition starts at `start` and
+        opens at `i` (`template <class T> struct alignas(16) V`: V; `struct
+        A::B`: B; a specialisation `S<float>`: S), "" for an anonymous one."""
+        k = start
+        try:
+            if self.t(k) == "template" and self.t(k + 1) == "<":
+                k = self.match(k + 1, "<", ">") + 1  # `class T` there is a template parameter
+            while k < i and self.t(k) not in ("struct", "class", "union"):
+                k += 1
+            k += 1
+            while k < i:
+                attr = self.attribute_at(k)
+                if attr:
+                    k = attr[0]
+                elif self.t(k) in ("alignas", "__attribute__", "__declspec") and self.t(k + 1) == "(":
+                    k = self.match(k + 1, "(", ")") + 1
+                else:
+                    break
+        except TranslateError:
+            return ""
+        name = ""
+        while k < i and self.toks[k].kind == "ident":
+            name = self.t(k)
+            if self.t(k + 1) != "::":
+                break
+            k += 2
+        return name
 
     def _qualifier(self, k: int) -> str:
         """The class or namespace named before `::` ending at token k - 1
@@ -803,8 +889,9 @@ class _Translator:
         file, line = self.where(self.toks[start].start)
         ptoks = self._split_top_level(open_ + 1, close)
         params = [self._param(p, self.t(name_at)) for p in ptoks]
-        for p in ptoks:
+        for p, param in zip(ptoks, params):
             self._array_parameter(p)
+            self._metal_array_parameter(p, param, brace, end)
         if is_kernel:
             _assign_buffer_indices(params)
         # A member function: defined in its class, or out of it as `C::f`.

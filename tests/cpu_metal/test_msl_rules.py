@@ -279,6 +279,34 @@ VALID = {
     # MLX's arange and hadamard: buffers without [[buffer(i)]].
     "buffer-without-attribute": "kernel void k(constant const float& start, device float* out,\n"
                                 "  uint i [[thread_position_in_grid]]) { out[i] = start + i; }",
+    # PyTorch's Gemv.h (torch 2.14): a struct copied out of device memory in
+    # a helper template two kernel instantiations call (check mode once
+    # failed the second call, the helper's specialisation marked invalid).
+    "struct-copy-out-of-device-memory": "template <class T, int N> struct alignas(sizeof(T) * N) Vec { T v[N]; };\n"
+                                        "template <typename T, int N, typename I>\n"
+                                        "inline Vec<T, N> load(device const T* p, I k) { return *((const device Vec<T, N>*)(p + k)); }\n"
+                                        "template <typename T, int M, typename I = int>\n"
+                                        "kernel void k(device const T* x [[buffer(0)]], device T* y [[buffer(1)]],\n"
+                                        "  uint i [[thread_position_in_grid]]) {\n  const I n = I(i);\n"
+                                        "  Vec<T, 2> a = load<T, 2>(x, 2 * n);\n  y[i] = a.v[0] * M + a.v[1];\n}\n"
+                                        "template [[host_name(\"k1\")]] kernel void k<float, 1>(device const float*, device float*, uint);\n"
+                                        "template [[host_name(\"k2\")]] kernel void k<float, 2>(device const float*, device float*, uint);",
+    # Gemv.h again: a metal::array in constant memory, indexed (Apple's
+    # array has operator[] for `this` in every address space).
+    "metal-array-in-address-space": "kernel void k(device float* x [[buffer(0)]], constant metal::array<float, 2>& ab [[buffer(1)]],\n"
+                                    "  device metal::array<float, 2>& last [[buffer(2)]], uint i [[thread_position_in_grid]]) {\n"
+                                    "  x[i] = ab[0] * x[i] + ab[1];\n  if (i == 0) last[1] = ab[0];\n}",
+    # Copies into and out of threadgroup, constant and device memory, of a
+    # class with private members and a constructor, and of a local struct.
+    "struct-copies-between-address-spaces": "class Acc {\n  float s;\n public:\n  Acc(float v) : s(v) {}\n"
+                                            "  float get() const { return s; }\n};\nstruct P { float a, b; };\n"
+                                            "kernel void k(device float* x [[buffer(0)]], constant P& p [[buffer(1)]],\n"
+                                            "  device Acc* acc [[buffer(2)]], uint i [[thread_position_in_grid]]) {\n"
+                                            "  struct L { float v; };\n  threadgroup P t[4];\n  threadgroup L u[4];\n"
+                                            "  t[i % 4] = p;\n  u[i % 4] = L{x[i]};\n"
+                                            "  threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+                                            "  P q = t[(i + 1) % 4];\n  L l = u[(i + 1) % 4];\n  Acc c = acc[i];\n"
+                                            "  P r = {1, 2};\n  r = p;\n  acc[i] = Acc(r.a);\n  x[i] = q.a + q.b + c.get() + l.v;\n}",
 }
 
 
@@ -286,6 +314,62 @@ VALID = {
 def test_valid_metal_apple_compiles_passes(tmp_path, case):
     path = _write(tmp_path, case, VALID[case])
     assert check_file(path) == []
+
+
+# Check mode takes copies of a struct out of any address space (mx_metal.h's
+# __MX_COPIES, VALID above); what Metal still rejects, it rejects: writing
+# constant or const data, binding a reference or pointer of one address
+# space to an object of another, a constructor the class does not have.
+ADDRESS_SPACE_BUGS = {
+    "assign-to-constant": "struct P { float a, b; };\n"
+                          "kernel void k(constant P& c [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
+                          "  P q = {1, 2};\n  c = q; // BUG\n  x[0] = c.a;\n}",
+    "assign-through-const-pointer": "struct P { float a, b; };\n"
+                                    "kernel void k(device const P* d [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
+                                    "  P q = {1, 2};\n  d[0] = q; // BUG\n  x[0] = d[0].a;\n}",
+    "reference-across-address-spaces": "struct P { float a, b; };\n"
+                                       "kernel void k(constant P& c [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
+                                       "  thread const P& r = c; // BUG\n  x[0] = r.a;\n}",
+    "argument-across-address-spaces": "struct P { float a, b; };\nfloat sum(thread const P& q) { return q.a + q.b; }\n"
+                                      "kernel void k(device P* items [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
+                                      "  x[0] = sum(items[0]); // BUG\n}",
+    "no-default-constructor": "struct C {\n  float r;\n  C(float v) : r(v) {}\n};\n"
+                              "kernel void k(device C* items [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
+                              "  C c; // BUG\n  c = items[0];\n  x[0] = c.r;\n}",
+    "write-constant-array": "kernel void k(constant metal::array<float, 2>& ab [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
+                            "  ab[0] = 1; // BUG\n  x[0] = ab[1];\n}",
+    "pointer-into-constant-array": "kernel void k(constant metal::array<float, 2>& ab [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
+                                   "  thread const float* e = &ab[0]; // BUG\n  x[0] = *e;\n}",
+}
+
+
+@pytest.mark.parametrize("case", sorted(ADDRESS_SPACE_BUGS))
+def test_address_space_bug_is_rejected_at_its_line(tmp_path, case):
+    path = _write(tmp_path, "bad_" + case, ADDRESS_SPACE_BUGS[case])
+    line = next(n for n, text in enumerate(path.read_text().splitlines(), 1) if "// BUG" in text)
+    findings = check_file(path)
+    assert findings and all(f.startswith(f"{path}:{line}:") and ": error: " in f for f in findings), findings
+
+
+def test_struct_copies_and_metal_arrays_in_address_spaces_run():
+    """The executable build of the VALID cases above computes what the
+    Metal does (numpy's arithmetic as the oracle)."""
+    x = np.arange(8, dtype=np.float32) + 1
+    lib = cpu_metal.compile_library(HEAD + VALID["struct-copy-out-of-device-memory"])
+    for name, m in (("k1", 1), ("k2", 2)):
+        y = np.zeros(4, np.float32)
+        lib.dispatch(name, [x, y], threads=4, threads_per_threadgroup=4)
+        np.testing.assert_array_equal(y, x[0::2] * m + x[1::2])
+    lib = cpu_metal.compile_library(HEAD + VALID["metal-array-in-address-space"])
+    v, last = x[:4].copy(), np.zeros(2, np.float32)
+    lib.dispatch("k", [v, np.array([3, 0.5], np.float32).tobytes(), last], threads=4, threads_per_threadgroup=4)
+    np.testing.assert_array_equal(v, x[:4] * 3 + 0.5)
+    np.testing.assert_array_equal(last, [0, 3])
+    lib = cpu_metal.compile_library(HEAD + VALID["struct-copies-between-address-spaces"])
+    v, acc = x[:4].copy(), np.array([10, 20, 30, 40], np.float32)
+    lib.dispatch("k", [v, np.array([1, 2], np.float32).tobytes(), acc], threads=4, threads_per_threadgroup=4)
+    np.testing.assert_array_equal(v, 1 + 2 + np.array([10, 20, 30, 40]) + np.roll(x[:4], -1))
+    np.testing.assert_array_equal(acc, [1, 1, 1, 1])
 
 
 def test_header_on_the_include_path_is_no_standard_header(tmp_path):

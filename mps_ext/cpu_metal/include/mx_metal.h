@@ -41,6 +41,41 @@
 #define ray_data
 #define object_data
 
+// Metal copies an object of class type out of any address space into the
+// thread: `P p = params;` of a `constant P&`, `return *(const device Vec*)q;`
+// (Apple-built PyTorch's Gemv.h). The MSL specification has no rule of its
+// own for it: it keeps C++14's special members and extends overloading by the
+// address space of an argument (1.4.1). Apple's compiler declares the
+// implicit members per address space: its candidate lists name "the implicit
+// copy assignment operator" for `this` in threadgroup and in device memory
+// (quoted in KhronosGroup/SPIRV-Cross#1647), and on Apple's developer forums
+// (thread 742665) `MyData d = buffer[0];` out of device memory compiles while
+// a member function needs `device const` on `this`. C++ declares them for
+// the generic address space only, so in check mode the translator gives each
+// class of the shader that leaves its copies to the compiler these explicitly
+// defaulted ones, with the moves declaring them would take away (as have the
+// stand-in library's value classes). Defaulted on their first declaration
+// they keep an aggregate an aggregate (C++14 [dcl.init.aggr]) and a trivially
+// copyable class so. What is illegal stays so: a reference or pointer of one
+// address space does not bind to an object of another. Assigning to an
+// object in device or threadgroup memory needs `this` there, which C++
+// cannot declare (_compiler.py accepts that one after the fact). Empty in the
+// executable build, which has no address spaces.
+#if MX_ADDRESS_SPACES
+#define __MX_COPY_CONSTRUCTORS(C)                                                                 \
+  C(const C&) = default; C(C&&) = default; C(const device C&) = default; C(constant C&) = default; \
+  C(const threadgroup C&) = default;
+#define __MX_COPY_ASSIGNMENTS(C)                                                                              \
+  C& operator=(const C&) = default; C& operator=(C&&) = default; C& operator=(const device C&) = default;     \
+  C& operator=(constant C&) = default; C& operator=(const threadgroup C&) = default;
+#define __MX_DEFAULT_CONSTRUCTOR(C) C() = default;
+#else
+#define __MX_COPY_CONSTRUCTORS(C)
+#define __MX_COPY_ASSIGNMENTS(C)
+#define __MX_DEFAULT_CONSTRUCTOR(C)
+#endif
+#define __MX_COPIES(C) __MX_COPY_CONSTRUCTORS(C) __MX_COPY_ASSIGNMENTS(C)
+
 #define METAL_FUNC inline __attribute__((always_inline))
 #define __METAL_CPU_EXECUTOR__ 1
 
@@ -93,6 +128,7 @@ typedef unsigned long uintptr_t;
     T& operator[](int i) { return (&x)[i]; }                                 \
     const T& operator[](int i) const { return (&x)[i]; }                     \
     operator name##3() const { return name##3{x, y, z}; }                    \
+    __MX_DEFAULT_CONSTRUCTOR(packed_##name##3) __MX_COPIES(packed_##name##3) \
   };
 
 MX_VECTORS(float, float)
@@ -256,13 +292,23 @@ template <class E, class V, class A> inline void put_any(V& r, int& i, A a, site
 // use select).
 namespace __mx {
 template <int N> struct bool_storage;
-template <> struct bool_storage<2> { union { bool __v[2]; struct { bool x, y; }; }; };
-template <> struct bool_storage<3> { union { bool __v[4]; struct { bool x, y, z; }; }; };
-template <> struct bool_storage<4> { union { bool __v[4]; struct { bool x, y, z, w; }; }; };
+template <> struct bool_storage<2> {
+  union { bool __v[2]; struct { bool x, y; }; };
+  __MX_DEFAULT_CONSTRUCTOR(bool_storage) __MX_COPIES(bool_storage)
+};
+template <> struct bool_storage<3> {
+  union { bool __v[4]; struct { bool x, y, z; }; };
+  __MX_DEFAULT_CONSTRUCTOR(bool_storage) __MX_COPIES(bool_storage)
+};
+template <> struct bool_storage<4> {
+  union { bool __v[4]; struct { bool x, y, z, w; }; };
+  __MX_DEFAULT_CONSTRUCTOR(bool_storage) __MX_COPIES(bool_storage)
+};
 
 template <int N>
 struct alignas(N == 2 ? 2 : 4) boolv : bool_storage<N> {
   boolv() = default;
+  __MX_COPIES(boolv)
   boolv(bool b) {  // a scalar splats, as for the other vectors
     for (int i = 0; i < N; ++i) this->__v[i] = b;
   }

@@ -315,6 +315,7 @@ struct array {
   constexpr const T* end() const { return __elems + N; }
   T& front() { return __elems[0]; }
   T& back() { return __elems[N - 1]; }
+  __MX_DEFAULT_CONSTRUCTOR(array) __MX_COPIES(array)
 };
 }  // namespace metal
 
@@ -416,6 +417,7 @@ struct matrix {
   vec<T, R> columns[C];
 
   matrix() = default;
+  __MX_COPIES(matrix)
   // T d: d on the diagonal, 0 elsewhere.
   explicit matrix(T d) {
     for (int c = 0; c < C; ++c) {
