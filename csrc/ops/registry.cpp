@@ -209,8 +209,18 @@ void Family::leave_to_torch(const std::string& op, c10::DispatchKey key, const s
   RuleSlot& slot = rule_slot(op);
   std::lock_guard<std::mutex> g(mutex_);
   // A call may be reading the rule this replaces: rules are kept, not freed.
-  slot.of(key).store(why.empty() ? nullptr : rule.get(), std::memory_order_release);
-  if (!why.empty()) rules_.push_back(std::move(rule));
+  // A rule set again (the model runner re-applies a release's policy) is the
+  // one kept before, so that its reason stays one counter.
+  const LeftToTorch* kept = nullptr;
+  for (const auto& r : rules_)
+    if (r->why == rule->why && r->kept_dtypes == rule->kept_dtypes && r->kept_args == rule->kept_args &&
+        r->calls == rule->calls)
+      kept = r.get();
+  if (!kept && !why.empty()) {
+    kept = rule.get();
+    rules_.push_back(std::move(rule));
+  }
+  slot.of(key).store(why.empty() ? nullptr : kept, std::memory_order_release);
 }
 
 // ---------------------------------------------------- executor requests --
