@@ -174,7 +174,7 @@ std::string set_scales(Fp8MatmulParams& p, int64_t ra, const at::Tensor& sa, int
   return "";
 }
 
-// Checks shared by both ops; "" when mps_ext's kernels take the call.
+// Checks shared by both ops; none when mps_ext's kernels take the call.
 Reason operands_unsupported(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
                                  c10::ScalarType out) {
   if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0)) return "shapes torch rejects";

@@ -18,7 +18,7 @@ namespace linalg {
 // float32 and complex64: what the kernels compute in.
 bool kernel_dtype(c10::ScalarType t);
 
-// Why an operand cannot go to the kernels ("" if it can): dtype, layout,
+// Why an operand cannot go to the kernels (none if it can): dtype, layout,
 // more than MPS_EXT_MAX_DIMS batch dimensions, a matrix spanning 2^31
 // elements or more, `max_rows` exceeded (rows of the last two dims).
 // `matrix_dims`: 2 for matrices, 1 for pivots.

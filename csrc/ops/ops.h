@@ -2,7 +2,7 @@
 // Each checks its arguments (torch's messages), allocates its output, picks
 // a kernel variant and launch geometry, and launches through backend/launch.h.
 // `*_unsupported` returns why an input goes to the stock kernel instead
-// (empty: mps_ext handles it).
+// (none: mps_ext handles it; a Reason, ops/registry.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -39,7 +39,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::
 // use that GEMV).
 Reason mm_unsupported(const RoutedOp& op, const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor* self,
                       c10::DispatchKey key);
-// Why the out= forms do not write into `out` ("" if they do).
+// Why the out= forms do not write into `out` (none if they do).
 Reason out_unsupported(const at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2,
                             const at::Tensor* self);
 at::Tensor mm(const at::Tensor& mat1, const at::Tensor& mat2);
