@@ -71,8 +71,19 @@ def test_unknown_families_and_ops_are_errors(cpu_policy):
     with pytest.raises(RuntimeError, match="the linear family has no op aten::_softmax"):
         _C.leave_to_torch("linear", "aten::_softmax", "CPU", "policy: test")
     assert "softmx" not in mps_ext.stats()
-    # The policy's families are the op layer's (mps_ext's import checks it too).
+    # The policy's families are the op layer's, and mps_ext's import checks it.
     assert set(_policy.NATIVE) <= set(mps_ext.families())
+    code = f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("mps_ext._policy", {os.path.join(ROOT, "mps_ext", "_policy.py")!r})
+policy = importlib.util.module_from_spec(spec)
+sys.modules["mps_ext._policy"] = policy
+spec.loader.exec_module(policy)
+policy.NATIVE["softmx"] = policy.NATIVE["softmax"]
+import mps_ext
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode != 0 and "mps_ext/_policy.py has rules for unknown op families ['softmx']" in r.stderr, r.stderr
 
 
 def test_what_each_release_leaves_to_torch():
