@@ -3,7 +3,9 @@ PNG plot.
 
     python -m benchmarks [OP ...] [--quick | --tiny] [--png PATH] [--chip CHIP]
 
-OP: softmax, linear, pad, linalg, fp8, moe (default: all). --quick leaves out the
+OP: softmax, linear, pad, linalg, fp8, moe, routing (default: all). routing
+is the host time mps_ext's routing adds per call (benchmarks/bench_routing.py),
+timed here on CPU tensors; the others are kernels. --quick leaves out the
 largest shapes (vocabulary-sized weights, 4096 x 4096 attention scores,
 512 x 512 LU, ...), --tiny runs a few small cases (a smoke test). The
 counters come from the CPU Metal executor, anywhere; on a Mac with MPS each
@@ -27,6 +29,7 @@ if __package__ in (None, ""):  # python benchmarks/__main__.py
 from benchmarks import common, plot  # noqa: E402
 
 OPS = ("softmax", "linear", "pad", "linalg", "fp8", "moe")
+HOST = ("routing",)  # host-time benchmarks: their own table, no kernel cases
 
 
 def op_cases(op: str, size: str) -> list[common.Case]:
@@ -68,10 +71,15 @@ def main(argv: list[str] | None = None) -> list[common.Result]:
                         help="the chip of the plot's bandwidth (default: %(default)s)")
     parser.add_argument("--no-mac", action="store_true", help="do not time on a Mac's GPU")
     args = parser.parse_args(argv)
-    unknown = [op for op in args.ops if op not in OPS]
+    unknown = [op for op in args.ops if op not in OPS + HOST]
     if unknown:
-        parser.error(f"no benchmark for {', '.join(unknown)}; the ops are {', '.join(OPS)}")
-    ops = args.ops or list(OPS)
+        parser.error(f"no benchmark for {', '.join(unknown)}; the ops are {', '.join(OPS + HOST)}")
+    for host in HOST:
+        if host in args.ops or not args.ops:
+            importlib.import_module(f"benchmarks.bench_{host}").main([f"--{args.size}"] if args.size else [])
+    ops = [op for op in args.ops if op in OPS] if args.ops else list(OPS)
+    if not ops:
+        return []
     chips = list(common.BANDWIDTH_GBPS)
     start = time.perf_counter()
     results: list[common.Result] = []

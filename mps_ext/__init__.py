@@ -165,13 +165,20 @@ def _leave_to_torch(family: str, rules: dict[str, _policy.Native], device: str) 
     layer for `device` ("MPS"; "CPU" in tests)."""
     for op, rule in rules.items():
         _C.leave_to_torch(family, op, device, POLICY_PREFIX + rule.what,
-                          [getattr(_torch, d) for d in rule.kept_dtypes], list(rule.kept_args), bool(rule.calls))
+                          [getattr(_torch, d) for d in rule.kept_dtypes], list(rule.kept_args),
+                          rule.calls.value if rule.calls else "")
 
 
 def _setup() -> None:
     if _C is None:
         return
     known = set(_C.families())
+    # A policy for a family the op layer does not have is a typo in this
+    # package (never in the user's environment): fail its import, and so
+    # every test, rather than never apply the rule.
+    if set(_policy.NATIVE) - known:
+        raise ValueError(f"mps_ext/_policy.py has rules for unknown op families "
+                         f"{sorted(set(_policy.NATIVE) - known)}; the families are {sorted(known)}")
     requested = {n.strip() for n in os.environ.get("MPS_EXT_DISABLE", "").split(",") if n.strip()}
     unknown = requested - known - {"all"}
     if unknown:

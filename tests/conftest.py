@@ -10,6 +10,16 @@ if ROOT not in sys.path:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "mac: needs an Apple GPU (MPS)")
+    # The suite runs torch.ops.mps_ext ops on CPU tensors through the CPU
+    # Metal executor, which on a Mac they reach only when it is asked for
+    # (mps_ext/_executor_request.py): the op layer's request, for this
+    # thread, for the whole session. (The fp8 modules' own choice, the
+    # context variable of request(), is left to each test.)
+    try:
+        from mps_ext import _C
+    except Exception:  # the tests that need it fail on their own import
+        return
+    _C._set_executor_requested(True)
 
 
 @pytest.fixture

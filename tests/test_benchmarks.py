@@ -9,9 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from benchmarks import __main__ as runner
 from benchmarks import common, plot
+
+import mps_ext
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,3 +101,20 @@ def test_a_bench_script_runs_the_runner_on_its_op(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "## pad" in r.stdout and "## softmax" not in r.stdout
     decode_png((tmp_path / "p.png").read_bytes())
+
+
+def test_the_routing_benchmark_times_every_case_and_restores_what_it_set(capsys):
+    from benchmarks import bench_routing
+
+    rows = runner.main(["routing", "--tiny"])
+    assert rows == []  # no kernel cases
+    table = capsys.readouterr().out.split("## routing\n\n")[1].split("\n\n")[1].splitlines()
+    assert len(table) == 2 + len(bench_routing.CASES)
+    for line, (_, what, _) in zip(table[2:], bench_routing.CASES):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[0] == what and all(float(c) > 0 for c in cells[1:3])
+    # The benchmark's switch and rule are undone: pad on, F.linear's one row runs mps_ext's kernel.
+    assert mps_ext.family_status("pad").startswith("on")
+    mps_ext.reset_stats()
+    torch.ops.mps_ext.linear(torch.randn(1, 8), torch.randn(4, 8), None)
+    assert mps_ext.stats()["linear"]["ran"] == 1

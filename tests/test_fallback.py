@@ -127,6 +127,7 @@ def test_through_an_aten_override_it_is_a_python_warning():
     code = """
 import warnings, torch, mps_ext
 mps_ext._C.install_overrides(["softmax"], "CPU")
+mps_ext._C._set_executor_requested(True)  # on a Mac CPU tensors reach the executor only when asked
 mps_ext._C._simulate_executor_failure("softmax", "", "library", 0)
 x = torch.randn(3, 5)
 with warnings.catch_warnings(record=True) as w:
@@ -142,3 +143,52 @@ print(all(torch.allclose(y, x.exp() / x.exp().sum(1, keepdim=True)) for y in ys)
     assert lines[0].startswith("1 mps_ext: the softmax kernels cannot run on CPU here"), r.stdout
     assert f"'fallbacks': {{'{REASON}': 4}}" in lines[1]
     assert lines[2] == "True"
+
+
+NOT_ASKED = "the CPU Metal executor was not asked for (mps_ext._executor_request.request())"
+
+
+@pytest.fixture
+def mac():
+    """As on a Mac: a Metal GPU backend is present (simulated), and the CPU
+    Metal executor is not asked for (the suite asks for it: conftest.py)."""
+    _C._simulate_metal_backend(1)
+    _C._set_executor_requested(False)
+    mps_ext.reset_stats()
+    try:
+        yield
+    finally:
+        _C._set_executor_requested(True)
+        _C._simulate_metal_backend(-1)
+        mps_ext.reset_stats()
+
+
+def test_on_a_mac_cpu_tensors_reach_the_executor_only_when_asked(mac):
+    """The executor is the contributor's instrument: on a Mac, a
+    torch.ops.mps_ext op on CPU tensors runs torch's CPU kernel unless the
+    executor was asked for; mps_ext's own ops, which torch has no kernel
+    for, say so."""
+    from mps_ext import _executor_request
+
+    assert _C._metal_backend_present() and not _C._executor_requested()
+    x, w = torch.randn(2, 64), torch.randn(32, 64)
+    with cpu_metal.record() as rec:
+        y = torch.ops.mps_ext._softmax(x, 1, False)
+        z = torch.ops.mps_ext.linear(x, w, None)
+        p = torch.ops.mps_ext.constant_pad_nd(x, [1, 1])
+    assert rec.dispatches == []
+    assert torch.equal(y, torch._softmax(x, 1, False)) and torch.equal(p, torch.constant_pad_nd(x, [1, 1]))
+    torch.testing.assert_close(z, x @ w.t())
+    for fam in ("softmax", "linear", "pad"):
+        assert mps_ext.stats()[fam] == {"ran": 0, "fallbacks": {NOT_ASKED: 1}, "unavailable": {}}, fam
+    logits = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match="mps_ext::moe_route cannot run on CPU here \\(the CPU Metal executor was "
+                                           "not asked for"):
+        torch.ops.mps_ext.moe_route(logits, 2)
+    with _executor_request.request(), cpu_metal.record() as rec:
+        assert _C._executor_requested()
+        torch.testing.assert_close(torch.ops.mps_ext._softmax(x, 1, False), torch._softmax(x, 1, False))
+        torch.ops.mps_ext.moe_route(logits, 2)
+    assert not _C._executor_requested()
+    assert len(rec.dispatches) >= 2
+    assert mps_ext.stats()["softmax"]["ran"] == 1 and mps_ext.stats()["grouped_mm"]["ran"] == 1

@@ -17,9 +17,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RELEASES = ["2.9.0", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
 
 
+def history() -> dict[str, list[tuple[str, str, str]]]:
+    """docs/policy.md's tables: per family (its '## name' section), the rows
+    (releases, what torch has on MPS, evidence)."""
+    out, family = {}, None
+    with open(os.path.join(ROOT, "docs", "policy.md")) as f:
+        for line in f:
+            if line.startswith("## "):
+                family = line[3:].strip()
+                out[family] = []
+            elif family and line.startswith("| 2."):
+                releases, what, evidence = [cell.strip() for cell in line.strip().strip("|").split("|")]
+                out[family].append((releases, what, evidence))
+    return out
+
+
 def test_every_family_has_its_history_per_release():
-    assert set(_policy.HISTORY) == set(mps_ext.families())
-    for fam, entries in _policy.HISTORY.items():
+    entries_of = history()
+    assert set(entries_of) == set(mps_ext.families())
+    for fam, entries in entries_of.items():
         for releases, what, evidence in entries:
             assert what and evidence, fam
         # The entries cover 2.9 to 2.15 once each.
@@ -29,6 +45,45 @@ def test_every_family_has_its_history_per_release():
             lo, hi = _policy.torch_version(first + ".0"), _policy.torch_version((last or first) + ".0")
             covered += [r for r in RELEASES if lo <= _policy.torch_version(r) <= hi]
         assert sorted(covered, key=_policy.torch_version) == RELEASES, fam
+
+
+def test_conditions_are_the_op_layers():
+    """A rule's calls are a named condition the C++ op layer knows by the
+    same name (csrc/ops/registry.h), and it refuses any other."""
+    assert {c.value for c in _policy.Condition} == set(_C.policy_conditions())
+    for natives in _policy.NATIVE.values():
+        for native in natives:
+            assert native.calls is None or isinstance(native.calls, _policy.Condition)
+    with pytest.raises(RuntimeError, match="no policy condition named 'one row'; the conditions are one_row"):
+        _C.leave_to_torch("linear", "aten::mm", "CPU", "policy: test", [], [], "one row")
+
+
+def test_unknown_families_and_ops_are_errors(cpu_policy):
+    """A family is one entry of one table (csrc/ops/families.h): a name not
+    in it is an error, never a new family that nothing installs; a rule for
+    an op its family does not have is an error, never a rule that nothing
+    reads."""
+    assert mps_ext.families() == sorted(mps_ext.families())
+    with pytest.raises(RuntimeError, match="no op family named 'softmx'; the families are fp8, grouped_mm"):
+        _C.set_enabled("softmx", False)
+    with pytest.raises(RuntimeError, match="no op family named 'lineaer'"):
+        _C.leave_to_torch("lineaer", "aten::mm", "CPU", "policy: test")
+    with pytest.raises(RuntimeError, match="the linear family has no op aten::_softmax"):
+        _C.leave_to_torch("linear", "aten::_softmax", "CPU", "policy: test")
+    assert "softmx" not in mps_ext.stats()
+    # The policy's families are the op layer's, and mps_ext's import checks it.
+    assert set(_policy.NATIVE) <= set(mps_ext.families())
+    code = f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("mps_ext._policy", {os.path.join(ROOT, "mps_ext", "_policy.py")!r})
+policy = importlib.util.module_from_spec(spec)
+sys.modules["mps_ext._policy"] = policy
+spec.loader.exec_module(policy)
+policy.NATIVE["softmx"] = policy.NATIVE["softmax"]
+import mps_ext
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode != 0 and "mps_ext/_policy.py has rules for unknown op families ['softmx']" in r.stderr, r.stderr
 
 
 def test_what_each_release_leaves_to_torch():

@@ -7,7 +7,36 @@
 // of them.
 #pragma once
 
+#include <ATen/core/boxing/KernelFunction.h>
 #include <torch/version.h>
+
+// kernel_function: the KernelFunction a c10::SafeKernelFunction (a captured
+// stock kernel) wraps, whose typed call() is unboxed (PassThrough in
+// ops/registry.h). torch 2.14 and later expose it (kernelFunction()); 2.9 to
+// 2.13 hold it in the same private member, kernel_, which an explicit
+// instantiation may name (access checks do not apply to the names in one:
+// [temp.spec.general]); the 2.9-2.13 headers of tools/torch_matrix.py all
+// declare it `KernelFunction kernel_`.
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 14
+namespace mps_ext::compat {
+struct SafeKernelFunctionKernel {
+  using type = c10::KernelFunction c10::SafeKernelFunction::*;
+  friend type member(SafeKernelFunctionKernel);
+};
+template <class Tag, typename Tag::type M>
+struct Expose {
+  friend typename Tag::type member(Tag) { return M; }
+};
+template struct Expose<SafeKernelFunctionKernel, &c10::SafeKernelFunction::kernel_>;
+inline const c10::KernelFunction& kernel_function(const c10::SafeKernelFunction& k) {
+  return k.*member(SafeKernelFunctionKernel());
+}
+}  // namespace mps_ext::compat
+#else
+namespace mps_ext::compat {
+inline const c10::KernelFunction& kernel_function(const c10::SafeKernelFunction& k) { return k.kernelFunction(); }
+}  // namespace mps_ext::compat
+#endif
 
 #if defined(__OBJC__)
 #include <dispatch/dispatch.h>

@@ -2,7 +2,7 @@
 // 2.9-2.14 (and float8_e5m2 in 2.15), handled for float8 tensors. Every
 // other dtype passes through to the captured stock kernel, uncounted (the
 // dispatcher overrides an op for all dtypes; these calls are torch's, not a
-// fallback of ours: PassThrough in ops/registry.h).
+// fallback of ours: PassThrough in ops/registry.h, an unboxed call).
 //
 // What refuses, read from each release (README "FP8 tensors on MPS"):
 // copy_ between dtypes and strided copies go through MPSGraph casts or
@@ -113,8 +113,13 @@ bool fp8_convert(const at::Tensor& dst, const at::Tensor& src) {
 
 namespace {
 
+// The family's ops as route sees them.
+const RoutedOp kCopy(FamilyId::fp8, "aten::copy_"), kFillScalar(FamilyId::fp8, "aten::fill_.Scalar"),
+    kFillTensor(FamilyId::fp8, "aten::fill_.Tensor"), kZero(FamilyId::fp8, "aten::zero_"),
+    kCat(FamilyId::fp8, "aten::cat"), kIndexSelect(FamilyId::fp8, "aten::index_select");
+
 // ---------------------------------------------------------------- copy_ --
-std::string copy_unsupported(const at::Tensor& self, const at::Tensor& src) {
+Reason copy_unsupported(const at::Tensor& self, const at::Tensor& src) {
   if (self.layout() != at::kStrided || src.layout() != at::kStrided) return "layout is not strided";
   if (self.is_neg() || src.is_neg() || self.is_conj() || src.is_conj()) return "a tensor with the neg or conj bit";
   return "";
@@ -168,12 +173,12 @@ void copy_fp8(at::Tensor& self, const at::Tensor& src_, bool non_blocking) {
 template <c10::DispatchKey K>
 at::Tensor& copy_impl(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
   if (!is_fp8(self.scalar_type()) && !is_fp8(src.scalar_type())) {
-    static const PassThrough stock("aten::copy_", K);
+    static const PassThrough<at::_ops::copy_> stock(K);
     stock(self, src, non_blocking);
     return self;
   }
   float8_reached<K>();
-  route(family("fp8"), "aten::copy_", K, copy_unsupported(self, src), [&] {
+  route(kCopy, K, copy_unsupported(self, src), [&] {
     copy_fp8<K>(self, src, non_blocking);
     return self;
   }, self, src, non_blocking);
@@ -182,7 +187,7 @@ at::Tensor& copy_impl(at::Tensor& self, const at::Tensor& src, bool non_blocking
 
 // ---------------------------------------------------------- fill_, zero_ --
 // For an op on a float8 `self`.
-std::string self_unsupported(const at::Tensor& self) {
+Reason self_unsupported(const at::Tensor& self) {
   if (self.layout() != at::kStrided) return "layout is not strided";
   return "";
 }
@@ -200,12 +205,12 @@ at::Tensor fill_fp8(at::Tensor& self, const c10::Scalar& value) {
 template <c10::DispatchKey K>
 at::Tensor& fill_scalar_impl(at::Tensor& self, const c10::Scalar& value) {
   if (!is_fp8(self.scalar_type())) {
-    static const PassThrough stock("aten::fill_.Scalar", K);
+    static const PassThrough<at::_ops::fill__Scalar> stock(K);
     stock(self, value);
     return self;
   }
   float8_reached<K>();
-  route(family("fp8"), "aten::fill_.Scalar", K, self_unsupported(self), [&] { return fill_fp8<K>(self, value); },
+  route(kFillScalar, K, self_unsupported(self), [&] { return fill_fp8<K>(self, value); },
         self, value);
   return self;
 }
@@ -213,12 +218,12 @@ at::Tensor& fill_scalar_impl(at::Tensor& self, const c10::Scalar& value) {
 template <c10::DispatchKey K>
 at::Tensor& fill_tensor_impl(at::Tensor& self, const at::Tensor& value) {
   if (!is_fp8(self.scalar_type())) {
-    static const PassThrough stock("aten::fill_.Tensor", K);
+    static const PassThrough<at::_ops::fill__Tensor> stock(K);
     stock(self, value);
     return self;
   }
   float8_reached<K>();
-  route(family("fp8"), "aten::fill_.Tensor", K, self_unsupported(self), [&] {
+  route(kFillTensor, K, self_unsupported(self), [&] {
     TORCH_CHECK(value.dim() == 0, "fill_ only supports 0-dimension value tensor but got tensor with ", value.dim(),
                 " dimensions.");
     // The value's own float8 bytes may sit on the GPU: read it through copy_.
@@ -230,12 +235,12 @@ at::Tensor& fill_tensor_impl(at::Tensor& self, const at::Tensor& value) {
 template <c10::DispatchKey K>
 at::Tensor& zero_impl(at::Tensor& self) {
   if (!is_fp8(self.scalar_type())) {
-    static const PassThrough stock("aten::zero_", K);
+    static const PassThrough<at::_ops::zero_> stock(K);
     stock(self);
     return self;
   }
   float8_reached<K>();
-  route(family("fp8"), "aten::zero_", K, self_unsupported(self),
+  route(kZero, K, self_unsupported(self),
         [&] { return call_stock<at::Tensor>("aten::zero_", K, bytes(self)); }, self);
   return self;
 }
@@ -246,10 +251,10 @@ at::Tensor cat_impl(const at::ITensorListRef& tensors, int64_t dim) {
   std::vector<at::Tensor> list(tensors.begin(), tensors.end());
   const bool fp8 = std::any_of(list.begin(), list.end(), [](const at::Tensor& t) { return is_fp8(t.scalar_type()); });
   if (!fp8) {
-    static const PassThrough stock("aten::cat", K);
-    return stock(list, dim);
+    static const PassThrough<at::_ops::cat> stock(K);
+    return stock(tensors, dim);
   }
-  return route(family("fp8"), "aten::cat", K, "", [&] {
+  return route(kCat, K, Reason(), [&] {
     c10::ScalarType out = list.front().scalar_type();
     // torch's error for float8 with any other dtype
     for (const auto& t : list) out = c10::promoteTypes(out, t.scalar_type());
@@ -262,10 +267,10 @@ at::Tensor cat_impl(const at::ITensorListRef& tensors, int64_t dim) {
 template <c10::DispatchKey K>
 at::Tensor index_select_impl(const at::Tensor& self, int64_t dim, const at::Tensor& index) {
   if (!is_fp8(self.scalar_type())) {
-    static const PassThrough stock("aten::index_select", K);
+    static const PassThrough<at::_ops::index_select> stock(K);
     return stock(self, dim, index);
   }
-  return route(family("fp8"), "aten::index_select", K, self_unsupported(self), [&] {
+  return route(kIndexSelect, K, self_unsupported(self), [&] {
     return call_stock<at::Tensor>("aten::index_select", K, bytes(self), dim, index).view(self.scalar_type());
   }, self, dim, index);
 }
@@ -284,5 +289,5 @@ void register_fp8(torch::Library& m) {
 }  // namespace
 }  // namespace mps_ext
 
-MPS_EXT_FAMILY("fp8", mps_ext::register_fp8, "aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor", "aten::zero_",
+MPS_EXT_FAMILY(fp8, mps_ext::register_fp8, "aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor", "aten::zero_",
                "aten::cat", "aten::index_select", MPS_EXT_FP8_TENSOR_OPS)

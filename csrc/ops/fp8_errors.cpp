@@ -100,7 +100,7 @@ int64_t name_float8_errors(c10::DispatchKey key) {
   if (it != done.end()) return it->second;
 
   std::set<std::string> overridden;
-  for (const auto& fam : families())
+  for (const auto& fam : family_names())
     for (const auto& op : family_aten_ops(fam)) overridden.insert(op);
   auto& dispatcher = c10::Dispatcher::singleton();
   // Never destroyed: destroying it would unregister the wrappers.

@@ -174,17 +174,17 @@ std::string set_scales(Fp8MatmulParams& p, int64_t ra, const at::Tensor& sa, int
   return "";
 }
 
-// Checks shared by both ops; "" when mps_ext's kernels take the call.
-std::string operands_unsupported(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
+// Checks shared by both ops; none when mps_ext's kernels take the call.
+Reason operands_unsupported(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
                                  c10::ScalarType out) {
   if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0)) return "shapes torch rejects";
   if (!is_fp8(a.scalar_type()) || !is_fp8(b.scalar_type())) return "operands that are not float8";
   if (a.layout() != at::kStrided || b.layout() != at::kStrided) return "layout is not strided";
-  if (type_code(out) == FP8_TYPE_NONE) return std::string("output dtype ") + c10::toString(out);
+  if (type_code(out) == FP8_TYPE_NONE) return Reason::built(std::string("output dtype ") + c10::toString(out));
   if (bias && bias->defined()) {
     if (bias->numel() != b.size(1)) return "a bias torch rejects";
     const auto t = bias->scalar_type();
-    if (t != at::kFloat && t != at::kHalf && t != at::kBFloat16) return std::string("bias dtype ") + c10::toString(t);
+    if (t != at::kFloat && t != at::kHalf && t != at::kBFloat16) return Reason::built(std::string("bias dtype ") + c10::toString(t));
   }
   return "";
 }
@@ -207,9 +207,9 @@ at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const Fp8MatmulPa
 
 // A reason for the stock kernel, or raise where there is none: on MPS
 // torch 2.9-2.14 have no _scaled_mm kernel to give their error.
-std::string or_raise(const std::string& why, const std::string& op, c10::DispatchKey key) {
-  if (!why.empty() && !has_stock_kernel(op, key))
-    TORCH_CHECK(false, "mps_ext ", op.substr(6), " on ", key, ": unsupported input (", why,
+Reason or_raise(Reason why, const RoutedOp& op, c10::DispatchKey key) {
+  if (why && !op.has_stock(key))
+    TORCH_CHECK(false, "mps_ext ", op.name + 6, " on ", key, ": unsupported input (", why.text(),
                 "). Supported: float8 operands (mat2 any layout), tensor-wise or row-wise fp32 scales "
                 "(_scaled_mm, _scaled_mm_v2), block-wise 1x128 x 128x128 and 1x128 x 1x128 (_scaled_mm_v2); "
                 "outputs float32, float16, bfloat16, float8_e4m3fn, float8_e5m2; bias float32/float16/bfloat16.");
@@ -237,11 +237,12 @@ bool torch_aligned(const at::Tensor& t) {
 // (operations/ScaledMM.mm) runs tensor-wise and row-wise float8_e4m3fn
 // products with outputs f32/f16/bf16/e4m3fn, and a bias only of the output's
 // dtype (bf16 or f16) or, for an e4m3fn output, either, on aligned operands
-// (torch_aligned); mps_ext keeps what it rejects. The rule's reason, or "".
-std::string policy(const std::string& op, c10::DispatchKey key, const at::Tensor& a, const at::Tensor& b,
-                   int64_t recipe, c10::ScalarType out, const c10::optional<at::Tensor>& bias) {
-  c10::optional<LeftToTorch> rule = family("scaled_mm").left_to_torch(op, key);
-  if (!rule || !has_stock_kernel(op, key) || recipe > kRowWise || a.scalar_type() != at::kFloat8_e4m3fn ||
+// (torch_aligned); mps_ext keeps what it rejects: the calls of the
+// torch_scaled_mm condition. The rule's reason, or none.
+Reason policy(const RoutedOp& op, c10::DispatchKey key, const at::Tensor& a, const at::Tensor& b, int64_t recipe,
+              c10::ScalarType out, const c10::optional<at::Tensor>& bias) {
+  const Reason rule = op.picked(key, Condition::torch_scaled_mm);
+  if (!rule || !op.has_stock(key) || recipe > kRowWise || a.scalar_type() != at::kFloat8_e4m3fn ||
       b.scalar_type() != at::kFloat8_e4m3fn || out == at::kFloat8_e5m2)
     return "";
   if (a.size(1) % kTorchScaledMMAlignment != 0 || b.size(1) % kTorchScaledMMAlignment != 0 || !torch_aligned(a) ||
@@ -253,8 +254,11 @@ std::string policy(const std::string& op, c10::DispatchKey key, const at::Tensor
         (out != at::kFloat8_e4m3fn && t != out))
       return "";
   }
-  return rule->why;
+  return rule;
 }
+
+const RoutedOp kScaledMm(FamilyId::scaled_mm, "aten::_scaled_mm"),
+    kScaledMmV2(FamilyId::scaled_mm, "aten::_scaled_mm_v2"), kFp8Linear(FamilyId::scaled_mm, "mps_ext::fp8_linear");
 
 template <c10::DispatchKey K>
 at::Tensor scaled_mm_impl(const at::Tensor& self, const at::Tensor& mat2, const at::Tensor& scale_a,
@@ -263,16 +267,16 @@ at::Tensor scaled_mm_impl(const at::Tensor& self, const at::Tensor& mat2, const 
                           bool use_fast_accum) {
   const c10::ScalarType out = out_dtype.value_or(self.scalar_type());
   Fp8MatmulParams p{};
-  std::string why = operands_unsupported(self, mat2, bias, out);
-  if (why.empty()) {
+  Reason why = operands_unsupported(self, mat2, bias, out);
+  if (!why) {
     const bool tensorwise = fp32_scalar(scale_a) && fp32_scalar(scale_b);
-    why = set_scales(p, tensorwise ? kTensorWise : kRowWise, scale_a, tensorwise ? kTensorWise : kRowWise, scale_b,
-                     self.size(0), self.size(1), mat2.size(1));
-    if (why.empty() && scale_result && scale_result->defined() && !fp32_scalar(*scale_result))
+    const int64_t recipe = tensorwise ? kTensorWise : kRowWise;
+    why = Reason::built(set_scales(p, recipe, scale_a, recipe, scale_b, self.size(0), self.size(1), mat2.size(1)));
+    if (!why && scale_result && scale_result->defined() && !fp32_scalar(*scale_result))
       why = "a scale_result torch rejects";
-    if (why.empty()) why = policy("aten::_scaled_mm", K, self, mat2, kRowWise, out, bias);
+    if (!why) why = policy(kScaledMm, K, self, mat2, kRowWise, out, bias);
   }
-  return route(family("scaled_mm"), "aten::_scaled_mm", K, or_raise(why, "aten::_scaled_mm", K),
+  return route(kScaledMm, K, or_raise(why, kScaledMm, K),
                [&] { return scaled_mm(self, mat2, p, scale_a, scale_b, bias, scale_result, out); }, self, mat2,
                scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum);
 }
@@ -285,9 +289,9 @@ at::Tensor scaled_mm_v2_impl(const at::Tensor& self, const at::Tensor& mat2, at:
                              bool use_fast_accum) {
   const c10::ScalarType out = out_dtype.value_or(at::kBFloat16);  // torch's default for v2
   Fp8MatmulParams p{};
-  std::string why = operands_unsupported(self, mat2, bias, out);
+  Reason why = operands_unsupported(self, mat2, bias, out);
   auto no_swizzle = [](at::IntArrayRef s) { return s.empty() || (s.size() == 1 && s[0] == 0); };
-  if (why.empty()) {
+  if (!why) {
     if (scale_a.size() != 1 || scale_b.size() != 1 || recipe_a.size() != 1 || recipe_b.size() != 1)
       why = "more than one scale per operand";
     else if (!no_swizzle(swizzle_a) || !no_swizzle(swizzle_b))
@@ -297,11 +301,11 @@ at::Tensor scaled_mm_v2_impl(const at::Tensor& self, const at::Tensor& mat2, at:
     else if (recipe_a[0] >= kBlock1x128 &&
              (self.scalar_type() != at::kFloat8_e4m3fn || mat2.scalar_type() != at::kFloat8_e4m3fn))
       why = "block-wise scales with float8_e5m2 operands";
-    else if ((why = set_scales(p, recipe_a[0], scale_a[0], recipe_b[0], scale_b[0], self.size(0), self.size(1),
-                               mat2.size(1))).empty())
-      why = policy("aten::_scaled_mm_v2", K, self, mat2, recipe_a[0], out, bias);
+    else if (!(why = Reason::built(set_scales(p, recipe_a[0], scale_a[0], recipe_b[0], scale_b[0], self.size(0),
+                                               self.size(1), mat2.size(1)))))
+      why = policy(kScaledMmV2, K, self, mat2, recipe_a[0], out, bias);
   }
-  return route(family("scaled_mm"), "aten::_scaled_mm_v2", K, or_raise(why, "aten::_scaled_mm_v2", K),
+  return route(kScaledMmV2, K, or_raise(why, kScaledMmV2, K),
                [&] { return scaled_mm(self, mat2, p, scale_a[0], scale_b[0], bias, c10::nullopt, out); }, self, mat2,
                scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, bias, out_dtype, contraction_dim,
                use_fast_accum);
@@ -383,8 +387,8 @@ at::Tensor fp8_linear_impl(const at::Tensor& input, const at::Tensor& weight, co
     out_shape.back() = N;
     return pr.y.view(out_shape);
   };
-  auto theirs = [&](const std::string&) { return linear_with_torch_ops(input, weight, weight_scale, granularity, bias); };
-  return route_to(family("scaled_mm"), "mps_ext::fp8_linear", K, "", ours, theirs, input, weight, weight_scale, bias);
+  auto theirs = [&](Reason) { return linear_with_torch_ops(input, weight, weight_scale, granularity, bias); };
+  return route_to(kFp8Linear, K, Reason(), ours, theirs, input, weight, weight_scale, bias);
 }
 
 template <c10::DispatchKey K>
@@ -397,7 +401,7 @@ void register_scaled_mm(torch::Library& m) {
 }  // namespace mps_ext
 
 // Meta kernels: mps_ext/_meta.py.
-MPS_EXT_FAMILY_OWN_META("scaled_mm", mps_ext::register_scaled_mm, "aten::_scaled_mm", "aten::_scaled_mm_v2")
+MPS_EXT_FAMILY_OWN_META(scaled_mm, mps_ext::register_scaled_mm, "aten::_scaled_mm", "aten::_scaled_mm_v2")
 
 TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
   m.def("fp8_linear(Tensor input, Tensor weight, Tensor weight_scale, str granularity, Tensor? bias=None) -> Tensor");

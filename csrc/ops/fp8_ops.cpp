@@ -26,7 +26,7 @@ namespace {
 
 at::Tensor bytes(const at::Tensor& t) { return t.view(at::kByte); }
 
-std::string not_strided(const at::Tensor& t) { return t.layout() == at::kStrided ? "" : "layout is not strided"; }
+Reason not_strided(const at::Tensor& t) { return t.layout() == at::kStrided ? Reason() : "layout is not strided"; }
 
 std::string cast_first(const std::string& what) {
   return "mps_ext fp8: " + what +
@@ -50,44 +50,58 @@ at::Tensor on(const at::Tensor& t, const c10::Device& device) {
 }
 c10::Device device_of(const at::Tensor& a, const at::Tensor& b) { return a.dim() > 0 ? a.device() : b.device(); }
 
+// The family's ops as route sees them (the comparisons: in their macro).
+const RoutedOp kEqual(FamilyId::fp8, "aten::equal");
+const RoutedOp kLocalScalarDense(FamilyId::fp8, "aten::_local_scalar_dense");
+const RoutedOp kGather(FamilyId::fp8, "aten::gather");
+const RoutedOp kIndexTensor(FamilyId::fp8, "aten::index.Tensor");
+const RoutedOp kIndexPutImpl(FamilyId::fp8, "aten::_index_put_impl_");
+const RoutedOp kWhereSelf(FamilyId::fp8, "aten::where.self");
+const RoutedOp kMaskedFillScalar(FamilyId::fp8, "aten::masked_fill_.Scalar");
+const RoutedOp kMaskedFillTensor(FamilyId::fp8, "aten::masked_fill_.Tensor");
+const RoutedOp kRepeat(FamilyId::fp8, "aten::repeat");
+const RoutedOp kFlip(FamilyId::fp8, "aten::flip");
+
 // ------------------------------------------------------------ comparisons --
 // `op` is the aten name of the overload ("aten::lt.Tensor").
-template <c10::DispatchKey K>
-at::Tensor compare_tensor(const char* op, const PassThrough& stock, const at::Tensor& self_, const at::Tensor& other_) {
+template <c10::DispatchKey K, class Stock>
+at::Tensor compare_tensor(const RoutedOp& op, const Stock& stock, const at::Tensor& self_, const at::Tensor& other_) {
   if (!is_fp8(self_.scalar_type()) && !is_fp8(other_.scalar_type())) return stock(self_, other_);
   const c10::Device device = device_of(self_, other_);
   const at::Tensor self = on(self_, device), other = on(other_, device);
-  return route(family("fp8"), op, K, not_strided(self) + not_strided(other), [&] {
+  return route(op, K, (not_strided(self) || not_strided(other)), [&] {
     // torch's promotion, and its error for float8 beside another dtype.
     const c10::ScalarType common = at::result_type(self, other);
     auto value = [&](const at::Tensor& t) { return is_fp8(common) ? decode(t.to(common)) : t.to(common); };
-    return call_stock<at::Tensor>(op, K, value(self), value(other));
+    return op.call_stock<at::Tensor>(K, value(self), value(other));
   }, self, other);
 }
 
-template <c10::DispatchKey K>
-at::Tensor compare_scalar(const char* op, const PassThrough& stock, const at::Tensor& self, const c10::Scalar& other) {
+template <c10::DispatchKey K, class Stock>
+at::Tensor compare_scalar(const RoutedOp& op, const Stock& stock, const at::Tensor& self, const c10::Scalar& other) {
   if (!is_fp8(self.scalar_type())) return stock(self, other);
-  return route(family("fp8"), op, K, not_strided(self), [&] {
+  return route(op, K, not_strided(self), [&] {
     const c10::ScalarType common = at::result_type(self, other);
-    if (!is_fp8(common)) return call_stock<at::Tensor>(op, K, self.to(common), other);
+    if (!is_fp8(common)) return op.call_stock<at::Tensor>(K, self.to(common), other);
     // The number rounded to float8 by torch's CPU cast (saturating), as a
     // double holding that float8 value exactly.
     const c10::Scalar rounded = at::scalar_to_tensor(other).to(common).to(at::kDouble).item();
-    return call_stock<at::Tensor>(op, K, decode(self), rounded);
+    return op.call_stock<at::Tensor>(K, decode(self), rounded);
   }, self, other);
 }
 
 #define MPS_EXT_FP8_COMPARISON(NAME)                                                                 \
   template <c10::DispatchKey K>                                                                      \
   at::Tensor NAME##_tensor(const at::Tensor& self, const at::Tensor& other) {                        \
-    static const PassThrough stock("aten::" #NAME ".Tensor", K);                                     \
-    return compare_tensor<K>("aten::" #NAME ".Tensor", stock, self, other);                          \
+    static const PassThrough<at::_ops::NAME##_Tensor> stock(K);                                     \
+    static const RoutedOp op(FamilyId::fp8, "aten::" #NAME ".Tensor");                              \
+    return compare_tensor<K>(op, stock, self, other);                          \
   }                                                                                                  \
   template <c10::DispatchKey K>                                                                      \
   at::Tensor NAME##_scalar(const at::Tensor& self, const c10::Scalar& other) {                       \
-    static const PassThrough stock("aten::" #NAME ".Scalar", K);                                     \
-    return compare_scalar<K>("aten::" #NAME ".Scalar", stock, self, other);                          \
+    static const PassThrough<at::_ops::NAME##_Scalar> stock(K);                                     \
+    static const RoutedOp op(FamilyId::fp8, "aten::" #NAME ".Scalar");                              \
+    return compare_scalar<K>(op, stock, self, other);                          \
   }
 MPS_EXT_FP8_COMPARISON(eq)
 MPS_EXT_FP8_COMPARISON(ne)
@@ -100,10 +114,10 @@ MPS_EXT_FP8_COMPARISON(ge)
 template <c10::DispatchKey K>
 bool equal_impl(const at::Tensor& self, const at::Tensor& other) {
   if (!is_fp8(self.scalar_type()) && !is_fp8(other.scalar_type())) {
-    static const PassThrough stock("aten::equal", K);
-    return stock.operator()<bool>(self, other);
+    static const PassThrough<at::_ops::equal> stock(K);
+    return stock(self, other);
   }
-  return route(family("fp8"), "aten::equal", K, not_strided(self) + not_strided(other), [&] {
+  return route(kEqual, K, (not_strided(self) || not_strided(other)), [&] {
     at::result_type(self, other);  // torch's error for float8 beside another dtype
     if (self.sizes() != other.sizes()) return false;
     // Values, not bytes: NaN != NaN, -0 == +0 (torch.equal of floats).
@@ -115,10 +129,10 @@ bool equal_impl(const at::Tensor& self, const at::Tensor& other) {
 template <c10::DispatchKey K>
 c10::Scalar local_scalar_dense_impl(const at::Tensor& self) {
   if (!is_fp8(self.scalar_type())) {
-    static const PassThrough stock("aten::_local_scalar_dense", K);
-    return stock.operator()<c10::Scalar>(self);
+    static const PassThrough<at::_ops::_local_scalar_dense> stock(K);
+    return stock(self);
   }
-  return route(family("fp8"), "aten::_local_scalar_dense", K, "", [&] {
+  return route(kLocalScalarDense, K, Reason(), [&] {
     // The byte, moved by torch's uint8 copy, read by torch's CPU kernel.
     const at::Tensor cpu = bytes(self).to(at::kCPU).view(self.scalar_type());
     return call_stock<c10::Scalar>("aten::_local_scalar_dense", c10::DispatchKey::CPU, cpu);
@@ -129,10 +143,10 @@ c10::Scalar local_scalar_dense_impl(const at::Tensor& self) {
 template <c10::DispatchKey K>
 at::Tensor gather_impl(const at::Tensor& self, int64_t dim, const at::Tensor& index, bool sparse_grad) {
   if (!is_fp8(self.scalar_type())) {
-    static const PassThrough stock("aten::gather", K);
+    static const PassThrough<at::_ops::gather> stock(K);
     return stock(self, dim, index, sparse_grad);
   }
-  return route(family("fp8"), "aten::gather", K, not_strided(self), [&] {
+  return route(kGather, K, not_strided(self), [&] {
     return call_stock<at::Tensor>("aten::gather", K, bytes(self), dim, index, sparse_grad).view(self.scalar_type());
   }, self, dim, index, sparse_grad);
 }
@@ -142,10 +156,10 @@ using Indices = c10::List<std::optional<at::Tensor>>;
 template <c10::DispatchKey K>
 at::Tensor index_impl(const at::Tensor& self, const Indices& indices) {
   if (!is_fp8(self.scalar_type())) {
-    static const PassThrough stock("aten::index.Tensor", K);
+    static const PassThrough<at::_ops::index_Tensor> stock(K);
     return stock(self, indices);
   }
-  return route(family("fp8"), "aten::index.Tensor", K, not_strided(self), [&] {
+  return route(kIndexTensor, K, not_strided(self), [&] {
     return call_stock<at::Tensor>("aten::index.Tensor", K, bytes(self), indices).view(self.scalar_type());
   }, self, indices);
 }
@@ -154,11 +168,11 @@ template <c10::DispatchKey K>
 at::Tensor& index_put_impl(at::Tensor& self, const Indices& indices, const at::Tensor& values, bool accumulate,
                            bool unsafe) {
   if (!is_fp8(self.scalar_type())) {
-    static const PassThrough stock("aten::_index_put_impl_", K);
+    static const PassThrough<at::_ops::_index_put_impl_> stock(K);
     stock(self, indices, values, accumulate, unsafe);
     return self;
   }
-  route(family("fp8"), "aten::_index_put_impl_", K, not_strided(self) + not_strided(values), [&] {
+  route(kIndexPutImpl, K, (not_strided(self) || not_strided(values)), [&] {
     TORCH_CHECK(values.scalar_type() == self.scalar_type(),
                 "Index put requires the source and destination dtypes match, got ", self.scalar_type(),
                 " for the destination and ", values.scalar_type(), " for the source.");
@@ -172,12 +186,12 @@ at::Tensor& index_put_impl(at::Tensor& self, const Indices& indices, const at::T
 template <c10::DispatchKey K>
 at::Tensor where_impl(const at::Tensor& condition, const at::Tensor& self_, const at::Tensor& other_) {
   if (!is_fp8(self_.scalar_type()) && !is_fp8(other_.scalar_type())) {
-    static const PassThrough stock("aten::where.self", K);
+    static const PassThrough<at::_ops::where_self> stock(K);
     return stock(condition, self_, other_);
   }
   const c10::Device device = self_.dim() > 0 ? self_.device() : device_of(other_, condition);
   const at::Tensor self = on(self_, device), other = on(other_, device);
-  return route(family("fp8"), "aten::where.self", K, not_strided(self) + not_strided(other), [&] {
+  return route(kWhereSelf, K, (not_strided(self) || not_strided(other)), [&] {
     const c10::ScalarType common = at::result_type(self, other);
     const at::Tensor a = self.to(common), b = other.to(common);
     if (!is_fp8(common)) return call_stock<at::Tensor>("aten::where.self", K, condition, a, b);
@@ -188,11 +202,11 @@ at::Tensor where_impl(const at::Tensor& condition, const at::Tensor& self_, cons
 template <c10::DispatchKey K>
 at::Tensor& masked_fill_scalar_impl(at::Tensor& self, const at::Tensor& mask, const c10::Scalar& value) {
   if (!is_fp8(self.scalar_type())) {
-    static const PassThrough stock("aten::masked_fill_.Scalar", K);
+    static const PassThrough<at::_ops::masked_fill__Scalar> stock(K);
     stock(self, mask, value);
     return self;
   }
-  route(family("fp8"), "aten::masked_fill_.Scalar", K, not_strided(self), [&] {
+  route(kMaskedFillScalar, K, not_strided(self), [&] {
     // The value rounded as fill_ rounds it (with its overflow error, as
     // masked_fill_ of float16 has).
     const int64_t code = fp8_code(self.scalar_type(), value);
@@ -205,11 +219,11 @@ at::Tensor& masked_fill_scalar_impl(at::Tensor& self, const at::Tensor& mask, co
 template <c10::DispatchKey K>
 at::Tensor& masked_fill_tensor_impl(at::Tensor& self, const at::Tensor& mask, const at::Tensor& value) {
   if (!is_fp8(self.scalar_type())) {
-    static const PassThrough stock("aten::masked_fill_.Tensor", K);
+    static const PassThrough<at::_ops::masked_fill__Tensor> stock(K);
     stock(self, mask, value);
     return self;
   }
-  route(family("fp8"), "aten::masked_fill_.Tensor", K, not_strided(self), [&] {
+  route(kMaskedFillTensor, K, not_strided(self), [&] {
     TORCH_CHECK(value.dim() == 0, "masked_fill_ only supports a 0-dimensional value tensor, but got tensor with ",
                 value.dim(), " dimension(s).");
     // The value's own float8 bytes may sit on the GPU: read it through copy_.
@@ -223,10 +237,10 @@ at::Tensor& masked_fill_tensor_impl(at::Tensor& self, const at::Tensor& mask, co
 template <c10::DispatchKey K>
 at::Tensor repeat_impl(const at::Tensor& self, at::IntArrayRef repeats) {
   if (!is_fp8(self.scalar_type())) {
-    static const PassThrough stock("aten::repeat", K);
-    return stock(self, repeats);
+    static const PassThrough<at::_ops::repeat> stock(K);
+    return stock(self, c10::fromIntArrayRefSlow(repeats));
   }
-  return route(family("fp8"), "aten::repeat", K, not_strided(self), [&] {
+  return route(kRepeat, K, not_strided(self), [&] {
     return call_stock<at::Tensor>("aten::repeat", K, bytes(self), repeats).view(self.scalar_type());
   }, self, repeats);
 }
@@ -234,10 +248,10 @@ at::Tensor repeat_impl(const at::Tensor& self, at::IntArrayRef repeats) {
 template <c10::DispatchKey K>
 at::Tensor flip_impl(const at::Tensor& self, at::IntArrayRef dims) {
   if (!is_fp8(self.scalar_type())) {
-    static const PassThrough stock("aten::flip", K);
+    static const PassThrough<at::_ops::flip> stock(K);
     return stock(self, dims);
   }
-  return route(family("fp8"), "aten::flip", K, not_strided(self), [&] {
+  return route(kFlip, K, not_strided(self), [&] {
     return call_stock<at::Tensor>("aten::flip", K, bytes(self), dims).view(self.scalar_type());
   }, self, dims);
 }

@@ -201,7 +201,7 @@ bool fits_32_bits(int64_t rows, int64_t row_stride, int64_t cols, int64_t col_st
   return last <= std::numeric_limits<uint32_t>::max();
 }
 
-std::string problem_unsupported(const at::Tensor& a, const at::Tensor& b) {
+Reason problem_unsupported(const at::Tensor& a, const at::Tensor& b) {
   for (const at::Tensor* t : {&a, &b})
     if (t->layout() != at::kStrided) return "layout is not strided";
   // Rows and columns of a and of one group of b, in whichever orientation.
@@ -288,7 +288,7 @@ int64_t group_count(const at::Tensor& a, const at::Tensor& b, const c10::optiona
 }  // namespace
 
 // ------------------------------------------------------------ _grouped_mm --
-std::string grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b) {
+Reason grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() && is_float_dtype(a.scalar_type()) && is_float_dtype(b.scalar_type()))
     return "operands of different dtypes";  // torch's own error follows
   if (a.dim() < 2 || b.dim() < 2) return "";  // our checks raise torch's error
@@ -389,7 +389,7 @@ void check_scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at:
 
 }  // namespace
 
-std::string scaled_grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b) {
+Reason scaled_grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b) {
   if (a.dim() < 2 || b.dim() < 2) return "";  // our checks raise torch's error
   return problem_unsupported(a, b);
 }
@@ -438,7 +438,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10:
               " routed rows, got ", rows, "; use F.grouped_mm");
   TORCH_CHECK(!swiglu || weight.size(1) % 2 == 0, "moe_experts: swiglu needs weight rows [gate | up], got ",
               weight.size(1));
-  TORCH_CHECK(problem_unsupported(x, weight).empty(), "moe_experts: ", problem_unsupported(x, weight));
+  const Reason why = problem_unsupported(x, weight);
+  TORCH_CHECK(!why, "moe_experts: ", why.text());
   at::Tensor out = at::empty({rows, swiglu ? weight.size(1) / 2 : weight.size(1)}, x.options());
   if (out.numel() == 0 || weight.size(0) == 0) return out;
   Problem pr;
@@ -471,10 +472,14 @@ namespace {
 
 using c10::DispatchKey;
 
+const RoutedOp kGroupedMm(FamilyId::grouped_mm, "aten::_grouped_mm"),
+    kScaledGroupedMm(FamilyId::grouped_mm, "aten::_scaled_grouped_mm"),
+    kScaledGroupedMmV2(FamilyId::grouped_mm, "aten::_scaled_grouped_mm_v2");
+
 template <DispatchKey K>
 at::Tensor grouped_mm_impl(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& offs,
                            const c10::optional<at::Tensor>& bias, c10::optional<c10::ScalarType> out_dtype) {
-  return route(family("grouped_mm"), "aten::_grouped_mm", K, grouped_mm_unsupported(a, b),
+  return route(kGroupedMm, K, grouped_mm_unsupported(a, b),
                [&] { return mps_ext::grouped_mm(a, b, offs, bias, out_dtype); }, a, b, offs, bias, out_dtype);
 }
 
@@ -483,7 +488,7 @@ at::Tensor scaled_grouped_mm_impl(const at::Tensor& a, const at::Tensor& b, cons
                                   const at::Tensor& scale_b, const c10::optional<at::Tensor>& offs,
                                   const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale_result,
                                   c10::optional<c10::ScalarType> out_dtype, bool use_fast_accum) {
-  return route(family("grouped_mm"), "aten::_scaled_grouped_mm", K, scaled_grouped_mm_unsupported(a, b),
+  return route(kScaledGroupedMm, K, scaled_grouped_mm_unsupported(a, b),
                [&] { return mps_ext::scaled_grouped_mm(a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype); },
                a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype, use_fast_accum);
 }
@@ -493,7 +498,7 @@ at::Tensor scaled_grouped_mm_impl(const at::Tensor& a, const at::Tensor& b, cons
 // operand, unswizzled, K the last dimension of a and the second-to-last of
 // b); then _scaled_grouped_mm's checks. torch has no kernel for it off CUDA,
 // so what else it is given gets an error saying what is supported.
-std::string scaled_grouped_mm_v2_unsupported(const at::Tensor& a, const at::Tensor& b, at::TensorList scale_a,
+Reason scaled_grouped_mm_v2_unsupported(const at::Tensor& a, const at::Tensor& b, at::TensorList scale_a,
                                              at::IntArrayRef recipe_a, at::IntArrayRef swizzle_a,
                                              at::TensorList scale_b, at::IntArrayRef recipe_b,
                                              at::IntArrayRef swizzle_b, at::IntArrayRef contraction_dim) {
@@ -502,11 +507,11 @@ std::string scaled_grouped_mm_v2_unsupported(const at::Tensor& a, const at::Tens
   };
   auto no_swizzle = [](at::IntArrayRef s) { return s.empty() || (s.size() == 1 && s[0] == 0); };
   if (!one(scale_a, recipe_a) || !one(scale_b, recipe_b) || !no_swizzle(swizzle_a) || !no_swizzle(swizzle_b))
-    return "scale recipes a=" + c10::str(recipe_a) + " b=" + c10::str(recipe_b) + ", swizzles a=" +
-           c10::str(swizzle_a) + " b=" + c10::str(swizzle_b) +
-           "; mps_ext takes RowWise (1) for both, one float32 scale tensor each, unswizzled";
+    return Reason::built("scale recipes a=" + c10::str(recipe_a) + " b=" + c10::str(recipe_b) + ", swizzles a=" +
+                         c10::str(swizzle_a) + " b=" + c10::str(swizzle_b) +
+                         "; mps_ext takes RowWise (1) for both, one float32 scale tensor each, unswizzled");
   if (!contraction_dim.empty() && !(contraction_dim.size() == 2 && contraction_dim[0] == -1 && contraction_dim[1] == -2))
-    return "contraction_dim " + c10::str(contraction_dim) + "; mps_ext takes [] or [-1, -2]";
+    return Reason::built("contraction_dim " + c10::str(contraction_dim) + "; mps_ext takes [] or [-1, -2]");
   return scaled_grouped_mm_unsupported(a, b);
 }
 
@@ -517,7 +522,7 @@ at::Tensor scaled_grouped_mm_v2_impl(const at::Tensor& a, const at::Tensor& b, a
                                      const c10::optional<at::Tensor>& offs, const c10::optional<at::Tensor>& bias,
                                      c10::optional<c10::ScalarType> out_dtype, at::IntArrayRef contraction_dim,
                                      bool use_fast_accum) {
-  return route(family("grouped_mm"), "aten::_scaled_grouped_mm_v2", K,
+  return route(kScaledGroupedMmV2, K,
                scaled_grouped_mm_v2_unsupported(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b,
                                                 contraction_dim),
                [&] {
@@ -541,5 +546,5 @@ void register_grouped_mm(torch::Library& m) {
 // Meta kernels: mps_ext/_meta.py (torch's own take bfloat16 only before torch
 // 2.14, pad the output's stride only for CUDA before 2.15, and do not exist
 // for _scaled_grouped_mm_v2 before 2.14).
-MPS_EXT_FAMILY_OWN_META("grouped_mm", mps_ext::register_grouped_mm, "aten::_grouped_mm", "aten::_scaled_grouped_mm",
+MPS_EXT_FAMILY_OWN_META(grouped_mm, mps_ext::register_grouped_mm, "aten::_grouped_mm", "aten::_scaled_grouped_mm",
                         "aten::_scaled_grouped_mm_v2")

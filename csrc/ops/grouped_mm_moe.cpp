@@ -98,10 +98,13 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& weights, const at:
 // kernel to fall back to) and counts as a grouped_mm call.
 using c10::DispatchKey;
 
+const RoutedOp kMoeRoute(FamilyId::grouped_mm, "mps_ext::moe_route"),
+    kMoeExperts(FamilyId::grouped_mm, "mps_ext::moe_experts"), kMoeCombine(FamilyId::grouped_mm, "mps_ext::moe_combine");
+
 template <DispatchKey K>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_impl(const at::Tensor& logits, int64_t top_k,
                                                                         bool renormalize, bool shared_expert) {
-  return run_own(family("grouped_mm"), "mps_ext::moe_route", K,
+  return run_own(kMoeRoute, K,
                  [&] { return moe_route(logits, top_k, renormalize, shared_expert); });
 }
 
@@ -109,14 +112,14 @@ template <DispatchKey K>
 at::Tensor moe_experts_impl(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& weight_scale,
                             const at::Tensor& offs, const c10::optional<at::Tensor>& slot_of_row,
                             int64_t slots_per_token, bool swiglu) {
-  return run_own(family("grouped_mm"), "mps_ext::moe_experts", K, [&] {
+  return run_own(kMoeExperts, K, [&] {
     return moe_experts(x, weight, weight_scale, offs, slot_of_row, slots_per_token, swiglu);
   });
 }
 
 template <DispatchKey K>
 at::Tensor moe_combine_impl(const at::Tensor& y, const at::Tensor& weights, const at::Tensor& row_of_slot) {
-  return run_own(family("grouped_mm"), "mps_ext::moe_combine", K, [&] { return moe_combine(y, weights, row_of_slot); });
+  return run_own(kMoeCombine, K, [&] { return moe_combine(y, weights, row_of_slot); });
 }
 
 template <DispatchKey K>

@@ -53,32 +53,30 @@ constexpr bool kSolveFactorsTransposedA = TORCH_VERSION_MAJOR == 2 && TORCH_VERS
 // ignores a pivot outside 1..m, so an unchecked one stays inside the matrix.
 constexpr bool kMpsChecksPivots = !(TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR <= 9);
 
-Family& fam() { return family("linalg"); }
-
 // ------------------------------------------------------------- support --
-std::string dtype_unsupported(const Tensor& t) {
+Reason dtype_unsupported(const Tensor& t) {
   if (linalg::kernel_dtype(t.scalar_type())) return "";
-  return std::string("dtype ") + c10::toString(t.scalar_type()) + " (float32 and complex64 are handled)";
+  return Reason::built(std::string("dtype ") + c10::toString(t.scalar_type()) + " (float32 and complex64 are handled)");
 }
 
 const char* kInvalid = "an input torch rejects (torch's kernel reports it)";
 
 // Why a square-matrix op does not take A.
-std::string square_unsupported(const Tensor& A) {
+Reason square_unsupported(const Tensor& A) {
   if (A.dim() < 2 || A.size(-1) != A.size(-2)) return kInvalid;
-  std::string why = dtype_unsupported(A);
-  if (why.empty()) why = linalg::operand_unsupported(A, 2, LINALG_MAX_ROWS);
+  Reason why = dtype_unsupported(A);
+  if (!why) why = linalg::operand_unsupported(A, 2, LINALG_MAX_ROWS);
   return why;
 }
 
 // Why two operands A (factors) and B of a solve do not go to the kernels.
-std::string pair_unsupported(const Tensor& A, const Tensor& B, int64_t a_dims, int64_t b_dims) {
+Reason pair_unsupported(const Tensor& A, const Tensor& B, int64_t a_dims, int64_t b_dims) {
   if (A.scalar_type() != B.scalar_type()) return kInvalid;
   if (A.device() != B.device()) return kInvalid;
   if (!linalg::broadcast_batch(A, a_dims, B, b_dims)) return kInvalid;
-  std::string why = dtype_unsupported(A);
-  if (why.empty()) why = linalg::operand_unsupported(A, a_dims, LINALG_MAX_ROWS);
-  if (why.empty()) why = linalg::operand_unsupported(B, b_dims, std::numeric_limits<int64_t>::max());
+  Reason why = dtype_unsupported(A);
+  if (!why) why = linalg::operand_unsupported(A, a_dims, LINALG_MAX_ROWS);
+  if (!why) why = linalg::operand_unsupported(B, b_dims, std::numeric_limits<int64_t>::max());
   return why;
 }
 
@@ -93,11 +91,11 @@ Tensor empty_matrices(c10::IntArrayRef shape, bool column_major, const at::Tenso
 }
 
 // ---------------------------------------------------------- factorising --
-std::string lu_factor_unsupported(const Tensor& A) {
+Reason lu_factor_unsupported(const Tensor& A) {
   if (A.dim() < 2) return kInvalid;
-  std::string why = dtype_unsupported(A);
-  if (why.empty()) why = linalg::operand_unsupported(A, 2, LINALG_MAX_ROWS);
-  if (why.empty() && A.size(-1) > LINALG_MAX_ROWS) why = "matrices of more than 512 columns";
+  Reason why = dtype_unsupported(A);
+  if (!why) why = linalg::operand_unsupported(A, 2, LINALG_MAX_ROWS);
+  if (!why && A.size(-1) > LINALG_MAX_ROWS) why = "matrices of more than 512 columns";
   return why;
 }
 
@@ -119,7 +117,7 @@ std::tuple<Tensor, Tensor, Tensor> factor_and_unpack(const Tensor& A, bool pivot
   return {P, L, U};
 }
 
-std::string lu_unpack_unsupported(const Tensor& LU, const Tensor& pivots, bool unpack_pivots) {
+Reason lu_unpack_unsupported(const Tensor& LU, const Tensor& pivots, bool unpack_pivots) {
   if (LU.dim() < 2) return kInvalid;
   if (unpack_pivots) {
     if (pivots.scalar_type() != at::kInt || pivots.device() != LU.device()) return kInvalid;
@@ -127,10 +125,10 @@ std::string lu_unpack_unsupported(const Tensor& LU, const Tensor& pivots, bool u
     want.push_back(std::min(LU.size(-2), LU.size(-1)));
     if (pivots.sizes() != c10::IntArrayRef(want)) return "pivots not of the shape LU.shape[:-2] + (k,)";
   }
-  std::string why = dtype_unsupported(LU);
+  Reason why = dtype_unsupported(LU);
   // The kernel holds the permutation of a matrix's rows in threadgroup memory.
-  if (why.empty()) why = linalg::operand_unsupported(LU, 2, LINALG_THREADGROUP_MEMORY / 4);
-  if (why.empty() && unpack_pivots) why = linalg::operand_unsupported(pivots, 1, 0);
+  if (!why) why = linalg::operand_unsupported(LU, 2, LINALG_THREADGROUP_MEMORY / 4);
+  if (!why && unpack_pivots) why = linalg::operand_unsupported(pivots, 1, 0);
   return why;
 }
 
@@ -154,7 +152,7 @@ std::tuple<Tensor, Tensor, Tensor> unpack(const Tensor& LU, const Tensor& pivots
 }
 
 // ------------------------------------------------------ triangular solve --
-std::string solve_triangular_unsupported(const Tensor& A, const Tensor& B, bool left) {
+Reason solve_triangular_unsupported(const Tensor& A, const Tensor& B, bool left) {
   if (A.dim() < 2 || B.dim() < 2 || A.size(-1) != A.size(-2)) return kInvalid;
   if (left ? A.size(-2) != B.size(-2) : A.size(-1) != B.size(-1)) return kInvalid;
   return pair_unsupported(A, B, 2, 2);
@@ -202,7 +200,7 @@ std::tuple<Tensor, Tensor> inv_ex(const Tensor& A_, bool check_errors) {
   return {inverse, f.info};
 }
 
-std::string solve_ex_unsupported(const Tensor& A, const Tensor& B, bool left) {
+Reason solve_ex_unsupported(const Tensor& A, const Tensor& B, bool left) {
   if (A.dim() < 2 || A.size(-1) != A.size(-2) || B.dim() < 1) return kInvalid;
   const bool vector_case = at::native::linalg_solve_is_vector_rhs(A, B);
   if (vector_case && !left) return kInvalid;
@@ -256,10 +254,10 @@ void check_lu_solve(const Tensor& LU, const Tensor& pivots, const Tensor& B, boo
   at::native::_linalg_broadcast_batch_dims(B, LU);  // B's and LU's batches broadcast
 }
 
-std::string lu_solve_unsupported(const Tensor& LU, const Tensor& pivots, const Tensor& B) {
+Reason lu_solve_unsupported(const Tensor& LU, const Tensor& pivots, const Tensor& B) {
   if (LU.device() != pivots.device()) return kInvalid;
-  std::string why = pair_unsupported(LU, B, 2, 2);
-  if (why.empty()) why = linalg::operand_unsupported(pivots, 1, 0);
+  Reason why = pair_unsupported(LU, B, 2, 2);
+  if (!why) why = linalg::operand_unsupported(pivots, 1, 0);
   return why;
 }
 
@@ -279,16 +277,29 @@ Factors det_factors(const Tensor& A_, uint32_t mode) {
 }
 
 // -------------------------------------------------------- registration --
+// The family's ops as route sees them.
+const RoutedOp kLinalgLuFactorEx(FamilyId::linalg, "aten::linalg_lu_factor_ex");
+const RoutedOp kLinalgLuFactor(FamilyId::linalg, "aten::linalg_lu_factor");
+const RoutedOp kLinalgLu(FamilyId::linalg, "aten::linalg_lu");
+const RoutedOp kLuUnpack(FamilyId::linalg, "aten::lu_unpack");
+const RoutedOp kLinalgSolveTriangular(FamilyId::linalg, "aten::linalg_solve_triangular");
+const RoutedOp kTriangularSolve(FamilyId::linalg, "aten::triangular_solve");
+const RoutedOp kLinalgInvEx(FamilyId::linalg, "aten::linalg_inv_ex");
+const RoutedOp kLinalgSolveEx(FamilyId::linalg, "aten::_linalg_solve_ex");
+const RoutedOp kLinalgLuSolve(FamilyId::linalg, "aten::linalg_lu_solve");
+const RoutedOp kLinalgDet(FamilyId::linalg, "aten::_linalg_det");
+const RoutedOp kLinalgSlogdet(FamilyId::linalg, "aten::_linalg_slogdet");
+
 template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor> lu_factor_ex_impl(const Tensor& A, bool pivot, bool check_errors) {
-  return route(fam(), "aten::linalg_lu_factor_ex", K, lu_factor_unsupported(A),
+  return route(kLinalgLuFactorEx, K, lu_factor_unsupported(A),
                [&] { return lu_factor_ex(A, pivot, check_errors, "torch.linalg.lu_factor_ex"); }, A, pivot,
                check_errors);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor> lu_factor_impl(const Tensor& A, bool pivot) {
-  return route(fam(), "aten::linalg_lu_factor", K, lu_factor_unsupported(A),
+  return route(kLinalgLuFactor, K, lu_factor_unsupported(A),
                [&] {
                  auto r = lu_factor_ex(A, pivot, true, "torch.linalg.lu_factor");
                  return std::make_tuple(std::get<0>(r), std::get<1>(r));
@@ -300,55 +311,55 @@ template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor> linalg_lu_impl(const Tensor& A, bool pivot) {
   TORCH_CHECK(A.dim() >= 2, "linalg.lu: Expected tensor with 2 or more dimensions. Got size: ", A.sizes(),
               " instead");
-  return route(fam(), "aten::linalg_lu", K, lu_factor_unsupported(A), [&] { return factor_and_unpack(A, pivot); }, A,
+  return route(kLinalgLu, K, lu_factor_unsupported(A), [&] { return factor_and_unpack(A, pivot); }, A,
                pivot);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor> lu_unpack_impl(const Tensor& LU, const Tensor& pivots, bool unpack_data,
                                                   bool unpack_pivots) {
-  return route(fam(), "aten::lu_unpack", K, lu_unpack_unsupported(LU, pivots, unpack_pivots),
+  return route(kLuUnpack, K, lu_unpack_unsupported(LU, pivots, unpack_pivots),
                [&] { return unpack(LU, pivots, unpack_data, unpack_pivots); }, LU, pivots, unpack_data,
                unpack_pivots);
 }
 
 template <DispatchKey K>
 Tensor solve_triangular_impl(const Tensor& A, const Tensor& B, bool upper, bool left, bool unitriangular) {
-  return route(fam(), "aten::linalg_solve_triangular", K, solve_triangular_unsupported(A, B, left),
+  return route(kLinalgSolveTriangular, K, solve_triangular_unsupported(A, B, left),
                [&] { return solve_triangular(A, B, upper, left, unitriangular); }, A, B, upper, left, unitriangular);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor> triangular_solve_impl(const Tensor& B, const Tensor& A, bool upper, bool transpose,
                                                  bool unitriangular) {
-  return route(fam(), "aten::triangular_solve", K, solve_triangular_unsupported(A, B, true),
+  return route(kTriangularSolve, K, solve_triangular_unsupported(A, B, true),
                [&] { return triangular_solve_with_clone(B, A, upper, transpose, unitriangular); }, B, A, upper, transpose,
                unitriangular);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor> inv_ex_impl(const Tensor& A, bool check_errors) {
-  return route(fam(), "aten::linalg_inv_ex", K, square_unsupported(A), [&] { return inv_ex(A, check_errors); }, A,
+  return route(kLinalgInvEx, K, square_unsupported(A), [&] { return inv_ex(A, check_errors); }, A,
                check_errors);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor, Tensor> solve_ex_impl(const Tensor& A, const Tensor& B, bool left,
                                                          bool check_errors) {
-  return route(fam(), "aten::_linalg_solve_ex", K, solve_ex_unsupported(A, B, left),
+  return route(kLinalgSolveEx, K, solve_ex_unsupported(A, B, left),
                [&] { return solve_ex(A, B, left, check_errors); }, A, B, left, check_errors);
 }
 
 template <DispatchKey K>
 Tensor lu_solve_impl(const Tensor& LU, const Tensor& pivots, const Tensor& B, bool left, bool adjoint) {
   check_lu_solve(LU, pivots, B, left);
-  return route(fam(), "aten::linalg_lu_solve", K, lu_solve_unsupported(LU, pivots, B),
+  return route(kLinalgLuSolve, K, lu_solve_unsupported(LU, pivots, B),
                [&] { return solve_with_factors(LU, pivots, B, left, adjoint); }, LU, pivots, B, left, adjoint);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor> det_impl(const Tensor& A) {
-  return route(fam(), "aten::_linalg_det", K, square_unsupported(A),
+  return route(kLinalgDet, K, square_unsupported(A),
                [&] {
                  Factors f = det_factors(A, LINALG_DET);
                  return std::make_tuple(f.det, f.lu, f.pivots);
@@ -358,7 +369,7 @@ std::tuple<Tensor, Tensor, Tensor> det_impl(const Tensor& A) {
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor, Tensor> slogdet_impl(const Tensor& A) {
-  return route(fam(), "aten::_linalg_slogdet", K, square_unsupported(A),
+  return route(kLinalgSlogdet, K, square_unsupported(A),
                [&] {
                  Factors f = det_factors(A, LINALG_SLOGDET);
                  return std::make_tuple(f.det, f.logabsdet, f.lu, f.pivots);
@@ -400,7 +411,7 @@ TORCH_LIBRARY_IMPL(mps_ext, Negative, m) {
   m.impl("linalg_solve_triangular", torch::CppFunction::makeFallthrough());
 }
 
-MPS_EXT_FAMILY("linalg", mps_ext::register_linalg, "aten::linalg_lu_factor_ex", "aten::linalg_lu_factor",
+MPS_EXT_FAMILY(linalg, mps_ext::register_linalg, "aten::linalg_lu_factor_ex", "aten::linalg_lu_factor",
                "aten::linalg_lu", "aten::lu_unpack", "aten::linalg_solve_triangular", "aten::triangular_solve",
                "aten::linalg_inv_ex", "aten::_linalg_solve_ex", "aten::linalg_lu_solve", "aten::_linalg_det",
                "aten::_linalg_slogdet")

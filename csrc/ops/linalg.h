@@ -10,17 +10,19 @@
 #include <string>
 #include <vector>
 
+#include "ops/registry.h"
+
 namespace mps_ext {
 namespace linalg {
 
 // float32 and complex64: what the kernels compute in.
 bool kernel_dtype(c10::ScalarType t);
 
-// Why an operand cannot go to the kernels ("" if it can): dtype, layout,
+// Why an operand cannot go to the kernels (none if it can): dtype, layout,
 // more than MPS_EXT_MAX_DIMS batch dimensions, a matrix spanning 2^31
 // elements or more, `max_rows` exceeded (rows of the last two dims).
 // `matrix_dims`: 2 for matrices, 1 for pivots.
-std::string operand_unsupported(const at::Tensor& t, int64_t matrix_dims, int64_t max_rows);
+Reason operand_unsupported(const at::Tensor& t, int64_t matrix_dims, int64_t max_rows);
 
 // The batch shape of a and b broadcast against each other (each without its
 // last `a_dims` / `b_dims` dims); empty optional if they do not broadcast.

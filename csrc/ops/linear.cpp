@@ -140,9 +140,9 @@ void run(const Problem& pr) {
 
 bool kernel_dtype(c10::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 
-std::string dtypes_unsupported(std::initializer_list<const at::Tensor*> ts) {
+Reason dtypes_unsupported(std::initializer_list<const at::Tensor*> ts) {
   c10::ScalarType t = (*ts.begin())->scalar_type();
-  if (!kernel_dtype(t)) return std::string("dtype ") + c10::toString(t) + " (float32, float16 and bfloat16 are handled)";
+  if (!kernel_dtype(t)) return Reason::built(std::string("dtype ") + c10::toString(t) + " (float32, float16 and bfloat16 are handled)");
   for (const at::Tensor* x : ts) {
     if (!x->defined()) continue;
     if (x->scalar_type() != t) return "operands of different dtypes";
@@ -179,14 +179,14 @@ int64_t leading_rows(const at::Tensor& input) {
 // The kernels index the activation in 32 bits (the weight, the output and
 // the bias in 64): an activation view reaching past 2^31 elements is left to
 // the stock kernel.
-std::string activation_unsupported(const at::Tensor& x) {
+Reason activation_unsupported(const at::Tensor& x) {
   int64_t last = 0;
   for (int64_t d = 0; d < x.dim(); ++d) last += (x.size(d) - 1) * x.stride(d);
   if (last > INT32_MAX || (x.dim() > 0 && x.size(-1) > INT32_MAX)) return "activation offsets past 2^31 elements";
   return "";
 }
 
-std::string rows_unsupported(int64_t rows) {
+Reason rows_unsupported(int64_t rows) {
   if (rows == 0) return "";  // an empty result
   if (rows > kMaxDecodeRows) return "more than 8 rows (a general matmul)";
   return "";
@@ -203,17 +203,17 @@ float to_float(const c10::Scalar& v, int64_t k) {
 }  // namespace
 
 // ------------------------------------------------------------- F.linear --
-std::string linear_unsupported(const at::Tensor& input, const at::Tensor& weight,
+Reason linear_unsupported(const at::Tensor& input, const at::Tensor& weight,
                                const c10::optional<at::Tensor>& bias) {
-  std::string why = dtypes_unsupported({&input, &weight, bias ? &*bias : &weight});
-  if (!why.empty()) return why;
+  Reason why = dtypes_unsupported({&input, &weight, bias ? &*bias : &weight});
+  if (why) return why;
   if (input.dim() == 0 || weight.dim() != 2 || input.size(-1) != weight.size(1)) return "shapes torch rejects";  // its error follows
   if (bias && bias->defined() && !(bias->dim() == 1 && bias->size(0) == weight.size(0)))
     return "a bias that is not 1-D of size N";
   int64_t row_stride;
   if (!flat_rows(input, row_stride)) return "activation rows that do not flatten without a copy";
   why = activation_unsupported(input);
-  if (!why.empty()) return why;
+  if (why) return why;
   return rows_unsupported(leading_rows(input));
 }
 
@@ -242,19 +242,19 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::
 // mat1 [M, K] @ mat2 [K, N]: the activation is mat1 when M <= 8 (mat2 is the
 // weight, seen as [N, K]); else mat2's N <= 8 columns, with mat1 the weight
 // and the output written transposed.
-std::string mm_unsupported(const std::string& op, const at::Tensor& mat1, const at::Tensor& mat2,
-                           const at::Tensor* self, c10::DispatchKey key) {
-  std::string why = dtypes_unsupported({&mat1, &mat2, self ? self : &mat1});
-  if (!why.empty()) return why;
+Reason mm_unsupported(const RoutedOp& op, const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor* self,
+                      c10::DispatchKey key) {
+  Reason why = dtypes_unsupported({&mat1, &mat2, self ? self : &mat1});
+  if (why) return why;
   if (mat1.dim() != 2 || mat2.dim() != 2 || mat1.size(1) != mat2.size(0)) return "shapes torch rejects";  // its error follows
   if (self && !self->defined()) return "";
   // (The activation: see mm_transposed below.)
   why = activation_unsupported(mat1.size(0) <= mat2.size(1) && mat1.size(0) <= kMaxDecodeRows ? mat1 : mat2);
-  if (!why.empty()) return why;
+  if (why) return why;
   const int64_t rows = std::min(mat1.size(0), mat2.size(1));
   // The policy from torch 2.14 on MPS: one row to torch's own GEMV.
   if (rows == 1)
-    if (auto rule = family("linear").left_to_torch(op, key)) return rule->why;
+    if (Reason policy = op.picked(key, Condition::one_row)) return policy;
   return rows_unsupported(rows);
 }
 
@@ -279,7 +279,7 @@ static Problem mm_problem(const at::Tensor& mat1, const at::Tensor& mat2, const 
   return pr;
 }
 
-std::string out_unsupported(const at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2,
+Reason out_unsupported(const at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2,
                             const at::Tensor* self) {
   if (out.scalar_type() != mat1.scalar_type()) return "an out tensor of another dtype";
   if (out.dim() != 2 || out.size(0) != mat1.size(0) || out.size(1) != mat2.size(1))
@@ -344,22 +344,26 @@ namespace {
 
 using c10::DispatchKey;
 
+const RoutedOp kLinear(FamilyId::linear, "aten::linear"), kMm(FamilyId::linear, "aten::mm"),
+    kAddmm(FamilyId::linear, "aten::addmm"), kMmOut(FamilyId::linear, "aten::mm.out"),
+    kAddmmOut(FamilyId::linear, "aten::addmm.out");
+
 template <DispatchKey K>
 at::Tensor linear_impl(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  return route(family("linear"), "aten::linear", K, linear_unsupported(input, weight, bias),
+  return route(kLinear, K, linear_unsupported(input, weight, bias),
                [&] { return mps_ext::linear(input, weight, bias); }, input, weight, bias);
 }
 
 template <DispatchKey K>
 at::Tensor mm_impl(const at::Tensor& self, const at::Tensor& mat2) {
-  return route(family("linear"), "aten::mm", K, mm_unsupported("aten::mm", self, mat2, nullptr, K),
+  return route(kMm, K, mm_unsupported(kMm, self, mat2, nullptr, K),
                [&] { return mps_ext::mm(self, mat2); }, self, mat2);
 }
 
 template <DispatchKey K>
 at::Tensor addmm_impl(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
                       const c10::Scalar& beta, const c10::Scalar& alpha) {
-  return route(family("linear"), "aten::addmm", K, mm_unsupported("aten::addmm", mat1, mat2, &self, K),
+  return route(kAddmm, K, mm_unsupported(kAddmm, mat1, mat2, &self, K),
                [&] { return mps_ext::addmm(self, mat1, mat2, beta, alpha); }, self, mat1, mat2, beta, alpha);
 }
 
@@ -370,9 +374,9 @@ at::Tensor addmm_impl(const at::Tensor& self, const at::Tensor& mat1, const at::
 // error, is the stock kernel's.
 template <DispatchKey K>
 at::Tensor& mm_out_impl(const at::Tensor& self, const at::Tensor& mat2, at::Tensor& out) {
-  std::string why = mm_unsupported("aten::mm.out", self, mat2, nullptr, K);
-  if (why.empty()) why = out_unsupported(out, self, mat2, nullptr);
-  route(family("linear"), "aten::mm.out", K, why, [&] { return mps_ext::mm_out(self, mat2, out); }, self, mat2,
+  Reason why = mm_unsupported(kMmOut, self, mat2, nullptr, K);
+  if (!why) why = out_unsupported(out, self, mat2, nullptr);
+  route(kMmOut, K, why, [&] { return mps_ext::mm_out(self, mat2, out); }, self, mat2,
         out);
   return out;
 }
@@ -380,9 +384,9 @@ at::Tensor& mm_out_impl(const at::Tensor& self, const at::Tensor& mat2, at::Tens
 template <DispatchKey K>
 at::Tensor& addmm_out_impl(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
                            const c10::Scalar& beta, const c10::Scalar& alpha, at::Tensor& out) {
-  std::string why = mm_unsupported("aten::addmm.out", mat1, mat2, &self, K);
-  if (why.empty()) why = out_unsupported(out, mat1, mat2, &self);
-  route(family("linear"), "aten::addmm.out", K, why,
+  Reason why = mm_unsupported(kAddmmOut, mat1, mat2, &self, K);
+  if (!why) why = out_unsupported(out, mat1, mat2, &self);
+  route(kAddmmOut, K, why,
         [&] { return mps_ext::addmm_out(self, mat1, mat2, beta, alpha, out); }, self, mat1, mat2, beta, alpha, out);
   return out;
 }
@@ -399,5 +403,5 @@ void register_linear(torch::Library& m) {
 }  // namespace
 }  // namespace mps_ext
 
-MPS_EXT_FAMILY("linear", mps_ext::register_linear, "aten::linear", "aten::mm", "aten::addmm", "aten::mm.out",
+MPS_EXT_FAMILY(linear, mps_ext::register_linear, "aten::linear", "aten::mm", "aten::addmm", "aten::mm.out",
                "aten::addmm.out")

@@ -2,7 +2,7 @@
 // Each checks its arguments (torch's messages), allocates its output, picks
 // a kernel variant and launch geometry, and launches through backend/launch.h.
 // `*_unsupported` returns why an input goes to the stock kernel instead
-// (empty: mps_ext handles it).
+// (none: mps_ext handles it; a Reason, ops/registry.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -11,23 +11,25 @@
 
 #include <string>
 
+#include "ops/registry.h"
+
 namespace mps_ext {
 
 // softmax.cpp: _softmax / _log_softmax and their backward.
-std::string softmax_unsupported(const at::Tensor& self);
+Reason softmax_unsupported(const at::Tensor& self);
 at::Tensor softmax_forward(const at::Tensor& self, int64_t dim, bool half_to_float, bool log);
-std::string softmax_backward_unsupported(const at::Tensor& grad, const at::Tensor& output,
+Reason softmax_backward_unsupported(const at::Tensor& grad, const at::Tensor& output,
                                          c10::ScalarType input_dtype);
 at::Tensor softmax_backward(const at::Tensor& grad, const at::Tensor& output, int64_t dim,
                             c10::ScalarType input_dtype, bool log);
 
 // pad.cpp: constant_pad_nd.
-std::string pad_unsupported(const at::Tensor& self, c10::IntArrayRef pad);
+Reason pad_unsupported(const at::Tensor& self, c10::IntArrayRef pad);
 at::Tensor constant_pad(const at::Tensor& self, c10::IntArrayRef pad, const c10::Scalar& value);
 
 // linear.cpp: aten::linear, aten::mm, aten::addmm (and their out= forms)
 // with 1 to 8 activation rows.
-std::string linear_unsupported(const at::Tensor& input, const at::Tensor& weight,
+Reason linear_unsupported(const at::Tensor& input, const at::Tensor& weight,
                                const c10::optional<at::Tensor>& bias);
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 // `op`: the aten op called ("aten::mm.out"); `self`: addmm's bias (nullptr
@@ -35,10 +37,10 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::
 // policy rule may leave one-row products on it to torch's own GEMV:
 // mps_ext/_policy.py; F.linear keeps one row, torch's aten::linear does not
 // use that GEMV).
-std::string mm_unsupported(const std::string& op, const at::Tensor& mat1, const at::Tensor& mat2,
-                           const at::Tensor* self, c10::DispatchKey key);
-// Why the out= forms do not write into `out` ("" if they do).
-std::string out_unsupported(const at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2,
+Reason mm_unsupported(const RoutedOp& op, const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor* self,
+                      c10::DispatchKey key);
+// Why the out= forms do not write into `out` (none if they do).
+Reason out_unsupported(const at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2,
                             const at::Tensor* self);
 at::Tensor mm(const at::Tensor& mat1, const at::Tensor& mat2);
 at::Tensor addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2, const c10::Scalar& beta,
@@ -48,10 +50,10 @@ at::Tensor& addmm_out(const at::Tensor& self, const at::Tensor& mat1, const at::
                       const c10::Scalar& beta, const c10::Scalar& alpha, at::Tensor& out);
 
 // grouped_mm.cpp: _grouped_mm and _scaled_grouped_mm (mixture-of-experts layers).
-std::string grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b);
+Reason grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b);
 at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& offs,
                       const c10::optional<at::Tensor>& bias, c10::optional<c10::ScalarType> out_dtype);
-std::string scaled_grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b);
+Reason scaled_grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b);
 at::Tensor scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                              const at::Tensor& scale_b, const c10::optional<at::Tensor>& offs,
                              const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale_result,

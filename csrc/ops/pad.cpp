@@ -106,12 +106,12 @@ const char* size_name(int64_t itemsize) {
 
 }  // namespace
 
-std::string pad_unsupported(const at::Tensor& self, c10::IntArrayRef) {
+Reason pad_unsupported(const at::Tensor& self, c10::IntArrayRef) {
   if (self.layout() != at::kStrided) return "layout is not strided";
   if (self.is_quantized()) return "quantized tensor";
   int64_t itemsize = self.itemsize();
   if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8)
-    return std::string("dtype ") + c10::toString(self.scalar_type()) + " (elements of 1, 2, 4 or 8 bytes are handled)";
+    return Reason::built(std::string("dtype ") + c10::toString(self.scalar_type()) + " (elements of 1, 2, 4 or 8 bytes are handled)");
   if (self.dim() > MPS_EXT_MAX_DIMS) return "more than 8 dimensions";
   return "";
 }
@@ -178,10 +178,12 @@ at::Tensor constant_pad(const at::Tensor& self, c10::IntArrayRef pad, const c10:
 // -------------------------------------------------------- registration --
 namespace {
 
+const RoutedOp kConstantPad(FamilyId::pad, "aten::constant_pad_nd");
+
 template <c10::DispatchKey K>
 at::Tensor constant_pad_impl(const at::Tensor& self, c10::SymIntArrayRef pad, const c10::Scalar& value) {
   c10::IntArrayRef p = C10_AS_INTARRAYREF_SLOW(pad);
-  return route(family("pad"), "aten::constant_pad_nd", K, pad_unsupported(self, p),
+  return route(kConstantPad, K, pad_unsupported(self, p),
                [&] { return constant_pad(self, p, value); }, self, pad, value);
 }
 
@@ -193,4 +195,4 @@ void register_pad(torch::Library& m) {
 }  // namespace
 }  // namespace mps_ext
 
-MPS_EXT_FAMILY("pad", mps_ext::register_pad, "aten::constant_pad_nd")
+MPS_EXT_FAMILY(pad, mps_ext::register_pad, "aten::constant_pad_nd")

@@ -1,5 +1,6 @@
-// The family table behind MPS_EXT_FAMILY, installation of the MPS overrides
-// and the Meta kernels of torch.ops.mps_ext (see registration.h).
+// MPS_EXT_FAMILY's entry into the family table (ops/registry.h),
+// installation of the MPS overrides and the Meta kernels of torch.ops.mps_ext
+// (see registration.h).
 #include "ops/registration.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -16,19 +17,6 @@
 
 namespace mps_ext {
 namespace {
-
-std::mutex g_mutex;
-std::map<std::string, FamilyDef>& table() {
-  static auto* t = new std::map<std::string, FamilyDef>();
-  return *t;
-}
-
-const FamilyDef& find(const std::string& name) {
-  std::lock_guard<std::mutex> g(g_mutex);
-  auto it = table().find(name);
-  TORCH_CHECK(it != table().end(), "mps_ext: no op family named '", name, "'");
-  return it->second;
-}
 
 // Torch warns (once per process) when a kernel replaces another for the same
 // op and key, which is what an override does on purpose. This handler drops
@@ -60,23 +48,12 @@ void aten_meta_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
 
 }  // namespace
 
-FamilyRegistrar::FamilyRegistrar(FamilyDef def) {
-  std::lock_guard<std::mutex> g(g_mutex);
-  std::string name = def.name;
-  table().emplace(name, std::move(def));
+FamilyRegistrar::FamilyRegistrar(FamilyId id, std::vector<std::string> aten_ops, RegisterKernels register_mps,
+                                 RegisterKernels register_cpu) {
+  family(id).define(Family::Def{std::move(aten_ops), register_mps, register_cpu});
 }
 
-std::vector<std::string> families() {
-  std::vector<std::string> names;
-  {
-    std::lock_guard<std::mutex> g(g_mutex);
-    for (const auto& kv : table()) names.push_back(kv.first);
-  }
-  for (const auto& n : names) family(n);  // create its switch and counters
-  return names;
-}
-
-std::vector<std::string> family_aten_ops(const std::string& fam) { return find(fam).aten_ops; }
+std::vector<std::string> family_aten_ops(const std::string& fam) { return family(fam).def().aten_ops; }
 
 // Schemas of aten ops that the oldest supported torch (2.9) lacks, from the
 // newest release that has them, so that torch.ops.mps_ext has them anyway.
@@ -125,7 +102,7 @@ std::vector<std::string> install_overrides(const std::vector<std::string>& fams,
   if (!lib) lib = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", key, __FILE__, __LINE__);
   std::vector<std::string> done;
   for (const auto& name : fams) {
-    const FamilyDef& def = find(name);
+    const Family::Def& def = family(name).def();
     if (!installed.count({name, key})) {
       for (const auto& op : def.aten_ops) capture_stock_kernel(op, key);
       without_override_warning([&] { (key == c10::DispatchKey::MPS ? def.register_mps : def.register_cpu)(*lib); });

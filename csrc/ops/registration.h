@@ -1,8 +1,9 @@
 // Registration of op families with torch's dispatcher.
 //
 // Each family registers itself from its own file with MPS_EXT_FAMILY: its
-// name, the aten ops it implements and a function template that registers
-// its kernels for a dispatch key. That gives, on every platform,
+// name (an entry of ops/families.h: any other does not compile), the aten
+// ops it implements and a function template that registers its kernels for
+// a dispatch key. That gives, on every platform,
 // torch.ops.mps_ext.<aten name> with the aten op's own schema (read from the
 // installed torch, so it matches every release) for CPU tensors (the CPU
 // Metal executor) and, on macOS, MPS tensors; and, on a Mac,
@@ -20,24 +21,17 @@
 #include <string>
 #include <vector>
 
+#include "ops/registry.h"
+
 namespace mps_ext {
 
-using RegisterKernels = void (*)(torch::Library&);
-
-struct FamilyDef {
-  std::string name;                   // what a user turns off: "softmax"
-  std::vector<std::string> aten_ops;  // "aten::_softmax", ... (default overloads)
-  RegisterKernels register_mps;       // the family's kernels for the MPS key
-  RegisterKernels register_cpu;       // and for the CPU key (tests install overrides there)
-};
-
-// Called at static initialisation by MPS_EXT_FAMILY.
+// Called at static initialisation by MPS_EXT_FAMILY: the family's
+// definition, into its entry of the one family table (ops/registry.h).
 struct FamilyRegistrar {
-  explicit FamilyRegistrar(FamilyDef def);
+  FamilyRegistrar(FamilyId id, std::vector<std::string> aten_ops, RegisterKernels register_mps,
+                  RegisterKernels register_cpu);
 };
 
-// Names of the op families ("pad", "softmax", ...), sorted.
-std::vector<std::string> families();
 // The aten ops a family implements.
 std::vector<std::string> family_aten_ops(const std::string& family);
 // Override those aten ops on `key` (MPS, on macOS; CPU only in tests, in a
@@ -58,7 +52,8 @@ void without_override_warning(const std::function<void()>& f);
 
 }  // namespace mps_ext
 
-// MPS_EXT_FAMILY(name, Register, "aten::op", ...): `Register` is a function
+// MPS_EXT_FAMILY(name, Register, "aten::op", ...): `name` is the family's
+// entry in ops/families.h, unquoted (softmax); `Register` is a function
 // template `template <c10::DispatchKey K> void Register(torch::Library& m)`
 // that calls m.impl for each op with kernels that fall back to the stock
 // kernel of key K (through route(), ops/registry.h). The Meta kernels are
@@ -74,8 +69,8 @@ void without_override_warning(const std::function<void()>& f);
   TORCH_LIBRARY_IMPL(mps_ext, CPU, m) { REGISTER<c10::DispatchKey::CPU>(m); }            \
   MPS_EXT_FAMILY_MPS_IMPL(REGISTER)                                                      \
   static const ::mps_ext::FamilyRegistrar C10_CONCATENATE(mps_ext_family_, __COUNTER__)( \
-      ::mps_ext::FamilyDef{NAME, {__VA_ARGS__}, &REGISTER<c10::DispatchKey::MPS>,        \
-                           &REGISTER<c10::DispatchKey::CPU>});
+      ::mps_ext::FamilyId::NAME, {__VA_ARGS__}, &REGISTER<c10::DispatchKey::MPS>,        \
+      &REGISTER<c10::DispatchKey::CPU>);
 
 #ifdef __APPLE__
 #define MPS_EXT_FAMILY_MPS_IMPL(REGISTER) \

@@ -1,41 +1,144 @@
 #include "ops/registry.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <set>
+#include <unordered_set>
 
 #include "ops/kernel_choice.h"
 
 namespace mps_ext {
 
-void Family::count_ran() {
-  std::lock_guard<std::mutex> g(mutex_);
-  ++ran_;
+// ------------------------------------------------------------- reasons --
+Reason Reason::built(const std::string& text) {
+  if (text.empty()) return {};
+  static std::mutex mutex;
+  static auto* interned = new std::unordered_set<std::string>();  // never freed: reasons point into it
+  std::lock_guard<std::mutex> g(mutex);
+  return Reason(interned->insert(text).first->c_str());
 }
-void Family::count_fallback(const std::string& reason) {
-  std::lock_guard<std::mutex> g(mutex_);
-  ++fallbacks_[reason];
+
+void ReasonCounts::add(Reason r) {
+  const char* key = r.text();
+  size_t slot = std::hash<const void*>{}(key) % kSlots;
+  for (size_t probe = 0; probe < kSlots; ++probe, slot = (slot + 1) % kSlots) {
+    const char* k = keys_[slot].load(std::memory_order_acquire);
+    if (k == nullptr && keys_[slot].compare_exchange_strong(k, key, std::memory_order_acq_rel)) k = key;
+    if (k == key) {
+      counts_[slot].fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+  }
+  other_.fetch_add(1, std::memory_order_relaxed);
 }
-uint64_t Family::ran() const {
-  std::lock_guard<std::mutex> g(mutex_);
-  return ran_;
+
+std::map<std::string, uint64_t> ReasonCounts::read() const {
+  std::map<std::string, uint64_t> out;  // one text may have several pointers (a literal per file)
+  for (size_t i = 0; i < kSlots; ++i) {
+    const char* k = keys_[i].load(std::memory_order_acquire);
+    const uint64_t n = counts_[i].load(std::memory_order_relaxed);
+    if (k && n) out[k] += n;
+  }
+  if (uint64_t n = other_.load(std::memory_order_relaxed)) out["other reasons (more than the counters hold)"] += n;
+  return out;
 }
-std::map<std::string, uint64_t> Family::fallbacks() const {
-  std::lock_guard<std::mutex> g(mutex_);
-  return fallbacks_;
+
+void ReasonCounts::reset() {
+  for (auto& c : counts_) c.store(0, std::memory_order_relaxed);
+  other_.store(0, std::memory_order_relaxed);
 }
+
+// ---------------------------------------------------------- conditions --
+namespace {
+const char* const kConditionNames[] = {
+    "",
+#define MPS_EXT_CONDITION_NAME(name) #name,
+    MPS_EXT_CONDITIONS(MPS_EXT_CONDITION_NAME)
+#undef MPS_EXT_CONDITION_NAME
+};
+}  // namespace
+
+Condition condition_named(const std::string& name) {
+  for (size_t i = 0; i < std::size(kConditionNames); ++i)
+    if (name == kConditionNames[i]) return static_cast<Condition>(i);
+  std::string known;
+  for (const auto& n : condition_names()) known += (known.empty() ? "" : ", ") + n;
+  TORCH_CHECK(false, "mps_ext: no policy condition named '", name, "'; the conditions are ", known,
+              " (csrc/ops/registry.h, mps_ext/_policy.py)");
+}
+
+std::vector<std::string> condition_names() {
+  return std::vector<std::string>(std::begin(kConditionNames) + 1, std::end(kConditionNames));
+}
+
+// ------------------------------------------------------------ families --
+namespace {
+std::array<Family, kFamilyCount>& table() {
+  static auto* t = new std::array<Family, kFamilyCount>{{
+#define MPS_EXT_FAMILY_ENTRY(n) Family(FamilyId::n, #n),
+      MPS_EXT_FAMILIES(MPS_EXT_FAMILY_ENTRY)
+#undef MPS_EXT_FAMILY_ENTRY
+  }};
+  return *t;
+}
+std::mutex g_problem_mutex;
+std::string g_problem;  // set while families define themselves (static initialisation)
+}  // namespace
+
+Family& family(FamilyId id) { return table()[static_cast<size_t>(id)]; }
+
+Family& family(const std::string& name) {
+  for (Family& f : table())
+    if (name == f.name) return f;
+  std::string known;
+  for (const auto& n : family_names()) known += (known.empty() ? "" : ", ") + n;
+  TORCH_CHECK(false, "mps_ext: no op family named '", name, "'; the families are ", known);
+}
+
+std::vector<std::string> family_names() {
+  std::vector<std::string> names;
+  for (const Family& f : table()) names.push_back(f.name);
+  return names;
+}
+
+std::string family_table_problem() {
+  std::lock_guard<std::mutex> g(g_problem_mutex);
+  std::string problem = g_problem;
+  for (const Family& f : table())
+    if (!f.defined())
+      problem += std::string(problem.empty() ? "" : "; ") + "the family '" + f.name +
+                 "' is in ops/families.h but no file defines it with MPS_EXT_FAMILY";
+  return problem;
+}
+
+void Family::define(Def def) {
+  if (defined()) {
+    // Static initialisation cannot raise: the problem is raised when _C loads.
+    std::lock_guard<std::mutex> g(g_problem_mutex);
+    g_problem += std::string(g_problem.empty() ? "" : "; ") + "the family '" + name + "' is defined twice";
+    return;
+  }
+  def_ = std::move(def);
+}
+
+const Family::Def& Family::def() const {
+  TORCH_CHECK(defined(), "mps_ext: the family '", name, "' is not defined (no MPS_EXT_FAMILY)");
+  return def_;
+}
+
 void Family::reset() {
-  std::lock_guard<std::mutex> g(mutex_);
-  ran_ = 0;
-  fallbacks_.clear();
+  ran_.store(0, std::memory_order_relaxed);
+  fallbacks_.reset();
 }
 
 std::string Family::unavailable(c10::DispatchKey key) const {
-  if (!any_unavailable_.load()) return "";
+  if (!any_unavailable()) return "";
   std::lock_guard<std::mutex> g(mutex_);
   auto it = unavailable_.find(key);
   return it == unavailable_.end() ? "" : it->second;
@@ -78,35 +181,73 @@ bool LeftToTorch::applies(const torch::jit::Stack& args) const {
   return true;
 }
 
+RuleSlot& Family::rule_slot(const std::string& op) {
+  std::lock_guard<std::mutex> g(mutex_);
+  auto& slot = slots_[op];
+  if (!slot) slot = std::make_unique<RuleSlot>();
+  return *slot;
+}
+
 void Family::leave_to_torch(const std::string& op, c10::DispatchKey key, const std::string& why,
                             const std::vector<c10::ScalarType>& kept_dtypes,
-                            const std::vector<std::pair<std::string, bool>>& kept_args, bool op_picks) {
-  LeftToTorch rule{why, kept_dtypes, {}, op_picks};
+                            const std::vector<std::pair<std::string, bool>>& kept_args, Condition calls) {
+  const auto& ops = def().aten_ops;
+  TORCH_CHECK(std::find(ops.begin(), ops.end(), op) != ops.end(), "mps_ext: the ", name, " family has no op ", op,
+              " (its ops: ", c10::Join(", ", ops), ")");
+  TORCH_CHECK(calls == Condition::all || (kept_dtypes.empty() && kept_args.empty()), "mps_ext: ", op,
+              ": a rule whose calls a condition picks keeps no dtypes or arguments");
+  auto rule = std::make_unique<LeftToTorch>(LeftToTorch{why, kept_dtypes, {}, calls});
   if (!kept_args.empty()) {
     const c10::FunctionSchema& schema = op_handle(op).schema();
-    for (const auto& [name, value] : kept_args) {
-      auto index = schema.argumentIndexWithName(name);
+    for (const auto& [arg, value] : kept_args) {
+      auto index = schema.argumentIndexWithName(arg);
       TORCH_CHECK(index && schema.arguments()[*index].type()->kind() == c10::TypeKind::BoolType, "mps_ext: ", op,
-                  " has no bool argument named '", name, "'");
-      rule.kept_args.emplace_back(static_cast<size_t>(*index), value);
+                  " has no bool argument named '", arg, "'");
+      rule->kept_args.emplace_back(static_cast<size_t>(*index), value);
     }
   }
+  RuleSlot& slot = rule_slot(op);
   std::lock_guard<std::mutex> g(mutex_);
-  if (why.empty())
-    left_to_torch_.erase(std::make_pair(op, key));
-  else
-    left_to_torch_[std::make_pair(op, key)] = std::move(rule);
-  any_left_to_torch_ = !left_to_torch_.empty();
+  // A call may be reading the rule this replaces: rules are kept, not freed.
+  // A rule set again (the model runner re-applies a release's policy) is the
+  // one kept before, so that its reason stays one counter.
+  const LeftToTorch* kept = nullptr;
+  for (const auto& r : rules_)
+    if (r->why == rule->why && r->kept_dtypes == rule->kept_dtypes && r->kept_args == rule->kept_args &&
+        r->calls == rule->calls)
+      kept = r.get();
+  if (!kept && !why.empty()) {
+    kept = rule.get();
+    rules_.push_back(std::move(rule));
+  }
+  slot.of(key).store(why.empty() ? nullptr : kept, std::memory_order_release);
 }
 
-c10::optional<LeftToTorch> Family::left_to_torch(const std::string& op, c10::DispatchKey key) const {
-  if (!any_left_to_torch_.load()) return c10::nullopt;
-  std::lock_guard<std::mutex> g(mutex_);
-  auto it = left_to_torch_.find(std::make_pair(op, key));
-  if (it == left_to_torch_.end()) return c10::nullopt;
-  return it->second;
-}
+// ---------------------------------------------------- executor requests --
+namespace {
+thread_local int t_executor_requests = 0;
+std::atomic<int> g_metal_backend_simulated{-1};
+}  // namespace
 
+void set_executor_requested(bool requested) {
+  t_executor_requests += requested ? 1 : -1;
+  if (t_executor_requests < 0) t_executor_requests = 0;
+}
+bool executor_requested() { return t_executor_requests > 0; }
+
+bool metal_backend_present() {
+  const int simulated = g_metal_backend_simulated.load(std::memory_order_relaxed);
+#ifdef __APPLE__
+  return simulated != 0;
+#else
+  return simulated == 1;
+#endif
+}
+void set_metal_backend_present(int present) { g_metal_backend_simulated = present < 0 ? -1 : present > 0; }
+
+bool executor_allowed() { return !metal_backend_present() || executor_requested(); }
+
+// ----------------------------------------------------------- routing --
 namespace detail {
 
 c10::DeviceType device_of(c10::DispatchKey key) {
@@ -117,25 +258,45 @@ c10::DeviceType device_of(c10::DispatchKey key) {
   }
 }
 
-std::string precheck(Family& fam, c10::DispatchKey key) {
-  if (!fam.enabled.load()) return "turned off";
-  if (!fam.unavailable(key).empty()) return "kernels unavailable on this device";
-  return "";
+Reason foreign_device_reason(c10::DeviceType got, c10::DeviceType want) {
+  return Reason::built(std::string("a ") + c10::DeviceTypeName(got) + " tensor beside " + c10::DeviceTypeName(want) +
+                       " tensors");
 }
 
-std::string cannot_run(const std::string& op, c10::DispatchKey key, const std::string& reason) {
-  return "mps_ext: " + op + " cannot run on " + c10::DeviceTypeName(device_of(key)) + " here (" + reason +
-         ") and torch has no kernel of its own for it to run instead";
+Reason precheck(const Family& fam, c10::DispatchKey key) {
+  if (!fam.enabled.load(std::memory_order_relaxed)) return "turned off";
+  if (fam.any_unavailable() && !fam.unavailable(key).empty()) return "kernels unavailable on this device";
+  if (key == c10::DispatchKey::CPU && !executor_allowed())
+    return "the CPU Metal executor was not asked for (mps_ext._executor_request.request())";
+  return {};
+}
+
+std::string cannot_run(const char* op, c10::DispatchKey key, Reason reason) {
+  return std::string("mps_ext: ") + op + " cannot run on " + c10::DeviceTypeName(device_of(key)) + " here (" +
+         reason.text() + ") and torch has no kernel of its own for it to run instead";
 }
 
 }  // namespace detail
 
+const RoutedOp::Stock& RoutedOp::stock(c10::DispatchKey key) const {
+  auto& cached = key == c10::DispatchKey::MPS ? stock_mps_ : stock_cpu_;
+  if (const Stock* s = cached.load(std::memory_order_acquire)) return *s;
+  // Two threads may both look it up: one copy is kept, the other leaks (once per op and key).
+  auto* s = new Stock{&stock_kernel(name, key), op_handle(name)};
+  const Stock* expected = nullptr;
+  if (!cached.compare_exchange_strong(expected, s, std::memory_order_acq_rel)) return *expected;
+  return *s;
+}
+
+bool RoutedOp::has_stock(c10::DispatchKey key) const {
+  auto& cached = key == c10::DispatchKey::MPS ? has_mps_ : has_cpu_;
+  int8_t has = cached.load(std::memory_order_relaxed);
+  if (has < 0) cached.store(has = has_stock_kernel(name, key), std::memory_order_relaxed);
+  return has;
+}
+
 namespace {
 std::mutex g_mutex;
-std::map<std::string, std::unique_ptr<Family>>& families() {
-  static auto* f = new std::map<std::string, std::unique_ptr<Family>>();
-  return *f;
-}
 std::map<std::pair<std::string, c10::DispatchKey>, c10::SafeKernelFunction>& stock() {
   static auto* s = new std::map<std::pair<std::string, c10::DispatchKey>, c10::SafeKernelFunction>();
   return *s;
@@ -151,20 +312,6 @@ std::pair<std::string, std::string> split_name(const std::string& op) {
   return {op.substr(0, dot), op.substr(dot + 1)};
 }
 }  // namespace
-
-Family& family(const std::string& name) {
-  std::lock_guard<std::mutex> g(g_mutex);
-  auto& f = families()[name];
-  if (!f) f = std::make_unique<Family>(name);
-  return *f;
-}
-
-std::vector<std::string> family_names() {
-  std::lock_guard<std::mutex> g(g_mutex);
-  std::vector<std::string> names;
-  for (auto& kv : families()) names.push_back(kv.first);
-  return names;
-}
 
 c10::OperatorHandle op_handle(const std::string& op) {
   auto [name, overload] = split_name(op);

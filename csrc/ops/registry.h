@@ -1,18 +1,23 @@
-// What every op shares: its family's on/off switch and counters, and the
-// stock kernel it falls back to for inputs it does not handle.
+// What every op shares: its family (its switch, counters, policy rules and
+// definition), and the stock kernel it falls back to for inputs it does not
+// handle.
 //
-// A family ("softmax", "pad", ...) is what a user turns off. Each op runs
-// through `route`, which sends the call to the kernel registered for the
-// same aten op and dispatch key before mps_ext's override (on MPS: PyTorch's
-// own kernel, captured when the override was installed; on CPU, for the
-// torch.ops.mps_ext ops: aten's CPU kernel) when
+// A family ("softmax", "pad", ...: the table in ops/families.h) is what a
+// user turns off. Each op runs through `route`, which sends the call to the
+// kernel registered for the same aten op and dispatch key before mps_ext's
+// override (on MPS: PyTorch's own kernel, captured when the override was
+// installed; on CPU, for the torch.ops.mps_ext ops: aten's CPU kernel) when
 //   - the family is turned off;
 //   - the family's kernels cannot run on this device (a Metal library or
 //     pipeline that failed to build here: see BackendUnavailable);
+//   - the call is on CPU tensors where a Metal GPU backend exists (a Mac)
+//     and the CPU Metal executor was not asked for (executor_requested:
+//     mps_ext/_executor_request.py): the executor is the contributor's
+//     instrument, thousands of times slower than torch's CPU kernels;
 //   - the policy leaves this op to the installed torch (mps_ext/_policy.py),
 //     possibly not for dtypes or argument values torch's kernel refuses (a
-//     LeftToTorch rule; a rule whose calls the op's own code picks is the
-//     op's `unsupported` reason);
+//     LeftToTorch rule; a rule whose calls a named Condition picks is
+//     applied by the op's own code: RoutedOp::picked);
 //   - a tensor argument lives on another device than the kernel's (a 0-dim
 //     CPU tensor beside MPS tensors: torch's kernel does what torch does);
 //   - the op says it does not handle these inputs (`unsupported`);
@@ -20,22 +25,86 @@
 // good a kernel) starts with "policy: ": the self-check and the tests accept
 // those fallbacks on MPS, and "turned off", but no other. Everything here is
 // generic over op families: a new family gets all of it by calling route.
+//
+// Routing costs a few loads when the kernel runs: an op's family and policy
+// slot are resolved once (RoutedOp, a static per op), counters are relaxed
+// atomics, and a reason is a pointer to text that lives as long as the
+// process, turned into a string only when stats() reports it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/boxing/impl/boxing.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <torch/library.h>
 
+#include <array>
 #include <atomic>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/launch.h"
+#include "backend/torch_compat.h"
+#include "ops/families.h"
 
 namespace mps_ext {
+
+enum class FamilyId : uint8_t {
+#define MPS_EXT_FAMILY_ID(name) name,
+  MPS_EXT_FAMILIES(MPS_EXT_FAMILY_ID)
+#undef MPS_EXT_FAMILY_ID
+};
+#define MPS_EXT_FAMILY_ONE(name) +1
+constexpr size_t kFamilyCount = 0 MPS_EXT_FAMILIES(MPS_EXT_FAMILY_ONE);
+#undef MPS_EXT_FAMILY_ONE
+
+// Why a call goes to the stock kernel: none (mps_ext's kernel takes it), or
+// text that lives as long as the process. Passing, returning and counting
+// one moves a pointer; no string is built where mps_ext's kernel runs.
+// A literal is its own code; text built from the arguments (a reason naming
+// a dtype) is interned once, so that it counts like a literal.
+class Reason {
+ public:
+  constexpr Reason() = default;
+  constexpr Reason(const char* text) : text_(text && *text ? text : nullptr) {}  // NOLINT: literals are reasons
+  static Reason built(const std::string& text);  // interned; "" is none
+  explicit operator bool() const { return text_ != nullptr; }
+  const char* text() const { return text_ ? text_ : ""; }
+
+ private:
+  const char* text_ = nullptr;
+};
+
+// The first of two reasons that is one.
+inline Reason operator||(Reason a, Reason b) { return a ? a : b; }
+
+// The named conditions of policy rules (mps_ext/_policy.py's Condition: the
+// same names, checked by tests/test_policy.py): the calls of an op a rule
+// leaves to torch, where the arguments' dtypes and bools do not say which.
+// Each is decided by the op's own code (RoutedOp::picked), by what torch's
+// kernel takes.
+//   one_row: mm and addmm with one row of the activation (or one column):
+//     torch 2.14's own GEMV (linear.cpp).
+//   torch_scaled_mm: tensor-wise and row-wise float8_e4m3fn _scaled_mm_v2
+//     with outputs, bias and alignment torch 2.15's kernel takes (fp8_mm.cpp).
+#define MPS_EXT_CONDITIONS(X) \
+  X(one_row)                  \
+  X(torch_scaled_mm)
+
+enum class Condition : uint8_t {
+  all,  // no condition: route applies the rule (with its kept dtypes and arguments)
+#define MPS_EXT_CONDITION_ID(name) name,
+  MPS_EXT_CONDITIONS(MPS_EXT_CONDITION_ID)
+#undef MPS_EXT_CONDITION_ID
+};
+// "one_row" -> Condition::one_row ("" -> all); an error naming the
+// conditions for any other name.
+Condition condition_named(const std::string& name);
+std::vector<std::string> condition_names();
 
 // A policy decision (mps_ext/_policy.py): which calls of an op go to the
 // stock kernel because torch's own is as good.
@@ -46,55 +115,108 @@ struct LeftToTorch {
   // this bool: inputs torch's kernel refuses, which mps_ext keeps.
   std::vector<c10::ScalarType> kept_dtypes;
   std::vector<std::pair<size_t, bool>> kept_args;
-  // The op's own code picks the calls (by what torch's kernel takes: a row
-  // count, a scale recipe) and gives `why` as its `unsupported` reason;
-  // route does not apply the rule itself.
-  bool op_picks = false;
+  // Not `all`: the op's own code picks the calls by this condition, and
+  // gives `why` as its `unsupported` reason; route does not apply the rule.
+  Condition calls = Condition::all;
 
   bool applies(const torch::jit::Stack& args) const;
+  Reason reason() const { return Reason(why.c_str()); }  // rules are never freed
 };
 
-struct Family {
-  explicit Family(std::string n) : name(std::move(n)) {}
-  const std::string name;
+// Where route reads an op's rule for each key: one load per call.
+struct RuleSlot {
+  std::atomic<const LeftToTorch*> cpu{nullptr}, mps{nullptr};
+  std::atomic<const LeftToTorch*>& of(c10::DispatchKey key) { return key == c10::DispatchKey::MPS ? mps : cpu; }
+};
+
+using RegisterKernels = void (*)(torch::Library&);
+
+// Counts per reason without a lock: reasons are pointers, so a slot is
+// claimed once (compare-and-swap) and then only incremented.
+class ReasonCounts {
+ public:
+  void add(Reason r);
+  std::map<std::string, uint64_t> read() const;  // text -> count, the nonzero ones
+  void reset();
+
+ private:
+  static constexpr size_t kSlots = 64;
+  std::array<std::atomic<const char*>, kSlots> keys_{};
+  std::array<std::atomic<uint64_t>, kSlots> counts_{};
+  std::atomic<uint64_t> other_{0};  // when more than kSlots distinct reasons came
+};
+
+class Family {
+ public:
+  Family(FamilyId id, const char* name) : id(id), name(name) {}
+  const FamilyId id;
+  const char* const name;
   std::atomic<bool> enabled{true};
 
-  void count_ran();
-  void count_fallback(const std::string& reason);
-  uint64_t ran() const;
-  std::map<std::string, uint64_t> fallbacks() const;
+  // Its definition, given once by MPS_EXT_FAMILY in the family's own file.
+  struct Def {
+    std::vector<std::string> aten_ops;  // "aten::_softmax", ...
+    RegisterKernels register_mps = nullptr, register_cpu = nullptr;
+  };
+  void define(Def def);
+  const Def& def() const;  // an error if no file defined it
+  bool defined() const { return def_.register_cpu != nullptr; }
+
+  void count_ran() { ran_.fetch_add(1, std::memory_order_relaxed); }
+  void count_fallback(Reason reason) { fallbacks_.add(reason); }
+  uint64_t ran() const { return ran_.load(std::memory_order_relaxed); }
+  std::map<std::string, uint64_t> fallbacks() const { return fallbacks_.read(); }
   void reset();
 
   // The family's kernels cannot run for `key` in this process (empty: they
   // can). The first call warns once, naming the cause; later ones are no-ops.
   std::string unavailable(c10::DispatchKey key) const;
+  bool any_unavailable() const { return any_unavailable_.load(std::memory_order_acquire); }
   void mark_unavailable(c10::DispatchKey key, const std::string& cause);
   std::map<c10::DispatchKey, std::string> unavailable_all() const;
   void clear_unavailable();  // for tests only: a real failure does not heal
 
-  // The policy's per-op decision: calls of `op` for `key` go to the stock
-  // kernel, counted under `why` (empty `why`: clears it); not those with a
-  // tensor of one of `kept_dtypes`, nor those whose bool argument named in
-  // `kept_args` has the value given there; with `op_picks`, those the op's
-  // code picks (LeftToTorch).
+  // The policy's per-op decision: calls of `op` (one of the family's aten
+  // ops, else an error) for `key` go to the stock kernel, counted under
+  // `why` (empty `why`: clears it); not those with a tensor of one of
+  // `kept_dtypes`, nor those whose bool argument named in `kept_args` has
+  // the value given there; with a condition, those the op's code picks.
   void leave_to_torch(const std::string& op, c10::DispatchKey key, const std::string& why,
                       const std::vector<c10::ScalarType>& kept_dtypes = {},
-                      const std::vector<std::pair<std::string, bool>>& kept_args = {}, bool op_picks = false);
-  c10::optional<LeftToTorch> left_to_torch(const std::string& op, c10::DispatchKey key) const;
+                      const std::vector<std::pair<std::string, bool>>& kept_args = {},
+                      Condition calls = Condition::all);
+  RuleSlot& rule_slot(const std::string& op);  // made on first use, never freed
 
  private:
-  mutable std::mutex mutex_;
-  uint64_t ran_ = 0;
-  std::map<std::string, uint64_t> fallbacks_;
+  Def def_;
+  std::atomic<uint64_t> ran_{0};
+  ReasonCounts fallbacks_;
+  mutable std::mutex mutex_;  // what follows, all cold: set up, failure, policy installation
   std::map<c10::DispatchKey, std::string> unavailable_;
-  std::map<std::pair<std::string, c10::DispatchKey>, LeftToTorch> left_to_torch_;
-  // Read on every call without the lock: most families have neither.
-  std::atomic<bool> any_unavailable_{false}, any_left_to_torch_{false};
+  std::atomic<bool> any_unavailable_{false};
+  std::map<std::string, std::unique_ptr<RuleSlot>> slots_;
+  std::vector<std::unique_ptr<LeftToTorch>> rules_;  // every rule ever set: a slot may still point at one
 };
 
-// The family of this name, created on first use.
+// The family of an id: an element of a fixed table, no lock.
+Family& family(FamilyId id);
+// By name, for Python: an error naming the families for an unknown name.
 Family& family(const std::string& name);
 std::vector<std::string> family_names();
+// Why the family table is wrong ("" if it is not): a family that no file
+// defines, or that two do. Raised when mps_ext._C loads.
+std::string family_table_problem();
+
+// Whether the CPU Metal executor may run torch.ops.mps_ext ops on CPU
+// tensors here: always where no Metal backend exists (Linux: the executor
+// is how CI runs every kernel); on a Mac only inside
+// mps_ext._executor_request.request() (this thread). The Metal backend's
+// presence can be simulated by tests (set_metal_backend_present).
+bool executor_allowed();
+void set_executor_requested(bool requested);  // this thread; nests as a count
+bool executor_requested();
+bool metal_backend_present();
+void set_metal_backend_present(int present);  // tests: 1 yes, 0 no, -1 as built
 
 // The kernel `op` ("aten::_softmax") had for `key` before mps_ext overrode
 // it. Captured now if it was not captured before; an error if there was none
@@ -128,22 +250,71 @@ Ret call_stock(const std::string& op, c10::DispatchKey key, const Args&... args)
   return detail::call_boxed<Ret>(stock_kernel(op, key), op_handle(op), key, args...);
 }
 
-// The stock kernel of one op and key, looked up once, for inputs an
+// One op as route sees it, resolved once (keep it in a static): its
+// family, its policy slot, and its stock kernel per key once looked up.
+class RoutedOp {
+ public:
+  RoutedOp(FamilyId fam, const char* name) : family(mps_ext::family(fam)), name(name), slot_(family.rule_slot(name)) {}
+  Family& family;
+  const char* const name;  // "aten::mm"
+
+  const LeftToTorch* rule(c10::DispatchKey key) const { return slot_.of(key).load(std::memory_order_acquire); }
+  // The reason of a rule whose calls `c` names, if one is set for `key`
+  // (the op's code calls this only for the calls `c` picks).
+  Reason picked(c10::DispatchKey key, Condition c) const {
+    const LeftToTorch* r = rule(key);
+    return r && r->calls == c ? r->reason() : Reason();
+  }
+  // Calls the stock kernel (boxed: a fallback, or an op without one).
+  template <class Ret, class... Args>
+  Ret call_stock(c10::DispatchKey key, const Args&... args) const {
+    const Stock& s = stock(key);
+    return detail::call_boxed<Ret>(*s.kernel, s.handle, key, args...);
+  }
+  bool has_stock(c10::DispatchKey key) const;
+
+ private:
+  struct Stock {
+    const c10::SafeKernelFunction* kernel;  // in stock_kernel's map, never erased
+    c10::OperatorHandle handle;
+  };
+  const Stock& stock(c10::DispatchKey key) const;
+  RuleSlot& slot_;
+  mutable std::atomic<const Stock*> stock_cpu_{nullptr}, stock_mps_{nullptr};
+  mutable std::atomic<int8_t> has_cpu_{-1}, has_mps_{-1};  // -1: not looked up yet
+};
+
+// The stock kernel of one aten op and key, looked up once, for inputs an
 // override never handles and sees on every call (the fp8 family overrides
-// copy_ for every dtype to handle float8): they go there for one boxed call,
-// without route's bookkeeping, and are not counted (they are not a fallback:
-// the family never takes them). Keep one in a function-local static.
+// copy_ for every dtype to handle float8): they go there without route's
+// bookkeeping, and are not counted (they are not a fallback: the family
+// never takes them). `Op` is the op's at::_ops struct (at::_ops::copy_),
+// whose schema types the call: it is unboxed, as the dispatcher would make
+// it. Keep one in a function-local static.
+template <class Op>
 class PassThrough {
  public:
-  PassThrough(const std::string& op, c10::DispatchKey key)
-      : kernel_(stock_kernel(op, key)), op_(op_handle(op)), key_(key) {}
-  template <class Ret = at::Tensor, class... Args>
-  Ret operator()(const Args&... args) const {
-    return detail::call_boxed<Ret>(kernel_, op_, key_, args...);
+  explicit PassThrough(c10::DispatchKey key)
+      : kernel_(compat::kernel_function(stock_kernel(name(), key))), op_(op_handle(name())), key_(key) {}
+  template <class... Args>
+  decltype(auto) operator()(Args&&... args) const {
+    return Call<typename Op::schema>::call(kernel_, op_, c10::DispatchKeySet(key_), std::forward<Args>(args)...);
   }
 
  private:
-  const c10::SafeKernelFunction& kernel_;  // in stock_kernel's map, never erased
+  static std::string name() {
+    return std::string(Op::name) + (*Op::overload_name ? std::string(".") + Op::overload_name : "");
+  }
+  template <class Sig>
+  struct Call;
+  template <class Ret, class... Params>
+  struct Call<Ret(Params...)> {
+    static Ret call(const c10::KernelFunction& k, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                    Params... args) {
+      return k.call<Ret, Params...>(op, ks, std::forward<Params>(args)...);
+    }
+  };
+  c10::KernelFunction kernel_;  // a copy of the stock kernel (aten's are never deregistered)
   c10::OperatorHandle op_;
   c10::DispatchKey key_;
 };
@@ -151,42 +322,42 @@ class PassThrough {
 namespace detail {
 
 // A tensor argument on another device than `want`: why the call goes to the
-// stock kernel ("" if none). Arguments that are not tensors are ignored.
-inline void foreign_device(const at::Tensor& t, c10::DeviceType want, std::string& why) {
-  if (why.empty() && t.defined() && t.device().type() != want)
-    why = std::string("a ") + c10::DeviceTypeName(t.device().type()) + " tensor beside " +
-          c10::DeviceTypeName(want) + " tensors";
+// stock kernel (none if none). Arguments that are not tensors are ignored.
+Reason foreign_device_reason(c10::DeviceType got, c10::DeviceType want);
+inline void foreign_device(const at::Tensor& t, c10::DeviceType want, Reason& why) {
+  if (!why && t.defined() && t.device().type() != want) why = foreign_device_reason(t.device().type(), want);
 }
-inline void foreign_device(const c10::optional<at::Tensor>& t, c10::DeviceType want, std::string& why) {
+inline void foreign_device(const c10::optional<at::Tensor>& t, c10::DeviceType want, Reason& why) {
   if (t) foreign_device(*t, want, why);
 }
-inline void foreign_device(at::TensorList ts, c10::DeviceType want, std::string& why) {
+inline void foreign_device(at::TensorList ts, c10::DeviceType want, Reason& why) {
   for (const auto& t : ts) foreign_device(t, want, why);
 }
 template <class T>
-void foreign_device(const T&, c10::DeviceType, std::string&) {}
+void foreign_device(const T&, c10::DeviceType, Reason&) {}
 
 // The device type whose tensors the kernels of `key` take.
 c10::DeviceType device_of(c10::DispatchKey key);
 
 // Why the call goes to the stock kernel before anything about its
-// arguments is looked at ("" if it does not): turned off, unavailable.
-std::string precheck(Family& fam, c10::DispatchKey key);
+// arguments is looked at (none if it does not): turned off, unavailable,
+// the executor not asked for.
+Reason precheck(const Family& fam, c10::DispatchKey key);
 
 // The error of a call that cannot run mps_ext's kernel (`reason`) and has no
 // torch kernel to go to.
-std::string cannot_run(const std::string& op, c10::DispatchKey key, const std::string& reason);
+std::string cannot_run(const char* op, c10::DispatchKey key, Reason reason);
 
-// Why the policy sends this call to the stock kernel ("" if it does not).
+// Why the policy sends this call to the stock kernel (none if it does not).
 // The arguments are boxed only for a rule that looks at them.
 template <class... Args>
-std::string policy(Family& fam, const std::string& op, c10::DispatchKey key, const Args&... args) {
-  c10::optional<LeftToTorch> rule = fam.left_to_torch(op, key);
-  if (!rule || rule->op_picks) return "";
-  if (rule->kept_dtypes.empty() && rule->kept_args.empty()) return rule->why;
+Reason policy(const RoutedOp& op, c10::DispatchKey key, const Args&... args) {
+  const LeftToTorch* rule = op.rule(key);
+  if (!rule || rule->calls != Condition::all) return {};
+  if (rule->kept_dtypes.empty() && rule->kept_args.empty()) return rule->reason();
   torch::jit::Stack stack;
   (torch::jit::push(stack, args), ...);
-  return rule->applies(stack) ? rule->why : "";
+  return rule->applies(stack) ? rule->reason() : Reason();
 }
 
 }  // namespace detail
@@ -194,16 +365,17 @@ std::string policy(Family& fam, const std::string& op, c10::DispatchKey key, con
 // Runs `ours` unless a reason listed at the top of this file says no; then
 // `theirs(reason)`. Returns what `ours` returns (by value: a tensor or a
 // tuple of tensors). `unsupported`: the op's own reason not to handle these
-// inputs, or empty. `args`: the op's arguments (their devices are checked).
+// inputs, or none. `args`: the op's arguments (their devices are checked).
 template <class Ours, class Theirs, class... Args>
-auto route_to(Family& fam, const std::string& op, c10::DispatchKey key, const std::string& unsupported, Ours ours,
-              Theirs theirs, const Args&... args) -> std::decay_t<decltype(ours())> {
+auto route_to(const RoutedOp& op, c10::DispatchKey key, Reason unsupported, Ours ours, Theirs theirs,
+              const Args&... args) -> std::decay_t<decltype(ours())> {
   using Ret = std::decay_t<decltype(ours())>;
-  std::string reason = detail::precheck(fam, key);
-  if (reason.empty()) reason = detail::policy(fam, op, key, args...);
-  if (reason.empty()) (detail::foreign_device(args, detail::device_of(key), reason), ...);
-  if (reason.empty()) reason = unsupported;
-  if (reason.empty()) {
+  Family& fam = op.family;
+  Reason reason = detail::precheck(fam, key);
+  if (!reason) reason = detail::policy(op, key, args...);
+  if (!reason) (detail::foreign_device(args, detail::device_of(key), reason), ...);
+  if (!reason) reason = unsupported;
+  if (!reason) {
     try {
       Ret out = ours();
       fam.count_ran();
@@ -219,29 +391,29 @@ auto route_to(Family& fam, const std::string& op, c10::DispatchKey key, const st
   return theirs(reason);
 }
 
-// route_to with the stock kernel of `op` for `key` as the fallback.
+// route_to with the stock kernel of the op for `key` as the fallback.
 template <class Ours, class... Args>
-auto route(Family& fam, const std::string& op, c10::DispatchKey key, const std::string& unsupported, Ours ours,
-           const Args&... args) -> std::decay_t<decltype(ours())> {
+auto route(const RoutedOp& op, c10::DispatchKey key, Reason unsupported, Ours ours, const Args&... args)
+    -> std::decay_t<decltype(ours())> {
   using Ret = std::decay_t<decltype(ours())>;
-  auto stock = [&](const std::string& reason) {
+  auto stock = [&](Reason reason) {
     // An op torch has no kernel of its own for here (mps_ext registers it
     // rather than overriding it) has nowhere to go: say why.
-    TORCH_CHECK(has_stock_kernel(op, key), detail::cannot_run(op, key, reason));
-    return call_stock<Ret>(op, key, args...);
+    TORCH_CHECK(op.has_stock(key), detail::cannot_run(op.name, key, reason));
+    return op.call_stock<Ret>(key, args...);
   };
-  return route_to(fam, op, key, unsupported, ours, stock, args...);
+  return route_to(op, key, unsupported, ours, stock, args...);
 }
 
 // For an op of mps_ext's own (torch.ops.mps_ext.moe_route, ...: no torch
 // kernel exists anywhere): runs `ours` and counts it, or raises, saying why,
 // where route() would fall back (the family turned off, its kernels
-// unavailable on this device).
+// unavailable on this device, the executor not asked for).
 template <class Ours>
-auto run_own(Family& fam, const std::string& op, c10::DispatchKey key, Ours ours) -> std::decay_t<decltype(ours())> {
+auto run_own(const RoutedOp& op, c10::DispatchKey key, Ours ours) -> std::decay_t<decltype(ours())> {
   using Ret = std::decay_t<decltype(ours())>;
-  auto refuse = [&](const std::string& reason) -> Ret { C10_THROW_ERROR(Error, detail::cannot_run(op, key, reason)); };
-  return route_to(fam, op, key, "", ours, refuse);
+  auto refuse = [&](Reason reason) -> Ret { C10_THROW_ERROR(Error, detail::cannot_run(op.name, key, reason)); };
+  return route_to(op, key, Reason(), ours, refuse);
 }
 
 }  // namespace mps_ext

@@ -240,7 +240,7 @@ void run(const at::Tensor& x, const at::Tensor* y, const at::Tensor& out, int64_
   launch(Launch{"softmax", prefix + shape + types + variant, args({KernelArg::of(partials)}), pl.grid, threads});
 }
 
-std::string dims_unsupported(const at::Tensor& t) {
+Reason dims_unsupported(const at::Tensor& t) {
   if (t.layout() != at::kStrided) return "layout is not strided";
   if (t.dim() > MPS_EXT_MAX_DIMS + 1) return "more than 9 dimensions";
   return "";
@@ -248,9 +248,9 @@ std::string dims_unsupported(const at::Tensor& t) {
 
 }  // namespace
 
-std::string softmax_unsupported(const at::Tensor& self) {
+Reason softmax_unsupported(const at::Tensor& self) {
   if (!is_kernel_float(self.scalar_type()))
-    return std::string("dtype ") + c10::toString(self.scalar_type()) + " (float32, float16 and bfloat16 are handled)";
+    return Reason::built(std::string("dtype ") + c10::toString(self.scalar_type()) + " (float32, float16 and bfloat16 are handled)");
   return dims_unsupported(self);
 }
 
@@ -262,17 +262,17 @@ at::Tensor softmax_forward(const at::Tensor& self, int64_t dim, bool half_to_flo
   return out;
 }
 
-std::string softmax_backward_unsupported(const at::Tensor& grad, const at::Tensor& output,
+Reason softmax_backward_unsupported(const at::Tensor& grad, const at::Tensor& output,
                                          c10::ScalarType input_dtype) {
-  std::string why = softmax_unsupported(grad);
-  if (!why.empty()) return why;
+  Reason why = softmax_unsupported(grad);
+  if (why) return why;
   why = dims_unsupported(output);
-  if (!why.empty()) return why;
+  if (why) return why;
   bool same = input_dtype == grad.scalar_type();
   bool from_half_to_float = grad.scalar_type() == at::kFloat && input_dtype == at::kHalf;
   if (!same && !from_half_to_float)
-    return std::string("gradient ") + c10::toString(grad.scalar_type()) + " to input dtype " +
-           c10::toString(input_dtype);
+    return Reason::built(std::string("gradient ") + c10::toString(grad.scalar_type()) + " to input dtype " +
+           c10::toString(input_dtype));
   return "";
 }
 
@@ -296,22 +296,26 @@ namespace {
 
 using c10::DispatchKey;
 
+const RoutedOp kSoftmax(FamilyId::softmax, "aten::_softmax"), kLogSoftmax(FamilyId::softmax, "aten::_log_softmax"),
+    kSoftmaxBackward(FamilyId::softmax, "aten::_softmax_backward_data"),
+    kLogSoftmaxBackward(FamilyId::softmax, "aten::_log_softmax_backward_data");
+
 template <DispatchKey K>
 at::Tensor softmax_impl(const at::Tensor& self, int64_t dim, bool half_to_float) {
-  return route(family("softmax"), "aten::_softmax", K, softmax_unsupported(self),
+  return route(kSoftmax, K, softmax_unsupported(self),
                [&] { return softmax_forward(self, dim, half_to_float, false); }, self, dim, half_to_float);
 }
 
 template <DispatchKey K>
 at::Tensor log_softmax_impl(const at::Tensor& self, int64_t dim, bool half_to_float) {
-  return route(family("softmax"), "aten::_log_softmax", K, softmax_unsupported(self),
+  return route(kLogSoftmax, K, softmax_unsupported(self),
                [&] { return softmax_forward(self, dim, half_to_float, true); }, self, dim, half_to_float);
 }
 
 template <DispatchKey K>
 at::Tensor softmax_backward_impl(const at::Tensor& grad, const at::Tensor& output, int64_t dim,
                                  c10::ScalarType input_dtype) {
-  return route(family("softmax"), "aten::_softmax_backward_data", K,
+  return route(kSoftmaxBackward, K,
                softmax_backward_unsupported(grad, output, input_dtype),
                [&] { return softmax_backward(grad, output, dim, input_dtype, false); }, grad, output, dim,
                input_dtype);
@@ -320,7 +324,7 @@ at::Tensor softmax_backward_impl(const at::Tensor& grad, const at::Tensor& outpu
 template <DispatchKey K>
 at::Tensor log_softmax_backward_impl(const at::Tensor& grad, const at::Tensor& output, int64_t dim,
                                      c10::ScalarType input_dtype) {
-  return route(family("softmax"), "aten::_log_softmax_backward_data", K,
+  return route(kLogSoftmaxBackward, K,
                softmax_backward_unsupported(grad, output, input_dtype),
                [&] { return softmax_backward(grad, output, dim, input_dtype, true); }, grad, output, dim,
                input_dtype);
@@ -337,5 +341,5 @@ void register_softmax(torch::Library& m) {
 }  // namespace
 }  // namespace mps_ext
 
-MPS_EXT_FAMILY("softmax", mps_ext::register_softmax, "aten::_softmax", "aten::_log_softmax",
+MPS_EXT_FAMILY(softmax, mps_ext::register_softmax, "aten::_softmax", "aten::_log_softmax",
                "aten::_softmax_backward_data", "aten::_log_softmax_backward_data")

@@ -4,4 +4,5 @@
 namespace mps_ext {
 void bind_executor(pybind11::module_& m);
 void bind_ops(pybind11::module_& m);
+void bind_routing_probe(pybind11::module_& m);
 }

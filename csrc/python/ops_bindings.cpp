@@ -35,7 +35,11 @@ SimulatedFailure failure_of(const std::string& kind) {
 }  // namespace
 
 void bind_ops(py::module_& m) {
-  m.def("families", &families);
+  // A family table that does not match the families' files fails the
+  // import of mps_ext._C (mps_ext reports it as its load error).
+  const std::string problem = family_table_problem();
+  if (!problem.empty()) throw std::runtime_error("mps_ext: " + problem);
+  m.def("families", &family_names, "The op families (ops/families.h), sorted.");
   m.def("family_aten_ops", &family_aten_ops, py::arg("family"));
   m.def(
       "install_overrides",
@@ -58,7 +62,7 @@ void bind_ops(py::module_& m) {
   m.def("is_enabled", [](const std::string& fam) { return family(fam).enabled.load(); });
   m.def("stats", [] {
     py::dict out;
-    for (const auto& name : families()) {
+    for (const auto& name : family_names()) {
       Family& f = family(name);
       py::dict d;
       d["ran"] = f.ran();
@@ -74,13 +78,21 @@ void bind_ops(py::module_& m) {
       "leave_to_torch",
       [](const std::string& fam, const std::string& op, const std::string& device, const std::string& why,
          const std::vector<at::ScalarType>& kept_dtypes, const std::vector<std::pair<std::string, bool>>& kept_args,
-         bool op_picks) { family(fam).leave_to_torch(op, key_of(device), why, kept_dtypes, kept_args, op_picks); },
+         const std::string& calls) {
+        family(fam).leave_to_torch(op, key_of(device), why, kept_dtypes, kept_args, condition_named(calls));
+      },
       py::arg("family"), py::arg("op"), py::arg("device"), py::arg("why"),
       py::arg("kept_dtypes") = std::vector<at::ScalarType>{},
-      py::arg("kept_args") = std::vector<std::pair<std::string, bool>>{}, py::arg("op_picks") = false);
+      py::arg("kept_args") = std::vector<std::pair<std::string, bool>>{}, py::arg("calls") = "");
+  m.def("policy_conditions", &condition_names,
+        "The named conditions a policy rule's `calls` may be (csrc/ops/registry.h; mps_ext/_policy.py's Condition).");
   m.def("reset_stats", [] {
-    for (const auto& name : families()) family(name).reset();
+    for (const auto& name : family_names()) family(name).reset();
   });
+  // mps_ext/_executor_request.py's request(): on a Mac, torch.ops.mps_ext ops
+  // on CPU tensors run the CPU Metal executor only inside it (this thread).
+  m.def("_set_executor_requested", &set_executor_requested, py::arg("requested"));
+  m.def("_executor_requested", &executor_requested);
 
   // Test hooks.
   m.def(
@@ -107,6 +119,10 @@ void bind_ops(py::module_& m) {
         "Largest index the 32-bit kernel variants may compute; <= 0 restores 2^31 - 1 (tests run the 64-bit "
         "variants on small tensors with it).");
   m.def("_clear_unavailable", [](const std::string& fam) { family(fam).clear_unavailable(); }, py::arg("family"));
+  m.def("_simulate_metal_backend", &set_metal_backend_present, py::arg("present"),
+        "Test hook: 1 behaves as if a Metal GPU backend were present (a Mac: CPU tensors reach the executor only "
+        "when it is asked for), 0 as if not, -1 as built.");
+  m.def("_metal_backend_present", &metal_backend_present);
   m.def(
       "_warn_without_override_warning",
       [](const std::string& message) {
