@@ -20,6 +20,7 @@
 
 #include "backend/launch.h"
 #include "grouped_mm_moe_params.h"
+#include "ops/moe.h"
 #include "ops/ops.h"
 #include "ops/registry.h"
 
@@ -34,6 +35,8 @@ const char* float_name(c10::ScalarType t, const char* op) {
     default: TORCH_CHECK(false, op, ": float32, float16 or bfloat16 expected, got ", t);
   }
 }
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k,
                                                                    bool renormalize, bool shared_expert) {
@@ -93,6 +96,8 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& weights, const at:
                 {MOE_COMBINE_THREADS, 1, 1}});
   return out;
 }
+
+namespace {
 
 // Each op runs mps_ext's kernel (or says why it cannot: there is no torch
 // kernel to fall back to) and counts as a grouped_mm call.
