@@ -50,8 +50,9 @@ at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Te
               gate_up.scalar_type(), " and ", down.scalar_type(), " for x ", dt);
   if (x.size(0) == 0) return at::empty({0, x.size(1)}, x.options());
   // The router's logits in the model's dtype, as the model computes them.
-  const at::Tensor logits = linear_unsupported(x, router, c10::nullopt).empty() ? linear(x, router, c10::nullopt)
-                                                                                 : at::linear(x, router);
+  const c10::optional<at::Tensor> no_bias;
+  const at::Tensor logits = linear_unsupported(x, router, no_bias).empty() ? mps_ext::linear(x, router, no_bias)
+                                                                            : at::linear(x, router);
   auto [weights, offs, slot_of_row, row_of_slot] = moe_route(logits, top_k, renormalize, shared_expert);
   // The fp8 grouped kernels take bfloat16 activations.
   const at::Tensor xe = fp8 && dt != at::kBFloat16 ? x.to(at::kBFloat16) : x;

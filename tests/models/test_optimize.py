@@ -3,6 +3,7 @@ results against stock torch and float64, host calls and dispatches per MoE
 layer per decoded token before and after, fp8, what it leaves and why,
 idempotence, casts, state_dict, torch.compile, bad input."""
 
+import collections
 import copy
 
 import pytest
@@ -87,6 +88,7 @@ def test_optimized_model_matches_stock_and_float64(figures, name, dtype):
         assert rel_err(o, s) <= (1e-5 if dtype == torch.float32 else 2e-2)
     with run_model(RELEASE) as report:
         ours = prefill_and_decode(model, prompt, step)
+    figures.families = report.ran_kernels()
     assert report.families["grouped_mm"].ops["mps_ext::moe_layer"].ran == 2 * 2  # 2 layers, prefill and decode
     for what, i in (("prefill", 0), ("decode", 1)):
         figures.no_worse(what, ours[i], stock[i], ref[i], dtype)
@@ -109,6 +111,7 @@ def test_optimized_fp8_model_matches_the_quantized_one(figures, name):
     assert all(isinstance(model.get_submodule(n).experts, FP8Experts) for n in blocks(model)) and blocks(model)
     with run_model(RELEASE) as report:
         ours = prefill_and_decode(model, prompt, step)
+    figures.families = report.ran_kernels()
     assert report.families["grouped_mm"].ops["mps_ext::moe_layer"].ran == 4
     for what, i in (("prefill", 0), ("decode", 1)):
         figures.no_worse(what, ours[i], stock[i], ref[i], torch.bfloat16)
@@ -121,11 +124,12 @@ class _Calls(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.calls = 0
+        self.calls, self.ops = 0, collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not func.is_view:
             self.calls += 1
+            self.ops[func.name()] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -145,9 +149,11 @@ def per_moe_layer(model, release=RELEASE):
 
         def pre(mod, args):
             mod._start = (calls.calls, dispatches())
+            calls.ops.clear()
 
         def post(mod, args, out):
             counts.append((calls.calls - mod._start[0], dispatches() - mod._start[1]))
+            per_moe_layer.ops = dict(calls.ops)
 
         hooks = [h for m in moe for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
         try:
@@ -167,6 +173,7 @@ def test_one_host_call_per_moe_layer_at_decode(name, kind):
     if kind == "fp8":
         mps_ext.quantize_fp8(model)
     before = per_moe_layer(model)
+    print(f"\n{name} {kind} before: {per_moe_layer.ops}")
     mps_ext.optimize(model)
     after = per_moe_layer(model)
     print(f"\n{name} {kind}: per MoE layer per token, (host calls, dispatches) before {before[0]}, after {after[0]}")
@@ -205,13 +212,16 @@ def test_blocks_it_does_not_know_are_left_with_the_reason():
     """LFM2-MoE's router is a sigmoid with an expert bias, DeepSeek-V3's a
     grouped sigmoid beside shared_experts; Qwen2-MoE's shared expert is 4x
     the experts' size, so it runs apart, as the model ran it."""
-    lfm = T.Lfm2MoeForCausalLM(T.Lfm2MoeConfig(
-        **{k: v for k, v in COMMON.items() if k != "head_dim"}, moe_intermediate_size=32, num_experts=8,
-        num_dense_layers=1, layer_types=["conv", "full_attention"])).eval()
-    mps_ext.optimize(lfm)
-    assert not lfm.optimize_summary.converted
-    assert list(lfm.optimize_summary.left) == ["model.layers.1.feed_forward"]
-    assert "does not pick the top-2 of softmax" in lfm.optimize_summary.left["model.layers.1.feed_forward"]
+    for bias, why in ((True, "it holds expert_bias beside its router and experts"),
+                      (False, "its router Lfm2MoeTopKRouter's weights are neither softmax top-k nor their "
+                              "renormalisation")):
+        lfm = T.Lfm2MoeForCausalLM(T.Lfm2MoeConfig(
+            **{k: v for k, v in COMMON.items() if k != "head_dim"}, moe_intermediate_size=32, num_experts=8,
+            num_dense_layers=1, layer_types=["conv", "full_attention"], use_expert_bias=bias)).eval()
+        mps_ext.optimize(lfm)
+        assert not lfm.optimize_summary.converted
+        assert list(lfm.optimize_summary.left) == ["model.layers.1.feed_forward"]
+        assert lfm.optimize_summary.left["model.layers.1.feed_forward"].startswith(why)
     ds = T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
         **{**{k: v for k, v in COMMON.items() if k != "head_dim"}, "num_key_value_heads": 4},
         moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1,
@@ -241,7 +251,7 @@ def test_bad_input():
     with pytest.raises(TypeError, match="takes a torch.nn.Module \\(a loaded model\\), got str"):
         mps_ext.optimize("Qwen/Qwen3-30B-A3B")
     model = make("qwen3_moe").double()
-    with pytest.raises(ValueError, match="optimize runs float32, float16 or bfloat16 models .* float64 banks"):
+    with pytest.raises(ValueError, match="optimize runs float32, float16 or bfloat16 models .*torch.float64 banks"):
         mps_ext.optimize(model)
     assert not blocks(model)  # nothing replaced before the error
 
