@@ -352,7 +352,9 @@ def _same_output(block, fused, hidden, device, dtype) -> str | None:
             return "its forward does not return one tensor of its input's shape"
         got = fused(x)
     err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    # fp8 experts take bfloat16 activations, an fp8 shared expert of a
+    # float32 model did not: bf16 rounding apart.
+    tol = 1e-4 if dtype == torch.float32 and not isinstance(fused.experts, FP8Experts) else 3e-2
     if not err <= tol:
         return (f"its output differs from a softmax top-k block's on a probe (relative error {err:.2g}): "
                 f"it computes something optimize does not know")

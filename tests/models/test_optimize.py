@@ -34,6 +34,7 @@ MODELS = {
                     dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
                          **LINEAR_ATTENTION)),
     "olmoe": (T.OlmoeConfig, T.OlmoeForCausalLM, dict(num_experts=8, intermediate_size=32, eos_token_id=1)),
+    "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, dict(num_local_experts=8, intermediate_size=32)),
 }
 PROMPT = 6
 
@@ -115,6 +116,23 @@ def test_optimized_fp8_model_matches_the_quantized_one(figures, name):
     assert report.families["grouped_mm"].ops["mps_ext::moe_layer"].ran == 4
     for what, i in (("prefill", 0), ("decode", 1)):
         figures.no_worse(what, ours[i], stock[i], ref[i], torch.bfloat16)
+
+
+@pytest.mark.parametrize("name,renormalised", [("olmoe", False), ("mixtral", True)])
+def test_other_softmax_top_k_blocks(name, renormalised):
+    """OLMoE keeps the top-k softmax weights as they are, Mixtral
+    renormalises them: read off the router's output, not its class."""
+    model = make(name)
+    prompt, step = ids(), ids(1, seed=2)
+    want = prefill_and_decode(model, prompt, step)
+    mps_ext.optimize(model)
+    assert len(model.optimize_summary.converted) == 2 and not model.optimize_summary.left
+    assert all(model.get_submodule(n).renormalize == renormalised for n in blocks(model))
+    with run_model(RELEASE) as report:
+        got = prefill_and_decode(model, prompt, step)
+    assert report.families["grouped_mm"].ops["mps_ext::moe_layer"].ran == 4
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-5
 
 
 # ----------------------------------------------------------- host calls and dispatches --

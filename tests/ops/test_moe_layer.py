@@ -70,7 +70,7 @@ def layer(tokens, experts, top_k, shared, kind, hidden=64, inter=32):
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (4, 16, 4), (9, 8, 8)])  # 9 tokens: the router
 @pytest.mark.parametrize("renormalize,shared", [(True, 0), (False, 1), (True, 1)])  # past linear's 8 rows
-@pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16, "fp8"], ids=str)
+@pytest.mark.parametrize("kind", [torch.float32, torch.float16, torch.bfloat16, "fp8"], ids=str)
 def test_layer_matches_torch_and_is_the_five_ops(device, tokens, experts, top_k, renormalize, shared, kind):
     args = layer(tokens, experts, top_k, shared, kind)
     x, router, gate_up, gate_up_scale, down, down_scale = args
@@ -90,7 +90,7 @@ def test_layer_matches_torch_and_is_the_five_ops(device, tokens, experts, top_k,
     assert torch.equal(out, run("moe_combine", y, w, row_of_slot))
     if device == "executor":
         kernels = [d.kernel for d in rec.dispatches]
-        t = "bf16" if kind == "fp8" else {torch.float32: "f32", torch.bfloat16: "bf16"}[kind]
+        t = "bf16" if kind == "fp8" else {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[kind]
         w_t = "bf16_e4m3w" if kind == "fp8" else t
         tail = [f"moe_route_{t}", f"gmm_decode_rows_{w_t}_vec", f"gmm_decode_rows_{w_t}_vec", f"moe_combine_{t}"]
         assert kernels[-4:] == tail, kernels
