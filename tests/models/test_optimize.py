@@ -135,6 +135,31 @@ def test_other_softmax_top_k_blocks(name, renormalised):
         assert rel_err(g, w) < 1e-5
 
 
+@pytest.mark.parametrize("kind", ["bfloat16", "fp8"])
+def test_prefill_past_the_fused_limit_takes_the_grouped_path(monkeypatch, kind):
+    """Past moe_layer's token slots (1024; 4 here) the routing is torch's
+    and the experts the grouped products: _grouped_mm (bf16) or FP8Experts'
+    fp8 prefill op; the decode step stays one moe_layer call per layer."""
+    import mps_ext.fused_moe as fused_moe
+    model = make("qwen3_5_moe", torch.bfloat16)
+    if kind == "fp8":
+        mps_ext.quantize_fp8(model)
+    prompt, step = ids(), ids(1, seed=2)
+    want = prefill_and_decode(model, prompt, step)
+    mps_ext.optimize(model)
+    monkeypatch.setattr(fused_moe, "MAX_SLOTS", 4)
+    monkeypatch.setattr(MoEExperts, "DECODE_ROWS", 4)
+    monkeypatch.setattr(FP8Experts, "DECODE_ROWS", 4)
+    with run_model(RELEASE) as report:
+        got = prefill_and_decode(model, prompt, step)
+    ops = report.families["grouped_mm"].ops
+    assert ops["mps_ext::moe_layer"].ran == 2  # the decode step's two layers
+    grouped = "aten::_grouped_mm" if kind == "bfloat16" else "mps_ext::fp8_grouped_linear"
+    assert ops[grouped].ran == 2 * 2 and ops["mps_ext::moe_combine"].ran == 2  # gate/up and down, 2 layers
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 3e-2
+
+
 # ----------------------------------------------------------- host calls and dispatches --
 class _Calls(TorchDispatchMode):
     """Counts the aten and mps_ext ops that reach the backend (views, which
