@@ -290,6 +290,26 @@ def test_blocks_it_does_not_know_are_left_with_the_reason():
         assert rel_err(g, w) < 1e-4
 
 
+def test_block_scaled_shared_expert_runs_apart():
+    """quantize_fp8(granularity="block"): the shared expert's 128x128 block
+    scales are not the banks' one scale per row, so it cannot be expert E;
+    it runs apart, as the quantized model ran it."""
+    # float32 activations: in bfloat16 this prompt has an exact tie at the top-2 boundary, whose order
+    # torch.topk leaves open (moe_route takes the lower expert).
+    model = mps_ext.quantize_fp8(make("qwen3_5_moe"), granularity="block")
+    prompt, step = ids(), ids(1, seed=2)
+    want = prefill_and_decode(model, prompt, step)
+    mps_ext.optimize(model)
+    assert set(model.optimize_summary.converted.values()) == {
+        "Qwen3_5MoeSparseMoeBlock -> FusedMoE: 8 fp8 experts, top-2, renormalised, shared expert run apart (the "
+        "expert banks are fp8 and the shared expert is not fp8 with a scale per row)"}
+    with run_model(RELEASE) as report:
+        got = prefill_and_decode(model, prompt, step)
+    assert report.families["grouped_mm"].ops["mps_ext::moe_layer"].ran == 4
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 3e-2
+
+
 def test_bad_input():
     with pytest.raises(TypeError, match="takes a torch.nn.Module \\(a loaded model\\), got str"):
         mps_ext.optimize("Qwen/Qwen3-30B-A3B")
@@ -315,7 +335,13 @@ def test_casts_devices_and_state_dict_round_trip():
     for g, w in zip(prefill_and_decode(other, prompt, step), prefill_and_decode(model, prompt, step)):
         assert torch.equal(g, w)
     # fp8: casts keep the fp8 banks (FP8Experts), the router follows the model's dtype.
-    q = mps_ext.optimize(mps_ext.quantize_fp8(make("qwen3_moe", torch.bfloat16))).float()
+    q = mps_ext.optimize(mps_ext.quantize_fp8(make("qwen3_5_moe", torch.bfloat16))).float()
+    other = mps_ext.optimize(mps_ext.quantize_fp8(make("qwen3_5_moe", torch.bfloat16))).float()
+    for t in other.state_dict().values():  # every persistent tensor (not the rotary tables)
+        t.zero_()
+    other.load_state_dict(q.state_dict())
+    for g, w in zip(prefill_and_decode(other, prompt, step), prefill_and_decode(q, prompt, step)):
+        assert torch.equal(g, w)
     fused = q.get_submodule(blocks(q)[0])
     assert fused.router.dtype == torch.float32 and fused.experts.gate_up_proj.dtype == torch.float8_e4m3fn
     with run_model(RELEASE) as report:
