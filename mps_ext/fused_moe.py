@@ -36,9 +36,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import _executor_request
 from .fp8 import (FP8Experts, FP8Linear, _expert_banks, _gate_is_not_silu, _holds_expert_banks, _model_bytes,
-                  _use_torch_cpu_ops, dequantize_weight, sort_slots)
+                  _use_torch_cpu_ops, sort_slots)
 
 __all__ = ["FusedMoE", "MoEExperts", "OptimizeSummary", "optimize"]
 
@@ -321,8 +320,11 @@ def _plan(block: nn.Module) -> FusedMoE | str:
         router_rows = torch.cat([rw.detach(), gate_row.detach()])
     else:
         router_rows = rw.detach()
-    if fp8:
-        new_experts = FP8Experts(gate_up.shape[0], hidden, intermediate, device=gate_up.device)
+    if fp8 and not fused_shared:
+        new_experts = experts
+    elif fp8:
+        # On the meta device first: the banks are the concatenated ones, not a second allocation.
+        new_experts = FP8Experts(gate_up.shape[0], hidden, intermediate, device="meta")
         for name, t in (("gate_up_proj", gate_up), ("gate_up_scale", gate_up_scale), ("down_proj", down),
                         ("down_scale", down_scale)):
             setattr(new_experts, name, t.detach().contiguous())

@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformers
