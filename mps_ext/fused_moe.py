@@ -289,8 +289,8 @@ def _plan(block: nn.Module) -> FusedMoE | str:
         down, down_scale = experts.down_proj, experts.down_scale
     else:
         banks = _expert_banks(experts)
-        if isinstance(banks, str):
-            return banks
+        if isinstance(banks, str):  # worded for quantize_fp8: the same banks run the same kernels
+            return f"its experts {type(experts).__name__}: {banks}"
         fp8, (gate_up, down), gate_up_scale, down_scale = False, banks, None, None
         e = gate_up.shape[0]
         if gate_up.dtype not in _FLOAT:

@@ -289,6 +289,17 @@ def test_blocks_it_does_not_know_are_left_with_the_reason():
         assert rel_err(g, w) < 1e-4
 
 
+@pytest.mark.parametrize("name", ["gpt_oss", "llama4"])
+def test_experts_the_kernels_cannot_run_are_left_with_the_reason(name):
+    """GPT-OSS's experts have biases, Llama 4's take pre-grouped tokens:
+    the reason quantize_fp8 gives for the same banks."""
+    import re
+    from test_fp8_flows import LEFT, make as make_left
+    model = mps_ext.optimize(make_left(LEFT[name], torch.bfloat16))
+    s = model.optimize_summary
+    assert not s.converted and s.left and all(re.search(LEFT[name][3], why) for why in s.left.values()), s
+
+
 def test_block_scaled_shared_expert_runs_apart():
     """quantize_fp8(granularity="block"): the shared expert's 128x128 block
     scales are not the banks' one scale per row, so it cannot be expert E;
