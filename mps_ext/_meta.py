@@ -77,7 +77,8 @@ def _scaled_grouped_mm_v2(self, mat2, scale_a, recipe_a, swizzle_a, scale_b, rec
 # mps_ext's own MoE decode ops (csrc/ops/grouped_mm_moe.cpp): output sizes
 # depend on shapes alone (the routing is decided on the GPU), so these give
 # them exactly.
-def _moe_route(logits, top_k, renormalize=True, shared_expert=False):
+def _moe_route(logits, top_k, renormalize=True, shared_expert=False, expert_bias=None, sigmoid=False, scale=1.0,
+               renorm_eps=0.0):
     tokens, columns = logits.shape
     slots = top_k + (1 if shared_expert else 0)
     i32 = dict(dtype=torch.int32)
@@ -95,7 +96,8 @@ def _moe_combine(y, weights, row_of_slot):
 
 
 # The whole layer (csrc/ops/moe_layer.cpp): [tokens, hidden] in x's dtype.
-def _moe_layer(x, router, gate_up, gate_up_scale, down, down_scale, top_k, renormalize=True, shared_expert=False):
+def _moe_layer(x, router, gate_up, gate_up_scale, down, down_scale, top_k, renormalize=True, shared_expert=False,
+               expert_bias=None, sigmoid=False, scale=1.0, renorm_eps=0.0):
     return x.new_empty((x.shape[0], down.shape[1]))
 
 

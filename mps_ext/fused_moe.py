@@ -30,6 +30,7 @@ optimize_summary, OptimizeSummary).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 
 import torch
@@ -129,6 +130,23 @@ class MoEExperts(nn.Module):
                 f"dtype={self.gate_up_proj.dtype}, SiLU gate")
 
 
+@dataclasses.dataclass
+class Scoring:
+    """How a router scores experts (moe_route's MoeRouteParams): softmax of
+    the logits, or (sigmoid, LFM2-MoE) sigmoid scores ranked with an
+    optional expert_bias; renormalised weights get renorm_eps in their
+    denominator, then all are multiplied by scale."""
+
+    sigmoid: bool = False
+    scale: float = 1.0
+    renorm_eps: float = 0.0
+    expert_bias: torch.Tensor | None = None
+
+    def describe(self, bias: bool) -> str:
+        return ("sigmoid" + (" with expert bias" if bias else "") if self.sigmoid else "softmax") + \
+            (f", x{self.scale:g}" if self.scale != 1 else "")
+
+
 class FusedMoE(nn.Module):
     """A mixture-of-experts block as mps_ext runs it fastest:
     forward(hidden_states [..., H]) -> [..., H]. `router` [E (+1), H]: the
@@ -140,13 +158,16 @@ class FusedMoE(nn.Module):
 
     def __init__(self, router: torch.Tensor, experts: nn.Module, top_k: int, renormalize: bool,
                  fused_shared: bool, shared_expert: nn.Module | None = None,
-                 shared_expert_gate: nn.Module | None = None):
+                 shared_expert_gate: nn.Module | None = None, scoring: Scoring | None = None):
         super().__init__()
         self.router = nn.Parameter(router, requires_grad=False)
         self.experts = experts
         self.top_k, self.renormalize, self.fused_shared = int(top_k), bool(renormalize), bool(fused_shared)
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
         self.hidden = router.shape[1]
+        self.scoring = scoring or Scoring()
+        bias = self.scoring.expert_bias
+        self.register_buffer("expert_bias", None if bias is None else bias.detach().float().clone())
 
     @property
     def routed_experts(self) -> int:
@@ -164,8 +185,11 @@ class FusedMoE(nn.Module):
         if (_kernels_for(x) and x.shape[0] * slots <= MAX_SLOTS
                 and not (torch.is_grad_enabled() and x.requires_grad)):  # moe_layer has no derivative
             gate_up, gate_up_scale, down, down_scale = self._banks()
+            sc = self.scoring
+            bias = None if self.expert_bias is None else self.expert_bias.float()  # a model-wide .to(dtype) casts it
             out = torch.ops.mps_ext.moe_layer(x, self.router, gate_up, gate_up_scale, down, down_scale,
-                                               self.top_k, self.renormalize, self.fused_shared)
+                                               self.top_k, self.renormalize, self.fused_shared, bias, sc.sigmoid,
+                                               sc.scale, sc.renorm_eps)
         else:
             out = self.experts(x, *self.route(x))
         if self.shared_expert is not None:
@@ -178,11 +202,17 @@ class FusedMoE(nn.Module):
         the weights in the logits' dtype), the fused shared expert appended
         with weight sigmoid(its gate)."""
         logits = F.linear(x, self.router)
-        e = self.routed_experts
-        weights, index = torch.topk(F.softmax(logits[:, :e], dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        e, sc = self.routed_experts, self.scoring
+        if sc.sigmoid:
+            scores = logits[:, :e].sigmoid()
+            ranked = scores if self.expert_bias is None else scores + self.expert_bias
+            index = torch.topk(ranked, self.top_k, dim=-1).indices
+            weights = scores.gather(1, index)
+        else:
+            weights, index = torch.topk(F.softmax(logits[:, :e], dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(logits.dtype)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + sc.renorm_eps)
+        weights = (weights * sc.scale if sc.scale != 1 else weights).to(logits.dtype)
         if self.fused_shared:
             index = torch.cat([index, torch.full_like(index[:, :1], e)], 1)
             weights = torch.cat([weights, torch.sigmoid(logits[:, e:])], 1)
@@ -191,7 +221,8 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         shared = ("shared expert fused as expert %d" % self.routed_experts if self.fused_shared else
                   "shared expert run apart" if self.shared_expert is not None else "no shared expert")
-        return (f"experts={self.routed_experts}, top_k={self.top_k}, renormalize={self.renormalize}, {shared}; "
+        return (f"experts={self.routed_experts}, {self.scoring.describe(self.expert_bias is not None)} "
+                f"top_k={self.top_k}, renormalize={self.renormalize}, {shared}; "
                 f"decode: torch.ops.mps_ext.moe_layer, one call")
 
 
@@ -200,17 +231,21 @@ _ROUTER_NAMES = ("gate", "router")
 _SHARED_NAMES = ("shared_expert", "shared_expert_gate")
 
 
-def _router_semantics(router: nn.Module, hidden: int, device, dtype) -> tuple[int, bool] | str:
-    """(top_k, renormalize) of a softmax top-k router, by value on a probe,
-    or why the router is not one."""
+def _router_semantics(router: nn.Module, hidden: int, device, dtype,
+                     expert_bias: torch.Tensor | None) -> tuple[int, bool, Scoring] | str:
+    """(top_k, renormalize, scoring) of a top-k router, by value on a probe
+    (softmax, or sigmoid with an optional expert bias, renormalised or
+    not, scaled by its routed_scaling_factor), or why the router is none
+    of them."""
     w = getattr(router, "weight", None)
     if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] == hidden and w.dtype in _FLOAT):
         return (f"its router {type(router).__name__} has no floating weight [experts, {hidden}] "
                 f"(optimize runs linear routers)")
     x = torch.randn(16, hidden, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=w.dtype)
+    takes_bias = len(inspect.signature(router.forward).parameters) > 1
     with torch.no_grad():
         try:
-            got = router(x)
+            got = router(x, expert_bias) if takes_bias else router(x)
         except Exception as e:
             return f"its router {type(router).__name__} raised on a probe: {type(e).__name__}: {e}"
         if not (isinstance(got, tuple) and len(got) == 3 and all(isinstance(t, torch.Tensor) for t in got)
@@ -219,18 +254,27 @@ def _router_semantics(router: nn.Module, hidden: int, device, dtype) -> tuple[in
                     f"transformers 5's top-k routers do")
         _, weights, index = got
         k = index.shape[1]
-        probs = F.softmax(F.linear(x, w), dim=-1, dtype=torch.float32)
-        want_w, want_i = torch.topk(probs, k, dim=-1)
-        if not torch.equal(index.long(), want_i):
-            return (f"its router {type(router).__name__} does not pick the top-{k} of softmax(x @ weight.T) "
-                    f"(a sigmoid, biased or grouped router): moe_route computes softmax top-k")
+        logits = F.linear(x, w)
         tol = 1e-2 if weights.dtype != torch.float32 else 1e-5
-        for renormalize in (True, False):
-            ww = want_w / want_w.sum(-1, keepdim=True) if renormalize else want_w
-            if torch.allclose(weights.float(), ww, rtol=tol, atol=tol * 1e-2):
-                return k, renormalize
-    return (f"its router {type(router).__name__}'s weights are neither softmax top-k nor their renormalisation "
-            f"(a scaling factor?)")
+        candidates = [Scoring()]
+        scores = logits.sigmoid()
+        candidates.append(Scoring(True, float(getattr(router, "routed_scaling_factor", 1.0) or 1.0), 1e-6,
+                                  expert_bias if takes_bias else None))
+        for sc in candidates:
+            if sc.sigmoid:
+                ranked = scores if sc.expert_bias is None else scores + sc.expert_bias
+                want_i = torch.topk(ranked, k, dim=-1).indices
+                want_w = scores.gather(1, want_i).float()
+            else:
+                want_w, want_i = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1)
+            if not torch.equal(index.long(), want_i):
+                continue
+            for renormalize in (True, False):
+                ww = want_w / (want_w.sum(-1, keepdim=True) + sc.renorm_eps) if renormalize else want_w
+                if torch.allclose(weights.float(), ww * sc.scale, rtol=tol, atol=tol * 1e-2):
+                    return k, renormalize, sc
+    return (f"its router {type(router).__name__} is neither softmax top-k nor sigmoid top-k (renormalised or "
+            f"not): a grouped or otherwise scored router")
 
 
 def _row_scaled(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -277,7 +321,7 @@ def _plan(block: nn.Module) -> FusedMoE | str:
     experts = block.experts
     known = {"experts", *_ROUTER_NAMES, *_SHARED_NAMES}
     extra = [n for n, m in block.named_children() if n not in known and any(True for _ in m.parameters())]
-    extra += [n for n, b in block.named_buffers(recurse=False) if b is not None]
+    extra += [n for n, b in block.named_buffers(recurse=False) if b is not None and n != "expert_bias"]
     if extra:
         return f"it holds {', '.join(extra)} beside its router and experts (optimize knows no such block)"
     router = next((getattr(block, n) for n in _ROUTER_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
@@ -302,10 +346,11 @@ def _plan(block: nn.Module) -> FusedMoE | str:
     if dtype is not None and dtype not in _FLOAT and dtype.is_floating_point:
         raise ValueError(f"optimize runs float32, float16 or bfloat16 models (or quantize_fp8's fp8 experts); "
                          f"the router {type(router).__name__} is {dtype}")
-    sem = _router_semantics(router, hidden, gate_up.device, dtype)
+    bias = getattr(block, "expert_bias", None) if getattr(block, "use_expert_bias", True) else None
+    sem = _router_semantics(router, hidden, gate_up.device, dtype, bias if isinstance(bias, torch.Tensor) else None)
     if isinstance(sem, str):
         return sem
-    top_k, renormalize = sem
+    top_k, renormalize, scoring = sem
     if rw.shape[0] != e:
         return f"its router has {rw.shape[0]} rows for {e} experts"
     shared = _shared_parts(block, intermediate, fp8, dtype)
@@ -333,7 +378,8 @@ def _plan(block: nn.Module) -> FusedMoE | str:
         new_experts = MoEExperts(gate_up.detach().contiguous(), down.detach().contiguous())
     unfused = shared is not None and not fused_shared
     fused = FusedMoE(router_rows, new_experts, top_k, renormalize, fused_shared,
-                     block.shared_expert if unfused else None, block.shared_expert_gate if unfused else None)
+                     block.shared_expert if unfused else None, block.shared_expert_gate if unfused else None,
+                     scoring)
     why = _same_output(block, fused, hidden, gate_up.device, dtype)
     if why:
         return why
@@ -392,7 +438,8 @@ def _describe(block: nn.Module, fused: FusedMoE) -> str:
               f"shared expert run apart ({fused.shared_reason})" if fused.shared_expert is not None else
               "no shared expert")
     return (f"{type(block).__name__} -> FusedMoE: {fused.routed_experts} {kind} experts, top-{fused.top_k}"
-            f"{', renormalised' if fused.renormalize else ''}, {shared}")
+            f"{', renormalised' if fused.renormalize else ''}, {shared}"
+            + (f"; {fused.scoring.describe(fused.expert_bias is not None)} router" if fused.scoring.sigmoid else ""))
 
 
 def optimize(model: nn.Module) -> nn.Module:

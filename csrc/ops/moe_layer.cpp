@@ -31,7 +31,8 @@ bool is_fp8(const at::Tensor& t) { return t.scalar_type() == at::kFloat8_e4m3fn;
 at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Tensor& gate_up,
                      const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
                      const c10::optional<at::Tensor>& down_scale, int64_t top_k, bool renormalize,
-                     bool shared_expert) {
+                     bool shared_expert, const c10::optional<at::Tensor>& expert_bias, bool sigmoid, double scale,
+                     double renorm_eps) {
   const auto dt = x.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
               "moe_layer: x must be float32, float16 or bfloat16, got ", dt);
@@ -53,7 +54,8 @@ at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Te
   const c10::optional<at::Tensor> no_bias;
   const at::Tensor logits = linear_unsupported(x, router, no_bias).empty() ? mps_ext::linear(x, router, no_bias)
                                                                             : at::linear(x, router);
-  auto [weights, offs, slot_of_row, row_of_slot] = moe_route(logits, top_k, renormalize, shared_expert);
+  auto [weights, offs, slot_of_row, row_of_slot] = moe_route(logits, top_k, renormalize, shared_expert, expert_bias, sigmoid,
+                                                                  scale, renorm_eps);
   // The fp8 grouped kernels take bfloat16 activations.
   const at::Tensor xe = fp8 && dt != at::kBFloat16 ? x.to(at::kBFloat16) : x;
   const int64_t slots = top_k + (shared_expert ? 1 : 0);
@@ -69,9 +71,11 @@ template <DispatchKey K>
 at::Tensor moe_layer_impl(const at::Tensor& x, const at::Tensor& router, const at::Tensor& gate_up,
                           const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
                           const c10::optional<at::Tensor>& down_scale, int64_t top_k, bool renormalize,
-                          bool shared_expert) {
+                          bool shared_expert, const c10::optional<at::Tensor>& expert_bias, bool sigmoid,
+                          double scale, double renorm_eps) {
   return run_own(family("grouped_mm"), "mps_ext::moe_layer", K, [&] {
-    return moe_layer(x, router, gate_up, gate_up_scale, down, down_scale, top_k, renormalize, shared_expert);
+    return moe_layer(x, router, gate_up, gate_up_scale, down, down_scale, top_k, renormalize, shared_expert,
+                     expert_bias, sigmoid, scale, renorm_eps);
   });
 }
 
@@ -81,7 +85,8 @@ at::Tensor moe_layer_impl(const at::Tensor& x, const at::Tensor& router, const a
 // Its Meta (fake) kernel, for torch.compile, is in mps_ext/_meta.py.
 TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
   m.def("moe_layer(Tensor x, Tensor router, Tensor gate_up, Tensor? gate_up_scale, Tensor down, "
-        "Tensor? down_scale, int top_k, bool renormalize=True, bool shared_expert=False) -> Tensor");
+        "Tensor? down_scale, int top_k, bool renormalize=True, bool shared_expert=False, "
+        "Tensor? expert_bias=None, bool sigmoid=False, float scale=1.0, float renorm_eps=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mps_ext, CPU, m) { m.impl("moe_layer", TORCH_FN(mps_ext::moe_layer_impl<c10::DispatchKey::CPU>)); }

@@ -98,6 +98,32 @@ def test_layer_matches_torch_and_is_the_five_ops(device, tokens, experts, top_k,
         assert len(kernels) == 4 + (tokens <= 8), kernels
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_sigmoid_scoring(device, bias, renormalize):
+    """LFM2-MoE's router: sigmoid scores, the top-k of score + expert_bias
+    chosen, weighted by their scores (renormalised with 1e-6 in the
+    denominator), times a scale. float32, where equal scores are unlikely
+    (moe_route breaks ties by the lower expert, torch.topk leaves them open)."""
+    tokens, experts, top_k, scale = 4, 16, 4, 2.5
+    x, router, gate_up, _, down, _ = layer(tokens, experts, top_k, 0, torch.float32)
+    expert_bias = randn(experts, scale=0.3) if bias else None
+    out = on(device)("moe_layer", x, router, gate_up, None, down, None, top_k, renormalize, False, expert_bias, True,
+                     scale, 1e-6)
+    scores = torch.sigmoid(F.linear(x, router).double())
+    index = torch.topk(scores + (0 if expert_bias is None else expert_bias.double()), top_k, -1).indices
+    w = scores.gather(1, index)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-6)
+    w = w * scale
+    ref = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(top_k):
+            g, u = (gate_up[index[t, j]].double() @ x[t].double()).chunk(2)
+            ref[t] += w[t, j] * (down[index[t, j]].double() @ (F.silu(g) * u))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
 def test_fp8_banks_take_float32_activations(device):
     """The fp8 kernels take bfloat16 activations: a float32 x is rounded to
     them, the router's logits stay float32, and the output is float32."""
@@ -132,6 +158,10 @@ def test_checks():
         op(x, router, gate_up, None, down, None, 9)
     with pytest.raises(RuntimeError, match="moe_route is for decode: at most 1024 token slots"):
         op(randn(513, 64), router, gate_up, None, down, None, 2)
+    with pytest.raises(RuntimeError, match="expert_bias is for sigmoid scoring"):
+        op(x, router, gate_up, None, down, None, 2, True, False, randn(8))
+    with pytest.raises(RuntimeError, match=r"expert_bias must be contiguous float32 \[8\]"):
+        op(x, router, gate_up, None, down, None, 2, True, False, randn(8).double(), True)
 
 
 @pytest.mark.parametrize("kind", [torch.bfloat16, "fp8"], ids=str)
