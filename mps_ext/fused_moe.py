@@ -19,9 +19,10 @@ executor is asked for (mps_ext._executor_request; the model runner).
 What a block must be, checked by value on a probe rather than by class:
 experts as 3-D banks with a SiLU gate (what quantize_fp8 converts, or an
 FP8Experts), a router `gate` (or `router`) holding `weight` [E, H] whose
-forward gives (logits, weights, indices) of softmax then top-k (weights
-renormalised or not), optionally `shared_expert` (gate_proj, up_proj,
-down_proj, SiLU) scaled by sigmoid(`shared_expert_gate`), nothing else;
+forward gives (logits, weights, indices) of softmax then top-k, or of
+sigmoid scores ranked with an `expert_bias` and scaled (LFM2-MoE), weights
+renormalised or not; optionally `shared_expert` (gate_proj, up_proj,
+down_proj, SiLU) scaled by sigmoid(`shared_expert_gate`); nothing else;
 then the FusedMoE's output must match the block's on the probe. Anything
 else is left as it was, with the reason in the summary (model.
 optimize_summary, OptimizeSummary).
