@@ -202,21 +202,23 @@ class FusedMoE(nn.Module):
         routers compute them (softmax in float32, top-k, renormalisation,
         the weights in the logits' dtype), the fused shared expert appended
         with weight sigmoid(its gate)."""
-        logits = F.linear(x, self.router)
         e, sc = self.routed_experts, self.scoring
+        # The router's rows apart from the shared expert's gate, as the model multiplies them: the same
+        # logits to the bit (a CPU GEMM may sum in another order for another row count).
+        logits = F.linear(x, self.router[:e])
         if sc.sigmoid:
-            scores = logits[:, :e].sigmoid()
+            scores = logits.sigmoid()
             ranked = scores if self.expert_bias is None else scores + self.expert_bias
             index = torch.topk(ranked, self.top_k, dim=-1).indices
             weights = scores.gather(1, index)
         else:
-            weights, index = torch.topk(F.softmax(logits[:, :e], dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+            weights, index = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + sc.renorm_eps)
         weights = (weights * sc.scale if sc.scale != 1 else weights).to(logits.dtype)
         if self.fused_shared:
             index = torch.cat([index, torch.full_like(index[:, :1], e)], 1)
-            weights = torch.cat([weights, torch.sigmoid(logits[:, e:])], 1)
+            weights = torch.cat([weights, torch.sigmoid(F.linear(x, self.router[e:]))], 1)
         return index, weights
 
     def extra_repr(self) -> str:
