@@ -52,6 +52,7 @@ kernel void moe_route(device float* weights [[buffer(0)]],
                       device int* row_of_slot [[buffer(3)]],
                       const device T* logits [[buffer(4)]],
                       constant MoeRouteParams& p [[buffer(5)]],
+                      const device float* expert_bias [[buffer(6)]],
                       uint tid [[thread_index_in_threadgroup]],
                       uint sg [[simdgroup_index_in_threadgroup]],
                       uint simdgroups [[simdgroups_per_threadgroup]],
@@ -67,12 +68,17 @@ kernel void moe_route(device float* weights [[buffer(0)]],
 
   for (uint t = 0; t < p.tokens; ++t) {
     const device T* lt = logits + ulong(t) * ulong(p.logits_t_stride);
+    const bool sigmoid = p.scoring == MOE_SCORING_SIGMOID;
     float l[PER];
+    float r[PER];  // what ranks the experts: the logit, or the sigmoid score plus the bias
     bool taken[PER];
     for (uint j = 0; j < PER; ++j) {
       taken[j] = false;
       const uint e = tid + j * threads;
       l[j] = e < p.experts ? float(lt[ulong(e) * ulong(p.logits_e_stride)]) : -INFINITY;
+      r[j] = l[j];
+      if (sigmoid && e < p.experts)
+        r[j] = float(T(1.0f / (1.0f + exp(-l[j])))) + (p.has_bias ? expert_bias[e] : 0.0f);
     }
     // Softmax denominators: the max (NaN if a logit is, so that every
     // weight is NaN, as torch's softmax gives), then the sum of exponentials.
@@ -95,15 +101,21 @@ kernel void moe_route(device float* weights [[buffer(0)]],
       uint key = 0, at = 0xffffffffu;
       for (uint j = 0; j < PER; ++j) {
         const uint e = tid + j * threads;
-        if (e < p.experts && !taken[j] && (rank_key(l[j]) > key || at == 0xffffffffu)) {
-          key = rank_key(l[j]);
+        if (e < p.experts && !taken[j] && (rank_key(r[j]) > key || at == 0xffffffffu)) {
+          key = rank_key(r[j]);
           at = e;
         }
       }
       best_of_threadgroup(key, at, sg, lane, simdgroups, keys, idxs);
       for (uint j = 0; j < PER; ++j)
         if (tid + j * threads == at) taken[j] = true;
-      const float prob = exp(key_value(key) - mx) / sum;
+      float prob;
+      if (sigmoid) {  // the chosen expert's score without its bias, read back (one element)
+        const float lc = float(lt[ulong(at) * ulong(p.logits_e_stride)]);
+        prob = float(T(1.0f / (1.0f + exp(-lc))));
+      } else {
+        prob = exp(key_value(key) - mx) / sum;
+      }
       chosen_sum += prob;
       if (tid == 0) {
         ids[t * slots + k] = int(at);
@@ -112,7 +124,8 @@ kernel void moe_route(device float* weights [[buffer(0)]],
     }
     if (tid == 0) {
       if (p.renormalize)
-        for (uint k = 0; k < p.top_k; ++k) weights[t * slots + k] /= chosen_sum;
+        for (uint k = 0; k < p.top_k; ++k) weights[t * slots + k] /= chosen_sum + p.renorm_eps;
+      for (uint k = 0; k < p.top_k; ++k) weights[t * slots + k] *= p.scale;
       if (p.shared) {
         const float g = float(lt[ulong(p.experts) * ulong(p.logits_e_stride)]);
         ids[t * slots + p.top_k] = int(p.experts);

@@ -9,12 +9,22 @@
 // weighted by sigmoid of its logit (logits column `experts`). Slot i = t *
 // slots + j (slots = top_k + shared) of token t is sorted by expert into
 // row rows_of_slot[i]; slot_of_row is its inverse.
+//
+// Scoring MOE_SCORING_SOFTMAX: experts ranked by logit, weights softmax.
+// MOE_SCORING_SIGMOID (LFM2-MoE): scores sigmoid(logit) rounded to the
+// logits' dtype (as the model computes them); experts ranked by score plus
+// expert_bias[e] (if has_bias), weights the scores. Then, if renormalize,
+// weights / (their sum + renorm_eps); then times scale.
 struct MoeRouteParams {
   uint32_t tokens, experts, top_k, shared;
   uint32_t renormalize;  // top-k weights divided by their sum (Qwen3's norm_topk_prob)
-  uint32_t pad;
+  uint32_t scoring;
   int64_t logits_t_stride, logits_e_stride;
+  float scale, renorm_eps;
+  uint32_t has_bias, pad;
 };
+#define MOE_SCORING_SOFTMAX 0
+#define MOE_SCORING_SIGMOID 1
 
 // out[t, h] = sum_j weights[t, j] * y[rows_of_slot[t * slots + j], h]
 struct MoeCombineParams {

@@ -28,7 +28,8 @@ from . import _policy
 
 __version__ = "0.1.0"
 __all__ = ["is_available", "unavailable_reason", "families", "enabled_ops", "set_enabled", "disabled",
-           "stats", "reset_stats", "family_status", "quantize_fp8", "FP8Linear", "FP8Experts", "load_fp8"]
+           "stats", "reset_stats", "family_status", "quantize_fp8", "FP8Linear", "FP8Experts", "load_fp8",
+           "optimize"]
 
 _load_error: str | None = None
 try:
@@ -36,6 +37,7 @@ try:
 
     from .fp8 import FP8Experts, FP8Linear, quantize_fp8
     from .checkpoint import load_fp8
+    from .fused_moe import optimize
     from . import _C, _meta
 
     _meta.register()

@@ -1,6 +1,6 @@
 """Meta kernels (shapes and dtypes) of the torch.ops.mps_ext ops that do not
 take the aten op's own: fp8_linear and the mixture-of-experts ops moe_route,
-moe_experts, moe_combine, fp8_grouped_linear (no aten op); the scaled_mm family, whose aten meta
+moe_experts, moe_combine, moe_layer, fp8_grouped_linear (no aten op); the scaled_mm family, whose aten meta
 functions check CUDA's layout rules (mat2 column-major, dimensions multiples
 of 16) that mps_ext does not need, so a traced model would fail where the
 eager one runs; and the grouped_mm family, whose aten meta functions take
@@ -77,7 +77,8 @@ def _scaled_grouped_mm_v2(self, mat2, scale_a, recipe_a, swizzle_a, scale_b, rec
 # mps_ext's own MoE decode ops (csrc/ops/grouped_mm_moe.cpp): output sizes
 # depend on shapes alone (the routing is decided on the GPU), so these give
 # them exactly.
-def _moe_route(logits, top_k, renormalize=True, shared_expert=False):
+def _moe_route(logits, top_k, renormalize=True, shared_expert=False, expert_bias=None, sigmoid=False, scale=1.0,
+               renorm_eps=0.0):
     tokens, columns = logits.shape
     slots = top_k + (1 if shared_expert else 0)
     i32 = dict(dtype=torch.int32)
@@ -94,6 +95,12 @@ def _moe_combine(y, weights, row_of_slot):
     return y.new_empty((weights.shape[0], y.shape[1]))
 
 
+# The whole layer (csrc/ops/moe_layer.cpp): [tokens, hidden] in x's dtype.
+def _moe_layer(x, router, gate_up, gate_up_scale, down, down_scale, top_k, renormalize=True, shared_expert=False,
+               expert_bias=None, sigmoid=False, scale=1.0, renorm_eps=0.0):
+    return x.new_empty((x.shape[0], down.shape[1]))
+
+
 # FP8Experts' prefill product (mps_ext/fp8.py, a Python custom op): rows
 # [R, K] @ bank[e]^T of [E, N, K] -> [R, N] bf16, contiguous.
 def _fp8_grouped_linear(rows, bank, bank_scale, offs):
@@ -104,6 +111,6 @@ def register() -> None:
     for name, fn in [("_scaled_mm", _scaled_mm), ("_scaled_mm_v2", _scaled_mm_v2), ("fp8_linear", _fp8_linear),
                      ("_grouped_mm", _grouped_mm), ("_scaled_grouped_mm", _scaled_grouped_mm),
                      ("_scaled_grouped_mm_v2", _scaled_grouped_mm_v2), ("moe_route", _moe_route),
-                     ("moe_experts", _moe_experts), ("moe_combine", _moe_combine),
+                     ("moe_experts", _moe_experts), ("moe_combine", _moe_combine), ("moe_layer", _moe_layer),
                      ("fp8_grouped_linear", _fp8_grouped_linear)]:
         torch.library.register_fake(f"mps_ext::{name}", fn)

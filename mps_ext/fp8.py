@@ -218,6 +218,20 @@ def _fp8_grouped_linear(rows: torch.Tensor, bank: torch.Tensor, bank_scale: torc
     return out.contiguous()  # the grouped kernels pad rows to 16 bytes; the Meta kernel says contiguous
 
 
+def sort_slots(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(offs, slot_of_row, row_of_slot), int32, of the mixture-of-experts
+    ops for routing top_k_index [T, k]: slot t * k + j sorted by expert on
+    the device (argsort, index_add_, cumsum), nothing read on the host."""
+    flat = top_k_index.reshape(-1)
+    rows, device = flat.numel(), flat.device
+    slot_of_row = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    counts.index_add_(0, flat, torch.ones(rows, dtype=torch.int32, device=device))
+    offs = counts.cumsum(0, dtype=torch.int32)
+    row_of_slot = torch.empty_like(slot_of_row).scatter_(0, slot_of_row, torch.arange(rows, device=device))
+    return offs, slot_of_row.to(torch.int32), row_of_slot.to(torch.int32)
+
+
 class FP8Experts(_FP8Module):
     """A mixture-of-experts layer's expert banks in float8_e4m3fn with an fp32
     scale per expert output row, called as transformers' experts modules are:
@@ -288,15 +302,8 @@ class FP8Experts(_FP8Module):
     def _forward_with_kernels(self, x, top_k_index, weights):
         ops = torch.ops.mps_ext
         k = top_k_index.shape[1]
-        flat = top_k_index.reshape(-1)
-        rows = flat.numel()
-        slot_of_row = torch.argsort(flat, stable=True)  # slot t * k + j, sorted by expert
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
-        counts.index_add_(0, flat, torch.ones(rows, dtype=torch.int32, device=x.device))
-        offs = counts.cumsum(0, dtype=torch.int32)
-        row_of_slot = torch.empty_like(slot_of_row).scatter_(0, slot_of_row, torch.arange(rows, device=x.device))
-        slot_of_row, row_of_slot = slot_of_row.to(torch.int32), row_of_slot.to(torch.int32)
-        if rows <= self.DECODE_ROWS:
+        offs, slot_of_row, row_of_slot = sort_slots(top_k_index, self.num_experts)
+        if slot_of_row.numel() <= self.DECODE_ROWS:
             h = ops.moe_experts(x, self.gate_up_proj, self.gate_up_scale, offs, slot_of_row, k, True)
             y = ops.moe_experts(h, self.down_proj, self.down_scale, offs)
         else:

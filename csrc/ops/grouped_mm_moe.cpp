@@ -20,6 +20,7 @@
 
 #include "backend/launch.h"
 #include "grouped_mm_moe_params.h"
+#include "ops/moe.h"
 #include "ops/ops.h"
 #include "ops/registry.h"
 
@@ -35,9 +36,14 @@ const char* float_name(c10::ScalarType t, const char* op) {
   }
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k,
-                                                                   bool renormalize, bool shared_expert) {
+                                                                   bool renormalize, bool shared_expert,
+                                                                   const c10::optional<at::Tensor>& expert_bias,
+                                                                   bool sigmoid, double scale, double renorm_eps) {
   const char* types = float_name(logits.scalar_type(), "moe_route");
+  TORCH_CHECK(!expert_bias || sigmoid, "moe_route: expert_bias is for sigmoid scoring");
   TORCH_CHECK(logits.dim() == 2, "moe_route: logits [tokens, experts] expected, got ", logits.sizes());
   const int64_t tokens = logits.size(0), experts = logits.size(1) - (shared_expert ? 1 : 0);
   const int64_t slots = top_k + (shared_expert ? 1 : 0);
@@ -46,6 +52,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(const at::T
               " experts");
   TORCH_CHECK(tokens * slots <= MOE_MAX_SLOTS, "moe_route is for decode: at most ", MOE_MAX_SLOTS,
               " token slots (tokens x (top_k + shared)), got ", tokens * slots);
+  if (expert_bias)
+    TORCH_CHECK(expert_bias->scalar_type() == at::kFloat && expert_bias->dim() == 1 &&
+                    expert_bias->size(0) == experts && expert_bias->is_contiguous(),
+                "moe_route: expert_bias must be contiguous float32 [", experts, "], got ", expert_bias->sizes(), " ",
+                expert_bias->scalar_type());
   auto i32 = logits.options().dtype(at::kInt);
   at::Tensor weights = at::empty({tokens, slots}, logits.options().dtype(at::kFloat));
   at::Tensor offs = at::empty({experts + (shared_expert ? 1 : 0)}, i32);
@@ -59,9 +70,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(const at::T
     p.renormalize = renormalize ? 1 : 0;
     p.logits_t_stride = logits.stride(0);
     p.logits_e_stride = logits.stride(1);
+    p.scoring = sigmoid ? MOE_SCORING_SIGMOID : MOE_SCORING_SOFTMAX;
+    p.scale = static_cast<float>(scale);
+    p.renorm_eps = static_cast<float>(renorm_eps);
+    p.has_bias = expert_bias ? 1 : 0;
+    // Without a bias the kernel reads none; the weights stand in for the buffer.
     launch(Launch{"grouped_mm_moe", std::string("moe_route_") + types,
                   {KernelArg::of(weights), KernelArg::of(offs), KernelArg::of(slot_of_row), KernelArg::of(row_of_slot),
-                   KernelArg::of(logits), KernelArg::value(p)},
+                   KernelArg::of(logits), KernelArg::value(p), KernelArg::of(expert_bias ? *expert_bias : weights)},
                   {1, 1, 1}, {MOE_ROUTE_THREADS, 1, 1}});
   }
   return {weights, offs, slot_of_row, row_of_slot};
@@ -94,6 +110,8 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& weights, const at:
   return out;
 }
 
+namespace {
+
 // Each op runs mps_ext's kernel (or says why it cannot: there is no torch
 // kernel to fall back to) and counts as a grouped_mm call.
 using c10::DispatchKey;
@@ -103,9 +121,12 @@ const RoutedOp kMoeRoute(FamilyId::grouped_mm, "mps_ext::moe_route"),
 
 template <DispatchKey K>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_impl(const at::Tensor& logits, int64_t top_k,
-                                                                        bool renormalize, bool shared_expert) {
-  return run_own(kMoeRoute, K,
-                 [&] { return moe_route(logits, top_k, renormalize, shared_expert); });
+                                                                        bool renormalize, bool shared_expert,
+                                                                        const c10::optional<at::Tensor>& expert_bias,
+                                                                        bool sigmoid, double scale, double renorm_eps) {
+  return run_own(kMoeRoute, K, [&] {
+    return moe_route(logits, top_k, renormalize, shared_expert, expert_bias, sigmoid, scale, renorm_eps);
+  });
 }
 
 template <DispatchKey K>
@@ -136,7 +157,8 @@ void register_moe(torch::Library& m) {
 // (the executor) and, on macOS, MPS tensors. Their Meta (fake) kernels, for
 // torch.compile, are in mps_ext/_meta.py.
 TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
-  m.def("moe_route(Tensor logits, int top_k, bool renormalize=True, bool shared_expert=False) -> "
+  m.def("moe_route(Tensor logits, int top_k, bool renormalize=True, bool shared_expert=False, "
+        "Tensor? expert_bias=None, bool sigmoid=False, float scale=1.0, float renorm_eps=0.0) -> "
         "(Tensor weights, Tensor offs, Tensor slot_of_row, Tensor row_of_slot)");
   m.def("moe_experts(Tensor x, Tensor weight, Tensor? weight_scale, Tensor offs, Tensor? slot_of_row=None, "
         "int slots_per_token=1, bool swiglu=False) -> Tensor");

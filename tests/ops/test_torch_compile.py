@@ -118,7 +118,7 @@ def linalg_inputs(batch=3, n=5):
 
 def moe_model(x, router, w_gate_up, w_down, a8, b8, scale_a, scale_b, offs8, bank8, bank_scale):
     """A mixture-of-experts decode layer through mps_ext's own ops (their fake
-    kernels, mps_ext/_meta.py), its first expert product again through
+    kernels, mps_ext/_meta.py), op by op and as moe_layer, its first expert product again through
     _grouped_mm and through FP8Experts' prefill op (fp8_grouped_linear, fp8
     experts), and an fp8 _scaled_grouped_mm (v1 and v2)."""
     top_k = 2
@@ -127,12 +127,13 @@ def moe_model(x, router, w_gate_up, w_down, a8, b8, scale_a, scale_b, offs8, ban
     h = torch.ops.mps_ext.moe_experts(x, w_gate_up, None, offs, slot_of_row, top_k, True)
     y = torch.ops.mps_ext.moe_experts(h, w_down, None, offs)
     out = torch.ops.mps_ext.moe_combine(y, weights, row_of_slot)
+    layer = torch.ops.mps_ext.moe_layer(x, router, w_gate_up, None, w_down, None, top_k, True, False)  # the same, one op
     rows = x[slot_of_row.long() // top_k]  # the tokens' rows sorted by expert
     gate_up = torch.ops.mps_ext._grouped_mm(rows, w_gate_up.transpose(-2, -1), offs)
     gate_up8 = torch.ops.mps_ext.fp8_grouped_linear(rows, bank8, bank_scale, offs)
     fp8 = torch.ops.mps_ext._scaled_grouped_mm(a8, b8, scale_a, scale_b, offs8)
     fp8_v2 = torch.ops.mps_ext._scaled_grouped_mm_v2(a8, b8, [scale_a], [1], [], [scale_b], [1], [], offs8)
-    return out, gate_up, gate_up8, fp8, fp8_v2
+    return out, layer, gate_up, gate_up8, fp8, fp8_v2
 
 
 def moe_inputs(tokens=3, hidden=64, experts=8, ffn=32):
@@ -149,7 +150,8 @@ def moe_inputs(tokens=3, hidden=64, experts=8, ffn=32):
 
 def test_every_op_is_in_a_model():
     names = {op.split("::")[1] for fam in mps_ext.families() for op in mps_ext._C.family_aten_ops(fam)}
-    names |= {"fp8_linear", "moe_route", "moe_experts", "moe_combine", "fp8_grouped_linear"}  # mps_ext's own ops
+    names |= {"fp8_linear", "moe_route", "moe_experts", "moe_combine", "moe_layer",
+              "fp8_grouped_linear"}  # mps_ext's own ops
     source = "".join(inspect.getsource(f) for f in (model, mm_out_forms, linalg_model, fp8_model, fp8_in_place,
                                                      fp8_value_ops, fp8_scalars, moe_model))
     assert all(f"torch.ops.mps_ext.{n}(" in source for n in names)
@@ -161,7 +163,7 @@ MODELS = {
     "nn": (model, inputs, [(3,), (5,)], {"linear": 3, "softmax": 4, "pad": 1}),
     "linalg": (linalg_model, linalg_inputs, [(3, 5), (2, 7)], {"linalg": 11}),
     "fp8": (fp8_model, fp8_inputs, [(3,), (5,)], {"scaled_mm": 3, "fp8": 2}),
-    "moe": (moe_model, moe_inputs, [(3,), (5,)], {"grouped_mm": 8, "linear": 1}),
+    "moe": (moe_model, moe_inputs, [(3,), (5,)], {"grouped_mm": 9, "linear": 1}),
 }
 
 

@@ -1,0 +1,424 @@
+"""mps_ext.optimize on transformers 5's own MoE models (tiny random configs):
+results against stock torch and float64, host calls and dispatches per MoE
+layer per decoded token before and after, fp8, what it leaves and why,
+idempotence, casts, state_dict, torch.compile, bad input."""
+
+import collections
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import transformers
+
+import mps_ext
+from mps_ext import FP8Experts, _executor_request
+from mps_ext.cpu_metal import run_model
+from mps_ext.fused_moe import FusedMoE, MoEExperts
+from model_compare import RELEASE
+
+T = transformers
+COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=64, tie_word_embeddings=False, intermediate_size=128,
+              num_experts_per_tok=2, experts_implementation="grouped_mm")
+LINEAR_ATTENTION = dict(layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+                        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                        linear_num_value_heads=4)
+MODELS = {
+    "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM,
+                  dict(moe_intermediate_size=32, num_experts=8, norm_topk_prob=True)),
+    # A shared expert of the experts' size (Qwen3.5/3.6-MoE): fused as expert 8.
+    "qwen3_5_moe": (T.Qwen3_5MoeTextConfig, T.Qwen3_5MoeForCausalLM,
+                    dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+                         **LINEAR_ATTENTION)),
+    "olmoe": (T.OlmoeConfig, T.OlmoeForCausalLM, dict(num_experts=8, intermediate_size=32, eos_token_id=1)),
+    "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, dict(num_local_experts=8, intermediate_size=32)),
+    # A sigmoid router with an expert bias; short convolutions; the first layer dense.
+    "lfm2_moe": (T.Lfm2MoeConfig, T.Lfm2MoeForCausalLM,
+                 dict(moe_intermediate_size=32, num_experts=8, num_dense_layers=1, num_hidden_layers=3,
+                      layer_types=["conv", "full_attention", "conv"])),
+}
+PROMPT = 6
+
+
+def make(name, dtype=torch.float32, **overrides):
+    config_class, model_class, extra = MODELS[name]
+    torch.manual_seed(0)
+    return model_class(config_class(**{**COMMON, **extra, **overrides})).to(dtype).eval()
+
+
+def ids(n=PROMPT, seed=1):
+    return torch.randint(1, COMMON["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def prefill_and_decode(model, prompt, step):
+    with torch.no_grad():
+        out = model(prompt, use_cache=True)
+        return out.logits, model(step, past_key_values=out.past_key_values, use_cache=True).logits
+
+
+def reference(model):
+    """The unoptimized model in float64, each expert its own matmul (torch's
+    _grouped_mm takes no float64)."""
+    ref = copy.deepcopy(model).double()
+    ref.set_experts_implementation("eager")
+    return ref
+
+
+def blocks(model):
+    return [n for n, m in model.named_modules() if isinstance(m, FusedMoE)]
+
+
+def rel_err(x, ref):
+    return float((x.double() - ref.double()).abs().max() / ref.double().abs().max())
+
+
+# ----------------------------------------------------------- results --
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe"])
+def test_optimized_model_matches_stock_and_float64(figures, name, dtype):
+    model = make(name)
+    prompt = ids()
+    ref_model = reference(model)
+    step = ref_model(prompt).logits[:, -1:].argmax(-1)
+    ref = prefill_and_decode(ref_model, prompt, step)
+    model = model.to(dtype)
+    stock = prefill_and_decode(model, prompt, step)
+    mps_ext.optimize(model)
+    assert len(blocks(model)) == 2 and not model.optimize_summary.left
+    # CPU tensors outside the runner: torch's own ops, the stock model's math.
+    for s, o in zip(stock, prefill_and_decode(model, prompt, step)):
+        assert rel_err(o, s) <= (1e-5 if dtype == torch.float32 else 2e-2)
+    with run_model(RELEASE) as report:
+        ours = prefill_and_decode(model, prompt, step)
+    figures.families = report.ran_kernels()
+    assert report.families["grouped_mm"].ops["mps_ext::moe_layer"].ran == 2 * 2  # 2 layers, prefill and decode
+    for what, i in (("prefill", 0), ("decode", 1)):
+        figures.no_worse(what, ours[i], stock[i], ref[i], dtype)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe"])
+def test_optimized_fp8_model_matches_the_quantized_one(figures, name):
+    """quantize_fp8, then optimize: the kernels' decode against the
+    quantized model on torch's CPU ops (the kernels' math), both against
+    the float64 model holding the fp8 weights."""
+    from test_fp8_flows import oracle_of
+    original = make(name, torch.bfloat16)
+    model = mps_ext.quantize_fp8(copy.deepcopy(original))
+    ref_model = reference(oracle_of(model, original))
+    prompt = ids()
+    step = ref_model(prompt).logits[:, -1:].argmax(-1)
+    ref = prefill_and_decode(ref_model, prompt, step)
+    stock = prefill_and_decode(model, prompt, step)
+    mps_ext.optimize(model)
+    assert all(isinstance(model.get_submodule(n).experts, FP8Experts) for n in blocks(model)) and blocks(model)
+    with run_model(RELEASE) as report:
+        ours = prefill_and_decode(model, prompt, step)
+    figures.families = report.ran_kernels()
+    assert report.families["grouped_mm"].ops["mps_ext::moe_layer"].ran == 4
+    for what, i in (("prefill", 0), ("decode", 1)):
+        figures.no_worse(what, ours[i], stock[i], ref[i], torch.bfloat16)
+
+
+@pytest.mark.parametrize("name,renormalised", [("olmoe", False), ("mixtral", True)])
+def test_other_softmax_top_k_blocks(name, renormalised):
+    """OLMoE keeps the top-k softmax weights as they are, Mixtral
+    renormalises them: read off the router's output, not its class."""
+    model = make(name)
+    prompt, step = ids(), ids(1, seed=2)
+    want = prefill_and_decode(model, prompt, step)
+    mps_ext.optimize(model)
+    assert len(model.optimize_summary.converted) == 2 and not model.optimize_summary.left
+    assert all(model.get_submodule(n).renormalize == renormalised for n in blocks(model))
+    with run_model(RELEASE) as report:
+        got = prefill_and_decode(model, prompt, step)
+    assert report.families["grouped_mm"].ops["mps_ext::moe_layer"].ran == 4
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "fp8"])
+def test_prefill_past_the_fused_limit_takes_the_grouped_path(monkeypatch, kind):
+    """Past moe_layer's token slots (1024; 4 here) the routing is torch's
+    and the experts the grouped products: _grouped_mm (bf16) or FP8Experts'
+    fp8 prefill op; the decode step stays one moe_layer call per layer."""
+    import mps_ext.fused_moe as fused_moe
+    model = make("qwen3_5_moe", torch.bfloat16)
+    if kind == "fp8":
+        mps_ext.quantize_fp8(model)
+    prompt, step = ids(), ids(1, seed=2)
+    want = prefill_and_decode(model, prompt, step)
+    mps_ext.optimize(model)
+    monkeypatch.setattr(fused_moe, "MAX_SLOTS", 4)
+    monkeypatch.setattr(MoEExperts, "DECODE_ROWS", 4)
+    monkeypatch.setattr(FP8Experts, "DECODE_ROWS", 4)
+    with run_model(RELEASE) as report:
+        got = prefill_and_decode(model, prompt, step)
+    ops = report.families["grouped_mm"].ops
+    assert ops["mps_ext::moe_layer"].ran == 2  # the decode step's two layers
+    grouped = "aten::_grouped_mm" if kind == "bfloat16" else "mps_ext::fp8_grouped_linear"
+    assert ops[grouped].ran == 2 * 2 and ops["mps_ext::moe_combine"].ran == 2  # gate/up and down, 2 layers
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 3e-2
+
+
+@pytest.mark.parametrize("kind", ["float32", "fp8"])
+def test_lfm2_moe_sigmoid_router_with_expert_bias(figures, kind):
+    """LFM2-MoE (the LFM2.5-8B-A1B layout): its router's sigmoid scores,
+    biased selection, renormalisation (+1e-6) and scaling run in moe_route.
+    float32 activations (fp8: quantize_fp8 of the float32 model): in
+    bfloat16 equal scores are common, whose order torch.topk leaves open."""
+    model = make("lfm2_moe", routed_scaling_factor=1.5)
+    for m in model.modules():
+        if hasattr(m, "expert_bias"):  # trained models have one; the config's init is zero
+            m.expert_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(4)) * 0.05)
+    prompt = ids()
+    if kind == "fp8":
+        original = model
+        from test_fp8_flows import oracle_of
+        model = mps_ext.quantize_fp8(copy.deepcopy(original))
+        ref_model = reference(oracle_of(model, original))
+    else:
+        ref_model = reference(model)
+    step = ref_model(prompt).logits[:, -1:].argmax(-1)
+    ref = prefill_and_decode(ref_model, prompt, step)
+    stock = prefill_and_decode(model, prompt, step)
+    before = per_moe_layer(model)
+    mps_ext.optimize(model)
+    assert set(model.optimize_summary.converted.values()) == {
+        f"Lfm2MoeSparseMoeBlock -> FusedMoE: 8 {'fp8' if kind == 'fp8' else 'float32'} experts, top-2, "
+        f"renormalised, no shared expert; sigmoid with expert bias, x1.5 router"}
+    with run_model(RELEASE) as report:
+        ours = prefill_and_decode(model, prompt, step)
+    figures.families = report.ran_kernels()
+    for what, i in (("prefill", 0), ("decode", 1)):
+        figures.no_worse(what, ours[i], stock[i], ref[i], torch.float32 if kind == "float32" else torch.bfloat16)
+    after = per_moe_layer(model)
+    print(f"\nlfm2_moe {kind}: per MoE layer per token, (host calls, dispatches) before {before[0]}, after {after[0]}")
+    assert after == [(1, 5)] * 2 and all(b[0] >= 10 for b in before)
+
+
+# ----------------------------------------------------------- host calls and dispatches --
+class _Calls(TorchDispatchMode):
+    """Counts the aten and mps_ext ops that reach the backend (views, which
+    encode no GPU work, left out): what eager PyTorch encodes one by one."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.ops = 0, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.calls += 1
+            self.ops[func.name()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def per_moe_layer(model, release=RELEASE):
+    """(host calls, executor dispatches) of each MoE block in one decode step."""
+    moe = [m for m in model.modules() if isinstance(m, FusedMoE) or (hasattr(m, "experts") and hasattr(m, "gate"))]
+    prompt = ids()
+    with torch.no_grad():
+        cache = model(prompt, use_cache=True).past_key_values
+    counts = []
+    with torch.no_grad(), run_model(release) as report:
+        calls = _Calls()
+
+        def dispatches():
+            return sum(f.dispatches for f in report.families.values()) + report.other_dispatches
+
+        def pre(mod, args):
+            mod._start = (calls.calls, dispatches())
+            calls.ops.clear()
+
+        def post(mod, args, out):
+            counts.append((calls.calls - mod._start[0], dispatches() - mod._start[1]))
+            per_moe_layer.ops = dict(calls.ops)
+
+        hooks = [h for m in moe for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+        try:
+            with calls:
+                model(ids(1, seed=2), past_key_values=cache, use_cache=True)
+        finally:
+            for h in hooks:
+                h.remove()
+    assert len(counts) == len(moe) == 2
+    return counts
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "fp8"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe"])
+def test_one_host_call_per_moe_layer_at_decode(name, kind):
+    model = make(name, torch.float32 if kind == "float32" else torch.bfloat16)
+    if kind == "fp8":
+        mps_ext.quantize_fp8(model)
+    before = per_moe_layer(model)
+    print(f"\n{name} {kind} before: {per_moe_layer.ops}")
+    mps_ext.optimize(model)
+    after = per_moe_layer(model)
+    print(f"\n{name} {kind}: per MoE layer per token, (host calls, dispatches) before {before[0]}, after {after[0]}")
+    # moe_layer: router GEMV, moe_route, gate/up and down products, combine; the shared expert is expert 8.
+    assert after == [(1, 5)] * 2
+    assert all(b[0] >= 10 * a[0] for b, a in zip(before, after))
+
+
+@pytest.mark.parametrize("release", ["2.9", "2.15"])
+def test_every_release_takes_the_fused_layer(release):
+    """On torch 2.15 torch's own _grouped_mm runs stock models on a Mac; the
+    fused layer is mps_ext's own op, so an optimized model takes it on every
+    release."""
+    model = mps_ext.optimize(make("qwen3_moe", torch.bfloat16))
+    assert per_moe_layer(model, release) == [(1, 5)] * 2
+
+
+# ----------------------------------------------------------- what it changes --
+def test_idempotent_and_says_what_it_did():
+    model = make("qwen3_5_moe", torch.bfloat16)
+    assert mps_ext.optimize(model) is model
+    s = model.optimize_summary
+    assert list(s.converted) == ["model.layers.0.mlp", "model.layers.1.mlp"] and not s.left and not s.already
+    assert all(v == "Qwen3_5MoeSparseMoeBlock -> FusedMoE: 8 bfloat16 experts, top-2, renormalised, shared expert "
+               "fused as expert 8" for v in s.converted.values())
+    assert "2 MoE blocks on torch.ops.mps_ext.moe_layer" in str(s)
+    fused = [model.get_submodule(n) for n in blocks(model)]
+    mps_ext.optimize(model)
+    s = model.optimize_summary
+    assert not s.converted and s.already == ["model.layers.0.mlp", "model.layers.1.mlp"] and not s.left
+    assert [model.get_submodule(n) for n in blocks(model)] == fused
+    assert s.bytes_after == s.bytes_before
+
+
+def test_blocks_it_does_not_know_are_left_with_the_reason():
+    """DeepSeek-V3's router is a grouped sigmoid beside shared_experts;
+    Qwen2-MoE's shared expert is 4x the experts' size, so it runs apart, as
+    the model ran it."""
+    ds = T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+        **{**{k: v for k, v in COMMON.items() if k != "head_dim"}, "num_key_value_heads": 4},
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1,
+        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16)).eval()
+    mps_ext.optimize(ds)
+    assert ds.optimize_summary.left == {
+        "model.layers.1.mlp": "it holds shared_experts beside its router and experts (optimize knows no such block)"}
+    torch.manual_seed(0)
+    qwen2 = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**COMMON, moe_intermediate_size=32, num_experts=8,
+                                                   shared_expert_intermediate_size=128)).eval()
+    prompt = ids()
+    want = prefill_and_decode(qwen2, prompt, ids(1, seed=2))
+    mps_ext.optimize(qwen2)
+    assert set(qwen2.optimize_summary.converted.values()) == {
+        "Qwen2MoeSparseMoeBlock -> FusedMoE: 8 float32 experts, top-2, shared expert run apart (its shared "
+        "expert's size 128 is not the experts' 32)"}
+    for g, w in zip(prefill_and_decode(qwen2, prompt, ids(1, seed=2)), want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    with run_model(RELEASE):
+        got = prefill_and_decode(qwen2, prompt, ids(1, seed=2))
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "llama4"])
+def test_experts_the_kernels_cannot_run_are_left_with_the_reason(name):
+    """GPT-OSS's experts have biases, Llama 4's take pre-grouped tokens:
+    the reason quantize_fp8 gives for the same banks."""
+    import re
+    from test_fp8_flows import LEFT, make as make_left
+    model = mps_ext.optimize(make_left(LEFT[name], torch.bfloat16))
+    s = model.optimize_summary
+    assert not s.converted and s.left and all(re.search(LEFT[name][3], why) for why in s.left.values()), s
+
+
+def test_block_scaled_shared_expert_runs_apart():
+    """quantize_fp8(granularity="block"): the shared expert's 128x128 block
+    scales are not the banks' one scale per row, so it cannot be expert E;
+    it runs apart, as the quantized model ran it."""
+    # float32 activations: in bfloat16 this prompt has an exact tie at the top-2 boundary, whose order
+    # torch.topk leaves open (moe_route takes the lower expert).
+    model = mps_ext.quantize_fp8(make("qwen3_5_moe"), granularity="block")
+    prompt, step = ids(), ids(1, seed=2)
+    want = prefill_and_decode(model, prompt, step)
+    mps_ext.optimize(model)
+    assert set(model.optimize_summary.converted.values()) == {
+        "Qwen3_5MoeSparseMoeBlock -> FusedMoE: 8 fp8 experts, top-2, renormalised, shared expert run apart (the "
+        "expert banks are fp8 and the shared expert is not fp8 with a scale per row)"}
+    with run_model(RELEASE) as report:
+        got = prefill_and_decode(model, prompt, step)
+    assert report.families["grouped_mm"].ops["mps_ext::moe_layer"].ran == 4
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 3e-2
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="takes a torch.nn.Module \\(a loaded model\\), got str"):
+        mps_ext.optimize("Qwen/Qwen3-30B-A3B")
+    model = make("qwen3_moe").double()
+    with pytest.raises(ValueError, match="optimize runs float32, float16 or bfloat16 models .*torch.float64 banks"):
+        mps_ext.optimize(model)
+    assert not blocks(model)  # nothing replaced before the error
+
+
+def test_casts_devices_and_state_dict_round_trip():
+    model = mps_ext.optimize(make("qwen3_5_moe"))
+    prompt, step = ids(), ids(1, seed=2)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    assert all(isinstance(bf16.get_submodule(n).experts, MoEExperts) for n in blocks(bf16))
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    stock = mps_ext.optimize(make("qwen3_5_moe", torch.bfloat16))  # bf16 before optimize
+    for g, w in zip(prefill_and_decode(bf16, prompt, step), prefill_and_decode(stock, prompt, step)):
+        torch.testing.assert_close(g, w)
+    other = mps_ext.optimize(make("qwen3_5_moe"))
+    for p in other.parameters():
+        p.data.zero_()
+    other.load_state_dict(model.state_dict())
+    for g, w in zip(prefill_and_decode(other, prompt, step), prefill_and_decode(model, prompt, step)):
+        assert torch.equal(g, w)
+    # fp8: casts keep the fp8 banks (FP8Experts), the router follows the model's dtype.
+    q = mps_ext.optimize(mps_ext.quantize_fp8(make("qwen3_5_moe", torch.bfloat16))).float()
+    other = mps_ext.optimize(mps_ext.quantize_fp8(make("qwen3_5_moe", torch.bfloat16))).float()
+    for t in other.state_dict().values():  # every persistent tensor (not the rotary tables)
+        t.zero_()
+    other.load_state_dict(q.state_dict())
+    for g, w in zip(prefill_and_decode(other, prompt, step), prefill_and_decode(q, prompt, step)):
+        assert torch.equal(g, w)
+    fused = q.get_submodule(blocks(q)[0])
+    assert fused.router.dtype == torch.float32 and fused.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    with run_model(RELEASE) as report:
+        prefill_and_decode(q, prompt, step)
+    assert report.families["grouped_mm"].ops["mps_ext::moe_layer"].ran == 4
+
+
+def test_quantize_fp8_after_optimize():
+    """The other order: quantize_fp8 converts a FusedMoE's banks (the shared
+    expert's row included), its router stays as it is."""
+    model = mps_ext.optimize(make("qwen3_5_moe", torch.bfloat16))
+    prompt, step = ids(), ids(1, seed=2)
+    want = prefill_and_decode(model, prompt, step)
+    mps_ext.quantize_fp8(model)
+    assert model.fp8_summary.converted["FP8Experts"] == [n + ".experts" for n in blocks(model)]
+    fused = model.get_submodule(blocks(model)[0])
+    assert isinstance(fused.experts, FP8Experts) and fused.experts.num_experts == 9
+    with run_model(RELEASE) as report:
+        got = prefill_and_decode(model, prompt, step)
+    assert report.families["grouped_mm"].ops["mps_ext::moe_layer"].ran == 4
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 0.1  # fp8 weights
+
+
+# ----------------------------------------------------------- torch.compile --
+@_executor_request.request()  # traced inside request(): the kernels' path, the one a Mac takes
+@pytest.mark.parametrize("kind", ["bfloat16", "fp8"])
+def test_compiled_optimized_model(kind):
+    from test_fp8_flows import Float8Inspector
+    model = make("qwen3_moe", torch.bfloat16)
+    if kind == "fp8":
+        mps_ext.quantize_fp8(model)
+    mps_ext.optimize(model)
+    prompt, step = ids(), ids(1, seed=2)
+    want = prefill_and_decode(model, prompt, step)
+    torch._dynamo.reset()
+    inspector = Float8Inspector()  # also: no float8 tensor op reaches the compiler
+    got = prefill_and_decode(torch.compile(model, backend=inspector.backend), prompt, step)
+    assert "moe_layer" in inspector.mps_ext_ops
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)

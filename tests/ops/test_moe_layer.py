@@ -1,0 +1,172 @@
+"""torch.ops.mps_ext.moe_layer, a whole mixture-of-experts layer from one
+call, against the layer written with torch's CPU ops in float64 (softmax,
+topk, per-expert matmuls), and against the five ops it stands for."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mps_ext import cpu_metal
+
+gen = torch.Generator().manual_seed(3)
+FP8 = torch.float8_e4m3fn
+
+
+def randn(*shape, scale=1.0, dtype=torch.float32):
+    return (torch.randn(shape, generator=gen) * scale).to(dtype)
+
+
+def on(device):
+    """Calls torch.ops.mps_ext.<name> with its tensors on `device`, the result back on the CPU."""
+    def call(name, *args):
+        if device == "mps":
+            args = [a.to("mps") if isinstance(a, torch.Tensor) else a for a in args]
+        out = getattr(torch.ops.mps_ext, name)(*args)
+        return tuple(t.cpu() for t in out) if isinstance(out, tuple) else out.cpu()
+    return call
+
+
+def quantize_rows(w):
+    scale = w.float().abs().amax(-1).clamp(min=1e-12) / 448
+    return (w.float() / scale[..., None]).to(FP8), scale
+
+
+def reference(x, router, gate_up, gate_up_scale, down, down_scale, top_k, renormalize, shared):
+    """The layer in float64 with torch's CPU ops; the router's logits in x's
+    dtype and each product's output rounded to the activations' dtype where
+    the kernels store them."""
+    logits = F.linear(x, router).double()
+    e = logits.shape[1] - shared
+    w, ids = torch.topk(torch.softmax(logits[:, :e], -1), top_k, -1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    if shared:
+        ids = torch.cat([ids, torch.full((len(ids), 1), e)], 1)
+        w = torch.cat([w, torch.sigmoid(logits[:, e:])], 1)
+    act = torch.bfloat16 if gate_up.dtype == FP8 else x.dtype
+    gu = gate_up.double() * (1 if gate_up_scale is None else gate_up_scale.double()[..., None])
+    dn = down.double() * (1 if down_scale is None else down_scale.double()[..., None])
+    xe = x.to(act).double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            g, u = (gu[ids[t, j]] @ xe[t]).chunk(2)
+            h = (F.silu(g) * u).to(act).double()
+            out[t] += w[t, j] * (dn[ids[t, j]] @ h).to(act).double()
+    return out
+
+
+def layer(tokens, experts, top_k, shared, kind, hidden=64, inter=32):
+    dtype = torch.bfloat16 if kind == "fp8" else kind
+    x = randn(tokens, hidden, dtype=dtype)
+    router = randn(experts + shared, hidden, scale=0.3, dtype=dtype)
+    gate_up = randn(experts + shared, 2 * inter, hidden, scale=hidden ** -0.5, dtype=dtype)
+    down = randn(experts + shared, hidden, inter, scale=inter ** -0.5, dtype=dtype)
+    gate_up_scale = down_scale = None
+    if kind == "fp8":
+        (gate_up, gate_up_scale), (down, down_scale) = quantize_rows(gate_up), quantize_rows(down)
+    return x, router, gate_up, gate_up_scale, down, down_scale
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (4, 16, 4), (9, 8, 8)])  # 9 tokens: the router
+@pytest.mark.parametrize("renormalize,shared", [(True, 0), (False, 1), (True, 1)])  # past linear's 8 rows
+@pytest.mark.parametrize("kind", [torch.float32, torch.float16, torch.bfloat16, "fp8"], ids=str)
+def test_layer_matches_torch_and_is_the_five_ops(device, tokens, experts, top_k, renormalize, shared, kind):
+    args = layer(tokens, experts, top_k, shared, kind)
+    x, router, gate_up, gate_up_scale, down, down_scale = args
+    run = on(device)
+    with cpu_metal.record() as rec:
+        out = run("moe_layer", *args, top_k, renormalize, bool(shared))
+    ref = reference(*args, top_k, renormalize, shared)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    tol = 1e-5 if kind == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    # The same kernels as the five ops called one by one, and the same bits.
+    logits = run("linear", x, router, None) if tokens <= 8 else F.linear(x, router)
+    w, offs, slot_of_row, row_of_slot = run("moe_route", logits, top_k, renormalize, bool(shared))
+    slots = top_k + shared
+    h = run("moe_experts", x, gate_up, gate_up_scale, offs, slot_of_row, slots, True)
+    y = run("moe_experts", h, down, down_scale, offs, None, 1, False)
+    assert torch.equal(out, run("moe_combine", y, w, row_of_slot))
+    if device == "executor":
+        kernels = [d.kernel for d in rec.dispatches]
+        t = "bf16" if kind == "fp8" else {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[kind]
+        w_t = "bf16_e4m3w" if kind == "fp8" else t
+        tail = [f"moe_route_{t}", f"gmm_decode_rows_{w_t}_vec", f"gmm_decode_rows_{w_t}_vec", f"moe_combine_{t}"]
+        assert kernels[-4:] == tail, kernels
+        # The router's logits: mps_ext's GEMV (one dispatch) up to 8 rows, torch's CPU matmul past them.
+        assert len(kernels) == 4 + (tokens <= 8), kernels
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_sigmoid_scoring(device, bias, renormalize):
+    """LFM2-MoE's router: sigmoid scores, the top-k of score + expert_bias
+    chosen, weighted by their scores (renormalised with 1e-6 in the
+    denominator), times a scale. float32, where equal scores are unlikely
+    (moe_route breaks ties by the lower expert, torch.topk leaves them open)."""
+    tokens, experts, top_k, scale = 4, 16, 4, 2.5
+    x, router, gate_up, _, down, _ = layer(tokens, experts, top_k, 0, torch.float32)
+    expert_bias = randn(experts, scale=0.3) if bias else None
+    out = on(device)("moe_layer", x, router, gate_up, None, down, None, top_k, renormalize, False, expert_bias, True,
+                     scale, 1e-6)
+    scores = torch.sigmoid(F.linear(x, router).double())
+    index = torch.topk(scores + (0 if expert_bias is None else expert_bias.double()), top_k, -1).indices
+    w = scores.gather(1, index)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-6)
+    w = w * scale
+    ref = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(top_k):
+            g, u = (gate_up[index[t, j]].double() @ x[t].double()).chunk(2)
+            ref[t] += w[t, j] * (down[index[t, j]].double() @ (F.silu(g) * u))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_fp8_banks_take_float32_activations(device):
+    """The fp8 kernels take bfloat16 activations: a float32 x is rounded to
+    them, the router's logits stay float32, and the output is float32."""
+    x, router, gate_up, gate_up_scale, down, down_scale = layer(2, 8, 2, 1, "fp8")
+    x, router = x.float(), router.float()
+    out = on(device)("moe_layer", x, router, gate_up, gate_up_scale, down, down_scale, 2, True, True)
+    assert out.dtype == torch.float32
+    ref = reference(x, router, gate_up, gate_up_scale, down, down_scale, 2, True, 1)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_no_tokens():
+    x, *rest = layer(1, 8, 2, 0, torch.float32)
+    out = torch.ops.mps_ext.moe_layer(x[:0], *rest, 2, True, False)
+    assert out.shape == (0, 64)
+
+
+def test_checks():
+    x, router, gate_up, _, down, _ = layer(2, 8, 2, 0, torch.float32)
+    op = torch.ops.mps_ext.moe_layer
+    with pytest.raises(RuntimeError, match="x must be float32, float16 or bfloat16, got Double"):
+        op(x.double(), router.double(), gate_up.double(), None, down.double(), None, 2)
+    with pytest.raises(RuntimeError, match="router must be .* in x's dtype"):
+        op(x, router.bfloat16(), gate_up, None, down, None, 2)
+    with pytest.raises(RuntimeError, match=r"gate_up \[E, 2I, H\] and down \[E, H, I\]"):
+        op(x, router, gate_up[:7], None, down, None, 2)
+    with pytest.raises(RuntimeError, match="banks must both be float8_e4m3fn"):
+        op(x, router, gate_up.to(FP8), None, down, None, 2)
+    with pytest.raises(RuntimeError, match="fp8 weights need weight_scale"):
+        op(x.bfloat16(), router.bfloat16(), gate_up.to(FP8), None, down.to(FP8), None, 2)
+    with pytest.raises(RuntimeError, match=r"top_k must be in \[1, 8\]"):
+        op(x, router, gate_up, None, down, None, 9)
+    with pytest.raises(RuntimeError, match="moe_route is for decode: at most 1024 token slots"):
+        op(randn(513, 64), router, gate_up, None, down, None, 2)
+    with pytest.raises(RuntimeError, match="expert_bias is for sigmoid scoring"):
+        op(x, router, gate_up, None, down, None, 2, True, False, randn(8))
+    with pytest.raises(RuntimeError, match=r"expert_bias must be contiguous float32 \[8\]"):
+        op(x, router, gate_up, None, down, None, 2, True, False, randn(8).double(), True)
+
+
+@pytest.mark.parametrize("kind", [torch.bfloat16, "fp8"], ids=str)
+def test_fake_kernel_for_torch_compile(kind):
+    args = layer(3, 8, 2, 1, kind)
+    # test_schema compares outputs with torch ops that have no float8 CPU kernel.
+    checks = ("test_faketensor",) if kind == "fp8" else ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.mps_ext.moe_layer.default, (*args, 2, True, True), test_utils=checks)
