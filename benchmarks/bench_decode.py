@@ -88,6 +88,10 @@ def chart_bars(rows: list[Row]) -> list[dict]:
     return out
 
 
+def _us(seconds: float | None) -> str:
+    return "- (GPU-bound)" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
 def _f(x: float) -> str:
     return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
@@ -154,7 +158,9 @@ def calibration(rows: list[Row]) -> tuple[str, list[dict]]:
         out.append({"model": r.model, "torch": r.release, "published tok/s": measured,
                     "projected tok/s": f"{mid:.1f} ({lo:.1f}-{hi:.1f})",
                     "projected / published": f"{mid / measured:.2f}",
-                    "within 15%": "yes" if abs(mid / measured - 1) <= 0.15 else "no"})
+                    "within 15%": "yes" if abs(mid / measured - 1) <= 0.15 else "no",
+                    "host cost per call the measurement implies (us)": _us(
+                        census.implied_host_cost(r.bytes["total"], r.counts, r.tokens, measured))})
     return (markdown(out, list(out[0])) if out else "(no published figure for these rows)"), out
 
 
@@ -192,7 +198,9 @@ host = host calls x host cost per call. Constants (published measurements, ancho
 
 {projection_table(rows)}
 
-Calibration, stock torch with torch.compile against its published decode speed:
+Calibration, stock torch with torch.compile against its published decode speed (the last column: the host cost
+per call that, the other constants central, reproduces the measurement; torch <= 2.14's per-expert mm calls of
+experts no token chose are not costed, which the 2.14 rows show):
 
 {cal}
 

@@ -64,7 +64,7 @@ def decode_chart(bars: list[dict], path: str | Path) -> None:
     models = list(dict.fromkeys(b["model"] for b in bars))
     series = list(dict.fromkeys(b["series"] for b in bars))
     colours = plt.get_cmap("tab20").colors
-    fig, ax = plt.subplots(figsize=(max(7.0, 2.6 * len(models) + 2), 5), layout="constrained")
+    fig, ax = plt.subplots(figsize=(max(7.0, 2.6 * len(models) + 2), 6), layout="constrained")
     width = 0.8 / len(series)
     marked = False
     for s, name in enumerate(series):
@@ -86,6 +86,6 @@ def decode_chart(bars: list[dict], path: str | Path) -> None:
     ax.set_title("Decode speed: projected from the census (bars: central; whiskers: range)")
     ax.grid(axis="y", color="#dddddd")
     ax.set_axisbelow(True)
-    ax.legend(fontsize="small", ncols=2, loc="upper left")
+    fig.legend(fontsize="small", ncols=3, loc="outside lower center")
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -181,7 +181,7 @@ def test_the_projection_adds_what_it_says():
 def test_a_tiny_model_without_every_layer_kind_is_refused():
     spec = census.MODELS["LFM2.5-8B-A1B"]
     lacking = census.Spec(spec.name, spec.family, spec.model, spec.real, "",
-                          {**spec.tiny, "num_hidden_layers": 2, "layer_types": ["conv", "conv"]})
+                          {**spec.tiny, "num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]})  # both dense
     small = census.tiny_model(lacking)
     with pytest.raises(ValueError, match="has no layer of kind"):
         census.scale(spec, census.trace_step(small, 1, context=3), small.config, 1, "2.15", "eager", False)
