@@ -122,8 +122,8 @@ def bytes_table(rows: list[Row], context: int) -> str:
         seen.add((r.model, r.tokens))
         b = r.bytes
         out.append({"model": r.model, "tokens": r.tokens, "weights MB": f"{b['weights'] / 1e6:,.0f}",
-                    f"KV cache read MB (context {context})": f"{b['kv_read'] / 1e6:,.1f}",
-                    "KV written MB": f"{b['kv_written'] / 1e6:.3f}",
+                    f"KV cache read by attention MB (context {context})": f"{b['kv_read'] / 1e6:,.1f}",
+                    "KV cache copied by DynamicCache's torch.cat (read + written) MB": f"{b['kv_copy'] / 1e6:,.1f}",
                     "recurrent + conv state read and written MB": f"{b['state'] / 1e6:,.1f}",
                     "total MB / step": f"{b['total'] / 1e6:,.0f}"})
     return markdown(out, list(out[0]))

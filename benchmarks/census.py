@@ -483,19 +483,21 @@ def expert_weights(c) -> int:
 
 
 def step_bytes(config, tokens: int, context: int, weight_bytes: int = 2, cache_bytes: int = 2,
-               state_bytes: int = 4, used: float | None = None) -> dict:
+               state_bytes: int = 4, used: float | None = None, cache_copy: bool = True) -> dict:
     """Bytes one decode step of `tokens` sequences at `context` reads and
     writes, from the config's dimensions: every weight a token needs read
     once (routed experts: the distinct ones chosen, `used` per MoE layer,
     default expected_experts), the embedding rows, the KV cache of the
-    attention layers, and the recurrent and convolution states (read and
-    written). Activations (KB per layer) are left out."""
+    attention layers (read by attention; with `cache_copy`, as transformers'
+    DynamicCache appends with torch.cat, also read and written whole once
+    more), and the recurrent and convolution states (read and written).
+    Activations (KB per layer) are left out."""
     c = config
     h = c.hidden_size
     kinds = layer_kinds(c)
     if used is None:
         used = expected_experts(c.num_experts, c.num_experts_per_tok, tokens)
-    weights = kv_read = kv_written = state = 0
+    weights = kv_read = kv_written = state = copy = 0
     for kind in kinds:
         mixer, ffn = kind.split("+")
         weights += mixer_weights(c, mixer) + 2 * h  # + the two RMS norms
@@ -509,8 +511,11 @@ def step_bytes(config, tokens: int, context: int, weight_bytes: int = 2, cache_b
         if mixer == "full_attention":
             hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
             per_token = 2 * c.num_key_value_heads * hd * cache_bytes
-            kv_read += tokens * context * per_token
-            kv_written += tokens * per_token
+            kv_read += tokens * (context + 1) * per_token  # attention reads the cache with the new rows
+            if cache_copy:  # torch.cat([cache, new]): the old cache and the new rows read, the grown cache written
+                copy += 2 * tokens * (context + 1) * per_token
+            else:  # a static cache: the new rows written in place
+                kv_written += tokens * per_token
         elif mixer == "linear_attention":
             kd = c.linear_num_key_heads * c.linear_key_head_dim
             conv = (2 * kd + c.linear_num_value_heads * c.linear_value_head_dim) * (c.linear_conv_kernel_dim - 1)
@@ -520,8 +525,8 @@ def step_bytes(config, tokens: int, context: int, weight_bytes: int = 2, cache_b
             state += tokens * 2 * h * (c.conv_L_cache - 1) * cache_bytes
     head = c.vocab_size * h  # LM head (tied or not, read whole)
     weights_b = (weights + h + head) * weight_bytes + tokens * h * weight_bytes  # + final norm, embedding rows
-    return {"weights": weights_b, "kv_read": kv_read, "kv_written": kv_written, "state": state,
-            "total": weights_b + kv_read + kv_written + state}
+    return {"weights": weights_b, "kv_read": kv_read, "kv_written": kv_written, "kv_copy": copy, "state": state,
+            "total": weights_b + kv_read + kv_written + copy + state}
 
 
 # -------------------------------------------------------------- projection --

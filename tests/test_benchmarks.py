@@ -185,3 +185,29 @@ def test_a_tiny_model_without_every_layer_kind_is_refused():
     small = census.tiny_model(lacking)
     with pytest.raises(ValueError, match="has no layer of kind"):
         census.scale(spec, census.trace_step(small, 1, context=3), small.config, 1, "2.15", "eager", False)
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_census_kv_cache_bytes_match_the_attention_layers_cache_calls(tokens):
+    """The KV cache traffic of step_bytes against what the traced
+    attention layer's calls move: transformers' DynamicCache appends with
+    torch.cat, so every step reads the cache and the new rows and writes
+    the grown cache (the two largest calls of the layer's cats), besides
+    attention reading it."""
+    spec = census.MODELS["Qwen3-30B-A3B"]
+    model = census.tiny_model(spec)
+    context = 5
+    trace = census.trace_step(model, tokens, context=context)
+    c = model.config
+    row = c.num_key_value_heads * c.head_dim * 2  # one token's K (or V) row, bf16
+    cats = sorted((call for call in trace.calls if call.op == "cat" and call.layer == 0),
+                  key=lambda call: call.written)[-2:]  # K and V
+    moved = sum(call.read + call.written for call in cats)
+    assert moved == 2 * tokens * row * (context + 1) * 2  # read: old cache + new rows; written: the grown cache
+    b = census.step_bytes(c, tokens, context)
+    assert b["kv_copy"] == moved
+    # Attention reads the cache with the new rows (its other input: the query).
+    sdpa = [call for call in trace.calls if call.op.startswith("_scaled_dot_product") and call.layer == 0]
+    query = tokens * c.num_attention_heads * c.head_dim * 2
+    assert len(sdpa) == 1 and sdpa[0].read - query == 2 * tokens * row * (context + 1) == b["kv_read"]
+    assert b["kv_written"] == 0  # within the copy
