@@ -41,6 +41,7 @@ class Row:
     layers: dict             # layer kind -> layers of that kind
     bytes: dict              # census.step_bytes
     tok_s: tuple[float, float, float]  # low, central, high
+    calibrated: float                  # with census.CALIBRATED
 
     def per_token(self, x: float) -> float:
         return x / self.tokens
@@ -71,7 +72,7 @@ def census_rows(models: list[str], tokens: tuple[int, ...], context: int = CONTE
                         tok_s = tuple(census.project(nbytes["total"], s["total"], t, w)
                                       for w in ("low", "central", "high"))
                         rows.append(Row(name, t, release, mode, who, s["total"], s["per_kind"], s["layers"],
-                                        nbytes, tok_s))
+                                        nbytes, tok_s, census.project(nbytes["total"], s["total"], t, "calibrated")))
     return rows
 
 
@@ -88,8 +89,8 @@ def chart_bars(rows: list[Row]) -> list[dict]:
     return out
 
 
-def _us(seconds: float | None) -> str:
-    return "- (GPU-bound)" if seconds is None else f"{seconds * 1e6:.1f}"
+def _us(seconds: float | None, none: str = "-") -> str:
+    return none if seconds is None else f"{seconds * 1e6:.1f}"
 
 
 def _f(x: float) -> str:
@@ -135,7 +136,28 @@ def projection_table(rows: list[Row]) -> str:
         lo, mid, hi = r.tok_s
         out.append({"model": r.model, "tokens": r.tokens, "torch": r.release, "mode": r.mode, "": r.who,
                     "tok/s M3 Ultra": f"{mid:.1f} ({lo:.1f}-{hi:.1f})",
+                    "calibrated": f"{r.calibrated:.1f}",
                     "published": _published(r)})
+    return markdown(out, list(out[0]))
+
+
+def summary_table(rows: list[Row]) -> str:
+    """README's table: one sequence, per model, release and stock / mps_ext:
+    eager and compiled host calls, dispatches, bytes and tokens/s."""
+    keyed = {(r.model, r.release, r.who, r.mode): r for r in rows if r.tokens == 1}
+    out = []
+    for (model, release, who, mode), r in keyed.items():
+        if mode != "compile":
+            continue
+        e = keyed[(model, release, who, "eager")]
+        lo, mid, hi = r.tok_s
+        pub = census.MODELS[model].published.get(release) if who == "stock" else None
+        out.append({"model": model, "torch": release, "": who,
+                    "host calls / token (eager; compiled)": f"{_f(e.counts.host)}; {_f(r.counts.host)}",
+                    "dispatches / token (eager; compiled)": f"{_f(e.counts.dispatches)}; {_f(r.counts.dispatches)}",
+                    "syncs": _f(r.counts.syncs), "GB / token": f"{r.bytes['total'] / 1e9:.2f}",
+                    "tok/s compiled: central (range); calibrated": f"{mid:.0f} ({lo:.0f}-{hi:.0f}); {r.calibrated:.0f}",
+                    "measured": "" if pub is None else str(pub)})
     return markdown(out, list(out[0]))
 
 
@@ -159,8 +181,12 @@ def calibration(rows: list[Row]) -> tuple[str, list[dict]]:
                     "projected tok/s": f"{mid:.1f} ({lo:.1f}-{hi:.1f})",
                     "projected / published": f"{mid / measured:.2f}",
                     "within 15%": "yes" if abs(mid / measured - 1) <= 0.15 else "no",
-                    "host cost per call the measurement implies (us)": _us(
-                        census.implied_host_cost(r.bytes["total"], r.counts, r.tokens, measured))})
+                    "calibrated tok/s": f"{r.calibrated:.1f}",
+                    "calibrated / published": f"{r.calibrated / measured:.2f}",
+                    "implied GPU us per dispatch": _us(
+                        census.implied_dispatch_cost(r.bytes["total"], r.counts, r.tokens, measured)),
+                    "implied host us per call": _us(
+                        census.implied_host_cost(r.bytes["total"], r.counts, r.tokens, measured), "GPU-bound")})
     return (markdown(out, list(out[0])) if out else "(no published figure for these rows)"), out
 
 
@@ -188,6 +214,10 @@ real configs; benchmarks/census.py says how each figure is counted).
 
 {census_table(rows)}
 
+One sequence, in short:
+
+{summary_table(rows)}
+
 Bytes per step (the real configs' dimensions; activations, KB per layer, left out):
 
 {bytes_table(rows, context)}
@@ -198,9 +228,10 @@ host = host calls x host cost per call. Constants (published measurements, ancho
 
 {projection_table(rows)}
 
-Calibration, stock torch with torch.compile against its published decode speed (the last column: the host cost
-per call that, the other constants central, reproduces the measurement; torch <= 2.14's per-expert mm calls of
-experts no token chose are not costed, which the 2.14 rows show):
+Calibration, stock torch with torch.compile against its published decode speed. implied: the GPU cost per dispatch
+(central bandwidth) and the host cost per call (other constants central) at which the projection reproduces the
+measurement ("GPU-bound": the GPU side alone is slower). torch <= 2.14's per-expert mm calls of experts no token
+chose are not costed, which its rows show:
 
 {cal}
 

@@ -552,6 +552,11 @@ HOST = Constant(10e-6, 20e-6, 25e-6, "s",
                 "CPU time of one MPS host call: at least ~20 us per eager PyTorch op (pytorch/torchchat PR 1464, "
                 "~770 ops per token, M1 Pro); the low end a Metal-kernel op: a command buffer ~10 us, a custom "
                 "shader ~0.5 us to encode (pytorch issue 82707)")
+# The ends of those ranges that torch 2.15's two published decode figures
+# imply (bench_decode's calibration: both need <= ~5.7 us per dispatch and
+# <= ~13-17 us per host call, hidden behind the GPU): central bandwidth,
+# the lowest published dispatch cost (5 us, measured), the low host cost.
+CALIBRATED = (BANDWIDTH.central, DISPATCH.low, HOST.low)
 OVERLAP = ("the host encodes ahead of the GPU within a step: a step costs max(host, GPU); a step with a sync "
            "inside (torch's _grouped_mm fallback, nonzero) costs host + GPU (no overlap)")
 
@@ -559,12 +564,16 @@ OVERLAP = ("the host encodes ahead of the GPU within a step: a step costs max(ho
 def project(bytes_: float, c: Counts, tokens: int, which: str = "central") -> float:
     """Tokens/s of a step: GPU = bytes / bandwidth + dispatches x dispatch
     cost; host = host calls x host cost; OVERLAP says how they add.
-    `which`: 'central', 'low' (slow end of every constant) or 'high'."""
-    pick = {"central": lambda k: k.central, "low": lambda k: k.low, "high": lambda k: k.high}[which]
-    bw = pick(BANDWIDTH)
-    slow = which == "low"
-    d = (DISPATCH.high if slow else DISPATCH.low if which == "high" else DISPATCH.central)
-    h = (HOST.high if slow else HOST.low if which == "high" else HOST.central)
+    `which`: 'central', 'low' (slow end of every constant), 'high', or
+    'calibrated' (CALIBRATED)."""
+    if which == "calibrated":
+        bw, d, h = CALIBRATED
+    else:
+        pick = {"central": lambda k: k.central, "low": lambda k: k.low, "high": lambda k: k.high}[which]
+        bw = pick(BANDWIDTH)
+        slow = which == "low"
+        d = (DISPATCH.high if slow else DISPATCH.low if which == "high" else DISPATCH.central)
+        h = (HOST.high if slow else HOST.low if which == "high" else HOST.central)
     gpu = bytes_ / bw + c.dispatches * d
     host = c.host * h
     seconds = gpu + host if c.syncs else max(gpu, host)
@@ -577,7 +586,18 @@ def constants_text() -> str:
         f = 1e-9 if k.unit == "B/s" else 1e6
         unit = "GB/s" if k.unit == "B/s" else "us"
         rows.append(f"- {name}: {k.low * f:g}-{k.high * f:g} {unit}, central {k.central * f:g} ({k.source})")
-    return "\n".join(rows + [f"- overlap: {OVERLAP}"])
+    bw, d, h = CALIBRATED
+    return "\n".join(rows + [f"- overlap: {OVERLAP}",
+                             f"- calibrated: {bw / 1e9:g} GB/s, {d * 1e6:g} us per dispatch, {h * 1e6:g} us per host "
+                             "call: the ends of those ranges that torch 2.15's published decode figures imply (the "
+                             "calibration below)"])
+
+
+def implied_dispatch_cost(bytes_: float, c: Counts, tokens: int, measured: float) -> float | None:
+    """The GPU cost per dispatch (s) at which the GPU side alone (central
+    bandwidth) takes the measured step time; None if the bytes alone do."""
+    spare = tokens / measured - bytes_ / BANDWIDTH.central
+    return spare / c.dispatches if spare > 0 and c.dispatches else None
 
 
 def implied_host_cost(bytes_: float, c: Counts, tokens: int, measured: float) -> float | None:

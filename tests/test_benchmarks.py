@@ -211,3 +211,15 @@ def test_census_kv_cache_bytes_match_the_attention_layers_cache_calls(tokens):
     query = tokens * c.num_attention_heads * c.head_dim * 2
     assert len(sdpa) == 1 and sdpa[0].read - query == 2 * tokens * row * (context + 1) == b["kv_read"]
     assert b["kv_written"] == 0  # within the copy
+
+
+def test_implied_constants_reproduce_the_measurement():
+    """implied_dispatch_cost / implied_host_cost put back into the
+    projection's formula give the measured tokens/s."""
+    c = census.Counts(host=400, dispatches=300)
+    nbytes, measured = 3e9, 100.0
+    d = census.implied_dispatch_cost(nbytes, c, 1, measured)
+    assert nbytes / census.BANDWIDTH.central + c.dispatches * d == pytest.approx(1 / measured)
+    h = census.implied_host_cost(nbytes, c, 1, measured)
+    assert c.host * h == pytest.approx(1 / measured)
+    assert census.implied_host_cost(nbytes, c, 1, 1000.0) is None  # the GPU side alone is slower
