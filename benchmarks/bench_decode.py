@@ -214,6 +214,8 @@ real configs; benchmarks/census.py says how each figure is counted).
 
 {census_table(rows)}
 
+{_rules()}
+
 One sequence, in short:
 
 {summary_table(rows)}
@@ -241,6 +243,12 @@ Models:
 {notes}
 """
     return text, rows
+
+
+def _rules() -> str:
+    """How each figure is counted: census.py's docstring, from its rules to the scaling."""
+    doc = census.__doc__
+    return doc[doc.index("From the trace, per call"):].strip()
 
 
 def _transformers_version() -> str:

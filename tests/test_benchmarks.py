@@ -223,3 +223,20 @@ def test_implied_constants_reproduce_the_measurement():
     h = census.implied_host_cost(nbytes, c, 1, measured)
     assert c.host * h == pytest.approx(1 / measured)
     assert census.implied_host_cost(nbytes, c, 1, 1000.0) is None  # the GPU side alone is slower
+
+
+def test_a_transform_changes_the_model_counted_and_not_the_callers():
+    """trace_step(transform=...) counts the model a callable (such as a
+    future mps_ext.optimize) returns or changes: here transformers' eager
+    experts, which loop over the chosen experts after a nonzero (a sync)."""
+    model = census.tiny_model(census.MODELS["Qwen3-30B-A3B"])
+
+    def eager_experts(m):
+        m.set_experts_implementation("eager")
+
+    changed = census.trace_step(model, 1, context=3, transform=eager_experts)
+    assert not any(c.op == "_grouped_mm" for c in changed.calls)
+    assert any(c.op == "nonzero" and c.kind == "sync" for c in changed.calls)
+    assert census.count(changed.calls, "2.15", "eager", False).syncs >= 1
+    unchanged = census.trace_step(model, 1, context=3)
+    assert sum(c.op == "_grouped_mm" for c in unchanged.calls) == 2
