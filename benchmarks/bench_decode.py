@@ -97,10 +97,11 @@ def _f(x: float) -> str:
     return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
-def census_table(rows: list[Row]) -> str:
+def census_table(rows: list[Row], context: int) -> str:
     out = []
     for r in rows:
         kinds = [k for k in r.per_kind if k != "head"]
+        real = census.MODELS[r.model].config()
         out.append({
             "model": r.model, "tokens": r.tokens, "torch": r.release, "mode": r.mode, "": r.who,
             "host calls / token": _f(r.per_token(r.counts.host)),
@@ -111,6 +112,9 @@ def census_table(rows: list[Row]) -> str:
                 f"{k} x{r.layers[k]}: {_f(r.per_kind[k].host)} / {_f(r.per_kind[k].dispatches)}" for k in kinds)
             + f"; outside the layers: {_f(r.per_kind['head'].host)} / {_f(r.per_kind['head'].dispatches)}",
             "MB / token": f"{r.bytes['total'] / r.tokens / 1e6:,.0f}",
+            "per layer: MB / token": "; ".join(
+                f"{k}: {census.layer_bytes(real, k, r.tokens, context)['total'] / r.tokens / 1e6:,.1f}"
+                for k in kinds),
         })
     return markdown(out, list(out[0]))
 
@@ -212,7 +216,7 @@ Per decode step of `tokens` sequences at a context of {context} tokens each, bf1
 transformers {_transformers_version()} model code in tiny configurations with the real layer structure, scaled to the
 real configs; benchmarks/census.py says how each figure is counted).
 
-{census_table(rows)}
+{census_table(rows, context)}
 
 {_rules()}
 

@@ -482,51 +482,63 @@ def expert_weights(c) -> int:
     return 3 * c.hidden_size * c.moe_intermediate_size
 
 
-def step_bytes(config, tokens: int, context: int, weight_bytes: int = 2, cache_bytes: int = 2,
-               state_bytes: int = 4, used: float | None = None, cache_copy: bool = True) -> dict:
-    """Bytes one decode step of `tokens` sequences at `context` reads and
-    writes, from the config's dimensions: every weight a token needs read
-    once (routed experts: the distinct ones chosen, `used` per MoE layer,
-    default expected_experts), the embedding rows, the KV cache of the
-    attention layers (read by attention; with `cache_copy`, as transformers'
-    DynamicCache appends with torch.cat, also read and written whole once
-    more), and the recurrent and convolution states (read and written).
-    Activations (KB per layer) are left out."""
+def layer_bytes(config, kind: str, tokens: int, context: int, weight_bytes: int = 2, cache_bytes: int = 2,
+                state_bytes: int = 4, used: float | None = None, cache_copy: bool = True) -> dict:
+    """Bytes one layer of `kind` ('mixer+ffn') reads and writes in a decode
+    step of `tokens` sequences at `context`, from the config's dimensions:
+    every weight a token needs once (routed experts: the distinct ones
+    chosen, `used`, default expected_experts), the KV cache (read by
+    attention; with `cache_copy`, as transformers' DynamicCache appends with
+    torch.cat, also read and written whole once more), and the recurrent
+    and convolution states (read and written). Activations (KB) left out."""
     c = config
     h = c.hidden_size
-    kinds = layer_kinds(c)
     if used is None:
         used = expected_experts(c.num_experts, c.num_experts_per_tok, tokens)
-    weights = kv_read = kv_written = state = copy = 0
-    for kind in kinds:
-        mixer, ffn = kind.split("+")
-        weights += mixer_weights(c, mixer) + 2 * h  # + the two RMS norms
-        if ffn == "dense":
-            weights += 3 * h * c.intermediate_size
-        else:
-            weights += h * c.num_experts + used * expert_weights(c)  # router + chosen experts
-            shared = getattr(c, "shared_expert_intermediate_size", 0) or 0
-            if shared:
-                weights += 3 * h * shared + h  # shared expert and its gate
-        if mixer == "full_attention":
-            hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
-            per_token = 2 * c.num_key_value_heads * hd * cache_bytes
-            kv_read += tokens * (context + 1) * per_token  # attention reads the cache with the new rows
-            if cache_copy:  # torch.cat([cache, new]): the old cache and the new rows read, the grown cache written
-                copy += 2 * tokens * (context + 1) * per_token
-            else:  # a static cache: the new rows written in place
-                kv_written += tokens * per_token
-        elif mixer == "linear_attention":
-            kd = c.linear_num_key_heads * c.linear_key_head_dim
-            conv = (2 * kd + c.linear_num_value_heads * c.linear_value_head_dim) * (c.linear_conv_kernel_dim - 1)
-            rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
-            state += tokens * 2 * (conv * cache_bytes + rec * state_bytes)
-        elif mixer == "conv":
-            state += tokens * 2 * h * (c.conv_L_cache - 1) * cache_bytes
-    head = c.vocab_size * h  # LM head (tied or not, read whole)
-    weights_b = (weights + h + head) * weight_bytes + tokens * h * weight_bytes  # + final norm, embedding rows
-    return {"weights": weights_b, "kv_read": kv_read, "kv_written": kv_written, "kv_copy": copy, "state": state,
-            "total": weights_b + kv_read + kv_written + copy + state}
+    mixer, ffn = kind.split("+")
+    weights = mixer_weights(c, mixer) + 2 * h  # + the two RMS norms
+    kv_read = kv_written = copy = state = 0
+    if ffn == "dense":
+        weights += 3 * h * c.intermediate_size
+    else:
+        weights += h * c.num_experts + used * expert_weights(c)  # router + chosen experts
+        shared = getattr(c, "shared_expert_intermediate_size", 0) or 0
+        if shared:
+            weights += 3 * h * shared + h  # shared expert and its gate
+    if mixer == "full_attention":
+        hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
+        per_token = 2 * c.num_key_value_heads * hd * cache_bytes
+        kv_read = tokens * (context + 1) * per_token  # attention reads the cache with the new rows
+        if cache_copy:  # torch.cat([cache, new]): the old cache and the new rows read, the grown cache written
+            copy = 2 * tokens * (context + 1) * per_token
+        else:  # a static cache: the new rows written in place
+            kv_written = tokens * per_token
+    elif mixer == "linear_attention":
+        kd = c.linear_num_key_heads * c.linear_key_head_dim
+        conv = (2 * kd + c.linear_num_value_heads * c.linear_value_head_dim) * (c.linear_conv_kernel_dim - 1)
+        rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+        state = tokens * 2 * (conv * cache_bytes + rec * state_bytes)
+    elif mixer == "conv":
+        state = tokens * 2 * h * (c.conv_L_cache - 1) * cache_bytes
+    out = {"weights": weights * weight_bytes, "kv_read": kv_read, "kv_written": kv_written, "kv_copy": copy,
+           "state": state}
+    out["total"] = sum(out.values())
+    return out
+
+
+def step_bytes(config, tokens: int, context: int, weight_bytes: int = 2, **kwargs) -> dict:
+    """Bytes a whole decode step reads and writes: every layer's
+    (layer_bytes, which takes the same keywords), the final norm, the LM
+    head (tied or not, read whole) and the embedding rows."""
+    c = config
+    out = dict.fromkeys(("weights", "kv_read", "kv_written", "kv_copy", "state", "total"), 0)
+    for kind in layer_kinds(c):
+        for k, v in layer_bytes(c, kind, tokens, context, weight_bytes, **kwargs).items():
+            out[k] += v
+    head = (c.hidden_size + c.vocab_size * c.hidden_size + tokens * c.hidden_size) * weight_bytes
+    out["weights"] += head
+    out["total"] += head
+    return out
 
 
 # -------------------------------------------------------------- projection --
