@@ -490,7 +490,10 @@ def layer_bytes(config, kind: str, tokens: int, context: int, weight_bytes: int 
     chosen, `used`, default expected_experts), the KV cache (read by
     attention; with `cache_copy`, as transformers' DynamicCache appends with
     torch.cat, also read and written whole once more), and the recurrent
-    and convolution states (read and written). Activations (KB) left out."""
+    and convolution states (read and written once: what a compiled or fused
+    step moves; transformers' eager DeltaNet step passes over its fp32
+    state in several pointwise calls, which is not counted). Activations
+    (KB) left out."""
     c = config
     h = c.hidden_size
     if used is None:
