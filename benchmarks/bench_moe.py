@@ -117,7 +117,6 @@ def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int 
 
     def extras(stats):
         r = measures(stats)
-        wb = 1 if fp8 else 2
         row = {"chosen": r["chosen"], "weight read / chosen": f"{r['weight_ratio']:.3f}",
                "DRAM model / min": f"{r['dram'] / r['minimum']:.3f}", "gate/up threadgroups": r["gate_up_tgs"],
                "layer MB": f"{r['dram'] / 1e6:.1f}"}

@@ -47,7 +47,6 @@ import collections
 import contextlib
 import copy
 import dataclasses
-import math
 from typing import Callable
 
 import torch
@@ -281,6 +280,14 @@ def _layer_hooks(model, trace: Trace):
     return handles
 
 
+def _executor_counters(report):
+    """A callable: (executor dispatches, their bytes) run_model's report has counted so far."""
+    def counters():
+        fams = report.families.values()
+        return sum(f.dispatches for f in fams) + report.other_dispatches, sum(f.bytes for f in fams)
+    return counters
+
+
 def trace_step(model, tokens: int = 1, context: int = 8, torch_release: str | None = None,
                transform: Callable | None = None, seed: int = 0) -> Trace:
     """One decode step of `tokens` sequences after a prefill of `context`
@@ -306,12 +313,7 @@ def trace_step(model, tokens: int = 1, context: int = 8, torch_release: str | No
                 counters = None
                 if torch_release is not None:
                     from mps_ext import cpu_metal
-                    report = stack.enter_context(cpu_metal.run_model(torch_release=torch_release))
-
-                    def counters():
-                        fams = report.families.values()
-                        return (sum(f.dispatches for f in fams) + report.other_dispatches,
-                                sum(f.bytes for f in fams))
+                    counters = _executor_counters(stack.enter_context(cpu_metal.run_model(torch_release=torch_release)))
                 tracer = _Tracer(trace, params, counters)
                 # run_model's modes are entered first so that the tracer (the
                 # innermost dispatch mode) sees the model's aten calls before
