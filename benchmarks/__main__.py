@@ -1,11 +1,13 @@
-"""Every op's benchmark, one markdown table per op, a table per kernel and a
-PNG plot.
+"""Every op's benchmark, one markdown table per op, a table per kernel, the
+decode census and projection, and PNG plots (matplotlib: the `bench` extra).
 
-    python -m benchmarks [OP ...] [--quick | --tiny] [--png PATH] [--chip CHIP]
+    python -m benchmarks [OP ...] [--quick | --tiny] [--png PATH] [--decode-png PATH] [--chip CHIP]
 
-OP: softmax, linear, pad, linalg, fp8, moe, routing (default: all). routing
-is the host time mps_ext's routing adds per call (benchmarks/bench_routing.py),
-timed here on CPU tensors; the others are kernels. --quick leaves out the
+OP: softmax, linear, pad, linalg, fp8, moe, routing, decode (default: all).
+routing is the host time mps_ext's routing adds per call
+(benchmarks/bench_routing.py), timed here on CPU tensors; decode is the
+census of a decoded token of whole models (benchmarks/bench_decode.py); the
+others are kernels. --quick leaves out the
 largest shapes (vocabulary-sized weights, 4096 x 4096 attention scores,
 512 x 512 LU, ...), --tiny runs a few small cases (a smoke test). The
 counters come from the CPU Metal executor, anywhere; on a Mac with MPS each
@@ -28,8 +30,9 @@ if __package__ in (None, ""):  # python benchmarks/__main__.py
 
 from benchmarks import common, plot  # noqa: E402
 
-OPS = ("softmax", "linear", "pad", "linalg", "fp8", "moe")
+OPS = ("softmax", "linear", "pad", "linalg", "fp8", "moe")  # the kernel benchmarks (cases of common.Case)
 HOST = ("routing",)  # host-time benchmarks: their own table, no kernel cases
+DECODE = "decode"  # whole models: benchmarks/bench_decode.py
 
 
 def op_cases(op: str, size: str) -> list[common.Case]:
@@ -62,24 +65,29 @@ def legend(results: list[common.Result], chip: str) -> tuple[list[dict], str]:
 
 def main(argv: list[str] | None = None) -> list[common.Result]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
-    parser.add_argument("ops", nargs="*", metavar="OP", help=f"ops to run, of {', '.join(OPS)} (default: all)")
+    parser.add_argument("ops", nargs="*", metavar="OP",
+                        help=f"ops to run, of {', '.join(OPS + (DECODE,))} (default: all)")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_const", const="quick", dest="size", help="leave out the largest shapes")
     size.add_argument("--tiny", action="store_const", const="tiny", dest="size", help="a few small cases")
-    parser.add_argument("--png", default="benchmarks.png", help="where to write the plot (default: %(default)s)")
+    parser.add_argument("--png", default="benchmarks.png",
+                        help="where to write the ops' plot ('' for none; default: %(default)s)")
+    parser.add_argument("--decode-png", default="benchmarks-decode.png",
+                        help="where to write the decode plot ('' for none; default: %(default)s)")
+    parser.add_argument("--optimize", action="store_true",
+                        help="decode: count each model after mps_ext.optimize(model) as well")
     parser.add_argument("--chip", default="M3 Ultra", choices=list(common.BANDWIDTH_GBPS),
                         help="the chip of the plot's bandwidth (default: %(default)s)")
     parser.add_argument("--no-mac", action="store_true", help="do not time on a Mac's GPU")
     args = parser.parse_args(argv)
-    unknown = [op for op in args.ops if op not in OPS + HOST]
+    unknown = [op for op in args.ops if op not in OPS + HOST + (DECODE,)]
     if unknown:
-        parser.error(f"no benchmark for {', '.join(unknown)}; the ops are {', '.join(OPS + HOST)}")
+        parser.error(f"no benchmark for {', '.join(unknown)}; the ops are {', '.join(OPS + HOST + (DECODE,))}")
     for host in HOST:
         if host in args.ops or not args.ops:
             importlib.import_module(f"benchmarks.bench_{host}").main([f"--{args.size}"] if args.size else [])
     ops = [op for op in args.ops if op in OPS] if args.ops else list(OPS)
-    if not ops:
-        return []
+    decode = DECODE in args.ops or not args.ops
     chips = list(common.BANDWIDTH_GBPS)
     start = time.perf_counter()
     results: list[common.Result] = []
@@ -93,16 +101,28 @@ def main(argv: list[str] | None = None) -> list[common.Result]:
         if op_notes(op):
             print(op_notes(op) + "\n")
         results += done
-    print(common.CASE_NOTES + "\n")
-    print(f"## Kernels\n\n{common.kernel_table(results)}\n")
-    groups, table = legend(results, args.chip)
-    image, lowest = plot.bar_chart(groups)
-    Path(args.png).write_bytes(plot.png(image))
-    print(f"## Plot\n\n{args.png}: per op (numbered below its bars), the sum over its cases, on a log scale of "
-          f"time with a gridline at "
-          f"every decade from {lowest:g} us, at the {args.chip}'s {common.BANDWIDTH_GBPS[args.chip]} GB/s: "
-          + ", ".join(f"{name} ({'rgb(%d, %d, %d)' % colour})" for name, colour in plot.SERIES.items())
-          + f" (us):\n\n{table}\n")
+    if results:
+        print(common.CASE_NOTES + "\n")
+        print(f"## Kernels\n\n{common.kernel_table(results)}\n")
+        groups, table = legend(results, args.chip)
+        if args.png:
+            plot.ops_chart(groups, [op for op in dict.fromkeys(r.case.op for r in results)], args.png, args.chip)
+            print(f"## Plot\n\n{args.png}: per op, the sum over its cases, on a log scale of time, at the "
+                  f"{args.chip}'s {common.BANDWIDTH_GBPS[args.chip]} GB/s (us):\n\n{table}\n")
+    if decode:
+        from benchmarks import bench_decode
+        transform = None
+        if args.optimize:
+            import mps_ext
+            if not hasattr(mps_ext, "optimize"):
+                parser.error("--optimize: this mps_ext has no optimize(model)")
+            transform = mps_ext.optimize
+        text, rows = bench_decode.report(args.size or "full", transform=transform,
+                                         log=lambda m: print(m, file=sys.stderr, flush=True))
+        print(text)
+        if args.decode_png:
+            plot.decode_chart(bench_decode.chart_bars(rows), args.decode_png)
+            print(f"{args.decode_png}: projected decode tokens/s per model, one sequence, with their ranges.\n")
     print(f"executor run time: {time.perf_counter() - start:.0f} s")
     return results
 

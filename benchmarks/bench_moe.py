@@ -3,8 +3,8 @@ shapes of Qwen3-30B-A3B, Qwen3.5/3.6-35B-A3B and LFM2-8B-A1B, for 1, 2, 4 and
 8 tokens, bfloat16 and fp8 (e4m3fn) expert weights. From the CPU Metal
 executor's counters it prints per layer the dispatches, the expert weight
 bytes read over the chosen experts' size, the device bytes over the minimum,
-the gate/up threadgroups, and a projected whole-model tokens/s on an M3 Ultra
-and an M4 Max. On a Mac it also times stock torch's MoE layer (F.grouped_mm)
+the gate/up threadgroups. (Whole-model decode speed is projected from a
+census of real model code: `python -m benchmarks decode`.) On a Mac it also times stock torch's MoE layer (F.grouped_mm)
 against mps_ext's fused one.
 
     python -m benchmarks moe [--quick | --tiny]
@@ -45,79 +45,22 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import Case, Prepared, run_as_script  # noqa: E402
 
-DISPATCH_SECONDS = 4e-6
-CHIPS = {"M3 Ultra": 819e9, "M4 Max": 546e9}  # bytes/s (anchors.md)
-TORCH_215 = {"Qwen3.6-35B-A3B": 61.3, "LFM2-8B-A1B": 123.6}  # tokens/s, M3 Ultra, torch.compile (anchors.md)
-
-
 @dataclasses.dataclass
 class Model:
     name: str
     hidden: int
-    layers: int
-    moe_layers: int
     experts: int
     top_k: int
     shared: int          # shared experts (one, of the routed experts' shape, or none)
     ffn: int             # expert FFN width
-    vocab: int
-    mixer_params: int    # attention (or linear-attention / conv) weights of all layers
-    dense_ffn_params: int  # FFN weights of the layers that are not MoE
-    note: str
 
 
-def _attention(hidden, q_heads, kv_heads, head_dim, gate=False):
-    q = q_heads * head_dim * (2 if gate else 1)
-    return hidden * (q + 2 * kv_heads * head_dim) + q_heads * head_dim * hidden
-
-
+# One MoE layer's shapes (benchmarks/census.py has the whole models, from their configs).
 MODELS = [
-    # anchors.md: hidden 2048, 48 layers, 128 experts, top-8, FFN 768, 32 q / 4 KV heads of 128, vocab 151936.
-    Model("Qwen3-30B-A3B", 2048, 48, 48, 128, 8, 0, 768, 151936, 48 * _attention(2048, 32, 4, 128), 0,
-          "attention from anchors.md (32 q / 4 KV heads of 128)"),
-    # anchors.md: hidden 2048, 40 layers, 256 experts, top-8 + 1 shared, FFN 512, vocab 248320. Not in
-    # anchors.md (public config, assumed): 30 Gated DeltaNet layers (in_proj 2048 -> 12288 + 64,
-    # out_proj 4096 -> 2048) and 10 gated attention layers (16 q heads of 256 with gate, 2 KV heads).
-    Model("Qwen3.6-35B-A3B", 2048, 40, 40, 256, 8, 1, 512, 248320,
-          30 * (2048 * (12288 + 64) + 4096 * 2048) + 10 * _attention(2048, 16, 2, 256, gate=True), 0,
-          "mixers assumed: 30 Gated DeltaNet + 10 gated attention layers"),
-    # anchors.md: hidden 2048, 24 layers (2 dense, FFN 7168), 32 experts, top-4, FFN 1792, 32 q / 8 KV
-    # heads, vocab 65536. Not in anchors.md (assumed): 6 attention layers (heads of 64) and 18 short-conv
-    # layers (in_proj 2048 -> 6144, out_proj 2048 -> 2048); tied embedding read once as the LM head.
-    Model("LFM2-8B-A1B", 2048, 24, 22, 32, 4, 0, 1792, 65536,
-          6 * _attention(2048, 32, 8, 64) + 18 * (2048 * 6144 + 2048 * 2048), 2 * 3 * 2048 * 7168,
-          "mixers assumed: 6 attention + 18 short-conv layers"),
+    Model("Qwen3-30B-A3B", 2048, 128, 8, 0, 768),
+    Model("Qwen3.6-35B-A3B", 2048, 256, 8, 1, 512),
+    Model("LFM2-8B-A1B", 2048, 32, 4, 0, 1792),
 ]
-
-# Dispatches per layer outside the MoE block (norms, the mixer's projections
-# and kernel, residual adds), and for the final norm + LM head: an
-# assumption, not a measurement; the second tokens/s column leaves them out.
-DENSE_DISPATCHES_PER_LAYER = 6
-HEAD_DISPATCHES = 2
-
-
-def dense_bytes(model: Model, weight_bytes: float, head_bytes: float | None = None) -> float:
-    """Weights read once per decode step outside the MoE layers' routed and
-    shared experts: mixers, dense FFN layers, LM head (`head_bytes` per
-    weight, default `weight_bytes`); bf16 router (measured with the layer).
-    fp8 models: every linear weight fp8, unless the head is kept bf16 (what
-    mps_ext.quantize_fp8 does by default)."""
-    head = model.vocab * model.hidden * (weight_bytes if head_bytes is None else head_bytes)
-    return (model.mixer_params + model.dense_ffn_params) * weight_bytes + head
-
-
-def project(model: Model, layer_bytes: int, layer_dispatches: int, tokens: int, weight_bytes: float,
-            bandwidth: float, dense_dispatches: bool, head_bytes: float | None = None) -> float:
-    """Tokens/s of a decode step of `tokens` tokens: the MoE layers' measured
-    bytes plus the dense weights, over the bandwidth, plus 4 us per dispatch.
-    Assumes weights stream at the full bandwidth (no cache reuse across
-    steps), ignores the KV cache and activations outside the MoE layers
-    (short contexts) and the time kernels overlap."""
-    seconds = (model.moe_layers * layer_bytes + dense_bytes(model, weight_bytes, head_bytes)) / bandwidth
-    dispatches = model.moe_layers * layer_dispatches
-    if dense_dispatches:
-        dispatches += model.layers * DENSE_DISPATCHES_PER_LAYER + HEAD_DISPATCHES
-    return tokens / (seconds + dispatches * DISPATCH_SECONDS)
 
 
 def quantize_rows_zero(shape):
@@ -125,7 +68,7 @@ def quantize_rows_zero(shape):
     return torch.zeros(shape, dtype=torch.float8_e4m3fn), torch.ones(shape[:-1])
 
 
-TINY = Model("tiny", 256, 2, 2, 8, 2, 1, 128, 1000, 0, 0, "a smoke test")
+TINY = Model("tiny", 256, 8, 2, 1, 128)
 
 
 def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int = 0) -> Prepared:
@@ -174,18 +117,9 @@ def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int 
 
     def extras(stats):
         r = measures(stats)
-        wb = 1 if fp8 else 2
         row = {"chosen": r["chosen"], "weight read / chosen": f"{r['weight_ratio']:.3f}",
                "DRAM model / min": f"{r['dram'] / r['minimum']:.3f}", "gate/up threadgroups": r["gate_up_tgs"],
                "layer MB": f"{r['dram'] / 1e6:.1f}"}
-        if model is not TINY:
-            for chip, bw in CHIPS.items():
-                row[f"tok/s {chip}"] = f"{project(model, r['dram'], r['dispatches'], tokens, wb, bw, True):.0f}"
-            m3u = CHIPS["M3 Ultra"]
-            row["tok/s M3U (MoE dispatches only)"] = f"{project(model, r['dram'], r['dispatches'], tokens, wb, m3u, False):.0f}"
-            row["tok/s M3U (LM head bf16)"] = (
-                f"{project(model, r['dram'], r['dispatches'], tokens, wb, m3u, True, 2):.0f}" if fp8 else "-")
-            row["torch 2.15 M3U"] = str(TORCH_215.get(model.name, "-")) if tokens == 1 and not fp8 else "-"
         return row
 
     def mac():
@@ -307,24 +241,14 @@ def cases(size: str) -> list[Case]:
 
 
 def notes() -> str:
-    lines = [f"{m.name}: {m.layers} layers, {m.moe_layers} MoE; dense weights {dense_bytes(m, 2) / 1e9:.2f} GB bf16 / "
-             f"{dense_bytes(m, 1) / 1e9:.2f} GB fp8 per step ({m.note})." for m in MODELS]
-    return "\n".join(lines) + f"""
-
-chosen: distinct experts the layer's tokens chose (routed and shared). weight read / chosen: expert weight bytes the two
-expert kernels read over (chosen experts x one expert's gate/up + down bytes); never an idle expert's. bytes / min (the
-layers): every byte any dispatch read or wrote over the minimum, the chosen experts' weights (and fp8 row scales) and
-the router once; activation rows re-read by each threadgroup count every time. DRAM model / min: the weights as read,
-plus every activation-sized tensor once read and once written (re-reads of KB-sized activations are served by the GPU's
-caches): the layer's bytes in us @chip and in the projection. tok/s: (MoE layers x layer bytes + dense weights) /
-bandwidth + {DISPATCH_SECONDS * 1e6:.0f} us x dispatches, for one decode step of `tokens` tokens. Dispatches: the
-layer's, measured, x MoE layers, plus {DENSE_DISPATCHES_PER_LAYER} per layer and {HEAD_DISPATCHES} for the head outside
-MoE blocks (assumed); the 'MoE dispatches only' column leaves the assumed ones out. fp8: every linear weight fp8
-(experts, mixers, LM head), the router bf16; 'LM head bf16' keeps the head in bf16, as quantize_fp8 does by default.
-Weights stream at the full bandwidth, KV cache and other activations are ignored, kernels do not overlap. The grouped
-products run on 256 of the N output columns, scaled by N / 256. torch 2.15
-M3U: anchors.md, measured end to end with torch.compile (not a projection). On a Mac the bf16 layers are timed against
-stock torch's MoE layer (F.grouped_mm)."""
+    return """chosen: distinct experts the layer's tokens chose (routed and shared). weight read / chosen: expert weight bytes
+the two expert kernels read over (chosen experts x one expert's gate/up + down bytes); never an idle expert's. bytes / min
+(the layers): every byte any dispatch read or wrote over the minimum, the chosen experts' weights (and fp8 row scales)
+and the router once; activation rows re-read by each threadgroup count every time. DRAM model / min: the weights as
+read, plus every activation-sized tensor once read and once written (re-reads of KB-sized activations are served by the
+GPU's caches): the layer's bytes in us @chip. The grouped products run on 256 of the N output columns, scaled by N / 256.
+On a Mac the bf16 layers are timed against stock torch's MoE layer (F.grouped_mm). Whole-model tokens/s: `python -m
+benchmarks decode`, which counts the host calls and dispatches of a whole decoded token besides its bytes."""
 
 
 NOTES = notes()

@@ -1,85 +1,91 @@
-"""A bar chart as a PNG, written with zlib and numpy alone (no plotting
-library): per op (its cases summed), the bandwidth limit against mps_ext's projected time
-(and, on a Mac, stock torch's and mps_ext's measured times), on a log scale
-of time with a gridline at every decade, from the decade below the shortest
-time. The chart carries only
-the op numbers (a 3x5 digit font); benchmarks/__main__.py prints the
-legend, a markdown table of the same numbers.
+"""The benchmark's plots, drawn with matplotlib (the `bench` extra of
+pyproject.toml: `pip install -e ".[bench]"`).
+
+- ops_chart: per op (its cases summed), the bandwidth limit against mps_ext's
+  projected time (and, on a Mac, stock torch's and mps_ext's measured
+  times), on a log scale of time.
+- decode_chart: per model, projected decode tokens/s on an M3 Ultra, stock
+  torch and mps_ext per release, each bar with its range, and the published
+  measurements marked.
 """
 
 from __future__ import annotations
 
-import math
-import struct
-import zlib
+from pathlib import Path
 
-import numpy as np
-
-# Bar colours (RGB), in the legend's order.
+# Bar colours, in the legend's order.
 SERIES = {
-    "bandwidth limit": (150, 150, 150),
-    "mps_ext projected": (40, 100, 200),
-    "stock measured": (210, 60, 50),
-    "mps_ext measured": (40, 160, 70),
-}
-BAR, GAP, GROUP_GAP, MARGIN, DECADE = 16, 2, 24, 16, 48  # pixels
-
-# 3x5 digits, one row of three bits (left to right) per line.
-_DIGITS = {
-    "0": (7, 5, 5, 5, 7), "1": (2, 6, 2, 2, 7), "2": (7, 1, 7, 4, 7), "3": (7, 1, 7, 1, 7), "4": (5, 5, 7, 1, 1),
-    "5": (7, 4, 7, 1, 7), "6": (7, 4, 7, 5, 7), "7": (7, 1, 1, 1, 1), "8": (7, 5, 7, 5, 7), "9": (7, 5, 7, 1, 7),
+    "bandwidth limit": "#969696",
+    "mps_ext projected": "#2864c8",
+    "stock measured": "#d23c32",
+    "mps_ext measured": "#28a046",
 }
 
 
-def png(image: np.ndarray) -> bytes:
-    """PNG file bytes of an RGB image (height x width x 3, uint8)."""
-    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
-        raise ValueError(f"need a height x width x 3 uint8 image, got {image.dtype} {image.shape}")
-    height, width, _ = image.shape
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    # Each scanline starts with its filter type, 0 (none).
-    raw = np.concatenate([np.zeros((height, 1), np.uint8), image.reshape(height, width * 3)], axis=1)
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw.tobytes(), 9))
-            + chunk(b"IEND", b""))
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("the benchmark plots need matplotlib: pip install -e \".[bench]\" (or --png '' to skip "
+                          "the plot)") from None
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+    return plt
 
 
-def _text(image: np.ndarray, x: int, y: int, digits: str, scale: int = 2) -> None:
-    for k, ch in enumerate(digits):
-        for row, bits in enumerate(_DIGITS[ch]):
-            for col in range(3):
-                if bits & (4 >> col):
-                    x0, y0 = x + (4 * k + col) * scale, y + row * scale
-                    image[y0:y0 + scale, x0:x0 + scale] = 0
+def ops_chart(groups: list[dict[str, float]], ops: list[str], path: str | Path, chip: str) -> None:
+    """A PNG at `path`: one group of bars per op (values in us by the names
+    of SERIES; a missing series leaves a gap), log scale of time."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(ops) + 2), 4.5), layout="constrained")
+    width = 0.8 / len(SERIES)
+    for s, (name, colour) in enumerate(SERIES.items()):
+        xs = [i + (s - (len(SERIES) - 1) / 2) * width for i, g in enumerate(groups) if g.get(name, 0) > 0]
+        ys = [g[name] for g in groups if g.get(name, 0) > 0]
+        if ys:
+            ax.bar(xs, ys, width, label=name, color=colour)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(ops)), ops)
+    ax.set_ylabel("us per op (the sum of its cases)")
+    ax.set_title(f"Per op: the bandwidth limit against mps_ext's traffic, at the {chip}'s bandwidth")
+    ax.grid(axis="y", which="major", color="#dddddd")
+    ax.set_axisbelow(True)
+    ax.legend(loc="upper left", fontsize="small")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
-def bar_chart(groups: list[dict[str, float]]) -> tuple[np.ndarray, float]:
-    """An RGB image: one group of bars per op (its values in us, by the
-    names of SERIES; a missing series leaves a gap), numbered from 1 below;
-    and the time at its baseline (a power of ten)."""
-    values = [v for g in groups for v in g.values() if v > 0] or [1.0]
-    lowest = 10.0 ** (math.floor(math.log10(min(values))) - 1)  # the shortest bar at least a decade tall
-    decades = max(1, math.ceil(math.log10(max(values) / lowest)))
-    plot_h = decades * DECADE
-    group_w = len(SERIES) * (BAR + GAP) + GROUP_GAP
-    width = 2 * MARGIN + len(groups) * group_w
-    height = plot_h + 2 * MARGIN + 14
-    image = np.full((height, width, 3), 255, np.uint8)
-    top, base = MARGIN, MARGIN + plot_h
-    for d in range(decades + 1):  # gridlines: 1 us, 10 us, ...
-        image[base - d * DECADE, MARGIN:width - MARGIN] = (220, 220, 220)
-    for i, g in enumerate(groups):
-        x = MARGIN + i * group_w + GROUP_GAP // 2
-        for s, (name, colour) in enumerate(SERIES.items()):
-            v = g.get(name)
-            if v is None or v <= 0:
-                continue
-            h = max(1, int(round(math.log10(v / lowest) * DECADE)))  # at least a stub
-            x0 = x + s * (BAR + GAP)
-            image[max(top, base - h):base, x0:x0 + BAR] = colour
-        _text(image, x, base + 4, str(i + 1))
-    image[base, MARGIN:width - MARGIN] = 0  # the axis
-    return image, lowest
+def decode_chart(bars: list[dict], path: str | Path) -> None:
+    """A PNG at `path`: per model (x), one bar per series (`bars`: dicts
+    with model, series, central, low, high and, where there is one,
+    published), its range as an error bar; published measurements as
+    black marks on the stock bar of their release."""
+    plt = _pyplot()
+    models = list(dict.fromkeys(b["model"] for b in bars))
+    series = list(dict.fromkeys(b["series"] for b in bars))
+    colours = plt.get_cmap("tab20").colors
+    fig, ax = plt.subplots(figsize=(max(7.0, 2.6 * len(models) + 2), 6), layout="constrained")
+    width = 0.8 / len(series)
+    marked = False
+    for s, name in enumerate(series):
+        mine = {b["model"]: b for b in bars if b["series"] == name}
+        xs = [m + (s - (len(series) - 1) / 2) * width for m, model in enumerate(models) if model in mine]
+        rows = [mine[model] for model in models if model in mine]
+        ys = [r["central"] for r in rows]
+        err = [[r["central"] - r["low"] for r in rows], [r["high"] - r["central"] for r in rows]]
+        ax.bar(xs, ys, width, yerr=err, capsize=3, label=name, color=colours[s % len(colours)])
+        for x, r in zip(xs, rows):
+            ax.annotate(f"{r['central']:.0f}", (x, r["high"]), ha="center", va="bottom", fontsize=7,
+                        xytext=(0, 2), textcoords="offset points")
+            if r.get("published"):
+                ax.plot([x - width / 2, x + width / 2], [r["published"]] * 2, color="black", linewidth=2,
+                        label=None if marked else "published measurement (torch.compile)")
+                marked = True
+    ax.set_xticks(range(len(models)), models)
+    ax.set_ylabel("projected decode tokens/s, one sequence (M3 Ultra)")
+    ax.set_title("Decode speed: projected from the census (bars: central; whiskers: range)")
+    ax.grid(axis="y", color="#dddddd")
+    ax.set_axisbelow(True)
+    fig.legend(fontsize="small", ncols=3, loc="outside lower center")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

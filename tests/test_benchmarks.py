@@ -1,55 +1,26 @@
 """The benchmark runner (`python -m benchmarks`) on its tiny configuration:
-every op's markdown table, the kernel table, and a PNG that decodes."""
+every op's markdown table, the kernel table, the decode census, and the
+plots; the census checked against independent counts."""
 
-import struct
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
-import numpy as np
+import matplotlib.image
 import pytest
 import torch
 
 from benchmarks import __main__ as runner
-from benchmarks import common, plot
+from benchmarks import census, common
 
 import mps_ext
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def decode_png(data: bytes) -> np.ndarray:
-    """An 8-bit RGB PNG without filters back to pixels, checking every chunk's CRC."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, []
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
-        assert crc == zlib.crc32(kind + body), kind
-        chunks.append((kind, body))
-        pos += 12 + length
-    assert [k for k, _ in chunks][0] == b"IHDR" and chunks[-1] == (b"IEND", b"")
-    width, height, depth, colour, compression, filtering, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert (depth, colour, compression, filtering, interlace) == (8, 2, 0, 0, 0)
-    raw = zlib.decompress(b"".join(body for kind, body in chunks if kind == b"IDAT"))
-    assert len(raw) == height * (1 + 3 * width)
-    rows = np.frombuffer(raw, np.uint8).reshape(height, 1 + 3 * width)
-    assert (rows[:, 0] == 0).all()  # filter type none on every scanline
-    return rows[:, 1:].reshape(height, width, 3)
-
-
-def test_png_round_trip():
-    image = np.random.default_rng(0).integers(0, 256, (7, 13, 3), dtype=np.uint8)
-    assert np.array_equal(decode_png(plot.png(image)), image)
-    with pytest.raises(ValueError, match="height x width x 3 uint8"):
-        plot.png(image.astype(np.float32))
-
-
 def test_the_runner_on_its_tiny_configuration(tmp_path, capsys):
-    png = tmp_path / "plot.png"
-    results = runner.main(["--tiny", "--no-mac", "--png", str(png)])
+    png, decode_png = tmp_path / "plot.png", tmp_path / "decode.png"
+    results = runner.main(["--tiny", "--no-mac", "--png", str(png), "--decode-png", str(decode_png)])
     out = capsys.readouterr().out
     for op in runner.OPS:
         cases = runner.op_cases(op, "tiny")
@@ -66,12 +37,9 @@ def test_the_runner_on_its_tiny_configuration(tmp_path, capsys):
             assert f"| {name} |" in kernels
     reached = {d.kernel for r in results for d in r.stats}
     assert "softmax_segment_f16_f32_i32" in reached and "gemv_cols_f16_r2_vec" in reached
-    # The plot: a group of bars per op, and each op's sums in the legend.
-    image = decode_png(png.read_bytes())
-    group = len(plot.SERIES) * (plot.BAR + plot.GAP) + plot.GROUP_GAP
-    assert image.shape[1] == 2 * plot.MARGIN + len(runner.OPS) * group
-    blue = np.all(image == plot.SERIES["mps_ext projected"], axis=2)
-    assert blue.any(axis=0).sum() == len(runner.OPS) * plot.BAR  # one bar per op
+    # The plots: PNGs matplotlib reads back; the legend has each op's sums.
+    assert matplotlib.image.imread(png).shape[0] > 100
+    assert matplotlib.image.imread(decode_png).shape[0] > 100
     legend = out.split("## Plot\n\n")[1].split("\n\n")[1].splitlines()
     assert len(legend) == 2 + len(runner.OPS)
     for i, op in enumerate(runner.OPS):
@@ -81,6 +49,10 @@ def test_the_runner_on_its_tiny_configuration(tmp_path, capsys):
         assert float(cells[3]) == pytest.approx(sum(r.limit_us("M3 Ultra") for r in mine), rel=1e-3)
         assert float(cells[4]) == pytest.approx(sum(r.projected_us("M3 Ultra") for r in mine), rel=1e-3)
         assert cells[5:] == ["-", "-"]  # no Mac here
+    # The decode census: a row per release, mode and stock / mps_ext, and the calibration.
+    decode = out.split("## decode\n\n")[1]
+    assert "| Qwen3-30B-A3B | 1 | 2.15 | compile | mps_ext |" in decode
+    assert "Calibration" in decode and "jundot/omlx issue 2238" in decode
 
 
 def test_a_case_that_reaches_no_kernel_is_an_error():
@@ -92,7 +64,7 @@ def test_a_case_that_reaches_no_kernel_is_an_error():
 def test_unknown_op_is_refused(capsys):
     with pytest.raises(SystemExit):
         runner.main(["softmx", "--tiny"])
-    assert "no benchmark for softmx; the ops are softmax, linear, pad, linalg, fp8, moe" in capsys.readouterr().err
+    assert "no benchmark for softmx; the ops are softmax, linear, pad, linalg, fp8, moe, decode" in capsys.readouterr().err
 
 
 def test_a_bench_script_runs_the_runner_on_its_op(tmp_path):
@@ -100,7 +72,7 @@ def test_a_bench_script_runs_the_runner_on_its_op(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "## pad" in r.stdout and "## softmax" not in r.stdout
-    decode_png((tmp_path / "p.png").read_bytes())
+    assert matplotlib.image.imread(tmp_path / "p.png").shape[0] > 100
 
 
 def test_the_routing_benchmark_times_every_case_and_restores_what_it_set(capsys):
@@ -118,3 +90,173 @@ def test_the_routing_benchmark_times_every_case_and_restores_what_it_set(capsys)
     mps_ext.reset_stats()
     torch.ops.mps_ext.linear(torch.randn(1, 8), torch.randn(4, 8), None)
     assert mps_ext.stats()["linear"]["ran"] == 1
+
+
+# ------------------------------------------------------------------ census --
+def _chosen_experts(model):
+    """Distinct experts each MoE block's router chose, seen at the experts'
+    input (top_k_index), not by the census."""
+    seen, handles = [], []
+    for name, m in model.named_modules():
+        if name.endswith(".experts"):
+            handles.append(m.register_forward_hook(lambda m, a, o: seen.append(int(a[1].unique().numel()))))
+    return seen, handles
+
+
+@pytest.mark.parametrize("name", list(census.MODELS))
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_census_reads_each_needed_weight_once(name, tokens):
+    """The weight bytes a decode step reads, by the trace and by step_bytes
+    from the config's dimensions, against the model's own parameters: every
+    parameter once, an expert bank only for the experts the router chose,
+    the embedding only for the step's rows (and whole, as the LM head, when
+    tied)."""
+    spec = census.MODELS[name]
+    model = census.tiny_model(spec)
+    seen, handles = _chosen_experts(model)
+    try:
+        trace = census.trace_step(model, tokens, context=3)
+    finally:
+        for h in handles:
+            h.remove()
+    kinds = census.layer_kinds(model.config)
+    moe_layers = [i for i, k in enumerate(kinds) if k.endswith("+moe")]
+    chosen = seen[-len(moe_layers):]  # the decode step's (after the prefill's)
+    embed = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight is embed
+    expected = 0
+    for pname, p in model.named_parameters():
+        if p is embed:
+            expected += tokens * p.shape[1] * p.element_size() + (p.nbytes if tied else 0)
+        elif ".experts." in pname:  # an expert bank [experts, out, in]
+            layer = int(pname.split(".layers.")[1].split(".")[0])
+            expected += p.nbytes // p.shape[0] * chosen[moe_layers.index(layer)]
+        else:
+            expected += p.nbytes
+    assert sum(c.param_read for c in trace.calls) == expected
+    # step_bytes takes one count of chosen experts for every MoE layer.
+    per_count = {u: census.step_bytes(model.config, tokens, 3, used=u)["weights"] for u in set(chosen)}
+    if len(per_count) == 1:
+        assert per_count[chosen[0]] == expected
+    else:
+        assert min(per_count.values()) < expected < max(per_count.values())
+
+
+def test_scaling_by_layer_kind_counts_what_a_deeper_model_does():
+    """scale() from the 4-layer tiny Qwen3.6 (one layer of each kind
+    traced) against tracing the same structure 8 layers deep."""
+    spec = census.MODELS["Qwen3.6-35B-A3B"]
+    deep = census.Spec(spec.name, spec.family, spec.model, {**spec.real, **spec.tiny, "num_hidden_layers": 8,
+                       "layer_types": spec.tiny["layer_types"] * 2}, "", {})
+    shallow = census.tiny_model(spec)
+    traced_deep = census.trace_step(census.tiny_model(deep), 1, context=3)
+    traced = census.trace_step(shallow, 1, context=3)
+    for release in census.RELEASES:
+        for mode in census.MODES:
+            scaled = census.scale(deep, traced, shallow.config, 1, release, mode, False)["total"]
+            direct = census.count(traced_deep.calls, release, mode, False)
+            assert scaled == direct, (release, mode)
+
+
+def test_torch_2_14_grouped_mm_fallback_costs_a_sync_and_a_call_per_chosen_expert():
+    """mps_ext/_policy.py: before 2.15 torch's _grouped_mm copies offs to the
+    CPU and runs mm per expert; from 2.15 it is one Metal kernel."""
+    call = census.Call("_grouped_mm", 0, "compute", False, 1, 1, 1, groups=128, groups_used=8)
+    old = census.count([call], "2.14", "eager", False)
+    assert (old.host, old.dispatches, old.syncs, old.empty) == (9, 9, 1, 120)
+    new = census.count([call], "2.15", "eager", False)
+    assert (new.host, new.dispatches, new.syncs, new.empty) == (1, 1, 0, 0)
+    # Inductor leaves matmuls to aten: under compile the same, and a run of
+    # pointwise calls between two matmuls is one kernel.
+    mul = census.Call("mul", 0, "compute", True, 1, 1, 0)
+    c = census.count([call, mul, mul, mul, call, mul], "2.15", "compile", False)
+    assert (c.host, c.dispatches) == (4, 4)
+
+
+def test_mps_ext_dispatches_are_the_executors():
+    """A tiny Qwen3-MoE decode step under run_model: with torch 2.14's
+    policy mps_ext runs both grouped products of the layer (no sync); with
+    2.15's it leaves them to torch's own kernel."""
+    model = census.tiny_model(census.MODELS["Qwen3-30B-A3B"])
+    for release, ours in (("2.14", True), ("2.15", False)):
+        trace = census.trace_step(model, 1, context=3, torch_release=release)
+        grouped = [c for c in trace.calls if c.op == "_grouped_mm"]
+        assert len(grouped) == 2 and all((c.ours is not None) == ours for c in grouped), release
+        assert all(c.ours >= 1 for c in trace.calls if c.ours is not None)
+        counted = census.count(trace.calls, release, "eager", True)
+        assert counted.syncs == 0
+        assert counted.dispatches == sum(c.ours if c.ours is not None else (1 if c.written else 0)
+                                         for c in trace.calls if c.kind == "compute")
+
+
+def test_the_projection_adds_what_it_says():
+    c = census.Counts(host=100, dispatches=50)
+    gpu = 1e9 / census.BANDWIDTH.central + 50 * census.DISPATCH.central
+    assert census.project(1e9, c, 1) == pytest.approx(1 / max(gpu, 100 * census.HOST.central))
+    c.syncs = 1  # a sync inside the step: host and GPU no longer overlap
+    assert census.project(1e9, c, 4) == pytest.approx(4 / (gpu + 100 * census.HOST.central))
+    assert census.project(1e9, c, 1, "low") < census.project(1e9, c, 1) < census.project(1e9, c, 1, "high")
+
+
+def test_a_tiny_model_without_every_layer_kind_is_refused():
+    spec = census.MODELS["LFM2.5-8B-A1B"]
+    lacking = census.Spec(spec.name, spec.family, spec.model, spec.real, "",
+                          {**spec.tiny, "num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]})  # both dense
+    small = census.tiny_model(lacking)
+    with pytest.raises(ValueError, match="has no layer of kind"):
+        census.scale(spec, census.trace_step(small, 1, context=3), small.config, 1, "2.15", "eager", False)
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_census_kv_cache_bytes_match_the_attention_layers_cache_calls(tokens):
+    """The KV cache traffic of step_bytes against what the traced
+    attention layer's calls move: transformers' DynamicCache appends with
+    torch.cat, so every step reads the cache and the new rows and writes
+    the grown cache (the two largest calls of the layer's cats), besides
+    attention reading it."""
+    spec = census.MODELS["Qwen3-30B-A3B"]
+    model = census.tiny_model(spec)
+    context = 5
+    trace = census.trace_step(model, tokens, context=context)
+    c = model.config
+    row = c.num_key_value_heads * c.head_dim * 2  # one token's K (or V) row, bf16
+    cats = sorted((call for call in trace.calls if call.op == "cat" and call.layer == 0),
+                  key=lambda call: call.written)[-2:]  # K and V
+    moved = sum(call.read + call.written for call in cats)
+    assert moved == 2 * tokens * row * (context + 1) * 2  # read: old cache + new rows; written: the grown cache
+    b = census.step_bytes(c, tokens, context)
+    assert b["kv_copy"] == moved
+    # Attention reads the cache with the new rows (its other input: the query).
+    sdpa = [call for call in trace.calls if call.op.startswith("_scaled_dot_product") and call.layer == 0]
+    query = tokens * c.num_attention_heads * c.head_dim * 2
+    assert len(sdpa) == 1 and sdpa[0].read - query == 2 * tokens * row * (context + 1) == b["kv_read"]
+    assert b["kv_written"] == 0  # within the copy
+
+
+def test_implied_constants_reproduce_the_measurement():
+    """implied_dispatch_cost / implied_host_cost put back into the
+    projection's formula give the measured tokens/s."""
+    c = census.Counts(host=400, dispatches=300)
+    nbytes, measured = 3e9, 100.0
+    d = census.implied_dispatch_cost(nbytes, c, 1, measured)
+    assert nbytes / census.BANDWIDTH.central + c.dispatches * d == pytest.approx(1 / measured)
+    h = census.implied_host_cost(nbytes, c, 1, measured)
+    assert c.host * h == pytest.approx(1 / measured)
+    assert census.implied_host_cost(nbytes, c, 1, 1000.0) is None  # the GPU side alone is slower
+
+
+def test_a_transform_changes_the_model_counted_and_not_the_callers():
+    """trace_step(transform=...) counts the model a callable (such as a
+    future mps_ext.optimize) returns or changes: here transformers' eager
+    experts, which loop over the chosen experts after a nonzero (a sync)."""
+    model = census.tiny_model(census.MODELS["Qwen3-30B-A3B"])
+
+    def eager_experts(m):
+        m.set_experts_implementation("eager")
+
+    changed = census.trace_step(model, 1, context=3, transform=eager_experts)
+    assert not any(c.op == "_grouped_mm" for c in changed.calls)
+    assert any(c.op == "nonzero" and c.kind == "sync" for c in changed.calls)
+    assert census.count(changed.calls, "2.15", "eager", False).syncs >= 1
+    unchanged = census.trace_step(model, 1, context=3)
+    assert sum(c.op == "_grouped_mm" for c in unchanged.calls) == 2

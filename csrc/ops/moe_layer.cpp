@@ -52,7 +52,7 @@ at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Te
   if (x.size(0) == 0) return at::empty({0, x.size(1)}, x.options());
   // The router's logits in the model's dtype, as the model computes them.
   const c10::optional<at::Tensor> no_bias;
-  const at::Tensor logits = linear_unsupported(x, router, no_bias).empty() ? mps_ext::linear(x, router, no_bias)
+  const at::Tensor logits = !linear_unsupported(x, router, no_bias) ? mps_ext::linear(x, router, no_bias)
                                                                             : at::linear(x, router);
   auto [weights, offs, slot_of_row, row_of_slot] = moe_route(logits, top_k, renormalize, shared_expert, expert_bias, sigmoid,
                                                                   scale, renorm_eps);

@@ -1,0 +1,629 @@
+"""What one decoded token costs, counted from real model code.
+
+A transformers 5 model is built in a tiny configuration that keeps the real
+model's layer structure (its mixer types in their order, dense and MoE
+layers, shared experts, the real expert count and top-k); a context is
+prefilled with plain torch, and one decode step of `tokens` sequences (a
+batch, one new token each) runs under a TorchDispatchMode that records every
+aten call, the decoder layer it belongs to, and its tensors' sizes. With
+mps_ext the step also runs under `mps_ext.cpu_metal.run_model`, which sends
+what mps_ext takes on a Mac with that torch release to its kernels on the
+CPU Metal executor: their dispatches are counted, not assumed.
+
+From the trace, per call (the rules, stated once here):
+- host call: an aten call that reaches a backend kernel. Views and metadata
+  (is_view ops, empty*, detach, ...) are listed apart and not costed: they
+  run no MPS kernel. F.linear is one call, as on a Mac (aten::linear has an
+  MPS kernel there; on CPU it would decompose into t and mm).
+- sync: a call that waits for the GPU (.item(), nonzero, the offs copy of
+  torch's _grouped_mm fallback).
+- Metal dispatches of torch's kernels: one per host call that writes a
+  tensor (an MPSGraph op or a Metal kernel; a graph of several kernels is
+  counted as one, so torch's count is a lower bound), except
+  aten::_grouped_mm on torch <= 2.14 (no MPS kernel: its fallback copies offs
+  to the CPU, a sync, and calls mm once per expert, of which those with rows
+  dispatch; mps_ext/_policy.py HISTORY["grouped_mm"]): 1 + experts with rows
+  host calls and dispatches, and the empty experts' mm calls apart ("empty":
+  they return before encoding anything; not costed, for want of a published
+  cost). mps_ext's dispatches are the executor's.
+- torch.compile (`mode="compile"`): Inductor generates Metal for pointwise
+  ops and reductions only, matmuls go to aten (pytorch PRs 143893, 150541):
+  each maximal run of such fusible calls between two extern calls is counted
+  as one generated kernel (one host call, one dispatch), and views cost
+  nothing. An estimate of Inductor's fusion, not its output.
+
+Scaling to the real model (`scale`): calls and dispatches per layer kind
+(mixer x feed-forward) come from the tiny trace; the real model has the
+real config's count of layers of each kind. Per-expert calls of torch's
+_grouped_mm fallback use the real expert count and the expected number of
+distinct experts the batch chooses. Bytes come from the real config's
+dimensions (`step_bytes`), the same formula that tests/test_benchmarks.py
+checks against the tiny model's traced parameter reads.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import dataclasses
+from typing import Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+RELEASES = ("2.14", "2.15")
+MODES = ("eager", "compile")
+
+# ------------------------------------------------------------------ models --
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """A model: its transformers classes, the real config's values (and where
+    they come from), and the overrides that make it tiny."""
+    name: str
+    family: str  # transformers config class name
+    model: str   # transformers causal-LM class name
+    real: dict
+    source: str
+    tiny: dict
+    published: dict = dataclasses.field(default_factory=dict)  # release -> tokens/s (M3 Ultra, bf16, 1 token)
+
+    def config(self, tiny: bool = False):
+        import transformers
+        kwargs = dict(self.real)
+        if tiny:
+            kwargs.update(self.tiny)
+        kwargs.setdefault("experts_implementation", "grouped_mm")
+        return getattr(transformers, self.family)(**kwargs)
+
+
+_LFM2_8B_LAYERS = ["conv", "conv", "full_attention", "conv", "conv", "conv", "full_attention", "conv", "conv", "conv",
+                   "full_attention", "conv", "conv", "conv", "full_attention", "conv", "conv", "conv",
+                   "full_attention", "conv", "conv", "full_attention", "conv", "conv"]
+
+MODELS = {
+    "Qwen3-30B-A3B": Spec(
+        "Qwen3-30B-A3B", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+             num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+             moe_intermediate_size=768, intermediate_size=6144, norm_topk_prob=True, tie_word_embeddings=False),
+        "Qwen/Qwen3-30B-A3B config.json (anchors.md: hidden 2048, 48 layers, 128 experts top-8, FFN 768, "
+        "32 q / 4 KV heads of 128, vocab 151936)",
+        dict(vocab_size=512, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, moe_intermediate_size=16, intermediate_size=64)),
+    "Qwen3.6-35B-A3B": Spec(
+        "Qwen3.6-35B-A3B", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+        dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+             layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10, num_attention_heads=16,
+             num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+             linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256,
+             num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+             tie_word_embeddings=False),
+        "model_type qwen3_5_moe (transformers: Qwen3.6 checkpoints share Qwen3.5's architecture and model_type); "
+        "Qwen/Qwen3.6-35B-A3B model card: 40 layers = 10 x (3 Gated DeltaNet + 1 gated attention), DeltaNet 32 V / "
+        "16 QK heads of 128, attention 16 q / 2 KV heads of 256, 256 experts top-8 + 1 shared, expert FFN 512, "
+        "vocab 248320 (padded)",
+        dict(vocab_size=512, hidden_size=64, num_hidden_layers=4,
+             layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+             moe_intermediate_size=16, shared_expert_intermediate_size=16),
+        published={"2.15": 61.3, "2.14": 9.4}),
+    "LFM2.5-8B-A1B": Spec(
+        "LFM2.5-8B-A1B", "Lfm2MoeConfig", "Lfm2MoeForCausalLM",
+        dict(vocab_size=128000, hidden_size=2048, num_hidden_layers=24, layer_types=_LFM2_8B_LAYERS,
+             num_attention_heads=32, num_key_value_heads=8, num_experts=32, num_experts_per_tok=4,
+             moe_intermediate_size=1792, intermediate_size=7168, num_dense_layers=2, conv_L_cache=3,
+             tie_word_embeddings=True, use_expert_bias=True, norm_topk_prob=True),
+        "model_type lfm2_moe; LiquidAI/LFM2.5-8B-A1B model card: 24 layers (18 double-gated conv + 6 GQA), "
+        "vocabulary 128,000 (LFM2-8B-A1B's is 65,536); layer order, heads, experts and FFN widths of the "
+        "LFM2-8B-A1B config.json (not checked against LFM2.5's own config.json: not in the stored pages)",
+        dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv",
+             "full_attention"], num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=16,
+             intermediate_size=64),
+        published={"2.15": 123.6, "2.14": 23.6}),
+}
+
+
+def tiny_model(spec: Spec, dtype=torch.bfloat16, seed: int = 0):
+    import transformers
+    torch.manual_seed(seed)
+    return getattr(transformers, spec.model)(spec.config(tiny=True)).eval().to(dtype)
+
+
+def layer_kinds(config) -> list[str]:
+    """Each decoder layer's kind: 'mixer+ffn' (ffn 'moe' or 'dense')."""
+    n = config.num_hidden_layers
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+    if len(types) < n:  # a repeating pattern (Qwen3.6's 3 + 1)
+        types = (types * n)[:n]
+    dense = getattr(config, "num_dense_layers", 0) or 0
+    return [f"{t}+{'dense' if i < dense else 'moe'}" for i, t in enumerate(types[:n])]
+
+
+# ------------------------------------------------------------------- trace --
+_META = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh", "alias",
+         "_reshape_alias", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_nonzero",
+         "_unsafe_view", "resize_", "set_"}
+_SYNC = {"_local_scalar_dense", "nonzero", "item", "equal", "_assert_async"}
+# Inductor generates these (with pointwise ops) rather than call aten.
+_FUSIBLE = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "any", "all", "argmax", "argmin",
+            "_softmax", "_log_softmax", "linalg_vector_norm", "norm", "clone", "copy_", "_to_copy", "cat", "index",
+            "gather", "embedding", "index_select", "fill_", "zero_", "zeros_like", "ones_like", "full_like", "full",
+            "zeros", "ones", "new_zeros", "new_ones", "new_full", "arange", "constant_pad_nd", "slice_scatter",
+            "select_scatter", "scalar_tensor", "one_hot", "stack", "repeat", "expand_copy", "masked_fill",
+            "index_put_", "index_put", "tril", "triu", "rsub", "pow", "where", "softplus", "silu", "sigmoid"}
+
+
+@dataclasses.dataclass
+class Call:
+    op: str                  # aten name without overload ("mm")
+    layer: int | None        # decoder layer index, None outside the layers (embedding, final norm, LM head)
+    kind: str                # "compute", "view" or "sync"
+    fusible: bool            # Inductor would generate it (see the module docstring)
+    read: int                # bytes of the distinct input tensors (a tensor's viewed extent)
+    written: int             # bytes of the outputs
+    param_read: int          # of `read`, bytes of model parameters (expert banks: the experts with rows)
+    groups: int = 0          # _grouped_mm: experts (groups)
+    groups_used: int = 0     # _grouped_mm: experts with rows
+    ours: int | None = None  # mps_ext dispatches (None: the call ran torch's kernel)
+    ours_bytes: int = 0
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes a kernel reads of `t`: its elements as viewed (a broadcast
+    dimension of stride 0 counts once)."""
+    if t.numel() == 0:
+        return 0
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
+
+
+class _Tracer(TorchDispatchMode):
+    def __init__(self, trace: "Trace", params: dict, counters: Callable[[], tuple[int, int]] | None):
+        super().__init__()
+        self.trace, self.params, self.counters = trace, params, counters
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        before = self.counters() if self.counters else None
+        out = func(*args, **kwargs)
+        self.trace.record(func, args, kwargs, out, self.params, before, self.counters)
+        return out
+
+
+class _OneLinear(TorchFunctionMode):
+    """F.linear as one aten::linear call (on a Mac it has an MPS kernel; on
+    CPU it is a composite that decomposes before a dispatch mode sees it):
+    recorded here, then run with the tracer paused. Under run_model its own
+    function mode (entered inside this one) turns it into mps_ext.linear
+    first, and the tracer sees that call instead."""
+
+    def __init__(self, tracer: _Tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.linear:
+            return func(*args, **kwargs)
+        with torch.utils._python_dispatch._disable_current_modes():
+            out = func(*args, **kwargs)
+        self.tracer.trace.record(torch.ops.aten.linear.default, args, kwargs, out, self.tracer.params, None, None)
+        return out
+
+
+@dataclasses.dataclass
+class Trace:
+    calls: list[Call] = dataclasses.field(default_factory=list)
+    layer: int | None = None
+
+    def record(self, func, args, kwargs, out, params, before, counters):
+        name = func._schema.name.split("::")[1]
+        ins = {id(t): t for t in _tensors((args, kwargs))}
+        read = sum(_extent(t) for t in ins.values())
+        param_read = sum(_extent(t) for t in ins.values() if t.untyped_storage().data_ptr() in params)
+        written = sum(_extent(t) for t in _tensors(out))
+        if func.is_view or name in _META or name in ("view", "t", "transpose", "permute", "expand", "unsqueeze",
+                                                        "squeeze", "slice", "select", "split", "chunk",
+                                                        "unbind", "as_strided", "split_with_sizes"):
+            kind = "view"
+        elif name in _SYNC:
+            kind = "sync"
+        else:
+            kind = "compute"
+        if func.namespace == "aten" and name.endswith("_") and name[:-1] in _FUSIBLE:
+            name_f = name[:-1]
+        else:
+            name_f = name
+        fusible = kind == "compute" and (name_f in _FUSIBLE or torch.Tag.pointwise in func.tags)
+        if kind == "view":
+            param_read = 0  # a view reads nothing; the call that uses it does
+        if name == "embedding":  # reads the rows of its indices
+            param_read = args[1].numel() * args[0].shape[-1] * args[0].element_size()
+            read = param_read + _extent(args[1])
+        call = Call(name, self.layer, kind, fusible, read, written, param_read)
+        if name == "_grouped_mm":
+            a, b, offs = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("offs")
+            counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
+            call.groups, call.groups_used = b.shape[0], int((counts > 0).sum())
+            call.param_read = _extent(b) // b.shape[0] * call.groups_used
+            call.read = _extent(a) + _extent(offs) + call.param_read
+        if before is not None:
+            after = counters()
+            if after[0] > before[0]:
+                call.ours, call.ours_bytes = after[0] - before[0], after[1] - before[1]
+        self.calls.append(call)
+
+
+def _layer_hooks(model, trace: Trace):
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(trace, "layer", i)))
+        handles.append(layer.register_forward_hook(lambda m, a, o: setattr(trace, "layer", None)))
+    return handles
+
+
+def _executor_counters(report):
+    """A callable: (executor dispatches, their bytes) run_model's report has counted so far."""
+    def counters():
+        fams = report.families.values()
+        return sum(f.dispatches for f in fams) + report.other_dispatches, sum(f.bytes for f in fams)
+    return counters
+
+
+def trace_step(model, tokens: int = 1, context: int = 8, torch_release: str | None = None,
+               transform: Callable | None = None, seed: int = 0) -> Trace:
+    """One decode step of `tokens` sequences after a prefill of `context`
+    tokens each: every aten call with its layer. With `torch_release`, the
+    step runs under mps_ext's run_model with that release's policy, and each
+    call's mps_ext dispatches are recorded. `transform(model)` (e.g. a future
+    mps_ext.optimize) is applied before the prefill; it returns the model to
+    run (or None: changed in place)."""
+    if transform is not None:
+        model = copy.deepcopy(model)  # the caller's model stays as it was
+        model = transform(model) or model
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    ids = torch.randint(1, vocab, (tokens, context), generator=g)
+    step = torch.randint(1, vocab, (tokens, 1), generator=g)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    trace = Trace()
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        handles = _layer_hooks(model, trace)
+        try:
+            with contextlib.ExitStack() as stack:
+                counters = None
+                if torch_release is not None:
+                    from mps_ext import cpu_metal
+                    counters = _executor_counters(stack.enter_context(cpu_metal.run_model(torch_release=torch_release)))
+                tracer = _Tracer(trace, params, counters)
+                # run_model's modes are entered first so that the tracer (the
+                # innermost dispatch mode) sees the model's aten calls before
+                # run_model reroutes them.
+                if torch_release is None:
+                    stack.enter_context(_OneLinear(tracer))
+                stack.enter_context(tracer)
+                model(step, past_key_values=cache, use_cache=True)
+        finally:
+            for h in handles:
+                h.remove()
+    return trace
+
+
+# ----------------------------------------------------------------- counting --
+@dataclasses.dataclass
+class Counts:
+    host: float = 0.0        # host calls that reach a kernel
+    views: float = 0.0       # view and metadata calls (not costed)
+    dispatches: float = 0.0
+    syncs: float = 0.0
+    empty: float = 0.0       # calls that reach a kernel with nothing to do (not costed): torch's per-expert mm of
+    #                          an expert no token chose, in its _grouped_mm fallback
+
+    def __add__(self, o):
+        return Counts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(o))))
+
+    def __mul__(self, k):
+        return Counts(*(a * k for a in dataclasses.astuple(self)))
+
+
+def expected_experts(experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts `tokens` tokens choose, each top_k of `experts`
+    uniformly (a router's choices are not uniform; this is the most)."""
+    return experts * (1 - (1 - top_k / experts) ** tokens)
+
+
+def count(calls: list[Call], release: str, mode: str, ours: bool, experts: int | None = None,
+          used: float | None = None) -> Counts:
+    """Host calls, views, dispatches and syncs of `calls` on a Mac with
+    torch `release`, eager or compiled, stock (ours=False) or with mps_ext
+    (each call's recorded executor dispatches; None = torch's kernel).
+    `experts`/`used`: the real model's expert count and experts with rows
+    for torch's per-expert _grouped_mm fallback (default: the traced ones)."""
+    c = Counts()
+    old = tuple(int(x) for x in release.split(".")) < (2, 15)
+    fused_run = False
+    for call in calls:
+        if call.kind == "view":
+            c.views += 0 if mode == "compile" else 1
+            continue
+        mine = ours and call.ours is not None
+        if mode == "compile" and call.fusible and not mine:
+            if not fused_run:
+                c.host += 1
+                c.dispatches += 1
+            fused_run = True
+            continue
+        fused_run = False
+        if call.kind == "sync":
+            c.syncs += 1
+            c.host += 1
+            c.dispatches += 1 if call.op == "nonzero" else 0
+            continue
+        if mine:
+            c.host += 1
+            c.dispatches += call.ours
+        elif call.op == "_grouped_mm" and old:
+            # torch's fallback: offs copied to the CPU (a sync), then mm per expert
+            e = experts if experts is not None else call.groups
+            u = used if used is not None else call.groups_used
+            c.host += 1 + u
+            c.empty += e - u
+            c.syncs += 1
+            c.dispatches += 1 + u
+        else:
+            c.host += 1
+            c.dispatches += 1 if call.written else 0
+    return c
+
+
+def by_layer(trace: Trace) -> dict:
+    """Calls per decoder layer (None: outside the layers)."""
+    out = collections.defaultdict(list)
+    for call in trace.calls:
+        out[call.layer].append(call)
+    return out
+
+
+def per_kind(trace: Trace, config) -> dict[str, list[Call]]:
+    """The calls of one traced layer of each kind, and those before the
+    first layer ('pre': embedding, rotary tables) and after the last
+    ('post': final norm, LM head)."""
+    layers = by_layer(trace)
+    kinds = layer_kinds(config)
+    first = next((i for i, c in enumerate(trace.calls) if c.layer is not None), len(trace.calls))
+    out = {"pre": [c for c in trace.calls[:first] if c.layer is None],
+           "post": [c for c in trace.calls[first:] if c.layer is None]}
+    for i, k in enumerate(kinds):
+        out.setdefault(k, layers.get(i, []))
+    return out
+
+
+def _fused_edges(calls: list[Call], ours: bool) -> tuple[bool, bool]:
+    """Whether the first and the last call that reach a kernel would be
+    generated by Inductor (so that they fuse with a neighbouring segment's)."""
+    costed = [c for c in calls if c.kind != "view"]
+    if not costed:
+        return False, False
+
+    def fused(c):
+        return c.kind == "compute" and c.fusible and not (ours and c.ours is not None)
+    return fused(costed[0]), fused(costed[-1])
+
+
+def scale(spec: Spec, trace: Trace, tiny_config, tokens: int, release: str, mode: str, ours: bool) -> dict:
+    """Counts per layer kind (one layer, counted alone), outside the layers
+    ('head'), and for the whole real model of `spec`: its layers in their
+    order, where under torch.compile a layer's trailing pointwise calls fuse
+    with the next layer's leading ones (the residual add and the next norm)."""
+    real = spec.config()
+    calls = per_kind(trace, tiny_config)
+    sequence = layer_kinds(real)
+    kinds = collections.Counter(sequence)
+    missing = set(kinds) - set(calls)
+    if missing:
+        raise ValueError(f"the tiny {spec.name} has no layer of kind {sorted(missing)}: its layer structure must "
+                         f"cover every kind of the real model's ({sorted(kinds)})")
+    used = expected_experts(real.num_experts, real.num_experts_per_tok, tokens)
+    per = {k: count(calls[k], release, mode, ours, real.num_experts, used) for k in ["pre", *kinds, "post"]}
+    total = Counts()
+    for k in ["pre", *sequence, "post"]:
+        total = total + per[k]
+    if mode == "compile":
+        segments = [_fused_edges(calls[k], ours) for k in ["pre", *sequence, "post"] if calls[k]]
+        merges = sum(1 for a, b in zip(segments, segments[1:]) if a[1] and b[0])
+        total.host -= merges
+        total.dispatches -= merges
+    per["head"] = per.pop("pre") + per.pop("post")
+    return {"per_kind": per, "layers": dict(kinds), "total": total}
+
+
+# ------------------------------------------------------------------- bytes --
+def _attn_weights(c) -> int:
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q = c.num_attention_heads * hd * (2 if c.model_type.startswith("qwen3_5") else 1)  # Qwen3.5's output gate
+    kv = 2 * c.num_key_value_heads * hd
+    return c.hidden_size * (q + kv) + c.num_attention_heads * hd * c.hidden_size + 2 * hd  # + q/k norms
+
+
+def _deltanet_weights(c) -> int:
+    kd, vd = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+    conv_dim = 2 * kd + vd
+    return (c.hidden_size * (conv_dim + vd + 2 * c.linear_num_value_heads)  # in_proj_qkv, z, b, a
+            + conv_dim * c.linear_conv_kernel_dim + 2 * c.linear_num_value_heads  # conv1d, dt_bias, A_log
+            + c.linear_value_head_dim + vd * c.hidden_size)  # norm, out_proj
+
+
+def _conv_weights(c) -> int:
+    return c.hidden_size * 3 * c.hidden_size + c.hidden_size * c.conv_L_cache + c.hidden_size * c.hidden_size
+
+
+def mixer_weights(c, mixer: str) -> int:
+    return {"full_attention": _attn_weights, "linear_attention": _deltanet_weights, "conv": _conv_weights}[mixer](c)
+
+
+def expert_weights(c) -> int:
+    return 3 * c.hidden_size * c.moe_intermediate_size
+
+
+def layer_bytes(config, kind: str, tokens: int, context: int, weight_bytes: int = 2, cache_bytes: int = 2,
+                state_bytes: int = 4, used: float | None = None, cache_copy: bool = True) -> dict:
+    """Bytes one layer of `kind` ('mixer+ffn') reads and writes in a decode
+    step of `tokens` sequences at `context`, from the config's dimensions:
+    every weight a token needs once (routed experts: the distinct ones
+    chosen, `used`, default expected_experts), the KV cache (read by
+    attention; with `cache_copy`, as transformers' DynamicCache appends with
+    torch.cat, also read and written whole once more), and the recurrent
+    and convolution states (read and written once: what a compiled or fused
+    step moves; transformers' eager DeltaNet step passes over its fp32
+    state in several pointwise calls, which is not counted). Activations
+    (KB) left out."""
+    c = config
+    h = c.hidden_size
+    if used is None:
+        used = expected_experts(c.num_experts, c.num_experts_per_tok, tokens)
+    mixer, ffn = kind.split("+")
+    weights = mixer_weights(c, mixer) + 2 * h  # + the two RMS norms
+    kv_read = kv_written = copy = state = 0
+    if ffn == "dense":
+        weights += 3 * h * c.intermediate_size
+    else:
+        weights += h * c.num_experts + used * expert_weights(c)  # router + chosen experts
+        shared = getattr(c, "shared_expert_intermediate_size", 0) or 0
+        if shared:
+            weights += 3 * h * shared + h  # shared expert and its gate
+    if mixer == "full_attention":
+        hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
+        per_token = 2 * c.num_key_value_heads * hd * cache_bytes
+        kv_read = tokens * (context + 1) * per_token  # attention reads the cache with the new rows
+        if cache_copy:  # torch.cat([cache, new]): the old cache and the new rows read, the grown cache written
+            copy = 2 * tokens * (context + 1) * per_token
+        else:  # a static cache: the new rows written in place
+            kv_written = tokens * per_token
+    elif mixer == "linear_attention":
+        kd = c.linear_num_key_heads * c.linear_key_head_dim
+        conv = (2 * kd + c.linear_num_value_heads * c.linear_value_head_dim) * (c.linear_conv_kernel_dim - 1)
+        rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+        state = tokens * 2 * (conv * cache_bytes + rec * state_bytes)
+    elif mixer == "conv":
+        state = tokens * 2 * h * (c.conv_L_cache - 1) * cache_bytes
+    out = {"weights": weights * weight_bytes, "kv_read": kv_read, "kv_written": kv_written, "kv_copy": copy,
+           "state": state}
+    out["total"] = sum(out.values())
+    return out
+
+
+def step_bytes(config, tokens: int, context: int, weight_bytes: int = 2, **kwargs) -> dict:
+    """Bytes a whole decode step reads and writes: every layer's
+    (layer_bytes, which takes the same keywords), the final norm, the LM
+    head (tied or not, read whole) and the embedding rows."""
+    c = config
+    out = dict.fromkeys(("weights", "kv_read", "kv_written", "kv_copy", "state", "total"), 0)
+    for kind in layer_kinds(c):
+        for k, v in layer_bytes(c, kind, tokens, context, weight_bytes, **kwargs).items():
+            out[k] += v
+    head = (c.hidden_size + c.vocab_size * c.hidden_size + tokens * c.hidden_size) * weight_bytes
+    out["weights"] += head
+    out["total"] += head
+    return out
+
+
+# -------------------------------------------------------------- projection --
+@dataclasses.dataclass(frozen=True)
+class Constant:
+    low: float
+    central: float
+    high: float
+    unit: str
+    source: str
+
+
+# Published measurements (../shared/reference/anchors.md, "What a whole
+# decoded token costs"); each a range.
+BANDWIDTH = Constant(573e9, 647e9, 692e9, "B/s",
+                     "M3 Ultra, 819 GB/s nominal: 692 sustained read (jundot/omlx issue 2238, 85%); dense decode "
+                     "reaches 70-79% of nominal (573-647)")
+DISPATCH = Constant(5e-6, 8e-6, 12e-6, "s",
+                    "GPU time of one more dependent dispatch in a command buffer: 5 us M2 Pro (antonellof/ferrox "
+                    "issue 149), 10 us M3 Ultra in MLX's routing chain (jundot/omlx PR 2755), 10-12 us M5 Pro "
+                    "(ml-explore/mlx-lm PR 1676)")
+HOST = Constant(10e-6, 20e-6, 25e-6, "s",
+                "CPU time of one MPS host call: at least ~20 us per eager PyTorch op (pytorch/torchchat PR 1464, "
+                "~770 ops per token, M1 Pro); the low end a Metal-kernel op: a command buffer ~10 us, a custom "
+                "shader ~0.5 us to encode (pytorch issue 82707)")
+# The ends of those ranges that torch 2.15's two published decode figures
+# imply (bench_decode's calibration: both need <= ~5.7 us per dispatch and
+# <= ~13-17 us per host call, hidden behind the GPU): central bandwidth,
+# the lowest published dispatch cost (5 us, measured), the low host cost.
+CALIBRATED = (BANDWIDTH.central, DISPATCH.low, HOST.low)
+OVERLAP = ("the host encodes ahead of the GPU within a step: a step costs max(host, GPU); a step with a sync "
+           "inside (torch's _grouped_mm fallback, nonzero) costs host + GPU (no overlap)")
+
+
+def project(bytes_: float, c: Counts, tokens: int, which: str = "central") -> float:
+    """Tokens/s of a step: GPU = bytes / bandwidth + dispatches x dispatch
+    cost; host = host calls x host cost; OVERLAP says how they add.
+    `which`: 'central', 'low' (slow end of every constant), 'high', or
+    'calibrated' (CALIBRATED)."""
+    if which == "calibrated":
+        bw, d, h = CALIBRATED
+    else:
+        pick = {"central": lambda k: k.central, "low": lambda k: k.low, "high": lambda k: k.high}[which]
+        bw = pick(BANDWIDTH)
+        slow = which == "low"
+        d = (DISPATCH.high if slow else DISPATCH.low if which == "high" else DISPATCH.central)
+        h = (HOST.high if slow else HOST.low if which == "high" else HOST.central)
+    gpu = bytes_ / bw + c.dispatches * d
+    host = c.host * h
+    seconds = gpu + host if c.syncs else max(gpu, host)
+    return tokens / seconds
+
+
+def constants_text() -> str:
+    rows = []
+    for name, k in (("bandwidth", BANDWIDTH), ("GPU cost per dispatch", DISPATCH), ("host cost per call", HOST)):
+        f = 1e-9 if k.unit == "B/s" else 1e6
+        unit = "GB/s" if k.unit == "B/s" else "us"
+        rows.append(f"- {name}: {k.low * f:g}-{k.high * f:g} {unit}, central {k.central * f:g} ({k.source})")
+    bw, d, h = CALIBRATED
+    return "\n".join(rows + [f"- overlap: {OVERLAP}",
+                             f"- calibrated: {bw / 1e9:g} GB/s, {d * 1e6:g} us per dispatch, {h * 1e6:g} us per host "
+                             "call: the ends of those ranges that torch 2.15's published decode figures imply (the "
+                             "calibration below)"])
+
+
+def implied_dispatch_cost(bytes_: float, c: Counts, tokens: int, measured: float) -> float | None:
+    """The GPU cost per dispatch (s) at which the GPU side alone (central
+    bandwidth) takes the measured step time; None if the bytes alone do."""
+    spare = tokens / measured - bytes_ / BANDWIDTH.central
+    return spare / c.dispatches if spare > 0 and c.dispatches else None
+
+
+def implied_host_cost(bytes_: float, c: Counts, tokens: int, measured: float) -> float | None:
+    """The host cost per call (s) at which the projection, its other
+    constants central, gives `measured` tokens/s; None if the GPU side
+    alone is slower than that."""
+    seconds = tokens / measured
+    gpu = bytes_ / BANDWIDTH.central + c.dispatches * DISPATCH.central
+    host = seconds - gpu if c.syncs else seconds
+    if host <= 0 or (not c.syncs and gpu > seconds):
+        return None
+    return host / c.host
