@@ -236,3 +236,102 @@ kernel void two_loops(device float* out [[buffer(0)]], const device float* a [[b
   for (uint k = gid; k < n; k += 64) acc += a[k] * b[k] * c[k];  // the hot loop
   out[gid] = acc;
 }
+
+// ------------------------------------------------ re-reads by threadgroups --
+// Every threadgroup reads the whole of `in` (64 floats), as a GEMV's
+// threadgroups each stage the whole activation; each thread reads its float
+// twice (the second read is a cache hit inside the threadgroup).
+kernel void every_group_reads_all(device float* out [[buffer(0)]], const device float* in [[buffer(1)]],
+                                  uint gid [[thread_position_in_grid]], uint tid [[thread_index_in_threadgroup]]) {
+  out[gid] = in[tid] + in[tid];
+}
+
+// ------------------------------------------------- threadgroup memory size --
+// 24 KiB of threadgroup memory: two threadgroups fit a core's 64 KiB.
+kernel void threadgroup_24k(device float* out [[buffer(0)]], uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float tg[6 * 1024];
+  for (uint k = tid; k < 6 * 1024; k += 64) tg[k] = float(k);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = tg[tid * 64];
+}
+
+// A [[threadgroup(0)]] buffer of the size the dispatch gives, and a small
+// threadgroup variable beside it.
+kernel void threadgroup_dynamic(device float* out [[buffer(0)]], threadgroup float* dyn [[threadgroup(0)]],
+                                uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float fixed[64];
+  fixed[tid] = float(tid);
+  dyn[tid] = 1.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = fixed[63 - tid] + dyn[63 - tid];
+}
+
+// ------------------------------------------------------------- divisions --
+// A 32-bit division and a remainder by a run-time value per thread.
+kernel void div_mod_32_constant(device uint* out [[buffer(0)]], const device uint* in [[buffer(1)]],
+                                uint gid [[thread_position_in_grid]]) {
+  out[2 * gid] = in[2 * gid] / 7u;  // a multiply-high, not a division
+  out[2 * gid + 1] = in[2 * gid + 1] % 16u;  // a mask
+}
+
+// An IEEE float division and a half one per thread.
+kernel void divide_floats(device float* out [[buffer(0)]], const device float* a [[buffer(1)]],
+                          const device float* b [[buffer(2)]], uint gid [[thread_position_in_grid]]) {
+  out[gid] = a[gid] / b[gid] + float(half(a[gid]) / half(b[gid]));
+}
+
+// Division by a power of two is a multiplication; fast::divide is not the
+// IEEE sequence.
+kernel void divide_cheaply(device float* out [[buffer(0)]], const device float* a [[buffer(1)]],
+                           const device float* b [[buffer(2)]], uint gid [[thread_position_in_grid]]) {
+  out[gid] = a[gid] / 4.0f + fast::divide(a[gid], b[gid]);
+}
+
+// ------------------------------------------------- registers: CPU artefacts --
+// Eight streams, each a per-thread address (a 64-bit pointer or a widened
+// 64-bit index in the CPU's IR, a 32-bit offset from the buffer's base on a
+// GPU), all live across the loop; and eight comparisons that only pick
+// values.
+kernel void eight_streams(device float* out [[buffer(0)]], const device float* in [[buffer(1)]],
+                          constant uint& n [[buffer(2)]], uint gid [[thread_position_in_grid]]) {
+  float acc = 0.0f;
+  for (uint k = 0; k < n; ++k) {
+    const uint base = gid * 8 * n + k;
+    float v0 = in[base], v1 = in[base + n], v2 = in[base + 2 * n], v3 = in[base + 3 * n];
+    float v4 = in[base + 4 * n], v5 = in[base + 5 * n], v6 = in[base + 6 * n], v7 = in[base + 7 * n];
+    acc += (v0 > 0 ? v0 : 0) + (v1 > 0 ? v1 : 0) + (v2 > 0 ? v2 : 0) + (v3 > 0 ? v3 : 0) +
+           (v4 > 0 ? v4 : 0) + (v5 > 0 ? v5 : 0) + (v6 > 0 ? v6 : 0) + (v7 > 0 ? v7 : 0);
+  }
+  out[gid] = acc;
+}
+
+// ------------------------------------------------ loads after a barrier --
+// Each step publishes a value, waits at a barrier, then loads its operand
+// and uses it: the load's latency follows every barrier.
+kernel void load_after_barrier(device float* out [[buffer(0)]], const device float* a [[buffer(1)]],
+                               constant uint& n [[buffer(2)]], uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float pub[2];
+  float acc = 0.0f;
+  for (uint t = 0; t < n; ++t) {
+    if (tid == t % 64) pub[t & 1] = acc;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    acc += a[t * 64 + tid] * pub[t & 1];
+  }
+  out[tid] = acc;
+}
+
+// The same with the operand loaded a step ahead, before the barrier.
+kernel void load_before_barrier(device float* out [[buffer(0)]], const device float* a [[buffer(1)]],
+                                constant uint& n [[buffer(2)]], uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float pub[2];
+  float acc = 0.0f;
+  float e = n > 0 ? a[tid] : 0.0f;
+  for (uint t = 0; t < n; ++t) {
+    if (tid == t % 64) pub[t & 1] = acc;
+    const float e_next = t + 1 < n ? a[(t + 1) * 64 + tid] : 0.0f;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    acc += e * pub[t & 1];
+    e = e_next;
+  }
+  out[tid] = acc;
+}
