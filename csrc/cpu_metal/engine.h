@@ -97,7 +97,7 @@ struct KernelInfo {
   uint32_t private_bytes = 0;      // thread-private arrays that stay in stack memory
   uint32_t loads_in_flight = 0;    // independent device loads per iteration of the hot loop
   std::string hot_loop;            // its source position, "" if none
-  uint32_t loads_after_barrier = 0;  // device loads of its iteration waiting behind a threadgroup barrier
+  uint32_t loads_after_barrier = 0;  // device loads of a loop's iteration waiting behind a threadgroup barrier
 };
 
 struct Stats {

@@ -168,7 +168,7 @@ class KernelInfo:
     private_bytes: int  # thread-private arrays that stay in (stack) memory
     loads_in_flight: int  # independent device loads per iteration of the hot loop
     hot_loop: str  # the hot loop's source position, "" if the kernel has none
-    loads_after_barrier: int = 0  # device loads of an iteration of it that wait behind a threadgroup barrier
+    loads_after_barrier: int = 0  # device loads of a loop's iteration that wait behind a threadgroup barrier
 
     @classmethod
     def _from_native(cls, d: dict) -> "KernelInfo":
@@ -201,6 +201,15 @@ class DispatchStats:
       same instructions on threadgroup memory: the most distinct 4-byte
       words in one of 32 banks, less the distinct words over 32 banks
       (several lanes on one word is a broadcast, free).
+      threadgroup_bytes_read_distinct / unique_bytes_read per buffer: the
+      distinct bytes each threadgroup read, summed over threadgroups, and
+      those of the whole dispatch; `reread_factor` is their ratio.
+    - int32_divisions / float_divisions (always counted): 32-bit integer
+      divisions and remainders by a run-time value and IEEE float divisions,
+      counted as the 64-bit work is.
+    - threadgroup_memory (always counted): the most threadgroup memory one
+      threadgroup allocated; `threadgroups_per_core` what that and the
+      registers leave resident on a core (threadgroups_per_core()).
     - buffer_names: the kernel's parameter name of each buffer index.
     """
 

@@ -41,9 +41,9 @@ loads_in_flight, hot_loop
     count as if both ran. `constant` buffers, threadgroup and thread-private
     memory are not device memory. hot_loop is the loop's source position.
 loads_after_barrier
-    The device loads of an iteration of the hot loop that follow a
-    threadgroup barrier of that iteration and are used in it: latency that
-    follows every barrier instead of overlapping its wait.
+    The most device loads of an iteration of a loop (any loop, not only the
+    hot one) that follow a threadgroup barrier of that iteration and are used
+    in it: latency that follows every barrier instead of overlapping its wait.
 
 The IR is the CPU's (x86-64 or arm64 data layout): LLVM may widen 32-bit loop
 counters to 64 bits there (two words here, one on a GPU), and its inlining
@@ -770,7 +770,8 @@ def _loads_in_flight(k: _Kernel, meta: "_ir._Metadata", site_at) -> tuple[int, s
             continue
         before = [path[p] for p in k.preds[b.label] if p in path and rank[p] < rank[b.label]]
         path[b.label] = per_block[b.label] + (max(before) if before and b.label != best_header else 0)
-    return max(path.values(), default=0), where, _loads_after_barrier(k, meta, region, best_header, device_loads)
+    after = max((_loads_after_barrier(k, meta, own[h], h, device_loads) for h in own), default=0)
+    return max(path.values(), default=0), where, after
 
 
 def _is_threadgroup_barrier(inst: _Inst, meta: "_ir._Metadata") -> bool:
@@ -791,8 +792,8 @@ def _is_threadgroup_barrier(inst: _Inst, meta: "_ir._Metadata") -> bool:
 
 
 def _loads_after_barrier(k: _Kernel, meta, region: set, header, device_loads) -> int:
-    """The device loads of one iteration of the hot loop that come after a
-    threadgroup barrier of that iteration and whose value that iteration
+    """The device loads of one iteration of a loop (its own blocks, those of
+    no loop nested in it) that come after a threadgroup barrier of that iteration and whose value that iteration
     uses: each waits its full latency after the barrier opens, every
     iteration (issued before the barrier, its latency would overlap the
     barrier's wait). A load whose value only goes to the next iteration (a

@@ -182,7 +182,7 @@ typedef struct mx_kernel_info {
   mx_u32 private_bytes;      // thread-private arrays that stay in (stack) memory
   mx_u32 loads_in_flight;    // independent device loads per iteration of the hot loop
   const char* hot_loop;      // "file:line:col" of that loop, "" if none
-  mx_u32 loads_after_barrier;  // device loads of an iteration of it that wait behind a threadgroup barrier
+  mx_u32 loads_after_barrier;  // device loads of a loop's iteration that wait behind a threadgroup barrier
 } mx_kernel_info;
 
 // Symbols every shader library exports (extern "C").

@@ -288,20 +288,22 @@ kernel void divide_cheaply(device float* out [[buffer(0)]], const device float* 
 }
 
 // ------------------------------------------------- registers: CPU artefacts --
-// Eight streams, each a per-thread address (a 64-bit pointer or a widened
-// 64-bit index in the CPU's IR, a 32-bit offset from the buffer's base on a
-// GPU), all live across the loop; and eight comparisons that only pick
-// values.
-kernel void eight_streams(device float* out [[buffer(0)]], const device float* in [[buffer(1)]],
-                          constant uint& n [[buffer(2)]], uint gid [[thread_position_in_grid]]) {
+// Eight per-thread addresses (64-bit pointers in the CPU's IR, 32-bit
+// offsets from the buffer's uniform base on a GPU) and eight comparisons
+// that only pick values, all live across the loop.
+kernel void eight_pointers(device float* out [[buffer(0)]], const device float* in [[buffer(1)]],
+                           const device uint* at [[buffer(2)]], constant uint& n [[buffer(3)]],
+                           uint gid [[thread_position_in_grid]]) {
+  const device float* p0 = in + at[gid * 8 + 0]; const device float* p1 = in + at[gid * 8 + 1];
+  const device float* p2 = in + at[gid * 8 + 2]; const device float* p3 = in + at[gid * 8 + 3];
+  const device float* p4 = in + at[gid * 8 + 4]; const device float* p5 = in + at[gid * 8 + 5];
+  const device float* p6 = in + at[gid * 8 + 6]; const device float* p7 = in + at[gid * 8 + 7];
+  const bool f0 = at[gid * 8 + 0] & 1, f1 = at[gid * 8 + 1] & 1, f2 = at[gid * 8 + 2] & 1, f3 = at[gid * 8 + 3] & 1;
+  const bool f4 = at[gid * 8 + 4] & 1, f5 = at[gid * 8 + 5] & 1, f6 = at[gid * 8 + 6] & 1, f7 = at[gid * 8 + 7] & 1;
   float acc = 0.0f;
-  for (uint k = 0; k < n; ++k) {
-    const uint base = gid * 8 * n + k;
-    float v0 = in[base], v1 = in[base + n], v2 = in[base + 2 * n], v3 = in[base + 3 * n];
-    float v4 = in[base + 4 * n], v5 = in[base + 5 * n], v6 = in[base + 6 * n], v7 = in[base + 7 * n];
-    acc += (v0 > 0 ? v0 : 0) + (v1 > 0 ? v1 : 0) + (v2 > 0 ? v2 : 0) + (v3 > 0 ? v3 : 0) +
-           (v4 > 0 ? v4 : 0) + (v5 > 0 ? v5 : 0) + (v6 > 0 ? v6 : 0) + (v7 > 0 ? v7 : 0);
-  }
+  for (uint k = 0; k < n; ++k)
+    acc += (f0 ? p0[k] : 2.0f) + (f1 ? p1[k] : 3.0f) + (f2 ? p2[k] : 5.0f) + (f3 ? p3[k] : 7.0f) +
+           (f4 ? p4[k] : 11.0f) + (f5 ? p5[k] : 13.0f) + (f6 ? p6[k] : 17.0f) + (f7 ? p7[k] : 19.0f);
   out[gid] = acc;
 }
 
