@@ -240,6 +240,7 @@ def case_row(r: Result, chips: list[str]) -> dict:
         "registers": f"{registers} ({cpu_metal.occupancy(registers)})",
         "bank conflicts": f"{bank_conflicts_per_instruction(r.stats):.2f}",
         "loads in flight": min(d.kernel_info.loads_in_flight for d in r.stats),
+        "loads after barrier": max(d.kernel_info.loads_after_barrier for d in r.stats),
     })
     row.update(r.extras)
     for chip in chips:
@@ -250,7 +251,7 @@ def case_row(r: Result, chips: list[str]) -> dict:
 
 CASE_COLUMNS = ["kernels", "dispatches", "threadgroups", "bytes / min", "lines / min", "re-read", "i64 div / thread",
                 "i32 div / thread", "fdiv / thread", "registers", "tg memory (tg / core)", "bank conflicts",
-                "loads in flight"]
+                "loads in flight", "loads after barrier"]
 CASE_NOTES = (
     "bytes / min: bytes read and written over tensor buffers against reading every input and writing every "
     "output once. lines / min: the most 128-byte lines a simdgroup's memory instruction touched over the fewest "
@@ -264,7 +265,8 @@ CASE_NOTES = (
     "memory a threadgroup allocated (threadgroups a core keeps resident, from its 64 KiB and the registers; the "
     "fewest over the case's kernels). bank conflicts: extra "
     "cycles per threadgroup-memory instruction. loads in flight: independent device loads per iteration of the "
-    "hot loop (the fewest over the case's kernels). us @chip: the DRAM traffic at the chip's bandwidth (a bound, "
+    "hot loop (the fewest over the case's kernels); loads after barrier: device loads of a loop's iteration that "
+    "wait behind its threadgroup barrier (the most). us @chip: the DRAM traffic at the chip's bandwidth (a bound, "
     "not a prediction). stock / mps_ext: median times on a Mac only. docs/contributing.md, \"What a kernel costs a GPU beyond its "
     "bytes\", says how each counter is computed.")
 
@@ -303,7 +305,7 @@ def kernel_table(results: list[Result]) -> str:
         for name, info in kernels.items():
             row = {"kernel": name, "registers": info.registers, "threads / core": cpu_metal.occupancy(info.registers),
                    "uniform": info.uniform_registers, "private bytes": info.private_bytes,
-                   "loads in flight": info.loads_in_flight}
+                   "loads in flight": info.loads_in_flight, "loads after barrier": info.loads_after_barrier}
             runs = reached.get(name, [])
             if not runs:
                 row["cases"] = "not reached by a benchmark case"
@@ -327,7 +329,7 @@ def kernel_table(results: list[Result]) -> str:
             })
             rows.append(row)
     return markdown(rows, ["kernel", "cases", "registers", "threads / core", "uniform", "private bytes",
-                           "loads in flight", "lines / min per buffer (worst)", "i64 div / thread",
+                           "loads in flight", "loads after barrier", "lines / min per buffer (worst)", "i64 div / thread",
                            "i64 mul / thread", "i32 div / thread", "fdiv / thread", "re-read (worst)",
                            "tg memory (tg / core)", "bank conflicts", "threadgroups (fewest)"])
 
