@@ -120,6 +120,27 @@ def worst_coalescing(stats: Stats) -> tuple[float, str]:
     return worst, where
 
 
+def worst_reread(stats: Stats) -> tuple[float, str]:
+    """The highest re-read factor (DispatchStats.reread_factor: bytes the
+    threadgroups read, each once per threadgroup, over the distinct bytes)
+    over the dispatches' tensor buffers, and where."""
+    worst, where = 1.0, ""
+    for d in stats:
+        for i, r in d.reread_factor.items():
+            if i not in d.constant_buffers and r > worst:
+                name = d.buffer_names.get(i, str(i))
+                worst, where = r, f"{d.kernel} {name}" if len(stats) > 1 else name
+    return worst, where
+
+
+def occupancy_cell(stats: Stats) -> str:
+    """The most threadgroup memory a dispatch's threadgroup used, and the
+    fewest threadgroups a core keeps resident over the dispatches."""
+    memory = max(d.threadgroup_memory for d in stats)
+    per_core = min(d.threadgroups_per_core for d in stats)
+    return f"{memory / 1024:.1f} KiB ({per_core})"
+
+
 def bank_conflicts_per_instruction(stats: Stats) -> float:
     instructions = sum(d.threadgroup_memory_instructions for d in stats)
     return sum(d.bank_conflict_cycles for d in stats) / instructions if instructions else 0.0
@@ -203,6 +224,7 @@ def markdown(rows: list[dict], columns: list[str]) -> str:
 
 def case_row(r: Result, chips: list[str]) -> dict:
     worst, where = worst_coalescing(r.stats)
+    reread, reread_where = worst_reread(r.stats)
     registers = max(d.kernel_info.registers for d in r.stats)
     row = dict(r.case.labels)
     row.update({
@@ -212,9 +234,14 @@ def case_row(r: Result, chips: list[str]) -> dict:
         "bytes / min": f"{r.bytes_over_minimum:.3f}",
         "lines / min": f"{worst:.2f}" + (f" ({where})" if worst > 1.0 else ""),
         "i64 div / thread": f"{max(d.int64_divisions_per_thread for d in r.stats):.2f}",
+        "i32 div / thread": f"{max(d.int32_divisions_per_thread for d in r.stats):.2f}",
+        "fdiv / thread": f"{max(d.float_divisions_per_thread for d in r.stats):.2f}",
+        "re-read": f"{reread:.2f}" + (f" ({reread_where})" if reread > 1.0 else ""),
+        "tg memory (tg / core)": occupancy_cell(r.stats),
         "registers": f"{registers} ({cpu_metal.occupancy(registers)})",
         "bank conflicts": f"{bank_conflicts_per_instruction(r.stats):.2f}",
         "loads in flight": min(d.kernel_info.loads_in_flight for d in r.stats),
+        "loads after barrier": max(d.kernel_info.loads_after_barrier for d in r.stats),
     })
     row.update(r.extras)
     for chip in chips:
@@ -223,16 +250,24 @@ def case_row(r: Result, chips: list[str]) -> dict:
     return row
 
 
-CASE_COLUMNS = ["kernels", "dispatches", "threadgroups", "bytes / min", "lines / min", "i64 div / thread",
-                "registers", "bank conflicts", "loads in flight"]
+CASE_COLUMNS = ["kernels", "dispatches", "threadgroups", "bytes / min", "lines / min", "re-read", "i64 div / thread",
+                "i32 div / thread", "fdiv / thread", "registers", "tg memory (tg / core)", "bank conflicts",
+                "loads in flight", "loads after barrier"]
 CASE_NOTES = (
     "bytes / min: bytes read and written over tensor buffers against reading every input and writing every "
     "output once. lines / min: the most 128-byte lines a simdgroup's memory instruction touched over the fewest "
-    "its bytes fit in, for the worst device buffer (1.00 = coalesced). i64 div / thread: 64-bit integer "
-    "divisions and remainders per thread (software on Apple GPUs). registers: 32-bit registers live per thread "
-    "at the peak (threads an M1/M2 core keeps at that count; 1024 is full occupancy). bank conflicts: extra "
+    "its bytes fit in, for the worst device buffer (1.00 = coalesced). re-read: for the worst tensor buffer, the bytes "
+    "the threadgroups read (a byte once per threadgroup that reads it, cache hits included) over the distinct bytes "
+    "read (1.00: no byte read by two threadgroups; an operand every threadgroup stages again shows the threadgroup "
+    "count). i64 div / thread: 64-bit integer "
+    "divisions and remainders per thread (software on Apple GPUs); i32 div: 32-bit ones by a run-time value (a "
+    "software sequence too); fdiv: IEEE float divisions (several times a fast one). registers: 32-bit registers live per thread "
+    "at the peak (threads an M1/M2 core keeps at that count; 1024 is full occupancy). tg memory: the most threadgroup "
+    "memory a threadgroup allocated (threadgroups a core keeps resident, from its 64 KiB and the registers; the "
+    "fewest over the case's kernels). bank conflicts: extra "
     "cycles per threadgroup-memory instruction. loads in flight: independent device loads per iteration of the "
-    "hot loop (the fewest over the case's kernels). us @chip: the DRAM traffic at the chip's bandwidth (a bound, "
+    "hot loop (the fewest over the case's kernels); loads after barrier: device loads of a loop's iteration that "
+    "wait behind its threadgroup barrier (the most). us @chip: the DRAM traffic at the chip's bandwidth (a bound, "
     "not a prediction). stock / mps_ext: median times on a Mac only. docs/contributing.md, \"What a kernel costs a GPU beyond its "
     "bytes\", says how each counter is computed.")
 
@@ -271,7 +306,7 @@ def kernel_table(results: list[Result]) -> str:
         for name, info in kernels.items():
             row = {"kernel": name, "registers": info.registers, "threads / core": cpu_metal.occupancy(info.registers),
                    "uniform": info.uniform_registers, "private bytes": info.private_bytes,
-                   "loads in flight": info.loads_in_flight}
+                   "loads in flight": info.loads_in_flight, "loads after barrier": info.loads_after_barrier}
             runs = reached.get(name, [])
             if not runs:
                 row["cases"] = "not reached by a benchmark case"
@@ -287,12 +322,17 @@ def kernel_table(results: list[Result]) -> str:
                 "i64 div / thread": f"{max(d.int64_divisions_per_thread for _, d in runs):.2f}",
                 "i64 mul / thread": f"{max(d.int64_multiplications_per_thread for _, d in runs):.2f}",
                 "bank conflicts": f"{max(bank_conflicts_per_instruction([d]) for _, d in runs):.2f}",
+                "re-read (worst)": f"{max(worst_reread([d])[0] for _, d in runs):.2f}",
+                "i32 div / thread": f"{max(d.int32_divisions_per_thread for _, d in runs):.2f}",
+                "fdiv / thread": f"{max(d.float_divisions_per_thread for _, d in runs):.2f}",
+                "tg memory (tg / core)": occupancy_cell([d for _, d in runs]),
                 "threadgroups (fewest)": min(round(d.total_threadgroups * r.scale) for r, d in runs),
             })
             rows.append(row)
     return markdown(rows, ["kernel", "cases", "registers", "threads / core", "uniform", "private bytes",
-                           "loads in flight", "lines / min per buffer (worst)", "i64 div / thread",
-                           "i64 mul / thread", "bank conflicts", "threadgroups (fewest)"])
+                           "loads in flight", "loads after barrier", "lines / min per buffer (worst)", "i64 div / thread",
+                           "i64 mul / thread", "i32 div / thread", "fdiv / thread", "re-read (worst)",
+                           "tg memory (tg / core)", "bank conflicts", "threadgroups (fewest)"])
 
 
 def run_as_script(op: str) -> None:

@@ -38,10 +38,14 @@ struct E5M2 {
   static T from_bits(uint f) { return e5m2_from_bits(f); }
 };
 
-// Thread tid of a threadgroup converts elements tid, tid + THREADS, ... of
-// the threadgroup's FP8_CONVERT_PER_THREAD * THREADS: every load and store
-// instruction of a simdgroup covers 32 consecutive elements (one cache line
-// of floats, a quarter of one of fp8 bytes).
+// Thread tid of a threadgroup converts FP8_CONVERT_PER_THREAD (4)
+// consecutive elements with one vector load and one vector store: 4 bytes a
+// lane on the fp8 side (a simdgroup instruction covers 128 consecutive bytes,
+// one cache line), 8 or 16 on the other. A lone byte a lane would take four
+// times the load and store instructions for the same lines. The host picks
+// this kernel only when both tensors start on a multiple of the vector's
+// size (csrc/ops/fp8.cpp); the last thread's partial run goes element by
+// element.
 template <typename S, typename D>
 [[max_total_threads_per_threadgroup(FP8_CONVERT_THREADS)]]
 kernel void fp8_convert_dense(device typename D::T* dst [[buffer(0)]],
@@ -49,11 +53,20 @@ kernel void fp8_convert_dense(device typename D::T* dst [[buffer(0)]],
                               constant Fp8ConvertParams& p [[buffer(2)]],
                               uint group [[threadgroup_position_in_grid]],
                               uint tid [[thread_position_in_threadgroup]]) {
-  const uint first = group * (FP8_CONVERT_PER_THREAD * FP8_CONVERT_THREADS) + tid;
+  constexpr uint N = FP8_CONVERT_PER_THREAD;
+  typedef vec<typename S::T, N> SrcN;
+  typedef vec<typename D::T, N> DstN;
+  // numel < 2^31 - N (the host's condition), so this does not wrap.
+  const uint first = (group * FP8_CONVERT_THREADS + tid) * N;
   const uint numel = uint(p.numel);
-  MPS_EXT_UNROLL for (int j = 0; j < FP8_CONVERT_PER_THREAD; ++j) {
-    const uint i = first + j * FP8_CONVERT_THREADS;
-    if (i < numel) dst[i] = D::from_bits(S::bits(src[i]));
+  if (first + N <= numel) {
+    const SrcN v = *reinterpret_cast<const device SrcN*>(src + first);
+    DstN r;
+    MPS_EXT_UNROLL for (uint j = 0; j < N; ++j) r[j] = D::from_bits(S::bits(v[j]));
+    *reinterpret_cast<device DstN*>(dst + first) = r;
+  } else {
+    MPS_EXT_UNROLL for (uint j = 0; j < N; ++j)
+      if (first + j < numel) dst[first + j] = D::from_bits(S::bits(src[first + j]));
   }
 }
 

@@ -14,6 +14,9 @@
 #include "linalg_common.h"
 using namespace metal;
 
+// Whether row i subtracts a multiple of finished row j in a sweep.
+inline bool eliminates(bool active, bool lower, int i, int j) { return active && (lower ? i > j : i < j); }
+
 template <typename T, int C>
 [[max_total_threads_per_threadgroup(LINALG_MAX_THREADS)]]
 kernel void lu_solve(device T* x [[buffer(0)]],
@@ -98,21 +101,32 @@ kernel void lu_solve(device T* x [[buffer(0)]],
     const SolveSweep w = p.sweeps[s];
     const int rs = int(w.row_stride), cs = int(w.col_stride);
     const bool conj = (w.conj != 0) != (p.a.conj != 0);
+    const bool lower = w.lower != 0;
+    // Every load of a step is issued a step ahead, before the barrier that
+    // ends the step before it, so that its latency overlaps that barrier's
+    // wait instead of following it (2n barriers a solve, each otherwise
+    // followed by a device load the next step waits on): the diagonal of
+    // the next step's row, by its thread alone (one lane, one line), and
+    // each row's multiplier of the next step's row.
+    const int first = lower ? 0 : n - 1;
+    const bool divide = w.unit == 0;
+    T diag = divide && i == first ? conj_if(am[i * rs + i * cs], conj) : one<T>();
+    T e = n > 0 && eliminates(active, lower, i, first) ? conj_if(am[i * rs + first * cs], conj) : T(0.0f);
     for (int t = 0; t < n; ++t, ++step) {
-      const int j = w.lower != 0 ? t : n - 1 - t;
+      const int j = lower ? t : n - 1 - t;
       threadgroup T* pub = published[step & 1];
       if (i == j) {
-        if (w.unit == 0) {
-          const T d = conj_if(am[j * rs + j * cs], conj);
-          for (int c = 0; c < C; ++c) xr[c] = cdiv(xr[c], d);
-        }
+        if (divide)
+          for (int c = 0; c < C; ++c) xr[c] = cdiv(xr[c], diag);
         for (int c = 0; c < C; ++c) pub[c] = xr[c];
       }
+      const int next = lower ? j + 1 : j - 1;
+      const T e_next = t + 1 < n && eliminates(active, lower, i, next) ? conj_if(am[i * rs + next * cs], conj) : T(0.0f);
+      if (divide && t + 1 < n && i == next) diag = conj_if(am[i * rs + i * cs], conj);
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      if (active && (w.lower != 0 ? i > j : i < j)) {
-        const T e = conj_if(am[i * rs + j * cs], conj);
+      if (eliminates(active, lower, i, j))
         for (int c = 0; c < C; ++c) xr[c] -= cmul(e, pub[c]);
-      }
+      e = e_next;
     }
   }
 

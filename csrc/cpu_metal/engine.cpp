@@ -258,6 +258,8 @@ struct Counters {
   uint64_t ops[MX_OPS_COUNT] = {}, max_ops[MX_OPS_COUNT] = {};  // 64-bit integer work
   uint64_t lines[MX_MAX_BUFFERS] = {}, min_lines[MX_MAX_BUFFERS] = {};  // coalescing
   uint64_t tg_instructions = 0, bank_cycles = 0;                      // bank conflicts
+  uint64_t group_read[MX_MAX_BUFFERS] = {};  // per threadgroup, distinct bytes read, summed
+  uint64_t tg_memory = 0;                    // the most threadgroup memory one threadgroup allocated
 
   void add(const Counters& o) {
     for (int i = 0; i < MX_MAX_BUFFERS; ++i) {
@@ -265,6 +267,7 @@ struct Counters {
       written[i] += o.written[i];
       lines[i] += o.lines[i];
       min_lines[i] += o.min_lines[i];
+      group_read[i] += o.group_read[i];
       for (int k = 0; k < 8; ++k) {
         read_width[i][k] += o.read_width[i][k];
         write_width[i][k] += o.write_width[i][k];
@@ -276,6 +279,7 @@ struct Counters {
     }
     tg_instructions += o.tg_instructions;
     bank_cycles += o.bank_cycles;
+    tg_memory = std::max(tg_memory, o.tg_memory);
     tg_read += o.tg_read;
     tg_written += o.tg_written;
     threads += o.threads;
@@ -296,6 +300,64 @@ struct Shadow32 {
   std::atomic<bool> written{false};
 };
 constexpr uint32_t kTagLimit = (1u << 28) - 1;
+
+// uint64 -> uint32, cleared in O(1) (entries of an older generation are
+// empty), for the counters that match accesses of the lanes of a simdgroup.
+class FlatMap {
+ public:
+  // The value of `key`, inserted as `fresh` if absent. The reference is
+  // valid until the next call.
+  uint32_t& at(uint64_t key, uint32_t fresh) {
+    if ((size_ + 1) * 2 > table_.size()) grow();
+    size_t mask = table_.size() - 1;
+    for (size_t i = slot(key); ; i = (i + 1) & mask) {
+      Entry& e = table_[i];
+      if (e.gen != gen_) {
+        e = Entry{key, fresh, gen_};
+        ++size_;
+        return e.value;
+      }
+      if (e.key == key) return e.value;
+    }
+  }
+  // f(key, value) for every entry.
+  template <class F>
+  void each(F f) const {
+    for (const Entry& e : table_)
+      if (e.gen == gen_) f(e.key, e.value);
+  }
+  void clear() {
+    if (++gen_ == 0) {
+      std::fill(table_.begin(), table_.end(), Entry{});
+      gen_ = 1;
+    }
+    size_ = 0;
+  }
+
+ private:
+  struct Entry {
+    uint64_t key = 0;
+    uint32_t value = 0;
+    uint32_t gen = 0;
+  };
+  size_t slot(uint64_t key) const { return static_cast<size_t>((key * 0x9e3779b97f4a7c15ull) >> shift_); }
+  void grow() {
+    std::vector<Entry> old;
+    old.swap(table_);
+    size_t cap = std::max<size_t>(1024, old.size() * 2);
+    table_.assign(cap, Entry{});
+    shift_ = 64 - __builtin_ctzll(cap);
+    uint32_t g = gen_;
+    gen_ = 1;
+    size_ = 0;
+    for (const Entry& e : old)
+      if (e.gen == g) at(e.key, e.value);
+  }
+  std::vector<Entry> table_;
+  size_t size_ = 0;
+  int shift_ = 64;
+  uint32_t gen_ = 1;
+};
 
 struct DispatchState {
   const Library* library = nullptr;
@@ -331,6 +393,9 @@ struct DispatchState {
   ErrorKind error = ErrorKind::kNone;
   std::string message;
   Counters totals;
+  // With counters: the bytes of device buffers any threadgroup read, as
+  // Worker::read_granules (merged from the workers under `mutex`).
+  FlatMap unique_reads;
 
   void fail(ErrorKind kind, const std::string& msg) {
     std::lock_guard<std::mutex> g(mutex);
@@ -414,58 +479,6 @@ struct Shadow {
 };
 constexpr uint16_t kMany = 0xffff;
 
-
-// uint64 -> uint32, cleared in O(1) (entries of an older generation are
-// empty), for the counters that match accesses of the lanes of a simdgroup.
-class FlatMap {
- public:
-  // The value of `key`, inserted as `fresh` if absent. The reference is
-  // valid until the next call.
-  uint32_t& at(uint64_t key, uint32_t fresh) {
-    if ((size_ + 1) * 2 > table_.size()) grow();
-    size_t mask = table_.size() - 1;
-    for (size_t i = slot(key); ; i = (i + 1) & mask) {
-      Entry& e = table_[i];
-      if (e.gen != gen_) {
-        e = Entry{key, fresh, gen_};
-        ++size_;
-        return e.value;
-      }
-      if (e.key == key) return e.value;
-    }
-  }
-  void clear() {
-    if (++gen_ == 0) {
-      std::fill(table_.begin(), table_.end(), Entry{});
-      gen_ = 1;
-    }
-    size_ = 0;
-  }
-
- private:
-  struct Entry {
-    uint64_t key = 0;
-    uint32_t value = 0;
-    uint32_t gen = 0;
-  };
-  size_t slot(uint64_t key) const { return static_cast<size_t>((key * 0x9e3779b97f4a7c15ull) >> shift_); }
-  void grow() {
-    std::vector<Entry> old;
-    old.swap(table_);
-    size_t cap = std::max<size_t>(1024, old.size() * 2);
-    table_.assign(cap, Entry{});
-    shift_ = 64 - __builtin_ctzll(cap);
-    uint32_t g = gen_;
-    gen_ = 1;
-    size_ = 0;
-    for (const Entry& e : old)
-      if (e.gen == g) at(e.key, e.value);
-  }
-  std::vector<Entry> table_;
-  size_t size_ = 0;
-  int shift_ = 64;
-  uint32_t gen_ = 1;
-};
 
 // One memory instruction executed by (the lanes of) a simdgroup.
 struct Instance {
@@ -807,7 +820,11 @@ struct Worker {
       counters.read[i] += size;
       counters.read_width[i][w]++;
     }
-    if (measuring) track(i, a - reinterpret_cast<uintptr_t>(b->begin) + b->origin, size, flags);
+    if (measuring) {
+      uint64_t offset = a - reinterpret_cast<uintptr_t>(b->begin) + b->origin;
+      track(i, offset, size, flags);
+      if (flags & MX_ACC_READ) note_read(i, offset, size);
+    }
     if (b->race_checked && !(flags & MX_ACC_ATOMIC)) device_races(*b, a, size, flags);
     if (d.isolated && ((flags & MX_ACC_ATOMIC) || d.shadows[(a - d.slot_base) >> kSlotShift].tags))
       device_visibility(*b, a, size, flags);
@@ -858,6 +875,28 @@ struct Worker {
   FlatMap instance_index;  // hash of (simdgroup, site, position, n) -> index into instances
   std::vector<Instance> instances;
   std::vector<uint64_t> words;  // scratch of measure()
+  // Device bytes read, in 32-byte granules: (buffer << 48 | offset >> 5) ->
+  // mask of the granule's bytes. group_reads: this threadgroup's (a cache
+  // hit inside the threadgroup is not counted again, a re-read by another
+  // threadgroup is); all_reads: every threadgroup this worker ran.
+  FlatMap group_reads, all_reads;
+
+  void note_read(int buffer, uint64_t offset, uint64_t size) {
+    for (uint64_t b = offset, end = offset + size; b < end;) {
+      uint64_t g = b >> 5, upto = std::min(end, (g + 1) << 5);
+      uint32_t bits = upto - b == 32 ? ~0u : ((1u << (upto - b)) - 1) << (b & 31);
+      group_reads.at(uint64_t(buffer) << 48 | g, 0) |= bits;
+      b = upto;
+    }
+  }
+
+  void flush_group_reads() {
+    group_reads.each([&](uint64_t key, uint32_t bits) {
+      counters.group_read[key >> 48] += __builtin_popcount(bits);
+      all_reads.at(key, 0) |= bits;
+    });
+    group_reads.clear();
+  }
 
   void track(int buffer, uint64_t offset, uint64_t size, uint32_t flags) {
     uint64_t site = flags >> MX_ACC_SITE_SHIFT;
@@ -1421,7 +1460,10 @@ struct Worker {
     reset_device_races();
     std::fill(std::begin(dsg_epoch), std::end(dsg_epoch), 0u);
     if (aborted) return false;
-    if (measuring) reset_instances(true);
+    if (measuring) {
+      reset_instances(true);
+      group_reads.clear();
+    }
     runq.clear();
     yieldq.clear();
     for (uint32_t i = 0; i < lane_count; ++i) runq.push_back(i);
@@ -1461,7 +1503,11 @@ struct Worker {
         shuffle_runq();
         continue;
       }
-      if (measuring && !ds->failed) flush_instances();
+      counters.tg_memory = std::max(counters.tg_memory, arena_used);
+      if (measuring && !ds->failed) {
+        flush_instances();
+        flush_group_reads();
+      }
       return !ds->failed;
     }
   }
@@ -1470,6 +1516,7 @@ struct Worker {
     ds = d;
     counters = Counters{};
     measuring = d->counters;
+    all_reads.clear();
     FpControl fp(d->flush_denormals);  // restored when the job ends: the worker may be the caller's thread
     if (stack_bytes < d->stack_bytes) {  // stacks only grow
       for (auto& s : stacks) s.release();
@@ -1483,6 +1530,7 @@ struct Worker {
     }
     std::lock_guard<std::mutex> lock(d->mutex);
     d->totals.add(counters);
+    if (measuring) all_reads.each([d](uint64_t key, uint32_t bits) { d->unique_reads.at(key, 0) |= bits; });
     ds = nullptr;
   }
 };
@@ -1720,6 +1768,7 @@ KernelInfo Library::kernel_info(const std::string& name) const {
     info.private_bytes = k.private_bytes;
     info.loads_in_flight = k.loads_in_flight;
     info.hot_loop = k.hot_loop ? k.hot_loop : "";
+    info.loads_after_barrier = k.loads_after_barrier;
   }
   return info;
 }
@@ -1982,12 +2031,22 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
   st.int64_multiplications = ds.totals.ops[MX_OPS_INT64_MULTIPLICATIONS];
   st.max_int64_divisions = ds.totals.max_ops[MX_OPS_INT64_DIVISIONS];
   st.max_int64_multiplications = ds.totals.max_ops[MX_OPS_INT64_MULTIPLICATIONS];
+  st.int32_divisions = ds.totals.ops[MX_OPS_INT32_DIVISIONS];
+  st.float_divisions = ds.totals.ops[MX_OPS_FLOAT_DIVISIONS];
+  st.max_int32_divisions = ds.totals.max_ops[MX_OPS_INT32_DIVISIONS];
+  st.max_float_divisions = ds.totals.max_ops[MX_OPS_FLOAT_DIVISIONS];
+  st.threadgroup_memory = ds.totals.tg_memory;
   st.counters = ds.counters;
   if (ds.counters) {
     st.cache_lines.assign(ds.totals.lines, ds.totals.lines + n);
     st.cache_lines_minimum.assign(ds.totals.min_lines, ds.totals.min_lines + n);
     st.threadgroup_memory_instructions = ds.totals.tg_instructions;
     st.bank_conflict_cycles = ds.totals.bank_cycles;
+    st.threadgroup_bytes_read_distinct.assign(ds.totals.group_read, ds.totals.group_read + n);
+    st.unique_bytes_read.assign(n, 0);
+    ds.unique_reads.each([&](uint64_t key, uint32_t bits) {
+      if ((key >> 48) < n) st.unique_bytes_read[key >> 48] += __builtin_popcount(bits);
+    });
   }
   for (size_t i = 0; i < n; ++i) {
     st.bytes_read[i] = ds.totals.read[i];

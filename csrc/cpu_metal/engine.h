@@ -97,6 +97,7 @@ struct KernelInfo {
   uint32_t private_bytes = 0;      // thread-private arrays that stay in stack memory
   uint32_t loads_in_flight = 0;    // independent device loads per iteration of the hot loop
   std::string hot_loop;            // its source position, "" if none
+  uint32_t loads_after_barrier = 0;  // device loads of a loop's iteration waiting behind a threadgroup barrier
 };
 
 struct Stats {
@@ -119,6 +120,13 @@ struct Stats {
   // _instrument.py): totals, and the most one thread did.
   uint64_t int64_divisions = 0, int64_multiplications = 0;
   uint64_t max_int64_divisions = 0, max_int64_multiplications = 0;
+  // 32-bit (and narrower) integer divisions and remainders by a run-time
+  // value, and IEEE float divisions: totals and the most one thread did.
+  uint64_t int32_divisions = 0, float_divisions = 0;
+  uint64_t max_int32_divisions = 0, max_float_divisions = 0;
+  // The most threadgroup memory (bytes) one threadgroup allocated: the
+  // [[threadgroup(i)]] buffers and the kernel's threadgroup variables.
+  uint64_t threadgroup_memory = 0;
   // Measured only with Dispatch::counters (or a recorder asking for them):
   bool counters = false;
   // per buffer index: 128-byte lines the memory instructions of each
@@ -126,6 +134,10 @@ struct Stats {
   std::vector<uint64_t> cache_lines, cache_lines_minimum;
   uint64_t threadgroup_memory_instructions = 0;  // executed by a simdgroup
   uint64_t bank_conflict_cycles = 0;  // extra cycles of those over conflict-free
+  // per buffer index: the distinct bytes each threadgroup read, summed over
+  // threadgroups (re-reads by other threadgroups count, by the same one not),
+  // and the distinct bytes read by the whole dispatch
+  std::vector<uint64_t> threadgroup_bytes_read_distinct, unique_bytes_read;
 };
 
 class Library {

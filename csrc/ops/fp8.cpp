@@ -91,7 +91,14 @@ bool fp8_convert(const at::Tensor& dst, const at::Tensor& src) {
   // One merged dimension of stride 1 on both sides (or none: one element)
   // is a flat run; 32-bit indices while it stays below 2^31.
   const bool flat = p.rank == 0 || (p.rank == 1 && p.dst_strides[0] == 1 && p.src_strides[0] == 1);
-  const bool dense = flat && numel < INT32_MAX - FP8_CONVERT_PER_THREAD;
+  // The dense kernel moves FP8_CONVERT_PER_THREAD elements with one vector
+  // access, which must be aligned to its size on both sides (a view may
+  // start anywhere); a misaligned flat run takes the strided kernel.
+  auto vector_aligned = [](const at::Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % (FP8_CONVERT_PER_THREAD * t.element_size()) == 0;
+  };
+  const bool dense = flat && numel < INT32_MAX - FP8_CONVERT_PER_THREAD && vector_aligned(dst) &&
+                     vector_aligned(src);
   const int64_t threads = (numel + FP8_CONVERT_PER_THREAD - 1) / FP8_CONVERT_PER_THREAD;
   int64_t groups = (threads + FP8_CONVERT_THREADS - 1) / FP8_CONVERT_THREADS;
   // A transposing copy (src contiguous along the first of two dimensions,

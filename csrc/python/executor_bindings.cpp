@@ -29,6 +29,7 @@ py::dict kernel_info_to_dict(const cpu_metal::KernelInfo& k) {
   d["private_bytes"] = k.private_bytes;
   d["loads_in_flight"] = k.loads_in_flight;
   d["hot_loop"] = k.hot_loop;
+  d["loads_after_barrier"] = k.loads_after_barrier;
   return d;
 }
 
@@ -60,6 +61,13 @@ py::dict stats_to_dict(const cpu_metal::Stats& s) {
   d["cache_lines_minimum"] = s.cache_lines_minimum;
   d["threadgroup_memory_instructions"] = s.threadgroup_memory_instructions;
   d["bank_conflict_cycles"] = s.bank_conflict_cycles;
+  d["int32_divisions"] = s.int32_divisions;
+  d["float_divisions"] = s.float_divisions;
+  d["max_int32_divisions"] = s.max_int32_divisions;
+  d["max_float_divisions"] = s.max_float_divisions;
+  d["threadgroup_memory"] = s.threadgroup_memory;
+  d["threadgroup_bytes_read_distinct"] = s.threadgroup_bytes_read_distinct;
+  d["unique_bytes_read"] = s.unique_bytes_read;
   return d;
 }
 

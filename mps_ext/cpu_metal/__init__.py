@@ -59,6 +59,7 @@ DispatchError = _C.DispatchError
 __all__ = [
     "compile_library", "Library", "DispatchStats", "KernelInfo", "record", "set_default_seed", "worker_count",
     "FULL_OCCUPANCY_REGISTERS", "MAX_REGISTERS", "occupancy", "registers_for",
+    "THREADGROUP_MEMORY_PER_CORE", "MAX_THREADGROUP_MEMORY", "threadgroups_per_core",
     "run_model", "ModelReport", "CompileError", "Diagnostic", "KernelError", "OutOfBoundsError",
     "MisalignedAccessError",
     "BarrierDivergenceError", "RaceError", "DispatchError", "cache_dir",
@@ -112,6 +113,39 @@ def registers_for(threads: int) -> int:
     return max(most for most, n in _OCCUPANCY if n >= threads)
 
 
+# Threadgroup memory. A threadgroup may allocate at most 32 KiB on every
+# Apple GPU family (Apple's "Metal Feature Set Tables",
+# developer.apple.com/metal/Metal-Feature-Set-Tables.pdf: maximum total
+# threadgroup memory allocation, 32 KB; the executor refuses more). A core
+# has 64 KB of it (Philip Turner, github.com/philipturner/metal-benchmarks,
+# "Layout of an M1 GPU Core": shared memory per core, Apple 7 and 8), which
+# its resident threadgroups share: a threadgroup that uses 24 KB leaves room
+# for two, one that uses 32 KB for two, 33 KB for one. The rule assumed here
+# is that a core keeps a threadgroup resident only while both its threadgroup
+# memory and its threads (registers, `occupancy`) fit beside the others; the
+# fewer resident threadgroups, the less one's barrier and load latency is
+# hidden by another's work. From Apple family 9 (M3) on-chip memory is
+# allocated dynamically, so this matters most on M1 and M2.
+THREADGROUP_MEMORY_PER_CORE = 64 * 1024
+MAX_THREADGROUP_MEMORY = 32 * 1024
+
+
+def threadgroups_per_core(threadgroup_memory: int, threads: int, registers: int = 0) -> int:
+    """Threadgroups of `threads` threads, each allocating `threadgroup_memory`
+    bytes and using `registers` 32-bit registers a thread, that an M1/M2
+    core keeps resident: the fewest of THREADGROUP_MEMORY_PER_CORE //
+    threadgroup_memory and occupancy(registers) // threads (0: the
+    threadgroup does not fit a core)."""
+    if threads <= 0:
+        raise ValueError(f"threads must be positive, got {threads}")
+    by_threads = occupancy(registers) // threads
+    if threadgroup_memory <= 0:
+        return by_threads
+    if threadgroup_memory > MAX_THREADGROUP_MEMORY:
+        return 0
+    return min(by_threads, THREADGROUP_MEMORY_PER_CORE // threadgroup_memory)
+
+
 def set_default_seed(seed: int) -> None:
     """Seed of the thread order for dispatches that do not give one."""
     global _default_seed
@@ -134,6 +168,7 @@ class KernelInfo:
     private_bytes: int  # thread-private arrays that stay in (stack) memory
     loads_in_flight: int  # independent device loads per iteration of the hot loop
     hot_loop: str  # the hot loop's source position, "" if the kernel has none
+    loads_after_barrier: int = 0  # device loads of a loop's iteration that wait behind a threadgroup barrier
 
     @classmethod
     def _from_native(cls, d: dict) -> "KernelInfo":
@@ -166,6 +201,15 @@ class DispatchStats:
       same instructions on threadgroup memory: the most distinct 4-byte
       words in one of 32 banks, less the distinct words over 32 banks
       (several lanes on one word is a broadcast, free).
+      threadgroup_bytes_read_distinct / unique_bytes_read per buffer: the
+      distinct bytes each threadgroup read, summed over threadgroups, and
+      those of the whole dispatch; `reread_factor` is their ratio.
+    - int32_divisions / float_divisions (always counted): 32-bit integer
+      divisions and remainders by a run-time value and IEEE float divisions,
+      counted as the 64-bit work is.
+    - threadgroup_memory (always counted): the most threadgroup memory one
+      threadgroup allocated; `threadgroups_per_core` what that and the
+      registers leave resident on a core (threadgroups_per_core()).
     - buffer_names: the kernel's parameter name of each buffer index.
     """
 
@@ -192,12 +236,27 @@ class DispatchStats:
     int64_multiplications: int = 0
     max_int64_divisions_per_thread: int = 0
     max_int64_multiplications_per_thread: int = 0
+    # Divisions that run as long sequences (always counted): 32-bit (and
+    # narrower) integer divisions and remainders by a run-time value, and
+    # IEEE float divisions (an fdiv without fast-math flags), in total and
+    # by the busiest thread.
+    int32_divisions: int = 0
+    float_divisions: int = 0
+    max_int32_divisions_per_thread: int = 0
+    max_float_divisions_per_thread: int = 0
+    # The most threadgroup memory one threadgroup allocated (always counted).
+    threadgroup_memory: int = 0
     # Measured with counters=True only (`counters` says whether they were):
     counters: bool = False
     cache_lines: dict[int, int] = dataclasses.field(default_factory=dict)  # 128-byte lines touched per buffer
     cache_lines_minimum: dict[int, int] = dataclasses.field(default_factory=dict)  # fewest that hold the bytes
     threadgroup_memory_instructions: int = 0  # executed by a simdgroup
     bank_conflict_cycles: int = 0  # extra cycles of those for bank conflicts
+    # Per device buffer: the distinct bytes each threadgroup read, summed over
+    # threadgroups (an operand every threadgroup re-reads or re-stages counts
+    # once per threadgroup), and the distinct bytes the dispatch read.
+    threadgroup_bytes_read_distinct: dict[int, int] = dataclasses.field(default_factory=dict)
+    unique_bytes_read: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def _from_native(cls, d: dict) -> "DispatchStats":
@@ -230,6 +289,13 @@ class DispatchStats:
             cache_lines_minimum=per_buffer(d["cache_lines_minimum"]),
             threadgroup_memory_instructions=d["threadgroup_memory_instructions"],
             bank_conflict_cycles=d["bank_conflict_cycles"],
+            int32_divisions=d["int32_divisions"],
+            float_divisions=d["float_divisions"],
+            max_int32_divisions_per_thread=d["max_int32_divisions"],
+            max_float_divisions_per_thread=d["max_float_divisions"],
+            threadgroup_memory=d["threadgroup_memory"],
+            threadgroup_bytes_read_distinct=per_buffer(d["threadgroup_bytes_read_distinct"]),
+            unique_bytes_read=per_buffer(d["unique_bytes_read"]),
         )
 
     def buffer(self, name: str) -> int:
@@ -252,6 +318,37 @@ class DispatchStats:
         line)."""
         self._measured("coalescing")
         return {i: self.cache_lines[i] / m for i, m in self.cache_lines_minimum.items() if m}
+
+    @property
+    def reread_factor(self) -> dict[int, float]:
+        """Per device buffer: bytes the threadgroups read (each counting a
+        byte once however often it read it) over the distinct bytes the
+        dispatch read: 1.0 when no two threadgroups read the same byte; the
+        number of threadgroups when each reads the whole buffer (an
+        activation every threadgroup stages again). Those re-reads come from
+        the GPU's L2 cache rather than DRAM, but each costs cache bandwidth
+        and load instructions."""
+        self._measured("reread_factor")
+        return {i: self.threadgroup_bytes_read_distinct.get(i, 0) / u for i, u in self.unique_bytes_read.items() if u}
+
+    @property
+    def threadgroups_per_core(self) -> int:
+        """Threadgroups of this dispatch an Apple GPU core keeps resident:
+        the fewest of what its threadgroup memory allows
+        (THREADGROUP_MEMORY_PER_CORE // threadgroup_memory) and what its
+        registers allow (occupancy(registers) // threads per threadgroup);
+        0 if neither fits."""
+        x, y, z = self.threads_per_threadgroup
+        registers = self.kernel_info.registers if self.kernel_info else 0
+        return threadgroups_per_core(self.threadgroup_memory, x * y * z, registers)
+
+    @property
+    def int32_divisions_per_thread(self) -> float:
+        return self.int32_divisions / self.threads if self.threads else 0.0
+
+    @property
+    def float_divisions_per_thread(self) -> float:
+        return self.float_divisions / self.threads if self.threads else 0.0
 
     @property
     def int64_divisions_per_thread(self) -> float:

@@ -13,7 +13,10 @@ registers
     liveness of the SSA values over the kernel's control-flow graph, each
     value counted by its 32-bit words (a float4 is 4, a long or a pointer 2,
     half, bfloat, short, char and bool 0.5: Apple GPUs address the 16-bit
-    halves of their registers). Values that are the same for every thread of
+    halves of their registers), except what is an artefact of the CPU's IR
+    (see _Kernel.weight: 64-bit integers used only as indices and per-thread
+    device pointers are one register, a 32-bit offset; comparisons that only
+    decide branches and selects none). Values that are the same for every thread of
     the dispatch (buffer addresses, parameters loaded from `constant`
     buffers, threads_per_grid and other grid sizes, and whatever is computed
     from those alone) live in uniform registers on Apple GPUs and are
@@ -37,6 +40,10 @@ loads_in_flight, hot_loop
     bound: register limits are ignored, and loads on both sides of a branch
     count as if both ran. `constant` buffers, threadgroup and thread-private
     memory are not device memory. hot_loop is the loop's source position.
+loads_after_barrier
+    The most device loads of an iteration of a loop (any loop, not only the
+    hot one) that follow a threadgroup barrier of that iteration and are used
+    in it: latency that follows every barrier instead of overlapping its wait.
 
 The IR is the CPU's (x86-64 or arm64 data layout): LLVM may widen 32-bit loop
 counters to 64 bits there (two words here, one on a GPU), and its inlining
@@ -72,6 +79,7 @@ class KernelCosts:
     private_bytes: int = 0
     loads_in_flight: int = 0
     hot_loop: str = ""
+    loads_after_barrier: int = 0
 
 
 _VALUE_RE = re.compile(r'%[-a-zA-Z$._0-9]+|%"[^"]*"')
@@ -148,6 +156,7 @@ class _Inst:
     text: str
     incoming: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # phi: (value, block)
     callee: str | None = None  # direct calls: the function; indirect: the callee value
+    dbg: str | None = None  # the !dbg location
 
 
 def _strip_words(s: str, words: set[str]) -> str:
@@ -288,6 +297,8 @@ class _Kernel:
             for inst in b.insts:
                 p = _parse_inst(" ".join(inst), types)
                 if p is not None:
+                    dbg = re.search(r"!dbg (![0-9]+)", inst[0])
+                    p.dbg = dbg.group(1) if dbg else None
                     out.append(p)
                     if p.lhs:
                         self.defs[p.lhs] = p
@@ -492,8 +503,69 @@ class _Kernel:
         return uniform
 
     # ---- register weights
+    def users(self, v: str) -> list[_Inst]:
+        if not hasattr(self, "_users"):
+            self._users: dict[str, list[_Inst]] = {}
+            for insts in self.insts.values():
+                for inst in insts:
+                    for u in set(inst.uses) | {x for x, _ in inst.incoming}:
+                        self._users.setdefault(u, []).append(inst)
+        return self._users.get(v, [])
+
+    def _only(self, v: str, ok, memo: dict, depth: int = 0) -> bool:
+        """Whether every use of v satisfies ok(inst) -> True (fine), False
+        (not), or None (fine if the instruction's own value is too)."""
+        if v in memo:
+            return memo[v]
+        memo[v] = True  # a cycle through phis: optimistic
+        result = True
+        for u in self.users(v):
+            verdict = ok(u, v)
+            if verdict is None:
+                verdict = bool(u.lhs) and depth < 32 and self._only(u.lhs, ok, memo, depth + 1)
+            if not verdict:
+                result = False
+                break
+        memo[v] = result
+        return result
+
+    def address_only(self, v: str) -> bool:
+        """An integer used only to form addresses (getelementptr indices),
+        directly or through integer arithmetic, phis and comparisons: on a
+        GPU an index of 32 bits (a load takes a 64-bit base and a 32-bit
+        offset), which the CPU's IR widens to 64 bits."""
+        def ok(inst: _Inst, v: str):
+            if inst.op == "getelementptr":
+                m = re.search(r",\s*ptr (%[^\s,]+|@[^\s,]+)", inst.text)
+                return not (m and m.group(1) == v)  # an index, not the base
+            if inst.op == "icmp":
+                return True
+            if inst.op in ("add", "sub", "mul", "shl", "or", "and", "xor", "lshr", "ashr", "phi", "select",
+                           "sext", "zext", "trunc", "freeze"):
+                return None
+            return False
+        return self._only(v, ok, self.__dict__.setdefault("_address_memo", {}))
+
+    def predicate_only(self, v: str) -> bool:
+        """An i1 used only by branches, selects and logic on other such i1:
+        on Apple GPUs a comparison feeds the branch or the select it decides
+        (compare-and-select, the execution mask) without a register of its
+        own."""
+        def ok(inst: _Inst, v: str):
+            if inst.op in ("br", "select"):
+                return inst.op == "br" or _ir._split_top(inst.text.split("select", 1)[1])[0].split()[-1] == v
+            if inst.op in ("and", "or", "xor") and inst.ty == "i1":
+                return None
+            return False
+        return self._only(v, ok, self.__dict__.setdefault("_predicate_memo", {}))
+
     def weight(self, v: str) -> float:
-        """32-bit registers of value v (0 for the executor's own values)."""
+        """32-bit registers of value v (0 for the executor's own values).
+        The CPU's IR has values a GPU would not hold in registers of that
+        size: 64-bit integers used only as indices (1 register: a 32-bit
+        offset), per-thread pointers into device memory (1: a 32-bit offset
+        from a buffer's base, which is uniform), comparisons that only
+        decide branches and selects (none)."""
         if v == self.info:
             return 0.0
         d = self.defs.get(v)
@@ -506,11 +578,15 @@ class _Kernel:
                 return 0.0
             if mem == "threadgroup":
                 return 1.0  # threadgroup memory is addressed with 32 bits
-            return 2.0
+            return 2.0 if v in self.uniform else 1.0
         if d and d.op == "load":
             ptr = self.load_pointer(d)
             if ptr and self.memory(ptr) == "executor" and "ptr" in ty:
                 return 0.0
+        if ty == "i1" and self.predicate_only(v):
+            return 0.0
+        if ty == "i64" and v not in self.uniform and self.address_only(v):
+            return 1.0
         return self.types.words(ty)
 
 
@@ -694,7 +770,59 @@ def _loads_in_flight(k: _Kernel, meta: "_ir._Metadata", site_at) -> tuple[int, s
             continue
         before = [path[p] for p in k.preds[b.label] if p in path and rank[p] < rank[b.label]]
         path[b.label] = per_block[b.label] + (max(before) if before and b.label != best_header else 0)
-    return max(path.values(), default=0), where
+    after = max((_loads_after_barrier(k, meta, own[h], h, device_loads) for h in own), default=0)
+    return max(path.values(), default=0), where, after
+
+
+def _is_threadgroup_barrier(inst: _Inst, meta: "_ir._Metadata") -> bool:
+    """threadgroup_barrier() as the optimised IR has it: mx_metal.h's
+    __mx_barrier inlined into an indirect call of the engine's barrier with
+    scope MX_SCOPE_THREADGROUP (0)."""
+    if inst.op != "call" or not inst.callee or not inst.callee.startswith("%") or not inst.dbg:
+        return False
+    scope = meta._field(inst.dbg, "scope")
+    seen = 0
+    while scope and seen < 8 and meta._field(scope, "name") is None:  # lexical blocks
+        scope = meta._field(scope, "scope")
+        seen += 1
+    if not scope or meta._field(scope, "name") != '"__mx_barrier"':
+        return False
+    args = inst.text[inst.text.index(inst.callee) + len(inst.callee):]
+    return re.match(r"\(\s*i32 (?:noundef )?0\s*,", args) is not None
+
+
+def _loads_after_barrier(k: _Kernel, meta, region: set, header, device_loads) -> int:
+    """The device loads of one iteration of a loop (its own blocks, those of
+    no loop nested in it) that come after a threadgroup barrier of that iteration and whose value that iteration
+    uses: each waits its full latency after the barrier opens, every
+    iteration (issued before the barrier, its latency would overlap the
+    barrier's wait). A load whose value only goes to the next iteration (a
+    prefetch) does not count."""
+    after: set[str] = set()
+    starts = []
+    for lab in region:
+        insts = k.insts[lab]
+        for n, inst in enumerate(insts):
+            if _is_threadgroup_barrier(inst, meta):
+                starts.append((lab, n + 1))
+    if not starts:
+        return 0
+    seen_blocks: set[str] = set()
+    work = []
+    for lab, n in starts:
+        after.update(i.lhs for i in k.insts[lab][n:] if i.lhs and i in device_loads[lab])
+        work.extend(s for s in k.label_of[lab].successors() if s in region and s != header)
+    while work:
+        lab = work.pop()
+        if lab in seen_blocks:
+            continue
+        seen_blocks.add(lab)
+        after.update(i.lhs for i in device_loads[lab] if i.lhs)
+        work.extend(s for s in k.label_of[lab].successors() if s in region and s != header)
+
+    def used_now(v: str) -> bool:
+        return any(not (u.op == "phi" and k.block_of.get(u.lhs) == header) for u in k.users(v))
+    return sum(1 for v in after if used_now(v))
 
 
 # -------------------------------------------------------------- the module --
@@ -744,6 +872,6 @@ def kernel_costs(ir: str, kernels: list[dict]) -> list[KernelCosts]:
                     cp, cu = _peaks(callee)
                     costs.registers = max(costs.registers, int(math.ceil(per + cp)))
                     costs.private_bytes += _private_bytes(callee)
-        costs.loads_in_flight, costs.hot_loop = _loads_in_flight(kernel, meta, site_at)
+        costs.loads_in_flight, costs.hot_loop, costs.loads_after_barrier = _loads_in_flight(kernel, meta, site_at)
         out.append(costs)
     return out

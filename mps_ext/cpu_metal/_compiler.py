@@ -13,8 +13,8 @@ Pipeline (every step by the same clang, Debian's clang-19 or Apple's):
      in flight);
   6. instrument the front end's IR (_instrument.py): memory accesses, SIMT
      positions, conversions;
-  7. optimise it, count the 64-bit integer work that is left
-     (_instrument.count_int64), add the table of static costs, and compile
+  7. optimise it, count the 64-bit integer work and the divisions that are left
+     (_instrument.count_ops), add the table of static costs, and compile
      and link it into a shared object the engine loads.
 
 Results are cached by a hash of everything that goes into them, in
@@ -390,13 +390,13 @@ def build(source: str, defines: dict | None = None, filename: str = "shader.meta
         instrumented, _sites = _instrument.instrument(ll.read_text())
         ill = work / "library.instrumented.ll"
         ill.write_text(instrumented)
-        # Optimise, count the 64-bit integer work that is left, then
+        # Optimise, count the 64-bit integer work and divisions left, then
         # generate code without optimising again.
         oll = work / "library.optimised.ll"
         _run([clang, "-O2", "-fno-vectorize", "-fno-slp-vectorize", "-w", "-S", "-emit-llvm",
               "-x", "ir", str(ill), "-o", str(oll)], what="optimising")
         counted = work / "library.counted.ll"
-        counted.write_text(_instrument.count_int64(oll.read_text()) + _instrument.kernel_info_table(costs))
+        counted.write_text(_instrument.count_ops(oll.read_text()) + _instrument.kernel_info_table(costs))
         so = work / "library.so"
         _run([clang, "-O2", "-Xclang", "-disable-llvm-passes", "-fPIC", "-shared", "-w",
               "-x", "ir", str(counted), "-o", str(so), "-lm"], what="linking")

@@ -57,8 +57,9 @@ Also:
   deepest chain of calls) is exported as mx_library_frames, so the engine can
   give fibers stacks large enough.
 
-After optimisation, count_int64 adds counters of the 64-bit integer
-divisions and multiplications that are left (see its doc), and
+After optimisation, count_ops adds counters of the 64-bit integer
+divisions and multiplications, 32-bit integer divisions by run-time values
+and IEEE float divisions that are left (see _counted_op), and
 kernel_info_table the static costs of each kernel (_analysis.py) as
 mx_library_kernel_info.
 """
@@ -68,7 +69,7 @@ from __future__ import annotations
 import re
 import struct
 
-__all__ = ["instrument", "count_int64", "kernel_info_table", "InstrumentError"]
+__all__ = ["instrument", "count_ops", "kernel_info_table", "InstrumentError"]
 
 # Keep in step with mx_abi.h.
 ACC_READ, ACC_WRITE, ACC_ATOMIC = 1, 2, 4
@@ -974,11 +975,15 @@ def _site_table(sites: list[str]) -> str:
     )
 
 
-# ------------------------------------------------------- 64-bit integer work --
+# ------------------------------------------------------- arithmetic work --
 # Keep in step with mx_abi.h.
-OPS_INT64_DIVISIONS, OPS_INT64_MULTIPLICATIONS = 0, 1
+OPS_INT64_DIVISIONS, OPS_INT64_MULTIPLICATIONS, OPS_INT32_DIVISIONS, OPS_FLOAT_DIVISIONS = 0, 1, 2, 3
 
-_INT64_OP_RE = re.compile(rf"^\s*({_NAME}) = (mul|sdiv|udiv|srem|urem)((?: nuw| nsw| exact)*) (.*)$")
+_INT_OP_RE = re.compile(rf"^\s*({_NAME}) = (mul|sdiv|udiv|srem|urem)((?: nuw| nsw| exact)*) (.*)$")
+_FDIV_RE = re.compile(rf"^\s*({_NAME}) = fdiv((?: [a-z]+)*?) ((?:float|half|bfloat|<[0-9]+ x (?:float|half|bfloat)>) .*)$")
+# Fast-math flags that let a compiler replace a division by a reciprocal
+# and a multiply (Metal's fast math; `afn`: approximate functions).
+_FAST_DIVISION_FLAGS = {"fast", "arcp", "afn"}
 
 
 def _power_of_two(operand: str) -> bool:
@@ -990,33 +995,60 @@ def _power_of_two(operand: str) -> bool:
     return v > 0 and v & (v - 1) == 0
 
 
-def _int64_op(line: str) -> tuple[int, int] | None:
-    """(counter, count) for an instruction that is 64-bit integer work on a
-    GPU, else None. A division or remainder by a run-time value runs in
-    software on Apple GPUs (they have no 64-bit divider); by a constant, a
-    compiler multiplies by its reciprocal instead (one 64-bit multiply), or
-    shifts (a power of two: nothing). A vector counts once per element."""
-    m = _INT64_OP_RE.match(_DBG_RE.sub("", re.sub(r", ![a-z.]+ ![0-9]+", "", line)))
+def _counted_op(line: str) -> tuple[int, int] | None:
+    """(counter, count) for an instruction that a GPU runs as a long
+    sequence, else None. A vector counts once per element.
+    - 64-bit integers: a division or remainder by a run-time value runs in
+      software on Apple GPUs (they have no 64-bit divider); by a constant, a
+      compiler multiplies by its reciprocal instead (one 64-bit multiply),
+      or shifts (a power of two: nothing). A 64-bit mul is several 32-bit
+      multiplies.
+    - 32-bit (and narrower) integers: Apple GPUs have no integer divider
+      either (Dougall Johnson's G13 reference lists no divide instruction;
+      Mesa's AGX compiler lowers idiv/imod to a sequence), so a division by
+      a run-time value is a software sequence of some tens of instructions;
+      by a constant the optimiser has already made it a multiply-high.
+    - float and half: an fdiv without fast-math flags is the IEEE-rounded
+      division (Metal with fast math off), a reciprocal plus Newton-Raphson
+      correction, several times the cost of `fast::divide` (a reciprocal and
+      a multiply). LLVM has already made divisions by powers of two
+      multiplications."""
+    text = _DBG_RE.sub("", re.sub(r", ![a-z.]+ ![0-9]+", "", line))
+    f = _FDIV_RE.match(text)
+    if f:
+        if set(f.group(2).split()) & _FAST_DIVISION_FLAGS:
+            return None
+        ty, _ = _first_type(f.group(3))
+        vec = re.fullmatch(r"<([0-9]+) x .*>", ty)
+        return OPS_FLOAT_DIVISIONS, int(vec.group(1)) if vec else 1
+    m = _INT_OP_RE.match(text)
     if not m:
         return None
     op, rest = m.group(2), m.group(4)
     ty, after = _first_type(rest)
-    vec = re.fullmatch(r"<([0-9]+) x i64>", ty)
-    if ty != "i64" and not vec:
+    vec = re.fullmatch(r"<([0-9]+) x i([0-9]+)>", ty)
+    bits_m = re.fullmatch(r"i([0-9]+)", ty)
+    if not vec and not bits_m:
         return None
+    bits = int(vec.group(2) if vec else bits_m.group(1))
     n = int(vec.group(1)) if vec else 1
     operands = [x.strip() for x in _split_top(after)]
+    divisor = operands[1] if len(operands) > 1 else ""
+    if bits <= 32:
+        return (OPS_INT32_DIVISIONS, n) if op != "mul" and divisor.startswith("%") else None
+    if bits != 64:
+        return None
     if op == "mul":
         return None if any(_power_of_two(x) for x in operands[:2]) else (OPS_INT64_MULTIPLICATIONS, n)
-    divisor = operands[1] if len(operands) > 1 else ""
     if divisor.startswith("%"):
         return OPS_INT64_DIVISIONS, n
     return None if _power_of_two(divisor) else (OPS_INT64_MULTIPLICATIONS, n)
 
 
-def count_int64(ir: str) -> str:
-    """Count the 64-bit integer divisions and multiplications every thread
-    executes. Runs on the optimised (instrumented) IR, so that what is
+def count_ops(ir: str) -> str:
+    """Count the work of _counted_op (64-bit integer divisions and
+    multiplications, 32-bit integer divisions by run-time values, IEEE float
+    divisions) every thread executes. Runs on the optimised (instrumented) IR, so that what is
     counted is what the optimiser left: constant divisions folded, invariant
     work hoisted out of loops. The shader's own code counts; the executor's
     stand-in library (mx_*.h) does not (its 64-bit arithmetic is a GPU
@@ -1047,7 +1079,7 @@ def count_int64(ir: str) -> str:
             new: list[list[str]] = []
             for inst in b.insts:
                 new.append(inst)
-                counted = _int64_op(inst[0]) if len(inst) == 1 else None
+                counted = _counted_op(inst[0]) if len(inst) == 1 else None
                 if counted is None:
                     continue
                 dbg = _DBG_RE.search(inst[0])
@@ -1087,11 +1119,12 @@ def kernel_info_table(costs: list) -> str:
         data = c.hot_loop.encode()[:200] + b"\0"
         enc = "".join(chr(x) if 32 <= x < 127 and x not in (34, 92) else f"\\{x:02X}" for x in data)
         decls.append(f'@__mx_hot_loop_{i} = private unnamed_addr constant [{len(data)} x i8] c"{enc}"')
-        rows.append(f"{{ i32, i32, i32, i32, ptr }} {{ i32 {c.registers}, i32 {c.uniform_registers}, "
-                    f"i32 {c.private_bytes}, i32 {c.loads_in_flight}, ptr @__mx_hot_loop_{i} }}")
+        rows.append(f"{{ i32, i32, i32, i32, ptr, i32 }} {{ i32 {c.registers}, i32 {c.uniform_registers}, "
+                    f"i32 {c.private_bytes}, i32 {c.loads_in_flight}, ptr @__mx_hot_loop_{i}, "
+                    f"i32 {c.loads_after_barrier} }}")
     body = f"[{', '.join(rows)}]" if rows else "zeroinitializer"
     return "\n".join(decls + [
-        f"@__mx_kernel_info = private constant [{len(costs)} x {{ i32, i32, i32, i32, ptr }}] {body}",
+        f"@__mx_kernel_info = private constant [{len(costs)} x {{ i32, i32, i32, i32, ptr, i32 }}] {body}",
         "define dso_local ptr @mx_library_kernel_info(ptr %n) {",
         f"  store i32 {len(costs)}, ptr %n",
         "  ret ptr @__mx_kernel_info",

@@ -314,3 +314,148 @@ def test_dispatches_of_the_op_layer_carry_names_info_and_counters():
     assert d.bytes_written[o] == out.nbytes
     assert d.cache_lines_minimum[o] >= out.nbytes / 128
     assert d.coalescing[o] >= 1.0
+
+
+# ---------------------------------------------- re-reads by threadgroups --
+def test_an_operand_every_threadgroup_reads_counts_once_per_threadgroup(lib):
+    x, out = torch.randn(GROUP), torch.zeros(THREADS)
+    s = run(lib, "every_group_reads_all", [out, x])
+    assert torch.equal(out, (x + x).repeat(THREADS // GROUP))
+    groups = THREADS // GROUP
+    # Each of the two threadgroups reads all 256 bytes of x, every byte
+    # twice: bytes_read counts 4 x 256, each threadgroup's distinct bytes
+    # 256, the dispatch's 256.
+    assert s.bytes_read[1] == 2 * groups * x.nbytes
+    assert s.threadgroup_bytes_read_distinct[1] == groups * x.nbytes
+    assert s.unique_bytes_read[1] == x.nbytes
+    assert s.reread_factor[1] == groups
+
+
+def test_a_kernel_whose_threadgroups_read_their_own_bytes_rereads_nothing(lib):
+    x, out = torch.randn(THREADS), torch.zeros(THREADS)
+    s = run(lib, "copy_contiguous", [out, x])
+    assert s.threadgroup_bytes_read_distinct[1] == s.unique_bytes_read[1] == x.nbytes
+    assert s.reread_factor == {1: 1.0}
+
+
+def test_rereads_are_measured_with_the_counters_only(lib):
+    x, out = torch.randn(GROUP), torch.zeros(THREADS)
+    s = lib.dispatch("every_group_reads_all", [out, x], threads=THREADS, threads_per_threadgroup=GROUP)
+    assert s.unique_bytes_read == {}
+    with pytest.raises(ValueError, match="not measured"):
+        s.reread_factor
+
+
+# --------------------------------------------------- threadgroup memory --
+def test_threadgroup_memory_limits_the_threadgroups_a_core_keeps(lib):
+    out = torch.zeros(64)
+    s = lib.dispatch("threadgroup_24k", [out], threadgroups=1, threads_per_threadgroup=64)
+    assert torch.equal(out, torch.arange(64.0) * 64)
+    assert s.threadgroup_memory == 24 * 1024
+    # 64 KiB a core holds two 24 KiB threadgroups (registers would allow 16
+    # of 64 threads).
+    assert s.threadgroups_per_core == 2
+
+
+def test_a_small_threadgroup_memory_leaves_the_registers_to_decide(lib):
+    out = torch.zeros(64)
+    s = lib.dispatch("threadgroup_broadcast", [out], threadgroups=1, threads_per_threadgroup=64)
+    assert s.threadgroup_memory == 64 * 4
+    assert s.threadgroups_per_core == cpu_metal.occupancy(s.kernel_info.registers) // 64 == 16
+
+
+def test_threadgroup_buffers_of_the_dispatch_count(lib):
+    out = torch.zeros(64)
+    s = lib.dispatch("threadgroup_dynamic", [out], threadgroups=1, threads_per_threadgroup=64,
+                     threadgroup_memory=[20 * 1024])
+    assert torch.equal(out, torch.arange(63.0, -1, -1) + 1)
+    assert s.threadgroup_memory == 20 * 1024 + 64 * 4
+    assert s.threadgroups_per_core == 3
+
+
+def test_threadgroups_per_core_rule():
+    f = cpu_metal.threadgroups_per_core
+    assert cpu_metal.THREADGROUP_MEMORY_PER_CORE == 64 * 1024 and cpu_metal.MAX_THREADGROUP_MEMORY == 32 * 1024
+    assert [f(m, 128) for m in (0, 8 * 1024, 12 * 1024, 18 * 1024, 31 * 1024, 32 * 1024)] == [8, 8, 5, 3, 2, 2]
+    assert f(0, 128, registers=128) == 384 // 128
+    assert f(33 * 1024, 64) == 0
+    with pytest.raises(ValueError, match="threads must be positive"):
+        f(0, 0)
+
+
+# ------------------------------------------------------------- divisions --
+def test_32_bit_division_by_a_run_time_value_is_counted(lib):
+    x = torch.randint(0, 2**30, (2 * THREADS,), dtype=torch.int32)
+    out = torch.zeros(2 * THREADS, dtype=torch.int32)
+    s = run(lib, "div_mod_32", [out, x, int_params(7)])
+    assert s.int32_divisions == 2 * THREADS and s.max_int32_divisions_per_thread == 2
+    assert s.int32_divisions_per_thread == 2.0
+    assert s.float_divisions == 0
+
+
+def test_32_bit_division_by_a_constant_is_not(lib):
+    x = torch.randint(0, 2**30, (2 * THREADS,), dtype=torch.int32)
+    out = torch.zeros(2 * THREADS, dtype=torch.int32)
+    s = run(lib, "div_mod_32_constant", [out, x])
+    assert torch.equal(out[0::2], x[0::2] // 7) and torch.equal(out[1::2], x[1::2] % 16)
+    assert s.int32_divisions == 0
+
+
+def test_ieee_float_divisions_are_counted(lib):
+    a, b = torch.randn(THREADS), torch.rand(THREADS) + 0.5
+    out = torch.zeros(THREADS)
+    s = run(lib, "divide_floats", [out, a, b])
+    want = a / b + (a.half() / b.half()).float()
+    torch.testing.assert_close(out, want, rtol=1e-3, atol=1e-3)
+    # One float and one half division per thread.
+    assert s.float_divisions == 2 * THREADS and s.max_float_divisions_per_thread == 2
+    assert s.int32_divisions == 0
+
+
+def test_a_division_by_a_power_of_two_and_fast_divide_are_not(lib):
+    a, b = torch.randn(THREADS), torch.rand(THREADS) + 0.5
+    out = torch.zeros(THREADS)
+    s = run(lib, "divide_cheaply", [out, a, b])
+    torch.testing.assert_close(out, a / 4 + a / b)
+    assert s.float_divisions == 0
+
+
+# ------------------------------------------------ registers: CPU artefacts --
+def test_per_thread_addresses_and_predicates_take_no_64_bit_registers(lib):
+    # Eight per-thread addresses and eight comparisons live across the loop:
+    # on a GPU eight 32-bit offsets, the comparisons in the selects, the sum,
+    # the counter and the values of a step; counted as 64-bit pointers (2
+    # each) and bools (half each), they were 26.
+    info = lib.kernel_info("eight_pointers")
+    assert info.registers <= 8 + 10
+    n = 4
+    at = torch.randint(0, 1000, (THREADS * 8,), dtype=torch.int32)
+    x, out = torch.randn(1000 + n), torch.zeros(THREADS)
+    lib.dispatch("eight_pointers", [out, x, at, np.uint32(n)], threads=THREADS, threads_per_threadgroup=GROUP)
+    idx = at.long().view(THREADS, 8)
+    picked = torch.where((idx % 2 == 1)[..., None], x[idx[..., None] + torch.arange(n)],
+                         torch.tensor([2.0, 3, 5, 7, 11, 13, 17, 19])[None, :, None])
+    torch.testing.assert_close(out, picked.sum((1, 2)))
+
+
+# ------------------------------------------------ loads after a barrier --
+def reference_steps(a, n):
+    acc = torch.zeros(64, dtype=torch.float64)
+    for t in range(n):
+        pub = acc[t % 64].clone()
+        acc += a[t * 64:(t + 1) * 64].double() * pub
+    return acc
+
+
+@pytest.mark.parametrize("name,after", [("load_after_barrier", 1), ("load_before_barrier", 0)])
+def test_a_load_used_after_a_barrier_waits_behind_it(lib, name, after):
+    info = lib.kernel_info(name)
+    assert info.loads_after_barrier == after
+    n = 5
+    a, out = torch.rand(64 * n) + 0.5, torch.zeros(64)
+    lib.dispatch(name, [out, a, np.uint32(n)], threadgroups=1, threads_per_threadgroup=64)
+    torch.testing.assert_close(out.double(), reference_steps(a, n))
+
+
+def test_a_kernel_without_a_barrier_has_no_load_after_one(lib):
+    assert lib.kernel_info("four_streams").loads_after_barrier == 0

@@ -303,3 +303,31 @@ def test_mps_flows():
                            c.index_select(0, torch.tensor([2, 1])).view(torch.uint8))
         assert not torch.zeros(3, dtype=fmt, device="mps").cpu().view(torch.uint8).any()
         assert "device='mps:0'" in repr(m)
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", [(torch.float8_e4m3fn, torch.float32),
+                                                 (torch.bfloat16, torch.float8_e5m2),
+                                                 (torch.float8_e5m2, torch.float8_e4m3fn)])
+def test_dense_conversion_moves_four_elements_a_lane(src_dtype, dst_dtype):
+    # 1002 elements: 250 lanes convert 4 each with one load and one store,
+    # the last lane's 2 go one by one.
+    x = (torch.randn(1002, generator=torch.Generator().manual_seed(3)) * 50).to(src_dtype)
+    y = torch.empty(1002, dtype=dst_dtype)
+    with cpu_metal.record() as rec:
+        torch.ops.mps_ext.copy_(y, x)
+    (d,) = rec.dispatches
+    assert d.kernel.startswith("fp8_convert_dense_")
+    assert torch.equal(bits(y), bits(x.to(dst_dtype)))
+    s, o = x.element_size(), y.element_size()
+    assert d.read_widths[d.buffer("src")] == {4 * s: 250, s: 2}
+    assert d.write_widths[d.buffer("dst")] == {4 * o: 250, o: 2}
+
+
+def test_a_view_off_the_vector_alignment_takes_the_strided_kernel():
+    base = (torch.randn(65, generator=torch.Generator().manual_seed(4)) * 50).to(torch.float8_e4m3fn)
+    x, y = base[1:], torch.empty(64, dtype=torch.float32)
+    with cpu_metal.record() as rec:
+        torch.ops.mps_ext.copy_(y, x)
+    (d,) = rec.dispatches
+    assert d.kernel.startswith("fp8_convert_strided_")
+    assert torch.equal(bits(y), bits(x.to(torch.float32)))

@@ -10,7 +10,7 @@
 #ifndef MX_ABI_H
 #define MX_ABI_H
 
-#define MX_ABI_VERSION 6u
+#define MX_ABI_VERSION 7u
 
 typedef unsigned int mx_u32;
 typedef unsigned long long mx_u64;
@@ -124,7 +124,7 @@ typedef struct mx_engine_api {
   void (*conversion_error)(mx_u32 flags, const char* file, mx_u32 line, mx_u32 col);
   // atomic_thread_fence: a fence over the given memory (mem_flags bits).
   void (*fence)(mx_u32 mem_flags);
-  // The running thread's counters of 64-bit integer work (MX_OPS_*), which
+  // The running thread's counters of arithmetic work (MX_OPS_*), which
   // the instrumenter increments (_instrument.py, count_int64).
   mx_u64* (*op_counts)(void);
   // An integer division or remainder whose result Metal leaves unspecified
@@ -136,7 +136,9 @@ typedef struct mx_engine_api {
 enum {
   MX_OPS_INT64_DIVISIONS = 0,  // sdiv/udiv/srem/urem of 64-bit integers by a run-time value
   MX_OPS_INT64_MULTIPLICATIONS = 1,  // mul of 64-bit integers, and divisions by a constant
-  MX_OPS_COUNT = 2,
+  MX_OPS_INT32_DIVISIONS = 2,  // sdiv/udiv/srem/urem of 32-bit (or narrower) integers by a run-time value
+  MX_OPS_FLOAT_DIVISIONS = 3,  // fdiv of float or half without fast-math flags (IEEE-rounded)
+  MX_OPS_COUNT = 4,
 };
 
 // Parameter descriptions generated for each kernel.
@@ -180,6 +182,7 @@ typedef struct mx_kernel_info {
   mx_u32 private_bytes;      // thread-private arrays that stay in (stack) memory
   mx_u32 loads_in_flight;    // independent device loads per iteration of the hot loop
   const char* hot_loop;      // "file:line:col" of that loop, "" if none
+  mx_u32 loads_after_barrier;  // device loads of a loop's iteration that wait behind a threadgroup barrier
 } mx_kernel_info;
 
 // Symbols every shader library exports (extern "C").

@@ -236,3 +236,104 @@ kernel void two_loops(device float* out [[buffer(0)]], const device float* a [[b
   for (uint k = gid; k < n; k += 64) acc += a[k] * b[k] * c[k];  // the hot loop
   out[gid] = acc;
 }
+
+// ------------------------------------------------ re-reads by threadgroups --
+// Every threadgroup reads the whole of `in` (64 floats), as a GEMV's
+// threadgroups each stage the whole activation; each thread reads its float
+// twice (the second read is a cache hit inside the threadgroup).
+kernel void every_group_reads_all(device float* out [[buffer(0)]], const device float* in [[buffer(1)]],
+                                  uint gid [[thread_position_in_grid]], uint tid [[thread_index_in_threadgroup]]) {
+  out[gid] = in[tid] + in[tid];
+}
+
+// ------------------------------------------------- threadgroup memory size --
+// 24 KiB of threadgroup memory: two threadgroups fit a core's 64 KiB.
+kernel void threadgroup_24k(device float* out [[buffer(0)]], uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float tg[6 * 1024];
+  for (uint k = tid; k < 6 * 1024; k += 64) tg[k] = float(k);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = tg[tid * 64];
+}
+
+// A [[threadgroup(0)]] buffer of the size the dispatch gives, and a small
+// threadgroup variable beside it.
+kernel void threadgroup_dynamic(device float* out [[buffer(0)]], threadgroup float* dyn [[threadgroup(0)]],
+                                uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float fixed[64];
+  fixed[tid] = float(tid);
+  dyn[tid] = 1.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = fixed[63 - tid] + dyn[63 - tid];
+}
+
+// ------------------------------------------------------------- divisions --
+// A 32-bit division and a remainder by a run-time value per thread.
+kernel void div_mod_32_constant(device uint* out [[buffer(0)]], const device uint* in [[buffer(1)]],
+                                uint gid [[thread_position_in_grid]]) {
+  out[2 * gid] = in[2 * gid] / 7u;  // a multiply-high, not a division
+  out[2 * gid + 1] = in[2 * gid + 1] % 16u;  // a mask
+}
+
+// An IEEE float division and a half one per thread.
+kernel void divide_floats(device float* out [[buffer(0)]], const device float* a [[buffer(1)]],
+                          const device float* b [[buffer(2)]], uint gid [[thread_position_in_grid]]) {
+  out[gid] = a[gid] / b[gid] + float(half(a[gid]) / half(b[gid]));
+}
+
+// Division by a power of two is a multiplication; fast::divide is not the
+// IEEE sequence.
+kernel void divide_cheaply(device float* out [[buffer(0)]], const device float* a [[buffer(1)]],
+                           const device float* b [[buffer(2)]], uint gid [[thread_position_in_grid]]) {
+  out[gid] = a[gid] / 4.0f + fast::divide(a[gid], b[gid]);
+}
+
+// ------------------------------------------------- registers: CPU artefacts --
+// Eight per-thread addresses (64-bit pointers in the CPU's IR, 32-bit
+// offsets from the buffer's uniform base on a GPU) and eight comparisons
+// that only pick values, all live across the loop.
+kernel void eight_pointers(device float* out [[buffer(0)]], const device float* in [[buffer(1)]],
+                           const device uint* at [[buffer(2)]], constant uint& n [[buffer(3)]],
+                           uint gid [[thread_position_in_grid]]) {
+  const device float* p0 = in + at[gid * 8 + 0]; const device float* p1 = in + at[gid * 8 + 1];
+  const device float* p2 = in + at[gid * 8 + 2]; const device float* p3 = in + at[gid * 8 + 3];
+  const device float* p4 = in + at[gid * 8 + 4]; const device float* p5 = in + at[gid * 8 + 5];
+  const device float* p6 = in + at[gid * 8 + 6]; const device float* p7 = in + at[gid * 8 + 7];
+  const bool f0 = at[gid * 8 + 0] & 1, f1 = at[gid * 8 + 1] & 1, f2 = at[gid * 8 + 2] & 1, f3 = at[gid * 8 + 3] & 1;
+  const bool f4 = at[gid * 8 + 4] & 1, f5 = at[gid * 8 + 5] & 1, f6 = at[gid * 8 + 6] & 1, f7 = at[gid * 8 + 7] & 1;
+  float acc = 0.0f;
+  for (uint k = 0; k < n; ++k)
+    acc += (f0 ? p0[k] : 2.0f) + (f1 ? p1[k] : 3.0f) + (f2 ? p2[k] : 5.0f) + (f3 ? p3[k] : 7.0f) +
+           (f4 ? p4[k] : 11.0f) + (f5 ? p5[k] : 13.0f) + (f6 ? p6[k] : 17.0f) + (f7 ? p7[k] : 19.0f);
+  out[gid] = acc;
+}
+
+// ------------------------------------------------ loads after a barrier --
+// Each step publishes a value, waits at a barrier, then loads its operand
+// and uses it: the load's latency follows every barrier.
+kernel void load_after_barrier(device float* out [[buffer(0)]], const device float* a [[buffer(1)]],
+                               constant uint& n [[buffer(2)]], uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float pub[2];
+  float acc = 0.0f;
+  for (uint t = 0; t < n; ++t) {
+    if (tid == t % 64) pub[t & 1] = acc;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    acc += a[t * 64 + tid] * pub[t & 1];
+  }
+  out[tid] = acc;
+}
+
+// The same with the operand loaded a step ahead, before the barrier.
+kernel void load_before_barrier(device float* out [[buffer(0)]], const device float* a [[buffer(1)]],
+                                constant uint& n [[buffer(2)]], uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float pub[2];
+  float acc = 0.0f;
+  float e = n > 0 ? a[tid] : 0.0f;
+  for (uint t = 0; t < n; ++t) {
+    if (tid == t % 64) pub[t & 1] = acc;
+    const float e_next = t + 1 < n ? a[(t + 1) * 64 + tid] : 0.0f;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    acc += e * pub[t & 1];
+    e = e_next;
+  }
+  out[tid] = acc;
+}
