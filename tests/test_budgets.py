@@ -186,16 +186,31 @@ BUDGET_CASES = {
 }
 
 
+# The decode kernels' launch geometry follows the GPU (decode_geometry in
+# csrc/ops/kernel_choice.h): their ops' cases run as on a small and on a
+# large Mac (cpu_metal.set_gpu), the others' on the executor's default, the
+# large one.
+SMALL_GPU, LARGE_GPU = cpu_metal.GPU(cores=8, family=7), cpu_metal.GPU(cores=80, family=9)
+GPUS = {op: (SMALL_GPU, LARGE_GPU) for op in ("linear", "fp8", "moe")}
+
+
 @functools.lru_cache(maxsize=None)
 def measured(op: str) -> dict[str, list[tuple[str, cpu_metal.DispatchStats]]]:
-    """kernel -> [(case, its dispatch)] over the op's budget cases, run once."""
+    """kernel -> [(case, its dispatch)] over the op's budget cases, run once
+    on each GPU of GPUS[op]."""
     by_id = {c.id: c for size in ("full", "quick") for c in op_cases(op, size)}
     out: dict[str, list] = {}
-    for id_ in BUDGET_CASES[op]:
-        case = by_id.get(id_)
-        assert case is not None, f"BUDGET_CASES names {op} case {id_!r}, which benchmarks/bench_{op}.py no longer has"
-        for d in common.measure(case, mac=False).stats:
-            out.setdefault(d.kernel, []).append((f"{op} {id_}", d))
+    for gpu in GPUS.get(op, (LARGE_GPU,)):
+        before = cpu_metal.set_gpu(gpu)
+        try:
+            for id_ in BUDGET_CASES[op]:
+                case = by_id.get(id_)
+                assert case is not None, (f"BUDGET_CASES names {op} case {id_!r}, which benchmarks/bench_{op}.py no "
+                                          "longer has")
+                for d in common.measure(case, mac=False).stats:
+                    out.setdefault(d.kernel, []).append((f"{op} {id_} ({gpu.cores} cores)", d))
+        finally:
+            cpu_metal.set_gpu(before)
     return out
 
 
