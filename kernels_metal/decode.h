@@ -156,8 +156,23 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
     MPS_EXT_UNROLL for (int r = 0; r < R; ++r) acc[r][q] = 0.0f;
   }
 
-  // Elements whole pieces cover (all of them without VEC); the rest below.
+  // Elements whole pieces cover (all of them without VEC); the rest first.
   const int k_pieces = VEC ? K / E * E : K;
+  // The last K % E elements (VEC only: fewer than a piece, so one a lane),
+  // first: what they need is not kept through the loop.
+  const int k = k_pieces + int(lane);
+  if (k < K) {
+    MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+      if (!live[q]) continue;
+      const float wk = job.wf.one(job.w_row(q)[k]);
+      MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+        if (r >= rows) continue;
+        const float v = job.xf.one(job.x_row(r)[k]) * wk;
+        acc[r][q] += SCALED ? v * job.tail_scale(r, q, k / 128) : v;
+      }
+    }
+  }
+
   for (int k0 = 0; k0 < k_pieces; k0 += TP * E) {
     const int pieces = min(TP * E, k_pieces - k0) / E;  // of each row in this tile
     // Consecutive threads stage consecutive 16-byte quarters of a row's
@@ -223,20 +238,6 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
-  // The last K % E elements (VEC only: fewer than a piece, so one a lane).
-  const int k = k_pieces + int(lane);
-  if (k < K) {
-    MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
-      if (!live[q]) continue;
-      const float wk = job.wf.one(job.w_row(q)[k]);
-      MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
-        if (r >= rows) continue;
-        const float v = job.xf.one(job.x_row(r)[k]) * wk;
-        acc[r][q] += SCALED ? v * job.tail_scale(r, q, k / 128) : v;
-      }
-    }
-  }
-
   MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
     if (r >= rows) continue;  // (not break: the loop must unroll, acc stay in registers)
     float total[Q];

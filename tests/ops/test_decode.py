@@ -53,7 +53,8 @@ def fp8(rows, n, k, act):
     w = randn(n, k, dtype=torch.float32).to(e4)
     if act == "fp8":
         x = randn(rows, k, dtype=torch.float32).to(e4)
-        sa, sw = torch.rand(rows, k // 128) + 0.5, torch.rand(k // 128, n // 128) + 0.5
+        kb = k // 128  # scale_b's rows past kb are padding (torch's layout: a multiple of 4)
+        sa, sw = torch.rand(rows, kb) + 0.5, torch.rand((kb + 3) // 4 * 4, n // 128) + 0.5
 
         def call():
             return torch.ops.mps_ext._scaled_mm_v2(x, w.t(), [sa], [4], [], [sw], [5], [], None, torch.float32, [],
@@ -61,7 +62,7 @@ def fp8(rows, n, k, act):
 
         def ref():
             xs = x.double() * sa.double().repeat_interleave(128, 1)
-            ws = w.double() * sw.double().t().repeat_interleave(128, 0).repeat_interleave(128, 1)
+            ws = w.double() * sw[:kb].double().t().repeat_interleave(128, 0).repeat_interleave(128, 1)
             return xs @ ws.t()
         return call, ref, x, w
     x, ws = randn(rows, k, dtype=act), torch.rand(n, 1) + 0.5
@@ -76,7 +77,7 @@ def grouped(rows, n, k):
     offs = torch.tensor([min(i + 1, rows) for i in range(experts)], dtype=torch.int32)
     def ref():
         return torch.stack([a[i].double() @ b[i].double() for i in range(rows)])
-    return (lambda: torch.ops.mps_ext._grouped_mm(a, b, offs)), ref, a, b
+    return (lambda: torch.ops.mps_ext._grouped_mm(a, b, offs)), ref, a, b[:rows]  # (the experts chosen)
 
 
 CASES = {  # family: (the op, the kernel prefix)
