@@ -197,8 +197,10 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
         MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
           wv[u][q] = live[q] && c + 32 * u < pieces ? decode_piece<WF, VEC>(job.wf, wp[q] + u * u_step) : uint4(0u);
       MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
-        // Past the tile's pieces the weights are 0: any staged value will do.
-        const int cu = min(c + 32 * u, pieces - 1);
+        // Past the tile's pieces there is nothing to add (not even 0 times
+        // a staged value: an inf activation would make it NaN).
+        const int cu = c + 32 * u;
+        if (cu >= pieces) continue;
         // Block scales: a piece lies in one 128-wide block of K. The
         // weight's scale multiplies each weight as it is converted, the
         // activation row's each word's products (no partial sums to keep).
