@@ -97,9 +97,13 @@ inline void store_output(device uchar* y, long index, float v, long n, constant 
 // way out. A
 // simdgroup owns up to Q = FP8_GEMV_OUTPUTS(R) weight rows,
 // p.outputs_per_simdgroup of them.
+// sb_tile's blocks are FP8_GEMV_SB_STRIDE words apart, one more than the
+// most outputs of a threadgroup: a simdgroup reads 4 blocks' scales of one
+// output at once, which then fall in 4 banks.
 enum {
   FP8_GEMV_TILE_BLOCKS = DECODE_SCALED_TILE_ELEMENTS / FP8_SCALE_BLOCK,
   FP8_GEMV_TILE_OUTPUTS = 2 * DECODE_MAX_SIMDGROUPS,  // the most outputs of a threadgroup (Q <= 2)
+  FP8_GEMV_SB_STRIDE = FP8_GEMV_TILE_OUTPUTS + 1,
 };
 
 template <typename A, int Q>
@@ -120,7 +124,8 @@ struct Fp8GemvJob {
   const device float* scale_result;
   threadgroup float* sa_tile;  // [row][block of the tile]
   threadgroup float* sb_tile;  // [block of the tile][output of the threadgroup]
-  int rows, k, outputs, first, tg_first, tg_outputs;
+  int rows, k, outputs, first, tg_first;
+  uint lane;
   long x_k, w_k;
   MPS_EXT_INLINE const device typename A::T* x_row(int r) const { return x + r * p->a_row_stride; }
   MPS_EXT_INLINE bool live(int q) const { return q < outputs && first + q < int(p->n); }
@@ -130,15 +135,17 @@ struct Fp8GemvJob {
     const int kb0 = k0 / FP8_SCALE_BLOCK, blocks = (elements + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
     if (int(tid) < blocks)
       for (int r = 0; r < rows; ++r) sa_tile[r * FP8_GEMV_TILE_BLOCKS + int(tid)] = scale_a_at(*p, scale_a, r, kb0 + int(tid));
-    if (int(tid) < tg_outputs) {
-      const int n = tg_first + int(tid);
+    // Each simdgroup its own outputs' (at most 8 bytes an instruction: no
+    // load straddles a line, whatever the threadgroup's output count).
+    if (int(lane) < outputs) {
+      const int n = first + int(lane);
       for (int b = 0; b < blocks; ++b)
-        sb_tile[b * FP8_GEMV_TILE_OUTPUTS + int(tid)] = n < int(p->n) ? scale_b_at(*p, scale_b, n, kb0 + b) : 0.0f;
+        sb_tile[b * FP8_GEMV_SB_STRIDE + n - tg_first] = n < int(p->n) ? scale_b_at(*p, scale_b, n, kb0 + b) : 0.0f;
     }
   }
   MPS_EXT_INLINE float x_scale(int r, int block) const { return sa_tile[r * FP8_GEMV_TILE_BLOCKS + block]; }
   MPS_EXT_INLINE float w_scale(int q, int block) const {
-    return sb_tile[block * FP8_GEMV_TILE_OUTPUTS + first - tg_first + q];
+    return sb_tile[block * FP8_GEMV_SB_STRIDE + first - tg_first + q];
   }
   MPS_EXT_INLINE float tail_scale(int r, int q, int kb) const {
     return scale_a_at(*p, scale_a, r, kb) * scale_b_at(*p, scale_b, first + q, kb);
@@ -176,7 +183,7 @@ kernel void fp8_gemv(device uchar* y [[buffer(0)]],
   constexpr int TILE_WORDS = decode_tile_words<TX, uchar, VEC, true>(R);
   threadgroup uint tile[TILE_WORDS];
   threadgroup float sa_tile[R * FP8_GEMV_TILE_BLOCKS];
-  threadgroup float sb_tile[FP8_GEMV_TILE_BLOCKS * FP8_GEMV_TILE_OUTPUTS];
+  threadgroup float sb_tile[FP8_GEMV_TILE_BLOCKS * FP8_GEMV_SB_STRIDE];
   Fp8GemvJob<A, Q> job;
   decode_format_e5m2(job.xf, p.a_format == FP8_TYPE_E5M2);
   decode_format_e5m2(job.wf, p.w_format == FP8_TYPE_E5M2);
@@ -196,7 +203,7 @@ kernel void fp8_gemv(device uchar* y [[buffer(0)]],
   job.outputs = int(p.outputs_per_simdgroup);
   job.tg_first = int(group * simdgroups) * job.outputs;
   job.first = job.tg_first + int(sg) * job.outputs;
-  job.tg_outputs = int(simdgroups) * job.outputs;
+  job.lane = lane;
   job.x_k = p.a_k_stride;
   job.w_k = p.w_k_stride;
   decode_rows<Fp8GemvJob<A, Q>, R, Q, VEC>(job, tile, tid, threads, lane);
