@@ -40,8 +40,8 @@ CONVERSIONS = [(torch.bfloat16, E4), (torch.float32, E4), (E4, torch.bfloat16), 
 NOTES = """\
 w read / size: bytes read from the fp8 weight over its size; bound: what the product may read (decode <= 1.02,
 prefill <= rows / 32: each 32-row tile reads the weight once). 16-byte loads: share of the weight bytes read with
-16-byte loads. act read / w size: activation bytes read over the weight's size (decode: every simdgroup reads the
-activation rows once, from the GPU's caches; prefill: every 32 x 64 tile reads its 32 rows, N / 64 times). bytes / min
+16-byte loads. act read / w size: activation bytes read over the weight's size (decode: every threadgroup stages the
+activation rows once for its simdgroups, from the GPU's caches; prefill: every 32 x 64 tile reads its 32 rows, N / 64 times). bytes / min
 counts every read, re-reads included; us @chip counts the weight bytes as read and every other operand once (the
 re-read activations and scales stay in the caches). Prefill rows (rows > 8) are scaled from a 64 x 256 sample block
 (2 x 4 tiles, full K) by the tile count. Times (stock bf16 F.linear against FP8Linear) only on a Mac."""

@@ -103,3 +103,12 @@ inline float4 e5m2x4_to_float(uint u) {
   const half2 even = as_type<half2>((u & 0x00FF00FFu) << 8), odd = as_type<half2>(u & 0xFF00FF00u);
   return float4(float(even.x), float(odd.x), float(even.y), float(odd.y));
 }
+
+// Either format, chosen at run time (e5m2 or e4m3fn): four bytes as floats
+// and one byte as a float, both in the convention above (e4m3 values divided
+// by 256, e5m2 values as they are), and the unit that multiplies the 256 back.
+inline float4 fp8x4_decode(uint u, bool e5m2) { return e5m2 ? e5m2x4_to_float(u) : e4m3x4_to_float_div256(u); }
+inline float fp8_unit_of(bool e5m2) { return e5m2 ? 1.0f : 256.0f; }
+inline float fp8_decode(uchar b, bool e5m2) {
+  return e5m2 ? as_type<float>(e5m2_to_bits(b)) : as_type<float>(e4m3_to_bits(b)) * 0.00390625f;  // exact: / 256
+}

@@ -3,10 +3,8 @@
 // mps_ext.quantize_fp8). fp8_params.h defines what is computed.
 //
 // fp8_gemv_<act>_r<R>_<vec|scalar>   decode, 1 to R (1, 2, 4, 8) activation
-//     rows: like gemv.metal's gemv_rows, a simdgroup owns 1 or 2 weight rows,
-//     its lanes stride K with 16-byte loads (16 fp8 weights each), every
-//     weight byte is read once and applied to all activation rows, which the
-//     threadgroup stages in threadgroup memory.
+//     rows: the one decode template of decode.h (gemv.metal's gemv_rows with
+//     float8 weights, 16 a 16-byte load, and block scales).
 // fp8_mm_tile_<act>_<vec|scalar>     prefill: a threadgroup computes a
 //     32 x 64 tile of outputs with simdgroup_matrix 8x8 products; each step
 //     of K (one 128-wide scale block) stages the bits of a 32 x 128
@@ -19,31 +17,24 @@
 // Accumulation is in float; the result goes through store_output.
 #include <metal_stdlib>
 #include <metal_simdgroup_matrix>
+#include "decode.h"
 #include "fp8_codec.h"
 #include "fp8_params.h"
 using namespace metal;
 
 // Decoding by the float8 format code of an operand (p.a_format, p.w_format).
-// fp8x4_to_float and fp8_to_float give e4m3 values divided by fp8_unit (256;
-// see e4m3x4_to_float_div256), e5m2 values as they are.
-inline float4 fp8x4_to_float(uint u, uint format) {
-  return format == FP8_TYPE_E5M2 ? e5m2x4_to_float(u) : e4m3x4_to_float_div256(u);
-}
-inline float fp8_unit(uint format) { return format == FP8_TYPE_E5M2 ? 1.0f : 256.0f; }
-inline float fp8_to_float(uchar b, uint format) {
-  return as_type<float>(format == FP8_TYPE_E5M2 ? e5m2_to_bits(b) : e4m3_to_bits(b)) / fp8_unit(format);
-}
+// fp8x4_to_float gives e4m3 values divided by fp8_unit (256; see
+// e4m3x4_to_float_div256), e5m2 values as they are.
+inline float4 fp8x4_to_float(uint u, uint format) { return fp8x4_decode(u, format == FP8_TYPE_E5M2); }
+inline float fp8_unit(uint format) { return fp8_unit_of(format == FP8_TYPE_E5M2); }
 
-// Activation loaders: values divided by unit(format) (fp8x4_to_float's
-// convention for e4m3; 1 for everything else). E: elements in 16 bytes.
-// group4: 4 elements from the bits fp8_gemv staged, the words of the group
-// `stride` apart (one word for fp8, two for 16-bit types, four for float).
-// pair: elements k and k + 1 (k even) of a row fp8_mm_tile staged as bits.
+// Activation types: T, the decode.h format of fp8_gemv, and for
+// fp8_mm_tile `pair`, elements k and k + 1 (k even) of a row staged as bits,
+// and `unit`: values come divided by unit(format) (fp8x4_to_float's
+// convention for e4m3; 1 for everything else).
 struct ActFp8 {
   typedef uchar T;
-  enum { E = 16 };
-  static float load1(const device uchar* p, uint format) { return fp8_to_float(*p, format); }
-  static float4 group4(threadgroup const uint* p, int, uint format) { return fp8x4_to_float(p[0], format); }
+  typedef DecodeFp8 Format;
   static float2 pair(threadgroup const uint* row, int k, uint format) {
     return fp8x4_to_float(row[k / 4] >> (8 * (k % 4)), format).xy;
   }
@@ -51,24 +42,13 @@ struct ActFp8 {
 };
 struct ActF16 {
   typedef half T;
-  enum { E = 8 };
-  static float load1(const device half* p, uint) { return float(*p); }
-  static float4 group4(threadgroup const uint* p, int stride, uint) {
-    const half2 a = as_type<half2>(p[0]), b = as_type<half2>(p[stride]);
-    return float4(float(a.x), float(a.y), float(b.x), float(b.y));
-  }
+  typedef DecodeFloat<half> Format;
   static float2 pair(threadgroup const uint* row, int k, uint) { return float2(as_type<half2>(row[k / 2])); }
   static float unit(uint) { return 1.0f; }
 };
 struct ActBF16 {
   typedef bfloat T;
-  enum { E = 8 };
-  static float load1(const device bfloat* p, uint) { return float(*p); }
-  static float4 group4(threadgroup const uint* p, int stride, uint) {
-    const uint a = p[0], b = p[stride];
-    return float4(as_type<float>(a << 16), as_type<float>(a & 0xFFFF0000u), as_type<float>(b << 16),
-                  as_type<float>(b & 0xFFFF0000u));
-  }
+  typedef DecodeFloat<bfloat> Format;
   static float2 pair(threadgroup const uint* row, int k, uint) {
     const uint a = row[k / 2];
     return float2(as_type<float>(a << 16), as_type<float>(a & 0xFFFF0000u));
@@ -77,12 +57,7 @@ struct ActBF16 {
 };
 struct ActF32 {
   typedef float T;
-  enum { E = 4 };
-  static float load1(const device float* p, uint) { return *p; }
-  static float4 group4(threadgroup const uint* p, int stride, uint) {
-    return float4(as_type<float>(p[0]), as_type<float>(p[stride]), as_type<float>(p[2 * stride]),
-                  as_type<float>(p[3 * stride]));
-  }
+  typedef DecodeFloat<float> Format;
   static float2 pair(threadgroup const uint* row, int k, uint) { return *(threadgroup const float2*)(row + k); }
   static float unit(uint) { return 1.0f; }
 };
@@ -113,36 +88,82 @@ inline void store_output(device uchar* y, long index, float v, long n, constant 
 }
 
 // ------------------------------------------------------------- fp8_gemv --
-// A simdgroup owns up to Q = FP8_GEMV_OUTPUTS(R) weight rows (the host's
-// outputs_per_simdgroup). With VEC, a step of the
-// simdgroup takes 512 bytes of each of its weight rows, lane i the 16
-// bytes [16 i, 16 i + 16): one coalesced 16-byte load per output; the
-// activations of those 512 elements are staged by the threadgroup in
-// threadgroup memory (consecutive threads load consecutive 16-byte pieces
-// of a row), as their bits, and so are the scales of the tile's 128-wide
-// K blocks. Element loads (not VEC, and the last K % 16 elements): lanes
-// take consecutive elements, a scale block at a time.
-//
-// Staged layout: the 4 * E words of a row's step (E: bytes of an
-// activation element) are read by lane i as groups of 4 elements j = 0..3
-// (word w < E of each), at [(j * E + w) * STAGE_STRIDE(E) + i]: for one
-// (j, w) the 32 lanes hit 32 banks. The stride is 32 + 8 / E so that the
-// threads staging 32 consecutive pieces (of 4 words each) also write 32
-// distinct banks per store: piece c's words land in lane c * 4 / (4 * E)'s
-// column at rows shifted by 8 / E words a group. Tile t puts lane i's
-// column at (i + t) % 32 (any rotation keeps both properties): the
-// addresses a lane reads change with the tile, so that a compiler keeps no
-// R * 4 * E addresses of its own live through the loop.
-constexpr int fp8_stage_stride(int E) { return 32 + 8 / E; }
-// Steps of a tile: 8 KB of activation bits per tile (R rows of 512 E
-// bytes a step), at least one step.
-constexpr int fp8_gemv_steps(int R, int E) { return R * E >= 8 ? 1 : 8 / (R * E); }
+// decode.h's template with float8 weights; this family's job: dense rows
+// of x (activation format A::Format), the scales of a tile's 128-wide K
+// blocks staged in threadgroup memory with it (the activation's per row,
+// the weight's per output of the threadgroup: a block per thread, from the
+// layouts of the row-wise and block-wise recipes), applied per 16-byte
+// piece (a piece lies in one block; decode_rows), and store_output on the
+// way out. A
+// simdgroup owns up to Q = FP8_GEMV_OUTPUTS(R) weight rows,
+// p.outputs_per_simdgroup of them.
+// sb_tile's blocks are FP8_GEMV_SB_STRIDE words apart, one more than the
+// most outputs of a threadgroup: a simdgroup reads 4 blocks' scales of one
+// output at once, which then fall in 4 banks.
+enum {
+  FP8_GEMV_TILE_BLOCKS = DECODE_SCALED_TILE_ELEMENTS / FP8_SCALE_BLOCK,
+  FP8_GEMV_TILE_OUTPUTS = 2 * DECODE_MAX_SIMDGROUPS,  // the most outputs of a threadgroup (Q <= 2)
+  FP8_GEMV_SB_STRIDE = FP8_GEMV_TILE_OUTPUTS + 1,
+};
 
-// Registers: R * Q accumulators + Q weight pieces (4 words each) + R
-// partial sums of one output + a group of 4 weights and of 4 activations
-// (+ addresses): within FULL_OCCUPANCY_REGISTERS.
+template <typename A, int Q>
+struct Fp8GemvJob {
+  typedef typename A::Format X;
+  typedef DecodeFp8 W;
+  // (16: the block scales of a piece and their addresses stay live too)
+  enum { BLOCK_SCALED = 1, BUDGET = 16 };
+  X xf;
+  W wf;
+  device uchar* y;
+  const device typename A::T* x;
+  const device uchar* w;
+  constant Fp8MatmulParams* p;
+  const device float* scale_a;
+  const device float* scale_b;
+  const device uchar* bias;
+  const device float* scale_result;
+  threadgroup float* sa_tile;  // [row][block of the tile]
+  threadgroup float* sb_tile;  // [block of the tile][output of the threadgroup]
+  int rows, k, outputs, first, tg_first;
+  uint lane;
+  long x_k, w_k;
+  MPS_EXT_INLINE const device typename A::T* x_row(int r) const { return x + r * p->a_row_stride; }
+  MPS_EXT_INLINE bool live(int q) const { return q < outputs && first + q < int(p->n); }
+  MPS_EXT_INLINE const device uchar* w_row(int q) const { return w + (live(q) ? long(first + q) * p->w_n_stride : 0); }
+  // (Run-time trip counts: a compiler keeps no address per row or block.)
+  MPS_EXT_INLINE void stage_scales(int k0, int elements, uint tid, uint) const {
+    const int kb0 = k0 / FP8_SCALE_BLOCK, blocks = (elements + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
+    if (int(tid) < blocks)
+      for (int r = 0; r < rows; ++r) sa_tile[r * FP8_GEMV_TILE_BLOCKS + int(tid)] = scale_a_at(*p, scale_a, r, kb0 + int(tid));
+    // Each simdgroup its own outputs' (at most 8 bytes an instruction: no
+    // load straddles a line, whatever the threadgroup's output count).
+    if (int(lane) < outputs) {
+      const int n = first + int(lane);
+      for (int b = 0; b < blocks; ++b)
+        sb_tile[b * FP8_GEMV_SB_STRIDE + n - tg_first] = n < int(p->n) ? scale_b_at(*p, scale_b, n, kb0 + b) : 0.0f;
+    }
+  }
+  MPS_EXT_INLINE float x_scale(int r, int block) const { return sa_tile[r * FP8_GEMV_TILE_BLOCKS + block]; }
+  MPS_EXT_INLINE float w_scale(int q, int block) const {
+    return sb_tile[block * FP8_GEMV_SB_STRIDE + first - tg_first + q];
+  }
+  MPS_EXT_INLINE float tail_scale(int r, int q, int kb) const {
+    return scale_a_at(*p, scale_a, r, kb) * scale_b_at(*p, scale_b, first + q, kb);
+  }
+  // Lane i writes output i: stores spread over the simdgroup.
+  MPS_EXT_INLINE void store(int r, thread const float* total, uint lane) const {
+    const float unit = xf.unit() * wf.unit();
+    MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+      if (lane == uint(r * Q + q) % 32 && live(q)) {
+        const long n = first + q;
+        store_output(y, r * p->y_row_stride + n * p->y_n_stride, total[q] * unit, n, *p, bias, scale_result);
+      }
+    }
+  }
+};
+
 template <typename A, int R, bool VEC>
-[[max_total_threads_per_threadgroup(FP8_GEMV_MAX_THREADS)]]
+[[max_total_threads_per_threadgroup(DECODE_MAX_THREADS)]]
 kernel void fp8_gemv(device uchar* y [[buffer(0)]],
                      const device typename A::T* x [[buffer(1)]],
                      const device uchar* w [[buffer(2)]],
@@ -158,118 +179,34 @@ kernel void fp8_gemv(device uchar* y [[buffer(0)]],
                      uint simdgroups [[simdgroups_per_threadgroup]],
                      uint lane [[thread_index_in_simdgroup]]) {
   constexpr int Q = FP8_GEMV_OUTPUTS(R);
-  constexpr int E = sizeof(typename A::T);
-  constexpr int STEP = 32 * 16;                      // elements of K a step covers
-  constexpr int S = fp8_stage_stride(E);
-  constexpr int STEP_WORDS = 4 * E * S;              // staged words of one row's step
-  constexpr int PIECES = STEP * E / 16;              // 16-byte pieces of one row's step
-  constexpr int STEPS = fp8_gemv_steps(R, E);
-  constexpr int TILE = STEPS * STEP;
-  constexpr int TB = TILE / FP8_SCALE_BLOCK;         // scale blocks of a tile
-  constexpr int TQ = Q * FP8_GEMV_MAX_THREADS / 32;  // most outputs of a threadgroup
-  threadgroup uint x_mem[VEC ? R * STEPS * STEP_WORDS : 1];
-  threadgroup float sa_mem[VEC ? R * TB : 1];   // [row][block]
-  threadgroup float sb_mem[VEC ? TB * TQ : 1];  // [block][output of the threadgroup]
-
+  typedef typename A::T TX;
+  constexpr int TILE_WORDS = decode_tile_words<TX, uchar, VEC, true>(R);
+  threadgroup uint tile[TILE_WORDS];
+  threadgroup float sa_tile[R * FP8_GEMV_TILE_BLOCKS];
+  threadgroup float sb_tile[FP8_GEMV_TILE_BLOCKS * FP8_GEMV_SB_STRIDE];
+  Fp8GemvJob<A, Q> job;
+  decode_format_e5m2(job.xf, p.a_format == FP8_TYPE_E5M2);
+  decode_format_e5m2(job.wf, p.w_format == FP8_TYPE_E5M2);
+  job.y = y;
+  job.x = x;
+  job.w = w;
+  job.p = &p;
+  job.scale_a = scale_a;
+  job.scale_b = scale_b;
+  job.bias = bias;
+  job.scale_result = scale_result;
+  job.sa_tile = sa_tile;
+  job.sb_tile = sb_tile;
   // The host keeps N and K below 2^31.
-  const int outputs = int(p.outputs_per_simdgroup), rows = int(p.m), K = int(p.k), N = int(p.n);
-  const int tg_first = int(group * simdgroups) * outputs;
-  const int first = tg_first + int(sg) * outputs;
-  bool live[Q];
-  const device uchar* wrow[Q];
-  float acc[R][Q];
-  MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
-    live[q] = q < outputs && first + q < N;
-    wrow[q] = w + (live[q] ? long(first + q) * p.w_n_stride : 0);
-    MPS_EXT_UNROLL for (int r = 0; r < R; ++r) acc[r][q] = 0.0f;
-  }
-
-  int k_done = 0;
-  if (VEC) {
-    const int k_vec = K / 16 * 16, blocks = (K + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
-    for (int k0 = 0, t = 0; k0 < k_vec; k0 += TILE, ++t) {
-      threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous tile is used up
-      // Activations past k_vec (and rows past `rows`) stage as 0: their
-      // weights are 0 as well, so that the products need no checks.
-      for (int i = int(tid); i < R * STEPS * PIECES; i += int(threads)) {
-        const int rs = i / PIECES, c = i % PIECES;  // rs: row * STEPS + step
-        const int r = rs / STEPS, k = k0 + (rs % STEPS) * STEP + c * (16 / E);
-        const uint4 v = r < rows && k < k_vec ? *(const device uint4*)(x + r * p.a_row_stride + k) : uint4(0u);
-        threadgroup uint* step = x_mem + rs * STEP_WORDS;
-        MPS_EXT_UNROLL for (int i4 = 0; i4 < 4; ++i4) {
-          const int word = c * 4 + i4, g = word / E;  // g: the group of 4 elements, of lane g / 4
-          step[((g % 4) * E + word % E) * S + ((g / 4 + t) & 31)] = v[i4];
-        }
-      }
-      // Scales of the tile's blocks that exist (lanes past k_vec read none):
-      // a block per lane along a row of scale_a, an output per lane along
-      // scale_b's (the layouts of the row-wise and block-wise recipes).
-      // (Run-time trip counts: a compiler keeps no address per row or block.)
-      const int kb0 = k0 / FP8_SCALE_BLOCK, tile_blocks = min(TB, blocks - kb0);
-      if (int(tid) < tile_blocks)
-        for (int r = 0; r < rows; ++r) sa_mem[r * TB + int(tid)] = scale_a_at(p, scale_a, r, kb0 + int(tid));
-      if (int(tid) < TQ) {
-        const int n = tg_first + int(tid);
-        for (int b = 0; b < tile_blocks; ++b) sb_mem[b * TQ + int(tid)] = n < N ? scale_b_at(p, scale_b, n, kb0 + b) : 0.0f;
-      }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      const int steps = min(STEPS, (k_vec - k0 + STEP - 1) / STEP);  // of this tile
-      for (int s = 0; s < steps; ++s) {
-        const int k = k0 + s * STEP + int(lane) * 16;
-        if (k >= k_vec) break;  // the last step of K may leave lanes out
-        uint4 wv[Q];
-        MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
-          wv[q] = live[q] ? *(const device uint4*)(wrow[q] + k) : uint4(0u);
-        const int b = s * 4 + int(lane) / 8;  // this lane's scale block
-        threadgroup const uint* xs = x_mem + s * STEP_WORDS + ((int(lane) + t) & 31);
-        MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
-          if (!live[q]) continue;
-          float part[R];
-          MPS_EXT_UNROLL for (int r = 0; r < R; ++r) part[r] = 0.0f;
-          MPS_EXT_UNROLL for (int j = 0; j < 4; ++j) {
-            const float4 wf = fp8x4_to_float(wv[q][j], p.w_format);
-            MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
-              part[r] += dot(A::group4(xs + r * STEPS * STEP_WORDS + j * E * S, S, p.a_format), wf);
-          }
-          const float sb = sb_mem[b * TQ + int(sg) * outputs + q];
-          MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
-            if (r < rows) acc[r][q] += part[r] * (sa_mem[r * TB + b] * sb);
-        }
-      }
-    }
-    k_done = k_vec;
-  }
-  // Element loads from k_done on: a scale block at a time, lanes along K.
-  for (int kb0 = k_done; kb0 < K;) {
-    const int kb = kb0 / FP8_SCALE_BLOCK, end = min((kb + 1) * FP8_SCALE_BLOCK, K);
-    float sa[R], sb[Q];
-    MPS_EXT_UNROLL for (int r = 0; r < R; ++r) sa[r] = r < rows ? scale_a_at(p, scale_a, r, kb) : 0.0f;
-    MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) sb[q] = live[q] ? scale_b_at(p, scale_b, first + q, kb) : 0.0f;
-    for (int k = kb0 + int(lane); k < end; k += 32) {
-      float wk[Q];
-      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
-        wk[q] = live[q] ? fp8_to_float(wrow[q][k * p.w_k_stride], p.w_format) * sb[q] : 0.0f;
-      MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
-        if (r >= rows) continue;
-        const float xk = A::load1(x + r * p.a_row_stride + k * p.a_k_stride, p.a_format) * sa[r];
-        MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) acc[r][q] += xk * wk[q];
-      }
-    }
-    kb0 = end;
-  }
-
-  const float unit = A::unit(p.a_format) * fp8_unit(p.w_format);
-  MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
-    MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
-      if (q >= outputs || r >= rows) continue;
-      const float total = simd_sum(acc[r][q]) * unit;
-      // Lane i writes output i: stores spread over the simdgroup.
-      if (lane == uint(r * Q + q) % 32 && live[q]) {
-        const long n = first + q;
-        store_output(y, r * p.y_row_stride + n * p.y_n_stride, total, n, p, bias, scale_result);
-      }
-    }
-  }
+  job.rows = int(p.m);
+  job.k = int(p.k);
+  job.outputs = int(p.outputs_per_simdgroup);
+  job.tg_first = int(group * simdgroups) * job.outputs;
+  job.first = job.tg_first + int(sg) * job.outputs;
+  job.lane = lane;
+  job.x_k = p.a_k_stride;
+  job.w_k = p.w_k_stride;
+  decode_rows<Fp8GemvJob<A, Q>, R, Q, VEC>(job, tile, tid, threads, lane);
 }
 
 // ---------------------------------------------------------- fp8_mm_tile --

@@ -66,10 +66,10 @@ struct Fp8MatmulParams {
 // Scales of the block-wise recipes cover 128 elements of K.
 #define FP8_SCALE_BLOCK 128
 // Decode kernels: weight rows a simdgroup can hold with R activation rows
-// (its accumulators: R x outputs, at most 8; 4 or 8 rows: one output), and simdgroups of a
-// threadgroup (decode_geometry, csrc/ops/kernel_choice.h).
+// (its accumulators and the partial sums of a scale block: 2 x R x outputs,
+// at most 16; 4 or 8 rows: one output). Simdgroups of a threadgroup:
+// decode_geometry (csrc/ops/kernel_choice.h).
 #define FP8_GEMV_OUTPUTS(R) ((R) >= 4 ? 1 : 2)
-#define FP8_GEMV_MAX_THREADS 64
 // Prefill tiles: a threadgroup of 4 simdgroups computes 32 x 64 outputs,
 // stepping K by one scale block (whole cache lines of every row it reads).
 #define FP8_TILE_M 32

@@ -4,20 +4,19 @@
 // its group by searching `offs` itself. Threadgroups that find no work exit
 // at once. Accumulation is in float.
 //
-// gmm_decode_rows  few rows (decode): one threadgroup owns 8 output columns
-//                  of one group's rows (up to 8 at a time), streams those 8
-//                  weight columns of the group's expert once with 16-byte
-//                  loads along K (4 simdgroups of 2 columns) and applies
-//                  each to all its rows, staged in threadgroup memory. The grid
+// gmm_decode_rows  few rows (decode): the one decode template of decode.h.
+//                  A threadgroup owns 2 output columns per simdgroup of one
+//                  group's rows (up to 8 at a time), streams those weight
+//                  columns of the group's expert once with 16-byte loads
+//                  along K and applies each to all its rows, staged in
+//                  threadgroup memory once for its simdgroups. The grid
 //                  has one slot per row of `a`; the slot of a group's first
 //                  row (and of every 8th after it) works, the others exit.
 //                  So experts nobody chose are never touched, and the
 //                  launch is the same whatever the routing.
 // gmm_decode_cols  the same for a weight whose N dimension is contiguous
-//                  (W[E, K, N]): a lane owns a 4-byte word of consecutive
-//                  outputs, a simdgroup 128 bytes of a weight row; the
-//                  threadgroup's 8 simdgroups split K and add up in
-//                  threadgroup memory.
+//                  (W[E, K, N]): decode.h's cols template (gemv_cols'), a
+//                  threadgroup owning 128 bytes of columns.
 // gmm_tiled        many rows (prefill, and the K-split and batched modes):
 //                  32 x 32 output tiles from simdgroup_matrix products.
 //                  In the rows mode a tile of 32 rows may span several
@@ -28,6 +27,7 @@
 // decoded as value / 256 (fp8_codec.h: e4m3 bits placed into half bits, four
 // bytes at a time) with the 256s folded into p.mul.
 #include <metal_stdlib>
+#include "decode.h"
 #include "fp8_codec.h"
 #include "grouped_mm_params.h"
 #include "pieces.h"
@@ -105,167 +105,84 @@ inline float scale_of(constant GroupedMMParams& p, const device float* row_scale
 }
 
 // ------------------------------------------------------ gmm_decode_rows --
-// The elements of a 32-bit word of e4m3 bytes as floats (value / 256), for
-// pieces.h's word_floats of the other types.
-MPS_EXT_INLINE void word_floats(uint bits, thread float* v, uchar) {
-  const float4 f = e4m3x4_to_float_div256(bits);
-  MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) v[i] = f[i];
-}
+// decode.h's template; this family's job: the rows of one group (the
+// slot's), each an activation row of its own or its token's (rows_at,
+// staged by the kernel), against the group's expert; a simdgroup owns two
+// weight columns: two outputs, or with swiglu the gate and up columns of
+// one. Scales (p.mul folds in fp8's 256s) on the way out.
+template <typename T>
+struct GmmFormat {
+  typedef DecodeFloat<T> type;
+};
+template <>
+struct GmmFormat<uchar> {  // float8_e4m3fn
+  typedef DecodeFp8 type;
+};
 
-// A lane's piece of weights, as bits: 16 bytes with VEC; without, one
-// element converted to float, in .x (the other words are never used, so
-// they take no registers).
-template <typename T, bool VEC>
-MPS_EXT_INLINE uint4 weight_piece(const device T* p) {
-  if (VEC) return *(const device uint4*)p;
-  return uint4(as_type<uint>(elem(*p)), 0u, 0u, 0u);
-}
+// What both of this family's jobs read: the slot's rows of one group, the
+// group's expert.
+template <typename TA, typename TB, typename TO>
+struct GmmOperands {
+  typedef typename GmmFormat<TA>::type X;
+  typedef typename GmmFormat<TB>::type W;
+  X xf;
+  W wf;
+  device TO* out;
+  const device TA* a;
+  const device TB* w;  // the group's expert
+  constant GroupedMMParams* p;
+  RowSlot s;
+  int rows, k;
+  long x_k, w_k;
+  MPS_EXT_INLINE void init(device TO* out_, const device TA* a_, const device TB* w_, constant GroupedMMParams& p_,
+                           RowSlot s_) {
+    decode_format_e5m2(xf, false);  // float8 operands are e4m3fn
+    decode_format_e5m2(wf, false);
+    out = out_;
+    a = a_;
+    w = w_ + ulong(s_.g) * ulong(p_.b_batch);
+    p = &p_;
+    s = s_;
+    rows = int(s_.rows);
+    k = int(p_.k);
+    x_k = p_.a_k;
+    w_k = p_.b_k;
+  }
+};
 
-// The pieces: with VEC a lane's weight piece is 16 bytes, EB weights along
-// K, and its activation piece the EB activations they multiply, WA words
-// (8 for bfloat activations under fp8 weights, else 4); without VEC one
-// weight and one activation, as floats.
-template <typename TA, typename TB, bool VEC>
-constexpr int rows_piece_weights() {
-  return VEC ? 16 / int(sizeof(TB)) : 1;
-}
-template <typename TA, typename TB, bool VEC>
-constexpr int rows_piece_words() {
-  return VEC ? 16 / int(sizeof(TB)) * int(sizeof(TA)) / 4 : 1;
-}
-// A tile: R rows of 256 / R pieces; word w of piece c of row r at
-// (r * WA + w) * stride + c, stride = pieces + 4. A simdgroup reads one word
-// of 32 consecutive pieces (32 banks); the + 4 puts the two 16-byte halves
-// of a 32-byte piece, which consecutive threads stage, 16 banks apart.
-constexpr int rows_tile_pieces(int R) { return GMM_ROWS_TILE_PIECES * GMM_DECODE_MAX_ROWS / R; }
-constexpr int rows_tile_stride(int R) { return rows_tile_pieces(R) + 4; }
-constexpr int rows_tile_words(int WA) {  // the most of any R: 8 rows
-  return GMM_DECODE_MAX_ROWS * WA * rows_tile_stride(GMM_DECODE_MAX_ROWS);
-}
-
-// R rows (a power of two >= the slot's rows; rows past them stage as 0)
-// of one group against the simdgroup's GMM_ROWS_OUTPUTS weight columns.
-// Activations TA, weights TB (the same, or fp8 weights under bfloat).
-// `rows_at`: each row's first activation, as staged by the kernel.
-// Registers: 2R accumulators (16 at 8 rows) + U pieces of each column in
-// flight (8 registers) + one weight word of each column and one row's
-// activation word(s) as floats: within full occupancy.
-template <typename TA, typename TB, typename TO, int R, bool VEC>
-MPS_EXT_INLINE void decode_rows_body(device TO* out, const device TA* a, const device TB* w,
-                                     constant GroupedMMParams& p, const device float* row_scale,
-                                     const device float* col_scale, RowSlot s, uint col0, uint tid, uint lane,
-                                     threadgroup uint* tile, threadgroup const uint* rows_at) {
-  constexpr int Q = GMM_ROWS_OUTPUTS;
-  constexpr int EB = rows_piece_weights<TA, TB, VEC>(), WA = rows_piece_words<TA, TB, VEC>();
-  constexpr int NW = VEC ? 4 / int(sizeof(TB)) : 1;  // weights of a weight word
-  constexpr int AW = VEC ? WA / 4 : 1;                // activation words of a weight word
-  constexpr int HALVES = VEC ? WA / 4 : 1;            // 16-byte loads of an activation piece
-  constexpr int TP = rows_tile_pieces(R), TS = rows_tile_stride(R);
+template <typename TA, typename TB, typename TO>
+struct GmmDecodeJob : GmmOperands<TA, TB, TO>, DecodeUnscaled {
   // (20: the slot, the scales' indices and two column pointers stay live too)
-  constexpr int U = rows_pieces_per_output(R, Q, TP, 20);
-  static_assert(TP % (32 * U) == 0, "a tile is whole steps");
-  constexpr int THREADS = 32 * GMM_ROWS_SIMDGROUPS;
-  const int rows = int(s.rows), K = int(p.k);
-  const uint a_k = VEC ? 1 : p.a_k, b_k = VEC ? 1 : p.b_k;
-  // swiglu: one output, col0, of silu(gate) * up, from b's columns col0
-  // (gate) and half + col0 (up); else outputs col0 and col0 + 1.
-  const uint half_n = p.n / 2;
-  uint col[Q];
-  bool live[Q];
-  const device TB* wp[Q];  // the lane's next piece of each column
-  float acc[R][Q];
-  MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
-    const uint c = p.swiglu ? col0 + q * half_n : col0 + q;
-    live[q] = p.swiglu ? col0 < half_n : c < p.n;
-    col[q] = live[q] ? c : 0;
-    wp[q] = w + col[q] * uint(p.b_n) + lane * (EB * b_k);
-    MPS_EXT_UNROLL for (int r = 0; r < R; ++r) acc[r][q] = 0.0f;
-  }
-
-  const int k_pieces = K / EB;  // whole pieces (all of K without VEC); the rest below
-  for (int p0 = 0; p0 < k_pieces; p0 += TP) {
-    const int pieces = min(TP, k_pieces - p0);  // of each row in this tile
-    // Consecutive threads stage consecutive 16-byte halves (VEC) or
-    // elements of a row.
-    for (int i = int(tid); i < R * TP * HALVES; i += THREADS) {
-      const int r = i / (TP * HALVES), c = i / HALVES % TP, h = i % HALVES;
-      if (c >= pieces) continue;
-      const uint at = rows_at[r] + uint((p0 + c) * EB + h * (16 / int(sizeof(TA)))) * a_k;
-      if (VEC) {
-        const uint4 v = r < rows ? *(const device uint4*)(a + at) : uint4(0u);
-        MPS_EXT_UNROLL for (int j = 0; j < 4; ++j) tile[(r * WA + h * 4 + j) * TS + c] = v[j];
-      } else {
-        tile[r * TS + c] = as_type<uint>(r < rows ? elem(a[at]) : 0.0f);
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    // Lanes take consecutive pieces of the weight columns: a simdgroup
-    // reads 512 contiguous bytes of a column per load instruction.
-    for (int c = int(lane); c < pieces; c += 32 * U) {
-      uint4 wv[U][Q];
-      MPS_EXT_UNROLL for (int u = 0; u < U; ++u)
-        MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
-          wv[u][q] = live[q] && c + 32 * u < pieces ? weight_piece<TB, VEC>(wp[q] + u * (32 * EB * b_k)) : uint4(0u);
-      MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
-        // Past the tile's pieces the weights are 0: any staged value will do.
-        const int cu = min(c + 32 * u, pieces - 1);
-        // A weight word of each column at a time, converted once for all rows.
-        MPS_EXT_UNROLL for (int j = 0; j < (VEC ? 4 : 1); ++j) {
-          float wf[Q][4];  // (4: the most floats of a word; NW used)
-          MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
-            if (VEC) word_floats(wv[u][q][j], wf[q], TB(0));
-            else wf[q][0] = as_type<float>(wv[u][q].x);
-          }
-          MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
-            float xf[4];
-            MPS_EXT_UNROLL for (int i = 0; i < AW; ++i) {
-              const uint xw = tile[(r * WA + j * AW + i) * TS + cu];
-              if (VEC) word_floats(xw, xf + i * (NW / AW), TA(0));
-              else xf[0] = as_type<float>(xw);
-            }
-            MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
-              MPS_EXT_UNROLL for (int e = 0; e < NW; ++e) acc[r][q] += xf[e] * wf[q][e];
-          }
-        }
-      }
-      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wp[q] += U * (32 * EB * b_k);
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-  // The last K % EB elements (VEC only: fewer than a piece, so one a lane).
-  const int k = k_pieces * EB + int(lane);
-  if (k < K) {
-    MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
-      if (!live[q]) continue;
-      const float wk = elem(w[col[q] * uint(p.b_n) + uint(k)]);
-      MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
-        if (r < rows) acc[r][q] += elem(a[rows_at[r] + uint(k)]) * wk;
-    }
-  }
-
+  enum { BUDGET = 20 };
+  const device float* row_scale;
+  const device float* col_scale;
+  threadgroup const uint* rows_at;
+  uint col0;
+  uint col[GMM_ROWS_OUTPUTS];
+  bool on[GMM_ROWS_OUTPUTS];
+  MPS_EXT_INLINE const device TA* x_row(int r) const { return this->a + rows_at[r]; }
+  MPS_EXT_INLINE bool live(int q) const { return on[q]; }
+  MPS_EXT_INLINE const device TB* w_row(int q) const { return this->w + col[q] * uint(this->p->b_n); }
   // Lane q writes column q's output (swiglu: lane 0 the one output), so
   // that one store instruction writes consecutive outputs of one row.
-  const uint lane_col = lane == 1 ? col[1] : col[0];
-  const bool writes = p.swiglu ? lane == 0 && live[0] : lane < uint(Q) && (lane == 1 ? live[1] : live[0]);
-  MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
-    if (r >= rows) continue;  // (not break: the loop must unroll, acc stay in registers)
-    const uint m = s.row + uint(r);
-    const float t0 = simd_sum(acc[r][0]), t1 = simd_sum(acc[r][1]);
-    if (writes) {
-      float v;
-      if (p.swiglu) {
-        const float gate = t0 * scale_of(p, row_scale, col_scale, s.g, m, col[0]);
-        v = silu(gate) * t1 * scale_of(p, row_scale, col_scale, s.g, m, col[1]);
-      } else {
-        v = (lane == 1 ? t1 : t0) * scale_of(p, row_scale, col_scale, s.g, m, lane_col);
-      }
-      out[ulong(m) * ulong(p.out_m) + ulong(p.swiglu ? col0 : lane_col) * ulong(p.out_n)] = TO(v);
+  MPS_EXT_INLINE void store(int r, thread const float* total, uint lane) const {
+    constant GroupedMMParams& p = *this->p;
+    const uint g = this->s.g, m = this->s.row + uint(r), lane_col = lane == 1 ? col[1] : col[0];
+    const bool writes = p.swiglu ? lane == 0 && on[0] : lane < uint(GMM_ROWS_OUTPUTS) && (lane == 1 ? on[1] : on[0]);
+    if (!writes) return;
+    float v;
+    if (p.swiglu) {
+      const float gate = total[0] * scale_of(p, row_scale, col_scale, g, m, col[0]);
+      v = silu(gate) * total[1] * scale_of(p, row_scale, col_scale, g, m, col[1]);
+    } else {
+      v = (lane == 1 ? total[1] : total[0]) * scale_of(p, row_scale, col_scale, g, m, lane_col);
     }
+    this->out[ulong(m) * ulong(p.out_m) + ulong(p.swiglu ? col0 : lane_col) * ulong(p.out_n)] = TO(v);
   }
-}
+};
 
 template <typename TA, typename TB, typename TO, bool VEC>
-[[max_total_threads_per_threadgroup(32 * GMM_ROWS_SIMDGROUPS)]]
+[[max_total_threads_per_threadgroup(DECODE_MAX_THREADS)]]
 kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
                             const device TA* a [[buffer(1)]],
                             const device TB* w [[buffer(2)]],
@@ -276,9 +193,12 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
                             const device int* rows_of [[buffer(7)]],
                             uint2 tg [[threadgroup_position_in_grid]],
                             uint tid [[thread_index_in_threadgroup]],
+                            uint2 threads [[threads_per_threadgroup]],
                             uint sg [[simdgroup_index_in_threadgroup]],
+                            uint simdgroups [[simdgroups_per_threadgroup]],
                             uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup uint tile[rows_tile_words(rows_piece_words<TA, TB, VEC>())];
+  constexpr int TILE_WORDS = decode_tile_words_any<TA, TB, VEC, false>();
+  threadgroup uint tile[TILE_WORDS];
   threadgroup uint rows_at[GMM_DECODE_MAX_ROWS];
   threadgroup uint shared[2];
   const RowSlot s = decode_slot(offs, p, tg.y, sg, lane, shared);
@@ -292,115 +212,45 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
     rows_at[tid] = 0;  // rows past the slot's: never read from `a`
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  const device TB* wg = w + ulong(s.g) * ulong(p.b_batch);
-  const uint col0 = (tg.x * GMM_ROWS_SIMDGROUPS + sg) * (p.swiglu ? 1 : GMM_ROWS_OUTPUTS);
+  GmmDecodeJob<TA, TB, TO> job;
+  job.init(out, a, w, p, s);
+  job.row_scale = row_scale;
+  job.col_scale = col_scale;
+  job.rows_at = rows_at;
+  // swiglu: one output, col0, of silu(gate) * up, from b's columns col0
+  // (gate) and half + col0 (up); else outputs col0 and col0 + 1.
+  const uint half_n = p.n / 2;
+  job.col0 = (tg.x * simdgroups + sg) * (p.swiglu ? 1 : GMM_ROWS_OUTPUTS);
+  MPS_EXT_UNROLL for (int q = 0; q < GMM_ROWS_OUTPUTS; ++q) {
+    const uint c = p.swiglu ? job.col0 + q * half_n : job.col0 + q;
+    job.on[q] = p.swiglu ? job.col0 < half_n : c < p.n;
+    job.col[q] = job.on[q] ? c : 0;
+  }
   // One specialisation per row count, so one routed row does not pay for 8.
-  if (s.rows == 1)
-    decode_rows_body<TA, TB, TO, 1, VEC>(out, a, wg, p, row_scale, col_scale, s, col0, tid, lane, tile, rows_at);
-  else if (s.rows == 2)
-    decode_rows_body<TA, TB, TO, 2, VEC>(out, a, wg, p, row_scale, col_scale, s, col0, tid, lane, tile, rows_at);
-  else if (s.rows <= 4)
-    decode_rows_body<TA, TB, TO, 4, VEC>(out, a, wg, p, row_scale, col_scale, s, col0, tid, lane, tile, rows_at);
-  else
-    decode_rows_body<TA, TB, TO, 8, VEC>(out, a, wg, p, row_scale, col_scale, s, col0, tid, lane, tile, rows_at);
+  typedef GmmDecodeJob<TA, TB, TO> Job;
+  constexpr int Q = GMM_ROWS_OUTPUTS;
+  if (s.rows == 1) decode_rows<Job, 1, Q, VEC>(job, tile, tid, threads.x, lane);
+  else if (s.rows == 2) decode_rows<Job, 2, Q, VEC>(job, tile, tid, threads.x, lane);
+  else if (s.rows <= 4) decode_rows<Job, 4, Q, VEC>(job, tile, tid, threads.x, lane);
+  else decode_rows<Job, 8, Q, VEC>(job, tile, tid, threads.x, lane);
 }
 
 // ------------------------------------------------------ gmm_decode_cols --
-// A lane owns NE consecutive columns: a 4-byte word of T with VEC (1 float,
-// 2 halves or bfloats), one element without. A simdgroup's 32 lanes read
-// 128 contiguous bytes of one weight row per load instruction (64 without
-// VEC); the threadgroup's simdgroups take rows of K S apart, and their
-// partial sums add up in threadgroup memory. Registers: R * NE accumulators
-// (at most 16) + U words in flight, as floats + one activation at a time,
-// from a tile of them in threadgroup memory.
-template <typename T, bool VEC>
-constexpr int cols_lane_columns() {
-  return VEC ? 4 / int(sizeof(T)) : 1;
-}
-template <typename T, bool VEC>
-constexpr int cols_partial_words() {  // a row's partial sums: every simdgroup's columns
-  return GMM_COLS_THREADS * cols_lane_columns<T, VEC>();
-}
-
-template <typename T, int R, bool VEC>
-MPS_EXT_INLINE void decode_cols_body(device T* out, const device T* a, const device T* w,
-                                     constant GroupedMMParams& p, RowSlot s, uint col_base, uint tid, uint sg,
-                                     uint lane, threadgroup float* partial, threadgroup float* x_tile) {
-  constexpr int NE = cols_lane_columns<T, VEC>();
-  constexpr int S = GMM_COLS_THREADS / 32;
-  constexpr int U = GMM_COLS_K_TILE / S;  // rows of K a lane loads before it uses the first: 4
-  const int rows = int(s.rows);
-  const uint K = p.k, b_k = p.b_k;
-  const uint c0 = col_base + lane * NE;
-  const uint ncols = c0 >= p.n ? 0 : min(uint(NE), p.n - c0);  // of the lane's columns, those that exist
-  const device T* arow = a + s.row * uint(p.a_m);  // `a` fits 32-bit offsets (the host checks)
-  float acc[R][NE];
-  MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
-    MPS_EXT_UNROLL for (int e = 0; e < NE; ++e) acc[r][e] = 0.0f;
-
-  const device T* wp = w + sg * b_k + c0;  // b's columns are contiguous (the host's choice of kernel)
-  constexpr int XK = GMM_COLS_K_TILE;
-  static_assert(XK == S * U, "a tile of activations is one step");
-  // The rows' activations, XK at a time, staged once for the threadgroup
-  // (a simdgroup stages 32 consecutive ones of a row); every lane of a
-  // simdgroup then reads the same one (a broadcast). Row r at x_tile[r *
-  // 2XK + k % 2XK], a ring: consecutive steps fill alternate halves, so one
-  // barrier a step suffices (a thread staging step i + 2 passed the barrier
-  // of step i + 1, which every thread reaches after it used step i), and
-  // the addresses a lane reads change with the step (a compiler keeps no
-  // R * U addresses of its own live through the loop).
-  for (uint k0 = 0; k0 < K; k0 += XK) {
-    const uint ring = k0 & uint(XK);  // this step's half
-    for (uint t = tid; t < uint(R * XK); t += GMM_COLS_THREADS) {
-      const uint r = t / XK, k = k0 + t % XK;
-      x_tile[ring + r * 2 * XK + t % XK] = int(r) < rows && k < K ? elem(arow[r * uint(p.a_m) + k * uint(p.a_k)]) : 0.0f;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    {
-      const uint kk = sg, k = k0 + kk;
-      // The weights first, zeros past K and past the last column.
-      float wf[U][4];  // (NE used)
-      MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
-        const bool ok = k + u * S < K;
-        const device T* wu = wp + u * (S * b_k);
-        if (VEC && ncols == NE) {
-          word_floats(ok ? *(const device uint*)wu : 0u, wf[u], T(0));
-        } else {
-          MPS_EXT_UNROLL for (int e = 0; e < NE; ++e) wf[u][e] = ok && uint(e) < ncols ? elem(wu[e]) : 0.0f;
-        }
-      }
-      MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
-        MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
-          const float x = x_tile[ring + r * 2 * XK + kk + u * S];  // (0 past K and past the slot's rows)
-          MPS_EXT_UNROLL for (int e = 0; e < NE; ++e) acc[r][e] += x * wf[u][e];
-        }
-      }
-      wp += S * U * b_k;
-    }
+// decode.h's cols template; this family's job: the slot's rows of one
+// group against its expert (W[E, K, N], N contiguous), K never split.
+template <typename T>
+struct GmmColsJob : GmmOperands<T, T, T> {
+  int splits;
+  long n, w_n;
+  // `a` fits 32-bit offsets (the host checks).
+  MPS_EXT_INLINE const device T* x_row(int r) const { return this->a + (this->s.row + uint(r)) * uint(this->p->a_m); }
+  MPS_EXT_INLINE void store(int r, long n_, float total, uint) const {
+    this->out[ulong(this->s.row + uint(r)) * ulong(this->p->out_m) + ulong(n_) * ulong(this->p->out_n)] = T(total);
   }
-
-  // A row at a time: column e of lane l of simdgroup g at partial[(g * NE
-  // + e) * 32 + l], so that both the stores and the sums below read 32
-  // consecutive words (32 banks).
-  constexpr int CT = 32 * NE;  // columns of the threadgroup
-  MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
-    if (r >= rows) continue;  // uniform (not break: the loop must unroll, acc stay in registers)
-    MPS_EXT_UNROLL for (int e = 0; e < NE; ++e) partial[(sg * NE + e) * 32 + lane] = acc[r][e];
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (tid < uint(CT)) {
-      const uint l = tid % 32, e = tid / 32, n = col_base + l * NE + e;
-      if (n < p.n) {
-        float total = 0.0f;
-        MPS_EXT_UNROLL for (int g = 0; g < S; ++g) total += partial[(g * NE + e) * 32 + l];
-        out[ulong(s.row + r) * ulong(p.out_m) + ulong(n) * ulong(p.out_n)] = T(total);
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-}
+};
 
 template <typename T, bool VEC>
-[[max_total_threads_per_threadgroup(GMM_COLS_THREADS)]]
+[[max_total_threads_per_threadgroup(DECODE_COLS_THREADS)]]
 kernel void gmm_decode_cols(device T* out [[buffer(0)]],
                             const device T* a [[buffer(1)]],
                             const device T* w [[buffer(2)]],
@@ -410,21 +260,24 @@ kernel void gmm_decode_cols(device T* out [[buffer(0)]],
                             uint tid [[thread_index_in_threadgroup]],
                             uint sg [[simdgroup_index_in_threadgroup]],
                             uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float partial[(cols_partial_words<T, VEC>())];
-  threadgroup float x_tile[GMM_DECODE_MAX_ROWS * 2 * GMM_COLS_K_TILE];
+  constexpr int PARTIAL_WORDS = decode_cols_partial_words();
+  threadgroup float4 partial_mem[PARTIAL_WORDS / 4];
+  constexpr int RING_WORDS = decode_cols_ring_words_any<T, VEC>();
+  threadgroup float x_tile[RING_WORDS];
   threadgroup uint shared[2];
   const RowSlot s = decode_slot(offs, p, tg.y, sg, lane, shared);
   if (s.rows == 0) return;  // uniform: every thread read the same slot
-  const device T* wg = w + ulong(s.g) * ulong(p.b_batch);
-  const uint col_base = tg.x * 32 * cols_lane_columns<T, VEC>();
-  if (s.rows == 1)
-    decode_cols_body<T, 1, VEC>(out, a, wg, p, s, col_base, tid, sg, lane, partial, x_tile);
-  else if (s.rows == 2)
-    decode_cols_body<T, 2, VEC>(out, a, wg, p, s, col_base, tid, sg, lane, partial, x_tile);
-  else if (s.rows <= 4)
-    decode_cols_body<T, 4, VEC>(out, a, wg, p, s, col_base, tid, sg, lane, partial, x_tile);
-  else
-    decode_cols_body<T, 8, VEC>(out, a, wg, p, s, col_base, tid, sg, lane, partial, x_tile);
+  GmmColsJob<T> job;
+  job.init(out, a, w, p, s);
+  job.splits = 1;
+  job.n = p.n;
+  job.w_n = p.b_n;
+  threadgroup float* partial = (threadgroup float*)partial_mem;
+  typedef GmmColsJob<T> Job;
+  if (s.rows == 1) decode_cols<Job, 1, VEC>(job, partial, x_tile, tg.x, 0, tid, sg, lane);
+  else if (s.rows == 2) decode_cols<Job, 2, VEC>(job, partial, x_tile, tg.x, 0, tid, sg, lane);
+  else if (s.rows <= 4) decode_cols<Job, 4, VEC>(job, partial, x_tile, tg.x, 0, tid, sg, lane);
+  else decode_cols<Job, 8, VEC>(job, partial, x_tile, tg.x, 0, tid, sg, lane);
 }
 
 // ------------------------------------------------------------ gmm_tiled --

@@ -40,19 +40,11 @@ struct GroupedMMParams {
 // Decode kernels: rows of one group handled by one threadgroup at a time
 // (each weight byte read once for all of them).
 #define GMM_DECODE_MAX_ROWS 8
-// gmm_decode_rows: simdgroups per threadgroup, weight columns per simdgroup
-// (2: R rows x 2 accumulators, at most 16, fit full occupancy at 8 rows;
-// with swiglu the gate and up columns of one output), and the activation
-// pieces of each row a tile stages at 8 rows (one per lane; more at fewer
-// rows, the same tile bytes).
-#define GMM_ROWS_SIMDGROUPS 4
+// gmm_decode_rows: weight columns per simdgroup (2: R rows x 2
+// accumulators, at most 16, fit full occupancy at 8 rows; with swiglu the
+// gate and up columns of one output). Simdgroups of a threadgroup:
+// decode_geometry (csrc/ops/kernel_choice.h).
 #define GMM_ROWS_OUTPUTS 2
-#define GMM_ROWS_TILE_PIECES 32
-// gmm_decode_cols: 256 threads, 8 simdgroups along K; a threadgroup owns
-// 32 lanes' columns: 128 bytes of a weight row with 4-byte word loads
-// (_vec), 32 columns with element loads.
-#define GMM_COLS_THREADS 256
-#define GMM_COLS_K_TILE 32  // activations of each row staged at a time
 // gmm_tiled: a 32 x 32 output tile per threadgroup of 4 simdgroups, K in
 // steps of 32 (a simdgroup stages 32 consecutive elements of a row: 64 or
 // 128 contiguous bytes); the staged tiles are stored transposed, rows

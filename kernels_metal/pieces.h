@@ -23,17 +23,19 @@ MPS_EXT_INLINE void unpack16(uint4 bits, thread float* v, T) {
   MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) word_floats(bits[i], v + i * N, T(0));
 }
 
-// Decode GEMVs whose lanes stride K (gemv_rows, gmm_decode_rows): the
+// decode.h's decode_rows (gemv_rows, fp8_gemv, gmm_decode_rows): the
 // weight pieces of one output a lane loads before it uses the first (U per
 // output, U * Q in all): 4 pieces of 16 bytes in flight where the
 // accumulators leave room, so that R * Q accumulators + 4 * U * Q registers
 // of pieces stay within `budget` (24, or less where the kernel keeps more
 // of its own live; the rest of the full-occupancy budget: the activation
 // words, the products, the pointers); at most a tile's pieces per lane.
-// (Metal's min and max are not constexpr.)
+// A power of two, so that a tile is whole steps of 32 * U pieces. (Metal's
+// min and max are not constexpr.)
 constexpr int clamp_constexpr(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
+constexpr int floor_pow2(int v) { return v >= 4 ? 4 : v >= 2 ? 2 : 1; }
 constexpr int rows_pieces_per_output(int R, int Q, int tile_pieces, int budget = 24) {
-  return clamp_constexpr((budget - R * Q) / (4 * Q), 1, 4 / Q < tile_pieces / 32 ? 4 / Q : tile_pieces / 32);
+  return floor_pow2(clamp_constexpr((budget - R * Q) / (4 * Q), 1, 4 / Q < tile_pieces / 32 ? 4 / Q : tile_pieces / 32));
 }
 
 // ... and back: N floats as the bits of N elements: 4 for float (N must be

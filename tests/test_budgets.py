@@ -135,8 +135,22 @@ def lines(kernel):
     return MISALIGNED_LINES if kernel.endswith("_scalar") else 1.1
 
 
+# decode_geometry gives 4 and 8 rows 2 outputs per simdgroup from N = 320 on
+# (N / cores >= 4), raising a threadgroup's outputs towards the rows so that
+# its staged activations stay within its weight bytes: one output per
+# simdgroup at 4 and 8 aligned rows only below (the benchmark's narrow
+# shape, 2048->128, is misaligned). tests/ops/test_linear.py runs them.
+GEMV_ROWS_Q1_WIDE = ("gemv_rows with one output per simdgroup at 4 or 8 rows and 16-byte loads: N < 320 and aligned, "
+                     "which no benchmark case is (tests/ops/test_linear.py runs it); the template of the measured ones")
+
+
+def gemv_rows_unreached(k):
+    return GEMV_ROWS_Q1_WIDE if k.endswith("_vec") and ("_r4_q1" in k or "_r8_q1" in k) else ""
+
+
 BUDGETS: dict[str, Budget] = {
-    **{k: Budget("linear", full_occupancy=True, lines=lines(k)) for k in GEMV_ROWS + GEMV_COLS},
+    **{k: Budget("linear", full_occupancy=True, lines=lines(k), unreached=gemv_rows_unreached(k)) for k in GEMV_ROWS},
+    **{k: Budget("linear", full_occupancy=True, lines=lines(k)) for k in GEMV_COLS},
     **{k: Budget("linear", full_occupancy=True) for k in GEMV_COLS_FINISH},
     **{k: Budget("softmax", full_occupancy=True, unreached=SOFTMAX_VEC_UNREACHED if "_block_bf16" in k else "")
        for k in SOFTMAX_VEC},
@@ -188,16 +202,31 @@ BUDGET_CASES = {
 }
 
 
+# The decode kernels' launch geometry follows the GPU (decode_geometry in
+# csrc/ops/kernel_choice.h): their ops' cases run as on a small and on a
+# large Mac (cpu_metal.set_gpu), the others' on the executor's default, the
+# large one.
+SMALL_GPU, LARGE_GPU = cpu_metal.GPU(cores=8, family=7), cpu_metal.GPU(cores=80, family=9)
+GPUS = {op: (SMALL_GPU, LARGE_GPU) for op in ("linear", "fp8", "moe")}
+
+
 @functools.lru_cache(maxsize=None)
 def measured(op: str) -> dict[str, list[tuple[str, cpu_metal.DispatchStats]]]:
-    """kernel -> [(case, its dispatch)] over the op's budget cases, run once."""
+    """kernel -> [(case, its dispatch)] over the op's budget cases, run once
+    on each GPU of GPUS[op]."""
     by_id = {c.id: c for size in ("full", "quick") for c in op_cases(op, size)}
     out: dict[str, list] = {}
-    for id_ in BUDGET_CASES[op]:
-        case = by_id.get(id_)
-        assert case is not None, f"BUDGET_CASES names {op} case {id_!r}, which benchmarks/bench_{op}.py no longer has"
-        for d in common.measure(case, mac=False).stats:
-            out.setdefault(d.kernel, []).append((f"{op} {id_}", d))
+    for gpu in GPUS.get(op, (LARGE_GPU,)):
+        before = cpu_metal.set_gpu(gpu)
+        try:
+            for id_ in BUDGET_CASES[op]:
+                case = by_id.get(id_)
+                assert case is not None, (f"BUDGET_CASES names {op} case {id_!r}, which benchmarks/bench_{op}.py no "
+                                          "longer has")
+                for d in common.measure(case, mac=False).stats:
+                    out.setdefault(d.kernel, []).append((f"{op} {id_} ({gpu.cores} cores)", d))
+        finally:
+            cpu_metal.set_gpu(before)
     return out
 
 

@@ -23,7 +23,7 @@ def test_check_mode_finds_nothing(path):
 # Kernels whose code assumes a threadgroup size declare it (the host's sizes,
 # kernels_metal/*_params.h), and the executor refuses a bigger threadgroup, as
 # a Metal pipeline would: an op that asked for more would fail its tests.
-DECLARED = [("gemv", "gemv_rows_f32_r1_q1_vec", 256), ("gemv", "gemv_cols_f16_r8_scalar", 256),
+DECLARED = [("gemv", "gemv_rows_f32_r1_q1_vec", 512), ("gemv", "gemv_cols_f16_r8_scalar", 256),
             ("gemv", "gemv_cols_finish_bf16", 256),
             ("softmax", "softmax_segment_f32_f32_i32_vec", 256), ("softmax", "softmax_block_bf16_bf16_i32", 512),
             ("softmax", "softmax_partial_f16_i64", 256), ("softmax", "softmax_backward_finish_f32_f16_i32_vec", 256),

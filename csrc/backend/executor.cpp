@@ -8,6 +8,7 @@
 // launch.cpp and ops/registry.h runs in CI.
 #include <pybind11/pybind11.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -76,6 +77,21 @@ uint64_t simulated_failure_hits() {
   std::lock_guard<std::mutex> lock(g_sim_mutex);
   return g_sim.hits;
 }
+
+namespace {
+std::atomic<int64_t> g_profile_cores{kExecutorDefaultProfile.cores};
+std::atomic<int64_t> g_profile_family{kExecutorDefaultProfile.family};
+}  // namespace
+
+void set_executor_profile(const DeviceProfile& profile) {
+  TORCH_CHECK(profile.cores >= 1, "mps_ext: a GPU profile needs at least 1 core, got ", profile.cores);
+  TORCH_CHECK(profile.family >= 0, "mps_ext: a GPU family is 0 (unknown) or an Apple GPU family number, got ",
+              profile.family);
+  g_profile_cores = profile.cores;
+  g_profile_family = profile.family;
+}
+
+DeviceProfile executor_profile() { return DeviceProfile{g_profile_cores.load(), g_profile_family.load()}; }
 
 PipelineInfo executor_pipeline(const std::string& library_name, const std::string& kernel) {
   {

@@ -57,6 +57,13 @@ void check_threads(const Launch& l, const PipelineInfo& p) {
 
 }  // namespace
 
+DeviceProfile device_profile(const c10::Device& device) {
+#ifdef __APPLE__
+  if (device.is_mps()) return metal_profile();
+#endif
+  return executor_profile();
+}
+
 void launch(const Launch& l) {
   c10::optional<c10::Device> device;
   for (const auto& a : l.args) {

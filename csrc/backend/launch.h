@@ -57,6 +57,26 @@ struct PipelineInfo {
   uint64_t max_threads_per_threadgroup;
 };
 
+// The GPU a launch runs on, as far as the op layer's launch geometry needs
+// it (ops/kernel_choice.h). The Metal backend reads its GPU's once per
+// process; the executor's stands for whichever Mac a test chooses (default:
+// the largest, kExecutorDefaultProfile), so that CI runs the geometry of a
+// small and of a large GPU.
+struct DeviceProfile {
+  int64_t cores;   // GPU cores
+  int64_t family;  // Apple GPU family (MTLGPUFamilyApple<N>): 7 (M1), 8 (M2), 9 (M3, M4); 0 if unknown
+};
+// An M3 Ultra: the most cores of any Mac, and the geometry every decode
+// kernel had before it took a profile.
+constexpr DeviceProfile kExecutorDefaultProfile{80, 9};
+// The profile of the GPU that runs launches on `device` (MPS: the Mac's;
+// CPU: the executor's).
+DeviceProfile device_profile(const c10::Device& device);
+// Test hook: the GPU the executor stands for. Cores must be at least 1.
+void set_executor_profile(const DeviceProfile& profile);
+DeviceProfile executor_profile();
+DeviceProfile metal_profile();  // macOS only (metal.mm)
+
 // Runs the launch on the device its tensors live on (all must agree).
 // Throws BackendUnavailable as described above.
 void launch(const Launch& launch);

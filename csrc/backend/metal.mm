@@ -111,6 +111,37 @@ PipelineInfo metal_pipeline(const std::string& library_name, const std::string& 
   throw BackendUnavailable(library_name, kernel, error);
 }
 
+// Read once: the core count through torch's MPSDevice::getCoreCount (the
+// IORegistry's "gpu-core-count" of the AGXAccelerator service, which Metal's
+// API does not expose; 0 when the registry has no such entry, as in a
+// virtual machine), the family through supportsFamily. Unknown core counts
+// take the default profile's: geometry for more cores than a GPU has costs
+// a few more threadgroups, for fewer it would leave cores idle.
+DeviceProfile metal_profile() {
+  static const DeviceProfile profile = [] {
+    DeviceProfile p{0, 0};
+    at::mps::MPSDevice* mps = at::mps::MPSDevice::getInstance();
+    try {
+      p.cores = static_cast<int64_t>(mps->getCoreCount());
+    } catch (const c10::Error&) {
+      p.cores = 0;  // the registry lookup failed
+    }
+    if (p.cores <= 0) p.cores = kExecutorDefaultProfile.cores;
+    @autoreleasepool {
+      id<MTLDevice> device = mps->device();
+      const MTLGPUFamily families[] = {MTLGPUFamilyApple9, MTLGPUFamilyApple8, MTLGPUFamilyApple7};
+      for (MTLGPUFamily f : families) {
+        if ([device supportsFamily:f]) {
+          p.family = static_cast<int64_t>(f) - static_cast<int64_t>(MTLGPUFamilyApple1) + 1;
+          break;
+        }
+      }
+    }
+    return p;
+  }();
+  return profile;
+}
+
 void metal_encode(const Launch& l) {
   id<MTLComputePipelineState> state;
   {

@@ -223,8 +223,7 @@ Reason problem_unsupported(const at::Tensor& a, const at::Tensor& b) {
 //   W[E, N, K].transpose(-2, -1)) or neither dimension is; gmm_decode_cols
 //   when b's N is contiguous (W[E, K, N]). _vec (16-byte loads) where the
 //   host checked every address such a load can touch is 16-byte aligned.
-//   8 outputs per gmm_decode_rows threadgroup: a 1024-wide gate/up
-//   projection of one token's 8 experts makes 1024 threadgroups.
+//   gmm_decode_rows threadgroups: decode_geometry (ops/kernel_choice.h).
 // - everything else: gmm_tiled, a 32 x 32 tile per threadgroup; the rows
 //   mode launches ceil(m / 32) row tiles (a tile may span groups), the
 //   K-split and batched modes one tile grid per group.
@@ -244,17 +243,23 @@ void run(const Problem& pr, const at::Tensor& offs, const std::string& types, bo
   if (decode && !cols) {
     const bool vec = p.a_k == 1 && p.b_k == 1 && aligned16(pr.a, p.a_m) && aligned16(pr.b, p.b_n) &&
                      aligned16(pr.b, p.b_batch);
+    // Chunks of rows that work at once: at most a group each (the host
+    // never reads offs), so their rows and the activation reuse are
+    // estimated from m spread over the groups.
     const int64_t outputs = p.swiglu ? p.n / 2 : p.n;
-    const int64_t per_group = GMM_ROWS_SIMDGROUPS * (p.swiglu ? GMM_ROWS_OUTPUTS / 2 : GMM_ROWS_OUTPUTS);
+    const int64_t chunks = std::max<int64_t>(std::min<int64_t>(p.m, p.groups), 1);
+    const int64_t rows = std::min<int64_t>(ceil_div(p.m, chunks), GMM_DECODE_MAX_ROWS);
+    const DecodeGeometry g = decode_geometry(device_profile(pr.b.device()), outputs, chunks,
+                                             p.swiglu ? GMM_ROWS_OUTPUTS / 2 : GMM_ROWS_OUTPUTS, true,
+                                             rows * pr.a.element_size() / item);
     name = "gmm_decode_rows_" + types + (vec ? "_vec" : "_scalar");
-    l.threadgroups = {static_cast<uint32_t>((outputs + per_group - 1) / per_group), p.m, 1};
-    l.threads_per_threadgroup = {32 * GMM_ROWS_SIMDGROUPS, 1, 1};
+    l.threadgroups = {static_cast<uint32_t>(g.threadgroups), p.m, 1};
+    l.threads_per_threadgroup = {static_cast<uint32_t>(32 * g.simdgroups), 1, 1};
   } else if (decode) {
     const bool vec = aligned16(pr.b, p.b_k) && aligned16(pr.b, p.b_batch);
-    const int64_t per_group = 32 * (vec ? 4 / item : 1);  // a lane's word (_vec) or element
     name = "gmm_decode_cols_" + types + (vec ? "_vec" : "_scalar");
-    l.threadgroups = {static_cast<uint32_t>((p.n + per_group - 1) / per_group), p.m, 1};
-    l.threads_per_threadgroup = {GMM_COLS_THREADS, 1, 1};
+    l.threadgroups = {static_cast<uint32_t>(ceil_div(p.n, decode_cols_columns(vec, item))), p.m, 1};
+    l.threads_per_threadgroup = {DECODE_COLS_THREADS, 1, 1};
   } else {
     name = "gmm_tiled_" + types;
     l.threadgroups = {(p.n + GMM_TILE_N - 1) / GMM_TILE_N, (p.m + GMM_TILE_M - 1) / GMM_TILE_M,

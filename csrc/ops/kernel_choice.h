@@ -7,6 +7,9 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
+#include "backend/launch.h"
+#include "decode_params.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -15,9 +18,9 @@ namespace mps_ext {
 // Decode kernels take 1 to 8 activation rows, in variants for 1, 2, 4, 8.
 constexpr int64_t kMaxDecodeRows = 8;
 
-// Threadgroups a launch aims at: 4 per core of an 80-core M3 Ultra (several
-// per core keep every core streaming).
-constexpr int64_t kTargetThreadgroups = 4 * 80;
+// Threadgroups a launch aims at: 4 per core (several per core keep every
+// core streaming).
+inline int64_t target_threadgroups(const DeviceProfile& gpu) { return 4 * gpu.cores; }
 
 // The dtype's name in kernel names, or nullptr for a dtype no kernel takes.
 inline const char* kernel_type_name(c10::ScalarType t) {
@@ -72,19 +75,38 @@ inline bool aligned16(const at::Tensor& t, int64_t stride) {
   return base_aligned16(t) && (stride * t.itemsize()) % 16 == 0;
 }
 
-// Decode geometry (fp8_mm.metal's fp8_gemv; gemv.metal's gemv_rows has its
-// own, linear.cpp): a threadgroup of 1 or 2 simdgroups computes `outputs`
-// outputs, N / kTargetThreadgroups rounded down to a power of two and
-// clamped to 1 .. 2 * max_per_simdgroup, so that N >= 2048 gives at least
-// kTargetThreadgroups threadgroups.
+// The geometry of the one decode kernel template (kernels_metal/decode.h:
+// gemv_rows, fp8_gemv, gmm_decode_rows): a threadgroup of `simdgroups`
+// simdgroups, each owning `outputs_per_simdgroup` outputs (1 or 2: their
+// accumulators are R x that many), all sharing one staged copy of the
+// activation rows.
+// - n: outputs of one chunk of rows; chunks: chunks of rows that work at
+//   once (1; a grouped product's groups that can have rows), so that the
+//   whole launch aims at target_threadgroups.
+// - O, the outputs of a threadgroup: n * chunks / target_threadgroups, then
+//   raised towards `reuse` while every core still has a threadgroup: reuse
+//   is the O at which the activation bytes a threadgroup stages equal its
+//   weight bytes (rows x activation size / weight size), so that the
+//   activation traffic from the caches stays within the weight's where the
+//   GPU is wide enough. Clamped to 1 .. DECODE_MAX_SIMDGROUPS * q_max.
+// - outputs per simdgroup: q_max from O >= 2 q_max on (two outputs share each
+//   activation word a lane reads), 1 below; `q_fixed` kernels always own q_max.
 struct DecodeGeometry {
   int64_t threadgroups, simdgroups, outputs_per_simdgroup;
 };
-inline DecodeGeometry decode_geometry(int64_t n, int64_t max_per_simdgroup) {
-  int64_t outputs = 1;
-  while (outputs * 2 <= std::min(n / kTargetThreadgroups, 2 * max_per_simdgroup)) outputs *= 2;
-  const int64_t simdgroups = outputs >= 2 ? 2 : 1;
-  return {ceil_div(n, outputs), simdgroups, outputs / simdgroups};
+inline DecodeGeometry decode_geometry(const DeviceProfile& gpu, int64_t n, int64_t chunks, int64_t q_max,
+                                      bool q_fixed, int64_t reuse) {
+  const int64_t work = n * std::max<int64_t>(chunks, 1);
+  int64_t outputs = std::max(work / target_threadgroups(gpu), std::min(reuse, work / gpu.cores));
+  outputs = std::clamp<int64_t>(outputs, 1, DECODE_MAX_SIMDGROUPS * q_max);
+  const int64_t q = q_fixed || outputs >= 2 * q_max ? q_max : 1;
+  const int64_t simdgroups = std::clamp<int64_t>(outputs / q, 1, DECODE_MAX_SIMDGROUPS);
+  return {ceil_div(n, simdgroups * q), simdgroups, q};
 }
+
+// The cols kernel (decode.h, decode_cols: gemv_cols, gmm_decode_cols): the
+// columns of a threadgroup, 128 bytes of each weight row with 16-byte loads
+// (8 lanes), 32 elements without.
+inline int64_t decode_cols_columns(bool vec, int64_t itemsize) { return vec ? 8 * (16 / itemsize) : 32; }
 
 }  // namespace mps_ext

@@ -31,8 +31,8 @@ const char* type_name(c10::ScalarType t) {
 }
 
 // gemv_cols: how many threadgroups split K. The fewest that make
-// kTargetThreadgroups with the column blocks, within limits:
-// - every threadgroup takes at least one chunk of GEMV_COLS_K_CHUNK rows;
+// target_threadgroups with the column blocks, within limits:
+// - every threadgroup takes at least one chunk of DECODE_COLS_K_CHUNK rows;
 // - the partial sums, written and read back once each (2 * splits * rows *
 //   N floats), stay within half the weight's bytes (K * N * itemsize), so
 //   that a small K with many rows keeps fewer threadgroups rather than
@@ -43,14 +43,16 @@ const char* type_name(c10::ScalarType t) {
 // Splitting costs a second dispatch, gemv_cols_finish, which adds the splits'
 // sums in a fixed order: one kernel launch and a wait for the first to drain
 // (a few microseconds on a GPU), against a weight the columns alone would
-// spread over a tenth of an 80-core GPU (N = 4096 in half: 64 blocks). The
+// spread over a fifth of an 80-core GPU's threadgroups (N = 4096 in half: 64
+// blocks). The
 // alternatives need more: float atomics on y lose the fixed order and need y
 // zeroed first, and a last-threadgroup-finishes counter needs a zeroed
 // counter buffer, itself a fill (a blit or a dispatch) on every call.
-int64_t cols_splits(int64_t blocks, int64_t k, int64_t rows, int64_t itemsize) {
-  if (blocks >= kTargetThreadgroups || k == 0) return 1;
-  const int64_t chunks = (k + GEMV_COLS_K_CHUNK - 1) / GEMV_COLS_K_CHUNK;
-  int64_t splits = (kTargetThreadgroups + blocks - 1) / blocks;
+int64_t cols_splits(const DeviceProfile& gpu, int64_t blocks, int64_t k, int64_t rows, int64_t itemsize) {
+  const int64_t target = target_threadgroups(gpu);
+  if (blocks >= target || k == 0) return 1;
+  const int64_t chunks = (k + DECODE_COLS_K_CHUNK - 1) / DECODE_COLS_K_CHUNK;
+  int64_t splits = (target + blocks - 1) / blocks;
   splits = std::min({splits, chunks, k * itemsize / (16 * rows), INT32_MAX / chunks});
   return std::max<int64_t>(splits, 1);
 }
@@ -64,14 +66,13 @@ int64_t cols_splits(int64_t blocks, int64_t k, int64_t rows, int64_t itemsize) {
 //   rows along N aligned. Storage offsets or pointers that break alignment
 //   take element loads.
 // - Row variant: the smallest of 1, 2, 4, 8 activation rows that holds them.
-// - Both aim at kTargetThreadgroups (4 per core of an 80-core GPU), with as
-//   much work per threadgroup as that leaves:
-//   gemv_rows: O = N / 320 outputs per threadgroup (1 to 16): Q = 2 outputs
-//   per simdgroup from 4 on (they share each activation piece), O / Q
-//   simdgroups, which share each staged activation tile. N >= 2048 gives at
-//   least 320 threadgroups (N = 4096: 342 of 12 outputs).
+// - Both aim at target_threadgroups (4 per core of the GPU's profile), with
+//   as much work per threadgroup as that leaves:
+//   gemv_rows: decode_geometry (ops/kernel_choice.h), up to 16 outputs per
+//   threadgroup, Q = 2 per simdgroup from 4 on.
 //   gemv_cols: a threadgroup owns 128 bytes of columns (32 elements without
-//   VEC); when those blocks are fewer than 320, K is split (cols_splits).
+//   VEC); when those blocks are fewer than the target, K is split
+//   (cols_splits).
 void run(const Problem& pr) {
   const int64_t rows = pr.x.size(0), n = pr.w.size(0);
   TORCH_CHECK(rows >= 1 && rows <= kMaxDecodeRows, "mps_ext linear: ", rows, " rows reached the GEMV kernel");
@@ -96,6 +97,7 @@ void run(const Problem& pr) {
 
   const int64_t variant = row_variant(rows);
   const int64_t itemsize = pr.w.itemsize();
+  const DeviceProfile gpu = device_profile(pr.w.device());
   const std::string type = type_name(pr.w.scalar_type());
   const bool cols = p.w_n_stride == 1 && p.w_k_stride != 1 && n > 1;
   // Without a bias the output stands in for buffer 4, and without a split
@@ -109,33 +111,29 @@ void run(const Problem& pr) {
   };
   if (cols) {
     const bool vec = aligned16(pr.w, p.w_k_stride);
-    const int64_t columns = vec ? 8 * (16 / itemsize) : 32;  // of a threadgroup
-    const int64_t blocks = (n + columns - 1) / columns;
-    const int64_t splits = cols_splits(blocks, p.k, rows, itemsize);
+    const int64_t blocks = ceil_div(n, decode_cols_columns(vec, itemsize));
+    const int64_t splits = cols_splits(gpu, blocks, p.k, rows, itemsize);
     if (splits > 1) {
       p.splits = static_cast<uint32_t>(splits);
       partials = at::empty({splits, rows, n}, pr.x.options().dtype(at::kFloat));
     }
     launch(Launch{"gemv", "gemv_cols_" + type + "_r" + std::to_string(variant) + (vec ? "_vec" : "_scalar"), args(),
-                  {static_cast<uint32_t>(blocks), p.splits, 1}, {GEMV_COLS_THREADS, 1, 1}});
+                  {static_cast<uint32_t>(blocks), p.splits, 1}, {DECODE_COLS_THREADS, 1, 1}});
     if (p.splits > 1)
       launch(Launch{"gemv", "gemv_cols_finish_" + type, args(),
-                    {static_cast<uint32_t>((n + GEMV_COLS_THREADS - 1) / GEMV_COLS_THREADS),
+                    {static_cast<uint32_t>((n + DECODE_COLS_THREADS - 1) / DECODE_COLS_THREADS),
                      static_cast<uint32_t>(rows), 1},
-                    {GEMV_COLS_THREADS, 1, 1}});
+                    {DECODE_COLS_THREADS, 1, 1}});
     return;
   }
   const bool vec = p.w_k_stride == 1 && p.x_k_stride == 1 && aligned16(pr.w, p.w_n_stride) &&
                    aligned16(pr.x, rows > 1 ? p.x_row_stride : 0);
-  const int64_t outputs = std::clamp<int64_t>(n / kTargetThreadgroups, 1, 16);
-  const int64_t per_simdgroup = outputs >= 4 ? 2 : 1;
-  const int64_t simdgroups = outputs / per_simdgroup;
-  const int64_t per_group = simdgroups * per_simdgroup;
+  const DecodeGeometry g = decode_geometry(gpu, n, 1, 2, false, rows);
   launch(Launch{"gemv",
-                "gemv_rows_" + type + "_r" + std::to_string(variant) + "_q" + std::to_string(per_simdgroup) +
+                "gemv_rows_" + type + "_r" + std::to_string(variant) + "_q" + std::to_string(g.outputs_per_simdgroup) +
                     (vec ? "_vec" : "_scalar"),
-                args(), {static_cast<uint32_t>((n + per_group - 1) / per_group), 1, 1},
-                {static_cast<uint32_t>(32 * simdgroups), 1, 1}});
+                args(), {static_cast<uint32_t>(g.threadgroups), 1, 1},
+                {static_cast<uint32_t>(32 * g.simdgroups), 1, 1}});
 }
 
 bool kernel_dtype(c10::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }

@@ -118,6 +118,18 @@ void bind_ops(py::module_& m) {
   m.def("_set_index_limit", &set_index_limit, py::arg("limit"),
         "Largest index the 32-bit kernel variants may compute; <= 0 restores 2^31 - 1 (tests run the 64-bit "
         "variants on small tensors with it).");
+  m.def(
+      "_set_executor_profile",
+      [](int64_t cores, int64_t family) { set_executor_profile(DeviceProfile{cores, family}); },
+      py::arg("cores"), py::arg("family"),
+      "The GPU the executor stands for in the ops' launch geometry (cpu_metal.set_gpu).");
+  m.def(
+      "_device_profile",
+      [](const std::string& device) {
+        const DeviceProfile p = device_profile(c10::Device(device));
+        return std::make_pair(p.cores, p.family);
+      },
+      py::arg("device"), "(cores, family) of the GPU the ops' launch geometry assumes on `device` ('cpu', 'mps').");
   m.def("_clear_unavailable", [](const std::string& fam) { family(fam).clear_unavailable(); }, py::arg("family"));
   m.def("_simulate_metal_backend", &set_metal_backend_present, py::arg("present"),
         "Test hook: 1 behaves as if a Metal GPU backend were present (a Mac: CPU tensors reach the executor only "

@@ -58,7 +58,7 @@ DispatchError = _C.DispatchError
 
 __all__ = [
     "compile_library", "Library", "DispatchStats", "KernelInfo", "record", "set_default_seed", "worker_count",
-    "FULL_OCCUPANCY_REGISTERS", "MAX_REGISTERS", "occupancy", "registers_for",
+    "FULL_OCCUPANCY_REGISTERS", "MAX_REGISTERS", "occupancy", "registers_for", "GPU", "gpu", "set_gpu",
     "THREADGROUP_MEMORY_PER_CORE", "MAX_THREADGROUP_MEMORY", "threadgroups_per_core",
     "run_model", "ModelReport", "CompileError", "Diagnostic", "KernelError", "OutOfBoundsError",
     "MisalignedAccessError",
@@ -144,6 +144,39 @@ def threadgroups_per_core(threadgroup_memory: int, threads: int, registers: int 
     if threadgroup_memory > MAX_THREADGROUP_MEMORY:
         return 0
     return min(by_threads, THREADGROUP_MEMORY_PER_CORE // threadgroup_memory)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    """The GPU the ops' launch geometry assumes (csrc/ops/kernel_choice.h):
+    its core count and Apple GPU family (7: M1, 8: M2, 9: M3 and M4; 0:
+    unknown). On a Mac it is read from the GPU once; the executor stands
+    for whichever one set_gpu names, by default the largest (an 80-core M3
+    Ultra)."""
+
+    cores: int
+    family: int = 9
+
+
+def gpu(device: str = "cpu") -> GPU:
+    """The GPU the ops' launch geometry assumes on `device` ("cpu": the
+    executor's, "mps": the Mac's)."""
+    cores, family = _C._device_profile(device)
+    return GPU(cores, family)
+
+
+def set_gpu(profile: GPU) -> GPU:
+    """Let the executor stand for `profile` in the ops' launch geometry
+    (tests sweep a small and a large GPU with it); returns the one before."""
+    if not isinstance(profile, GPU):
+        raise TypeError(f"set_gpu takes a cpu_metal.GPU, not {type(profile).__name__}")
+    if profile.cores < 1:
+        raise ValueError(f"a GPU has at least 1 core, got cores={profile.cores}")
+    if profile.family < 0:
+        raise ValueError(f"a GPU family is 0 (unknown) or an Apple GPU family number (7, 8, 9), got {profile.family}")
+    before = gpu()
+    _C._set_executor_profile(int(profile.cores), int(profile.family))
+    return before
 
 
 def set_default_seed(seed: int) -> None:

@@ -294,7 +294,11 @@ def test_decode_reads_each_weight_byte_once_with_16_byte_loads(rows, recipe):
     wi = d.buffer("w")
     assert d.bytes_read[wi] == w.nbytes
     assert d.read_widths[wi] == {16: w.nbytes // 16}
-    assert d.total_threadgroups >= 320
+    # 4 threadgroups per core of the executor's 80-core GPU; at 8 rows fewer,
+    # larger ones (decode_geometry), so that the activation bytes they stage
+    # stay within the weight's: still at least one per core.
+    assert d.total_threadgroups >= (320 if rows < 8 else 80)
+    assert d.bytes_read[d.buffer("x")] <= d.bytes_read[wi]
 
 
 @pytest.mark.parametrize("m", [64, 96])

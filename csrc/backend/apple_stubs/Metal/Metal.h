@@ -15,6 +15,13 @@ typedef NS_ENUM(NSUInteger, MTLLanguageVersion){
     MTLLanguageVersion3_1 = (3 << 16) + 1,
 };
 
+typedef NS_ENUM(NSInteger, MTLGPUFamily){
+    MTLGPUFamilyApple1 = 1001,
+    MTLGPUFamilyApple7 = 1007,
+    MTLGPUFamilyApple8 = 1008,
+    MTLGPUFamilyApple9 = 1009,
+};
+
 @protocol MTLFunction <NSObject>
 @end
 
@@ -35,6 +42,7 @@ typedef NS_ENUM(NSUInteger, MTLLanguageVersion){
 @end
 
 @protocol MTLDevice <NSObject>
+- (BOOL)supportsFamily:(MTLGPUFamily)gpuFamily;
 - (id<MTLLibrary>)newLibraryWithSource:(NSString*)source options:(MTLCompileOptions*)options error:(NSError**)error;
 - (id<MTLComputePipelineState>)newComputePipelineStateWithFunction:(id<MTLFunction>)computeFunction
                                                              error:(NSError**)error;

@@ -1,0 +1,463 @@
+// The one decode matrix-vector template: 1 to 8 activation rows against a
+// weight whose bytes must stream from memory exactly once, every weight
+// element loaded once and applied to all rows, accumulation in float. It
+// serves every decode kernel whose weight is contiguous along K: gemv_rows
+// (gemv.metal: float, half, bfloat), fp8_gemv (fp8_mm.metal: float8 weights
+// with tensor, row or block scales under any activation type) and
+// gmm_decode_rows (grouped_mm.metal: rows gathered by expert), as MLX serves
+// its dense, batched and gathered GEMV from one kernel with a loader policy.
+//
+// What differs between them is two policies, so adding a weight format is
+// one format struct and adding a family one job:
+// - element formats (DecodeFloat<T>, DecodeFp8): how a 32-bit word of the
+//   stored type becomes floats (`word`), one element (`one`), and the unit
+//   the sums are multiplied by at the end (fp8 decodes e4m3 as x / 256);
+// - the job: where each activation row starts (the row source: dense rows,
+//   or rows gathered by expert into threadgroup memory), the weight row of
+//   each output a simdgroup owns, block scales (staged per tile, applied per
+//   16-byte piece) or none, and how the sums are stored.
+//
+// The work: a simdgroup owns Q weight rows; its lanes take consecutive
+// pieces of them (16 bytes with VEC, one element without), so a simdgroup
+// reads 512 contiguous bytes of a row per load instruction. The threadgroup
+// stages the rows' activations in threadgroup memory, DECODE_TILE_BYTES of
+// them a step along K, so its simdgroups (up to 8) share one copy: the
+// activation bytes a threadgroup reads from the caches are the rows' bytes
+// once, against the weight bytes of all its outputs.
+//
+// Registers: these kernels are memory-bound, so they need every thread a
+// core can hold (full occupancy) to keep loads in flight: R * Q
+// accumulators + U * Q pieces in flight (4 registers each) stay within the job's budget of 24 (or
+// less where it keeps more of its own live), the rest of
+// cpu_metal.FULL_OCCUPANCY_REGISTERS for the converted words and addresses.
+#pragma once
+#include "decode_params.h"
+#include "fp8_codec.h"
+#include "pieces.h"
+
+// -------------------------------------------------------- element formats --
+template <typename TT>
+struct DecodeFloat {
+  typedef TT T;
+  MPS_EXT_INLINE void word(uint bits, thread float* v) const { word_floats(bits, v, T(0)); }
+  MPS_EXT_INLINE float one(T x) const { return float(x); }
+  MPS_EXT_INLINE float unit() const { return 1.0f; }
+};
+
+struct DecodeFp8 {
+  typedef uchar T;
+  bool e5m2;  // else e4m3fn
+  MPS_EXT_INLINE void word(uint bits, thread float* v) const {
+    const float4 f = fp8x4_decode(bits, e5m2);
+    MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) v[i] = f[i];
+  }
+  MPS_EXT_INLINE float one(T x) const { return fp8_decode(x, e5m2); }
+  MPS_EXT_INLINE float unit() const { return fp8_unit_of(e5m2); }
+};
+
+// The format's float8 flavour, where it has one (e4m3fn unless e5m2).
+MPS_EXT_INLINE void decode_format_e5m2(thread DecodeFp8& f, bool e5m2) { f.e5m2 = e5m2; }
+template <typename T>
+MPS_EXT_INLINE void decode_format_e5m2(thread DecodeFloat<T>&, bool) {}
+
+// ------------------------------------------------------------- the tile --
+// Pieces of each activation row a tile holds: DECODE_TILE_BYTES over the
+// rows (at least one per lane), fewer with block scales. WA: words of an
+// activation piece (the activations of one weight piece), E: weights of a
+// piece.
+constexpr int decode_tile_pieces(int R, int WA, int E, bool scaled) {
+  const int bytes = DECODE_TILE_BYTES / (R * WA * 4);
+  const int pieces = bytes < 32 ? 32 : bytes;
+  return scaled && pieces * E > DECODE_SCALED_TILE_ELEMENTS ? DECODE_SCALED_TILE_ELEMENTS / E : pieces;
+}
+// Words from one word of a row's pieces to the next: word w of piece c of
+// row r is at (r * WA + w) * stride + c, so that a simdgroup reading one word
+// of 32 consecutive pieces hits 32 banks. Threads stage consecutive 16-byte
+// quarters of a piece (AW of them) and pieces: the padding 8 / AW puts
+// those AW quarters' words 32 / AW banks apart, so one store instruction
+// also hits 32 banks.
+constexpr int decode_tile_stride(int pieces, int AW, bool vec) { return vec && AW > 1 ? pieces + 8 / AW : pieces; }
+
+template <typename TX, typename TW, bool VEC>
+struct DecodeShape {
+  enum {
+    E = VEC ? 16 / int(sizeof(TW)) : 1,              // weights of a piece
+    NW = VEC ? 4 / int(sizeof(TW)) : 1,              // weights of a weight word
+    AW = VEC ? int(sizeof(TX)) / int(sizeof(TW)) : 1,  // activation words of a weight word
+    WA = VEC ? 4 * AW : 1,                           // activation words of a piece
+  };
+};
+
+// Threadgroup words of the tile at R rows.
+template <typename TX, typename TW, bool VEC, bool SCALED>
+constexpr int decode_tile_words(int R) {
+  typedef DecodeShape<TX, TW, VEC> S;
+  return R * S::WA * decode_tile_stride(decode_tile_pieces(R, S::WA, S::E, SCALED), S::AW, VEC);
+}
+// ... at the most of any R (a kernel that picks R at run time).
+template <typename TX, typename TW, bool VEC, bool SCALED>
+constexpr int decode_tile_words_any() {
+  int most = 0;
+  for (int R = 1; R <= 8; R *= 2) {
+    const int w = decode_tile_words<TX, TW, VEC, SCALED>(R);
+    most = w > most ? w : most;
+  }
+  return most;
+}
+
+// A lane's piece of a weight row, as bits: 16 bytes with VEC; without, one
+// element converted to float, in .x (the other words are never used, so
+// they take no registers).
+template <typename WF, bool VEC>
+MPS_EXT_INLINE uint4 decode_piece(thread const WF& wf, const device typename WF::T* p) {
+  if (VEC) return *(const device uint4*)p;
+  return uint4(as_type<uint>(wf.one(*p)), 0u, 0u, 0u);
+}
+
+// ---------------------------------------------------------- the kernel --
+// Run by every thread of the threadgroup (it has barriers). R: a power of
+// two >= job.rows; rows past them stage as 0. `tile`: decode_tile_words
+// words of threadgroup memory.
+//
+// The job (see the file comment) provides: X and W, the element formats,
+// as members xf and wf; BLOCK_SCALED and BUDGET (enum); rows, k, x_k (the
+// activation's stride along K, used without VEC), w_k (the weight's);
+// x_row(r), the first activation of row r; live(q) and w_row(q), whether
+// the simdgroup's output q exists and its weight row; stage_scales(k0,
+// elements, tid, threads), x_scale(r, block of the tile) and w_scale(q,
+// block of the tile) for a tile's block scales, tail_scale(r, q, block)
+// for the elements past the tiles;
+// and store(r, totals of the Q outputs, lane).
+template <typename Job, int R, int Q, bool VEC>
+MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, uint tid, uint threads, uint lane) {
+  typedef typename Job::X XF;
+  typedef typename Job::W WF;
+  typedef DecodeShape<typename XF::T, typename WF::T, VEC> Shape;
+  constexpr int E = Shape::E, NW = Shape::NW, AW = Shape::AW, WA = Shape::WA;
+  constexpr bool SCALED = Job::BLOCK_SCALED != 0;
+  constexpr int TP = decode_tile_pieces(R, WA, E, SCALED), TS = decode_tile_stride(TP, AW, VEC);
+  constexpr int U = rows_pieces_per_output(R, Q, TP, int(Job::BUDGET));
+  static_assert(AW >= 1, "activations at least as wide as the weights");
+  // Every full tile takes each lane the same number of steps of 32 * U
+  // pieces: a lane's pieces are consecutive across tiles, and its weight
+  // pointers just advance.
+  static_assert(TP % (32 * U) == 0, "a tile is whole steps");
+  static_assert(!SCALED || (TP * E) % 128 == 0, "a tile is whole scale blocks");
+
+  const int rows = job.rows, K = job.k;
+  const long w_k = VEC ? 1 : job.w_k;
+  const long u_step = 32 * E * w_k;  // from a lane's piece to its next one
+  bool live[Q];
+  const device typename WF::T* wp[Q];  // the lane's next piece of each weight row
+  float acc[R][Q];
+  MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+    live[q] = job.live(q);
+    wp[q] = job.w_row(q) + long(lane) * E * w_k;
+    MPS_EXT_UNROLL for (int r = 0; r < R; ++r) acc[r][q] = 0.0f;
+  }
+
+  // Elements whole pieces cover (all of them without VEC); the rest first.
+  const int k_pieces = VEC ? K / E * E : K;
+  // The last K % E elements (VEC only: fewer than a piece, so one a lane),
+  // first: what they need is not kept through the loop.
+  const int k = k_pieces + int(lane);
+  if (k < K) {
+    MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+      if (!live[q]) continue;
+      const float wk = job.wf.one(job.w_row(q)[k]);
+      MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+        if (r >= rows) continue;
+        const float v = job.xf.one(job.x_row(r)[k]) * wk;
+        acc[r][q] += SCALED ? v * job.tail_scale(r, q, k / 128) : v;
+      }
+    }
+  }
+
+  for (int k0 = 0; k0 < k_pieces; k0 += TP * E) {
+    const int pieces = min(TP * E, k_pieces - k0) / E;  // of each row in this tile
+    // Consecutive threads stage consecutive 16-byte quarters of a row's
+    // pieces (VEC), or elements as floats; rows past `rows` stage as zeros,
+    // so that the products need no check.
+    for (int i = int(tid); i < R * TP * AW; i += int(threads)) {
+      const int r = i / (TP * AW), c = i / AW % TP, h = i % AW;
+      if (c >= pieces) continue;
+      if (VEC) {
+        const device typename XF::T* at = job.x_row(r) + k0 + c * E + h * (16 / int(sizeof(typename XF::T)));
+        const uint4 v = r < rows ? *(const device uint4*)at : uint4(0u);
+        MPS_EXT_UNROLL for (int j = 0; j < 4; ++j) tile[(r * WA + h * 4 + j) * TS + c] = v[j];
+      } else {
+        tile[r * TS + c] = as_type<uint>(r < rows ? job.xf.one(job.x_row(r)[long(k0 + c) * job.x_k]) : 0.0f);
+      }
+    }
+    if (SCALED) job.stage_scales(k0, pieces * E, tid, threads);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int c = int(lane); c < pieces; c += 32 * U) {
+      uint4 wv[U][Q];
+      MPS_EXT_UNROLL for (int u = 0; u < U; ++u)
+        MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
+          wv[u][q] = live[q] && c + 32 * u < pieces ? decode_piece<WF, VEC>(job.wf, wp[q] + u * u_step) : uint4(0u);
+      MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
+        // Past the tile's pieces there is nothing to add (not even 0 times
+        // a staged value: an inf activation would make it NaN).
+        const int cu = c + 32 * u;
+        if (cu >= pieces) continue;
+        // Block scales: a piece lies in one 128-wide block of K. The
+        // weight's scale multiplies each weight as it is converted, the
+        // activation row's each word's products (no partial sums to keep).
+        // (Rows past `rows` and outputs that do not exist have no scales
+        // staged: their products are 0.)
+        const int block = SCALED ? cu * E / 128 : 0;  // of the tile
+        float ws[Q];
+        MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) ws[q] = SCALED && live[q] ? job.w_scale(q, block) : 1.0f;
+        // A weight word of each output at a time, converted once for all
+        // rows: only one is live per output.
+        MPS_EXT_UNROLL for (int j = 0; j < (VEC ? 4 : 1); ++j) {
+          float wf[Q][4];  // (NW used)
+          MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+            if (VEC) job.wf.word(wv[u][q][j], wf[q]);
+            else wf[q][0] = as_type<float>(wv[u][q].x);
+            if (SCALED) {
+              MPS_EXT_UNROLL for (int e = 0; e < NW; ++e) wf[q][e] *= ws[q];
+            }
+          }
+          MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+            float xf[4];  // the activations of the weight word (NW used)
+            MPS_EXT_UNROLL for (int i = 0; i < AW; ++i) {
+              const uint xw = tile[(r * WA + j * AW + i) * TS + cu];
+              if (VEC) job.xf.word(xw, xf + i * (NW / AW));
+              else xf[0] = as_type<float>(xw);
+            }
+            const float xs = SCALED && r < rows ? job.x_scale(r, block) : 0.0f;
+            MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+              float d = SCALED ? 0.0f : acc[r][q];
+              MPS_EXT_UNROLL for (int e = 0; e < NW; ++e) d += xf[e] * wf[q][e];
+              acc[r][q] = SCALED ? acc[r][q] + d * xs : d;
+            }
+          }
+        }
+      }
+      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wp[q] += U * u_step;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+    if (r >= rows) continue;  // (not break: the loop must unroll, acc stay in registers)
+    float total[Q];
+    MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) total[q] = simd_sum(acc[r][q]);
+    job.store(r, total, lane);
+  }
+}
+
+// A job's parts that need no block scales.
+struct DecodeUnscaled {
+  enum { BLOCK_SCALED = 0 };
+  MPS_EXT_INLINE void stage_scales(int, int, uint, uint) const {}
+  MPS_EXT_INLINE float x_scale(int, int) const { return 1.0f; }
+  MPS_EXT_INLINE float w_scale(int, int) const { return 1.0f; }
+  MPS_EXT_INLINE float tail_scale(int, int, int) const { return 1.0f; }
+};
+
+// ------------------------------------------------------ the cols kernel --
+// The decode kernel of a weight whose N dimension is contiguous (x @ W with
+// W [K, N]): gemv_cols (gemv.metal) and gmm_decode_cols (grouped_mm.metal).
+// A threadgroup owns 128 bytes of columns (one cache line of each weight
+// row) and a range of K: 8 lanes cover the columns with 16-byte loads, 4
+// lanes and 8 simdgroups split the rows, and the partial sums add up
+// through shuffles and threadgroup memory. When the columns alone give too
+// few threadgroups, the host splits K over several (the job stores partial
+// sums; gemv_cols_finish adds them).
+// Registers: at most 16 accumulators (lanes along K in groups of 2 or 4
+// swap parts of their pieces) + U pieces in flight (at most 20 together) +
+// one activation and a piece's floats.
+//
+// A lane's 16-byte piece holds E columns of one row of K. Lanes along K
+// in groups of G (rows k, k + 1, ... of one step, the same columns) swap
+// parts of their pieces so that each accumulates OWN = E / G columns of all
+// G rows: G = 1, 2 or 4, so that no lane holds more than 16 accumulators.
+constexpr int cols_group(int E, int R, bool VEC) { return !VEC ? 1 : E * R > 32 ? 4 : E * R > 16 ? 2 : 1; }
+
+// V floats to threadgroup memory, one store (V = 1, 2 or 4).
+template <int V>
+MPS_EXT_INLINE void store_floats(threadgroup float* p, thread const float* v);
+template <>
+MPS_EXT_INLINE void store_floats<1>(threadgroup float* p, thread const float* v) { *p = v[0]; }
+template <>
+MPS_EXT_INLINE void store_floats<2>(threadgroup float* p, thread const float* v) {
+  *(threadgroup float2*)p = float2(v[0], v[1]);
+}
+template <>
+MPS_EXT_INLINE void store_floats<4>(threadgroup float* p, thread const float* v) {
+  *(threadgroup float4*)p = float4(v[0], v[1], v[2], v[3]);
+}
+
+// The threadgroup memory the kernel passes: the partial sums (a round of
+// them: each simdgroup's, for DECODE_COLS_THREADS outputs), and the
+// activation ring of R rows.
+constexpr int decode_cols_partial_words() { return DECODE_COLS_THREADS / 32 * DECODE_COLS_THREADS; }
+template <typename T, bool VEC>
+constexpr int decode_cols_ring_words(int R) {
+  const int E = VEC ? 16 / int(sizeof(T)) : 1, LN = VEC ? 8 : 32, RS = (DECODE_COLS_THREADS / 32) * (32 / LN);
+  const int G = cols_group(E, R, VEC), OWN = E / G;
+  const int U = !VEC || R * OWN <= 4 ? 4 : R * OWN <= 12 ? 2 : 1;
+  return R * 3 * U * RS;
+}
+template <typename T, bool VEC>
+constexpr int decode_cols_ring_words_any() {
+  int most = 0;
+  for (int R = 1; R <= 8; R *= 2) most = decode_cols_ring_words<T, VEC>(R) > most ? decode_cols_ring_words<T, VEC>(R) : most;
+  return most;
+}
+
+// The job provides X and W (formats, as xf and wf: DecodeFloat types,
+// whose pieces pack16 rebuilds), rows, n, k, splits (of K; the split this
+// threadgroup takes is `split`), x_row(r) and x_k, w (the weight's element
+// [0, 0]), w_k and w_n, and store(r, n, total, split). `block`: the
+// threadgroup's block of columns.
+template <typename Job, int R, bool VEC>
+MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partial, threadgroup float* x_tile,
+                                uint block, uint split, uint tid, uint sg, uint lane) {
+  typedef typename Job::W WF;
+  typedef typename WF::T T;
+  constexpr int E = VEC ? 16 / int(sizeof(T)) : 1;  // columns of a lane's piece
+  constexpr int LN = VEC ? 8 : 32;       // lanes along N: 128 bytes of a row with VEC
+  constexpr int LK = 32 / LN;            // lanes along K
+  constexpr int CB = LN * E;             // columns of the threadgroup
+  constexpr int S = DECODE_COLS_THREADS / 32;
+  constexpr int RS = S * LK;             // rows of K a threadgroup step covers
+  constexpr int G = cols_group(E, R, VEC);  // lanes along K that share their pieces
+  constexpr int OWN = E / G;                // columns a lane accumulates
+  constexpr int WO = 4 / G;                 // words of each row's piece it keeps (VEC)
+  // Pieces a lane loads before it uses the first: 4 while the accumulators
+  // are few, fewer as they grow (registers: accumulators + 4 U <= 20; U a
+  // power of two, for the activation ring below). Element loads: 4 (a piece
+  // is one register; 4 steps of 8 rows stage 32 consecutive activations of
+  // a row per simdgroup).
+  constexpr int U = !VEC || R * OWN <= 4 ? 4 : R * OWN <= 12 ? 2 : 1;
+  constexpr int RB = DECODE_COLS_THREADS / CB;  // rows of partial sums per round through threadgroup memory
+  // The activations of two steps of U * RS rows of K, as float: row r of x
+  // at k in x_tile[r][k % (2 * TK)], a ring. Staged by consecutive threads
+  // along k (coalesced reads of each row, stores to consecutive words); read
+  // one float at a time, by the lanes of a row of K at one address (a
+  // broadcast). Consecutive steps fill alternate halves, so one barrier a
+  // step suffices (a thread staging step i + 2 passed the barrier of step
+  // i + 1, which every thread reaches after it used step i); and the
+  // addresses a lane reads change with the step, so that a compiler keeps
+  // no R * U addresses of its own live through the loop.
+  // Rows of the ring XS = RING + TK words apart: where a simdgroup stages
+  // several rows at once (TK < 32), they fall in distinct banks.
+  constexpr int TK = U * RS;
+  constexpr int RING = 2 * TK, XS = RING + TK;
+  static_assert((RING & (RING - 1)) == 0, "the ring is a power of two");
+
+  const int rows = job.rows;
+  const int nq = int(lane) % LN, kq = int(lane) / LN;
+  const long col0 = long(block) * CB + nq * E;
+  const long left = job.n - col0;
+  const int ncols = left <= 0 ? 0 : left >= E ? E : int(left);  // columns of the piece that exist
+  // K fits in 31 bits (the host checks the activation's offsets).
+  const int K = job.k, chunks = (K + DECODE_COLS_K_CHUNK - 1) / DECODE_COLS_K_CHUNK, splits = job.splits;
+  const int k_begin = int(split) * chunks / splits * DECODE_COLS_K_CHUNK;
+  const int k_end = min((int(split) + 1) * chunks / splits * DECODE_COLS_K_CHUNK, K);
+  const int lane_row = int(sg) * LK + kq;  // this lane's row within a step
+
+  float acc[R][OWN];
+  MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
+    MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e) acc[r][e] = 0.0f;
+
+  // The weight pointer advances by a step's rows: no 64-bit multiply in the loop.
+  const device T* wp = job.w + long(k_begin + lane_row) * job.w_k + col0 * job.w_n;
+  const long w_step = RS * job.w_k;
+  for (int tile_k = k_begin; tile_k < k_end; tile_k += TK) {
+    // The weight pieces first: they are in flight while the tile is staged.
+    uint4 wv[U];
+    MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
+      const bool ok = tile_k + u * RS + lane_row < k_end;
+      const device T* wu = wp + u * w_step;
+      if (ok && ncols == E) {
+        wv[u] = decode_piece<WF, VEC>(job.wf, wu);
+      } else {  // past K, or a piece past the last column: its elements one by one, zeros beyond
+        float v[E];
+        MPS_EXT_UNROLL for (int e = 0; e < E; ++e) v[e] = ok && e < ncols ? job.wf.one(wu[e * job.w_n]) : 0.0f;
+        wv[u] = VEC ? pack16<E>(v, T(0)) : uint4(as_type<uint>(v[0]), 0u, 0u, 0u);
+      }
+    }
+    // Rows past K (and activation rows past `rows`) stage as 0, so that the
+    // products below need no checks: their weights are 0 too.
+    for (int t = int(tid); t < R * TK; t += DECODE_COLS_THREADS) {
+      const int r = t / TK, k = tile_k + t % TK;
+      x_tile[r * XS + (k & (RING - 1))] = r < rows && k < k_end ? job.xf.one(job.x_row(r)[long(k) * job.x_k]) : 0.0f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
+      const int k = tile_k + u * RS + lane_row;
+      const int g = kq % G;
+      // Lane g ^ m of the group holds row k - g + (g ^ m): it sends this
+      // lane its part g of that row's piece, and takes part g ^ m of ours.
+      MPS_EXT_UNROLL for (int m = 0; m < G; ++m) {
+        float wf[OWN];
+        if (VEC) {
+          MPS_EXT_UNROLL for (int i = 0; i < WO; ++i) {
+            uint word = wv[u][(g ^ m) * WO + i];
+            if (m > 0) word = simd_shuffle_xor(word, ushort(m * LN));
+            job.wf.word(word, wf + i * (OWN / WO));
+          }
+        } else {
+          wf[0] = as_type<float>(wv[u].x);
+        }
+        const int slot = (k - g + (g ^ m)) & (RING - 1);
+        MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+          const float xr = x_tile[r * XS + slot];
+          MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e) acc[r][e] += xr * wf[e];
+        }
+      }
+    }
+    wp += U * w_step;
+  }
+
+  // The simdgroup's sums: lanes that hold the same columns (one g in each
+  // group along K) add up across their rows of K.
+  MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
+    MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e)
+      for (ushort offset = ushort(G * LN); offset < 32; offset *= 2)
+        acc[r][e] += simd_shuffle_xor(acc[r][e], offset);
+  // Then the threadgroup's, RB rows at a time: the holders (the first group
+  // along K: holder h has columns [h * OWN, (h + 1) * OWN) of the block)
+  // write their columns, every thread adds one column of one row, so that
+  // consecutive threads write consecutive outputs. A holder stores V
+  // columns at a time; with two such chunks (OWN = 8), lanes from the fifth
+  // on store their second chunk first, so that the 8 lanes' stores of one
+  // instruction hit 32 distinct banks, not 16 twice.
+  constexpr int V = OWN >= 4 ? 4 : OWN, CHUNKS = OWN / V;
+  const bool holder = kq < G;
+  const int h = nq * G + kq % G;
+  threadgroup float* slots = partial;
+  MPS_EXT_UNROLL for (int r0 = 0; r0 < R; r0 += RB) {
+    if (r0 >= rows) break;
+    if (holder) {
+      MPS_EXT_UNROLL for (int rr = 0; rr < RB; ++rr) {
+        const int r = r0 + rr;
+        if (r >= R) break;
+        MPS_EXT_UNROLL for (int i = 0; i < CHUNKS; ++i) {
+          const int j = (i + h / (32 / OWN)) % CHUNKS;
+          float v[V];
+          MPS_EXT_UNROLL for (int t = 0; t < V; ++t) v[t] = acc[r][t];
+          MPS_EXT_UNROLL for (int jj = 1; jj < CHUNKS; ++jj)
+            if (j == jj) MPS_EXT_UNROLL for (int t = 0; t < V; ++t) v[t] = acc[r][jj * V + t];
+          store_floats<V>(slots + (int(sg) * RB + rr) * CB + h * OWN + j * V, v);
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    {
+      const int rr = int(tid) / CB, s = int(tid) % CB;
+      const int r = r0 + rr;
+      const long n = long(block) * CB + s;
+      if (r < rows && n < job.n) {
+        float total = 0.0f;
+        MPS_EXT_UNROLL for (int g = 0; g < S; ++g) total += slots[(g * RB + rr) * CB + s];
+        job.store(r, n, total, split);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
