@@ -82,3 +82,35 @@ def test_concurrent_fetches_download_once(tmp_path):
         t.join()
     assert len(made) == 1 and got == [tmp_path / "v"] * 3
     assert (tmp_path / "v" / "header.h").read_text() == "x"
+
+
+def _metal_mm_command(tmp_path, sdk: int):
+    """metal.mm's check against the stubs of one macOS SDK, deprecations as errors."""
+    tree = torch_matrix.mac_tree(tmp_path)
+    flags = torch_matrix.torch_flags(torch_matrix.fetch("2.13.0"))
+    cmd = torch_matrix.compile_command(torch_matrix.find_clang(), tree / "csrc/backend/metal.mm", tree, flags)
+    return tree / "csrc/backend/metal.mm", cmd[:1] + [f"-D__MAC_OS_X_VERSION_MAX_ALLOWED={sdk}",
+                                                       "-Werror=deprecated-declarations"] + cmd[1:]
+
+
+@pytest.mark.parametrize("sdk", [140000, 150000])
+def test_the_math_mode_compiles_with_the_sdks_of_macos_14_and_15(tmp_path, sdk):
+    """macOS 15's SDK deprecates fastMathEnabled for mathMode, which macOS 14's
+    lacks: metal.mm names each only where the SDK has it undeprecated, and
+    the stubs hold both SDKs' declarations."""
+    mm, cmd = _metal_mm_command(tmp_path, sdk)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # Unguarded, each API fails on the SDK that lacks or deprecates it.
+    text = mm.read_text()
+    start, end = text.index("void set_safe_math("), text.index("\n}\n", text.index("void set_safe_math("))
+    if sdk == 140000:
+        mm.write_text(text[:start] + "void set_safe_math(MTLCompileOptions* options) {\n"
+                      "  options.mathMode = MTLMathModeSafe;" + text[end:])
+        wrong = "mathMode"
+    else:
+        mm.write_text(text[:start] + "void set_safe_math(MTLCompileOptions* options) {\n"
+                      "  options.fastMathEnabled = NO;" + text[end:])
+        wrong = "fastMathEnabled"
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode != 0 and wrong in r.stderr, r.stderr[-3000:]

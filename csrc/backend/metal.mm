@@ -45,6 +45,29 @@ std::map<std::string, std::string> g_library_errors;
 std::map<std::string, id<MTLComputePipelineState>> g_pipelines;
 std::map<std::string, std::string> g_pipeline_errors;
 
+// Safe math (docs/contributing.md, "Math mode"): IEEE inf and NaN, as torch's
+// CPU results have them, correctly rounded division, precise functions, no
+// reassociation; a*b + c within one statement may still become one fma,
+// which the CPU executor does too. macOS 15 sets it through mathMode, which
+// replaces the deprecated fastMathEnabled; macOS 14 has only the latter
+// (NO is Safe with precise functions there). The SDK decides whether the
+// new API can be named at all.
+void set_safe_math(MTLCompileOptions* options) {
+#if defined(__MAC_OS_X_VERSION_MAX_ALLOWED) && __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
+  if (@available(macOS 15.0, *)) {
+    options.mathMode = MTLMathModeSafe;
+    options.mathFloatingPointFunctions = MTLMathFloatingPointFunctionsPrecise;
+    return;
+  }
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wdeprecated-declarations"
+#endif
+  options.fastMathEnabled = NO;
+#if defined(__MAC_OS_X_VERSION_MAX_ALLOWED) && __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
+#pragma clang diagnostic pop
+#endif
+}
+
 // The library, or nil with `error` set. Called with g_mutex held.
 id<MTLLibrary> library(id<MTLDevice> device, const std::string& name, std::string& error) {
   auto found = g_libraries.find(name);
@@ -54,8 +77,7 @@ id<MTLLibrary> library(id<MTLDevice> device, const std::string& name, std::strin
     @autoreleasepool {
       MTLCompileOptions* options = [MTLCompileOptions new];
       options.languageVersion = MTLLanguageVersion3_1;  // bfloat; macOS 14 and later
-      // IEEE semantics for inf and NaN, as torch's CPU results have them.
-      options.fastMathEnabled = NO;
+      set_safe_math(options);
       NSError* ns_error = nil;
       id<MTLLibrary> lib = [device newLibraryWithSource:[NSString stringWithUTF8String:shader_source(name)]
                                                 options:options

@@ -2,6 +2,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// The SDK's version (<Availability.h>): macOS 15's unless a check says
+// otherwise (-D__MAC_OS_X_VERSION_MAX_ALLOWED=140000).
+#ifndef __MAC_OS_X_VERSION_MAX_ALLOWED
+#define __MAC_OS_X_VERSION_MAX_ALLOWED 150000
+#endif
+
 typedef signed char BOOL;
 #define YES ((BOOL)1)
 #define NO ((BOOL)0)

@@ -36,9 +36,32 @@ typedef NS_ENUM(NSInteger, MTLGPUFamily){
 @protocol MTLBuffer <NSObject>
 @end
 
+// The SDK of macOS 15 adds mathMode and mathFloatingPointFunctions and
+// deprecates fastMathEnabled; the SDK of macOS 14 has only fastMathEnabled.
+// __MAC_OS_X_VERSION_MAX_ALLOWED (Foundation.h here, <Availability.h> in the
+// SDK) says which SDK this is, so both can be compile-checked.
+#if __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
+typedef NS_ENUM(NSInteger, MTLMathMode){
+    MTLMathModeSafe = 0,
+    MTLMathModeRelaxed = 1,
+    MTLMathModeFast = 2,
+};
+typedef NS_ENUM(NSInteger, MTLMathFloatingPointFunctions){
+    MTLMathFloatingPointFunctionsFast = 0,
+    MTLMathFloatingPointFunctionsPrecise = 1,
+};
+#define MPS_EXT_STUB_DEPRECATED_IN_15 __attribute__((deprecated("Use mathMode instead")))
+#else
+#define MPS_EXT_STUB_DEPRECATED_IN_15
+#endif
+
 @interface MTLCompileOptions : NSObject
-@property(readwrite, nonatomic) BOOL fastMathEnabled;
+@property(readwrite, nonatomic) BOOL fastMathEnabled MPS_EXT_STUB_DEPRECATED_IN_15;
 @property(readwrite, nonatomic) MTLLanguageVersion languageVersion;
+#if __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
+@property(readwrite, nonatomic) MTLMathMode mathMode;
+@property(readwrite, nonatomic) MTLMathFloatingPointFunctions mathFloatingPointFunctions;
+#endif
 @end
 
 @protocol MTLDevice <NSObject>
