@@ -47,12 +47,16 @@ SCAN_INCLUDE = INCLUDE / "scan"
 METAL_MACROS = {"__METAL_VERSION__": "310", "__METAL_MACOS__": "1", "__HAVE_BFLOAT__": "1", "__METAL__": "1"}
 
 _LANGUAGE = ["-x", "c++", "-std=c++17", "-nostdinc", "-nostdinc++", "-fno-exceptions", "-fno-rtti"]
-# Metal rounds half and bfloat arithmetic to the type after every operation,
-# and the executor must not fuse a*b+c into an fma on one CPU but not another.
+# Metal rounds half and bfloat arithmetic to the type after every operation.
+# Its Safe math mode (the one mps_ext compiles with) contracts a*b + c within
+# one statement into an fma, as clang's -ffp-contract=on does; the executor
+# makes each such fma exact on every CPU (_instrument.fuse_multiply_adds)
+# and fuses nothing across statements. Its own headers contract nothing
+# (translation_unit).
 _ARITHMETIC = [
     "-Xclang", "-ffloat16-excess-precision=none",
     "-Xclang", "-fbfloat16-excess-precision=none",
-    "-ffp-contract=off",
+    "-ffp-contract=on",
     "-fno-math-errno",
     # Apple GPUs flush fp32 denormals (engine.cpp sets the CPU to do the
     # same at run time); constant folding must agree.
@@ -189,7 +193,11 @@ def translation_unit(preprocessed: str, tr: "_translate.Translation | None" = No
     version = (defines or {}).get("__METAL_VERSION__", METAL_MACROS["__METAL_VERSION__"])
     tu = (
         f"#define __METAL_VERSION__ {int(version)}\n"
+        # The stand-in library's arithmetic is written out as Metal's
+        # behaves; the shader's own is contracted as Metal's compiler does.
+        "#pragma clang fp contract(off)\n"
         '#include "mx_metal.h"\n'
+        "#pragma clang fp contract(on)\n"
         + tr.text
         + '\n#line 1 "<executor entry points>"\n'
         + entry

@@ -35,6 +35,9 @@ instrumented loops of the function, so the engine can drop the frames of
 loops that were left without instrumenting loop exits.
 
 Also:
+- Multiply-adds: `a * b + c` within one statement is contracted to one
+  fma (fuse_multiply_adds), as Metal's Safe math mode does; across
+  statements nothing is fused (docs/contributing.md, "Math mode").
 - A vector comparison's result (clang: `sext <N x i1>`, -1 for true)
   becomes `zext` (1 for true): Metal's comparison gives a bool vector, and
   bool converts to 1.
@@ -478,8 +481,28 @@ def _frames(functions: dict[str, _Function], sizes: _TypeSizes) -> dict[str, int
 
 
 # ------------------------------------------------------------- instrument --
+_FMULADD_CALL = re.compile(r"@llvm\.fmuladd\.")
+_FMULADD_DECLARE = re.compile(r"^declare .*@llvm\.fmuladd\.(\S+)\(")
+
+
+def fuse_multiply_adds(ir: str) -> str:
+    """Every multiply-add clang contracted (llvm.fmuladd: `a * b + c` within
+    one statement, as Metal's Safe math mode contracts it) becomes llvm.fma,
+    one rounding on every CPU: left as fmuladd, the CPU backend would fuse it
+    only where the CPU has an FMA instruction."""
+    have = set(re.findall(r"^declare .*@llvm\.fma\.(\S+)\(", ir, re.M))
+    out = []
+    for line in ir.split("\n"):
+        m = _FMULADD_DECLARE.match(line)
+        if m and m.group(1) in have:
+            continue  # llvm.fma of this type is declared already
+        out.append(_FMULADD_CALL.sub("@llvm.fma.", line))
+    return "\n".join(out)
+
+
 def instrument(ir: str) -> tuple[str, list[str]]:
     """Return the instrumented IR and the table of source positions."""
+    ir = fuse_multiply_adds(ir)
     lines = ir.split("\n")
     meta = _Metadata(lines)
     items = _parse(lines)

@@ -157,3 +157,59 @@ def test_matrices_against_numpy():
         [np.linalg.det(A), np.linalg.det(A[:3, :3]), np.linalg.det(A[:2, :2]), A[0, 1] * 2, A[1, 2], 3.0],
     ])
     np.testing.assert_allclose(out[:len(want)], want, rtol=1e-5, atol=1e-4)
+
+
+_MULTIPLY_ADD = r"""
+#include <metal_stdlib>
+using namespace metal;
+kernel void one_statement(device const float* a [[buffer(0)]], device const float* b [[buffer(1)]],
+                          device const float* c [[buffer(2)]], device float* out [[buffer(3)]],
+                          uint i [[thread_position_in_grid]]) {
+  out[i] = a[i] * b[i] + c[i];
+}
+kernel void accumulate(device const float* a [[buffer(0)]], device const float* b [[buffer(1)]],
+                       device const float* c [[buffer(2)]], device float* out [[buffer(3)]],
+                       uint i [[thread_position_in_grid]]) {
+  float acc = c[i];
+  acc += a[i] * b[i];
+  out[i] = acc;
+}
+kernel void two_statements(device const float* a [[buffer(0)]], device const float* b [[buffer(1)]],
+                           device const float* c [[buffer(2)]], device float* out [[buffer(3)]],
+                           uint i [[thread_position_in_grid]]) {
+  const float p = a[i] * b[i];
+  out[i] = p + c[i];
+}
+kernel void half_one_statement(device const half* a [[buffer(0)]], device const half* b [[buffer(1)]],
+                               device const half* c [[buffer(2)]], device half* out [[buffer(3)]],
+                               uint i [[thread_position_in_grid]]) {
+  out[i] = a[i] * b[i] + c[i];
+}
+"""
+
+
+def test_multiply_adds_are_contracted_within_a_statement_as_safe_math_does():
+    """Metal's Safe math mode (what mps_ext compiles with) is clang's
+    -fno-fast-math, whose contraction is `on`: a*b + c in one statement
+    (`+=` too) is one fma, one rounding; across statements, two roundings.
+    Oracle: float64 (a*b exact there, then one rounding of the sum to
+    float32; the inputs make the sum exact in float64 too)."""
+    rng = np.random.default_rng(0)
+    n = 4096
+    a, b = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+    c = (-(a.astype(np.float64) * b) * (1 + rng.uniform(-1e-3, 1e-3, n))).astype(np.float32)  # cancellation
+    fused = (a.astype(np.float64) * b + c).astype(np.float32)
+    rounded = (a * b).astype(np.float32) + c
+    assert (fused != rounded).mean() > 0.5  # the inputs tell the two apart
+    lib = cpu_metal.compile_library(_MULTIPLY_ADD)
+    for kernel, want in (("one_statement", fused), ("accumulate", fused), ("two_statements", rounded)):
+        out = np.zeros(n, np.float32)
+        lib.dispatch(kernel, [a, b, c, out], threads=n, threads_per_threadgroup=64)
+        np.testing.assert_array_equal(out, want, err_msg=kernel)
+    # half: one rounding of the exact a*b + c (float64 holds it: 11-bit operands).
+    ah, bh = (rng.uniform(-4, 4, n).astype(np.float16) for _ in range(2))
+    ch = (-(ah.astype(np.float64) * bh) * (1 + rng.uniform(-1e-2, 1e-2, n))).astype(np.float16)
+    want = (ah.astype(np.float64) * bh + ch).astype(np.float16)
+    out = np.zeros(n, np.float16)
+    lib.dispatch("half_one_statement", [ah, bh, ch, out], threads=n, threads_per_threadgroup=64)
+    np.testing.assert_array_equal(out, want)
