@@ -37,8 +37,9 @@ Scaling to the real model (`scale`): calls and dispatches per layer kind
 real config's count of layers of each kind. Per-expert calls of torch's
 _grouped_mm fallback use the real expert count and the expected number of
 distinct experts the batch chooses. Bytes come from the real config's
-dimensions (`step_bytes`), the same formula that tests/test_benchmarks.py
-checks against the tiny model's traced parameter reads.
+dimensions (`step_bytes`; bf16, or fp8 as mps_ext.quantize_fp8 leaves the
+weights), the same formula that tests/test_benchmarks.py checks against the
+tiny model's traced parameter reads and its storage after quantize_fp8.
 """
 
 from __future__ import annotations
@@ -170,6 +171,7 @@ class Call:
     groups_used: int = 0     # _grouped_mm: experts with rows
     ours: int | None = None  # mps_ext dispatches (None: the call ran torch's kernel)
     ours_bytes: int = 0
+    ffn: bool = False        # made inside its layer's feed-forward block (the MoE block of a MoE layer)
 
 
 def _tensors(x):
@@ -233,6 +235,7 @@ class _OneLinear(TorchFunctionMode):
 class Trace:
     calls: list[Call] = dataclasses.field(default_factory=list)
     layer: int | None = None
+    ffn: bool = False
 
     def record(self, func, args, kwargs, out, params, before, counters):
         name = func._schema.name.split("::")[1]
@@ -258,7 +261,7 @@ class Trace:
         if name == "embedding":  # reads the rows of its indices
             param_read = args[1].numel() * args[0].shape[-1] * args[0].element_size()
             read = param_read + _extent(args[1])
-        call = Call(name, self.layer, kind, fusible, read, written, param_read)
+        call = Call(name, self.layer, kind, fusible, read, written, param_read, ffn=self.ffn)
         if name == "_grouped_mm":
             a, b, offs = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("offs")
             counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
@@ -277,7 +280,22 @@ def _layer_hooks(model, trace: Trace):
     for i, layer in enumerate(model.model.layers):
         handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(trace, "layer", i)))
         handles.append(layer.register_forward_hook(lambda m, a, o: setattr(trace, "layer", None)))
+        ffn = feed_forward(layer)
+        handles.append(ffn.register_forward_pre_hook(lambda m, a: setattr(trace, "ffn", True)))
+        handles.append(ffn.register_forward_hook(lambda m, a, o: setattr(trace, "ffn", False)))
     return handles
+
+
+def feed_forward(layer):
+    """A decoder layer's feed-forward block (a dense MLP, or the MoE block:
+    router, experts, shared expert; mps_ext.optimize's FusedMoE after it):
+    transformers names it `mlp` (Qwen3-MoE, Qwen3.5-MoE) or `feed_forward`
+    (LFM2-MoE)."""
+    for name in ("mlp", "feed_forward"):
+        if isinstance(getattr(layer, name, None), torch.nn.Module):
+            return getattr(layer, name)
+    raise ValueError(f"{type(layer).__name__} has neither an `mlp` nor a `feed_forward` block: the census cannot "
+                     "tell its feed-forward calls apart")
 
 
 def _executor_counters(report):
@@ -430,8 +448,9 @@ def _fused_edges(calls: list[Call], ours: bool) -> tuple[bool, bool]:
 
 
 def scale(spec: Spec, trace: Trace, tiny_config, tokens: int, release: str, mode: str, ours: bool) -> dict:
-    """Counts per layer kind (one layer, counted alone), outside the layers
-    ('head'), and for the whole real model of `spec`: its layers in their
+    """Counts per layer kind (one layer, counted alone; 'ffn': of its
+    feed-forward block alone), outside the layers ('head'), and for the
+    whole real model of `spec`: its layers in their
     order, where under torch.compile a layer's trailing pointwise calls fuse
     with the next layer's leading ones (the residual add and the next norm)."""
     real = spec.config()
@@ -453,43 +472,72 @@ def scale(spec: Spec, trace: Trace, tiny_config, tokens: int, release: str, mode
         total.host -= merges
         total.dispatches -= merges
     per["head"] = per.pop("pre") + per.pop("post")
-    return {"per_kind": per, "layers": dict(kinds), "total": total}
+    ffn = {k: count([c for c in calls[k] if c.ffn], release, mode, ours, real.num_experts, used) for k in kinds}
+    return {"per_kind": per, "ffn": ffn, "layers": dict(kinds), "total": total}
 
 
 # ------------------------------------------------------------------- bytes --
-def _attn_weights(c) -> int:
-    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+# A layer's weights as matrices and others. Matrices: (rows, columns, count)
+# of each nn.Linear weight and each chosen expert's two bank slices (gate
+# and up together, down): what mps_ext.quantize_fp8 converts to float8 with
+# one fp32 scale per row (mps_ext/fp8.py, its default granularity "row";
+# an expert bank by row whatever the granularity). Others: every other
+# parameter (norms, convolutions, the MoE router, DeltaNet's dt_bias and
+# A_log), which quantize_fp8 leaves in the model's dtype, as it does the LM
+# head and the embedding.
+FP8_SCALE_BYTES = 4  # fp32
+
+
+def _attn_weights(c) -> tuple[list, int]:
+    h = c.hidden_size
+    hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
     q = c.num_attention_heads * hd * (2 if c.model_type.startswith("qwen3_5") else 1)  # Qwen3.5's output gate
-    kv = 2 * c.num_key_value_heads * hd
-    return c.hidden_size * (q + kv) + c.num_attention_heads * hd * c.hidden_size + 2 * hd  # + q/k norms
+    kv = c.num_key_value_heads * hd
+    return [(q, h, 1), (kv, h, 1), (kv, h, 1), (h, c.num_attention_heads * hd, 1)], 2 * hd  # + q/k norms
 
 
-def _deltanet_weights(c) -> int:
-    kd, vd = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+def _deltanet_weights(c) -> tuple[list, int]:
+    h, nv = c.hidden_size, c.linear_num_value_heads
+    kd, vd = c.linear_num_key_heads * c.linear_key_head_dim, nv * c.linear_value_head_dim
     conv_dim = 2 * kd + vd
-    return (c.hidden_size * (conv_dim + vd + 2 * c.linear_num_value_heads)  # in_proj_qkv, z, b, a
-            + conv_dim * c.linear_conv_kernel_dim + 2 * c.linear_num_value_heads  # conv1d, dt_bias, A_log
-            + c.linear_value_head_dim + vd * c.hidden_size)  # norm, out_proj
+    return ([(conv_dim, h, 1), (vd, h, 1), (nv, h, 1), (nv, h, 1), (h, vd, 1)],  # in_proj_qkv, z, b, a; out_proj
+            conv_dim * c.linear_conv_kernel_dim + 2 * nv + c.linear_value_head_dim)  # conv1d, dt_bias, A_log, norm
 
 
-def _conv_weights(c) -> int:
-    return c.hidden_size * 3 * c.hidden_size + c.hidden_size * c.conv_L_cache + c.hidden_size * c.hidden_size
+def _conv_weights(c) -> tuple[list, int]:
+    h = c.hidden_size
+    return [(3 * h, h, 1), (h, h, 1)], h * c.conv_L_cache  # in_proj, out_proj; the short convolution
 
 
-def mixer_weights(c, mixer: str) -> int:
-    return {"full_attention": _attn_weights, "linear_attention": _deltanet_weights, "conv": _conv_weights}[mixer](c)
+def _ffn_weights(c, ffn: str, used: float) -> tuple[list, int]:
+    h = c.hidden_size
+    if ffn == "dense":
+        i = c.intermediate_size
+        return [(i, h, 1), (i, h, 1), (h, i, 1)], 0
+    i = c.moe_intermediate_size
+    matrices, others = [(2 * i, h, used), (h, i, used)], h * c.num_experts  # chosen experts; router
+    shared = getattr(c, "shared_expert_intermediate_size", 0) or 0
+    if shared:  # the shared expert (gate, up, down) and its gate, all nn.Linear
+        matrices += [(shared, h, 1), (shared, h, 1), (h, shared, 1), (1, h, 1)]
+    return matrices, others
 
 
-def expert_weights(c) -> int:
-    return 3 * c.hidden_size * c.moe_intermediate_size
+def weight_bytes(matrices: list, others: int, fp8: bool = False, dtype_bytes: int = 2) -> float:
+    """Bytes of (matrices, others) in the model's dtype, or with the
+    matrices as quantize_fp8 leaves them (1 byte an element, an fp32 scale a
+    row)."""
+    if fp8:
+        return sum(n * (r * k + FP8_SCALE_BYTES * r) for r, k, n in matrices) + others * dtype_bytes
+    return (sum(n * r * k for r, k, n in matrices) + others) * dtype_bytes
 
 
-def layer_bytes(config, kind: str, tokens: int, context: int, weight_bytes: int = 2, cache_bytes: int = 2,
+def layer_bytes(config, kind: str, tokens: int, context: int, fp8: bool = False, cache_bytes: int = 2,
                 state_bytes: int = 4, used: float | None = None, cache_copy: bool = True) -> dict:
     """Bytes one layer of `kind` ('mixer+ffn') reads and writes in a decode
     step of `tokens` sequences at `context`, from the config's dimensions:
     every weight a token needs once (routed experts: the distinct ones
-    chosen, `used`, default expected_experts), the KV cache (read by
+    chosen, `used`, default expected_experts), bf16 or, with `fp8`, as
+    mps_ext.quantize_fp8 leaves them (weight_bytes); the KV cache (read by
     attention; with `cache_copy`, as transformers' DynamicCache appends with
     torch.cat, also read and written whole once more), and the recurrent
     and convolution states (read and written once: what a compiled or fused
@@ -501,15 +549,11 @@ def layer_bytes(config, kind: str, tokens: int, context: int, weight_bytes: int 
     if used is None:
         used = expected_experts(c.num_experts, c.num_experts_per_tok, tokens)
     mixer, ffn = kind.split("+")
-    weights = mixer_weights(c, mixer) + 2 * h  # + the two RMS norms
+    matrices, others = {"full_attention": _attn_weights, "linear_attention": _deltanet_weights,
+                        "conv": _conv_weights}[mixer](c)
+    more, others_ffn = _ffn_weights(c, ffn, used)
+    weights = weight_bytes(matrices + more, others + others_ffn + 2 * h, fp8)  # + the two RMS norms
     kv_read = kv_written = copy = state = 0
-    if ffn == "dense":
-        weights += 3 * h * c.intermediate_size
-    else:
-        weights += h * c.num_experts + used * expert_weights(c)  # router + chosen experts
-        shared = getattr(c, "shared_expert_intermediate_size", 0) or 0
-        if shared:
-            weights += 3 * h * shared + h  # shared expert and its gate
     if mixer == "full_attention":
         hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
         per_token = 2 * c.num_key_value_heads * hd * cache_bytes
@@ -525,22 +569,22 @@ def layer_bytes(config, kind: str, tokens: int, context: int, weight_bytes: int 
         state = tokens * 2 * (conv * cache_bytes + rec * state_bytes)
     elif mixer == "conv":
         state = tokens * 2 * h * (c.conv_L_cache - 1) * cache_bytes
-    out = {"weights": weights * weight_bytes, "kv_read": kv_read, "kv_written": kv_written, "kv_copy": copy,
-           "state": state}
+    out = {"weights": weights, "kv_read": kv_read, "kv_written": kv_written, "kv_copy": copy, "state": state}
     out["total"] = sum(out.values())
     return out
 
 
-def step_bytes(config, tokens: int, context: int, weight_bytes: int = 2, **kwargs) -> dict:
+def step_bytes(config, tokens: int, context: int, fp8: bool = False, **kwargs) -> dict:
     """Bytes a whole decode step reads and writes: every layer's
     (layer_bytes, which takes the same keywords), the final norm, the LM
-    head (tied or not, read whole) and the embedding rows."""
+    head (tied or not, read whole) and the embedding rows (all three in the
+    model's dtype, fp8 or not: quantize_fp8 leaves them)."""
     c = config
     out = dict.fromkeys(("weights", "kv_read", "kv_written", "kv_copy", "state", "total"), 0)
     for kind in layer_kinds(c):
-        for k, v in layer_bytes(c, kind, tokens, context, weight_bytes, **kwargs).items():
+        for k, v in layer_bytes(c, kind, tokens, context, fp8, **kwargs).items():
             out[k] += v
-    head = (c.hidden_size + c.vocab_size * c.hidden_size + tokens * c.hidden_size) * weight_bytes
+    head = weight_bytes([], c.hidden_size + c.vocab_size * c.hidden_size + tokens * c.hidden_size)
     out["weights"] += head
     out["total"] += head
     return out
@@ -557,41 +601,49 @@ class Constant:
 
 
 # Published measurements (../shared/reference/anchors.md, "What a whole
-# decoded token costs"); each a range.
+# decoded token costs"), each a range. The central GPU cost per dispatch is
+# calibrated on torch 2.15's two published decode figures (Spec.published:
+# stock torch, torch.compile, one sequence, M3 Ultra): each figure, at
+# central bandwidth, implies a cost (implied_dispatch_cost); the central is
+# their mean to 0.1 us, and each model's implied cost predicts the other's
+# figure (calibrate; bench_decode's calibration table shows it all and
+# tests/test_benchmarks.py recomputes it from the census). Bandwidth is not
+# fitted: it is measured directly, and fitting it too (joint_fit) leaves two
+# unknowns for two figures, nothing to validate. The host cost is not
+# fitted either: those steps are GPU-bound, so their figures only bound it.
+CALIBRATION_RELEASE = "2.15"
 BANDWIDTH = Constant(573e9, 647e9, 692e9, "B/s",
                      "M3 Ultra, 819 GB/s nominal: 692 sustained read (jundot/omlx issue 2238, 85%); dense decode "
                      "reaches 70-79% of nominal (573-647)")
-DISPATCH = Constant(5e-6, 8e-6, 12e-6, "s",
-                    "GPU time of one more dependent dispatch in a command buffer: 5 us M2 Pro (antonellof/ferrox "
-                    "issue 149), 10 us M3 Ultra in MLX's routing chain (jundot/omlx PR 2755), 10-12 us M5 Pro "
-                    "(ml-explore/mlx-lm PR 1676)")
-HOST = Constant(10e-6, 20e-6, 25e-6, "s",
-                "CPU time of one MPS host call: at least ~20 us per eager PyTorch op (pytorch/torchchat PR 1464, "
-                "~770 ops per token, M1 Pro); the low end a Metal-kernel op: a command buffer ~10 us, a custom "
-                "shader ~0.5 us to encode (pytorch issue 82707)")
-# The ends of those ranges that torch 2.15's two published decode figures
-# imply (bench_decode's calibration: both need <= ~5.7 us per dispatch and
-# <= ~13-17 us per host call, hidden behind the GPU): central bandwidth,
-# the lowest published dispatch cost (5 us, measured), the low host cost.
-CALIBRATED = (BANDWIDTH.central, DISPATCH.low, HOST.low)
+DISPATCH = Constant(5e-6, 5.7e-6, 12e-6, "s",
+                    "GPU time of one more dependent dispatch in a command buffer; range published: 5 us M2 Pro "
+                    "(antonellof/ferrox issue 149), 10 us M3 Ultra in MLX's routing chain (jundot/omlx PR 2755), "
+                    "10-12 us M5 Pro (ml-explore/mlx-lm PR 1676); central calibrated: the mean of the costs torch "
+                    f"{CALIBRATION_RELEASE}'s two published decode figures imply at central bandwidth, each of which "
+                    "predicts the other model's figure (the calibration below)")
+HOST = Constant(10e-6, 10e-6, 25e-6, "s",
+                "CPU time of one MPS host call; range published: a command buffer ~10 us, an MPSGraph encode ~15 us "
+                "(pytorch issue 82707), at least ~20 us per eager PyTorch op (pytorch/torchchat PR 1464, ~770 ops "
+                "per token, M1 Pro); central the low end, 10 us: torch "
+                f"{CALIBRATION_RELEASE}'s published figures allow no more than the calibration's 'host us per call, "
+                "at most' column (at ~20 us, the eager figure, both stock steps would be host-bound, below their figures)")
 OVERLAP = ("the host encodes ahead of the GPU within a step: a step costs max(host, GPU); a step with a sync "
            "inside (torch's _grouped_mm fallback, nonzero) costs host + GPU (no overlap)")
 
 
-def project(bytes_: float, c: Counts, tokens: int, which: str = "central") -> float:
+def project(bytes_: float, c: Counts, tokens: int, which: str = "central", dispatch: float | None = None) -> float:
     """Tokens/s of a step: GPU = bytes / bandwidth + dispatches x dispatch
     cost; host = host calls x host cost; OVERLAP says how they add.
-    `which`: 'central', 'low' (slow end of every constant), 'high', or
-    'calibrated' (CALIBRATED)."""
-    if which == "calibrated":
-        bw, d, h = CALIBRATED
-    else:
-        pick = {"central": lambda k: k.central, "low": lambda k: k.low, "high": lambda k: k.high}[which]
-        bw = pick(BANDWIDTH)
-        slow = which == "low"
-        d = (DISPATCH.high if slow else DISPATCH.low if which == "high" else DISPATCH.central)
-        h = (HOST.high if slow else HOST.low if which == "high" else HOST.central)
-    gpu = bytes_ / bw + c.dispatches * d
+    `which`: 'central', 'low' (slow end of every constant) or 'high' (fast
+    end); `dispatch`: a GPU cost per dispatch (s) in place of `which`'s
+    (calibrate's cross-validation)."""
+    if which not in ("central", "low", "high"):
+        raise ValueError(f"which must be 'central', 'low' or 'high', got {which!r}")
+    slow, fast = which == "low", which == "high"
+    bw = BANDWIDTH.low if slow else BANDWIDTH.high if fast else BANDWIDTH.central
+    d = DISPATCH.high if slow else DISPATCH.low if fast else DISPATCH.central
+    h = HOST.high if slow else HOST.low if fast else HOST.central
+    gpu = bytes_ / bw + c.dispatches * (d if dispatch is None else dispatch)
     host = c.host * h
     seconds = gpu + host if c.syncs else max(gpu, host)
     return tokens / seconds
@@ -603,11 +655,7 @@ def constants_text() -> str:
         f = 1e-9 if k.unit == "B/s" else 1e6
         unit = "GB/s" if k.unit == "B/s" else "us"
         rows.append(f"- {name}: {k.low * f:g}-{k.high * f:g} {unit}, central {k.central * f:g} ({k.source})")
-    bw, d, h = CALIBRATED
-    return "\n".join(rows + [f"- overlap: {OVERLAP}",
-                             f"- calibrated: {bw / 1e9:g} GB/s, {d * 1e6:g} us per dispatch, {h * 1e6:g} us per host "
-                             "call: the ends of those ranges that torch 2.15's published decode figures imply (the "
-                             "calibration below)"])
+    return "\n".join(rows + [f"- overlap: {OVERLAP}"])
 
 
 def implied_dispatch_cost(bytes_: float, c: Counts, tokens: int, measured: float) -> float | None:
@@ -618,12 +666,53 @@ def implied_dispatch_cost(bytes_: float, c: Counts, tokens: int, measured: float
 
 
 def implied_host_cost(bytes_: float, c: Counts, tokens: int, measured: float) -> float | None:
-    """The host cost per call (s) at which the projection, its other
-    constants central, gives `measured` tokens/s; None if the GPU side
-    alone is slower than that."""
+    """The most host cost per call (s) that `measured` tokens/s allows, the
+    other constants central. A step without syncs hides its host calls
+    behind the GPU (OVERLAP): they take at most the step time, whatever the
+    GPU side takes (so the figure bounds the host cost, it does not fix
+    it). A step with a sync adds them to the GPU side: None if that alone
+    is slower."""
     seconds = tokens / measured
-    gpu = bytes_ / BANDWIDTH.central + c.dispatches * DISPATCH.central
-    host = seconds - gpu if c.syncs else seconds
-    if host <= 0 or (not c.syncs and gpu > seconds):
-        return None
-    return host / c.host
+    if not c.syncs:
+        return seconds / c.host
+    host = seconds - (bytes_ / BANDWIDTH.central + c.dispatches * DISPATCH.central)
+    return host / c.host if host > 0 else None
+
+
+def calibrate(points: list[tuple[float, Counts, int, float]]) -> dict:
+    """From published decode figures, each (bytes, counts, tokens, measured
+    tokens/s) of a stock step without syncs: 'implied', the GPU cost per
+    dispatch each implies at central bandwidth; 'central', their mean (what
+    DISPATCH.central is, to 0.1 us); 'cross', each figure's projection with
+    the mean of the others' implied costs over the figure (leave one out:
+    1.0 when the others predict it exactly)."""
+    if len(points) < 2:
+        raise ValueError(f"calibrate needs at least two published figures (one to fit, one to check), got "
+                         f"{len(points)}")
+    implied = [implied_dispatch_cost(*p) for p in points]
+    if any(d is None for d in implied) or any(p[1].syncs for p in points):
+        raise ValueError("calibrate takes steps without syncs whose bytes alone take less than the measured time; "
+                         f"the implied costs are {implied}")
+    cross = []
+    for i, (nbytes, c, tokens, measured) in enumerate(points):
+        others = implied[:i] + implied[i + 1:]
+        cross.append(project(nbytes, c, tokens, dispatch=sum(others) / len(others)) / measured)
+    return {"implied": implied, "central": sum(implied) / len(implied), "cross": cross}
+
+
+def joint_fit(points: list[tuple[float, Counts, int, float]]) -> tuple[float, float]:
+    """(bandwidth B/s, GPU cost per dispatch s) fitted together to the
+    figures calibrate takes, GPU-bound: least squares of the step times.
+    With two figures it is exact and leaves nothing to validate; it says
+    how far the figures would move the measured bandwidth."""
+    rows = [(nbytes, c.dispatches, tokens / measured) for nbytes, c, tokens, measured in points]
+    bb = sum(b * b for b, _, _ in rows)
+    bd = sum(b * d for b, d, _ in rows)
+    dd = sum(d * d for _, d, _ in rows)
+    bt = sum(b * t for b, _, t in rows)
+    dt = sum(d * t for _, d, t in rows)
+    det = bb * dd - bd * bd
+    if len(points) < 2 or det == 0:
+        raise ValueError("joint_fit needs two figures whose bytes and dispatches are not proportional")
+    inv_bw, d = (bt * dd - bd * dt) / det, (bb * dt - bd * bt) / det
+    return 1 / inv_bw, d

@@ -242,7 +242,10 @@ def test_implied_constants_reproduce_the_measurement():
     assert nbytes / census.BANDWIDTH.central + c.dispatches * d == pytest.approx(1 / measured)
     h = census.implied_host_cost(nbytes, c, 1, measured)
     assert c.host * h == pytest.approx(1 / measured)
-    assert census.implied_host_cost(nbytes, c, 1, 1000.0) is None  # the GPU side alone is slower
+    # Hidden behind the GPU: the step time bounds the host calls, however fast the GPU side would be.
+    assert census.implied_host_cost(nbytes, c, 1, 1000.0) == pytest.approx(1e-3 / c.host)
+    c.syncs = 1  # host + GPU: the GPU side alone is slower than 1000 tokens/s
+    assert census.implied_host_cost(nbytes, c, 1, 1000.0) is None
 
 
 def test_a_transform_changes_the_model_counted_and_not_the_callers():
@@ -260,3 +263,124 @@ def test_a_transform_changes_the_model_counted_and_not_the_callers():
     assert census.count(changed.calls, "2.15", "eager", False).syncs >= 1
     unchanged = census.trace_step(model, 1, context=3)
     assert sum(c.op == "_grouped_mm" for c in unchanged.calls) == 2
+
+
+def _published_points(release):
+    """(bytes, counts, tokens, published tok/s) of each model with a
+    published figure of `release`: stock torch compiled, one sequence, as the
+    decode benchmark counts it."""
+    from benchmarks import bench_decode
+    points = []
+    for spec in census.MODELS.values():
+        if release not in spec.published:
+            continue
+        model = census.tiny_model(spec)
+        counts = census.scale(spec, census.trace_step(model, 1), model.config, 1, release, "compile", False)["total"]
+        points.append((census.step_bytes(spec.config(), 1, bench_decode.CONTEXT)["total"], counts, 1,
+                       spec.published[release]))
+    return points
+
+
+def test_decode_projection_is_calibrated_on_torch_2_15s_published_figures():
+    """The central GPU cost per dispatch is the mean of what torch 2.15's two
+    published decode figures imply at central bandwidth (recomputed here
+    from the census); with it the projection lands within 15% of each
+    figure, each model's implied cost predicts the other's figure within
+    15%, and the host side (central) hides behind the GPU, as the figures
+    require of it."""
+    points = _published_points(census.CALIBRATION_RELEASE)
+    assert len(points) == 2
+    implied = [(t / measured - b / census.BANDWIDTH.central) / c.dispatches for b, c, t, measured in points]
+    assert all(0 < d for d in implied)
+    assert census.DISPATCH.central == pytest.approx(sum(implied) / 2, abs=0.05e-6)
+    assert census.DISPATCH.low <= census.DISPATCH.central <= census.DISPATCH.high
+    cal = census.calibrate(points)
+    assert cal["implied"] == pytest.approx(implied)
+    for (b, c, t, measured), other in zip(points, implied[::-1]):
+        assert c.syncs == 0 and c.host * census.HOST.central <= t / measured
+        assert abs(census.project(b, c, t) / measured - 1) <= 0.15
+        predicted = t / max(b / census.BANDWIDTH.central + c.dispatches * other, c.host * census.HOST.central)
+        assert abs(predicted / measured - 1) <= 0.15
+    assert cal["cross"] == pytest.approx([t / max(b / census.BANDWIDTH.central + c.dispatches * other,
+                                                  c.host * census.HOST.central) / m
+                                          for (b, c, t, m), other in zip(points, implied[::-1])])
+    # Bandwidth fitted too: the exact solution reproduces both step times.
+    bw, d = census.joint_fit(points)
+    for b, c, t, measured in points:
+        assert b / bw + c.dispatches * d == pytest.approx(t / measured)
+
+
+def test_decode_calibration_refuses_what_it_cannot_fit():
+    c = census.Counts(host=10, dispatches=10)
+    with pytest.raises(ValueError, match="at least two published figures"):
+        census.calibrate([(1e9, c, 1, 50.0)])
+    synced = census.Counts(host=10, dispatches=10, syncs=1)
+    with pytest.raises(ValueError, match="without syncs"):
+        census.calibrate([(1e9, c, 1, 50.0), (1e9, synced, 1, 50.0)])
+    with pytest.raises(ValueError, match="which must be"):
+        census.project(1e9, c, 1, "calibrated")
+
+
+@pytest.mark.parametrize("name", list(census.MODELS))
+def test_decode_fp8_bytes_match_the_quantized_models_storage(name):
+    """step_bytes(fp8=True) from the config's dimensions against the tiny
+    model's own parameters and fp8 buffers after mps_ext.quantize_fp8: every
+    one once, an expert bank (and its scales) for `used` of its experts, the
+    embedding for the step's rows (and whole, as the LM head, when tied);
+    what quantize_fp8 leaves (LM head, router, norms, convolutions) in bf16."""
+    spec = census.MODELS[name]
+    model = mps_ext.quantize_fp8(census.tiny_model(spec))
+    assert model.fp8_summary.converted["FP8Experts"]
+    embed = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight is embed
+    tokens, experts = 4, model.config.num_experts
+    for used in (3, experts):
+        expected, seen = 0, set()
+        for mod in model.modules():
+            own = list(mod.named_parameters(recurse=False))
+            if isinstance(mod, (mps_ext.FP8Linear, mps_ext.FP8Experts)):
+                own += list(mod.named_buffers(recurse=False))
+            for _, p in own:
+                if id(p) in seen:  # a tied LM head is the embedding
+                    continue
+                seen.add(id(p))
+                if p is embed:
+                    expected += tokens * p.shape[1] * p.element_size() + (p.nbytes if tied else 0)
+                elif isinstance(mod, mps_ext.FP8Experts):  # [experts, ...]: the chosen ones
+                    expected += p.nbytes // experts * used
+                else:
+                    expected += p.nbytes
+        assert census.step_bytes(model.config, tokens, 3, fp8=True, used=used)["weights"] == expected
+    assert (census.step_bytes(spec.config(), 1, 8, fp8=True)["weights"]
+            < census.step_bytes(spec.config(), 1, 8)["weights"])
+
+
+def test_decode_census_tells_the_moe_blocks_calls_apart():
+    """Call.ffn marks the calls made inside a layer's feed-forward block: the
+    router's product and the grouped expert products are in it, attention
+    and the norms around it are not."""
+    model = census.tiny_model(census.MODELS["Qwen3-30B-A3B"])
+    trace = census.trace_step(model, 1, context=3)
+    inside = [c for c in trace.calls if c.ffn]
+    assert {c.layer for c in inside} == {0}
+    assert sum(c.op == "_grouped_mm" for c in inside) == 2
+    assert not any(c.op.startswith("_scaled_dot_product") for c in inside)
+    assert sum(c.ffn for c in trace.calls if c.op == "linear") == 1  # the router; q, k, v, o and the LM head outside
+
+
+def test_decode_optimized_rows_count_mps_exts_dispatches():
+    """The rows after mps_ext.optimize count the executor's dispatches of
+    mps_ext's calls (moe_layer: one host call, several dispatches), bf16 and
+    fp8, and the fp8 rows read fp8 weights."""
+    from benchmarks import bench_decode
+    rows = bench_decode.census_rows(["Qwen3-30B-A3B"], (1,), releases=("2.15",), modes=("eager",),
+                                    transform=mps_ext.optimize)
+    by = {r.who: r for r in rows}
+    assert set(by) == {bench_decode.STOCK, bench_decode.OURS, bench_decode.OPTIMIZED, bench_decode.OPTIMIZED_FP8}
+    for who in (bench_decode.OPTIMIZED, bench_decode.OPTIMIZED_FP8):
+        ffn = by[who].ffn["full_attention+moe"]
+        assert ffn.dispatches > ffn.host, who
+    assert by[bench_decode.OPTIMIZED_FP8].fp8 and not by[bench_decode.OPTIMIZED].fp8
+    assert by[bench_decode.OPTIMIZED_FP8].bytes["weights"] < by[bench_decode.OPTIMIZED].bytes["weights"]
+    table, out = bench_decode.goals(rows)
+    assert [(g["weights"], g["mode"]) for g in out] == [("bf16", "eager"), ("fp8", "eager")]
