@@ -112,3 +112,19 @@ def test_report_and_self_check():
     assert "self-check passed" in r.stdout
     for fam in mps_ext.families():
         assert fam in r.stdout
+
+
+def test_the_family_table_check_names_each_missing_or_repeated_definition():
+    """_C refuses to load when ops/families.h and the families' files disagree
+    (ops_bindings.cpp raises family_table_problem()); what it says:"""
+    from mps_ext import _C
+    assert _C._family_table_problem([(f, 1) for f in mps_ext.families()]) == ""
+    problem = _C._family_table_problem([("pad", 0), ("linear", 1), ("softmax", 2)])
+    assert problem == ("the family 'pad' is in ops/families.h but no file defines it with MPS_EXT_FAMILY; "
+                       "the family 'softmax' is defined 2 times (MPS_EXT_FAMILY)")
+
+
+def test_a_family_defined_twice_is_counted_in_the_real_table():
+    r = python("from mps_ext import _C; print(repr(_C._define_family_again('pad')))")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "\"the family 'pad' is defined 2 times (MPS_EXT_FAMILY)\""

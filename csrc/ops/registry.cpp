@@ -87,8 +87,6 @@ std::array<Family, kFamilyCount>& table() {
   }};
   return *t;
 }
-std::mutex g_problem_mutex;
-std::string g_problem;  // set while families define themselves (static initialisation)
 }  // namespace
 
 Family& family(FamilyId id) { return table()[static_cast<size_t>(id)]; }
@@ -107,24 +105,27 @@ std::vector<std::string> family_names() {
   return names;
 }
 
-std::string family_table_problem() {
-  std::lock_guard<std::mutex> g(g_problem_mutex);
-  std::string problem = g_problem;
-  for (const Family& f : table())
-    if (!f.defined())
-      problem += std::string(problem.empty() ? "" : "; ") + "the family '" + f.name +
-                 "' is in ops/families.h but no file defines it with MPS_EXT_FAMILY";
+std::string family_table_problem(const std::vector<std::pair<std::string, int>>& definitions) {
+  std::string problem;
+  for (const auto& [name, count] : definitions) {
+    if (count == 1) continue;
+    problem += std::string(problem.empty() ? "" : "; ") + "the family '" + name +
+               (count == 0 ? "' is in ops/families.h but no file defines it with MPS_EXT_FAMILY"
+                           : "' is defined " + std::to_string(count) + " times (MPS_EXT_FAMILY)");
+  }
   return problem;
 }
 
+std::string family_table_problem() {
+  std::vector<std::pair<std::string, int>> definitions;
+  for (const Family& f : table()) definitions.emplace_back(f.name, f.definitions());
+  return family_table_problem(definitions);
+}
+
 void Family::define(Def def) {
-  if (defined()) {
-    // Static initialisation cannot raise: the problem is raised when _C loads.
-    std::lock_guard<std::mutex> g(g_problem_mutex);
-    g_problem += std::string(g_problem.empty() ? "" : "; ") + "the family '" + name + "' is defined twice";
-    return;
-  }
-  def_ = std::move(def);
+  // Static initialisation cannot raise: a second definition is counted and
+  // raised when _C loads (family_table_problem); the first one stays.
+  if (definitions_.fetch_add(1, std::memory_order_relaxed) == 0) def_ = std::move(def);
 }
 
 const Family::Def& Family::def() const {

@@ -160,7 +160,8 @@ class Family {
   };
   void define(Def def);
   const Def& def() const;  // an error if no file defined it
-  bool defined() const { return def_.register_cpu != nullptr; }
+  bool defined() const { return definitions_.load(std::memory_order_relaxed) > 0; }
+  int definitions() const { return definitions_.load(std::memory_order_relaxed); }
 
   void count_ran() { ran_.fetch_add(1, std::memory_order_relaxed); }
   void count_fallback(Reason reason) { fallbacks_.add(reason); }
@@ -189,6 +190,7 @@ class Family {
 
  private:
   Def def_;
+  std::atomic<int> definitions_{0};  // MPS_EXT_FAMILY definitions seen; 1 is right
   std::atomic<uint64_t> ran_{0};
   ReasonCounts fallbacks_;
   mutable std::mutex mutex_;  // what follows, all cold: set up, failure, policy installation
@@ -206,6 +208,8 @@ std::vector<std::string> family_names();
 // Why the family table is wrong ("" if it is not): a family that no file
 // defines, or that two do. Raised when mps_ext._C loads.
 std::string family_table_problem();
+// The same for given families and how many files define each.
+std::string family_table_problem(const std::vector<std::pair<std::string, int>>& definitions);
 
 // Whether the CPU Metal executor may run torch.ops.mps_ext ops on CPU
 // tensors here: always where no Metal backend exists (Linux: the executor

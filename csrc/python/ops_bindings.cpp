@@ -40,6 +40,15 @@ void bind_ops(py::module_& m) {
   const std::string problem = family_table_problem();
   if (!problem.empty()) throw std::runtime_error("mps_ext: " + problem);
   m.def("families", &family_names, "The op families (ops/families.h), sorted.");
+  // Test hooks of that check: its verdict for given definition counts, and
+  // a second definition of a real family (which leaves the first in force).
+  m.def("_family_table_problem",
+        [](const std::vector<std::pair<std::string, int>>& d) { return family_table_problem(d); });
+  m.def("_define_family_again", [](const std::string& name) {
+    Family& f = family(name);
+    f.define(f.def());
+    return family_table_problem();
+  });
   m.def("family_aten_ops", &family_aten_ops, py::arg("family"));
   m.def(
       "install_overrides",
