@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # python benchmarks/__main__.py
 
 from benchmarks import common, plot  # noqa: E402
 
-OPS = ("softmax", "linear", "pad", "linalg", "fp8", "moe")  # the kernel benchmarks (cases of common.Case)
+OPS = ("softmax", "linear", "pad", "linalg", "fp8", "moe", "norm")  # the kernel benchmarks (cases of common.Case)
 HOST = ("routing",)  # host-time benchmarks: their own table, no kernel cases
 DECODE = "decode"  # whole models: benchmarks/bench_decode.py
 

@@ -64,7 +64,7 @@ def test_a_case_that_reaches_no_kernel_is_an_error():
 def test_unknown_op_is_refused(capsys):
     with pytest.raises(SystemExit):
         runner.main(["softmx", "--tiny"])
-    assert "no benchmark for softmx; the ops are softmax, linear, pad, linalg, fp8, moe, routing, decode" in capsys.readouterr().err
+    assert "no benchmark for softmx; the ops are softmax, linear, pad, linalg, fp8, moe, norm, routing, decode" in capsys.readouterr().err
 
 
 def test_a_bench_script_runs_the_runner_on_its_op(tmp_path):
