@@ -463,12 +463,14 @@ def test_rms_norms_become_one_dispatch_and_generate_the_same(name):
 
 
 class _LayerCalls(TorchDispatchMode):
+    """The non-view ops run while `inside` is set."""
+
     def __init__(self):
         super().__init__()
-        self.ops = collections.Counter()
+        self.ops, self.inside = collections.Counter(), False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
+        if self.inside and not func.is_view:
             self.ops[func.name()] += 1
         return func(*args, **(kwargs or {}))
 
@@ -478,21 +480,14 @@ def decode_layer_ops(model, layer):
     the model runner."""
     with torch.no_grad():
         cache = model(ids(), use_cache=True).past_key_values
-    calls, counting = _LayerCalls(), []
+    step = ids(1, seed=2)
+    calls = _LayerCalls()
     mod = model.model.layers[layer]
-    hooks = [mod.register_forward_pre_hook(lambda m, a: counting.append(True)),
-             mod.register_forward_hook(lambda m, a, o: counting.pop())]
-    orig = calls.__torch_dispatch__
-
-    def only_in_layer(func, types, args=(), kwargs=None):
-        if counting:
-            return orig(func, types, args, kwargs)
-        return func(*args, **(kwargs or {}))
-
-    calls.__torch_dispatch__ = only_in_layer
+    hooks = [mod.register_forward_pre_hook(lambda m, a: setattr(calls, "inside", True)),
+             mod.register_forward_hook(lambda m, a, o: setattr(calls, "inside", False))]
     try:
         with torch.no_grad(), run_model(RELEASE), calls:
-            model(ids(1, seed=2), past_key_values=cache, use_cache=True)
+            model(step, past_key_values=cache, use_cache=True)
     finally:
         for h in hooks:
             h.remove()
