@@ -3,7 +3,7 @@ decode census and projection, and PNG plots (matplotlib: the `bench` extra).
 
     python -m benchmarks [OP ...] [--quick | --tiny] [--png PATH] [--decode-png PATH] [--chip CHIP]
 
-OP: softmax, linear, pad, linalg, fp8, moe, routing, decode (default: all).
+OP: softmax, linear, pad, linalg, fp8, moe, norm, routing, decode (default: all).
 routing is the host time mps_ext's routing adds per call
 (benchmarks/bench_routing.py), timed here on CPU tensors; decode is the
 census of a decoded token of whole models (benchmarks/bench_decode.py); the
@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # python benchmarks/__main__.py
 
 from benchmarks import common, plot  # noqa: E402
 
-OPS = ("softmax", "linear", "pad", "linalg", "fp8", "moe")  # the kernel benchmarks (cases of common.Case)
+OPS = ("softmax", "linear", "pad", "linalg", "fp8", "moe", "norm")  # the kernel benchmarks (cases of common.Case)
 HOST = ("routing",)  # host-time benchmarks: their own table, no kernel cases
 DECODE = "decode"  # whole models: benchmarks/bench_decode.py
 

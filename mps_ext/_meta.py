@@ -1,6 +1,6 @@
 """Meta kernels (shapes and dtypes) of the torch.ops.mps_ext ops that do not
 take the aten op's own: fp8_linear and the mixture-of-experts ops moe_route,
-moe_experts, moe_combine, moe_layer, fp8_grouped_linear (no aten op); the scaled_mm family, whose aten meta
+moe_experts, moe_combine, moe_layer, rms_norm, fp8_grouped_linear (no aten op); the scaled_mm family, whose aten meta
 functions check CUDA's layout rules (mat2 column-major, dimensions multiples
 of 16) that mps_ext does not need, so a traced model would fail where the
 eager one runs; and the grouped_mm family, whose aten meta functions take
@@ -101,6 +101,11 @@ def _moe_layer(x, router, gate_up, gate_up_scale, down, down_scale, top_k, renor
     return x.new_empty((x.shape[0], down.shape[1]))
 
 
+# RMSNorm (csrc/ops/norm.cpp): x's shape and dtype, contiguous.
+def _rms_norm(x, weight, eps, variant="weight"):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 # FP8Experts' prefill product (mps_ext/fp8.py, a Python custom op): rows
 # [R, K] @ bank[e]^T of [E, N, K] -> [R, N] bf16, contiguous.
 def _fp8_grouped_linear(rows, bank, bank_scale, offs):
@@ -112,5 +117,5 @@ def register() -> None:
                      ("_grouped_mm", _grouped_mm), ("_scaled_grouped_mm", _scaled_grouped_mm),
                      ("_scaled_grouped_mm_v2", _scaled_grouped_mm_v2), ("moe_route", _moe_route),
                      ("moe_experts", _moe_experts), ("moe_combine", _moe_combine), ("moe_layer", _moe_layer),
-                     ("fp8_grouped_linear", _fp8_grouped_linear)]:
+                     ("rms_norm", _rms_norm), ("fp8_grouped_linear", _fp8_grouped_linear)]:
         torch.library.register_fake(f"mps_ext::{name}", fn)

@@ -50,9 +50,9 @@ MAX_EXPERTS = 1024  # MOE_MAX_EXPERTS, the shared expert included
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _kernels_on_mps() -> bool:
+def _kernels_on_mps(family: str = "grouped_mm") -> bool:
     import mps_ext
-    return mps_ext.is_available() and mps_ext._C.is_enabled("grouped_mm")
+    return mps_ext.is_available() and mps_ext._C.is_enabled(family)
 
 
 # Decided when dynamo traces a graph, as fp8._executor_requested is: a
@@ -60,11 +60,12 @@ def _kernels_on_mps() -> bool:
 _kernels_on_mps._dynamo_marked_constant = True
 
 
-def _kernels_for(x: torch.Tensor) -> bool:
-    """Whether moe_layer runs for x: on MPS with mps_ext's kernels active,
-    or on CPU tensors when the executor was asked for."""
+def _kernels_for(x: torch.Tensor, family: str = "grouped_mm") -> bool:
+    """Whether an op of `family` (moe_layer: grouped_mm) runs for x: on MPS
+    with mps_ext's kernels active, or on CPU tensors when the executor was
+    asked for."""
     if x.device.type == "mps":
-        return _kernels_on_mps()
+        return _kernels_on_mps(family)
     return x.device.type == "cpu" and not _use_torch_cpu_ops(x)
 
 
@@ -425,6 +426,8 @@ class OptimizeSummary:
     left: dict[str, str]
     bytes_before: int
     bytes_after: int
+    # RMSNorm modules made FusedRMSNorm (mps_ext/fused_norm.py): name -> what
+    norms: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"optimize: {len(self.converted)} MoE blocks on torch.ops.mps_ext.moe_layer (one call per layer "
@@ -432,6 +435,8 @@ class OptimizeSummary:
                  f"{self.bytes_before:,} -> {self.bytes_after:,} bytes"]
         lines += [f"  {name}: {what}" for name, what in self.converted.items()]
         lines += [f"  left {name}: {why}" for name, why in self.left.items()]
+        if self.norms:
+            lines.append(f"  {len(self.norms)} RMSNorms on torch.ops.mps_ext.rms_norm (one dispatch each)")
         return "\n".join(lines)
 
 
@@ -448,8 +453,9 @@ def _describe(block: nn.Module, fused: FusedMoE) -> str:
 def optimize(model: nn.Module) -> nn.Module:
     """Put `model` on mps_ext's fastest path, in place; returns the model.
     Each mixture-of-experts block it recognises (module docstring) becomes
-    a FusedMoE: at decode, one torch.ops.mps_ext.moe_layer call per layer.
-    Idempotent. The OptimizeSummary of what it converted and what it left
+    a FusedMoE: at decode, one torch.ops.mps_ext.moe_layer call per layer;
+    each RMSNorm it recognises (mps_ext/fused_norm.py) a FusedRMSNorm, one
+    torch.ops.mps_ext.rms_norm dispatch. Idempotent. The OptimizeSummary of what it converted and what it left
     (and why) is `model.optimize_summary`, also logged (logger
     "mps_ext.fused_moe", INFO). Works on floating and quantize_fp8'd
     models, on any device (CPU tensors run torch's own ops); eager and
@@ -487,7 +493,9 @@ def optimize(model: nn.Module) -> nn.Module:
         plan.train(mod.training)
         setattr(parent, leaf, plan)
         converted[name] = _describe(mod, plan)
-    summary = OptimizeSummary(converted, already, left, bytes_before, _model_bytes(model))
+    from .fused_norm import fuse_norms
+    norms = fuse_norms(model)
+    summary = OptimizeSummary(converted, already, left, bytes_before, _model_bytes(model), norms)
     model.optimize_summary = summary
     logger.info("%s", summary)
     return model

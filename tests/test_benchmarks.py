@@ -64,7 +64,7 @@ def test_a_case_that_reaches_no_kernel_is_an_error():
 def test_unknown_op_is_refused(capsys):
     with pytest.raises(SystemExit):
         runner.main(["softmx", "--tiny"])
-    assert "no benchmark for softmx; the ops are softmax, linear, pad, linalg, fp8, moe, routing, decode" in capsys.readouterr().err
+    assert "no benchmark for softmx; the ops are softmax, linear, pad, linalg, fp8, moe, norm, routing, decode" in capsys.readouterr().err
 
 
 def test_a_bench_script_runs_the_runner_on_its_op(tmp_path):
@@ -171,6 +171,21 @@ def test_torch_2_14_grouped_mm_fallback_costs_a_sync_and_a_call_per_chosen_exper
     mul = census.Call("mul", 0, "compute", True, 1, 1, 0)
     c = census.count([call, mul, mul, mul, call, mul], "2.15", "compile", False)
     assert (c.host, c.dispatches) == (4, 4)
+
+
+def test_an_optimized_norm_counts_as_its_fusible_ops_when_compiled():
+    """FusedRMSNorm leaves its norm to Inductor under torch.compile (fused
+    with the residual add before it); eager, it is one call of mps_ext's
+    op. mps_ext's other ops stay extern calls compiled."""
+    add = census.Call("add", 0, "compute", True, 1, 1, 0)
+    mm = census.Call("mm", 0, "compute", False, 1, 1, 1)
+    norm = census.Call("rms_norm", 0, "compute", True, 1, 1, 1, ours=1)
+    moe = census.Call("moe_layer", 0, "compute", False, 1, 1, 1, ours=5)
+    eager = census.count([mm, add, norm, moe], "2.15", "eager", True)
+    assert (eager.host, eager.dispatches) == (4, 1 + 1 + 1 + 5)
+    compiled = census.count([mm, add, norm, moe], "2.15", "compile", True)
+    assert (compiled.host, compiled.dispatches) == (3, 1 + 1 + 5)
+    assert census._fused_edges([norm, mm], True) == (True, False)
 
 
 def test_mps_ext_dispatches_are_the_executors():

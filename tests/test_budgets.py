@@ -21,7 +21,7 @@ shapes (benchmarks/bench_*.py):
 Which kernels need full occupancy: those that stream, each thread keeping a
 few loads in flight and the core hiding their latency with other threads:
 GEMV (FP8 and grouped too), softmax, pad, lu_unpack, FP8 conversions, MoE
-routing and combining. The
+routing and combining, RMSNorm. The
 small-matrix kernels (lu_small_*) load a thread's whole matrix at once, n^2
 loads in flight, and keep it in registers by design; the per-matrix kernels
 (lu_panel_*, lu_solve_*) run one threadgroup per matrix, limited by their
@@ -90,6 +90,7 @@ GMM_DECODE = (names("gmm_decode_rows_{t}_{path}", t=("f32", "f16", "bf16", "e4m3
               + names("gmm_decode_cols_{t}_{path}", t=("f32", "f16", "bf16"), path=("vec", "scalar")))
 GMM_TILED = names("gmm_tiled_{t}", t=("f32", "f16", "bf16", "e4m3"))
 MOE_ROUTE_COMBINE = names("moe_{step}_{t}", step=("route", "combine"), t=("f32", "f16", "bf16"))
+RMS_NORM = names("rms_norm_{t}", t=("f32", "f16", "bf16"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +173,7 @@ BUDGETS: dict[str, Budget] = {
     **{k: Budget("fp8", full_occupancy=False, lines=lines(k)) for k in FP8_TILE},
     **{k: Budget("moe", full_occupancy=True, lines=lines(k)) for k in GMM_DECODE + MOE_ROUTE_COMBINE},
     **{k: Budget("moe", full_occupancy=False) for k in GMM_TILED},  # prefill tiles, as FP8's
+    **{k: Budget("norm", full_occupancy=True) for k in RMS_NORM},  # streams a row through registers
 }
 
 # ------------------------------------------------ cases that measure them --
@@ -199,6 +201,7 @@ BUDGET_CASES = {
     # one decode token of Qwen3-30B-A3B's layer in each dtype, and the grouped products (on 256 columns)
     "moe": [c.id for c in op_cases("moe", "quick") if not c.id.startswith("layer ")
             or (c.id.startswith("layer Qwen3-30B-A3B ") and "tokens=1" in c.id)],
+    "norm": [c.id for c in op_cases("norm", "quick")],  # decode rows, a few KiB each
 }
 
 

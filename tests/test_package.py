@@ -89,7 +89,7 @@ def test_disabled_restores_after_an_error():
 
 
 def test_set_enabled_rejects_unknown_families():
-    with pytest.raises(ValueError, match="no op family 'nope'; mps_ext has fp8, grouped_mm, linalg, linear, pad, scaled_mm, softmax"):
+    with pytest.raises(ValueError, match="no op family 'nope'; mps_ext has fp8, grouped_mm, linalg, linear, norm, pad, scaled_mm, softmax"):
         mps_ext.set_enabled("nope", False)
 
 
@@ -97,7 +97,7 @@ def test_environment_variable_turns_families_off():
     r = python("import mps_ext; print(mps_ext.enabled_ops(), mps_ext.family_status('pad'))",
                env={"MPS_EXT_DISABLE": "pad, bogus"})
     assert r.returncode == 0
-    assert "['fp8', 'grouped_mm', 'linalg', 'linear', 'scaled_mm', 'softmax'] off: listed in MPS_EXT_DISABLE" in r.stdout
+    assert "['fp8', 'grouped_mm', 'linalg', 'linear', 'norm', 'scaled_mm', 'softmax'] off: listed in MPS_EXT_DISABLE" in r.stdout
     assert "unknown op families ['bogus']" in r.stderr
     r = python("import mps_ext; print(mps_ext.enabled_ops())", env={"MPS_EXT_DISABLE": "all"})
     assert "[]" in r.stdout

@@ -17,6 +17,7 @@
   X(grouped_mm)             \
   X(linalg)                 \
   X(linear)                 \
+  X(norm)                   \
   X(pad)                    \
   X(scaled_mm)              \
   X(softmax)

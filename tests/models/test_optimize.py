@@ -16,6 +16,7 @@ import mps_ext
 from mps_ext import FP8Experts, _executor_request
 from mps_ext.cpu_metal import run_model
 from mps_ext.fused_moe import FusedMoE, MoEExperts
+from mps_ext.fused_norm import FusedRMSNorm
 from model_compare import RELEASE
 
 T = transformers
@@ -420,5 +421,111 @@ def test_compiled_optimized_model(kind):
     inspector = Float8Inspector()  # also: no float8 tensor op reaches the compiler
     got = prefill_and_decode(torch.compile(model, backend=inspector.backend), prompt, step)
     assert "moe_layer" in inspector.mps_ext_ops
+    # FusedRMSNorm leaves its norms to Inductor, which fuses them with the residual adds.
+    assert "rms_norm" not in inspector.mps_ext_ops and norms(model)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+# ----------------------------------------------------------- RMSNorms --
+# Per decoder layer, the RMSNorm modules transformers 5.23 gives each model:
+# input and post-attention norms, and the attention's q and k norms (LFM2:
+# operator_norm, ffn_norm, q_layernorm, k_layernorm); the final norm.
+NORMS = {"qwen3_moe": ("weight", 2 * 4 + 1), "lfm2_moe": ("weight", 3 * 2 + 2 + 1),
+         # the linear-attention layer's gated norm (two inputs) is not one of them
+         "qwen3_5_moe": ("zero_centred", 2 * 2 + 2 + 1)}
+
+
+def norms(model):
+    return [n for n, m in model.named_modules() if isinstance(m, FusedRMSNorm)]
+
+
+@pytest.mark.parametrize("name", list(NORMS))
+def test_rms_norms_become_one_dispatch_and_generate_the_same(name):
+    """Every RMSNorm of the three model families becomes a FusedRMSNorm of
+    its variant (read off a probe), and generate's greedy tokens, float32
+    and bfloat16, are the unoptimized model's."""
+    variant, count = NORMS[name]
+    for dtype in (torch.float32, torch.bfloat16):
+        model = make(name, dtype)
+        prompt = ids()
+        with torch.no_grad():
+            want = model.generate(prompt, max_new_tokens=4, do_sample=False)
+        mps_ext.optimize(model)
+        assert len(norms(model)) == count, norms(model)
+        assert {model.get_submodule(n).variant for n in norms(model)} == {variant}
+        assert len(model.optimize_summary.norms) == count and f"{count} RMSNorms" in str(model.optimize_summary)
+        with torch.no_grad(), run_model(RELEASE) as report:
+            got = model.generate(prompt, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, want), (got, want)
+        # One call per norm and step: 4 steps (prefill, 3 decodes).
+        assert report.families["norm"].ops["mps_ext::rms_norm"].ran == count * 4
+
+
+class _LayerCalls(TorchDispatchMode):
+    """The non-view ops run while `inside` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.inside = collections.Counter(), False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.inside and not func.is_view:
+            self.ops[func.name()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def decode_layer_ops(model, layer):
+    """The non-view ops decoder layer `layer` runs in one decode step, under
+    the model runner."""
+    with torch.no_grad():
+        cache = model(ids(), use_cache=True).past_key_values
+    step = ids(1, seed=2)
+    calls = _LayerCalls()
+    mod = model.model.layers[layer]
+    hooks = [mod.register_forward_pre_hook(lambda m, a: setattr(calls, "inside", True)),
+             mod.register_forward_hook(lambda m, a, o: setattr(calls, "inside", False))]
+    try:
+        with torch.no_grad(), run_model(RELEASE), calls:
+            model(step, past_key_values=cache, use_cache=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return calls.ops
+
+
+def test_a_decoder_layers_norms_are_one_call_each():
+    """Qwen3-MoE's attention layer at decode: its four norms (input,
+    post-attention, q and k) were rsqrt, pow, mean, ... each; now one
+    mps_ext::rms_norm call each, and no rsqrt is left."""
+    model = make("qwen3_moe", torch.bfloat16)
+    before = decode_layer_ops(model, 0)
+    assert before["aten::rsqrt"] == 4 and "mps_ext::rms_norm" not in before
+    mps_ext.optimize(model)
+    after = decode_layer_ops(model, 0)
+    assert after["mps_ext::rms_norm"] == 4 and "aten::rsqrt" not in after and "aten::pow" not in after
+    print(f"\nqwen3_moe bf16 decoder layer, host calls per decode token: {sum(before.values())} -> "
+          f"{sum(after.values())}")
+    assert sum(before.values()) - sum(after.values()) >= 4 * 5
+
+
+def test_norms_it_does_not_know_are_left():
+    """A LayerNorm without bias (it subtracts the mean), Qwen3.5's gated
+    norm (two inputs) and an RMSNorm whose weight is another dtype than its
+    input at run time (the module's own math runs) are left or fall back."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNormGated
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+    holder = torch.nn.ModuleDict({"ln": torch.nn.LayerNorm(16, bias=False), "gated": Qwen3_5MoeRMSNormGated(16),
+                                  "rms": Qwen3MoeRMSNorm(16)})
+    mps_ext.optimize(holder)
+    assert isinstance(holder["ln"], torch.nn.LayerNorm) and isinstance(holder["gated"], Qwen3_5MoeRMSNormGated)
+    assert isinstance(holder["rms"], FusedRMSNorm) and list(holder.optimize_summary.norms) == ["rms"]
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    with torch.no_grad(), run_model(RELEASE) as report:
+        got = holder["rms"](x)  # float32 weight, bfloat16 input: promoted to float32, as the module does
+    assert got.dtype == torch.float32 and "norm" not in report.ran_kernels()
+    torch.testing.assert_close(got, Qwen3MoeRMSNorm(16)(x), rtol=0, atol=0)
+    # autograd: torch's ops, which have a derivative
+    x = torch.randn(3, 16, requires_grad=True)
+    holder["rms"](x).sum().backward()
+    assert x.grad is not None

@@ -1,0 +1,62 @@
+"""RMSNorm (torch.ops.mps_ext.rms_norm, mps_ext.optimize's norms): the cases
+of `python -m benchmarks norm`.
+
+    python benchmarks/bench_norm.py [--quick | --tiny]   (the same)
+
+A decode token's norms are a few kilobytes: launch and latency decide
+their time, not bytes (one dispatch instead of 6 to 8). The minimum is x
+and the weight read once and the output written once; the kernel reads the
+weight once per team of threads (up to 8 rows a team).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import Case, Prepared, run_as_script  # noqa: E402
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+CASES = [  # (rows, n, dtype, variant, what, sizes it runs at)
+    (1, 2048, BF16, "weight", "Qwen3-30B-A3B decode: a layer norm of the hidden state", ("full", "quick")),
+    (32, 128, BF16, "weight", "Qwen3-30B-A3B decode: q_norm over 32 heads", ("full", "quick")),
+    (1, 2048, BF16, "zero_centred", "Qwen3.6-35B-A3B decode: a layer norm (1 + weight)", ("full", "quick")),
+    (16, 256, BF16, "zero_centred", "Qwen3.6-35B-A3B decode: q_norm over 16 heads of 256", ("full", "quick")),
+    (1, 2048, F16, "weight", "LFM2.5-8B-A1B decode in fp16", ("full", "quick")),
+    (1, 4096, F32, "weight", "a float32 model's layer norm, 4096 wide", ("full", "quick")),
+    (512, 2048, BF16, "weight", "a 512-token prefill's layer norm", ("full",)),
+    (4, 300, F32, "weight", "tiny", ("tiny",)),
+    (3, 64, BF16, "zero_centred", "tiny", ("tiny",)),
+]
+
+
+def prepare(rows, n, dtype, variant) -> Prepared:
+    x = torch.randn(rows, n).to(dtype)
+    w = (torch.randn(n) * 0.1 + (1 if variant == "weight" else 0)).to(dtype)
+
+    def mac():
+        from mps_ext.fused_norm import rms_norm_reference
+        xm, wm = x.to("mps"), w.to("mps")
+        return (lambda: rms_norm_reference(xm, wm, 1e-6, variant),
+                lambda: torch.ops.mps_ext.rms_norm(xm, wm, 1e-6, variant))
+
+    return Prepared(lambda: torch.ops.mps_ext.rms_norm(x, w, 1e-6, variant), 2 * x.nbytes + w.nbytes, mac)
+
+
+def cases(size: str) -> list[Case]:
+    out = []
+    for rows, n, dtype, variant, what, sizes in CASES:
+        if size not in sizes:
+            continue
+        labels = {"shape": f"{rows}x{n}", "dtype": str(dtype)[6:], "variant": variant, "what": what}
+        out.append(Case("norm", f"{rows}x{n} {labels['dtype']} {variant}", labels,
+                        lambda a=(rows, n, dtype, variant): prepare(*a)))
+    return out
+
+
+if __name__ == "__main__":
+    run_as_script("norm")
