@@ -425,6 +425,9 @@ class OptimizeSummary:
     left: dict[str, str]
     bytes_before: int
     bytes_after: int
+    # Gated DeltaNet layers (mps_ext/fused_linear_attention.py): name -> what / why not.
+    linear_attention: dict[str, str] = dataclasses.field(default_factory=dict)
+    linear_attention_left: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"optimize: {len(self.converted)} MoE blocks on torch.ops.mps_ext.moe_layer (one call per layer "
@@ -432,6 +435,11 @@ class OptimizeSummary:
                  f"{self.bytes_before:,} -> {self.bytes_after:,} bytes"]
         lines += [f"  {name}: {what}" for name, what in self.converted.items()]
         lines += [f"  left {name}: {why}" for name, why in self.left.items()]
+        if self.linear_attention or self.linear_attention_left:
+            lines.append(f"optimize: {len(self.linear_attention)} linear-attention layers on "
+                         f"torch.ops.mps_ext.linear_attention_decode at decode, {len(self.linear_attention_left)} left")
+            lines += [f"  {name}: {what}" for name, what in self.linear_attention.items()]
+            lines += [f"  left {name}: {why}" for name, why in self.linear_attention_left.items()]
         return "\n".join(lines)
 
 
@@ -487,7 +495,10 @@ def optimize(model: nn.Module) -> nn.Module:
         plan.train(mod.training)
         setattr(parent, leaf, plan)
         converted[name] = _describe(mod, plan)
-    summary = OptimizeSummary(converted, already, left, bytes_before, _model_bytes(model))
+    from .fused_linear_attention import optimize_linear_attention
+    la_converted, la_already, la_left = optimize_linear_attention(model)
+    summary = OptimizeSummary(converted, already, left, bytes_before, _model_bytes(model),
+                              {**la_converted, **{n: "already" for n in la_already}}, la_left)
     model.optimize_summary = summary
     logger.info("%s", summary)
     return model
