@@ -456,8 +456,10 @@ def _describe(block: nn.Module, fused: FusedMoE) -> str:
 def optimize(model: nn.Module) -> nn.Module:
     """Put `model` on mps_ext's fastest path, in place; returns the model.
     Each mixture-of-experts block it recognises (module docstring) becomes
-    a FusedMoE: at decode, one torch.ops.mps_ext.moe_layer call per layer.
-    Idempotent. The OptimizeSummary of what it converted and what it left
+    a FusedMoE: at decode, one torch.ops.mps_ext.moe_layer call per layer;
+    each Gated DeltaNet layer (Qwen3.5/3.6-MoE's linear attention) decodes
+    on torch.ops.mps_ext.linear_attention_decode between its projections
+    (mps_ext/fused_linear_attention.py). Idempotent. The OptimizeSummary of what it converted and what it left
     (and why) is `model.optimize_summary`, also logged (logger
     "mps_ext.fused_moe", INFO). Works on floating and quantize_fp8'd
     models, on any device (CPU tensors run torch's own ops); eager and

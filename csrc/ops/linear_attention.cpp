@@ -14,6 +14,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <initializer_list>
 
 #include "backend/launch.h"
 #include "linear_attention_params.h"
@@ -40,6 +42,13 @@ at::Tensor linear_attention_decode(const at::Tensor& qkv, const at::Tensor& z, c
                                    const at::Tensor& a, at::Tensor& conv_state, at::Tensor& recurrent_state,
                                    const at::Tensor& conv_weight, const at::Tensor& A_log, const at::Tensor& dt_bias,
                                    const at::Tensor& norm_weight, int64_t k_heads, double eps) {
+  TORCH_CHECK(conv_state.defined() && recurrent_state.defined(),
+              "linear_attention_decode: conv_state and recurrent_state are the layer's cache after a prefill "
+              "(transformers: cache_params.get_conv_state / get_recurrent_state); got None");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&qkv, &z, &b, &a, &conv_weight, &A_log, &dt_bias,
+                                                                   &norm_weight})
+    TORCH_CHECK(t->defined(), "linear_attention_decode: qkv, z, b, a, conv_weight, A_log, dt_bias and norm_weight "
+                "are required; got None");
   const auto dt = qkv.scalar_type();
   const char* type = kernel_type_name(dt);
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
@@ -83,7 +92,8 @@ at::Tensor linear_attention_decode(const at::Tensor& qkv, const at::Tensor& z, c
   check_vector(dt_bias, "dt_bias", v_heads, dt);
   check_vector(norm_weight, "norm_weight", dv, dt);
   const auto device = qkv.device();
-  for (const at::Tensor* t : {&z, &b, &a, &conv_state, &recurrent_state, &conv_weight, &A_log, &dt_bias, &norm_weight})
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&z, &b, &a, &conv_state, &recurrent_state,
+                                                                   &conv_weight, &A_log, &dt_bias, &norm_weight})
     TORCH_CHECK(t->device() == device, "linear_attention_decode: every tensor must be on ", device, ", one is on ",
                 t->device());
   TORCH_CHECK(conv_state.numel() <= UINT32_MAX && recurrent_state.numel() <= UINT32_MAX &&

@@ -94,7 +94,7 @@ def test_host_calls_and_dispatches_per_layer(dtype):
           f"after {after}")
     # Five projections (in_proj_qkv, _z, _b, _a, out_proj: mps_ext's GEMVs) and linear_attention_decode.
     assert after == (6, 6)
-    assert before[0] >= 10 * after[0]
+    assert before[0] >= 8 * after[0]  # transformers' torch code: 49 aten calls in float32
 
 
 def test_left_with_the_reason():
@@ -128,7 +128,7 @@ def test_idempotent_casts_and_state_dict():
 
 
 def test_op_without_states_is_an_error():
-    with pytest.raises((RuntimeError, TypeError), match="conv_state|Tensor"):
+    with pytest.raises(RuntimeError, match="the layer's cache after a prefill"):
         torch.ops.mps_ext.linear_attention_decode(torch.zeros(1, 8), torch.zeros(1, 2), torch.zeros(1, 1),
                                                   torch.zeros(1, 1), None, None, torch.zeros(8, 4), torch.zeros(1),
                                                   torch.zeros(1), torch.zeros(2), 1, 1e-6)

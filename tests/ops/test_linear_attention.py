@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import transformers
 
 import mps_ext  # noqa: F401  (registers the ops)
-from mps_ext import cpu_metal
+from mps_ext import _executor_request, cpu_metal
 from mps_ext.fused_linear_attention import FusedDecodeMixin, optimize_linear_attention
 
 ULP = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
@@ -133,6 +133,7 @@ def clone_cache(cache):
     return copy.deepcopy(cache)
 
 
+@torch.no_grad()
 def float64_layer_step(layer, cache, step):
     """The layer's decode step in float64 from `reference`: the projections
     of its own weights, its cache's states."""
@@ -158,7 +159,7 @@ def test_matches_transformers_layer(dtype):
     assert list(converted) == [""] and not left and isinstance(fused, FusedDecodeMixin)
     with torch.no_grad():
         theirs = layer(step, cache_params=theirs_cache)
-        with cpu_metal.record() as rec:
+        with _executor_request.request(), cpu_metal.record() as rec:  # CPU tensors: the kernel's path
             ours = fused(step, cache_params=ours_cache)
     assert "linear_attention_decode_" + {torch.float32: "f32", torch.float16: "f16",
                                           torch.bfloat16: "bf16"}[dtype] in [r.kernel for r in rec.dispatches]
@@ -178,7 +179,7 @@ def test_prefill_and_no_cache_run_the_layers_own_forward():
     fused = copy.deepcopy(layer)
     optimize_linear_attention(fused)
     x = torch.randn(2, 3, config.hidden_size)
-    with torch.no_grad(), cpu_metal.record() as rec:
+    with torch.no_grad(), _executor_request.request(), cpu_metal.record() as rec:
         a, b = fused(x), fused(x[:, :1])  # no cache: prefill, and a single token without one
     assert not rec.dispatches
     torch.testing.assert_close(a, layer(x))
