@@ -149,17 +149,19 @@ def optimize_linear_attention(model: nn.Module) -> tuple[dict[str, str], list[st
     decode, in place: (converted {name: what}, already [names], left
     {name: why}). A module counts as a candidate when it holds `A_log`,
     `dt_bias` and `conv1d` (the parts every Gated DeltaNet layer has)."""
-    converted, already, left = {}, [], {}
+    converted, already, left, plans = {}, [], {}, []
     for name, mod in model.named_modules():
         if isinstance(mod, FusedDecodeMixin):
             already.append(name)
             continue
         if not all(isinstance(getattr(mod, n, None), (nn.Module, torch.Tensor)) for n in ("A_log", "dt_bias", "conv1d")):
             continue
-        why = why_not(mod)
+        why = why_not(mod)  # raises for a dtype the kernel does not take: before any layer is changed
         if why:
             left[name] = why
-            continue
+        else:
+            plans.append((name, mod))
+    for name, mod in plans:
         mod.__class__ = _fused_class(type(mod))
         converted[name] = (f"{type(mod).__mro__[2].__name__} -> decode on linear_attention_decode "
                            f"({mod.num_v_heads} value heads, {mod.num_k_heads} key heads)")

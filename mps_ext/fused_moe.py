@@ -459,8 +459,8 @@ def optimize(model: nn.Module) -> nn.Module:
     a FusedMoE: at decode, one torch.ops.mps_ext.moe_layer call per layer;
     each Gated DeltaNet layer (Qwen3.5/3.6-MoE's linear attention) decodes
     on torch.ops.mps_ext.linear_attention_decode between its projections
-    (mps_ext/fused_linear_attention.py). Idempotent. The OptimizeSummary of what it converted and what it left
-    (and why) is `model.optimize_summary`, also logged (logger
+    (mps_ext/fused_linear_attention.py). Idempotent. The OptimizeSummary of
+    what it converted and what it left (and why) is `model.optimize_summary`, also logged (logger
     "mps_ext.fused_moe", INFO). Works on floating and quantize_fp8'd
     models, on any device (CPU tensors run torch's own ops); eager and
     torch.compile. Raises TypeError for anything but an nn.Module and

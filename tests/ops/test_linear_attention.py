@@ -208,3 +208,11 @@ def test_bad_input():
     bad("norm_weight must be", norm_weight=d["norm_weight"].bfloat16())
     bad("at most 64 value heads per key head", k_heads=1,
         **inputs(1, 1, 65, 4, 4, 2, torch.float32))
+
+
+def test_float64_layer_is_refused_and_left_unchanged():
+    layer, _, _ = layer_and_cache(torch.float32)
+    layer = layer.double()
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        optimize_linear_attention(layer)
+    assert not isinstance(layer, FusedDecodeMixin)
