@@ -160,6 +160,44 @@ def stock_layer_fn(model: Model, tokens: int, device: str = "mps"):
     return stock, ours
 
 
+@dataclasses.dataclass
+class DeltaNet:
+    """A Gated DeltaNet layer's decode shapes (benchmarks/census.py has the configs)."""
+    name: str
+    k_heads: int
+    v_heads: int
+    dk: int
+    dv: int
+    conv_k: int
+
+
+DELTANET = DeltaNet("Qwen3.6-35B-A3B", 16, 32, 128, 128, 4)
+
+
+def deltanet(model: DeltaNet, tokens: int, dtype) -> Prepared:
+    """The decode step of a linear-attention layer between its projections
+    (linear_attention_decode, one dispatch): what the MoE models with Gated
+    DeltaNet layers (Qwen3.5/3.6) run besides their MoE layers."""
+    g = torch.Generator().manual_seed(tokens)
+    conv_dim = 2 * model.k_heads * model.dk + model.v_heads * model.dv
+    vd = model.v_heads * model.dv
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+    qkv, z, b, a = r(tokens, conv_dim), r(tokens, vd), r(tokens, model.v_heads), r(tokens, model.v_heads)
+    conv_state, conv_w = r(tokens, conv_dim, model.conv_k), r(conv_dim, model.conv_k)
+    state = torch.randn(tokens, model.v_heads, model.dk, model.dv, generator=g)
+    a_log, dt_bias, norm_w = r(model.v_heads), r(model.v_heads), r(model.dv)
+
+    def run():
+        torch.ops.mps_ext.linear_attention_decode(qkv, z, b, a, conv_state, state, conv_w, a_log, dt_bias, norm_w,
+                                                  model.k_heads, 1e-6)
+    # Every input read once, both states read and written once, the output written.
+    minimum = (sum(t.nbytes for t in (qkv, z, b, a, conv_w, a_log, dt_bias, norm_w)) + 2 * conv_state.nbytes
+               + 2 * state.nbytes + tokens * vd * qkv.element_size())
+    return Prepared(run, minimum)
+
+
 SAMPLE_N = 256  # output columns the grouped products run on (of N)
 
 
@@ -218,9 +256,16 @@ def cases(size: str) -> list[Case]:
             " misaligned" if misaligned else "")
         out.append(Case("moe", id_, labels, lambda: grouped(kind, dtype, rows, k, n, 8, layout, misaligned)))
 
+    def add_deltanet(model, tokens, dtype):
+        labels = {"case": "deltanet", "model": model.name, "experts": "", "activation": str(dtype)[6:],
+                  "tokens / rows": str(tokens), "weight": ""}
+        out.append(Case("moe", f"deltanet {model.name} {labels['activation']} tokens={tokens}", labels,
+                        lambda: deltanet(model, tokens, dtype)))
+
     if size == "tiny":
         add_layer(TINY, 2, False)
         add_layer(TINY, 2, True)
+        add_deltanet(DeltaNet("tiny", 2, 4, 32, 16, 4), 1, torch.bfloat16)
         return out
     for model in MODELS:
         for fp8 in (False, True):
@@ -237,6 +282,8 @@ def cases(size: str) -> list[Case]:
     add_grouped("_scaled_grouped_mm", None, 64, "nk", misaligned=1)
     add_grouped("_scaled_grouped_mm", None, 128, "nk")
     add_grouped("moe_experts", torch.bfloat16, 64, "nk", misaligned=1)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        add_deltanet(DELTANET, 1, dtype)
     return out
 
 

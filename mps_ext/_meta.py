@@ -1,6 +1,6 @@
 """Meta kernels (shapes and dtypes) of the torch.ops.mps_ext ops that do not
 take the aten op's own: fp8_linear and the mixture-of-experts ops moe_route,
-moe_experts, moe_combine, moe_layer, rms_norm, fp8_grouped_linear (no aten op); the scaled_mm family, whose aten meta
+moe_experts, moe_combine, moe_layer, rms_norm, fp8_grouped_linear, linear_attention_decode (no aten op); the scaled_mm family, whose aten meta
 functions check CUDA's layout rules (mat2 column-major, dimensions multiples
 of 16) that mps_ext does not need, so a traced model would fail where the
 eager one runs; and the grouped_mm family, whose aten meta functions take
@@ -106,6 +106,14 @@ def _rms_norm(x, weight, eps, variant="weight"):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+# A Gated DeltaNet decode step (csrc/ops/linear_attention.cpp): the gated
+# RMSNorm's output [batch, v_heads * dv] in qkv's dtype; the two states are
+# updated in place (the schema's (a!), (b!)).
+def _linear_attention_decode(qkv, z, b, a, conv_state, recurrent_state, conv_weight, A_log, dt_bias, norm_weight,
+                             k_heads, eps):
+    return qkv.new_empty((qkv.shape[0], recurrent_state.shape[1] * recurrent_state.shape[3]))
+
+
 # FP8Experts' prefill product (mps_ext/fp8.py, a Python custom op): rows
 # [R, K] @ bank[e]^T of [E, N, K] -> [R, N] bf16, contiguous.
 def _fp8_grouped_linear(rows, bank, bank_scale, offs):
@@ -117,5 +125,6 @@ def register() -> None:
                      ("_grouped_mm", _grouped_mm), ("_scaled_grouped_mm", _scaled_grouped_mm),
                      ("_scaled_grouped_mm_v2", _scaled_grouped_mm_v2), ("moe_route", _moe_route),
                      ("moe_experts", _moe_experts), ("moe_combine", _moe_combine), ("moe_layer", _moe_layer),
-                     ("rms_norm", _rms_norm), ("fp8_grouped_linear", _fp8_grouped_linear)]:
+                     ("rms_norm", _rms_norm), ("fp8_grouped_linear", _fp8_grouped_linear),
+                     ("linear_attention_decode", _linear_attention_decode)]:
         torch.library.register_fake(f"mps_ext::{name}", fn)

@@ -428,6 +428,9 @@ class OptimizeSummary:
     bytes_after: int
     # RMSNorm modules made FusedRMSNorm (mps_ext/fused_norm.py): name -> what
     norms: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Gated DeltaNet layers (mps_ext/fused_linear_attention.py): name -> what / why not.
+    linear_attention: dict[str, str] = dataclasses.field(default_factory=dict)
+    linear_attention_left: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"optimize: {len(self.converted)} MoE blocks on torch.ops.mps_ext.moe_layer (one call per layer "
@@ -437,6 +440,11 @@ class OptimizeSummary:
         lines += [f"  left {name}: {why}" for name, why in self.left.items()]
         if self.norms:
             lines.append(f"  {len(self.norms)} RMSNorms on torch.ops.mps_ext.rms_norm (one dispatch each)")
+        if self.linear_attention or self.linear_attention_left:
+            lines.append(f"optimize: {len(self.linear_attention)} linear-attention layers on "
+                         f"torch.ops.mps_ext.linear_attention_decode at decode, {len(self.linear_attention_left)} left")
+            lines += [f"  {name}: {what}" for name, what in self.linear_attention.items()]
+            lines += [f"  left {name}: {why}" for name, why in self.linear_attention_left.items()]
         return "\n".join(lines)
 
 
@@ -455,8 +463,11 @@ def optimize(model: nn.Module) -> nn.Module:
     Each mixture-of-experts block it recognises (module docstring) becomes
     a FusedMoE: at decode, one torch.ops.mps_ext.moe_layer call per layer;
     each RMSNorm it recognises (mps_ext/fused_norm.py) a FusedRMSNorm, one
-    torch.ops.mps_ext.rms_norm dispatch. Idempotent. The OptimizeSummary of what it converted and what it left
-    (and why) is `model.optimize_summary`, also logged (logger
+    torch.ops.mps_ext.rms_norm dispatch; each Gated DeltaNet layer
+    (Qwen3.5/3.6-MoE's linear attention) decodes on
+    torch.ops.mps_ext.linear_attention_decode between its projections
+    (mps_ext/fused_linear_attention.py). Idempotent. The OptimizeSummary of
+    what it converted and what it left (and why) is `model.optimize_summary`, also logged (logger
     "mps_ext.fused_moe", INFO). Works on floating and quantize_fp8'd
     models, on any device (CPU tensors run torch's own ops); eager and
     torch.compile. Raises TypeError for anything but an nn.Module and
@@ -493,9 +504,13 @@ def optimize(model: nn.Module) -> nn.Module:
         plan.train(mod.training)
         setattr(parent, leaf, plan)
         converted[name] = _describe(mod, plan)
+    from .fused_linear_attention import optimize_linear_attention
+    la_converted, la_already, la_left = optimize_linear_attention(model)
     from .fused_norm import fuse_norms
-    norms = fuse_norms(model)
-    summary = OptimizeSummary(converted, already, left, bytes_before, _model_bytes(model), norms)
+    norms = fuse_norms(model)  # after the linear-attention layers: it leaves their gated norms
+    summary = OptimizeSummary(converted, already, left, bytes_before, _model_bytes(model), norms=norms,
+                              linear_attention={**la_converted, **{n: "already" for n in la_already}},
+                              linear_attention_left=la_left)
     model.optimize_summary = summary
     logger.info("%s", summary)
     return model

@@ -91,6 +91,7 @@ GMM_DECODE = (names("gmm_decode_rows_{t}_{path}", t=("f32", "f16", "bf16", "e4m3
 GMM_TILED = names("gmm_tiled_{t}", t=("f32", "f16", "bf16", "e4m3"))
 MOE_ROUTE_COMBINE = names("moe_{step}_{t}", step=("route", "combine"), t=("f32", "f16", "bf16"))
 RMS_NORM = names("rms_norm_{t}", t=("f32", "f16", "bf16"))
+LINEAR_ATTENTION = names("linear_attention_decode_{t}", t=("f32", "f16", "bf16"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +175,8 @@ BUDGETS: dict[str, Budget] = {
     **{k: Budget("moe", full_occupancy=True, lines=lines(k)) for k in GMM_DECODE + MOE_ROUTE_COMBINE},
     **{k: Budget("moe", full_occupancy=False) for k in GMM_TILED},  # prefill tiles, as FP8's
     **{k: Budget("norm", full_occupancy=True) for k in RMS_NORM},  # streams a row through registers
+    # Gated DeltaNet decode (bench_moe's deltanet cases): streams the recurrent state once, 1024 threads a group.
+    **{k: Budget("moe", full_occupancy=True) for k in LINEAR_ATTENTION},
 }
 
 # ------------------------------------------------ cases that measure them --
@@ -198,7 +201,8 @@ BUDGET_CASES = {
     "linalg": [c.id for c in op_cases("linalg", "quick") if c.id.startswith("inv 100000 ") or " x 32x32 " in c.id],
     # the MoE expert's shape (prefill from a sample block) and the conversions
     "fp8": [c.id for c in op_cases("fp8", "quick") if "2048->768" in c.id or c.id.startswith("copy_")],
-    # one decode token of Qwen3-30B-A3B's layer in each dtype, and the grouped products (on 256 columns)
+    # one decode token of Qwen3-30B-A3B's layer in each dtype, the grouped products (on 256 columns), and
+    # Qwen3.6's Gated DeltaNet decode in each dtype
     "moe": [c.id for c in op_cases("moe", "quick") if not c.id.startswith("layer ")
             or (c.id.startswith("layer Qwen3-30B-A3B ") and "tokens=1" in c.id)],
     "norm": [c.id for c in op_cases("norm", "quick")],  # decode rows, a few KiB each

@@ -1,0 +1,173 @@
+// torch.ops.mps_ext.linear_attention_decode: a Gated DeltaNet layer's decode
+// step (Qwen3-Next, Qwen3.5/3.6-MoE linear attention) between its input and
+// output projections, one dispatch (kernels_metal/linear_attention.metal).
+// transformers' torch code for the same step (its fallbacks for
+// causal_conv1d_update and FLA's fused_recurrent_gated_delta_rule, the
+// kernels a Mac does not have) is about 80 ops a layer; mps_ext.optimize
+// (mps_ext/fused_linear_attention.py) puts the layers on this op.
+//
+// In place: the convolution window `conv_state` [B, conv_dim, K] (the
+// model's dtype) and the recurrent state [B, v_heads, dk, dv] (float32), as
+// transformers' cache holds them. Returns the gated RMSNorm's output
+// [B, v_heads * dv] in the model's dtype, the output projection's input.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <initializer_list>
+
+#include "backend/launch.h"
+#include "linear_attention_params.h"
+#include "ops/kernel_choice.h"
+#include "ops/registry.h"
+
+namespace mps_ext {
+namespace {
+
+void check_rows(const at::Tensor& t, const char* name, int64_t batch, int64_t width, c10::ScalarType dt) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == batch && t.size(1) == width && t.scalar_type() == dt &&
+                  (t.stride(1) == 1 || width == 1) && t.stride(0) >= width && t.stride(0) <= UINT32_MAX,
+              "linear_attention_decode: ", name, " must be [", batch, ", ", width, "] in ", dt,
+              " with contiguous rows, got ", t.sizes(), " ", t.scalar_type(), " strides ", t.strides());
+}
+
+void check_vector(const at::Tensor& t, const char* name, int64_t n, c10::ScalarType dt) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n && t.scalar_type() == dt && t.is_contiguous(),
+              "linear_attention_decode: ", name, " must be contiguous [", n, "] in ", dt, ", got ", t.sizes(), " ",
+              t.scalar_type());
+}
+
+at::Tensor linear_attention_decode(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& b,
+                                   const at::Tensor& a, at::Tensor& conv_state, at::Tensor& recurrent_state,
+                                   const at::Tensor& conv_weight, const at::Tensor& A_log, const at::Tensor& dt_bias,
+                                   const at::Tensor& norm_weight, int64_t k_heads, double eps) {
+  TORCH_CHECK(conv_state.defined() && recurrent_state.defined(),
+              "linear_attention_decode: conv_state and recurrent_state are the layer's cache after a prefill "
+              "(transformers: cache_params.get_conv_state / get_recurrent_state); got None");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&qkv, &z, &b, &a, &conv_weight, &A_log, &dt_bias,
+                                                                   &norm_weight})
+    TORCH_CHECK(t->defined(), "linear_attention_decode: qkv, z, b, a, conv_weight, A_log, dt_bias and norm_weight "
+                "are required; got None");
+  const auto dt = qkv.scalar_type();
+  const char* type = kernel_type_name(dt);
+  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
+              "linear_attention_decode: qkv must be float32, float16 or bfloat16, got ", dt);
+  TORCH_CHECK(qkv.dim() == 2, "linear_attention_decode: qkv [batch, conv_dim] (one token per sequence) expected, got ",
+              qkv.sizes());
+  TORCH_CHECK(recurrent_state.dim() == 4 && recurrent_state.scalar_type() == at::kFloat &&
+                  recurrent_state.is_contiguous(),
+              "linear_attention_decode: recurrent_state must be contiguous float32 [batch, v_heads, dk, dv], got ",
+              recurrent_state.sizes(), " ", recurrent_state.scalar_type());
+  const int64_t batch = qkv.size(0), conv_dim = qkv.size(1);
+  const int64_t v_heads = recurrent_state.size(1), dk = recurrent_state.size(2), dv = recurrent_state.size(3);
+  TORCH_CHECK(recurrent_state.size(0) == batch, "linear_attention_decode: recurrent_state holds ",
+              recurrent_state.size(0), " sequences, qkv ", batch);
+  TORCH_CHECK(k_heads >= 1 && v_heads % k_heads == 0,
+              "linear_attention_decode: v_heads (", v_heads, ") must be a multiple of k_heads (", k_heads, ")");
+  TORCH_CHECK(conv_dim == 2 * k_heads * dk + v_heads * dv, "linear_attention_decode: qkv holds ", conv_dim,
+              " channels; 2 * k_heads * dk + v_heads * dv = ", 2 * k_heads * dk + v_heads * dv,
+              " from k_heads and recurrent_state's shape");
+  const int64_t ratio = v_heads / k_heads;
+  TORCH_CHECK(dk >= 1 && dk <= LA_MAX_DK && dv >= 1 && ratio * dv <= LA_MAX_COLS && ratio <= LA_MAX_RATIO,
+              "linear_attention_decode: takes key heads of 1 to ", LA_MAX_DK, ", at most ", LA_MAX_RATIO,
+              " value heads per key head and ", LA_MAX_COLS, " value channels per key head; got dk ", dk, ", ",
+              ratio, " value heads of ", dv);
+  check_rows(z, "z", batch, v_heads * dv, dt);
+  check_rows(b, "b", batch, v_heads, dt);
+  check_rows(a, "a", batch, v_heads, dt);
+  TORCH_CHECK(conv_state.dim() == 3 && conv_state.size(0) == batch && conv_state.size(1) == conv_dim &&
+                  conv_state.size(2) >= 1 && conv_state.scalar_type() == dt && conv_state.is_contiguous(),
+              "linear_attention_decode: conv_state must be contiguous [", batch, ", ", conv_dim, ", kernel size] in ",
+              dt, ", got ", conv_state.sizes(), " ", conv_state.scalar_type());
+  const int64_t conv_k = conv_state.size(2);
+  TORCH_CHECK(conv_k <= 32 && (conv_k & (conv_k - 1)) == 0,
+              "linear_attention_decode: the convolution's window (conv_state's last dimension) must be 1, 2, 4, 8, 16 "
+              "or 32 (a lane per tap), got ", conv_k);
+  TORCH_CHECK(conv_weight.dim() == 2 && conv_weight.size(0) == conv_dim && conv_weight.size(1) == conv_k &&
+                  conv_weight.scalar_type() == dt && conv_weight.is_contiguous(),
+              "linear_attention_decode: conv_weight must be contiguous [", conv_dim, ", ", conv_k, "] in ", dt,
+              ", got ", conv_weight.sizes(), " ", conv_weight.scalar_type());
+  check_vector(A_log, "A_log", v_heads, dt);
+  check_vector(dt_bias, "dt_bias", v_heads, dt);
+  check_vector(norm_weight, "norm_weight", dv, dt);
+  const auto device = qkv.device();
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&z, &b, &a, &conv_state, &recurrent_state,
+                                                                   &conv_weight, &A_log, &dt_bias, &norm_weight})
+    TORCH_CHECK(t->device() == device, "linear_attention_decode: every tensor must be on ", device, ", one is on ",
+                t->device());
+  TORCH_CHECK(conv_state.numel() <= UINT32_MAX && recurrent_state.numel() <= UINT32_MAX &&
+                  batch * qkv.stride(0) <= UINT32_MAX,
+              "linear_attention_decode: the states must have fewer than 2^32 elements (32-bit indices)");
+
+  at::Tensor out = at::empty({batch, v_heads * dv}, qkv.options());
+  if (batch == 0) return out;
+  LinearAttentionParams p{};
+  p.batch = static_cast<uint32_t>(batch);
+  p.k_heads = static_cast<uint32_t>(k_heads);
+  p.v_heads = static_cast<uint32_t>(v_heads);
+  p.dk = static_cast<uint32_t>(dk);
+  p.dv = static_cast<uint32_t>(dv);
+  p.ratio = static_cast<uint32_t>(ratio);
+  p.conv_dim = static_cast<uint32_t>(conv_dim);
+  p.conv_k = static_cast<uint32_t>(conv_k);
+  // A state column over as few threads as keep LA_ROWS rows each; as many
+  // columns at once as the threadgroup holds (one key head's value heads:
+  // 2 x 128 columns for Qwen3.6, in four passes of 64).
+  const int64_t parts = ceil_div(dk, LA_ROWS), cols = std::min<int64_t>(ratio * dv, LA_MAX_THREADS / parts);
+  p.row_parts = static_cast<uint32_t>(parts);
+  p.cols = static_cast<uint32_t>(cols);
+  p.qkv_stride = static_cast<uint32_t>(qkv.stride(0));
+  p.z_stride = static_cast<uint32_t>(z.stride(0));
+  p.b_stride = static_cast<uint32_t>(b.stride(0));
+  p.a_stride = static_cast<uint32_t>(a.stride(0));
+  p.out_stride = static_cast<uint32_t>(out.stride(0));
+  p.q_scale = static_cast<float>(std::sqrt(static_cast<double>(dk)));
+  p.norm_eps = static_cast<float>(eps);
+  // Whole simdgroups: the convolution's lanes and the norms' sums are simd operations.
+  const int64_t threads = ceil_div(parts * cols, 32) * 32;
+  launch(Launch{"linear_attention", std::string("linear_attention_decode_") + type,
+                {KernelArg::of(out), KernelArg::of(conv_state), KernelArg::of(recurrent_state), KernelArg::of(qkv),
+                 KernelArg::of(z), KernelArg::of(b), KernelArg::of(a), KernelArg::of(conv_weight),
+                 KernelArg::of(A_log), KernelArg::of(dt_bias), KernelArg::of(norm_weight), KernelArg::value(p)},
+                {static_cast<uint32_t>(k_heads), static_cast<uint32_t>(batch), 1},
+                {static_cast<uint32_t>(threads), 1, 1}});
+  return out;
+}
+
+using c10::DispatchKey;
+
+// Counted with the linear family: a decode layer's projections are its GEMVs.
+const RoutedOp kLinearAttentionDecode(FamilyId::linear, "mps_ext::linear_attention_decode");
+
+template <DispatchKey K>
+at::Tensor linear_attention_decode_impl(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& b,
+                                        const at::Tensor& a, at::Tensor& conv_state, at::Tensor& recurrent_state,
+                                        const at::Tensor& conv_weight, const at::Tensor& A_log,
+                                        const at::Tensor& dt_bias, const at::Tensor& norm_weight, int64_t k_heads,
+                                        double eps) {
+  return run_own(kLinearAttentionDecode, K, [&] {
+    return linear_attention_decode(qkv, z, b, a, conv_state, recurrent_state, conv_weight, A_log, dt_bias,
+                                   norm_weight, k_heads, eps);
+  });
+}
+
+}  // namespace
+}  // namespace mps_ext
+
+// Its Meta (fake) kernel, for torch.compile, is in mps_ext/_meta.py.
+TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
+  m.def("linear_attention_decode(Tensor qkv, Tensor z, Tensor b, Tensor a, Tensor(a!) conv_state, "
+        "Tensor(b!) recurrent_state, Tensor conv_weight, Tensor A_log, Tensor dt_bias, Tensor norm_weight, "
+        "int k_heads, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mps_ext, CPU, m) {
+  m.impl("linear_attention_decode", TORCH_FN(mps_ext::linear_attention_decode_impl<c10::DispatchKey::CPU>));
+}
+
+#ifdef __APPLE__
+TORCH_LIBRARY_IMPL(mps_ext, MPS, m) {
+  m.impl("linear_attention_decode", TORCH_FN(mps_ext::linear_attention_decode_impl<c10::DispatchKey::MPS>));
+}
+#endif

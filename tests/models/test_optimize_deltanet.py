@@ -1,0 +1,167 @@
+"""mps_ext.optimize on transformers 5's Qwen3.5-MoE (tiny random config with
+a Gated DeltaNet layer and a full-attention layer): the linear-attention
+layer's decode on torch.ops.mps_ext.linear_attention_decode, against stock
+torch and float64; generate; host calls and dispatches per layer before
+and after; torch.compile; what it leaves and why."""
+
+import copy
+
+import pytest
+import torch
+
+import transformers
+
+import mps_ext
+from mps_ext import _executor_request
+from mps_ext.cpu_metal import run_model
+from mps_ext.fused_linear_attention import FusedDecodeMixin
+from model_compare import RELEASE
+from test_optimize import _Calls, ids, make, prefill_and_decode, reference
+
+
+def deltanet_layers(model):
+    return [m for m in model.modules() if hasattr(m, "A_log") and hasattr(m, "conv1d")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_optimized_decode_matches_stock_and_float64(figures, dtype):
+    model = make("qwen3_5_moe")
+    prompt = ids()
+    ref_model = reference(model)
+    step = ref_model(prompt).logits[:, -1:].argmax(-1)
+    ref = prefill_and_decode(ref_model, prompt, step)
+    model = model.to(dtype)
+    stock = prefill_and_decode(model, prompt, step)
+    mps_ext.optimize(model)
+    summary = model.optimize_summary
+    assert list(summary.linear_attention) == ["model.layers.0.linear_attn"] and not summary.linear_attention_left
+    assert "linear_attention_decode" in str(summary)
+    assert all(isinstance(m, FusedDecodeMixin) for m in deltanet_layers(model))
+    with run_model(RELEASE) as report:
+        ours = prefill_and_decode(model, prompt, step)
+    figures.families = report.ran_kernels()
+    assert report.families["linear"].ops["mps_ext::linear_attention_decode"].ran == 1  # one layer, the decode step
+    for what, i in (("prefill", 0), ("decode", 1)):
+        figures.no_worse(what, ours[i], stock[i], ref[i], dtype)
+
+
+def test_generate_gives_stock_tokens():
+    """Greedy decoding of several tokens (each step reads the states the
+    previous one wrote in place) gives the stock model's tokens."""
+    model = make("qwen3_5_moe")
+    prompt = ids()
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    mps_ext.optimize(model)
+    with torch.no_grad(), run_model(RELEASE) as report:
+        got = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert report.families["linear"].ops["mps_ext::linear_attention_decode"].ran == 4  # 4 decode steps
+    assert torch.equal(got, want)
+
+
+def per_deltanet_layer(model):
+    """(host calls, executor dispatches) of the linear-attention layer in one decode step."""
+    layer = deltanet_layers(model)[0]
+    with torch.no_grad():
+        cache = model(ids(), use_cache=True).past_key_values
+    with torch.no_grad(), run_model(RELEASE) as report:
+        calls = _Calls()
+
+        def dispatches():
+            return sum(f.dispatches for f in report.families.values()) + report.other_dispatches
+        start = {}
+        h1 = layer.register_forward_pre_hook(lambda m, a: start.update(c=calls.calls, d=dispatches()))
+        out = {}
+        h2 = layer.register_forward_hook(lambda m, a, o: out.update(c=calls.calls - start["c"],
+                                                                      d=dispatches() - start["d"],
+                                                                      ops=dict(calls.ops)))
+        try:
+            with calls:
+                model(ids(1, seed=2), past_key_values=cache, use_cache=True)
+        finally:
+            h1.remove()
+            h2.remove()
+    return out["c"], out["d"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_host_calls_and_dispatches_per_layer(dtype):
+    model = make("qwen3_5_moe", dtype)
+    before = per_deltanet_layer(model)
+    mps_ext.optimize(model)
+    after = per_deltanet_layer(model)
+    print(f"\nQwen3.5-MoE Gated DeltaNet layer {dtype}, per decoded token (host calls, dispatches): before {before}, "
+          f"after {after}")
+    # Five projections (in_proj_qkv, _z, _b, _a, out_proj: mps_ext's GEMVs) and linear_attention_decode.
+    assert after == (6, 6)
+    assert before[0] >= 8 * after[0]  # transformers' torch code: 49 aten calls in float32
+
+
+def test_left_with_the_reason():
+    """Qwen3-Next's interleaved projections are left, said so; its MoE blocks are still converted."""
+    config = transformers.Qwen3NextConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                          num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
+                                          linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                          shared_expert_intermediate_size=16,
+                                          layer_types=["linear_attention", "full_attention"])
+    model = transformers.Qwen3NextForCausalLM(config).eval()
+    mps_ext.optimize(model)
+    left = model.optimize_summary.linear_attention_left
+    assert list(left) == ["model.layers.0.linear_attn"] and "in_proj_qkvz" in left["model.layers.0.linear_attn"]
+    assert model.optimize_summary.converted
+
+
+def test_idempotent_casts_and_state_dict():
+    model = make("qwen3_5_moe")
+    keys = set(model.state_dict())
+    mps_ext.optimize(model)
+    la = deltanet_layers(model)[0]
+    la_keys = {k for k in model.state_dict() if ".linear_attn." in k}
+    assert la_keys == {k for k in keys if ".linear_attn." in k}  # the layer's own keys stay
+    mps_ext.optimize(model)
+    assert model.optimize_summary.linear_attention == {"model.layers.0.linear_attn": "already"}
+    clone = copy.deepcopy(model).to(torch.bfloat16)
+    assert isinstance(deltanet_layers(clone)[0], FusedDecodeMixin) and deltanet_layers(clone)[0].A_log.dtype == \
+        torch.bfloat16
+    assert type(la).__name__ == "FusedQwen3_5MoeGatedDeltaNet"
+
+
+def test_op_without_states_is_an_error():
+    with pytest.raises(RuntimeError, match="the layer's cache after a prefill"):
+        torch.ops.mps_ext.linear_attention_decode(torch.zeros(1, 8), torch.zeros(1, 2), torch.zeros(1, 1),
+                                                  torch.zeros(1, 1), None, None, torch.zeros(8, 4), torch.zeros(1),
+                                                  torch.zeros(1), torch.zeros(2), 1, 1e-6)
+
+
+# ----------------------------------------------------------- torch.compile --
+class _Inspector:
+    """A torch.compile backend (aot_autograd: aten graphs) that records mps_ext's ops, also those functionalised
+    (auto_functionalized wraps an op that writes its inputs); runs the graphs eagerly."""
+
+    def __init__(self):
+        from torch._dynamo.backends.common import aot_autograd
+        self.ops = set()
+        self.backend = aot_autograd(fw_compiler=self.inspect)
+
+    def inspect(self, gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            for target in (node.target, *node.args[:1]):
+                if getattr(target, "namespace", None) == "mps_ext":
+                    self.ops.add(target.name().split("::")[1])
+        return gm.forward
+
+
+@_executor_request.request()  # traced inside request(): the kernels' path, the one a Mac takes
+def test_compiled_optimized_model():
+    model = mps_ext.optimize(make("qwen3_5_moe", torch.bfloat16))
+    prompt, step = ids(), ids(1, seed=2)
+    want = prefill_and_decode(model, prompt, step)
+    torch._dynamo.reset()
+    inspector = _Inspector()
+    got = prefill_and_decode(torch.compile(model, backend=inspector.backend), prompt, step)
+    assert "linear_attention_decode" in inspector.ops
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)

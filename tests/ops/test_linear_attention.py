@@ -1,0 +1,218 @@
+"""torch.ops.mps_ext.linear_attention_decode (Gated DeltaNet decode,
+csrc/ops/linear_attention.cpp) on the executor: against an independent
+float64 recurrence written from the model's equations, and against
+transformers' own Qwen3.5-MoE layer (its torch code, real cache) in float32,
+float16 and bfloat16; every kernel variant; bad input.
+
+Tolerances. float32: the kernel and transformers differ only in summation
+order and in exp/rsqrt of the two libraries, a few float32 ulps through
+the normalisations: 1e-5 of the output's largest magnitude (states: of
+theirs). float16/bfloat16: both round the same intermediates to the dtype
+(convolution, SiLU, beta, the recurrence's output, the norm); a float32
+difference can move one of them across a rounding boundary, so the
+outputs may differ by a couple of the dtype's ulps (bfloat16: 2^-8
+relative): 2e-2 (bf16) and 4e-3 (fp16), and against float64 the kernel
+must be no worse than transformers' own torch code (1.5x plus one ulp).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import transformers
+
+import mps_ext  # noqa: F401  (registers the ops)
+from mps_ext import _executor_request, cpu_metal
+from mps_ext.fused_linear_attention import FusedDecodeMixin, optimize_linear_attention
+
+ULP = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+def rel_err(x, ref):
+    return float((x.double() - ref.double()).abs().max() / ref.double().abs().max())
+
+
+def reference(qkv, z, b, a, conv_state, recurrent_state, conv_weight, A_log, dt_bias, norm_weight, k_heads, eps):
+    """The decode step in float64, from the equations (Qwen3-Next / Gated
+    DeltaNet): (output, new conv window, new state)."""
+    qkv, z, b, a, conv_state, state, conv_w, A_log, dt_bias, norm_w = (
+        t.double() for t in (qkv, z, b, a, conv_state, recurrent_state, conv_weight, A_log, dt_bias, norm_weight))
+    batch, v_heads, dk, dv = state.shape
+    window = torch.cat([conv_state[:, :, 1:], qkv[:, :, None]], -1)
+    x = F.silu((window * conv_w).sum(-1))
+    key_dim = k_heads * dk
+    q, k, v = x[:, :key_dim], x[:, key_dim:2 * key_dim], x[:, 2 * key_dim:]
+    q = q.view(batch, k_heads, dk).repeat_interleave(v_heads // k_heads, 1)
+    k = k.view(batch, k_heads, dk).repeat_interleave(v_heads // k_heads, 1)
+    q = q / q.norm(dim=-1, keepdim=True) / math.sqrt(dk)  # l2norm's 1e-6 is below float64's concern here
+    k = k / k.norm(dim=-1, keepdim=True)
+    v = v.view(batch, v_heads, dv)
+    decay = torch.exp(-A_log.exp() * F.softplus(a + dt_bias))
+    beta = torch.sigmoid(b)
+    s = state * decay[..., None, None]
+    delta = (v - torch.einsum("bhij,bhi->bhj", s, k)) * beta[..., None]
+    s = s + k[..., :, None] * delta[..., None, :]
+    o = torch.einsum("bhij,bhi->bhj", s, q)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * norm_w
+    o = o * F.silu(z.view(batch, v_heads, dv))
+    return o.reshape(batch, v_heads * dv), window, s
+
+
+def inputs(batch, k_heads, v_heads, dk, dv, conv_k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+    conv_dim = 2 * k_heads * dk + v_heads * dv
+    return dict(qkv=r(batch, conv_dim), z=r(batch, v_heads * dv), b=r(batch, v_heads), a=r(batch, v_heads),
+                conv_state=r(batch, conv_dim, conv_k), recurrent_state=torch.randn(batch, v_heads, dk, dv, generator=g),
+                conv_weight=r(conv_dim, conv_k, scale=0.5), A_log=r(v_heads, scale=0.5).abs().log(),
+                dt_bias=r(v_heads), norm_weight=(1 + r(dv, scale=0.1).float()).to(dtype))
+
+
+def call(d, k_heads, eps=1e-6):
+    return torch.ops.mps_ext.linear_attention_decode(d["qkv"], d["z"], d["b"], d["a"], d["conv_state"],
+                                                    d["recurrent_state"], d["conv_weight"], d["A_log"],
+                                                    d["dt_bias"], d["norm_weight"], k_heads, eps)
+
+
+# (batch, k_heads, v_heads, dk, dv, conv_k): Qwen3.6's 2 value heads per key head at tiny sizes; one value head
+# per key head; dk past one thread's 8 rows (a state column over 16 threads) with more value channels than the
+# 64 columns a 1024-thread threadgroup takes at once (three passes, the last partial), as Qwen3.6's 128 x 2 x 128.
+SHAPES = [(2, 2, 4, 16, 16, 4), (1, 3, 3, 32, 8, 2), (1, 1, 2, 128, 80, 4)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_hk{}_hv{}_dk{}_dv{}_k{}".format(*s))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_matches_float64_recurrence(shape, dtype):
+    batch, k_heads, v_heads, dk, dv, conv_k = shape
+    d = inputs(batch, k_heads, v_heads, dk, dv, conv_k, dtype)
+    want, want_window, want_state = reference(**d, k_heads=k_heads, eps=1e-6)
+    with cpu_metal.record() as rec:
+        out = call(d, k_heads)
+    assert [r.kernel for r in rec.dispatches] == ["linear_attention_decode_" + {
+        torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]]
+    assert out.dtype == dtype and out.shape == (batch, v_heads * dv)
+    # The window is moved, not computed: exact.
+    assert torch.equal(d["conv_state"], want_window.to(dtype))
+    # fp32: a few ulps through the norms; fp16/bf16: the intermediates rounded to the dtype (as the model does).
+    tol = {torch.float32: 2e-5, torch.float16: 4 * ULP[torch.float16], torch.bfloat16: 4 * ULP[torch.bfloat16]}[dtype]
+    assert rel_err(out, want) <= tol
+    assert rel_err(d["recurrent_state"], want_state) <= (1e-5 if dtype == torch.float32 else 2 * ULP[dtype])
+
+
+# ----------------------------------------------------------- transformers' own layer --
+CONFIG = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, layer_types=["linear_attention"],
+              num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+
+
+def layer_and_cache(dtype, prompt=5, batch=2, seed=0):
+    """transformers' Qwen3_5MoeGatedDeltaNet (random weights, its A_log and
+    dt_bias as the model initialises them) and a DynamicCache after a
+    prefill of `prompt` tokens through it (its chunked torch path)."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
+    config = transformers.Qwen3_5MoeTextConfig(**CONFIG)
+    torch.manual_seed(seed)
+    layer = Qwen3_5MoeGatedDeltaNet(config, 0).to(dtype).eval()
+    with torch.no_grad():  # the norm's weight is ones at init: make it count
+        layer.norm.weight.copy_(1 + 0.1 * torch.randn(layer.norm.weight.shape))
+    cache = transformers.DynamicCache(config=config)
+    x = torch.randn(batch, prompt, config.hidden_size).to(dtype)
+    with torch.no_grad():
+        layer(x, cache_params=cache)
+    return layer, cache, config
+
+
+def clone_cache(cache):
+    import copy
+    return copy.deepcopy(cache)
+
+
+@torch.no_grad()
+def float64_layer_step(layer, cache, step):
+    """The layer's decode step in float64 from `reference`: the projections
+    of its own weights, its cache's states."""
+    w = {n: getattr(layer, n).weight.double() for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                                          "out_proj")}
+    x = step[:, 0].double()
+    st = cache.layers[0]
+    out, _, _ = reference(x @ w["in_proj_qkv"].T, x @ w["in_proj_z"].T, x @ w["in_proj_b"].T, x @ w["in_proj_a"].T,
+                          st.conv_states[0], st.recurrent_states[0], layer.conv1d.weight[:, 0], layer.A_log,
+                          layer.dt_bias, layer.norm.weight, layer.num_k_heads, layer.norm.variance_epsilon)
+    return (out @ w["out_proj"].T)[:, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_matches_transformers_layer(dtype):
+    import copy
+    layer, cache, config = layer_and_cache(dtype)
+    step = torch.randn(2, 1, config.hidden_size, generator=torch.Generator().manual_seed(3)).to(dtype)
+    theirs_cache, ours_cache = clone_cache(cache), clone_cache(cache)
+    ref = float64_layer_step(layer, cache, step)
+    fused = copy.deepcopy(layer)
+    converted, _, left = optimize_linear_attention(fused)
+    assert list(converted) == [""] and not left and isinstance(fused, FusedDecodeMixin)
+    with torch.no_grad():
+        theirs = layer(step, cache_params=theirs_cache)
+        with _executor_request.request(), cpu_metal.record() as rec:  # CPU tensors: the kernel's path
+            ours = fused(step, cache_params=ours_cache)
+    assert "linear_attention_decode_" + {torch.float32: "f32", torch.float16: "f16",
+                                          torch.bfloat16: "bf16"}[dtype] in [r.kernel for r in rec.dispatches]
+    assert ours.shape == theirs.shape and ours.dtype == dtype
+    assert rel_err(ours, theirs) <= TOL[dtype]
+    assert rel_err(ours, ref) <= 1.5 * rel_err(theirs, ref) + ULP[dtype]
+    mine, their = ours_cache.layers[0], theirs_cache.layers[0]
+    assert torch.equal(mine.conv_states[0], their.conv_states[0])
+    assert mine.recurrent_states[0].dtype == torch.float32
+    assert rel_err(mine.recurrent_states[0], their.recurrent_states[0]) <= (1e-5 if dtype == torch.float32 else
+                                                                            4 * ULP[dtype])
+
+
+def test_prefill_and_no_cache_run_the_layers_own_forward():
+    layer, cache, config = layer_and_cache(torch.float32)
+    import copy
+    fused = copy.deepcopy(layer)
+    optimize_linear_attention(fused)
+    x = torch.randn(2, 3, config.hidden_size)
+    with torch.no_grad(), _executor_request.request(), cpu_metal.record() as rec:
+        a, b = fused(x), fused(x[:, :1])  # no cache: prefill, and a single token without one
+    assert not rec.dispatches
+    torch.testing.assert_close(a, layer(x))
+    torch.testing.assert_close(b, layer(x[:, :1]))
+
+
+# ----------------------------------------------------------- bad input --
+def test_bad_input():
+    d = inputs(2, 2, 4, 16, 16, 4, torch.float32)
+
+    def bad(match, k_heads=2, **change):
+        with pytest.raises(RuntimeError, match=match):
+            call({**d, **change}, k_heads)
+    bad("float32, float16 or bfloat16", qkv=d["qkv"].double())
+    bad("recurrent_state must be contiguous float32", recurrent_state=d["recurrent_state"].bfloat16())
+    bad("recurrent_state must be contiguous float32", recurrent_state=d["recurrent_state"].transpose(2, 3))
+    bad("one token per sequence", qkv=d["qkv"][:, None])
+    bad("holds 1 sequences", recurrent_state=d["recurrent_state"][:1].contiguous())
+    bad("multiple of k_heads", k_heads=3)
+    bad("qkv holds 127 channels", qkv=d["qkv"][:, :127])
+    bad("z must be", z=d["z"][:, :8])
+    bad("b must be", b=d["b"].half())
+    bad("conv_state must be contiguous", conv_state=d["conv_state"].transpose(0, 1).contiguous().transpose(0, 1))
+    bad("conv_weight must be contiguous", conv_weight=d["conv_weight"][:, :3])
+    bad("A_log must be contiguous", A_log=d["A_log"][:2])
+    bad("norm_weight must be", norm_weight=d["norm_weight"].bfloat16())
+    bad("at most 64 value heads per key head", k_heads=1,
+        **inputs(1, 1, 65, 4, 4, 2, torch.float32))
+
+
+def test_float64_layer_is_refused_and_left_unchanged():
+    layer, _, _ = layer_and_cache(torch.float32)
+    layer = layer.double()
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        optimize_linear_attention(layer)
+    assert not isinstance(layer, FusedDecodeMixin)
