@@ -242,6 +242,13 @@ inline float4 rotate4(float4 v, uint r) {
   return (r & 2) ? v.zwxy : v;
 }
 
+// The outputs of a simdgroup: rows 8 i, columns 16 sg + 8 jb. Apart from
+// the job, whose fields then stay registers (the matrices' addresses go to
+// the executor's simd calls).
+struct Fp8TileAcc {
+  simdgroup_float8x8 m[4][2];
+};
+
 // A threadgroup of 4 simdgroups computes 32 x 64 outputs (TM x TN); a
 // simdgroup owns 16 columns over all 32 rows, so that each weight is decoded
 // once in its threadgroup, by the lane that loaded it. A step of K is one
@@ -251,21 +258,14 @@ inline float4 rotate4(float4 v, uint r) {
 // consecutive bytes of each of its rows (fr: its k index, fc and fc + 1: its
 // columns): four 16-byte loads a lane, each simdgroup instruction 4 whole
 // rows of the block. The lane decodes and scales them in registers.
-// The activation rows are shared by the 4 simdgroups: each thread loads and
-// decodes a quarter of 8 rows (whole rows an instruction), scaled by their
-// row's scale, into a tile of floats the simdgroups read with
-// simdgroup_load; the tile holds half of a block (products t = 8h..8h+7)
+// The activation rows are shared by the 4 simdgroups: each thread loads
+// 4 elements of each of 8 rows (a whole row an instruction) and decodes
+// them, scaled by their row's scale, into a tile of floats the simdgroups
+// read with simdgroup_load; the tile holds half of a block (products t = 8h..8h+7)
 // at a time, column 8 (t - 8h) + j of a row, rows S = 72 floats apart
 // (S = 8 mod 32: the 8 x 8 loads and stores meet no bank conflicts).
 // A block's device loads go into registers before the barrier that opens
 // the block (as llama.cpp's mul_mm does), so none waits behind a barrier.
-// The outputs of a simdgroup: rows 8 i, columns 16 sg + 8 jb. Apart from
-// the job, whose fields then stay registers (the matrices' addresses go to
-// the executor's simd calls).
-struct Fp8TileAcc {
-  simdgroup_float8x8 m[4][2];
-};
-
 template <typename A, bool VEC>
 struct Fp8TileJob {
   enum { TM = FP8_TILE_M, TN = FP8_TILE_N, TK = FP8_TILE_K, S = 72 };
