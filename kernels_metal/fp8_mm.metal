@@ -6,14 +6,15 @@
 //     rows: the one decode template of decode.h (gemv.metal's gemv_rows with
 //     float8 weights, 16 a 16-byte load, and block scales).
 // fp8_mm_tile_<act>_<vec|scalar>     prefill: a threadgroup computes a
-//     32 x 64 tile of outputs with simdgroup_matrix 8x8 products; each step
-//     of K (one 128-wide scale block) stages the bits of a 32 x 128
-//     activation tile and a 64 x 128 weight tile in threadgroup memory, which
-//     the lanes decode and scale into their fragments, so every weight byte
-//     is read once per 32 activation rows.
+//     32 x 64 tile of outputs with simdgroup_matrix 8x8 products, a 128-wide
+//     scale block of K a step: each simdgroup owns 16 of the columns and
+//     decodes their weights once, in registers, from its own 16-byte loads;
+//     the activation rows are decoded and scaled once into a float tile that
+//     all four read. Every weight byte is read once per 32 activation rows.
 // <act> is the activation type: fp8 (e4m3fn or e5m2, p.a_format), f16,
 // bf16 or f32. vec: the host found the weight rows and activation rows
-// contiguous along K and 16-byte aligned; scalar: element loads, any strides.
+// contiguous along K and 16-byte aligned; scalar: element loads, any strides
+// (fp8_mm_tile: of the activations, and of weights unless p.w_vec).
 // Accumulation is in float; the result goes through store_output.
 #include <metal_stdlib>
 #include <metal_simdgroup_matrix>
@@ -29,45 +30,54 @@ inline float4 fp8x4_to_float(uint u, uint format) { return fp8x4_decode(u, forma
 inline float fp8_unit(uint format) { return fp8_unit_of(format == FP8_TYPE_E5M2); }
 
 // Activation types: T, the decode.h format of fp8_gemv, and for
-// fp8_mm_tile `pair`, elements k and k + 1 (k even) of a row staged as bits,
+// fp8_mm_tile `Quad`, the bits of 4 consecutive elements (one load), `quad`,
+// their values as floats, `put`, element e of a Quad from a single load,
 // and `unit`: values come divided by unit(format) (fp8x4_to_float's
 // convention for e4m3; 1 for everything else).
 struct ActFp8 {
   typedef uchar T;
   typedef DecodeFp8 Format;
-  static float2 pair(threadgroup const uint* row, int k, uint format) {
-    return fp8x4_to_float(row[k / 4] >> (8 * (k % 4)), format).xy;
-  }
+  typedef uint Quad;
+  static float4 quad(Quad q, uint format) { return fp8x4_to_float(q, format); }
+  static void put(thread Quad& q, int e, T v) { q |= uint(v) << (8 * e); }
   static float unit(uint format) { return fp8_unit(format); }
 };
 struct ActF16 {
   typedef half T;
   typedef DecodeFloat<half> Format;
-  static float2 pair(threadgroup const uint* row, int k, uint) { return float2(as_type<half2>(row[k / 2])); }
+  typedef uint2 Quad;
+  static float4 quad(Quad q, uint) { return float4(as_type<half4>(q)); }
+  static void put(thread Quad& q, int e, T v) { q[e / 2] |= uint(as_type<ushort>(v)) << (16 * (e % 2)); }
   static float unit(uint) { return 1.0f; }
 };
 struct ActBF16 {
   typedef bfloat T;
   typedef DecodeFloat<bfloat> Format;
-  static float2 pair(threadgroup const uint* row, int k, uint) {
-    const uint a = row[k / 2];
-    return float2(as_type<float>(a << 16), as_type<float>(a & 0xFFFF0000u));
+  typedef uint2 Quad;
+  static float4 quad(Quad q, uint) {
+    return float4(as_type<float>(q.x << 16), as_type<float>(q.x & 0xFFFF0000u), as_type<float>(q.y << 16),
+                  as_type<float>(q.y & 0xFFFF0000u));
   }
+  static void put(thread Quad& q, int e, T v) { q[e / 2] |= uint(as_type<ushort>(v)) << (16 * (e % 2)); }
   static float unit(uint) { return 1.0f; }
 };
 struct ActF32 {
   typedef float T;
   typedef DecodeFloat<float> Format;
-  static float2 pair(threadgroup const uint* row, int k, uint) { return *(threadgroup const float2*)(row + k); }
+  typedef uint4 Quad;
+  static float4 quad(Quad q, uint) { return as_type<float4>(q); }
+  static void put(thread Quad& q, int e, T v) { q[e] = as_type<uint>(v); }
   static float unit(uint) { return 1.0f; }
 };
 
 inline float scale_a_at(constant Fp8MatmulParams& p, const device float* sa, long row, long kb) {
   return p.has_scale_a ? sa[row * p.sa_row_stride + kb * p.sa_k_stride] : 1.0f;
 }
-// n < 2^31 (the host checks): a 32-bit division.
+// Where the scales of weight row n start; n < 2^31 (the host checks): a
+// 32-bit division.
+inline long scale_b_row(constant Fp8MatmulParams& p, long n) { return long(uint(n) / p.sb_n_group) * p.sb_n_stride; }
 inline float scale_b_at(constant Fp8MatmulParams& p, const device float* sb, long n, long kb) {
-  return sb[long(uint(n) / p.sb_n_group) * p.sb_n_stride + kb * p.sb_k_stride];
+  return sb[scale_b_row(p, n) + kb * p.sb_k_stride];
 }
 
 // Bias, 1 / scale_result for fp8 outputs, rounding to the output type (in
@@ -219,15 +229,152 @@ inline void fragment_coord(uint lane, thread uint& row, thread uint& col) {
   col = (q & 2) * 2 + (lane % 2) * 2;
 }
 
-// A step of K is one scale block (FP8_TILE_K = FP8_SCALE_BLOCK): the
-// threadgroup stages the bits of 32 activation rows and 64 weight rows of
-// it (each a row of 128 to 512 bytes: whole cache lines), and the scales of
-// its rows and columns; lanes decode and scale their fragments' elements.
-// Rows of the staged bits are 4 words wider than their data (activations)
-// or 4 (weights), so that the 16-byte stores of consecutive chunks and the
-// fragment reads (8 rows x 2 to 8 words, or one byte of 4 weight rows) meet
-// no bank conflicts; the outputs go through the same memory, rows TN + 4
-// floats apart.
+// Bytes 0 and 2 of u, two float8 values, as floats in fp8x4_to_float's
+// convention (its even bytes: the same bits, the same values).
+inline float2 fp8_pair_to_float(uint u, uint format) {
+  const uint b = u & 0x00FF00FFu;
+  return float2(as_type<half2>(format == FP8_TYPE_E5M2 ? b << 8 : e4m3x2_to_half_bits(b & 0x007F007Fu, b & 0x00800080u)));
+}
+
+// v[(e + r) % 4] at e: a lane's four values in the order it stores them.
+inline float4 rotate4(float4 v, uint r) {
+  v = (r & 1) ? v.yzwx : v;
+  return (r & 2) ? v.zwxy : v;
+}
+
+// The outputs of a simdgroup: rows 8 i, columns 16 sg + 8 jb. Apart from
+// the job, whose fields then stay registers (the matrices' addresses go to
+// the executor's simd calls).
+struct Fp8TileAcc {
+  simdgroup_float8x8 m[4][2];
+};
+
+// A threadgroup of 4 simdgroups computes 32 x 64 outputs (TM x TN); a
+// simdgroup owns 16 columns over all 32 rows, so that each weight is decoded
+// once in its threadgroup, by the lane that loaded it. A step of K is one
+// scale block (TK = 128), taken as 16 products of 8: product t pairs
+// fragment index j (0..7) with k = 16 j + t (the sum runs in that order),
+// which puts the weights a B-fragment lane needs for all 16 products in 16
+// consecutive bytes of each of its rows (fr: its k index, fc and fc + 1: its
+// columns): four 16-byte loads a lane, each simdgroup instruction 4 whole
+// rows of the block. The lane decodes and scales them in registers.
+// The activation rows are shared by the 4 simdgroups: each thread loads
+// 4 elements of each of 8 rows (a whole row an instruction) and decodes
+// them, scaled by their row's scale, into a tile of floats the simdgroups
+// read with simdgroup_load; the tile holds half of a block (products t = 8h..8h+7)
+// at a time, column 8 (t - 8h) + j of a row, rows S = 72 floats apart
+// (S = 8 mod 32: the 8 x 8 loads and stores meet no bank conflicts).
+// A block's device loads go into registers before the barrier that opens
+// the block (as llama.cpp's mul_mm does), so none waits behind a barrier.
+template <typename A, bool VEC>
+struct Fp8TileJob {
+  enum { TM = FP8_TILE_M, TN = FP8_TILE_N, TK = FP8_TILE_K, S = 72 };
+  typedef typename A::Quad Quad;
+  const device typename A::T* x;
+  const device uchar* w;
+  constant Fp8MatmulParams* p;
+  const device float* scale_a;
+  const device float* scale_b;
+  threadgroup float* tile;  // [TM][S]
+  int M, N, K, blocks, m0, n0;
+  uint sg, lane, fr, fc;
+  bool w_vec;
+  // The activation chunks of this thread: 4 elements of row 8 sg + i (i <
+  // 8) each. VEC: elements [4 c, 4 c + 4) of the block, c = (lane + 2 i) %
+  // 32; element loads: k + 32 e (e < 4), k = (lane + 8 i) % 32, consecutive
+  // lanes on consecutive elements. Either way a chunk lies in the half of
+  // the block given by bit 1 of c (bit 3 of k), which flips with i: every
+  // thread stores 4 chunks of each half.
+  Quad xq[8];
+  float xs[8];  // their rows' scale_a times the unit
+  // The weights of this lane: rows n0 + 16 sg + 8 jb + fc + r (jb, r < 2),
+  // bytes [16 fr, 16 fr + 16) of the block, and their scales times the unit.
+  uint4 wq[2][2];
+  float2 ws[2];
+  long sb_row[2][2];  // scale_b's offset of each row's scales (its 32-bit division once)
+
+  MPS_EXT_INLINE int w_row(int jb, int r) const { return n0 + 16 * int(sg) + 8 * jb + int(fc) + r; }
+
+  // Block kb's device loads; zeros past K, M and N.
+  MPS_EXT_INLINE void load(int kb) {
+    const int k0 = kb * TK;
+    MPS_EXT_UNROLL for (int i = 0; i < 8; ++i) {
+      const int gm = m0 + 8 * int(sg) + i;
+      Quad q = Quad(0);
+      if (VEC) {
+        const int gk = k0 + 4 * int((lane + 2 * uint(i)) % 32);
+        if (gm < M && gk + 4 <= K) {
+          q = *(const device Quad*)(x + gm * p->a_row_stride + gk);
+        } else if (gm < M) {
+          for (int e = 0; e < 4; ++e)
+            if (gk + e < K) A::put(q, e, x[gm * p->a_row_stride + gk + e]);
+        }
+      } else if (gm < M) {
+        const int gk = k0 + int((lane + 8 * uint(i)) % 32);
+        for (int e = 0; e < 4; ++e)
+          if (gk + 32 * e < K) A::put(q, e, x[gm * p->a_row_stride + long(gk + 32 * e) * p->a_k_stride]);
+      }
+      xq[i] = q;
+      xs[i] = gm < M ? scale_a_at(*p, scale_a, gm, kb) * A::unit(p->a_format) : 0.0f;
+    }
+    MPS_EXT_UNROLL for (int jb = 0; jb < 2; ++jb) {
+      MPS_EXT_UNROLL for (int r = 0; r < 2; ++r) {
+        const int gn = w_row(jb, r), gk = k0 + 16 * int(fr);
+        uint4 u = uint4(0u);
+        if (gn < N && w_vec && gk + 16 <= K) {
+          u = *(const device uint4*)(w + gn * p->w_n_stride + gk);
+        } else if (gn < N) {
+          for (int e = 0; e < 16; ++e)
+            if (gk + e < K) u[e / 4] |= uint(w[gn * p->w_n_stride + long(gk + e) * p->w_k_stride]) << (8 * (e % 4));
+        }
+        wq[jb][r] = u;
+        ws[jb][r] = gn < N ? scale_b[sb_row[jb][r] + long(kb) * p->sb_k_stride] * fp8_unit(p->w_format)
+                                          : 0.0f;
+      }
+    }
+  }
+
+  // Half h of the block into the tile: this thread's 4 chunks in it,
+  // decoded and scaled once. A lane stores its 4 values rotated
+  // (rotate4) so that the 32 lanes of each store meet 32 banks.
+  MPS_EXT_INLINE void stage(uint h) const {
+    const uint g = h ^ (VEC ? (lane >> 1) & 1 : (lane >> 3) & 1);
+    MPS_EXT_UNROLL for (int q = 0; q < 4; ++q) {
+      const uint i = 2 * uint(q) + g;
+      float4 v = A::quad(g ? xq[2 * q + 1] : xq[2 * q], p->a_format) * (g ? xs[2 * q + 1] : xs[2 * q]);
+      uint base, step, rot;
+      if (VEC) {
+        const uint c = (lane + 2 * i) % 32;
+        base = 32 * (c & 1) + c / 4, step = 8, rot = 2 * (c & 1);
+      } else {
+        const uint k = (lane + 8 * i) % 32;
+        base = 8 * (lane % 8) + k / 16, step = 2, rot = ((lane >> 2) & 1) + 2 * g;
+      }
+      v = rotate4(v, rot);
+      threadgroup float* row = tile + (8 * sg + i) * S + base;
+      MPS_EXT_UNROLL for (uint e = 0; e < 4; ++e) row[step * ((e + rot) % 4)] = v[e];
+    }
+  }
+
+  // Products t = 8 h + u (u < 8) from the tile and words 2 h and 2 h + 1
+  // of the weights: a B fragment is byte t of two weight rows.
+  MPS_EXT_INLINE void products(uint h, thread Fp8TileAcc& acc) const {
+    MPS_EXT_UNROLL for (int u = 0; u < 8; ++u) {
+      const uint word = 2 * h + uint(u) / 4, shift = 8 * (uint(u) % 4);
+      simdgroup_float8x8 b[2];
+      MPS_EXT_UNROLL for (int jb = 0; jb < 2; ++jb) {
+        const uint two = ((wq[jb][0][word] >> shift) & 0xFFu) | ((wq[jb][1][word] >> shift) << 16);
+        reinterpret_cast<thread float2&>(b[jb].thread_elements()) = fp8_pair_to_float(two, p->w_format) * ws[jb];
+      }
+      MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) {
+        simdgroup_float8x8 a;
+        simdgroup_load(a, tile + 8 * i * S + 8 * u, S);
+        MPS_EXT_UNROLL for (int jb = 0; jb < 2; ++jb) simdgroup_multiply_accumulate(acc.m[i][jb], a, b[jb], acc.m[i][jb]);
+      }
+    }
+  }
+};
+
 template <typename A, bool VEC>
 [[max_total_threads_per_threadgroup(FP8_TILE_THREADS)]]
 kernel void fp8_mm_tile(device uchar* y [[buffer(0)]],
@@ -242,115 +389,50 @@ kernel void fp8_mm_tile(device uchar* y [[buffer(0)]],
                         uint tid [[thread_index_in_threadgroup]],
                         uint sg [[simdgroup_index_in_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int TM = FP8_TILE_M, TN = FP8_TILE_N, TK = FP8_TILE_K, THREADS = FP8_TILE_THREADS;
-  constexpr int E = sizeof(typename A::T);
-  constexpr int AS = TK * E / 4 + 4, WS = TK / 4 + 4, CS = TN + 4;  // row strides in words
-  constexpr int A_CHUNKS = TK * E / 16, W_CHUNKS = TK / 16;        // 16-byte chunks of a row
-  constexpr int WORDS = TM * AS + TN * WS > TM * CS ? TM * AS + TN * WS : TM * CS;
-  threadgroup uint4 tile_mem[WORDS / 4];
-  threadgroup uint* a_bits = (threadgroup uint*)tile_mem;  // [TM][AS]
-  threadgroup uint* w_bits = a_bits + TM * AS;               // [TN][WS]
-  threadgroup float* c_tile = (threadgroup float*)tile_mem;  // [TM][CS], after the loop
-  // Scales times the units: the weight's of the step, and the activation's
-  // of SA_BLOCKS steps [row][block] (its block-wise scales are a column of
-  // a row-major matrix a step: staged a row or a column at a time, along
-  // whichever dimension is contiguous).
-  constexpr int SA_BLOCKS = 32;
-  threadgroup float sb_tile[FP8_TILE_N];
-  threadgroup float sa_tile[FP8_TILE_M * (SA_BLOCKS + 1)];
+  typedef Fp8TileJob<A, VEC> Job;
+  constexpr int TM = Job::TM, TN = Job::TN, TK = Job::TK, S = Job::S, THREADS = FP8_TILE_THREADS;
+  // Half a block of activations [row][8 t + j], then the outputs [row][column].
+  threadgroup float tile[TM * S];
+  Job job;
+  job.x = x;
+  job.w = w;
+  job.p = &p;
+  job.scale_a = scale_a;
+  job.scale_b = scale_b;
+  job.tile = tile;
   // The host keeps M, N and K below 2^31.
-  const int M = int(p.m), N = int(p.n), K = int(p.k);
-  const int m0 = int(group.y) * TM, n0 = int(group.x) * TN;
-  // Simdgroup sg computes rows [16 (sg / 2), +16) and columns [32 (sg % 2), +32).
-  const uint sm = (sg / 2) * 16, sn = (sg % 2) * 32;
-  uint fr, fc;
-  fragment_coord(lane, fr, fc);
-  simdgroup_float8x8 acc[2][4];
-  for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  job.M = int(p.m), job.N = int(p.n), job.K = int(p.k), job.blocks = (job.K + TK - 1) / TK;
+  job.m0 = int(group.y) * TM, job.n0 = int(group.x) * TN;
+  job.sg = sg, job.lane = lane;
+  fragment_coord(lane, job.fr, job.fc);
+  job.w_vec = VEC || p.w_vec != 0;
+  for (int jb = 0; jb < 2; ++jb)
+    for (int r = 0; r < 2; ++r) job.sb_row[jb][r] = scale_b_row(p, job.w_row(jb, r));
+  Fp8TileAcc acc;
+  for (int i = 0; i < 4; ++i)
+    for (int jb = 0; jb < 2; ++jb) acc.m[i][jb] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
-  for (int k0 = 0; k0 < K; k0 += TK) {
-    const int kb = k0 / FP8_SCALE_BLOCK;
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous step's products are done
-    // Bits past K, M or N stage as 0 (the value 0 in every type).
-    if (VEC) {
-      for (int c = int(tid); c < TM * A_CHUNKS; c += THREADS) {
-        const int row = c / A_CHUNKS, chunk = c % A_CHUNKS, gm = m0 + row, gk = k0 + chunk * (16 / E);
-        uint4 u = uint4(0u);
-        if (gm < M && gk + 16 / E <= K) {
-          u = *(const device uint4*)(x + gm * p.a_row_stride + gk);
-        } else if (gm < M) {
-          for (int e = 0; e < 16 / E; ++e)
-            if (gk + e < K) ((thread typename A::T*)&u)[e] = x[gm * p.a_row_stride + gk + e];
-        }
-        *(threadgroup uint4*)(a_bits + row * AS + chunk * 4) = u;
-      }
-      for (int c = int(tid); c < TN * W_CHUNKS; c += THREADS) {
-        const int row = c / W_CHUNKS, chunk = c % W_CHUNKS, gn = n0 + row, gk = k0 + chunk * 16;
-        uint4 u = uint4(0u);
-        if (gn < N && gk + 16 <= K) {
-          u = *(const device uint4*)(w + gn * p.w_n_stride + gk);
-        } else if (gn < N) {
-          for (int e = 0; e < 16; ++e)
-            if (gk + e < K) u[e / 4] |= uint(w[gn * p.w_n_stride + gk + e]) << (8 * (e % 4));
-        }
-        *(threadgroup uint4*)(w_bits + row * WS + chunk * 4) = u;
-      }
-    } else {
-      // Element loads, consecutive threads along K: each simdgroup
-      // instruction reads 32 consecutive elements of a row.
-      for (int i = int(tid); i < TM * TK; i += THREADS) {
-        const int row = i / TK, k = i % TK, gm = m0 + row, gk = k0 + k;
-        ((threadgroup typename A::T*)(a_bits + row * AS))[k] =
-            gm < M && gk < K ? x[gm * p.a_row_stride + long(gk) * p.a_k_stride] : typename A::T(0);
-      }
-      for (int i = int(tid); i < TN * TK; i += THREADS) {
-        const int row = i / TK, k = i % TK, gn = n0 + row, gk = k0 + k;
-        ((threadgroup uchar*)(w_bits + row * WS))[k] = gn < N && gk < K ? w[gn * p.w_n_stride + long(gk) * p.w_k_stride] : 0;
-      }
-    }
-    if (kb % SA_BLOCKS == 0) {
-      const bool along_k = p.sa_k_stride == 1;
-      const int blocks = (K + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
-      for (int i = int(tid); i < TM * SA_BLOCKS; i += THREADS) {
-        const int r = along_k ? i / SA_BLOCKS : i % TM, b = along_k ? i % SA_BLOCKS : i / TM;
-        if (kb + b < blocks)
-          sa_tile[r * (SA_BLOCKS + 1) + b] = m0 + r < M ? scale_a_at(p, scale_a, m0 + r, kb + b) * A::unit(p.a_format) : 0.0f;
-      }
-    }
-    if (int(tid) < TN) {
-      const int gn = n0 + int(tid);
-      sb_tile[tid] = gn < N ? scale_b_at(p, scale_b, gn, kb) * fp8_unit(p.w_format) : 0.0f;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int kk = 0; kk < TK; kk += 8) {
-      // a: elements (row, k) and (row, k + 1) of the activation; b[k][n] =
-      // w[n][k]: one element of two weight rows.
-      simdgroup_float8x8 a[2], b[4];
-      for (int i = 0; i < 2; ++i) {
-        const uint row = sm + 8 * i + fr;
-        reinterpret_cast<thread float2&>(a[i].thread_elements()) = A::pair(a_bits + row * AS, kk + fc, p.a_format) * sa_tile[row * (SA_BLOCKS + 1) + kb % SA_BLOCKS];
-      }
-      for (int j = 0; j < 4; ++j) {
-        const uint n = sn + 8 * j + fc, k = kk + fr, shift = 8 * (k % 4);
-        const uint two = ((w_bits[n * WS + k / 4] >> shift) & 0xFFu) | (((w_bits[(n + 1) * WS + k / 4] >> shift) & 0xFFu) << 8);
-        reinterpret_cast<thread float2&>(b[j].thread_elements()) = fp8x4_to_float(two, p.w_format).xy * float2(sb_tile[n], sb_tile[n + 1]);
-      }
-      for (int i = 0; i < 2; ++i)
-        for (int j = 0; j < 4; ++j) simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+  for (int kb = 0; kb < job.blocks; ++kb) {
+    job.load(kb);  // in flight while the other simdgroups finish the previous block
+    // A loop, not two copies: the tile addresses of a half are computed in
+    // it, not all held across the block.
+#pragma clang loop unroll(disable)
+    for (uint h = 0; h < 2; ++h) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous half's products are done with the tile
+      job.stage(h);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      job.products(h, acc);
     }
   }
 
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // c_tile takes the operands' memory
-  for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 4; ++j)
-      *(threadgroup float2*)(c_tile + (sm + 8 * i + fr) * CS + sn + 8 * j + fc) =
-          reinterpret_cast<thread float2&>(acc[i][j].thread_elements());
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // the outputs take the tile
+  for (int i = 0; i < 4; ++i)
+    for (int jb = 0; jb < 2; ++jb) simdgroup_store(acc.m[i][jb], tile + 8 * i * S + 16 * int(sg) + 8 * jb, S);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (int e = int(tid); e < TM * TN; e += THREADS) {
-    const int gm = m0 + e / TN, gn = n0 + e % TN;
-    if (gm < M && gn < N)
-      store_output(y, gm * p.y_row_stride + long(gn) * p.y_n_stride, c_tile[(e / TN) * CS + e % TN], gn, p, bias,
+    const int gm = job.m0 + e / TN, gn = job.n0 + e % TN;
+    if (gm < job.M && gn < job.N)
+      store_output(y, gm * p.y_row_stride + long(gn) * p.y_n_stride, tile[(e / TN) * S + e % TN], gn, p, bias,
                    scale_result);
   }
 }

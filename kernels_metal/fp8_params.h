@@ -61,6 +61,7 @@ struct Fp8MatmulParams {
   uint32_t has_scale_a;
   uint32_t has_scale_result;  // fp8 output divided by scale_result
   uint32_t outputs_per_simdgroup;  // decode: weight rows per simdgroup (1 or 2)
+  uint32_t w_vec;  // the weight rows are contiguous along K and 16-byte aligned (16-byte loads)
 };
 
 // Scales of the block-wise recipes cover 128 elements of K.

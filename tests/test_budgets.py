@@ -260,14 +260,7 @@ LU_SOLVE_VECTOR = ("lu_solve with one right-hand side: x at 32 (f32) / 16 (c64) 
                    "matrix's rows, one per lane, are a line apart; lanes over matrices instead would read the factors "
                    "(n^2 elements a matrix against x's n) a line per lane")
 # Issue 21's count of device loads behind a threadgroup barrier (static; the
-# figure is the most in one loop iteration). Not fixed here: the decode GEMV
-# and prefill tiles are being rewritten (issue 21, point 2).
-FP8_LOADS_AFTER_BARRIER = {
-    "fp8_mm_tile_fp8_vec", "fp8_mm_tile_fp8_scalar", "fp8_mm_tile_f16_vec", "fp8_mm_tile_f16_scalar",
-    "fp8_mm_tile_bf16_vec", "fp8_mm_tile_bf16_scalar", "fp8_mm_tile_f32_scalar",
-}
-FP8_LOAD_AFTER_BARRIER = ("fp8_mm_tile (1 load): an operand loaded after the barrier that ends the staging of a "
-                          "step, waited on in that step; the kernel is to be rewritten (issue 21, point 2)")
+# figure is the most in one loop iteration).
 MOE_ROUTE_LOAD_AFTER_BARRIER = "moe_route: one device load per step of its loop follows a threadgroup barrier"
 NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met yet}
     "coalescing": {
@@ -284,7 +277,6 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
     "no_private_memory": {},
     "no_bank_conflicts": {},
     "no_load_after_barrier": {
-        **{k: FP8_LOAD_AFTER_BARRIER for k in FP8_GEMV + FP8_TILE if k in FP8_LOADS_AFTER_BARRIER},
         **{k: MOE_ROUTE_LOAD_AFTER_BARRIER for k in MOE_ROUTE_COMBINE if k.startswith("moe_route_")},
     },
 }

@@ -58,7 +58,8 @@ struct Problem {
 //   FP8_GEMV_OUTPUTS(R) outputs.
 // - More rows: fp8_mm_tile, one threadgroup per 32 x 64 outputs.
 // - vec (16-byte loads) when the weight rows and the activation rows are
-//   contiguous along K and 16-byte aligned; otherwise element loads.
+//   contiguous along K and 16-byte aligned; otherwise element loads
+//   (fp8_mm_tile's still load aligned weights 16 bytes at a time: w_vec).
 void run(Problem& pr) {
   Fp8MatmulParams& p = pr.p;
   p.m = pr.a.size(0);
@@ -84,8 +85,8 @@ void run(Problem& pr) {
   TORCH_CHECK(p.m <= INT32_MAX && p.n <= INT32_MAX && p.k <= INT32_MAX, "mps_ext scaled_mm: M, N and K must be below "
               "2^31, got ", p.m, ", ", p.n, ", ", p.k);
 
-  const bool vec = rows_vectorizable(pr.w, p.w_k_stride, p.w_n_stride, p.n) &&
-                   rows_vectorizable(pr.a, p.a_k_stride, p.a_row_stride, p.m);
+  p.w_vec = rows_vectorizable(pr.w, p.w_k_stride, p.w_n_stride, p.n) ? 1 : 0;
+  const bool vec = p.w_vec && rows_vectorizable(pr.a, p.a_k_stride, p.a_row_stride, p.m);
   Launch l;
   l.library = "fp8_mm";
   const std::string act = act_name(pr.a.scalar_type());

@@ -315,6 +315,38 @@ def test_prefill_reads_weights_once_per_32_rows(m):
     assert set(d.read_widths[wi]) == {16}
 
 
+@pytest.mark.parametrize("path", ["vec", "scalar"])
+@pytest.mark.parametrize("act", ["fp8", "f16", "bf16", "f32"])
+def test_prefill_decodes_each_weight_once_in_12_kib(act, path):
+    # Issue 21: the tile kernels held 18-31 KiB of threadgroup memory (1-2
+    # threadgroups a core on M1/M2) and two simdgroups decoded each weight.
+    # Now a lane decodes the weight bytes it loaded itself: each is read once
+    # a threadgroup, and nothing but the activations (as floats, every K
+    # block rounded up to 128) and the outputs passes through threadgroup
+    # memory, so no other lane sees its bits.
+    m, n, k = 64, 128, 320  # the last K block partial
+    misaligned = int(path == "scalar")
+    w, ws = fp8(n, k), torch.rand(n, 1, generator=g) / 100
+    if act == "fp8":
+        x = fp8(m * k + misaligned)[misaligned:].view(m, k)
+        with cpu_metal.record(counters=True) as rec:
+            got = torch.ops.mps_ext._scaled_mm(x, w.t(), torch.ones(m, 1), ws.t().contiguous(), out_dtype=torch.float32)
+    else:
+        x = torch.randn(m * k + misaligned, generator=g).to(ACTS[act])[misaligned:].view(m, k)
+        with cpu_metal.record(counters=True) as rec:
+            got = torch.ops.mps_ext.fp8_linear(x, w, ws, "row", None)
+    close(got, (x.double() @ (w.double() * ws.double()).t()).to(got.dtype), k)
+    (d,) = rec.dispatches
+    assert d.kernel == f"fp8_mm_tile_{act}_{path}"
+    tiles = d.total_threadgroups
+    assert d.threadgroup_memory <= 12 * 1024, d.threadgroup_memory
+    assert d.threadgroups_per_core >= 3, d.threadgroups_per_core
+    assert d.bytes_read[d.buffer("w")] == w.nbytes * m // 32
+    assert set(d.read_widths[d.buffer("w")]) == {16}  # aligned weights: 16 bytes a load, also beside element loads
+    blocks = -(-k // 128)
+    assert d.threadgroup_bytes_written == tiles * (32 * blocks * 128 * 4 + 32 * 64 * 4)
+
+
 def test_torch_2_15_keeps_what_its_kernel_rejects(cpu_policy):
     # The policy of a torch whose _scaled_mm_v2 runs tensor-wise and row-wise
     # e4m3fn products (applied to the CPU key here, where aten::_scaled_mm_v2
