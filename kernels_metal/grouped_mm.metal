@@ -291,8 +291,9 @@ kernel void gmm_decode_cols(device T* out [[buffer(0)]],
 // experts decoded once to half, exactly: e4m3 / 256 is a half), and each
 // lane builds its two elements of a float fragment from them
 // (thread_elements(), Apple's fragment layout, as MLX's steel GEMM does):
-// bfloat simdgroup matrices need MSL 3.1 and are not taken on every Mac
-// mps_ext supports, float fragments are, and accumulate in float. The
+// bfloat simdgroup matrices are MSL 3.1 and M1 has no bfloat arithmetic;
+// float fragments run on every Mac mps_ext supports, and accumulate in
+// float. The
 // result goes back through the same memory in the output's type, scaled,
 // so that the stores to `out` run along its contiguous rows.
 //
