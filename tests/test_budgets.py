@@ -502,9 +502,10 @@ def test_issue21_budgets_fail_on_planted_kernels():
         return lib.dispatch(name, args, threads=threads, threads_per_threadgroup=group, counters=True)
 
     # 65 registers: 768 threads a core, one threadgroup of 512.
-    d = run("hold_64_floats", [torch.empty(1024), x], threads=1024, group=512)
+    rows = torch.ones(1024 * 64)  # 64 floats a thread
+    d = run("hold_64_floats", [torch.empty(1024), rows], threads=1024, group=512)
     assert "fewer than 2" in residency_miss(d)
-    assert not residency_miss(run("hold_64_floats", [torch.empty(1024), x], threads=1024, group=256))
+    assert not residency_miss(run("hold_64_floats", [torch.empty(1024), rows], threads=1024, group=256))
     # 24 KiB per 64 threads: 2 threadgroups a core, where the registers allow 16.
     d = run("threadgroup_24k", [torch.empty(128)])
     assert "2 threadgroups per core, where its registers allow 16" in memory_residency_miss(d)
