@@ -18,8 +18,8 @@
 //                  (W[E, K, N]): decode.h's cols template (gemv_cols'), a
 //                  threadgroup owning 128 bytes of columns.
 // gmm_tiled        many rows (prefill, and the K-split and batched modes):
-//                  32 x 32 output tiles from simdgroup_matrix products.
-//                  In the rows mode a tile of 32 rows may span several
+//                  64 x 64 output tiles from simdgroup_matrix products.
+//                  In the rows mode a tile of 64 rows may span several
 //                  groups; it accumulates each group's rows against that
 //                  group's weights (other rows masked to zero).
 //
@@ -281,23 +281,51 @@ kernel void gmm_decode_cols(device T* out [[buffer(0)]],
 }
 
 // ------------------------------------------------------------ gmm_tiled --
-// One threadgroup: a GMM_TILE_M x GMM_TILE_N output tile; 4 simdgroups in a
-// 2 x 2 arrangement, each 16 x 16 (2 x 2 simdgroup matrices). Operand tiles
-// are staged in threadgroup memory as float, converted once on the way in.
+// One threadgroup: a GMM_TILE_M x GMM_TILE_N output tile, K in steps of
+// GMM_TILE_K; 4 simdgroups in a 2 x 2 arrangement, each owning 32 x 32
+// outputs, 4 x 4 float accumulators (simdgroup_float8x8). A step of 8 along
+// K loads 4 fragments of A and 4 of B for 16 multiply-accumulates (the
+// 32 x 32 tiles' simdgroups loaded 4 for 4).
 //
-// Bank conflicts: a simdgroup_load of 8 x 8 floats reads, per instruction,
-// one even (or odd) column of 4 and all 8 rows of the block. Rows stored S
-// floats apart always put two of those 32 words on one bank (all 8 rows
-// start on even banks, or the odd S puts rows 0 and 2 of columns 2 apart
-// together). Stored transposed (each row of memory one column of the
-// block) with S = 4 mod 16, the 4 columns start 8 banks apart and the 8
-// rows fill the 8 between: 32 banks. So A is staged as At[k][m], B as
-// Bt[n][k] and the result as Ct[n][m], all with S = GMM_TILE_STRIDE and
-// transposed loads and stores. Staging and reading back go along the
-// dimension contiguous in device memory (coalesced); where that is the
-// strided one of the tile, a thread moves 4 consecutive elements of the
-// contiguous one as one 16-byte access (4 words a lane: 4 cycles, the
-// fewest, as 8 lanes fill the 32 banks).
+// Operands are staged in threadgroup memory in their own type (float8
+// experts decoded once to half, exactly: e4m3 / 256 is a half), and each
+// lane builds its two elements of a float fragment from them
+// (thread_elements(), Apple's fragment layout, as MLX's steel GEMM does):
+// bfloat simdgroup matrices are MSL 3.1 and M1 has no bfloat arithmetic;
+// float fragments run on every Mac mps_ext supports, and accumulate in
+// float. The
+// result goes back through the same memory in the output's type, scaled,
+// so that the stores to `out` run along its contiguous rows.
+//
+// Layouts (rows of the staged tiles 16 bytes longer than the tile, so that
+// a row starts 4 banks after the one above it): A as As[m][k], B as
+// Bs[n][k] when b's K is contiguous (the MoE layout) or Bs[k][n] when its
+// N is, the result as Cs[m][n]: each filled with lanes along the dimension
+// contiguous in device memory (32 lanes on 32 consecutive elements, the
+// fewest cache lines), each fragment read with the 8 rows of a load on
+// distinct banks.
+template <typename T>
+struct GmmStaged {
+  typedef T type;
+};
+template <>
+struct GmmStaged<uchar> {
+  typedef half type;
+};
+
+// A lane's place in an 8 x 8 fragment: its row and the first of its two
+// columns (the layout the executor's simdgroup_matrix documents).
+inline uint frag_row(uint lane) { return ((lane / 4) & 4) + (lane / 2) % 4; }
+inline uint frag_col(uint lane) { return ((lane / 4) & 2) * 2 + (lane % 2) * 2; }
+
+// The lane's two elements from two adjacent ones of threadgroup memory.
+template <typename S>
+inline void frag_load(thread simdgroup_float8x8& f, threadgroup const S* at) {
+  const vec<S, 2> v = *(threadgroup const vec<S, 2>*)at;
+  f.thread_elements()[0] = float(v.x);
+  f.thread_elements()[1] = float(v.y);
+}
+
 template <typename T, typename TO>
 [[max_total_threads_per_threadgroup(GMM_TILE_THREADS)]]
 kernel void gmm_tiled(device TO* out [[buffer(0)]],
@@ -311,15 +339,25 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
                       uint3 tpos [[thread_position_in_threadgroup]],
                       uint sg [[simdgroup_index_in_threadgroup]],
                       uint lane [[thread_index_in_simdgroup]]) {
-  constexpr uint BM = GMM_TILE_M, BN = GMM_TILE_N, BK = GMM_TILE_K, S = GMM_TILE_STRIDE;
-  static_assert(S % 4 == 0 && S % 16 == 4 && S >= BM && S >= BK, "rows of 16-byte words, 4 mod 16 floats apart");
-  // float4 arrays: the 16-byte accesses below are aligned.
-  threadgroup float4 at_mem[BK * S / 4];  // At[k][m] = a[m][k]
-  threadgroup float4 bt_mem[BN * S / 4];  // Bt[n][k] = b[k][n]
-  threadgroup float4 ct_mem[BN * S / 4];  // Ct[n][m] = out[m][n]
-  threadgroup float* At = (threadgroup float*)at_mem;
-  threadgroup float* Bt = (threadgroup float*)bt_mem;
-  threadgroup float* Ct = (threadgroup float*)ct_mem;
+  typedef typename GmmStaged<T>::type S;
+  constexpr uint BM = GMM_TILE_M, BN = GMM_TILE_N, BK = GMM_TILE_K, THREADS = GMM_TILE_THREADS;
+  constexpr uint FM = 4, FN = 4;  // fragments a simdgroup owns along M and N
+  static_assert(THREADS == 128 && BM == 2 * 8 * FM && BN == 2 * 8 * FN, "2 x 2 simdgroups of 4 x 4 fragments");
+  static_assert(BK == 32 && BN % 32 == 0, "32 lanes stage 32 consecutive elements of a row");
+  // Row strides, 16 bytes past the row: a row starts 4 banks after the one above.
+  constexpr uint SA = BK + 16 / sizeof(S);   // As[m][k]
+  constexpr uint SBK = BK + 16 / sizeof(S);  // Bs[n][k]
+  constexpr uint SBN = BN + 16 / sizeof(S);  // Bs[k][n]
+  constexpr uint SC = BN + 16 / sizeof(TO);  // Cs[m][n]
+  constexpr uint A_BYTES = BM * SA * sizeof(S);
+  constexpr uint B_BYTES = (BN * SBK > BK * SBN ? BN * SBK : BK * SBN) * sizeof(S);
+  constexpr uint C_BYTES = BM * SC * sizeof(TO);
+  // The result reuses the operands' memory once the last step has read them.
+  constexpr uint MEM_WORDS = ((A_BYTES + B_BYTES > C_BYTES ? A_BYTES + B_BYTES : C_BYTES) + 15) / 16;
+  threadgroup float4 mem[MEM_WORDS];
+  threadgroup S* As = (threadgroup S*)mem;
+  threadgroup S* Bs = (threadgroup S*)((threadgroup uchar*)mem + A_BYTES);
+  threadgroup TO* Cs = (threadgroup TO*)mem;
   threadgroup uint row_group[BM];  // rows mode: each row's group, for the scales
   threadgroup uint first[1];
   const uint tid = tpos.x;
@@ -340,13 +378,20 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
     g_begin = tg.z;
     g_end = tg.z + 1;
   }
-  for (uint i = tid; i < BM; i += GMM_TILE_THREADS) row_group[i] = g_begin;
+  for (uint i = tid; i < BM; i += THREADS) row_group[i] = g_begin;
   threadgroup_barrier(mem_flags::mem_threadgroup);  // the segments below overwrite some
 
-  simdgroup_float8x8 acc[2][2];
-  for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 2; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-  const uint sr = (sg / 2) * 16, sc = (sg % 2) * 16;
+  simdgroup_float8x8 acc[FM][FN];
+  MPS_EXT_UNROLL for (uint i = 0; i < FM; ++i)
+    MPS_EXT_UNROLL for (uint j = 0; j < FN; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  const uint sr = (sg / 2) * (8 * FM), sc = (sg % 2) * (8 * FN);
+  const uint fr = frag_row(lane), fc = frag_col(lane);
+  // B's staged layout: the lane's first element of fragment j at
+  // b_at + 8j * b_n_step, its second b_n_step further.
+  const bool b_k_major = p.b_k == 1;
+  const uint b_n_step = b_k_major ? SBK : 1;
+  const uint b_at = b_k_major ? (sc + fc) * SBK + fr : fr * SBN + sc + fc;
+  const uint b_k_step = b_k_major ? 1 : SBN;
 
   for (uint g = g_begin; g < g_end; ++g) {
     // Rows [seg0, seg1) of this tile belong to group g; K runs over [k0, k1).
@@ -357,80 +402,91 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
       seg0 = max(r0, start);
       seg1 = min(r1, group_end(offs, g, p.m));
       if (seg0 >= seg1) continue;  // an empty group
-      for (uint i = seg0 + tid; i < seg1; i += GMM_TILE_THREADS) row_group[i - r0] = g;
+      for (uint i = seg0 + tid; i < seg1; i += THREADS) row_group[i - r0] = g;
     } else if (p.mode == GMM_MODE_K) {
       k0 = min(group_start(offs, g, p.k), p.k);
       k1 = max(k0, group_end(offs, g, p.k));
     }
+    // A simdgroup skips its fragment rows that hold none of the group's rows
+    // (a tile spanning several groups passes over K once for each).
+    bool live[FM];
+    MPS_EXT_UNROLL for (uint i = 0; i < FM; ++i) {
+      const uint row = r0 + sr + 8 * i;
+      live[i] = row < seg1 && row + 8 > seg0;
+    }
     const device T* ag = a + ulong(g) * ulong(p.a_batch);
     const device T* bg = w + ulong(g) * ulong(p.b_batch);
     for (uint kt = k0; kt < k1; kt += BK) {
-      // A: lanes along K (a's rows are contiguous in the MoE layouts), 4
-      // rows a thread, one 16-byte store of At.
-      for (uint i = tid; i < BM * BK / 4; i += GMM_TILE_THREADS) {
-        const uint kk = i % BK, m0 = i / BK * 4, k = kt + kk;
-        float v[4];
-        for (uint j = 0; j < 4; ++j) {
-          const uint row = r0 + m0 + j;
-          v[j] = row >= seg0 && row < seg1 && k < k1 ? elem(ag[row * uint(p.a_m) + k * uint(p.a_k)]) : 0.0f;
-        }
-        *(threadgroup float4*)(At + kk * S + m0) = float4(v[0], v[1], v[2], v[3]);
+      // A: lanes along K (a's rows are contiguous in the MoE layouts).
+      for (uint i = tid; i < BM * BK; i += THREADS) {
+        const uint kk = i % BK, mm = i / BK, row = r0 + mm, k = kt + kk;
+        As[mm * SA + kk] =
+            S(row >= seg0 && row < seg1 && k < k1 ? elem(ag[row * uint(p.a_m) + k * uint(p.a_k)]) : 0.0f);
       }
-      // B: lanes along whichever dimension of b is contiguous. K: one
-      // element a lane, consecutive words of Bt; N: 4 values of K a
-      // thread, one 16-byte store.
-      if (p.b_k == 1) {
-        for (uint i = tid; i < BK * BN; i += GMM_TILE_THREADS) {
+      // B: lanes along whichever of its dimensions is contiguous.
+      if (b_k_major) {
+        for (uint i = tid; i < BN * BK; i += THREADS) {
           const uint kk = i % BK, c = i / BK, k = kt + kk, n = n0 + c;
-          Bt[c * S + kk] = k < k1 && n < p.n ? elem(bg[k + n * uint(p.b_n)]) : 0.0f;
+          Bs[c * SBK + kk] = S(k < k1 && n < p.n ? elem(bg[k + n * uint(p.b_n)]) : 0.0f);
         }
       } else {
-        for (uint i = tid; i < BK * BN / 4; i += GMM_TILE_THREADS) {
-          const uint c = i % BN, kk0 = i / BN * 4, n = n0 + c;
-          float v[4];
-          for (uint j = 0; j < 4; ++j) {
-            const uint k = kt + kk0 + j;
-            v[j] = k < k1 && n < p.n ? elem(bg[k * uint(p.b_k) + n * uint(p.b_n)]) : 0.0f;
-          }
-          *(threadgroup float4*)(Bt + c * S + kk0) = float4(v[0], v[1], v[2], v[3]);
+        for (uint i = tid; i < BN * BK; i += THREADS) {
+          const uint c = i % BN, kk = i / BN, k = kt + kk, n = n0 + c;
+          Bs[kk * SBN + c] = S(k < k1 && n < p.n ? elem(bg[k * uint(p.b_k) + n * uint(p.b_n)]) : 0.0f);
         }
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      for (uint kk = 0; kk < BK; kk += 8) {
-        simdgroup_float8x8 am[2], bm[2];
-        // Transposed: origin 0 and the block's first element as the pointer
-        // (Metal leaves a transposed origin's coordinates unspecified).
-        // Element (r, c) is read at p[c * S + r]: am[i] (r = m, c = k) from
-        // At[kk + c][sr + 8i + r], bm[j] (r = k, c = n) from Bt[sc + 8j + c][kk + r].
-        for (int i = 0; i < 2; ++i) simdgroup_load(am[i], At + kk * S + sr + 8 * i, S, ulong2(0), true);
-        for (int j = 0; j < 2; ++j) simdgroup_load(bm[j], Bt + (sc + 8 * j) * S + kk, S, ulong2(0), true);
-        for (int i = 0; i < 2; ++i)
-          for (int j = 0; j < 2; ++j) simdgroup_multiply_accumulate(acc[i][j], am[i], bm[j], acc[i][j]);
+      // Rolled: unrolled, the 32 fragment addresses of a step are loop
+      // invariants a compiler keeps live across the whole K loop (123
+      // registers by the executor's estimate against 82).
+      _Pragma("clang loop unroll(disable)") for (uint kk = 0; kk < BK; kk += 8) {
+        // am[i]: (m, k) = (sr + 8i + r, kk + c); b: (k, n) = (kk + r, sc + 8j + c),
+        // one column block at a time (fewer live registers than all four).
+        simdgroup_float8x8 am[FM];
+        MPS_EXT_UNROLL for (uint i = 0; i < FM; ++i)
+          if (live[i]) frag_load(am[i], As + (sr + 8 * i + fr) * SA + kk + fc);
+        MPS_EXT_UNROLL for (uint j = 0; j < FN; ++j) {
+          simdgroup_float8x8 b;
+          threadgroup const S* at = Bs + b_at + 8 * j * b_n_step + kk * b_k_step;
+          if (b_k_major) {
+            b.thread_elements()[0] = float(at[0]);
+            b.thread_elements()[1] = float(at[SBK]);
+          } else {
+            frag_load(b, at);
+          }
+          MPS_EXT_UNROLL for (uint i = 0; i < FM; ++i)
+            if (live[i]) simdgroup_multiply_accumulate(acc[i][j], am[i], b, acc[i][j]);
+        }
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
   }
 
-  for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 2; ++j)  // (r = m, c = n) to Ct[sc + 8j + c][sr + 8i + r]
-      simdgroup_store(acc[i][j], Ct + (sc + 8 * j) * S + sr + 8 * i, S, ulong2(0), true);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
   // Rows past offs[-1] belong to no group: torch leaves them unwritten too.
   const uint rows_end = p.mode == GMM_MODE_ROWS ? min(r1, group_end(offs, p.groups - 1, p.m)) : r1;
-  const ulong out_base = p.mode == GMM_MODE_ROWS ? 0 : ulong(tg.z) * ulong(p.out_batch);
-  // Lanes along N (the output's rows are contiguous), 4 rows a thread from
-  // one 16-byte read of Ct.
-  for (uint i = tid; i < BM * BN / 4; i += GMM_TILE_THREADS) {
-    const uint c = i % BN, rr0 = i / BN * 4, n = n0 + c;
-    const float4 v = *(threadgroup const float4*)(Ct + c * S + rr0);
-    for (uint j = 0; j < 4; ++j) {
-      const uint r = rr0 + j, m = r0 + r;
-      if (m >= rows_end || n >= p.n) continue;
-      // (min: offsets out of order, which torch forbids, must still not read out of bounds)
-      const uint g = p.mode == GMM_MODE_ROWS ? min(row_group[r], p.groups - 1) : tg.z;
-      out[out_base + ulong(m) * ulong(p.out_m) + ulong(n) * ulong(p.out_n)] =
-          TO(v[j] * scale_of(p, row_scale, col_scale, g, m, n));
+  // row_group complete (with K = 0 no step's barrier followed its writes).
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // Each lane scales its elements and rounds them to the output's type.
+  MPS_EXT_UNROLL for (uint i = 0; i < FM; ++i) {
+    const uint r = sr + 8 * i + fr, m = r0 + r;
+    // (min: offsets out of order, which torch forbids, must still not read out of bounds)
+    const uint g = p.mode == GMM_MODE_ROWS ? min(row_group[r], p.groups - 1) : tg.z;
+    MPS_EXT_UNROLL for (uint j = 0; j < FN; ++j) {
+      const uint c = sc + 8 * j + fc;
+      vec<TO, 2> v;
+      MPS_EXT_UNROLL for (uint e = 0; e < 2; ++e) {
+        const uint n = min(n0 + c + e, p.n - 1);  // columns past n are computed (zeros) but never stored
+        v[e] = TO(acc[i][j].thread_elements()[e] * (m < rows_end ? scale_of(p, row_scale, col_scale, g, m, n) : 0.0f));
+      }
+      *(threadgroup vec<TO, 2>*)(Cs + r * SC + c) = v;
     }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const ulong out_base = p.mode == GMM_MODE_ROWS ? 0 : ulong(tg.z) * ulong(p.out_batch);
+  // Lanes along N (the output's rows are contiguous).
+  for (uint i = tid; i < BM * BN; i += THREADS) {
+    const uint c = i % BN, r = i / BN, m = r0 + r, n = n0 + c;
+    if (m < rows_end && n < p.n) out[out_base + ulong(m) * ulong(p.out_m) + ulong(n) * ulong(p.out_n)] = Cs[r * SC + c];
   }
 }
 

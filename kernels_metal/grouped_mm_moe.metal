@@ -23,23 +23,28 @@ inline float key_value(uint k) {
 }
 
 // The best (largest key, then smallest index) of every thread's candidate,
-// known to all threads. Two barriers; `keys`, `idxs` hold one entry per
-// simdgroup.
-inline void best_of_threadgroup(thread uint& key, thread uint& i, uint sg, uint lane, uint simdgroups,
-                                threadgroup uint* keys, threadgroup uint* idxs) {
+// with the value the candidate carries, known to all threads. Two barriers;
+// `keys`, `idxs`, `vals` hold one entry per simdgroup.
+inline void best_of_threadgroup(thread uint& key, thread uint& i, thread float& val, uint sg, uint lane,
+                                uint simdgroups, threadgroup uint* keys, threadgroup uint* idxs,
+                                threadgroup float* vals) {
   const uint best = simd_max(key);
   const uint at = simd_min(key == best ? i : 0xffffffffu);
+  const float v = simd_shuffle(val, ushort(simd_min(key == best && i == at ? lane : 31u)));
   if (lane == 0) {
     keys[sg] = best;
     idxs[sg] = at;
+    vals[sg] = v;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   key = keys[0];
   i = idxs[0];
+  val = vals[0];
   for (uint s = 1; s < simdgroups; ++s)
     if (keys[s] > key || (keys[s] == key && idxs[s] < i)) {
       key = keys[s];
       i = idxs[s];
+      val = vals[s];
     }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // before the arrays are written again
 }
@@ -60,6 +65,7 @@ kernel void moe_route(device float* weights [[buffer(0)]],
   constexpr uint PER = MOE_MAX_EXPERTS / MOE_ROUTE_THREADS;  // experts per thread
   threadgroup uint keys[MOE_ROUTE_THREADS / 32];
   threadgroup uint idxs[MOE_ROUTE_THREADS / 32];
+  threadgroup float vals[MOE_ROUTE_THREADS / 32];
   threadgroup float sums[MOE_ROUTE_THREADS / 32];
   threadgroup int ids[MOE_MAX_SLOTS];
   threadgroup int start[MOE_MAX_EXPERTS + 1];
@@ -80,12 +86,16 @@ kernel void moe_route(device float* weights [[buffer(0)]],
       if (sigmoid && e < p.experts)
         r[j] = float(T(1.0f / (1.0f + exp(-l[j])))) + (p.has_bias ? expert_bias[e] : 0.0f);
     }
+    // The shared expert's gate, loaded now so that it does not wait behind
+    // the barriers below.
+    const float shared_gate = p.shared && tid == 0 ? float(lt[ulong(p.experts) * ulong(p.logits_e_stride)]) : 0.0f;
     // Softmax denominators: the max (NaN if a logit is, so that every
     // weight is NaN, as torch's softmax gives), then the sum of exponentials.
     uint mk = rank_key(l[0]);
     for (uint j = 1; j < PER; ++j) mk = max(mk, rank_key(l[j]));
     uint unused = 0;
-    best_of_threadgroup(mk, unused, sg, lane, simdgroups, keys, idxs);
+    float no_value = 0.0f;
+    best_of_threadgroup(mk, unused, no_value, sg, lane, simdgroups, keys, idxs, vals);
     const float mx = key_value(mk);
     float sum = 0.0f;
     for (uint j = 0; j < PER; ++j) sum += l[j] == -INFINITY ? 0.0f : exp(l[j] - mx);
@@ -98,21 +108,24 @@ kernel void moe_route(device float* weights [[buffer(0)]],
     // Top-k, one winner at a time; its owner drops it from its candidates.
     float chosen_sum = 0.0f;
     for (uint k = 0; k < p.top_k; ++k) {
+      // The winner carries its logit: its score is then known without a
+      // load after the barriers.
       uint key = 0, at = 0xffffffffu;
+      float logit = 0.0f;
       for (uint j = 0; j < PER; ++j) {
         const uint e = tid + j * threads;
         if (e < p.experts && !taken[j] && (rank_key(r[j]) > key || at == 0xffffffffu)) {
           key = rank_key(r[j]);
           at = e;
+          logit = l[j];
         }
       }
-      best_of_threadgroup(key, at, sg, lane, simdgroups, keys, idxs);
+      best_of_threadgroup(key, at, logit, sg, lane, simdgroups, keys, idxs, vals);
       for (uint j = 0; j < PER; ++j)
         if (tid + j * threads == at) taken[j] = true;
       float prob;
-      if (sigmoid) {  // the chosen expert's score without its bias, read back (one element)
-        const float lc = float(lt[ulong(at) * ulong(p.logits_e_stride)]);
-        prob = float(T(1.0f / (1.0f + exp(-lc))));
+      if (sigmoid) {  // the chosen expert's score without its bias
+        prob = float(T(1.0f / (1.0f + exp(-logit))));
       } else {
         prob = exp(key_value(key) - mx) / sum;
       }
@@ -127,9 +140,8 @@ kernel void moe_route(device float* weights [[buffer(0)]],
         for (uint k = 0; k < p.top_k; ++k) weights[t * slots + k] /= chosen_sum + p.renorm_eps;
       for (uint k = 0; k < p.top_k; ++k) weights[t * slots + k] *= p.scale;
       if (p.shared) {
-        const float g = float(lt[ulong(p.experts) * ulong(p.logits_e_stride)]);
         ids[t * slots + p.top_k] = int(p.experts);
-        weights[t * slots + p.top_k] = 1.0f / (1.0f + exp(-g));
+        weights[t * slots + p.top_k] = 1.0f / (1.0f + exp(-shared_gate));
       }
     }
   }

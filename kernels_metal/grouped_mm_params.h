@@ -45,12 +45,10 @@ struct GroupedMMParams {
 // gate and up columns of one output). Simdgroups of a threadgroup:
 // decode_geometry (csrc/ops/kernel_choice.h).
 #define GMM_ROWS_OUTPUTS 2
-// gmm_tiled: a 32 x 32 output tile per threadgroup of 4 simdgroups, K in
-// steps of 32 (a simdgroup stages 32 consecutive elements of a row: 64 or
-// 128 contiguous bytes); the staged tiles are stored transposed, rows
-// GMM_TILE_STRIDE floats apart (a multiple of 4, 4 mod 16: see gmm_tiled).
-#define GMM_TILE_M 32
-#define GMM_TILE_N 32
+// gmm_tiled: a 64 x 64 output tile per threadgroup of 4 simdgroups (each
+// 32 x 32, 4 x 4 fragments), K in steps of 32 (32 lanes stage 32
+// consecutive elements of a row: 32 to 128 contiguous bytes).
+#define GMM_TILE_M 64
+#define GMM_TILE_N 64
 #define GMM_TILE_K 32
-#define GMM_TILE_STRIDE 36
 #define GMM_TILE_THREADS 128

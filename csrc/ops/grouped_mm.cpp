@@ -5,7 +5,7 @@
 // The offsets never reach the host: nothing here reads `offs` (no .item(),
 // .cpu(), .tolist(), no data pointer of it). Launch geometry comes from
 // shapes alone: the decode kernel has one slot per row of the jagged
-// operand, the tiled kernel one tile per 32 rows, and each threadgroup finds
+// operand, the tiled kernel one tile per 64 rows, and each threadgroup finds
 // its group in `offs` on the GPU; threadgroups with no work exit at once.
 // (torch 2.9-2.14 run _grouped_mm on MPS through a composite kernel that
 // copies offs to the CPU and launches one mm per group; 2.15 has a Metal
@@ -224,8 +224,8 @@ Reason problem_unsupported(const at::Tensor& a, const at::Tensor& b) {
 //   when b's N is contiguous (W[E, K, N]). _vec (16-byte loads) where the
 //   host checked every address such a load can touch is 16-byte aligned.
 //   gmm_decode_rows threadgroups: decode_geometry (ops/kernel_choice.h).
-// - everything else: gmm_tiled, a 32 x 32 tile per threadgroup; the rows
-//   mode launches ceil(m / 32) row tiles (a tile may span groups), the
+// - everything else: gmm_tiled, a 64 x 64 tile per threadgroup; the rows
+//   mode launches ceil(m / 64) row tiles (a tile may span groups), the
 //   K-split and batched modes one tile grid per group.
 // `types`: the kernels' type suffix ("bf16", "e4m3", "bf16_e4m3w": bfloat
 // activations with fp8 weights).

@@ -108,11 +108,38 @@ def test_2d_3d_decode_many_groups_and_a_k_tail(run, device, dtype, layout):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 def test_2d_3d_prefill_tiles(run, device, dtype, layout):
-    # Groups that start and end inside 32-row tiles, empty ones, one longer
-    # than a tile, and rows past offs[-1].
+    # Groups that start and end inside 64-row tiles, empty ones, one longer
+    # than a tile, rows past offs[-1], a K tail (40 = 32 + 8) and an N tail
+    # (72 = 64 + 8).
     dispatches = run_2d_3d(run, [0, 37, 5, 0, 70, 1, 0], 9, 40, 72, dtype, layout)
     if device == "executor":
         assert [d.kernel for d in dispatches] == [f"gmm_tiled_{TYPE_NAMES[dtype]}"]
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_prefill_tiles_are_64_square_staged_in_the_operand_type(layout):
+    # 128 rows of one group x 128 columns: 2 x 2 tiles of 64 x 64, so each
+    # threadgroup reads a 64-row strip of `a` and a 64-column strip of the
+    # expert, and each byte of either is read by 2 threadgroups. 16-bit
+    # operands are staged as such: less threadgroup memory than fp32's, and
+    # each kernel leaves a core room for 2 threadgroups or more.
+    memory = {}
+    for dtype in DTYPES:
+        a = randn(128, 64, dtype=dtype)
+        b = experts(2, 128, 64, dtype, layout)
+        offs = offsets([128, 0])
+        with cpu_metal.record(counters=True) as rec:
+            got = torch.ops.mps_ext._grouped_mm(a, b, offs)
+        check_rows(got, torch._grouped_mm(a, b, offs=offs), offs, dtype, 64)
+        (d,) = rec.dispatches
+        assert d.kernel == f"gmm_tiled_{TYPE_NAMES[dtype]}"
+        assert d.threadgroups == (2, 2, 1)
+        for name in ("a", "w"):
+            i = d.buffer(name)
+            assert d.threadgroup_bytes_read_distinct[i] == 2 * d.unique_bytes_read[i], name
+        assert d.threadgroups_per_core >= 2
+        memory[dtype] = d.threadgroup_memory
+    assert memory[torch.float16] == memory[torch.bfloat16] < memory[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
