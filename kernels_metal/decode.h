@@ -114,6 +114,52 @@ MPS_EXT_INLINE uint4 decode_piece(thread const WF& wf, const device typename WF:
   return uint4(as_type<uint>(wf.one(*p)), 0u, 0u, 0u);
 }
 
+// ------------------------------------------------------- the products --
+// acc[r * Q + q] += the products of one piece of each of the Q weight rows
+// (wv) with the activations staged for that piece (the tile's words from
+// tcu at stride TS); `block`: the piece's scale block within the tile.
+template <typename Job, int R, int Q, bool VEC, int TS>
+MPS_EXT_INLINE void decode_products(thread const Job& job, thread float* acc, thread const uint4* wv,
+                                    const threadgroup uint* tcu, int block) {
+  typedef DecodeShape<typename Job::X::T, typename Job::W::T, VEC> Shape;
+  constexpr int NW = Shape::NW, AW = Shape::AW, WA = Shape::WA;
+  constexpr bool SCALED = Job::BLOCK_SCALED != 0;
+  // Block scales: a piece lies in one 128-wide block of K. The weight's
+  // scale multiplies each weight as it is converted, the activation row's
+  // each word's products (no partial sums to keep). (Rows past `rows` and
+  // outputs that do not exist have no scales staged: their products are 0.)
+  float ws[Q];
+  MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) ws[q] = SCALED && job.live(q) ? job.w_scale(q, block) : 1.0f;
+  // A weight word of each output at a time, converted once for all rows:
+  // only one is live per output.
+  MPS_EXT_UNROLL for (int j = 0; j < (VEC ? 4 : 1); ++j) {
+    float wf[Q][4];  // (NW used)
+    MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+      if (VEC) job.wf.word(wv[q][j], wf[q]);
+      else wf[q][0] = as_type<float>(wv[q].x);
+      if (SCALED) {
+        MPS_EXT_UNROLL for (int e = 0; e < NW; ++e) wf[q][e] *= ws[q];
+      }
+    }
+    MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+      // Each activation word's floats (NW / AW of them) go into the sums
+      // as it is read: one word live, not the weight word's AW.
+      float d[Q];
+      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) d[q] = SCALED ? 0.0f : acc[r * Q + q];
+      MPS_EXT_UNROLL for (int i = 0; i < AW; ++i) {
+        float xf[4];  // (NW / AW used)
+        const uint xw = tcu[(r * WA + j * AW + i) * TS];
+        if (VEC) job.xf.word(xw, xf);
+        else xf[0] = as_type<float>(xw);
+        MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
+          MPS_EXT_UNROLL for (int e = 0; e < NW / AW; ++e) d[q] += xf[e] * wf[q][i * (NW / AW) + e];
+      }
+      const float xs = SCALED && r < job.rows ? job.x_scale(r, block) : 0.0f;
+      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) acc[r * Q + q] = SCALED ? acc[r * Q + q] + d[q] * xs : d[q];
+    }
+  }
+}
+
 // ---------------------------------------------------------- the kernel --
 // Run by every thread of the threadgroup (it has barriers). R: a power of
 // two >= job.rows; rows past them stage as 0. `tile`: decode_tile_words
@@ -191,52 +237,28 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
     }
     if (SCALED) job.stage_scales(k0, pieces * E, tid, threads);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int c = int(lane); c < pieces; c += 32 * U) {
+    // Whole steps of U pieces of each output first: no bounds to check, so
+    // that no index per piece stays live from the loads to the products
+    // (registers); the lane's tile words are at constant offsets from tc.
+    int c = int(lane);
+    for (; c < pieces - 32 * (U - 1); c += 32 * U) {
+      const threadgroup uint* tc = tile + c;
       uint4 wv[U][Q];
       MPS_EXT_UNROLL for (int u = 0; u < U; ++u)
         MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
-          wv[u][q] = live[q] && c + 32 * u < pieces ? decode_piece<WF, VEC>(job.wf, wp[q] + u * u_step) : uint4(0u);
-      MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
-        // Past the tile's pieces there is nothing to add (not even 0 times
-        // a staged value: an inf activation would make it NaN).
-        const int cu = c + 32 * u;
-        if (cu >= pieces) continue;
-        // Block scales: a piece lies in one 128-wide block of K. The
-        // weight's scale multiplies each weight as it is converted, the
-        // activation row's each word's products (no partial sums to keep).
-        // (Rows past `rows` and outputs that do not exist have no scales
-        // staged: their products are 0.)
-        const int block = SCALED ? cu * E / 128 : 0;  // of the tile
-        float ws[Q];
-        MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) ws[q] = SCALED && live[q] ? job.w_scale(q, block) : 1.0f;
-        // A weight word of each output at a time, converted once for all
-        // rows: only one is live per output.
-        MPS_EXT_UNROLL for (int j = 0; j < (VEC ? 4 : 1); ++j) {
-          float wf[Q][4];  // (NW used)
-          MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
-            if (VEC) job.wf.word(wv[u][q][j], wf[q]);
-            else wf[q][0] = as_type<float>(wv[u][q].x);
-            if (SCALED) {
-              MPS_EXT_UNROLL for (int e = 0; e < NW; ++e) wf[q][e] *= ws[q];
-            }
-          }
-          MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
-            float xf[4];  // the activations of the weight word (NW used)
-            MPS_EXT_UNROLL for (int i = 0; i < AW; ++i) {
-              const uint xw = tile[(r * WA + j * AW + i) * TS + cu];
-              if (VEC) job.xf.word(xw, xf + i * (NW / AW));
-              else xf[0] = as_type<float>(xw);
-            }
-            const float xs = SCALED && r < rows ? job.x_scale(r, block) : 0.0f;
-            MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
-              float d = SCALED ? 0.0f : acc[r][q];
-              MPS_EXT_UNROLL for (int e = 0; e < NW; ++e) d += xf[e] * wf[q][e];
-              acc[r][q] = SCALED ? acc[r][q] + d * xs : d;
-            }
-          }
-        }
-      }
+          wv[u][q] = live[q] ? decode_piece<WF, VEC>(job.wf, wp[q] + u * u_step) : uint4(0u);
+      MPS_EXT_UNROLL for (int u = 0; u < U; ++u)
+        decode_products<Job, R, Q, VEC, TS>(job, &acc[0][0], wv[u], tc + 32 * u, SCALED ? (c + 32 * u) * E / 128 : 0);
       MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wp[q] += U * u_step;
+    }
+    // The last tile's last pieces, one at a time. (Past the tile's pieces
+    // there is nothing to add, not even 0 times a staged value: an inf
+    // activation would make it NaN.)
+    for (; c < pieces; c += 32) {
+      uint4 wv[Q];
+      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wv[q] = live[q] ? decode_piece<WF, VEC>(job.wf, wp[q]) : uint4(0u);
+      decode_products<Job, R, Q, VEC, TS>(job, &acc[0][0], wv, tile + c, SCALED ? c * E / 128 : 0);
+      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wp[q] += u_step;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }

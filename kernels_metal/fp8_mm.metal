@@ -105,7 +105,7 @@ inline void store_output(device uchar* y, long index, float v, long n, constant 
 // layouts of the row-wise and block-wise recipes), applied per 16-byte
 // piece (a piece lies in one block; decode_rows), and store_output on the
 // way out. A
-// simdgroup owns up to Q = FP8_GEMV_OUTPUTS(R) weight rows,
+// simdgroup owns up to Q = FP8_GEMV_OUTPUTS(R, activation bytes) weight rows,
 // p.outputs_per_simdgroup of them.
 // sb_tile's blocks are FP8_GEMV_SB_STRIDE words apart, one more than the
 // most outputs of a threadgroup: a simdgroup reads 4 blocks' scales of one
@@ -188,8 +188,8 @@ kernel void fp8_gemv(device uchar* y [[buffer(0)]],
                      uint sg [[simdgroup_index_in_threadgroup]],
                      uint simdgroups [[simdgroups_per_threadgroup]],
                      uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int Q = FP8_GEMV_OUTPUTS(R);
   typedef typename A::T TX;
+  constexpr int Q = FP8_GEMV_OUTPUTS(R, int(sizeof(TX)));
   constexpr int TILE_WORDS = decode_tile_words<TX, uchar, VEC, true>(R);
   threadgroup uint tile[TILE_WORDS];
   threadgroup float sa_tile[R * FP8_GEMV_TILE_BLOCKS];

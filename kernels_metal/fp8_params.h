@@ -66,11 +66,13 @@ struct Fp8MatmulParams {
 
 // Scales of the block-wise recipes cover 128 elements of K.
 #define FP8_SCALE_BLOCK 128
-// Decode kernels: weight rows a simdgroup can hold with R activation rows
-// (its accumulators and the partial sums of a scale block: 2 x R x outputs,
-// at most 16; 4 or 8 rows: one output). Simdgroups of a threadgroup:
-// decode_geometry (csrc/ops/kernel_choice.h).
-#define FP8_GEMV_OUTPUTS(R) ((R) >= 4 ? 1 : 2)
+// Decode kernels: weight rows a simdgroup owns with R activation rows of
+// A_BYTES bytes an element (R x outputs accumulators): 2, but 1 at 4 or 8
+// rows, except float activations at 8 rows, whose threadgroup needs 32
+// outputs (16 simdgroups of 2) for the activation bytes it stages to stay
+// within its weight bytes (8 x 4 per element of K against 1 per output).
+// Simdgroups of a threadgroup: decode_geometry (csrc/ops/kernel_choice.h).
+#define FP8_GEMV_OUTPUTS(R, A_BYTES) ((R) >= 4 && (R) * (A_BYTES) <= 16 ? 1 : 2)
 // Prefill tiles: a threadgroup of 4 simdgroups computes 32 x 64 outputs,
 // stepping K by one scale block (whole cache lines of every row it reads).
 #define FP8_TILE_M 32

@@ -54,8 +54,8 @@ struct Problem {
 
 // The variant policy.
 // - M <= 8 rows: fp8_gemv with R = the smallest of 1, 2, 4, 8 holding them;
-//   decode_geometry (ops/kernel_choice.h): up to 8 simdgroups of up to
-//   FP8_GEMV_OUTPUTS(R) outputs.
+//   decode_geometry (ops/kernel_choice.h): up to DECODE_MAX_SIMDGROUPS simdgroups of up to
+//   FP8_GEMV_OUTPUTS(R, activation bytes) outputs.
 // - More rows: fp8_mm_tile, one threadgroup per 32 x 64 outputs.
 // - vec (16-byte loads) when the weight rows and the activation rows are
 //   contiguous along K and 16-byte aligned; otherwise element loads
@@ -94,7 +94,8 @@ void run(Problem& pr) {
     const int64_t rows = row_variant(p.m);
     // reuse: the activation's bytes over the fp8 weight's, per output.
     const DecodeGeometry g =
-        decode_geometry(device_profile(pr.w.device()), p.n, 1, FP8_GEMV_OUTPUTS(rows), false, p.m * pr.a.itemsize());
+        decode_geometry(device_profile(pr.w.device()), p.n, 1, FP8_GEMV_OUTPUTS(rows, pr.a.itemsize()), false,
+                        p.m * pr.a.itemsize());
     p.outputs_per_simdgroup = static_cast<uint32_t>(g.outputs_per_simdgroup);
     l.kernel = "fp8_gemv_" + act + "_r" + std::to_string(rows) + (vec ? "_vec" : "_scalar");
     l.threadgroups = {static_cast<uint32_t>(g.threadgroups), 1, 1};

@@ -83,12 +83,20 @@ inline bool aligned16(const at::Tensor& t, int64_t stride) {
 // - n: outputs of one chunk of rows; chunks: chunks of rows that work at
 //   once (1; a grouped product's groups that can have rows), so that the
 //   whole launch aims at target_threadgroups.
-// - O, the outputs of a threadgroup: n * chunks / target_threadgroups, then
-//   raised towards `reuse` while every core still has a threadgroup: reuse
-//   is the O at which the activation bytes a threadgroup stages equal its
-//   weight bytes (rows x activation size / weight size), so that the
-//   activation traffic from the caches stays within the weight's where the
-//   GPU is wide enough. Clamped to 1 .. DECODE_MAX_SIMDGROUPS * q_max.
+// - O, the outputs of a threadgroup: n * chunks / target_threadgroups, and at
+//   least `reuse`, the O at which the activation bytes a threadgroup stages
+//   equal its weight bytes (rows x activation size / weight size): the
+//   activation traffic from the caches stays within the weight's (issue 21).
+//   Clamped to 1 .. DECODE_MAX_SIMDGROUPS * q_max. Where n / reuse
+//   threadgroups are fewer than the cores, some cores stay idle rather than
+//   re-read the activations: the busiest core then streams one threadgroup's
+//   (reuse x weight + rows x activation) bytes per element of K, no more than
+//   the two smaller threadgroups some cores got when O stopped at n / cores
+//   (fp8 weights, 8 rows, N = 768 on 80 cores: 32 instead of 50 bytes per K
+//   with bfloat activations, 64 instead of 82 with float; 86 threadgroups
+//   over 80 cores meant 6 cores with two), and every core reads 1.8x (bfloat)
+//   / 3.6x (float) fewer activation bytes than the weight's from the caches
+//   that all cores share. docs/decode.md, "Geometry".
 // - outputs per simdgroup: q_max from O >= 2 q_max on (two outputs share each
 //   activation word a lane reads), 1 below; `q_fixed` kernels always own q_max.
 struct DecodeGeometry {
@@ -97,7 +105,7 @@ struct DecodeGeometry {
 inline DecodeGeometry decode_geometry(const DeviceProfile& gpu, int64_t n, int64_t chunks, int64_t q_max,
                                       bool q_fixed, int64_t reuse) {
   const int64_t work = n * std::max<int64_t>(chunks, 1);
-  int64_t outputs = std::max(work / target_threadgroups(gpu), std::min(reuse, work / gpu.cores));
+  int64_t outputs = std::max(work / target_threadgroups(gpu), reuse);
   outputs = std::clamp<int64_t>(outputs, 1, DECODE_MAX_SIMDGROUPS * q_max);
   const int64_t q = q_fixed || outputs >= 2 * q_max ? q_max : 1;
   const int64_t simdgroups = std::clamp<int64_t>(outputs / q, 1, DECODE_MAX_SIMDGROUPS);

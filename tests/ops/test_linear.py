@@ -296,15 +296,20 @@ def padded(rows, cols, dtype, vec, scale=1.0):
     return base[start:start + rows * step].view(rows, step)[:, :cols]
 
 
+# (rows, outputs per simdgroup) of the gemv_rows variants: one output per
+# simdgroup up to 4 rows only (a threadgroup has at least `rows` outputs,
+# decode_geometry, and 2 a simdgroup from 4 outputs on).
+GEMV_ROWS_RQ = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2), (8, 2)]
+
+
 @pytest.mark.parametrize("vec", [True, False], ids=["vec", "scalar"])
-@pytest.mark.parametrize("q", [1, 2])
-@pytest.mark.parametrize("r", [1, 2, 4, 8])
+@pytest.mark.parametrize("r,q", GEMV_ROWS_RQ)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_gemv_rows_variant(run, device, dtype, r, q, vec):
     # q: outputs per simdgroup, 2 from 4 outputs per threadgroup (on the
-    # executor's 80-core GPU, N >= 1280; or N >= 320 with 4 rows or more:
-    # decode_geometry). K = 75: the vector variants' last elements are fewer
-    # than a piece.
+    # executor's 80-core GPU, N >= 1280, or 4 rows or more: decode_geometry;
+    # 3 rows take the 4-row variant with 3 outputs a threadgroup). K = 75:
+    # the vector variants' last elements are fewer than a piece.
     n, k = (300, 75) if q == 1 else (1300, 75)
     x = padded({1: 1, 2: 2, 4: 3, 8: 7}[r], k, dtype, vec)  # 3 rows take the 4-row variant, 7 the 8-row one
     w = padded(n, k, dtype, vec, scale=k ** -0.5)
@@ -361,7 +366,7 @@ def test_every_gemv_cols_variant(run, device, dtype, r, vec, k):
 
 def test_every_gemv_kernel_is_tested():
     types, rows = SHORT.values(), (1, 2, 4, 8)
-    tested = {f"gemv_rows_{t}_r{r}_q{q}_{v}" for t in types for r in rows for q in (1, 2) for v in ("vec", "scalar")}
+    tested = {f"gemv_rows_{t}_r{r}_q{q}_{v}" for t in types for r, q in GEMV_ROWS_RQ for v in ("vec", "scalar")}
     tested |= {f"gemv_cols_{t}_r{r}_{v}" for t in types for r in rows for v in ("vec", "scalar")}
     tested |= {f"gemv_cols_finish_{t}" for t in types}
     assert host_names("gemv") == tested
