@@ -59,13 +59,11 @@ void set_safe_math(MTLCompileOptions* options) {
     options.mathFloatingPointFunctions = MTLMathFloatingPointFunctionsPrecise;
     return;
   }
+#endif
 #pragma clang diagnostic push
-#pragma clang diagnostic ignored "-Wdeprecated-declarations"
-#endif
+#pragma clang diagnostic ignored "-Wdeprecated-declarations"  // macOS 15's SDK deprecates it; 14 has nothing else
   options.fastMathEnabled = NO;
-#if defined(__MAC_OS_X_VERSION_MAX_ALLOWED) && __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
 #pragma clang diagnostic pop
-#endif
 }
 
 // The library, or nil with `error` set. Called with g_mutex held.
