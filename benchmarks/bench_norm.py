@@ -1,5 +1,6 @@
-"""RMSNorm (torch.ops.mps_ext.rms_norm, mps_ext.optimize's norms): the cases
-of `python -m benchmarks norm`.
+"""RMSNorm (torch.ops.mps_ext.rms_norm, mps_ext.optimize's norms) and the
+attention's q/k norms with the rotary embedding (torch.ops.mps_ext.qk_norm_rope):
+the cases of `python -m benchmarks norm`.
 
     python benchmarks/bench_norm.py [--quick | --tiny]   (the same)
 
@@ -7,6 +8,10 @@ A decode token's norms are a few kilobytes: launch and latency decide
 their time, not bytes (one dispatch instead of 6 to 8). The minimum is x
 and the weight read once and the output written once; the kernel reads the
 weight once per team of threads (up to 8 rows a team).
+
+qk_norm_rope's minimum is q and k read once, both outputs written once,
+the weights once and each token's cos and sin once; the kernel reads cos,
+sin and a weight once per threadgroup (decode: one per 8 heads).
 """
 
 from __future__ import annotations
@@ -34,6 +39,35 @@ CASES = [  # (rows, n, dtype, variant, what, sizes it runs at)
 ]
 
 
+QK_CASES = [  # (batch, tokens, q heads, k heads, head_dim, rotary_dim, dtype, variant, what, sizes)
+    (1, 1, 32, 4, 128, 128, BF16, "weight", "Qwen3-30B-A3B decode: q_norm, k_norm, RoPE", ("full", "quick")),
+    (1, 1, 16, 2, 256, 64, BF16, "zero_centred", "Qwen3.6-35B-A3B decode: partial RoPE (64 of 256)",
+     ("full", "quick")),
+    (1, 1, 32, 8, 64, 64, F16, "weight", "LFM2-8B-A1B decode in fp16", ("full", "quick")),
+    (1, 1, 8, 2, 128, 128, F32, "weight", "a float32 model's decode", ("full", "quick")),
+    (1, 512, 32, 4, 128, 128, BF16, "weight", "a 512-token prefill of Qwen3-30B-A3B", ("full",)),
+    (1, 1, 4, 2, 64, 64, F32, "weight", "tiny", ("tiny",)),
+    (1, 3, 2, 1, 256, 64, BF16, "zero_centred", "tiny", ("tiny",)),
+]
+
+
+def prepare_qk(b, t, hq, hk, d, r, dtype, variant) -> Prepared:
+    q, k = torch.randn(b, t, hq, d).to(dtype), torch.randn(b, t, hk, d).to(dtype)
+    angles = torch.randn(b, t, r // 2).repeat(1, 1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    qw, kw = ((torch.randn(d) * 0.1 + (1 if variant == "weight" else 0)).to(dtype) for _ in range(2))
+
+    def mac():
+        from mps_ext.fused_norm import rms_norm_reference, rope_reference
+        qm, km, cm, sm, qwm, kwm = (x.to("mps") for x in (q, k, cos, sin, qw, kw))
+        return (lambda: rope_reference(rms_norm_reference(qm, qwm, 1e-6, variant).transpose(1, 2),
+                                       rms_norm_reference(km, kwm, 1e-6, variant).transpose(1, 2), cm, sm),
+                lambda: torch.ops.mps_ext.qk_norm_rope(qm, km, cm, sm, qwm, kwm, 1e-6, variant))
+
+    minimum = 2 * (q.nbytes + k.nbytes) + qw.nbytes + kw.nbytes + cos.nbytes + sin.nbytes
+    return Prepared(lambda: torch.ops.mps_ext.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6, variant), minimum, mac)
+
+
 def prepare(rows, n, dtype, variant) -> Prepared:
     x = torch.randn(rows, n).to(dtype)
     w = (torch.randn(n) * 0.1 + (1 if variant == "weight" else 0)).to(dtype)
@@ -55,6 +89,13 @@ def cases(size: str) -> list[Case]:
         labels = {"shape": f"{rows}x{n}", "dtype": str(dtype)[6:], "variant": variant, "what": what}
         out.append(Case("norm", f"{rows}x{n} {labels['dtype']} {variant}", labels,
                         lambda a=(rows, n, dtype, variant): prepare(*a)))
+    for b, t, hq, hk, d, r, dtype, variant, what, sizes in QK_CASES:
+        if size not in sizes:
+            continue
+        shape = f"{b}x{t} q{hq} k{hk} d{d} r{r}"
+        labels = {"shape": shape, "dtype": str(dtype)[6:], "variant": variant, "what": what}
+        out.append(Case("norm", f"qk_norm_rope {shape} {labels['dtype']} {variant}", labels,
+                        lambda a=(b, t, hq, hk, d, r, dtype, variant): prepare_qk(*a)))
     return out
 
 

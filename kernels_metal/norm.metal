@@ -16,6 +16,13 @@
 #include "norm_params.h"
 using namespace metal;
 
+// The normed value times the weight, rounded where the models round (the
+// variants above), returned in float.
+template <typename T>
+inline float rms_norm_out(float normed, float w, uint zero_centred) {
+  return zero_centred ? float(T(normed * (1.0f + w))) : float(T(w * float(T(normed))));
+}
+
 template <typename T>
 [[max_total_threads_per_threadgroup(RMS_NORM_MAX_THREADS)]]
 kernel void rms_norm(device T* out [[buffer(0)]],
@@ -70,7 +77,7 @@ kernel void rms_norm(device T* out [[buffer(0)]],
       const uint i = uint(c) * team + t;
       if (i < p.n) {
         const float normed = v[c] * inv;
-        o[i] = p.zero_centred ? T(normed * (1.0f + wv[c])) : T(wv[c] * float(T(normed)));
+        o[i] = T(rms_norm_out<T>(normed, wv[c], p.zero_centred));
       }
     }
   }
@@ -79,3 +86,122 @@ kernel void rms_norm(device T* out [[buffer(0)]],
 template [[host_name("rms_norm_f32")]] kernel decltype(rms_norm<float>) rms_norm<float>;
 template [[host_name("rms_norm_f16")]] kernel decltype(rms_norm<half>) rms_norm<half>;
 template [[host_name("rms_norm_bf16")]] kernel decltype(rms_norm<bfloat>) rms_norm<bfloat>;
+
+// The attention's q_norm, k_norm and rotary embedding (transformers'
+// apply_rotary_pos_emb, rotate_half convention) in one dispatch; eager they
+// are 2 RMSNorms of 6 to 8 ops and 10 ops of RoPE a layer. Each step rounds
+// where the model's code rounds: the norm as rms_norm above (its output in
+// T), then in T as torch computes q * cos + rotate_half(q) * sin:
+//   out[p]       = T(T(y[p] * cos[p])             + T(-y[p + R/2] * sin[p]))
+//   out[p + R/2] = T(T(y[p + R/2] * cos[p + R/2]) + T(y[p] * sin[p + R/2]))
+// for p < R/2, out[i] = y[i] for i >= R (Qwen3.5's partial rotary). Each
+// product is its own statement: Metal's Safe math contracts a * b + c * d
+// in one statement into an fma, which rounds once where torch rounds twice.
+// The products of two halves or bfloats are exact in float32, so the
+// rounding to T is torch's one rounding.
+template <typename T>
+[[max_total_threads_per_threadgroup(QK_ROPE_MAX_SIMDGROUPS * 32)]]
+kernel void qk_norm_rope(device T* q_out [[buffer(0)]],
+                         device T* k_out [[buffer(1)]],
+                         const device T* q [[buffer(2)]],
+                         const device T* k [[buffer(3)]],
+                         const device T* cos_ [[buffer(4)]],
+                         const device T* sin_ [[buffer(5)]],
+                         const device T* q_w [[buffer(6)]],
+                         const device T* k_w [[buffer(7)]],
+                         constant QkNormRopeParams& p [[buffer(8)]],
+                         uint3 group [[threadgroup_position_in_grid]],
+                         uint tid [[thread_position_in_threadgroup]],
+                         uint threads [[threads_per_threadgroup]],
+                         uint sg [[simdgroup_index_in_threadgroup]],
+                         uint simdgroups [[simdgroups_per_threadgroup]],
+                         uint lane [[thread_index_in_simdgroup]]) {
+  // The token's cos and sin and the two weights, read once for all the
+  // group's heads (a thread's elements are at other lanes' for the next
+  // head, so registers would not do once heads loop).
+  threadgroup float cs[2][QK_ROPE_MAX_HEAD_DIM];
+  threadgroup float wt[2][QK_ROPE_MAX_HEAD_DIM];
+  const uint t = group.x, b = group.y;
+  const uint heads = p.q_heads + p.k_heads;
+  const uint h0 = group.z * p.heads_per_group;
+  const uint h1 = min(h0 + p.heads_per_group, heads);
+  const uint R = p.rotary_dim, half_r = R >> 1, D = p.head_dim;
+  const uint cs_off = b * p.cs_stride_b + t * p.cs_stride_t;
+  for (uint i = tid; i < R; i += threads) {
+    cs[0][i] = float(cos_[cs_off + i]);
+    cs[1][i] = float(sin_[cs_off + i]);
+  }
+  // Only the weights of the tensors the group's heads belong to.
+  const bool use_q = p.q_norm != 0 && h0 < p.q_heads, use_k = p.k_norm != 0 && h1 > p.q_heads;
+  for (uint i = tid; i < D; i += threads) {
+    if (use_q) wt[0][i] = float(q_w[i]);
+    if (use_k) wt[1][i] = float(k_w[i]);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const float n = float(D);
+  for (uint j = 0; j < p.iterations; ++j) {
+    const uint h = h0 + sg + j * simdgroups;
+    if (h >= h1) break;  // no barrier below: simdgroups may stop at different heads
+    const bool is_q = h < p.q_heads;
+    const uint hh = is_q ? h : h - p.q_heads;
+    const device T* x = is_q ? q + b * p.q_stride_b + t * p.q_stride_t + hh * p.q_stride_h
+                             : k + b * p.k_stride_b + t * p.k_stride_t + hh * p.k_stride_h;
+    const uint H = is_q ? p.q_heads : p.k_heads;
+    device T* o = (is_q ? q_out : k_out) + ((b * H + hh) * p.tokens + t) * D;
+    const bool norm = is_q ? p.q_norm != 0 : p.k_norm != 0;
+    const uint wi = is_q ? 0u : 1u;
+    float lo[QK_ROPE_PAIRS], hi[QK_ROPE_PAIRS], pass[QK_ROPE_PASS];
+    float ss = 0.0f;
+    MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_PAIRS; ++c) {
+      const uint i = uint(c) * 32 + lane;
+      const bool live = i < half_r;
+      lo[c] = live ? float(x[i]) : 0.0f;
+      hi[c] = live ? float(x[i + half_r]) : 0.0f;
+      // torch rounds the squares (pow) before summing them (mean): no fused multiply-add.
+      const float s0 = lo[c] * lo[c];
+      const float s1 = hi[c] * hi[c];
+      ss += s0;
+      ss += s1;
+    }
+    MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_PASS; ++c) {
+      const uint i = R + uint(c) * 32 + lane;
+      pass[c] = i < D ? float(x[i]) : 0.0f;
+      const float s = pass[c] * pass[c];
+      ss += s;
+    }
+    if (norm) {  // uniform in the simdgroup: simd_sum sees every lane
+      ss = simd_sum(ss);
+      const float inv = 1.0f / sqrt(ss / n + p.eps);
+      MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_PAIRS; ++c) {
+        const uint i = uint(c) * 32 + lane;
+        if (i < half_r) {
+          lo[c] = rms_norm_out<T>(lo[c] * inv, wt[wi][i], p.zero_centred);
+          hi[c] = rms_norm_out<T>(hi[c] * inv, wt[wi][i + half_r], p.zero_centred);
+        }
+      }
+      MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_PASS; ++c) {
+        const uint i = R + uint(c) * 32 + lane;
+        if (i < D) pass[c] = rms_norm_out<T>(pass[c] * inv, wt[wi][i], p.zero_centred);
+      }
+    }
+    MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_PAIRS; ++c) {
+      const uint i = uint(c) * 32 + lane;
+      if (i < half_r) {
+        const float a = float(T(lo[c] * cs[0][i]));
+        const float bb = float(T(-hi[c] * cs[1][i]));
+        const float e = float(T(hi[c] * cs[0][i + half_r]));
+        const float f = float(T(lo[c] * cs[1][i + half_r]));
+        o[i] = T(a + bb);
+        o[i + half_r] = T(e + f);
+      }
+    }
+    MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_PASS; ++c) {
+      const uint i = R + uint(c) * 32 + lane;
+      if (i < D) o[i] = T(pass[c]);
+    }
+  }
+}
+
+template [[host_name("qk_norm_rope_f32")]] kernel decltype(qk_norm_rope<float>) qk_norm_rope<float>;
+template [[host_name("qk_norm_rope_f16")]] kernel decltype(qk_norm_rope<half>) qk_norm_rope<half>;
+template [[host_name("qk_norm_rope_bf16")]] kernel decltype(qk_norm_rope<bfloat>) qk_norm_rope<bfloat>;

@@ -30,3 +30,41 @@ struct RmsNormParams {
 #define RMS_NORM_ROWS_PER_TEAM 8
 // Threads of a threadgroup when teams are narrower than that.
 #define RMS_NORM_GROUP_THREADS 256
+
+// Parameters of qk_norm_rope (norm.metal, csrc/ops/norm.cpp): the attention's
+// per-head q and k RMSNorms and rotary embedding in one dispatch. Rows are
+// the heads of one token, q's Hq then k's Hk (h < q_heads: q's head h, else
+// k's head h - q_heads). Threadgroup (x, y, z) = (token t, batch b, head
+// group z): heads [z * heads_per_group, ...), its simdgroup s taking heads
+// s, s + simdgroups, ... (`iterations` of them). Strides are in elements;
+// the last dimension of q, k, cos and sin is contiguous; q_out and k_out
+// are [B, H, T, D] contiguous.
+struct QkNormRopeParams {
+  uint32_t q_heads, k_heads;
+  uint32_t tokens;           // T
+  uint32_t head_dim;         // D
+  uint32_t rotary_dim;       // R: even, <= D; the first R elements rotate, the rest pass through
+  uint32_t q_stride_b, q_stride_t, q_stride_h;
+  uint32_t k_stride_b, k_stride_t, k_stride_h;
+  uint32_t cs_stride_b, cs_stride_t;  // cos and sin (the same strides: the host checks)
+  uint32_t heads_per_group;
+  uint32_t iterations;       // ceil(heads_per_group / simdgroups)
+  uint32_t q_norm, k_norm;   // 1: that tensor has an RMSNorm weight
+  uint32_t zero_centred;     // as RmsNormParams
+  float eps;
+};
+
+// A simdgroup owns a head row; lane l holds the rotated pairs (p, p + R/2)
+// for p = l, l + 32, ... (QK_ROPE_PAIRS of them: R <= 256) and the passed
+// elements R + l, R + l + 32, ... (QK_ROPE_PASS: D - R <= 256), so a pair's
+// two halves meet in one thread with no exchange. With D <= 256 at most 8
+// of the 16 slots hold elements.
+#define QK_ROPE_PAIRS 4
+#define QK_ROPE_PASS 8
+#define QK_ROPE_MAX_HEAD_DIM 256
+#define QK_ROPE_MAX_SIMDGROUPS 8
+// A call of at most this many tokens gives each simdgroup one head (decode:
+// the heads spread over threadgroups, hence cores); longer ones keep a
+// token's heads in one threadgroup, which stages cos, sin and the weights
+// once for them all.
+#define QK_ROPE_SPREAD_TOKENS 16

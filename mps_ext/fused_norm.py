@@ -22,7 +22,9 @@ What the fusion cannot reach through module replacement: the residual add
 before a norm and the rotary embedding after the q and k norms are in the
 decoder layer's and attention's own forward (a function of the modeling
 module, apply_rotary_pos_emb, called between q_norm and the cache update):
-fusing them would mean replacing those forwards.
+fusing them means replacing those forwards. `qk_norm_rope` is the piece
+such a forward calls: the attention's q_norm, k_norm and rotary embedding
+as one torch.ops.mps_ext.qk_norm_rope dispatch (docs/optimize.md).
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from torch import nn
 
 from .fused_moe import _kernels_for
 
-__all__ = ["FusedRMSNorm", "fuse_norms"]
+__all__ = ["FusedRMSNorm", "fuse_norms", "qk_norm_rope"]
 
 VARIANTS = ("weight", "zero_centred")
 MAX_ROW = 1024 * 8  # norm_params.h: RMS_NORM_MAX_THREADS * RMS_NORM_PER_THREAD
+MAX_HEAD_DIM = 256  # norm_params.h: QK_ROPE_MAX_HEAD_DIM
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -135,3 +138,80 @@ def fuse_norms(model: nn.Module) -> dict[str, str]:
         setattr(parent, leaf, fused)
         out[name] = f"{type(mod).__name__} -> FusedRMSNorm ({variant}, eps={eps:g})"
     return out
+
+
+def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' apply_rotary_pos_emb on [B, H, T, D] q and k with cos
+    and sin [B, T, R], rotate_half convention: the first R elements rotate,
+    the rest pass (R = D: Qwen3, LFM2; R < D: Qwen3.5's partial rotary), the
+    models' ops in their order, so each rounds where theirs does."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    r = cos.shape[-1]
+
+    def rotate(x):
+        x_rot, x_pass = x[..., :r], x[..., r:]
+        x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
+        out = (x_rot * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
+        return torch.cat([out, x_pass], dim=-1) if x_pass.shape[-1] else out
+
+    return rotate(q), rotate(k)
+
+
+def _norm_of(mod: nn.Module | None) -> tuple[torch.Tensor | None, float | None, str | None] | None:
+    """(weight, eps, variant) of a q or k norm the op computes: a
+    FusedRMSNorm, or none at all ((None, None, None)); None otherwise."""
+    if mod is None:
+        return None, None, None
+    if isinstance(mod, FusedRMSNorm):
+        return mod.weight, mod.eps, mod.variant
+    return None
+
+
+def _op_takes(q, k, cos, sin, qn, kn) -> bool:
+    """Whether torch.ops.mps_ext.qk_norm_rope runs these (qn, kn from
+    _norm_of, neither None)."""
+    if torch.compiler.is_compiling():  # Inductor fuses the same ops into its own kernels
+        return False
+    if len({n[1:] for n in (qn, kn) if n[0] is not None}) > 1:  # one eps and variant for both
+        return False
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape:
+        return False
+    d, r = q.shape[-1], cos.shape[-1]
+    if k.shape[-1] != d or d > MAX_HEAD_DIM or r % 2 or not 2 <= r <= d:
+        return False
+    tensors = [q, k, cos, sin] + [n[0] for n in (qn, kn) if n[0] is not None]
+    if q.dtype not in _FLOAT or any(t.dtype != q.dtype for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):  # no derivative
+        return False
+    return _kernels_for(q, "norm")
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention's `q_norm(q).transpose(1, 2)`, `k_norm(k).transpose(1, 2)`
+    and `apply_rotary_pos_emb(q, k, cos, sin)` (transformers' Qwen3, Qwen3-MoE,
+    Qwen3.5/3.6-MoE, LFM2-MoE), from the pieces its forward has: q [B, T, Hq,
+    D] and k [B, T, Hk, D] (the projections' outputs viewed as heads; strided
+    views do), position_embeddings' cos and sin [B, T, R], and its q and k
+    norm modules (None where the model has none). Returns q and k [B, H, T,
+    D].
+
+    One torch.ops.mps_ext.qk_norm_rope dispatch where mps_ext's kernels run
+    (MPS with the norm family on; CPU tensors when the executor is asked
+    for) and the norms are FusedRMSNorm (mps_ext.optimize makes them so) of
+    one eps and variant; elsewhere (no executor, under torch.compile, where
+    autograd needs a derivative, other dtypes or norms) the same steps with
+    torch's ops and the norm modules themselves."""
+    qn, kn = _norm_of(q_norm), _norm_of(k_norm)
+    if qn is not None and kn is not None and _op_takes(q, k, cos, sin, qn, kn):
+        given = [n for n in (qn, kn) if n[0] is not None]
+        eps, variant = given[0][1:] if given else (1e-6, "weight")  # no norm: unused
+        return torch.ops.mps_ext.qk_norm_rope(q, k, cos, sin, qn[0], kn[0], eps, variant)
+    if q_norm is not None:
+        q = q_norm(q)
+    if k_norm is not None:
+        k = k_norm(k)
+    return rope_reference(q.transpose(1, 2), k.transpose(1, 2), cos, sin)

@@ -32,7 +32,7 @@ shapes (benchmarks/bench_*.py):
 Which kernels need full occupancy: those that stream, each thread keeping a
 few loads in flight and the core hiding their latency with other threads:
 GEMV (FP8 and grouped too), softmax, pad, lu_unpack, FP8 conversions, MoE
-routing and combining, RMSNorm. The
+routing and combining, RMSNorm (and q/k norms with RoPE). The
 small-matrix kernels (lu_small_*) load a thread's whole matrix at once, n^2
 loads in flight, and keep it in registers by design; the per-matrix kernels
 (lu_panel_*, lu_solve_*) run one threadgroup per matrix, limited by their
@@ -106,6 +106,7 @@ GMM_DECODE = (names("gmm_decode_rows_{t}_{path}", t=("f32", "f16", "bf16", "e4m3
 GMM_TILED = names("gmm_tiled_{t}", t=("f32", "f16", "bf16", "e4m3"))
 MOE_ROUTE_COMBINE = names("moe_{step}_{t}", step=("route", "combine"), t=("f32", "f16", "bf16"))
 RMS_NORM = names("rms_norm_{t}", t=("f32", "f16", "bf16"))
+QK_NORM_ROPE = names("qk_norm_rope_{t}", t=("f32", "f16", "bf16"))
 LINEAR_ATTENTION = names("linear_attention_decode_{t}", t=("f32", "f16", "bf16"))
 
 
@@ -195,6 +196,7 @@ BUDGETS: dict[str, Budget] = {
     **{k: Budget("moe", full_occupancy=True, lines=lines(k)) for k in MOE_ROUTE_COMBINE},
     **{k: Budget("moe", full_occupancy=False) for k in GMM_TILED},  # prefill tiles, as FP8's
     **{k: Budget("norm", full_occupancy=True) for k in RMS_NORM},  # streams a row through registers
+    **{k: Budget("norm", full_occupancy=True) for k in QK_NORM_ROPE},  # streams heads through registers, as RMSNorm
     # Gated DeltaNet decode (bench_moe's deltanet cases): streams the recurrent state once, 1024 threads a group.
     **{k: Budget("moe", full_occupancy=True) for k in LINEAR_ATTENTION},
 }

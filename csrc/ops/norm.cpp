@@ -1,5 +1,7 @@
 // torch.ops.mps_ext.rms_norm: transformers' RMSNorm modules in one dispatch
-// (kernels_metal/norm.metal), for mps_ext.optimize (mps_ext/fused_norm.py).
+// (kernels_metal/norm.metal), for mps_ext.optimize (mps_ext/fused_norm.py);
+// torch.ops.mps_ext.qk_norm_rope: an attention's q and k norms and rotary
+// embedding in one dispatch (mps_ext.fused_norm.qk_norm_rope).
 // Eager, each is 6 to 8 aten ops a token, four or more per decoder layer
 // (input and post-attention norms, the attention's q and k norms). Its own
 // op rather than an override of aten::rms_norm: the models do not call that
@@ -9,7 +11,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
+#include <tuple>
 
 #include "backend/launch.h"
 #include "norm_params.h"
@@ -71,16 +75,118 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
   return out;
 }
 
+// q [B, T, Hq, D] and k [B, T, Hk, D] (views: the heads of a projection's
+// output, last dimension contiguous), cos and sin [B or 1, T, R] as the
+// model's rotary embedding returns them: per-head RMSNorm (where a weight is
+// given), then the rotary embedding; q_out [B, Hq, T, D] and k_out
+// [B, Hk, T, D] contiguous, the layout attention takes after the model's
+// transpose(1, 2).
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                                const at::Tensor& sin, const c10::optional<at::Tensor>& q_weight,
+                                                const c10::optional<at::Tensor>& k_weight, double eps,
+                                                c10::string_view variant) {
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
+              "mps_ext qk_norm_rope: q must be float32, float16 or bfloat16, got ", dt);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "mps_ext qk_norm_rope: q and k must be 4-D [batch, tokens, heads, "
+              "head_dim] (before the model's transpose(1, 2)), got ", q.sizes(), " and ", k.sizes());
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hk = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == T && k.size(3) == D, "mps_ext qk_norm_rope: k must be [", B, ", ", T,
+              ", heads, ", D, "] as q ", q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(cos.dim() == 3 && sin.sizes() == cos.sizes(), "mps_ext qk_norm_rope: cos and sin must be 3-D "
+              "[batch, tokens, rotary_dim] of one shape, got ", cos.sizes(), " and ", sin.sizes());
+  const int64_t R = cos.size(2);
+  TORCH_CHECK((cos.size(0) == B || cos.size(0) == 1) && cos.size(1) == T, "mps_ext qk_norm_rope: cos and sin must "
+              "be [", B, " or 1, ", T, ", rotary_dim] for q ", q.sizes(), ", got ", cos.sizes());
+  TORCH_CHECK(R >= 2 && R % 2 == 0 && R <= D, "mps_ext qk_norm_rope: rotary_dim (cos's last dimension) must be "
+              "even and 2 to head_dim (", D, "), got ", R);
+  TORCH_CHECK(D <= QK_ROPE_MAX_HEAD_DIM, "mps_ext qk_norm_rope: head_dim of 2 to ", QK_ROPE_MAX_HEAD_DIM,
+              " is supported (a simdgroup keeps a head in registers), got ", D);
+  for (const at::Tensor* t : {&k, &cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == dt, "mps_ext qk_norm_rope: q, k, cos and sin must have one dtype (the model "
+                "casts cos and sin to q's), got q ", dt, " and ", t->scalar_type());
+  }
+  for (const at::Tensor* t : {&k, &cos, &sin}) {
+    TORCH_CHECK(t->device() == q.device(), "mps_ext qk_norm_rope: q is on ", q.device(), " and another input on ",
+                t->device());
+  }
+  for (const auto* w : {&q_weight, &k_weight}) {
+    if (!w->has_value()) continue;
+    const at::Tensor& t = **w;
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == D && t.scalar_type() == dt && t.device() == q.device(),
+                "mps_ext qk_norm_rope: q_weight and k_weight must be 1-D of head_dim (", D, ") in q's dtype (", dt,
+                ") on q's device, got ", t.sizes(), " ", t.scalar_type(), " on ", t.device());
+  }
+  const bool zero_centred = variant == "zero_centred";
+  TORCH_CHECK(zero_centred || variant == "weight", "mps_ext qk_norm_rope: variant must be 'weight' (q_norm(x) = "
+              "weight * normed.to(dtype): Qwen3, LFM2) or 'zero_centred' (= (normed * (1 + weight)).to(dtype): "
+              "Qwen3.5), got '", std::string(variant), "'");
+  auto q_out = at::empty({B, Hq, T, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto k_out = at::empty({B, Hk, T, D}, k.options().memory_format(at::MemoryFormat::Contiguous));
+  if (B == 0 || T == 0 || Hq + Hk == 0) return {q_out, k_out};
+  // The kernel indexes the last dimension as contiguous.
+  auto last_contiguous = [](const at::Tensor& t) { return t.size(-1) == 1 || t.stride(-1) == 1 ? t : t.contiguous(); };
+  const at::Tensor qv = last_contiguous(q), kv = last_contiguous(k);
+  at::Tensor cv = last_contiguous(cos), sv = last_contiguous(sin);
+  if (cv.strides() != sv.strides()) cv = cv.contiguous(), sv = sv.contiguous();
+  auto offset_fits = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    return t.numel() == 0 || (t.dim() > 0 && fits_32bit(last + 1));
+  };
+  TORCH_CHECK(offset_fits(qv) && offset_fits(kv) && offset_fits(cv) && fits_32bit(q_out.numel()) &&
+              fits_32bit(k_out.numel()), "mps_ext qk_norm_rope: tensors past 2^31 elements are not supported");
+  const int64_t heads = Hq + Hk;
+  const int64_t simdgroups = std::min<int64_t>(heads, QK_ROPE_MAX_SIMDGROUPS);
+  // Decode spreads the heads over cores, one a simdgroup; a longer call
+  // keeps a token's heads in one threadgroup (module's header, norm_params.h).
+  const int64_t per_group = B * T <= QK_ROPE_SPREAD_TOKENS ? simdgroups : heads;
+  QkNormRopeParams p{};
+  p.q_heads = static_cast<uint32_t>(Hq);
+  p.k_heads = static_cast<uint32_t>(Hk);
+  p.tokens = static_cast<uint32_t>(T);
+  p.head_dim = static_cast<uint32_t>(D);
+  p.rotary_dim = static_cast<uint32_t>(R);
+  auto stride = [](const at::Tensor& t, int64_t d) { return static_cast<uint32_t>(t.size(d) > 1 ? t.stride(d) : 0); };
+  p.q_stride_b = stride(qv, 0), p.q_stride_t = stride(qv, 1), p.q_stride_h = stride(qv, 2);
+  p.k_stride_b = stride(kv, 0), p.k_stride_t = stride(kv, 1), p.k_stride_h = stride(kv, 2);
+  p.cs_stride_b = stride(cv, 0), p.cs_stride_t = stride(cv, 1);  // a batch of 1 broadcasts: stride 0
+  p.heads_per_group = static_cast<uint32_t>(per_group);
+  p.iterations = static_cast<uint32_t>(ceil_div(per_group, simdgroups));
+  p.q_norm = q_weight.has_value() ? 1u : 0u;
+  p.k_norm = k_weight.has_value() ? 1u : 0u;
+  p.zero_centred = zero_centred ? 1u : 0u;
+  p.eps = static_cast<float>(eps);  // torch adds a Python float to a float32 tensor as a float32
+  // An absent weight is never read; q stands in for its buffer.
+  const at::Tensor qw = q_weight.has_value() ? q_weight->contiguous() : qv;
+  const at::Tensor kw = k_weight.has_value() ? k_weight->contiguous() : qv;
+  launch(Launch{"norm", std::string("qk_norm_rope_") + kernel_type_name(dt),
+                {KernelArg::of(q_out), KernelArg::of(k_out), KernelArg::of(qv), KernelArg::of(kv), KernelArg::of(cv),
+                 KernelArg::of(sv), KernelArg::of(qw), KernelArg::of(kw), KernelArg::value(p)},
+                {static_cast<uint32_t>(T), static_cast<uint32_t>(B), static_cast<uint32_t>(ceil_div(heads, per_group))},
+                {static_cast<uint32_t>(simdgroups * 32), 1, 1}});
+  return {q_out, k_out};
+}
+
 using c10::DispatchKey;
 
 const RoutedOp kRmsNorm(FamilyId::norm, "mps_ext::rms_norm");
+const RoutedOp kQkNormRope(FamilyId::norm, "mps_ext::qk_norm_rope");
 
 template <DispatchKey K>
 at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, c10::string_view variant) {
   return run_own(kRmsNorm, K, [&] { return rms_norm(x, weight, eps, variant); });
 }
 
-// The family overrides no aten op: its one op is mps_ext's own.
+template <DispatchKey K>
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                                     const at::Tensor& sin, const c10::optional<at::Tensor>& q_weight,
+                                                     const c10::optional<at::Tensor>& k_weight, double eps,
+                                                     c10::string_view variant) {
+  return run_own(kQkNormRope, K, [&] { return qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, variant); });
+}
+
+// The family overrides no aten op: its ops are mps_ext's own.
 template <DispatchKey K>
 void register_norm(torch::Library&) {}
 
@@ -90,12 +196,20 @@ void register_norm(torch::Library&) {}
 // Its Meta (fake) kernel, for torch.compile, is in mps_ext/_meta.py.
 TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, str variant=\"weight\") -> Tensor");
+  m.def("qk_norm_rope(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? q_weight, Tensor? k_weight, float eps, "
+        "str variant=\"weight\") -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(mps_ext, CPU, m) { m.impl("rms_norm", TORCH_FN(mps_ext::rms_norm_impl<c10::DispatchKey::CPU>)); }
+TORCH_LIBRARY_IMPL(mps_ext, CPU, m) {
+  m.impl("rms_norm", TORCH_FN(mps_ext::rms_norm_impl<c10::DispatchKey::CPU>));
+  m.impl("qk_norm_rope", TORCH_FN(mps_ext::qk_norm_rope_impl<c10::DispatchKey::CPU>));
+}
 
 #ifdef __APPLE__
-TORCH_LIBRARY_IMPL(mps_ext, MPS, m) { m.impl("rms_norm", TORCH_FN(mps_ext::rms_norm_impl<c10::DispatchKey::MPS>)); }
+TORCH_LIBRARY_IMPL(mps_ext, MPS, m) {
+  m.impl("rms_norm", TORCH_FN(mps_ext::rms_norm_impl<c10::DispatchKey::MPS>));
+  m.impl("qk_norm_rope", TORCH_FN(mps_ext::qk_norm_rope_impl<c10::DispatchKey::MPS>));
+}
 #endif
 
 MPS_EXT_FAMILY_OWN_META(norm, mps_ext::register_norm, )

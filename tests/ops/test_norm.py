@@ -91,8 +91,9 @@ def test_matches_transformers_modules(device, kind, dtype, shape):
 
 
 def test_every_kernel_is_tested():
-    # test_matches_transformers_modules runs each dtype's kernel.
-    assert host_names("norm") == {"rms_norm_f32", "rms_norm_f16", "rms_norm_bf16"}
+    # test_matches_transformers_modules and test_qk_norm_rope_bit_identical_to_transformers run each dtype's kernels.
+    assert host_names("norm") == {"rms_norm_f32", "rms_norm_f16", "rms_norm_bf16", "qk_norm_rope_f32", "qk_norm_rope_f16",
+                                  "qk_norm_rope_bf16"}
 
 
 @pytest.mark.parametrize("rows,n,dtype", [(1, 2048, torch.bfloat16), (32, 128, torch.bfloat16),
@@ -165,3 +166,267 @@ def test_meta_kernel_gives_shape_and_dtype():
     x = torch.empty(2, 3, 64, dtype=torch.bfloat16, device="meta")
     out = torch.ops.mps_ext.rms_norm(x, torch.empty(64, dtype=torch.bfloat16, device="meta"), 1e-6, "weight")
     assert out.shape == x.shape and out.dtype == x.dtype and out.device.type == "meta"
+
+
+# ------------------------------------------------------ qk_norm_rope --
+# The attention's q_norm, k_norm and rotary embedding of transformers'
+# models, as their forward runs them: norm(q.view(heads)).transpose(1, 2),
+# then apply_rotary_pos_emb from the model's own modeling file.
+from transformers.models.lfm2_moe.modeling_lfm2_moe import apply_rotary_pos_emb as lfm2_rope  # noqa: E402
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import apply_rotary_pos_emb as qwen3_5_rope  # noqa: E402
+from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb as qwen3_rope  # noqa: E402
+
+from mps_ext import _executor_request  # noqa: E402
+from mps_ext.fused_norm import FusedRMSNorm, qk_norm_rope  # noqa: E402
+
+ROPE = {"qwen3": qwen3_rope, "lfm2": lfm2_rope, "qwen3_5": qwen3_5_rope}
+KERNEL = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+def rotary(batch, tokens, r, dtype, start=1000, base=1e6):
+    """cos, sin [batch, tokens, r] as transformers' default rotary
+    embedding computes them (float32 angles, cat(freqs, freqs), cast to the
+    model's dtype), at positions start + batch row * 7 + token."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, r, 2, dtype=torch.float) / r))
+    pos = (start + torch.arange(batch)[:, None] * 7 + torch.arange(tokens)[None, :]).float()
+    emb = torch.cat([pos[..., None] * inv_freq] * 2, dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def heads(b, t, hq, hk, d, dtype, kind, exact=False, seed=3):
+    """q [b, t, hq, d] and k [b, t, hk, d] as the attention views them:
+    Qwen3.5's q is the first half of each head of a [.., hq, 2d] projection
+    (torch.chunk), the others' q and k are column blocks of one fused q/k/v
+    projection output (mps_ext.optimize's fused projection). exact: values
+    k/8, |k| <= 64, whose squares sum exactly in float32 in any order."""
+    g = torch.Generator().manual_seed(seed)
+    if exact:
+        draw = lambda *s: (torch.randint(-64, 65, s, generator=g).float() / 8).to(dtype)  # noqa: E731
+    else:
+        draw = lambda *s: (torch.randn(s, generator=g) * 3).to(dtype)  # noqa: E731
+    if kind == "qwen3_5":
+        q = torch.chunk(draw(b, t, hq * 2 * d).view(b, t, -1, 2 * d), 2, dim=-1)[0]
+        return q, draw(b, t, hk * d).view(b, t, hk, d)
+    qkv = draw(b, t, (hq + 2 * hk) * d)
+    return qkv[..., :hq * d].view(b, t, hq, d), qkv[..., hq * d:(hq + hk) * d].view(b, t, hk, d)
+
+
+def reference(kind, q, k, cos, sin, qm, km):
+    with torch.no_grad():
+        qs = (qm(q) if qm is not None else q).transpose(1, 2)
+        ks = (km(k) if km is not None else k).transpose(1, 2)
+        return ROPE[kind](qs, ks, cos, sin)
+
+
+def run_qk(device, q, k, cos, sin, qw, kw, eps, variant):
+    if device == "mps":
+        mps = lambda t: None if t is None else t.to("mps")  # noqa: E731
+        qo, ko = torch.ops.mps_ext.qk_norm_rope(mps(q), mps(k), mps(cos), mps(sin), mps(qw), mps(kw), eps, variant)
+        return qo.cpu(), ko.cpu()
+    return torch.ops.mps_ext.qk_norm_rope(q, k, cos, sin, qw, kw, eps, variant)
+
+
+# (batch, tokens, q heads, k heads, head_dim, rotary_dim): decode of each
+# model's head shape (heads spread over threadgroups), a prefill (a token's
+# heads in one threadgroup, more heads than simdgroups), a partial rotary
+# dimension that is no multiple of 64 (lanes without a pair).
+QK_SHAPES = {"qwen3": [(1, 1, 8, 2, 128, 128), (2, 20, 9, 3, 64, 64)],
+             "lfm2": [(1, 1, 4, 2, 64, 64), (1, 17, 6, 2, 64, 64)],
+             "qwen3_5": [(1, 1, 4, 2, 256, 64), (2, 18, 10, 1, 256, 64), (1, 3, 2, 1, 128, 40)]}
+QK_CASES = [(kind, s) for kind, shapes in QK_SHAPES.items() for s in shapes]
+
+
+def qk_modules(kind, d, dtype):
+    return module(kind, d, dtype, seed=4)[0], module(kind, d, dtype, seed=5)[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind,shape", QK_CASES, ids=[f"{k}-{'x'.join(map(str, s))}" for k, s in QK_CASES])
+def test_qk_norm_rope_bit_identical_to_transformers(device, kind, shape, dtype):
+    """Where the float32 steps are the model's in its order, the result is
+    the model's bit for bit: q and k values whose squares sum exactly (so
+    that mean's order cannot matter), each norm rounding where the module
+    rounds, the rotary embedding in the model's dtype, each product rounded
+    before the sum as torch rounds it."""
+    if kind == "qwen3_5" and shape[-1] == 40:
+        pytest.skip("rotary_dim 40 with head_dim 128 runs in test_qk_norm_rope_near_transformers")
+    b, t, hq, hk, d, r = shape
+    qm, km = qk_modules(kind, d, dtype)
+    q, k = heads(b, t, hq, hk, d, dtype, kind, exact=True)
+    cos, sin = rotary(b, t, r, dtype)
+    want_q, want_k = reference(kind, q, k, cos, sin, qm, km)
+    with cpu_metal.record() as rec:
+        got_q, got_k = run_qk(device, q, k, cos, sin, qm.weight.detach(), km.weight.detach(), 1e-6, MODULES[kind][1])
+    assert got_q.shape == want_q.shape and got_k.shape == want_k.shape and got_q.dtype == dtype
+    assert got_q.is_contiguous() and got_k.is_contiguous()  # [B, H, T, D], as attention takes it
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    if device == "executor":
+        (disp,) = rec.dispatches
+        assert disp.kernel == "qk_norm_rope_" + KERNEL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind,shape", QK_CASES, ids=[f"{k}-{'x'.join(map(str, s))}" for k, s in QK_CASES])
+def test_qk_norm_rope_near_transformers(kind, shape, dtype):
+    """Any values: only mean's summation order differs from torch's (as
+    rms_norm), so an element differs from the model's by at most a few
+    units in the last place of the rotation's terms, and rarely at all in
+    half and bfloat16; within the dtype's rounding of a float64 oracle."""
+    b, t, hq, hk, d, r = shape
+    qm, km = qk_modules(kind, d, dtype)
+    q, k = heads(b, t, hq, hk, d, dtype, kind)
+    cos, sin = rotary(b, t, r, dtype)
+    want = reference(kind, q, k, cos, sin, qm, km)
+    got = torch.ops.mps_ext.qk_norm_rope(q, k, cos, sin, qm.weight.detach(), km.weight.detach(), 1e-6,
+                                         MODULES[kind][1])
+    eps_t = torch.finfo(dtype).eps
+    zero_centred = MODULES[kind][1] == "zero_centred"
+    c64, s64 = cos.double().unsqueeze(1), sin.double().unsqueeze(1)
+    for x, m, g, w in zip((q, k), (qm, km), got, want):
+        # The oracle: float64 throughout, from the same rounded inputs.
+        xd = x.double().transpose(1, 2)
+        wd = m.weight.detach().double()
+        y = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * ((1 + wd) if zero_centred else wd)
+        y_rot, y_pass = y[..., :r], y[..., r:]
+        rot = torch.cat([-y_rot[..., r // 2:], y_rot[..., :r // 2]], dim=-1)
+        oracle = torch.cat([y_rot * c64 + rot * s64, y_pass], dim=-1)
+        # The terms' size: the rotation's error scale per element.
+        scale = torch.cat([y_rot.abs() * c64.abs() + rot.abs() * s64.abs(), y_pass.abs()], dim=-1)
+        diff = (g.double() - w.double()).abs()
+        ulps_allowed = 8 if dtype == torch.float32 else 3
+        assert bool((diff <= ulps_allowed * eps_t * scale).all()), float((diff / (eps_t * scale)).max())
+        if dtype != torch.float32:
+            assert float((g != w).double().mean()) <= 0.02
+        # Rounding of the norm (about 2 ulp) and of three steps of the rotation.
+        assert bool(((g.double() - oracle).abs() <= 6 * eps_t * scale + 1e-30).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_qk_rope_without_norms_is_bit_identical(kind, dtype):
+    """No norm weights (a model without q and k norms): the rotary embedding
+    alone, any values, bit for bit; one norm only, the other tensor as it
+    came. A k batch of cos and sin of 1 broadcasts over the batch."""
+    b, t, hq, hk, d, r = (2, 3, 4, 2, 128, 32 if kind == "qwen3_5" else 128)
+    q, k = heads(b, t, hq, hk, d, dtype, kind)
+    cos, sin = rotary(1, t, r, dtype)
+    got = torch.ops.mps_ext.qk_norm_rope(q, k, cos, sin, None, None, 1e-6)
+    want = ROPE[kind](q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    qm, _ = qk_modules(kind, d, dtype)
+    qe, ke = heads(b, t, hq, hk, d, dtype, kind, exact=True)
+    got = torch.ops.mps_ext.qk_norm_rope(qe, ke, cos, sin, qm.weight.detach(), None, 1e-6, MODULES[kind][1])
+    want = reference(kind, qe, ke, cos, sin, qm, None)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_qk_norm_rope_one_dispatch_reads_once_and_writes_once():
+    """A decode token of Qwen3-30B-A3B (32 q heads, 4 k heads of 128): q and
+    k read once, both outputs written once, cos, sin and each weight once
+    per threadgroup (heads spread over 36 / 8 = 5 threadgroups), coalesced,
+    no private stack, no bank conflicts, no 64-bit division."""
+    dtype = torch.bfloat16
+    q, k = heads(1, 1, 32, 4, 128, dtype, "qwen3")
+    cos, sin = rotary(1, 1, 128, dtype)
+    qm, km = qk_modules("qwen3", 128, dtype)
+    with cpu_metal.record(counters=True) as rec:
+        torch.ops.mps_ext.qk_norm_rope(q, k, cos, sin, qm.weight.detach(), km.weight.detach(), 1e-6)
+    (disp,) = rec.dispatches
+    groups = 5  # ceil(36 heads / 8 simdgroups): the last group's heads are q's 32 and k's 4
+    assert disp.bytes_read[2] == q.nbytes and disp.bytes_read[3] == k.nbytes
+    assert disp.bytes_read[4] == cos.nbytes * groups and disp.bytes_read[5] == sin.nbytes * groups
+    assert disp.bytes_read[6] == qm.weight.nbytes * 4 and disp.bytes_read[7] == km.weight.nbytes * 1
+    assert disp.bytes_written == {0: q.nbytes, 1: k.nbytes}
+    assert max(disp.coalescing.values()) <= 1.1, disp.coalescing
+    assert disp.kernel_info.private_bytes == 0 and disp.bank_conflict_cycles == 0 and disp.int64_divisions == 0
+
+
+def test_qk_norm_rope_special_values():
+    """A NaN or inf in a head makes that head's row NaN after its norm, as
+    the model computes it; other heads are untouched."""
+    q, k = heads(1, 2, 3, 1, 64, torch.float32, "qwen3")
+    q = q.clone()
+    q[0, 0, 1, 3] = float("nan")
+    q[0, 1, 2, 5] = float("inf")
+    cos, sin = rotary(1, 2, 64, torch.float32)
+    qm, km = qk_modules("qwen3", 64, torch.float32)
+    want = reference("qwen3", q, k, cos, sin, qm, km)
+    got = torch.ops.mps_ext.qk_norm_rope(q, k, cos, sin, qm.weight.detach(), km.weight.detach(), 1e-6)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, equal_nan=True, rtol=1e-5, atol=1e-5)
+
+
+def _qk_args(**change):
+    q, k = torch.zeros(1, 2, 4, 64), torch.zeros(1, 2, 2, 64)
+    args = dict(q=q, k=k, cos=torch.zeros(1, 2, 64), sin=torch.zeros(1, 2, 64), q_weight=torch.zeros(64),
+                k_weight=torch.zeros(64), eps=1e-6, variant="weight")
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(q=torch.zeros(1, 2, 4, 64, dtype=torch.float64)), "q must be float32, float16 or bfloat16, got Double"),
+    (dict(q=torch.zeros(2, 4, 64)), r"q and k must be 4-D \[batch, tokens, heads, head_dim\]"),
+    (dict(k=torch.zeros(1, 2, 2, 32)), r"k must be \[1, 2, heads, 64\]"),
+    (dict(cos=torch.zeros(2, 64)), "cos and sin must be 3-D"),
+    (dict(sin=torch.zeros(1, 2, 32)), "cos and sin must be 3-D .* of one shape"),
+    (dict(cos=torch.zeros(1, 3, 64), sin=torch.zeros(1, 3, 64)), r"must be \[1 or 1, 2, rotary_dim\]"),
+    (dict(cos=torch.zeros(1, 2, 33), sin=torch.zeros(1, 2, 33)), "rotary_dim .* must be even and 2 to head_dim "
+                                                                  r"\(64\), got 33"),
+    (dict(cos=torch.zeros(1, 2, 66), sin=torch.zeros(1, 2, 66)), "must be even and 2 to head_dim \\(64\\), got 66"),
+    (dict(q=torch.zeros(1, 2, 4, 320), k=torch.zeros(1, 2, 2, 320), q_weight=torch.zeros(320),
+          k_weight=torch.zeros(320)), "head_dim of 2 to 256 is supported .*got 320"),
+    (dict(cos=torch.zeros(1, 2, 64, dtype=torch.bfloat16), sin=torch.zeros(1, 2, 64, dtype=torch.bfloat16)),
+     "q, k, cos and sin must have one dtype .*got q Float and BFloat16"),
+    (dict(k_weight=torch.zeros(32)), r"k_weight must be 1-D of head_dim \(64\) in q's dtype \(Float\).*got \[32\]"),
+    (dict(q_weight=torch.zeros(64, dtype=torch.float16)), r"must be 1-D of head_dim \(64\) .*got \[64\] Half"),
+    (dict(variant="gemma"), "variant must be 'weight' .* or 'zero_centred' .*got 'gemma'"),
+])
+def test_qk_norm_rope_bad_input(change, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.mps_ext.qk_norm_rope(**_qk_args(**change))
+
+
+def test_qk_norm_rope_meta_and_compile():
+    """The fake kernel gives [B, H, T, D] of q's dtype; compiled with
+    fullgraph, the op is one node of the graph and gives the eager result."""
+    meta = {n: (t.to("meta") if isinstance(t, torch.Tensor) else t) for n, t in _qk_args().items()}
+    qo, ko = torch.ops.mps_ext.qk_norm_rope(**meta)
+    assert qo.shape == (1, 4, 2, 64) and ko.shape == (1, 2, 2, 64) and qo.device.type == "meta"
+    q, k = heads(1, 2, 4, 2, 64, torch.float32, "lfm2")
+    cos, sin = rotary(1, 2, 64, torch.float32)
+    qm, km = qk_modules("lfm2", 64, torch.float32)
+    args = (q, k, cos, sin, qm.weight.detach(), km.weight.detach(), 1e-5)
+    fn = torch.compile(lambda *a: torch.ops.mps_ext.qk_norm_rope(*a), fullgraph=True, backend="eager")
+    for g, w in zip(fn(*args), torch.ops.mps_ext.qk_norm_rope(*args)):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_qk_norm_rope_python_function(kind):
+    """mps_ext.fused_norm.qk_norm_rope with the attention's pieces: the op
+    where the executor was asked for and the norms are FusedRMSNorm (one
+    dispatch), torch's ops without it (no dispatch), the model's modules
+    left as they are where they are not FusedRMSNorm; the model's values
+    each way."""
+    dtype, (b, t, hq, hk, d, r) = torch.bfloat16, QK_SHAPES[kind][0]
+    qm, km = qk_modules(kind, d, dtype)
+    variant = MODULES[kind][1]
+    fq, fk = FusedRMSNorm(qm.weight, 1e-6, variant), FusedRMSNorm(km.weight, 1e-6, variant)
+    q, k = heads(b, t, hq, hk, d, dtype, kind, exact=True)
+    cos, sin = rotary(b, t, r, dtype)
+    want = reference(kind, q, k, cos, sin, qm, km)
+    with torch.no_grad():
+        with _executor_request.request(), cpu_metal.record() as rec:
+            got = qk_norm_rope(q, k, cos, sin, fq, fk)
+        assert [d.kernel for d in rec.dispatches] == ["qk_norm_rope_bf16"]
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        with cpu_metal.record() as rec:
+            got = qk_norm_rope(q, k, cos, sin, fq, fk)  # CPU tensors without the executor: torch's ops
+        assert rec.dispatches == []
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        with _executor_request.request(), cpu_metal.record() as rec:
+            got = qk_norm_rope(q, k, cos, sin, qm, km)  # transformers' own modules: their forward
+        assert not any(d.kernel.startswith("qk_norm_rope") for d in rec.dispatches)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
