@@ -111,8 +111,8 @@ kernel void qk_norm_rope(device T* q_out [[buffer(0)]],
                          const device T* k_w [[buffer(7)]],
                          constant QkNormRopeParams& p [[buffer(8)]],
                          uint3 group [[threadgroup_position_in_grid]],
-                         uint tid [[thread_position_in_threadgroup]],
-                         uint threads [[threads_per_threadgroup]],
+                         uint3 tid3 [[thread_position_in_threadgroup]],
+                         uint3 threads3 [[threads_per_threadgroup]],
                          uint sg [[simdgroup_index_in_threadgroup]],
                          uint simdgroups [[simdgroups_per_threadgroup]],
                          uint lane [[thread_index_in_simdgroup]]) {
@@ -121,6 +121,8 @@ kernel void qk_norm_rope(device T* q_out [[buffer(0)]],
   // head, so registers would not do once heads loop).
   threadgroup float cs[2][QK_ROPE_MAX_HEAD_DIM];
   threadgroup float wt[2][QK_ROPE_MAX_HEAD_DIM];
+  // Metal wants the position attributes all of one width: the grid's is 3-D.
+  const uint tid = tid3.x, threads = threads3.x;
   const uint t = group.x, b = group.y;
   const uint heads = p.q_heads + p.k_heads;
   const uint h0 = group.z * p.heads_per_group;
