@@ -99,6 +99,22 @@ template [[host_name("rms_norm_bf16")]] kernel decltype(rms_norm<bfloat>) rms_no
 // in one statement into an fma, which rounds once where torch rounds twice.
 // The products of two halves or bfloats are exact in float32, so the
 // rounding to T is torch's one rounding.
+// The element of a head row that slot c of a lane holds (norm_params.h):
+// pairs' first halves, their second halves, then the passed elements; D
+// (none) where the slot is idle.
+inline uint qk_rope_element(uint c, uint lane, uint np, uint half_r, uint R, uint D) {
+  if (c < np) {
+    const uint i = c * 32 + lane;
+    return i < half_r ? i : D;
+  }
+  if (c < 2 * np) {
+    const uint i = (c - np) * 32 + lane;
+    return i < half_r ? i + half_r : D;
+  }
+  const uint i = R + (c - 2 * np) * 32 + lane;
+  return min(i, D);
+}
+
 template <typename T>
 [[max_total_threads_per_threadgroup(QK_ROPE_MAX_SIMDGROUPS * 32)]]
 kernel void qk_norm_rope(device T* q_out [[buffer(0)]],
@@ -141,6 +157,7 @@ kernel void qk_norm_rope(device T* q_out [[buffer(0)]],
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const float n = float(D);
+  const uint np = (half_r + 31) / 32;  // slots of pairs' first halves (norm_params.h)
   for (uint j = 0; j < p.iterations; ++j) {
     const uint h = h0 + sg + j * simdgroups;
     if (h >= h1) break;  // no barrier below: simdgroups may stop at different heads
@@ -152,54 +169,43 @@ kernel void qk_norm_rope(device T* q_out [[buffer(0)]],
     device T* o = (is_q ? q_out : k_out) + ((b * H + hh) * p.tokens + t) * D;
     const bool norm = is_q ? p.q_norm != 0 : p.k_norm != 0;
     const uint wi = is_q ? 0u : 1u;
-    float lo[QK_ROPE_PAIRS], hi[QK_ROPE_PAIRS], pass[QK_ROPE_PASS];
+    float v[QK_ROPE_SLOTS];
     float ss = 0.0f;
-    MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_PAIRS; ++c) {
-      const uint i = uint(c) * 32 + lane;
-      const bool live = i < half_r;
-      lo[c] = live ? float(x[i]) : 0.0f;
-      hi[c] = live ? float(x[i + half_r]) : 0.0f;
+    MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_SLOTS; ++c) {
+      const uint i = qk_rope_element(uint(c), lane, np, half_r, R, D);
+      v[c] = i < D ? float(x[i]) : 0.0f;
       // torch rounds the squares (pow) before summing them (mean): no fused multiply-add.
-      const float s0 = lo[c] * lo[c];
-      const float s1 = hi[c] * hi[c];
-      ss += s0;
-      ss += s1;
-    }
-    MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_PASS; ++c) {
-      const uint i = R + uint(c) * 32 + lane;
-      pass[c] = i < D ? float(x[i]) : 0.0f;
-      const float s = pass[c] * pass[c];
-      ss += s;
+      const float sq = v[c] * v[c];
+      ss += sq;
     }
     if (norm) {  // uniform in the simdgroup: simd_sum sees every lane
       ss = simd_sum(ss);
       const float inv = 1.0f / sqrt(ss / n + p.eps);
-      MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_PAIRS; ++c) {
+      MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_SLOTS; ++c) {
+        const uint i = qk_rope_element(uint(c), lane, np, half_r, R, D);
+        if (i < D) v[c] = rms_norm_out<T>(v[c] * inv, wt[wi][i], p.zero_centred);
+      }
+    }
+    // Pair slot c's second half is slot c + np: a static index per value of
+    // np (1 to 4, uniform), so the values stay in registers.
+    MPS_EXT_UNROLL for (int np_ = 1; np_ <= QK_ROPE_SLOTS / 2; ++np_) {
+      if (uint(np_) != np) continue;
+      MPS_EXT_UNROLL for (int c = 0; c < np_; ++c) {
         const uint i = uint(c) * 32 + lane;
         if (i < half_r) {
-          lo[c] = rms_norm_out<T>(lo[c] * inv, wt[wi][i], p.zero_centred);
-          hi[c] = rms_norm_out<T>(hi[c] * inv, wt[wi][i + half_r], p.zero_centred);
+          const float lo = v[c], hi = v[c + np_];
+          const float a = float(T(lo * cs[0][i]));
+          const float bb = float(T(-hi * cs[1][i]));
+          const float e = float(T(hi * cs[0][i + half_r]));
+          const float f = float(T(lo * cs[1][i + half_r]));
+          v[c] = float(T(a + bb));
+          v[c + np_] = float(T(e + f));
         }
       }
-      MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_PASS; ++c) {
-        const uint i = R + uint(c) * 32 + lane;
-        if (i < D) pass[c] = rms_norm_out<T>(pass[c] * inv, wt[wi][i], p.zero_centred);
-      }
     }
-    MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_PAIRS; ++c) {
-      const uint i = uint(c) * 32 + lane;
-      if (i < half_r) {
-        const float a = float(T(lo[c] * cs[0][i]));
-        const float bb = float(T(-hi[c] * cs[1][i]));
-        const float e = float(T(hi[c] * cs[0][i + half_r]));
-        const float f = float(T(lo[c] * cs[1][i + half_r]));
-        o[i] = T(a + bb);
-        o[i + half_r] = T(e + f);
-      }
-    }
-    MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_PASS; ++c) {
-      const uint i = R + uint(c) * 32 + lane;
-      if (i < D) o[i] = T(pass[c]);
+    MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_SLOTS; ++c) {
+      const uint i = qk_rope_element(uint(c), lane, np, half_r, R, D);
+      if (i < D) o[i] = T(v[c]);
     }
   }
 }

@@ -54,13 +54,15 @@ struct QkNormRopeParams {
   float eps;
 };
 
-// A simdgroup owns a head row; lane l holds the rotated pairs (p, p + R/2)
-// for p = l, l + 32, ... (QK_ROPE_PAIRS of them: R <= 256) and the passed
-// elements R + l, R + l + 32, ... (QK_ROPE_PASS: D - R <= 256), so a pair's
-// two halves meet in one thread with no exchange. With D <= 256 at most 8
-// of the 16 slots hold elements.
-#define QK_ROPE_PAIRS 4
-#define QK_ROPE_PASS 8
+// A simdgroup owns a head row; a lane holds QK_ROPE_SLOTS of its elements
+// in registers: with np = ceil(R / 64), slots 0 .. np-1 the rotated pairs'
+// first halves p = lane, lane + 32, ... (p < R/2), slots np .. 2np-1 their
+// second halves p + R/2, so a pair meets in one thread with no exchange,
+// and the rest the passed elements R + lane, R + lane + 32, ...; each slot
+// a simdgroup's 32 consecutive elements. The host takes (D, R) with
+// 2 * np + ceil((D - R) / 32) <= QK_ROPE_SLOTS: any even R of a head_dim up
+// to 192, and at 256 the rotary dims of whole slots (multiples of 64).
+#define QK_ROPE_SLOTS 8
 #define QK_ROPE_MAX_HEAD_DIM 256
 #define QK_ROPE_MAX_SIMDGROUPS 8
 // A call of at most this many tokens gives each simdgroup one head (decode:

@@ -178,8 +178,8 @@ def _op_takes(q, k, cos, sin, qn, kn) -> bool:
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape:
         return False
     d, r = q.shape[-1], cos.shape[-1]
-    if k.shape[-1] != d or d > MAX_HEAD_DIM or r % 2 or not 2 <= r <= d:
-        return False
+    if k.shape[-1] != d or d > MAX_HEAD_DIM or r % 2 or not 2 <= r <= d or 2 * -(-r // 64) + -(-(d - r) // 32) > 8:
+        return False  # norm_params.h: QK_ROPE_SLOTS
     tensors = [q, k, cos, sin] + [n[0] for n in (qn, kn) if n[0] is not None]
     if q.dtype not in _FLOAT or any(t.dtype != q.dtype for t in tensors):
         return False

@@ -75,6 +75,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
   return out;
 }
 
+// The registers a lane needs for a head of D with R rotated (norm_params.h).
+int64_t qk_rope_slots(int64_t D, int64_t R) { return 2 * ceil_div(R, 64) + ceil_div(D - R, 32); }
+
 // q [B, T, Hq, D] and k [B, T, Hk, D] (views: the heads of a projection's
 // output, last dimension contiguous), cos and sin [B or 1, T, R] as the
 // model's rotary embedding returns them: per-head RMSNorm (where a weight is
@@ -102,6 +105,9 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::T
               "even and 2 to head_dim (", D, "), got ", R);
   TORCH_CHECK(D <= QK_ROPE_MAX_HEAD_DIM, "mps_ext qk_norm_rope: head_dim of 2 to ", QK_ROPE_MAX_HEAD_DIM,
               " is supported (a simdgroup keeps a head in registers), got ", D);
+  TORCH_CHECK(qk_rope_slots(D, R) <= QK_ROPE_SLOTS, "mps_ext qk_norm_rope: a lane holds ", QK_ROPE_SLOTS,
+              " elements of a head, 2 * ceil(rotary_dim / 64) + ceil((head_dim - rotary_dim) / 32) of them (any even "
+              "rotary_dim of a head_dim up to 192; multiples of 64 at 256), got head_dim ", D, " and rotary_dim ", R);
   for (const at::Tensor* t : {&k, &cos, &sin}) {
     TORCH_CHECK(t->scalar_type() == dt, "mps_ext qk_norm_rope: q, k, cos and sin must have one dtype (the model "
                 "casts cos and sin to q's), got q ", dt, " and ", t->scalar_type());

@@ -383,6 +383,9 @@ def _qk_args(**change):
     (dict(k_weight=torch.zeros(32)), r"k_weight must be 1-D of head_dim \(64\) in q's dtype \(Float\).*got \[32\]"),
     (dict(q_weight=torch.zeros(64, dtype=torch.float16)), r"must be 1-D of head_dim \(64\) .*got \[64\] Half"),
     (dict(variant="gemma"), "variant must be 'weight' .* or 'zero_centred' .*got 'gemma'"),
+    (dict(q=torch.zeros(1, 2, 4, 256), k=torch.zeros(1, 2, 2, 256), q_weight=torch.zeros(256),
+          k_weight=torch.zeros(256), cos=torch.zeros(1, 2, 96), sin=torch.zeros(1, 2, 96)),
+     r"a lane holds 8 elements .*multiples of 64 at 256\), got head_dim 256 and rotary_dim 96"),
 ])
 def test_qk_norm_rope_bad_input(change, message):
     with pytest.raises(RuntimeError, match=message):
