@@ -393,8 +393,8 @@ def test_qk_norm_rope_bad_input(change, message):
 
 
 def test_qk_norm_rope_meta_and_compile():
-    """The fake kernel gives [B, H, T, D] of q's dtype; compiled with
-    fullgraph, the op is one node of the graph and gives the eager result."""
+    """The fake kernel gives [B, H, T, D] of q's dtype; compiled whole
+    (aot_eager traces it on fake tensors), the op gives the eager result."""
     meta = {n: (t.to("meta") if isinstance(t, torch.Tensor) else t) for n, t in _qk_args().items()}
     qo, ko = torch.ops.mps_ext.qk_norm_rope(**meta)
     assert qo.shape == (1, 4, 2, 64) and ko.shape == (1, 2, 2, 64) and qo.device.type == "meta"
@@ -402,7 +402,7 @@ def test_qk_norm_rope_meta_and_compile():
     cos, sin = rotary(1, 2, 64, torch.float32)
     qm, km = qk_modules("lfm2", 64, torch.float32)
     args = (q, k, cos, sin, qm.weight.detach(), km.weight.detach(), 1e-5)
-    fn = torch.compile(lambda *a: torch.ops.mps_ext.qk_norm_rope(*a), fullgraph=True, backend="eager")
+    fn = torch.compile(lambda *a: torch.ops.mps_ext.qk_norm_rope(*a), fullgraph=True, backend="aot_eager")
     for g, w in zip(fn(*args), torch.ops.mps_ext.qk_norm_rope(*args)):
         assert torch.equal(g, w)
 
@@ -434,3 +434,44 @@ def test_qk_norm_rope_python_function(kind):
             got = qk_norm_rope(q, k, cos, sin, qm, km)  # transformers' own modules: their forward
         assert not any(d.kernel.startswith("qk_norm_rope") for d in rec.dispatches)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_qk_norm_rope_in_a_qwen3_5_attention():
+    """The documented integration (docs/optimize.md) on transformers' own
+    Qwen3.5-MoE attention and rotary embedding (partial rotary 0.25 of a
+    128 head, multimodal-RoPE recomposed cos and sin, q the query half of
+    torch.chunk), its norms made FusedRMSNorm by fuse_norms: one dispatch,
+    the forward's q and k."""
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (Qwen3_5MoeAttention,
+                                                                      Qwen3_5MoeTextRotaryEmbedding)
+
+    from mps_ext.fused_norm import fuse_norms
+
+    torch.manual_seed(0)
+    cfg = Qwen3_5MoeTextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                               rms_norm_eps=1e-6)
+    attn, rot = Qwen3_5MoeAttention(cfg, layer_idx=3), Qwen3_5MoeTextRotaryEmbedding(cfg)
+    with torch.no_grad():
+        for norm in (attn.q_norm, attn.k_norm):
+            norm.weight.normal_(0, 0.2)
+    attn = attn.to(torch.bfloat16)
+    hidden = torch.randn(1, 3, 64).to(torch.bfloat16)
+    cos, sin = rot(hidden, torch.arange(3)[None] + 500)
+    assert cos.shape == (1, 3, 32)  # partial: 32 of 128 rotate
+    with torch.no_grad():
+        # The forward's lines (Qwen3_5MoeAttention.forward, transformers 5.23).
+        input_shape = hidden.shape[:-1]
+        hidden_shape = (*input_shape, -1, attn.head_dim)
+        q, _gate = torch.chunk(attn.q_proj(hidden).view(*input_shape, -1, attn.head_dim * 2), 2, dim=-1)
+        k = attn.k_proj(hidden).view(hidden_shape)
+        want = qwen3_5_rope(attn.q_norm(q.view(hidden_shape)).transpose(1, 2),
+                            attn.k_norm(k).transpose(1, 2), cos, sin)
+        assert sorted(fuse_norms(attn)) == ["k_norm", "q_norm"]
+        with _executor_request.request(), cpu_metal.record() as rec:
+            got = qk_norm_rope(q.view(hidden_shape), k, cos, sin, attn.q_norm, attn.k_norm)
+    assert [d.kernel for d in rec.dispatches] == ["qk_norm_rope_bf16"]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=0.016, atol=0.016)  # bfloat16's last place at 1 to 2
+        assert float((g != w).double().mean()) <= 0.02  # mean's sum order: rarely a rounding
