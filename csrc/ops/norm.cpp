@@ -145,7 +145,7 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::T
   const int64_t heads = Hq + Hk;
   const int64_t simdgroups = std::min<int64_t>(heads, QK_ROPE_MAX_SIMDGROUPS);
   // Decode spreads the heads over cores, one a simdgroup; a longer call
-  // keeps a token's heads in one threadgroup (module's header, norm_params.h).
+  // keeps a token's heads in one threadgroup, staging cos, sin and the weights once (norm_params.h).
   const int64_t per_group = B * T <= QK_ROPE_SPREAD_TOKENS ? simdgroups : heads;
   QkNormRopeParams p{};
   p.q_heads = static_cast<uint32_t>(Hq);
