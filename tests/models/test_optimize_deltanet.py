@@ -16,7 +16,7 @@ from mps_ext import _executor_request
 from mps_ext.cpu_metal import run_model
 from mps_ext.fused_linear_attention import FusedDecodeMixin
 from model_compare import RELEASE
-from test_optimize import _Calls, ids, make, prefill_and_decode, reference
+from test_optimize import decode_counts, ids, make, optimized_against_stock_and_float64, prefill_and_decode
 
 
 def deltanet_layers(model):
@@ -25,14 +25,7 @@ def deltanet_layers(model):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_optimized_decode_matches_stock_and_float64(figures, dtype):
-    model = make("qwen3_5_moe")
-    prompt = ids()
-    ref_model = reference(model)
-    step = ref_model(prompt).logits[:, -1:].argmax(-1)
-    ref = prefill_and_decode(ref_model, prompt, step)
-    model = model.to(dtype)
-    stock = prefill_and_decode(model, prompt, step)
-    mps_ext.optimize(model)
+    model, prompt, step, ref, stock = optimized_against_stock_and_float64("qwen3_5_moe", dtype)
     summary = model.optimize_summary
     assert list(summary.linear_attention) == ["model.layers.0.linear_attn"] and not summary.linear_attention_left
     assert "linear_attention_decode" in str(summary)
@@ -61,27 +54,8 @@ def test_generate_gives_stock_tokens():
 
 def per_deltanet_layer(model):
     """(host calls, executor dispatches) of the linear-attention layer in one decode step."""
-    layer = deltanet_layers(model)[0]
-    with torch.no_grad():
-        cache = model(ids(), use_cache=True).past_key_values
-    with torch.no_grad(), run_model(RELEASE) as report:
-        calls = _Calls()
-
-        def dispatches():
-            return sum(f.dispatches for f in report.families.values()) + report.other_dispatches
-        start = {}
-        h1 = layer.register_forward_pre_hook(lambda m, a: start.update(c=calls.calls, d=dispatches()))
-        out = {}
-        h2 = layer.register_forward_hook(lambda m, a, o: out.update(c=calls.calls - start["c"],
-                                                                      d=dispatches() - start["d"],
-                                                                      ops=dict(calls.ops)))
-        try:
-            with calls:
-                model(ids(1, seed=2), past_key_values=cache, use_cache=True)
-        finally:
-            h1.remove()
-            h2.remove()
-    return out["c"], out["d"]
+    ((_, calls, dispatches),) = decode_counts(model, deltanet_layers(model)[:1])
+    return calls, dispatches
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
