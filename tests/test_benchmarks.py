@@ -405,7 +405,9 @@ def test_fused_projections_count_as_one_gemv_and_their_split_as_views(monkeypatc
     """After mps_ext.optimize, the Gated DeltaNet layer's four input
     projections are one linear call of one dispatch, and q_proj, k_proj and
     v_proj one: per layer 3 and 2 host calls and dispatches fewer than
-    optimize without the fusion, eager and compiled; the split is views."""
+    optimize without the fusion, and the split is views. Compiled, the
+    attention layer saves 2 more: q_norm, k_norm and the rotary embedding
+    are one run of generated code once no k_proj, v_proj stand between."""
     from mps_ext import fused_projections
     spec = census.MODELS["Qwen3.6-35B-A3B"]
     model = census.tiny_model(spec)
@@ -429,6 +431,6 @@ def test_fused_projections_count_as_one_gemv_and_their_split_as_views(monkeypatc
     for mode in census.MODES:
         per = {fuse: census.scale(spec, t, model.config, 1, "2.15", mode, True)["per_kind"]
                for fuse, t in traces.items()}
-        for kind, saved in (("linear_attention+moe", 3), ("full_attention+moe", 2)):
+        for kind, saved in (("linear_attention+moe", 3), ("full_attention+moe", 2 if mode == "eager" else 4)):
             assert per[True][kind].host == per[False][kind].host - saved, (mode, kind)
             assert per[True][kind].dispatches == per[False][kind].dispatches - saved, (mode, kind)

@@ -80,10 +80,15 @@ def test_left_with_the_reason():
                                           shared_expert_intermediate_size=16,
                                           layer_types=["linear_attention", "full_attention"])
     model = transformers.Qwen3NextForCausalLM(config).eval()
+    prompt = torch.randint(1, 64, (1, 6), generator=torch.Generator().manual_seed(1))
+    want = model(prompt).logits
     mps_ext.optimize(model)
     left = model.optimize_summary.linear_attention_left
     assert list(left) == ["model.layers.0.linear_attn"] and "in_proj_qkvz" in left["model.layers.0.linear_attn"]
     assert model.optimize_summary.converted
+    # Its two input projections are one GEMV all the same (mps_ext/fused_projections.py), read by its own forward.
+    assert "model.layers.0.linear_attn.in_proj_qkvz_ba" in model.optimize_summary.projections
+    torch.testing.assert_close(model(prompt).logits, want)
 
 
 def test_idempotent_casts_and_state_dict():
@@ -92,7 +97,10 @@ def test_idempotent_casts_and_state_dict():
     mps_ext.optimize(model)
     la = deltanet_layers(model)[0]
     la_keys = {k for k in model.state_dict() if ".linear_attn." in k}
-    assert la_keys == {k for k in keys if ".linear_attn." in k}  # the layer's own keys stay
+    # The layer's own keys stay, but for its input projections: one fused weight (test_optimize_projections).
+    inputs = {f"model.layers.0.linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")}
+    assert la_keys == {k for k in keys if ".linear_attn." in k} - inputs | {
+        "model.layers.0.linear_attn.in_proj_qkvzba.weight"}
     mps_ext.optimize(model)
     assert model.optimize_summary.linear_attention == {"model.layers.0.linear_attn": "already"}
     clone = copy.deepcopy(model).to(torch.bfloat16)
