@@ -63,13 +63,13 @@ _MISSES_BEFORE_APART = 2
 
 
 class _Memo:
-    """A group's last fused output, shared by its ProjectionRows: the input
-    it was computed from, the outputs (views), which members have taken
-    theirs, and whether the members share their input at all."""
+    """A group's last fused output, shared by its ProjectionRows: `last`,
+    (the input it was computed from, the outputs as views); which members
+    have taken theirs; and whether the members share their input at all."""
 
     def __init__(self, sizes: tuple[int, ...]):
         self.sizes = sizes
-        self.x = self.outs = None
+        self.last = None
         self.taken = (True,) * len(sizes)
         self.misses = 0
         self.shared = True
@@ -109,23 +109,25 @@ class ProjectionRows(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self._memo
-        if m.shared and (m.x is not x or m.taken[self.index]):
+        if not m.shared:
+            return self._own_rows(x)
+        # One read of (input, outputs): the rows returned are always from an output of this very input,
+        # also when threads share the model (the bookkeeping below may then only cost a recomputation).
+        last = m.last
+        if last is None or last[0] is not x or m.taken[self.index]:
             if not all(m.taken):
                 m.misses += 1
                 if m.misses >= _MISSES_BEFORE_APART:
-                    m.shared, m.x, m.outs = False, None, None
-            if m.shared:
-                m.outs = self.fused(x).split(m.sizes, -1)
-                m.x, m.taken = x, (False,) * len(m.sizes)
-        if not m.shared:
-            return self._own_rows(x)
-        out = m.outs[self.index]
+                    m.shared, m.last = False, None
+                    return self._own_rows(x)
+            last = (x, self.fused(x).split(m.sizes, -1))
+            m.last, m.taken = last, (False,) * len(m.sizes)
         taken = tuple(t or i == self.index for i, t in enumerate(m.taken))
         m.taken = taken
         if all(taken):  # the group's output is not held past its last member
-            m.x = m.outs = None
+            m.last = None
             m.misses = 0
-        return out
+        return last[1][self.index]
 
     def _own_rows(self, x: torch.Tensor) -> torch.Tensor:
         """This member's product alone, from the fused layer's rows."""

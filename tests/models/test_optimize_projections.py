@@ -338,8 +338,9 @@ def test_a_forward_interrupted_between_members_keeps_the_group_shared():
 
 
 def test_groups_it_cannot_fuse_are_left_with_the_reason():
-    """A member that is not a linear layer, a member with a forward hook,
-    members of different dtypes, with a bias and without."""
+    """A member that is not a linear layer (the others of its group fuse),
+    a member with a forward hook, members of different dtypes, with a bias
+    and without, of different widths."""
     holder = nn.ModuleDict({
         "conv": nn.ModuleDict({"q_proj": nn.Linear(8, 8), "k_proj": nn.Conv1d(8, 8, 1), "v_proj": nn.Linear(8, 8)}),
         "hooked": nn.ModuleDict({"gate_proj": nn.Linear(8, 8), "up_proj": nn.Linear(8, 8)}),
@@ -350,7 +351,7 @@ def test_groups_it_cannot_fuse_are_left_with_the_reason():
     holder["hooked"]["up_proj"].register_forward_hook(lambda m, a, o: None)
     mps_ext.optimize(holder)
     s = holder.optimize_summary
-    assert not s.projections
+    assert s.projections == {"conv.qv_proj": "q_proj, v_proj -> one Linear, float32 [16, 8]"}
     assert s.projections_left == {
         "conv.q_proj, k_proj, v_proj": "k_proj is a Conv1d, not nn.Linear or FP8Linear",
         "hooked.gate_proj, up_proj": "forward hooks on up_proj",
@@ -360,4 +361,7 @@ def test_groups_it_cannot_fuse_are_left_with_the_reason():
                        "8 inputs, with a bias)",
         "width.w1, w3": "stored differently, not concatenated: w1 (Linear, float32, 8 inputs, with a bias), w3 "
                         "(Linear, float32, 4 inputs, with a bias)"}
-    assert not any(isinstance(m, ProjectionRows) for m in holder.modules())
+    assert [n for n, m in holder.named_modules() if isinstance(m, ProjectionRows)] == ["conv.q_proj", "conv.v_proj"]
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(holder["conv"]["v_proj"](x), x @ holder["conv"]["qv_proj"].weight[8:].T +
+                               holder["conv"]["qv_proj"].bias[8:], rtol=0, atol=1e-6)
