@@ -15,6 +15,10 @@ From the trace, per call (the rules, stated once here):
   (is_view ops, empty*, detach, ...) are listed apart and not costed: they
   run no MPS kernel. F.linear is one call, as on a Mac (aten::linear has an
   MPS kernel there; on CPU it would decompose into t and mm).
+- projections that read one input, fused by mps_ext.optimize
+  (mps_ext/fused_projections.py): the one linear call of the concatenated
+  weight (one host call, one GEMV dispatch); its split into the members'
+  outputs is views, and the members served from it make no call.
 - sync: a call that waits for the GPU (.item(), nonzero, the offs copy of
   torch's _grouped_mm fallback).
 - Metal dispatches of torch's kernels: one per host call that writes a

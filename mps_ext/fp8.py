@@ -154,6 +154,21 @@ class _FP8Module(nn.Module):
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, granularity: str,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """FP8Linear's product (x @ weight^T, de-quantised, + bias) in x's dtype,
+    on any device: torch.ops.mps_ext.fp8_linear, or on CPU tensors without
+    the executor the kernels' math with torch's ops."""
+    bias = bias.to(x.dtype) if bias is not None and bias.dtype != x.dtype else bias
+    if _use_torch_cpu_ops(x):
+        if x.dtype not in _INPUT_DTYPES:  # the op's own check, for the same error on every device
+            raise RuntimeError(f"mps_ext fp8_linear: input must be float32, float16 or bfloat16, got {x.dtype}")
+        # The kernels' math: weight de-quantised in float32, float32 sums.
+        return nn.functional.linear(x.float(), dequantize_weight(weight, weight_scale, granularity),
+                                    None if bias is None else bias.float()).to(x.dtype)
+    return torch.ops.mps_ext.fp8_linear(x, weight, weight_scale, granularity, bias)
+
+
 class FP8Linear(_FP8Module):
     """nn.Linear with a float8_e4m3fn weight and fp32 scales. The output has
     the input's dtype (the bias is cast to it if it differs)."""
@@ -187,14 +202,7 @@ class FP8Linear(_FP8Module):
         return dequantize_weight(self.weight, self.weight_scale, self.granularity)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias.to(x.dtype) if self.bias is not None and self.bias.dtype != x.dtype else self.bias
-        if _use_torch_cpu_ops(x):
-            if x.dtype not in _INPUT_DTYPES:  # the op's own check, for the same error on every device
-                raise RuntimeError(f"mps_ext fp8_linear: input must be float32, float16 or bfloat16, got {x.dtype}")
-            # The kernels' math: weight de-quantised in float32, float32 sums.
-            return nn.functional.linear(x.float(), self.dequantize(),
-                                        None if bias is None else bias.float()).to(x.dtype)
-        return torch.ops.mps_ext.fp8_linear(x, self.weight, self.weight_scale, self.granularity, bias)
+        return fp8_linear(x, self.weight, self.weight_scale, self.granularity, self.bias)
 
     def extra_repr(self) -> str:
         recipe = {"tensor": "one fp32 scale", "row": "fp32 scale per output row",

@@ -107,7 +107,8 @@ def _fused_class(cls: type) -> type:
 
 def _is_linear(m) -> bool:
     from .fp8 import FP8Linear
-    return isinstance(m, (nn.Linear, FP8Linear)) and m.bias is None
+    from .fused_projections import ProjectionRows  # a second optimize: the projections are fused
+    return isinstance(m, (nn.Linear, FP8Linear, ProjectionRows)) and m.bias is None
 
 
 def why_not(mod: nn.Module) -> str | None:

@@ -431,6 +431,10 @@ class OptimizeSummary:
     # Gated DeltaNet layers (mps_ext/fused_linear_attention.py): name -> what / why not.
     linear_attention: dict[str, str] = dataclasses.field(default_factory=dict)
     linear_attention_left: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Projections that read one input, each group one layer (mps_ext/fused_projections.py): fused layer's
+    # name -> what it holds ("already" for those fused before the call); parent's members -> why not.
+    projections: dict[str, str] = dataclasses.field(default_factory=dict)
+    projections_left: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"optimize: {len(self.converted)} MoE blocks on torch.ops.mps_ext.moe_layer (one call per layer "
@@ -445,6 +449,11 @@ class OptimizeSummary:
                          f"torch.ops.mps_ext.linear_attention_decode at decode, {len(self.linear_attention_left)} left")
             lines += [f"  {name}: {what}" for name, what in self.linear_attention.items()]
             lines += [f"  left {name}: {why}" for name, why in self.linear_attention_left.items()]
+        if self.projections or self.projections_left:
+            lines.append(f"optimize: {len(self.projections)} groups of projections that read one input as one "
+                         f"layer each (one GEMV at decode), {len(self.projections_left)} left")
+            lines += [f"  {name}: {what}" for name, what in self.projections.items()]
+            lines += [f"  left {name}: {why}" for name, why in self.projections_left.items()]
         return "\n".join(lines)
 
 
@@ -466,7 +475,10 @@ def optimize(model: nn.Module) -> nn.Module:
     torch.ops.mps_ext.rms_norm dispatch; each Gated DeltaNet layer
     (Qwen3.5/3.6-MoE's linear attention) decodes on
     torch.ops.mps_ext.linear_attention_decode between its projections
-    (mps_ext/fused_linear_attention.py). Idempotent. The OptimizeSummary of
+    (mps_ext/fused_linear_attention.py); each group of projections that read
+    one input (q/k/v, a DeltaNet's four input projections, an MLP's gate and
+    up) becomes one linear layer of the concatenated weights, one GEMV
+    (mps_ext/fused_projections.py). Idempotent. The OptimizeSummary of
     what it converted and what it left (and why) is `model.optimize_summary`, also logged (logger
     "mps_ext.fused_moe", INFO). Works on floating and quantize_fp8'd
     models, on any device (CPU tensors run torch's own ops); eager and
@@ -508,9 +520,15 @@ def optimize(model: nn.Module) -> nn.Module:
     la_converted, la_already, la_left = optimize_linear_attention(model)
     from .fused_norm import fuse_norms
     norms = fuse_norms(model)  # after the linear-attention layers: it leaves their gated norms
+    from .fused_projections import fuse_projections
+    # Last: the MoE blocks take a shared expert's gate_proj and up_proj as they are, and the
+    # linear-attention layers are recognised by their four input projections.
+    projections, proj_already, proj_left = fuse_projections(model)
     summary = OptimizeSummary(converted, already, left, bytes_before, _model_bytes(model), norms=norms,
                               linear_attention={**la_converted, **{n: "already" for n in la_already}},
-                              linear_attention_left=la_left)
+                              linear_attention_left=la_left,
+                              projections={**projections, **{n: "already" for n in proj_already}},
+                              projections_left=proj_left)
     model.optimize_summary = summary
     logger.info("%s", summary)
     return model

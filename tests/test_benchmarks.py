@@ -399,3 +399,38 @@ def test_decode_optimized_rows_count_mps_exts_dispatches():
     assert by[bench_decode.OPTIMIZED_FP8].bytes["weights"] < by[bench_decode.OPTIMIZED].bytes["weights"]
     table, out = bench_decode.goals(rows)
     assert [(g["weights"], g["mode"]) for g in out] == [("bf16", "eager"), ("fp8", "eager")]
+
+
+def test_fused_projections_count_as_one_gemv_and_their_split_as_views(monkeypatch):
+    """After mps_ext.optimize, the Gated DeltaNet layer's four input
+    projections are one linear call of one dispatch, and q_proj, k_proj and
+    v_proj one: per layer 3 and 2 host calls and dispatches fewer than
+    optimize without the fusion, and the split is views. Compiled, the
+    attention layer saves 2 more: q_norm, k_norm and the rotary embedding
+    are one run of generated code once no k_proj, v_proj stand between."""
+    from mps_ext import fused_projections
+    spec = census.MODELS["Qwen3.6-35B-A3B"]
+    model = census.tiny_model(spec)
+    traces = {}
+    for fuse in (False, True):
+        with monkeypatch.context() as m:
+            if not fuse:
+                m.setattr(fused_projections, "GROUPS", ())
+            traces[fuse] = census.trace_step(model, 1, context=3, torch_release="2.15", transform=mps_ext.optimize)
+    kinds = census.layer_kinds(model.config)
+    for fuse, trace in traces.items():
+        layers = census.by_layer(trace)
+        for i, saved in ((kinds.index("linear_attention+moe"), 3), (kinds.index("full_attention+moe"), 2)):
+            linears = [c for c in layers[i] if c.op == "linear"]
+            n = 2 if fuse else 2 + saved  # and out_proj / o_proj
+            assert len(linears) == n, (fuse, i)
+            counted = census.count(linears, "2.15", "eager", True)
+            assert (counted.host, counted.dispatches) == (n, n)
+            splits = [c for c in layers[i] if c.op == "split_with_sizes"]
+            assert len(splits) == (1 if fuse else 0) and all(c.kind == "view" for c in splits)
+    for mode in census.MODES:
+        per = {fuse: census.scale(spec, t, model.config, 1, "2.15", mode, True)["per_kind"]
+               for fuse, t in traces.items()}
+        for kind, saved in (("linear_attention+moe", 3), ("full_attention+moe", 2 if mode == "eager" else 4)):
+            assert per[True][kind].host == per[False][kind].host - saved, (mode, kind)
+            assert per[True][kind].dispatches == per[False][kind].dispatches - saved, (mode, kind)

@@ -67,6 +67,22 @@ def reference(model):
     return ref
 
 
+def optimized_against_stock_and_float64(name, dtype):
+    """The tiny `name` model three ways: (model, prompt, step, ref, stock):
+    `ref` the float64 reference's (prefill, decode) logits, `stock` the
+    model's in `dtype` on torch's ops, `model` that model after
+    mps_ext.optimize; the decoded token is the reference's."""
+    model = make(name)
+    prompt = ids()
+    ref_model = reference(model)
+    step = ref_model(prompt).logits[:, -1:].argmax(-1)
+    ref = prefill_and_decode(ref_model, prompt, step)
+    model = model.to(dtype)
+    stock = prefill_and_decode(model, prompt, step)
+    mps_ext.optimize(model)
+    return model, prompt, step, ref, stock
+
+
 def blocks(model):
     return [n for n, m in model.named_modules() if isinstance(m, FusedMoE)]
 
@@ -79,14 +95,7 @@ def rel_err(x, ref):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe"])
 def test_optimized_model_matches_stock_and_float64(figures, name, dtype):
-    model = make(name)
-    prompt = ids()
-    ref_model = reference(model)
-    step = ref_model(prompt).logits[:, -1:].argmax(-1)
-    ref = prefill_and_decode(ref_model, prompt, step)
-    model = model.to(dtype)
-    stock = prefill_and_decode(model, prompt, step)
-    mps_ext.optimize(model)
+    model, prompt, step, ref, stock = optimized_against_stock_and_float64(name, dtype)
     assert len(blocks(model)) == 2 and not model.optimize_summary.left
     # CPU tensors outside the runner: torch's own ops, the stock model's math.
     for s, o in zip(stock, prefill_and_decode(model, prompt, step)):
@@ -216,13 +225,14 @@ class _Calls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def per_moe_layer(model, release=RELEASE):
-    """(host calls, executor dispatches) of each MoE block in one decode step."""
-    moe = [m for m in model.modules() if isinstance(m, FusedMoE) or (hasattr(m, "experts") and hasattr(m, "gate"))]
-    prompt = ids()
+def decode_counts(model, modules, release=RELEASE):
+    """(module, host calls, executor dispatches) of each call of `modules`
+    in one decode step after a prefill, in call order, under the model
+    runner with torch `release`'s policy; decode_counts.ops: the ops of the
+    last call."""
     with torch.no_grad():
-        cache = model(prompt, use_cache=True).past_key_values
-    counts = []
+        cache = model(ids(), use_cache=True).past_key_values
+    counts, start = [], {}
     with torch.no_grad(), run_model(release) as report:
         calls = _Calls()
 
@@ -230,20 +240,29 @@ def per_moe_layer(model, release=RELEASE):
             return sum(f.dispatches for f in report.families.values()) + report.other_dispatches
 
         def pre(mod, args):
-            mod._start = (calls.calls, dispatches())
+            start[id(mod)] = (calls.calls, dispatches())
             calls.ops.clear()
 
         def post(mod, args, out):
-            counts.append((calls.calls - mod._start[0], dispatches() - mod._start[1]))
-            per_moe_layer.ops = dict(calls.ops)
+            c, d = start.pop(id(mod))
+            counts.append((mod, calls.calls - c, dispatches() - d))
+            decode_counts.ops = dict(calls.ops)
 
-        hooks = [h for m in moe for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+        hooks = [h for m in modules for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
         try:
             with calls:
                 model(ids(1, seed=2), past_key_values=cache, use_cache=True)
         finally:
             for h in hooks:
                 h.remove()
+    return counts
+
+
+def per_moe_layer(model, release=RELEASE):
+    """(host calls, executor dispatches) of each MoE block in one decode step."""
+    moe = [m for m in model.modules() if isinstance(m, FusedMoE) or (hasattr(m, "experts") and hasattr(m, "gate"))]
+    counts = [(c, d) for _, c, d in decode_counts(model, moe, release)]
+    per_moe_layer.ops = decode_counts.ops
     assert len(counts) == len(moe) == 2
     return counts
 

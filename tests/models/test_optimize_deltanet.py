@@ -16,7 +16,7 @@ from mps_ext import _executor_request
 from mps_ext.cpu_metal import run_model
 from mps_ext.fused_linear_attention import FusedDecodeMixin
 from model_compare import RELEASE
-from test_optimize import _Calls, ids, make, prefill_and_decode, reference
+from test_optimize import decode_counts, ids, make, optimized_against_stock_and_float64, prefill_and_decode
 
 
 def deltanet_layers(model):
@@ -25,14 +25,7 @@ def deltanet_layers(model):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_optimized_decode_matches_stock_and_float64(figures, dtype):
-    model = make("qwen3_5_moe")
-    prompt = ids()
-    ref_model = reference(model)
-    step = ref_model(prompt).logits[:, -1:].argmax(-1)
-    ref = prefill_and_decode(ref_model, prompt, step)
-    model = model.to(dtype)
-    stock = prefill_and_decode(model, prompt, step)
-    mps_ext.optimize(model)
+    model, prompt, step, ref, stock = optimized_against_stock_and_float64("qwen3_5_moe", dtype)
     summary = model.optimize_summary
     assert list(summary.linear_attention) == ["model.layers.0.linear_attn"] and not summary.linear_attention_left
     assert "linear_attention_decode" in str(summary)
@@ -61,27 +54,8 @@ def test_generate_gives_stock_tokens():
 
 def per_deltanet_layer(model):
     """(host calls, executor dispatches) of the linear-attention layer in one decode step."""
-    layer = deltanet_layers(model)[0]
-    with torch.no_grad():
-        cache = model(ids(), use_cache=True).past_key_values
-    with torch.no_grad(), run_model(RELEASE) as report:
-        calls = _Calls()
-
-        def dispatches():
-            return sum(f.dispatches for f in report.families.values()) + report.other_dispatches
-        start = {}
-        h1 = layer.register_forward_pre_hook(lambda m, a: start.update(c=calls.calls, d=dispatches()))
-        out = {}
-        h2 = layer.register_forward_hook(lambda m, a, o: out.update(c=calls.calls - start["c"],
-                                                                      d=dispatches() - start["d"],
-                                                                      ops=dict(calls.ops)))
-        try:
-            with calls:
-                model(ids(1, seed=2), past_key_values=cache, use_cache=True)
-        finally:
-            h1.remove()
-            h2.remove()
-    return out["c"], out["d"]
+    ((_, calls, dispatches),) = decode_counts(model, deltanet_layers(model)[:1])
+    return calls, dispatches
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -92,9 +66,9 @@ def test_host_calls_and_dispatches_per_layer(dtype):
     after = per_deltanet_layer(model)
     print(f"\nQwen3.5-MoE Gated DeltaNet layer {dtype}, per decoded token (host calls, dispatches): before {before}, "
           f"after {after}")
-    # Five projections (in_proj_qkv, _z, _b, _a, out_proj: mps_ext's GEMVs) and linear_attention_decode.
-    assert after == (6, 6)
-    assert before[0] >= 8 * after[0]  # transformers' torch code: 49 aten calls in float32
+    # in_proj_qkv, _z, _b, _a as one GEMV (mps_ext/fused_projections.py), linear_attention_decode, out_proj.
+    assert after == (3, 3)
+    assert before[0] >= 16 * after[0]  # transformers' torch code: 49 aten calls in float32
 
 
 def test_left_with_the_reason():
@@ -106,10 +80,15 @@ def test_left_with_the_reason():
                                           shared_expert_intermediate_size=16,
                                           layer_types=["linear_attention", "full_attention"])
     model = transformers.Qwen3NextForCausalLM(config).eval()
+    prompt = torch.randint(1, 64, (1, 6), generator=torch.Generator().manual_seed(1))
+    want = model(prompt).logits
     mps_ext.optimize(model)
     left = model.optimize_summary.linear_attention_left
     assert list(left) == ["model.layers.0.linear_attn"] and "in_proj_qkvz" in left["model.layers.0.linear_attn"]
     assert model.optimize_summary.converted
+    # Its two input projections are one GEMV all the same (mps_ext/fused_projections.py), read by its own forward.
+    assert "model.layers.0.linear_attn.in_proj_qkvz_ba" in model.optimize_summary.projections
+    torch.testing.assert_close(model(prompt).logits, want)
 
 
 def test_idempotent_casts_and_state_dict():
@@ -118,7 +97,10 @@ def test_idempotent_casts_and_state_dict():
     mps_ext.optimize(model)
     la = deltanet_layers(model)[0]
     la_keys = {k for k in model.state_dict() if ".linear_attn." in k}
-    assert la_keys == {k for k in keys if ".linear_attn." in k}  # the layer's own keys stay
+    # The layer's own keys stay, but for its input projections: one fused weight (test_optimize_projections).
+    inputs = {f"model.layers.0.linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")}
+    assert la_keys == {k for k in keys if ".linear_attn." in k} - inputs | {
+        "model.layers.0.linear_attn.in_proj_qkvzba.weight"}
     mps_ext.optimize(model)
     assert model.optimize_summary.linear_attention == {"model.layers.0.linear_attn": "already"}
     clone = copy.deepcopy(model).to(torch.bfloat16)

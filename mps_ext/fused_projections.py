@@ -1,0 +1,289 @@
+"""Projections that read the same input as one linear layer, for
+`mps_ext.optimize(model)`.
+
+At decode each projection is a GEMV of its own: a host call and a dispatch
+on a Mac, and a decoder layer has several that read the same tensor:
+attention's q_proj, k_proj and v_proj (Qwen3.5/3.6's q_proj carries the
+output gate too), Gated DeltaNet's in_proj_qkv, in_proj_z, in_proj_b and
+in_proj_a (Qwen3-Next's in_proj_qkvz and in_proj_ba), an MLP's gate_proj and
+up_proj (LFM2's w1 and w3). `fuse_projections` concatenates each such
+group's weights once, by rows, into one nn.Linear (or FP8Linear) on the
+group's parent, named after the group (qkv_proj, in_proj_qkvzba,
+gate_up_proj, w13), and puts a ProjectionRows in each member's place: the
+first member called runs the fused layer (one GEMV: the input read once, one
+host call, one dispatch) and returns its rows as a view of the output; the
+others, called with the same tensor, return theirs from that output without
+a call. Views of one output are not contiguous (a row's stride is the fused
+width): the models' own code reshapes them with view(), which keeps the last
+dimension, and mps_ext's decode ops take row strides.
+
+The groups are known by their members' names, as transformers names them;
+the model's forward decides what each reads. So every call checks that a
+member's input is the very tensor (`is`) the group's output was computed
+from: when it is not, the fused layer runs again for that input (the
+result is still each member's own product). A group whose members are
+twice found reading different tensors before all took their rows (a
+cross-attention's k_proj and v_proj read the encoder's states; a cached
+cross-attention calls q_proj alone) stops sharing: each member then runs
+its own rows of the fused weight (the same kernels on a view).
+
+Concatenated: members of one kind only. Floating nn.Linear layers of one
+dtype, with biases or all without. FP8Linear (mps_ext.quantize_fp8) with a
+scale per row or one per tensor: the fused layer has a scale per row (a
+tensor scale is repeated over its rows: the same products). FP8Linear with
+128x128 block scales: members whose rows are a multiple of 128 (and one
+other, last), so that no block straddles two members. Members of other
+kinds in a group (a projection quantize_fp8's filter left in bf16) are
+fused among themselves if two or more, or stay as they were; the summary
+says which.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .fp8 import BLOCK, FP8Linear, fp8_linear
+
+__all__ = ["GROUPS", "ProjectionRows", "fuse_projections"]
+
+# Members of a group, in the order their rows are stacked (the order the
+# models call them).
+GROUPS = (("q_proj", "k_proj", "v_proj"),
+          ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+          ("in_proj_qkvz", "in_proj_ba"),
+          ("gate_proj", "up_proj"),
+          ("w1", "w3"))
+# After this many times a group's output was computed anew before its
+# members all took their rows, the members are taken not to share their
+# input. Two, not one: a forward interrupted between two members (an
+# exception, a KeyboardInterrupt in generate) leaves one such output.
+_MISSES_BEFORE_APART = 2
+
+
+class _Memo:
+    """A group's last fused output, shared by its ProjectionRows: `last`,
+    (the input it was computed from, the outputs as views); which members
+    have taken theirs; and whether the members share their input at all."""
+
+    def __init__(self, sizes: tuple[int, ...]):
+        self.sizes = sizes
+        self.last = None
+        self.taken = (True,) * len(sizes)
+        self.misses = 0
+        self.shared = True
+
+
+class ProjectionRows(nn.Module):
+    """Rows [start, stop) of the fused projection `parent.<fused_name>`,
+    in the place of the projection they were: forward(x) -> x @
+    weight[start:stop]^T (+ bias rows), a view of the fused layer's output
+    when the group's members read the same tensor (module docstring).
+    `weight` and `bias` are views of the fused layer's; it holds no
+    parameters of its own (the state dict holds the fused layer's)."""
+
+    def __init__(self, parent: nn.Module, fused_name: str, index: int, start: int, stop: int, in_features: int,
+                 memo: _Memo):
+        super().__init__()
+        # The parent holds the fused layer; it is looked up by name at each call, so that a later
+        # quantize_fp8 (which replaces the fused nn.Linear by an FP8Linear) is followed. Not a child:
+        # the module tree would loop.
+        object.__setattr__(self, "_parent", parent)
+        self.fused_name, self.index, self.start, self.stop = fused_name, index, start, stop
+        self.in_features, self.out_features = in_features, stop - start
+        self._memo = memo
+
+    @property
+    def fused(self) -> nn.Module:
+        return getattr(self._parent, self.fused_name)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.fused.weight[self.start:self.stop]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        b = self.fused.bias
+        return None if b is None else b[self.start:self.stop]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self._memo
+        if not m.shared:
+            return self._own_rows(x)
+        # One read of (input, outputs): the rows returned are always from an output of this very input,
+        # also when threads share the model (the bookkeeping below may then only cost a recomputation).
+        last = m.last
+        if last is None or last[0] is not x or m.taken[self.index]:
+            if not all(m.taken):
+                m.misses += 1
+                if m.misses >= _MISSES_BEFORE_APART:
+                    m.shared, m.last = False, None
+                    return self._own_rows(x)
+            last = (x, self.fused(x).split(m.sizes, -1))
+            m.last, m.taken = last, (False,) * len(m.sizes)
+        taken = tuple(t or i == self.index for i, t in enumerate(m.taken))
+        m.taken = taken
+        if all(taken):  # the group's output is not held past its last member
+            m.last = None
+            m.misses = 0
+        return last[1][self.index]
+
+    def _own_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This member's product alone, from the fused layer's rows."""
+        f, start, stop = self.fused, self.start, self.stop
+        if not isinstance(f, FP8Linear):
+            return F.linear(x, f.weight[start:stop], self.bias)
+        scale = f.weight_scale
+        if f.granularity == "row":
+            scale = scale[start:stop]
+        elif f.granularity == "block":
+            if start % BLOCK:  # quantize_fp8(granularity="block") after optimize: a block across members
+                return f(x)[..., start:stop]
+            scale = scale[start // BLOCK:-(-stop // BLOCK)]
+        return fp8_linear(x, f.weight[start:stop], scale, f.granularity, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}: rows {self.start}:{self.stop} "
+                f"of {self.fused_name}")
+
+
+# ------------------------------------------------------------------ planning --
+def _kind(m: nn.Module) -> tuple | str:
+    """What a member is stored as: members of equal kinds concatenate; a
+    str says why a member cannot be fused."""
+    if type(m) is nn.Linear:
+        return ("linear", m.weight.dtype, m.weight.device, m.in_features,
+                None if m.bias is None else m.bias.dtype)
+    if type(m) is FP8Linear:
+        return ("fp8", "block" if m.granularity == "block" else "row", m.weight.device, m.in_features,
+                None if m.bias is None else m.bias.dtype)
+    return f"a {type(m).__name__}, not nn.Linear or FP8Linear"
+
+
+def _block_members(members: list[tuple[str, nn.Module]]) -> tuple[list, list]:
+    """(fused, left) of block-scaled members: those whose rows are a
+    multiple of BLOCK, then one other last (no block straddles two)."""
+    aligned = [(n, m) for n, m in members if m.out_features % BLOCK == 0]
+    other = [(n, m) for n, m in members if m.out_features % BLOCK]
+    return aligned + other[:1], other[1:]
+
+
+def _fused_name(parent: nn.Module, names: list[str]) -> str:
+    """qkv_proj for q_proj, k_proj, v_proj; in_proj_qkvzba; gate_up_proj;
+    w13: the members' names without their common prefix and suffix, joined
+    between them ("_" when a part is longer than 3 characters)."""
+    pre = 0
+    while all(len(n) > pre for n in names) and len({n[pre] for n in names}) == 1:
+        pre += 1
+    suf = 0
+    while all(len(n) - pre > suf for n in names) and len({n[len(n) - suf - 1] for n in names}) == 1:
+        suf += 1
+    parts = [n[pre:len(n) - suf] for n in names]
+    name = names[0][:pre] + ("_" if any(len(p) > 3 for p in parts) else "").join(parts) + names[0][len(names[0]) - suf:]
+    while hasattr(parent, name):
+        name += "_fused"
+    return name
+
+
+def _concatenate(members: list[nn.Module]) -> nn.Module:
+    """One nn.Linear or FP8Linear holding the members' rows in order."""
+    first = members[0]
+    k, n = first.in_features, sum(m.out_features for m in members)
+    bias = None
+    if first.bias is not None:
+        bias = nn.Parameter(torch.cat([m.bias.detach() for m in members]),
+                            requires_grad=any(m.bias.requires_grad for m in members))
+    if isinstance(first, FP8Linear):
+        granularity = "block" if first.granularity == "block" else "row"
+        # On the meta device first: the buffers are the concatenated ones, not a second allocation.
+        fused = FP8Linear(k, n, False, granularity, device="meta")
+        fused.weight = torch.cat([m.weight for m in members])
+        if granularity == "block":
+            fused.weight_scale = torch.cat([m.weight_scale for m in members])
+        else:  # a tensor scale repeated over its rows: the same de-quantised weight
+            fused.weight_scale = torch.cat([m.weight_scale.reshape(-1, 1).expand(m.out_features, 1)
+                                            for m in members]).contiguous()
+    else:
+        fused = nn.Linear(k, n, bias=False, device="meta")
+        fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in members]),
+                                    requires_grad=any(m.weight.requires_grad for m in members))
+    fused.bias = bias
+    fused.train(first.training)
+    return fused
+
+
+def _describe(names: list[str], members: list[nn.Module], fused: nn.Module) -> str:
+    what = (f"FP8Linear, {fused.granularity} scales" if isinstance(fused, FP8Linear) else
+            f"Linear, {str(fused.weight.dtype).replace('torch.', '')}")
+    tensor = [n for n, m in zip(names, members) if isinstance(m, FP8Linear) and m.granularity == "tensor"]
+    return (f"{', '.join(names)} -> one {what} [{fused.out_features}, {fused.in_features}]"
+            + (f" ({', '.join(tensor)}: tensor scale repeated per row)" if tensor else ""))
+
+
+def fuse_projections(model: nn.Module) -> tuple[dict[str, str], list[str], dict[str, str]]:
+    """Each group of projections of `model` that read the same input
+    (GROUPS, module docstring) as one fused layer, in place: (fused
+    {qualified name of the fused layer: what}, already [its names], left
+    {parent's name: which members and why})."""
+    fused_out, already, left, plans = {}, [], {}, []
+    for pname, parent in model.named_modules():
+        children = dict(parent.named_children())
+        for group in GROUPS:
+            present = [n for n in group if n in children]
+            if len(present) < 2:
+                continue
+            where = f"{pname}.{{}}" if pname else "{}"
+            if all(isinstance(children[n], ProjectionRows) for n in present):
+                already += sorted({where.format(children[n].fused_name) for n in present})
+                continue
+            if any(isinstance(children[n], ProjectionRows) for n in present):
+                continue  # fused apart before (another group of these names): leave as it is
+            hooked = [n for n in present if children[n]._forward_hooks or children[n]._forward_pre_hooks]
+            if hooked:  # a fused member's hooks would see a call that computes nothing
+                left[where.format(", ".join(present))] = f"forward hooks on {', '.join(hooked)}"
+                continue
+            classes: dict = {}
+            why = []
+            for n in present:
+                kind = _kind(children[n])
+                if isinstance(kind, str):
+                    why.append(f"{n} is {kind}")
+                else:
+                    classes.setdefault(kind, []).append((n, children[n]))
+            single = []
+            for kind, members in classes.items():
+                if kind[1] == "block":
+                    members, apart = _block_members(members)
+                    if apart:
+                        why.append(f"{', '.join(n for n, _ in apart)}: 128x128 block scales whose rows are not a "
+                                   f"multiple of {BLOCK} (a block would straddle two projections)")
+                if len(members) >= 2:
+                    plans.append((pname, parent, members))
+                elif members and len(classes) > 1:
+                    single.append(f"{members[0][0]} ({_kind_text(kind)})")
+            if single:
+                why.append(f"stored differently, not concatenated: {', '.join(single)}")
+            if why:
+                left[where.format(", ".join(present))] = "; ".join(why)
+    for pname, parent, members in plans:
+        names = [n for n, _ in members]
+        mods = [m for _, m in members]
+        fused = _concatenate(mods)
+        name = _fused_name(parent, names)
+        parent.add_module(name, fused)
+        memo = _Memo(tuple(m.out_features for m in mods))
+        start = 0
+        for i, (n, m) in enumerate(members):
+            rows = ProjectionRows(parent, name, i, start, start + m.out_features, m.in_features, memo)
+            rows.train(m.training)
+            setattr(parent, n, rows)
+            start += m.out_features
+        fused_out[f"{pname}.{name}" if pname else name] = _describe(names, mods, fused)
+    return fused_out, already, left
+
+
+def _kind_text(kind: tuple) -> str:
+    what = f"FP8Linear, {kind[1]} scales" if kind[0] == "fp8" else f"Linear, {str(kind[1]).replace('torch.', '')}"
+    return f"{what}, {kind[3]} inputs" + (", with a bias" if kind[4] is not None else "") + \
+        ("" if kind[2].type == "cpu" else f", on {kind[2]}")
