@@ -33,10 +33,12 @@ shapes (benchmarks/bench_*.py):
   prefill kernel's threadgroup memory is its design, and it meets the
   2-threadgroups-a-core one); the re-read budget only the decode kernels
   that have an activation (Budget.activation: GEMV, fp8_gemv,
-  gmm_decode), because elsewhere a threadgroup reads only its own slice of
-  each input (softmax, pad, norms, conversions, routing, the per-matrix
-  kernels), or re-reads by design, each operand once per tile of the other
-  dimension (the prefill tiles, docs/kernel_counters_issue21.md).
+  gmm_decode), because elsewhere a threadgroup reads its own slice of the
+  large inputs (softmax, pad, norms, conversions, routing, the per-matrix
+  kernels; every threadgroup re-reads only small shared ones: softmax's
+  split partials, a norm's weight, the routing weights), or re-reads by
+  design, each operand once per tile of the other dimension (the prefill
+  tiles, docs/kernel_counters_issue21.md).
 
 Which kernels need full occupancy: those that stream, each thread keeping a
 few loads in flight and the core hiding their latency with other threads:
@@ -371,8 +373,9 @@ DECODE_GMM_COLS = ("gmm_decode_cols on decode_cols (bf16_scalar 26 -> 43, bf16_v
 # Issue 21's budgets on the kernels beyond linear (figures at the budget
 # cases, tests/test_budgets.measured; docs/kernel_counters_issue21.md).
 GMM_ROWS_STAGING = ("gmm_decode_rows stages an expert's activation rows, 8,232 bytes per threadgroup of 128 threads "
-                    "(Qwen3-30B-A3B decode, 80 cores): 7 threadgroups a core by threadgroup memory, where its "
-                    "registers allow 8 (the bf16 ones with fp8 weights, 512 threads, are within); decode.h is "
+                    "(the grouped products at 64 rows, 80 cores): 7 threadgroups a core by threadgroup memory, where "
+                    "its registers allow 8 and the dispatch gives a core 8 (the bf16 ones with fp8 weights are "
+                    "within); decode.h is "
                     "being reworked (issue 20's registers), so its staging is left to that work")
 DIVISIONS_UNEXAMINED = ("{} 32-bit integer and {} float divisions per thread (the busiest) at the budget cases, not "
                         "yet traced to their source: whether each is a fixed number per thread or sits in a loop "
