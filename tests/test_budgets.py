@@ -380,13 +380,17 @@ GMM_ROWS_STAGING = ("gmm_decode_rows stages an expert's activation rows, 8,232 b
 DIVISIONS_UNEXAMINED = ("{} 32-bit integer and {} float divisions per thread (the busiest) at the budget cases, not "
                         "yet traced to their source: whether each is a fixed number per thread or sits in a loop "
                         "that grows with the problem is not known, so no DIVISIONS entry allows them")
+RMS_NORM_DIVISIONS = ("rms_norm: 2 IEEE float divisions per row (ss / n, torch's mean, and 1 / sqrt(...)), inside "
+                      "the loop over the rows a team takes (p.iterations), so they grow with the rows once those "
+                      "exceed the teams launched: 2 per thread at f32 and f16, 16 at bf16 (8 rows a team). Per "
+                      "element of a row they are 2 / n; rsqrt or a reciprocal of n would change the rounding "
+                      "against torch's, not a small fix")
 # kernel -> (32-bit integer, float) divisions per thread measured, busiest thread over the cases
 UNEXAMINED_FIGURES: dict[str, tuple[int, int]] = {
     **{k: (16, 0) for k in FP8_GEMV},
     **{k: (1, 1) for k in names("gmm_decode_rows_{t}_vec", t=("f32", "f16", "bf16", "bf16_e4m3w"))},
     **{k: (1, 0) for k in names("gmm_decode_cols_{t}_{path}", t=("f32", "f16", "bf16"), path=("vec", "scalar"))},
     **{k: (0, 16) for k in MOE_ROUTE_COMBINE if k.startswith("moe_route_")},
-    "rms_norm_bf16": (0, 16),
     **{k: (16, 6) for k in LINEAR_ATTENTION},
     "lu_small_f32_1": (4, 1), "lu_small_f32_2": (16, 6), "lu_small_f32_3": (36, 12), "lu_small_f32_4": (64, 20),
     "lu_small_c64_1": (4, 7), "lu_small_c64_2": (16, 20), "lu_small_c64_3": (36, 39), "lu_small_c64_4": (64, 64),
@@ -425,6 +429,7 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
     },
     "divisions": {
         **{k: DIVISIONS_UNEXAMINED.format(*UNEXAMINED_FIGURES[k]) for k in UNEXAMINED_FIGURES},
+        **{k: RMS_NORM_DIVISIONS for k in RMS_NORM},
     },
 }
 
@@ -447,16 +452,15 @@ DIVISIONS: dict[str, tuple[int, int]] = {
     # threadgroup's step, softmax.metal's `d / s.step`); and the forward's v / sum for each element a thread
     # holds, J x C, fixed by the kernel's template (4 to 32), not by the row's length
     **{k: (1, softmax_elements_a_thread(k)) for k in SOFTMAX_VEC + SOFTMAX_ELEMENTS if "_partial_" not in k},
-    # pad: a task's output row (task / segments_per_row) and its coordinates, one remainder per dimension
-    # of the output (at most 4 here), once a thread
+    # pad: a simdgroup's task, once a thread (no loop over tasks): its output row, task / segments_per_row,
+    # and the row's coordinates, a division and a remainder per outer dimension (pad.metal), so a number
+    # set by the tensor's rank (4 at the cases' 4-D tensors; a 5-D one would need more), not its size
     **{k: (4, 0) for k in PAD_32},
     # fp8_convert_strided: a threadgroup's tile (group / tiles, group % tiles), once a thread
     **{k: (2, 0) for k in FP8_CONVERT if "_strided_" in k},
     # fp8_mm_tile: each lane's 4 weight rows' scale row n / sb_n_group, once a thread
     # (docs/kernel_counters_issue21.md)
     **{k: (4, 0) for k in FP8_TILE},
-    # rms_norm: ss / n and 1 / sqrt(...), once a thread
-    **{k: (0, 2) for k in RMS_NORM if k != "rms_norm_bf16"},
 }
 
 
