@@ -463,6 +463,10 @@ DIVISIONS: dict[str, tuple[int, int]] = {
     # fp8_mm_tile: each lane's 4 weight rows' scale row n / sb_n_group, once a thread
     # (docs/kernel_counters_issue21.md)
     **{k: (4, 0) for k in FP8_TILE},
+    # qk_norm_rope: torch's mean (ss / D) and 1 / sqrt(...) per head row a simdgroup normalises; a simdgroup
+    # takes its share of one token's head group (p.iterations rows, set by the head count, never by the
+    # tokens): 2 at every decode case, where each simdgroup has one head
+    **{k: (0, 2) for k in QK_NORM_ROPE},
 }
 
 
