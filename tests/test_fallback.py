@@ -201,7 +201,7 @@ def test_each_fallback_gives_torchs_result_counts_its_reason_and_calls_torch_unb
     arguments (a dtype, a count, a rule's text) filled in."""
     mps_ext.reset_stats()
     boxed = _C._boxed_fallbacks()
-    a9, b = torch.randn(9, 16), torch.randn(16, 4)
+    a9, b = torch.randn(9, 16), torch.randn(16, 12)  # 9 rows and 12 columns: no GEMV either way
     torch.testing.assert_close(torch.ops.mps_ext.mm(a9, b), torch.mm(a9, b), rtol=0, atol=0)
     ai, bi = torch.arange(6).reshape(2, 3), torch.arange(12).reshape(3, 4)
     assert torch.equal(torch.ops.mps_ext.mm(ai, bi), torch.mm(ai, bi))
@@ -209,7 +209,7 @@ def test_each_fallback_gives_torchs_result_counts_its_reason_and_calls_torch_unb
     errors = []
     for mm_out in (torch.ops.mps_ext.mm.out, torch.ops.aten.mm.out):  # an out tensor of another dtype
         with pytest.raises(RuntimeError) as e:
-            mm_out(a2, b, out=torch.empty(2, 4, dtype=torch.float64))
+            mm_out(a2, b, out=torch.empty(2, 12, dtype=torch.float64))
         errors.append(str(e.value).splitlines()[0])
     assert errors[0] == errors[1]
     lu = torch.randn(513, 4)
@@ -228,6 +228,7 @@ def test_each_fallback_gives_torchs_result_counts_its_reason_and_calls_torch_unb
     finally:
         mps_ext.set_enabled("pad", True)
     s = mps_ext.stats()
+    assert [s[f]["ran"] for f in ("linear", "linalg", "pad")] == [0, 0, 0]
     assert s["linear"]["fallbacks"] == {"more than 8 rows (a general matmul)": 1,
                                         "dtype Long (float32, float16 and bfloat16 are handled)": 1,
                                         "an out tensor of another dtype": 1, "policy: a test rule": 1}
