@@ -192,3 +192,47 @@ def test_on_a_mac_cpu_tensors_reach_the_executor_only_when_asked(mac):
     assert not _C._executor_requested()
     assert len(rec.dispatches) >= 2
     assert mps_ext.stats()["softmax"]["ran"] == 1 and mps_ext.stats()["grouped_mm"]["ran"] == 1
+
+
+def test_each_fallback_gives_torchs_result_counts_its_reason_and_calls_torch_unboxed():
+    """Every decision route makes sends the call to torch's kernel with the
+    op's own signature (no IValue stack: _C._boxed_fallbacks counts the
+    fallbacks that were boxed), and stats() reports each reason's text,
+    arguments (a dtype, a count, a rule's text) filled in."""
+    mps_ext.reset_stats()
+    boxed = _C._boxed_fallbacks()
+    a9, b = torch.randn(9, 16), torch.randn(16, 12)  # 9 rows and 12 columns: no GEMV either way
+    torch.testing.assert_close(torch.ops.mps_ext.mm(a9, b), torch.mm(a9, b), rtol=0, atol=0)
+    ai, bi = torch.arange(6).reshape(2, 3), torch.arange(12).reshape(3, 4)
+    assert torch.equal(torch.ops.mps_ext.mm(ai, bi), torch.mm(ai, bi))
+    a2 = torch.randn(2, 16)
+    errors = []
+    for mm_out in (torch.ops.mps_ext.mm.out, torch.ops.aten.mm.out):  # an out tensor of another dtype
+        with pytest.raises(RuntimeError) as e:
+            mm_out(a2, b, out=torch.empty(2, 12, dtype=torch.float64))
+        errors.append(str(e.value).splitlines()[0])
+    assert errors[0] == errors[1]
+    lu = torch.randn(513, 4)
+    for x, y in zip(torch.ops.mps_ext.linalg_lu_factor_ex(lu), torch.linalg.lu_factor_ex(lu)):
+        assert torch.equal(x, y)
+    x = torch.randn(3, 5)
+    _C.leave_to_torch("linear", "aten::linear", "CPU", "policy: a test rule")
+    try:
+        w = torch.randn(4, 5)
+        assert torch.equal(torch.ops.mps_ext.linear(x, w, None), torch.nn.functional.linear(x, w))
+    finally:
+        _C.leave_to_torch("linear", "aten::linear", "CPU", "")
+    mps_ext.set_enabled("pad", False)
+    try:
+        assert torch.equal(torch.ops.mps_ext.constant_pad_nd(x, [1, 2], 0.5), torch.constant_pad_nd(x, [1, 2], 0.5))
+    finally:
+        mps_ext.set_enabled("pad", True)
+    s = mps_ext.stats()
+    assert [s[f]["ran"] for f in ("linear", "linalg", "pad")] == [0, 0, 0]
+    assert s["linear"]["fallbacks"] == {"more than 8 rows (a general matmul)": 1,
+                                        "dtype Long (float32, float16 and bfloat16 are handled)": 1,
+                                        "an out tensor of another dtype": 1, "policy: a test rule": 1}
+    assert s["linalg"]["fallbacks"] == {"matrices of more than 512 rows": 1}
+    assert s["pad"]["fallbacks"] == {"turned off": 1}
+    assert _C._boxed_fallbacks() == boxed
+    mps_ext.reset_stats()

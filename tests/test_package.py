@@ -128,3 +128,47 @@ def test_a_family_defined_twice_is_counted_in_the_real_table():
     r = python("from mps_ext import _C; print(repr(_C._define_family_again('pad')))")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "\"the family 'pad' is defined 2 times (MPS_EXT_FAMILY)\""
+
+
+def _compile_reasons(tmp_path, body):
+    """Compiles `body` in a function after ops/reasons.h (syntax only, the
+    installed torch's headers, the standard BuildExtension uses here)."""
+    import shutil
+    from torch.utils import cpp_extension
+    src = tmp_path / "reasons_use.cpp"
+    src.write_text('#include "ops/reasons.h"\nusing namespace mps_ext;\nvoid use() {\n' + body + "\n}\n")
+    cxx = shutil.which("clang++-19") or shutil.which("clang++") or shutil.which("g++")
+    std = "c++20" if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 15) else "c++17"
+    cmd = [cxx, f"-std={std}", "-fsyntax-only", "-w", "-I", os.path.join(ROOT, "csrc"),
+           *[f"-I{p}" for p in cpp_extension.include_paths()], str(src)]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def test_fallback_reasons_are_the_tables_and_nothing_else(tmp_path):
+    """A fallback reason is an entry of ops/reasons.h's table, named by
+    because::<name>; its arguments fit the text's placeholders. A name not in
+    the table, a string, or arguments of the wrong kind or number do not
+    compile."""
+    ok = _compile_reasons(tmp_path, """
+  Reason a = because::not_strided;
+  Reason b = because::dtype_not_float(c10::ScalarType::Half);
+  Reason c = because::gradient_dtype(c10::ScalarType::Float, c10::ScalarType::Half);
+  Reason d = because::foreign_device(c10::DeviceType::CPU, c10::DeviceType::MPS);
+  Reason e = because::rows_past(512) || because::policy(std::string("policy: x"));
+  (void)a; (void)b; (void)c; (void)d; (void)e;""")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    wrong = [
+        "Reason r1 = because::no_such_reason;",
+        'Reason r2 = "layout is not strided";',
+        "Reason r3 = because::dtype_not_float(c10::DeviceType::CPU);",
+        "Reason r4 = because::gradient_dtype(c10::ScalarType::Float);",
+        'Reason r5 = because::policy("policy: a literal, not interned text");',
+        "Reason r6 = because::dtype_not_float;",
+    ]
+    # One compile: each line must be named by an error (or by the
+    # instantiation that fails a static_assert) at its own line number.
+    r = _compile_reasons(tmp_path, "\n".join("  " + line for line in wrong))
+    assert r.returncode != 0
+    first = 4  # the body starts at line 4 of reasons_use.cpp
+    for n, line in enumerate(wrong, first):
+        assert f"reasons_use.cpp:{n}:" in r.stderr, (line, r.stderr[-3000:])

@@ -127,9 +127,9 @@ const RoutedOp kCopy(FamilyId::fp8, "aten::copy_"), kFillScalar(FamilyId::fp8, "
 
 // ---------------------------------------------------------------- copy_ --
 Reason copy_unsupported(const at::Tensor& self, const at::Tensor& src) {
-  if (self.layout() != at::kStrided || src.layout() != at::kStrided) return "layout is not strided";
-  if (self.is_neg() || src.is_neg() || self.is_conj() || src.is_conj()) return "a tensor with the neg or conj bit";
-  return "";
+  if (self.layout() != at::kStrided || src.layout() != at::kStrided) return because::not_strided;
+  if (self.is_neg() || src.is_neg() || self.is_conj() || src.is_conj()) return because::neg_or_conj;
+  return {};
 }
 
 template <c10::DispatchKey K>
@@ -185,7 +185,7 @@ at::Tensor& copy_impl(at::Tensor& self, const at::Tensor& src, bool non_blocking
     return self;
   }
   float8_reached<K>();
-  route(kCopy, K, copy_unsupported(self, src), [&] {
+  route<decltype(copy_impl<K>)>(kCopy, K, copy_unsupported(self, src), [&] {
     copy_fp8<K>(self, src, non_blocking);
     return self;
   }, self, src, non_blocking);
@@ -195,8 +195,8 @@ at::Tensor& copy_impl(at::Tensor& self, const at::Tensor& src, bool non_blocking
 // ---------------------------------------------------------- fill_, zero_ --
 // For an op on a float8 `self`.
 Reason self_unsupported(const at::Tensor& self) {
-  if (self.layout() != at::kStrided) return "layout is not strided";
-  return "";
+  if (self.layout() != at::kStrided) return because::not_strided;
+  return {};
 }
 
 // Fills float8 `self` with the byte torch's CPU fill_ writes for `value`
@@ -217,7 +217,7 @@ at::Tensor& fill_scalar_impl(at::Tensor& self, const c10::Scalar& value) {
     return self;
   }
   float8_reached<K>();
-  route(kFillScalar, K, self_unsupported(self), [&] { return fill_fp8<K>(self, value); },
+  route<decltype(fill_scalar_impl<K>)>(kFillScalar, K, self_unsupported(self), [&] { return fill_fp8<K>(self, value); },
         self, value);
   return self;
 }
@@ -230,7 +230,7 @@ at::Tensor& fill_tensor_impl(at::Tensor& self, const at::Tensor& value) {
     return self;
   }
   float8_reached<K>();
-  route(kFillTensor, K, self_unsupported(self), [&] {
+  route<decltype(fill_tensor_impl<K>)>(kFillTensor, K, self_unsupported(self), [&] {
     TORCH_CHECK(value.dim() == 0, "fill_ only supports 0-dimension value tensor but got tensor with ", value.dim(),
                 " dimensions.");
     // The value's own float8 bytes may sit on the GPU: read it through copy_.
@@ -247,7 +247,7 @@ at::Tensor& zero_impl(at::Tensor& self) {
     return self;
   }
   float8_reached<K>();
-  route(kZero, K, self_unsupported(self),
+  route<decltype(zero_impl<K>)>(kZero, K, self_unsupported(self),
         [&] { return call_stock<at::Tensor>("aten::zero_", K, bytes(self)); }, self);
   return self;
 }
@@ -261,7 +261,7 @@ at::Tensor cat_impl(const at::ITensorListRef& tensors, int64_t dim) {
     static const PassThrough<at::_ops::cat> stock(K);
     return stock(tensors, dim);
   }
-  return route(kCat, K, Reason(), [&] {
+  return route<decltype(cat_impl<K>)>(kCat, K, Reason(), [&] {
     c10::ScalarType out = list.front().scalar_type();
     // torch's error for float8 with any other dtype
     for (const auto& t : list) out = c10::promoteTypes(out, t.scalar_type());
@@ -277,7 +277,7 @@ at::Tensor index_select_impl(const at::Tensor& self, int64_t dim, const at::Tens
     static const PassThrough<at::_ops::index_select> stock(K);
     return stock(self, dim, index);
   }
-  return route(kIndexSelect, K, self_unsupported(self), [&] {
+  return route<decltype(index_select_impl<K>)>(kIndexSelect, K, self_unsupported(self), [&] {
     return call_stock<at::Tensor>("aten::index_select", K, bytes(self), dim, index).view(self.scalar_type());
   }, self, dim, index);
 }

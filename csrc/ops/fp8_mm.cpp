@@ -140,18 +140,19 @@ std::string sizes_of(const at::Tensor& t) { return c10::str(t.sizes(), " (stride
 // Both are read here by their strides; any other strides are refused, and so
 // is any other shape, among them the transpose [kb, N] of 1x128 x 1x128,
 // which, when N == kb, could not be told from torch's layout.
-std::string set_scales(Fp8MatmulParams& p, int64_t ra, const at::Tensor& sa, int64_t rb, const at::Tensor& sb,
+Reason set_scales(Fp8MatmulParams& p, int64_t ra, const at::Tensor& sa, int64_t rb, const at::Tensor& sb,
                        int64_t M, int64_t K, int64_t N) {
-  const std::string rejected = "scales torch rejects";
+  const Reason rejected = because::scales_torch_rejects;
   if (sa.scalar_type() != at::kFloat || sb.scalar_type() != at::kFloat) return rejected;
   p.sb_n_group = 1;
-  if (ra == kTensorWise && rb == kTensorWise) return sa.numel() == 1 && sb.numel() == 1 ? "" : rejected;  // strides 0
+  if (ra == kTensorWise && rb == kTensorWise)  // strides 0
+    return sa.numel() == 1 && sb.numel() == 1 ? Reason() : rejected;
   if (ra == kRowWise && rb == kRowWise) {
     if (!(sa.dim() == 2 && sa.size(0) == M && sa.size(1) == 1 && sa.is_contiguous())) return rejected;
     if (!(sb.dim() == 2 && sb.size(0) == 1 && sb.size(1) == N && sb.t().is_contiguous())) return rejected;
     p.sa_row_stride = 1;
     p.sb_n_stride = 1;
-    return "";
+    return {};
   }
   if (ra != kBlock1x128 || (rb != kBlock1x128 && rb != kBlock128x128)) return rejected;
   const int64_t kb = ceil_div(K, FP8_SCALE_BLOCK);
@@ -161,10 +162,11 @@ std::string set_scales(Fp8MatmulParams& p, int64_t ra, const at::Tensor& sa, int
   const bool ok = sa.dim() == 2 && sa.size(0) == M && sa.size(1) == kb && dense(sa) && sb.dim() == 2 &&
                   sb.size(0) == sb_rows && sb.size(1) == sb_cols && dense(sb);
   if (!ok)
-    return c10::str("block-wise scales scale_a ", sizes_of(sa), ", scale_b ", sizes_of(sb), "; 1x128 x ",
-                    per_column ? "1x128" : "128x128", " takes scale_a [M, ceil(K/128)] = [", M, ", ", kb,
-                    "] and scale_b ", per_column ? "[N, ceil(K/128)]" : "[round_up(ceil(K/128), 4), ceil(N/128)]",
-                    " = [", sb_rows, ", ", sb_cols, "], each column-major (torch's layout) or row-major");
+    return because::block_scales(
+        c10::str("block-wise scales scale_a ", sizes_of(sa), ", scale_b ", sizes_of(sb), "; 1x128 x ",
+                 per_column ? "1x128" : "128x128", " takes scale_a [M, ceil(K/128)] = [", M, ", ", kb,
+                 "] and scale_b ", per_column ? "[N, ceil(K/128)]" : "[round_up(ceil(K/128), 4), ceil(N/128)]",
+                 " = [", sb_rows, ", ", sb_cols, "], each column-major (torch's layout) or row-major"));
   p.sa_row_stride = sa.stride(0);
   p.sa_k_stride = sa.stride(1);
   if (per_column) {
@@ -175,22 +177,22 @@ std::string set_scales(Fp8MatmulParams& p, int64_t ra, const at::Tensor& sa, int
     p.sb_k_stride = sb.stride(0);
     p.sb_n_stride = sb.stride(1);
   }
-  return "";
+  return {};
 }
 
 // Checks shared by both ops; none when mps_ext's kernels take the call.
 Reason operands_unsupported(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
                                  c10::ScalarType out) {
-  if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0)) return "shapes torch rejects";
-  if (!is_fp8(a.scalar_type()) || !is_fp8(b.scalar_type())) return "operands that are not float8";
-  if (a.layout() != at::kStrided || b.layout() != at::kStrided) return "layout is not strided";
-  if (type_code(out) == FP8_TYPE_NONE) return Reason::built(std::string("output dtype ") + c10::toString(out));
+  if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0)) return because::shapes_torch_rejects;
+  if (!is_fp8(a.scalar_type()) || !is_fp8(b.scalar_type())) return because::operands_not_fp8;
+  if (a.layout() != at::kStrided || b.layout() != at::kStrided) return because::not_strided;
+  if (type_code(out) == FP8_TYPE_NONE) return because::output_dtype(out);
   if (bias && bias->defined()) {
-    if (bias->numel() != b.size(1)) return "a bias torch rejects";
+    if (bias->numel() != b.size(1)) return because::bias_torch_rejects;
     const auto t = bias->scalar_type();
-    if (t != at::kFloat && t != at::kHalf && t != at::kBFloat16) return Reason::built(std::string("bias dtype ") + c10::toString(t));
+    if (t != at::kFloat && t != at::kHalf && t != at::kBFloat16) return because::bias_dtype(t);
   }
-  return "";
+  return {};
 }
 
 at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const Fp8MatmulParams& scales, const at::Tensor& sa,
@@ -248,15 +250,15 @@ Reason policy(const RoutedOp& op, c10::DispatchKey key, const at::Tensor& a, con
   const Reason rule = op.picked(key, Condition::torch_scaled_mm);
   if (!rule || !op.has_stock(key) || recipe > kRowWise || a.scalar_type() != at::kFloat8_e4m3fn ||
       b.scalar_type() != at::kFloat8_e4m3fn || out == at::kFloat8_e5m2)
-    return "";
+    return {};
   if (a.size(1) % kTorchScaledMMAlignment != 0 || b.size(1) % kTorchScaledMMAlignment != 0 || !torch_aligned(a) ||
       !torch_aligned(b))
-    return "";
+    return {};
   if (bias && bias->defined()) {
     const auto t = bias->scalar_type();
     if (out == at::kFloat || !(t == at::kBFloat16 || t == at::kHalf) ||
         (out != at::kFloat8_e4m3fn && t != out))
-      return "";
+      return {};
   }
   return rule;
 }
@@ -275,12 +277,12 @@ at::Tensor scaled_mm_impl(const at::Tensor& self, const at::Tensor& mat2, const 
   if (!why) {
     const bool tensorwise = fp32_scalar(scale_a) && fp32_scalar(scale_b);
     const int64_t recipe = tensorwise ? kTensorWise : kRowWise;
-    why = Reason::built(set_scales(p, recipe, scale_a, recipe, scale_b, self.size(0), self.size(1), mat2.size(1)));
+    why = set_scales(p, recipe, scale_a, recipe, scale_b, self.size(0), self.size(1), mat2.size(1));
     if (!why && scale_result && scale_result->defined() && !fp32_scalar(*scale_result))
-      why = "a scale_result torch rejects";
+      why = because::scale_result_torch_rejects;
     if (!why) why = policy(kScaledMm, K, self, mat2, kRowWise, out, bias);
   }
-  return route(kScaledMm, K, or_raise(why, kScaledMm, K),
+  return route<decltype(scaled_mm_impl<K>)>(kScaledMm, K, or_raise(why, kScaledMm, K),
                [&] { return scaled_mm(self, mat2, p, scale_a, scale_b, bias, scale_result, out); }, self, mat2,
                scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum);
 }
@@ -297,19 +299,19 @@ at::Tensor scaled_mm_v2_impl(const at::Tensor& self, const at::Tensor& mat2, at:
   auto no_swizzle = [](at::IntArrayRef s) { return s.empty() || (s.size() == 1 && s[0] == 0); };
   if (!why) {
     if (scale_a.size() != 1 || scale_b.size() != 1 || recipe_a.size() != 1 || recipe_b.size() != 1)
-      why = "more than one scale per operand";
+      why = because::several_scales;
     else if (!no_swizzle(swizzle_a) || !no_swizzle(swizzle_b))
-      why = "swizzled scales";
+      why = because::swizzled_scales;
     else if (!contraction_dim.empty())
-      why = "contraction_dim";
+      why = because::contraction_dim;
     else if (recipe_a[0] >= kBlock1x128 &&
              (self.scalar_type() != at::kFloat8_e4m3fn || mat2.scalar_type() != at::kFloat8_e4m3fn))
-      why = "block-wise scales with float8_e5m2 operands";
-    else if (!(why = Reason::built(set_scales(p, recipe_a[0], scale_a[0], recipe_b[0], scale_b[0], self.size(0),
-                                               self.size(1), mat2.size(1)))))
+      why = because::block_scales_e5m2;
+    else if (!(why = set_scales(p, recipe_a[0], scale_a[0], recipe_b[0], scale_b[0], self.size(0), self.size(1),
+                                mat2.size(1))))
       why = policy(kScaledMmV2, K, self, mat2, recipe_a[0], out, bias);
   }
-  return route(kScaledMmV2, K, or_raise(why, kScaledMmV2, K),
+  return route<decltype(scaled_mm_v2_impl<K>)>(kScaledMmV2, K, or_raise(why, kScaledMmV2, K),
                [&] { return scaled_mm(self, mat2, p, scale_a[0], scale_b[0], bias, c10::nullopt, out); }, self, mat2,
                scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, bias, out_dtype, contraction_dim,
                use_fast_accum);

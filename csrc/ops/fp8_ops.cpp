@@ -26,7 +26,7 @@ namespace {
 
 at::Tensor bytes(const at::Tensor& t) { return t.view(at::kByte); }
 
-Reason not_strided(const at::Tensor& t) { return t.layout() == at::kStrided ? Reason() : "layout is not strided"; }
+Reason not_strided(const at::Tensor& t) { return t.layout() == at::kStrided ? Reason() : because::not_strided; }
 
 std::string cast_first(const std::string& what) {
   return "mps_ext fp8: " + what +
@@ -69,7 +69,7 @@ at::Tensor compare_tensor(const RoutedOp& op, const Stock& stock, const at::Tens
   if (!is_fp8(self_.scalar_type()) && !is_fp8(other_.scalar_type())) return stock(self_, other_);
   const c10::Device device = device_of(self_, other_);
   const at::Tensor self = on(self_, device), other = on(other_, device);
-  return route(op, K, (not_strided(self) || not_strided(other)), [&] {
+  return route<at::Tensor(const at::Tensor&, const at::Tensor&)>(op, K, (not_strided(self) || not_strided(other)), [&] {
     // torch's promotion, and its error for float8 beside another dtype.
     const c10::ScalarType common = at::result_type(self, other);
     auto value = [&](const at::Tensor& t) { return is_fp8(common) ? decode(t.to(common)) : t.to(common); };
@@ -80,7 +80,7 @@ at::Tensor compare_tensor(const RoutedOp& op, const Stock& stock, const at::Tens
 template <c10::DispatchKey K, class Stock>
 at::Tensor compare_scalar(const RoutedOp& op, const Stock& stock, const at::Tensor& self, const c10::Scalar& other) {
   if (!is_fp8(self.scalar_type())) return stock(self, other);
-  return route(op, K, not_strided(self), [&] {
+  return route<at::Tensor(const at::Tensor&, const c10::Scalar&)>(op, K, not_strided(self), [&] {
     const c10::ScalarType common = at::result_type(self, other);
     if (!is_fp8(common)) return op.call_stock<at::Tensor>(K, self.to(common), other);
     // The number rounded to float8 by torch's CPU cast (saturating), as a
@@ -117,7 +117,7 @@ bool equal_impl(const at::Tensor& self, const at::Tensor& other) {
     static const PassThrough<at::_ops::equal> stock(K);
     return stock(self, other);
   }
-  return route(kEqual, K, (not_strided(self) || not_strided(other)), [&] {
+  return route<decltype(equal_impl<K>)>(kEqual, K, (not_strided(self) || not_strided(other)), [&] {
     at::result_type(self, other);  // torch's error for float8 beside another dtype
     if (self.sizes() != other.sizes()) return false;
     // Values, not bytes: NaN != NaN, -0 == +0 (torch.equal of floats).
@@ -132,7 +132,7 @@ c10::Scalar local_scalar_dense_impl(const at::Tensor& self) {
     static const PassThrough<at::_ops::_local_scalar_dense> stock(K);
     return stock(self);
   }
-  return route(kLocalScalarDense, K, Reason(), [&] {
+  return route<decltype(local_scalar_dense_impl<K>)>(kLocalScalarDense, K, Reason(), [&] {
     // The byte, moved by torch's uint8 copy, read by torch's CPU kernel.
     const at::Tensor cpu = bytes(self).to(at::kCPU).view(self.scalar_type());
     return call_stock<c10::Scalar>("aten::_local_scalar_dense", c10::DispatchKey::CPU, cpu);
@@ -146,7 +146,7 @@ at::Tensor gather_impl(const at::Tensor& self, int64_t dim, const at::Tensor& in
     static const PassThrough<at::_ops::gather> stock(K);
     return stock(self, dim, index, sparse_grad);
   }
-  return route(kGather, K, not_strided(self), [&] {
+  return route<decltype(gather_impl<K>)>(kGather, K, not_strided(self), [&] {
     return call_stock<at::Tensor>("aten::gather", K, bytes(self), dim, index, sparse_grad).view(self.scalar_type());
   }, self, dim, index, sparse_grad);
 }
@@ -159,7 +159,7 @@ at::Tensor index_impl(const at::Tensor& self, const Indices& indices) {
     static const PassThrough<at::_ops::index_Tensor> stock(K);
     return stock(self, indices);
   }
-  return route(kIndexTensor, K, not_strided(self), [&] {
+  return route<decltype(index_impl<K>)>(kIndexTensor, K, not_strided(self), [&] {
     return call_stock<at::Tensor>("aten::index.Tensor", K, bytes(self), indices).view(self.scalar_type());
   }, self, indices);
 }
@@ -172,7 +172,7 @@ at::Tensor& index_put_impl(at::Tensor& self, const Indices& indices, const at::T
     stock(self, indices, values, accumulate, unsafe);
     return self;
   }
-  route(kIndexPutImpl, K, (not_strided(self) || not_strided(values)), [&] {
+  route<decltype(index_put_impl<K>)>(kIndexPutImpl, K, (not_strided(self) || not_strided(values)), [&] {
     TORCH_CHECK(values.scalar_type() == self.scalar_type(),
                 "Index put requires the source and destination dtypes match, got ", self.scalar_type(),
                 " for the destination and ", values.scalar_type(), " for the source.");
@@ -191,7 +191,7 @@ at::Tensor where_impl(const at::Tensor& condition, const at::Tensor& self_, cons
   }
   const c10::Device device = self_.dim() > 0 ? self_.device() : device_of(other_, condition);
   const at::Tensor self = on(self_, device), other = on(other_, device);
-  return route(kWhereSelf, K, (not_strided(self) || not_strided(other)), [&] {
+  return route<decltype(where_impl<K>)>(kWhereSelf, K, (not_strided(self) || not_strided(other)), [&] {
     const c10::ScalarType common = at::result_type(self, other);
     const at::Tensor a = self.to(common), b = other.to(common);
     if (!is_fp8(common)) return call_stock<at::Tensor>("aten::where.self", K, condition, a, b);
@@ -206,7 +206,7 @@ at::Tensor& masked_fill_scalar_impl(at::Tensor& self, const at::Tensor& mask, co
     stock(self, mask, value);
     return self;
   }
-  route(kMaskedFillScalar, K, not_strided(self), [&] {
+  route<decltype(masked_fill_scalar_impl<K>)>(kMaskedFillScalar, K, not_strided(self), [&] {
     // The value rounded as fill_ rounds it (with its overflow error, as
     // masked_fill_ of float16 has).
     const int64_t code = fp8_code(self.scalar_type(), value);
@@ -223,7 +223,7 @@ at::Tensor& masked_fill_tensor_impl(at::Tensor& self, const at::Tensor& mask, co
     stock(self, mask, value);
     return self;
   }
-  route(kMaskedFillTensor, K, not_strided(self), [&] {
+  route<decltype(masked_fill_tensor_impl<K>)>(kMaskedFillTensor, K, not_strided(self), [&] {
     TORCH_CHECK(value.dim() == 0, "masked_fill_ only supports a 0-dimensional value tensor, but got tensor with ",
                 value.dim(), " dimension(s).");
     // The value's own float8 bytes may sit on the GPU: read it through copy_.
@@ -235,13 +235,14 @@ at::Tensor& masked_fill_tensor_impl(at::Tensor& self, const at::Tensor& mask, co
 }
 
 template <c10::DispatchKey K>
-at::Tensor repeat_impl(const at::Tensor& self, at::IntArrayRef repeats) {
+at::Tensor repeat_impl(const at::Tensor& self, c10::SymIntArrayRef repeats) {
   if (!is_fp8(self.scalar_type())) {
     static const PassThrough<at::_ops::repeat> stock(K);
-    return stock(self, c10::fromIntArrayRefSlow(repeats));
+    return stock(self, repeats);
   }
-  return route(kRepeat, K, not_strided(self), [&] {
-    return call_stock<at::Tensor>("aten::repeat", K, bytes(self), repeats).view(self.scalar_type());
+  return route<decltype(repeat_impl<K>)>(kRepeat, K, not_strided(self), [&] {
+    return call_stock<at::Tensor>("aten::repeat", K, bytes(self), C10_AS_INTARRAYREF_SLOW(repeats))
+        .view(self.scalar_type());
   }, self, repeats);
 }
 
@@ -251,7 +252,7 @@ at::Tensor flip_impl(const at::Tensor& self, at::IntArrayRef dims) {
     static const PassThrough<at::_ops::flip> stock(K);
     return stock(self, dims);
   }
-  return route(kFlip, K, not_strided(self), [&] {
+  return route<decltype(flip_impl<K>)>(kFlip, K, not_strided(self), [&] {
     return call_stock<at::Tensor>("aten::flip", K, bytes(self), dims).view(self.scalar_type());
   }, self, dims);
 }

@@ -203,17 +203,17 @@ bool fits_32_bits(int64_t rows, int64_t row_stride, int64_t cols, int64_t col_st
 
 Reason problem_unsupported(const at::Tensor& a, const at::Tensor& b) {
   for (const at::Tensor* t : {&a, &b})
-    if (t->layout() != at::kStrided) return "layout is not strided";
+    if (t->layout() != at::kStrided) return because::not_strided;
   // Rows and columns of a and of one group of b, in whichever orientation.
   auto last2 = [](const at::Tensor& t) {
     return fits_32_bits(t.size(-2), t.stride(-2), t.size(-1), t.stride(-1));
   };
-  if (!last2(a) || !last2(b)) return "a matrix with more than 2^32 elements per group";
+  if (!last2(a) || !last2(b)) return because::group_past_2_32;
   for (const at::Tensor* t : {&a, &b})
     if (t->size(-1) > std::numeric_limits<int32_t>::max() || t->size(-2) > std::numeric_limits<int32_t>::max() ||
         (t->dim() == 3 && t->size(0) > std::numeric_limits<int32_t>::max()))
-      return "a dimension past 2^31";
-  return "";
+      return because::dimension_past_2_31;
+  return {};
 }
 
 // ---------------------------------------------------------- the launch --
@@ -295,8 +295,8 @@ int64_t group_count(const at::Tensor& a, const at::Tensor& b, const c10::optiona
 // ------------------------------------------------------------ _grouped_mm --
 Reason grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() && is_float_dtype(a.scalar_type()) && is_float_dtype(b.scalar_type()))
-    return "operands of different dtypes";  // torch's own error follows
-  if (a.dim() < 2 || b.dim() < 2) return "";  // our checks raise torch's error
+    return because::mixed_dtypes;  // torch's own error follows
+  if (a.dim() < 2 || b.dim() < 2) return {};  // our checks raise torch's error
   return problem_unsupported(a, b);
 }
 
@@ -395,7 +395,7 @@ void check_scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at:
 }  // namespace
 
 Reason scaled_grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b) {
-  if (a.dim() < 2 || b.dim() < 2) return "";  // our checks raise torch's error
+  if (a.dim() < 2 || b.dim() < 2) return {};  // our checks raise torch's error
   return problem_unsupported(a, b);
 }
 
@@ -484,7 +484,7 @@ const RoutedOp kGroupedMm(FamilyId::grouped_mm, "aten::_grouped_mm"),
 template <DispatchKey K>
 at::Tensor grouped_mm_impl(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& offs,
                            const c10::optional<at::Tensor>& bias, c10::optional<c10::ScalarType> out_dtype) {
-  return route(kGroupedMm, K, grouped_mm_unsupported(a, b),
+  return route<decltype(grouped_mm_impl<K>)>(kGroupedMm, K, grouped_mm_unsupported(a, b),
                [&] { return mps_ext::grouped_mm(a, b, offs, bias, out_dtype); }, a, b, offs, bias, out_dtype);
 }
 
@@ -493,7 +493,7 @@ at::Tensor scaled_grouped_mm_impl(const at::Tensor& a, const at::Tensor& b, cons
                                   const at::Tensor& scale_b, const c10::optional<at::Tensor>& offs,
                                   const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale_result,
                                   c10::optional<c10::ScalarType> out_dtype, bool use_fast_accum) {
-  return route(kScaledGroupedMm, K, scaled_grouped_mm_unsupported(a, b),
+  return route<decltype(scaled_grouped_mm_impl<K>)>(kScaledGroupedMm, K, scaled_grouped_mm_unsupported(a, b),
                [&] { return mps_ext::scaled_grouped_mm(a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype); },
                a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype, use_fast_accum);
 }
@@ -512,11 +512,10 @@ Reason scaled_grouped_mm_v2_unsupported(const at::Tensor& a, const at::Tensor& b
   };
   auto no_swizzle = [](at::IntArrayRef s) { return s.empty() || (s.size() == 1 && s[0] == 0); };
   if (!one(scale_a, recipe_a) || !one(scale_b, recipe_b) || !no_swizzle(swizzle_a) || !no_swizzle(swizzle_b))
-    return Reason::built("scale recipes a=" + c10::str(recipe_a) + " b=" + c10::str(recipe_b) + ", swizzles a=" +
-                         c10::str(swizzle_a) + " b=" + c10::str(swizzle_b) +
-                         "; mps_ext takes RowWise (1) for both, one float32 scale tensor each, unswizzled");
+    return because::grouped_scale_recipes(c10::str("scale recipes a=", recipe_a, " b=", recipe_b, ", swizzles a=",
+                                                   swizzle_a, " b=", swizzle_b));
   if (!contraction_dim.empty() && !(contraction_dim.size() == 2 && contraction_dim[0] == -1 && contraction_dim[1] == -2))
-    return Reason::built("contraction_dim " + c10::str(contraction_dim) + "; mps_ext takes [] or [-1, -2]");
+    return because::grouped_contraction_dim(c10::str(contraction_dim));
   return scaled_grouped_mm_unsupported(a, b);
 }
 
@@ -527,7 +526,7 @@ at::Tensor scaled_grouped_mm_v2_impl(const at::Tensor& a, const at::Tensor& b, a
                                      const c10::optional<at::Tensor>& offs, const c10::optional<at::Tensor>& bias,
                                      c10::optional<c10::ScalarType> out_dtype, at::IntArrayRef contraction_dim,
                                      bool use_fast_accum) {
-  return route(kScaledGroupedMmV2, K,
+  return route<decltype(scaled_grouped_mm_v2_impl<K>)>(kScaledGroupedMmV2, K,
                scaled_grouped_mm_v2_unsupported(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b,
                                                 contraction_dim),
                [&] {

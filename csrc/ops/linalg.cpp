@@ -55,11 +55,11 @@ constexpr bool kMpsChecksPivots = !(TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MI
 
 // ------------------------------------------------------------- support --
 Reason dtype_unsupported(const Tensor& t) {
-  if (linalg::kernel_dtype(t.scalar_type())) return "";
-  return Reason::built(std::string("dtype ") + c10::toString(t.scalar_type()) + " (float32 and complex64 are handled)");
+  if (linalg::kernel_dtype(t.scalar_type())) return {};
+  return because::dtype_not_linalg(t.scalar_type());
 }
 
-const char* kInvalid = "an input torch rejects (torch's kernel reports it)";
+constexpr Reason kInvalid = because::input_torch_rejects;
 
 // Why a square-matrix op does not take A.
 Reason square_unsupported(const Tensor& A) {
@@ -95,7 +95,7 @@ Reason lu_factor_unsupported(const Tensor& A) {
   if (A.dim() < 2) return kInvalid;
   Reason why = dtype_unsupported(A);
   if (!why) why = linalg::operand_unsupported(A, 2, LINALG_MAX_ROWS);
-  if (!why && A.size(-1) > LINALG_MAX_ROWS) why = "matrices of more than 512 columns";
+  if (!why && A.size(-1) > LINALG_MAX_ROWS) why = because::columns_past_512;
   return why;
 }
 
@@ -123,7 +123,7 @@ Reason lu_unpack_unsupported(const Tensor& LU, const Tensor& pivots, bool unpack
     if (pivots.scalar_type() != at::kInt || pivots.device() != LU.device()) return kInvalid;
     auto want = LU.sizes().slice(0, LU.dim() - 2).vec();
     want.push_back(std::min(LU.size(-2), LU.size(-1)));
-    if (pivots.sizes() != c10::IntArrayRef(want)) return "pivots not of the shape LU.shape[:-2] + (k,)";
+    if (pivots.sizes() != c10::IntArrayRef(want)) return because::pivots_shape;
   }
   Reason why = dtype_unsupported(LU);
   // The kernel holds the permutation of a matrix's rows in threadgroup memory.
@@ -292,14 +292,14 @@ const RoutedOp kLinalgSlogdet(FamilyId::linalg, "aten::_linalg_slogdet");
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor> lu_factor_ex_impl(const Tensor& A, bool pivot, bool check_errors) {
-  return route(kLinalgLuFactorEx, K, lu_factor_unsupported(A),
+  return route<decltype(lu_factor_ex_impl<K>)>(kLinalgLuFactorEx, K, lu_factor_unsupported(A),
                [&] { return lu_factor_ex(A, pivot, check_errors, "torch.linalg.lu_factor_ex"); }, A, pivot,
                check_errors);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor> lu_factor_impl(const Tensor& A, bool pivot) {
-  return route(kLinalgLuFactor, K, lu_factor_unsupported(A),
+  return route<decltype(lu_factor_impl<K>)>(kLinalgLuFactor, K, lu_factor_unsupported(A),
                [&] {
                  auto r = lu_factor_ex(A, pivot, true, "torch.linalg.lu_factor");
                  return std::make_tuple(std::get<0>(r), std::get<1>(r));
@@ -311,55 +311,55 @@ template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor> linalg_lu_impl(const Tensor& A, bool pivot) {
   TORCH_CHECK(A.dim() >= 2, "linalg.lu: Expected tensor with 2 or more dimensions. Got size: ", A.sizes(),
               " instead");
-  return route(kLinalgLu, K, lu_factor_unsupported(A), [&] { return factor_and_unpack(A, pivot); }, A,
+  return route<decltype(linalg_lu_impl<K>)>(kLinalgLu, K, lu_factor_unsupported(A), [&] { return factor_and_unpack(A, pivot); }, A,
                pivot);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor> lu_unpack_impl(const Tensor& LU, const Tensor& pivots, bool unpack_data,
                                                   bool unpack_pivots) {
-  return route(kLuUnpack, K, lu_unpack_unsupported(LU, pivots, unpack_pivots),
+  return route<decltype(lu_unpack_impl<K>)>(kLuUnpack, K, lu_unpack_unsupported(LU, pivots, unpack_pivots),
                [&] { return unpack(LU, pivots, unpack_data, unpack_pivots); }, LU, pivots, unpack_data,
                unpack_pivots);
 }
 
 template <DispatchKey K>
 Tensor solve_triangular_impl(const Tensor& A, const Tensor& B, bool upper, bool left, bool unitriangular) {
-  return route(kLinalgSolveTriangular, K, solve_triangular_unsupported(A, B, left),
+  return route<decltype(solve_triangular_impl<K>)>(kLinalgSolveTriangular, K, solve_triangular_unsupported(A, B, left),
                [&] { return solve_triangular(A, B, upper, left, unitriangular); }, A, B, upper, left, unitriangular);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor> triangular_solve_impl(const Tensor& B, const Tensor& A, bool upper, bool transpose,
                                                  bool unitriangular) {
-  return route(kTriangularSolve, K, solve_triangular_unsupported(A, B, true),
+  return route<decltype(triangular_solve_impl<K>)>(kTriangularSolve, K, solve_triangular_unsupported(A, B, true),
                [&] { return triangular_solve_with_clone(B, A, upper, transpose, unitriangular); }, B, A, upper, transpose,
                unitriangular);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor> inv_ex_impl(const Tensor& A, bool check_errors) {
-  return route(kLinalgInvEx, K, square_unsupported(A), [&] { return inv_ex(A, check_errors); }, A,
+  return route<decltype(inv_ex_impl<K>)>(kLinalgInvEx, K, square_unsupported(A), [&] { return inv_ex(A, check_errors); }, A,
                check_errors);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor, Tensor> solve_ex_impl(const Tensor& A, const Tensor& B, bool left,
                                                          bool check_errors) {
-  return route(kLinalgSolveEx, K, solve_ex_unsupported(A, B, left),
+  return route<decltype(solve_ex_impl<K>)>(kLinalgSolveEx, K, solve_ex_unsupported(A, B, left),
                [&] { return solve_ex(A, B, left, check_errors); }, A, B, left, check_errors);
 }
 
 template <DispatchKey K>
 Tensor lu_solve_impl(const Tensor& LU, const Tensor& pivots, const Tensor& B, bool left, bool adjoint) {
   check_lu_solve(LU, pivots, B, left);
-  return route(kLinalgLuSolve, K, lu_solve_unsupported(LU, pivots, B),
+  return route<decltype(lu_solve_impl<K>)>(kLinalgLuSolve, K, lu_solve_unsupported(LU, pivots, B),
                [&] { return solve_with_factors(LU, pivots, B, left, adjoint); }, LU, pivots, B, left, adjoint);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor> det_impl(const Tensor& A) {
-  return route(kLinalgDet, K, square_unsupported(A),
+  return route<decltype(det_impl<K>)>(kLinalgDet, K, square_unsupported(A),
                [&] {
                  Factors f = det_factors(A, LINALG_DET);
                  return std::make_tuple(f.det, f.lu, f.pivots);
@@ -369,7 +369,7 @@ std::tuple<Tensor, Tensor, Tensor> det_impl(const Tensor& A) {
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor, Tensor> slogdet_impl(const Tensor& A) {
-  return route(kLinalgSlogdet, K, square_unsupported(A),
+  return route<decltype(slogdet_impl<K>)>(kLinalgSlogdet, K, square_unsupported(A),
                [&] {
                  Factors f = det_factors(A, LINALG_SLOGDET);
                  return std::make_tuple(f.det, f.logabsdet, f.lu, f.pivots);

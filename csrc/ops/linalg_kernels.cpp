@@ -182,15 +182,15 @@ void launch_solve(const at::Tensor& a, const at::Tensor& pivots, const at::Tenso
 bool kernel_dtype(c10::ScalarType t) { return t == at::kFloat || t == at::kComplexFloat; }
 
 Reason operand_unsupported(const at::Tensor& t, int64_t matrix_dims, int64_t max_rows) {
-  if (t.layout() != at::kStrided) return "layout is not strided";
-  if (t.dim() - matrix_dims > MPS_EXT_MAX_DIMS) return "more than 8 batch dimensions";
-  if (t.dim() < matrix_dims) return "";  // torch's checks report it
+  if (t.layout() != at::kStrided) return because::not_strided;
+  if (t.dim() - matrix_dims > MPS_EXT_MAX_DIMS) return because::batch_dims_past_8;
+  if (t.dim() < matrix_dims) return {};  // torch's checks report it
   int64_t span = 0;
   for (int64_t d = t.dim() - matrix_dims; d < t.dim(); ++d) span += (t.size(d) - 1) * t.stride(d);
-  if (span >= (int64_t(1) << 31)) return "a matrix spans 2^31 elements or more";
+  if (span >= (int64_t(1) << 31)) return because::matrix_spans_2_31;
   if (matrix_dims == 2 && t.size(-2) > max_rows)
-    return Reason::built("matrices of more than " + std::to_string(max_rows) + " rows");
-  return "";
+    return because::rows_past(max_rows);
+  return {};
 }
 
 c10::optional<std::vector<int64_t>> broadcast_batch(const at::Tensor& a, int64_t a_dims, const at::Tensor& b,

@@ -140,13 +140,13 @@ bool kernel_dtype(c10::ScalarType t) { return t == at::kFloat || t == at::kHalf 
 
 Reason dtypes_unsupported(std::initializer_list<const at::Tensor*> ts) {
   c10::ScalarType t = (*ts.begin())->scalar_type();
-  if (!kernel_dtype(t)) return Reason::built(std::string("dtype ") + c10::toString(t) + " (float32, float16 and bfloat16 are handled)");
+  if (!kernel_dtype(t)) return because::dtype_not_float(t);
   for (const at::Tensor* x : ts) {
     if (!x->defined()) continue;
-    if (x->scalar_type() != t) return "operands of different dtypes";
-    if (x->layout() != at::kStrided) return "layout is not strided";
+    if (x->scalar_type() != t) return because::mixed_dtypes;
+    if (x->layout() != at::kStrided) return because::not_strided;
   }
-  return "";
+  return {};
 }
 
 // The activation of linear as [rows, K] strides, if its leading dimensions
@@ -180,14 +180,14 @@ int64_t leading_rows(const at::Tensor& input) {
 Reason activation_unsupported(const at::Tensor& x) {
   int64_t last = 0;
   for (int64_t d = 0; d < x.dim(); ++d) last += (x.size(d) - 1) * x.stride(d);
-  if (last > INT32_MAX || (x.dim() > 0 && x.size(-1) > INT32_MAX)) return "activation offsets past 2^31 elements";
-  return "";
+  if (last > INT32_MAX || (x.dim() > 0 && x.size(-1) > INT32_MAX)) return because::activation_offsets_past_2_31;
+  return {};
 }
 
 Reason rows_unsupported(int64_t rows) {
-  if (rows == 0) return "";  // an empty result
-  if (rows > kMaxDecodeRows) return "more than 8 rows (a general matmul)";
-  return "";
+  if (rows == 0) return {};  // an empty result
+  if (rows > kMaxDecodeRows) return because::rows_past_8;
+  return {};
 }
 
 // alpha and beta as the kernel's float, converted as aten's addmm converts
@@ -205,11 +205,11 @@ Reason linear_unsupported(const at::Tensor& input, const at::Tensor& weight,
                                const c10::optional<at::Tensor>& bias) {
   Reason why = dtypes_unsupported({&input, &weight, bias ? &*bias : &weight});
   if (why) return why;
-  if (input.dim() == 0 || weight.dim() != 2 || input.size(-1) != weight.size(1)) return "shapes torch rejects";  // its error follows
+  if (input.dim() == 0 || weight.dim() != 2 || input.size(-1) != weight.size(1)) return because::shapes_torch_rejects;  // its error follows
   if (bias && bias->defined() && !(bias->dim() == 1 && bias->size(0) == weight.size(0)))
-    return "a bias that is not 1-D of size N";
+    return because::bias_not_1d_n;
   int64_t row_stride;
-  if (!flat_rows(input, row_stride)) return "activation rows that do not flatten without a copy";
+  if (!flat_rows(input, row_stride)) return because::rows_do_not_flatten;
   why = activation_unsupported(input);
   if (why) return why;
   return rows_unsupported(leading_rows(input));
@@ -244,8 +244,8 @@ Reason mm_unsupported(const RoutedOp& op, const at::Tensor& mat1, const at::Tens
                       c10::DispatchKey key) {
   Reason why = dtypes_unsupported({&mat1, &mat2, self ? self : &mat1});
   if (why) return why;
-  if (mat1.dim() != 2 || mat2.dim() != 2 || mat1.size(1) != mat2.size(0)) return "shapes torch rejects";  // its error follows
-  if (self && !self->defined()) return "";
+  if (mat1.dim() != 2 || mat2.dim() != 2 || mat1.size(1) != mat2.size(0)) return because::shapes_torch_rejects;  // its error follows
+  if (self && !self->defined()) return {};
   // (The activation: see mm_transposed below.)
   why = activation_unsupported(mat1.size(0) <= mat2.size(1) && mat1.size(0) <= kMaxDecodeRows ? mat1 : mat2);
   if (why) return why;
@@ -279,15 +279,15 @@ static Problem mm_problem(const at::Tensor& mat1, const at::Tensor& mat2, const 
 
 Reason out_unsupported(const at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2,
                             const at::Tensor* self) {
-  if (out.scalar_type() != mat1.scalar_type()) return "an out tensor of another dtype";
+  if (out.scalar_type() != mat1.scalar_type()) return because::out_of_another_dtype;
   if (out.dim() != 2 || out.size(0) != mat1.size(0) || out.size(1) != mat2.size(1))
-    return "an out tensor that needs resizing";
-  if (!out.is_contiguous()) return "a non-contiguous out tensor";
+    return because::out_needs_resizing;
+  if (!out.is_contiguous()) return because::out_not_contiguous;
   // The kernels read the inputs while other threadgroups write the output.
   for (const at::Tensor* t : {&mat1, &mat2, self})
     if (t && t->defined() && at::get_overlap_status(out, *t) != at::MemOverlapStatus::No)
-      return "an out tensor that overlaps an input";
-  return "";
+      return because::out_overlaps_input;
+  return {};
 }
 
 // mat1 @ mat2 written into y ([M, N], contiguous); K == 0 writes zeros.
@@ -348,20 +348,20 @@ const RoutedOp kLinear(FamilyId::linear, "aten::linear"), kMm(FamilyId::linear, 
 
 template <DispatchKey K>
 at::Tensor linear_impl(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  return route(kLinear, K, linear_unsupported(input, weight, bias),
+  return route<decltype(linear_impl<K>)>(kLinear, K, linear_unsupported(input, weight, bias),
                [&] { return mps_ext::linear(input, weight, bias); }, input, weight, bias);
 }
 
 template <DispatchKey K>
 at::Tensor mm_impl(const at::Tensor& self, const at::Tensor& mat2) {
-  return route(kMm, K, mm_unsupported(kMm, self, mat2, nullptr, K),
+  return route<decltype(mm_impl<K>)>(kMm, K, mm_unsupported(kMm, self, mat2, nullptr, K),
                [&] { return mps_ext::mm(self, mat2); }, self, mat2);
 }
 
 template <DispatchKey K>
 at::Tensor addmm_impl(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
                       const c10::Scalar& beta, const c10::Scalar& alpha) {
-  return route(kAddmm, K, mm_unsupported(kAddmm, mat1, mat2, &self, K),
+  return route<decltype(addmm_impl<K>)>(kAddmm, K, mm_unsupported(kAddmm, mat1, mat2, &self, K),
                [&] { return mps_ext::addmm(self, mat1, mat2, beta, alpha); }, self, mat1, mat2, beta, alpha);
 }
 
@@ -374,7 +374,7 @@ template <DispatchKey K>
 at::Tensor& mm_out_impl(const at::Tensor& self, const at::Tensor& mat2, at::Tensor& out) {
   Reason why = mm_unsupported(kMmOut, self, mat2, nullptr, K);
   if (!why) why = out_unsupported(out, self, mat2, nullptr);
-  route(kMmOut, K, why, [&] { return mps_ext::mm_out(self, mat2, out); }, self, mat2,
+  route<decltype(mm_out_impl<K>)>(kMmOut, K, why, [&] { return mps_ext::mm_out(self, mat2, out); }, self, mat2,
         out);
   return out;
 }
@@ -384,7 +384,7 @@ at::Tensor& addmm_out_impl(const at::Tensor& self, const at::Tensor& mat1, const
                            const c10::Scalar& beta, const c10::Scalar& alpha, at::Tensor& out) {
   Reason why = mm_unsupported(kAddmmOut, mat1, mat2, &self, K);
   if (!why) why = out_unsupported(out, mat1, mat2, &self);
-  route(kAddmmOut, K, why,
+  route<decltype(addmm_out_impl<K>)>(kAddmmOut, K, why,
         [&] { return mps_ext::addmm_out(self, mat1, mat2, beta, alpha, out); }, self, mat1, mat2, beta, alpha, out);
   return out;
 }

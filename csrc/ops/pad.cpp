@@ -107,13 +107,13 @@ const char* size_name(int64_t itemsize) {
 }  // namespace
 
 Reason pad_unsupported(const at::Tensor& self, c10::IntArrayRef) {
-  if (self.layout() != at::kStrided) return "layout is not strided";
-  if (self.is_quantized()) return "quantized tensor";
+  if (self.layout() != at::kStrided) return because::not_strided;
+  if (self.is_quantized()) return because::quantized;
   int64_t itemsize = self.itemsize();
   if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8)
-    return Reason::built(std::string("dtype ") + c10::toString(self.scalar_type()) + " (elements of 1, 2, 4 or 8 bytes are handled)");
-  if (self.dim() > MPS_EXT_MAX_DIMS) return "more than 8 dimensions";
-  return "";
+    return because::dtype_not_1248_bytes(self.scalar_type());
+  if (self.dim() > MPS_EXT_MAX_DIMS) return because::dims_past_8;
+  return {};
 }
 
 at::Tensor constant_pad(const at::Tensor& self, c10::IntArrayRef pad, const c10::Scalar& value) {
@@ -183,7 +183,7 @@ const RoutedOp kConstantPad(FamilyId::pad, "aten::constant_pad_nd");
 template <c10::DispatchKey K>
 at::Tensor constant_pad_impl(const at::Tensor& self, c10::SymIntArrayRef pad, const c10::Scalar& value) {
   c10::IntArrayRef p = C10_AS_INTARRAYREF_SLOW(pad);
-  return route(kConstantPad, K, pad_unsupported(self, p),
+  return route<decltype(constant_pad_impl<K>)>(kConstantPad, K, pad_unsupported(self, p),
                [&] { return constant_pad(self, p, value); }, self, pad, value);
 }
 

@@ -9,27 +9,79 @@
 #include <functional>
 #include <memory>
 #include <set>
-#include <unordered_set>
+#include <unordered_map>
+#include <vector>
 
 #include "ops/kernel_choice.h"
 
 namespace mps_ext {
 
 // ------------------------------------------------------------- reasons --
-Reason Reason::built(const std::string& text) {
-  if (text.empty()) return {};
-  static std::mutex mutex;
-  static auto* interned = new std::unordered_set<std::string>();  // never freed: reasons point into it
-  std::lock_guard<std::mutex> g(mutex);
-  return Reason(interned->insert(text).first->c_str());
+namespace reason_detail {
+namespace {
+std::mutex g_texts_mutex;
+// Never shrinks: a counted reason may name any of them.
+std::vector<std::string>& texts() {
+  static auto* t = new std::vector<std::string>();
+  return *t;
+}
+std::unordered_map<std::string, uint32_t>& text_index() {
+  static auto* t = new std::unordered_map<std::string, uint32_t>();
+  return *t;
+}
+}  // namespace
+
+uint32_t intern(const std::string& text) {
+  std::lock_guard<std::mutex> g(g_texts_mutex);
+  auto [it, added] = text_index().emplace(text, static_cast<uint32_t>(texts().size()));
+  if (added) {
+    // A reason's text is made from what a call gets wrong, not from its
+    // data: this many distinct ones means a bug that builds texts per call.
+    TORCH_CHECK(texts().size() < kArgLimit, "mps_ext: more than 2^24 distinct fallback reason texts");
+    texts().push_back(text);
+  }
+  return it->second;
+}
+
+std::string interned(uint32_t index) {
+  std::lock_guard<std::mutex> g(g_texts_mutex);
+  return index < texts().size() ? texts()[index] : "";
+}
+}  // namespace reason_detail
+
+std::string Reason::text() const {
+  using namespace reason_detail;
+  const auto id = static_cast<size_t>(this->id());
+  if (code_ == 0 || id >= std::size(kTexts)) return "";
+  std::string out;
+  uint64_t args = code_ >> 16;
+  for (const char* s = kTexts[id]; *s;) {
+    size_t length = 0;
+    const Slot slot = slot_at(s, &length);
+    if (slot == Slot::none) {
+      out += *s++;
+      continue;
+    }
+    const auto arg = static_cast<uint32_t>(args & (kArgLimit - 1));
+    args >>= 24;
+    s += length;
+    switch (slot) {
+      case Slot::dtype: out += c10::toString(static_cast<c10::ScalarType>(arg)); break;
+      case Slot::device: out += c10::DeviceTypeName(static_cast<c10::DeviceType>(arg)); break;
+      case Slot::n: out += std::to_string(arg); break;
+      case Slot::text: out += interned(arg); break;
+      case Slot::none: break;
+    }
+  }
+  return out;
 }
 
 void ReasonCounts::add(Reason r) {
-  const char* key = r.text();
-  size_t slot = std::hash<const void*>{}(key) % kSlots;
+  const uint64_t key = r.code();
+  size_t slot = std::hash<uint64_t>{}(key) % kSlots;
   for (size_t probe = 0; probe < kSlots; ++probe, slot = (slot + 1) % kSlots) {
-    const char* k = keys_[slot].load(std::memory_order_acquire);
-    if (k == nullptr && keys_[slot].compare_exchange_strong(k, key, std::memory_order_acq_rel)) k = key;
+    uint64_t k = keys_[slot].load(std::memory_order_acquire);
+    if (k == 0 && keys_[slot].compare_exchange_strong(k, key, std::memory_order_acq_rel)) k = key;
     if (k == key) {
       counts_[slot].fetch_add(1, std::memory_order_relaxed);
       return;
@@ -39,11 +91,11 @@ void ReasonCounts::add(Reason r) {
 }
 
 std::map<std::string, uint64_t> ReasonCounts::read() const {
-  std::map<std::string, uint64_t> out;  // one text may have several pointers (a literal per file)
+  std::map<std::string, uint64_t> out;  // two codes may read the same (two identical policy texts: one text)
   for (size_t i = 0; i < kSlots; ++i) {
-    const char* k = keys_[i].load(std::memory_order_acquire);
+    const uint64_t k = keys_[i].load(std::memory_order_acquire);
     const uint64_t n = counts_[i].load(std::memory_order_relaxed);
-    if (k && n) out[k] += n;
+    if (k && n) out[Reason::from_code(k).text()] += n;
   }
   if (uint64_t n = other_.load(std::memory_order_relaxed)) out["other reasons (more than the counters hold)"] += n;
   return out;
@@ -197,7 +249,8 @@ void Family::leave_to_torch(const std::string& op, c10::DispatchKey key, const s
               " (its ops: ", c10::Join(", ", ops), ")");
   TORCH_CHECK(calls == Condition::all || (kept_dtypes.empty() && kept_args.empty()), "mps_ext: ", op,
               ": a rule whose calls a condition picks keeps no dtypes or arguments");
-  auto rule = std::make_unique<LeftToTorch>(LeftToTorch{why, kept_dtypes, {}, calls});
+  auto rule = std::make_unique<LeftToTorch>(LeftToTorch{why, kept_dtypes, {}, calls, Reason()});
+  if (!why.empty()) rule->reason = because::policy(why);
   if (!kept_args.empty()) {
     const c10::FunctionSchema& schema = op_handle(op).schema();
     for (const auto& [arg, value] : kept_args) {
@@ -259,18 +312,18 @@ c10::DeviceType device_of(c10::DispatchKey key) {
   }
 }
 
-Reason foreign_device_reason(c10::DeviceType got, c10::DeviceType want) {
-  return Reason::built(std::string("a ") + c10::DeviceTypeName(got) + " tensor beside " + c10::DeviceTypeName(want) +
-                       " tensors");
-}
-
 Reason precheck(const Family& fam, c10::DispatchKey key) {
-  if (!fam.enabled.load(std::memory_order_relaxed)) return "turned off";
-  if (fam.any_unavailable() && !fam.unavailable(key).empty()) return "kernels unavailable on this device";
-  if (key == c10::DispatchKey::CPU && !executor_allowed())
-    return "the CPU Metal executor was not asked for (mps_ext._executor_request.request())";
+  if (!fam.enabled.load(std::memory_order_relaxed)) return because::turned_off;
+  if (fam.any_unavailable() && !fam.unavailable(key).empty()) return because::kernels_unavailable;
+  if (key == c10::DispatchKey::CPU && !executor_allowed()) return because::executor_not_requested;
   return {};
 }
+
+namespace {
+std::atomic<uint64_t> g_boxed_fallbacks{0};
+}
+void count_boxed_fallback() { g_boxed_fallbacks.fetch_add(1, std::memory_order_relaxed); }
+uint64_t boxed_fallbacks() { return g_boxed_fallbacks.load(std::memory_order_relaxed); }
 
 std::string cannot_run(const char* op, c10::DispatchKey key, Reason reason) {
   return std::string("mps_ext: ") + op + " cannot run on " + c10::DeviceTypeName(device_of(key)) + " here (" +
@@ -283,7 +336,8 @@ const RoutedOp::Stock& RoutedOp::stock(c10::DispatchKey key) const {
   auto& cached = key == c10::DispatchKey::MPS ? stock_mps_ : stock_cpu_;
   if (const Stock* s = cached.load(std::memory_order_acquire)) return *s;
   // Two threads may both look it up: one copy is kept, the other leaks (once per op and key).
-  auto* s = new Stock{&stock_kernel(name, key), op_handle(name)};
+  const c10::SafeKernelFunction& kernel = stock_kernel(name, key);
+  auto* s = new Stock{&kernel, &compat::kernel_function(kernel), op_handle(name)};
   const Stock* expected = nullptr;
   if (!cached.compare_exchange_strong(expected, s, std::memory_order_acq_rel)) return *expected;
   return *s;

@@ -21,15 +21,17 @@
 //   - a tensor argument lives on another device than the kernel's (a 0-dim
 //     CPU tensor beside MPS tensors: torch's kernel does what torch does);
 //   - the op says it does not handle these inputs (`unsupported`);
-// and counts the reason. A reason that is a policy decision (torch has as
-// good a kernel) starts with "policy: ": the self-check and the tests accept
-// those fallbacks on MPS, and "turned off", but no other. Everything here is
-// generic over op families: a new family gets all of it by calling route.
+// and counts the reason (ops/reasons.h). A reason that is a policy
+// decision (torch has as good a kernel) starts with "policy: ": the
+// self-check and the tests accept those fallbacks on MPS, and "turned off",
+// but no other. Everything here is generic over op families: a new family
+// gets all of it by calling route.
 //
 // Routing costs a few loads when the kernel runs: an op's family and policy
 // slot are resolved once (RoutedOp, a static per op), counters are relaxed
-// atomics, and a reason is a pointer to text that lives as long as the
-// process, turned into a string only when stats() reports it.
+// atomics, and a reason is an id of the reasons table (ops/reasons.h),
+// turned into text only when stats() reports it. A call that falls back
+// calls torch's kernel unboxed, with the op's own C++ signature (route<Sig>).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -50,6 +52,7 @@
 #include "backend/launch.h"
 #include "backend/torch_compat.h"
 #include "ops/families.h"
+#include "ops/reasons.h"
 
 namespace mps_ext {
 
@@ -61,26 +64,6 @@ enum class FamilyId : uint8_t {
 #define MPS_EXT_FAMILY_ONE(name) +1
 constexpr size_t kFamilyCount = 0 MPS_EXT_FAMILIES(MPS_EXT_FAMILY_ONE);
 #undef MPS_EXT_FAMILY_ONE
-
-// Why a call goes to the stock kernel: none (mps_ext's kernel takes it), or
-// text that lives as long as the process. Passing, returning and counting
-// one moves a pointer; no string is built where mps_ext's kernel runs.
-// A literal is its own code; text built from the arguments (a reason naming
-// a dtype) is interned once, so that it counts like a literal.
-class Reason {
- public:
-  constexpr Reason() = default;
-  constexpr Reason(const char* text) : text_(text && *text ? text : nullptr) {}  // NOLINT: literals are reasons
-  static Reason built(const std::string& text);  // interned; "" is none
-  explicit operator bool() const { return text_ != nullptr; }
-  const char* text() const { return text_ ? text_ : ""; }
-
- private:
-  const char* text_ = nullptr;
-};
-
-// The first of two reasons that is one.
-inline Reason operator||(Reason a, Reason b) { return a ? a : b; }
 
 // The named conditions of policy rules (mps_ext/_policy.py's Condition: the
 // same names, checked by tests/test_policy.py): the calls of an op a rule
@@ -119,8 +102,9 @@ struct LeftToTorch {
   // gives `why` as its `unsupported` reason; route does not apply the rule.
   Condition calls = Condition::all;
 
+  Reason reason;  // because::policy(why), made once with the rule
+
   bool applies(const torch::jit::Stack& args) const;
-  Reason reason() const { return Reason(why.c_str()); }  // rules are never freed
 };
 
 // Where route reads an op's rule for each key: one load per call.
@@ -131,8 +115,8 @@ struct RuleSlot {
 
 using RegisterKernels = void (*)(torch::Library&);
 
-// Counts per reason without a lock: reasons are pointers, so a slot is
-// claimed once (compare-and-swap) and then only incremented.
+// Counts per reason without a lock: a reason is one 64-bit code, so a slot
+// is claimed once (compare-and-swap) and then only incremented.
 class ReasonCounts {
  public:
   void add(Reason r);
@@ -141,7 +125,7 @@ class ReasonCounts {
 
  private:
   static constexpr size_t kSlots = 64;
-  std::array<std::atomic<const char*>, kSlots> keys_{};
+  std::array<std::atomic<uint64_t>, kSlots> keys_{};  // Reason::code(); 0: free
   std::array<std::atomic<uint64_t>, kSlots> counts_{};
   std::atomic<uint64_t> other_{0};  // when more than kSlots distinct reasons came
 };
@@ -237,6 +221,34 @@ c10::OperatorHandle op_handle(const std::string& op);
 c10::optional<c10::OperatorHandle> find_op(const std::string& op);
 
 namespace detail {
+// A captured kernel called as the dispatcher calls it: unboxed, with the
+// op's C++ signature `Sig` (the aten op's own, at::_ops::<op>::schema: the
+// dispatcher makes every kernel of an op take it, so an override's own
+// function type is it too). No IValue stack is built.
+template <class Sig>
+struct Unboxed;
+template <class Ret, class... Params>
+struct Unboxed<Ret(Params...)> {
+  template <class... Args>
+  static Ret call(const c10::KernelFunction& k, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                  Args&&... args) {
+    return k.call<Ret, Params...>(op, ks, std::forward<Args>(args)...);
+  }
+  // Whether KernelFunction::call boxes after all: a kernel with no unboxed
+  // function for Sig (a SymInt kernel called with int64_t arguments, or a
+  // boxed-only kernel).
+  static bool boxes(const c10::KernelFunction& k) {
+    if constexpr (std::disjunction_v<c10::has_symint<Params>...>)
+      return !k.isValidSymUnboxed() && !k.isValidUnboxed();
+    else
+      return !k.isValidUnboxed();
+  }
+};
+// Fallbacks of route that went through a boxed call (Unboxed::boxes): for
+// the test that none does.
+void count_boxed_fallback();
+uint64_t boxed_fallbacks();
+
 template <class Ret, class... Args>
 Ret call_boxed(const c10::SafeKernelFunction& kernel, const c10::OperatorHandle& op, c10::DispatchKey key,
                const Args&... args) {
@@ -267,9 +279,18 @@ class RoutedOp {
   // (the op's code calls this only for the calls `c` picks).
   Reason picked(c10::DispatchKey key, Condition c) const {
     const LeftToTorch* r = rule(key);
-    return r && r->calls == c ? r->reason() : Reason();
+    return r && r->calls == c ? r->reason : Reason();
   }
-  // Calls the stock kernel (boxed: a fallback, or an op without one).
+  // Calls the stock kernel unboxed, with the op's signature (route's
+  // fallback).
+  template <class Sig, class... Args>
+  decltype(auto) call_stock_unboxed(c10::DispatchKey key, Args&&... args) const {
+    const Stock& s = stock(key);
+    if (detail::Unboxed<Sig>::boxes(*s.unboxed)) detail::count_boxed_fallback();
+    return detail::Unboxed<Sig>::call(*s.unboxed, s.handle, c10::DispatchKeySet(key), std::forward<Args>(args)...);
+  }
+  // Calls the stock kernel boxed, with any arguments it takes (an fp8
+  // kernel running torch's on bytes).
   template <class Ret, class... Args>
   Ret call_stock(c10::DispatchKey key, const Args&... args) const {
     const Stock& s = stock(key);
@@ -280,6 +301,7 @@ class RoutedOp {
  private:
   struct Stock {
     const c10::SafeKernelFunction* kernel;  // in stock_kernel's map, never erased
+    const c10::KernelFunction* unboxed;     // what `kernel` wraps
     c10::OperatorHandle handle;
   };
   const Stock& stock(c10::DispatchKey key) const;
@@ -302,22 +324,14 @@ class PassThrough {
       : kernel_(compat::kernel_function(stock_kernel(name(), key))), op_(op_handle(name())), key_(key) {}
   template <class... Args>
   decltype(auto) operator()(Args&&... args) const {
-    return Call<typename Op::schema>::call(kernel_, op_, c10::DispatchKeySet(key_), std::forward<Args>(args)...);
+    return detail::Unboxed<typename Op::schema>::call(kernel_, op_, c10::DispatchKeySet(key_),
+                                                       std::forward<Args>(args)...);
   }
 
  private:
   static std::string name() {
     return std::string(Op::name) + (*Op::overload_name ? std::string(".") + Op::overload_name : "");
   }
-  template <class Sig>
-  struct Call;
-  template <class Ret, class... Params>
-  struct Call<Ret(Params...)> {
-    static Ret call(const c10::KernelFunction& k, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
-                    Params... args) {
-      return k.call<Ret, Params...>(op, ks, std::forward<Params>(args)...);
-    }
-  };
   c10::KernelFunction kernel_;  // a copy of the stock kernel (aten's are never deregistered)
   c10::OperatorHandle op_;
   c10::DispatchKey key_;
@@ -327,9 +341,8 @@ namespace detail {
 
 // A tensor argument on another device than `want`: why the call goes to the
 // stock kernel (none if none). Arguments that are not tensors are ignored.
-Reason foreign_device_reason(c10::DeviceType got, c10::DeviceType want);
 inline void foreign_device(const at::Tensor& t, c10::DeviceType want, Reason& why) {
-  if (!why && t.defined() && t.device().type() != want) why = foreign_device_reason(t.device().type(), want);
+  if (!why && t.defined() && t.device().type() != want) why = because::foreign_device(t.device().type(), want);
 }
 inline void foreign_device(const c10::optional<at::Tensor>& t, c10::DeviceType want, Reason& why) {
   if (t) foreign_device(*t, want, why);
@@ -358,10 +371,10 @@ template <class... Args>
 Reason policy(const RoutedOp& op, c10::DispatchKey key, const Args&... args) {
   const LeftToTorch* rule = op.rule(key);
   if (!rule || rule->calls != Condition::all) return {};
-  if (rule->kept_dtypes.empty() && rule->kept_args.empty()) return rule->reason();
+  if (rule->kept_dtypes.empty() && rule->kept_args.empty()) return rule->reason;
   torch::jit::Stack stack;
   (torch::jit::push(stack, args), ...);
-  return rule->applies(stack) ? rule->reason() : Reason();
+  return rule->applies(stack) ? rule->reason : Reason();
 }
 
 }  // namespace detail
@@ -388,23 +401,27 @@ auto route_to(const RoutedOp& op, c10::DispatchKey key, Reason unsupported, Ours
       // Nothing ours() wrote is returned: the fallback recomputes the whole
       // result, so an op that failed at its second dispatch is safe.
       fam.mark_unavailable(key, e.cause);
-      reason = "kernels unavailable on this device";
+      reason = because::kernels_unavailable;
     }
   }
   fam.count_fallback(reason);
   return theirs(reason);
 }
 
-// route_to with the stock kernel of the op for `key` as the fallback.
-template <class Ours, class... Args>
-auto route(const RoutedOp& op, c10::DispatchKey key, Reason unsupported, Ours ours, const Args&... args)
+// route_to with the stock kernel of the op for `key` as the fallback, called
+// unboxed with `Sig`, the op's C++ signature: the override's own type
+// (route<decltype(mm_impl<K>)>(...)), `args` its parameters as it got them.
+// (Not a redispatch below mps_ext's key: the override replaces torch's
+// kernel on that key, so the dispatcher would find mps_ext's kernel again.)
+template <class Sig, class Ours, class... Args>
+auto route(const RoutedOp& op, c10::DispatchKey key, Reason unsupported, Ours ours, Args&&... args)
     -> std::decay_t<decltype(ours())> {
   using Ret = std::decay_t<decltype(ours())>;
-  auto stock = [&](Reason reason) {
+  auto stock = [&](Reason reason) -> Ret {
     // An op torch has no kernel of its own for here (mps_ext registers it
     // rather than overriding it) has nowhere to go: say why.
     TORCH_CHECK(op.has_stock(key), detail::cannot_run(op.name, key, reason));
-    return op.call_stock<Ret>(key, args...);
+    return op.call_stock_unboxed<Sig>(key, args...);
   };
   return route_to(op, key, unsupported, ours, stock, args...);
 }

@@ -241,16 +241,16 @@ void run(const at::Tensor& x, const at::Tensor* y, const at::Tensor& out, int64_
 }
 
 Reason dims_unsupported(const at::Tensor& t) {
-  if (t.layout() != at::kStrided) return "layout is not strided";
-  if (t.dim() > MPS_EXT_MAX_DIMS + 1) return "more than 9 dimensions";
-  return "";
+  if (t.layout() != at::kStrided) return because::not_strided;
+  if (t.dim() > MPS_EXT_MAX_DIMS + 1) return because::dims_past_9;
+  return {};
 }
 
 }  // namespace
 
 Reason softmax_unsupported(const at::Tensor& self) {
   if (!is_kernel_float(self.scalar_type()))
-    return Reason::built(std::string("dtype ") + c10::toString(self.scalar_type()) + " (float32, float16 and bfloat16 are handled)");
+    return because::dtype_not_float(self.scalar_type());
   return dims_unsupported(self);
 }
 
@@ -271,9 +271,8 @@ Reason softmax_backward_unsupported(const at::Tensor& grad, const at::Tensor& ou
   bool same = input_dtype == grad.scalar_type();
   bool from_half_to_float = grad.scalar_type() == at::kFloat && input_dtype == at::kHalf;
   if (!same && !from_half_to_float)
-    return Reason::built(std::string("gradient ") + c10::toString(grad.scalar_type()) + " to input dtype " +
-           c10::toString(input_dtype));
-  return "";
+    return because::gradient_dtype(grad.scalar_type(), input_dtype);
+  return {};
 }
 
 at::Tensor softmax_backward(const at::Tensor& grad, const at::Tensor& output, int64_t dim,
@@ -302,20 +301,20 @@ const RoutedOp kSoftmax(FamilyId::softmax, "aten::_softmax"), kLogSoftmax(Family
 
 template <DispatchKey K>
 at::Tensor softmax_impl(const at::Tensor& self, int64_t dim, bool half_to_float) {
-  return route(kSoftmax, K, softmax_unsupported(self),
+  return route<decltype(softmax_impl<K>)>(kSoftmax, K, softmax_unsupported(self),
                [&] { return softmax_forward(self, dim, half_to_float, false); }, self, dim, half_to_float);
 }
 
 template <DispatchKey K>
 at::Tensor log_softmax_impl(const at::Tensor& self, int64_t dim, bool half_to_float) {
-  return route(kLogSoftmax, K, softmax_unsupported(self),
+  return route<decltype(log_softmax_impl<K>)>(kLogSoftmax, K, softmax_unsupported(self),
                [&] { return softmax_forward(self, dim, half_to_float, true); }, self, dim, half_to_float);
 }
 
 template <DispatchKey K>
 at::Tensor softmax_backward_impl(const at::Tensor& grad, const at::Tensor& output, int64_t dim,
                                  c10::ScalarType input_dtype) {
-  return route(kSoftmaxBackward, K,
+  return route<decltype(softmax_backward_impl<K>)>(kSoftmaxBackward, K,
                softmax_backward_unsupported(grad, output, input_dtype),
                [&] { return softmax_backward(grad, output, dim, input_dtype, false); }, grad, output, dim,
                input_dtype);
@@ -324,7 +323,7 @@ at::Tensor softmax_backward_impl(const at::Tensor& grad, const at::Tensor& outpu
 template <DispatchKey K>
 at::Tensor log_softmax_backward_impl(const at::Tensor& grad, const at::Tensor& output, int64_t dim,
                                      c10::ScalarType input_dtype) {
-  return route(kLogSoftmaxBackward, K,
+  return route<decltype(log_softmax_backward_impl<K>)>(kLogSoftmaxBackward, K,
                softmax_backward_unsupported(grad, output, input_dtype),
                [&] { return softmax_backward(grad, output, dim, input_dtype, true); }, grad, output, dim,
                input_dtype);

@@ -144,6 +144,8 @@ void bind_ops(py::module_& m) {
         "Test hook: 1 behaves as if a Metal GPU backend were present (a Mac: CPU tensors reach the executor only "
         "when it is asked for), 0 as if not, -1 as built.");
   m.def("_metal_backend_present", &metal_backend_present);
+  m.def("_boxed_fallbacks", &detail::boxed_fallbacks,
+        "How many of route's fallbacks to torch's kernel went through a boxed call (tests: none should).");
   m.def(
       "_warn_without_override_warning",
       [](const std::string& message) {
