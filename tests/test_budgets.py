@@ -73,7 +73,7 @@ def names(pattern: str, **axes) -> list[str]:
 
 
 GEMV_ROWS = [k for k in names("gemv_rows_{t}_r{r}_q{q}_{path}", t=("f32", "f16", "bf16"), r=(1, 2, 4, 8), q=(1, 2),
-                               path=("vec", "scalar")) if "_r8_q1_" not in k]
+                               path=("vec", "scalar")) if "_r4_q1_" not in k and "_r8_q1_" not in k]
 GEMV_COLS = names("gemv_cols_{t}_r{r}_{path}", t=("f32", "f16", "bf16"), r=(1, 2, 4, 8), path=("vec", "scalar"))
 GEMV_COLS_FINISH = names("gemv_cols_finish_{t}", t=("f32", "f16", "bf16"))
 # Softmax kernels come with 16-byte accesses (_i32_vec), element accesses
@@ -155,22 +155,8 @@ def lines(kernel):
     return MISALIGNED_LINES if kernel.endswith("_scalar") else 1.1
 
 
-# decode_geometry gives a threadgroup at least `rows` outputs, and a
-# simdgroup 2 from 4 outputs on: one output per simdgroup at 4 rows only for
-# 3 activation rows, which no benchmark case has. tests/ops/test_linear.py
-# runs them.
-GEMV_ROWS_Q1_R4 = ("gemv_rows with one output per simdgroup at 4 rows: 3 activation rows only (4 take 2 outputs a "
-                   "simdgroup), which no benchmark case has (tests/ops/test_linear.py runs it); the template of the "
-                   "measured ones")
-
-
-def gemv_rows_unreached(k):
-    return GEMV_ROWS_Q1_R4 if "_r4_q1_" in k else ""
-
-
 BUDGETS: dict[str, Budget] = {
-    **{k: Budget("linear", full_occupancy=True, lines=lines(k), unreached=gemv_rows_unreached(k), activation="x")
-       for k in GEMV_ROWS},
+    **{k: Budget("linear", full_occupancy=True, lines=lines(k), activation="x") for k in GEMV_ROWS},
     **{k: Budget("linear", full_occupancy=True, lines=lines(k), activation="x") for k in GEMV_COLS},
     **{k: Budget("linear", full_occupancy=True) for k in GEMV_COLS_FINISH},
     **{k: Budget("softmax", full_occupancy=True, unreached=SOFTMAX_VEC_UNREACHED if "_block_bf16" in k else "")
@@ -267,8 +253,8 @@ def library_infos() -> dict[str, cpu_metal.KernelInfo]:
 # name used at d22396b (issue 11's kernels, before the template), counted by
 # today's estimator (issue 11's table, docs/kernel_counters_issue11.md,
 # counted the CPU IR's 64-bit pointers and indices as 2 words each:
-# docs/kernel_counters_issue21.md). (gemv_rows_*_r8_q1 is gone: at 5 to 8
-# rows decode_geometry always gives a simdgroup 2 outputs.)
+# docs/kernel_counters_issue21.md). (gemv_rows_*_r4_q1 and _r8_q1 are gone:
+# at 3 to 8 rows decode_geometry always gives a simdgroup 2 outputs.)
 DECODE_REGISTERS_BEFORE = {
     "fp8_gemv_bf16_r1_scalar": 21, "fp8_gemv_bf16_r1_vec": 39, "fp8_gemv_bf16_r2_scalar": 24,
     "fp8_gemv_bf16_r2_vec": 42, "fp8_gemv_bf16_r4_scalar": 19, "fp8_gemv_bf16_r4_vec": 35,
@@ -340,11 +326,6 @@ LU_SOLVE_VECTOR = ("lu_solve with one right-hand side: x at 32 (f32) / 16 (c64) 
                    "(batch, n) matrix (batched_matrix_contiguous_strides), so x[b, i] is at b + batch * i and a "
                    "matrix's rows, one per lane, are a line apart; lanes over matrices instead would read the factors "
                    "(n^2 elements a matrix against x's n) a line per lane")
-# Issue 21's measured budgets (figures at the linear budget cases; decode.h,
-# the decode template, is being reworked by issue 21, point 2).
-GEMV_ROWS_Q1_REREAD = ("gemv_rows with one output per simdgroup and element loads at 4 rows: each 32-thread "
-                       "threadgroup stages all 4 activation rows for its one weight row, about 4 times the weight "
-                       "bytes (2 rows are within the budget since the geometry of issue 20's remainder)")
 # Decode variants still above the kernels they replaced (registers by today's
 # estimator: d22396b -> now), not brought back by this change.
 DECODE_FP8_SCALAR = ("fp8_gemv's element-load path (bf16_r1_scalar 21 -> 26, bf16_r2_scalar 24 -> 28, "
@@ -383,9 +364,7 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
     "threadgroups_per_core": {},
     "threadgroup_memory_residency": {
     },
-    "activation_rereads": {
-        **{k: GEMV_ROWS_Q1_REREAD for k in GEMV_ROWS if "_r4_q1_scalar" in k},
-    },
+    "activation_rereads": {},
     "divisions": {},
 }
 
