@@ -388,6 +388,19 @@ constexpr int decode_cols_ring_words_any() {
   return most;
 }
 
+// decode_cols' activations of rows [tile_k, tile_k + TK) of K into the
+// ring (below): rows past K (and activation rows past `rows`) stage as 0,
+// so that the products need no checks: their weights are 0 too.
+template <int R, int TK, typename Job>
+MPS_EXT_INLINE void decode_cols_stage(thread const Job& job, threadgroup float* x_tile, int tile_k, int k_end,
+                                      uint tid) {
+  constexpr int RING = 2 * TK, XS = RING + TK;
+  for (int t = int(tid); t < R * TK; t += DECODE_COLS_THREADS) {
+    const int r = t / TK, k = tile_k + t % TK;
+    x_tile[r * XS + (k & (RING - 1))] = r < job.rows && k < k_end ? job.xf.one(job.x_row(r)[long(k) * job.x_k]) : 0.0f;
+  }
+}
+
 // The job provides X and W (formats, as xf and wf: DecodeFloat types,
 // whose pieces DecodePiece rebuilds), rows, n, k, splits (of K; the split
 // this threadgroup takes is `split`), x_row(r) and x_k, w (the weight's
@@ -439,17 +452,15 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
   // The weight pointer advances by a step's rows: no 64-bit multiply in the loop.
   const device T* wp = job.w + long(k_begin + lane_row) * job.w_k + col0 * job.w_n;
   const long w_step = RS * job.w_k;
+  // With 4-byte pieces and element loads, the staging first, then the
+  // weight pieces, still before the barrier (in flight while the
+  // threadgroup waits there): loaded before the staging, they and what the
+  // staging needs would be live together (gmm_decode_cols at 8 rows: 31
+  // registers, not 24). 16-byte pieces (gemv_cols) load theirs first: in
+  // flight during the staging too, within their figures.
+  constexpr bool STAGE_FIRST = B != 16;
   for (int tile_k = k_begin; tile_k < k_end; tile_k += TK) {
-    // Rows past K (and activation rows past `rows`) stage as 0, so that the
-    // products below need no checks: their weights are 0 too.
-    for (int t = int(tid); t < R * TK; t += DECODE_COLS_THREADS) {
-      const int r = t / TK, k = tile_k + t % TK;
-      x_tile[r * XS + (k & (RING - 1))] = r < rows && k < k_end ? job.xf.one(job.x_row(r)[long(k) * job.x_k]) : 0.0f;
-    }
-    // The weight pieces next, before the barrier: in flight while the
-    // threadgroup waits there. (Loaded before the staging, they and what the
-    // staging needs would be live together: 31 registers at 8 rows with
-    // 4-byte pieces, not 26.)
+    if (STAGE_FIRST) decode_cols_stage<R, TK>(job, x_tile, tile_k, k_end, tid);
     typename P::type wv[U];
     MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
       const bool ok = tile_k + u * RS + lane_row < k_end;
@@ -462,10 +473,12 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
         wv[u] = P::template of_floats<E>(v, T(0));
       }
     }
+    if (!STAGE_FIRST) decode_cols_stage<R, TK>(job, x_tile, tile_k, k_end, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // Row k = tile_k + u * RS + lane_row of the ring is at base + u * RS
-    // (tile_k is a multiple of TK, the ring 2 TK): one value live, not a k per
-    // u (the weight loads' checks computed those).
+    // (tile_k is a multiple of TK, the ring 2 TK): one value live, not a k
+    // per u (the weight loads' checks computed those). (16-byte pieces: the
+    // ring index of each k, within their figures.)
     const int base = (tile_k + lane_row) & (RING - 1);
     MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
       const int g = kq % G;
@@ -482,7 +495,8 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
         } else {
           wf[0] = as_type<float>(P::word(wv[u], 0));
         }
-        const int slot = base - g + (g ^ m) + u * RS;  // (rows of one step: no wrap)
+        const int slot = STAGE_FIRST ? base - g + (g ^ m) + u * RS  // (rows of one step: no wrap)
+                                     : (tile_k + u * RS + lane_row - g + (g ^ m)) & (RING - 1);
         MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
           const float xr = x_tile[r * XS + slot];
           MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e) acc[r][e] += xr * wf[e];

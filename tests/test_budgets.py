@@ -328,18 +328,15 @@ LU_SOLVE_VECTOR = ("lu_solve with one right-hand side: x at 32 (f32) / 16 (c64) 
                    "(n^2 elements a matrix against x's n) a line per lane")
 # Decode variants still above the kernels they replaced (registers by today's
 # estimator: d22396b -> now), not brought back by this change.
-DECODE_FP8_SCALAR = ("fp8_gemv's element-load path (bf16_r1_scalar 21 -> 26, bf16_r2_scalar 24 -> 28, "
-                     "bf16_r4_scalar 19 -> 26, bf16_r8_scalar 27 -> 30, f16_r1_scalar 21 -> 26, f16_r2_scalar 24 "
-                     "-> 28, f16_r4_scalar 19 -> 26, f16_r8_scalar 27 -> 30, f32_r1_scalar 21 -> 26, "
-                     "f32_r2_scalar 24 -> 28, f32_r4_scalar 19 -> 26, fp8_r1_scalar 22 -> 26, fp8_r2_scalar 26 ->"
-                     " 28, fp8_r4_scalar 21 -> 26, fp8_r8_scalar 29 -> 30): at the peak, the staged block scales'"
-                     " addresses and the CPU IR's 64-bit loop counters")
-DECODE_FP8_R4 = ("fp8_gemv at 4 rows with 16-byte loads (bf16_r4_vec 35 -> 39, f16_r4_vec 35 -> 39, fp8_r4_vec 34"
-                 " -> 40): at the peak, 2 pieces in flight, the scaled weights and the tile loop's 64-bit counter")
-DECODE_GMM_COLS = ("gmm_decode_cols on decode_cols (bf16_scalar 26 -> 43, bf16_vec 38 -> 47, f16_scalar 26 -> 43,"
-                   " f16_vec 38 -> 47, f32_scalar 26 -> 43, f32_vec 26 -> 44): gemv_cols' 16-byte pieces with "
-                   "lane-group shuffles (gemv_cols' own figures), where the old kernel had a lane own one 4-byte "
-                   "word of columns, 4 words in flight as floats, 32-bit indices")
+DECODE_FP8_SCALAR = ("fp8_gemv's element-load path at 4 rows under bf16, f16 and f32 activations (19 -> 20; "
+                     "26 before the one-word pieces): at the peak, the staged tile's and block scales' addresses "
+                     "and the lane's piece index, which the old kernel (its activations read from memory, a scale "
+                     "block at a time) did not keep; the other element-load variants are within theirs")
+DECODE_FP8_R4 = ("fp8_gemv at 4 rows with 16-byte loads (bf16_r4_vec 35 -> 38, f16_r4_vec 35 -> 38, fp8_r4_vec 34"
+                 " -> 39; 39-40 before 32-bit index arithmetic): at the peak, 2 pieces in flight (8 registers: the old"
+                 " kernel's 2 outputs of a piece each, now 1 output of 2), the 4 scaled weights, and the tile loop's "
+                 "counter, which the CPU IR keeps in 64 bits (the block scales' loop count is its umax). One piece in "
+                 "flight would be 4 fewer, at half the weight bytes a lane has in flight")
 NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met yet}
     "coalescing": {
         "constant_pad_4_i32": PAD_SHORT_ROWS,
@@ -355,9 +352,8 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
     "no_private_memory": {},
     "no_bank_conflicts": {},
     "decode_registers": {
-        **{k: DECODE_FP8_SCALAR for k in FP8_GEMV if k.endswith("_scalar") and k != "fp8_gemv_f32_r8_scalar"},
+        **{k: DECODE_FP8_SCALAR for k in names("fp8_gemv_{a}_r4_scalar", a=("bf16", "f16", "f32"))},
         **{k: DECODE_FP8_R4 for k in names("fp8_gemv_{a}_r4_vec", a=("bf16", "f16", "fp8"))},
-        **{k: DECODE_GMM_COLS for k in GMM_DECODE if k.startswith("gmm_decode_cols_")},
     },
     "no_load_after_barrier": {
     },
