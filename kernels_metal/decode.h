@@ -21,15 +21,17 @@
 // pieces of them (16 bytes with VEC, one element without), so a simdgroup
 // reads 512 contiguous bytes of a row per load instruction. The threadgroup
 // stages the rows' activations in threadgroup memory, DECODE_TILE_BYTES of
-// them a step along K, so its simdgroups (up to 8) share one copy: the
-// activation bytes a threadgroup reads from the caches are the rows' bytes
-// once, against the weight bytes of all its outputs.
+// them a step along K, so that its simdgroups (up to DECODE_MAX_SIMDGROUPS,
+// 16) share one copy: the activation bytes a threadgroup reads from the
+// caches are the rows' bytes once, against the weight bytes of all its
+// outputs.
 //
 // Registers: these kernels are memory-bound, so they need every thread a
 // core can hold (full occupancy) to keep loads in flight: R * Q
-// accumulators + U * Q pieces in flight (4 registers each) stay within the job's budget of 24 (or
-// less where it keeps more of its own live), the rest of
-// cpu_metal.FULL_OCCUPANCY_REGISTERS for the converted words and addresses.
+// accumulators + U * Q pieces in flight (4 registers each with VEC, 1
+// without) stay within the job's budget of 24 (or less where it keeps more
+// of its own live), the rest of cpu_metal.FULL_OCCUPANCY_REGISTERS for the
+// converted words and addresses.
 #pragma once
 #include "decode_params.h"
 #include "fp8_codec.h"
@@ -105,21 +107,50 @@ constexpr int decode_tile_words_any() {
   return most;
 }
 
-// A lane's piece of a weight row, as bits: 16 bytes with VEC; without, one
-// element converted to float, in .x (the other words are never used, so
-// they take no registers).
-template <typename WF, bool VEC>
-MPS_EXT_INLINE uint4 decode_piece(thread const WF& wf, const device typename WF::T* p) {
-  if (VEC) return *(const device uint4*)p;
-  return uint4(as_type<uint>(wf.one(*p)), 0u, 0u, 0u);
-}
+// A lane's piece of a weight row, as bits: B = 16 bytes (a uint4) or 4
+// (one word, a uint), loaded as they are; B = 0, one element converted to
+// float (a uint: a uint4 with 3 unused words would still be 4 registers
+// wherever it is selected or merged, as the zero piece of an output that
+// does not exist is).
+template <int B>
+struct DecodePiece {
+  typedef uint4 type;
+  template <typename WF>
+  static MPS_EXT_INLINE type load(thread const WF&, const device typename WF::T* p) { return *(const device uint4*)p; }
+  // E floats of one row's piece (past the last column: zeros) as its bits.
+  template <int E, typename T>
+  static MPS_EXT_INLINE type of_floats(thread const float* v, T) { return pack16<E>(v, T(0)); }
+  static MPS_EXT_INLINE uint word(type v, int j) { return v[j]; }
+};
+template <>
+struct DecodePiece<4> {
+  typedef uint type;
+  template <typename WF>
+  static MPS_EXT_INLINE type load(thread const WF&, const device typename WF::T* p) { return *(const device uint*)p; }
+  static MPS_EXT_INLINE type pack(thread const float* v, float) { return as_type<uint>(v[0]); }
+  template <typename H>
+  static MPS_EXT_INLINE type pack(thread const float* v, H) { return as_type<uint>(vec<H, 2>(H(v[0]), H(v[1]))); }
+  template <int E, typename T>
+  static MPS_EXT_INLINE type of_floats(thread const float* v, T) { return pack(v, T(0)); }
+  static MPS_EXT_INLINE uint word(type v, int) { return v; }
+};
+template <>
+struct DecodePiece<0> {
+  typedef uint type;
+  template <typename WF>
+  static MPS_EXT_INLINE type load(thread const WF& wf, const device typename WF::T* p) { return as_type<uint>(wf.one(*p)); }
+  template <int E, typename T>
+  static MPS_EXT_INLINE type of_floats(thread const float* v, T) { return as_type<uint>(v[0]); }
+  static MPS_EXT_INLINE uint word(type v, int) { return v; }
+};
 
 // ------------------------------------------------------- the products --
 // acc[r * Q + q] += the products of one piece of each of the Q weight rows
 // (wv) with the activations staged for that piece (the tile's words from
 // tcu at stride TS); `block`: the piece's scale block within the tile.
 template <typename Job, int R, int Q, bool VEC, int TS>
-MPS_EXT_INLINE void decode_products(thread const Job& job, thread float* acc, thread const uint4* wv,
+MPS_EXT_INLINE void decode_products(thread const Job& job, thread float* acc,
+                                    thread const typename DecodePiece<VEC ? 16 : 0>::type* wv,
                                     const threadgroup uint* tcu, int block) {
   typedef DecodeShape<typename Job::X::T, typename Job::W::T, VEC> Shape;
   constexpr int NW = Shape::NW, AW = Shape::AW, WA = Shape::WA;
@@ -135,8 +166,8 @@ MPS_EXT_INLINE void decode_products(thread const Job& job, thread float* acc, th
   MPS_EXT_UNROLL for (int j = 0; j < (VEC ? 4 : 1); ++j) {
     float wf[Q][4];  // (NW used)
     MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
-      if (VEC) job.wf.word(wv[q][j], wf[q]);
-      else wf[q][0] = as_type<float>(wv[q].x);
+      if (VEC) job.wf.word(DecodePiece<VEC ? 16 : 0>::word(wv[q], j), wf[q]);
+      else wf[q][0] = as_type<float>(DecodePiece<VEC ? 16 : 0>::word(wv[q], 0));
       if (SCALED) {
         MPS_EXT_UNROLL for (int e = 0; e < NW; ++e) wf[q][e] *= ws[q];
       }
@@ -179,6 +210,8 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
   typedef typename Job::X XF;
   typedef typename Job::W WF;
   typedef DecodeShape<typename XF::T, typename WF::T, VEC> Shape;
+  typedef DecodePiece<VEC ? 16 : 0> P;
+  typedef typename P::type Piece;
   constexpr int E = Shape::E, NW = Shape::NW, AW = Shape::AW, WA = Shape::WA;
   constexpr bool SCALED = Job::BLOCK_SCALED != 0;
   constexpr int TP = decode_tile_pieces(R, WA, E, SCALED), TS = decode_tile_stride(TP, AW, VEC);
@@ -219,8 +252,13 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
     }
   }
 
+  // What derives from k0 and c below is unsigned arithmetic, selects and
+  // shifts, not min() or signed division: index arithmetic, which a GPU
+  // keeps in 32 bits (the CPU's IR, which cpu_metal's register estimate
+  // reads, would otherwise keep the loop counter c in 64 bits and 32).
   for (int k0 = 0; k0 < k_pieces; k0 += TP * E) {
-    const int pieces = min(TP * E, k_pieces - k0) / E;  // of each row in this tile
+    const int left = k_pieces - k0;
+    const int pieces = left >= TP * E ? TP : int(uint(left) / uint(E));  // of each row in this tile
     // Consecutive threads stage consecutive 16-byte quarters of a row's
     // pieces (VEC), or elements as floats; rows past `rows` stage as zeros,
     // so that the products need no check.
@@ -243,21 +281,22 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
     int c = int(lane);
     for (; c < pieces - 32 * (U - 1); c += 32 * U) {
       const threadgroup uint* tc = tile + c;
-      uint4 wv[U][Q];
+      Piece wv[U][Q];
       MPS_EXT_UNROLL for (int u = 0; u < U; ++u)
         MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
-          wv[u][q] = live[q] ? decode_piece<WF, VEC>(job.wf, wp[q] + u * u_step) : uint4(0u);
+          wv[u][q] = live[q] ? P::load(job.wf, wp[q] + u * u_step) : Piece(0u);
       MPS_EXT_UNROLL for (int u = 0; u < U; ++u)
-        decode_products<Job, R, Q, VEC, TS>(job, &acc[0][0], wv[u], tc + 32 * u, SCALED ? (c + 32 * u) * E / 128 : 0);
+        decode_products<Job, R, Q, VEC, TS>(job, &acc[0][0], wv[u], tc + 32 * u,
+                                            SCALED ? int(uint(c + 32 * u) * uint(E) / 128u) : 0);
       MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wp[q] += U * u_step;
     }
     // The last tile's last pieces, one at a time. (Past the tile's pieces
     // there is nothing to add, not even 0 times a staged value: an inf
     // activation would make it NaN.)
     for (; c < pieces; c += 32) {
-      uint4 wv[Q];
-      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wv[q] = live[q] ? decode_piece<WF, VEC>(job.wf, wp[q]) : uint4(0u);
-      decode_products<Job, R, Q, VEC, TS>(job, &acc[0][0], wv, tile + c, SCALED ? c * E / 128 : 0);
+      Piece wv[Q];
+      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wv[q] = live[q] ? P::load(job.wf, wp[q]) : Piece(0u);
+      decode_products<Job, R, Q, VEC, TS>(job, &acc[0][0], wv, tile + c, SCALED ? int(uint(c) * uint(E) / 128u) : 0);
       MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wp[q] += u_step;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -283,20 +322,41 @@ struct DecodeUnscaled {
 // The decode kernel of a weight whose N dimension is contiguous (x @ W with
 // W [K, N]): gemv_cols (gemv.metal) and gmm_decode_cols (grouped_mm.metal).
 // A threadgroup owns 128 bytes of columns (one cache line of each weight
-// row) and a range of K: 8 lanes cover the columns with 16-byte loads, 4
-// lanes and 8 simdgroups split the rows, and the partial sums add up
-// through shuffles and threadgroup memory. When the columns alone give too
-// few threadgroups, the host splits K over several (the job stores partial
-// sums; gemv_cols_finish adds them).
-// Registers: at most 16 accumulators (lanes along K in groups of 2 or 4
-// swap parts of their pieces) + U pieces in flight (at most 20 together) +
-// one activation and a piece's floats.
+// row; 32 columns with element loads) and a range of K: the lanes of a
+// row cover the columns with pieces of B bytes (16: 8 lanes, the other 4
+// along K; 4: all 32 lanes, a word each), 8 simdgroups split the rows, and
+// the partial sums add up through shuffles and threadgroup memory. When the
+// columns alone give too few threadgroups, the host splits K over several
+// (the job stores partial sums; gemv_cols_finish adds them).
+// Registers: at most 16 accumulators (with 16-byte pieces, lanes along K in
+// groups of 2 or 4 swap parts of their pieces) + U pieces in flight (at
+// most 20 words together) + one activation and a piece's floats. 4-byte
+// pieces (gmm_decode_cols) keep a lane's accumulators at one word's columns
+// (2 at most) a row and 4 words in flight at every row count; 16-byte ones
+// (gemv_cols) take a quarter of the load instructions.
 //
 // A lane's 16-byte piece holds E columns of one row of K. Lanes along K
 // in groups of G (rows k, k + 1, ... of one step, the same columns) swap
 // parts of their pieces so that each accumulates OWN = E / G columns of all
 // G rows: G = 1, 2 or 4, so that no lane holds more than 16 accumulators.
-constexpr int cols_group(int E, int R, bool VEC) { return !VEC ? 1 : E * R > 32 ? 4 : E * R > 16 ? 2 : 1; }
+template <int B, int TB, int R>  // B: bytes of a piece (0: an element), TB: of an element
+struct ColsShape {
+  enum {
+    E = B ? B / TB : 1,   // columns of a lane's piece
+    LN = B ? 128 / B : 32,  // lanes along N
+    LK = 32 / LN,         // lanes along K
+    PW = B ? B / 4 : 1,   // words of a piece
+    G = B == 16 && E * R > 32 ? 4 : B == 16 && E * R > 16 ? 2 : 1,
+    OWN = E / G,          // columns a lane accumulates
+    WO = PW / G,          // words of each row's piece it keeps
+    // Pieces a lane loads before it uses the first: 4 while the
+    // accumulators leave room, fewer as they grow (a power of two, for the
+    // activation ring of decode_cols).
+    U = floor_pow2(clamp_constexpr((20 - R * OWN) / PW, 1, 4)),
+    RS = (DECODE_COLS_THREADS / 32) * LK,  // rows of K a threadgroup step covers
+    TK = U * RS,          // ... and U steps
+  };
+};
 
 // V floats to threadgroup memory, one store (V = 1, 2 or 4).
 template <int V>
@@ -316,45 +376,49 @@ MPS_EXT_INLINE void store_floats<4>(threadgroup float* p, thread const float* v)
 // them: each simdgroup's, for DECODE_COLS_THREADS outputs), and the
 // activation ring of R rows.
 constexpr int decode_cols_partial_words() { return DECODE_COLS_THREADS / 32 * DECODE_COLS_THREADS; }
-template <typename T, bool VEC>
+template <typename T, int B>
 constexpr int decode_cols_ring_words(int R) {
-  const int E = VEC ? 16 / int(sizeof(T)) : 1, LN = VEC ? 8 : 32, RS = (DECODE_COLS_THREADS / 32) * (32 / LN);
-  const int G = cols_group(E, R, VEC), OWN = E / G;
-  const int U = !VEC || R * OWN <= 4 ? 4 : R * OWN <= 12 ? 2 : 1;
-  return R * 3 * U * RS;
+  return R * 3 * (R == 1 ? ColsShape<B, int(sizeof(T)), 1>::TK : R == 2 ? ColsShape<B, int(sizeof(T)), 2>::TK
+                  : R == 4 ? ColsShape<B, int(sizeof(T)), 4>::TK : ColsShape<B, int(sizeof(T)), 8>::TK);
 }
-template <typename T, bool VEC>
+template <typename T, int B>
 constexpr int decode_cols_ring_words_any() {
   int most = 0;
-  for (int R = 1; R <= 8; R *= 2) most = decode_cols_ring_words<T, VEC>(R) > most ? decode_cols_ring_words<T, VEC>(R) : most;
+  for (int R = 1; R <= 8; R *= 2) most = decode_cols_ring_words<T, B>(R) > most ? decode_cols_ring_words<T, B>(R) : most;
   return most;
 }
 
+// decode_cols' activations of rows [tile_k, tile_k + TK) of K into the
+// ring (below): rows past K (and activation rows past `rows`) stage as 0,
+// so that the products need no checks: their weights are 0 too.
+template <int R, int TK, typename Job>
+MPS_EXT_INLINE void decode_cols_stage(thread const Job& job, threadgroup float* x_tile, int tile_k, int k_end,
+                                      uint tid) {
+  constexpr int RING = 2 * TK, XS = RING + TK;
+  for (int t = int(tid); t < R * TK; t += DECODE_COLS_THREADS) {
+    const int r = t / TK, k = tile_k + t % TK;
+    x_tile[r * XS + (k & (RING - 1))] = r < job.rows && k < k_end ? job.xf.one(job.x_row(r)[long(k) * job.x_k]) : 0.0f;
+  }
+}
+
 // The job provides X and W (formats, as xf and wf: DecodeFloat types,
-// whose pieces pack16 rebuilds), rows, n, k, splits (of K; the split this
-// threadgroup takes is `split`), x_row(r) and x_k, w (the weight's element
-// [0, 0]), w_k and w_n, and store(r, n, total, split). `block`: the
-// threadgroup's block of columns.
-template <typename Job, int R, bool VEC>
+// whose pieces DecodePiece rebuilds), rows, n, k, splits (of K; the split
+// this threadgroup takes is `split`), x_row(r) and x_k, w (the weight's
+// element [0, 0]), w_k and w_n, and store(r, n, total, split). `block`: the
+// threadgroup's block of columns. B: the bytes of a piece (16 or 4, 0 for
+// element loads).
+template <typename Job, int R, int B>
 MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partial, threadgroup float* x_tile,
                                 uint block, uint split, uint tid, uint sg, uint lane) {
   typedef typename Job::W WF;
   typedef typename WF::T T;
-  constexpr int E = VEC ? 16 / int(sizeof(T)) : 1;  // columns of a lane's piece
-  constexpr int LN = VEC ? 8 : 32;       // lanes along N: 128 bytes of a row with VEC
-  constexpr int LK = 32 / LN;            // lanes along K
+  typedef ColsShape<B, int(sizeof(T)), R> Shape;
+  typedef DecodePiece<B> P;
+  constexpr bool VEC = B != 0;
+  constexpr int E = Shape::E, LN = Shape::LN, LK = Shape::LK, G = Shape::G, OWN = Shape::OWN, WO = Shape::WO;
+  constexpr int U = Shape::U, RS = Shape::RS, TK = Shape::TK;
   constexpr int CB = LN * E;             // columns of the threadgroup
   constexpr int S = DECODE_COLS_THREADS / 32;
-  constexpr int RS = S * LK;             // rows of K a threadgroup step covers
-  constexpr int G = cols_group(E, R, VEC);  // lanes along K that share their pieces
-  constexpr int OWN = E / G;                // columns a lane accumulates
-  constexpr int WO = 4 / G;                 // words of each row's piece it keeps (VEC)
-  // Pieces a lane loads before it uses the first: 4 while the accumulators
-  // are few, fewer as they grow (registers: accumulators + 4 U <= 20; U a
-  // power of two, for the activation ring below). Element loads: 4 (a piece
-  // is one register; 4 steps of 8 rows stage 32 consecutive activations of
-  // a row per simdgroup).
-  constexpr int U = !VEC || R * OWN <= 4 ? 4 : R * OWN <= 12 ? 2 : 1;
   constexpr int RB = DECODE_COLS_THREADS / CB;  // rows of partial sums per round through threadgroup memory
   // The activations of two steps of U * RS rows of K, as float: row r of x
   // at k in x_tile[r][k % (2 * TK)], a ring. Staged by consecutive threads
@@ -367,7 +431,6 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
   // no R * U addresses of its own live through the loop.
   // Rows of the ring XS = RING + TK words apart: where a simdgroup stages
   // several rows at once (TK < 32), they fall in distinct banks.
-  constexpr int TK = U * RS;
   constexpr int RING = 2 * TK, XS = RING + TK;
   static_assert((RING & (RING - 1)) == 0, "the ring is a power of two");
 
@@ -389,29 +452,35 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
   // The weight pointer advances by a step's rows: no 64-bit multiply in the loop.
   const device T* wp = job.w + long(k_begin + lane_row) * job.w_k + col0 * job.w_n;
   const long w_step = RS * job.w_k;
+  // With 4-byte pieces and element loads, the staging first, then the
+  // weight pieces, still before the barrier (in flight while the
+  // threadgroup waits there): loaded before the staging, they and what the
+  // staging needs would be live together (gmm_decode_cols at 8 rows: 31
+  // registers, not 24). 16-byte pieces (gemv_cols) load theirs first: in
+  // flight during the staging too, within their figures.
+  constexpr bool STAGE_FIRST = B != 16;
   for (int tile_k = k_begin; tile_k < k_end; tile_k += TK) {
-    // The weight pieces first: they are in flight while the tile is staged.
-    uint4 wv[U];
+    if (STAGE_FIRST) decode_cols_stage<R, TK>(job, x_tile, tile_k, k_end, tid);
+    typename P::type wv[U];
     MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
       const bool ok = tile_k + u * RS + lane_row < k_end;
       const device T* wu = wp + u * w_step;
       if (ok && ncols == E) {
-        wv[u] = decode_piece<WF, VEC>(job.wf, wu);
+        wv[u] = P::load(job.wf, wu);
       } else {  // past K, or a piece past the last column: its elements one by one, zeros beyond
         float v[E];
         MPS_EXT_UNROLL for (int e = 0; e < E; ++e) v[e] = ok && e < ncols ? job.wf.one(wu[e * job.w_n]) : 0.0f;
-        wv[u] = VEC ? pack16<E>(v, T(0)) : uint4(as_type<uint>(v[0]), 0u, 0u, 0u);
+        wv[u] = P::template of_floats<E>(v, T(0));
       }
     }
-    // Rows past K (and activation rows past `rows`) stage as 0, so that the
-    // products below need no checks: their weights are 0 too.
-    for (int t = int(tid); t < R * TK; t += DECODE_COLS_THREADS) {
-      const int r = t / TK, k = tile_k + t % TK;
-      x_tile[r * XS + (k & (RING - 1))] = r < rows && k < k_end ? job.xf.one(job.x_row(r)[long(k) * job.x_k]) : 0.0f;
-    }
+    if (!STAGE_FIRST) decode_cols_stage<R, TK>(job, x_tile, tile_k, k_end, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    // Row k = tile_k + u * RS + lane_row of the ring is at base + u * RS
+    // (tile_k is a multiple of TK, the ring 2 TK): one value live, not a k
+    // per u (the weight loads' checks computed those). (16-byte pieces: the
+    // ring index of each k, within their figures.)
+    const int base = (tile_k + lane_row) & (RING - 1);
     MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
-      const int k = tile_k + u * RS + lane_row;
       const int g = kq % G;
       // Lane g ^ m of the group holds row k - g + (g ^ m): it sends this
       // lane its part g of that row's piece, and takes part g ^ m of ours.
@@ -419,14 +488,15 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
         float wf[OWN];
         if (VEC) {
           MPS_EXT_UNROLL for (int i = 0; i < WO; ++i) {
-            uint word = wv[u][(g ^ m) * WO + i];
+            uint word = P::word(wv[u], (g ^ m) * WO + i);
             if (m > 0) word = simd_shuffle_xor(word, ushort(m * LN));
             job.wf.word(word, wf + i * (OWN / WO));
           }
         } else {
-          wf[0] = as_type<float>(wv[u].x);
+          wf[0] = as_type<float>(P::word(wv[u], 0));
         }
-        const int slot = (k - g + (g ^ m)) & (RING - 1);
+        const int slot = STAGE_FIRST ? base - g + (g ^ m) + u * RS  // (rows of one step: no wrap)
+                                     : (tile_k + u * RS + lane_row - g + (g ^ m)) & (RING - 1);
         MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
           const float xr = x_tile[r * XS + slot];
           MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e) acc[r][e] += xr * wf[e];

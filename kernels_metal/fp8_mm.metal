@@ -133,8 +133,10 @@ struct Fp8GemvJob {
   const device uchar* bias;
   const device float* scale_result;
   threadgroup float* sa_tile;  // [row][block of the tile]
-  threadgroup float* sb_tile;  // [block of the tile][output of the threadgroup]
-  int rows, k, outputs, first, tg_first;
+  // [block of the tile][output of the threadgroup], from this simdgroup's
+  // first output (one address kept, not the simdgroup's offset as well)
+  threadgroup float* sb_own;
+  int rows, k, outputs, first;
   uint lane;
   long x_k, w_k;
   MPS_EXT_INLINE const device typename A::T* x_row(int r) const { return x + r * p->a_row_stride; }
@@ -142,7 +144,8 @@ struct Fp8GemvJob {
   MPS_EXT_INLINE const device uchar* w_row(int q) const { return w + (live(q) ? long(first + q) * p->w_n_stride : 0); }
   // (Run-time trip counts: a compiler keeps no address per row or block.)
   MPS_EXT_INLINE void stage_scales(int k0, int elements, uint tid, uint) const {
-    const int kb0 = k0 / FP8_SCALE_BLOCK, blocks = (elements + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
+    // (Unsigned: index arithmetic; decode_rows' loop counters stay 32-bit.)
+    const int kb0 = int(uint(k0) / FP8_SCALE_BLOCK), blocks = int((uint(elements) + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK);
     if (int(tid) < blocks)
       for (int r = 0; r < rows; ++r) sa_tile[r * FP8_GEMV_TILE_BLOCKS + int(tid)] = scale_a_at(*p, scale_a, r, kb0 + int(tid));
     // Each simdgroup its own outputs' (at most 8 bytes an instruction: no
@@ -150,13 +153,11 @@ struct Fp8GemvJob {
     if (int(lane) < outputs) {
       const int n = first + int(lane);
       for (int b = 0; b < blocks; ++b)
-        sb_tile[b * FP8_GEMV_SB_STRIDE + n - tg_first] = n < int(p->n) ? scale_b_at(*p, scale_b, n, kb0 + b) : 0.0f;
+        sb_own[b * FP8_GEMV_SB_STRIDE + int(lane)] = n < int(p->n) ? scale_b_at(*p, scale_b, n, kb0 + b) : 0.0f;
     }
   }
   MPS_EXT_INLINE float x_scale(int r, int block) const { return sa_tile[r * FP8_GEMV_TILE_BLOCKS + block]; }
-  MPS_EXT_INLINE float w_scale(int q, int block) const {
-    return sb_tile[block * FP8_GEMV_SB_STRIDE + first - tg_first + q];
-  }
+  MPS_EXT_INLINE float w_scale(int q, int block) const { return sb_own[block * FP8_GEMV_SB_STRIDE + q]; }
   MPS_EXT_INLINE float tail_scale(int r, int q, int kb) const {
     return scale_a_at(*p, scale_a, r, kb) * scale_b_at(*p, scale_b, first + q, kb);
   }
@@ -206,13 +207,13 @@ kernel void fp8_gemv(device uchar* y [[buffer(0)]],
   job.bias = bias;
   job.scale_result = scale_result;
   job.sa_tile = sa_tile;
-  job.sb_tile = sb_tile;
+
   // The host keeps N and K below 2^31.
   job.rows = int(p.m);
   job.k = int(p.k);
   job.outputs = int(p.outputs_per_simdgroup);
-  job.tg_first = int(group * simdgroups) * job.outputs;
-  job.first = job.tg_first + int(sg) * job.outputs;
+  job.first = int(group * simdgroups + sg) * job.outputs;
+  job.sb_own = sb_tile + int(sg) * job.outputs;
   job.lane = lane;
   job.x_k = p.a_k_stride;
   job.w_k = p.w_k_stride;

@@ -262,7 +262,11 @@ kernel void gmm_decode_cols(device T* out [[buffer(0)]],
                             uint lane [[thread_index_in_simdgroup]]) {
   constexpr int PARTIAL_WORDS = decode_cols_partial_words();
   threadgroup float4 partial_mem[PARTIAL_WORDS / 4];
-  constexpr int RING_WORDS = decode_cols_ring_words_any<T, VEC>();
+  // A word a lane (4-byte pieces): a lane's accumulators stay at one word's
+  // columns a row, 4 words in flight, up to 8 rows (16-byte pieces needed
+  // lane groups that swap parts of their pieces: 43-47 registers, not 26-38).
+  constexpr int B = VEC ? 4 : 0;
+  constexpr int RING_WORDS = decode_cols_ring_words_any<T, B>();
   threadgroup float x_tile[RING_WORDS];
   threadgroup uint shared[2];
   const RowSlot s = decode_slot(offs, p, tg.y, sg, lane, shared);
@@ -274,10 +278,10 @@ kernel void gmm_decode_cols(device T* out [[buffer(0)]],
   job.w_n = p.b_n;
   threadgroup float* partial = (threadgroup float*)partial_mem;
   typedef GmmColsJob<T> Job;
-  if (s.rows == 1) decode_cols<Job, 1, VEC>(job, partial, x_tile, tg.x, 0, tid, sg, lane);
-  else if (s.rows == 2) decode_cols<Job, 2, VEC>(job, partial, x_tile, tg.x, 0, tid, sg, lane);
-  else if (s.rows <= 4) decode_cols<Job, 4, VEC>(job, partial, x_tile, tg.x, 0, tid, sg, lane);
-  else decode_cols<Job, 8, VEC>(job, partial, x_tile, tg.x, 0, tid, sg, lane);
+  if (s.rows == 1) decode_cols<Job, 1, B>(job, partial, x_tile, tg.x, 0, tid, sg, lane);
+  else if (s.rows == 2) decode_cols<Job, 2, B>(job, partial, x_tile, tg.x, 0, tid, sg, lane);
+  else if (s.rows <= 4) decode_cols<Job, 4, B>(job, partial, x_tile, tg.x, 0, tid, sg, lane);
+  else decode_cols<Job, 8, B>(job, partial, x_tile, tg.x, 0, tid, sg, lane);
 }
 
 // ------------------------------------------------------------ gmm_tiled --

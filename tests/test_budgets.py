@@ -84,7 +84,7 @@ def names(pattern: str, **axes) -> list[str]:
 
 
 GEMV_ROWS = [k for k in names("gemv_rows_{t}_r{r}_q{q}_{path}", t=("f32", "f16", "bf16"), r=(1, 2, 4, 8), q=(1, 2),
-                               path=("vec", "scalar")) if "_r8_q1_" not in k]
+                               path=("vec", "scalar")) if "_r4_q1_" not in k and "_r8_q1_" not in k]
 GEMV_COLS = names("gemv_cols_{t}_r{r}_{path}", t=("f32", "f16", "bf16"), r=(1, 2, 4, 8), path=("vec", "scalar"))
 GEMV_COLS_FINISH = names("gemv_cols_finish_{t}", t=("f32", "f16", "bf16"))
 # Softmax kernels come with 16-byte accesses (_i32_vec), element accesses
@@ -167,22 +167,8 @@ def lines(kernel):
     return MISALIGNED_LINES if kernel.endswith("_scalar") else 1.1
 
 
-# decode_geometry gives a threadgroup at least `rows` outputs, and a
-# simdgroup 2 from 4 outputs on: one output per simdgroup at 4 rows only for
-# 3 activation rows, which no benchmark case has. tests/ops/test_linear.py
-# runs them.
-GEMV_ROWS_Q1_R4 = ("gemv_rows with one output per simdgroup at 4 rows: 3 activation rows only (4 take 2 outputs a "
-                   "simdgroup), which no benchmark case has (tests/ops/test_linear.py runs it); the template of the "
-                   "measured ones")
-
-
-def gemv_rows_unreached(k):
-    return GEMV_ROWS_Q1_R4 if "_r4_q1_" in k else ""
-
-
 BUDGETS: dict[str, Budget] = {
-    **{k: Budget("linear", full_occupancy=True, lines=lines(k), unreached=gemv_rows_unreached(k), activation="x")
-       for k in GEMV_ROWS},
+    **{k: Budget("linear", full_occupancy=True, lines=lines(k), activation="x") for k in GEMV_ROWS},
     **{k: Budget("linear", full_occupancy=True, lines=lines(k), activation="x") for k in GEMV_COLS},
     **{k: Budget("linear", full_occupancy=True) for k in GEMV_COLS_FINISH},
     **{k: Budget("softmax", full_occupancy=True, unreached=SOFTMAX_VEC_UNREACHED if "_block_bf16" in k else "")
@@ -280,8 +266,8 @@ def library_infos() -> dict[str, cpu_metal.KernelInfo]:
 # name used at d22396b (issue 11's kernels, before the template), counted by
 # today's estimator (issue 11's table, docs/kernel_counters_issue11.md,
 # counted the CPU IR's 64-bit pointers and indices as 2 words each:
-# docs/kernel_counters_issue21.md). (gemv_rows_*_r8_q1 is gone: at 5 to 8
-# rows decode_geometry always gives a simdgroup 2 outputs.)
+# docs/kernel_counters_issue21.md). (gemv_rows_*_r4_q1 and _r8_q1 are gone:
+# at 3 to 8 rows decode_geometry always gives a simdgroup 2 outputs.)
 DECODE_REGISTERS_BEFORE = {
     "fp8_gemv_bf16_r1_scalar": 21, "fp8_gemv_bf16_r1_vec": 39, "fp8_gemv_bf16_r2_scalar": 24,
     "fp8_gemv_bf16_r2_vec": 42, "fp8_gemv_bf16_r4_scalar": 19, "fp8_gemv_bf16_r4_vec": 35,
@@ -353,25 +339,17 @@ LU_SOLVE_VECTOR = ("lu_solve with one right-hand side: x at 32 (f32) / 16 (c64) 
                    "(batch, n) matrix (batched_matrix_contiguous_strides), so x[b, i] is at b + batch * i and a "
                    "matrix's rows, one per lane, are a line apart; lanes over matrices instead would read the factors "
                    "(n^2 elements a matrix against x's n) a line per lane")
-# Issue 21's measured budgets (figures at the linear budget cases; decode.h,
-# the decode template, is being reworked by issue 21, point 2).
-GEMV_ROWS_Q1_REREAD = ("gemv_rows with one output per simdgroup and element loads at 4 rows: each 32-thread "
-                       "threadgroup stages all 4 activation rows for its one weight row, about 4 times the weight "
-                       "bytes (2 rows are within the budget since the geometry of issue 20's remainder)")
 # Decode variants still above the kernels they replaced (registers by today's
 # estimator: d22396b -> now), not brought back by this change.
-DECODE_FP8_SCALAR = ("fp8_gemv's element-load path (bf16_r1_scalar 21 -> 26, bf16_r2_scalar 24 -> 28, "
-                     "bf16_r4_scalar 19 -> 26, bf16_r8_scalar 27 -> 30, f16_r1_scalar 21 -> 26, f16_r2_scalar 24 "
-                     "-> 28, f16_r4_scalar 19 -> 26, f16_r8_scalar 27 -> 30, f32_r1_scalar 21 -> 26, "
-                     "f32_r2_scalar 24 -> 28, f32_r4_scalar 19 -> 26, fp8_r1_scalar 22 -> 26, fp8_r2_scalar 26 ->"
-                     " 28, fp8_r4_scalar 21 -> 26, fp8_r8_scalar 29 -> 30): at the peak, the staged block scales'"
-                     " addresses and the CPU IR's 64-bit loop counters")
-DECODE_FP8_R4 = ("fp8_gemv at 4 rows with 16-byte loads (bf16_r4_vec 35 -> 39, f16_r4_vec 35 -> 39, fp8_r4_vec 34"
-                 " -> 40): at the peak, 2 pieces in flight, the scaled weights and the tile loop's 64-bit counter")
-DECODE_GMM_COLS = ("gmm_decode_cols on decode_cols (bf16_scalar 26 -> 43, bf16_vec 38 -> 47, f16_scalar 26 -> 43,"
-                   " f16_vec 38 -> 47, f32_scalar 26 -> 43, f32_vec 26 -> 44): gemv_cols' 16-byte pieces with "
-                   "lane-group shuffles (gemv_cols' own figures), where the old kernel had a lane own one 4-byte "
-                   "word of columns, 4 words in flight as floats, 32-bit indices")
+DECODE_FP8_SCALAR = ("fp8_gemv's element-load path at 4 rows under bf16, f16 and f32 activations (19 -> 20; "
+                     "26 before the one-word pieces): at the peak, the staged tile's and block scales' addresses "
+                     "and the lane's piece index, which the old kernel (its activations read from memory, a scale "
+                     "block at a time) did not keep; the other element-load variants are within theirs")
+DECODE_FP8_R4 = ("fp8_gemv at 4 rows with 16-byte loads (bf16_r4_vec 35 -> 38, f16_r4_vec 35 -> 38, fp8_r4_vec 34"
+                 " -> 39; 39-40 before 32-bit index arithmetic): at the peak, 2 pieces in flight (8 registers: the old"
+                 " kernel's 2 outputs of a piece each, now 1 output of 2), the 4 scaled weights, and the tile loop's "
+                 "counter, which the CPU IR keeps in 64 bits (the block scales' loop count is its umax). One piece in "
+                 "flight would be 4 fewer, at half the weight bytes a lane has in flight")
 # Issue 21's budgets on the kernels beyond linear (figures at the budget
 # cases, tests/test_budgets.measured; docs/kernel_counters_issue21.md).
 GMM_ROWS_STAGING = ("gmm_decode_rows stages an expert's activation rows, 8,232 bytes per threadgroup of 128 threads "
@@ -416,9 +394,8 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
     "no_private_memory": {},
     "no_bank_conflicts": {},
     "decode_registers": {
-        **{k: DECODE_FP8_SCALAR for k in FP8_GEMV if k.endswith("_scalar") and k != "fp8_gemv_f32_r8_scalar"},
+        **{k: DECODE_FP8_SCALAR for k in names("fp8_gemv_{a}_r4_scalar", a=("bf16", "f16", "f32"))},
         **{k: DECODE_FP8_R4 for k in names("fp8_gemv_{a}_r4_vec", a=("bf16", "f16", "fp8"))},
-        **{k: DECODE_GMM_COLS for k in GMM_DECODE if k.startswith("gmm_decode_cols_")},
     },
     "no_load_after_barrier": {
     },
@@ -426,9 +403,7 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
     "threadgroup_memory_residency": {
         **{k: GMM_ROWS_STAGING for k in GMM_DECODE if k.startswith("gmm_decode_rows_") and "e4m3w" not in k},
     },
-    "activation_rereads": {
-        **{k: GEMV_ROWS_Q1_REREAD for k in GEMV_ROWS if "_r4_q1_scalar" in k},
-    },
+    "activation_rereads": {},
     "divisions": {
         **{k: DIVISIONS_UNEXAMINED.format(*UNEXAMINED_FIGURES[k]) for k in UNEXAMINED_FIGURES},
         **{k: RMS_NORM_DIVISIONS for k in RMS_NORM},

@@ -105,7 +105,12 @@ struct DecodeGeometry {
 inline DecodeGeometry decode_geometry(const DeviceProfile& gpu, int64_t n, int64_t chunks, int64_t q_max,
                                       bool q_fixed, int64_t reuse) {
   const int64_t work = n * std::max<int64_t>(chunks, 1);
-  int64_t outputs = std::max(work / target_threadgroups(gpu), reuse);
+  // reuse up to a power of two: N is a multiple of one in the models, so
+  // the last threadgroup is whole too (3 rows with 3 outputs a threadgroup
+  // read 1.03 times the weight bytes of N = 64: a last one with 1 output).
+  int64_t whole = 1;
+  while (whole < reuse) whole *= 2;
+  int64_t outputs = std::max(work / target_threadgroups(gpu), whole);
   outputs = std::clamp<int64_t>(outputs, 1, DECODE_MAX_SIMDGROUPS * q_max);
   const int64_t q = q_fixed || outputs >= 2 * q_max ? q_max : 1;
   const int64_t simdgroups = std::clamp<int64_t>(outputs / q, 1, DECODE_MAX_SIMDGROUPS);

@@ -113,6 +113,25 @@ def test_every_decode_family_on_a_small_and_a_large_gpu(gpu, family, rows):
     assert d.bytes_read[xi] <= d.bytes_read[wi]
 
 
+def test_three_rows_read_activations_within_the_weight_bytes(gpu):
+    # Issue 21's re-read budget where the rows are not a power of two: a
+    # threadgroup of 3 outputs for 3 rows (one a simdgroup, the 4-row
+    # variant) left N = 64 a last threadgroup of 1 output that still staged
+    # all 3 rows: 1.03 times the weight bytes. decode_geometry takes the
+    # outputs up to a power of two (4: 2 a simdgroup), so every threadgroup
+    # is whole. Element loads: the weight one element off 16-byte alignment.
+    rows, n, k = 3, 64, 256  # (64 outputs: too few for more than the floor a threadgroup on either GPU)
+    x, w = randn(rows, k), randn(n * k + 1, scale=k ** -0.5)[1:].view(n, k)
+    with cpu_metal.record(counters=True) as rec:
+        got = torch.ops.mps_ext.linear(x, w, None)
+    torch.testing.assert_close(got.double(), x.double() @ w.double().t(), rtol=2e-2, atol=2e-2)
+    (d,) = rec.dispatches
+    assert d.kernel.startswith("gemv_rows_bf16_r4_") and d.kernel.endswith("_scalar"), d.kernel
+    xi, wi = d.buffer("x"), d.buffer("w")
+    assert d.bytes_read[wi] == w.nbytes
+    assert d.threadgroup_bytes_read_distinct[xi] <= d.unique_bytes_read[wi], (d.threadgroups, d.threads_per_threadgroup)
+
+
 def test_geometry_follows_the_gpu():
     # The same problem on a small GPU: fewer, larger threadgroups, each
     # staging the activation once for more outputs.

@@ -110,10 +110,11 @@ def test_each_weight_byte_is_read_once_with_16_byte_loads(run, device, dtype, ro
         (d,) = rec.dispatches
         assert d.bytes_read[W] == w.nbytes
         assert d.read_widths[W] == {16: w.nbytes // 16}
-        # 4 threadgroups per core of the executor's 80-core GPU; at 8 rows
-        # fewer, larger ones (decode_geometry), so that the activation bytes
-        # they stage stay within the weight's: still at least one per core.
-        assert d.total_threadgroups >= (4 * 80 if rows < 8 else 80)
+        # 4 threadgroups per core of the executor's 80-core GPU; from 5 rows
+        # fewer, larger ones (decode_geometry: at least `rows` outputs each,
+        # up to a power of two, 8), so that the activation bytes they stage
+        # stay within the weight's: still at least one per core.
+        assert d.total_threadgroups >= (4 * 80 if rows <= 4 else 80)
         assert d.bytes_read[X] <= d.bytes_read[W]
         assert d.kernel.endswith("_vec")
 
@@ -297,9 +298,9 @@ def padded(rows, cols, dtype, vec, scale=1.0):
 
 
 # (rows, outputs per simdgroup) of the gemv_rows variants: one output per
-# simdgroup up to 4 rows only (a threadgroup has at least `rows` outputs,
-# decode_geometry, and 2 a simdgroup from 4 outputs on).
-GEMV_ROWS_RQ = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2), (8, 2)]
+# simdgroup up to 2 rows only (a threadgroup has at least `rows` outputs up
+# to a power of two, decode_geometry, and 2 a simdgroup from 4 outputs on).
+GEMV_ROWS_RQ = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (8, 2)]
 
 
 @pytest.mark.parametrize("vec", [True, False], ids=["vec", "scalar"])
@@ -307,8 +308,8 @@ GEMV_ROWS_RQ = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2), (8, 2)]
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_gemv_rows_variant(run, device, dtype, r, q, vec):
     # q: outputs per simdgroup, 2 from 4 outputs per threadgroup (on the
-    # executor's 80-core GPU, N >= 1280, or 4 rows or more: decode_geometry;
-    # 3 rows take the 4-row variant with 3 outputs a threadgroup). K = 75:
+    # executor's 80-core GPU, N >= 1280, or 3 rows or more: decode_geometry;
+    # 3 rows take the 4-row variant with 4 outputs a threadgroup). K = 75:
     # the vector variants' last elements are fewer than a piece.
     n, k = (300, 75) if q == 1 else (1300, 75)
     x = padded({1: 1, 2: 2, 4: 3, 8: 7}[r], k, dtype, vec)  # 3 rows take the 4-row variant, 7 the 8-row one
