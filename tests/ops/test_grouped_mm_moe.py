@@ -1,6 +1,8 @@
 """mps_ext's fused MoE decode ops (moe_route, moe_experts, moe_combine)
 against a float64 layer written with torch's own ops (softmax, topk, per
-expert matmuls), and the traffic of a whole layer."""
+expert matmuls), and the traffic of a whole layer. Their kernels are
+kernels_metal/grouped_mm_moe.metal's (moe_route_*, moe_combine_*) and
+grouped_mm.metal's decode GEMV."""
 
 import pytest
 import torch
