@@ -163,9 +163,10 @@ _FUSIBLE = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mea
 
 # mps_ext ops whose modules run torch's ops under torch.compile instead
 # (mps_ext.optimize's FusedRMSNorm: Inductor fuses a norm with the residual
-# add before it, where the op would be one dispatch more): compiled, each
-# counts as the fusible calls it stands for.
-_TORCH_WHEN_COMPILED = {"rms_norm"}
+# add before it, where the op would be one dispatch more; its attention's
+# qk_norm_rope: Inductor fuses the norms and the rotary embedding with their
+# neighbours): compiled, each counts as the fusible calls it stands for.
+_TORCH_WHEN_COMPILED = {"rms_norm", "qk_norm_rope"}
 
 
 @dataclasses.dataclass

@@ -435,6 +435,9 @@ class OptimizeSummary:
     # name -> what it holds ("already" for those fused before the call); parent's members -> why not.
     projections: dict[str, str] = dataclasses.field(default_factory=dict)
     projections_left: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Attention layers with q/k norms and rotary embedding on qk_norm_rope (mps_ext/fused_attention.py).
+    attention: dict[str, str] = dataclasses.field(default_factory=dict)
+    attention_left: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"optimize: {len(self.converted)} MoE blocks on torch.ops.mps_ext.moe_layer (one call per layer "
@@ -454,6 +457,11 @@ class OptimizeSummary:
                          f"layer each (one GEMV at decode), {len(self.projections_left)} left")
             lines += [f"  {name}: {what}" for name, what in self.projections.items()]
             lines += [f"  left {name}: {why}" for name, why in self.projections_left.items()]
+        if self.attention or self.attention_left:
+            lines.append(f"optimize: {len(self.attention)} attention layers with q/k norms and rotary embedding on "
+                         f"torch.ops.mps_ext.qk_norm_rope (one dispatch), {len(self.attention_left)} left")
+            lines += [f"  {name}: {what}" for name, what in self.attention.items()]
+            lines += [f"  left {name}: {why}" for name, why in self.attention_left.items()]
         return "\n".join(lines)
 
 
@@ -478,7 +486,9 @@ def optimize(model: nn.Module) -> nn.Module:
     (mps_ext/fused_linear_attention.py); each group of projections that read
     one input (q/k/v, a DeltaNet's four input projections, an MLP's gate and
     up) becomes one linear layer of the concatenated weights, one GEMV
-    (mps_ext/fused_projections.py). Idempotent. The OptimizeSummary of
+    (mps_ext/fused_projections.py); each attention layer with per-head q/k
+    norms has them and its rotary embedding on one
+    torch.ops.mps_ext.qk_norm_rope call (mps_ext/fused_attention.py). Idempotent. The OptimizeSummary of
     what it converted and what it left (and why) is `model.optimize_summary`, also logged (logger
     "mps_ext.fused_moe", INFO). Works on floating and quantize_fp8'd
     models, on any device (CPU tensors run torch's own ops); eager and
@@ -524,11 +534,17 @@ def optimize(model: nn.Module) -> nn.Module:
     # Last: the MoE blocks take a shared expert's gate_proj and up_proj as they are, and the
     # linear-attention layers are recognised by their four input projections.
     projections, proj_already, proj_left = fuse_projections(model)
+    from .fused_attention import optimize_attention
+    # After fuse_norms (the op takes FusedRMSNorm's weights) and after fuse_projections, so that the
+    # probe runs each layer as it will run: q, k and v as views of the fused projection's output.
+    attention, attn_already, attn_left = optimize_attention(model)
     summary = OptimizeSummary(converted, already, left, bytes_before, _model_bytes(model), norms=norms,
                               linear_attention={**la_converted, **{n: "already" for n in la_already}},
                               linear_attention_left=la_left,
                               projections={**projections, **{n: "already" for n in proj_already}},
-                              projections_left=proj_left)
+                              projections_left=proj_left,
+                              attention={**attention, **{n: "already" for n in attn_already}},
+                              attention_left=attn_left)
     model.optimize_summary = summary
     logger.info("%s", summary)
     return model

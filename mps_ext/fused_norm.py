@@ -36,7 +36,7 @@ from torch import nn
 
 from .fused_moe import _kernels_for
 
-__all__ = ["FusedRMSNorm", "fuse_norms", "qk_norm_rope"]
+__all__ = ["FusedRMSNorm", "fuse_norms", "qk_norm_rope", "qk_norm_rope_reference"]
 
 VARIANTS = ("weight", "zero_centred")
 MAX_ROW = 1024 * 8  # norm_params.h: RMS_NORM_MAX_THREADS * RMS_NORM_PER_THREAD
@@ -210,6 +210,15 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         given = [n for n in (qn, kn) if n[0] is not None]
         eps, variant = given[0][1:] if given else (1e-6, "weight")  # no norm: unused
         return torch.ops.mps_ext.qk_norm_rope(q, k, cos, sin, qn[0], kn[0], eps, variant)
+    return qk_norm_rope_reference(q, k, cos, sin, q_norm, k_norm)
+
+
+def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           q_norm: nn.Module | None = None, k_norm: nn.Module | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """qk_norm_rope with torch's ops and the norm modules themselves: the
+    attention's own steps, in its order (what qk_norm_rope runs where the
+    op does not, and what mps_ext.optimize probes an attention with)."""
     if q_norm is not None:
         q = q_norm(q)
     if k_norm is not None:

@@ -67,12 +67,12 @@ def reference(model):
     return ref
 
 
-def optimized_against_stock_and_float64(name, dtype):
-    """The tiny `name` model three ways: (model, prompt, step, ref, stock):
-    `ref` the float64 reference's (prefill, decode) logits, `stock` the
-    model's in `dtype` on torch's ops, `model` that model after
-    mps_ext.optimize; the decoded token is the reference's."""
-    model = make(name)
+def optimized_against_stock_and_float64(name, dtype, **overrides):
+    """The tiny `name` model (config `overrides`) three ways: (model,
+    prompt, step, ref, stock): `ref` the float64 reference's (prefill,
+    decode) logits, `stock` the model's in `dtype` on torch's ops, `model`
+    that model after mps_ext.optimize; the decoded token is the reference's."""
+    model = make(name, **overrides)
     prompt = ids()
     ref_model = reference(model)
     step = ref_model(prompt).logits[:, -1:].argmax(-1)

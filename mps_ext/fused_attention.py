@@ -1,0 +1,253 @@
+"""An attention layer's q and k norms and rotary embedding in one dispatch,
+for mps_ext.optimize: the attention of transformers' Qwen3 and Qwen3-MoE,
+Qwen3.5/3.6-MoE (full attention: the output gate chunked from q_proj,
+partial rotary) and LFM2 / LFM2-MoE, and the layers of the same structure in
+other models.
+
+Eager, those forwards run between their projections and the cache update
+q_norm, k_norm (FusedRMSNorm after optimize: one dispatch each) and
+transformers' apply_rotary_pos_emb (mul, neg, cat, mul, add for q and for
+k; a partial rotary adds a cat for each): about 12 host calls and
+dispatches a layer and token. Here they are one call of
+mps_ext.fused_norm.qk_norm_rope (torch.ops.mps_ext.qk_norm_rope where the
+kernels run, the same steps with torch's ops elsewhere). The rest of the
+forward is the model's, line for line: its projections (nn.Linear,
+FP8Linear, or views of a fused q/k/v projection), the cache update, the
+attention function transformers selects for the config
+(ALL_ATTENTION_FUNCTIONS of the layer's own modeling module, its
+eager_attention_forward as default), the sliding window where the layer has
+one, the output gate, the output projection.
+
+A layer is recognised by its parts, not its class: q_proj, k_proj, v_proj,
+o_proj (or out_proj), per-head q and k norms that fuse_norms made
+FusedRMSNorm (q_norm / k_norm, or LFM2's q_layernorm / k_layernorm), a
+q_proj of one or two (query and gate) heads' width per output head, and a
+forward of transformers 5's signature. Such a module gets a subclass of its
+own class whose forward takes the fused path (`__class__` swapped: the
+parameters, the state dict and the module tree stay as they were); then
+its output on a probe (random hidden states, cos and sin of each rotary
+size the model's rotary embeddings give) must equal, bit for bit, its own
+forward's, both with torch's ops: so a rotary embedding that is not the
+rotate_half one (interleaved pairs, a multimodal rope taking cos and sin of
+another shape) or a forward that does anything else is found, and the layer
+is left as it was, with the reason. At run time a cos of a rotary size the
+probe did not see runs the layer's own forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+
+import torch
+from torch import nn
+
+from .fused_norm import MAX_HEAD_DIM, FusedRMSNorm, qk_norm_rope, qk_norm_rope_reference
+
+__all__ = ["optimize_attention"]
+
+_NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"))
+_OUT = ("o_proj", "out_proj")
+# transformers 5's attention forward: (hidden_states, position_embeddings, attention_mask,
+# past_key_values=None, **kwargs); the decoder layers pass them by name.
+_SIGNATURE = ["self", "hidden_states", "position_embeddings", "attention_mask", "past_key_values"]
+_PROBE_TOKENS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    q_norm: str
+    k_norm: str
+    out: str
+    gated: bool                  # q_proj holds each head's query, then its output gate (Qwen3.5/3.6, Qwen3-Next)
+    sliding_window: bool         # the layer passes its sliding_window to the attention function (Qwen3)
+    rotary: frozenset = frozenset()  # rotary sizes (cos.shape[-1]) the probe checked
+
+
+class FusedQKNormRopeMixin:
+    """The forward of a transformers 5 attention with its q/k norms and
+    rotary embedding as one mps_ext.fused_norm.qk_norm_rope call; the layer's
+    own forward (the next class in the MRO) for a rotary size the probe did
+    not check."""
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        cos = position_embeddings[0] if isinstance(position_embeddings, (tuple, list)) else None
+        if not (isinstance(cos, torch.Tensor) and cos.dim() == 3 and cos.shape[-1] in self._mps_ext_attention.rotary):
+            return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        return self._fused_forward(qk_norm_rope, hidden_states, position_embeddings, attention_mask, past_key_values,
+                                   **kwargs)
+
+    def _fused_forward(self, qk, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        """The model's forward with `qk(q, k, cos, sin, q_norm, k_norm)` in
+        place of its norm and rotary lines (qk_norm_rope; the probe:
+        qk_norm_rope_reference)."""
+        plan = self._mps_ext_attention
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query = self.q_proj(hidden_states)
+        if plan.gated:
+            query, gate = torch.chunk(query.view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
+            gate = gate.reshape(*input_shape, -1)
+        key = self.k_proj(hidden_states).view(hidden_shape)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = qk(query.view(hidden_shape), key, cos, sin, getattr(self, plan.q_norm),
+                                      getattr(self, plan.k_norm))
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        attention_interface = self._mps_ext_functions.get_interface(self.config._attn_implementation,
+                                                                    self._mps_ext_eager)
+        window = {"sliding_window": self.sliding_window} if plan.sliding_window else {}
+        attn_output, attn_weights = attention_interface(
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=0.0 if not self.training else getattr(self, "attention_dropout", 0.0), scaling=self.scaling,
+            **window, **kwargs)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        if plan.gated:
+            attn_output = attn_output * torch.sigmoid(gate)
+        return getattr(self, plan.out)(attn_output), attn_weights
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _fused_class(cls: type, modeling) -> type:
+    if cls not in _SUBCLASSES:
+        _SUBCLASSES[cls] = type(f"Fused{cls.__name__}", (FusedQKNormRopeMixin, cls), {
+            "__module__": __name__,
+            "__doc__": f"{cls.__name__} with its q/k norms and rotary embedding on one "
+                       "torch.ops.mps_ext.qk_norm_rope call (mps_ext.optimize).",
+            # The modeling module's own: the attention function the config names, and its default.
+            "_mps_ext_functions": modeling.ALL_ATTENTION_FUNCTIONS,
+            "_mps_ext_eager": staticmethod(modeling.eager_attention_forward)})
+    return _SUBCLASSES[cls]
+
+
+def _features(m, name: str) -> int | None:
+    n = getattr(m, name, None)
+    return n if isinstance(n, int) else None
+
+
+def _plan(mod: nn.Module) -> _Plan | str:
+    """What the fused forward needs to know of `mod`, or why it cannot
+    stand for mod's forward (before the probe)."""
+    names = next((p for p in _NORMS if all(isinstance(getattr(mod, n, None), nn.Module) for n in p)), None)
+    if names is None:
+        return "no per-head q and k norms (q_norm, k_norm or q_layernorm, k_layernorm): no norm to fuse with its rotary"
+    out = next(n for n in _OUT if isinstance(getattr(mod, n, None), nn.Module))
+    norms = [getattr(mod, n) for n in names]
+    if not all(isinstance(n, FusedRMSNorm) for n in norms):
+        kinds = ", ".join(type(n).__name__ for n in norms)
+        return f"its q and k norms ({kinds}) are not RMSNorms optimize fuses"
+    d = getattr(mod, "head_dim", None)
+    if not isinstance(d, int) or any(tuple(n.weight.shape) != (d,) for n in norms):
+        return f"its q and k norms are not over each head's {d} elements"
+    if d > MAX_HEAD_DIM:
+        return f"head_dim {d}: qk_norm_rope takes at most {MAX_HEAD_DIM}"
+    if len({(n.eps, n.variant, n.weight.dtype) for n in norms}) != 1:
+        return "its q and k norms differ in eps, variant or dtype (qk_norm_rope takes one of each)"
+    q_rows, o_cols = _features(mod.q_proj, "out_features"), _features(getattr(mod, out), "in_features")
+    if q_rows is None or o_cols is None or _features(mod.q_proj, "in_features") is None or o_cols % d:
+        return f"its q_proj and {out} are not linear layers of whole heads"
+    if q_rows not in (o_cols, 2 * o_cols):
+        return f"its q_proj gives {q_rows} features for {o_cols // d} heads of {d}: neither queries nor queries and gate"
+    try:
+        params = list(inspect.signature(type(mod).forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    if [p.name for p in params[:len(_SIGNATURE)]] != _SIGNATURE or params[-1].kind != inspect.Parameter.VAR_KEYWORD \
+            or len(params) != len(_SIGNATURE) + 1:
+        return ("its forward is not transformers 5's (hidden_states, position_embeddings, attention_mask, "
+                "past_key_values, **kwargs)")
+    modeling = sys.modules.get(type(mod).__module__)
+    if not all(hasattr(modeling, n) for n in ("ALL_ATTENTION_FUNCTIONS", "eager_attention_forward")) or \
+            not hasattr(getattr(mod, "config", None), "_attn_implementation"):
+        return "its modeling module has no ALL_ATTENTION_FUNCTIONS and eager_attention_forward (not transformers 5's)"
+    from .fused_projections import ProjectionRows
+    known = {"q_proj", "k_proj", "v_proj", out, *names}
+    known |= {m.fused_name for m in (mod.q_proj, mod.k_proj, mod.v_proj) if isinstance(m, ProjectionRows)}
+    extra = [n for n, _ in mod.named_children() if n not in known]
+    if extra:
+        return f"it holds {', '.join(extra)} beside its projections and q/k norms (optimize knows no such attention)"
+    return _Plan(names[0], names[1], out, q_rows == 2 * o_cols, hasattr(mod, "sliding_window"))
+
+
+def _probe(mod: nn.Module, original, plan: _Plan, rotary: set[int]) -> frozenset | str:
+    """The rotary sizes at which mod (already swapped) gives, with torch's
+    ops, its own forward's output bit for bit, or why not: those of the
+    model's rotary embeddings (`rotary`; head_dim if it has none). Sizes its
+    own forward raises for are sizes the layer cannot run."""
+    w = getattr(mod, plan.q_norm).weight
+    if w.device.type == "meta":
+        return "on the meta device: nothing to probe"
+    d = mod.head_dim
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, _PROBE_TOKENS, mod.q_proj.in_features, generator=g).to(w.device, w.dtype)
+    ok, raised = [], []
+    training = mod.training
+    mod.train(False)  # dropout apart
+    try:
+        with torch.no_grad():
+            for r in sorted({r for r in rotary if 2 <= r <= d and r % 2 == 0} or {d}):
+                cos, sin = ((torch.rand(1, _PROBE_TOKENS, r, generator=g) * 2 - 1).to(w.device, w.dtype)
+                            for _ in range(2))
+                try:
+                    want = original(mod, x, (cos, sin), None)[0]
+                except Exception as e:  # noqa: BLE001 - a rotary size the layer does not take
+                    raised.append(f"{r}: {type(e).__name__}: {e}")
+                    continue
+                got = mod._fused_forward(qk_norm_rope_reference, x, (cos, sin), None)[0]
+                if not (got.shape == want.shape and torch.equal(got, want)):
+                    err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
+                    return (f"its output differs on a probe (rotary size {r}, relative error {err:.2g}): its rotary "
+                            "embedding is not rotate_half's, or its forward does something else")
+                ok.append(r)
+    finally:
+        mod.train(training)
+    if not ok:
+        return f"it raised on every probe (rotary sizes {'; '.join(raised)})"
+    return frozenset(ok)
+
+
+def _rotary_sizes(model: nn.Module) -> set[int]:
+    """cos.shape[-1] of each rotary embedding of `model` (2 x its inv_freq)."""
+    return {2 * b.numel() for m in model.modules() for n, b in m.named_buffers(recurse=False) if n == "inv_freq"}
+
+
+def optimize_attention(model: nn.Module) -> tuple[dict[str, str], list[str], dict[str, str]]:
+    """Every attention layer of `model` whose q/k norms and rotary embedding
+    qk_norm_rope computes (module docstring), in place: (converted {name:
+    what}, already [names], left {name: why}). Candidates: modules with
+    q_proj, k_proj, v_proj and o_proj (or out_proj). Run after fuse_norms
+    (the op takes FusedRMSNorm's weights)."""
+    converted, already, left = {}, [], {}
+    rotary = _rotary_sizes(model)
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, FusedQKNormRopeMixin):
+            already.append(name)
+            continue
+        if not all(isinstance(getattr(mod, n, None), nn.Module) for n in ("q_proj", "k_proj", "v_proj")) or \
+                not any(isinstance(getattr(mod, n, None), nn.Module) for n in _OUT):
+            continue
+        plan = _plan(mod)
+        if isinstance(plan, str):
+            left[name] = plan
+            continue
+        cls = type(mod)
+        original = cls.forward
+        mod.__class__ = _fused_class(cls, sys.modules[cls.__module__])
+        mod._mps_ext_attention = plan
+        sizes = _probe(mod, original, plan, rotary)
+        if isinstance(sizes, str):
+            mod.__class__ = cls
+            del mod._mps_ext_attention
+            left[name] = sizes
+            continue
+        mod._mps_ext_attention = dataclasses.replace(plan, rotary=sizes)
+        d = mod.head_dim
+        heads = getattr(mod, plan.out).in_features // d
+        converted[name] = (f"{cls.__name__} -> {plan.q_norm}, {plan.k_norm} and rotary embedding on qk_norm_rope "
+                           f"({heads} query heads, {mod.k_proj.out_features // d} key heads of {d}, rotary "
+                           f"{', '.join(map(str, sorted(sizes)))}{', output gate' if plan.gated else ''})")
+    return converted, already, left

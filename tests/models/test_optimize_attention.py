@@ -1,0 +1,249 @@
+"""mps_ext.optimize's attention layers (mps_ext/fused_attention.py) on
+transformers 5's tiny qwen3_moe, qwen3_5_moe (gated q_proj, partial rotary)
+and lfm2_moe: q_norm, k_norm and the rotary embedding are one
+torch.ops.mps_ext.qk_norm_rope call; decode logits against the same model
+optimized without it (bit for bit) and within the model tests' bound of
+float64, float and fp8, prefill, torch.compile; host calls and dispatches
+per attention layer in the census; what it leaves and why."""
+
+import copy
+
+import pytest
+import torch
+
+import mps_ext
+from mps_ext import _executor_request, fused_attention
+from mps_ext.cpu_metal import run_model
+from mps_ext.fused_attention import FusedQKNormRopeMixin
+from model_compare import RELEASE
+from test_optimize import ids, make, optimized_against_stock_and_float64, prefill_and_decode, rel_err
+
+# Per model, its attention layers (the tiny configs of test_optimize.py) and their class.
+ATTENTION = {"qwen3_moe": (["model.layers.0.self_attn", "model.layers.1.self_attn"], "Qwen3MoeAttention"),
+             "qwen3_5_moe": (["model.layers.1.self_attn"], "Qwen3_5MoeAttention"),
+             "lfm2_moe": (["model.layers.1.self_attn"], "Lfm2MoeAttention")}
+# Qwen3.6-35B-A3B's head: 256, of which 64 rotate (partial_rotary_factor 0.25). A lane of
+# qk_norm_rope then holds the elements rms_norm's would (its rotated pairs' halves, then the
+# passed elements, 32 apart), so the sum of squares is in rms_norm's order; with the tiny
+# config's 16 (4 rotate) it is not (test_a_rotary_size_off_the_lanes_sums_in_another_order).
+HEAD = {"qwen3_5_moe": dict(head_dim=256)}
+
+
+def attention_layers(model):
+    return [n for n, m in model.named_modules() if isinstance(m, FusedQKNormRopeMixin)]
+
+
+def without_swap(monkeypatch, model):
+    """mps_ext.optimize(model) with everything but the attention swap."""
+    with monkeypatch.context() as m:
+        m.setattr(fused_attention, "optimize_attention", lambda model: ({}, [], {}))
+        return mps_ext.optimize(model)
+
+
+# ----------------------------------------------------------- results --
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "fp8"])
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_swapped_attention_matches_the_model_without_it(figures, monkeypatch, name, kind):
+    """Decode logits bit-identical to the optimized model without the swap
+    (the op rounds where the norms and apply_rotary_pos_emb round), prefill
+    too; against float64 within the model tests' bound."""
+    layers, cls = ATTENTION[name]
+    if kind == "fp8":
+        from test_fp8_flows import oracle_of
+        from test_optimize import reference
+        original = make(name, torch.bfloat16, **HEAD.get(name, {}))
+        model = mps_ext.quantize_fp8(copy.deepcopy(original))
+        ref_model = reference(oracle_of(model, original))
+        prompt = ids()
+        step = ref_model(prompt).logits[:, -1:].argmax(-1)
+        ref = prefill_and_decode(ref_model, prompt, step)
+        stock = prefill_and_decode(model, prompt, step)
+        apart = without_swap(monkeypatch, copy.deepcopy(model))
+        mps_ext.optimize(model)
+        dtype = torch.bfloat16
+    else:
+        dtype = getattr(torch, kind)
+        model, prompt, step, ref, stock = optimized_against_stock_and_float64(name, dtype, **HEAD.get(name, {}))
+        apart = without_swap(monkeypatch, make(name, dtype, **HEAD.get(name, {})))
+    s = model.optimize_summary
+    assert attention_layers(model) == layers and list(s.attention) == layers and not s.attention_left
+    assert all(what.startswith(f"{cls} -> ") for what in s.attention.values())
+    assert not attention_layers(apart) and not apart.optimize_summary.attention
+    with run_model(RELEASE) as report:
+        ours = prefill_and_decode(model, prompt, step)
+    theirs_report = None
+    with run_model(RELEASE) as theirs_report:
+        theirs = prefill_and_decode(apart, prompt, step)
+    figures.families = report.ran_kernels()
+    # One call per attention layer and forward (prefill, decode); none without the swap.
+    assert report.families["norm"].ops["mps_ext::qk_norm_rope"].ran == 2 * len(layers)
+    assert "mps_ext::qk_norm_rope" not in theirs_report.families["norm"].ops or \
+        not theirs_report.families["norm"].ops["mps_ext::qk_norm_rope"].ran
+    assert torch.equal(ours[1], theirs[1])
+    assert torch.equal(ours[0], theirs[0])
+    for what, i in (("prefill", 0), ("decode", 1)):
+        figures.no_worse(what, ours[i], stock[i], ref[i], dtype)
+
+
+def test_a_rotary_size_off_the_lanes_sums_in_another_order(monkeypatch):
+    """The tiny Qwen3.5 head (16, of which 4 rotate): qk_norm_rope's lanes
+    hold other elements than rms_norm's, so the norms' sums of squares are
+    in another order; float32 logits within a few units in the last place
+    of the model without the swap, not bit for bit."""
+    model = mps_ext.optimize(make("qwen3_5_moe"))
+    apart = without_swap(monkeypatch, make("qwen3_5_moe"))
+    assert model.optimize_summary.attention["model.layers.1.self_attn"].endswith("rotary 4, output gate)")
+    prompt, step = ids(), ids(1, seed=2)
+    with run_model(RELEASE) as report:
+        ours = prefill_and_decode(model, prompt, step)
+        theirs = prefill_and_decode(apart, prompt, step)
+    assert report.families["norm"].ops["mps_ext::qk_norm_rope"].ran == 2
+    for o, t in zip(ours, theirs):
+        assert rel_err(o, t) <= 1e-6
+
+
+def test_cpu_tensors_without_the_executor_run_the_models_steps():
+    """Outside the model runner (CPU tensors): torch's ops, in the model's
+    order, so the logits are the unswapped model's bit for bit."""
+    model = mps_ext.optimize(make("qwen3_5_moe", torch.bfloat16))
+    apart = make("qwen3_5_moe", torch.bfloat16)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(fused_attention, "optimize_attention", lambda model: ({}, [], {}))
+        mps_ext.optimize(apart)
+    prompt, step = ids(), ids(1, seed=2)
+    assert attention_layers(model)
+    for g, w in zip(prefill_and_decode(model, prompt, step), prefill_and_decode(apart, prompt, step)):
+        assert torch.equal(g, w)
+
+
+# ----------------------------------------------------------- host calls and dispatches --
+CENSUS = {"Qwen3-30B-A3B": ("full_attention+moe", 12),
+          # partial rotary: a cat more for q and for k
+          "Qwen3.6-35B-A3B": ("full_attention+moe", 14),
+          "LFM2.5-8B-A1B": ("full_attention+moe", 12)}
+
+
+@pytest.mark.parametrize("model_name", list(CENSUS))
+def test_an_attention_layer_loses_its_norm_and_rope_calls(monkeypatch, model_name):
+    """benchmarks/census.py, one decode token after 8 of context, torch
+    2.15's policy: an attention layer's 2 norms and the rotary embedding's
+    10 (partial rotary: 12) ops become one call of one dispatch, eager;
+    compiled, the count does not change (the layer leaves them to Inductor,
+    which fuses them with their neighbours)."""
+    from benchmarks import census
+    spec = census.MODELS[model_name]
+    kind, calls = CENSUS[model_name]
+    tiny = census.tiny_model(spec)
+
+    def counts(transform):
+        layer = census.per_kind(census.trace_step(tiny, tokens=1, context=8, torch_release="2.15",
+                                                  transform=transform), tiny.config)[kind]
+        assert any(c.op == "_scaled_dot_product_flash_attention_for_cpu" or "attention" in c.op for c in layer)
+        return {mode: census.count(layer, "2.15", mode, True) for mode in census.MODES}
+
+    with monkeypatch.context() as m:
+        m.setattr(fused_attention, "optimize_attention", lambda model: ({}, [], {}))
+        before = counts(mps_ext.optimize)
+    after = counts(mps_ext.optimize)
+    print(f"\n{model_name} {kind}, per layer: host calls {before['eager'].host:g} -> {after['eager'].host:g}, "
+          f"dispatches {before['eager'].dispatches:g} -> {after['eager'].dispatches:g}")
+    assert before["eager"].host - after["eager"].host == calls - 1
+    assert before["eager"].dispatches - after["eager"].dispatches == calls - 1
+    assert (after["compile"].host, after["compile"].dispatches) == (before["compile"].host,
+                                                                     before["compile"].dispatches)
+
+
+# ----------------------------------------------------------- torch.compile --
+@_executor_request.request()  # traced inside request(): the kernels' path, the one a Mac takes
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe"])
+def test_compiled_swapped_model(name):
+    """One graph for the whole model (fullgraph), the uncompiled model's
+    logits; the graph holds no qk_norm_rope (Inductor fuses the norms and
+    the rotation with their neighbours)."""
+    from test_fp8_flows import Float8Inspector
+    model = mps_ext.optimize(make(name, torch.bfloat16))
+    assert attention_layers(model)
+    prompt, step = ids(), ids(1, seed=2)
+    want = prefill_and_decode(model, prompt, step)
+    torch._dynamo.reset()
+    inspector = Float8Inspector()
+    got = prefill_and_decode(torch.compile(model, backend=inspector.backend, fullgraph=True), prompt, step)
+    assert "qk_norm_rope" not in inspector.mps_ext_ops
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+# ----------------------------------------------------------- what it changes and leaves --
+def test_state_dict_module_tree_and_a_second_optimize():
+    """The swap keeps parameters, state dict keys and children; a second
+    optimize says the layers are already converted; a deepcopy and a cast
+    keep the fused forward."""
+    model = make("qwen3_5_moe")
+    without = without_swap(pytest.MonkeyPatch(), copy.deepcopy(model))
+    mps_ext.optimize(model)
+    assert set(model.state_dict()) == set(without.state_dict())
+    attn = model.model.layers[1].self_attn
+    assert [n for n, _ in attn.named_children()] == [n for n, _ in without.model.layers[1].self_attn.named_children()]
+    assert type(attn).__name__ == "FusedQwen3_5MoeAttention" and type(attn).__mro__[2].__name__ == "Qwen3_5MoeAttention"
+    mps_ext.optimize(model)
+    assert model.optimize_summary.attention == {"model.layers.1.self_attn": "already"}
+    clone = copy.deepcopy(model).to(torch.bfloat16)
+    assert attention_layers(clone) == ["model.layers.1.self_attn"]
+    prompt, step = ids(), ids(1, seed=2)
+    with run_model(RELEASE) as report:
+        prefill_and_decode(clone, prompt, step)
+    assert report.families["norm"].ops["mps_ext::qk_norm_rope"].ran == 2
+
+
+def _interleaved_rope(q, k, cos, sin, unsqueeze_dim=1):
+    """An interleaved rotary embedding (pairs of neighbours rotate, as
+    Cohere's and GLM's): not what qk_norm_rope computes."""
+    from transformers.models.cohere.modeling_cohere import rotate_half
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def test_an_attention_whose_rope_is_not_rotate_half_is_left(monkeypatch):
+    """Qwen3-MoE's attention with an interleaved rotary embedding in its
+    modeling module: the probe finds it, the layer is left with the reason
+    and the model computes what it did."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+    monkeypatch.setattr(modeling_qwen3_moe, "apply_rotary_pos_emb", _interleaved_rope)
+    model = make("qwen3_moe")
+    prompt, step = ids(), ids(1, seed=2)
+    want = prefill_and_decode(model, prompt, step)
+    mps_ext.optimize(model)
+    s = model.optimize_summary
+    assert not s.attention and not attention_layers(model)
+    assert set(s.attention_left) == set(ATTENTION["qwen3_moe"][0])
+    assert all(why.startswith("its output differs on a probe (rotary size 16, relative error")
+               and why.endswith("its rotary embedding is not rotate_half's, or its forward does something else")
+               for why in s.attention_left.values()), s.attention_left
+    assert "0 attention layers" in str(s) and "2 left" in str(s)
+    assert not hasattr(model.model.layers[0].self_attn, "_mps_ext_attention")
+    with run_model(RELEASE) as report:
+        got = prefill_and_decode(model, prompt, step)
+    assert not report.families["norm"].ops.get("mps_ext::qk_norm_rope") or \
+        not report.families["norm"].ops["mps_ext::qk_norm_rope"].ran
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-5
+
+
+def test_attentions_it_does_not_know_are_left_with_the_reason():
+    """Llama-like attention without q/k norms (Mixtral), norms that are not
+    RMSNorms, a child it does not know."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
+    mixtral = mps_ext.optimize(make("mixtral"))
+    assert mixtral.optimize_summary.attention_left == {
+        f"model.layers.{i}.self_attn": "no per-head q and k norms (q_norm, k_norm or q_layernorm, k_layernorm): no "
+                                       "norm to fuse with its rotary" for i in (0, 1)}
+    config = make("qwen3_moe").config
+    layernorm = Qwen3MoeAttention(config, 0)
+    layernorm.q_norm, layernorm.k_norm = torch.nn.LayerNorm(16), torch.nn.LayerNorm(16)
+    extra = Qwen3MoeAttention(config, 0)
+    extra.v_norm = torch.nn.LayerNorm(16)
+    holder = mps_ext.optimize(torch.nn.ModuleDict({"layernorm": layernorm, "extra": extra}))
+    assert holder.optimize_summary.attention_left == {
+        "layernorm": "its q and k norms (LayerNorm, LayerNorm) are not RMSNorms optimize fuses",
+        "extra": "it holds v_norm beside its projections and q/k norms (optimize knows no such attention)"}
+    assert not attention_layers(holder)
