@@ -477,8 +477,11 @@ def test_rms_norms_become_one_dispatch_and_generate_the_same(name):
         with torch.no_grad(), run_model(RELEASE) as report:
             got = model.generate(prompt, max_new_tokens=4, do_sample=False)
         assert torch.equal(got, want), (got, want)
-        # One call per norm and step: 4 steps (prefill, 3 decodes).
-        assert report.families["norm"].ops["mps_ext::rms_norm"].ran == count * 4
+        # One call per norm and step: 4 steps (prefill, 3 decodes); an attention layer's q and k
+        # norms are one qk_norm_rope call with its rotary embedding (mps_ext/fused_attention.py).
+        attention = len(model.optimize_summary.attention)
+        assert attention and report.families["norm"].ops["mps_ext::qk_norm_rope"].ran == attention * 4
+        assert report.families["norm"].ops["mps_ext::rms_norm"].ran == (count - 2 * attention) * 4
 
 
 class _LayerCalls(TorchDispatchMode):
@@ -516,13 +519,16 @@ def decode_layer_ops(model, layer):
 def test_a_decoder_layers_norms_are_one_call_each():
     """Qwen3-MoE's attention layer at decode: its four norms (input,
     post-attention, q and k) were rsqrt, pow, mean, ... each; now one
-    mps_ext::rms_norm call each, and no rsqrt is left."""
+    mps_ext::rms_norm call each for the input and post-attention norms, the
+    q and k norms in the attention's one qk_norm_rope call, and no rsqrt is
+    left."""
     model = make("qwen3_moe", torch.bfloat16)
     before = decode_layer_ops(model, 0)
     assert before["aten::rsqrt"] == 4 and "mps_ext::rms_norm" not in before
     mps_ext.optimize(model)
     after = decode_layer_ops(model, 0)
-    assert after["mps_ext::rms_norm"] == 4 and "aten::rsqrt" not in after and "aten::pow" not in after
+    assert after["mps_ext::rms_norm"] == 2 and after["mps_ext::qk_norm_rope"] == 1
+    assert "aten::rsqrt" not in after and "aten::pow" not in after
     print(f"\nqwen3_moe bf16 decoder layer, host calls per decode token: {sum(before.values())} -> "
           f"{sum(after.values())}")
     assert sum(before.values()) - sum(after.values()) >= 4 * 5
