@@ -185,7 +185,7 @@ def _probe(mod: nn.Module, original, plan: _Plan, rotary: set[int]) -> frozenset
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, _PROBE_TOKENS, mod.q_proj.in_features, generator=g).to(w.device, w.dtype)
     ok, raised = [], []
-    training = mod.training
+    modes = [(m, m.training) for m in mod.modules()]
     mod.train(False)  # dropout apart
     try:
         with torch.no_grad():
@@ -204,7 +204,8 @@ def _probe(mod: nn.Module, original, plan: _Plan, rotary: set[int]) -> frozenset
                             "embedding is not rotate_half's, or its forward does something else")
                 ok.append(r)
     finally:
-        mod.train(training)
+        for m, training in modes:
+            m.training = training
     if not ok:
         return f"it raised on every probe (rotary sizes {'; '.join(raised)})"
     return frozenset(ok)

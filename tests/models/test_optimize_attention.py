@@ -247,3 +247,29 @@ def test_attentions_it_does_not_know_are_left_with_the_reason():
         "layernorm": "its q and k norms (LayerNorm, LayerNorm) are not RMSNorms optimize fuses",
         "extra": "it holds v_norm beside its projections and q/k norms (optimize knows no such attention)"}
     assert not attention_layers(holder)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "lfm2"])
+def test_dense_qwen3_and_lfm2(monkeypatch, name):
+    """Plain Qwen3 (its sliding-window attribute passed on) and LFM2: the
+    same attention, converted; decode logits bit-identical to the model
+    optimized without the swap."""
+    from test_optimize import COMMON, T
+    common = {k: v for k, v in COMMON.items() if k not in ("num_experts_per_tok", "experts_implementation")}
+
+    def build():
+        torch.manual_seed(0)
+        if name == "qwen3":
+            return T.Qwen3ForCausalLM(T.Qwen3Config(**common)).eval()
+        return T.Lfm2ForCausalLM(T.Lfm2Config(**common, layer_types=["conv", "full_attention"])).eval()
+
+    model, apart = mps_ext.optimize(build()), without_swap(monkeypatch, build())
+    layers = ["model.layers.0.self_attn", "model.layers.1.self_attn"] if name == "qwen3" else ["model.layers.1.self_attn"]
+    assert attention_layers(model) == layers and not model.optimize_summary.attention_left
+    prompt, step = ids(), ids(1, seed=2)
+    with run_model(RELEASE) as report:
+        ours = prefill_and_decode(model, prompt, step)
+        theirs = prefill_and_decode(apart, prompt, step)
+    assert report.families["norm"].ops["mps_ext::qk_norm_rope"].ran == 2 * len(layers)
+    for o, t in zip(ours, theirs):
+        assert torch.equal(o, t)
