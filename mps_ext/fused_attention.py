@@ -151,7 +151,8 @@ def _plan(mod: nn.Module) -> _Plan | str:
     if q_rows is None or o_cols is None or _features(mod.q_proj, "in_features") is None or o_cols % d:
         return f"its q_proj and {out} are not linear layers of whole heads"
     if q_rows not in (o_cols, 2 * o_cols):
-        return f"its q_proj gives {q_rows} features for {o_cols // d} heads of {d}: neither queries nor queries and gate"
+        return (f"its q_proj gives {q_rows} features for {o_cols // d} heads of {d}: neither queries nor queries "
+                "and gate")
     try:
         params = list(inspect.signature(type(mod).forward).parameters.values())
     except (TypeError, ValueError):

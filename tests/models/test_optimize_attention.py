@@ -71,7 +71,6 @@ def test_swapped_attention_matches_the_model_without_it(figures, monkeypatch, na
     assert not attention_layers(apart) and not apart.optimize_summary.attention
     with run_model(RELEASE) as report:
         ours = prefill_and_decode(model, prompt, step)
-    theirs_report = None
     with run_model(RELEASE) as theirs_report:
         theirs = prefill_and_decode(apart, prompt, step)
     figures.families = report.ran_kernels()
@@ -102,14 +101,11 @@ def test_a_rotary_size_off_the_lanes_sums_in_another_order(monkeypatch):
         assert rel_err(o, t) <= 1e-6
 
 
-def test_cpu_tensors_without_the_executor_run_the_models_steps():
+def test_cpu_tensors_without_the_executor_run_the_models_steps(monkeypatch):
     """Outside the model runner (CPU tensors): torch's ops, in the model's
     order, so the logits are the unswapped model's bit for bit."""
     model = mps_ext.optimize(make("qwen3_5_moe", torch.bfloat16))
-    apart = make("qwen3_5_moe", torch.bfloat16)
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(fused_attention, "optimize_attention", lambda model: ({}, [], {}))
-        mps_ext.optimize(apart)
+    apart = without_swap(monkeypatch, make("qwen3_5_moe", torch.bfloat16))
     prompt, step = ids(), ids(1, seed=2)
     assert attention_layers(model)
     for g, w in zip(prefill_and_decode(model, prompt, step), prefill_and_decode(apart, prompt, step)):
@@ -174,12 +170,12 @@ def test_compiled_swapped_model(name):
 
 
 # ----------------------------------------------------------- what it changes and leaves --
-def test_state_dict_module_tree_and_a_second_optimize():
+def test_state_dict_module_tree_and_a_second_optimize(monkeypatch):
     """The swap keeps parameters, state dict keys and children; a second
     optimize says the layers are already converted; a deepcopy and a cast
     keep the fused forward."""
     model = make("qwen3_5_moe")
-    without = without_swap(pytest.MonkeyPatch(), copy.deepcopy(model))
+    without = without_swap(monkeypatch, copy.deepcopy(model))
     mps_ext.optimize(model)
     assert set(model.state_dict()) == set(without.state_dict())
     attn = model.model.layers[1].self_attn
@@ -264,7 +260,7 @@ def test_dense_qwen3_and_lfm2(monkeypatch, name):
         return T.Lfm2ForCausalLM(T.Lfm2Config(**common, layer_types=["conv", "full_attention"])).eval()
 
     model, apart = mps_ext.optimize(build()), without_swap(monkeypatch, build())
-    layers = ["model.layers.0.self_attn", "model.layers.1.self_attn"] if name == "qwen3" else ["model.layers.1.self_attn"]
+    layers = [f"model.layers.{i}.self_attn" for i in ((0, 1) if name == "qwen3" else (1,))]
     assert attention_layers(model) == layers and not model.optimize_summary.attention_left
     prompt, step = ids(), ids(1, seed=2)
     with run_model(RELEASE) as report:
