@@ -63,12 +63,12 @@ template <typename T>
 MPS_EXT_INLINE void decode_format_e5m2(thread DecodeFloat<T>&, bool) {}
 
 // ------------------------------------------------------------- the tile --
-// Pieces of each activation row a tile holds: DECODE_TILE_BYTES over the
-// rows (at least one per lane), fewer with block scales. WA: words of an
-// activation piece (the activations of one weight piece), E: weights of a
-// piece.
-constexpr int decode_tile_pieces(int R, int WA, int E, bool scaled) {
-  const int bytes = DECODE_TILE_BYTES / (R * WA * 4);
+// Pieces of each activation row a tile holds: the tile's bytes (the job's
+// TILE_BYTES, DECODE_TILE_BYTES unless it says otherwise) over the rows (at
+// least one per lane), fewer with block scales. WA: words of an activation
+// piece (the activations of one weight piece), E: weights of a piece.
+constexpr int decode_tile_pieces(int R, int WA, int E, bool scaled, int tile_bytes = DECODE_TILE_BYTES) {
+  const int bytes = tile_bytes / (R * WA * 4);
   const int pieces = bytes < 32 ? 32 : bytes;
   return scaled && pieces * E > DECODE_SCALED_TILE_ELEMENTS ? DECODE_SCALED_TILE_ELEMENTS / E : pieces;
 }
@@ -92,16 +92,16 @@ struct DecodeShape {
 
 // Threadgroup words of the tile at R rows.
 template <typename TX, typename TW, bool VEC, bool SCALED>
-constexpr int decode_tile_words(int R) {
+constexpr int decode_tile_words(int R, int tile_bytes = DECODE_TILE_BYTES) {
   typedef DecodeShape<TX, TW, VEC> S;
-  return R * S::WA * decode_tile_stride(decode_tile_pieces(R, S::WA, S::E, SCALED), S::AW, VEC);
+  return R * S::WA * decode_tile_stride(decode_tile_pieces(R, S::WA, S::E, SCALED, tile_bytes), S::AW, VEC);
 }
 // ... at the most of any R (a kernel that picks R at run time).
 template <typename TX, typename TW, bool VEC, bool SCALED>
-constexpr int decode_tile_words_any() {
+constexpr int decode_tile_words_any(int tile_bytes = DECODE_TILE_BYTES) {
   int most = 0;
   for (int R = 1; R <= 8; R *= 2) {
-    const int w = decode_tile_words<TX, TW, VEC, SCALED>(R);
+    const int w = decode_tile_words<TX, TW, VEC, SCALED>(R, tile_bytes);
     most = w > most ? w : most;
   }
   return most;
@@ -197,7 +197,7 @@ MPS_EXT_INLINE void decode_products(thread const Job& job, thread float* acc,
 // words of threadgroup memory.
 //
 // The job (see the file comment) provides: X and W, the element formats,
-// as members xf and wf; BLOCK_SCALED and BUDGET (enum); rows, k, x_k (the
+// as members xf and wf; BLOCK_SCALED, BUDGET and TILE_BYTES (enum); rows, k, x_k (the
 // activation's stride along K, used without VEC), w_k (the weight's);
 // x_row(r), the first activation of row r; live(q) and w_row(q), whether
 // the simdgroup's output q exists and its weight row; stage_scales(k0,
@@ -214,7 +214,7 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
   typedef typename P::type Piece;
   constexpr int E = Shape::E, NW = Shape::NW, AW = Shape::AW, WA = Shape::WA;
   constexpr bool SCALED = Job::BLOCK_SCALED != 0;
-  constexpr int TP = decode_tile_pieces(R, WA, E, SCALED), TS = decode_tile_stride(TP, AW, VEC);
+  constexpr int TP = decode_tile_pieces(R, WA, E, SCALED, int(Job::TILE_BYTES)), TS = decode_tile_stride(TP, AW, VEC);
   constexpr int U = rows_pieces_per_output(R, Q, TP, int(Job::BUDGET));
   static_assert(AW >= 1, "activations at least as wide as the weights");
   // Every full tile takes each lane the same number of steps of 32 * U
@@ -253,11 +253,17 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
   }
 
   // What derives from k0 and c below is unsigned arithmetic, selects and
-  // shifts, not min() or signed division: index arithmetic, which a GPU
-  // keeps in 32 bits (the CPU's IR, which cpu_metal's register estimate
-  // reads, would otherwise keep the loop counter c in 64 bits and 32).
-  for (int k0 = 0; k0 < k_pieces; k0 += TP * E) {
-    const int left = k_pieces - k0;
+  // shifts, not min() or signed division, and the counters k0 and c are
+  // unsigned: index arithmetic, which a GPU keeps in 32 bits (the CPU's IR,
+  // which cpu_metal's register estimate reads, would otherwise widen a
+  // signed counter to 64 bits and keep a 32-bit copy too). The tiles run
+  // while a whole piece is left before K, not up to k_pieces: K is the
+  // job's, the same for every thread, where k_pieces, after the tail's
+  // lane-dependent branch, is one more value a thread keeps (fp8_gemv at 4
+  // rows: 36 -> 32 registers with fp8 activations, 35 -> 31 with bfloat).
+  for (uint k0u = 0; k0u + uint(VEC ? E : 1) <= uint(K); k0u += uint(TP * E)) {
+    const int k0 = int(k0u);
+    const int left = K - k0;
     const int pieces = left >= TP * E ? TP : int(uint(left) / uint(E));  // of each row in this tile
     // Consecutive threads stage consecutive 16-byte quarters of a row's
     // pieces (VEC), or elements as floats; rows past `rows` stage as zeros,
@@ -278,8 +284,12 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
     // Whole steps of U pieces of each output first: no bounds to check, so
     // that no index per piece stays live from the loads to the products
     // (registers); the lane's tile words are at constant offsets from tc.
-    int c = int(lane);
-    for (; c < pieces - 32 * (U - 1); c += 32 * U) {
+    // Not unrolled: its trip count has a bound (a tile's steps), and a
+    // compiler that unrolls up to it keeps every step's tile addresses live
+    // (fp8_gemv_f32_r8_scalar: 182 registers in the estimate).
+    const uint full = pieces > 32 * (U - 1) ? uint(pieces - 32 * (U - 1)) : 0u;  // where whole steps end
+    uint c = lane;
+    _Pragma("clang loop unroll(disable)") for (; c < full; c += uint(32 * U)) {
       const threadgroup uint* tc = tile + c;
       Piece wv[U][Q];
       MPS_EXT_UNROLL for (int u = 0; u < U; ++u)
@@ -287,16 +297,16 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
           wv[u][q] = live[q] ? P::load(job.wf, wp[q] + u * u_step) : Piece(0u);
       MPS_EXT_UNROLL for (int u = 0; u < U; ++u)
         decode_products<Job, R, Q, VEC, TS>(job, &acc[0][0], wv[u], tc + 32 * u,
-                                            SCALED ? int(uint(c + 32 * u) * uint(E) / 128u) : 0);
+                                            SCALED ? int((c + uint(32 * u)) * uint(E) / 128u) : 0);
       MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wp[q] += U * u_step;
     }
-    // The last tile's last pieces, one at a time. (Past the tile's pieces
-    // there is nothing to add, not even 0 times a staged value: an inf
-    // activation would make it NaN.)
-    for (; c < pieces; c += 32) {
+    // The last tile's last pieces, one at a time (U = 1: the steps took
+    // them all). (Past the tile's pieces there is nothing to add, not even
+    // 0 times a staged value: an inf activation would make it NaN.)
+    for (; U > 1 && c < uint(pieces); c += 32u) {
       Piece wv[Q];
       MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wv[q] = live[q] ? P::load(job.wf, wp[q]) : Piece(0u);
-      decode_products<Job, R, Q, VEC, TS>(job, &acc[0][0], wv, tile + c, SCALED ? int(uint(c) * uint(E) / 128u) : 0);
+      decode_products<Job, R, Q, VEC, TS>(job, &acc[0][0], wv, tile + c, SCALED ? int(c * uint(E) / 128u) : 0);
       MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wp[q] += u_step;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -311,7 +321,7 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
 
 // A job's parts that need no block scales.
 struct DecodeUnscaled {
-  enum { BLOCK_SCALED = 0 };
+  enum { BLOCK_SCALED = 0, TILE_BYTES = DECODE_TILE_BYTES };
   MPS_EXT_INLINE void stage_scales(int, int, uint, uint) const {}
   MPS_EXT_INLINE float x_scale(int, int) const { return 1.0f; }
   MPS_EXT_INLINE float w_scale(int, int) const { return 1.0f; }

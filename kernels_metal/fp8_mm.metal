@@ -121,7 +121,7 @@ struct Fp8GemvJob {
   typedef typename A::Format X;
   typedef DecodeFp8 W;
   // (16: the block scales of a piece and their addresses stay live too)
-  enum { BLOCK_SCALED = 1, BUDGET = 16 };
+  enum { BLOCK_SCALED = 1, BUDGET = 16, TILE_BYTES = DECODE_TILE_BYTES };
   X xf;
   W wf;
   device uchar* y;

@@ -153,7 +153,10 @@ struct GmmOperands {
 template <typename TA, typename TB, typename TO>
 struct GmmDecodeJob : GmmOperands<TA, TB, TO>, DecodeUnscaled {
   // (20: the slot, the scales' indices and two column pointers stay live too)
-  enum { BUDGET = 20 };
+  // Half DECODE_TILE_BYTES: a threadgroup also keeps rows_at and the slot
+  // (40 bytes), and with a whole 8 KiB tile a core held 7 threadgroups of
+  // 128 threads by threadgroup memory where their registers allow 8.
+  enum { BUDGET = 20, TILE_BYTES = DECODE_TILE_BYTES / 2 };
   const device float* row_scale;
   const device float* col_scale;
   threadgroup const uint* rows_at;
@@ -197,7 +200,7 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
                             uint sg [[simdgroup_index_in_threadgroup]],
                             uint simdgroups [[simdgroups_per_threadgroup]],
                             uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int TILE_WORDS = decode_tile_words_any<TA, TB, VEC, false>();
+  constexpr int TILE_WORDS = decode_tile_words_any<TA, TB, VEC, false>(GmmDecodeJob<TA, TB, TO>::TILE_BYTES);
   threadgroup uint tile[TILE_WORDS];
   threadgroup uint rows_at[GMM_DECODE_MAX_ROWS];
   threadgroup uint shared[2];

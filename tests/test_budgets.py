@@ -339,24 +339,8 @@ LU_SOLVE_VECTOR = ("lu_solve with one right-hand side: x at 32 (f32) / 16 (c64) 
                    "(batch, n) matrix (batched_matrix_contiguous_strides), so x[b, i] is at b + batch * i and a "
                    "matrix's rows, one per lane, are a line apart; lanes over matrices instead would read the factors "
                    "(n^2 elements a matrix against x's n) a line per lane")
-# Decode variants still above the kernels they replaced (registers by today's
-# estimator: d22396b -> now), not brought back by this change.
-DECODE_FP8_SCALAR = ("fp8_gemv's element-load path at 4 rows under bf16, f16 and f32 activations (19 -> 20; "
-                     "26 before the one-word pieces): at the peak, the staged tile's and block scales' addresses "
-                     "and the lane's piece index, which the old kernel (its activations read from memory, a scale "
-                     "block at a time) did not keep; the other element-load variants are within theirs")
-DECODE_FP8_R4 = ("fp8_gemv at 4 rows with 16-byte loads (bf16_r4_vec 35 -> 38, f16_r4_vec 35 -> 38, fp8_r4_vec 34"
-                 " -> 39; 39-40 before 32-bit index arithmetic): at the peak, 2 pieces in flight (8 registers: the old"
-                 " kernel's 2 outputs of a piece each, now 1 output of 2), the 4 scaled weights, and the tile loop's "
-                 "counter, which the CPU IR keeps in 64 bits (the block scales' loop count is its umax). One piece in "
-                 "flight would be 4 fewer, at half the weight bytes a lane has in flight")
 # Issue 21's budgets on the kernels beyond linear (figures at the budget
 # cases, tests/test_budgets.measured; docs/kernel_counters_issue21.md).
-GMM_ROWS_STAGING = ("gmm_decode_rows stages an expert's activation rows, 8,232 bytes per threadgroup of 128 threads "
-                    "(the grouped products at 64 rows, 80 cores): 7 threadgroups a core by threadgroup memory, where "
-                    "its registers allow 8 and the dispatch gives a core 8 (the bf16 ones with fp8 weights are "
-                    "within); decode.h is "
-                    "being reworked (issue 20's registers), so its staging is left to that work")
 DIVISIONS_UNEXAMINED = ("{} 32-bit integer and {} float divisions per thread (the busiest) at the budget cases, not "
                         "yet traced to their source: whether each is a fixed number per thread or sits in a loop "
                         "that grows with the problem is not known, so no DIVISIONS entry allows them")
@@ -393,16 +377,11 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
     "registers_fit_threadgroup": {},
     "no_private_memory": {},
     "no_bank_conflicts": {},
-    "decode_registers": {
-        **{k: DECODE_FP8_SCALAR for k in names("fp8_gemv_{a}_r4_scalar", a=("bf16", "f16", "f32"))},
-        **{k: DECODE_FP8_R4 for k in names("fp8_gemv_{a}_r4_vec", a=("bf16", "f16", "fp8"))},
-    },
+    "decode_registers": {},
     "no_load_after_barrier": {
     },
     "threadgroups_per_core": {},
-    "threadgroup_memory_residency": {
-        **{k: GMM_ROWS_STAGING for k in GMM_DECODE if k.startswith("gmm_decode_rows_") and "e4m3w" not in k},
-    },
+    "threadgroup_memory_residency": {},
     "activation_rereads": {},
     "divisions": {
         **{k: DIVISIONS_UNEXAMINED.format(*UNEXAMINED_FIGURES[k]) for k in UNEXAMINED_FIGURES},
