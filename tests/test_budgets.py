@@ -199,8 +199,8 @@ BUDGETS: dict[str, Budget] = {
 }
 
 # ------------------------------------------------ cases that measure them --
-# The cheapest benchmark cases (by id, of `python -m benchmarks`) that
-# between them reach every kernel not marked unreached.
+# The cheapest benchmark cases (by id, of `python -m benchmarks`, or of
+# BUDGET_ONLY) that between them reach every kernel not marked unreached.
 _LINEAR_SMALL = [f"{shape} {layout} {t} rows={r}{extra}"
                  for shape, types, extra in (("2048->768", ("float16", "bfloat16"), ""),
                                              ("768->2048", ("float16", "bfloat16", "float32"), ""),
