@@ -236,15 +236,19 @@ def grouped(kind, dtype, rows, k, n, experts, layout, misaligned=0) -> Prepared:
 EXPERT_DOWN = (768, 2048)  # Qwen3-30B-A3B: an expert's down projection, K -> N
 
 
+def layer_case(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16) -> Case:
+    labels = {"case": "layer", "model": model.name, "experts": "fp8" if fp8 else str(dtype)[6:],
+              "activation": str(dtype)[6:], "tokens / rows": str(tokens), "weight": ""}
+    id_ = f"layer {model.name} {labels['experts']} tokens={tokens}" + (
+        f" {labels['activation']}" if dtype != torch.bfloat16 else "")
+    return Case("moe", id_, labels, lambda: layer(model, tokens, fp8, dtype))
+
+
 def cases(size: str) -> list[Case]:
     out = []
 
     def add_layer(model, tokens, fp8, dtype=torch.bfloat16):
-        labels = {"case": "layer", "model": model.name, "experts": "fp8" if fp8 else str(dtype)[6:],
-                  "activation": str(dtype)[6:], "tokens / rows": str(tokens), "weight": ""}
-        id_ = f"layer {model.name} {labels['experts']} tokens={tokens}" + (
-            f" {labels['activation']}" if dtype != torch.bfloat16 else "")
-        out.append(Case("moe", id_, labels, lambda: layer(model, tokens, fp8, dtype)))
+        out.append(layer_case(model, tokens, fp8, dtype))
 
     def add_grouped(kind, dtype, rows, layout, misaligned=0):
         k, n = EXPERT_DOWN

@@ -69,7 +69,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import common
+from benchmarks import bench_moe, common
 from benchmarks.__main__ import OPS, op_cases
 from mps_ext import cpu_metal
 
@@ -199,8 +199,8 @@ BUDGETS: dict[str, Budget] = {
 }
 
 # ------------------------------------------------ cases that measure them --
-# The cheapest benchmark cases (by id, of `python -m benchmarks`) that
-# between them reach every kernel not marked unreached.
+# The cheapest benchmark cases (by id, of `python -m benchmarks`, or of
+# BUDGET_ONLY) that between them reach every kernel not marked unreached.
 _LINEAR_SMALL = [f"{shape} {layout} {t} rows={r}{extra}"
                  for shape, types, extra in (("2048->768", ("float16", "bfloat16"), ""),
                                              ("768->2048", ("float16", "bfloat16", "float32"), ""),
@@ -211,6 +211,19 @@ _LINEAR_SMALL += [f"{shape} [N,K] {t} rows={r}{extra}"
                   for shape, types, extra in (("2048->768", ("float32",), ""),
                                               ("768->2048", ("float32", "float16", "bfloat16"), " misaligned"))
                   for t in types for r in (1, 2, 4, 8)]
+# A decode MoE layer for the budgets only (no model has it): Qwen3-30B-A3B's
+# routing (128 experts, top 8: the route kernel's input as the model's), a
+# 640-wide hidden state and 320-wide experts, 1/7.7 of the model's expert
+# weights (its layer took 15 to 100 s of CPU a run, 90% of the moe budgets'
+# time). Its expert products take the model's launch decisions on the 8-core
+# GPU (decode_geometry's most, 16 simdgroups a threadgroup, as the model's
+# layer gets on both GPUs), and on the 80-core one 8 simdgroups, every
+# threadgroup whole; it reaches the same route, gate/up, down and combine
+# kernels in each dtype.
+BUDGET_LAYER = bench_moe.Model("budget", hidden=640, experts=128, top_k=8, shared=0, ffn=320)
+BUDGET_ONLY = [bench_moe.layer_case(BUDGET_LAYER, 1, fp8, dtype)
+               for fp8, dtype in ((False, torch.bfloat16), (True, torch.bfloat16), (False, torch.float32),
+                                  (False, torch.float16))]
 BUDGET_CASES = {
     "softmax": [c.id for c in op_cases("softmax", "quick")],  # all but the 4096 x 4096 attention scores
     "linear": _LINEAR_SMALL,
@@ -218,41 +231,56 @@ BUDGET_CASES = {
             "1x3x1024x1024 uint8 [16, 16, 16, 16]", "8x4000 int64 [0, 96]"],
     # batched small inverses and every 32 x 32 case (128 x 128 ones take a minute each)
     "linalg": [c.id for c in op_cases("linalg", "quick") if c.id.startswith("inv 100000 ") or " x 32x32 " in c.id],
-    # the MoE expert's shape (prefill from a sample block) and the conversions
-    "fp8": [c.id for c in op_cases("fp8", "quick") if "2048->768" in c.id or c.id.startswith("copy_")],
-    # one decode token of Qwen3-30B-A3B's layer in each dtype, the grouped products (on 256 columns), and
-    # Qwen3.6's Gated DeltaNet decode in each dtype
-    "moe": [c.id for c in op_cases("moe", "quick") if not c.id.startswith("layer ")
-            or (c.id.startswith("layer Qwen3-30B-A3B ") and "tokens=1" in c.id)],
+    # the MoE expert's shape and the conversions; prefill at 128 rows only: every prefill case runs the
+    # same 64 x 256 sample block (bench_fp8.product), which 512 and 2048 rows only scale
+    "fp8": [c.id for c in op_cases("fp8", "quick")
+            if ("2048->768" in c.id and not re.search(r" rows=(512|2048) ", c.id)) or c.id.startswith("copy_")],
+    # one decode token of a small MoE layer in each dtype (BUDGET_LAYER), the grouped products (on 256
+    # columns), and Qwen3.6's Gated DeltaNet decode in each dtype
+    "moe": [c.id for c in op_cases("moe", "quick") if not c.id.startswith("layer ")] + [c.id for c in BUDGET_ONLY],
     "norm": [c.id for c in op_cases("norm", "quick")],  # decode rows, a few KiB each
 }
 
 
 # The decode kernels' launch geometry follows the GPU (decode_geometry in
-# csrc/ops/kernel_choice.h): their ops' cases run as on a small and on a
-# large Mac (cpu_metal.set_gpu), the others' on the executor's default, the
+# csrc/ops/kernel_choice.h): their ops' cases run as on a large and on a
+# small Mac (cpu_metal.set_gpu), the others' on the executor's default, the
 # large one.
 SMALL_GPU, LARGE_GPU = cpu_metal.GPU(cores=8, family=7), cpu_metal.GPU(cores=80, family=9)
-GPUS = {op: (SMALL_GPU, LARGE_GPU) for op in ("linear", "fp8", "moe")}
+GPUS = {op: (LARGE_GPU, SMALL_GPU) for op in ("linear", "fp8", "moe")}
+# The kernels whose launch the GPU changes: those the host sizes by
+# target_threadgroups (csrc/ops/kernel_choice.h: decode_geometry, and
+# linear.cpp's split of gemv_cols). Every other launch is the same on each
+# GPU, so after the first GPU of GPUS a case runs again only if it reached
+# one of these (the conversions, prefill tiles, routing and DeltaNet cases
+# run once).
+FOLLOWS_THE_GPU = ("gemv_rows_", "gemv_cols_", "fp8_gemv_", "gmm_decode_rows_")
 
 
 @functools.lru_cache(maxsize=None)
 def measured(op: str) -> dict[str, list[tuple[str, cpu_metal.DispatchStats]]]:
-    """kernel -> [(case, its dispatch)] over the op's budget cases, run once
-    on each GPU of GPUS[op]."""
+    """kernel -> [(case, its dispatch)] over the op's budget cases, run on
+    the first GPU of GPUS[op], and on the others where it follows the GPU."""
     by_id = {c.id: c for size in ("full", "quick") for c in op_cases(op, size)}
+    by_id.update((c.id, c) for c in BUDGET_ONLY if c.op == op)
     out: dict[str, list] = {}
+    ids = BUDGET_CASES[op]
     for gpu in GPUS.get(op, (LARGE_GPU,)):
         before = cpu_metal.set_gpu(gpu)
+        follows = []
         try:
-            for id_ in BUDGET_CASES[op]:
+            for id_ in ids:
                 case = by_id.get(id_)
                 assert case is not None, (f"BUDGET_CASES names {op} case {id_!r}, which benchmarks/bench_{op}.py no "
                                           "longer has")
-                for d in common.measure(case, mac=False).stats:
+                stats = common.measure(case, mac=False).stats
+                for d in stats:
                     out.setdefault(d.kernel, []).append((f"{op} {id_} ({gpu.cores} cores)", d))
+                if any(d.kernel.startswith(FOLLOWS_THE_GPU) for d in stats):
+                    follows.append(id_)
         finally:
             cpu_metal.set_gpu(before)
+        ids = follows
     return out
 
 
