@@ -187,7 +187,7 @@ def test_every_down_combine_kernel_ran():
     assert len(names) == 8 and DOWN_COMBINE_RAN == names, sorted(names - DOWN_COMBINE_RAN)
 
 
-@pytest.mark.parametrize("tokens,top_k,shared", [(32, 7, 1), (113, 8, 1), (128, 7, 1)])
+@pytest.mark.parametrize("tokens,top_k,shared", [(32, 7, 1), (128, 7, 1)])
 def test_down_combine_up_to_moe_routes_limit(tokens, top_k, shared):
     """Up to moe_route's 1024 token slots (128 tokens x 8 slots): a
     threadgroup keeps every row's outputs of its columns (at 1024 rows one
