@@ -14,6 +14,9 @@
 //                  row (and of every 8th after it) works, the others exit.
 //                  So experts nobody chose are never touched, and the
 //                  launch is the same whatever the routing.
+// moe_down_combine  gmm_decode_rows's down product of mps_ext's MoE layer
+//                  with each token's weighted sum of its slots as the
+//                  epilogue (moe_combine's, bit for bit): one dispatch.
 // gmm_decode_cols  the same for a weight whose N dimension is contiguous
 //                  (W[E, K, N]): decode.h's cols template (gemv_cols'), a
 //                  threadgroup owning 128 bytes of columns.
