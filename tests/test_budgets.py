@@ -116,7 +116,8 @@ GMM_DECODE = (names("gmm_decode_rows_{t}_{path}", t=("f32", "f16", "bf16", "e4m3
               + names("gmm_decode_cols_{t}_{path}", t=("f32", "f16", "bf16"), path=("vec", "scalar")))
 GMM_TILED = names("gmm_tiled_{t}", t=("f32", "f16", "bf16", "e4m3"))
 MOE_ROUTE_COMBINE = names("moe_{step}_{t}", step=("route", "combine"), t=("f32", "f16", "bf16"))
-MOE_DOWN_COMBINE = names("moe_down_combine_{t}_{path}", t=("f32", "f16", "bf16", "bf16_e4m3w"), path=("vec", "scalar"))
+MOE_DOWN_COMBINE = names("moe_down_combine_{t}_{path}", t=("f32", "f16", "bf16", "bf16_e4m3w"),
+                         path=("vec", "scalar"))
 RMS_NORM = names("rms_norm_{t}", t=("f32", "f16", "bf16"))
 QK_NORM_ROPE = names("qk_norm_rope_{t}", t=("f32", "f16", "bf16"))
 LINEAR_ATTENTION = names("linear_attention_decode_{t}", t=("f32", "f16", "bf16"))
@@ -201,8 +202,8 @@ BUDGETS: dict[str, Budget] = {
     # 64 times, bound by arithmetic, not by how many threads hide latency.
     **{k: Budget("fp8", full_occupancy=False, lines=lines(k)) for k in FP8_TILE},
     **{k: Budget("moe", full_occupancy=True, lines=lines(k), activation="a") for k in GMM_DECODE},
-    **{k: Budget("moe", full_occupancy=True, lines=lines(k), unreached=MOE_COMBINE_UNREACHED if "_combine_" in k else "")
-       for k in MOE_ROUTE_COMBINE},
+    **{k: Budget("moe", full_occupancy=True, lines=lines(k),
+                 unreached=MOE_COMBINE_UNREACHED if "_combine_" in k else "") for k in MOE_ROUTE_COMBINE},
     # moe_layer's down product with the combine fused: a decode GEMV of the experts' rows, as gmm_decode_rows
     **{k: Budget("moe", full_occupancy=True, lines=lines(k), activation="a",
                  unreached=MOE_DOWN_COMBINE_SCALAR if k.endswith("_scalar") else "") for k in MOE_DOWN_COMBINE},
@@ -373,8 +374,8 @@ GMM_ROWS_STAGING = ("gmm_decode_rows stages an expert's activation rows, 8,232 b
                     "within); decode.h is "
                     "being reworked (issue 20's registers), so its staging is left to that work")
 MOE_DOWN_COMBINE_STAGING = ("moe_down_combine keeps gmm_decode_rows's staged tile (8,232 bytes) and every routed row's "
-                            "outputs of its columns (MOE_DOWN_Y_ELEMENTS, 4-8 KiB): 12,288-16,384 bytes per threadgroup "
-                            "of 64 threads (Qwen3-30B-A3B layer, 1 token, 80 cores), 4-5 threadgroups a core by "
+                            "outputs of its columns (MOE_DOWN_Y_ELEMENTS, 4-8 KiB): 12,288-16,384 bytes per "
+                            "threadgroup of 64 threads (Qwen3-30B-A3B layer, 1 token, 80 cores), 4-5 threadgroups a core by "
                             "threadgroup memory where the dispatch gives a core 7 (at 8 cores: met). The simdgroups a "
                             "core holds are the same with fewer, larger threadgroups (a simdgroup owns 2 columns "
                             "whatever the block); the host's block choice does not yet take threadgroup memory into "
