@@ -373,14 +373,12 @@ GMM_ROWS_STAGING = ("gmm_decode_rows stages an expert's activation rows, 8,232 b
                     "its registers allow 8 and the dispatch gives a core 8 (the bf16 ones with fp8 weights are "
                     "within); decode.h is "
                     "being reworked (issue 20's registers), so its staging is left to that work")
-MOE_DOWN_COMBINE_STAGING = ("moe_down_combine keeps gmm_decode_rows's staged tile (8,232 bytes) and every routed row's "
-                            "outputs of its columns (MOE_DOWN_Y_ELEMENTS, 4-8 KiB): 12,288-16,384 bytes per "
-                            "threadgroup of 64 threads (Qwen3-30B-A3B layer, 1 token, 80 cores), 4-5 threadgroups a core "
-                            "by "
-                            "threadgroup memory where the dispatch gives a core 7 (at 8 cores: met). The simdgroups a "
-                            "core holds are the same with fewer, larger threadgroups (a simdgroup owns 2 columns "
-                            "whatever the block); the host's block choice does not yet take threadgroup memory into "
-                            "account")
+MOE_DOWN_COMBINE_STAGING = (
+    "moe_down_combine keeps gmm_decode_rows's staged tile (8,232 bytes) and every routed row's outputs of its "
+    "columns (MOE_DOWN_Y_ELEMENTS, 4-8 KiB): 12,288-16,384 bytes per threadgroup of 64 threads (Qwen3-30B-A3B "
+    "layer, 1 token, 80 cores), 4-5 threadgroups a core by threadgroup memory where the dispatch gives a core 7 "
+    "(at 8 cores: met). The simdgroups a core holds are the same with fewer, larger threadgroups (a simdgroup owns "
+    "2 columns whatever the block); the host's block choice does not yet take threadgroup memory into account")
 DIVISIONS_UNEXAMINED = ("{} 32-bit integer and {} float divisions per thread (the busiest) at the budget cases, not "
                         "yet traced to their source: whether each is a fixed number per thread or sits in a loop "
                         "that grows with the problem is not known, so no DIVISIONS entry allows them")
