@@ -10,12 +10,12 @@ against mps_ext's fused one.
     python -m benchmarks moe [--quick | --tiny]
     python benchmarks/bench_moe.py [--quick | --tiny]   (the same)
 
-The layer, as mps_ext runs it (5 dispatches, nothing read on the host):
+The layer, as mps_ext runs it (torch.ops.mps_ext.moe_layer: 4 dispatches,
+nothing read on the host):
     logits = F.linear(x, router)                    router GEMV (mps_ext linear)
     moe_route(logits, top_k)                        softmax, top-k, sort by expert, offsets
     h = moe_experts(x, W_gate_up, ..., swiglu=True) gather + gate/up + silu(gate) * up
-    y = moe_experts(h, W_down, ...)                 down projection
-    out = moe_combine(y, weights, ...)              weighted sum per token
+    out = moe_down_combine(h, W_down, weights, ...) down projection and each token's weighted sum
 The shared expert (Qwen3.5/3.6) is expert E of the banks, chosen by every
 token with weight sigmoid(router row E). The same expert products are what
 F.grouped_mm runs (one dispatch each, no host sync) for model code that
@@ -88,29 +88,30 @@ def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int 
     out = {}
 
     def run():
-        out["logits"] = logits = ops.linear(x, router, None)
-        weights, offs, slot_of_row, row_of_slot = ops.moe_route(logits, model.top_k, True, bool(model.shared))
-        hid = ops.moe_experts(x, w_gu, s_gu, offs, slot_of_row, slots, True)
-        y = ops.moe_experts(hid, w_d, s_d, offs, None, 1, False)
-        out.update(weights=weights, offs=offs, slot_of_row=slot_of_row, row_of_slot=row_of_slot, hid=hid, y=y,
-                   out=ops.moe_combine(y, weights, row_of_slot))
+        out["out"] = ops.moe_layer(x, router, w_gu, s_gu, w_d, s_d, model.top_k, True, bool(model.shared))
 
     def measures(stats):
         """The layer's figures: from the dispatches and what the run returned."""
-        if len(stats) == 4:  # torch's own one-row GEMV took the router (torch >= 2.15): count it
+        if len(stats) == 3:  # torch's own one-row GEMV took the router (torch >= 2.15): count it
             router_read, extra_dispatch = router.nbytes, 1
         else:
             router_read, extra_dispatch = stats[0].bytes_read[stats[0].buffer("w")], 0
-        gate_up, down = stats[-3], stats[-2]
+        gate_up, down = stats[-2], stats[-1]
+        # The experts the router chose (the layer's routing, again, outside the measured run).
+        if "offs" not in out:
+            out["offs"] = ops.moe_route(F.linear(x, router), model.top_k, True, bool(model.shared))[1]
         offs = out["offs"]
         chosen = int((torch.diff(offs.long(), prepend=torch.zeros(1).long()) > 0).sum())
         expert_bytes = w_gu[0].nbytes + w_d[0].nbytes
         scale_bytes = (s_gu[0].nbytes + s_d[0].nbytes) if fp8 else 0
         weight_read = gate_up.bytes_read[gate_up.buffer("w")] + down.bytes_read[down.buffer("w")]
         # DRAM model: weights as read; every activation-sized tensor once at
-        # its size (re-reads by many threadgroups hit the GPU's caches; they are KB).
-        small = [x] + [out[k] for k in ("logits", "weights", "offs", "slot_of_row", "row_of_slot", "hid", "y", "out")]
-        dram = weight_read + router_read + chosen * scale_bytes + 2 * sum(t.nbytes for t in small)
+        # its size (re-reads by many threadgroups hit the GPU's caches; they
+        # are KB): x, the logits, weights, offs, the two slot maps, h and out.
+        rows = tokens * slots
+        small = (x.nbytes + tokens * e * x.element_size() + rows * 4 + offs.nbytes + 2 * rows * 4
+                 + rows * f * x.element_size() + out["out"].nbytes)
+        dram = weight_read + router_read + chosen * scale_bytes + 2 * small
         return {"chosen": chosen, "dispatches": len(stats) + extra_dispatch, "extra": router.nbytes * extra_dispatch,
                 "weight_ratio": weight_read / (chosen * expert_bytes), "dram": dram,
                 "minimum": chosen * (expert_bytes + scale_bytes) + router.nbytes, "gate_up_tgs": gate_up.total_threadgroups}
@@ -152,10 +153,7 @@ def stock_layer_fn(model: Model, tokens: int, device: str = "mps"):
         return out
 
     def ours():
-        ops = torch.ops.mps_ext
-        weights, offs, s2r, r2s = ops.moe_route(F.linear(x, router), model.top_k, True, bool(model.shared))
-        hid = ops.moe_experts(x, w_gu, None, offs, s2r, model.top_k + model.shared, True)
-        return ops.moe_combine(ops.moe_experts(hid, w_d, None, offs), weights, r2s)
+        return torch.ops.mps_ext.moe_layer(x, router, w_gu, None, w_d, None, model.top_k, True, bool(model.shared))
 
     return stock, ours
 

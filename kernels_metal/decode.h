@@ -4,7 +4,9 @@
 // serves every decode kernel whose weight is contiguous along K: gemv_rows
 // (gemv.metal: float, half, bfloat), fp8_gemv (fp8_mm.metal: float8 weights
 // with tensor, row or block scales under any activation type) and
-// gmm_decode_rows (grouped_mm.metal: rows gathered by expert), as MLX serves
+// gmm_decode_rows (grouped_mm.metal: rows gathered by expert; and
+// moe_down_combine, whose job's store keeps the outputs for a weighted sum
+// over the experts, its epilogue), as MLX serves
 // its dense, batched and gathered GEMV from one kernel with a loader policy.
 //
 // What differs between them is two policies, so adding a weight format is

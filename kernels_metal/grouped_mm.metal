@@ -14,6 +14,9 @@
 //                  row (and of every 8th after it) works, the others exit.
 //                  So experts nobody chose are never touched, and the
 //                  launch is the same whatever the routing.
+// moe_down_combine  gmm_decode_rows's down product of mps_ext's MoE layer
+//                  with each token's weighted sum of its slots as the
+//                  epilogue (moe_combine's, bit for bit): one dispatch.
 // gmm_decode_cols  the same for a weight whose N dimension is contiguous
 //                  (W[E, K, N]): decode.h's cols template (gemv_cols'), a
 //                  threadgroup owning 128 bytes of columns.
@@ -236,6 +239,106 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
   else if (s.rows == 2) decode_rows<Job, 2, Q, VEC>(job, tile, tid, threads.x, lane);
   else if (s.rows <= 4) decode_rows<Job, 4, Q, VEC>(job, tile, tid, threads.x, lane);
   else decode_rows<Job, 8, Q, VEC>(job, tile, tid, threads.x, lane);
+}
+
+// ----------------------------------------------------- moe_down_combine --
+// The down projection of mps_ext's MoE layer (moe_layer.cpp) with each
+// token's weighted sum of its slots fused in: one dispatch where
+// gmm_decode_rows and moe_combine (grouped_mm_moe.metal) took two, with the
+// same bits. A threadgroup owns a block of output (hidden) columns, all
+// its simdgroups' (1 << p.outputs_log2), and takes the chosen experts' rows
+// a chunk of up to 8 at a time in row order (the chunks gmm_decode_rows's
+// slots take), each expert's weight rows of the block read once (decode.h).
+// Each row's outputs are rounded to TO as gmm_decode_rows stores y, and
+// kept in threadgroup memory (every row of the step: the host sizes the
+// block so that they fit MOE_DOWN_Y_ELEMENTS), because moe_combine adds a
+// token's slots in slot order (the router's rank, the shared expert last),
+// not in the experts' order the rows come in, and float additions in
+// another order round differently. Then the threadgroup sums each token's
+// slots for its columns as moe_combine does and writes `out`.
+template <typename TA, typename TB, typename TO>
+struct MoeDownJob : GmmDecodeJob<TA, TB, TO> {
+  threadgroup TO* ys;  // [row][column of the block]
+  uint local;          // the simdgroup's first column in the block
+  uint outputs_log2;
+  // The chunk's own rows of `a` (no gather; offsets fit 32 bits: the host checks).
+  MPS_EXT_INLINE const device TA* x_row(int r) const { return this->a + (this->s.row + uint(r)) * uint(this->p->a_m); }
+  // GmmDecodeJob's store (what moe_experts writes to y), into ys.
+  MPS_EXT_INLINE void store(int r, thread const float* total, uint lane) const {
+    constant GroupedMMParams& p = *this->p;
+    if (lane >= uint(GMM_ROWS_OUTPUTS) || !(lane == 1 ? this->on[1] : this->on[0])) return;
+    const uint m = this->s.row + uint(r), col = lane == 1 ? this->col[1] : this->col[0];
+    const float v = (lane == 1 ? total[1] : total[0]) * scale_of(p, this->row_scale, this->col_scale, this->s.g, m, col);
+    ys[(m << outputs_log2) + local + lane] = TO(v);
+  }
+};
+
+// The chunk of rows from `row` (the first of a group's rows or 8 past the
+// previous chunk's): its group and rows, none past offs[-1]. Run by whole
+// simdgroups, each finding the same (no barrier: the loop below has none of
+// its own, so that no load of it waits behind one).
+inline RowSlot chunk_at(const device int* offs, constant GroupedMMParams& p, uint row, uint lane) {
+  RowSlot s;
+  s.row = row;
+  s.g = find_group(offs, p.groups, p.m, row, lane);
+  s.rows = s.g < p.groups ? min(uint(GMM_DECODE_MAX_ROWS), group_end(offs, s.g, p.m) - row) : 0;
+  return s;
+}
+
+template <typename TA, typename TB, typename TO, bool VEC>
+[[max_total_threads_per_threadgroup(DECODE_MAX_THREADS)]]
+kernel void moe_down_combine(device TO* out [[buffer(0)]],
+                             const device TA* a [[buffer(1)]],
+                             const device TB* w [[buffer(2)]],
+                             const device int* offs [[buffer(3)]],
+                             constant GroupedMMParams& p [[buffer(4)]],
+                             const device float* col_scale [[buffer(5)]],
+                             const device float* weights [[buffer(6)]],
+                             const device int* row_of_slot [[buffer(7)]],
+                             uint tg [[threadgroup_position_in_grid]],
+                             uint tid [[thread_index_in_threadgroup]],
+                             uint threads [[threads_per_threadgroup]],
+                             uint sg [[simdgroup_index_in_threadgroup]],
+                             uint lane [[thread_index_in_simdgroup]]) {
+  typedef MoeDownJob<TA, TB, TO> Job;
+  // The tile decode_rows stages at the job's TILE_BYTES (GmmDecodeJob's half tile).
+  constexpr int TILE_WORDS = decode_tile_words_any<TA, TB, VEC, false>(Job::TILE_BYTES);
+  threadgroup uint tile[TILE_WORDS];
+  threadgroup TO ys[MOE_DOWN_Y_ELEMENTS];
+  constexpr int Q = GMM_ROWS_OUTPUTS;
+  Job job;
+  job.row_scale = col_scale;  // (never read: p.scales is GMM_COL_SCALE or nothing)
+  job.col_scale = col_scale;
+  job.ys = ys;
+  job.outputs_log2 = p.outputs_log2;
+  job.local = sg * Q;
+  const uint block0 = tg << p.outputs_log2;
+  job.col0 = block0 + job.local;
+  MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+    job.on[q] = job.col0 + q < p.n;
+    job.col[q] = job.on[q] ? job.col0 + q : 0;
+  }
+  // Uniform: every simdgroup finds the same chunks (decode_rows has barriers).
+  for (RowSlot s = chunk_at(offs, p, 0, lane); s.rows > 0; s = chunk_at(offs, p, s.row + s.rows, lane)) {
+    job.init(out, a, w, p, s);
+    if (s.rows == 1) decode_rows<Job, 1, Q, VEC>(job, tile, tid, threads, lane);
+    else if (s.rows == 2) decode_rows<Job, 2, Q, VEC>(job, tile, tid, threads, lane);
+    else if (s.rows <= 4) decode_rows<Job, 4, Q, VEC>(job, tile, tid, threads, lane);
+    else decode_rows<Job, 8, Q, VEC>(job, tile, tid, threads, lane);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // every row's outputs in ys
+  // moe_combine's sums: consecutive threads take consecutive columns of a
+  // token (coalesced stores), 32 / Q tokens at a time; the slots in order.
+  const uint c = tid & ((1u << p.outputs_log2) - 1), col = block0 + c;
+  if (col >= p.n) return;
+  for (uint t = tid >> p.outputs_log2; t < p.tokens; t += threads >> p.outputs_log2) {
+    float acc = 0.0f;
+    for (uint j = 0; j < p.slots; ++j) {
+      const uint slot = t * p.slots + j;
+      acc += weights[slot] * float(ys[(uint(row_of_slot[slot]) << p.outputs_log2) + c]);
+    }
+    out[ulong(t) * ulong(p.out_m) + col] = TO(acc);
+  }
 }
 
 // ------------------------------------------------------ gmm_decode_cols --
@@ -505,6 +608,11 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
       decltype(gmm_decode_rows<TA, TB, TO, true>) gmm_decode_rows<TA, TB, TO, true>;                  \
   template [[host_name("gmm_decode_rows_" #tname "_scalar")]] kernel                                  \
       decltype(gmm_decode_rows<TA, TB, TO, false>) gmm_decode_rows<TA, TB, TO, false>;
+#define MOE_DOWN_COMBINE(tname, TA, TB, TO)                                                          \
+  template [[host_name("moe_down_combine_" #tname "_vec")]] kernel                                    \
+      decltype(moe_down_combine<TA, TB, TO, true>) moe_down_combine<TA, TB, TO, true>;                \
+  template [[host_name("moe_down_combine_" #tname "_scalar")]] kernel                                 \
+      decltype(moe_down_combine<TA, TB, TO, false>) moe_down_combine<TA, TB, TO, false>;
 #define GMM_DECODE_COLS(tname, T)                                                                     \
   template [[host_name("gmm_decode_cols_" #tname "_vec")]] kernel                                     \
       decltype(gmm_decode_cols<T, true>) gmm_decode_cols<T, true>;                                    \
@@ -518,6 +626,10 @@ GMM_DECODE_ROWS(f16, half, half, half)
 GMM_DECODE_ROWS(bf16, bfloat, bfloat, bfloat)
 GMM_DECODE_ROWS(e4m3, uchar, uchar, bfloat)
 GMM_DECODE_ROWS(bf16_e4m3w, bfloat, uchar, bfloat)  // bfloat activations, e4m3 weights (mps_ext's MoE ops)
+MOE_DOWN_COMBINE(f32, float, float, float)
+MOE_DOWN_COMBINE(f16, half, half, half)
+MOE_DOWN_COMBINE(bf16, bfloat, bfloat, bfloat)
+MOE_DOWN_COMBINE(bf16_e4m3w, bfloat, uchar, bfloat)
 GMM_DECODE_COLS(f32, float)
 GMM_DECODE_COLS(f16, half)
 GMM_DECODE_COLS(bf16, bfloat)

@@ -34,7 +34,12 @@ struct GroupedMMParams {
   int64_t row_scale_batch;  // row_scale[g * row_scale_batch + m]
   int64_t col_scale_batch;  // col_scale[g * col_scale_batch + n]
   float mul;                // 256 per fp8 operand (each is decoded as x / 256), else 1
-  float pad1;
+  // moe_down_combine only: out[t, n] = sum over j < slots of
+  // weights[t * slots + j] * y[row_of_slot[t * slots + j], n], t < tokens,
+  // with y the product's rows (m = tokens * slots); a threadgroup owns
+  // 1 << outputs_log2 columns.
+  uint32_t slots, tokens, outputs_log2;
+  uint32_t pad1, pad2;
 };
 
 // Decode kernels: rows of one group handled by one threadgroup at a time
@@ -45,6 +50,10 @@ struct GroupedMMParams {
 // gate and up columns of one output). Simdgroups of a threadgroup:
 // decode_geometry (csrc/ops/kernel_choice.h).
 #define GMM_ROWS_OUTPUTS 2
+// moe_down_combine: the rounded outputs a threadgroup keeps until it sums
+// each token's slots, rows x its columns: every row moe_route makes
+// (MOE_MAX_SLOTS, 1024) at one simdgroup's 2 columns.
+#define MOE_DOWN_Y_ELEMENTS 2048
 // gmm_tiled: a 64 x 64 output tile per threadgroup of 4 simdgroups (each
 // 32 x 32, 4 x 4 fragments), K in steps of 32 (32 lanes stage 32
 // consecutive elements of a row: 32 to 128 contiguous bytes).

@@ -6,8 +6,9 @@ transformers MoE block is dozens of ops per token (router, softmax, top-k,
 renormalisation, the sort of the tokens by expert, two grouped products,
 the weighted sum, a shared expert and its gate). Each block optimize
 recognises becomes a FusedMoE, whose decode is torch.ops.mps_ext.moe_layer
-(csrc/ops/moe_layer.cpp): router GEMV, moe_route, two moe_experts products
-and moe_combine, five dispatches encoded by that one call, on every torch
+(csrc/ops/moe_layer.cpp): router GEMV, moe_route, the gate/up moe_experts
+product, and the down product fused with the combine, four dispatches
+encoded by that one call, on every torch
 release mps_ext supports, for floating (float32, float16, bfloat16) and
 quantize_fp8's float8 expert banks. A shared expert of the experts' size
 with a sigmoid gate (Qwen3-Next, Qwen3.5/3.6-MoE) becomes expert E of the

@@ -116,6 +116,8 @@ GMM_DECODE = (names("gmm_decode_rows_{t}_{path}", t=("f32", "f16", "bf16", "e4m3
               + names("gmm_decode_cols_{t}_{path}", t=("f32", "f16", "bf16"), path=("vec", "scalar")))
 GMM_TILED = names("gmm_tiled_{t}", t=("f32", "f16", "bf16", "e4m3"))
 MOE_ROUTE_COMBINE = names("moe_{step}_{t}", step=("route", "combine"), t=("f32", "f16", "bf16"))
+MOE_DOWN_COMBINE = names("moe_down_combine_{t}_{path}", t=("f32", "f16", "bf16", "bf16_e4m3w"),
+                         path=("vec", "scalar"))
 RMS_NORM = names("rms_norm_{t}", t=("f32", "f16", "bf16"))
 QK_NORM_ROPE = names("qk_norm_rope_{t}", t=("f32", "f16", "bf16"))
 LINEAR_ATTENTION = names("linear_attention_decode_{t}", t=("f32", "f16", "bf16"))
@@ -163,6 +165,16 @@ SOFTMAX_VEC_UNREACHED = ("the bf16 block kernels: no benchmark row of bf16 has 1
 MISALIGNED_LINES = 2.0
 
 
+# moe_layer fuses the combine into the down product (moe_down_combine), so
+# the benchmark's layers no longer reach moe_combine; FusedMoE's and
+# FP8Experts' grouped paths (mps_ext/fused_moe.py, fp8.py) still call it.
+MOE_COMBINE_UNREACHED = ("moe_layer, the benchmark's layer, sums the slots in moe_down_combine; moe_combine serves the "
+                         "grouped paths of FusedMoE and FP8Experts (tests/ops/test_grouped_mm_moe.py runs each dtype)")
+MOE_DOWN_COMBINE_SCALAR = ("the element-load variant, for expert rows not a multiple of 16 bytes (no benchmark model "
+                           "has such a width; tests/ops/test_moe_layer.py test_down_combine_kernels runs each); the "
+                           "same template as the _vec ones measured")
+
+
 def lines(kernel):
     return MISALIGNED_LINES if kernel.endswith("_scalar") else 1.1
 
@@ -190,7 +202,11 @@ BUDGETS: dict[str, Budget] = {
     # 64 times, bound by arithmetic, not by how many threads hide latency.
     **{k: Budget("fp8", full_occupancy=False, lines=lines(k)) for k in FP8_TILE},
     **{k: Budget("moe", full_occupancy=True, lines=lines(k), activation="a") for k in GMM_DECODE},
-    **{k: Budget("moe", full_occupancy=True, lines=lines(k)) for k in MOE_ROUTE_COMBINE},
+    **{k: Budget("moe", full_occupancy=True, lines=lines(k),
+                 unreached=MOE_COMBINE_UNREACHED if "_combine_" in k else "") for k in MOE_ROUTE_COMBINE},
+    # moe_layer's down product with the combine fused: a decode GEMV of the experts' rows, as gmm_decode_rows
+    **{k: Budget("moe", full_occupancy=True, lines=lines(k), activation="a",
+                 unreached=MOE_DOWN_COMBINE_SCALAR if k.endswith("_scalar") else "") for k in MOE_DOWN_COMBINE},
     **{k: Budget("moe", full_occupancy=False) for k in GMM_TILED},  # prefill tiles, as FP8's
     **{k: Budget("norm", full_occupancy=True) for k in RMS_NORM},  # streams a row through registers
     **{k: Budget("norm", full_occupancy=True) for k in QK_NORM_ROPE},  # streams heads through registers, as RMSNorm

@@ -20,6 +20,7 @@
 #include "backend/launch.h"
 #include "grouped_mm_params.h"
 #include "ops/kernel_choice.h"
+#include "ops/moe.h"
 #include "ops/ops.h"
 #include "ops/registration.h"
 #include "ops/registry.h"
@@ -469,6 +470,88 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10:
     p.col_scale_batch = weight_scale->stride(0);
   }
   run(pr, offs.contiguous(), fp8 ? "bf16_e4m3w" : type_name(x.scalar_type()), true);
+  return out;
+}
+
+// ------------------------------------------------------ moe_down_combine --
+// moe_experts(h, down, down_scale, offs) then moe_combine(y, weights,
+// row_of_slot) as one dispatch, with the same bits (moe_layer's decode;
+// kernels_metal/grouped_mm.metal). h: moe_experts' gated rows [rows, I],
+// sorted by expert as offs says; weights [tokens, slots] and row_of_slot
+// [tokens * slots] from moe_route, rows = tokens * slots.
+at::Tensor moe_down_combine(const at::Tensor& h, const at::Tensor& down, const c10::optional<at::Tensor>& down_scale,
+                            const at::Tensor& offs, const at::Tensor& weights, const at::Tensor& row_of_slot) {
+  static_assert(MOE_DOWN_Y_ELEMENTS >= GMM_ROWS_OUTPUTS * kFusedMaxRows,
+                "a threadgroup of one simdgroup keeps every routed row's outputs");
+  const bool fp8 = down.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(h.dim() == 2 && down.dim() == 3 && h.size(1) == down.size(2) && h.stride(1) == 1,
+              "moe_down_combine: h [rows, I] with contiguous rows and down [experts, H, I] expected, got ", h.sizes(),
+              " and ", down.sizes());
+  TORCH_CHECK(fp8 ? h.scalar_type() == at::kBFloat16 && down_scale.has_value()
+                  : is_float_dtype(h.scalar_type()) && down.scalar_type() == h.scalar_type() && !down_scale,
+              "moe_down_combine: down in h's dtype, or float8_e4m3fn with down_scale and bfloat16 h; got ",
+              down.scalar_type(), " and ", h.scalar_type());
+  if (fp8)
+    TORCH_CHECK(down_scale->scalar_type() == at::kFloat && down_scale->dim() == 2 &&
+                    down_scale->size(0) == down.size(0) && down_scale->size(1) == down.size(1) &&
+                    down_scale->stride(1) == 1,
+                "moe_down_combine: down_scale must be float32 [experts, H] contiguous in H, got ", down_scale->sizes());
+  TORCH_CHECK(offs.dim() == 1 && offs.scalar_type() == at::kInt && offs.size(0) == down.size(0) && offs.is_contiguous(),
+              "moe_down_combine: offs must be contiguous int32 [experts]");
+  TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == at::kFloat && weights.is_contiguous() &&
+                  row_of_slot.scalar_type() == at::kInt && row_of_slot.is_contiguous() &&
+                  row_of_slot.numel() == weights.numel() && h.size(0) == weights.numel() &&
+                  h.size(0) <= kFusedMaxRows,
+              "moe_down_combine: weights contiguous float32 [tokens, slots], row_of_slot contiguous int32 [tokens * "
+              "slots] and h one row per slot, at most ", kFusedMaxRows, " rows; got ", weights.sizes(), ", ",
+              row_of_slot.sizes(), " and ", h.sizes());
+  const Reason why = problem_unsupported(h, down);
+  TORCH_CHECK(!why, "moe_down_combine: ", why.text());
+  const int64_t rows = h.size(0), hidden = down.size(1);
+  at::Tensor out = at::empty({weights.size(0), hidden}, h.options());
+  if (out.numel() == 0 || down.size(0) == 0) return out;
+  GroupedMMParams p{};
+  p.mode = GMM_MODE_ROWS;
+  p.groups = static_cast<uint32_t>(down.size(0));
+  p.m = static_cast<uint32_t>(rows), p.n = static_cast<uint32_t>(hidden), p.k = static_cast<uint32_t>(h.size(1));
+  p.a_m = h.stride(0), p.a_k = h.stride(1);
+  p.b_batch = down.stride(0), p.b_k = down.stride(2), p.b_n = down.stride(1);
+  p.out_m = out.stride(0), p.out_n = 1;
+  p.mul = 1.0f;
+  if (fp8) {
+    p.scales = GMM_COL_SCALE;
+    p.mul = 256.0f;  // the weights are decoded as w / 256
+    p.col_scale_batch = down_scale->stride(0);
+  }
+  p.tokens = static_cast<uint32_t>(weights.size(0));
+  p.slots = static_cast<uint32_t>(weights.size(1));
+  // moe_experts' geometry for the block of columns a threadgroup owns, but
+  // each threadgroup takes every chunk of rows (no grid slot per row): a
+  // power of two of simdgroups (the kernel maps threads to columns with
+  // shifts), whose columns of every row fit MOE_DOWN_Y_ELEMENTS.
+  const int64_t item = down.element_size();
+  const int64_t chunks = std::max<int64_t>(std::min<int64_t>(rows, p.groups), 1);
+  const int64_t chunk_rows = std::min<int64_t>(ceil_div(rows, chunks), GMM_DECODE_MAX_ROWS);
+  const DecodeGeometry g =
+      decode_geometry(device_profile(down.device()), hidden, 1, GMM_ROWS_OUTPUTS, true, chunk_rows * h.element_size() / item);
+  int64_t simdgroups = 1;
+  while (2 * simdgroups <= g.simdgroups && 2 * simdgroups * GMM_ROWS_OUTPUTS * rows <= MOE_DOWN_Y_ELEMENTS)
+    simdgroups *= 2;
+  const int64_t cols = simdgroups * GMM_ROWS_OUTPUTS;
+  p.outputs_log2 = 0;
+  while ((int64_t(1) << p.outputs_log2) < cols) ++p.outputs_log2;
+  const bool vec = aligned16(h, p.a_m) && aligned16(down, p.b_n) && aligned16(down, p.b_batch);
+  Launch l;
+  l.library = "grouped_mm";
+  l.kernel = std::string("moe_down_combine_") + (fp8 ? "bf16_e4m3w" : type_name(h.scalar_type())) +
+             (vec ? "_vec" : "_scalar");
+  // Without scales the output stands in for them; never read.
+  l.args = {KernelArg::of(out),     KernelArg::of(h),       KernelArg::of(down), KernelArg::of(offs),
+            KernelArg::value(p),    KernelArg::of(fp8 ? *down_scale : out), KernelArg::of(weights),
+            KernelArg::of(row_of_slot)};
+  l.threadgroups = {static_cast<uint32_t>(ceil_div(hidden, cols)), 1, 1};
+  l.threads_per_threadgroup = {static_cast<uint32_t>(32 * simdgroups), 1, 1};
+  launch(l);
   return out;
 }
 

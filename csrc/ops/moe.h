@@ -1,5 +1,6 @@
 // The routing and combine of a mixture-of-experts layer at decode
-// (grouped_mm_moe.cpp), for the whole-layer op (moe_layer.cpp). One dispatch
+// (grouped_mm_moe.cpp; the down product fused with the combine:
+// grouped_mm.cpp), for the whole-layer op (moe_layer.cpp). One dispatch
 // each.
 #pragma once
 
@@ -19,5 +20,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(const at::T
                                                                    bool sigmoid, double scale, double renorm_eps);
 // out[t] = sum_j weights[t, j] * y[row_of_slot[t * slots + j]].
 at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& weights, const at::Tensor& row_of_slot);
+// moe_experts(h, down, down_scale, offs) then moe_combine in one dispatch,
+// bit for bit (moe_layer's decode; grouped_mm.cpp): out[t] = sum_j
+// weights[t, j] * (down h)[row_of_slot[t * slots + j]].
+at::Tensor moe_down_combine(const at::Tensor& h, const at::Tensor& down, const c10::optional<at::Tensor>& down_scale,
+                            const at::Tensor& offs, const at::Tensor& weights, const at::Tensor& row_of_slot);
 
 }  // namespace mps_ext

@@ -3,14 +3,19 @@
 // Eager PyTorch on a Mac pays about 20 us of CPU per op it encodes, and a
 // MoE block written op by op (router, softmax, top-k, renormalisation, the
 // per-expert loop or grouped products with their sorting, combine, shared
-// expert) is dozens of ops; here the same layer is five dispatches encoded
+// expert) is dozens of ops; here the same layer is four dispatches encoded
 // by one call:
 //
 //   logits  = router GEMV of x                        (linear.cpp's kernels)
 //   weights, offs, slot_of_row, row_of_slot = moe_route(logits)
 //   h       = moe_experts(x, gate_up, swiglu)          (each chosen expert's rows read once)
-//   y       = moe_experts(h, down)
-//   out     = moe_combine(y, weights, row_of_slot)
+//   out     = moe_down_combine(h, down, weights, row_of_slot)
+//
+// The last is moe_experts(h, down) and moe_combine in one kernel with the
+// same bits (grouped_mm.cpp): a threadgroup owns a block of hidden columns,
+// takes each chosen expert's down rows of it once and sums each token's
+// slots in moe_combine's order. The separate ops stay for FusedMoE's and
+// FP8Experts' grouped paths (mps_ext/fused_moe.py, fp8.py).
 //
 // A shared expert (Qwen3-Next, Qwen3.5/3.6-MoE) is expert E of the banks and
 // row E of the router (its sigmoid gate), as moe_route defines it, so it
@@ -60,8 +65,7 @@ at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Te
   const at::Tensor xe = fp8 && dt != at::kBFloat16 ? x.to(at::kBFloat16) : x;
   const int64_t slots = top_k + (shared_expert ? 1 : 0);
   const at::Tensor h = moe_experts(xe, gate_up, gate_up_scale, offs, slot_of_row, slots, true);
-  const at::Tensor y = moe_experts(h, down, down_scale, offs, c10::nullopt, 1, false);
-  const at::Tensor out = moe_combine(y, weights, row_of_slot);
+  const at::Tensor out = moe_down_combine(h, down, down_scale, offs, weights, row_of_slot);
   return out.scalar_type() == dt ? out : out.to(dt);
 }
 

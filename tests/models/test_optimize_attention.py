@@ -16,7 +16,8 @@ from mps_ext import _executor_request, fused_attention
 from mps_ext.cpu_metal import run_model
 from mps_ext.fused_attention import FusedQKNormRopeMixin
 from model_compare import RELEASE
-from test_optimize import ids, make, optimized_against_stock_and_float64, prefill_and_decode, rel_err
+from test_optimize import (ids, make, optimized_against_stock_and_float64, prefill_and_decode,
+                           quantized_against_stock_and_float64, rel_err)
 
 # Per model, its attention layers (the tiny configs of test_optimize.py) and their class.
 ATTENTION = {"qwen3_moe": (["model.layers.0.self_attn", "model.layers.1.self_attn"], "Qwen3MoeAttention"),
@@ -49,15 +50,7 @@ def test_swapped_attention_matches_the_model_without_it(figures, monkeypatch, na
     too; against float64 within the model tests' bound."""
     layers, cls = ATTENTION[name]
     if kind == "fp8":
-        from test_fp8_flows import oracle_of
-        from test_optimize import reference
-        original = make(name, torch.bfloat16, **HEAD.get(name, {}))
-        model = mps_ext.quantize_fp8(copy.deepcopy(original))
-        ref_model = reference(oracle_of(model, original))
-        prompt = ids()
-        step = ref_model(prompt).logits[:, -1:].argmax(-1)
-        ref = prefill_and_decode(ref_model, prompt, step)
-        stock = prefill_and_decode(model, prompt, step)
+        model, prompt, step, ref, stock = quantized_against_stock_and_float64(name, **HEAD.get(name, {}))
         apart = without_swap(monkeypatch, copy.deepcopy(model))
         mps_ext.optimize(model)
         dtype = torch.bfloat16

@@ -1,6 +1,9 @@
 """torch.ops.mps_ext.moe_layer, a whole mixture-of-experts layer from one
 call, against the layer written with torch's CPU ops in float64 (softmax,
-topk, per-expert matmuls), and against the five ops it stands for."""
+topk, per-expert matmuls), and against the five ops it stands for (router
+GEMV, moe_route, moe_experts twice, moe_combine), bit for bit: it runs
+four dispatches, the down product and moe_combine fused (moe_down_combine
+of kernels_metal/grouped_mm.metal)."""
 
 import pytest
 import torch
@@ -81,21 +84,129 @@ def test_layer_matches_torch_and_is_the_five_ops(device, tokens, experts, top_k,
     assert out.dtype == x.dtype and out.shape == x.shape
     tol = 1e-5 if kind == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
-    # The same kernels as the five ops called one by one, and the same bits.
-    logits = run("linear", x, router, None) if tokens <= 8 else F.linear(x, router)
-    w, offs, slot_of_row, row_of_slot = run("moe_route", logits, top_k, renormalize, bool(shared))
-    slots = top_k + shared
-    h = run("moe_experts", x, gate_up, gate_up_scale, offs, slot_of_row, slots, True)
-    y = run("moe_experts", h, down, down_scale, offs, None, 1, False)
-    assert torch.equal(out, run("moe_combine", y, w, row_of_slot))
+    # The same bits as the five ops called one by one, and as moe_combine's sums redone with torch.
+    y, w, row_of_slot = five_ops(run, *args, top_k, renormalize, shared, out)
+    assert torch.equal(out, combine_ref(y, w, row_of_slot, out.dtype))
     if device == "executor":
         kernels = [d.kernel for d in rec.dispatches]
         t = "bf16" if kind == "fp8" else {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[kind]
         w_t = "bf16_e4m3w" if kind == "fp8" else t
-        tail = [f"moe_route_{t}", f"gmm_decode_rows_{w_t}_vec", f"gmm_decode_rows_{w_t}_vec", f"moe_combine_{t}"]
-        assert kernels[-4:] == tail, kernels
-        # The router's logits: mps_ext's GEMV (one dispatch) up to 8 rows, torch's CPU matmul past them.
-        assert len(kernels) == 4 + (tokens <= 8), kernels
+        assert kernels[-3:] == [f"moe_route_{t}", f"gmm_decode_rows_{w_t}_vec", f"moe_down_combine_{w_t}_vec"], kernels
+        # The router's logits: mps_ext's GEMV (one dispatch) up to 8 rows, torch's CPU matmul past them:
+        # four dispatches at decode.
+        assert len(kernels) == 3 + (tokens <= 8), kernels
+        if kind == torch.float32:  # (rounded to f16 or bf16, sums in another order mostly round alike)
+            assert_order_matters(y, w, row_of_slot, out)
+
+
+def five_ops(run, x, router, gate_up, gate_up_scale, down, down_scale, top_k, renormalize, shared, out,
+             expert_bias=None, sigmoid=False, scale=1.0, renorm_eps=0.0):
+    """The layer as the five separate ops (the path moe_layer took before it
+    fused the down product with the combine), checked to give `out`'s bits;
+    returns the down product's rows y and the routing (weights, row_of_slot)."""
+    logits = run("linear", x, router, None) if x.shape[0] <= 8 else F.linear(x, router)
+    w, offs, slot_of_row, row_of_slot = run("moe_route", logits, top_k, renormalize, bool(shared), expert_bias,
+                                            sigmoid, scale, renorm_eps)
+    xe = x.bfloat16() if gate_up.dtype == FP8 else x
+    h = run("moe_experts", xe, gate_up, gate_up_scale, offs, slot_of_row, top_k + shared, True)
+    y = run("moe_experts", h, down, down_scale, offs, None, 1, False)
+    old = run("moe_combine", y, w, row_of_slot)
+    assert torch.equal(out, old.to(out.dtype)), (out - old.to(out.dtype)).abs().max()
+    return y, w, row_of_slot
+
+
+def combine_ref(y, weights, row_of_slot, dtype, order=None, fused=True):
+    """moe_combine's sums with torch's CPU ops, rounding where the kernel
+    does: y in its dtype, each token's slots added in slot order (or
+    `order`) to a float32 sum, each weight * y and the add one fused
+    multiply-add (an exact product in float64, then one rounding to float32;
+    fused=False rounds the product first), the sum rounded to y's dtype and
+    then to `dtype`."""
+    tokens, slots = weights.shape
+    rows = y.double()[row_of_slot.long()].view(tokens, slots, -1)
+    acc = torch.zeros(tokens, y.shape[1], dtype=torch.float32)
+    for j in order if order is not None else range(slots):
+        product = weights[:, j, None].double() * rows[:, j]
+        if not fused:
+            product = product.float().double()
+        acc = (acc.double() + product).float()
+    return acc.to(y.dtype).to(dtype)
+
+
+def assert_order_matters(y, weights, row_of_slot, out):
+    """These data tell the rounding apart: the slots summed in reverse, or
+    with the products rounded before the adds, give other bits (so the
+    equalities above would fail if the kernel rounded another way)."""
+    slots = weights.shape[1]
+    assert not torch.equal(out, combine_ref(y, weights, row_of_slot, out.dtype, order=range(slots)[::-1]))
+    assert not torch.equal(out, combine_ref(y, weights, row_of_slot, out.dtype, fused=False))
+
+
+KINDS = [torch.float32, torch.float16, torch.bfloat16, "fp8"]
+INTERS = [32, 18]  # 18: rows of down and h not 16-byte multiples: the _scalar kernel
+
+
+def down_combine_kernel(kind, inter):
+    """The moe_down_combine variant a layer of `kind` and expert width `inter` runs."""
+    w_t = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", "fp8": "bf16_e4m3w"}[kind]
+    return f"moe_down_combine_{w_t}_{'vec' if inter % 8 == 0 else 'scalar'}"
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=str)
+@pytest.mark.parametrize("inter", INTERS)
+def test_down_combine_kernels(device, kind, inter):
+    """Every moe_down_combine variant: the bits of the five ops and of
+    moe_combine's sums redone with torch; one dispatch reads each chosen
+    expert's down rows once."""
+    tokens, experts, top_k, shared = 4, 16, 4, 1
+    args = layer(tokens, experts, top_k, shared, kind, inter=inter)
+    run = on(device)
+    with cpu_metal.record() as rec:
+        out = run("moe_layer", *args, top_k, True, True)
+    y, w, row_of_slot = five_ops(run, *args, top_k, True, shared, out)
+    assert torch.equal(out, combine_ref(y, w, row_of_slot, out.dtype))
+    if device == "executor":
+        d = rec.dispatches[-1]
+        assert d.kernel == down_combine_kernel(kind, inter)
+        down = args[4]
+        ids = expert_of_slot(run, *args, top_k, shared)
+        chosen = len(set(ids.tolist()))
+        assert d.bytes_read[d.buffer("w")] == chosen * down[0].numel() * down.element_size()
+        assert d.bytes_written[d.buffer("out")] == out.numel() * out.element_size()
+
+
+def expert_of_slot(run, x, router, gate_up, gate_up_scale, down, down_scale, top_k, shared):
+    """The expert of every token slot, from moe_route's offs and slot_of_row."""
+    logits = run("linear", x, router, None)
+    _, offs, slot_of_row, _ = run("moe_route", logits, top_k, True, bool(shared))
+    counts = torch.diff(offs.long(), prepend=torch.zeros(1, dtype=torch.long))
+    by_row = torch.repeat_interleave(torch.arange(len(offs)), counts)
+    return torch.empty_like(by_row).index_copy_(0, slot_of_row.long(), by_row)
+
+
+def test_every_down_combine_kernel_runs():
+    """Each [[host_name]] of moe_down_combine is the variant one case of
+    test_down_combine_kernels runs (and checks that it ran)."""
+    from tests.ops.host_names import host_names
+    names = {k for k in host_names("grouped_mm") if k.startswith("moe_down_combine_")}
+    assert len(names) == 8 and names == {down_combine_kernel(k, i) for k in KINDS for i in INTERS}
+
+
+@pytest.mark.parametrize("tokens,top_k,shared", [(32, 7, 1), (128, 7, 1)])
+def test_down_combine_up_to_moe_routes_limit(tokens, top_k, shared):
+    """Up to moe_route's 1024 token slots (128 tokens x 8 slots): a
+    threadgroup keeps every row's outputs of its columns (at 1024 rows one
+    simdgroup's 2), and the bits are the five ops'."""
+    args = layer(tokens, 8, top_k, shared, torch.float32)
+    run = on("executor")
+    with cpu_metal.record() as rec:
+        out = run("moe_layer", *args, top_k, True, bool(shared))
+    y, w, row_of_slot = five_ops(run, *args, top_k, True, shared, out)
+    assert torch.equal(out, combine_ref(y, w, row_of_slot, out.dtype))
+    d = rec.dispatches[-1]
+    assert d.kernel == "moe_down_combine_f32_vec"
+    rows = tokens * (top_k + shared)
+    assert d.threads_per_threadgroup[0] * 2 // 32 * rows <= 2048
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -122,6 +233,9 @@ def test_sigmoid_scoring(device, bias, renormalize):
             g, u = (gate_up[index[t, j]].double() @ x[t].double()).chunk(2)
             ref[t] += w[t, j] * (down[index[t, j]].double() @ (F.silu(g) * u))
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    y, w, row_of_slot = five_ops(on(device), x, router, gate_up, None, down, None, top_k, renormalize, 0, out,
+                                 expert_bias, True, scale, 1e-6)
+    assert torch.equal(out, combine_ref(y, w, row_of_slot, out.dtype))
 
 
 def test_fp8_banks_take_float32_activations(device):
@@ -133,6 +247,9 @@ def test_fp8_banks_take_float32_activations(device):
     assert out.dtype == torch.float32
     ref = reference(x, router, gate_up, gate_up_scale, down, down_scale, 2, True, 1)
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    # The sums rounded to bfloat16 as the kernels store them, then to float32.
+    y, w, row_of_slot = five_ops(on(device), x, router, gate_up, gate_up_scale, down, down_scale, 2, True, 1, out)
+    assert torch.equal(out, combine_ref(y, w, row_of_slot, out.dtype))
 
 
 def test_no_tokens():
