@@ -43,6 +43,7 @@ import sys
 import torch
 from torch import nn
 
+from ._subclass import fused_subclass
 from .fused_norm import MAX_HEAD_DIM, FusedRMSNorm, qk_norm_rope, qk_norm_rope_reference
 
 __all__ = ["optimize_attention"]
@@ -109,19 +110,14 @@ class FusedQKNormRopeMixin:
         return getattr(self, plan.out)(attn_output), attn_weights
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
 def _fused_class(cls: type, modeling) -> type:
-    if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(f"Fused{cls.__name__}", (FusedQKNormRopeMixin, cls), {
-            "__module__": __name__,
-            "__doc__": f"{cls.__name__} with its q/k norms and rotary embedding on one "
-                       "torch.ops.mps_ext.qk_norm_rope call (mps_ext.optimize).",
-            # The modeling module's own: the attention function the config names, and its default.
-            "_mps_ext_functions": modeling.ALL_ATTENTION_FUNCTIONS,
-            "_mps_ext_eager": staticmethod(modeling.eager_attention_forward)})
-    return _SUBCLASSES[cls]
+    return fused_subclass(
+        FusedQKNormRopeMixin, cls,
+        f"{cls.__name__} with its q/k norms and rotary embedding on one torch.ops.mps_ext.qk_norm_rope call "
+        "(mps_ext.optimize).",
+        # The modeling module's own: the attention function the config names, and its default.
+        _mps_ext_functions=modeling.ALL_ATTENTION_FUNCTIONS,
+        _mps_ext_eager=staticmethod(modeling.eager_attention_forward))
 
 
 def _features(m, name: str) -> int | None:

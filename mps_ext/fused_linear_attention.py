@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._subclass import fused_subclass
 from .fp8 import _use_torch_cpu_ops
 
 __all__ = ["optimize_linear_attention"]
@@ -92,19 +93,6 @@ class FusedDecodeMixin:
         return conv_state, recurrent_state
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
-def _fused_class(cls: type) -> type:
-    if issubclass(cls, FusedDecodeMixin):
-        return cls
-    if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(f"Fused{cls.__name__}", (FusedDecodeMixin, cls),
-                                {"__module__": __name__, "__doc__": f"{cls.__name__} with its decode step on "
-                                 "torch.ops.mps_ext.linear_attention_decode (mps_ext.optimize)."})
-    return _SUBCLASSES[cls]
-
-
 def _is_linear(m) -> bool:
     from .fp8 import FP8Linear
     from .fused_projections import ProjectionRows  # a second optimize: the projections are fused
@@ -163,7 +151,8 @@ def optimize_linear_attention(model: nn.Module) -> tuple[dict[str, str], list[st
         else:
             plans.append((name, mod))
     for name, mod in plans:
-        mod.__class__ = _fused_class(type(mod))
+        mod.__class__ = fused_subclass(FusedDecodeMixin, type(mod), f"{type(mod).__name__} with its decode step on "
+                                       "torch.ops.mps_ext.linear_attention_decode (mps_ext.optimize).")
         converted[name] = (f"{type(mod).__mro__[2].__name__} -> decode on linear_attention_decode "
                            f"({mod.num_v_heads} value heads, {mod.num_k_heads} key heads)")
     return converted, already, left

@@ -413,41 +413,37 @@ at::Tensor scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at:
 }
 
 // ----------------------------------------------------------- moe_experts --
-// mps_ext's fused decode product of a MoE layer (see grouped_mm_moe.cpp).
-at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& weight_scale,
-                       const at::Tensor& offs, const c10::optional<at::Tensor>& slot_of_row, int64_t slots_per_token,
-                       bool swiglu) {
+namespace {
+
+// What moe_experts and moe_down_combine take: x [rows or tokens, K] against
+// weight [experts, N, K] in x's dtype, or float8_e4m3fn with weight_scale
+// [experts, N] (float32) and bfloat16 x; offs int32 [experts].
+void check_moe_operands(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                        const c10::optional<at::Tensor>& weight_scale, const at::Tensor& offs) {
   const bool fp8 = weight.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && x.size(1) == weight.size(2),
-              "moe_experts: x [tokens or rows, K] and weight [experts, N, K] expected, got ", x.sizes(), " and ",
-              weight.sizes());
-  TORCH_CHECK(is_float_dtype(x.scalar_type()), "moe_experts: x must be float32, float16 or bfloat16, got ",
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && x.size(1) == weight.size(2), op,
+              ": x [tokens or rows, K] and weight [experts, N, K] expected, got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), op, ": x must be float32, float16 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(fp8 ? x.scalar_type() == at::kBFloat16 : weight.scalar_type() == x.scalar_type(), op,
+              ": weight must have x's dtype, or be float8_e4m3fn with bfloat16 x; got ", weight.scalar_type(), " and ",
               x.scalar_type());
-  TORCH_CHECK(fp8 ? x.scalar_type() == at::kBFloat16 : weight.scalar_type() == x.scalar_type(),
-              "moe_experts: weight must have x's dtype, or be float8_e4m3fn with bfloat16 x; got ", weight.scalar_type(),
-              " and ", x.scalar_type());
-  TORCH_CHECK(fp8 == weight_scale.has_value(), "moe_experts: fp8 weights need weight_scale [experts, N] (float32), "
-              "other weights none");
+  TORCH_CHECK(fp8 == weight_scale.has_value(), op, ": fp8 weights need weight_scale [experts, N] (float32), other "
+              "weights none");
   if (fp8)
     TORCH_CHECK(weight_scale->scalar_type() == at::kFloat && weight_scale->dim() == 2 &&
                     weight_scale->size(0) == weight.size(0) && weight_scale->size(1) == weight.size(1) &&
                     weight_scale->stride(1) == 1,
-                "moe_experts: weight_scale must be float32 [experts, N] contiguous in N, got ", weight_scale->sizes());
-  TORCH_CHECK(offs.dim() == 1 && offs.scalar_type() == at::kInt && offs.size(0) == weight.size(0),
-              "moe_experts: offs must be int32 [experts]");
-  const int64_t rows = slot_of_row ? slot_of_row->numel() : x.size(0);
-  if (slot_of_row)
-    TORCH_CHECK(slot_of_row->scalar_type() == at::kInt && slot_of_row->dim() == 1 && slot_of_row->is_contiguous() &&
-                    slots_per_token >= 1 && rows <= x.size(0) * slots_per_token,
-                "moe_experts: slot_of_row must be contiguous int32 [rows] with rows <= tokens * slots_per_token");
-  TORCH_CHECK(rows <= kFusedMaxRows, "moe_experts is the decode path: at most ", kFusedMaxRows,
-              " routed rows, got ", rows, "; use F.grouped_mm");
-  TORCH_CHECK(!swiglu || weight.size(1) % 2 == 0, "moe_experts: swiglu needs weight rows [gate | up], got ",
-              weight.size(1));
+                op, ": weight_scale must be float32 [experts, N] contiguous in N, got ", weight_scale->sizes());
+  TORCH_CHECK(offs.dim() == 1 && offs.scalar_type() == at::kInt && offs.size(0) == weight.size(0), op,
+              ": offs must be int32 [experts]");
   const Reason why = problem_unsupported(x, weight);
-  TORCH_CHECK(!why, "moe_experts: ", why.text());
-  at::Tensor out = at::empty({rows, swiglu ? weight.size(1) / 2 : weight.size(1)}, x.options());
-  if (out.numel() == 0 || weight.size(0) == 0) return out;
+  TORCH_CHECK(!why, op, ": ", why.text());
+}
+
+// Their product: `rows` rows of x (sorted by expert as offs says) against
+// each expert's weight rows into out, fp8 weights' scales per column.
+Problem moe_problem(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& weight_scale,
+                    int64_t rows, const at::Tensor& out) {
   Problem pr;
   GroupedMMParams& p = pr.p;
   pr.a = x, pr.b = weight, pr.out = out;
@@ -457,19 +453,41 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10:
   p.a_m = x.stride(0), p.a_k = x.stride(1);
   p.b_batch = weight.stride(0), p.b_k = weight.stride(2), p.b_n = weight.stride(1);
   p.out_m = out.stride(0), p.out_n = out.stride(1);
-  p.swiglu = swiglu ? 1 : 0;
   p.mul = 1.0f;
-  if (slot_of_row) {
-    p.gather = static_cast<uint32_t>(slots_per_token);
-    pr.rows_of = *slot_of_row;
-  }
-  if (fp8) {
+  if (weight_scale) {
     p.scales = GMM_COL_SCALE;
-    p.mul = 256.0f;  // the weights were decoded as w / 256
+    p.mul = 256.0f;  // the weights are decoded as w / 256
     pr.col_scale = *weight_scale;
     p.col_scale_batch = weight_scale->stride(0);
   }
-  run(pr, offs.contiguous(), fp8 ? "bf16_e4m3w" : type_name(x.scalar_type()), true);
+  return pr;
+}
+
+}  // namespace
+
+// mps_ext's fused decode product of a MoE layer (see grouped_mm_moe.cpp).
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& weight_scale,
+                       const at::Tensor& offs, const c10::optional<at::Tensor>& slot_of_row, int64_t slots_per_token,
+                       bool swiglu) {
+  check_moe_operands("moe_experts", x, weight, weight_scale, offs);
+  const int64_t rows = slot_of_row ? slot_of_row->numel() : x.size(0);
+  if (slot_of_row)
+    TORCH_CHECK(slot_of_row->scalar_type() == at::kInt && slot_of_row->dim() == 1 && slot_of_row->is_contiguous() &&
+                    slots_per_token >= 1 && rows <= x.size(0) * slots_per_token,
+                "moe_experts: slot_of_row must be contiguous int32 [rows] with rows <= tokens * slots_per_token");
+  TORCH_CHECK(rows <= kFusedMaxRows, "moe_experts is the decode path: at most ", kFusedMaxRows,
+              " routed rows, got ", rows, "; use F.grouped_mm");
+  TORCH_CHECK(!swiglu || weight.size(1) % 2 == 0, "moe_experts: swiglu needs weight rows [gate | up], got ",
+              weight.size(1));
+  at::Tensor out = at::empty({rows, swiglu ? weight.size(1) / 2 : weight.size(1)}, x.options());
+  if (out.numel() == 0 || weight.size(0) == 0) return out;
+  Problem pr = moe_problem(x, weight, weight_scale, rows, out);
+  pr.p.swiglu = swiglu ? 1 : 0;
+  if (slot_of_row) {
+    pr.p.gather = static_cast<uint32_t>(slots_per_token);
+    pr.rows_of = *slot_of_row;
+  }
+  run(pr, offs.contiguous(), weight_scale ? "bf16_e4m3w" : type_name(x.scalar_type()), true);
   return out;
 }
 
@@ -483,21 +501,8 @@ at::Tensor moe_down_combine(const at::Tensor& h, const at::Tensor& down, const c
                             const at::Tensor& offs, const at::Tensor& weights, const at::Tensor& row_of_slot) {
   static_assert(MOE_DOWN_Y_ELEMENTS >= GMM_ROWS_OUTPUTS * kFusedMaxRows,
                 "a threadgroup of one simdgroup keeps every routed row's outputs");
-  const bool fp8 = down.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(h.dim() == 2 && down.dim() == 3 && h.size(1) == down.size(2) && h.stride(1) == 1,
-              "moe_down_combine: h [rows, I] with contiguous rows and down [experts, H, I] expected, got ", h.sizes(),
-              " and ", down.sizes());
-  TORCH_CHECK(fp8 ? h.scalar_type() == at::kBFloat16 && down_scale.has_value()
-                  : is_float_dtype(h.scalar_type()) && down.scalar_type() == h.scalar_type() && !down_scale,
-              "moe_down_combine: down in h's dtype, or float8_e4m3fn with down_scale and bfloat16 h; got ",
-              down.scalar_type(), " and ", h.scalar_type());
-  if (fp8)
-    TORCH_CHECK(down_scale->scalar_type() == at::kFloat && down_scale->dim() == 2 &&
-                    down_scale->size(0) == down.size(0) && down_scale->size(1) == down.size(1) &&
-                    down_scale->stride(1) == 1,
-                "moe_down_combine: down_scale must be float32 [experts, H] contiguous in H, got ", down_scale->sizes());
-  TORCH_CHECK(offs.dim() == 1 && offs.scalar_type() == at::kInt && offs.size(0) == down.size(0) && offs.is_contiguous(),
-              "moe_down_combine: offs must be contiguous int32 [experts]");
+  check_moe_operands("moe_down_combine", h, down, down_scale, offs);
+  TORCH_CHECK(h.stride(1) == 1 && offs.is_contiguous(), "moe_down_combine: h's rows and offs must be contiguous");
   TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == at::kFloat && weights.is_contiguous() &&
                   row_of_slot.scalar_type() == at::kInt && row_of_slot.is_contiguous() &&
                   row_of_slot.numel() == weights.numel() && h.size(0) == weights.numel() &&
@@ -505,24 +510,11 @@ at::Tensor moe_down_combine(const at::Tensor& h, const at::Tensor& down, const c
               "moe_down_combine: weights contiguous float32 [tokens, slots], row_of_slot contiguous int32 [tokens * "
               "slots] and h one row per slot, at most ", kFusedMaxRows, " rows; got ", weights.sizes(), ", ",
               row_of_slot.sizes(), " and ", h.sizes());
-  const Reason why = problem_unsupported(h, down);
-  TORCH_CHECK(!why, "moe_down_combine: ", why.text());
   const int64_t rows = h.size(0), hidden = down.size(1);
   at::Tensor out = at::empty({weights.size(0), hidden}, h.options());
   if (out.numel() == 0 || down.size(0) == 0) return out;
-  GroupedMMParams p{};
-  p.mode = GMM_MODE_ROWS;
-  p.groups = static_cast<uint32_t>(down.size(0));
-  p.m = static_cast<uint32_t>(rows), p.n = static_cast<uint32_t>(hidden), p.k = static_cast<uint32_t>(h.size(1));
-  p.a_m = h.stride(0), p.a_k = h.stride(1);
-  p.b_batch = down.stride(0), p.b_k = down.stride(2), p.b_n = down.stride(1);
-  p.out_m = out.stride(0), p.out_n = 1;
-  p.mul = 1.0f;
-  if (fp8) {
-    p.scales = GMM_COL_SCALE;
-    p.mul = 256.0f;  // the weights are decoded as w / 256
-    p.col_scale_batch = down_scale->stride(0);
-  }
+  const bool fp8 = down_scale.has_value();
+  GroupedMMParams p = moe_problem(h, down, down_scale, rows, out).p;
   p.tokens = static_cast<uint32_t>(weights.size(0));
   p.slots = static_cast<uint32_t>(weights.size(1));
   // moe_experts' geometry for the block of columns a threadgroup owns, but
