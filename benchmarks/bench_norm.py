@@ -1,5 +1,6 @@
 """RMSNorm (torch.ops.mps_ext.rms_norm, mps_ext.optimize's norms) and the
 attention's q/k norms with the rotary embedding (torch.ops.mps_ext.qk_norm_rope):
+the residual add with the norm after it (torch.ops.mps_ext.add_rms_norm);
 the cases of `python -m benchmarks norm`.
 
     python benchmarks/bench_norm.py [--quick | --tiny]   (the same)
@@ -8,6 +9,11 @@ A decode token's norms are a few kilobytes: launch and latency decide
 their time, not bytes (one dispatch instead of 6 to 8). The minimum is x
 and the weight read once and the output written once; the kernel reads the
 weight once per team of threads (up to 8 rows a team).
+
+add_rms_norm (a decoder layer's residual add and post-attention norm) has
+the minimum x and the residual read once, the sum and the normed rows
+written once, the weight read once; two dispatches (add, rms_norm) would
+also write the sum and read it back.
 
 qk_norm_rope's minimum is q and k read once, both outputs written once,
 the weights once and each token's cos and sin once; the kernel reads cos,
@@ -38,6 +44,14 @@ CASES = [  # (rows, n, dtype, variant, what, sizes it runs at)
     (3, 64, BF16, "zero_centred", "tiny", ("tiny",)),
 ]
 
+ADD_CASES = [  # (rows, n, dtype, variant, what, sizes): a decode token's residual add and post-attention norm
+    (1, 2048, BF16, "weight", "Qwen3-30B-A3B decode", ("full", "quick")),
+    (1, 2048, BF16, "zero_centred", "Qwen3.6-35B-A3B decode", ("full", "quick")),
+    (1, 2048, F16, "weight", "LFM2.5-8B-A1B decode in fp16", ("full", "quick")),
+    (1, 4096, F32, "weight", "a float32 model's decode, 4096 wide", ("full", "quick")),
+    (512, 2048, BF16, "weight", "a 512-token prefill", ("full",)),
+    (4, 300, F32, "weight", "tiny", ("tiny",)),
+]
 
 QK_CASES = [  # (batch, tokens, q heads, k heads, head_dim, rotary_dim, dtype, variant, what, sizes)
     (1, 1, 32, 4, 128, 128, BF16, "weight", "Qwen3-30B-A3B decode: q_norm, k_norm, RoPE", ("full", "quick")),
@@ -81,6 +95,19 @@ def prepare(rows, n, dtype, variant) -> Prepared:
     return Prepared(lambda: torch.ops.mps_ext.rms_norm(x, w, 1e-6, variant), 2 * x.nbytes + w.nbytes, mac)
 
 
+def prepare_add(rows, n, dtype, variant) -> Prepared:
+    x, r = torch.randn(rows, n).to(dtype), torch.randn(rows, n).to(dtype)
+    w = (torch.randn(n) * 0.1 + (1 if variant == "weight" else 0)).to(dtype)
+
+    def mac():
+        from mps_ext.fused_norm import rms_norm_reference
+        xm, rm, wm = x.to("mps"), r.to("mps"), w.to("mps")
+        return (lambda: rms_norm_reference(xm + rm, wm, 1e-6, variant),
+                lambda: torch.ops.mps_ext.add_rms_norm(xm, rm, wm, 1e-6, variant))
+
+    return Prepared(lambda: torch.ops.mps_ext.add_rms_norm(x, r, w, 1e-6, variant), 4 * x.nbytes + w.nbytes, mac)
+
+
 def cases(size: str) -> list[Case]:
     out = []
     for rows, n, dtype, variant, what, sizes in CASES:
@@ -89,6 +116,12 @@ def cases(size: str) -> list[Case]:
         labels = {"shape": f"{rows}x{n}", "dtype": str(dtype)[6:], "variant": variant, "what": what}
         out.append(Case("norm", f"{rows}x{n} {labels['dtype']} {variant}", labels,
                         lambda a=(rows, n, dtype, variant): prepare(*a)))
+    for rows, n, dtype, variant, what, sizes in ADD_CASES:
+        if size not in sizes:
+            continue
+        labels = {"shape": f"{rows}x{n}", "dtype": str(dtype)[6:], "variant": variant, "what": what}
+        out.append(Case("norm", f"add_rms_norm {rows}x{n} {labels['dtype']} {variant}", labels,
+                        lambda a=(rows, n, dtype, variant): prepare_add(*a)))
     for b, t, hq, hk, d, r, dtype, variant, what, sizes in QK_CASES:
         if size not in sizes:
             continue

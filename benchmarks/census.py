@@ -165,8 +165,9 @@ _FUSIBLE = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mea
 # (mps_ext.optimize's FusedRMSNorm: Inductor fuses a norm with the residual
 # add before it, where the op would be one dispatch more; its attention's
 # qk_norm_rope: Inductor fuses the norms and the rotary embedding with their
-# neighbours): compiled, each counts as the fusible calls it stands for.
-_TORCH_WHEN_COMPILED = {"rms_norm", "qk_norm_rope"}
+# neighbours; its decoder layers' add_rms_norm: their own forward's add and
+# norm): compiled, each counts as the fusible calls it stands for.
+_TORCH_WHEN_COMPILED = {"rms_norm", "add_rms_norm", "qk_norm_rope"}
 
 
 @dataclasses.dataclass

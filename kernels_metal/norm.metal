@@ -1,5 +1,5 @@
 // RMSNorm of the last dimension, as transformers' models write it, in one
-// dispatch (eager, it is 6 to 8 aten ops: to(float32), pow, mean, add,
+// dispatch (add_rms_norm: of x + residual, the sum written too) (eager, it is 6 to 8 aten ops: to(float32), pow, mean, add,
 // rsqrt, mul, to, mul). Every step is float32 and rounds where the model's
 // code rounds:
 //   normed = x * (1 / sqrt(mean(x^2) + eps))        (float32, as torch's rsqrt: 1 / sqrt)
@@ -23,22 +23,20 @@ inline float rms_norm_out(float normed, float w, uint zero_centred) {
   return zero_centred ? float(T(normed * (1.0f + w))) : float(T(w * float(T(normed))));
 }
 
-template <typename T>
-[[max_total_threads_per_threadgroup(RMS_NORM_MAX_THREADS)]]
-kernel void rms_norm(device T* out [[buffer(0)]],
-                     const device T* x [[buffer(1)]],
-                     const device T* w [[buffer(2)]],
-                     constant RmsNormParams& p [[buffer(3)]],
-                     uint group [[threadgroup_position_in_grid]],
-                     uint tid [[thread_position_in_threadgroup]],
-                     uint threads [[threads_per_threadgroup]],
-                     uint sg [[simdgroup_index_in_threadgroup]],
-                     uint lane [[thread_index_in_simdgroup]]) {
-  // Two sets of partial sums, alternating per row: a team's threads read a
-  // row's before the next row's barrier, so the row after next may reuse it
-  // with no second barrier.
-  threadgroup float partial[2][RMS_NORM_MAX_THREADS / 32];
+// The rows of x normed into out; with ADD (add_rms_norm) the rows of x + r
+// are, and that sum, rounded to T as torch's add rounds it, is also written
+// to sum_out: the decoder layer's residual add before its post-attention
+// norm, in the same dispatch. Without ADD, r and sum_out are never read.
+template <typename T, bool ADD>
+MPS_EXT_INLINE void rms_norm_rows(device T* out, device T* sum_out, const device T* x, const device T* r,
+                                  const device T* w, constant RmsNormParams& p, threadgroup float* partial,
+                                  uint group, uint tid, uint threads, uint sg, uint lane) {
+  // Two sets of partial sums (partial[0 .. RMS_NORM_MAX_THREADS / 32) and
+  // the next as many), alternating per row: a team's threads read a row's
+  // before the next row's barrier, so the row after next may reuse it with
+  // no second barrier.
   constexpr int PER = RMS_NORM_PER_THREAD;
+  constexpr uint SET = RMS_NORM_MAX_THREADS / 32;
   const uint team = 1u << p.team_shift;
   const uint team_index = group * (threads >> p.team_shift) + (tid >> p.team_shift);
   const uint t = tid & (team - 1);
@@ -58,17 +56,30 @@ kernel void rms_norm(device T* out [[buffer(0)]],
     float ss = 0.0f;
     MPS_EXT_UNROLL for (int c = 0; c < PER; ++c) {
       const uint i = uint(c) * team + t;
-      v[c] = live && i < p.n ? float(xr[i]) : 0.0f;
+      float e = 0.0f;
+      if (live && i < p.n) {
+        if (ADD) {
+          // One rounding to T, as torch's add: float holds the sum of two
+          // halves or bfloats closely enough (24 >= 2 * 11 + 2 bits) that
+          // rounding it again to T gives the correctly rounded sum.
+          e = float(T(float(xr[i]) + float(r[row * p.residual_row_stride + i])));
+          sum_out[row * p.n + i] = T(e);
+        } else {
+          e = float(xr[i]);
+        }
+      }
+      v[c] = e;
       // torch rounds the squares (pow) before summing them (mean): no fused multiply-add.
       const float sq = v[c] * v[c];
       ss += sq;
     }
     ss = simd_sum(ss);
     if (team > 32) {  // the same for every thread: a uniform barrier
-      if (lane == 0) partial[j & 1][sg] = ss;
+      threadgroup float* set = partial + (j & 1) * SET;
+      if (lane == 0) set[sg] = ss;
       threadgroup_barrier(mem_flags::mem_threadgroup);
       ss = 0.0f;
-      for (uint s = 0; s < team / 32; ++s) ss += partial[j & 1][first_sg + s];
+      for (uint s = 0; s < team / 32; ++s) ss += set[first_sg + s];
     }
     if (!live) continue;
     const float inv = 1.0f / sqrt(ss / n + p.eps);
@@ -83,9 +94,46 @@ kernel void rms_norm(device T* out [[buffer(0)]],
   }
 }
 
+template <typename T>
+[[max_total_threads_per_threadgroup(RMS_NORM_MAX_THREADS)]]
+kernel void rms_norm(device T* out [[buffer(0)]],
+                     const device T* x [[buffer(1)]],
+                     const device T* w [[buffer(2)]],
+                     constant RmsNormParams& p [[buffer(3)]],
+                     uint group [[threadgroup_position_in_grid]],
+                     uint tid [[thread_position_in_threadgroup]],
+                     uint threads [[threads_per_threadgroup]],
+                     uint sg [[simdgroup_index_in_threadgroup]],
+                     uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float partial[2 * (RMS_NORM_MAX_THREADS / 32)];
+  rms_norm_rows<T, false>(out, out, x, x, w, p, partial, group, tid, threads, sg, lane);
+}
+
+// sum = x + residual (rounded to T), out = rms_norm(sum): a decoder layer's
+// `h = residual + attention(...)` and `post_attention_layernorm(h)`.
+template <typename T>
+[[max_total_threads_per_threadgroup(RMS_NORM_MAX_THREADS)]]
+kernel void add_rms_norm(device T* out [[buffer(0)]],
+                         device T* sum [[buffer(1)]],
+                         const device T* x [[buffer(2)]],
+                         const device T* residual [[buffer(3)]],
+                         const device T* w [[buffer(4)]],
+                         constant RmsNormParams& p [[buffer(5)]],
+                         uint group [[threadgroup_position_in_grid]],
+                         uint tid [[thread_position_in_threadgroup]],
+                         uint threads [[threads_per_threadgroup]],
+                         uint sg [[simdgroup_index_in_threadgroup]],
+                         uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float partial[2 * (RMS_NORM_MAX_THREADS / 32)];
+  rms_norm_rows<T, true>(out, sum, x, residual, w, p, partial, group, tid, threads, sg, lane);
+}
+
 template [[host_name("rms_norm_f32")]] kernel decltype(rms_norm<float>) rms_norm<float>;
 template [[host_name("rms_norm_f16")]] kernel decltype(rms_norm<half>) rms_norm<half>;
 template [[host_name("rms_norm_bf16")]] kernel decltype(rms_norm<bfloat>) rms_norm<bfloat>;
+template [[host_name("add_rms_norm_f32")]] kernel decltype(add_rms_norm<float>) add_rms_norm<float>;
+template [[host_name("add_rms_norm_f16")]] kernel decltype(add_rms_norm<half>) add_rms_norm<half>;
+template [[host_name("add_rms_norm_bf16")]] kernel decltype(add_rms_norm<bfloat>) add_rms_norm<bfloat>;
 
 // The attention's q_norm, k_norm and rotary embedding (transformers'
 // apply_rotary_pos_emb, rotate_half convention) in one dispatch; eager they

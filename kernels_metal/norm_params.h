@@ -13,6 +13,7 @@ struct RmsNormParams {
   uint32_t rows;
   uint32_t n;           // elements of a row
   uint32_t row_stride;  // elements between rows of x (out is contiguous)
+  uint32_t residual_row_stride;  // add_rms_norm: elements between rows of the residual (the sum is contiguous)
   uint32_t team_shift;
   uint32_t teams;
   uint32_t iterations;  // rows per team, ceil(rows / teams)

@@ -1,6 +1,6 @@
 """Meta kernels (shapes and dtypes) of the torch.ops.mps_ext ops that do not
 take the aten op's own: fp8_linear and the mixture-of-experts ops moe_route,
-moe_experts, moe_combine, moe_layer, rms_norm, qk_norm_rope, fp8_grouped_linear, linear_attention_decode (no aten op); the scaled_mm family, whose aten meta
+moe_experts, moe_combine, moe_layer, rms_norm, add_rms_norm, qk_norm_rope, fp8_grouped_linear, linear_attention_decode (no aten op); the scaled_mm family, whose aten meta
 functions check CUDA's layout rules (mat2 column-major, dimensions multiples
 of 16) that mps_ext does not need, so a traced model would fail where the
 eager one runs; and the grouped_mm family, whose aten meta functions take
@@ -106,6 +106,13 @@ def _rms_norm(x, weight, eps, variant="weight"):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+# Residual add and RMSNorm (csrc/ops/norm.cpp): (sum, normed), each x's
+# shape and dtype, contiguous.
+def _add_rms_norm(x, residual, weight, eps, variant="weight"):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
 # q and k norms and rotary embedding (csrc/ops/norm.cpp): q [B, T, Hq, D]
 # and k [B, T, Hk, D] give [B, Hq, T, D] and [B, Hk, T, D] in their dtype,
 # contiguous.
@@ -133,6 +140,6 @@ def register() -> None:
                      ("_grouped_mm", _grouped_mm), ("_scaled_grouped_mm", _scaled_grouped_mm),
                      ("_scaled_grouped_mm_v2", _scaled_grouped_mm_v2), ("moe_route", _moe_route),
                      ("moe_experts", _moe_experts), ("moe_combine", _moe_combine), ("moe_layer", _moe_layer),
-                     ("rms_norm", _rms_norm), ("qk_norm_rope", _qk_norm_rope), ("fp8_grouped_linear", _fp8_grouped_linear),
+                     ("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm), ("qk_norm_rope", _qk_norm_rope), ("fp8_grouped_linear", _fp8_grouped_linear),
                      ("linear_attention_decode", _linear_attention_decode)]:
         torch.library.register_fake(f"mps_ext::{name}", fn)

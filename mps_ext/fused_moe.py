@@ -182,7 +182,10 @@ class FusedMoE(nn.Module):
             return e.gate_up_proj, e.gate_up_scale, e.down_proj, e.down_scale
         return e.gate_up_proj, None, e.down_proj, None
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output, or `residual + output` (the decoder layer's
+        residual add after its feed-forward, mps_ext/fused_decoder.py) when
+        a residual is given."""
         x = hidden_states.reshape(-1, self.hidden)
         slots = self.top_k + (1 if self.fused_shared else 0)
         if (_kernels_for(x) and x.shape[0] * slots <= MAX_SLOTS
@@ -197,7 +200,9 @@ class FusedMoE(nn.Module):
             out = self.experts(x, *self.route(x))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out.reshape(hidden_states.shape)
+        out = out.reshape(hidden_states.shape)
+        # The layer's own add, torch's, until moe_layer adds the residual in its last dispatch.
+        return out if residual is None else residual + out
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top_k_index, top_k_weights) with torch's ops, as transformers'
@@ -439,6 +444,9 @@ class OptimizeSummary:
     # Attention layers with q/k norms and rotary embedding on qk_norm_rope (mps_ext/fused_attention.py).
     attention: dict[str, str] = dataclasses.field(default_factory=dict)
     attention_left: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Decoder layers with the residual add and post-attention norm on add_rms_norm (mps_ext/fused_decoder.py).
+    decoder_layers: dict[str, str] = dataclasses.field(default_factory=dict)
+    decoder_layers_left: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"optimize: {len(self.converted)} MoE blocks on torch.ops.mps_ext.moe_layer (one call per layer "
@@ -463,6 +471,12 @@ class OptimizeSummary:
                          f"torch.ops.mps_ext.qk_norm_rope (one dispatch), {len(self.attention_left)} left")
             lines += [f"  {name}: {what}" for name, what in self.attention.items()]
             lines += [f"  left {name}: {why}" for name, why in self.attention_left.items()]
+        if self.decoder_layers or self.decoder_layers_left:
+            lines.append(f"optimize: {len(self.decoder_layers)} decoder layers with the residual add and "
+                         f"post-attention norm on torch.ops.mps_ext.add_rms_norm (one dispatch), "
+                         f"{len(self.decoder_layers_left)} left")
+            lines += [f"  {name}: {what}" for name, what in self.decoder_layers.items()]
+            lines += [f"  left {name}: {why}" for name, why in self.decoder_layers_left.items()]
         return "\n".join(lines)
 
 
@@ -489,7 +503,9 @@ def optimize(model: nn.Module) -> nn.Module:
     up) becomes one linear layer of the concatenated weights, one GEMV
     (mps_ext/fused_projections.py); each attention layer with per-head q/k
     norms has them and its rotary embedding on one
-    torch.ops.mps_ext.qk_norm_rope call (mps_ext/fused_attention.py). Idempotent. The OptimizeSummary of
+    torch.ops.mps_ext.qk_norm_rope call (mps_ext/fused_attention.py); each
+    decoder layer its residual add and post-attention norm on one
+    torch.ops.mps_ext.add_rms_norm call (mps_ext/fused_decoder.py). Idempotent. The OptimizeSummary of
     what it converted and what it left (and why) is `model.optimize_summary`, also logged (logger
     "mps_ext.fused_moe", INFO). Works on floating and quantize_fp8'd
     models, on any device (CPU tensors run torch's own ops); eager and
@@ -539,13 +555,18 @@ def optimize(model: nn.Module) -> nn.Module:
     # After fuse_norms (the op takes FusedRMSNorm's weights) and after fuse_projections, so that the
     # probe runs each layer as it will run: q, k and v as views of the fused projection's output.
     attention, attn_already, attn_left = optimize_attention(model)
+    from .fused_decoder import optimize_decoder_layers
+    # Last: its probe runs each layer's mixer and feed-forward as they will run.
+    decoder, decoder_already, decoder_left = optimize_decoder_layers(model)
     summary = OptimizeSummary(converted, already, left, bytes_before, _model_bytes(model), norms=norms,
                               linear_attention={**la_converted, **{n: "already" for n in la_already}},
                               linear_attention_left=la_left,
                               projections={**projections, **{n: "already" for n in proj_already}},
                               projections_left=proj_left,
                               attention={**attention, **{n: "already" for n in attn_already}},
-                              attention_left=attn_left)
+                              attention_left=attn_left,
+                              decoder_layers={**decoder, **{n: "already" for n in decoder_already}},
+                              decoder_layers_left=decoder_left)
     model.optimize_summary = summary
     logger.info("%s", summary)
     return model

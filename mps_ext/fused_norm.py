@@ -36,7 +36,8 @@ from torch import nn
 
 from .fused_moe import _kernels_for
 
-__all__ = ["FusedRMSNorm", "fuse_norms", "qk_norm_rope", "qk_norm_rope_reference"]
+__all__ = ["FusedRMSNorm", "add_rms_norm", "add_then_norm", "fuse_norms", "qk_norm_rope",
+           "qk_norm_rope_reference"]
 
 VARIANTS = ("weight", "zero_centred")
 MAX_ROW = 1024 * 8  # norm_params.h: RMS_NORM_MAX_THREADS * RMS_NORM_PER_THREAD
@@ -70,17 +71,42 @@ class FusedRMSNorm(nn.Module):
         self.eps, self.variant = float(eps), variant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.op_takes(x):
+            return torch.ops.mps_ext.rms_norm(x, self.weight, self.eps, self.variant)
+        return rms_norm_reference(x, self.weight, self.eps, self.variant)
+
+    def op_takes(self, *xs: torch.Tensor) -> bool:
+        """Whether the norm's op (rms_norm of x; add_rms_norm of x and a
+        residual) runs for these inputs, or torch's ops do."""
         w = self.weight
         # Compiled, Inductor fuses the norm's ops with their neighbours (the
         # residual add before a layer's norms) into one generated kernel; the
         # op would stand between them, one dispatch more.
-        if (not torch.compiler.is_compiling() and x.dtype == w.dtype and x.dtype in _FLOAT and 0 < x.shape[-1] <= MAX_ROW and _kernels_for(x, "norm")
-                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):  # no derivative
-            return torch.ops.mps_ext.rms_norm(x, w, self.eps, self.variant)
-        return rms_norm_reference(x, w, self.eps, self.variant)
+        x = xs[0]
+        return (not torch.compiler.is_compiling() and all(t.dtype == w.dtype for t in xs) and x.dtype in _FLOAT
+                and 0 < x.shape[-1] <= MAX_ROW and all(t.shape == x.shape for t in xs) and _kernels_for(x, "norm")
+                and not (torch.is_grad_enabled() and (w.requires_grad or any(t.requires_grad for t in xs))))
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, {self.variant}; torch.ops.mps_ext.rms_norm"
+
+
+def add_then_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm with torch's add and the norm module itself, as a
+    decoder layer's forward writes it: (x + residual, norm(x + residual))."""
+    h = x + residual
+    return h, norm(h)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: FusedRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's `h = residual + x` and `norm(h)`: (h, norm(h)), as
+    one torch.ops.mps_ext.add_rms_norm dispatch where FusedRMSNorm would run
+    its op (FusedRMSNorm.op_takes; x and residual of one shape and dtype),
+    else torch's add and the norm module's own forward. The sum is torch's
+    add to the bit; the normed rows are rms_norm's of that sum to the bit."""
+    if norm.op_takes(x, residual):
+        return torch.ops.mps_ext.add_rms_norm(x, residual, norm.weight, norm.eps, norm.variant)
+    return add_then_norm(x, residual, norm)
 
 
 def _variant_of(mod: nn.Module) -> tuple[float, str] | None:

@@ -119,6 +119,7 @@ MOE_ROUTE_COMBINE = names("moe_{step}_{t}", step=("route", "combine"), t=("f32",
 MOE_DOWN_COMBINE = names("moe_down_combine_{t}_{path}", t=("f32", "f16", "bf16", "bf16_e4m3w"),
                          path=("vec", "scalar"))
 RMS_NORM = names("rms_norm_{t}", t=("f32", "f16", "bf16"))
+ADD_RMS_NORM = names("add_rms_norm_{t}", t=("f32", "f16", "bf16"))
 QK_NORM_ROPE = names("qk_norm_rope_{t}", t=("f32", "f16", "bf16"))
 LINEAR_ATTENTION = names("linear_attention_decode_{t}", t=("f32", "f16", "bf16"))
 
@@ -209,6 +210,7 @@ BUDGETS: dict[str, Budget] = {
                  unreached=MOE_DOWN_COMBINE_SCALAR if k.endswith("_scalar") else "") for k in MOE_DOWN_COMBINE},
     **{k: Budget("moe", full_occupancy=False) for k in GMM_TILED},  # prefill tiles, as FP8's
     **{k: Budget("norm", full_occupancy=True) for k in RMS_NORM},  # streams a row through registers
+    **{k: Budget("norm", full_occupancy=True) for k in ADD_RMS_NORM},  # rms_norm's rows, with the residual added
     **{k: Budget("norm", full_occupancy=True) for k in QK_NORM_ROPE},  # streams heads through registers, as RMSNorm
     # Gated DeltaNet decode (bench_moe's deltanet cases): streams the recurrent state once, 1024 threads a group.
     **{k: Budget("moe", full_occupancy=True) for k in LINEAR_ATTENTION},
@@ -465,6 +467,10 @@ DIVISIONS: dict[str, tuple[int, int]] = {
     # takes its share of one token's head group (p.iterations rows, set by the head count, never by the
     # tokens): 2 at every decode case, where each simdgroup has one head
     **{k: (0, 2) for k in QK_NORM_ROPE},
+    # add_rms_norm: rms_norm's 2 per row (torch's mean, ss / n, and 1 / sqrt(...)); its cases are a decode
+    # token's one row, so 2 a thread. Unlike rms_norm's, no case here gives a team several rows: the
+    # layer's residual stream at prefill would (RMS_NORM_DIVISIONS), 2 per row a team takes
+    **{k: (0, 2) for k in ADD_RMS_NORM},
 }
 
 

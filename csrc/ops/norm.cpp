@@ -1,5 +1,7 @@
 // torch.ops.mps_ext.rms_norm: transformers' RMSNorm modules in one dispatch
 // (kernels_metal/norm.metal), for mps_ext.optimize (mps_ext/fused_norm.py);
+// torch.ops.mps_ext.add_rms_norm: a decoder layer's residual add and the
+// norm after it in the same dispatch (mps_ext/fused_decoder.py);
 // torch.ops.mps_ext.qk_norm_rope: an attention's q and k norms and rotary
 // embedding in one dispatch (mps_ext.fused_norm.qk_norm_rope).
 // Eager, each is 6 to 8 aten ops a token, four or more per decoder layer
@@ -14,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "backend/launch.h"
 #include "norm_params.h"
@@ -26,32 +29,47 @@ namespace {
 
 constexpr int64_t kMaxRow = int64_t(RMS_NORM_MAX_THREADS) * RMS_NORM_PER_THREAD;
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c10::string_view variant) {
+// The checks rms_norm and add_rms_norm share (`op` names the one called);
+// whether the variant is zero-centred.
+bool check_norm(const char* op, const at::Tensor& x, const at::Tensor& weight, c10::string_view variant) {
   const auto dt = x.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
-              "mps_ext rms_norm: x must be float32, float16 or bfloat16, got ", dt);
-  TORCH_CHECK(x.dim() >= 1, "mps_ext rms_norm: x must have a last dimension to normalise, got a 0-d tensor");
+              "mps_ext ", op, ": x must be float32, float16 or bfloat16, got ", dt);
+  TORCH_CHECK(x.dim() >= 1, "mps_ext ", op, ": x must have a last dimension to normalise, got a 0-d tensor");
   const int64_t n = x.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == dt,
-              "mps_ext rms_norm: weight must be 1-D of x's last dimension (", n, ") in x's dtype (", dt, "), got ",
+              "mps_ext ", op, ": weight must be 1-D of x's last dimension (", n, ") in x's dtype (", dt, "), got ",
               weight.sizes(), " ", weight.scalar_type());
-  TORCH_CHECK(x.device() == weight.device(), "mps_ext rms_norm: x is on ", x.device(), " and weight on ",
+  TORCH_CHECK(x.device() == weight.device(), "mps_ext ", op, ": x is on ", x.device(), " and weight on ",
               weight.device());
   const bool zero_centred = variant == "zero_centred";
-  TORCH_CHECK(zero_centred || variant == "weight", "mps_ext rms_norm: variant must be 'weight' (out = weight * "
+  TORCH_CHECK(zero_centred || variant == "weight", "mps_ext ", op, ": variant must be 'weight' (out = weight * "
               "normed.to(dtype): Llama, Qwen3, LFM2) or 'zero_centred' (out = (normed * (1 + weight)).to(dtype): "
               "Qwen3-Next, Qwen3.5, Gemma), got '", std::string(variant), "'");
-  TORCH_CHECK(n >= 1 && n <= kMaxRow, "mps_ext rms_norm: rows of 1 to ", kMaxRow, " elements are supported (a "
+  TORCH_CHECK(n >= 1 && n <= kMaxRow, "mps_ext ", op, ": rows of 1 to ", kMaxRow, " elements are supported (a "
               "thread keeps ", RMS_NORM_PER_THREAD, " in registers), got ", n);
-  auto out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (out.numel() == 0) return out;
-  at::Tensor rows_view = x.reshape({-1, n});  // a view when the leading dimensions collapse
-  if (rows_view.stride(1) != 1) rows_view = rows_view.contiguous();
-  const int64_t rows = rows_view.size(0);
-  const int64_t row_stride = rows > 1 ? rows_view.stride(0) : n;
-  TORCH_CHECK(fits_32bit((rows - 1) * row_stride + n) && fits_32bit(rows * n),
-              "mps_ext rms_norm: tensors past 2^31 elements are not supported, got ", rows, " rows of ", n);
-  const at::Tensor w = weight.contiguous();
+  return zero_centred;
+}
+
+// t [..., n] as rows [rows, n] with a contiguous last dimension: a view
+// when the leading dimensions collapse.
+at::Tensor norm_rows(const at::Tensor& t, int64_t n) {
+  at::Tensor rows = t.reshape({-1, n});
+  return rows.stride(1) == 1 ? rows : rows.contiguous();
+}
+
+int64_t row_stride_of(const at::Tensor& rows) { return rows.size(0) > 1 ? rows.stride(0) : rows.size(1); }
+
+// Launches op's kernel (rms_norm_<dtype> or add_rms_norm_<dtype>) over the
+// rows of `x_rows` [rows, n]; `buffers` are the kernel's tensors before its
+// parameters, `residual_rows` add_rms_norm's second input (x_rows itself
+// for rms_norm).
+void launch_norm(const char* op, std::vector<KernelArg> buffers, const at::Tensor& x_rows,
+                 const at::Tensor& residual_rows, double eps, bool zero_centred) {
+  const int64_t rows = x_rows.size(0), n = x_rows.size(1);
+  const int64_t row_stride = row_stride_of(x_rows), residual_row_stride = row_stride_of(residual_rows);
+  TORCH_CHECK(fits_32bit((rows - 1) * std::max(row_stride, residual_row_stride) + n) && fits_32bit(rows * n),
+              "mps_ext ", op, ": tensors past 2^31 elements are not supported, got ", rows, " rows of ", n);
   // Team: the fewest threads (a power of two, at least a simdgroup) that
   // hold the row at RMS_NORM_PER_THREAD elements each.
   uint32_t shift = 5;
@@ -63,16 +81,50 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
   p.rows = static_cast<uint32_t>(rows);
   p.n = static_cast<uint32_t>(n);
   p.row_stride = static_cast<uint32_t>(row_stride);
+  p.residual_row_stride = static_cast<uint32_t>(residual_row_stride);
   p.team_shift = shift;
   p.teams = static_cast<uint32_t>(teams);
   p.iterations = static_cast<uint32_t>(ceil_div(rows, teams));
   p.zero_centred = zero_centred ? 1u : 0u;
   p.eps = static_cast<float>(eps);  // torch adds a Python float to a float32 tensor as a float32
-  launch(Launch{"norm", std::string("rms_norm_") + kernel_type_name(dt),
-                {KernelArg::of(out), KernelArg::of(rows_view), KernelArg::of(w), KernelArg::value(p)},
+  buffers.push_back(KernelArg::value(p));
+  launch(Launch{"norm", std::string(op) + "_" + kernel_type_name(x_rows.scalar_type()), std::move(buffers),
                 {static_cast<uint32_t>(ceil_div(teams, teams_per_group)), 1, 1},
                 {static_cast<uint32_t>(teams_per_group * team), 1, 1}});
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c10::string_view variant) {
+  const bool zero_centred = check_norm("rms_norm", x, weight, variant);
+  auto out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;
+  const int64_t n = x.size(-1);
+  const at::Tensor rows = norm_rows(x, n), w = weight.contiguous();
+  launch_norm("rms_norm", {KernelArg::of(out), KernelArg::of(rows), KernelArg::of(w)}, rows, rows, eps,
+              zero_centred);
   return out;
+}
+
+// (x + residual, rms_norm(x + residual)), the sum rounded to x's dtype as
+// torch's add rounds it: a decoder layer's residual add and the norm after
+// it in one dispatch. No broadcasting: residual is x's shape and dtype.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps, c10::string_view variant) {
+  const bool zero_centred = check_norm("add_rms_norm", x, weight, variant);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "mps_ext add_rms_norm: residual must have x's shape ", x.sizes(), " and dtype ", x.scalar_type(),
+              " (no broadcasting), got ", residual.sizes(), " ", residual.scalar_type());
+  TORCH_CHECK(residual.device() == x.device(), "mps_ext add_rms_norm: x is on ", x.device(), " and residual on ",
+              residual.device());
+  auto sum = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  auto out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return {sum, out};
+  const int64_t n = x.size(-1);
+  const at::Tensor rows = norm_rows(x, n), residual_rows = norm_rows(residual, n), w = weight.contiguous();
+  launch_norm("add_rms_norm",
+              {KernelArg::of(out), KernelArg::of(sum), KernelArg::of(rows), KernelArg::of(residual_rows),
+               KernelArg::of(w)},
+              rows, residual_rows, eps, zero_centred);
+  return {sum, out};
 }
 
 // The registers a lane needs for a head of D with R rotated (norm_params.h).
@@ -177,11 +229,18 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::T
 using c10::DispatchKey;
 
 const RoutedOp kRmsNorm(FamilyId::norm, "mps_ext::rms_norm");
+const RoutedOp kAddRmsNorm(FamilyId::norm, "mps_ext::add_rms_norm");
 const RoutedOp kQkNormRope(FamilyId::norm, "mps_ext::qk_norm_rope");
 
 template <DispatchKey K>
 at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, c10::string_view variant) {
   return run_own(kRmsNorm, K, [&] { return rms_norm(x, weight, eps, variant); });
+}
+
+template <DispatchKey K>
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_impl(const at::Tensor& x, const at::Tensor& residual,
+                                                     const at::Tensor& weight, double eps, c10::string_view variant) {
+  return run_own(kAddRmsNorm, K, [&] { return add_rms_norm(x, residual, weight, eps, variant); });
 }
 
 template <DispatchKey K>
@@ -202,18 +261,21 @@ void register_norm(torch::Library&) {}
 // Its Meta (fake) kernel, for torch.compile, is in mps_ext/_meta.py.
 TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, str variant=\"weight\") -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, str variant=\"weight\") -> (Tensor, Tensor)");
   m.def("qk_norm_rope(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? q_weight, Tensor? k_weight, float eps, "
         "str variant=\"weight\") -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mps_ext, CPU, m) {
   m.impl("rms_norm", TORCH_FN(mps_ext::rms_norm_impl<c10::DispatchKey::CPU>));
+  m.impl("add_rms_norm", TORCH_FN(mps_ext::add_rms_norm_impl<c10::DispatchKey::CPU>));
   m.impl("qk_norm_rope", TORCH_FN(mps_ext::qk_norm_rope_impl<c10::DispatchKey::CPU>));
 }
 
 #ifdef __APPLE__
 TORCH_LIBRARY_IMPL(mps_ext, MPS, m) {
   m.impl("rms_norm", TORCH_FN(mps_ext::rms_norm_impl<c10::DispatchKey::MPS>));
+  m.impl("add_rms_norm", TORCH_FN(mps_ext::add_rms_norm_impl<c10::DispatchKey::MPS>));
   m.impl("qk_norm_rope", TORCH_FN(mps_ext::qk_norm_rope_impl<c10::DispatchKey::MPS>));
 }
 #endif

@@ -91,8 +91,10 @@ def test_matches_transformers_modules(device, kind, dtype, shape):
 
 
 def test_every_kernel_is_tested():
-    # test_matches_transformers_modules and test_qk_norm_rope_bit_identical_to_transformers run each dtype's kernels.
-    assert host_names("norm") == {f"{op}_{t}" for op in ("rms_norm", "qk_norm_rope") for t in ("f32", "f16", "bf16")}
+    # test_matches_transformers_modules, test_qk_norm_rope_bit_identical_to_transformers and
+    # test_add_rms_norm_is_torchs_add_then_rms_norm run each dtype's kernels.
+    assert host_names("norm") == {f"{op}_{t}" for op in ("rms_norm", "add_rms_norm", "qk_norm_rope")
+                                  for t in ("f32", "f16", "bf16")}
 
 
 @pytest.mark.parametrize("rows,n,dtype", [(1, 2048, torch.bfloat16), (32, 128, torch.bfloat16),
@@ -472,3 +474,124 @@ def test_qk_norm_rope_in_a_qwen3_5_attention():
         assert g.shape == w.shape
         torch.testing.assert_close(g, w, rtol=0.016, atol=0.016)  # bfloat16's last place at 1 to 2
         assert float((g != w).double().mean()) <= 0.02  # mean's sum order: rarely a rounding
+
+
+# ------------------------------------------------------ add_rms_norm --
+# A decoder layer's `h = residual + x; normed = post_attention_layernorm(h)`.
+def add_rms_norm(device, x, r, w, eps, variant):
+    if device == "mps":
+        return tuple(t.cpu() for t in torch.ops.mps_ext.add_rms_norm(x.to("mps"), r.to("mps"), w.to("mps"), eps,
+                                                                      variant))
+    return torch.ops.mps_ext.add_rms_norm(x, r, w, eps, variant)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES + [(3, 2, 77)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", MODULES)
+def test_add_rms_norm_is_torchs_add_then_rms_norm(device, kind, dtype, shape):
+    """The sum is torch's CPU add to the bit; the normed rows are
+    rms_norm's of that sum to the bit (the same rows, teams and sum order),
+    so a layer gives what add then FusedRMSNorm give; and within
+    test_matches_transformers_modules' bound of the module itself. One
+    dispatch."""
+    m, variant = module(kind, shape[-1], dtype)
+    w, eps = m.weight.detach(), m.variance_epsilon if hasattr(m, "variance_epsilon") else m.eps
+    x, r = sample(shape, dtype), sample(shape, dtype, seed=5) * 20  # a residual stream larger than the update
+    with cpu_metal.record() as rec:
+        total, normed = add_rms_norm(device, x, r, w, eps, variant)
+    want = x + r
+    assert total.dtype == normed.dtype == dtype and total.shape == normed.shape == x.shape
+    assert torch.equal(total, want)
+    assert torch.equal(normed, rms_norm(device, want, w, eps, variant))
+    with torch.no_grad():
+        module_out = m(want)
+    d = ulps(normed, module_out)
+    assert float(d.max()) <= (4 if dtype == torch.float32 else 1), float(d.max())
+    if device == "executor":
+        (disp,) = rec.dispatches
+        assert disp.kernel == f"add_rms_norm_{KERNEL[dtype]}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_rms_norm_rounds_the_sum_as_torch(dtype):
+    """Pairs whose magnitudes differ by 2^0 to 2^30, of either sign (ties,
+    cancellations, carries into the next binade, a term below half a unit of
+    the other): every sum is torch's add to the bit."""
+    g = torch.Generator().manual_seed(9)
+    a = torch.randn(16, 512, generator=g)
+    b = torch.randn(16, 512, generator=g) * torch.pow(2.0, -torch.randint(0, 31, (16, 512), generator=g).float())
+    a, b = a.to(dtype), b.to(dtype)
+    total, _ = torch.ops.mps_ext.add_rms_norm(a, b, torch.ones(512, dtype=dtype), 1e-6, "weight")
+    assert torch.equal(total, a + b)
+
+
+def test_add_rms_norm_one_dispatch_reads_once_and_writes_once():
+    """x and the residual read once, the sum and the normed rows written
+    once, the weight once per team: the two dispatches' traffic less the
+    sum's read back."""
+    x, r, w = (sample(s, torch.bfloat16, seed=i) for i, s in enumerate([(1, 2048), (1, 2048), (2048,)]))
+    with cpu_metal.record(counters=True) as rec:
+        torch.ops.mps_ext.add_rms_norm(x, r, w, 1e-6, "weight")
+    (d,) = rec.dispatches
+    assert (d.bytes_read[2], d.bytes_read[3], d.bytes_read[4]) == (x.nbytes, r.nbytes, w.nbytes)
+    assert d.bytes_written == {0: x.nbytes, 1: x.nbytes}
+    assert max(d.coalescing.values()) <= 1.1, d.coalescing
+
+
+def test_add_rms_norm_non_contiguous_inputs():
+    """Rows of a wider tensor, a transposed 3-D input and a residual of
+    other strides than x: the kernel reads each with its row stride (or a
+    contiguous copy); outputs contiguous."""
+    m, variant = module("qwen3", 64, torch.bfloat16)
+    w = m.weight.detach()
+    x = sample((5, 100), torch.bfloat16)[:, 10:74]
+    r = sample((5, 64), torch.bfloat16, seed=4)
+    r3 = sample((4, 3, 64), torch.bfloat16, seed=6).transpose(0, 1)
+    x3 = sample((3, 4, 64), torch.bfloat16, seed=7)
+    for a, b in ((x, r), (r, x), (x3, r3), (r3, x3)):
+        total, normed = torch.ops.mps_ext.add_rms_norm(a, b, w, 1e-6, variant)
+        assert total.is_contiguous() and normed.is_contiguous()
+        assert torch.equal(total, a + b)
+        assert torch.equal(normed, torch.ops.mps_ext.rms_norm(a + b, w, 1e-6, variant))
+    total, normed = torch.ops.mps_ext.add_rms_norm(torch.empty(0, 64, dtype=torch.bfloat16),
+                                                   torch.empty(0, 64, dtype=torch.bfloat16), w, 1e-6, variant)
+    assert total.shape == normed.shape == (0, 64)
+
+
+@pytest.mark.parametrize("args,message", [
+    ((torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(8), 1e-6, "weight"),
+     r"residual must have x's shape \[2, 8\] and dtype Float \(no broadcasting\), got \[2, 8\] BFloat16"),
+    ((torch.zeros(2, 8), torch.zeros(1, 8), torch.zeros(8), 1e-6, "weight"),
+     r"residual must have x's shape \[2, 8\] .*got \[1, 8\] Float"),
+    ((torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(9), 1e-6, "weight"),
+     r"add_rms_norm: weight must be 1-D of x's last dimension \(8\)"),
+    ((torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2, 8, dtype=torch.float64),
+      torch.zeros(8, dtype=torch.float64), 1e-6, "weight"), "x must be float32, float16 or bfloat16, got Double"),
+    ((torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(8), 1e-6, "gemma"), "variant must be 'weight' .*got 'gemma'"),
+    ((torch.zeros(1, 8193), torch.zeros(1, 8193), torch.zeros(8193), 1e-6, "weight"),
+     "rows of 1 to 8192 elements are supported .*got 8193"),
+])
+def test_add_rms_norm_bad_input(args, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.mps_ext.add_rms_norm(*args)
+
+
+def test_add_rms_norm_python_function_and_meta():
+    """mps_ext.fused_norm.add_rms_norm: the op where FusedRMSNorm would run
+    its own (the executor asked for), torch's add and the module elsewhere
+    (plain CPU tensors, autograd, a residual that broadcasts), the same
+    values; the meta kernel gives the shapes torch.compile traces with."""
+    from mps_ext.fused_norm import add_rms_norm as fused
+    norm = FusedRMSNorm(sample((64,), torch.bfloat16, seed=2), 1e-6, "weight")
+    x, r = sample((2, 3, 64), torch.bfloat16), sample((2, 3, 64), torch.bfloat16, seed=4)
+    with torch.no_grad():
+        plain = fused(x, r, norm)  # plain CPU tensors: torch's ops
+        with cpu_metal.record() as rec, _executor_request.request():
+            op = fused(x, r, norm)
+            fused(x, r[:1], norm)  # broadcasts: torch's add
+    assert [d.kernel for d in rec.dispatches] == ["add_rms_norm_bf16", "rms_norm_bf16"]
+    assert torch.equal(op[0], plain[0]) and torch.equal(op[0], x + r)
+    assert torch.equal(op[1], torch.ops.mps_ext.rms_norm(x + r, norm.weight, 1e-6, "weight"))
+    meta = torch.ops.mps_ext.add_rms_norm(x.to("meta"), r.to("meta"), norm.weight.to("meta"), 1e-6, "weight")
+    assert all(t.shape == x.shape and t.dtype == x.dtype and t.device.type == "meta" for t in meta)

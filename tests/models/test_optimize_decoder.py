@@ -1,0 +1,231 @@
+"""mps_ext.optimize's decoder layers (mps_ext/fused_decoder.py) on
+transformers 5's tiny qwen3_moe, qwen3_5_moe (linear and full attention),
+lfm2_moe (short convolutions, a dense first layer), and the dense qwen3
+and lfm2: the residual add and the post-attention norm are one
+torch.ops.mps_ext.add_rms_norm call, a FusedMoE takes the second residual;
+logits against the same model optimized without the swap (bit for bit)
+and within the model tests' bound of float64, float and fp8, prefill,
+torch.compile; host calls and dispatches per layer in the census; what it
+leaves and why."""
+
+import copy
+
+import pytest
+import torch
+
+import transformers
+
+import mps_ext
+from mps_ext import _executor_request, fused_decoder
+from mps_ext.cpu_metal import run_model
+from mps_ext.fused_decoder import FusedDecoderLayerMixin
+from model_compare import RELEASE
+from test_optimize import (MODELS, ids, make, optimized_against_stock_and_float64, prefill_and_decode,
+                           quantized_against_stock_and_float64, rel_err)
+
+T = transformers
+# Dense models of the same layers (test_optimize's MODELS holds the MoE ones).
+DENSE = {"qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {}),
+         "lfm2": (T.Lfm2Config, T.Lfm2ForCausalLM, dict(layer_types=["conv", "full_attention"]))}
+# Per model, its decoder layers (the tiny configs) and their class.
+LAYERS = {"qwen3_moe": (2, "Qwen3MoeDecoderLayer"), "qwen3_5_moe": (2, "Qwen3_5MoeDecoderLayer"),
+          "lfm2_moe": (3, "Lfm2MoeDecoderLayer"), "qwen3": (2, "Qwen3DecoderLayer"), "lfm2": (2, "Lfm2DecoderLayer")}
+
+
+@pytest.fixture(autouse=True)
+def dense_models(monkeypatch):
+    for name, spec in DENSE.items():
+        monkeypatch.setitem(MODELS, name, spec)
+
+
+def decoder_layers(model):
+    return [n for n, m in model.named_modules() if isinstance(m, FusedDecoderLayerMixin)]
+
+
+def without_swap(monkeypatch, model):
+    """mps_ext.optimize(model) with everything but the decoder swap."""
+    with monkeypatch.context() as m:
+        m.setattr(fused_decoder, "optimize_decoder_layers", lambda model: ({}, [], {}))
+        return mps_ext.optimize(model)
+
+
+def ran(report, op):
+    stats = report.families["norm"].ops.get(f"mps_ext::{op}")
+    return stats.ran if stats else 0
+
+
+# ----------------------------------------------------------- results --
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "fp8"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_swapped_layers_match_the_model_without_them(figures, monkeypatch, name, kind):
+    """Decode and prefill logits bit-identical to the optimized model
+    without the swap (the sum is torch's add, the norm rms_norm's of it);
+    against float64 within the model tests' bound; one add_rms_norm per
+    layer and forward in place of one rms_norm."""
+    count, cls = LAYERS[name]
+    if kind == "fp8":
+        model, prompt, step, ref, stock = quantized_against_stock_and_float64(name)
+        apart = without_swap(monkeypatch, copy.deepcopy(model))
+        mps_ext.optimize(model)
+        dtype = torch.bfloat16
+    else:
+        dtype = getattr(torch, kind)
+        model, prompt, step, ref, stock = optimized_against_stock_and_float64(name, dtype)
+        apart = without_swap(monkeypatch, make(name, dtype))
+    s = model.optimize_summary
+    layers = [f"model.layers.{i}" for i in range(count)]
+    assert decoder_layers(model) == layers and list(s.decoder_layers) == layers and not s.decoder_layers_left
+    assert all(what.startswith(f"{cls} -> ") for what in s.decoder_layers.values()), s.decoder_layers
+    assert f"optimize: {count} decoder layers" in str(s)
+    assert not decoder_layers(apart) and not apart.optimize_summary.decoder_layers
+    with run_model(RELEASE) as report:
+        ours = prefill_and_decode(model, prompt, step)
+    with run_model(RELEASE) as theirs_report:
+        theirs = prefill_and_decode(apart, prompt, step)
+    figures.families = report.ran_kernels()
+    assert ran(report, "add_rms_norm") == 2 * count and not ran(theirs_report, "add_rms_norm")
+    assert ran(theirs_report, "rms_norm") - ran(report, "rms_norm") == 2 * count
+    assert torch.equal(ours[0], theirs[0])
+    assert torch.equal(ours[1], theirs[1])
+    for what, i in (("prefill", 0), ("decode", 1)):
+        figures.no_worse(what, ours[i], stock[i], ref[i], dtype)
+
+
+def test_cpu_tensors_without_the_executor_run_the_layers_own_forward(monkeypatch):
+    """Outside the model runner (plain CPU tensors, no kernels): each layer
+    runs its own forward, so the logits are the unswapped model's bit for
+    bit and no op of mps_ext is called."""
+    model = mps_ext.optimize(make("qwen3_5_moe", torch.bfloat16))
+    apart = without_swap(monkeypatch, make("qwen3_5_moe", torch.bfloat16))
+    prompt, step = ids(), ids(1, seed=2)
+    assert decoder_layers(model)
+    for g, w in zip(prefill_and_decode(model, prompt, step), prefill_and_decode(apart, prompt, step)):
+        assert torch.equal(g, w)
+
+
+# ----------------------------------------------------------- host calls and dispatches --
+@pytest.mark.parametrize("model_name", ["Qwen3-30B-A3B", "Qwen3.6-35B-A3B", "LFM2.5-8B-A1B"])
+def test_a_layer_decodes_one_add_rms_norm_for_an_add_and_a_norm(monkeypatch, model_name):
+    """benchmarks/census.py, one decode token after 8 of context, torch
+    2.15's policy, every kind of layer (attention, DeltaNet, convolution;
+    MoE and dense): eager, the layer's add and rms_norm after its mixer are
+    one add_rms_norm call of one dispatch; compiled, the count does not
+    change (the layer leaves them to Inductor)."""
+    from benchmarks import census
+    tiny = census.tiny_model(census.MODELS[model_name])
+
+    def per_kind(transform):
+        return census.per_kind(census.trace_step(tiny, tokens=1, context=8, torch_release="2.15",
+                                                 transform=transform), tiny.config)
+
+    with monkeypatch.context() as m:
+        m.setattr(fused_decoder, "optimize_decoder_layers", lambda model: ({}, [], {}))
+        before = per_kind(mps_ext.optimize)
+    after = per_kind(mps_ext.optimize)
+    assert set(before) == set(after) and len(after) >= 2
+    for kind, layer in after.items():
+        ops = [c.op for c in layer]
+        old = [c.op for c in before[kind]]
+        assert ops.count("add_rms_norm") == 1 and "add_rms_norm" not in old, (kind, ops)
+        assert old.count("rms_norm") - ops.count("rms_norm") == 1, (kind, ops)
+        assert old.count("add") - ops.count("add") == 1, (kind, ops)
+        b, a = ({mode: census.count(calls, "2.15", mode, True) for mode in census.MODES}
+                for calls in (before[kind], layer))
+        print(f"\n{model_name} {kind}, per layer eager: host calls {b['eager'].host:g} -> {a['eager'].host:g}, "
+              f"dispatches {b['eager'].dispatches:g} -> {a['eager'].dispatches:g}")
+        assert b["eager"].host - a["eager"].host == 1 and b["eager"].dispatches - a["eager"].dispatches == 1
+        assert (a["compile"].host, a["compile"].dispatches) == (b["compile"].host, b["compile"].dispatches)
+
+
+# ----------------------------------------------------------- torch.compile --
+@_executor_request.request()  # traced inside request(): the kernels' path, the one a Mac takes
+@pytest.mark.parametrize("name", ["qwen3_moe", "lfm2_moe"])
+def test_compiled_swapped_model(name):
+    """One graph for the whole model (fullgraph), the uncompiled model's
+    logits; the graph holds no add_rms_norm (the layers run their own
+    forward, whose adds and norms Inductor fuses)."""
+    from test_fp8_flows import Float8Inspector
+    model = mps_ext.optimize(make(name, torch.bfloat16))
+    assert decoder_layers(model)
+    prompt, step = ids(), ids(1, seed=2)
+    want = prefill_and_decode(model, prompt, step)
+    torch._dynamo.reset()
+    inspector = Float8Inspector()
+    got = prefill_and_decode(torch.compile(model, backend=inspector.backend, fullgraph=True), prompt, step)
+    assert "add_rms_norm" not in inspector.mps_ext_ops
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+# ----------------------------------------------------------- what it changes and leaves --
+def test_state_dict_module_tree_and_a_second_optimize(monkeypatch):
+    """The swap keeps parameters, state dict keys and children; a second
+    optimize says the layers are already converted; a deepcopy and a cast
+    keep the fused forward; positional arguments bind as the layer's own
+    forward binds them."""
+    model = make("lfm2_moe")
+    without = without_swap(monkeypatch, copy.deepcopy(model))
+    mps_ext.optimize(model)
+    assert set(model.state_dict()) == set(without.state_dict())
+    layer = model.model.layers[1]
+    assert [n for n, _ in layer.named_children()] == [n for n, _ in without.model.layers[1].named_children()]
+    assert type(layer).__name__ == "FusedLfm2MoeDecoderLayer" and type(layer).__mro__[2].__name__ == "Lfm2MoeDecoderLayer"
+    mps_ext.optimize(model)
+    assert model.optimize_summary.decoder_layers == {f"model.layers.{i}": "already" for i in range(3)}
+    clone = copy.deepcopy(model).to(torch.bfloat16)
+    assert decoder_layers(clone) == [f"model.layers.{i}" for i in range(3)]
+    prompt, step = ids(), ids(1, seed=2)
+    with run_model(RELEASE) as report:
+        prefill_and_decode(clone, prompt, step)
+    assert ran(report, "add_rms_norm") == 2 * 3
+    # A conv layer called positionally (hidden_states, position_embeddings, attention_mask): the same output.
+    x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(3))
+    conv = model.model.layers[0]
+    with torch.no_grad(), run_model(RELEASE):
+        got = conv(x, None, None)
+        want = type(conv).__mro__[2].forward(conv, x, None, None)
+    assert torch.equal(got, want)
+
+
+class _ScaledResidualLayer(transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer):
+    """A layer that scales its residual stream (as some models do): the
+    fused forward would not."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        return super().forward(hidden_states, attention_mask, position_ids, past_key_values, use_cache,
+                               position_embeddings, **kwargs) * 0.5
+
+
+class _MaskDroppingLayer(transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer):
+    """A layer that calls its attention without the mask (another call than
+    the fused forward's)."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        return super().forward(hidden_states, None, position_ids, past_key_values, use_cache, position_embeddings,
+                               **kwargs)
+
+
+def test_layers_it_does_not_know_are_left_with_the_reason():
+    """A forward that computes something else (the probe's output), one
+    that calls its mixer otherwise (the probe's mixer call), a child it does
+    not know, norms that are not RMSNorms, a forward of other arguments:
+    each left with the reason, and the model computes what it did."""
+    config = make("qwen3").config
+    Layer = transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer
+    scaled, masked, extra, layernorm = (_ScaledResidualLayer(config, 0), _MaskDroppingLayer(config, 0),
+                                        Layer(config, 0), Layer(config, 0))
+    extra.adapter = torch.nn.Linear(64, 64)
+    layernorm.post_attention_layernorm = torch.nn.LayerNorm(64)
+    holder = mps_ext.optimize(torch.nn.ModuleDict({"scaled": scaled, "masked": masked, "extra": extra,
+                                                   "layernorm": layernorm}))
+    left = holder.optimize_summary.decoder_layers_left
+    assert left["scaled"] == ("its output differs on a probe: its forward does something else than the residual "
+                              "adds and norms")
+    assert left["masked"].startswith("its forward calls self_attn otherwise than optimize would"), left["masked"]
+    assert left["extra"] == ("it holds adapter beside its norms, self_attn and mlp (optimize knows no such layer)")
+    assert left["layernorm"] == ("its input_layernorm and post_attention_layernorm (FusedRMSNorm, LayerNorm) are "
+                                 "not RMSNorms optimize fuses")
+    assert not decoder_layers(holder) and not hasattr(scaled, "_mps_ext_decoder")
+    assert "0 decoder layers" in str(holder.optimize_summary) and "4 left" in str(holder.optimize_summary)
