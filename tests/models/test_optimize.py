@@ -98,6 +98,12 @@ def quantized_against_stock_and_float64(name, **overrides):
     step = ref_model(prompt).logits[:, -1:].argmax(-1)
     return model, prompt, step, prefill_and_decode(ref_model, prompt, step), prefill_and_decode(model, prompt, step)
 
+# (host calls, dispatches) of an optimized MoE block at decode: moe_layer (4 dispatches), then the
+# decoder layer's residual add, which the decoder swap (mps_ext/fused_decoder.py) hands the block
+# (FusedMoE.forward's residual), torch's add until moe_layer adds it in its last dispatch.
+FUSED_MOE_CALLS = (2, 4)
+
+
 def blocks(model):
     return [n for n, m in model.named_modules() if isinstance(m, FusedMoE)]
 
@@ -214,7 +220,7 @@ def test_lfm2_moe_sigmoid_router_with_expert_bias(figures, kind):
         figures.no_worse(what, ours[i], stock[i], ref[i], torch.float32 if kind == "float32" else torch.bfloat16)
     after = per_moe_layer(model)
     print(f"\nlfm2_moe {kind}: per MoE layer per token, (host calls, dispatches) before {before[0]}, after {after[0]}")
-    assert after == [(1, 4)] * 2 and all(b[0] >= 10 for b in before)
+    assert after == [FUSED_MOE_CALLS] * 2 and all(b[0] >= 10 for b in before)
 
 
 # ----------------------------------------------------------- host calls and dispatches --
@@ -273,12 +279,6 @@ def per_moe_layer(model, release=RELEASE):
     per_moe_layer.ops = decode_counts.ops
     assert len(counts) == len(moe) == 2
     return counts
-
-
-# (host calls, dispatches) of an optimized MoE block at decode: moe_layer (4 dispatches), then the
-# decoder layer's residual add, which the decoder swap (mps_ext/fused_decoder.py) hands the block
-# (FusedMoE.forward's residual), torch's add until moe_layer adds it in its last dispatch.
-FUSED_MOE_CALLS = (2, 4)
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "fp8"])
