@@ -24,7 +24,9 @@ decoder layer's and attention's own forward (a function of the modeling
 module, apply_rotary_pos_emb, called between q_norm and the cache update):
 fusing them means replacing those forwards. `qk_norm_rope` is the piece
 such a forward calls: the attention's q_norm, k_norm and rotary embedding
-as one torch.ops.mps_ext.qk_norm_rope dispatch (docs/optimize.md).
+as one torch.ops.mps_ext.qk_norm_rope dispatch (docs/optimize.md);
+`add_rms_norm` the decoder layer's: its residual add and post-attention
+norm as one torch.ops.mps_ext.add_rms_norm dispatch (mps_ext/fused_decoder.py).
 """
 
 from __future__ import annotations
