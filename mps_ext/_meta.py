@@ -1,6 +1,7 @@
 """Meta kernels (shapes and dtypes) of the torch.ops.mps_ext ops that do not
 take the aten op's own: fp8_linear and the mixture-of-experts ops moe_route,
-moe_experts, moe_combine, moe_layer, rms_norm, qk_norm_rope, fp8_grouped_linear, linear_attention_decode (no aten op); the scaled_mm family, whose aten meta
+moe_experts, moe_combine, moe_layer, rms_norm, qk_norm_rope, fp8_grouped_linear, linear_attention_decode,
+short_conv_decode (no aten op); the scaled_mm family, whose aten meta
 functions check CUDA's layout rules (mat2 column-major, dimensions multiples
 of 16) that mps_ext does not need, so a traced model would fail where the
 eager one runs; and the grouped_mm family, whose aten meta functions take
@@ -122,6 +123,13 @@ def _linear_attention_decode(qkv, z, b, a, conv_state, recurrent_state, conv_wei
     return qkv.new_empty((qkv.shape[0], recurrent_state.shape[1] * recurrent_state.shape[3]))
 
 
+# An LFM2 conv layer's decode step (csrc/ops/short_conv.cpp): C * conv
+# [batch, 1, hidden] in BCx's dtype, contiguous; the window is updated in
+# place (the schema's (a!)).
+def _short_conv_decode(BCx, conv_state, weight, bias):
+    return BCx.new_empty((BCx.shape[0], 1, BCx.shape[2] // 3))
+
+
 # FP8Experts' prefill product (mps_ext/fp8.py, a Python custom op): rows
 # [R, K] @ bank[e]^T of [E, N, K] -> [R, N] bf16, contiguous.
 def _fp8_grouped_linear(rows, bank, bank_scale, offs):
@@ -134,5 +142,6 @@ def register() -> None:
                      ("_scaled_grouped_mm_v2", _scaled_grouped_mm_v2), ("moe_route", _moe_route),
                      ("moe_experts", _moe_experts), ("moe_combine", _moe_combine), ("moe_layer", _moe_layer),
                      ("rms_norm", _rms_norm), ("qk_norm_rope", _qk_norm_rope), ("fp8_grouped_linear", _fp8_grouped_linear),
-                     ("linear_attention_decode", _linear_attention_decode)]:
+                     ("linear_attention_decode", _linear_attention_decode),
+                     ("short_conv_decode", _short_conv_decode)]:
         torch.library.register_fake(f"mps_ext::{name}", fn)
