@@ -432,6 +432,9 @@ class OptimizeSummary:
     # Gated DeltaNet layers (mps_ext/fused_linear_attention.py): name -> what / why not.
     linear_attention: dict[str, str] = dataclasses.field(default_factory=dict)
     linear_attention_left: dict[str, str] = dataclasses.field(default_factory=dict)
+    # LFM2 conv layers (mps_ext/fused_short_conv.py): name -> what / why not.
+    short_conv: dict[str, str] = dataclasses.field(default_factory=dict)
+    short_conv_left: dict[str, str] = dataclasses.field(default_factory=dict)
     # Projections that read one input, each group one layer (mps_ext/fused_projections.py): fused layer's
     # name -> what it holds ("already" for those fused before the call); parent's members -> why not.
     projections: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -453,6 +456,11 @@ class OptimizeSummary:
                          f"torch.ops.mps_ext.linear_attention_decode at decode, {len(self.linear_attention_left)} left")
             lines += [f"  {name}: {what}" for name, what in self.linear_attention.items()]
             lines += [f"  left {name}: {why}" for name, why in self.linear_attention_left.items()]
+        if self.short_conv or self.short_conv_left:
+            lines.append(f"optimize: {len(self.short_conv)} short-convolution layers on "
+                         f"torch.ops.mps_ext.short_conv_decode at decode, {len(self.short_conv_left)} left")
+            lines += [f"  {name}: {what}" for name, what in self.short_conv.items()]
+            lines += [f"  left {name}: {why}" for name, why in self.short_conv_left.items()]
         if self.projections or self.projections_left:
             lines.append(f"optimize: {len(self.projections)} groups of projections that read one input as one "
                          f"layer each (one GEMV at decode), {len(self.projections_left)} left")
@@ -484,7 +492,9 @@ def optimize(model: nn.Module) -> nn.Module:
     torch.ops.mps_ext.rms_norm dispatch; each Gated DeltaNet layer
     (Qwen3.5/3.6-MoE's linear attention) decodes on
     torch.ops.mps_ext.linear_attention_decode between its projections
-    (mps_ext/fused_linear_attention.py); each group of projections that read
+    (mps_ext/fused_linear_attention.py); each LFM2 conv layer decodes on
+    torch.ops.mps_ext.short_conv_decode between its projections
+    (mps_ext/fused_short_conv.py); each group of projections that read
     one input (q/k/v, a DeltaNet's four input projections, an MLP's gate and
     up) becomes one linear layer of the concatenated weights, one GEMV
     (mps_ext/fused_projections.py); each attention layer with per-head q/k
@@ -529,6 +539,8 @@ def optimize(model: nn.Module) -> nn.Module:
         converted[name] = _describe(mod, plan)
     from .fused_linear_attention import optimize_linear_attention
     la_converted, la_already, la_left = optimize_linear_attention(model)
+    from .fused_short_conv import optimize_short_conv
+    sc_converted, sc_already, sc_left = optimize_short_conv(model)
     from .fused_norm import fuse_norms
     norms = fuse_norms(model)  # after the linear-attention layers: it leaves their gated norms
     from .fused_projections import fuse_projections
@@ -542,6 +554,8 @@ def optimize(model: nn.Module) -> nn.Module:
     summary = OptimizeSummary(converted, already, left, bytes_before, _model_bytes(model), norms=norms,
                               linear_attention={**la_converted, **{n: "already" for n in la_already}},
                               linear_attention_left=la_left,
+                              short_conv={**sc_converted, **{n: "already" for n in sc_already}},
+                              short_conv_left=sc_left,
                               projections={**projections, **{n: "already" for n in proj_already}},
                               projections_left=proj_left,
                               attention={**attention, **{n: "already" for n in attn_already}},
