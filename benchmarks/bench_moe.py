@@ -196,6 +196,35 @@ def deltanet(model: DeltaNet, tokens: int, dtype) -> Prepared:
     return Prepared(run, minimum)
 
 
+@dataclasses.dataclass
+class ShortConv:
+    """An LFM2 conv layer's decode shapes (benchmarks/census.py has the configs)."""
+    name: str
+    hidden: int
+    conv_k: int
+
+
+SHORT_CONV = ShortConv("LFM2.5-8B-A1B", 2048, 3)
+
+
+def short_conv(model: ShortConv, tokens: int, dtype) -> Prepared:
+    """The decode step of an LFM2 conv layer between its projections
+    (short_conv_decode, one dispatch): what LFM2.5-8B-A1B runs in 18 of its
+    24 layers besides the MoE."""
+    g = torch.Generator().manual_seed(tokens)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+    bcx, conv_state, conv_w = r(tokens, 1, 3 * model.hidden), r(tokens, model.hidden, model.conv_k), \
+        r(model.hidden, model.conv_k)
+
+    def run():
+        torch.ops.mps_ext.short_conv_decode(bcx, conv_state, conv_w, None)
+    # The input and weights read once, the window read and written once, the output written.
+    minimum = bcx.nbytes + conv_w.nbytes + 2 * conv_state.nbytes + tokens * model.hidden * bcx.element_size()
+    return Prepared(run, minimum)
+
+
 SAMPLE_N = 256  # output columns the grouped products run on (of N)
 
 
@@ -264,6 +293,12 @@ def cases(size: str) -> list[Case]:
         out.append(Case("moe", f"deltanet {model.name} {labels['activation']} tokens={tokens}", labels,
                         lambda: deltanet(model, tokens, dtype)))
 
+    def add_short_conv(model, tokens, dtype):
+        labels = {"case": "shortconv", "model": model.name, "experts": "", "activation": str(dtype)[6:],
+                  "tokens / rows": str(tokens), "weight": ""}
+        out.append(Case("moe", f"shortconv {model.name} {labels['activation']} tokens={tokens}", labels,
+                        lambda: short_conv(model, tokens, dtype)))
+
     if size == "tiny":
         add_layer(TINY, 2, False)
         add_layer(TINY, 2, True)
@@ -286,6 +321,7 @@ def cases(size: str) -> list[Case]:
     add_grouped("moe_experts", torch.bfloat16, 64, "nk", misaligned=1)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         add_deltanet(DELTANET, 1, dtype)
+        add_short_conv(SHORT_CONV, 1, dtype)
     return out
 
 

@@ -121,6 +121,7 @@ MOE_DOWN_COMBINE = names("moe_down_combine_{t}_{path}", t=("f32", "f16", "bf16",
 RMS_NORM = names("rms_norm_{t}", t=("f32", "f16", "bf16"))
 QK_NORM_ROPE = names("qk_norm_rope_{t}", t=("f32", "f16", "bf16"))
 LINEAR_ATTENTION = names("linear_attention_decode_{t}", t=("f32", "f16", "bf16"))
+SHORT_CONV = names("short_conv_decode_{t}", t=("f32", "f16", "bf16"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +213,8 @@ BUDGETS: dict[str, Budget] = {
     **{k: Budget("norm", full_occupancy=True) for k in QK_NORM_ROPE},  # streams heads through registers, as RMSNorm
     # Gated DeltaNet decode (bench_moe's deltanet cases): streams the recurrent state once, 1024 threads a group.
     **{k: Budget("moe", full_occupancy=True) for k in LINEAR_ATTENTION},
+    # LFM2's conv decode (bench_moe's shortconv cases): streams its windows and in_proj's row once.
+    **{k: Budget("moe", full_occupancy=True) for k in SHORT_CONV},
 }
 
 # ------------------------------------------------ cases that measure them --
@@ -252,7 +255,7 @@ BUDGET_CASES = {
     "fp8": [c.id for c in op_cases("fp8", "quick")
             if ("2048->768" in c.id and not re.search(r" rows=(512|2048) ", c.id)) or c.id.startswith("copy_")],
     # one decode token of a small MoE layer in each dtype (BUDGET_LAYER), the grouped products (on 256
-    # columns), and Qwen3.6's Gated DeltaNet decode in each dtype
+    # columns), and Qwen3.6's Gated DeltaNet and LFM2.5's short-conv decode in each dtype
     "moe": [c.id for c in op_cases("moe", "quick") if not c.id.startswith("layer ")] + [c.id for c in BUDGET_ONLY],
     "norm": [c.id for c in op_cases("norm", "quick")],  # decode rows, a few KiB each
 }
