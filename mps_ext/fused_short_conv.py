@@ -11,9 +11,13 @@ dispatch), which moves transformers' cached window in place as its code
 does and gives torch's CPU numbers bit for bit; the projections stay the
 model's own modules (nn.Linear or quantize_fp8's FP8Linear). Prefill, a
 call without a cache (or one recording past states for speculative
-decoding), a padding mask, CPU tensors without the executor, a forward
-that needs gradients, and torch.compile (Inductor generates the pointwise
-ops itself, as fused_norm leaves it) run the layer's own forward.
+decoding), a padding mask, CPU tensors without the executor, and a
+forward that needs gradients run the layer's own forward. Under
+torch.compile the op stays one call in the graph (its fake kernel in
+_meta.py): Inductor would leave the convolution to aten between two
+generated kernels, 3 dispatches for the op's 1, and round B * x where its
+fused code keeps floats, so the compiled step would not be the eager one's
+numbers.
 
 A layer is recognised by its parts, not its class: in_proj, a depthwise
 nn.Conv1d `conv` over the hidden channels of window conv_kernel_size (at
@@ -71,8 +75,7 @@ class FusedShortConvMixin:
         """The cache's window when this call is a decode step the kernel
         takes, else None (the layer's own forward)."""
         if (past_key_values is None or hidden_states.dim() != 3 or hidden_states.shape[1] != 1
-                or hidden_states.dtype not in _FLOAT or torch.compiler.is_compiling()
-                or not _kernels_for(hidden_states)
+                or hidden_states.dtype not in _FLOAT or not _kernels_for(hidden_states)
                 or (torch.is_grad_enabled() and hidden_states.requires_grad)):  # the op has no derivative
             return None
         # transformers' own decode condition; a padding mask zeroes the token's input: left to it.
