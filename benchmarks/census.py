@@ -585,7 +585,9 @@ def layer_bytes(config, kind: str, tokens: int, context: int, fp8: bool = False,
         rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
         state = tokens * 2 * (conv * cache_bytes + rec * state_bytes)
     elif mixer == "conv":
-        state = tokens * 2 * h * (c.conv_L_cache - 1) * cache_bytes
+        # transformers' cache holds conv_L_cache taps a channel ([batch, hidden, L]), each read and the
+        # window written back whole (short_conv_decode, or the torch code's copy_)
+        state = tokens * 2 * h * c.conv_L_cache * cache_bytes
     out = {"weights": weights, "kv_read": kv_read, "kv_written": kv_written, "kv_copy": copy, "state": state}
     out["total"] = sum(out.values())
     return out

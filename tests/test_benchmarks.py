@@ -248,6 +248,28 @@ def test_census_kv_cache_bytes_match_the_attention_layers_cache_calls(tokens):
     assert b["kv_written"] == 0  # within the copy
 
 
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_census_conv_state_bytes_match_what_the_cache_holds_and_the_op_moves(tokens):
+    """A conv layer's state traffic in step_bytes: the window transformers'
+    cache holds for each channel (conv_L_cache taps, not L - 1), read and
+    written once, as short_conv_decode moves it (executor counters)."""
+    from mps_ext import cpu_metal
+    spec = census.MODELS["LFM2.5-8B-A1B"]
+    model = census.tiny_model(spec)
+    c = model.config
+    with torch.no_grad():
+        cache = model(torch.ones(tokens, 3, dtype=torch.long), use_cache=True).past_key_values
+    state = cache.get_conv_state(c.layer_types.index("conv"))
+    assert state.shape == (tokens, c.hidden_size, c.conv_L_cache)
+    b = census.layer_bytes(c, "conv+moe", tokens, context=3, cache_bytes=state.element_size())
+    bcx = torch.zeros(tokens, 1, 3 * c.hidden_size, dtype=state.dtype)
+    weight = torch.zeros(c.hidden_size, c.conv_L_cache, dtype=state.dtype)
+    with cpu_metal.record(counters=True) as rec:
+        torch.ops.mps_ext.short_conv_decode(bcx, state, weight, None)
+    (d,) = rec.dispatches
+    assert d.bytes_read[1] + d.bytes_written[1] == b["state"]
+
+
 def test_implied_constants_reproduce_the_measurement():
     """implied_dispatch_cost / implied_host_cost put back into the
     projection's formula give the measured tokens/s."""
