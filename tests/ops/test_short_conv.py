@@ -11,6 +11,7 @@ from transformers.models.lfm2_moe.modeling_lfm2_moe import causal_conv1d_update
 
 import mps_ext  # noqa: F401  (registers the ops)
 from mps_ext import cpu_metal
+from host_names import host_names
 
 KERNEL = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
@@ -53,6 +54,11 @@ def test_matches_transformers_torch_code_bit_for_bit(shape, dtype, bias):
     assert out.shape == (batch, 1, hidden) and out.dtype == dtype and out.is_contiguous()
     assert torch.equal(d["conv_state"], want_state)
     assert torch.equal(out, want), float((out.double() - want.double()).abs().max())
+
+
+def test_every_kernel_is_tested():
+    """The parametrised test above runs short_conv_decode_<t> for each of these (it checks the kernel's name)."""
+    assert host_names("short_conv") == {"short_conv_decode_" + t for t in KERNEL.values()}
 
 
 def test_many_values_bit_for_bit():
