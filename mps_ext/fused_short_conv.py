@@ -82,9 +82,11 @@ class FusedShortConvMixin:
         if attention_mask is not None or past_key_values.is_recording_past(self.layer_idx):
             return None
         conv_state = past_key_values.get_conv_state(self.layer_idx, state_idx=0)
-        w = self.conv.weight
-        if (conv_state is None or conv_state.dtype != hidden_states.dtype or not conv_state.is_contiguous()
-                or conv_state.shape[-1] != w.shape[-1] or w.dtype != hidden_states.dtype):
+        w, b, dt = self.conv.weight, self.conv.bias, hidden_states.dtype
+        # what the op takes (else its error would reach the user): one dtype, a contiguous window and weight
+        if (conv_state is None or conv_state.dtype != dt or not conv_state.is_contiguous()
+                or conv_state.shape[-1] != w.shape[-1] or w.dtype != dt or not w.is_contiguous()
+                or (b is not None and (b.dtype != dt or not b.is_contiguous()))):
             return None
         return conv_state
 
