@@ -18,7 +18,7 @@ from mps_ext import _executor_request, fused_short_conv
 from mps_ext.cpu_metal import run_model
 from mps_ext.fused_short_conv import FusedShortConvMixin
 from model_compare import RELEASE
-from test_optimize import COMMON, decode_counts, ids, make, quantized_against_stock_and_float64
+from test_optimize import COMMON, decode_counts, ids, make
 
 T = transformers
 # The dense LFM2 with the conv's bias (conv_bias: in_proj, conv and out_proj); LFM2-MoE as test_optimize's.
