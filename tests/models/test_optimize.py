@@ -343,6 +343,24 @@ def test_residual_is_added_inside_the_moe_layer(name, kind, tokens):
 
 
 @pytest.mark.parametrize("kind", ["bfloat16", "fp8"])
+def test_residual_on_the_grouped_path(monkeypatch, kind):
+    """Past moe_layer's token slots (4 here) the experts are MoEExperts' or
+    FP8Experts' grouped products; torch adds the residual to their output."""
+    import mps_ext.fused_moe as fused_moe
+    model = make("qwen3_5_moe", torch.bfloat16)
+    if kind == "fp8":
+        mps_ext.quantize_fp8(model)
+    block = first_block(mps_ext.optimize(model))
+    monkeypatch.setattr(fused_moe, "MAX_SLOTS", 4)
+    monkeypatch.setattr(MoEExperts, "DECODE_ROWS", 4)
+    monkeypatch.setattr(FP8Experts, "DECODE_ROWS", 4)
+    x, residual = hidden_and_residual(5, torch.bfloat16)
+    moe_out, plain_calls, _ = block_call(block, x)
+    out, calls, _ = block_call(block, x, residual)
+    assert torch.equal(out, residual + moe_out) and calls == plain_calls + 1
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "fp8"])
 def test_residual_is_added_after_a_shared_expert_run_apart(kind):
     """A shared expert run apart (Qwen2-MoE's, 4x the experts' size): the
     residual comes last, `residual + (moe + shared)` as the model adds it,
