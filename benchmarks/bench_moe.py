@@ -71,7 +71,8 @@ def quantize_rows_zero(shape):
 TINY = Model("tiny", 256, 8, 2, 1, 128)
 
 
-def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int = 0, residual: bool = False) -> Prepared:
+def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int = 0,
+          residual: bool = False) -> Prepared:
     """One MoE layer of `model` for `tokens` tokens, as mps_ext runs it
     (`residual`: with the decoder layer's residual added in its last dispatch)."""
     g = torch.Generator().manual_seed(seed)

@@ -152,9 +152,10 @@ class Scoring:
 
 class FusedMoE(nn.Module):
     """A mixture-of-experts block as mps_ext runs it fastest:
-    forward(hidden_states [..., H], residual=None) -> [..., H], plus
-    `residual` (the decoder layer's `residual + mlp(x)`, added where it costs
-    no dispatch of its own: in moe_layer's last one). `router` [E (+1), H]: the
+    forward(hidden_states [..., H], residual=None) -> [..., H]: the block's
+    output, plus `residual` if given (a decoder layer's `residual + mlp(x)`,
+    added in moe_layer's last dispatch where the model's order allows, so
+    that it costs no call of its own). `router` [E (+1), H]: the
     router's rows, then (when `fused_shared`) the shared expert's gate row;
     `experts`: MoEExperts or FP8Experts holding E (+1: the shared expert)
     experts. A shared expert that cannot be expert E (another size, or

@@ -516,8 +516,9 @@ at::Tensor moe_down_combine(const at::Tensor& h, const at::Tensor& down, const c
   const int64_t rows = h.size(0), hidden = down.size(1);
   at::Tensor out = at::empty({weights.size(0), hidden}, h.options());
   // The kernel reads it at out's offsets.
-  TORCH_INTERNAL_ASSERT(!residual || (residual->sizes() == out.sizes() && residual->scalar_type() == out.scalar_type() &&
-                                      residual->device() == out.device() && residual->is_contiguous()));
+  TORCH_INTERNAL_ASSERT(!residual || (residual->sizes() == out.sizes() && residual->is_contiguous() &&
+                                      residual->scalar_type() == out.scalar_type() &&
+                                      residual->device() == out.device()));
   if (out.numel() == 0 || down.size(0) == 0) return out;
   const bool fp8 = down_scale.has_value();
   GroupedMMParams p = moe_problem(h, down, down_scale, rows, out).p;

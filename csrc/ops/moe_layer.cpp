@@ -107,7 +107,8 @@ at::Tensor moe_layer_impl(const at::Tensor& x, const at::Tensor& router, const a
 TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
   m.def("moe_layer(Tensor x, Tensor router, Tensor gate_up, Tensor? gate_up_scale, Tensor down, "
         "Tensor? down_scale, int top_k, bool renormalize=True, bool shared_expert=False, "
-        "Tensor? expert_bias=None, bool sigmoid=False, float scale=1.0, float renorm_eps=0.0, Tensor? residual=None) -> Tensor");
+        "Tensor? expert_bias=None, bool sigmoid=False, float scale=1.0, float renorm_eps=0.0, "
+        "Tensor? residual=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mps_ext, CPU, m) { m.impl("moe_layer", TORCH_FN(mps_ext::moe_layer_impl<c10::DispatchKey::CPU>)); }
