@@ -3,7 +3,8 @@ call, against the layer written with torch's CPU ops in float64 (softmax,
 topk, per-expert matmuls), and against the five ops it stands for (router
 GEMV, moe_route, moe_experts twice, moe_combine), bit for bit: it runs
 four dispatches, the down product and moe_combine fused (moe_down_combine
-of kernels_metal/grouped_mm.metal)."""
+of kernels_metal/grouped_mm.metal), which also adds a decoder layer's
+residual when given one (torch's `residual + moe_out`, bit for bit)."""
 
 import pytest
 import torch
