@@ -71,8 +71,10 @@ def quantize_rows_zero(shape):
 TINY = Model("tiny", 256, 8, 2, 1, 128)
 
 
-def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int = 0) -> Prepared:
-    """One MoE layer of `model` for `tokens` tokens, as mps_ext runs it."""
+def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int = 0,
+          residual: bool = False) -> Prepared:
+    """One MoE layer of `model` for `tokens` tokens, as mps_ext runs it
+    (`residual`: with the decoder layer's residual added in its last dispatch)."""
     g = torch.Generator().manual_seed(seed)
     h, e, f = model.hidden, model.experts + model.shared, model.ffn
     x = torch.randn(tokens, h, generator=g).to(dtype)
@@ -86,9 +88,11 @@ def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int 
     slots = model.top_k + model.shared
     ops = torch.ops.mps_ext
     out = {}
+    res = torch.randn(tokens, h, generator=g).to(dtype) if residual else None
 
     def run():
-        out["out"] = ops.moe_layer(x, router, w_gu, s_gu, w_d, s_d, model.top_k, True, bool(model.shared))
+        out["out"] = ops.moe_layer(x, router, w_gu, s_gu, w_d, s_d, model.top_k, True, bool(model.shared),
+                                   residual=res)
 
     def measures(stats):
         """The layer's figures: from the dispatches and what the run returned."""
@@ -110,7 +114,7 @@ def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int 
         # are KB): x, the logits, weights, offs, the two slot maps, h and out.
         rows = tokens * slots
         small = (x.nbytes + tokens * e * x.element_size() + rows * 4 + offs.nbytes + 2 * rows * 4
-                 + rows * f * x.element_size() + out["out"].nbytes)
+                 + rows * f * x.element_size() + out["out"].nbytes + (res.nbytes if residual else 0))
         dram = weight_read + router_read + chosen * scale_bytes + 2 * small
         return {"chosen": chosen, "dispatches": len(stats) + extra_dispatch, "extra": router.nbytes * extra_dispatch,
                 "weight_ratio": weight_read / (chosen * expert_bytes), "dram": dram,
@@ -263,12 +267,12 @@ def grouped(kind, dtype, rows, k, n, experts, layout, misaligned=0) -> Prepared:
 EXPERT_DOWN = (768, 2048)  # Qwen3-30B-A3B: an expert's down projection, K -> N
 
 
-def layer_case(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16) -> Case:
+def layer_case(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, residual: bool = False) -> Case:
     labels = {"case": "layer", "model": model.name, "experts": "fp8" if fp8 else str(dtype)[6:],
               "activation": str(dtype)[6:], "tokens / rows": str(tokens), "weight": ""}
     id_ = f"layer {model.name} {labels['experts']} tokens={tokens}" + (
-        f" {labels['activation']}" if dtype != torch.bfloat16 else "")
-    return Case("moe", id_, labels, lambda: layer(model, tokens, fp8, dtype))
+        f" {labels['activation']}" if dtype != torch.bfloat16 else "") + (" residual" if residual else "")
+    return Case("moe", id_, labels, lambda: layer(model, tokens, fp8, dtype, residual=residual))
 
 
 def cases(size: str) -> list[Case]:

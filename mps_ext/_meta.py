@@ -98,7 +98,15 @@ def _moe_combine(y, weights, row_of_slot):
 
 # The whole layer (csrc/ops/moe_layer.cpp): [tokens, hidden] in x's dtype.
 def _moe_layer(x, router, gate_up, gate_up_scale, down, down_scale, top_k, renormalize=True, shared_expert=False,
-               expert_bias=None, sigmoid=False, scale=1.0, renorm_eps=0.0):
+               expert_bias=None, sigmoid=False, scale=1.0, renorm_eps=0.0, residual=None):
+    # Checked here too: a residual on another device (the meta one) makes the dispatcher choose this kernel.
+    if residual is not None:
+        torch._check(residual.device == x.device and residual.dtype == x.dtype and residual.shape == x.shape
+                     and residual.is_contiguous(),
+                     lambda: f"moe_layer: residual must be a contiguous tensor of x's shape, dtype and device "
+                             f"({list(x.shape)} {x.dtype} on {x.device}), got {list(residual.shape)} "
+                             f"{residual.dtype} on {residual.device}"
+                             f"{'' if residual.is_contiguous() else ', not contiguous'}")
     return x.new_empty((x.shape[0], down.shape[1]))
 
 

@@ -152,7 +152,10 @@ class Scoring:
 
 class FusedMoE(nn.Module):
     """A mixture-of-experts block as mps_ext runs it fastest:
-    forward(hidden_states [..., H]) -> [..., H]. `router` [E (+1), H]: the
+    forward(hidden_states [..., H], residual=None) -> [..., H]: the block's
+    output, plus `residual` if given (a decoder layer's `residual + mlp(x)`,
+    added in moe_layer's last dispatch where the model's order allows, so
+    that it costs no call of its own). `router` [E (+1), H]: the
     router's rows, then (when `fused_shared`) the shared expert's gate row;
     `experts`: MoEExperts or FP8Experts holding E (+1: the shared expert)
     experts. A shared expert that cannot be expert E (another size, or
@@ -182,22 +185,33 @@ class FusedMoE(nn.Module):
             return e.gate_up_proj, e.gate_up_scale, e.down_proj, e.down_scale
         return e.gate_up_proj, None, e.down_proj, None
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         x = hidden_states.reshape(-1, self.hidden)
         slots = self.top_k + (1 if self.fused_shared else 0)
+        grad = torch.is_grad_enabled()
         if (_kernels_for(x) and x.shape[0] * slots <= MAX_SLOTS
-                and not (torch.is_grad_enabled() and x.requires_grad)):  # moe_layer has no derivative
+                and not (grad and x.requires_grad)):  # moe_layer has no derivative
+            # The model adds the residual last, after a shared expert run apart too; moe_layer takes it
+            # as the layer's output is (else torch adds it as the model does, broadcasting or promoting).
+            res_inside = (residual is not None and self.shared_expert is None
+                          and residual.shape == hidden_states.shape and residual.dtype == x.dtype
+                          and residual.device == x.device and residual.is_contiguous()
+                          and not (grad and residual.requires_grad))
             gate_up, gate_up_scale, down, down_scale = self._banks()
             sc = self.scoring
             bias = None if self.expert_bias is None else self.expert_bias.float()  # a model-wide .to(dtype) casts it
             out = torch.ops.mps_ext.moe_layer(x, self.router, gate_up, gate_up_scale, down, down_scale,
                                                self.top_k, self.renormalize, self.fused_shared, bias, sc.sigmoid,
-                                               sc.scale, sc.renorm_eps)
+                                               sc.scale, sc.renorm_eps,
+                                               residual.reshape(x.shape) if res_inside else None)
+            if res_inside:
+                return out.reshape(hidden_states.shape)
         else:
             out = self.experts(x, *self.route(x))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out.reshape(hidden_states.shape)
+        out = out.reshape(hidden_states.shape)
+        return out if residual is None else residual + out
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top_k_index, top_k_weights) with torch's ops, as transformers'
