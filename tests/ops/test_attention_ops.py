@@ -159,3 +159,26 @@ def test_every_kernel_is_tested():
     # test_sigmoid_gate_is_the_models_line and test_kv_append_writes_the_rows_in_place run each dtype's kernels.
     assert host_names("attention") == {f"{op}_{t}" for op in ("sigmoid_gate", "kv_append")
                                        for t in ("f32", "f16", "bf16")}
+
+
+def test_meta_kernels_and_compile():
+    """The fake kernels: sigmoid_gate gives x's shape and dtype, kv_append
+    nothing (in place); compiled whole (aot_eager traces them on fake
+    tensors, kv_append functionalised), the eager results."""
+    out = torch.ops.mps_ext.sigmoid_gate(torch.empty(2, 3, 8, device="meta"), torch.empty(2, 3, 8, device="meta"))
+    assert out.shape == (2, 3, 8) and out.device.type == "meta"
+    assert torch.ops.mps_ext.kv_append(*(torch.empty(1, 2, 4, 16, device="meta") for _ in range(2)),
+                                       *(torch.empty(1, 2, 1, 16, device="meta") for _ in range(2)), 3) is None
+    _, gate = q_proj_output(1, 2, 3, 16, torch.float32)
+    x = torch.randn(1, 2, 3, 16)
+    k, v = new_rows(1, 2, 1, 16, torch.float32, seed=5)
+
+    def step(x, gate, k_cache, v_cache, k, v):
+        torch.ops.mps_ext.kv_append(k_cache, v_cache, k, v, 2)
+        return torch.ops.mps_ext.sigmoid_gate(x, gate)
+
+    caches = [torch.zeros(1, 2, 4, 16) for _ in range(4)]
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(x, gate, caches[0], caches[1], k, v)
+    want = step(x, gate, caches[2], caches[3], k, v)
+    assert torch.equal(got, want) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0][:, :, 2:3].equal(k)
