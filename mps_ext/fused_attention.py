@@ -10,13 +10,18 @@ transformers' apply_rotary_pos_emb (mul, neg, cat, mul, add for q and for
 k; a partial rotary adds a cat for each): about 12 host calls and
 dispatches a layer and token. Here they are one call of
 mps_ext.fused_norm.qk_norm_rope (torch.ops.mps_ext.qk_norm_rope where the
-kernels run, the same steps with torch's ops elsewhere). The rest of the
-forward is the model's, line for line: its projections (nn.Linear,
-FP8Linear, or views of a fused q/k/v projection), the cache update, the
-attention function transformers selects for the config
+kernels run, the same steps with torch's ops elsewhere). Two more pieces
+are one dispatch each where the kernels run, eager: the output gate
+(sigmoid_gate: the gate read where q_proj left it, where the model copies
+it and runs sigmoid and mul) and, for a plain DynamicCache's DynamicLayer,
+the cache update (cache_update: kv_append into buffers with spare
+capacity, where DynamicLayer.update copies the whole cache twice with
+torch.cat). The rest of the forward is the model's, line for line: its
+projections (nn.Linear, FP8Linear, or views of a fused q/k/v projection),
+the attention function transformers selects for the config
 (ALL_ATTENTION_FUNCTIONS of the layer's own modeling module, its
 eager_attention_forward as default), the sliding window where the layer has
-one, the output gate, the output projection.
+one, the output projection.
 
 A layer is recognised by its parts, not its class: q_proj, k_proj, v_proj,
 o_proj (or out_proj), per-head q and k norms that fuse_norms made
