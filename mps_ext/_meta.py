@@ -1,7 +1,7 @@
 """Meta kernels (shapes and dtypes) of the torch.ops.mps_ext ops that do not
 take the aten op's own: fp8_linear and the mixture-of-experts ops moe_route,
-moe_experts, moe_combine, moe_layer, rms_norm, qk_norm_rope, fp8_grouped_linear, linear_attention_decode,
-short_conv_decode (no aten op); the scaled_mm family, whose aten meta
+moe_experts, moe_combine, moe_layer, rms_norm, qk_norm_rope, sigmoid_gate, kv_append, fp8_grouped_linear,
+linear_attention_decode, short_conv_decode (no aten op); the scaled_mm family, whose aten meta
 functions check CUDA's layout rules (mat2 column-major, dimensions multiples
 of 16) that mps_ext does not need, so a traced model would fail where the
 eager one runs; and the grouped_mm family, whose aten meta functions take
@@ -123,6 +123,16 @@ def _qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, variant="weight"):
     return q.new_empty((b, hq, t, d)), k.new_empty((b, k.shape[2], t, d))
 
 
+# The output gate (csrc/ops/attention.cpp): x's shape and dtype, contiguous.
+def _sigmoid_gate(x, gate):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# The KV cache append (csrc/ops/attention.cpp): in place (the schema's (a!), (b!)), nothing returned.
+def _kv_append(k_cache, v_cache, k, v, start):
+    return None
+
+
 # A Gated DeltaNet decode step (csrc/ops/linear_attention.cpp): the gated
 # RMSNorm's output [batch, v_heads * dv] in qkv's dtype; the two states are
 # updated in place (the schema's (a!), (b!)).
@@ -149,7 +159,8 @@ def register() -> None:
                      ("_grouped_mm", _grouped_mm), ("_scaled_grouped_mm", _scaled_grouped_mm),
                      ("_scaled_grouped_mm_v2", _scaled_grouped_mm_v2), ("moe_route", _moe_route),
                      ("moe_experts", _moe_experts), ("moe_combine", _moe_combine), ("moe_layer", _moe_layer),
-                     ("rms_norm", _rms_norm), ("qk_norm_rope", _qk_norm_rope), ("fp8_grouped_linear", _fp8_grouped_linear),
+                     ("rms_norm", _rms_norm), ("qk_norm_rope", _qk_norm_rope), ("sigmoid_gate", _sigmoid_gate),
+                     ("kv_append", _kv_append), ("fp8_grouped_linear", _fp8_grouped_linear),
                      ("linear_attention_decode", _linear_attention_decode),
                      ("short_conv_decode", _short_conv_decode)]:
         torch.library.register_fake(f"mps_ext::{name}", fn)

@@ -120,6 +120,7 @@ MOE_DOWN_COMBINE = names("moe_down_combine_{t}_{path}", t=("f32", "f16", "bf16",
                          path=("vec", "scalar"))
 RMS_NORM = names("rms_norm_{t}", t=("f32", "f16", "bf16"))
 QK_NORM_ROPE = names("qk_norm_rope_{t}", t=("f32", "f16", "bf16"))
+ATTENTION = names("{op}_{t}", op=("sigmoid_gate", "kv_append"), t=("f32", "f16", "bf16"))
 LINEAR_ATTENTION = names("linear_attention_decode_{t}", t=("f32", "f16", "bf16"))
 SHORT_CONV = names("short_conv_decode_{t}", t=("f32", "f16", "bf16"))
 
@@ -211,6 +212,8 @@ BUDGETS: dict[str, Budget] = {
     **{k: Budget("moe", full_occupancy=False) for k in GMM_TILED},  # prefill tiles, as FP8's
     **{k: Budget("norm", full_occupancy=True) for k in RMS_NORM},  # streams a row through registers
     **{k: Budget("norm", full_occupancy=True) for k in QK_NORM_ROPE},  # streams heads through registers, as RMSNorm
+    # the attention's output gate and cache append: each element moved once, a thread per element
+    **{k: Budget("norm", full_occupancy=True) for k in ATTENTION},
     # Gated DeltaNet decode (bench_moe's deltanet cases): streams the recurrent state once, 1024 threads a group.
     **{k: Budget("moe", full_occupancy=True) for k in LINEAR_ATTENTION},
     # LFM2's conv decode (bench_moe's shortconv cases): streams its windows and in_proj's row once.
@@ -471,6 +474,8 @@ DIVISIONS: dict[str, tuple[int, int]] = {
     # takes its share of one token's head group (p.iterations rows, set by the head count, never by the
     # tokens): 2 at every decode case, where each simdgroup has one head
     **{k: (0, 2) for k in QK_NORM_ROPE},
+    # sigmoid_gate: torch's sigmoid, 1 / (1 + exp(-g)), for the one element a thread takes
+    **{k: (0, 1) for k in ATTENTION if k.startswith("sigmoid_gate_")},
 }
 
 
