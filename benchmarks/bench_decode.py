@@ -90,16 +90,19 @@ def census_rows(models: list[str], tokens: tuple[int, ...], context: int = CONTE
                       for who, tf, _ in kinds for r in releases}
             if log:
                 log(f"  decode {name} tokens={t}: traced in {time.perf_counter() - start:.1f} s")
-            nbytes = {fp8: census.step_bytes(real, t, context, fp8=fp8) for fp8 in (False, True)}
+            # the KV cache copied whole by torch.cat, or its new rows written in place (kv_append)
+            nbytes = {(fp8, copy): census.step_bytes(real, t, context, fp8=fp8, cache_copy=copy)
+                      for fp8 in (False, True) for copy in (False, True)}
             for release in releases:
                 for mode in modes:
                     for who, fp8 in [(STOCK, False)] + [(who, fp8) for who, _, fp8 in kinds]:
                         trace = stock if who == STOCK else traces[(who, release)]
                         s = census.scale(spec, trace, model.config, t, release, mode, who != STOCK)
-                        tok_s = tuple(census.project(nbytes[fp8]["total"], s["total"], t, w)
+                        b = nbytes[(fp8, not census.appends_in_place(trace, mode))]
+                        tok_s = tuple(census.project(b["total"], s["total"], t, w)
                                       for w in ("low", "central", "high"))
                         rows.append(Row(name, t, release, mode, who, fp8, s["total"], s["per_kind"], s["ffn"],
-                                        s["layers"], nbytes[fp8], tok_s))
+                                        s["layers"], b, tok_s))
     return rows
 
 
@@ -129,6 +132,7 @@ def census_table(rows: list[Row], context: int) -> str:
     for r in rows:
         kinds = [k for k in r.per_kind if k != "head"]
         real = census.MODELS[r.model].config()
+        copy = r.bytes["kv_copy"] > 0  # the row's bytes: torch.cat's copy of the cache, or kv_append's rows
         out.append({
             "model": r.model, "tokens": r.tokens, "torch": r.release, "mode": r.mode, "": r.who,
             "host calls / token": _f(r.per_token(r.counts.host)),
@@ -140,7 +144,7 @@ def census_table(rows: list[Row], context: int) -> str:
             + f"; outside the layers: {_f(r.per_kind['head'].host)} / {_f(r.per_kind['head'].dispatches)}",
             "MB / token": f"{r.bytes['total'] / r.tokens / 1e6:,.0f}",
             "per layer: MB / token": "; ".join(
-                f"{k}: {census.layer_bytes(real, k, r.tokens, context, r.fp8)['total'] / r.tokens / 1e6:,.1f}"
+                f"{k}: {census.layer_bytes(real, k, r.tokens, context, r.fp8, cache_copy=copy)['total'] / r.tokens / 1e6:,.1f}"
                 for k in kinds),
         })
     return markdown(out, list(out[0]))

@@ -71,8 +71,10 @@ def quantize_rows_zero(shape):
 TINY = Model("tiny", 256, 8, 2, 1, 128)
 
 
-def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int = 0) -> Prepared:
-    """One MoE layer of `model` for `tokens` tokens, as mps_ext runs it."""
+def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int = 0,
+          residual: bool = False) -> Prepared:
+    """One MoE layer of `model` for `tokens` tokens, as mps_ext runs it
+    (`residual`: with the decoder layer's residual added in its last dispatch)."""
     g = torch.Generator().manual_seed(seed)
     h, e, f = model.hidden, model.experts + model.shared, model.ffn
     x = torch.randn(tokens, h, generator=g).to(dtype)
@@ -86,9 +88,11 @@ def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int 
     slots = model.top_k + model.shared
     ops = torch.ops.mps_ext
     out = {}
+    res = torch.randn(tokens, h, generator=g).to(dtype) if residual else None
 
     def run():
-        out["out"] = ops.moe_layer(x, router, w_gu, s_gu, w_d, s_d, model.top_k, True, bool(model.shared))
+        out["out"] = ops.moe_layer(x, router, w_gu, s_gu, w_d, s_d, model.top_k, True, bool(model.shared),
+                                   residual=res)
 
     def measures(stats):
         """The layer's figures: from the dispatches and what the run returned."""
@@ -110,7 +114,7 @@ def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int 
         # are KB): x, the logits, weights, offs, the two slot maps, h and out.
         rows = tokens * slots
         small = (x.nbytes + tokens * e * x.element_size() + rows * 4 + offs.nbytes + 2 * rows * 4
-                 + rows * f * x.element_size() + out["out"].nbytes)
+                 + rows * f * x.element_size() + out["out"].nbytes + (res.nbytes if residual else 0))
         dram = weight_read + router_read + chosen * scale_bytes + 2 * small
         return {"chosen": chosen, "dispatches": len(stats) + extra_dispatch, "extra": router.nbytes * extra_dispatch,
                 "weight_ratio": weight_read / (chosen * expert_bytes), "dram": dram,
@@ -196,6 +200,35 @@ def deltanet(model: DeltaNet, tokens: int, dtype) -> Prepared:
     return Prepared(run, minimum)
 
 
+@dataclasses.dataclass
+class ShortConv:
+    """An LFM2 conv layer's decode shapes (benchmarks/census.py has the configs)."""
+    name: str
+    hidden: int
+    conv_k: int
+
+
+SHORT_CONV = ShortConv("LFM2.5-8B-A1B", 2048, 3)
+
+
+def short_conv(model: ShortConv, tokens: int, dtype) -> Prepared:
+    """The decode step of an LFM2 conv layer between its projections
+    (short_conv_decode, one dispatch): what LFM2.5-8B-A1B runs in 18 of its
+    24 layers besides the MoE."""
+    g = torch.Generator().manual_seed(tokens)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+    bcx, conv_state, conv_w = r(tokens, 1, 3 * model.hidden), r(tokens, model.hidden, model.conv_k), \
+        r(model.hidden, model.conv_k)
+
+    def run():
+        torch.ops.mps_ext.short_conv_decode(bcx, conv_state, conv_w, None)
+    # The input and weights read once, the window read and written once, the output written.
+    minimum = bcx.nbytes + conv_w.nbytes + 2 * conv_state.nbytes + tokens * model.hidden * bcx.element_size()
+    return Prepared(run, minimum)
+
+
 SAMPLE_N = 256  # output columns the grouped products run on (of N)
 
 
@@ -234,12 +267,12 @@ def grouped(kind, dtype, rows, k, n, experts, layout, misaligned=0) -> Prepared:
 EXPERT_DOWN = (768, 2048)  # Qwen3-30B-A3B: an expert's down projection, K -> N
 
 
-def layer_case(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16) -> Case:
+def layer_case(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, residual: bool = False) -> Case:
     labels = {"case": "layer", "model": model.name, "experts": "fp8" if fp8 else str(dtype)[6:],
               "activation": str(dtype)[6:], "tokens / rows": str(tokens), "weight": ""}
     id_ = f"layer {model.name} {labels['experts']} tokens={tokens}" + (
-        f" {labels['activation']}" if dtype != torch.bfloat16 else "")
-    return Case("moe", id_, labels, lambda: layer(model, tokens, fp8, dtype))
+        f" {labels['activation']}" if dtype != torch.bfloat16 else "") + (" residual" if residual else "")
+    return Case("moe", id_, labels, lambda: layer(model, tokens, fp8, dtype, residual=residual))
 
 
 def cases(size: str) -> list[Case]:
@@ -264,6 +297,12 @@ def cases(size: str) -> list[Case]:
         out.append(Case("moe", f"deltanet {model.name} {labels['activation']} tokens={tokens}", labels,
                         lambda: deltanet(model, tokens, dtype)))
 
+    def add_short_conv(model, tokens, dtype):
+        labels = {"case": "shortconv", "model": model.name, "experts": "", "activation": str(dtype)[6:],
+                  "tokens / rows": str(tokens), "weight": ""}
+        out.append(Case("moe", f"shortconv {model.name} {labels['activation']} tokens={tokens}", labels,
+                        lambda: short_conv(model, tokens, dtype)))
+
     if size == "tiny":
         add_layer(TINY, 2, False)
         add_layer(TINY, 2, True)
@@ -286,6 +325,7 @@ def cases(size: str) -> list[Case]:
     add_grouped("moe_experts", torch.bfloat16, 64, "nk", misaligned=1)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         add_deltanet(DELTANET, 1, dtype)
+        add_short_conv(SHORT_CONV, 1, dtype)
     return out
 
 

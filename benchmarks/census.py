@@ -165,9 +165,12 @@ _FUSIBLE = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mea
 # (mps_ext.optimize's FusedRMSNorm: Inductor fuses a norm with the residual
 # add before it, where the op would be one dispatch more; its attention's
 # qk_norm_rope: Inductor fuses the norms and the rotary embedding with their
-# neighbours; its decoder layers' add_rms_norm: their own forward's add and
-# norm): compiled, each counts as the fusible calls it stands for.
-_TORCH_WHEN_COMPILED = {"rms_norm", "add_rms_norm", "qk_norm_rope"}
+# neighbours; its output gate, sigmoid_gate, and its cache append,
+# kv_append, for which the compiled forward keeps the model's sigmoid, mul
+# and DynamicCache's torch.cat; its decoder layers' add_rms_norm: their own
+# forward's add and norm): compiled, each counts as the fusible calls it
+# stands for.
+_TORCH_WHEN_COMPILED = {"rms_norm", "add_rms_norm", "qk_norm_rope", "sigmoid_gate", "kv_append"}
 
 
 @dataclasses.dataclass
@@ -336,22 +339,24 @@ def trace_step(model, tokens: int = 1, context: int = 8, torch_release: str | No
     step = torch.randint(1, vocab, (tokens, 1), generator=g)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     trace = Trace()
-    with torch.no_grad():
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        counters = None
+        if torch_release is not None:
+            # The prefill too: the cache the step finds is the one mps_ext's path left (its KV cache buffers,
+            # mps_ext/fused_attention.py), as on a Mac, not the one torch's CPU ops would.
+            from mps_ext import cpu_metal
+            counters = _executor_counters(stack.enter_context(cpu_metal.run_model(torch_release=torch_release)))
         cache = model(ids, use_cache=True).past_key_values
         handles = _layer_hooks(model, trace)
         try:
-            with contextlib.ExitStack() as stack:
-                counters = None
-                if torch_release is not None:
-                    from mps_ext import cpu_metal
-                    counters = _executor_counters(stack.enter_context(cpu_metal.run_model(torch_release=torch_release)))
+            with contextlib.ExitStack() as traced:
                 tracer = _Tracer(trace, params, counters)
                 # run_model's modes are entered first so that the tracer (the
                 # innermost dispatch mode) sees the model's aten calls before
                 # run_model reroutes them.
                 if torch_release is None:
-                    stack.enter_context(_OneLinear(tracer))
-                stack.enter_context(tracer)
+                    traced.enter_context(_OneLinear(tracer))
+                traced.enter_context(tracer)
                 model(step, past_key_values=cache, use_cache=True)
         finally:
             for h in handles:
@@ -557,7 +562,10 @@ def layer_bytes(config, kind: str, tokens: int, context: int, fp8: bool = False,
     chosen, `used`, default expected_experts), bf16 or, with `fp8`, as
     mps_ext.quantize_fp8 leaves them (weight_bytes); the KV cache (read by
     attention; with `cache_copy`, as transformers' DynamicCache appends with
-    torch.cat, also read and written whole once more), and the recurrent
+    torch.cat, also read and written whole once more; without, the new rows
+    written in place: a static cache, or mps_ext.optimize's eager
+    kv_append, which keeps DynamicCache's keys and values as views of
+    buffers with spare capacity), and the recurrent
     and convolution states (read and written once: what a compiled or fused
     step moves; transformers' eager DeltaNet step passes over its fp32
     state in several pointwise calls, which is not counted). Activations
@@ -578,7 +586,7 @@ def layer_bytes(config, kind: str, tokens: int, context: int, fp8: bool = False,
         kv_read = tokens * (context + 1) * per_token  # attention reads the cache with the new rows
         if cache_copy:  # torch.cat([cache, new]): the old cache and the new rows read, the grown cache written
             copy = 2 * tokens * (context + 1) * per_token
-        else:  # a static cache: the new rows written in place
+        else:  # a static cache, or kv_append: the new rows written in place
             kv_written = tokens * per_token
     elif mixer == "linear_attention":
         kd = c.linear_num_key_heads * c.linear_key_head_dim
@@ -586,10 +594,20 @@ def layer_bytes(config, kind: str, tokens: int, context: int, fp8: bool = False,
         rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
         state = tokens * 2 * (conv * cache_bytes + rec * state_bytes)
     elif mixer == "conv":
-        state = tokens * 2 * h * (c.conv_L_cache - 1) * cache_bytes
+        # transformers' cache holds conv_L_cache taps a channel ([batch, hidden, L]), each read and the
+        # window written back whole (short_conv_decode, or the torch code's copy_)
+        state = tokens * 2 * h * c.conv_L_cache * cache_bytes
     out = {"weights": weights, "kv_read": kv_read, "kv_written": kv_written, "kv_copy": copy, "state": state}
     out["total"] = sum(out.values())
     return out
+
+
+def appends_in_place(trace: Trace, mode: str) -> bool:
+    """Whether the traced step's attention layers wrote their new key and
+    value rows in place (mps_ext's kv_append ran) rather than torch.cat
+    (layer_bytes' cache_copy), in `mode`: compiled, the fused forward keeps
+    DynamicCache's own update."""
+    return mode == "eager" and any(c.op == "kv_append" and c.ours for c in trace.calls)
 
 
 def step_bytes(config, tokens: int, context: int, fp8: bool = False, **kwargs) -> dict:

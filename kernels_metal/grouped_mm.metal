@@ -255,7 +255,9 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
 // token's slots in slot order (the router's rank, the shared expert last),
 // not in the experts' order the rows come in, and float additions in
 // another order round differently. Then the threadgroup sums each token's
-// slots for its columns as moe_combine does and writes `out`.
+// slots for its columns as moe_combine does and writes `out`, with the
+// decoder layer's residual added when p.residual says so (a uniform branch:
+// one pipeline for both, and the add costs no dispatch of its own).
 template <typename TA, typename TB, typename TO>
 struct MoeDownJob : GmmDecodeJob<TA, TB, TO> {
   threadgroup TO* ys;  // [row][column of the block]
@@ -295,6 +297,7 @@ kernel void moe_down_combine(device TO* out [[buffer(0)]],
                              const device float* col_scale [[buffer(5)]],
                              const device float* weights [[buffer(6)]],
                              const device int* row_of_slot [[buffer(7)]],
+                             const device TO* residual [[buffer(8)]],
                              uint tg [[threadgroup_position_in_grid]],
                              uint tid [[thread_index_in_threadgroup]],
                              uint threads [[threads_per_threadgroup]],
@@ -337,7 +340,10 @@ kernel void moe_down_combine(device TO* out [[buffer(0)]],
       const uint slot = t * p.slots + j;
       acc += weights[slot] * float(ys[(uint(row_of_slot[slot]) << p.outputs_log2) + c]);
     }
-    out[ulong(t) * ulong(p.out_m) + col] = TO(acc);
+    const ulong at = ulong(t) * ulong(p.out_m) + col;
+    // The layer's output rounded to TO first, then the residual added in
+    // float and rounded again: torch's `residual + moe_out`, bit for bit.
+    out[at] = p.residual ? TO(float(TO(acc)) + float(residual[at])) : TO(acc);
   }
 }
 

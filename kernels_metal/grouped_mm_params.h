@@ -37,9 +37,11 @@ struct GroupedMMParams {
   // moe_down_combine only: out[t, n] = sum over j < slots of
   // weights[t * slots + j] * y[row_of_slot[t * slots + j], n], t < tokens,
   // with y the product's rows (m = tokens * slots); a threadgroup owns
-  // 1 << outputs_log2 columns.
+  // 1 << outputs_log2 columns. residual: 1 adds residual[t, n] (strides
+  // out's) to each sum once it is rounded to the output's type, as
+  // `residual + layer(x)` rounds in torch.
   uint32_t slots, tokens, outputs_log2;
-  uint32_t pad1, pad2;
+  uint32_t residual, pad1;
 };
 
 // Decode kernels: rows of one group handled by one threadgroup at a time

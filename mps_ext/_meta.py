@@ -1,6 +1,7 @@
 """Meta kernels (shapes and dtypes) of the torch.ops.mps_ext ops that do not
 take the aten op's own: fp8_linear and the mixture-of-experts ops moe_route,
-moe_experts, moe_combine, moe_layer, rms_norm, add_rms_norm, qk_norm_rope, fp8_grouped_linear, linear_attention_decode (no aten op); the scaled_mm family, whose aten meta
+moe_experts, moe_combine, moe_layer, rms_norm, add_rms_norm, qk_norm_rope, sigmoid_gate, kv_append, fp8_grouped_linear,
+linear_attention_decode, short_conv_decode (no aten op); the scaled_mm family, whose aten meta
 functions check CUDA's layout rules (mat2 column-major, dimensions multiples
 of 16) that mps_ext does not need, so a traced model would fail where the
 eager one runs; and the grouped_mm family, whose aten meta functions take
@@ -97,7 +98,15 @@ def _moe_combine(y, weights, row_of_slot):
 
 # The whole layer (csrc/ops/moe_layer.cpp): [tokens, hidden] in x's dtype.
 def _moe_layer(x, router, gate_up, gate_up_scale, down, down_scale, top_k, renormalize=True, shared_expert=False,
-               expert_bias=None, sigmoid=False, scale=1.0, renorm_eps=0.0):
+               expert_bias=None, sigmoid=False, scale=1.0, renorm_eps=0.0, residual=None):
+    # Checked here too: a residual on another device (the meta one) makes the dispatcher choose this kernel.
+    if residual is not None:
+        torch._check(residual.device == x.device and residual.dtype == x.dtype and residual.shape == x.shape
+                     and residual.is_contiguous(),
+                     lambda: f"moe_layer: residual must be a contiguous tensor of x's shape, dtype and device "
+                             f"({list(x.shape)} {x.dtype} on {x.device}), got {list(residual.shape)} "
+                             f"{residual.dtype} on {residual.device}"
+                             f"{'' if residual.is_contiguous() else ', not contiguous'}")
     return x.new_empty((x.shape[0], down.shape[1]))
 
 
@@ -121,12 +130,29 @@ def _qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, variant="weight"):
     return q.new_empty((b, hq, t, d)), k.new_empty((b, k.shape[2], t, d))
 
 
+# The output gate (csrc/ops/attention.cpp): x's shape and dtype, contiguous.
+def _sigmoid_gate(x, gate):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# The KV cache append (csrc/ops/attention.cpp): in place (the schema's (a!), (b!)), nothing returned.
+def _kv_append(k_cache, v_cache, k, v, start):
+    return None
+
+
 # A Gated DeltaNet decode step (csrc/ops/linear_attention.cpp): the gated
 # RMSNorm's output [batch, v_heads * dv] in qkv's dtype; the two states are
 # updated in place (the schema's (a!), (b!)).
 def _linear_attention_decode(qkv, z, b, a, conv_state, recurrent_state, conv_weight, A_log, dt_bias, norm_weight,
                              k_heads, eps):
     return qkv.new_empty((qkv.shape[0], recurrent_state.shape[1] * recurrent_state.shape[3]))
+
+
+# An LFM2 conv layer's decode step (csrc/ops/short_conv.cpp): C * conv
+# [batch, 1, hidden] in BCx's dtype, contiguous; the window is updated in
+# place (the schema's (a!)).
+def _short_conv_decode(BCx, conv_state, weight, bias):
+    return BCx.new_empty((BCx.shape[0], 1, BCx.shape[2] // 3))
 
 
 # FP8Experts' prefill product (mps_ext/fp8.py, a Python custom op): rows
@@ -140,6 +166,9 @@ def register() -> None:
                      ("_grouped_mm", _grouped_mm), ("_scaled_grouped_mm", _scaled_grouped_mm),
                      ("_scaled_grouped_mm_v2", _scaled_grouped_mm_v2), ("moe_route", _moe_route),
                      ("moe_experts", _moe_experts), ("moe_combine", _moe_combine), ("moe_layer", _moe_layer),
-                     ("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm), ("qk_norm_rope", _qk_norm_rope), ("fp8_grouped_linear", _fp8_grouped_linear),
-                     ("linear_attention_decode", _linear_attention_decode)]:
+                     ("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm),
+                     ("qk_norm_rope", _qk_norm_rope), ("sigmoid_gate", _sigmoid_gate),
+                     ("kv_append", _kv_append), ("fp8_grouped_linear", _fp8_grouped_linear),
+                     ("linear_attention_decode", _linear_attention_decode),
+                     ("short_conv_decode", _short_conv_decode)]:
         torch.library.register_fake(f"mps_ext::{name}", fn)

@@ -10,13 +10,18 @@ transformers' apply_rotary_pos_emb (mul, neg, cat, mul, add for q and for
 k; a partial rotary adds a cat for each): about 12 host calls and
 dispatches a layer and token. Here they are one call of
 mps_ext.fused_norm.qk_norm_rope (torch.ops.mps_ext.qk_norm_rope where the
-kernels run, the same steps with torch's ops elsewhere). The rest of the
-forward is the model's, line for line: its projections (nn.Linear,
-FP8Linear, or views of a fused q/k/v projection), the cache update, the
-attention function transformers selects for the config
+kernels run, the same steps with torch's ops elsewhere). Two more pieces
+are one dispatch each where the kernels run, eager: the output gate
+(sigmoid_gate: the gate read where q_proj left it, where the model copies
+it and runs sigmoid and mul) and, for a plain DynamicCache's DynamicLayer,
+the cache update (cache_update: kv_append into buffers with spare
+capacity, where DynamicLayer.update copies the whole cache twice with
+torch.cat). The rest of the forward is the model's, line for line: its
+projections (nn.Linear, FP8Linear, or views of a fused q/k/v projection),
+the attention function transformers selects for the config
 (ALL_ATTENTION_FUNCTIONS of the layer's own modeling module, its
 eager_attention_forward as default), the sliding window where the layer has
-one, the output gate, the output projection.
+one, the output projection.
 
 A layer is recognised by its parts, not its class: q_proj, k_proj, v_proj,
 o_proj (or out_proj), per-head q and k norms that fuse_norms made
@@ -39,12 +44,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+import typing
 
 import torch
 from torch import nn
 
 from ._subclass import fused_subclass
-from .fused_norm import MAX_HEAD_DIM, FusedRMSNorm, qk_norm_rope, qk_norm_rope_reference
+from .fused_moe import _kernels_for
+from .fused_norm import _FLOAT, MAX_HEAD_DIM, FusedRMSNorm, qk_norm_rope, qk_norm_rope_reference
 
 __all__ = ["optimize_attention"]
 
@@ -76,27 +83,29 @@ class FusedQKNormRopeMixin:
         cos = position_embeddings[0] if isinstance(position_embeddings, (tuple, list)) else None
         if not (isinstance(cos, torch.Tensor) and cos.dim() == 3 and cos.shape[-1] in self._mps_ext_attention.rotary):
             return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
-        return self._fused_forward(qk_norm_rope, hidden_states, position_embeddings, attention_mask, past_key_values,
+        return self._fused_forward(_KERNELS, hidden_states, position_embeddings, attention_mask, past_key_values,
                                    **kwargs)
 
-    def _fused_forward(self, qk, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
-        """The model's forward with `qk(q, k, cos, sin, q_norm, k_norm)` in
-        place of its norm and rotary lines (qk_norm_rope; the probe:
-        qk_norm_rope_reference)."""
+    def _fused_forward(self, ops, hidden_states, position_embeddings, attention_mask, past_key_values=None,
+                       **kwargs):
+        """The model's forward with `ops` in place of its norm and rotary
+        lines, its output gate and its cache update (_KERNELS; the probe:
+        _REFERENCE, torch's ops in the model's steps)."""
         plan = self._mps_ext_attention
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query = self.q_proj(hidden_states)
         if plan.gated:
+            # gate stays a view of q_proj's output ([..., heads, head_dim], each head's query then its gate):
+            # the op reads it there; the model's reshape(*input_shape, -1) would copy it.
             query, gate = torch.chunk(query.view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
-            gate = gate.reshape(*input_shape, -1)
         key = self.k_proj(hidden_states).view(hidden_shape)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
-        query_states, key_states = qk(query.view(hidden_shape), key, cos, sin, getattr(self, plan.q_norm),
-                                      getattr(self, plan.k_norm))
+        query_states, key_states = ops.qk(query.view(hidden_shape), key, cos, sin, getattr(self, plan.q_norm),
+                                          getattr(self, plan.k_norm))
         if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = ops.cache(past_key_values, key_states, value_states, self.layer_idx)
         attention_interface = self._mps_ext_functions.get_interface(self.config._attn_implementation,
                                                                     self._mps_ext_eager)
         window = {"sliding_window": self.sliding_window} if plan.sliding_window else {}
@@ -106,8 +115,112 @@ class FusedQKNormRopeMixin:
             **window, **kwargs)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         if plan.gated:
-            attn_output = attn_output * torch.sigmoid(gate)
+            attn_output = ops.gate(attn_output, gate)
         return getattr(self, plan.out)(attn_output), attn_weights
+
+
+# ----------------------------------------------------------- the output gate --
+def sigmoid_gate_reference(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The model's `x * torch.sigmoid(gate.reshape(x.shape))` (x [..., heads
+    * head_dim], gate [..., heads, head_dim])."""
+    return x * torch.sigmoid(gate.reshape(x.shape))
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """sigmoid_gate_reference as one torch.ops.mps_ext.sigmoid_gate
+    dispatch, reading gate where q_proj left it, where mps_ext's kernels run
+    (MPS with the norm family on; CPU tensors when the executor is asked
+    for); elsewhere, under torch.compile (Inductor fuses the ops with their
+    neighbours) and where autograd needs a derivative, torch's ops."""
+    if (not torch.compiler.is_compiling() and x.dtype in _FLOAT and gate.dtype == x.dtype
+            and x.numel() == gate.numel() and x.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad))
+            and _kernels_for(x, "norm")):
+        return torch.ops.mps_ext.sigmoid_gate(x.view(gate.shape), gate).view(x.shape)
+    return sigmoid_gate_reference(x, gate)
+
+
+# ----------------------------------------------------------- the KV cache --
+# Positions a cache buffer grows by (as MLX's KVCache): a reallocation, one
+# copy of the cache, every STEP tokens instead of two every token.
+KV_STEP = 256
+
+
+def cache_update_reference(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+    """The model's `past_key_values.update(key_states, value_states, layer_idx)`."""
+    return cache.update(key_states, value_states, layer_idx)
+
+
+def _appends(cache, key: torch.Tensor, value: torch.Tensor, layer_idx) -> bool:
+    """Whether cache_update writes this update with kv_append: a plain
+    DynamicCache's DynamicLayer (the classes exactly: a sliding-window,
+    quantized, static or hybrid layer keeps its own update), eager, where
+    the kernels run."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+    if torch.compiler.is_compiling() or type(cache) is not DynamicCache or cache.offloading:
+        return False
+    if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(cache.layers) or \
+            type(cache.layers[layer_idx]) is not DynamicLayer:
+        return False  # a layer Cache.update has yet to add, or another kind
+    if key.dim() != 4 or value.shape != key.shape or key.dtype not in _FLOAT or value.dtype != key.dtype or \
+            value.device != key.device:
+        return False
+    if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):  # no derivative
+        return False
+    return _kernels_for(key, "norm")
+
+
+def cache_update(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+    """cache.update(key_states, value_states, layer_idx), for a
+    DynamicLayer (_appends) in one torch.ops.mps_ext.kv_append dispatch:
+    the layer's keys and values are views [:, :, :n] of buffers with spare
+    capacity (KV_STEP positions at a time), the new rows written in place.
+    The layer holds what DynamicLayer.update would leave (its keys and
+    values of n positions, dtype, device, is_initialized), so
+    get_seq_length, the masks, crop, reorder and generate see the same
+    cache. A buffer is made anew, one copy of the cache, when it is full or
+    the layer's keys are not the views last set here (the first update, or
+    after crop, reorder, reset, batch_repeat_interleave, a torch.cat of the
+    layer's own update)."""
+    if not _appends(cache, key_states, value_states, layer_idx):
+        return cache.update(key_states, value_states, layer_idx)
+    layer = cache.layers[layer_idx]
+    if not layer.is_initialized:
+        layer.lazy_initialization(key_states, value_states)
+    b, h, t, d = key_states.shape
+    held = layer.__dict__.get("_mps_ext_kv")
+    n = 0 if held is None else held[2].shape[-2]
+    if held is None or layer.keys is not held[2] or layer.values is not held[3] or n + t > held[0].shape[2] or \
+            held[0].shape[:2] != (b, h) or held[0].shape[3] != d or held[0].dtype != key_states.dtype or \
+            held[0].device != key_states.device:
+        old_k, old_v = layer.keys, layer.values
+        n = old_k.shape[-2] if old_k.numel() else 0
+        if n and (old_k.shape[:2] != (b, h) or old_k.shape[3] != d or old_v.shape != old_k.shape
+                  or old_k.dtype != key_states.dtype or old_v.dtype != key_states.dtype):
+            return cache.update(key_states, value_states, layer_idx)  # torch.cat would raise or promote: its say
+        capacity = -(-(n + t) // KV_STEP) * KV_STEP
+        k_buf = key_states.new_empty((b, h, capacity, d))
+        v_buf = key_states.new_empty((b, h, capacity, d))
+        if n:
+            k_buf[:, :, :n].copy_(old_k)
+            v_buf[:, :, :n].copy_(old_v)
+        held = (k_buf, v_buf)
+    else:
+        held = held[:2]
+    torch.ops.mps_ext.kv_append(held[0], held[1], key_states, value_states, n)
+    layer.keys, layer.values = held[0][:, :, :n + t], held[1][:, :, :n + t]
+    layer._mps_ext_kv = (*held, layer.keys, layer.values)
+    return layer.keys, layer.values
+
+
+class _Ops(typing.NamedTuple):
+    qk: typing.Callable
+    gate: typing.Callable
+    cache: typing.Callable
+
+
+_KERNELS = _Ops(qk_norm_rope, sigmoid_gate, cache_update)
+_REFERENCE = _Ops(qk_norm_rope_reference, sigmoid_gate_reference, cache_update_reference)
 
 
 def _fused_class(cls: type, modeling) -> type:
@@ -194,7 +307,7 @@ def _probe(mod: nn.Module, original, plan: _Plan, rotary: set[int]) -> frozenset
                 except Exception as e:  # noqa: BLE001 - a rotary size the layer does not take
                     raised.append(f"{r}: {type(e).__name__}: {e}")
                     continue
-                got = mod._fused_forward(qk_norm_rope_reference, x, (cos, sin), None)[0]
+                got = mod._fused_forward(_REFERENCE, x, (cos, sin), None)[0]
                 if not (got.shape == want.shape and torch.equal(got, want)):
                     err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
                     return (f"its output differs on a probe (rotary size {r}, relative error {err:.2g}): its rotary "

@@ -152,7 +152,10 @@ class Scoring:
 
 class FusedMoE(nn.Module):
     """A mixture-of-experts block as mps_ext runs it fastest:
-    forward(hidden_states [..., H]) -> [..., H]. `router` [E (+1), H]: the
+    forward(hidden_states [..., H], residual=None) -> [..., H]: the block's
+    output, plus `residual` if given (a decoder layer's `residual + mlp(x)`,
+    added in moe_layer's last dispatch where the model's order allows, so
+    that it costs no call of its own). `router` [E (+1), H]: the
     router's rows, then (when `fused_shared`) the shared expert's gate row;
     `experts`: MoEExperts or FP8Experts holding E (+1: the shared expert)
     experts. A shared expert that cannot be expert E (another size, or
@@ -183,25 +186,31 @@ class FusedMoE(nn.Module):
         return e.gate_up_proj, None, e.down_proj, None
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The block's output, or `residual + output` (the decoder layer's
-        residual add after its feed-forward, mps_ext/fused_decoder.py) when
-        a residual is given."""
         x = hidden_states.reshape(-1, self.hidden)
         slots = self.top_k + (1 if self.fused_shared else 0)
+        grad = torch.is_grad_enabled()
         if (_kernels_for(x) and x.shape[0] * slots <= MAX_SLOTS
-                and not (torch.is_grad_enabled() and x.requires_grad)):  # moe_layer has no derivative
+                and not (grad and x.requires_grad)):  # moe_layer has no derivative
+            # The model adds the residual last, after a shared expert run apart too; moe_layer takes it
+            # as the layer's output is (else torch adds it as the model does, broadcasting or promoting).
+            res_inside = (residual is not None and self.shared_expert is None
+                          and residual.shape == hidden_states.shape and residual.dtype == x.dtype
+                          and residual.device == x.device and residual.is_contiguous()
+                          and not (grad and residual.requires_grad))
             gate_up, gate_up_scale, down, down_scale = self._banks()
             sc = self.scoring
             bias = None if self.expert_bias is None else self.expert_bias.float()  # a model-wide .to(dtype) casts it
             out = torch.ops.mps_ext.moe_layer(x, self.router, gate_up, gate_up_scale, down, down_scale,
                                                self.top_k, self.renormalize, self.fused_shared, bias, sc.sigmoid,
-                                               sc.scale, sc.renorm_eps)
+                                               sc.scale, sc.renorm_eps,
+                                               residual.reshape(x.shape) if res_inside else None)
+            if res_inside:
+                return out.reshape(hidden_states.shape)
         else:
             out = self.experts(x, *self.route(x))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         out = out.reshape(hidden_states.shape)
-        # The layer's own add, torch's, until moe_layer adds the residual in its last dispatch.
         return out if residual is None else residual + out
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -437,6 +446,9 @@ class OptimizeSummary:
     # Gated DeltaNet layers (mps_ext/fused_linear_attention.py): name -> what / why not.
     linear_attention: dict[str, str] = dataclasses.field(default_factory=dict)
     linear_attention_left: dict[str, str] = dataclasses.field(default_factory=dict)
+    # LFM2 conv layers (mps_ext/fused_short_conv.py): name -> what / why not.
+    short_conv: dict[str, str] = dataclasses.field(default_factory=dict)
+    short_conv_left: dict[str, str] = dataclasses.field(default_factory=dict)
     # Projections that read one input, each group one layer (mps_ext/fused_projections.py): fused layer's
     # name -> what it holds ("already" for those fused before the call); parent's members -> why not.
     projections: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -461,6 +473,11 @@ class OptimizeSummary:
                          f"torch.ops.mps_ext.linear_attention_decode at decode, {len(self.linear_attention_left)} left")
             lines += [f"  {name}: {what}" for name, what in self.linear_attention.items()]
             lines += [f"  left {name}: {why}" for name, why in self.linear_attention_left.items()]
+        if self.short_conv or self.short_conv_left:
+            lines.append(f"optimize: {len(self.short_conv)} short-convolution layers on "
+                         f"torch.ops.mps_ext.short_conv_decode at decode, {len(self.short_conv_left)} left")
+            lines += [f"  {name}: {what}" for name, what in self.short_conv.items()]
+            lines += [f"  left {name}: {why}" for name, why in self.short_conv_left.items()]
         if self.projections or self.projections_left:
             lines.append(f"optimize: {len(self.projections)} groups of projections that read one input as one "
                          f"layer each (one GEMV at decode), {len(self.projections_left)} left")
@@ -498,7 +515,9 @@ def optimize(model: nn.Module) -> nn.Module:
     torch.ops.mps_ext.rms_norm dispatch; each Gated DeltaNet layer
     (Qwen3.5/3.6-MoE's linear attention) decodes on
     torch.ops.mps_ext.linear_attention_decode between its projections
-    (mps_ext/fused_linear_attention.py); each group of projections that read
+    (mps_ext/fused_linear_attention.py); each LFM2 conv layer decodes on
+    torch.ops.mps_ext.short_conv_decode between its projections
+    (mps_ext/fused_short_conv.py); each group of projections that read
     one input (q/k/v, a DeltaNet's four input projections, an MLP's gate and
     up) becomes one linear layer of the concatenated weights, one GEMV
     (mps_ext/fused_projections.py); each attention layer with per-head q/k
@@ -545,6 +564,8 @@ def optimize(model: nn.Module) -> nn.Module:
         converted[name] = _describe(mod, plan)
     from .fused_linear_attention import optimize_linear_attention
     la_converted, la_already, la_left = optimize_linear_attention(model)
+    from .fused_short_conv import optimize_short_conv
+    sc_converted, sc_already, sc_left = optimize_short_conv(model)
     from .fused_norm import fuse_norms
     norms = fuse_norms(model)  # after the linear-attention layers: it leaves their gated norms
     from .fused_projections import fuse_projections
@@ -561,6 +582,8 @@ def optimize(model: nn.Module) -> nn.Module:
     summary = OptimizeSummary(converted, already, left, bytes_before, _model_bytes(model), norms=norms,
                               linear_attention={**la_converted, **{n: "already" for n in la_already}},
                               linear_attention_left=la_left,
+                              short_conv={**sc_converted, **{n: "already" for n in sc_already}},
+                              short_conv_left=sc_left,
                               projections={**projections, **{n: "already" for n in proj_already}},
                               projections_left=proj_left,
                               attention={**attention, **{n: "already" for n in attn_already}},

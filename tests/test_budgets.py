@@ -121,7 +121,9 @@ MOE_DOWN_COMBINE = names("moe_down_combine_{t}_{path}", t=("f32", "f16", "bf16",
 RMS_NORM = names("rms_norm_{t}", t=("f32", "f16", "bf16"))
 ADD_RMS_NORM = names("add_rms_norm_{t}", t=("f32", "f16", "bf16"))
 QK_NORM_ROPE = names("qk_norm_rope_{t}", t=("f32", "f16", "bf16"))
+ATTENTION = names("{op}_{t}", op=("sigmoid_gate", "kv_append"), t=("f32", "f16", "bf16"))
 LINEAR_ATTENTION = names("linear_attention_decode_{t}", t=("f32", "f16", "bf16"))
+SHORT_CONV = names("short_conv_decode_{t}", t=("f32", "f16", "bf16"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,8 +214,12 @@ BUDGETS: dict[str, Budget] = {
     **{k: Budget("norm", full_occupancy=True) for k in RMS_NORM},  # streams a row through registers
     **{k: Budget("norm", full_occupancy=True) for k in ADD_RMS_NORM},  # rms_norm's rows, with the residual added
     **{k: Budget("norm", full_occupancy=True) for k in QK_NORM_ROPE},  # streams heads through registers, as RMSNorm
+    # the attention's output gate and cache append: each element moved once, a thread per element
+    **{k: Budget("norm", full_occupancy=True) for k in ATTENTION},
     # Gated DeltaNet decode (bench_moe's deltanet cases): streams the recurrent state once, 1024 threads a group.
     **{k: Budget("moe", full_occupancy=True) for k in LINEAR_ATTENTION},
+    # LFM2's conv decode (bench_moe's shortconv cases): streams its windows and in_proj's row once.
+    **{k: Budget("moe", full_occupancy=True) for k in SHORT_CONV},
 }
 
 # ------------------------------------------------ cases that measure them --
@@ -242,6 +248,9 @@ BUDGET_LAYER = bench_moe.Model("budget", hidden=640, experts=128, top_k=8, share
 BUDGET_ONLY = [bench_moe.layer_case(BUDGET_LAYER, 1, fp8, dtype)
                for fp8, dtype in ((False, torch.bfloat16), (True, torch.bfloat16), (False, torch.float32),
                                   (False, torch.float16))]
+# ... and with the decoder layer's residual (moe_layer's residual=), which moe_down_combine reads as it
+# stores: those loads meet the budgets too.
+BUDGET_ONLY += [bench_moe.layer_case(BUDGET_LAYER, 1, fp8, torch.bfloat16, residual=True) for fp8 in (False, True)]
 BUDGET_CASES = {
     "softmax": [c.id for c in op_cases("softmax", "quick")],  # all but the 4096 x 4096 attention scores
     "linear": _LINEAR_SMALL,
@@ -254,7 +263,7 @@ BUDGET_CASES = {
     "fp8": [c.id for c in op_cases("fp8", "quick")
             if ("2048->768" in c.id and not re.search(r" rows=(512|2048) ", c.id)) or c.id.startswith("copy_")],
     # one decode token of a small MoE layer in each dtype (BUDGET_LAYER), the grouped products (on 256
-    # columns), and Qwen3.6's Gated DeltaNet decode in each dtype
+    # columns), and Qwen3.6's Gated DeltaNet and LFM2.5's short-conv decode in each dtype
     "moe": [c.id for c in op_cases("moe", "quick") if not c.id.startswith("layer ")] + [c.id for c in BUDGET_ONLY],
     "norm": [c.id for c in op_cases("norm", "quick")],  # decode rows, a few KiB each
 }
@@ -467,6 +476,8 @@ DIVISIONS: dict[str, tuple[int, int]] = {
     # takes its share of one token's head group (p.iterations rows, set by the head count, never by the
     # tokens): 2 at every decode case, where each simdgroup has one head
     **{k: (0, 2) for k in QK_NORM_ROPE},
+    # sigmoid_gate: torch's sigmoid, 1 / (1 + exp(-g)), for the one element a thread takes
+    **{k: (0, 1) for k in ATTENTION if k.startswith("sigmoid_gate_")},
     # add_rms_norm: rms_norm's 2 per row (torch's mean, ss / n, and 1 / sqrt(...)); its cases are a decode
     # token's one row, so 2 a thread. Unlike rms_norm's, no case here gives a team several rows: the
     # layer's residual stream at prefill would (RMS_NORM_DIVISIONS), 2 per row a team takes

@@ -496,9 +496,12 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10:
 // row_of_slot) as one dispatch, with the same bits (moe_layer's decode;
 // kernels_metal/grouped_mm.metal). h: moe_experts' gated rows [rows, I],
 // sorted by expert as offs says; weights [tokens, slots] and row_of_slot
-// [tokens * slots] from moe_route, rows = tokens * slots.
+// [tokens * slots] from moe_route, rows = tokens * slots. residual: the
+// output's shape and type (moe_layer checks it against x), added to each
+// rounded sum.
 at::Tensor moe_down_combine(const at::Tensor& h, const at::Tensor& down, const c10::optional<at::Tensor>& down_scale,
-                            const at::Tensor& offs, const at::Tensor& weights, const at::Tensor& row_of_slot) {
+                            const at::Tensor& offs, const at::Tensor& weights, const at::Tensor& row_of_slot,
+                            const c10::optional<at::Tensor>& residual) {
   static_assert(MOE_DOWN_Y_ELEMENTS >= GMM_ROWS_OUTPUTS * kFusedMaxRows,
                 "a threadgroup of one simdgroup keeps every routed row's outputs");
   check_moe_operands("moe_down_combine", h, down, down_scale, offs);
@@ -512,11 +515,16 @@ at::Tensor moe_down_combine(const at::Tensor& h, const at::Tensor& down, const c
               row_of_slot.sizes(), " and ", h.sizes());
   const int64_t rows = h.size(0), hidden = down.size(1);
   at::Tensor out = at::empty({weights.size(0), hidden}, h.options());
+  // The kernel reads it at out's offsets.
+  TORCH_INTERNAL_ASSERT(!residual || (residual->sizes() == out.sizes() && residual->is_contiguous() &&
+                                      residual->scalar_type() == out.scalar_type() &&
+                                      residual->device() == out.device()));
   if (out.numel() == 0 || down.size(0) == 0) return out;
   const bool fp8 = down_scale.has_value();
   GroupedMMParams p = moe_problem(h, down, down_scale, rows, out).p;
   p.tokens = static_cast<uint32_t>(weights.size(0));
   p.slots = static_cast<uint32_t>(weights.size(1));
+  p.residual = residual ? 1 : 0;
   // moe_experts' geometry for the block of columns a threadgroup owns, but
   // each threadgroup takes every chunk of rows (no grid slot per row): a
   // power of two of simdgroups (the kernel maps threads to columns with
@@ -537,10 +545,10 @@ at::Tensor moe_down_combine(const at::Tensor& h, const at::Tensor& down, const c
   l.library = "grouped_mm";
   l.kernel = std::string("moe_down_combine_") + (fp8 ? "bf16_e4m3w" : type_name(h.scalar_type())) +
              (vec ? "_vec" : "_scalar");
-  // Without scales the output stands in for them; never read.
+  // Without scales or a residual the output stands in for them; never read.
   l.args = {KernelArg::of(out),     KernelArg::of(h),       KernelArg::of(down), KernelArg::of(offs),
             KernelArg::value(p),    KernelArg::of(fp8 ? *down_scale : out), KernelArg::of(weights),
-            KernelArg::of(row_of_slot)};
+            KernelArg::of(row_of_slot), KernelArg::of(residual ? *residual : out)};
   l.threadgroups = {static_cast<uint32_t>(ceil_div(hidden, cols)), 1, 1};
   l.threads_per_threadgroup = {static_cast<uint32_t>(32 * simdgroups), 1, 1};
   launch(l);

@@ -22,8 +22,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(const at::T
 at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& weights, const at::Tensor& row_of_slot);
 // moe_experts(h, down, down_scale, offs) then moe_combine in one dispatch,
 // bit for bit (moe_layer's decode; grouped_mm.cpp): out[t] = sum_j
-// weights[t, j] * (down h)[row_of_slot[t * slots + j]].
+// weights[t, j] * (down h)[row_of_slot[t * slots + j]], rounded to h's
+// dtype, then + residual[t] (rounded again) where one is given.
 at::Tensor moe_down_combine(const at::Tensor& h, const at::Tensor& down, const c10::optional<at::Tensor>& down_scale,
-                            const at::Tensor& offs, const at::Tensor& weights, const at::Tensor& row_of_slot);
+                            const at::Tensor& offs, const at::Tensor& weights, const at::Tensor& row_of_slot,
+                            const c10::optional<at::Tensor>& residual);
 
 }  // namespace mps_ext

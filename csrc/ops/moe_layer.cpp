@@ -9,13 +9,19 @@
 //   logits  = router GEMV of x                        (linear.cpp's kernels)
 //   weights, offs, slot_of_row, row_of_slot = moe_route(logits)
 //   h       = moe_experts(x, gate_up, swiglu)          (each chosen expert's rows read once)
-//   out     = moe_down_combine(h, down, weights, row_of_slot)
+//   out     = moe_down_combine(h, down, weights, row_of_slot[, residual])
 //
 // The last is moe_experts(h, down) and moe_combine in one kernel with the
 // same bits (grouped_mm.cpp): a threadgroup owns a block of hidden columns,
 // takes each chosen expert's down rows of it once and sums each token's
 // slots in moe_combine's order. The separate ops stay for FusedMoE's and
 // FP8Experts' grouped paths (mps_ext/fused_moe.py, fp8.py).
+//
+// `residual` (the decoder layer's `residual + mlp(x)`, which would be one
+// more host call and dispatch per layer) is added in moe_down_combine's
+// store, after the layer's output is rounded to its dtype: torch's bits.
+// Where the output is converted after the kernel (fp8 banks under float32
+// or float16 x), torch adds it to the converted output.
 //
 // A shared expert (Qwen3-Next, Qwen3.5/3.6-MoE) is expert E of the banks and
 // row E of the router (its sigmoid gate), as moe_route defines it, so it
@@ -37,7 +43,7 @@ at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Te
                      const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
                      const c10::optional<at::Tensor>& down_scale, int64_t top_k, bool renormalize,
                      bool shared_expert, const c10::optional<at::Tensor>& expert_bias, bool sigmoid, double scale,
-                     double renorm_eps) {
+                     double renorm_eps, const c10::optional<at::Tensor>& residual) {
   const auto dt = x.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
               "moe_layer: x must be float32, float16 or bfloat16, got ", dt);
@@ -54,6 +60,12 @@ at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Te
   TORCH_CHECK(fp8 == is_fp8(down) && (fp8 || (gate_up.scalar_type() == dt && down.scalar_type() == dt)),
               "moe_layer: banks must both be float8_e4m3fn (with scales) or both in x's dtype; got ",
               gate_up.scalar_type(), " and ", down.scalar_type(), " for x ", dt);
+  if (residual)
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == dt && residual->device() == x.device() &&
+                    residual->is_contiguous(),
+                "moe_layer: residual must be a contiguous tensor of x's shape, dtype and device (", x.sizes(), " ", dt,
+                " on ", x.device(), "), got ", residual->sizes(), " ", residual->scalar_type(), " on ",
+                residual->device(), residual->is_contiguous() ? "" : ", not contiguous");
   if (x.size(0) == 0) return at::empty({0, x.size(1)}, x.options());
   // The router's logits in the model's dtype, as the model computes them.
   const c10::optional<at::Tensor> no_bias;
@@ -65,8 +77,11 @@ at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Te
   const at::Tensor xe = fp8 && dt != at::kBFloat16 ? x.to(at::kBFloat16) : x;
   const int64_t slots = top_k + (shared_expert ? 1 : 0);
   const at::Tensor h = moe_experts(xe, gate_up, gate_up_scale, offs, slot_of_row, slots, true);
-  const at::Tensor out = moe_down_combine(h, down, down_scale, offs, weights, row_of_slot);
-  return out.scalar_type() == dt ? out : out.to(dt);
+  const bool fused = h.scalar_type() == dt;  // the kernel's output is x's dtype: it adds the residual
+  const at::Tensor out = moe_down_combine(h, down, down_scale, offs, weights, row_of_slot,
+                                          fused ? residual : c10::nullopt);
+  if (fused) return out;
+  return residual ? at::add(*residual, out.to(dt)) : out.to(dt);
 }
 
 using c10::DispatchKey;
@@ -78,10 +93,10 @@ at::Tensor moe_layer_impl(const at::Tensor& x, const at::Tensor& router, const a
                           const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
                           const c10::optional<at::Tensor>& down_scale, int64_t top_k, bool renormalize,
                           bool shared_expert, const c10::optional<at::Tensor>& expert_bias, bool sigmoid,
-                          double scale, double renorm_eps) {
+                          double scale, double renorm_eps, const c10::optional<at::Tensor>& residual) {
   return run_own(kMoeLayer, K, [&] {
     return moe_layer(x, router, gate_up, gate_up_scale, down, down_scale, top_k, renormalize, shared_expert,
-                     expert_bias, sigmoid, scale, renorm_eps);
+                     expert_bias, sigmoid, scale, renorm_eps, residual);
   });
 }
 
@@ -92,7 +107,8 @@ at::Tensor moe_layer_impl(const at::Tensor& x, const at::Tensor& router, const a
 TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
   m.def("moe_layer(Tensor x, Tensor router, Tensor gate_up, Tensor? gate_up_scale, Tensor down, "
         "Tensor? down_scale, int top_k, bool renormalize=True, bool shared_expert=False, "
-        "Tensor? expert_bias=None, bool sigmoid=False, float scale=1.0, float renorm_eps=0.0) -> Tensor");
+        "Tensor? expert_bias=None, bool sigmoid=False, float scale=1.0, float renorm_eps=0.0, "
+        "Tensor? residual=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mps_ext, CPU, m) { m.impl("moe_layer", TORCH_FN(mps_ext::moe_layer_impl<c10::DispatchKey::CPU>)); }

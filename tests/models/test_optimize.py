@@ -98,12 +98,6 @@ def quantized_against_stock_and_float64(name, **overrides):
     step = ref_model(prompt).logits[:, -1:].argmax(-1)
     return model, prompt, step, prefill_and_decode(ref_model, prompt, step), prefill_and_decode(model, prompt, step)
 
-# (host calls, dispatches) of an optimized MoE block at decode: moe_layer (4 dispatches), then the
-# decoder layer's residual add, which the decoder swap (mps_ext/fused_decoder.py) hands the block
-# (FusedMoE.forward's residual), torch's add until moe_layer adds it in its last dispatch.
-FUSED_MOE_CALLS = (2, 4)
-
-
 def blocks(model):
     return [n for n, m in model.named_modules() if isinstance(m, FusedMoE)]
 
@@ -220,7 +214,7 @@ def test_lfm2_moe_sigmoid_router_with_expert_bias(figures, kind):
         figures.no_worse(what, ours[i], stock[i], ref[i], torch.float32 if kind == "float32" else torch.bfloat16)
     after = per_moe_layer(model)
     print(f"\nlfm2_moe {kind}: per MoE layer per token, (host calls, dispatches) before {before[0]}, after {after[0]}")
-    assert after == [FUSED_MOE_CALLS] * 2 and all(b[0] >= 10 for b in before)
+    assert after == [(1, 4)] * 2 and all(b[0] >= 10 for b in before)
 
 
 # ----------------------------------------------------------- host calls and dispatches --
@@ -293,7 +287,7 @@ def test_one_host_call_per_moe_layer_at_decode(name, kind):
     after = per_moe_layer(model)
     print(f"\n{name} {kind}: per MoE layer per token, (host calls, dispatches) before {before[0]}, after {after[0]}")
     # moe_layer: router GEMV, moe_route, gate/up, down with the combine; the shared expert is expert 8.
-    assert after == [FUSED_MOE_CALLS] * 2
+    assert after == [(1, 4)] * 2
     assert all(b[0] >= 10 * a[0] for b, a in zip(before, after))
 
 
@@ -303,7 +297,93 @@ def test_every_release_takes_the_fused_layer(release):
     fused layer is mps_ext's own op, so an optimized model takes it on every
     release."""
     model = mps_ext.optimize(make("qwen3_moe", torch.bfloat16))
-    assert per_moe_layer(model, release) == [FUSED_MOE_CALLS] * 2
+    assert per_moe_layer(model, release) == [(1, 4)] * 2
+
+
+# ----------------------------------------------------------- the residual --
+def block_call(block, x, residual=None):
+    """(output, host calls, executor dispatches) of one FusedMoE call under
+    the model runner."""
+    with torch.no_grad(), run_model(RELEASE) as report:
+        def dispatches():
+            return sum(f.dispatches for f in report.families.values()) + report.other_dispatches
+        before = dispatches()
+        with _Calls() as calls:
+            out = block(x) if residual is None else block(x, residual=residual)
+        return out, calls.calls, dispatches() - before
+
+
+def first_block(model):
+    return model.get_submodule(blocks(model)[0])
+
+
+def hidden_and_residual(tokens, dtype):
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(1, tokens, COMMON["hidden_size"], generator=g).to(dtype)
+    return x, (torch.randn(x.shape, generator=g) * 4).to(dtype)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 9])
+@pytest.mark.parametrize("name,kind", [("qwen3_moe", "float32"), ("qwen3_moe", "float16"), ("qwen3_moe", "fp8"),
+                                       ("qwen3_5_moe", "bfloat16"), ("qwen3_5_moe", "fp8")])
+def test_residual_is_added_inside_the_moe_layer(name, kind, tokens):
+    """FusedMoE(x, residual): `residual + FusedMoE(x)` bit for bit, in the
+    moe_layer call (no host call or dispatch of its own: (1, 4) at decode,
+    the router's matmul on the CPU past 8 tokens), and on torch's CPU ops."""
+    model = make(name, torch.float32 if kind == "float32" else torch.float16 if kind == "float16" else torch.bfloat16)
+    if kind == "fp8":
+        mps_ext.quantize_fp8(model)
+    block = first_block(mps_ext.optimize(model))
+    x, residual = hidden_and_residual(tokens, model.dtype)
+    moe_out, *plain = block_call(block, x)
+    out, *counts = block_call(block, x, residual)
+    assert torch.equal(out, residual + moe_out)
+    assert counts == plain == [1, 4 if tokens <= 8 else 3]
+    with torch.no_grad():  # torch's CPU ops (outside the runner)
+        assert torch.equal(block(x, residual=residual), residual + block(x))
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "fp8"])
+def test_residual_on_the_grouped_path(monkeypatch, kind):
+    """Past moe_layer's token slots (4 here) the experts are MoEExperts' or
+    FP8Experts' grouped products; torch adds the residual to their output."""
+    import mps_ext.fused_moe as fused_moe
+    model = make("qwen3_5_moe", torch.bfloat16)
+    if kind == "fp8":
+        mps_ext.quantize_fp8(model)
+    block = first_block(mps_ext.optimize(model))
+    monkeypatch.setattr(fused_moe, "MAX_SLOTS", 4)
+    monkeypatch.setattr(MoEExperts, "DECODE_ROWS", 4)
+    monkeypatch.setattr(FP8Experts, "DECODE_ROWS", 4)
+    x, residual = hidden_and_residual(5, torch.bfloat16)
+    moe_out, plain_calls, _ = block_call(block, x)
+    out, calls, _ = block_call(block, x, residual)
+    assert torch.equal(out, residual + moe_out) and calls == plain_calls + 1
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "fp8"])
+def test_residual_is_added_after_a_shared_expert_run_apart(kind):
+    """A shared expert run apart (Qwen2-MoE's, 4x the experts' size): the
+    residual comes last, `residual + (moe + shared)` as the model adds it,
+    which here gives other bits than adding it inside moe_layer would."""
+    torch.manual_seed(0)
+    model = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**COMMON, moe_intermediate_size=32, num_experts=8,
+                                                   shared_expert_intermediate_size=128)).to(torch.bfloat16).eval()
+    if kind == "fp8":
+        mps_ext.quantize_fp8(model)
+    block = first_block(mps_ext.optimize(model))
+    assert block.shared_expert is not None and not block.fused_shared
+    x, residual = hidden_and_residual(4, torch.bfloat16)
+    out, calls, dispatched = block_call(block, x, residual)
+    with torch.no_grad(), run_model(RELEASE):
+        moe = torch.ops.mps_ext.moe_layer(x[0], block.router, *block._banks(), block.top_k, block.renormalize, False)
+        shared = torch.sigmoid(block.shared_expert_gate(x[0])) * block.shared_expert(x[0])
+    assert torch.equal(out[0], residual[0] + (moe + shared))
+    assert not torch.equal(out[0], (residual[0] + moe) + shared)
+    _, plain_calls, plain_dispatched = block_call(block, x)
+    assert calls == plain_calls + 1 and dispatched == plain_dispatched  # torch's add, on the CPU here
+    with torch.no_grad():
+        assert torch.equal(block(x, residual=residual), residual + block(x))
 
 
 # ----------------------------------------------------------- what it changes --

@@ -16,7 +16,7 @@ from mps_ext import _executor_request, fused_attention
 from mps_ext.cpu_metal import run_model
 from mps_ext.fused_attention import FusedQKNormRopeMixin
 from model_compare import RELEASE
-from test_optimize import (ids, make, optimized_against_stock_and_float64, prefill_and_decode,
+from test_optimize import (PROMPT, ids, make, optimized_against_stock_and_float64, prefill_and_decode,
                            quantized_against_stock_and_float64, rel_err)
 
 # Per model, its attention layers (the tiny configs of test_optimize.py) and their class.
@@ -62,6 +62,11 @@ def test_swapped_attention_matches_the_model_without_it(figures, monkeypatch, na
     assert attention_layers(model) == layers and list(s.attention) == layers and not s.attention_left
     assert all(what.startswith(f"{cls} -> ") for what in s.attention.values())
     assert not attention_layers(apart) and not apart.optimize_summary.attention
+    if kind == "float32" and name == "qwen3_5_moe":
+        # The output gate's sigmoid in float32 is not torch's CPU one in the last bit (its exp:
+        # test_gate_and_cache_append_change_no_bit): the model's gate line here, to see qk_norm_rope's bits.
+        monkeypatch.setattr(fused_attention, "_KERNELS", fused_attention._KERNELS._replace(
+            gate=fused_attention.sigmoid_gate_reference))
     with run_model(RELEASE) as report:
         ours = prefill_and_decode(model, prompt, step)
     with run_model(RELEASE) as theirs_report:
@@ -106,22 +111,27 @@ def test_cpu_tensors_without_the_executor_run_the_models_steps(monkeypatch):
 
 
 # ----------------------------------------------------------- host calls and dispatches --
-CENSUS = {"Qwen3-30B-A3B": ("full_attention+moe", 12),
+# (layer kind, the norm and rotary calls qk_norm_rope stands for, the calls
+# sigmoid_gate and kv_append save: DynamicCache's 2 torch.cat become 1
+# kv_append; Qwen3.6's output gate, a copy of the strided gate, sigmoid and
+# mul, 1 sigmoid_gate)
+CENSUS = {"Qwen3-30B-A3B": ("full_attention+moe", 12, 1),
           # partial rotary: a cat more for q and for k
-          "Qwen3.6-35B-A3B": ("full_attention+moe", 14),
-          "LFM2.5-8B-A1B": ("full_attention+moe", 12)}
+          "Qwen3.6-35B-A3B": ("full_attention+moe", 14, 1 + 2),
+          "LFM2.5-8B-A1B": ("full_attention+moe", 12, 1)}
 
 
 @pytest.mark.parametrize("model_name", list(CENSUS))
 def test_an_attention_layer_loses_its_norm_and_rope_calls(monkeypatch, model_name):
     """benchmarks/census.py, one decode token after 8 of context, torch
     2.15's policy: an attention layer's 2 norms and the rotary embedding's
-    10 (partial rotary: 12) ops become one call of one dispatch, eager;
-    compiled, the count does not change (the layer leaves them to Inductor,
-    which fuses them with their neighbours)."""
+    10 (partial rotary: 12) ops become one call of one dispatch, eager, the
+    cache's 2 torch.cat one kv_append and Qwen3.6's output gate (3 calls)
+    one sigmoid_gate; compiled, the count does not change (the layer leaves
+    them to Inductor, which fuses them with their neighbours)."""
     from benchmarks import census
     spec = census.MODELS[model_name]
-    kind, calls = CENSUS[model_name]
+    kind, calls, saved = CENSUS[model_name]
     tiny = census.tiny_model(spec)
 
     def counts(transform):
@@ -136,8 +146,8 @@ def test_an_attention_layer_loses_its_norm_and_rope_calls(monkeypatch, model_nam
     after = counts(mps_ext.optimize)
     print(f"\n{model_name} {kind}, per layer: host calls {before['eager'].host:g} -> {after['eager'].host:g}, "
           f"dispatches {before['eager'].dispatches:g} -> {after['eager'].dispatches:g}")
-    assert before["eager"].host - after["eager"].host == calls - 1
-    assert before["eager"].dispatches - after["eager"].dispatches == calls - 1
+    assert before["eager"].host - after["eager"].host == calls - 1 + saved
+    assert before["eager"].dispatches - after["eager"].dispatches == calls - 1 + saved
     assert (after["compile"].host, after["compile"].dispatches) == (before["compile"].host,
                                                                      before["compile"].dispatches)
 
@@ -262,3 +272,166 @@ def test_dense_qwen3_and_lfm2(monkeypatch, name):
     assert report.families["norm"].ops["mps_ext::qk_norm_rope"].ran == 2 * len(layers)
     for o, t in zip(ours, theirs):
         assert torch.equal(o, t)
+
+
+# ----------------------------------------------------------- output gate and KV cache (issue 19) --
+# The forward's pieces without the two changes: the model's gate line and DynamicCache.update.
+_APART = fused_attention._Ops(fused_attention.qk_norm_rope, fused_attention.sigmoid_gate_reference,
+                              fused_attention.cache_update_reference)
+GROWTH = 4  # positions a cache buffer grows by in these tests (KV_STEP), so that a short decode crosses two
+
+
+def greedy(model, prompt, steps, cache=None):
+    """Greedy decode of `steps` tokens after `prompt` on `cache` (a new
+    DynamicCache of the model's config, as generate makes): the last
+    position's logits of each forward, stacked, and the cache."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    logits = []
+    with torch.no_grad():
+        out = model(prompt, past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            logits.append(out.logits[:, -1])
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+    return torch.stack(logits), cache
+
+
+def ran(report, op):
+    """How many calls of mps_ext's `op` (norm family) ran their kernels."""
+    family = report.families.get("norm")
+    return family.ops[op].ran if family is not None and op in family.ops else 0
+
+
+def cache_contents(cache):
+    return [(layer.keys, layer.values) for layer in cache.layers if type(layer).__name__ == "DynamicLayer"]
+
+
+def gated_and_cached(monkeypatch, name, kind):
+    """(model, dtype): the tiny `name` model optimized, in float32, bfloat16
+    or bf16 with fp8 weights."""
+    monkeypatch.setattr(fused_attention, "KV_STEP", GROWTH)
+    if kind == "fp8":
+        model = quantized_against_stock_and_float64(name, **HEAD.get(name, {}))[0]
+        return mps_ext.optimize(model), torch.bfloat16
+    dtype = getattr(torch, kind)
+    return mps_ext.optimize(make(name, dtype, **HEAD.get(name, {}))), dtype
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "fp8"])
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_gate_and_cache_append_change_no_bit(monkeypatch, name, kind):
+    """Greedy decode over 10 tokens (the cache buffers grow twice, by
+    GROWTH positions), then 3 tokens of a second prompt and 4 more on the
+    same cache, after crop(-3) where the cache crops (Qwen3-MoE's; the
+    hybrid caches of Qwen3.5-MoE and LFM2-MoE crop only after
+    activate_past_recording):
+    the logits of the optimized model with sigmoid_gate and kv_append equal
+    those of the same model with the model's gate line and
+    DynamicCache.update, bit for bit (float32 with an output gate: within
+    float32's rounding, the exp of sigmoid being the C library's, not
+    torch's SLEEF one); the caches hold the same keys and values, as
+    transformers sees them, the layers' own DynamicLayer (views of buffers
+    with room to grow); one kv_append per attention layer and forward, one
+    sigmoid_gate per gated layer and forward, no torch.cat."""
+    layers = ATTENTION[name][0]
+    model, dtype = gated_and_cached(monkeypatch, name, kind)
+    assert attention_layers(model) == layers
+    prompt = ids()
+    gated = name == "qwen3_5_moe"
+    crops = name == "qwen3_moe"
+
+    def run():
+        first, cache = greedy(model, prompt, 10)
+        length = cache.get_seq_length()
+        if crops:
+            cache.crop(-3)
+        second, cache = greedy(model, first.argmax(-1)[-3:].T, 4, cache)
+        return first, second, length, cache
+
+    with run_model(RELEASE) as report:
+        ours, ours2, ours_len, cache = run()
+    with run_model(RELEASE) as theirs_report, monkeypatch.context() as m:
+        m.setattr(fused_attention, "_KERNELS", _APART)
+        theirs, theirs2, theirs_len, stock_cache = run()
+    forwards = 11 + 5
+    assert ran(report, "mps_ext::kv_append") == forwards * len(layers)
+    assert ran(report, "mps_ext::sigmoid_gate") == forwards * gated
+    assert not ran(theirs_report, "mps_ext::kv_append") and not ran(theirs_report, "mps_ext::sigmoid_gate")
+    assert ours_len == theirs_len == PROMPT + 10
+    if gated and dtype == torch.float32:
+        assert rel_err(ours, theirs) <= 1e-6 and rel_err(ours2, theirs2) <= 1e-6
+    else:
+        assert torch.equal(ours, theirs) and torch.equal(ours2, theirs2)
+    assert cache.get_seq_length() == stock_cache.get_seq_length() == PROMPT + 10 - 3 * crops + 3 + 4
+    for (k, v), (sk, sv) in zip(cache_contents(cache), cache_contents(stock_cache), strict=True):
+        assert k.shape == sk.shape and v.shape == sv.shape and k.dtype == sk.dtype
+        if not (gated and dtype == torch.float32):
+            assert torch.equal(k, sk) and torch.equal(v, sv)
+        # a view of a buffer grown by GROWTH positions
+        assert k.untyped_storage().nbytes() == k[0, 0, 0].nbytes * k.shape[0] * k.shape[1] * (-(-k.shape[2] // GROWTH) * GROWTH)
+
+
+def test_no_cat_clone_sigmoid_or_mul_left(monkeypatch):
+    """The aten calls of a gated attention layer's decode step (Qwen3.6's,
+    in the census's trace): one kv_append and one sigmoid_gate, no clone,
+    cat, sigmoid or mul; without the two changes, all of them."""
+    from benchmarks import census
+    tiny = census.tiny_model(census.MODELS["Qwen3.6-35B-A3B"])
+
+    def ops(model):
+        return [c.op for c in census.per_kind(census.trace_step(model, tokens=1, context=8, torch_release="2.15",
+                                                                transform=mps_ext.optimize),
+                                              tiny.config)["full_attention+moe"] if c.kind != "view"]
+
+    ours = ops(tiny)
+    with monkeypatch.context() as m:
+        m.setattr(fused_attention, "_KERNELS", _APART)
+        theirs = ops(tiny)
+    assert ours.count("kv_append") == 1 and ours.count("sigmoid_gate") == 1
+    assert not {"clone", "cat", "sigmoid", "mul", "copy_"} & set(ours), ours
+    assert theirs.count("cat") == 2 and {"clone", "sigmoid", "mul"} <= set(theirs), theirs
+
+
+@_executor_request.request()  # traced inside request(): the kernels' path, the one a Mac takes
+def test_compiled_gate_and_cache(monkeypatch):
+    """Compiled (fullgraph): the model's own gate line and cache update in
+    the graph (no sigmoid_gate, no kv_append), the eager model's logits."""
+    from test_fp8_flows import Float8Inspector
+    monkeypatch.setattr(fused_attention, "KV_STEP", GROWTH)
+    model = mps_ext.optimize(make("qwen3_5_moe", torch.bfloat16))
+    prompt = ids()
+    want, _ = greedy(model, prompt, 5)
+    torch._dynamo.reset()
+    inspector = Float8Inspector()
+    got, _ = greedy(torch.compile(model, backend=inspector.backend, fullgraph=True), prompt, 5)
+    assert not {"sigmoid_gate", "kv_append"} & set(inspector.mps_ext_ops)
+    torch.testing.assert_close(got, want)
+
+
+def test_other_caches_keep_their_update():
+    """A sliding-window layer, a cache of another class and a layer
+    Cache.update has yet to add keep transformers' own update (torch.cat);
+    a plain DynamicLayer takes kv_append."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+    k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
+
+    class Mine(DynamicCache):
+        pass
+
+    with run_model(RELEASE) as report:
+        sliding = DynamicCache()
+        sliding.layers.append(DynamicSlidingWindowLayer(sliding_window=8))
+        fused_attention.cache_update(sliding, k, v, 0)
+        lazy = DynamicCache()
+        fused_attention.cache_update(lazy, k, v, 0)  # adds its layer: the original update
+        assert type(lazy.layers[0]) is DynamicLayer and lazy.layers[0].keys.untyped_storage().nbytes() == k.nbytes
+        other = Mine()
+        other.layers.append(DynamicLayer())
+        fused_attention.cache_update(other, k, v, 0)
+        assert not ran(report, "mps_ext::kv_append")
+        keys, values = fused_attention.cache_update(lazy, k, v, 0)
+        assert ran(report, "mps_ext::kv_append") == 1
+    assert torch.equal(keys, torch.cat([k, k], -2)) and torch.equal(values, torch.cat([v, v], -2))
+    assert lazy.layers[0].keys is keys and lazy.get_seq_length() == 6

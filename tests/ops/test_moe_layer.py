@@ -3,7 +3,8 @@ call, against the layer written with torch's CPU ops in float64 (softmax,
 topk, per-expert matmuls), and against the five ops it stands for (router
 GEMV, moe_route, moe_experts twice, moe_combine), bit for bit: it runs
 four dispatches, the down product and moe_combine fused (moe_down_combine
-of kernels_metal/grouped_mm.metal)."""
+of kernels_metal/grouped_mm.metal), which also adds a decoder layer's
+residual when given one (torch's `residual + moe_out`, bit for bit)."""
 
 import pytest
 import torch
@@ -115,22 +116,31 @@ def five_ops(run, x, router, gate_up, gate_up_scale, down, down_scale, top_k, re
     return y, w, row_of_slot
 
 
-def combine_ref(y, weights, row_of_slot, dtype, order=None, fused=True):
+def combine_ref(y, weights, row_of_slot, dtype, order=None, fused=True, residual=None, residual_at="last"):
     """moe_combine's sums with torch's CPU ops, rounding where the kernel
     does: y in its dtype, each token's slots added in slot order (or
     `order`) to a float32 sum, each weight * y and the add one fused
     multiply-add (an exact product in float64, then one rounding to float32;
     fused=False rounds the product first), the sum rounded to y's dtype and
-    then to `dtype`."""
+    then to `dtype`. With `residual`, what moe_layer(..., residual) must
+    give: `residual + that` with torch's add (residual_at="last"); or, to
+    show that the data tell the orders apart, the residual added to the
+    float32 sum before its one rounding ("unrounded") or as the sum's start
+    ("first")."""
     tokens, slots = weights.shape
     rows = y.double()[row_of_slot.long()].view(tokens, slots, -1)
     acc = torch.zeros(tokens, y.shape[1], dtype=torch.float32)
+    if residual is not None and residual_at == "first":
+        acc = residual.float()
     for j in order if order is not None else range(slots):
         product = weights[:, j, None].double() * rows[:, j]
         if not fused:
             product = product.float().double()
         acc = (acc.double() + product).float()
-    return acc.to(y.dtype).to(dtype)
+    if residual is not None and residual_at == "unrounded":
+        return (acc + residual.float()).to(dtype)
+    out = acc.to(y.dtype).to(dtype)
+    return out if residual is None or residual_at == "first" else residual + out
 
 
 def assert_order_matters(y, weights, row_of_slot, out):
@@ -207,6 +217,94 @@ def test_down_combine_up_to_moe_routes_limit(tokens, top_k, shared):
     assert d.kernel == "moe_down_combine_f32_vec"
     rows = tokens * (top_k + shared)
     assert d.threads_per_threadgroup[0] * 2 // 32 * rows <= 2048
+
+
+def residual_for(x):
+    """A decoder layer's residual stream for x: of x's shape and dtype, and
+    large beside the layer's output, as a residual stream is (so that the
+    order of the roundings shows in the bits)."""
+    g = torch.Generator().manual_seed(x.shape[0])
+    return (torch.randn(x.shape, generator=g) * 4).to(x.dtype)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (4, 16, 4), (9, 8, 8)])
+@pytest.mark.parametrize("shared", [0, 1])
+@pytest.mark.parametrize("kind", KINDS, ids=str)
+def test_residual_is_added_in_the_last_dispatch(device, tokens, experts, top_k, shared, kind):
+    """moe_layer(..., residual): torch's `residual + moe_out` bit for bit,
+    moe_out the layer's output without it (the five ops' bits, rounded to
+    the dtype), in the same dispatches: moe_down_combine adds it as it
+    stores, after rounding the layer's output, which other orders would not
+    give."""
+    args = layer(tokens, experts, top_k, shared, kind)
+    x = args[0]
+    residual = residual_for(x)
+    run = on(device)
+    with cpu_metal.record() as plain:
+        moe_out = run("moe_layer", *args, top_k, True, bool(shared))
+    with cpu_metal.record() as rec:
+        out = run("moe_layer", *args, top_k, True, bool(shared), None, False, 1.0, 0.0, residual)
+    y, w, row_of_slot = five_ops(run, *args, top_k, True, shared, moe_out)
+    assert torch.equal(moe_out, combine_ref(y, w, row_of_slot, x.dtype))
+    want = combine_ref(y, w, row_of_slot, x.dtype, residual=residual)
+    assert torch.equal(want, residual + moe_out)
+    assert out.dtype == x.dtype and torch.equal(out, want), (out.double() - want.double()).abs().max()
+    for other in ("unrounded", "first"):
+        if kind == torch.float32 and other == "unrounded":
+            continue  # the float32 sum is the output: no rounding between
+        assert not torch.equal(out, combine_ref(y, w, row_of_slot, x.dtype, residual=residual, residual_at=other))
+    if device == "executor":
+        kernels = [d.kernel for d in rec.dispatches]
+        assert kernels == [d.kernel for d in plain.dispatches] and len(kernels) == 3 + (tokens <= 8), kernels
+        d = rec.dispatches[-1]
+        assert d.kernel.startswith("moe_down_combine_")
+        assert d.bytes_read[d.buffer("residual")] == residual.nbytes
+        assert plain.dispatches[-1].bytes_read.get(d.buffer("residual"), 0) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=str)
+@pytest.mark.parametrize("inter", INTERS)
+def test_down_combine_kernels_add_the_residual(kind, inter):
+    """Every moe_down_combine variant adds the residual (the flag of its
+    parameters, no variant of its own)."""
+    args = layer(2, 8, 2, 1, kind, inter=inter)
+    residual = residual_for(args[0])
+    run = on("executor")
+    with cpu_metal.record() as rec:
+        out = run("moe_layer", *args, 2, True, True, None, False, 1.0, 0.0, residual)
+    assert rec.dispatches[-1].kernel == down_combine_kernel(kind, inter)
+    assert torch.equal(out, residual + run("moe_layer", *args, 2, True, True))
+
+
+def test_residual_under_fp8_banks_and_float32_activations(device):
+    """fp8 banks under float32 x: the kernels' bfloat16 output is converted
+    to float32, then torch adds the residual, as it would to the layer's
+    output."""
+    x, router, gate_up, gate_up_scale, down, down_scale = layer(2, 8, 2, 1, "fp8")
+    x, router = x.float(), router.float()
+    residual = residual_for(x)
+    args = (x, router, gate_up, gate_up_scale, down, down_scale, 2, True, True)
+    out = on(device)("moe_layer", *args, None, False, 1.0, 0.0, residual)
+    assert out.dtype == torch.float32 and torch.equal(out, residual + on(device)("moe_layer", *args))
+
+
+def test_bad_residual():
+    x, router, gate_up, _, down, _ = layer(2, 8, 2, 0, torch.float32)
+
+    def call(residual):
+        return torch.ops.mps_ext.moe_layer(x, router, gate_up, None, down, None, 2, residual=residual)
+    accepted = r"residual must be a contiguous tensor of x's shape, dtype and device \(\[2, 64\] Float on cpu\)"
+    with pytest.raises(RuntimeError, match=accepted + r", got \[2, 32\] Float on cpu$"):
+        call(randn(2, 32))
+    with pytest.raises(RuntimeError, match=accepted + r", got \[1, 64\] Float on cpu$"):
+        call(randn(1, 64))
+    with pytest.raises(RuntimeError, match=accepted + r", got \[2, 64\] BFloat16 on cpu$"):
+        call(randn(2, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=accepted + r", got \[2, 64\] Float on cpu, not contiguous"):
+        call(randn(2, 128)[:, ::2])
+    with pytest.raises(RuntimeError, match=r"residual must be a contiguous tensor of x's shape, dtype and device "
+                       r"\(\[2, 64\] torch.float32 on cpu\), got \[2, 64\] torch.float32 on meta"):
+        call(torch.empty(2, 64, device="meta"))  # (the meta kernel's check: the dispatcher chooses it)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -287,3 +385,6 @@ def test_fake_kernel_for_torch_compile(kind):
     # test_schema compares outputs with torch ops that have no float8 CPU kernel.
     checks = ("test_faketensor",) if kind == "fp8" else ("test_schema", "test_faketensor")
     torch.library.opcheck(torch.ops.mps_ext.moe_layer.default, (*args, 2, True, True), test_utils=checks)
+    residual = residual_for(args[0])
+    torch.library.opcheck(torch.ops.mps_ext.moe_layer.default, (*args, 2, True, True),
+                          {"residual": residual}, test_utils=checks)
