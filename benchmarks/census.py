@@ -187,6 +187,10 @@ class Call:
     ours: int | None = None  # mps_ext dispatches (None: the call ran torch's kernel)
     ours_bytes: int = 0
     ffn: bool = False        # made inside its layer's feed-forward block (the MoE block of a MoE layer)
+    # Compiled, a pointwise op Inductor generates follows this call: moe_layer's residual (the decoder
+    # layer's second add, which mps_ext.fused_decoder hands to moe_layer eager only; compiled the layer
+    # runs its own forward and the add is Inductor's, fused with the next layer's norm).
+    then_generated: bool = False
 
 
 def _tensors(x):
@@ -278,6 +282,9 @@ class Trace:
             param_read = args[1].numel() * args[0].shape[-1] * args[0].element_size()
             read = param_read + _extent(args[1])
         call = Call(name, self.layer, kind, fusible, read, written, param_read, ffn=self.ffn)
+        if name == "moe_layer":
+            residual = args[13] if len(args) > 13 else kwargs.get("residual")
+            call.then_generated = residual is not None
         if name == "_grouped_mm":
             a, b, offs = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("offs")
             counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
@@ -417,6 +424,10 @@ def count(calls: list[Call], release: str, mode: str, ours: bool, experts: int |
         if mine:
             c.host += 1
             c.dispatches += call.ours
+            if mode == "compile" and call.then_generated:  # the add Inductor generates after it
+                c.host += 1
+                c.dispatches += 1
+                fused_run = True
         elif call.op == "_grouped_mm" and old:
             # torch's fallback: offs copied to the CPU (a sync), then mm per expert
             e = experts if experts is not None else call.groups
@@ -467,7 +478,9 @@ def _fused_edges(calls: list[Call], ours: bool) -> tuple[bool, bool]:
     costed = [c for c in calls if c.kind != "view"]
     if not costed:
         return False, False
-    return _generated(costed[0], ours), _generated(costed[-1], ours)
+    last = costed[-1]
+    return _generated(costed[0], ours), _generated(last, ours) or (ours and last.ours is not None
+                                                                   and last.then_generated)
 
 
 def scale(spec: Spec, trace: Trace, tiny_config, tokens: int, release: str, mode: str, ours: bool) -> dict:
