@@ -178,20 +178,29 @@ def projection_table(rows: list[Row]) -> str:
 
 def summary_table(rows: list[Row]) -> str:
     """README's table: one sequence, per model, release and stock / mps_ext:
-    eager and compiled host calls, dispatches, bytes and compiled tokens/s."""
+    eager and compiled host calls, dispatches, bytes and tokens/s."""
     keyed = {(r.model, r.release, r.who, r.mode): r for r in rows if r.tokens == 1}
+
+    def pair(e: str, c: str) -> str:
+        return e if e == c else f"{e}; {c}"
+
+    def tok_s(r: Row) -> str:
+        lo, mid, hi = r.tok_s
+        return f"{mid:.0f} ({lo:.0f}-{hi:.0f})"
+
     out = []
     for (model, release, who, mode), r in keyed.items():
         if mode != "compile":
             continue
         e = keyed[(model, release, who, "eager")]
-        lo, mid, hi = r.tok_s
         pub = census.MODELS[model].published.get(release) if who == STOCK else None
         out.append({"model": model, "torch": release, "": who,
                     "host calls / token (eager; compiled)": f"{_f(e.counts.host)}; {_f(r.counts.host)}",
                     "dispatches / token (eager; compiled)": f"{_f(e.counts.dispatches)}; {_f(r.counts.dispatches)}",
-                    "syncs": _f(r.counts.syncs), "GB / token": f"{r.bytes['total'] / 1e9:.2f}",
-                    "tok/s compiled: central (range)": f"{mid:.0f} ({lo:.0f}-{hi:.0f})",
+                    "syncs": _f(r.counts.syncs),
+                    "GB / token (eager; compiled)": pair(f"{e.bytes['total'] / 1e9:.2f}",
+                                                         f"{r.bytes['total'] / 1e9:.2f}"),
+                    "tok/s eager": tok_s(e), "tok/s compiled": tok_s(r),
                     "published (torch.compile)": "" if pub is None else str(pub)})
     return markdown(out, list(out[0]))
 

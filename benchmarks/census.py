@@ -508,7 +508,9 @@ def scale(spec: Spec, trace: Trace, tiny_config, tokens: int, release: str, mode
         total.host -= merges
         total.dispatches -= merges
     per["head"] = per.pop("pre") + per.pop("post")
-    ffn = {k: count([c for c in calls[k] if c.ffn], release, mode, ours, real.num_experts, used) for k in kinds}
+    # The block's calls alone: the residual add a compiled layer makes after moe_layer is the layer's.
+    ffn = {k: count([dataclasses.replace(c, then_generated=False) for c in calls[k] if c.ffn], release, mode, ours,
+                    real.num_experts, used) for k in kinds}
     return {"per_kind": per, "ffn": ffn, "layers": dict(kinds), "total": total}
 
 
