@@ -54,6 +54,19 @@ def _kernels_for(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and not _use_torch_cpu_ops(x)
 
 
+def cached_decode_step(hidden_states: torch.Tensor, cache, attention_mask, layer_idx: int) -> bool:
+    """Whether a recurrent layer's call (Gated DeltaNet, LFM2's short
+    convolution) is one cached decode token a kernel takes: [batch, 1,
+    features] floating where mps_ext's kernels run, no derivative asked
+    (the ops have none), and transformers' own decode condition (a cache
+    not recording the past, no mask: a padding mask zeroes the token's
+    input, apply_mask_to_padding_states, which is left to the layer)."""
+    return (cache is not None and hidden_states.dim() == 3 and hidden_states.shape[1] == 1
+            and hidden_states.dtype in _FLOAT and _kernels_for(hidden_states)
+            and not (torch.is_grad_enabled() and hidden_states.requires_grad)
+            and attention_mask is None and not cache.is_recording_past(layer_idx))
+
+
 class FusedDecodeMixin:
     """The decode step of a Gated DeltaNet layer on linear_attention_decode;
     everything else the layer's own forward (the next class in the MRO)."""
@@ -73,13 +86,7 @@ class FusedDecodeMixin:
     def _decode_states(self, hidden_states, cache_params, attention_mask):
         """(conv_state, recurrent_state) of the cache when this call is a
         decode step the kernel takes, else None (the layer's own forward)."""
-        if (cache_params is None or hidden_states.dim() != 3 or hidden_states.shape[1] != 1
-                or hidden_states.dtype not in _FLOAT or not _kernels_for(hidden_states)
-                or (torch.is_grad_enabled() and hidden_states.requires_grad)):  # the op has no derivative
-            return None
-        # transformers' own decode condition; a mask of padding would zero the
-        # token's input (apply_mask_to_padding_states): a 0 there is left to it.
-        if attention_mask is not None or cache_params.is_recording_past(self.layer_idx):
+        if not cached_decode_step(hidden_states, cache_params, attention_mask, self.layer_idx):
             return None
         conv_state = cache_params.get_conv_state(self.layer_idx)
         recurrent_state = cache_params.get_recurrent_state(self.layer_idx)

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._subclass import fused_subclass
-from .fused_linear_attention import _kernels_for
+from .fused_linear_attention import cached_decode_step
 
 __all__ = ["optimize_short_conv"]
 
@@ -74,12 +74,7 @@ class FusedShortConvMixin:
     def _decode_state(self, hidden_states, past_key_values, attention_mask):
         """The cache's window when this call is a decode step the kernel
         takes, else None (the layer's own forward)."""
-        if (past_key_values is None or hidden_states.dim() != 3 or hidden_states.shape[1] != 1
-                or hidden_states.dtype not in _FLOAT or not _kernels_for(hidden_states)
-                or (torch.is_grad_enabled() and hidden_states.requires_grad)):  # the op has no derivative
-            return None
-        # transformers' own decode condition; a padding mask zeroes the token's input: left to it.
-        if attention_mask is not None or past_key_values.is_recording_past(self.layer_idx):
+        if not cached_decode_step(hidden_states, past_key_values, attention_mask, self.layer_idx):
             return None
         conv_state = past_key_values.get_conv_state(self.layer_idx, state_idx=0)
         w, b, dt = self.conv.weight, self.conv.bias, hidden_states.dtype

@@ -59,6 +59,20 @@ def prefill_and_decode(model, prompt, step):
         return out.logits, model(step, past_key_values=out.past_key_values, use_cache=True).logits
 
 
+def generate_is_unchanged_by_optimize(model, op, runs, family="linear", tokens=5):
+    """Greedy generate() of `tokens` gives the same tokens after
+    mps_ext.optimize(model) (each step reading the states the one before
+    wrote in place), with `op` of `family` run `runs` times."""
+    prompt = ids()
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=tokens, do_sample=False)
+    mps_ext.optimize(model)
+    with torch.no_grad(), run_model(RELEASE) as report:
+        got = model.generate(prompt, max_new_tokens=tokens, do_sample=False)
+    assert report.families[family].ops[f"mps_ext::{op}"].ran == runs
+    assert torch.equal(got, want)
+
+
 def reference(model):
     """The unoptimized model in float64, each expert its own matmul (torch's
     _grouped_mm takes no float64)."""

@@ -16,7 +16,8 @@ from mps_ext import _executor_request
 from mps_ext.cpu_metal import run_model
 from mps_ext.fused_linear_attention import FusedDecodeMixin
 from model_compare import RELEASE
-from test_optimize import decode_counts, ids, make, optimized_against_stock_and_float64, prefill_and_decode
+from test_optimize import (decode_counts, generate_is_unchanged_by_optimize, ids, make,
+                           optimized_against_stock_and_float64, prefill_and_decode)
 
 
 def deltanet_layers(model):
@@ -41,15 +42,7 @@ def test_optimized_decode_matches_stock_and_float64(figures, dtype):
 def test_generate_gives_stock_tokens():
     """Greedy decoding of several tokens (each step reads the states the
     previous one wrote in place) gives the stock model's tokens."""
-    model = make("qwen3_5_moe")
-    prompt = ids()
-    with torch.no_grad():
-        want = model.generate(prompt, max_new_tokens=5, do_sample=False)
-    mps_ext.optimize(model)
-    with torch.no_grad(), run_model(RELEASE) as report:
-        got = model.generate(prompt, max_new_tokens=5, do_sample=False)
-    assert report.families["linear"].ops["mps_ext::linear_attention_decode"].ran == 4  # 4 decode steps
-    assert torch.equal(got, want)
+    generate_is_unchanged_by_optimize(make("qwen3_5_moe"), "linear_attention_decode", 4)  # 4 decode steps
 
 
 def per_deltanet_layer(model):

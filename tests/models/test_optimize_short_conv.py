@@ -18,7 +18,7 @@ from mps_ext import _executor_request, fused_short_conv
 from mps_ext.cpu_metal import run_model
 from mps_ext.fused_short_conv import FusedShortConvMixin
 from model_compare import RELEASE
-from test_optimize import COMMON, decode_counts, ids, make
+from test_optimize import COMMON, decode_counts, generate_is_unchanged_by_optimize, ids, make
 
 T = transformers
 # The dense LFM2 with the conv's bias (conv_bias: in_proj, conv and out_proj); LFM2-MoE as test_optimize's.
@@ -89,15 +89,8 @@ def test_greedy_decode_matches_the_model_without_the_swap(monkeypatch, name, kin
 
 
 def test_generate_gives_the_unoptimized_tokens():
-    model = make_any("lfm2_moe", torch.bfloat16)
-    prompt = ids()
-    with torch.no_grad():
-        want = model.generate(prompt, max_new_tokens=5, do_sample=False)
-    mps_ext.optimize(model)
-    with torch.no_grad(), run_model(RELEASE) as report:
-        got = model.generate(prompt, max_new_tokens=5, do_sample=False)
-    assert report.families["linear"].ops["mps_ext::short_conv_decode"].ran == 2 * 4  # 2 layers, 4 decode steps
-    assert torch.equal(got, want)
+    generate_is_unchanged_by_optimize(make_any("lfm2_moe", torch.bfloat16), "short_conv_decode",
+                                      2 * 4)  # 2 layers, 4 decode steps
 
 
 @pytest.mark.parametrize("name", ["lfm2", "lfm2_moe"])
