@@ -19,3 +19,23 @@ def fused_subclass(mixin: type, cls: type, doc: str, **attrs) -> type:
         _MADE[mixin, cls] = type(f"Fused{cls.__name__}", (mixin, cls),
                                  {"__module__": mixin.__module__, "__doc__": doc, **attrs})
     return _MADE[mixin, cls]
+
+
+def candidates(model, mixin: type, is_candidate, why_not) -> tuple[list[str], dict[str, str], list]:
+    """The modules of `model` a swap to `mixin` considers, sorted before any
+    is changed: (already [names already swapped], left {name: why_not's
+    reason}, plans [(name, module)] to swap). `is_candidate(module)`: holds
+    the parts the swap looks for; `why_not(module)`: None or why it cannot
+    take the swap (it may raise, for what the whole call refuses: before
+    any layer is changed)."""
+    already, left, plans = [], {}, []
+    for name, mod in model.named_modules():
+        if isinstance(mod, mixin):
+            already.append(name)
+        elif is_candidate(mod):
+            why = why_not(mod)
+            if why:
+                left[name] = why
+            else:
+                plans.append((name, mod))
+    return already, left, plans

@@ -42,6 +42,7 @@ probe did not see runs the layer's own forward.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import sys
 import typing
@@ -151,13 +152,22 @@ def cache_update_reference(cache, key_states: torch.Tensor, value_states: torch.
     return cache.update(key_states, value_states, layer_idx)
 
 
+@functools.cache
+def _dynamic_cache_classes() -> tuple[type, type]:
+    """transformers' DynamicCache and DynamicLayer, imported once (not per layer and token)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+    return DynamicCache, DynamicLayer
+
+
 def _appends(cache, key: torch.Tensor, value: torch.Tensor, layer_idx) -> bool:
     """Whether cache_update writes this update with kv_append: a plain
     DynamicCache's DynamicLayer (the classes exactly: a sliding-window,
     quantized, static or hybrid layer keeps its own update), eager, where
     the kernels run."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-    if torch.compiler.is_compiling() or type(cache) is not DynamicCache or cache.offloading:
+    if torch.compiler.is_compiling():
+        return False
+    DynamicCache, DynamicLayer = _dynamic_cache_classes()
+    if type(cache) is not DynamicCache or cache.offloading:
         return False
     if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(cache.layers) or \
             type(cache.layers[layer_idx]) is not DynamicLayer:

@@ -269,5 +269,5 @@ def optimize_decoder_layers(model: nn.Module) -> tuple[dict[str, str], list[str]
             continue
         ffn = getattr(mod, layout.ffn)
         converted[name] = (f"{cls.__name__} -> {plan.mixer}'s residual add and {layout.post_norm} on add_rms_norm"
-                           + (f", the second residual add in the FusedMoE call" if isinstance(ffn, FusedMoE) else ""))
+                           + (", the second residual add in the FusedMoE call" if isinstance(ffn, FusedMoE) else ""))
     return converted, already, left

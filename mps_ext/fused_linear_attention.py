@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._subclass import fused_subclass
+from ._subclass import candidates, fused_subclass
 from .fp8 import _use_torch_cpu_ops
 
 __all__ = ["optimize_linear_attention"]
@@ -145,18 +145,12 @@ def optimize_linear_attention(model: nn.Module) -> tuple[dict[str, str], list[st
     decode, in place: (converted {name: what}, already [names], left
     {name: why}). A module counts as a candidate when it holds `A_log`,
     `dt_bias` and `conv1d` (the parts every Gated DeltaNet layer has)."""
-    converted, already, left, plans = {}, [], {}, []
-    for name, mod in model.named_modules():
-        if isinstance(mod, FusedDecodeMixin):
-            already.append(name)
-            continue
-        if not all(isinstance(getattr(mod, n, None), (nn.Module, torch.Tensor)) for n in ("A_log", "dt_bias", "conv1d")):
-            continue
-        why = why_not(mod)  # raises for a dtype the kernel does not take: before any layer is changed
-        if why:
-            left[name] = why
-        else:
-            plans.append((name, mod))
+    converted = {}
+    already, left, plans = candidates(
+        model, FusedDecodeMixin,
+        lambda m: all(isinstance(getattr(m, n, None), (nn.Module, torch.Tensor))
+                      for n in ("A_log", "dt_bias", "conv1d")),
+        why_not)  # raises for a dtype the kernel does not take: before any layer is changed
     for name, mod in plans:
         mod.__class__ = fused_subclass(FusedDecodeMixin, type(mod), f"{type(mod).__name__} with its decode step on "
                                        "torch.ops.mps_ext.linear_attention_decode (mps_ext.optimize).")

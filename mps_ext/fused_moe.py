@@ -468,33 +468,26 @@ class OptimizeSummary:
         lines += [f"  left {name}: {why}" for name, why in self.left.items()]
         if self.norms:
             lines.append(f"  {len(self.norms)} RMSNorms on torch.ops.mps_ext.rms_norm (one dispatch each)")
-        if self.linear_attention or self.linear_attention_left:
-            lines.append(f"optimize: {len(self.linear_attention)} linear-attention layers on "
-                         f"torch.ops.mps_ext.linear_attention_decode at decode, {len(self.linear_attention_left)} left")
-            lines += [f"  {name}: {what}" for name, what in self.linear_attention.items()]
-            lines += [f"  left {name}: {why}" for name, why in self.linear_attention_left.items()]
-        if self.short_conv or self.short_conv_left:
-            lines.append(f"optimize: {len(self.short_conv)} short-convolution layers on "
-                         f"torch.ops.mps_ext.short_conv_decode at decode, {len(self.short_conv_left)} left")
-            lines += [f"  {name}: {what}" for name, what in self.short_conv.items()]
-            lines += [f"  left {name}: {why}" for name, why in self.short_conv_left.items()]
-        if self.projections or self.projections_left:
-            lines.append(f"optimize: {len(self.projections)} groups of projections that read one input as one "
-                         f"layer each (one GEMV at decode), {len(self.projections_left)} left")
-            lines += [f"  {name}: {what}" for name, what in self.projections.items()]
-            lines += [f"  left {name}: {why}" for name, why in self.projections_left.items()]
-        if self.attention or self.attention_left:
-            lines.append(f"optimize: {len(self.attention)} attention layers with q/k norms and rotary embedding on "
-                         f"torch.ops.mps_ext.qk_norm_rope (one dispatch), {len(self.attention_left)} left")
-            lines += [f"  {name}: {what}" for name, what in self.attention.items()]
-            lines += [f"  left {name}: {why}" for name, why in self.attention_left.items()]
-        if self.decoder_layers or self.decoder_layers_left:
-            lines.append(f"optimize: {len(self.decoder_layers)} decoder layers with the residual add and "
-                         f"post-attention norm on torch.ops.mps_ext.add_rms_norm (one dispatch), "
-                         f"{len(self.decoder_layers_left)} left")
-            lines += [f"  {name}: {what}" for name, what in self.decoder_layers.items()]
-            lines += [f"  left {name}: {why}" for name, why in self.decoder_layers_left.items()]
+        for field, what in _SECTIONS:
+            done, left = getattr(self, field), getattr(self, field + "_left")
+            if done or left:
+                lines.append(f"optimize: {len(done)} {what}, {len(left)} left")
+                lines += [f"  {name}: {how}" for name, how in done.items()]
+                lines += [f"  left {name}: {why}" for name, why in left.items()]
         return "\n".join(lines)
+
+
+# OptimizeSummary's sections after the MoE blocks: (field, what its converted
+# entries are); each field has a `<field>_left` of the reasons.
+_SECTIONS = (
+    ("linear_attention", "linear-attention layers on torch.ops.mps_ext.linear_attention_decode at decode"),
+    ("short_conv", "short-convolution layers on torch.ops.mps_ext.short_conv_decode at decode"),
+    ("projections", "groups of projections that read one input as one layer each (one GEMV at decode)"),
+    ("attention", "attention layers with q/k norms and rotary embedding on torch.ops.mps_ext.qk_norm_rope "
+                  "(one dispatch)"),
+    ("decoder_layers", "decoder layers with the residual add and post-attention norm on "
+                       "torch.ops.mps_ext.add_rms_norm (one dispatch)"),
+)
 
 
 def _describe(block: nn.Module, fused: FusedMoE) -> str:

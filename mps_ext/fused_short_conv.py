@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._subclass import fused_subclass
+from ._subclass import candidates, fused_subclass
 from .fused_linear_attention import cached_decode_step
 
 __all__ = ["optimize_short_conv"]
@@ -160,19 +160,12 @@ def optimize_short_conv(model: nn.Module) -> tuple[dict[str, str], list[str], di
     place: (converted {name: what}, already [names], left {name: why}). A
     module counts as a candidate when it holds in_proj, out_proj and an
     nn.Conv1d `conv`."""
-    converted, already, left, plans = {}, [], {}, []
-    for name, mod in model.named_modules():
-        if isinstance(mod, FusedShortConvMixin):
-            already.append(name)
-            continue
-        if not (isinstance(getattr(mod, "conv", None), nn.Conv1d) and all(
-                isinstance(getattr(mod, n, None), nn.Module) for n in ("in_proj", "out_proj"))):
-            continue
-        why = why_not(mod)  # raises for a dtype the kernel does not take: before any layer is changed
-        if why:
-            left[name] = why
-        else:
-            plans.append((name, mod))
+    converted = {}
+    already, left, plans = candidates(
+        model, FusedShortConvMixin,
+        lambda m: isinstance(getattr(m, "conv", None), nn.Conv1d)
+        and all(isinstance(getattr(m, n, None), nn.Module) for n in ("in_proj", "out_proj")),
+        why_not)  # raises for a dtype the kernel does not take: before any layer is changed
     for name, mod in plans:
         cls = type(mod)
         mod.__class__ = fused_subclass(FusedShortConvMixin, cls, f"{cls.__name__} with its decode step on "
