@@ -15,8 +15,8 @@ import transformers
 import mps_ext
 from mps_ext import FP8Experts, _executor_request
 from mps_ext.cpu_metal import run_model
-from mps_ext.fused_moe import FusedMoE, MoEExperts
-from mps_ext.fused_norm import FusedRMSNorm
+from mps_ext.passes.moe import FusedMoE, MoEExperts
+from mps_ext.passes.norm import FusedRMSNorm
 from model_compare import RELEASE
 
 T = transformers
@@ -125,7 +125,7 @@ def rel_err(x, ref):
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe"])
 def test_optimized_model_matches_stock_and_float64(figures, name, dtype):
     model, prompt, step, ref, stock = optimized_against_stock_and_float64(name, dtype)
-    assert len(blocks(model)) == 2 and not model.optimize_summary.left
+    assert len(blocks(model)) == 2 and not model.optimize_summary["moe"].left
     # CPU tensors outside the runner: torch's own ops, the stock model's math.
     for s, o in zip(stock, prefill_and_decode(model, prompt, step)):
         assert rel_err(o, s) <= (1e-5 if dtype == torch.float32 else 2e-2)
@@ -161,7 +161,7 @@ def test_other_softmax_top_k_blocks(name, renormalised):
     prompt, step = ids(), ids(1, seed=2)
     want = prefill_and_decode(model, prompt, step)
     mps_ext.optimize(model)
-    assert len(model.optimize_summary.converted) == 2 and not model.optimize_summary.left
+    assert len(model.optimize_summary["moe"].converted) == 2 and not model.optimize_summary["moe"].left
     assert all(model.get_submodule(n).renormalize == renormalised for n in blocks(model))
     with run_model(RELEASE) as report:
         got = prefill_and_decode(model, prompt, step)
@@ -175,7 +175,7 @@ def test_prefill_past_the_fused_limit_takes_the_grouped_path(monkeypatch, kind):
     """Past moe_layer's token slots (1024; 4 here) the routing is torch's
     and the experts the grouped products: _grouped_mm (bf16) or FP8Experts'
     fp8 prefill op; the decode step stays one moe_layer call per layer."""
-    import mps_ext.fused_moe as fused_moe
+    import mps_ext.passes.moe as fused_moe
     model = make("qwen3_5_moe", torch.bfloat16)
     if kind == "fp8":
         mps_ext.quantize_fp8(model)
@@ -218,7 +218,7 @@ def test_lfm2_moe_sigmoid_router_with_expert_bias(figures, kind):
     stock = prefill_and_decode(model, prompt, step)
     before = per_moe_layer(model)
     mps_ext.optimize(model)
-    assert set(model.optimize_summary.converted.values()) == {
+    assert set(model.optimize_summary["moe"].converted.values()) == {
         f"Lfm2MoeSparseMoeBlock -> FusedMoE: 8 {'fp8' if kind == 'fp8' else 'float32'} experts, top-2, "
         f"renormalised, no shared expert; sigmoid with expert bias, x1.5 router"}
     with run_model(RELEASE) as report:
@@ -361,7 +361,7 @@ def test_residual_is_added_inside_the_moe_layer(name, kind, tokens):
 def test_residual_on_the_grouped_path(monkeypatch, kind):
     """Past moe_layer's token slots (4 here) the experts are MoEExperts' or
     FP8Experts' grouped products; torch adds the residual to their output."""
-    import mps_ext.fused_moe as fused_moe
+    import mps_ext.passes.moe as fused_moe
     model = make("qwen3_5_moe", torch.bfloat16)
     if kind == "fp8":
         mps_ext.quantize_fp8(model)
@@ -427,7 +427,7 @@ def test_blocks_it_does_not_know_are_left_with_the_reason():
         first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
         v_head_dim=16)).eval()
     mps_ext.optimize(ds)
-    assert ds.optimize_summary.left == {
+    assert ds.optimize_summary["moe"].left == {
         "model.layers.1.mlp": "it holds shared_experts beside its router and experts (optimize knows no such block)"}
     torch.manual_seed(0)
     qwen2 = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**COMMON, moe_intermediate_size=32, num_experts=8,
@@ -435,7 +435,7 @@ def test_blocks_it_does_not_know_are_left_with_the_reason():
     prompt = ids()
     want = prefill_and_decode(qwen2, prompt, ids(1, seed=2))
     mps_ext.optimize(qwen2)
-    assert set(qwen2.optimize_summary.converted.values()) == {
+    assert set(qwen2.optimize_summary["moe"].converted.values()) == {
         "Qwen2MoeSparseMoeBlock -> FusedMoE: 8 float32 experts, top-2, shared expert run apart (its shared "
         "expert's size 128 is not the experts' 32)"}
     for g, w in zip(prefill_and_decode(qwen2, prompt, ids(1, seed=2)), want):
@@ -467,7 +467,7 @@ def test_block_scaled_shared_expert_runs_apart():
     prompt, step = ids(), ids(1, seed=2)
     want = prefill_and_decode(model, prompt, step)
     mps_ext.optimize(model)
-    assert set(model.optimize_summary.converted.values()) == {
+    assert set(model.optimize_summary["moe"].converted.values()) == {
         "Qwen3_5MoeSparseMoeBlock -> FusedMoE: 8 fp8 experts, top-2, renormalised, shared expert run apart (the "
         "expert banks are fp8 and the shared expert is not fp8 with a scale per row)"}
     with run_model(RELEASE) as report:
@@ -581,15 +581,15 @@ def test_rms_norms_become_one_dispatch_and_generate_the_same(name):
         mps_ext.optimize(model)
         assert len(norms(model)) == count, norms(model)
         assert {model.get_submodule(n).variant for n in norms(model)} == {variant}
-        assert len(model.optimize_summary.norms) == count and f"{count} RMSNorms" in str(model.optimize_summary)
+        assert len(model.optimize_summary["norms"].converted) == count and f"{count} RMSNorms" in str(model.optimize_summary)
         with torch.no_grad(), run_model(RELEASE) as report:
             got = model.generate(prompt, max_new_tokens=4, do_sample=False)
         assert torch.equal(got, want), (got, want)
         # One call per norm and step: 4 steps (prefill, 3 decodes); an attention layer's q and k
-        # norms are one qk_norm_rope call with its rotary embedding (mps_ext/fused_attention.py), a
+        # norms are one qk_norm_rope call with its rotary embedding (mps_ext/passes/attention.py), a
         # decoder layer's post-attention norm one add_rms_norm call with the residual add before it
-        # (mps_ext/fused_decoder.py).
-        attention, layers = len(model.optimize_summary.attention), len(model.optimize_summary.decoder_layers)
+        # (mps_ext/passes/decoder.py).
+        attention, layers = len(model.optimize_summary["attention"].converted), len(model.optimize_summary["decoder_layers"].converted)
         assert attention and report.families["norm"].ops["mps_ext::qk_norm_rope"].ran == attention * 4
         assert layers and report.families["norm"].ops["mps_ext::add_rms_norm"].ran == layers * 4
         assert report.families["norm"].ops["mps_ext::rms_norm"].ran == (count - 2 * attention - layers) * 4
@@ -656,7 +656,7 @@ def test_norms_it_does_not_know_are_left():
                                   "rms": Qwen3MoeRMSNorm(16)})
     mps_ext.optimize(holder)
     assert isinstance(holder["ln"], torch.nn.LayerNorm) and isinstance(holder["gated"], Qwen3_5MoeRMSNormGated)
-    assert isinstance(holder["rms"], FusedRMSNorm) and list(holder.optimize_summary.norms) == ["rms"]
+    assert isinstance(holder["rms"], FusedRMSNorm) and list(holder.optimize_summary["norms"].converted) == ["rms"]
     x = torch.randn(3, 16, dtype=torch.bfloat16)
     with torch.no_grad(), run_model(RELEASE) as report:
         got = holder["rms"](x)  # float32 weight, bfloat16 input: promoted to float32, as the module does

@@ -14,7 +14,7 @@ import transformers
 import mps_ext
 from mps_ext import _executor_request
 from mps_ext.cpu_metal import run_model
-from mps_ext.fused_linear_attention import FusedDecodeMixin
+from mps_ext.passes.linear_attention import FusedDecodeMixin
 from model_compare import RELEASE
 from test_optimize import (decode_counts, generate_is_unchanged_by_optimize, ids, make,
                            optimized_against_stock_and_float64, prefill_and_decode)
@@ -59,7 +59,7 @@ def test_host_calls_and_dispatches_per_layer(dtype):
     after = per_deltanet_layer(model)
     print(f"\nQwen3.5-MoE Gated DeltaNet layer {dtype}, per decoded token (host calls, dispatches): before {before}, "
           f"after {after}")
-    # in_proj_qkv, _z, _b, _a as one GEMV (mps_ext/fused_projections.py), linear_attention_decode, out_proj.
+    # in_proj_qkv, _z, _b, _a as one GEMV (mps_ext/passes/projections.py), linear_attention_decode, out_proj.
     assert after == (3, 3)
     assert before[0] >= 16 * after[0]  # transformers' torch code: 49 aten calls in float32
 
@@ -76,11 +76,11 @@ def test_left_with_the_reason():
     prompt = torch.randint(1, 64, (1, 6), generator=torch.Generator().manual_seed(1))
     want = model(prompt).logits
     mps_ext.optimize(model)
-    left = model.optimize_summary.linear_attention_left
+    left = model.optimize_summary["linear_attention"].left
     assert list(left) == ["model.layers.0.linear_attn"] and "in_proj_qkvz" in left["model.layers.0.linear_attn"]
-    assert model.optimize_summary.converted
-    # Its two input projections are one GEMV all the same (mps_ext/fused_projections.py), read by its own forward.
-    assert "model.layers.0.linear_attn.in_proj_qkvz_ba" in model.optimize_summary.projections
+    assert model.optimize_summary["moe"].converted
+    # Its two input projections are one GEMV all the same (mps_ext/passes/projections.py), read by its own forward.
+    assert "model.layers.0.linear_attn.in_proj_qkvz_ba" in model.optimize_summary["projections"].converted
     torch.testing.assert_close(model(prompt).logits, want)
 
 
@@ -95,7 +95,8 @@ def test_idempotent_casts_and_state_dict():
     assert la_keys == {k for k in keys if ".linear_attn." in k} - inputs | {
         "model.layers.0.linear_attn.in_proj_qkvzba.weight"}
     mps_ext.optimize(model)
-    assert model.optimize_summary.linear_attention == {"model.layers.0.linear_attn": "already"}
+    assert model.optimize_summary["linear_attention"].already == ["model.layers.0.linear_attn"]
+    assert not model.optimize_summary["linear_attention"].converted
     clone = copy.deepcopy(model).to(torch.bfloat16)
     assert isinstance(deltanet_layers(clone)[0], FusedDecodeMixin) and deltanet_layers(clone)[0].A_log.dtype == \
         torch.bfloat16

@@ -1,4 +1,4 @@
-"""mps_ext.optimize's fused projections (mps_ext/fused_projections.py) on
+"""mps_ext.optimize's fused projections (mps_ext/passes/projections.py) on
 transformers 5's tiny qwen3_moe, qwen3_5_moe and lfm2_moe: each group of
 projections that read one input is one host call and one dispatch at
 decode (it was one per projection), on every release's policy, float and
@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 import mps_ext
-from mps_ext import _executor_request, fused_projections
+from mps_ext import _executor_request
+from mps_ext.passes import projections as fused_projections
 from mps_ext.cpu_metal import run_model
-from mps_ext.fused_projections import ProjectionRows
+from mps_ext.passes.projections import ProjectionRows
 from model_compare import RELEASE
 from test_optimize import decode_counts, ids, make, optimized_against_stock_and_float64, prefill_and_decode, rel_err
 
@@ -106,9 +107,9 @@ def test_a_layers_decode_step_loses_the_calls_of_the_fused_members():
 @pytest.mark.parametrize("name", list(GROUPS))
 def test_fused_model_matches_unfused_stock_and_float64(figures, monkeypatch, name, dtype):
     model, prompt, step, ref, stock = optimized_against_stock_and_float64(name, dtype)
-    assert len(model.optimize_summary.projections) == len(GROUPS[name])
+    assert len(model.optimize_summary["projections"].converted) == len(GROUPS[name])
     apart = unfused(monkeypatch, name, dtype)
-    assert not apart.optimize_summary.projections
+    assert not apart.optimize_summary["projections"].converted
     # CPU tensors outside the runner: torch's CPU ops, a GEMM of the concatenated weight.
     for s, o in zip(stock, prefill_and_decode(model, prompt, step)):
         assert rel_err(o, s) <= (1e-5 if dtype == torch.float32 else 2e-2)
@@ -140,7 +141,7 @@ def test_fp8_groups_match_the_quantized_model(monkeypatch, name, granularity):
         fused = model.get_submodule(f"{p}.{f}")
         assert fused.granularity == "row" and fused.weight_scale.shape == (fused.out_features, 1)
         if granularity == "tensor":
-            assert "tensor scale repeated per row" in model.optimize_summary.projections[f"{p}.{f}"]
+            assert "tensor scale repeated per row" in model.optimize_summary["projections"].converted[f"{p}.{f}"]
     with run_model(RELEASE) as report:
         got = prefill_and_decode(model, prompt, step)
         unf = prefill_and_decode(apart, prompt, step)
@@ -241,9 +242,10 @@ def test_state_dict_casts_and_a_second_optimize():
     assert {"model.layers.0.linear_attn.in_proj_qkvzba.weight", "model.layers.1.self_attn.qkv_proj.weight"} <= new
     attn = model.model.layers[1].self_attn
     assert attn.k_proj.weight.data_ptr() == attn.qkv_proj.weight[attn.q_proj.out_features:].data_ptr()
-    assert mps_ext.optimize(model).optimize_summary.projections == {
-        "model.layers.0.linear_attn.in_proj_qkvzba": "already", "model.layers.1.self_attn.qkv_proj": "already"}
-    assert not model.optimize_summary.projections_left
+    assert mps_ext.optimize(model).optimize_summary["projections"].already == [
+        "model.layers.0.linear_attn", "model.layers.1.self_attn"]
+    assert not model.optimize_summary["projections"].converted
+    assert not model.optimize_summary["projections"].left
     prompt, step = ids(), ids(1, seed=2)
     want = prefill_and_decode(model, prompt, step)
     other = mps_ext.optimize(make("qwen3_5_moe"))
@@ -310,7 +312,7 @@ def test_members_found_reading_different_inputs_stop_sharing():
     mod = _CrossAttention()
     want = copy.deepcopy(mod)
     mps_ext.optimize(mod)
-    assert list(mod.optimize_summary.projections) == ["qkv_proj"] and mod.qkv_proj.bias.shape == (16,)
+    assert list(mod.optimize_summary["projections"].converted) == ["qkv_proj"] and mod.qkv_proj.bias.shape == (16,)
     seen = []
     for step in range(3):
         x, enc = torch.randn(2, 16), torch.randn(2, 16)

@@ -33,41 +33,24 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import logging
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .fp8 import (FP8Experts, FP8Linear, _expert_banks, _gate_is_not_silu, _holds_expert_banks, _model_bytes,
-                  _use_torch_cpu_ops, sort_slots)
+from ..fp8 import FP8Experts, FP8Linear, _expert_banks, _gate_is_not_silu, _holds_expert_banks, sort_slots
+from ._protocol import Pass, mismatch
+from ._runtime import kernels_for
 
-__all__ = ["FusedMoE", "MoEExperts", "OptimizeSummary", "optimize"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["FusedMoE", "MoEExperts", "MoEPass"]
 
 MAX_SLOTS = 1024  # moe_route's limit (grouped_mm_moe_params.h MOE_MAX_SLOTS): tokens x (top_k + shared)
 MAX_EXPERTS = 1024  # MOE_MAX_EXPERTS, the shared expert included
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _kernels_on_mps(family: str = "grouped_mm") -> bool:
-    import mps_ext
-    return mps_ext.is_available() and mps_ext._C.is_enabled(family)
-
-
-# Decided when dynamo traces a graph, as fp8._executor_requested is: a
-# pybind call it cannot trace.
-_kernels_on_mps._dynamo_marked_constant = True
-
-
-def _kernels_for(x: torch.Tensor, family: str = "grouped_mm") -> bool:
-    """Whether an op of `family` (moe_layer: grouped_mm) runs for x: on MPS
-    with mps_ext's kernels active, or on CPU tensors when the executor was
-    asked for."""
-    if x.device.type == "mps":
-        return _kernels_on_mps(family)
-    return x.device.type == "cpu" and not _use_torch_cpu_ops(x)
+def _kernels_for(x: torch.Tensor) -> bool:
+    return kernels_for(x, "grouped_mm")
 
 
 class MoEExperts(nn.Module):
@@ -343,7 +326,7 @@ def _plan(block: nn.Module) -> FusedMoE | str:
     extra += [n for n, b in block.named_buffers(recurse=False) if b is not None and n != "expert_bias"]
     if extra:
         return f"it holds {', '.join(extra)} beside its router and experts (optimize knows no such block)"
-    router = next((getattr(block, n) for n in _ROUTER_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
+    router = _router(block)
     if router is None:
         return "no router module named gate or router"
     if isinstance(experts, FP8Experts):
@@ -356,15 +339,9 @@ def _plan(block: nn.Module) -> FusedMoE | str:
             return f"its experts {type(experts).__name__}: {banks}"
         fp8, (gate_up, down), gate_up_scale, down_scale = False, banks, None, None
         e = gate_up.shape[0]
-        if gate_up.dtype not in _FLOAT:
-            raise ValueError(f"optimize runs float32, float16 or bfloat16 models (or quantize_fp8's fp8 experts); "
-                             f"{type(experts).__name__} holds {gate_up.dtype} banks")
     hidden, intermediate = gate_up.shape[2], gate_up.shape[1] // 2
     rw = getattr(router, "weight", None)
     dtype = rw.dtype if isinstance(rw, torch.Tensor) else None
-    if dtype is not None and dtype not in _FLOAT and dtype.is_floating_point:
-        raise ValueError(f"optimize runs float32, float16 or bfloat16 models (or quantize_fp8's fp8 experts); "
-                         f"the router {type(router).__name__} is {dtype}")
     bias = getattr(block, "expert_bias", None) if getattr(block, "use_expert_bias", True) else None
     sem = _router_semantics(router, hidden, gate_up.device, dtype, bias if isinstance(bias, torch.Tensor) else None)
     if isinstance(sem, str):
@@ -399,11 +376,27 @@ def _plan(block: nn.Module) -> FusedMoE | str:
     fused = FusedMoE(router_rows, new_experts, top_k, renormalize, fused_shared,
                      block.shared_expert if unfused else None, block.shared_expert_gate if unfused else None,
                      scoring)
-    why = _same_output(block, fused, hidden, gate_up.device, dtype)
-    if why:
-        return why
     fused.shared_reason = shared if unfused else None
     return fused
+
+
+def _router(block: nn.Module) -> nn.Module | None:
+    return next((getattr(block, n) for n in _ROUTER_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
+
+
+def _dtype_refusal(block: nn.Module) -> str | None:
+    """Why optimize refuses the whole model for this block's dtype (its
+    banks or router in a floating type the kernels do not take), or None."""
+    experts, router = block.experts, _router(block)
+    what = "optimize runs float32, float16 or bfloat16 models (or quantize_fp8's fp8 experts); "
+    if not isinstance(experts, FP8Experts):
+        banks = _expert_banks(experts)
+        if not isinstance(banks, str) and banks[0].dtype not in _FLOAT:
+            return what + f"{type(experts).__name__} holds {banks[0].dtype} banks"
+    rw = getattr(router, "weight", None)
+    if isinstance(rw, torch.Tensor) and rw.dtype not in _FLOAT and rw.dtype.is_floating_point:
+        return what + f"the router {type(router).__name__} is {rw.dtype}"
+    return None
 
 
 def _same_output(block, fused, hidden, device, dtype) -> str | None:
@@ -423,71 +416,11 @@ def _same_output(block, fused, hidden, device, dtype) -> str | None:
     # float32 model did not: bf16 rounding apart.
     tol = 1e-4 if dtype == torch.float32 and not isinstance(fused.experts, FP8Experts) else 3e-2
     if not err <= tol:
-        return (f"its output differs from a softmax top-k block's on a probe (relative error {err:.2g}): "
-                f"it computes something optimize does not know")
+        return mismatch(f"its output differs from a softmax top-k block's on a probe (relative error {err:.2g}): "
+                        f"it computes something optimize does not know")
     return None
 
 
-# ------------------------------------------------------------------ optimize --
-@dataclasses.dataclass
-class OptimizeSummary:
-    """What optimize did. `converted`: qualified name of each block made a
-    FusedMoE -> what it runs; `already`: blocks that were FusedMoE before
-    the call; `left`: qualified name of each MoE block (a module holding
-    expert banks, or the block around them) kept as it was -> why."""
-
-    converted: dict[str, str]
-    already: list[str]
-    left: dict[str, str]
-    bytes_before: int
-    bytes_after: int
-    # RMSNorm modules made FusedRMSNorm (mps_ext/fused_norm.py): name -> what
-    norms: dict[str, str] = dataclasses.field(default_factory=dict)
-    # Gated DeltaNet layers (mps_ext/fused_linear_attention.py): name -> what / why not.
-    linear_attention: dict[str, str] = dataclasses.field(default_factory=dict)
-    linear_attention_left: dict[str, str] = dataclasses.field(default_factory=dict)
-    # LFM2 conv layers (mps_ext/fused_short_conv.py): name -> what / why not.
-    short_conv: dict[str, str] = dataclasses.field(default_factory=dict)
-    short_conv_left: dict[str, str] = dataclasses.field(default_factory=dict)
-    # Projections that read one input, each group one layer (mps_ext/fused_projections.py): fused layer's
-    # name -> what it holds ("already" for those fused before the call); parent's members -> why not.
-    projections: dict[str, str] = dataclasses.field(default_factory=dict)
-    projections_left: dict[str, str] = dataclasses.field(default_factory=dict)
-    # Attention layers with q/k norms and rotary embedding on qk_norm_rope (mps_ext/fused_attention.py).
-    attention: dict[str, str] = dataclasses.field(default_factory=dict)
-    attention_left: dict[str, str] = dataclasses.field(default_factory=dict)
-    # Decoder layers with the residual add and post-attention norm on add_rms_norm (mps_ext/fused_decoder.py).
-    decoder_layers: dict[str, str] = dataclasses.field(default_factory=dict)
-    decoder_layers_left: dict[str, str] = dataclasses.field(default_factory=dict)
-
-    def __str__(self) -> str:
-        lines = [f"optimize: {len(self.converted)} MoE blocks on torch.ops.mps_ext.moe_layer (one call per layer "
-                 f"at decode), {len(self.already)} already, {len(self.left)} left; parameters and buffers "
-                 f"{self.bytes_before:,} -> {self.bytes_after:,} bytes"]
-        lines += [f"  {name}: {what}" for name, what in self.converted.items()]
-        lines += [f"  left {name}: {why}" for name, why in self.left.items()]
-        if self.norms:
-            lines.append(f"  {len(self.norms)} RMSNorms on torch.ops.mps_ext.rms_norm (one dispatch each)")
-        for field, what in _SECTIONS:
-            done, left = getattr(self, field), getattr(self, field + "_left")
-            if done or left:
-                lines.append(f"optimize: {len(done)} {what}, {len(left)} left")
-                lines += [f"  {name}: {how}" for name, how in done.items()]
-                lines += [f"  left {name}: {why}" for name, why in left.items()]
-        return "\n".join(lines)
-
-
-# OptimizeSummary's sections after the MoE blocks: (field, what its converted
-# entries are); each field has a `<field>_left` of the reasons.
-_SECTIONS = (
-    ("linear_attention", "linear-attention layers on torch.ops.mps_ext.linear_attention_decode at decode"),
-    ("short_conv", "short-convolution layers on torch.ops.mps_ext.short_conv_decode at decode"),
-    ("projections", "groups of projections that read one input as one layer each (one GEMV at decode)"),
-    ("attention", "attention layers with q/k norms and rotary embedding on torch.ops.mps_ext.qk_norm_rope "
-                  "(one dispatch)"),
-    ("decoder_layers", "decoder layers with the residual add and post-attention norm on "
-                       "torch.ops.mps_ext.add_rms_norm (one dispatch)"),
-)
 
 
 def _describe(block: nn.Module, fused: FusedMoE) -> str:
@@ -500,89 +433,51 @@ def _describe(block: nn.Module, fused: FusedMoE) -> str:
             + (f"; {fused.scoring.describe(fused.expert_bias is not None)} router" if fused.scoring.sigmoid else ""))
 
 
-def optimize(model: nn.Module) -> nn.Module:
-    """Put `model` on mps_ext's fastest path, in place; returns the model.
-    Each mixture-of-experts block it recognises (module docstring) becomes
-    a FusedMoE: at decode, one torch.ops.mps_ext.moe_layer call per layer;
-    each RMSNorm it recognises (mps_ext/fused_norm.py) a FusedRMSNorm, one
-    torch.ops.mps_ext.rms_norm dispatch; each Gated DeltaNet layer
-    (Qwen3.5/3.6-MoE's linear attention) decodes on
-    torch.ops.mps_ext.linear_attention_decode between its projections
-    (mps_ext/fused_linear_attention.py); each LFM2 conv layer decodes on
-    torch.ops.mps_ext.short_conv_decode between its projections
-    (mps_ext/fused_short_conv.py); each group of projections that read
-    one input (q/k/v, a DeltaNet's four input projections, an MLP's gate and
-    up) becomes one linear layer of the concatenated weights, one GEMV
-    (mps_ext/fused_projections.py); each attention layer with per-head q/k
-    norms has them and its rotary embedding on one
-    torch.ops.mps_ext.qk_norm_rope call (mps_ext/fused_attention.py); each
-    decoder layer its residual add and post-attention norm on one
-    torch.ops.mps_ext.add_rms_norm call (mps_ext/fused_decoder.py). Idempotent. The OptimizeSummary of
-    what it converted and what it left (and why) is `model.optimize_summary`, also logged (logger
-    "mps_ext.fused_moe", INFO). Works on floating and quantize_fp8'd
-    models, on any device (CPU tensors run torch's own ops); eager and
-    torch.compile. Raises TypeError for anything but an nn.Module and
-    ValueError for MoE blocks in a dtype the kernels do not take."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"mps_ext.optimize takes a torch.nn.Module (a loaded model), got {type(model).__name__}")
-    bytes_before = _model_bytes(model)
-    already, left, plans = [], {}, []
-    inside: list[str] = []  # blocks handled: their banks are not reported again
-    for name, mod in model.named_modules():
-        if any(name.startswith(p + ".") for p in inside):
-            continue
-        if isinstance(mod, FusedMoE):
-            already.append(name)
-            inside.append(name)
-            continue
-        experts = getattr(mod, "experts", None)
-        if isinstance(experts, nn.Module) and (isinstance(experts, FP8Experts) or _holds_expert_banks(experts)):
-            inside.append(name)
-            if not name:
-                left[name] = "the model itself: optimize replaces blocks inside it"
+def _is_block(module: nn.Module) -> bool:
+    experts = getattr(module, "experts", None)
+    return isinstance(experts, nn.Module) and (isinstance(experts, FP8Experts) or _holds_expert_banks(experts))
+
+
+class MoEPass(Pass):
+    """A mixture-of-experts block (module docstring) -> FusedMoE."""
+
+    name = "moe"
+    title = "MoE blocks on torch.ops.mps_ext.moe_layer (one call per layer at decode)"
+
+    def candidates(self, model):
+        names, inside = [], []  # blocks found: their banks are not candidates again
+        for name, mod in model.named_modules():
+            if any(name.startswith(p + ".") for p in inside):
                 continue
-            plan = _plan(mod)
-            if isinstance(plan, str):
-                left[name] = plan
-            else:
-                plans.append((name, mod, plan))
-        elif _holds_expert_banks(mod) and not isinstance(mod, MoEExperts):
-            left[name] = "expert banks outside a block with an `experts` child (optimize knows no such block)"
-    converted = {}
-    for name, mod, plan in plans:
+            if isinstance(mod, FusedMoE) or _is_block(mod):
+                inside.append(name)
+                names.append(name)
+            elif _holds_expert_banks(mod) and not isinstance(mod, MoEExperts):
+                names.append(name)
+        return names
+
+    def refuse(self, model):
+        for name in self.candidates(model):
+            block = model.get_submodule(name)
+            why = _is_block(block) and not isinstance(block, FusedMoE) and _dtype_refusal(block)
+            if why:
+                raise ValueError(why)
+
+    def already(self, module):
+        return isinstance(module, FusedMoE)
+
+    def plan(self, model, name, module):
+        if not _is_block(module):
+            return "expert banks outside a block with an `experts` child (optimize knows no such block)"
+        if not name:
+            return "the model itself: optimize replaces blocks inside it"
+        return _plan(module)
+
+    def probe(self, model, name, module, plan):
+        return _same_output(module, plan, plan.hidden, plan.router.device, plan.router.dtype)
+
+    def apply(self, model, name, module, plan):
         parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        plan.train(mod.training)
-        setattr(parent, leaf, plan)
-        converted[name] = _describe(mod, plan)
-    from .fused_linear_attention import optimize_linear_attention
-    la_converted, la_already, la_left = optimize_linear_attention(model)
-    from .fused_short_conv import optimize_short_conv
-    sc_converted, sc_already, sc_left = optimize_short_conv(model)
-    from .fused_norm import fuse_norms
-    norms = fuse_norms(model)  # after the linear-attention layers: it leaves their gated norms
-    from .fused_projections import fuse_projections
-    # Last: the MoE blocks take a shared expert's gate_proj and up_proj as they are, and the
-    # linear-attention layers are recognised by their four input projections.
-    projections, proj_already, proj_left = fuse_projections(model)
-    from .fused_attention import optimize_attention
-    # After fuse_norms (the op takes FusedRMSNorm's weights) and after fuse_projections, so that the
-    # probe runs each layer as it will run: q, k and v as views of the fused projection's output.
-    attention, attn_already, attn_left = optimize_attention(model)
-    from .fused_decoder import optimize_decoder_layers
-    # Last: its probe runs each layer's mixer and feed-forward as they will run.
-    decoder, decoder_already, decoder_left = optimize_decoder_layers(model)
-    summary = OptimizeSummary(converted, already, left, bytes_before, _model_bytes(model), norms=norms,
-                              linear_attention={**la_converted, **{n: "already" for n in la_already}},
-                              linear_attention_left=la_left,
-                              short_conv={**sc_converted, **{n: "already" for n in sc_already}},
-                              short_conv_left=sc_left,
-                              projections={**projections, **{n: "already" for n in proj_already}},
-                              projections_left=proj_left,
-                              attention={**attention, **{n: "already" for n in attn_already}},
-                              attention_left=attn_left,
-                              decoder_layers={**decoder, **{n: "already" for n in decoder_already}},
-                              decoder_layers_left=decoder_left)
-    model.optimize_summary = summary
-    logger.info("%s", summary)
-    return model
+        plan.train(module.training)
+        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, plan)
+        return _describe(module, plan)
