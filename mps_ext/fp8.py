@@ -135,20 +135,21 @@ class _FP8Module(nn.Module):
 
     def _apply(self, fn, recurse=True):
         kept = {id(b) for b in self._buffers.values() if b is not None}
+        return super()._apply(lambda t: without_casts(fn, t) if id(t) in kept else fn(t), recurse)
 
-        def without_casts(t):
-            if id(t) not in kept:
-                return fn(t)
-            # What fn does to floating-point tensors, learnt on empty ones of
-            # two dtypes (any cast changes one of them; not float8, whose
-            # conversions on MPS before torch 2.15 are mps_ext's fp8 family,
-            # which may be turned off): if it casts, take its device only.
-            probes = [(fn(torch.empty(0, dtype=d, device=t.device)), d) for d in (torch.float16, torch.float32)]
-            if all(p.dtype == d for p, d in probes):
-                return fn(t)
-            return t.to(probes[0][0].device)
 
-        return super()._apply(without_casts, recurse)
+def without_casts(fn, t: torch.Tensor) -> torch.Tensor:
+    """What a module-wide `_apply` function `fn` does to t, but casts: a
+    tensor stored in a fixed dtype (fp8 weights, fp32 scales) moves with
+    the model and keeps its dtype."""
+    # What fn does to floating-point tensors, learnt on empty ones of two
+    # dtypes (any cast changes one of them; not float8, whose conversions on
+    # MPS before torch 2.15 are mps_ext's fp8 family, which may be turned
+    # off): if it casts, take its device only.
+    probes = [(fn(torch.empty(0, dtype=d, device=t.device)), d) for d in (torch.float16, torch.float32)]
+    if all(p.dtype == d for p, d in probes):
+        return fn(t)
+    return t.to(probes[0][0].device)
 
 
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

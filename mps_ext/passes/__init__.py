@@ -11,7 +11,7 @@ needs (`Pass.after`):
 
 | pass | converts | into |
 |---|---|---|
-| moe | mixture-of-experts blocks (router, experts, shared expert) | FusedMoE: moe_layer, one call at decode |
+| moe | mixture-of-experts blocks (router, experts, shared expert) | their decode on moe_layer, one call |
 | linear_attention | Gated DeltaNet layers (Qwen3.5/3.6) | their decode step on linear_attention_decode |
 | short_conv | LFM2's short-convolution layers | their decode step on short_conv_decode |
 | norms | RMSNorm modules | FusedRMSNorm: rms_norm |
@@ -36,12 +36,12 @@ from ._protocol import Pass, ProbeMismatch, Section, run_pass
 from .attention import AttentionPass
 from .decoder import DecoderPass
 from .linear_attention import LinearAttentionPass
-from .moe import FusedMoE, MoEExperts, MoEPass
+from .moe import FusedMoEMixin, MoEPass
 from .norm import FusedRMSNorm, NormPass
 from .projections import ProjectionsPass
 from .short_conv import ShortConvPass
 
-__all__ = ["PASSES", "AttentionPass", "DecoderPass", "FusedMoE", "FusedRMSNorm", "LinearAttentionPass", "MoEExperts",
+__all__ = ["PASSES", "AttentionPass", "DecoderPass", "FusedMoEMixin", "FusedRMSNorm", "LinearAttentionPass",
            "MoEPass", "NormPass", "OptimizeSummary", "Pass", "ProjectionsPass", "Section", "ShortConvPass", "optimize",
            "run_pass"]
 

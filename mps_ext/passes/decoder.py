@@ -8,7 +8,7 @@ Eager, after the other swaps, such a layer still runs between its mixer
 `h = residual + mixer_out` (an add), `post_norm(h)` (FusedRMSNorm: one
 rms_norm) and, after the feed-forward, `h + ffn(normed)` (an add). Here the
 first two are one torch.ops.mps_ext.add_rms_norm dispatch
-(mps_ext.fused_norm.add_rms_norm), and a FusedMoE feed-forward is called as
+(mps_ext.fused_norm.add_rms_norm), and an optimized MoE feed-forward is called as
 `ffn(normed, residual=h)`, which returns the sum itself (so that its op can
 add it in its last dispatch); a dense MLP keeps `h + mlp(normed)`. The rest
 of the forward is the model's, line for line: the input norm, the mixer
@@ -44,7 +44,7 @@ from torch import nn
 
 from ._classes import fused_subclass, original_class, register_maker, register_mixin
 from ._protocol import Pass, mismatch
-from .moe import FusedMoE
+from .moe import FusedMoEMixin
 from .norm import FusedRMSNorm, add_rms_norm, add_then_norm
 
 __all__ = ["DecoderPass", "FusedDecoderLayerMixin"]
@@ -113,7 +113,7 @@ class _Plan:
 class FusedDecoderLayerMixin:
     """The forward of a transformers 5 decoder layer with its residual add
     and post-attention norm as one mps_ext.passes.norm.add_rms_norm call
-    (a FusedMoE feed-forward adding the second residual); the layer's own
+    (an optimized MoE feed-forward adding the second residual); the layer's own
     forward (the next class in the MRO) where that does not run (module
     docstring)."""
 
@@ -151,7 +151,7 @@ class FusedDecoderLayerMixin:
             hidden_states, _ = hidden_states
         hidden_states, normed = add_norm(hidden_states, residual, getattr(self, layout.post_norm))
         ffn = getattr(self, layout.ffn)
-        if isinstance(ffn, FusedMoE):
+        if isinstance(ffn, FusedMoEMixin):
             return ffn(normed, residual=hidden_states)
         out = ffn(normed)
         if isinstance(out, tuple):  # Qwen3.5's MoE blocks return (output, router logits) when left unfused
@@ -297,7 +297,7 @@ class DecoderPass(Pass):
         module._mps_ext_decoder = plan
         ffn = getattr(module, plan.layout.ffn)
         return (f"{cls.__name__} -> {plan.mixer}'s residual add and {plan.layout.post_norm} on add_rms_norm"
-                + (", the second residual add in the FusedMoE call" if isinstance(ffn, FusedMoE) else ""))
+                + (", the second residual add in the MoE block's moe_layer call" if isinstance(ffn, FusedMoEMixin) else ""))
 
     def revert(self, model, name):
         module = model.get_submodule(name) if name else model

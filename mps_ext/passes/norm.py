@@ -69,7 +69,9 @@ class FusedRMSNorm(nn.Module):
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"FusedRMSNorm: variant must be one of {VARIANTS}, got {variant!r}")
-        self.weight = nn.Parameter(weight.detach(), requires_grad=weight.requires_grad)
+        # The norm's own Parameter where it has one: an optimizer made before optimize keeps training it.
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight.detach(),
+                                                                                   requires_grad=weight.requires_grad)
         self.eps, self.variant = float(eps), variant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

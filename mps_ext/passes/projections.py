@@ -40,6 +40,8 @@ says which.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -222,6 +224,54 @@ def _describe(names: list[str], members: list[nn.Module], fused: nn.Module) -> s
             + (f" ({', '.join(tensor)}: tensor scale repeated per row)" if tensor else ""))
 
 
+# ------------------------------------------------------------------ the state dict --
+# The parent's state dict keeps the members' names and tensors (save_pretrained writes what from_pretrained
+# reads into the unfused model): each member's rows of the fused weight (bias, scales) under its own name,
+# and load_state_dict takes them back into the fused layer.
+def _member_entries(fused: nn.Module, member: dict) -> dict:
+    """The member's state-dict entries ({suffix: tensor}) from the fused
+    layer's: its rows of the weight and bias, and of its scales in the
+    shape the member had (views)."""
+    start, stop = member["rows"]
+    out = {"weight": fused.weight[start:stop]}
+    if fused.bias is not None:
+        out["bias"] = fused.bias[start:stop]
+    if isinstance(fused, FP8Linear):
+        scale = fused.weight_scale
+        if fused.granularity == "block":
+            scale = scale[start // BLOCK:-(-stop // BLOCK)]
+        else:
+            scale = scale[start:stop]
+            if member["scale_shape"] != tuple(scale.shape):  # a tensor scale, repeated over the rows when fused
+                scale = scale[0].reshape(member["scale_shape"])
+        out["weight_scale"] = scale
+    return out
+
+
+def _state_dict_hook(fused_name: str, members: dict, module, state_dict, prefix, local_metadata):
+    fused = getattr(module, fused_name)
+    for key in [k for k in state_dict if k.startswith(f"{prefix}{fused_name}.")]:
+        del state_dict[key]
+    for name, member in members.items():
+        for suffix, t in _member_entries(fused, member).items():
+            state_dict[f"{prefix}{name}.{suffix}"] = t.detach()
+
+
+def _load_hook(fused_name: str, members: dict, module, state_dict, prefix, *args):
+    names = [f"{prefix}{n}.weight" for n in members]
+    if not all(k in state_dict for k in names):
+        return  # the fused layer's own names, or nothing of this group: torch's own load says what is missing
+    fused = getattr(module, fused_name)
+    for suffix in ("weight", "bias", "weight_scale"):
+        keys = [f"{prefix}{n}.{suffix}" for n in members]
+        if not any(k in state_dict for k in keys):
+            continue
+        parts = [state_dict.pop(k) for k in keys]
+        if suffix == "weight_scale" and fused.granularity != "block":
+            parts = [t.reshape(-1, 1).expand(m["rows"][1] - m["rows"][0], 1) for t, m in zip(parts, members.values())]
+        state_dict[f"{prefix}{fused_name}.{suffix}"] = torch.cat(parts)
+
+
 def _offloaded(m: nn.Module) -> bool:
     """Weights accelerate loads at call time (a hook, the meta device): a
     concatenation of them now would hold nothing the hook ever fills."""
@@ -271,6 +321,11 @@ class ProjectionsPass(Pass):
             hooked = [n for n in present if children[n]._forward_hooks or children[n]._forward_pre_hooks]
             if hooked:  # a fused member's hooks would see a call that computes nothing
                 plan.left[where.format(", ".join(present))] = f"forward hooks on {', '.join(hooked)}"
+                continue
+            viewed = [n for n in present if "_mps_ext_view_of" in children[n].__dict__]
+            if viewed:
+                what = children[viewed[0]].__dict__["_mps_ext_view_of"]
+                plan.left[where.format(", ".join(present))] = f"{', '.join(viewed)}: views of {what}"
                 continue
             offloaded = [n for n in present if _offloaded(children[n])]
             if offloaded:
@@ -333,12 +388,16 @@ class ProjectionsPass(Pass):
             fname = _fused_name(parent, names)
             parent.add_module(fname, fused)
             memo = _Memo(tuple(m.out_features for m in mods))
-            start = 0
+            start, members = 0, {}
             for i, (n, m) in enumerate(zip(names, mods)):
                 rows = ProjectionRows(parent, fname, i, start, start + m.out_features, m.in_features, memo)
                 rows.train(m.training)
                 setattr(parent, n, rows)
+                members[n] = {"rows": (start, start + m.out_features),
+                              "scale_shape": tuple(m.weight_scale.shape) if isinstance(m, FP8Linear) else None}
                 start += m.out_features
+            parent.register_state_dict_post_hook(functools.partial(_state_dict_hook, fname, members))
+            parent.register_load_state_dict_pre_hook(functools.partial(_load_hook, fname, members))
             out[f"{name}.{fname}" if name else fname] = _describe(names, mods, fused)
             del mods, fused  # the members' own weights go with them
         return out

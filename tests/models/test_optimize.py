@@ -15,7 +15,7 @@ import transformers
 import mps_ext
 from mps_ext import FP8Experts, _executor_request
 from mps_ext.cpu_metal import run_model
-from mps_ext.passes.moe import FusedMoE, MoEExperts
+from mps_ext.passes.moe import FusedMoEMixin
 from mps_ext.passes.norm import FusedRMSNorm
 from model_compare import RELEASE
 
