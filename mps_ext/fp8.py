@@ -516,6 +516,10 @@ def quantize_fp8(model: nn.Module, granularity: str = "row",
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     keep = filter or _default_filter
     excluded = "excluded by the filter" + ("" if filter else " (LM head, MoE router: quantize_fp8's default)")
+    # Blocks mps_ext.optimize put on moe_layer read banks quantize_fp8 replaces: they are taken back to
+    # their own class first and optimized again after (their shared expert quantized as the banks are).
+    from .passes.moe import unfuse_blocks
+    optimized = unfuse_blocks(model)
     bytes_before = _model_bytes(model)
     left: dict[str, str] = {}
     banks_left: dict[str, str] = {}
@@ -542,6 +546,9 @@ def quantize_fp8(model: nn.Module, granularity: str = "row",
         mod = getattr(parent, leaf)
         setattr(parent, leaf, convert(mod, granularity) if kind == "FP8Linear" else convert(mod))
         converted[kind].append(name)
+    if optimized:
+        from .passes import optimize
+        optimize(model)
     summary = FP8Summary(converted, left, bytes_before, _model_bytes(model))
     model.fp8_summary = summary
     logger.info("%s", summary)

@@ -588,10 +588,23 @@ class MoEPass(Pass):
 
     def revert(self, model, name):
         module = model.get_submodule(name) if name else model
-        for handle in module._mps_ext_moe.hooks:
+        k = module._mps_ext_moe
+        for handle in k.hooks:
             handle.remove()
+        for m, *_ in k.aliases:  # (their tensors stay views of the banks, which they keep alive)
+            m.__dict__.pop("_mps_ext_view_of", None)
         module.__class__ = original_class(type(module))
-        module.__dict__.pop("_mps_ext_moe", None)
+        del module._mps_ext_moe
+
+
+def unfuse_blocks(model: nn.Module) -> list[str]:
+    """Every optimized MoE block of `model` back to its own class (its
+    parameters stay where they are): what quantize_fp8 converts, before it
+    replaces their experts and shared expert; the names of those blocks."""
+    names = [n for n, m in model.named_modules() if isinstance(m, FusedMoEMixin)]
+    for name in names:
+        MoEPass().revert(model, name)
+    return names
 
 
 def _shared_expert_state(module, state_dict, prefix, local_metadata):

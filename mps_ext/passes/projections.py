@@ -242,7 +242,7 @@ def _member_entries(fused: nn.Module, member: dict) -> dict:
             scale = scale[start // BLOCK:-(-stop // BLOCK)]
         else:
             scale = scale[start:stop]
-            if member["scale_shape"] != tuple(scale.shape):  # a tensor scale, repeated over the rows when fused
+            if member["scale_shape"] not in (None, tuple(scale.shape)):  # a tensor scale, repeated when fused
                 scale = scale[0].reshape(member["scale_shape"])
         out["weight_scale"] = scale
     return out
