@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ._classes import original_class
+from ._protocol import _exact
 
 PROMPT = 5      # tokens of each prompt (the second: 2 of them padding)
 NEW_TOKENS = 3  # greedy tokens generated before the crop
@@ -78,7 +79,7 @@ def difference(want, got, tolerance: float, where: str = "output", _depth: int =
         if want.shape != got.shape or want.dtype != got.dtype:
             return f"{where}: shape {tuple(want.shape)} {want.dtype} against {tuple(got.shape)} {got.dtype}"
         if want.is_floating_point() and tolerance:
-            w, g = want.detach().double(), got.detach().double()
+            w, g = _exact(want), _exact(got)
             scale = float(w.abs().max()) if w.numel() else 0.0
             err = float((w - g).abs().max()) if w.numel() else 0.0
             ok = bool(torch.equal(w.isnan(), g.isnan())) and (err <= tolerance * scale or err == 0.0)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 
@@ -81,6 +82,18 @@ class Pass:
     def revert(self, model: nn.Module, name: str) -> None:
         """Undo apply (stateful passes: after a failed episode)."""
         raise NotImplementedError(f"the {self.name} pass converts for good")
+
+    def witness(self, model: nn.Module, name: str):
+        """A tensor the converted module's kernel reads (the summary's
+        entry `name`): what shows, in a trace of mps_ext's ops, that the
+        conversion runs."""
+        raise NotImplementedError
+
+
+def _exact(t: torch.Tensor) -> torch.Tensor:
+    """t in float64 on the CPU, for a probe's comparison or reference: MPS
+    has no float64."""
+    return t.detach().to("cpu", torch.float64)
 
 
 class ProbeMismatch(str):

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from ._classes import fused_subclass, original_class, register_maker, register_mixin
-from ._protocol import Pass, mismatch
+from ._protocol import Pass, _exact, mismatch
 from ._runtime import kernels_for
 from .norm import _FLOAT, MAX_HEAD_DIM, FusedRMSNorm, qk_norm_rope, qk_norm_rope_reference
 
@@ -378,7 +378,7 @@ def _probe(mod: nn.Module, original, plan: _Plan, rotary: set[int]) -> frozenset
                     continue
                 got = mod._fused_forward(_REFERENCE, x, (cos, sin), None)[0]
                 if not (got.shape == want.shape and torch.equal(got, want)):
-                    err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
+                    err = float((_exact(got) - _exact(want)).abs().max() / _exact(want).abs().max())
                     return mismatch(f"its output differs on a probe (rotary size {r}, relative error {err:.2g}): its "
                                     "rotary embedding is not rotate_half's, or its forward does something else")
                 ok.append(r)
@@ -447,6 +447,9 @@ class AttentionPass(Pass):
         return (f"{cls.__name__} -> {plan.q_norm}, {plan.k_norm} and rotary embedding on qk_norm_rope "
                 f"({heads} query heads, {module.k_proj.out_features // d} key heads of {d}, rotary "
                 f"{', '.join(map(str, sorted(sizes)))}{', output gate' if plan.gated else ''})")
+
+    def witness(self, model, name):
+        return getattr(model.get_submodule(name), model.get_submodule(name)._mps_ext_attention.q_norm).weight
 
     def revert(self, model, name):
         module = model.get_submodule(name) if name else model

@@ -299,6 +299,9 @@ class DecoderPass(Pass):
         return (f"{cls.__name__} -> {plan.mixer}'s residual add and {plan.layout.post_norm} on add_rms_norm"
                 + (", the second residual add in the MoE block's moe_layer call" if isinstance(ffn, FusedMoEMixin) else ""))
 
+    def witness(self, model, name):
+        return getattr(model.get_submodule(name), model.get_submodule(name)._mps_ext_decoder.layout.post_norm).weight
+
     def revert(self, model, name):
         module = model.get_submodule(name) if name else model
         module.__class__ = original_class(type(module))

@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ._classes import fused_subclass, original_class, register_maker, register_mixin
-from ._protocol import Pass, mismatch
+from ._protocol import Pass, _exact, mismatch
 from ._runtime import kernels_for
 
 __all__ = ["FusedDecodeMixin", "LinearAttentionPass", "gated_delta_step", "linear_attention_decode_reference"]
@@ -56,7 +56,7 @@ def gated_delta_step(qkv, z, b, a, conv_state, recurrent_state, conv_weight, A_l
     (Qwen3-Next / Qwen3.5): (output [batch, v_heads * dv], the moved
     convolution window, the new state), the inputs left as they are."""
     qkv, z, b, a, window, state, conv_w, A_log, dt_bias, norm_w = (
-        t.double() for t in (qkv, z, b, a, conv_state, recurrent_state, conv_weight, A_log, dt_bias, norm_weight))
+        _exact(t) for t in (qkv, z, b, a, conv_state, recurrent_state, conv_weight, A_log, dt_bias, norm_weight))
     batch, v_heads, dk, dv = state.shape
     window = torch.cat([window[:, :, 1:], qkv[:, :, None]], -1)
     x = F.silu((window * conv_w).sum(-1))
@@ -88,7 +88,7 @@ def linear_attention_decode_reference(qkv, z, b, a, conv_state, recurrent_state,
                                           norm_weight, k_heads, eps)
     conv_state.copy_(window.to(conv_state.dtype))
     recurrent_state.copy_(state.to(recurrent_state.dtype))
-    return out.to(qkv.dtype)
+    return out.to(qkv.device, qkv.dtype)
 
 
 def recurrent_call(args: tuple, kwargs: dict):
@@ -100,20 +100,21 @@ def recurrent_call(args: tuple, kwargs: dict):
     return hidden, cache, mask
 
 
-def cached_decode_step(hidden_states, cache, attention_mask, layer_idx: int, family: str | None) -> bool:
+def cached_decode_step(hidden_states, cache, attention_mask, layer_idx: int, family: str | None,
+                       recording_too: bool = False) -> bool:
     """Whether a recurrent layer's call (Gated DeltaNet, LFM2's short
     convolution) is one cached decode token a kernel of `family` takes
     (None: wherever, for the reference ops): [batch, 1, features] floating,
     no derivative asked (the ops have none), and transformers' own decode
-    condition (a cache not recording the past, no mask: a padding mask
-    zeroes the token's input, apply_mask_to_padding_states, which is left
-    to the layer)."""
+    condition (no mask: a padding mask zeroes the token's input,
+    apply_mask_to_padding_states, which is left to the layer; a cache not
+    recording its past, unless `recording_too`)."""
     recording = getattr(cache, "is_recording_past", None)
     return (isinstance(hidden_states, torch.Tensor) and callable(recording) and hidden_states.dim() == 3
             and hidden_states.shape[1] == 1 and hidden_states.dtype in _FLOAT
             and (family is None or kernels_for(hidden_states, family))
             and not (torch.is_grad_enabled() and hidden_states.requires_grad)
-            and attention_mask is None and not recording(layer_idx))
+            and attention_mask is None and (recording_too or not recording(layer_idx)))
 
 
 @register_mixin
@@ -319,6 +320,9 @@ class LinearAttentionPass(Pass):
         module.__class__ = _fused_class(type(module))
         return (f"{original_class(type(module)).__name__} -> decode on linear_attention_decode "
                 f"({module.num_v_heads} value heads, {module.num_k_heads} key heads)")
+
+    def witness(self, model, name):
+        return model.get_submodule(name).A_log
 
     def revert(self, model, name):
         module = model.get_submodule(name) if name else model

@@ -586,6 +586,9 @@ class MoEPass(Pass):
             plan.hooks.append(module.register_state_dict_post_hook(_shared_expert_state))
         return _describe(module, plan)
 
+    def witness(self, model, name):
+        return model.get_submodule(name)._mps_ext_moe.gate_up
+
     def revert(self, model, name):
         module = model.get_submodule(name) if name else model
         k = module._mps_ext_moe

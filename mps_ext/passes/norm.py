@@ -199,6 +199,9 @@ class NormPass(Pass):
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, fused)
         return f"{type(module).__name__} -> FusedRMSNorm ({plan.variant}, eps={plan.eps:g})"
 
+    def witness(self, model, name):
+        return model.get_submodule(name).weight
+
 
 def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:

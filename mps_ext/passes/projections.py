@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..fp8 import BLOCK, FP8Linear, fp8_linear
-from ._protocol import Pass, mismatch
+from ._protocol import Pass, _exact, mismatch
 
 __all__ = ["GROUPS", "ProjectionRows", "ProjectionsPass"]
 
@@ -372,8 +372,8 @@ class ProjectionsPass(Pass):
                 rows = fused(x).split([m.out_features for m in mods], -1)
                 for n, m, got in zip(members, mods, rows):
                     want = m(x)
-                    err = float((got.double() - want.double()).abs().max() /
-                                want.double().abs().max().clamp_min(1e-30))
+                    err = float((_exact(got) - _exact(want)).abs().max() /
+                                _exact(want).abs().max().clamp_min(1e-30))
                     if not err <= (1e-5 if dtype == torch.float32 else 2e-2):
                         return mismatch(f"{n}'s product differs from its rows of the concatenation on a probe "
                                         f"(relative error {err:.2g}): it is not a plain linear layer")
@@ -401,6 +401,9 @@ class ProjectionsPass(Pass):
             out[f"{name}.{fname}" if name else fname] = _describe(names, mods, fused)
             del mods, fused  # the members' own weights go with them
         return out
+
+    def witness(self, model, name):
+        return model.get_submodule(name).weight  # (the fused layer's: the summary names it)
 
 
 def _kind_text(kind: tuple) -> str:

@@ -70,18 +70,31 @@ class FusedShortConvMixin:
         wherever the kernel would run), as a function of no arguments; None
         where the layer's own forward runs."""
         hidden_states, cache, mask = recurrent_call(args, kwargs)
-        if not cached_decode_step(hidden_states, cache, mask, self.layer_idx, None if reference else "linear"):
+        if not cached_decode_step(hidden_states, cache, mask, self.layer_idx, None if reference else "linear",
+                                  recording_too=True):
             return None
-        get_conv = getattr(cache, "get_conv_state", None)
+        # A cache recording its past (transformers' deferred stop check on MPS, for a cache the caller gets
+        # back) keeps every window since its last crop: the step runs on a copy of the window, and the cache
+        # appends the new column as the model's own step makes it do (update_conv_state).
+        recording = cache.is_recording_past(self.layer_idx)
+        get_conv, append = getattr(cache, "get_conv_state", None), getattr(cache, "update_conv_state", None)
         conv_state = get_conv(self.layer_idx, state_idx=0) if callable(get_conv) else None
         w, b, dt = self.conv.weight, self.conv.bias, hidden_states.dtype
+        k = w.shape[-1]
         # what the op takes (else its error would reach the user): one dtype, a contiguous window and weight
-        if (not isinstance(conv_state, torch.Tensor) or conv_state.dtype != dt or not conv_state.is_contiguous()
-                or conv_state.shape[-1] != w.shape[-1] or w.dtype != dt or not w.is_contiguous()
-                or (b is not None and (b.dtype != dt or not b.is_contiguous()))):
+        if (not isinstance(conv_state, torch.Tensor) or conv_state.dtype != dt or conv_state.shape[-1] != k
+                or not (recording or conv_state.is_contiguous()) or (recording and not callable(append))
+                or w.dtype != dt or not w.is_contiguous() or (b is not None and (b.dtype != dt or not b.is_contiguous()))):
             return None
         op = short_conv_decode_reference if reference else torch.ops.mps_ext.short_conv_decode
-        return lambda: self.out_proj(op(self.in_proj(hidden_states), conv_state, w.view(w.shape[0], -1), b))
+
+        def step():
+            window = conv_state.clone(memory_format=torch.contiguous_format) if recording else conv_state
+            y = op(self.in_proj(hidden_states), window, w.view(w.shape[0], -1), b)
+            if recording:
+                append(window[..., -1:], self.layer_idx, conv_kernel_size=k)
+            return self.out_proj(y)
+        return step
 
 
 def _fused_class(cls: type) -> type:
@@ -167,6 +180,9 @@ class ShortConvPass(Pass):
         w = module.conv.weight
         return (f"{original_class(type(module)).__name__} -> decode on short_conv_decode ({w.shape[0]} channels, "
                 f"window {w.shape[-1]}{', bias' if module.conv.bias is not None else ''})")
+
+    def witness(self, model, name):
+        return model.get_submodule(name).conv.weight
 
     def revert(self, model, name):
         module = model.get_submodule(name) if name else model
