@@ -149,6 +149,62 @@ def test_a_layer_called_as_the_pass_does_not_know_is_left_not_reported(monkeypat
     assert torch.equal(generate(model), want)
 
 
+# ----------------------------------------------------------- every pass --
+def _model_where_it_converts(p):
+    """(model name, the names the pass converts in it)."""
+    for name in NAMES:
+        model = mps_ext.optimize(build(name))
+        done = list(model.optimize_summary[p.name].converted)
+        if done:
+            return name, done
+    raise AssertionError(f"no test model has a module the {p.name} pass converts")
+
+
+def _plant(module: torch.nn.Module) -> None:
+    """The module's outputs scaled by 1.001: a module shaped as the pass
+    knows that computes something else."""
+    cls = type(module)
+
+    class Planted(cls):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            return (out[0] * 1.001, *out[1:]) if isinstance(out, tuple) else out * 1.001
+    module.__class__ = Planted
+
+
+@pytest.mark.parametrize("p", passes.PASSES, ids=lambda p: p.name)
+def test_every_pass_keeps_the_protocol(p):
+    """The conformance suite, for each pass: it converts something in one of
+    the test models; a second optimize finds it converted already; a
+    stateful pass's revert gives the module its own class back; a module
+    of its kind that computes something else (planted) is left, with the
+    reason, and the model gives the planted model's outputs."""
+    name, done = _model_where_it_converts(p)
+    model = mps_ext.optimize(build(name))
+    mps_ext.optimize(model)
+    assert not model.optimize_summary[p.name].converted and model.optimize_summary[p.name].already
+    if p.stateful:
+        from mps_ext.passes._classes import original_class
+        module = model.get_submodule(done[0])
+        cls = original_class(type(module))
+        p.revert(model, done[0])
+        assert type(module) is cls
+    planted = build(name)
+    target = done[0]
+    if p.name == "projections":  # the summary names the fused layer; plant its first member
+        parent = planted.get_submodule(target.rpartition(".")[0])
+        member = next(n for group in passes.projections.GROUPS for n in group if hasattr(parent, n))
+        target = f"{target.rpartition('.')[0]}.{member}"
+    _plant(planted.get_submodule(target))
+    want = generate(planted)
+    mps_ext.optimize(planted)
+    s = planted.optimize_summary[p.name]
+    assert done[0] not in s.converted and any(k.startswith(target.rpartition(".")[0]) for k in s.left), s
+    with run_model(RELEASE):
+        got = generate(planted)
+    assert torch.equal(got, want)
+
+
 # ----------------------------------------------------------- probes --
 def test_a_dynamic_layer_that_counts_its_tokens_is_left(monkeypatch):
     """A DynamicLayer of a plausible next release, counting its own tokens
