@@ -60,8 +60,8 @@ def test_swapped_attention_matches_the_model_without_it(figures, monkeypatch, na
         model, prompt, step, ref, stock = optimized_against_stock_and_float64(name, dtype, **HEAD.get(name, {}))
         apart = without_swap(monkeypatch, make(name, dtype, **HEAD.get(name, {})))
     s = model.optimize_summary
-    assert attention_layers(model) == layers and list(.converted) == layers and not .left
-    assert all(what.startswith(f"{cls} -> ") for what in .converted.values())
+    assert attention_layers(model) == layers and list(s["attention"].converted) == layers and not s["attention"].left
+    assert all(what.startswith(f"{cls} -> ") for what in s["attention"].converted.values())
     assert not attention_layers(apart) and not apart.optimize_summary["attention"].converted
     if kind == "float32" and name == "qwen3_5_moe":
         # The output gate's sigmoid in float32 is not torch's CPU one in the last bit (its exp:
@@ -215,11 +215,11 @@ def test_an_attention_whose_rope_is_not_rotate_half_is_left(monkeypatch):
     want = prefill_and_decode(model, prompt, step)
     mps_ext.optimize(model)
     s = model.optimize_summary
-    assert not .converted and not attention_layers(model)
-    assert set(.left) == set(ATTENTION["qwen3_moe"][0])
+    assert not s["attention"].converted and not attention_layers(model)
+    assert set(s["attention"].left) == set(ATTENTION["qwen3_moe"][0])
     assert all(why.startswith("its output differs on a probe (rotary size 16, relative error")
                and why.endswith("its rotary embedding is not rotate_half's, or its forward does something else")
-               for why in .left.values()), .left
+               for why in s["attention"].left.values()), s["attention"].left
     assert "0 attention layers" in str(s) and "2 left" in str(s)
     assert not hasattr(model.model.layers[0].self_attn, "_mps_ext_attention")
     with run_model(RELEASE) as report:

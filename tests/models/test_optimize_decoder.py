@@ -75,8 +75,8 @@ def test_swapped_layers_match_the_model_without_them(figures, monkeypatch, name,
         apart = without_swap(monkeypatch, make(name, dtype))
     s = model.optimize_summary
     layers = [f"model.layers.{i}" for i in range(count)]
-    assert decoder_layers(model) == layers and list(.converted) == layers and not .left
-    assert all(what.startswith(f"{cls} -> ") for what in .converted.values()), .converted
+    assert decoder_layers(model) == layers and list(s["decoder_layers"].converted) == layers and not s["decoder_layers"].left
+    assert all(what.startswith(f"{cls} -> ") for what in s["decoder_layers"].converted.values()), s["decoder_layers"].converted
     assert f"optimize: {count} decoder layers" in str(s)
     assert not decoder_layers(apart) and not apart.optimize_summary["decoder_layers"].converted
     with run_model(RELEASE) as report:

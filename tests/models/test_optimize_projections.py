@@ -69,7 +69,7 @@ def test_each_group_is_one_call_and_one_dispatch_at_decode(name, kind):
     assert before == {p: (len(ms), len(ms)) for p, ms, _ in GROUPS[name]}
     assert after == {p: (1, 1) for p, _, _ in GROUPS[name]}
     s = model.optimize_summary
-    assert sorted(.converted) == sorted(f"{p}.{f}" for p, _, f in GROUPS[name]) and not .left
+    assert sorted(s["projections"].converted) == sorted(f"{p}.{f}" for p, _, f in GROUPS[name]) and not s["projections"].left
     assert f"{len(GROUPS[name])} groups of projections" in str(s)
     for p, ms, f in GROUPS[name]:
         parent = model.get_submodule(p)
@@ -164,11 +164,11 @@ def test_block_scaled_members_fuse_where_no_block_straddles_two():
     s = model.optimize_summary
     assert s.projections["model.layers.0.linear_attn.in_proj_qkvz"].startswith(
         "in_proj_qkv, in_proj_z -> one FP8Linear, block scales [192, 64]")
-    assert .left["model.layers.0.linear_attn.in_proj_qkv, in_proj_z, in_proj_b, in_proj_a"] == (
+    assert s["projections"].left["model.layers.0.linear_attn.in_proj_qkv, in_proj_z, in_proj_b, in_proj_a"] == (
         "in_proj_b, in_proj_a: 128x128 block scales whose rows are not a multiple of 128 (a block would straddle "
         "two projections)")
     assert type(model.model.layers[0].linear_attn.in_proj_b) is mps_ext.FP8Linear
-    assert "model.layers.1.self_attn.qk_proj" in .converted
+    assert "model.layers.1.self_attn.qk_proj" in s["projections"].converted
     with run_model(RELEASE):
         got = prefill_and_decode(model, prompt, step)
     for g, w in zip(got, want):
@@ -353,8 +353,8 @@ def test_groups_it_cannot_fuse_are_left_with_the_reason():
     holder["hooked"]["up_proj"].register_forward_hook(lambda m, a, o: None)
     mps_ext.optimize(holder)
     s = holder.optimize_summary
-    assert .converted == {"conv.qv_proj": "q_proj, v_proj -> one Linear, float32 [16, 8]"}
-    assert .left == {
+    assert s["projections"].converted == {"conv.qv_proj": "q_proj, v_proj -> one Linear, float32 [16, 8]"}
+    assert s["projections"].left == {
         "conv.q_proj, k_proj, v_proj": "k_proj is a Conv1d, not nn.Linear or FP8Linear",
         "hooked.gate_proj, up_proj": "forward hooks on up_proj",
         "dtypes.gate_proj, up_proj": "stored differently, not concatenated: gate_proj (Linear, float32, 8 inputs, "

@@ -114,7 +114,7 @@ def test_summary_idempotent_and_state_dict():
     mps_ext.optimize(model)
     summary = model.optimize_summary
     assert "short_conv_decode" in str(summary) and "model.layers.0.conv" in str(summary)
-    assert not .left
+    assert not summary["short_conv"].left
     assert {k for k in model.state_dict() if ".conv." in k} == keys  # the conv layers' own, as they were
     assert type(conv_layers(model)[0]).__name__ == "FusedLfm2MoeShortConv"
     mps_ext.optimize(model)
