@@ -457,6 +457,9 @@ def _plan(block: nn.Module) -> _Kernel | str:
     if rw.shape[0] != e:
         return f"its router has {rw.shape[0]} rows for {e} experts"
     shared = _shared_parts(block, intermediate, fp8, dtype)
+    if isinstance(shared, str) and not (isinstance(getattr(block, "shared_expert", None), nn.Module)
+                                        and isinstance(getattr(block, "shared_expert_gate", None), nn.Module)):
+        return f"{shared}: optimize runs a shared expert apart only as sigmoid(shared_expert_gate(x)) * shared_expert(x)"
     fused_shared = isinstance(shared, tuple)
     if e + fused_shared > MAX_EXPERTS:
         return f"{e} experts: moe_route takes at most {MAX_EXPERTS}"
@@ -511,7 +514,10 @@ def _same_output(block, kernel: _Kernel) -> str | None:
             return f"it raised on a probe [1, 8, {hidden}]: {type(e).__name__}: {e}"
         if not (isinstance(want, torch.Tensor) and want.shape == x.shape):
             return "its forward does not return one tensor of its input's shape"
-        got = block._fused(True, x, None)
+        try:
+            got = block._fused(True, x, None)
+        except Exception as e:  # noqa: BLE001 - parts of another shape than the plan read them
+            return mismatch(f"its fused path raised on a probe: {type(e).__name__}: {e}")
     err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
     # The block's experts and the reference's sum in other orders; fp8 experts take bfloat16 activations,
     # an fp8 shared expert of a float32 model did not: bf16 rounding apart.

@@ -121,12 +121,13 @@ def _eps_of(mod: nn.Module) -> float | str:
     if eps is None:
         return "no float variance_epsilon or eps"
     try:
-        required = [p for p in inspect.signature(mod.forward).parameters.values()
-                    if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        params = list(inspect.signature(mod.forward).parameters.values())
     except (TypeError, ValueError):
         return "its forward has no signature"
-    if len(required) != 1:
-        return f"its forward takes {len(required)} inputs (a gated norm): rms_norm takes one"
+    # One input and nothing else: a gated norm's forward(x, gate=None) is called with its gate.
+    if len(params) != 1 or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        return (f"its forward takes ({', '.join(p.name for p in params)}) (a gated norm?): rms_norm takes one "
+                "input")
     return eps
 
 
