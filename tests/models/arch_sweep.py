@@ -278,11 +278,14 @@ def _keep_relations(d: dict, old: dict) -> None:
             d[dim] = inner(d) // d[heads]
 
 
-# What a default config needs beyond shrinking to build and generate, per
-# architecture (each a gap of transformers' defaults, said in the comment).
+# What a default config needs beyond shrinking to build and generate, or to
+# have the layers that make the architecture, per architecture (each a gap of
+# transformers' defaults, said in the comment).
 OVERRIDES = {
     # layer_types defaults to None, which the model indexes.
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3),
+    # The default is attention only; LFM2's own layers are short convolutions with some attention.
+    "lfm2": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
     # No attention layer by default: generate() asks the cache for its length, which only attention layers keep.
     "bamba": dict(attn_layer_indices=[1]),
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
@@ -656,8 +659,8 @@ def render(results: list[ArchResult], version: str) -> str:
     out += ["| architecture | pass | status | what |", "|---|---|---|---|"] if failures else ["None."]
     out += [f"| {a} | {n} | {p.status} | {_escape(p.detail)} |" for a, n, p in failures]
     out += ["", "## Left, and why", "",
-            "Per pass, each reason the pass gave (a module's name replaced by its place in the model) and the "
-            "architectures it was given for.", ""]
+            "Per pass, each distinct reason the pass gave for a module it left, and the architectures it gave "
+            "it for.", ""]
     for name, _, _ in PASSES:
         reasons: dict[tuple[str, str], list[str]] = {}
         for r in ran:

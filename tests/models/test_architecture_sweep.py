@@ -89,5 +89,57 @@ def test_the_table_is_what_the_sweep_gives():
     committed = arch_sweep.TABLE.read_text() if arch_sweep.TABLE.exists() else ""
     diff = "".join(difflib.unified_diff(committed.splitlines(True), text.splitlines(True),
                                         "docs/architectures.md", "this run", n=0))
-    assert text == committed, (f"docs/architectures.md is not what the sweep gives; regenerate with "
-                               f"`python tests/models/arch_sweep.py --write`:\n{diff[:6000]}")
+    if text != committed:
+        pytest.fail(f"docs/architectures.md is not what the sweep gives; regenerate with "
+                    f"`python tests/models/arch_sweep.py --write`:\n{diff[:6000]}")
+
+
+# ----------------------------------------------------------- the sweep sees what it must --
+def _planted(monkeypatch, step, plant):
+    """mps_ext.<step> (as the sweep calls it), then plant(model)."""
+    import mps_ext
+    real = getattr(mps_ext, step)
+
+    def planted(model, *args, **kwargs):
+        model = real(model, *args, **kwargs)
+        plant(model)
+        return model
+
+    monkeypatch.setattr(mps_ext, step, planted)
+
+
+def _nudge_a_norm(model):
+    """One norm weight 1e-3 larger: what a wrong eps or scale does, at the
+    size of bfloat16 rounding, far above TIGHT."""
+    next(p for n, p in model.named_parameters() if "norm" in n).data.mul_(1 + 1e-3)
+
+
+@pytest.mark.parametrize("step", ["optimize", "quantize_fp8"])
+def test_a_pass_that_changes_what_the_model_computes_is_a_mismatch(monkeypatch, step):
+    """llama, whose every check is within TIGHT: a pass that leaves one
+    weight 1e-3 off is a mismatch, named with its check and figure."""
+    _planted(monkeypatch, step, _nudge_a_norm)
+    r = arch_sweep.sweep_arch("llama")
+    p = r.passes[step]
+    assert p.status == "mismatch" and p.failed, p
+    assert "differ from" in p.detail and ("the oracle" if step == "quantize_fp8" else "stock") in p.detail
+    assert any(f.startswith(f"llama {step}: mismatch") for f in r.failures())
+
+
+def test_an_exception_of_a_pass_is_a_crash_and_a_clear_refusal_is_not(monkeypatch):
+    """RuntimeError inside optimize: a crash (a failure); ValueError with a
+    message inside quantize_fp8: refused, not a failure; the passes that
+    start from them are not run."""
+    def crash(model):
+        raise RuntimeError("planted")
+
+    def refuse(model):
+        raise ValueError("planted: this model is not for quantize_fp8")
+
+    _planted(monkeypatch, "optimize", crash)
+    _planted(monkeypatch, "quantize_fp8", refuse)
+    r = arch_sweep.sweep_arch("llama")
+    assert r.passes["optimize"].status == "crash" and "RuntimeError: planted" in r.passes["optimize"].detail
+    assert r.passes["quantize_fp8"].status == "refused" and not r.passes["quantize_fp8"].failed
+    assert {r.passes[n].status for n in ("quantize_fp8+optimize", "optimize+quantize_fp8")} == {"not run"}
+    assert r.failures() == ["llama optimize: crash: RuntimeError: planted"]
