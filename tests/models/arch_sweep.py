@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import logging
 import math
 import pathlib
@@ -134,6 +133,10 @@ def _is_config(d) -> bool:
     return isinstance(d, dict) and "model_type" in d
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _per_layer(key: str, v, count: int) -> bool:
     """Whether d[key] = v has one entry per layer: a list of `count`, or a
     pattern string of `count` characters (nemotron_h's "M-M*-")."""
@@ -167,21 +170,22 @@ def _kept_layers(d: dict, count: int) -> list[int]:
 
 
 def _index_list(key, v, count) -> bool:
+    """Whether d[key] = v lists layer numbers (llama4's moe_layers, zamba2's hybrid_layer_ids)."""
     return (bool(_INDEX_LIST.search(key)) and isinstance(v, list) and 0 < len(v)
-            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count for i in v))
+            and all(_is_int(i) and 0 <= i < count for i in v))
 
 
 def _shrink_layers(d: dict) -> None:
-    key = next((k for k in LAYER_COUNTS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)), None)
+    key = next((k for k in LAYER_COUNTS if _is_int(d.get(k))), None)
     for k in OTHER_COUNTS:
-        if isinstance(d.get(k), int) and d[k] > 2:
+        if _is_int(d.get(k)) and d[k] > 2:
             d[k] = 2
     if key is None or d[key] <= 2:
         return
     count = d[key]
     kept = _kept_layers(d, count)
     for k in LAYER_COUNTS:  # also another name of the same count (whisper's num_hidden_layers, decoder_layers)
-        if isinstance(d.get(k), int) and d[k] == count:
+        if _is_int(d.get(k)) and d[k] == count:
             d[k] = len(kept)
     for k, v in list(d.items()):
         if _index_list(k, v, count):
@@ -200,7 +204,7 @@ def _shrink_tokens(d: dict, ids: dict) -> None:
     ids a config names are `ids`' values, which prompts avoid."""
 
     def new(i):
-        if not (isinstance(i, int) and not isinstance(i, bool) and i >= 0):
+        if not (_is_int(i) and i >= 0):
             return i
         if i < VOCAB - SPECIAL:
             ids[i] = i
@@ -228,19 +232,19 @@ def _shrink(d: dict, ids: dict) -> None:
     for k, v in d.items():
         if _is_config(v):
             _shrink(v, ids)
-        elif k in TINY and isinstance(v, int) and not isinstance(v, bool) and v > TINY[k]:
+        elif k in TINY and _is_int(v) and v > TINY[k]:
             d[k] = TINY[k]
         elif k in TINY and v is None and k in FILL_NONE:
             d[k] = TINY[k]
     hidden = old.get("hidden_size")
     for k in RATIO_TO_HIDDEN:
-        if isinstance(d.get(k), int) and isinstance(hidden, int) and hidden and d[k] % hidden == 0:
+        if _is_int(d.get(k)) and _is_int(hidden) and hidden and d[k] % hidden == 0:
             d[k] = d[k] // hidden * d["hidden_size"]
-        elif isinstance(d.get(k), int) and d[k] > 64:
+        elif _is_int(d.get(k)) and d[k] > 64:
             d[k] = 64
     _keep_relations(d, old)
     # Multi-head latent attention (DeepSeek): rotary on the qk_rope_head_dim part only.
-    if isinstance(old.get("qk_rope_head_dim"), int) and isinstance(old.get("qk_nope_head_dim"), int):
+    if _is_int(old.get("qk_rope_head_dim")) and _is_int(old.get("qk_nope_head_dim")):
         for k in ("head_dim", "swa_head_dim", "qk_head_dim"):
             if old.get(k) == old["qk_rope_head_dim"]:
                 d[k] = d["qk_rope_head_dim"]
@@ -248,7 +252,7 @@ def _shrink(d: dict, ids: dict) -> None:
                 d[k] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
     head = d.get("head_dim")
     rope = d.get("rope_parameters")
-    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and isinstance(head, int):
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and _is_int(head):
         # Sections of the rotary half-dimension, in proportion.
         sec = rope["mrope_section"]
         scaled = [max(1, s * (head // 2) // sum(sec)) for s in sec]
@@ -264,17 +268,17 @@ def _keep_relations(d: dict, old: dict) -> None:
     attention, vision towers); a Mamba mixer's heads x head size = its
     inner width (expand x hidden, or mamba_d_ssm)."""
     for heads, kv in (("num_attention_heads", "num_key_value_heads"), ("n_head", "num_kv_heads")):
-        if isinstance(old.get(kv), int) and old.get(kv) == old.get(heads):
+        if _is_int(old.get(kv)) and old.get(kv) == old.get(heads):
             d[kv] = d[heads]
     expand = d.get("mamba_expand", d.get("expand"))
-    if not (isinstance(expand, int) and isinstance(d.get("hidden_size"), int)):
+    if not (_is_int(expand) and _is_int(d.get("hidden_size"))):
         return
 
     def inner(c):
-        return c["mamba_d_ssm"] if isinstance(c.get("mamba_d_ssm"), int) else expand * c["hidden_size"]
+        return c["mamba_d_ssm"] if _is_int(c.get("mamba_d_ssm")) else expand * c["hidden_size"]
 
     for heads, dim in (("num_heads", "head_dim"), ("mamba_n_heads", "mamba_d_head"), ("n_mamba_heads", "mamba_headdim")):
-        if isinstance(old.get(heads), int) and isinstance(old.get(dim), int) and old[heads] * old[dim] == inner(old):
+        if _is_int(old.get(heads)) and _is_int(old.get(dim)) and old[heads] * old[dim] == inner(old):
             d[dim] = inner(d) // d[heads]
 
 
