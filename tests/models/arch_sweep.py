@@ -481,23 +481,31 @@ def _run_pass(model: nn.Module, steps, sections, check) -> tuple[PassResult, nn.
 def sweep_arch(arch: str) -> ArchResult:
     """Every pass on the tiny `arch` (ArchResult); never raises for what a
     model or pass does."""
-    import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from test_fp8_flows import oracle_of
     start = time.perf_counter()
     result = ArchResult(arch, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch])
+    try:
+        _sweep(arch, result, oracle_of)
+    finally:
+        result.seconds = time.perf_counter() - start
+    return result
+
+
+def _sweep(arch: str, result: ArchResult, oracle_of) -> None:
+    import transformers
     with sweeping():
         try:
             config, special = tiny_config(arch)
         except Exception as e:
             result.skipped = f"config: {first_line(e)}"
-            return result
+            return
         try:
             torch.manual_seed(SEED)
             model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
         except Exception as e:
             result.skipped = f"build: {first_line(e)}"
-            return result
+            return
         ids = prompt(special)
         try:
             stock = generate(model, ids)
@@ -505,7 +513,7 @@ def sweep_arch(arch: str) -> ArchResult:
             stock.forced = forced(model, sequence)
         except Exception as e:
             result.skipped = f"stock run: {first_line(e)}"
-            return result
+            return
         runs: dict[str, Run] = {}
         quantized_kinds: set[str] = set()
         converted: dict[str, nn.Module] = {}
@@ -545,8 +553,6 @@ def sweep_arch(arch: str) -> ArchResult:
             result.passes[name] = p
             if not base:
                 converted[name] = m if p.status in ("match", "mismatch") else None
-    result.seconds = time.perf_counter() - start
-    return result
 
 
 class sweeping:
