@@ -86,7 +86,7 @@ class OptimizeSummary:
         for s in self.sections.values():
             if not (s.converted or s.already or s.left):
                 continue
-            lines.append(f"  {len(s.converted)} {s.title}, {len(s.already)} already, {len(s.left)} left")
+            lines.append(f"optimize: {len(s.converted)} {s.title}, {len(s.already)} already, {len(s.left)} left")
             lines += [f"    {name}: {what}" for name, what in s.converted.items()]
             lines += [f"    left {name}: {why}" for name, why in s.left.items()]
         return "\n".join(lines)
