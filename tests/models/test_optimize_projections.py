@@ -163,7 +163,7 @@ def test_block_scaled_members_fuse_where_no_block_straddles_two():
     want = prefill_and_decode(model, prompt, step)
     mps_ext.optimize(model)
     s = model.optimize_summary
-    assert s.projections["model.layers.0.linear_attn.in_proj_qkvz"].startswith(
+    assert s["projections"].converted["model.layers.0.linear_attn.in_proj_qkvz"].startswith(
         "in_proj_qkv, in_proj_z -> one FP8Linear, block scales [192, 64]")
     assert s["projections"].left["model.layers.0.linear_attn.in_proj_qkv, in_proj_z, in_proj_b, in_proj_a"] == (
         "in_proj_b, in_proj_a: 128x128 block scales whose rows are not a multiple of 128 (a block would straddle "
