@@ -1,11 +1,20 @@
 """torch.ops.mps_ext.short_conv_decode (an LFM2 conv layer's decode step,
-csrc/ops/short_conv.cpp) on the executor, against torch's CPU ops running
-transformers' own code for the step (B * x, causal_conv1d_update's torch
-fallback, C * y): bit for bit in float32, float16 and bfloat16, the output
-and the window left in the state; every kernel variant; bad input."""
+csrc/ops/short_conv.cpp) on the executor, against transformers' own code
+for the step (B * x, causal_conv1d_update's torch fallback, C * y) with its
+convolution in the arithmetic of the kernel's contract, computed here: the
+taps summed in order in float32 with fused multiply-adds, from the bias
+(float32, bfloat16) or the bias added last (float16), rounded to the dtype
+once. That is torch's CPU convolution on x86-64 where oneDNN's AVX2 or
+AVX-512 kernels run it; not with oneDNN capped at SSE4.1 (no fma: one
+rounding more a tap), so torch's CPU conv1d is no oracle for the last bit.
+Bit for bit in float32, float16 and bfloat16, the output and the window
+left in the state; within float32 rounding of float64; every kernel
+variant; bad input."""
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from transformers.models.lfm2_moe.modeling_lfm2_moe import causal_conv1d_update
 
@@ -28,11 +37,51 @@ def inputs(batch, hidden, k, dtype, bias=True, row_extra=0, seed=0):
                 bias=r(hidden) if bias else None)
 
 
-def transformers_step(BCx, conv_state, weight, bias):
-    """Lfm2ShortConv.forward's decode lines from in_proj's output to out_proj's input, with torch's CPU ops."""
+def fma32(a, b, c):
+    """fma(a, b, c) of float32 arrays, rounded once to float32: a * b is
+    exact in float64; the float64 sum's own error (TwoSum) tells which way
+    to move a sum that rounded onto a float32 tie (its low 29 bits 1 then
+    0s), the only case where rounding twice differs from rounding once."""
+    p = a.astype(np.float64) * b
+    s = p + c
+    bv = s - p
+    err = (p - (s - bv)) + (c - bv)
+    tie = (s.view(np.uint64) & np.uint64((1 << 29) - 1)) == np.uint64(1 << 28)
+    s = np.where(tie & (err != 0), np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def conv1d_of_the_contract(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """F.conv1d as causal_conv1d_update calls it (depthwise, no padding), in
+    the kernel's arithmetic."""
+    assert groups == x.shape[1] == weight.shape[0] and weight.shape[1] == 1 and (stride, padding, dilation) == (1, 0, 1)
+    x32, w = x.float().numpy(), weight[:, 0].float().numpy()
+    k, outputs = w.shape[-1], x.shape[-1] - w.shape[-1] + 1
+    bias_first = bias is not None and x.dtype != torch.float16
+    acc = np.zeros((*x.shape[:2], outputs), dtype=np.float32)
+    if bias_first:
+        acc += bias.float().numpy()[:, None]
+    for tap in range(k):
+        acc = fma32(w[:, tap, None], x32[..., tap:tap + outputs], acc)
+    if bias is not None and not bias_first:
+        acc = acc + bias.float().numpy()[:, None]
+    return torch.from_numpy(acc).to(x.dtype)
+
+
+def transformers_step(BCx, conv_state, weight, bias, conv1d=conv1d_of_the_contract):
+    """Lfm2ShortConv.forward's decode lines from in_proj's output to out_proj's
+    input, with torch's CPU ops but `conv1d` for the convolution."""
     B, C, x = BCx.transpose(-1, -2).chunk(3, dim=-2)
-    y = causal_conv1d_update(B * x, conv_state, weight, bias)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(F, "conv1d", conv1d)
+        y = causal_conv1d_update(B * x, conv_state, weight, bias)
     return (C * y).transpose(-1, -2).contiguous()
+
+
+def float64_step(BCx, conv_state, weight, bias):
+    """The step in float64 (the window as the step leaves it)."""
+    d = {k: v.double() if v is not None else None for k, v in dict(BCx=BCx, weight=weight, bias=bias).items()}
+    return transformers_step(d["BCx"], conv_state.double(), d["weight"], d["bias"], conv1d=F.conv1d)
 
 
 # (batch, hidden, k): LFM2's window of 3 over a partial second threadgroup of channels; 2 and 4 taps; one
@@ -46,6 +95,7 @@ SHAPES = [(2, 200, 3), (1, 130, 2), (1, 64, 4), (1, 1, 3), (3, 40, 1)]
 def test_matches_transformers_torch_code_bit_for_bit(shape, dtype, bias):
     batch, hidden, k = shape
     d = inputs(batch, hidden, k, dtype, bias, row_extra=5)  # a row stride past 3 * hidden
+    state_before = d["conv_state"].clone()
     want_state = d["conv_state"].clone()
     want = transformers_step(d["BCx"], want_state, d["weight"], d["bias"])
     with cpu_metal.record() as rec:
@@ -54,6 +104,9 @@ def test_matches_transformers_torch_code_bit_for_bit(shape, dtype, bias):
     assert out.shape == (batch, 1, hidden) and out.dtype == dtype and out.is_contiguous()
     assert torch.equal(d["conv_state"], want_state)
     assert torch.equal(out, want), float((out.double() - want.double()).abs().max())
+    if dtype == torch.float32:  # the contract's arithmetic is the convolution, to float32 rounding
+        torch.testing.assert_close(out.double(), float64_step(d["BCx"], state_before, d["weight"], d["bias"]),
+                                   rtol=1e-6, atol=1e-6)
 
 
 def test_every_kernel_is_tested():
