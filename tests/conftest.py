@@ -10,6 +10,10 @@ if ROOT not in sys.path:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "mac: needs an Apple GPU (MPS)")
+    config.addinivalue_line("markers", "torch_cpu_oracle: compares with torch's CPU kernels, whose results can "
+                            "change with the instruction set they run; scripts/test.sh runs these tests again with "
+                            "torch's CPU kernels capped (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, "
+                            "MKL_ENABLE_INSTRUCTIONS)")
     # The suite runs torch.ops.mps_ext ops on CPU tensors through the CPU
     # Metal executor, which on a Mac they reach only when it is asked for
     # (mps_ext/_executor_request.py): the op layer's request, for this

@@ -13,6 +13,11 @@ from mps_ext import _policy, cpu_metal
 
 from fp8_oracle import decode, encode
 
+# The oracle is torch's CPU conversions bit for bit (a NaN's payload changes
+# with ATEN_CPU_CAPABILITY); scripts/test.sh runs this file again with torch's
+# CPU kernels capped.
+pytestmark = pytest.mark.torch_cpu_oracle
+
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}

@@ -21,6 +21,10 @@ import torch
 import mps_ext
 from fp8_oracle import scaled_mm_reference
 
+# The oracles are aten's CPU kernels; scripts/test.sh runs this file again
+# with torch's CPU kernels capped.
+pytestmark = pytest.mark.torch_cpu_oracle
+
 # OpInfo's module imports `expecttest` (PyTorch's test-only dependency) for a
 # TestCase base class it never uses here; a stand-in keeps that dependency
 # out of mps_ext's.
