@@ -1,17 +1,13 @@
 """torch.ops.mps_ext.short_conv_decode (an LFM2 conv layer's decode step,
 csrc/ops/short_conv.cpp) on the executor, against transformers' own code
 for the step (B * x, causal_conv1d_update's torch fallback, C * y) with its
-convolution in the arithmetic of the kernel's contract, computed here: the
-taps summed in order in float32 with fused multiply-adds, from the bias
-(float32, bfloat16) or the bias added last (float16), rounded to the dtype
-once. That is torch's CPU convolution on x86-64 where oneDNN's AVX2 or
-AVX-512 kernels run it; not with oneDNN capped at SSE4.1 (no fma: one
-rounding more a tap), so torch's CPU conv1d is no oracle for the last bit.
-Bit for bit in float32, float16 and bfloat16, the output and the window
+convolution in the arithmetic of the kernel's contract
+(tests/short_conv_oracle.py: the taps summed in order in float32 with fused
+multiply-adds; torch's CPU convolution where oneDNN's AVX2 or AVX-512
+kernels run it, not with oneDNN capped at SSE4.1). Bit for bit in float32, float16 and bfloat16, the output and the window
 left in the state; within float32 rounding of float64; every kernel
 variant; bad input."""
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +17,7 @@ from transformers.models.lfm2_moe.modeling_lfm2_moe import causal_conv1d_update
 import mps_ext  # noqa: F401  (registers the ops)
 from mps_ext import cpu_metal
 from host_names import host_names
+from short_conv_oracle import conv1d_of_the_contract
 
 # torch's CPU ops run the rest of transformers' step (and the float64
 # conv1d); torch's float32 conv1d, no longer the oracle, changed with
@@ -41,37 +38,6 @@ def inputs(batch, hidden, k, dtype, bias=True, row_extra=0, seed=0):
     rows = r(batch, 1, 3 * hidden + row_extra, scale=2.0)
     return dict(BCx=rows[..., row_extra:], conv_state=r(batch, hidden, k, scale=2.0), weight=r(hidden, k),
                 bias=r(hidden) if bias else None)
-
-
-def fma32(a, b, c):
-    """fma(a, b, c) of float32 arrays, rounded once to float32: a * b is
-    exact in float64; the float64 sum's own error (TwoSum) tells which way
-    to move a sum that rounded onto a float32 tie (its low 29 bits 1 then
-    0s), the only case where rounding twice differs from rounding once."""
-    p = a.astype(np.float64) * b
-    s = p + c
-    bv = s - p
-    err = (p - (s - bv)) + (c - bv)
-    tie = (s.view(np.uint64) & np.uint64((1 << 29) - 1)) == np.uint64(1 << 28)
-    s = np.where(tie & (err != 0), np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
-    return s.astype(np.float32)
-
-
-def conv1d_of_the_contract(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-    """F.conv1d as causal_conv1d_update calls it (depthwise, no padding), in
-    the kernel's arithmetic."""
-    assert groups == x.shape[1] == weight.shape[0] and weight.shape[1] == 1 and (stride, padding, dilation) == (1, 0, 1)
-    x32, w = x.float().numpy(), weight[:, 0].float().numpy()
-    k, outputs = w.shape[-1], x.shape[-1] - w.shape[-1] + 1
-    bias_first = bias is not None and x.dtype != torch.float16
-    acc = np.zeros((*x.shape[:2], outputs), dtype=np.float32)
-    if bias_first:
-        acc += bias.float().numpy()[:, None]
-    for tap in range(k):
-        acc = fma32(w[:, tap, None], x32[..., tap:tap + outputs], acc)
-    if bias is not None and not bias_first:
-        acc = acc + bias.float().numpy()[:, None]
-    return torch.from_numpy(acc).to(x.dtype)
 
 
 def transformers_step(BCx, conv_state, weight, bias, conv1d=conv1d_of_the_contract):
