@@ -4,9 +4,10 @@ for the step (B * x, causal_conv1d_update's torch fallback, C * y) with its
 convolution in the arithmetic of the kernel's contract
 (tests/short_conv_oracle.py: the taps summed in order in float32 with fused
 multiply-adds; torch's CPU convolution where oneDNN's AVX2 or AVX-512
-kernels run it, not with oneDNN capped at SSE4.1). Bit for bit in float32, float16 and bfloat16, the output and the window
-left in the state; within float32 rounding of float64; every kernel
-variant; bad input."""
+kernels run it, not with oneDNN capped at SSE4.1). Bit for bit in
+float32, float16 and bfloat16, the output and the window left in the
+state; within float32 rounding of float64; every kernel variant; bad
+input."""
 
 import pytest
 import torch
