@@ -107,8 +107,8 @@ def scaled_mm_reference(a, b, scale_a, scale_b, bias=None, scale_result=None, ou
                         use_fast_accum=False, recipe_a=None, recipe_b=None) -> torch.Tensor:
     """_scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype) by
     the contract, in float64: (a * scale_a) @ (b * scale_b) + bias, divided
-    by scale_result for an fp8 output (as torch's CPU kernel does, with
-    either of its implementations), converted once to out_dtype (a's dtype
+    by scale_result for an fp8 output (as torch's CPU emulation in
+    Blas.cpp and mps_ext's kernel do), converted once to out_dtype (a's dtype
     by default). K == 0 gives zeros (plus bias). Recipes default to v1's:
     tensor-wise for one-element scales, else row-wise. use_fast_accum is
     a speed hint (the value is the same)."""
