@@ -139,8 +139,6 @@ struct Sweep {
   bool lower, unit, conj, transposed;
 };
 
-// One dispatch of lu_solve: x = the sweeps (and the permutation) applied to
-// b, all n x k views with x's batch.
 // lu_solve's kernel for the solution `x` (as the kernel writes it: n rows,
 // k columns) and its threads: thread i owns row i, so the pipeline must
 // allow n of them, or this call goes to torch (a smaller matrix runs).
@@ -160,6 +158,8 @@ SolveKernel solve_kernel(const at::Tensor& x) {
   return s;
 }
 
+// One dispatch of lu_solve: x = the sweeps (and the permutation) applied to
+// b, all n x k views with x's batch.
 void launch_solve(const at::Tensor& a, const at::Tensor& pivots, const at::Tensor& b, const at::Tensor& x,
                   std::initializer_list<Sweep> sweeps, uint32_t perm) {
   const int64_t n = x.size(-2), k = x.size(-1);
