@@ -99,15 +99,17 @@ def family_status(name: str) -> str:
         return "off: turned off at run time"
     if name in _policy_skipped:
         return f"left to torch on MPS: {_policy_skipped[name]}"
-    # A kernel that cannot run on this Mac takes down only the calls that
-    # need it: the family stays on.
-    unavailable = _C.stats()[name]["unavailable"]
-    missing = f"; unavailable on MPS: {unavailable['MPS']}" if "MPS" in unavailable else ""
+    notes = []
     if name in _policy_left:
         ops = ", ".join(op.split("::")[1] + (f" ({rule.scope()})" if rule.scope() else "")
                         for op, rule in sorted(_policy_left[name].items()))
-        return f"on ({ops} left to torch on MPS{missing})"
-    return f"on ({missing[2:]})" if missing else "on"
+        notes.append(f"{ops} left to torch on MPS")
+    # A kernel that cannot run on this Mac takes down only the calls that
+    # need it: the family stays on.
+    unavailable = _C.stats()[name]["unavailable"]
+    if "MPS" in unavailable:
+        notes.append(f"unavailable on MPS: {unavailable['MPS']}")
+    return f"on ({'; '.join(notes)})" if notes else "on"
 
 
 def enabled_ops() -> list[str]:
