@@ -37,3 +37,23 @@ def cpu_policy():
     yield
     _clear_policy("CPU")
     mps_ext.reset_stats()
+
+
+@pytest.fixture
+def simulate():
+    """Sets a simulated failure of the executor backend (the way Metal can
+    fail on a Mac: _C._simulate_executor_failure); afterwards the executor
+    works again, and the failures remembered (launch.cpp) and recorded per
+    family are forgotten (a real failure lasts the process)."""
+    import mps_ext
+    from mps_ext import _C
+    mps_ext.reset_stats()
+
+    def set_failure(library, kernel="", kind="library", max_threads=0):
+        _C._simulate_executor_failure(library, kernel, kind, max_threads)
+
+    yield set_failure
+    _C._simulate_executor_failure("")
+    for fam in mps_ext.families():
+        _C._clear_unavailable(fam)
+    mps_ext.reset_stats()

@@ -139,7 +139,15 @@ void bind_ops(py::module_& m) {
         return std::make_pair(p.cores, p.family);
       },
       py::arg("device"), "(cores, family) of the GPU the ops' launch geometry assumes on `device` ('cpu', 'mps').");
-  m.def("_clear_unavailable", [](const std::string& fam) { family(fam).clear_unavailable(); }, py::arg("family"));
+  // Tests: the family's record of failures, and the kernels launch.cpp
+  // remembers as failed (on every device), are forgotten.
+  m.def(
+      "_clear_unavailable",
+      [](const std::string& fam) {
+        family(fam).clear_unavailable();
+        forget_unavailable();
+      },
+      py::arg("family"));
   m.def("_simulate_metal_backend", &set_metal_backend_present, py::arg("present"),
         "Test hook: 1 behaves as if a Metal GPU backend were present (a Mac: CPU tensors reach the executor only "
         "when it is asked for), 0 as if not, -1 as built.");

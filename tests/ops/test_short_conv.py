@@ -17,6 +17,7 @@ from transformers.models.lfm2_moe.modeling_lfm2_moe import causal_conv1d_update
 
 import mps_ext  # noqa: F401  (registers the ops)
 from mps_ext import cpu_metal
+from decode_steps import short_conv, short_conv_inputs as inputs
 from host_names import host_names
 from short_conv_oracle import conv1d_of_the_contract
 
@@ -27,18 +28,6 @@ from short_conv_oracle import conv1d_of_the_contract
 pytestmark = pytest.mark.torch_cpu_oracle
 
 KERNEL = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-
-
-def inputs(batch, hidden, k, dtype, bias=True, row_extra=0, seed=0):
-    """BCx as in_proj gives it ([batch, 1, 3 * hidden], or a view of a wider
-    row: `row_extra` more features a row), the state, weight and bias."""
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype)
-    rows = r(batch, 1, 3 * hidden + row_extra, scale=2.0)
-    return dict(BCx=rows[..., row_extra:], conv_state=r(batch, hidden, k, scale=2.0), weight=r(hidden, k),
-                bias=r(hidden) if bias else None)
 
 
 def transformers_step(BCx, conv_state, weight, bias, conv1d=conv1d_of_the_contract):
@@ -72,7 +61,7 @@ def test_matches_transformers_torch_code_bit_for_bit(shape, dtype, bias):
     want_state = d["conv_state"].clone()
     want = transformers_step(d["BCx"], want_state, d["weight"], d["bias"])
     with cpu_metal.record() as rec:
-        out = torch.ops.mps_ext.short_conv_decode(d["BCx"], d["conv_state"], d["weight"], d["bias"])
+        out = short_conv(d)
     assert [r.kernel for r in rec.dispatches] == ["short_conv_decode_" + KERNEL[dtype]]
     assert out.shape == (batch, 1, hidden) and out.dtype == dtype and out.is_contiguous()
     assert torch.equal(d["conv_state"], want_state)
@@ -94,7 +83,7 @@ def test_many_values_bit_for_bit():
         d = inputs(2, 4096, 3, dtype, seed=3)
         want_state = d["conv_state"].clone()
         want = transformers_step(d["BCx"], want_state, d["weight"], d["bias"])
-        out = torch.ops.mps_ext.short_conv_decode(d["BCx"], d["conv_state"], d["weight"], d["bias"])
+        out = short_conv(d)
         assert torch.equal(out, want), dtype
         assert torch.equal(d["conv_state"], want_state), dtype
 
@@ -112,7 +101,7 @@ def test_steps_chain_through_the_state():
 
 def test_empty_batch():
     d = inputs(0, 8, 3, torch.float32)
-    assert torch.ops.mps_ext.short_conv_decode(d["BCx"], d["conv_state"], d["weight"], d["bias"]).shape == (0, 1, 8)
+    assert short_conv(d).shape == (0, 1, 8)
 
 
 def _bad(**changes):
@@ -138,4 +127,4 @@ def _bad(**changes):
         "state_dtype", "window_too_long", "weight_3d", "weight_taps", "bias_size", "no_state"])
 def test_bad_input_is_a_clear_error(d, match):
     with pytest.raises(RuntimeError, match=match):
-        torch.ops.mps_ext.short_conv_decode(d["BCx"], d["conv_state"], d["weight"], d["bias"])
+        short_conv(d)
