@@ -208,6 +208,11 @@ def _setup() -> None:
         wanted = sorted(known - _env_disabled - set(_policy_skipped))
         try:
             _installed.extend(_C.install_overrides(wanted))
+            if "fp8" in _installed:
+                # Now, with the overrides, not when float8 values first reach
+                # the GPU: rewriting torch's dispatch tables later races
+                # with threads running ops (csrc/ops/fp8_errors.cpp).
+                _C.name_float8_errors("MPS")
         except Exception as e:  # keep torch usable whatever happens
             warnings.warn(f"mps_ext could not install its MPS overrides: {e}", stacklevel=3)
 
