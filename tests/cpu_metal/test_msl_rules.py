@@ -145,14 +145,25 @@ CASES = {
                 "struct Op {\n  float apply(float v) { return v; }\n};\n" + K + " { Op op; x[i] = op.apply(x[i]); }"),
     "exceptions": (K + " {\n  if (x[i] < 0) throw 1; // BUG\n  x[i] = 1;\n}",
                    K + " {\n  if (x[i] < 0) return;\n  x[i] = 1;\n}"),
+    "exceptions:try-catch": (K + " {\n  try { x[i] = 1; } // BUG\n  catch (...) { x[i] = 0; }\n}",
+                             K + " {\n  x[i] = 1;\n}"),
     "new-delete": (K + " {\n  thread float* p = new float(1); // BUG\n  x[i] = *p;\n}",
                    K + " {\n  float v = 1;\n  thread float* p = &v;\n  x[i] = *p;\n}"),
+    "new-delete:delete": ("inline void release(thread float* p) {\n  delete p; // BUG\n}\n" + K + " { x[i] = 1; }",
+                          "struct NoCopy {\n  NoCopy() = default;\n  NoCopy(thread const NoCopy&) = delete;\n};\n"
+                          + K + " { NoCopy n; x[i] = 1; }"),
     "rtti": ("struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = dynamic_cast<thread A*>(&a) != nullptr; // BUG\n}",
              "struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = (&a) != nullptr;\n}"),
+    "rtti:typeid": ("struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = typeid(a) == typeid(A); // BUG\n}",
+                    "struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = metal::is_same<decltype(a), A>::value;\n}"),
     "goto": (K + " {\n  if (x[i] < 0) goto done; // BUG\n  x[i] = 1;\ndone:\n  return;\n}",
              K + " {\n  if (x[i] < 0) return;\n  x[i] = 1;\n}"),
     "storage-class": (K + " {\n  register float v = x[i]; // BUG\n  x[i] = v;\n}",
                       K + " {\n  float v = x[i];\n  x[i] = v;\n}"),
+    "storage-class:thread-local": ("inline float counted(float v) {\n  thread_local int calls; // BUG\n  return v + calls++;\n}\n"
+                                   + K + " { x[i] = counted(x[i]); }",
+                                   "inline float counted(float v, thread int& calls) {\n  return v + calls++;\n}\n"
+                                   + K + " { int calls = 0; x[i] = counted(x[i], calls); }"),
     "lambda": (K + " {\n  auto twice = [](float v) { return v * 2; }; // BUG\n  x[i] = twice(x[i]);\n}",
                "inline float twice(float v) { return v * 2; }\n" + K + " {\n  x[i] = twice(x[i]);\n}"),
     "noexcept-operator": ("float f(float v) { return v; }\n" + K + " {\n  x[i] = noexcept(f(1)); // BUG\n}",
@@ -438,6 +449,16 @@ def test_struct_copies_and_metal_arrays_in_address_spaces_run():
     lib.dispatch("k", [v, np.array([1, 2], np.float32).tobytes(), acc], threads=4, threads_per_threadgroup=4)
     np.testing.assert_array_equal(v, 1 + 2 + np.array([10, 20, 30, 40]) + np.roll(x[:4], -1))
     np.testing.assert_array_equal(acc, [1, 1, 1, 1])
+
+
+def test_cxx_standard_library_without_its_header_fails_the_check_compile(tmp_path):
+    """MSL 1.5.4: no C++ standard library. Its headers are msl-std-header;
+    its names without them find no `std` namespace in check mode, as on a
+    Mac (Metal's own are in `metal::`)."""
+    path = _write(tmp_path, "std_namespace", K + " {\n  x[i] = std::min(x[i], 1.0f); // BUG\n}")
+    findings = check_file(path)
+    assert findings and all(f.startswith(f"{path}:4:") and "undeclared identifier 'std'" in f for f in findings), findings
+    assert check_file(_write(tmp_path, "metal_namespace", K + " {\n  x[i] = metal::min(x[i], 1.0f);\n}")) == []
 
 
 def test_header_on_the_include_path_is_no_standard_header(tmp_path):
