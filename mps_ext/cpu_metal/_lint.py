@@ -40,7 +40,7 @@ RULES = {
     "cxx20": "no C++ newer than C++20: Apple's compiler takes C++17 and C++20 features (if constexpr, fold "
              "expressions, designated initializers, ...) as extensions of MSL's C++14, not C++23 ones",
     "virtual": "no virtual functions (MSL 1.4.4 restrictions)",
-    "derived-class": "no derived classes: a class or struct has no base-specifier list (MSL 1.5.4 restrictions; "
+    "derived-class": "no derived classes: a class or struct has no base-specifier list (MSL 1.4.4 restrictions, 1.5.4 in 3.x; "
                      "Apple: \"derived classes are not supported in Metal\"), except inside a "
                      "`#pragma METAL internals : enable` region, where Apple's and MLX's own headers write them",
     "exceptions": "no exception handling: try, catch, throw (MSL 1.4.4 restrictions)",
