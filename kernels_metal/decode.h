@@ -14,10 +14,15 @@
 // - element formats (DecodeFloat<T>, DecodeFp8): how a 32-bit word of the
 //   stored type becomes floats (`word`), one element (`one`), and the unit
 //   the sums are multiplied by at the end (fp8 decodes e4m3 as x / 256);
-// - the job: where each activation row starts (the row source: dense rows,
-//   or rows gathered by expert into threadgroup memory), the weight row of
-//   each output a simdgroup owns, block scales (staged per tile, applied per
-//   16-byte piece) or none, and how the sums are stored.
+// - the job: its operands (DecodeOperands, below: the formats, the weight,
+//   the row count, K and the strides along K), where each activation row
+//   starts (the row source: dense rows, or rows gathered by expert into
+//   threadgroup memory), the weight row of each output a simdgroup owns,
+//   block scales (staged per tile, applied per 16-byte piece) or none, and
+//   how the sums are stored.
+// A job is one flat struct, its operands a member: Metal has no derived
+// classes (MSL 1.5.4; check mode's msl-derived-class), so a family's jobs
+// share its operands and code as members and helpers, not as bases.
 //
 // The work: a simdgroup owns Q weight rows; its lanes take consecutive
 // pieces of them (16 bytes with VEC, one element without), so a simdgroup
@@ -63,6 +68,47 @@ struct DecodeFp8 {
 MPS_EXT_INLINE void decode_format_e5m2(thread DecodeFp8& f, bool e5m2) { f.e5m2 = e5m2; }
 template <typename T>
 MPS_EXT_INLINE void decode_format_e5m2(thread DecodeFloat<T>&, bool) {}
+
+// -------------------------------------------------------- the operands --
+// What the templates read of every job's operands, its member `op`: the
+// activation and weight formats (XF, WF), the weight (decode_cols' element
+// [0, 0]; decode_rows reads it through the job's w_row), the activation rows
+// (at most 8), K, and the strides along K of the activations (used without
+// VEC) and of the weight.
+template <typename XF, typename WF>
+struct DecodeOperands {
+  typedef XF X;
+  typedef WF W;
+  X xf;
+  W wf;
+  const device typename WF::T* w;
+  int rows, k;
+  long x_k, w_k;
+};
+// The operands' type of a job.
+template <typename Job>
+using DecodeOperandsOf = decltype(Job::op);
+
+// A job's block scales, as the templates call them: with BLOCK_SCALED, the
+// job's own stage_scales, x_scale, w_scale and tail_scale; without, nothing
+// staged and scales of 1, so that a job without block scales writes none
+// of those functions (its calls are in branches on a constant).
+template <typename Job, bool SCALED = Job::BLOCK_SCALED != 0>
+struct DecodeScales {
+  static MPS_EXT_INLINE void stage(thread const Job& job, int k0, int elements, uint tid, uint threads) {
+    job.stage_scales(k0, elements, tid, threads);
+  }
+  static MPS_EXT_INLINE float x(thread const Job& job, int r, int block) { return job.x_scale(r, block); }
+  static MPS_EXT_INLINE float w(thread const Job& job, int q, int block) { return job.w_scale(q, block); }
+  static MPS_EXT_INLINE float tail(thread const Job& job, int r, int q, int kb) { return job.tail_scale(r, q, kb); }
+};
+template <typename Job>
+struct DecodeScales<Job, false> {
+  static MPS_EXT_INLINE void stage(thread const Job&, int, int, uint, uint) {}
+  static MPS_EXT_INLINE float x(thread const Job&, int, int) { return 1.0f; }
+  static MPS_EXT_INLINE float w(thread const Job&, int, int) { return 1.0f; }
+  static MPS_EXT_INLINE float tail(thread const Job&, int, int, int) { return 1.0f; }
+};
 
 // ------------------------------------------------------------- the tile --
 // Pieces of each activation row a tile holds: the tile's bytes (the job's
@@ -154,7 +200,9 @@ template <typename Job, int R, int Q, bool VEC, int TS>
 MPS_EXT_INLINE void decode_products(thread const Job& job, thread float* acc,
                                     thread const typename DecodePiece<VEC ? 16 : 0>::type* wv,
                                     const threadgroup uint* tcu, int block) {
-  typedef DecodeShape<typename Job::X::T, typename Job::W::T, VEC> Shape;
+  typedef DecodeOperandsOf<Job> Op;
+  typedef DecodeScales<Job> Scales;
+  typedef DecodeShape<typename Op::X::T, typename Op::W::T, VEC> Shape;
   constexpr int NW = Shape::NW, AW = Shape::AW, WA = Shape::WA;
   constexpr bool SCALED = Job::BLOCK_SCALED != 0;
   // Block scales: a piece lies in one 128-wide block of K. The weight's
@@ -162,13 +210,13 @@ MPS_EXT_INLINE void decode_products(thread const Job& job, thread float* acc,
   // each word's products (no partial sums to keep). (Rows past `rows` and
   // outputs that do not exist have no scales staged: their products are 0.)
   float ws[Q];
-  MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) ws[q] = SCALED && job.live(q) ? job.w_scale(q, block) : 1.0f;
+  MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) ws[q] = SCALED && job.live(q) ? Scales::w(job, q, block) : 1.0f;
   // A weight word of each output at a time, converted once for all rows:
   // only one is live per output.
   MPS_EXT_UNROLL for (int j = 0; j < (VEC ? 4 : 1); ++j) {
     float wf[Q][4];  // (NW used)
     MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
-      if (VEC) job.wf.word(DecodePiece<VEC ? 16 : 0>::word(wv[q], j), wf[q]);
+      if (VEC) job.op.wf.word(DecodePiece<VEC ? 16 : 0>::word(wv[q], j), wf[q]);
       else wf[q][0] = as_type<float>(DecodePiece<VEC ? 16 : 0>::word(wv[q], 0));
       if (SCALED) {
         MPS_EXT_UNROLL for (int e = 0; e < NW; ++e) wf[q][e] *= ws[q];
@@ -182,12 +230,12 @@ MPS_EXT_INLINE void decode_products(thread const Job& job, thread float* acc,
       MPS_EXT_UNROLL for (int i = 0; i < AW; ++i) {
         float xf[4];  // (NW / AW used)
         const uint xw = tcu[(r * WA + j * AW + i) * TS];
-        if (VEC) job.xf.word(xw, xf);
+        if (VEC) job.op.xf.word(xw, xf);
         else xf[0] = as_type<float>(xw);
         MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
           MPS_EXT_UNROLL for (int e = 0; e < NW / AW; ++e) d[q] += xf[e] * wf[q][i * (NW / AW) + e];
       }
-      const float xs = SCALED && r < job.rows ? job.x_scale(r, block) : 0.0f;
+      const float xs = SCALED && r < job.op.rows ? Scales::x(job, r, block) : 0.0f;
       MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) acc[r * Q + q] = SCALED ? acc[r * Q + q] + d[q] * xs : d[q];
     }
   }
@@ -198,19 +246,18 @@ MPS_EXT_INLINE void decode_products(thread const Job& job, thread float* acc,
 // two >= job.rows; rows past them stage as 0. `tile`: decode_tile_words
 // words of threadgroup memory.
 //
-// The job (see the file comment) provides: X and W, the element formats,
-// as members xf and wf; BLOCK_SCALED, BUDGET and TILE_BYTES (enum); rows, k, x_k (the
-// activation's stride along K, used without VEC), w_k (the weight's);
-// x_row(r), the first activation of row r; live(q) and w_row(q), whether
-// the simdgroup's output q exists and its weight row; stage_scales(k0,
-// elements, tid, threads), x_scale(r, block of the tile) and w_scale(q,
-// block of the tile) for a tile's block scales, tail_scale(r, q, block)
-// for the elements past the tiles;
-// and store(r, totals of the Q outputs, lane).
+// The job (see the file comment) provides: op, its DecodeOperands;
+// BLOCK_SCALED, BUDGET and TILE_BYTES (enum); x_row(r), the first
+// activation of row r; live(q) and w_row(q), whether the simdgroup's
+// output q exists and its weight row; with BLOCK_SCALED (DecodeScales),
+// stage_scales(k0, elements, tid, threads), x_scale(r, block of the tile)
+// and w_scale(q, block of the tile) for a tile's block scales,
+// tail_scale(r, q, block) for the elements past the tiles; and store(r,
+// totals of the Q outputs, lane).
 template <typename Job, int R, int Q, bool VEC>
 MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, uint tid, uint threads, uint lane) {
-  typedef typename Job::X XF;
-  typedef typename Job::W WF;
+  typedef typename DecodeOperandsOf<Job>::X XF;
+  typedef typename DecodeOperandsOf<Job>::W WF;
   typedef DecodeShape<typename XF::T, typename WF::T, VEC> Shape;
   typedef DecodePiece<VEC ? 16 : 0> P;
   typedef typename P::type Piece;
@@ -225,8 +272,8 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
   static_assert(TP % (32 * U) == 0, "a tile is whole steps");
   static_assert(!SCALED || (TP * E) % 128 == 0, "a tile is whole scale blocks");
 
-  const int rows = job.rows, K = job.k;
-  const long w_k = VEC ? 1 : job.w_k;
+  const int rows = job.op.rows, K = job.op.k;
+  const long w_k = VEC ? 1 : job.op.w_k;
   const long u_step = 32 * E * w_k;  // from a lane's piece to its next one
   bool live[Q];
   const device typename WF::T* wp[Q];  // the lane's next piece of each weight row
@@ -245,11 +292,11 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
   if (k < K) {
     MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
       if (!live[q]) continue;
-      const float wk = job.wf.one(job.w_row(q)[k]);
+      const float wk = job.op.wf.one(job.w_row(q)[k]);
       MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
         if (r >= rows) continue;
-        const float v = job.xf.one(job.x_row(r)[k]) * wk;
-        acc[r][q] += SCALED ? v * job.tail_scale(r, q, k / 128) : v;
+        const float v = job.op.xf.one(job.x_row(r)[k]) * wk;
+        acc[r][q] += SCALED ? v * DecodeScales<Job>::tail(job, r, q, k / 128) : v;
       }
     }
   }
@@ -278,10 +325,10 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
         const uint4 v = r < rows ? *(const device uint4*)at : uint4(0u);
         MPS_EXT_UNROLL for (int j = 0; j < 4; ++j) tile[(r * WA + h * 4 + j) * TS + c] = v[j];
       } else {
-        tile[r * TS + c] = as_type<uint>(r < rows ? job.xf.one(job.x_row(r)[long(k0 + c) * job.x_k]) : 0.0f);
+        tile[r * TS + c] = as_type<uint>(r < rows ? job.op.xf.one(job.x_row(r)[long(k0 + c) * job.op.x_k]) : 0.0f);
       }
     }
-    if (SCALED) job.stage_scales(k0, pieces * E, tid, threads);
+    if (SCALED) DecodeScales<Job>::stage(job, k0, pieces * E, tid, threads);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // Whole steps of U pieces of each output first: no bounds to check, so
     // that no index per piece stays live from the loads to the products
@@ -296,7 +343,7 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
       Piece wv[U][Q];
       MPS_EXT_UNROLL for (int u = 0; u < U; ++u)
         MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
-          wv[u][q] = live[q] ? P::load(job.wf, wp[q] + u * u_step) : Piece(0u);
+          wv[u][q] = live[q] ? P::load(job.op.wf, wp[q] + u * u_step) : Piece(0u);
       MPS_EXT_UNROLL for (int u = 0; u < U; ++u)
         decode_products<Job, R, Q, VEC, TS>(job, &acc[0][0], wv[u], tc + 32 * u,
                                             SCALED ? int((c + uint(32 * u)) * uint(E) / 128u) : 0);
@@ -307,7 +354,7 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
     // 0 times a staged value: an inf activation would make it NaN.)
     for (; U > 1 && c < uint(pieces); c += 32u) {
       Piece wv[Q];
-      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wv[q] = live[q] ? P::load(job.wf, wp[q]) : Piece(0u);
+      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wv[q] = live[q] ? P::load(job.op.wf, wp[q]) : Piece(0u);
       decode_products<Job, R, Q, VEC, TS>(job, &acc[0][0], wv, tile + c, SCALED ? int(c * uint(E) / 128u) : 0);
       MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wp[q] += u_step;
     }
@@ -320,15 +367,6 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
     job.store(r, total, lane);
   }
 }
-
-// A job's parts that need no block scales.
-struct DecodeUnscaled {
-  enum { BLOCK_SCALED = 0, TILE_BYTES = DECODE_TILE_BYTES };
-  MPS_EXT_INLINE void stage_scales(int, int, uint, uint) const {}
-  MPS_EXT_INLINE float x_scale(int, int) const { return 1.0f; }
-  MPS_EXT_INLINE float w_scale(int, int) const { return 1.0f; }
-  MPS_EXT_INLINE float tail_scale(int, int, int) const { return 1.0f; }
-};
 
 // ------------------------------------------------------ the cols kernel --
 // The decode kernel of a weight whose N dimension is contiguous (x @ W with
@@ -409,20 +447,20 @@ MPS_EXT_INLINE void decode_cols_stage(thread const Job& job, threadgroup float* 
   constexpr int RING = 2 * TK, XS = RING + TK;
   for (int t = int(tid); t < R * TK; t += DECODE_COLS_THREADS) {
     const int r = t / TK, k = tile_k + t % TK;
-    x_tile[r * XS + (k & (RING - 1))] = r < job.rows && k < k_end ? job.xf.one(job.x_row(r)[long(k) * job.x_k]) : 0.0f;
+    x_tile[r * XS + (k & (RING - 1))] = r < job.op.rows && k < k_end ? job.op.xf.one(job.x_row(r)[long(k) * job.op.x_k]) : 0.0f;
   }
 }
 
-// The job provides X and W (formats, as xf and wf: DecodeFloat types,
-// whose pieces DecodePiece rebuilds), rows, n, k, splits (of K; the split
-// this threadgroup takes is `split`), x_row(r) and x_k, w (the weight's
-// element [0, 0]), w_k and w_n, and store(r, n, total, split). `block`: the
+// The job provides op, its DecodeOperands (formats DecodeFloat types,
+// whose pieces DecodePiece rebuilds); n and w_n (the columns and their
+// stride), splits (of K; the split this threadgroup takes is `split`),
+// x_row(r), and store(r, n, total, split). `block`: the
 // threadgroup's block of columns. B: the bytes of a piece (16 or 4, 0 for
 // element loads).
 template <typename Job, int R, int B>
 MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partial, threadgroup float* x_tile,
                                 uint block, uint split, uint tid, uint sg, uint lane) {
-  typedef typename Job::W WF;
+  typedef typename DecodeOperandsOf<Job>::W WF;
   typedef typename WF::T T;
   typedef ColsShape<B, int(sizeof(T)), R> Shape;
   typedef DecodePiece<B> P;
@@ -446,13 +484,13 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
   constexpr int RING = 2 * TK, XS = RING + TK;
   static_assert((RING & (RING - 1)) == 0, "the ring is a power of two");
 
-  const int rows = job.rows;
+  const int rows = job.op.rows;
   const int nq = int(lane) % LN, kq = int(lane) / LN;
   const long col0 = long(block) * CB + nq * E;
   const long left = job.n - col0;
   const int ncols = left <= 0 ? 0 : left >= E ? E : int(left);  // columns of the piece that exist
   // K fits in 31 bits (the host checks the activation's offsets).
-  const int K = job.k, chunks = (K + DECODE_COLS_K_CHUNK - 1) / DECODE_COLS_K_CHUNK, splits = job.splits;
+  const int K = job.op.k, chunks = (K + DECODE_COLS_K_CHUNK - 1) / DECODE_COLS_K_CHUNK, splits = job.splits;
   const int k_begin = int(split) * chunks / splits * DECODE_COLS_K_CHUNK;
   const int k_end = min((int(split) + 1) * chunks / splits * DECODE_COLS_K_CHUNK, K);
   const int lane_row = int(sg) * LK + kq;  // this lane's row within a step
@@ -462,8 +500,8 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
     MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e) acc[r][e] = 0.0f;
 
   // The weight pointer advances by a step's rows: no 64-bit multiply in the loop.
-  const device T* wp = job.w + long(k_begin + lane_row) * job.w_k + col0 * job.w_n;
-  const long w_step = RS * job.w_k;
+  const device T* wp = job.op.w + long(k_begin + lane_row) * job.op.w_k + col0 * job.w_n;
+  const long w_step = RS * job.op.w_k;
   // With 4-byte pieces and element loads, the staging first, then the
   // weight pieces, still before the barrier (in flight while the
   // threadgroup waits there): loaded before the staging, they and what the
@@ -478,10 +516,10 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
       const bool ok = tile_k + u * RS + lane_row < k_end;
       const device T* wu = wp + u * w_step;
       if (ok && ncols == E) {
-        wv[u] = P::load(job.wf, wu);
+        wv[u] = P::load(job.op.wf, wu);
       } else {  // past K, or a piece past the last column: its elements one by one, zeros beyond
         float v[E];
-        MPS_EXT_UNROLL for (int e = 0; e < E; ++e) v[e] = ok && e < ncols ? job.wf.one(wu[e * job.w_n]) : 0.0f;
+        MPS_EXT_UNROLL for (int e = 0; e < E; ++e) v[e] = ok && e < ncols ? job.op.wf.one(wu[e * job.w_n]) : 0.0f;
         wv[u] = P::template of_floats<E>(v, T(0));
       }
     }
@@ -502,7 +540,7 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
           MPS_EXT_UNROLL for (int i = 0; i < WO; ++i) {
             uint word = P::word(wv[u], (g ^ m) * WO + i);
             if (m > 0) word = simd_shuffle_xor(word, ushort(m * LN));
-            job.wf.word(word, wf + i * (OWN / WO));
+            job.op.wf.word(word, wf + i * (OWN / WO));
           }
         } else {
           wf[0] = as_type<float>(P::word(wv[u], 0));

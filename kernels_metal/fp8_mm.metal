@@ -118,15 +118,11 @@ enum {
 
 template <typename A, int Q>
 struct Fp8GemvJob {
-  typedef typename A::Format X;
-  typedef DecodeFp8 W;
   // (16: the block scales of a piece and their addresses stay live too)
   enum { BLOCK_SCALED = 1, BUDGET = 16, TILE_BYTES = DECODE_TILE_BYTES };
-  X xf;
-  W wf;
+  DecodeOperands<typename A::Format, DecodeFp8> op;
   device uchar* y;
   const device typename A::T* x;
-  const device uchar* w;
   constant Fp8MatmulParams* p;
   const device float* scale_a;
   const device float* scale_b;
@@ -136,18 +132,17 @@ struct Fp8GemvJob {
   // [block of the tile][output of the threadgroup], from this simdgroup's
   // first output (one address kept, not the simdgroup's offset as well)
   threadgroup float* sb_own;
-  int rows, k, outputs, first;
+  int outputs, first;
   uint lane;
-  long x_k, w_k;
   MPS_EXT_INLINE const device typename A::T* x_row(int r) const { return x + r * p->a_row_stride; }
   MPS_EXT_INLINE bool live(int q) const { return q < outputs && first + q < int(p->n); }
-  MPS_EXT_INLINE const device uchar* w_row(int q) const { return w + (live(q) ? long(first + q) * p->w_n_stride : 0); }
+  MPS_EXT_INLINE const device uchar* w_row(int q) const { return op.w + (live(q) ? long(first + q) * p->w_n_stride : 0); }
   // (Run-time trip counts: a compiler keeps no address per row or block.)
   MPS_EXT_INLINE void stage_scales(int k0, int elements, uint tid, uint) const {
     // (Unsigned: index arithmetic; decode_rows' loop counters stay 32-bit.)
     const int kb0 = int(uint(k0) / FP8_SCALE_BLOCK), blocks = int((uint(elements) + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK);
     if (int(tid) < blocks)
-      for (int r = 0; r < rows; ++r) sa_tile[r * FP8_GEMV_TILE_BLOCKS + int(tid)] = scale_a_at(*p, scale_a, r, kb0 + int(tid));
+      for (int r = 0; r < op.rows; ++r) sa_tile[r * FP8_GEMV_TILE_BLOCKS + int(tid)] = scale_a_at(*p, scale_a, r, kb0 + int(tid));
     // Each simdgroup its own outputs' (at most 8 bytes an instruction: no
     // load straddles a line, whatever the threadgroup's output count).
     if (int(lane) < outputs) {
@@ -163,7 +158,7 @@ struct Fp8GemvJob {
   }
   // Lane i writes output i: stores spread over the simdgroup.
   MPS_EXT_INLINE void store(int r, thread const float* total, uint lane) const {
-    const float unit = xf.unit() * wf.unit();
+    const float unit = op.xf.unit() * op.wf.unit();
     MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
       if (lane == uint(r * Q + q) % 32 && live(q)) {
         const long n = first + q;
@@ -196,11 +191,11 @@ kernel void fp8_gemv(device uchar* y [[buffer(0)]],
   threadgroup float sa_tile[R * FP8_GEMV_TILE_BLOCKS];
   threadgroup float sb_tile[FP8_GEMV_TILE_BLOCKS * FP8_GEMV_SB_STRIDE];
   Fp8GemvJob<A, Q> job;
-  decode_format_e5m2(job.xf, p.a_format == FP8_TYPE_E5M2);
-  decode_format_e5m2(job.wf, p.w_format == FP8_TYPE_E5M2);
+  decode_format_e5m2(job.op.xf, p.a_format == FP8_TYPE_E5M2);
+  decode_format_e5m2(job.op.wf, p.w_format == FP8_TYPE_E5M2);
   job.y = y;
   job.x = x;
-  job.w = w;
+  job.op.w = w;
   job.p = &p;
   job.scale_a = scale_a;
   job.scale_b = scale_b;
@@ -209,14 +204,14 @@ kernel void fp8_gemv(device uchar* y [[buffer(0)]],
   job.sa_tile = sa_tile;
 
   // The host keeps N and K below 2^31.
-  job.rows = int(p.m);
-  job.k = int(p.k);
+  job.op.rows = int(p.m);
+  job.op.k = int(p.k);
   job.outputs = int(p.outputs_per_simdgroup);
   job.first = int(group * simdgroups + sg) * job.outputs;
   job.sb_own = sb_tile + int(sg) * job.outputs;
   job.lane = lane;
-  job.x_k = p.a_k_stride;
-  job.w_k = p.w_k_stride;
+  job.op.x_k = p.a_k_stride;
+  job.op.w_k = p.w_k_stride;
   decode_rows<Fp8GemvJob<A, Q>, R, Q, VEC>(job, tile, tid, threads, lane);
 }
 

@@ -33,62 +33,62 @@ MPS_EXT_INLINE void write_output(device T* y, const device T* bias, constant Gem
 }
 
 // ------------------------------------------------------ the jobs (decode.h) --
-// What both of this family's jobs read: dense rows of x; alpha, beta and the
-// bias on the way out.
+// What both of this family's jobs read beyond their operands: dense rows of
+// x; alpha, beta and the bias on the way out. A member of each job (Metal
+// has no derived classes), with the job's operands filled by init.
 template <typename T>
-struct GemvOperands {
-  typedef DecodeFloat<T> X;
-  typedef DecodeFloat<T> W;
-  X xf;
-  W wf;
+struct GemvInOut {
+  typedef DecodeOperands<DecodeFloat<T>, DecodeFloat<T>> Operands;
   device T* y;
   const device T* x;
-  const device T* w;
   const device T* bias;
   constant GemvParams* p;
-  int rows, k, x_row_stride;
-  long x_k, w_k;
-  MPS_EXT_INLINE void init(device T* y_, const device T* x_, const device T* w_, constant GemvParams& p_,
-                           const device T* bias_) {
+  int x_row_stride;
+  MPS_EXT_INLINE void init(thread Operands& op, device T* y_, const device T* x_, const device T* w_,
+                           constant GemvParams& p_, const device T* bias_) {
     y = y_;
     x = x_;
-    w = w_;
+    op.w = w_;
     bias = bias_;
     p = &p_;
-    rows = int(p_.rows);
-    k = int(p_.k);  // K and x's offsets fit in 31 bits (the host checks)
+    op.rows = int(p_.rows);
+    op.k = int(p_.k);  // K and x's offsets fit in 31 bits (the host checks)
     x_row_stride = int(p_.x_row_stride);
-    x_k = p_.x_k_stride;
-    w_k = p_.w_k_stride;
+    op.x_k = p_.x_k_stride;
+    op.w_k = p_.w_k_stride;
   }
   MPS_EXT_INLINE const device T* x_row(int r) const { return x + r * x_row_stride; }
 };
 
 // gemv_rows: weight row n of output n, Q of them from the simdgroup's first.
 template <typename T, int Q>
-struct GemvJob : GemvOperands<T>, DecodeUnscaled {
-  enum { BUDGET = 24 };
+struct GemvJob {
+  enum { BLOCK_SCALED = 0, BUDGET = 24, TILE_BYTES = DECODE_TILE_BYTES };
+  typename GemvInOut<T>::Operands op;
+  GemvInOut<T> io;
   long first;
-  MPS_EXT_INLINE bool live(int q) const { return first + q < this->p->n_out; }
-  MPS_EXT_INLINE const device T* w_row(int q) const {
-    return this->w + (live(q) ? (first + q) * this->p->w_n_stride : 0);
-  }
+  MPS_EXT_INLINE const device T* x_row(int r) const { return io.x_row(r); }
+  MPS_EXT_INLINE bool live(int q) const { return first + q < io.p->n_out; }
+  MPS_EXT_INLINE const device T* w_row(int q) const { return op.w + (live(q) ? (first + q) * io.p->w_n_stride : 0); }
   // Lane i writes output i: stores spread over the simdgroup.
   MPS_EXT_INLINE void store(int r, thread const float* total, uint lane) const {
     MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
-      if (lane == uint(r * Q + q) % 32 && live(q)) write_output(this->y, this->bias, *this->p, r, first + q, total[q]);
+      if (lane == uint(r * Q + q) % 32 && live(q)) write_output(io.y, io.bias, *io.p, r, first + q, total[q]);
   }
 };
 
 // gemv_cols: the weight's columns; with K split, partial sums.
 template <typename T>
-struct GemvColsJob : GemvOperands<T> {
+struct GemvColsJob {
+  typename GemvInOut<T>::Operands op;
+  GemvInOut<T> io;
   device float* partials;
   int splits;
   long n, w_n;
+  MPS_EXT_INLINE const device T* x_row(int r) const { return io.x_row(r); }
   MPS_EXT_INLINE void store(int r, long n_, float total, uint split) const {
-    if (splits == 1) write_output(this->y, this->bias, *this->p, r, n_, total);
-    else partials[(long(split) * this->rows + r) * n + n_] = total;
+    if (splits == 1) write_output(io.y, io.bias, *io.p, r, n_, total);
+    else partials[(long(split) * op.rows + r) * n + n_] = total;
   }
 };
 
@@ -109,7 +109,7 @@ kernel void gemv_rows(device T* y [[buffer(0)]],
   constexpr int TILE_WORDS = decode_tile_words<T, T, VEC, false>(R);
   threadgroup uint tile[TILE_WORDS];
   GemvJob<T, Q> job;
-  job.init(y, x, w, p, bias);
+  job.io.init(job.op, y, x, w, p, bias);
   job.first = (long(group) * simdgroups + sg) * Q;
   decode_rows<GemvJob<T, Q>, R, Q, VEC>(job, tile, tid, threads, lane);
 }
@@ -135,7 +135,7 @@ kernel void gemv_cols(device T* y [[buffer(0)]],
   constexpr int RING_WORDS = decode_cols_ring_words<T, B>(R);
   threadgroup float x_tile[RING_WORDS];
   GemvColsJob<T> job;
-  job.init(y, x, w, p, bias);
+  job.io.init(job.op, y, x, w, p, bias);
   job.partials = partials;
   job.splits = int(p.splits);
   job.n = p.n_out;

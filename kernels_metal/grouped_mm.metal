@@ -122,68 +122,79 @@ struct GmmFormat<uchar> {  // float8_e4m3fn
   typedef DecodeFp8 type;
 };
 
-// What both of this family's jobs read: the slot's rows of one group, the
-// group's expert.
+// What this family's jobs read beyond their operands: the slot's rows of
+// one group, the group's expert. A member of each job (Metal has no derived
+// classes), with the job's operands filled by init.
 template <typename TA, typename TB, typename TO>
-struct GmmOperands {
-  typedef typename GmmFormat<TA>::type X;
-  typedef typename GmmFormat<TB>::type W;
-  X xf;
-  W wf;
+struct GmmInOut {
+  typedef DecodeOperands<typename GmmFormat<TA>::type, typename GmmFormat<TB>::type> Operands;
   device TO* out;
   const device TA* a;
-  const device TB* w;  // the group's expert
   constant GroupedMMParams* p;
   RowSlot s;
-  int rows, k;
-  long x_k, w_k;
-  MPS_EXT_INLINE void init(device TO* out_, const device TA* a_, const device TB* w_, constant GroupedMMParams& p_,
-                           RowSlot s_) {
-    decode_format_e5m2(xf, false);  // float8 operands are e4m3fn
-    decode_format_e5m2(wf, false);
+  MPS_EXT_INLINE void init(thread Operands& op, device TO* out_, const device TA* a_, const device TB* w_,
+                           constant GroupedMMParams& p_, RowSlot s_) {
+    decode_format_e5m2(op.xf, false);  // float8 operands are e4m3fn
+    decode_format_e5m2(op.wf, false);
     out = out_;
     a = a_;
-    w = w_ + ulong(s_.g) * ulong(p_.b_batch);
+    op.w = w_ + ulong(s_.g) * ulong(p_.b_batch);  // the group's expert
     p = &p_;
     s = s_;
-    rows = int(s_.rows);
-    k = int(p_.k);
-    x_k = p_.a_k;
-    w_k = p_.b_k;
+    op.rows = int(s_.rows);
+    op.k = int(p_.k);
+    op.x_k = p_.a_k;
+    op.w_k = p_.b_k;
   }
+  // The slot's own row r of `a` (no gather; offsets fit 32 bits: the host checks).
+  MPS_EXT_INLINE const device TA* slot_row(int r) const { return a + (s.row + uint(r)) * uint(p->a_m); }
 };
 
-template <typename TA, typename TB, typename TO>
-struct GmmDecodeJob : GmmOperands<TA, TB, TO>, DecodeUnscaled {
+// The job of gmm_decode_rows (COMBINE false) and of moe_down_combine (true,
+// below): one flat struct, so that both store one output the same way.
+// gmm_decode_rows's rows are each an activation row of its own or its
+// token's (rows_at, staged by the kernel); moe_down_combine's are the
+// chunk's own rows, and it keeps their outputs in threadgroup memory (ys)
+// for its epilogue.
+template <typename TA, typename TB, typename TO, bool COMBINE>
+struct GmmDecodeJob {
   // (20: the slot, the scales' indices and two column pointers stay live too)
   // Half DECODE_TILE_BYTES: a threadgroup also keeps rows_at and the slot
   // (40 bytes), and with a whole 8 KiB tile a core held 7 threadgroups of
   // 128 threads by threadgroup memory where their registers allow 8.
-  enum { BUDGET = 20, TILE_BYTES = DECODE_TILE_BYTES / 2 };
+  enum { BLOCK_SCALED = 0, BUDGET = 20, TILE_BYTES = DECODE_TILE_BYTES / 2 };
+  typename GmmInOut<TA, TB, TO>::Operands op;
+  GmmInOut<TA, TB, TO> io;
   const device float* row_scale;
   const device float* col_scale;
-  threadgroup const uint* rows_at;
+  threadgroup const uint* rows_at;  // (gmm_decode_rows)
+  threadgroup TO* ys;               // (moe_down_combine) [row][column of the block]
+  uint local;                       // (moe_down_combine) the simdgroup's first column in the block
+  uint outputs_log2;                // (moe_down_combine)
   uint col0;
   uint col[GMM_ROWS_OUTPUTS];
   bool on[GMM_ROWS_OUTPUTS];
-  MPS_EXT_INLINE const device TA* x_row(int r) const { return this->a + rows_at[r]; }
+  MPS_EXT_INLINE const device TA* x_row(int r) const { return COMBINE ? io.slot_row(r) : io.a + rows_at[r]; }
   MPS_EXT_INLINE bool live(int q) const { return on[q]; }
-  MPS_EXT_INLINE const device TB* w_row(int q) const { return this->w + col[q] * uint(this->p->b_n); }
+  MPS_EXT_INLINE const device TB* w_row(int q) const { return op.w + col[q] * uint(io.p->b_n); }
   // Lane q writes column q's output (swiglu: lane 0 the one output), so
-  // that one store instruction writes consecutive outputs of one row.
+  // that one store instruction writes consecutive outputs of one row;
+  // moe_down_combine (never swiglu) into ys, what moe_experts writes to y.
   MPS_EXT_INLINE void store(int r, thread const float* total, uint lane) const {
-    constant GroupedMMParams& p = *this->p;
-    const uint g = this->s.g, m = this->s.row + uint(r), lane_col = lane == 1 ? col[1] : col[0];
-    const bool writes = p.swiglu ? lane == 0 && on[0] : lane < uint(GMM_ROWS_OUTPUTS) && (lane == 1 ? on[1] : on[0]);
+    constant GroupedMMParams& p = *io.p;
+    const bool swiglu = !COMBINE && p.swiglu;
+    const uint g = io.s.g, m = io.s.row + uint(r), lane_col = lane == 1 ? col[1] : col[0];
+    const bool writes = swiglu ? lane == 0 && on[0] : lane < uint(GMM_ROWS_OUTPUTS) && (lane == 1 ? on[1] : on[0]);
     if (!writes) return;
     float v;
-    if (p.swiglu) {
+    if (swiglu) {
       const float gate = total[0] * scale_of(p, row_scale, col_scale, g, m, col[0]);
       v = silu(gate) * total[1] * scale_of(p, row_scale, col_scale, g, m, col[1]);
     } else {
       v = (lane == 1 ? total[1] : total[0]) * scale_of(p, row_scale, col_scale, g, m, lane_col);
     }
-    this->out[ulong(m) * ulong(p.out_m) + ulong(p.swiglu ? col0 : lane_col) * ulong(p.out_n)] = TO(v);
+    if (COMBINE) ys[(m << outputs_log2) + local + lane] = TO(v);
+    else io.out[ulong(m) * ulong(p.out_m) + ulong(swiglu ? col0 : lane_col) * ulong(p.out_n)] = TO(v);
   }
 };
 
@@ -203,7 +214,8 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
                             uint sg [[simdgroup_index_in_threadgroup]],
                             uint simdgroups [[simdgroups_per_threadgroup]],
                             uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int TILE_WORDS = decode_tile_words_any<TA, TB, VEC, false>(GmmDecodeJob<TA, TB, TO>::TILE_BYTES);
+  typedef GmmDecodeJob<TA, TB, TO, false> Job;
+  constexpr int TILE_WORDS = decode_tile_words_any<TA, TB, VEC, false>(Job::TILE_BYTES);
   threadgroup uint tile[TILE_WORDS];
   threadgroup uint rows_at[GMM_DECODE_MAX_ROWS];
   threadgroup uint shared[2];
@@ -218,8 +230,8 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
     rows_at[tid] = 0;  // rows past the slot's: never read from `a`
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  GmmDecodeJob<TA, TB, TO> job;
-  job.init(out, a, w, p, s);
+  Job job;
+  job.io.init(job.op, out, a, w, p, s);
   job.row_scale = row_scale;
   job.col_scale = col_scale;
   job.rows_at = rows_at;
@@ -233,7 +245,6 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
     job.col[q] = job.on[q] ? c : 0;
   }
   // One specialisation per row count, so one routed row does not pay for 8.
-  typedef GmmDecodeJob<TA, TB, TO> Job;
   constexpr int Q = GMM_ROWS_OUTPUTS;
   if (s.rows == 1) decode_rows<Job, 1, Q, VEC>(job, tile, tid, threads.x, lane);
   else if (s.rows == 2) decode_rows<Job, 2, Q, VEC>(job, tile, tid, threads.x, lane);
@@ -258,23 +269,6 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
 // slots for its columns as moe_combine does and writes `out`, with the
 // decoder layer's residual added when p.residual says so (a uniform branch:
 // one pipeline for both, and the add costs no dispatch of its own).
-template <typename TA, typename TB, typename TO>
-struct MoeDownJob : GmmDecodeJob<TA, TB, TO> {
-  threadgroup TO* ys;  // [row][column of the block]
-  uint local;          // the simdgroup's first column in the block
-  uint outputs_log2;
-  // The chunk's own rows of `a` (no gather; offsets fit 32 bits: the host checks).
-  MPS_EXT_INLINE const device TA* x_row(int r) const { return this->a + (this->s.row + uint(r)) * uint(this->p->a_m); }
-  // GmmDecodeJob's store (what moe_experts writes to y), into ys.
-  MPS_EXT_INLINE void store(int r, thread const float* total, uint lane) const {
-    constant GroupedMMParams& p = *this->p;
-    if (lane >= uint(GMM_ROWS_OUTPUTS) || !(lane == 1 ? this->on[1] : this->on[0])) return;
-    const uint m = this->s.row + uint(r), col = lane == 1 ? this->col[1] : this->col[0];
-    const float v = (lane == 1 ? total[1] : total[0]) * scale_of(p, this->row_scale, this->col_scale, this->s.g, m, col);
-    ys[(m << outputs_log2) + local + lane] = TO(v);
-  }
-};
-
 // The chunk of rows from `row` (the first of a group's rows or 8 past the
 // previous chunk's): its group and rows, none past offs[-1]. Run by whole
 // simdgroups, each finding the same (no barrier: the loop below has none of
@@ -303,8 +297,8 @@ kernel void moe_down_combine(device TO* out [[buffer(0)]],
                              uint threads [[threads_per_threadgroup]],
                              uint sg [[simdgroup_index_in_threadgroup]],
                              uint lane [[thread_index_in_simdgroup]]) {
-  typedef MoeDownJob<TA, TB, TO> Job;
-  // The tile decode_rows stages at the job's TILE_BYTES (GmmDecodeJob's half tile).
+  typedef GmmDecodeJob<TA, TB, TO, true> Job;
+  // The tile decode_rows stages at the job's TILE_BYTES (half a tile).
   constexpr int TILE_WORDS = decode_tile_words_any<TA, TB, VEC, false>(Job::TILE_BYTES);
   threadgroup uint tile[TILE_WORDS];
   threadgroup TO ys[MOE_DOWN_Y_ELEMENTS];
@@ -323,7 +317,7 @@ kernel void moe_down_combine(device TO* out [[buffer(0)]],
   }
   // Uniform: every simdgroup finds the same chunks (decode_rows has barriers).
   for (RowSlot s = chunk_at(offs, p, 0, lane); s.rows > 0; s = chunk_at(offs, p, s.row + s.rows, lane)) {
-    job.init(out, a, w, p, s);
+    job.io.init(job.op, out, a, w, p, s);
     if (s.rows == 1) decode_rows<Job, 1, Q, VEC>(job, tile, tid, threads, lane);
     else if (s.rows == 2) decode_rows<Job, 2, Q, VEC>(job, tile, tid, threads, lane);
     else if (s.rows <= 4) decode_rows<Job, 4, Q, VEC>(job, tile, tid, threads, lane);
@@ -351,13 +345,14 @@ kernel void moe_down_combine(device TO* out [[buffer(0)]],
 // decode.h's cols template; this family's job: the slot's rows of one
 // group against its expert (W[E, K, N], N contiguous), K never split.
 template <typename T>
-struct GmmColsJob : GmmOperands<T, T, T> {
+struct GmmColsJob {
+  typename GmmInOut<T, T, T>::Operands op;
+  GmmInOut<T, T, T> io;
   int splits;
   long n, w_n;
-  // `a` fits 32-bit offsets (the host checks).
-  MPS_EXT_INLINE const device T* x_row(int r) const { return this->a + (this->s.row + uint(r)) * uint(this->p->a_m); }
+  MPS_EXT_INLINE const device T* x_row(int r) const { return io.slot_row(r); }
   MPS_EXT_INLINE void store(int r, long n_, float total, uint) const {
-    this->out[ulong(this->s.row + uint(r)) * ulong(this->p->out_m) + ulong(n_) * ulong(this->p->out_n)] = T(total);
+    io.out[ulong(io.s.row + uint(r)) * ulong(io.p->out_m) + ulong(n_) * ulong(io.p->out_n)] = T(total);
   }
 };
 
@@ -384,7 +379,7 @@ kernel void gmm_decode_cols(device T* out [[buffer(0)]],
   const RowSlot s = decode_slot(offs, p, tg.y, sg, lane, shared);
   if (s.rows == 0) return;  // uniform: every thread read the same slot
   GmmColsJob<T> job;
-  job.init(out, a, w, p, s);
+  job.io.init(job.op, out, a, w, p, s);
   job.splits = 1;
   job.n = p.n;
   job.w_n = p.b_n;

@@ -26,6 +26,9 @@ struct LinearAttentionParams {
 // so that the array stays in registers (MPS_EXT_UNROLL). 8 keeps the kernel
 // at 49 registers, within the 52 that let a core run 1024 threads (16 was
 // 92: the rows' values, addresses and bounds all live across the sums).
+// 49 is the executor's estimate, not Apple's allocator's: a pipeline that
+// allows fewer threads gets fewer columns at once (`cols`), with the same
+// result.
 #define LA_ROWS 8
 #define LA_MAX_THREADS 1024
 #define LA_MAX_DK 256     // query/key head size: the threadgroup's q and k arrays

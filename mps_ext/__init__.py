@@ -89,24 +89,27 @@ def families() -> list[str]:
 
 
 def family_status(name: str) -> str:
-    """'on' (possibly with what the policy leaves to torch on MPS), or why
-    the family is off."""
+    """'on' (possibly with what the policy leaves to torch on MPS, and the
+    kernels that cannot run on this Mac), or why the family is off."""
     if _C is None:
         return "off: the native extension is not loaded"
     if name in _env_disabled:
         return "off: listed in MPS_EXT_DISABLE"
     if not _C.is_enabled(name):
         return "off: turned off at run time"
-    unavailable = _C.stats()[name]["unavailable"]
-    if "MPS" in unavailable:
-        return f"off on MPS: {unavailable['MPS']}"
     if name in _policy_skipped:
         return f"left to torch on MPS: {_policy_skipped[name]}"
+    notes = []
     if name in _policy_left:
         ops = ", ".join(op.split("::")[1] + (f" ({rule.scope()})" if rule.scope() else "")
                         for op, rule in sorted(_policy_left[name].items()))
-        return f"on ({ops} left to torch on MPS)"
-    return "on"
+        notes.append(f"{ops} left to torch on MPS")
+    # A kernel that cannot run on this Mac takes down only the calls that
+    # need it: the family stays on.
+    unavailable = _C.stats()[name]["unavailable"]
+    if "MPS" in unavailable:
+        notes.append(f"unavailable on MPS: {unavailable['MPS']}")
+    return f"on ({'; '.join(notes)})" if notes else "on"
 
 
 def enabled_ops() -> list[str]:
@@ -141,8 +144,10 @@ def disabled(*names: str):
 def stats() -> dict[str, dict]:
     """Per family: {'ran': calls that ran mps_ext's kernels, 'fallbacks':
     {reason: calls that went to torch's own kernel}, 'unavailable':
-    {device: why mps_ext's kernels cannot run there}} (a Metal library or
-    pipeline that did not build on this Mac; empty normally). Calls a family
+    {device: why some of mps_ext's kernels cannot run there}} (a Metal
+    library or pipeline that did not build on this Mac, or a pipeline that
+    allows too few threads; the causes joined by '; '; empty normally).
+    Only the calls that need such a kernel go to torch's kernel. Calls a family
     never takes are in neither count: the fp8 family overrides copy_, fill_,
     zero_, cat and index_select for every dtype (the dispatcher knows no
     finer key) and passes all but float8 straight to torch's kernel."""
@@ -203,6 +208,11 @@ def _setup() -> None:
         wanted = sorted(known - _env_disabled - set(_policy_skipped))
         try:
             _installed.extend(_C.install_overrides(wanted))
+            if "fp8" in _installed:
+                # Now, with the overrides, not when float8 values first reach
+                # the GPU: rewriting torch's dispatch tables later races
+                # with threads running ops (csrc/ops/fp8_errors.cpp).
+                _C.name_float8_errors("MPS")
         except Exception as e:  # keep torch usable whatever happens
             warnings.warn(f"mps_ext could not install its MPS overrides: {e}", stacklevel=3)
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from .fp8 import BLOCK, E4M3_MAX, FP8Experts, FP8Linear
 
-__all__ = ["load_fp8"]
+__all__ = ["fine_grained_state_dict", "load_fp8"]
 
 # The name our quantizer is registered under in transformers' registries;
 # it never reaches a saved config (load_fp8 puts the checkpoint's back).
@@ -150,17 +150,96 @@ def _register() -> None:
     class MpsExtFP8Quantizer(FineGrainedFP8HfQuantizer):
         """FineGrainedFP8HfQuantizer without its environment check: that one
         wants accelerate and a CUDA or XPU device, and otherwise turns on
-        dequantization. load_fp8 swaps the modules for mps_ext's after loading."""
+        dequantization. load_fp8 swaps the modules for mps_ext's after loading.
+        The models load_fp8 and quantize_fp8 give hold it as their
+        hf_quantizer, so that save_pretrained writes the fine-grained format
+        (fine_grained_state_dict) or refuses."""
 
         def validate_environment(self, *args, **kwargs):
             if self.quantization_config.dequantize or not self.pre_quantized:
                 raise ValueError("mps_ext's fp8 method loads fp8 checkpoints as they are (mps_ext.load_fp8)")
+
+        def get_state_dict_and_metadata(self, model):
+            return fine_grained_state_dict(model), {}
 
     if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         register_quantization_config(QUANT_METHOD)(MpsExtFP8Config)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(QUANT_METHOD)(MpsExtFP8Quantizer)
     _registered = True
+
+
+def save_quantizer():
+    """The quantizer quantize_fp8 gives a transformers model (as
+    model.hf_quantizer): save_pretrained asks it for the state to write."""
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+
+    _register()
+    config = AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD](weight_block_size=[BLOCK, BLOCK])
+    return AUTO_QUANTIZER_MAPPING[QUANT_METHOD](config, pre_quantized=True)
+
+
+def fine_grained_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s state dict in transformers' fine-grained FP8 format, for
+    save_pretrained, and its config's quantization_config set to say so: each
+    FP8Linear's `weight` (float8_e4m3fn) and `weight_scale` renamed
+    `weight_scale_inv` (both multiply: the bytes and scales unchanged, so the
+    checkpoint reloads to the same logits), weight_block_size [128, 128] for
+    granularity "block" or null for "tensor", and every nn.Linear or experts
+    module left unconverted in modules_to_not_convert (transformers would
+    otherwise expect fp8 weights for it). A model with nothing in fp8 is
+    saved as it is.
+
+    ValueError for what the format cannot hold without rounding the weights
+    again (nothing is written): FP8Linear's granularity "row" (one scale per
+    output row; the format has one per 128 x 128 block or per tensor), mixed
+    granularities (one weight_block_size per checkpoint), 128 x 128 blocks
+    at a weight's ragged edge (transformers' de-quantizing loader refuses
+    them), and FP8Experts
+    (one scale per expert output row, what the grouped kernels take)."""
+    fp8 = {n: m for n, m in model.named_modules() if isinstance(m, (FP8Linear, FP8Experts))}
+    state = model.state_dict()
+    if not fp8:
+        return state
+    experts = [n for n, m in fp8.items() if isinstance(m, FP8Experts)]
+    if experts:
+        raise ValueError(f"save_pretrained: {_names(experts)} are FP8Experts, which hold one scale per expert "
+                         f"output row (what mps_ext's grouped fp8 kernels take); transformers' fine-grained FP8 "
+                         f"format has one per 128 x 128 block, and converting would round the weights again. "
+                         f"Save the model before quantize_fp8 (or quantize it with a filter that leaves the "
+                         f"experts) and quantize after loading")
+    by_granularity: dict[str, list[str]] = {}
+    for name, m in fp8.items():
+        by_granularity.setdefault(m.granularity, []).append(name)
+    if "row" in by_granularity:
+        raise ValueError(f"save_pretrained: {_names(by_granularity['row'])} hold one fp8 scale per output row "
+                         f"(quantize_fp8's granularity 'row', its default); transformers' fine-grained FP8 format "
+                         f"has one per 128 x 128 block or one per tensor, and converting would round the weights "
+                         f"again. Quantize with quantize_fp8(model, granularity='block') (or 'tensor') to save")
+    if len(by_granularity) > 1:
+        raise ValueError(f"save_pretrained: the model mixes fp8 granularities {sorted(by_granularity)}; a "
+                         f"fine-grained FP8 checkpoint has one weight_block_size for every weight")
+    ragged = [n for n in by_granularity.get("block", ()) if fp8[n].in_features % BLOCK or fp8[n].out_features % BLOCK]
+    if ragged:
+        # transformers' loader (its Fp8Dequantize, used wherever there is no
+        # CUDA) takes the block size from the scale grid and wants it to
+        # divide the weight; load_fp8 would read them, transformers not.
+        raise ValueError(f"save_pretrained: {_names(ragged)} have a dimension that is not a multiple of {BLOCK}, "
+                         f"so their 128 x 128 blocks are ragged, which transformers' own loader refuses to "
+                         f"de-quantize; quantize with quantize_fp8(model, granularity='tensor') to save them")
+    for name in fp8:
+        state[f"{name}.weight_scale_inv"] = state.pop(f"{name}.weight_scale")
+    unconverted = [n for n, m in model.named_modules()
+                   if n and (type(m) is nn.Linear or (n.endswith(".experts") and not isinstance(m, FP8Experts)))]
+    model.config.quantization_config = {
+        "quant_method": "fp8", "activation_scheme": "dynamic",
+        "weight_block_size": [BLOCK, BLOCK] if "block" in by_granularity else None,
+        "modules_to_not_convert": unconverted}
+    return state
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _swap_modules(model: nn.Module, device: torch.device) -> None:

@@ -38,6 +38,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import re
+import sys
 import warnings
 from typing import Callable
 
@@ -55,11 +57,42 @@ BLOCK = 128
 GRANULARITIES = ("tensor", "row", "block")
 
 
+# Bytes of float32 temporaries quantize_weight holds at a time: a weight is
+# quantized a slab of rows at a time into its fp8 output, so converting a
+# model needs its new fp8 weights and this much beyond them, not float32
+# copies of a whole weight (2.25x an expert bank's bf16 bytes).
+TEMP_BYTES = 16 << 20
+
+
+def _amax(t: torch.Tensor, dim=None) -> torch.Tensor:
+    """max |t| over `dim` (all if None) in float32, without a |t| copy."""
+    hi, lo = (t.amax(), t.amin()) if dim is None else (t.amax(dim), t.amin(dim))
+    return torch.maximum(hi, -lo).float()
+
+
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    return (amax / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def _row_slabs(rows: int, row_bytes: int, multiple: int = 1):
+    """(start, stop) of consecutive row ranges whose float32 copies take at
+    most TEMP_BYTES (at least `multiple` rows, a multiple of it)."""
+    step = max(1, TEMP_BYTES // max(1, row_bytes * multiple)) * multiple
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
+def _to_fp8_(q: torch.Tensor, w: torch.Tensor) -> None:
+    """q[...] = w (float32, already divided by its scales), clamped first:
+    the fp8 conversion saturates, but say so here."""
+    q.copy_(w.clamp_(-E4M3_MAX, E4M3_MAX))
+
+
 def quantize_weight(weight: torch.Tensor, granularity: str = "row") -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight, fp32 scale) with weight ~= fp8 * scale; the
     largest magnitude of each scale group maps to 448. Rounding is done in
     float32 on the weight's device (then converted: the fp8 conversion of
-    torch on CPU, mps_ext's on MPS). A 2-D weight [N, K] takes any
+    torch on CPU, mps_ext's on MPS), a slab of rows at a time (TEMP_BYTES of
+    float32 at most beyond the fp8 output). A 2-D weight [N, K] takes any
     granularity (scales: [], [N, 1], [ceil(N/128), ceil(K/128)]); a 3-D
     expert bank [E, N, K] is quantized by row (scales [E, N], what the
     grouped fp8 kernels take)."""
@@ -68,29 +101,39 @@ def quantize_weight(weight: torch.Tensor, granularity: str = "row") -> tuple[tor
     if weight.dim() not in (2, 3) or (weight.dim() == 3 and granularity != "row"):
         raise ValueError(f"expected a 2-D weight, or a 3-D expert bank with granularity 'row'; got "
                          f"{weight.dim()} dimensions and {granularity!r}")
-    w = weight.detach().float()
-    n, k = w.shape[-2:]
-    if granularity == "tensor":
-        amax = w.abs().amax().reshape(())
-        scale = (amax / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-        q = w / scale
-    elif granularity == "row":
-        amax = w.abs().amax(dim=-1, keepdim=True)
-        scale = (amax / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-        q = w / scale
-        if w.dim() == 3:
-            scale = scale.squeeze(-1)
-    else:
+    weight = weight.detach()
+    n, k = weight.shape[-2:]
+    dev, f32 = weight.device, torch.float32
+    q = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=dev)
+    if granularity == "block":
         nb, kb = -(-n // BLOCK), -(-k // BLOCK)
-        padded = torch.zeros(nb * BLOCK, kb * BLOCK, device=w.device)
-        padded[:n, :k] = w
-        blocks = padded.view(nb, BLOCK, kb, BLOCK)
-        amax = blocks.abs().amax(dim=(1, 3))
-        scale = (amax / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-        q = (blocks / scale[:, None, :, None]).view(nb * BLOCK, kb * BLOCK)[:n, :k]
-    # Clamp before converting: fp8 conversion saturates, but say so here.
-    q = q.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.contiguous(), scale.contiguous()
+        scale = torch.empty(nb, kb, dtype=f32, device=dev)
+        for r0, r1 in _row_slabs(n, 4 * kb * BLOCK, BLOCK):
+            rb = -(-(r1 - r0) // BLOCK)
+            padded = torch.zeros(rb * BLOCK, kb * BLOCK, dtype=f32, device=dev)
+            padded[:r1 - r0, :k] = weight[r0:r1]
+            blocks = padded.view(rb, BLOCK, kb, BLOCK)
+            s = _scale_of(_amax(blocks, (1, 3)))
+            scale[r0 // BLOCK:r0 // BLOCK + rb] = s
+            blocks.div_(s[:, None, :, None])
+            _to_fp8_(q[r0:r1], padded[:r1 - r0, :k])
+        return q, scale
+    matrices = [(q, weight)] if weight.dim() == 2 else list(zip(q, weight))
+    if granularity == "tensor":
+        scale = _scale_of(torch.stack([_amax(weight[r0:r1]) for r0, r1 in _row_slabs(n, 4 * k)]).amax())
+    else:  # [N, 1] for a matrix, [E, N] for a bank
+        scale = torch.empty(weight.shape[:-1] + ((1,) if weight.dim() == 2 else ()), dtype=f32, device=dev)
+    for i, (qm, wm) in enumerate(matrices):
+        for r0, r1 in _row_slabs(n, 4 * k):
+            w = wm[r0:r1].to(f32, copy=True)  # a float32 weight's own storage must not be divided in place
+            if granularity == "row":
+                s = _scale_of(_amax(w, -1))
+                (scale[r0:r1, 0] if weight.dim() == 2 else scale[i, r0:r1]).copy_(s)
+                w.div_(s[:, None])
+            else:
+                w.div_(scale)
+            _to_fp8_(qm[r0:r1], w)
+    return q, scale
 
 
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, granularity: str = "row") -> torch.Tensor:
@@ -155,12 +198,24 @@ def without_casts(fn, t: torch.Tensor) -> torch.Tensor:
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, granularity: str,
                bias: torch.Tensor | None) -> torch.Tensor:
     """FP8Linear's product (x @ weight^T, de-quantised, + bias) in x's dtype,
     on any device: torch.ops.mps_ext.fp8_linear, or on CPU tensors without
-    the executor the kernels' math with torch's ops."""
+    the executor the kernels' math with torch's ops. Differentiable in x and
+    bias (the fp8 weight is frozen): on every path the gradient of x is
+    grad_out @ the de-quantised weight (_FP8LinearFunction)."""
     bias = bias.to(x.dtype) if bias is not None and bias.dtype != x.dtype else bias
+    if _needs_grad(x, bias):
+        return _FP8LinearFunction.apply(x, weight, weight_scale, granularity, bias)
+    return _fp8_linear_forward(x, weight, weight_scale, granularity, bias)
+
+
+def _fp8_linear_forward(x, weight, weight_scale, granularity, bias):
     if _use_torch_cpu_ops(x):
         if x.dtype not in _INPUT_DTYPES:  # the op's own check, for the same error on every device
             raise RuntimeError(f"mps_ext fp8_linear: input must be float32, float16 or bfloat16, got {x.dtype}")
@@ -168,6 +223,32 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return nn.functional.linear(x.float(), dequantize_weight(weight, weight_scale, granularity),
                                     None if bias is None else bias.float()).to(x.dtype)
     return torch.ops.mps_ext.fp8_linear(x, weight, weight_scale, granularity, bias)
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    """fp8_linear with a backward: the forward is the same product (the
+    kernels, or torch's CPU ops), and the gradients are those of
+    x @ W^T + bias for W the de-quantised weight, computed in float32
+    (the weight de-quantised in memory, for the backward only). The fp8
+    weight and its scales get none: they are frozen buffers."""
+
+    @staticmethod
+    def forward(ctx, x, weight, weight_scale, granularity, bias):
+        ctx.save_for_backward(weight, weight_scale)
+        ctx.granularity, ctx.has_bias = granularity, bias is not None
+        with torch.no_grad():
+            return _fp8_linear_forward(x, weight, weight_scale, granularity, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, weight_scale = ctx.saved_tensors
+        g = grad_out.float()
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ dequantize_weight(weight, weight_scale, ctx.granularity)).to(grad_out.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[4]:
+            grad_bias = g.reshape(-1, g.shape[-1]).sum(0).to(grad_out.dtype)
+        return grad_x, None, None, None, grad_bias
 
 
 class FP8Linear(_FP8Module):
@@ -188,14 +269,15 @@ class FP8Linear(_FP8Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, granularity: str = "row") -> "FP8Linear":
+        """`linear` quantized. Its bias is copied with its requires_grad (it
+        can be trained); the fp8 weight is a buffer (frozen). Allocates only
+        the new weight (and quantize_weight's TEMP_BYTES)."""
         dtype = linear.weight.dtype if linear.weight.dtype.is_floating_point else torch.bfloat16
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, granularity,
-                device=linear.weight.device, dtype=dtype)
         q, s = quantize_weight(linear.weight, granularity)
-        m.weight.copy_(q)
-        m.weight_scale.copy_(s)
+        m = cls(linear.in_features, linear.out_features, False, granularity, device="meta", dtype=dtype)
+        m.weight, m.weight_scale = q, s
         if linear.bias is not None:
-            m.bias.data.copy_(linear.bias.detach())
+            m.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
         return m
 
     def dequantize(self) -> torch.Tensor:
@@ -273,7 +355,7 @@ class FP8Experts(_FP8Module):
     @staticmethod
     def why_not_convertible(module: nn.Module) -> str | None:
         """None if `module` holds expert banks FP8Experts can run, else why not."""
-        banks = _expert_banks(module)
+        banks = _bank_views(module)
         return banks if isinstance(banks, str) else None
 
     @staticmethod
@@ -284,25 +366,36 @@ class FP8Experts(_FP8Module):
     @classmethod
     def from_experts(cls, module: nn.Module) -> "FP8Experts":
         """An FP8Experts holding `module`'s banks quantized; ValueError
-        saying why if FP8Experts cannot run them."""
-        banks = _expert_banks(module)
+        saying why if FP8Experts cannot run them. Allocates only the new
+        banks (and quantize_weight's TEMP_BYTES, a slab at a time)."""
+        banks = _bank_views(module)
         if isinstance(banks, str):
             raise ValueError(f"{type(module).__name__} cannot become an FP8Experts: {banks}")
-        gate_up, down = banks
+        gate_up, down, concatenated = banks
         e, two_i, h = gate_up.shape
-        m = cls(e, h, two_i // 2, device=gate_up.device)
-        for name, bank in (("gate_up", gate_up), ("down", down)):
-            q, s = quantize_weight(bank, "row")
-            getattr(m, name + "_proj").copy_(q)
-            getattr(m, name + "_scale").copy_(s)
+        m = cls(e, h, two_i // 2, device="meta")
+        if concatenated:
+            m.gate_up_proj, m.gate_up_scale = quantize_weight(gate_up, "row")
+        else:  # gate and up rows interleaved: gate rows first, one expert's copy at a time
+            m.gate_up_proj = torch.empty(gate_up.shape, dtype=torch.float8_e4m3fn, device=gate_up.device)
+            m.gate_up_scale = torch.empty(e, two_i, device=gate_up.device)
+            for x in range(e):
+                q, s = quantize_weight(_gate_rows_first(gate_up[x]), "row")
+                m.gate_up_proj[x], m.gate_up_scale[x] = q, s[:, 0]
+        m.down_proj, m.down_scale = quantize_weight(down, "row")
         return m
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if _needs_grad(hidden_states, top_k_weights):
+            return _FP8ExpertsFunction.apply(self, hidden_states, top_k_index, top_k_weights)
+        return self._compute(hidden_states, top_k_index, top_k_weights, _use_torch_cpu_ops(hidden_states))
+
+    def _compute(self, hidden_states, top_k_index, top_k_weights, torch_ops: bool):
         x = hidden_states.reshape(-1, self.hidden).to(torch.bfloat16)
         top_k_index = top_k_index.reshape(x.shape[0], -1)
         weights = top_k_weights.reshape(top_k_index.shape).to(torch.float32).contiguous()
-        if _use_torch_cpu_ops(x):
+        if torch_ops:
             out = self._forward_with_torch_ops(x, top_k_index, weights)
         else:
             out = self._forward_with_kernels(x, top_k_index, weights)
@@ -327,7 +420,8 @@ class FP8Experts(_FP8Module):
         activations, each chosen expert's weights de-quantised in float32
         (one expert at a time: no copy of a whole bank), float32 sums, the
         gated activations, each expert's output and the sum rounded to bf16
-        where the kernels store them."""
+        where the kernels store them. Differentiable in x and weights (the
+        backward of _FP8ExpertsFunction, on any device)."""
         tokens, k = top_k_index.shape
         flat = top_k_index.reshape(-1)
         if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < self.num_experts:
@@ -335,7 +429,7 @@ class FP8Experts(_FP8Module):
                              f"{int(flat.min())} to {int(flat.max())}")
         order = torch.argsort(flat, stable=True)
         xs = x[order // k].float()
-        ys = torch.empty(flat.numel(), self.hidden)
+        ys = torch.empty(flat.numel(), self.hidden, device=x.device)
         start = 0
         for e, n in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
             if n:
@@ -353,6 +447,35 @@ class FP8Experts(_FP8Module):
         return (f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
                 f"weights=float8_e4m3fn, fp32 scale per expert output row, SiLU gate; decode: bfloat16 "
                 f"activations, weights de-quantised in registers")
+
+
+class _FP8ExpertsFunction(torch.autograd.Function):
+    """FP8Experts with a backward: the forward runs the module's own path
+    (the kernels, or torch's CPU ops); the backward recomputes the layer
+    with torch's ops (the de-quantised float32 math of
+    _forward_with_torch_ops, one expert at a time) with autograd on and
+    returns its gradients of hidden_states and top_k_weights. The fp8
+    banks get none: they are frozen buffers."""
+
+    @staticmethod
+    def forward(ctx, experts, hidden_states, top_k_index, top_k_weights):
+        ctx.experts = experts
+        ctx.save_for_backward(hidden_states, top_k_index, top_k_weights)
+        with torch.no_grad():
+            return experts._compute(hidden_states, top_k_index, top_k_weights, _use_torch_cpu_ops(hidden_states))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden_states, top_k_index, top_k_weights = ctx.saved_tensors
+        wanted = [ctx.needs_input_grad[1], ctx.needs_input_grad[3]]
+        with torch.enable_grad():
+            x = hidden_states.detach().requires_grad_(wanted[0])
+            w = top_k_weights.detach().requires_grad_(wanted[1])
+            out = ctx.experts._compute(x, top_k_index, w, torch_ops=True)
+            inputs = [t for t, want in zip((x, w), wanted) if want]
+            grads = iter(torch.autograd.grad(out, inputs, grad_out))
+        grad_x, grad_w = (next(grads) if want else None for want in wanted)
+        return None, grad_x, None, grad_w
 
 
 # ---------------------------------------------------------------- expert banks --
@@ -430,9 +553,28 @@ def _name(fn) -> str:
 
 
 def _expert_banks(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | str:
-    """(gate_up [E, 2I, H], down [E, H, I]) as FP8Experts stores them (views
-    of the module's banks; gate rows first), or why the module's experts
-    cannot be an FP8Experts. Layout flags are those transformers'
+    """(gate_up [E, 2I, H], down [E, H, I]) as FP8Experts stores them
+    (gate rows first: views of the module's banks, or for interleaved gate
+    and up rows a copy), or why the module's experts cannot be an
+    FP8Experts."""
+    banks = _bank_views(module)
+    if isinstance(banks, str):
+        return banks
+    gu, dn, concatenated = banks
+    return (gu if concatenated else torch.cat([gu[:, 0::2], gu[:, 1::2]], 1)), dn
+
+
+def _gate_rows_first(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I, H] with gate and up rows interleaved (g0 u0 g1 u1 ...) as
+    gate rows, then up rows (a copy)."""
+    return torch.cat([gate_up[..., 0::2, :], gate_up[..., 1::2, :]], -2)
+
+
+def _bank_views(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, bool] | str:
+    """(gate_up [E, 2I, H], down [E, H, I], concatenated): views of the
+    module's banks in FP8Experts' orientation, concatenated False where gate
+    and up rows are interleaved; or why the module's experts cannot be an
+    FP8Experts. Layout flags are those transformers'
     use_experts_implementation sets on its experts modules."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3):
@@ -464,9 +606,7 @@ def _expert_banks(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | str:
     why = _gate_is_not_silu(module, two_i // 2, concatenated, gu.device)
     if why:
         return why
-    if not concatenated:  # gate and up rows interleaved: FP8Experts takes all gate rows, then all up rows
-        gu = torch.cat([gu[:, 0::2], gu[:, 1::2]], 1)
-    return gu, dn
+    return gu, dn, concatenated
 
 
 # ------------------------------------------------------------------ quantize_fp8 --
@@ -486,6 +626,8 @@ class FP8Summary:
         kinds = ", ".join(f"{len(names)} {kind}" for kind, names in self.converted.items() if names) or "nothing"
         lines = [f"quantize_fp8 converted {kinds}: parameters and buffers {self.bytes_before:,} -> "
                  f"{self.bytes_after:,} bytes ({self.bytes_after / max(self.bytes_before, 1):.2f}x)"]
+        if any(self.converted.values()):
+            lines.append(f"  {FROZEN}")
         lines += [f"  left {name}: {why}" for name, why in self.left.items()]
         return "\n".join(lines)
 
@@ -502,6 +644,82 @@ def _model_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
+FROZEN = ("the converted weights are frozen (float8 buffers, not parameters): gradients flow to the inputs "
+          "and to FP8Linear biases, which keep their requires_grad")
+
+
+def _keep_in_fp32(model: nn.Module) -> list[tuple[str, re.Pattern]]:
+    """transformers' _keep_in_fp32_modules and _keep_in_fp32_modules_strict
+    of the model and every model inside it: (attribute, pattern), a pattern
+    matching the names of the parameters it keeps in float32 as
+    transformers' loader matches them (re.search, `*` any characters)."""
+    found = []
+    for mod in model.modules():
+        for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+            for pattern in getattr(mod, attr, None) or ():
+                if isinstance(pattern, str):
+                    found.append((attr, re.compile(pattern.replace("*", ".*"))))
+    return found
+
+
+# `self.<path>.weight` (or an expert bank's name) in a forward's source: the
+# module reads that tensor itself (nn.MultiheadAttention passes out_proj's
+# weight to F.multi_head_attention_forward; T5's DenseReluDense casts its
+# activations to wo.weight.dtype), which an fp8 module would break.
+_READS = re.compile(r"self\.([A-Za-z_][\w.]*)\.(weight|gate_up_proj|up_proj|down_proj)\b")
+_reads_by_class: dict[type, list[tuple[str, str]]] = {}
+
+
+def _read_tensors(model: nn.Module) -> dict[str, str]:
+    """Qualified name of each module whose weight (or bank) another
+    module's forward reads directly -> that reader, as "Class.forward reads
+    path.weight"."""
+    reads = {}
+    for name, mod in model.named_modules():
+        cls = type(mod)
+        if cls not in _reads_by_class:
+            try:
+                source = inspect.getsource(cls.forward)
+            except (TypeError, OSError):  # no Python source (a builtin or generated forward)
+                source = ""
+            _reads_by_class[cls] = sorted(set(_READS.findall(source)))
+        for path, attr in _reads_by_class[cls]:
+            target = f"{name}.{path}" if name else path
+            reads.setdefault(target, f"{cls.__name__}.forward reads {path}.{attr}")
+    return reads
+
+
+def _peft_layers(model: nn.Module) -> dict[str, str]:
+    """Qualified name of each PEFT tuner layer (a LoRA layer wrapping its
+    base layer) -> its class name. Without peft imported there are none."""
+    utils = sys.modules.get("peft.tuners.tuners_utils")
+    base = getattr(utils, "BaseTunerLayer", None)
+    if base is None:
+        return {}
+    return {name: type(mod).__name__ for name, mod in model.named_modules() if isinstance(mod, base)}
+
+
+def _unsafe(name: str, mod: nn.Module, keep_fp32, reads, peft) -> str | None:
+    """Why converting `mod` would change what the model computes or does, or
+    None. Each rule is a way a converted module broke a real model."""
+    tensors = [f"{name}.{n}" for n, _ in mod.named_parameters(recurse=False)] or [name]
+    for attr, pattern in keep_fp32:
+        if any(pattern.search(t) for t in tensors):
+            return (f"the model keeps it in float32 ({attr} has {pattern.pattern!r}): "
+                    f"transformers runs it in float32 for accuracy")
+    owner = next((p for p in peft if name == p or name.startswith(p + ".")), None)
+    if owner is not None:
+        return (f"part of a PEFT adapter layer ({owner}: {peft[owner]}): PEFT merges its adapters into the base "
+                f"layer's weight and trains lora_A / lora_B")
+    if name in reads:
+        return f"{reads[name]} (an fp8 module would hand it float8 values)"
+    if isinstance(mod, nn.Linear) and type(mod) is not nn.Linear:
+        return (f"a subclass of nn.Linear ({type(mod).__module__}.{type(mod).__qualname__}): its forward or its "
+                f"owner may do more than nn.Linear's; quantize_fp8 converts nn.Linear itself "
+                f"(FP8Linear.from_linear converts any on request)")
+    return None
+
+
 def quantize_fp8(model: nn.Module, granularity: str = "row",
                  filter: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
     """Replace every nn.Linear for which filter(qualified_name, module) is
@@ -511,7 +729,22 @@ def quantize_fp8(model: nn.Module, granularity: str = "row",
     place; returns the model, with an FP8Summary of what was converted and
     what was left (and why) as `model.fp8_summary`, also logged (logger
     "mps_ext.fp8", INFO). Expert banks left for any reason but the filter
-    give a warning: they keep their memory."""
+    give a warning: they keep their memory.
+
+    Whatever the filter says, it leaves what converting would break (_unsafe):
+    modules the model keeps in float32 (transformers' _keep_in_fp32_modules
+    and _keep_in_fp32_modules_strict), modules whose weight another module's
+    forward reads (nn.MultiheadAttention's out_proj, T5's wo), PEFT adapter
+    layers and what they wrap, and subclasses of nn.Linear.
+
+    One module at a time: its fp8 replacement is made, put in its place, and
+    the original let go before the next (quantize_weight keeps its float32
+    temporaries to TEMP_BYTES), so the peak is about the model plus one
+    module's fp8 weights. The converted weights are frozen (FROZEN); what
+    is not converted keeps its requires_grad. A transformers model saved
+    with save_pretrained is written in transformers' fine-grained FP8 format
+    (mps_ext.checkpoint: granularity "block" or "tensor"; it refuses what
+    the format cannot hold)."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     keep = filter or _default_filter
@@ -521,6 +754,7 @@ def quantize_fp8(model: nn.Module, granularity: str = "row",
     from .passes.moe import unfuse_blocks
     optimized = unfuse_blocks(model)
     bytes_before = _model_bytes(model)
+    keep_fp32, reads, peft = _keep_in_fp32(model), _read_tensors(model), _peft_layers(model)
     left: dict[str, str] = {}
     banks_left: dict[str, str] = {}
     targets = []
@@ -533,26 +767,47 @@ def quantize_fp8(model: nn.Module, granularity: str = "row",
         elif not name:
             left[name] = "the model itself: quantize_fp8 replaces modules inside it (FP8Linear.from_linear, " \
                          "FP8Experts.from_experts convert a module)"
+        elif (why := _unsafe(name, mod, keep_fp32, reads, peft)) is not None:
+            left[name] = why
+            if not is_linear:
+                banks_left[name] = why
         elif is_linear:
-            targets.append((name, FP8Linear.from_linear, "FP8Linear"))
+            targets.append((name, "FP8Linear"))
         elif (why := FP8Experts.why_not_convertible(mod)) is not None:
             left[name] = banks_left[name] = why
         else:
-            targets.append((name, FP8Experts.from_experts, "FP8Experts"))
+            targets.append((name, "FP8Experts"))
     converted: dict[str, list[str]] = {"FP8Linear": [], "FP8Experts": []}
-    for name, convert, kind in targets:
+    for name, kind in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         mod = getattr(parent, leaf)
-        setattr(parent, leaf, convert(mod, granularity) if kind == "FP8Linear" else convert(mod))
+        new = FP8Linear.from_linear(mod, granularity) if kind == "FP8Linear" else FP8Experts.from_experts(mod)
+        setattr(parent, leaf, new)
+        del mod, new  # the original's memory goes now, before the next module's fp8 copy is made
         converted[kind].append(name)
     if optimized:
         from .passes import optimize
         optimize(model)
     summary = FP8Summary(converted, left, bytes_before, _model_bytes(model))
     model.fp8_summary = summary
+    _attach_save_format(model)
     logger.info("%s", summary)
     if banks_left:
         warnings.warn("quantize_fp8 left expert banks in their dtype (they keep their memory): " +
                       "; ".join(f"{n}: {why}" for n, why in banks_left.items()), stacklevel=2)
     return model
+
+
+def _attach_save_format(model: nn.Module) -> None:
+    """A transformers model's save_pretrained then writes the fine-grained
+    FP8 format (or refuses): mps_ext.checkpoint's quantizer, through
+    transformers' own hook (model.hf_quantizer). Models transformers
+    quantized otherwise keep their quantizer."""
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None)
+    if pretrained is None or not isinstance(model, pretrained) or getattr(model, "hf_quantizer", None) is not None:
+        return
+    from . import checkpoint
+
+    model.hf_quantizer = checkpoint.save_quantizer()

@@ -1,12 +1,15 @@
 """A kernel the machine cannot run never becomes the user's exception.
 
 On a Mac, a Metal library or pipeline can fail to build, or a pipeline can
-allow fewer threads per threadgroup than an op asks. The Metal backend only
-reports that (BackendUnavailable); launch.cpp and route() decide: one
-warning naming the cause, the call and every later one of that family go to
-torch's own kernel, stats() and the report say so. Here the executor backend
-fails the same way through a test hook (_C._simulate_executor_failure), so
-that exactly that decision code runs."""
+allow fewer threads per threadgroup than a launch needs at least. The Metal
+backend only reports that (BackendUnavailable); launch.cpp and route()
+decide: one warning naming the cause, the call and every later one that
+needs that kernel (or any kernel of a library that failed) go to torch's own
+kernel, stats() and the report say so, and the family's other kernels keep
+running. Here the executor backend fails the same way through a test hook
+(_C._simulate_executor_failure, the `simulate` fixture of conftest.py), so
+that exactly that decision code runs. Launches that adapt to a pipeline's
+limit: tests/test_pipeline_limits.py."""
 
 import os
 import subprocess
@@ -18,25 +21,10 @@ import torch
 import mps_ext
 from mps_ext import _C, cpu_metal
 from mps_ext.__main__ import report
+from decode_steps import linear_attention, linear_attention_inputs, short_conv, short_conv_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REASON = "kernels unavailable on this device"
-
-
-@pytest.fixture
-def simulate():
-    """Sets a simulated failure; afterwards the executor works again and the
-    families are available again (a real failure lasts the process)."""
-    mps_ext.reset_stats()
-
-    def set_failure(library, kernel="", kind="library", max_threads=0):
-        _C._simulate_executor_failure(library, kernel, kind, max_threads)
-
-    yield set_failure
-    _C._simulate_executor_failure("")
-    for fam in mps_ext.families():
-        _C._clear_unavailable(fam)
-    mps_ext.reset_stats()
 
 
 def overriding_warnings(text):
@@ -56,7 +44,8 @@ def test_a_library_that_does_not_build(simulate, capfd):
     assert _C._simulated_failure_hits() == 1
     warned = overriding_warnings(capfd.readouterr().err)
     assert len(warned) == 1, warned
-    assert "the softmax kernels cannot run on CPU here (softmax.metal failed to compile (simulated))" in warned[0]
+    assert ("the kernels of softmax.metal cannot run on CPU here (softmax.metal failed to compile (simulated)); "
+            "the softmax calls on CPU that need them go to PyTorch's own kernel") in warned[0]
     s = mps_ext.stats()["softmax"]
     assert s == {"ran": 0, "fallbacks": {REASON: 3}, "unavailable": {"CPU": "softmax.metal failed to compile (simulated)"}}
     # Other families are not affected.
@@ -73,7 +62,9 @@ def test_the_report_shows_it(simulate, capsys):
     assert "kernels unavailable on CPU: pad.metal failed to compile (simulated)" in out
 
 
-def test_a_failure_at_the_second_dispatch_of_an_op(simulate, capfd):
+def test_a_failure_of_the_second_kernel_of_an_op(simulate, capfd):
+    """An op of two dispatches asks for the second one's pipeline before it
+    encodes the first: a failure of the second dispatches nothing."""
     # A row this long is split: a partial dispatch, then a finishing one.
     x = torch.randn(2, 20000)
     with cpu_metal.record() as rec:
@@ -85,7 +76,7 @@ def test_a_failure_at_the_second_dispatch_of_an_op(simulate, capfd):
     with cpu_metal.record() as rec:
         got = torch.ops.mps_ext._softmax(x, 1, False)
         again = torch.ops.mps_ext._softmax(x, 1, False)
-    assert [d.kernel for d in rec.dispatches] == ["softmax_partial_f32_i32_vec"]  # the first call only
+    assert rec.dispatches == []
     want = torch._softmax(x, 1, False)
     assert torch.equal(got, want) and torch.equal(again, want)
     assert _C._simulated_failure_hits() == 1
@@ -94,31 +85,144 @@ def test_a_failure_at_the_second_dispatch_of_an_op(simulate, capfd):
         "CPU": "cannot build the pipeline of softmax_finish_f32_f32_i32_vec (simulated)"}
 
 
-def test_a_pipeline_with_fewer_threads_than_the_op_needs(simulate, capfd):
-    x, w = torch.randn(3, 512), torch.randn(700, 512)
+def test_a_pipeline_with_fewer_threads_than_a_fixed_launch_needs(simulate, capfd):
+    """A launch of fixed size (gemv_cols: 256 threads, its least) on a
+    pipeline that allows fewer: the kernel cannot run here; remembered, so
+    that the next call does not ask the backend again."""
+    x, w = torch.randn(3, 512), torch.randn(512, 700)  # x @ W with W stored [K, N]: the cols kernel
     with cpu_metal.record() as rec:
-        torch.ops.mps_ext.linear(x, w, None)
-    (d,) = rec.dispatches
+        torch.ops.mps_ext.mm(x, w)
+    d = rec.dispatches[0]  # then gemv_cols_finish, which adds the partial sums of K's splits
     needs = d.threads_per_threadgroup[0]
-    assert needs > 32
+    assert d.kernel.startswith("gemv_cols_") and needs == 256
     mps_ext.reset_stats()
-    simulate("gemv", d.kernel, kind="max_threads", max_threads=32)
-    got = torch.ops.mps_ext.linear(x, w, None)
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+    simulate("gemv", d.kernel, kind="max_threads", max_threads=128)
+    got = [torch.ops.mps_ext.mm(x, w) for _ in range(2)]
+    for g in got:
+        torch.testing.assert_close(g, x @ w, rtol=1e-5, atol=1e-4)
+    assert _C._simulated_failure_hits() == 1
     (warned,) = overriding_warnings(capfd.readouterr().err)
-    cause = f"the pipeline of kernel {d.kernel} runs at most 32 threads per threadgroup on this GPU; it needs {needs}"
-    assert cause in warned
-    assert mps_ext.stats()["linear"] == {"ran": 0, "fallbacks": {REASON: 1}, "unavailable": {"CPU": cause}}
+    cause = f"the pipeline of kernel {d.kernel} runs at most 128 threads per threadgroup on this GPU; it needs {needs}"
+    assert f"kernel {d.kernel} cannot run on CPU here ({cause})" in warned
+    assert mps_ext.stats()["linear"] == {"ran": 0, "fallbacks": {REASON: 2}, "unavailable": {"CPU": cause}}
+    # The family's other kernels run: the same product with W stored [N, K] (gemv_rows).
+    torch.ops.mps_ext.mm(x, w.t().contiguous().t())
+    assert mps_ext.stats()["linear"]["ran"] == 1
 
 
 def test_a_pipeline_with_enough_threads_runs(simulate):
-    x, w = torch.randn(3, 512), torch.randn(700, 512)
+    x, w = torch.randn(3, 512), torch.randn(512, 700)
     with cpu_metal.record() as rec:
-        torch.ops.mps_ext.linear(x, w, None)
-    (d,) = rec.dispatches
+        torch.ops.mps_ext.mm(x, w)
+    d = rec.dispatches[0]
     simulate("gemv", d.kernel, kind="max_threads", max_threads=d.threads_per_threadgroup[0])
-    torch.ops.mps_ext.linear(x, w, None)
+    torch.ops.mps_ext.mm(x, w)
     assert mps_ext.stats()["linear"]["ran"] == 2 and mps_ext.stats()["linear"]["unavailable"] == {}
+
+
+def linear_family_calls():
+    """A call of each of the linear family's decode kernels, on fresh inputs
+    each time (the steps update their state in place): F.linear of one row
+    (gemv_rows), a Gated DeltaNet step at Qwen3.5/3.6's head sizes
+    (linear_attention_decode) and an LFM2 convolution step
+    (short_conv_decode); each kernel's library."""
+    x, w = torch.randn(1, 256), torch.randn(512, 256)
+    return {
+        "gemv": lambda: torch.ops.mps_ext.linear(x, w, None),
+        "linear_attention": lambda: linear_attention(linear_attention_inputs(1, 1, 2, 128, 128, 4, torch.float32), 1),
+        "short_conv": lambda: short_conv(short_conv_inputs(1, 64, 3, torch.float32)),
+    }
+
+
+def run_each(calls):
+    """{library: (result, the kernels it dispatched)}; an op that raised has
+    its error as its result."""
+    out = {}
+    for library, call in calls.items():
+        with cpu_metal.record() as rec:
+            try:
+                got = call()
+            except RuntimeError as e:
+                got = e
+        out[library] = (got, [d.kernel for d in rec.dispatches])
+    return out
+
+
+@pytest.mark.parametrize("failing", ["gemv", "linear_attention", "short_conv"])
+@pytest.mark.parametrize("kind", ["pipeline", "library"])
+def test_one_kernel_failing_leaves_the_familys_other_kernels_running(simulate, capfd, failing, kind):
+    """Issue 29: a linear_attention_decode pipeline that could not run took
+    the whole linear family down, decode GEMV and short convolution
+    included. Now only the calls that need the failing kernel (or, when its
+    library failed, any of that library's) go to torch, or raise for
+    mps_ext's own ops, which torch has no kernel for; the others run theirs,
+    now and later."""
+    calls = linear_family_calls()
+    want = run_each(calls)
+    kernel = want[failing][1][0]
+    mps_ext.reset_stats()
+    simulate(failing, kernel, kind=kind)
+    for _ in range(2):
+        got = run_each(calls)
+        for library, (result, kernels) in got.items():
+            if library != failing:
+                assert kernels == want[library][1] and torch.equal(result, want[library][0]), library
+            elif library == "gemv":  # torch's F.linear
+                assert kernels == [] and isinstance(result, torch.Tensor)
+                torch.testing.assert_close(result, want[library][0], rtol=1e-5, atol=1e-5)
+            else:
+                assert kernels == [] and f"mps_ext::{kernel[:-4]} cannot run on CPU here ({REASON})" in str(result)
+    assert _C._simulated_failure_hits() == 1
+    cause = (f"{failing}.metal failed to compile (simulated)" if kind == "library"
+             else f"cannot build the pipeline of {kernel} (simulated)")
+    assert mps_ext.stats()["linear"] == {"ran": 4, "fallbacks": {REASON: 2}, "unavailable": {"CPU": cause}}
+    (warned,) = overriding_warnings(capfd.readouterr().err)
+    assert f"cannot run on CPU here ({cause}); the linear calls on CPU that need" in warned
+
+
+def test_a_library_failing_takes_down_each_of_its_kernels(simulate):
+    """linear_attention.metal failing: its kernels of every dtype, without
+    asking the backend again; the family's other libraries run."""
+    simulate("linear_attention", kind="library")
+    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+        with pytest.raises(RuntimeError, match=f"linear_attention_decode cannot run on CPU here \\({REASON}\\)"):
+            linear_attention(linear_attention_inputs(1, 1, 2, 64, 64, 4, dtype), 1)
+    assert _C._simulated_failure_hits() == 1
+    torch.ops.mps_ext.linear(torch.randn(1, 64), torch.randn(32, 64), None)
+    assert mps_ext.stats()["linear"]["ran"] == 1
+
+
+def test_a_grouped_mm_kernel_failing_leaves_the_rest_of_grouped_mm(simulate):
+    """The prefill tiles' pipeline failing: prefill _grouped_mm goes to
+    torch; the decode product (another kernel of the same library) and
+    moe_route (another library) run theirs."""
+    experts = torch.randn(2, 96, 64).transpose(-2, -1)  # the MoE form: W[E, N, K].transpose(-2, -1)
+    prefill, decode = torch.randn(128, 64), torch.randn(2, 64)
+    offs_prefill, offs_decode = torch.tensor([64, 128], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32)
+    logits = torch.randn(3, 8)
+    calls = {
+        "prefill": lambda: torch.ops.mps_ext._grouped_mm(prefill, experts, offs_prefill),
+        "decode": lambda: torch.ops.mps_ext._grouped_mm(decode, experts, offs_decode),
+        "route": lambda: torch.ops.mps_ext.moe_route(logits, 2),
+    }
+    want = run_each(calls)
+    (tiles,) = want["prefill"][1]
+    assert tiles == "gmm_tiled_f32"
+    mps_ext.reset_stats()
+    simulate("grouped_mm", tiles, kind="pipeline")
+    got = run_each(calls)
+    assert got["prefill"][1] == [] and torch.equal(got["prefill"][0],
+                                                   torch._grouped_mm(prefill, experts, offs=offs_prefill))
+    for name in ("decode", "route"):
+        assert got[name][1] == want[name][1]
+        for g, w in zip(outputs(got[name][0]), outputs(want[name][0]), strict=True):
+            assert torch.equal(g, w), name
+    assert mps_ext.stats()["grouped_mm"] == {
+        "ran": 2, "fallbacks": {REASON: 1}, "unavailable": {"CPU": f"cannot build the pipeline of {tiles} (simulated)"}}
+
+
+def outputs(x):
+    return [x] if isinstance(x, torch.Tensor) else list(x)
 
 
 def test_through_an_aten_override_it_is_a_python_warning():
@@ -140,7 +244,7 @@ print(all(torch.allclose(y, x.exp() / x.exp().sum(1, keepdim=True)) for y in ys)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("1 mps_ext: the softmax kernels cannot run on CPU here"), r.stdout
+    assert lines[0].startswith("1 mps_ext: the kernels of softmax.metal cannot run on CPU here"), r.stdout
     assert f"'fallbacks': {{'{REASON}': 4}}" in lines[1]
     assert lines[2] == "True"
 

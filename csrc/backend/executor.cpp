@@ -2,10 +2,11 @@
 // the embedded shader with mps_ext.cpu_metal (once per library and process,
 // cached on disk) and dispatching it on the executor engine.
 //
-// It also holds the test hook that makes a launch fail the way the Metal
+// It also holds the test hook that makes the backend behave as the Metal
 // backend can on a Mac (a library or pipeline that does not build, a
-// pipeline with fewer threads than asked), so that the fallback decided in
-// launch.cpp and ops/registry.h runs in CI.
+// pipeline that allows fewer threads than the kernel declares), so that
+// what launch.cpp, the op layer's launch geometry and ops/registry.h decide
+// then runs in CI.
 #include <pybind11/pybind11.h>
 
 #include <atomic>
@@ -99,7 +100,7 @@ PipelineInfo executor_pipeline(const std::string& library_name, const std::strin
     const bool this_library = g_sim.kind != SimulatedFailure::kNone && g_sim.library == library_name;
     if (this_library && g_sim.kind == SimulatedFailure::kLibrary) {
       ++g_sim.hits;
-      throw BackendUnavailable(library_name, kernel, library_name + ".metal failed to compile (simulated)");
+      throw BackendUnavailable(library_name, kernel, library_name + ".metal failed to compile (simulated)", true);
     }
     if (this_library && g_sim.kernel == kernel) {
       ++g_sim.hits;

@@ -2,8 +2,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <map>
 #include <mutex>
+#include <tuple>
 
 #include "backend/shaders.h"
 
@@ -43,28 +45,42 @@ void register_shader_source(const std::string& name, const std::string& source) 
 
 namespace {
 
+// Kernels that cannot run, per device type: a whole library under kernel
+// "". Remembered so that a call after a failure goes to torch's kernel at
+// the cost of a lookup, not of a build (Metal remembers its failed builds
+// too, but not the pipelines whose thread limit is too low; the executor's
+// simulated failures count every ask).
+using KernelKey = std::tuple<c10::DeviceType, std::string, std::string>;
+std::mutex g_unavailable_mutex;
+std::atomic<bool> g_any_unavailable{false};  // the fast path: nothing failed
+std::map<KernelKey, BackendUnavailable>& unavailable() {
+  static auto* m = new std::map<KernelKey, BackendUnavailable>();
+  return *m;
+}
+
+void rethrow_if_remembered(c10::DeviceType device, const std::string& library, const std::string& kernel) {
+  if (!g_any_unavailable.load(std::memory_order_acquire)) return;
+  std::lock_guard<std::mutex> lock(g_unavailable_mutex);
+  for (const std::string& k : {std::string(), kernel}) {
+    auto it = unavailable().find(KernelKey{device, library, k});
+    if (it != unavailable().end()) throw it->second;
+  }
+}
+
 // Decided here rather than in a backend, so that CI runs it: a pipeline that
 // cannot run the threads the op asks for is a machine limit, not an error.
+// The op layer sizes the launches that can adapt from the pipeline's limit
+// (ops/kernel_choice.h, thread_budget), so this fails only for a launch of
+// fixed size (the kernel's minimum: docs/contributing.md, "Threadgroup
+// sizes"): the kernel cannot run here at all.
 void check_threads(const Launch& l, const PipelineInfo& p) {
   const auto& t = l.threads_per_threadgroup;
   const uint64_t threads = uint64_t(t[0]) * t[1] * t[2];
   if (threads > p.max_threads_per_threadgroup)
-    throw BackendUnavailable(l.library, l.kernel,
-                             "the pipeline of kernel " + l.kernel + " runs at most " +
-                                 std::to_string(p.max_threads_per_threadgroup) +
-                                 " threads per threadgroup on this GPU; it needs " + std::to_string(threads));
+    throw too_few_threads(l.library, l.kernel, p.max_threads_per_threadgroup, std::to_string(threads));
 }
 
-}  // namespace
-
-DeviceProfile device_profile(const c10::Device& device) {
-#ifdef __APPLE__
-  if (device.is_mps()) return metal_profile();
-#endif
-  return executor_profile();
-}
-
-void launch(const Launch& l) {
+c10::Device device_of(const Launch& l) {
   c10::optional<c10::Device> device;
   for (const auto& a : l.args) {
     if (!a.tensor.defined()) continue;
@@ -73,18 +89,52 @@ void launch(const Launch& l) {
                 "two devices, ", *device, " and ", a.tensor.device(), "!");
   }
   TORCH_CHECK(device, "mps_ext: kernel ", l.kernel, " has no tensor argument");
-  if (device->is_cpu()) {
-    check_threads(l, executor_pipeline(l.library, l.kernel));
-    return executor_encode(l);
-  }
-#ifdef __APPLE__
-  if (device->is_mps()) {
-    check_threads(l, metal_pipeline(l.library, l.kernel));
-    return metal_encode(l);
-  }
-#endif
+  return *device;
+}
+
+[[noreturn]] void no_backend(const c10::Device& device) {
   TORCH_CHECK(false, "mps_ext: kernels run on MPS tensors, or on CPU tensors through the CPU Metal executor; got ",
-              *device);
+              device);
+}
+
+}  // namespace
+
+void remember_unavailable(c10::DeviceType device, const BackendUnavailable& e) {
+  std::lock_guard<std::mutex> lock(g_unavailable_mutex);
+  unavailable().emplace(KernelKey{device, e.library, e.whole_library ? std::string() : e.kernel}, e);
+  g_any_unavailable.store(true, std::memory_order_release);
+}
+
+void forget_unavailable() {
+  std::lock_guard<std::mutex> lock(g_unavailable_mutex);
+  unavailable().clear();
+  g_any_unavailable.store(false, std::memory_order_release);
+}
+
+DeviceProfile device_profile(const c10::Device& device) {
+#ifdef __APPLE__
+  if (device.is_mps()) return metal_profile();
+#endif
+  return executor_profile();
+}
+
+PipelineInfo pipeline(const c10::Device& device, const std::string& library, const std::string& kernel) {
+  rethrow_if_remembered(device.type(), library, kernel);
+  if (device.is_cpu()) return executor_pipeline(library, kernel);
+#ifdef __APPLE__
+  if (device.is_mps()) return metal_pipeline(library, kernel);
+#endif
+  no_backend(device);
+}
+
+void launch(const Launch& l) {
+  const c10::Device device = device_of(l);
+  check_threads(l, pipeline(device, l.library, l.kernel));
+  if (device.is_cpu()) return executor_encode(l);
+#ifdef __APPLE__
+  if (device.is_mps()) return metal_encode(l);
+#endif
+  no_backend(device);
 }
 
 }  // namespace mps_ext

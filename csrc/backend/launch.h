@@ -42,20 +42,33 @@ struct Launch {
 
 // The kernel cannot run here, for a reason of the machine rather than of the
 // inputs: its library or pipeline failed to build, or the pipeline cannot
-// run the threads the launch asks. Never reaches the user: route()
-// (ops/registry.h) sends the call to the stock kernel and turns the family
-// off on that device, with one warning naming `cause`.
+// run the least threads its launch needs. Never reaches the user: route()
+// (ops/registry.h) sends the call to the stock kernel, remembers the failure
+// (remember_unavailable: the kernel's, or its whole library's when
+// `whole_library`) so that later launches of it fail at once, and warns once
+// naming `cause`. Other kernels, of the same family too, keep running.
 struct BackendUnavailable : std::runtime_error {
-  BackendUnavailable(std::string library_, std::string kernel_, std::string cause_)
+  BackendUnavailable(std::string library_, std::string kernel_, std::string cause_, bool whole_library_ = false)
       : std::runtime_error(cause_), library(std::move(library_)), kernel(std::move(kernel_)),
-        cause(std::move(cause_)) {}
+        cause(std::move(cause_)), whole_library(whole_library_) {}
   std::string library, kernel, cause;
+  bool whole_library;  // the library failed to compile: none of its kernels can run
 };
 
 // What a backend reports of a kernel's pipeline once it is built.
 struct PipelineInfo {
   uint64_t max_threads_per_threadgroup;
 };
+
+// The failure of a kernel whose pipeline allows `limit` threads per
+// threadgroup where its launch needs `needs` (at least, for a launch that
+// adapts to the limit).
+inline BackendUnavailable too_few_threads(const std::string& library, const std::string& kernel, uint64_t limit,
+                                          const std::string& needs) {
+  return BackendUnavailable(library, kernel,
+                            "the pipeline of kernel " + kernel + " runs at most " + std::to_string(limit) +
+                                " threads per threadgroup on this GPU; it needs " + needs);
+}
 
 // The GPU a launch runs on, as far as the op layer's launch geometry needs
 // it (ops/kernel_choice.h). The Metal backend reads its GPU's once per
@@ -80,6 +93,21 @@ DeviceProfile metal_profile();  // macOS only (metal.mm)
 // Runs the launch on the device its tensors live on (all must agree).
 // Throws BackendUnavailable as described above.
 void launch(const Launch& launch);
+
+// The pipeline of `kernel` of `library` on `device`, built once by the
+// device's backend: what the op layer sizes a launch from before it makes
+// one (ops/kernel_choice.h, thread_budget). Throws BackendUnavailable if the
+// kernel cannot run there: a failure remembered for the device's type
+// (without asking the backend again), or the backend's own.
+PipelineInfo pipeline(const c10::Device& device, const std::string& library, const std::string& kernel);
+
+// Remembers that the kernel of `e` (its whole library if e.whole_library)
+// cannot run on devices of type `device` in this process: pipeline() and
+// launch() throw `e` again for it from now on. route() calls this for each
+// BackendUnavailable it catches; a failure does not heal.
+void remember_unavailable(c10::DeviceType device, const BackendUnavailable& e);
+// Test hook: forgets every remembered failure.
+void forget_unavailable();
 
 // Backends. Each builds a kernel's pipeline once (pipeline(), which throws
 // BackendUnavailable if it cannot) and encodes launches of it (encode()).

@@ -7,9 +7,11 @@
 //   (newLibraryWithSource: no Xcode needed on the user's Mac) and each
 //   pipeline state is cached by kernel name. Nothing depends on shapes.
 // - A library or pipeline that does not build is reported as
-//   BackendUnavailable, never as an error: launch.cpp and route() decide what
-//   happens (the stock kernel, one warning). A failed build is remembered, so
-//   it is not retried.
+//   BackendUnavailable (saying which: the library or one kernel), never as
+//   an error: launch.cpp and route() decide what happens (the stock kernel
+//   for the calls that need it, one warning). A failed build is remembered,
+//   so it is not retried. The pipeline's maxTotalThreadsPerThreadgroup is
+//   reported as it is; the op layer sizes its launches from it.
 // - Encoding shares PyTorch's compute encoder on the current MPS stream,
 //   inside dispatch_sync on the stream's queue, and never commits or waits:
 //   PyTorch commits when it needs the results.
@@ -96,6 +98,7 @@ id<MTLLibrary> library(id<MTLDevice> device, const std::string& name, std::strin
 
 PipelineInfo metal_pipeline(const std::string& library_name, const std::string& kernel) {
   std::string error;
+  bool whole_library = false;  // the library did not compile: none of its kernels can run
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     const std::string key = library_name + "/" + kernel;
@@ -107,6 +110,7 @@ PipelineInfo metal_pipeline(const std::string& library_name, const std::string& 
     } else {
       id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
       id<MTLLibrary> lib = library(device, library_name, error);
+      whole_library = lib == nil;
       if (lib != nil) {
         @autoreleasepool {
           id<MTLFunction> function = [lib newFunctionWithName:[NSString stringWithUTF8String:kernel.c_str()]];
@@ -128,7 +132,7 @@ PipelineInfo metal_pipeline(const std::string& library_name, const std::string& 
     }
   }
   // Thrown outside the autorelease pools and the lock.
-  throw BackendUnavailable(library_name, kernel, error);
+  throw BackendUnavailable(library_name, kernel, error, whole_library);
 }
 
 // Read once: the core count through torch's MPSDevice::getCoreCount (the

@@ -70,8 +70,11 @@ at::Tensor sigmoid_gate(const at::Tensor& x, const at::Tensor& gate) {
   p.rows = static_cast<uint32_t>(rows);
   p.n = static_cast<uint32_t>(n);
   p.gate_row_stride = static_cast<uint32_t>(rows > 1 ? gs : n);
-  const int64_t threads = std::min<int64_t>(SIGMOID_GATE_THREADS, ceil_div(n, 32) * 32);
-  launch(Launch{"attention", std::string("sigmoid_gate_") + kernel_type_name(x.scalar_type()),
+  // A thread per element: a lower pipeline limit means more column blocks.
+  const std::string kernel = std::string("sigmoid_gate_") + kernel_type_name(x.scalar_type());
+  const int64_t threads =
+      std::min(thread_budget(x.device(), "attention", kernel, SIGMOID_GATE_THREADS), ceil_div(n, 32) * 32);
+  launch(Launch{"attention", kernel,
                 {KernelArg::of(out), KernelArg::of(xc), KernelArg::of(g), KernelArg::value(p)},
                 {static_cast<uint32_t>(ceil_div(n, threads)), static_cast<uint32_t>(rows), 1},
                 {static_cast<uint32_t>(threads), 1, 1}});
@@ -123,8 +126,11 @@ void kv_append(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
   auto stride = [](const at::Tensor& t, int64_t d) { return static_cast<uint32_t>(t.size(d) > 1 ? t.stride(d) : 0); };
   p.k_stride_b = stride(kc, 0), p.k_stride_h = stride(kc, 1), p.k_stride_t = stride(kc, 2);
   p.v_stride_b = stride(vc, 0), p.v_stride_h = stride(vc, 1), p.v_stride_t = stride(vc, 2);
-  const int64_t threads = std::min<int64_t>(KV_APPEND_MAX_THREADS, ceil_div(D, 32) * 32);
-  launch(Launch{"attention", std::string("kv_append_") + kernel_type_name(dt),
+  // The threads loop over the row: a lower pipeline limit means more passes.
+  const std::string kernel = std::string("kv_append_") + kernel_type_name(dt);
+  const int64_t threads = std::min(thread_budget(k_cache.device(), "attention", kernel, KV_APPEND_MAX_THREADS),
+                                   ceil_div(D, 32) * 32);
+  launch(Launch{"attention", kernel,
                 {KernelArg::of(k_cache), KernelArg::of(v_cache), KernelArg::of(kc), KernelArg::of(vc),
                  KernelArg::value(p)},
                 {static_cast<uint32_t>(H), static_cast<uint32_t>(T), static_cast<uint32_t>(B)},

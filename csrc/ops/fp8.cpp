@@ -184,7 +184,6 @@ at::Tensor& copy_impl(at::Tensor& self, const at::Tensor& src, bool non_blocking
     stock(self, src, non_blocking);
     return self;
   }
-  float8_reached<K>();
   route<decltype(copy_impl<K>)>(kCopy, K, copy_unsupported(self, src), [&] {
     copy_fp8<K>(self, src, non_blocking);
     return self;
@@ -216,7 +215,6 @@ at::Tensor& fill_scalar_impl(at::Tensor& self, const c10::Scalar& value) {
     stock(self, value);
     return self;
   }
-  float8_reached<K>();
   route<decltype(fill_scalar_impl<K>)>(kFillScalar, K, self_unsupported(self), [&] { return fill_fp8<K>(self, value); },
         self, value);
   return self;
@@ -229,7 +227,6 @@ at::Tensor& fill_tensor_impl(at::Tensor& self, const at::Tensor& value) {
     stock(self, value);
     return self;
   }
-  float8_reached<K>();
   route<decltype(fill_tensor_impl<K>)>(kFillTensor, K, self_unsupported(self), [&] {
     TORCH_CHECK(value.dim() == 0, "fill_ only supports 0-dimension value tensor but got tensor with ", value.dim(),
                 " dimensions.");
@@ -246,7 +243,6 @@ at::Tensor& zero_impl(at::Tensor& self) {
     stock(self);
     return self;
   }
-  float8_reached<K>();
   route<decltype(zero_impl<K>)>(kZero, K, self_unsupported(self),
         [&] { return call_stock<at::Tensor>("aten::zero_", K, bytes(self)); }, self);
   return self;

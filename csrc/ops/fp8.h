@@ -31,23 +31,12 @@ uint8_t fp8_code(c10::ScalarType dtype, const c10::Scalar& value);
 template <c10::DispatchKey K>
 void register_fp8_tensor_ops(torch::Library& m);
 
-// Wraps the kernel of every aten op on `key` that mps_ext does not override
-// so that an error about a float8 dtype names the op and says to cast first
-// (fp8_errors.cpp); once per key, returning the number of ops wrapped. On
-// MPS the fp8 family calls it through float8_reached; tests call it for CPU,
-// in a process of their own.
+// Wraps torch's kernel of every aten op on `key` that mps_ext does not
+// override so that an error about a float8 dtype names the op and says to
+// cast first (fp8_errors.cpp); once per key, returning the number of ops
+// wrapped. On MPS, mps_ext/__init__.py calls it at import, with the
+// overrides; tests call it for CPU, in a process of their own.
 int64_t name_float8_errors(c10::DispatchKey key);
-
-// Where the fp8 family puts float8 values on key K's device: the first time
-// on MPS, name_float8_errors (so that only a process holding float8 MPS
-// tensors pays for the wrappers).
-template <c10::DispatchKey K>
-inline void float8_reached() {
-  if constexpr (K == c10::DispatchKey::MPS) {
-    static const int64_t wrapped = name_float8_errors(K);
-    (void)wrapped;
-  }
-}
 
 }  // namespace mps_ext
 

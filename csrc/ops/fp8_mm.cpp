@@ -93,11 +93,12 @@ void run(Problem& pr) {
   if (p.m <= kMaxDecodeRows) {
     const int64_t rows = row_variant(p.m);
     // reuse: the activation's bytes over the fp8 weight's, per output.
-    const DecodeGeometry g =
-        decode_geometry(device_profile(pr.w.device()), p.n, 1, FP8_GEMV_OUTPUTS(rows, pr.a.itemsize()), false,
-                        p.m * pr.a.itemsize());
-    p.outputs_per_simdgroup = static_cast<uint32_t>(g.outputs_per_simdgroup);
     l.kernel = "fp8_gemv_" + act + "_r" + std::to_string(rows) + (vec ? "_vec" : "_scalar");
+    const DecodeGeometry g = fit_threads(
+        decode_geometry(device_profile(pr.w.device()), p.n, 1, FP8_GEMV_OUTPUTS(rows, pr.a.itemsize()), false,
+                        p.m * pr.a.itemsize()),
+        p.n, thread_budget(pr.w.device(), l.library, l.kernel, DECODE_MAX_THREADS));
+    p.outputs_per_simdgroup = static_cast<uint32_t>(g.outputs_per_simdgroup);
     l.threadgroups = {static_cast<uint32_t>(g.threadgroups), 1, 1};
     l.threads_per_threadgroup = {static_cast<uint32_t>(32 * g.simdgroups), 1, 1};
   } else {

@@ -250,10 +250,11 @@ void run(const Problem& pr, const at::Tensor& offs, const std::string& types, bo
     const int64_t outputs = p.swiglu ? p.n / 2 : p.n;
     const int64_t chunks = std::max<int64_t>(std::min<int64_t>(p.m, p.groups), 1);
     const int64_t rows = std::min<int64_t>(ceil_div(p.m, chunks), GMM_DECODE_MAX_ROWS);
-    const DecodeGeometry g = decode_geometry(device_profile(pr.b.device()), outputs, chunks,
-                                             p.swiglu ? GMM_ROWS_OUTPUTS / 2 : GMM_ROWS_OUTPUTS, true,
-                                             rows * pr.a.element_size() / item);
     name = "gmm_decode_rows_" + types + (vec ? "_vec" : "_scalar");
+    const DecodeGeometry g = fit_threads(
+        decode_geometry(device_profile(pr.b.device()), outputs, chunks,
+                        p.swiglu ? GMM_ROWS_OUTPUTS / 2 : GMM_ROWS_OUTPUTS, true, rows * pr.a.element_size() / item),
+        outputs, thread_budget(pr.b.device(), l.library, name, DECODE_MAX_THREADS));
     l.threadgroups = {static_cast<uint32_t>(g.threadgroups), p.m, 1};
     l.threads_per_threadgroup = {static_cast<uint32_t>(32 * g.simdgroups), 1, 1};
   } else if (decode) {
@@ -532,19 +533,21 @@ at::Tensor moe_down_combine(const at::Tensor& h, const at::Tensor& down, const c
   const int64_t item = down.element_size();
   const int64_t chunks = std::max<int64_t>(std::min<int64_t>(rows, p.groups), 1);
   const int64_t chunk_rows = std::min<int64_t>(ceil_div(rows, chunks), GMM_DECODE_MAX_ROWS);
-  const DecodeGeometry g =
-      decode_geometry(device_profile(down.device()), hidden, 1, GMM_ROWS_OUTPUTS, true, chunk_rows * h.element_size() / item);
+  const bool vec = aligned16(h, p.a_m) && aligned16(down, p.b_n) && aligned16(down, p.b_batch);
+  Launch l;
+  l.library = "grouped_mm";
+  l.kernel = std::string("moe_down_combine_") + (fp8 ? "bf16_e4m3w" : type_name(h.scalar_type())) +
+             (vec ? "_vec" : "_scalar");
+  const DecodeGeometry g = fit_threads(
+      decode_geometry(device_profile(down.device()), hidden, 1, GMM_ROWS_OUTPUTS, true,
+                      chunk_rows * h.element_size() / item),
+      hidden, thread_budget(down.device(), l.library, l.kernel, DECODE_MAX_THREADS));
   int64_t simdgroups = 1;
   while (2 * simdgroups <= g.simdgroups && 2 * simdgroups * GMM_ROWS_OUTPUTS * rows <= MOE_DOWN_Y_ELEMENTS)
     simdgroups *= 2;
   const int64_t cols = simdgroups * GMM_ROWS_OUTPUTS;
   p.outputs_log2 = 0;
   while ((int64_t(1) << p.outputs_log2) < cols) ++p.outputs_log2;
-  const bool vec = aligned16(h, p.a_m) && aligned16(down, p.b_n) && aligned16(down, p.b_batch);
-  Launch l;
-  l.library = "grouped_mm";
-  l.kernel = std::string("moe_down_combine_") + (fp8 ? "bf16_e4m3w" : type_name(h.scalar_type())) +
-             (vec ? "_vec" : "_scalar");
   // Without scales or a residual the output stands in for them; never read.
   l.args = {KernelArg::of(out),     KernelArg::of(h),       KernelArg::of(down), KernelArg::of(offs),
             KernelArg::value(p),    KernelArg::of(fp8 ? *down_scale : out), KernelArg::of(weights),

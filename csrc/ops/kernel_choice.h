@@ -1,7 +1,7 @@
-// What the op files share when they choose a kernel: a dtype's name in
-// kernel names, torch's scale recipe codes, the index width, when 16-byte
-// loads are safe, and how the decode kernels spread N outputs over
-// threadgroups.
+// What the op files share when they choose a kernel: the threads a
+// kernel's pipeline allows, a dtype's name in kernel names, torch's scale
+// recipe codes, the index width, when 16-byte loads are safe, and how the
+// decode kernels spread N outputs over threadgroups.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,8 +12,29 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 namespace mps_ext {
+
+// Threads a threadgroup of `kernel` (of `library`) may have on `device`,
+// asked before choosing the geometry of a launch that can adapt: its
+// pipeline's own limit there, at most `declared` (the kernel's
+// [[max_total_threads_per_threadgroup]]), in whole simdgroups. A pipeline's
+// maxTotalThreadsPerThreadgroup depends on the kernel's registers and
+// threadgroup memory (Apple computes it when the pipeline is built), so it
+// can be below the declared count on a real GPU although the executor's
+// register estimate fits it. Throws BackendUnavailable when the kernel
+// cannot run here: its library or pipeline failed to build, or the pipeline
+// allows fewer than `least` threads (a multiple of 32), the fewest the
+// launch works with at any shape (route() then remembers the kernel as
+// unavailable). docs/contributing.md, "Threadgroup sizes".
+inline int64_t thread_budget(const c10::Device& device, const std::string& library, const std::string& kernel,
+                             int64_t declared, int64_t least = 32) {
+  const uint64_t limit = pipeline(device, library, kernel).max_threads_per_threadgroup;
+  const int64_t budget = static_cast<int64_t>(std::min<uint64_t>(limit, static_cast<uint64_t>(declared))) / 32 * 32;
+  if (budget < least) throw too_few_threads(library, kernel, limit, "at least " + std::to_string(least));
+  return budget;
+}
 
 // Decode kernels take 1 to 8 activation rows, in variants for 1, 2, 4, 8.
 constexpr int64_t kMaxDecodeRows = 8;
@@ -115,6 +136,17 @@ inline DecodeGeometry decode_geometry(const DeviceProfile& gpu, int64_t n, int64
   const int64_t q = q_fixed || outputs >= 2 * q_max ? q_max : 1;
   const int64_t simdgroups = std::clamp<int64_t>(outputs / q, 1, DECODE_MAX_SIMDGROUPS);
   return {ceil_div(n, simdgroups * q), simdgroups, q};
+}
+
+// `g` within a threadgroup of at most `max_threads` (thread_budget of the
+// kernel it chose, whose name holds g's outputs per simdgroup): fewer
+// simdgroups, as many more threadgroups. Each output's sum is its
+// simdgroup's alone, so the result does not change, bit for bit; only the
+// activations are staged by more threadgroups.
+inline DecodeGeometry fit_threads(DecodeGeometry g, int64_t n, int64_t max_threads) {
+  g.simdgroups = std::clamp<int64_t>(max_threads / 32, 1, g.simdgroups);
+  g.threadgroups = ceil_div(n, g.simdgroups * g.outputs_per_simdgroup);
+  return g;
 }
 
 // The cols kernel (decode.h, decode_cols: gemv_cols, gmm_decode_cols): the

@@ -193,6 +193,7 @@ std::tuple<Tensor, Tensor> inv_ex(const Tensor& A_, bool check_errors) {
     f.info = at::empty(A.sizes().slice(0, A.dim() - 2), A.options().dtype(at::kInt));
     linalg::small_factor_solve(M, true, LINALG_DET_NONE, false, f, Tensor(), inverse, true, transposed);
   } else {
+    linalg::check_solve(inverse, true);
     f = linalg::lu_factor(M, true, LINALG_DET_NONE);
     linalg::lu_solve_into(f.lu, f.pivots, Tensor(), inverse, true, transposed);
   }
@@ -230,6 +231,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> solve_ex(const Tensor& A_, const Tens
                 at::empty(A.sizes().slice(0, A.dim() - 2), A.options().dtype(at::kInt)), Tensor(), Tensor()};
     linalg::small_factor_solve(M, true, LINALG_DET_NONE, true, f, B_, result_, left, transposed);
   } else {
+    linalg::check_solve(result_, left);
     f = linalg::lu_factor(M, true, LINALG_DET_NONE);
     linalg::lu_solve_into(f.lu, f.pivots, B_, result_, left, transposed);
   }

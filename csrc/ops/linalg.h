@@ -44,6 +44,12 @@ Factors lu_factor(const at::Tensor& a, bool pivot, uint32_t det_mode);
 void lu_solve_into(const at::Tensor& lu, const at::Tensor& pivots, const at::Tensor& b, const at::Tensor& x, bool left,
                    bool adjoint);
 
+// Throws what lu_solve_into(..., x, left, ...) would throw before its
+// launch: its kernel cannot run here (BackendUnavailable), or not for x's
+// rows (CallNotTaken). inv_ex and solve_ex ask before they factor, so that
+// no factorisation is dispatched for a solve that then cannot run.
+void check_solve(const at::Tensor& x, bool left);
+
 // X = op(A)^-1 B for triangular A, into `x`: op(A) = A, or A^T (transpose);
 // `upper` describes A. left=false solves X op(A) = B. Batch as lu_solve_into.
 void triangular_solve_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& x, bool upper, bool transpose,

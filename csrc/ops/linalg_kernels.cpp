@@ -21,9 +21,13 @@ const char* type_name(c10::ScalarType t) {
   return name;
 }
 
-uint32_t threads_for(int64_t rows, int64_t most) {
-  int64_t t = (rows + 31) / 32 * 32;
-  return static_cast<uint32_t>(std::clamp<int64_t>(t, 32, most));
+// Threads of a kernel that loops over its rows (or elements) with the
+// threadgroup's threads: a thread each, in whole simdgroups, at most `most`
+// and what the pipeline allows on `device` (more passes of the loops).
+uint32_t threads_for(const c10::Device& device, const char* library, const std::string& kernel, int64_t rows,
+                     int64_t most) {
+  const int64_t t = (rows + 31) / 32 * 32;
+  return static_cast<uint32_t>(std::clamp<int64_t>(t, 32, thread_budget(device, library, kernel, most)));
 }
 
 // setThreadgroupMemoryLength takes multiples of 16 bytes.
@@ -135,6 +139,25 @@ struct Sweep {
   bool lower, unit, conj, transposed;
 };
 
+// lu_solve's kernel for the solution `x` (as the kernel writes it: n rows,
+// k columns) and its threads: thread i owns row i, so the pipeline must
+// allow n of them, or this call goes to torch (a smaller matrix runs).
+struct SolveKernel {
+  std::string name;
+  int64_t chunk;  // right-hand-side columns per threadgroup (the registers of a row's thread)
+  uint32_t threads;
+};
+SolveKernel solve_kernel(const at::Tensor& x) {
+  const int64_t n = x.size(-2), k = x.size(-1);
+  SolveKernel s;
+  s.chunk = k == 1 ? 1 : (k <= 4 ? 4 : 16);
+  s.name = std::string("lu_solve_") + type_name(x.scalar_type()) + "_" + std::to_string(s.chunk);
+  const int64_t budget = thread_budget(x.device(), "linalg_solve", s.name, LINALG_MAX_THREADS);
+  if (n > budget) throw CallNotTaken{because::past_pipeline(std::string("matrix rows"), budget)};
+  s.threads = static_cast<uint32_t>(std::max<int64_t>(32, (n + 31) / 32 * 32));
+  return s;
+}
+
 // One dispatch of lu_solve: x = the sweeps (and the permutation) applied to
 // b, all n x k views with x's batch.
 void launch_solve(const at::Tensor& a, const at::Tensor& pivots, const at::Tensor& b, const at::Tensor& x,
@@ -166,15 +189,13 @@ void launch_solve(const at::Tensor& a, const at::Tensor& pivots, const at::Tenso
     w.unit = s.unit;
     w.conj = s.conj;
   }
-  // Right-hand-side columns per threadgroup (the registers of a row's thread).
-  const int64_t chunk = k == 1 ? 1 : (k <= 4 ? 4 : 16);
-  const int64_t groups = p.batch.count * ((k + chunk - 1) / chunk);
-  launch(Launch{"linalg_solve",
-                std::string("lu_solve_") + type_name(x.scalar_type()) + "_" + std::to_string(chunk),
+  const SolveKernel kernel = solve_kernel(x);
+  const int64_t groups = p.batch.count * ((k + kernel.chunk - 1) / kernel.chunk);
+  launch(Launch{"linalg_solve", kernel.name,
                 {KernelArg::of(x), KernelArg::of(a), KernelArg::of(b.defined() ? b : a),
                  KernelArg::of(piv.defined() ? piv : x), KernelArg::value(p)},
                 {grid_size(groups), 1, 1},
-                {threads_for(n, LINALG_MAX_THREADS), 1, 1}});
+                {kernel.threads, 1, 1}});
 }
 
 }  // namespace
@@ -283,14 +304,19 @@ Factors lu_factor(const at::Tensor& a, bool pivot, uint32_t det_mode) {
   p.panel = static_cast<int32_t>(std::min<int64_t>({LINALG_MAX_PANEL, kmin, room / (ld * elem)}));
   TORCH_INTERNAL_ASSERT(p.panel >= 1);
   const at::Tensor& info = f.info;
-  launch(Launch{"linalg_lu", std::string("lu_panel_") + type_name(a.scalar_type()),
+  const std::string kernel = std::string("lu_panel_") + type_name(a.scalar_type());
+  launch(Launch{"linalg_lu", kernel,
                 {KernelArg::of(f.lu), KernelArg::of(f.pivots), KernelArg::of(info),
                  KernelArg::of(f.det.defined() ? f.det : info), KernelArg::of(f.logabsdet.defined() ? f.logabsdet : info),
                  KernelArg::of(a), KernelArg::value(p)},
                 {grid_size(p.batch.count), 1, 1},
-                {threads_for(std::max(m, n), LINALG_MAX_THREADS), 1, 1},
+                {threads_for(a.device(), "linalg_lu", kernel, std::max(m, n), LINALG_MAX_THREADS), 1, 1},
                 {threadgroup_bytes(ld * p.panel * elem)}});
   return f;
+}
+
+void check_solve(const at::Tensor& x, bool left) {
+  if (x.numel() != 0) solve_kernel(left ? x : x.mT());
 }
 
 void lu_solve_into(const at::Tensor& lu, const at::Tensor& pivots, const at::Tensor& b, const at::Tensor& x, bool left,
@@ -343,11 +369,12 @@ void lu_unpack_into(const at::Tensor& lu, const at::Tensor& pivots, const at::Te
   p.unpack_pivots = P.defined() ? 1 : 0;
   p.unpack_data = L.defined() ? 1 : 0;
   const int64_t work = std::max({m * m, m * std::min(m, n), std::min(m, n) * n});
-  launch(Launch{"linalg_lu", std::string("lu_unpack_") + type_name(lu.scalar_type()),
+  const std::string kernel = std::string("lu_unpack_") + type_name(lu.scalar_type());
+  launch(Launch{"linalg_lu", kernel,
                 {KernelArg::of(P.defined() ? P : lu), KernelArg::of(L.defined() ? L : lu),
                  KernelArg::of(U.defined() ? U : lu), KernelArg::of(lu), KernelArg::of(piv), KernelArg::value(p)},
                 {grid_size(p.batch.count), 1, 1},
-                {threads_for(work, 256), 1, 1},
+                {threads_for(lu.device(), "linalg_lu", kernel, work, 256), 1, 1},
                 {threadgroup_bytes(2 * m * 4)}});  // the permutation and its inverse
 }
 

@@ -113,14 +113,18 @@ void run(const Problem& pr) {
     const bool vec = aligned16(pr.w, p.w_k_stride);
     const int64_t blocks = ceil_div(n, decode_cols_columns(vec, itemsize));
     const int64_t splits = cols_splits(gpu, blocks, p.k, rows, itemsize);
+    const std::string finish = "gemv_cols_finish_" + type;
     if (splits > 1) {
+      // The second dispatch's kernel can run (fixed threads: its least),
+      // else the first is not encoded either.
+      thread_budget(pr.w.device(), "gemv", finish, DECODE_COLS_THREADS, DECODE_COLS_THREADS);
       p.splits = static_cast<uint32_t>(splits);
       partials = at::empty({splits, rows, n}, pr.x.options().dtype(at::kFloat));
     }
     launch(Launch{"gemv", "gemv_cols_" + type + "_r" + std::to_string(variant) + (vec ? "_vec" : "_scalar"), args(),
                   {static_cast<uint32_t>(blocks), p.splits, 1}, {DECODE_COLS_THREADS, 1, 1}});
     if (p.splits > 1)
-      launch(Launch{"gemv", "gemv_cols_finish_" + type, args(),
+      launch(Launch{"gemv", finish, args(),
                     {static_cast<uint32_t>((n + DECODE_COLS_THREADS - 1) / DECODE_COLS_THREADS),
                      static_cast<uint32_t>(rows), 1},
                     {DECODE_COLS_THREADS, 1, 1}});
@@ -128,11 +132,11 @@ void run(const Problem& pr) {
   }
   const bool vec = p.w_k_stride == 1 && p.x_k_stride == 1 && aligned16(pr.w, p.w_n_stride) &&
                    aligned16(pr.x, rows > 1 ? p.x_row_stride : 0);
-  const DecodeGeometry g = decode_geometry(gpu, n, 1, 2, false, rows);
-  launch(Launch{"gemv",
-                "gemv_rows_" + type + "_r" + std::to_string(variant) + "_q" + std::to_string(g.outputs_per_simdgroup) +
-                    (vec ? "_vec" : "_scalar"),
-                args(), {static_cast<uint32_t>(g.threadgroups), 1, 1},
+  DecodeGeometry g = decode_geometry(gpu, n, 1, 2, false, rows);
+  const std::string kernel = "gemv_rows_" + type + "_r" + std::to_string(variant) + "_q" +
+                             std::to_string(g.outputs_per_simdgroup) + (vec ? "_vec" : "_scalar");
+  g = fit_threads(g, n, thread_budget(pr.w.device(), "gemv", kernel, DECODE_MAX_THREADS));
+  launch(Launch{"gemv", kernel, args(), {static_cast<uint32_t>(g.threadgroups), 1, 1},
                 {static_cast<uint32_t>(32 * g.simdgroups), 1, 1}});
 }
 

@@ -112,9 +112,16 @@ at::Tensor linear_attention_decode(const at::Tensor& qkv, const at::Tensor& z, c
   p.conv_dim = static_cast<uint32_t>(conv_dim);
   p.conv_k = static_cast<uint32_t>(conv_k);
   // A state column over as few threads as keep LA_ROWS rows each; as many
-  // columns at once as the threadgroup holds (one key head's value heads:
-  // 2 x 128 columns for Qwen3.6, in four passes of 64).
-  const int64_t parts = ceil_div(dk, LA_ROWS), cols = std::min<int64_t>(ratio * dv, LA_MAX_THREADS / parts);
+  // columns at once as the pipeline's threads hold (one key head's value
+  // heads: 2 x 128 columns for Qwen3.6, in four passes of 64 at 1024
+  // threads, eight of 32 at 512). Fewer columns at once change no sum: a
+  // column's rows are summed by the same parts in the same order, so the
+  // result is the same bit for bit. The least: one column, parts <= 32
+  // threads, a simdgroup.
+  const std::string kernel = std::string("linear_attention_decode_") + type;
+  const int64_t parts = ceil_div(dk, LA_ROWS);
+  const int64_t budget = thread_budget(device, "linear_attention", kernel, LA_MAX_THREADS, ceil_div(parts, 32) * 32);
+  const int64_t cols = std::min<int64_t>(ratio * dv, budget / parts);
   p.row_parts = static_cast<uint32_t>(parts);
   p.cols = static_cast<uint32_t>(cols);
   p.qkv_stride = static_cast<uint32_t>(qkv.stride(0));
@@ -124,9 +131,10 @@ at::Tensor linear_attention_decode(const at::Tensor& qkv, const at::Tensor& z, c
   p.out_stride = static_cast<uint32_t>(out.stride(0));
   p.q_scale = static_cast<float>(std::sqrt(static_cast<double>(dk)));
   p.norm_eps = static_cast<float>(eps);
-  // Whole simdgroups: the convolution's lanes and the norms' sums are simd operations.
+  // Whole simdgroups: the convolution's lanes and the norms' sums are simd
+  // operations (within the budget: it is a multiple of 32).
   const int64_t threads = ceil_div(parts * cols, 32) * 32;
-  launch(Launch{"linear_attention", std::string("linear_attention_decode_") + type,
+  launch(Launch{"linear_attention", kernel,
                 {KernelArg::of(out), KernelArg::of(conv_state), KernelArg::of(recurrent_state), KernelArg::of(qkv),
                  KernelArg::of(z), KernelArg::of(b), KernelArg::of(a), KernelArg::of(conv_weight),
                  KernelArg::of(A_log), KernelArg::of(dt_bias), KernelArg::of(norm_weight), KernelArg::value(p)},

@@ -71,12 +71,24 @@ void launch_norm(const char* op, std::vector<KernelArg> buffers, const at::Tenso
   TORCH_CHECK(fits_32bit((rows - 1) * std::max(row_stride, residual_row_stride) + n) && fits_32bit(rows * n),
               "mps_ext ", op, ": tensors past 2^31 elements are not supported, got ", rows, " rows of ", n);
   // Team: the fewest threads (a power of two, at least a simdgroup) that
-  // hold the row at RMS_NORM_PER_THREAD elements each.
+  // hold the row at RMS_NORM_PER_THREAD elements each. The pipeline's
+  // threads bound it: a longer row is this call's fallback (elements a
+  // thread holds are registers, so no team takes more), shorter ones run.
+  // Fewer teams per threadgroup under a lower limit change no result: each
+  // row is its team's alone.
+  const std::string kernel = std::string(op) + "_" + kernel_type_name(x_rows.scalar_type());
+  const int64_t budget = thread_budget(x_rows.device(), "norm", kernel, RMS_NORM_MAX_THREADS);
   uint32_t shift = 5;
   while ((int64_t(1) << shift) * RMS_NORM_PER_THREAD < n) ++shift;
   const int64_t team = int64_t(1) << shift;
+  if (team > budget) {
+    int64_t widest = 32;
+    while (2 * widest <= budget) widest *= 2;
+    throw CallNotTaken{because::past_pipeline(std::string("row elements"), widest * RMS_NORM_PER_THREAD)};
+  }
   const int64_t teams = ceil_div(rows, RMS_NORM_ROWS_PER_TEAM);
-  const int64_t teams_per_group = std::max<int64_t>(1, std::min<int64_t>(RMS_NORM_GROUP_THREADS / team, teams));
+  const int64_t group_threads = std::min<int64_t>(RMS_NORM_GROUP_THREADS, budget);
+  const int64_t teams_per_group = std::max<int64_t>(1, std::min<int64_t>(group_threads / team, teams));
   RmsNormParams p{};
   p.rows = static_cast<uint32_t>(rows);
   p.n = static_cast<uint32_t>(n);
@@ -88,7 +100,7 @@ void launch_norm(const char* op, std::vector<KernelArg> buffers, const at::Tenso
   p.zero_centred = zero_centred ? 1u : 0u;
   p.eps = static_cast<float>(eps);  // torch adds a Python float to a float32 tensor as a float32
   buffers.push_back(KernelArg::value(p));
-  launch(Launch{"norm", std::string(op) + "_" + kernel_type_name(x_rows.scalar_type()), std::move(buffers),
+  launch(Launch{"norm", kernel, std::move(buffers),
                 {static_cast<uint32_t>(ceil_div(teams, teams_per_group)), 1, 1},
                 {static_cast<uint32_t>(teams_per_group * team), 1, 1}});
 }
@@ -195,7 +207,12 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::T
   TORCH_CHECK(offset_fits(qv) && offset_fits(kv) && offset_fits(cv) && fits_32bit(q_out.numel()) &&
               fits_32bit(k_out.numel()), "mps_ext qk_norm_rope: tensors past 2^31 elements are not supported");
   const int64_t heads = Hq + Hk;
-  const int64_t simdgroups = std::min<int64_t>(heads, QK_ROPE_MAX_SIMDGROUPS);
+  // A head is one simdgroup's, so fewer simdgroups (a lower pipeline limit)
+  // change no result.
+  const std::string kernel = std::string("qk_norm_rope_") + kernel_type_name(dt);
+  const int64_t simdgroups =
+      std::min<int64_t>({heads, QK_ROPE_MAX_SIMDGROUPS,
+                         thread_budget(q.device(), "norm", kernel, QK_ROPE_MAX_SIMDGROUPS * 32) / 32});
   // Decode spreads the heads over cores, one a simdgroup; a longer call
   // keeps a token's heads in one threadgroup, staging cos, sin and the weights once (norm_params.h).
   const int64_t per_group = B * T <= QK_ROPE_SPREAD_TOKENS ? simdgroups : heads;
@@ -218,7 +235,7 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::T
   // An absent weight is never read; q stands in for its buffer.
   const at::Tensor qw = q_weight.has_value() ? q_weight->contiguous() : qv;
   const at::Tensor kw = k_weight.has_value() ? k_weight->contiguous() : qv;
-  launch(Launch{"norm", std::string("qk_norm_rope_") + kernel_type_name(dt),
+  launch(Launch{"norm", kernel,
                 {KernelArg::of(q_out), KernelArg::of(k_out), KernelArg::of(qv), KernelArg::of(kv), KernelArg::of(cv),
                  KernelArg::of(sv), KernelArg::of(qw), KernelArg::of(kw), KernelArg::value(p)},
                 {static_cast<uint32_t>(T), static_cast<uint32_t>(B), static_cast<uint32_t>(ceil_div(heads, per_group))},

@@ -34,6 +34,8 @@
   X(executor_not_requested, "the CPU Metal executor was not asked for (mps_ext._executor_request.request())")  \
   A(foreign_device, "a {device} tensor beside {device} tensors")                                                \
   A(policy, "{text}") /* a rule's reason, "policy: ..." (mps_ext/_policy.py) */                                 \
+  /* a shape the kernel's pipeline cannot take on this GPU, though others it can (CallNotTaken) */             \
+  A(past_pipeline, "{text} past {n}, the most the kernel's pipeline takes on this GPU")                         \
   /* every family */                                                                                            \
   X(not_strided, "layout is not strided")                                                                       \
   X(shapes_torch_rejects, "shapes torch rejects")                                                               \

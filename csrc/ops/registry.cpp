@@ -190,33 +190,31 @@ void Family::reset() {
   fallbacks_.reset();
 }
 
-std::string Family::unavailable(c10::DispatchKey key) const {
-  if (!any_unavailable()) return "";
-  std::lock_guard<std::mutex> g(mutex_);
-  auto it = unavailable_.find(key);
-  return it == unavailable_.end() ? "" : it->second;
-}
-
-void Family::mark_unavailable(c10::DispatchKey key, const std::string& cause) {
+void Family::note_unavailable(c10::DispatchKey key, const BackendUnavailable& e) {
   {
     std::lock_guard<std::mutex> g(mutex_);
-    if (!unavailable_.emplace(key, cause).second) return;  // another thread got there first
-    any_unavailable_ = true;
+    auto& causes = unavailable_[key];
+    // Said already: another thread, or another op of the family that needs the kernel.
+    if (std::find(causes.begin(), causes.end(), e.cause) != causes.end()) return;
+    causes.push_back(e.cause);
   }
   const std::string device = c10::DeviceTypeName(detail::device_of(key));
-  TORCH_WARN("mps_ext: the ", name, " kernels cannot run on ", device, " here (", cause, "); every ", name,
-             " call on ", device, " now goes to PyTorch's own kernel for the rest of this process.");
+  const std::string what = e.whole_library ? "the kernels of " + e.library + ".metal" : "kernel " + e.kernel;
+  TORCH_WARN("mps_ext: ", what, " cannot run on ", device, " here (", e.cause, "); the ", name, " calls on ", device,
+             " that need ", e.whole_library ? "them" : "it", " go to PyTorch's own kernel for the rest of this "
+             "process, and the family's other kernels keep running.");
 }
 
 std::map<c10::DispatchKey, std::string> Family::unavailable_all() const {
   std::lock_guard<std::mutex> g(mutex_);
-  return unavailable_;
+  std::map<c10::DispatchKey, std::string> out;
+  for (const auto& [key, causes] : unavailable_) out[key] = c10::Join("; ", causes);
+  return out;
 }
 
 void Family::clear_unavailable() {
   std::lock_guard<std::mutex> g(mutex_);
   unavailable_.clear();
-  any_unavailable_ = false;
 }
 
 bool LeftToTorch::applies(const torch::jit::Stack& args) const {
@@ -314,7 +312,6 @@ c10::DeviceType device_of(c10::DispatchKey key) {
 
 Reason precheck(const Family& fam, c10::DispatchKey key) {
   if (!fam.enabled.load(std::memory_order_relaxed)) return because::turned_off;
-  if (fam.any_unavailable() && !fam.unavailable(key).empty()) return because::kernels_unavailable;
   if (key == c10::DispatchKey::CPU && !executor_allowed()) return because::executor_not_requested;
   return {};
 }

@@ -8,8 +8,13 @@
 // override (on MPS: PyTorch's own kernel, captured when the override was
 // installed; on CPU, for the torch.ops.mps_ext ops: aten's CPU kernel) when
 //   - the family is turned off;
-//   - the family's kernels cannot run on this device (a Metal library or
-//     pipeline that failed to build here: see BackendUnavailable);
+//   - a kernel the call needs cannot run on this device (its Metal library
+//     or pipeline failed to build here, or its pipeline allows fewer threads
+//     than the launch needs at least: BackendUnavailable, remembered per
+//     kernel, or per library when the library failed, by launch.cpp); the
+//     family's other kernels keep running;
+//   - the kernel cannot take this call's shape on this GPU, though it takes
+//     others (CallNotTaken: a row longer than its pipeline's threads hold);
 //   - the call is on CPU tensors where a Metal GPU backend exists (a Mac)
 //     and the CPU Metal executor was not asked for (executor_requested:
 //     mps_ext/_executor_request.py): the executor is the contributor's
@@ -153,12 +158,13 @@ class Family {
   std::map<std::string, uint64_t> fallbacks() const { return fallbacks_.read(); }
   void reset();
 
-  // The family's kernels cannot run for `key` in this process (empty: they
-  // can). The first call warns once, naming the cause; later ones are no-ops.
-  std::string unavailable(c10::DispatchKey key) const;
-  bool any_unavailable() const { return any_unavailable_.load(std::memory_order_acquire); }
-  void mark_unavailable(c10::DispatchKey key, const std::string& cause);
-  std::map<c10::DispatchKey, std::string> unavailable_all() const;
+  // Why some of the family's kernels cannot run for `key` in this process,
+  // for stats(): a record, not a switch (launch.cpp remembers which kernels
+  // failed; only the calls that need one of them go to the stock kernel).
+  // The first note of a failure warns once, naming it; a repeated one is a
+  // no-op.
+  void note_unavailable(c10::DispatchKey key, const BackendUnavailable& e);
+  std::map<c10::DispatchKey, std::string> unavailable_all() const;  // each key's causes, joined by "; "
   void clear_unavailable();  // for tests only: a real failure does not heal
 
   // The policy's per-op decision: calls of `op` (one of the family's aten
@@ -178,8 +184,7 @@ class Family {
   std::atomic<uint64_t> ran_{0};
   ReasonCounts fallbacks_;
   mutable std::mutex mutex_;  // what follows, all cold: set up, failure, policy installation
-  std::map<c10::DispatchKey, std::string> unavailable_;
-  std::atomic<bool> any_unavailable_{false};
+  std::map<c10::DispatchKey, std::vector<std::string>> unavailable_;  // causes, in the order met
   std::map<std::string, std::unique_ptr<RuleSlot>> slots_;
   std::vector<std::unique_ptr<LeftToTorch>> rules_;  // every rule ever set: a slot may still point at one
 };
@@ -357,8 +362,8 @@ void foreign_device(const T&, c10::DeviceType, Reason&) {}
 c10::DeviceType device_of(c10::DispatchKey key);
 
 // Why the call goes to the stock kernel before anything about its
-// arguments is looked at (none if it does not): turned off, unavailable,
-// the executor not asked for.
+// arguments is looked at (none if it does not): turned off, the executor not
+// asked for.
 Reason precheck(const Family& fam, c10::DispatchKey key);
 
 // The error of a call that cannot run mps_ext's kernel (`reason`) and has no
@@ -378,6 +383,14 @@ Reason policy(const RoutedOp& op, c10::DispatchKey key, const Args&... args) {
 }
 
 }  // namespace detail
+
+// Thrown by an op's own code inside route's `ours` for a call its kernel
+// cannot take on this GPU though it takes others (rms_norm: a row longer
+// than the threads its pipeline allows here hold): that call goes to the
+// stock kernel, counted under `reason`; nothing is remembered.
+struct CallNotTaken {
+  Reason reason;
+};
 
 // Runs `ours` unless a reason listed at the top of this file says no; then
 // `theirs(reason)`. Returns what `ours` returns (by value: a tensor or a
@@ -400,8 +413,11 @@ auto route_to(const RoutedOp& op, c10::DispatchKey key, Reason unsupported, Ours
     } catch (const BackendUnavailable& e) {
       // Nothing ours() wrote is returned: the fallback recomputes the whole
       // result, so an op that failed at its second dispatch is safe.
-      fam.mark_unavailable(key, e.cause);
+      remember_unavailable(detail::device_of(key), e);
+      fam.note_unavailable(key, e);
       reason = because::kernels_unavailable;
+    } catch (const CallNotTaken& e) {
+      reason = e.reason;
     }
   }
   fam.count_fallback(reason);
@@ -428,8 +444,8 @@ auto route(const RoutedOp& op, c10::DispatchKey key, Reason unsupported, Ours ou
 
 // For an op of mps_ext's own (torch.ops.mps_ext.moe_route, ...: no torch
 // kernel exists anywhere): runs `ours` and counts it, or raises, saying why,
-// where route() would fall back (the family turned off, its kernels
-// unavailable on this device, the executor not asked for).
+// where route() would fall back (the family turned off, a kernel it needs
+// unavailable on this device, the executor not asked for, ...).
 template <class Ours>
 auto run_own(const RoutedOp& op, c10::DispatchKey key, Ours ours) -> std::decay_t<decltype(ours())> {
   using Ret = std::decay_t<decltype(ours())>;

@@ -21,7 +21,6 @@ constexpr int64_t kBlockThreads = SOFTMAX_BLOCK_MAX_THREADS;
 constexpr int64_t kStridedThreads = SOFTMAX_STRIDED_MAX_THREADS;
 constexpr int64_t kSplitThreads = SOFTMAX_SPLIT_THREADS;
 constexpr int64_t kSplitChunk = SOFTMAX_SPLIT_CHUNK;
-constexpr int64_t kBlockMax = kBlockThreads * SOFTMAX_BLOCK_ELEMENTS;
 static_assert(kSplitChunk % (kSplitThreads * 8) == 0, "a split thread holds whole 16-byte pieces");
 
 const char* type_name(c10::ScalarType t) {
@@ -134,6 +133,10 @@ bool rows_aligned16(const Tensors& t, const SoftmaxParams& p) {
 //            to a whole simdgroup (32 to 512).
 //   split    longer: chunks of 2048 elements, one threadgroup each, in two
 //            dispatches. A 128K-vocabulary row becomes 63 threadgroups.
+// The block and strided shapes take at most the threads their pipeline
+// allows (`budget`, thread_budget): rows too long for them there take the
+// next shape (block, split). Segment and split threadgroups are fixed, 256
+// threads: their least.
 // Segment, block and strided read each element once; split reads it twice.
 // 16-byte accesses (_vec) where rows_aligned16; 64-bit indices (_i64) where
 // an offset can pass 2^31 (never with 16-byte accesses: such tensors are
@@ -153,16 +156,21 @@ uint32_t grid_dim(int64_t v, const char* what) {
 }
 
 // The strided plan, or threads == 0 if the layout or length do not fit it.
-Plan strided_plan(const Tensors& t, const SoftmaxParams& p, bool backward) {
+// budget(shape): the threads that shape's kernel may have here.
+template <class Budget>
+Plan strided_plan(const Tensors& t, const SoftmaxParams& p, bool backward, const Budget& budget) {
   Plan pl{Shape::kStrided};
   if (p.rank == 0 || p.x_dim_stride == 1) return pl;
   const uint32_t last = p.rank - 1;
   if (p.x_strides[last] != 1 || p.out_strides[last] != 1 || (t.y && p.y_strides[last] != 1)) return pl;
   const int64_t inner = p.row_sizes[last], D = p.row_length;
   const int64_t elements = backward ? SOFTMAX_STRIDED_BACKWARD_ELEMENTS : SOFTMAX_STRIDED_ELEMENTS;
+  // A power of two: rows and their threads are.
+  int64_t most = 32;
+  for (const int64_t limit = budget(Shape::kStrided); 2 * most <= limit;) most *= 2;
   int64_t rows_here = std::min<int64_t>(32, next_pow2(inner));
-  while (rows_here > 4 && D > elements * (kStridedThreads / rows_here)) rows_here /= 2;
-  if (D > elements * (kStridedThreads / rows_here)) return pl;
+  while (rows_here > 4 && D > elements * (most / rows_here)) rows_here /= 2;
+  if (D > elements * (most / rows_here)) return pl;
   const int64_t threads_per_row = next_pow2((D + elements - 1) / elements);
   pl.threads = static_cast<uint32_t>(std::max<int64_t>(32, rows_here * threads_per_row));
   pl.lanes_shift = log2_of(rows_here);
@@ -172,8 +180,10 @@ Plan strided_plan(const Tensors& t, const SoftmaxParams& p, bool backward) {
 
 // wider_itemsize: of the input and output types, the wider (the vector
 // variants' pieces are 16 bytes of it).
-Plan plan(const Tensors& t, const SoftmaxParams& p, bool vec, int64_t wider_itemsize, bool backward) {
-  Plan strided = strided_plan(t, p, backward);
+template <class Budget>
+Plan plan(const Tensors& t, const SoftmaxParams& p, bool vec, int64_t wider_itemsize, bool backward,
+          const Budget& budget) {
+  Plan strided = strided_plan(t, p, backward, budget);
   if (strided.threads) return strided;
   const int64_t D = p.row_length;
   const int64_t piece = vec ? 16 / wider_itemsize : 1;
@@ -188,9 +198,10 @@ Plan plan(const Tensors& t, const SoftmaxParams& p, bool vec, int64_t wider_item
     pl.grid[0] = grid_dim((p.rows * lanes + kSegmentThreads - 1) / kSegmentThreads, "rows");
     return pl;
   }
-  if (D <= kBlockMax) {
+  const int64_t block_threads = D <= kBlockThreads * SOFTMAX_BLOCK_ELEMENTS ? budget(Shape::kBlock) : 0;
+  if (D <= block_threads * SOFTMAX_BLOCK_ELEMENTS) {
     const int64_t pieces = (D + piece - 1) / piece, per_thread = SOFTMAX_BLOCK_ELEMENTS / std::min(piece, int64_t{SOFTMAX_BLOCK_ELEMENTS});
-    const int64_t threads = std::min<int64_t>(kBlockThreads, ((pieces + per_thread - 1) / per_thread + 31) / 32 * 32);
+    const int64_t threads = std::min<int64_t>(block_threads, ((pieces + per_thread - 1) / per_thread + 31) / 32 * 32);
     Plan pl{Shape::kBlock, static_cast<uint32_t>(threads)};
     pl.grid[0] = grid_dim(p.rows, "rows");
     return pl;
@@ -208,17 +219,23 @@ void run(const at::Tensor& x, const at::Tensor* y, const at::Tensor& out, int64_
   p.log = log ? 1 : 0;
   const bool backward = y != nullptr;
   int64_t largest = std::max({p.rows, p.row_length, max_offset(x), max_offset(out), y ? max_offset(*y) : 0});
-  const bool wide = !fits_32bit(largest + kSplitChunk + kBlockMax);
+  const bool wide = !fits_32bit(largest + kSplitChunk + kBlockThreads * SOFTMAX_BLOCK_ELEMENTS);
   const bool vec = !wide && rows_aligned16(t, p);
-  const Plan pl = plan(t, p, vec, std::max(x.itemsize(), out.itemsize()), backward);
-  p.lanes_shift = pl.lanes_shift;
-  const char* shape = pl.shape == Shape::kSegment ? "segment_"
-                      : pl.shape == Shape::kBlock ? "block_"
-                      : pl.shape == Shape::kStrided ? "strided_" : "finish_";
   const std::string prefix = backward ? "softmax_backward_" : "softmax_";
-  // The strided shape has no vector variant.
-  const std::string variant = wide ? "_i64" : vec && pl.shape != Shape::kStrided ? "_i32_vec" : "_i32";
   const std::string types = std::string(type_name(x.scalar_type())) + "_" + type_name(out.scalar_type());
+  // The strided shape has no vector variant.
+  auto variant = [&](Shape s) { return wide ? "_i64" : vec && s != Shape::kStrided ? "_i32_vec" : "_i32"; };
+  auto kernel = [&](Shape s) {
+    const char* shape = s == Shape::kSegment ? "segment_"
+                        : s == Shape::kBlock ? "block_"
+                        : s == Shape::kStrided ? "strided_" : "finish_";
+    return prefix + shape + types + variant(s);
+  };
+  auto budget = [&](Shape s) {
+    return thread_budget(x.device(), "softmax", kernel(s), s == Shape::kBlock ? kBlockThreads : kStridedThreads);
+  };
+  const Plan pl = plan(t, p, vec, std::max(x.itemsize(), out.itemsize()), backward, budget);
+  p.lanes_shift = pl.lanes_shift;
 
   auto args = [&](std::initializer_list<KernelArg> extra) {
     std::vector<KernelArg> a = {KernelArg::of(out), KernelArg::of(x), KernelArg::value(p)};
@@ -227,7 +244,10 @@ void run(const at::Tensor& x, const at::Tensor* y, const at::Tensor& out, int64_
     return a;
   };
   const std::array<uint32_t, 3> threads{pl.threads, 1, 1};
-  if (pl.shape != Shape::kSplit) return launch(Launch{"softmax", prefix + shape + types + variant, args({}), pl.grid, threads});
+  if (pl.shape != Shape::kSplit) return launch(Launch{"softmax", kernel(pl.shape), args({}), pl.grid, threads});
+  // The second dispatch's kernel can run (its fixed threads: its least),
+  // else the first is not encoded either.
+  thread_budget(x.device(), "softmax", kernel(Shape::kSplit), kSplitThreads, kSplitThreads);
 
   p.chunks = pl.chunks;
   p.partials_stride = (pl.chunks + 31) / 32 * 32;
@@ -236,8 +256,9 @@ void run(const at::Tensor& x, const at::Tensor* y, const at::Tensor& out, int64_
   at::Tensor partials = at::empty({p.rows * p.partials_stride * (backward ? 1 : 2)}, x.options().dtype(at::kFloat));
   std::vector<KernelArg> first = {KernelArg::of(partials), KernelArg::of(x), KernelArg::value(p)};
   if (backward) first.push_back(KernelArg::of(*y));
-  launch(Launch{"softmax", prefix + "partial_" + type_name(x.scalar_type()) + variant, first, pl.grid, threads});
-  launch(Launch{"softmax", prefix + shape + types + variant, args({KernelArg::of(partials)}), pl.grid, threads});
+  launch(Launch{"softmax", prefix + "partial_" + type_name(x.scalar_type()) + variant(Shape::kSplit), first, pl.grid,
+                threads});
+  launch(Launch{"softmax", kernel(Shape::kSplit), args({KernelArg::of(partials)}), pl.grid, threads});
 }
 
 Reason dims_unsupported(const at::Tensor& t) {

@@ -62,11 +62,12 @@ void bind_ops(py::module_& m) {
       "has_stock_kernel",
       [](const std::string& op, const std::string& device) { return has_stock_kernel(op, key_of(device)); },
       py::arg("op"), py::arg("device"));
-  // Test hook: name float8 errors of every op on `device` now (on MPS the
-  // fp8 family does it when float8 values first reach the device).
+  // Name float8 errors of every op on `device` (mps_ext/__init__.py does it
+  // for MPS at import; tests for CPU). Without the GIL: other threads keep
+  // running ops while it registers, as they may on a Mac.
   m.def(
       "name_float8_errors", [](const std::string& device) { return name_float8_errors(key_of(device)); },
-      py::arg("device"));
+      py::arg("device"), py::call_guard<py::gil_scoped_release>());
   m.def("set_enabled", [](const std::string& fam, bool on) { family(fam).enabled = on; });
   m.def("is_enabled", [](const std::string& fam) { return family(fam).enabled.load(); });
   m.def("stats", [] {
@@ -139,7 +140,15 @@ void bind_ops(py::module_& m) {
         return std::make_pair(p.cores, p.family);
       },
       py::arg("device"), "(cores, family) of the GPU the ops' launch geometry assumes on `device` ('cpu', 'mps').");
-  m.def("_clear_unavailable", [](const std::string& fam) { family(fam).clear_unavailable(); }, py::arg("family"));
+  // Tests: the family's record of failures, and the kernels launch.cpp
+  // remembers as failed (on every device), are forgotten.
+  m.def(
+      "_clear_unavailable",
+      [](const std::string& fam) {
+        family(fam).clear_unavailable();
+        forget_unavailable();
+      },
+      py::arg("family"));
   m.def("_simulate_metal_backend", &set_metal_backend_present, py::arg("present"),
         "Test hook: 1 behaves as if a Metal GPU backend were present (a Mac: CPU tensors reach the executor only "
         "when it is asked for), 0 as if not, -1 as built.");

@@ -25,10 +25,14 @@ __all__ = ["lint", "lint_includes", "RULES"]
 RULES = {
     "std-header": "no C or C++ standard-library header (<cmath>, <stdint.h>, ...): Metal has only its own (<metal_*>)",
     "double": "no double (MSL 2.1: Metal has no 64-bit floating point)",
+    "long-long": "no long long or unsigned long long (MSL 2.1: not Metal types; long and ulong are its 64-bit integers)",
     "recursion": "no recursion a kernel reaches (calls to overloaded names are not followed)",
     "kernel-param-attribute": "every kernel parameter has an attribute ([[buffer(i)]], a builtin, ...), except device "
                               "and constant pointers and references, which take the lowest free buffer indices",
     "pointer-address-space": "pointer and reference parameters name an address space",
+    "kernel-argument-type": "a kernel's [[buffer(i)]] parameter is a device or constant pointer, reference or array, "
+                            "and a [[threadgroup(i)]] one a threadgroup pointer or reference (the specification's "
+                            "kernel argument kinds: buffers are not passed by value)",
     "program-scope-variable": "program-scope variables are in the constant address space (MSL 4.2)",
     "static-variable": "static data members and static locals are in the constant address space",
     "constant-initializer": "program-scope constant variables are initialized (MSL 4.2)",
@@ -36,6 +40,9 @@ RULES = {
     "cxx20": "no C++ newer than C++20: Apple's compiler takes C++17 and C++20 features (if constexpr, fold "
              "expressions, designated initializers, ...) as extensions of MSL's C++14, not C++23 ones",
     "virtual": "no virtual functions (MSL 1.4.4 restrictions)",
+    "derived-class": "no derived classes: a class or struct has no base-specifier list (MSL 1.4.4 restrictions, 1.5.4 in 3.x; "
+                     "Apple: \"derived classes are not supported in Metal\"), except inside a "
+                     "`#pragma METAL internals : enable` region, where Apple's and MLX's own headers write them",
     "exceptions": "no exception handling: try, catch, throw (MSL 1.4.4 restrictions)",
     "new-delete": "no new and delete operators (MSL 1.4.4 restrictions)",
     "rtti": "no dynamic_cast or typeid (MSL 1.4.4 restrictions)",
@@ -107,6 +114,8 @@ _SCALAR_SIZE = {"bool": 1, "char": 1, "uchar": 1, "short": 2, "ushort": 2, "half
 _ALIASES = {"uint32_t": "uint", "uint16_t": "ushort", "int32_t": "int", "int16_t": "short", "uint8_t": "uchar",
             "int8_t": "char", "uint64_t": "ulong", "int64_t": "long", "unsigned": "uint", "unsigned int": "uint",
             "unsigned short": "ushort"}
+# The address spaces of a kernel's bound arguments, by attribute.
+_ARGUMENT_SPACES = {"buffer": ("device", "constant"), "threadgroup": ("threadgroup",)}
 _MAX_THREADGROUP_MEMORY = 32 * 1024
 _MAX_BINDING_INDEX = 30
 _MAX_THREADS_PER_THREADGROUP = 1024
@@ -315,12 +324,17 @@ def _token_rules(r: _Reader, out: list[str]):
     toks = r.toks
     for i, tok in enumerate(toks):
         s = tok.text
-        if not (tok.kind == "ident" and (s == "double" or s in _FORBIDDEN or s == "noexcept")) and s not in ("[", "("):
+        if not (tok.kind == "ident" and (s in ("double", "long", "noexcept") or s in _FORBIDDEN)) \
+                and s not in ("[", "("):
             continue  # most tokens: no rule looks at them
         file, line = r.where(tok.start)
         if tok.kind == "ident":
             if s == "double":
                 out.append(_finding(file, line, "Metal has no double; use float", "double"))
+            elif s == "long":
+                if r.t(i + 1) == "long" and r.t(i - 1) != "long":
+                    out.append(_finding(file, line, "Metal has no long long; use long (64 bits) or int64_t",
+                                        "long-long"))
             elif s in _FORBIDDEN:
                 if s == "delete" and r.t(i - 1) == "=":
                     continue  # a deleted function, not the operator
@@ -350,6 +364,92 @@ def _token_rules(r: _Reader, out: list[str]):
     for f in r.functions:
         if f.name == "main":
             out.append(_finding(f.file, f.line, "a Metal function cannot be named main", "main"))
+
+
+# `#pragma METAL internals : enable` ... `: disable`: what Apple's own
+# headers (metal_stdlib) and MLX's (steel/utils/type_traits.h,
+# integral_constant.h, atomic.h: always paired) write beyond the rules of
+# user code, derived classes among it. The preprocessed text keeps pragmas
+# (clang -E writes `_Pragma("...")` as a `#pragma` line too); their state
+# runs on in text order, through the end of a header, until the next one.
+_INTERNALS = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+METAL[ \t]+internals[ \t]*:[ \t]*(enable|disable)\b", re.M)
+
+
+def _internals_regions(text: str) -> list[tuple[int, int]]:
+    """(start, end) offsets of the text in `#pragma METAL internals` regions."""
+    regions, start = [], None
+    for m in _INTERNALS.finditer(text):
+        if m.group(1) == "enable" and start is None:
+            start = m.end()
+        elif m.group(1) == "disable" and start is not None:
+            regions.append((start, m.start()))
+            start = None
+    if start is not None:
+        regions.append((start, len(text)))
+    return regions
+
+
+def _class_head_base(r: _Reader, i: int) -> tuple[str, int] | None:
+    """For `struct`/`class` at token i, (the class's name, '{' of its body)
+    if it opens a definition with a base-specifier list (`struct S : B {`,
+    `template <...> struct S<float> final : public A, B<S> {`, `struct : B {`),
+    else None: an elaborated type (`struct S* p`), a forward declaration, a
+    definition without bases, `enum class E : uint`, or a template's `class T`
+    parameter (no ':' follows its name)."""
+    toks = r.toks
+    if r.t(i - 1) == "enum":
+        return None
+    k = i + 1
+    while k < len(toks):  # attributes and alignment before the name
+        a = r.attribute_at(k)
+        if a:
+            k = a[0]
+        elif r.t(k) in ("alignas", "__attribute__", "__declspec") and r.t(k + 1) == "(":
+            k = r.match(k + 1, "(", ")") + 1
+        else:
+            break
+    name = ""
+    while k < len(toks) and toks[k].kind == "ident":
+        name = r.t(k)
+        k += 1
+        if r.t(k) == "<":  # a specialisation's arguments
+            k = r.match(k, "<", ">") + 1
+        if r.t(k) != "::":
+            break
+        k += 1
+    if r.t(k) == "final":
+        k += 1
+    if r.t(k) != ":":
+        return None
+    j = k + 1
+    while j < len(toks):  # the base clause runs to the body's '{'
+        s = r.t(j)
+        if s == "{":
+            return name, j
+        if s in (";", "}", ")", "="):
+            return None
+        if s in ("<", "("):  # template arguments, decltype(...)
+            j = r.match(j, s, ">" if s == "<" else ")")
+        j += 1
+    return None
+
+
+def _class_rules(r: _Reader, out: list[str]):
+    """Derived classes, outside `#pragma METAL internals` regions."""
+    regions = _internals_regions(r.text)
+    for i, tok in enumerate(r.toks):
+        if tok.kind != "ident" or tok.text not in ("struct", "class"):
+            continue
+        head = _class_head_base(r, i)
+        if head is None or any(a <= tok.start < b for a, b in regions):
+            continue
+        name, brace = head
+        colon = next(k for k in range(i + 1, brace) if r.t(k) == ":")
+        bases = " ".join(r.text[r.toks[colon + 1].start : r.toks[brace - 1].end].split())
+        file, line = r.where(tok.start)
+        out.append(_finding(file, line, f"{tok.text} '{name or '(anonymous)'}' derives from {bases}: derived classes "
+                            "are not supported in Metal (hold the base as a member, or write one flat struct)",
+                            "derived-class"))
 
 
 def _in_parameter_list(r: _Reader, i: int) -> bool:
@@ -687,6 +787,7 @@ def lint(preprocessed: str) -> list[str]:
     r = _read(preprocessed)
     findings: list[str] = []
     _token_rules(r, findings)
+    _class_rules(r, findings)
     _storage_rules(r, findings)
     _kernel_rules(r, findings)
     _host_name_rules(r, findings)
@@ -703,6 +804,15 @@ def lint(preprocessed: str) -> list[str]:
                     f.file, p.line, f"parameter '{p.name}' of kernel '{f.name}' has no attribute "
                     "([[buffer(i)]], [[threadgroup(i)]] or a builtin such as [[thread_position_in_grid]])",
                     "kernel-param-attribute"))
+            if f.is_kernel and p.attribute in _ARGUMENT_SPACES:
+                spaces = _ARGUMENT_SPACES[p.attribute]
+                by_address = p.is_pointer or p.is_reference or (p.is_array and p.attribute == "buffer")
+                if not by_address or (p.address_space and p.address_space not in spaces):
+                    findings.append(_finding(
+                        f.file, p.line, f"[[{p.attribute}({p.argument})]] parameter '{p.name}' of kernel '{f.name}' "
+                        f"must be a {' or '.join(spaces)} pointer or reference"
+                        f"{' (or array)' if p.attribute == 'buffer' else ''}: Metal passes no buffer by value",
+                        "kernel-argument-type"))
             pointer = p.is_pointer or (f.is_kernel and p.is_reference)
             if pointer and not p.address_space:
                 findings.append(_finding(

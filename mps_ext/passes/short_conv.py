@@ -8,7 +8,9 @@ copy_ into the cached window, conv1d), `C * y` and out_proj: 5 host calls
 and dispatches between the projections. Here that part is one call of
 torch.ops.mps_ext.short_conv_decode (csrc/ops/short_conv.cpp, one
 dispatch), which moves transformers' cached window in place as its code
-does and gives torch's CPU numbers bit for bit; the projections stay the
+does and gives torch's CPU numbers bit for bit where oneDNN's fused
+multiply-add kernels run torch's convolution (x86-64 with AVX2 or later;
+tests/short_conv_oracle.py computes that arithmetic); the projections stay the
 model's own modules (nn.Linear or quantize_fp8's FP8Linear). Prefill, a
 call without a cache (or one recording past states for speculative
 decoding), a padding mask, CPU tensors without the executor, and a

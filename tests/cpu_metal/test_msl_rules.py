@@ -23,6 +23,10 @@ CASES = {
                    K + " { x[i] = 1; }"),
     "double": (K + " {\n  double d = x[i]; // BUG\n  x[i] = d * 2;\n}",
                K + " {\n  float d = x[i];\n  x[i] = d * 2;\n}"),
+    "long-long": (K + " {\n  long long n = long(x[i]); // BUG\n  x[i] = float(n);\n}",
+                  K + " {\n  long n = long(x[i]);\n  x[i] = float(n);\n}"),
+    "long-long:unsigned": (K + " {\n  unsigned long long n = ulong(x[i]); // BUG\n  x[i] = float(n);\n}",
+                           K + " {\n  ulong n = ulong(x[i]);\n  x[i] = float(n);\n}"),
     "recursion": ("float g(float v);\nfloat f(float v) { return v > 0 ? g(v - 1) : 0; } // BUG\n"
                   "float g(float v) { return f(v); }\n" + K + " { x[i] = f(3); }",
                   "float g(float v) { return v; }\nfloat f(float v) { return v > 0 ? g(v - 1) : 0; }\n"
@@ -52,6 +56,22 @@ CASES = {
     "pointer-address-space": ("kernel void k(float* x [[buffer(0)]], // BUG\n"
                               " uint i [[thread_position_in_grid]]) { x[i] = 1; }",
                               K + " { x[i] = 1; }"),
+    # Buffers are pointers or references (or arrays) into device or constant
+    # memory, threadgroup arguments pointers or references into threadgroup
+    # memory: none is passed by value.
+    "kernel-argument-type": ("kernel void k(device float* x [[buffer(0)]],\n  float scale [[buffer(1)]], // BUG\n"
+                             "  uint i [[thread_position_in_grid]]) { x[i] *= scale; }",
+                             "kernel void k(device float* x [[buffer(0)]],\n  constant float& scale [[buffer(1)]],\n"
+                             "  uint i [[thread_position_in_grid]]) { x[i] *= scale; }"),
+    "kernel-argument-type:struct": ("struct P { float a, b; };\nkernel void k(device float* x [[buffer(0)]],\n  P p [[buffer(1)]], // BUG\n"
+                                    "  uint i [[thread_position_in_grid]]) { x[i] = p.a * x[i] + p.b; }",
+                                    "struct P { float a, b; };\nkernel void k(device float* x [[buffer(0)]],\n  constant P* p [[buffer(1)]],\n"
+                                    "  uint i [[thread_position_in_grid]]) { x[i] = p->a * x[i] + p->b; }"),
+    "kernel-argument-type:threadgroup": ("kernel void k(device float* x [[buffer(0)]],\n  device float* t [[threadgroup(0)]], // BUG\n"
+                                         "  uint i [[thread_position_in_threadgroup]]) { t[i] = x[i]; x[i] = t[0]; }",
+                                         "kernel void k(device float* x [[buffer(0)]],\n  threadgroup float* t [[threadgroup(0)]],\n"
+                                         "  uint i [[thread_position_in_threadgroup]]) { t[i] = x[i];\n"
+                                         "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  x[i] = t[0]; }"),
     "program-scope-variable": ("float scale = 2.0f; // BUG\n" + K + " { x[i] *= scale; }",
                                "constant float scale = 2.0f;\n" + K + " { x[i] *= scale; }"),
     # A lookup table with an initializer is still a program-scope variable.
@@ -84,19 +104,66 @@ CASES = {
     # Apple's compiler takes C++17 and C++20 as extensions (VALID below), not C++23.
     "cxx20": (K + " {\n  switch (i) {\n    case 0: x[i] = 1; break;\n    default:\n  } // BUG (a label ends the block)\n}",
               K + " {\n  switch (i) {\n    case 0: x[i] = 1; break;\n    default: break;\n  }\n}"),
+    # gemv.metal's and grouped_mm.metal's bug (issue 29): job structs with
+    # bases. Apple: "derived classes are not supported in Metal".
+    "derived-class": ("struct Operands { float scale; };\nstruct Job : Operands { // BUG\n  float apply(float v) const { return v * scale; }\n};\n"
+                      + K + " { Job j; j.scale = 2; x[i] = j.apply(x[i]); }",
+                      "struct Operands { float scale; };\nstruct Job {\n  Operands op;\n  float apply(float v) const { return v * op.scale; }\n};\n"
+                      + K + " { Job j; j.op.scale = 2; x[i] = j.apply(x[i]); }"),
+    "derived-class:class-access-specifier": ("class Base {\n public:\n  float v;\n};\nclass Derived : public Base { // BUG\n public:\n  float twice() const { return 2 * v; }\n};\n"
+                                             + K + " { Derived d; d.v = x[i]; x[i] = d.twice(); }",
+                                             "class Base {\n public:\n  float v;\n};\nclass Derived {\n public:\n  Base b;\n  float twice() const { return 2 * b.v; }\n};\n"
+                                             + K + " { Derived d; d.b.v = x[i]; x[i] = d.twice(); }"),
+    "derived-class:template": ("template <typename T> struct Base { T v; };\ntemplate <typename T>\nstruct alignas(16) Derived final : Base<T> { // BUG\n  T w;\n};\n"
+                               + K + " { Derived<float> d; d.v = d.w = x[i]; x[i] = d.v + d.w; }",
+                               "template <typename T> struct Base { T v; };\ntemplate <typename T>\nstruct alignas(16) Derived final {\n  Base<T> b;\n  T w;\n};\n"
+                               + K + " { Derived<float> d; d.b.v = d.w = x[i]; x[i] = d.b.v + d.w; }"),
+    # A specialisation, two bases, one private.
+    "derived-class:multiple": ("struct A { float a; };\nstruct B { float b; };\ntemplate <typename T> struct S;\n"
+                               "template <> struct S<float> : A, private B { // BUG\n  float sum() const { return a + b; }\n  void set(float v) { a = b = v; }\n};\n"
+                               + K + " { S<float> s; s.set(x[i]); x[i] = s.sum(); }",
+                               "struct A { float a; };\nstruct B { float b; };\ntemplate <typename T> struct S;\n"
+                               "template <> struct S<float> {\n  A a;\n  B b;\n  float sum() const { return a.a + b.b; }\n  void set(float v) { a.a = b.b = v; }\n};\n"
+                               + K + " { S<float> s; s.set(x[i]); x[i] = s.sum(); }"),
+    # The curiously recurring template pattern; a local class.
+    "derived-class:crtp": ("template <typename D> struct Twice {\n  float twice() const { return 2 * static_cast<thread const D*>(this)->v; }\n};\n"
+                           "struct V : Twice<V> { // BUG\n  float v;\n};\n" + K + " { V s; s.v = x[i]; x[i] = s.twice(); }",
+                           "template <typename D> float twice(thread const D& d) { return 2 * d.v; }\n"
+                           "struct V {\n  float v;\n};\n" + K + " { V s; s.v = x[i]; x[i] = twice(s); }"),
+    "derived-class:local": ("struct A { float a; };\n" + K + " {\n  struct B : A { float b; }; // BUG\n  B v;\n  v.a = v.b = x[i];\n  x[i] = v.a + v.b;\n}",
+                            "struct A { float a; };\n" + K + " {\n  struct B { A a; float b; };\n  B v;\n  v.a.a = v.b = x[i];\n  x[i] = v.a.a + v.b;\n}"),
+    # MLX turns the internals region off after its type traits: a base
+    # after `disable` is the user's own.
+    "derived-class:after-internals-region": ("#pragma METAL internals : enable\ntemplate <bool B> struct flag : metal::bool_constant<B> {};\n"
+                                             "#pragma METAL internals : disable\ntemplate <bool B> struct other : metal::bool_constant<B> {}; // BUG\n"
+                                             + K + " { x[i] = flag<true>::value + other<false>::value; }",
+                                             "#pragma METAL internals : enable\ntemplate <bool B> struct flag : metal::bool_constant<B> {};\n"
+                                             "#pragma METAL internals : disable\ntemplate <bool B> struct other { static constant constexpr bool value = B; };\n"
+                                             + K + " { x[i] = flag<true>::value + other<false>::value; }"),
     "virtual": ("struct Op {\n  virtual float apply(float v) { return v; } // BUG\n};\n"
                 + K + " { Op op; x[i] = op.apply(x[i]); }",
                 "struct Op {\n  float apply(float v) { return v; }\n};\n" + K + " { Op op; x[i] = op.apply(x[i]); }"),
     "exceptions": (K + " {\n  if (x[i] < 0) throw 1; // BUG\n  x[i] = 1;\n}",
                    K + " {\n  if (x[i] < 0) return;\n  x[i] = 1;\n}"),
+    "exceptions:try-catch": (K + " {\n  try { x[i] = 1; } // BUG\n  catch (...) { x[i] = 0; }\n}",
+                             K + " {\n  x[i] = 1;\n}"),
     "new-delete": (K + " {\n  thread float* p = new float(1); // BUG\n  x[i] = *p;\n}",
                    K + " {\n  float v = 1;\n  thread float* p = &v;\n  x[i] = *p;\n}"),
+    "new-delete:delete": ("inline void release(thread float* p) {\n  delete p; // BUG\n}\n" + K + " { x[i] = 1; }",
+                          "struct NoCopy {\n  NoCopy() = default;\n  NoCopy(thread const NoCopy&) = delete;\n};\n"
+                          + K + " { NoCopy n; x[i] = 1; }"),
     "rtti": ("struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = dynamic_cast<thread A*>(&a) != nullptr; // BUG\n}",
              "struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = (&a) != nullptr;\n}"),
+    "rtti:typeid": ("struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = typeid(a) == typeid(A); // BUG\n}",
+                    "struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = metal::is_same<decltype(a), A>::value;\n}"),
     "goto": (K + " {\n  if (x[i] < 0) goto done; // BUG\n  x[i] = 1;\ndone:\n  return;\n}",
              K + " {\n  if (x[i] < 0) return;\n  x[i] = 1;\n}"),
     "storage-class": (K + " {\n  register float v = x[i]; // BUG\n  x[i] = v;\n}",
                       K + " {\n  float v = x[i];\n  x[i] = v;\n}"),
+    "storage-class:thread-local": ("inline float counted(float v) {\n  thread_local int calls; // BUG\n  return v + calls++;\n}\n"
+                                   + K + " { x[i] = counted(x[i]); }",
+                                   "inline float counted(float v, thread int& calls) {\n  return v + calls++;\n}\n"
+                                   + K + " { int calls = 0; x[i] = counted(x[i], calls); }"),
     "lambda": (K + " {\n  auto twice = [](float v) { return v * 2; }; // BUG\n  x[i] = twice(x[i]);\n}",
                "inline float twice(float v) { return v * 2; }\n" + K + " {\n  x[i] = twice(x[i]);\n}"),
     "noexcept-operator": ("float f(float v) { return v; }\n" + K + " {\n  x[i] = noexcept(f(1)); // BUG\n}",
@@ -238,9 +305,21 @@ VALID = {
                              "kernel void k(device C<float>* c [[buffer(0)]], device float* x [[buffer(1)]],\n"
                              "  uint i [[thread_position_in_grid]]) {\n  float2 v = c[i];\n  C<float> n(v.x, v.y);\n"
                              "  x[i] = (-n).re + c[i].norm();\n}",
-    # MLX's steel type traits derive from integral_constant.
-    "derived-class": "template <bool B> struct flag : metal::bool_constant<B> {};\n"
-                     + K + " { x[i] = flag<true>::value; }",
+    # MLX's steel type traits derive from integral_constant, inside the
+    # region its headers (and Apple's) open for what user code may not write
+    # (steel/utils/type_traits.h, integral_constant.h).
+    "derived-class-in-internals-region": "#pragma METAL internals : enable\n"
+                                         "template <bool B> struct flag : metal::bool_constant<B> {};\n"
+                                         "#pragma METAL internals : disable\n" + K + " { x[i] = flag<true>::value; }",
+    # Colons that are no base-specifier list: an enum's underlying type,
+    # bitfields, a constructor's member initialisers, access labels, case
+    # labels, the conditional operator, a qualified name; an elaborated type.
+    "colons-without-bases": "enum E : uint { E1 = 1, E2 = 2 };\nenum class F : ushort { f1 };\nstruct Bits;\n"
+                            "struct Bits {\n  uint lo : 4;\n  uint hi : 4;\n  Bits() : lo(1), hi(2) {}\n"
+                            " public:\n  uint sum() const { return lo + hi; }\n private:\n  uint unused = uint(F::f1);\n};\n"
+                            "inline uint total(thread const struct Bits& b) { return b.sum(); }\n"
+                            + K + " {\n  Bits b;\n  switch (i % 2) {\n    case E1: x[i] = total(b); break;\n"
+                            "    default: x[i] = i > 2 ? metal::fabs(x[i]) : 0; break;\n  }\n}",
     # PyTorch's c10/metal/atomic.h: the operation as a function-pointer parameter.
     "function-pointer-parameter": "inline float add(float a, float b) { return a + b; }\n"
                                   "template <typename T> T apply(T a, T b, T (*op)(T, T)) { return op(a, b); }\n"
@@ -370,6 +449,16 @@ def test_struct_copies_and_metal_arrays_in_address_spaces_run():
     lib.dispatch("k", [v, np.array([1, 2], np.float32).tobytes(), acc], threads=4, threads_per_threadgroup=4)
     np.testing.assert_array_equal(v, 1 + 2 + np.array([10, 20, 30, 40]) + np.roll(x[:4], -1))
     np.testing.assert_array_equal(acc, [1, 1, 1, 1])
+
+
+def test_cxx_standard_library_without_its_header_fails_the_check_compile(tmp_path):
+    """MSL 1.5.4: no C++ standard library. Its headers are msl-std-header;
+    its names without them find no `std` namespace in check mode, as on a
+    Mac (Metal's own are in `metal::`)."""
+    path = _write(tmp_path, "std_namespace", K + " {\n  x[i] = std::min(x[i], 1.0f); // BUG\n}")
+    findings = check_file(path)
+    assert findings and all(f.startswith(f"{path}:4:") and "undeclared identifier 'std'" in f for f in findings), findings
+    assert check_file(_write(tmp_path, "metal_namespace", K + " {\n  x[i] = metal::min(x[i], 1.0f);\n}")) == []
 
 
 def test_header_on_the_include_path_is_no_standard_header(tmp_path):

@@ -1,7 +1,11 @@
 """An independent float64 model of float8_e4m3fn and float8_e5m2 in numpy:
 codes decoded by formula, values encoded by round-to-nearest-even over the
-exhaustive list of representable values. Whether overflow saturates is
-found by asking the installed torch, not assumed."""
+exhaustive list of representable values, overflow as the contract says
+(shared/reference/semantics.md: e4m3fn saturates to +-448 on every torch
+release, e5m2 overflows to its infinity). And the float64 value of a
+scaled matrix product (_scaled_mm, _scaled_mm_v2) by that contract: torch's
+CPU _scaled_mm is not an oracle, it is oneDNN's matmul on some machines and
+changes with their instruction set."""
 
 from __future__ import annotations
 
@@ -30,8 +34,9 @@ def decode(codes: np.ndarray, dtype) -> np.ndarray:
 
 
 def saturates(dtype) -> bool:
-    """Does the installed torch clamp overflow to the largest finite value?"""
-    return bool(torch.isfinite(torch.tensor([1e30]).to(dtype).float()).item())
+    """Does conversion clamp overflow to the largest finite value? The
+    contract, not the installed torch's answer: older releases gave NaN."""
+    return dtype == torch.float8_e4m3fn
 
 
 def encode(x: np.ndarray, dtype) -> np.ndarray:
@@ -65,3 +70,55 @@ def encode(x: np.ndarray, dtype) -> np.ndarray:
     out = np.where(np.signbit(x), out | 0x80, out)
     out = np.where(np.isnan(x), np.where(np.signbit(x), 0xFF, 0x7F), out)
     return out.astype(np.uint8)
+
+
+# _scaled_mm_v2's ScalingType values (torch.nn.functional.ScalingType).
+TENSORWISE, ROWWISE, BLOCKWISE_1X128, BLOCKWISE_128X128 = 0, 1, 4, 5
+
+
+def _dequantize(x: torch.Tensor, scale: torch.Tensor, recipe: int, operand: str) -> torch.Tensor:
+    """float64 x times its scales as the contract lays them out. x is mat_a
+    [M, K] (operand "a") or mat2 [K, N] ("b"); kb = ceil(K / 128).
+    Row-wise: a's scale [M, 1], b's [1, N]. 1x128: a's [M, kb], b's
+    [N, kb]. 128x128 (b only): [round_up(kb, 4), ceil(N / 128)]."""
+    x64, s64 = x.double(), scale.double()
+    if recipe == TENSORWISE:
+        return x64 * s64.reshape(())
+    if recipe == ROWWISE:
+        return x64 * s64
+    k = x.shape[1] if operand == "a" else x.shape[0]
+    kblock = torch.arange(k) // 128
+    if recipe == BLOCKWISE_1X128:
+        return x64 * s64[:, kblock] if operand == "a" else x64 * s64[:, kblock].t()
+    if recipe == BLOCKWISE_128X128 and operand == "b":
+        return x64 * s64[kblock][:, torch.arange(x.shape[1]) // 128]
+    raise ValueError(f"no reference for recipe {recipe} of operand {operand}")
+
+
+def to_dtype(y: torch.Tensor, dtype) -> torch.Tensor:
+    """float64 values converted as the contract converts a float result:
+    fp8 by encode() (e4m3fn saturating), others by torch's rounding."""
+    if dtype in FORMATS:
+        return torch.from_numpy(encode(y.numpy(), dtype)).view(dtype)
+    return y.to(dtype)
+
+
+def scaled_mm_reference(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
+                        use_fast_accum=False, recipe_a=None, recipe_b=None) -> torch.Tensor:
+    """_scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype) by
+    the contract, in float64: (a * scale_a) @ (b * scale_b) + bias, divided
+    by scale_result for an fp8 output (as torch's CPU emulation in
+    Blas.cpp and mps_ext's kernel do), converted once to out_dtype (a's dtype
+    by default). K == 0 gives zeros (plus bias). Recipes default to v1's:
+    tensor-wise for one-element scales, else row-wise. use_fast_accum is
+    a speed hint (the value is the same)."""
+    def v1_recipe(s):
+        return TENSORWISE if s.numel() == 1 else ROWWISE
+    out_dtype = out_dtype or a.dtype
+    y = _dequantize(a, scale_a, v1_recipe(scale_a) if recipe_a is None else recipe_a, "a") @ \
+        _dequantize(b, scale_b, v1_recipe(scale_b) if recipe_b is None else recipe_b, "b")
+    if bias is not None:
+        y = y + bias.double()
+    if scale_result is not None and out_dtype in FORMATS:
+        y = y / scale_result.double()
+    return to_dtype(y, out_dtype)

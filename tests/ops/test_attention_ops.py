@@ -12,6 +12,11 @@ import mps_ext
 from host_names import host_names
 from mps_ext import cpu_metal
 
+# The oracle is `x * torch.sigmoid(gate)` on torch's CPU ops (float32's changes
+# with ATEN_CPU_CAPABILITY); scripts/test.sh runs this file again with torch's
+# CPU kernels capped.
+pytestmark = pytest.mark.torch_cpu_oracle
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 KERNEL_TYPE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 DEVICES = ["executor"] + ([pytest.param("mps", marks=pytest.mark.mac)] if mps_ext.is_available() else [])

@@ -1,6 +1,6 @@
 """FP8 conversions (kernels_metal/fp8.metal through torch.ops.mps_ext.copy_)
-and the fp8 tensor ops, against torch's CPU conversions (bit for bit) and
-the float64 numpy model in fp8_oracle.py."""
+and the fp8 tensor ops, against torch's CPU conversions (bit for bit, but
+for the payload of a NaN) and the float64 numpy model in fp8_oracle.py."""
 
 import contextlib
 
@@ -12,6 +12,11 @@ import mps_ext
 from mps_ext import _policy, cpu_metal
 
 from fp8_oracle import decode, encode
+
+# The oracle is torch's CPU conversions bit for bit (a NaN's payload changes
+# with ATEN_CPU_CAPABILITY); scripts/test.sh runs this file again with torch's
+# CPU kernels capped.
+pytestmark = pytest.mark.torch_cpu_oracle
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
@@ -33,12 +38,22 @@ def bits(t):
     return t.view(torch.uint8) if t.dtype in FP8 else t.view(BITS[t.dtype])
 
 
+def same_as_torchs(got, want):
+    """got has want's bits, but where want is NaN: there a NaN of the same
+    sign. A NaN's payload is no contract: torch's own CPU conversion of an
+    fp8 NaN code to float16 gives one payload on its AVX2 path and another
+    with ATEN_CPU_CAPABILITY=default."""
+    nan = want.float().isnan()
+    return (torch.equal(bits(got)[~nan], bits(want)[~nan]) and bool(got.float()[nan].isnan().all())
+            and torch.equal(got.float()[nan].signbit(), want.float()[nan].signbit()))
+
+
 @pytest.mark.parametrize("src_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FP8)
 def test_every_half_and_bfloat_to_fp8(device, src_dtype, fmt):
     x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(src_dtype)
     got = convert(x, fmt, device)
-    assert torch.equal(bits(got), bits(x.to(fmt)))
+    assert same_as_torchs(got, x.to(fmt))
     finite = torch.isfinite(x)
     want = encode(x.double().numpy(), fmt)
     assert np.array_equal(got.view(torch.uint8).numpy()[finite.numpy()], want[finite.numpy()])
@@ -49,7 +64,7 @@ def test_every_half_and_bfloat_to_fp8(device, src_dtype, fmt):
 def test_every_fp8_code_converts(device, fmt, dst_dtype):
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt)
     got = convert(codes, dst_dtype, device)
-    assert torch.equal(bits(got), bits(codes.to(dst_dtype)))  # NaN payloads as torch gives them
+    assert same_as_torchs(got, codes.to(dst_dtype))
     want = decode(np.arange(256, dtype=np.uint8), fmt)
     if dst_dtype in FP8 and dst_dtype != fmt:
         ok = ~np.isnan(want)
@@ -80,7 +95,7 @@ def float32_samples(n=1_000_000, seed=0):
 def test_float32_samples_to_fp8(device, fmt):
     x = float32_samples()
     got = convert(x, fmt, device)
-    assert torch.equal(bits(got), bits(x.to(fmt)))
+    assert same_as_torchs(got, x.to(fmt))
     ok = torch.isfinite(x).numpy()
     assert np.array_equal(got.view(torch.uint8).numpy()[ok], encode(x.double().numpy(), fmt)[ok])
     nan = torch.isnan(x)

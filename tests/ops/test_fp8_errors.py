@@ -1,10 +1,10 @@
 """Any aten op the fp8 family does not handle, on a float8 tensor, fails
 with an error that names the op and says to cast first (csrc/ops/fp8_errors.cpp).
 
-On a Mac the wrappers go on the MPS key when float8 values first reach the
-GPU. Here they are put on the CPU key, in a process of their own (they stay
-for the life of the process), where torch's CPU kernels refuse float8
-arithmetic the way its MPS kernels do: with an error naming the dtype only.
+On a Mac the wrappers go on the MPS key at `import mps_ext`. Here they are
+put on the CPU key, in a process of their own (they stay for the life of the
+process), where torch's CPU kernels refuse float8 arithmetic the way its MPS
+kernels do: with an error naming the dtype only.
 """
 
 import json
@@ -57,11 +57,16 @@ print(json.dumps(dict(before=before, after=after, wrapped=wrapped, again=again, 
 """
 
 
-@pytest.fixture(scope="module")
-def run():
-    r = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], capture_output=True, text=True, cwd=ROOT)
+def run_script(script, *args):
+    """The JSON `script` prints last, run in a process of its own."""
+    r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def run():
+    return run_script(SCRIPT, json.dumps(CASES))
 
 
 @pytest.mark.parametrize("op, aten", [("add", "aten::add.Tensor"), ("sum", "aten::sum"), ("exp", "aten::exp"),
@@ -98,8 +103,113 @@ def test_only_mps_or_cpu():
 
 
 def test_a_float8_cpu_tensor_of_the_fp8_family_does_not_wrap_cpu_ops():
-    """Only the MPS key is wrapped when float8 values arrive (float8_reached)."""
+    """The fp8 family's CPU kernels never wrap the CPU key (on a Mac, the MPS
+    key is wrapped at import)."""
     x = torch.ones(4).to(torch.float8_e4m3fn)
     out = torch.empty_like(x)
     torch.ops.mps_ext.copy_(out, x)
     assert "fp8_errors.cpp" not in torch._C._dispatch_dump("aten::add.Tensor")
+
+
+# A third party's kernel for an op, registered before or after the wrappers
+# and then removed (a torch.library.Library destroyed): the op must be
+# torch's again. A wrapper holding the removed kernel would raise on every
+# call ("SafeKernelFunction has been invalidated").
+THIRD_PARTY = r"""
+import json, torch, mps_ext
+
+def fp8_error(fn):
+    try:
+        fn(torch.tensor([1.0, 2.0]).to(torch.float8_e4m3fn))
+    except Exception as e:
+        return str(e)
+
+def value(fn):
+    try:
+        return fn(torch.ones(2)).tolist()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+out = {}
+before = torch.library.Library("aten", "IMPL")
+before.impl("exp", lambda x: torch.full_like(x, 7.0), "CPU")
+out["wrapped"] = mps_ext._C.name_float8_errors("CPU")
+out["exp with the third party's kernel"] = value(torch.exp)
+before._destroy()
+out["exp once it is removed"] = value(torch.exp)
+out["exp's float8 error"] = fp8_error(torch.exp)
+after = torch.library.Library("aten", "IMPL")
+after.impl("sin", lambda x: torch.full_like(x, 5.0), "CPU")
+out["sin with the third party's kernel"] = value(torch.sin)
+after._destroy()
+out["sin once it is removed"] = value(torch.sin)
+out["sin's float8 error"] = fp8_error(torch.sin)
+print(json.dumps(out))
+"""
+
+
+def test_a_third_party_kernel_removed_leaves_torchs_kernel():
+    out = run_script(THIRD_PARTY)
+    e, s = torch.ones(2).exp().tolist(), torch.ones(2).sin().tolist()
+    # Registered before the wrappers: that op is left unwrapped (the
+    # dispatcher cannot reach the kernel beneath a removed one).
+    assert out["exp with the third party's kernel"] == [7.0, 7.0]
+    assert out["exp once it is removed"] == e
+    assert out["exp's float8 error"] and not out["exp's float8 error"].startswith("mps_ext fp8")
+    # Registered after them: the wrapper is beneath it, and once it is gone
+    # the wrapper calls torch's kernel and names the op.
+    assert out["sin with the third party's kernel"] == [5.0, 5.0]
+    assert out["sin once it is removed"] == s
+    assert out["sin's float8 error"].startswith("mps_ext fp8: aten::sin does not take float8 tensors")
+
+
+# Another thread runs ops on float8 tensors while the wrappers are
+# registered (the binding releases the GIL, as a Mac's install leaves other
+# threads running): it must see the ops unnamed, then named, switching once
+# (one pass may straddle the switch: unnamed ops, then named ones), never a
+# table where some ops are named and others not.
+CONCURRENT = r"""
+import json, threading, time, torch, mps_ext
+
+x = torch.tensor([1.0, 2.0]).to(torch.float8_e4m3fn)
+ops = [lambda: x + x, lambda: x.sum(), lambda: x.exp(), lambda: x.cumsum(0), lambda: x / x, lambda: x.sin(),
+       lambda: x.log(), lambda: x.sqrt(), lambda: x.mean(), lambda: x.prod(), lambda: x.tanh(), lambda: x.cos()]
+
+def named(op):
+    try:
+        op()
+    except Exception as e:
+        return str(e).startswith("mps_ext fp8")
+    raise AssertionError("an op took float8")
+
+passes, stop = [], threading.Event()
+
+def dispatch():
+    while not stop.is_set():
+        passes.append([named(op) for op in ops])
+
+def wait_for(n):
+    while len(passes) < n and worker.is_alive():
+        time.sleep(0.001)
+
+worker = threading.Thread(target=dispatch)
+worker.start()
+wait_for(20)
+start = len(passes)
+mps_ext._C.name_float8_errors("CPU")
+during = len(passes) - start
+wait_for(len(passes) + 20)
+stop.set()
+worker.join()
+print(json.dumps(dict(passes=passes, during=during)))
+"""
+
+
+def test_threads_running_ops_see_all_ops_named_or_none():
+    out = run_script(CONCURRENT)
+    passes = out["passes"]
+    assert out["during"] > 0  # the other thread ran while the wrappers were registered
+    assert not any(passes[0]) and all(passes[-1])
+    flat = [named for p in passes for named in p]  # in the order the thread ran them
+    switches = sum(a != b for a, b in zip(flat, flat[1:]))
+    assert switches == 1, [p for p in passes if 0 < sum(p) < len(p)]

@@ -26,6 +26,7 @@ from mps_ext import _executor_request, cpu_metal
 from mps_ext.passes import LinearAttentionPass, run_pass
 from mps_ext.passes.linear_attention import FusedDecodeMixin
 from mps_ext.passes.linear_attention import gated_delta_step as reference
+from decode_steps import linear_attention as call, linear_attention_inputs as inputs
 
 ULP = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
@@ -35,22 +36,6 @@ def rel_err(x, ref):
     return float((x.double() - ref.double()).abs().max() / ref.double().abs().max())
 
 
-def inputs(batch, k_heads, v_heads, dk, dv, conv_k, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype)
-    conv_dim = 2 * k_heads * dk + v_heads * dv
-    return dict(qkv=r(batch, conv_dim), z=r(batch, v_heads * dv), b=r(batch, v_heads), a=r(batch, v_heads),
-                conv_state=r(batch, conv_dim, conv_k), recurrent_state=torch.randn(batch, v_heads, dk, dv, generator=g),
-                conv_weight=r(conv_dim, conv_k, scale=0.5), A_log=r(v_heads, scale=0.5).abs().log(),
-                dt_bias=r(v_heads), norm_weight=(1 + r(dv, scale=0.1).float()).to(dtype))
-
-
-def call(d, k_heads, eps=1e-6):
-    return torch.ops.mps_ext.linear_attention_decode(d["qkv"], d["z"], d["b"], d["a"], d["conv_state"],
-                                                    d["recurrent_state"], d["conv_weight"], d["A_log"],
-                                                    d["dt_bias"], d["norm_weight"], k_heads, eps)
 
 
 # (batch, k_heads, v_heads, dk, dv, conv_k): Qwen3.6's 2 value heads per key head at tiny sizes; one value head

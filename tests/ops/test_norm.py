@@ -15,6 +15,10 @@ from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeRMSNorm  # noq
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm  # noqa: E402
 
+# The oracle is transformers' RMSNorm modules on torch's CPU ops, bit for bit;
+# scripts/test.sh runs this file again with torch's CPU kernels capped.
+pytestmark = pytest.mark.torch_cpu_oracle
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MODULES = {"qwen3": (Qwen3MoeRMSNorm, "weight"), "lfm2": (Lfm2MoeRMSNorm, "weight"),
            "qwen3_5": (Qwen3_5MoeRMSNorm, "zero_centred")}

@@ -2,8 +2,9 @@
 torch.testing._internal.common_methods_invocations: sample and reference
 inputs) for every aten op mps_ext implements, run through torch.ops.mps_ext
 on CPU tensors (the CPU Metal executor) and compared with the aten op on the
-CPU: same values, same dtype, shape and strides, and the same error when aten
-raises one. Each sample also runs on meta tensors (torch.compile's tracing),
+CPU (the scaled matrix products: with a float64 reference of torch's
+contract, REFERENCES): same values, same dtype, shape and strides, and the
+same error when aten raises one. Each sample also runs on meta tensors (torch.compile's tracing),
 where ours must give aten's shapes and strides.
 
 A new op family must add its ops to CASES below (or, for an op torch's
@@ -18,6 +19,11 @@ import pytest
 import torch
 
 import mps_ext
+from fp8_oracle import scaled_mm_reference
+
+# The oracles are aten's CPU kernels; scripts/test.sh runs this file again
+# with torch's CPU kernels capped.
+pytestmark = pytest.mark.torch_cpu_oracle
 
 # OpInfo's module imports `expecttest` (PyTorch's test-only dependency) for a
 # TestCase base class it never uses here; a stand-in keeps that dependency
@@ -135,6 +141,22 @@ CASES = {
     "aten::linalg_lu_solve": ("linalg.lu_solve", "", _with_kwargs),
     "aten::_linalg_det": ("linalg.det", "", _positional),
     "aten::_linalg_slogdet": ("linalg.slogdet", "", _positional),
+}
+
+def _scaled_mm_v2_reference(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, bias=None,
+                            out_dtype=None, contraction_dim=(), use_fast_accum=False):
+    (sa,), (ra,), (sb,), (rb,) = scale_a, recipe_a, scale_b, recipe_b
+    return scaled_mm_reference(a, b, sa, sb, bias, out_dtype=out_dtype, recipe_a=ra, recipe_b=rb)
+
+
+# Ops compared with a float64 reference of torch's contract instead of the
+# installed torch's CPU kernel: torch's CPU _scaled_mm is oneDNN's matmul on a
+# CPU with AMX, where an overflowing fp8 output becomes NaN (the contract,
+# like CUDA, saturates), and cannot run at all with oneDNN capped at AVX2
+# there (shared/reference/semantics.md).
+REFERENCES = {
+    "aten::_scaled_mm": scaled_mm_reference,
+    "aten::_scaled_mm_v2": _scaled_mm_v2_reference,
 }
 
 # aten op -> why torch's op_db has nothing for it (test_ops_without_opinfo_have_none
@@ -263,9 +285,9 @@ def test_opinfo_samples(op_db, aten_name, dtype):
         pytest.skip(f"the OpInfo has no {dtype} samples")
     if dtype in FP8 and aten_name in FP8_BEYOND_TORCH_CPU:
         pytest.skip(f"torch's CPU {aten_name} has no {dtype} to compare with (tests/ops/test_fp8_ops.py)")
-    if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(aten_name, "CPU"):
+    if aten_name not in REFERENCES and not torch._C._dispatch_has_computed_kernel_for_dispatch_key(aten_name, "CPU"):
         pytest.skip(f"torch {torch.__version__} has no CPU kernel for {aten_name} to compare with")
-    aten, ours = aten_op(torch.ops.aten, aten_name), aten_op(torch.ops.mps_ext, aten_name)
+    aten, ours = REFERENCES.get(aten_name, aten_op(torch.ops.aten, aten_name)), aten_op(torch.ops.mps_ext, aten_name)
     checked = 0
     for sample in samples(info, dtype):
         args, kwargs = adapt(sample)

@@ -8,6 +8,11 @@ from host_names import host_names
 
 from mps_ext import cpu_metal
 
+# The oracle is torch's CPU softmax (vectorised exp: it changes with
+# ATEN_CPU_CAPABILITY); scripts/test.sh runs this file again with torch's CPU
+# kernels capped.
+pytestmark = pytest.mark.torch_cpu_oracle
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # fp32: torch's vectorised exp and the Metal one differ by an ulp or so;
 # fp16/bf16: one rounding of the fp32 result, both sides.
