@@ -311,7 +311,7 @@ def _layer_hooks(model, trace: Trace):
 
 def feed_forward(layer):
     """A decoder layer's feed-forward block (a dense MLP, or the MoE block:
-    router, experts, shared expert; mps_ext.optimize's FusedMoE after it):
+    router, experts, shared expert; the block mps_ext.optimize puts on moe_layer after it):
     transformers names it `mlp` (Qwen3-MoE, Qwen3.5-MoE) or `feed_forward`
     (LFM2-MoE)."""
     for name in ("mlp", "feed_forward"):

@@ -9,7 +9,7 @@ q_norm, k_norm (FusedRMSNorm after optimize: one dispatch each) and
 transformers' apply_rotary_pos_emb (mul, neg, cat, mul, add for q and for
 k; a partial rotary adds a cat for each): about 12 host calls and
 dispatches a layer and token. Here they are one call of
-mps_ext.fused_norm.qk_norm_rope (torch.ops.mps_ext.qk_norm_rope where the
+mps_ext.passes.norm.qk_norm_rope (torch.ops.mps_ext.qk_norm_rope where the
 kernels run, the same steps with torch's ops elsewhere). Two more pieces
 are one dispatch each where the kernels run, eager: the output gate
 (sigmoid_gate: the gate read where q_proj left it, where the model copies

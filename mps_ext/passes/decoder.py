@@ -8,7 +8,7 @@ Eager, after the other swaps, such a layer still runs between its mixer
 `h = residual + mixer_out` (an add), `post_norm(h)` (FusedRMSNorm: one
 rms_norm) and, after the feed-forward, `h + ffn(normed)` (an add). Here the
 first two are one torch.ops.mps_ext.add_rms_norm dispatch
-(mps_ext.fused_norm.add_rms_norm), and an optimized MoE feed-forward is called as
+(mps_ext.passes.norm.add_rms_norm), and an optimized MoE feed-forward is called as
 `ffn(normed, residual=h)`, which returns the sum itself (so that its op can
 add it in its last dispatch); a dense MLP keeps `h + mlp(normed)`. The rest
 of the forward is the model's, line for line: the input norm, the mixer

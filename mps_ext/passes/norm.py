@@ -7,7 +7,7 @@ attention's q and k norms over each head). Each module `fuse_norms`
 recognises becomes a FusedRMSNorm, whose forward is one
 torch.ops.mps_ext.rms_norm (csrc/ops/norm.cpp, kernels_metal/norm.metal).
 
-Recognised by value, as fused_moe recognises MoE blocks: a module with one
+Recognised by value, as the MoE pass recognises MoE blocks: a module with one
 parameter, `weight` [N] (floating), no buffers or children, an
 `variance_epsilon` or `eps` float, a forward of one tensor, whose output on
 a probe is bit-identical to one of the two variants computed with torch's
@@ -26,7 +26,7 @@ fusing them means replacing those forwards. `qk_norm_rope` is the piece
 such a forward calls: the attention's q_norm, k_norm and rotary embedding
 as one torch.ops.mps_ext.qk_norm_rope dispatch (docs/optimize.md);
 `add_rms_norm` the decoder layer's: its residual add and post-attention
-norm as one torch.ops.mps_ext.add_rms_norm dispatch (mps_ext/fused_decoder.py).
+norm as one torch.ops.mps_ext.add_rms_norm dispatch (mps_ext/passes/decoder.py).
 """
 
 from __future__ import annotations

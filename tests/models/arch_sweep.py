@@ -598,7 +598,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 TABLE = ROOT / "docs" / "architectures.md"
 SHORT = {"moe": "MoE", "norms": "norm", "linear_attention": "DeltaNet", "short_conv": "conv", "projections": "proj",
          "attention": "attn", "decoder_layers": "layer"}
-WHAT = {"moe": "MoE blocks -> FusedMoE", "norms": "RMSNorms -> FusedRMSNorm",
+WHAT = {"moe": "MoE blocks on moe_layer", "norms": "RMSNorms -> FusedRMSNorm",
         "linear_attention": "Gated DeltaNet layers", "short_conv": "LFM2 short convolutions",
         "projections": "projections that read one input, fused (one per group)",
         "attention": "attention layers on qk_norm_rope", "decoder_layers": "decoder layers on add_rms_norm",
@@ -633,7 +633,7 @@ def render(results: list[ArchResult], version: str) -> str:
            "on the pinned release. Each architecture is its default config shrunk to a tiny one "
            f"(hidden {TINY['hidden_size']}, 2 layers or one of each kind, {TINY['num_experts']} experts, "
            f"vocabulary {VOCAB}), float32 on CPU; each pass runs on a copy of the stock model.", "",
-           "A cell counts the modules converted (`/n`: n left, with reasons below): MoE (blocks -> FusedMoE), "
+           "A cell counts the modules converted (`/n`: n left, with reasons below): MoE (blocks on moe_layer), "
            "norm (RMSNorms), DeltaNet (Gated DeltaNet layers), conv (LFM2 short convolutions), proj (groups "
            "of projections fused), attn (attention layers on qk_norm_rope), layer (decoder layers on "
            "add_rms_norm); Linear / Experts (FP8Linear, FP8Experts). **mismatch** and **crash** are bugs "
