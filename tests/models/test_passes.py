@@ -231,7 +231,9 @@ def test_a_dynamic_layer_that_counts_its_tokens_is_left(monkeypatch):
     want = generate(model)
     mps_ext.optimize(model)
     left = model.optimize_summary["attention"].left
-    assert len(left) == 2 and all("the cache it leaves differs" in why for why in left.values()), left
+    # (the layer's wrong count either shows in the cache it leaves or makes the next step's mask fail)
+    assert len(left) == 2 and all("the cache it leaves differs" in why or "the generate episode raised" in why
+                                  for why in left.values()), left
     assert not model.optimize_summary["attention"].converted
     with run_model(RELEASE):
         assert torch.equal(generate(model), want)
@@ -286,19 +288,19 @@ def test_save_pretrained_reloads_into_the_stock_model(name, tmp_path):
     assert set(model.state_dict()) == keys
     prompt, _ = batch()
     with torch.no_grad():
-        want = model(prompt).logits
+        want, fused = stock(prompt).logits, model(prompt).logits
     model.save_pretrained(tmp_path)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(reloaded) is type(stock)
-    with torch.no_grad():
+    with torch.no_grad():  # the stock class on the stock weights: the same ops, the same bits
         assert torch.equal(reloaded(prompt).logits, want)
     other = mps_ext.optimize(build(name))
     with torch.no_grad():
         for p in other.parameters():
             p.zero_()
     other.load_state_dict(stock.state_dict())
-    with torch.no_grad():
-        assert torch.equal(other(prompt).logits, want)
+    with torch.no_grad():  # (fused projections sum in another order than the stock model's: the fused model's bits)
+        assert torch.equal(other(prompt).logits, fused)
 
 
 def stock_parameters(model) -> dict:
@@ -347,9 +349,9 @@ def test_router_logits_are_recorded(name):
         got = model(prompt, output_router_logits=True)
         plain = model(prompt)  # and after it, the fused path again
     assert len(got.router_logits) == len(want.router_logits) > 0
-    for g, w in zip(got.router_logits, want.router_logits):
-        assert torch.equal(g, w)
-    assert torch.equal(got.aux_loss, want.aux_loss)
+    for g, w in zip(got.router_logits, want.router_logits):  # (the fused layers before a router round otherwise)
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(plain.logits, want.logits, rtol=1e-5, atol=1e-5)
 
 
@@ -372,18 +374,26 @@ def test_offloaded_model_is_left_where_its_weights_are_not():
 
 
 # ----------------------------------------------------------- memory --
-def _peak_bytes(fn) -> int:
-    """The most bytes torch's CPU allocator held beyond what it held when
-    fn started (temporaries included), from the profiler's memory events."""
+def _peak_bytes(make_model, fn) -> tuple[int, int]:
+    """(bytes the model holds, the most bytes torch's CPU allocator held
+    beyond them while fn(model) ran, temporaries included), from the
+    profiler's memory events. The model is made under the profiler too: it
+    records no free of a block allocated before it started."""
     from torch.profiler import ProfilerActivity, profile
+    marker = 4093  # bytes: an allocation no model makes, between making the model and fn
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
+        model = make_model()
+        mark = torch.empty(marker, dtype=torch.uint8)
+        del mark
+        fn(model)
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    held = peak = 0
-    for _, n in events:
+    start = next(i for i, (_, n) in enumerate(events) if n == marker)
+    base = sum(n for _, n in events[:start])
+    held = peak = base
+    for _, n in events[start:]:
         held += n
         peak = max(peak, held)
-    return peak
+    return base, peak - base
 
 
 def test_optimize_holds_at_most_one_blocks_new_banks_beside_the_model():
@@ -391,13 +401,12 @@ def test_optimize_holds_at_most_one_blocks_new_banks_beside_the_model():
     fused into each block's banks (new banks of E + 1 experts): converting
     one block at a time, freeing what it replaces, optimize's peak is one
     block's new banks beside the model, not a second model."""
-    model = make("qwen3_5_moe", hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
-                 num_experts=31, vocab_size=256, num_hidden_layers=2)
-    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    mlp = model.model.layers[0].mlp
-    one_block = (mlp.experts.gate_up_proj.numel() + mlp.experts.down_proj.numel()) * 4 * 32 // 31
+    def model():
+        return make("qwen3_5_moe", hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                    num_experts=31, vocab_size=256, num_hidden_layers=2)
+    total, peak = _peak_bytes(model, mps_ext.optimize)
+    one_block = (256 * 2 * 256 + 256 * 256) * 4 * 32
     assert one_block > 0.4 * total
-    peak = _peak_bytes(functools.partial(mps_ext.optimize, model))
     print(f"\noptimize: model {total / 2**20:.1f} MiB, peak {peak / 2**20:.1f} MiB beyond it "
           f"({(total + peak) / total:.2f}x the model), one block's new banks {one_block / 2**20:.1f} MiB")
     assert peak <= one_block + (2 << 20)
@@ -416,6 +425,26 @@ def test_a_cache_recording_its_past_keeps_the_fused_decode(monkeypatch):
     monkeypatch.setattr(gen.DeferredStopCheck, "is_supported", staticmethod(
         lambda device, cache, cache_is_returned, is_assistant: not is_assistant
         and (cache is None or cache.is_croppable or not cache_is_returned)))
+
+    class HostEvent:  # the CPU has no torch.Event; its ops are done when they return
+        def __init__(self, **kwargs):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch, "Event", HostEvent)
+    recorded = []
+    own_init = gen.DeferredStopCheck.__init__
+
+    def init(self, input_ids, max_length, cache, cache_is_returned, *args, **kwargs):
+        own_init(self, input_ids, max_length, cache, cache_is_returned, *args, **kwargs)
+        recorded.append(self.cache is not None)
+
+    monkeypatch.setattr(gen.DeferredStopCheck, "__init__", init)
     for name, op in (("lfm2_moe", "short_conv_decode"), ("lfm2", "short_conv_decode")):
         stock = build(name)
         model = mps_ext.optimize(copy.deepcopy(stock))
@@ -425,3 +454,4 @@ def test_a_cache_recording_its_past_keeps_the_fused_decode(monkeypatch):
         family = next(f for f in report.families.values() if f"mps_ext::{op}" in f.ops)
         assert family.ops[f"mps_ext::{op}"].ran > 0, name
         assert torch.equal(got.sequences, want.sequences), name
+    assert len(recorded) >= 4 and all(recorded)  # each generate (optimize's episode too) recorded its past
