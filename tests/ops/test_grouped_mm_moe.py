@@ -194,9 +194,11 @@ def test_route_ranks_nan_logits_highest_as_torch_topk(device, dtype):
 def near_tie_logits(tokens, experts, dtype):
     """Logits 0.3 plus a few of the dtype's ulps there (float32: 2^-25,
     bfloat16: 2^-9): float32 sigmoid scores an ulp or two apart (the slope
-    there is 0.24), bfloat16 ones mostly equal after their rounding."""
+    there is 0.24), bfloat16 ones mostly equal after their rounding. Every
+    other token's steps are 64 times wider: scores 8 ulps apart, beyond the
+    exp's reach (but where two experts draw the same step)."""
     g = torch.Generator().manual_seed(11)
-    steps = torch.randint(0, 40, (tokens, experts), generator=g)
+    steps = torch.randint(0, 40, (tokens, experts), generator=g) * torch.tensor([1, 64]).repeat(tokens // 2)[:, None]
     ulp = 2.0 ** -25 if dtype == torch.float32 else 2.0 ** -9
     return (0.3 + steps.double() * ulp).to(dtype)
 
@@ -244,10 +246,13 @@ def test_sigmoid_routing_chooses_as_exact_scores_up_to_ties_within_exps_reach(dt
         assert bool(consistent(ids).all()), p
         # Where no expert outside the exact top k reaches into it: exactly the exact top k.
         top = torch.topk(exact, top_k, -1).indices
+        separated = 0
         for t in range(tokens):
             inside, outside = top[t].tolist(), [j for j in range(experts) if j not in top[t].tolist()]
             if all(lo[t, i] > hi[t, j] for i in inside for j in outside):
+                separated += 1
                 assert set(ids[t].tolist()) == set(inside), (p, t)
+        assert separated >= (tokens // 4 if dtype == torch.float32 else 0)
         # The weights: each chosen expert's score without its bias, within its reach.
         picked = ids.long()
         assert bool(((w >= lo.gather(1, picked)) & (w <= hi.gather(1, picked))).all()), p
