@@ -16,6 +16,7 @@
 // elements, so each simdgroup load and store covers consecutive addresses.
 #include <metal_stdlib>
 #include "attention_params.h"
+#include "activations.h"
 using namespace metal;
 
 template <typename T>
@@ -31,8 +32,7 @@ kernel void sigmoid_gate(device T* out [[buffer(0)]],
   const uint col = group.x * threads2.x + tid2.x;
   if (col >= p.n) return;
   const uint row = group.y;
-  // precise::exp: torch's sigmoid is not a fast-math one.
-  const T s = T(1.0f / (1.0f + precise::exp(-float(gate[row * p.gate_row_stride + col]))));
+  const T s = T(sigmoid(float(gate[row * p.gate_row_stride + col])));
   out[row * p.n + col] = T(float(x[row * p.n + col]) * float(s));
 }
 

@@ -34,6 +34,7 @@
 #include "fp8_codec.h"
 #include "grouped_mm_params.h"
 #include "pieces.h"
+#include "activations.h"
 using namespace metal;
 
 // ------------------------------------------------------------ elements --
@@ -41,8 +42,6 @@ inline float elem(float v) { return v; }
 inline float elem(half v) { return float(v); }
 inline float elem(bfloat v) { return float(v); }
 inline float elem(uchar v) { return e4m3x4_to_float_div256(uint(v)).x; }
-
-inline float silu(float x) { return x / (1.0f + exp(-x)); }
 
 // -------------------------------------------------------------- groups --
 // end(g) = clamp(offs[g], 0, m): the rows of group g are [end(g-1), end(g)).
@@ -325,14 +324,16 @@ kernel void moe_down_combine(device TO* out [[buffer(0)]],
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // every row's outputs in ys
   // moe_combine's sums: consecutive threads take consecutive columns of a
-  // token (coalesced stores), 32 / Q tokens at a time; the slots in order.
+  // token (coalesced stores), 32 / Q tokens at a time; the slots in order,
+  // each an fma as in moe_combine (written out: contracting `acc += w * y`
+  // is the compiler's choice, not Safe math's promise).
   const uint c = tid & ((1u << p.outputs_log2) - 1), col = block0 + c;
   if (col >= p.n) return;
   for (uint t = tid >> p.outputs_log2; t < p.tokens; t += threads >> p.outputs_log2) {
     float acc = 0.0f;
     for (uint j = 0; j < p.slots; ++j) {
       const uint slot = t * p.slots + j;
-      acc += weights[slot] * float(ys[(uint(row_of_slot[slot]) << p.outputs_log2) + c]);
+      acc = fma(weights[slot], float(ys[(uint(row_of_slot[slot]) << p.outputs_log2) + c]), acc);
     }
     const ulong at = ulong(t) * ulong(p.out_m) + col;
     // The layer's output rounded to TO first, then the residual added in

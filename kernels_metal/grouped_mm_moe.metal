@@ -7,6 +7,7 @@
 //   moe_combine  each token's expert outputs summed with its weights.
 #include <metal_stdlib>
 #include "grouped_mm_moe_params.h"
+#include "activations.h"
 using namespace metal;
 
 // Logits ranked as torch.topk ranks them: NaN above every number. A uint
@@ -74,7 +75,7 @@ kernel void moe_route(device float* weights [[buffer(0)]],
 
   for (uint t = 0; t < p.tokens; ++t) {
     const device T* lt = logits + ulong(t) * ulong(p.logits_t_stride);
-    const bool sigmoid = p.scoring == MOE_SCORING_SIGMOID;
+    const bool by_sigmoid = p.scoring == MOE_SCORING_SIGMOID;
     float l[PER];
     float r[PER];  // what ranks the experts: the logit, or the sigmoid score plus the bias
     bool taken[PER];
@@ -83,8 +84,8 @@ kernel void moe_route(device float* weights [[buffer(0)]],
       const uint e = tid + j * threads;
       l[j] = e < p.experts ? float(lt[ulong(e) * ulong(p.logits_e_stride)]) : -INFINITY;
       r[j] = l[j];
-      if (sigmoid && e < p.experts)
-        r[j] = float(T(1.0f / (1.0f + exp(-l[j])))) + (p.has_bias ? expert_bias[e] : 0.0f);
+      if (by_sigmoid && e < p.experts)
+        r[j] = float(T(sigmoid(l[j]))) + (p.has_bias ? expert_bias[e] : 0.0f);
     }
     // The shared expert's gate, loaded now so that it does not wait behind
     // the barriers below.
@@ -124,8 +125,8 @@ kernel void moe_route(device float* weights [[buffer(0)]],
       for (uint j = 0; j < PER; ++j)
         if (tid + j * threads == at) taken[j] = true;
       float prob;
-      if (sigmoid) {  // the chosen expert's score without its bias
-        prob = float(T(1.0f / (1.0f + exp(-logit))));
+      if (by_sigmoid) {  // the chosen expert's score without its bias
+        prob = float(T(sigmoid(logit)));
       } else {
         prob = exp(key_value(key) - mx) / sum;
       }
@@ -141,7 +142,7 @@ kernel void moe_route(device float* weights [[buffer(0)]],
       for (uint k = 0; k < p.top_k; ++k) weights[t * slots + k] *= p.scale;
       if (p.shared) {
         ids[t * slots + p.top_k] = int(p.experts);
-        weights[t * slots + p.top_k] = 1.0f / (1.0f + exp(-shared_gate));
+        weights[t * slots + p.top_k] = sigmoid(shared_gate);
       }
     }
   }
@@ -179,7 +180,10 @@ kernel void moe_route(device float* weights [[buffer(0)]],
 // A threadgroup owns MOE_COMBINE_THREADS * MOE_COMBINE_OUTPUTS consecutive
 // outputs of one token; thread t takes every MOE_COMBINE_THREADS-th from
 // its t-th, so that each load and store instruction of a simdgroup covers
-// 32 consecutive elements (one or two cache lines).
+// 32 consecutive elements (one or two cache lines). Each slot's weight *
+// y is added with one fma, in slot order: the rounding moe_down_combine
+// repeats and the tests state (fma() written out: Safe math lets a compiler
+// contract `acc += w * y`, it does not make it).
 template <typename T>
 [[max_total_threads_per_threadgroup(MOE_COMBINE_THREADS)]]
 kernel void moe_combine(device T* out [[buffer(0)]],
@@ -198,7 +202,7 @@ kernel void moe_combine(device T* out [[buffer(0)]],
     const device T* yr = y + ulong(row_of_slot[slot]) * ulong(p.y_row_stride);
     for (uint i = 0; i < MOE_COMBINE_OUTPUTS; ++i) {
       const uint h = h0 + i * MOE_COMBINE_THREADS;
-      if (h < p.hidden) acc[i] += w * float(yr[h]);
+      if (h < p.hidden) acc[i] = fma(w, float(yr[h]), acc[i]);
     }
   }
   device T* o = out + ulong(t) * ulong(p.out_row_stride);

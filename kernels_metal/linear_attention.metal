@@ -22,14 +22,13 @@
 // gates, the norms and their sums are float32.
 #include <metal_stdlib>
 #include "linear_attention_params.h"
+#include "activations.h"
 using namespace metal;
 
 template <typename T>
 MPS_EXT_INLINE float round_to(float v) {
   return float(T(v));
 }
-
-MPS_EXT_INLINE float silu(float v) { return v / (1.0f + exp(-v)); }
 
 // The sum of `v` over the threadgroup's columns' row parts: each thread
 // leaves its part in partial[part][col]; every thread of a column reads the
@@ -106,9 +105,8 @@ kernel void linear_attention_decode(device T* out [[buffer(0)]],
   for (uint r = t; r < ratio; r += threads) {
     const uint h = first_v + r;
     const float sp_in = float(a_proj[seq * p.a_stride + h]) + float(dt_bias[h]);
-    const float sp = sp_in > LA_SOFTPLUS_THRESHOLD ? sp_in : log(1.0f + exp(sp_in));
-    decay[r] = exp(-exp(float(a_log[h])) * sp);
-    beta[r] = round_to<T>(1.0f / (1.0f + exp(-float(b_proj[seq * p.b_stride + h]))));
+    decay[r] = exp(-exp(float(a_log[h])) * softplus(sp_in, LA_SOFTPLUS_THRESHOLD));
+    beta[r] = round_to<T>(sigmoid(float(b_proj[seq * p.b_stride + h])));
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 

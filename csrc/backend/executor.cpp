@@ -74,6 +74,12 @@ void simulate_executor_failure(const std::string& library, const std::string& ke
   g_sim = Simulated{library, kernel, kind, max_threads, 0};
 }
 
+void forget_executor_libraries() {
+  // A dispatch running now keeps its library alive (shared_ptr).
+  std::lock_guard<std::mutex> lock(g_mutex);
+  cache().clear();
+}
+
 uint64_t simulated_failure_hits() {
   std::lock_guard<std::mutex> lock(g_sim_mutex);
   return g_sim.hits;

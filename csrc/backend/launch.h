@@ -131,4 +131,9 @@ void simulate_executor_failure(const std::string& library, const std::string& ke
 // How often a simulated failure was hit since it was set.
 uint64_t simulated_failure_hits();
 
+// The executor's libraries are compiled once per process; a test that
+// changes how they are compiled (mps_ext.cpu_metal.math_mode) drops them, so
+// that the next launch compiles each again in the new mode.
+void forget_executor_libraries();
+
 }  // namespace mps_ext

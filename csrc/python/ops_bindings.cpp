@@ -112,6 +112,7 @@ void bind_ops(py::module_& m) {
       },
       py::arg("library"), py::arg("kernel") = "", py::arg("kind") = "none", py::arg("max_threads") = 0);
   m.def("_simulated_failure_hits", &simulated_failure_hits);
+  m.def("_forget_executor_libraries", &forget_executor_libraries);
   m.def("_register_shader_source", &register_shader_source, py::arg("name"), py::arg("source"));
   m.def(
       "_launch",

@@ -24,7 +24,9 @@ writes (RaceError), float-to-integer conversions of NaN or out-of-range values
 and spin-waits that never end (KernelError) raise the errors below (all
 KernelError). Environment: MPS_EXT_EXECUTOR_WATCHDOG_SECONDS (default 60),
 MPS_EXT_EXECUTOR_DENORMALS=keep (fp32 and bfloat denormals are flushed, as on
-Apple GPUs, unless set). Each dispatch returns DispatchStats: bytes read and
+Apple GPUs, unless set), MPS_EXT_EXECUTOR_CONTRACT=off and
+MPS_EXT_EXECUTOR_PERTURB=n (the MathMode shaders compile in; also
+`with cpu_metal.math_mode(contract=False, perturb=1):`). Each dispatch returns DispatchStats: bytes read and
 written per buffer, barriers, threads, 64-bit integer divisions and
 multiplications, and the kernel's static costs (kernel_info: registers,
 private memory, loads in flight); with counters=True also coalescing per
@@ -39,6 +41,7 @@ would (docs/model_runner.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Sequence
@@ -47,7 +50,8 @@ import numpy as np
 import torch  # noqa: F401  (loads the libraries the extension links against)
 
 from .. import _C
-from ._compiler import CompileError, Diagnostic, build, cache_dir
+from . import _compiler
+from ._compiler import CompileError, Diagnostic, MathMode, build, cache_dir
 
 KernelError = _C.KernelError
 OutOfBoundsError = _C.OutOfBoundsError
@@ -62,7 +66,7 @@ __all__ = [
     "THREADGROUP_MEMORY_PER_CORE", "MAX_THREADGROUP_MEMORY", "threadgroups_per_core",
     "run_model", "ModelReport", "CompileError", "Diagnostic", "KernelError", "OutOfBoundsError",
     "MisalignedAccessError",
-    "BarrierDivergenceError", "RaceError", "DispatchError", "cache_dir",
+    "BarrierDivergenceError", "RaceError", "DispatchError", "cache_dir", "MathMode", "math_mode", "set_math_mode",
 ]
 
 _default_seed = int(os.environ.get("MPS_EXT_EXECUTOR_SEED", "0"))
@@ -177,6 +181,31 @@ def set_gpu(profile: GPU) -> GPU:
     before = gpu()
     _C._set_executor_profile(int(profile.cores), int(profile.family))
     return before
+
+
+def set_math_mode(mode: MathMode) -> MathMode:
+    """Compile shaders in `mode` (MathMode: contraction of multiply-adds,
+    functions at the specification's accuracy bound) from now on, the op
+    layer's libraries too (dropped, to be compiled again at their next
+    launch); returns the mode before. Libraries compiled before keep theirs."""
+    before = _compiler.set_math_mode(mode)
+    if mode != before:
+        _C._forget_executor_libraries()
+    return before
+
+
+@contextlib.contextmanager
+def math_mode(**changes):
+    """Compile shaders inside the block in the current MathMode with
+    `changes`, e.g. `with cpu_metal.math_mode(contract=False):` (a rounded
+    product and sum for every `a * b + c`, which Metal's Safe math allows as
+    well as the fma) or `math_mode(perturb=1)` (exp, log, ... as far off as
+    the specification allows)."""
+    before = set_math_mode(dataclasses.replace(_compiler.math_mode(), **changes))
+    try:
+        yield _compiler.math_mode()
+    finally:
+        set_math_mode(before)
 
 
 def set_default_seed(seed: int) -> None:

@@ -37,7 +37,8 @@ from pathlib import Path
 
 from . import _analysis, _instrument, _lint, _translate
 
-__all__ = ["CompileError", "Built", "build", "preprocess", "check_address_spaces", "check_file", "check_source", "find_clang", "cache_dir"]
+__all__ = ["CompileError", "Built", "MathMode", "build", "preprocess", "check_address_spaces", "check_file", "check_source",
+           "find_clang", "cache_dir", "math_mode", "set_math_mode"]
 
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE / "include"
@@ -52,16 +53,79 @@ _LANGUAGE = ["-x", "c++", "-std=c++17", "-nostdinc", "-nostdinc++", "-fno-except
 # one statement into an fma, as clang's -ffp-contract=on does; the executor
 # makes each such fma exact on every CPU (_instrument.fuse_multiply_adds)
 # and fuses nothing across statements. Its own headers contract nothing
-# (translation_unit).
+# (translation_unit). MathMode turns the contraction off, for tests.
 _ARITHMETIC = [
     "-Xclang", "-ffloat16-excess-precision=none",
     "-Xclang", "-fbfloat16-excess-precision=none",
-    "-ffp-contract=on",
     "-fno-math-errno",
     # Apple GPUs flush fp32 denormals (engine.cpp sets the CPU to do the
     # same at run time); constant folding must agree.
     "-fdenormal-fp-math-f32=preserve-sign,preserve-sign",
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class MathMode:
+    """How the executor compiles a shader's floating-point arithmetic: as a
+    Mac's Safe math mode does by default, or as far in another direction as
+    Metal allows, so that a test can show that a kernel's claim does not
+    depend on a choice the GPU's compiler or library makes.
+
+    contract: `a * b + c` within one statement is one fma (True, as the
+    executor models Safe math: -ffp-contract=on), or a rounded product and
+    a rounded sum (False), which Safe math allows as well: its contraction
+    is the compiler's option, not an obligation.
+    perturb: 0, the C library's functions (exp, log, ... within an ulp);
+    n > 0, every precise function whose accuracy MSL's tables bound in ulps
+    (exp: 4 ulp of float, 1 of half) returns a result as far from the exact
+    one as n times that bound allows, in a direction a hash of the function
+    and its arguments' bits decides (mx_metal.h, __mx::off_by): 1 is the
+    worst a conforming GPU may do, more a planted worse one that a test's
+    claim must then catch."""
+
+    contract: bool = True
+    perturb: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.contract, bool):
+            raise TypeError(f"MathMode.contract must be a bool, got {self.contract!r}")
+        if isinstance(self.perturb, bool) or not isinstance(self.perturb, int) or self.perturb < 0:
+            raise ValueError(f"MathMode.perturb must be a non-negative int (times the specification's bound), "
+                             f"got {self.perturb!r}")
+
+    @classmethod
+    def from_environment(cls) -> "MathMode":
+        """MPS_EXT_EXECUTOR_CONTRACT=off and MPS_EXT_EXECUTOR_PERTURB=n, for
+        running a whole test suite in another mode."""
+        contract = os.environ.get("MPS_EXT_EXECUTOR_CONTRACT", "on")
+        if contract not in ("on", "off"):
+            raise ValueError(f"MPS_EXT_EXECUTOR_CONTRACT must be 'on' or 'off', got {contract!r}")
+        perturb = os.environ.get("MPS_EXT_EXECUTOR_PERTURB", "0")
+        if not perturb.isdigit():
+            raise ValueError(f"MPS_EXT_EXECUTOR_PERTURB must be a non-negative integer, got {perturb!r}")
+        return cls(contract=contract == "on", perturb=int(perturb))
+
+    def flags(self) -> list[str]:
+        """What the mode changes in the compile of the translation unit."""
+        return ["-ffp-contract=" + ("on" if self.contract else "off"), f"-DMX_PERTURB={self.perturb}"]
+
+
+_math_mode = MathMode.from_environment()
+
+
+def math_mode() -> MathMode:
+    """The mode shaders are compiled in from now on."""
+    return _math_mode
+
+
+def set_math_mode(mode: MathMode) -> MathMode:
+    """Compile shaders in `mode` from now on; returns the mode before.
+    Libraries compiled before keep theirs."""
+    global _math_mode
+    if not isinstance(mode, MathMode):
+        raise TypeError(f"set_math_mode takes a MathMode, not {type(mode).__name__}")
+    before, _math_mode = _math_mode, mode
+    return before
 
 
 # The IR is instrumented before optimisation (every memory access the source
@@ -183,10 +247,11 @@ def preprocess(source: str, filename: str, defines: dict | None, include_dirs=()
 
 
 def translation_unit(preprocessed: str, tr: "_translate.Translation | None" = None,
-                     defines: dict | None = None) -> tuple[str, list[dict], list[str]]:
+                     defines: dict | None = None, contract: bool = True) -> tuple[str, list[dict], list[str]]:
     """The C++ translation unit, the kernels, and problems found on the way.
     The stand-in <metal_stdlib> sees the Metal version the shader was
-    preprocessed for (functions newer than it are missing, as on a Mac)."""
+    preprocessed for (functions newer than it are missing, as on a Mac);
+    `contract` is MathMode.contract."""
     tr = tr or _translate.translate(preprocessed)
     entry, entry_problems = _translate.entry_points(tr.kernels)
     problems = [msg for _, msg in tr.problems] + [msg for _, msg in entry_problems]
@@ -197,7 +262,7 @@ def translation_unit(preprocessed: str, tr: "_translate.Translation | None" = No
         # behaves; the shader's own is contracted as Metal's compiler does.
         "#pragma clang fp contract(off)\n"
         '#include "mx_metal.h"\n'
-        "#pragma clang fp contract(on)\n"
+        f"#pragma clang fp contract({'on' if contract else 'off'})\n"
         + tr.text
         + '\n#line 1 "<executor entry points>"\n'
         + entry
@@ -337,7 +402,7 @@ def check_source(source: str, name: str, include_dirs=()) -> list[str]:
     return findings
 
 
-def _cache_key(source: str, filename: str, defines: dict | None, check: bool) -> str:
+def _cache_key(source: str, filename: str, defines: dict | None, check: bool, mode: MathMode) -> str:
     h = hashlib.sha256()
     for part in (
         _clang_identity(),
@@ -345,6 +410,7 @@ def _cache_key(source: str, filename: str, defines: dict | None, check: bool) ->
         json.dumps(sorted((str(k), str(v)) for k, v in (defines or {}).items())),
         filename,
         str(check),
+        repr(mode),
         source,
     ):
         h.update(part.encode())
@@ -357,9 +423,11 @@ def _cache_key(source: str, filename: str, defines: dict | None, check: bool) ->
 
 
 def build(source: str, defines: dict | None = None, filename: str = "shader.metal",
-          check: bool = True) -> Built:
-    """Compile MSL source to a shared object (cached)."""
-    key = _cache_key(source, filename, defines, check)
+          check: bool = True, mode: MathMode | None = None) -> Built:
+    """Compile MSL source to a shared object (cached), in `mode` (by default
+    math_mode())."""
+    mode = mode or _math_mode
+    key = _cache_key(source, filename, defines, check, mode)
     final = cache_dir() / key[:2] / key
     meta_path = final / "kernels.json"
     if meta_path.exists():
@@ -370,7 +438,7 @@ def build(source: str, defines: dict | None = None, filename: str = "shader.meta
     try:
         pre = preprocess(source, filename, defines)
         tr = _translate.translate(pre)
-        tu, kernels, problems = translation_unit(pre, tr, defines=defines)
+        tu, kernels, problems = translation_unit(pre, tr, defines=defines, contract=mode.contract)
         problems += [f"{filename}:{line}: function constant '{name}' ([[function_constant]]): the CPU Metal executor "
                      "has no pipeline to take its value from; pass the value as a buffer or a define"
                      for line, name in tr.function_constants]
@@ -386,7 +454,7 @@ def build(source: str, defines: dict | None = None, filename: str = "shader.meta
         cpp.write_text(tu)
         ll = work / "library.ll"
         clang = find_clang()
-        _run([clang, *_LANGUAGE, *_supported_arithmetic_flags(), *_IR_OPT,
+        _run([clang, *_LANGUAGE, *_supported_arithmetic_flags(), *mode.flags(), *_IR_OPT,
               "-gline-tables-only", "-fPIC", "-w", "-fno-color-diagnostics", "-DMX_ADDRESS_SPACES=0",
               "-I", str(INCLUDE), "-S", "-emit-llvm", "-o", str(ll), str(cpp)])
         # What the kernels cost a GPU, from the IR optimised as a GPU

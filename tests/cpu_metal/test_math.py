@@ -2,6 +2,7 @@
 threadgroup memory."""
 
 import numpy as np
+import pytest
 import torch
 
 from mps_ext import cpu_metal
@@ -213,3 +214,173 @@ def test_multiply_adds_are_contracted_within_a_statement_as_safe_math_does():
     out = np.zeros(n, np.float16)
     lib.dispatch("half_one_statement", [ah, bh, ch, out], threads=n, threads_per_threadgroup=64)
     np.testing.assert_array_equal(out, want)
+
+
+_FMA = _MULTIPLY_ADD + r"""
+kernel void written_out(device const float* a [[buffer(0)]], device const float* b [[buffer(1)]],
+                        device const float* c [[buffer(2)]], device float* out [[buffer(3)]],
+                        uint i [[thread_position_in_grid]]) {
+  out[i] = fma(a[i], b[i], c[i]);
+}
+"""
+
+
+def test_contraction_off_rounds_the_product_then_the_sum():
+    """MathMode(contract=False), the other choice Safe math leaves a
+    compiler: every `a * b + c` (and `+=`) a rounded product and a rounded
+    sum, while fma() stays one rounding; contraction on (the default) fuses
+    the statement. Oracle: float64 as above."""
+    rng = np.random.default_rng(1)
+    n = 2048
+    a, b = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+    c = (-(a.astype(np.float64) * b) * (1 + rng.uniform(-1e-3, 1e-3, n))).astype(np.float32)
+    fused = (a.astype(np.float64) * b + c).astype(np.float32)
+    rounded = (a * b).astype(np.float32) + c
+    assert (fused != rounded).mean() > 0.5
+    for contract in (True, False):
+        with cpu_metal.math_mode(contract=contract) as mode:
+            assert mode.contract is contract
+            lib = cpu_metal.compile_library(_FMA)
+        statement = fused if contract else rounded
+        for kernel, want in (("one_statement", statement), ("accumulate", statement), ("two_statements", rounded),
+                             ("written_out", fused)):
+            out = np.zeros(n, np.float32)
+            lib.dispatch(kernel, [a, b, c, out], threads=n, threads_per_threadgroup=64)
+            np.testing.assert_array_equal(out, want, err_msg=f"{kernel}, contract={contract}")
+    assert cpu_metal._compiler.math_mode() == cpu_metal.MathMode()  # restored after the block
+
+
+def test_math_mode_is_validated_and_read_from_the_environment(monkeypatch):
+    with pytest.raises(ValueError, match="perturb must be a non-negative int"):
+        cpu_metal.MathMode(perturb=-1)
+    with pytest.raises(TypeError, match="contract must be a bool"):
+        cpu_metal.MathMode(contract="off")
+    with pytest.raises(TypeError, match="takes a MathMode"):
+        cpu_metal.set_math_mode("fast")
+    monkeypatch.setenv("MPS_EXT_EXECUTOR_CONTRACT", "off")
+    monkeypatch.setenv("MPS_EXT_EXECUTOR_PERTURB", "2")
+    assert cpu_metal.MathMode.from_environment() == cpu_metal.MathMode(contract=False, perturb=2)
+    monkeypatch.setenv("MPS_EXT_EXECUTOR_CONTRACT", "no")
+    with pytest.raises(ValueError, match="MPS_EXT_EXECUTOR_CONTRACT must be 'on' or 'off'"):
+        cpu_metal.MathMode.from_environment()
+
+
+# Functions whose accuracy MSL bounds in ulps of the exact result (MSL 4,
+# section 8.4, Table 8.1, float, precise), with numpy's float64 function and
+# a domain to sample.
+_BOUNDED = {
+    "exp": (4, np.exp, (-80, 80)), "exp2": (4, np.exp2, (-120, 120)), "exp10": (4, lambda v: 10.0 ** v, (-30, 30)),
+    "log": (4, np.log, (1e-30, 1e30)), "log2": (4, np.log2, (1e-30, 1e30)), "log10": (4, np.log10, (1e-30, 1e30)),
+    "sin": (4, np.sin, (-10, 10)), "cos": (4, np.cos, (-10, 10)), "tan": (6, np.tan, (-1.5, 1.5)),
+    "sinh": (4, np.sinh, (-80, 80)), "cosh": (4, np.cosh, (-80, 80)), "tanh": (5, np.tanh, (-8, 8)),
+    "asin": (4, np.arcsin, (-1, 1)), "acos": (4, np.arccos, (-1, 1)), "atan": (5, np.arctan, (-50, 50)),
+    "asinh": (4, np.arcsinh, (-50, 50)), "acosh": (4, np.arccosh, (1, 50)), "atanh": (5, np.arctanh, (-0.99, 0.99)),
+    "sinpi": (4, lambda v: np.sin(np.pi * v), (-0.49, 0.49)), "cospi": (4, lambda v: np.cos(np.pi * v), (-0.49, 0.49)),
+}
+
+
+def _ulps_from(got, exact, mantissa=23):
+    """(got - exact) in ulps of the exact value's binade (the specification's ulp)."""
+    return (np.asarray(got, np.float64) - exact) / np.ldexp(1.0, np.frexp(exact)[1] - 1 - mantissa)
+
+
+def _bounded_kernel(names, dtype="float"):
+    body = "\n".join(f"  out[i * {len(names)} + {j}] = {n}(x[i]);" for j, n in enumerate(names))
+    return f"""#include <metal_stdlib>
+using namespace metal;
+kernel void k(device {dtype}* out [[buffer(0)]], device const {dtype}* x [[buffer(1)]], uint i [[thread_position_in_grid]]) {{
+{body}
+}}
+"""
+
+
+def _run_bounded(names, x, perturb, dtype=np.float32):
+    with cpu_metal.math_mode(perturb=perturb):
+        lib = cpu_metal.compile_library(_bounded_kernel(names, "float" if dtype == np.float32 else "half"))
+    out = np.zeros(len(x) * len(names), dtype)
+    lib.dispatch("k", [out, x], threads=len(x), threads_per_threadgroup=64)
+    return out.reshape(len(x), len(names))
+
+
+def test_perturbed_functions_are_at_the_specifications_bound_and_no_further():
+    """MathMode(perturb=1): each bounded function as far from the exact
+    value as Table 8.1 allows (within its bound; at it, or within one ulp of
+    it, for almost every input: a step more would leave the bound), in a
+    direction the input's bits decide (both directions taken, the same bits
+    on every run); perturb=2, a GPU twice as bad, leaves the bound. Exact
+    results are kept."""
+    names = list(_BOUNDED)
+    rng = np.random.default_rng(5)
+    cols = []
+    for name in names:
+        lo, hi = _BOUNDED[name][2]
+        cols.append(np.exp(rng.uniform(np.log(lo), np.log(hi), 512)) if lo > 0 else rng.uniform(lo, hi, 512))
+    # One input per column would need a kernel per function: each row's x
+    # serves every function, so draw per function and run each on its own row.
+    x = np.concatenate(cols).astype(np.float32)
+    results = {p: _run_bounded(names, x, p) for p in (1, 2)}
+    again = _run_bounded(names, x, 1)
+    np.testing.assert_array_equal(again, results[1])  # deterministic
+    for j, name in enumerate(names):
+        bound, f, _ = _BOUNDED[name]
+        xs = x[j * 512:(j + 1) * 512].astype(np.float64)
+        exact = f(xs)
+        ok = np.isfinite(exact) & (np.abs(exact) >= 2.0 ** -126) & (np.abs(exact) < 3e38)
+        u = {p: _ulps_from(results[p][j * 512:(j + 1) * 512, j], exact)[ok] for p in results}
+        assert np.abs(u[1]).max() <= bound, name
+        assert np.mean(np.abs(u[1]) >= bound - 1) > 0.95, name
+        assert 0.3 < np.mean(u[1] > 0) < 0.7, name
+        assert np.abs(u[2]).max() > bound, name
+    got = _run_bounded(["exp", "log", "exp2"], np.array([0.0, 1.0, 3.0], np.float32), 1)
+    assert (got[0, 0], got[1, 1], got[2, 2]) == (1.0, 0.0, 8.0)  # exp(0), log(1), exp2(3)
+
+
+def test_perturbed_half_functions_are_within_one_half_ulp():
+    """Table 8.3: half's functions are within 1 ulp of half. perturb=1
+    moves a result one ulp where that stays within it (the exact value on
+    that side of the rounded one: about half the time), perturb=2 two."""
+    names = ["exp", "log", "sin", "tanh", "exp2", "sqrt"]
+    x = np.linspace(0.05, 8, 1500).astype(np.float16)
+    xs = x.astype(np.float64)
+    exact = np.stack([np.exp(xs), np.log(xs), np.sin(xs), np.tanh(xs), np.exp2(xs), np.sqrt(xs)], 1)
+    ok = np.abs(exact) >= 2.0 ** -14
+    u = {p: _ulps_from(_run_bounded(names, x, p, np.float16), exact, mantissa=10) for p in (1, 2)}
+    for j, name in enumerate(names[:-1]):
+        assert np.abs(u[1][ok[:, j], j]).max() <= 1, name
+        assert 0.3 < np.mean(np.abs(u[1][ok[:, j], j]) > 0.5) < 0.7, name
+        assert np.abs(u[2][ok[:, j], j]).max() > 1, name
+    assert np.abs(u[2][:, -1]).max() <= 0.5  # sqrt: correctly rounded, never moved
+
+
+def _rsqrt_correctly_rounded(x: np.float32) -> np.float32:
+    """The float nearest 1 / sqrt(x), by exact rational arithmetic: the
+    candidate whose two midpoints m- <= 1/sqrt(x) <= m+, i.e.
+    m-^2 x <= 1 <= m+^2 x."""
+    from fractions import Fraction
+    fx = Fraction(float(x))
+    guess = np.float32(1.0 / np.sqrt(np.float64(x)))
+    for c in (np.nextafter(guess, np.float32(0)), guess, np.nextafter(guess, np.float32(np.inf))):
+        lo = (Fraction(float(np.nextafter(c, np.float32(0)))) + Fraction(float(c))) / 2
+        hi = (Fraction(float(c)) + Fraction(float(np.nextafter(c, np.float32(np.inf))))) / 2
+        if lo * lo * fx <= 1 <= hi * hi * fx:
+            return c
+    raise AssertionError(f"no float is nearest 1/sqrt({x})")
+
+
+def test_rsqrt_is_correctly_rounded():
+    """Table 8.1: precise rsqrt is correctly rounded (the executor had
+    1 / sqrt, two roundings, wrong for a quarter of all floats). Checked
+    exactly on the floats of [1, 4) (rsqrt(4x) = rsqrt(x) / 2, so they
+    stand for all) whose reciprocal square root lies nearest a midpoint
+    between two floats, where computing it in double could round the wrong
+    way, and on inputs where two roundings go wrong."""
+    x = np.arange(0x3F800000, 0x40800000, 97, dtype=np.uint32).view(np.float32)  # a sample of [1, 4)
+    d = 1.0 / np.sqrt(x.astype(np.float64))
+    frac = (d - d.astype(np.float32)) / np.ldexp(1.0, np.frexp(d)[1] - 24)
+    nearest = x[np.argsort(np.abs(np.abs(frac) - 0.5))[:200]]
+    twice = x[(np.float32(1) / np.sqrt(x)) != d.astype(np.float32)][:200]
+    inputs = np.concatenate([nearest, twice, np.float32([1.0, 4.0, 1e-30, 3e38])])
+    want = np.array([_rsqrt_correctly_rounded(v) for v in inputs], np.float32)
+    assert (np.float32(1) / np.sqrt(twice) != want[200:400]).all()  # the inputs tell one rounding from two
+    got = _run_bounded(["rsqrt"], inputs, 0)[:, 0]
+    np.testing.assert_array_equal(got, want)

@@ -11,6 +11,7 @@ from torch import nn
 
 import mps_ext
 from mps_ext import _executor_request, cpu_metal
+from rounding import sigmoid_reach
 
 gen = torch.Generator().manual_seed(2)
 FP8 = torch.float8_e4m3fn
@@ -42,6 +43,13 @@ def routing_ref(logits, top_k, renormalize, shared):
     return w, ids
 
 
+def chosen_experts(offs, slot_of_row, tokens, slots):
+    """Each token slot's expert [tokens, slots], from moe_route's sorted
+    slots: rows [offs[e-1], offs[e]) are expert e's, slot_of_row[row] their slot."""
+    ids = torch.repeat_interleave(torch.arange(len(offs)), torch.diff(offs.long(), prepend=torch.zeros(1).long()))
+    return torch.empty_like(ids).index_copy_(0, slot_of_row.long(), ids).view(tokens, slots)
+
+
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 256, 8), (8, 128, 8), (3, 32, 4), (5, 7, 7), (1, 1000, 2)])
 @pytest.mark.parametrize("renormalize,shared", [(True, False), (False, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -51,10 +59,8 @@ def test_route_matches_softmax_topk_and_sorts_slots_by_expert(device, tokens, ex
     w, offs, slot_of_row, row_of_slot = ops(device)("moe_route", logits, top_k, renormalize, bool(shared))
     w_ref, ids_ref = routing_ref(logits, top_k, renormalize, shared)
     slots = top_k + shared
-    # Each slot's expert, as the kernel sorted them: rows [offs[e-1], offs[e]) are expert e's.
     assert offs[-1] == tokens * slots and bool((offs[1:] >= offs[:-1]).all())
-    ids = torch.repeat_interleave(torch.arange(len(offs)), torch.diff(offs.long(), prepend=torch.zeros(1).long()))
-    ids = torch.empty_like(ids).index_copy_(0, slot_of_row.long(), ids).view(tokens, slots)
+    ids = chosen_experts(offs, slot_of_row, tokens, slots)
     # The same experts as torch.topk (up to the order of equal logits), with the same weights.
     lg = logits.double()
     torch.testing.assert_close(lg.gather(1, ids[:, :top_k]).sort(1).values, lg.gather(1, ids_ref[:, :top_k]).sort(1).values)
@@ -172,8 +178,7 @@ def test_route_ranks_nan_logits_highest_as_torch_topk(device, dtype):
     logits[2, [1, 5, 9, 20, 33]] = nan  # more NaNs than top_k: the lowest-numbered
     top_k = 4
     w, offs, slot_of_row, _ = ops(device)("moe_route", logits, top_k, True, False)
-    ids = torch.repeat_interleave(torch.arange(len(offs)), torch.diff(offs.long(), prepend=torch.zeros(1).long()))
-    ids = torch.empty_like(ids).index_copy_(0, slot_of_row.long(), ids).view(4, top_k)
+    ids = chosen_experts(offs, slot_of_row, 4, top_k)
     ref = torch.topk(logits.float(), top_k, -1).indices
     for t in (0, 1, 3):  # a unique answer: torch's set
         assert set(ids[t].tolist()) == set(ref[t].tolist()), t
@@ -184,6 +189,76 @@ def test_route_ranks_nan_logits_highest_as_torch_topk(device, dtype):
     w_ref, _ = routing_ref(logits, top_k, True, 0)
     assert torch.isnan(w[:3]).all() and torch.isnan(w_ref[:3]).all()
     torch.testing.assert_close(w[3].double(), w_ref[3], rtol=1e-5, atol=1e-6)
+
+
+def near_tie_logits(tokens, experts, dtype):
+    """Logits 0.3 plus a few of the dtype's ulps there (float32: 2^-25,
+    bfloat16: 2^-9): float32 sigmoid scores an ulp or two apart (the slope
+    there is 0.24), bfloat16 ones mostly equal after their rounding. Every
+    other token's steps are 64 times wider: scores 8 ulps apart, beyond the
+    exp's reach (but where two experts draw the same step)."""
+    g = torch.Generator().manual_seed(11)
+    steps = torch.randint(0, 40, (tokens, experts), generator=g) * torch.tensor([1, 64]).repeat(tokens // 2)[:, None]
+    ulp = 2.0 ** -25 if dtype == torch.float32 else 2.0 ** -9
+    return (0.3 + steps.double() * ulp).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sigmoid_routing_chooses_as_exact_scores_up_to_ties_within_exps_reach(dtype):
+    """Sigmoid scoring (LFM2-MoE) ranks experts by float(T(sigmoid(l))) +
+    bias, whose exp Metal computes to 4 ulp, not torch's 1: experts whose
+    scores are that close can be chosen either way. The claim: the chosen
+    experts are the top k for some exp within the bound (no unchosen
+    expert's lowest reachable score above a chosen one's highest, ties to
+    the lower number), hence exactly the top k of the exact scores wherever
+    no expert outside them reaches a chosen one's score. Tested on scores a
+    few ulps apart with exp at the bound (perturb=1), where choices do
+    change; an exp 4 times worse (perturb=4) breaks the claim. bfloat16:
+    the scores are rounded to bfloat16 (2^15 float32 ulps apart), which an
+    exp 4 ulps off moves about once in 10^4 sigmoids: the same claim, over
+    equal scores that the expert number decides."""
+    tokens, experts, top_k = 128, 16, 4
+    logits = near_tie_logits(tokens, experts, dtype)
+    bias = torch.zeros(experts)
+
+    def route(perturb):
+        with cpu_metal.math_mode(perturb=perturb):
+            w, offs, slot_of_row, _ = torch.ops.mps_ext.moe_route(logits, top_k, False, False, bias, True, 1.0, 0.0)
+        return w, chosen_experts(offs, slot_of_row, tokens, top_k)
+
+    # The scores' reach: the sigmoid's, plus the bias in float32 (a rounding is monotone).
+    lo, hi = sigmoid_reach(logits, dtype)
+    lo, hi = lo + bias, hi + bias
+    exact = torch.sigmoid(logits.double()) + bias.double()
+
+    def consistent(ids):
+        """Per token: the choice is the top k for some exp within the bound."""
+        ok = []
+        for t in range(tokens):
+            chosen = set(ids[t].tolist())
+            ok.append(all(hi[t, i] > lo[t, j] or (hi[t, i] == lo[t, j] and i < j)
+                          for i in chosen for j in range(experts) if j not in chosen))
+        return torch.tensor(ok)
+
+    results = {p: route(p) for p in (0, 1, 4)}
+    for p in (0, 1):
+        w, ids = results[p]
+        assert bool(consistent(ids).all()), p
+        # Where no expert outside the exact top k reaches into it: exactly the exact top k.
+        top = torch.topk(exact, top_k, -1).indices
+        separated = 0
+        for t in range(tokens):
+            inside, outside = top[t].tolist(), [j for j in range(experts) if j not in top[t].tolist()]
+            if all(lo[t, i] > hi[t, j] for i in inside for j in outside):
+                separated += 1
+                assert set(ids[t].tolist()) == set(inside), (p, t)
+        assert separated >= (tokens // 4 if dtype == torch.float32 else 0)
+        # The weights: each chosen expert's score without its bias, within its reach.
+        picked = ids.long()
+        assert bool(((w >= lo.gather(1, picked)) & (w <= hi.gather(1, picked))).all()), p
+    if dtype == torch.float32:
+        assert not torch.equal(results[0][1].sort(1).values, results[1][1].sort(1).values)  # the bound moves choices
+        assert not bool(consistent(results[4][1]).all())  # a worse exp would be caught
 
 
 def test_route_of_half_logits(device):

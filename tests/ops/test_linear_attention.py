@@ -63,6 +63,85 @@ def test_matches_float64_recurrence(shape, dtype):
     assert rel_err(d["recurrent_state"], want_state) <= (1e-5 if dtype == torch.float32 else 2 * ULP[dtype])
 
 
+# ----------------------------------------------------------- the gates' softplus --
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+THRESHOLD = 20.0  # F.softplus's default, the kernel's LA_SOFTPLUS_THRESHOLD
+EPS = 2.0 ** -23  # float32's unit in the last place at 1 (an ulp at x is at most EPS * |x|)
+# Relative error the kernel's softplus (kernels_metal/activations.h) may have, from the precision of
+# Metal's precise exp and log. With the C library's (within an ulp): exp's half ulp, which softplus
+# passes on at most (d log1p(e) / log1p(e) <= de / e), log's half ulp and the multiply and divide
+# of log1p_accurate (Goldberg's theorem 4: 5 eps for a correctly rounded log): 4 eps. At Metal's
+# 4 ulp for exp and log (MSL 4, Table 8.1): 4 + 4 + 3.
+SOFTPLUS_REL = {0: 4 * EPS, 1: 11 * EPS}
+_SOFTPLUS_KERNEL = """
+kernel void softplus_of(device float* out [[buffer(0)]], device const float* x [[buffer(1)]],
+                        uint i [[thread_position_in_grid]]) {
+  out[2 * i] = softplus(x[i], 20.0f);
+  out[2 * i + 1] = x[i] > 20.0f ? x[i] : metal::precise::log(1.0f + metal::precise::exp(x[i]));  // as it was
+}
+"""
+
+
+def softplus_on_executor(x, perturb=0):
+    """activations.h's softplus (and the formula it replaced) on the executor, in MathMode(perturb=perturb)."""
+    from tools.embed_shaders import flatten
+    with cpu_metal.math_mode(perturb=perturb):
+        lib = cpu_metal.compile_library(flatten(ROOT / "kernels_metal" / "activations.h") + _SOFTPLUS_KERNEL)
+    out = torch.zeros(2 * len(x))
+    lib.dispatch("softplus_of", [out, x], threads=len(x), threads_per_threadgroup=64)
+    return out[0::2], out[1::2]
+
+
+@pytest.mark.parametrize("perturb", [0, 1])
+def test_softplus_is_torchs_to_a_few_ulps(perturb):
+    """The gates' softplus as torch computes it (log1p(exp(x)) below the
+    threshold, x above), against float64 from x = -30 to past the threshold:
+    within SOFTPLUS_REL, also with exp and log as far off as Metal allows
+    (perturb=1). log(1 + exp(x)), the kernel's formula before, is 3% off at
+    x = -15 and 0 below x = -17 (1 + exp(x) rounds to 1)."""
+    x = torch.cat([torch.linspace(-30, THRESHOLD, 4001), torch.tensor([-17.5, -15.0, -9.0, 0.0, 25.0])])
+    got, old = softplus_on_executor(x, perturb)
+    want = F.softplus(x.double())
+    rel = ((got.double() - want) / want).abs()
+    assert float(rel.max()) <= SOFTPLUS_REL[perturb], float(rel.max() / EPS)
+    assert torch.equal(got[x > THRESHOLD], x[x > THRESHOLD])
+    old_rel = ((old.double() - want) / want).abs()
+    assert float(old_rel[x == -15.0].min()) > 0.02 and bool((old[x < -17.5] == 0).all())
+
+
+@pytest.mark.parametrize("perturb", [0, 1])
+def test_gates_follow_softplus_over_its_range(perturb):
+    """The decode's decay, exp(-exp(A_log) * softplus(a + dt_bias)), with
+    a + dt_bias from -30 to past the threshold, one value head each, and
+    beta = sigmoid(-200) = 0, so that the new state is the old times the
+    decay (one rounding): every state element within its error bound of
+    float64's. The decay's relative error: exp(A_log) 4 ulp, the product
+    half an ulp and softplus SOFTPLUS_REL[1], all times A * softplus (the
+    exponent's size), plus the outer exp's 4 ulp and the state product's
+    half: (4.5 eps + SOFTPLUS_REL[1]) A sp + 4.5 eps, with exp and log as
+    far off as Metal allows too (perturb=1). The kernel before, with
+    log(1 + exp(x)), was up to 10 ulps off below x = -17 at A = 16."""
+    k_heads, ratio, dk, dv = 2, 26, 16, 8
+    v_heads = k_heads * ratio
+    d = inputs(1, k_heads, v_heads, dk, dv, 4, torch.float32)
+    gate = torch.linspace(-30, THRESHOLD + 2, v_heads)
+    d["dt_bias"] = torch.linspace(-1, 1, v_heads)
+    d["a"] = (gate - d["dt_bias"])[None]
+    # A = 16 (the largest Qwen3-Next's initialisation draws) where the softplus is small; less where it is
+    # large, so that the decay, exp(-A sp), stays a normal float.
+    d["A_log"] = torch.clamp(4.0 / F.softplus(gate.double()), max=16.0).log().float()
+    d["b"] = torch.full((1, v_heads), -200.0)
+    before = d["recurrent_state"].clone()
+    with cpu_metal.math_mode(perturb=perturb):
+        call(d, k_heads)
+    A = d["A_log"].double().exp()
+    sp = F.softplus(d["a"][0].double() + d["dt_bias"].double())
+    want = before.double() * torch.exp(-A * sp)[None, :, None, None]
+    bound = ((4.5 * EPS + SOFTPLUS_REL[1]) * A * sp + 4.5 * EPS)[None, :, None, None] * want.abs()
+    err = (d["recurrent_state"].double() - want).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
 # ----------------------------------------------------------- transformers' own layer --
 CONFIG = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, layer_types=["linear_attention"],
               num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mps_ext import cpu_metal
+from rounding import fma32
 
 gen = torch.Generator().manual_seed(3)
 FP8 = torch.float8_e4m3fn
@@ -120,23 +121,21 @@ def combine_ref(y, weights, row_of_slot, dtype, order=None, fused=True, residual
     """moe_combine's sums with torch's CPU ops, rounding where the kernel
     does: y in its dtype, each token's slots added in slot order (or
     `order`) to a float32 sum, each weight * y and the add one fused
-    multiply-add (an exact product in float64, then one rounding to float32;
-    fused=False rounds the product first), the sum rounded to y's dtype and
+    multiply-add (rounding.fma32; fused=False rounds the product first),
+    the sum rounded to y's dtype and
     then to `dtype`. With `residual`, what moe_layer(..., residual) must
     give: `residual + that` with torch's add (residual_at="last"); or, to
     show that the data tell the orders apart, the residual added to the
     float32 sum before its one rounding ("unrounded") or as the sum's start
     ("first")."""
     tokens, slots = weights.shape
-    rows = y.double()[row_of_slot.long()].view(tokens, slots, -1)
+    rows = y.float()[row_of_slot.long()].view(tokens, slots, -1)
     acc = torch.zeros(tokens, y.shape[1], dtype=torch.float32)
     if residual is not None and residual_at == "first":
         acc = residual.float()
     for j in order if order is not None else range(slots):
-        product = weights[:, j, None].double() * rows[:, j]
-        if not fused:
-            product = product.float().double()
-        acc = (acc.double() + product).float()
+        w = weights[:, j, None]
+        acc = fma32(w, rows[:, j], acc) if fused else w * rows[:, j] + acc  # torch: two roundings
     if residual is not None and residual_at == "unrounded":
         return (acc + residual.float()).to(dtype)
     out = acc.to(y.dtype).to(dtype)
