@@ -240,6 +240,8 @@ def _member_entries(fused: nn.Module, member: dict) -> dict:
         scale = fused.weight_scale
         if fused.granularity == "block":
             scale = scale[start // BLOCK:-(-stop // BLOCK)]
+        elif fused.granularity == "tensor":  # quantize_fp8 after optimize: one scale, each member's own copy
+            scale = scale.clone()  # (safetensors refuses one tensor under several names)
         else:
             scale = scale[start:stop]
             if member["scale_shape"] not in (None, tuple(scale.shape)):  # a tensor scale, repeated when fused
