@@ -120,7 +120,7 @@ def prepare_qk(b, t, hq, hk, d, r, dtype, variant) -> Prepared:
     qw, kw = ((torch.randn(d) * 0.1 + (1 if variant == "weight" else 0)).to(dtype) for _ in range(2))
 
     def mac():
-        from mps_ext.fused_norm import rms_norm_reference, rope_reference
+        from mps_ext.passes.norm import rms_norm_reference, rope_reference
         qm, km, cm, sm, qwm, kwm = (x.to("mps") for x in (q, k, cos, sin, qw, kw))
         return (lambda: rope_reference(rms_norm_reference(qm, qwm, 1e-6, variant).transpose(1, 2),
                                        rms_norm_reference(km, kwm, 1e-6, variant).transpose(1, 2), cm, sm),
@@ -135,7 +135,7 @@ def prepare(rows, n, dtype, variant) -> Prepared:
     w = (torch.randn(n) * 0.1 + (1 if variant == "weight" else 0)).to(dtype)
 
     def mac():
-        from mps_ext.fused_norm import rms_norm_reference
+        from mps_ext.passes.norm import rms_norm_reference
         xm, wm = x.to("mps"), w.to("mps")
         return (lambda: rms_norm_reference(xm, wm, 1e-6, variant),
                 lambda: torch.ops.mps_ext.rms_norm(xm, wm, 1e-6, variant))
@@ -148,7 +148,7 @@ def prepare_add(rows, n, dtype, variant) -> Prepared:
     w = (torch.randn(n) * 0.1 + (1 if variant == "weight" else 0)).to(dtype)
 
     def mac():
-        from mps_ext.fused_norm import rms_norm_reference
+        from mps_ext.passes.norm import rms_norm_reference
         xm, rm, wm = x.to("mps"), r.to("mps"), w.to("mps")
         return (lambda: rms_norm_reference(xm + rm, wm, 1e-6, variant),
                 lambda: torch.ops.mps_ext.add_rms_norm(xm, rm, wm, 1e-6, variant))

@@ -16,7 +16,7 @@ From the trace, per call (the rules, stated once here):
   run no MPS kernel. F.linear is one call, as on a Mac (aten::linear has an
   MPS kernel there; on CPU it would decompose into t and mm).
 - projections that read one input, fused by mps_ext.optimize
-  (mps_ext/fused_projections.py): the one linear call of the concatenated
+  (mps_ext/passes/projections.py): the one linear call of the concatenated
   weight (one host call, one GEMV dispatch); its split into the members'
   outputs is views, and the members served from it make no call.
 - sync: a call that waits for the GPU (.item(), nonzero, the offs copy of
@@ -188,7 +188,7 @@ class Call:
     ours_bytes: int = 0
     ffn: bool = False        # made inside its layer's feed-forward block (the MoE block of a MoE layer)
     # Compiled, a pointwise op Inductor generates follows this call: moe_layer's residual (the decoder
-    # layer's second add, which mps_ext.fused_decoder hands to moe_layer eager only; compiled the layer
+    # layer's second add, which mps_ext.passes.decoder hands to moe_layer eager only; compiled the layer
     # runs its own forward and the add is Inductor's, fused with the next layer's norm).
     then_generated: bool = False
 
@@ -311,7 +311,7 @@ def _layer_hooks(model, trace: Trace):
 
 def feed_forward(layer):
     """A decoder layer's feed-forward block (a dense MLP, or the MoE block:
-    router, experts, shared expert; mps_ext.optimize's FusedMoE after it):
+    router, experts, shared expert; the block mps_ext.optimize puts on moe_layer after it):
     transformers names it `mlp` (Qwen3-MoE, Qwen3.5-MoE) or `feed_forward`
     (LFM2-MoE)."""
     for name in ("mlp", "feed_forward"):
@@ -350,7 +350,7 @@ def trace_step(model, tokens: int = 1, context: int = 8, torch_release: str | No
         counters = None
         if torch_release is not None:
             # The prefill too: the cache the step finds is the one mps_ext's path left (its KV cache buffers,
-            # mps_ext/fused_attention.py), as on a Mac, not the one torch's CPU ops would.
+            # mps_ext/passes/attention.py), as on a Mac, not the one torch's CPU ops would.
             from mps_ext import cpu_metal
             counters = _executor_counters(stack.enter_context(cpu_metal.run_model(torch_release=torch_release)))
         cache = model(ids, use_cache=True).past_key_values

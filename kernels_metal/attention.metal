@@ -1,5 +1,5 @@
 // An attention layer's decode pieces around torch's scaled_dot_product_attention,
-// each one dispatch (csrc/ops/attention.cpp, mps_ext/fused_attention.py):
+// each one dispatch (csrc/ops/attention.cpp, mps_ext/passes/attention.py):
 //
 // sigmoid_gate: out = x * sigmoid(gate), the output gate of Qwen3.5/3.6 and
 // Qwen3-Next's attention, read where q_proj left it (each head's query, then

@@ -37,7 +37,7 @@ try:
 
     from .fp8 import FP8Experts, FP8Linear, quantize_fp8
     from .checkpoint import load_fp8
-    from .fused_moe import optimize
+    from .passes import optimize
     from . import _C, _meta
 
     _meta.register()

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .fp8 import BLOCK, E4M3_MAX, FP8Experts, FP8Linear
+from .passes.projections import ProjectionRows
 
 __all__ = ["fine_grained_state_dict", "load_fp8"]
 
@@ -179,6 +180,23 @@ def save_quantizer():
     return AUTO_QUANTIZER_MAPPING[QUANT_METHOD](config, pre_quantized=True)
 
 
+def _fp8_linears(model: nn.Module, state: dict) -> dict[str, str]:
+    """{the state dict's name of each fp8 linear layer: its granularity}:
+    each FP8Linear under its own name, and the members of a projection
+    optimize fused under theirs (the fused layer's state-dict hook writes
+    them so, passes/projections.py), with the scales they save: a fused
+    layer of tensor-scaled members repeats their scales over its rows
+    ("row") and saves each member's one scale back ("tensor")."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FP8Linear) and f"{name}.weight_scale" in state:
+            out[name] = m.granularity
+        elif isinstance(m, ProjectionRows) and isinstance(m.fused, FP8Linear):
+            g = m.fused.granularity
+            out[name] = "tensor" if g == "row" and state[f"{name}.weight_scale"].numel() == 1 else g
+    return out
+
+
 def fine_grained_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """`model`'s state dict in transformers' fine-grained FP8 format, for
     save_pretrained, and its config's quantization_config set to say so: each
@@ -208,9 +226,10 @@ def fine_grained_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                          f"format has one per 128 x 128 block, and converting would round the weights again. "
                          f"Save the model before quantize_fp8 (or quantize it with a filter that leaves the "
                          f"experts) and quantize after loading")
+    linears = _fp8_linears(model, state)
     by_granularity: dict[str, list[str]] = {}
-    for name, m in fp8.items():
-        by_granularity.setdefault(m.granularity, []).append(name)
+    for name, granularity in linears.items():
+        by_granularity.setdefault(granularity, []).append(name)
     if "row" in by_granularity:
         raise ValueError(f"save_pretrained: {_names(by_granularity['row'])} hold one fp8 scale per output row "
                          f"(quantize_fp8's granularity 'row', its default); transformers' fine-grained FP8 format "
@@ -219,7 +238,8 @@ def fine_grained_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     if len(by_granularity) > 1:
         raise ValueError(f"save_pretrained: the model mixes fp8 granularities {sorted(by_granularity)}; a "
                          f"fine-grained FP8 checkpoint has one weight_block_size for every weight")
-    ragged = [n for n in by_granularity.get("block", ()) if fp8[n].in_features % BLOCK or fp8[n].out_features % BLOCK]
+    ragged = [n for n in by_granularity.get("block", ())
+              if model.get_submodule(n).in_features % BLOCK or model.get_submodule(n).out_features % BLOCK]
     if ragged:
         # transformers' loader (its Fp8Dequantize, used wherever there is no
         # CUDA) takes the block size from the scale grid and wants it to
@@ -227,10 +247,12 @@ def fine_grained_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         raise ValueError(f"save_pretrained: {_names(ragged)} have a dimension that is not a multiple of {BLOCK}, "
                          f"so their 128 x 128 blocks are ragged, which transformers' own loader refuses to "
                          f"de-quantize; quantize with quantize_fp8(model, granularity='tensor') to save them")
-    for name in fp8:
+    for name in linears:
         state[f"{name}.weight_scale_inv"] = state.pop(f"{name}.weight_scale")
     unconverted = [n for n, m in model.named_modules()
-                   if n and (type(m) is nn.Linear or (n.endswith(".experts") and not isinstance(m, FP8Experts)))]
+                   if n and (type(m) is nn.Linear or (isinstance(m, ProjectionRows) and type(m.fused) is nn.Linear)
+                             or (n.endswith(".experts") and not isinstance(m, FP8Experts)))
+                   and f"{n}.weight" in state]
     model.config.quantization_config = {
         "quant_method": "fp8", "activation_scheme": "dynamic",
         "weight_block_size": [BLOCK, BLOCK] if "block" in by_granularity else None,

@@ -178,20 +178,21 @@ class _FP8Module(nn.Module):
 
     def _apply(self, fn, recurse=True):
         kept = {id(b) for b in self._buffers.values() if b is not None}
+        return super()._apply(lambda t: without_casts(fn, t) if id(t) in kept else fn(t), recurse)
 
-        def without_casts(t):
-            if id(t) not in kept:
-                return fn(t)
-            # What fn does to floating-point tensors, learnt on empty ones of
-            # two dtypes (any cast changes one of them; not float8, whose
-            # conversions on MPS before torch 2.15 are mps_ext's fp8 family,
-            # which may be turned off): if it casts, take its device only.
-            probes = [(fn(torch.empty(0, dtype=d, device=t.device)), d) for d in (torch.float16, torch.float32)]
-            if all(p.dtype == d for p, d in probes):
-                return fn(t)
-            return t.to(probes[0][0].device)
 
-        return super()._apply(without_casts, recurse)
+def without_casts(fn, t: torch.Tensor) -> torch.Tensor:
+    """What a module-wide `_apply` function `fn` does to t, but casts: a
+    tensor stored in a fixed dtype (fp8 weights, fp32 scales) moves with
+    the model and keeps its dtype."""
+    # What fn does to floating-point tensors, learnt on empty ones of two
+    # dtypes (any cast changes one of them; not float8, whose conversions on
+    # MPS before torch 2.15 are mps_ext's fp8 family, which may be turned
+    # off): if it casts, take its device only.
+    probes = [(fn(torch.empty(0, dtype=d, device=t.device)), d) for d in (torch.float16, torch.float32)]
+    if all(p.dtype == d for p, d in probes):
+        return fn(t)
+    return t.to(probes[0][0].device)
 
 
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -748,6 +749,10 @@ def quantize_fp8(model: nn.Module, granularity: str = "row",
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     keep = filter or _default_filter
     excluded = "excluded by the filter" + ("" if filter else " (LM head, MoE router: quantize_fp8's default)")
+    # Blocks mps_ext.optimize put on moe_layer read banks quantize_fp8 replaces: they are taken back to
+    # their own class first and optimized again after (their shared expert quantized as the banks are).
+    from .passes.moe import unfuse_blocks
+    optimized = unfuse_blocks(model)
     bytes_before = _model_bytes(model)
     keep_fp32, reads, peft = _keep_in_fp32(model), _read_tensors(model), _peft_layers(model)
     left: dict[str, str] = {}
@@ -781,6 +786,9 @@ def quantize_fp8(model: nn.Module, granularity: str = "row",
         setattr(parent, leaf, new)
         del mod, new  # the original's memory goes now, before the next module's fp8 copy is made
         converted[kind].append(name)
+    if optimized:
+        from .passes import optimize
+        optimize(model)
     summary = FP8Summary(converted, left, bytes_before, _model_bytes(model))
     model.fp8_summary = summary
     _attach_save_format(model)

@@ -473,7 +473,7 @@ def test_fused_projections_count_as_one_gemv_and_their_split_as_views(monkeypatc
     right after q_proj, a run of generated code of its own between the
     projections; the gate is now read as q_proj's view, and the model's
     copy of it, compiled, sits with the sigmoid and mul after attention.)"""
-    from mps_ext import fused_projections
+    from mps_ext.passes import projections as fused_projections
     spec = census.MODELS["Qwen3.6-35B-A3B"]
     model = census.tiny_model(spec)
     traces = {}

@@ -170,7 +170,7 @@ MISALIGNED_LINES = 2.0
 
 # moe_layer fuses the combine into the down product (moe_down_combine), so
 # the benchmark's layers no longer reach moe_combine; FusedMoE's and
-# FP8Experts' grouped paths (mps_ext/fused_moe.py, fp8.py) still call it.
+# FP8Experts' grouped paths (mps_ext/passes/moe.py, fp8.py) still call it.
 MOE_COMBINE_UNREACHED = ("moe_layer, the benchmark's layer, sums the slots in moe_down_combine; moe_combine serves the "
                          "grouped paths of FusedMoE and FP8Experts (tests/ops/test_grouped_mm_moe.py runs each dtype)")
 MOE_DOWN_COMBINE_SCALAR = ("the element-load variant, for expert rows not a multiple of 16 bytes (no benchmark model "

@@ -1,7 +1,7 @@
 // torch.ops.mps_ext.sigmoid_gate and torch.ops.mps_ext.kv_append: an
 // attention layer's output gate and its KV cache append, one dispatch each
 // (kernels_metal/attention.metal), for mps_ext.optimize's attention forward
-// (mps_ext/fused_attention.py). Eager, the gate is three (a copy of q_proj's
+// (mps_ext/passes/attention.py). Eager, the gate is three (a copy of q_proj's
 // strided gate half, sigmoid, mul) and transformers' DynamicLayer.update two
 // torch.cat calls that re-copy the whole cache every token.
 #include <ATen/ATen.h>

@@ -4,7 +4,7 @@
 // transformers' torch code for the same step (its fallbacks for
 // causal_conv1d_update and FLA's fused_recurrent_gated_delta_rule, the
 // kernels a Mac does not have) is about 80 ops a layer; mps_ext.optimize
-// (mps_ext/fused_linear_attention.py) puts the layers on this op.
+// (mps_ext/passes/linear_attention.py) puts the layers on this op.
 //
 // In place: the convolution window `conv_state` [B, conv_dim, K] (the
 // model's dtype) and the recurrent state [B, v_heads, dk, dv] (float32), as

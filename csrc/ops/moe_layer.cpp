@@ -14,8 +14,8 @@
 // The last is moe_experts(h, down) and moe_combine in one kernel with the
 // same bits (grouped_mm.cpp): a threadgroup owns a block of hidden columns,
 // takes each chosen expert's down rows of it once and sums each token's
-// slots in moe_combine's order. The separate ops stay for FusedMoE's and
-// FP8Experts' grouped paths (mps_ext/fused_moe.py, fp8.py).
+// slots in moe_combine's order. The separate ops stay for FP8Experts'
+// grouped paths (mps_ext/fp8.py).
 //
 // `residual` (the decoder layer's `residual + mlp(x)`, which would be one
 // more host call and dispatch per layer) is added in moe_down_combine's
@@ -26,7 +26,7 @@
 // A shared expert (Qwen3-Next, Qwen3.5/3.6-MoE) is expert E of the banks and
 // row E of the router (its sigmoid gate), as moe_route defines it, so it
 // costs no dispatch of its own. Prefill beyond moe_route's limit takes the
-// grouped path (mps_ext/optimize.py).
+// block's own forward (mps_ext/passes/moe.py).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

@@ -1,9 +1,9 @@
 // torch.ops.mps_ext.rms_norm: transformers' RMSNorm modules in one dispatch
-// (kernels_metal/norm.metal), for mps_ext.optimize (mps_ext/fused_norm.py);
+// (kernels_metal/norm.metal), for mps_ext.optimize (mps_ext/passes/norm.py);
 // torch.ops.mps_ext.add_rms_norm: a decoder layer's residual add and the
-// norm after it in the same dispatch (mps_ext/fused_decoder.py);
+// norm after it in the same dispatch (mps_ext/passes/decoder.py);
 // torch.ops.mps_ext.qk_norm_rope: an attention's q and k norms and rotary
-// embedding in one dispatch (mps_ext.fused_norm.qk_norm_rope).
+// embedding in one dispatch (mps_ext.passes.norm.qk_norm_rope).
 // Eager, each is 6 to 8 aten ops a token, four or more per decoder layer
 // (input and post-attention norms, the attention's q and k norms). Its own
 // op rather than an override of aten::rms_norm: the models do not call that

@@ -3,7 +3,7 @@
 // out_proj, one dispatch (kernels_metal/short_conv.metal). transformers'
 // torch code for the same step is 5 ops (B * x, causal_conv1d_update's
 // fallback: cat, copy_ into the state, conv1d; C * y); mps_ext.optimize
-// (mps_ext/fused_short_conv.py) puts the layers on this op.
+// (mps_ext/passes/short_conv.py) puts the layers on this op.
 //
 // BCx: in_proj's output for one token a sequence, [batch, 1, 3 * hidden]
 // (B, C and x its thirds, as the layer's transpose and chunk read it), rows

@@ -57,3 +57,9 @@ class Figures:
         assert self.families == set(families), f"{self.families} ran kernels, expected {set(families)}\n{report}"
 
 
+
+
+def without_passes(monkeypatch, *names):
+    """mps_ext.optimize without the passes `names` (a test's "before")."""
+    from mps_ext import passes
+    monkeypatch.setattr(passes, "PASSES", tuple(p for p in passes.PASSES if p.name not in names))

@@ -97,8 +97,10 @@ def oracle_of(quantized, original):
     oracle = copy.deepcopy(original).float()
     for name, mod in quantized.named_modules():
         if isinstance(mod, FP8Linear):
-            oracle.get_submodule(name).weight.data = dequantized64(mod.weight, mod.weight_scale,
-                                                                   mod.granularity).float()
+            # A new parameter, not .data: an LM head tied to the embedding keeps the embedding's
+            # weights in the fp8 model (FP8Linear replaced the head, not the shared parameter).
+            oracle.get_submodule(name).weight = nn.Parameter(
+                dequantized64(mod.weight, mod.weight_scale, mod.granularity).float(), requires_grad=False)
         elif isinstance(mod, FP8Experts):
             target = oracle.get_submodule(name)
             gate_up, down = (dequantized64(mod.gate_up_proj, mod.gate_up_scale).float(),

@@ -36,7 +36,7 @@ def rel(got, want):
     return ((got - want).norm() / want.norm()).item()
 
 
-def quantized(config, granularity):
+def quantized(config, granularity, optimize_first=False):
     torch.manual_seed(0)
     # bf16 from the start, as from_pretrained makes it (a .to(bfloat16) would round RoPE's inv_freq too)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
@@ -44,6 +44,8 @@ def quantized(config, granularity):
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0, 0.05)
+    if optimize_first:
+        mps_ext.optimize(model)
     return mps_ext.quantize_fp8(model, granularity=granularity)
 
 
@@ -79,6 +81,40 @@ def test_save_pretrained_writes_the_fine_grained_fp8_format_and_reloads(granular
     # What load_fp8 gives saves the same way.
     ours.save_pretrained(tmp_path / "again")
     assert torch.equal(logits(load_fp8(tmp_path / "again", device="cpu", dtype=torch.bfloat16), IDS), want)
+
+
+@pytest.mark.parametrize("granularity", ["block", "tensor"])
+@pytest.mark.parametrize("order", ["optimize, quantize_fp8", "quantize_fp8, optimize"])
+def test_an_optimized_model_saves_under_the_stock_names(order, granularity, tmp_path):
+    """optimize fuses q/k/v and gate/up into one layer each; the checkpoint
+    still holds each projection under its own name, in the format's shapes
+    (a fused layer's tensor-scaled members each save their one scale), so
+    transformers reloads it, and load_fp8 then optimize gives the model's
+    logits bit for bit. Quantized before optimize: the very checkpoint of
+    the model never optimized."""
+    config = whole_blocks_config() if granularity == "block" else dense_config()
+    if order.startswith("optimize"):
+        model = quantized(config, granularity, optimize_first=True)
+    else:
+        model = mps_ext.optimize(quantized(config, granularity))
+    assert model.optimize_summary["projections"].converted
+    want = logits(model, IDS)
+    model.save_pretrained(tmp_path / "optimized")
+    plain = quantized(config, granularity)
+    plain.save_pretrained(tmp_path / "plain")
+    saved, stock_names = (safetensors_torch.load_file(str(tmp_path / d / "model.safetensors")) for d in ("optimized", "plain"))
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in stock_names.items()}
+    qc, plain_qc = (json.loads((tmp_path / d / "config.json").read_text())["quantization_config"]
+                    for d in ("optimized", "plain"))
+    assert qc == plain_qc
+    if order.startswith("quantize"):
+        assert all(torch.equal(saved[k].view(torch.uint8) if saved[k].dtype == torch.float8_e4m3fn else saved[k],
+                               stock_names[k].view(torch.uint8) if saved[k].dtype == torch.float8_e4m3fn else stock_names[k])
+                   for k in saved)
+    ours = mps_ext.optimize(load_fp8(tmp_path / "optimized", device="cpu", dtype=torch.bfloat16))
+    assert torch.equal(logits(ours, IDS), want)
+    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "optimized", dtype=torch.bfloat16)
+    assert rel(logits(stock, IDS), want) < 0.02
 
 
 @pytest.mark.parametrize("case, match", [

@@ -15,8 +15,8 @@ import transformers
 import mps_ext
 from mps_ext import FP8Experts, _executor_request
 from mps_ext.cpu_metal import run_model
-from mps_ext.fused_moe import FusedMoE, MoEExperts
-from mps_ext.fused_norm import FusedRMSNorm
+from mps_ext.passes.moe import FusedMoEMixin
+from mps_ext.passes.norm import FusedRMSNorm
 from model_compare import RELEASE
 
 T = transformers
@@ -113,7 +113,12 @@ def quantized_against_stock_and_float64(name, **overrides):
     return model, prompt, step, prefill_and_decode(ref_model, prompt, step), prefill_and_decode(model, prompt, step)
 
 def blocks(model):
-    return [n for n, m in model.named_modules() if isinstance(m, FusedMoE)]
+    return [n for n, m in model.named_modules() if isinstance(m, FusedMoEMixin)]
+
+
+def kernel(block):
+    """What moe_layer reads for an optimized MoE block (mps_ext.passes.moe._Kernel)."""
+    return block._mps_ext_moe
 
 
 def rel_err(x, ref):
@@ -125,7 +130,7 @@ def rel_err(x, ref):
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe"])
 def test_optimized_model_matches_stock_and_float64(figures, name, dtype):
     model, prompt, step, ref, stock = optimized_against_stock_and_float64(name, dtype)
-    assert len(blocks(model)) == 2 and not model.optimize_summary.left
+    assert len(blocks(model)) == 2 and not model.optimize_summary["moe"].left
     # CPU tensors outside the runner: torch's own ops, the stock model's math.
     for s, o in zip(stock, prefill_and_decode(model, prompt, step)):
         assert rel_err(o, s) <= (1e-5 if dtype == torch.float32 else 2e-2)
@@ -161,8 +166,8 @@ def test_other_softmax_top_k_blocks(name, renormalised):
     prompt, step = ids(), ids(1, seed=2)
     want = prefill_and_decode(model, prompt, step)
     mps_ext.optimize(model)
-    assert len(model.optimize_summary.converted) == 2 and not model.optimize_summary.left
-    assert all(model.get_submodule(n).renormalize == renormalised for n in blocks(model))
+    assert len(model.optimize_summary["moe"].converted) == 2 and not model.optimize_summary["moe"].left
+    assert all(kernel(model.get_submodule(n)).renormalize == renormalised for n in blocks(model))
     with run_model(RELEASE) as report:
         got = prefill_and_decode(model, prompt, step)
     assert report.families["grouped_mm"].ops["mps_ext::moe_layer"].ran == 4
@@ -172,10 +177,11 @@ def test_other_softmax_top_k_blocks(name, renormalised):
 
 @pytest.mark.parametrize("kind", ["bfloat16", "fp8"])
 def test_prefill_past_the_fused_limit_takes_the_grouped_path(monkeypatch, kind):
-    """Past moe_layer's token slots (1024; 4 here) the routing is torch's
-    and the experts the grouped products: _grouped_mm (bf16) or FP8Experts'
-    fp8 prefill op; the decode step stays one moe_layer call per layer."""
-    import mps_ext.fused_moe as fused_moe
+    """Past moe_layer's token slots (1024; 4 here) the block's own forward
+    runs: the routing is torch's and the experts the grouped products,
+    _grouped_mm (bf16) or FP8Experts' fp8 prefill op; the decode step stays
+    one moe_layer call per layer."""
+    import mps_ext.passes.moe as fused_moe
     model = make("qwen3_5_moe", torch.bfloat16)
     if kind == "fp8":
         mps_ext.quantize_fp8(model)
@@ -183,14 +189,15 @@ def test_prefill_past_the_fused_limit_takes_the_grouped_path(monkeypatch, kind):
     want = prefill_and_decode(model, prompt, step)
     mps_ext.optimize(model)
     monkeypatch.setattr(fused_moe, "MAX_SLOTS", 4)
-    monkeypatch.setattr(MoEExperts, "DECODE_ROWS", 4)
     monkeypatch.setattr(FP8Experts, "DECODE_ROWS", 4)
     with run_model(RELEASE) as report:
         got = prefill_and_decode(model, prompt, step)
     ops = report.families["grouped_mm"].ops
     assert ops["mps_ext::moe_layer"].ran == 2  # the decode step's two layers
     grouped = "aten::_grouped_mm" if kind == "bfloat16" else "mps_ext::fp8_grouped_linear"
-    assert ops[grouped].ran == 2 * 2 and ops["mps_ext::moe_combine"].ran == 2  # gate/up and down, 2 layers
+    assert ops[grouped].ran == 2 * 2  # gate/up and down, 2 layers
+    # bf16: transformers' grouped_mm experts sum the slots with torch's ops; FP8Experts with moe_combine.
+    assert ops.get("mps_ext::moe_combine", None) is None if kind == "bfloat16" else ops["mps_ext::moe_combine"].ran == 2
     for g, w in zip(got, want):
         assert rel_err(g, w) < 3e-2
 
@@ -218,8 +225,8 @@ def test_lfm2_moe_sigmoid_router_with_expert_bias(figures, kind):
     stock = prefill_and_decode(model, prompt, step)
     before = per_moe_layer(model)
     mps_ext.optimize(model)
-    assert set(model.optimize_summary.converted.values()) == {
-        f"Lfm2MoeSparseMoeBlock -> FusedMoE: 8 {'fp8' if kind == 'fp8' else 'float32'} experts, top-2, "
+    assert set(model.optimize_summary["moe"].converted.values()) == {
+        f"Lfm2MoeSparseMoeBlock -> moe_layer: 8 {'fp8' if kind == 'fp8' else 'float32'} experts, top-2, "
         f"renormalised, no shared expert; sigmoid with expert bias, x1.5 router"}
     with run_model(RELEASE) as report:
         ours = prefill_and_decode(model, prompt, step)
@@ -282,7 +289,7 @@ def decode_counts(model, modules, release=RELEASE):
 
 def per_moe_layer(model, release=RELEASE):
     """(host calls, executor dispatches) of each MoE block in one decode step."""
-    moe = [m for m in model.modules() if isinstance(m, FusedMoE) or (hasattr(m, "experts") and hasattr(m, "gate"))]
+    moe = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
     counts = [(c, d) for _, c, d in decode_counts(model, moe, release)]
     per_moe_layer.ops = decode_counts.ops
     assert len(counts) == len(moe) == 2
@@ -316,7 +323,7 @@ def test_every_release_takes_the_fused_layer(release):
 
 # ----------------------------------------------------------- the residual --
 def block_call(block, x, residual=None):
-    """(output, host calls, executor dispatches) of one FusedMoE call under
+    """(output, host calls, executor dispatches) of one optimized MoE block's call under
     the model runner."""
     with torch.no_grad(), run_model(RELEASE) as report:
         def dispatches():
@@ -341,7 +348,7 @@ def hidden_and_residual(tokens, dtype):
 @pytest.mark.parametrize("name,kind", [("qwen3_moe", "float32"), ("qwen3_moe", "float16"), ("qwen3_moe", "fp8"),
                                        ("qwen3_5_moe", "bfloat16"), ("qwen3_5_moe", "fp8")])
 def test_residual_is_added_inside_the_moe_layer(name, kind, tokens):
-    """FusedMoE(x, residual): `residual + FusedMoE(x)` bit for bit, in the
+    """block(x, residual=r): `r + block(x)` bit for bit, in the
     moe_layer call (no host call or dispatch of its own: (1, 4) at decode,
     the router's matmul on the CPU past 8 tokens), and on torch's CPU ops."""
     model = make(name, torch.float32 if kind == "float32" else torch.float16 if kind == "float16" else torch.bfloat16)
@@ -359,15 +366,15 @@ def test_residual_is_added_inside_the_moe_layer(name, kind, tokens):
 
 @pytest.mark.parametrize("kind", ["bfloat16", "fp8"])
 def test_residual_on_the_grouped_path(monkeypatch, kind):
-    """Past moe_layer's token slots (4 here) the experts are MoEExperts' or
-    FP8Experts' grouped products; torch adds the residual to their output."""
-    import mps_ext.fused_moe as fused_moe
+    """Past moe_layer's token slots (4 here) the block's own forward runs
+    (transformers' grouped experts, or FP8Experts' grouped products); torch
+    adds the residual to its output."""
+    import mps_ext.passes.moe as fused_moe
     model = make("qwen3_5_moe", torch.bfloat16)
     if kind == "fp8":
         mps_ext.quantize_fp8(model)
     block = first_block(mps_ext.optimize(model))
     monkeypatch.setattr(fused_moe, "MAX_SLOTS", 4)
-    monkeypatch.setattr(MoEExperts, "DECODE_ROWS", 4)
     monkeypatch.setattr(FP8Experts, "DECODE_ROWS", 4)
     x, residual = hidden_and_residual(5, torch.bfloat16)
     moe_out, plain_calls, _ = block_call(block, x)
@@ -386,11 +393,13 @@ def test_residual_is_added_after_a_shared_expert_run_apart(kind):
     if kind == "fp8":
         mps_ext.quantize_fp8(model)
     block = first_block(mps_ext.optimize(model))
-    assert block.shared_expert is not None and not block.fused_shared
+    k = kernel(block)
+    assert k.shared_apart and not k.fused_shared
     x, residual = hidden_and_residual(4, torch.bfloat16)
     out, calls, dispatched = block_call(block, x, residual)
     with torch.no_grad(), run_model(RELEASE):
-        moe = torch.ops.mps_ext.moe_layer(x[0], block.router, *block._banks(), block.top_k, block.renormalize, False)
+        moe = torch.ops.mps_ext.moe_layer(x[0], k.router, k.gate_up, k.gate_up_scale, k.down, k.down_scale, k.top_k,
+                                          k.renormalize, False)
         shared = torch.sigmoid(block.shared_expert_gate(x[0])) * block.shared_expert(x[0])
     assert torch.equal(out[0], residual[0] + (moe + shared))
     assert not torch.equal(out[0], (residual[0] + moe) + shared)
@@ -404,17 +413,17 @@ def test_residual_is_added_after_a_shared_expert_run_apart(kind):
 def test_idempotent_and_says_what_it_did():
     model = make("qwen3_5_moe", torch.bfloat16)
     assert mps_ext.optimize(model) is model
-    s = model.optimize_summary
+    s = model.optimize_summary["moe"]
     assert list(s.converted) == ["model.layers.0.mlp", "model.layers.1.mlp"] and not s.left and not s.already
-    assert all(v == "Qwen3_5MoeSparseMoeBlock -> FusedMoE: 8 bfloat16 experts, top-2, renormalised, shared expert "
+    assert all(v == "Qwen3_5MoeSparseMoeBlock -> moe_layer: 8 bfloat16 experts, top-2, renormalised, shared expert "
                "fused as expert 8" for v in s.converted.values())
-    assert "2 MoE blocks on torch.ops.mps_ext.moe_layer" in str(s)
+    assert "2 MoE blocks on torch.ops.mps_ext.moe_layer" in str(model.optimize_summary)
     fused = [model.get_submodule(n) for n in blocks(model)]
     mps_ext.optimize(model)
-    s = model.optimize_summary
+    s = model.optimize_summary["moe"]
     assert not s.converted and s.already == ["model.layers.0.mlp", "model.layers.1.mlp"] and not s.left
     assert [model.get_submodule(n) for n in blocks(model)] == fused
-    assert s.bytes_after == s.bytes_before
+    assert model.optimize_summary.bytes_after == model.optimize_summary.bytes_before
 
 
 def test_blocks_it_does_not_know_are_left_with_the_reason():
@@ -427,7 +436,7 @@ def test_blocks_it_does_not_know_are_left_with_the_reason():
         first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
         v_head_dim=16)).eval()
     mps_ext.optimize(ds)
-    assert ds.optimize_summary.left == {
+    assert ds.optimize_summary["moe"].left == {
         "model.layers.1.mlp": "it holds shared_experts beside its router and experts (optimize knows no such block)"}
     torch.manual_seed(0)
     qwen2 = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**COMMON, moe_intermediate_size=32, num_experts=8,
@@ -435,8 +444,8 @@ def test_blocks_it_does_not_know_are_left_with_the_reason():
     prompt = ids()
     want = prefill_and_decode(qwen2, prompt, ids(1, seed=2))
     mps_ext.optimize(qwen2)
-    assert set(qwen2.optimize_summary.converted.values()) == {
-        "Qwen2MoeSparseMoeBlock -> FusedMoE: 8 float32 experts, top-2, shared expert run apart (its shared "
+    assert set(qwen2.optimize_summary["moe"].converted.values()) == {
+        "Qwen2MoeSparseMoeBlock -> moe_layer: 8 float32 experts, top-2, shared expert run apart (its shared "
         "expert's size 128 is not the experts' 32)"}
     for g, w in zip(prefill_and_decode(qwen2, prompt, ids(1, seed=2)), want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
@@ -453,7 +462,7 @@ def test_experts_the_kernels_cannot_run_are_left_with_the_reason(name):
     import re
     from test_fp8_flows import LEFT, make as make_left
     model = mps_ext.optimize(make_left(LEFT[name], torch.bfloat16))
-    s = model.optimize_summary
+    s = model.optimize_summary["moe"]
     assert not s.converted and s.left and all(re.search(LEFT[name][3], why) for why in s.left.values()), s
 
 
@@ -467,8 +476,8 @@ def test_block_scaled_shared_expert_runs_apart():
     prompt, step = ids(), ids(1, seed=2)
     want = prefill_and_decode(model, prompt, step)
     mps_ext.optimize(model)
-    assert set(model.optimize_summary.converted.values()) == {
-        "Qwen3_5MoeSparseMoeBlock -> FusedMoE: 8 fp8 experts, top-2, renormalised, shared expert run apart (the "
+    assert set(model.optimize_summary["moe"].converted.values()) == {
+        "Qwen3_5MoeSparseMoeBlock -> moe_layer: 8 fp8 experts, top-2, renormalised, shared expert run apart (the "
         "expert banks are fp8 and the shared expert is not fp8 with a scale per row)"}
     with run_model(RELEASE) as report:
         got = prefill_and_decode(model, prompt, step)
@@ -490,7 +499,7 @@ def test_casts_devices_and_state_dict_round_trip():
     model = mps_ext.optimize(make("qwen3_5_moe"))
     prompt, step = ids(), ids(1, seed=2)
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    assert all(isinstance(bf16.get_submodule(n).experts, MoEExperts) for n in blocks(bf16))
+    assert all(kernel(bf16.get_submodule(n)).gate_up.dtype == torch.bfloat16 for n in blocks(bf16))
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
     stock = mps_ext.optimize(make("qwen3_5_moe", torch.bfloat16))  # bf16 before optimize
     for g, w in zip(prefill_and_decode(bf16, prompt, step), prefill_and_decode(stock, prompt, step)):
@@ -510,22 +519,24 @@ def test_casts_devices_and_state_dict_round_trip():
     for g, w in zip(prefill_and_decode(other, prompt, step), prefill_and_decode(q, prompt, step)):
         assert torch.equal(g, w)
     fused = q.get_submodule(blocks(q)[0])
-    assert fused.router.dtype == torch.float32 and fused.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert kernel(fused).router.dtype == torch.float32 and fused.experts.gate_up_proj.dtype == torch.float8_e4m3fn
     with run_model(RELEASE) as report:
         prefill_and_decode(q, prompt, step)
     assert report.families["grouped_mm"].ops["mps_ext::moe_layer"].ran == 4
 
 
 def test_quantize_fp8_after_optimize():
-    """The other order: quantize_fp8 converts a FusedMoE's banks (the shared
-    expert's row included), its router stays as it is."""
+    """The other order: quantize_fp8 takes the optimized blocks back, converts
+    their experts and shared expert, and the blocks are optimized again (the
+    shared expert fp8 expert 8 of the banks); the router stays as it is."""
     model = mps_ext.optimize(make("qwen3_5_moe", torch.bfloat16))
     prompt, step = ids(), ids(1, seed=2)
     want = prefill_and_decode(model, prompt, step)
     mps_ext.quantize_fp8(model)
     assert model.fp8_summary.converted["FP8Experts"] == [n + ".experts" for n in blocks(model)]
     fused = model.get_submodule(blocks(model)[0])
-    assert isinstance(fused.experts, FP8Experts) and fused.experts.num_experts == 9
+    assert isinstance(fused.experts, FP8Experts) and kernel(fused).gate_up.shape[0] == 9
+    assert kernel(fused).gate_up.dtype == torch.float8_e4m3fn and kernel(fused).fused_shared
     with run_model(RELEASE) as report:
         got = prefill_and_decode(model, prompt, step)
     assert report.families["grouped_mm"].ops["mps_ext::moe_layer"].ran == 4
@@ -581,15 +592,15 @@ def test_rms_norms_become_one_dispatch_and_generate_the_same(name):
         mps_ext.optimize(model)
         assert len(norms(model)) == count, norms(model)
         assert {model.get_submodule(n).variant for n in norms(model)} == {variant}
-        assert len(model.optimize_summary.norms) == count and f"{count} RMSNorms" in str(model.optimize_summary)
+        assert len(model.optimize_summary["norms"].converted) == count and f"{count} RMSNorms" in str(model.optimize_summary)
         with torch.no_grad(), run_model(RELEASE) as report:
             got = model.generate(prompt, max_new_tokens=4, do_sample=False)
         assert torch.equal(got, want), (got, want)
         # One call per norm and step: 4 steps (prefill, 3 decodes); an attention layer's q and k
-        # norms are one qk_norm_rope call with its rotary embedding (mps_ext/fused_attention.py), a
+        # norms are one qk_norm_rope call with its rotary embedding (mps_ext/passes/attention.py), a
         # decoder layer's post-attention norm one add_rms_norm call with the residual add before it
-        # (mps_ext/fused_decoder.py).
-        attention, layers = len(model.optimize_summary.attention), len(model.optimize_summary.decoder_layers)
+        # (mps_ext/passes/decoder.py).
+        attention, layers = len(model.optimize_summary["attention"].converted), len(model.optimize_summary["decoder_layers"].converted)
         assert attention and report.families["norm"].ops["mps_ext::qk_norm_rope"].ran == attention * 4
         assert layers and report.families["norm"].ops["mps_ext::add_rms_norm"].ran == layers * 4
         assert report.families["norm"].ops["mps_ext::rms_norm"].ran == (count - 2 * attention - layers) * 4
@@ -656,7 +667,7 @@ def test_norms_it_does_not_know_are_left():
                                   "rms": Qwen3MoeRMSNorm(16)})
     mps_ext.optimize(holder)
     assert isinstance(holder["ln"], torch.nn.LayerNorm) and isinstance(holder["gated"], Qwen3_5MoeRMSNormGated)
-    assert isinstance(holder["rms"], FusedRMSNorm) and list(holder.optimize_summary.norms) == ["rms"]
+    assert isinstance(holder["rms"], FusedRMSNorm) and list(holder.optimize_summary["norms"].converted) == ["rms"]
     x = torch.randn(3, 16, dtype=torch.bfloat16)
     with torch.no_grad(), run_model(RELEASE) as report:
         got = holder["rms"](x)  # float32 weight, bfloat16 input: promoted to float32, as the module does

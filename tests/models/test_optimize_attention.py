@@ -1,4 +1,4 @@
-"""mps_ext.optimize's attention layers (mps_ext/fused_attention.py) on
+"""mps_ext.optimize's attention layers (mps_ext/passes/attention.py) on
 transformers 5's tiny qwen3_moe, qwen3_5_moe (gated q_proj, partial rotary)
 and lfm2_moe: q_norm, k_norm and the rotary embedding are one
 torch.ops.mps_ext.qk_norm_rope call; decode logits against the same model
@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import mps_ext
-from mps_ext import _executor_request, fused_attention
+from mps_ext import _executor_request
+from mps_ext.passes import attention as fused_attention
 from mps_ext.cpu_metal import run_model
-from mps_ext.fused_attention import FusedQKNormRopeMixin
-from model_compare import RELEASE
+from mps_ext.passes.attention import FusedQKNormRopeMixin
+from model_compare import RELEASE, without_passes
 from test_optimize import (PROMPT, ids, make, optimized_against_stock_and_float64, prefill_and_decode,
                            quantized_against_stock_and_float64, rel_err)
 
@@ -37,7 +38,7 @@ def attention_layers(model):
 def without_swap(monkeypatch, model):
     """mps_ext.optimize(model) with everything but the attention swap."""
     with monkeypatch.context() as m:
-        m.setattr(fused_attention, "optimize_attention", lambda model: ({}, [], {}))
+        without_passes(m, "attention")
         return mps_ext.optimize(model)
 
 
@@ -59,9 +60,9 @@ def test_swapped_attention_matches_the_model_without_it(figures, monkeypatch, na
         model, prompt, step, ref, stock = optimized_against_stock_and_float64(name, dtype, **HEAD.get(name, {}))
         apart = without_swap(monkeypatch, make(name, dtype, **HEAD.get(name, {})))
     s = model.optimize_summary
-    assert attention_layers(model) == layers and list(s.attention) == layers and not s.attention_left
-    assert all(what.startswith(f"{cls} -> ") for what in s.attention.values())
-    assert not attention_layers(apart) and not apart.optimize_summary.attention
+    assert attention_layers(model) == layers and list(s["attention"].converted) == layers and not s["attention"].left
+    assert all(what.startswith(f"{cls} -> ") for what in s["attention"].converted.values())
+    assert not attention_layers(apart) and "attention" not in apart.optimize_summary.sections
     if kind == "float32" and name == "qwen3_5_moe":
         # The output gate's sigmoid in float32 is not torch's CPU one in the last bit (its exp:
         # test_gate_and_cache_append_change_no_bit): the model's gate line here, to see qk_norm_rope's bits.
@@ -89,7 +90,7 @@ def test_a_rotary_size_off_the_lanes_sums_in_another_order(monkeypatch):
     of the model without the swap, not bit for bit."""
     model = mps_ext.optimize(make("qwen3_5_moe"))
     apart = without_swap(monkeypatch, make("qwen3_5_moe"))
-    assert model.optimize_summary.attention["model.layers.1.self_attn"].endswith("rotary 4, output gate)")
+    assert model.optimize_summary["attention"].converted["model.layers.1.self_attn"].endswith("rotary 4, output gate)")
     prompt, step = ids(), ids(1, seed=2)
     with run_model(RELEASE) as report:
         ours = prefill_and_decode(model, prompt, step)
@@ -141,7 +142,7 @@ def test_an_attention_layer_loses_its_norm_and_rope_calls(monkeypatch, model_nam
         return {mode: census.count(layer, "2.15", mode, True) for mode in census.MODES}
 
     with monkeypatch.context() as m:
-        m.setattr(fused_attention, "optimize_attention", lambda model: ({}, [], {}))
+        without_passes(m, "attention")
         before = counts(mps_ext.optimize)
     after = counts(mps_ext.optimize)
     print(f"\n{model_name} {kind}, per layer: host calls {before['eager'].host:g} -> {after['eager'].host:g}, "
@@ -185,7 +186,8 @@ def test_state_dict_module_tree_and_a_second_optimize(monkeypatch):
     assert [n for n, _ in attn.named_children()] == [n for n, _ in without.model.layers[1].self_attn.named_children()]
     assert type(attn).__name__ == "FusedQwen3_5MoeAttention" and type(attn).__mro__[2].__name__ == "Qwen3_5MoeAttention"
     mps_ext.optimize(model)
-    assert model.optimize_summary.attention == {"model.layers.1.self_attn": "already"}
+    assert model.optimize_summary["attention"].already == ["model.layers.1.self_attn"]
+    assert not model.optimize_summary["attention"].converted
     clone = copy.deepcopy(model).to(torch.bfloat16)
     assert attention_layers(clone) == ["model.layers.1.self_attn"]
     prompt, step = ids(), ids(1, seed=2)
@@ -213,11 +215,11 @@ def test_an_attention_whose_rope_is_not_rotate_half_is_left(monkeypatch):
     want = prefill_and_decode(model, prompt, step)
     mps_ext.optimize(model)
     s = model.optimize_summary
-    assert not s.attention and not attention_layers(model)
-    assert set(s.attention_left) == set(ATTENTION["qwen3_moe"][0])
+    assert not s["attention"].converted and not attention_layers(model)
+    assert set(s["attention"].left) == set(ATTENTION["qwen3_moe"][0])
     assert all(why.startswith("its output differs on a probe (rotary size 16, relative error")
                and why.endswith("its rotary embedding is not rotate_half's, or its forward does something else")
-               for why in s.attention_left.values()), s.attention_left
+               for why in s["attention"].left.values()), s["attention"].left
     assert "0 attention layers" in str(s) and "2 left" in str(s)
     assert not hasattr(model.model.layers[0].self_attn, "_mps_ext_attention")
     with run_model(RELEASE) as report:
@@ -233,7 +235,7 @@ def test_attentions_it_does_not_know_are_left_with_the_reason():
     RMSNorms, a child it does not know."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
     mixtral = mps_ext.optimize(make("mixtral"))
-    assert mixtral.optimize_summary.attention_left == {
+    assert mixtral.optimize_summary["attention"].left == {
         f"model.layers.{i}.self_attn": "no per-head q and k norms (q_norm, k_norm or q_layernorm, k_layernorm): no "
                                        "norm to fuse with its rotary" for i in (0, 1)}
     config = make("qwen3_moe").config
@@ -242,7 +244,7 @@ def test_attentions_it_does_not_know_are_left_with_the_reason():
     extra = Qwen3MoeAttention(config, 0)
     extra.v_norm = torch.nn.LayerNorm(16)
     holder = mps_ext.optimize(torch.nn.ModuleDict({"layernorm": layernorm, "extra": extra}))
-    assert holder.optimize_summary.attention_left == {
+    assert holder.optimize_summary["attention"].left == {
         "layernorm": "its q and k norms (LayerNorm, LayerNorm) are not RMSNorms optimize fuses",
         "extra": "it holds v_norm beside its projections and q/k norms (optimize knows no such attention)"}
     assert not attention_layers(holder)
@@ -264,7 +266,7 @@ def test_dense_qwen3_and_lfm2(monkeypatch, name):
 
     model, apart = mps_ext.optimize(build()), without_swap(monkeypatch, build())
     layers = [f"model.layers.{i}.self_attn" for i in ((0, 1) if name == "qwen3" else (1,))]
-    assert attention_layers(model) == layers and not model.optimize_summary.attention_left
+    assert attention_layers(model) == layers and not model.optimize_summary["attention"].left
     prompt, step = ids(), ids(1, seed=2)
     with run_model(RELEASE) as report:
         ours = prefill_and_decode(model, prompt, step)
@@ -277,7 +279,7 @@ def test_dense_qwen3_and_lfm2(monkeypatch, name):
 # ----------------------------------------------------------- output gate and KV cache (issue 19) --
 # The forward's pieces without the two changes: the model's gate line and DynamicCache.update.
 _APART = fused_attention._Ops(fused_attention.qk_norm_rope, fused_attention.sigmoid_gate_reference,
-                              fused_attention.cache_update_reference)
+                              fused_attention._release_update)
 GROWTH = 4  # positions a cache buffer grows by in these tests (KV_STEP), so that a short decode crosses two
 
 

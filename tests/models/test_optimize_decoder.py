@@ -1,4 +1,4 @@
-"""mps_ext.optimize's decoder layers (mps_ext/fused_decoder.py) on
+"""mps_ext.optimize's decoder layers (mps_ext/passes/decoder.py) on
 transformers 5's tiny qwen3_moe, qwen3_5_moe (linear and full attention),
 lfm2_moe (short convolutions, a dense first layer), and the dense qwen3
 and lfm2: the residual add and the post-attention norm are one
@@ -16,10 +16,10 @@ import torch
 import transformers
 
 import mps_ext
-from mps_ext import _executor_request, fused_decoder
+from mps_ext import _executor_request
 from mps_ext.cpu_metal import run_model
-from mps_ext.fused_decoder import FusedDecoderLayerMixin
-from model_compare import RELEASE
+from mps_ext.passes.decoder import FusedDecoderLayerMixin
+from model_compare import RELEASE, without_passes
 from test_optimize import (MODELS, ids, make, optimized_against_stock_and_float64, prefill_and_decode,
                            quantized_against_stock_and_float64, rel_err)
 
@@ -46,7 +46,7 @@ def decoder_layers(model):
 def without_swap(monkeypatch, model):
     """mps_ext.optimize(model) with everything but the decoder swap."""
     with monkeypatch.context() as m:
-        m.setattr(fused_decoder, "optimize_decoder_layers", lambda model: ({}, [], {}))
+        without_passes(m, "decoder_layers")
         return mps_ext.optimize(model)
 
 
@@ -75,10 +75,10 @@ def test_swapped_layers_match_the_model_without_them(figures, monkeypatch, name,
         apart = without_swap(monkeypatch, make(name, dtype))
     s = model.optimize_summary
     layers = [f"model.layers.{i}" for i in range(count)]
-    assert decoder_layers(model) == layers and list(s.decoder_layers) == layers and not s.decoder_layers_left
-    assert all(what.startswith(f"{cls} -> ") for what in s.decoder_layers.values()), s.decoder_layers
+    assert decoder_layers(model) == layers and list(s["decoder_layers"].converted) == layers and not s["decoder_layers"].left
+    assert all(what.startswith(f"{cls} -> ") for what in s["decoder_layers"].converted.values()), s["decoder_layers"].converted
     assert f"optimize: {count} decoder layers" in str(s)
-    assert not decoder_layers(apart) and not apart.optimize_summary.decoder_layers
+    assert not decoder_layers(apart) and "decoder_layers" not in apart.optimize_summary.sections
     with run_model(RELEASE) as report:
         ours = prefill_and_decode(model, prompt, step)
     with run_model(RELEASE) as theirs_report:
@@ -122,7 +122,7 @@ def test_a_layer_decodes_one_add_rms_norm_for_an_add_and_a_norm(monkeypatch, mod
                                                  transform=transform), tiny.config)
 
     with monkeypatch.context() as m:
-        m.setattr(fused_decoder, "optimize_decoder_layers", lambda model: ({}, [], {}))
+        without_passes(m, "decoder_layers")
         before = per_kind(mps_ext.optimize)
     after = per_kind(mps_ext.optimize)
     kinds = set(census.layer_kinds(tiny.config))  # not the calls before and after the layers
@@ -180,7 +180,8 @@ def test_state_dict_module_tree_and_a_second_optimize(monkeypatch):
     assert [n for n, _ in layer.named_children()] == [n for n, _ in without.model.layers[1].named_children()]
     assert type(layer).__name__ == "FusedLfm2MoeDecoderLayer" and type(layer).__mro__[2].__name__ == "Lfm2MoeDecoderLayer"
     mps_ext.optimize(model)
-    assert model.optimize_summary.decoder_layers == {f"model.layers.{i}": "already" for i in range(3)}
+    assert model.optimize_summary["decoder_layers"].already == [f"model.layers.{i}" for i in range(3)]
+    assert not model.optimize_summary["decoder_layers"].converted
     clone = copy.deepcopy(model).to(torch.bfloat16)
     assert decoder_layers(clone) == [f"model.layers.{i}" for i in range(3)]
     prompt, step = ids(), ids(1, seed=2)
@@ -229,7 +230,7 @@ def test_layers_it_does_not_know_are_left_with_the_reason():
     layernorm.post_attention_layernorm = torch.nn.LayerNorm(64)
     holder = mps_ext.optimize(torch.nn.ModuleDict({"scaled": scaled, "masked": masked, "extra": extra,
                                                    "layernorm": layernorm}))
-    left = holder.optimize_summary.decoder_layers_left
+    left = holder.optimize_summary["decoder_layers"].left
     assert left["scaled"] == ("its output differs on a probe: its forward does something else than the residual "
                               "adds and norms")
     assert left["masked"].startswith("its forward calls self_attn otherwise than optimize would"), left["masked"]

@@ -14,7 +14,7 @@ import transformers
 import mps_ext
 from mps_ext import _executor_request
 from mps_ext.cpu_metal import run_model
-from mps_ext.fused_linear_attention import FusedDecodeMixin
+from mps_ext.passes.linear_attention import FusedDecodeMixin
 from model_compare import RELEASE
 from test_optimize import (decode_counts, generate_is_unchanged_by_optimize, ids, make,
                            optimized_against_stock_and_float64, prefill_and_decode)
@@ -28,7 +28,7 @@ def deltanet_layers(model):
 def test_optimized_decode_matches_stock_and_float64(figures, dtype):
     model, prompt, step, ref, stock = optimized_against_stock_and_float64("qwen3_5_moe", dtype)
     summary = model.optimize_summary
-    assert list(summary.linear_attention) == ["model.layers.0.linear_attn"] and not summary.linear_attention_left
+    assert list(summary["linear_attention"].converted) == ["model.layers.0.linear_attn"] and not summary["linear_attention"].left
     assert "linear_attention_decode" in str(summary)
     assert all(isinstance(m, FusedDecodeMixin) for m in deltanet_layers(model))
     with run_model(RELEASE) as report:
@@ -59,7 +59,7 @@ def test_host_calls_and_dispatches_per_layer(dtype):
     after = per_deltanet_layer(model)
     print(f"\nQwen3.5-MoE Gated DeltaNet layer {dtype}, per decoded token (host calls, dispatches): before {before}, "
           f"after {after}")
-    # in_proj_qkv, _z, _b, _a as one GEMV (mps_ext/fused_projections.py), linear_attention_decode, out_proj.
+    # in_proj_qkv, _z, _b, _a as one GEMV (mps_ext/passes/projections.py), linear_attention_decode, out_proj.
     assert after == (3, 3)
     assert before[0] >= 16 * after[0]  # transformers' torch code: 49 aten calls in float32
 
@@ -76,11 +76,11 @@ def test_left_with_the_reason():
     prompt = torch.randint(1, 64, (1, 6), generator=torch.Generator().manual_seed(1))
     want = model(prompt).logits
     mps_ext.optimize(model)
-    left = model.optimize_summary.linear_attention_left
+    left = model.optimize_summary["linear_attention"].left
     assert list(left) == ["model.layers.0.linear_attn"] and "in_proj_qkvz" in left["model.layers.0.linear_attn"]
-    assert model.optimize_summary.converted
-    # Its two input projections are one GEMV all the same (mps_ext/fused_projections.py), read by its own forward.
-    assert "model.layers.0.linear_attn.in_proj_qkvz_ba" in model.optimize_summary.projections
+    assert model.optimize_summary["moe"].converted
+    # Its two input projections are one GEMV all the same (mps_ext/passes/projections.py), read by its own forward.
+    assert "model.layers.0.linear_attn.in_proj_qkvz_ba" in model.optimize_summary["projections"].converted
     torch.testing.assert_close(model(prompt).logits, want)
 
 
@@ -90,12 +90,11 @@ def test_idempotent_casts_and_state_dict():
     mps_ext.optimize(model)
     la = deltanet_layers(model)[0]
     la_keys = {k for k in model.state_dict() if ".linear_attn." in k}
-    # The layer's own keys stay, but for its input projections: one fused weight (test_optimize_projections).
-    inputs = {f"model.layers.0.linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")}
-    assert la_keys == {k for k in keys if ".linear_attn." in k} - inputs | {
-        "model.layers.0.linear_attn.in_proj_qkvzba.weight"}
+    # The layer's own keys stay, its fused input projections' too (saved under the members' names).
+    assert la_keys == {k for k in keys if ".linear_attn." in k}
     mps_ext.optimize(model)
-    assert model.optimize_summary.linear_attention == {"model.layers.0.linear_attn": "already"}
+    assert model.optimize_summary["linear_attention"].already == ["model.layers.0.linear_attn"]
+    assert not model.optimize_summary["linear_attention"].converted
     clone = copy.deepcopy(model).to(torch.bfloat16)
     assert isinstance(deltanet_layers(clone)[0], FusedDecodeMixin) and deltanet_layers(clone)[0].A_log.dtype == \
         torch.bfloat16

@@ -1,4 +1,4 @@
-"""mps_ext.optimize's fused projections (mps_ext/fused_projections.py) on
+"""mps_ext.optimize's fused projections (mps_ext/passes/projections.py) on
 transformers 5's tiny qwen3_moe, qwen3_5_moe and lfm2_moe: each group of
 projections that read one input is one host call and one dispatch at
 decode (it was one per projection), on every release's policy, float and
@@ -14,15 +14,16 @@ import torch
 from torch import nn
 
 import mps_ext
-from mps_ext import _executor_request, fused_projections
+from mps_ext import _executor_request
+from mps_ext.passes import projections as fused_projections
 from mps_ext.cpu_metal import run_model
-from mps_ext.fused_projections import ProjectionRows
+from mps_ext.passes.projections import ProjectionRows
 from model_compare import RELEASE
 from test_optimize import decode_counts, ids, make, optimized_against_stock_and_float64, prefill_and_decode, rel_err
 
 QKV = ("q_proj", "k_proj", "v_proj")
 # Per model, the groups optimize fuses: (parent, members, the fused layer's name). The shared expert
-# of qwen3_5_moe is expert 8 of its FusedMoE, so no gate_proj / up_proj group is left there.
+# of qwen3_5_moe is expert 8 of its block's banks, its gate_proj and up_proj views of them: left.
 GROUPS = {
     "qwen3_moe": [("model.layers.0.self_attn", QKV, "qkv_proj"), ("model.layers.1.self_attn", QKV, "qkv_proj")],
     "qwen3_5_moe": [("model.layers.0.linear_attn", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
@@ -68,7 +69,8 @@ def test_each_group_is_one_call_and_one_dispatch_at_decode(name, kind):
     assert before == {p: (len(ms), len(ms)) for p, ms, _ in GROUPS[name]}
     assert after == {p: (1, 1) for p, _, _ in GROUPS[name]}
     s = model.optimize_summary
-    assert sorted(s.projections) == sorted(f"{p}.{f}" for p, _, f in GROUPS[name]) and not s.projections_left
+    assert sorted(s["projections"].converted) == sorted(f"{p}.{f}" for p, _, f in GROUPS[name])
+    assert all("views of the MoE kernel's banks" in why for why in s["projections"].left.values())  # shared experts
     assert f"{len(GROUPS[name])} groups of projections" in str(s)
     for p, ms, f in GROUPS[name]:
         parent = model.get_submodule(p)
@@ -106,9 +108,9 @@ def test_a_layers_decode_step_loses_the_calls_of_the_fused_members():
 @pytest.mark.parametrize("name", list(GROUPS))
 def test_fused_model_matches_unfused_stock_and_float64(figures, monkeypatch, name, dtype):
     model, prompt, step, ref, stock = optimized_against_stock_and_float64(name, dtype)
-    assert len(model.optimize_summary.projections) == len(GROUPS[name])
+    assert len(model.optimize_summary["projections"].converted) == len(GROUPS[name])
     apart = unfused(monkeypatch, name, dtype)
-    assert not apart.optimize_summary.projections
+    assert not apart.optimize_summary["projections"].converted
     # CPU tensors outside the runner: torch's CPU ops, a GEMM of the concatenated weight.
     for s, o in zip(stock, prefill_and_decode(model, prompt, step)):
         assert rel_err(o, s) <= (1e-5 if dtype == torch.float32 else 2e-2)
@@ -140,7 +142,7 @@ def test_fp8_groups_match_the_quantized_model(monkeypatch, name, granularity):
         fused = model.get_submodule(f"{p}.{f}")
         assert fused.granularity == "row" and fused.weight_scale.shape == (fused.out_features, 1)
         if granularity == "tensor":
-            assert "tensor scale repeated per row" in model.optimize_summary.projections[f"{p}.{f}"]
+            assert "tensor scale repeated per row" in model.optimize_summary["projections"].converted[f"{p}.{f}"]
     with run_model(RELEASE) as report:
         got = prefill_and_decode(model, prompt, step)
         unf = prefill_and_decode(apart, prompt, step)
@@ -161,13 +163,13 @@ def test_block_scaled_members_fuse_where_no_block_straddles_two():
     want = prefill_and_decode(model, prompt, step)
     mps_ext.optimize(model)
     s = model.optimize_summary
-    assert s.projections["model.layers.0.linear_attn.in_proj_qkvz"].startswith(
+    assert s["projections"].converted["model.layers.0.linear_attn.in_proj_qkvz"].startswith(
         "in_proj_qkv, in_proj_z -> one FP8Linear, block scales [192, 64]")
-    assert s.projections_left["model.layers.0.linear_attn.in_proj_qkv, in_proj_z, in_proj_b, in_proj_a"] == (
+    assert s["projections"].left["model.layers.0.linear_attn.in_proj_qkv, in_proj_z, in_proj_b, in_proj_a"] == (
         "in_proj_b, in_proj_a: 128x128 block scales whose rows are not a multiple of 128 (a block would straddle "
         "two projections)")
     assert type(model.model.layers[0].linear_attn.in_proj_b) is mps_ext.FP8Linear
-    assert "model.layers.1.self_attn.qk_proj" in s.projections
+    assert "model.layers.1.self_attn.qk_proj" in s["projections"].converted
     with run_model(RELEASE):
         got = prefill_and_decode(model, prompt, step)
     for g, w in zip(got, want):
@@ -227,23 +229,23 @@ def _memos(model):
 
 # ----------------------------------------------------------- what it changes --
 def test_state_dict_casts_and_a_second_optimize():
-    """The state dict holds each fused layer's weight in place of its
-    members'; it loads into another optimized model; deepcopy and casts
+    """The state dict keeps the members' names (their rows of the fused
+    weight); it loads into another optimized model; deepcopy and casts
     follow the fused weights (the members are views of them, no second
     copy); a second optimize says the groups are already fused."""
     model = make("qwen3_5_moe")
     keys = set(model.state_dict())
     mps_ext.optimize(model)
-    new = set(model.state_dict())
-    gone = {f"model.layers.0.linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")} | \
-        {f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"}
-    assert gone <= keys and not gone & new
-    assert {"model.layers.0.linear_attn.in_proj_qkvzba.weight", "model.layers.1.self_attn.qkv_proj.weight"} <= new
+    assert set(model.state_dict()) == keys
+    assert {"model.layers.0.linear_attn.in_proj_qkvzba.weight", "model.layers.1.self_attn.qkv_proj.weight"} <= \
+        {n for n, _ in model.named_parameters()}
     attn = model.model.layers[1].self_attn
     assert attn.k_proj.weight.data_ptr() == attn.qkv_proj.weight[attn.q_proj.out_features:].data_ptr()
-    assert mps_ext.optimize(model).optimize_summary.projections == {
-        "model.layers.0.linear_attn.in_proj_qkvzba": "already", "model.layers.1.self_attn.qkv_proj": "already"}
-    assert not model.optimize_summary.projections_left
+    assert mps_ext.optimize(model).optimize_summary["projections"].already == [
+        "model.layers.0.linear_attn", "model.layers.1.self_attn"]
+    assert not model.optimize_summary["projections"].converted
+    # The shared experts' gate and up are views of their block's banks (expert 8): left where they are.
+    assert all("views of the MoE kernel's banks" in why for why in model.optimize_summary["projections"].left.values())
     prompt, step = ids(), ids(1, seed=2)
     want = prefill_and_decode(model, prompt, step)
     other = mps_ext.optimize(make("qwen3_5_moe"))
@@ -310,7 +312,7 @@ def test_members_found_reading_different_inputs_stop_sharing():
     mod = _CrossAttention()
     want = copy.deepcopy(mod)
     mps_ext.optimize(mod)
-    assert list(mod.optimize_summary.projections) == ["qkv_proj"] and mod.qkv_proj.bias.shape == (16,)
+    assert list(mod.optimize_summary["projections"].converted) == ["qkv_proj"] and mod.qkv_proj.bias.shape == (16,)
     seen = []
     for step in range(3):
         x, enc = torch.randn(2, 16), torch.randn(2, 16)
@@ -351,8 +353,8 @@ def test_groups_it_cannot_fuse_are_left_with_the_reason():
     holder["hooked"]["up_proj"].register_forward_hook(lambda m, a, o: None)
     mps_ext.optimize(holder)
     s = holder.optimize_summary
-    assert s.projections == {"conv.qv_proj": "q_proj, v_proj -> one Linear, float32 [16, 8]"}
-    assert s.projections_left == {
+    assert s["projections"].converted == {"conv.qv_proj": "q_proj, v_proj -> one Linear, float32 [16, 8]"}
+    assert s["projections"].left == {
         "conv.q_proj, k_proj, v_proj": "k_proj is a Conv1d, not nn.Linear or FP8Linear",
         "hooked.gate_proj, up_proj": "forward hooks on up_proj",
         "dtypes.gate_proj, up_proj": "stored differently, not concatenated: gate_proj (Linear, float32, 8 inputs, "

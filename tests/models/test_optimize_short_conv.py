@@ -18,10 +18,10 @@ import torch.nn.functional as F
 import transformers
 
 import mps_ext
-from mps_ext import _executor_request, fused_short_conv
+from mps_ext import _executor_request
 from mps_ext.cpu_metal import run_model
-from mps_ext.fused_short_conv import FusedShortConvMixin
-from model_compare import RELEASE
+from mps_ext.passes.short_conv import FusedShortConvMixin
+from model_compare import RELEASE, without_passes
 from short_conv_oracle import conv1d_of_the_contract
 from test_optimize import COMMON, decode_counts, generate_is_unchanged_by_optimize, ids, make
 
@@ -47,7 +47,7 @@ def conv_layers(model):
 def without_swap(monkeypatch, model):
     """mps_ext.optimize(model) with everything but the short-conv swap."""
     with monkeypatch.context() as m:
-        m.setattr(fused_short_conv, "optimize_short_conv", lambda model: ({}, [], {}))
+        without_passes(m, "short_conv")
         return mps_ext.optimize(model)
 
 
@@ -79,7 +79,7 @@ def test_greedy_decode_matches_the_model_without_the_swap(monkeypatch, name, kin
     layers = conv_layers(model)
     assert len(layers) == 2 and all(isinstance(m, FusedShortConvMixin) for m in layers)
     assert not any(isinstance(m, FusedShortConvMixin) for m in apart.modules())
-    assert list(model.optimize_summary.short_conv) == ["model.layers.0.conv", "model.layers.2.conv"]
+    assert list(model.optimize_summary["short_conv"].converted) == ["model.layers.0.conv", "model.layers.2.conv"]
     prompt = ids()
     with run_model(RELEASE):
         want, theirs = greedy(apart, prompt, decode_conv1d=conv1d_of_the_contract)
@@ -123,11 +123,12 @@ def test_summary_idempotent_and_state_dict():
     mps_ext.optimize(model)
     summary = model.optimize_summary
     assert "short_conv_decode" in str(summary) and "model.layers.0.conv" in str(summary)
-    assert not summary.short_conv_left
+    assert not summary["short_conv"].left
     assert {k for k in model.state_dict() if ".conv." in k} == keys  # the conv layers' own, as they were
     assert type(conv_layers(model)[0]).__name__ == "FusedLfm2MoeShortConv"
     mps_ext.optimize(model)
-    assert model.optimize_summary.short_conv == {"model.layers.0.conv": "already", "model.layers.2.conv": "already"}
+    assert model.optimize_summary["short_conv"].already == ["model.layers.0.conv", "model.layers.2.conv"]
+    assert not model.optimize_summary["short_conv"].converted
     clone = copy.deepcopy(model).to(torch.bfloat16)
     assert isinstance(conv_layers(clone)[0], FusedShortConvMixin) and conv_layers(clone)[0].conv.weight.dtype == \
         torch.bfloat16
@@ -137,7 +138,7 @@ def test_layers_it_cannot_run_are_left_with_the_reason():
     """A window past the kernel's 4 taps; a forward that does something else (the probe)."""
     model = make_any("lfm2", conv_L_cache=5)
     mps_ext.optimize(model)
-    left = model.optimize_summary.short_conv_left
+    left = model.optimize_summary["short_conv"].left
     assert list(left) == ["model.layers.0.conv", "model.layers.2.conv"] and "at most 4" in left["model.layers.0.conv"]
 
     class Gated(T.models.lfm2.modeling_lfm2.Lfm2ShortConv):
@@ -151,15 +152,15 @@ def test_layers_it_cannot_run_are_left_with_the_reason():
     want = model(prompt).logits
     mps_ext.optimize(model)
     assert type(layer) is Gated
-    assert "differs" in model.optimize_summary.short_conv_left["model.layers.0.conv"]
-    assert list(model.optimize_summary.short_conv) == ["model.layers.2.conv"]
+    assert "differs" in model.optimize_summary["short_conv"].left["model.layers.0.conv"]
+    assert list(model.optimize_summary["short_conv"].converted) == ["model.layers.2.conv"]
     torch.testing.assert_close(model(prompt).logits, want)
 
 
 def test_dtype_the_kernel_does_not_take_is_an_error():
     model = make_any("lfm2").double()
     with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
-        fused_short_conv.optimize_short_conv(model)
+        mps_ext.optimize(model)
 
 
 # ----------------------------------------------------------- torch.compile --

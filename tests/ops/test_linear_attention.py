@@ -15,17 +15,17 @@ relative): 2e-2 (bf16) and 4e-3 (fp16), and against float64 the kernel
 must be no worse than transformers' own torch code (1.5x plus one ulp).
 """
 
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import transformers
 
 import mps_ext  # noqa: F401  (registers the ops)
 from mps_ext import _executor_request, cpu_metal
-from mps_ext.fused_linear_attention import FusedDecodeMixin, optimize_linear_attention
+from mps_ext.passes import LinearAttentionPass, run_pass
+from mps_ext.passes.linear_attention import FusedDecodeMixin
+from mps_ext.passes.linear_attention import gated_delta_step as reference
 from decode_steps import linear_attention as call, linear_attention_inputs as inputs
 
 ULP = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
@@ -36,30 +36,6 @@ def rel_err(x, ref):
     return float((x.double() - ref.double()).abs().max() / ref.double().abs().max())
 
 
-def reference(qkv, z, b, a, conv_state, recurrent_state, conv_weight, A_log, dt_bias, norm_weight, k_heads, eps):
-    """The decode step in float64, from the equations (Qwen3-Next / Gated
-    DeltaNet): (output, new conv window, new state)."""
-    qkv, z, b, a, conv_state, state, conv_w, A_log, dt_bias, norm_w = (
-        t.double() for t in (qkv, z, b, a, conv_state, recurrent_state, conv_weight, A_log, dt_bias, norm_weight))
-    batch, v_heads, dk, dv = state.shape
-    window = torch.cat([conv_state[:, :, 1:], qkv[:, :, None]], -1)
-    x = F.silu((window * conv_w).sum(-1))
-    key_dim = k_heads * dk
-    q, k, v = x[:, :key_dim], x[:, key_dim:2 * key_dim], x[:, 2 * key_dim:]
-    q = q.view(batch, k_heads, dk).repeat_interleave(v_heads // k_heads, 1)
-    k = k.view(batch, k_heads, dk).repeat_interleave(v_heads // k_heads, 1)
-    q = q / q.norm(dim=-1, keepdim=True) / math.sqrt(dk)  # l2norm's 1e-6 is below float64's concern here
-    k = k / k.norm(dim=-1, keepdim=True)
-    v = v.view(batch, v_heads, dv)
-    decay = torch.exp(-A_log.exp() * F.softplus(a + dt_bias))
-    beta = torch.sigmoid(b)
-    s = state * decay[..., None, None]
-    delta = (v - torch.einsum("bhij,bhi->bhj", s, k)) * beta[..., None]
-    s = s + k[..., :, None] * delta[..., None, :]
-    o = torch.einsum("bhij,bhi->bhj", s, q)
-    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * norm_w
-    o = o * F.silu(z.view(batch, v_heads, dv))
-    return o.reshape(batch, v_heads * dv), window, s
 
 
 # (batch, k_heads, v_heads, dk, dv, conv_k): Qwen3.6's 2 value heads per key head at tiny sizes; one value head
@@ -217,7 +193,8 @@ def test_matches_transformers_layer(dtype):
     theirs_cache, ours_cache = clone_cache(cache), clone_cache(cache)
     ref = float64_layer_step(layer, cache, step)
     fused = copy.deepcopy(layer)
-    converted, _, left = optimize_linear_attention(fused)
+    section = run_pass(LinearAttentionPass(), fused)
+    converted, left = section.converted, section.left
     assert list(converted) == [""] and not left and isinstance(fused, FusedDecodeMixin)
     with torch.no_grad():
         theirs = layer(step, cache_params=theirs_cache)
@@ -239,7 +216,7 @@ def test_prefill_and_no_cache_run_the_layers_own_forward():
     layer, cache, config = layer_and_cache(torch.float32)
     import copy
     fused = copy.deepcopy(layer)
-    optimize_linear_attention(fused)
+    run_pass(LinearAttentionPass(), fused)
     x = torch.randn(2, 3, config.hidden_size)
     with torch.no_grad(), _executor_request.request(), cpu_metal.record() as rec:
         a, b = fused(x), fused(x[:, :1])  # no cache: prefill, and a single token without one
@@ -276,5 +253,5 @@ def test_float64_layer_is_refused_and_left_unchanged():
     layer, _, _ = layer_and_cache(torch.float32)
     layer = layer.double()
     with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
-        optimize_linear_attention(layer)
+        LinearAttentionPass().refuse(layer)
     assert not isinstance(layer, FusedDecodeMixin)

@@ -182,7 +182,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import apply_rotary_po
 from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb as qwen3_rope  # noqa: E402
 
 from mps_ext import _executor_request  # noqa: E402
-from mps_ext.fused_norm import FusedRMSNorm, qk_norm_rope  # noqa: E402
+from mps_ext.passes.norm import FusedRMSNorm, qk_norm_rope  # noqa: E402
 
 ROPE = {"qwen3": qwen3_rope, "lfm2": lfm2_rope, "qwen3_5": qwen3_5_rope}
 KERNEL = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -412,7 +412,7 @@ def test_qk_norm_rope_meta_and_compile():
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
 def test_qk_norm_rope_python_function(kind):
-    """mps_ext.fused_norm.qk_norm_rope with the attention's pieces: the op
+    """mps_ext.passes.norm.qk_norm_rope with the attention's pieces: the op
     where the executor was asked for and the norms are FusedRMSNorm (one
     dispatch), torch's ops without it (no dispatch), the model's modules
     left as they are where they are not FusedRMSNorm; the model's values
@@ -443,13 +443,13 @@ def test_qk_norm_rope_in_a_qwen3_5_attention():
     """The documented integration (docs/optimize.md) on transformers' own
     Qwen3.5-MoE attention and rotary embedding (partial rotary 0.25 of a
     128 head, multimodal-RoPE recomposed cos and sin, q the query half of
-    torch.chunk), its norms made FusedRMSNorm by fuse_norms: one dispatch,
+    torch.chunk), its norms made FusedRMSNorm by the norm pass: one dispatch,
     the forward's q and k."""
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (Qwen3_5MoeAttention,
                                                                       Qwen3_5MoeTextRotaryEmbedding)
 
-    from mps_ext.fused_norm import fuse_norms
+    from mps_ext.passes import NormPass, run_pass
 
     torch.manual_seed(0)
     cfg = Qwen3_5MoeTextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
@@ -470,7 +470,7 @@ def test_qk_norm_rope_in_a_qwen3_5_attention():
         k = attn.k_proj(hidden).view(hidden_shape)
         want = qwen3_5_rope(attn.q_norm(q.view(hidden_shape)).transpose(1, 2),
                             attn.k_norm(k).transpose(1, 2), cos, sin)
-        assert sorted(fuse_norms(attn)) == ["k_norm", "q_norm"]
+        assert sorted(run_pass(NormPass(), attn).converted) == ["k_norm", "q_norm"]
         with _executor_request.request(), cpu_metal.record() as rec:
             got = qk_norm_rope(q.view(hidden_shape), k, cos, sin, attn.q_norm, attn.k_norm)
     assert [d.kernel for d in rec.dispatches] == ["qk_norm_rope_bf16"]
@@ -582,11 +582,11 @@ def test_add_rms_norm_bad_input(args, message):
 
 
 def test_add_rms_norm_python_function_and_meta():
-    """mps_ext.fused_norm.add_rms_norm: the op where FusedRMSNorm would run
+    """mps_ext.passes.norm.add_rms_norm: the op where FusedRMSNorm would run
     its own (the executor asked for), torch's add and the module elsewhere
     (plain CPU tensors, autograd, a residual that broadcasts), the same
     values; the meta kernel gives the shapes torch.compile traces with."""
-    from mps_ext.fused_norm import add_rms_norm as fused
+    from mps_ext.passes.norm import add_rms_norm as fused
     norm = FusedRMSNorm(sample((64,), torch.bfloat16, seed=2), 1e-6, "weight")
     x, r = sample((2, 3, 64), torch.bfloat16), sample((2, 3, 64), torch.bfloat16, seed=4)
     with torch.no_grad():

@@ -8,7 +8,7 @@ Eager, after the other swaps, such a layer still runs between its mixer
 `h = residual + mixer_out` (an add), `post_norm(h)` (FusedRMSNorm: one
 rms_norm) and, after the feed-forward, `h + ffn(normed)` (an add). Here the
 first two are one torch.ops.mps_ext.add_rms_norm dispatch
-(mps_ext.fused_norm.add_rms_norm), and a FusedMoE feed-forward is called as
+(mps_ext.passes.norm.add_rms_norm), and an optimized MoE feed-forward is called as
 `ffn(normed, residual=h)`, which returns the sum itself (so that its op can
 add it in its last dispatch); a dense MLP keeps `h + mlp(normed)`. The rest
 of the forward is the model's, line for line: the input norm, the mixer
@@ -42,11 +42,12 @@ import inspect
 import torch
 from torch import nn
 
-from ._subclass import fused_subclass
-from .fused_moe import FusedMoE
-from .fused_norm import FusedRMSNorm, add_rms_norm, add_then_norm
+from ._classes import fused_subclass, original_class, register_maker, register_mixin
+from ._protocol import Pass, mismatch
+from .moe import FusedMoEMixin
+from .norm import FusedRMSNorm, add_rms_norm, add_then_norm
 
-__all__ = ["optimize_decoder_layers"]
+__all__ = ["DecoderPass", "FusedDecoderLayerMixin"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,7 @@ _LAYOUTS = (
 # layers pass the attention each of them they take; the linear attention
 # and the short convolution none of the positions, and the Gated DeltaNet
 # the cache as cache_params.
-_ARGUMENTS = ("attention_mask", "position_ids", "past_key_values", "use_cache", "position_embeddings")
+_ARGUMENTS = ("attention_mask", "position_ids", "past_key_values", "cache", "use_cache", "position_embeddings")
 _NOT_PASSED = {"linear_attn": ("position_ids", "position_embeddings"), "conv": ("position_ids", "position_embeddings")}
 _RENAMED = {"linear_attn": {"past_key_values": "cache_params"}}
 _RETURNS_WEIGHTS = ("self_attn",)  # (output, attention weights)
@@ -108,21 +109,34 @@ class _Plan:
         return arguments
 
 
+@register_mixin
 class FusedDecoderLayerMixin:
     """The forward of a transformers 5 decoder layer with its residual add
-    and post-attention norm as one mps_ext.fused_norm.add_rms_norm call (a
-    FusedMoE feed-forward adding the second residual); the layer's own
+    and post-attention norm as one mps_ext.passes.norm.add_rms_norm call
+    (an optimized MoE feed-forward adding the second residual); the layer's own
     forward (the next class in the MRO) where that does not run (module
     docstring)."""
 
     def forward(self, *args, **kwargs):
+        call = self._mps_ext_fused_call(False, args, kwargs)
+        return super().forward(*args, **kwargs) if call is None else call()
+
+    def _mps_ext_fused_call(self, reference: bool, args: tuple, kwargs: dict):
+        """The call on the fused path (reference: torch's add and the norm
+        module for add_rms_norm, wherever it would run), as a function of no
+        arguments; None where the layer's own forward runs."""
+        if torch.compiler.is_compiling():
+            return None
         plan = self._mps_ext_decoder
-        if not torch.compiler.is_compiling():
-            arguments = plan.bind(args, kwargs)
-            x = None if arguments is None else arguments["hidden_states"]
-            if isinstance(x, torch.Tensor) and getattr(self, plan.layout.post_norm).op_takes(x):
-                return self._fused_forward(add_rms_norm, arguments)
-        return super().forward(*args, **kwargs)
+        arguments = plan.bind(args, kwargs)
+        x = None if arguments is None else arguments["hidden_states"]
+        if not isinstance(x, torch.Tensor):
+            return None
+        if reference:
+            return lambda: self._fused_forward(add_then_norm, arguments)
+        if not getattr(self, plan.layout.post_norm).op_takes(x):
+            return None
+        return lambda: self._fused_forward(add_rms_norm, arguments)
 
     def _fused_forward(self, add_norm, arguments: dict):
         """The model's forward from its bound arguments, with `add_norm(x,
@@ -137,7 +151,7 @@ class FusedDecoderLayerMixin:
             hidden_states, _ = hidden_states
         hidden_states, normed = add_norm(hidden_states, residual, getattr(self, layout.post_norm))
         ffn = getattr(self, layout.ffn)
-        if isinstance(ffn, FusedMoE):
+        if isinstance(ffn, FusedMoEMixin):
             return ffn(normed, residual=hidden_states)
         out = ffn(normed)
         if isinstance(out, tuple):  # Qwen3.5's MoE blocks return (output, router logits) when left unfused
@@ -150,6 +164,9 @@ def _fused_class(cls: type) -> type:
         FusedDecoderLayerMixin, cls,
         f"{cls.__name__} with its residual add and post-attention norm on one torch.ops.mps_ext.add_rms_norm "
         "call (mps_ext.optimize).")
+
+
+register_maker(FusedDecoderLayerMixin, _fused_class)
 
 
 def _plan(mod: nn.Module, layout: _Layout) -> _Plan | str:
@@ -233,41 +250,59 @@ def _probe(mod: nn.Module, original, plan: _Plan) -> str | None:
         return (f"its forward calls {plan.mixer} otherwise than optimize would (keywords "
                 f"{sorted(want_kwargs)} against {sorted(got_kwargs)})")
     if not (isinstance(want, torch.Tensor) and want.shape == got.shape and torch.equal(got, want)):
-        return "its output differs on a probe: its forward does something else than the residual adds and norms"
+        return mismatch("its output differs on a probe: its forward does something else than the residual adds "
+                        "and norms")
     return None
 
 
-def optimize_decoder_layers(model: nn.Module) -> tuple[dict[str, str], list[str], dict[str, str]]:
-    """Every decoder layer of `model` whose residual add and post-attention
-    norm add_rms_norm computes (module docstring), in place: (converted
-    {name: what}, already [names], left {name: why}). Candidates: modules
-    with the norms and feed-forward of one of the layouts. Run after
-    fuse_norms and the other swaps (the probe runs the mixer and the
-    feed-forward as they will run)."""
-    converted, already, left = {}, [], {}
-    for name, mod in list(model.named_modules()):
-        if isinstance(mod, FusedDecoderLayerMixin):
-            already.append(name)
-            continue
-        layout = next((lay for lay in _LAYOUTS if all(isinstance(getattr(mod, n, None), nn.Module)
-                                                      for n in (lay.input_norm, lay.post_norm, lay.ffn))), None)
-        if layout is None:
-            continue
-        plan = _plan(mod, layout)
-        if isinstance(plan, str):
-            left[name] = plan
-            continue
-        cls = type(mod)
-        original = cls.forward
-        mod.__class__ = _fused_class(cls)
-        mod._mps_ext_decoder = plan
-        why = _probe(mod, original, plan)
-        if why is not None:
-            mod.__class__ = cls
-            del mod._mps_ext_decoder
-            left[name] = why
-            continue
-        ffn = getattr(mod, layout.ffn)
-        converted[name] = (f"{cls.__name__} -> {plan.mixer}'s residual add and {layout.post_norm} on add_rms_norm"
-                           + (", the second residual add in the FusedMoE call" if isinstance(ffn, FusedMoE) else ""))
-    return converted, already, left
+def _layout_of(mod: nn.Module) -> _Layout | None:
+    return next((lay for lay in _LAYOUTS if all(isinstance(getattr(mod, n, None), nn.Module)
+                                                 for n in (lay.input_norm, lay.post_norm, lay.ffn))), None)
+
+
+class DecoderPass(Pass):
+    """A decoder layer of one of the layouts (module docstring) -> its
+    residual add and post-attention norm on add_rms_norm (its class
+    swapped)."""
+
+    name = "decoder_layers"
+    title = "decoder layers with the residual add and post-attention norm on torch.ops.mps_ext.add_rms_norm " \
+            "(one dispatch)"
+    # Its probe runs each layer's mixer and feed-forward as they will run.
+    after = ("moe", "linear_attention", "short_conv", "norms", "projections", "attention")
+    stateful = True
+
+    def candidates(self, model):
+        return [n for n, m in model.named_modules() if isinstance(m, FusedDecoderLayerMixin) or _layout_of(m)]
+
+    def already(self, module):
+        return isinstance(module, FusedDecoderLayerMixin)
+
+    def plan(self, model, name, module):
+        return _plan(module, _layout_of(module))
+
+    def probe(self, model, name, module, plan):
+        cls = type(module)
+        module.__class__ = _fused_class(cls)
+        module._mps_ext_decoder = plan
+        try:
+            return _probe(module, cls.forward, plan)
+        finally:
+            module.__class__ = cls
+            del module._mps_ext_decoder
+
+    def apply(self, model, name, module, plan):
+        cls = type(module)
+        module.__class__ = _fused_class(cls)
+        module._mps_ext_decoder = plan
+        ffn = getattr(module, plan.layout.ffn)
+        return (f"{cls.__name__} -> {plan.mixer}'s residual add and {plan.layout.post_norm} on add_rms_norm"
+                + (", the second residual add in the MoE block's moe_layer call" if isinstance(ffn, FusedMoEMixin) else ""))
+
+    def witness(self, model, name):
+        return getattr(model.get_submodule(name), model.get_submodule(name)._mps_ext_decoder.layout.post_norm).weight
+
+    def revert(self, model, name):
+        module = model.get_submodule(name) if name else model
+        module.__class__ = original_class(type(module))
+        module.__dict__.pop("_mps_ext_decoder", None)

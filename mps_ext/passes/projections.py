@@ -40,13 +40,16 @@ says which.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .fp8 import BLOCK, FP8Linear, fp8_linear
+from ..fp8 import BLOCK, FP8Linear, fp8_linear
+from ._protocol import Pass, _exact, mismatch
 
-__all__ = ["GROUPS", "ProjectionRows", "fuse_projections"]
+__all__ = ["GROUPS", "ProjectionRows", "ProjectionsPass"]
 
 # Members of a group, in the order their rows are stacked (the order the
 # models call them).
@@ -221,27 +224,115 @@ def _describe(names: list[str], members: list[nn.Module], fused: nn.Module) -> s
             + (f" ({', '.join(tensor)}: tensor scale repeated per row)" if tensor else ""))
 
 
-def fuse_projections(model: nn.Module) -> tuple[dict[str, str], list[str], dict[str, str]]:
-    """Each group of projections of `model` that read the same input
-    (GROUPS, module docstring) as one fused layer, in place: (fused
-    {qualified name of the fused layer: what}, already [its names], left
-    {parent's name: which members and why})."""
-    fused_out, already, left, plans = {}, [], {}, []
-    for pname, parent in model.named_modules():
+# ------------------------------------------------------------------ the state dict --
+# The parent's state dict keeps the members' names and tensors (save_pretrained writes what from_pretrained
+# reads into the unfused model): each member's rows of the fused weight (bias, scales) under its own name,
+# and load_state_dict takes them back into the fused layer.
+def _member_entries(fused: nn.Module, member: dict) -> dict:
+    """The member's state-dict entries ({suffix: tensor}) from the fused
+    layer's: its rows of the weight and bias, and of its scales in the
+    shape the member had (views)."""
+    start, stop = member["rows"]
+    out = {"weight": fused.weight[start:stop]}
+    if fused.bias is not None:
+        out["bias"] = fused.bias[start:stop]
+    if isinstance(fused, FP8Linear):
+        scale = fused.weight_scale
+        if fused.granularity == "block":
+            scale = scale[start // BLOCK:-(-stop // BLOCK)]
+        elif fused.granularity == "tensor":  # quantize_fp8 after optimize: one scale, each member's own copy
+            scale = scale.clone()  # (safetensors refuses one tensor under several names)
+        else:
+            scale = scale[start:stop]
+            if member["scale_shape"] not in (None, tuple(scale.shape)):  # a tensor scale, repeated when fused
+                scale = scale[0].reshape(member["scale_shape"])
+        out["weight_scale"] = scale
+    return out
+
+
+def _state_dict_hook(fused_name: str, members: dict, module, state_dict, prefix, local_metadata):
+    fused = getattr(module, fused_name)
+    for key in [k for k in state_dict if k.startswith(f"{prefix}{fused_name}.")]:
+        del state_dict[key]
+    for name, member in members.items():
+        for suffix, t in _member_entries(fused, member).items():
+            state_dict[f"{prefix}{name}.{suffix}"] = t.detach()
+
+
+def _load_hook(fused_name: str, members: dict, module, state_dict, prefix, *args):
+    names = [f"{prefix}{n}.weight" for n in members]
+    if not all(k in state_dict for k in names):
+        return  # the fused layer's own names, or nothing of this group: torch's own load says what is missing
+    fused = getattr(module, fused_name)
+    for suffix in ("weight", "bias", "weight_scale"):
+        keys = [f"{prefix}{n}.{suffix}" for n in members]
+        if not any(k in state_dict for k in keys):
+            continue
+        parts = [state_dict.pop(k) for k in keys]
+        if suffix == "weight_scale" and fused.granularity != "block":
+            parts = [t.reshape(-1, 1).expand(m["rows"][1] - m["rows"][0], 1) for t, m in zip(parts, members.values())]
+        state_dict[f"{prefix}{fused_name}.{suffix}"] = torch.cat(parts)
+
+
+def _offloaded(m: nn.Module) -> bool:
+    """Weights accelerate loads at call time (a hook, the meta device): a
+    concatenation of them now would hold nothing the hook ever fills."""
+    return hasattr(m, "_hf_hook") or any(p.device.type == "meta" for p in m.parameters())
+
+
+class _ProjPlan:
+    """The groups of one parent to fuse ([member names], each one kind) and
+    what is left of the parent's groups, with why ({'parent.{members}': why})."""
+
+    def __init__(self):
+        self.groups: list[list[str]] = []
+        self.left: dict[str, str] = {}
+
+
+class ProjectionsPass(Pass):
+    """Projections that read one input (module docstring) -> one linear
+    layer, its members ProjectionRows."""
+
+    name = "projections"
+    title = "groups of projections that read one input as one layer each (one GEMV at decode)"
+    # The MoE pass takes a shared expert's gate_proj and up_proj as they are, and the Gated DeltaNet pass
+    # recognises its layers by their four input projections.
+    after = ("moe", "linear_attention")
+
+    def candidates(self, model):
+        out = []
+        for pname, parent in model.named_modules():
+            children = dict(parent.named_children())
+            if any(sum(n in children for n in group) >= 2 for group in GROUPS):
+                out.append(pname)
+        return out
+
+    def already(self, module):
+        children = dict(module.named_children())
+        present = [children[n] for group in GROUPS for n in group if n in children]
+        return bool(present) and all(isinstance(m, ProjectionRows) for m in present)
+
+    def plan(self, model, name, parent):
+        plan = _ProjPlan()
         children = dict(parent.named_children())
+        where = f"{name}.{{}}" if name else "{}"
         for group in GROUPS:
             present = [n for n in group if n in children]
-            if len(present) < 2:
-                continue
-            where = f"{pname}.{{}}" if pname else "{}"
-            if all(isinstance(children[n], ProjectionRows) for n in present):
-                already += sorted({where.format(children[n].fused_name) for n in present})
-                continue
-            if any(isinstance(children[n], ProjectionRows) for n in present):
-                continue  # fused apart before (another group of these names): leave as it is
+            if len(present) < 2 or any(isinstance(children[n], ProjectionRows) for n in present):
+                continue  # (fused apart before, under another group of these names: left as it is)
             hooked = [n for n in present if children[n]._forward_hooks or children[n]._forward_pre_hooks]
             if hooked:  # a fused member's hooks would see a call that computes nothing
-                left[where.format(", ".join(present))] = f"forward hooks on {', '.join(hooked)}"
+                plan.left[where.format(", ".join(present))] = f"forward hooks on {', '.join(hooked)}"
+                continue
+            viewed = [n for n in present if "_mps_ext_view_of" in children[n].__dict__]
+            if viewed:
+                what = children[viewed[0]].__dict__["_mps_ext_view_of"]
+                plan.left[where.format(", ".join(present))] = f"{', '.join(viewed)}: views of {what}"
+                continue
+            offloaded = [n for n in present if _offloaded(children[n])]
+            if offloaded:
+                plan.left[where.format(", ".join(present))] = \
+                    f"{', '.join(offloaded)} offloaded (accelerate's hook or the meta device): nothing to concatenate"
                 continue
             classes: dict = {}
             why = []
@@ -250,37 +341,71 @@ def fuse_projections(model: nn.Module) -> tuple[dict[str, str], list[str], dict[
                 if isinstance(kind, str):
                     why.append(f"{n} is {kind}")
                 else:
-                    classes.setdefault(kind, []).append((n, children[n]))
+                    classes.setdefault(kind, []).append(n)
             single = []
             for kind, members in classes.items():
                 if kind[1] == "block":
-                    members, apart = _block_members(members)
+                    members, apart = _block_members([(n, children[n]) for n in members])
+                    members, apart = [n for n, _ in members], [n for n, _ in apart]
                     if apart:
-                        why.append(f"{', '.join(n for n, _ in apart)}: 128x128 block scales whose rows are not a "
-                                   f"multiple of {BLOCK} (a block would straddle two projections)")
+                        why.append(f"{', '.join(apart)}: 128x128 block scales whose rows are not a multiple of "
+                                   f"{BLOCK} (a block would straddle two projections)")
                 if len(members) >= 2:
-                    plans.append((pname, parent, members))
+                    plan.groups.append(members)
                 elif members and len(classes) > 1:
-                    single.append(f"{members[0][0]} ({_kind_text(kind)})")
+                    single.append(f"{members[0]} ({_kind_text(kind)})")
             if single:
                 why.append(f"stored differently, not concatenated: {', '.join(single)}")
             if why:
-                left[where.format(", ".join(present))] = "; ".join(why)
-    for pname, parent, members in plans:
-        names = [n for n, _ in members]
-        mods = [m for _, m in members]
-        fused = _concatenate(mods)
-        name = _fused_name(parent, names)
-        parent.add_module(name, fused)
-        memo = _Memo(tuple(m.out_features for m in mods))
-        start = 0
-        for i, (n, m) in enumerate(members):
-            rows = ProjectionRows(parent, name, i, start, start + m.out_features, m.in_features, memo)
-            rows.train(m.training)
-            setattr(parent, n, rows)
-            start += m.out_features
-        fused_out[f"{pname}.{name}" if pname else name] = _describe(names, mods, fused)
-    return fused_out, already, left
+                plan.left[where.format(", ".join(present))] = "; ".join(why)
+        return plan
+
+    def probe(self, model, name, parent, plan):
+        """Each member's product against its rows of the concatenation, on a
+        probe input (within the float rounding of another summation order:
+        a CPU GEMM may sum in another order for another row count)."""
+        for members in plan.groups:
+            mods = [getattr(parent, n) for n in members]
+            w = mods[0].weight
+            dtype = w.dtype if w.is_floating_point() and w.element_size() > 1 else torch.bfloat16
+            x = torch.randn(3, mods[0].in_features, generator=torch.Generator().manual_seed(0)).to(w.device, dtype)
+            with torch.no_grad():
+                fused = _concatenate(mods)
+                rows = fused(x).split([m.out_features for m in mods], -1)
+                for n, m, got in zip(members, mods, rows):
+                    want = m(x)
+                    err = float((_exact(got) - _exact(want)).abs().max() /
+                                _exact(want).abs().max().clamp_min(1e-30))
+                    if not err <= (1e-5 if dtype == torch.float32 else 2e-2):
+                        return mismatch(f"{n}'s product differs from its rows of the concatenation on a probe "
+                                        f"(relative error {err:.2g}): it is not a plain linear layer")
+            del fused
+        return None
+
+    def apply(self, model, name, parent, plan):
+        out = {}
+        for names in plan.groups:
+            mods = [getattr(parent, n) for n in names]
+            fused = _concatenate(mods)
+            fname = _fused_name(parent, names)
+            parent.add_module(fname, fused)
+            memo = _Memo(tuple(m.out_features for m in mods))
+            start, members = 0, {}
+            for i, (n, m) in enumerate(zip(names, mods)):
+                rows = ProjectionRows(parent, fname, i, start, start + m.out_features, m.in_features, memo)
+                rows.train(m.training)
+                setattr(parent, n, rows)
+                members[n] = {"rows": (start, start + m.out_features),
+                              "scale_shape": tuple(m.weight_scale.shape) if isinstance(m, FP8Linear) else None}
+                start += m.out_features
+            parent.register_state_dict_post_hook(functools.partial(_state_dict_hook, fname, members))
+            parent.register_load_state_dict_pre_hook(functools.partial(_load_hook, fname, members))
+            out[f"{name}.{fname}" if name else fname] = _describe(names, mods, fused)
+            del mods, fused  # the members' own weights go with them
+        return out
+
+    def witness(self, model, name):
+        return model.get_submodule(name).weight  # (the fused layer's: the summary names it)
 
 
 def _kind_text(kind: tuple) -> str:

@@ -9,7 +9,7 @@ q_norm, k_norm (FusedRMSNorm after optimize: one dispatch each) and
 transformers' apply_rotary_pos_emb (mul, neg, cat, mul, add for q and for
 k; a partial rotary adds a cat for each): about 12 host calls and
 dispatches a layer and token. Here they are one call of
-mps_ext.fused_norm.qk_norm_rope (torch.ops.mps_ext.qk_norm_rope where the
+mps_ext.passes.norm.qk_norm_rope (torch.ops.mps_ext.qk_norm_rope where the
 kernels run, the same steps with torch's ops elsewhere). Two more pieces
 are one dispatch each where the kernels run, eager: the output gate
 (sigmoid_gate: the gate read where q_proj left it, where the model copies
@@ -50,17 +50,20 @@ import typing
 import torch
 from torch import nn
 
-from ._subclass import fused_subclass
-from .fused_moe import _kernels_for
-from .fused_norm import _FLOAT, MAX_HEAD_DIM, FusedRMSNorm, qk_norm_rope, qk_norm_rope_reference
+from ._classes import fused_subclass, original_class, register_maker, register_mixin
+from ._protocol import Pass, _exact, mismatch
+from ._runtime import kernels_for
+from .norm import _FLOAT, MAX_HEAD_DIM, FusedRMSNorm, qk_norm_rope, qk_norm_rope_reference
 
-__all__ = ["optimize_attention"]
+__all__ = ["AttentionPass", "FusedQKNormRopeMixin", "cache_update", "sigmoid_gate"]
 
 _NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"))
 _OUT = ("o_proj", "out_proj")
-# transformers 5's attention forward: (hidden_states, position_embeddings, attention_mask,
-# past_key_values=None, **kwargs); the decoder layers pass them by name.
-_SIGNATURE = ["self", "hidden_states", "position_embeddings", "attention_mask", "past_key_values"]
+# transformers 5's attention forward: (hidden_states, position_embeddings, attention_mask, <cache>=None,
+# **kwargs), the cache named past_key_values up to 5.23 and cache from 5.24; the decoder layers pass them
+# by name.
+_ARGUMENTS = ("hidden_states", "position_embeddings", "attention_mask")
+_CACHE_NAMES = ("past_key_values", "cache")
 _PROBE_TOKENS = 3
 
 
@@ -71,24 +74,59 @@ class _Plan:
     out: str
     gated: bool                  # q_proj holds each head's query, then its output gate (Qwen3.5/3.6, Qwen3-Next)
     sliding_window: bool         # the layer passes its sliding_window to the attention function (Qwen3)
+    update_kwargs: bool = False  # the forward passes its keywords to cache.update (transformers 5.24 on)
     rotary: frozenset = frozenset()  # rotary sizes (cos.shape[-1]) the probe checked
 
 
+def _bind(args: tuple, kwargs: dict):
+    """(hidden_states, position_embeddings, attention_mask, cache, the other
+    keywords) of an attention's call, whichever name its release gives the
+    cache; None if the call is not of that form."""
+    if len(args) > 4:
+        return None
+    given = dict(zip(_ARGUMENTS + ("cache",), args))
+    rest = dict(kwargs)
+    for n in _ARGUMENTS:
+        if n in rest:
+            if n in given:
+                return None
+            given[n] = rest.pop(n)
+    for n in _CACHE_NAMES:
+        if n in rest:
+            if "cache" in given:
+                return None
+            given["cache"] = rest.pop(n)
+    if any(n not in given for n in _ARGUMENTS):
+        return None
+    return given["hidden_states"], given["position_embeddings"], given["attention_mask"], given.get("cache"), rest
+
+
+@register_mixin
 class FusedQKNormRopeMixin:
     """The forward of a transformers 5 attention with its q/k norms and
-    rotary embedding as one mps_ext.fused_norm.qk_norm_rope call; the layer's
-    own forward (the next class in the MRO) for a rotary size the probe did
-    not check."""
+    rotary embedding as one mps_ext.passes.norm.qk_norm_rope call; the
+    layer's own forward (the next class in the MRO) for a call of another
+    form or a rotary size the probe did not check."""
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+    def forward(self, *args, **kwargs):
+        call = self._mps_ext_fused_call(False, args, kwargs)
+        return super().forward(*args, **kwargs) if call is None else call()
+
+    def _mps_ext_fused_call(self, reference: bool, args: tuple, kwargs: dict):
+        """The call on the fused path (reference: torch's ops for the
+        kernels), as a function of no arguments; None where the layer's own
+        forward runs."""
+        bound = _bind(args, kwargs)
+        if bound is None:
+            return None
+        hidden_states, position_embeddings, attention_mask, cache, rest = bound
         cos = position_embeddings[0] if isinstance(position_embeddings, (tuple, list)) else None
         if not (isinstance(cos, torch.Tensor) and cos.dim() == 3 and cos.shape[-1] in self._mps_ext_attention.rotary):
-            return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
-        return self._fused_forward(_KERNELS, hidden_states, position_embeddings, attention_mask, past_key_values,
-                                   **kwargs)
+            return None
+        ops = _REFERENCE if reference else _KERNELS
+        return lambda: self._fused_forward(ops, hidden_states, position_embeddings, attention_mask, cache, **rest)
 
-    def _fused_forward(self, ops, hidden_states, position_embeddings, attention_mask, past_key_values=None,
-                       **kwargs):
+    def _fused_forward(self, ops, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
         """The model's forward with `ops` in place of its norm and rotary
         lines, its output gate and its cache update (_KERNELS; the probe:
         _REFERENCE, torch's ops in the model's steps)."""
@@ -105,8 +143,9 @@ class FusedQKNormRopeMixin:
         cos, sin = position_embeddings
         query_states, key_states = ops.qk(query.view(hidden_shape), key, cos, sin, getattr(self, plan.q_norm),
                                           getattr(self, plan.k_norm))
-        if past_key_values is not None:
-            key_states, value_states = ops.cache(past_key_values, key_states, value_states, self.layer_idx)
+        if cache is not None:
+            key_states, value_states = ops.cache(cache, key_states, value_states, self.layer_idx,
+                                                 kwargs if plan.update_kwargs else None)
         attention_interface = self._mps_ext_functions.get_interface(self.config._attn_implementation,
                                                                     self._mps_ext_eager)
         window = {"sliding_window": self.sliding_window} if plan.sliding_window else {}
@@ -136,7 +175,7 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     if (not torch.compiler.is_compiling() and x.dtype in _FLOAT and gate.dtype == x.dtype
             and x.numel() == gate.numel() and x.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad))
-            and _kernels_for(x, "norm")):
+            and kernels_for(x, "norm")):
         return torch.ops.mps_ext.sigmoid_gate(x.view(gate.shape), gate).view(x.shape)
     return sigmoid_gate_reference(x, gate)
 
@@ -147,9 +186,19 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 KV_STEP = 256
 
 
-def cache_update_reference(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
-    """The model's `past_key_values.update(key_states, value_states, layer_idx)`."""
-    return cache.update(key_states, value_states, layer_idx)
+def _release_update(cache, key_states, value_states, layer_idx, kwargs):
+    """The model's own `cache.update(key_states, value_states, layer_idx)`
+    (with `kwargs=kwargs` where its release passes them)."""
+    if kwargs is None:
+        return cache.update(key_states, value_states, layer_idx)
+    return cache.update(key_states, value_states, layer_idx, kwargs=kwargs)
+
+
+def kv_append_reference(k_buf, v_buf, key, value, n: int) -> None:
+    """torch.ops.mps_ext.kv_append with torch's copies."""
+    t = key.shape[-2]
+    k_buf[:, :, n:n + t].copy_(key)
+    v_buf[:, :, n:n + t].copy_(value)
 
 
 @functools.cache
@@ -159,11 +208,11 @@ def _dynamic_cache_classes() -> tuple[type, type]:
     return DynamicCache, DynamicLayer
 
 
-def _appends(cache, key: torch.Tensor, value: torch.Tensor, layer_idx) -> bool:
+def _appends(cache, key: torch.Tensor, value: torch.Tensor, layer_idx, kernels: bool) -> bool:
     """Whether cache_update writes this update with kv_append: a plain
     DynamicCache's DynamicLayer (the classes exactly: a sliding-window,
     quantized, static or hybrid layer keeps its own update), eager, where
-    the kernels run."""
+    the kernels run (`kernels`; else wherever they would)."""
     if torch.compiler.is_compiling():
         return False
     DynamicCache, DynamicLayer = _dynamic_cache_classes()
@@ -177,10 +226,11 @@ def _appends(cache, key: torch.Tensor, value: torch.Tensor, layer_idx) -> bool:
         return False
     if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):  # no derivative
         return False
-    return _kernels_for(key, "norm")
+    return not kernels or kernels_for(key, "norm")
 
 
-def cache_update(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+def cache_update(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs=None, *,
+                 reference: bool = False):
     """cache.update(key_states, value_states, layer_idx), for a
     DynamicLayer (_appends) in one torch.ops.mps_ext.kv_append dispatch:
     the layer's keys and values are views [:, :, :n] of buffers with spare
@@ -191,9 +241,11 @@ def cache_update(cache, key_states: torch.Tensor, value_states: torch.Tensor, la
     cache. A buffer is made anew, one copy of the cache, when it is full or
     the layer's keys are not the views last set here (the first update, or
     after crop, reorder, reset, batch_repeat_interleave, a torch.cat of the
-    layer's own update)."""
-    if not _appends(cache, key_states, value_states, layer_idx):
-        return cache.update(key_states, value_states, layer_idx)
+    layer's own update). `kwargs`: what the release passes update besides
+    (None: nothing). `reference`: torch's copies for kv_append (the probe's
+    path), wherever the kernel would run."""
+    if not _appends(cache, key_states, value_states, layer_idx, not reference):
+        return _release_update(cache, key_states, value_states, layer_idx, kwargs)
     layer = cache.layers[layer_idx]
     if not layer.is_initialized:
         layer.lazy_initialization(key_states, value_states)
@@ -207,7 +259,7 @@ def cache_update(cache, key_states: torch.Tensor, value_states: torch.Tensor, la
         n = old_k.shape[-2] if old_k.numel() else 0
         if n and (old_k.shape[:2] != (b, h) or old_k.shape[3] != d or old_v.shape != old_k.shape
                   or old_k.dtype != key_states.dtype or old_v.dtype != key_states.dtype):
-            return cache.update(key_states, value_states, layer_idx)  # torch.cat would raise or promote: its say
+            return _release_update(cache, key_states, value_states, layer_idx, kwargs)  # torch.cat would raise or promote
         capacity = -(-(n + t) // KV_STEP) * KV_STEP
         k_buf = key_states.new_empty((b, h, capacity, d))
         v_buf = key_states.new_empty((b, h, capacity, d))
@@ -217,7 +269,7 @@ def cache_update(cache, key_states: torch.Tensor, value_states: torch.Tensor, la
         held = (k_buf, v_buf)
     else:
         held = held[:2]
-    torch.ops.mps_ext.kv_append(held[0], held[1], key_states, value_states, n)
+    (kv_append_reference if reference else torch.ops.mps_ext.kv_append)(held[0], held[1], key_states, value_states, n)
     layer.keys, layer.values = held[0][:, :, :n + t], held[1][:, :, :n + t]
     layer._mps_ext_kv = (*held, layer.keys, layer.values)
     return layer.keys, layer.values
@@ -230,10 +282,11 @@ class _Ops(typing.NamedTuple):
 
 
 _KERNELS = _Ops(qk_norm_rope, sigmoid_gate, cache_update)
-_REFERENCE = _Ops(qk_norm_rope_reference, sigmoid_gate_reference, cache_update_reference)
+_REFERENCE = _Ops(qk_norm_rope_reference, sigmoid_gate_reference, functools.partial(cache_update, reference=True))
 
 
-def _fused_class(cls: type, modeling) -> type:
+def _fused_class(cls: type) -> type:
+    modeling = sys.modules[cls.__module__]
     return fused_subclass(
         FusedQKNormRopeMixin, cls,
         f"{cls.__name__} with its q/k norms and rotary embedding on one torch.ops.mps_ext.qk_norm_rope call "
@@ -251,11 +304,11 @@ def _features(m, name: str) -> int | None:
 def _plan(mod: nn.Module) -> _Plan | str:
     """What the fused forward needs to know of `mod`, or why it cannot
     stand for mod's forward (before the probe)."""
-    names = next((p for p in _NORMS if all(isinstance(getattr(mod, n, None), nn.Module) for n in p)), None)
-    if names is None:
+    norm_names = next((p for p in _NORMS if all(isinstance(getattr(mod, n, None), nn.Module) for n in p)), None)
+    if norm_names is None:
         return "no per-head q and k norms (q_norm, k_norm or q_layernorm, k_layernorm): no norm to fuse with its rotary"
     out = next(n for n in _OUT if isinstance(getattr(mod, n, None), nn.Module))
-    norms = [getattr(mod, n) for n in names]
+    norms = [getattr(mod, n) for n in norm_names]
     if not all(isinstance(n, FusedRMSNorm) for n in norms):
         kinds = ", ".join(type(n).__name__ for n in norms)
         return f"its q and k norms ({kinds}) are not RMSNorms optimize fuses"
@@ -276,21 +329,27 @@ def _plan(mod: nn.Module) -> _Plan | str:
         params = list(inspect.signature(type(mod).forward).parameters.values())
     except (TypeError, ValueError):
         params = []
-    if [p.name for p in params[:len(_SIGNATURE)]] != _SIGNATURE or params[-1].kind != inspect.Parameter.VAR_KEYWORD \
-            or len(params) != len(_SIGNATURE) + 1:
+    names = [p.name for p in params]
+    if names[1:4] != list(_ARGUMENTS) or len(params) != 6 or names[4] not in _CACHE_NAMES \
+            or params[-1].kind != inspect.Parameter.VAR_KEYWORD:
         return ("its forward is not transformers 5's (hidden_states, position_embeddings, attention_mask, "
-                "past_key_values, **kwargs)")
+                "past_key_values or cache, **kwargs)")
     modeling = sys.modules.get(type(mod).__module__)
     if not all(hasattr(modeling, n) for n in ("ALL_ATTENTION_FUNCTIONS", "eager_attention_forward")) or \
             not hasattr(getattr(mod, "config", None), "_attn_implementation"):
         return "its modeling module has no ALL_ATTENTION_FUNCTIONS and eager_attention_forward (not transformers 5's)"
-    from .fused_projections import ProjectionRows
-    known = {"q_proj", "k_proj", "v_proj", out, *names}
+    from .projections import ProjectionRows
+    known = {"q_proj", "k_proj", "v_proj", out, *norm_names}
     known |= {m.fused_name for m in (mod.q_proj, mod.k_proj, mod.v_proj) if isinstance(m, ProjectionRows)}
     extra = [n for n, _ in mod.named_children() if n not in known]
     if extra:
         return f"it holds {', '.join(extra)} beside its projections and q/k norms (optimize knows no such attention)"
-    return _Plan(names[0], names[1], out, q_rows == 2 * o_cols, hasattr(mod, "sliding_window"))
+    try:
+        source = inspect.getsource(type(mod).forward)
+    except (OSError, TypeError):
+        source = ""
+    return _Plan(norm_names[0], norm_names[1], out, q_rows == 2 * o_cols, hasattr(mod, "sliding_window"),
+                 update_kwargs="kwargs=kwargs)" in source.replace(" ", ""))
 
 
 def _probe(mod: nn.Module, original, plan: _Plan, rotary: set[int]) -> frozenset | str:
@@ -319,9 +378,9 @@ def _probe(mod: nn.Module, original, plan: _Plan, rotary: set[int]) -> frozenset
                     continue
                 got = mod._fused_forward(_REFERENCE, x, (cos, sin), None)[0]
                 if not (got.shape == want.shape and torch.equal(got, want)):
-                    err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
-                    return (f"its output differs on a probe (rotary size {r}, relative error {err:.2g}): its rotary "
-                            "embedding is not rotate_half's, or its forward does something else")
+                    err = float((_exact(got) - _exact(want)).abs().max() / _exact(want).abs().max())
+                    return mismatch(f"its output differs on a probe (rotary size {r}, relative error {err:.2g}): its "
+                                    "rotary embedding is not rotate_half's, or its forward does something else")
                 ok.append(r)
     finally:
         for m, training in modes:
@@ -336,39 +395,66 @@ def _rotary_sizes(model: nn.Module) -> set[int]:
     return {2 * b.numel() for m in model.modules() for n, b in m.named_buffers(recurse=False) if n == "inv_freq"}
 
 
-def optimize_attention(model: nn.Module) -> tuple[dict[str, str], list[str], dict[str, str]]:
-    """Every attention layer of `model` whose q/k norms and rotary embedding
-    qk_norm_rope computes (module docstring), in place: (converted {name:
-    what}, already [names], left {name: why}). Candidates: modules with
-    q_proj, k_proj, v_proj and o_proj (or out_proj). Run after fuse_norms
-    (the op takes FusedRMSNorm's weights)."""
-    converted, already, left = {}, [], {}
-    rotary = _rotary_sizes(model)
-    for name, mod in list(model.named_modules()):
-        if isinstance(mod, FusedQKNormRopeMixin):
-            already.append(name)
-            continue
-        if not all(isinstance(getattr(mod, n, None), nn.Module) for n in ("q_proj", "k_proj", "v_proj")) or \
-                not any(isinstance(getattr(mod, n, None), nn.Module) for n in _OUT):
-            continue
-        plan = _plan(mod)
-        if isinstance(plan, str):
-            left[name] = plan
-            continue
-        cls = type(mod)
-        original = cls.forward
-        mod.__class__ = _fused_class(cls, sys.modules[cls.__module__])
-        mod._mps_ext_attention = plan
-        sizes = _probe(mod, original, plan, rotary)
+def _is_candidate(mod: nn.Module) -> bool:
+    return all(isinstance(getattr(mod, n, None), nn.Module) for n in ("q_proj", "k_proj", "v_proj")) and \
+        any(isinstance(getattr(mod, n, None), nn.Module) for n in _OUT)
+
+
+class AttentionPass(Pass):
+    """An attention layer with per-head q/k norms (module docstring) -> its
+    norms and rotary embedding on qk_norm_rope (its class swapped)."""
+
+    name = "attention"
+    title = "attention layers with q/k norms and rotary embedding on torch.ops.mps_ext.qk_norm_rope (one dispatch)"
+    # The op takes FusedRMSNorm's weights; and the probe runs each layer as it will run, q, k and v views of
+    # the fused projection's output.
+    after = ("norms", "projections")
+    stateful = True
+
+    def candidates(self, model):
+        return [n for n, m in model.named_modules() if isinstance(m, FusedQKNormRopeMixin) or _is_candidate(m)]
+
+    def already(self, module):
+        return isinstance(module, FusedQKNormRopeMixin)
+
+    def plan(self, model, name, module):
+        plan = _plan(module)
+        if isinstance(plan, _Plan):
+            plan = dataclasses.replace(plan, rotary=frozenset(_rotary_sizes(model)))
+        return plan
+
+    def probe(self, model, name, module, plan):
+        cls = type(module)
+        module.__class__ = _fused_class(cls)
+        module._mps_ext_attention = plan
+        try:
+            sizes = _probe(module, cls.forward, plan, set(plan.rotary))
+        finally:
+            module.__class__ = cls
+            del module._mps_ext_attention
         if isinstance(sizes, str):
-            mod.__class__ = cls
-            del mod._mps_ext_attention
-            left[name] = sizes
-            continue
-        mod._mps_ext_attention = dataclasses.replace(plan, rotary=sizes)
-        d = mod.head_dim
-        heads = getattr(mod, plan.out).in_features // d
-        converted[name] = (f"{cls.__name__} -> {plan.q_norm}, {plan.k_norm} and rotary embedding on qk_norm_rope "
-                           f"({heads} query heads, {mod.k_proj.out_features // d} key heads of {d}, rotary "
-                           f"{', '.join(map(str, sorted(sizes)))}{', output gate' if plan.gated else ''})")
-    return converted, already, left
+            return sizes
+        plan.__dict__["_sizes"] = sizes  # (frozen dataclass: what apply takes)
+        return None
+
+    def apply(self, model, name, module, plan):
+        sizes = plan.__dict__.pop("_sizes")
+        cls = type(module)
+        module.__class__ = _fused_class(cls)
+        module._mps_ext_attention = dataclasses.replace(plan, rotary=sizes)
+        d = module.head_dim
+        heads = getattr(module, plan.out).in_features // d
+        return (f"{cls.__name__} -> {plan.q_norm}, {plan.k_norm} and rotary embedding on qk_norm_rope "
+                f"({heads} query heads, {module.k_proj.out_features // d} key heads of {d}, rotary "
+                f"{', '.join(map(str, sorted(sizes)))}{', output gate' if plan.gated else ''})")
+
+    def witness(self, model, name):
+        return getattr(model.get_submodule(name), model.get_submodule(name)._mps_ext_attention.q_norm).weight
+
+    def revert(self, model, name):
+        module = model.get_submodule(name) if name else model
+        module.__class__ = original_class(type(module))
+        module.__dict__.pop("_mps_ext_attention", None)
+
+
+register_maker(FusedQKNormRopeMixin, _fused_class)

@@ -7,7 +7,7 @@ attention's q and k norms over each head). Each module `fuse_norms`
 recognises becomes a FusedRMSNorm, whose forward is one
 torch.ops.mps_ext.rms_norm (csrc/ops/norm.cpp, kernels_metal/norm.metal).
 
-Recognised by value, as fused_moe recognises MoE blocks: a module with one
+Recognised by value, as the MoE pass recognises MoE blocks: a module with one
 parameter, `weight` [N] (floating), no buffers or children, an
 `variance_epsilon` or `eps` float, a forward of one tensor, whose output on
 a probe is bit-identical to one of the two variants computed with torch's
@@ -26,7 +26,7 @@ fusing them means replacing those forwards. `qk_norm_rope` is the piece
 such a forward calls: the attention's q_norm, k_norm and rotary embedding
 as one torch.ops.mps_ext.qk_norm_rope dispatch (docs/optimize.md);
 `add_rms_norm` the decoder layer's: its residual add and post-attention
-norm as one torch.ops.mps_ext.add_rms_norm dispatch (mps_ext/fused_decoder.py).
+norm as one torch.ops.mps_ext.add_rms_norm dispatch (mps_ext/passes/decoder.py).
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ import inspect
 import torch
 from torch import nn
 
-from .fused_moe import _kernels_for
+from ._protocol import Pass, mismatch
+from ._runtime import kernels_for
 
-__all__ = ["FusedRMSNorm", "add_rms_norm", "add_then_norm", "fuse_norms", "qk_norm_rope",
-           "qk_norm_rope_reference"]
+__all__ = ["FusedRMSNorm", "NormPass", "add_rms_norm", "add_then_norm", "qk_norm_rope", "qk_norm_rope_reference"]
 
 VARIANTS = ("weight", "zero_centred")
 MAX_ROW = 1024 * 8  # norm_params.h: RMS_NORM_MAX_THREADS * RMS_NORM_PER_THREAD
@@ -69,7 +69,9 @@ class FusedRMSNorm(nn.Module):
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"FusedRMSNorm: variant must be one of {VARIANTS}, got {variant!r}")
-        self.weight = nn.Parameter(weight.detach(), requires_grad=weight.requires_grad)
+        # The norm's own Parameter where it has one: an optimizer made before optimize keeps training it.
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight.detach(),
+                                                                                   requires_grad=weight.requires_grad)
         self.eps, self.variant = float(eps), variant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,7 +88,7 @@ class FusedRMSNorm(nn.Module):
         # op would stand between them, one dispatch more.
         x = xs[0]
         return (not torch.compiler.is_compiling() and all(t.dtype == w.dtype for t in xs) and x.dtype in _FLOAT
-                and 0 < x.shape[-1] <= MAX_ROW and all(t.shape == x.shape for t in xs) and _kernels_for(x, "norm")
+                and 0 < x.shape[-1] <= MAX_ROW and all(t.shape == x.shape for t in xs) and kernels_for(x, "norm")
                 and not (torch.is_grad_enabled() and (w.requires_grad or any(t.requires_grad for t in xs))))
 
     def extra_repr(self) -> str:
@@ -111,61 +113,95 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: FusedRMSNorm) ->
     return add_then_norm(x, residual, norm)
 
 
-def _variant_of(mod: nn.Module) -> tuple[float, str] | None:
-    """(eps, variant) of an RMSNorm module, by its structure and a probe;
-    None if it is not one."""
-    if isinstance(mod, FusedRMSNorm) or list(mod.children()) or list(mod.buffers(recurse=False)):
-        return None
-    params = dict(mod.named_parameters(recurse=False))
-    w = params.get("weight")
-    if len(params) != 1 or w is None or w.dim() != 1 or w.dtype not in _FLOAT or w.device.type == "meta":
-        return None
+def _eps_of(mod: nn.Module) -> float | str:
+    """The eps of a module shaped as an RMSNorm (_is_norm_shaped), or why
+    its forward is not one's."""
     eps = next((getattr(mod, a) for a in ("variance_epsilon", "eps") if isinstance(getattr(mod, a, None), float)),
                None)
     if eps is None:
-        return None
+        return "no float variance_epsilon or eps"
     try:
-        if len([p for p in inspect.signature(mod.forward).parameters.values()
-                if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) != 1:
-            return None
+        params = list(inspect.signature(mod.forward).parameters.values())
     except (TypeError, ValueError):
-        return None
+        return "its forward has no signature"
+    # One input and nothing else: a gated norm's forward(x, gate=None) is called with its gate.
+    if len(params) != 1 or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        return (f"its forward takes ({', '.join(p.name for p in params)}) (a gated norm?): rms_norm takes one "
+                "input")
+    return eps
+
+
+def _variant_of(mod: nn.Module, eps: float) -> str | None:
+    """The variant of mod's forward, by a probe: the one whose steps give
+    its output bit for bit; None if neither does."""
+    w = mod.weight
     # Rows of several magnitudes, so that eps and the mean both show.
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(4, w.shape[0], generator=g) * torch.tensor([[1e-3], [1.0], [30.0], [1.0]])).to(w.device, w.dtype)
     with torch.no_grad():
         try:
             got = mod(x)
-        except Exception:
+        except Exception:  # noqa: BLE001 - not a norm of one input
             return None
         if not isinstance(got, torch.Tensor) or got.shape != x.shape:
             return None
         for variant in VARIANTS:
             want = rms_norm_reference(x, w, eps, variant)
             if want.dtype == got.dtype and torch.equal(want, got):
-                return eps, variant
+                return variant
     return None
 
 
-def fuse_norms(model: nn.Module) -> dict[str, str]:
-    """Replace, in place, each RMSNorm module of `model` (module docstring)
-    by a FusedRMSNorm; returns qualified name -> what it became."""
-    plans = []
-    for name, mod in model.named_modules():
-        if not name:
-            continue
-        found = _variant_of(mod)
-        if found is not None:
-            plans.append((name, mod, *found))
-    out = {}
-    for name, mod, eps, variant in plans:
+def _is_norm_shaped(mod: nn.Module) -> bool:
+    """One parameter, `weight` [N], floating, no buffers or children."""
+    if isinstance(mod, FusedRMSNorm) or list(mod.children()) or list(mod.buffers(recurse=False)):
+        return False
+    params = dict(mod.named_parameters(recurse=False))
+    w = params.get("weight")
+    return len(params) == 1 and w is not None and w.dim() == 1 and w.dtype in _FLOAT
+
+
+class _NormPlan:
+    def __init__(self, eps: float):
+        self.eps, self.variant = eps, None
+
+
+class NormPass(Pass):
+    """An RMSNorm module (module docstring) -> FusedRMSNorm."""
+
+    name = "norms"
+    title = "RMSNorms on torch.ops.mps_ext.rms_norm (one dispatch each)"
+    after = ("linear_attention",)  # the Gated DeltaNet pass takes the layers' gated norms as they are
+
+    def candidates(self, model):
+        return [name for name, mod in model.named_modules()
+                if name and (isinstance(mod, FusedRMSNorm) or _is_norm_shaped(mod))]
+
+    def already(self, module):
+        return isinstance(module, FusedRMSNorm)
+
+    def plan(self, model, name, module):
+        if module.weight.device.type == "meta":
+            return "on the meta device: nothing to probe"
+        eps = _eps_of(module)
+        return eps if isinstance(eps, str) else _NormPlan(eps)
+
+    def probe(self, model, name, module, plan):
+        plan.variant = _variant_of(module, plan.eps)
+        if plan.variant is None:
+            return mismatch("its output on a probe is neither RMSNorm variant's (weight * normed, or normed * "
+                            "(1 + weight)) bit for bit")
+        return None
+
+    def apply(self, model, name, module, plan):
         parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        fused = FusedRMSNorm(mod.weight, eps, variant)
-        fused.train(mod.training)
-        setattr(parent, leaf, fused)
-        out[name] = f"{type(mod).__name__} -> FusedRMSNorm ({variant}, eps={eps:g})"
-    return out
+        fused = FusedRMSNorm(module.weight, plan.eps, plan.variant)
+        fused.train(module.training)
+        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, fused)
+        return f"{type(module).__name__} -> FusedRMSNorm ({plan.variant}, eps={plan.eps:g})"
+
+    def witness(self, model, name):
+        return model.get_submodule(name).weight
 
 
 def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -213,7 +249,7 @@ def _op_takes(q, k, cos, sin, qn, kn) -> bool:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):  # no derivative
         return False
-    return _kernels_for(q, "norm")
+    return kernels_for(q, "norm")
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
