@@ -127,7 +127,7 @@ def trace_loop(model, sampling: str = "sampling", tokens: int = 1, context: int 
     if stop_check not in STOP_CHECKS:
         raise ValueError(f"stop_check must be one of {STOP_CHECKS}, got {stop_check!r}")
     if stop_check == "deferred" and not hasattr(gen, "DeferredStopCheck"):
-        raise ValueError(f"this transformers has no DeferredStopCheck (its generate syncs every token): trace "
+        raise ValueError("this transformers has no DeferredStopCheck (its generate syncs every token): trace "
                          "stop_check='sync'")
     if transform is not None:
         model = copy.deepcopy(model)
