@@ -13,8 +13,9 @@ largest shapes (vocabulary-sized weights, 4096 x 4096 attention scores,
 counters come from the CPU Metal executor, anywhere; on a Mac with MPS each
 case is also timed, stock torch against mps_ext. The plot shows, per op
 (summed over its cases), the bandwidth limit (minimum bytes at the chip's
-bandwidth) against the time mps_ext's traffic takes there, and the measured
-times on a Mac.
+bandwidth) against mps_ext's cost there (the traffic it moves at that
+bandwidth plus the GPU cost of each dispatch, benchmarks/timeline.py's
+DISPATCH), and the measured times on a Mac; stock torch only where measured.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def legend(results: list[common.Result], chip: str) -> tuple[list[dict], str]:
     for op in dict.fromkeys(r.case.op for r in results):
         mine = [r for r in results if r.case.op == op]
         g = {"bandwidth limit": sum(r.limit_us(chip) for r in mine),
-             "mps_ext projected": sum(r.projected_us(chip) for r in mine)}
+             "mps_ext: traffic + dispatches": sum(r.dispatched_us(chip) for r in mine)}
         measured = [r.times for r in mine]
         if all(t and not t[0].startswith("error") for t in measured):
             g["stock measured"] = sum(float(t[0]) for t in measured)
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> list[common.Result]:
         print(text)
         if args.decode_png:
             plot.decode_chart(bench_decode.chart_bars(rows), args.decode_png)
-            print(f"{args.decode_png}: projected decode tokens/s per model, one sequence, with their ranges.\n")
+            print(f"{args.decode_png}: decode tokens/s per model, one sequence: stock torch and peers published, mps_ext simulated (with ranges), byte limits.\n")
     print(f"executor run time: {time.perf_counter() - start:.0f} s")
     return results
 

@@ -1,19 +1,23 @@
 """What a decoded token costs on a Mac, counted from real model code, and
-the tokens/s that follows (benchmarks/census.py says how each figure is
-counted).
+the tokens/s an MPS stream running it gives (benchmarks/census.py says how
+the forward is counted, benchmarks/generate_loop.py how generate's loop is,
+benchmarks/timeline.py how the step is simulated).
 
     python -m benchmarks decode [--quick | --tiny] [--context N] [--optimize]
 
-Per model (Qwen3-30B-A3B, Qwen3.6-35B-A3B, LFM2.5-8B-A1B, bf16), per decode
-step of 1 and 4 sequences (one new token each) at a stated context, per
-torch release (2.14, 2.15), stock torch and with mps_ext (with --optimize
-also after mps_ext.optimize(model), bf16 and after mps_ext.quantize_fp8),
-eager and torch.compile: host calls, Metal dispatches, syncs and bytes per
-token, per layer kind and for the whole model, and the projected tokens/s on
-an M3 Ultra with its range. The same projection of stock torch 2.15
-(compiled) is set beside the published measurements (calibration: the GPU
-cost per dispatch is fitted on them and cross-validated), and issue 19's
-goals are checked on the optimized path.
+The step is what `model.generate` runs per token: the forward and
+generate's own loop (sampling with top-k/top-p; transformers'
+DeferredStopCheck, as on MPS). Per model (Qwen3-30B-A3B, Qwen3.6-35B-A3B,
+LFM2.5-8B-A1B, bf16), per decode step of 1 and 4 sequences at a stated
+context, per torch release (2.14, 2.15), stock torch and with mps_ext (with
+--optimize also after mps_ext.optimize(model), bf16 and after
+mps_ext.quantize_fp8), eager and torch.compile: host calls, view calls,
+Metal dispatches, commits, syncs and bytes per token, per layer kind and for
+the whole step, and the simulated tokens/s on an M3 Ultra with its range.
+The simulation is calibrated on torch 2.14's and 2.15's published figures
+(and cross-validated); the same tables show generate's loop at 1k, 4k and
+32k of context, where commits pay, what issue 31's other points would buy
+(what-if rows), issue 31's goals, and the published peers.
 """
 
 from __future__ import annotations
@@ -25,20 +29,37 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import census  # noqa: E402
+from benchmarks import census, generate_loop, timeline  # noqa: E402
 from benchmarks.common import markdown  # noqa: E402
 
 STOCK = "stock"
 OURS = "mps_ext"
 OPTIMIZED = "mps_ext + optimize"
 OPTIMIZED_FP8 = "mps_ext + optimize, fp8"
-CONTEXT = 4096  # tokens of context each sequence has when the step runs (KV cache and states)
+CONTEXT = 4096           # tokens of context each sequence has when the step runs (KV cache and states)
+CONTEXTS = (1024, 4096, 32768)
+SAMPLING = "sampling"    # generate_loop.SAMPLING: the step a user runs with top-k/top-p
+STOP_CHECK = "deferred"  # generate_loop.STOP_CHECKS: transformers' DeferredStopCheck, as generate runs on MPS
+COMMIT_EVERY = (1, 2, 4, 8)  # mps_ext.stream.install_commits(every=k) candidates
 
-# Issue 19's goals (projected, central, M3 Ultra, one sequence), checked on
-# the optimized path, bf16 and fp8, every release, eager and compiled.
-TOK_S_GOALS = {"Qwen3.6-35B-A3B": {"bf16": 80, "fp8": 110}}  # the Qwen3.6-35B-A3B class
+# Issue 31's goals (simulated, central, M3 Ultra, 4k context, generate with sampling, one sequence), on the
+# optimized path, eager and compiled alike; fp8 with an fp8 LM head (point 6, a what-if until it exists).
+TOK_S_GOALS = {"Qwen3.6-35B-A3B": {"bf16": 90, "fp8": 140}, "LFM2.5-8B-A1B": {"bf16": 165, "fp8": 250}}
+# Issue 19's goals, checked on the optimized path.
 MOE_HOST_CALLS_GOAL = 4       # host calls per MoE block (router to combine, shared expert included)
 LAYER_DISPATCHES_GOAL = 12    # dispatches per decoder layer, attention included
+PAYS = 0.005  # a commit policy pays when it adds more than this share to the simulated tokens/s (below: rounding)
+HIDDEN = 0.05  # a step hides its host time behind the GPU when the GPU idles less than this share of it
+
+# Published decode figures, one sequence (anchors.md, "Peers' decode"): (model, engine and weights, chip, tok/s
+# low, high, source). Only those of the census's models; bytes differ with the quantisation.
+PEERS = [
+    ("Qwen3.6-35B-A3B", "MLX 4-bit (oMLX)", "M3 Ultra", 117.5, 122.1, "jundot/omlx PR 2755 (4k context)"),
+    ("Qwen3.6-35B-A3B", "MLX 6-bit (oMLX)", "M3 Ultra", 84.5, 84.5, "jundot/omlx issue 2238"),
+    ("Qwen3.6-35B-A3B", "MLX 8-bit (Rapid-MLX)", "M3 Ultra", 71.8, 74.7, "raullenchai/Rapid-MLX issue 472"),
+    ("Qwen3-30B-A3B", "llama.cpp Q8_0", "M2 Ultra", 76.3, 76.3, "ggml-org/llama.cpp PR 15616"),
+    ("Qwen3-30B-A3B", "MLX 4-bit", "M4 Max", 123.9, 123.9, "Rapid-MLX docs/benchmarks/llm.md"),
+]
 
 
 @dataclasses.dataclass
@@ -49,12 +70,15 @@ class Row:
     mode: str
     who: str                 # STOCK, OURS, OPTIMIZED or OPTIMIZED_FP8
     fp8: bool                # weights as mps_ext.quantize_fp8 leaves them
-    counts: census.Counts    # per step, whole model
+    counts: census.Counts    # per step: the forward and generate's loop
+    loop: census.Counts      # of which generate's loop
     per_kind: dict           # layer kind -> Counts (one layer)
     ffn: dict                # layer kind -> Counts of its feed-forward block alone
     layers: dict             # layer kind -> layers of that kind
-    bytes: dict              # census.step_bytes
-    tok_s: tuple[float, float, float]  # low, central, high
+    bytes: dict              # census.step_bytes, and 'loop': generate's loop
+    tok_s: tuple[float, float, float]  # slow end, central, fast end
+    sim: timeline.Timeline   # the central simulation
+    make: object = dataclasses.field(repr=False, default=None)  # make(**what_if) -> timeline.Step
 
     def per_token(self, x: float) -> float:
         return x / self.tokens
@@ -71,12 +95,27 @@ def variants(optimize=None) -> list[tuple[str, object, bool]]:
     return out
 
 
+def _maker(spec, trace, config, **base):
+    """make(**what_if): the row's timeline.step, its arguments `base` with
+    `what_if`'s in their place (built once for each what_if)."""
+    built = {}
+
+    def make(**what_if):
+        key = repr(sorted(what_if.items(), key=lambda kv: kv[0]))
+        if key not in built:
+            built[key] = timeline.step(spec, trace, config, **{**base, **what_if})
+        return built[key]
+    return make
+
+
 def census_rows(models: list[str], tokens: tuple[int, ...], context: int = CONTEXT, transform=None,
-                releases=census.RELEASES, modes=census.MODES, log=None) -> list[Row]:
+                releases=census.RELEASES, modes=census.MODES, log=None, sampling: str = SAMPLING,
+                stop_check: str = STOP_CHECK) -> list[Row]:
     """Every (model, tokens, release, mode, who) row: one stock trace per
     (model, tokens) serves both releases; one trace per release of each
     mps_ext variant (variants(transform); the release's policy decides which
-    calls run mps_ext's kernels)."""
+    calls run mps_ext's kernels); one trace of generate's loop per (model,
+    tokens)."""
     rows = []
     for name in models:
         spec = census.MODELS[name]
@@ -88,43 +127,36 @@ def census_rows(models: list[str], tokens: tuple[int, ...], context: int = CONTE
             stock = census.trace_step(model, t)
             traces = {(who, r): census.trace_step(model, t, torch_release=r, transform=tf)
                       for who, tf, _ in kinds for r in releases}
+            loop = generate_loop.trace_loop(model, sampling, t, stop_check=stop_check)
             if log:
                 log(f"  decode {name} tokens={t}: traced in {time.perf_counter() - start:.1f} s")
-            # the KV cache copied whole by torch.cat, or its new rows written in place (kv_append)
-            nbytes = {(fp8, copy): census.step_bytes(real, t, context, fp8=fp8, cache_copy=copy)
-                      for fp8 in (False, True) for copy in (False, True)}
+            loop_b = generate_loop.loop_bytes(loop, real.vocab_size, context + 1)
             for release in releases:
                 for mode in modes:
                     for who, fp8 in [(STOCK, False)] + [(who, fp8) for who, _, fp8 in kinds]:
                         trace = stock if who == STOCK else traces[(who, release)]
-                        s = census.scale(spec, trace, model.config, t, release, mode, who != STOCK)
-                        b = nbytes[(fp8, not census.appends_in_place(trace, mode))]
-                        tok_s = tuple(census.project(b["total"], s["total"], t, w)
-                                      for w in ("low", "central", "high"))
-                        rows.append(Row(name, t, release, mode, who, fp8, s["total"], s["per_kind"], s["ffn"],
-                                        s["layers"], b, tok_s))
+                        ours = who != STOCK
+                        s = census.scale(spec, trace, model.config, t, release, mode, ours, context)
+                        copy = not census.appends_in_place(trace, mode)
+                        b = dict(census.step_bytes(real, t, context, fp8=fp8, cache_copy=copy), loop=loop_b)
+                        make = _maker(spec, trace, model.config, loop=loop, release=release, mode=mode,
+                                      ours=ours, tokens=t, context=context, fp8=fp8, cache_copy=copy)
+                        k = timeline.costs()
+                        st = make()
+                        loop_counts = census.count(loop.calls, release, "eager", False)
+                        rows.append(Row(name, t, release, mode, who, fp8, st.counts, loop_counts, s["per_kind"],
+                                        s["ffn"], s["layers"], b, timeline.tok_s_range(make),
+                                        timeline.simulate(st, k), make))
     return rows
-
-
-def chart_bars(rows: list[Row]) -> list[dict]:
-    """decode_chart's bars: one sequence, every release, mode and stock / mps_ext."""
-    out = []
-    for r in rows:
-        if r.tokens != 1:
-            continue
-        lo, mid, hi = r.tok_s
-        pub = census.MODELS[r.model].published.get(r.release) if _published(r) else None
-        out.append({"model": r.model, "series": f"torch {r.release} {r.mode}, {r.who}", "low": lo, "central": mid,
-                    "high": hi, "published": pub})
-    return out
-
-
-def _us(seconds: float | None, none: str = "-") -> str:
-    return none if seconds is None else f"{seconds * 1e6:.1f}"
 
 
 def _f(x: float) -> str:
     return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def _tok(t: tuple[float, float, float], digits: int = 0) -> str:
+    lo, mid, hi = t
+    return f"{mid:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
 
 
 def census_table(rows: list[Row], context: int) -> str:
@@ -136,18 +168,44 @@ def census_table(rows: list[Row], context: int) -> str:
         out.append({
             "model": r.model, "tokens": r.tokens, "torch": r.release, "mode": r.mode, "": r.who,
             "host calls / token": _f(r.per_token(r.counts.host)),
-            "dispatches / token": _f(r.per_token(r.counts.dispatches)),
-            "syncs / step": _f(r.counts.syncs),
             "view calls / token": _f(r.per_token(r.counts.views)),
+            "dispatches / token": _f(r.per_token(r.counts.dispatches)),
+            "syncs / step": _f(r.counts.syncs), "commits / step": _f(r.counts.commits),
+            "of which generate's loop: host / views / dispatches": f"{_f(r.loop.host)} / {_f(r.loop.views)} / "
+                                                                   f"{_f(r.loop.dispatches)}",
             "per layer: host calls / dispatches": "; ".join(
                 f"{k} x{r.layers[k]}: {_f(r.per_kind[k].host)} / {_f(r.per_kind[k].dispatches)}" for k in kinds)
             + f"; outside the layers: {_f(r.per_kind['head'].host)} / {_f(r.per_kind['head'].dispatches)}",
-            "MB / token": f"{r.bytes['total'] / r.tokens / 1e6:,.0f}",
+            "MB / token": f"{(r.bytes['total'] + r.bytes['loop']) / r.tokens / 1e6:,.0f}",
             "per layer: MB / token": "; ".join(
                 f"{k}: {census.layer_bytes(real, k, r.tokens, context, r.fp8, cache_copy=copy)['total'] / r.tokens / 1e6:,.1f}"
                 for k in kinds),
         })
     return markdown(out, list(out[0]))
+
+
+def loop_table(models: list[str], contexts=CONTEXTS) -> str:
+    """Generate's loop per token, one sequence: per model, sampling and stop
+    check, its calls (the same at every context) and bytes at each context;
+    and torch's decode SDPA's dispatches at each."""
+    out = []
+    for name in models:
+        spec = census.MODELS[name]
+        model = census.tiny_model(spec)
+        real = spec.config()
+        for sampling in generate_loop.SAMPLING:
+            for stop in generate_loop.STOP_CHECKS:
+                loop = generate_loop.trace_loop(model, sampling, 1, stop_check=stop)
+                c = census.count(loop.calls, "2.15", "eager", False)
+                out.append({"model": name, "generate": sampling, "stop check": stop, "host calls": _f(c.host),
+                            "view calls": _f(c.views), "dispatches": _f(c.dispatches), "syncs": _f(c.syncs),
+                            "commits": _f(c.commits), "waits for the previous step": _f(c.waits),
+                            **{f"MB at {n // 1024}k": f"{generate_loop.loop_bytes(loop, real.vocab_size, n + 1) / 1e6:.1f}"
+                               for n in contexts}})
+    table = markdown(out, list(out[0]))
+    sdpa = ", ".join(f"{n // 1024}k: {census.sdpa_dispatches(n + 1)}" for n in contexts)
+    return (f"{table}\n\ntorch's decode SDPA (2.14 and 2.15), dispatches per attention layer and token by context "
+            f"({sdpa}): two passes from {census.SDPA_TWO_PASS_KEYS} keys (census.sdpa_dispatches).")
 
 
 def bytes_table(rows: list[Row], context: int) -> str:
@@ -162,93 +220,195 @@ def bytes_table(rows: list[Row], context: int) -> str:
                     f"KV cache read by attention MB (context {context})": f"{b['kv_read'] / 1e6:,.1f}",
                     "KV cache copied by DynamicCache's torch.cat (read + written) MB": f"{b['kv_copy'] / 1e6:,.1f}",
                     "recurrent + conv state read and written MB": f"{b['state'] / 1e6:,.1f}",
-                    "total MB / step": f"{b['total'] / 1e6:,.0f}"})
+                    "generate's loop MB": f"{b['loop'] / 1e6:,.1f}",
+                    "total MB / step": f"{(b['total'] + b['loop']) / 1e6:,.0f}"})
     return markdown(out, list(out[0]))
 
 
-def projection_table(rows: list[Row]) -> str:
-    out = []
-    for r in rows:
-        lo, mid, hi = r.tok_s
-        out.append({"model": r.model, "tokens": r.tokens, "torch": r.release, "mode": r.mode, "": r.who,
-                    "tok/s M3 Ultra": f"{mid:.1f} ({lo:.1f}-{hi:.1f})",
-                    "published": _published(r)})
-    return markdown(out, list(out[0]))
+def _published(r: Row) -> float | None:
+    if r.who != STOCK or r.tokens != 1 or r.mode != "compile":
+        return None
+    return census.MODELS[r.model].published.get(r.release)
 
 
 def summary_table(rows: list[Row]) -> str:
     """README's table: one sequence, per model, release and stock / mps_ext:
-    eager and compiled host calls, dispatches, bytes and tokens/s."""
+    eager and compiled host calls, dispatches, commits, syncs, bytes and
+    simulated tokens/s beside the published figure."""
     keyed = {(r.model, r.release, r.who, r.mode): r for r in rows if r.tokens == 1}
-
-    def pair(e: str, c: str) -> str:
-        return e if e == c else f"{e}; {c}"
-
-    def tok_s(r: Row) -> str:
-        lo, mid, hi = r.tok_s
-        return f"{mid:.0f} ({lo:.0f}-{hi:.0f})"
-
     out = []
-    for (model, release, who, mode), r in keyed.items():
+    for (model, release, who, mode), c in keyed.items():
         if mode != "compile":
             continue
         e = keyed[(model, release, who, "eager")]
-        pub = census.MODELS[model].published.get(release) if who == STOCK else None
+        pub = _published(c)
+
+        def pair(f):
+            a, b = f(e), f(c)
+            return a if a == b else f"{a}; {b}"
+
         out.append({"model": model, "torch": release, "": who,
-                    "host calls / token (eager; compiled)": f"{_f(e.counts.host)}; {_f(r.counts.host)}",
-                    "dispatches / token (eager; compiled)": f"{_f(e.counts.dispatches)}; {_f(r.counts.dispatches)}",
-                    "syncs": _f(r.counts.syncs),
-                    "GB / token (eager; compiled)": pair(f"{e.bytes['total'] / 1e9:.2f}",
-                                                         f"{r.bytes['total'] / 1e9:.2f}"),
-                    "tok/s eager": tok_s(e), "tok/s compiled": tok_s(r),
+                    "host calls (eager; compiled)": pair(lambda r: _f(r.counts.host)),
+                    "view calls": _f(e.counts.views),
+                    "dispatches (eager; compiled)": pair(lambda r: _f(r.counts.dispatches)),
+                    "commits": pair(lambda r: _f(r.counts.commits)), "syncs": pair(lambda r: _f(r.counts.syncs)),
+                    "GB (eager; compiled)": pair(lambda r: f"{(r.bytes['total'] + r.bytes['loop']) / 1e9:.2f}"),
+                    "tok/s eager": _tok(e.tok_s), "tok/s compiled": _tok(c.tok_s),
                     "published (torch.compile)": "" if pub is None else str(pub)})
     return markdown(out, list(out[0]))
 
 
-def _published(r: Row) -> str:
-    if r.who != STOCK or r.tokens != 1 or r.mode != "compile":
-        return ""
-    v = census.MODELS[r.model].published.get(r.release)
-    return "" if v is None else f"{v} (measured, torch.compile)"
+def byte_limit(model: str, fp8: bool, fp8_head: bool = False, context: int = CONTEXT) -> float:
+    """Tokens/s if a step (one sequence, the KV cache appended in place)
+    cost only its bytes at the measured sustained bandwidth."""
+    b = census.step_bytes(census.MODELS[model].config(), 1, context, fp8=fp8, fp8_head=fp8_head, cache_copy=False)
+    return timeline.BANDWIDTH.high / b["total"]
 
 
-def calibration(rows: list[Row]) -> tuple[str, list[dict]]:
-    """Stock torch compiled, 1 token, against the published measurements;
-    census.calibrate on those of census.CALIBRATION_RELEASE."""
-    mine = [r for r in rows if _published(r)]
-    if not mine:
-        return "(no published figure for these rows)", []
-    fit = [r for r in mine if r.release == census.CALIBRATION_RELEASE]
-    points = [(r.bytes["total"], r.counts, r.tokens, census.MODELS[r.model].published[r.release]) for r in fit]
-    cal = census.calibrate(points) if len(points) >= 2 else None
+def peers_table(rows: list[Row]) -> str:
+    """Per model: the published figures (stock torch and the peers), the
+    byte limits, and the simulated optimized path."""
     out = []
-    for r in mine:
-        measured = census.MODELS[r.model].published[r.release]
-        lo, mid, hi = r.tok_s
-        i = fit.index(r) if cal and r in fit else None
-        out.append({"model": r.model, "torch": r.release, "published tok/s": measured,
-                    "projected tok/s": f"{mid:.1f} ({lo:.1f}-{hi:.1f})",
-                    "projected / published": f"{mid / measured:.2f}",
-                    "within 15%": "yes" if abs(mid / measured - 1) <= 0.15 else "no",
-                    "implied GPU us per dispatch": _us(
-                        census.implied_dispatch_cost(r.bytes["total"], r.counts, r.tokens, measured))
-                    + ("" if i is not None else " (not fitted)"),
-                    "the other figures' implied cost predicts: tok/s (/ published)":
-                        "-" if i is None else f"{cal['cross'][i] * measured:.1f} ({cal['cross'][i]:.3f})",
-                    "host us per call, at most": _us(
-                        census.implied_host_cost(r.bytes["total"], r.counts, r.tokens, measured), "GPU-bound")})
+    for model in dict.fromkeys(r.model for r in rows):
+        spec = census.MODELS[model]
+        for release, v in sorted(spec.published.items()):
+            out.append({"model": model, "": f"torch {release} bf16, torch.compile (published)", "tok/s": f"{v}",
+                        "source": "the torch 2.15 release (anchors.md)"})
+        for m, engine, chip, lo, hi, source in PEERS:
+            if m == model:
+                out.append({"model": model, "": f"{engine}, {chip} (published)",
+                            "tok/s": f"{lo}" if lo == hi else f"{lo}-{hi}", "source": source})
+        for r in rows:
+            if r.model == model and r.tokens == 1 and r.release == "2.15" and r.who in (OPTIMIZED, OPTIMIZED_FP8):
+                out.append({"model": model, "": f"{r.who}, torch 2.15 {r.mode} (simulated)", "tok/s": _tok(r.tok_s),
+                            "source": "this census (timeline.py)"})
+        for label, fp8, head in (("bf16", False, False), ("fp8", True, False), ("fp8 with an fp8 LM head", True, True)):
+            out.append({"model": model, "": f"byte limit, {label} (bytes / 692 GB/s, no overhead)",
+                        "tok/s": f"{byte_limit(model, fp8, head):.0f}", "source": "census.step_bytes"})
+    return markdown(out, ["model", "", "tok/s", "source"])
+
+
+def calibration(rows: list[Row]) -> tuple[str, dict | None]:
+    """Stock torch compiled, one sequence, against the published figures:
+    timeline.calibrate (DISPATCH on 2.15's, ROUND_TRIP on 2.14's)."""
+    points = {(r.model, r.release): (r.make, _published(r)) for r in rows if _published(r) is not None}
+    releases = {rel for _, rel in points}
+    if not set(timeline.CALIBRATION.values()) <= releases or len(points) < 4:
+        return "(calibration needs the published figures of both releases: the full decode benchmark)", None
+    cal = timeline.calibrate(points)
+    out = []
+    for (model, release), f in cal["figures"].items():
+        fits = f["fits"]
+        unit = 1e6 if fits == "dispatch" else 1e3
+        out.append({"model": model, "torch": release, "published tok/s": f["published"],
+                    "simulated, both constants fitted": f"{f['fitted']:.1f} ({f['fitted'] / f['published']:.2f})",
+                    "within 15%": "yes" if timeline.within(f["fitted"] / f["published"]) else "no",
+                    "fits": {"dispatch": "GPU us per dispatch", "round_trip": "round trip ms"}[fits],
+                    "its own value": f"{f['implied'] * unit:.3g}",
+                    "predicted from the other model's value": f"{f['predicted']:.1f} ({f['predicted'] / f['published']:.2f})",
+                    "cross-validated within 15%": "yes" if timeline.within(f["predicted"] / f["published"]) else "no"})
     text = markdown(out, list(out[0]))
-    if cal:
-        bw, d = census.joint_fit(points)
-        text += (f"\n\nGPU cost per dispatch fitted on torch {census.CALIBRATION_RELEASE}'s figures: the mean of "
-                 f"the implied costs, {cal['central'] * 1e6:.2f} us (the projection's central: "
-                 f"{census.DISPATCH.central * 1e6:g} us; the published range "
-                 f"{census.DISPATCH.low * 1e6:g}-{census.DISPATCH.high * 1e6:g} us stays the range). Bandwidth "
-                 f"fitted as well (least squares, GPU-bound; with two figures exact, so nothing left to check): "
-                 f"{bw / 1e9:.0f} GB/s and {d * 1e6:.2f} us, against the measured {census.BANDWIDTH.central / 1e9:g} "
-                 f"GB/s central ({census.BANDWIDTH.low / 1e9:g}-{census.BANDWIDTH.high / 1e9:g}): the projection "
-                 "keeps the measured bandwidth.")
-    return text, out
+    text += (f"\n\nFitted: GPU cost per dispatch {cal['dispatch'] * 1e6:.2f} us on torch "
+             f"{timeline.CALIBRATION['dispatch']}'s figures (central in use: {timeline.DISPATCH.central * 1e6:g} us), "
+             f"round trip of a synchronisation {cal['round_trip'] * 1e3:.3f} ms on torch "
+             f"{timeline.CALIBRATION['round_trip']}'s with that dispatch cost (central in use: "
+             f"{timeline.ROUND_TRIP.central * 1e3:g} ms). Every other constant is measured or published.")
+    return text, cal
+
+
+def _simulate(make, k: dict, **what_if) -> timeline.Timeline:
+    return timeline.simulate(make(**what_if), k)
+
+
+def commit_table(rows: list[Row], loops: dict) -> tuple[str, list[dict]]:
+    """Where commits pay: the optimized path, one sequence, torch 2.15, per
+    stop check: simulated tokens/s without commits and with
+    mps_ext.stream.install_commits(every=k)."""
+    from mps_ext.stream import commit_layers
+    out = []
+    k = timeline.costs()
+    for r in rows:
+        if r.tokens != 1 or r.release != "2.15" or r.who not in (OPTIMIZED, OPTIMIZED_FP8):
+            continue
+        n = sum(r.layers.values())
+        for stop in generate_loop.STOP_CHECKS:
+            loop = loops[(r.model, stop)]
+            base = _simulate(r.make, k, loop=loop)
+            row = {"model": r.model, "weights": "fp8" if r.fp8 else "bf16", "mode": r.mode, "stop check": stop,
+                   "no commits: tok/s (host / GPU / GPU idle ms)":
+                       f"{base.tokens_per_s:.1f} ({base.host_busy * 1e3:.1f} / {base.gpu_busy * 1e3:.1f} / "
+                       f"{base.gpu_idle * 1e3:.1f})"}
+            best = (base.tokens_per_s, None)
+            for every in COMMIT_EVERY:
+                sim = _simulate(r.make, k, loop=loop, commit_after=commit_layers(n, every))
+                row[f"every {every}"] = f"{sim.tokens_per_s:.1f}"
+                if sim.tokens_per_s > best[0] * (1 + PAYS):
+                    best = (sim.tokens_per_s, every)
+            row["pays most"] = "none" if best[1] is None else f"every {best[1]} (+{best[0] / base.tokens_per_s - 1:.0%})"
+            out.append(row)
+    if not out:
+        return "(commit points are simulated on the optimized path: python -m benchmarks decode --optimize)", out
+    return markdown(out, list(out[0])), out
+
+
+def what_if(rows: list[Row]) -> tuple[str, list[dict]]:
+    """What issue 31's points 4-6 would buy on the optimized path (one
+    sequence, torch 2.15): simulated tokens/s (central) with each alone and
+    all together."""
+    out = []
+    k = timeline.costs()
+    for r in rows:
+        if r.tokens != 1 or r.release != "2.15" or r.who not in (OPTIMIZED, OPTIMIZED_FP8):
+            continue
+        spec = census.MODELS[r.model]
+        fusions = _fusions(spec.config())
+        cases = {"as today": {},
+                 "4: one host call a decoder layer (eager)": {"layer_host_calls": 1},
+                 "5: norm into the GEMV, gate and cache append fused": {"dispatch_delta": fusions},
+                 "6: fp8 LM head": {"fp8_head": True} if r.fp8 else None,
+                 "6: compiled KV cache without copies": {"cache_copy": False} if r.mode == "compile" else None}
+        cases["all of them"] = {kk: v for case in cases.values() if case for kk, v in case.items()}
+        row = {"model": r.model, "weights": "fp8" if r.fp8 else "bf16", "mode": r.mode}
+        for label, kw in cases.items():
+            if kw is None or (label.startswith("4") and r.mode != "eager"):
+                row[label] = "-"
+                continue
+            row[label] = f"{_simulate(r.make, k, **kw).tokens_per_s:.1f}"
+        out.append(row)
+    if not out:
+        return "(what-ifs are simulated on the optimized path: python -m benchmarks decode --optimize)", out
+    return markdown(out, list(out[0])), out
+
+
+def _fusions(config) -> dict:
+    """Issue 31 point 5's fusions as dispatches each layer kind loses: each
+    RMSNorm into the GEMV that reads it (2 a layer), and in full-attention
+    layers the cache append into the q/k-norm + rotary pass (1) and, where
+    there is one (Qwen3.5/3.6), the output gate into the projection's load
+    (1)."""
+    out = {}
+    for kind in set(census.layer_kinds(config)):
+        n = 2
+        if kind.startswith("full_attention"):
+            n += 1 + (1 if config.model_type.startswith("qwen3_5") else 0)
+        out[kind] = n
+    return out
+
+
+def context_table(rows: list[Row], contexts=CONTEXTS) -> str:
+    """One sequence, torch 2.15, stock and optimized bf16: simulated tokens/s
+    and MB a step at each context."""
+    out = []
+    for r in rows:
+        if r.tokens != 1 or r.release != "2.15" or r.who not in (STOCK, OPTIMIZED, OPTIMIZED_FP8):
+            continue
+        row = {"model": r.model, "": r.who, "mode": r.mode}
+        for n in contexts:
+            k = timeline.costs()
+            st = r.make(context=n)
+            row[f"{n // 1024}k: tok/s (MB)"] = f"{timeline.simulate(st, k).tokens_per_s:.1f} ({st.bytes / 1e6:,.0f})"
+        out.append(row)
+    return markdown(out, list(out[0]))
 
 
 def _most(counts: dict, what: str) -> tuple[float, str]:
@@ -262,22 +422,26 @@ def _met(ok: bool) -> str:
 
 
 def goals(rows: list[Row]) -> tuple[str, list[dict]]:
-    """Issue 19's goals on the optimized path, one sequence: per model,
-    release, weights and mode, the projected tokens/s (central, range)
-    against the goal of its class, host calls per MoE block and dispatches
-    per decoder layer (the most of any layer kind)."""
+    """On the optimized path, one sequence: issue 31's goals (simulated
+    tokens/s, central, against the goal of the model: fp8 with an fp8 LM
+    head, point 6's what-if; host time hidden behind the GPU) and issue
+    19's (host calls per MoE block, dispatches per decoder layer, the most
+    of any layer kind)."""
     out = []
+    k = timeline.costs()
     for r in rows:
         if r.tokens != 1 or r.who not in (OPTIMIZED, OPTIMIZED_FP8):
             continue
         weights = "fp8" if r.fp8 else "bf16"
-        lo, mid, hi = r.tok_s
         goal = TOK_S_GOALS.get(r.model, {}).get(weights)
-        host, host_each = _most({k: c for k, c in r.ffn.items() if k.endswith("+moe")}, "host")
-        disp, disp_each = _most({k: c for k, c in r.per_kind.items() if k != "head"}, "dispatches")
+        sim = _simulate(r.make, k, fp8_head=True) if r.fp8 else r.sim
+        host, host_each = _most({kk: c for kk, c in r.ffn.items() if kk.endswith("+moe")}, "host")
+        disp, disp_each = _most({kk: c for kk, c in r.per_kind.items() if kk != "head"}, "dispatches")
+        hidden = sim.gpu_idle <= HIDDEN * sim.period
         out.append({"model": r.model, "torch": r.release, "weights": weights, "mode": r.mode,
-                    "tok/s: central (range)": f"{mid:.1f} ({lo:.1f}-{hi:.1f})",
-                    "tok/s goal": "-" if goal is None else f">= {goal}: {_met(mid >= goal)}",
+                    "tok/s (fp8: with an fp8 head)": f"{sim.tokens_per_s:.1f}",
+                    "tok/s goal": "-" if goal is None else f">= {goal}: {_met(sim.tokens_per_s >= goal)}",
+                    "host hidden behind the GPU (GPU idle ms a step)": f"{_met(hidden)} ({sim.gpu_idle * 1e3:.2f})",
                     "host calls per MoE block": f"{_f(host)} ({host_each})",
                     f"<= {MOE_HOST_CALLS_GOAL}": _met(host <= MOE_HOST_CALLS_GOAL),
                     "dispatches per layer": f"{_f(disp)} ({disp_each})",
@@ -287,8 +451,36 @@ def goals(rows: list[Row]) -> tuple[str, list[dict]]:
     return markdown(out, list(out[0])), out
 
 
+def chart_bars(rows: list[Row]) -> list[dict]:
+    """decode_chart's bars, per model: stock torch 2.15 (published), the
+    optimized path bf16 and fp8 (simulated, torch 2.15 eager: central and
+    range), the peers' published figures; and the byte limits (bf16, fp8)."""
+    out = []
+    for model in dict.fromkeys(r.model for r in rows):
+        spec = census.MODELS[model]
+        if "2.15" in spec.published:
+            v = spec.published["2.15"]
+            out.append({"model": model, "series": "torch 2.15, bf16, compiled (published)", "kind": "published",
+                        "low": v, "central": v, "high": v})
+        for r in rows:
+            if (r.model == model and r.tokens == 1 and r.release == "2.15" and r.mode == "eager"
+                    and r.who in (OPTIMIZED, OPTIMIZED_FP8)):
+                lo, mid, hi = r.tok_s
+                out.append({"model": model, "series": f"{r.who} (simulated, eager)", "kind": "ours",
+                            "low": lo, "central": mid, "high": hi})
+        for m, engine, chip, lo, hi, _ in PEERS:
+            if m == model:
+                out.append({"model": model, "series": f"{engine}, {chip} (published)", "kind": "peer",
+                            "low": lo, "central": (lo + hi) / 2, "high": hi})
+        for label, fp8 in (("bf16", False), ("fp8", True)):
+            out.append({"model": model, "series": f"byte limit, {label}", "kind": "limit",
+                        "central": byte_limit(model, fp8)})
+    return out
+
+
 SOURCES = """Published figures: torch 2.15 release (anchors.md, "The headline figures"): MoE decode with torch.compile on an M3
-Ultra, Qwen3.6-35B-A3B 9.4 (2.14) -> 61.3 (2.15) tokens/s, LFM2.5-8B-A1B 23.6 -> 123.6, bf16, one sequence."""
+Ultra, Qwen3.6-35B-A3B 9.4 (2.14) -> 61.3 (2.15) tokens/s, LFM2.5-8B-A1B 23.6 -> 123.6, bf16, one sequence; their
+context and generate settings are not stated (simulated at this table's context, with generate's loop as above)."""
 
 
 def models_for(size: str) -> tuple[list[str], tuple[int, ...]]:
@@ -302,20 +494,31 @@ def report(size: str = "full", context: int = CONTEXT, transform=None, log=None)
     models, tokens = models_for(size)
     rows = census_rows(models, tokens, context, transform, log=log)
     cal, _ = calibration(rows)
+    loops = {(name, stop): generate_loop.trace_loop(census.tiny_model(census.MODELS[name]), SAMPLING, 1,
+                                                    stop_check=stop)
+             for name in models for stop in generate_loop.STOP_CHECKS} if transform is not None else {}
+    commits, _ = commit_table(rows, loops)
+    whatifs, _ = what_if(rows)
     goal_table, _ = goals(rows)
     notes = "\n".join(f"- {s.name}: {s.source}" for s in census.MODELS.values() if s.name in models)
     text = f"""## decode
 
-Per decode step of `tokens` sequences at a context of {context} tokens each, bf16 weights (the fp8 rows: as
-mps_ext.quantize_fp8 leaves them), on a Mac (counted from
-transformers {_transformers_version()} model code in tiny configurations with the real layer structure, scaled to the
-real configs; benchmarks/census.py says how each figure is counted).
+Per decode step of `tokens` sequences at a context of {context} tokens each, as `model.generate` runs it (the forward
+and generate's loop: {SAMPLING} with top-k/top-p, transformers' {STOP_CHECK} stop check), bf16 weights (the fp8 rows:
+as mps_ext.quantize_fp8 leaves them), on a Mac (counted from transformers {_transformers_version()} model and generate
+code in tiny configurations with the real layer structure, scaled to the real configs; benchmarks/census.py and
+benchmarks/generate_loop.py say how each figure is counted).
 
 {census_table(rows, context)}
 
 {_rules()}
 
-One sequence, in short:
+Generate's loop, per token (benchmarks/generate_loop.py; one sequence; its calls are the same at every context, its
+bytes grow with the vocabulary and the context):
+
+{loop_table(models)}
+
+One sequence, in short (tokens/s simulated on an M3 Ultra, central (range)):
 
 {summary_table(rows)}
 
@@ -323,26 +526,36 @@ Bytes per step (the real configs' dimensions; activations, KB per layer, left ou
 
 {bytes_table(rows, context)}
 
-Projected tokens/s on an M3 Ultra, central (range): GPU = bytes / bandwidth + dispatches x GPU cost per dispatch;
-host = host calls x host cost per call. Constants (published measurements, anchors.md):
-{census.constants_text()}
+Simulated tokens/s on an M3 Ultra (benchmarks/timeline.py): the host encodes the step's calls in order, the GPU runs
+what has been committed, commits and waits where torch's MPS stream makes them. Constants:
+{timeline.constants_text()}
 
-{projection_table(rows)}
-
-Calibration, stock torch with torch.compile against its published decode speed. Implied GPU us per dispatch: the
-cost at which the GPU side (central bandwidth) takes the measured step time; the figures of torch
-{census.CALIBRATION_RELEASE} fit the projection's central, and each is predicted from the others' implied cost
-(cross-validation). Host us per call, at most: the most the measured time allows (without syncs the host side
-hides behind the GPU, so the figure bounds it and does not fix it; with syncs host and GPU add, other constants
-central; "GPU-bound": the GPU side alone is slower). torch <= 2.14's steps sync (its
-_grouped_mm fallback) and its per-expert mm calls of experts no token chose are not costed: not fitted, which its
-rows show:
+Calibration, stock torch with torch.compile against its published decode speed (one sequence):
 
 {cal}
 
-Goals (issue 19), on the optimized path, one sequence: projected tokens/s (central, range) against the goal of the
-model's class, host calls per MoE block (router to combine, shared expert included) and dispatches per decoder layer
-(the most of any layer kind; attention included):
+By context (one sequence, torch 2.15):
+
+{context_table(rows)}
+
+Commit points (mps_ext.stream.install_commits(model, every=k)), one sequence, torch 2.15, simulated tokens/s; the
+stop check decides: with DeferredStopCheck the host encodes a step while the GPU runs the previous one, so a step
+costs the larger of the two and commits buy nothing; with a sync every step (StopCheck) host and GPU add up within
+the step and commits overlap them:
+
+{commits}
+
+What issue 31's other points would buy (simulated tokens/s, central, one sequence, torch 2.15, sampling, deferred
+stop check; point 4 applies to eager steps, the compiled KV cache to compiled ones, the fp8 head to fp8 weights):
+
+{whatifs}
+
+Published figures beside the simulated optimized path (one sequence):
+
+{peers_table(rows)}
+
+Goals, on the optimized path, one sequence (issue 31: tok/s at 4k context with sampling, the host hidden behind the
+GPU; issue 19: host calls per MoE block, dispatches per decoder layer, attention included):
 
 {goal_table}
 

@@ -177,7 +177,7 @@ _TORCH_WHEN_COMPILED = {"rms_norm", "add_rms_norm", "qk_norm_rope", "sigmoid_gat
 class Call:
     op: str                  # aten name without overload ("mm")
     layer: int | None        # decoder layer index, None outside the layers (embedding, final norm, LM head)
-    kind: str                # "compute", "view" or "sync"
+    kind: str                # "compute", "view" or "sync" (see stream for the calls that commit or wait)
     fusible: bool            # Inductor would generate it (see the module docstring)
     read: int                # bytes of the distinct input tensors (a tensor's viewed extent)
     written: int             # bytes of the outputs
@@ -191,6 +191,18 @@ class Call:
     # layer's second add, which mps_ext.passes.decoder hands to moe_layer eager only; compiled the layer
     # runs its own forward and the add is Inductor's, fused with the next layer's norm).
     then_generated: bool = False
+    # What the call does to the MPS stream besides encoding (STREAM_ACTIONS): "commit" (its command buffer
+    # is committed, nothing waits: mps_ext's commit op, an asynchronous copy to the host, an event record),
+    # "wait_previous" (the host waits for an event the previous step recorded: transformers'
+    # DeferredStopCheck); "" for neither. A sync commits and waits for everything (kind "sync").
+    stream: str = ""
+    keys: int = 0            # attention (SDPA): the key length it was traced at
+    # Bytes that grow with the real model: "vocab" (a logits row: generate's loop), "context" (input ids
+    # and attention mask: the loop's concatenations), "" (neither; the forward's are from layer_bytes).
+    size: str = ""
+
+
+STREAM_ACTIONS = ("", "commit", "wait_previous")
 
 
 def _tensors(x):
@@ -282,6 +294,10 @@ class Trace:
             param_read = args[1].numel() * args[0].shape[-1] * args[0].element_size()
             read = param_read + _extent(args[1])
         call = Call(name, self.layer, kind, fusible, read, written, param_read, ffn=self.ffn)
+        if name == "commit" and func.namespace == "mps_ext":  # mps_ext/stream.py's commit point
+            call.stream = "commit"
+        if name.startswith("_scaled_dot_product"):
+            call.keys = args[1].shape[-2]
         if name == "moe_layer":
             residual = args[13] if len(args) > 13 else kwargs.get("residual")
             call.then_generated = residual is not None
@@ -375,11 +391,13 @@ def trace_step(model, tokens: int = 1, context: int = 8, torch_release: str | No
 @dataclasses.dataclass
 class Counts:
     host: float = 0.0        # host calls that reach a kernel
-    views: float = 0.0       # view and metadata calls (not costed)
+    views: float = 0.0       # view and metadata calls (no kernel; eager, each a trip through the dispatcher)
     dispatches: float = 0.0
     syncs: float = 0.0
-    empty: float = 0.0       # calls that reach a kernel with nothing to do (not costed): torch's per-expert mm of
-    #                          an expert no token chose, in its _grouped_mm fallback
+    empty: float = 0.0       # calls that reach a kernel with nothing to do: torch's per-expert mm of an expert no
+    #                          token chose, in its _grouped_mm fallback (timeline.EMPTY_GROUP a piece)
+    commits: float = 0.0     # command buffers committed without a wait (Call.stream "commit")
+    waits: float = 0.0       # waits for the previous step's event (Call.stream "wait_previous")
 
     def __add__(self, o):
         return Counts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(o))))
@@ -394,17 +412,40 @@ def expected_experts(experts: int, top_k: int, tokens: int) -> float:
     return experts * (1 - (1 - top_k / experts) ** tokens)
 
 
-def count(calls: list[Call], release: str, mode: str, ours: bool, experts: int | None = None,
-          used: float | None = None) -> Counts:
-    """Host calls, views, dispatches and syncs of `calls` on a Mac with
-    torch `release`, eager or compiled, stock (ours=False) or with mps_ext
-    (each call's recorded executor dispatches; None = torch's kernel).
-    `experts`/`used`: the real model's expert count and experts with rows
-    for torch's per-expert _grouped_mm fallback (default: the traced ones)."""
-    c = Counts()
+# torch's SDPA on MPS at decode (one to eight query rows, head dim 64, 96,
+# 128 or 256): aten/src/ATen/native/mps/operations/Attention.mm
+# (_scaled_dot_product_attention_math_mps, pytorch/pytorch at 00a5f92)
+# takes sdpa_vector_2pass_mps, two dispatches (a pass over 32 blocks of
+# keys, then one combining them), when `k_.size(2) >= 1024 || (k_.size(1) <
+# q_.size(1) && k_.size(2) >= 4096)`, and sdpa_vector_fast_mps (one)
+# otherwise; the 2.14 and 2.15 wheels ship the same three kernels
+# (ATen/native/mps/kernels/DecodeAttention.h, identical headers).
+SDPA_TWO_PASS_KEYS = 1024
+
+
+def sdpa_dispatches(keys: int) -> int:
+    """Dispatches of one decode SDPA call over `keys` keys (the condition's
+    first clause decides for every key length the second one would)."""
+    return 2 if keys >= SDPA_TWO_PASS_KEYS else 1
+
+
+def units(calls: list[Call], release: str, mode: str, ours: bool, experts: int | None = None,
+          used: float | None = None, keys: int | None = None) -> list[tuple[Call, Counts]]:
+    """Each call of `calls` as a Mac with torch `release` runs it, eager or
+    compiled, stock (ours=False) or with mps_ext (each call's recorded
+    executor dispatches; None = torch's kernel), in order: (call, what it
+    costs). A call Inductor fuses into the generated kernel before it costs
+    nothing; torch's _grouped_mm fallback is two units, its sync (offs
+    copied to the CPU) and then its per-expert products. `experts`/`used`:
+    the real model's expert count and experts with rows for that fallback
+    (default: the traced ones); `keys`: the key length attention runs at
+    (default: the traced one)."""
+    out = []
     old = tuple(int(x) for x in release.split(".")) < (2, 15)
     fused_run = False
     for call in calls:
+        c = Counts()
+        out.append((call, c))
         if call.kind == "view":
             c.views += 0 if mode == "compile" else 1
             continue
@@ -421,6 +462,11 @@ def count(calls: list[Call], release: str, mode: str, ours: bool, experts: int |
             c.host += 1
             c.dispatches += 1 if call.op == "nonzero" else 0
             continue
+        if call.stream == "commit":
+            c.commits += 1
+        elif call.stream == "wait_previous":
+            c.waits += 1
+            continue
         if mine:
             c.host += 1
             c.dispatches += call.ours
@@ -432,14 +478,29 @@ def count(calls: list[Call], release: str, mode: str, ours: bool, experts: int |
             # torch's fallback: offs copied to the CPU (a sync), then mm per expert
             e = experts if experts is not None else call.groups
             u = used if used is not None else call.groups_used
-            c.host += 1 + u
-            c.empty += e - u
+            c.host += 1
             c.syncs += 1
-            c.dispatches += 1 + u
+            c.dispatches += 1
+            out.append((call, Counts(host=u, empty=e - u, dispatches=u)))
+        elif call.op.startswith("_scaled_dot_product"):
+            c.host += 1
+            c.dispatches += sdpa_dispatches(keys if keys is not None else call.keys)
+        elif call.op == "commit":  # mps_ext's commit point: a command buffer committed, no kernel
+            continue
         else:
             c.host += 1
             c.dispatches += 1 if call.written else 0
-    return c
+    return out
+
+
+def count(calls: list[Call], release: str, mode: str, ours: bool, experts: int | None = None,
+          used: float | None = None, keys: int | None = None) -> Counts:
+    """Host calls, views, dispatches, syncs, commits and waits of `calls`
+    (units' costs, summed)."""
+    total = Counts()
+    for _, c in units(calls, release, mode, ours, experts, used, keys):
+        total = total + c
+    return total
 
 
 def by_layer(trace: Trace) -> dict:
@@ -483,22 +544,34 @@ def _fused_edges(calls: list[Call], ours: bool) -> tuple[bool, bool]:
                                                                    and last.then_generated)
 
 
-def scale(spec: Spec, trace: Trace, tiny_config, tokens: int, release: str, mode: str, ours: bool) -> dict:
+def layer_calls(spec: Spec, trace: Trace, tiny_config) -> tuple[dict[str, list[Call]], list[str]]:
+    """The traced calls of one layer of each kind (and 'pre', 'post': see
+    per_kind), and the real model's layer kinds in their order."""
+    real = spec.config()
+    calls = per_kind(trace, tiny_config)
+    sequence = layer_kinds(real)
+    missing = set(sequence) - set(calls)
+    if missing:
+        raise ValueError(f"the tiny {spec.name} has no layer of kind {sorted(missing)}: its layer structure must "
+                         f"cover every kind of the real model's ({sorted(set(sequence))})")
+    return calls, sequence
+
+
+def scale(spec: Spec, trace: Trace, tiny_config, tokens: int, release: str, mode: str, ours: bool,
+          context: int | None = None) -> dict:
     """Counts per layer kind (one layer, counted alone; 'ffn': of its
     feed-forward block alone), outside the layers ('head'), and for the
     whole real model of `spec`: its layers in their
     order, where under torch.compile a layer's trailing pointwise calls fuse
-    with the next layer's leading ones (the residual add and the next norm)."""
+    with the next layer's leading ones (the residual add and the next norm).
+    `context`: the tokens of context each sequence has (attention's key
+    length, sdpa_dispatches; default: the traced one)."""
     real = spec.config()
-    calls = per_kind(trace, tiny_config)
-    sequence = layer_kinds(real)
+    calls, sequence = layer_calls(spec, trace, tiny_config)
     kinds = collections.Counter(sequence)
-    missing = set(kinds) - set(calls)
-    if missing:
-        raise ValueError(f"the tiny {spec.name} has no layer of kind {sorted(missing)}: its layer structure must "
-                         f"cover every kind of the real model's ({sorted(kinds)})")
     used = expected_experts(real.num_experts, real.num_experts_per_tok, tokens)
-    per = {k: count(calls[k], release, mode, ours, real.num_experts, used) for k in ["pre", *kinds, "post"]}
+    keys = None if context is None else context + 1  # the cache and the new row
+    per = {k: count(calls[k], release, mode, ours, real.num_experts, used, keys) for k in ["pre", *kinds, "post"]}
     total = Counts()
     for k in ["pre", *sequence, "post"]:
         total = total + per[k]
@@ -510,7 +583,7 @@ def scale(spec: Spec, trace: Trace, tiny_config, tokens: int, release: str, mode
     per["head"] = per.pop("pre") + per.pop("post")
     # The block's calls alone: the residual add a compiled layer makes after moe_layer is the layer's.
     ffn = {k: count([dataclasses.replace(c, then_generated=False) for c in calls[k] if c.ffn], release, mode, ours,
-                    real.num_experts, used) for k in kinds}
+                    real.num_experts, used, keys) for k in kinds}
     return {"per_kind": per, "ffn": ffn, "layers": dict(kinds), "total": total}
 
 
@@ -625,145 +698,29 @@ def appends_in_place(trace: Trace, mode: str) -> bool:
     return mode == "eager" and any(c.op == "kv_append" and c.ours for c in trace.calls)
 
 
-def step_bytes(config, tokens: int, context: int, fp8: bool = False, **kwargs) -> dict:
+def step_bytes(config, tokens: int, context: int, fp8: bool = False, fp8_head: bool = False, **kwargs) -> dict:
     """Bytes a whole decode step reads and writes: every layer's
     (layer_bytes, which takes the same keywords), the final norm, the LM
     head (tied or not, read whole) and the embedding rows (all three in the
-    model's dtype, fp8 or not: quantize_fp8 leaves them)."""
+    model's dtype, fp8 or not: quantize_fp8 leaves them; head_bytes, with
+    `fp8_head` the LM head in fp8)."""
     c = config
     out = dict.fromkeys(("weights", "kv_read", "kv_written", "kv_copy", "state", "total"), 0)
     for kind in layer_kinds(c):
         for k, v in layer_bytes(c, kind, tokens, context, fp8, **kwargs).items():
             out[k] += v
-    head = weight_bytes([], c.hidden_size + c.vocab_size * c.hidden_size + tokens * c.hidden_size)
+    head = sum(head_bytes(c, tokens, fp8_head).values())
     out["weights"] += head
     out["total"] += head
     return out
 
 
-# -------------------------------------------------------------- projection --
-@dataclasses.dataclass(frozen=True)
-class Constant:
-    low: float
-    central: float
-    high: float
-    unit: str
-    source: str
-
-
-# Published measurements (../shared/reference/anchors.md, "What a whole
-# decoded token costs"), each a range. The central GPU cost per dispatch is
-# calibrated on torch 2.15's two published decode figures (Spec.published:
-# stock torch, torch.compile, one sequence, M3 Ultra): each figure, at
-# central bandwidth, implies a cost (implied_dispatch_cost); the central is
-# their mean to 0.1 us, and each model's implied cost predicts the other's
-# figure (calibrate; bench_decode's calibration table shows it all and
-# tests/test_benchmarks.py recomputes it from the census). Bandwidth is not
-# fitted: it is measured directly, and fitting it too (joint_fit) leaves two
-# unknowns for two figures, nothing to validate. The host cost is not
-# fitted either: those steps are GPU-bound, so their figures only bound it.
-CALIBRATION_RELEASE = "2.15"
-BANDWIDTH = Constant(573e9, 647e9, 692e9, "B/s",
-                     "M3 Ultra, 819 GB/s nominal: 692 sustained read (jundot/omlx issue 2238, 85%); dense decode "
-                     "reaches 70-79% of nominal (573-647)")
-DISPATCH = Constant(5e-6, 5.7e-6, 12e-6, "s",
-                    "GPU time of one more dependent dispatch in a command buffer; range published: 5 us M2 Pro "
-                    "(antonellof/ferrox issue 149), 10 us M3 Ultra in MLX's routing chain (jundot/omlx PR 2755), "
-                    "10-12 us M5 Pro (ml-explore/mlx-lm PR 1676); central calibrated: the mean of the costs torch "
-                    f"{CALIBRATION_RELEASE}'s two published decode figures imply at central bandwidth, each of which "
-                    "predicts the other model's figure (the calibration below)")
-HOST = Constant(10e-6, 10e-6, 25e-6, "s",
-                "CPU time of one MPS host call; range published: a command buffer ~10 us, an MPSGraph encode ~15 us "
-                "(pytorch issue 82707), at least ~20 us per eager PyTorch op (pytorch/torchchat PR 1464, ~770 ops "
-                "per token, M1 Pro); central the low end, 10 us: torch "
-                f"{CALIBRATION_RELEASE}'s published figures allow no more than the calibration's 'host us per call, "
-                "at most' column (at ~20 us, the eager figure, both stock steps would be host-bound, below their figures)")
-OVERLAP = ("the host encodes ahead of the GPU within a step: a step costs max(host, GPU); a step with a sync "
-           "inside (torch's _grouped_mm fallback, nonzero) costs host + GPU (no overlap)")
-
-
-def project(bytes_: float, c: Counts, tokens: int, which: str = "central", dispatch: float | None = None) -> float:
-    """Tokens/s of a step: GPU = bytes / bandwidth + dispatches x dispatch
-    cost; host = host calls x host cost; OVERLAP says how they add.
-    `which`: 'central', 'low' (slow end of every constant) or 'high' (fast
-    end); `dispatch`: a GPU cost per dispatch (s) in place of `which`'s
-    (calibrate's cross-validation)."""
-    if which not in ("central", "low", "high"):
-        raise ValueError(f"which must be 'central', 'low' or 'high', got {which!r}")
-    slow, fast = which == "low", which == "high"
-    bw = BANDWIDTH.low if slow else BANDWIDTH.high if fast else BANDWIDTH.central
-    d = DISPATCH.high if slow else DISPATCH.low if fast else DISPATCH.central
-    h = HOST.high if slow else HOST.low if fast else HOST.central
-    gpu = bytes_ / bw + c.dispatches * (d if dispatch is None else dispatch)
-    host = c.host * h
-    seconds = gpu + host if c.syncs else max(gpu, host)
-    return tokens / seconds
-
-
-def constants_text() -> str:
-    rows = []
-    for name, k in (("bandwidth", BANDWIDTH), ("GPU cost per dispatch", DISPATCH), ("host cost per call", HOST)):
-        f = 1e-9 if k.unit == "B/s" else 1e6
-        unit = "GB/s" if k.unit == "B/s" else "us"
-        rows.append(f"- {name}: {k.low * f:g}-{k.high * f:g} {unit}, central {k.central * f:g} ({k.source})")
-    return "\n".join(rows + [f"- overlap: {OVERLAP}"])
-
-
-def implied_dispatch_cost(bytes_: float, c: Counts, tokens: int, measured: float) -> float | None:
-    """The GPU cost per dispatch (s) at which the GPU side alone (central
-    bandwidth) takes the measured step time; None if the bytes alone do."""
-    spare = tokens / measured - bytes_ / BANDWIDTH.central
-    return spare / c.dispatches if spare > 0 and c.dispatches else None
-
-
-def implied_host_cost(bytes_: float, c: Counts, tokens: int, measured: float) -> float | None:
-    """The most host cost per call (s) that `measured` tokens/s allows, the
-    other constants central. A step without syncs hides its host calls
-    behind the GPU (OVERLAP): they take at most the step time, whatever the
-    GPU side takes (so the figure bounds the host cost, it does not fix
-    it). A step with a sync adds them to the GPU side: None if that alone
-    is slower."""
-    seconds = tokens / measured
-    if not c.syncs:
-        return seconds / c.host
-    host = seconds - (bytes_ / BANDWIDTH.central + c.dispatches * DISPATCH.central)
-    return host / c.host if host > 0 else None
-
-
-def calibrate(points: list[tuple[float, Counts, int, float]]) -> dict:
-    """From published decode figures, each (bytes, counts, tokens, measured
-    tokens/s) of a stock step without syncs: 'implied', the GPU cost per
-    dispatch each implies at central bandwidth; 'central', their mean (what
-    DISPATCH.central is, to 0.1 us); 'cross', each figure's projection with
-    the mean of the others' implied costs over the figure (leave one out:
-    1.0 when the others predict it exactly)."""
-    if len(points) < 2:
-        raise ValueError(f"calibrate needs at least two published figures (one to fit, one to check), got "
-                         f"{len(points)}")
-    implied = [implied_dispatch_cost(*p) for p in points]
-    if any(d is None for d in implied) or any(p[1].syncs for p in points):
-        raise ValueError("calibrate takes steps without syncs whose bytes alone take less than the measured time; "
-                         f"the implied costs are {implied}")
-    cross = []
-    for i, (nbytes, c, tokens, measured) in enumerate(points):
-        others = implied[:i] + implied[i + 1:]
-        cross.append(project(nbytes, c, tokens, dispatch=sum(others) / len(others)) / measured)
-    return {"implied": implied, "central": sum(implied) / len(implied), "cross": cross}
-
-
-def joint_fit(points: list[tuple[float, Counts, int, float]]) -> tuple[float, float]:
-    """(bandwidth B/s, GPU cost per dispatch s) fitted together to the
-    figures calibrate takes, GPU-bound: least squares of the step times.
-    With two figures it is exact and leaves nothing to validate; it says
-    how far the figures would move the measured bandwidth."""
-    rows = [(nbytes, c.dispatches, tokens / measured) for nbytes, c, tokens, measured in points]
-    bb = sum(b * b for b, _, _ in rows)
-    bd = sum(b * d for b, d, _ in rows)
-    dd = sum(d * d for _, d, _ in rows)
-    bt = sum(b * t for b, _, t in rows)
-    dt = sum(d * t for _, d, t in rows)
-    det = bb * dd - bd * bd
-    if len(points) < 2 or det == 0:
-        raise ValueError("joint_fit needs two figures whose bytes and dispatches are not proportional")
-    inv_bw, d = (bt * dd - bd * dt) / det, (bb * dt - bd * bt) / det
-    return 1 / inv_bw, d
+def head_bytes(config, tokens: int, fp8_head: bool = False) -> dict:
+    """Bytes outside the layers: 'pre', the embedding rows of the step's
+    tokens; 'post', the final norm and the LM head read whole (tied or not),
+    in the model's dtype, or with `fp8_head` the LM head as quantize_fp8
+    converts a matrix (an fp8 byte an element and an fp32 scale a row: the
+    option issue 31 asks of quantize_fp8, not what it does today)."""
+    c = config
+    head = weight_bytes([(c.vocab_size, c.hidden_size, 1)], c.hidden_size, fp8=fp8_head)
+    return {"pre": weight_bytes([], tokens * c.hidden_size), "post": head}

@@ -98,6 +98,13 @@ class Result:
         bound, not a prediction (no launch cost, no latency)."""
         return self.dram / (BANDWIDTH_GBPS[chip] * 1e3)
 
+    def dispatched_us(self, chip: str) -> float:
+        """projected_us plus the GPU cost of each of the case's dispatches
+        beyond its bytes (benchmarks/timeline.py's DISPATCH, central): what
+        the ops plot draws beside the bandwidth limit."""
+        from benchmarks.timeline import DISPATCH
+        return self.projected_us(chip) + len(self.stats) * DISPATCH.central * 1e6
+
     def limit_us(self, chip: str) -> float:
         """The bandwidth limit: the minimum bytes at the chip's bandwidth."""
         return self.minimum_bytes / (BANDWIDTH_GBPS[chip] * 1e3)

@@ -2,11 +2,13 @@
 pyproject.toml: `pip install -e ".[bench]"`).
 
 - ops_chart: per op (its cases summed), the bandwidth limit against mps_ext's
-  projected time (and, on a Mac, stock torch's and mps_ext's measured
-  times), on a log scale of time.
-- decode_chart: per model, projected decode tokens/s on an M3 Ultra, stock
-  torch and mps_ext per release, each bar with its range, and the published
-  measurements marked.
+  cost at that bandwidth (its traffic plus the GPU cost of its dispatches;
+  and, on a Mac, stock torch's and mps_ext's measured times), on a log scale
+  of time.
+- decode_chart: per model, decode tokens/s on an M3 Ultra, one sequence:
+  stock torch 2.15 (published), mps_ext's optimized path in bf16 and fp8
+  (simulated, with their ranges), the peers' published figures, and the
+  byte limits as lines.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 # Bar colours, in the legend's order.
 SERIES = {
     "bandwidth limit": "#969696",
-    "mps_ext projected": "#2864c8",
+    "mps_ext: traffic + dispatches": "#2864c8",
     "stock measured": "#d23c32",
     "mps_ext measured": "#28a046",
 }
@@ -47,7 +49,7 @@ def ops_chart(groups: list[dict[str, float]], ops: list[str], path: str | Path, 
     ax.set_yscale("log")
     ax.set_xticks(range(len(ops)), ops)
     ax.set_ylabel("us per op (the sum of its cases)")
-    ax.set_title(f"Per op: the bandwidth limit against mps_ext's traffic, at the {chip}'s bandwidth")
+    ax.set_title(f"Per op: bandwidth limit and mps_ext's cost\n(at the {chip}'s bandwidth)", fontsize="medium")
     ax.grid(axis="y", which="major", color="#dddddd")
     ax.set_axisbelow(True)
     ax.legend(loc="upper left", fontsize="small")
@@ -55,35 +57,49 @@ def ops_chart(groups: list[dict[str, float]], ops: list[str], path: str | Path, 
     plt.close(fig)
 
 
+# decode_chart's colours by kind of bar; peers take the greens in turn.
+_DECODE_COLOURS = {"published": "#b4504b", "ours": ("#2864c8", "#143c8c"), "peer": ("#46a05a", "#82c36e", "#2d7841")}
+
+
 def decode_chart(bars: list[dict], path: str | Path) -> None:
-    """A PNG at `path`: per model (x), one bar per series (`bars`: dicts
-    with model, series, central, low, high and, where there is one,
-    published), its range as an error bar; published measurements as
-    black marks on the stock bar of their release."""
+    """A PNG at `path`: per model (x), a bar per entry of `bars` (dicts with
+    model, series, kind and central; 'ours' and 'peer' also low and high,
+    drawn as whiskers) except kind 'limit', drawn as a dashed line across
+    the model's bars; each bar labelled with its value."""
     plt = _pyplot()
     models = list(dict.fromkeys(b["model"] for b in bars))
-    series = list(dict.fromkeys(b["series"] for b in bars))
-    colours = plt.get_cmap("tab20").colors
-    fig, ax = plt.subplots(figsize=(max(7.0, 2.6 * len(models) + 2), 6), layout="constrained")
-    width = 0.8 / len(series)
-    marked = False
-    for s, name in enumerate(series):
-        mine = {b["model"]: b for b in bars if b["series"] == name}
-        xs = [m + (s - (len(series) - 1) / 2) * width for m, model in enumerate(models) if model in mine]
-        rows = [mine[model] for model in models if model in mine]
-        ys = [r["central"] for r in rows]
-        err = [[r["central"] - r["low"] for r in rows], [r["high"] - r["central"] for r in rows]]
-        ax.bar(xs, ys, width, yerr=err, capsize=3, label=name, color=colours[s % len(colours)])
-        for x, r in zip(xs, rows):
-            ax.annotate(f"{r['central']:.0f}", (x, r["high"]), ha="center", va="bottom", fontsize=7,
-                        xytext=(0, 2), textcoords="offset points")
-            if r.get("published"):
-                ax.plot([x - width / 2, x + width / 2], [r["published"]] * 2, color="black", linewidth=2,
-                        label=None if marked else "published measurement (torch.compile)")
-                marked = True
+    fig, ax = plt.subplots(figsize=(max(7.0, 3.2 * len(models) + 1.5), 5.5), layout="constrained")
+    width, drawn = 0.16, set()
+    for m, model in enumerate(models):
+        mine = [b for b in bars if b["model"] == model and b["kind"] != "limit"]
+        left = m - width * (len(mine) - 1) / 2
+        counters = {"ours": 0, "peer": 0}
+        for i, b in enumerate(mine):
+            x = left + i * width
+            colour = _DECODE_COLOURS[b["kind"]]
+            if isinstance(colour, tuple):
+                colour = colour[counters[b["kind"]] % len(colour)]
+                counters[b["kind"]] += 1
+            label = b["series"] if b["series"] not in drawn else None
+            drawn.add(b["series"])
+            err = None
+            if b["kind"] in ("ours", "peer") and b["high"] > b["low"]:
+                err = [[b["central"] - b["low"]], [b["high"] - b["central"]]]
+            ax.bar([x], [b["central"]], width * 0.92, yerr=err, capsize=3, color=colour, label=label)
+            ax.annotate(f"{b['central']:.0f}", (x, b.get("high", b["central"])), ha="center", va="bottom",
+                        fontsize=7, xytext=(0, 2), textcoords="offset points")
+        span = (left - width / 2, left + width * (len(mine) - 0.5))
+        for b in bars:
+            if b["model"] == model and b["kind"] == "limit":
+                style = "--" if "bf16" in b["series"] else ":"
+                ax.plot(span, [b["central"]] * 2, style, color="black", linewidth=1.2,
+                        label=b["series"] if b["series"] not in drawn else None)
+                drawn.add(b["series"])
+                ax.annotate(f"{b['central']:.0f}", (span[1], b["central"]), ha="left", va="center", fontsize=7,
+                            xytext=(2, 0), textcoords="offset points")
     ax.set_xticks(range(len(models)), models)
-    ax.set_ylabel("projected decode tokens/s, one sequence (M3 Ultra)")
-    ax.set_title("Decode speed: projected from the census (bars: central; whiskers: range)")
+    ax.set_ylabel("decode tokens/s, one sequence (M3 Ultra unless named)")
+    ax.set_title("Decode: stock torch and peers (published), mps_ext (simulated), byte limits", fontsize="medium")
     ax.grid(axis="y", color="#dddddd")
     ax.set_axisbelow(True)
     fig.legend(fontsize="small", ncols=3, loc="outside lower center")

@@ -1,7 +1,7 @@
 """Meta kernels (shapes and dtypes) of the torch.ops.mps_ext ops that do not
 take the aten op's own: fp8_linear and the mixture-of-experts ops moe_route,
 moe_experts, moe_combine, moe_layer, rms_norm, add_rms_norm, qk_norm_rope, sigmoid_gate, kv_append, fp8_grouped_linear,
-linear_attention_decode, short_conv_decode (no aten op); the scaled_mm family, whose aten meta
+linear_attention_decode, short_conv_decode, commit (no aten op); the scaled_mm family, whose aten meta
 functions check CUDA's layout rules (mat2 column-major, dimensions multiples
 of 16) that mps_ext does not need, so a traced model would fail where the
 eager one runs; and the grouped_mm family, whose aten meta functions take
@@ -161,6 +161,22 @@ def _fp8_grouped_linear(rows, bank, bank_scale, offs):
     return rows.new_empty((rows.shape[0], bank.shape[1]), dtype=torch.bfloat16)
 
 
+# mps_ext/stream.py's commit point: no output. Registered as an ordered
+# effect too, so that torch.compile neither drops it (an op with no output
+# and no mutation is dead code to its graph passes) nor moves it across the
+# other effects; the tensor it takes orders it after the work that made it.
+def _commit(x):
+    return None
+
+
+def _register_commit_effect() -> None:
+    try:
+        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+    except ImportError:  # a torch without effect tokens: compiled graphs may drop the commits, eager keeps them
+        return
+    _register_effectful_op(torch.ops.mps_ext.commit.default, _EffectType.ORDERED)
+
+
 def register() -> None:
     for name, fn in [("_scaled_mm", _scaled_mm), ("_scaled_mm_v2", _scaled_mm_v2), ("fp8_linear", _fp8_linear),
                      ("_grouped_mm", _grouped_mm), ("_scaled_grouped_mm", _scaled_grouped_mm),
@@ -170,5 +186,6 @@ def register() -> None:
                      ("qk_norm_rope", _qk_norm_rope), ("sigmoid_gate", _sigmoid_gate),
                      ("kv_append", _kv_append), ("fp8_grouped_linear", _fp8_grouped_linear),
                      ("linear_attention_decode", _linear_attention_decode),
-                     ("short_conv_decode", _short_conv_decode)]:
+                     ("short_conv_decode", _short_conv_decode), ("commit", _commit)]:
         torch.library.register_fake(f"mps_ext::{name}", fn)
+    _register_commit_effect()

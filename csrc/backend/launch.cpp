@@ -137,4 +137,13 @@ void launch(const Launch& l) {
   no_backend(device);
 }
 
+void commit(const c10::Device& device) {
+  if (device.is_cpu()) return;
+#ifdef __APPLE__
+  if (device.is_mps()) return metal_commit();
+#endif
+  TORCH_CHECK(false, "mps_ext commit: commits the MPS stream (a no-op on CPU tensors, which the CPU Metal executor "
+              "runs); got a tensor on ", device);
+}
+
 }  // namespace mps_ext

@@ -109,6 +109,13 @@ void remember_unavailable(c10::DeviceType device, const BackendUnavailable& e);
 // Test hook: forgets every remembered failure.
 void forget_unavailable();
 
+// Commits the command buffer of the stream `device`'s launches are encoded
+// on, so that the GPU starts the work encoded so far while the host encodes
+// the rest (torch.ops.mps_ext.commit, mps_ext/stream.py). MPS: the current
+// MPS stream's (metal_commit); CPU: nothing, as the executor runs each launch
+// to completion when it is encoded. Other devices are refused.
+void commit(const c10::Device& device);
+
 // Backends. Each builds a kernel's pipeline once (pipeline(), which throws
 // BackendUnavailable if it cannot) and encodes launches of it (encode()).
 // The metal_* functions exist on macOS only (metal.mm).
@@ -116,6 +123,7 @@ PipelineInfo executor_pipeline(const std::string& library, const std::string& ke
 void executor_encode(const Launch& launch);
 PipelineInfo metal_pipeline(const std::string& library, const std::string& kernel);
 void metal_encode(const Launch& launch);
+void metal_commit();
 
 // Test hook: a shader library compiled from `source` under `name` (not a
 // built-in one's), which launch() then runs like the built-in libraries: on

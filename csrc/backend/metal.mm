@@ -14,7 +14,8 @@
 //   reported as it is; the op layer sizes its launches from it.
 // - Encoding shares PyTorch's compute encoder on the current MPS stream,
 //   inside dispatch_sync on the stream's queue, and never commits or waits:
-//   PyTorch commits when it needs the results.
+//   PyTorch commits when it needs the results. The one exception is asked
+//   for: metal_commit (torch.ops.mps_ext.commit, mps_ext/stream.py).
 // - Every build and every encode runs in an @autoreleasepool, as PyTorch's
 //   own do: the Objective-C objects they create are released there.
 #import <Foundation/Foundation.h>
@@ -194,6 +195,21 @@ void metal_encode(const Launch& l) {
         [encoder setThreadgroupMemoryLength:l.threadgroup_memory[i] atIndex:i];
       [encoder dispatchThreadgroups:MTLSizeMake(l.threadgroups[0], l.threadgroups[1], l.threadgroups[2])
               threadsPerThreadgroup:MTLSizeMake(t[0], t[1], t[2])];
+    }
+  });
+}
+
+// The stream's synchronize(SyncType::COMMIT) ends PyTorch's open compute
+// encoder and commits the command buffer; with commitAndContinue enabled (the
+// stream's default) the stream then encodes into a fresh one, otherwise it
+// opens one at the next encode. It is the call torch's own
+// MPSHooks::commitStream makes (declared the same in the headers of 2.9 to
+// 2.15), run here on the stream's queue as every encode is. It does not wait.
+void metal_commit() {
+  at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
+  compat::dispatch_sync_with_rethrow(stream->queue(), ^() {
+    @autoreleasepool {
+      stream->synchronize(at::mps::SyncType::COMMIT);
     }
   });
 }
