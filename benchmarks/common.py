@@ -275,7 +275,7 @@ CASE_NOTES = (
     "cycles per threadgroup-memory instruction. loads in flight: independent device loads per iteration of the "
     "hot loop (the fewest over the case's kernels); loads after barrier: device loads of a loop's iteration that "
     "wait behind its threadgroup barrier (the most). us @chip: the DRAM traffic at the chip's bandwidth (a bound, "
-    "not a prediction). stock / mps_ext: median times on a Mac only. docs/contributing.md, \"What a kernel costs a GPU beyond its "
+    "not a prediction). stock / mps_ext: median times on a Mac only. docs/dev/contributing.md, \"What a kernel costs a GPU beyond its "
     "bytes\", says how each counter is computed.")
 
 

@@ -4,7 +4,7 @@
 // Their exp and log are Metal's precise ones (mps_ext compiles with precise
 // functions: csrc/backend/metal.mm), accurate to 4 ulp (MSL 4, Table 8.1),
 // not to torch's 1: what that allows the kernels' results is stated where
-// they are tested (docs/contributing.md, "Math mode").
+// they are tested (docs/dev/contributing.md, "Math mode").
 #pragma once
 #include "shared_types.h"
 

@@ -11,7 +11,7 @@ policy applies to the MPS overrides only: torch.ops.mps_ext on CPU tensors
 always runs mps_ext's kernels.
 
 Why each rule holds (what every supported release has on MPS, per family,
-and the files of the macOS wheels that show it) is in docs/policy.md.
+and the files of the macOS wheels that show it) is in docs/dev/policy.md.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class Condition(str, enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Native:
     """A kernel of torch's own that makes mps_ext's override unnecessary."""
-    since: tuple[int, int]  # first torch release that has it (docs/policy.md: the evidence)
+    since: tuple[int, int]  # first torch release that has it (docs/dev/policy.md: the evidence)
     ops: tuple[str, ...]    # the aten ops mps_ext leaves to it on MPS
     what: str               # what torch has, in one sentence
     # Not calls with a tensor argument of these dtypes (torch's names:
@@ -72,7 +72,7 @@ class Native:
         return "; ".join(parts)
 
 
-# Ops mps_ext leaves to torch from a release on (docs/policy.md: why, per
+# Ops mps_ext leaves to torch from a release on (docs/dev/policy.md: why, per
 # family).
 NATIVE: dict[str, list[Native]] = {
     "softmax": [Native(

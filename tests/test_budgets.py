@@ -38,7 +38,7 @@ shapes (benchmarks/bench_*.py):
   kernels; every threadgroup re-reads only small shared ones: softmax's
   split partials, a norm's weight, the routing weights), or re-reads by
   design, each operand once per tile of the other dimension (the prefill
-  tiles, docs/kernel_counters_issue21.md).
+  tiles, docs/dev/kernel_counters_occupancy.md).
 
 Which kernels need full occupancy: those that stream, each thread keeping a
 few loads in flight and the core hiding their latency with other threads:
@@ -319,9 +319,9 @@ def library_infos() -> dict[str, cpu_metal.KernelInfo]:
 # The one decode template (kernels_metal/decode.h) costs no more registers
 # than the kernels it replaced: each variant at most what the kernel of that
 # name used at d22396b (issue 11's kernels, before the template), counted by
-# today's estimator (issue 11's table, docs/kernel_counters_issue11.md,
+# today's estimator (issue 11's table, docs/dev/kernel_counters_before_after.md,
 # counted the CPU IR's 64-bit pointers and indices as 2 words each:
-# docs/kernel_counters_issue21.md). (gemv_rows_*_r4_q1 and _r8_q1 are gone:
+# docs/dev/kernel_counters_occupancy.md). (gemv_rows_*_r4_q1 and _r8_q1 are gone:
 # at 3 to 8 rows decode_geometry always gives a simdgroup 2 outputs.)
 DECODE_REGISTERS_BEFORE = {
     "fp8_gemv_bf16_r1_scalar": 21, "fp8_gemv_bf16_r1_vec": 39, "fp8_gemv_bf16_r2_scalar": 24,
@@ -395,7 +395,7 @@ LU_SOLVE_VECTOR = ("lu_solve with one right-hand side: x at 32 (f32) / 16 (c64) 
                    "matrix's rows, one per lane, are a line apart; lanes over matrices instead would read the factors "
                    "(n^2 elements a matrix against x's n) a line per lane")
 # Issue 21's budgets on the kernels beyond linear (figures at the budget
-# cases, tests/test_budgets.measured; docs/kernel_counters_issue21.md).
+# cases, tests/test_budgets.measured; docs/dev/kernel_counters_occupancy.md).
 DIVISIONS_UNEXAMINED = ("{} 32-bit integer and {} float divisions per thread (the busiest) at the budget cases, not "
                         "yet traced to their source: whether each is a fixed number per thread or sits in a loop "
                         "that grows with the problem is not known, so no DIVISIONS entry allows them")
@@ -470,7 +470,7 @@ DIVISIONS: dict[str, tuple[int, int]] = {
     # fp8_convert_strided: a threadgroup's tile (group / tiles, group % tiles), once a thread
     **{k: (2, 0) for k in FP8_CONVERT if "_strided_" in k},
     # fp8_mm_tile: each lane's 4 weight rows' scale row n / sb_n_group, once a thread
-    # (docs/kernel_counters_issue21.md)
+    # (docs/dev/kernel_counters_occupancy.md)
     **{k: (4, 0) for k in FP8_TILE},
     # qk_norm_rope: torch's mean (ss / D) and 1 / sqrt(...) per head row a simdgroup normalises; a simdgroup
     # takes its share of one token's head group (p.iterations rows, set by the head count, never by the

@@ -2,6 +2,7 @@
 to the stock kernel, switches, counters, the report."""
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -172,3 +173,12 @@ def test_fallback_reasons_are_the_tables_and_nothing_else(tmp_path):
     first = 4  # the body starts at line 4 of reasons_use.cpp
     for n, line in enumerate(wrong, first):
         assert f"reasons_use.cpp:{n}:" in r.stderr, (line, r.stderr[-3000:])
+
+
+def test_the_version_is_written_once():
+    """pyproject.toml reads the version from mps_ext/__init__.py: the
+    installed distribution's metadata and the module agree."""
+    import importlib.metadata
+    assert importlib.metadata.version("mps_ext") == mps_ext.__version__
+    pyproject = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and "\nversion = " not in pyproject

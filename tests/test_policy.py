@@ -18,7 +18,7 @@ RELEASES = ["2.9.0", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
 
 
 def history() -> dict[str, list[tuple[str, str, str]]]:
-    """docs/policy.md's tables: per family (its '## name' section), the rows
+    """docs/dev/policy.md's tables: per family (its '## name' section), the rows
     (releases, what torch has on MPS, evidence)."""
     out, family = {}, None
     with open(os.path.join(ROOT, "docs", "policy.md")) as f:

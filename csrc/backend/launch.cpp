@@ -71,7 +71,7 @@ void rethrow_if_remembered(c10::DeviceType device, const std::string& library, c
 // cannot run the threads the op asks for is a machine limit, not an error.
 // The op layer sizes the launches that can adapt from the pipeline's limit
 // (ops/kernel_choice.h, thread_budget), so this fails only for a launch of
-// fixed size (the kernel's minimum: docs/contributing.md, "Threadgroup
+// fixed size (the kernel's minimum: docs/dev/contributing.md, "Threadgroup
 // sizes"): the kernel cannot run here at all.
 void check_threads(const Launch& l, const PipelineInfo& p) {
   const auto& t = l.threads_per_threadgroup;

@@ -48,7 +48,7 @@ std::map<std::string, std::string> g_library_errors;
 std::map<std::string, id<MTLComputePipelineState>> g_pipelines;
 std::map<std::string, std::string> g_pipeline_errors;
 
-// Safe math (docs/contributing.md, "Math mode"): IEEE inf and NaN, as torch's
+// Safe math (docs/dev/contributing.md, "Math mode"): IEEE inf and NaN, as torch's
 // CPU results have them, correctly rounded division, precise functions, no
 // reassociation; a*b + c within one statement may still become one fma,
 // which the CPU executor does too. macOS 15 sets it through mathMode, which

@@ -1,5 +1,5 @@
 // The op families: the one table a new family is added to
-// (docs/contributing.md, "Adding an op family").
+// (docs/dev/contributing.md, "Adding an op family").
 //
 // A family is what a user turns off (mps_ext.set_enabled("pad", False)), the
 // key of its rules in mps_ext/_policy.py and of its counters in

@@ -27,7 +27,7 @@ namespace mps_ext {
 // cannot run here: its library or pipeline failed to build, or the pipeline
 // allows fewer than `least` threads (a multiple of 32), the fewest the
 // launch works with at any shape (route() then remembers the kernel as
-// unavailable). docs/contributing.md, "Threadgroup sizes".
+// unavailable). docs/dev/contributing.md, "Threadgroup sizes".
 inline int64_t thread_budget(const c10::Device& device, const std::string& library, const std::string& kernel,
                              int64_t declared, int64_t least = 32) {
   const uint64_t limit = pipeline(device, library, kernel).max_threads_per_threadgroup;

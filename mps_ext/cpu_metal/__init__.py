@@ -36,7 +36,7 @@ inside it, from Python or from C++ (the op layer); record(counters=True)
 turns the counters on for all of them.
 `with cpu_metal.run_model(torch_release="2.13") as report:` runs a whole
 model's CPU tensor ops through mps_ext's kernels where a Mac with that torch
-would (docs/model_runner.md).
+would (docs/dev/model_runner.md).
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def worker_count() -> int:
 class KernelInfo:
     """What a kernel costs a GPU beyond its bytes, from its optimised IR
     (computed when the library is built; see mps_ext/cpu_metal/_analysis.py
-    and docs/contributing.md)."""
+    and docs/dev/contributing.md)."""
 
     registers: int  # 32-bit registers live per thread at the peak (16-bit values count half)
     uniform_registers: int  # values the same for the whole dispatch (buffer addresses, parameters)
@@ -242,7 +242,7 @@ class DispatchStats:
     """What one dispatch did, from the executor's counters.
 
     Bytes, barriers, simd operations and threads are counted as the kernel
-    runs. What a GPU pays beyond bytes (docs/contributing.md, "What a kernel costs a GPU
+    runs. What a GPU pays beyond bytes (docs/dev/contributing.md, "What a kernel costs a GPU
     beyond its bytes", has the details and limits of each):
     - int64_divisions / int64_multiplications (always counted): an increment
       the instrumenter puts after optimisation before every 64-bit integer

@@ -37,7 +37,7 @@ loops that were left without instrumenting loop exits.
 Also:
 - Multiply-adds: `a * b + c` within one statement is contracted to one
   fma (fuse_multiply_adds), as Metal's Safe math mode does; across
-  statements nothing is fused (docs/contributing.md, "Math mode").
+  statements nothing is fused (docs/dev/contributing.md, "Math mode").
 - A vector comparison's result (clang: `sext <N x i1>`, -1 for true)
   becomes `zext` (1 for true): Metal's comparison gives a bool vector, and
   bool converts to 1.

@@ -6,7 +6,7 @@ what Apple's compiler rejects, CI rejects too.
 as clang address spaces (_compiler.check_address_spaces). Every finding
 reads `file:line: message [msl-rule]`; the rules, with where the
 Metal Shading Language specification (3.1) states them, are listed in
-RULES and in docs/contributing.md (the table of `msl-` rules).
+RULES and in docs/dev/contributing.md (the table of `msl-` rules).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from . import _translate
 
 __all__ = ["lint", "lint_includes", "RULES"]
 
-# rule -> what it says (docs/contributing.md lists the same rules and tests).
+# rule -> what it says (docs/dev/contributing.md lists the same rules and tests).
 RULES = {
     "std-header": "no C or C++ standard-library header (<cmath>, <stdint.h>, ...): Metal has only its own (<metal_*>)",
     "double": "no double (MSL 2.1: Metal has no 64-bit floating point)",

@@ -10,7 +10,7 @@ Inside the block every aten call the package would take on a Mac with that
 torch release goes to torch.ops.mps_ext.<op>, which runs the kernels on the
 CPU Metal executor for CPU tensors or hands the call to aten's CPU kernel,
 counting why (mps_ext.stats()); every other call runs torch's CPU kernel.
-docs/model_runner.md says how it works and what it does not see.
+docs/dev/model_runner.md says how it works and what it does not see.
 """
 
 from __future__ import annotations

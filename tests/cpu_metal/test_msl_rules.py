@@ -262,7 +262,7 @@ def test_valid_variant_passes(tmp_path, case):
 
 def test_every_rule_has_a_planted_bug_and_a_row_in_the_docs():
     assert {c.split(":")[0] for c in CASES} == set(_lint.RULES)
-    docs = (ROOT / "docs" / "contributing.md").read_text()
+    docs = (ROOT / "docs" / "dev" / "contributing.md").read_text()
     for rule in _lint.RULES:
         assert f"`msl-{rule}`" in docs, rule
 

@@ -9,7 +9,7 @@ files. A kernel whose multiply-add rounding a claim states writes fma()
 moe_down_combine, which left `acc += w * y` to contraction, failed here.
 
 Families with a bit-exact claim and a multiply-add the executor contracts
-(the contracted statements: docs/contributing.md, "Math mode"): the MoE
+(the contracted statements: docs/dev/contributing.md, "Math mode"): the MoE
 combine (moe_combine, moe_down_combine, against rounding.fma32). Families
 with a bit-exact claim whose arithmetic is written out already (no
 contracted statement; here so that they stay so): rms_norm and
