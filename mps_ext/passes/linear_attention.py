@@ -117,6 +117,17 @@ def cached_decode_step(hidden_states, cache, attention_mask, layer_idx: int, fam
             and attention_mask is None and (recording_too or not recording(layer_idx)))
 
 
+def count_in_place_step(cache, layer_idx: int) -> None:
+    """What transformers' own decode step does to the cache when it updates
+    the conv window in place: from 5.25 on it counts the token
+    (cache.increase_count, the linear-attention layers' sequence length);
+    earlier releases keep no count. The generate episode compares the cache
+    each step leaves, so a release that counts otherwise is left."""
+    count = getattr(cache, "increase_count", None)
+    if callable(count):
+        count(layer_idx, 0)
+
+
 @register_mixin
 class FusedDecodeMixin:
     """The decode step of a Gated DeltaNet layer on linear_attention_decode;
@@ -147,6 +158,7 @@ class FusedDecodeMixin:
         op = linear_attention_decode_reference if reference else torch.ops.mps_ext.linear_attention_decode
 
         def step():
+            count_in_place_step(cache, self.layer_idx)
             x = hidden_states[:, 0]
             core = op(self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x), conv_state,
                       recurrent_state, self.conv1d.weight.view(self.conv1d.weight.shape[0], -1), self.A_log,
@@ -222,6 +234,9 @@ class _ProbeCache:
 
     def is_recording_past(self, layer_idx):
         return False
+
+    def increase_count(self, layer_idx, state_idx=0):  # (5.25's token count: the episode checks it)
+        pass
 
 
 def probe_decode_step(mod, original, make_states, tolerance: float) -> str | None:

@@ -40,7 +40,7 @@ from torch import nn
 
 from ._classes import fused_subclass, original_class, register_maker, register_mixin
 from ._protocol import Pass
-from .linear_attention import cached_decode_step, probe_decode_step, recurrent_call
+from .linear_attention import cached_decode_step, count_in_place_step, probe_decode_step, recurrent_call
 
 __all__ = ["FusedShortConvMixin", "ShortConvPass", "short_conv_decode_reference"]
 
@@ -95,6 +95,8 @@ class FusedShortConvMixin:
             y = op(self.in_proj(hidden_states), window, w.view(w.shape[0], -1), b)
             if recording:
                 append(window[..., -1:], self.layer_idx, conv_kernel_size=k)
+            else:
+                count_in_place_step(cache, self.layer_idx)
             return self.out_proj(y)
         return step
 
