@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import mps_ext
-from mps_ext import _policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

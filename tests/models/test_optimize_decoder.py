@@ -21,7 +21,7 @@ from mps_ext.cpu_metal import run_model
 from mps_ext.passes.decoder import FusedDecoderLayerMixin
 from model_compare import RELEASE, without_passes
 from test_optimize import (MODELS, ids, make, optimized_against_stock_and_float64, prefill_and_decode,
-                           quantized_against_stock_and_float64, rel_err)
+                           quantized_against_stock_and_float64)
 
 T = transformers
 # Dense models of the same layers (test_optimize's MODELS holds the MoE ones).

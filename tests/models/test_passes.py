@@ -10,7 +10,6 @@ memory optimize needs, and the cache past recording of transformers'
 deferred stop check (a Mac's generate)."""
 
 import copy
-import functools
 import subprocess
 import sys
 

@@ -18,6 +18,7 @@ must be no worse than transformers' own torch code (1.5x plus one ulp).
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import transformers
 

@@ -10,7 +10,6 @@ import mps_ext
 from host_names import host_names
 from mps_ext import cpu_metal
 
-import transformers  # the test extra pins it: the modules are the reference
 from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeRMSNorm  # noqa: E402
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm  # noqa: E402
