@@ -22,15 +22,34 @@ mps_ext's:
     FP8Experts (transformers) -> mps_ext.FP8Experts: one fp32 scale per expert
                                  output row, so each row's 128-column blocks
                                  are brought to one scale (see _row_scaled)
+
+load_fp8 also takes a bf16 / fp16 / fp32 safetensors checkpoint (no
+quantization_config) and quantizes it as it reads it, never holding the
+bf16 model:
+
+    model = mps_ext.load_fp8("Qwen/Qwen3-30B-A3B", device="mps", granularity="row")
+
+again through from_pretrained, with a second quantizer of ours
+(QUANTIZE_METHOD) in transformers' on-the-fly quantization hooks: the model
+is built on the meta device, quantize_fp8's own choice of modules (fp8._plan)
+is made on that skeleton and those modules are replaced by empty FP8Linear /
+FP8Experts, and transformers reads the checkpoint one parameter at a time
+(its renamings and WeightConverters: per-expert tensors merged into the
+gate_up_proj / down_proj banks as for any load), each weight of a converted
+module handed to our quantize op as it is read, quantized by the code
+quantize_fp8 uses, and let go. The result is quantize_fp8(from_pretrained(
+path, ...), granularity, filter), bit for bit.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
 
+from . import fp8
 from .fp8 import BLOCK, E4M3_MAX, FP8Experts, FP8Linear
 from .passes.projections import ProjectionRows
 
@@ -39,14 +58,28 @@ __all__ = ["fine_grained_state_dict", "load_fp8"]
 # The name our quantizer is registered under in transformers' registries;
 # it never reaches a saved config (load_fp8 puts the checkpoint's back).
 QUANT_METHOD = "mps_ext_fp8"
+# The method of our on-the-fly quantizer (load_fp8 of a bf16 checkpoint);
+# the loaded model's config does not keep it either.
+QUANTIZE_METHOD = "mps_ext_fp8_quantize"
+# Checkpoint tensor dtypes (safetensors' names) load_fp8 quantizes or copies.
+_FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 # Memory for the float32 copy of an expert bank while its rows are re-scaled.
 _REQUANT_BYTES = 256 << 20
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
                "trust_remote_code")
 
 
-def load_fp8(model_id_or_path, device="mps", *, model_class=None, **from_pretrained_kwargs) -> nn.Module:
-    """Load a fine-grained FP8 checkpoint (config.json's quantization_config:
+def load_fp8(model_id_or_path, device="mps", *, model_class=None, granularity: str | None = None,
+             filter=None, **from_pretrained_kwargs) -> nn.Module:
+    """Load a bf16 / fp16 / fp32 safetensors checkpoint (no
+    quantization_config) quantized to fp8 as it is read, shard by shard and
+    tensor by tensor (the peak is about the fp8 model plus one converted
+    parameter's bf16 tensors, never the bf16 model): the model
+    quantize_fp8(from_pretrained(model_id_or_path, **from_pretrained_kwargs),
+    granularity, filter) is, bit for bit (granularity default "row"; filter
+    as quantize_fp8's), with its fp8_summary; then moved to `device`.
+
+    Or load a fine-grained FP8 checkpoint (config.json's quantization_config:
     quant_method "fp8", weight_block_size [128, 128] or null (one scale per
     tensor; expert banks must be block-wise)) with transformers' from_pretrained, its quantized Linear weights
     and expert banks kept in float8_e4m3fn as mps_ext.FP8Linear /
@@ -75,10 +108,18 @@ def load_fp8(model_id_or_path, device="mps", *, model_class=None, **from_pretrai
     config = transformers.AutoConfig.from_pretrained(model_id_or_path, **hub)
     owner = config if getattr(config, "quantization_config", None) else config.get_text_config(decoder=True)
     original = getattr(owner, "quantization_config", None)
-    qc = _checked_quantization_config(original, model_id_or_path)
-    owner.quantization_config = {**qc, "quant_method": QUANT_METHOD, "dequantize": False}
     cls = model_class or transformers.AutoModelForCausalLM
     want_info = from_pretrained_kwargs.pop("output_loading_info", False)
+    if original is None:
+        model, info = _load_quantizing(model_id_or_path, cls, config, granularity or "row", filter, hub,
+                                       from_pretrained_kwargs)
+        model = model.to(device)
+        return (model, info) if want_info else model
+    if granularity is not None or filter is not None:
+        raise ValueError(f"load_fp8: {model_id_or_path} is an fp8 checkpoint, loaded as it was quantized; "
+                         f"granularity and filter choose how a bf16 checkpoint is quantized")
+    qc = _checked_quantization_config(original, model_id_or_path)
+    owner.quantization_config = {**qc, "quant_method": QUANT_METHOD, "dequantize": False}
     model, info = cls.from_pretrained(model_id_or_path, config=config, output_loading_info=True,
                                       **from_pretrained_kwargs)
     _check_scales_loaded(info, model_id_or_path)
@@ -89,6 +130,148 @@ def load_fp8(model_id_or_path, device="mps", *, model_class=None, **from_pretrai
     _swap_modules(model, device)
     model = model.to(device)
     return (model, info) if want_info else model
+
+
+def _load_quantizing(where, cls, config, granularity: str, filter, hub: dict, kwargs: dict):
+    """(model, loading info) of a bf16 / fp16 / fp32 checkpoint quantized
+    as it is read (load_fp8's first case): from_pretrained with our
+    on-the-fly quantizer (_register) and the checkpoint as a state dict of
+    lazy tensors (_LazyTensor, each read when transformers wants it), the model
+    then left as quantize_fp8 leaves one (no quantization_config;
+    fp8_summary; the save format)."""
+    if granularity not in fp8.GRANULARITIES:
+        raise ValueError(f"granularity must be one of {fp8.GRANULARITIES}, got {granularity!r}")
+    from transformers import GenerationConfig
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+
+    if hasattr(cls, "_model_mapping"):  # an Auto class: from_pretrained(None, ...) needs the model's own
+        from transformers.models.auto.auto_factory import _get_model_class
+
+        if type(config) not in cls._model_mapping:
+            raise ValueError(f"load_fp8: {where}'s config ({type(config).__name__}) has no class in "
+                             f"{cls.__name__}; pass model_class, the model's class")
+        cls = _get_model_class(config, cls._model_mapping)
+    state = _lazy_state_dict(where, hub)
+    _register()
+    qc = AUTO_QUANTIZATION_CONFIG_MAPPING[QUANTIZE_METHOD](granularity=granularity, filter=filter)
+    # from_pretrained(path) opens every shard for the whole load (safetensors maps each file, memory
+    # torch counts); given a state dict it reads the tensors from it, so the path goes no further, and
+    # what from_pretrained(path) also reads from it, the generation config, is read here.
+    try:
+        generation = GenerationConfig.from_pretrained(where, **hub)
+    except OSError:
+        generation = None
+    try:
+        model, info = cls.from_pretrained(None, config=config, state_dict=state, quantization_config=qc,
+                                          generation_config=generation, output_loading_info=True,
+                                          **{k: v for k, v in kwargs.items() if k not in _HUB_KWARGS})
+    except RuntimeError as e:  # transformers reports an error of our quantize op as its own, with a traceback
+        if qc.error is not None:
+            raise qc.error from e
+        raise
+    model.config.name_or_path = str(where)
+    quantizer = model.hf_quantizer
+    missing = sorted(info.get("missing_keys", ()))
+    if missing:
+        raise ValueError(f"load_fp8: {where} lacks {len(missing)} tensor(s) the model needs: "
+                         f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    # As quantize_fp8 leaves a model: no quantization_config, our save format, the summary.
+    quantizer.remove_quantization_config(model)
+    del model.is_quantized  # (remove_quantization_config sets it False; a model quantize_fp8 converts has none)
+    for module in model.modules():  # what transformers' postprocess_model set on each model's config
+        if "_is_quantized" in getattr(getattr(module, "config", None), "__dict__", {}):
+            del module.config._is_quantized
+    model.hf_quantizer = None
+    fp8._finish(model, quantizer.plan, quantizer.bytes_before, stacklevel=3)
+    return model, info
+
+
+class _LazyTensor:
+    """A checkpoint tensor, read from its file when transformers
+    materializes it (it indexes its state dict's values with [...], as it
+    does safetensors' slices) into memory of its own size: safetensors'
+    safe_open maps a whole shard (memory torch's allocator counts) and
+    from_pretrained(path) keeps every shard open for the whole load. The
+    dtype is what its dtype="auto" looks at."""
+
+    def __init__(self, file: str, key: str, dtype: torch.dtype, shape: list[int], start: int, stop: int):
+        self.file, self.key, self.dtype, self.shape, self.start, self.stop = file, key, dtype, shape, start, stop
+
+    def __getitem__(self, index) -> torch.Tensor:
+        raw = torch.empty(self.stop - self.start, dtype=torch.uint8)
+        with open(self.file, "rb") as f:
+            f.seek(self.start)
+            got = f.readinto(raw.numpy())
+        if got != raw.numel():
+            raise ValueError(f"load_fp8: {os.path.basename(self.file)} ends inside {self.key} (truncated file)")
+        return raw.view(self.dtype).reshape(self.shape)[index]
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+
+def _checkpoint_files(where, hub: dict) -> list[str]:
+    """The safetensors files of a checkpoint (a directory or a Hub name):
+    the shards its model.safetensors.index.json lists, or
+    model.safetensors; ValueError if there are none."""
+    import json
+
+    from transformers.utils import cached_file
+
+    def find(name):
+        if os.path.isdir(where):
+            path = os.path.join(where, hub.get("subfolder", ""), name)
+            return path if os.path.isfile(path) else None
+        return cached_file(where, name, _raise_exceptions_for_missing_entries=False, **hub)
+
+    index = find("model.safetensors.index.json")
+    if index is not None:
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [find(shard) for shard in shards]
+        absent = [shard for shard, f in zip(shards, files) if f is None]
+        if absent:
+            raise ValueError(f"load_fp8: {where}'s model.safetensors.index.json lists shards that are not there: "
+                             f"{', '.join(absent)}")
+        return files
+    single = find("model.safetensors")
+    if single is None:
+        raise ValueError(f"load_fp8: {where} has no safetensors checkpoint (model.safetensors or "
+                         f"model.safetensors.index.json); load_fp8 reads safetensors only")
+    return [single]
+
+
+def _lazy_state_dict(where, hub: dict) -> dict[str, _LazyTensor]:
+    """The checkpoint's tensors, unread, from the safetensors headers (8
+    bytes of little-endian length, then JSON: per tensor its dtype, shape
+    and data_offsets from the end of the header). Every one must be
+    floating point (bf16, fp16, fp32, fp64): transformers would cast
+    anything else to the model's dtype without a word (an fp8 checkpoint
+    without its quantization_config, integer weights)."""
+    import json
+
+    state = {}
+    for file in _checkpoint_files(where, hub):
+        name = os.path.basename(file)
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            try:
+                header = json.loads(f.read(length))
+            except ValueError as e:
+                raise ValueError(f"load_fp8: {name} is not a safetensors file (its header: {e})") from None
+        header.pop("__metadata__", None)
+        for key, entry in header.items():
+            dtype = _FLOAT_DTYPES.get(entry["dtype"])
+            if dtype is None:
+                raise ValueError(f"load_fp8: {key} in {name} is {entry['dtype']}; a checkpoint without a "
+                                 f"quantization_config is quantized from {', '.join(_FLOAT_DTYPES)} tensors (an fp8 "
+                                 f"checkpoint needs its quantization_config, quant_method 'fp8')")
+            start, stop = (8 + length + offset for offset in entry["data_offsets"])
+            if stop - start != math.prod(entry["shape"]) * dtype.itemsize:
+                raise ValueError(f"load_fp8: {key} in {name}: {stop - start} bytes for {entry['dtype']} "
+                                 f"{entry['shape']}")
+            state[key] = _LazyTensor(file, key, dtype, entry["shape"], start, stop)
+    return state
 
 
 def _check_scales_loaded(info: dict, where) -> None:
@@ -109,14 +292,11 @@ def _check_scales_loaded(info: dict, where) -> None:
 
 
 def _checked_quantization_config(qc, where) -> dict:
-    if qc is None:
-        raise ValueError(f"{where} has no quantization_config in its config.json: load_fp8 loads fine-grained "
-                         "FP8 checkpoints (quant_method 'fp8'); quantize a bf16 model with mps_ext.quantize_fp8")
     qc = dict(qc) if isinstance(qc, dict) else qc.to_dict()
     method = qc.get("quant_method")
     if method != "fp8":
-        raise ValueError(f"load_fp8 loads fine-grained FP8 checkpoints (quant_method 'fp8'); {where} has "
-                         f"quant_method {method!r}")
+        raise ValueError(f"load_fp8 loads fine-grained FP8 checkpoints (quant_method 'fp8') and bf16 / fp16 / "
+                         f"fp32 ones (no quantization_config); {where} has quant_method {method!r}")
     block = qc.get("weight_block_size")
     if block is not None and list(block) != [BLOCK, BLOCK]:
         raise ValueError(f"load_fp8 takes weight_block_size [{BLOCK}, {BLOCK}] (mps_ext's block-wise fp8 "
@@ -167,7 +347,131 @@ def _register() -> None:
         register_quantization_config(QUANT_METHOD)(MpsExtFP8Config)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(QUANT_METHOD)(MpsExtFP8Quantizer)
+    config_cls, quantizer_cls = _quantizing_classes()
+    if QUANTIZE_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(QUANTIZE_METHOD)(config_cls)
+    if QUANTIZE_METHOD not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(QUANTIZE_METHOD)(quantizer_cls)
     _registered = True
+
+
+def _quantizing_classes():
+    """transformers' extension points for quantizing while loading: a
+    quantization config (our granularity and filter), a quantizer that
+    replaces quantize_fp8's modules by empty fp8 ones before any weight is
+    read, and the op it hands each of their weights to."""
+    from transformers.core_model_loading import ConversionOps
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
+    class QuantizeConfig(QuantizationConfigMixin):
+        """quantize_fp8's options; `error`: the first ValueError of the
+        quantize op (transformers reports it as a RuntimeError)."""
+
+        def __init__(self, granularity="row", filter=None, **kwargs):
+            self.quant_method = QUANTIZE_METHOD
+            self.granularity, self.filter, self.error = granularity, filter, None
+
+        def to_dict(self):
+            return {"quant_method": QUANTIZE_METHOD, "granularity": self.granularity}
+
+    class Quantizer(HfQuantizer):
+        """Quantizes a bf16 checkpoint while transformers reads it."""
+
+        requires_calibration = False
+
+        def validate_environment(self, *args, **kwargs):
+            if self.pre_quantized:
+                raise ValueError("mps_ext's quantizing loader reads bf16 / fp16 / fp32 checkpoints")
+
+        def _process_model_before_weight_loading(self, model, **kwargs):
+            """quantize_fp8's choice of modules on the meta skeleton, each
+            replaced by an empty fp8 module of its shapes."""
+            self.bytes_before = fp8._model_bytes(model)
+            self.plan = fp8._plan(model, self.quantization_config.filter, on_meta=True)
+            tied = getattr(model, "all_tied_weights_keys", None) or {}
+            tied_names = {n.rpartition(".")[0] for pair in tied.items() for n in pair}
+            self.layout = {}
+            granularity = self.quantization_config.granularity
+            for name, kind in self.plan.targets:
+                mod = model.get_submodule(name)
+                if name in tied_names:
+                    raise ValueError(f"load_fp8: {name}'s weight is tied to another ({tied}); load the model with "
+                                     f"from_pretrained and quantize it with quantize_fp8, or leave it to the filter")
+                if kind == "FP8Linear":
+                    bias = mod.bias
+                    new = FP8Linear(mod.in_features, mod.out_features, bias is not None, granularity, device="meta",
+                                    dtype=bias.dtype if bias is not None else torch.bfloat16)
+                else:
+                    gate_up, down, concatenated = fp8._bank_views(mod, on_meta=True)
+                    e, two_i, h = gate_up.shape
+                    new = FP8Experts(e, h, two_i // 2, device="meta")
+                    self.layout[name] = (bool(getattr(mod, "is_transposed", False)), concatenated)
+                model.set_submodule(name, new)
+
+        def param_needs_quantization(self, model, param_name, **kwargs):
+            prefix, _, leaf = param_name.rpartition(".")
+            mod = model.get_submodule(prefix)
+            return ((isinstance(mod, FP8Linear) and leaf == "weight")
+                    or (isinstance(mod, FP8Experts) and leaf in ("gate_up_proj", "down_proj")))
+
+        def get_quantize_ops(self):
+            return QuantizeOp(self)
+
+        def is_serializable(self):
+            return True
+
+        @property
+        def is_trainable(self):
+            return True
+
+        def get_state_dict_and_metadata(self, model):
+            return fine_grained_state_dict(model), {}
+
+    class QuantizeOp(ConversionOps):
+        """Each weight of an fp8 module, as transformers read it (renamed,
+        merged, in the model's dtype) -> its fp8 weight and scales, by the
+        code quantize_fp8 runs (quantize_weight, fp8._quantize_bank)."""
+
+        def __init__(self, quantizer):
+            self.quantizer = quantizer
+
+        def convert(self, input_dict, model=None, **kwargs):
+            out = {}
+            try:
+                for key, value in input_dict.items():
+                    out.update(self.quantize(model, key, value[0] if isinstance(value, list) else value))
+            except ValueError as e:
+                config = self.quantizer.quantization_config
+                config.error = config.error or e
+                raise
+            return out
+
+        def quantize(self, model, key, tensor):
+            prefix, _, leaf = key.rpartition(".")
+            mod = model.get_submodule(prefix)
+            if isinstance(mod, FP8Linear):
+                _check_shape(key, tensor, (mod.out_features, mod.in_features))
+                q, s = fp8.quantize_weight(tensor, mod.granularity)
+                return {key: q, f"{prefix}.weight_scale": s}
+            transposed, concatenated = self.quantizer.layout[prefix]
+            e, h, i = mod.num_experts, mod.hidden, mod.intermediate
+            gate_up = leaf == "gate_up_proj"
+            want = (e, 2 * i, h) if gate_up else (e, h, i)  # FP8Experts' orientation
+            _check_shape(key, tensor, (want[0], want[2], want[1]) if transposed else want)
+            bank = tensor.transpose(1, 2) if transposed else tensor
+            q, s = fp8._quantize_bank(bank, concatenated or not gate_up)
+            return {key: q, f"{prefix}.{'gate_up' if gate_up else 'down'}_scale": s}
+
+    return QuantizeConfig, Quantizer
+
+
+def _check_shape(key: str, tensor: torch.Tensor, want: tuple) -> None:
+    """The quantize op's own shape check: transformers compares shapes only
+    for what it does not quantize."""
+    if tuple(tensor.shape) != want:
+        raise ValueError(f"load_fp8: {key} is {list(tensor.shape)} in the checkpoint (after transformers' "
+                         f"renaming and merging); the model wants {list(want)}")
 
 
 def save_quantizer():

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import os
 import re
 import sys
 import warnings
@@ -353,9 +354,10 @@ class FP8Experts(_FP8Module):
         self.register_buffer("down_scale", torch.ones(num_experts, hidden, device=device))
 
     @staticmethod
-    def why_not_convertible(module: nn.Module) -> str | None:
-        """None if `module` holds expert banks FP8Experts can run, else why not."""
-        banks = _bank_views(module)
+    def why_not_convertible(module: nn.Module, on_meta: bool = False) -> str | None:
+        """None if `module` holds expert banks FP8Experts can run, else why not
+        (on_meta: see _bank_views)."""
+        banks = _bank_views(module, on_meta)
         return banks if isinstance(banks, str) else None
 
     @staticmethod
@@ -374,15 +376,8 @@ class FP8Experts(_FP8Module):
         gate_up, down, concatenated = banks
         e, two_i, h = gate_up.shape
         m = cls(e, h, two_i // 2, device="meta")
-        if concatenated:
-            m.gate_up_proj, m.gate_up_scale = quantize_weight(gate_up, "row")
-        else:  # gate and up rows interleaved: gate rows first, one expert's copy at a time
-            m.gate_up_proj = torch.empty(gate_up.shape, dtype=torch.float8_e4m3fn, device=gate_up.device)
-            m.gate_up_scale = torch.empty(e, two_i, device=gate_up.device)
-            for x in range(e):
-                q, s = quantize_weight(_gate_rows_first(gate_up[x]), "row")
-                m.gate_up_proj[x], m.gate_up_scale[x] = q, s[:, 0]
-        m.down_proj, m.down_scale = quantize_weight(down, "row")
+        m.gate_up_proj, m.gate_up_scale = _quantize_bank(gate_up, concatenated)
+        m.down_proj, m.down_scale = _quantize_bank(down)
         return m
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -507,10 +502,11 @@ def _silu_probe(inter: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     a SiLU's shape (-20 to 20) and magnitudes past any clamp of a gate or up
     (GPT-OSS and DeepSeek-V4 clamp at 7-10), paired differently in gate and
     up."""
-    values = torch.cat([torch.linspace(-20, 20, 401),
-                        torch.tensor([-1e4, -1e3, -100.0, -50.0, 50.0, 100.0, 1e3, 1e4])])  # 409, a prime
+    # Made on the CPU explicitly: load_fp8 plans a bf16 load under transformers' torch.device("meta").
+    values = torch.cat([torch.linspace(-20, 20, 401, device="cpu"),
+                        torch.tensor([-1e4, -1e3, -100.0, -50.0, 50.0, 100.0, 1e3, 1e4], device="cpu")])  # 409, a prime
     rows = -(-values.numel() // inter)
-    i = torch.arange(rows * inter)
+    i = torch.arange(rows * inter, device="cpu")
     return (values[i % values.numel()].view(rows, inter).to(device),
             values[(7 * i + 3) % values.numel()].view(rows, inter).to(device))
 
@@ -564,18 +560,38 @@ def _expert_banks(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | str:
     return (gu if concatenated else torch.cat([gu[:, 0::2], gu[:, 1::2]], 1)), dn
 
 
+def _quantize_bank(bank: torch.Tensor, concatenated: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn bank, fp32 scales [E, N]) of an expert bank [E, N, K]
+    in FP8Experts' orientation (a view of the module's bank, _bank_views);
+    concatenated False: gate and up rows interleaved, stored gate rows first
+    (one expert's copy at a time). What FP8Experts.from_experts and
+    load_fp8 of a bf16 checkpoint (each bank as it is read) both store."""
+    if concatenated:
+        return quantize_weight(bank, "row")
+    e, two_i, _ = bank.shape
+    q = torch.empty(bank.shape, dtype=torch.float8_e4m3fn, device=bank.device)
+    scale = torch.empty(e, two_i, device=bank.device)
+    for x in range(e):
+        q[x], s = quantize_weight(_gate_rows_first(bank[x]), "row")
+        scale[x] = s[:, 0]
+    return q, scale
+
+
 def _gate_rows_first(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2I, H] with gate and up rows interleaved (g0 u0 g1 u1 ...) as
     gate rows, then up rows (a copy)."""
     return torch.cat([gate_up[..., 0::2, :], gate_up[..., 1::2, :]], -2)
 
 
-def _bank_views(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, bool] | str:
+def _bank_views(module: nn.Module, on_meta: bool = False) -> tuple[torch.Tensor, torch.Tensor, bool] | str:
     """(gate_up [E, 2I, H], down [E, H, I], concatenated): views of the
     module's banks in FP8Experts' orientation, concatenated False where gate
     and up rows are interleaved; or why the module's experts cannot be an
     FP8Experts. Layout flags are those transformers'
-    use_experts_implementation sets on its experts modules."""
+    use_experts_implementation sets on its experts modules. on_meta: banks
+    on the meta device are a model skeleton about to be loaded (load_fp8 of
+    a bf16 checkpoint), not a model whose banks were never loaded; the gate
+    is then probed on the CPU."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3):
         return ("no 3-D gate_up_proj (experts without a gate, has_gate=False): FP8Experts runs gated experts, "
@@ -584,7 +600,7 @@ def _bank_views(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, bool] | 
         return "no 3-D down_proj"
     if gate_up.dtype not in _QUANTIZABLE or down.dtype not in _QUANTIZABLE:
         return f"expert banks of {gate_up.dtype} and {down.dtype}: quantize_fp8 quantizes floating-point banks"
-    if gate_up.device.type == "meta":
+    if gate_up.device.type == "meta" and not on_meta:
         return "expert banks on the meta device (not loaded)"
     biases = [n for n in ("gate_up_proj_bias", "down_proj_bias") if isinstance(getattr(module, n, None), torch.Tensor)]
     if getattr(module, "has_bias", False) or biases:
@@ -603,7 +619,7 @@ def _bank_views(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, bool] | 
         want = "[E, H, 2I] and [E, I, H] (is_transposed)" if transposed else "[E, 2I, H] and [E, H, I]"
         return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not {want}"
     concatenated = bool(getattr(module, "is_concatenated", True))
-    why = _gate_is_not_silu(module, two_i // 2, concatenated, gu.device)
+    why = _gate_is_not_silu(module, two_i // 2, concatenated, "cpu" if gu.device.type == "meta" else gu.device)
     if why:
         return why
     return gu, dn, concatenated
@@ -720,8 +736,8 @@ def _unsafe(name: str, mod: nn.Module, keep_fp32, reads, peft) -> str | None:
     return None
 
 
-def quantize_fp8(model: nn.Module, granularity: str = "row",
-                 filter: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
+def quantize_fp8(model: nn.Module | str | os.PathLike, granularity: str = "row",
+                 filter: Callable[[str, nn.Module], bool] | None = None, **from_pretrained_kwargs) -> nn.Module:
     """Replace every nn.Linear for which filter(qualified_name, module) is
     true (default: all but an LM head named lm_head / output / embed_out and
     a MoE router named gate / router) by an FP8Linear, and every expert-bank
@@ -730,6 +746,13 @@ def quantize_fp8(model: nn.Module, granularity: str = "row",
     what was left (and why) as `model.fp8_summary`, also logged (logger
     "mps_ext.fp8", INFO). Expert banks left for any reason but the filter
     give a warning: they keep their memory.
+
+    `model` may also be a Hub name or a directory of a bf16 / fp16 / fp32
+    safetensors checkpoint: the model is then read shard by shard, each
+    weight quantized as it is read, never holding the bf16 model
+    (mps_ext.checkpoint.load_fp8 with device "cpu", which see; the other
+    keyword arguments go to transformers' from_pretrained). The result is
+    that of quantize_fp8(AutoModelForCausalLM.from_pretrained(path, ...)).
 
     Whatever the filter says, it leaves what converting would break (_unsafe):
     modules the model keeps in float32 (transformers' _keep_in_fp32_modules
@@ -745,58 +768,91 @@ def quantize_fp8(model: nn.Module, granularity: str = "row",
     with save_pretrained is written in transformers' fine-grained FP8 format
     (mps_ext.checkpoint: granularity "block" or "tensor"; it refuses what
     the format cannot hold)."""
+    if isinstance(model, (str, os.PathLike)):
+        from .checkpoint import load_fp8
+        return load_fp8(model, "cpu", granularity=granularity, filter=filter, **from_pretrained_kwargs)
+    if from_pretrained_kwargs:
+        raise TypeError(f"quantize_fp8 of a model takes no {sorted(from_pretrained_kwargs)} (from_pretrained's "
+                        f"arguments go with a checkpoint's name or path)")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    keep = filter or _default_filter
-    excluded = "excluded by the filter" + ("" if filter else " (LM head, MoE router: quantize_fp8's default)")
     # Blocks mps_ext.optimize put on moe_layer read banks quantize_fp8 replaces: they are taken back to
     # their own class first and optimized again after (their shared expert quantized as the banks are).
     from .passes.moe import unfuse_blocks
     optimized = unfuse_blocks(model)
     bytes_before = _model_bytes(model)
-    keep_fp32, reads, peft = _keep_in_fp32(model), _read_tensors(model), _peft_layers(model)
-    left: dict[str, str] = {}
-    banks_left: dict[str, str] = {}
-    targets = []
-    for name, mod in model.named_modules():
-        is_linear = isinstance(mod, nn.Linear)
-        if not (is_linear or _holds_expert_banks(mod)):
-            continue
-        if not keep(name, mod):
-            left[name] = excluded
-        elif not name:
-            left[name] = "the model itself: quantize_fp8 replaces modules inside it (FP8Linear.from_linear, " \
-                         "FP8Experts.from_experts convert a module)"
-        elif (why := _unsafe(name, mod, keep_fp32, reads, peft)) is not None:
-            left[name] = why
-            if not is_linear:
-                banks_left[name] = why
-        elif is_linear:
-            targets.append((name, "FP8Linear"))
-        elif (why := FP8Experts.why_not_convertible(mod)) is not None:
-            left[name] = banks_left[name] = why
-        else:
-            targets.append((name, "FP8Experts"))
-    converted: dict[str, list[str]] = {"FP8Linear": [], "FP8Experts": []}
-    for name, kind in targets:
+    plan = _plan(model, filter)
+    for name, kind in plan.targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         mod = getattr(parent, leaf)
         new = FP8Linear.from_linear(mod, granularity) if kind == "FP8Linear" else FP8Experts.from_experts(mod)
         setattr(parent, leaf, new)
         del mod, new  # the original's memory goes now, before the next module's fp8 copy is made
-        converted[kind].append(name)
     if optimized:
         from .passes import optimize
         optimize(model)
-    summary = FP8Summary(converted, left, bytes_before, _model_bytes(model))
+    _finish(model, plan, bytes_before)
+    return model
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What quantize_fp8 converts in a model: targets (qualified name,
+    "FP8Linear" or "FP8Experts") in the model's module order, the modules
+    left -> why, and the expert banks among them left for another reason
+    than the filter (warned about)."""
+
+    targets: list[tuple[str, str]]
+    left: dict[str, str]
+    banks_left: dict[str, str]
+
+
+def _plan(model: nn.Module, filter: Callable[[str, nn.Module], bool] | None, on_meta: bool = False) -> _Plan:
+    """The one decision of what quantize_fp8 converts: by quantize_fp8 on a
+    loaded model, and by load_fp8 of a bf16 checkpoint on the model's
+    skeleton (on_meta: its weights on the meta device, not yet read)."""
+    keep = filter or _default_filter
+    excluded = "excluded by the filter" + ("" if filter else " (LM head, MoE router: quantize_fp8's default)")
+    keep_fp32, reads, peft = _keep_in_fp32(model), _read_tensors(model), _peft_layers(model)
+    plan = _Plan([], {}, {})
+    for name, mod in model.named_modules():
+        is_linear = isinstance(mod, nn.Linear)
+        if not (is_linear or _holds_expert_banks(mod)):
+            continue
+        if not keep(name, mod):
+            plan.left[name] = excluded
+        elif not name:
+            plan.left[name] = "the model itself: quantize_fp8 replaces modules inside it (FP8Linear.from_linear, " \
+                              "FP8Experts.from_experts convert a module)"
+        elif (why := _unsafe(name, mod, keep_fp32, reads, peft)) is not None:
+            plan.left[name] = why
+            if not is_linear:
+                plan.banks_left[name] = why
+        elif is_linear:
+            plan.targets.append((name, "FP8Linear"))
+        elif (why := FP8Experts.why_not_convertible(mod, on_meta)) is not None:
+            plan.left[name] = plan.banks_left[name] = why
+        else:
+            plan.targets.append((name, "FP8Experts"))
+    return plan
+
+
+def _finish(model: nn.Module, plan: _Plan, bytes_before: int, stacklevel: int = 2) -> FP8Summary:
+    """model.fp8_summary (logged), the warning for expert banks left, and
+    the save format: the end of quantize_fp8 and of load_fp8 of a bf16
+    checkpoint. stacklevel: the warning's, as seen from _finish's caller."""
+    converted: dict[str, list[str]] = {"FP8Linear": [], "FP8Experts": []}
+    for name, kind in plan.targets:
+        converted[kind].append(name)
+    summary = FP8Summary(converted, dict(plan.left), bytes_before, _model_bytes(model))
     model.fp8_summary = summary
     _attach_save_format(model)
     logger.info("%s", summary)
-    if banks_left:
+    if plan.banks_left:
         warnings.warn("quantize_fp8 left expert banks in their dtype (they keep their memory): " +
-                      "; ".join(f"{n}: {why}" for n, why in banks_left.items()), stacklevel=2)
-    return model
+                      "; ".join(f"{n}: {why}" for n, why in plan.banks_left.items()), stacklevel=stacklevel + 1)
+    return summary
 
 
 def _attach_save_format(model: nn.Module) -> None:

@@ -227,8 +227,12 @@ def test_load_fp8_keeps_weights_fp8_and_runs_the_kernels(checkpoint):
 def test_load_fp8_rejects_what_it_cannot_keep_in_fp8(tmp_path):
     config = dense_config()
     model = random_model(config, zero_block=False)
-    model.save_pretrained(tmp_path)  # no quantization_config
-    with pytest.raises(ValueError, match="no quantization_config"):
+    # (Without a quantization_config a checkpoint is bf16 and quantized as it is read: test_fp8_load.py.)
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="has quant_method 'awq'"):
         load_fp8(tmp_path, device="cpu")
     write_checkpoint(tmp_path, config, model)
     cfg = json.loads((tmp_path / "config.json").read_text())
