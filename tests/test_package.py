@@ -180,4 +180,5 @@ def test_the_version_is_written_once():
     import importlib.metadata
     assert importlib.metadata.version("mps_ext") == mps_ext.__version__
     pyproject = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
-    assert 'dynamic = ["version"]' in pyproject and "\nversion = " not in pyproject
+    project = pyproject.split("[project]")[1].split("\n[")[0]
+    assert 'dynamic = ["version"]' in project and "\nversion = " not in project

@@ -21,7 +21,7 @@ def history() -> dict[str, list[tuple[str, str, str]]]:
     """docs/dev/policy.md's tables: per family (its '## name' section), the rows
     (releases, what torch has on MPS, evidence)."""
     out, family = {}, None
-    with open(os.path.join(ROOT, "docs", "policy.md")) as f:
+    with open(os.path.join(ROOT, "docs", "dev", "policy.md")) as f:
         for line in f:
             if line.startswith("## "):
                 family = line[3:].strip()
