@@ -292,53 +292,72 @@ def _states(mod):
     return make
 
 
-class LinearAttentionPass(Pass):
+class RecurrentDecodePass(Pass):
+    """A recurrent layer whose cached decode step one kernel takes, its
+    class swapped to a subclass with `mixin` first: what the Gated DeltaNet
+    and the short-convolution passes share. A subclass gives the mixin,
+    is_candidate (its parts), why_not (None, a reason, or ValueError for a
+    dtype), fused_class (the class maker), states and tolerance (the
+    probe's), describe (apply's text) and witness."""
+
+    stateful = True
+    mixin: type
+
+    def candidates(self, model):
+        return [n for n, m in model.named_modules() if isinstance(m, self.mixin) or self.is_candidate(m)]
+
+    def refuse(self, model):
+        for name in self.candidates(model):
+            m = model.get_submodule(name) if name else model
+            if not isinstance(m, self.mixin):
+                self.why_not(m)  # raises for a dtype the kernel does not take
+
+    def already(self, module):
+        return isinstance(module, self.mixin)
+
+    def plan(self, model, name, module):
+        return self.why_not(module) or True
+
+    def probe(self, model, name, module, plan):
+        cls = type(module)
+        module.__class__ = self.fused_class(cls)
+        try:
+            return probe_decode_step(module, cls.forward, self.states(module), self.tolerance(module))
+        finally:
+            module.__class__ = cls
+
+    def apply(self, model, name, module, plan):
+        module.__class__ = self.fused_class(type(module))
+        return f"{original_class(type(module)).__name__} -> {self.describe(module)}"
+
+    def revert(self, model, name):
+        module = model.get_submodule(name) if name else model
+        module.__class__ = original_class(type(module))
+
+
+class LinearAttentionPass(RecurrentDecodePass):
     """A Gated DeltaNet layer (module docstring) -> decode on
     linear_attention_decode (its class swapped)."""
 
     name = "linear_attention"
     title = "linear-attention layers on torch.ops.mps_ext.linear_attention_decode at decode"
-    stateful = True
+    mixin = FusedDecodeMixin
+    why_not = staticmethod(why_not)
+    fused_class = staticmethod(_fused_class)
+    states = staticmethod(_states)
 
     @staticmethod
-    def _is_candidate(m) -> bool:
+    def is_candidate(m) -> bool:
         return all(isinstance(getattr(m, n, None), (nn.Module, torch.Tensor)) for n in ("A_log", "dt_bias", "conv1d"))
-
-    def candidates(self, model):
-        return [n for n, m in model.named_modules() if isinstance(m, FusedDecodeMixin) or self._is_candidate(m)]
-
-    def refuse(self, model):
-        for name in self.candidates(model):
-            m = model.get_submodule(name) if name else model
-            if not isinstance(m, FusedDecodeMixin):
-                why_not(m)  # raises for a dtype the kernel does not take
-
-    def already(self, module):
-        return isinstance(module, FusedDecodeMixin)
-
-    def plan(self, model, name, module):
-        return why_not(module) or True
-
-    def probe(self, model, name, module, plan):
-        cls = type(module)
-        module.__class__ = _fused_class(cls)
-        try:
-            return probe_decode_step(module, cls.forward, _states(module), self.tolerance(module))
-        finally:
-            module.__class__ = cls
 
     @staticmethod
     def tolerance(module) -> float:
         return TOLERANCE.get(module.A_log.dtype, 0.0)
 
-    def apply(self, model, name, module, plan):
-        module.__class__ = _fused_class(type(module))
-        return (f"{original_class(type(module)).__name__} -> decode on linear_attention_decode "
-                f"({module.num_v_heads} value heads, {module.num_k_heads} key heads)")
+    @staticmethod
+    def describe(module) -> str:
+        return (f"decode on linear_attention_decode ({module.num_v_heads} value heads, "
+                f"{module.num_k_heads} key heads)")
 
     def witness(self, model, name):
         return model.get_submodule(name).A_log
-
-    def revert(self, model, name):
-        module = model.get_submodule(name) if name else model
-        module.__class__ = original_class(type(module))

@@ -38,9 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._classes import fused_subclass, original_class, register_maker, register_mixin
-from ._protocol import Pass
-from .linear_attention import cached_decode_step, count_in_place_step, probe_decode_step, recurrent_call
+from ._classes import fused_subclass, register_maker, register_mixin
+from .linear_attention import RecurrentDecodePass, cached_decode_step, count_in_place_step, recurrent_call
 
 __all__ = ["FusedShortConvMixin", "ShortConvPass", "short_conv_decode_reference"]
 
@@ -144,50 +143,27 @@ def _is_candidate(m) -> bool:
         all(isinstance(getattr(m, n, None), nn.Module) for n in ("in_proj", "out_proj"))
 
 
-class ShortConvPass(Pass):
+class ShortConvPass(RecurrentDecodePass):
     """An LFM2 conv layer (module docstring) -> decode on short_conv_decode
     (its class swapped)."""
 
     name = "short_conv"
     title = "short-convolution layers on torch.ops.mps_ext.short_conv_decode at decode"
-    stateful = True
-
-    def candidates(self, model):
-        return [n for n, m in model.named_modules() if isinstance(m, FusedShortConvMixin) or _is_candidate(m)]
-
-    def refuse(self, model):
-        for name in self.candidates(model):
-            m = model.get_submodule(name) if name else model
-            if not isinstance(m, FusedShortConvMixin):
-                why_not(m)  # raises for a dtype the kernel does not take
-
-    def already(self, module):
-        return isinstance(module, FusedShortConvMixin)
-
-    def plan(self, model, name, module):
-        return why_not(module) or True
-
-    def probe(self, model, name, module, plan):
-        cls = type(module)
-        module.__class__ = _fused_class(cls)
-        try:
-            return probe_decode_step(module, cls.forward, _states(module), self.tolerance(module))
-        finally:
-            module.__class__ = cls
+    mixin = FusedShortConvMixin
+    is_candidate = staticmethod(_is_candidate)
+    why_not = staticmethod(why_not)
+    fused_class = staticmethod(_fused_class)
+    states = staticmethod(_states)
 
     @staticmethod
     def tolerance(module) -> float:
         return 0.0  # bit for bit: torch's CPU ops' order (tests/ops/test_short_conv.py)
 
-    def apply(self, model, name, module, plan):
-        module.__class__ = _fused_class(type(module))
+    @staticmethod
+    def describe(module) -> str:
         w = module.conv.weight
-        return (f"{original_class(type(module)).__name__} -> decode on short_conv_decode ({w.shape[0]} channels, "
-                f"window {w.shape[-1]}{', bias' if module.conv.bias is not None else ''})")
+        return (f"decode on short_conv_decode ({w.shape[0]} channels, window {w.shape[-1]}"
+                f"{', bias' if module.conv.bias is not None else ''})")
 
     def witness(self, model, name):
         return model.get_submodule(name).conv.weight
-
-    def revert(self, model, name):
-        module = model.get_submodule(name) if name else model
-        module.__class__ = original_class(type(module))
