@@ -7,7 +7,6 @@ was converted)."""
 import copy
 import re
 
-import pytest
 import torch
 from torch import nn
 
@@ -134,7 +133,7 @@ def test_peft_lora_layers_are_left_and_their_adapters_train():
     # PEFT's LoRA layer casts its input to lora_A.weight.dtype and merges
     # into base_layer.weight: converting either broke the model. LoRA on an
     # fp8 model (the rest converted) is what a Mac user trains.
-    peft = pytest.importorskip("peft")
+    import peft  # pinned in the test extra: missing is an error, not a skip
     torch.manual_seed(0)
     base = transformers.Qwen3ForCausalLM(qwen3_config()).eval()
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
