@@ -3,7 +3,7 @@ after its kernel, beside the same call of torch's own op.
 
     python -m benchmarks routing [--quick | --tiny]   (or python benchmarks/bench_routing.py)
 
-Every op mps_ext overrides runs through route (csrc/ops/registry.h): the
+Every op mps_ext overrides runs through route (csrc/dispatch/registry.h): the
 family's switch, the policy, the devices of the arguments and the op's own
 checks, then the kernel or torch's. On a Mac the calls are the MPS
 overrides; here (Linux, no Metal) only CPU tensors can be timed, through

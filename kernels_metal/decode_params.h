@@ -1,4 +1,4 @@
-// What the host's decode geometry (csrc/ops/kernel_choice.h, decode_geometry)
+// What the host's decode geometry (csrc/dispatch/kernel_choice.h, decode_geometry)
 // and the one decode kernel template (decode.h) share.
 #pragma once
 #include "shared_types.h"

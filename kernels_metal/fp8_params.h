@@ -71,7 +71,7 @@ struct Fp8MatmulParams {
 // rows, except float activations at 8 rows, whose threadgroup needs 32
 // outputs (16 simdgroups of 2) for the activation bytes it stages to stay
 // within its weight bytes (8 x 4 per element of K against 1 per output).
-// Simdgroups of a threadgroup: decode_geometry (csrc/ops/kernel_choice.h).
+// Simdgroups of a threadgroup: decode_geometry (csrc/dispatch/kernel_choice.h).
 #define FP8_GEMV_OUTPUTS(R, A_BYTES) ((R) >= 4 && (R) * (A_BYTES) <= 16 ? 1 : 2)
 // Prefill tiles: a threadgroup of 4 simdgroups computes 32 x 64 outputs,
 // stepping K by one scale block (whole cache lines of every row it reads).

@@ -50,7 +50,7 @@ struct GroupedMMParams {
 // gmm_decode_rows: weight columns per simdgroup (2: R rows x 2
 // accumulators, at most 16, fit full occupancy at 8 rows; with swiglu the
 // gate and up columns of one output). Simdgroups of a threadgroup:
-// decode_geometry (csrc/ops/kernel_choice.h).
+// decode_geometry (csrc/dispatch/kernel_choice.h).
 #define GMM_ROWS_OUTPUTS 2
 // moe_down_combine: the rounded outputs a threadgroup keeps until it sums
 // each token's slots, rows x its columns: every row moe_route makes

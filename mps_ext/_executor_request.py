@@ -12,7 +12,7 @@ The same holds for every torch.ops.mps_ext op on CPU tensors where a Metal
 GPU backend exists (a Mac): outside request() they run torch's CPU kernel
 (counted as a fallback, "the CPU Metal executor was not asked for"), or, for
 mps_ext's own ops, which torch has no kernel for, raise saying so. The op
-layer (csrc/ops/registry.h, route) reads this thread's request from the
+layer (csrc/dispatch/registry.h, route) reads this thread's request from the
 native extension, which request() tells. Where no Metal backend exists
 (Linux) the executor is the only backend and always runs.
 """

@@ -22,7 +22,7 @@ import enum
 class Condition(str, enum.Enum):
     """The calls of an op a rule leaves to torch, where the arguments' dtypes
     and bools do not say which: decided by the op's own code. The values are
-    the names csrc/ops/registry.h's MPS_EXT_CONDITIONS gives them (the op
+    the names csrc/dispatch/registry.h's MPS_EXT_CONDITIONS gives them (the op
     layer refuses any other; tests/test_policy.py checks both lists)."""
 
     # mm and addmm with one activation row (or column): torch 2.14's GEMV
@@ -55,7 +55,7 @@ class Native:
     calls: Condition | None = None
 
     def __post_init__(self):
-        # route (csrc/ops/registry.h) applies kept dtypes and arguments; an op
+        # route (csrc/dispatch/registry.h) applies kept dtypes and arguments; an op
         # whose condition picks the calls is handed the rule alone.
         if self.calls and (self.kept_dtypes or self.kept_args):
             raise ValueError(f"{self.ops}: a rule whose calls the op picks keeps no dtypes or arguments")

@@ -270,13 +270,13 @@ BUDGET_CASES = {
 
 
 # The decode kernels' launch geometry follows the GPU (decode_geometry in
-# csrc/ops/kernel_choice.h): their ops' cases run as on a large and on a
+# csrc/dispatch/kernel_choice.h): their ops' cases run as on a large and on a
 # small Mac (cpu_metal.set_gpu), the others' on the executor's default, the
 # large one.
 SMALL_GPU, LARGE_GPU = cpu_metal.GPU(cores=8, family=7), cpu_metal.GPU(cores=80, family=9)
 GPUS = {op: (LARGE_GPU, SMALL_GPU) for op in ("linear", "fp8", "moe")}
 # The kernels whose launch the GPU changes: those the host sizes by
-# target_threadgroups (csrc/ops/kernel_choice.h: decode_geometry, and
+# target_threadgroups (csrc/dispatch/kernel_choice.h: decode_geometry, and
 # linear.cpp's split of gemv_cols). Every other launch is the same on each
 # GPU, so after the first GPU of GPUS a case runs again only if it reached
 # one of these (the conversions, prefill tiles, routing and DeltaNet cases

@@ -115,12 +115,12 @@ def test_report_and_self_check():
 
 
 def test_the_family_table_check_names_each_missing_or_repeated_definition():
-    """_C refuses to load when ops/families.h and the families' files disagree
+    """_C refuses to load when dispatch/families.h and the families' files disagree
     (ops_bindings.cpp raises family_table_problem()); what it says:"""
     from mps_ext import _C
     assert _C._family_table_problem([(f, 1) for f in mps_ext.families()]) == ""
     problem = _C._family_table_problem([("pad", 0), ("linear", 1), ("softmax", 2)])
-    assert problem == ("the family 'pad' is in ops/families.h but no file defines it with MPS_EXT_FAMILY; "
+    assert problem == ("the family 'pad' is in dispatch/families.h but no file defines it with MPS_EXT_FAMILY; "
                        "the family 'softmax' is defined 2 times (MPS_EXT_FAMILY)")
 
 
@@ -131,12 +131,12 @@ def test_a_family_defined_twice_is_counted_in_the_real_table():
 
 
 def _compile_reasons(tmp_path, body):
-    """Compiles `body` in a function after ops/reasons.h (syntax only, the
+    """Compiles `body` in a function after dispatch/reasons.h (syntax only, the
     installed torch's headers, the standard BuildExtension uses here)."""
     import shutil
     from torch.utils import cpp_extension
     src = tmp_path / "reasons_use.cpp"
-    src.write_text('#include "ops/reasons.h"\nusing namespace mps_ext;\nvoid use() {\n' + body + "\n}\n")
+    src.write_text('#include "dispatch/reasons.h"\nusing namespace mps_ext;\nvoid use() {\n' + body + "\n}\n")
     cxx = shutil.which("clang++-19") or shutil.which("clang++") or shutil.which("g++")
     std = "c++20" if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 15) else "c++17"
     cmd = [cxx, f"-std={std}", "-fsyntax-only", "-w", "-I", os.path.join(ROOT, "csrc"),
@@ -145,7 +145,7 @@ def _compile_reasons(tmp_path, body):
 
 
 def test_fallback_reasons_are_the_tables_and_nothing_else(tmp_path):
-    """A fallback reason is an entry of ops/reasons.h's table, named by
+    """A fallback reason is an entry of dispatch/reasons.h's table, named by
     because::<name>; its arguments fit the text's placeholders. A name not in
     the table, a string, or arguments of the wrong kind or number do not
     compile."""

@@ -4,7 +4,7 @@ A Metal pipeline's maxTotalThreadsPerThreadgroup depends on the kernel's
 registers and threadgroup memory, so on a real GPU it can be below the
 kernel's [[max_total_threads_per_threadgroup]] even where the executor's
 register estimate fits it. The op layer asks for the limit before it
-chooses a launch's geometry (ops/kernel_choice.h, thread_budget) and sizes
+chooses a launch's geometry (dispatch/kernel_choice.h, thread_budget) and sizes
 every launch that can adapt from it: the op still runs its kernel, and
 gives the same result (bit for bit where the geometry changes no sum).
 Here the executor pretends a kernel's pipeline allows fewer threads

@@ -49,7 +49,7 @@ def test_every_family_has_its_history_per_release():
 
 def test_conditions_are_the_op_layers():
     """A rule's calls are a named condition the C++ op layer knows by the
-    same name (csrc/ops/registry.h), and it refuses any other."""
+    same name (csrc/dispatch/registry.h), and it refuses any other."""
     assert {c.value for c in _policy.Condition} == set(_C.policy_conditions())
     for natives in _policy.NATIVE.values():
         for native in natives:
@@ -59,7 +59,7 @@ def test_conditions_are_the_op_layers():
 
 
 def test_unknown_families_and_ops_are_errors(cpu_policy):
-    """A family is one entry of one table (csrc/ops/families.h): a name not
+    """A family is one entry of one table (csrc/dispatch/families.h): a name not
     in it is an error, never a new family that nothing installs; a rule for
     an op its family does not have is an error, never a rule that nothing
     reads."""

@@ -5,7 +5,7 @@
 // It also holds the test hook that makes the backend behave as the Metal
 // backend can on a Mac (a library or pipeline that does not build, a
 // pipeline that allows fewer threads than the kernel declares), so that
-// what launch.cpp, the op layer's launch geometry and ops/registry.h decide
+// what launch.cpp, the op layer's launch geometry and dispatch/registry.h decide
 // then runs in CI.
 #include <pybind11/pybind11.h>
 

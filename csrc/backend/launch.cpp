@@ -70,7 +70,7 @@ void rethrow_if_remembered(c10::DeviceType device, const std::string& library, c
 // Decided here rather than in a backend, so that CI runs it: a pipeline that
 // cannot run the threads the op asks for is a machine limit, not an error.
 // The op layer sizes the launches that can adapt from the pipeline's limit
-// (ops/kernel_choice.h, thread_budget), so this fails only for a launch of
+// (dispatch/kernel_choice.h, thread_budget), so this fails only for a launch of
 // fixed size (the kernel's minimum: docs/dev/contributing.md, "Threadgroup
 // sizes"): the kernel cannot run here at all.
 void check_threads(const Launch& l, const PipelineInfo& p) {

@@ -43,7 +43,7 @@ struct Launch {
 // The kernel cannot run here, for a reason of the machine rather than of the
 // inputs: its library or pipeline failed to build, or the pipeline cannot
 // run the least threads its launch needs. Never reaches the user: route()
-// (ops/registry.h) sends the call to the stock kernel, remembers the failure
+// (dispatch/registry.h) sends the call to the stock kernel, remembers the failure
 // (remember_unavailable: the kernel's, or its whole library's when
 // `whole_library`) so that later launches of it fail at once, and warns once
 // naming `cause`. Other kernels, of the same family too, keep running.
@@ -71,7 +71,7 @@ inline BackendUnavailable too_few_threads(const std::string& library, const std:
 }
 
 // The GPU a launch runs on, as far as the op layer's launch geometry needs
-// it (ops/kernel_choice.h). The Metal backend reads its GPU's once per
+// it (dispatch/kernel_choice.h). The Metal backend reads its GPU's once per
 // process; the executor's stands for whichever Mac a test chooses (default:
 // the largest, kExecutorDefaultProfile), so that CI runs the geometry of a
 // small and of a large GPU.
@@ -96,7 +96,7 @@ void launch(const Launch& launch);
 
 // The pipeline of `kernel` of `library` on `device`, built once by the
 // device's backend: what the op layer sizes a launch from before it makes
-// one (ops/kernel_choice.h, thread_budget). Throws BackendUnavailable if the
+// one (dispatch/kernel_choice.h, thread_budget). Throws BackendUnavailable if the
 // kernel cannot run there: a failure remembered for the device's type
 // (without asking the backend again), or the backend's own.
 PipelineInfo pipeline(const c10::Device& device, const std::string& library, const std::string& kernel);

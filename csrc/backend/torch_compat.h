@@ -12,7 +12,7 @@
 
 // kernel_function: the KernelFunction a c10::SafeKernelFunction (a captured
 // stock kernel) wraps, whose typed call() is unboxed (PassThrough in
-// ops/registry.h). torch 2.14 and later expose it (kernelFunction()); 2.9 to
+// dispatch/registry.h). torch 2.14 and later expose it (kernelFunction()); 2.9 to
 // 2.13 hold it in the same private member, kernel_, which an explicit
 // instantiation may name (access checks do not apply to the names in one:
 // [temp.spec.general]); the 2.9-2.13 headers of tools/torch_matrix.py all

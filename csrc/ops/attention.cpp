@@ -13,8 +13,8 @@
 
 #include "attention_params.h"
 #include "backend/launch.h"
-#include "ops/kernel_choice.h"
-#include "ops/registry.h"
+#include "dispatch/kernel_choice.h"
+#include "dispatch/registry.h"
 
 namespace mps_ext {
 namespace {

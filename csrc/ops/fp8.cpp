@@ -2,7 +2,7 @@
 // 2.9-2.14 (and float8_e5m2 in 2.15), handled for float8 tensors. Every
 // other dtype passes through to the captured stock kernel, uncounted (the
 // dispatcher overrides an op for all dtypes; these calls are torch's, not a
-// fallback of ours: PassThrough in ops/registry.h, an unboxed call).
+// fallback of ours: PassThrough in dispatch/registry.h, an unboxed call).
 //
 // What refuses, read from each release (README "FP8 tensors on MPS"):
 // copy_ between dtypes and strided copies go through MPSGraph casts or
@@ -32,9 +32,9 @@
 
 #include "backend/launch.h"
 #include "fp8_params.h"
-#include "ops/kernel_choice.h"
-#include "ops/registration.h"
-#include "ops/registry.h"
+#include "dispatch/kernel_choice.h"
+#include "dispatch/registration.h"
+#include "dispatch/registry.h"
 
 namespace mps_ext {
 namespace {

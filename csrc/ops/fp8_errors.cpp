@@ -47,7 +47,7 @@
 #include <string>
 
 #include "ops/fp8.h"
-#include "ops/registration.h"
+#include "dispatch/registration.h"
 
 namespace mps_ext {
 namespace {

@@ -17,9 +17,9 @@
 #include "backend/launch.h"
 #include "fp8_params.h"
 #include "ops/fp8.h"
-#include "ops/kernel_choice.h"
-#include "ops/registration.h"
-#include "ops/registry.h"
+#include "dispatch/kernel_choice.h"
+#include "dispatch/registration.h"
+#include "dispatch/registry.h"
 
 namespace mps_ext {
 namespace {
@@ -54,7 +54,7 @@ struct Problem {
 
 // The variant policy.
 // - M <= 8 rows: fp8_gemv with R = the smallest of 1, 2, 4, 8 holding them;
-//   decode_geometry (ops/kernel_choice.h): up to DECODE_MAX_SIMDGROUPS simdgroups of up to
+//   decode_geometry (dispatch/kernel_choice.h): up to DECODE_MAX_SIMDGROUPS simdgroups of up to
 //   FP8_GEMV_OUTPUTS(R, activation bytes) outputs.
 // - More rows: fp8_mm_tile, one threadgroup per 32 x 64 outputs.
 // - vec (16-byte loads) when the weight rows and the activation rows are

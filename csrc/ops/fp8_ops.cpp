@@ -19,7 +19,7 @@
 #include <torch/library.h>
 
 #include "ops/fp8.h"
-#include "ops/registry.h"
+#include "dispatch/registry.h"
 
 namespace mps_ext {
 namespace {

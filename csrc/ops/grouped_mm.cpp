@@ -19,11 +19,11 @@
 
 #include "backend/launch.h"
 #include "grouped_mm_params.h"
-#include "ops/kernel_choice.h"
+#include "dispatch/kernel_choice.h"
 #include "ops/moe.h"
 #include "ops/ops.h"
-#include "ops/registration.h"
-#include "ops/registry.h"
+#include "dispatch/registration.h"
+#include "dispatch/registry.h"
 
 namespace mps_ext {
 namespace {
@@ -224,7 +224,7 @@ Reason problem_unsupported(const at::Tensor& a, const at::Tensor& b) {
 //   W[E, N, K].transpose(-2, -1)) or neither dimension is; gmm_decode_cols
 //   when b's N is contiguous (W[E, K, N]). _vec (16-byte loads) where the
 //   host checked every address such a load can touch is 16-byte aligned.
-//   gmm_decode_rows threadgroups: decode_geometry (ops/kernel_choice.h).
+//   gmm_decode_rows threadgroups: decode_geometry (dispatch/kernel_choice.h).
 // - everything else: gmm_tiled, a 64 x 64 tile per threadgroup; the rows
 //   mode launches ceil(m / 64) row tiles (a tile may span groups), the
 //   K-split and batched modes one tile grid per group.

@@ -22,7 +22,7 @@
 #include "grouped_mm_moe_params.h"
 #include "ops/moe.h"
 #include "ops/ops.h"
-#include "ops/registry.h"
+#include "dispatch/registry.h"
 
 namespace mps_ext {
 namespace {

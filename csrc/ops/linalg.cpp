@@ -28,8 +28,8 @@
 
 #include "linalg_params.h"
 #include "ops/linalg.h"
-#include "ops/registration.h"
-#include "ops/registry.h"
+#include "dispatch/registration.h"
+#include "dispatch/registry.h"
 
 namespace mps_ext {
 namespace {

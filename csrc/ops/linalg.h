@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "ops/registry.h"
+#include "dispatch/registry.h"
 
 namespace mps_ext {
 namespace linalg {

@@ -8,7 +8,7 @@
 
 #include "backend/launch.h"
 #include "linalg_params.h"
-#include "ops/kernel_choice.h"
+#include "dispatch/kernel_choice.h"
 #include "ops/linalg.h"
 
 namespace mps_ext {

@@ -8,10 +8,10 @@
 
 #include "backend/launch.h"
 #include "gemv_params.h"
-#include "ops/kernel_choice.h"
+#include "dispatch/kernel_choice.h"
 #include "ops/ops.h"
-#include "ops/registration.h"
-#include "ops/registry.h"
+#include "dispatch/registration.h"
+#include "dispatch/registry.h"
 
 namespace mps_ext {
 namespace {
@@ -68,7 +68,7 @@ int64_t cols_splits(const DeviceProfile& gpu, int64_t blocks, int64_t k, int64_t
 // - Row variant: the smallest of 1, 2, 4, 8 activation rows that holds them.
 // - Both aim at target_threadgroups (4 per core of the GPU's profile), with
 //   as much work per threadgroup as that leaves:
-//   gemv_rows: decode_geometry (ops/kernel_choice.h), up to 16 outputs per
+//   gemv_rows: decode_geometry (dispatch/kernel_choice.h), up to 16 outputs per
 //   threadgroup, Q = 2 per simdgroup from 4 on.
 //   gemv_cols: a threadgroup owns 128 bytes of columns (32 elements without
 //   VEC); when those blocks are fewer than the target, K is split

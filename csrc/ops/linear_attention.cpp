@@ -19,8 +19,8 @@
 
 #include "backend/launch.h"
 #include "linear_attention_params.h"
-#include "ops/kernel_choice.h"
-#include "ops/registry.h"
+#include "dispatch/kernel_choice.h"
+#include "dispatch/registry.h"
 
 namespace mps_ext {
 namespace {

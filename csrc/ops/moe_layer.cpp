@@ -32,7 +32,7 @@
 
 #include "ops/moe.h"
 #include "ops/ops.h"
-#include "ops/registry.h"
+#include "dispatch/registry.h"
 
 namespace mps_ext {
 namespace {

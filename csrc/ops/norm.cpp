@@ -20,9 +20,9 @@
 
 #include "backend/launch.h"
 #include "norm_params.h"
-#include "ops/kernel_choice.h"
-#include "ops/registration.h"
-#include "ops/registry.h"
+#include "dispatch/kernel_choice.h"
+#include "dispatch/registration.h"
+#include "dispatch/registry.h"
 
 namespace mps_ext {
 namespace {

@@ -2,7 +2,7 @@
 // Each checks its arguments (torch's messages), allocates its output, picks
 // a kernel variant and launch geometry, and launches through backend/launch.h.
 // `*_unsupported` returns why an input goes to the stock kernel instead
-// (none: mps_ext handles it; a Reason, ops/registry.h).
+// (none: mps_ext handles it; a Reason, dispatch/registry.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -11,7 +11,7 @@
 
 #include <string>
 
-#include "ops/registry.h"
+#include "dispatch/registry.h"
 
 namespace mps_ext {
 

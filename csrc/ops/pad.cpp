@@ -8,10 +8,10 @@
 #include <numeric>
 
 #include "backend/launch.h"
-#include "ops/kernel_choice.h"
+#include "dispatch/kernel_choice.h"
 #include "ops/ops.h"
-#include "ops/registration.h"
-#include "ops/registry.h"
+#include "dispatch/registration.h"
+#include "dispatch/registry.h"
 #include "pad_params.h"
 
 namespace mps_ext {

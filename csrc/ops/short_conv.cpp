@@ -17,8 +17,8 @@
 #include <initializer_list>
 
 #include "backend/launch.h"
-#include "ops/kernel_choice.h"
-#include "ops/registry.h"
+#include "dispatch/kernel_choice.h"
+#include "dispatch/registry.h"
 #include "short_conv_params.h"
 
 namespace mps_ext {

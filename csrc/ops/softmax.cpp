@@ -8,9 +8,9 @@
 
 #include "backend/launch.h"
 #include "ops/ops.h"
-#include "ops/registration.h"
-#include "ops/registry.h"
-#include "ops/kernel_choice.h"
+#include "dispatch/registration.h"
+#include "dispatch/registry.h"
+#include "dispatch/kernel_choice.h"
 #include "softmax_params.h"
 
 namespace mps_ext {

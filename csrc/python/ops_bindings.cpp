@@ -8,9 +8,9 @@
 
 #include "backend/launch.h"
 #include "ops/fp8.h"
-#include "ops/kernel_choice.h"
-#include "ops/registration.h"
-#include "ops/registry.h"
+#include "dispatch/kernel_choice.h"
+#include "dispatch/registration.h"
+#include "dispatch/registry.h"
 #include "python/bindings.h"
 
 namespace py = pybind11;
@@ -39,7 +39,7 @@ void bind_ops(py::module_& m) {
   // import of mps_ext._C (mps_ext reports it as its load error).
   const std::string problem = family_table_problem();
   if (!problem.empty()) throw std::runtime_error("mps_ext: " + problem);
-  m.def("families", &family_names, "The op families (ops/families.h), sorted.");
+  m.def("families", &family_names, "The op families (dispatch/families.h), sorted.");
   // Test hooks of that check: its verdict for given definition counts, and
   // a second definition of a real family (which leaves the first in force).
   m.def("_family_table_problem",
@@ -95,7 +95,7 @@ void bind_ops(py::module_& m) {
       py::arg("kept_dtypes") = std::vector<at::ScalarType>{},
       py::arg("kept_args") = std::vector<std::pair<std::string, bool>>{}, py::arg("calls") = "");
   m.def("policy_conditions", &condition_names,
-        "The named conditions a policy rule's `calls` may be (csrc/ops/registry.h; mps_ext/_policy.py's Condition).");
+        "The named conditions a policy rule's `calls` may be (csrc/dispatch/registry.h; mps_ext/_policy.py's Condition).");
   m.def("reset_stats", [] {
     for (const auto& name : family_names()) family(name).reset();
   });

@@ -152,7 +152,7 @@ def threadgroups_per_core(threadgroup_memory: int, threads: int, registers: int 
 
 @dataclasses.dataclass(frozen=True)
 class GPU:
-    """The GPU the ops' launch geometry assumes (csrc/ops/kernel_choice.h):
+    """The GPU the ops' launch geometry assumes (csrc/dispatch/kernel_choice.h):
     its core count and Apple GPU family (7: M1, 8: M2, 9: M3 and M4; 0:
     unknown). On a Mac it is read from the GPU once; the executor stands
     for whichever one set_gpu names, by default the largest (an 80-core M3

@@ -1,6 +1,6 @@
 """The one decode kernel template (kernels_metal/decode.h: gemv_rows, fp8_gemv,
 gmm_decode_rows) and the GPU profile its launch geometry takes
-(decode_geometry in csrc/ops/kernel_choice.h; cpu_metal.set_gpu): what every
+(decode_geometry in csrc/dispatch/kernel_choice.h; cpu_metal.set_gpu): what every
 decode family must hold on a small and on a large GPU. Results against
 torch's CPU ops; the op tests of each family cover every variant."""
 

@@ -1,7 +1,7 @@
 // Registration of op families with torch's dispatcher.
 //
 // Each family registers itself from its own file with MPS_EXT_FAMILY: its
-// name (an entry of ops/families.h: any other does not compile), the aten
+// name (an entry of dispatch/families.h: any other does not compile), the aten
 // ops it implements and a function template that registers its kernels for
 // a dispatch key. That gives, on every platform,
 // torch.ops.mps_ext.<aten name> with the aten op's own schema (read from the
@@ -21,12 +21,12 @@
 #include <string>
 #include <vector>
 
-#include "ops/registry.h"
+#include "dispatch/registry.h"
 
 namespace mps_ext {
 
 // Called at static initialisation by MPS_EXT_FAMILY: the family's
-// definition, into its entry of the one family table (ops/registry.h).
+// definition, into its entry of the one family table (dispatch/registry.h).
 struct FamilyRegistrar {
   FamilyRegistrar(FamilyId id, std::vector<std::string> aten_ops, RegisterKernels register_mps,
                   RegisterKernels register_cpu);
@@ -53,10 +53,10 @@ void without_override_warning(const std::function<void()>& f);
 }  // namespace mps_ext
 
 // MPS_EXT_FAMILY(name, Register, "aten::op", ...): `name` is the family's
-// entry in ops/families.h, unquoted (softmax); `Register` is a function
+// entry in dispatch/families.h, unquoted (softmax); `Register` is a function
 // template `template <c10::DispatchKey K> void Register(torch::Library& m)`
 // that calls m.impl for each op with kernels that fall back to the stock
-// kernel of key K (through route(), ops/registry.h). The Meta kernels are
+// kernel of key K (through route(), dispatch/registry.h). The Meta kernels are
 // the aten ops'. MPS_EXT_FAMILY_OWN_META: the same, for a family whose Meta
 // kernels are mps_ext's own (mps_ext/_meta.py), where the aten op's meta
 // function rejects inputs mps_ext takes.

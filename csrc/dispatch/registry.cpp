@@ -1,4 +1,4 @@
-#include "ops/registry.h"
+#include "dispatch/registry.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -12,7 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "ops/kernel_choice.h"
+#include "dispatch/kernel_choice.h"
 
 namespace mps_ext {
 
@@ -122,7 +122,7 @@ Condition condition_named(const std::string& name) {
   std::string known;
   for (const auto& n : condition_names()) known += (known.empty() ? "" : ", ") + n;
   TORCH_CHECK(false, "mps_ext: no policy condition named '", name, "'; the conditions are ", known,
-              " (csrc/ops/registry.h, mps_ext/_policy.py)");
+              " (csrc/dispatch/registry.h, mps_ext/_policy.py)");
 }
 
 std::vector<std::string> condition_names() {
@@ -162,7 +162,7 @@ std::string family_table_problem(const std::vector<std::pair<std::string, int>>&
   for (const auto& [name, count] : definitions) {
     if (count == 1) continue;
     problem += std::string(problem.empty() ? "" : "; ") + "the family '" + name +
-               (count == 0 ? "' is in ops/families.h but no file defines it with MPS_EXT_FAMILY"
+               (count == 0 ? "' is in dispatch/families.h but no file defines it with MPS_EXT_FAMILY"
                            : "' is defined " + std::to_string(count) + " times (MPS_EXT_FAMILY)");
   }
   return problem;

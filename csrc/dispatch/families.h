@@ -4,8 +4,8 @@
 // A family is what a user turns off (mps_ext.set_enabled("pad", False)), the
 // key of its rules in mps_ext/_policy.py and of its counters in
 // mps_ext.stats(). Its own file defines it once with MPS_EXT_FAMILY(name,
-// ...) (ops/registration.h: its aten ops and kernels), and its ops route
-// through it by FamilyId::name (ops/registry.h). A name missing here does not
+// ...) (dispatch/registration.h: its aten ops and kernels), and its ops route
+// through it by FamilyId::name (dispatch/registry.h). A name missing here does not
 // compile there; a name here that no file defines, or that two define, is
 // an error when mps_ext._C loads; a name Python passes that is not here is
 // an error when it is passed.

@@ -1,5 +1,5 @@
 // Why a call goes to torch's kernel instead of mps_ext's: the one table of
-// fallback reasons, counted per family by route (ops/registry.h) and
+// fallback reasons, counted per family by route (dispatch/registry.h) and
 // reported as text by mps_ext.stats().
 //
 // A reason is an id of this table and up to two small arguments, packed in
@@ -28,7 +28,7 @@
 #include <type_traits>
 
 #define MPS_EXT_REASONS(X, A)                                                                                  \
-  /* route's own (ops/registry.h) */                                                                            \
+  /* route's own (dispatch/registry.h) */                                                                            \
   X(turned_off, "turned off")                                                                                   \
   X(kernels_unavailable, "kernels unavailable on this device")                                                  \
   X(executor_not_requested, "the CPU Metal executor was not asked for (mps_ext._executor_request.request())")  \
@@ -171,7 +171,7 @@ class Reason {
   static Reason with(const Args&... args) {
     static_assert(reason_detail::fits<Args...>(reason_detail::kTexts[static_cast<size_t>(Id)],
                                                std::index_sequence_for<Args...>{}),
-                  "the arguments do not fit this reason's placeholders (ops/reasons.h)");
+                  "the arguments do not fit this reason's placeholders (dispatch/reasons.h)");
     uint64_t code = static_cast<uint64_t>(Id), shift = 16;
     ((code |= uint64_t(arg(args)) << shift, shift += 24), ...);
     return Reason(code, 0);

@@ -2,7 +2,7 @@
 // definition), and the stock kernel it falls back to for inputs it does not
 // handle.
 //
-// A family ("softmax", "pad", ...: the table in ops/families.h) is what a
+// A family ("softmax", "pad", ...: the table in dispatch/families.h) is what a
 // user turns off. Each op runs through `route`, which sends the call to the
 // kernel registered for the same aten op and dispatch key before mps_ext's
 // override (on MPS: PyTorch's own kernel, captured when the override was
@@ -26,7 +26,7 @@
 //   - a tensor argument lives on another device than the kernel's (a 0-dim
 //     CPU tensor beside MPS tensors: torch's kernel does what torch does);
 //   - the op says it does not handle these inputs (`unsupported`);
-// and counts the reason (ops/reasons.h). A reason that is a policy
+// and counts the reason (dispatch/reasons.h). A reason that is a policy
 // decision (torch has as good a kernel) starts with "policy: ": the
 // self-check and the tests accept those fallbacks on MPS, and "turned off",
 // but no other. Everything here is generic over op families: a new family
@@ -34,7 +34,7 @@
 //
 // Routing costs a few loads when the kernel runs: an op's family and policy
 // slot are resolved once (RoutedOp, a static per op), counters are relaxed
-// atomics, and a reason is an id of the reasons table (ops/reasons.h),
+// atomics, and a reason is an id of the reasons table (dispatch/reasons.h),
 // turned into text only when stats() reports it. A call that falls back
 // calls torch's kernel unboxed, with the op's own C++ signature (route<Sig>).
 #pragma once
@@ -56,8 +56,8 @@
 
 #include "backend/launch.h"
 #include "backend/torch_compat.h"
-#include "ops/families.h"
-#include "ops/reasons.h"
+#include "dispatch/families.h"
+#include "dispatch/reasons.h"
 
 namespace mps_ext {
 

@@ -1,7 +1,7 @@
-// MPS_EXT_FAMILY's entry into the family table (ops/registry.h),
+// MPS_EXT_FAMILY's entry into the family table (dispatch/registry.h),
 // installation of the MPS overrides and the Meta kernels of torch.ops.mps_ext
 // (see registration.h).
-#include "ops/registration.h"
+#include "dispatch/registration.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -13,7 +13,7 @@
 #include <mutex>
 #include <set>
 
-#include "ops/registry.h"
+#include "dispatch/registry.h"
 
 namespace mps_ext {
 namespace {
