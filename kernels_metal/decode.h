@@ -2,7 +2,7 @@
 // weight whose bytes must stream from memory exactly once, every weight
 // element loaded once and applied to all rows, accumulation in float. It
 // serves every decode kernel whose weight is contiguous along K: gemv_rows
-// (gemv.metal: float, half, bfloat), fp8_gemv (fp8_mm.metal: float8 weights
+// (linear.metal: float, half, bfloat), fp8_gemv (scaled_mm.metal: float8 weights
 // with tensor, row or block scales under any activation type) and
 // gmm_decode_rows (grouped_mm.metal: rows gathered by expert; and
 // moe_down_combine, whose job's store keeps the outputs for a weighted sum
@@ -370,7 +370,7 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
 
 // ------------------------------------------------------ the cols kernel --
 // The decode kernel of a weight whose N dimension is contiguous (x @ W with
-// W [K, N]): gemv_cols (gemv.metal) and gmm_decode_cols (grouped_mm.metal).
+// W [K, N]): gemv_cols (linear.metal) and gmm_decode_cols (grouped_mm.metal).
 // A threadgroup owns 128 bytes of columns (one cache line of each weight
 // row; 32 columns with element loads) and a range of K: the lanes of a
 // row cover the columns with pieces of B bytes (16: 8 lanes, the other 4

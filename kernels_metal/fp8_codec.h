@@ -1,4 +1,4 @@
-// FP8 encoding and decoding for the Metal kernels (fp8.metal, fp8_mm.metal),
+// FP8 encoding and decoding for the Metal kernels (fp8.metal, scaled_mm.metal),
 // self-contained (metal_stdlib only) so that any shader can include it.
 //
 // Everything goes through the bits of a float32, in integer arithmetic:

@@ -1,4 +1,4 @@
-// Parameters of the FP8 kernels (fp8.metal: conversions; fp8_mm.metal:
+// Parameters of the FP8 kernels (fp8.metal: conversions; scaled_mm.metal:
 // scaled matrix products) and of their host side (csrc/ops/fp8*.cpp).
 #pragma once
 #include "shared_types.h"

@@ -252,9 +252,9 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
 }
 
 // ----------------------------------------------------- moe_down_combine --
-// The down projection of mps_ext's MoE layer (moe_layer.cpp) with each
+// The down projection of mps_ext's MoE layer (moe.cpp) with each
 // token's weighted sum of its slots fused in: one dispatch where
-// gmm_decode_rows and moe_combine (grouped_mm_moe.metal) took two, with the
+// gmm_decode_rows and moe_combine (moe.metal) took two, with the
 // same bits. A threadgroup owns a block of output (hidden) columns, all
 // its simdgroups' (1 << p.outputs_log2), and takes the chosen experts' rows
 // a chunk of up to 8 at a time in row order (the chunks gmm_decode_rows's

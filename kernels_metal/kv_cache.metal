@@ -1,40 +1,13 @@
-// An attention layer's decode pieces around torch's scaled_dot_product_attention,
-// each one dispatch (csrc/ops/attention.cpp, mps_ext/passes/attention.py):
-//
-// sigmoid_gate: out = x * sigmoid(gate), the output gate of Qwen3.5/3.6 and
-// Qwen3-Next's attention, read where q_proj left it (each head's query, then
-// its gate: a strided view, no copy). Rounded where torch rounds
-// `x * torch.sigmoid(gate)`: sigmoid in float32 (1 / (1 + exp(-g)), torch's
-// formula), rounded to T; the product of two T in float32, rounded to T.
-//
-// kv_append: a decode step's new key and value rows written into caches
-// with spare capacity (mps_ext keeps transformers' DynamicLayer keys and
-// values as views of them), where torch.cat would copy the whole cache
-// twice a token.
-//
-// Both move each element once; consecutive lanes take consecutive
-// elements, so each simdgroup load and store covers consecutive addresses.
+// The KV cache append, one dispatch (csrc/ops/kv_cache.cpp,
+// mps_ext/passes/attention.py): a decode step's new key and value rows
+// written into caches with spare capacity (mps_ext keeps transformers'
+// DynamicLayer keys and values as views of them), where torch.cat would copy
+// the whole cache twice a token. Each element moves once; consecutive lanes
+// take consecutive elements, so each simdgroup load and store covers
+// consecutive addresses.
 #include <metal_stdlib>
-#include "attention_params.h"
-#include "activations.h"
+#include "kv_cache_params.h"
 using namespace metal;
-
-template <typename T>
-[[max_total_threads_per_threadgroup(SIGMOID_GATE_THREADS)]]
-kernel void sigmoid_gate(device T* out [[buffer(0)]],
-                         const device T* x [[buffer(1)]],
-                         const device T* gate [[buffer(2)]],
-                         constant SigmoidGateParams& p [[buffer(3)]],
-                         uint2 group [[threadgroup_position_in_grid]],
-                         uint2 tid2 [[thread_position_in_threadgroup]],
-                         uint2 threads2 [[threads_per_threadgroup]]) {
-  // Metal wants the position attributes all of one width: the grid's is 2-D.
-  const uint col = group.x * threads2.x + tid2.x;
-  if (col >= p.n) return;
-  const uint row = group.y;
-  const T s = T(sigmoid(float(gate[row * p.gate_row_stride + col])));
-  out[row * p.n + col] = T(float(x[row * p.n + col]) * float(s));
-}
 
 template <typename T>
 [[max_total_threads_per_threadgroup(KV_APPEND_MAX_THREADS)]]
@@ -57,9 +30,6 @@ kernel void kv_append(device T* k_cache [[buffer(0)]],
   }
 }
 
-template [[host_name("sigmoid_gate_f32")]] kernel decltype(sigmoid_gate<float>) sigmoid_gate<float>;
-template [[host_name("sigmoid_gate_f16")]] kernel decltype(sigmoid_gate<half>) sigmoid_gate<half>;
-template [[host_name("sigmoid_gate_bf16")]] kernel decltype(sigmoid_gate<bfloat>) sigmoid_gate<bfloat>;
 template [[host_name("kv_append_f32")]] kernel decltype(kv_append<float>) kv_append<float>;
 template [[host_name("kv_append_f16")]] kernel decltype(kv_append<half>) kv_append<half>;
 template [[host_name("kv_append_bf16")]] kernel decltype(kv_append<bfloat>) kv_append<bfloat>;

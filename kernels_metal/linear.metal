@@ -17,7 +17,7 @@
 // loads. Registers: decode.h.
 #include <metal_stdlib>
 #include "decode.h"
-#include "gemv_params.h"
+#include "linear_params.h"
 #include "pieces.h"
 using namespace metal;
 

@@ -1,4 +1,4 @@
-// Parameters of the decode-time matrix-vector kernels (gemv.metal,
+// Parameters of the decode-time matrix-vector kernels (linear.metal,
 // csrc/ops/linear.cpp).
 #pragma once
 #include "decode_params.h"

@@ -6,7 +6,7 @@
 //                and nothing goes to the CPU).
 //   moe_combine  each token's expert outputs summed with its weights.
 #include <metal_stdlib>
-#include "grouped_mm_moe_params.h"
+#include "moe_params.h"
 #include "activations.h"
 using namespace metal;
 

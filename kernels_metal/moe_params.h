@@ -1,5 +1,5 @@
 // Parameters of mps_ext's fused mixture-of-experts decode ops
-// (grouped_mm_moe.metal, csrc/ops/grouped_mm_moe.cpp): routing and combine
+// (moe.metal, csrc/ops/moe.cpp): routing and combine
 // around the grouped products of grouped_mm.metal.
 #pragma once
 #include "shared_types.h"

@@ -3,7 +3,7 @@
 // mps_ext.quantize_fp8). fp8_params.h defines what is computed.
 //
 // fp8_gemv_<act>_r<R>_<vec|scalar>   decode, 1 to R (1, 2, 4, 8) activation
-//     rows: the one decode template of decode.h (gemv.metal's gemv_rows with
+//     rows: the one decode template of decode.h (linear.metal's gemv_rows with
 //     float8 weights, 16 a 16-byte load, and block scales).
 // fp8_mm_tile_<act>_<vec|scalar>     prefill: a threadgroup computes a
 //     32 x 64 tile of outputs with simdgroup_matrix 8x8 products, a 128-wide

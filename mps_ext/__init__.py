@@ -46,7 +46,7 @@ except Exception as e:  # never let a broken install break the user's import
     _load_error = f"{type(e).__name__}: {e}"
 
 
-_env_disabled: set[str] = set()
+_env_disabled: dict[str, str] = {}  # family -> why it is off
 _policy_skipped: dict[str, str] = {}        # family -> why it is not installed
 _policy_left: dict[str, dict[str, _policy.Native]] = {}  # family -> {aten op: the rule that leaves it to torch}
 _installed: list[str] = []
@@ -94,7 +94,7 @@ def family_status(name: str) -> str:
     if _C is None:
         return "off: the native extension is not loaded"
     if name in _env_disabled:
-        return "off: listed in MPS_EXT_DISABLE"
+        return f"off: {_env_disabled[name]}"
     if not _C.is_enabled(name):
         return "off: turned off at run time"
     if name in _policy_skipped:
@@ -119,21 +119,52 @@ def enabled_ops() -> list[str]:
     return [f for f in families() if family_status(f).startswith("on")]
 
 
+# Families that were split: each old name also switched the ops that are now
+# the families listed here (kv_append and sigmoid_gate were norm's,
+# linear_attention_decode and short_conv_decode linear's, the moe_* ops
+# grouped_mm's). A request naming the old family alone keeps that meaning,
+# with a DeprecationWarning once per name; one that also names any of its
+# new families means the new ones.
+_SPLIT = {"norm": ("attention_gate", "kv_cache"), "linear": ("linear_attention", "short_conv"),
+          "grouped_mm": ("moe",)}
+_warned_split: set[str] = set()
+
+
+def _as_meant(names, stacklevel: int) -> list[str]:
+    """The families a request naming `names` turns on or off: `names`, plus
+    those an old name of _SPLIT still stands for."""
+    out = list(dict.fromkeys(names))
+    for old, new in _SPLIT.items():
+        if old in out and not set(new) & set(out):
+            out += [n for n in new if n not in out]
+            if old not in _warned_split:
+                _warned_split.add(old)
+                warnings.warn(f"mps_ext: the op family {old!r} no longer includes {' and '.join(new)}, now "
+                              f"families of their own; named alone, {old!r} still switches them too, for now. "
+                              f"Name the families you mean: {','.join((old,) + new)} as before, or {old} with "
+                              f"some of {', '.join(new)}", DeprecationWarning, stacklevel=stacklevel + 1)
+    return out
+
+
 def set_enabled(name: str, enabled: bool) -> None:
     """Turn a family on or off; off sends its calls to torch's own kernel."""
     if name not in families():
         raise ValueError(f"no op family {name!r}; mps_ext has {', '.join(families())}")
-    _C.set_enabled(name, bool(enabled))
+    for n in _as_meant([name], stacklevel=2):
+        _C.set_enabled(n, bool(enabled))
 
 
 @contextlib.contextmanager
 def disabled(*names: str):
     """Inside the block, these families (all if none named) use torch's own
     kernels."""
-    names = names or tuple(families())
-    before = {n: _C.is_enabled(n) for n in names if n in families()}
     for n in names:
-        set_enabled(n, False)
+        if n not in families():
+            raise ValueError(f"no op family {n!r}; mps_ext has {', '.join(families())}")
+    names = _as_meant(names, stacklevel=3) if names else families()
+    before = {n: _C.is_enabled(n) for n in names}
+    for n in names:
+        _C.set_enabled(n, False)
     try:
         yield
     finally:
@@ -191,7 +222,14 @@ def _setup() -> None:
     if unknown:
         warnings.warn(f"MPS_EXT_DISABLE names unknown op families {sorted(unknown)}; "
                       f"mps_ext has {sorted(known)}", stacklevel=3)
-    _env_disabled.update(known if "all" in requested else requested & known)
+    if "all" in requested:
+        _env_disabled.update({n: "listed in MPS_EXT_DISABLE" for n in known})
+    else:
+        named = sorted(requested & known)
+        _env_disabled.update({n: "listed in MPS_EXT_DISABLE" for n in named})
+        for n in _as_meant(named, stacklevel=3):
+            _env_disabled.setdefault(n, f"MPS_EXT_DISABLE lists {next(o for o, new in _SPLIT.items() if n in new)}, "
+                                        "which included it")
     version = _torch.__version__
     for name in known:
         why = _policy.steps_aside(name, _C.family_aten_ops(name), version)
@@ -205,7 +243,7 @@ def _setup() -> None:
     for name in _env_disabled:
         _C.set_enabled(name, False)
     if is_available():
-        wanted = sorted(known - _env_disabled - set(_policy_skipped))
+        wanted = sorted(known - set(_env_disabled) - set(_policy_skipped))
         try:
             _installed.extend(_C.install_overrides(wanted))
             if "fp8" in _installed:

@@ -20,20 +20,24 @@ def report() -> None:
     reason = mps_ext.unavailable_reason()
     print("Metal kernels active: " + ("yes" if reason is None else f"no. {reason}"))
     installed = mps_ext.installed_overrides()
+    width = max((len(f) for f in mps_ext.families()), default=10)
     print()
-    print(f"{'op family':<10} {'state':<55} overrides")
+    print(f"{'op family':<{width}} {'state':<55} ops (aten overrides; mps_ext's own as mps_ext::op)")
     for fam in mps_ext.families():
-        ops = ", ".join(op.split("::")[1] for op in mps_ext._C.family_aten_ops(fam))
-        where = ops if fam in installed else f"(not installed) {ops}"
-        print(f"{fam:<10} {mps_ext.family_status(fam):<55} {where}")
+        aten = [op.split("::")[1] for op in mps_ext._C.family_aten_ops(fam)]
+        own = mps_ext._C.family_own_ops(fam)
+        # Only aten ops are overrides; a family's own ops need no installing.
+        where = ", ".join(aten) if fam in installed or not aten else f"(not installed) {', '.join(aten)}"
+        ops = "; ".join(part for part in (where, ", ".join(own)) if part)
+        print(f"{fam:<{width}} {mps_ext.family_status(fam):<55} {ops}")
     stats = mps_ext.stats()
     if any(s["ran"] or s["fallbacks"] or s["unavailable"] for s in stats.values()):
         print()
         for fam, s in stats.items():
             fb = "; ".join(f"{n} x {why}" for why, n in s["fallbacks"].items()) or "none"
-            print(f"{fam:<10} ran {s['ran']}, fell back: {fb}")
+            print(f"{fam:<{width}} ran {s['ran']}, fell back: {fb}")
             for device, why in s["unavailable"].items():
-                print(f"{'':<10} kernels unavailable on {device}: {why}")
+                print(f"{'':<{width}} kernels unavailable on {device}: {why}")
     print()
     print("Turn a family off: MPS_EXT_DISABLE=softmax,pad, or `with mps_ext.disabled('pad'):`.")
 

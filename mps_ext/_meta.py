@@ -1,7 +1,10 @@
 """Meta kernels (shapes and dtypes) of the torch.ops.mps_ext ops that do not
-take the aten op's own: fp8_linear and the mixture-of-experts ops moe_route,
-moe_experts, moe_combine, moe_layer, rms_norm, add_rms_norm, qk_norm_rope, sigmoid_gate, kv_append, fp8_grouped_linear,
-linear_attention_decode, short_conv_decode, commit (no aten op); the scaled_mm family, whose aten meta
+take the aten op's own: the families' own ops (no aten op; _C.family_own_ops
+lists them: scaled_mm's fp8_linear, moe's moe_route, moe_experts,
+moe_combine and moe_layer, norm's rms_norm, add_rms_norm and qk_norm_rope,
+attention_gate's sigmoid_gate, kv_cache's kv_append, linear_attention's
+linear_attention_decode, short_conv's short_conv_decode), fp8_grouped_linear
+and commit; the scaled_mm family, whose aten meta
 functions check CUDA's layout rules (mat2 column-major, dimensions multiples
 of 16) that mps_ext does not need, so a traced model would fail where the
 eager one runs; and the grouped_mm family, whose aten meta functions take
@@ -75,7 +78,7 @@ def _scaled_grouped_mm_v2(self, mat2, scale_a, recipe_a, swizzle_a, scale_b, rec
     return _grouped_output(self, mat2, offs, out_dtype or torch.bfloat16, "_scaled_grouped_mm_v2")
 
 
-# mps_ext's own MoE decode ops (csrc/ops/grouped_mm_moe.cpp): output sizes
+# mps_ext's own MoE decode ops (csrc/ops/moe.cpp): output sizes
 # depend on shapes alone (the routing is decided on the GPU), so these give
 # them exactly.
 def _moe_route(logits, top_k, renormalize=True, shared_expert=False, expert_bias=None, sigmoid=False, scale=1.0,
@@ -96,7 +99,7 @@ def _moe_combine(y, weights, row_of_slot):
     return y.new_empty((weights.shape[0], y.shape[1]))
 
 
-# The whole layer (csrc/ops/moe_layer.cpp): [tokens, hidden] in x's dtype.
+# The whole layer (csrc/ops/moe.cpp): [tokens, hidden] in x's dtype.
 def _moe_layer(x, router, gate_up, gate_up_scale, down, down_scale, top_k, renormalize=True, shared_expert=False,
                expert_bias=None, sigmoid=False, scale=1.0, renorm_eps=0.0, residual=None):
     # Checked here too: a residual on another device (the meta one) makes the dispatcher choose this kernel.
@@ -130,12 +133,12 @@ def _qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, variant="weight"):
     return q.new_empty((b, hq, t, d)), k.new_empty((b, k.shape[2], t, d))
 
 
-# The output gate (csrc/ops/attention.cpp): x's shape and dtype, contiguous.
+# The attention layer's output gate (csrc/ops/attention_gate.cpp): x's shape and dtype, contiguous.
 def _sigmoid_gate(x, gate):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-# The KV cache append (csrc/ops/attention.cpp): in place (the schema's (a!), (b!)), nothing returned.
+# The KV cache append (csrc/ops/kv_cache.cpp): in place (the schema's (a!), (b!)), nothing returned.
 def _kv_append(k_cache, v_cache, k, v, start):
     return None
 

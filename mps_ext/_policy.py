@@ -28,7 +28,7 @@ class Condition(str, enum.Enum):
     # mm and addmm with one activation row (or column): torch 2.14's GEMV
     # (csrc/ops/linear.cpp, mm_unsupported).
     ONE_ROW = "one_row"
-    # _scaled_mm_v2 calls torch 2.15's kernel takes (csrc/ops/fp8_mm.cpp, policy).
+    # _scaled_mm_v2 calls torch 2.15's kernel takes (csrc/ops/scaled_mm.cpp, policy).
     TORCH_SCALED_MM = "torch_scaled_mm"
 
     def describe(self) -> str:

@@ -10,7 +10,7 @@ float8_e4m3fn plus fp32 de-quantisation scales:
 
 The forward keeps the activation in its own dtype (bf16, fp16 or fp32) and
 de-quantises the weight in registers (torch.ops.mps_ext.fp8_linear, the
-kernels of kernels_metal/fp8_mm.metal): the same weight traffic as
+kernels of kernels_metal/scaled_mm.metal): the same weight traffic as
 quantising the activation to fp8 too, without the activation's rounding
 error. On CPU tensors the modules compute the same product with torch's own
 CPU ops (the weight de-quantised in memory): the CPU Metal executor runs

@@ -172,9 +172,9 @@ MISALIGNED_LINES = 2.0
 # the benchmark's layers no longer reach moe_combine; FusedMoE's and
 # FP8Experts' grouped paths (mps_ext/passes/moe.py, fp8.py) still call it.
 MOE_COMBINE_UNREACHED = ("moe_layer, the benchmark's layer, sums the slots in moe_down_combine; moe_combine serves the "
-                         "grouped paths of FusedMoE and FP8Experts (tests/ops/test_grouped_mm_moe.py runs each dtype)")
+                         "grouped paths of FusedMoE and FP8Experts (tests/ops/test_moe.py runs each dtype)")
 MOE_DOWN_COMBINE_SCALAR = ("the element-load variant, for expert rows not a multiple of 16 bytes (no benchmark model "
-                           "has such a width; tests/ops/test_moe_layer.py test_down_combine_kernels runs each); the "
+                           "has such a width; tests/ops/test_moe.py test_down_combine_kernels runs each); the "
                            "same template as the _vec ones measured")
 
 

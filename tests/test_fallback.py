@@ -96,7 +96,7 @@ def test_a_pipeline_with_fewer_threads_than_a_fixed_launch_needs(simulate, capfd
     needs = d.threads_per_threadgroup[0]
     assert d.kernel.startswith("gemv_cols_") and needs == 256
     mps_ext.reset_stats()
-    simulate("gemv", d.kernel, kind="max_threads", max_threads=128)
+    simulate("linear", d.kernel, kind="max_threads", max_threads=128)
     got = [torch.ops.mps_ext.mm(x, w) for _ in range(2)]
     for g in got:
         torch.testing.assert_close(g, x @ w, rtol=1e-5, atol=1e-4)
@@ -115,20 +115,21 @@ def test_a_pipeline_with_enough_threads_runs(simulate):
     with cpu_metal.record() as rec:
         torch.ops.mps_ext.mm(x, w)
     d = rec.dispatches[0]
-    simulate("gemv", d.kernel, kind="max_threads", max_threads=d.threads_per_threadgroup[0])
+    simulate("linear", d.kernel, kind="max_threads", max_threads=d.threads_per_threadgroup[0])
     torch.ops.mps_ext.mm(x, w)
     assert mps_ext.stats()["linear"]["ran"] == 2 and mps_ext.stats()["linear"]["unavailable"] == {}
 
 
-def linear_family_calls():
-    """A call of each of the linear family's decode kernels, on fresh inputs
-    each time (the steps update their state in place): F.linear of one row
-    (gemv_rows), a Gated DeltaNet step at Qwen3.5/3.6's head sizes
-    (linear_attention_decode) and an LFM2 convolution step
-    (short_conv_decode); each kernel's library."""
+def decode_calls():
+    """A call of each decode kernel that was the linear family's until the
+    families were split (issue 33), on fresh inputs each time (the steps
+    update their state in place): F.linear of one row (gemv_rows), a Gated
+    DeltaNet step at Qwen3.5/3.6's head sizes (linear_attention_decode) and
+    an LFM2 convolution step (short_conv_decode); by library, which is also
+    the family's name."""
     x, w = torch.randn(1, 256), torch.randn(512, 256)
     return {
-        "gemv": lambda: torch.ops.mps_ext.linear(x, w, None),
+        "linear": lambda: torch.ops.mps_ext.linear(x, w, None),
         "linear_attention": lambda: linear_attention(linear_attention_inputs(1, 1, 2, 128, 128, 4, torch.float32), 1),
         "short_conv": lambda: short_conv(short_conv_inputs(1, 64, 3, torch.float32)),
     }
@@ -148,7 +149,7 @@ def run_each(calls):
     return out
 
 
-@pytest.mark.parametrize("failing", ["gemv", "linear_attention", "short_conv"])
+@pytest.mark.parametrize("failing", ["linear", "linear_attention", "short_conv"])
 @pytest.mark.parametrize("kind", ["pipeline", "library"])
 def test_one_kernel_failing_leaves_the_familys_other_kernels_running(simulate, capfd, failing, kind):
     """Issue 29: a linear_attention_decode pipeline that could not run took
@@ -156,8 +157,8 @@ def test_one_kernel_failing_leaves_the_familys_other_kernels_running(simulate, c
     included. Now only the calls that need the failing kernel (or, when its
     library failed, any of that library's) go to torch, or raise for
     mps_ext's own ops, which torch has no kernel for; the others run theirs,
-    now and later."""
-    calls = linear_family_calls()
+    now and later. (They are three families now, so each counts apart.)"""
+    calls = decode_calls()
     want = run_each(calls)
     kernel = want[failing][1][0]
     mps_ext.reset_stats()
@@ -167,7 +168,7 @@ def test_one_kernel_failing_leaves_the_familys_other_kernels_running(simulate, c
         for library, (result, kernels) in got.items():
             if library != failing:
                 assert kernels == want[library][1] and torch.equal(result, want[library][0]), library
-            elif library == "gemv":  # torch's F.linear
+            elif library == "linear":  # torch's F.linear
                 assert kernels == [] and isinstance(result, torch.Tensor)
                 torch.testing.assert_close(result, want[library][0], rtol=1e-5, atol=1e-5)
             else:
@@ -175,14 +176,17 @@ def test_one_kernel_failing_leaves_the_familys_other_kernels_running(simulate, c
     assert _C._simulated_failure_hits() == 1
     cause = (f"{failing}.metal failed to compile (simulated)" if kind == "library"
              else f"cannot build the pipeline of {kernel} (simulated)")
-    assert mps_ext.stats()["linear"] == {"ran": 4, "fallbacks": {REASON: 2}, "unavailable": {"CPU": cause}}
+    stats = mps_ext.stats()
+    assert stats[failing] == {"ran": 0, "fallbacks": {REASON: 2}, "unavailable": {"CPU": cause}}
+    assert all(stats[other] == {"ran": 2, "fallbacks": {}, "unavailable": {}} for other in calls if other != failing)
     (warned,) = overriding_warnings(capfd.readouterr().err)
-    assert f"cannot run on CPU here ({cause}); the linear calls on CPU that need" in warned
+    assert f"cannot run on CPU here ({cause}); the {failing} calls on CPU that need" in warned
 
 
 def test_a_library_failing_takes_down_each_of_its_kernels(simulate):
     """linear_attention.metal failing: its kernels of every dtype, without
-    asking the backend again; the family's other libraries run."""
+    asking the backend again; other libraries run (linear.metal's, once the
+    same family's)."""
     simulate("linear_attention", kind="library")
     for dtype in (torch.float32, torch.bfloat16, torch.float32):
         with pytest.raises(RuntimeError, match=f"linear_attention_decode cannot run on CPU here \\({REASON}\\)"):

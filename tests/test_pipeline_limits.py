@@ -91,25 +91,25 @@ class Case:
 
 
 CASES = [
-    *[Case(f"linear_attention_{t}_{limit}", "linear", "linear_attention", "linear_attention_decode_",
+    *[Case(f"linear_attention_{t}_{limit}", "linear_attention", "linear_attention", "linear_attention_decode_",
            qwen35_linear_attention(dtype), limit)
       for t, dtype in (("f32", F32), ("bf16", torch.bfloat16)) for limit in (512, 256, 32)],
-    Case("gemv_rows", "linear", "gemv", "gemv_rows_",
+    Case("gemv_rows", "linear", "linear", "gemv_rows_",
          lambda: torch.ops.mps_ext.linear(rand(3, 512, seed=1), rand(2048, 512, seed=2), None), 32),
-    Case("fp8_gemv", "scaled_mm", "fp8_mm", "fp8_gemv_", scaled_mm_decode, 32),
+    Case("fp8_gemv", "scaled_mm", "scaled_mm", "fp8_gemv_", scaled_mm_decode, 32),
     Case("gmm_decode_rows", "grouped_mm", "grouped_mm", "gmm_decode_rows_",
          lambda: torch.ops.mps_ext._grouped_mm(rand(2, 256, seed=1), rand(2, 2048, 256, seed=2).transpose(-2, -1),
                                                torch.tensor([1, 2], dtype=torch.int32)), 32),
-    Case("moe_down_combine", "grouped_mm", "grouped_mm", "moe_down_combine_", moe_layer, 32),
+    Case("moe_down_combine", "moe", "grouped_mm", "moe_down_combine_", moe_layer, 32),
     Case("rms_norm", "norm", "norm", "rms_norm_",
          lambda: torch.ops.mps_ext.rms_norm(rand(64, 256, seed=1), rand(256, seed=2), 1e-6), 64),
     Case("qk_norm_rope", "norm", "norm", "qk_norm_rope_",
          lambda: torch.ops.mps_ext.qk_norm_rope(rand(1, 1, 16, 128, seed=1), rand(1, 1, 4, 128, seed=2),
                                                 rand(1, 1, 128, seed=3), rand(1, 1, 128, seed=4),
                                                 rand(128, seed=5), rand(128, seed=6), 1e-6), 64),
-    Case("sigmoid_gate", "norm", "attention", "sigmoid_gate_",
+    Case("sigmoid_gate", "attention_gate", "attention_gate", "sigmoid_gate_",
          lambda: torch.ops.mps_ext.sigmoid_gate(rand(4, 2048, seed=1), rand(4, 2048, seed=2)), 64),
-    Case("kv_append", "norm", "attention", "kv_append_", kv_append, 64),
+    Case("kv_append", "kv_cache", "kv_cache", "kv_append_", kv_append, 64),
     # A row the block shape now holds in fewer threads than it needs goes to the split shape: other sums.
     Case("softmax_block", "softmax", "softmax", "softmax_block_",
          lambda: torch.ops.mps_ext._softmax(rand(4, 4096, seed=1), 1, False), 128, exact=False),

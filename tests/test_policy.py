@@ -64,7 +64,7 @@ def test_unknown_families_and_ops_are_errors(cpu_policy):
     an op its family does not have is an error, never a rule that nothing
     reads."""
     assert mps_ext.families() == sorted(mps_ext.families())
-    with pytest.raises(RuntimeError, match="no op family named 'softmx'; the families are fp8, grouped_mm"):
+    with pytest.raises(RuntimeError, match="no op family named 'softmx'; the families are attention_gate, fp8, grouped_mm, kv_cache"):
         _C.set_enabled("softmx", False)
     with pytest.raises(RuntimeError, match="no op family named 'lineaer'"):
         _C.leave_to_torch("lineaer", "aten::mm", "CPU", "policy: test")

@@ -23,8 +23,8 @@ def test_check_mode_finds_nothing(path):
 # Kernels whose code assumes a threadgroup size declare it (the host's sizes,
 # kernels_metal/*_params.h), and the executor refuses a bigger threadgroup, as
 # a Metal pipeline would: an op that asked for more would fail its tests.
-DECLARED = [("gemv", "gemv_rows_f32_r1_q1_vec", 512), ("gemv", "gemv_cols_f16_r8_scalar", 256),
-            ("gemv", "gemv_cols_finish_bf16", 256),
+DECLARED = [("linear", "gemv_rows_f32_r1_q1_vec", 512), ("linear", "gemv_cols_f16_r8_scalar", 256),
+            ("linear", "gemv_cols_finish_bf16", 256),
             ("softmax", "softmax_segment_f32_f32_i32_vec", 256), ("softmax", "softmax_block_bf16_bf16_i32", 512),
             ("softmax", "softmax_partial_f16_i64", 256), ("softmax", "softmax_backward_finish_f32_f16_i32_vec", 256),
             ("softmax", "softmax_strided_f16_f32_i32", 512), ("softmax", "softmax_backward_strided_bf16_bf16_i64", 512),
@@ -48,7 +48,7 @@ def test_every_kernel_declares_its_threadgroup_size():
     from mps_ext.cpu_metal import _compiler, _translate
     from tools.embed_shaders import flatten
 
-    for library in ("gemv", "softmax", "pad"):
+    for library in ("linear", "softmax", "pad"):
         pre = _compiler.preprocess(flatten(ROOT / "kernels_metal" / f"{library}.metal"), f"{library}.metal", None)
         kernels = _translate.translate(pre).kernels
         assert kernels and all(k.max_threads != "0" for k in kernels), [k.host_name for k in kernels if k.max_threads == "0"]

@@ -48,7 +48,7 @@
   A(bias_dtype, "bias dtype {dtype}")                                                                           \
   X(bias_torch_rejects, "a bias torch rejects")                                                                 \
   X(scales_torch_rejects, "scales torch rejects")                                                               \
-  A(block_scales, "{text}") /* the shapes of block-wise scales mps_ext does not read (fp8_mm.cpp) */             \
+  A(block_scales, "{text}") /* the shapes of block-wise scales mps_ext does not read (scaled_mm.cpp) */             \
   X(scale_result_torch_rejects, "a scale_result torch rejects")                                                 \
   X(several_scales, "more than one scale per operand")                                                          \
   X(swizzled_scales, "swizzled scales")                                                                         \

@@ -48,12 +48,36 @@ void aten_meta_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
 
 }  // namespace
 
-FamilyRegistrar::FamilyRegistrar(FamilyId id, std::vector<std::string> aten_ops, RegisterKernels register_mps,
-                                 RegisterKernels register_cpu) {
-  family(id).define(Family::Def{std::move(aten_ops), register_mps, register_cpu});
+FamilyRegistrar::FamilyRegistrar(FamilyId id, RegisterKernels register_mps, RegisterKernels register_cpu) {
+  FamilyOps listed(FamilyOps::Pass::list, nullptr);
+  register_cpu(listed);
+  family(id).define(Family::Def{listed.aten_ops, listed.own_ops, register_mps, register_cpu});
+}
+
+void FamilyOps::aten_op(const std::string& op) {
+  switch (pass_) {
+    case Pass::list: aten_ops.push_back(op); break;
+    case Pass::define: define_like_aten(*lib_, {op}); break;
+    case Pass::aten_meta: register_meta(*lib_, {op}); break;
+    default: break;  // the kernels' passes register them in aten()
+  }
+}
+
+void FamilyOps::own_op(const std::string& schema) {
+  if (pass_ == Pass::list) own_ops.push_back("mps_ext::" + own_name(schema));
+  if (pass_ == Pass::define) lib_->def(schema.c_str());
+}
+
+std::string FamilyOps::own_name(const std::string& schema) {
+  const size_t paren = schema.find('(');
+  TORCH_CHECK(paren != std::string::npos && paren > 0 && schema.find("::") == std::string::npos,
+              "mps_ext: an own op is given by its schema without namespace (\"name(Tensor x) -> Tensor\"), not ",
+              schema);
+  return schema.substr(0, paren);
 }
 
 std::vector<std::string> family_aten_ops(const std::string& fam) { return family(fam).def().aten_ops; }
+std::vector<std::string> family_own_ops(const std::string& fam) { return family(fam).def().own_ops; }
 
 // Schemas of aten ops that the oldest supported torch (2.9) lacks, from the
 // newest release that has them, so that torch.ops.mps_ext has them anyway.
@@ -105,7 +129,8 @@ std::vector<std::string> install_overrides(const std::vector<std::string>& fams,
     const Family::Def& def = family(name).def();
     if (!installed.count({name, key})) {
       for (const auto& op : def.aten_ops) capture_stock_kernel(op, key);
-      without_override_warning([&] { (key == c10::DispatchKey::MPS ? def.register_mps : def.register_cpu)(*lib); });
+      FamilyOps ops(FamilyOps::Pass::overrides, lib.get());
+      without_override_warning([&] { (key == c10::DispatchKey::MPS ? def.register_mps : def.register_cpu)(ops); });
       installed.insert({name, key});
     }
     done.push_back(name);

@@ -78,7 +78,7 @@ constexpr size_t kFamilyCount = 0 MPS_EXT_FAMILIES(MPS_EXT_FAMILY_ONE);
 //   one_row: mm and addmm with one row of the activation (or one column):
 //     torch 2.14's own GEMV (linear.cpp).
 //   torch_scaled_mm: tensor-wise and row-wise float8_e4m3fn _scaled_mm_v2
-//     with outputs, bias and alignment torch 2.15's kernel takes (fp8_mm.cpp).
+//     with outputs, bias and alignment torch 2.15's kernel takes (scaled_mm.cpp).
 #define MPS_EXT_CONDITIONS(X) \
   X(one_row)                  \
   X(torch_scaled_mm)
@@ -118,7 +118,9 @@ struct RuleSlot {
   std::atomic<const LeftToTorch*>& of(c10::DispatchKey key) { return key == c10::DispatchKey::MPS ? mps : cpu; }
 };
 
-using RegisterKernels = void (*)(torch::Library&);
+class FamilyOps;  // dispatch/registration.h
+// A family's Register function for one key (dispatch/registration.h).
+using RegisterKernels = void (*)(FamilyOps&);
 
 // Counts per reason without a lock: a reason is one 64-bit code, so a slot
 // is claimed once (compare-and-swap) and then only incremented.
@@ -145,6 +147,7 @@ class Family {
   // Its definition, given once by MPS_EXT_FAMILY in the family's own file.
   struct Def {
     std::vector<std::string> aten_ops;  // "aten::_softmax", ...
+    std::vector<std::string> own_ops;   // "mps_ext::kv_append", ...
     RegisterKernels register_mps = nullptr, register_cpu = nullptr;
   };
   void define(Def def);

@@ -279,18 +279,17 @@ at::Tensor index_select_impl(const at::Tensor& self, int64_t dim, const at::Tens
 }
 
 template <c10::DispatchKey K>
-void register_fp8(torch::Library& m) {
-  m.impl("copy_", TORCH_FN(copy_impl<K>));
-  m.impl("fill_.Scalar", TORCH_FN(fill_scalar_impl<K>));
-  m.impl("fill_.Tensor", TORCH_FN(fill_tensor_impl<K>));
-  m.impl("zero_", TORCH_FN(zero_impl<K>));
-  m.impl("cat", TORCH_FN(cat_impl<K>));
-  m.impl("index_select", TORCH_FN(index_select_impl<K>));
-  register_fp8_tensor_ops<K>(m);  // fp8_ops.cpp
+void register_fp8(FamilyOps& ops) {
+  ops.aten("copy_", TORCH_FN(copy_impl<K>));
+  ops.aten("fill_.Scalar", TORCH_FN(fill_scalar_impl<K>));
+  ops.aten("fill_.Tensor", TORCH_FN(fill_tensor_impl<K>));
+  ops.aten("zero_", TORCH_FN(zero_impl<K>));
+  ops.aten("cat", TORCH_FN(cat_impl<K>));
+  ops.aten("index_select", TORCH_FN(index_select_impl<K>));
+  register_fp8_tensor_ops<K>(ops);  // fp8_ops.cpp
 }
 
 }  // namespace
 }  // namespace mps_ext
 
-MPS_EXT_FAMILY(fp8, mps_ext::register_fp8, "aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor", "aten::zero_",
-               "aten::cat", "aten::index_select", MPS_EXT_FP8_TENSOR_OPS)
+MPS_EXT_FAMILY(fp8, mps_ext::register_fp8)

@@ -1,4 +1,4 @@
-// FP8 on the Mac (csrc/ops/fp8.cpp, csrc/ops/fp8_mm.cpp).
+// FP8 on the Mac (csrc/ops/fp8.cpp, csrc/ops/scaled_mm.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <string>
+
+#include "dispatch/registration.h"
 
 namespace torch {
 class Library;
@@ -29,7 +31,7 @@ uint8_t fp8_code(c10::ScalarType dtype, const c10::Scalar& value);
 // The fp8 family's ops beyond moves and conversions (csrc/ops/fp8_ops.cpp):
 // indexing, comparisons, .item(); registered by fp8.cpp's register_fp8.
 template <c10::DispatchKey K>
-void register_fp8_tensor_ops(torch::Library& m);
+void register_fp8_tensor_ops(FamilyOps& ops);
 
 // Wraps torch's kernel of every aten op on `key` that mps_ext does not
 // override so that an error about a float8 dtype names the op and says to
@@ -40,10 +42,3 @@ int64_t name_float8_errors(c10::DispatchKey key);
 
 }  // namespace mps_ext
 
-// Their aten names, for the family's MPS_EXT_FAMILY list.
-#define MPS_EXT_FP8_TENSOR_OPS                                                                                   \
-  "aten::_local_scalar_dense", "aten::equal", "aten::eq.Tensor", "aten::eq.Scalar", "aten::ne.Tensor",             \
-      "aten::ne.Scalar", "aten::lt.Tensor", "aten::lt.Scalar", "aten::le.Tensor", "aten::le.Scalar",                \
-      "aten::gt.Tensor", "aten::gt.Scalar", "aten::ge.Tensor", "aten::ge.Scalar", "aten::index.Tensor",             \
-      "aten::_index_put_impl_", "aten::where.self", "aten::masked_fill_.Scalar", "aten::masked_fill_.Tensor",       \
-      "aten::gather", "aten::repeat", "aten::flip"

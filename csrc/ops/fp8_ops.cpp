@@ -260,32 +260,32 @@ at::Tensor flip_impl(const at::Tensor& self, at::IntArrayRef dims) {
 }  // namespace
 
 template <c10::DispatchKey K>
-void register_fp8_tensor_ops(torch::Library& m) {
-  m.impl("_local_scalar_dense", TORCH_FN(local_scalar_dense_impl<K>));
-  m.impl("equal", TORCH_FN(equal_impl<K>));
-  m.impl("eq.Tensor", TORCH_FN(eq_tensor<K>));
-  m.impl("eq.Scalar", TORCH_FN(eq_scalar<K>));
-  m.impl("ne.Tensor", TORCH_FN(ne_tensor<K>));
-  m.impl("ne.Scalar", TORCH_FN(ne_scalar<K>));
-  m.impl("lt.Tensor", TORCH_FN(lt_tensor<K>));
-  m.impl("lt.Scalar", TORCH_FN(lt_scalar<K>));
-  m.impl("le.Tensor", TORCH_FN(le_tensor<K>));
-  m.impl("le.Scalar", TORCH_FN(le_scalar<K>));
-  m.impl("gt.Tensor", TORCH_FN(gt_tensor<K>));
-  m.impl("gt.Scalar", TORCH_FN(gt_scalar<K>));
-  m.impl("ge.Tensor", TORCH_FN(ge_tensor<K>));
-  m.impl("ge.Scalar", TORCH_FN(ge_scalar<K>));
-  m.impl("index.Tensor", TORCH_FN(index_impl<K>));
-  m.impl("_index_put_impl_", TORCH_FN(index_put_impl<K>));
-  m.impl("where.self", TORCH_FN(where_impl<K>));
-  m.impl("masked_fill_.Scalar", TORCH_FN(masked_fill_scalar_impl<K>));
-  m.impl("masked_fill_.Tensor", TORCH_FN(masked_fill_tensor_impl<K>));
-  m.impl("gather", TORCH_FN(gather_impl<K>));
-  m.impl("repeat", TORCH_FN(repeat_impl<K>));
-  m.impl("flip", TORCH_FN(flip_impl<K>));
+void register_fp8_tensor_ops(FamilyOps& ops) {
+  ops.aten("_local_scalar_dense", TORCH_FN(local_scalar_dense_impl<K>));
+  ops.aten("equal", TORCH_FN(equal_impl<K>));
+  ops.aten("eq.Tensor", TORCH_FN(eq_tensor<K>));
+  ops.aten("eq.Scalar", TORCH_FN(eq_scalar<K>));
+  ops.aten("ne.Tensor", TORCH_FN(ne_tensor<K>));
+  ops.aten("ne.Scalar", TORCH_FN(ne_scalar<K>));
+  ops.aten("lt.Tensor", TORCH_FN(lt_tensor<K>));
+  ops.aten("lt.Scalar", TORCH_FN(lt_scalar<K>));
+  ops.aten("le.Tensor", TORCH_FN(le_tensor<K>));
+  ops.aten("le.Scalar", TORCH_FN(le_scalar<K>));
+  ops.aten("gt.Tensor", TORCH_FN(gt_tensor<K>));
+  ops.aten("gt.Scalar", TORCH_FN(gt_scalar<K>));
+  ops.aten("ge.Tensor", TORCH_FN(ge_tensor<K>));
+  ops.aten("ge.Scalar", TORCH_FN(ge_scalar<K>));
+  ops.aten("index.Tensor", TORCH_FN(index_impl<K>));
+  ops.aten("_index_put_impl_", TORCH_FN(index_put_impl<K>));
+  ops.aten("where.self", TORCH_FN(where_impl<K>));
+  ops.aten("masked_fill_.Scalar", TORCH_FN(masked_fill_scalar_impl<K>));
+  ops.aten("masked_fill_.Tensor", TORCH_FN(masked_fill_tensor_impl<K>));
+  ops.aten("gather", TORCH_FN(gather_impl<K>));
+  ops.aten("repeat", TORCH_FN(repeat_impl<K>));
+  ops.aten("flip", TORCH_FN(flip_impl<K>));
 }
 
-template void register_fp8_tensor_ops<c10::DispatchKey::CPU>(torch::Library&);
-template void register_fp8_tensor_ops<c10::DispatchKey::MPS>(torch::Library&);
+template void register_fp8_tensor_ops<c10::DispatchKey::CPU>(FamilyOps&);
+template void register_fp8_tensor_ops<c10::DispatchKey::MPS>(FamilyOps&);
 
 }  // namespace mps_ext

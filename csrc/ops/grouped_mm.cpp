@@ -466,7 +466,7 @@ Problem moe_problem(const at::Tensor& x, const at::Tensor& weight, const c10::op
 
 }  // namespace
 
-// mps_ext's fused decode product of a MoE layer (see grouped_mm_moe.cpp).
+// mps_ext's fused decode product of a MoE layer (see moe.cpp).
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& weight_scale,
                        const at::Tensor& offs, const c10::optional<at::Tensor>& slot_of_row, int64_t slots_per_token,
                        bool swiglu) {
@@ -624,10 +624,10 @@ at::Tensor scaled_grouped_mm_v2_impl(const at::Tensor& a, const at::Tensor& b, a
 }
 
 template <DispatchKey K>
-void register_grouped_mm(torch::Library& m) {
-  m.impl("_grouped_mm", TORCH_FN(grouped_mm_impl<K>));
-  m.impl("_scaled_grouped_mm", TORCH_FN(scaled_grouped_mm_impl<K>));
-  m.impl("_scaled_grouped_mm_v2", TORCH_FN(scaled_grouped_mm_v2_impl<K>));
+void register_grouped_mm(FamilyOps& ops) {
+  ops.aten("_grouped_mm", TORCH_FN(grouped_mm_impl<K>));
+  ops.aten("_scaled_grouped_mm", TORCH_FN(scaled_grouped_mm_impl<K>));
+  ops.aten("_scaled_grouped_mm_v2", TORCH_FN(scaled_grouped_mm_v2_impl<K>));
 }
 
 }  // namespace
@@ -636,5 +636,4 @@ void register_grouped_mm(torch::Library& m) {
 // Meta kernels: mps_ext/_meta.py (torch's own take bfloat16 only before torch
 // 2.14, pad the output's stride only for CUDA before 2.15, and do not exist
 // for _scaled_grouped_mm_v2 before 2.14).
-MPS_EXT_FAMILY_OWN_META(grouped_mm, mps_ext::register_grouped_mm, "aten::_grouped_mm", "aten::_scaled_grouped_mm",
-                        "aten::_scaled_grouped_mm_v2")
+MPS_EXT_FAMILY_OWN_META(grouped_mm, mps_ext::register_grouped_mm)

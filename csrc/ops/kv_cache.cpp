@@ -1,9 +1,8 @@
-// torch.ops.mps_ext.sigmoid_gate and torch.ops.mps_ext.kv_append: an
-// attention layer's output gate and its KV cache append, one dispatch each
-// (kernels_metal/attention.metal), for mps_ext.optimize's attention forward
-// (mps_ext/passes/attention.py). Eager, the gate is three (a copy of q_proj's
-// strided gate half, sigmoid, mul) and transformers' DynamicLayer.update two
-// torch.cat calls that re-copy the whole cache every token.
+// torch.ops.mps_ext.kv_append: the KV cache append of an attention layer,
+// one dispatch (kernels_metal/kv_cache.metal), for mps_ext.optimize's
+// attention forward (mps_ext/passes/attention.py), where transformers'
+// DynamicLayer.update makes two torch.cat calls that re-copy the whole cache
+// every token.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -11,75 +10,15 @@
 #include <initializer_list>
 #include <string>
 
-#include "attention_params.h"
 #include "backend/launch.h"
 #include "dispatch/kernel_choice.h"
+#include "dispatch/registration.h"
 #include "dispatch/registry.h"
+#include "kv_cache_params.h"
+#include "ops/ops.h"
 
 namespace mps_ext {
 namespace {
-
-void check_float(const at::Tensor& t, const char* op, const char* name) {
-  const auto dt = t.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, "mps_ext ", op, ": ", name,
-              " must be float32, float16 or bfloat16, got ", dt);
-}
-
-// The stride between rows of the last dimension of `t` if its leading
-// dimensions collapse into one (a view of rows: q_proj's gate half does), -1
-// otherwise.
-int64_t row_stride(const at::Tensor& t) {
-  const int64_t n = t.size(-1);
-  int64_t stride = -1, next = -1;  // the stride the next outer dimension must have
-  for (int64_t d = t.dim() - 2; d >= 0; --d) {
-    if (t.size(d) == 1) continue;
-    if (stride < 0) {
-      stride = t.stride(d);
-    } else if (t.stride(d) != next) {
-      return -1;
-    }
-    next = t.stride(d) * t.size(d);
-  }
-  return stride < 0 ? n : stride;
-}
-
-// out = x * sigmoid(gate): x and gate of one shape and dtype; gate may be a
-// strided view whose last dimension is contiguous. out is contiguous.
-at::Tensor sigmoid_gate(const at::Tensor& x, const at::Tensor& gate) {
-  check_float(x, "sigmoid_gate", "x");
-  TORCH_CHECK(gate.scalar_type() == x.scalar_type(), "mps_ext sigmoid_gate: gate must be in x's dtype (",
-              x.scalar_type(), "), got ", gate.scalar_type());
-  TORCH_CHECK(gate.sizes() == x.sizes(), "mps_ext sigmoid_gate: x and gate must have one shape (no broadcasting), "
-              "got ", x.sizes(), " and ", gate.sizes());
-  TORCH_CHECK(x.device() == gate.device(), "mps_ext sigmoid_gate: x is on ", x.device(), " and gate on ",
-              gate.device());
-  TORCH_CHECK(x.dim() >= 1, "mps_ext sigmoid_gate: x and gate must have a last dimension, got 0-d tensors");
-  auto out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (out.numel() == 0) return out;
-  const int64_t n = x.size(-1);
-  const at::Tensor xc = x.contiguous();
-  // The kernel reads gate as rows of contiguous elements; a layout that is
-  // not (rare: q_proj's gate half is) is copied first.
-  at::Tensor g = gate;
-  int64_t gs = (n == 1 || g.stride(-1) == 1) ? row_stride(g) : -1;
-  if (gs < 0) g = g.contiguous(), gs = n;
-  const int64_t rows = out.numel() / n;
-  TORCH_CHECK(fits_32bit(out.numel()) && fits_32bit((rows - 1) * gs + n) && rows <= UINT32_MAX,
-              "mps_ext sigmoid_gate: tensors past 2^31 elements are not supported, got ", rows, " rows of ", n);
-  SigmoidGateParams p{};
-  p.rows = static_cast<uint32_t>(rows);
-  p.n = static_cast<uint32_t>(n);
-  p.gate_row_stride = static_cast<uint32_t>(rows > 1 ? gs : n);
-  // A thread per element: a lower pipeline limit means more column blocks.
-  const std::string kernel = std::string("sigmoid_gate_") + kernel_type_name(x.scalar_type());
-  const int64_t threads =
-      std::min(thread_budget(x.device(), "attention", kernel, SIGMOID_GATE_THREADS), ceil_div(n, 32) * 32);
-  launch(Launch{"attention", kernel,
-                {KernelArg::of(out), KernelArg::of(xc), KernelArg::of(g), KernelArg::value(p)},
-                {static_cast<uint32_t>(ceil_div(n, threads)), static_cast<uint32_t>(rows), 1},
-                {static_cast<uint32_t>(threads), 1, 1}});
-  return out;
-}
 
 // Writes k and v [B, H, T, D] (views: the head dimension contiguous) at rows
 // start .. start + T - 1 of k_cache and v_cache [B, H, capacity, D]
@@ -128,9 +67,9 @@ void kv_append(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
   p.v_stride_b = stride(vc, 0), p.v_stride_h = stride(vc, 1), p.v_stride_t = stride(vc, 2);
   // The threads loop over the row: a lower pipeline limit means more passes.
   const std::string kernel = std::string("kv_append_") + kernel_type_name(dt);
-  const int64_t threads = std::min(thread_budget(k_cache.device(), "attention", kernel, KV_APPEND_MAX_THREADS),
+  const int64_t threads = std::min(thread_budget(k_cache.device(), "kv_cache", kernel, KV_APPEND_MAX_THREADS),
                                    ceil_div(D, 32) * 32);
-  launch(Launch{"attention", kernel,
+  launch(Launch{"kv_cache", kernel,
                 {KernelArg::of(k_cache), KernelArg::of(v_cache), KernelArg::of(kc), KernelArg::of(vc),
                  KernelArg::value(p)},
                 {static_cast<uint32_t>(H), static_cast<uint32_t>(T), static_cast<uint32_t>(B)},
@@ -139,14 +78,7 @@ void kv_append(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
 
 using c10::DispatchKey;
 
-// Counted with the norm family, as qk_norm_rope: the attention's pieces of mps_ext.optimize.
-const RoutedOp kSigmoidGate(FamilyId::norm, "mps_ext::sigmoid_gate");
-const RoutedOp kKvAppend(FamilyId::norm, "mps_ext::kv_append");
-
-template <DispatchKey K>
-at::Tensor sigmoid_gate_impl(const at::Tensor& x, const at::Tensor& gate) {
-  return run_own(kSigmoidGate, K, [&] { return sigmoid_gate(x, gate); });
-}
+const RoutedOp kKvAppend(FamilyId::kv_cache, "mps_ext::kv_append");
 
 template <DispatchKey K>
 void kv_append_impl(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
@@ -157,23 +89,14 @@ void kv_append_impl(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& 
   });
 }
 
+// Its Meta (fake) kernel, for torch.compile, is in mps_ext/_meta.py.
+template <DispatchKey K>
+void register_kv_cache(FamilyOps& ops) {
+  ops.own("kv_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, int start) -> ()",
+          TORCH_FN(kv_append_impl<K>));
+}
+
 }  // namespace
 }  // namespace mps_ext
 
-// Their Meta (fake) kernels, for torch.compile, are in mps_ext/_meta.py.
-TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
-  m.def("sigmoid_gate(Tensor x, Tensor gate) -> Tensor");
-  m.def("kv_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, int start) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(mps_ext, CPU, m) {
-  m.impl("sigmoid_gate", TORCH_FN(mps_ext::sigmoid_gate_impl<c10::DispatchKey::CPU>));
-  m.impl("kv_append", TORCH_FN(mps_ext::kv_append_impl<c10::DispatchKey::CPU>));
-}
-
-#ifdef __APPLE__
-TORCH_LIBRARY_IMPL(mps_ext, MPS, m) {
-  m.impl("sigmoid_gate", TORCH_FN(mps_ext::sigmoid_gate_impl<c10::DispatchKey::MPS>));
-  m.impl("kv_append", TORCH_FN(mps_ext::kv_append_impl<c10::DispatchKey::MPS>));
-}
-#endif
+MPS_EXT_FAMILY(kv_cache, mps_ext::register_kv_cache)

@@ -380,22 +380,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> slogdet_impl(const Tensor& A) {
 }
 
 template <DispatchKey K>
-void register_linalg(torch::Library& m) {
-  m.impl("linalg_lu_factor_ex", TORCH_FN(lu_factor_ex_impl<K>));
+void register_linalg(FamilyOps& ops) {
+  ops.aten("linalg_lu_factor_ex", TORCH_FN(lu_factor_ex_impl<K>));
   // linalg_lu_factor is composite (it calls linalg_lu_factor_ex) except on
   // torch 2.9, which gave it an MPS kernel of its own. An MPS kernel where
   // torch has none would bypass the composite's autograd.
   if (K != DispatchKey::MPS || op_handle("aten::linalg_lu_factor").hasKernelForDispatchKey(DispatchKey::MPS))
-    m.impl("linalg_lu_factor", TORCH_FN(lu_factor_impl<K>));
-  m.impl("linalg_lu", TORCH_FN(linalg_lu_impl<K>));
-  m.impl("lu_unpack", TORCH_FN(lu_unpack_impl<K>));
-  m.impl("linalg_solve_triangular", TORCH_FN(solve_triangular_impl<K>));
-  m.impl("triangular_solve", TORCH_FN(triangular_solve_impl<K>));
-  m.impl("linalg_inv_ex", TORCH_FN(inv_ex_impl<K>));
-  m.impl("_linalg_solve_ex", TORCH_FN(solve_ex_impl<K>));
-  m.impl("linalg_lu_solve", TORCH_FN(lu_solve_impl<K>));
-  m.impl("_linalg_det", TORCH_FN(det_impl<K>));
-  m.impl("_linalg_slogdet", TORCH_FN(slogdet_impl<K>));
+    ops.aten("linalg_lu_factor", TORCH_FN(lu_factor_impl<K>));
+  ops.aten("linalg_lu", TORCH_FN(linalg_lu_impl<K>));
+  ops.aten("lu_unpack", TORCH_FN(lu_unpack_impl<K>));
+  ops.aten("linalg_solve_triangular", TORCH_FN(solve_triangular_impl<K>));
+  ops.aten("triangular_solve", TORCH_FN(triangular_solve_impl<K>));
+  ops.aten("linalg_inv_ex", TORCH_FN(inv_ex_impl<K>));
+  ops.aten("_linalg_solve_ex", TORCH_FN(solve_ex_impl<K>));
+  ops.aten("linalg_lu_solve", TORCH_FN(lu_solve_impl<K>));
+  ops.aten("_linalg_det", TORCH_FN(det_impl<K>));
+  ops.aten("_linalg_slogdet", TORCH_FN(slogdet_impl<K>));
 }
 
 }  // namespace
@@ -413,7 +413,4 @@ TORCH_LIBRARY_IMPL(mps_ext, Negative, m) {
   m.impl("linalg_solve_triangular", torch::CppFunction::makeFallthrough());
 }
 
-MPS_EXT_FAMILY(linalg, mps_ext::register_linalg, "aten::linalg_lu_factor_ex", "aten::linalg_lu_factor",
-               "aten::linalg_lu", "aten::lu_unpack", "aten::linalg_solve_triangular", "aten::triangular_solve",
-               "aten::linalg_inv_ex", "aten::_linalg_solve_ex", "aten::linalg_lu_solve", "aten::_linalg_det",
-               "aten::_linalg_slogdet")
+MPS_EXT_FAMILY(linalg, mps_ext::register_linalg)

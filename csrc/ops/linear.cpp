@@ -1,13 +1,13 @@
 // Decode-time linear layers: aten::linear, aten::mm and aten::addmm with 1 to
 // 8 activation rows (or, for mm, 1 to 8 columns of the other operand), as
-// matrix-vector products. Kernels: kernels_metal/gemv.metal.
+// matrix-vector products. Kernels: kernels_metal/linear.metal.
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 
 #include <algorithm>
 
 #include "backend/launch.h"
-#include "gemv_params.h"
+#include "linear_params.h"
 #include "dispatch/kernel_choice.h"
 #include "ops/ops.h"
 #include "dispatch/registration.h"
@@ -117,14 +117,14 @@ void run(const Problem& pr) {
     if (splits > 1) {
       // The second dispatch's kernel can run (fixed threads: its least),
       // else the first is not encoded either.
-      thread_budget(pr.w.device(), "gemv", finish, DECODE_COLS_THREADS, DECODE_COLS_THREADS);
+      thread_budget(pr.w.device(), "linear", finish, DECODE_COLS_THREADS, DECODE_COLS_THREADS);
       p.splits = static_cast<uint32_t>(splits);
       partials = at::empty({splits, rows, n}, pr.x.options().dtype(at::kFloat));
     }
-    launch(Launch{"gemv", "gemv_cols_" + type + "_r" + std::to_string(variant) + (vec ? "_vec" : "_scalar"), args(),
+    launch(Launch{"linear", "gemv_cols_" + type + "_r" + std::to_string(variant) + (vec ? "_vec" : "_scalar"), args(),
                   {static_cast<uint32_t>(blocks), p.splits, 1}, {DECODE_COLS_THREADS, 1, 1}});
     if (p.splits > 1)
-      launch(Launch{"gemv", finish, args(),
+      launch(Launch{"linear", finish, args(),
                     {static_cast<uint32_t>((n + DECODE_COLS_THREADS - 1) / DECODE_COLS_THREADS),
                      static_cast<uint32_t>(rows), 1},
                     {DECODE_COLS_THREADS, 1, 1}});
@@ -135,8 +135,8 @@ void run(const Problem& pr) {
   DecodeGeometry g = decode_geometry(gpu, n, 1, 2, false, rows);
   const std::string kernel = "gemv_rows_" + type + "_r" + std::to_string(variant) + "_q" +
                              std::to_string(g.outputs_per_simdgroup) + (vec ? "_vec" : "_scalar");
-  g = fit_threads(g, n, thread_budget(pr.w.device(), "gemv", kernel, DECODE_MAX_THREADS));
-  launch(Launch{"gemv", kernel, args(), {static_cast<uint32_t>(g.threadgroups), 1, 1},
+  g = fit_threads(g, n, thread_budget(pr.w.device(), "linear", kernel, DECODE_MAX_THREADS));
+  launch(Launch{"linear", kernel, args(), {static_cast<uint32_t>(g.threadgroups), 1, 1},
                 {static_cast<uint32_t>(32 * g.simdgroups), 1, 1}});
 }
 
@@ -394,16 +394,15 @@ at::Tensor& addmm_out_impl(const at::Tensor& self, const at::Tensor& mat1, const
 }
 
 template <DispatchKey K>
-void register_linear(torch::Library& m) {
-  m.impl("linear", TORCH_FN(linear_impl<K>));
-  m.impl("mm", TORCH_FN(mm_impl<K>));
-  m.impl("addmm", TORCH_FN(addmm_impl<K>));
-  m.impl("mm.out", TORCH_FN(mm_out_impl<K>));
-  m.impl("addmm.out", TORCH_FN(addmm_out_impl<K>));
+void register_linear(FamilyOps& ops) {
+  ops.aten("linear", TORCH_FN(linear_impl<K>));
+  ops.aten("mm", TORCH_FN(mm_impl<K>));
+  ops.aten("addmm", TORCH_FN(addmm_impl<K>));
+  ops.aten("mm.out", TORCH_FN(mm_out_impl<K>));
+  ops.aten("addmm.out", TORCH_FN(addmm_out_impl<K>));
 }
 
 }  // namespace
 }  // namespace mps_ext
 
-MPS_EXT_FAMILY(linear, mps_ext::register_linear, "aten::linear", "aten::mm", "aten::addmm", "aten::mm.out",
-               "aten::addmm.out")
+MPS_EXT_FAMILY(linear, mps_ext::register_linear)

@@ -20,6 +20,7 @@
 #include "backend/launch.h"
 #include "linear_attention_params.h"
 #include "dispatch/kernel_choice.h"
+#include "dispatch/registration.h"
 #include "dispatch/registry.h"
 
 namespace mps_ext {
@@ -145,8 +146,7 @@ at::Tensor linear_attention_decode(const at::Tensor& qkv, const at::Tensor& z, c
 
 using c10::DispatchKey;
 
-// Counted with the linear family: a decode layer's projections are its GEMVs.
-const RoutedOp kLinearAttentionDecode(FamilyId::linear, "mps_ext::linear_attention_decode");
+const RoutedOp kLinearAttentionDecode(FamilyId::linear_attention, "mps_ext::linear_attention_decode");
 
 template <DispatchKey K>
 at::Tensor linear_attention_decode_impl(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& b,
@@ -160,22 +160,16 @@ at::Tensor linear_attention_decode_impl(const at::Tensor& qkv, const at::Tensor&
   });
 }
 
+// Its Meta (fake) kernel, for torch.compile, is in mps_ext/_meta.py.
+template <DispatchKey K>
+void register_linear_attention(FamilyOps& ops) {
+  ops.own("linear_attention_decode(Tensor qkv, Tensor z, Tensor b, Tensor a, Tensor(a!) conv_state, "
+          "Tensor(b!) recurrent_state, Tensor conv_weight, Tensor A_log, Tensor dt_bias, Tensor norm_weight, "
+          "int k_heads, float eps) -> Tensor",
+          TORCH_FN(linear_attention_decode_impl<K>));
+}
+
 }  // namespace
 }  // namespace mps_ext
 
-// Its Meta (fake) kernel, for torch.compile, is in mps_ext/_meta.py.
-TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
-  m.def("linear_attention_decode(Tensor qkv, Tensor z, Tensor b, Tensor a, Tensor(a!) conv_state, "
-        "Tensor(b!) recurrent_state, Tensor conv_weight, Tensor A_log, Tensor dt_bias, Tensor norm_weight, "
-        "int k_heads, float eps) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(mps_ext, CPU, m) {
-  m.impl("linear_attention_decode", TORCH_FN(mps_ext::linear_attention_decode_impl<c10::DispatchKey::CPU>));
-}
-
-#ifdef __APPLE__
-TORCH_LIBRARY_IMPL(mps_ext, MPS, m) {
-  m.impl("linear_attention_decode", TORCH_FN(mps_ext::linear_attention_decode_impl<c10::DispatchKey::MPS>));
-}
-#endif
+MPS_EXT_FAMILY(linear_attention, mps_ext::register_linear_attention)

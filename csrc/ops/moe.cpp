@@ -11,17 +11,49 @@
 // No step reads anything on the host; routing runs on the GPU. A shared
 // expert (Qwen3.5/3.6) is expert E of the weight banks, chosen by every
 // token with weight sigmoid(logits[:, E]) (the router's extra row).
-// Kernels: kernels_metal/grouped_mm_moe.metal and gmm_decode_rows of
+// Kernels: kernels_metal/moe.metal and gmm_decode_rows of
 // kernels_metal/grouped_mm.metal.
+//
+// torch.ops.mps_ext.moe_layer, the family's fifth op: a whole
+// mixture-of-experts layer at decode from one host call (mps_ext.optimize
+// puts transformers' MoE blocks on it).
+// Eager PyTorch on a Mac pays about 20 us of CPU per op it encodes, and a
+// MoE block written op by op (router, softmax, top-k, renormalisation, the
+// per-expert loop or grouped products with their sorting, combine, shared
+// expert) is dozens of ops; here the same layer is four dispatches encoded
+// by one call:
+//
+//   logits  = router GEMV of x                        (linear.cpp's kernels)
+//   weights, offs, slot_of_row, row_of_slot = moe_route(logits)
+//   h       = moe_experts(x, gate_up, swiglu)          (each chosen expert's rows read once)
+//   out     = moe_down_combine(h, down, weights, row_of_slot[, residual])
+//
+// The last is moe_experts(h, down) and moe_combine in one kernel with the
+// same bits (grouped_mm.cpp): a threadgroup owns a block of hidden columns,
+// takes each chosen expert's down rows of it once and sums each token's
+// slots in moe_combine's order. The separate ops stay for FP8Experts'
+// grouped paths (mps_ext/fp8.py).
+//
+// `residual` (the decoder layer's `residual + mlp(x)`, which would be one
+// more host call and dispatch per layer) is added in moe_down_combine's
+// store, after the layer's output is rounded to its dtype: torch's bits.
+// Where the output is converted after the kernel (fp8 banks under float32
+// or float16 x), torch adds it to the converted output.
+//
+// A shared expert (Qwen3-Next, Qwen3.5/3.6-MoE) is expert E of the banks and
+// row E of the router (its sigmoid gate), as moe_route defines it, so it
+// costs no dispatch of its own. Prefill beyond moe_route's limit takes the
+// block's own forward (mps_ext/passes/moe.py).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <tuple>
 
 #include "backend/launch.h"
-#include "grouped_mm_moe_params.h"
+#include "moe_params.h"
 #include "ops/moe.h"
 #include "ops/ops.h"
+#include "dispatch/registration.h"
 #include "dispatch/registry.h"
 
 namespace mps_ext {
@@ -75,7 +107,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(const at::T
     p.renorm_eps = static_cast<float>(renorm_eps);
     p.has_bias = expert_bias ? 1 : 0;
     // Without a bias the kernel reads none; the weights stand in for the buffer.
-    launch(Launch{"grouped_mm_moe", std::string("moe_route_") + types,
+    launch(Launch{"moe", std::string("moe_route_") + types,
                   {KernelArg::of(weights), KernelArg::of(offs), KernelArg::of(slot_of_row), KernelArg::of(row_of_slot),
                    KernelArg::of(logits), KernelArg::value(p), KernelArg::of(expert_bias ? *expert_bias : weights)},
                   {1, 1, 1}, {MOE_ROUTE_THREADS, 1, 1}});
@@ -101,7 +133,7 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& weights, const at:
   p.y_row_stride = y.stride(0);
   p.out_row_stride = out.stride(0);
   const int64_t threads = (hidden + MOE_COMBINE_OUTPUTS - 1) / MOE_COMBINE_OUTPUTS;
-  launch(Launch{"grouped_mm_moe", std::string("moe_combine_") + types,
+  launch(Launch{"moe", std::string("moe_combine_") + types,
                 {KernelArg::of(out), KernelArg::of(y), KernelArg::of(weights), KernelArg::of(row_of_slot),
                  KernelArg::value(p)},
                 {static_cast<uint32_t>((threads + MOE_COMBINE_THREADS - 1) / MOE_COMBINE_THREADS),
@@ -112,12 +144,59 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& weights, const at:
 
 namespace {
 
+bool is_fp8(const at::Tensor& t) { return t.scalar_type() == at::kFloat8_e4m3fn; }
+
+at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Tensor& gate_up,
+                     const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
+                     const c10::optional<at::Tensor>& down_scale, int64_t top_k, bool renormalize,
+                     bool shared_expert, const c10::optional<at::Tensor>& expert_bias, bool sigmoid, double scale,
+                     double renorm_eps, const c10::optional<at::Tensor>& residual) {
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
+              "moe_layer: x must be float32, float16 or bfloat16, got ", dt);
+  TORCH_CHECK(x.dim() == 2, "moe_layer: x [tokens, hidden] expected, got ", x.sizes());
+  TORCH_CHECK(router.dim() == 2 && router.size(1) == x.size(1) && router.scalar_type() == dt,
+              "moe_layer: router must be [experts (+1 shared), hidden] in x's dtype, got ", router.sizes(), " ",
+              router.scalar_type(), " for x ", x.sizes(), " ", dt);
+  const int64_t experts = router.size(0);
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(0) == experts && down.size(0) == experts &&
+                  gate_up.size(2) == x.size(1) && down.size(1) == x.size(1) && gate_up.size(1) == 2 * down.size(2),
+              "moe_layer: gate_up [E, 2I, H] and down [E, H, I] with E the router's rows expected, got ",
+              gate_up.sizes(), " and ", down.sizes(), " for a router of ", experts, " rows");
+  const bool fp8 = is_fp8(gate_up);
+  TORCH_CHECK(fp8 == is_fp8(down) && (fp8 || (gate_up.scalar_type() == dt && down.scalar_type() == dt)),
+              "moe_layer: banks must both be float8_e4m3fn (with scales) or both in x's dtype; got ",
+              gate_up.scalar_type(), " and ", down.scalar_type(), " for x ", dt);
+  if (residual)
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == dt && residual->device() == x.device() &&
+                    residual->is_contiguous(),
+                "moe_layer: residual must be a contiguous tensor of x's shape, dtype and device (", x.sizes(), " ", dt,
+                " on ", x.device(), "), got ", residual->sizes(), " ", residual->scalar_type(), " on ",
+                residual->device(), residual->is_contiguous() ? "" : ", not contiguous");
+  if (x.size(0) == 0) return at::empty({0, x.size(1)}, x.options());
+  // The router's logits in the model's dtype, as the model computes them.
+  const c10::optional<at::Tensor> no_bias;
+  const at::Tensor logits = !linear_unsupported(x, router, no_bias) ? mps_ext::linear(x, router, no_bias)
+                                                                            : at::linear(x, router);
+  auto [weights, offs, slot_of_row, row_of_slot] = moe_route(logits, top_k, renormalize, shared_expert, expert_bias, sigmoid,
+                                                                  scale, renorm_eps);
+  // The fp8 grouped kernels take bfloat16 activations.
+  const at::Tensor xe = fp8 && dt != at::kBFloat16 ? x.to(at::kBFloat16) : x;
+  const int64_t slots = top_k + (shared_expert ? 1 : 0);
+  const at::Tensor h = moe_experts(xe, gate_up, gate_up_scale, offs, slot_of_row, slots, true);
+  const bool fused = h.scalar_type() == dt;  // the kernel's output is x's dtype: it adds the residual
+  const at::Tensor out = moe_down_combine(h, down, down_scale, offs, weights, row_of_slot,
+                                          fused ? residual : c10::nullopt);
+  if (fused) return out;
+  return residual ? at::add(*residual, out.to(dt)) : out.to(dt);
+}
+
 // Each op runs mps_ext's kernel (or says why it cannot: there is no torch
-// kernel to fall back to) and counts as a grouped_mm call.
+// kernel to fall back to) and counts as a moe call.
 using c10::DispatchKey;
 
-const RoutedOp kMoeRoute(FamilyId::grouped_mm, "mps_ext::moe_route"),
-    kMoeExperts(FamilyId::grouped_mm, "mps_ext::moe_experts"), kMoeCombine(FamilyId::grouped_mm, "mps_ext::moe_combine");
+const RoutedOp kMoeRoute(FamilyId::moe, "mps_ext::moe_route"), kMoeExperts(FamilyId::moe, "mps_ext::moe_experts"),
+    kMoeCombine(FamilyId::moe, "mps_ext::moe_combine"), kMoeLayer(FamilyId::moe, "mps_ext::moe_layer");
 
 template <DispatchKey K>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_impl(const at::Tensor& logits, int64_t top_k,
@@ -144,29 +223,36 @@ at::Tensor moe_combine_impl(const at::Tensor& y, const at::Tensor& weights, cons
 }
 
 template <DispatchKey K>
-void register_moe(torch::Library& m) {
-  m.impl("moe_route", TORCH_FN(moe_route_impl<K>));
-  m.impl("moe_experts", TORCH_FN(moe_experts_impl<K>));
-  m.impl("moe_combine", TORCH_FN(moe_combine_impl<K>));
+at::Tensor moe_layer_impl(const at::Tensor& x, const at::Tensor& router, const at::Tensor& gate_up,
+                          const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
+                          const c10::optional<at::Tensor>& down_scale, int64_t top_k, bool renormalize,
+                          bool shared_expert, const c10::optional<at::Tensor>& expert_bias, bool sigmoid,
+                          double scale, double renorm_eps, const c10::optional<at::Tensor>& residual) {
+  return run_own(kMoeLayer, K, [&] {
+    return moe_layer(x, router, gate_up, gate_up_scale, down, down_scale, top_k, renormalize, shared_expert,
+                     expert_bias, sigmoid, scale, renorm_eps, residual);
+  });
+}
+
+// Their Meta (fake) kernels, for torch.compile, are in mps_ext/_meta.py.
+template <DispatchKey K>
+void register_moe(FamilyOps& ops) {
+  ops.own("moe_route(Tensor logits, int top_k, bool renormalize=True, bool shared_expert=False, "
+          "Tensor? expert_bias=None, bool sigmoid=False, float scale=1.0, float renorm_eps=0.0) -> "
+          "(Tensor weights, Tensor offs, Tensor slot_of_row, Tensor row_of_slot)",
+          TORCH_FN(moe_route_impl<K>));
+  ops.own("moe_experts(Tensor x, Tensor weight, Tensor? weight_scale, Tensor offs, Tensor? slot_of_row=None, "
+          "int slots_per_token=1, bool swiglu=False) -> Tensor",
+          TORCH_FN(moe_experts_impl<K>));
+  ops.own("moe_combine(Tensor y, Tensor weights, Tensor row_of_slot) -> Tensor", TORCH_FN(moe_combine_impl<K>));
+  ops.own("moe_layer(Tensor x, Tensor router, Tensor gate_up, Tensor? gate_up_scale, Tensor down, "
+          "Tensor? down_scale, int top_k, bool renormalize=True, bool shared_expert=False, "
+          "Tensor? expert_bias=None, bool sigmoid=False, float scale=1.0, float renorm_eps=0.0, "
+          "Tensor? residual=None) -> Tensor",
+          TORCH_FN(moe_layer_impl<K>));
 }
 
 }  // namespace
 }  // namespace mps_ext
 
-// mps_ext's own ops (not aten's): defined here, with kernels for CPU tensors
-// (the executor) and, on macOS, MPS tensors. Their Meta (fake) kernels, for
-// torch.compile, are in mps_ext/_meta.py.
-TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
-  m.def("moe_route(Tensor logits, int top_k, bool renormalize=True, bool shared_expert=False, "
-        "Tensor? expert_bias=None, bool sigmoid=False, float scale=1.0, float renorm_eps=0.0) -> "
-        "(Tensor weights, Tensor offs, Tensor slot_of_row, Tensor row_of_slot)");
-  m.def("moe_experts(Tensor x, Tensor weight, Tensor? weight_scale, Tensor offs, Tensor? slot_of_row=None, "
-        "int slots_per_token=1, bool swiglu=False) -> Tensor");
-  m.def("moe_combine(Tensor y, Tensor weights, Tensor row_of_slot) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(mps_ext, CPU, m) { mps_ext::register_moe<c10::DispatchKey::CPU>(m); }
-
-#ifdef __APPLE__
-TORCH_LIBRARY_IMPL(mps_ext, MPS, m) { mps_ext::register_moe<c10::DispatchKey::MPS>(m); }
-#endif
+MPS_EXT_FAMILY(moe, mps_ext::register_moe)

@@ -1,6 +1,6 @@
 // The routing and combine of a mixture-of-experts layer at decode
-// (grouped_mm_moe.cpp; the down product fused with the combine:
-// grouped_mm.cpp), for the whole-layer op (moe_layer.cpp). One dispatch
+// (moe.cpp; the down product fused with the combine:
+// grouped_mm.cpp), for the whole-layer op (moe.cpp). One dispatch
 // each.
 #pragma once
 

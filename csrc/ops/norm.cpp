@@ -268,33 +268,18 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_impl(const at::Tensor& q, const 
   return run_own(kQkNormRope, K, [&] { return qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, variant); });
 }
 
-// The family overrides no aten op: its ops are mps_ext's own.
+// Their Meta (fake) kernels, for torch.compile, are in mps_ext/_meta.py.
 template <DispatchKey K>
-void register_norm(torch::Library&) {}
+void register_norm(FamilyOps& ops) {
+  ops.own("rms_norm(Tensor x, Tensor weight, float eps, str variant=\"weight\") -> Tensor", TORCH_FN(rms_norm_impl<K>));
+  ops.own("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, str variant=\"weight\") -> (Tensor, Tensor)",
+          TORCH_FN(add_rms_norm_impl<K>));
+  ops.own("qk_norm_rope(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? q_weight, Tensor? k_weight, float eps, "
+          "str variant=\"weight\") -> (Tensor, Tensor)",
+          TORCH_FN(qk_norm_rope_impl<K>));
+}
 
 }  // namespace
 }  // namespace mps_ext
 
-// Its Meta (fake) kernel, for torch.compile, is in mps_ext/_meta.py.
-TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps, str variant=\"weight\") -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, str variant=\"weight\") -> (Tensor, Tensor)");
-  m.def("qk_norm_rope(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? q_weight, Tensor? k_weight, float eps, "
-        "str variant=\"weight\") -> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(mps_ext, CPU, m) {
-  m.impl("rms_norm", TORCH_FN(mps_ext::rms_norm_impl<c10::DispatchKey::CPU>));
-  m.impl("add_rms_norm", TORCH_FN(mps_ext::add_rms_norm_impl<c10::DispatchKey::CPU>));
-  m.impl("qk_norm_rope", TORCH_FN(mps_ext::qk_norm_rope_impl<c10::DispatchKey::CPU>));
-}
-
-#ifdef __APPLE__
-TORCH_LIBRARY_IMPL(mps_ext, MPS, m) {
-  m.impl("rms_norm", TORCH_FN(mps_ext::rms_norm_impl<c10::DispatchKey::MPS>));
-  m.impl("add_rms_norm", TORCH_FN(mps_ext::add_rms_norm_impl<c10::DispatchKey::MPS>));
-  m.impl("qk_norm_rope", TORCH_FN(mps_ext::qk_norm_rope_impl<c10::DispatchKey::MPS>));
-}
-#endif
-
-MPS_EXT_FAMILY_OWN_META(norm, mps_ext::register_norm, )
+MPS_EXT_FAMILY(norm, mps_ext::register_norm)

@@ -8,12 +8,21 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/DispatchKey.h>
 #include <c10/core/Scalar.h>
+#include <c10/util/Exception.h>
 
 #include <string>
 
 #include "dispatch/registry.h"
 
 namespace mps_ext {
+
+// The float dtypes the attention layer's kernels take (attention_gate.cpp,
+// kv_cache.cpp): an error naming the op and argument for any other.
+inline void check_float(const at::Tensor& t, const char* op, const char* name) {
+  const auto dt = t.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, "mps_ext ", op, ": ", name,
+              " must be float32, float16 or bfloat16, got ", dt);
+}
 
 // softmax.cpp: _softmax / _log_softmax and their backward.
 Reason softmax_unsupported(const at::Tensor& self);
@@ -58,7 +67,7 @@ at::Tensor scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at:
                              const at::Tensor& scale_b, const c10::optional<at::Tensor>& offs,
                              const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale_result,
                              c10::optional<c10::ScalarType> out_dtype);
-// The fused MoE decode ops (grouped_mm_moe.cpp): one grouped product at
+// The fused MoE decode ops (moe.cpp): one grouped product at
 // decode, optionally gathering each row's token and fusing silu(gate) * up.
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& weight_scale,
                        const at::Tensor& offs, const c10::optional<at::Tensor>& slot_of_row, int64_t slots_per_token,

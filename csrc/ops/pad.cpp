@@ -188,11 +188,11 @@ at::Tensor constant_pad_impl(const at::Tensor& self, c10::SymIntArrayRef pad, co
 }
 
 template <c10::DispatchKey K>
-void register_pad(torch::Library& m) {
-  m.impl("constant_pad_nd", TORCH_FN(constant_pad_impl<K>));
+void register_pad(FamilyOps& ops) {
+  ops.aten("constant_pad_nd", TORCH_FN(constant_pad_impl<K>));
 }
 
 }  // namespace
 }  // namespace mps_ext
 
-MPS_EXT_FAMILY(pad, mps_ext::register_pad, "aten::constant_pad_nd")
+MPS_EXT_FAMILY(pad, mps_ext::register_pad)

@@ -1,6 +1,6 @@
 // Scaled matrix products with float8 operands: aten::_scaled_mm,
 // aten::_scaled_mm_v2 (F.scaled_mm) and mps_ext::fp8_linear (the weight-only
-// FP8 linear of mps_ext.quantize_fp8). Kernels: kernels_metal/fp8_mm.metal.
+// FP8 linear of mps_ext.quantize_fp8). Kernels: kernels_metal/scaled_mm.metal.
 //
 // Recipes (scales are fp32 de-quantisation multipliers):
 //   tensor-wise  one scale per operand                         (_scaled_mm, v2 recipe 0/0)
@@ -88,7 +88,7 @@ void run(Problem& pr) {
   p.w_vec = rows_vectorizable(pr.w, p.w_k_stride, p.w_n_stride, p.n) ? 1 : 0;
   const bool vec = p.w_vec && rows_vectorizable(pr.a, p.a_k_stride, p.a_row_stride, p.m);
   Launch l;
-  l.library = "fp8_mm";
+  l.library = "scaled_mm";
   const std::string act = act_name(pr.a.scalar_type());
   if (p.m <= kMaxDecodeRows) {
     const int64_t rows = row_variant(p.m);
@@ -398,22 +398,16 @@ at::Tensor fp8_linear_impl(const at::Tensor& input, const at::Tensor& weight, co
   return route_to(kFp8Linear, K, Reason(), ours, theirs, input, weight, weight_scale, bias);
 }
 
+// Meta kernels: mps_ext/_meta.py.
 template <c10::DispatchKey K>
-void register_scaled_mm(torch::Library& m) {
-  m.impl("_scaled_mm", TORCH_FN(scaled_mm_impl<K>));
-  m.impl("_scaled_mm_v2", TORCH_FN(scaled_mm_v2_impl<K>));
+void register_scaled_mm(FamilyOps& ops) {
+  ops.aten("_scaled_mm", TORCH_FN(scaled_mm_impl<K>));
+  ops.aten("_scaled_mm_v2", TORCH_FN(scaled_mm_v2_impl<K>));
+  ops.own("fp8_linear(Tensor input, Tensor weight, Tensor weight_scale, str granularity, Tensor? bias=None) -> Tensor",
+          TORCH_FN(fp8_linear_impl<K>));
 }
 
 }  // namespace
 }  // namespace mps_ext
 
-// Meta kernels: mps_ext/_meta.py.
-MPS_EXT_FAMILY_OWN_META(scaled_mm, mps_ext::register_scaled_mm, "aten::_scaled_mm", "aten::_scaled_mm_v2")
-
-TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
-  m.def("fp8_linear(Tensor input, Tensor weight, Tensor weight_scale, str granularity, Tensor? bias=None) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(mps_ext, CPU, m) { m.impl("fp8_linear", TORCH_FN(mps_ext::fp8_linear_impl<c10::DispatchKey::CPU>)); }
-#ifdef __APPLE__
-TORCH_LIBRARY_IMPL(mps_ext, MPS, m) { m.impl("fp8_linear", TORCH_FN(mps_ext::fp8_linear_impl<c10::DispatchKey::MPS>)); }
-#endif
+MPS_EXT_FAMILY_OWN_META(scaled_mm, mps_ext::register_scaled_mm)

@@ -18,6 +18,7 @@
 
 #include "backend/launch.h"
 #include "dispatch/kernel_choice.h"
+#include "dispatch/registration.h"
 #include "dispatch/registry.h"
 #include "short_conv_params.h"
 
@@ -89,8 +90,7 @@ at::Tensor short_conv_decode(const at::Tensor& BCx, at::Tensor& conv_state, cons
 
 using c10::DispatchKey;
 
-// Counted with the linear family: a decode layer's projections are its GEMVs.
-const RoutedOp kShortConvDecode(FamilyId::linear, "mps_ext::short_conv_decode");
+const RoutedOp kShortConvDecode(FamilyId::short_conv, "mps_ext::short_conv_decode");
 
 template <DispatchKey K>
 at::Tensor short_conv_decode_impl(const at::Tensor& BCx, at::Tensor& conv_state, const at::Tensor& weight,
@@ -98,20 +98,14 @@ at::Tensor short_conv_decode_impl(const at::Tensor& BCx, at::Tensor& conv_state,
   return run_own(kShortConvDecode, K, [&] { return short_conv_decode(BCx, conv_state, weight, bias); });
 }
 
+// Its Meta (fake) kernel, for torch.compile, is in mps_ext/_meta.py.
+template <DispatchKey K>
+void register_short_conv(FamilyOps& ops) {
+  ops.own("short_conv_decode(Tensor BCx, Tensor(a!) conv_state, Tensor weight, Tensor? bias) -> Tensor",
+          TORCH_FN(short_conv_decode_impl<K>));
+}
+
 }  // namespace
 }  // namespace mps_ext
 
-// Its Meta (fake) kernel, for torch.compile, is in mps_ext/_meta.py.
-TORCH_LIBRARY_FRAGMENT(mps_ext, m) {
-  m.def("short_conv_decode(Tensor BCx, Tensor(a!) conv_state, Tensor weight, Tensor? bias) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(mps_ext, CPU, m) {
-  m.impl("short_conv_decode", TORCH_FN(mps_ext::short_conv_decode_impl<c10::DispatchKey::CPU>));
-}
-
-#ifdef __APPLE__
-TORCH_LIBRARY_IMPL(mps_ext, MPS, m) {
-  m.impl("short_conv_decode", TORCH_FN(mps_ext::short_conv_decode_impl<c10::DispatchKey::MPS>));
-}
-#endif
+MPS_EXT_FAMILY(short_conv, mps_ext::register_short_conv)

@@ -351,15 +351,14 @@ at::Tensor log_softmax_backward_impl(const at::Tensor& grad, const at::Tensor& o
 }
 
 template <DispatchKey K>
-void register_softmax(torch::Library& m) {
-  m.impl("_softmax", TORCH_FN(softmax_impl<K>));
-  m.impl("_log_softmax", TORCH_FN(log_softmax_impl<K>));
-  m.impl("_softmax_backward_data", TORCH_FN(softmax_backward_impl<K>));
-  m.impl("_log_softmax_backward_data", TORCH_FN(log_softmax_backward_impl<K>));
+void register_softmax(FamilyOps& ops) {
+  ops.aten("_softmax", TORCH_FN(softmax_impl<K>));
+  ops.aten("_log_softmax", TORCH_FN(log_softmax_impl<K>));
+  ops.aten("_softmax_backward_data", TORCH_FN(softmax_backward_impl<K>));
+  ops.aten("_log_softmax_backward_data", TORCH_FN(log_softmax_backward_impl<K>));
 }
 
 }  // namespace
 }  // namespace mps_ext
 
-MPS_EXT_FAMILY(softmax, mps_ext::register_softmax, "aten::_softmax", "aten::_log_softmax",
-               "aten::_softmax_backward_data", "aten::_log_softmax_backward_data")
+MPS_EXT_FAMILY(softmax, mps_ext::register_softmax)

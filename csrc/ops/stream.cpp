@@ -7,24 +7,25 @@
 // torch.compile, orders the commit after the work that produced x: the op is
 // registered as an ordered effect (mps_ext/stream.py) and has a fake kernel
 // (mps_ext/_meta.py). It is not a kernel family: there is nothing to turn off
-// or fall back to.
+// or fall back to (MPS_EXT_OPS: registered as a family's ops are, without the
+// family).
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include "backend/launch.h"
+#include "dispatch/registration.h"
 
 namespace mps_ext {
 namespace {
 
 void commit_impl(const at::Tensor& x) { commit(x.device()); }
 
+template <c10::DispatchKey>
+void register_stream(FamilyOps& ops) {
+  ops.own("commit(Tensor x) -> ()", TORCH_FN(commit_impl));
+}
+
 }  // namespace
 }  // namespace mps_ext
 
-TORCH_LIBRARY_FRAGMENT(mps_ext, m) { m.def("commit(Tensor x) -> ()"); }
-
-TORCH_LIBRARY_IMPL(mps_ext, CPU, m) { m.impl("commit", TORCH_FN(mps_ext::commit_impl)); }
-
-#ifdef __APPLE__
-TORCH_LIBRARY_IMPL(mps_ext, MPS, m) { m.impl("commit", TORCH_FN(mps_ext::commit_impl)); }
-#endif
+MPS_EXT_OPS(mps_ext::register_stream)

@@ -50,6 +50,7 @@ void bind_ops(py::module_& m) {
     return family_table_problem();
   });
   m.def("family_aten_ops", &family_aten_ops, py::arg("family"));
+  m.def("family_own_ops", &family_own_ops, py::arg("family"));
   m.def(
       "install_overrides",
       [](const std::vector<std::string>& fams, const std::string& device) {

@@ -169,13 +169,13 @@ def sigmoid_gate_reference(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """sigmoid_gate_reference as one torch.ops.mps_ext.sigmoid_gate
     dispatch, reading gate where q_proj left it, where mps_ext's kernels run
-    (MPS with the norm family on; CPU tensors when the executor is asked
+    (MPS with the attention_gate family on; CPU tensors when the executor is asked
     for); elsewhere, under torch.compile (Inductor fuses the ops with their
     neighbours) and where autograd needs a derivative, torch's ops."""
     if (not torch.compiler.is_compiling() and x.dtype in _FLOAT and gate.dtype == x.dtype
             and x.numel() == gate.numel() and x.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad))
-            and kernels_for(x, "norm")):
+            and kernels_for(x, "attention_gate")):
         return torch.ops.mps_ext.sigmoid_gate(x.view(gate.shape), gate).view(x.shape)
     return sigmoid_gate_reference(x, gate)
 
@@ -226,7 +226,7 @@ def _appends(cache, key: torch.Tensor, value: torch.Tensor, layer_idx, kernels: 
         return False
     if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):  # no derivative
         return False
-    return not kernels or kernels_for(key, "norm")
+    return not kernels or kernels_for(key, "kv_cache")
 
 
 def cache_update(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs=None, *,

@@ -7,7 +7,7 @@ renormalisation, the sort of the tokens by expert, two grouped products,
 the weighted sum, a shared expert and its gate). Each block the pass
 recognises keeps its modules and parameters and takes, as its class, a
 subclass of its own (FusedMoEMixin first) whose decode is
-torch.ops.mps_ext.moe_layer (csrc/ops/moe_layer.cpp): router GEMV,
+torch.ops.mps_ext.moe_layer (csrc/ops/moe.cpp): router GEMV,
 moe_route, the gate/up moe_experts product, and the down product fused
 with the combine, four dispatches encoded by that one call, on every torch
 release mps_ext supports, for floating (float32, float16, bfloat16) and
@@ -57,7 +57,7 @@ from ._runtime import kernels_for
 
 __all__ = ["FusedMoEMixin", "MoEPass"]
 
-MAX_SLOTS = 1024  # moe_route's limit (grouped_mm_moe_params.h MOE_MAX_SLOTS): tokens x (top_k + shared)
+MAX_SLOTS = 1024  # moe_route's limit (moe_params.h MOE_MAX_SLOTS): tokens x (top_k + shared)
 MAX_EXPERTS = 1024  # MOE_MAX_EXPERTS, the shared expert included
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -216,7 +216,7 @@ class FusedMoEMixin:
             return None
         slots = k.top_k + (1 if k.fused_shared else 0)
         tokens = x.numel() // hidden
-        if tokens * slots > MAX_SLOTS or not (reference or kernels_for(x, "grouped_mm")):
+        if tokens * slots > MAX_SLOTS or not (reference or kernels_for(x, "moe")):
             return None
         if torch.is_grad_enabled() and (x.requires_grad or not k.frozen()):  # moe_layer has no derivative
             return None

@@ -71,7 +71,7 @@ class FusedShortConvMixin:
         wherever the kernel would run), as a function of no arguments; None
         where the layer's own forward runs."""
         hidden_states, cache, mask = recurrent_call(args, kwargs)
-        if not cached_decode_step(hidden_states, cache, mask, self.layer_idx, None if reference else "linear",
+        if not cached_decode_step(hidden_states, cache, mask, self.layer_idx, None if reference else "short_conv",
                                   recording_too=True):
             return None
         # A cache recording its past (transformers' deferred stop check on MPS, for a cache the caller gets

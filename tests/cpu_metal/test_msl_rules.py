@@ -79,7 +79,7 @@ CASES = {
                                      "constant float table[4] = {1, 2, 3, 4};\n" + K + " { x[i] = table[i % 4]; }"),
     "program-scope-variable:constexpr": ("constexpr int N = 4; // BUG\n" + K + " { x[i] = N; }",
                                          "constant constexpr int N = 4;\n" + K + " { x[i] = N; }"),
-    # gemv.metal's bug: a static constexpr data member.
+    # linear.metal's bug: a static constexpr data member.
     "static-variable:member": ("template <typename T> struct Wide {\n  static constexpr int N = 16 / sizeof(T); // BUG\n"
                                "  float v[N];\n};\n" + K + " { Wide<half> w; w.v[0] = 1; x[i] = w.v[0] + Wide<half>::N; }",
                                "template <typename T> struct Wide {\n  enum : int { N = int(16 / sizeof(T)) };\n"
@@ -104,7 +104,7 @@ CASES = {
     # Apple's compiler takes C++17 and C++20 as extensions (VALID below), not C++23.
     "cxx20": (K + " {\n  switch (i) {\n    case 0: x[i] = 1; break;\n    default:\n  } // BUG (a label ends the block)\n}",
               K + " {\n  switch (i) {\n    case 0: x[i] = 1; break;\n    default: break;\n  }\n}"),
-    # gemv.metal's and grouped_mm.metal's bug (issue 29): job structs with
+    # linear.metal's and grouped_mm.metal's bug (issue 29): job structs with
     # bases. Apple: "derived classes are not supported in Metal".
     "derived-class": ("struct Operands { float scale; };\nstruct Job : Operands { // BUG\n  float apply(float v) const { return v * scale; }\n};\n"
                       + K + " { Job j; j.scale = 2; x[i] = j.apply(x[i]); }",
@@ -214,7 +214,7 @@ CASES = {
                            "kernel void k(device float* x [[buffer(0)]],\n  uint i [[thread_position_in_threadgroup]]) {\n"
                            "  threadgroup float a[6000];\n  threadgroup float2 b[1000 / 4];\n  a[i] = 1;\n  b[i] = 2;\n"
                            "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  x[i] = a[i] + b[i].x;\n}"),
-    # fp8_mm.metal's bug: a whole float2 to and from thread_elements(), whose
+    # scaled_mm.metal's bug: a whole float2 to and from thread_elements(), whose
     # type Apple does not publish (vec<T, 2>& or a type of its own).
     "thread-elements": (K + " {\n  simdgroup_float8x8 m;\n  m.thread_elements() = float2(x[i], 1); // BUG\n"
                         "  simdgroup_store(m, x);\n}",

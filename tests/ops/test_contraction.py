@@ -23,7 +23,7 @@ import torch
 
 from mps_ext import cpu_metal
 
-import test_attention_ops
+import test_attention_gate
 import test_linalg
 import test_moe_layer
 import test_norm
@@ -52,7 +52,7 @@ CASES = {
     **{f"short_conv-{d}": functools.partial(test_short_conv.test_matches_transformers_torch_code_bit_for_bit,
                                             (2, 200, 3), d, True)
        for d in (torch.float32, torch.float16, torch.bfloat16)},
-    **{f"sigmoid_gate-{d}": functools.partial(test_attention_ops.test_sigmoid_gate_is_the_models_line, E, d,
+    **{f"sigmoid_gate-{d}": functools.partial(test_attention_gate.test_sigmoid_gate_is_the_models_line, E, d,
                                               (1, 1, 4, 16))
        for d in (torch.float16, torch.bfloat16)},
     **{f"lu_pivots-{d}": functools.partial(test_linalg.test_ties_take_the_first_row, LU_CALL, d, 6)

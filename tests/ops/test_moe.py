@@ -1,7 +1,7 @@
 """mps_ext's fused MoE decode ops (moe_route, moe_experts, moe_combine)
 against a float64 layer written with torch's own ops (softmax, topk, per
 expert matmuls), and the traffic of a whole layer. Their kernels are
-kernels_metal/grouped_mm_moe.metal's (moe_route_*, moe_combine_*) and
+kernels_metal/moe.metal's (moe_route_*, moe_combine_*) and
 grouped_mm.metal's decode GEMV."""
 
 import pytest
@@ -149,10 +149,10 @@ def test_experts_checks():
         torch.ops.mps_ext.moe_route(randn(200, 16), 8, True, False)
 
 
-def test_counts_as_grouped_mm_runs():
+def test_counts_as_moe_runs():
     mps_ext.reset_stats()
     torch.ops.mps_ext.moe_route(randn(1, 8), 2, True, False)
-    assert mps_ext.stats()["grouped_mm"]["ran"] == 1
+    assert mps_ext.stats()["moe"]["ran"] == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -379,7 +379,7 @@ def test_quantize_fp8_converts_expert_banks(tokens):
     assert [d.kernel for d in rec.dispatches] == ["gmm_decode_rows_bf16_e4m3w_vec"] * 2 + ["moe_combine_bf16"]
     chosen = len(set(ids.flatten().tolist()))
     assert rec.dispatches[0].bytes_read[rec.dispatches[0].buffer("w")] == chosen * 96 * 128  # each chosen expert once
-    assert mps_ext.stats()["grouped_mm"]["ran"] == 3
+    assert mps_ext.stats()["moe"]["ran"] == 3
     # What the stored fp8 weights say, to bf16 rounding ...
     exact = experts_with_stored_fp8(model.experts, x, ids, w.bfloat16())
     torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=2e-2 * exact.abs().max().item())

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_two_threads_making_their_first_calls_do_not_deadlock(tmp_path):
-    """Each thread's first call builds gemv.metal for the executor (a fresh
+    """Each thread's first call builds linear.metal for the executor (a fresh
     cache directory, so the build runs Python and the compiler). The build
     used to run under a lock taken while holding the GIL, and released the
     GIL inside: the other thread then waited for the lock holding the GIL."""

@@ -1,4 +1,4 @@
-"""Scaled matrix products with float8 operands (kernels_metal/fp8_mm.metal):
+"""Scaled matrix products with float8 operands (kernels_metal/scaled_mm.metal):
 _scaled_mm and _scaled_mm_v2 (tensor-wise, row-wise, block-wise) against a
 float64 reference of torch's contract (fp8_oracle.scaled_mm_reference), the
 kernels' memory traffic from the executor's counters, and quantize_fp8.
@@ -281,7 +281,7 @@ ACTS = {"fp8": E4, "f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.fl
 
 
 def test_every_matrix_kernel_runs():
-    """Each [[host_name]] of fp8_mm.metal, through _scaled_mm (fp8
+    """Each [[host_name]] of scaled_mm.metal, through _scaled_mm (fp8
     activations) or fp8_linear (the others), against float64."""
     seen = set()
     for act, dtype in ACTS.items():
@@ -310,8 +310,8 @@ def test_every_matrix_kernel_runs():
     root = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root / "tools"))
     import embed_shaders
-    lib = cpu_metal.compile_library(embed_shaders.flatten(root / "kernels_metal" / "fp8_mm.metal"),
-                                    filename="fp8_mm.metal")
+    lib = cpu_metal.compile_library(embed_shaders.flatten(root / "kernels_metal" / "scaled_mm.metal"),
+                                    filename="scaled_mm.metal")
     assert set(lib.function_names) == seen, sorted(set(lib.function_names) ^ seen)
 
 
@@ -477,10 +477,10 @@ def test_fp8_linear_without_its_kernels(granularity):
     ours = layer(x)
     with mps_ext.disabled("scaled_mm"):
         off = layer(x)
-    mps_ext._C._simulate_executor_failure("fp8_mm", "", "library", 0)
+    mps_ext._C._simulate_executor_failure("scaled_mm", "", "library", 0)
     try:
         failed = layer(x)
-        assert mps_ext.stats()["scaled_mm"]["unavailable"] == {"CPU": "fp8_mm.metal failed to compile (simulated)"}
+        assert mps_ext.stats()["scaled_mm"]["unavailable"] == {"CPU": "scaled_mm.metal failed to compile (simulated)"}
     finally:
         mps_ext._C._simulate_executor_failure("", "", "none", 0)
         mps_ext._C._clear_unavailable("scaled_mm")

@@ -163,7 +163,7 @@ MODELS = {
     "nn": (model, inputs, [(3,), (5,)], {"linear": 3, "softmax": 4, "pad": 1}),
     "linalg": (linalg_model, linalg_inputs, [(3, 5), (2, 7)], {"linalg": 11}),
     "fp8": (fp8_model, fp8_inputs, [(3,), (5,)], {"scaled_mm": 3, "fp8": 2}),
-    "moe": (moe_model, moe_inputs, [(3,), (5,)], {"grouped_mm": 9, "linear": 1}),
+    "moe": (moe_model, moe_inputs, [(3,), (5,)], {"moe": 5, "grouped_mm": 4, "linear": 1}),
 }
 
 
