@@ -374,7 +374,7 @@ def test_optimized_layers_take_at_most_12_dispatches(name, release):
     torch.compile (one token, bf16), with torch 2.15's and 2.13's policies; each MoE
     layer's one moe_layer call takes 4 of them (router GEMV, moe_route,
     gate/up, and the down product with the combine; fp8 banks take the
-    same kernels' fp8 variants: tests/ops/test_moe.py)."""
+    same kernels' fp8 variants: tests/ops/test_moe_layer.py)."""
     spec = census.MODELS[name]
     model = census.tiny_model(spec)
     kinds = set(census.layer_kinds(spec.config()))

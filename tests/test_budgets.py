@@ -174,7 +174,7 @@ MISALIGNED_LINES = 2.0
 MOE_COMBINE_UNREACHED = ("moe_layer, the benchmark's layer, sums the slots in moe_down_combine; moe_combine serves the "
                          "grouped paths of FusedMoE and FP8Experts (tests/ops/test_moe.py runs each dtype)")
 MOE_DOWN_COMBINE_SCALAR = ("the element-load variant, for expert rows not a multiple of 16 bytes (no benchmark model "
-                           "has such a width; tests/ops/test_moe.py test_down_combine_kernels runs each); the "
+                           "has such a width; tests/ops/test_moe_layer.py test_down_combine_kernels runs each); the "
                            "same template as the _vec ones measured")
 
 

@@ -5,6 +5,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -89,7 +90,8 @@ def test_disabled_restores_after_an_error():
 
 
 def test_set_enabled_rejects_unknown_families():
-    with pytest.raises(ValueError, match="no op family 'nope'; mps_ext has fp8, grouped_mm, linalg, linear, norm, pad, scaled_mm, softmax"):
+    with pytest.raises(ValueError, match="no op family 'nope'; mps_ext has attention_gate, fp8, grouped_mm, kv_cache, "
+                                         "linalg, linear, linear_attention, moe, norm, pad, scaled_mm, short_conv, softmax"):
         mps_ext.set_enabled("nope", False)
 
 
@@ -97,12 +99,114 @@ def test_environment_variable_turns_families_off():
     r = python("import mps_ext; print(mps_ext.enabled_ops(), mps_ext.family_status('pad'))",
                env={"MPS_EXT_DISABLE": "pad, bogus"})
     assert r.returncode == 0
-    assert "['fp8', 'grouped_mm', 'linalg', 'linear', 'norm', 'scaled_mm', 'softmax'] off: listed in MPS_EXT_DISABLE" in r.stdout
+    assert ("['attention_gate', 'fp8', 'grouped_mm', 'kv_cache', 'linalg', 'linear', 'linear_attention', 'moe', "
+            "'norm', 'scaled_mm', 'short_conv', 'softmax'] off: listed in MPS_EXT_DISABLE") in r.stdout
     assert "unknown op families ['bogus']" in r.stderr
     r = python("import mps_ext; print(mps_ext.enabled_ops())", env={"MPS_EXT_DISABLE": "all"})
     assert "[]" in r.stdout
 
 
+
+
+# The families split off each old name (issue 33): what the old name used to
+# switch besides itself, from which op files routed through it before.
+SPLIT = {"norm": {"kv_cache", "attention_gate"}, "linear": {"linear_attention", "short_conv"},
+         "grouped_mm": {"moe"}}
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Each old name warns once a process: forget which did, and restore the
+    switches after the test."""
+    monkeypatch.setattr(mps_ext, "_warned_split", set())
+    yield
+    for fam in mps_ext.families():
+        mps_ext._C.set_enabled(fam, True)
+
+
+@pytest.mark.parametrize("old", sorted(SPLIT))
+def test_an_old_name_alone_keeps_its_old_set_and_warns_once(fresh_warnings, old):
+    with pytest.warns(DeprecationWarning, match=f"'{old}' no longer includes ") as caught:
+        mps_ext.set_enabled(old, False)
+    assert all(new in str(caught[0].message) for new in SPLIT[old])
+    assert {f for f in mps_ext.families() if not mps_ext._C.is_enabled(f)} == {old} | SPLIT[old]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once a process
+        mps_ext.set_enabled(old, True)
+        assert set(mps_ext.enabled_ops()) == set(mps_ext.families())
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        with mps_ext.disabled(old):
+            assert {f for f in mps_ext.families() if not mps_ext._C.is_enabled(f)} == {old} | SPLIT[old]
+    assert not [w for w in again if issubclass(w.category, DeprecationWarning)]
+    assert set(mps_ext.enabled_ops()) == set(mps_ext.families())
+
+
+def test_an_old_name_beside_a_new_family_means_the_new_ones(fresh_warnings):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with mps_ext.disabled("linear", "short_conv", "kv_cache"):
+            off = {f for f in mps_ext.families() if not mps_ext._C.is_enabled(f)}
+        assert off == {"linear", "short_conv", "kv_cache"}  # linear_attention stays on
+        mps_ext.set_enabled("moe", False)
+        assert mps_ext._C.is_enabled("grouped_mm")
+
+
+def test_an_old_name_in_the_environment_keeps_its_old_set():
+    r = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", "-c",
+                        "import mps_ext; print(mps_ext.enabled_ops()); print(mps_ext.family_status('moe'))"],
+                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "MPS_EXT_DISABLE": "grouped_mm,pad"})
+    assert r.returncode == 0, r.stderr
+    on, moe = r.stdout.splitlines()[-2:]
+    assert "'grouped_mm'" not in on and "'moe'" not in on and "'pad'" not in on and "'linear'" in on
+    assert moe == "off: MPS_EXT_DISABLE lists grouped_mm, which included it"
+    assert "DeprecationWarning: mps_ext: the op family 'grouped_mm' no longer includes moe" in r.stderr
+
+
+def _stand_in(arg):
+    """A value of a schema argument's type: enough for the dispatcher to
+    reach the kernel, which refuses a turned-off family before it looks."""
+    if arg.has_default_value():
+        return arg.default_value
+    kind = str(arg.type)
+    return {"Tensor": torch.zeros(1), "Tensor?": None, "int": 1, "float": 1.0, "bool": False,
+            "str": "weight"}[kind]
+
+
+def _call_refuses_as_off(op):
+    name = op.split("::")[1]
+    fn = getattr(torch.ops.mps_ext, name).default
+    try:
+        fn(*[_stand_in(a) for a in fn._schema.arguments])
+    except RuntimeError as e:
+        return "turned off" in str(e)
+    return False
+
+
+def test_each_own_op_is_one_familys_and_routes_through_it(fresh_warnings):
+    """torch.ops.mps_ext's own ops, as the families list them: each op in
+    one family, which is the switch that turns it off (its RoutedOp's
+    FamilyId), and every op torch has in the mps_ext namespace is a
+    family's (but commit, no kernel, and fp8_grouped_linear, Python's)."""
+    from mps_ext import _C
+    own = {f: _C.family_own_ops(f) for f in mps_ext.families()}
+    listed = [op for ops in own.values() for op in ops]
+    assert len(listed) == len(set(listed))
+    aten = {"mps_ext::" + op.split("::")[1].partition(".")[0] for f in mps_ext.families() for op in _C.family_aten_ops(f)}
+    registered = {n.partition(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("mps_ext::")}
+    assert registered - aten - set(listed) == {"mps_ext::commit", "mps_ext::fp8_grouped_linear"}
+    assert set(listed) >= {"mps_ext::kv_append", "mps_ext::sigmoid_gate", "mps_ext::moe_layer", "mps_ext::moe_route",
+                           "mps_ext::linear_attention_decode", "mps_ext::short_conv_decode", "mps_ext::rms_norm"}
+    for fam, ops in own.items():
+        for op in ops:
+            _C.set_enabled(fam, False)
+            assert _call_refuses_as_off(op), (op, fam)
+            _C.set_enabled(fam, True)
+            for other in mps_ext.families():
+                _C.set_enabled(other, other == fam)
+            assert not _call_refuses_as_off(op), (op, fam)
+            for other in mps_ext.families():
+                _C.set_enabled(other, True)
 
 
 def test_report_and_self_check():

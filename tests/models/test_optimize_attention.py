@@ -300,8 +300,9 @@ def greedy(model, prompt, steps, cache=None):
 
 
 def ran(report, op):
-    """How many calls of mps_ext's `op` (norm family) ran their kernels."""
-    family = report.families.get("norm")
+    """How many calls of mps_ext's `op` ran their kernels (counted in its
+    family, the one that lists it: kv_cache, attention_gate)."""
+    family = report.families.get(next(f for f in mps_ext.families() if op in mps_ext._C.family_own_ops(f)))
     return family.ops[op].ran if family is not None and op in family.ops else 0
 
 
