@@ -70,14 +70,15 @@ _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revi
 
 
 def load_fp8(model_id_or_path, device="mps", *, model_class=None, granularity: str | None = None,
-             filter=None, **from_pretrained_kwargs) -> nn.Module:
+             filter=None, lm_head: bool = False, **from_pretrained_kwargs) -> nn.Module:
     """Load a bf16 / fp16 / fp32 safetensors checkpoint (no
     quantization_config) quantized to fp8 as it is read, shard by shard and
     tensor by tensor (the peak is about the fp8 model plus one converted
     parameter's bf16 tensors, never the bf16 model): the model
     quantize_fp8(from_pretrained(model_id_or_path, **from_pretrained_kwargs),
-    granularity, filter) is, bit for bit (granularity default "row"; filter
-    as quantize_fp8's), with its fp8_summary; then moved to `device`.
+    granularity, filter, lm_head) is, bit for bit (granularity default "row";
+    filter and lm_head as quantize_fp8's), with its fp8_summary; then moved
+    to `device`.
 
     Or load a fine-grained FP8 checkpoint (config.json's quantization_config:
     quant_method "fp8", weight_block_size [128, 128] or null (one scale per
@@ -111,13 +112,13 @@ def load_fp8(model_id_or_path, device="mps", *, model_class=None, granularity: s
     cls = model_class or transformers.AutoModelForCausalLM
     want_info = from_pretrained_kwargs.pop("output_loading_info", False)
     if original is None:
-        model, info = _load_quantizing(model_id_or_path, cls, config, granularity or "row", filter, hub,
+        model, info = _load_quantizing(model_id_or_path, cls, config, granularity or "row", filter, lm_head, hub,
                                        from_pretrained_kwargs)
         model = model.to(device)
         return (model, info) if want_info else model
-    if granularity is not None or filter is not None:
+    if granularity is not None or filter is not None or lm_head:
         raise ValueError(f"load_fp8: {model_id_or_path} is an fp8 checkpoint, loaded as it was quantized; "
-                         f"granularity and filter choose how a bf16 checkpoint is quantized")
+                         f"granularity, filter and lm_head choose how a bf16 checkpoint is quantized")
     qc = _checked_quantization_config(original, model_id_or_path)
     owner.quantization_config = {**qc, "quant_method": QUANT_METHOD, "dequantize": False}
     model, info = cls.from_pretrained(model_id_or_path, config=config, output_loading_info=True,
@@ -132,7 +133,7 @@ def load_fp8(model_id_or_path, device="mps", *, model_class=None, granularity: s
     return (model, info) if want_info else model
 
 
-def _load_quantizing(where, cls, config, granularity: str, filter, hub: dict, kwargs: dict):
+def _load_quantizing(where, cls, config, granularity: str, filter, lm_head: bool, hub: dict, kwargs: dict):
     """(model, loading info) of a bf16 / fp16 / fp32 checkpoint quantized
     as it is read (load_fp8's first case): from_pretrained with our
     on-the-fly quantizer (_register) and the checkpoint as a state dict of
@@ -153,7 +154,7 @@ def _load_quantizing(where, cls, config, granularity: str, filter, hub: dict, kw
         cls = _get_model_class(config, cls._model_mapping)
     state = _lazy_state_dict(where, hub)
     _register()
-    qc = AUTO_QUANTIZATION_CONFIG_MAPPING[QUANTIZE_METHOD](granularity=granularity, filter=filter)
+    qc = AUTO_QUANTIZATION_CONFIG_MAPPING[QUANTIZE_METHOD](granularity=granularity, filter=filter, lm_head=lm_head)
     # from_pretrained(path) opens every shard for the whole load (safetensors maps each file, memory
     # torch counts); given a state dict it reads the tensors from it, so the path goes no further, and
     # what from_pretrained(path) also reads from it, the generation config, is read here.
@@ -182,7 +183,7 @@ def _load_quantizing(where, cls, config, granularity: str, filter, hub: dict, kw
         if "_is_quantized" in getattr(getattr(module, "config", None), "__dict__", {}):
             del module.config._is_quantized
     model.hf_quantizer = None
-    fp8._finish(model, quantizer.plan, quantizer.bytes_before, stacklevel=3)
+    fp8._finish(model, quantizer.plan, quantizer.bytes_before, stacklevel=3, head_error=quantizer.head_error)
     return model, info
 
 
@@ -368,12 +369,12 @@ def _quantizing_classes():
         """quantize_fp8's options; `error`: the first ValueError of the
         quantize op (transformers reports it as a RuntimeError)."""
 
-        def __init__(self, granularity="row", filter=None, **kwargs):
+        def __init__(self, granularity="row", filter=None, lm_head=False, **kwargs):
             self.quant_method = QUANTIZE_METHOD
-            self.granularity, self.filter, self.error = granularity, filter, None
+            self.granularity, self.filter, self.lm_head, self.error = granularity, filter, lm_head, None
 
         def to_dict(self):
-            return {"quant_method": QUANTIZE_METHOD, "granularity": self.granularity}
+            return {"quant_method": QUANTIZE_METHOD, "granularity": self.granularity, "lm_head": self.lm_head}
 
     class Quantizer(HfQuantizer):
         """Quantizes a bf16 checkpoint while transformers reads it."""
@@ -388,11 +389,13 @@ def _quantizing_classes():
             """quantize_fp8's choice of modules on the meta skeleton, each
             replaced by an empty fp8 module of its shapes."""
             self.bytes_before = fp8._model_bytes(model)
-            self.plan = fp8._plan(model, self.quantization_config.filter, on_meta=True)
+            config = self.quantization_config
+            self.plan = fp8._plan(model, config.filter, on_meta=True, lm_head=config.lm_head)
+            self.head_error = None  # the LM head's, measured by the quantize op as it converts it
             tied = getattr(model, "all_tied_weights_keys", None) or {}
             tied_names = {n.rpartition(".")[0] for pair in tied.items() for n in pair}
             self.layout = {}
-            granularity = self.quantization_config.granularity
+            granularity = config.granularity
             for name, kind in self.plan.targets:
                 mod = model.get_submodule(name)
                 if name in tied_names:
@@ -453,6 +456,8 @@ def _quantizing_classes():
             if isinstance(mod, FP8Linear):
                 _check_shape(key, tensor, (mod.out_features, mod.in_features))
                 q, s = fp8.quantize_weight(tensor, mod.granularity)
+                if prefix == self.quantizer.plan.head:
+                    self.quantizer.head_error = fp8.head_error(tensor, q, s, mod.granularity)
                 return {key: q, f"{prefix}.weight_scale": s}
             transposed, concatenated = self.quantizer.layout[prefix]
             e, h, i = mod.num_experts, mod.hidden, mod.intermediate
@@ -517,19 +522,28 @@ def fine_grained_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     output row; the format has one per 128 x 128 block or per tensor), mixed
     granularities (one weight_block_size per checkpoint), 128 x 128 blocks
     at a weight's ragged edge (transformers' de-quantizing loader refuses
-    them), and FP8Experts
+    them), an fp8 LM head tied to the input embedding, and FP8Experts
     (one scale per expert output row, what the grouped kernels take)."""
-    fp8 = {n: m for n, m in model.named_modules() if isinstance(m, (FP8Linear, FP8Experts))}
+    in_fp8 = {n: m for n, m in model.named_modules() if isinstance(m, (FP8Linear, FP8Experts))}
     state = model.state_dict()
-    if not fp8:
+    if not in_fp8:
         return state
-    experts = [n for n, m in fp8.items() if isinstance(m, FP8Experts)]
+    experts = [n for n, m in in_fp8.items() if isinstance(m, FP8Experts)]
     if experts:
         raise ValueError(f"save_pretrained: {_names(experts)} are FP8Experts, which hold one scale per expert "
                          f"output row (what mps_ext's grouped fp8 kernels take); transformers' fine-grained FP8 "
                          f"format has one per 128 x 128 block, and converting would round the weights again. "
                          f"Save the model before quantize_fp8 (or quantize it with a filter that leaves the "
                          f"experts) and quantize after loading")
+    head = fp8._lm_head_name(model)
+    text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    if head in in_fp8 and getattr(text, "tie_word_embeddings", False):
+        # transformers saves one tensor for the pair and ties them again on loading (it then fails
+        # comparing the bf16 embedding with the fp8 head).
+        raise ValueError(f"save_pretrained: the LM head {head} is in fp8 but tied to the input embedding "
+                         f"(tie_word_embeddings), which a checkpoint stores once, in the embedding's dtype; "
+                         f"save the model before quantize_fp8(..., lm_head=True) and convert the head after "
+                         f"loading")
     linears = _fp8_linears(model, state)
     by_granularity: dict[str, list[str]] = {}
     for name, granularity in linears.items():

@@ -626,17 +626,65 @@ def _bank_views(module: nn.Module, on_meta: bool = False) -> tuple[torch.Tensor,
 
 
 # ------------------------------------------------------------------ quantize_fp8 --
+# Hidden states an fp8 LM head's logit error is measured on (HeadError).
+HEAD_PROBES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadError:
+    """An fp8 LM head's logits against its original weight's, on HEAD_PROBES
+    hidden states drawn from N(0, 1) with a fixed seed (a final RMSNorm hands
+    the head unit-RMS states, before its own weight), both computed in
+    float32 from the same states, a slab of rows at a time. rms_relative:
+    ||fp8 - original|| / ||original|| over all logits; max_abs: the largest
+    |fp8 - original|, beside logit_rms, the original logits' RMS;
+    top1_agreement: the fraction of states whose most likely token is the
+    same (greedy decoding's choice)."""
+
+    rms_relative: float
+    max_abs: float
+    logit_rms: float
+    top1_agreement: float
+
+    def __str__(self) -> str:
+        return (f"LM head in fp8: logits {self.rms_relative:.2%} RMS off the original head's (largest error "
+                f"{self.max_abs:.3g} against a logit RMS of {self.logit_rms:.3g}), same top token for "
+                f"{self.top1_agreement:.0%} of {HEAD_PROBES} random unit-RMS hidden states")
+
+
+@torch.no_grad()
+def head_error(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, granularity: str) -> HeadError:
+    """HeadError of (q, scale) (quantize_weight's, of `weight` [vocab, hidden])
+    against `weight`. The weights are read TEMP_BYTES of float32 rows at a
+    time; the logits are small (HEAD_PROBES x vocab) and kept whole."""
+    n, k = weight.shape
+    probes = torch.randn(HEAD_PROBES, k, generator=torch.Generator().manual_seed(0)).to(weight.device)
+    ref, got = [], []
+    for r0, r1 in _row_slabs(n, 4 * k, BLOCK):  # whole 128-row blocks, so a block grid's rows slice with them
+        s = scale if granularity == "tensor" else scale[r0 // BLOCK:-(-r1 // BLOCK)] if granularity == "block" \
+            else scale[r0:r1]
+        ref.append(probes @ weight[r0:r1].float().T)
+        got.append(probes @ dequantize_weight(q[r0:r1], s, granularity).T)
+    ref, got = torch.cat(ref, 1).cpu().double(), torch.cat(got, 1).cpu().double()  # MPS has no float64
+    return HeadError(rms_relative=float((got - ref).norm() / ref.norm().clamp(min=1e-300)),
+                     max_abs=float((got - ref).abs().max()), logit_rms=float(ref.square().mean().sqrt()),
+                     top1_agreement=float((ref.argmax(-1) == got.argmax(-1)).double().mean()))
+
+
 @dataclasses.dataclass
 class FP8Summary:
     """What quantize_fp8 did. `converted`: kind ("FP8Linear", "FP8Experts")
     -> qualified names of the modules replaced. `left`: qualified name of
     each nn.Linear or expert-bank module kept as it was -> why.
-    `bytes_before` / `bytes_after`: the model's parameters and buffers."""
+    `bytes_before` / `bytes_after`: the model's parameters and buffers.
+    `head_error`: the converted LM head's logits against its own (quantize_fp8's
+    lm_head=True; HeadError), None when the head was not converted."""
 
     converted: dict[str, list[str]]
     left: dict[str, str]
     bytes_before: int
     bytes_after: int
+    head_error: HeadError | None = None
 
     def __str__(self) -> str:
         kinds = ", ".join(f"{len(names)} {kind}" for kind, names in self.converted.items() if names) or "nothing"
@@ -644,16 +692,36 @@ class FP8Summary:
                  f"{self.bytes_after:,} bytes ({self.bytes_after / max(self.bytes_before, 1):.2f}x)"]
         if any(self.converted.values()):
             lines.append(f"  {FROZEN}")
+        if self.head_error is not None:
+            lines.append(f"  {self.head_error}")
         lines += [f"  left {name}: {why}" for name, why in self.left.items()]
         return "\n".join(lines)
 
 
+# What LM heads are named where a model does not say (get_output_embeddings).
+_HEAD_NAMES = ("lm_head", "output", "embed_out")
+
+
 def _default_filter(name: str, module: nn.Module) -> bool:
-    # The LM head, and a mixture-of-experts router (transformers names it
+    # The LM head (unless quantize_fp8's lm_head=True: the logits decide
+    # every token), and a mixture-of-experts router (transformers names it
     # `gate` or `router`): its logits pick the experts, and fp8 rounding would
     # flip near ties to other experts; it is a small matrix.
     leaf = name.rsplit(".", 1)[-1]
-    return leaf not in ("lm_head", "output", "embed_out", "gate", "router")
+    return leaf not in (*_HEAD_NAMES, "gate", "router")
+
+
+def _lm_head_name(model: nn.Module) -> str | None:
+    """The qualified name of the model's LM head: the module transformers'
+    get_output_embeddings() gives, or else the one nn.Linear named lm_head,
+    output or embed_out; None if there is none."""
+    try:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    except NotImplementedError:
+        head = None
+    found = [n for n, m in model.named_modules() if m is head] if head is not None else \
+        [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in _HEAD_NAMES]
+    return found[0] if len(found) == 1 else None
 
 
 def _model_bytes(model: nn.Module) -> int:
@@ -737,7 +805,8 @@ def _unsafe(name: str, mod: nn.Module, keep_fp32, reads, peft) -> str | None:
 
 
 def quantize_fp8(model: nn.Module | str | os.PathLike, granularity: str = "row",
-                 filter: Callable[[str, nn.Module], bool] | None = None, **from_pretrained_kwargs) -> nn.Module:
+                 filter: Callable[[str, nn.Module], bool] | None = None, lm_head: bool = False,
+                 **from_pretrained_kwargs) -> nn.Module:
     """Replace every nn.Linear for which filter(qualified_name, module) is
     true (default: all but an LM head named lm_head / output / embed_out and
     a MoE router named gate / router) by an FP8Linear, and every expert-bank
@@ -746,6 +815,14 @@ def quantize_fp8(model: nn.Module | str | os.PathLike, granularity: str = "row",
     what was left (and why) as `model.fp8_summary`, also logged (logger
     "mps_ext.fp8", INFO). Expert banks left for any reason but the filter
     give a warning: they keep their memory.
+
+    lm_head=True converts the LM head too (get_output_embeddings(), or the
+    nn.Linear named lm_head / output / embed_out), whatever the filter says:
+    at decode the head is a large share of the bytes a token reads (a bf16
+    248k x 2048 head is 1 GB), and fp8 halves it. Its logit error against
+    the original head is measured as it is converted and reported in
+    fp8_summary.head_error (HeadError). A head tied to the input embedding
+    gets an fp8 copy of its own; the embedding keeps the original weights.
 
     `model` may also be a Hub name or a directory of a bf16 / fp16 / fp32
     safetensors checkpoint: the model is then read shard by shard, each
@@ -770,7 +847,8 @@ def quantize_fp8(model: nn.Module | str | os.PathLike, granularity: str = "row",
     the format cannot hold)."""
     if isinstance(model, (str, os.PathLike)):
         from .checkpoint import load_fp8
-        return load_fp8(model, "cpu", granularity=granularity, filter=filter, **from_pretrained_kwargs)
+        return load_fp8(model, "cpu", granularity=granularity, filter=filter, lm_head=lm_head,
+                        **from_pretrained_kwargs)
     if from_pretrained_kwargs:
         raise TypeError(f"quantize_fp8 of a model takes no {sorted(from_pretrained_kwargs)} (from_pretrained's "
                         f"arguments go with a checkpoint's name or path)")
@@ -781,18 +859,21 @@ def quantize_fp8(model: nn.Module | str | os.PathLike, granularity: str = "row",
     from .passes.moe import unfuse_blocks
     optimized = unfuse_blocks(model)
     bytes_before = _model_bytes(model)
-    plan = _plan(model, filter)
+    plan = _plan(model, filter, lm_head=lm_head)
+    error = None
     for name, kind in plan.targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         mod = getattr(parent, leaf)
         new = FP8Linear.from_linear(mod, granularity) if kind == "FP8Linear" else FP8Experts.from_experts(mod)
+        if name == plan.head:
+            error = head_error(mod.weight.detach(), new.weight, new.weight_scale, granularity)
         setattr(parent, leaf, new)
         del mod, new  # the original's memory goes now, before the next module's fp8 copy is made
     if optimized:
         from .passes import optimize
         optimize(model)
-    _finish(model, plan, bytes_before)
+    _finish(model, plan, bytes_before, head_error=error)
     return model
 
 
@@ -800,27 +881,35 @@ def quantize_fp8(model: nn.Module | str | os.PathLike, granularity: str = "row",
 class _Plan:
     """What quantize_fp8 converts in a model: targets (qualified name,
     "FP8Linear" or "FP8Experts") in the model's module order, the modules
-    left -> why, and the expert banks among them left for another reason
-    than the filter (warned about)."""
+    left -> why, the expert banks among them left for another reason
+    than the filter (warned about), and the LM head's name if lm_head=True
+    made it a target."""
 
     targets: list[tuple[str, str]]
     left: dict[str, str]
     banks_left: dict[str, str]
+    head: str | None = None
 
 
-def _plan(model: nn.Module, filter: Callable[[str, nn.Module], bool] | None, on_meta: bool = False) -> _Plan:
+def _plan(model: nn.Module, filter: Callable[[str, nn.Module], bool] | None, on_meta: bool = False,
+          lm_head: bool = False) -> _Plan:
     """The one decision of what quantize_fp8 converts: by quantize_fp8 on a
     loaded model, and by load_fp8 of a bf16 checkpoint on the model's
     skeleton (on_meta: its weights on the meta device, not yet read)."""
     keep = filter or _default_filter
     excluded = "excluded by the filter" + ("" if filter else " (LM head, MoE router: quantize_fp8's default)")
     keep_fp32, reads, peft = _keep_in_fp32(model), _read_tensors(model), _peft_layers(model)
+    head = _lm_head_name(model) if lm_head else None
+    if lm_head and not isinstance(model.get_submodule(head) if head is not None else None, nn.Linear):
+        raise ValueError(f"quantize_fp8(lm_head=True): {type(model).__name__} has no nn.Linear LM head "
+                         f"(get_output_embeddings() gives {head!r}; no single nn.Linear named "
+                         f"{' / '.join(_HEAD_NAMES)}); pass lm_head=False, or a filter that names the head")
     plan = _Plan([], {}, {})
     for name, mod in model.named_modules():
         is_linear = isinstance(mod, nn.Linear)
         if not (is_linear or _holds_expert_banks(mod)):
             continue
-        if not keep(name, mod):
+        if not keep(name, mod) and name != head:
             plan.left[name] = excluded
         elif not name:
             plan.left[name] = "the model itself: quantize_fp8 replaces modules inside it (FP8Linear.from_linear, " \
@@ -831,6 +920,8 @@ def _plan(model: nn.Module, filter: Callable[[str, nn.Module], bool] | None, on_
                 plan.banks_left[name] = why
         elif is_linear:
             plan.targets.append((name, "FP8Linear"))
+            if name == head:
+                plan.head = name
         elif (why := FP8Experts.why_not_convertible(mod, on_meta)) is not None:
             plan.left[name] = plan.banks_left[name] = why
         else:
@@ -838,14 +929,16 @@ def _plan(model: nn.Module, filter: Callable[[str, nn.Module], bool] | None, on_
     return plan
 
 
-def _finish(model: nn.Module, plan: _Plan, bytes_before: int, stacklevel: int = 2) -> FP8Summary:
+def _finish(model: nn.Module, plan: _Plan, bytes_before: int, stacklevel: int = 2,
+            head_error: HeadError | None = None) -> FP8Summary:
     """model.fp8_summary (logged), the warning for expert banks left, and
     the save format: the end of quantize_fp8 and of load_fp8 of a bf16
-    checkpoint. stacklevel: the warning's, as seen from _finish's caller."""
+    checkpoint. stacklevel: the warning's, as seen from _finish's caller;
+    head_error: the converted LM head's."""
     converted: dict[str, list[str]] = {"FP8Linear": [], "FP8Experts": []}
     for name, kind in plan.targets:
         converted[kind].append(name)
-    summary = FP8Summary(converted, dict(plan.left), bytes_before, _model_bytes(model))
+    summary = FP8Summary(converted, dict(plan.left), bytes_before, _model_bytes(model), head_error)
     model.fp8_summary = summary
     _attach_save_format(model)
     logger.info("%s", summary)

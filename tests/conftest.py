@@ -8,6 +8,47 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+# How pytest-xdist shares the suite between the workers (--dist loadgroup in
+# pyproject.toml): by groups, each run whole by one worker, so a file's module
+# fixtures are made once. A file is a group, except the long files whose
+# parts are independent, which split by one parameter (SPLIT_BY), and the
+# groups start longest first: the workers share the tail instead of one
+# running a 7-minute file after the other has finished. Measured on CI's
+# 2 cores (--durations): test_budgets.py about 450 s (its fp8 cases 203 s),
+# test_torch_matrix.py 40-90 s per torch release, the Apple corpus 113 s.
+SPLIT_BY = {"tests/test_budgets.py": "op", "tests/test_torch_matrix.py": "version"}
+LONGEST_FIRST = ("tests/test_budgets.py", "tests/test_torch_matrix.py", "tests/cpu_metal/test_corpus.py",
+                 "tests/models/test_architecture_sweep.py")
+
+
+def xdist_group_of(item) -> str:
+    path = item.nodeid.split("::")[0]
+    by = SPLIT_BY.get(path)
+    params = getattr(item, "callspec", None) and item.callspec.params or {}
+    if by == "op" and "kernel" in params:  # a budget of one kernel: measured by its op's cases
+        return f"{path}::{item.module.BUDGETS[params['kernel']].op}"
+    if by in params:
+        return f"{path}::{params[by]}"
+    return path
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(config, items):
+    sizes: dict[str, int] = {}
+    for item in items:
+        group = xdist_group_of(item)
+        item.add_marker(pytest.mark.xdist_group(group))
+        sizes[group] = sizes.get(group, 0) + 1
+
+    def rank(item):  # the listed long files first, then (as xdist would) the groups with most tests
+        group = xdist_group_of(item)
+        path = group.split("::")[0]
+        listed = LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+        return listed, -sizes[group], group
+
+    items.sort(key=rank)  # stable: a group's tests keep their order
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "mac: needs an Apple GPU (MPS)")
     config.addinivalue_line("markers", "torch_cpu_oracle: compares with torch's CPU kernels, whose results can "

@@ -86,7 +86,9 @@ def assert_same_model(got, want):
 @pytest.mark.parametrize("checkpoint, options", [
     ("qwen3", dict()), ("qwen3", dict(granularity="block")),
     ("qwen3_moe", dict()), ("qwen3_moe", dict(granularity="tensor", filter=lambda name, m: ".mlp." in name)),
-], indirect=["checkpoint"], ids=["qwen3-row", "qwen3-block", "qwen3_moe-row", "qwen3_moe-tensor-mlp-only"])
+    ("qwen3", dict(granularity="block", lm_head=True)), ("qwen3_moe", dict(lm_head=True)),
+], indirect=["checkpoint"], ids=["qwen3-row", "qwen3-block", "qwen3_moe-row", "qwen3_moe-tensor-mlp-only",
+                                 "qwen3-block-lm_head", "qwen3_moe-row-lm_head"])
 def test_a_bf16_checkpoint_loads_as_quantize_fp8_of_from_pretrained(checkpoint, options):
     path, _ = checkpoint
     want = quantize_fp8(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), **options)
@@ -94,6 +96,9 @@ def test_a_bf16_checkpoint_loads_as_quantize_fp8_of_from_pretrained(checkpoint, 
     assert any(got.fp8_summary.converted.values())  # something was converted, and the same
     if "moe" in path:
         assert len(got.fp8_summary.converted["FP8Experts"]) == 8
+    # The LM head, with its logit error measured from the bf16 tensor as it is read (compared below).
+    assert isinstance(got.lm_head, FP8Linear) == options.get("lm_head", False)
+    assert (got.fp8_summary.head_error is not None) == options.get("lm_head", False)
     assert_same_model(got, want)
     assert getattr(got.config, "quantization_config", None) is None  # the config says bf16, as quantize_fp8's
     if not options:  # quantize_fp8 takes the path too: the same loader
