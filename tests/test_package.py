@@ -192,11 +192,13 @@ def test_each_own_op_is_one_familys_and_routes_through_it(fresh_warnings):
     own = {f: _C.family_own_ops(f) for f in mps_ext.families()}
     listed = [op for ops in own.values() for op in ops]
     assert len(listed) == len(set(listed))
-    aten = {"mps_ext::" + op.split("::")[1].partition(".")[0] for f in mps_ext.families() for op in _C.family_aten_ops(f)}
+    aten = {"mps_ext::" + op.split("::")[1].partition(".")[0]
+            for f in mps_ext.families() for op in _C.family_aten_ops(f)}
     registered = {n.partition(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("mps_ext::")}
     assert registered - aten - set(listed) == {"mps_ext::commit", "mps_ext::fp8_grouped_linear"}
-    assert set(listed) >= {"mps_ext::kv_append", "mps_ext::sigmoid_gate", "mps_ext::moe_layer", "mps_ext::moe_route",
-                           "mps_ext::linear_attention_decode", "mps_ext::short_conv_decode", "mps_ext::rms_norm"}
+    assert set(listed) >= {"mps_ext::kv_append", "mps_ext::sigmoid_gate", "mps_ext::moe_layer",
+                           "mps_ext::moe_route", "mps_ext::linear_attention_decode", "mps_ext::short_conv_decode",
+                           "mps_ext::rms_norm"}
     for fam, ops in own.items():
         for op in ops:
             _C.set_enabled(fam, False)
