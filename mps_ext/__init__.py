@@ -228,8 +228,9 @@ def _setup() -> None:
         named = sorted(requested & known)
         _env_disabled.update({n: "listed in MPS_EXT_DISABLE" for n in named})
         for n in _as_meant(named, stacklevel=3):
-            _env_disabled.setdefault(n, f"MPS_EXT_DISABLE lists {next(o for o, new in _SPLIT.items() if n in new)}, "
-                                        "which included it")
+            if n not in _env_disabled:  # a family the old name it was split from stands for
+                old = next(o for o, new in _SPLIT.items() if n in new)
+                _env_disabled[n] = f"MPS_EXT_DISABLE lists {old}, which included it"
     version = _torch.__version__
     for name in known:
         why = _policy.steps_aside(name, _C.family_aten_ops(name), version)

@@ -251,15 +251,16 @@ def test_grouped_mm_on_torch_2_15(cpu_policy):
         a, w = torch.randn(4, 32).bfloat16(), torch.randn(3, 16, 32).bfloat16()
         offs = torch.tensor([1, 1, 4], dtype=torch.int32)
         a8, w8 = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn).transpose(-2, -1)
-        calls = [  # (call, mps_ext's kernel runs)
-            (lambda: torch.ops.mps_ext._grouped_mm(a, w.transpose(-2, -1), offs), False),
-            (lambda: torch.ops.mps_ext._scaled_grouped_mm(a8, w8, torch.ones(4), torch.ones(3, 16), offs), True),
-            (lambda: torch.ops.mps_ext.moe_experts(a, w, None, offs), True),
+        calls = [  # (call, its family, mps_ext's kernel runs)
+            (lambda: torch.ops.mps_ext._grouped_mm(a, w.transpose(-2, -1), offs), "grouped_mm", False),
+            (lambda: torch.ops.mps_ext._scaled_grouped_mm(a8, w8, torch.ones(4), torch.ones(3, 16), offs), "grouped_mm",
+             True),
+            (lambda: torch.ops.mps_ext.moe_experts(a, w, None, offs), "moe", True),
         ]
-        for i, (fn, ours) in enumerate(calls):
+        for i, (fn, fam, ours) in enumerate(calls):
             mps_ext.reset_stats()
             fn()
-            s = mps_ext.stats()["grouped_mm"]
+            s = mps_ext.stats()[fam]
             assert s["ran"] == int(ours), i
             assert all(why.startswith(mps_ext.POLICY_PREFIX) for why in s["fallbacks"]) and bool(s["fallbacks"]) != ours
     finally:
