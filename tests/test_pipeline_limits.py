@@ -212,5 +212,5 @@ def test_a_pipeline_below_a_launchs_least_makes_the_kernel_unavailable(simulate,
     assert _C._simulated_failure_hits() == 1
     cause = ("the pipeline of kernel linear_attention_decode_f32 runs at most 16 threads per threadgroup on this "
              "GPU; it needs at least 32")
-    assert mps_ext.stats()["linear"] == {"ran": 0, "fallbacks": {REASON: 2}, "unavailable": {"CPU": cause}}
+    assert mps_ext.stats()["linear_attention"] == {"ran": 0, "fallbacks": {REASON: 2}, "unavailable": {"CPU": cause}}
     assert cause in capfd.readouterr().err
