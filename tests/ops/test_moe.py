@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mps_ext
+from host_names import host_names
 from mps_ext import _executor_request, cpu_metal
 from rounding import sigmoid_reach
 
@@ -433,3 +434,9 @@ def test_quantize_weight_of_expert_banks():
     assert not mps_ext.FP8Experts.convertible(other) and mps_ext.FP8Experts.convertible(Experts())
     with pytest.warns(UserWarning, match="act_fn GELU.* is not SiLU"):
         assert isinstance(mps_ext.quantize_fp8(nn.Sequential(other))[0], Experts)
+
+
+def test_every_kernel_is_tested():
+    # moe_route: test_route_matches_softmax_topk_and_sorts_slots_by_expert (f32, bf16) and
+    # test_route_of_half_logits (f16); moe_combine: test_combine_sums_each_tokens_slots_with_their_weights.
+    assert host_names("moe") == {f"moe_{op}_{t}" for op in ("route", "combine") for t in ("f32", "f16", "bf16")}
