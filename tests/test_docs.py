@@ -2,6 +2,7 @@
 registry's, user docs carry no tracker numbers, and every relative link
 (and path a doc quotes) stays inside the repository and exists."""
 
+import functools
 import re
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import mps_ext
-from mps_ext import _C
+from mps_ext import _C, _selfcheck
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -67,30 +68,42 @@ def _placeholder(arg: torch._C.Argument):
 
 def own_ops() -> list[str]:
     """torch.ops.mps_ext's ops that are not an aten op of any family (their
-    schemas are mps_ext's own)."""
-    aten = {op.split("::")[1] for fam in mps_ext.families() for op in _C.family_aten_ops(fam)}
-    names = [n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("mps_ext::")]
-    return sorted({n for n in names if n not in aten and n.split(".")[0] not in {a.split(".")[0] for a in aten}})
+    schemas are mps_ext's own) and have kernels of the op layer (a CPU
+    kernel: the executor's); not the Python composites of mps_ext/fp8.py,
+    which call the families' ops."""
+    aten = {op.removeprefix("aten::").split(".")[0] for fam in mps_ext.families() for op in _C.family_aten_ops(fam)}
+    names = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("mps_ext::")}
+    return sorted(n for n in names - aten if torch._C._dispatch_has_kernel_for_dispatch_key(f"mps_ext::{n}", "CPU"))
+
+
+@functools.cache
+def _self_check_calls() -> list[tuple[object, tuple]]:
+    return [(case.op, case.args) for case in _selfcheck.cases()]
 
 
 def family_of(op: str) -> str | None:
     """The family whose switch `torch.ops.mps_ext.<op>` obeys, as the
-    registry routes it: with every family off, the call is refused and
-    counted as a fallback of its family. None: it obeys no switch (it ran)."""
+    registry routes it: with every family off, a call is counted as a
+    fallback of its family (and refused, for an op torch has no kernel
+    for). Called with placeholder arguments, or, for an op that checks its
+    inputs before it routes, with the self-check's arguments for it.
+    None: it obeys no switch (it ran, counted nowhere)."""
     packet = getattr(torch.ops.mps_ext, op)
     overload = getattr(packet, packet.overloads()[0])
-    args = [_placeholder(a) for a in overload._schema.arguments if not a.has_default_value()]
-    before = {f: sum(s["fallbacks"].values()) for f, s in mps_ext.stats().items()}
-    with mps_ext.disabled():
-        try:
-            overload(*args)
-        except RuntimeError as e:
-            assert "turned off" in str(e), f"{op}: refused for another reason than its switch: {e}"
-        else:
-            return None
-    grew = [f for f, s in mps_ext.stats().items() if sum(s["fallbacks"].values()) > before[f]]
-    assert len(grew) == 1, f"{op}: counted in {grew}"
-    return grew[0]
+    placeholders = tuple(_placeholder(a) for a in overload._schema.arguments if not a.has_default_value())
+    for args in [placeholders] + [args for fn, args in _self_check_calls() if fn is packet]:
+        before = {f: sum(s["fallbacks"].values()) for f, s in mps_ext.stats().items()}
+        with mps_ext.disabled():
+            try:
+                packet(*args)
+            except RuntimeError as e:
+                if "turned off" not in str(e):
+                    continue  # refused these arguments before its switch
+        grew = [f for f, s in mps_ext.stats().items() if sum(s["fallbacks"].values()) > before[f]]
+        assert len(grew) <= 1, f"{op}: counted in {grew}"
+        return grew[0] if grew else None
+    raise AssertionError(f"{op} checks its arguments before its family's switch, and mps_ext/_selfcheck.py has "
+                         f"no case that calls it")
 
 
 def test_the_readme_family_table_is_the_registrys():
