@@ -2,12 +2,14 @@
 decode census and projection, and PNG plots (matplotlib: the `bench` extra).
 
     python -m benchmarks [OP ...] [--quick | --tiny] [--png PATH] [--decode-png PATH] [--chip CHIP]
+    python -m benchmarks decode --optimize --write-docs [--decode-png docs/decode.png]
 
 OP: softmax, linear, pad, linalg, fp8, moe, norm, routing, decode (default: all).
 routing is the host time mps_ext's routing adds per call
 (benchmarks/bench_routing.py), timed here on CPU tensors; decode is the
 census of a decoded token of whole models (benchmarks/bench_decode.py); the
-others are kernels. --quick leaves out the
+others are kernels; --write-docs rewrites the decode tables of README.md and
+docs/decode.md (tests/test_docs.py checks them). --quick leaves out the
 largest shapes (vocabulary-sized weights, 4096 x 4096 attention scores,
 512 x 512 LU, ...), --tiny runs a few small cases (a smoke test). The
 counters come from the CPU Metal executor, anywhere; on a Mac with MPS each
@@ -80,10 +82,14 @@ def main(argv: list[str] | None = None) -> list[common.Result]:
     parser.add_argument("--chip", default="M3 Ultra", choices=list(common.BANDWIDTH_GBPS),
                         help="the chip of the plot's bandwidth (default: %(default)s)")
     parser.add_argument("--no-mac", action="store_true", help="do not time on a Mac's GPU")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="decode --optimize, full size: rewrite the decode tables of README.md and docs/decode.md")
     args = parser.parse_args(argv)
     unknown = [op for op in args.ops if op not in OPS + HOST + (DECODE,)]
     if unknown:
         parser.error(f"no benchmark for {', '.join(unknown)}; the ops are {', '.join(OPS + HOST + (DECODE,))}")
+    if args.write_docs and (args.ops != [DECODE] or not args.optimize or args.size):
+        parser.error("--write-docs writes the docs' decode tables: run it as `decode --optimize` at full size")
     for host in HOST:
         if host in args.ops or not args.ops:
             importlib.import_module(f"benchmarks.bench_{host}").main([f"--{args.size}"] if args.size else [])
@@ -121,6 +127,10 @@ def main(argv: list[str] | None = None) -> list[common.Result]:
         text, rows = bench_decode.report(args.size or "full", transform=transform,
                                          log=lambda m: print(m, file=sys.stderr, flush=True))
         print(text)
+        if args.write_docs:
+            blocks = bench_decode.doc_blocks(rows, bench_decode.stop_check_loops(bench_decode.models_for("full")[0]))
+            changed = bench_decode.write_docs(blocks)
+            print(f"decode tables rewritten in: {', '.join(changed) or 'none (they were current)'}\n")
         if args.decode_png:
             plot.decode_chart(bench_decode.chart_bars(rows), args.decode_png)
             print(f"{args.decode_png}: decode tokens/s per model, one sequence: stock torch and peers published, mps_ext simulated (with ranges), byte limits.\n")
