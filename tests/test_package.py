@@ -163,63 +163,16 @@ def test_an_old_name_in_the_environment_keeps_its_old_set():
     assert "DeprecationWarning: mps_ext: the op family 'grouped_mm' no longer includes moe" in r.stderr
 
 
-def _stand_in(arg):
-    """A value of a schema argument's type: enough for the dispatcher to
-    reach the kernel, which refuses a turned-off family before it looks."""
-    if arg.has_default_value():
-        return arg.default_value
-    return {"TensorType": torch.zeros(1), "OptionalType": None, "IntType": 1, "FloatType": 1.0, "BoolType": False,
-            "StringType": "weight"}[arg.type.kind()]
-
-
-# Ops that check their arguments before their switch (fp8_linear: its
-# fallback is torch's ops on the same arguments): arguments they take.
-VALID_ARGS = {"mps_ext::fp8_linear": lambda: (torch.zeros(1, 16), torch.zeros(8, 16).to(torch.float8_e4m3fn),
-                                              torch.ones(8), "row", None)}
-
-
-def _turned_off(op) -> set:
-    """The families whose switch a call of `op` met turned off: those that
-    counted it as "turned off" (an op with a fallback: fp8_linear), or all
-    if it raised saying so (an op with none)."""
-    name = op.split("::")[1]
-    fn = getattr(torch.ops.mps_ext, name).default
-    args = VALID_ARGS[op]() if op in VALID_ARGS else [_stand_in(a) for a in fn._schema.arguments]
-    mps_ext.reset_stats()
-    try:
-        fn(*args)
-    except RuntimeError as e:
-        if "turned off" in str(e):
-            return set(mps_ext.families())
-    return {f for f, s in mps_ext.stats().items() if "turned off" in s["fallbacks"]}
-
-
-def test_each_own_op_is_one_familys_and_routes_through_it(fresh_warnings):
-    """torch.ops.mps_ext's own ops, as the families list them: each op in
-    one family, which is the switch that turns it off (its RoutedOp's
-    FamilyId), and every op torch has in the mps_ext namespace is a
-    family's (but commit, no kernel, and fp8_grouped_linear, Python's)."""
+def test_each_own_op_is_listed_by_the_family_whose_switch_it_obeys():
+    """_C.family_own_ops (the registration's list, which `python -m mps_ext`
+    prints) names each of torch.ops.mps_ext's own ops once, under the family
+    whose switch it obeys (its RoutedOp's FamilyId); commit obeys none."""
+    from test_docs import family_of, own_ops
     from mps_ext import _C
-    own = {f: _C.family_own_ops(f) for f in mps_ext.families()}
-    listed = [op for ops in own.values() for op in ops]
-    assert len(listed) == len(set(listed))
-    aten = {"mps_ext::" + op.split("::")[1].partition(".")[0]
-            for f in mps_ext.families() for op in _C.family_aten_ops(f)}
-    registered = {n.partition(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("mps_ext::")}
-    assert registered - aten - set(listed) == {"mps_ext::commit", "mps_ext::fp8_grouped_linear"}
-    assert set(listed) >= {"mps_ext::kv_append", "mps_ext::sigmoid_gate", "mps_ext::moe_layer",
-                           "mps_ext::moe_route", "mps_ext::linear_attention_decode", "mps_ext::short_conv_decode",
-                           "mps_ext::rms_norm"}
-    for fam, ops in own.items():
-        for op in ops:
-            _C.set_enabled(fam, False)
-            assert fam in _turned_off(op), (op, fam)
-            _C.set_enabled(fam, True)
-            for other in mps_ext.families():
-                _C.set_enabled(other, other == fam)
-            assert not _turned_off(op), (op, fam)
-            for other in mps_ext.families():
-                _C.set_enabled(other, True)
+    listed = [(op.removeprefix("mps_ext::"), fam) for fam in mps_ext.families() for op in _C.family_own_ops(fam)]
+    assert len(dict(listed)) == len(listed)
+    assert dict(listed) == {op: family_of(op) for op in own_ops() if op != "commit"}
+    assert {"kv_append", "sigmoid_gate", "moe_layer", "linear_attention_decode", "short_conv_decode"} <= dict(listed).keys()
 
 
 def test_report_and_self_check():
