@@ -179,6 +179,6 @@ def test_the_version_is_written_once():
     installed distribution's metadata and the module agree."""
     import importlib.metadata
     assert importlib.metadata.version("mps_ext") == mps_ext.__version__
-    pyproject = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
-    project = pyproject.split("[project]")[1].split("\n[")[0]
-    assert 'dynamic = ["version"]' in project and "\nversion = " not in project
+    import tomllib
+    project = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert "version" in project["dynamic"] and "version" not in project

@@ -9,10 +9,18 @@ our code must compile as both.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = Path("csrc") / "generated" / "shaders.cpp"  # tools/embed_shaders.py writes it
+# The torch minor releases the kernels are built and tested against (README,
+# "Compatibility"), oldest and newest; pyproject.toml's build requirement
+# says the same (tests/test_release.py).
+TORCH_OLDEST, TORCH_NEWEST = (2, 9), (2, 15)
+# Set by the release workflow: the wheel is for the torch it was built
+# against and says so (docs/dev/release.md).
+PIN_TORCH_ENV = "MPS_EXT_PIN_TORCH"
 
 
 def sources(root: Path, platform: str) -> list[Path]:
@@ -37,3 +45,32 @@ def compile_args(platform: str) -> list[str]:
 
 def link_args(platform: str) -> list[str]:
     return ["-framework", "Metal", "-framework", "Foundation"] if platform == "darwin" else []
+
+
+def torch_minor(version: str) -> tuple[int, int]:
+    """(2, 13) from "2.13.0", "2.13.0+cpu" or "2.13"."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if not m:
+        raise ValueError(f"not a torch version: {version!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def torch_requirement(pinned_to: str | None = None) -> str:
+    """The distribution's torch requirement: every supported release, or,
+    for a wheel built against torch `pinned_to`, that minor release only (the
+    compiled extension links against that release's C++ ABI)."""
+    if pinned_to is None:
+        return f"torch>={TORCH_OLDEST[0]}.{TORCH_OLDEST[1]},<{TORCH_NEWEST[0]}.{TORCH_NEWEST[1] + 1}"
+    major, minor = torch_minor(pinned_to)
+    if not TORCH_OLDEST <= (major, minor) <= TORCH_NEWEST:
+        raise ValueError(f"torch {pinned_to} is not a supported release "
+                         f"({TORCH_OLDEST[0]}.{TORCH_OLDEST[1]} to {TORCH_NEWEST[0]}.{TORCH_NEWEST[1]})")
+    return f"torch>={major}.{minor},<{major}.{minor + 1}"
+
+
+def local_version(pinned_to: str) -> str:
+    """The local version label of a wheel built against torch `pinned_to`
+    ("+torch2.13"): wheels for different torch releases get different file
+    names, and `pip list` shows which one is installed."""
+    major, minor = torch_minor(pinned_to)
+    return f"+torch{major}.{minor}"
