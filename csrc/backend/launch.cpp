@@ -48,8 +48,8 @@ namespace {
 // Kernels that cannot run, per device type: a whole library under kernel
 // "". Remembered so that a call after a failure goes to torch's kernel at
 // the cost of a lookup, not of a build (Metal remembers its failed builds
-// too, but not the pipelines whose thread limit is too low; a test's CPU backend's
-// simulated failures count every ask).
+// too, but not the pipelines whose thread limit is too low; the simulated
+// failures of a test's CPU backend count every ask).
 using KernelKey = std::tuple<c10::DeviceType, std::string, std::string>;
 std::mutex g_unavailable_mutex;
 std::atomic<bool> g_any_unavailable{false};  // the fast path: nothing failed
@@ -96,9 +96,9 @@ std::atomic<CpuBackend*> g_cpu_backend{nullptr};
 
 void register_cpu_backend(CpuBackend* backend) { g_cpu_backend.store(backend, std::memory_order_release); }
 
-// A CPU tensor's launch, here only if route() let it through: with no
-// backend registered it says so rather than crash (the ops' test hook and a
-// backend's own launch reach launch() without route).
+// A CPU tensor's launch, here when route() let it through, or straight from
+// BackendSlot::launch (a backend's test hook, which no route() precedes):
+// with no backend registered it says so rather than crash.
 CpuBackend& cpu_backend_or_throw() {
   CpuBackend* b = cpu_backend();
   TORCH_CHECK(b, "mps_ext: no backend runs kernels on CPU tensors here (mps_ext runs its kernels on MPS tensors; "
