@@ -1,10 +1,11 @@
 """Build of mps_ext's native extension, mps_ext._C.
 
-On every platform it holds the op layer (csrc/ops), the launch interface and
-the CPU Metal executor backend (csrc/backend, csrc/cpu_metal); on macOS also
-the Metal backend (csrc/backend/metal.mm, Objective-C++). The shaders of
-kernels_metal/ are flattened and embedded (tools/embed_shaders.py). Install
-with
+On every platform it holds the op layer (csrc/ops) and the launch interface
+(csrc/backend); on macOS also the Metal backend (csrc/backend/metal.mm,
+Objective-C++). The shaders of kernels_metal/ are flattened and embedded
+(tools/embed_shaders.py). The CPU Metal executor, which runs the kernels on
+CPU tensors in tests, is a package of its own (executor/, installed by
+scripts/setup.sh) and nothing of it is built or shipped here. Install with
 
     pip install --no-build-isolation .
 
@@ -38,7 +39,6 @@ setup(
     # version= given here would not override.
     options={"egg_info": {"tag_build": build_config.local_version(pinned_to)}} if pinned_to else {},
     packages=find_packages(include=["mps_ext", "mps_ext.*"]),
-    package_data={"mps_ext.cpu_metal": ["include/*.h", "include/scan/*"]},
     ext_modules=[
         CppExtension(
             name="mps_ext._C",

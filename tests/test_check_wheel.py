@@ -24,10 +24,17 @@ def binary(libraries=LIBRARIES, extra=b""):
     return b"\x7fELF\x00\x01" + texts + extra + b"\x00"
 
 
+# What a wheel built before the executor moved out held of it (one file
+# each of its Python package, now mps_ext_executor, and its headers).
+OLD_EXECUTOR = ("mps_ext/cpu_metal/__init__.py", "mps_ext/cpu_metal/include/mx_metal.h")
+
+
 def contents(executor=False):
     """Wheel path -> bytes of a wheel with what the package needs (and the
-    executor's files, as today's product ships them, when `executor`)."""
-    files = {m: b"" for m in check_wheel.product_modules(ROOT, () if executor else check_wheel.EXECUTOR_PATHS)}
+    executor's files, as the product shipped them before the executor
+    became its own package, when `executor`)."""
+    files = {m: b"" for m in check_wheel.product_modules(ROOT, check_wheel.EXECUTOR_PATHS)}
+    files.update({p: b"" for p in OLD_EXECUTOR} if executor else {})
     files[EXT] = binary()
     files[f"{INFO}/METADATA"] = METADATA.encode()
     files[f"{INFO}/licenses/LICENSE"] = b"MIT License\n"
@@ -48,7 +55,7 @@ FORBID = dict(executor_paths=check_wheel.EXECUTOR_PATHS, executor_strings=check_
 
 def test_a_wheel_with_what_the_package_needs_passes(tmp_path):
     assert check_wheel.check(wheel(tmp_path, contents()), torch="2.13.0", **FORBID) == []
-    # Today's product, executor included, passes with the executor check off.
+    # A wheel of the product from before the executor moved out passes with the executor check off.
     assert check_wheel.check(wheel(tmp_path, contents(executor=True)), torch="2.13.0") == []
     assert check_wheel.main([str(wheel(tmp_path, contents())), "--torch", "2.13.0", "--forbid-executor"]) == 0
 
@@ -100,12 +107,12 @@ def test_each_defect_is_named(tmp_path, defect):
     assert check_wheel.main([str(wheel(tmp_path, files)), "--torch", "2.13.0", "--forbid-executor"]) == 1
 
 
-def test_the_executor_check_is_a_switch(tmp_path):
-    """Off (FORBID_EXECUTOR, today), the executor's files pass and are
-    required like any module; on, they fail."""
+def test_the_executor_check_is_on_and_a_switch(tmp_path):
+    """On by default (the executor is its own distribution): a wheel with
+    the executor's files fails; --no-forbid-executor lets one through."""
+    assert check_wheel.FORBID_EXECUTOR
     path = wheel(tmp_path, contents(executor=True))
-    assert check_wheel.main([str(path)]) == (1 if check_wheel.FORBID_EXECUTOR else 0)
+    assert check_wheel.main([str(path)]) == 1
     assert check_wheel.main([str(path), "--forbid-executor"]) == 1
     assert check_wheel.main([str(path), "--no-forbid-executor"]) == 0
-    missing = contents()  # no executor files
-    assert any("mps_ext/cpu_metal/" in p for p in check_wheel.check(wheel(tmp_path, missing)))
+    assert check_wheel.main([str(wheel(tmp_path, contents()))]) == 0

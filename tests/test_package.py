@@ -106,7 +106,7 @@ def test_environment_variable_turns_families_off():
 
 
 def test_report_and_self_check():
-    r = subprocess.run([sys.executable, "-m", "mps_ext", "--self-check"], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "mps_ext_executor", "self-check"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Metal kernels active:" in r.stdout
     assert "self-check passed" in r.stdout

@@ -1,6 +1,8 @@
-"""How mps_ext._C is compiled: sources, flags and include directories per
-platform. setup.py builds with this, and the torch version matrix
-(tools/torch_matrix.py) compile-checks with it, so the two cannot drift.
+"""How mps_ext._C, and the CPU Metal executor's mps_ext_executor._C
+(executor/, a package of its own), are compiled: sources, flags and include
+directories per platform. setup.py and executor/setup.py build with this,
+and the torch version matrix (tools/torch_matrix.py) compile-checks both
+with it, so they cannot drift.
 
 No -std flag: torch's BuildExtension adds the standard its own headers need
 (C++17 up to torch 2.11, C++20 from 2.12) when the extension passes none, so
@@ -24,8 +26,9 @@ PIN_TORCH_ENV = "MPS_EXT_PIN_TORCH"
 
 
 def sources(root: Path, platform: str) -> list[Path]:
-    """Every translation unit of the extension under `root`, on `platform`
-    (sys.platform's spelling). The generated shaders.cpp must exist."""
+    """Every translation unit of the product's extension under `root`, on
+    `platform` (sys.platform's spelling). The generated shaders.cpp must
+    exist."""
     found = sorted((root / "csrc").rglob("*.cpp"))
     if platform == "darwin":  # the Metal backend, Objective-C++
         found += sorted((root / "csrc").rglob("*.mm"))
@@ -33,7 +36,26 @@ def sources(root: Path, platform: str) -> list[Path]:
 
 
 def include_dirs(root: Path) -> list[Path]:
-    return [root / "csrc", root / "kernels_metal", root / "mps_ext" / "cpu_metal" / "include"]
+    return [root / "csrc", root / "kernels_metal"]
+
+
+# The executor's extension: its engine, its CPU backend and bindings, built
+# against the product's launch interface (csrc/backend/launch.h), which it
+# reaches at run time through mps_ext._C._backend_slot(), not by linking.
+EXECUTOR = Path("executor")
+
+
+def executor_sources(root: Path) -> list[Path]:
+    return sorted((root / EXECUTOR / "csrc").glob("*.cpp"))
+
+
+def executor_include_dirs(root: Path) -> list[Path]:
+    return [root / EXECUTOR / "csrc", root / "csrc", root / EXECUTOR / "mps_ext_executor" / "include"]
+
+
+def include_dirs_of(root: Path, source: Path) -> list[Path]:
+    """The include directories `source` (a file under `root`) is compiled with."""
+    return executor_include_dirs(root) if (root / EXECUTOR) in source.parents else include_dirs(root)
 
 
 def compile_args(platform: str) -> list[str]:

@@ -37,14 +37,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import build_config  # noqa: E402
 
-# Today's product still carries the CPU Metal executor (issue 33, point 1):
-# the check is written and tested (tests/test_check_wheel.py) but off by
-# default. Set True when the executor has moved out of the product, and
-# update the lists if it moved somewhere they do not name.
-FORBID_EXECUTOR = False
-# Wheel paths (prefixes) of executor code: its Python package with the
-# headers it compiles shaders against, and any C++ source or header.
-EXECUTOR_PATHS = ("mps_ext/cpu_metal/", "csrc/")
+# The CPU Metal executor is its own distribution (executor/, mps-ext-executor):
+# the product's wheel holds none of it. (--no-forbid-executor checks a wheel
+# built before that move.)
+FORBID_EXECUTOR = True
+# Wheel paths (prefixes) of executor code: its Python package (today's
+# name and the one it had inside the product) with the headers it compiles
+# shaders against, and any C++ source or header.
+EXECUTOR_PATHS = ("mps_ext_executor/", "mps_ext/cpu_metal/", "executor/", "csrc/")
 # Names the executor's bindings and test hooks register in _C.
 EXECUTOR_STRINGS = ("_register_shader_source", "_simulate_metal_backend", "_set_executor_requested")
 
