@@ -93,7 +93,8 @@ DEFECTS = {
     "executor package": (put("mps_ext/cpu_metal/__init__.py"), "executor code in the wheel: 1 files under mps_ext/"),
     "executor headers": (put("mps_ext/cpu_metal/include/metal_stdlib"), "under mps_ext/cpu_metal/"),
     "C++ sources": (put("csrc/ops/softmax.cpp"), "under csrc/"),
-    "test hooks in _C": (put(EXT, binary(extra=b"_simulate_metal_backend\x00")), "registers the executor's"),
+    "test hooks in _C": (put(EXT, binary(extra=b"_simulate_metal_backend\x00")), "registers the test hook"),
+    "op-layer test hooks in _C": (put(EXT, binary(extra=b"_set_index_limit\x00")), "test hook _set_index_limit"),
 }
 
 

@@ -11,6 +11,7 @@ our code must compile as both.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -58,10 +59,19 @@ def include_dirs_of(root: Path, source: Path) -> list[Path]:
     return executor_include_dirs(root) if (root / EXECUTOR) in source.parents else include_dirs(root)
 
 
-def compile_args(platform: str) -> list[str]:
+# The environment variable that builds the op layer's test hooks into
+# mps_ext._C (csrc/python/ops_bindings.cpp, bind_test_hooks): scripts/setup.sh
+# sets it for the tests; a user's build and the release wheels have none.
+TEST_HOOKS_ENV = "MPS_EXT_TEST_HOOKS"
+
+
+def compile_args(platform: str, test_hooks: bool | None = None) -> list[str]:
+    """The extension's compiler flags; test_hooks None: as TEST_HOOKS_ENV says."""
     args = ["-O2", "-fvisibility=hidden"]
     if platform == "darwin":
         args += ["-fobjc-arc"]
+    if test_hooks if test_hooks is not None else os.environ.get(TEST_HOOKS_ENV) == "1":
+        args += ["-DMPS_EXT_TEST_HOOKS"]
     return args
 
 

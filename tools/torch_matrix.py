@@ -205,7 +205,7 @@ def compile_command(clang: str, source: Path, tree: Path, flags: TorchFlags, pch
     """The syntax check of `source`; with `pch`, torch's headers are read
     from that precompiled header (made by pch_command) instead of parsed."""
     cmd = [clang, "-fsyntax-only", "-fno-color-diagnostics", "-Wno-unused-command-line-argument",
-           f"-std={flags.std}", *flags.defines, *build_config.compile_args("darwin")]
+           f"-std={flags.std}", *flags.defines, *build_config.compile_args("darwin", test_hooks=True)]
     if source.suffix == ".mm":
         cmd += ["-x", "objective-c++", "-fblocks", "-fobjc-runtime=macosx-14.0",
                 "-isystem", str(tree / "csrc" / "backend" / "apple_stubs")]

@@ -26,13 +26,12 @@ c10::DispatchKey key_of(const std::string& device) {
 
 }  // namespace
 
-void bind_ops(py::module_& m) {
-  // A family table that does not match the families' files fails the
-  // import of mps_ext._C (mps_ext reports it as its load error).
-  const std::string problem = family_table_problem();
-  if (!problem.empty()) throw std::runtime_error("mps_ext: " + problem);
-  m.def("families", &family_names, "The op families (ops/families.h), sorted.");
-  // Test hooks of that check: its verdict for given definition counts, and
+#ifdef MPS_EXT_TEST_HOOKS
+// Hooks the tests reach into the op layer with. Only a build with
+// MPS_EXT_TEST_HOOKS=1 in the environment has them (scripts/setup.sh builds
+// so; tools/build_config.py): the product a user installs exports none.
+void bind_test_hooks(py::module_& m) {
+  // The family table's check: its verdict for given definition counts, and
   // a second definition of a real family (which leaves the first in force).
   m.def("_family_table_problem",
         [](const std::vector<std::pair<std::string, int>>& d) { return family_table_problem(d); });
@@ -41,6 +40,35 @@ void bind_ops(py::module_& m) {
     f.define(f.def());
     return family_table_problem();
   });
+  m.def("_set_index_limit", &set_index_limit, py::arg("limit"),
+        "Largest index the 32-bit kernel variants may compute; <= 0 restores 2^31 - 1 (tests run the 64-bit "
+        "variants on small tensors with it).");
+  // The family's record of failures, and the kernels launch.cpp
+  // remembers as failed (on every device), are forgotten.
+  m.def(
+      "_clear_unavailable",
+      [](const std::string& fam) {
+        family(fam).clear_unavailable();
+        forget_unavailable();
+      },
+      py::arg("family"));
+  m.def("_boxed_fallbacks", &detail::boxed_fallbacks,
+        "How many of route's fallbacks to torch's kernel went through a boxed call (tests: none should).");
+  m.def(
+      "_warn_without_override_warning",
+      [](const std::string& message) {
+        without_override_warning([&] { TORCH_WARN(message); });
+      },
+      py::arg("message"));
+}
+#endif
+
+void bind_ops(py::module_& m) {
+  // A family table that does not match the families' files fails the
+  // import of mps_ext._C (mps_ext reports it as its load error).
+  const std::string problem = family_table_problem();
+  if (!problem.empty()) throw std::runtime_error("mps_ext: " + problem);
+  m.def("families", &family_names, "The op families (ops/families.h), sorted.");
   m.def("family_aten_ops", &family_aten_ops, py::arg("family"));
   m.def(
       "install_overrides",
@@ -97,9 +125,6 @@ void bind_ops(py::module_& m) {
   m.def("_backend_slot", [] {
     return py::capsule(static_cast<const void*>(&backend_slot()), kBackendSlotName);
   });
-  m.def("_set_index_limit", &set_index_limit, py::arg("limit"),
-        "Largest index the 32-bit kernel variants may compute; <= 0 restores 2^31 - 1 (tests run the 64-bit "
-        "variants on small tensors with it).");
   m.def(
       "_device_profile",
       [](const std::string& device) {
@@ -107,23 +132,9 @@ void bind_ops(py::module_& m) {
         return std::make_pair(p.cores, p.family);
       },
       py::arg("device"), "(cores, family) of the GPU the ops' launch geometry assumes on `device` ('cpu', 'mps').");
-  // Tests: the family's record of failures, and the kernels launch.cpp
-  // remembers as failed (on every device), are forgotten.
-  m.def(
-      "_clear_unavailable",
-      [](const std::string& fam) {
-        family(fam).clear_unavailable();
-        forget_unavailable();
-      },
-      py::arg("family"));
-  m.def("_boxed_fallbacks", &detail::boxed_fallbacks,
-        "How many of route's fallbacks to torch's kernel went through a boxed call (tests: none should).");
-  m.def(
-      "_warn_without_override_warning",
-      [](const std::string& message) {
-        without_override_warning([&] { TORCH_WARN(message); });
-      },
-      py::arg("message"));
+#ifdef MPS_EXT_TEST_HOOKS
+  bind_test_hooks(m);
+#endif
 }
 
 }  // namespace mps_ext
