@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 
 N = K = 4096
 

@@ -19,7 +19,7 @@ makes, with tiny tensors so that torch's kernel costs little:
     installed on the CPU key for the benchmark, as the policy does on MPS);
   - turned off: the family is switched off.
 Each call is made in a C++ loop through torch's dispatcher
-(mps_ext._C._routing_probe: Python's own per-call cost, microseconds and
+(mps_ext_executor._C._routing_probe: Python's own per-call cost, microseconds and
 noisy, stays out). The figure per case is the time of the mps_ext call minus
 the time of the same aten call: the host cost mps_ext adds. Times are the
 minimum over interleaved repeats (the machine may be shared), in
@@ -38,6 +38,7 @@ import torch  # noqa: E402
 
 import mps_ext  # noqa: E402
 from benchmarks import common  # noqa: E402
+import mps_ext_executor  # noqa: E402
 
 
 # (probe case, what it shows, context: a rule or a switch set for it)
@@ -59,7 +60,7 @@ def measure(n: int = 20000, repeat: int = 15) -> list[dict]:
         if context == "off":
             mps_ext.set_enabled("pad", False)
         try:
-            ours, theirs = mps_ext._C._routing_probe(case, n, repeat)
+            ours, theirs = mps_ext_executor._C._routing_probe(case, n, repeat)
         finally:
             if context == "policy":
                 mps_ext._C.leave_to_torch("linear", "aten::linear", "CPU", "")

@@ -6,7 +6,7 @@ layers, shared experts, the real expert count and top-k); a context is
 prefilled with plain torch, and one decode step of `tokens` sequences (a
 batch, one new token each) runs under a TorchDispatchMode that records every
 aten call, the decoder layer it belongs to, and its tensors' sizes. With
-mps_ext the step also runs under `mps_ext.cpu_metal.run_model`, which sends
+mps_ext the step also runs under `mps_ext_executor.run_model`, which sends
 what mps_ext takes on a Mac with that torch release to its kernels on the
 CPU Metal executor: their dispatches are counted, not assumed.
 
@@ -367,7 +367,7 @@ def trace_step(model, tokens: int = 1, context: int = 8, torch_release: str | No
         if torch_release is not None:
             # The prefill too: the cache the step finds is the one mps_ext's path left (its KV cache buffers,
             # mps_ext/passes/attention.py), as on a Mac, not the one torch's CPU ops would.
-            from mps_ext import cpu_metal
+            import mps_ext_executor as cpu_metal
             counters = _executor_counters(stack.enter_context(cpu_metal.run_model(torch_release=torch_release)))
         cache = model(ids, use_cache=True).past_key_values
         handles = _layer_hooks(model, trace)

@@ -22,7 +22,12 @@ from typing import Any, Callable
 import torch
 
 import mps_ext
-from mps_ext import _executor_request, cpu_metal
+import mps_ext_executor as cpu_metal
+
+# The benchmarks run mps_ext's kernels on CPU tensors: through the executor,
+# installed as mps_ext's backend of CPU tensors (mps_ext has none of its own).
+if mps_ext._C is not None:
+    cpu_metal.install()
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -204,7 +209,7 @@ def measure(case: Case, mac: bool = True) -> Result:
     prepared = case.prepare()
     start = time.perf_counter()
     # On a Mac, CPU tensors reach the executor only when it is asked for.
-    with cpu_metal.record(counters=True) as rec, _executor_request.request():
+    with cpu_metal.record(counters=True) as rec, cpu_metal.request():
         prepared.run()
     seconds = time.perf_counter() - start
     if not rec.dispatches:

@@ -28,6 +28,8 @@ kernel void sigmoid_gate(device T* out [[buffer(0)]],
   out[row * p.n + col] = T(float(x[row * p.n + col]) * float(s));
 }
 
+// clang-format off
 template [[host_name("sigmoid_gate_f32")]] kernel decltype(sigmoid_gate<float>) sigmoid_gate<float>;
 template [[host_name("sigmoid_gate_f16")]] kernel decltype(sigmoid_gate<half>) sigmoid_gate<half>;
 template [[host_name("sigmoid_gate_bf16")]] kernel decltype(sigmoid_gate<bfloat>) sigmoid_gate<bfloat>;
+// clang-format on

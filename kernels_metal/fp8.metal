@@ -143,11 +143,13 @@ kernel void fp8_convert_strided(device typename D::T* dst [[buffer(0)]],
   }
 }
 
+// clang-format off
 #define INSTANTIATE_FP8_CONVERT(sname, S, dname, D)                                            \
   template [[host_name("fp8_convert_dense_" #sname "_" #dname)]] kernel                        \
       decltype(fp8_convert_dense<S, D>) fp8_convert_dense<S, D>;                               \
   template [[host_name("fp8_convert_strided_" #sname "_" #dname)]] kernel                      \
       decltype(fp8_convert_strided<S, D>) fp8_convert_strided<S, D>;
+// clang-format on
 #define INSTANTIATE_TO_FP8(sname, S)                \
   INSTANTIATE_FP8_CONVERT(sname, S, e4m3, E4M3)     \
   INSTANTIATE_FP8_CONVERT(sname, S, e5m2, E5M2)

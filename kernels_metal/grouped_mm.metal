@@ -605,6 +605,7 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
 // ------------------------------------------------------ instantiations --
 // Buffer 2, `w`, is the grouped operand: the experts' weights of the MoE
 // forward (the name the benchmarks and tests count weight traffic by).
+// clang-format off
 #define GMM_DECODE_ROWS(tname, TA, TB, TO)                                                            \
   template [[host_name("gmm_decode_rows_" #tname "_vec")]] kernel                                     \
       decltype(gmm_decode_rows<TA, TB, TO, true>) gmm_decode_rows<TA, TB, TO, true>;                  \
@@ -622,6 +623,7 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
       decltype(gmm_decode_cols<T, false>) gmm_decode_cols<T, false>;
 #define GMM_TILED(tname, T, TO) \
   template [[host_name("gmm_tiled_" #tname)]] kernel decltype(gmm_tiled<T, TO>) gmm_tiled<T, TO>;
+// clang-format on
 
 GMM_DECODE_ROWS(f32, float, float, float)
 GMM_DECODE_ROWS(f16, half, half, half)

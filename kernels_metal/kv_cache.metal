@@ -30,6 +30,8 @@ kernel void kv_append(device T* k_cache [[buffer(0)]],
   }
 }
 
+// clang-format off
 template [[host_name("kv_append_f32")]] kernel decltype(kv_append<float>) kv_append<float>;
 template [[host_name("kv_append_f16")]] kernel decltype(kv_append<half>) kv_append<half>;
 template [[host_name("kv_append_bf16")]] kernel decltype(kv_append<bfloat>) kv_append<bfloat>;
+// clang-format on

@@ -556,6 +556,7 @@ kernel void lu_unpack(device T* P [[buffer(0)]],
 }
 
 // ------------------------------------------------------- instantiations --
+// clang-format off
 #define INSTANTIATE_SMALL(name, T, N) \
   template [[host_name("lu_small_" #name "_" #N)]] kernel decltype(lu_small<T, N>) lu_small<T, N>;
 INSTANTIATE_SMALL(f32, float, 1)
@@ -571,3 +572,4 @@ template [[host_name("lu_panel_f32")]] kernel decltype(lu_panel<float>) lu_panel
 template [[host_name("lu_panel_c64")]] kernel decltype(lu_panel<float2>) lu_panel<float2>;
 template [[host_name("lu_unpack_f32")]] kernel decltype(lu_unpack<float>) lu_unpack<float>;
 template [[host_name("lu_unpack_c64")]] kernel decltype(lu_unpack<float2>) lu_unpack<float2>;
+// clang-format on

@@ -141,6 +141,7 @@ kernel void lu_solve(device T* x [[buffer(0)]],
   }
 }
 
+// clang-format off
 #define INSTANTIATE_SOLVE(name, T, C) \
   template [[host_name("lu_solve_" #name "_" #C)]] kernel decltype(lu_solve<T, C>) lu_solve<T, C>;
 INSTANTIATE_SOLVE(f32, float, 1)
@@ -149,3 +150,4 @@ INSTANTIATE_SOLVE(f32, float, 16)
 INSTANTIATE_SOLVE(c64, float2, 1)
 INSTANTIATE_SOLVE(c64, float2, 4)
 INSTANTIATE_SOLVE(c64, float2, 16)
+// clang-format on

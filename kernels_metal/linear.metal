@@ -165,6 +165,7 @@ kernel void gemv_cols_finish(device T* y [[buffer(0)]],
   write_output(y, bias, p, r, n, total);
 }
 
+// clang-format off
 #define INSTANTIATE_GEMV_ROWS(tname, T, R, Q)                                                                   \
   template [[host_name("gemv_rows_" #tname "_r" #R "_q" #Q "_vec")]] kernel                                      \
       decltype(gemv_rows<T, R, Q, true>) gemv_rows<T, R, Q, true>;                                               \
@@ -185,6 +186,7 @@ kernel void gemv_cols_finish(device T* y [[buffer(0)]],
   INSTANTIATE_GEMV_COLS(tname, T, 1) INSTANTIATE_GEMV_COLS(tname, T, 2)                                         \
   INSTANTIATE_GEMV_COLS(tname, T, 4) INSTANTIATE_GEMV_COLS(tname, T, 8)                                         \
   template [[host_name("gemv_cols_finish_" #tname)]] kernel decltype(gemv_cols_finish<T>) gemv_cols_finish<T>;
+// clang-format on
 
 INSTANTIATE_GEMV(f32, float)
 INSTANTIATE_GEMV(f16, half)

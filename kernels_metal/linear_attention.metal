@@ -179,9 +179,11 @@ kernel void linear_attention_decode(device T* out [[buffer(0)]],
   }
 }
 
+// clang-format off
 template [[host_name("linear_attention_decode_f32")]] kernel decltype(linear_attention_decode<float>)
     linear_attention_decode<float>;
 template [[host_name("linear_attention_decode_f16")]] kernel decltype(linear_attention_decode<half>)
     linear_attention_decode<half>;
 template [[host_name("linear_attention_decode_bf16")]] kernel decltype(linear_attention_decode<bfloat>)
     linear_attention_decode<bfloat>;
+// clang-format on

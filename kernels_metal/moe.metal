@@ -212,9 +212,11 @@ kernel void moe_combine(device T* out [[buffer(0)]],
   }
 }
 
+// clang-format off
 template [[host_name("moe_route_f32")]] kernel decltype(moe_route<float>) moe_route<float>;
 template [[host_name("moe_route_f16")]] kernel decltype(moe_route<half>) moe_route<half>;
 template [[host_name("moe_route_bf16")]] kernel decltype(moe_route<bfloat>) moe_route<bfloat>;
 template [[host_name("moe_combine_f32")]] kernel decltype(moe_combine<float>) moe_combine<float>;
 template [[host_name("moe_combine_f16")]] kernel decltype(moe_combine<half>) moe_combine<half>;
 template [[host_name("moe_combine_bf16")]] kernel decltype(moe_combine<bfloat>) moe_combine<bfloat>;
+// clang-format on

@@ -128,12 +128,14 @@ kernel void add_rms_norm(device T* out [[buffer(0)]],
   rms_norm_rows<T, true>(out, sum, x, residual, w, p, partial, group, tid, threads, sg, lane);
 }
 
+// clang-format off
 template [[host_name("rms_norm_f32")]] kernel decltype(rms_norm<float>) rms_norm<float>;
 template [[host_name("rms_norm_f16")]] kernel decltype(rms_norm<half>) rms_norm<half>;
 template [[host_name("rms_norm_bf16")]] kernel decltype(rms_norm<bfloat>) rms_norm<bfloat>;
 template [[host_name("add_rms_norm_f32")]] kernel decltype(add_rms_norm<float>) add_rms_norm<float>;
 template [[host_name("add_rms_norm_f16")]] kernel decltype(add_rms_norm<half>) add_rms_norm<half>;
 template [[host_name("add_rms_norm_bf16")]] kernel decltype(add_rms_norm<bfloat>) add_rms_norm<bfloat>;
+// clang-format on
 
 // The attention's q_norm, k_norm and rotary embedding (transformers'
 // apply_rotary_pos_emb, rotate_half convention) in one dispatch; eager they
@@ -258,6 +260,8 @@ kernel void qk_norm_rope(device T* q_out [[buffer(0)]],
   }
 }
 
+// clang-format off
 template [[host_name("qk_norm_rope_f32")]] kernel decltype(qk_norm_rope<float>) qk_norm_rope<float>;
 template [[host_name("qk_norm_rope_f16")]] kernel decltype(qk_norm_rope<half>) qk_norm_rope<half>;
 template [[host_name("qk_norm_rope_bf16")]] kernel decltype(qk_norm_rope<bfloat>) qk_norm_rope<bfloat>;
+// clang-format on

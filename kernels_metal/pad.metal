@@ -120,11 +120,13 @@ kernel void constant_pad(device E* out [[buffer(0)]],
   }
 }
 
+// clang-format off
 #define INSTANTIATE_PAD(name, E)                                                             \
   template [[host_name("constant_pad_" #name "_i32")]] kernel decltype(constant_pad<E, int>) \
       constant_pad<E, int>;                                                                  \
   template [[host_name("constant_pad_" #name "_i64")]] kernel decltype(constant_pad<E, long>) \
       constant_pad<E, long>;
+// clang-format on
 
 INSTANTIATE_PAD(1, uchar)
 INSTANTIATE_PAD(2, ushort)

@@ -433,6 +433,7 @@ kernel void fp8_mm_tile(device uchar* y [[buffer(0)]],
   }
 }
 
+// clang-format off
 #define INSTANTIATE_FP8_GEMV(aname, A, R)                                                          \
   template [[host_name("fp8_gemv_" #aname "_r" #R "_vec")]] kernel                                 \
       decltype(fp8_gemv<A, R, true>) fp8_gemv<A, R, true>;                                         \
@@ -445,6 +446,7 @@ kernel void fp8_mm_tile(device uchar* y [[buffer(0)]],
       decltype(fp8_mm_tile<A, true>) fp8_mm_tile<A, true>;                                         \
   template [[host_name("fp8_mm_tile_" #aname "_scalar")]] kernel                                   \
       decltype(fp8_mm_tile<A, false>) fp8_mm_tile<A, false>;
+// clang-format on
 
 INSTANTIATE_FP8_MM(fp8, ActFp8)
 INSTANTIATE_FP8_MM(f16, ActF16)

@@ -76,7 +76,9 @@ kernel void short_conv_decode(device T* out [[buffer(0)]],
   for (uint e = t; e < run; e += SC_THREADS) block[e] = T(windows[e]);
 }
 
+// clang-format off
 template [[host_name("short_conv_decode_f32")]] kernel decltype(short_conv_decode<float>) short_conv_decode<float>;
 template [[host_name("short_conv_decode_f16")]] kernel decltype(short_conv_decode<half>) short_conv_decode<half>;
 template [[host_name("short_conv_decode_bf16")]] kernel decltype(short_conv_decode<bfloat>)
     short_conv_decode<bfloat>;
+// clang-format on

@@ -559,6 +559,7 @@ kernel void softmax_backward_finish(device O* out [[buffer(0)]],
 // accesses (_i64); strided has no vector variant (its rows are not
 // contiguous). Forward: input -> output dtype (same, or half -> float for
 // half_to_float).
+// clang-format off
 #define INSTANTIATE_VARIANTS(kernel_name, prefix, ...)                                                         \
   template [[host_name(prefix "_i32_vec")]] kernel decltype(kernel_name<__VA_ARGS__, uint, true>)              \
       kernel_name<__VA_ARGS__, uint, true>;                                                                     \
@@ -570,6 +571,7 @@ kernel void softmax_backward_finish(device O* out [[buffer(0)]],
   template [[host_name(prefix "_i32")]] kernel decltype(kernel_name<__VA_ARGS__, uint>) kernel_name<__VA_ARGS__, uint>; \
   template [[host_name(prefix "_i64")]] kernel decltype(kernel_name<__VA_ARGS__, ulong>)                       \
       kernel_name<__VA_ARGS__, ulong>;
+// clang-format on
 
 #define INSTANTIATE_FORWARD(in_name, T, out_name, O)                                                 \
   INSTANTIATE_VARIANTS(softmax_segment, "softmax_segment_" #in_name "_" #out_name, T, O)            \

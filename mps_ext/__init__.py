@@ -114,8 +114,8 @@ def family_status(name: str) -> str:
 
 def enabled_ops() -> list[str]:
     """Op families whose kernels run: for torch's MPS ops where mps_ext is
-    available, and for torch.ops.mps_ext (CPU tensors through the CPU Metal
-    executor) everywhere."""
+    available, and for torch.ops.mps_ext (CPU tensors, through a CPU backend
+    where one is installed: mps_ext/_cpu_backend.py) everywhere."""
     return [f for f in families() if family_status(f).startswith("on")]
 
 

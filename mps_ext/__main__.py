@@ -46,7 +46,11 @@ def self_check() -> bool:
     from mps_ext import _selfcheck
 
     print()
-    print("self-check against torch's CPU kernels" + ("" if mps_ext.is_available() else " (CPU Metal executor only)"))
+    devices = _selfcheck.devices()
+    if not devices:
+        print("self-check: nothing to check here (no Apple GPU, and no backend of CPU tensors installed)")
+        return True
+    print("self-check against torch's CPU kernels (" + ", ".join(devices) + ")")
     results = _selfcheck.run()
     failed = [r for r in results if not r.ok]
     for r in results:

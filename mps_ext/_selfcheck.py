@@ -1,10 +1,12 @@
 """Self-check: every op family of mps_ext against torch's own CPU kernels or
 float64 references.
 
-On every machine the kernels run on CPU tensors through the CPU Metal
-executor (the same Metal source the Mac compiles), as torch.ops.mps_ext.*.
-Where mps_ext is available they also run on the GPU, through the overridden
-aten ops, and are compared with the CPU.
+Where mps_ext is available (a Mac) the kernels run on the GPU, through the
+overridden aten ops, and are compared with torch's CPU results. Where a
+backend of CPU tensors is installed (a test's or a contributor's:
+mps_ext/_cpu_backend.py) they also run on CPU tensors through it, as
+torch.ops.mps_ext.*, inside its request(). With neither there is nothing
+to check.
 
 A call that goes to torch's own kernel by decision (the policy leaves the op
 to the installed torch, or the family is turned off) is checked the same way
@@ -20,7 +22,7 @@ import dataclasses
 import torch
 
 import mps_ext
-from mps_ext import _executor_request
+from mps_ext import _cpu_backend
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
@@ -45,7 +47,7 @@ class Result:
 
 
 def judge(family: str, device: str, before: dict, after: dict) -> tuple[bool, str]:
-    """For one call of an op of `family` on `device` ("executor" or "mps"),
+    """For one call of an op of `family` on `device` ("cpu" or "mps"),
     given the family's stats() before and after it: whether mps_ext's kernel
     ran, and what is wrong ("" if nothing) if it did not for a reason that is
     not a decision."""
@@ -194,32 +196,40 @@ def _narrow(outputs, dtype):
                  else o.to(dtype if o.is_complex() or not dtype.is_complex else real) for o in outputs)
 
 
-def executor_op(op):
+def cpu_op(op):
     """The torch.ops.mps_ext op that runs mps_ext's kernel for aten function `op`."""
     return getattr(torch.ops.mps_ext, op.__name__)  # F.linear's __name__ is 'linear' too
 
 
 def torch_lacks_kernel(case: Case, device: str) -> bool:
     """Whether the case's op is an aten op of its family for which torch has
-    no kernel of its own where `device` ("executor": CPU tensors) runs it
+    no kernel of its own where `device` ("cpu": CPU tensors) runs it
     (mps_ext registers one there rather than overriding torch's)."""
     name = f"aten::{case.op.__name__}"
     return (name in mps_ext._C.family_aten_ops(case.family)
-            and not mps_ext._C.has_stock_kernel(name, "CPU" if device == "executor" else "MPS"))
+            and not mps_ext._C.has_stock_kernel(name, "CPU" if device == "cpu" else "MPS"))
+
+
+def devices() -> list[str]:
+    """What the self-check runs the kernels on here: "mps" where mps_ext is
+    available, "cpu" where a backend of CPU tensors is installed."""
+    return (["cpu"] if _cpu_backend.installed() else []) + (["mps"] if mps_ext.is_available() else [])
 
 
 def run() -> list[Result]:
-    # The executor is asked for (on a Mac, torch.ops.mps_ext ops on CPU
-    # tensors reach it only then: mps_ext/_executor_request.py).
-    with _executor_request.request():
+    # The CPU backend is asked for (on a Mac, torch.ops.mps_ext ops on CPU
+    # tensors reach it only then).
+    with _cpu_backend.request():
         return _run()
 
 
 def _run() -> list[Result]:
     results = []
-    devices = ["executor"] + (["mps"] if mps_ext.is_available() else [])
+    here = devices()
+    if not here:
+        return results
     for case in cases():
-        for device in devices:
+        for device in here:
             off = case.family not in mps_ext.enabled_ops() or (
                 device == "mps" and case.family not in mps_ext.installed_overrides())
             if off and torch_lacks_kernel(case, device):
@@ -230,8 +240,8 @@ def _run() -> list[Result]:
                 continue
             ours = True
             try:
-                if device == "executor":
-                    op, args = executor_op(case.op), case.args
+                if device == "cpu":
+                    op, args = cpu_op(case.op), case.args
                 else:
                     op, args = case.op, [a.to("mps") if isinstance(a, torch.Tensor) else a for a in case.args]
                 # Only the op's call between the two: moving float8 tensors

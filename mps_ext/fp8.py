@@ -13,9 +13,10 @@ de-quantises the weight in registers (torch.ops.mps_ext.fp8_linear, the
 kernels of kernels_metal/scaled_mm.metal): the same weight traffic as
 quantising the activation to fp8 too, without the activation's rounding
 error. On CPU tensors the modules compute the same product with torch's own
-CPU ops (the weight de-quantised in memory): the CPU Metal executor runs
-Metal kernels thousands of times slower than a CPU library, so it runs only
-inside mps_ext._executor_request.request() (tests, the model runner).
+CPU ops (the weight de-quantised in memory): a backend that runs the Metal
+kernels on CPU tensors (a test's: mps_ext/_cpu_backend.py) is thousands of
+times slower than a CPU library, so it runs only inside its request() (tests,
+the model runner).
 
 Every selected module holding a mixture-of-experts layer's expert banks as
 3-D parameters `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]
@@ -47,7 +48,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _executor_request
+from . import _cpu_backend
 
 __all__ = ["FP8Experts", "FP8Linear", "FP8Summary", "quantize_fp8", "quantize_weight"]
 
@@ -150,23 +151,23 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, granularity: str = "
     return w * s
 
 
-def _executor_requested() -> bool:
-    return _executor_request.requested()
+def _cpu_kernels_requested() -> bool:
+    return _cpu_backend.requested()
 
 
 # Dynamo cannot trace a ContextVar: it takes the answer when it traces a
 # graph (compile inside request() to trace the kernels' path). This is what
 # torch.compiler.assume_constant_result sets (torch 2.0-2.15), without
 # importing dynamo at `import mps_ext`.
-_executor_requested._dynamo_marked_constant = True
+_cpu_kernels_requested._dynamo_marked_constant = True
 
 
 def _use_torch_cpu_ops(x: torch.Tensor) -> bool:
-    """CPU tensors take torch's own CPU ops unless the executor was asked
-    for: a Metal kernel on the executor is thousands of times slower than a
+    """CPU tensors take torch's own CPU ops unless a CPU backend's kernels
+    were asked for: a Metal kernel on the CPU is thousands of times slower than a
     CPU library, and users quantize on the CPU and try a forward before
     moving the model to MPS."""
-    return x.device.type == "cpu" and not _executor_requested()
+    return x.device.type == "cpu" and not _cpu_kernels_requested()
 
 
 class _FP8Module(nn.Module):
@@ -207,7 +208,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                bias: torch.Tensor | None) -> torch.Tensor:
     """FP8Linear's product (x @ weight^T, de-quantised, + bias) in x's dtype,
     on any device: torch.ops.mps_ext.fp8_linear, or on CPU tensors without
-    the executor the kernels' math with torch's ops. Differentiable in x and
+    a CPU backend asked for the kernels' math with torch's ops. Differentiable in x and
     bias (the fp8 weight is frozen): on every path the gradient of x is
     grad_out @ the de-quantised weight (_FP8LinearFunction)."""
     bias = bias.to(x.dtype) if bias is not None and bias.dtype != x.dtype else bias
@@ -339,7 +340,7 @@ class FP8Experts(_FP8Module):
     moe_combine, four dispatches. More rows: the activations are quantised
     row-wise to e4m3 as well and the products are _scaled_grouped_mm's tiles
     (prefill accuracy is then that of fp8 activations; mps_ext::
-    fp8_grouped_linear). On CPU tensors (unless the executor is asked for)
+    fp8_grouped_linear). On CPU tensors (unless a CPU backend is asked for)
     torch's CPU ops compute the decode math for any number of rows."""
 
     DECODE_ROWS = 1024  # moe_experts' limit

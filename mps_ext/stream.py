@@ -9,7 +9,7 @@ working set, which decode never reaches). Until then the GPU has nothing to
 run: the host's encoding of a step and the GPU's execution of it add up.
 `torch.ops.mps_ext.commit(x)` commits the current stream's command buffer
 (`MPSStream::synchronize(SyncType::COMMIT)`, csrc/backend/metal.mm) without
-waiting; on CPU tensors (the CPU Metal executor) it does nothing, and the
+waiting; on CPU tensors (a test's CPU backend) it does nothing, and the
 census counts it (benchmarks/census.py).
 
     mps_ext.stream.install_commits(model, every=4)   # after layers 4, 8, ...

@@ -4,8 +4,15 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+# The CPU Metal executor is a package of its own (executor/), which
+# scripts/setup.sh installs; the checkout's copy comes first, as mps_ext's
+# does, for this process and for the Python subprocesses tests start.
+EXECUTOR = os.path.join(ROOT, "executor")
+for path in (EXECUTOR, ROOT):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, EXECUTOR] + [p for p in os.environ.get("PYTHONPATH", "").split(
+    os.pathsep) if p and p not in (ROOT, EXECUTOR)])
 
 
 # How pytest-xdist shares the suite between the workers (--dist loadgroup in
@@ -57,15 +64,20 @@ def pytest_configure(config):
                             "torch's CPU kernels capped (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, "
                             "MKL_ENABLE_INSTRUCTIONS)")
     # The suite runs torch.ops.mps_ext ops on CPU tensors through the CPU
-    # Metal executor, which on a Mac they reach only when it is asked for
-    # (mps_ext/_executor_request.py): the op layer's request, for this
-    # thread, for the whole session. (The fp8 modules' own choice, the
-    # context variable of request(), is left to each test.)
+    # Metal executor: installed as mps_ext's backend of CPU tensors, and, as
+    # on a Mac they reach it only when it is asked for, asked for by the op
+    # layer's request of this thread for the whole session. (The fp8
+    # modules' own choice, the context variable of request(), is left to
+    # each test.)
     try:
-        from mps_ext import _C
-    except Exception:  # the tests that need it fail on their own import
+        import mps_ext
+        import mps_ext_executor
+    except Exception:  # the tests that need them fail on their own import
         return
-    _C._set_executor_requested(True)
+    if mps_ext._C is None:  # the tests that need it fail, saying why (mps_ext._load_error)
+        return
+    mps_ext_executor.install()
+    mps_ext_executor._C._set_requested(True)
 
 
 @pytest.fixture
@@ -74,7 +86,7 @@ def cpu_policy():
     apply to MPS only; mps_ext._leave_to_torch or _C.leave_to_torch), and
     removes them afterwards."""
     import mps_ext
-    from mps_ext.cpu_metal._model_runner import _clear_policy
+    from mps_ext_executor._model_runner import _clear_policy
     mps_ext.reset_stats()
     yield
     _clear_policy("CPU")
@@ -84,18 +96,19 @@ def cpu_policy():
 @pytest.fixture
 def simulate():
     """Sets a simulated failure of the executor backend (the way Metal can
-    fail on a Mac: _C._simulate_executor_failure); afterwards the executor
-    works again, and the failures remembered (launch.cpp) and recorded per
-    family are forgotten (a real failure lasts the process)."""
+    fail on a Mac: mps_ext_executor._C._simulate_failure); afterwards the
+    executor works again, and the failures remembered (launch.cpp) and
+    recorded per family are forgotten (a real failure lasts the process)."""
     import mps_ext
+    import mps_ext_executor
     from mps_ext import _C
     mps_ext.reset_stats()
 
     def set_failure(library, kernel="", kind="library", max_threads=0):
-        _C._simulate_executor_failure(library, kernel, kind, max_threads)
+        mps_ext_executor._C._simulate_failure(library, kernel, kind, max_threads)
 
     yield set_failure
-    _C._simulate_executor_failure("")
+    mps_ext_executor._C._simulate_failure("")
     for fam in mps_ext.families():
         _C._clear_unavailable(fam)
     mps_ext.reset_stats()

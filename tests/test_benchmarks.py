@@ -247,7 +247,7 @@ def test_census_conv_state_bytes_match_what_the_cache_holds_and_the_op_moves(tok
     """A conv layer's state traffic in step_bytes: the window transformers'
     cache holds for each channel (conv_L_cache taps, not L - 1), read and
     written once, as short_conv_decode moves it (executor counters)."""
-    from mps_ext import cpu_metal
+    import mps_ext_executor as cpu_metal
     spec = census.MODELS["LFM2.5-8B-A1B"]
     model = census.tiny_model(spec)
     c = model.config

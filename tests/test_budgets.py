@@ -8,7 +8,7 @@ shapes (benchmarks/bench_*.py):
 - no 64-bit integer division or remainder in a 32-bit-index kernel (Apple
   GPUs run them in software);
 - registers: a streaming kernel fits cpu_metal.FULL_OCCUPANCY_REGISTERS (52,
-  1024 threads per core; the figure's sources are in mps_ext/cpu_metal),
+  1024 threads per core; the figure's sources are in executor/mps_ext_executor),
   every kernel fits MAX_REGISTERS (128; beyond, the compiler spills) and the
   registers that let a core hold the threadgroup size the host launches
   (cpu_metal.registers_for: a pipeline allows no larger threadgroup, and the
@@ -71,7 +71,7 @@ import torch
 
 from benchmarks import bench_moe, common
 from benchmarks.__main__ import OPS, op_cases
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 
 
 # ------------------------------------------------------------ the kernels --

@@ -7,7 +7,7 @@ decide: one warning naming the cause, the call and every later one that
 needs that kernel (or any kernel of a library that failed) go to torch's own
 kernel, stats() and the report say so, and the family's other kernels keep
 running. Here the executor backend fails the same way through a test hook
-(_C._simulate_executor_failure, the `simulate` fixture of conftest.py), so
+(cpu_metal._C._simulate_failure, the `simulate` fixture of conftest.py), so
 that exactly that decision code runs. Launches that adapt to a pipeline's
 limit: tests/test_pipeline_limits.py."""
 
@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import mps_ext
-from mps_ext import _C, cpu_metal
+from mps_ext import _C
+import mps_ext_executor as cpu_metal
 from mps_ext.__main__ import report
 from decode_steps import linear_attention, linear_attention_inputs, short_conv, short_conv_inputs
 
@@ -42,7 +43,7 @@ def test_a_library_that_does_not_build(simulate, capfd):
     assert torch.equal(first, want) and torch.equal(later[1], want)
     assert torch.equal(later[0], torch._log_softmax(x, 0, False))
     assert rec.dispatches == []  # nothing of softmax ran, and nothing was retried
-    assert _C._simulated_failure_hits() == 1
+    assert cpu_metal._C._simulated_failure_hits() == 1
     warned = overriding_warnings(capfd.readouterr().err)
     assert len(warned) == 1, warned
     assert ("the kernels of softmax.metal cannot run on CPU here (softmax.metal failed to compile (simulated)); "
@@ -80,7 +81,7 @@ def test_a_failure_of_the_second_kernel_of_an_op(simulate, capfd):
     assert rec.dispatches == []
     want = torch._softmax(x, 1, False)
     assert torch.equal(got, want) and torch.equal(again, want)
-    assert _C._simulated_failure_hits() == 1
+    assert cpu_metal._C._simulated_failure_hits() == 1
     assert len(overriding_warnings(capfd.readouterr().err)) == 1
     assert mps_ext.stats()["softmax"]["unavailable"] == {
         "CPU": "cannot build the pipeline of softmax_finish_f32_f32_i32_vec (simulated)"}
@@ -101,7 +102,7 @@ def test_a_pipeline_with_fewer_threads_than_a_fixed_launch_needs(simulate, capfd
     got = [torch.ops.mps_ext.mm(x, w) for _ in range(2)]
     for g in got:
         torch.testing.assert_close(g, x @ w, rtol=1e-5, atol=1e-4)
-    assert _C._simulated_failure_hits() == 1
+    assert cpu_metal._C._simulated_failure_hits() == 1
     (warned,) = overriding_warnings(capfd.readouterr().err)
     cause = f"the pipeline of kernel {d.kernel} runs at most 128 threads per threadgroup on this GPU; it needs {needs}"
     assert f"kernel {d.kernel} cannot run on CPU here ({cause})" in warned
@@ -174,7 +175,7 @@ def test_one_kernel_failing_leaves_the_familys_other_kernels_running(simulate, c
                 torch.testing.assert_close(result, want[library][0], rtol=1e-5, atol=1e-5)
             else:
                 assert kernels == [] and f"mps_ext::{kernel[:-4]} cannot run on CPU here ({REASON})" in str(result)
-    assert _C._simulated_failure_hits() == 1
+    assert cpu_metal._C._simulated_failure_hits() == 1
     cause = (f"{failing}.metal failed to compile (simulated)" if kind == "library"
              else f"cannot build the pipeline of {kernel} (simulated)")
     stats = mps_ext.stats()
@@ -192,7 +193,7 @@ def test_a_library_failing_takes_down_each_of_its_kernels(simulate):
     for dtype in (torch.float32, torch.bfloat16, torch.float32):
         with pytest.raises(RuntimeError, match=f"linear_attention_decode cannot run on CPU here \\({REASON}\\)"):
             linear_attention(linear_attention_inputs(1, 1, 2, 64, 64, 4, dtype), 1)
-    assert _C._simulated_failure_hits() == 1
+    assert cpu_metal._C._simulated_failure_hits() == 1
     torch.ops.mps_ext.linear(torch.randn(1, 64), torch.randn(32, 64), None)
     assert mps_ext.stats()["linear"]["ran"] == 1
 
@@ -237,8 +238,10 @@ def test_through_an_aten_override_it_is_a_python_warning():
     code = """
 import warnings, torch, mps_ext
 mps_ext._C.install_overrides(["softmax"], "CPU")
-mps_ext._C._set_executor_requested(True)  # on a Mac CPU tensors reach the executor only when asked
-mps_ext._C._simulate_executor_failure("softmax", "", "library", 0)
+import mps_ext_executor
+mps_ext_executor.install()  # mps_ext runs kernels on CPU tensors through it
+mps_ext_executor._C._set_requested(True)  # on a Mac CPU tensors reach the executor only when asked
+mps_ext_executor._C._simulate_failure("softmax", "", "library", 0)
 x = torch.randn(3, 5)
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
@@ -255,21 +258,21 @@ print(all(torch.allclose(y, x.exp() / x.exp().sum(1, keepdim=True)) for y in ys)
     assert lines[2] == "True"
 
 
-NOT_ASKED = "the CPU Metal executor was not asked for (mps_ext._executor_request.request())"
+NOT_ASKED = "the CPU backend was not asked for"
 
 
 @pytest.fixture
 def mac():
     """As on a Mac: a Metal GPU backend is present (simulated), and the CPU
     Metal executor is not asked for (the suite asks for it: conftest.py)."""
-    _C._simulate_metal_backend(1)
-    _C._set_executor_requested(False)
+    cpu_metal._C._simulate_metal_backend(1)
+    cpu_metal._C._set_requested(False)
     mps_ext.reset_stats()
     try:
         yield
     finally:
-        _C._set_executor_requested(True)
-        _C._simulate_metal_backend(-1)
+        cpu_metal._C._set_requested(True)
+        cpu_metal._C._simulate_metal_backend(-1)
         mps_ext.reset_stats()
 
 
@@ -278,9 +281,8 @@ def test_on_a_mac_cpu_tensors_reach_the_executor_only_when_asked(mac):
     torch.ops.mps_ext op on CPU tensors runs torch's CPU kernel unless the
     executor was asked for; mps_ext's own ops, which torch has no kernel
     for, say so."""
-    from mps_ext import _executor_request
 
-    assert _C._metal_backend_present() and not _C._executor_requested()
+    assert cpu_metal._C._metal_backend_present() and not cpu_metal._C._requested()
     x, w = torch.randn(2, 64), torch.randn(32, 64)
     with cpu_metal.record() as rec:
         y = torch.ops.mps_ext._softmax(x, 1, False)
@@ -292,14 +294,14 @@ def test_on_a_mac_cpu_tensors_reach_the_executor_only_when_asked(mac):
     for fam in ("softmax", "linear", "pad"):
         assert mps_ext.stats()[fam] == {"ran": 0, "fallbacks": {NOT_ASKED: 1}, "unavailable": {}}, fam
     logits = torch.randn(3, 8)
-    with pytest.raises(RuntimeError, match="mps_ext::moe_route cannot run on CPU here \\(the CPU Metal executor was "
+    with pytest.raises(RuntimeError, match="mps_ext::moe_route cannot run on CPU here \\(the CPU backend was "
                                            "not asked for"):
         torch.ops.mps_ext.moe_route(logits, 2)
-    with _executor_request.request(), cpu_metal.record() as rec:
-        assert _C._executor_requested()
+    with cpu_metal.request(), cpu_metal.record() as rec:
+        assert cpu_metal._C._requested()
         torch.testing.assert_close(torch.ops.mps_ext._softmax(x, 1, False), torch._softmax(x, 1, False))
         torch.ops.mps_ext.moe_route(logits, 2)
-    assert not _C._executor_requested()
+    assert not cpu_metal._C._requested()
     assert len(rec.dispatches) >= 2
     assert mps_ext.stats()["softmax"]["ran"] == 1 and mps_ext.stats()["moe"]["ran"] == 1
 

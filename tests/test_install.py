@@ -39,7 +39,9 @@ warnings.simplefilter("error")  # a Python warning would fail the process
 # aten::linear, mm and addmm have CPU kernels: this is the override torch warns about.
 print(mps_ext._C.install_overrides(["linear"], "CPU"))
 print(mps_ext._C.install_overrides(["linear", "softmax", "pad"], "CPU"))
-mps_ext._C._set_executor_requested(True)  # on a Mac CPU tensors reach the executor only when asked
+import mps_ext_executor
+mps_ext_executor.install()  # mps_ext runs kernels on CPU tensors through it
+mps_ext_executor._C._set_requested(True)  # on a Mac CPU tensors reach the executor only when asked
 x = torch.ones(2, 3)
 assert torch.equal(torch.nn.functional.pad(x, (1, 1)), torch.cat([torch.zeros(2, 1), x, torch.zeros(2, 1)], 1))
 print(mps_ext.stats()["pad"]["ran"])
@@ -61,7 +63,9 @@ COMPILED_MODEL = """
 import torch, mps_ext, torch.nn.functional as F
 FAMILIES = ["grouped_mm", "linalg", "linear", "softmax", "pad"]
 mps_ext._C.install_overrides(FAMILIES, "CPU")
-mps_ext._C._set_executor_requested(True)  # on a Mac CPU tensors reach the executor only when asked
+import mps_ext_executor
+mps_ext_executor.install()  # mps_ext runs kernels on CPU tensors through it
+mps_ext_executor._C._set_requested(True)  # on a Mac CPU tensors reach the executor only when asked
 grouped_mm = getattr(F, "grouped_mm", torch._grouped_mm)  # aten::_grouped_mm either way (F's from torch 2.10)
 def model(x, w, b, w2, m, experts, offs):
     y = F.linear(x, w, b)    # aten::addmm once traced
@@ -124,7 +128,9 @@ def test_a_compiled_model_reaches_the_float8_overrides():
     r = python("""
 import torch, mps_ext
 mps_ext._C.install_overrides(["fp8", "scaled_mm"], "CPU")
-mps_ext._C._set_executor_requested(True)  # on a Mac CPU tensors reach the executor only when asked
+import mps_ext_executor
+mps_ext_executor.install()  # mps_ext runs kernels on CPU tensors through it
+mps_ext_executor._C._set_requested(True)  # on a Mac CPU tensors reach the executor only when asked
 def model(x, w8, sa, sb, idx):
     q = torch.cat([x.to(torch.float8_e5m2)] * 2).index_select(0, idx)
     y = torch._scaled_mm(x.to(torch.float8_e4m3fn), w8.t(), sa, sb, out_dtype=torch.float32)
@@ -155,7 +161,9 @@ def test_f_grouped_mm_and_f_scaled_grouped_mm_reach_the_overrides():
     r = python("""
 import torch, torch.nn.functional as F, mps_ext
 mps_ext._C.install_overrides(["grouped_mm"], "CPU")
-mps_ext._C._set_executor_requested(True)  # on a Mac CPU tensors reach the executor only when asked
+import mps_ext_executor
+mps_ext_executor.install()  # mps_ext runs kernels on CPU tensors through it
+mps_ext_executor._C._set_requested(True)  # on a Mac CPU tensors reach the executor only when asked
 a, w = torch.randn(6, 32), torch.randn(3, 16, 32) / 6
 offs = torch.tensor([2, 2, 6], dtype=torch.int32)
 want = torch.cat([a[:2] @ w[0].t(), a[2:] @ w[2].t()])

@@ -176,7 +176,7 @@ def test_each_own_op_is_listed_by_the_family_whose_switch_it_obeys():
 
 
 def test_report_and_self_check():
-    r = subprocess.run([sys.executable, "-m", "mps_ext", "--self-check"], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "mps_ext_executor", "self-check"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Metal kernels active:" in r.stdout
     assert "self-check passed" in r.stdout
@@ -249,6 +249,6 @@ def test_the_version_is_written_once():
     installed distribution's metadata and the module agree."""
     import importlib.metadata
     assert importlib.metadata.version("mps_ext") == mps_ext.__version__
-    pyproject = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
-    project = pyproject.split("[project]")[1].split("\n[")[0]
-    assert 'dynamic = ["version"]' in project and "\nversion = " not in project
+    import tomllib
+    project = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert "version" in project["dynamic"] and "version" not in project

@@ -8,7 +8,7 @@ chooses a launch's geometry (dispatch/kernel_choice.h, thread_budget) and sizes
 every launch that can adapt from it: the op still runs its kernel, and
 gives the same result (bit for bit where the geometry changes no sum).
 Here the executor pretends a kernel's pipeline allows fewer threads
-(_C._simulate_executor_failure(..., "max_threads", n): the `simulate`
+(cpu_metal._C._simulate_failure(..., "max_threads", n): the `simulate`
 fixture of conftest.py). What cannot adapt: a shape longer than the
 pipeline's threads hold goes to torch for that call only; a pipeline below
 a launch's least makes its kernel unavailable (and test_fallback.py: one
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import mps_ext
-from mps_ext import _C, cpu_metal
+import mps_ext_executor as cpu_metal
 from decode_steps import linear_attention, linear_attention_inputs
 
 F32 = torch.float32
@@ -134,7 +134,7 @@ def test_a_launch_fits_a_pipeline_that_allows_fewer_threads(simulate, case):
     simulate(case.library, d.kernel, kind="max_threads", max_threads=case.limit)
     with cpu_metal.record() as rec:
         got = case.run()
-    assert _C._simulated_failure_hits() >= 1  # the op asked for the limited pipeline
+    assert cpu_metal._C._simulated_failure_hits() >= 1  # the op asked for the limited pipeline
     assert all(threads(e) <= case.limit for e in rec.dispatches if e.kernel == d.kernel)
     after = mps_ext.stats()[case.family]
     assert after["ran"] == 2 * before["ran"] and after["fallbacks"] == {} and after["unavailable"] == {}
@@ -151,12 +151,12 @@ def test_linear_attention_takes_fewer_columns_at_once():
     runs = {}
     for limit in (None, 512, 32):
         if limit:
-            _C._simulate_executor_failure("linear_attention", "linear_attention_decode_f32", "max_threads", limit)
+            cpu_metal._C._simulate_failure("linear_attention", "linear_attention_decode_f32", "max_threads", limit)
         try:
             with cpu_metal.record() as rec:
                 qwen35_linear_attention(F32)()
         finally:
-            _C._simulate_executor_failure("")
+            cpu_metal._C._simulate_failure("")
         (d,) = rec.dispatches
         runs[limit] = threads(d)
     assert runs == {None: 1024, 512: 512, 32: 32}
@@ -209,7 +209,7 @@ def test_a_pipeline_below_a_launchs_least_makes_the_kernel_unavailable(simulate,
     for _ in range(2):
         with pytest.raises(RuntimeError, match=f"cannot run on CPU here \\({REASON}\\)"):
             qwen35_linear_attention(F32)()
-    assert _C._simulated_failure_hits() == 1
+    assert cpu_metal._C._simulated_failure_hits() == 1
     cause = ("the pipeline of kernel linear_attention_decode_f32 runs at most 16 threads per threadgroup on this "
              "GPU; it needs at least 32")
     assert mps_ext.stats()["linear_attention"] == {"ran": 0, "fallbacks": {REASON: 2}, "unavailable": {"CPU": cause}}

@@ -289,7 +289,7 @@ def test_judge_accepts_decisions_only():
 
 @pytest.mark.parametrize("disable", ["all", "softmax"])
 def test_self_check_passes_with_families_turned_off(disable):
-    r = subprocess.run([sys.executable, "-m", "mps_ext", "--self-check"], capture_output=True, text=True, cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "mps_ext_executor", "self-check"], capture_output=True, text=True, cwd=ROOT,
                        env={**os.environ, "MPS_EXT_DISABLE": disable})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "self-check passed" in r.stdout

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mps_ext.cpu_metal._compiler import check_file
+from mps_ext_executor._compiler import check_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SHADERS = sorted((ROOT / "kernels_metal").glob("*.metal"))
@@ -35,7 +35,7 @@ DECLARED = [("linear", "gemv_rows_f32_r1_q1_vec", 512), ("linear", "gemv_cols_f1
 def test_declared_threadgroup_size_is_enforced(library, kernel, declared):
     import torch
 
-    from mps_ext import cpu_metal
+    import mps_ext_executor as cpu_metal
     from tools.embed_shaders import flatten
 
     lib = cpu_metal.compile_library(flatten(ROOT / "kernels_metal" / f"{library}.metal"), filename=f"{library}.metal")
@@ -45,7 +45,7 @@ def test_declared_threadgroup_size_is_enforced(library, kernel, declared):
 
 
 def test_every_kernel_declares_its_threadgroup_size():
-    from mps_ext.cpu_metal import _compiler, _translate
+    from mps_ext_executor import _compiler, _translate
     from tools.embed_shaders import flatten
 
     for library in ("linear", "softmax", "pad"):

@@ -210,7 +210,7 @@ def entries(torch_versions=None) -> list[Entry]:
 
 
 def _check(entry: Entry) -> Result:
-    from mps_ext.cpu_metal._compiler import CompileError, check_source
+    from mps_ext_executor._compiler import CompileError, check_source
     t = time.perf_counter()
     try:
         findings = check_source(entry.stub, f"{entry.path}.stub.metal", entry.include_dirs)

@@ -3,7 +3,7 @@
     python tools/torch_matrix.py [VERSION ...]
 
 For each release in VERSIONS, every .cpp and .mm of csrc/ (and the generated
-shaders.cpp) is compiled, syntax only, as a Mac build of that release would
+shaders.cpp) and every .cpp of executor/csrc/ is compiled, syntax only, as a Mac build of that release would
 compile it: the real headers of the release's macOS arm64 wheel, the -std and
 defines its torch.utils.cpp_extension.BuildExtension adds (read from the
 wheel's own cpp_extension.py), and our flags and include directories from
@@ -179,7 +179,7 @@ def as_on_mac(text: str, name: str) -> str:
 def mac_tree(dest: Path) -> Path:
     """A copy of the sources the build reads, with our own __APPLE__
     conditions true, and the generated shaders.cpp. Line numbers are kept."""
-    for d in build_config.include_dirs(ROOT) + [ROOT / "csrc"]:
+    for d in build_config.include_dirs(ROOT) + build_config.executor_include_dirs(ROOT) + [ROOT / "csrc"]:
         rel = d.relative_to(ROOT)
         if (dest / rel).exists():
             continue
@@ -205,11 +205,11 @@ def compile_command(clang: str, source: Path, tree: Path, flags: TorchFlags, pch
     """The syntax check of `source`; with `pch`, torch's headers are read
     from that precompiled header (made by pch_command) instead of parsed."""
     cmd = [clang, "-fsyntax-only", "-fno-color-diagnostics", "-Wno-unused-command-line-argument",
-           f"-std={flags.std}", *flags.defines, *build_config.compile_args("darwin")]
+           f"-std={flags.std}", *flags.defines, *build_config.compile_args("darwin", test_hooks=True)]
     if source.suffix == ".mm":
         cmd += ["-x", "objective-c++", "-fblocks", "-fobjc-runtime=macosx-14.0",
                 "-isystem", str(tree / "csrc" / "backend" / "apple_stubs")]
-    for d in build_config.include_dirs(tree):
+    for d in build_config.include_dirs_of(tree, source):
         cmd += ["-I", str(d)]
     for d in flags.include_dirs:
         cmd += ["-I", str(d)]
@@ -268,7 +268,7 @@ def check(versions=VERSIONS, jobs: int | None = None, sources: list[str] | None 
     flags = {v: torch_flags(h) for v, h in headers.items()}
     with tempfile.TemporaryDirectory(prefix="mps_ext-matrix-") as work:
         tree = mac_tree(Path(work))
-        files = build_config.sources(tree, "darwin")
+        files = build_config.sources(tree, "darwin") + build_config.executor_sources(tree)
         if sources is not None:
             files = [f for f in files if str(f.relative_to(tree)) in sources]
             if len(files) != len(sources):

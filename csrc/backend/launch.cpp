@@ -48,8 +48,8 @@ namespace {
 // Kernels that cannot run, per device type: a whole library under kernel
 // "". Remembered so that a call after a failure goes to torch's kernel at
 // the cost of a lookup, not of a build (Metal remembers its failed builds
-// too, but not the pipelines whose thread limit is too low; the executor's
-// simulated failures count every ask).
+// too, but not the pipelines whose thread limit is too low; the simulated
+// failures of a test's CPU backend count every ask).
 using KernelKey = std::tuple<c10::DeviceType, std::string, std::string>;
 std::mutex g_unavailable_mutex;
 std::atomic<bool> g_any_unavailable{false};  // the fast path: nothing failed
@@ -92,12 +92,36 @@ c10::Device device_of(const Launch& l) {
   return *device;
 }
 
+std::atomic<CpuBackend*> g_cpu_backend{nullptr};
+
+void register_cpu_backend(CpuBackend* backend) { g_cpu_backend.store(backend, std::memory_order_release); }
+
+// A CPU tensor's launch, here when route() let it through, or straight from
+// BackendSlot::launch (a backend's test hook, which no route() precedes):
+// with no backend registered it says so rather than crash.
+CpuBackend& cpu_backend_or_throw() {
+  CpuBackend* b = cpu_backend();
+  TORCH_CHECK(b, "mps_ext: no backend runs kernels on CPU tensors here (mps_ext runs its kernels on MPS tensors; "
+              "a test registers a CPU backend through mps_ext._C._backend_slot())");
+  return *b;
+}
+
 [[noreturn]] void no_backend(const c10::Device& device) {
-  TORCH_CHECK(false, "mps_ext: kernels run on MPS tensors, or on CPU tensors through the CPU Metal executor; got ",
+  TORCH_CHECK(false, "mps_ext: kernels run on MPS tensors, or on CPU tensors through a registered CPU backend; got ",
               device);
 }
 
+const char* shader_source_of(const std::string& name) { return shader_source(name); }
+
 }  // namespace
+
+CpuBackend* cpu_backend() { return g_cpu_backend.load(std::memory_order_acquire); }
+
+const BackendSlot& backend_slot() {
+  static const BackendSlot slot{kBackendSlotVersion, sizeof(BackendSlot), &register_cpu_backend, &shader_source_of,
+                                &register_shader_source, &launch};
+  return slot;
+}
 
 void remember_unavailable(c10::DeviceType device, const BackendUnavailable& e) {
   std::lock_guard<std::mutex> lock(g_unavailable_mutex);
@@ -115,12 +139,15 @@ DeviceProfile device_profile(const c10::Device& device) {
 #ifdef __APPLE__
   if (device.is_mps()) return metal_profile();
 #endif
-  return executor_profile();
+  if (device.is_cpu()) {
+    if (CpuBackend* b = cpu_backend()) return b->profile();
+  }
+  return kLargestMacProfile;
 }
 
 PipelineInfo pipeline(const c10::Device& device, const std::string& library, const std::string& kernel) {
   rethrow_if_remembered(device.type(), library, kernel);
-  if (device.is_cpu()) return executor_pipeline(library, kernel);
+  if (device.is_cpu()) return cpu_backend_or_throw().pipeline(library, kernel);
 #ifdef __APPLE__
   if (device.is_mps()) return metal_pipeline(library, kernel);
 #endif
@@ -130,7 +157,7 @@ PipelineInfo pipeline(const c10::Device& device, const std::string& library, con
 void launch(const Launch& l) {
   const c10::Device device = device_of(l);
   check_threads(l, pipeline(device, l.library, l.kernel));
-  if (device.is_cpu()) return executor_encode(l);
+  if (device.is_cpu()) return cpu_backend_or_throw().encode(l);
 #ifdef __APPLE__
   if (device.is_mps()) return metal_encode(l);
 #endif
@@ -142,8 +169,8 @@ void commit(const c10::Device& device) {
 #ifdef __APPLE__
   if (device.is_mps()) return metal_commit();
 #endif
-  TORCH_CHECK(false, "mps_ext commit: commits the MPS stream (a no-op on CPU tensors, which the CPU Metal executor "
-              "runs); got a tensor on ", device);
+  TORCH_CHECK(false, "mps_ext commit: commits the MPS stream (a no-op on CPU tensors, whose backend runs each "
+              "launch when it is encoded); got a tensor on ", device);
 }
 
 }  // namespace mps_ext

@@ -1,7 +1,9 @@
 // The launch interface between the op layer (csrc/ops) and the backends:
 // "run kernel K of library L with these buffers on this grid". The Metal
-// backend (metal.mm) runs it on the GPU for MPS tensors; the CPU Metal
-// executor backend (executor.cpp) runs the same kernel on CPU tensors.
+// backend (metal.mm) runs it on the GPU for MPS tensors. CPU tensors have no
+// backend in the product: a test or a contributor registers one through the
+// registration point below (BackendSlot), which the op layer then routes
+// the CPU dispatch key's launches to, without knowing what it is.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,6 +14,11 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+// Types that cross from the product's extension into a registered
+// backend's (another shared object): exported, so that an exception thrown
+// there is caught here by type and a vtable is the same on both sides.
+#define MPS_EXT_API __attribute__((visibility("default")))
 
 namespace mps_ext {
 
@@ -47,7 +54,7 @@ struct Launch {
 // (remember_unavailable: the kernel's, or its whole library's when
 // `whole_library`) so that later launches of it fail at once, and warns once
 // naming `cause`. Other kernels, of the same family too, keep running.
-struct BackendUnavailable : std::runtime_error {
+struct MPS_EXT_API BackendUnavailable : std::runtime_error {
   BackendUnavailable(std::string library_, std::string kernel_, std::string cause_, bool whole_library_ = false)
       : std::runtime_error(cause_), library(std::move(library_)), kernel(std::move(kernel_)),
         cause(std::move(cause_)), whole_library(whole_library_) {}
@@ -72,23 +79,36 @@ inline BackendUnavailable too_few_threads(const std::string& library, const std:
 
 // The GPU a launch runs on, as far as the op layer's launch geometry needs
 // it (dispatch/kernel_choice.h). The Metal backend reads its GPU's once per
-// process; the executor's stands for whichever Mac a test chooses (default:
-// the largest, kExecutorDefaultProfile), so that CI runs the geometry of a
-// small and of a large GPU.
+// process; a CPU backend reports the GPU it stands for (CpuBackend::profile).
 struct DeviceProfile {
   int64_t cores;   // GPU cores
   int64_t family;  // Apple GPU family (MTLGPUFamilyApple<N>): 7 (M1), 8 (M2), 9 (M3, M4); 0 if unknown
 };
 // An M3 Ultra: the most cores of any Mac, and the geometry every decode
-// kernel had before it took a profile.
-constexpr DeviceProfile kExecutorDefaultProfile{80, 9};
+// kernel had before it took a profile. What the Metal backend assumes when
+// it cannot read its GPU's core count.
+constexpr DeviceProfile kLargestMacProfile{80, 9};
 // The profile of the GPU that runs launches on `device` (MPS: the Mac's;
-// CPU: the executor's).
+// CPU: the registered CPU backend's, kLargestMacProfile without one).
 DeviceProfile device_profile(const c10::Device& device);
-// Test hook: the GPU the executor stands for. Cores must be at least 1.
-void set_executor_profile(const DeviceProfile& profile);
-DeviceProfile executor_profile();
 DeviceProfile metal_profile();  // macOS only (metal.mm)
+
+// A backend of the CPU dispatch key's launches, registered at run time
+// (BackendSlot::register_cpu_backend). It builds a kernel's pipeline once
+// (pipeline(), which throws BackendUnavailable if it cannot) and encodes
+// launches of it (encode(), which runs them to completion).
+class MPS_EXT_API CpuBackend {
+ public:
+  virtual ~CpuBackend() = default;
+  // Whether the backend takes this thread's calls now. route() sends a call
+  // it does not take to torch's kernel (because::cpu_backend_not_asked).
+  virtual bool accepts() const = 0;
+  virtual PipelineInfo pipeline(const std::string& library, const std::string& kernel) = 0;
+  virtual void encode(const Launch& launch) = 0;
+  virtual DeviceProfile profile() const = 0;
+};
+// The registered CPU backend, or nullptr (the product as shipped).
+CpuBackend* cpu_backend();
 
 // Runs the launch on the device its tensors live on (all must agree).
 // Throws BackendUnavailable as described above.
@@ -112,36 +132,41 @@ void forget_unavailable();
 // Commits the command buffer of the stream `device`'s launches are encoded
 // on, so that the GPU starts the work encoded so far while the host encodes
 // the rest (torch.ops.mps_ext.commit, mps_ext/stream.py). MPS: the current
-// MPS stream's (metal_commit); CPU: nothing, as the executor runs each launch
-// to completion when it is encoded. Other devices are refused.
+// MPS stream's (metal_commit); CPU: nothing, as a CPU backend runs each
+// launch to completion when it is encoded. Other devices are refused.
 void commit(const c10::Device& device);
 
-// Backends. Each builds a kernel's pipeline once (pipeline(), which throws
-// BackendUnavailable if it cannot) and encodes launches of it (encode()).
-// The metal_* functions exist on macOS only (metal.mm).
-PipelineInfo executor_pipeline(const std::string& library, const std::string& kernel);
-void executor_encode(const Launch& launch);
+// The Metal backend (metal.mm, macOS only).
 PipelineInfo metal_pipeline(const std::string& library, const std::string& kernel);
 void metal_encode(const Launch& launch);
 void metal_commit();
 
-// Test hook: a shader library compiled from `source` under `name` (not a
-// built-in one's), which launch() then runs like the built-in libraries: on
-// a Mac with the same compile options (metal.mm), so that kernels can be
-// checked against Metal as mps_ext ships it.
+// A shader library compiled from `source` under `name` (not a built-in
+// one's), which launch() then runs like the built-in libraries: on a Mac
+// with the same compile options (metal.mm), so that kernels can be checked
+// against Metal as mps_ext ships it. Reached through BackendSlot only.
 void register_shader_source(const std::string& name, const std::string& source);
 
-// Test hook: the executor backend fails the way a Mac can (see
-// executor.cpp), so that the fallback path runs in CI.
-enum class SimulatedFailure { kNone, kLibrary, kPipeline, kMaxThreads };
-void simulate_executor_failure(const std::string& library, const std::string& kernel, SimulatedFailure kind,
-                               uint64_t max_threads);
-// How often a simulated failure was hit since it was set.
-uint64_t simulated_failure_hits();
-
-// The executor's libraries are compiled once per process; a test that
-// changes how they are compiled (mps_ext.cpu_metal.math_mode) drops them, so
-// that the next launch compiles each again in the new mode.
-void forget_executor_libraries();
+// The registration point: what mps_ext._C._backend_slot() hands out, as a
+// PyCapsule named kBackendSlotName holding a `const BackendSlot*`. A CPU
+// backend is another extension compiled against these headers; it checks
+// `version` and `size` before it calls anything (a product and a backend
+// built from different checkouts refuse each other).
+struct BackendSlot {
+  uint32_t version;  // kBackendSlotVersion
+  uint32_t size;     // sizeof(BackendSlot)
+  // Makes `backend` (nullptr: none) serve the CPU key's launches. The
+  // backend must outlive the process's last launch (register a static).
+  void (*register_cpu_backend)(CpuBackend* backend);
+  // The flattened text of built-in or registered shader library `name`;
+  // throws (c10::Error) if there is none.
+  const char* (*shader_source)(const std::string& name);
+  void (*register_shader_source)(const std::string& name, const std::string& source);
+  // launch() as the op layer calls it (route's BackendUnavailable aside).
+  void (*launch)(const Launch& launch);
+};
+constexpr uint32_t kBackendSlotVersion = 1;
+constexpr const char* kBackendSlotName = "mps_ext.backend_slot";
+const BackendSlot& backend_slot();
 
 }  // namespace mps_ext

@@ -151,7 +151,7 @@ DeviceProfile metal_profile() {
     } catch (const c10::Error&) {
       p.cores = 0;  // the registry lookup failed
     }
-    if (p.cores <= 0) p.cores = kExecutorDefaultProfile.cores;
+    if (p.cores <= 0) p.cores = kLargestMacProfile.cores;
     @autoreleasepool {
       id<MTLDevice> device = mps->device();
       const MTLGPUFamily families[] = {MTLGPUFamilyApple9, MTLGPUFamilyApple8, MTLGPUFamilyApple7};

@@ -31,7 +31,8 @@
   /* route's own (dispatch/registry.h) */                                                                            \
   X(turned_off, "turned off")                                                                                   \
   X(kernels_unavailable, "kernels unavailable on this device")                                                  \
-  X(executor_not_requested, "the CPU Metal executor was not asked for (mps_ext._executor_request.request())")  \
+  X(no_cpu_backend, "no backend runs kernels on CPU tensors here")                                          \
+  X(cpu_backend_not_asked, "the CPU backend was not asked for")                                                 \
   A(foreign_device, "a {device} tensor beside {device} tensors")                                                \
   A(policy, "{text}") /* a rule's reason, "policy: ..." (mps_ext/_policy.py) */                                 \
   /* a shape the kernel's pipeline cannot take on this GPU, though others it can (CallNotTaken) */             \

@@ -275,30 +275,6 @@ void Family::leave_to_torch(const std::string& op, c10::DispatchKey key, const s
   slot.of(key).store(why.empty() ? nullptr : kept, std::memory_order_release);
 }
 
-// ---------------------------------------------------- executor requests --
-namespace {
-thread_local int t_executor_requests = 0;
-std::atomic<int> g_metal_backend_simulated{-1};
-}  // namespace
-
-void set_executor_requested(bool requested) {
-  t_executor_requests += requested ? 1 : -1;
-  if (t_executor_requests < 0) t_executor_requests = 0;
-}
-bool executor_requested() { return t_executor_requests > 0; }
-
-bool metal_backend_present() {
-  const int simulated = g_metal_backend_simulated.load(std::memory_order_relaxed);
-#ifdef __APPLE__
-  return simulated != 0;
-#else
-  return simulated == 1;
-#endif
-}
-void set_metal_backend_present(int present) { g_metal_backend_simulated = present < 0 ? -1 : present > 0; }
-
-bool executor_allowed() { return !metal_backend_present() || executor_requested(); }
-
 // ----------------------------------------------------------- routing --
 namespace detail {
 
@@ -312,7 +288,11 @@ c10::DeviceType device_of(c10::DispatchKey key) {
 
 Reason precheck(const Family& fam, c10::DispatchKey key) {
   if (!fam.enabled.load(std::memory_order_relaxed)) return because::turned_off;
-  if (key == c10::DispatchKey::CPU && !executor_allowed()) return because::executor_not_requested;
+  if (key == c10::DispatchKey::CPU) {
+    const CpuBackend* backend = cpu_backend();
+    if (!backend) return because::no_cpu_backend;
+    if (!backend->accepts()) return because::cpu_backend_not_asked;
+  }
   return {};
 }
 

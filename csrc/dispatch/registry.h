@@ -15,10 +15,11 @@
 //     family's other kernels keep running;
 //   - the kernel cannot take this call's shape on this GPU, though it takes
 //     others (CallNotTaken: a row longer than its pipeline's threads hold);
-//   - the call is on CPU tensors where a Metal GPU backend exists (a Mac)
-//     and the CPU Metal executor was not asked for (executor_requested:
-//     mps_ext/_executor_request.py): the executor is the contributor's
-//     instrument, thousands of times slower than torch's CPU kernels;
+//   - the call is on CPU tensors and no CPU backend is registered (the
+//     product as shipped: backend/launch.h, CpuBackend), or the registered
+//     one does not take this call (CpuBackend::accepts: a test's backend,
+//     thousands of times slower than torch's CPU kernels, takes calls on a
+//     Mac only when it is asked for);
 //   - the policy leaves this op to the installed torch (mps_ext/_policy.py),
 //     possibly not for dtypes or argument values torch's kernel refuses (a
 //     LeftToTorch rule; a rule whose calls a named Condition picks is
@@ -203,17 +204,6 @@ std::string family_table_problem();
 // The same for given families and how many files define each.
 std::string family_table_problem(const std::vector<std::pair<std::string, int>>& definitions);
 
-// Whether the CPU Metal executor may run torch.ops.mps_ext ops on CPU
-// tensors here: always where no Metal backend exists (Linux: the executor
-// is how CI runs every kernel); on a Mac only inside
-// mps_ext._executor_request.request() (this thread). The Metal backend's
-// presence can be simulated by tests (set_metal_backend_present).
-bool executor_allowed();
-void set_executor_requested(bool requested);  // this thread; nests as a count
-bool executor_requested();
-bool metal_backend_present();
-void set_metal_backend_present(int present);  // tests: 1 yes, 0 no, -1 as built
-
 // The kernel `op` ("aten::_softmax") had for `key` before mps_ext overrode
 // it. Captured now if it was not captured before; an error if there was none
 // (check has_stock_kernel first where torch may lack one, e.g. an op torch
@@ -365,8 +355,8 @@ void foreign_device(const T&, c10::DeviceType, Reason&) {}
 c10::DeviceType device_of(c10::DispatchKey key);
 
 // Why the call goes to the stock kernel before anything about its
-// arguments is looked at (none if it does not): turned off, the executor not
-// asked for.
+// arguments is looked at (none if it does not): turned off, no CPU backend
+// or one that does not take the call.
 Reason precheck(const Family& fam, c10::DispatchKey key);
 
 // The error of a call that cannot run mps_ext's kernel (`reason`) and has no

@@ -8,7 +8,5 @@
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "mps_ext native extension";
-  mps_ext::bind_executor(m);
   mps_ext::bind_ops(m);
-  mps_ext::bind_routing_probe(m);
 }

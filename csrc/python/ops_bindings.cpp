@@ -1,5 +1,5 @@
 // Python access to the op families: switches, counters, overrides, policy,
-// and the test hooks of the fallback paths.
+// and the registration point of a CPU backend (_backend_slot).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -24,23 +24,14 @@ c10::DispatchKey key_of(const std::string& device) {
   throw py::value_error("mps_ext: device must be 'MPS' or 'CPU', not '" + device + "'");
 }
 
-SimulatedFailure failure_of(const std::string& kind) {
-  if (kind == "none") return SimulatedFailure::kNone;
-  if (kind == "library") return SimulatedFailure::kLibrary;
-  if (kind == "pipeline") return SimulatedFailure::kPipeline;
-  if (kind == "max_threads") return SimulatedFailure::kMaxThreads;
-  throw py::value_error("mps_ext: failure kind must be none, library, pipeline or max_threads, not '" + kind + "'");
-}
-
 }  // namespace
 
-void bind_ops(py::module_& m) {
-  // A family table that does not match the families' files fails the
-  // import of mps_ext._C (mps_ext reports it as its load error).
-  const std::string problem = family_table_problem();
-  if (!problem.empty()) throw std::runtime_error("mps_ext: " + problem);
-  m.def("families", &family_names, "The op families (dispatch/families.h), sorted.");
-  // Test hooks of that check: its verdict for given definition counts, and
+#ifdef MPS_EXT_TEST_HOOKS
+// Hooks the tests reach into the op layer with. Only a build with
+// MPS_EXT_TEST_HOOKS=1 in the environment has them (scripts/setup.sh builds
+// so; tools/build_config.py): the product a user installs exports none.
+void bind_test_hooks(py::module_& m) {
+  // The family table's check: its verdict for given definition counts, and
   // a second definition of a real family (which leaves the first in force).
   m.def("_family_table_problem",
         [](const std::vector<std::pair<std::string, int>>& d) { return family_table_problem(d); });
@@ -49,6 +40,35 @@ void bind_ops(py::module_& m) {
     f.define(f.def());
     return family_table_problem();
   });
+  m.def("_set_index_limit", &set_index_limit, py::arg("limit"),
+        "Largest index the 32-bit kernel variants may compute; <= 0 restores 2^31 - 1 (tests run the 64-bit "
+        "variants on small tensors with it).");
+  // The family's record of failures, and the kernels launch.cpp
+  // remembers as failed (on every device), are forgotten.
+  m.def(
+      "_clear_unavailable",
+      [](const std::string& fam) {
+        family(fam).clear_unavailable();
+        forget_unavailable();
+      },
+      py::arg("family"));
+  m.def("_boxed_fallbacks", &detail::boxed_fallbacks,
+        "How many of route's fallbacks to torch's kernel went through a boxed call (tests: none should).");
+  m.def(
+      "_warn_without_override_warning",
+      [](const std::string& message) {
+        without_override_warning([&] { TORCH_WARN(message); });
+      },
+      py::arg("message"));
+}
+#endif
+
+void bind_ops(py::module_& m) {
+  // A family table that does not match the families' files fails the
+  // import of mps_ext._C (mps_ext reports it as its load error).
+  const std::string problem = family_table_problem();
+  if (!problem.empty()) throw std::runtime_error("mps_ext: " + problem);
+  m.def("families", &family_names, "The op families (dispatch/families.h), sorted.");
   m.def("family_aten_ops", &family_aten_ops, py::arg("family"));
   m.def("family_own_ops", &family_own_ops, py::arg("family"));
   m.def(
@@ -100,41 +120,12 @@ void bind_ops(py::module_& m) {
   m.def("reset_stats", [] {
     for (const auto& name : family_names()) family(name).reset();
   });
-  // mps_ext/_executor_request.py's request(): on a Mac, torch.ops.mps_ext ops
-  // on CPU tensors run the CPU Metal executor only inside it (this thread).
-  m.def("_set_executor_requested", &set_executor_requested, py::arg("requested"));
-  m.def("_executor_requested", &executor_requested);
-
-  // Test hooks.
-  m.def(
-      "_simulate_executor_failure",
-      [](const std::string& library, const std::string& kernel, const std::string& kind, uint64_t max_threads) {
-        simulate_executor_failure(library, kernel, failure_of(kind), max_threads);
-      },
-      py::arg("library"), py::arg("kernel") = "", py::arg("kind") = "none", py::arg("max_threads") = 0);
-  m.def("_simulated_failure_hits", &simulated_failure_hits);
-  m.def("_forget_executor_libraries", &forget_executor_libraries);
-  m.def("_register_shader_source", &register_shader_source, py::arg("name"), py::arg("source"));
-  m.def(
-      "_launch",
-      [](const std::string& library, const std::string& kernel, const std::vector<at::Tensor>& buffers,
-         std::array<uint32_t, 3> threadgroups, std::array<uint32_t, 3> threads_per_threadgroup) {
-        Launch l{library, kernel, {}, threadgroups, threads_per_threadgroup, {}};
-        for (const auto& t : buffers) l.args.push_back(KernelArg::of(t));
-        launch(l);
-      },
-      py::arg("library"), py::arg("kernel"), py::arg("buffers"), py::arg("threadgroups"),
-      py::arg("threads_per_threadgroup"),
-      "Test hook: kernel `kernel` of `library` with `buffers` as [[buffer(0)]], [[buffer(1)]], ..., through "
-      "the backend of the tensors' device, as the ops launch theirs.");
-  m.def("_set_index_limit", &set_index_limit, py::arg("limit"),
-        "Largest index the 32-bit kernel variants may compute; <= 0 restores 2^31 - 1 (tests run the 64-bit "
-        "variants on small tensors with it).");
-  m.def(
-      "_set_executor_profile",
-      [](int64_t cores, int64_t family) { set_executor_profile(DeviceProfile{cores, family}); },
-      py::arg("cores"), py::arg("family"),
-      "The GPU the executor stands for in the ops' launch geometry (cpu_metal.set_gpu).");
+  // The registration point of a CPU backend (backend/launch.h, BackendSlot):
+  // the product runs kernels on MPS tensors only; a test or a contributor
+  // passes this capsule to a backend's extension, which registers itself.
+  m.def("_backend_slot", [] {
+    return py::capsule(static_cast<const void*>(&backend_slot()), kBackendSlotName);
+  });
   m.def(
       "_device_profile",
       [](const std::string& device) {
@@ -142,27 +133,9 @@ void bind_ops(py::module_& m) {
         return std::make_pair(p.cores, p.family);
       },
       py::arg("device"), "(cores, family) of the GPU the ops' launch geometry assumes on `device` ('cpu', 'mps').");
-  // Tests: the family's record of failures, and the kernels launch.cpp
-  // remembers as failed (on every device), are forgotten.
-  m.def(
-      "_clear_unavailable",
-      [](const std::string& fam) {
-        family(fam).clear_unavailable();
-        forget_unavailable();
-      },
-      py::arg("family"));
-  m.def("_simulate_metal_backend", &set_metal_backend_present, py::arg("present"),
-        "Test hook: 1 behaves as if a Metal GPU backend were present (a Mac: CPU tensors reach the executor only "
-        "when it is asked for), 0 as if not, -1 as built.");
-  m.def("_metal_backend_present", &metal_backend_present);
-  m.def("_boxed_fallbacks", &detail::boxed_fallbacks,
-        "How many of route's fallbacks to torch's kernel went through a boxed call (tests: none should).");
-  m.def(
-      "_warn_without_override_warning",
-      [](const std::string& message) {
-        without_override_warning([&] { TORCH_WARN(message); });
-      },
-      py::arg("message"));
+#ifdef MPS_EXT_TEST_HOOKS
+  bind_test_hooks(m);
+#endif
 }
 
 }  // namespace mps_ext

@@ -169,9 +169,10 @@ def sigmoid_gate_reference(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """sigmoid_gate_reference as one torch.ops.mps_ext.sigmoid_gate
     dispatch, reading gate where q_proj left it, where mps_ext's kernels run
-    (MPS with the attention_gate family on; CPU tensors when the executor is
-    asked for); elsewhere, under torch.compile (Inductor fuses the ops with
-    their neighbours) and where autograd needs a derivative, torch's ops."""
+    (MPS with the attention_gate family on; CPU tensors when a CPU backend
+    is asked for); elsewhere, under torch.compile (Inductor fuses the ops
+    with their neighbours) and where autograd needs a derivative, torch's
+    ops."""
     if (not torch.compiler.is_compiling() and x.dtype in _FLOAT and gate.dtype == x.dtype
             and x.numel() == gate.numel() and x.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad))

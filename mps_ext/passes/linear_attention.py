@@ -12,7 +12,7 @@ the float32 recurrent state of transformers' cache are updated in place,
 the gated RMSNorm is applied, and the projections stay the model's own
 modules (nn.Linear or quantize_fp8's FP8Linear). Prefill, a call without a
 cache (or one recording past states for speculative decoding), CPU tensors
-without the executor, and a forward that needs gradients run the layer's
+without a CPU backend asked for, and a forward that needs gradients run the layer's
 own forward.
 
 A layer is recognised by its parts, not its class: in_proj_qkv, in_proj_z,

@@ -16,7 +16,7 @@ with a sigmoid gate (Qwen3-Next, Qwen3.5/3.6-MoE) is expert E of the banks
 and row E of the router: no dispatch of its own. Everything else is the
 block's own forward: prefill beyond the op's 1024 token slots (transformers'
 experts, on mps_ext's _grouped_mm or FP8Experts' products), CPU tensors
-unless the executor is asked for, a forward that needs gradients (training,
+unless a CPU backend is asked for, a forward that needs gradients (training,
 LoRA) and one recording router logits (output_router_logits).
 
 The op reads the banks where the block keeps them: the experts module's

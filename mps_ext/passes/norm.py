@@ -60,7 +60,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, varian
 class FusedRMSNorm(nn.Module):
     """An RMSNorm of the last dimension, forward(x [..., N]) -> [..., N], as
     one torch.ops.mps_ext.rms_norm dispatch where mps_ext's kernels run (MPS
-    with the norm family on; CPU tensors when the executor is asked for);
+    with the norm family on; CPU tensors when a CPU backend is asked for);
     elsewhere, under torch.compile (Inductor fuses these ops with the
     residual add), and where autograd needs a derivative or the weight's
     dtype is not x's, the same steps with torch's ops."""
@@ -264,9 +264,9 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     D].
 
     One torch.ops.mps_ext.qk_norm_rope dispatch where mps_ext's kernels run
-    (MPS with the norm family on; CPU tensors when the executor is asked
+    (MPS with the norm family on; CPU tensors when a CPU backend is asked
     for) and the norms are FusedRMSNorm (mps_ext.optimize makes them so) of
-    one eps and variant; elsewhere (no executor, under torch.compile, where
+    one eps and variant; elsewhere (no CPU backend asked for, under torch.compile, where
     autograd needs a derivative, other dtypes or norms) the same steps with
     torch's ops and the norm modules themselves."""
     qn, kn = _norm_of(q_norm), _norm_of(k_norm)

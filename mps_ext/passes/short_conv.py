@@ -13,7 +13,7 @@ multiply-add kernels run torch's convolution (x86-64 with AVX2 or later;
 tests/short_conv_oracle.py computes that arithmetic); the projections stay the
 model's own modules (nn.Linear or quantize_fp8's FP8Linear). Prefill, a
 call without a cache (or one recording past states for speculative
-decoding), a padding mask, CPU tensors without the executor, and a
+decoding), a padding mask, CPU tensors without a CPU backend asked for, and a
 forward that needs gradients run the layer's own forward. Under
 torch.compile the op stays one call in the graph (its fake kernel in
 _meta.py): Inductor would leave the convolution to aten between two

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 
 KERNELS = Path(__file__).parent / "kernels"
 
@@ -27,14 +27,13 @@ def run_through_mps_ext(file: str, name: str, args, threads: int, group: int):
     on MPS tensors the Metal backend compiles it with the options of the
     libraries mps_ext ships (csrc/backend/metal.mm: MSL 3.1, no fast math),
     on CPU tensors the executor runs it. Returns the buffers, on the CPU."""
-    import mps_ext
 
     if threads % group:
         raise ValueError(f"threads ({threads}) must be a multiple of the threadgroup size ({group})")
     library = f"test_kernels_{file}"
-    mps_ext._C._register_shader_source(library, (KERNELS / f"{file}.metal").read_text())
+    cpu_metal._C._register_shader_source(library, (KERNELS / f"{file}.metal").read_text())
     buffers = [a.clone() for a in args]
-    mps_ext._C._launch(library, name, buffers, [threads // group, 1, 1], [group, 1, 1])
+    cpu_metal._C._launch(library, name, buffers, [threads // group, 1, 1], [group, 1, 1])
     if any(b.device.type == "mps" for b in buffers):
         torch.mps.synchronize()
     return [b.cpu() for b in buffers]

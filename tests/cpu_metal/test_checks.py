@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 from tests.cpu_metal.conftest import KERNELS
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 from tests.cpu_metal.conftest import KERNELS
 
 
@@ -135,13 +135,13 @@ def test_build_is_cached(tmp_path, monkeypatch):
 def test_check_mode_passes_the_test_kernels():
     # *_mismatch.metal are the kernels a Metal compiler must reject
     files = [str(p) for p in sorted(KERNELS.glob("*.metal")) if not p.name.endswith("_mismatch.metal")]
-    r = subprocess.run([sys.executable, "-m", "mps_ext.cpu_metal", "check", *files], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "mps_ext_executor", "check", *files], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_check_mode_reports_an_address_space_mismatch():
     path = KERNELS / "address_space_mismatch.metal"
-    r = subprocess.run([sys.executable, "-m", "mps_ext.cpu_metal", "check", str(path)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "mps_ext_executor", "check", str(path)], capture_output=True, text=True)
     assert r.returncode == 1
     assert f"{path}:13:" in r.stdout and f"{path}:14:" in r.stdout
 
@@ -164,7 +164,7 @@ def test_check_mode_lint(tmp_path, case):
     body, expected = LINT_CASES[case]
     path = tmp_path / f"{case}.metal"
     path.write_text("#include <metal_stdlib>\nusing namespace metal;\n" + body + "\n")
-    r = subprocess.run([sys.executable, "-m", "mps_ext.cpu_metal", "check", str(path)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "mps_ext_executor", "check", str(path)], capture_output=True, text=True)
     assert r.returncode == 1
     assert expected in r.stdout
     assert f"{path}:" in r.stdout  # file:line

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 
 SOURCE = Path(__file__).parent / "kernels" / "counters.metal"
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 
 rng = np.random.default_rng(1234)
 
@@ -394,12 +394,10 @@ def test_a_test_kernel_through_mps_ext_launch_path_matches_the_executor(kernels)
 
 
 def test_registered_shader_sources_keep_their_name():
-    import mps_ext
-
     with pytest.raises(RuntimeError, match="'softmax' is a built-in shader library"):
-        mps_ext._C._register_shader_source("softmax", "kernel void k() {}")
-    mps_ext._C._register_shader_source("test_registered_once", "kernel void k(device float* x [[buffer(0)]]) {}")
+        cpu_metal._C._register_shader_source("softmax", "kernel void k() {}")
+    cpu_metal._C._register_shader_source("test_registered_once", "kernel void k(device float* x [[buffer(0)]]) {}")
     with pytest.raises(RuntimeError, match="registered already with other source"):
-        mps_ext._C._register_shader_source("test_registered_once", "kernel void k2(device float* x [[buffer(0)]]) {}")
+        cpu_metal._C._register_shader_source("test_registered_once", "kernel void k2(device float* x [[buffer(0)]]) {}")
     with pytest.raises(RuntimeError, match="no shader library named 'test_never_registered'"):
-        mps_ext._C._launch("test_never_registered", "k", [torch.zeros(1)], [1, 1, 1], [1, 1, 1])
+        cpu_metal._C._launch("test_never_registered", "k", [torch.zeros(1)], [1, 1, 1], [1, 1, 1])

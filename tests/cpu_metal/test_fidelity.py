@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 from tests.cpu_metal.conftest import KERNELS
 
 rng = np.random.default_rng(12)
@@ -242,7 +242,7 @@ def test_threadgroup_atomic_float_is_rejected(tmp_path):
         cpu_metal.compile_library(THREADGROUP_FLOAT_ATOMIC % "float", filename="tg_float.metal")
     path = tmp_path / "tg_float.metal"
     path.write_text(THREADGROUP_FLOAT_ATOMIC % "float")
-    r = subprocess.run([sys.executable, "-m", "mps_ext.cpu_metal", "check", str(path)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "mps_ext_executor", "check", str(path)], capture_output=True, text=True)
     assert r.returncode == 1 and f"{path}:6:" in r.stdout
     # the same counter as an atomic_uint is Metal
     out = torch.zeros(1)
@@ -411,7 +411,7 @@ def test_simdgroup_load_of_another_element_type_is_rejected():
     path = KERNELS / "matrix_mismatch.metal"
     with pytest.raises(cpu_metal.CompileError, match=r"matrix_mismatch.metal:8:.*element type of the memory differs"):
         cpu_metal.compile_library(path.read_text(), filename=path.name)
-    r = subprocess.run([sys.executable, "-m", "mps_ext.cpu_metal", "check", str(path)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "mps_ext_executor", "check", str(path)], capture_output=True, text=True)
     assert r.returncode == 1 and f"{path}:8:" in r.stdout
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 
 
 def test_float_math(kernels):

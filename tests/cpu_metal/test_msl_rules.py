@@ -1,4 +1,4 @@
-"""Check mode rejects what Apple's Metal compiler rejects (mps_ext/cpu_metal/
+"""Check mode rejects what Apple's Metal compiler rejects (executor/mps_ext_executor/
 _lint.py and the C++14 address-space compile): for every rule, a shader with
 that bug fails with a message naming the rule and the line (marked `// BUG`),
 and a valid variant of it passes."""
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from mps_ext import cpu_metal
-from mps_ext.cpu_metal import _lint
-from mps_ext.cpu_metal._compiler import check_file
+import mps_ext_executor as cpu_metal
+from mps_ext_executor import _lint
+from mps_ext_executor._compiler import check_file
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAD = "#include <metal_stdlib>\nusing namespace metal;\n"

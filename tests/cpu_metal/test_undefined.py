@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 from tests.cpu_metal.conftest import KERNELS
 from tests.cpu_metal.test_checks import line_of
 

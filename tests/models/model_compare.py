@@ -1,7 +1,7 @@
 """How the model tests compare runs. They run real library model code
 (transformers, diffusers, torch's own consumers of linear algebra) in tiny
 seeded random configs, three ways on CPU tensors: in float64 (the reference), with stock torch in the
-test dtype, and under mps_ext.cpu_metal.run_model (ours: mps_ext's kernels
+test dtype, and under mps_ext_executor.run_model (ours: mps_ext's kernels
 on the CPU Metal executor wherever a Mac with torch RELEASE would run them).
 
 The bound, `no_worse`: err(ours) <= FACTOR * err(stock) + ATOL[dtype], with

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from mps_ext.cpu_metal import run_model
+from mps_ext_executor import run_model
 from model_compare import RELEASE
 
 import diffusers

@@ -15,7 +15,7 @@ import transformers
 import safetensors.torch as safetensors_torch
 
 import mps_ext  # noqa: E402
-from mps_ext import _executor_request, cpu_metal  # noqa: E402
+import mps_ext_executor as cpu_metal  # noqa: E402
 from mps_ext.checkpoint import load_fp8  # noqa: E402
 
 BLOCK = 128
@@ -205,7 +205,7 @@ def test_load_fp8_keeps_weights_fp8_and_runs_the_kernels(checkpoint):
     exact = logits(reference(config, dequantized, torch.float64), ids)
     stock = logits(reference(config, dequantized, torch.bfloat16), ids)
     mps_ext.reset_stats()
-    with _executor_request.request(), cpu_metal.record() as rec:
+    with cpu_metal.request(), cpu_metal.record() as rec:
         ours = logits(model, ids)
     ran = mps_ext.stats()
     kernels = [d.kernel for d in rec.dispatches]
@@ -300,7 +300,7 @@ def test_load_fp8_moe_generates_the_float64_models_tokens(tmp_path):
     with torch.no_grad():
         want = reference(config, dequantized, torch.float64).generate(ids, max_new_tokens=3, do_sample=False,
                                                                        pad_token_id=0)
-        with _executor_request.request(), cpu_metal.record() as rec:
+        with cpu_metal.request(), cpu_metal.record() as rec:
             got = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert got.tolist() == want.tolist()
     assert sum(d.kernel.startswith("gmm_decode_rows_") for d in rec.dispatches) == 2 * 3  # gate+up, down per step

@@ -17,7 +17,8 @@ from torch import nn
 import transformers
 
 import mps_ext  # noqa: E402
-from mps_ext import FP8Experts, FP8Linear, _executor_request, cpu_metal  # noqa: E402
+from mps_ext import FP8Experts, FP8Linear  # noqa: E402
+import mps_ext_executor as cpu_metal
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 T = transformers
@@ -355,7 +356,7 @@ def prefill_and_decode(model, ids):
     return out.logits, step.logits
 
 
-@_executor_request.request()  # traced inside request(): the kernels' path, the one a Mac takes
+@cpu_metal.request()  # traced inside request(): the kernels' path, the one a Mac takes
 def test_compiled_quantized_model_hands_inductor_no_float8_op(monkeypatch):
     # FP8Experts' prefill path past DECODE_ROWS routed rows, at 10 tokens x 2.
     monkeypatch.setattr(FP8Experts, "DECODE_ROWS", 8)
@@ -371,7 +372,7 @@ def test_compiled_quantized_model_hands_inductor_no_float8_op(monkeypatch):
         torch.testing.assert_close(g, w)
 
 
-@_executor_request.request()
+@cpu_metal.request()
 def test_inductor_on_cpu_runs_a_quantized_moe_layer(monkeypatch):
     # One graph (a C++ compile of inductor's costs tens of seconds here): an
     # FP8Linear and the MoE block, router and FP8Experts' prefill path.
@@ -401,7 +402,7 @@ def test_cpu_tensors_take_torchs_ops_unless_the_executor_is_asked_for():
     with cpu_metal.record() as rec:
         cpu = logits(model, ids)
     assert rec.dispatches == [] and ran() == {}
-    with _executor_request.request():
+    with cpu_metal.request():
         kernels = logits(model, ids)
     assert ran()["scaled_mm"] == len(model.fp8_summary.converted["FP8Linear"])
     # Three ops a bank: two products (grouped_mm's, or moe_experts) and moe_combine.
@@ -422,7 +423,7 @@ def test_fp8_experts_cpu_path_is_the_kernels_math(rows):
     ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens_)])
     w = torch.softmax(torch.randn(tokens_, 2, generator=gen), -1).bfloat16()
     cpu = fp8(x, ids, w)
-    with _executor_request.request():
+    with cpu_metal.request():
         kernels = fp8(x, ids, w)
     # Decode rows: the same math. Prefill (past 1024 rows) the kernels
     # quantise the activations to e4m3 as well; the CPU path keeps bf16.

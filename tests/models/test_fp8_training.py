@@ -11,12 +11,13 @@ import copy
 import pytest
 import torch
 
-from mps_ext import FP8Experts, FP8Linear, _executor_request
+from mps_ext import FP8Experts, FP8Linear
+import mps_ext_executor
 from mps_ext.fp8 import FROZEN, quantize_fp8
 
 from test_fp8_flows import MOE, dequantized64, experts_of, make, oracle_of, rel, tokens  # noqa: E402
 
-PATHS = {"torch's CPU ops": contextlib.nullcontext, "kernels (executor)": _executor_request.request}
+PATHS = {"torch's CPU ops": contextlib.nullcontext, "kernels (executor)": mps_ext_executor.request}
 
 
 @pytest.mark.parametrize("path", PATHS)

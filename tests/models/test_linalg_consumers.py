@@ -7,7 +7,7 @@ Cholesky factor), against stock torch and float64/complex128."""
 
 import torch
 
-from mps_ext.cpu_metal import run_model
+from mps_ext_executor import run_model
 from model_compare import RELEASE
 
 

@@ -13,8 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import transformers
 
 import mps_ext
-from mps_ext import FP8Experts, _executor_request
-from mps_ext.cpu_metal import run_model
+from mps_ext import FP8Experts
+import mps_ext_executor
+from mps_ext_executor import run_model
 from mps_ext.passes.moe import FusedMoEMixin
 from mps_ext.passes.norm import FusedRMSNorm
 from model_compare import RELEASE
@@ -547,7 +548,7 @@ def test_quantize_fp8_after_optimize():
 
 
 # ----------------------------------------------------------- torch.compile --
-@_executor_request.request()  # traced inside request(): the kernels' path, the one a Mac takes
+@mps_ext_executor.request()  # traced inside request(): the kernels' path, the one a Mac takes
 @pytest.mark.parametrize("kind", ["bfloat16", "fp8"])
 def test_compiled_optimized_model(kind):
     from test_fp8_flows import Float8Inspector

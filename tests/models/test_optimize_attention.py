@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import mps_ext
-from mps_ext import _executor_request
+import mps_ext_executor
 from mps_ext.passes import attention as fused_attention
-from mps_ext.cpu_metal import run_model
+from mps_ext_executor import run_model
 from mps_ext.passes.attention import FusedQKNormRopeMixin
 from model_compare import RELEASE, without_passes
 from test_optimize import (PROMPT, ids, make, optimized_against_stock_and_float64, prefill_and_decode,
@@ -154,7 +154,7 @@ def test_an_attention_layer_loses_its_norm_and_rope_calls(monkeypatch, model_nam
 
 
 # ----------------------------------------------------------- torch.compile --
-@_executor_request.request()  # traced inside request(): the kernels' path, the one a Mac takes
+@mps_ext_executor.request()  # traced inside request(): the kernels' path, the one a Mac takes
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe"])
 def test_compiled_swapped_model(name):
     """One graph for the whole model (fullgraph), the uncompiled model's
@@ -396,7 +396,7 @@ def test_no_cat_clone_sigmoid_or_mul_left(monkeypatch):
     assert theirs.count("cat") == 2 and {"clone", "sigmoid", "mul"} <= set(theirs), theirs
 
 
-@_executor_request.request()  # traced inside request(): the kernels' path, the one a Mac takes
+@mps_ext_executor.request()  # traced inside request(): the kernels' path, the one a Mac takes
 def test_compiled_gate_and_cache(monkeypatch):
     """Compiled (fullgraph): the model's own gate line and cache update in
     the graph (no sigmoid_gate, no kv_append), the eager model's logits."""

@@ -16,8 +16,8 @@ import torch
 import transformers
 
 import mps_ext
-from mps_ext import _executor_request
-from mps_ext.cpu_metal import run_model
+import mps_ext_executor
+from mps_ext_executor import run_model
 from mps_ext.passes.decoder import FusedDecoderLayerMixin
 from model_compare import RELEASE, without_passes
 from test_optimize import (MODELS, ids, make, optimized_against_stock_and_float64, prefill_and_decode,
@@ -147,7 +147,7 @@ def test_a_layer_decodes_one_add_rms_norm_for_an_add_and_a_norm(monkeypatch, mod
 
 
 # ----------------------------------------------------------- torch.compile --
-@_executor_request.request()  # traced inside request(): the kernels' path, the one a Mac takes
+@mps_ext_executor.request()  # traced inside request(): the kernels' path, the one a Mac takes
 @pytest.mark.parametrize("name", ["qwen3_moe", "lfm2_moe"])
 def test_compiled_swapped_model(name):
     """One graph for the whole model (fullgraph), the uncompiled model's

@@ -12,8 +12,8 @@ import torch
 import transformers
 
 import mps_ext
-from mps_ext import _executor_request
-from mps_ext.cpu_metal import run_model
+import mps_ext_executor
+from mps_ext_executor import run_model
 from mps_ext.passes.linear_attention import FusedDecodeMixin
 from model_compare import RELEASE
 from test_optimize import (decode_counts, generate_is_unchanged_by_optimize, ids, make,
@@ -128,7 +128,7 @@ class _Inspector:
         return gm.forward
 
 
-@_executor_request.request()  # traced inside request(): the kernels' path, the one a Mac takes
+@mps_ext_executor.request()  # traced inside request(): the kernels' path, the one a Mac takes
 def test_compiled_optimized_model():
     model = mps_ext.optimize(make("qwen3_5_moe", torch.bfloat16))
     prompt, step = ids(), ids(1, seed=2)

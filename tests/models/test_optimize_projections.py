@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 import mps_ext
-from mps_ext import _executor_request
+import mps_ext_executor
 from mps_ext.passes import projections as fused_projections
-from mps_ext.cpu_metal import run_model
+from mps_ext_executor import run_model
 from mps_ext.passes.projections import ProjectionRows
 from model_compare import RELEASE
 from test_optimize import decode_counts, ids, make, optimized_against_stock_and_float64, prefill_and_decode, rel_err
@@ -194,7 +194,7 @@ class _Linears:
         return gm.forward
 
 
-@_executor_request.request()  # traced inside request(): the kernels' path, the one a Mac takes
+@mps_ext_executor.request()  # traced inside request(): the kernels' path, the one a Mac takes
 @pytest.mark.parametrize("kind", ["bfloat16", "fp8"])
 def test_compiled_fused_model(kind):
     """One graph for the whole model, with 3 + 2 products fewer than

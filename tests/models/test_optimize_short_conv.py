@@ -18,8 +18,8 @@ import torch.nn.functional as F
 import transformers
 
 import mps_ext
-from mps_ext import _executor_request
-from mps_ext.cpu_metal import run_model
+import mps_ext_executor
+from mps_ext_executor import run_model
 from mps_ext.passes.short_conv import FusedShortConvMixin
 from model_compare import RELEASE, without_passes
 from short_conv_oracle import conv1d_of_the_contract
@@ -164,7 +164,7 @@ def test_dtype_the_kernel_does_not_take_is_an_error():
 
 
 # ----------------------------------------------------------- torch.compile --
-@_executor_request.request()  # traced inside request(): the kernels' path, the one a Mac takes
+@mps_ext_executor.request()  # traced inside request(): the kernels' path, the one a Mac takes
 def test_compiled_optimized_model():
     """Compiled, the decode step is the op in the graph, and gives eager's logits bit for bit."""
     from test_optimize_deltanet import _Inspector

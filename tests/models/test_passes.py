@@ -21,7 +21,7 @@ import transformers
 
 import mps_ext
 from mps_ext import passes
-from mps_ext.cpu_metal import run_model
+from mps_ext_executor import run_model
 from model_compare import RELEASE
 from test_optimize import COMMON, MODELS, make
 

@@ -1,4 +1,4 @@
-"""mps_ext.cpu_metal.run_model: the calls a Mac would send to mps_ext run its
+"""mps_ext_executor.run_model: the calls a Mac would send to mps_ext run its
 kernels on the executor, those the chosen release's policy leaves to torch
 and those the ops do not handle run aten's CPU kernels, and the report says
 which and why."""
@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import mps_ext
-from mps_ext import _executor_request, _policy
-from mps_ext.cpu_metal import run_model
+from mps_ext import _policy
+import mps_ext_executor
+from mps_ext_executor import run_model
 
 
 def test_a_call_mps_ext_takes_runs_its_kernel_and_is_counted_with_its_bytes():
@@ -76,10 +77,10 @@ def test_a_dtype_the_kernels_do_not_take_falls_back_with_its_reason():
 
 
 def test_the_executor_is_requested_inside_and_only_inside():
-    assert not _executor_request.requested()
+    assert not mps_ext_executor.requested()
     with run_model():
-        assert _executor_request.requested()
-    assert not _executor_request.requested()
+        assert mps_ext_executor.requested()
+    assert not mps_ext_executor.requested()
 
 
 def test_bad_releases_and_nesting_are_refused():

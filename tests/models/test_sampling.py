@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mps_ext.cpu_metal import run_model
+from mps_ext_executor import run_model
 from model_compare import RELEASE
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mps_ext
-from mps_ext.cpu_metal import run_model
+from mps_ext_executor import run_model
 from model_compare import RELEASE
 
 import transformers

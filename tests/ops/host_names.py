@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 @lru_cache(maxsize=None)
 def host_names(library: str) -> frozenset[str]:
-    from mps_ext.cpu_metal import _compiler, _translate
+    from mps_ext_executor import _compiler, _translate
     from tools.embed_shaders import flatten
 
     pre = _compiler.preprocess(flatten(ROOT / "kernels_metal" / f"{library}.metal"), f"{library}.metal", None)

@@ -9,7 +9,7 @@ import torch
 
 import mps_ext
 from host_names import host_names
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 from rounding import sigmoid_reach
 
 # The oracle is `x * torch.sigmoid(gate)` on torch's CPU ops (float32's changes

@@ -21,7 +21,7 @@ import functools
 import pytest
 import torch
 
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 
 import test_attention_gate
 import test_linalg

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mps_ext  # noqa: F401  (registers torch.ops.mps_ext)
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 
 SMALL, LARGE = cpu_metal.GPU(cores=8, family=7), cpu_metal.GPU(cores=80, family=9)
 gen = torch.Generator().manual_seed(0)

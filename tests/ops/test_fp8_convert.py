@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import mps_ext
-from mps_ext import _policy, cpu_metal
+from mps_ext import _policy
+import mps_ext_executor as cpu_metal
 
 from fp8_oracle import decode, encode
 

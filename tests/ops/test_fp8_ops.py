@@ -286,7 +286,9 @@ def test_what_users_write_reaches_the_overrides():
     code = """
 import torch, mps_ext
 mps_ext._C.install_overrides(["fp8"], "CPU")
-mps_ext._C._set_executor_requested(True)  # on a Mac CPU tensors reach the executor only when asked
+import mps_ext_executor
+mps_ext_executor.install()  # mps_ext runs kernels on CPU tensors through it
+mps_ext_executor._C._set_requested(True)  # on a Mac CPU tensors reach the executor only when asked
 for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
     c = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt).reshape(16, 16)
     ref = c.float()  # torch's CPU conversion: the values, exactly

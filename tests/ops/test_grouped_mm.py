@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mps_ext
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 gen = torch.Generator().manual_seed(0)

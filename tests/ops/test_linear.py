@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mps_ext
 from host_names import host_names
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 gen = torch.Generator().manual_seed(0)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import transformers
 
 import mps_ext  # noqa: F401  (registers the ops)
-from mps_ext import _executor_request, cpu_metal
+import mps_ext_executor as cpu_metal
 from mps_ext.passes import LinearAttentionPass, run_pass
 from mps_ext.passes.linear_attention import FusedDecodeMixin
 from mps_ext.passes.linear_attention import gated_delta_step as reference
@@ -199,7 +199,7 @@ def test_matches_transformers_layer(dtype):
     assert list(converted) == [""] and not left and isinstance(fused, FusedDecodeMixin)
     with torch.no_grad():
         theirs = layer(step, cache_params=theirs_cache)
-        with _executor_request.request(), cpu_metal.record() as rec:  # CPU tensors: the kernel's path
+        with cpu_metal.request(), cpu_metal.record() as rec:  # CPU tensors: the kernel's path
             ours = fused(step, cache_params=ours_cache)
     assert "linear_attention_decode_" + {torch.float32: "f32", torch.float16: "f16",
                                           torch.bfloat16: "bf16"}[dtype] in [r.kernel for r in rec.dispatches]
@@ -219,7 +219,7 @@ def test_prefill_and_no_cache_run_the_layers_own_forward():
     fused = copy.deepcopy(layer)
     run_pass(LinearAttentionPass(), fused)
     x = torch.randn(2, 3, config.hidden_size)
-    with torch.no_grad(), _executor_request.request(), cpu_metal.record() as rec:
+    with torch.no_grad(), cpu_metal.request(), cpu_metal.record() as rec:
         a, b = fused(x), fused(x[:, :1])  # no cache: prefill, and a single token without one
     assert not rec.dispatches
     torch.testing.assert_close(a, layer(x))

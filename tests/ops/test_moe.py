@@ -11,7 +11,7 @@ from torch import nn
 
 import mps_ext
 from host_names import host_names
-from mps_ext import _executor_request, cpu_metal
+import mps_ext_executor as cpu_metal
 from rounding import sigmoid_reach
 
 gen = torch.Generator().manual_seed(2)
@@ -356,7 +356,7 @@ def experts_with_stored_fp8(fp8_experts, x, ids, w):
 
 
 @pytest.mark.parametrize("tokens", [1, 8])
-@_executor_request.request()  # FP8Experts on CPU tensors: through the kernels, not torch's CPU ops
+@cpu_metal.request()  # FP8Experts on CPU tensors: through the kernels, not torch's CPU ops
 def test_quantize_fp8_converts_expert_banks(tokens):
     torch.manual_seed(5)  # Block's weights (nn.Linear's init) whatever ran before in this process
     ref = Block().bfloat16()
@@ -399,7 +399,7 @@ def test_quantize_fp8_converts_expert_banks(tokens):
     assert torch.equal(again.experts(x, ids, w.bfloat16()), got)
 
 
-@_executor_request.request()
+@cpu_metal.request()
 def test_fp8_experts_prefill_quantizes_activations_too():
     # Past 1024 routed rows the products are _scaled_grouped_mm's tiles with
     # row-wise e4m3 activations.

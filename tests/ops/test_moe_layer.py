@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 from rounding import fma32
 
 gen = torch.Generator().manual_seed(3)

@@ -8,7 +8,7 @@ import torch
 
 import mps_ext
 from host_names import host_names
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 
 from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeRMSNorm  # noqa: E402
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm  # noqa: E402
@@ -180,7 +180,6 @@ from transformers.models.lfm2_moe.modeling_lfm2_moe import apply_rotary_pos_emb 
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import apply_rotary_pos_emb as qwen3_5_rope  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb as qwen3_rope  # noqa: E402
 
-from mps_ext import _executor_request  # noqa: E402
 from mps_ext.passes.norm import FusedRMSNorm, qk_norm_rope  # noqa: E402
 
 ROPE = {"qwen3": qwen3_rope, "lfm2": lfm2_rope, "qwen3_5": qwen3_5_rope}
@@ -424,7 +423,7 @@ def test_qk_norm_rope_python_function(kind):
     cos, sin = rotary(b, t, r, dtype)
     want = reference(kind, q, k, cos, sin, qm, km)
     with torch.no_grad():
-        with _executor_request.request(), cpu_metal.record() as rec:
+        with cpu_metal.request(), cpu_metal.record() as rec:
             got = qk_norm_rope(q, k, cos, sin, fq, fk)
         assert [d.kernel for d in rec.dispatches] == ["qk_norm_rope_bf16"]
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -432,7 +431,7 @@ def test_qk_norm_rope_python_function(kind):
             got = qk_norm_rope(q, k, cos, sin, fq, fk)  # CPU tensors without the executor: torch's ops
         assert rec.dispatches == []
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        with _executor_request.request(), cpu_metal.record() as rec:
+        with cpu_metal.request(), cpu_metal.record() as rec:
             got = qk_norm_rope(q, k, cos, sin, qm, km)  # transformers' own modules: their forward
         assert not any(d.kernel.startswith("qk_norm_rope") for d in rec.dispatches)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -470,7 +469,7 @@ def test_qk_norm_rope_in_a_qwen3_5_attention():
         want = qwen3_5_rope(attn.q_norm(q.view(hidden_shape)).transpose(1, 2),
                             attn.k_norm(k).transpose(1, 2), cos, sin)
         assert sorted(run_pass(NormPass(), attn).converted) == ["k_norm", "q_norm"]
-        with _executor_request.request(), cpu_metal.record() as rec:
+        with cpu_metal.request(), cpu_metal.record() as rec:
             got = qk_norm_rope(q.view(hidden_shape), k, cos, sin, attn.q_norm, attn.k_norm)
     assert [d.kernel for d in rec.dispatches] == ["qk_norm_rope_bf16"]
     for g, w in zip(got, want):
@@ -590,7 +589,7 @@ def test_add_rms_norm_python_function_and_meta():
     x, r = sample((2, 3, 64), torch.bfloat16), sample((2, 3, 64), torch.bfloat16, seed=4)
     with torch.no_grad():
         plain = fused(x, r, norm)  # plain CPU tensors: torch's ops
-        with cpu_metal.record() as rec, _executor_request.request():
+        with cpu_metal.record() as rec, cpu_metal.request():
             op = fused(x, r, norm)
             fused(x, r[:1], norm)  # broadcasts: torch's add
     assert [d.kernel for d in rec.dispatches] == ["add_rms_norm_bf16", "rms_norm_bf16"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from host_names import host_names
 
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 
 gen = torch.Generator().manual_seed(0)
 

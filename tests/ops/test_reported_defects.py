@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mps_ext
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

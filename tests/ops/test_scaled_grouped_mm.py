@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 
 FP8 = torch.float8_e4m3fn
 gen = torch.Generator().manual_seed(1)

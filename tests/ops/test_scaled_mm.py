@@ -21,7 +21,8 @@ from torch import nn
 
 import mps_ext
 from fp8_oracle import BLOCKWISE_1X128, BLOCKWISE_128X128, scaled_mm_reference
-from mps_ext import _executor_request, _policy, cpu_metal
+from mps_ext import _policy
+import mps_ext_executor as cpu_metal
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 g = torch.Generator().manual_seed(0)
@@ -465,7 +466,7 @@ def dequantized(layer):
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
-@_executor_request.request()  # FP8Linear on CPU tensors: through the kernels, not torch's CPU ops
+@cpu_metal.request()  # FP8Linear on CPU tensors: through the kernels, not torch's CPU ops
 def test_fp8_linear_without_its_kernels(granularity):
     """Turned off, or its Metal library failing to build: fp8_linear gives
     the same product through torch's ops (torch has no kernel to fall back
@@ -477,12 +478,12 @@ def test_fp8_linear_without_its_kernels(granularity):
     ours = layer(x)
     with mps_ext.disabled("scaled_mm"):
         off = layer(x)
-    mps_ext._C._simulate_executor_failure("scaled_mm", "", "library", 0)
+    cpu_metal._C._simulate_failure("scaled_mm", "", "library", 0)
     try:
         failed = layer(x)
         assert mps_ext.stats()["scaled_mm"]["unavailable"] == {"CPU": "scaled_mm.metal failed to compile (simulated)"}
     finally:
-        mps_ext._C._simulate_executor_failure("", "", "none", 0)
+        cpu_metal._C._simulate_failure("", "", "none", 0)
         mps_ext._C._clear_unavailable("scaled_mm")
     for got in (ours, off, failed):
         assert got.shape == (3, 2, 130)
@@ -502,7 +503,7 @@ class Tiny(nn.Module):
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
-@_executor_request.request()
+@cpu_metal.request()
 def test_quantize_fp8(granularity):
     torch.manual_seed(0)
     ref = Tiny().bfloat16()
@@ -540,6 +541,6 @@ def test_quantize_fp8_filter_and_errors():
     assert isinstance(model.up, mps_ext.FP8Linear) and isinstance(model.down, nn.Linear)
     with pytest.raises(ValueError, match="granularity must be one of"):
         mps_ext.quantize_fp8(Tiny(), granularity="channel")
-    for path in (contextlib.nullcontext(), _executor_request.request()):  # torch's CPU ops, the kernels
+    for path in (contextlib.nullcontext(), cpu_metal.request()):  # torch's CPU ops, the kernels
         with path, pytest.raises(RuntimeError, match="input must be float32, float16 or bfloat16"):
             model.up(torch.ones(2, 256, dtype=torch.float64))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers.models.lfm2_moe.modeling_lfm2_moe import causal_conv1d_update
 
 import mps_ext  # noqa: F401  (registers the ops)
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 from decode_steps import short_conv, short_conv_inputs as inputs
 from host_names import host_names
 from short_conv_oracle import conv1d_of_the_contract

@@ -6,7 +6,7 @@ import pytest
 import torch
 from host_names import host_names
 
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 
 # The oracle is torch's CPU softmax (vectorised exp: it changes with
 # ATEN_CPU_CAPABILITY); scripts/test.sh runs this file again with torch's CPU

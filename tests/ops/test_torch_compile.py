@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import mps_ext
-from mps_ext import _executor_request
+import mps_ext_executor
 
 torch.manual_seed(0)
 
@@ -243,7 +243,7 @@ class TwoLayers(nn.Module):
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
-@_executor_request.request()  # traced inside request(): the kernels' path, as on MPS
+@mps_ext_executor.request()  # traced inside request(): the kernels' path, as on MPS
 def test_quantized_model_aot_eager(granularity):
     torch._dynamo.reset()
     torch.manual_seed(0)

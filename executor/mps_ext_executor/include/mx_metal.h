@@ -5,7 +5,7 @@
 // Two modes, chosen by MX_ADDRESS_SPACES:
 //  1  address spaces are distinct clang address spaces (device=1, constant=2,
 //     threadgroup=3, thread=generic), so that mixing them fails to compile as
-//     it does on a Mac. Used by `python -m mps_ext.cpu_metal check` and by the
+//     it does on a Mac. Used by `python -m mps_ext_executor check` and by the
 //     check every compile_library runs. Syntax only, never executed.
 //  0  address spaces are erased; this is what runs. The engine tells device,
 //     threadgroup and thread memory apart by address at run time.

@@ -15,7 +15,7 @@ plainly a local variable of the function (an alloca) gets a call
 in front of it. At run time the engine tells device buffers, threadgroup
 memory and thread-private memory apart by address, checks bounds, counts
 bytes per buffer and looks for races on threadgroup memory (see
-csrc/cpu_metal/engine.cpp). The flags carry read/write/atomic, the alignment
+executor/csrc/engine.cpp). The flags carry read/write/atomic, the alignment
 the compiler assumed (a Metal vector load must be aligned) and an index into
 a table of source positions, so an error can name the line.
 

@@ -1,6 +1,6 @@
 // The interface between the CPU Metal executor's engine (csrc/cpu_metal, part
 // of the Python extension) and a shader library (a shared object built from MSL
-// by mps_ext/cpu_metal/_compiler.py).
+// by executor/mps_ext_executor/_compiler.py).
 //
 // Included by both sides: by the engine as C++, and by every shader translation
 // unit, which is compiled freestanding (no system headers), hence the plain

@@ -1,6 +1,6 @@
 """Whole models through mps_ext's kernels without a Mac.
 
-    from mps_ext import cpu_metal
+    import mps_ext_executor as cpu_metal
     with cpu_metal.run_model(torch_release="2.13") as report:
         model.generate(ids, max_new_tokens=4)        # CPU tensors
     print(report)                                    # per family: ran, left to torch (why), dispatches, bytes
@@ -24,7 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import _executor_request, _policy
+from mps_ext import _policy
 
 _OLDEST_RELEASE = (2, 9)
 _active = threading.Lock()  # one runner at a time: the CPU policy rules are process-wide
@@ -83,7 +83,7 @@ class ModelReport:
 def _owned_ops() -> dict:
     """aten OpOverload -> torch.ops.mps_ext OpOverload, for every aten op a
     family implements (those the installed torch has)."""
-    from .. import _C
+    from mps_ext import _C
     out = {}
     for fam in _C.families():
         for qualified in _C.family_aten_ops(fam):
@@ -112,7 +112,7 @@ class _Dispatch(TorchDispatchMode):
         return self._measured(func if target is None else target, args, kwargs)
 
     def _measured(self, op, args, kwargs):
-        from .. import _C
+        from mps_ext import _C
         before = _C.stats()
         self.report.other_dispatches += len(self.recorder.take())
         out = op(*args, **kwargs)
@@ -186,10 +186,10 @@ def run_model(torch_release: str | None = None):
     what the release's policy leaves to torch, and what the ops do not
     handle, run aten's CPU kernels. Yields a ModelReport, filled in as the
     calls run. mps_ext's fp8 modules use their kernels inside (it enters
-    mps_ext._executor_request.request())."""
+    mps_ext_executor.request())."""
     import mps_ext
-    from .. import _C
-    from . import record
+    from mps_ext import _C
+    from . import install, record, request
     if _C is None:
         raise RuntimeError(f"mps_ext's native extension is not loaded: {mps_ext.unavailable_reason()}")
     release = torch_release or torch.__version__
@@ -204,8 +204,9 @@ def run_model(torch_release: str | None = None):
                            "cannot nest or overlap")
     report = ModelReport(torch_release=f"{version[0]}.{version[1]}")
     try:
+        install()  # the executor as mps_ext's backend of CPU tensors (idempotent)
         _apply_policy(str(release))
-        with record() as recording, _executor_request.request(), \
+        with record() as recording, request(), \
                 _Dispatch(report, _owned_ops(), recording), _Linear():
             yield report
     finally:

@@ -1,11 +1,15 @@
-// Python binding of the CPU Metal executor's engine (mps_ext._C). The
-// Python-facing API lives in mps_ext/cpu_metal/__init__.py; this file only
-// converts arguments and results.
+// Python binding of the CPU Metal executor (mps_ext_executor._C): its
+// engine, its registration as mps_ext's CPU backend, and the test hooks of
+// that backend. The Python-facing API lives in mps_ext_executor/__init__.py;
+// this file only converts arguments and results.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "cpu_metal/engine.h"
-#include "python/bindings.h"
+#include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor
+
+#include "backend.h"
+#include "bindings.h"
+#include "engine.h"
 
 namespace py = pybind11;
 
@@ -20,6 +24,15 @@ cpu_metal::Size3 size3(const std::vector<uint64_t>& v, const char* what) {
     s[i] = static_cast<uint32_t>(v[i]);
   }
   return s;
+}
+
+SimulatedFailure failure_of(const std::string& kind) {
+  if (kind == "none") return SimulatedFailure::kNone;
+  if (kind == "library") return SimulatedFailure::kLibrary;
+  if (kind == "pipeline") return SimulatedFailure::kPipeline;
+  if (kind == "max_threads") return SimulatedFailure::kMaxThreads;
+  throw py::value_error("mps_ext_executor: failure kind must be none, library, pipeline or max_threads, not '" +
+                        kind + "'");
 }
 
 py::dict kernel_info_to_dict(const cpu_metal::KernelInfo& k) {
@@ -167,6 +180,59 @@ void bind_executor(py::module_& m) {
         return out;
       });
   m.def("executor_worker_count", &cpu_metal::worker_count);
+}
+
+void bind_backend(py::module_& m) {
+  m.def(
+      "_install",
+      [](const py::capsule& slot) {
+        if (std::string(slot.name() ? slot.name() : "") != kBackendSlotName)
+          throw py::type_error(std::string("mps_ext_executor: install takes mps_ext._C._backend_slot(), a capsule "
+                                           "named ") + kBackendSlotName);
+        install(slot.get_pointer<const BackendSlot>());
+      },
+      py::arg("slot"), "Registers the executor as mps_ext's CPU backend (mps_ext_executor.install()).");
+  // request() (mps_ext_executor/__init__.py): on a Mac, CPU calls reach the
+  // executor only inside it (this thread).
+  m.def("_set_requested", &set_executor_requested, py::arg("requested"));
+  m.def("_requested", &executor_requested);
+  m.def("_simulate_metal_backend", &set_metal_backend_present, py::arg("present"),
+        "Test hook: 1 behaves as if a Metal GPU backend were present (a Mac: CPU tensors reach the executor only "
+        "when it is asked for), 0 as if not, -1 as built.");
+  m.def("_metal_backend_present", &metal_backend_present);
+  m.def(
+      "_simulate_failure",
+      [](const std::string& library, const std::string& kernel, const std::string& kind, uint64_t max_threads) {
+        simulate_executor_failure(library, kernel, failure_of(kind), max_threads);
+      },
+      py::arg("library"), py::arg("kernel") = "", py::arg("kind") = "none", py::arg("max_threads") = 0);
+  m.def("_simulated_failure_hits", &simulated_failure_hits);
+  m.def("_forget_libraries", &forget_executor_libraries);
+  m.def(
+      "_set_profile", [](int64_t cores, int64_t family) { set_executor_profile(DeviceProfile{cores, family}); },
+      py::arg("cores"), py::arg("family"),
+      "The GPU the executor stands for in the ops' launch geometry (mps_ext_executor.set_gpu).");
+  m.def("_profile", [] {
+    const DeviceProfile p = executor_profile();
+    return std::make_pair(p.cores, p.family);
+  });
+  m.def(
+      "_register_shader_source",
+      [](const std::string& name, const std::string& source) { slot().register_shader_source(name, source); },
+      py::arg("name"), py::arg("source"),
+      "A shader library compiled from `source` under `name`, which _launch (and on a Mac the Metal backend) runs.");
+  m.def(
+      "_launch",
+      [](const std::string& library, const std::string& kernel, const std::vector<at::Tensor>& buffers,
+         std::array<uint32_t, 3> threadgroups, std::array<uint32_t, 3> threads_per_threadgroup) {
+        Launch l{library, kernel, {}, threadgroups, threads_per_threadgroup, {}};
+        for (const auto& t : buffers) l.args.push_back(KernelArg::of(t));
+        slot().launch(l);
+      },
+      py::arg("library"), py::arg("kernel"), py::arg("buffers"), py::arg("threadgroups"),
+      py::arg("threads_per_threadgroup"),
+      "Test hook: kernel `kernel` of `library` with `buffers` as [[buffer(0)]], [[buffer(1)]], ..., through "
+      "mps_ext's backend of the tensors' device, as the ops launch theirs.");
 }
 
 }  // namespace mps_ext

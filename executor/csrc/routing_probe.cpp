@@ -17,7 +17,7 @@
 #include <string>
 #include <utility>
 
-#include "python/bindings.h"
+#include "bindings.h"
 
 namespace py = pybind11;
 

@@ -1,7 +1,9 @@
 """The CPU Metal executor: run Metal Shading Language kernels, unmodified, on
-the CPU, with Metal's execution model, checked.
+the CPU, with Metal's execution model, checked. A package of its own
+(mps-ext-executor, executor/ in mps_ext's repository): mps_ext's tests and
+contributors use it, mps_ext's users do not need it.
 
-    from mps_ext import cpu_metal
+    import mps_ext_executor as cpu_metal
     lib = cpu_metal.compile_library(source, defines={"N": 4})
     lib.function_names
     stats = lib.dispatch("name", [t0, t1, np.uint32(7), struct_bytes],
@@ -37,11 +39,19 @@ turns the counters on for all of them.
 `with cpu_metal.run_model(torch_release="2.13") as report:` runs a whole
 model's CPU tensor ops through mps_ext's kernels where a Mac with that torch
 would (docs/dev/model_runner.md).
+
+As mps_ext's backend of CPU tensors: `install()` registers the executor with
+mps_ext's op layer (through mps_ext._C._backend_slot(); mps_ext has no
+backend of CPU tensors of its own), after which torch.ops.mps_ext ops on CPU
+tensors run their Metal kernels here. mps_ext's modules take their kernels'
+path on CPU tensors only inside `request()`; on a Mac (a Metal backend
+present) the op layer's CPU calls reach the executor only there too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
 from typing import Sequence
@@ -49,8 +59,7 @@ from typing import Sequence
 import numpy as np
 import torch  # noqa: F401  (loads the libraries the extension links against)
 
-from .. import _C
-from . import _compiler
+from . import _C, _compiler
 from ._compiler import CompileError, Diagnostic, MathMode, build, cache_dir
 
 KernelError = _C.KernelError
@@ -165,7 +174,11 @@ class GPU:
 def gpu(device: str = "cpu") -> GPU:
     """The GPU the ops' launch geometry assumes on `device` ("cpu": the
     executor's, "mps": the Mac's)."""
-    cores, family = _C._device_profile(device)
+    if device == "cpu":
+        cores, family = _C._profile()
+    else:
+        import mps_ext
+        cores, family = mps_ext._C._device_profile(device)
     return GPU(cores, family)
 
 
@@ -179,7 +192,7 @@ def set_gpu(profile: GPU) -> GPU:
     if profile.family < 0:
         raise ValueError(f"a GPU family is 0 (unknown) or an Apple GPU family number (7, 8, 9), got {profile.family}")
     before = gpu()
-    _C._set_executor_profile(int(profile.cores), int(profile.family))
+    _C._set_profile(int(profile.cores), int(profile.family))
     return before
 
 
@@ -190,7 +203,7 @@ def set_math_mode(mode: MathMode) -> MathMode:
     launch); returns the mode before. Libraries compiled before keep theirs."""
     before = _compiler.set_math_mode(mode)
     if mode != before:
-        _C._forget_executor_libraries()
+        _C._forget_libraries()
     return before
 
 
@@ -222,7 +235,7 @@ def worker_count() -> int:
 @dataclasses.dataclass(frozen=True)
 class KernelInfo:
     """What a kernel costs a GPU beyond its bytes, from its optimised IR
-    (computed when the library is built; see mps_ext/cpu_metal/_analysis.py
+    (computed when the library is built; see executor/mps_ext_executor/_analysis.py
     and docs/dev/contributing.md)."""
 
     registers: int  # 32-bit registers live per thread at the peak (16-bit values count half)
@@ -582,6 +595,51 @@ class record:
         which no longer count in `dispatches` (run_model attributes each
         call's dispatches to its op this way)."""
         return [DispatchStats._from_native(d) for d in self._native.take()]
+
+
+_REQUESTED = contextvars.ContextVar("mps_ext_executor_requested", default=False)
+
+
+def requested() -> bool:
+    """True inside `request()`."""
+    return _REQUESTED.get()
+
+
+@contextlib.contextmanager
+def request():
+    """Run CPU tensors of mps_ext's modules through the executor in this
+    block (mps_ext/_cpu_backend.py), and, on a Mac, let the op layer's CPU
+    calls of this thread reach it:
+
+        with mps_ext_executor.request():
+            model(x)   # CPU tensors go through the Metal kernels on the executor
+
+    Usable as a decorator. Outside it a Mac's torch.ops.mps_ext ops on CPU
+    tensors run torch's CPU kernel (counted as a fallback, "the CPU backend
+    was not asked for"), or, for mps_ext's own ops, raise saying so. Where no
+    Metal backend exists (Linux) the op layer's calls always reach the
+    executor once it is installed."""
+    token = _REQUESTED.set(True)
+    _C._set_requested(True)
+    try:
+        yield
+    finally:
+        _C._set_requested(False)
+        _REQUESTED.reset(token)
+
+
+def install() -> None:
+    """Registers the executor as mps_ext's backend of CPU tensors, in the op
+    layer (torch.ops.mps_ext ops on CPU tensors run their kernels here from
+    now on) and for mps_ext's modules (request()). Idempotent. An error if
+    mps_ext's native extension did not load, or was built from another
+    checkout (a backend slot of another layout)."""
+    import mps_ext
+    if mps_ext._C is None:
+        raise RuntimeError(f"mps_ext_executor: mps_ext's native extension did not load: {mps_ext._load_error}")
+    _C._install(mps_ext._C._backend_slot())
+    from mps_ext import _cpu_backend
+    _cpu_backend.install(requested, request)
 
 
 from ._model_runner import ModelReport, run_model  # noqa: E402  (uses record, defined above)

@@ -1,7 +1,7 @@
 """Metal rules that C++ would let through: check mode enforces them so that
 what Apple's compiler rejects, CI rejects too.
 
-`python -m mps_ext.cpu_metal check FILES` runs these on each shader's own
+`python -m mps_ext_executor check FILES` runs these on each shader's own
 (preprocessed) text, then compiles it as C++14 with Metal's address spaces
 as clang address spaces (_compiler.check_address_spaces). Every finding
 reads `file:line: message [msl-rule]`; the rules, with where the

@@ -18,7 +18,7 @@ Pipeline (every step by the same clang, Debian's clang-19 or Apple's):
      and link it into a shared object the engine loads.
 
 Results are cached by a hash of everything that goes into them, in
-$MPS_EXT_CACHE_DIR or ~/.cache/mps_ext/cpu_metal.
+$MPS_EXT_CACHE_DIR or ~/.cache/executor/mps_ext_executor.
 """
 
 from __future__ import annotations

@@ -1,12 +1,17 @@
-// The CPU Metal executor backend: runs a Launch on CPU tensors by compiling
-// the embedded shader with mps_ext.cpu_metal (once per library and process,
-// cached on disk) and dispatching it on the executor engine.
+// The CPU Metal executor as mps_ext's CPU backend (backend/launch.h,
+// CpuBackend): runs a Launch on CPU tensors by compiling the product's
+// shader text (BackendSlot::shader_source) with mps_ext_executor._compiler
+// (once per library and process, cached on disk) and dispatching it on the
+// executor engine. install() registers it through the product's slot.
 //
-// It also holds the test hook that makes the backend behave as the Metal
-// backend can on a Mac (a library or pipeline that does not build, a
-// pipeline that allows fewer threads than the kernel declares), so that
-// what launch.cpp, the op layer's launch geometry and dispatch/registry.h decide
-// then runs in CI.
+// It also holds the test hooks that make it behave as a Mac would: a Metal
+// backend present, where CPU calls reach the executor only when asked for
+// (request()); and the ways the Metal backend can fail (a library or
+// pipeline that does not build, a pipeline that allows fewer threads than
+// the kernel declares), so that what launch.cpp, the op layer's launch
+// geometry and dispatch/registry.h decide then runs in CI.
+#include "backend.h"
+
 #include <pybind11/pybind11.h>
 
 #include <atomic>
@@ -14,14 +19,14 @@
 #include <memory>
 #include <mutex>
 
-#include "backend/launch.h"
-#include "backend/shaders.h"
-#include "cpu_metal/engine.h"
+#include "engine.h"
 
 namespace py = pybind11;
 
 namespace mps_ext {
 namespace {
+
+std::atomic<const BackendSlot*> g_slot{nullptr};
 
 std::mutex g_mutex;
 std::map<std::string, std::shared_ptr<cpu_metal::Library>>& cache() {
@@ -43,8 +48,8 @@ std::shared_ptr<cpu_metal::Library> library(const std::string& name) {
   {
     py::gil_scoped_acquire gil;
     try {
-      py::object built = py::module_::import("mps_ext.cpu_metal._compiler")
-                             .attr("build")(shader_source(name), py::none(), name + ".metal");
+      py::object built = py::module_::import("mps_ext_executor._compiler")
+                             .attr("build")(slot().shader_source(name), py::none(), name + ".metal");
       path = py::str(built.attr("path"));
     } catch (py::error_already_set& e) {
       TORCH_CHECK(false, "mps_ext: the CPU Metal executor could not build ", name, ".metal: ", e.what());
@@ -52,9 +57,9 @@ std::shared_ptr<cpu_metal::Library> library(const std::string& name) {
   }
   auto lib = cpu_metal::Library::load(path);
   std::lock_guard<std::mutex> lock(g_mutex);
-  auto& slot = cache()[name];
-  if (!slot) slot = lib;
-  return slot;
+  auto& kept = cache()[name];
+  if (!kept) kept = lib;
+  return kept;
 }
 
 struct Simulated {
@@ -86,8 +91,8 @@ uint64_t simulated_failure_hits() {
 }
 
 namespace {
-std::atomic<int64_t> g_profile_cores{kExecutorDefaultProfile.cores};
-std::atomic<int64_t> g_profile_family{kExecutorDefaultProfile.family};
+std::atomic<int64_t> g_profile_cores{kLargestMacProfile.cores};
+std::atomic<int64_t> g_profile_family{kLargestMacProfile.family};
 }  // namespace
 
 void set_executor_profile(const DeviceProfile& profile) {
@@ -145,6 +150,54 @@ void executor_encode(const Launch& l) {
   } else {
     lib->dispatch(l.kernel, d);
   }
+}
+
+const BackendSlot& slot() {
+  const BackendSlot* s = g_slot.load(std::memory_order_acquire);
+  TORCH_CHECK(s, "mps_ext_executor: not installed (mps_ext_executor.install() registers it with mps_ext)");
+  return *s;
+}
+
+// ------------------------------------------------------ requests, a Mac --
+namespace {
+// request() (mps_ext_executor/__init__.py) of this thread, nested as a count.
+thread_local int t_requests = 0;
+std::atomic<int> g_metal_simulated{-1};
+
+struct ExecutorBackend final : CpuBackend {
+  bool accepts() const override { return !metal_backend_present() || executor_requested(); }
+  PipelineInfo pipeline(const std::string& library, const std::string& kernel) override {
+    return executor_pipeline(library, kernel);
+  }
+  void encode(const Launch& l) override { executor_encode(l); }
+  DeviceProfile profile() const override { return executor_profile(); }
+};
+}  // namespace
+
+void set_executor_requested(bool requested) {
+  t_requests += requested ? 1 : -1;
+  if (t_requests < 0) t_requests = 0;
+}
+bool executor_requested() { return t_requests > 0; }
+
+bool metal_backend_present() {
+  const int simulated = g_metal_simulated.load(std::memory_order_relaxed);
+#ifdef __APPLE__
+  return simulated != 0;
+#else
+  return simulated == 1;
+#endif
+}
+void set_metal_backend_present(int present) { g_metal_simulated = present < 0 ? -1 : present > 0; }
+
+void install(const BackendSlot* s) {
+  TORCH_CHECK(s->version == kBackendSlotVersion && s->size == sizeof(BackendSlot),
+              "mps_ext_executor: mps_ext's backend slot is version ", s->version, " (", s->size,
+              " bytes); this executor was built for version ", kBackendSlotVersion, " (", sizeof(BackendSlot),
+              " bytes): build both from the same checkout");
+  static ExecutorBackend backend;  // never destroyed before the product's last launch
+  g_slot.store(s, std::memory_order_release);
+  s->register_cpu_backend(&backend);
 }
 
 }  // namespace mps_ext

@@ -1,5 +1,5 @@
 // The CPU Metal executor's engine: loads a shader library built by
-// mps_ext/cpu_metal/_compiler.py and runs dispatches of its kernels on the
+// executor/mps_ext_executor/_compiler.py and runs dispatches of its kernels on the
 // CPU with Metal's execution model, checked. Plain C++ (no torch), so that
 // both the Python binding and the op layer's executor backend call it.
 #pragma once
@@ -90,7 +90,7 @@ struct Dispatch {
   bool counters = false;
 };
 
-// What a kernel costs a GPU, from its optimised IR (mps_ext/cpu_metal/_analysis.py).
+// What a kernel costs a GPU, from its optimised IR (executor/mps_ext_executor/_analysis.py).
 struct KernelInfo {
   uint32_t registers = 0;          // 32-bit registers live per thread at the peak
   uint32_t uniform_registers = 0;  // values the same for the whole dispatch
