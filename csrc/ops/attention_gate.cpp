@@ -43,8 +43,10 @@ at::Tensor sigmoid_gate(const at::Tensor& x, const at::Tensor& gate) {
   check_float(x, "sigmoid_gate", "x");
   TORCH_CHECK(gate.scalar_type() == x.scalar_type(), "mps_ext sigmoid_gate: gate must be in x's dtype (",
               x.scalar_type(), "), got ", gate.scalar_type());
-  TORCH_CHECK(gate.sizes() == x.sizes(), "mps_ext sigmoid_gate: x and gate must have one shape (no broadcasting), "
-              "got ", x.sizes(), " and ", gate.sizes());
+  TORCH_CHECK(gate.sizes() == x.sizes(),
+              "mps_ext sigmoid_gate: x and gate must have one shape (no broadcasting), "
+              "got ",
+              x.sizes(), " and ", gate.sizes());
   TORCH_CHECK(x.device() == gate.device(), "mps_ext sigmoid_gate: x is on ", x.device(), " and gate on ",
               gate.device());
   TORCH_CHECK(x.dim() >= 1, "mps_ext sigmoid_gate: x and gate must have a last dimension, got 0-d tensors");
@@ -68,7 +70,8 @@ at::Tensor sigmoid_gate(const at::Tensor& x, const at::Tensor& gate) {
   const std::string kernel = std::string("sigmoid_gate_") + kernel_type_name(x.scalar_type());
   const int64_t threads =
       std::min(thread_budget(x.device(), "attention_gate", kernel, SIGMOID_GATE_THREADS), ceil_div(n, 32) * 32);
-  launch(Launch{"attention_gate", kernel,
+  launch(Launch{"attention_gate",
+                kernel,
                 {KernelArg::of(out), KernelArg::of(xc), KernelArg::of(g), KernelArg::value(p)},
                 {static_cast<uint32_t>(ceil_div(n, threads)), static_cast<uint32_t>(rows), 1},
                 {static_cast<uint32_t>(threads), 1, 1}});
