@@ -7,7 +7,7 @@ import torch
 
 import mps_ext
 from host_names import host_names
-from mps_ext import cpu_metal
+import mps_ext_executor as cpu_metal
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 KERNEL_TYPE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
