@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> list[common.Result]:
             print(f"decode tables rewritten in: {', '.join(changed) or 'none (they were current)'}\n")
         if args.decode_png:
             plot.decode_chart(bench_decode.chart_bars(rows), args.decode_png)
-            print(f"{args.decode_png}: decode tokens/s per model, one sequence: stock torch and peers published, mps_ext simulated (with ranges), byte limits.\n")
+            print(
+                f"{args.decode_png}: decode tokens/s per model, one sequence: stock torch and peers published, mps_ext simulated (with ranges), byte limits.\n"  # noqa: E501
+            )
     print(f"executor run time: {time.perf_counter() - start:.0f} s")
     return results
 

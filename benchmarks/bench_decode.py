@@ -165,22 +165,31 @@ def census_table(rows: list[Row], context: int) -> str:
         kinds = [k for k in r.per_kind if k != "head"]
         real = census.MODELS[r.model].config()
         copy = r.bytes["kv_copy"] > 0  # the row's bytes: torch.cat's copy of the cache, or kv_append's rows
-        out.append({
-            "model": r.model, "tokens": r.tokens, "torch": r.release, "mode": r.mode, "": r.who,
-            "host calls / token": _f(r.per_token(r.counts.host)),
-            "view calls / token": _f(r.per_token(r.counts.views)),
-            "dispatches / token": _f(r.per_token(r.counts.dispatches)),
-            "syncs / step": _f(r.counts.syncs), "commits / step": _f(r.counts.commits),
-            "of which generate's loop: host / views / dispatches": f"{_f(r.loop.host)} / {_f(r.loop.views)} / "
-                                                                   f"{_f(r.loop.dispatches)}",
-            "per layer: host calls / dispatches": "; ".join(
-                f"{k} x{r.layers[k]}: {_f(r.per_kind[k].host)} / {_f(r.per_kind[k].dispatches)}" for k in kinds)
-            + f"; outside the layers: {_f(r.per_kind['head'].host)} / {_f(r.per_kind['head'].dispatches)}",
-            "MB / token": f"{(r.bytes['total'] + r.bytes['loop']) / r.tokens / 1e6:,.0f}",
-            "per layer: MB / token": "; ".join(
-                f"{k}: {census.layer_bytes(real, k, r.tokens, context, r.fp8, cache_copy=copy)['total'] / r.tokens / 1e6:,.1f}"
-                for k in kinds),
-        })
+        out.append(
+            {
+                "model": r.model,
+                "tokens": r.tokens,
+                "torch": r.release,
+                "mode": r.mode,
+                "": r.who,
+                "host calls / token": _f(r.per_token(r.counts.host)),
+                "view calls / token": _f(r.per_token(r.counts.views)),
+                "dispatches / token": _f(r.per_token(r.counts.dispatches)),
+                "syncs / step": _f(r.counts.syncs),
+                "commits / step": _f(r.counts.commits),
+                "of which generate's loop: host / views / dispatches": f"{_f(r.loop.host)} / {_f(r.loop.views)} / "
+                f"{_f(r.loop.dispatches)}",
+                "per layer: host calls / dispatches": "; ".join(
+                    f"{k} x{r.layers[k]}: {_f(r.per_kind[k].host)} / {_f(r.per_kind[k].dispatches)}" for k in kinds
+                )
+                + f"; outside the layers: {_f(r.per_kind['head'].host)} / {_f(r.per_kind['head'].dispatches)}",
+                "MB / token": f"{(r.bytes['total'] + r.bytes['loop']) / r.tokens / 1e6:,.0f}",
+                "per layer: MB / token": "; ".join(
+                    f"{k}: {census.layer_bytes(real, k, r.tokens, context, r.fp8, cache_copy=copy)['total'] / r.tokens / 1e6:,.1f}"  # noqa: E501
+                    for k in kinds
+                ),
+            }
+        )
     return markdown(out, list(out[0]))
 
 
@@ -197,11 +206,23 @@ def loop_table(models: list[str], contexts=CONTEXTS) -> str:
             for stop in generate_loop.STOP_CHECKS:
                 loop = generate_loop.trace_loop(model, sampling, 1, stop_check=stop)
                 c = census.count(loop.calls, "2.15", "eager", False)
-                out.append({"model": name, "generate": sampling, "stop check": stop, "host calls": _f(c.host),
-                            "view calls": _f(c.views), "dispatches": _f(c.dispatches), "syncs": _f(c.syncs),
-                            "commits": _f(c.commits), "waits for the previous step": _f(c.waits),
-                            **{f"MB at {n // 1024}k": f"{generate_loop.loop_bytes(loop, real.vocab_size, n + 1) / 1e6:.1f}"
-                               for n in contexts}})
+                out.append(
+                    {
+                        "model": name,
+                        "generate": sampling,
+                        "stop check": stop,
+                        "host calls": _f(c.host),
+                        "view calls": _f(c.views),
+                        "dispatches": _f(c.dispatches),
+                        "syncs": _f(c.syncs),
+                        "commits": _f(c.commits),
+                        "waits for the previous step": _f(c.waits),
+                        **{
+                            f"MB at {n // 1024}k": f"{generate_loop.loop_bytes(loop, real.vocab_size, n + 1) / 1e6:.1f}"
+                            for n in contexts
+                        },
+                    }
+                )
     table = markdown(out, list(out[0]))
     sdpa = ", ".join(f"{n // 1024}k: {census.sdpa_dispatches(n + 1)}" for n in contexts)
     return (f"{table}\n\ntorch's decode SDPA (2.14 and 2.15), dispatches per attention layer and token by context "
@@ -309,13 +330,19 @@ def calibration(rows: list[Row]) -> tuple[str, dict | None]:
     for (model, release), f in cal["figures"].items():
         fits = f["fits"]
         unit = 1e6 if fits == "dispatch" else 1e3
-        out.append({"model": model, "torch": release, "published tok/s": f["published"],
-                    "simulated, both constants fitted": f"{f['fitted']:.1f} ({f['fitted'] / f['published']:.2f})",
-                    "within 15%": "yes" if timeline.within(f["fitted"] / f["published"]) else "no",
-                    "fits": {"dispatch": "GPU us per dispatch", "round_trip": "round trip ms"}[fits],
-                    "its own value": f"{f['implied'] * unit:.3g}",
-                    "predicted from the other model's value": f"{f['predicted']:.1f} ({f['predicted'] / f['published']:.2f})",
-                    "cross-validated within 15%": "yes" if timeline.within(f["predicted"] / f["published"]) else "no"})
+        out.append(
+            {
+                "model": model,
+                "torch": release,
+                "published tok/s": f["published"],
+                "simulated, both constants fitted": f"{f['fitted']:.1f} ({f['fitted'] / f['published']:.2f})",
+                "within 15%": "yes" if timeline.within(f["fitted"] / f["published"]) else "no",
+                "fits": {"dispatch": "GPU us per dispatch", "round_trip": "round trip ms"}[fits],
+                "its own value": f"{f['implied'] * unit:.3g}",
+                "predicted from the other model's value": f"{f['predicted']:.1f} ({f['predicted'] / f['published']:.2f})",  # noqa: E501
+                "cross-validated within 15%": "yes" if timeline.within(f["predicted"] / f["published"]) else "no",
+            }
+        )
     text = markdown(out, list(out[0]))
     text += (f"\n\nFitted: GPU cost per dispatch {cal['dispatch'] * 1e6:.2f} us on torch "
              f"{timeline.CALIBRATION['dispatch']}'s figures (central in use: {timeline.DISPATCH.central * 1e6:g} us), "
@@ -353,7 +380,9 @@ def commit_table(rows: list[Row], loops: dict) -> tuple[str, list[dict]]:
                 row[f"every {every}"] = f"{sim.tokens_per_s:.1f}"
                 if sim.tokens_per_s > best[0] * (1 + PAYS):
                     best = (sim.tokens_per_s, every)
-            row["pays most"] = "none" if best[1] is None else f"every {best[1]} (+{best[0] / base.tokens_per_s - 1:.0%})"
+            row["pays most"] = (
+                "none" if best[1] is None else f"every {best[1]} (+{best[0] / base.tokens_per_s - 1:.0%})"
+            )
             out.append(row)
     if not out:
         return "(commit points are simulated on the optimized path: python -m benchmarks decode --optimize)", out
@@ -489,7 +518,7 @@ def chart_bars(rows: list[Row]) -> list[dict]:
 
 SOURCES = """Published figures: torch 2.15 release (anchors.md, "The headline figures"): MoE decode with torch.compile on an M3
 Ultra, Qwen3.6-35B-A3B 9.4 (2.14) -> 61.3 (2.15) tokens/s, LFM2.5-8B-A1B 23.6 -> 123.6, bf16, one sequence; their
-context and generate settings are not stated (simulated at this table's context, with generate's loop as above)."""
+context and generate settings are not stated (simulated at this table's context, with generate's loop as above)."""  # noqa: E501
 
 
 def models_for(size: str) -> tuple[list[str], tuple[int, ...]]:

@@ -44,7 +44,7 @@ prefill <= rows / 32: each 32-row tile reads the weight once). 16-byte loads: sh
 activation rows once for its simdgroups, from the GPU's caches; prefill: every 32 x 64 tile reads its 32 rows, N / 64 times). bytes / min
 counts every read, re-reads included; us @chip counts the weight bytes as read and every other operand once (the
 re-read activations and scales stay in the caches). Prefill rows (rows > 8) are scaled from a 64 x 256 sample block
-(2 x 4 tiles, full K) by the tile count. Times (stock bf16 F.linear against FP8Linear) only on a Mac."""
+(2 x 4 tiles, full K) by the tile count. Times (stock bf16 F.linear against FP8Linear) only on a Mac."""  # noqa: E501
 
 
 def tiles(rows, n):

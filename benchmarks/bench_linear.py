@@ -9,7 +9,7 @@ an MoE expert's shapes, and a weight 16-byte misaligned (the element-load
 kernels) at the MoE router's and an expert's (2 outputs per simdgroup). --quick leaves out the vocabulary-sized shapes and the 4096 x 14336
 ones. On a Mac, each timed call starts with the weight out of the
 system-level cache (common.mac_times).
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ SHAPES = [  # (K -> N, model)
 ]  # and (2048 -> 128, the Qwen3-30B-A3B router) misaligned
 VOCABULARY = 100000  # N beyond this: a vocabulary-sized lm_head (no x @ W)
 ROWS = [1, 2, 4, 8]
-NOTES = ("weight read / size: bytes the kernel read from the weight over its size. 16-byte loads: the share of "
-         "weight bytes read by 16-byte loads. activation reads: times the activation was read (from cache on a GPU: the projected times count it once).")
+NOTES = (
+    "weight read / size: bytes the kernel read from the weight over its size. 16-byte loads: the share of "
+    "weight bytes read by 16-byte loads. activation reads: times the activation was read (from cache on a GPU: the projected times count it once)."  # noqa: E501
+)
 
 
 def weight_columns(stats, w: torch.Tensor, x: torch.Tensor) -> dict[str, str]:

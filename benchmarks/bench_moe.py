@@ -116,9 +116,15 @@ def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int 
         small = (x.nbytes + tokens * e * x.element_size() + rows * 4 + offs.nbytes + 2 * rows * 4
                  + rows * f * x.element_size() + out["out"].nbytes + (res.nbytes if residual else 0))
         dram = weight_read + router_read + chosen * scale_bytes + 2 * small
-        return {"chosen": chosen, "dispatches": len(stats) + extra_dispatch, "extra": router.nbytes * extra_dispatch,
-                "weight_ratio": weight_read / (chosen * expert_bytes), "dram": dram,
-                "minimum": chosen * (expert_bytes + scale_bytes) + router.nbytes, "gate_up_tgs": gate_up.total_threadgroups}
+        return {
+            "chosen": chosen,
+            "dispatches": len(stats) + extra_dispatch,
+            "extra": router.nbytes * extra_dispatch,
+            "weight_ratio": weight_read / (chosen * expert_bytes),
+            "dram": dram,
+            "minimum": chosen * (expert_bytes + scale_bytes) + router.nbytes,
+            "gate_up_tgs": gate_up.total_threadgroups,
+        }
 
     def extras(stats):
         r = measures(stats)
@@ -337,7 +343,7 @@ and the router once; activation rows re-read by each threadgroup count every tim
 read, plus every activation-sized tensor once read and once written (re-reads of KB-sized activations are served by the
 GPU's caches): the layer's bytes in us @chip. The grouped products run on 256 of the N output columns, scaled by N / 256.
 On a Mac the bf16 layers are timed against stock torch's MoE layer (F.grouped_mm). Whole-model tokens/s: `python -m
-benchmarks decode`, which counts the host calls and dispatches of a whole decoded token besides its bytes."""
+benchmarks decode`, which counts the host calls and dispatches of a whole decoded token besides its bytes."""  # noqa: E501
 
 
 NOTES = notes()

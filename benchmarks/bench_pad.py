@@ -32,7 +32,9 @@ CASES = [  # (shape, dtype, pad, value, what, sizes it runs at)
 
 def prepare(shape, dtype, pad, value) -> Prepared:
     x = (torch.randn(shape) * 100).to(dtype)
-    out_bytes = torch.constant_pad_nd(torch.empty(shape, dtype=dtype, device="meta"), pad, value).numel() * x.element_size()
+    out_bytes = (
+        torch.constant_pad_nd(torch.empty(shape, dtype=dtype, device="meta"), pad, value).numel() * x.element_size()
+    )
 
     def mac():
         xm = x.to("mps")

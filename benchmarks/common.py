@@ -273,15 +273,16 @@ CASE_NOTES = (
     "read (1.00: no byte read by two threadgroups; an operand every threadgroup stages again shows the threadgroup "
     "count). i64 div / thread: 64-bit integer "
     "divisions and remainders per thread (software on Apple GPUs); i32 div: 32-bit ones by a run-time value (a "
-    "software sequence too); fdiv: IEEE float divisions (several times a fast one). registers: 32-bit registers live per thread "
+    "software sequence too); fdiv: IEEE float divisions (several times a fast one). registers: 32-bit registers live per thread "  # noqa: E501
     "at the peak (threads an M1/M2 core keeps at that count; 1024 is full occupancy). tg memory: the most threadgroup "
     "memory a threadgroup allocated (threadgroups a core keeps resident, from its 64 KiB and the registers; the "
     "fewest over the case's kernels). bank conflicts: extra "
     "cycles per threadgroup-memory instruction. loads in flight: independent device loads per iteration of the "
     "hot loop (the fewest over the case's kernels); loads after barrier: device loads of a loop's iteration that "
     "wait behind its threadgroup barrier (the most). us @chip: the DRAM traffic at the chip's bandwidth (a bound, "
-    "not a prediction). stock / mps_ext: median times on a Mac only. docs/dev/contributing.md, \"What a kernel costs a GPU beyond its "
-    "bytes\", says how each counter is computed.")
+    'not a prediction). stock / mps_ext: median times on a Mac only. docs/dev/contributing.md, "What a kernel costs a GPU beyond its '  # noqa: E501
+    'bytes", says how each counter is computed.'
+)
 
 
 def op_table(results: list[Result], chips: list[str]) -> str:
@@ -341,10 +342,28 @@ def kernel_table(results: list[Result]) -> str:
                 "threadgroups (fewest)": min(round(d.total_threadgroups * r.scale) for r, d in runs),
             })
             rows.append(row)
-    return markdown(rows, ["kernel", "cases", "registers", "threads / core", "uniform", "private bytes",
-                           "loads in flight", "loads after barrier", "lines / min per buffer (worst)", "i64 div / thread",
-                           "i64 mul / thread", "i32 div / thread", "fdiv / thread", "re-read (worst)",
-                           "tg memory (tg / core)", "bank conflicts", "threadgroups (fewest)"])
+    return markdown(
+        rows,
+        [
+            "kernel",
+            "cases",
+            "registers",
+            "threads / core",
+            "uniform",
+            "private bytes",
+            "loads in flight",
+            "loads after barrier",
+            "lines / min per buffer (worst)",
+            "i64 div / thread",
+            "i64 mul / thread",
+            "i32 div / thread",
+            "fdiv / thread",
+            "re-read (worst)",
+            "tg memory (tg / core)",
+            "bank conflicts",
+            "threadgroups (fewest)",
+        ],
+    )
 
 
 def run_as_script(op: str) -> None:

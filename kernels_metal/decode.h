@@ -58,7 +58,8 @@ struct DecodeFp8 {
   bool e5m2;  // else e4m3fn
   MPS_EXT_INLINE void word(uint bits, thread float* v) const {
     const float4 f = fp8x4_decode(bits, e5m2);
-    MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) v[i] = f[i];
+    MPS_EXT_UNROLL
+    for (int i = 0; i < 4; ++i) v[i] = f[i];
   }
   MPS_EXT_INLINE float one(T x) const { return fp8_decode(x, e5m2); }
   MPS_EXT_INLINE float unit() const { return fp8_unit_of(e5m2); }
@@ -131,10 +132,10 @@ constexpr int decode_tile_stride(int pieces, int AW, bool vec) { return vec && A
 template <typename TX, typename TW, bool VEC>
 struct DecodeShape {
   enum {
-    E = VEC ? 16 / int(sizeof(TW)) : 1,              // weights of a piece
-    NW = VEC ? 4 / int(sizeof(TW)) : 1,              // weights of a weight word
+    E = VEC ? 16 / int(sizeof(TW)) : 1,                // weights of a piece
+    NW = VEC ? 4 / int(sizeof(TW)) : 1,                // weights of a weight word
     AW = VEC ? int(sizeof(TX)) / int(sizeof(TW)) : 1,  // activation words of a weight word
-    WA = VEC ? 4 * AW : 1,                           // activation words of a piece
+    WA = VEC ? 4 * AW : 1,                             // activation words of a piece
   };
 };
 
@@ -164,31 +165,45 @@ template <int B>
 struct DecodePiece {
   typedef uint4 type;
   template <typename WF>
-  static MPS_EXT_INLINE type load(thread const WF&, const device typename WF::T* p) { return *(const device uint4*)p; }
+  static MPS_EXT_INLINE type load(thread const WF&, const device typename WF::T* p) {
+    return *(const device uint4*)p;
+  }
   // E floats of one row's piece (past the last column: zeros) as its bits.
   template <int E, typename T>
-  static MPS_EXT_INLINE type of_floats(thread const float* v, T) { return pack16<E>(v, T(0)); }
+  static MPS_EXT_INLINE type of_floats(thread const float* v, T) {
+    return pack16<E>(v, T(0));
+  }
   static MPS_EXT_INLINE uint word(type v, int j) { return v[j]; }
 };
 template <>
 struct DecodePiece<4> {
   typedef uint type;
   template <typename WF>
-  static MPS_EXT_INLINE type load(thread const WF&, const device typename WF::T* p) { return *(const device uint*)p; }
+  static MPS_EXT_INLINE type load(thread const WF&, const device typename WF::T* p) {
+    return *(const device uint*)p;
+  }
   static MPS_EXT_INLINE type pack(thread const float* v, float) { return as_type<uint>(v[0]); }
   template <typename H>
-  static MPS_EXT_INLINE type pack(thread const float* v, H) { return as_type<uint>(vec<H, 2>(H(v[0]), H(v[1]))); }
+  static MPS_EXT_INLINE type pack(thread const float* v, H) {
+    return as_type<uint>(vec<H, 2>(H(v[0]), H(v[1])));
+  }
   template <int E, typename T>
-  static MPS_EXT_INLINE type of_floats(thread const float* v, T) { return pack(v, T(0)); }
+  static MPS_EXT_INLINE type of_floats(thread const float* v, T) {
+    return pack(v, T(0));
+  }
   static MPS_EXT_INLINE uint word(type v, int) { return v; }
 };
 template <>
 struct DecodePiece<0> {
   typedef uint type;
   template <typename WF>
-  static MPS_EXT_INLINE type load(thread const WF& wf, const device typename WF::T* p) { return as_type<uint>(wf.one(*p)); }
+  static MPS_EXT_INLINE type load(thread const WF& wf, const device typename WF::T* p) {
+    return as_type<uint>(wf.one(*p));
+  }
   template <int E, typename T>
-  static MPS_EXT_INLINE type of_floats(thread const float* v, T) { return as_type<uint>(v[0]); }
+  static MPS_EXT_INLINE type of_floats(thread const float* v, T) {
+    return as_type<uint>(v[0]);
+  }
   static MPS_EXT_INLINE uint word(type v, int) { return v; }
 };
 
@@ -197,9 +212,11 @@ struct DecodePiece<0> {
 // (wv) with the activations staged for that piece (the tile's words from
 // tcu at stride TS); `block`: the piece's scale block within the tile.
 template <typename Job, int R, int Q, bool VEC, int TS>
-MPS_EXT_INLINE void decode_products(thread const Job& job, thread float* acc,
+MPS_EXT_INLINE void decode_products(thread const Job& job,
+                                    thread float* acc,
                                     thread const typename DecodePiece<VEC ? 16 : 0>::type* wv,
-                                    const threadgroup uint* tcu, int block) {
+                                    const threadgroup uint* tcu,
+                                    int block) {
   typedef DecodeOperandsOf<Job> Op;
   typedef DecodeScales<Job> Scales;
   typedef DecodeShape<typename Op::X::T, typename Op::W::T, VEC> Shape;
@@ -210,33 +227,42 @@ MPS_EXT_INLINE void decode_products(thread const Job& job, thread float* acc,
   // each word's products (no partial sums to keep). (Rows past `rows` and
   // outputs that do not exist have no scales staged: their products are 0.)
   float ws[Q];
-  MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) ws[q] = SCALED && job.live(q) ? Scales::w(job, q, block) : 1.0f;
+  MPS_EXT_UNROLL
+  for (int q = 0; q < Q; ++q) ws[q] = SCALED && job.live(q) ? Scales::w(job, q, block) : 1.0f;
   // A weight word of each output at a time, converted once for all rows:
   // only one is live per output.
-  MPS_EXT_UNROLL for (int j = 0; j < (VEC ? 4 : 1); ++j) {
+  MPS_EXT_UNROLL
+  for (int j = 0; j < (VEC ? 4 : 1); ++j) {
     float wf[Q][4];  // (NW used)
-    MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
-      if (VEC) job.op.wf.word(DecodePiece<VEC ? 16 : 0>::word(wv[q], j), wf[q]);
-      else wf[q][0] = as_type<float>(DecodePiece<VEC ? 16 : 0>::word(wv[q], 0));
+    MPS_EXT_UNROLL
+    for (int q = 0; q < Q; ++q) {
+      if (VEC) job.op.wf.word(DecodePiece < VEC ? 16 : 0 > ::word(wv[q], j), wf[q]);
+      else wf[q][0] = as_type<float>(DecodePiece < VEC ? 16 : 0 > ::word(wv[q], 0));
       if (SCALED) {
-        MPS_EXT_UNROLL for (int e = 0; e < NW; ++e) wf[q][e] *= ws[q];
+        MPS_EXT_UNROLL
+        for (int e = 0; e < NW; ++e) wf[q][e] *= ws[q];
       }
     }
-    MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+    MPS_EXT_UNROLL
+    for (int r = 0; r < R; ++r) {
       // Each activation word's floats (NW / AW of them) go into the sums
       // as it is read: one word live, not the weight word's AW.
       float d[Q];
-      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) d[q] = SCALED ? 0.0f : acc[r * Q + q];
-      MPS_EXT_UNROLL for (int i = 0; i < AW; ++i) {
+      MPS_EXT_UNROLL
+      for (int q = 0; q < Q; ++q) d[q] = SCALED ? 0.0f : acc[r * Q + q];
+      MPS_EXT_UNROLL
+      for (int i = 0; i < AW; ++i) {
         float xf[4];  // (NW / AW used)
         const uint xw = tcu[(r * WA + j * AW + i) * TS];
         if (VEC) job.op.xf.word(xw, xf);
         else xf[0] = as_type<float>(xw);
-        MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
-          MPS_EXT_UNROLL for (int e = 0; e < NW / AW; ++e) d[q] += xf[e] * wf[q][i * (NW / AW) + e];
+        MPS_EXT_UNROLL
+        for (int q = 0; q < Q; ++q) MPS_EXT_UNROLL
+        for (int e = 0; e < NW / AW; ++e) d[q] += xf[e] * wf[q][i * (NW / AW) + e];
       }
       const float xs = SCALED && r < job.op.rows ? Scales::x(job, r, block) : 0.0f;
-      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) acc[r * Q + q] = SCALED ? acc[r * Q + q] + d[q] * xs : d[q];
+      MPS_EXT_UNROLL
+      for (int q = 0; q < Q; ++q) acc[r * Q + q] = SCALED ? acc[r * Q + q] + d[q] * xs : d[q];
     }
   }
 }
@@ -278,10 +304,12 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
   bool live[Q];
   const device typename WF::T* wp[Q];  // the lane's next piece of each weight row
   float acc[R][Q];
-  MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+  MPS_EXT_UNROLL
+  for (int q = 0; q < Q; ++q) {
     live[q] = job.live(q);
     wp[q] = job.w_row(q) + long(lane) * E * w_k;
-    MPS_EXT_UNROLL for (int r = 0; r < R; ++r) acc[r][q] = 0.0f;
+    MPS_EXT_UNROLL
+    for (int r = 0; r < R; ++r) acc[r][q] = 0.0f;
   }
 
   // Elements whole pieces cover (all of them without VEC); the rest first.
@@ -290,10 +318,12 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
   // first: what they need is not kept through the loop.
   const int k = k_pieces + int(lane);
   if (k < K) {
-    MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+    MPS_EXT_UNROLL
+    for (int q = 0; q < Q; ++q) {
       if (!live[q]) continue;
       const float wk = job.op.wf.one(job.w_row(q)[k]);
-      MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+      MPS_EXT_UNROLL
+      for (int r = 0; r < R; ++r) {
         if (r >= rows) continue;
         const float v = job.op.xf.one(job.x_row(r)[k]) * wk;
         acc[r][q] += SCALED ? v * DecodeScales<Job>::tail(job, r, q, k / 128) : v;
@@ -323,7 +353,8 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
       if (VEC) {
         const device typename XF::T* at = job.x_row(r) + k0 + c * E + h * (16 / int(sizeof(typename XF::T)));
         const uint4 v = r < rows ? *(const device uint4*)at : uint4(0u);
-        MPS_EXT_UNROLL for (int j = 0; j < 4; ++j) tile[(r * WA + h * 4 + j) * TS + c] = v[j];
+        MPS_EXT_UNROLL
+        for (int j = 0; j < 4; ++j) tile[(r * WA + h * 4 + j) * TS + c] = v[j];
       } else {
         tile[r * TS + c] = as_type<uint>(r < rows ? job.op.xf.one(job.x_row(r)[long(k0 + c) * job.op.x_k]) : 0.0f);
       }
@@ -341,29 +372,35 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
     _Pragma("clang loop unroll(disable)") for (; c < full; c += uint(32 * U)) {
       const threadgroup uint* tc = tile + c;
       Piece wv[U][Q];
-      MPS_EXT_UNROLL for (int u = 0; u < U; ++u)
-        MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
-          wv[u][q] = live[q] ? P::load(job.op.wf, wp[q] + u * u_step) : Piece(0u);
-      MPS_EXT_UNROLL for (int u = 0; u < U; ++u)
+      MPS_EXT_UNROLL
+      for (int u = 0; u < U; ++u) MPS_EXT_UNROLL
+      for (int q = 0; q < Q; ++q) wv[u][q] = live[q] ? P::load(job.op.wf, wp[q] + u * u_step) : Piece(0u);
+      MPS_EXT_UNROLL
+      for (int u = 0; u < U; ++u)
         decode_products<Job, R, Q, VEC, TS>(job, &acc[0][0], wv[u], tc + 32 * u,
                                             SCALED ? int((c + uint(32 * u)) * uint(E) / 128u) : 0);
-      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wp[q] += U * u_step;
+      MPS_EXT_UNROLL
+      for (int q = 0; q < Q; ++q) wp[q] += U * u_step;
     }
     // The last tile's last pieces, one at a time (U = 1: the steps took
     // them all). (Past the tile's pieces there is nothing to add, not even
     // 0 times a staged value: an inf activation would make it NaN.)
     for (; U > 1 && c < uint(pieces); c += 32u) {
       Piece wv[Q];
-      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wv[q] = live[q] ? P::load(job.op.wf, wp[q]) : Piece(0u);
+      MPS_EXT_UNROLL
+      for (int q = 0; q < Q; ++q) wv[q] = live[q] ? P::load(job.op.wf, wp[q]) : Piece(0u);
       decode_products<Job, R, Q, VEC, TS>(job, &acc[0][0], wv, tile + c, SCALED ? int(c * uint(E) / 128u) : 0);
-      MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) wp[q] += u_step;
+      MPS_EXT_UNROLL
+      for (int q = 0; q < Q; ++q) wp[q] += u_step;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
-  MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+  MPS_EXT_UNROLL
+  for (int r = 0; r < R; ++r) {
     if (r >= rows) continue;  // (not break: the loop must unroll, acc stay in registers)
     float total[Q];
-    MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) total[q] = simd_sum(acc[r][q]);
+    MPS_EXT_UNROLL
+    for (int q = 0; q < Q; ++q) total[q] = simd_sum(acc[r][q]);
     job.store(r, total, lane);
   }
 }
@@ -392,19 +429,21 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
 template <int B, int TB, int R>  // B: bytes of a piece (0: an element), TB: of an element
 struct ColsShape {
   enum {
-    E = B ? B / TB : 1,   // columns of a lane's piece
+    E = B ? B / TB : 1,     // columns of a lane's piece
     LN = B ? 128 / B : 32,  // lanes along N
-    LK = 32 / LN,         // lanes along K
-    PW = B ? B / 4 : 1,   // words of a piece
-    G = B == 16 && E * R > 32 ? 4 : B == 16 && E * R > 16 ? 2 : 1,
-    OWN = E / G,          // columns a lane accumulates
-    WO = PW / G,          // words of each row's piece it keeps
+    LK = 32 / LN,           // lanes along K
+    PW = B ? B / 4 : 1,     // words of a piece
+    G = B == 16 && E * R > 32  ? 4
+        : B == 16 && E* R > 16 ? 2
+                               : 1,
+    OWN = E / G,  // columns a lane accumulates
+    WO = PW / G,  // words of each row's piece it keeps
     // Pieces a lane loads before it uses the first: 4 while the
     // accumulators leave room, fewer as they grow (a power of two, for the
     // activation ring of decode_cols).
     U = floor_pow2(clamp_constexpr((20 - R * OWN) / PW, 1, 4)),
     RS = (DECODE_COLS_THREADS / 32) * LK,  // rows of K a threadgroup step covers
-    TK = U * RS,          // ... and U steps
+    TK = U * RS,                           // ... and U steps
   };
 };
 
@@ -412,7 +451,9 @@ struct ColsShape {
 template <int V>
 MPS_EXT_INLINE void store_floats(threadgroup float* p, thread const float* v);
 template <>
-MPS_EXT_INLINE void store_floats<1>(threadgroup float* p, thread const float* v) { *p = v[0]; }
+MPS_EXT_INLINE void store_floats<1>(threadgroup float* p, thread const float* v) {
+  *p = v[0];
+}
 template <>
 MPS_EXT_INLINE void store_floats<2>(threadgroup float* p, thread const float* v) {
   *(threadgroup float2*)p = float2(v[0], v[1]);
@@ -428,13 +469,17 @@ MPS_EXT_INLINE void store_floats<4>(threadgroup float* p, thread const float* v)
 constexpr int decode_cols_partial_words() { return DECODE_COLS_THREADS / 32 * DECODE_COLS_THREADS; }
 template <typename T, int B>
 constexpr int decode_cols_ring_words(int R) {
-  return R * 3 * (R == 1 ? ColsShape<B, int(sizeof(T)), 1>::TK : R == 2 ? ColsShape<B, int(sizeof(T)), 2>::TK
-                  : R == 4 ? ColsShape<B, int(sizeof(T)), 4>::TK : ColsShape<B, int(sizeof(T)), 8>::TK);
+  return R * 3 *
+         (R == 1   ? ColsShape<B, int(sizeof(T)), 1>::TK
+          : R == 2 ? ColsShape<B, int(sizeof(T)), 2>::TK
+          : R == 4 ? ColsShape<B, int(sizeof(T)), 4>::TK
+                   : ColsShape<B, int(sizeof(T)), 8>::TK);
 }
 template <typename T, int B>
 constexpr int decode_cols_ring_words_any() {
   int most = 0;
-  for (int R = 1; R <= 8; R *= 2) most = decode_cols_ring_words<T, B>(R) > most ? decode_cols_ring_words<T, B>(R) : most;
+  for (int R = 1; R <= 8; R *= 2)
+    most = decode_cols_ring_words<T, B>(R) > most ? decode_cols_ring_words<T, B>(R) : most;
   return most;
 }
 
@@ -442,12 +487,13 @@ constexpr int decode_cols_ring_words_any() {
 // ring (below): rows past K (and activation rows past `rows`) stage as 0,
 // so that the products need no checks: their weights are 0 too.
 template <int R, int TK, typename Job>
-MPS_EXT_INLINE void decode_cols_stage(thread const Job& job, threadgroup float* x_tile, int tile_k, int k_end,
-                                      uint tid) {
+MPS_EXT_INLINE void decode_cols_stage(
+    thread const Job& job, threadgroup float* x_tile, int tile_k, int k_end, uint tid) {
   constexpr int RING = 2 * TK, XS = RING + TK;
   for (int t = int(tid); t < R * TK; t += DECODE_COLS_THREADS) {
     const int r = t / TK, k = tile_k + t % TK;
-    x_tile[r * XS + (k & (RING - 1))] = r < job.op.rows && k < k_end ? job.op.xf.one(job.x_row(r)[long(k) * job.op.x_k]) : 0.0f;
+    x_tile[r * XS + (k & (RING - 1))] =
+        r < job.op.rows && k < k_end ? job.op.xf.one(job.x_row(r)[long(k) * job.op.x_k]) : 0.0f;
   }
 }
 
@@ -458,8 +504,14 @@ MPS_EXT_INLINE void decode_cols_stage(thread const Job& job, threadgroup float* 
 // threadgroup's block of columns. B: the bytes of a piece (16 or 4, 0 for
 // element loads).
 template <typename Job, int R, int B>
-MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partial, threadgroup float* x_tile,
-                                uint block, uint split, uint tid, uint sg, uint lane) {
+MPS_EXT_INLINE void decode_cols(thread const Job& job,
+                                threadgroup float* partial,
+                                threadgroup float* x_tile,
+                                uint block,
+                                uint split,
+                                uint tid,
+                                uint sg,
+                                uint lane) {
   typedef typename DecodeOperandsOf<Job>::W WF;
   typedef typename WF::T T;
   typedef ColsShape<B, int(sizeof(T)), R> Shape;
@@ -467,7 +519,7 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
   constexpr bool VEC = B != 0;
   constexpr int E = Shape::E, LN = Shape::LN, LK = Shape::LK, G = Shape::G, OWN = Shape::OWN, WO = Shape::WO;
   constexpr int U = Shape::U, RS = Shape::RS, TK = Shape::TK;
-  constexpr int CB = LN * E;             // columns of the threadgroup
+  constexpr int CB = LN * E;  // columns of the threadgroup
   constexpr int S = DECODE_COLS_THREADS / 32;
   constexpr int RB = DECODE_COLS_THREADS / CB;  // rows of partial sums per round through threadgroup memory
   // The activations of two steps of U * RS rows of K, as float: row r of x
@@ -496,8 +548,9 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
   const int lane_row = int(sg) * LK + kq;  // this lane's row within a step
 
   float acc[R][OWN];
-  MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
-    MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e) acc[r][e] = 0.0f;
+  MPS_EXT_UNROLL
+  for (int r = 0; r < R; ++r) MPS_EXT_UNROLL
+  for (int e = 0; e < OWN; ++e) acc[r][e] = 0.0f;
 
   // The weight pointer advances by a step's rows: no 64-bit multiply in the loop.
   const device T* wp = job.op.w + long(k_begin + lane_row) * job.op.w_k + col0 * job.w_n;
@@ -512,14 +565,16 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
   for (int tile_k = k_begin; tile_k < k_end; tile_k += TK) {
     if (STAGE_FIRST) decode_cols_stage<R, TK>(job, x_tile, tile_k, k_end, tid);
     typename P::type wv[U];
-    MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
+    MPS_EXT_UNROLL
+    for (int u = 0; u < U; ++u) {
       const bool ok = tile_k + u * RS + lane_row < k_end;
       const device T* wu = wp + u * w_step;
       if (ok && ncols == E) {
         wv[u] = P::load(job.op.wf, wu);
       } else {  // past K, or a piece past the last column: its elements one by one, zeros beyond
         float v[E];
-        MPS_EXT_UNROLL for (int e = 0; e < E; ++e) v[e] = ok && e < ncols ? job.op.wf.one(wu[e * job.w_n]) : 0.0f;
+        MPS_EXT_UNROLL
+        for (int e = 0; e < E; ++e) v[e] = ok && e < ncols ? job.op.wf.one(wu[e * job.w_n]) : 0.0f;
         wv[u] = P::template of_floats<E>(v, T(0));
       }
     }
@@ -530,14 +585,17 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
     // per u (the weight loads' checks computed those). (16-byte pieces: the
     // ring index of each k, within their figures.)
     const int base = (tile_k + lane_row) & (RING - 1);
-    MPS_EXT_UNROLL for (int u = 0; u < U; ++u) {
+    MPS_EXT_UNROLL
+    for (int u = 0; u < U; ++u) {
       const int g = kq % G;
       // Lane g ^ m of the group holds row k - g + (g ^ m): it sends this
       // lane its part g of that row's piece, and takes part g ^ m of ours.
-      MPS_EXT_UNROLL for (int m = 0; m < G; ++m) {
+      MPS_EXT_UNROLL
+      for (int m = 0; m < G; ++m) {
         float wf[OWN];
         if (VEC) {
-          MPS_EXT_UNROLL for (int i = 0; i < WO; ++i) {
+          MPS_EXT_UNROLL
+          for (int i = 0; i < WO; ++i) {
             uint word = P::word(wv[u], (g ^ m) * WO + i);
             if (m > 0) word = simd_shuffle_xor(word, ushort(m * LN));
             job.op.wf.word(word, wf + i * (OWN / WO));
@@ -547,9 +605,11 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
         }
         const int slot = STAGE_FIRST ? base - g + (g ^ m) + u * RS  // (rows of one step: no wrap)
                                      : (tile_k + u * RS + lane_row - g + (g ^ m)) & (RING - 1);
-        MPS_EXT_UNROLL for (int r = 0; r < R; ++r) {
+        MPS_EXT_UNROLL
+        for (int r = 0; r < R; ++r) {
           const float xr = x_tile[r * XS + slot];
-          MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e) acc[r][e] += xr * wf[e];
+          MPS_EXT_UNROLL
+          for (int e = 0; e < OWN; ++e) acc[r][e] += xr * wf[e];
         }
       }
     }
@@ -558,10 +618,10 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
 
   // The simdgroup's sums: lanes that hold the same columns (one g in each
   // group along K) add up across their rows of K.
-  MPS_EXT_UNROLL for (int r = 0; r < R; ++r)
-    MPS_EXT_UNROLL for (int e = 0; e < OWN; ++e)
-      for (ushort offset = ushort(G * LN); offset < 32; offset *= 2)
-        acc[r][e] += simd_shuffle_xor(acc[r][e], offset);
+  MPS_EXT_UNROLL
+  for (int r = 0; r < R; ++r) MPS_EXT_UNROLL
+  for (int e = 0; e < OWN; ++e)
+    for (ushort offset = ushort(G * LN); offset < 32; offset *= 2) acc[r][e] += simd_shuffle_xor(acc[r][e], offset);
   // Then the threadgroup's, RB rows at a time: the holders (the first group
   // along K: holder h has columns [h * OWN, (h + 1) * OWN) of the block)
   // write their columns, every thread adds one column of one row, so that
@@ -573,18 +633,24 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
   const bool holder = kq < G;
   const int h = nq * G + kq % G;
   threadgroup float* slots = partial;
-  MPS_EXT_UNROLL for (int r0 = 0; r0 < R; r0 += RB) {
+  MPS_EXT_UNROLL
+  for (int r0 = 0; r0 < R; r0 += RB) {
     if (r0 >= rows) break;
     if (holder) {
-      MPS_EXT_UNROLL for (int rr = 0; rr < RB; ++rr) {
+      MPS_EXT_UNROLL
+      for (int rr = 0; rr < RB; ++rr) {
         const int r = r0 + rr;
         if (r >= R) break;
-        MPS_EXT_UNROLL for (int i = 0; i < CHUNKS; ++i) {
+        MPS_EXT_UNROLL
+        for (int i = 0; i < CHUNKS; ++i) {
           const int j = (i + h / (32 / OWN)) % CHUNKS;
           float v[V];
-          MPS_EXT_UNROLL for (int t = 0; t < V; ++t) v[t] = acc[r][t];
-          MPS_EXT_UNROLL for (int jj = 1; jj < CHUNKS; ++jj)
-            if (j == jj) MPS_EXT_UNROLL for (int t = 0; t < V; ++t) v[t] = acc[r][jj * V + t];
+          MPS_EXT_UNROLL
+          for (int t = 0; t < V; ++t) v[t] = acc[r][t];
+          MPS_EXT_UNROLL
+          for (int jj = 1; jj < CHUNKS; ++jj)
+            if (j == jj) MPS_EXT_UNROLL
+          for (int t = 0; t < V; ++t) v[t] = acc[r][jj * V + t];
           store_floats<V>(slots + (int(sg) * RB + rr) * CB + h * OWN + j * V, v);
         }
       }
@@ -596,7 +662,8 @@ MPS_EXT_INLINE void decode_cols(thread const Job& job, threadgroup float* partia
       const long n = long(block) * CB + s;
       if (r < rows && n < job.n) {
         float total = 0.0f;
-        MPS_EXT_UNROLL for (int g = 0; g < S; ++g) total += slots[(g * RB + rr) * CB + s];
+        MPS_EXT_UNROLL
+        for (int g = 0; g < S; ++g) total += slots[(g * RB + rr) * CB + s];
         job.store(r, n, total, split);
       }
     }

@@ -62,10 +62,12 @@ kernel void fp8_convert_dense(device typename D::T* dst [[buffer(0)]],
   if (first + N <= numel) {
     const SrcN v = *reinterpret_cast<const device SrcN*>(src + first);
     DstN r;
-    MPS_EXT_UNROLL for (uint j = 0; j < N; ++j) r[j] = D::from_bits(S::bits(v[j]));
+    MPS_EXT_UNROLL
+    for (uint j = 0; j < N; ++j) r[j] = D::from_bits(S::bits(v[j]));
     *reinterpret_cast<device DstN*>(dst + first) = r;
   } else {
-    MPS_EXT_UNROLL for (uint j = 0; j < N; ++j)
+    MPS_EXT_UNROLL
+    for (uint j = 0; j < N; ++j)
       if (first + j < numel) dst[first + j] = D::from_bits(S::bits(src[first + j]));
   }
 }
@@ -78,7 +80,8 @@ kernel void fp8_convert_dense(device typename D::T* dst [[buffer(0)]],
 template <typename I>
 MPS_EXT_INLINE void coords_of(long index, constant Fp8ConvertParams& p, thread long* coord) {
   I rest = I(index);
-  MPS_EXT_UNROLL for (int d = MPS_EXT_MAX_DIMS - 1; d >= 0; --d) {
+  MPS_EXT_UNROLL
+  for (int d = MPS_EXT_MAX_DIMS - 1; d >= 0; --d) {
     coord[d] = 0;
     if (d < int(p.rank)) {
       const I size = I(p.sizes[d]);
@@ -105,13 +108,15 @@ kernel void fp8_convert_strided(device typename D::T* dst [[buffer(0)]],
   if (p.tiles) {
     const long i0 = long(group / p.tiles) * T, j0 = long(group % p.tiles) * T;
     const int lo = int(tid) % T, hi = int(tid) / T;
-    MPS_EXT_UNROLL for (int q = 0; q < T / ROWS; ++q) {  // src: i0 + lo along dimension 0, j0 + j along 1
+    MPS_EXT_UNROLL
+    for (int q = 0; q < T / ROWS; ++q) {  // src: i0 + lo along dimension 0, j0 + j along 1
       const int j = hi + q * ROWS;
       if (i0 + lo < p.sizes[0] && j0 + j < p.sizes[1])
         tile[j * (T + 1) + lo] = S::bits(src[(i0 + lo) * p.src_strides[0] + (j0 + j) * p.src_strides[1]]);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    MPS_EXT_UNROLL for (int q = 0; q < T / ROWS; ++q) {  // dst: i0 + i along dimension 0, j0 + lo along 1
+    MPS_EXT_UNROLL
+    for (int q = 0; q < T / ROWS; ++q) {  // dst: i0 + i along dimension 0, j0 + lo along 1
       const int i = hi + q * ROWS;
       if (i0 + i < p.sizes[0] && j0 + lo < p.sizes[1])
         dst[(i0 + i) * p.dst_strides[0] + (j0 + lo) * p.dst_strides[1]] = D::from_bits(tile[lo * (T + 1) + i]);
@@ -128,13 +133,15 @@ kernel void fp8_convert_strided(device typename D::T* dst [[buffer(0)]],
   const long last = min(first + FP8_CONVERT_PER_THREAD, p.numel);
   for (long index = first; index < last; ++index) {
     long d_off = 0, s_off = 0;
-    MPS_EXT_UNROLL for (int d = 0; d < MPS_EXT_MAX_DIMS; ++d) {
+    MPS_EXT_UNROLL
+    for (int d = 0; d < MPS_EXT_MAX_DIMS; ++d) {
       d_off += coord[d] * p.dst_strides[d];
       s_off += coord[d] * p.src_strides[d];
     }
     dst[d_off] = D::from_bits(S::bits(src[s_off]));
     bool carry = true;
-    MPS_EXT_UNROLL for (int d = MPS_EXT_MAX_DIMS - 1; d >= 0; --d) {
+    MPS_EXT_UNROLL
+    for (int d = MPS_EXT_MAX_DIMS - 1; d >= 0; --d) {
       if (carry && d < rank) {
         carry = ++coord[d] == p.sizes[d];
         if (carry) coord[d] = 0;
@@ -150,12 +157,12 @@ kernel void fp8_convert_strided(device typename D::T* dst [[buffer(0)]],
   template [[host_name("fp8_convert_strided_" #sname "_" #dname)]] kernel                      \
       decltype(fp8_convert_strided<S, D>) fp8_convert_strided<S, D>;
 // clang-format on
-#define INSTANTIATE_TO_FP8(sname, S)                \
-  INSTANTIATE_FP8_CONVERT(sname, S, e4m3, E4M3)     \
+#define INSTANTIATE_TO_FP8(sname, S)            \
+  INSTANTIATE_FP8_CONVERT(sname, S, e4m3, E4M3) \
   INSTANTIATE_FP8_CONVERT(sname, S, e5m2, E5M2)
-#define INSTANTIATE_FROM_FP8(sname, S)              \
-  INSTANTIATE_FP8_CONVERT(sname, S, f32, F32)       \
-  INSTANTIATE_FP8_CONVERT(sname, S, f16, F16)       \
+#define INSTANTIATE_FROM_FP8(sname, S)        \
+  INSTANTIATE_FP8_CONVERT(sname, S, f32, F32) \
+  INSTANTIATE_FP8_CONVERT(sname, S, f16, F16) \
   INSTANTIATE_FP8_CONVERT(sname, S, bf16, BF16)
 
 INSTANTIATE_TO_FP8(f32, F32)

@@ -95,7 +95,7 @@ inline uint e4m3x2_to_half_bits(uint magnitudes, uint signs) {  // bytes 0 and 2
   return (((magnitudes << 7) | (signs << 8)) & ~mask) | (0x7E007E00u & mask);
 }
 inline float4 e4m3x4_to_float_div256(uint u) {
-  const half2 even = as_type<half2>(e4m3x2_to_half_bits(u & 0x007F007Fu, u & 0x00800080u));              // bytes 0, 2
+  const half2 even = as_type<half2>(e4m3x2_to_half_bits(u & 0x007F007Fu, u & 0x00800080u));               // bytes 0, 2
   const half2 odd = as_type<half2>(e4m3x2_to_half_bits((u >> 8) & 0x007F007Fu, (u >> 8) & 0x00800080u));  // bytes 1, 3
   return float4(float(even.x), float(odd.x), float(even.y), float(odd.y));
 }

@@ -53,15 +53,15 @@ struct Fp8MatmulParams {
   int64_t sa_row_stride, sa_k_stride;
   int64_t sb_n_stride, sb_k_stride;
   int64_t bias_stride;
-  uint32_t sb_n_group;     // 1, or 128 for 128x128 weight blocks
-  uint32_t a_format;       // FP8_TYPE_E4M3 / FP8_TYPE_E5M2 when the activation is fp8
-  uint32_t w_format;       // FP8_TYPE_E4M3 / FP8_TYPE_E5M2
-  uint32_t out_type;       // FP8_TYPE_*
-  uint32_t bias_type;      // FP8_TYPE_NONE, _F32, _F16 or _BF16
+  uint32_t sb_n_group;  // 1, or 128 for 128x128 weight blocks
+  uint32_t a_format;    // FP8_TYPE_E4M3 / FP8_TYPE_E5M2 when the activation is fp8
+  uint32_t w_format;    // FP8_TYPE_E4M3 / FP8_TYPE_E5M2
+  uint32_t out_type;    // FP8_TYPE_*
+  uint32_t bias_type;   // FP8_TYPE_NONE, _F32, _F16 or _BF16
   uint32_t has_scale_a;
-  uint32_t has_scale_result;  // fp8 output divided by scale_result
+  uint32_t has_scale_result;       // fp8 output divided by scale_result
   uint32_t outputs_per_simdgroup;  // decode: weight rows per simdgroup (1 or 2)
-  uint32_t w_vec;  // the weight rows are contiguous along K and 16-byte aligned (16-byte loads)
+  uint32_t w_vec;                  // the weight rows are contiguous along K and 16-byte aligned (16-byte loads)
 };
 
 // Scales of the block-wise recipes cover 128 elements of K.

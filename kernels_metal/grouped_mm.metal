@@ -75,8 +75,8 @@ struct RowSlot {
 
 // Simdgroup 0 finds the slot's group and shares it; rows == 0: no work.
 // Every thread of the threadgroup must call this (it has a barrier).
-inline RowSlot decode_slot(const device int* offs, constant GroupedMMParams& p, uint row, uint sg, uint lane,
-                           threadgroup uint* shared) {
+inline RowSlot decode_slot(
+    const device int* offs, constant GroupedMMParams& p, uint row, uint sg, uint lane, threadgroup uint* shared) {
   if (sg == 0) {
     const uint g = find_group(offs, p.groups, p.m, row, lane);
     if (lane == 0) {
@@ -98,8 +98,8 @@ inline RowSlot decode_slot(const device int* offs, constant GroupedMMParams& p, 
   return s;
 }
 
-inline float scale_of(constant GroupedMMParams& p, const device float* row_scale, const device float* col_scale,
-                      uint g, uint m, uint n) {
+inline float scale_of(
+    constant GroupedMMParams& p, const device float* row_scale, const device float* col_scale, uint g, uint m, uint n) {
   float s = p.mul;
   if (p.scales & GMM_ROW_SCALE) s *= row_scale[ulong(g) * ulong(p.row_scale_batch) + m];
   if (p.scales & GMM_COL_SCALE) s *= col_scale[ulong(g) * ulong(p.col_scale_batch) + n];
@@ -131,8 +131,12 @@ struct GmmInOut {
   const device TA* a;
   constant GroupedMMParams* p;
   RowSlot s;
-  MPS_EXT_INLINE void init(thread Operands& op, device TO* out_, const device TA* a_, const device TB* w_,
-                           constant GroupedMMParams& p_, RowSlot s_) {
+  MPS_EXT_INLINE void init(thread Operands& op,
+                           device TO* out_,
+                           const device TA* a_,
+                           const device TB* w_,
+                           constant GroupedMMParams& p_,
+                           RowSlot s_) {
     decode_format_e5m2(op.xf, false);  // float8 operands are e4m3fn
     decode_format_e5m2(op.wf, false);
     out = out_;
@@ -238,7 +242,8 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
   // (gate) and half + col0 (up); else outputs col0 and col0 + 1.
   const uint half_n = p.n / 2;
   job.col0 = (tg.x * simdgroups + sg) * (p.swiglu ? 1 : GMM_ROWS_OUTPUTS);
-  MPS_EXT_UNROLL for (int q = 0; q < GMM_ROWS_OUTPUTS; ++q) {
+  MPS_EXT_UNROLL
+  for (int q = 0; q < GMM_ROWS_OUTPUTS; ++q) {
     const uint c = p.swiglu ? job.col0 + q * half_n : job.col0 + q;
     job.on[q] = p.swiglu ? job.col0 < half_n : c < p.n;
     job.col[q] = job.on[q] ? c : 0;
@@ -310,7 +315,8 @@ kernel void moe_down_combine(device TO* out [[buffer(0)]],
   job.local = sg * Q;
   const uint block0 = tg << p.outputs_log2;
   job.col0 = block0 + job.local;
-  MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+  MPS_EXT_UNROLL
+  for (int q = 0; q < Q; ++q) {
     job.on[q] = job.col0 + q < p.n;
     job.col[q] = job.on[q] ? job.col0 + q : 0;
   }
@@ -494,8 +500,9 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
   threadgroup_barrier(mem_flags::mem_threadgroup);  // the segments below overwrite some
 
   simdgroup_float8x8 acc[FM][FN];
-  MPS_EXT_UNROLL for (uint i = 0; i < FM; ++i)
-    MPS_EXT_UNROLL for (uint j = 0; j < FN; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  MPS_EXT_UNROLL
+  for (uint i = 0; i < FM; ++i) MPS_EXT_UNROLL
+  for (uint j = 0; j < FN; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   const uint sr = (sg / 2) * (8 * FM), sc = (sg % 2) * (8 * FN);
   const uint fr = frag_row(lane), fc = frag_col(lane);
   // B's staged layout: the lane's first element of fragment j at
@@ -522,7 +529,8 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
     // A simdgroup skips its fragment rows that hold none of the group's rows
     // (a tile spanning several groups passes over K once for each).
     bool live[FM];
-    MPS_EXT_UNROLL for (uint i = 0; i < FM; ++i) {
+    MPS_EXT_UNROLL
+    for (uint i = 0; i < FM; ++i) {
       const uint row = r0 + sr + 8 * i;
       live[i] = row < seg1 && row + 8 > seg0;
     }
@@ -555,9 +563,11 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
         // am[i]: (m, k) = (sr + 8i + r, kk + c); b: (k, n) = (kk + r, sc + 8j + c),
         // one column block at a time (fewer live registers than all four).
         simdgroup_float8x8 am[FM];
-        MPS_EXT_UNROLL for (uint i = 0; i < FM; ++i)
+        MPS_EXT_UNROLL
+        for (uint i = 0; i < FM; ++i)
           if (live[i]) frag_load(am[i], As + (sr + 8 * i + fr) * SA + kk + fc);
-        MPS_EXT_UNROLL for (uint j = 0; j < FN; ++j) {
+        MPS_EXT_UNROLL
+        for (uint j = 0; j < FN; ++j) {
           simdgroup_float8x8 b;
           threadgroup const S* at = Bs + b_at + 8 * j * b_n_step + kk * b_k_step;
           if (b_k_major) {
@@ -566,7 +576,8 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
           } else {
             frag_load(b, at);
           }
-          MPS_EXT_UNROLL for (uint i = 0; i < FM; ++i)
+          MPS_EXT_UNROLL
+          for (uint i = 0; i < FM; ++i)
             if (live[i]) simdgroup_multiply_accumulate(acc[i][j], am[i], b, acc[i][j]);
         }
       }
@@ -579,14 +590,17 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
   // row_group complete (with K = 0 no step's barrier followed its writes).
   threadgroup_barrier(mem_flags::mem_threadgroup);
   // Each lane scales its elements and rounds them to the output's type.
-  MPS_EXT_UNROLL for (uint i = 0; i < FM; ++i) {
+  MPS_EXT_UNROLL
+  for (uint i = 0; i < FM; ++i) {
     const uint r = sr + 8 * i + fr, m = r0 + r;
     // (min: offsets out of order, which torch forbids, must still not read out of bounds)
     const uint g = p.mode == GMM_MODE_ROWS ? min(row_group[r], p.groups - 1) : tg.z;
-    MPS_EXT_UNROLL for (uint j = 0; j < FN; ++j) {
+    MPS_EXT_UNROLL
+    for (uint j = 0; j < FN; ++j) {
       const uint c = sc + 8 * j + fc;
       vec<TO, 2> v;
-      MPS_EXT_UNROLL for (uint e = 0; e < 2; ++e) {
+      MPS_EXT_UNROLL
+      for (uint e = 0; e < 2; ++e) {
         const uint n = min(n0 + c + e, p.n - 1);  // columns past n are computed (zeros) but never stored
         v[e] = TO(acc[i][j].thread_elements()[e] * (m < rows_end ? scale_of(p, row_scale, col_scale, g, m, n) : 0.0f));
       }

@@ -24,10 +24,10 @@ struct GroupedMMParams {
   uint32_t m, n, k;
   uint32_t groups;
   uint32_t mode;
-  uint32_t scales;      // GMM_ROW_SCALE | GMM_COL_SCALE: which of row_scale, col_scale are read
+  uint32_t scales;  // GMM_ROW_SCALE | GMM_COL_SCALE: which of row_scale, col_scale are read
   // gmm_decode_rows only (the fused MoE ops of mps_ext):
-  uint32_t swiglu;      // out[:, j] = silu(gate_j) * up_j with b's columns [gate | up]
-  uint32_t gather;      // > 0: row r of `a` is a[rows[r] / gather] (a token's slots -> its row)
+  uint32_t swiglu;  // out[:, j] = silu(gate_j) * up_j with b's columns [gate | up]
+  uint32_t gather;  // > 0: row r of `a` is a[rows[r] / gather] (a token's slots -> its row)
   int64_t a_batch, a_m, a_k;
   int64_t b_batch, b_k, b_n;
   int64_t out_batch, out_m, out_n;

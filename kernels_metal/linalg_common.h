@@ -20,9 +20,13 @@ inline bool is_zero(float2 a) { return a.x == 0.0f && a.y == 0.0f; }
 template <typename T>
 inline T one();
 template <>
-inline float one<float>() { return 1.0f; }
+inline float one<float>() {
+  return 1.0f;
+}
 template <>
-inline float2 one<float2>() { return float2(1.0f, 0.0f); }
+inline float2 one<float2>() {
+  return float2(1.0f, 0.0f);
+}
 
 // The magnitude LAPACK compares to choose a pivot: |x| (isamax) for real,
 // |re| + |im| (icamax, scabs1) for complex, not the modulus.
@@ -91,7 +95,7 @@ inline long batch_offset(constant LinalgBatch& b, constant int64_t* strides, lon
 // _linalg_det and _linalg_slogdet compute them from the factors.
 template <typename T>
 struct DetAccumulator {
-  T det;        // det, or the sign for slogdet
+  T det;  // det, or the sign for slogdet
   float log_abs;
 
   void init() {

@@ -32,7 +32,8 @@ MPS_EXT_INLINE void swap_values(thread T& a, thread T& b) {
 }
 template <typename T, int N>
 MPS_EXT_INLINE void swap_values(thread T (&a)[N], thread T (&b)[N]) {
-  MPS_EXT_UNROLL for (int c = 0; c < N; ++c) {
+  MPS_EXT_UNROLL
+  for (int c = 0; c < N; ++c) {
     const T t = a[c];
     a[c] = b[c];
     b[c] = t;
@@ -43,7 +44,8 @@ MPS_EXT_INLINE void swap_values(thread T (&a)[N], thread T (&b)[N]) {
 // rows of a matrix), by compile-time indices only (see above).
 template <typename R, int N>
 MPS_EXT_INLINE void swap_rows(thread R (&rows)[N], int j, int r) {
-  MPS_EXT_UNROLL for (int i = j + 1; i < N; ++i)
+  MPS_EXT_UNROLL
+  for (int i = j + 1; i < N; ++i)
     if (i == r) swap_values(rows[j], rows[i]);
 }
 
@@ -187,10 +189,8 @@ kernel void lu_small(device T* lu [[buffer(0)]],
     }
     for (int i = 0; i < N; ++i) {
       const int at = i * xrs + col * xcs;
-      if (p.x.block != 0)
-        stage[sb.at(tid * E + uint(at))] = y[i];
-      else
-        xm[at] = y[i];
+      if (p.x.block != 0) stage[sb.at(tid * E + uint(at))] = y[i];
+      else xm[at] = y[i];
     }
   }
   if (p.x.block != 0) {
@@ -217,8 +217,8 @@ inline PivotCandidate better(PivotCandidate a, PivotCandidate b) {
 
 // Largest-magnitude row of a panel column over the threadgroup; every
 // thread gets the result. Rows a thread did not see count as (-1, large).
-inline PivotCandidate threadgroup_argmax(PivotCandidate c, threadgroup PivotCandidate* scratch, uint lane, uint sg,
-                                         uint simdgroups) {
+inline PivotCandidate threadgroup_argmax(
+    PivotCandidate c, threadgroup PivotCandidate* scratch, uint lane, uint sg, uint simdgroups) {
   for (ushort offset = 16; offset > 0; offset /= 2) {
     PivotCandidate o = {simd_shuffle_xor(c.value, offset), simd_shuffle_xor(c.row, offset)};
     c = better(c, o);
@@ -265,10 +265,10 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
                      uint sg [[simdgroup_index_in_threadgroup]],
                      uint simdgroups [[simdgroups_per_threadgroup]]) {
   threadgroup PivotCandidate scratch[LINALG_MAX_THREADS / 32];
-  threadgroup int row_map[LINALG_MAX_ROWS];               // row i of the swapped panel rows is row row_map[i]
-  threadgroup int panel_pivots[LINALG_MAX_PANEL];          // 0-based pivot rows of the current panel
-  threadgroup int swap_dst[2 * LINALG_MAX_PANEL];          // rows a panel's swaps change, and
-  threadgroup int swap_src[2 * LINALG_MAX_PANEL];          // the row each one takes its value from
+  threadgroup int row_map[LINALG_MAX_ROWS];        // row i of the swapped panel rows is row row_map[i]
+  threadgroup int panel_pivots[LINALG_MAX_PANEL];  // 0-based pivot rows of the current panel
+  threadgroup int swap_dst[2 * LINALG_MAX_PANEL];  // rows a panel's swaps change, and
+  threadgroup int swap_src[2 * LINALG_MAX_PANEL];  // the row each one takes its value from
   threadgroup int swap_count[1];
   threadgroup T u12[LINALG_MAX_THREADS / 32][LINALG_MAX_PANEL];  // a column's rows of U, per simdgroup
 
@@ -285,7 +285,7 @@ kernel void lu_panel(device T* lu [[buffer(0)]],
   // distinct banks.
   const int ld = LINALG_PANEL_LD(m);
   device int* piv_out = pivots + mat * kmin;
-  int first_zero = 0;                             // thread 0's
+  int first_zero = 0;  // thread 0's
   DetAccumulator<T> acc;
   acc.init();
 

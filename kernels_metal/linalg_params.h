@@ -15,9 +15,9 @@
 // Threadgroup memory on Apple GPUs, and the part lu_panel declares itself
 // (for elements of `elem` bytes): the host gives the panel tile the rest.
 #define LINALG_THREADGROUP_MEMORY 32768
-#define LINALG_PANEL_STATIC_BYTES(elem)                                               \
-  (8 * (LINALG_MAX_THREADS / 32) + 4 * LINALG_MAX_ROWS + 4 * LINALG_MAX_PANEL +         \
-   2 * 4 * 2 * LINALG_MAX_PANEL + 4 + (elem) * (LINALG_MAX_THREADS / 32) * LINALG_MAX_PANEL)
+#define LINALG_PANEL_STATIC_BYTES(elem)                                                                            \
+  (8 * (LINALG_MAX_THREADS / 32) + 4 * LINALG_MAX_ROWS + 4 * LINALG_MAX_PANEL + 2 * 4 * 2 * LINALG_MAX_PANEL + 4 + \
+   (elem) * (LINALG_MAX_THREADS / 32) * LINALG_MAX_PANEL)
 // Leading dimension of lu_panel's tile of m rows (odd: no bank conflicts
 // along its rows).
 #define LINALG_PANEL_LD(m) ((m) | 1)
@@ -93,13 +93,13 @@ struct LuParams {
   LinalgOperand x;  // solution (solve)
   int32_t m;
   int32_t n;
-  int32_t k;         // right-hand-side columns
-  int32_t panel;     // columns per panel of the threadgroup kernel
-  uint32_t pivot;    // 1: partial pivoting; 0: none (pivots are 1..min(m, n))
-  uint32_t det;      // LINALG_DET_*
-  uint32_t write_lu; // write LU and pivots (info is always written)
-  uint32_t solve;    // LINALG_SOLVE_*
-  uint32_t identity; // the right-hand sides are the identity (an inverse)
+  int32_t k;          // right-hand-side columns
+  int32_t panel;      // columns per panel of the threadgroup kernel
+  uint32_t pivot;     // 1: partial pivoting; 0: none (pivots are 1..min(m, n))
+  uint32_t det;       // LINALG_DET_*
+  uint32_t write_lu;  // write LU and pivots (info is always written)
+  uint32_t solve;     // LINALG_SOLVE_*
+  uint32_t identity;  // the right-hand sides are the identity (an inverse)
   // Pivot search with NaNs (lu_panel; lu_small always 0): 0, a NaN is
   // skipped unless it is the diagonal element, where the search starts
   // (isamax / icamax of reference BLAS); 1, the first NaN of the column

@@ -29,7 +29,7 @@ kernel void lu_solve(device T* x [[buffer(0)]],
                      uint group [[threadgroup_position_in_grid]]) {
   threadgroup int perm[LINALG_MAX_ROWS];  // row i of P^T B is row perm[i] of B
   threadgroup T b_stage[LINALG_SOLVE_STAGED(C)];
-  threadgroup T published[2][C];          // the finished row, double-buffered: one barrier per step
+  threadgroup T published[2][C];  // the finished row, double-buffered: one barrier per step
 
   const int n = p.n, k = p.k, i = int(tid);
   const int chunks = (k + C - 1) / C;
@@ -121,7 +121,8 @@ kernel void lu_solve(device T* x [[buffer(0)]],
         for (int c = 0; c < C; ++c) pub[c] = xr[c];
       }
       const int next = lower ? j + 1 : j - 1;
-      const T e_next = t + 1 < n && eliminates(active, lower, i, next) ? conj_if(am[i * rs + next * cs], conj) : T(0.0f);
+      const T e_next =
+          t + 1 < n && eliminates(active, lower, i, next) ? conj_if(am[i * rs + next * cs], conj) : T(0.0f);
       if (divide && t + 1 < n && i == next) diag = conj_if(am[i * rs + i * cs], conj);
       threadgroup_barrier(mem_flags::mem_threadgroup);
       if (eliminates(active, lower, i, j))

@@ -26,8 +26,8 @@ MPS_EXT_INLINE float finish(float acc, constant GemvParams& p, float bias) {
 }
 
 template <typename T>
-MPS_EXT_INLINE void write_output(device T* y, const device T* bias, constant GemvParams& p, long r, long n,
-                                 float total) {
+MPS_EXT_INLINE void write_output(
+    device T* y, const device T* bias, constant GemvParams& p, long r, long n, float total) {
   const float b = p.has_bias ? float(bias[r * p.bias_row_stride + n * p.bias_n_stride]) : 0.0f;
   y[r * p.y_row_stride + n * p.y_n_stride] = T(finish(total, p, b));
 }
@@ -44,8 +44,12 @@ struct GemvInOut {
   const device T* bias;
   constant GemvParams* p;
   int x_row_stride;
-  MPS_EXT_INLINE void init(thread Operands& op, device T* y_, const device T* x_, const device T* w_,
-                           constant GemvParams& p_, const device T* bias_) {
+  MPS_EXT_INLINE void init(thread Operands& op,
+                           device T* y_,
+                           const device T* x_,
+                           const device T* w_,
+                           constant GemvParams& p_,
+                           const device T* bias_) {
     y = y_;
     x = x_;
     op.w = w_;
@@ -72,7 +76,8 @@ struct GemvJob {
   MPS_EXT_INLINE const device T* w_row(int q) const { return op.w + (live(q) ? (first + q) * io.p->w_n_stride : 0); }
   // Lane i writes output i: stores spread over the simdgroup.
   MPS_EXT_INLINE void store(int r, thread const float* total, uint lane) const {
-    MPS_EXT_UNROLL for (int q = 0; q < Q; ++q)
+    MPS_EXT_UNROLL
+    for (int q = 0; q < Q; ++q)
       if (lane == uint(r * Q + q) % 32 && live(q)) write_output(io.y, io.bias, *io.p, r, first + q, total[q]);
   }
 };

@@ -82,8 +82,10 @@ kernel void linear_attention_decode(device T* out [[buffer(0)]],
   for (uint base = 0; base < channels * k; base += threads) {
     const uint e = base + t, l = e / k, tap = e % k;
     const bool active = l < channels;
-    const uint c = !active ? 0u : l < dk ? kh * dk + l : l < 2 * dk ? key_dim + kh * dk + (l - dk)
-                                                                     : 2 * key_dim + first_v * dv + (l - 2 * dk);
+    const uint c = !active      ? 0u
+                   : l < dk     ? kh * dk + l
+                   : l < 2 * dk ? key_dim + kh * dk + (l - dk)
+                                : 2 * key_dim + first_v * dv + (l - 2 * dk);
     device T* window = conv_state + (seq * p.conv_dim + c) * k;
     // Shuffled as float (exact for T): Metal's shuffles take no bfloat.
     const float old = active ? float(window[tap]) : 0.0f;
@@ -141,7 +143,8 @@ kernel void linear_attention_decode(device T* out [[buffer(0)]],
     const float d = active ? decay[r] : 0.0f;
     float s[LA_ROWS];
     float kv = 0.0f;
-    MPS_EXT_UNROLL for (uint m = 0; m < LA_ROWS; ++m) {
+    MPS_EXT_UNROLL
+    for (uint m = 0; m < LA_ROWS; ++m) {
       const uint i = part * LA_ROWS + m;
       s[m] = active && i < dk ? column[i * dv] * d : 0.0f;
       kv += s[m] * (i < dk ? ks[i] : 0.0f);
@@ -149,7 +152,8 @@ kernel void linear_attention_decode(device T* out [[buffer(0)]],
     kv = column_sum(kv, part, col, parts, cols, partial);
     const float delta = active ? (vs[j] - kv) * beta[r] : 0.0f;
     float o = 0.0f;
-    MPS_EXT_UNROLL for (uint m = 0; m < LA_ROWS; ++m) {
+    MPS_EXT_UNROLL
+    for (uint m = 0; m < LA_ROWS; ++m) {
       const uint i = part * LA_ROWS + m;
       if (active && i < dk) {
         s[m] += ks[i] * delta;

@@ -31,8 +31,8 @@ struct LinearAttentionParams {
 // result.
 #define LA_ROWS 8
 #define LA_MAX_THREADS 1024
-#define LA_MAX_DK 256     // query/key head size: the threadgroup's q and k arrays
-#define LA_MAX_COLS 1024  // ratio * dv: the value channels of one key head's value heads
-#define LA_MAX_RATIO 64   // value heads per key head
-#define LA_L2_EPS 1e-6f   // transformers' l2norm (and FLA's) epsilon
+#define LA_MAX_DK 256                // query/key head size: the threadgroup's q and k arrays
+#define LA_MAX_COLS 1024             // ratio * dv: the value channels of one key head's value heads
+#define LA_MAX_RATIO 64              // value heads per key head
+#define LA_L2_EPS 1e-6f              // transformers' l2norm (and FLA's) epsilon
 #define LA_SOFTPLUS_THRESHOLD 20.0f  // F.softplus's default: above it, softplus(x) = x

@@ -26,8 +26,14 @@ inline float key_value(uint k) {
 // The best (largest key, then smallest index) of every thread's candidate,
 // with the value the candidate carries, known to all threads. Two barriers;
 // `keys`, `idxs`, `vals` hold one entry per simdgroup.
-inline void best_of_threadgroup(thread uint& key, thread uint& i, thread float& val, uint sg, uint lane,
-                                uint simdgroups, threadgroup uint* keys, threadgroup uint* idxs,
+inline void best_of_threadgroup(thread uint& key,
+                                thread uint& i,
+                                thread float& val,
+                                uint sg,
+                                uint lane,
+                                uint simdgroups,
+                                threadgroup uint* keys,
+                                threadgroup uint* idxs,
                                 threadgroup float* vals) {
   const uint best = simd_max(key);
   const uint at = simd_min(key == best ? i : 0xffffffffu);
@@ -84,8 +90,7 @@ kernel void moe_route(device float* weights [[buffer(0)]],
       const uint e = tid + j * threads;
       l[j] = e < p.experts ? float(lt[ulong(e) * ulong(p.logits_e_stride)]) : -INFINITY;
       r[j] = l[j];
-      if (by_sigmoid && e < p.experts)
-        r[j] = float(T(sigmoid(l[j]))) + (p.has_bias ? expert_bias[e] : 0.0f);
+      if (by_sigmoid && e < p.experts) r[j] = float(T(sigmoid(l[j]))) + (p.has_bias ? expert_bias[e] : 0.0f);
     }
     // The shared expert's gate, loaded now so that it does not wait behind
     // the barriers below.

@@ -1,7 +1,6 @@
 // RMSNorm of the last dimension, as transformers' models write it, in one
-// dispatch (add_rms_norm: of x + residual, the sum written too) (eager, it is 6 to 8 aten ops: to(float32), pow, mean, add,
-// rsqrt, mul, to, mul). Every step is float32 and rounds where the model's
-// code rounds:
+// dispatch (add_rms_norm: of x + residual, the sum written too) (eager, it is 6 to 8 aten ops: to(float32), pow, mean,
+// add, rsqrt, mul, to, mul). Every step is float32 and rounds where the model's code rounds:
 //   normed = x * (1 / sqrt(mean(x^2) + eps))        (float32, as torch's rsqrt: 1 / sqrt)
 //   weight variant (Llama, Qwen3, LFM2):       out = w * T(normed)   (product of two T, rounded to T)
 //   zero-centred (Qwen3-Next, Qwen3.5, Gemma): out = T(normed * (1 + float(w)))
@@ -28,9 +27,18 @@ inline float rms_norm_out(float normed, float w, uint zero_centred) {
 // to sum_out: the decoder layer's residual add before its post-attention
 // norm, in the same dispatch. Without ADD, r and sum_out are never read.
 template <typename T, bool ADD>
-MPS_EXT_INLINE void rms_norm_rows(device T* out, device T* sum_out, const device T* x, const device T* r,
-                                  const device T* w, constant RmsNormParams& p, threadgroup float* partial,
-                                  uint group, uint tid, uint threads, uint sg, uint lane) {
+MPS_EXT_INLINE void rms_norm_rows(device T* out,
+                                  device T* sum_out,
+                                  const device T* x,
+                                  const device T* r,
+                                  const device T* w,
+                                  constant RmsNormParams& p,
+                                  threadgroup float* partial,
+                                  uint group,
+                                  uint tid,
+                                  uint threads,
+                                  uint sg,
+                                  uint lane) {
   // Two sets of partial sums (partial[0 .. RMS_NORM_MAX_THREADS / 32) and
   // the next as many), alternating per row: a team's threads read a row's
   // before the next row's barrier, so the row after next may reuse it with
@@ -43,7 +51,8 @@ MPS_EXT_INLINE void rms_norm_rows(device T* out, device T* sum_out, const device
   const uint first_sg = (tid >> p.team_shift) * (team / 32);  // the team's simdgroups in the threadgroup
   const bool team_live = team_index < p.teams;
   float wv[PER];
-  MPS_EXT_UNROLL for (int c = 0; c < PER; ++c) {
+  MPS_EXT_UNROLL
+  for (int c = 0; c < PER; ++c) {
     const uint i = uint(c) * team + t;
     wv[c] = team_live && i < p.n ? float(w[i]) : 0.0f;
   }
@@ -54,7 +63,8 @@ MPS_EXT_INLINE void rms_norm_rows(device T* out, device T* sum_out, const device
     const device T* xr = x + row * p.row_stride;
     float v[PER];
     float ss = 0.0f;
-    MPS_EXT_UNROLL for (int c = 0; c < PER; ++c) {
+    MPS_EXT_UNROLL
+    for (int c = 0; c < PER; ++c) {
       const uint i = uint(c) * team + t;
       float e = 0.0f;
       if (live && i < p.n) {
@@ -84,7 +94,8 @@ MPS_EXT_INLINE void rms_norm_rows(device T* out, device T* sum_out, const device
     if (!live) continue;
     const float inv = 1.0f / sqrt(ss / n + p.eps);
     device T* o = out + row * p.n;
-    MPS_EXT_UNROLL for (int c = 0; c < PER; ++c) {
+    MPS_EXT_UNROLL
+    for (int c = 0; c < PER; ++c) {
       const uint i = uint(c) * team + t;
       if (i < p.n) {
         const float normed = v[c] * inv;
@@ -221,7 +232,8 @@ kernel void qk_norm_rope(device T* q_out [[buffer(0)]],
     const uint wi = is_q ? 0u : 1u;
     float v[QK_ROPE_SLOTS];
     float ss = 0.0f;
-    MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_SLOTS; ++c) {
+    MPS_EXT_UNROLL
+    for (int c = 0; c < QK_ROPE_SLOTS; ++c) {
       const uint i = qk_rope_element(uint(c), lane, np, half_r, R, D);
       v[c] = i < D ? float(x[i]) : 0.0f;
       // torch rounds the squares (pow) before summing them (mean): no fused multiply-add.
@@ -231,16 +243,19 @@ kernel void qk_norm_rope(device T* q_out [[buffer(0)]],
     if (norm) {  // uniform in the simdgroup: simd_sum sees every lane
       ss = simd_sum(ss);
       const float inv = 1.0f / sqrt(ss / n + p.eps);
-      MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_SLOTS; ++c) {
+      MPS_EXT_UNROLL
+      for (int c = 0; c < QK_ROPE_SLOTS; ++c) {
         const uint i = qk_rope_element(uint(c), lane, np, half_r, R, D);
         if (i < D) v[c] = rms_norm_out<T>(v[c] * inv, wt[wi][i], p.zero_centred);
       }
     }
     // Pair slot c's second half is slot c + np: a static index per value of
     // np (1 to 4, uniform), so the values stay in registers.
-    MPS_EXT_UNROLL for (int np_ = 1; np_ <= QK_ROPE_SLOTS / 2; ++np_) {
+    MPS_EXT_UNROLL
+    for (int np_ = 1; np_ <= QK_ROPE_SLOTS / 2; ++np_) {
       if (uint(np_) != np) continue;
-      MPS_EXT_UNROLL for (int c = 0; c < np_; ++c) {
+      MPS_EXT_UNROLL
+      for (int c = 0; c < np_; ++c) {
         const uint i = uint(c) * 32 + lane;
         if (i < half_r) {
           const float lo = v[c], hi = v[c + np_];
@@ -253,7 +268,8 @@ kernel void qk_norm_rope(device T* q_out [[buffer(0)]],
         }
       }
     }
-    MPS_EXT_UNROLL for (int c = 0; c < QK_ROPE_SLOTS; ++c) {
+    MPS_EXT_UNROLL
+    for (int c = 0; c < QK_ROPE_SLOTS; ++c) {
       const uint i = qk_rope_element(uint(c), lane, np, half_r, R, D);
       if (i < D) o[i] = T(v[c]);
     }

@@ -11,12 +11,12 @@
 // loading its weight elements once for all of them.
 struct RmsNormParams {
   uint32_t rows;
-  uint32_t n;           // elements of a row
-  uint32_t row_stride;  // elements between rows of x (out is contiguous)
+  uint32_t n;                    // elements of a row
+  uint32_t row_stride;           // elements between rows of x (out is contiguous)
   uint32_t residual_row_stride;  // add_rms_norm: elements between rows of the residual (the sum is contiguous)
   uint32_t team_shift;
   uint32_t teams;
-  uint32_t iterations;  // rows per team, ceil(rows / teams)
+  uint32_t iterations;    // rows per team, ceil(rows / teams)
   uint32_t zero_centred;  // 1: out = T(normed * (1 + w)); 0: out = w * T(normed)
   float eps;
 };
@@ -42,16 +42,16 @@ struct RmsNormParams {
 // are [B, H, T, D] contiguous.
 struct QkNormRopeParams {
   uint32_t q_heads, k_heads;
-  uint32_t tokens;           // T
-  uint32_t head_dim;         // D
-  uint32_t rotary_dim;       // R: even, <= D; the first R elements rotate, the rest pass through
+  uint32_t tokens;      // T
+  uint32_t head_dim;    // D
+  uint32_t rotary_dim;  // R: even, <= D; the first R elements rotate, the rest pass through
   uint32_t q_stride_b, q_stride_t, q_stride_h;
   uint32_t k_stride_b, k_stride_t, k_stride_h;
   uint32_t cs_stride_b, cs_stride_t;  // cos and sin (the same strides: the host checks)
   uint32_t heads_per_group;
-  uint32_t iterations;       // ceil(heads_per_group / simdgroups)
-  uint32_t q_norm, k_norm;   // 1: that tensor has an RMSNorm weight
-  uint32_t zero_centred;     // as RmsNormParams
+  uint32_t iterations;      // ceil(heads_per_group / simdgroups)
+  uint32_t q_norm, k_norm;  // 1: that tensor has an RMSNorm weight
+  uint32_t zero_centred;    // as RmsNormParams
   float eps;
 };
 

@@ -14,7 +14,7 @@ struct PadParams {
   int64_t in_sizes[MPS_EXT_MAX_DIMS];
   int64_t in_strides[MPS_EXT_MAX_DIMS];
   int64_t pad_before[MPS_EXT_MAX_DIMS];  // negative crops
-  uint64_t fill_bits;  // the fill value, already converted to the dtype
+  uint64_t fill_bits;                    // the fill value, already converted to the dtype
   uint32_t rank;
   uint32_t segments_per_row;  // PAD_SEGMENT_BYTES pieces of output a row spans
   uint32_t tasks;             // rows * segments_per_row, one simdgroup each

@@ -20,7 +20,8 @@ MPS_EXT_INLINE void word_floats(uint bits, thread float* v, bfloat) { word_float
 template <typename T>
 MPS_EXT_INLINE void unpack16(uint4 bits, thread float* v, T) {
   constexpr int N = 4 / sizeof(T);  // elements of a word
-  MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) word_floats(bits[i], v + i * N, T(0));
+  MPS_EXT_UNROLL
+  for (int i = 0; i < 4; ++i) word_floats(bits[i], v + i * N, T(0));
 }
 
 // decode.h's decode_rows (gemv_rows, fp8_gemv, gmm_decode_rows): the
@@ -35,7 +36,8 @@ MPS_EXT_INLINE void unpack16(uint4 bits, thread float* v, T) {
 constexpr int clamp_constexpr(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
 constexpr int floor_pow2(int v) { return v >= 4 ? 4 : v >= 2 ? 2 : 1; }
 constexpr int rows_pieces_per_output(int R, int Q, int tile_pieces, int budget = 24) {
-  return floor_pow2(clamp_constexpr((budget - R * Q) / (4 * Q), 1, 4 / Q < tile_pieces / 32 ? 4 / Q : tile_pieces / 32));
+  return floor_pow2(
+      clamp_constexpr((budget - R * Q) / (4 * Q), 1, 4 / Q < tile_pieces / 32 ? 4 / Q : tile_pieces / 32));
 }
 
 // ... and back: N floats as the bits of N elements: 4 for float (N must be
@@ -49,12 +51,17 @@ MPS_EXT_INLINE uint4 pack16(thread const float* v, float) {
 template <int N, typename H>
 MPS_EXT_INLINE uint4 pack16_pairs(thread const float* v) {
   uint4 bits = uint4(0u);
-  MPS_EXT_UNROLL for (int i = 0; i < N / 2; ++i) {
+  MPS_EXT_UNROLL
+  for (int i = 0; i < N / 2; ++i) {
     bits[i] = metal::as_type<uint>(metal::vec<H, 2>(H(v[2 * i]), H(v[2 * i + 1])));
   }
   return bits;
 }
 template <int N>
-MPS_EXT_INLINE uint4 pack16(thread const float* v, half) { return pack16_pairs<N, half>(v); }
+MPS_EXT_INLINE uint4 pack16(thread const float* v, half) {
+  return pack16_pairs<N, half>(v);
+}
 template <int N>
-MPS_EXT_INLINE uint4 pack16(thread const float* v, bfloat) { return pack16_pairs<N, bfloat>(v); }
+MPS_EXT_INLINE uint4 pack16(thread const float* v, bfloat) {
+  return pack16_pairs<N, bfloat>(v);
+}

@@ -82,8 +82,13 @@ inline float scale_b_at(constant Fp8MatmulParams& p, const device float* sb, lon
 
 // Bias, 1 / scale_result for fp8 outputs, rounding to the output type (in
 // this order, as torch's CPU kernel does).
-inline void store_output(device uchar* y, long index, float v, long n, constant Fp8MatmulParams& p,
-                         const device uchar* bias, const device float* scale_result) {
+inline void store_output(device uchar* y,
+                         long index,
+                         float v,
+                         long n,
+                         constant Fp8MatmulParams& p,
+                         const device uchar* bias,
+                         const device float* scale_result) {
   if (p.bias_type == FP8_TYPE_F32) v += ((const device float*)bias)[n * p.bias_stride];
   else if (p.bias_type == FP8_TYPE_F16) v += float(((const device half*)bias)[n * p.bias_stride]);
   else if (p.bias_type == FP8_TYPE_BF16) v += float(((const device bfloat*)bias)[n * p.bias_stride]);
@@ -136,13 +141,17 @@ struct Fp8GemvJob {
   uint lane;
   MPS_EXT_INLINE const device typename A::T* x_row(int r) const { return x + r * p->a_row_stride; }
   MPS_EXT_INLINE bool live(int q) const { return q < outputs && first + q < int(p->n); }
-  MPS_EXT_INLINE const device uchar* w_row(int q) const { return op.w + (live(q) ? long(first + q) * p->w_n_stride : 0); }
+  MPS_EXT_INLINE const device uchar* w_row(int q) const {
+    return op.w + (live(q) ? long(first + q) * p->w_n_stride : 0);
+  }
   // (Run-time trip counts: a compiler keeps no address per row or block.)
   MPS_EXT_INLINE void stage_scales(int k0, int elements, uint tid, uint) const {
     // (Unsigned: index arithmetic; decode_rows' loop counters stay 32-bit.)
-    const int kb0 = int(uint(k0) / FP8_SCALE_BLOCK), blocks = int((uint(elements) + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK);
+    const int kb0 = int(uint(k0) / FP8_SCALE_BLOCK),
+              blocks = int((uint(elements) + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK);
     if (int(tid) < blocks)
-      for (int r = 0; r < op.rows; ++r) sa_tile[r * FP8_GEMV_TILE_BLOCKS + int(tid)] = scale_a_at(*p, scale_a, r, kb0 + int(tid));
+      for (int r = 0; r < op.rows; ++r)
+        sa_tile[r * FP8_GEMV_TILE_BLOCKS + int(tid)] = scale_a_at(*p, scale_a, r, kb0 + int(tid));
     // Each simdgroup its own outputs' (at most 8 bytes an instruction: no
     // load straddles a line, whatever the threadgroup's output count).
     if (int(lane) < outputs) {
@@ -159,7 +168,8 @@ struct Fp8GemvJob {
   // Lane i writes output i: stores spread over the simdgroup.
   MPS_EXT_INLINE void store(int r, thread const float* total, uint lane) const {
     const float unit = op.xf.unit() * op.wf.unit();
-    MPS_EXT_UNROLL for (int q = 0; q < Q; ++q) {
+    MPS_EXT_UNROLL
+    for (int q = 0; q < Q; ++q) {
       if (lane == uint(r * Q + q) % 32 && live(q)) {
         const long n = first + q;
         store_output(y, r * p->y_row_stride + n * p->y_n_stride, total[q] * unit, n, *p, bias, scale_result);
@@ -229,7 +239,8 @@ inline void fragment_coord(uint lane, thread uint& row, thread uint& col) {
 // convention (its even bytes: the same bits, the same values).
 inline float2 fp8_pair_to_float(uint u, uint format) {
   const uint b = u & 0x00FF00FFu;
-  return float2(as_type<half2>(format == FP8_TYPE_E5M2 ? b << 8 : e4m3x2_to_half_bits(b & 0x007F007Fu, b & 0x00800080u)));
+  return float2(
+      as_type<half2>(format == FP8_TYPE_E5M2 ? b << 8 : e4m3x2_to_half_bits(b & 0x007F007Fu, b & 0x00800080u)));
 }
 
 // v[(e + r) % 4] at e: a lane's four values in the order it stores them.
@@ -294,7 +305,8 @@ struct Fp8TileJob {
   // Block kb's device loads; zeros past K, M and N.
   MPS_EXT_INLINE void load(int kb) {
     const int k0 = kb * TK;
-    MPS_EXT_UNROLL for (int i = 0; i < 8; ++i) {
+    MPS_EXT_UNROLL
+    for (int i = 0; i < 8; ++i) {
       const int gm = m0 + 8 * int(sg) + i;
       Quad q = Quad(0);
       if (VEC) {
@@ -313,8 +325,10 @@ struct Fp8TileJob {
       xq[i] = q;
       xs[i] = gm < M ? scale_a_at(*p, scale_a, gm, kb) * A::unit(p->a_format) : 0.0f;
     }
-    MPS_EXT_UNROLL for (int jb = 0; jb < 2; ++jb) {
-      MPS_EXT_UNROLL for (int r = 0; r < 2; ++r) {
+    MPS_EXT_UNROLL
+    for (int jb = 0; jb < 2; ++jb) {
+      MPS_EXT_UNROLL
+      for (int r = 0; r < 2; ++r) {
         const int gn = w_row(jb, r), gk = k0 + 16 * int(fr);
         uint4 u = uint4(0u);
         if (gn < N && w_vec && gk + 16 <= K) {
@@ -324,8 +338,7 @@ struct Fp8TileJob {
             if (gk + e < K) u[e / 4] |= uint(w[gn * p->w_n_stride + long(gk + e) * p->w_k_stride]) << (8 * (e % 4));
         }
         wq[jb][r] = u;
-        ws[jb][r] = gn < N ? scale_b[sb_row[jb][r] + long(kb) * p->sb_k_stride] * fp8_unit(p->w_format)
-                                          : 0.0f;
+        ws[jb][r] = gn < N ? scale_b[sb_row[jb][r] + long(kb) * p->sb_k_stride] * fp8_unit(p->w_format) : 0.0f;
       }
     }
   }
@@ -335,7 +348,8 @@ struct Fp8TileJob {
   // (rotate4) so that the 32 lanes of each store meet 32 banks.
   MPS_EXT_INLINE void stage(uint h) const {
     const uint g = h ^ (VEC ? (lane >> 1) & 1 : (lane >> 3) & 1);
-    MPS_EXT_UNROLL for (int q = 0; q < 4; ++q) {
+    MPS_EXT_UNROLL
+    for (int q = 0; q < 4; ++q) {
       const uint i = 2 * uint(q) + g;
       float4 v = A::quad(g ? xq[2 * q + 1] : xq[2 * q], p->a_format) * (g ? xs[2 * q + 1] : xs[2 * q]);
       uint base, step, rot;
@@ -348,24 +362,29 @@ struct Fp8TileJob {
       }
       v = rotate4(v, rot);
       threadgroup float* row = tile + (8 * sg + i) * S + base;
-      MPS_EXT_UNROLL for (uint e = 0; e < 4; ++e) row[step * ((e + rot) % 4)] = v[e];
+      MPS_EXT_UNROLL
+      for (uint e = 0; e < 4; ++e) row[step * ((e + rot) % 4)] = v[e];
     }
   }
 
   // Products t = 8 h + u (u < 8) from the tile and words 2 h and 2 h + 1
   // of the weights: a B fragment is byte t of two weight rows.
   MPS_EXT_INLINE void products(uint h, thread Fp8TileAcc& acc) const {
-    MPS_EXT_UNROLL for (int u = 0; u < 8; ++u) {
+    MPS_EXT_UNROLL
+    for (int u = 0; u < 8; ++u) {
       const uint word = 2 * h + uint(u) / 4, shift = 8 * (uint(u) % 4);
       simdgroup_float8x8 b[2];
-      MPS_EXT_UNROLL for (int jb = 0; jb < 2; ++jb) {
+      MPS_EXT_UNROLL
+      for (int jb = 0; jb < 2; ++jb) {
         const uint two = ((wq[jb][0][word] >> shift) & 0xFFu) | ((wq[jb][1][word] >> shift) << 16);
         reinterpret_cast<thread float2&>(b[jb].thread_elements()) = fp8_pair_to_float(two, p->w_format) * ws[jb];
       }
-      MPS_EXT_UNROLL for (int i = 0; i < 4; ++i) {
+      MPS_EXT_UNROLL
+      for (int i = 0; i < 4; ++i) {
         simdgroup_float8x8 a;
         simdgroup_load(a, tile + 8 * i * S + 8 * u, S);
-        MPS_EXT_UNROLL for (int jb = 0; jb < 2; ++jb) simdgroup_multiply_accumulate(acc.m[i][jb], a, b[jb], acc.m[i][jb]);
+        MPS_EXT_UNROLL
+        for (int jb = 0; jb < 2; ++jb) simdgroup_multiply_accumulate(acc.m[i][jb], a, b[jb], acc.m[i][jb]);
       }
     }
   }
@@ -410,8 +429,8 @@ kernel void fp8_mm_tile(device uchar* y [[buffer(0)]],
 
   for (int kb = 0; kb < job.blocks; ++kb) {
     job.load(kb);  // in flight while the other simdgroups finish the previous block
-    // A loop, not two copies: the tile addresses of a half are computed in
-    // it, not all held across the block.
+                   // A loop, not two copies: the tile addresses of a half are computed in
+                   // it, not all held across the block.
 #pragma clang loop unroll(disable)
     for (uint h = 0; h < 2; ++h) {
       threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous half's products are done with the tile

@@ -82,7 +82,8 @@ MPS_EXT_INLINE void load_n(const device T* p, thread float* v) {
     unpack16(*(const device uint4*)p, v, T(0));
   } else {
     const uint2 bits = *(const device uint2*)p;
-    MPS_EXT_UNROLL for (int i = 0; i < 2; ++i) word_floats(bits[i], v + i * PER_WORD, T(0));
+    MPS_EXT_UNROLL
+    for (int i = 0; i < 2; ++i) word_floats(bits[i], v + i * PER_WORD, T(0));
   }
 }
 
@@ -90,7 +91,8 @@ MPS_EXT_INLINE void load_n(const device T* p, thread float* v) {
 // float (one or two pieces), 8 or 16 bytes of half / bfloat.
 template <int N>
 MPS_EXT_INLINE void store_n(device float* p, thread const float* v) {
-  MPS_EXT_UNROLL for (int i = 0; i < N; i += 4) *(device uint4*)(p + i) = pack16<4>(v + i, 0.0f);
+  MPS_EXT_UNROLL
+  for (int i = 0; i < N; i += 4) *(device uint4*)(p + i) = pack16<4>(v + i, 0.0f);
 }
 template <int N, typename H>
 MPS_EXT_INLINE void store_n_pairs(device H* p, thread const float* v) {
@@ -99,9 +101,13 @@ MPS_EXT_INLINE void store_n_pairs(device H* p, thread const float* v) {
   else *(device uint2*)p = bits.xy;
 }
 template <int N>
-MPS_EXT_INLINE void store_n(device half* p, thread const float* v) { store_n_pairs<N>(p, v); }
+MPS_EXT_INLINE void store_n(device half* p, thread const float* v) {
+  store_n_pairs<N>(p, v);
+}
 template <int N>
-MPS_EXT_INLINE void store_n(device bfloat* p, thread const float* v) { store_n_pairs<N>(p, v); }
+MPS_EXT_INLINE void store_n(device bfloat* p, thread const float* v) {
+  store_n_pairs<N>(p, v);
+}
 
 // Piece k of the row starting at `base` (length n, elements `stride` apart;
 // in the vector variants the host checked it is 1) as C floats, `fill`
@@ -111,14 +117,17 @@ MPS_EXT_INLINE void load_piece(thread float* v, const device T* base, I stride, 
   if (C > 1 && valid && k + C <= n) {
     load_n<C>(base + k, v);
   } else {
-    MPS_EXT_UNROLL for (int e = 0; e < C; ++e) v[e] = valid && k + e < n ? float(base[C > 1 ? k + e : k * stride]) : fill;
+    MPS_EXT_UNROLL
+    for (int e = 0; e < C; ++e) v[e] = valid && k + e < n ? float(base[C > 1 ? k + e : k * stride]) : fill;
   }
 }
 
 // A thread's elements of a row.
 template <typename T, typename I, int J, int C>
-MPS_EXT_INLINE void load_row(thread float* v, const device T* base, I stride, I n, Slots<I, J, C> s, bool valid, float fill) {
-  MPS_EXT_UNROLL for (int j = 0; j < J; ++j) load_piece<T, I, C>(v + j * C, base, stride, s.at(j), n, valid, fill);
+MPS_EXT_INLINE void load_row(
+    thread float* v, const device T* base, I stride, I n, Slots<I, J, C> s, bool valid, float fill) {
+  MPS_EXT_UNROLL
+  for (int j = 0; j < J; ++j) load_piece<T, I, C>(v + j * C, base, stride, s.at(j), n, valid, fill);
 }
 
 // ... of the same row of two tensors (backward: the gradient and the
@@ -126,9 +135,18 @@ MPS_EXT_INLINE void load_row(thread float* v, const device T* base, I stride, I 
 // serve both loads and end there (loading one row after the other keeps J
 // of them live in between).
 template <typename T, typename I, int J, int C>
-MPS_EXT_INLINE void load_rows(thread float* a, const device T* a_base, I a_stride, thread float* b,
-                              const device T* b_base, I b_stride, I n, Slots<I, J, C> s, bool valid, float fill) {
-  MPS_EXT_UNROLL for (int j = 0; j < J; ++j) {
+MPS_EXT_INLINE void load_rows(thread float* a,
+                              const device T* a_base,
+                              I a_stride,
+                              thread float* b,
+                              const device T* b_base,
+                              I b_stride,
+                              I n,
+                              Slots<I, J, C> s,
+                              bool valid,
+                              float fill) {
+  MPS_EXT_UNROLL
+  for (int j = 0; j < J; ++j) {
     const I k = s.at(j);
     load_piece<T, I, C>(a + j * C, a_base, a_stride, k, n, valid, fill);
     load_piece<T, I, C>(b + j * C, b_base, b_stride, k, n, valid, fill);
@@ -153,12 +171,14 @@ MPS_EXT_INLINE void store_row(device O* base, I stride, I n, thread const float*
   }
   device O* at = base + s.first * I(C) * stride;
   const I jump = s.step * I(C) * stride;
-  MPS_EXT_UNROLL for (int j = 0; j < J; ++j, at += jump) {
+  MPS_EXT_UNROLL
+  for (int j = 0; j < J; ++j, at += jump) {
     if (I(j) < full) {
       if (C > 1) store_n<C>(at, v + j * C);
       else *at = O(v[j]);
     } else if (I(j) == part) {
-      MPS_EXT_UNROLL for (int e = 0; e < C; ++e)
+      MPS_EXT_UNROLL
+      for (int e = 0; e < C; ++e)
         if (I(e) < rest) at[e] = O(v[j * C + e]);
     }
   }
@@ -227,23 +247,31 @@ struct GroupReduce {
 // The forward pass over the elements a thread holds: max, one exp per
 // element, sum, write.
 template <typename T, typename O, typename I, int J, int C, typename Reduce>
-MPS_EXT_INLINE void forward_row(device O* out, const device T* x, constant SoftmaxParams& p, RowOffsets<I> o,
-                        Slots<I, J, C> s, bool valid, Reduce r) {
+MPS_EXT_INLINE void forward_row(device O* out,
+                                const device T* x,
+                                constant SoftmaxParams& p,
+                                RowOffsets<I> o,
+                                Slots<I, J, C> s,
+                                bool valid,
+                                Reduce r) {
   const I n = I(p.row_length);
   float v[J * C];
   load_row(v, x + o.x, I(p.x_dim_stride), n, s, valid, -INFINITY);
   float m = -INFINITY;
-  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) m = nan_max(m, v[i]);
+  MPS_EXT_UNROLL
+  for (int i = 0; i < J * C; ++i) m = nan_max(m, v[i]);
   m = r.reduce_max(m);
   float sum = 0.0f;
-  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) {
+  MPS_EXT_UNROLL
+  for (int i = 0; i < J * C; ++i) {
     const float e = exp_from(v[i], m);
     sum += e;
     if (!p.log) v[i] = e;
   }
   sum = r.reduce_sum(sum);
   const float log_sum = precise::log(sum);
-  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) v[i] = p.log ? v[i] - m - log_sum : v[i] / sum;
+  MPS_EXT_UNROLL
+  for (int i = 0; i < J * C; ++i) v[i] = p.log ? v[i] - m - log_sum : v[i] / sum;
   store_row(out + o.out, I(p.out_dim_stride), n, v, s, valid);
 }
 
@@ -254,15 +282,23 @@ MPS_EXT_INLINE float backward_value(float g, float y, float sum, bool log) {
 }
 
 template <typename G, typename O, typename I, int J, int C, typename Reduce>
-MPS_EXT_INLINE void backward_row(device O* out, const device G* g, const device G* y, constant SoftmaxParams& p,
-                         RowOffsets<I> o, Slots<I, J, C> s, bool valid, Reduce r) {
+MPS_EXT_INLINE void backward_row(device O* out,
+                                 const device G* g,
+                                 const device G* y,
+                                 constant SoftmaxParams& p,
+                                 RowOffsets<I> o,
+                                 Slots<I, J, C> s,
+                                 bool valid,
+                                 Reduce r) {
   const I n = I(p.row_length);
   float gv[J * C], yv[J * C];
   load_rows(gv, g + o.x, I(p.x_dim_stride), yv, y + o.y, I(p.y_dim_stride), n, s, valid, 0.0f);
   float sum = 0.0f;
-  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) sum += backward_term(gv[i], yv[i], p.log);
+  MPS_EXT_UNROLL
+  for (int i = 0; i < J * C; ++i) sum += backward_term(gv[i], yv[i], p.log);
   sum = r.reduce_sum(sum);
-  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) gv[i] = backward_value(gv[i], yv[i], sum, p.log);
+  MPS_EXT_UNROLL
+  for (int i = 0; i < J * C; ++i) gv[i] = backward_value(gv[i], yv[i], sum, p.log);
   store_row(out + o.out, I(p.out_dim_stride), n, gv, s, valid);
 }
 
@@ -397,10 +433,12 @@ kernel void softmax_partial(device float2* partials [[buffer(0)]],
   float v[J * C];
   load_row(v, x + o.x, I(p.x_dim_stride), I(p.row_length), split_slots<I, J, C>(group.x, tid), true, -INFINITY);
   float m = -INFINITY;
-  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) m = nan_max(m, v[i]);
+  MPS_EXT_UNROLL
+  for (int i = 0; i < J * C; ++i) m = nan_max(m, v[i]);
   m = r.reduce_max(m);
   float sum = 0.0f;
-  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) sum += exp_from(v[i], m);
+  MPS_EXT_UNROLL
+  for (int i = 0; i < J * C; ++i) sum += exp_from(v[i], m);
   sum = r.reduce_sum(sum);
   if (tid == 0) partials[I(group.y) * I(p.partials_stride) + I(group.x)] = float2(m, sum);
 }
@@ -441,7 +479,8 @@ kernel void softmax_finish(device O* out [[buffer(0)]],
   float v[J * C];
   load_row(v, x + o.x, I(p.x_dim_stride), n, s, true, -INFINITY);
   const float log_sum = precise::log(sum);
-  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) v[i] = p.log ? v[i] - m - log_sum : exp_from(v[i], m) / sum;
+  MPS_EXT_UNROLL
+  for (int i = 0; i < J * C; ++i) v[i] = p.log ? v[i] - m - log_sum : exp_from(v[i], m) / sum;
   store_row(out + o.out, I(p.out_dim_stride), n, v, s, true);
 }
 
@@ -519,7 +558,8 @@ kernel void softmax_backward_partial(device float* partials [[buffer(0)]],
   float gv[J * C], yv[J * C];
   load_rows(gv, g + o.x, I(p.x_dim_stride), yv, y + o.y, I(p.y_dim_stride), n, s, true, 0.0f);
   float sum = 0.0f;
-  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) sum += backward_term(gv[i], yv[i], p.log);
+  MPS_EXT_UNROLL
+  for (int i = 0; i < J * C; ++i) sum += backward_term(gv[i], yv[i], p.log);
   sum = r.reduce_sum(sum);
   if (tid == 0) partials[I(group.y) * I(p.partials_stride) + I(group.x)] = sum;
 }
@@ -549,7 +589,8 @@ kernel void softmax_backward_finish(device O* out [[buffer(0)]],
   const I n = I(p.row_length);
   float gv[J * C], yv[J * C];
   load_rows(gv, g + o.x, I(p.x_dim_stride), yv, y + o.y, I(p.y_dim_stride), n, s, true, 0.0f);
-  MPS_EXT_UNROLL for (int i = 0; i < J * C; ++i) gv[i] = backward_value(gv[i], yv[i], sum, p.log);
+  MPS_EXT_UNROLL
+  for (int i = 0; i < J * C; ++i) gv[i] = backward_value(gv[i], yv[i], sum, p.log);
   store_row(out + o.out, I(p.out_dim_stride), n, gv, s, true);
 }
 
@@ -573,10 +614,10 @@ kernel void softmax_backward_finish(device O* out [[buffer(0)]],
       kernel_name<__VA_ARGS__, ulong>;
 // clang-format on
 
-#define INSTANTIATE_FORWARD(in_name, T, out_name, O)                                                 \
-  INSTANTIATE_VARIANTS(softmax_segment, "softmax_segment_" #in_name "_" #out_name, T, O)            \
-  INSTANTIATE_VARIANTS(softmax_block, "softmax_block_" #in_name "_" #out_name, T, O)                \
-  INSTANTIATE_VARIANTS(softmax_finish, "softmax_finish_" #in_name "_" #out_name, T, O)              \
+#define INSTANTIATE_FORWARD(in_name, T, out_name, O)                                     \
+  INSTANTIATE_VARIANTS(softmax_segment, "softmax_segment_" #in_name "_" #out_name, T, O) \
+  INSTANTIATE_VARIANTS(softmax_block, "softmax_block_" #in_name "_" #out_name, T, O)     \
+  INSTANTIATE_VARIANTS(softmax_finish, "softmax_finish_" #in_name "_" #out_name, T, O)   \
   INSTANTIATE_STRIDED(softmax_strided, "softmax_strided_" #in_name "_" #out_name, T, O)
 INSTANTIATE_FORWARD(f32, float, f32, float)
 INSTANTIATE_FORWARD(f16, half, f16, half)
@@ -588,10 +629,10 @@ INSTANTIATE_VARIANTS(softmax_partial, "softmax_partial_bf16", bfloat)
 
 // Backward: grad dtype -> grad_input dtype (same, or float -> half after a
 // half_to_float forward).
-#define INSTANTIATE_BACKWARD(g_name, G, out_name, O)                                                          \
-  INSTANTIATE_VARIANTS(softmax_backward_segment, "softmax_backward_segment_" #g_name "_" #out_name, G, O)    \
-  INSTANTIATE_VARIANTS(softmax_backward_block, "softmax_backward_block_" #g_name "_" #out_name, G, O)        \
-  INSTANTIATE_VARIANTS(softmax_backward_finish, "softmax_backward_finish_" #g_name "_" #out_name, G, O)      \
+#define INSTANTIATE_BACKWARD(g_name, G, out_name, O)                                                      \
+  INSTANTIATE_VARIANTS(softmax_backward_segment, "softmax_backward_segment_" #g_name "_" #out_name, G, O) \
+  INSTANTIATE_VARIANTS(softmax_backward_block, "softmax_backward_block_" #g_name "_" #out_name, G, O)     \
+  INSTANTIATE_VARIANTS(softmax_backward_finish, "softmax_backward_finish_" #g_name "_" #out_name, G, O)   \
   INSTANTIATE_STRIDED(softmax_backward_strided, "softmax_backward_strided_" #g_name "_" #out_name, G, O)
 INSTANTIATE_BACKWARD(f32, float, f32, float)
 INSTANTIATE_BACKWARD(f16, half, f16, half)

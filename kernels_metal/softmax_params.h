@@ -14,19 +14,19 @@
 struct SoftmaxParams {
   int64_t row_length;
   int64_t rows;
-  int64_t x_dim_stride;    // input (forward) or grad_output (backward)
-  int64_t y_dim_stride;    // output of the forward pass (backward only)
+  int64_t x_dim_stride;  // input (forward) or grad_output (backward)
+  int64_t y_dim_stride;  // output of the forward pass (backward only)
   int64_t out_dim_stride;
-  int64_t partials_stride; // split rows: from one row's partials to the next (chunks, rounded up to
-                           // 32 entries: a row's partials start at a cache line)
-  int64_t chunks;          // split rows: threadgroups per row
+  int64_t partials_stride;  // split rows: from one row's partials to the next (chunks, rounded up to
+                            // 32 entries: a row's partials start at a cache line)
+  int64_t chunks;           // split rows: threadgroups per row
   int64_t row_sizes[MPS_EXT_MAX_DIMS];
   int64_t x_strides[MPS_EXT_MAX_DIMS];
   int64_t y_strides[MPS_EXT_MAX_DIMS];
   int64_t out_strides[MPS_EXT_MAX_DIMS];
-  uint32_t rank;           // entries used in row_sizes
-  uint32_t lanes_shift;    // segment: log2(lanes per row); strided: log2(rows per threadgroup)
-  uint32_t log;            // 1: log_softmax
+  uint32_t rank;         // entries used in row_sizes
+  uint32_t lanes_shift;  // segment: log2(lanes per row); strided: log2(rows per threadgroup)
+  uint32_t log;          // 1: log_softmax
   uint32_t pad;
 };
 

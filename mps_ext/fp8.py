@@ -267,7 +267,9 @@ class FP8Linear(_FP8Module):
                        "block": (-(-out_features // BLOCK), -(-in_features // BLOCK))}[granularity]
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
         self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, granularity: str = "row") -> "FP8Linear":

@@ -67,12 +67,20 @@ def test_a_case_that_reaches_no_kernel_is_an_error():
 def test_unknown_op_is_refused(capsys):
     with pytest.raises(SystemExit):
         runner.main(["softmx", "--tiny"])
-    assert "no benchmark for softmx; the ops are softmax, linear, pad, linalg, fp8, moe, norm, routing, decode" in capsys.readouterr().err
+    assert (
+        "no benchmark for softmx; the ops are softmax, linear, pad, linalg, fp8, moe, norm, routing, decode"
+        in capsys.readouterr().err
+    )
 
 
 def test_a_bench_script_runs_the_runner_on_its_op(tmp_path):
-    r = subprocess.run([sys.executable, "benchmarks/bench_pad.py", "--tiny", "--no-mac", "--png", str(tmp_path / "p.png")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "benchmarks/bench_pad.py", "--tiny", "--no-mac", "--png", str(tmp_path / "p.png")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert "## pad" in r.stdout and "## softmax" not in r.stdout
     assert matplotlib.image.imread(tmp_path / "p.png").shape[0] > 100
@@ -209,8 +217,14 @@ def test_mps_ext_dispatches_are_the_executors():
 
 def test_a_tiny_model_without_every_layer_kind_is_refused():
     spec = census.MODELS["LFM2.5-8B-A1B"]
-    lacking = census.Spec(spec.name, spec.family, spec.model, spec.real, "",
-                          {**spec.tiny, "num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]})  # both dense
+    lacking = census.Spec(
+        spec.name,
+        spec.family,
+        spec.model,
+        spec.real,
+        "",
+        {**spec.tiny, "num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]},
+    )  # both dense
     small = census.tiny_model(lacking)
     with pytest.raises(ValueError, match="has no layer of kind"):
         census.scale(spec, census.trace_step(small, 1, context=3), small.config, 1, "2.15", "eager", False)

@@ -56,7 +56,7 @@ Each kernel is measured in the cheapest benchmark cases that reach it
 test_every_reachable_kernel_is_measured fails if a kernel is left out. A kernel that does not meet a budget yet is an xfail(strict=True)
 that says why (NOT_YET): the test flips when the fix lands, and then the
 entry must go.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -112,8 +112,9 @@ FP8_CONVERT = names("fp8_convert_{layout}_{pair}", layout=("dense", "strided"),
                     + ["e4m3_e5m2", "e5m2_e4m3"])
 FP8_GEMV = names("fp8_gemv_{a}_r{r}_{path}", a=("f32", "f16", "bf16", "fp8"), r=(1, 2, 4, 8), path=("vec", "scalar"))
 FP8_TILE = names("fp8_mm_tile_{a}_{path}", a=("f32", "f16", "bf16", "fp8"), path=("vec", "scalar"))
-GMM_DECODE = (names("gmm_decode_rows_{t}_{path}", t=("f32", "f16", "bf16", "e4m3", "bf16_e4m3w"), path=("vec", "scalar"))
-              + names("gmm_decode_cols_{t}_{path}", t=("f32", "f16", "bf16"), path=("vec", "scalar")))
+GMM_DECODE = names(
+    "gmm_decode_rows_{t}_{path}", t=("f32", "f16", "bf16", "e4m3", "bf16_e4m3w"), path=("vec", "scalar")
+) + names("gmm_decode_cols_{t}_{path}", t=("f32", "f16", "bf16"), path=("vec", "scalar"))
 GMM_TILED = names("gmm_tiled_{t}", t=("f32", "f16", "bf16", "e4m3"))
 MOE_ROUTE_COMBINE = names("moe_{step}_{t}", step=("route", "combine"), t=("f32", "f16", "bf16"))
 MOE_DOWN_COMBINE = names("moe_down_combine_{t}_{path}", t=("f32", "f16", "bf16", "bf16_e4m3w"),

@@ -49,7 +49,11 @@ def test_a_library_that_does_not_build(simulate, capfd):
     assert ("the kernels of softmax.metal cannot run on CPU here (softmax.metal failed to compile (simulated)); "
             "the softmax calls on CPU that need them go to PyTorch's own kernel") in warned[0]
     s = mps_ext.stats()["softmax"]
-    assert s == {"ran": 0, "fallbacks": {REASON: 3}, "unavailable": {"CPU": "softmax.metal failed to compile (simulated)"}}
+    assert s == {
+        "ran": 0,
+        "fallbacks": {REASON: 3},
+        "unavailable": {"CPU": "softmax.metal failed to compile (simulated)"},
+    }
     # Other families are not affected.
     torch.ops.mps_ext.constant_pad_nd(x, [1, 1], 0)
     assert mps_ext.stats()["pad"]["ran"] == 1

@@ -100,7 +100,9 @@ def test_what_inductor_calls():
     fallback, which reaches the override; _grouped_mm is an extern kernel
     without out= (extern_kernels._grouped_mm, torch._grouped_mm), which
     reaches it too."""
-    code = COMPILED_MODEL.replace("BACKEND", "'inductor'") + """
+    code = (
+        COMPILED_MODEL.replace("BACKEND", "'inductor'")
+        + """
 from torch._inductor.utils import run_and_get_code
 torch._dynamo.reset()
 _, (source, *_) = run_and_get_code(torch.compile(model, backend="inductor"), x, w, b, w2, m, experts, offs)
@@ -109,7 +111,8 @@ print(sorted({line.split("=")[1].strip().split("(")[0] for line in source.splitl
               if "= torch.ops.aten." in line}))
 print(sorted({line.split("=")[1].strip().split("(")[0] for line in source.splitlines()
               if "= extern_kernels." in line and "out=" not in line}))
-"""
+"""  # noqa: E501
+    )
     r = python(code)
     ran, extern, fallbacks, functional_extern = r.stdout.strip().splitlines()
     assert ran == "{'grouped_mm': 1, 'linalg': 1, 'linear': 2, 'pad': 0, 'softmax': 0}"
@@ -151,8 +154,10 @@ for backend in ["eager", "aot_eager"]:
     assert r.stdout.splitlines() == ["eager {'fp8': 8, 'scaled_mm': 1}", "aot_eager {'fp8': 8, 'scaled_mm': 1}"]
 
 
-@pytest.mark.skipif(not hasattr(torch.nn.functional, "scaled_grouped_mm"),
-                    reason="this torch has no F.scaled_grouped_mm (torch 2.9; from 2.10 it calls _scaled_grouped_mm_v2)")
+@pytest.mark.skipif(
+    not hasattr(torch.nn.functional, "scaled_grouped_mm"),
+    reason="this torch has no F.scaled_grouped_mm (torch 2.9; from 2.10 it calls _scaled_grouped_mm_v2)",
+)
 def test_f_grouped_mm_and_f_scaled_grouped_mm_reach_the_overrides():
     """The public functions of torch 2.10+ reach the grouped_mm overrides (on
     the CPU key here, as on MPS): F.grouped_mm as _grouped_mm, and

@@ -90,8 +90,11 @@ def test_disabled_restores_after_an_error():
 
 
 def test_set_enabled_rejects_unknown_families():
-    with pytest.raises(ValueError, match="no op family 'nope'; mps_ext has attention_gate, fp8, grouped_mm, kv_cache, "
-                                         "linalg, linear, linear_attention, moe, norm, pad, scaled_mm, short_conv, softmax"):
+    with pytest.raises(
+        ValueError,
+        match="no op family 'nope'; mps_ext has attention_gate, fp8, grouped_mm, kv_cache, "
+        "linalg, linear, linear_attention, moe, norm, pad, scaled_mm, short_conv, softmax",
+    ):
         mps_ext.set_enabled("nope", False)
 
 
@@ -153,9 +156,19 @@ def test_an_old_name_beside_a_new_family_means_the_new_ones(fresh_warnings):
 
 
 def test_an_old_name_in_the_environment_keeps_its_old_set():
-    r = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", "-c",
-                        "import mps_ext; print(mps_ext.enabled_ops()); print(mps_ext.family_status('moe'))"],
-                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "MPS_EXT_DISABLE": "grouped_mm,pad"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "always::DeprecationWarning",
+            "-c",
+            "import mps_ext; print(mps_ext.enabled_ops()); print(mps_ext.family_status('moe'))",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "MPS_EXT_DISABLE": "grouped_mm,pad"},
+    )
     assert r.returncode == 0, r.stderr
     on, moe = r.stdout.splitlines()[-2:]
     assert "'grouped_mm'" not in on and "'moe'" not in on and "'pad'" not in on and "'linear'" in on
@@ -172,11 +185,15 @@ def test_each_own_op_is_listed_by_the_family_whose_switch_it_obeys():
     listed = [(op.removeprefix("mps_ext::"), fam) for fam in mps_ext.families() for op in _C.family_own_ops(fam)]
     assert len(dict(listed)) == len(listed)
     assert dict(listed) == {op: family_of(op) for op in own_ops() if op != "commit"}
-    assert {"kv_append", "sigmoid_gate", "moe_layer", "linear_attention_decode", "short_conv_decode"} <= dict(listed).keys()
+    assert {"kv_append", "sigmoid_gate", "moe_layer", "linear_attention_decode", "short_conv_decode"} <= dict(
+        listed
+    ).keys()
 
 
 def test_report_and_self_check():
-    r = subprocess.run([sys.executable, "-m", "mps_ext_executor", "self-check"], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "mps_ext_executor", "self-check"], capture_output=True, text=True, cwd=ROOT
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Metal kernels active:" in r.stdout
     assert "self-check passed" in r.stdout

@@ -64,7 +64,9 @@ def test_unknown_families_and_ops_are_errors(cpu_policy):
     an op its family does not have is an error, never a rule that nothing
     reads."""
     assert mps_ext.families() == sorted(mps_ext.families())
-    with pytest.raises(RuntimeError, match="no op family named 'softmx'; the families are attention_gate, fp8, grouped_mm, kv_cache"):
+    with pytest.raises(
+        RuntimeError, match="no op family named 'softmx'; the families are attention_gate, fp8, grouped_mm, kv_cache"
+    ):
         _C.set_enabled("softmx", False)
     with pytest.raises(RuntimeError, match="no op family named 'lineaer'"):
         _C.leave_to_torch("lineaer", "aten::mm", "CPU", "policy: test")
@@ -142,7 +144,9 @@ def test_what_each_release_does_with_float8():
             "aten::gt.Scalar", "aten::ge.Tensor", "aten::ge.Scalar", "aten::index.Tensor", "aten::_index_put_impl_",
             "aten::where.self", "aten::masked_fill_.Scalar", "aten::masked_fill_.Tensor", "aten::repeat",
             "aten::flip"}
-        assert {"aten::_local_scalar_dense", "aten::eq.Tensor", "aten::ne.Scalar", "aten::equal", "aten::gather"} < set(fp8)
+        assert {"aten::_local_scalar_dense", "aten::eq.Tensor", "aten::ne.Scalar", "aten::equal", "aten::gather"} < set(
+            fp8
+        )
         assert {r.scope() for r in fp8.values()} == {"not float8_e5m2"}
         scaled = _policy.left_to_torch("scaled_mm", version)
         assert set(scaled) == {"aten::_scaled_mm_v2"} and scaled["aten::_scaled_mm_v2"].calls
@@ -289,8 +293,13 @@ def test_judge_accepts_decisions_only():
 
 @pytest.mark.parametrize("disable", ["all", "softmax"])
 def test_self_check_passes_with_families_turned_off(disable):
-    r = subprocess.run([sys.executable, "-m", "mps_ext_executor", "self-check"], capture_output=True, text=True, cwd=ROOT,
-                       env={**os.environ, "MPS_EXT_DISABLE": disable})
+    r = subprocess.run(
+        [sys.executable, "-m", "mps_ext_executor", "self-check"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "MPS_EXT_DISABLE": disable},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "self-check passed" in r.stdout
     assert "softmax    48/48 passed (48 on torch's own kernel by policy or switch)" in r.stdout

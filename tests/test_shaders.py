@@ -51,4 +51,6 @@ def test_every_kernel_declares_its_threadgroup_size():
     for library in ("linear", "softmax", "pad"):
         pre = _compiler.preprocess(flatten(ROOT / "kernels_metal" / f"{library}.metal"), f"{library}.metal", None)
         kernels = _translate.translate(pre).kernels
-        assert kernels and all(k.max_threads != "0" for k in kernels), [k.host_name for k in kernels if k.max_threads == "0"]
+        assert kernels and all(k.max_threads != "0" for k in kernels), [
+            k.host_name for k in kernels if k.max_threads == "0"
+        ]

@@ -26,7 +26,15 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CLANG_PATTERNS = ("csrc/*.h", "csrc/*.cpp", "csrc/*.mm", "kernels_metal/*.h", "kernels_metal/*.metal")
+CLANG_PATTERNS = (
+    "csrc/*.h",
+    "csrc/*.cpp",
+    "csrc/*.mm",
+    "executor/csrc/*.h",
+    "executor/csrc/*.cpp",
+    "kernels_metal/*.h",
+    "kernels_metal/*.metal",
+)
 
 
 def clang_files(root: Path = ROOT) -> list[str]:

@@ -272,7 +272,9 @@ def check(versions=VERSIONS, jobs: int | None = None, sources: list[str] | None 
         if sources is not None:
             files = [f for f in files if str(f.relative_to(tree)) in sources]
             if len(files) != len(sources):
-                raise MatrixError(f"not sources of the build: {sorted(set(sources) - {str(f.relative_to(tree)) for f in files})}")
+                raise MatrixError(
+                    f"not sources of the build: {sorted(set(sources) - {str(f.relative_to(tree)) for f in files})}"
+                )
 
         def precompile(version: str) -> Path:
             cmd, pch = pch_command(clang, tree, flags[version], version)

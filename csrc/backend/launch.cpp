@@ -85,8 +85,10 @@ c10::Device device_of(const Launch& l) {
   for (const auto& a : l.args) {
     if (!a.tensor.defined()) continue;
     if (!device) device = a.tensor.device();
-    TORCH_CHECK(*device == a.tensor.device(), "Expected all tensors to be on the same device, but found at least "
-                "two devices, ", *device, " and ", a.tensor.device(), "!");
+    TORCH_CHECK(*device == a.tensor.device(),
+                "Expected all tensors to be on the same device, but found at least "
+                "two devices, ",
+                *device, " and ", a.tensor.device(), "!");
   }
   TORCH_CHECK(device, "mps_ext: kernel ", l.kernel, " has no tensor argument");
   return *device;
@@ -102,7 +104,7 @@ void register_cpu_backend(CpuBackend* backend) { g_cpu_backend.store(backend, st
 CpuBackend& cpu_backend_or_throw() {
   CpuBackend* b = cpu_backend();
   TORCH_CHECK(b, "mps_ext: no backend runs kernels on CPU tensors here (mps_ext runs its kernels on MPS tensors; "
-              "a test registers a CPU backend through mps_ext._C._backend_slot())");
+                 "a test registers a CPU backend through mps_ext._C._backend_slot())");
   return *b;
 }
 
@@ -118,8 +120,8 @@ const char* shader_source_of(const std::string& name) { return shader_source(nam
 CpuBackend* cpu_backend() { return g_cpu_backend.load(std::memory_order_acquire); }
 
 const BackendSlot& backend_slot() {
-  static const BackendSlot slot{kBackendSlotVersion, sizeof(BackendSlot), &register_cpu_backend, &shader_source_of,
-                                &register_shader_source, &launch};
+  static const BackendSlot slot{kBackendSlotVersion, sizeof(BackendSlot),     &register_cpu_backend,
+                                &shader_source_of,   &register_shader_source, &launch};
   return slot;
 }
 
@@ -169,8 +171,10 @@ void commit(const c10::Device& device) {
 #ifdef __APPLE__
   if (device.is_mps()) return metal_commit();
 #endif
-  TORCH_CHECK(false, "mps_ext commit: commits the MPS stream (a no-op on CPU tensors, whose backend runs each "
-              "launch when it is encoded); got a tensor on ", device);
+  TORCH_CHECK(false,
+              "mps_ext commit: commits the MPS stream (a no-op on CPU tensors, whose backend runs each "
+              "launch when it is encoded); got a tensor on ",
+              device);
 }
 
 }  // namespace mps_ext

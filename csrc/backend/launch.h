@@ -56,8 +56,11 @@ struct Launch {
 // naming `cause`. Other kernels, of the same family too, keep running.
 struct MPS_EXT_API BackendUnavailable : std::runtime_error {
   BackendUnavailable(std::string library_, std::string kernel_, std::string cause_, bool whole_library_ = false)
-      : std::runtime_error(cause_), library(std::move(library_)), kernel(std::move(kernel_)),
-        cause(std::move(cause_)), whole_library(whole_library_) {}
+      : std::runtime_error(cause_),
+        library(std::move(library_)),
+        kernel(std::move(kernel_)),
+        cause(std::move(cause_)),
+        whole_library(whole_library_) {}
   std::string library, kernel, cause;
   bool whole_library;  // the library failed to compile: none of its kernels can run
 };

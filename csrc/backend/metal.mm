@@ -119,8 +119,7 @@ PipelineInfo metal_pipeline(const std::string& library_name, const std::string& 
             error = library_name + ".metal has no kernel " + kernel;
           } else {
             NSError* ns_error = nil;
-            id<MTLComputePipelineState> state = [device newComputePipelineStateWithFunction:function
-                                                                                       error:&ns_error];
+            id<MTLComputePipelineState> state = [device newComputePipelineStateWithFunction:function error:&ns_error];
             if (state != nil) {
               g_pipelines[key] = state;
               return PipelineInfo{state.maxTotalThreadsPerThreadgroup};

@@ -6,9 +6,8 @@
 // mps_ext.stats(). Its own file defines it once with MPS_EXT_FAMILY(name,
 // Register) (dispatch/registration.h: its aten overrides and its own ops,
 // with their kernels), and its ops route through it by FamilyId::name
-// (dispatch/registry.h). A name missing here does not compile there; a name here that no file defines, or that two define, is
-// an error when mps_ext._C loads; a name Python passes that is not here is
-// an error when it is passed.
+// (dispatch/registry.h). A name missing here does not compile there; a name here that no file defines, or that two
+// define, is an error when mps_ext._C loads; a name Python passes that is not here is an error when it is passed.
 #pragma once
 
 // Sorted by name: the order mps_ext.families() lists them in.

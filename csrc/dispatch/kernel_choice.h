@@ -123,8 +123,8 @@ inline bool aligned16(const at::Tensor& t, int64_t stride) {
 struct DecodeGeometry {
   int64_t threadgroups, simdgroups, outputs_per_simdgroup;
 };
-inline DecodeGeometry decode_geometry(const DeviceProfile& gpu, int64_t n, int64_t chunks, int64_t q_max,
-                                      bool q_fixed, int64_t reuse) {
+inline DecodeGeometry decode_geometry(const DeviceProfile& gpu, int64_t n, int64_t chunks, int64_t q_max, bool q_fixed,
+                                      int64_t reuse) {
   const int64_t work = n * std::max<int64_t>(chunks, 1);
   // reuse up to a power of two: N is a multiple of one in the models, so
   // the last threadgroup is whole too (3 rows with 3 outputs a threadgroup

@@ -27,62 +27,62 @@
 #include <string>
 #include <type_traits>
 
-#define MPS_EXT_REASONS(X, A)                                                                                  \
-  /* route's own (dispatch/registry.h) */                                                                            \
-  X(turned_off, "turned off")                                                                                   \
-  X(kernels_unavailable, "kernels unavailable on this device")                                                  \
-  X(no_cpu_backend, "no backend runs kernels on CPU tensors here")                                          \
-  X(cpu_backend_not_asked, "the CPU backend was not asked for")                                                 \
-  A(foreign_device, "a {device} tensor beside {device} tensors")                                                \
-  A(policy, "{text}") /* a rule's reason, "policy: ..." (mps_ext/_policy.py) */                                 \
-  /* a shape the kernel's pipeline cannot take on this GPU, though others it can (CallNotTaken) */             \
-  A(past_pipeline, "{text} past {n}, the most the kernel's pipeline takes on this GPU")                         \
-  /* every family */                                                                                            \
-  X(not_strided, "layout is not strided")                                                                       \
-  X(shapes_torch_rejects, "shapes torch rejects")                                                               \
-  X(mixed_dtypes, "operands of different dtypes")                                                               \
-  A(dtype_not_float, "dtype {dtype} (float32, float16 and bfloat16 are handled)")                               \
-  /* fp8, scaled_mm */                                                                                          \
-  X(neg_or_conj, "a tensor with the neg or conj bit")                                                           \
-  X(operands_not_fp8, "operands that are not float8")                                                           \
-  A(output_dtype, "output dtype {dtype}")                                                                       \
-  A(bias_dtype, "bias dtype {dtype}")                                                                           \
-  X(bias_torch_rejects, "a bias torch rejects")                                                                 \
-  X(scales_torch_rejects, "scales torch rejects")                                                               \
+#define MPS_EXT_REASONS(X, A)                                                                                       \
+  /* route's own (dispatch/registry.h) */                                                                           \
+  X(turned_off, "turned off")                                                                                       \
+  X(kernels_unavailable, "kernels unavailable on this device")                                                      \
+  X(no_cpu_backend, "no backend runs kernels on CPU tensors here")                                                  \
+  X(cpu_backend_not_asked, "the CPU backend was not asked for")                                                     \
+  A(foreign_device, "a {device} tensor beside {device} tensors")                                                    \
+  A(policy, "{text}") /* a rule's reason, "policy: ..." (mps_ext/_policy.py) */                                     \
+  /* a shape the kernel's pipeline cannot take on this GPU, though others it can (CallNotTaken) */                  \
+  A(past_pipeline, "{text} past {n}, the most the kernel's pipeline takes on this GPU")                             \
+  /* every family */                                                                                                \
+  X(not_strided, "layout is not strided")                                                                           \
+  X(shapes_torch_rejects, "shapes torch rejects")                                                                   \
+  X(mixed_dtypes, "operands of different dtypes")                                                                   \
+  A(dtype_not_float, "dtype {dtype} (float32, float16 and bfloat16 are handled)")                                   \
+  /* fp8, scaled_mm */                                                                                              \
+  X(neg_or_conj, "a tensor with the neg or conj bit")                                                               \
+  X(operands_not_fp8, "operands that are not float8")                                                               \
+  A(output_dtype, "output dtype {dtype}")                                                                           \
+  A(bias_dtype, "bias dtype {dtype}")                                                                               \
+  X(bias_torch_rejects, "a bias torch rejects")                                                                     \
+  X(scales_torch_rejects, "scales torch rejects")                                                                   \
   A(block_scales, "{text}") /* the shapes of block-wise scales mps_ext does not read (scaled_mm.cpp) */             \
-  X(scale_result_torch_rejects, "a scale_result torch rejects")                                                 \
-  X(several_scales, "more than one scale per operand")                                                          \
-  X(swizzled_scales, "swizzled scales")                                                                         \
-  X(contraction_dim, "contraction_dim")                                                                         \
-  X(block_scales_e5m2, "block-wise scales with float8_e5m2 operands")                                           \
-  /* grouped_mm */                                                                                              \
-  X(group_past_2_32, "a matrix with more than 2^32 elements per group")                                         \
-  X(dimension_past_2_31, "a dimension past 2^31")                                                               \
+  X(scale_result_torch_rejects, "a scale_result torch rejects")                                                     \
+  X(several_scales, "more than one scale per operand")                                                              \
+  X(swizzled_scales, "swizzled scales")                                                                             \
+  X(contraction_dim, "contraction_dim")                                                                             \
+  X(block_scales_e5m2, "block-wise scales with float8_e5m2 operands")                                               \
+  /* grouped_mm */                                                                                                  \
+  X(group_past_2_32, "a matrix with more than 2^32 elements per group")                                             \
+  X(dimension_past_2_31, "a dimension past 2^31")                                                                   \
   A(grouped_scale_recipes, "{text}; mps_ext takes RowWise (1) for both, one float32 scale tensor each, unswizzled") \
-  A(grouped_contraction_dim, "contraction_dim {text}; mps_ext takes [] or [-1, -2]")                            \
-  /* linalg */                                                                                                  \
-  A(dtype_not_linalg, "dtype {dtype} (float32 and complex64 are handled)")                                      \
-  X(input_torch_rejects, "an input torch rejects (torch's kernel reports it)")                                  \
-  X(columns_past_512, "matrices of more than 512 columns")                                                      \
-  X(pivots_shape, "pivots not of the shape LU.shape[:-2] + (k,)")                                               \
-  X(batch_dims_past_8, "more than 8 batch dimensions")                                                          \
-  X(matrix_spans_2_31, "a matrix spans 2^31 elements or more")                                                  \
-  A(rows_past, "matrices of more than {n} rows")                                                                \
-  /* linear */                                                                                                  \
-  X(activation_offsets_past_2_31, "activation offsets past 2^31 elements")                                      \
-  X(rows_past_8, "more than 8 rows (a general matmul)")                                                         \
-  X(bias_not_1d_n, "a bias that is not 1-D of size N")                                                          \
-  X(rows_do_not_flatten, "activation rows that do not flatten without a copy")                                  \
-  X(out_of_another_dtype, "an out tensor of another dtype")                                                     \
-  X(out_needs_resizing, "an out tensor that needs resizing")                                                    \
-  X(out_not_contiguous, "a non-contiguous out tensor")                                                          \
-  X(out_overlaps_input, "an out tensor that overlaps an input")                                                 \
-  /* pad */                                                                                                     \
-  X(quantized, "quantized tensor")                                                                              \
-  A(dtype_not_1248_bytes, "dtype {dtype} (elements of 1, 2, 4 or 8 bytes are handled)")                         \
-  X(dims_past_8, "more than 8 dimensions")                                                                      \
-  /* softmax */                                                                                                 \
-  X(dims_past_9, "more than 9 dimensions")                                                                      \
+  A(grouped_contraction_dim, "contraction_dim {text}; mps_ext takes [] or [-1, -2]")                                \
+  /* linalg */                                                                                                      \
+  A(dtype_not_linalg, "dtype {dtype} (float32 and complex64 are handled)")                                          \
+  X(input_torch_rejects, "an input torch rejects (torch's kernel reports it)")                                      \
+  X(columns_past_512, "matrices of more than 512 columns")                                                          \
+  X(pivots_shape, "pivots not of the shape LU.shape[:-2] + (k,)")                                                   \
+  X(batch_dims_past_8, "more than 8 batch dimensions")                                                              \
+  X(matrix_spans_2_31, "a matrix spans 2^31 elements or more")                                                      \
+  A(rows_past, "matrices of more than {n} rows")                                                                    \
+  /* linear */                                                                                                      \
+  X(activation_offsets_past_2_31, "activation offsets past 2^31 elements")                                          \
+  X(rows_past_8, "more than 8 rows (a general matmul)")                                                             \
+  X(bias_not_1d_n, "a bias that is not 1-D of size N")                                                              \
+  X(rows_do_not_flatten, "activation rows that do not flatten without a copy")                                      \
+  X(out_of_another_dtype, "an out tensor of another dtype")                                                         \
+  X(out_needs_resizing, "an out tensor that needs resizing")                                                        \
+  X(out_not_contiguous, "a non-contiguous out tensor")                                                              \
+  X(out_overlaps_input, "an out tensor that overlaps an input")                                                     \
+  /* pad */                                                                                                         \
+  X(quantized, "quantized tensor")                                                                                  \
+  A(dtype_not_1248_bytes, "dtype {dtype} (elements of 1, 2, 4 or 8 bytes are handled)")                             \
+  X(dims_past_8, "more than 8 dimensions")                                                                          \
+  /* softmax */                                                                                                     \
+  X(dims_past_9, "more than 9 dimensions")                                                                          \
   A(gradient_dtype, "gradient {dtype} to input dtype {dtype}")
 
 namespace mps_ext {
@@ -96,10 +96,9 @@ enum class ReasonId : uint16_t {
 
 namespace reason_detail {
 
-constexpr const char* kTexts[] = {
-    "",
+constexpr const char* kTexts[] = {"",
 #define MPS_EXT_REASON_TEXT(name, text) text,
-    MPS_EXT_REASONS(MPS_EXT_REASON_TEXT, MPS_EXT_REASON_TEXT)
+                                  MPS_EXT_REASONS(MPS_EXT_REASON_TEXT, MPS_EXT_REASON_TEXT)
 #undef MPS_EXT_REASON_TEXT
 };
 
@@ -195,14 +194,14 @@ inline Reason operator||(Reason a, Reason b) { return a ? a : b; }
 
 // because::<name>: the reasons of the table, by name.
 namespace because {
-#define MPS_EXT_REASON_PLAIN(name, text)                                                         \
+#define MPS_EXT_REASON_PLAIN(name, text)                                                              \
   static_assert(reason_detail::slots(text) == 0, "X(" #name "): a text with placeholders is A(...)"); \
   inline constexpr Reason name{ReasonId::name};
-#define MPS_EXT_REASON_WITH_ARGS(name, text)                                                      \
+#define MPS_EXT_REASON_WITH_ARGS(name, text)                                                            \
   static_assert(reason_detail::slots(text) > 0, "A(" #name "): a text without placeholders is X(...)"); \
-  template <class... Args>                                                                        \
-  Reason name(const Args&... args) {                                                              \
-    return Reason::with<ReasonId::name>(args...);                                                 \
+  template <class... Args>                                                                              \
+  Reason name(const Args&... args) {                                                                    \
+    return Reason::with<ReasonId::name>(args...);                                                       \
   }
 MPS_EXT_REASONS(MPS_EXT_REASON_PLAIN, MPS_EXT_REASON_WITH_ARGS)
 #undef MPS_EXT_REASON_PLAIN

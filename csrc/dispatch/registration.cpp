@@ -25,7 +25,8 @@ class OverrideWarningFilter : public c10::WarningHandler {
  public:
   explicit OverrideWarningFilter(c10::WarningHandler* next) : next_(next) {}
   void process(const c10::Warning& warning) override {
-    if (warning.msg().find("Overriding a previously registered kernel for the same operator and the same dispatch key") !=
+    if (warning.msg().find(
+            "Overriding a previously registered kernel for the same operator and the same dispatch key") !=
         std::string::npos)
       return;
     next_->process(warning);
@@ -95,8 +96,8 @@ static const std::map<std::string, std::string> kNewerSchemas = {
 void define_like_aten(torch::Library& m, const std::vector<std::string>& ops) {
   for (const auto& op : ops) {
     auto newer = kNewerSchemas.find(op);
-    std::string schema = !find_op(op) && newer != kNewerSchemas.end() ? newer->second
-                                                                        : c10::toString(op_handle(op).schema());
+    std::string schema =
+        !find_op(op) && newer != kNewerSchemas.end() ? newer->second : c10::toString(op_handle(op).schema());
     TORCH_CHECK(schema.rfind("aten::", 0) == 0, "mps_ext: unexpected schema ", schema);
     m.def(torch::schema(schema.substr(6).c_str()));
   }

@@ -48,20 +48,16 @@ class FamilyOps {
   // An aten op the family overrides ("mm", "fill_.Scalar"), with its kernel.
   template <class Kernel>
   FamilyOps& aten(const char* op, Kernel&& kernel) {
-    if (pass_ == Pass::kernels || pass_ == Pass::overrides)
-      lib_->impl(op, std::forward<Kernel>(kernel));
-    else
-      aten_op(std::string("aten::") + op);
+    if (pass_ == Pass::kernels || pass_ == Pass::overrides) lib_->impl(op, std::forward<Kernel>(kernel));
+    else aten_op(std::string("aten::") + op);
     return *this;
   }
   // An op of mps_ext's own, by its schema ("kv_append(Tensor(a!) k_cache,
   // ...) -> ()"), with its kernel. Not on aten, so not in the overrides.
   template <class Kernel>
   FamilyOps& own(const char* schema, Kernel&& kernel) {
-    if (pass_ == Pass::kernels)
-      lib_->impl(own_name(schema).c_str(), std::forward<Kernel>(kernel));
-    else
-      own_op(schema);
+    if (pass_ == Pass::kernels) lib_->impl(own_name(schema).c_str(), std::forward<Kernel>(kernel));
+    else own_op(schema);
     return *this;
   }
 
@@ -69,8 +65,8 @@ class FamilyOps {
   std::vector<std::string> aten_ops, own_ops;
 
  private:
-  void aten_op(const std::string& op);        // the list, define and aten_meta passes
-  void own_op(const std::string& schema);     // the list and define passes
+  void aten_op(const std::string& op);                     // the list, define and aten_meta passes
+  void own_op(const std::string& schema);                  // the list and define passes
   static std::string own_name(const std::string& schema);  // "kv_append"
   Pass pass_;
   torch::Library* lib_;
@@ -112,11 +108,11 @@ void without_override_warning(const std::function<void()>& f);
 // MPS_EXT_FAMILY_OWN_META: the same, for a family whose aten ops' Meta
 // kernels are mps_ext's own (mps_ext/_meta.py), where the aten op's meta
 // function rejects inputs mps_ext takes.
-#define MPS_EXT_FAMILY(NAME, REGISTER)                       \
-  TORCH_LIBRARY_IMPL(mps_ext, Meta, m) {                     \
+#define MPS_EXT_FAMILY(NAME, REGISTER)                                   \
+  TORCH_LIBRARY_IMPL(mps_ext, Meta, m) {                                 \
     ::mps_ext::FamilyOps ops(::mps_ext::FamilyOps::Pass::aten_meta, &m); \
-    REGISTER<c10::DispatchKey::CPU>(ops);                    \
-  }                                                          \
+    REGISTER<c10::DispatchKey::CPU>(ops);                                \
+  }                                                                      \
   MPS_EXT_FAMILY_OWN_META(NAME, REGISTER)
 
 #define MPS_EXT_FAMILY_OWN_META(NAME, REGISTER)                                          \
@@ -127,15 +123,15 @@ void without_override_warning(const std::function<void()>& f);
 // MPS_EXT_OPS(Register): the ops of a Register function (own ops only) that
 // belong to no family: nothing to turn off, count or fall back to
 // (mps_ext::commit, ops/stream.cpp). The same passes, without the family.
-#define MPS_EXT_OPS(REGISTER)                                                \
-  TORCH_LIBRARY_FRAGMENT(mps_ext, m) {                                       \
-    ::mps_ext::FamilyOps ops(::mps_ext::FamilyOps::Pass::define, &m);        \
-    REGISTER<c10::DispatchKey::CPU>(ops);                                    \
-  }                                                                          \
-  TORCH_LIBRARY_IMPL(mps_ext, CPU, m) {                                      \
-    ::mps_ext::FamilyOps ops(::mps_ext::FamilyOps::Pass::kernels, &m);       \
-    REGISTER<c10::DispatchKey::CPU>(ops);                                    \
-  }                                                                          \
+#define MPS_EXT_OPS(REGISTER)                                          \
+  TORCH_LIBRARY_FRAGMENT(mps_ext, m) {                                 \
+    ::mps_ext::FamilyOps ops(::mps_ext::FamilyOps::Pass::define, &m);  \
+    REGISTER<c10::DispatchKey::CPU>(ops);                              \
+  }                                                                    \
+  TORCH_LIBRARY_IMPL(mps_ext, CPU, m) {                                \
+    ::mps_ext::FamilyOps ops(::mps_ext::FamilyOps::Pass::kernels, &m); \
+    REGISTER<c10::DispatchKey::CPU>(ops);                              \
+  }                                                                    \
   MPS_EXT_OPS_MPS_IMPL(REGISTER)
 
 #ifdef __APPLE__

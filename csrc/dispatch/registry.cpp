@@ -108,10 +108,9 @@ void ReasonCounts::reset() {
 
 // ---------------------------------------------------------- conditions --
 namespace {
-const char* const kConditionNames[] = {
-    "",
+const char* const kConditionNames[] = {"",
 #define MPS_EXT_CONDITION_NAME(name) #name,
-    MPS_EXT_CONDITIONS(MPS_EXT_CONDITION_NAME)
+                                       MPS_EXT_CONDITIONS(MPS_EXT_CONDITION_NAME)
 #undef MPS_EXT_CONDITION_NAME
 };
 }  // namespace
@@ -201,7 +200,8 @@ void Family::note_unavailable(c10::DispatchKey key, const BackendUnavailable& e)
   const std::string device = c10::DeviceTypeName(detail::device_of(key));
   const std::string what = e.whole_library ? "the kernels of " + e.library + ".metal" : "kernel " + e.kernel;
   TORCH_WARN("mps_ext: ", what, " cannot run on ", device, " here (", e.cause, "); the ", name, " calls on ", device,
-             " that need ", e.whole_library ? "them" : "it", " go to PyTorch's own kernel for the rest of this "
+             " that need ", e.whole_library ? "them" : "it",
+             " go to PyTorch's own kernel for the rest of this "
              "process, and the family's other kernels keep running.");
 }
 
@@ -363,8 +363,7 @@ void capture_stock_kernel(const std::string& op, c10::DispatchKey key) {
   auto handle = find_op(op);
   if (handle && handle->hasComputedKernelForDispatchKey(key))
     stock().emplace(k, handle->getComputedKernelForDispatchKey(key));
-  else
-    no_stock().insert(k);
+  else no_stock().insert(k);
 }
 
 bool has_stock_kernel(const std::string& op, c10::DispatchKey key) {

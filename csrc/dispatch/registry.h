@@ -169,7 +169,7 @@ class Family {
   // no-op.
   void note_unavailable(c10::DispatchKey key, const BackendUnavailable& e);
   std::map<c10::DispatchKey, std::string> unavailable_all() const;  // each key's causes, joined by "; "
-  void clear_unavailable();  // for tests only: a real failure does not heal
+  void clear_unavailable();                                         // for tests only: a real failure does not heal
 
   // The policy's per-op decision: calls of `op` (one of the family's aten
   // ops, else an error) for `key` go to the stock kernel, counted under
@@ -228,18 +228,15 @@ struct Unboxed;
 template <class Ret, class... Params>
 struct Unboxed<Ret(Params...)> {
   template <class... Args>
-  static Ret call(const c10::KernelFunction& k, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
-                  Args&&... args) {
+  static Ret call(const c10::KernelFunction& k, const c10::OperatorHandle& op, c10::DispatchKeySet ks, Args&&... args) {
     return k.call<Ret, Params...>(op, ks, std::forward<Args>(args)...);
   }
   // Whether KernelFunction::call boxes after all: a kernel with no unboxed
   // function for Sig (a SymInt kernel called with int64_t arguments, or a
   // boxed-only kernel).
   static bool boxes(const c10::KernelFunction& k) {
-    if constexpr (std::disjunction_v<c10::has_symint<Params>...>)
-      return !k.isValidSymUnboxed() && !k.isValidUnboxed();
-    else
-      return !k.isValidUnboxed();
+    if constexpr (std::disjunction_v<c10::has_symint<Params>...>) return !k.isValidSymUnboxed() && !k.isValidUnboxed();
+    else return !k.isValidUnboxed();
   }
 };
 // Fallbacks of route that went through a boxed call (Unboxed::boxes): for
@@ -323,7 +320,7 @@ class PassThrough {
   template <class... Args>
   decltype(auto) operator()(Args&&... args) const {
     return detail::Unboxed<typename Op::schema>::call(kernel_, op_, c10::DispatchKeySet(key_),
-                                                       std::forward<Args>(args)...);
+                                                      std::forward<Args>(args)...);
   }
 
  private:

@@ -97,8 +97,7 @@ bool fp8_convert(const at::Tensor& dst, const at::Tensor& src) {
   auto vector_aligned = [](const at::Tensor& t) {
     return reinterpret_cast<uintptr_t>(t.data_ptr()) % (FP8_CONVERT_PER_THREAD * t.element_size()) == 0;
   };
-  const bool dense = flat && numel < INT32_MAX - FP8_CONVERT_PER_THREAD && vector_aligned(dst) &&
-                     vector_aligned(src);
+  const bool dense = flat && numel < INT32_MAX - FP8_CONVERT_PER_THREAD && vector_aligned(dst) && vector_aligned(src);
   const int64_t threads = (numel + FP8_CONVERT_PER_THREAD - 1) / FP8_CONVERT_PER_THREAD;
   int64_t groups = (threads + FP8_CONVERT_THREADS - 1) / FP8_CONVERT_THREADS;
   // A transposing copy (src contiguous along the first of two dimensions,
@@ -113,8 +112,11 @@ bool fp8_convert(const at::Tensor& dst, const at::Tensor& src) {
   TORCH_CHECK(groups <= 0xffffffffll, "mps_ext fp8: tensor too large (", numel, " elements)");
   const std::string kernel = std::string("fp8_convert_") + (dense ? "dense_" : "strided_") +
                              kernel_type_name(src.scalar_type()) + "_" + kernel_type_name(dst.scalar_type());
-  launch(Launch{"fp8", kernel, {KernelArg::of(dst), KernelArg::of(src), KernelArg::value(p)},
-                {static_cast<uint32_t>(groups), 1, 1}, {FP8_CONVERT_THREADS, 1, 1}});
+  launch(Launch{"fp8",
+                kernel,
+                {KernelArg::of(dst), KernelArg::of(src), KernelArg::value(p)},
+                {static_cast<uint32_t>(groups), 1, 1},
+                {FP8_CONVERT_THREADS, 1, 1}});
   return true;
 }
 
@@ -145,14 +147,12 @@ void copy_fp8(at::Tensor& self, const at::Tensor& src_, bool non_blocking) {
     // Convert where the data is, then move bytes (or let torch move a dtype
     // it handles): the conversion never crosses devices.
     at::Tensor converted = from == to ? src : src.to(to);
-    if (is_fp8(to))
-      call_stock<at::Tensor>("aten::copy_", K, bytes(self), bytes(converted), non_blocking);
-    else
-      call_stock<at::Tensor>("aten::copy_", K, self, converted, non_blocking);
+    if (is_fp8(to)) call_stock<at::Tensor>("aten::copy_", K, bytes(self), bytes(converted), non_blocking);
+    else call_stock<at::Tensor>("aten::copy_", K, self, converted, non_blocking);
     return;
   }
   at::assert_no_overlap(self, src);  // torch's error for partly overlapping copies
-  if (to == from) {  // a move of bytes, NaN payloads included, as torch does it
+  if (to == from) {                  // a move of bytes, NaN payloads included, as torch does it
     call_stock<at::Tensor>("aten::copy_", K, bytes(self), bytes(src), non_blocking);
     return;
   }
@@ -184,10 +184,13 @@ at::Tensor& copy_impl(at::Tensor& self, const at::Tensor& src, bool non_blocking
     stock(self, src, non_blocking);
     return self;
   }
-  route<decltype(copy_impl<K>)>(kCopy, K, copy_unsupported(self, src), [&] {
-    copy_fp8<K>(self, src, non_blocking);
-    return self;
-  }, self, src, non_blocking);
+  route<decltype(copy_impl<K>)>(
+      kCopy, K, copy_unsupported(self, src),
+      [&] {
+        copy_fp8<K>(self, src, non_blocking);
+        return self;
+      },
+      self, src, non_blocking);
   return self;
 }
 
@@ -215,8 +218,8 @@ at::Tensor& fill_scalar_impl(at::Tensor& self, const c10::Scalar& value) {
     stock(self, value);
     return self;
   }
-  route<decltype(fill_scalar_impl<K>)>(kFillScalar, K, self_unsupported(self), [&] { return fill_fp8<K>(self, value); },
-        self, value);
+  route<decltype(fill_scalar_impl<K>)>(
+      kFillScalar, K, self_unsupported(self), [&] { return fill_fp8<K>(self, value); }, self, value);
   return self;
 }
 
@@ -227,12 +230,15 @@ at::Tensor& fill_tensor_impl(at::Tensor& self, const at::Tensor& value) {
     stock(self, value);
     return self;
   }
-  route<decltype(fill_tensor_impl<K>)>(kFillTensor, K, self_unsupported(self), [&] {
-    TORCH_CHECK(value.dim() == 0, "fill_ only supports 0-dimension value tensor but got tensor with ", value.dim(),
-                " dimensions.");
-    // The value's own float8 bytes may sit on the GPU: read it through copy_.
-    return fill_fp8<K>(self, value.to(at::kCPU).item());
-  }, self, value);
+  route<decltype(fill_tensor_impl<K>)>(
+      kFillTensor, K, self_unsupported(self),
+      [&] {
+        TORCH_CHECK(value.dim() == 0, "fill_ only supports 0-dimension value tensor but got tensor with ", value.dim(),
+                    " dimensions.");
+        // The value's own float8 bytes may sit on the GPU: read it through copy_.
+        return fill_fp8<K>(self, value.to(at::kCPU).item());
+      },
+      self, value);
   return self;
 }
 
@@ -243,8 +249,8 @@ at::Tensor& zero_impl(at::Tensor& self) {
     stock(self);
     return self;
   }
-  route<decltype(zero_impl<K>)>(kZero, K, self_unsupported(self),
-        [&] { return call_stock<at::Tensor>("aten::zero_", K, bytes(self)); }, self);
+  route<decltype(zero_impl<K>)>(
+      kZero, K, self_unsupported(self), [&] { return call_stock<at::Tensor>("aten::zero_", K, bytes(self)); }, self);
   return self;
 }
 
@@ -257,14 +263,17 @@ at::Tensor cat_impl(const at::ITensorListRef& tensors, int64_t dim) {
     static const PassThrough<at::_ops::cat> stock(K);
     return stock(tensors, dim);
   }
-  return route<decltype(cat_impl<K>)>(kCat, K, Reason(), [&] {
-    c10::ScalarType out = list.front().scalar_type();
-    // torch's error for float8 with any other dtype
-    for (const auto& t : list) out = c10::promoteTypes(out, t.scalar_type());
-    std::vector<at::Tensor> b;
-    for (const auto& t : list) b.push_back(bytes(t));
-    return call_stock<at::Tensor>("aten::cat", K, b, dim).view(out);
-  }, list, dim);
+  return route<decltype(cat_impl<K>)>(
+      kCat, K, Reason(),
+      [&] {
+        c10::ScalarType out = list.front().scalar_type();
+        // torch's error for float8 with any other dtype
+        for (const auto& t : list) out = c10::promoteTypes(out, t.scalar_type());
+        std::vector<at::Tensor> b;
+        for (const auto& t : list) b.push_back(bytes(t));
+        return call_stock<at::Tensor>("aten::cat", K, b, dim).view(out);
+      },
+      list, dim);
 }
 
 template <c10::DispatchKey K>
@@ -273,9 +282,10 @@ at::Tensor index_select_impl(const at::Tensor& self, int64_t dim, const at::Tens
     static const PassThrough<at::_ops::index_select> stock(K);
     return stock(self, dim, index);
   }
-  return route<decltype(index_select_impl<K>)>(kIndexSelect, K, self_unsupported(self), [&] {
-    return call_stock<at::Tensor>("aten::index_select", K, bytes(self), dim, index).view(self.scalar_type());
-  }, self, dim, index);
+  return route<decltype(index_select_impl<K>)>(
+      kIndexSelect, K, self_unsupported(self),
+      [&] { return call_stock<at::Tensor>("aten::index_select", K, bytes(self), dim, index).view(self.scalar_type()); },
+      self, dim, index);
 }
 
 template <c10::DispatchKey K>

@@ -41,4 +41,3 @@ void register_fp8_tensor_ops(FamilyOps& ops);
 int64_t name_float8_errors(c10::DispatchKey key);
 
 }  // namespace mps_ext
-

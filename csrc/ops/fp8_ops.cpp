@@ -69,38 +69,44 @@ at::Tensor compare_tensor(const RoutedOp& op, const Stock& stock, const at::Tens
   if (!is_fp8(self_.scalar_type()) && !is_fp8(other_.scalar_type())) return stock(self_, other_);
   const c10::Device device = device_of(self_, other_);
   const at::Tensor self = on(self_, device), other = on(other_, device);
-  return route<at::Tensor(const at::Tensor&, const at::Tensor&)>(op, K, (not_strided(self) || not_strided(other)), [&] {
-    // torch's promotion, and its error for float8 beside another dtype.
-    const c10::ScalarType common = at::result_type(self, other);
-    auto value = [&](const at::Tensor& t) { return is_fp8(common) ? decode(t.to(common)) : t.to(common); };
-    return op.call_stock<at::Tensor>(K, value(self), value(other));
-  }, self, other);
+  return route<at::Tensor(const at::Tensor&, const at::Tensor&)>(
+      op, K, (not_strided(self) || not_strided(other)),
+      [&] {
+        // torch's promotion, and its error for float8 beside another dtype.
+        const c10::ScalarType common = at::result_type(self, other);
+        auto value = [&](const at::Tensor& t) { return is_fp8(common) ? decode(t.to(common)) : t.to(common); };
+        return op.call_stock<at::Tensor>(K, value(self), value(other));
+      },
+      self, other);
 }
 
 template <c10::DispatchKey K, class Stock>
 at::Tensor compare_scalar(const RoutedOp& op, const Stock& stock, const at::Tensor& self, const c10::Scalar& other) {
   if (!is_fp8(self.scalar_type())) return stock(self, other);
-  return route<at::Tensor(const at::Tensor&, const c10::Scalar&)>(op, K, not_strided(self), [&] {
-    const c10::ScalarType common = at::result_type(self, other);
-    if (!is_fp8(common)) return op.call_stock<at::Tensor>(K, self.to(common), other);
-    // The number rounded to float8 by torch's CPU cast (saturating), as a
-    // double holding that float8 value exactly.
-    const c10::Scalar rounded = at::scalar_to_tensor(other).to(common).to(at::kDouble).item();
-    return op.call_stock<at::Tensor>(K, decode(self), rounded);
-  }, self, other);
+  return route<at::Tensor(const at::Tensor&, const c10::Scalar&)>(
+      op, K, not_strided(self),
+      [&] {
+        const c10::ScalarType common = at::result_type(self, other);
+        if (!is_fp8(common)) return op.call_stock<at::Tensor>(K, self.to(common), other);
+        // The number rounded to float8 by torch's CPU cast (saturating), as a
+        // double holding that float8 value exactly.
+        const c10::Scalar rounded = at::scalar_to_tensor(other).to(common).to(at::kDouble).item();
+        return op.call_stock<at::Tensor>(K, decode(self), rounded);
+      },
+      self, other);
 }
 
-#define MPS_EXT_FP8_COMPARISON(NAME)                                                                 \
-  template <c10::DispatchKey K>                                                                      \
-  at::Tensor NAME##_tensor(const at::Tensor& self, const at::Tensor& other) {                        \
-    static const PassThrough<at::_ops::NAME##_Tensor> stock(K);                                     \
-    static const RoutedOp op(FamilyId::fp8, "aten::" #NAME ".Tensor");                              \
+#define MPS_EXT_FP8_COMPARISON(NAME)                                           \
+  template <c10::DispatchKey K>                                                \
+  at::Tensor NAME##_tensor(const at::Tensor& self, const at::Tensor& other) {  \
+    static const PassThrough<at::_ops::NAME##_Tensor> stock(K);                \
+    static const RoutedOp op(FamilyId::fp8, "aten::" #NAME ".Tensor");         \
     return compare_tensor<K>(op, stock, self, other);                          \
-  }                                                                                                  \
-  template <c10::DispatchKey K>                                                                      \
-  at::Tensor NAME##_scalar(const at::Tensor& self, const c10::Scalar& other) {                       \
-    static const PassThrough<at::_ops::NAME##_Scalar> stock(K);                                     \
-    static const RoutedOp op(FamilyId::fp8, "aten::" #NAME ".Scalar");                              \
+  }                                                                            \
+  template <c10::DispatchKey K>                                                \
+  at::Tensor NAME##_scalar(const at::Tensor& self, const c10::Scalar& other) { \
+    static const PassThrough<at::_ops::NAME##_Scalar> stock(K);                \
+    static const RoutedOp op(FamilyId::fp8, "aten::" #NAME ".Scalar");         \
     return compare_scalar<K>(op, stock, self, other);                          \
   }
 MPS_EXT_FP8_COMPARISON(eq)
@@ -117,12 +123,15 @@ bool equal_impl(const at::Tensor& self, const at::Tensor& other) {
     static const PassThrough<at::_ops::equal> stock(K);
     return stock(self, other);
   }
-  return route<decltype(equal_impl<K>)>(kEqual, K, (not_strided(self) || not_strided(other)), [&] {
-    at::result_type(self, other);  // torch's error for float8 beside another dtype
-    if (self.sizes() != other.sizes()) return false;
-    // Values, not bytes: NaN != NaN, -0 == +0 (torch.equal of floats).
-    return call_stock<bool>("aten::equal", K, decode(self), decode(other));
-  }, self, other);
+  return route<decltype(equal_impl<K>)>(
+      kEqual, K, (not_strided(self) || not_strided(other)),
+      [&] {
+        at::result_type(self, other);  // torch's error for float8 beside another dtype
+        if (self.sizes() != other.sizes()) return false;
+        // Values, not bytes: NaN != NaN, -0 == +0 (torch.equal of floats).
+        return call_stock<bool>("aten::equal", K, decode(self), decode(other));
+      },
+      self, other);
 }
 
 // ------------------------------------------------------------------ .item --
@@ -132,11 +141,14 @@ c10::Scalar local_scalar_dense_impl(const at::Tensor& self) {
     static const PassThrough<at::_ops::_local_scalar_dense> stock(K);
     return stock(self);
   }
-  return route<decltype(local_scalar_dense_impl<K>)>(kLocalScalarDense, K, Reason(), [&] {
-    // The byte, moved by torch's uint8 copy, read by torch's CPU kernel.
-    const at::Tensor cpu = bytes(self).to(at::kCPU).view(self.scalar_type());
-    return call_stock<c10::Scalar>("aten::_local_scalar_dense", c10::DispatchKey::CPU, cpu);
-  }, self);
+  return route<decltype(local_scalar_dense_impl<K>)>(
+      kLocalScalarDense, K, Reason(),
+      [&] {
+        // The byte, moved by torch's uint8 copy, read by torch's CPU kernel.
+        const at::Tensor cpu = bytes(self).to(at::kCPU).view(self.scalar_type());
+        return call_stock<c10::Scalar>("aten::_local_scalar_dense", c10::DispatchKey::CPU, cpu);
+      },
+      self);
 }
 
 // ----------------------------------------------------------- byte moves --
@@ -146,9 +158,12 @@ at::Tensor gather_impl(const at::Tensor& self, int64_t dim, const at::Tensor& in
     static const PassThrough<at::_ops::gather> stock(K);
     return stock(self, dim, index, sparse_grad);
   }
-  return route<decltype(gather_impl<K>)>(kGather, K, not_strided(self), [&] {
-    return call_stock<at::Tensor>("aten::gather", K, bytes(self), dim, index, sparse_grad).view(self.scalar_type());
-  }, self, dim, index, sparse_grad);
+  return route<decltype(gather_impl<K>)>(
+      kGather, K, not_strided(self),
+      [&] {
+        return call_stock<at::Tensor>("aten::gather", K, bytes(self), dim, index, sparse_grad).view(self.scalar_type());
+      },
+      self, dim, index, sparse_grad);
 }
 
 using Indices = c10::List<std::optional<at::Tensor>>;
@@ -159,9 +174,10 @@ at::Tensor index_impl(const at::Tensor& self, const Indices& indices) {
     static const PassThrough<at::_ops::index_Tensor> stock(K);
     return stock(self, indices);
   }
-  return route<decltype(index_impl<K>)>(kIndexTensor, K, not_strided(self), [&] {
-    return call_stock<at::Tensor>("aten::index.Tensor", K, bytes(self), indices).view(self.scalar_type());
-  }, self, indices);
+  return route<decltype(index_impl<K>)>(
+      kIndexTensor, K, not_strided(self),
+      [&] { return call_stock<at::Tensor>("aten::index.Tensor", K, bytes(self), indices).view(self.scalar_type()); },
+      self, indices);
 }
 
 template <c10::DispatchKey K>
@@ -172,14 +188,17 @@ at::Tensor& index_put_impl(at::Tensor& self, const Indices& indices, const at::T
     stock(self, indices, values, accumulate, unsafe);
     return self;
   }
-  route<decltype(index_put_impl<K>)>(kIndexPutImpl, K, (not_strided(self) || not_strided(values)), [&] {
-    TORCH_CHECK(values.scalar_type() == self.scalar_type(),
-                "Index put requires the source and destination dtypes match, got ", self.scalar_type(),
-                " for the destination and ", values.scalar_type(), " for the source.");
-    TORCH_CHECK(!accumulate, cast_first("index_put_ with accumulate=True"));
-    call_stock<at::Tensor>("aten::_index_put_impl_", K, bytes(self), indices, bytes(values), accumulate, unsafe);
-    return self;
-  }, self, indices, values, accumulate, unsafe);
+  route<decltype(index_put_impl<K>)>(
+      kIndexPutImpl, K, (not_strided(self) || not_strided(values)),
+      [&] {
+        TORCH_CHECK(values.scalar_type() == self.scalar_type(),
+                    "Index put requires the source and destination dtypes match, got ", self.scalar_type(),
+                    " for the destination and ", values.scalar_type(), " for the source.");
+        TORCH_CHECK(!accumulate, cast_first("index_put_ with accumulate=True"));
+        call_stock<at::Tensor>("aten::_index_put_impl_", K, bytes(self), indices, bytes(values), accumulate, unsafe);
+        return self;
+      },
+      self, indices, values, accumulate, unsafe);
   return self;
 }
 
@@ -191,12 +210,15 @@ at::Tensor where_impl(const at::Tensor& condition, const at::Tensor& self_, cons
   }
   const c10::Device device = self_.dim() > 0 ? self_.device() : device_of(other_, condition);
   const at::Tensor self = on(self_, device), other = on(other_, device);
-  return route<decltype(where_impl<K>)>(kWhereSelf, K, (not_strided(self) || not_strided(other)), [&] {
-    const c10::ScalarType common = at::result_type(self, other);
-    const at::Tensor a = self.to(common), b = other.to(common);
-    if (!is_fp8(common)) return call_stock<at::Tensor>("aten::where.self", K, condition, a, b);
-    return call_stock<at::Tensor>("aten::where.self", K, condition, bytes(a), bytes(b)).view(common);
-  }, condition, self, other);
+  return route<decltype(where_impl<K>)>(
+      kWhereSelf, K, (not_strided(self) || not_strided(other)),
+      [&] {
+        const c10::ScalarType common = at::result_type(self, other);
+        const at::Tensor a = self.to(common), b = other.to(common);
+        if (!is_fp8(common)) return call_stock<at::Tensor>("aten::where.self", K, condition, a, b);
+        return call_stock<at::Tensor>("aten::where.self", K, condition, bytes(a), bytes(b)).view(common);
+      },
+      condition, self, other);
 }
 
 template <c10::DispatchKey K>
@@ -206,13 +228,16 @@ at::Tensor& masked_fill_scalar_impl(at::Tensor& self, const at::Tensor& mask, co
     stock(self, mask, value);
     return self;
   }
-  route<decltype(masked_fill_scalar_impl<K>)>(kMaskedFillScalar, K, not_strided(self), [&] {
-    // The value rounded as fill_ rounds it (with its overflow error, as
-    // masked_fill_ of float16 has).
-    const int64_t code = fp8_code(self.scalar_type(), value);
-    call_stock<at::Tensor>("aten::masked_fill_.Scalar", K, bytes(self), mask, c10::Scalar(code));
-    return self;
-  }, self, mask, value);
+  route<decltype(masked_fill_scalar_impl<K>)>(
+      kMaskedFillScalar, K, not_strided(self),
+      [&] {
+        // The value rounded as fill_ rounds it (with its overflow error, as
+        // masked_fill_ of float16 has).
+        const int64_t code = fp8_code(self.scalar_type(), value);
+        call_stock<at::Tensor>("aten::masked_fill_.Scalar", K, bytes(self), mask, c10::Scalar(code));
+        return self;
+      },
+      self, mask, value);
   return self;
 }
 
@@ -223,14 +248,17 @@ at::Tensor& masked_fill_tensor_impl(at::Tensor& self, const at::Tensor& mask, co
     stock(self, mask, value);
     return self;
   }
-  route<decltype(masked_fill_tensor_impl<K>)>(kMaskedFillTensor, K, not_strided(self), [&] {
-    TORCH_CHECK(value.dim() == 0, "masked_fill_ only supports a 0-dimensional value tensor, but got tensor with ",
-                value.dim(), " dimension(s).");
-    // The value's own float8 bytes may sit on the GPU: read it through copy_.
-    const int64_t code = fp8_code(self.scalar_type(), value.to(at::kCPU).item());
-    call_stock<at::Tensor>("aten::masked_fill_.Scalar", K, bytes(self), mask, c10::Scalar(code));
-    return self;
-  }, self, mask, on(value, self.device()));
+  route<decltype(masked_fill_tensor_impl<K>)>(
+      kMaskedFillTensor, K, not_strided(self),
+      [&] {
+        TORCH_CHECK(value.dim() == 0, "masked_fill_ only supports a 0-dimensional value tensor, but got tensor with ",
+                    value.dim(), " dimension(s).");
+        // The value's own float8 bytes may sit on the GPU: read it through copy_.
+        const int64_t code = fp8_code(self.scalar_type(), value.to(at::kCPU).item());
+        call_stock<at::Tensor>("aten::masked_fill_.Scalar", K, bytes(self), mask, c10::Scalar(code));
+        return self;
+      },
+      self, mask, on(value, self.device()));
   return self;
 }
 
@@ -240,10 +268,13 @@ at::Tensor repeat_impl(const at::Tensor& self, c10::SymIntArrayRef repeats) {
     static const PassThrough<at::_ops::repeat> stock(K);
     return stock(self, repeats);
   }
-  return route<decltype(repeat_impl<K>)>(kRepeat, K, not_strided(self), [&] {
-    return call_stock<at::Tensor>("aten::repeat", K, bytes(self), C10_AS_INTARRAYREF_SLOW(repeats))
-        .view(self.scalar_type());
-  }, self, repeats);
+  return route<decltype(repeat_impl<K>)>(
+      kRepeat, K, not_strided(self),
+      [&] {
+        return call_stock<at::Tensor>("aten::repeat", K, bytes(self), C10_AS_INTARRAYREF_SLOW(repeats))
+            .view(self.scalar_type());
+      },
+      self, repeats);
 }
 
 template <c10::DispatchKey K>
@@ -252,9 +283,9 @@ at::Tensor flip_impl(const at::Tensor& self, at::IntArrayRef dims) {
     static const PassThrough<at::_ops::flip> stock(K);
     return stock(self, dims);
   }
-  return route<decltype(flip_impl<K>)>(kFlip, K, not_strided(self), [&] {
-    return call_stock<at::Tensor>("aten::flip", K, bytes(self), dims).view(self.scalar_type());
-  }, self, dims);
+  return route<decltype(flip_impl<K>)>(
+      kFlip, K, not_strided(self),
+      [&] { return call_stock<at::Tensor>("aten::flip", K, bytes(self), dims).view(self.scalar_type()); }, self, dims);
 }
 
 }  // namespace

@@ -67,8 +67,9 @@ void check_strides(const at::Tensor& mat) {
   TORCH_CHECK(mat.device().is_cpu() || data_ptr_aligned16(mat), "expected data_ptr to be aligned to 16 bytes");
 #if MPS_EXT_TORCH_AT_LEAST(2, 14)
   if (!mat.device().is_cpu() && mat.dim() == 3)
-    TORCH_CHECK(strides[0] % alignment == 0, "batch stride must yield 16-byte-aligned per-batch pointers, got stride(0)=",
-                strides[0], " with element size ", mat.element_size(), " (sizes=", sizes, ", strides=", strides, ")");
+    TORCH_CHECK(strides[0] % alignment == 0,
+                "batch stride must yield 16-byte-aligned per-batch pointers, got stride(0)=", strides[0],
+                " with element size ", mat.element_size(), " (sizes=", sizes, ", strides=", strides, ")");
 #endif
   if (strides[end - 1] == 1 && strides[end] >= std::max<int64_t>(1, sizes[end - 1])) {
     TORCH_CHECK(strides[end] % alignment == 0, "strides should be multiple of 16 bytes");
@@ -125,8 +126,8 @@ at::Tensor grouped_output(const at::Tensor& a, const at::Tensor& b, const c10::o
   }
   const int64_t alignment = 16 / c10::elementSize(dtype);
   const int64_t padded = (size.back() + alignment - 1) / alignment * alignment;
-  std::vector<int64_t> stride = size.size() == 2 ? std::vector<int64_t>{padded, 1}
-                                                 : std::vector<int64_t>{size[1] * padded, padded, 1};
+  std::vector<int64_t> stride =
+      size.size() == 2 ? std::vector<int64_t>{padded, 1} : std::vector<int64_t>{size[1] * padded, padded, 1};
   return at::empty_strided(size, stride, a.options().dtype(dtype));
 }
 
@@ -136,7 +137,7 @@ at::Tensor grouped_output(const at::Tensor& a, const at::Tensor& b, const c10::o
 // out[:, s:e] = A[g] @ B[:, s:e]  <=>  out^T[s:e, :] = B^T[s:e, :] @ A[g]^T.
 struct Problem {
   GroupedMMParams p{};
-  at::Tensor a, b, out;         // bound as they are, with the strides in p
+  at::Tensor a, b, out;             // bound as they are, with the strides in p
   at::Tensor row_scale, col_scale;  // undefined without scales
   at::Tensor rows_of;               // p.gather: the slot of each row (fused MoE ops)
 };
@@ -206,9 +207,7 @@ Reason problem_unsupported(const at::Tensor& a, const at::Tensor& b) {
   for (const at::Tensor* t : {&a, &b})
     if (t->layout() != at::kStrided) return because::not_strided;
   // Rows and columns of a and of one group of b, in whichever orientation.
-  auto last2 = [](const at::Tensor& t) {
-    return fits_32_bits(t.size(-2), t.stride(-2), t.size(-1), t.stride(-1));
-  };
+  auto last2 = [](const at::Tensor& t) { return fits_32_bits(t.size(-2), t.stride(-2), t.size(-1), t.stride(-1)); };
   if (!last2(a) || !last2(b)) return because::group_past_2_32;
   for (const at::Tensor* t : {&a, &b})
     if (t->size(-1) > std::numeric_limits<int32_t>::max() || t->size(-2) > std::numeric_limits<int32_t>::max() ||
@@ -242,8 +241,8 @@ void run(const Problem& pr, const at::Tensor& offs, const std::string& types, bo
   TORCH_CHECK(decode || !(p.swiglu || p.gather), "mps_ext grouped_mm: the fused MoE ops run the decode kernel only");
   std::string name;
   if (decode && !cols) {
-    const bool vec = p.a_k == 1 && p.b_k == 1 && aligned16(pr.a, p.a_m) && aligned16(pr.b, p.b_n) &&
-                     aligned16(pr.b, p.b_batch);
+    const bool vec =
+        p.a_k == 1 && p.b_k == 1 && aligned16(pr.a, p.a_m) && aligned16(pr.b, p.b_n) && aligned16(pr.b, p.b_batch);
     // Chunks of rows that work at once: at most a group each (the host
     // never reads offs), so their rows and the activation reuse are
     // estimated from m spread over the groups.
@@ -270,8 +269,7 @@ void run(const Problem& pr, const at::Tensor& offs, const std::string& types, bo
   }
   l.kernel = name;
   // Without scales the output stands in for buffers 5 and 6; never read.
-  l.args = {KernelArg::of(pr.out), KernelArg::of(pr.a), KernelArg::of(pr.b), KernelArg::of(offs),
-            KernelArg::value(p)};
+  l.args = {KernelArg::of(pr.out), KernelArg::of(pr.a), KernelArg::of(pr.b), KernelArg::of(offs), KernelArg::value(p)};
   if (name.rfind("gmm_decode_cols", 0) != 0) {
     l.args.push_back(KernelArg::of(pr.row_scale.defined() ? pr.row_scale : pr.out));
     l.args.push_back(KernelArg::of(pr.col_scale.defined() ? pr.col_scale : pr.out));
@@ -297,7 +295,7 @@ int64_t group_count(const at::Tensor& a, const at::Tensor& b, const c10::optiona
 // ------------------------------------------------------------ _grouped_mm --
 Reason grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() && is_float_dtype(a.scalar_type()) && is_float_dtype(b.scalar_type()))
-    return because::mixed_dtypes;  // torch's own error follows
+    return because::mixed_dtypes;             // torch's own error follows
   if (a.dim() < 2 || b.dim() < 2) return {};  // our checks raise torch's error
   return problem_unsupported(a, b);
 }
@@ -328,7 +326,8 @@ void check_scale(const char* name, const at::Tensor& scale, const at::Tensor& ma
     TORCH_CHECK(scale.size(0) == mat.size(scaled_dim) * multiplier, "Expected ", name, " to have ",
                 mat.size(scaled_dim) * multiplier, " elements, got ", scale.size(0), " elements.");
   } else {
-    TORCH_CHECK(scale.dim() >= 1 && scale.stride(-1) == 1, "Expected ", name, " to be contiguous in the last dimension.");
+    TORCH_CHECK(scale.dim() >= 1 && scale.stride(-1) == 1, "Expected ", name,
+                " to be contiguous in the last dimension.");
     TORCH_CHECK(scale.size(0) == mat.size(0), "Expected ", name, " batch dimension to be ", mat.size(0), ", got ",
                 scale.size(0), ".");
     TORCH_CHECK(scale.dim() == 2, "Expected ", name, " to be 2D tensor, but got ", scale.dim(), "D tensor.");
@@ -343,8 +342,8 @@ void check_fp8_strides(const char* name, const at::Tensor& mat) {
   const auto st = mat.strides();
   TORCH_CHECK(mat.device().is_cpu() || data_ptr_aligned16(mat), "expected data_ptr to be aligned to 16 bytes");
   if (st[end - 1] == 1 && st[end] >= std::max<int64_t>(1, mat.size(end - 1))) {
-    TORCH_CHECK(st[end] % alignment == 0, "Expected ", name, " stride along ", end, " dim to be multiple of 16 bytes, got ",
-                st[end], ".");
+    TORCH_CHECK(st[end] % alignment == 0, "Expected ", name, " stride along ", end,
+                " dim to be multiple of 16 bytes, got ", st[end], ".");
   } else if (st[end] == 1 && st[end - 1] >= std::max<int64_t>(1, mat.size(end))) {
     TORCH_CHECK(st[end - 1] % alignment == 0, "Expected ", name, " stride along ", end - 1,
                 " dim to be multiple of 16 bytes, got ", st[end - 1], ".");
@@ -358,8 +357,8 @@ void check_scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at:
                              const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale_result,
                              c10::optional<c10::ScalarType> out_dtype) {
   TORCH_CHECK(a.scalar_type() == at::kFloat8_e4m3fn && b.scalar_type() == at::kFloat8_e4m3fn,
-              "Expected inputs of E4M3 FP8 type but got mat_a.dtype=", a.scalar_type(), " and mat_b.dtype=",
-              b.scalar_type(), ".");
+              "Expected inputs of E4M3 FP8 type but got mat_a.dtype=", a.scalar_type(),
+              " and mat_b.dtype=", b.scalar_type(), ".");
   TORCH_CHECK((a.dim() == 2 || a.dim() == 3) && (b.dim() == 2 || b.dim() == 3),
               "Multiplicands must be 2D or 3D but got mat_a.dim()=", a.dim(), " and mat_b.dim()=", b.dim());
   const bool a2 = a.dim() == 2, b2 = b.dim() == 2;
@@ -375,7 +374,8 @@ void check_scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at:
               "float32 row-wise scales");
   TORCH_CHECK(scale_a.scalar_type() == at::kFloat && scale_b.scalar_type() == at::kFloat,
               "For FP8 scales must both be float32, or for MXFP8 both scales must be float8_e8m0fnu. Got "
-              "scale_a.dtype=", scale_a.scalar_type(), " and scale_b.dtype=", scale_b.scalar_type(), ".");
+              "scale_a.dtype=",
+              scale_a.scalar_type(), " and scale_b.dtype=", scale_b.scalar_type(), ".");
   const int64_t multiplier = offs.has_value() && a2 && b2 ? offs->size(0) : 1;
   check_scale("scale_a", scale_a, a, 0, multiplier);
   check_scale("scale_b", scale_b, b, 1, multiplier);
@@ -428,7 +428,8 @@ void check_moe_operands(const char* op, const at::Tensor& x, const at::Tensor& w
   TORCH_CHECK(fp8 ? x.scalar_type() == at::kBFloat16 : weight.scalar_type() == x.scalar_type(), op,
               ": weight must have x's dtype, or be float8_e4m3fn with bfloat16 x; got ", weight.scalar_type(), " and ",
               x.scalar_type());
-  TORCH_CHECK(fp8 == weight_scale.has_value(), op, ": fp8 weights need weight_scale [experts, N] (float32), other "
+  TORCH_CHECK(fp8 == weight_scale.has_value(), op,
+              ": fp8 weights need weight_scale [experts, N] (float32), other "
               "weights none");
   if (fp8)
     TORCH_CHECK(weight_scale->scalar_type() == at::kFloat && weight_scale->dim() == 2 &&
@@ -476,8 +477,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10:
     TORCH_CHECK(slot_of_row->scalar_type() == at::kInt && slot_of_row->dim() == 1 && slot_of_row->is_contiguous() &&
                     slots_per_token >= 1 && rows <= x.size(0) * slots_per_token,
                 "moe_experts: slot_of_row must be contiguous int32 [rows] with rows <= tokens * slots_per_token");
-  TORCH_CHECK(rows <= kFusedMaxRows, "moe_experts is the decode path: at most ", kFusedMaxRows,
-              " routed rows, got ", rows, "; use F.grouped_mm");
+  TORCH_CHECK(rows <= kFusedMaxRows, "moe_experts is the decode path: at most ", kFusedMaxRows, " routed rows, got ",
+              rows, "; use F.grouped_mm");
   TORCH_CHECK(!swiglu || weight.size(1) % 2 == 0, "moe_experts: swiglu needs weight rows [gate | up], got ",
               weight.size(1));
   at::Tensor out = at::empty({rows, swiglu ? weight.size(1) / 2 : weight.size(1)}, x.options());
@@ -509,17 +510,16 @@ at::Tensor moe_down_combine(const at::Tensor& h, const at::Tensor& down, const c
   TORCH_CHECK(h.stride(1) == 1 && offs.is_contiguous(), "moe_down_combine: h's rows and offs must be contiguous");
   TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == at::kFloat && weights.is_contiguous() &&
                   row_of_slot.scalar_type() == at::kInt && row_of_slot.is_contiguous() &&
-                  row_of_slot.numel() == weights.numel() && h.size(0) == weights.numel() &&
-                  h.size(0) <= kFusedMaxRows,
+                  row_of_slot.numel() == weights.numel() && h.size(0) == weights.numel() && h.size(0) <= kFusedMaxRows,
               "moe_down_combine: weights contiguous float32 [tokens, slots], row_of_slot contiguous int32 [tokens * "
-              "slots] and h one row per slot, at most ", kFusedMaxRows, " rows; got ", weights.sizes(), ", ",
-              row_of_slot.sizes(), " and ", h.sizes());
+              "slots] and h one row per slot, at most ",
+              kFusedMaxRows, " rows; got ", weights.sizes(), ", ", row_of_slot.sizes(), " and ", h.sizes());
   const int64_t rows = h.size(0), hidden = down.size(1);
   at::Tensor out = at::empty({weights.size(0), hidden}, h.options());
   // The kernel reads it at out's offsets.
-  TORCH_INTERNAL_ASSERT(!residual || (residual->sizes() == out.sizes() && residual->is_contiguous() &&
-                                      residual->scalar_type() == out.scalar_type() &&
-                                      residual->device() == out.device()));
+  TORCH_INTERNAL_ASSERT(!residual ||
+                        (residual->sizes() == out.sizes() && residual->is_contiguous() &&
+                         residual->scalar_type() == out.scalar_type() && residual->device() == out.device()));
   if (out.numel() == 0 || down.size(0) == 0) return out;
   const bool fp8 = down_scale.has_value();
   GroupedMMParams p = moe_problem(h, down, down_scale, rows, out).p;
@@ -536,12 +536,11 @@ at::Tensor moe_down_combine(const at::Tensor& h, const at::Tensor& down, const c
   const bool vec = aligned16(h, p.a_m) && aligned16(down, p.b_n) && aligned16(down, p.b_batch);
   Launch l;
   l.library = "grouped_mm";
-  l.kernel = std::string("moe_down_combine_") + (fp8 ? "bf16_e4m3w" : type_name(h.scalar_type())) +
-             (vec ? "_vec" : "_scalar");
-  const DecodeGeometry g = fit_threads(
-      decode_geometry(device_profile(down.device()), hidden, 1, GMM_ROWS_OUTPUTS, true,
-                      chunk_rows * h.element_size() / item),
-      hidden, thread_budget(down.device(), l.library, l.kernel, DECODE_MAX_THREADS));
+  l.kernel =
+      std::string("moe_down_combine_") + (fp8 ? "bf16_e4m3w" : type_name(h.scalar_type())) + (vec ? "_vec" : "_scalar");
+  const DecodeGeometry g = fit_threads(decode_geometry(device_profile(down.device()), hidden, 1, GMM_ROWS_OUTPUTS, true,
+                                                       chunk_rows * h.element_size() / item),
+                                       hidden, thread_budget(down.device(), l.library, l.kernel, DECODE_MAX_THREADS));
   int64_t simdgroups = 1;
   while (2 * simdgroups <= g.simdgroups && 2 * simdgroups * GMM_ROWS_OUTPUTS * rows <= MOE_DOWN_Y_ELEMENTS)
     simdgroups *= 2;
@@ -549,9 +548,9 @@ at::Tensor moe_down_combine(const at::Tensor& h, const at::Tensor& down, const c
   p.outputs_log2 = 0;
   while ((int64_t(1) << p.outputs_log2) < cols) ++p.outputs_log2;
   // Without scales or a residual the output stands in for them; never read.
-  l.args = {KernelArg::of(out),     KernelArg::of(h),       KernelArg::of(down), KernelArg::of(offs),
-            KernelArg::value(p),    KernelArg::of(fp8 ? *down_scale : out), KernelArg::of(weights),
-            KernelArg::of(row_of_slot), KernelArg::of(residual ? *residual : out)};
+  l.args = {KernelArg::of(out),     KernelArg::of(h),           KernelArg::of(down),
+            KernelArg::of(offs),    KernelArg::value(p),        KernelArg::of(fp8 ? *down_scale : out),
+            KernelArg::of(weights), KernelArg::of(row_of_slot), KernelArg::of(residual ? *residual : out)};
   l.threadgroups = {static_cast<uint32_t>(ceil_div(hidden, cols)), 1, 1};
   l.threads_per_threadgroup = {static_cast<uint32_t>(32 * simdgroups), 1, 1};
   launch(l);
@@ -570,8 +569,9 @@ const RoutedOp kGroupedMm(FamilyId::grouped_mm, "aten::_grouped_mm"),
 template <DispatchKey K>
 at::Tensor grouped_mm_impl(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& offs,
                            const c10::optional<at::Tensor>& bias, c10::optional<c10::ScalarType> out_dtype) {
-  return route<decltype(grouped_mm_impl<K>)>(kGroupedMm, K, grouped_mm_unsupported(a, b),
-               [&] { return mps_ext::grouped_mm(a, b, offs, bias, out_dtype); }, a, b, offs, bias, out_dtype);
+  return route<decltype(grouped_mm_impl<K>)>(
+      kGroupedMm, K, grouped_mm_unsupported(a, b), [&] { return mps_ext::grouped_mm(a, b, offs, bias, out_dtype); }, a,
+      b, offs, bias, out_dtype);
 }
 
 template <DispatchKey K>
@@ -579,9 +579,10 @@ at::Tensor scaled_grouped_mm_impl(const at::Tensor& a, const at::Tensor& b, cons
                                   const at::Tensor& scale_b, const c10::optional<at::Tensor>& offs,
                                   const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale_result,
                                   c10::optional<c10::ScalarType> out_dtype, bool use_fast_accum) {
-  return route<decltype(scaled_grouped_mm_impl<K>)>(kScaledGroupedMm, K, scaled_grouped_mm_unsupported(a, b),
-               [&] { return mps_ext::scaled_grouped_mm(a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype); },
-               a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype, use_fast_accum);
+  return route<decltype(scaled_grouped_mm_impl<K>)>(
+      kScaledGroupedMm, K, scaled_grouped_mm_unsupported(a, b),
+      [&] { return mps_ext::scaled_grouped_mm(a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype); }, a, b,
+      scale_a, scale_b, offs, bias, scale_result, out_dtype, use_fast_accum);
 }
 
 // _scaled_grouped_mm_v2 (F.scaled_grouped_mm, torch 2.10 on): the recipe
@@ -590,17 +591,18 @@ at::Tensor scaled_grouped_mm_impl(const at::Tensor& a, const at::Tensor& b, cons
 // b); then _scaled_grouped_mm's checks. torch has no kernel for it off CUDA,
 // so what else it is given gets an error saying what is supported.
 Reason scaled_grouped_mm_v2_unsupported(const at::Tensor& a, const at::Tensor& b, at::TensorList scale_a,
-                                             at::IntArrayRef recipe_a, at::IntArrayRef swizzle_a,
-                                             at::TensorList scale_b, at::IntArrayRef recipe_b,
-                                             at::IntArrayRef swizzle_b, at::IntArrayRef contraction_dim) {
+                                        at::IntArrayRef recipe_a, at::IntArrayRef swizzle_a, at::TensorList scale_b,
+                                        at::IntArrayRef recipe_b, at::IntArrayRef swizzle_b,
+                                        at::IntArrayRef contraction_dim) {
   auto one = [](at::TensorList scales, at::IntArrayRef recipe) {
     return scales.size() == 1 && recipe.size() == 1 && recipe[0] == kRowWise;
   };
   auto no_swizzle = [](at::IntArrayRef s) { return s.empty() || (s.size() == 1 && s[0] == 0); };
   if (!one(scale_a, recipe_a) || !one(scale_b, recipe_b) || !no_swizzle(swizzle_a) || !no_swizzle(swizzle_b))
-    return because::grouped_scale_recipes(c10::str("scale recipes a=", recipe_a, " b=", recipe_b, ", swizzles a=",
-                                                   swizzle_a, " b=", swizzle_b));
-  if (!contraction_dim.empty() && !(contraction_dim.size() == 2 && contraction_dim[0] == -1 && contraction_dim[1] == -2))
+    return because::grouped_scale_recipes(
+        c10::str("scale recipes a=", recipe_a, " b=", recipe_b, ", swizzles a=", swizzle_a, " b=", swizzle_b));
+  if (!contraction_dim.empty() &&
+      !(contraction_dim.size() == 2 && contraction_dim[0] == -1 && contraction_dim[1] == -2))
     return because::grouped_contraction_dim(c10::str(contraction_dim));
   return scaled_grouped_mm_unsupported(a, b);
 }
@@ -612,15 +614,13 @@ at::Tensor scaled_grouped_mm_v2_impl(const at::Tensor& a, const at::Tensor& b, a
                                      const c10::optional<at::Tensor>& offs, const c10::optional<at::Tensor>& bias,
                                      c10::optional<c10::ScalarType> out_dtype, at::IntArrayRef contraction_dim,
                                      bool use_fast_accum) {
-  return route<decltype(scaled_grouped_mm_v2_impl<K>)>(kScaledGroupedMmV2, K,
-               scaled_grouped_mm_v2_unsupported(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b,
-                                                contraction_dim),
-               [&] {
-                 return mps_ext::scaled_grouped_mm(a, b, scale_a[0], scale_b[0], offs, bias, c10::nullopt,
-                                                   out_dtype);
-               },
-               a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, offs, bias, out_dtype, contraction_dim,
-               use_fast_accum);
+  return route<decltype(scaled_grouped_mm_v2_impl<K>)>(
+      kScaledGroupedMmV2, K,
+      scaled_grouped_mm_v2_unsupported(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b,
+                                       contraction_dim),
+      [&] { return mps_ext::scaled_grouped_mm(a, b, scale_a[0], scale_b[0], offs, bias, c10::nullopt, out_dtype); }, a,
+      b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, offs, bias, out_dtype, contraction_dim,
+      use_fast_accum);
 }
 
 template <DispatchKey K>

@@ -172,7 +172,7 @@ Tensor solve_triangular(const Tensor& A, const Tensor& B, bool upper, bool left,
 }
 
 std::tuple<Tensor, Tensor> triangular_solve_with_clone(const Tensor& B, const Tensor& A, bool upper, bool transpose,
-                                                      bool unitriangular) {
+                                                       bool unitriangular) {
   auto batch = *linalg::broadcast_batch(A, 2, B, 2);
   Tensor X = empty_matrices(with_matrix(batch, B.size(-2), B.size(-1)), true, B.options());
   auto a_shape = with_matrix(batch, A.size(-2), A.size(-1));
@@ -294,89 +294,95 @@ const RoutedOp kLinalgSlogdet(FamilyId::linalg, "aten::_linalg_slogdet");
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor> lu_factor_ex_impl(const Tensor& A, bool pivot, bool check_errors) {
-  return route<decltype(lu_factor_ex_impl<K>)>(kLinalgLuFactorEx, K, lu_factor_unsupported(A),
-               [&] { return lu_factor_ex(A, pivot, check_errors, "torch.linalg.lu_factor_ex"); }, A, pivot,
-               check_errors);
+  return route<decltype(lu_factor_ex_impl<K>)>(
+      kLinalgLuFactorEx, K, lu_factor_unsupported(A),
+      [&] { return lu_factor_ex(A, pivot, check_errors, "torch.linalg.lu_factor_ex"); }, A, pivot, check_errors);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor> lu_factor_impl(const Tensor& A, bool pivot) {
-  return route<decltype(lu_factor_impl<K>)>(kLinalgLuFactor, K, lu_factor_unsupported(A),
-               [&] {
-                 auto r = lu_factor_ex(A, pivot, true, "torch.linalg.lu_factor");
-                 return std::make_tuple(std::get<0>(r), std::get<1>(r));
-               },
-               A, pivot);
+  return route<decltype(lu_factor_impl<K>)>(
+      kLinalgLuFactor, K, lu_factor_unsupported(A),
+      [&] {
+        auto r = lu_factor_ex(A, pivot, true, "torch.linalg.lu_factor");
+        return std::make_tuple(std::get<0>(r), std::get<1>(r));
+      },
+      A, pivot);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor> linalg_lu_impl(const Tensor& A, bool pivot) {
-  TORCH_CHECK(A.dim() >= 2, "linalg.lu: Expected tensor with 2 or more dimensions. Got size: ", A.sizes(),
-              " instead");
-  return route<decltype(linalg_lu_impl<K>)>(kLinalgLu, K, lu_factor_unsupported(A), [&] { return factor_and_unpack(A, pivot); }, A,
-               pivot);
+  TORCH_CHECK(A.dim() >= 2, "linalg.lu: Expected tensor with 2 or more dimensions. Got size: ", A.sizes(), " instead");
+  return route<decltype(linalg_lu_impl<K>)>(
+      kLinalgLu, K, lu_factor_unsupported(A), [&] { return factor_and_unpack(A, pivot); }, A, pivot);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor> lu_unpack_impl(const Tensor& LU, const Tensor& pivots, bool unpack_data,
                                                   bool unpack_pivots) {
-  return route<decltype(lu_unpack_impl<K>)>(kLuUnpack, K, lu_unpack_unsupported(LU, pivots, unpack_pivots),
-               [&] { return unpack(LU, pivots, unpack_data, unpack_pivots); }, LU, pivots, unpack_data,
-               unpack_pivots);
+  return route<decltype(lu_unpack_impl<K>)>(
+      kLuUnpack, K, lu_unpack_unsupported(LU, pivots, unpack_pivots),
+      [&] { return unpack(LU, pivots, unpack_data, unpack_pivots); }, LU, pivots, unpack_data, unpack_pivots);
 }
 
 template <DispatchKey K>
 Tensor solve_triangular_impl(const Tensor& A, const Tensor& B, bool upper, bool left, bool unitriangular) {
-  return route<decltype(solve_triangular_impl<K>)>(kLinalgSolveTriangular, K, solve_triangular_unsupported(A, B, left),
-               [&] { return solve_triangular(A, B, upper, left, unitriangular); }, A, B, upper, left, unitriangular);
+  return route<decltype(solve_triangular_impl<K>)>(
+      kLinalgSolveTriangular, K, solve_triangular_unsupported(A, B, left),
+      [&] { return solve_triangular(A, B, upper, left, unitriangular); }, A, B, upper, left, unitriangular);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor> triangular_solve_impl(const Tensor& B, const Tensor& A, bool upper, bool transpose,
                                                  bool unitriangular) {
-  return route<decltype(triangular_solve_impl<K>)>(kTriangularSolve, K, solve_triangular_unsupported(A, B, true),
-               [&] { return triangular_solve_with_clone(B, A, upper, transpose, unitriangular); }, B, A, upper, transpose,
-               unitriangular);
+  return route<decltype(triangular_solve_impl<K>)>(
+      kTriangularSolve, K, solve_triangular_unsupported(A, B, true),
+      [&] { return triangular_solve_with_clone(B, A, upper, transpose, unitriangular); }, B, A, upper, transpose,
+      unitriangular);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor> inv_ex_impl(const Tensor& A, bool check_errors) {
-  return route<decltype(inv_ex_impl<K>)>(kLinalgInvEx, K, square_unsupported(A), [&] { return inv_ex(A, check_errors); }, A,
-               check_errors);
+  return route<decltype(inv_ex_impl<K>)>(
+      kLinalgInvEx, K, square_unsupported(A), [&] { return inv_ex(A, check_errors); }, A, check_errors);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor, Tensor> solve_ex_impl(const Tensor& A, const Tensor& B, bool left,
                                                          bool check_errors) {
-  return route<decltype(solve_ex_impl<K>)>(kLinalgSolveEx, K, solve_ex_unsupported(A, B, left),
-               [&] { return solve_ex(A, B, left, check_errors); }, A, B, left, check_errors);
+  return route<decltype(solve_ex_impl<K>)>(
+      kLinalgSolveEx, K, solve_ex_unsupported(A, B, left), [&] { return solve_ex(A, B, left, check_errors); }, A, B,
+      left, check_errors);
 }
 
 template <DispatchKey K>
 Tensor lu_solve_impl(const Tensor& LU, const Tensor& pivots, const Tensor& B, bool left, bool adjoint) {
   check_lu_solve(LU, pivots, B, left);
-  return route<decltype(lu_solve_impl<K>)>(kLinalgLuSolve, K, lu_solve_unsupported(LU, pivots, B),
-               [&] { return solve_with_factors(LU, pivots, B, left, adjoint); }, LU, pivots, B, left, adjoint);
+  return route<decltype(lu_solve_impl<K>)>(
+      kLinalgLuSolve, K, lu_solve_unsupported(LU, pivots, B),
+      [&] { return solve_with_factors(LU, pivots, B, left, adjoint); }, LU, pivots, B, left, adjoint);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor> det_impl(const Tensor& A) {
-  return route<decltype(det_impl<K>)>(kLinalgDet, K, square_unsupported(A),
-               [&] {
-                 Factors f = det_factors(A, LINALG_DET);
-                 return std::make_tuple(f.det, f.lu, f.pivots);
-               },
-               A);
+  return route<decltype(det_impl<K>)>(
+      kLinalgDet, K, square_unsupported(A),
+      [&] {
+        Factors f = det_factors(A, LINALG_DET);
+        return std::make_tuple(f.det, f.lu, f.pivots);
+      },
+      A);
 }
 
 template <DispatchKey K>
 std::tuple<Tensor, Tensor, Tensor, Tensor> slogdet_impl(const Tensor& A) {
-  return route<decltype(slogdet_impl<K>)>(kLinalgSlogdet, K, square_unsupported(A),
-               [&] {
-                 Factors f = det_factors(A, LINALG_SLOGDET);
-                 return std::make_tuple(f.det, f.logabsdet, f.lu, f.pivots);
-               },
-               A);
+  return route<decltype(slogdet_impl<K>)>(
+      kLinalgSlogdet, K, square_unsupported(A),
+      [&] {
+        Factors f = det_factors(A, LINALG_SLOGDET);
+        return std::make_tuple(f.det, f.logabsdet, f.lu, f.pivots);
+      },
+      A);
 }
 
 template <DispatchKey K>
@@ -406,11 +412,7 @@ void register_linalg(FamilyOps& ops) {
 // so on MPS the override sees A.mH as a view, and its output's layout depends
 // on it (solve_triangular). torch.ops.mps_ext's op does the same, so that it
 // runs the kernels on CPU tensors as they run on MPS.
-TORCH_LIBRARY_IMPL(mps_ext, Conjugate, m) {
-  m.impl("linalg_solve_triangular", torch::CppFunction::makeFallthrough());
-}
-TORCH_LIBRARY_IMPL(mps_ext, Negative, m) {
-  m.impl("linalg_solve_triangular", torch::CppFunction::makeFallthrough());
-}
+TORCH_LIBRARY_IMPL(mps_ext, Conjugate, m) { m.impl("linalg_solve_triangular", torch::CppFunction::makeFallthrough()); }
+TORCH_LIBRARY_IMPL(mps_ext, Negative, m) { m.impl("linalg_solve_triangular", torch::CppFunction::makeFallthrough()); }
 
 MPS_EXT_FAMILY(linalg, mps_ext::register_linalg)

@@ -118,7 +118,8 @@ Factors allocate_factors(const at::Tensor& a, uint32_t det_mode) {
   auto batch = batch_shape(a, 2).vec();
   auto opts = a.options();
   Factors f;
-  f.lu = at::empty_strided(a.sizes(), at::native::batched_matrix_contiguous_strides(a.sizes(), /*f_contig=*/true), opts);
+  f.lu =
+      at::empty_strided(a.sizes(), at::native::batched_matrix_contiguous_strides(a.sizes(), /*f_contig=*/true), opts);
   auto piv_shape = batch;
   piv_shape.push_back(std::min(m, n));
   f.pivots = at::empty(piv_shape, opts.dtype(at::kInt));
@@ -168,11 +169,12 @@ void launch_solve(const at::Tensor& a, const at::Tensor& pivots, const at::Tenso
   SolveParams p{};
   const at::Tensor piv = pivots.defined() ? pivots_view(pivots) : at::Tensor();
   int64_t unused[MPS_EXT_MAX_DIMS];
-  p.batch = plan_batch(batch_shape(x, 2), {{&a, 2, p.a.batch_strides},
-                                           {b.defined() ? &b : &x, 2, b.defined() ? p.b.batch_strides : unused},
-                                           {piv.defined() ? &piv : &x, piv.defined() ? 1 : 2,
-                                            piv.defined() ? p.pivot_batch_strides : unused},
-                                           {&x, 2, p.x.batch_strides}});
+  p.batch =
+      plan_batch(batch_shape(x, 2),
+                 {{&a, 2, p.a.batch_strides},
+                  {b.defined() ? &b : &x, 2, b.defined() ? p.b.batch_strides : unused},
+                  {piv.defined() ? &piv : &x, piv.defined() ? 1 : 2, piv.defined() ? p.pivot_batch_strides : unused},
+                  {&x, 2, p.x.batch_strides}});
   if (p.batch.count == 0) return;
   p.a.conj = a.is_conj() ? 1 : 0;
   if (b.defined()) set_matrix(p.b, b);
@@ -191,7 +193,8 @@ void launch_solve(const at::Tensor& a, const at::Tensor& pivots, const at::Tenso
   }
   const SolveKernel kernel = solve_kernel(x);
   const int64_t groups = p.batch.count * ((k + kernel.chunk - 1) / kernel.chunk);
-  launch(Launch{"linalg_solve", kernel.name,
+  launch(Launch{"linalg_solve",
+                kernel.name,
                 {KernelArg::of(x), KernelArg::of(a), KernelArg::of(b.defined() ? b : a),
                  KernelArg::of(piv.defined() ? piv : x), KernelArg::value(p)},
                 {grid_size(groups), 1, 1},
@@ -209,8 +212,7 @@ Reason operand_unsupported(const at::Tensor& t, int64_t matrix_dims, int64_t max
   int64_t span = 0;
   for (int64_t d = t.dim() - matrix_dims; d < t.dim(); ++d) span += (t.size(d) - 1) * t.stride(d);
   if (span >= (int64_t(1) << 31)) return because::matrix_spans_2_31;
-  if (matrix_dims == 2 && t.size(-2) > max_rows)
-    return because::rows_past(max_rows);
+  if (matrix_dims == 2 && t.size(-2) > max_rows) return because::rows_past(max_rows);
   return {};
 }
 
@@ -305,13 +307,14 @@ Factors lu_factor(const at::Tensor& a, bool pivot, uint32_t det_mode) {
   TORCH_INTERNAL_ASSERT(p.panel >= 1);
   const at::Tensor& info = f.info;
   const std::string kernel = std::string("lu_panel_") + type_name(a.scalar_type());
-  launch(Launch{"linalg_lu", kernel,
-                {KernelArg::of(f.lu), KernelArg::of(f.pivots), KernelArg::of(info),
-                 KernelArg::of(f.det.defined() ? f.det : info), KernelArg::of(f.logabsdet.defined() ? f.logabsdet : info),
-                 KernelArg::of(a), KernelArg::value(p)},
-                {grid_size(p.batch.count), 1, 1},
-                {threads_for(a.device(), "linalg_lu", kernel, std::max(m, n), LINALG_MAX_THREADS), 1, 1},
-                {threadgroup_bytes(ld * p.panel * elem)}});
+  launch(Launch{
+      "linalg_lu",
+      kernel,
+      {KernelArg::of(f.lu), KernelArg::of(f.pivots), KernelArg::of(info), KernelArg::of(f.det.defined() ? f.det : info),
+       KernelArg::of(f.logabsdet.defined() ? f.logabsdet : info), KernelArg::of(a), KernelArg::value(p)},
+      {grid_size(p.batch.count), 1, 1},
+      {threads_for(a.device(), "linalg_lu", kernel, std::max(m, n), LINALG_MAX_THREADS), 1, 1},
+      {threadgroup_bytes(ld * p.panel * elem)}});
   return f;
 }
 
@@ -333,8 +336,7 @@ void lu_solve_into(const at::Tensor& lu, const at::Tensor& pivots, const at::Ten
     launch_solve(lu, pivots, bv, xv, {{true, true, adjoint, false}, {false, false, adjoint, false}},
                  LINALG_PERM_GATHER);
   } else {
-    launch_solve(lu, pivots, bv, xv, {{true, false, adjoint, true}, {false, true, adjoint, true}},
-                 LINALG_PERM_SCATTER);
+    launch_solve(lu, pivots, bv, xv, {{true, false, adjoint, true}, {false, true, adjoint, true}}, LINALG_PERM_SCATTER);
   }
 }
 
@@ -370,7 +372,8 @@ void lu_unpack_into(const at::Tensor& lu, const at::Tensor& pivots, const at::Te
   p.unpack_data = L.defined() ? 1 : 0;
   const int64_t work = std::max({m * m, m * std::min(m, n), std::min(m, n) * n});
   const std::string kernel = std::string("lu_unpack_") + type_name(lu.scalar_type());
-  launch(Launch{"linalg_lu", kernel,
+  launch(Launch{"linalg_lu",
+                kernel,
                 {KernelArg::of(P.defined() ? P : lu), KernelArg::of(L.defined() ? L : lu),
                  KernelArg::of(U.defined() ? U : lu), KernelArg::of(lu), KernelArg::of(piv), KernelArg::value(p)},
                 {grid_size(p.batch.count), 1, 1},

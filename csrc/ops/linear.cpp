@@ -20,7 +20,7 @@ namespace {
 // given as 2-D strided views (x [rows, K], w [N, K], y and bias [rows, N])
 // of the caller's tensors: setting it up moves no data.
 struct Problem {
-  at::Tensor x, w, y, bias;  // bias undefined: none
+  at::Tensor x, w, y, bias;   // bias undefined: none
   float alpha = 1, beta = 0;  // as the kernel takes them
 };
 
@@ -121,13 +121,18 @@ void run(const Problem& pr) {
       p.splits = static_cast<uint32_t>(splits);
       partials = at::empty({splits, rows, n}, pr.x.options().dtype(at::kFloat));
     }
-    launch(Launch{"linear", "gemv_cols_" + type + "_r" + std::to_string(variant) + (vec ? "_vec" : "_scalar"), args(),
-                  {static_cast<uint32_t>(blocks), p.splits, 1}, {DECODE_COLS_THREADS, 1, 1}});
+    launch(Launch{"linear",
+                  "gemv_cols_" + type + "_r" + std::to_string(variant) + (vec ? "_vec" : "_scalar"),
+                  args(),
+                  {static_cast<uint32_t>(blocks), p.splits, 1},
+                  {DECODE_COLS_THREADS, 1, 1}});
     if (p.splits > 1)
-      launch(Launch{"linear", finish, args(),
-                    {static_cast<uint32_t>((n + DECODE_COLS_THREADS - 1) / DECODE_COLS_THREADS),
-                     static_cast<uint32_t>(rows), 1},
-                    {DECODE_COLS_THREADS, 1, 1}});
+      launch(Launch{
+          "linear",
+          finish,
+          args(),
+          {static_cast<uint32_t>((n + DECODE_COLS_THREADS - 1) / DECODE_COLS_THREADS), static_cast<uint32_t>(rows), 1},
+          {DECODE_COLS_THREADS, 1, 1}});
     return;
   }
   const bool vec = p.w_k_stride == 1 && p.x_k_stride == 1 && aligned16(pr.w, p.w_n_stride) &&
@@ -136,7 +141,10 @@ void run(const Problem& pr) {
   const std::string kernel = "gemv_rows_" + type + "_r" + std::to_string(variant) + "_q" +
                              std::to_string(g.outputs_per_simdgroup) + (vec ? "_vec" : "_scalar");
   g = fit_threads(g, n, thread_budget(pr.w.device(), "linear", kernel, DECODE_MAX_THREADS));
-  launch(Launch{"linear", kernel, args(), {static_cast<uint32_t>(g.threadgroups), 1, 1},
+  launch(Launch{"linear",
+                kernel,
+                args(),
+                {static_cast<uint32_t>(g.threadgroups), 1, 1},
                 {static_cast<uint32_t>(32 * g.simdgroups), 1, 1}});
 }
 
@@ -198,20 +206,17 @@ Reason rows_unsupported(int64_t rows) {
 // them (to its opmath type, float for every dtype handled here): a value
 // out of float's range raises torch's error. With K == 0 aten computes no
 // product and converts nothing (nor do we).
-float to_float(const c10::Scalar& v, int64_t k) {
-  return k > 0 ? v.to<float>() : static_cast<float>(v.toDouble());
-}
+float to_float(const c10::Scalar& v, int64_t k) { return k > 0 ? v.to<float>() : static_cast<float>(v.toDouble()); }
 
 }  // namespace
 
 // ------------------------------------------------------------- F.linear --
-Reason linear_unsupported(const at::Tensor& input, const at::Tensor& weight,
-                               const c10::optional<at::Tensor>& bias) {
+Reason linear_unsupported(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   Reason why = dtypes_unsupported({&input, &weight, bias ? &*bias : &weight});
   if (why) return why;
-  if (input.dim() == 0 || weight.dim() != 2 || input.size(-1) != weight.size(1)) return because::shapes_torch_rejects;  // its error follows
-  if (bias && bias->defined() && !(bias->dim() == 1 && bias->size(0) == weight.size(0)))
-    return because::bias_not_1d_n;
+  if (input.dim() == 0 || weight.dim() != 2 || input.size(-1) != weight.size(1))
+    return because::shapes_torch_rejects;  // its error follows
+  if (bias && bias->defined() && !(bias->dim() == 1 && bias->size(0) == weight.size(0))) return because::bias_not_1d_n;
   int64_t row_stride;
   if (!flat_rows(input, row_stride)) return because::rows_do_not_flatten;
   why = activation_unsupported(input);
@@ -248,7 +253,8 @@ Reason mm_unsupported(const RoutedOp& op, const at::Tensor& mat1, const at::Tens
                       c10::DispatchKey key) {
   Reason why = dtypes_unsupported({&mat1, &mat2, self ? self : &mat1});
   if (why) return why;
-  if (mat1.dim() != 2 || mat2.dim() != 2 || mat1.size(1) != mat2.size(0)) return because::shapes_torch_rejects;  // its error follows
+  if (mat1.dim() != 2 || mat2.dim() != 2 || mat1.size(1) != mat2.size(0))
+    return because::shapes_torch_rejects;  // its error follows
   if (self && !self->defined()) return {};
   // (The activation: see mm_transposed below.)
   why = activation_unsupported(mat1.size(0) <= mat2.size(1) && mat1.size(0) <= kMaxDecodeRows ? mat1 : mat2);
@@ -281,11 +287,9 @@ static Problem mm_problem(const at::Tensor& mat1, const at::Tensor& mat2, const 
   return pr;
 }
 
-Reason out_unsupported(const at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2,
-                            const at::Tensor* self) {
+Reason out_unsupported(const at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor* self) {
   if (out.scalar_type() != mat1.scalar_type()) return because::out_of_another_dtype;
-  if (out.dim() != 2 || out.size(0) != mat1.size(0) || out.size(1) != mat2.size(1))
-    return because::out_needs_resizing;
+  if (out.dim() != 2 || out.size(0) != mat1.size(0) || out.size(1) != mat2.size(1)) return because::out_needs_resizing;
   if (!out.is_contiguous()) return because::out_not_contiguous;
   // The kernels read the inputs while other threadgroups write the output.
   for (const at::Tensor* t : {&mat1, &mat2, self})
@@ -299,8 +303,8 @@ static void mm_into(const at::Tensor& mat1, const at::Tensor& mat2, const at::Te
   if (y.numel() != 0) run(mm_problem(mat1, mat2, y));
 }
 
-static void addmm_into(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
-                       const c10::Scalar& beta, const c10::Scalar& alpha, const at::Tensor& y) {
+static void addmm_into(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2, const c10::Scalar& beta,
+                       const c10::Scalar& alpha, const at::Tensor& y) {
   const int64_t M = mat1.size(0), N = mat2.size(1);
   TORCH_CHECK(self.dim() <= 2, "addmm: self must be a matrix or broadcastable to one, got ", self.dim(), " dims");
   at::Tensor b = self.expand({M, N});  // torch's error if it does not broadcast
@@ -335,8 +339,8 @@ at::Tensor addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tenso
   return y;
 }
 
-at::Tensor& addmm_out(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
-                      const c10::Scalar& beta, const c10::Scalar& alpha, at::Tensor& out) {
+at::Tensor& addmm_out(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2, const c10::Scalar& beta,
+                      const c10::Scalar& alpha, at::Tensor& out) {
   addmm_into(self, mat1, mat2, beta, alpha, out);
   return out;
 }
@@ -352,21 +356,23 @@ const RoutedOp kLinear(FamilyId::linear, "aten::linear"), kMm(FamilyId::linear, 
 
 template <DispatchKey K>
 at::Tensor linear_impl(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  return route<decltype(linear_impl<K>)>(kLinear, K, linear_unsupported(input, weight, bias),
-               [&] { return mps_ext::linear(input, weight, bias); }, input, weight, bias);
+  return route<decltype(linear_impl<K>)>(
+      kLinear, K, linear_unsupported(input, weight, bias), [&] { return mps_ext::linear(input, weight, bias); }, input,
+      weight, bias);
 }
 
 template <DispatchKey K>
 at::Tensor mm_impl(const at::Tensor& self, const at::Tensor& mat2) {
-  return route<decltype(mm_impl<K>)>(kMm, K, mm_unsupported(kMm, self, mat2, nullptr, K),
-               [&] { return mps_ext::mm(self, mat2); }, self, mat2);
+  return route<decltype(mm_impl<K>)>(
+      kMm, K, mm_unsupported(kMm, self, mat2, nullptr, K), [&] { return mps_ext::mm(self, mat2); }, self, mat2);
 }
 
 template <DispatchKey K>
-at::Tensor addmm_impl(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
-                      const c10::Scalar& beta, const c10::Scalar& alpha) {
-  return route<decltype(addmm_impl<K>)>(kAddmm, K, mm_unsupported(kAddmm, mat1, mat2, &self, K),
-               [&] { return mps_ext::addmm(self, mat1, mat2, beta, alpha); }, self, mat1, mat2, beta, alpha);
+at::Tensor addmm_impl(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2, const c10::Scalar& beta,
+                      const c10::Scalar& alpha) {
+  return route<decltype(addmm_impl<K>)>(
+      kAddmm, K, mm_unsupported(kAddmm, mat1, mat2, &self, K),
+      [&] { return mps_ext::addmm(self, mat1, mat2, beta, alpha); }, self, mat1, mat2, beta, alpha);
 }
 
 // The out= forms are what torch.compile's inductor calls for matmuls
@@ -378,8 +384,7 @@ template <DispatchKey K>
 at::Tensor& mm_out_impl(const at::Tensor& self, const at::Tensor& mat2, at::Tensor& out) {
   Reason why = mm_unsupported(kMmOut, self, mat2, nullptr, K);
   if (!why) why = out_unsupported(out, self, mat2, nullptr);
-  route<decltype(mm_out_impl<K>)>(kMmOut, K, why, [&] { return mps_ext::mm_out(self, mat2, out); }, self, mat2,
-        out);
+  route<decltype(mm_out_impl<K>)>(kMmOut, K, why, [&] { return mps_ext::mm_out(self, mat2, out); }, self, mat2, out);
   return out;
 }
 
@@ -388,8 +393,9 @@ at::Tensor& addmm_out_impl(const at::Tensor& self, const at::Tensor& mat1, const
                            const c10::Scalar& beta, const c10::Scalar& alpha, at::Tensor& out) {
   Reason why = mm_unsupported(kAddmmOut, mat1, mat2, &self, K);
   if (!why) why = out_unsupported(out, mat1, mat2, &self);
-  route<decltype(addmm_out_impl<K>)>(kAddmmOut, K, why,
-        [&] { return mps_ext::addmm_out(self, mat1, mat2, beta, alpha, out); }, self, mat1, mat2, beta, alpha, out);
+  route<decltype(addmm_out_impl<K>)>(
+      kAddmmOut, K, why, [&] { return mps_ext::addmm_out(self, mat1, mat2, beta, alpha, out); }, self, mat1, mat2, beta,
+      alpha, out);
   return out;
 }
 

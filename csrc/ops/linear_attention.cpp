@@ -39,41 +39,41 @@ void check_vector(const at::Tensor& t, const char* name, int64_t n, c10::ScalarT
               t.scalar_type());
 }
 
-at::Tensor linear_attention_decode(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& b,
-                                   const at::Tensor& a, at::Tensor& conv_state, at::Tensor& recurrent_state,
-                                   const at::Tensor& conv_weight, const at::Tensor& A_log, const at::Tensor& dt_bias,
-                                   const at::Tensor& norm_weight, int64_t k_heads, double eps) {
+at::Tensor linear_attention_decode(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& b, const at::Tensor& a,
+                                   at::Tensor& conv_state, at::Tensor& recurrent_state, const at::Tensor& conv_weight,
+                                   const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& norm_weight,
+                                   int64_t k_heads, double eps) {
   TORCH_CHECK(conv_state.defined() && recurrent_state.defined(),
               "linear_attention_decode: conv_state and recurrent_state are the layer's cache after a prefill "
               "(transformers: cache_params.get_conv_state / get_recurrent_state); got None");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&qkv, &z, &b, &a, &conv_weight, &A_log, &dt_bias,
-                                                                   &norm_weight})
+  for (const at::Tensor* t :
+       std::initializer_list<const at::Tensor*>{&qkv, &z, &b, &a, &conv_weight, &A_log, &dt_bias, &norm_weight})
     TORCH_CHECK(t->defined(), "linear_attention_decode: qkv, z, b, a, conv_weight, A_log, dt_bias and norm_weight "
-                "are required; got None");
+                              "are required; got None");
   const auto dt = qkv.scalar_type();
   const char* type = kernel_type_name(dt);
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
               "linear_attention_decode: qkv must be float32, float16 or bfloat16, got ", dt);
   TORCH_CHECK(qkv.dim() == 2, "linear_attention_decode: qkv [batch, conv_dim] (one token per sequence) expected, got ",
               qkv.sizes());
-  TORCH_CHECK(recurrent_state.dim() == 4 && recurrent_state.scalar_type() == at::kFloat &&
-                  recurrent_state.is_contiguous(),
-              "linear_attention_decode: recurrent_state must be contiguous float32 [batch, v_heads, dk, dv], got ",
-              recurrent_state.sizes(), " ", recurrent_state.scalar_type());
+  TORCH_CHECK(
+      recurrent_state.dim() == 4 && recurrent_state.scalar_type() == at::kFloat && recurrent_state.is_contiguous(),
+      "linear_attention_decode: recurrent_state must be contiguous float32 [batch, v_heads, dk, dv], got ",
+      recurrent_state.sizes(), " ", recurrent_state.scalar_type());
   const int64_t batch = qkv.size(0), conv_dim = qkv.size(1);
   const int64_t v_heads = recurrent_state.size(1), dk = recurrent_state.size(2), dv = recurrent_state.size(3);
   TORCH_CHECK(recurrent_state.size(0) == batch, "linear_attention_decode: recurrent_state holds ",
               recurrent_state.size(0), " sequences, qkv ", batch);
-  TORCH_CHECK(k_heads >= 1 && v_heads % k_heads == 0,
-              "linear_attention_decode: v_heads (", v_heads, ") must be a multiple of k_heads (", k_heads, ")");
+  TORCH_CHECK(k_heads >= 1 && v_heads % k_heads == 0, "linear_attention_decode: v_heads (", v_heads,
+              ") must be a multiple of k_heads (", k_heads, ")");
   TORCH_CHECK(conv_dim == 2 * k_heads * dk + v_heads * dv, "linear_attention_decode: qkv holds ", conv_dim,
               " channels; 2 * k_heads * dk + v_heads * dv = ", 2 * k_heads * dk + v_heads * dv,
               " from k_heads and recurrent_state's shape");
   const int64_t ratio = v_heads / k_heads;
   TORCH_CHECK(dk >= 1 && dk <= LA_MAX_DK && dv >= 1 && ratio * dv <= LA_MAX_COLS && ratio <= LA_MAX_RATIO,
               "linear_attention_decode: takes key heads of 1 to ", LA_MAX_DK, ", at most ", LA_MAX_RATIO,
-              " value heads per key head and ", LA_MAX_COLS, " value channels per key head; got dk ", dk, ", ",
-              ratio, " value heads of ", dv);
+              " value heads per key head and ", LA_MAX_COLS, " value channels per key head; got dk ", dk, ", ", ratio,
+              " value heads of ", dv);
   check_rows(z, "z", batch, v_heads * dv, dt);
   check_rows(b, "b", batch, v_heads, dt);
   check_rows(a, "a", batch, v_heads, dt);
@@ -84,7 +84,8 @@ at::Tensor linear_attention_decode(const at::Tensor& qkv, const at::Tensor& z, c
   const int64_t conv_k = conv_state.size(2);
   TORCH_CHECK(conv_k <= 32 && (conv_k & (conv_k - 1)) == 0,
               "linear_attention_decode: the convolution's window (conv_state's last dimension) must be 1, 2, 4, 8, 16 "
-              "or 32 (a lane per tap), got ", conv_k);
+              "or 32 (a lane per tap), got ",
+              conv_k);
   TORCH_CHECK(conv_weight.dim() == 2 && conv_weight.size(0) == conv_dim && conv_weight.size(1) == conv_k &&
                   conv_weight.scalar_type() == dt && conv_weight.is_contiguous(),
               "linear_attention_decode: conv_weight must be contiguous [", conv_dim, ", ", conv_k, "] in ", dt,
@@ -94,12 +95,12 @@ at::Tensor linear_attention_decode(const at::Tensor& qkv, const at::Tensor& z, c
   check_vector(norm_weight, "norm_weight", dv, dt);
   const auto device = qkv.device();
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&z, &b, &a, &conv_state, &recurrent_state,
-                                                                   &conv_weight, &A_log, &dt_bias, &norm_weight})
+                                                                      &conv_weight, &A_log, &dt_bias, &norm_weight})
     TORCH_CHECK(t->device() == device, "linear_attention_decode: every tensor must be on ", device, ", one is on ",
                 t->device());
-  TORCH_CHECK(conv_state.numel() <= UINT32_MAX && recurrent_state.numel() <= UINT32_MAX &&
-                  batch * qkv.stride(0) <= UINT32_MAX,
-              "linear_attention_decode: the states must have fewer than 2^32 elements (32-bit indices)");
+  TORCH_CHECK(
+      conv_state.numel() <= UINT32_MAX && recurrent_state.numel() <= UINT32_MAX && batch * qkv.stride(0) <= UINT32_MAX,
+      "linear_attention_decode: the states must have fewer than 2^32 elements (32-bit indices)");
 
   at::Tensor out = at::empty({batch, v_heads * dv}, qkv.options());
   if (batch == 0) return out;
@@ -135,10 +136,11 @@ at::Tensor linear_attention_decode(const at::Tensor& qkv, const at::Tensor& z, c
   // Whole simdgroups: the convolution's lanes and the norms' sums are simd
   // operations (within the budget: it is a multiple of 32).
   const int64_t threads = ceil_div(parts * cols, 32) * 32;
-  launch(Launch{"linear_attention", kernel,
+  launch(Launch{"linear_attention",
+                kernel,
                 {KernelArg::of(out), KernelArg::of(conv_state), KernelArg::of(recurrent_state), KernelArg::of(qkv),
-                 KernelArg::of(z), KernelArg::of(b), KernelArg::of(a), KernelArg::of(conv_weight),
-                 KernelArg::of(A_log), KernelArg::of(dt_bias), KernelArg::of(norm_weight), KernelArg::value(p)},
+                 KernelArg::of(z), KernelArg::of(b), KernelArg::of(a), KernelArg::of(conv_weight), KernelArg::of(A_log),
+                 KernelArg::of(dt_bias), KernelArg::of(norm_weight), KernelArg::value(p)},
                 {static_cast<uint32_t>(k_heads), static_cast<uint32_t>(batch), 1},
                 {static_cast<uint32_t>(threads), 1, 1}});
   return out;
@@ -155,8 +157,8 @@ at::Tensor linear_attention_decode_impl(const at::Tensor& qkv, const at::Tensor&
                                         const at::Tensor& dt_bias, const at::Tensor& norm_weight, int64_t k_heads,
                                         double eps) {
   return run_own(kLinearAttentionDecode, K, [&] {
-    return linear_attention_decode(qkv, z, b, a, conv_state, recurrent_state, conv_weight, A_log, dt_bias,
-                                   norm_weight, k_heads, eps);
+    return linear_attention_decode(qkv, z, b, a, conv_state, recurrent_state, conv_weight, A_log, dt_bias, norm_weight,
+                                   k_heads, eps);
   });
 }
 

@@ -71,17 +71,16 @@ const char* float_name(c10::ScalarType t, const char* op) {
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k,
-                                                                   bool renormalize, bool shared_expert,
-                                                                   const c10::optional<at::Tensor>& expert_bias,
-                                                                   bool sigmoid, double scale, double renorm_eps) {
+                                                                     bool renormalize, bool shared_expert,
+                                                                     const c10::optional<at::Tensor>& expert_bias,
+                                                                     bool sigmoid, double scale, double renorm_eps) {
   const char* types = float_name(logits.scalar_type(), "moe_route");
   TORCH_CHECK(!expert_bias || sigmoid, "moe_route: expert_bias is for sigmoid scoring");
   TORCH_CHECK(logits.dim() == 2, "moe_route: logits [tokens, experts] expected, got ", logits.sizes());
   const int64_t tokens = logits.size(0), experts = logits.size(1) - (shared_expert ? 1 : 0);
   const int64_t slots = top_k + (shared_expert ? 1 : 0);
   TORCH_CHECK(top_k >= 1 && top_k <= experts, "moe_route: top_k must be in [1, ", experts, "], got ", top_k);
-  TORCH_CHECK(experts + (shared_expert ? 1 : 0) <= MOE_MAX_EXPERTS, "moe_route: at most ", MOE_MAX_EXPERTS,
-              " experts");
+  TORCH_CHECK(experts + (shared_expert ? 1 : 0) <= MOE_MAX_EXPERTS, "moe_route: at most ", MOE_MAX_EXPERTS, " experts");
   TORCH_CHECK(tokens * slots <= MOE_MAX_SLOTS, "moe_route is for decode: at most ", MOE_MAX_SLOTS,
               " token slots (tokens x (top_k + shared)), got ", tokens * slots);
   if (expert_bias)
@@ -107,10 +106,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(const at::T
     p.renorm_eps = static_cast<float>(renorm_eps);
     p.has_bias = expert_bias ? 1 : 0;
     // Without a bias the kernel reads none; the weights stand in for the buffer.
-    launch(Launch{"moe", std::string("moe_route_") + types,
+    launch(Launch{"moe",
+                  std::string("moe_route_") + types,
                   {KernelArg::of(weights), KernelArg::of(offs), KernelArg::of(slot_of_row), KernelArg::of(row_of_slot),
                    KernelArg::of(logits), KernelArg::value(p), KernelArg::of(expert_bias ? *expert_bias : weights)},
-                  {1, 1, 1}, {MOE_ROUTE_THREADS, 1, 1}});
+                  {1, 1, 1},
+                  {MOE_ROUTE_THREADS, 1, 1}});
   }
   return {weights, offs, slot_of_row, row_of_slot};
 }
@@ -133,12 +134,13 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& weights, const at:
   p.y_row_stride = y.stride(0);
   p.out_row_stride = out.stride(0);
   const int64_t threads = (hidden + MOE_COMBINE_OUTPUTS - 1) / MOE_COMBINE_OUTPUTS;
-  launch(Launch{"moe", std::string("moe_combine_") + types,
-                {KernelArg::of(out), KernelArg::of(y), KernelArg::of(weights), KernelArg::of(row_of_slot),
-                 KernelArg::value(p)},
-                {static_cast<uint32_t>((threads + MOE_COMBINE_THREADS - 1) / MOE_COMBINE_THREADS),
-                 static_cast<uint32_t>(tokens), 1},
-                {MOE_COMBINE_THREADS, 1, 1}});
+  launch(Launch{
+      "moe",
+      std::string("moe_combine_") + types,
+      {KernelArg::of(out), KernelArg::of(y), KernelArg::of(weights), KernelArg::of(row_of_slot), KernelArg::value(p)},
+      {static_cast<uint32_t>((threads + MOE_COMBINE_THREADS - 1) / MOE_COMBINE_THREADS), static_cast<uint32_t>(tokens),
+       1},
+      {MOE_COMBINE_THREADS, 1, 1}});
   return out;
 }
 
@@ -148,9 +150,9 @@ bool is_fp8(const at::Tensor& t) { return t.scalar_type() == at::kFloat8_e4m3fn;
 
 at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Tensor& gate_up,
                      const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
-                     const c10::optional<at::Tensor>& down_scale, int64_t top_k, bool renormalize,
-                     bool shared_expert, const c10::optional<at::Tensor>& expert_bias, bool sigmoid, double scale,
-                     double renorm_eps, const c10::optional<at::Tensor>& residual) {
+                     const c10::optional<at::Tensor>& down_scale, int64_t top_k, bool renormalize, bool shared_expert,
+                     const c10::optional<at::Tensor>& expert_bias, bool sigmoid, double scale, double renorm_eps,
+                     const c10::optional<at::Tensor>& residual) {
   const auto dt = x.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
               "moe_layer: x must be float32, float16 or bfloat16, got ", dt);
@@ -176,17 +178,17 @@ at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Te
   if (x.size(0) == 0) return at::empty({0, x.size(1)}, x.options());
   // The router's logits in the model's dtype, as the model computes them.
   const c10::optional<at::Tensor> no_bias;
-  const at::Tensor logits = !linear_unsupported(x, router, no_bias) ? mps_ext::linear(x, router, no_bias)
-                                                                            : at::linear(x, router);
-  auto [weights, offs, slot_of_row, row_of_slot] = moe_route(logits, top_k, renormalize, shared_expert, expert_bias, sigmoid,
-                                                                  scale, renorm_eps);
+  const at::Tensor logits =
+      !linear_unsupported(x, router, no_bias) ? mps_ext::linear(x, router, no_bias) : at::linear(x, router);
+  auto [weights, offs, slot_of_row, row_of_slot] =
+      moe_route(logits, top_k, renormalize, shared_expert, expert_bias, sigmoid, scale, renorm_eps);
   // The fp8 grouped kernels take bfloat16 activations.
   const at::Tensor xe = fp8 && dt != at::kBFloat16 ? x.to(at::kBFloat16) : x;
   const int64_t slots = top_k + (shared_expert ? 1 : 0);
   const at::Tensor h = moe_experts(xe, gate_up, gate_up_scale, offs, slot_of_row, slots, true);
   const bool fused = h.scalar_type() == dt;  // the kernel's output is x's dtype: it adds the residual
-  const at::Tensor out = moe_down_combine(h, down, down_scale, offs, weights, row_of_slot,
-                                          fused ? residual : c10::nullopt);
+  const at::Tensor out =
+      moe_down_combine(h, down, down_scale, offs, weights, row_of_slot, fused ? residual : c10::nullopt);
   if (fused) return out;
   return residual ? at::add(*residual, out.to(dt)) : out.to(dt);
 }
@@ -200,21 +202,21 @@ const RoutedOp kMoeRoute(FamilyId::moe, "mps_ext::moe_route"), kMoeExperts(Famil
 
 template <DispatchKey K>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_impl(const at::Tensor& logits, int64_t top_k,
-                                                                        bool renormalize, bool shared_expert,
-                                                                        const c10::optional<at::Tensor>& expert_bias,
-                                                                        bool sigmoid, double scale, double renorm_eps) {
+                                                                          bool renormalize, bool shared_expert,
+                                                                          const c10::optional<at::Tensor>& expert_bias,
+                                                                          bool sigmoid, double scale,
+                                                                          double renorm_eps) {
   return run_own(kMoeRoute, K, [&] {
     return moe_route(logits, top_k, renormalize, shared_expert, expert_bias, sigmoid, scale, renorm_eps);
   });
 }
 
 template <DispatchKey K>
-at::Tensor moe_experts_impl(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& weight_scale,
-                            const at::Tensor& offs, const c10::optional<at::Tensor>& slot_of_row,
-                            int64_t slots_per_token, bool swiglu) {
-  return run_own(kMoeExperts, K, [&] {
-    return moe_experts(x, weight, weight_scale, offs, slot_of_row, slots_per_token, swiglu);
-  });
+at::Tensor moe_experts_impl(const at::Tensor& x, const at::Tensor& weight,
+                            const c10::optional<at::Tensor>& weight_scale, const at::Tensor& offs,
+                            const c10::optional<at::Tensor>& slot_of_row, int64_t slots_per_token, bool swiglu) {
+  return run_own(kMoeExperts, K,
+                 [&] { return moe_experts(x, weight, weight_scale, offs, slot_of_row, slots_per_token, swiglu); });
 }
 
 template <DispatchKey K>
@@ -226,8 +228,8 @@ template <DispatchKey K>
 at::Tensor moe_layer_impl(const at::Tensor& x, const at::Tensor& router, const at::Tensor& gate_up,
                           const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
                           const c10::optional<at::Tensor>& down_scale, int64_t top_k, bool renormalize,
-                          bool shared_expert, const c10::optional<at::Tensor>& expert_bias, bool sigmoid,
-                          double scale, double renorm_eps, const c10::optional<at::Tensor>& residual) {
+                          bool shared_expert, const c10::optional<at::Tensor>& expert_bias, bool sigmoid, double scale,
+                          double renorm_eps, const c10::optional<at::Tensor>& residual) {
   return run_own(kMoeLayer, K, [&] {
     return moe_layer(x, router, gate_up, gate_up_scale, down, down_scale, top_k, renormalize, shared_expert,
                      expert_bias, sigmoid, scale, renorm_eps, residual);

@@ -15,9 +15,9 @@ namespace mps_ext {
 // float32, offs [experts (+1)] int32, slot_of_row, row_of_slot) int32.
 // Sigmoid scoring, expert_bias, scale and renorm_eps: MoeRouteParams.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k,
-                                                                   bool renormalize, bool shared_expert,
-                                                                   const c10::optional<at::Tensor>& expert_bias,
-                                                                   bool sigmoid, double scale, double renorm_eps);
+                                                                     bool renormalize, bool shared_expert,
+                                                                     const c10::optional<at::Tensor>& expert_bias,
+                                                                     bool sigmoid, double scale, double renorm_eps);
 // out[t] = sum_j weights[t, j] * y[row_of_slot[t * slots + j]].
 at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& weights, const at::Tensor& row_of_slot);
 // moe_experts(h, down, down_scale, offs) then moe_combine in one dispatch,

@@ -33,21 +33,25 @@ constexpr int64_t kMaxRow = int64_t(RMS_NORM_MAX_THREADS) * RMS_NORM_PER_THREAD;
 // whether the variant is zero-centred.
 bool check_norm(const char* op, const at::Tensor& x, const at::Tensor& weight, c10::string_view variant) {
   const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
-              "mps_ext ", op, ": x must be float32, float16 or bfloat16, got ", dt);
+  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, "mps_ext ", op,
+              ": x must be float32, float16 or bfloat16, got ", dt);
   TORCH_CHECK(x.dim() >= 1, "mps_ext ", op, ": x must have a last dimension to normalise, got a 0-d tensor");
   const int64_t n = x.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == dt,
-              "mps_ext ", op, ": weight must be 1-D of x's last dimension (", n, ") in x's dtype (", dt, "), got ",
-              weight.sizes(), " ", weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == dt, "mps_ext ", op,
+              ": weight must be 1-D of x's last dimension (", n, ") in x's dtype (", dt, "), got ", weight.sizes(), " ",
+              weight.scalar_type());
   TORCH_CHECK(x.device() == weight.device(), "mps_ext ", op, ": x is on ", x.device(), " and weight on ",
               weight.device());
   const bool zero_centred = variant == "zero_centred";
-  TORCH_CHECK(zero_centred || variant == "weight", "mps_ext ", op, ": variant must be 'weight' (out = weight * "
+  TORCH_CHECK(zero_centred || variant == "weight", "mps_ext ", op,
+              ": variant must be 'weight' (out = weight * "
               "normed.to(dtype): Llama, Qwen3, LFM2) or 'zero_centred' (out = (normed * (1 + weight)).to(dtype): "
-              "Qwen3-Next, Qwen3.5, Gemma), got '", std::string(variant), "'");
-  TORCH_CHECK(n >= 1 && n <= kMaxRow, "mps_ext ", op, ": rows of 1 to ", kMaxRow, " elements are supported (a "
-              "thread keeps ", RMS_NORM_PER_THREAD, " in registers), got ", n);
+              "Qwen3-Next, Qwen3.5, Gemma), got '",
+              std::string(variant), "'");
+  TORCH_CHECK(n >= 1 && n <= kMaxRow, "mps_ext ", op, ": rows of 1 to ", kMaxRow,
+              " elements are supported (a "
+              "thread keeps ",
+              RMS_NORM_PER_THREAD, " in registers), got ", n);
   return zero_centred;
 }
 
@@ -100,7 +104,9 @@ void launch_norm(const char* op, std::vector<KernelArg> buffers, const at::Tenso
   p.zero_centred = zero_centred ? 1u : 0u;
   p.eps = static_cast<float>(eps);  // torch adds a Python float to a float32 tensor as a float32
   buffers.push_back(KernelArg::value(p));
-  launch(Launch{"norm", kernel, std::move(buffers),
+  launch(Launch{"norm",
+                kernel,
+                std::move(buffers),
                 {static_cast<uint32_t>(ceil_div(teams, teams_per_group)), 1, 1},
                 {static_cast<uint32_t>(teams_per_group * team), 1, 1}});
 }
@@ -111,8 +117,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
   if (out.numel() == 0) return out;
   const int64_t n = x.size(-1);
   const at::Tensor rows = norm_rows(x, n), w = weight.contiguous();
-  launch_norm("rms_norm", {KernelArg::of(out), KernelArg::of(rows), KernelArg::of(w)}, rows, rows, eps,
-              zero_centred);
+  launch_norm("rms_norm", {KernelArg::of(out), KernelArg::of(rows), KernelArg::of(w)}, rows, rows, eps, zero_centred);
   return out;
 }
 
@@ -132,10 +137,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   if (out.numel() == 0) return {sum, out};
   const int64_t n = x.size(-1);
   const at::Tensor rows = norm_rows(x, n), residual_rows = norm_rows(residual, n), w = weight.contiguous();
-  launch_norm("add_rms_norm",
-              {KernelArg::of(out), KernelArg::of(sum), KernelArg::of(rows), KernelArg::of(residual_rows),
-               KernelArg::of(w)},
-              rows, residual_rows, eps, zero_centred);
+  launch_norm(
+      "add_rms_norm",
+      {KernelArg::of(out), KernelArg::of(sum), KernelArg::of(rows), KernelArg::of(residual_rows), KernelArg::of(w)},
+      rows, residual_rows, eps, zero_centred);
   return {sum, out};
 }
 
@@ -155,26 +160,37 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::T
   const auto dt = q.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
               "mps_ext qk_norm_rope: q must be float32, float16 or bfloat16, got ", dt);
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "mps_ext qk_norm_rope: q and k must be 4-D [batch, tokens, heads, "
-              "head_dim] (before the model's transpose(1, 2)), got ", q.sizes(), " and ", k.sizes());
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4,
+              "mps_ext qk_norm_rope: q and k must be 4-D [batch, tokens, heads, "
+              "head_dim] (before the model's transpose(1, 2)), got ",
+              q.sizes(), " and ", k.sizes());
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hk = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(1) == T && k.size(3) == D, "mps_ext qk_norm_rope: k must be [", B, ", ", T,
               ", heads, ", D, "] as q ", q.sizes(), ", got ", k.sizes());
-  TORCH_CHECK(cos.dim() == 3 && sin.sizes() == cos.sizes(), "mps_ext qk_norm_rope: cos and sin must be 3-D "
-              "[batch, tokens, rotary_dim] of one shape, got ", cos.sizes(), " and ", sin.sizes());
+  TORCH_CHECK(cos.dim() == 3 && sin.sizes() == cos.sizes(),
+              "mps_ext qk_norm_rope: cos and sin must be 3-D "
+              "[batch, tokens, rotary_dim] of one shape, got ",
+              cos.sizes(), " and ", sin.sizes());
   const int64_t R = cos.size(2);
-  TORCH_CHECK((cos.size(0) == B || cos.size(0) == 1) && cos.size(1) == T, "mps_ext qk_norm_rope: cos and sin must "
-              "be [", B, " or 1, ", T, ", rotary_dim] for q ", q.sizes(), ", got ", cos.sizes());
-  TORCH_CHECK(R >= 2 && R % 2 == 0 && R <= D, "mps_ext qk_norm_rope: rotary_dim (cos's last dimension) must be "
-              "even and 2 to head_dim (", D, "), got ", R);
+  TORCH_CHECK((cos.size(0) == B || cos.size(0) == 1) && cos.size(1) == T,
+              "mps_ext qk_norm_rope: cos and sin must "
+              "be [",
+              B, " or 1, ", T, ", rotary_dim] for q ", q.sizes(), ", got ", cos.sizes());
+  TORCH_CHECK(R >= 2 && R % 2 == 0 && R <= D,
+              "mps_ext qk_norm_rope: rotary_dim (cos's last dimension) must be "
+              "even and 2 to head_dim (",
+              D, "), got ", R);
   TORCH_CHECK(D <= QK_ROPE_MAX_HEAD_DIM, "mps_ext qk_norm_rope: head_dim of 2 to ", QK_ROPE_MAX_HEAD_DIM,
               " is supported (a simdgroup keeps a head in registers), got ", D);
   TORCH_CHECK(qk_rope_slots(D, R) <= QK_ROPE_SLOTS, "mps_ext qk_norm_rope: a lane holds ", QK_ROPE_SLOTS,
               " elements of a head, 2 * ceil(rotary_dim / 64) + ceil((head_dim - rotary_dim) / 32) of them (any even "
-              "rotary_dim of a head_dim up to 192; multiples of 64 at 256), got head_dim ", D, " and rotary_dim ", R);
+              "rotary_dim of a head_dim up to 192; multiples of 64 at 256), got head_dim ",
+              D, " and rotary_dim ", R);
   for (const at::Tensor* t : {&k, &cos, &sin}) {
-    TORCH_CHECK(t->scalar_type() == dt, "mps_ext qk_norm_rope: q, k, cos and sin must have one dtype (the model "
-                "casts cos and sin to q's), got q ", dt, " and ", t->scalar_type());
+    TORCH_CHECK(t->scalar_type() == dt,
+                "mps_ext qk_norm_rope: q, k, cos and sin must have one dtype (the model "
+                "casts cos and sin to q's), got q ",
+                dt, " and ", t->scalar_type());
   }
   for (const at::Tensor* t : {&k, &cos, &sin}) {
     TORCH_CHECK(t->device() == q.device(), "mps_ext qk_norm_rope: q is on ", q.device(), " and another input on ",
@@ -188,9 +204,11 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::T
                 ") on q's device, got ", t.sizes(), " ", t.scalar_type(), " on ", t.device());
   }
   const bool zero_centred = variant == "zero_centred";
-  TORCH_CHECK(zero_centred || variant == "weight", "mps_ext qk_norm_rope: variant must be 'weight' (q_norm(x) = "
+  TORCH_CHECK(zero_centred || variant == "weight",
+              "mps_ext qk_norm_rope: variant must be 'weight' (q_norm(x) = "
               "weight * normed.to(dtype): Qwen3, LFM2) or 'zero_centred' (= (normed * (1 + weight)).to(dtype): "
-              "Qwen3.5), got '", std::string(variant), "'");
+              "Qwen3.5), got '",
+              std::string(variant), "'");
   auto q_out = at::empty({B, Hq, T, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   auto k_out = at::empty({B, Hk, T, D}, k.options().memory_format(at::MemoryFormat::Contiguous));
   if (B == 0 || T == 0 || Hq + Hk == 0) return {q_out, k_out};
@@ -204,15 +222,15 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::T
     for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
     return t.numel() == 0 || (t.dim() > 0 && fits_32bit(last + 1));
   };
-  TORCH_CHECK(offset_fits(qv) && offset_fits(kv) && offset_fits(cv) && fits_32bit(q_out.numel()) &&
-              fits_32bit(k_out.numel()), "mps_ext qk_norm_rope: tensors past 2^31 elements are not supported");
+  TORCH_CHECK(
+      offset_fits(qv) && offset_fits(kv) && offset_fits(cv) && fits_32bit(q_out.numel()) && fits_32bit(k_out.numel()),
+      "mps_ext qk_norm_rope: tensors past 2^31 elements are not supported");
   const int64_t heads = Hq + Hk;
   // A head is one simdgroup's, so fewer simdgroups (a lower pipeline limit)
   // change no result.
   const std::string kernel = std::string("qk_norm_rope_") + kernel_type_name(dt);
-  const int64_t simdgroups =
-      std::min<int64_t>({heads, QK_ROPE_MAX_SIMDGROUPS,
-                         thread_budget(q.device(), "norm", kernel, QK_ROPE_MAX_SIMDGROUPS * 32) / 32});
+  const int64_t simdgroups = std::min<int64_t>(
+      {heads, QK_ROPE_MAX_SIMDGROUPS, thread_budget(q.device(), "norm", kernel, QK_ROPE_MAX_SIMDGROUPS * 32) / 32});
   // Decode spreads the heads over cores, one a simdgroup; a longer call
   // keeps a token's heads in one threadgroup, staging cos, sin and the weights once (norm_params.h).
   const int64_t per_group = B * T <= QK_ROPE_SPREAD_TOKENS ? simdgroups : heads;
@@ -235,7 +253,8 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::T
   // An absent weight is never read; q stands in for its buffer.
   const at::Tensor qw = q_weight.has_value() ? q_weight->contiguous() : qv;
   const at::Tensor kw = k_weight.has_value() ? k_weight->contiguous() : qv;
-  launch(Launch{"norm", kernel,
+  launch(Launch{"norm",
+                kernel,
                 {KernelArg::of(q_out), KernelArg::of(k_out), KernelArg::of(qv), KernelArg::of(kv), KernelArg::of(cv),
                  KernelArg::of(sv), KernelArg::of(qw), KernelArg::of(kw), KernelArg::value(p)},
                 {static_cast<uint32_t>(T), static_cast<uint32_t>(B), static_cast<uint32_t>(ceil_div(heads, per_group))},
@@ -272,8 +291,9 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_impl(const at::Tensor& q, const 
 template <DispatchKey K>
 void register_norm(FamilyOps& ops) {
   ops.own("rms_norm(Tensor x, Tensor weight, float eps, str variant=\"weight\") -> Tensor", TORCH_FN(rms_norm_impl<K>));
-  ops.own("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, str variant=\"weight\") -> (Tensor, Tensor)",
-          TORCH_FN(add_rms_norm_impl<K>));
+  ops.own(
+      "add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, str variant=\"weight\") -> (Tensor, Tensor)",
+      TORCH_FN(add_rms_norm_impl<K>));
   ops.own("qk_norm_rope(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? q_weight, Tensor? k_weight, float eps, "
           "str variant=\"weight\") -> (Tensor, Tensor)",
           TORCH_FN(qk_norm_rope_impl<K>));

@@ -27,10 +27,9 @@ inline void check_float(const at::Tensor& t, const char* op, const char* name) {
 // softmax.cpp: _softmax / _log_softmax and their backward.
 Reason softmax_unsupported(const at::Tensor& self);
 at::Tensor softmax_forward(const at::Tensor& self, int64_t dim, bool half_to_float, bool log);
-Reason softmax_backward_unsupported(const at::Tensor& grad, const at::Tensor& output,
-                                         c10::ScalarType input_dtype);
-at::Tensor softmax_backward(const at::Tensor& grad, const at::Tensor& output, int64_t dim,
-                            c10::ScalarType input_dtype, bool log);
+Reason softmax_backward_unsupported(const at::Tensor& grad, const at::Tensor& output, c10::ScalarType input_dtype);
+at::Tensor softmax_backward(const at::Tensor& grad, const at::Tensor& output, int64_t dim, c10::ScalarType input_dtype,
+                            bool log);
 
 // pad.cpp: constant_pad_nd.
 Reason pad_unsupported(const at::Tensor& self, c10::IntArrayRef pad);
@@ -38,8 +37,7 @@ at::Tensor constant_pad(const at::Tensor& self, c10::IntArrayRef pad, const c10:
 
 // linear.cpp: aten::linear, aten::mm, aten::addmm (and their out= forms)
 // with 1 to 8 activation rows.
-Reason linear_unsupported(const at::Tensor& input, const at::Tensor& weight,
-                               const c10::optional<at::Tensor>& bias);
+Reason linear_unsupported(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 // `op`: the aten op called ("aten::mm.out"); `self`: addmm's bias (nullptr
 // for mm); `key`: the dispatch key called (a
@@ -49,14 +47,13 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::
 Reason mm_unsupported(const RoutedOp& op, const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor* self,
                       c10::DispatchKey key);
 // Why the out= forms do not write into `out` (none if they do).
-Reason out_unsupported(const at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2,
-                            const at::Tensor* self);
+Reason out_unsupported(const at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor* self);
 at::Tensor mm(const at::Tensor& mat1, const at::Tensor& mat2);
 at::Tensor addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2, const c10::Scalar& beta,
                  const c10::Scalar& alpha);
 at::Tensor& mm_out(const at::Tensor& mat1, const at::Tensor& mat2, at::Tensor& out);
-at::Tensor& addmm_out(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
-                      const c10::Scalar& beta, const c10::Scalar& alpha, at::Tensor& out);
+at::Tensor& addmm_out(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2, const c10::Scalar& beta,
+                      const c10::Scalar& alpha, at::Tensor& out);
 
 // grouped_mm.cpp: _grouped_mm and _scaled_grouped_mm (mixture-of-experts layers).
 Reason grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b);

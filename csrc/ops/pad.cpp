@@ -169,11 +169,13 @@ at::Tensor constant_pad(const at::Tensor& self, c10::IntArrayRef pad, const c10:
   const bool wide = !fits_32bit(numel + PAD_SEGMENT_BYTES) || !fits_32bit(max_offset);
   const int64_t groups = (tasks + PAD_THREADS / 32 - 1) / (PAD_THREADS / 32);
   std::string kernel = std::string("constant_pad_") + size_name(itemsize) + (wide ? "_i64" : "_i32");
-  launch(Launch{"pad", kernel, {KernelArg::of(out), KernelArg::of(self), KernelArg::value(p)},
-                {static_cast<uint32_t>(groups), 1, 1}, {PAD_THREADS, 1, 1}});
+  launch(Launch{"pad",
+                kernel,
+                {KernelArg::of(out), KernelArg::of(self), KernelArg::value(p)},
+                {static_cast<uint32_t>(groups), 1, 1},
+                {PAD_THREADS, 1, 1}});
   return out;
 }
-
 
 // -------------------------------------------------------- registration --
 namespace {
@@ -183,8 +185,8 @@ const RoutedOp kConstantPad(FamilyId::pad, "aten::constant_pad_nd");
 template <c10::DispatchKey K>
 at::Tensor constant_pad_impl(const at::Tensor& self, c10::SymIntArrayRef pad, const c10::Scalar& value) {
   c10::IntArrayRef p = C10_AS_INTARRAYREF_SLOW(pad);
-  return route<decltype(constant_pad_impl<K>)>(kConstantPad, K, pad_unsupported(self, p),
-               [&] { return constant_pad(self, p, value); }, self, pad, value);
+  return route<decltype(constant_pad_impl<K>)>(
+      kConstantPad, K, pad_unsupported(self, p), [&] { return constant_pad(self, p, value); }, self, pad, value);
 }
 
 template <c10::DispatchKey K>

@@ -82,8 +82,10 @@ void run(Problem& pr) {
   }
   if (pr.y.numel() == 0) return;
   // The kernels count rows, columns and K in 32 bits.
-  TORCH_CHECK(p.m <= INT32_MAX && p.n <= INT32_MAX && p.k <= INT32_MAX, "mps_ext scaled_mm: M, N and K must be below "
-              "2^31, got ", p.m, ", ", p.n, ", ", p.k);
+  TORCH_CHECK(p.m <= INT32_MAX && p.n <= INT32_MAX && p.k <= INT32_MAX,
+              "mps_ext scaled_mm: M, N and K must be below "
+              "2^31, got ",
+              p.m, ", ", p.n, ", ", p.k);
 
   p.w_vec = rows_vectorizable(pr.w, p.w_k_stride, p.w_n_stride, p.n) ? 1 : 0;
   const bool vec = p.w_vec && rows_vectorizable(pr.a, p.a_k_stride, p.a_row_stride, p.m);
@@ -94,10 +96,10 @@ void run(Problem& pr) {
     const int64_t rows = row_variant(p.m);
     // reuse: the activation's bytes over the fp8 weight's, per output.
     l.kernel = "fp8_gemv_" + act + "_r" + std::to_string(rows) + (vec ? "_vec" : "_scalar");
-    const DecodeGeometry g = fit_threads(
-        decode_geometry(device_profile(pr.w.device()), p.n, 1, FP8_GEMV_OUTPUTS(rows, pr.a.itemsize()), false,
-                        p.m * pr.a.itemsize()),
-        p.n, thread_budget(pr.w.device(), l.library, l.kernel, DECODE_MAX_THREADS));
+    const DecodeGeometry g =
+        fit_threads(decode_geometry(device_profile(pr.w.device()), p.n, 1, FP8_GEMV_OUTPUTS(rows, pr.a.itemsize()),
+                                    false, p.m * pr.a.itemsize()),
+                    p.n, thread_budget(pr.w.device(), l.library, l.kernel, DECODE_MAX_THREADS));
     p.outputs_per_simdgroup = static_cast<uint32_t>(g.outputs_per_simdgroup);
     l.threadgroups = {static_cast<uint32_t>(g.threadgroups), 1, 1};
     l.threads_per_threadgroup = {static_cast<uint32_t>(32 * g.simdgroups), 1, 1};
@@ -105,16 +107,23 @@ void run(Problem& pr) {
     TORCH_CHECK(ceil_div(p.m, FP8_TILE_M) <= 0xffffffffll && ceil_div(p.n, FP8_TILE_N) <= 0xffffffffll,
                 "mps_ext scaled_mm: too many tiles");
     l.kernel = "fp8_mm_tile_" + act + (vec ? "_vec" : "_scalar");
-    l.threadgroups = {static_cast<uint32_t>(ceil_div(p.n, FP8_TILE_N)), static_cast<uint32_t>(ceil_div(p.m, FP8_TILE_M)),
-                      1};
+    l.threadgroups = {static_cast<uint32_t>(ceil_div(p.n, FP8_TILE_N)),
+                      static_cast<uint32_t>(ceil_div(p.m, FP8_TILE_M)), 1};
     l.threads_per_threadgroup = {FP8_TILE_THREADS, 1, 1};
   }
   // Absent operands are stood in for by the output or scale_b; the kernel
   // does not read them (has_scale_a, bias_type, has_scale_result).
-  auto or_else = [](const at::Tensor& t, const at::Tensor& stand_in) { return KernelArg::of(t.defined() ? t : stand_in); };
-  l.args = {KernelArg::of(pr.y), KernelArg::of(pr.a),          KernelArg::of(pr.w),
-            KernelArg::value(p), or_else(pr.scale_a, pr.scale_b), KernelArg::of(pr.scale_b),
-            or_else(pr.bias, pr.y), or_else(pr.scale_result, pr.scale_b)};
+  auto or_else = [](const at::Tensor& t, const at::Tensor& stand_in) {
+    return KernelArg::of(t.defined() ? t : stand_in);
+  };
+  l.args = {KernelArg::of(pr.y),
+            KernelArg::of(pr.a),
+            KernelArg::of(pr.w),
+            KernelArg::value(p),
+            or_else(pr.scale_a, pr.scale_b),
+            KernelArg::of(pr.scale_b),
+            or_else(pr.bias, pr.y),
+            or_else(pr.scale_result, pr.scale_b)};
   launch(l);
 }
 
@@ -141,8 +150,8 @@ std::string sizes_of(const at::Tensor& t) { return c10::str(t.sizes(), " (stride
 // Both are read here by their strides; any other strides are refused, and so
 // is any other shape, among them the transpose [kb, N] of 1x128 x 1x128,
 // which, when N == kb, could not be told from torch's layout.
-Reason set_scales(Fp8MatmulParams& p, int64_t ra, const at::Tensor& sa, int64_t rb, const at::Tensor& sb,
-                       int64_t M, int64_t K, int64_t N) {
+Reason set_scales(Fp8MatmulParams& p, int64_t ra, const at::Tensor& sa, int64_t rb, const at::Tensor& sb, int64_t M,
+                  int64_t K, int64_t N) {
   const Reason rejected = because::scales_torch_rejects;
   if (sa.scalar_type() != at::kFloat || sb.scalar_type() != at::kFloat) return rejected;
   p.sb_n_group = 1;
@@ -165,9 +174,9 @@ Reason set_scales(Fp8MatmulParams& p, int64_t ra, const at::Tensor& sa, int64_t 
   if (!ok)
     return because::block_scales(
         c10::str("block-wise scales scale_a ", sizes_of(sa), ", scale_b ", sizes_of(sb), "; 1x128 x ",
-                 per_column ? "1x128" : "128x128", " takes scale_a [M, ceil(K/128)] = [", M, ", ", kb,
-                 "] and scale_b ", per_column ? "[N, ceil(K/128)]" : "[round_up(ceil(K/128), 4), ceil(N/128)]",
-                 " = [", sb_rows, ", ", sb_cols, "], each column-major (torch's layout) or row-major"));
+                 per_column ? "1x128" : "128x128", " takes scale_a [M, ceil(K/128)] = [", M, ", ", kb, "] and scale_b ",
+                 per_column ? "[N, ceil(K/128)]" : "[round_up(ceil(K/128), 4), ceil(N/128)]", " = [", sb_rows, ", ",
+                 sb_cols, "], each column-major (torch's layout) or row-major"));
   p.sa_row_stride = sa.stride(0);
   p.sa_k_stride = sa.stride(1);
   if (per_column) {
@@ -183,7 +192,7 @@ Reason set_scales(Fp8MatmulParams& p, int64_t ra, const at::Tensor& sa, int64_t 
 
 // Checks shared by both ops; none when mps_ext's kernels take the call.
 Reason operands_unsupported(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
-                                 c10::ScalarType out) {
+                            c10::ScalarType out) {
   if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0)) return because::shapes_torch_rejects;
   if (!is_fp8(a.scalar_type()) || !is_fp8(b.scalar_type())) return because::operands_not_fp8;
   if (a.layout() != at::kStrided || b.layout() != at::kStrided) return because::not_strided;
@@ -257,8 +266,7 @@ Reason policy(const RoutedOp& op, c10::DispatchKey key, const at::Tensor& a, con
     return {};
   if (bias && bias->defined()) {
     const auto t = bias->scalar_type();
-    if (out == at::kFloat || !(t == at::kBFloat16 || t == at::kHalf) ||
-        (out != at::kFloat8_e4m3fn && t != out))
+    if (out == at::kFloat || !(t == at::kBFloat16 || t == at::kHalf) || (out != at::kFloat8_e4m3fn && t != out))
       return {};
   }
   return rule;
@@ -283,9 +291,10 @@ at::Tensor scaled_mm_impl(const at::Tensor& self, const at::Tensor& mat2, const 
       why = because::scale_result_torch_rejects;
     if (!why) why = policy(kScaledMm, K, self, mat2, kRowWise, out, bias);
   }
-  return route<decltype(scaled_mm_impl<K>)>(kScaledMm, K, or_raise(why, kScaledMm, K),
-               [&] { return scaled_mm(self, mat2, p, scale_a, scale_b, bias, scale_result, out); }, self, mat2,
-               scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum);
+  return route<decltype(scaled_mm_impl<K>)>(
+      kScaledMm, K, or_raise(why, kScaledMm, K),
+      [&] { return scaled_mm(self, mat2, p, scale_a, scale_b, bias, scale_result, out); }, self, mat2, scale_a, scale_b,
+      bias, scale_result, out_dtype, use_fast_accum);
 }
 
 template <c10::DispatchKey K>
@@ -301,10 +310,8 @@ at::Tensor scaled_mm_v2_impl(const at::Tensor& self, const at::Tensor& mat2, at:
   if (!why) {
     if (scale_a.size() != 1 || scale_b.size() != 1 || recipe_a.size() != 1 || recipe_b.size() != 1)
       why = because::several_scales;
-    else if (!no_swizzle(swizzle_a) || !no_swizzle(swizzle_b))
-      why = because::swizzled_scales;
-    else if (!contraction_dim.empty())
-      why = because::contraction_dim;
+    else if (!no_swizzle(swizzle_a) || !no_swizzle(swizzle_b)) why = because::swizzled_scales;
+    else if (!contraction_dim.empty()) why = because::contraction_dim;
     else if (recipe_a[0] >= kBlock1x128 &&
              (self.scalar_type() != at::kFloat8_e4m3fn || mat2.scalar_type() != at::kFloat8_e4m3fn))
       why = because::block_scales_e5m2;
@@ -312,10 +319,10 @@ at::Tensor scaled_mm_v2_impl(const at::Tensor& self, const at::Tensor& mat2, at:
                                 mat2.size(1))))
       why = policy(kScaledMmV2, K, self, mat2, recipe_a[0], out, bias);
   }
-  return route<decltype(scaled_mm_v2_impl<K>)>(kScaledMmV2, K, or_raise(why, kScaledMmV2, K),
-               [&] { return scaled_mm(self, mat2, p, scale_a[0], scale_b[0], bias, c10::nullopt, out); }, self, mat2,
-               scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, bias, out_dtype, contraction_dim,
-               use_fast_accum);
+  return route<decltype(scaled_mm_v2_impl<K>)>(
+      kScaledMmV2, K, or_raise(why, kScaledMmV2, K),
+      [&] { return scaled_mm(self, mat2, p, scale_a[0], scale_b[0], bias, c10::nullopt, out); }, self, mat2, scale_a,
+      recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, bias, out_dtype, contraction_dim, use_fast_accum);
 }
 
 // ------------------------------------------------------------ fp8_linear --
@@ -328,8 +335,10 @@ at::Tensor scaled_mm_v2_impl(const at::Tensor& self, const at::Tensor& mat2, at:
 // The weight's scale strides for the kernel, after checking every argument.
 Fp8MatmulParams linear_params(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_scale,
                               c10::string_view granularity, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(weight.dim() == 2 && is_fp8(weight.scalar_type()), "mps_ext fp8_linear: weight must be a 2-D float8 "
-              "tensor, got ", weight.scalar_type(), " of ", weight.dim(), " dimensions");
+  TORCH_CHECK(weight.dim() == 2 && is_fp8(weight.scalar_type()),
+              "mps_ext fp8_linear: weight must be a 2-D float8 "
+              "tensor, got ",
+              weight.scalar_type(), " of ", weight.dim(), " dimensions");
   TORCH_CHECK(input.dim() >= 1 && input.size(-1) == weight.size(1), "mps_ext fp8_linear: input's last dimension (",
               input.dim() ? input.size(-1) : 0, ") must equal the weight's K (", weight.size(1), ")");
   const auto t = input.scalar_type();

@@ -28,16 +28,16 @@ namespace {
 at::Tensor short_conv_decode(const at::Tensor& BCx, at::Tensor& conv_state, const at::Tensor& weight,
                              const c10::optional<at::Tensor>& bias_opt) {
   TORCH_CHECK(BCx.defined() && weight.defined(), "short_conv_decode: BCx and weight are required; got None");
-  TORCH_CHECK(conv_state.defined(),
-              "short_conv_decode: conv_state is the layer's cache after a prefill (transformers: "
-              "past_key_values.get_conv_state(layer_idx)); got None");
+  TORCH_CHECK(conv_state.defined(), "short_conv_decode: conv_state is the layer's cache after a prefill (transformers: "
+                                    "past_key_values.get_conv_state(layer_idx)); got None");
   const auto dt = BCx.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
               "short_conv_decode: BCx must be float32, float16 or bfloat16, got ", dt);
-  TORCH_CHECK(BCx.dim() == 3 && BCx.size(1) == 1 && BCx.size(2) % 3 == 0 && BCx.size(2) > 0 &&
-                  (BCx.stride(2) == 1) && BCx.stride(0) >= BCx.size(2) && BCx.stride(0) <= UINT32_MAX,
+  TORCH_CHECK(BCx.dim() == 3 && BCx.size(1) == 1 && BCx.size(2) % 3 == 0 && BCx.size(2) > 0 && (BCx.stride(2) == 1) &&
+                  BCx.stride(0) >= BCx.size(2) && BCx.stride(0) <= UINT32_MAX,
               "short_conv_decode: BCx must be in_proj's output for one token a sequence, [batch, 1, 3 * hidden] "
-              "with contiguous rows, got ", BCx.sizes(), " strides ", BCx.strides());
+              "with contiguous rows, got ",
+              BCx.sizes(), " strides ", BCx.strides());
   const int64_t batch = BCx.size(0), hidden = BCx.size(2) / 3;
   TORCH_CHECK(conv_state.dim() == 3 && conv_state.size(0) == batch && conv_state.size(1) == hidden &&
                   conv_state.size(2) >= 1 && conv_state.scalar_type() == dt && conv_state.is_contiguous(),
@@ -80,7 +80,8 @@ at::Tensor short_conv_decode(const at::Tensor& BCx, at::Tensor& conv_state, cons
   // adds it to the GEMM's sum.
   p.bias_last = dt == at::kHalf ? 1 : 0;
   const at::Tensor& bias = has_bias ? *bias_opt : weight;  // bound but not read without a bias
-  launch(Launch{"short_conv", std::string("short_conv_decode_") + kernel_type_name(dt),
+  launch(Launch{"short_conv",
+                std::string("short_conv_decode_") + kernel_type_name(dt),
                 {KernelArg::of(out), KernelArg::of(conv_state), KernelArg::of(BCx), KernelArg::of(weight),
                  KernelArg::of(bias), KernelArg::value(p)},
                 {static_cast<uint32_t>(ceil_div(hidden, SC_THREADS)), static_cast<uint32_t>(batch), 1},

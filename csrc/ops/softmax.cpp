@@ -200,7 +200,8 @@ Plan plan(const Tensors& t, const SoftmaxParams& p, bool vec, int64_t wider_item
   }
   const int64_t block_threads = D <= kBlockThreads * SOFTMAX_BLOCK_ELEMENTS ? budget(Shape::kBlock) : 0;
   if (D <= block_threads * SOFTMAX_BLOCK_ELEMENTS) {
-    const int64_t pieces = (D + piece - 1) / piece, per_thread = SOFTMAX_BLOCK_ELEMENTS / std::min(piece, int64_t{SOFTMAX_BLOCK_ELEMENTS});
+    const int64_t pieces = (D + piece - 1) / piece,
+                  per_thread = SOFTMAX_BLOCK_ELEMENTS / std::min(piece, int64_t{SOFTMAX_BLOCK_ELEMENTS});
     const int64_t threads = std::min<int64_t>(block_threads, ((pieces + per_thread - 1) / per_thread + 31) / 32 * 32);
     Plan pl{Shape::kBlock, static_cast<uint32_t>(threads)};
     pl.grid[0] = grid_dim(p.rows, "rows");
@@ -226,9 +227,10 @@ void run(const at::Tensor& x, const at::Tensor* y, const at::Tensor& out, int64_
   // The strided shape has no vector variant.
   auto variant = [&](Shape s) { return wide ? "_i64" : vec && s != Shape::kStrided ? "_i32_vec" : "_i32"; };
   auto kernel = [&](Shape s) {
-    const char* shape = s == Shape::kSegment ? "segment_"
-                        : s == Shape::kBlock ? "block_"
-                        : s == Shape::kStrided ? "strided_" : "finish_";
+    const char* shape = s == Shape::kSegment   ? "segment_"
+                        : s == Shape::kBlock   ? "block_"
+                        : s == Shape::kStrided ? "strided_"
+                                               : "finish_";
     return prefix + shape + types + variant(s);
   };
   auto budget = [&](Shape s) {
@@ -270,8 +272,7 @@ Reason dims_unsupported(const at::Tensor& t) {
 }  // namespace
 
 Reason softmax_unsupported(const at::Tensor& self) {
-  if (!is_kernel_float(self.scalar_type()))
-    return because::dtype_not_float(self.scalar_type());
+  if (!is_kernel_float(self.scalar_type())) return because::dtype_not_float(self.scalar_type());
   return dims_unsupported(self);
 }
 
@@ -283,33 +284,34 @@ at::Tensor softmax_forward(const at::Tensor& self, int64_t dim, bool half_to_flo
   return out;
 }
 
-Reason softmax_backward_unsupported(const at::Tensor& grad, const at::Tensor& output,
-                                         c10::ScalarType input_dtype) {
+Reason softmax_backward_unsupported(const at::Tensor& grad, const at::Tensor& output, c10::ScalarType input_dtype) {
   Reason why = softmax_unsupported(grad);
   if (why) return why;
   why = dims_unsupported(output);
   if (why) return why;
   bool same = input_dtype == grad.scalar_type();
   bool from_half_to_float = grad.scalar_type() == at::kFloat && input_dtype == at::kHalf;
-  if (!same && !from_half_to_float)
-    return because::gradient_dtype(grad.scalar_type(), input_dtype);
+  if (!same && !from_half_to_float) return because::gradient_dtype(grad.scalar_type(), input_dtype);
   return {};
 }
 
-at::Tensor softmax_backward(const at::Tensor& grad, const at::Tensor& output, int64_t dim,
-                            c10::ScalarType input_dtype, bool log) {
-  TORCH_CHECK(grad.device() == output.device(), "Expected all tensors to be on the same device, but found at least "
-              "two devices, ", grad.device(), " and ", output.device(), "!");
+at::Tensor softmax_backward(const at::Tensor& grad, const at::Tensor& output, int64_t dim, c10::ScalarType input_dtype,
+                            bool log) {
+  TORCH_CHECK(grad.device() == output.device(),
+              "Expected all tensors to be on the same device, but found at least "
+              "two devices, ",
+              grad.device(), " and ", output.device(), "!");
   TORCH_CHECK(grad.sizes() == output.sizes(), "grad_output and output must have the same shape, got ", grad.sizes(),
               " and ", output.sizes());
-  TORCH_CHECK(grad.scalar_type() == output.scalar_type(), "expected grad_output and output to have the same dtype, "
-              "but got ", grad.scalar_type(), " and ", output.scalar_type());
+  TORCH_CHECK(grad.scalar_type() == output.scalar_type(),
+              "expected grad_output and output to have the same dtype, "
+              "but got ",
+              grad.scalar_type(), " and ", output.scalar_type());
   dim = at::maybe_wrap_dim(dim, grad.dim());
   auto out = at::empty(grad.sizes(), grad.options().dtype(input_dtype));
   if (grad.numel() > 0) run(grad, &output, out, dim, log);
   return out;
 }
-
 
 // -------------------------------------------------------- registration --
 namespace {
@@ -322,32 +324,32 @@ const RoutedOp kSoftmax(FamilyId::softmax, "aten::_softmax"), kLogSoftmax(Family
 
 template <DispatchKey K>
 at::Tensor softmax_impl(const at::Tensor& self, int64_t dim, bool half_to_float) {
-  return route<decltype(softmax_impl<K>)>(kSoftmax, K, softmax_unsupported(self),
-               [&] { return softmax_forward(self, dim, half_to_float, false); }, self, dim, half_to_float);
+  return route<decltype(softmax_impl<K>)>(
+      kSoftmax, K, softmax_unsupported(self), [&] { return softmax_forward(self, dim, half_to_float, false); }, self,
+      dim, half_to_float);
 }
 
 template <DispatchKey K>
 at::Tensor log_softmax_impl(const at::Tensor& self, int64_t dim, bool half_to_float) {
-  return route<decltype(log_softmax_impl<K>)>(kLogSoftmax, K, softmax_unsupported(self),
-               [&] { return softmax_forward(self, dim, half_to_float, true); }, self, dim, half_to_float);
+  return route<decltype(log_softmax_impl<K>)>(
+      kLogSoftmax, K, softmax_unsupported(self), [&] { return softmax_forward(self, dim, half_to_float, true); }, self,
+      dim, half_to_float);
 }
 
 template <DispatchKey K>
 at::Tensor softmax_backward_impl(const at::Tensor& grad, const at::Tensor& output, int64_t dim,
                                  c10::ScalarType input_dtype) {
-  return route<decltype(softmax_backward_impl<K>)>(kSoftmaxBackward, K,
-               softmax_backward_unsupported(grad, output, input_dtype),
-               [&] { return softmax_backward(grad, output, dim, input_dtype, false); }, grad, output, dim,
-               input_dtype);
+  return route<decltype(softmax_backward_impl<K>)>(
+      kSoftmaxBackward, K, softmax_backward_unsupported(grad, output, input_dtype),
+      [&] { return softmax_backward(grad, output, dim, input_dtype, false); }, grad, output, dim, input_dtype);
 }
 
 template <DispatchKey K>
 at::Tensor log_softmax_backward_impl(const at::Tensor& grad, const at::Tensor& output, int64_t dim,
                                      c10::ScalarType input_dtype) {
-  return route<decltype(log_softmax_backward_impl<K>)>(kLogSoftmaxBackward, K,
-               softmax_backward_unsupported(grad, output, input_dtype),
-               [&] { return softmax_backward(grad, output, dim, input_dtype, true); }, grad, output, dim,
-               input_dtype);
+  return route<decltype(log_softmax_backward_impl<K>)>(
+      kLogSoftmaxBackward, K, softmax_backward_unsupported(grad, output, input_dtype),
+      [&] { return softmax_backward(grad, output, dim, input_dtype, true); }, grad, output, dim, input_dtype);
 }
 
 template <DispatchKey K>

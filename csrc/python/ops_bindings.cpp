@@ -56,10 +56,7 @@ void bind_test_hooks(py::module_& m) {
         "How many of route's fallbacks to torch's kernel went through a boxed call (tests: none should).");
   m.def(
       "_warn_without_override_warning",
-      [](const std::string& message) {
-        without_override_warning([&] { TORCH_WARN(message); });
-      },
-      py::arg("message"));
+      [](const std::string& message) { without_override_warning([&] { TORCH_WARN(message); }); }, py::arg("message"));
 }
 #endif
 
@@ -99,7 +96,8 @@ void bind_ops(py::module_& m) {
       d["ran"] = f.ran();
       d["fallbacks"] = f.fallbacks();
       py::dict unavailable;
-      for (const auto& kv : f.unavailable_all()) unavailable[py::str(c10::DeviceTypeName(detail::device_of(kv.first)))] = kv.second;
+      for (const auto& kv : f.unavailable_all())
+        unavailable[py::str(c10::DeviceTypeName(detail::device_of(kv.first)))] = kv.second;
       d["unavailable"] = unavailable;
       out[py::str(name)] = d;
     }
@@ -116,16 +114,15 @@ void bind_ops(py::module_& m) {
       py::arg("kept_dtypes") = std::vector<at::ScalarType>{},
       py::arg("kept_args") = std::vector<std::pair<std::string, bool>>{}, py::arg("calls") = "");
   m.def("policy_conditions", &condition_names,
-        "The named conditions a policy rule's `calls` may be (csrc/dispatch/registry.h; mps_ext/_policy.py's Condition).");
+        "The named conditions a policy rule's `calls` may be (csrc/dispatch/registry.h; mps_ext/_policy.py's "
+        "Condition).");
   m.def("reset_stats", [] {
     for (const auto& name : family_names()) family(name).reset();
   });
   // The registration point of a CPU backend (backend/launch.h, BackendSlot):
   // the product runs kernels on MPS tensors only; a test or a contributor
   // passes this capsule to a backend's extension, which registers itself.
-  m.def("_backend_slot", [] {
-    return py::capsule(static_cast<const void*>(&backend_slot()), kBackendSlotName);
-  });
+  m.def("_backend_slot", [] { return py::capsule(static_cast<const void*>(&backend_slot()), kBackendSlotName); });
   m.def(
       "_device_profile",
       [](const std::string& device) {

@@ -31,8 +31,8 @@ SimulatedFailure failure_of(const std::string& kind) {
   if (kind == "library") return SimulatedFailure::kLibrary;
   if (kind == "pipeline") return SimulatedFailure::kPipeline;
   if (kind == "max_threads") return SimulatedFailure::kMaxThreads;
-  throw py::value_error("mps_ext_executor: failure kind must be none, library, pipeline or max_threads, not '" +
-                        kind + "'");
+  throw py::value_error("mps_ext_executor: failure kind must be none, library, pipeline or max_threads, not '" + kind +
+                        "'");
 }
 
 py::dict kernel_info_to_dict(const cpu_metal::KernelInfo& k) {
@@ -108,7 +108,9 @@ void bind_executor(py::module_& m) {
               const mx_param& p = k.params[i];
               py::dict d;
               d["name"] = p.name;
-              d["kind"] = p.kind == MX_PARAM_BUFFER ? "buffer" : p.kind == MX_PARAM_THREADGROUP ? "threadgroup" : "builtin";
+              d["kind"] = p.kind == MX_PARAM_BUFFER        ? "buffer"
+                          : p.kind == MX_PARAM_THREADGROUP ? "threadgroup"
+                                                           : "builtin";
               d["index"] = p.index;
               d["address_space"] = p.address_space;
               d["reference"] = bool(p.flags & MX_PARAM_REFERENCE);
@@ -120,7 +122,8 @@ void bind_executor(py::module_& m) {
           },
           py::arg("name"))
       .def(
-          "kernel_info", [](const Library& lib, const std::string& name) { return kernel_info_to_dict(lib.kernel_info(name)); },
+          "kernel_info",
+          [](const Library& lib, const std::string& name) { return kernel_info_to_dict(lib.kernel_info(name)); },
           py::arg("name"))
       .def(
           "dispatch",
@@ -188,7 +191,8 @@ void bind_backend(py::module_& m) {
       [](const py::capsule& slot) {
         if (std::string(slot.name() ? slot.name() : "") != kBackendSlotName)
           throw py::type_error(std::string("mps_ext_executor: install takes mps_ext._C._backend_slot(), a capsule "
-                                           "named ") + kBackendSlotName);
+                                           "named ") +
+                               kBackendSlotName);
         install(slot.get_pointer<const BackendSlot>());
       },
       py::arg("slot"), "Registers the executor as mps_ext's CPU backend (mps_ext_executor.install()).");

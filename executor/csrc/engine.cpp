@@ -102,9 +102,9 @@ constexpr uint32_t kMaxThreads = 1024;
 constexpr uint64_t kThreadgroupLimit = 32 * 1024;  // Metal's threadgroup memory limit
 constexpr uint64_t kRedZone = 64;
 constexpr uint64_t kArenaSize = 2 * kThreadgroupLimit + 64 * kRedZone;
-constexpr int kSlotShift = 36;                      // 64 GiB per buffer slot
-constexpr uint64_t kSlotMid = uint64_t(1) << 35;    // buffer copies start mid-slot
-constexpr uint64_t kDirectSlack = 1 << 20;          // non-isolated: bounds checked this near a buffer
+constexpr int kSlotShift = 36;                    // 64 GiB per buffer slot
+constexpr uint64_t kSlotMid = uint64_t(1) << 35;  // buffer copies start mid-slot
+constexpr uint64_t kDirectSlack = 1 << 20;        // non-isolated: bounds checked this near a buffer
 
 size_t page_size() {
   static size_t p = static_cast<size_t>(sysconf(_SC_PAGESIZE));
@@ -160,9 +160,9 @@ struct FpControl {
 };
 
 uint64_t now_ns() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::steady_clock::now().time_since_epoch())
-                                   .count());
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
 }
 
 std::string size3(const Size3& s) {
@@ -240,10 +240,10 @@ struct Bound {
   char* begin = nullptr;  // address the kernel gets
   uint64_t size = 0;
   bool from_bytes = false;
-  bool writable = false;  // memory, and the parameter is not read-only
+  bool writable = false;      // memory, and the parameter is not read-only
   bool race_checked = false;  // its memory is writable through some argument: races among lanes are checked
-  uint64_t origin = 0;    // Binding::origin
-  std::string name;       // the kernel parameter's name
+  uint64_t origin = 0;        // Binding::origin
+  std::string name;           // the kernel parameter's name
 };
 
 enum class ErrorKind { kNone, kBounds, kAlign, kDivergence, kRace, kOther };
@@ -251,15 +251,15 @@ enum class ErrorKind { kNone, kBounds, kAlign, kDivergence, kRace, kOther };
 struct Counters {
   uint64_t read[MX_MAX_BUFFERS] = {};
   uint64_t written[MX_MAX_BUFFERS] = {};
-  uint64_t read_width[MX_MAX_BUFFERS][8] = {};   // by log2 of the width (1..128 bytes)
+  uint64_t read_width[MX_MAX_BUFFERS][8] = {};  // by log2 of the width (1..128 bytes)
   uint64_t write_width[MX_MAX_BUFFERS][8] = {};
   uint64_t tg_read = 0, tg_written = 0;
   uint64_t threads = 0, barriers = 0, simd_barriers = 0, simd_ops = 0;
-  uint64_t ops[MX_OPS_COUNT] = {}, max_ops[MX_OPS_COUNT] = {};  // 64-bit integer work
+  uint64_t ops[MX_OPS_COUNT] = {}, max_ops[MX_OPS_COUNT] = {};          // 64-bit integer work
   uint64_t lines[MX_MAX_BUFFERS] = {}, min_lines[MX_MAX_BUFFERS] = {};  // coalescing
-  uint64_t tg_instructions = 0, bank_cycles = 0;                      // bank conflicts
-  uint64_t group_read[MX_MAX_BUFFERS] = {};  // per threadgroup, distinct bytes read, summed
-  uint64_t tg_memory = 0;                    // the most threadgroup memory one threadgroup allocated
+  uint64_t tg_instructions = 0, bank_cycles = 0;                        // bank conflicts
+  uint64_t group_read[MX_MAX_BUFFERS] = {};                             // per threadgroup, distinct bytes read, summed
+  uint64_t tg_memory = 0;  // the most threadgroup memory one threadgroup allocated
 
   void add(const Counters& o) {
     for (int i = 0; i < MX_MAX_BUFFERS; ++i) {
@@ -310,7 +310,7 @@ class FlatMap {
   uint32_t& at(uint64_t key, uint32_t fresh) {
     if ((size_ + 1) * 2 > table_.size()) grow();
     size_t mask = table_.size() - 1;
-    for (size_t i = slot(key); ; i = (i + 1) & mask) {
+    for (size_t i = slot(key);; i = (i + 1) & mask) {
       Entry& e = table_[i];
       if (e.gen != gen_) {
         e = Entry{key, fresh, gen_};
@@ -364,8 +364,8 @@ struct DispatchState {
   const mx_kernel* kernel = nullptr;
   const Dispatch* dispatch = nullptr;
   void* buffer_table[MX_MAX_BUFFERS] = {};
-  std::vector<Bound> bound;                       // every bound buffer
-  std::vector<std::vector<int>> slot_members;     // isolated: slot -> indices into `bound`
+  std::vector<Bound> bound;                               // every bound buffer
+  std::vector<std::vector<int>> slot_members;             // isolated: slot -> indices into `bound`
   std::vector<std::pair<uint64_t, uint64_t>> tg_buffers;  // [[threadgroup(i)]]: (offset, size)
   std::vector<std::string> tg_names;
   Size3 groups{}, tpt{}, grid{};
@@ -415,8 +415,8 @@ enum class LaneState : uint8_t { kUnstarted, kRunnable, kRunning, kBarrier, kSim
 // contains such a call. `key` orders the calls and loops of one function.
 struct Frame {
   uint32_t key;
-  uint32_t iteration;  // loops
-  uint32_t site;       // index into the library's site table
+  uint32_t iteration;        // loops
+  uint32_t site;             // index into the library's site table
   uint32_t saved_base : 31;  // calls: the caller's base
   uint32_t loop : 1;
   uint64_t hash;  // of frames[0, this one]: the position, for the cost counters (when measuring)
@@ -479,7 +479,6 @@ struct Shadow {
 };
 constexpr uint16_t kMany = 0xffff;
 
-
 // One memory instruction executed by (the lanes of) a simdgroup.
 struct Instance {
   int32_t buffer;       // device buffer index; -1: threadgroup memory
@@ -513,12 +512,12 @@ struct Worker {
   uint32_t access_ticks = 0, loop_ticks = 0, yield_ticks = 0;
 
   // this threadgroup's device writes, for the cross-threadgroup check
-  uint32_t tag = 0;         // identifies the threadgroup in the shadow
-  bool dirty = false;       // device writes since the last device fence
-  bool pending = false;     // fenced writes not yet released by a device atomic
+  uint32_t tag = 0;      // identifies the threadgroup in the shadow
+  bool dirty = false;    // device writes since the last device fence
+  bool pending = false;  // fenced writes not yet released by a device atomic
   uint32_t releases = 0;
-  uint64_t acquired = 0;    // atomic_seq of this threadgroup's latest device atomic
-  uint32_t verified = 0;    // the last shadow value found visible
+  uint64_t acquired = 0;  // atomic_seq of this threadgroup's latest device atomic
+  uint32_t verified = 0;  // the last shadow value found visible
 
   // threadgroup memory
   char* arena = nullptr;
@@ -540,7 +539,7 @@ struct Worker {
   FlatMap device_index;
   std::vector<DeviceGranule> device_granules;
   uint32_t dsg_epoch[kMaxThreads / 32] = {};  // simdgroup_barrier(mem_device)s per simdgroup
-  uint16_t plain_barriers = 0;  // threadgroup barriers without mem_device since the last with it
+  uint16_t plain_barriers = 0;                // threadgroup barriers without mem_device since the last with it
 
   Worker() {
     arena = static_cast<char*>(mmap(nullptr, kArenaSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
@@ -574,9 +573,9 @@ struct Worker {
 
   std::string thread_name(const Lane& l) const {
     std::ostringstream o;
-    o << "thread " << l.index << " (position " << size3({l.info.thread_position_in_threadgroup.x,
-                                                         l.info.thread_position_in_threadgroup.y,
-                                                         l.info.thread_position_in_threadgroup.z})
+    o << "thread " << l.index << " (position "
+      << size3({l.info.thread_position_in_threadgroup.x, l.info.thread_position_in_threadgroup.y,
+                l.info.thread_position_in_threadgroup.z})
       << ") of threadgroup " << size3({group_pos.x, group_pos.y, group_pos.z});
     return o.str();
   }
@@ -592,8 +591,8 @@ struct Worker {
     uint64_t off = (arena_top + kRedZone + align - 1) / align * align;
     if (arena_used + size > kThreadgroupLimit || off + size + kRedZone > kArenaSize) {
       std::ostringstream o;
-      o << "kernel '" << ds->kernel->name << "' uses more than Metal's 32 KiB of threadgroup memory: "
-        << arena_used << " bytes allocated, and '" << name << "' asks for " << size << " more";
+      o << "kernel '" << ds->kernel->name << "' uses more than Metal's 32 KiB of threadgroup memory: " << arena_used
+        << " bytes allocated, and '" << name << "' asks for " << size << " more";
       fail(ErrorKind::kOther, o.str());
     }
     region_names.push_back(name);
@@ -636,7 +635,8 @@ struct Worker {
     uint8_t id = region[off];
     uint64_t last = off + (size ? size - 1 : 0);
     if (id == 0 || last >= kArenaSize || region[last] != id) threadgroup_out_of_bounds(off, size, flags);
-    if (flags & MX_ACC_WRITE) counters.tg_written += size; else counters.tg_read += size;
+    if (flags & MX_ACC_WRITE) counters.tg_written += size;
+    else counters.tg_read += size;
     if (flags & MX_ACC_ATOMIC) return;
     check_races(off, size, flags);
   }
@@ -644,7 +644,8 @@ struct Worker {
   [[noreturn, gnu::noinline, gnu::cold]] void threadgroup_out_of_bounds(uint64_t off, uint64_t size, uint32_t flags) {
     uint8_t id = region[off];
     uint64_t last = off + (size ? size - 1 : 0);
-    uint8_t near = id ? id : (off >= 1 && region[off - 1] ? region[off - 1] : (last + 1 < kArenaSize ? region[last + 1] : 0));
+    uint8_t near =
+        id ? id : (off >= 1 && region[off - 1] ? region[off - 1] : (last + 1 < kArenaSize ? region[last + 1] : 0));
     std::ostringstream o;
     o << "out-of-bounds " << ((flags & MX_ACC_WRITE) ? "write" : "read") << " of " << size
       << " bytes of threadgroup memory";
@@ -729,8 +730,8 @@ struct Worker {
     if (conflict == kMany) o << "several threads";
     else o << "thread " << (conflict - 1);
     o << " " << what << " byte " << (b - off) << " of " << (id ? region_names[id - 1] : "threadgroup memory")
-      << " and thread " << current->index << " " << ((flags & MX_ACC_WRITE) ? "writes" : "reads")
-      << " it" << at_site(flags) << " with no threadgroup_barrier(mem_flags::mem_threadgroup) between them"
+      << " and thread " << current->index << " " << ((flags & MX_ACC_WRITE) ? "writes" : "reads") << " it"
+      << at_site(flags) << " with no threadgroup_barrier(mem_flags::mem_threadgroup) between them"
       << " (threadgroup " << size3({group_pos.x, group_pos.y, group_pos.z}) << ")";
     fail(ErrorKind::kRace, o.str());
   }
@@ -739,9 +740,7 @@ struct Worker {
   // Memory a kernel reaches that is neither a buffer nor threadgroup memory.
   // Only needed without isolation, where buffers are anywhere in the heap.
   bool is_engine_memory(uintptr_t a) const {
-    auto inside = [a](const void* p, size_t n) {
-      return a - reinterpret_cast<uintptr_t>(p) < n;
-    };
+    auto inside = [a](const void* p, size_t n) { return a - reinterpret_cast<uintptr_t>(p) < n; };
     if (inside(this, sizeof(Worker)) || inside(ds, sizeof(DispatchState))) return true;
     if (current && current->stack >= 0) {
       const FiberStack& st = stacks[current->stack];
@@ -832,7 +831,7 @@ struct Worker {
   }
 
   [[noreturn, gnu::noinline, gnu::cold]] void out_of_bounds(uintptr_t a, uint64_t size, uint32_t flags,
-                                                              const Bound* nearest) {
+                                                            const Bound* nearest) {
     std::ostringstream o;
     if (!nearest) {
       o << "access to device memory outside every bound buffer in kernel '" << ds->kernel->name << "' by "
@@ -1002,7 +1001,7 @@ struct Worker {
   }
 
   [[noreturn, gnu::noinline, gnu::cold]] void device_race(const Bound& b, uintptr_t a, uintptr_t at, uint16_t conflict,
-                                                            const char* what, uint32_t flags, bool barrier_between) {
+                                                          const char* what, uint32_t flags, bool barrier_between) {
     std::ostringstream o;
     o << "data race on device memory in kernel '" << ds->kernel->name << "': ";
     if (conflict == kMany) o << "several threads";
@@ -1013,8 +1012,7 @@ struct Worker {
     if (barrier_between)
       o << " after a threadgroup_barrier without mem_flags::mem_device, which orders only threadgroup memory: "
            "use threadgroup_barrier(mem_flags::mem_device)";
-    else
-      o << " with no threadgroup_barrier(mem_flags::mem_device) between them";
+    else o << " with no threadgroup_barrier(mem_flags::mem_device) between them";
     o << " (threadgroup " << size3({group_pos.x, group_pos.y, group_pos.z}) << ")";
     (void)a;
     fail(ErrorKind::kRace, o.str());
@@ -1084,7 +1082,8 @@ struct Worker {
     fail(ErrorKind::kRace, o.str());
   }
 
-  [[noreturn, gnu::noinline, gnu::cold]] void misaligned(uintptr_t a, uint64_t size, uint32_t flags, const std::string& what, uint64_t off) {
+  [[noreturn, gnu::noinline, gnu::cold]] void misaligned(uintptr_t a, uint64_t size, uint32_t flags,
+                                                         const std::string& what, uint64_t off) {
     std::ostringstream o;
     o << "misaligned " << ((flags & MX_ACC_WRITE) ? "write" : "read") << " of " << size << " bytes at byte offset "
       << off << " of " << what << ": the type needs " << (uint64_t(1) << ((flags >> MX_ACC_ALIGN_SHIFT) & 15))
@@ -1272,9 +1271,8 @@ struct Worker {
         if (l.state != LaneState::kSimd || compare_positions(l, *first) != 0) continue;
         if (l.fn != fn || l.simd_barrier != first->simd_barrier) {
           std::ostringstream o;
-          o << "internal error: threads " << first->index << " and " << l.index << " of kernel '"
-            << ds->kernel->name << "' wait at different simd operations at the same position "
-            << position_name(l);
+          o << "internal error: threads " << first->index << " and " << l.index << " of kernel '" << ds->kernel->name
+            << "' wait at different simd operations at the same position " << position_name(l);
           ds->fail(ErrorKind::kOther, o.str());
           return false;
         }
@@ -1517,7 +1515,7 @@ struct Worker {
     counters = Counters{};
     measuring = d->counters;
     all_reads.clear();
-    FpControl fp(d->flush_denormals);  // restored when the job ends: the worker may be the caller's thread
+    FpControl fp(d->flush_denormals);    // restored when the job ends: the worker may be the caller's thread
     if (stack_bytes < d->stack_bytes) {  // stacks only grow
       for (auto& s : stacks) s.release();
       stacks.clear();
@@ -1578,8 +1576,8 @@ void api_conversion_error(mx_u32 flags, const char* file, mx_u32 line, mx_u32 co
   else where << w->site_name(flags >> MX_CONV_SITE_SHIFT);
   std::ostringstream o;
   o << "kernel '" << w->ds->kernel->name << "' converts a NaN or out-of-range floating-point value to a "
-    << (flags & 0x7f) << "-bit " << ((flags & MX_CONV_SIGNED) ? "signed" : "unsigned") << " integer at "
-    << where.str() << " (" << w->thread_name(*w->current)
+    << (flags & 0x7f) << "-bit " << ((flags & MX_CONV_SIGNED) ? "signed" : "unsigned") << " integer at " << where.str()
+    << " (" << w->thread_name(*w->current)
     << "); Metal leaves the result undefined: clamp the value into the integer's range (and handle NaN) first";
   w->fail(ErrorKind::kOther, o.str());
 }
@@ -1590,15 +1588,13 @@ void api_arithmetic_error(mx_u32 kind, mx_u32 flags) {
   const char* sign = (flags & MX_CONV_SIGNED) ? "signed" : "unsigned";
   std::ostringstream o;
   o << "kernel '" << w->ds->kernel->name << "' ";
-  if (kind == MX_ARITH_OVERFLOW)
-    o << "divides the smallest " << bits << "-bit signed integer by -1";
+  if (kind == MX_ARITH_OVERFLOW) o << "divides the smallest " << bits << "-bit signed integer by -1";
   else if (kind == MX_ARITH_NEGATIVE_REMAINDER)
     o << "takes the remainder (%) of a negative " << bits << "-bit signed integer or by a negative one";
-  else
-    o << "divides a " << bits << "-bit " << sign << " integer by zero";
+  else o << "divides a " << bits << "-bit " << sign << " integer by zero";
   o << " at " << w->site_name(flags >> MX_CONV_SITE_SHIFT) << " (" << w->thread_name(*w->current) << "); Metal "
     << (kind == MX_ARITH_NEGATIVE_REMAINDER ? "leaves % undefined when an operand is negative"
-                                             : "gives an unspecified value")
+                                            : "gives an unspecified value")
     << ": guard the operands first";
   w->fail(ErrorKind::kOther, o.str());
 }
@@ -1611,8 +1607,8 @@ void api_fail(const char* message) {
     fprintf(stderr, "CPU Metal executor: internal error: %s\n", message);
     abort();
   }
-  w.fail(ErrorKind::kOther, std::string("kernel '") + w.ds->kernel->name + "': " + message + " (" +
-                                w.thread_name(*w.current) + ")");
+  w.fail(ErrorKind::kOther,
+         std::string("kernel '") + w.ds->kernel->name + "': " + message + " (" + w.thread_name(*w.current) + ")");
 }
 const mx_thread_info* api_current_thread() { return &tls_worker->current->info; }
 mx_u64* api_op_counts() {
@@ -1622,11 +1618,10 @@ mx_u64* api_op_counts() {
   return w->current ? w->current->ops : w->ops_sink;
 }
 
-const mx_engine_api kApi = {MX_ABI_VERSION, &api_access,         &api_barrier,
-                            &api_simd,      &api_threadgroup_variable, &api_fail,
-                            &api_current_thread, &api_enter,       &api_leave,
-                            &api_loop,      &api_conversion_error, &api_fence,
-                            &api_op_counts, &api_arithmetic_error};
+const mx_engine_api kApi = {
+    MX_ABI_VERSION,      &api_access,          &api_barrier, &api_simd, &api_threadgroup_variable, &api_fail,
+    &api_current_thread, &api_enter,           &api_leave,   &api_loop, &api_conversion_error,     &api_fence,
+    &api_op_counts,      &api_arithmetic_error};
 
 // ----------------------------------------------------------- worker pool --
 class Pool {
@@ -1783,11 +1778,11 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
   auto error = [&](const std::string& msg) { return DispatchError("kernel '" + name + "': " + msg); };
 
   // ---- the grid
-  uint64_t per_group = uint64_t(dp.threads_per_threadgroup[0]) * dp.threads_per_threadgroup[1] *
-                       dp.threads_per_threadgroup[2];
+  uint64_t per_group =
+      uint64_t(dp.threads_per_threadgroup[0]) * dp.threads_per_threadgroup[1] * dp.threads_per_threadgroup[2];
   if (per_group == 0 || per_group > kMaxThreads)
-    throw error("threads_per_threadgroup " + size3(dp.threads_per_threadgroup) + " has " +
-                std::to_string(per_group) + " threads; Metal allows 1 to 1024");
+    throw error("threads_per_threadgroup " + size3(dp.threads_per_threadgroup) + " has " + std::to_string(per_group) +
+                " threads; Metal allows 1 to 1024");
   if (k.max_total_threads_per_threadgroup && per_group > k.max_total_threads_per_threadgroup)
     throw error("threads_per_threadgroup " + size3(dp.threads_per_threadgroup) +
                 " exceeds the kernel's [[max_total_threads_per_threadgroup(" +
@@ -1822,9 +1817,11 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
   if (frame > kMaxThreadPrivate)
     throw KernelError("kernel '" + name + "' needs about " + std::to_string(frame >> 10) +
                       " KiB of thread-private memory per thread (its local arrays and those of the functions it "
-                      "calls); the CPU Metal executor allows " + std::to_string(kMaxThreadPrivate >> 20) +
+                      "calls); the CPU Metal executor allows " +
+                      std::to_string(kMaxThreadPrivate >> 20) +
                       " MiB: keep large arrays in device or threadgroup memory");
-  ds.stack_bytes = std::max<size_t>(min_stack_size(), (frame + kStackMargin + page_size() - 1) / page_size() * page_size());
+  ds.stack_bytes =
+      std::max<size_t>(min_stack_size(), (frame + kStackMargin + page_size() - 1) / page_size() * page_size());
 
   // ---- the arguments
   uint32_t max_buffer = 0, max_tg = 0;
@@ -1897,8 +1894,8 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
     x.index = static_cast<int>(i);
     x.size = b.size;
     x.from_bytes = b.kind == Binding::Kind::kBytes;
-    x.begin = x.from_bytes ? const_cast<char*>(reinterpret_cast<const char*>(b.bytes.data()))
-                           : static_cast<char*>(b.data);
+    x.begin =
+        x.from_bytes ? const_cast<char*>(reinterpret_cast<const char*>(b.bytes.data())) : static_cast<char*>(b.data);
     x.name = kernel_param_name(k, MX_PARAM_BUFFER, static_cast<uint32_t>(i));
     x.origin = x.from_bytes ? 0 : b.origin;
     for (uint32_t j = 0; j < k.param_count; ++j)
@@ -2025,7 +2022,8 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
   st.write_widths.assign(n, {});
   st.bound_from_bytes.assign(n, false);
   for (size_t i = 0; i < n; ++i) st.bound_from_bytes[i] = dp.buffers[i].kind == Binding::Kind::kBytes;
-  for (size_t i = 0; i < n; ++i) st.buffer_names.push_back(kernel_param_name(k, MX_PARAM_BUFFER, static_cast<uint32_t>(i)));
+  for (size_t i = 0; i < n; ++i)
+    st.buffer_names.push_back(kernel_param_name(k, MX_PARAM_BUFFER, static_cast<uint32_t>(i)));
   st.kernel_info = kernel_info(name);
   st.int64_divisions = ds.totals.ops[MX_OPS_INT64_DIVISIONS];
   st.int64_multiplications = ds.totals.ops[MX_OPS_INT64_MULTIPLICATIONS];

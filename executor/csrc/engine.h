@@ -43,8 +43,8 @@ struct DispatchError : std::invalid_argument {
 struct Binding {
   enum class Kind { kNone, kMemory, kBytes };
   Kind kind = Kind::kNone;
-  void* data = nullptr;  // kMemory: the caller's memory; the kernel writes it
-  uint64_t size = 0;     // kMemory: bytes from data to the end of the storage
+  void* data = nullptr;        // kMemory: the caller's memory; the kernel writes it
+  uint64_t size = 0;           // kMemory: bytes from data to the end of the storage
   std::vector<uint8_t> bytes;  // kBytes: constant data (setBytes)
   // kMemory: bytes from the start of the storage (a tensor's storage offset)
   // to data. A GPU buffer starts page-aligned, so the 128-byte cache lines
@@ -79,7 +79,7 @@ struct Dispatch {
   bool use_threads = false;
   Size3 threads_per_threadgroup{1, 1, 1};
   std::vector<uint64_t> threadgroup_memory;  // bytes of [[threadgroup(i)]]
-  uint64_t seed = 0;  // order in which threads of a threadgroup run
+  uint64_t seed = 0;                         // order in which threads of a threadgroup run
   // Run on copies of the buffers placed far apart in memory, so that any
   // out-of-bounds access is caught and attributed to its buffer. Off, the
   // kernel runs on the caller's memory and bounds are checked only near each
@@ -92,11 +92,11 @@ struct Dispatch {
 
 // What a kernel costs a GPU, from its optimised IR (executor/mps_ext_executor/_analysis.py).
 struct KernelInfo {
-  uint32_t registers = 0;          // 32-bit registers live per thread at the peak
-  uint32_t uniform_registers = 0;  // values the same for the whole dispatch
-  uint32_t private_bytes = 0;      // thread-private arrays that stay in stack memory
-  uint32_t loads_in_flight = 0;    // independent device loads per iteration of the hot loop
-  std::string hot_loop;            // its source position, "" if none
+  uint32_t registers = 0;            // 32-bit registers live per thread at the peak
+  uint32_t uniform_registers = 0;    // values the same for the whole dispatch
+  uint32_t private_bytes = 0;        // thread-private arrays that stay in stack memory
+  uint32_t loads_in_flight = 0;      // independent device loads per iteration of the hot loop
+  std::string hot_loop;              // its source position, "" if none
   uint32_t loads_after_barrier = 0;  // device loads of a loop's iteration waiting behind a threadgroup barrier
 };
 
@@ -105,15 +105,15 @@ struct Stats {
   Size3 threadgroups{};
   Size3 threads_per_threadgroup{};
   uint64_t threads = 0;
-  uint64_t barriers = 0;            // threadgroup barriers completed (per threadgroup)
-  uint64_t simdgroup_barriers = 0;  // simdgroup barriers completed (per simdgroup)
-  uint64_t simd_operations = 0;     // simd functions completed (per simdgroup)
+  uint64_t barriers = 0;                // threadgroup barriers completed (per threadgroup)
+  uint64_t simdgroup_barriers = 0;      // simdgroup barriers completed (per simdgroup)
+  uint64_t simd_operations = 0;         // simd functions completed (per simdgroup)
   std::vector<uint64_t> bytes_read;     // per buffer index
   std::vector<uint64_t> bytes_written;  // per buffer index
   // per buffer index: access width in bytes -> number of accesses
   std::vector<std::map<uint32_t, uint64_t>> read_widths, write_widths;
   uint64_t threadgroup_bytes_read = 0, threadgroup_bytes_written = 0;
-  std::vector<bool> bound_from_bytes;  // per buffer index: constant data, not memory
+  std::vector<bool> bound_from_bytes;     // per buffer index: constant data, not memory
   std::vector<std::string> buffer_names;  // per buffer index: the kernel's parameter name
   KernelInfo kernel_info;
   // 64-bit integer work the threads executed (see count_int64 in
@@ -133,7 +133,7 @@ struct Stats {
   // simdgroup touched, and the fewest lines their bytes could have taken
   std::vector<uint64_t> cache_lines, cache_lines_minimum;
   uint64_t threadgroup_memory_instructions = 0;  // executed by a simdgroup
-  uint64_t bank_conflict_cycles = 0;  // extra cycles of those over conflict-free
+  uint64_t bank_conflict_cycles = 0;             // extra cycles of those over conflict-free
   // per buffer index: the distinct bytes each threadgroup read, summed over
   // threadgroups (re-reads by other threadgroups count, by the same one not),
   // and the distinct bytes read by the whole dispatch

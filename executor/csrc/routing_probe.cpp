@@ -45,7 +45,10 @@ std::pair<std::function<void()>, std::function<void()>> calls(const std::string&
   if (which == "copy_")
     return both([](const char* ns) {
       auto op = typed<at::Tensor&(at::Tensor&, const at::Tensor&, bool)>(ns, "copy_", "");
-      return std::function<void()>([op] { at::Tensor d = a; op.call(d, b, false); });
+      return std::function<void()>([op] {
+        at::Tensor d = a;
+        op.call(d, b, false);
+      });
     });
   if (which == "eq")
     return both([](const char* ns) {
@@ -59,14 +62,14 @@ std::pair<std::function<void()>, std::function<void()>> calls(const std::string&
     });
   if (which == "linear")
     return both([](const char* ns) {
-      auto op = typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>(ns, "linear",
-                                                                                                         "");
+      auto op =
+          typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>(ns, "linear", "");
       return std::function<void()>([op] { op.call(x1, w, std::nullopt); });
     });
   if (which == "constant_pad_nd")
     return both([](const char* ns) {
-      auto op = typed<at::Tensor(const at::Tensor&, c10::SymIntArrayRef, const c10::Scalar&)>(ns, "constant_pad_nd",
-                                                                                               "");
+      auto op =
+          typed<at::Tensor(const at::Tensor&, c10::SymIntArrayRef, const c10::Scalar&)>(ns, "constant_pad_nd", "");
       return std::function<void()>([op] {
         const c10::SymInt pad[2] = {1, 1};
         op.call(a, c10::SymIntArrayRef(pad, 2), 0);

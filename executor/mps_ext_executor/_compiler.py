@@ -37,8 +37,20 @@ from pathlib import Path
 
 from . import _analysis, _instrument, _lint, _translate
 
-__all__ = ["CompileError", "Built", "MathMode", "build", "preprocess", "check_address_spaces", "check_file", "check_source",
-           "find_clang", "cache_dir", "math_mode", "set_math_mode"]
+__all__ = [
+    "CompileError",
+    "Built",
+    "MathMode",
+    "build",
+    "preprocess",
+    "check_address_spaces",
+    "check_file",
+    "check_source",
+    "find_clang",
+    "cache_dir",
+    "math_mode",
+    "set_math_mode",
+]
 
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE / "include"
@@ -289,7 +301,9 @@ def translation_unit(preprocessed: str, tr: "_translate.Translation | None" = No
 #   anonymous class, one declaring its own copy constructor);
 _STRUCT_COPY_NOTES = (
     re.compile(r"implicit (copy|move) constructor\) not viable: .*address space"),
-    re.compile(r"no known conversion from '__attribute__\(\(address_space\(\d\)\)\) (?:const )?(.+?)' to '(?:const )?\1"),
+    re.compile(
+        r"no known conversion from '__attribute__\(\(address_space\(\d\)\)\) (?:const )?(.+?)' to '(?:const )?\1"
+    ),
 )
 # - assignment to an object in device or threadgroup memory: its `this`
 #   would need the address space. Legal where the same assignment compiles
@@ -314,7 +328,9 @@ def _drop_struct_copies(stderr: str, erased_errors) -> list[Diagnostic]:
         if head.severity in ("error", "fatal error"):
             if any(pat.search(n.message) for n in g[1:] for pat in _STRUCT_COPY_NOTES):
                 continue
-            if head.message == "no viable overloaded '='" and any(_ASSIGNMENT_IN_SPACE.search(n.message) for n in g[1:]):
+            if head.message == "no viable overloaded '='" and any(
+                _ASSIGNMENT_IN_SPACE.search(n.message) for n in g[1:]
+            ):
                 erased = erased_errors() if erased is None else erased
                 if (head.file, head.line, head.column) not in erased:
                     continue
@@ -335,8 +351,10 @@ _CXX20_ONLY = ["-Wno-everything", "-Werror=c++23-extensions"]
 _ENTRY_POINTS = '\n#line 1 "<executor entry points>"\n'
 
 
-_OBJECT_PARAMETER = re.compile(r"(?:cannot initialize object parameter of type '(?:const )?|"
-                               r"no viable conversion from '(?:const )?(?:device|constant|threadgroup) (?:const )?)(\w+)")
+_OBJECT_PARAMETER = re.compile(
+    r"(?:cannot initialize object parameter of type '(?:const )?|"
+    r"no viable conversion from '(?:const )?(?:device|constant|threadgroup) (?:const )?)(\w+)"
+)
 
 
 def check_address_spaces(tu: str, workdir: Path, address_space_classes=()) -> list[Diagnostic]:
@@ -345,7 +363,9 @@ def check_address_spaces(tu: str, workdir: Path, address_space_classes=()) -> li
     address_space_classes in any address space are legal (the translator
     dropped the member functions' address-space qualifiers)."""
     path = workdir / "address_spaces.cpp"
-    path.write_text(tu.replace(_ENTRY_POINTS, '\n#pragma clang diagnostic ignored "-Wc++17-extensions"' + _ENTRY_POINTS))
+    path.write_text(
+        tu.replace(_ENTRY_POINTS, '\n#pragma clang diagnostic ignored "-Wc++17-extensions"' + _ENTRY_POINTS)
+    )
     cmd = [find_clang(), *_CHECK_LANGUAGE, "-fsyntax-only", *_CXX20_ONLY, "-ferror-limit=0",
            "-fno-color-diagnostics", "-fno-caret-diagnostics", "-DMX_ADDRESS_SPACES=1", "-isystem", str(INCLUDE),
            str(path)]

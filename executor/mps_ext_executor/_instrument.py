@@ -667,7 +667,9 @@ def _instrument_body(f: _Function, shader: bool, site_of, fresh, declares: set[s
             try:
                 inserted = _instrument_instruction(lhs, rhs, line, private, site_of, fresh)
             except (IndexError, AttributeError, ValueError) as e:
-                raise InstrumentError(f"the executor cannot parse this instruction ({e}): {line.strip()[:200]}") from None
+                raise InstrumentError(
+                    f"the executor cannot parse this instruction ({e}): {line.strip()[:200]}"
+                ) from None
             if inserted is None:
                 new.append(inst)
             else:
@@ -945,7 +947,11 @@ def _instrument_instruction(lhs, rhs, line, private, site_of, fresh):
         res = [f"  {zero} = icmp eq {ty} {den}, zeroinitializer" if ty.startswith("<")
                else f"  {zero} = icmp eq {ty} {den}, 0"]
         if ty.startswith("<"):
-            one = "<" + ", ".join([f"{_first_type(ty[1:-1].split(' x ', 1)[1])[0]} 1"] * int(ty[1:].split(" x ")[0])) + ">"
+            one = (
+                "<"
+                + ", ".join([f"{_first_type(ty[1:-1].split(' x ', 1)[1])[0]} 1"] * int(ty[1:].split(" x ")[0]))
+                + ">"
+            )
             res.append(f"  {safe} = select <{ty[1:].split(' x ')[0]} x i1> {zero}, {ty} {one}, {ty} {den}")
         else:
             if op in ("sdiv", "srem") and num.startswith("%"):
@@ -1003,7 +1009,9 @@ def _site_table(sites: list[str]) -> str:
 OPS_INT64_DIVISIONS, OPS_INT64_MULTIPLICATIONS, OPS_INT32_DIVISIONS, OPS_FLOAT_DIVISIONS = 0, 1, 2, 3
 
 _INT_OP_RE = re.compile(rf"^\s*({_NAME}) = (mul|sdiv|udiv|srem|urem)((?: nuw| nsw| exact)*) (.*)$")
-_FDIV_RE = re.compile(rf"^\s*({_NAME}) = fdiv((?: [a-z]+)*?) ((?:float|half|bfloat|<[0-9]+ x (?:float|half|bfloat)>) .*)$")
+_FDIV_RE = re.compile(
+    rf"^\s*({_NAME}) = fdiv((?: [a-z]+)*?) ((?:float|half|bfloat|<[0-9]+ x (?:float|half|bfloat)>) .*)$"
+)
 # Fast-math flags that let a compiler replace a division by a reciprocal
 # and a multiply (Metal's fast math; `afn`: approximate functions).
 _FAST_DIVISION_FLAGS = {"fast", "arcp", "afn"}

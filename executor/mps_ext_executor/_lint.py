@@ -25,24 +25,24 @@ __all__ = ["lint", "lint_includes", "RULES"]
 RULES = {
     "std-header": "no C or C++ standard-library header (<cmath>, <stdint.h>, ...): Metal has only its own (<metal_*>)",
     "double": "no double (MSL 2.1: Metal has no 64-bit floating point)",
-    "long-long": "no long long or unsigned long long (MSL 2.1: not Metal types; long and ulong are its 64-bit integers)",
+    "long-long": "no long long or unsigned long long (MSL 2.1: not Metal types; long and ulong are its 64-bit integers)",  # noqa: E501
     "recursion": "no recursion a kernel reaches (calls to overloaded names are not followed)",
     "kernel-param-attribute": "every kernel parameter has an attribute ([[buffer(i)]], a builtin, ...), except device "
-                              "and constant pointers and references, which take the lowest free buffer indices",
+    "and constant pointers and references, which take the lowest free buffer indices",
     "pointer-address-space": "pointer and reference parameters name an address space",
     "kernel-argument-type": "a kernel's [[buffer(i)]] parameter is a device or constant pointer, reference or array, "
-                            "and a [[threadgroup(i)]] one a threadgroup pointer or reference (the specification's "
-                            "kernel argument kinds: buffers are not passed by value)",
+    "and a [[threadgroup(i)]] one a threadgroup pointer or reference (the specification's "
+    "kernel argument kinds: buffers are not passed by value)",
     "program-scope-variable": "program-scope variables are in the constant address space (MSL 4.2)",
     "static-variable": "static data members and static locals are in the constant address space",
     "constant-initializer": "program-scope constant variables are initialized (MSL 4.2)",
     "threadgroup-variable-scope": "threadgroup variables are declared in kernel functions only (MSL 4.4)",
     "cxx20": "no C++ newer than C++20: Apple's compiler takes C++17 and C++20 features (if constexpr, fold "
-             "expressions, designated initializers, ...) as extensions of MSL's C++14, not C++23 ones",
+    "expressions, designated initializers, ...) as extensions of MSL's C++14, not C++23 ones",
     "virtual": "no virtual functions (MSL 1.4.4 restrictions)",
-    "derived-class": "no derived classes: a class or struct has no base-specifier list (MSL 1.4.4 restrictions, 1.5.4 in 3.x; "
-                     "Apple: \"derived classes are not supported in Metal\"), except inside a "
-                     "`#pragma METAL internals : enable` region, where Apple's and MLX's own headers write them",
+    "derived-class": "no derived classes: a class or struct has no base-specifier list (MSL 1.4.4 restrictions, 1.5.4 in 3.x; "  # noqa: E501
+    'Apple: "derived classes are not supported in Metal"), except inside a '
+    "`#pragma METAL internals : enable` region, where Apple's and MLX's own headers write them",
     "exceptions": "no exception handling: try, catch, throw (MSL 1.4.4 restrictions)",
     "new-delete": "no new and delete operators (MSL 1.4.4 restrictions)",
     "rtti": "no dynamic_cast or typeid (MSL 1.4.4 restrictions)",
@@ -51,15 +51,15 @@ RULES = {
     "lambda": "no lambda expressions (MSL 1.4.4 restrictions)",
     "noexcept-operator": "no noexcept operator (MSL 1.4.4 restrictions)",
     "function-pointer": "no function pointers (MSL 2.3+ allows them only for [[visible]] functions linked "
-                        "through MTLLinkedFunctions, which mps_ext does not use)",
+    "through MTLLinkedFunctions, which mps_ext does not use)",
     "main": "no function named main (MSL 1.4.4 restrictions)",
     "builtin-type": "a builtin kernel attribute is declared with one of the types the spec lists for it (MSL 5.2.3.6)",
     "builtin-width": "the position and size attributes of one kernel have the same number of components (MSL 5.2.3.6)",
     "builtin-same-type": "[[thread_position_in_grid]] and [[threads_per_grid]] have the same type, and so do "
-                         "[[thread_position_in_threadgroup]], [[threads_per_threadgroup]] and "
-                         "[[dispatch_threads_per_threadgroup]] (MSL 5.2.3.6)",
+    "[[thread_position_in_threadgroup]], [[threads_per_threadgroup]] and "
+    "[[dispatch_threads_per_threadgroup]] (MSL 5.2.3.6)",
     "thread-index-type": "[[thread_index_in_threadgroup]] is uint when [[thread_position_in_threadgroup]] is "
-                         "uint, uint2 or uint3 (MSL 5.2.3.6)",
+    "uint, uint2 or uint3 (MSL 5.2.3.6)",
     "builtin-conflict": "[[thread_execution_width]] and [[threads_per_simdgroup]] are not both declared",
     "buffer-index": "[[buffer(i)]] indices of a kernel are distinct and at most 30 (31 buffer argument table entries)",
     "threadgroup-index": "[[threadgroup(i)]] indices of a kernel are distinct and at most 30",
@@ -69,7 +69,7 @@ RULES = {
     "host-name": "kernel names ([[host_name]] or the function's name) are unique in a library",
     # Checked by the check compile (mx_metal.h's thread_elements() type), not the lint.
     "thread-elements": "simdgroup_matrix::thread_elements() is indexed or reinterpret_cast to vec<T, 2>&, never "
-                       "assigned or read as a whole vector (Apple does not publish its type)",
+    "assigned or read as a whole vector (Apple does not publish its type)",
 }
 
 # The C and C++ standard libraries' headers (C++14 and C11 names, and the
@@ -603,8 +603,15 @@ def _function_body_rules(r: _Reader, body: _Body, out: list[str]):
         for tg, _decl in r.threadgroup_vars:
             if body.open < tg < body.close:
                 file, line = r.where(r.toks[tg].start)
-                out.append(_finding(file, line, f"threadgroup variable declared in '{f.name}', which is not a "
-                                    "kernel: declare it in the kernel and pass a pointer", "threadgroup-variable-scope"))
+                out.append(
+                    _finding(
+                        file,
+                        line,
+                        f"threadgroup variable declared in '{f.name}', which is not a "
+                        "kernel: declare it in the kernel and pass a pointer",
+                        "threadgroup-variable-scope",
+                    )
+                )
 
 
 # ------------------------------------------------------------ kernel rules --

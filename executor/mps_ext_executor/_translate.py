@@ -264,7 +264,9 @@ class _Translator:
                 parens -= 1
             elif parens > 0:
                 continue
-            elif open_ == "<" and s == "<" and j > i and self.toks[j - 1].kind != "ident" and self.t(j - 1) != "template":
+            elif (
+                open_ == "<" and s == "<" and j > i and self.toks[j - 1].kind != "ident" and self.t(j - 1) != "template"
+            ):
                 continue  # `sizeof(T) < 8`: a comparison, no template argument list opens after ')'
             elif s == open_:
                 depth += 1
@@ -372,7 +374,11 @@ class _Translator:
                     i = self._explicit_instantiation(i, scopes)
                     stmt_start, stmt_attrs, stmt_kernel = i, [], False
                     continue
-                elif s in ("kernel", "vertex", "fragment") and scope == "ns" and self.t(i + 1) not in ("(", "=", ";", ","):
+                elif (
+                    s in ("kernel", "vertex", "fragment")
+                    and scope == "ns"
+                    and self.t(i + 1) not in ("(", "=", ";", ",")
+                ):
                     if s != "kernel":
                         self.problem(tok.start, f"{s} functions are not supported by the CPU Metal executor")
                     self.blank(i, i + 1)
@@ -1038,7 +1044,9 @@ class _Translator:
         if kdef is None:
             kdef = next((d for (ns, n), d in self.kernel_defs.items() if n == name), None)
         if kdef is None:
-            self.problem(self.toks[i].start, f"'{host_name}' instantiates '{name}', which is not a kernel defined before it")
+            self.problem(
+                self.toks[i].start, f"'{host_name}' instantiates '{name}', which is not a kernel defined before it"
+            )
             return j + 1
         callee_text = _qualified(kdef.namespace, name) + template_args
         max_threads = kdef.max_threads
@@ -1050,7 +1058,9 @@ class _Translator:
 
 def _binding(params: list[Param]) -> list[tuple]:
     """What an entry point makes of a kernel's parameters (not where they are)."""
-    return [(p.name, p.attribute, p.argument, p.address_space, p.is_reference, p.is_pointer, p.is_array) for p in params]
+    return [
+        (p.name, p.attribute, p.argument, p.address_space, p.is_reference, p.is_pointer, p.is_array) for p in params
+    ]
 
 
 def _assign_buffer_indices(params: list[Param]):
@@ -1069,7 +1079,11 @@ def _assign_buffer_indices(params: list[Param]):
                 return  # an index computed at compile time: leave the others to the lint
     n = 0
     for p in params:
-        if not p.attribute and p.address_space in ("device", "constant") and (p.is_pointer or p.is_reference or p.is_array):
+        if (
+            not p.attribute
+            and p.address_space in ("device", "constant")
+            and (p.is_pointer or p.is_reference or p.is_array)
+        ):
             while n in taken:
                 n += 1
             p.attribute, p.argument = "buffer", str(n)
@@ -1134,7 +1148,7 @@ def entry_points(kernels: list[Kernel]) -> tuple[str, list[tuple[int, str]]]:
         "  else return T{(E)v.x, (E)v.y, (E)v.z};",
         "}",
         "template <class P> inline P builtin_arg(mx_u32 v) { return (P)v; }",
-        "template <class T> constexpr mx_u64 size_of() { if constexpr (__is_void(T)) return 1; else return sizeof(T); }",
+        "template <class T> constexpr mx_u64 size_of() { if constexpr (__is_void(T)) return 1; else return sizeof(T); }",  # noqa: E501
         "template <class P> constexpr mx_u64 pointee_size() {",
         "  if constexpr (__is_reference(P)) return size_of<typename __mx::remove_ref<P>::type>();",
         "  else return size_of<typename __mx::remove_ptr<P>::type>();",
@@ -1162,7 +1176,7 @@ def entry_points(kernels: list[Kernel]) -> tuple[str, list[tuple[int, str]]]:
                 args.append(f"__mx_gen::buffer_arg<{pt}>(t->buffers[{p.argument}])")
                 flags = f"__mx_gen::param_flags<{pt}>({'true' if p.address_space == 'constant' else 'false'})"
                 descs.append(
-                    f'{{"{p.name}", MX_PARAM_BUFFER, (mx_u32)({p.argument}), {spaces.get(p.address_space, "MX_AS_NONE")}, '
+                    f'{{"{p.name}", MX_PARAM_BUFFER, (mx_u32)({p.argument}), {spaces.get(p.address_space, "MX_AS_NONE")}, '  # noqa: E501
                     f"{flags}, __mx_gen::pointee_size<{pt}>()}}"
                 )
                 if p.address_space not in ("device", "constant"):
@@ -1174,14 +1188,18 @@ def entry_points(kernels: list[Kernel]) -> tuple[str, list[tuple[int, str]]]:
                     f"__mx_gen::pointee_size<{pt}>()}}"
                 )
                 if p.address_space != "threadgroup":
-                    problems.append((p.line, f"{where}: a [[threadgroup]] parameter needs the threadgroup address space"))
+                    problems.append(
+                        (p.line, f"{where}: a [[threadgroup]] parameter needs the threadgroup address space")
+                    )
             elif p.attribute in BUILTINS:
                 args.append(f"__mx_gen::builtin_arg<{pt}>({BUILTINS[p.attribute]})")
                 descs.append(f'{{"{p.name}", MX_PARAM_BUILTIN, 0u, MX_AS_NONE, 0u, 0u}}')
             elif not p.attribute:
                 problems.append((p.line, f"{where} has no attribute ([[buffer(i)]], [[threadgroup(i)]] or a builtin)"))
             else:
-                problems.append((p.line, f"{where}: attribute [[{p.attribute}]] is not supported by the CPU Metal executor"))
+                problems.append(
+                    (p.line, f"{where}: attribute [[{p.attribute}]] is not supported by the CPU Metal executor")
+                )
         out.append(f'extern "C" void __mx_entry_{n}(const mx_thread_info* t) {{')
         out.append(f"  {k.callee}({', '.join(args)});")
         out.append("}")

@@ -100,7 +100,7 @@ def difference(want, got, tolerance: float, where: str = "output", _depth: int =
         return None
     if isinstance(want, dict):
         if not isinstance(got, dict) or want.keys() != got.keys():
-            return f"{where}: keys {sorted(map(str, want))} against {sorted(map(str, got)) if isinstance(got, dict) else got}"
+            return f"{where}: keys {sorted(map(str, want))} against {sorted(map(str, got)) if isinstance(got, dict) else got}"  # noqa: E501
         for k in want:
             d = difference(want[k], got[k], tolerance, f"{where}[{k!r}]", _depth + 1)
             if d:

@@ -260,7 +260,9 @@ def cache_update(cache, key_states: torch.Tensor, value_states: torch.Tensor, la
         n = old_k.shape[-2] if old_k.numel() else 0
         if n and (old_k.shape[:2] != (b, h) or old_k.shape[3] != d or old_v.shape != old_k.shape
                   or old_k.dtype != key_states.dtype or old_v.dtype != key_states.dtype):
-            return _release_update(cache, key_states, value_states, layer_idx, kwargs)  # torch.cat would raise or promote
+            return _release_update(
+                cache, key_states, value_states, layer_idx, kwargs
+            )  # torch.cat would raise or promote
         capacity = -(-(n + t) // KV_STEP) * KV_STEP
         k_buf = key_states.new_empty((b, h, capacity, d))
         v_buf = key_states.new_empty((b, h, capacity, d))

@@ -181,7 +181,9 @@ def _plan(mod: nn.Module, layout: _Layout) -> _Plan | str:
         return f"it holds {len(mixers)} of the mixers {', '.join(layout.mixers)} (optimize knows layers of one)"
     extra = [n for n, _ in mod.named_children() if n not in (layout.input_norm, layout.post_norm, layout.ffn, *mixers)]
     if extra:
-        return f"it holds {', '.join(extra)} beside its norms, {mixers[0]} and {layout.ffn} (optimize knows no such layer)"
+        return (
+            f"it holds {', '.join(extra)} beside its norms, {mixers[0]} and {layout.ffn} (optimize knows no such layer)"
+        )
     try:
         signature = inspect.signature(type(mod).forward)
     except (TypeError, ValueError):
@@ -241,7 +243,7 @@ def _probe(mod: nn.Module, original, plan: _Plan) -> str | None:
         for m, training in modes:
             m.training = training
     if len(calls) != 2:
-        return f"its forward called {plan.mixer} {len(calls) - 1} times on a probe (optimize knows layers that call it once)"
+        return f"its forward called {plan.mixer} {len(calls) - 1} times on a probe (optimize knows layers that call it once)"  # noqa: E501
     (want_args, want_kwargs), (got_args, got_kwargs) = calls
     same_call = (not want_args and not got_args and want_kwargs.keys() == got_kwargs.keys()
                  and torch.equal(want_kwargs["hidden_states"], got_kwargs["hidden_states"])
@@ -296,8 +298,9 @@ class DecoderPass(Pass):
         module.__class__ = _fused_class(cls)
         module._mps_ext_decoder = plan
         ffn = getattr(module, plan.layout.ffn)
-        return (f"{cls.__name__} -> {plan.mixer}'s residual add and {plan.layout.post_norm} on add_rms_norm"
-                + (", the second residual add in the MoE block's moe_layer call" if isinstance(ffn, FusedMoEMixin) else ""))
+        return f"{cls.__name__} -> {plan.mixer}'s residual add and {plan.layout.post_norm} on add_rms_norm" + (
+            ", the second residual add in the MoE block's moe_layer call" if isinstance(ffn, FusedMoEMixin) else ""
+        )
 
     def witness(self, model, name):
         return getattr(model.get_submodule(name), model.get_submodule(name)._mps_ext_decoder.layout.post_norm).weight

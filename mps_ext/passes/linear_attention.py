@@ -142,7 +142,9 @@ class FusedDecodeMixin:
         wherever the kernel would run), as a function of no arguments; None
         where the layer's own forward runs."""
         hidden_states, cache, mask = recurrent_call(args, kwargs)
-        if not cached_decode_step(hidden_states, cache, mask, self.layer_idx, None if reference else "linear_attention"):
+        if not cached_decode_step(
+            hidden_states, cache, mask, self.layer_idx, None if reference else "linear_attention"
+        ):
             return None
         get_conv, get_recurrent = (getattr(cache, n, None) for n in ("get_conv_state", "get_recurrent_state"))
         if not (callable(get_conv) and callable(get_recurrent)):

@@ -459,7 +459,9 @@ def _plan(block: nn.Module) -> _Kernel | str:
     shared = _shared_parts(block, intermediate, fp8, dtype)
     if isinstance(shared, str) and not (isinstance(getattr(block, "shared_expert", None), nn.Module)
                                         and isinstance(getattr(block, "shared_expert_gate", None), nn.Module)):
-        return f"{shared}: optimize runs a shared expert apart only as sigmoid(shared_expert_gate(x)) * shared_expert(x)"
+        return (
+            f"{shared}: optimize runs a shared expert apart only as sigmoid(shared_expert_gate(x)) * shared_expert(x)"
+        )
     fused_shared = isinstance(shared, tuple)
     if e + fused_shared > MAX_EXPERTS:
         return f"{e} experts: moe_route takes at most {MAX_EXPERTS}"

@@ -83,9 +83,16 @@ class FusedShortConvMixin:
         w, b, dt = self.conv.weight, self.conv.bias, hidden_states.dtype
         k = w.shape[-1]
         # what the op takes (else its error would reach the user): one dtype, a contiguous window and weight
-        if (not isinstance(conv_state, torch.Tensor) or conv_state.dtype != dt or conv_state.shape[-1] != k
-                or not (recording or conv_state.is_contiguous()) or (recording and not callable(append))
-                or w.dtype != dt or not w.is_contiguous() or (b is not None and (b.dtype != dt or not b.is_contiguous()))):
+        if (
+            not isinstance(conv_state, torch.Tensor)
+            or conv_state.dtype != dt
+            or conv_state.shape[-1] != k
+            or not (recording or conv_state.is_contiguous())
+            or (recording and not callable(append))
+            or w.dtype != dt
+            or not w.is_contiguous()
+            or (b is not None and (b.dtype != dt or not b.is_contiguous()))
+        ):
             return None
         op = short_conv_decode_reference if reference else torch.ops.mps_ext.short_conv_decode
 

@@ -288,9 +288,20 @@ def _expected_positions(grid, tpt, uniform):
                 index = local[0] + local[1] * actual[0] + local[2] * actual[0] * actual[1]
                 count = actual[0] * actual[1] * actual[2]
                 rows[(z * grid[1] + y) * grid[0] + x] = [
-                    *pos, *local, *group, *actual, *tpt, *groups,
-                    groups[0] * groups[1] * groups[2] * tpt[0] * tpt[1] * tpt[2] if uniform else grid[0] * grid[1] * grid[2],
-                    index, index % 32, index // 32, (count + 31) // 32, 33,
+                    *pos,
+                    *local,
+                    *group,
+                    *actual,
+                    *tpt,
+                    *groups,
+                    groups[0] * groups[1] * groups[2] * tpt[0] * tpt[1] * tpt[2]
+                    if uniform
+                    else grid[0] * grid[1] * grid[2],
+                    index,
+                    index % 32,
+                    index // 32,
+                    (count + 31) // 32,
+                    33,
                 ]
     return rows
 

@@ -190,7 +190,9 @@ def test_large_private_arrays_run(kernels, name, n):
 
 
 def test_private_array_beyond_the_limit_is_an_error(kernels):
-    with pytest.raises(cpu_metal.KernelError, match="kernel 'private_array_80m' needs about 78125 KiB of thread-private"):
+    with pytest.raises(
+        cpu_metal.KernelError, match="kernel 'private_array_80m' needs about 78125 KiB of thread-private"
+    ):
         kernels("robustness").dispatch("private_array_80m", [torch.zeros(1)], threads=1, threads_per_threadgroup=1)
 
 
@@ -204,7 +206,9 @@ def test_a_simdgroup_waits_for_another_through_an_atomic(kernels, name, seen):
 @pytest.mark.parametrize("name", ["wait_forever", "spin_on_memory"])
 def test_a_spin_that_never_ends_is_an_error(kernels, monkeypatch, name):
     monkeypatch.setenv("MPS_EXT_EXECUTOR_WATCHDOG_SECONDS", "0.5")
-    args = [torch.zeros(64, dtype=torch.int32)] + ([torch.zeros(1, dtype=torch.int32)] if name == "spin_on_memory" else [])
+    args = [torch.zeros(64, dtype=torch.int32)] + (
+        [torch.zeros(1, dtype=torch.int32)] if name == "spin_on_memory" else []
+    )
     with pytest.raises(cpu_metal.KernelError, match=f"kernel '{name}' made no progress for 0.5 s"):
         kernels("robustness").dispatch(name, args, threadgroups=1, threads_per_threadgroup=64)
 

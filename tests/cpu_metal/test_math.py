@@ -105,7 +105,7 @@ kernel void k(device float* out [[buffer(0)]], device const float2* x [[buffer(1
   out[i * 6 + 4] = fast::max(a, b);
   out[i * 6 + 5] = fast::clamp(a, -1.0f, 1.0f) + precise::fmax3(a, b, 0.5f) - fast::fmin3(a, b, -0.5f);
 }
-"""
+"""  # noqa: E501
     x = np.array([[0.5, -2], [3, 1], [-7, 7], [1, np.nan], [np.nan, 2]], np.float32)
     out = np.zeros(len(x) * 6, np.float32)
     cpu_metal.compile_library(src).dispatch("k", [out, x], threads=len(x), threads_per_threadgroup=1)
@@ -142,7 +142,7 @@ kernel void k(device float* out [[buffer(0)]], device const float4* m [[buffer(1
   out[o++] = (-a + a * 2.0f)[2][1];
   out[o++] = float4x4(3.0f)[1][1] + float4x4(3.0f)[1][2];
 }
-"""
+"""  # noqa: E501
 
 
 def test_matrices_against_numpy():
@@ -291,7 +291,7 @@ using namespace metal;
 kernel void k(device {dtype}* out [[buffer(0)]], device const {dtype}* x [[buffer(1)]], uint i [[thread_position_in_grid]]) {{
 {body}
 }}
-"""
+"""  # noqa: E501
 
 
 def _run_bounded(names, x, perturb, dtype=np.float32):

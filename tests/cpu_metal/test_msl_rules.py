@@ -19,223 +19,349 @@ K = "kernel void k(device float* x [[buffer(0)]], uint i [[thread_position_in_gr
 
 # case -> (shader with the bug, a valid variant). The case name starts with the rule.
 CASES = {
-    "std-header": ("#include <cmath> // BUG\n" + K + " { x[i] = 1; }",
-                   K + " { x[i] = 1; }"),
-    "double": (K + " {\n  double d = x[i]; // BUG\n  x[i] = d * 2;\n}",
-               K + " {\n  float d = x[i];\n  x[i] = d * 2;\n}"),
-    "long-long": (K + " {\n  long long n = long(x[i]); // BUG\n  x[i] = float(n);\n}",
-                  K + " {\n  long n = long(x[i]);\n  x[i] = float(n);\n}"),
-    "long-long:unsigned": (K + " {\n  unsigned long long n = ulong(x[i]); // BUG\n  x[i] = float(n);\n}",
-                           K + " {\n  ulong n = ulong(x[i]);\n  x[i] = float(n);\n}"),
-    "recursion": ("float g(float v);\nfloat f(float v) { return v > 0 ? g(v - 1) : 0; } // BUG\n"
-                  "float g(float v) { return f(v); }\n" + K + " { x[i] = f(3); }",
-                  "float g(float v) { return v; }\nfloat f(float v) { return v > 0 ? g(v - 1) : 0; }\n"
-                  + K + " { x[i] = f(3); }"),
+    "std-header": ("#include <cmath> // BUG\n" + K + " { x[i] = 1; }", K + " { x[i] = 1; }"),
+    "double": (
+        K + " {\n  double d = x[i]; // BUG\n  x[i] = d * 2;\n}",
+        K + " {\n  float d = x[i];\n  x[i] = d * 2;\n}",
+    ),
+    "long-long": (
+        K + " {\n  long long n = long(x[i]); // BUG\n  x[i] = float(n);\n}",
+        K + " {\n  long n = long(x[i]);\n  x[i] = float(n);\n}",
+    ),
+    "long-long:unsigned": (
+        K + " {\n  unsigned long long n = ulong(x[i]); // BUG\n  x[i] = float(n);\n}",
+        K + " {\n  ulong n = ulong(x[i]);\n  x[i] = float(n);\n}",
+    ),
+    "recursion": (
+        "float g(float v);\nfloat f(float v) { return v > 0 ? g(v - 1) : 0; } // BUG\n"
+        "float g(float v) { return f(v); }\n" + K + " { x[i] = f(3); }",
+        "float g(float v) { return v; }\nfloat f(float v) { return v > 0 ? g(v - 1) : 0; }\n" + K + " { x[i] = f(3); }",
+    ),
     # Overloads calling each other are not recursion; one function calling
     # itself is, free or member.
-    "recursion:self": ("inline float halve(float v) { return v > 1 ? halve(v / 2) : v; } // BUG\n"
-                       + K + " { x[i] = halve(x[i]); }",
-                       "inline float halve(float v) { return v / 2; }\ninline float halve(half v) { return halve(float(v)); }\n"
-                       + K + " { x[i] = halve(half(x[i])); }"),
-    "recursion:member": ("struct C {\n  float h(float v) { return v > 0 ? h(v - 1) : 0; } // BUG\n};\n"
-                         + K + " { C c; x[i] = c.h(x[i]); }",
-                         "struct A { static float h(float v) { return v; } };\n"
-                         "struct C {\n  float h(float v) { return A::h(v); }\n  float h(half v) { return h(float(v)); }\n};\n"
-                         + K + " { C c; x[i] = c.h(x[i]) + c.h(half(1)); }"),
+    "recursion:self": (
+        "inline float halve(float v) { return v > 1 ? halve(v / 2) : v; } // BUG\n" + K + " { x[i] = halve(x[i]); }",
+        "inline float halve(float v) { return v / 2; }\ninline float halve(half v) { return halve(float(v)); }\n"
+        + K
+        + " { x[i] = halve(half(x[i])); }",
+    ),
+    "recursion:member": (
+        "struct C {\n  float h(float v) { return v > 0 ? h(v - 1) : 0; } // BUG\n};\n"
+        + K
+        + " { C c; x[i] = c.h(x[i]); }",
+        "struct A { static float h(float v) { return v; } };\n"
+        "struct C {\n  float h(float v) { return A::h(v); }\n  float h(half v) { return h(float(v)); }\n};\n"
+        + K
+        + " { C c; x[i] = c.h(x[i]) + c.h(half(1)); }",
+    ),
     # Only recursion a kernel reaches: a function no kernel calls is never
     # compiled to GPU code (PyTorch's special_math.h has such templates). A
     # call through an object (`s.run(`) still reaches.
-    "recursion:unreached": ("template <typename T> T fact(T v) { return v > 1 ? v * fact(v - 1) : T(1); } // BUG\n"
-                            "struct S { float run(float v) { return fact(v); } };\n"
-                            + K + " { S s; x[i] = s.run(x[i]); }",
-                            "template <typename T> T fact(T v) { return v > 1 ? v * fact(v - 1) : T(1); }\n"
-                            "struct S { float run(float v) { return v; } };\n"
-                            + K + " { S s; x[i] = s.run(x[i]); }"),
-    "kernel-param-attribute": ("kernel void k(device float* x [[buffer(0)]],\n uint i) { x[i] = 1; } // BUG",
-                               K + " { x[i] = 1; }"),
-    "pointer-address-space": ("kernel void k(float* x [[buffer(0)]], // BUG\n"
-                              " uint i [[thread_position_in_grid]]) { x[i] = 1; }",
-                              K + " { x[i] = 1; }"),
+    "recursion:unreached": (
+        "template <typename T> T fact(T v) { return v > 1 ? v * fact(v - 1) : T(1); } // BUG\n"
+        "struct S { float run(float v) { return fact(v); } };\n" + K + " { S s; x[i] = s.run(x[i]); }",
+        "template <typename T> T fact(T v) { return v > 1 ? v * fact(v - 1) : T(1); }\n"
+        "struct S { float run(float v) { return v; } };\n" + K + " { S s; x[i] = s.run(x[i]); }",
+    ),
+    "kernel-param-attribute": (
+        "kernel void k(device float* x [[buffer(0)]],\n uint i) { x[i] = 1; } // BUG",
+        K + " { x[i] = 1; }",
+    ),
+    "pointer-address-space": (
+        "kernel void k(float* x [[buffer(0)]], // BUG\n uint i [[thread_position_in_grid]]) { x[i] = 1; }",
+        K + " { x[i] = 1; }",
+    ),
     # Buffers are pointers or references (or arrays) into device or constant
     # memory, threadgroup arguments pointers or references into threadgroup
     # memory: none is passed by value.
-    "kernel-argument-type": ("kernel void k(device float* x [[buffer(0)]],\n  float scale [[buffer(1)]], // BUG\n"
-                             "  uint i [[thread_position_in_grid]]) { x[i] *= scale; }",
-                             "kernel void k(device float* x [[buffer(0)]],\n  constant float& scale [[buffer(1)]],\n"
-                             "  uint i [[thread_position_in_grid]]) { x[i] *= scale; }"),
-    "kernel-argument-type:struct": ("struct P { float a, b; };\nkernel void k(device float* x [[buffer(0)]],\n  P p [[buffer(1)]], // BUG\n"
-                                    "  uint i [[thread_position_in_grid]]) { x[i] = p.a * x[i] + p.b; }",
-                                    "struct P { float a, b; };\nkernel void k(device float* x [[buffer(0)]],\n  constant P* p [[buffer(1)]],\n"
-                                    "  uint i [[thread_position_in_grid]]) { x[i] = p->a * x[i] + p->b; }"),
-    "kernel-argument-type:threadgroup": ("kernel void k(device float* x [[buffer(0)]],\n  device float* t [[threadgroup(0)]], // BUG\n"
-                                         "  uint i [[thread_position_in_threadgroup]]) { t[i] = x[i]; x[i] = t[0]; }",
-                                         "kernel void k(device float* x [[buffer(0)]],\n  threadgroup float* t [[threadgroup(0)]],\n"
-                                         "  uint i [[thread_position_in_threadgroup]]) { t[i] = x[i];\n"
-                                         "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  x[i] = t[0]; }"),
-    "program-scope-variable": ("float scale = 2.0f; // BUG\n" + K + " { x[i] *= scale; }",
-                               "constant float scale = 2.0f;\n" + K + " { x[i] *= scale; }"),
+    "kernel-argument-type": (
+        "kernel void k(device float* x [[buffer(0)]],\n  float scale [[buffer(1)]], // BUG\n"
+        "  uint i [[thread_position_in_grid]]) { x[i] *= scale; }",
+        "kernel void k(device float* x [[buffer(0)]],\n  constant float& scale [[buffer(1)]],\n"
+        "  uint i [[thread_position_in_grid]]) { x[i] *= scale; }",
+    ),
+    "kernel-argument-type:struct": (
+        "struct P { float a, b; };\nkernel void k(device float* x [[buffer(0)]],\n  P p [[buffer(1)]], // BUG\n"
+        "  uint i [[thread_position_in_grid]]) { x[i] = p.a * x[i] + p.b; }",
+        "struct P { float a, b; };\nkernel void k(device float* x [[buffer(0)]],\n  constant P* p [[buffer(1)]],\n"
+        "  uint i [[thread_position_in_grid]]) { x[i] = p->a * x[i] + p->b; }",
+    ),
+    "kernel-argument-type:threadgroup": (
+        "kernel void k(device float* x [[buffer(0)]],\n  device float* t [[threadgroup(0)]], // BUG\n"
+        "  uint i [[thread_position_in_threadgroup]]) { t[i] = x[i]; x[i] = t[0]; }",
+        "kernel void k(device float* x [[buffer(0)]],\n  threadgroup float* t [[threadgroup(0)]],\n"
+        "  uint i [[thread_position_in_threadgroup]]) { t[i] = x[i];\n"
+        "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  x[i] = t[0]; }",
+    ),
+    "program-scope-variable": (
+        "float scale = 2.0f; // BUG\n" + K + " { x[i] *= scale; }",
+        "constant float scale = 2.0f;\n" + K + " { x[i] *= scale; }",
+    ),
     # A lookup table with an initializer is still a program-scope variable.
-    "program-scope-variable:array": ("float table[4] = {1, 2, 3, 4}; // BUG\n" + K + " { x[i] = table[i % 4]; }",
-                                     "constant float table[4] = {1, 2, 3, 4};\n" + K + " { x[i] = table[i % 4]; }"),
-    "program-scope-variable:constexpr": ("constexpr int N = 4; // BUG\n" + K + " { x[i] = N; }",
-                                         "constant constexpr int N = 4;\n" + K + " { x[i] = N; }"),
+    "program-scope-variable:array": (
+        "float table[4] = {1, 2, 3, 4}; // BUG\n" + K + " { x[i] = table[i % 4]; }",
+        "constant float table[4] = {1, 2, 3, 4};\n" + K + " { x[i] = table[i % 4]; }",
+    ),
+    "program-scope-variable:constexpr": (
+        "constexpr int N = 4; // BUG\n" + K + " { x[i] = N; }",
+        "constant constexpr int N = 4;\n" + K + " { x[i] = N; }",
+    ),
     # linear.metal's bug: a static constexpr data member.
-    "static-variable:member": ("template <typename T> struct Wide {\n  static constexpr int N = 16 / sizeof(T); // BUG\n"
-                               "  float v[N];\n};\n" + K + " { Wide<half> w; w.v[0] = 1; x[i] = w.v[0] + Wide<half>::N; }",
-                               "template <typename T> struct Wide {\n  enum : int { N = int(16 / sizeof(T)) };\n"
-                               "  float v[N];\n};\n" + K + " { Wide<half> w; w.v[0] = 1; x[i] = w.v[0] + Wide<half>::N; }"),
-    "static-variable:constant-member": ("struct S {\n  static const int n = 3; // BUG\n};\n" + K + " { x[i] = S::n; }",
-                                        "struct S {\n  static constant constexpr int n = 3;\n};\n" + K + " { x[i] = S::n; }"),
-    "static-variable:local": ("float next() {\n  static int calls = 0; // BUG\n  return ++calls;\n}\n"
-                              + K + " { x[i] = next(); }",
-                              "float next(thread int& calls) {\n  return ++calls;\n}\n"
-                              + K + " { int calls = 0; x[i] = next(calls); }"),
-    "constant-initializer": ("constant float scale; // BUG\n" + K + " { x[i] = scale; }",
-                             "constant float scale = 1;\n" + K + " { x[i] = scale; }"),
+    "static-variable:member": (
+        "template <typename T> struct Wide {\n  static constexpr int N = 16 / sizeof(T); // BUG\n"
+        "  float v[N];\n};\n" + K + " { Wide<half> w; w.v[0] = 1; x[i] = w.v[0] + Wide<half>::N; }",
+        "template <typename T> struct Wide {\n  enum : int { N = int(16 / sizeof(T)) };\n"
+        "  float v[N];\n};\n" + K + " { Wide<half> w; w.v[0] = 1; x[i] = w.v[0] + Wide<half>::N; }",
+    ),
+    "static-variable:constant-member": (
+        "struct S {\n  static const int n = 3; // BUG\n};\n" + K + " { x[i] = S::n; }",
+        "struct S {\n  static constant constexpr int n = 3;\n};\n" + K + " { x[i] = S::n; }",
+    ),
+    "static-variable:local": (
+        "float next() {\n  static int calls = 0; // BUG\n  return ++calls;\n}\n" + K + " { x[i] = next(); }",
+        "float next(thread int& calls) {\n  return ++calls;\n}\n" + K + " { int calls = 0; x[i] = next(calls); }",
+    ),
+    "constant-initializer": (
+        "constant float scale; // BUG\n" + K + " { x[i] = scale; }",
+        "constant float scale = 1;\n" + K + " { x[i] = scale; }",
+    ),
     # A function constant takes its value from the pipeline (MSL 5.8.1).
-    "constant-initializer:function-constant": ("constant bool has_bias; // BUG\n" + K + " { if (has_bias) x[i] += 1; }",
-                                               "constant bool has_bias [[function_constant(0)]];\n"
-                                               + K + " { if (has_bias) x[i] += 1; }"),
-    "threadgroup-variable-scope": ("float stage(float v, uint i) {\n  threadgroup float t[32]; // BUG\n  t[i % 32] = v;\n"
-                                   "  return t[0];\n}\n" + K + " { x[i] = stage(x[i], i); }",
-                                   "float stage(threadgroup float* t, float v, uint i) {\n  t[i % 32] = v;\n"
-                                   "  return t[0];\n}\n" + K + " {\n  threadgroup float t[32];\n"
-                                   "  x[i] = stage(t, x[i], i);\n}"),
+    "constant-initializer:function-constant": (
+        "constant bool has_bias; // BUG\n" + K + " { if (has_bias) x[i] += 1; }",
+        "constant bool has_bias [[function_constant(0)]];\n" + K + " { if (has_bias) x[i] += 1; }",
+    ),
+    "threadgroup-variable-scope": (
+        "float stage(float v, uint i) {\n  threadgroup float t[32]; // BUG\n  t[i % 32] = v;\n"
+        "  return t[0];\n}\n" + K + " { x[i] = stage(x[i], i); }",
+        "float stage(threadgroup float* t, float v, uint i) {\n  t[i % 32] = v;\n"
+        "  return t[0];\n}\n" + K + " {\n  threadgroup float t[32];\n"
+        "  x[i] = stage(t, x[i], i);\n}",
+    ),
     # Apple's compiler takes C++17 and C++20 as extensions (VALID below), not C++23.
-    "cxx20": (K + " {\n  switch (i) {\n    case 0: x[i] = 1; break;\n    default:\n  } // BUG (a label ends the block)\n}",
-              K + " {\n  switch (i) {\n    case 0: x[i] = 1; break;\n    default: break;\n  }\n}"),
+    "cxx20": (
+        K + " {\n  switch (i) {\n    case 0: x[i] = 1; break;\n    default:\n  } // BUG (a label ends the block)\n}",
+        K + " {\n  switch (i) {\n    case 0: x[i] = 1; break;\n    default: break;\n  }\n}",
+    ),
     # linear.metal's and grouped_mm.metal's bug (issue 29): job structs with
     # bases. Apple: "derived classes are not supported in Metal".
-    "derived-class": ("struct Operands { float scale; };\nstruct Job : Operands { // BUG\n  float apply(float v) const { return v * scale; }\n};\n"
-                      + K + " { Job j; j.scale = 2; x[i] = j.apply(x[i]); }",
-                      "struct Operands { float scale; };\nstruct Job {\n  Operands op;\n  float apply(float v) const { return v * op.scale; }\n};\n"
-                      + K + " { Job j; j.op.scale = 2; x[i] = j.apply(x[i]); }"),
-    "derived-class:class-access-specifier": ("class Base {\n public:\n  float v;\n};\nclass Derived : public Base { // BUG\n public:\n  float twice() const { return 2 * v; }\n};\n"
-                                             + K + " { Derived d; d.v = x[i]; x[i] = d.twice(); }",
-                                             "class Base {\n public:\n  float v;\n};\nclass Derived {\n public:\n  Base b;\n  float twice() const { return 2 * b.v; }\n};\n"
-                                             + K + " { Derived d; d.b.v = x[i]; x[i] = d.twice(); }"),
-    "derived-class:template": ("template <typename T> struct Base { T v; };\ntemplate <typename T>\nstruct alignas(16) Derived final : Base<T> { // BUG\n  T w;\n};\n"
-                               + K + " { Derived<float> d; d.v = d.w = x[i]; x[i] = d.v + d.w; }",
-                               "template <typename T> struct Base { T v; };\ntemplate <typename T>\nstruct alignas(16) Derived final {\n  Base<T> b;\n  T w;\n};\n"
-                               + K + " { Derived<float> d; d.b.v = d.w = x[i]; x[i] = d.b.v + d.w; }"),
+    "derived-class": (
+        "struct Operands { float scale; };\nstruct Job : Operands { // BUG\n  float apply(float v) const { return v * scale; }\n};\n"  # noqa: E501
+        + K
+        + " { Job j; j.scale = 2; x[i] = j.apply(x[i]); }",
+        "struct Operands { float scale; };\nstruct Job {\n  Operands op;\n  float apply(float v) const { return v * op.scale; }\n};\n"  # noqa: E501
+        + K
+        + " { Job j; j.op.scale = 2; x[i] = j.apply(x[i]); }",
+    ),
+    "derived-class:class-access-specifier": (
+        "class Base {\n public:\n  float v;\n};\nclass Derived : public Base { // BUG\n public:\n  float twice() const { return 2 * v; }\n};\n"  # noqa: E501
+        + K
+        + " { Derived d; d.v = x[i]; x[i] = d.twice(); }",
+        "class Base {\n public:\n  float v;\n};\nclass Derived {\n public:\n  Base b;\n  float twice() const { return 2 * b.v; }\n};\n"  # noqa: E501
+        + K
+        + " { Derived d; d.b.v = x[i]; x[i] = d.twice(); }",
+    ),
+    "derived-class:template": (
+        "template <typename T> struct Base { T v; };\ntemplate <typename T>\nstruct alignas(16) Derived final : Base<T> { // BUG\n  T w;\n};\n"  # noqa: E501
+        + K
+        + " { Derived<float> d; d.v = d.w = x[i]; x[i] = d.v + d.w; }",
+        "template <typename T> struct Base { T v; };\ntemplate <typename T>\nstruct alignas(16) Derived final {\n  Base<T> b;\n  T w;\n};\n"  # noqa: E501
+        + K
+        + " { Derived<float> d; d.b.v = d.w = x[i]; x[i] = d.b.v + d.w; }",
+    ),
     # A specialisation, two bases, one private.
-    "derived-class:multiple": ("struct A { float a; };\nstruct B { float b; };\ntemplate <typename T> struct S;\n"
-                               "template <> struct S<float> : A, private B { // BUG\n  float sum() const { return a + b; }\n  void set(float v) { a = b = v; }\n};\n"
-                               + K + " { S<float> s; s.set(x[i]); x[i] = s.sum(); }",
-                               "struct A { float a; };\nstruct B { float b; };\ntemplate <typename T> struct S;\n"
-                               "template <> struct S<float> {\n  A a;\n  B b;\n  float sum() const { return a.a + b.b; }\n  void set(float v) { a.a = b.b = v; }\n};\n"
-                               + K + " { S<float> s; s.set(x[i]); x[i] = s.sum(); }"),
+    "derived-class:multiple": (
+        "struct A { float a; };\nstruct B { float b; };\ntemplate <typename T> struct S;\n"
+        "template <> struct S<float> : A, private B { // BUG\n  float sum() const { return a + b; }\n  void set(float v) { a = b = v; }\n};\n"  # noqa: E501
+        + K
+        + " { S<float> s; s.set(x[i]); x[i] = s.sum(); }",
+        "struct A { float a; };\nstruct B { float b; };\ntemplate <typename T> struct S;\n"
+        "template <> struct S<float> {\n  A a;\n  B b;\n  float sum() const { return a.a + b.b; }\n  void set(float v) { a.a = b.b = v; }\n};\n"  # noqa: E501
+        + K
+        + " { S<float> s; s.set(x[i]); x[i] = s.sum(); }",
+    ),
     # The curiously recurring template pattern; a local class.
-    "derived-class:crtp": ("template <typename D> struct Twice {\n  float twice() const { return 2 * static_cast<thread const D*>(this)->v; }\n};\n"
-                           "struct V : Twice<V> { // BUG\n  float v;\n};\n" + K + " { V s; s.v = x[i]; x[i] = s.twice(); }",
-                           "template <typename D> float twice(thread const D& d) { return 2 * d.v; }\n"
-                           "struct V {\n  float v;\n};\n" + K + " { V s; s.v = x[i]; x[i] = twice(s); }"),
-    "derived-class:local": ("struct A { float a; };\n" + K + " {\n  struct B : A { float b; }; // BUG\n  B v;\n  v.a = v.b = x[i];\n  x[i] = v.a + v.b;\n}",
-                            "struct A { float a; };\n" + K + " {\n  struct B { A a; float b; };\n  B v;\n  v.a.a = v.b = x[i];\n  x[i] = v.a.a + v.b;\n}"),
+    "derived-class:crtp": (
+        "template <typename D> struct Twice {\n  float twice() const { return 2 * static_cast<thread const D*>(this)->v; }\n};\n"  # noqa: E501
+        "struct V : Twice<V> { // BUG\n  float v;\n};\n" + K + " { V s; s.v = x[i]; x[i] = s.twice(); }",
+        "template <typename D> float twice(thread const D& d) { return 2 * d.v; }\n"
+        "struct V {\n  float v;\n};\n" + K + " { V s; s.v = x[i]; x[i] = twice(s); }",
+    ),
+    "derived-class:local": (
+        "struct A { float a; };\n"
+        + K
+        + " {\n  struct B : A { float b; }; // BUG\n  B v;\n  v.a = v.b = x[i];\n  x[i] = v.a + v.b;\n}",
+        "struct A { float a; };\n"
+        + K
+        + " {\n  struct B { A a; float b; };\n  B v;\n  v.a.a = v.b = x[i];\n  x[i] = v.a.a + v.b;\n}",
+    ),
     # MLX turns the internals region off after its type traits: a base
     # after `disable` is the user's own.
-    "derived-class:after-internals-region": ("#pragma METAL internals : enable\ntemplate <bool B> struct flag : metal::bool_constant<B> {};\n"
-                                             "#pragma METAL internals : disable\ntemplate <bool B> struct other : metal::bool_constant<B> {}; // BUG\n"
-                                             + K + " { x[i] = flag<true>::value + other<false>::value; }",
-                                             "#pragma METAL internals : enable\ntemplate <bool B> struct flag : metal::bool_constant<B> {};\n"
-                                             "#pragma METAL internals : disable\ntemplate <bool B> struct other { static constant constexpr bool value = B; };\n"
-                                             + K + " { x[i] = flag<true>::value + other<false>::value; }"),
-    "virtual": ("struct Op {\n  virtual float apply(float v) { return v; } // BUG\n};\n"
-                + K + " { Op op; x[i] = op.apply(x[i]); }",
-                "struct Op {\n  float apply(float v) { return v; }\n};\n" + K + " { Op op; x[i] = op.apply(x[i]); }"),
-    "exceptions": (K + " {\n  if (x[i] < 0) throw 1; // BUG\n  x[i] = 1;\n}",
-                   K + " {\n  if (x[i] < 0) return;\n  x[i] = 1;\n}"),
-    "exceptions:try-catch": (K + " {\n  try { x[i] = 1; } // BUG\n  catch (...) { x[i] = 0; }\n}",
-                             K + " {\n  x[i] = 1;\n}"),
-    "new-delete": (K + " {\n  thread float* p = new float(1); // BUG\n  x[i] = *p;\n}",
-                   K + " {\n  float v = 1;\n  thread float* p = &v;\n  x[i] = *p;\n}"),
-    "new-delete:delete": ("inline void release(thread float* p) {\n  delete p; // BUG\n}\n" + K + " { x[i] = 1; }",
-                          "struct NoCopy {\n  NoCopy() = default;\n  NoCopy(thread const NoCopy&) = delete;\n};\n"
-                          + K + " { NoCopy n; x[i] = 1; }"),
-    "rtti": ("struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = dynamic_cast<thread A*>(&a) != nullptr; // BUG\n}",
-             "struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = (&a) != nullptr;\n}"),
-    "rtti:typeid": ("struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = typeid(a) == typeid(A); // BUG\n}",
-                    "struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = metal::is_same<decltype(a), A>::value;\n}"),
-    "goto": (K + " {\n  if (x[i] < 0) goto done; // BUG\n  x[i] = 1;\ndone:\n  return;\n}",
-             K + " {\n  if (x[i] < 0) return;\n  x[i] = 1;\n}"),
-    "storage-class": (K + " {\n  register float v = x[i]; // BUG\n  x[i] = v;\n}",
-                      K + " {\n  float v = x[i];\n  x[i] = v;\n}"),
-    "storage-class:thread-local": ("inline float counted(float v) {\n  thread_local int calls; // BUG\n  return v + calls++;\n}\n"
-                                   + K + " { x[i] = counted(x[i]); }",
-                                   "inline float counted(float v, thread int& calls) {\n  return v + calls++;\n}\n"
-                                   + K + " { int calls = 0; x[i] = counted(x[i], calls); }"),
-    "lambda": (K + " {\n  auto twice = [](float v) { return v * 2; }; // BUG\n  x[i] = twice(x[i]);\n}",
-               "inline float twice(float v) { return v * 2; }\n" + K + " {\n  x[i] = twice(x[i]);\n}"),
-    "noexcept-operator": ("float f(float v) { return v; }\n" + K + " {\n  x[i] = noexcept(f(1)); // BUG\n}",
-                          "float f(float v) { return v; }\n" + K + " {\n  x[i] = f(1);\n}"),
-    "function-pointer": ("float twice(float v) { return v * 2; }\n" + K + " {\n  float (*op)(float) = twice; // BUG\n"
-                         "  x[i] = op(x[i]);\n}",
-                         "float twice(float v) { return v * 2; }\n" + K + " {\n  x[i] = twice(x[i]);\n}"),
-    "main": ("float main(float v) { return v; } // BUG\n" + K + " { x[i] = main(1); }",
-             "float helper(float v) { return v; }\n" + K + " { x[i] = helper(1); }"),
-    "builtin-type": ("kernel void k(device float* x [[buffer(0)]],\n  int i [[thread_position_in_grid]]) { x[i] = 1; } // BUG",
-                     "kernel void k(device float* x [[buffer(0)]],\n  uint i [[thread_position_in_grid]]) { x[i] = 1; }"),
-    "builtin-type:vector4": ("kernel void k(device float* x [[buffer(0)]],\n"
-                             "  uint4 i [[thread_position_in_grid]]) { x[i.x] = 1; } // BUG",
-                             "kernel void k(device float* x [[buffer(0)]],\n"
-                             "  uint3 i [[thread_position_in_grid]]) { x[i.x] = 1; }"),
+    "derived-class:after-internals-region": (
+        "#pragma METAL internals : enable\ntemplate <bool B> struct flag : metal::bool_constant<B> {};\n"
+        "#pragma METAL internals : disable\ntemplate <bool B> struct other : metal::bool_constant<B> {}; // BUG\n"
+        + K
+        + " { x[i] = flag<true>::value + other<false>::value; }",
+        "#pragma METAL internals : enable\ntemplate <bool B> struct flag : metal::bool_constant<B> {};\n"
+        "#pragma METAL internals : disable\ntemplate <bool B> struct other { static constant constexpr bool value = B; };\n"  # noqa: E501
+        + K
+        + " { x[i] = flag<true>::value + other<false>::value; }",
+    ),
+    "virtual": (
+        "struct Op {\n  virtual float apply(float v) { return v; } // BUG\n};\n"
+        + K
+        + " { Op op; x[i] = op.apply(x[i]); }",
+        "struct Op {\n  float apply(float v) { return v; }\n};\n" + K + " { Op op; x[i] = op.apply(x[i]); }",
+    ),
+    "exceptions": (
+        K + " {\n  if (x[i] < 0) throw 1; // BUG\n  x[i] = 1;\n}",
+        K + " {\n  if (x[i] < 0) return;\n  x[i] = 1;\n}",
+    ),
+    "exceptions:try-catch": (
+        K + " {\n  try { x[i] = 1; } // BUG\n  catch (...) { x[i] = 0; }\n}",
+        K + " {\n  x[i] = 1;\n}",
+    ),
+    "new-delete": (
+        K + " {\n  thread float* p = new float(1); // BUG\n  x[i] = *p;\n}",
+        K + " {\n  float v = 1;\n  thread float* p = &v;\n  x[i] = *p;\n}",
+    ),
+    "new-delete:delete": (
+        "inline void release(thread float* p) {\n  delete p; // BUG\n}\n" + K + " { x[i] = 1; }",
+        "struct NoCopy {\n  NoCopy() = default;\n  NoCopy(thread const NoCopy&) = delete;\n};\n"
+        + K
+        + " { NoCopy n; x[i] = 1; }",
+    ),
+    "rtti": (
+        "struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = dynamic_cast<thread A*>(&a) != nullptr; // BUG\n}",
+        "struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = (&a) != nullptr;\n}",
+    ),
+    "rtti:typeid": (
+        "struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = typeid(a) == typeid(A); // BUG\n}",
+        "struct A { float v; };\n" + K + " {\n  A a;\n  x[i] = metal::is_same<decltype(a), A>::value;\n}",
+    ),
+    "goto": (
+        K + " {\n  if (x[i] < 0) goto done; // BUG\n  x[i] = 1;\ndone:\n  return;\n}",
+        K + " {\n  if (x[i] < 0) return;\n  x[i] = 1;\n}",
+    ),
+    "storage-class": (
+        K + " {\n  register float v = x[i]; // BUG\n  x[i] = v;\n}",
+        K + " {\n  float v = x[i];\n  x[i] = v;\n}",
+    ),
+    "storage-class:thread-local": (
+        "inline float counted(float v) {\n  thread_local int calls; // BUG\n  return v + calls++;\n}\n"
+        + K
+        + " { x[i] = counted(x[i]); }",
+        "inline float counted(float v, thread int& calls) {\n  return v + calls++;\n}\n"
+        + K
+        + " { int calls = 0; x[i] = counted(x[i], calls); }",
+    ),
+    "lambda": (
+        K + " {\n  auto twice = [](float v) { return v * 2; }; // BUG\n  x[i] = twice(x[i]);\n}",
+        "inline float twice(float v) { return v * 2; }\n" + K + " {\n  x[i] = twice(x[i]);\n}",
+    ),
+    "noexcept-operator": (
+        "float f(float v) { return v; }\n" + K + " {\n  x[i] = noexcept(f(1)); // BUG\n}",
+        "float f(float v) { return v; }\n" + K + " {\n  x[i] = f(1);\n}",
+    ),
+    "function-pointer": (
+        "float twice(float v) { return v * 2; }\n" + K + " {\n  float (*op)(float) = twice; // BUG\n"
+        "  x[i] = op(x[i]);\n}",
+        "float twice(float v) { return v * 2; }\n" + K + " {\n  x[i] = twice(x[i]);\n}",
+    ),
+    "main": (
+        "float main(float v) { return v; } // BUG\n" + K + " { x[i] = main(1); }",
+        "float helper(float v) { return v; }\n" + K + " { x[i] = helper(1); }",
+    ),
+    "builtin-type": (
+        "kernel void k(device float* x [[buffer(0)]],\n  int i [[thread_position_in_grid]]) { x[i] = 1; } // BUG",
+        "kernel void k(device float* x [[buffer(0)]],\n  uint i [[thread_position_in_grid]]) { x[i] = 1; }",
+    ),
+    "builtin-type:vector4": (
+        "kernel void k(device float* x [[buffer(0)]],\n  uint4 i [[thread_position_in_grid]]) { x[i.x] = 1; } // BUG",
+        "kernel void k(device float* x [[buffer(0)]],\n  uint3 i [[thread_position_in_grid]]) { x[i.x] = 1; }",
+    ),
     # softmax.metal's bug: a scalar size beside a 2-component position.
-    "builtin-width": ("kernel void k(device float* x [[buffer(0)]],\n  uint threads [[threads_per_threadgroup]],\n"
-                      "  uint2 group [[threadgroup_position_in_grid]]) { x[group.y * threads + group.x] = 1; } // BUG",
-                      "kernel void k(device float* x [[buffer(0)]],\n  uint2 threads [[threads_per_threadgroup]],\n"
-                      "  uint2 group [[threadgroup_position_in_grid]]) { x[group.y * threads.x + group.x] = 1; }"),
-    "builtin-same-type": ("kernel void k(device float* x [[buffer(0)]],\n  uint2 pos [[thread_position_in_grid]],\n"
-                          "  ushort2 size [[threads_per_grid]]) { x[pos.y * size.x + pos.x] = 1; } // BUG",
-                          "kernel void k(device float* x [[buffer(0)]],\n  uint2 pos [[thread_position_in_grid]],\n"
-                          "  uint2 size [[threads_per_grid]]) { x[pos.y * size.x + pos.x] = 1; }"),
-    "thread-index-type": ("kernel void k(device float* x [[buffer(0)]],\n  uint2 lid [[thread_position_in_threadgroup]],\n"
-                          "  ushort index [[thread_index_in_threadgroup]]) { x[index] = lid.x; } // BUG",
-                          "kernel void k(device float* x [[buffer(0)]],\n  uint2 lid [[thread_position_in_threadgroup]],\n"
-                          "  uint index [[thread_index_in_threadgroup]]) { x[index] = lid.x; }"),
-    "builtin-conflict": ("kernel void k(device float* x [[buffer(0)]],\n  uint w [[thread_execution_width]],\n"
-                         "  uint s [[threads_per_simdgroup]]) { x[0] = w + s; } // BUG",
-                         "kernel void k(device float* x [[buffer(0)]],\n  uint s [[threads_per_simdgroup]]) { x[0] = s; }"),
-    "buffer-index:duplicate": ("kernel void k(device float* x [[buffer(0)]],\n  device float* y [[buffer(0)]]) { x[0] = y[0]; } // BUG",
-                               "kernel void k(device float* x [[buffer(0)]],\n  device float* y [[buffer(1)]]) { x[0] = y[0]; }"),
-    "buffer-index:range": ("kernel void k(device float* x [[buffer(0)]],\n  device float* y [[buffer(31)]]) { x[0] = y[0]; } // BUG",
-                           "kernel void k(device float* x [[buffer(0)]],\n  device float* y [[buffer(30)]]) { x[0] = y[0]; }"),
-    "threadgroup-index": ("kernel void k(device float* x [[buffer(0)]], threadgroup float* a [[threadgroup(0)]],\n"
-                          "  threadgroup float* b [[threadgroup(0)]]) { a[0] = 1; b[0] = 2; x[0] = a[0]; } // BUG",
-                          "kernel void k(device float* x [[buffer(0)]], threadgroup float* a [[threadgroup(0)]],\n"
-                          "  threadgroup float* b [[threadgroup(1)]]) { a[0] = 1; b[0] = 2; x[0] = a[0]; }"),
-    "kernel-return": ("kernel float k(device float* x [[buffer(0)]], // BUG\n  uint i [[thread_position_in_grid]]) {\n"
-                      "  x[i] = 1;\n  return 0;\n}",
-                      K + " {\n  x[i] = 1;\n}"),
-    "max-threads": ("[[max_total_threads_per_threadgroup(2048)]] // BUG\n" + K + " { x[i] = 1; }",
-                    "[[max_total_threads_per_threadgroup(1024)]]\n" + K + " { x[i] = 1; }"),
-    "threadgroup-memory": ("kernel void k(device float* x [[buffer(0)]], // BUG\n  uint i [[thread_position_in_threadgroup]]) {\n"
-                           "  threadgroup float a[6000];\n  threadgroup float2 b[2000];\n  a[i] = 1;\n  b[i] = 2;\n"
-                           "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  x[i] = a[i] + b[i].x;\n}",
-                           "kernel void k(device float* x [[buffer(0)]],\n  uint i [[thread_position_in_threadgroup]]) {\n"
-                           "  threadgroup float a[6000];\n  threadgroup float2 b[1000 / 4];\n  a[i] = 1;\n  b[i] = 2;\n"
-                           "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  x[i] = a[i] + b[i].x;\n}"),
+    "builtin-width": (
+        "kernel void k(device float* x [[buffer(0)]],\n  uint threads [[threads_per_threadgroup]],\n"
+        "  uint2 group [[threadgroup_position_in_grid]]) { x[group.y * threads + group.x] = 1; } // BUG",
+        "kernel void k(device float* x [[buffer(0)]],\n  uint2 threads [[threads_per_threadgroup]],\n"
+        "  uint2 group [[threadgroup_position_in_grid]]) { x[group.y * threads.x + group.x] = 1; }",
+    ),
+    "builtin-same-type": (
+        "kernel void k(device float* x [[buffer(0)]],\n  uint2 pos [[thread_position_in_grid]],\n"
+        "  ushort2 size [[threads_per_grid]]) { x[pos.y * size.x + pos.x] = 1; } // BUG",
+        "kernel void k(device float* x [[buffer(0)]],\n  uint2 pos [[thread_position_in_grid]],\n"
+        "  uint2 size [[threads_per_grid]]) { x[pos.y * size.x + pos.x] = 1; }",
+    ),
+    "thread-index-type": (
+        "kernel void k(device float* x [[buffer(0)]],\n  uint2 lid [[thread_position_in_threadgroup]],\n"
+        "  ushort index [[thread_index_in_threadgroup]]) { x[index] = lid.x; } // BUG",
+        "kernel void k(device float* x [[buffer(0)]],\n  uint2 lid [[thread_position_in_threadgroup]],\n"
+        "  uint index [[thread_index_in_threadgroup]]) { x[index] = lid.x; }",
+    ),
+    "builtin-conflict": (
+        "kernel void k(device float* x [[buffer(0)]],\n  uint w [[thread_execution_width]],\n"
+        "  uint s [[threads_per_simdgroup]]) { x[0] = w + s; } // BUG",
+        "kernel void k(device float* x [[buffer(0)]],\n  uint s [[threads_per_simdgroup]]) { x[0] = s; }",
+    ),
+    "buffer-index:duplicate": (
+        "kernel void k(device float* x [[buffer(0)]],\n  device float* y [[buffer(0)]]) { x[0] = y[0]; } // BUG",
+        "kernel void k(device float* x [[buffer(0)]],\n  device float* y [[buffer(1)]]) { x[0] = y[0]; }",
+    ),
+    "buffer-index:range": (
+        "kernel void k(device float* x [[buffer(0)]],\n  device float* y [[buffer(31)]]) { x[0] = y[0]; } // BUG",
+        "kernel void k(device float* x [[buffer(0)]],\n  device float* y [[buffer(30)]]) { x[0] = y[0]; }",
+    ),
+    "threadgroup-index": (
+        "kernel void k(device float* x [[buffer(0)]], threadgroup float* a [[threadgroup(0)]],\n"
+        "  threadgroup float* b [[threadgroup(0)]]) { a[0] = 1; b[0] = 2; x[0] = a[0]; } // BUG",
+        "kernel void k(device float* x [[buffer(0)]], threadgroup float* a [[threadgroup(0)]],\n"
+        "  threadgroup float* b [[threadgroup(1)]]) { a[0] = 1; b[0] = 2; x[0] = a[0]; }",
+    ),
+    "kernel-return": (
+        "kernel float k(device float* x [[buffer(0)]], // BUG\n  uint i [[thread_position_in_grid]]) {\n"
+        "  x[i] = 1;\n  return 0;\n}",
+        K + " {\n  x[i] = 1;\n}",
+    ),
+    "max-threads": (
+        "[[max_total_threads_per_threadgroup(2048)]] // BUG\n" + K + " { x[i] = 1; }",
+        "[[max_total_threads_per_threadgroup(1024)]]\n" + K + " { x[i] = 1; }",
+    ),
+    "threadgroup-memory": (
+        "kernel void k(device float* x [[buffer(0)]], // BUG\n  uint i [[thread_position_in_threadgroup]]) {\n"
+        "  threadgroup float a[6000];\n  threadgroup float2 b[2000];\n  a[i] = 1;\n  b[i] = 2;\n"
+        "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  x[i] = a[i] + b[i].x;\n}",
+        "kernel void k(device float* x [[buffer(0)]],\n  uint i [[thread_position_in_threadgroup]]) {\n"
+        "  threadgroup float a[6000];\n  threadgroup float2 b[1000 / 4];\n  a[i] = 1;\n  b[i] = 2;\n"
+        "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  x[i] = a[i] + b[i].x;\n}",
+    ),
     # scaled_mm.metal's bug: a whole float2 to and from thread_elements(), whose
     # type Apple does not publish (vec<T, 2>& or a type of its own).
-    "thread-elements": (K + " {\n  simdgroup_float8x8 m;\n  m.thread_elements() = float2(x[i], 1); // BUG\n"
-                        "  simdgroup_store(m, x);\n}",
-                        K + " {\n  simdgroup_float8x8 m;\n"
-                        "  reinterpret_cast<thread float2&>(m.thread_elements()) = float2(x[i], 1);\n"
-                        "  simdgroup_store(m, x);\n}"),
-    "thread-elements:read": (K + " {\n  simdgroup_float8x8 m(1.0f);\n  float2 v = m.thread_elements(); // BUG\n"
-                             "  x[i] = v.x + v.y;\n}",
-                             K + " {\n  simdgroup_float8x8 m(1.0f);\n"
-                             "  float2 v = float2(m.thread_elements()[0], m.thread_elements()[1]);\n"
-                             "  x[i] = v.x + v.y;\n}"),
-    "thread-elements:store": ("kernel void k(threadgroup float2* t [[threadgroup(0)]], uint i [[thread_position_in_grid]]) {\n"
-                              "  simdgroup_float8x8 m(1.0f);\n  t[i] = m.thread_elements(); // BUG\n}",
-                              "kernel void k(threadgroup float2* t [[threadgroup(0)]], uint i [[thread_position_in_grid]]) {\n"
-                              "  simdgroup_float8x8 m(1.0f);\n  t[i] = reinterpret_cast<thread float2&>(m.thread_elements());\n}"),
-    "host-name": ("template <int N> kernel void k(device float* x [[buffer(0)]]) { x[0] = N; }\n"
-                  "template [[host_name(\"k1\")]] kernel decltype(k<1>) k<1>;\n"
-                  "template [[host_name(\"k1\")]] kernel decltype(k<2>) k<2>; // BUG",
-                  "template <int N> kernel void k(device float* x [[buffer(0)]]) { x[0] = N; }\n"
-                  "template [[host_name(\"k1\")]] kernel decltype(k<1>) k<1>;\n"
-                  "template [[host_name(\"k2\")]] kernel decltype(k<2>) k<2>;"),
+    "thread-elements": (
+        K + " {\n  simdgroup_float8x8 m;\n  m.thread_elements() = float2(x[i], 1); // BUG\n  simdgroup_store(m, x);\n}",
+        K + " {\n  simdgroup_float8x8 m;\n"
+        "  reinterpret_cast<thread float2&>(m.thread_elements()) = float2(x[i], 1);\n"
+        "  simdgroup_store(m, x);\n}",
+    ),
+    "thread-elements:read": (
+        K + " {\n  simdgroup_float8x8 m(1.0f);\n  float2 v = m.thread_elements(); // BUG\n  x[i] = v.x + v.y;\n}",
+        K + " {\n  simdgroup_float8x8 m(1.0f);\n"
+        "  float2 v = float2(m.thread_elements()[0], m.thread_elements()[1]);\n"
+        "  x[i] = v.x + v.y;\n}",
+    ),
+    "thread-elements:store": (
+        "kernel void k(threadgroup float2* t [[threadgroup(0)]], uint i [[thread_position_in_grid]]) {\n"
+        "  simdgroup_float8x8 m(1.0f);\n  t[i] = m.thread_elements(); // BUG\n}",
+        "kernel void k(threadgroup float2* t [[threadgroup(0)]], uint i [[thread_position_in_grid]]) {\n"
+        "  simdgroup_float8x8 m(1.0f);\n  t[i] = reinterpret_cast<thread float2&>(m.thread_elements());\n}",
+    ),
+    "host-name": (
+        "template <int N> kernel void k(device float* x [[buffer(0)]]) { x[0] = N; }\n"
+        'template [[host_name("k1")]] kernel decltype(k<1>) k<1>;\n'
+        'template [[host_name("k1")]] kernel decltype(k<2>) k<2>; // BUG',
+        "template <int N> kernel void k(device float* x [[buffer(0)]]) { x[0] = N; }\n"
+        'template [[host_name("k1")]] kernel decltype(k<1>) k<1>;\n'
+        'template [[host_name("k2")]] kernel decltype(k<2>) k<2>;',
+    ),
 }
 
 
@@ -283,109 +409,120 @@ VALID = {
     # (MLX's kernels use if constexpr, inline variables, static_assert
     # without a message; it builds them with -Wno-c++17-extensions
     # -Wno-c++20-extensions).
-    "cxx17:if-constexpr": "template <int N> float f(float v) {\n  if constexpr (N > 1) return v * N;\n  else return v;\n}\n" + K + " { x[i] = f<2>(x[i]); }",
-    "cxx17:structured-binding": "struct P { float a, b; };\n" + K + " {\n  P p = {1, 2};\n  auto [a, b] = p;\n  x[i] = a + b;\n}",
-    "cxx17:fold-expression": "template <typename... A> float sum(A... a) {\n  return (a + ...);\n}\n" + K + " { x[i] = sum(1.0f, 2.0f); }",
+    "cxx17:if-constexpr": "template <int N> float f(float v) {\n  if constexpr (N > 1) return v * N;\n  else return v;\n}\n"  # noqa: E501
+    + K
+    + " { x[i] = f<2>(x[i]); }",
+    "cxx17:structured-binding": "struct P { float a, b; };\n"
+    + K
+    + " {\n  P p = {1, 2};\n  auto [a, b] = p;\n  x[i] = a + b;\n}",
+    "cxx17:fold-expression": "template <typename... A> float sum(A... a) {\n  return (a + ...);\n}\n"
+    + K
+    + " { x[i] = sum(1.0f, 2.0f); }",
     "cxx17:inline-variable": "struct S {\n  static inline constant float k = 2;\n};\n" + K + " { x[i] = S::k; }",
     "cxx17:static-assert-without-message": "static_assert(sizeof(float) == 4);\n" + K + " { x[i] = 1; }",
-    "cxx20:designated-initializer": "struct P { float a, b; };\n" + K + " {\n  P p = {.a = 1, .b = 2};\n  x[i] = p.a + p.b;\n}",
+    "cxx20:designated-initializer": "struct P { float a, b; };\n"
+    + K
+    + " {\n  P p = {.a = 1, .b = 2};\n  x[i] = p.a + p.b;\n}",
     # MLX's steel kernels: a kernel template with a default template argument.
     "default-template-argument": "template <typename T, int N = 4>\n[[kernel]] void k(device T* x [[buffer(0)]],\n"
-                                 "  uint i [[thread_position_in_grid]]) { x[i] = N; }\n"
-                                 "template [[host_name(\"k_f\")]] [[kernel]] void k<float>(device float*, uint);",
+    "  uint i [[thread_position_in_grid]]) { x[i] = N; }\n"
+    'template [[host_name("k_f")]] [[kernel]] void k<float>(device float*, uint);',
     # MLX's complex.h: members overloaded on the address space of `this`,
     # an operator with a braced return.
     "address-space-members": "template <typename T> struct C {\n  T re, im;\n"
-                             "  constexpr C(T a, T b) thread : re(a), im(b) {}\n"
-                             "  constexpr C(T a, T b) device : re(a), im(b) {}\n"
-                             "  constexpr operator vec<T, 2>() const thread { return vec<T, 2>(re, im); }\n"
-                             "  constexpr operator vec<T, 2>() const device { return vec<T, 2>(re, im); }\n"
-                             "  T norm() const device { return re * re + im * im; }\n};\n"
-                             "template <typename T> constexpr C<T> operator-(C<T> x) {\n  return {-x.re, -x.im};\n}\n"
-                             "kernel void k(device C<float>* c [[buffer(0)]], device float* x [[buffer(1)]],\n"
-                             "  uint i [[thread_position_in_grid]]) {\n  float2 v = c[i];\n  C<float> n(v.x, v.y);\n"
-                             "  x[i] = (-n).re + c[i].norm();\n}",
+    "  constexpr C(T a, T b) thread : re(a), im(b) {}\n"
+    "  constexpr C(T a, T b) device : re(a), im(b) {}\n"
+    "  constexpr operator vec<T, 2>() const thread { return vec<T, 2>(re, im); }\n"
+    "  constexpr operator vec<T, 2>() const device { return vec<T, 2>(re, im); }\n"
+    "  T norm() const device { return re * re + im * im; }\n};\n"
+    "template <typename T> constexpr C<T> operator-(C<T> x) {\n  return {-x.re, -x.im};\n}\n"
+    "kernel void k(device C<float>* c [[buffer(0)]], device float* x [[buffer(1)]],\n"
+    "  uint i [[thread_position_in_grid]]) {\n  float2 v = c[i];\n  C<float> n(v.x, v.y);\n"
+    "  x[i] = (-n).re + c[i].norm();\n}",
     # MLX's steel type traits derive from integral_constant, inside the
     # region its headers (and Apple's) open for what user code may not write
     # (steel/utils/type_traits.h, integral_constant.h).
     "derived-class-in-internals-region": "#pragma METAL internals : enable\n"
-                                         "template <bool B> struct flag : metal::bool_constant<B> {};\n"
-                                         "#pragma METAL internals : disable\n" + K + " { x[i] = flag<true>::value; }",
+    "template <bool B> struct flag : metal::bool_constant<B> {};\n"
+    "#pragma METAL internals : disable\n" + K + " { x[i] = flag<true>::value; }",
     # Colons that are no base-specifier list: an enum's underlying type,
     # bitfields, a constructor's member initialisers, access labels, case
     # labels, the conditional operator, a qualified name; an elaborated type.
     "colons-without-bases": "enum E : uint { E1 = 1, E2 = 2 };\nenum class F : ushort { f1 };\nstruct Bits;\n"
-                            "struct Bits {\n  uint lo : 4;\n  uint hi : 4;\n  Bits() : lo(1), hi(2) {}\n"
-                            " public:\n  uint sum() const { return lo + hi; }\n private:\n  uint unused = uint(F::f1);\n};\n"
-                            "inline uint total(thread const struct Bits& b) { return b.sum(); }\n"
-                            + K + " {\n  Bits b;\n  switch (i % 2) {\n    case E1: x[i] = total(b); break;\n"
-                            "    default: x[i] = i > 2 ? metal::fabs(x[i]) : 0; break;\n  }\n}",
+    "struct Bits {\n  uint lo : 4;\n  uint hi : 4;\n  Bits() : lo(1), hi(2) {}\n"
+    " public:\n  uint sum() const { return lo + hi; }\n private:\n  uint unused = uint(F::f1);\n};\n"
+    "inline uint total(thread const struct Bits& b) { return b.sum(); }\n"
+    + K
+    + " {\n  Bits b;\n  switch (i % 2) {\n    case E1: x[i] = total(b); break;\n"
+    "    default: x[i] = i > 2 ? metal::fabs(x[i]) : 0; break;\n  }\n}",
     # PyTorch's c10/metal/atomic.h: the operation as a function-pointer parameter.
     "function-pointer-parameter": "inline float add(float a, float b) { return a + b; }\n"
-                                  "template <typename T> T apply(T a, T b, T (*op)(T, T)) { return op(a, b); }\n"
-                                  + K + " { x[i] = apply(x[i], 1.0f, add); }",
+    "template <typename T> T apply(T a, T b, T (*op)(T, T)) { return op(a, b); }\n"
+    + K
+    + " { x[i] = apply(x[i], 1.0f, add); }",
     # MLX's fft/readwrite.h: a pointer into threadgroup memory in a helper.
     "threadgroup-pointer-in-helper": "inline float first(threadgroup float* buf, uint j) {\n"
-                                     "  threadgroup float* p = buf + j;\n  return p[0];\n}\n"
-                                     + K + " {\n  threadgroup float t[32];\n  t[i % 32] = 1;\n"
-                                     "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  x[i] = first(t, 0);\n}",
+    "  threadgroup float* p = buf + j;\n  return p[0];\n}\n" + K + " {\n  threadgroup float t[32];\n  t[i % 32] = 1;\n"
+    "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  x[i] = first(t, 0);\n}",
     # MLX's steel_gemm_masked.h: two kernel templates of one name, told
     # apart by their template parameters.
     "overloaded-kernel-templates": "template <typename T, typename M>\n[[kernel]] void k(device T* x [[buffer(0)]],\n"
-                                   "  uint i [[thread_position_in_grid]]) { x[i] = sizeof(M); }\n"
-                                   "template <typename T, int N, bool B = false>\n[[kernel]] void k(device T* x [[buffer(0)]],\n"
-                                   "  uint i [[thread_position_in_grid]]) { x[i] = N; }\n"
-                                   "template [[host_name(\"k_short\")]] [[kernel]] void k<float, short>(device float*, uint);\n"
-                                   "template [[host_name(\"k_5\")]] [[kernel]] void k<float, 5>(device float*, uint);",
+    "  uint i [[thread_position_in_grid]]) { x[i] = sizeof(M); }\n"
+    "template <typename T, int N, bool B = false>\n[[kernel]] void k(device T* x [[buffer(0)]],\n"
+    "  uint i [[thread_position_in_grid]]) { x[i] = N; }\n"
+    'template [[host_name("k_short")]] [[kernel]] void k<float, short>(device float*, uint);\n'
+    'template [[host_name("k_5")]] [[kernel]] void k<float, 5>(device float*, uint);',
     # MLX's gated_delta_update.h: Rows defaults to Cols.
-    "filled-simdgroup-matrix-two-arguments": K + " {\n  simdgroup_float8x8 m = make_filled_simdgroup_matrix<float, 8>(2.0f);\n"
-                                             "  x[i] = m.thread_elements()[0];\n}",
+    "filled-simdgroup-matrix-two-arguments": K
+    + " {\n  simdgroup_float8x8 m = make_filled_simdgroup_matrix<float, 8>(2.0f);\n"
+    "  x[i] = m.thread_elements()[0];\n}",
     # MLX's fft/readwrite.h, PyTorch's c10/metal/utils.h: a vector built
     # through an alias or a template parameter; a static_cast of a vector
     # element (PyTorch's indexing.h).
     "vector-through-alias": "template <typename T> struct P {\n  using complex_T = vec<T, 2>;\n"
-                            "  complex_T conj(complex_T v) const { return complex_T(v.x, -v.y); }\n};\n"
-                            "template <typename V> V mul(V a, V b) { return V(a.x * b.x - a.y * b.y, a.x * b.y + a.y * b.x); }\n"
-                            "typedef float2 cfloat;\n"
-                            + K + " {\n  float2 c = P<float>().conj(cfloat(x[i], 2));\n  half2 h = mul(half2(1, 1), half2(c.x, 1));\n"
-                            "  x[i] = static_cast<float>(h.y) + static_cast<int>(c.y);\n}",
+    "  complex_T conj(complex_T v) const { return complex_T(v.x, -v.y); }\n};\n"
+    "template <typename V> V mul(V a, V b) { return V(a.x * b.x - a.y * b.y, a.x * b.y + a.y * b.x); }\n"
+    "typedef float2 cfloat;\n"
+    + K
+    + " {\n  float2 c = P<float>().conj(cfloat(x[i], 2));\n  half2 h = mul(half2(1, 1), half2(c.x, 1));\n"
+    "  x[i] = static_cast<float>(h.y) + static_cast<int>(c.y);\n}",
     # PyTorch's Sort.metal: a host name of adjacent string literals, the
     # last one empty.
-    "host-name-concatenated": "#define NAME(T, N) \"k_\" #T \"_n\" #N \"\"\n"
-                              "template <typename T, int N>\n[[kernel]] void k(device T* x [[buffer(0)]],\n"
-                              "  uint i [[thread_position_in_grid]]) { x[i] = N; }\n"
-                              "template [[host_name(NAME(float, 3))]] [[kernel]] void k<float, 3>(device float*, uint);",
+    "host-name-concatenated": '#define NAME(T, N) "k_" #T "_n" #N ""\n'
+    "template <typename T, int N>\n[[kernel]] void k(device T* x [[buffer(0)]],\n"
+    "  uint i [[thread_position_in_grid]]) { x[i] = N; }\n"
+    "template [[host_name(NAME(float, 3))]] [[kernel]] void k<float, 3>(device float*, uint);",
     # MLX's arange and hadamard: buffers without [[buffer(i)]].
     "buffer-without-attribute": "kernel void k(constant const float& start, device float* out,\n"
-                                "  uint i [[thread_position_in_grid]]) { out[i] = start + i; }",
+    "  uint i [[thread_position_in_grid]]) { out[i] = start + i; }",
     # PyTorch's Gemv.h (torch 2.14): a struct copied out of device memory in
     # a helper template two kernel instantiations call (check mode once
     # failed the second call, the helper's specialisation marked invalid).
     "struct-copy-out-of-device-memory": "template <class T, int N> struct alignas(sizeof(T) * N) Vec { T v[N]; };\n"
-                                        "template <typename T, int N, typename I>\n"
-                                        "inline Vec<T, N> load(device const T* p, I k) { return *((const device Vec<T, N>*)(p + k)); }\n"
-                                        "template <typename T, int M, typename I = int>\n"
-                                        "kernel void k(device const T* x [[buffer(0)]], device T* y [[buffer(1)]],\n"
-                                        "  uint i [[thread_position_in_grid]]) {\n  const I n = I(i);\n"
-                                        "  Vec<T, 2> a = load<T, 2>(x, 2 * n);\n  y[i] = a.v[0] * M + a.v[1];\n}\n"
-                                        "template [[host_name(\"k1\")]] kernel void k<float, 1>(device const float*, device float*, uint);\n"
-                                        "template [[host_name(\"k2\")]] kernel void k<float, 2>(device const float*, device float*, uint);",
+    "template <typename T, int N, typename I>\n"
+    "inline Vec<T, N> load(device const T* p, I k) { return *((const device Vec<T, N>*)(p + k)); }\n"
+    "template <typename T, int M, typename I = int>\n"
+    "kernel void k(device const T* x [[buffer(0)]], device T* y [[buffer(1)]],\n"
+    "  uint i [[thread_position_in_grid]]) {\n  const I n = I(i);\n"
+    "  Vec<T, 2> a = load<T, 2>(x, 2 * n);\n  y[i] = a.v[0] * M + a.v[1];\n}\n"
+    'template [[host_name("k1")]] kernel void k<float, 1>(device const float*, device float*, uint);\n'
+    'template [[host_name("k2")]] kernel void k<float, 2>(device const float*, device float*, uint);',
     # Gemv.h again: a metal::array in constant memory, indexed (Apple's
     # array has operator[] for `this` in every address space).
-    "metal-array-in-address-space": "kernel void k(device float* x [[buffer(0)]], constant metal::array<float, 2>& ab [[buffer(1)]],\n"
-                                    "  device metal::array<float, 2>& last [[buffer(2)]], uint i [[thread_position_in_grid]]) {\n"
-                                    "  x[i] = ab[0] * x[i] + ab[1];\n  if (i == 0) last[1] = ab[0];\n}",
+    "metal-array-in-address-space": "kernel void k(device float* x [[buffer(0)]], constant metal::array<float, 2>& ab [[buffer(1)]],\n"  # noqa: E501
+    "  device metal::array<float, 2>& last [[buffer(2)]], uint i [[thread_position_in_grid]]) {\n"
+    "  x[i] = ab[0] * x[i] + ab[1];\n  if (i == 0) last[1] = ab[0];\n}",
     # Copies into and out of threadgroup, constant and device memory, of a
     # class with private members and a constructor, and of a local struct.
     "struct-copies-between-address-spaces": "class Acc {\n  float s;\n public:\n  Acc(float v) : s(v) {}\n"
-                                            "  float get() const { return s; }\n};\nstruct P { float a, b; };\n"
-                                            "kernel void k(device float* x [[buffer(0)]], constant P& p [[buffer(1)]],\n"
-                                            "  device Acc* acc [[buffer(2)]], uint i [[thread_position_in_grid]]) {\n"
-                                            "  struct L { float v; };\n  threadgroup P t[4];\n  threadgroup L u[4];\n"
-                                            "  t[i % 4] = p;\n  u[i % 4] = L{x[i]};\n"
-                                            "  threadgroup_barrier(mem_flags::mem_threadgroup);\n"
-                                            "  P q = t[(i + 1) % 4];\n  L l = u[(i + 1) % 4];\n  Acc c = acc[i];\n"
-                                            "  P r = {1, 2};\n  r = p;\n  acc[i] = Acc(r.a);\n  x[i] = q.a + q.b + c.get() + l.v;\n}",
+    "  float get() const { return s; }\n};\nstruct P { float a, b; };\n"
+    "kernel void k(device float* x [[buffer(0)]], constant P& p [[buffer(1)]],\n"
+    "  device Acc* acc [[buffer(2)]], uint i [[thread_position_in_grid]]) {\n"
+    "  struct L { float v; };\n  threadgroup P t[4];\n  threadgroup L u[4];\n"
+    "  t[i % 4] = p;\n  u[i % 4] = L{x[i]};\n"
+    "  threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+    "  P q = t[(i + 1) % 4];\n  L l = u[(i + 1) % 4];\n  Acc c = acc[i];\n"
+    "  P r = {1, 2};\n  r = p;\n  acc[i] = Acc(r.a);\n  x[i] = q.a + q.b + c.get() + l.v;\n}",
 }
 
 
@@ -401,24 +538,24 @@ def test_valid_metal_apple_compiles_passes(tmp_path, case):
 # space to an object of another, a constructor the class does not have.
 ADDRESS_SPACE_BUGS = {
     "assign-to-constant": "struct P { float a, b; };\n"
-                          "kernel void k(constant P& c [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
-                          "  P q = {1, 2};\n  c = q; // BUG\n  x[0] = c.a;\n}",
+    "kernel void k(constant P& c [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
+    "  P q = {1, 2};\n  c = q; // BUG\n  x[0] = c.a;\n}",
     "assign-through-const-pointer": "struct P { float a, b; };\n"
-                                    "kernel void k(device const P* d [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
-                                    "  P q = {1, 2};\n  d[0] = q; // BUG\n  x[0] = d[0].a;\n}",
+    "kernel void k(device const P* d [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
+    "  P q = {1, 2};\n  d[0] = q; // BUG\n  x[0] = d[0].a;\n}",
     "reference-across-address-spaces": "struct P { float a, b; };\n"
-                                       "kernel void k(constant P& c [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
-                                       "  thread const P& r = c; // BUG\n  x[0] = r.a;\n}",
+    "kernel void k(constant P& c [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
+    "  thread const P& r = c; // BUG\n  x[0] = r.a;\n}",
     "argument-across-address-spaces": "struct P { float a, b; };\nfloat sum(thread const P& q) { return q.a + q.b; }\n"
-                                      "kernel void k(device P* items [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
-                                      "  x[0] = sum(items[0]); // BUG\n}",
+    "kernel void k(device P* items [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
+    "  x[0] = sum(items[0]); // BUG\n}",
     "no-default-constructor": "struct C {\n  float r;\n  C(float v) : r(v) {}\n};\n"
-                              "kernel void k(device C* items [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
-                              "  C c; // BUG\n  c = items[0];\n  x[0] = c.r;\n}",
-    "write-constant-array": "kernel void k(constant metal::array<float, 2>& ab [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
-                            "  ab[0] = 1; // BUG\n  x[0] = ab[1];\n}",
-    "pointer-into-constant-array": "kernel void k(constant metal::array<float, 2>& ab [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
-                                   "  thread const float* e = &ab[0]; // BUG\n  x[0] = *e;\n}",
+    "kernel void k(device C* items [[buffer(0)]], device float* x [[buffer(1)]]) {\n"
+    "  C c; // BUG\n  c = items[0];\n  x[0] = c.r;\n}",
+    "write-constant-array": "kernel void k(constant metal::array<float, 2>& ab [[buffer(0)]], device float* x [[buffer(1)]]) {\n"  # noqa: E501
+    "  ab[0] = 1; // BUG\n  x[0] = ab[1];\n}",
+    "pointer-into-constant-array": "kernel void k(constant metal::array<float, 2>& ab [[buffer(0)]], device float* x [[buffer(1)]]) {\n"  # noqa: E501
+    "  thread const float* e = &ab[0]; // BUG\n  x[0] = *e;\n}",
 }
 
 
@@ -457,7 +594,9 @@ def test_cxx_standard_library_without_its_header_fails_the_check_compile(tmp_pat
     Mac (Metal's own are in `metal::`)."""
     path = _write(tmp_path, "std_namespace", K + " {\n  x[i] = std::min(x[i], 1.0f); // BUG\n}")
     findings = check_file(path)
-    assert findings and all(f.startswith(f"{path}:4:") and "undeclared identifier 'std'" in f for f in findings), findings
+    assert findings and all(f.startswith(f"{path}:4:") and "undeclared identifier 'std'" in f for f in findings), (
+        findings
+    )
     assert check_file(_write(tmp_path, "metal_namespace", K + " {\n  x[i] = metal::min(x[i], 1.0f);\n}")) == []
 
 

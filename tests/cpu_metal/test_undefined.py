@@ -87,14 +87,27 @@ def ints(*v):
     return torch.tensor(v, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("kernel,a,b,what", [
-    ("quotients", ints(7, 9, 5), ints(2, 0, 1), "divides a 32-bit signed integer by zero"),
-    ("quotients", ints(7, -2 ** 31, 5), ints(2, -1, 1), "divides the smallest 32-bit signed integer by -1"),
-    ("remainders", ints(7, 9, 5), ints(2, 0, 1), "divides a 32-bit signed integer by zero"),
-    ("remainders", ints(7, -9, 5), ints(2, 4, 1), "takes the remainder (%) of a negative 32-bit signed integer or by a negative one"),
-    ("remainders", ints(7, 9, 5), ints(2, -4, 1), "takes the remainder (%) of a negative 32-bit signed integer or by a negative one"),
-    ("unsigned_quotients", ints(7, 9, 5), ints(2, 0, 1), "divides a 32-bit unsigned integer by zero"),
-])
+@pytest.mark.parametrize(
+    "kernel,a,b,what",
+    [
+        ("quotients", ints(7, 9, 5), ints(2, 0, 1), "divides a 32-bit signed integer by zero"),
+        ("quotients", ints(7, -(2**31), 5), ints(2, -1, 1), "divides the smallest 32-bit signed integer by -1"),
+        ("remainders", ints(7, 9, 5), ints(2, 0, 1), "divides a 32-bit signed integer by zero"),
+        (
+            "remainders",
+            ints(7, -9, 5),
+            ints(2, 4, 1),
+            "takes the remainder (%) of a negative 32-bit signed integer or by a negative one",
+        ),
+        (
+            "remainders",
+            ints(7, 9, 5),
+            ints(2, -4, 1),
+            "takes the remainder (%) of a negative 32-bit signed integer or by a negative one",
+        ),
+        ("unsigned_quotients", ints(7, 9, 5), ints(2, 0, 1), "divides a 32-bit unsigned integer by zero"),
+    ],
+)
 def test_undefined_integer_division_names_the_line(kernels, kernel, a, b, what):
     with pytest.raises(cpu_metal.KernelError) as e:
         lib(kernels).dispatch(kernel, [torch.zeros(3, dtype=torch.int32), a, b], threads=3, threads_per_threadgroup=3)

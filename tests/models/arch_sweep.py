@@ -223,8 +223,16 @@ def _shrink_tokens(d: dict, ids: dict) -> None:
 # Sizes a default config leaves unset (None) that its model needs.
 FILL_NONE = ("head_dim", "num_key_value_heads", "n_routed_experts", "num_experts_per_tok", "n_shared_experts")
 # Widths that are a multiple of the hidden size in the default config keep the multiple.
-RATIO_TO_HIDDEN = ("attention_hidden_size", "lru_width", "embedding_dim", "mamba_d_ssm", "emb_dim", "word_embed_proj_dim",
-                   "output_embedding_size", "prompt_mid_dim")
+RATIO_TO_HIDDEN = (
+    "attention_hidden_size",
+    "lru_width",
+    "embedding_dim",
+    "mamba_d_ssm",
+    "emb_dim",
+    "word_embed_proj_dim",
+    "output_embedding_size",
+    "prompt_mid_dim",
+)
 
 
 def _shrink(d: dict, ids: dict) -> None:
@@ -277,7 +285,11 @@ def _keep_relations(d: dict, old: dict) -> None:
     def inner(c):
         return c["mamba_d_ssm"] if _is_int(c.get("mamba_d_ssm")) else expand * c["hidden_size"]
 
-    for heads, dim in (("num_heads", "head_dim"), ("mamba_n_heads", "mamba_d_head"), ("n_mamba_heads", "mamba_headdim")):
+    for heads, dim in (
+        ("num_heads", "head_dim"),
+        ("mamba_n_heads", "mamba_d_head"),
+        ("n_mamba_heads", "mamba_headdim"),
+    ):
         if _is_int(old.get(heads)) and _is_int(old.get(dim)) and old[heads] * old[dim] == inner(old):
             d[dim] = inner(d) // d[heads]
 

@@ -42,7 +42,9 @@ def test_multihead_attention_out_proj_is_left():
     original = Block().eval()
     model = mps_ext.quantize_fp8(copy.deepcopy(original))
     assert converted(model) == {"proj"}
-    assert re.fullmatch(r"MultiheadAttention\.forward reads out_proj\.weight .*", model.fp8_summary.left["attn.out_proj"])
+    assert re.fullmatch(
+        r"MultiheadAttention\.forward reads out_proj\.weight .*", model.fp8_summary.left["attn.out_proj"]
+    )
     x = torch.randn(2, 5, 32)
     with torch.no_grad():
         got = model(x)

@@ -102,26 +102,38 @@ def test_an_optimized_model_saves_under_the_stock_names(order, granularity, tmp_
     model.save_pretrained(tmp_path / "optimized")
     plain = quantized(config, granularity)
     plain.save_pretrained(tmp_path / "plain")
-    saved, stock_names = (safetensors_torch.load_file(str(tmp_path / d / "model.safetensors")) for d in ("optimized", "plain"))
+    saved, stock_names = (
+        safetensors_torch.load_file(str(tmp_path / d / "model.safetensors")) for d in ("optimized", "plain")
+    )
     assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in stock_names.items()}
     qc, plain_qc = (json.loads((tmp_path / d / "config.json").read_text())["quantization_config"]
                     for d in ("optimized", "plain"))
     assert qc == plain_qc
     if order.startswith("quantize"):
-        assert all(torch.equal(saved[k].view(torch.uint8) if saved[k].dtype == torch.float8_e4m3fn else saved[k],
-                               stock_names[k].view(torch.uint8) if saved[k].dtype == torch.float8_e4m3fn else stock_names[k])
-                   for k in saved)
+        assert all(
+            torch.equal(
+                saved[k].view(torch.uint8) if saved[k].dtype == torch.float8_e4m3fn else saved[k],
+                stock_names[k].view(torch.uint8) if saved[k].dtype == torch.float8_e4m3fn else stock_names[k],
+            )
+            for k in saved
+        )
     ours = mps_ext.optimize(load_fp8(tmp_path / "optimized", device="cpu", dtype=torch.bfloat16))
     assert torch.equal(logits(ours, IDS), want)
     stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "optimized", dtype=torch.bfloat16)
     assert rel(logits(stock, IDS), want) < 0.02
 
 
-@pytest.mark.parametrize("case, match", [
-    ("row", r"one fp8 scale per output row .* quantize_fp8\(model, granularity='block'\)"),
-    ("ragged blocks", r"self_attn\.k_proj, .* and 7 more have a dimension that is not a multiple of 128.*granularity='tensor'"),
-    ("experts", r"model\.layers\.0\.mlp\.experts are FP8Experts, which hold one scale per expert output row"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("row", r"one fp8 scale per output row .* quantize_fp8\(model, granularity='block'\)"),
+        (
+            "ragged blocks",
+            r"self_attn\.k_proj, .* and 7 more have a dimension that is not a multiple of 128.*granularity='tensor'",
+        ),
+        ("experts", r"model\.layers\.0\.mlp\.experts are FP8Experts, which hold one scale per expert output row"),
+    ],
+)
 def test_save_pretrained_refuses_what_the_format_cannot_hold(case, match, tmp_path):
     config, granularity = {"row": (whole_blocks_config(), "row"), "ragged blocks": (dense_config(), "block"),
                            "experts": (moe_config(), "block")}[case]

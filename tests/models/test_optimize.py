@@ -595,7 +595,9 @@ def test_rms_norms_become_one_dispatch_and_generate_the_same(name):
         mps_ext.optimize(model)
         assert len(norms(model)) == count, norms(model)
         assert {model.get_submodule(n).variant for n in norms(model)} == {variant}
-        assert len(model.optimize_summary["norms"].converted) == count and f"{count} RMSNorms" in str(model.optimize_summary)
+        assert len(model.optimize_summary["norms"].converted) == count and f"{count} RMSNorms" in str(
+            model.optimize_summary
+        )
         with torch.no_grad(), run_model(RELEASE) as report:
             got = model.generate(prompt, max_new_tokens=4, do_sample=False)
         assert torch.equal(got, want), (got, want)
@@ -603,7 +605,10 @@ def test_rms_norms_become_one_dispatch_and_generate_the_same(name):
         # norms are one qk_norm_rope call with its rotary embedding (mps_ext/passes/attention.py), a
         # decoder layer's post-attention norm one add_rms_norm call with the residual add before it
         # (mps_ext/passes/decoder.py).
-        attention, layers = len(model.optimize_summary["attention"].converted), len(model.optimize_summary["decoder_layers"].converted)
+        attention, layers = (
+            len(model.optimize_summary["attention"].converted),
+            len(model.optimize_summary["decoder_layers"].converted),
+        )
         assert attention and report.families["norm"].ops["mps_ext::qk_norm_rope"].ran == attention * 4
         assert layers and report.families["norm"].ops["mps_ext::add_rms_norm"].ran == layers * 4
         assert report.families["norm"].ops["mps_ext::rms_norm"].ran == (count - 2 * attention - layers) * 4

@@ -372,7 +372,9 @@ def test_gate_and_cache_append_change_no_bit(monkeypatch, name, kind):
         if not (gated and dtype == torch.float32):
             assert torch.equal(k, sk) and torch.equal(v, sv)
         # a view of a buffer grown by GROWTH positions
-        assert k.untyped_storage().nbytes() == k[0, 0, 0].nbytes * k.shape[0] * k.shape[1] * (-(-k.shape[2] // GROWTH) * GROWTH)
+        assert k.untyped_storage().nbytes() == k[0, 0, 0].nbytes * k.shape[0] * k.shape[1] * (
+            -(-k.shape[2] // GROWTH) * GROWTH
+        )
 
 
 def test_no_cat_clone_sigmoid_or_mul_left(monkeypatch):

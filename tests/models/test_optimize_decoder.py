@@ -75,8 +75,14 @@ def test_swapped_layers_match_the_model_without_them(figures, monkeypatch, name,
         apart = without_swap(monkeypatch, make(name, dtype))
     s = model.optimize_summary
     layers = [f"model.layers.{i}" for i in range(count)]
-    assert decoder_layers(model) == layers and list(s["decoder_layers"].converted) == layers and not s["decoder_layers"].left
-    assert all(what.startswith(f"{cls} -> ") for what in s["decoder_layers"].converted.values()), s["decoder_layers"].converted
+    assert (
+        decoder_layers(model) == layers
+        and list(s["decoder_layers"].converted) == layers
+        and not s["decoder_layers"].left
+    )
+    assert all(what.startswith(f"{cls} -> ") for what in s["decoder_layers"].converted.values()), s[
+        "decoder_layers"
+    ].converted
     assert f"optimize: {count} decoder layers" in str(s)
     assert not decoder_layers(apart) and "decoder_layers" not in apart.optimize_summary.sections
     with run_model(RELEASE) as report:
@@ -178,7 +184,9 @@ def test_state_dict_module_tree_and_a_second_optimize(monkeypatch):
     assert set(model.state_dict()) == set(without.state_dict())
     layer = model.model.layers[1]
     assert [n for n, _ in layer.named_children()] == [n for n, _ in without.model.layers[1].named_children()]
-    assert type(layer).__name__ == "FusedLfm2MoeDecoderLayer" and type(layer).__mro__[2].__name__ == "Lfm2MoeDecoderLayer"
+    assert (
+        type(layer).__name__ == "FusedLfm2MoeDecoderLayer" and type(layer).__mro__[2].__name__ == "Lfm2MoeDecoderLayer"
+    )
     mps_ext.optimize(model)
     assert model.optimize_summary["decoder_layers"].already == [f"model.layers.{i}" for i in range(3)]
     assert not model.optimize_summary["decoder_layers"].converted

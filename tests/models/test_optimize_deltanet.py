@@ -28,7 +28,10 @@ def deltanet_layers(model):
 def test_optimized_decode_matches_stock_and_float64(figures, dtype):
     model, prompt, step, ref, stock = optimized_against_stock_and_float64("qwen3_5_moe", dtype)
     summary = model.optimize_summary
-    assert list(summary["linear_attention"].converted) == ["model.layers.0.linear_attn"] and not summary["linear_attention"].left
+    assert (
+        list(summary["linear_attention"].converted) == ["model.layers.0.linear_attn"]
+        and not summary["linear_attention"].left
+    )
     assert "linear_attention_decode" in str(summary)
     assert all(isinstance(m, FusedDecodeMixin) for m in deltanet_layers(model))
     with run_model(RELEASE) as report:

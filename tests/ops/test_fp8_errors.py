@@ -54,7 +54,7 @@ again = mps_ext._C.name_float8_errors("CPU")
 after = run()
 dumps = {op: torch._C._dispatch_dump(op) for op in ("aten::add.Tensor", "aten::view", "aten::copy_", "aten::empty.memory_format")}
 print(json.dumps(dict(before=before, after=after, wrapped=wrapped, again=again, dumps=dumps)))
-"""
+"""  # noqa: E501
 
 
 def run_script(script, *args):

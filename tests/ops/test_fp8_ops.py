@@ -312,7 +312,7 @@ for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
     print(mps_ext.stats()["fp8"]["ran"], mps_ext.stats()["fp8"]["fallbacks"])
 x = torch.randn(3)
 assert (x == x).all() and isinstance(x[0].item(), float)  # other dtypes: torch's
-"""
+"""  # noqa: E501
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
     assert r.returncode == 0, r.stderr

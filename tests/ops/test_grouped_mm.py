@@ -444,7 +444,9 @@ def test_offsets_out_of_order_or_range_stay_in_bounds(m, offs):
     out = torch.ops.mps_ext._grouped_mm(a, b, torch.tensor(offs, dtype=torch.int32))
     assert out.shape == (m, 16)
     a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
-    torch.ops.mps_ext._scaled_grouped_mm(a8, b8, torch.ones(m), torch.ones(4, 16), torch.tensor(offs, dtype=torch.int32))
+    torch.ops.mps_ext._scaled_grouped_mm(
+        a8, b8, torch.ones(m), torch.ones(4, 16), torch.tensor(offs, dtype=torch.int32)
+    )
 
 
 # --------------------------------------------------------------- meta --

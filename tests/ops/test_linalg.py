@@ -624,7 +624,9 @@ def test_solve(call, dtype, n):
         want = aten("_linalg_solve_ex", a, b, left=left)
         for g, w in zip(got, want):
             same_layout(g, w)
-        assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])  # the same pivots: the same matrix factored
+        assert torch.equal(got[2], want[2]) and torch.equal(
+            got[3], want[3]
+        )  # the same pivots: the same matrix factored
         assert_close(got[1], want[1], 1e-5, "LU")
         assert_close(got[0], aten("_linalg_solve_ex", wide(a), wide(b), left=left)[0].to(dtype), 1e-4, "X")
 

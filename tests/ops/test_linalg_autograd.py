@@ -119,7 +119,7 @@ for key, (loss, g, args, fn) in ours.items():
     analytic = sum((gi.conj() * d).real.sum().item() for gi, d in zip(g, v))
     assert abs(fd - analytic) <= 1e-3 * max(abs(fd), 1), (key, fd, analytic)
 print("checked", len(ours), "gradients;", mps_ext.stats()["linalg"]["ran"], "calls ran mps_ext's kernels")
-"""
+"""  # noqa: E501
 
 
 def test_autograd_through_the_kernels_matches_torch():

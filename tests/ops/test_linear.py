@@ -20,7 +20,9 @@ X, W, BIAS = 1, 2, 4  # buffer indices of the gemv kernels
 def tol(dtype, k):
     # float32: accumulation order; half/bfloat: one rounding of the output.
     eps = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
-    return dict(rtol=eps * (1 if dtype != torch.float32 else max(1, math.sqrt(k))), atol=eps * math.sqrt(max(k, 1)) * 0.2)
+    return dict(
+        rtol=eps * (1 if dtype != torch.float32 else max(1, math.sqrt(k))), atol=eps * math.sqrt(max(k, 1)) * 0.2
+    )
 
 
 def randn(*shape, dtype=torch.float32, scale=1.0):

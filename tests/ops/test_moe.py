@@ -64,7 +64,9 @@ def test_route_matches_softmax_topk_and_sorts_slots_by_expert(device, tokens, ex
     ids = chosen_experts(offs, slot_of_row, tokens, slots)
     # The same experts as torch.topk (up to the order of equal logits), with the same weights.
     lg = logits.double()
-    torch.testing.assert_close(lg.gather(1, ids[:, :top_k]).sort(1).values, lg.gather(1, ids_ref[:, :top_k]).sort(1).values)
+    torch.testing.assert_close(
+        lg.gather(1, ids[:, :top_k]).sort(1).values, lg.gather(1, ids_ref[:, :top_k]).sort(1).values
+    )
     torch.testing.assert_close(w.double(), w_ref, rtol=1e-5, atol=1e-6)
     assert torch.equal(ids[:, top_k:], ids_ref[:, top_k:])  # the shared expert
     assert all(len(set(row)) == slots for row in ids.tolist())  # distinct experts per token
@@ -84,7 +86,9 @@ def moe_layer_ref(x, router, w_gate_up, w_down, top_k, shared, gate_up_scale=Non
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            g, u = (dequant(w_gate_up[e], None if gate_up_scale is None else gate_up_scale[e]) @ x[t].double()).split(inter)
+            g, u = (dequant(w_gate_up[e], None if gate_up_scale is None else gate_up_scale[e]) @ x[t].double()).split(
+                inter
+            )
             h = (F.silu(g) * u).to(x.dtype).double()
             out[t] += float(w[t, j]) * (dequant(w_down[e], None if down_scale is None else down_scale[e]) @ h)
     return out
@@ -286,7 +290,9 @@ def test_experts_with_unaligned_activations_take_element_loads(device, fp8):
     exp = torch.cat([x[:1].double() @ wd[0].t(), x[1:].double() @ wd[2].t()])
     torch.testing.assert_close(got.double(), exp, rtol=1e-2, atol=1e-2)
     if device == "executor":
-        assert rec.dispatches[0].kernel == ("gmm_decode_rows_bf16_e4m3w_scalar" if fp8 else "gmm_decode_rows_bf16_scalar")
+        assert rec.dispatches[0].kernel == (
+            "gmm_decode_rows_bf16_e4m3w_scalar" if fp8 else "gmm_decode_rows_bf16_scalar"
+        )
 
 
 def test_a_layer_launches_the_same_whatever_the_routing_and_reads_nothing_on_the_host():

@@ -120,7 +120,11 @@ def test_2d_2d(run):
     exp = torch.zeros(len(counts), m, n, dtype=torch.float64)
     start = 0
     for g, end in enumerate(offs.tolist()):
-        exp[g] = (a8[:, start:end].double() @ b8[start:end].double()) * sa[g * m:(g + 1) * m, None] * sb[None, g * n:(g + 1) * n]
+        exp[g] = (
+            (a8[:, start:end].double() @ b8[start:end].double())
+            * sa[g * m : (g + 1) * m, None]
+            * sb[None, g * n : (g + 1) * n]
+        )
         start = end
     check(got, exp, 32)
 

@@ -229,8 +229,14 @@ def variant_cases():
         for variant in VARIANTS if kind != "strided" else ["i32", "i64"]:
             for backward, types in ((False, FORWARD_TYPES), (True, BACKWARD_TYPES)):
                 for t_in, t_out in types:
-                    yield pytest.param(kind, variant, backward, t_in, t_out,
-                                       id=f"{'bwd' if backward else 'fwd'}-{kind}-{SHORT[t_in]}_{SHORT[t_out]}-{variant}")
+                    yield pytest.param(
+                        kind,
+                        variant,
+                        backward,
+                        t_in,
+                        t_out,
+                        id=f"{'bwd' if backward else 'fwd'}-{kind}-{SHORT[t_in]}_{SHORT[t_out]}-{variant}",
+                    )
 
 
 def kernels_of(kind, variant, backward, t_in, t_out):
@@ -252,7 +258,9 @@ def test_every_kernel_variant(run, device, request, kind, variant, backward, t_i
         if not backward:
             half_to_float = t_in != t_out
             for log in (False, True):
-                check(run(fwd_name(log), x, dim, half_to_float, family="softmax"), reference(x, dim, log, half_to_float))
+                check(
+                    run(fwd_name(log), x, dim, half_to_float, family="softmax"), reference(x, dim, log, half_to_float)
+                )
         else:
             for log in (False, True):
                 y = reference(torch.randn(shape, generator=gen), dim, log).to(t_in)

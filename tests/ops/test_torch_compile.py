@@ -127,7 +127,9 @@ def moe_model(x, router, w_gate_up, w_down, a8, b8, scale_a, scale_b, offs8, ban
     h = torch.ops.mps_ext.moe_experts(x, w_gate_up, None, offs, slot_of_row, top_k, True)
     y = torch.ops.mps_ext.moe_experts(h, w_down, None, offs)
     out = torch.ops.mps_ext.moe_combine(y, weights, row_of_slot)
-    layer = torch.ops.mps_ext.moe_layer(x, router, w_gate_up, None, w_down, None, top_k, True, False)  # the same, one op
+    layer = torch.ops.mps_ext.moe_layer(
+        x, router, w_gate_up, None, w_down, None, top_k, True, False
+    )  # the same, one op
     rows = x[slot_of_row.long() // top_k]  # the tokens' rows sorted by expert
     gate_up = torch.ops.mps_ext._grouped_mm(rows, w_gate_up.transpose(-2, -1), offs)
     gate_up8 = torch.ops.mps_ext.fp8_grouped_linear(rows, bank8, bank_scale, offs)

@@ -13,7 +13,9 @@ typedef signed char BOOL;
 #define NO ((BOOL)0)
 typedef long NSInteger;
 typedef unsigned long NSUInteger;
-#define NS_ENUM(type, name) enum name : type name; enum name : type
+#define NS_ENUM(type, name) \
+  enum name : type name;    \
+  enum name : type
 #ifndef nil
 #define nil nullptr
 #endif
@@ -22,7 +24,7 @@ typedef unsigned long NSUInteger;
 @end
 
 __attribute__((objc_root_class))
-@interface NSObject <NSObject>
+@interface NSObject<NSObject>
 + (instancetype)alloc;
 + (instancetype)new;
 - (instancetype)init;

@@ -10,16 +10,16 @@ static inline MTLSize MTLSizeMake(NSUInteger width, NSUInteger height, NSUIntege
   return s;
 }
 
-typedef NS_ENUM(NSUInteger, MTLLanguageVersion){
-    MTLLanguageVersion3_0 = (3 << 16) + 0,
-    MTLLanguageVersion3_1 = (3 << 16) + 1,
+typedef NS_ENUM(NSUInteger, MTLLanguageVersion) {
+  MTLLanguageVersion3_0 = (3 << 16) + 0,
+  MTLLanguageVersion3_1 = (3 << 16) + 1,
 };
 
-typedef NS_ENUM(NSInteger, MTLGPUFamily){
-    MTLGPUFamilyApple1 = 1001,
-    MTLGPUFamilyApple7 = 1007,
-    MTLGPUFamilyApple8 = 1008,
-    MTLGPUFamilyApple9 = 1009,
+typedef NS_ENUM(NSInteger, MTLGPUFamily) {
+  MTLGPUFamilyApple1 = 1001,
+  MTLGPUFamilyApple7 = 1007,
+  MTLGPUFamilyApple8 = 1008,
+  MTLGPUFamilyApple9 = 1009,
 };
 
 @protocol MTLFunction <NSObject>
@@ -41,14 +41,14 @@ typedef NS_ENUM(NSInteger, MTLGPUFamily){
 // __MAC_OS_X_VERSION_MAX_ALLOWED (Foundation.h here, <Availability.h> in the
 // SDK) says which SDK this is, so both can be compile-checked.
 #if __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
-typedef NS_ENUM(NSInteger, MTLMathMode){
-    MTLMathModeSafe = 0,
-    MTLMathModeRelaxed = 1,
-    MTLMathModeFast = 2,
+typedef NS_ENUM(NSInteger, MTLMathMode) {
+  MTLMathModeSafe = 0,
+  MTLMathModeRelaxed = 1,
+  MTLMathModeFast = 2,
 };
-typedef NS_ENUM(NSInteger, MTLMathFloatingPointFunctions){
-    MTLMathFloatingPointFunctionsFast = 0,
-    MTLMathFloatingPointFunctionsPrecise = 1,
+typedef NS_ENUM(NSInteger, MTLMathFloatingPointFunctions) {
+  MTLMathFloatingPointFunctionsFast = 0,
+  MTLMathFloatingPointFunctionsPrecise = 1,
 };
 #define MPS_EXT_STUB_DEPRECATED_IN_15 __attribute__((deprecated("Use mathMode instead")))
 #else
