@@ -33,7 +33,9 @@ if __package__ in (None, ""):  # python benchmarks/__main__.py
 
 from benchmarks import common, plot  # noqa: E402
 
-OPS = ("softmax", "linear", "pad", "linalg", "fp8", "moe", "norm")  # the kernel benchmarks (cases of common.Case)
+# The kernel benchmarks (cases of common.Case), one per op family, named as the family.
+OPS = ("softmax", "linear", "pad", "linalg", "fp8", "scaled_mm", "grouped_mm", "moe", "norm", "attention_gate",
+       "kv_cache", "linear_attention", "short_conv")
 HOST = ("routing",)  # host-time benchmarks: their own table, no kernel cases
 DECODE = "decode"  # whole models: benchmarks/bench_decode.py
 

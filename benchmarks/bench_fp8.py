@@ -1,21 +1,13 @@
-"""FP8: the cases of `python -m benchmarks fp8`.
+"""float8 tensors (the fp8 family): every conversion to and from fp8 (the
+fp8_convert kernels, `x.to(torch.float8_e4m3fn)` and back on MPS), dense and
+through a transposed view; the cases of `python -m benchmarks fp8`.
 
-    python benchmarks/bench_fp8.py [--quick | --tiny] [--check]   (the same; --check: below)
+    python benchmarks/bench_fp8.py [--quick | --tiny]   (the same)
 
-_scaled_mm (fp8 activations and weights, row-wise and 128x128 block-wise
-scales) at the GEMV benchmark's shapes, decode (1, 2, 4, 8 rows) and prefill
-(128, 512, 2048 rows); fp8_linear (FP8Linear: fp32, fp16 or bf16
-activations, fp8 weights, row-wise scales) and a 16-byte-misaligned
-activation (the element-load kernels) at an MoE expert's shape; and every
-conversion to and from fp8, dense and through a transposed view. On a Mac,
-stock torch's bf16 F.linear against FP8Linear.
-
-Prefill on the executor would take hours at these shapes, so it is measured
-on a block of 2 x 4 tiles (64 rows, 256 columns, the full K) and scaled by
-the number of tiles: every 32 x 64 tile of fp8_mm_tile does the same work
-(it reads 32 activation rows and 64 weight rows over all of K, and the
-scales of those, and writes its outputs), and every shape here is a whole
-number of tiles. --check measures one prefill shape in full and compares.
+A conversion's minimum is its input read once and its output written once.
+On a Mac, stock torch's own conversion (where the release has one) against
+mps_ext's. (The fp8 matrix products are the scaled_mm family's:
+benchmarks/bench_scaled_mm.py.)
 """
 
 from __future__ import annotations
@@ -27,88 +19,10 @@ import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_linear import SHAPES  # noqa: E402
-from benchmarks.common import Case, Prepared, measure, run_as_script  # noqa: E402
+from benchmarks.bench_scaled_mm import E4, E5, EXPERT, name  # noqa: E402
+from benchmarks.common import Case, Prepared, run_as_script  # noqa: E402
 
-E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
-DECODE_ROWS = [1, 2, 4, 8]
-PREFILL_ROWS = [128, 512, 2048]
-TILE_M, TILE_N = 32, 64  # fp8_params.h: FP8_TILE_M, FP8_TILE_N
-SAMPLE_M, SAMPLE_N = 2 * TILE_M, 4 * TILE_N  # the block prefill is measured on
-EXPERT = (2048, 768, "Qwen3-30B-A3B expert up")
 CONVERSIONS = [(torch.bfloat16, E4), (torch.float32, E4), (E4, torch.bfloat16), (E4, torch.float16)]
-NOTES = """\
-w read / size: bytes read from the fp8 weight over its size; bound: what the product may read (decode <= 1.02,
-prefill <= rows / 32: each 32-row tile reads the weight once). 16-byte loads: share of the weight bytes read with
-16-byte loads. act read / w size: activation bytes read over the weight's size (decode: every threadgroup stages the
-activation rows once for its simdgroups, from the GPU's caches; prefill: every 32 x 64 tile reads its 32 rows, N / 64 times). bytes / min
-counts every read, re-reads included; us @chip counts the weight bytes as read and every other operand once (the
-re-read activations and scales stay in the caches). Prefill rows (rows > 8) are scaled from a 64 x 256 sample block
-(2 x 4 tiles, full K) by the tile count. Times (stock bf16 F.linear against FP8Linear) only on a Mac."""  # noqa: E501
-
-
-def tiles(rows, n):
-    return -(-rows // TILE_M) * -(-n // TILE_N)
-
-
-def fp8(*shape, misaligned=0):
-    """A random fp8 tensor; misaligned: one byte off 16-byte alignment."""
-    n = 1
-    for s in shape:
-        n *= s
-    return torch.randn(n + misaligned).to(E4)[misaligned:].view(shape)
-
-
-def scaled_mm(rows, k, n, recipe, misaligned=0):
-    """A call of _scaled_mm_v2 on fp8 operands (recipe: row-wise or 128x128
-    block-wise scales), bf16 out."""
-    x, w = fp8(rows, k, misaligned=misaligned), fp8(n, k)
-    kb, nb = -(-k // 128), -(-n // 128)
-    scales = ([torch.ones(rows, 1)], [1], [], [torch.ones(1, n)], [1], []) if recipe == "row" else (
-        [torch.ones(rows, kb)], [4], [], [torch.ones((kb + 3) // 4 * 4, nb)], [5], [])
-    return lambda: torch.ops.mps_ext._scaled_mm_v2(x, w.t(), *scales, None, torch.bfloat16, [], False)
-
-
-def product(kind, act, rows, k, n, recipe, misaligned) -> Prepared:
-    """kind "scaled_mm": fp8 activations; "fp8_linear": activations of dtype
-    `act`, row-wise weight scales. Prefill runs a SAMPLE_M x SAMPLE_N block."""
-    prefill = rows > 8
-    run_rows, run_n = (SAMPLE_M, min(SAMPLE_N, n)) if prefill else (rows, n)
-    if kind == "scaled_mm":
-        run = scaled_mm(run_rows, k, run_n, recipe, misaligned)
-        kb, nb = -(-k // 128), -(-n // 128)
-        minimum = rows * k + n * k + ((rows + n) * 4 if recipe == "row" else (rows * kb + kb * nb) * 4) + rows * n * 2
-    else:
-        x = torch.randn(run_rows * k + misaligned).to(act)[misaligned:].view(run_rows, k)
-        w, ws = fp8(run_n, k), torch.rand(run_n) / 100
-        run = lambda: torch.ops.mps_ext.fp8_linear(x, w, ws, "row", None)  # noqa: E731
-        minimum = (rows * k + rows * n) * x.element_size() + n * k + n * 4
-
-    def scale(stats):
-        return tiles(rows, n) / stats[0].total_threadgroups if prefill else 1
-
-    def read(stats, name):
-        (d,) = stats
-        return d.bytes_read.get(d.buffer(name), 0) * scale(stats)
-
-    def extras(stats):
-        (d,) = stats
-        wi = d.buffer("w")
-        return {"w read / size": f"{read(stats, 'w') / (n * k):.3f}",
-                "bound": f"{rows / 32:.0f}" if prefill else "1.02",
-                "16-byte loads": f"{d.read_widths[wi].get(16, 0) * 16 / d.bytes_read[wi]:.0%}",
-                "act read / w size": f"{read(stats, 'x') / (n * k):.3f}"}
-
-    def mac():
-        import mps_ext
-
-        layer = torch.nn.Linear(k, n, bias=False, device="mps", dtype=torch.bfloat16)
-        q = mps_ext.FP8Linear.from_linear(layer, recipe)
-        xm = torch.randn(rows, k, dtype=torch.bfloat16, device="mps")
-        return (lambda: layer(xm)), (lambda: q(xm))
-
-    return Prepared(run, minimum, mac, extras, scale,
-                    dram_bytes=lambda stats: read(stats, "w") + minimum - n * k)
 
 
 def conversion(src, dst, shape, transposed) -> Prepared:
@@ -125,68 +39,29 @@ def conversion(src, dst, shape, transposed) -> Prepared:
     return Prepared(lambda: torch.ops.mps_ext.copy_(y, x), x.nbytes + y.nbytes, mac)
 
 
-def name(dtype):
-    return str(dtype)[6:]
-
-
 def cases(size: str) -> list[Case]:
     out = []
 
-    def add(kind, act, k, n, model, rows, recipe, misaligned=0):
-        labels = {"op": kind, "K->N": f"{k}->{n}", "layer": model, "activation": name(act), "rows": str(rows),
-                  "scales": recipe}
-        id_ = f"{kind} {k}->{n} {name(act)} rows={rows} {recipe}" + (" misaligned" if misaligned else "")
-        out.append(Case("fp8", id_, labels, lambda: product(kind, act, rows, k, n, recipe, misaligned)))
-
     def convert(src, dst, shape, transposed):
-        labels = {"op": "copy_", "K->N": "x".join(map(str, shape)), "layer": "transposed" if transposed else "",
-                  "activation": f"{name(src)} -> {name(dst)}", "rows": "", "scales": ""}
-        id_ = f"copy_ {name(src)} -> {name(dst)} {labels['K->N']}" + (" transposed" if transposed else "")
+        labels = {"op": "copy_", "shape": "x".join(map(str, shape)), "layout": "transposed" if transposed else "",
+                  "conversion": f"{name(src)} -> {name(dst)}"}
+        id_ = f"copy_ {name(src)} -> {name(dst)} {labels['shape']}" + (" transposed" if transposed else "")
         out.append(Case("fp8", id_, labels, lambda: conversion(src, dst, shape, transposed)))
 
     if size == "tiny":
-        add("scaled_mm", E4, 256, 128, "tiny", 1, "row")
-        add("fp8_linear", torch.bfloat16, 256, 128, "tiny", 2, "row")
-        add("fp8_linear", torch.float16, 256, 128, "tiny", 128, "row")
         convert(torch.bfloat16, E4, (64, 96), False)
         return out
-    for k, n, model in SHAPES:
-        if size == "quick" and n * k > 4096 * 4096:
-            continue
-        for rows in DECODE_ROWS + PREFILL_ROWS:
-            for recipe in ("row", "block"):
-                add("scaled_mm", E4, k, n, model, rows, recipe)
-    k, n, model = EXPERT
-    for act in (torch.float32, torch.float16, torch.bfloat16):
-        for rows in DECODE_ROWS + PREFILL_ROWS[:1]:
-            add("fp8_linear", act, k, n, model, rows, "row")
-    for act in (E4, torch.float32, torch.float16, torch.bfloat16):
-        for rows in DECODE_ROWS + PREFILL_ROWS[:1]:
-            add("scaled_mm" if act == E4 else "fp8_linear", act, k, n, model + ", misaligned activation", rows, "row",
-                misaligned=1)
     if size == "full":
         for src, dst in CONVERSIONS:
             convert(src, dst, (4096, 4096), False)
+    k, n, _ = EXPERT
     floats = (torch.float32, torch.float16, torch.bfloat16)
     pairs = [(s, d) for s in floats for d in (E4, E5)] + [(s, d) for s in (E4, E5) for d in floats + (E5, E4) if s != d]
-    for src, dst in pairs:  # every conversion kernel, at the expert's weight shape
+    for src, dst in pairs:  # every conversion kernel, at an MoE expert's weight shape
         for transposed in (False, True):
             convert(src, dst, (n, k), transposed)
     return out
 
 
-def check():
-    """One prefill shape measured in full against its scaling from tiles."""
-    k, n, rows = 768, 2048, 128
-    for recipe in ("row", "block"):
-        scaled = measure(Case("fp8", "sampled", {}, lambda: product("scaled_mm", E4, rows, k, n, recipe, 0)), mac=False)
-        whole = measure(Case("fp8", "whole", {}, lambda: Prepared(scaled_mm(rows, k, n, recipe), 1)), mac=False)
-        print(f"check {k}->{n} rows={rows} {recipe}: measured threadgroups {whole.threadgroups}, bytes "
-              f"{whole.memory_bytes:.0f}; scaled from tiles {scaled.threadgroups}, {scaled.memory_bytes:.0f}")
-
-
 if __name__ == "__main__":
-    if "--check" in sys.argv:
-        check()
-    else:
-        run_as_script("fp8")
+    run_as_script("fp8")

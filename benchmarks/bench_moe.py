@@ -24,12 +24,12 @@ routes with torch ops.
 Expert banks are zeros (the counters do not depend on values, and zeros cost
 nothing to create); the router weights are random, so routing is.
 
-Besides the layers, the grouped products themselves (F.grouped_mm,
-_scaled_grouped_mm, moe_experts) at a Qwen3-30B-A3B expert's down projection
-(K = 768 -> N = 2048, 8 experts): decode (64 routed rows) in both weight
-layouts, prefill tiles (128 rows), and operands 16-byte misaligned (the
-element-load kernels), so that every grouped_mm kernel is measured; they run
-on 256 of the 2048 output columns and count for 8 times that.
+Besides the layers, moe_experts (the layer's gather + gate/up product) on
+its own at a Qwen3-30B-A3B expert's down projection with a 16-byte
+misaligned activation (the element-load kernels). The grouped products
+(F.grouped_mm, _scaled_grouped_mm) are the grouped_mm family's
+(benchmarks/bench_grouped_mm.py); a Gated DeltaNet and a short-convolution
+decode step are benchmarks/bench_linear_attention.py and bench_short_conv.py.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_grouped_mm import grouped_case, quantize_rows_zero  # noqa: E402
 from benchmarks.common import Case, Prepared, run_as_script  # noqa: E402
 
 @dataclasses.dataclass
@@ -61,11 +62,6 @@ MODELS = [
     Model("Qwen3.6-35B-A3B", 2048, 256, 8, 1, 512),
     Model("LFM2-8B-A1B", 2048, 32, 4, 0, 1792),
 ]
-
-
-def quantize_rows_zero(shape):
-    """fp8 zeros and unit row scales (values do not change the counters)."""
-    return torch.zeros(shape, dtype=torch.float8_e4m3fn), torch.ones(shape[:-1])
 
 
 TINY = Model("tiny", 256, 8, 2, 1, 128)
@@ -168,111 +164,6 @@ def stock_layer_fn(model: Model, tokens: int, device: str = "mps"):
     return stock, ours
 
 
-@dataclasses.dataclass
-class DeltaNet:
-    """A Gated DeltaNet layer's decode shapes (benchmarks/census.py has the configs)."""
-    name: str
-    k_heads: int
-    v_heads: int
-    dk: int
-    dv: int
-    conv_k: int
-
-
-DELTANET = DeltaNet("Qwen3.6-35B-A3B", 16, 32, 128, 128, 4)
-
-
-def deltanet(model: DeltaNet, tokens: int, dtype) -> Prepared:
-    """The decode step of a linear-attention layer between its projections
-    (linear_attention_decode, one dispatch): what the MoE models with Gated
-    DeltaNet layers (Qwen3.5/3.6) run besides their MoE layers."""
-    g = torch.Generator().manual_seed(tokens)
-    conv_dim = 2 * model.k_heads * model.dk + model.v_heads * model.dv
-    vd = model.v_heads * model.dv
-
-    def r(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
-    qkv, z, b, a = r(tokens, conv_dim), r(tokens, vd), r(tokens, model.v_heads), r(tokens, model.v_heads)
-    conv_state, conv_w = r(tokens, conv_dim, model.conv_k), r(conv_dim, model.conv_k)
-    state = torch.randn(tokens, model.v_heads, model.dk, model.dv, generator=g)
-    a_log, dt_bias, norm_w = r(model.v_heads), r(model.v_heads), r(model.dv)
-
-    def run():
-        torch.ops.mps_ext.linear_attention_decode(qkv, z, b, a, conv_state, state, conv_w, a_log, dt_bias, norm_w,
-                                                  model.k_heads, 1e-6)
-    # Every input read once, both states read and written once, the output written.
-    minimum = (sum(t.nbytes for t in (qkv, z, b, a, conv_w, a_log, dt_bias, norm_w)) + 2 * conv_state.nbytes
-               + 2 * state.nbytes + tokens * vd * qkv.element_size())
-    return Prepared(run, minimum)
-
-
-@dataclasses.dataclass
-class ShortConv:
-    """An LFM2 conv layer's decode shapes (benchmarks/census.py has the configs)."""
-    name: str
-    hidden: int
-    conv_k: int
-
-
-SHORT_CONV = ShortConv("LFM2.5-8B-A1B", 2048, 3)
-
-
-def short_conv(model: ShortConv, tokens: int, dtype) -> Prepared:
-    """The decode step of an LFM2 conv layer between its projections
-    (short_conv_decode, one dispatch): what LFM2.5-8B-A1B runs in 18 of its
-    24 layers besides the MoE."""
-    g = torch.Generator().manual_seed(tokens)
-
-    def r(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
-    bcx, conv_state, conv_w = r(tokens, 1, 3 * model.hidden), r(tokens, model.hidden, model.conv_k), \
-        r(model.hidden, model.conv_k)
-
-    def run():
-        torch.ops.mps_ext.short_conv_decode(bcx, conv_state, conv_w, None)
-    # The input and weights read once, the window read and written once, the output written.
-    minimum = bcx.nbytes + conv_w.nbytes + 2 * conv_state.nbytes + tokens * model.hidden * bcx.element_size()
-    return Prepared(run, minimum)
-
-
-SAMPLE_N = 256  # output columns the grouped products run on (of N)
-
-
-def grouped(kind, dtype, rows, k, n, experts, layout, misaligned=0) -> Prepared:
-    """One grouped product of `rows` rows spread evenly over `experts`
-    experts of [N, K] (layout "nk": F.grouped_mm's W[E, N, K] transposed;
-    "kn": W[E, K, N] stored as is). kind "_grouped_mm"; "_scaled_grouped_mm"
-    (fp8 operands, row-wise scales); "moe_experts" (bf16 rows, fp8 weights).
-    It runs on SAMPLE_N of the N output columns and counts for N / SAMPLE_N
-    times that: the kernels split N evenly over threadgroups, each doing the
-    same work."""
-    g = torch.Generator().manual_seed(rows + k + n)
-    counts = [rows // experts + (1 if i < rows % experts else 0) for i in range(experts)]
-    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
-    act = torch.float8_e4m3fn if kind == "_scaled_grouped_mm" else dtype
-    a = torch.randn(rows * k + misaligned, generator=g).to(act)[misaligned:].view(rows, k)
-    m = SAMPLE_N
-    ops = torch.ops.mps_ext
-    if kind == "_grouped_mm":
-        shape = (experts, m, k) if layout == "nk" else (experts, k, m)
-        w = torch.randn(experts * m * k + misaligned, generator=g).to(dtype)[misaligned:].view(shape)
-        b = w.transpose(-2, -1) if layout == "nk" else w
-        run = lambda: ops._grouped_mm(a, b, offs)  # noqa: E731
-        minimum = a.nbytes + experts * n * k * a.element_size() + rows * n * a.element_size()
-    elif kind == "_scaled_grouped_mm":
-        w, sa, sb = torch.randn(experts, m, k, generator=g).to(act), torch.ones(rows), torch.ones(experts, m)
-        run = lambda: ops._scaled_grouped_mm(a, w.transpose(-2, -1), sa, sb, offs)  # noqa: E731
-        minimum = a.nbytes + experts * n * k + sa.nbytes + experts * n * 4 + rows * n * 2
-    else:
-        w, scale = quantize_rows_zero((experts, m, k))
-        run = lambda: ops.moe_experts(a, w, scale, offs, None, 1, False)  # noqa: E731
-        minimum = a.nbytes + experts * n * k + experts * n * 4 + rows * n * a.element_size()
-    return Prepared(run, minimum, scale=n / m)
-
-
-EXPERT_DOWN = (768, 2048)  # Qwen3-30B-A3B: an expert's down projection, K -> N
-
-
 def layer_case(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, residual: bool = False) -> Case:
     labels = {"case": "layer", "model": model.name, "experts": "fp8" if fp8 else str(dtype)[6:],
               "activation": str(dtype)[6:], "tokens / rows": str(tokens), "weight": ""}
@@ -287,32 +178,12 @@ def cases(size: str) -> list[Case]:
     def add_layer(model, tokens, fp8, dtype=torch.bfloat16):
         out.append(layer_case(model, tokens, fp8, dtype))
 
-    def add_grouped(kind, dtype, rows, layout, misaligned=0):
-        k, n = EXPERT_DOWN
-        labels = {"case": kind, "model": f"Qwen3-30B-A3B expert down {k}->{n}, 8 experts",
-                  "experts": "fp8" if kind != "_grouped_mm" else str(dtype)[6:],
-                  "activation": "float8_e4m3fn" if kind == "_scaled_grouped_mm" else str(dtype)[6:],
-                  "tokens / rows": str(rows), "weight": f"[E,{layout.upper()}]" + (" misaligned" if misaligned else "")}
-        id_ = f"{kind} {labels['experts']} {labels['activation']} rows={rows} {layout}" + (
-            " misaligned" if misaligned else "")
-        out.append(Case("moe", id_, labels, lambda: grouped(kind, dtype, rows, k, n, 8, layout, misaligned)))
-
-    def add_deltanet(model, tokens, dtype):
-        labels = {"case": "deltanet", "model": model.name, "experts": "", "activation": str(dtype)[6:],
-                  "tokens / rows": str(tokens), "weight": ""}
-        out.append(Case("moe", f"deltanet {model.name} {labels['activation']} tokens={tokens}", labels,
-                        lambda: deltanet(model, tokens, dtype)))
-
-    def add_short_conv(model, tokens, dtype):
-        labels = {"case": "shortconv", "model": model.name, "experts": "", "activation": str(dtype)[6:],
-                  "tokens / rows": str(tokens), "weight": ""}
-        out.append(Case("moe", f"shortconv {model.name} {labels['activation']} tokens={tokens}", labels,
-                        lambda: short_conv(model, tokens, dtype)))
+    def add_experts(rows, misaligned):  # moe_experts, the layer's gate/up product, at a grouped product's shape
+        out.append(grouped_case("moe_experts", torch.bfloat16, rows, "nk", misaligned, op="moe"))
 
     if size == "tiny":
         add_layer(TINY, 2, False)
         add_layer(TINY, 2, True)
-        add_deltanet(DeltaNet("tiny", 2, 4, 32, 16, 4), 1, torch.bfloat16)
         return out
     for model in MODELS:
         for fp8 in (False, True):
@@ -320,18 +191,7 @@ def cases(size: str) -> list[Case]:
                 add_layer(model, tokens, fp8)
     for dtype in (torch.float32, torch.float16):  # the route and combine kernels of other activation dtypes
         add_layer(MODELS[0], 1, False, dtype)
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for layout in ("nk", "kn"):
-            add_grouped("_grouped_mm", dtype, 64, layout)
-            add_grouped("_grouped_mm", dtype, 64, layout, misaligned=1)
-        add_grouped("_grouped_mm", dtype, 128, "nk")
-    add_grouped("_scaled_grouped_mm", None, 64, "nk")
-    add_grouped("_scaled_grouped_mm", None, 64, "nk", misaligned=1)
-    add_grouped("_scaled_grouped_mm", None, 128, "nk")
-    add_grouped("moe_experts", torch.bfloat16, 64, "nk", misaligned=1)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        add_deltanet(DELTANET, 1, dtype)
-        add_short_conv(SHORT_CONV, 1, dtype)
+    add_experts(64, misaligned=1)
     return out
 
 

@@ -19,10 +19,8 @@ qk_norm_rope's minimum is q and k read once, both outputs written once,
 the weights once and each token's cos and sin once; the kernel reads cos,
 sin and a weight once per threadgroup (decode: one per 8 heads).
 
-The attention's other decode pieces (torch.ops.mps_ext.sigmoid_gate, the
-output gate read in place from q_proj's output; torch.ops.mps_ext.kv_append,
-the new key and value rows written into the cache's spare capacity): their
-minimum is every element moved once.
+(The attention's other decode pieces are families of their own:
+benchmarks/bench_attention_gate.py, benchmarks/bench_kv_cache.py.)
 """
 
 from __future__ import annotations
@@ -69,48 +67,6 @@ QK_CASES = [  # (batch, tokens, q heads, k heads, head_dim, rotary_dim, dtype, v
     (1, 3, 2, 1, 256, 64, BF16, "zero_centred", "tiny", ("tiny",)),
 ]
 
-
-GATE_CASES = [  # (tokens, heads, head_dim, dtype, what, sizes)
-    (1, 16, 256, BF16, "Qwen3.6-35B-A3B decode: the output gate of 16 heads of 256", ("full", "quick")),
-    (1, 8, 128, F16, "a gated attention's decode in fp16", ("full", "quick")),
-    (1, 8, 128, F32, "in float32", ("full", "quick")),
-    (2, 3, 40, F32, "tiny", ("tiny",)),
-]
-KV_CASES = [  # (kv heads, head_dim, cached positions, dtype, what, sizes)
-    (2, 256, 1000, BF16, "Qwen3.6-35B-A3B decode: 2 KV heads of 256 after 1000 tokens", ("full", "quick")),
-    (4, 128, 1000, F16, "Qwen3-30B-A3B decode in fp16: 4 KV heads of 128", ("full", "quick")),
-    (8, 64, 1000, F32, "LFM2.5-8B-A1B decode in float32: 8 KV heads of 64", ("full", "quick")),
-    (2, 16, 7, F32, "tiny", ("tiny",)),
-]
-
-
-def prepare_gate(t, h, d, dtype) -> Prepared:
-    q = torch.randn(1, t, h, 2 * d).to(dtype)  # q_proj's output: each head's query, then its gate
-    gate = q[..., d:]
-    x = torch.randn(1, t, h, d).to(dtype)
-
-    def mac():
-        qm, xm = q.to("mps"), x.to("mps")
-        gm = qm[..., d:]
-        return (lambda: xm.reshape(1, t, -1) * torch.sigmoid(gm.reshape(1, t, -1)),
-                lambda: torch.ops.mps_ext.sigmoid_gate(xm, gm))
-
-    return Prepared(lambda: torch.ops.mps_ext.sigmoid_gate(x, gate), 3 * x.nbytes, mac)
-
-
-def prepare_kv(h, d, n, dtype) -> Prepared:
-    cap = -(-(n + 1) // 256) * 256
-    k_cache, v_cache = torch.zeros(1, h, cap, d, dtype=dtype), torch.zeros(1, h, cap, d, dtype=dtype)
-    k = torch.randn(1, h, 1, d).to(dtype)
-    v = torch.randn(1, 1, h, d).to(dtype).transpose(1, 2)  # v_proj's output viewed as heads
-
-    def mac():
-        kc, vc, km, vm = (x.to("mps") for x in (k_cache, v_cache, k, v))
-        kn, vn = kc[:, :, :n], vc[:, :, :n]
-        return (lambda: (torch.cat([kn, km], dim=-2), torch.cat([vn, vm], dim=-2)),
-                lambda: torch.ops.mps_ext.kv_append(kc, vc, km, vm, n))
-
-    return Prepared(lambda: torch.ops.mps_ext.kv_append(k_cache, v_cache, k, v, n), 4 * k.nbytes, mac)
 
 
 def prepare_qk(b, t, hq, hk, d, r, dtype, variant) -> Prepared:
@@ -177,18 +133,6 @@ def cases(size: str) -> list[Case]:
         labels = {"shape": shape, "dtype": str(dtype)[6:], "variant": variant, "what": what}
         out.append(Case("norm", f"qk_norm_rope {shape} {labels['dtype']} {variant}", labels,
                         lambda a=(b, t, hq, hk, d, r, dtype, variant): prepare_qk(*a)))
-    for t, h, d, dtype, what, sizes in GATE_CASES:
-        if size not in sizes:
-            continue
-        labels = {"shape": f"{t}x{h}x{d}", "dtype": str(dtype)[6:], "variant": "", "what": what}
-        out.append(Case("norm", f"sigmoid_gate {labels['shape']} {labels['dtype']}", labels,
-                        lambda a=(t, h, d, dtype): prepare_gate(*a)))
-    for h, d, n, dtype, what, sizes in KV_CASES:
-        if size not in sizes:
-            continue
-        labels = {"shape": f"k{h} d{d} n{n}", "dtype": str(dtype)[6:], "variant": "", "what": what}
-        out.append(Case("norm", f"kv_append {labels['shape']} {labels['dtype']}", labels,
-                        lambda a=(h, d, n, dtype): prepare_kv(*a)))
     return out
 
 

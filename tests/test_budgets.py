@@ -201,26 +201,29 @@ BUDGETS: dict[str, Budget] = {
     **{k: Budget("linalg", full_occupancy=True) for k in LU_UNPACK},
     **{k: Budget("linalg", full_occupancy=False) for k in LU_SMALL + LU_PANEL + LU_SOLVE},
     **{k: Budget("fp8", full_occupancy=True) for k in FP8_CONVERT},
-    **{k: Budget("fp8", full_occupancy=True, lines=lines(k), activation="x") for k in FP8_GEMV},
+    **{k: Budget("scaled_mm", full_occupancy=True, lines=lines(k), activation="x") for k in FP8_GEMV},
     # Prefill tiles: simdgroup-matrix products that reuse each operand 32 or
     # 64 times, bound by arithmetic, not by how many threads hide latency.
-    **{k: Budget("fp8", full_occupancy=False, lines=lines(k)) for k in FP8_TILE},
-    **{k: Budget("moe", full_occupancy=True, lines=lines(k), activation="a") for k in GMM_DECODE},
+    **{k: Budget("scaled_mm", full_occupancy=False, lines=lines(k)) for k in FP8_TILE},
+    # (bf16 activations under fp8 expert weights: only moe_experts and moe_layer reach them)
+    **{k: Budget("moe" if "_bf16_e4m3w_" in k else "grouped_mm", full_occupancy=True, lines=lines(k), activation="a")
+       for k in GMM_DECODE},
     **{k: Budget("moe", full_occupancy=True, lines=lines(k),
                  unreached=MOE_COMBINE_UNREACHED if "_combine_" in k else "") for k in MOE_ROUTE_COMBINE},
     # moe_layer's down product with the combine fused: a decode GEMV of the experts' rows, as gmm_decode_rows
     **{k: Budget("moe", full_occupancy=True, lines=lines(k), activation="a",
                  unreached=MOE_DOWN_COMBINE_SCALAR if k.endswith("_scalar") else "") for k in MOE_DOWN_COMBINE},
-    **{k: Budget("moe", full_occupancy=False) for k in GMM_TILED},  # prefill tiles, as FP8's
+    **{k: Budget("grouped_mm", full_occupancy=False) for k in GMM_TILED},  # prefill tiles, as FP8's
     **{k: Budget("norm", full_occupancy=True) for k in RMS_NORM},  # streams a row through registers
     **{k: Budget("norm", full_occupancy=True) for k in ADD_RMS_NORM},  # rms_norm's rows, with the residual added
     **{k: Budget("norm", full_occupancy=True) for k in QK_NORM_ROPE},  # streams heads through registers, as RMSNorm
     # the attention's output gate and cache append: each element moved once, a thread per element
-    **{k: Budget("norm", full_occupancy=True) for k in ATTENTION},
-    # Gated DeltaNet decode (bench_moe's deltanet cases): streams the recurrent state once, 1024 threads a group.
-    **{k: Budget("moe", full_occupancy=True) for k in LINEAR_ATTENTION},
-    # LFM2's conv decode (bench_moe's shortconv cases): streams its windows and in_proj's row once.
-    **{k: Budget("moe", full_occupancy=True) for k in SHORT_CONV},
+    **{k: Budget("attention_gate" if k.startswith("sigmoid_gate_") else "kv_cache", full_occupancy=True)
+       for k in ATTENTION},
+    # Gated DeltaNet decode: streams the recurrent state once, 1024 threads a group.
+    **{k: Budget("linear_attention", full_occupancy=True) for k in LINEAR_ATTENTION},
+    # LFM2's conv decode: streams its windows and in_proj's row once.
+    **{k: Budget("short_conv", full_occupancy=True) for k in SHORT_CONV},
 }
 
 # ------------------------------------------------ cases that measure them --
@@ -259,14 +262,18 @@ BUDGET_CASES = {
             "1x3x1024x1024 uint8 [16, 16, 16, 16]", "8x4000 int64 [0, 96]"],
     # batched small inverses and every 32 x 32 case (128 x 128 ones take a minute each)
     "linalg": [c.id for c in op_cases("linalg", "quick") if c.id.startswith("inv 100000 ") or " x 32x32 " in c.id],
-    # the MoE expert's shape and the conversions; prefill at 128 rows only: every prefill case runs the
-    # same 64 x 256 sample block (bench_fp8.product), which 512 and 2048 rows only scale
-    "fp8": [c.id for c in op_cases("fp8", "quick")
-            if ("2048->768" in c.id and not re.search(r" rows=(512|2048) ", c.id)) or c.id.startswith("copy_")],
-    # one decode token of a small MoE layer in each dtype (BUDGET_LAYER), the grouped products (on 256
-    # columns), and Qwen3.6's Gated DeltaNet and LFM2.5's short-conv decode in each dtype
+    "fp8": [c.id for c in op_cases("fp8", "quick")],  # the conversions, at an MoE expert's weight shape
+    # the MoE expert's shape; prefill at 128 rows only: every prefill case runs the same 64 x 256 sample
+    # block (bench_scaled_mm.product), which 512 and 2048 rows only scale
+    "scaled_mm": [c.id for c in op_cases("scaled_mm", "quick")
+                  if "2048->768" in c.id and not re.search(r" rows=(512|2048) ", c.id)],
+    "grouped_mm": [c.id for c in op_cases("grouped_mm", "quick")],  # the grouped products, on 256 columns
+    # one decode token of a small MoE layer in each dtype (BUDGET_LAYER), and moe_experts misaligned
     "moe": [c.id for c in op_cases("moe", "quick") if not c.id.startswith("layer ")] + [c.id for c in BUDGET_ONLY],
     "norm": [c.id for c in op_cases("norm", "quick")],  # decode rows, a few KiB each
+    # one decode token's each, in each dtype: a few KiB to a few MiB
+    **{op: [c.id for c in op_cases(op, "quick")]
+       for op in ("attention_gate", "kv_cache", "linear_attention", "short_conv")},
 }
 
 
@@ -275,7 +282,7 @@ BUDGET_CASES = {
 # small Mac (cpu_metal.set_gpu), the others' on the executor's default, the
 # large one.
 SMALL_GPU, LARGE_GPU = cpu_metal.GPU(cores=8, family=7), cpu_metal.GPU(cores=80, family=9)
-GPUS = {op: (LARGE_GPU, SMALL_GPU) for op in ("linear", "fp8", "moe")}
+GPUS = {op: (LARGE_GPU, SMALL_GPU) for op in ("linear", "scaled_mm", "grouped_mm", "moe")}
 # The kernels whose launch the GPU changes: those the host sizes by
 # target_threadgroups (csrc/dispatch/kernel_choice.h: decode_geometry, and
 # linear.cpp's split of gemv_cols). Every other launch is the same on each
