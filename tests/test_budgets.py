@@ -115,6 +115,7 @@ FP8_TILE = names("fp8_mm_tile_{a}_{path}", a=("f32", "f16", "bf16", "fp8"), path
 GMM_DECODE = names(
     "gmm_decode_rows_{t}_{path}", t=("f32", "f16", "bf16", "e4m3", "bf16_e4m3w"), path=("vec", "scalar")
 ) + names("gmm_decode_cols_{t}_{path}", t=("f32", "f16", "bf16"), path=("vec", "scalar"))
+_GMM_ROWS_OF_THE_LAYER = re.compile(r"gmm_decode_rows_(f32|f16|bf16)_vec$|gmm_decode_rows_bf16_e4m3w_")
 GMM_TILED = names("gmm_tiled_{t}", t=("f32", "f16", "bf16", "e4m3"))
 MOE_ROUTE_COMBINE = names("moe_{step}_{t}", step=("route", "combine"), t=("f32", "f16", "bf16"))
 MOE_DOWN_COMBINE = names("moe_down_combine_{t}_{path}", t=("f32", "f16", "bf16", "bf16_e4m3w"),
@@ -205,9 +206,10 @@ BUDGETS: dict[str, Budget] = {
     # Prefill tiles: simdgroup-matrix products that reuse each operand 32 or
     # 64 times, bound by arithmetic, not by how many threads hide latency.
     **{k: Budget("scaled_mm", full_occupancy=False, lines=lines(k)) for k in FP8_TILE},
-    # (bf16 activations under fp8 expert weights: only moe_experts and moe_layer reach them)
-    **{k: Budget("moe" if "_bf16_e4m3w_" in k else "grouped_mm", full_occupancy=True, lines=lines(k), activation="a")
-       for k in GMM_DECODE},
+    # Measured by the MoE layer's cases where it reaches them (its experts' rows in each dtype, bf16 under
+    # fp8 weights), by the grouped products' elsewhere (fp8 activations, misaligned rows, the cols layout)
+    **{k: Budget("moe" if _GMM_ROWS_OF_THE_LAYER.match(k) else "grouped_mm", full_occupancy=True, lines=lines(k),
+                 activation="a") for k in GMM_DECODE},
     **{k: Budget("moe", full_occupancy=True, lines=lines(k),
                  unreached=MOE_COMBINE_UNREACHED if "_combine_" in k else "") for k in MOE_ROUTE_COMBINE},
     # moe_layer's down product with the combine fused: a decode GEMV of the experts' rows, as gmm_decode_rows

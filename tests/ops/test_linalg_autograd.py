@@ -17,6 +17,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = r"""
 import torch
 import mps_ext
+import mps_ext_executor
+
+mps_ext_executor.install()  # mps_ext runs kernels on CPU tensors through it
+mps_ext_executor._C._set_requested(True)  # on a Mac CPU tensors reach the executor only when asked
 
 # linalg_lu_factor is composite on CPU (and on MPS from torch 2.10): it is
 # not overridden, as a kernel of its own would bypass its autograd.

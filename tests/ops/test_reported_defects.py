@@ -21,7 +21,9 @@ def test_two_threads_making_their_first_calls_do_not_deadlock(tmp_path):
     used to run under a lock taken while holding the GIL, and released the
     GIL inside: the other thread then waited for the lock holding the GIL."""
     code = """
-import threading, torch, mps_ext
+import threading, torch, mps_ext, mps_ext_executor
+mps_ext_executor.install()  # mps_ext runs kernels on CPU tensors through it
+mps_ext_executor._C._set_requested(True)  # on a Mac CPU tensors reach the executor only when asked
 def work():
     torch.ops.mps_ext.linear(torch.randn(3, 512), torch.randn(700, 512), None)
 threads = [threading.Thread(target=work) for _ in range(2)]
