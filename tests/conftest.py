@@ -1,7 +1,17 @@
 import os
 import sys
 
-import pytest
+# One torch (OpenMP) thread per test process, this one's and its
+# subprocesses': the suite's parallelism is pytest-xdist's workers, one a
+# core, and a second intra-op thread a worker oversubscribes the cores:
+# OpenMP's threads then wait on each other's barriers, and a tiny op takes
+# milliseconds (torch.conv1d of LFM2's short convolution, measured on this
+# 2-core machine under load: tests/models/test_optimize_short_conv.py 165 s
+# with 2 threads, 37 s with 1). Set before torch is imported; a value given
+# outside is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The CPU Metal executor is a package of its own (executor/), which
