@@ -37,8 +37,8 @@ PEERS = [
     ("Qwen3-30B-A3B", "llama.cpp Q8_0", "M2 Ultra", 16384, 1022.81, "ggml-org/llama.cpp PR 15616 (pp16384)"),
 ]
 PEERS_NOTE = ("No MLX prompt rate for these three models on an M2 or M3 Ultra with its chip stated was found in the "
-              "stored issues and pages (searched: MLX, mlx-lm, oMLX, Rapid-MLX); a peer's TTFT below is its "
-              "prompt tokens over its rate at the nearest published length.")
+              "stored issues and pages (searched: MLX, mlx-lm, oMLX, Rapid-MLX); a peer's TTFT in the table above "
+              "is its prompt tokens over its rate at the nearest published length.")
 
 
 @dataclasses.dataclass
@@ -238,7 +238,8 @@ def chart_bars(rows: list[Row], length: int = DOC_LENGTH) -> list[dict]:
         mine = [r for r in rows if r.model == model and r.length == length and r.release == "2.15" and r.who != OURS]
         for r in mine:
             lo, mid, hi = r.ttft
-            out.append({"model": model, "series": f"torch 2.15, {r.who} (projected)", "kind": "ours",
+            out.append({"model": model, "series": f"torch 2.15, {r.who} (projected)",
+                        "kind": "stock" if r.who == STOCK else "ours",
                         "low": lo, "central": mid, "high": hi})
         published = [p for p in PEERS if p[0] == model]
         nearest = min((p[3] for p in published), key=lambda n: abs(n - length), default=None)

@@ -62,7 +62,8 @@ def ops_chart(groups: list[dict[str, float]], ops: list[str], path: str | Path, 
 
 
 # decode_chart's colours by kind of bar; peers take the greens in turn.
-_DECODE_COLOURS = {"published": "#b4504b", "ours": ("#2864c8", "#143c8c"), "peer": ("#46a05a", "#82c36e", "#2d7841")}
+_DECODE_COLOURS = {"published": "#b4504b", "stock": "#b4504b", "ours": ("#2864c8", "#143c8c"),
+                   "peer": ("#46a05a", "#82c36e", "#2d7841")}
 
 
 def decode_chart(bars: list[dict], path: str | Path) -> None:
@@ -80,8 +81,8 @@ def prefill_chart(bars: list[dict], path: str | Path, length: int) -> None:
 
 def model_chart(bars: list[dict], path: str | Path, ylabel: str, title: str, fmt: str) -> None:
     """A PNG at `path`: per model (x), a bar per entry of `bars` (dicts with
-    model, series, kind and central; 'ours' and 'peer' optionally low and
-    high, drawn as whiskers) except kind 'limit', drawn as a dashed line
+    model, series, kind and central; 'ours', 'stock' (projected stock
+    torch) and 'peer' optionally low and high, drawn as whiskers) except kind 'limit', drawn as a dashed line
     across the model's bars; each bar labelled with its value (`fmt`)."""
     plt = _pyplot()
     models = list(dict.fromkeys(b["model"] for b in bars))
@@ -100,7 +101,7 @@ def model_chart(bars: list[dict], path: str | Path, ylabel: str, title: str, fmt
             label = b["series"] if b["series"] not in drawn else None
             drawn.add(b["series"])
             err = None
-            if b["kind"] in ("ours", "peer") and b.get("high", 0) > b.get("low", 0):
+            if b["kind"] in ("ours", "stock", "peer") and b.get("high", 0) > b.get("low", 0):
                 err = [[b["central"] - b["low"]], [b["high"] - b["central"]]]
             ax.bar([x], [b["central"]], width * 0.92, yerr=err, capsize=3, color=colour, label=label)
             ax.annotate(fmt.format(b["central"]), (x, b.get("high", b["central"])), ha="center", va="bottom",
