@@ -504,10 +504,9 @@ def trace_prefill(model, length: int, torch_release: str | None = None, transfor
                   seed: int = 0) -> Trace:
     """The prefill of one prompt of `length` tokens, as `model.generate`
     runs it: one forward with a new cache and logits of the last position
-    only (generate passes logits_to_keep=1 to a model that takes it,
-    transformers' GenerationMixin._prepare_generation_config... its
-    `model_kwargs["logits_to_keep"] = 1`). Traced as trace_step traces a
-    decode step (the same arguments)."""
+    only (transformers' generate sets `model_kwargs["logits_to_keep"] = 1`
+    for a model that takes it, generation/utils.py). Traced as trace_step
+    traces a decode step (the same arguments)."""
     def prepare(model, g):
         ids = torch.randint(1, model.config.vocab_size, (1, length), generator=g)
         return dict(input_ids=ids, use_cache=True, logits_to_keep=1)
