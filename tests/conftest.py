@@ -33,10 +33,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, EXECUTOR] + [p for p in os.env
 # running a 7-minute file after the other has finished. Measured on CI's
 # 2 cores (--durations): test_budgets.py about 450 s (its fp8 cases 203 s),
 # test_torch_matrix.py 40-90 s per torch release, the Apple corpus 113 s,
-# test_docs.py's decode census 2-5 min.
+# test_docs.py's decode census 2-5 min and its prefill census about 3 min, test_prefill_census.py 1-3 min.
 SPLIT_BY = {"tests/test_budgets.py": "op", "tests/test_torch_matrix.py": "version"}
 LONGEST_FIRST = ("tests/test_budgets.py", "tests/test_docs.py", "tests/test_torch_matrix.py",
-                 "tests/cpu_metal/test_corpus.py", "tests/models/test_architecture_sweep.py")
+                 "tests/cpu_metal/test_corpus.py", "tests/models/test_architecture_sweep.py",
+                 "tests/test_prefill_census.py")
 
 
 def xdist_group_of(item) -> str:
