@@ -272,6 +272,9 @@ class Call:
     # Bytes that grow with the real model: "vocab" (a logits row: generate's loop), "context" (input ids
     # and attention mask: the loop's concatenations), "" (neither; the forward's are from layer_bytes).
     size: str = ""
+    queries: int = 0         # attention (SDPA): the query rows it was traced at
+    flops: int = 0           # matrix FLOPs of the call (matrix_flops; torch's ops only)
+    kernels: dict = dataclasses.field(default_factory=dict)  # mps_ext: executor kernel -> its dispatches
 
 
 STREAM_ACTIONS = ("", "commit", "wait_previous")
@@ -298,6 +301,62 @@ def _extent(t: torch.Tensor) -> int:
         if stride != 0:
             n *= size
     return n * t.element_size()
+
+
+def _argument(func, args, kwargs, name: str, default=None):
+    """The argument `name` of an aten call, passed by position or keyword."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            return args[i] if i < len(args) else kwargs.get(name, default)
+    return default
+
+
+def _attended_pairs(func, args, kwargs) -> int:
+    """Query-key pairs an SDPA call computes: those its mask lets through
+    (a boolean mask's True entries, a float mask's finite ones), the causal
+    triangle with is_causal (aligned to the last key, as torch's causal
+    mask is), else every pair."""
+    q, k = args[0], args[1]
+    lq, lk = q.shape[-2], k.shape[-2]
+    mask = _argument(func, args, kwargs, "attn_mask")
+    if mask is not None:
+        allowed = mask if mask.dtype == torch.bool else torch.isfinite(mask)
+        per_head = int(allowed.expand(*q.shape[:-2], lq, lk).sum())
+        return per_head // max(1, q.shape[:-2].numel())
+    if _argument(func, args, kwargs, "is_causal", False):
+        return sum(min(lk, lk - lq + i + 1) for i in range(lq))
+    return lq * lk
+
+
+def matrix_flops(func, args, kwargs) -> int:
+    """FLOPs (a multiply-add is 2) of a call whose work is matrix
+    products, what simdgroup-matrix units run on a Mac: linear, mm, addmm,
+    bmm, baddbmm, _grouped_mm (its rows), SDPA (QK^T and PV over the pairs
+    it attends, _attended_pairs) and a unitriangular solve (C(C-1) per
+    right-hand column); 0 for any other call (pointwise ops, reductions,
+    depthwise convolutions: bandwidth work, in the bytes)."""
+    name = func._schema.name.split("::")[1]
+    if name == "linear":
+        x, w = args[0], args[1]
+        return 2 * x.numel() // x.shape[-1] * w.shape[0] * w.shape[1]
+    if name in ("mm", "bmm"):
+        a, b = args[0], args[1]
+        return 2 * a.numel() * b.shape[-1]
+    if name in ("addmm", "baddbmm"):
+        a, b = args[1], args[2]
+        return 2 * a.numel() * b.shape[-1]
+    if name == "_grouped_mm":
+        a, b = args[0], args[1]
+        return 2 * a.shape[0] * a.shape[-1] * b.shape[-1]
+    if name.startswith("_scaled_dot_product"):
+        q, v = args[0], args[2]
+        heads = q.shape[:-2].numel()
+        return 2 * heads * _attended_pairs(func, args, kwargs) * (q.shape[-1] + v.shape[-1])
+    if name == "linalg_solve_triangular":
+        a, b = args[0], args[1]
+        c = a.shape[-1]
+        return b.numel() // c * c * (c - 1)
+    return 0
 
 
 class _Tracer(TorchDispatchMode):
@@ -369,7 +428,8 @@ class Trace:
         if name == "commit" and func.namespace == "mps_ext":  # mps_ext/stream.py's commit point
             call.stream = "commit"
         if name.startswith("_scaled_dot_product"):
-            call.keys = args[1].shape[-2]
+            call.keys, call.queries = args[1].shape[-2], args[0].shape[-2]
+        call.flops = matrix_flops(func, args, kwargs)
         if name == "moe_layer":
             residual = args[13] if len(args) > 13 else kwargs.get("residual")
             call.then_generated = residual is not None
@@ -383,6 +443,7 @@ class Trace:
             after = counters()
             if after[0] > before[0]:
                 call.ours, call.ours_bytes = after[0] - before[0], after[1] - before[1]
+                call.kernels = dict(after[2] - before[2])
         self.calls.append(call)
 
 
@@ -410,10 +471,14 @@ def feed_forward(layer):
 
 
 def _executor_counters(report):
-    """A callable: (executor dispatches, their bytes) run_model's report has counted so far."""
+    """A callable: (executor dispatches, their bytes, dispatches per kernel)
+    run_model's report has counted so far."""
     def counters():
         fams = report.families.values()
-        return sum(f.dispatches for f in fams) + report.other_dispatches, sum(f.bytes for f in fams)
+        kernels = collections.Counter()
+        for f in fams:
+            kernels.update(f.kernels)
+        return sum(f.dispatches for f in fams) + report.other_dispatches, sum(f.bytes for f in fams), kernels
     return counters
 
 
@@ -452,27 +517,51 @@ def trace_step(model, tokens: int = 1, context: int = 8, torch_release: str | No
     run (or None: changed in place). `cache`: one of CACHES (static: a
     StaticCache of attention_keys(context, "static") positions)."""
     attention_keys(context, cache)  # checks `cache`
-    if transform is not None:
-        model = copy.deepcopy(model)  # the caller's model stays as it was
-        model = transform(model) or model
-    g = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    ids = torch.randint(1, vocab, (tokens, context), generator=g)
-    step = torch.randint(1, vocab, (tokens, 1), generator=g)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    trace = Trace()
-    with torch.no_grad(), contextlib.ExitStack() as stack:
-        counters = None
-        if torch_release is not None:
-            # The prefill too: the cache the step finds is the one mps_ext's path left (its KV cache buffers,
-            # mps_ext/passes/attention.py), as on a Mac, not the one torch's CPU ops would.
-            import mps_ext_executor as cpu_metal
-            counters = _executor_counters(stack.enter_context(cpu_metal.run_model(torch_release=torch_release)))
+
+    def prepare(model, g):
+        # The prefill too under run_model: the cache the step finds is the one mps_ext's path left (its KV
+        # cache buffers, mps_ext/passes/attention.py), as on a Mac, not the one torch's CPU ops would.
+        vocab = model.config.vocab_size
+        ids = torch.randint(1, vocab, (tokens, context), generator=g)
+        step = torch.randint(1, vocab, (tokens, 1), generator=g)
         past = None
         if cache == "static":
             from transformers.cache_utils import StaticCache
             past = StaticCache(config=model.config, max_cache_len=attention_keys(context, cache))
         past = model(ids, past_key_values=past, use_cache=True).past_key_values
+        return dict(input_ids=step, past_key_values=past, use_cache=True)
+    return _trace_forward(model, prepare, torch_release, transform, seed)
+
+
+def trace_prefill(model, length: int, torch_release: str | None = None, transform: Callable | None = None,
+                  seed: int = 0) -> Trace:
+    """The prefill of one prompt of `length` tokens, as `model.generate`
+    runs it: one forward with a new cache and logits of the last position
+    only (transformers' generate sets `model_kwargs["logits_to_keep"] = 1`
+    for a model that takes it, generation/utils.py). Traced as trace_step
+    traces a decode step (the same arguments)."""
+    def prepare(model, g):
+        ids = torch.randint(1, model.config.vocab_size, (1, length), generator=g)
+        return dict(input_ids=ids, use_cache=True, logits_to_keep=1)
+    return _trace_forward(model, prepare, torch_release, transform, seed)
+
+
+def _trace_forward(model, prepare: Callable, torch_release: str | None, transform: Callable | None,
+                   seed: int) -> Trace:
+    """The forward `model(**prepare(model, generator))` traced: prepare runs
+    first, untraced (under run_model too, with `torch_release`)."""
+    if transform is not None:
+        model = copy.deepcopy(model)  # the caller's model stays as it was
+        model = transform(model) or model
+    g = torch.Generator().manual_seed(seed)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    trace = Trace()
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        counters = None
+        if torch_release is not None:
+            import mps_ext_executor as cpu_metal
+            counters = _executor_counters(stack.enter_context(cpu_metal.run_model(torch_release=torch_release)))
+        inputs = prepare(model, g)
         handles = _layer_hooks(model, trace)
         try:
             with contextlib.ExitStack() as traced:
@@ -483,7 +572,7 @@ def trace_step(model, tokens: int = 1, context: int = 8, torch_release: str | No
                 if torch_release is None:
                     traced.enter_context(_OneLinear(tracer))
                 traced.enter_context(tracer)
-                model(step, past_key_values=past, use_cache=True)
+                model(**inputs)
         finally:
             for h in handles:
                 h.remove()
@@ -524,11 +613,18 @@ def expected_experts(experts: int, top_k: int, tokens: int) -> float:
 # otherwise; the 2.14 and 2.15 wheels ship the same three kernels
 # (ATen/native/mps/kernels/DecodeAttention.h, identical headers).
 SDPA_TWO_PASS_KEYS = 1024
+# The vector kernels serve one to eight query rows (above); a prefill's
+# SDPA (more rows) takes torch's other paths, counted as one dispatch (an
+# MPSGraph as one, as every graph here: a lower bound).
+SDPA_VECTOR_MAX_QUERIES = 8
 
 
-def sdpa_dispatches(keys: int) -> int:
-    """Dispatches of one decode SDPA call over `keys` keys (the condition's
-    first clause decides for every key length the second one would)."""
+def sdpa_dispatches(keys: int, queries: int = 1) -> int:
+    """Dispatches of one SDPA call over `keys` keys with `queries` query
+    rows (at decode, the condition's first clause decides for every key
+    length the second one would)."""
+    if queries > SDPA_VECTOR_MAX_QUERIES:
+        return 1
     return 2 if keys >= SDPA_TWO_PASS_KEYS else 1
 
 
@@ -587,7 +683,7 @@ def units(calls: list[Call], release: str, mode: str, ours: bool, experts: int |
             out.append((call, Counts(host=u, empty=e - u, dispatches=u)))
         elif call.op.startswith("_scaled_dot_product"):
             c.host += 1
-            c.dispatches += sdpa_dispatches(keys if keys is not None else call.keys)
+            c.dispatches += sdpa_dispatches(keys if keys is not None else call.keys, call.queries or 1)
         elif call.op == "commit":  # mps_ext's commit point: a command buffer committed, no kernel
             continue
         else:

@@ -9,6 +9,10 @@ pyproject.toml: `pip install -e ".[bench]"`).
   stock torch 2.15 (published), mps_ext's optimized path in bf16 and fp8
   (simulated, with their ranges), the peers' published figures, and the
   byte limits as lines.
+- prefill_chart: per model, the time to first token of a prompt on an M3
+  Ultra: torch 2.15 stock and mps_ext's optimized path in bf16 and fp8
+  (projected, with their ranges), the peers' published prompt rates as that
+  prompt's time, and the compute limit as a line.
 """
 
 from __future__ import annotations
@@ -58,14 +62,28 @@ def ops_chart(groups: list[dict[str, float]], ops: list[str], path: str | Path, 
 
 
 # decode_chart's colours by kind of bar; peers take the greens in turn.
-_DECODE_COLOURS = {"published": "#b4504b", "ours": ("#2864c8", "#143c8c"), "peer": ("#46a05a", "#82c36e", "#2d7841")}
+_DECODE_COLOURS = {"published": "#b4504b", "stock": "#b4504b", "ours": ("#2864c8", "#143c8c"),
+                   "peer": ("#46a05a", "#82c36e", "#2d7841")}
 
 
 def decode_chart(bars: list[dict], path: str | Path) -> None:
+    """A PNG at `path`: decode tokens/s per model (model_chart)."""
+    model_chart(bars, path, "decode tokens/s, one sequence (M3 Ultra unless named)",
+                "Decode: stock torch and peers (published), mps_ext (simulated), byte limits", "{:.0f}")
+
+
+def prefill_chart(bars: list[dict], path: str | Path, length: int) -> None:
+    """A PNG at `path`: time to first token per model (model_chart)."""
+    model_chart(bars, path, f"seconds to first token, a {length}-token prompt (M3 Ultra unless named)",
+                f"Prefill of a {length}-token prompt: torch 2.15 and mps_ext (projected), peers (published), "
+                "compute limit", "{:.2f}")
+
+
+def model_chart(bars: list[dict], path: str | Path, ylabel: str, title: str, fmt: str) -> None:
     """A PNG at `path`: per model (x), a bar per entry of `bars` (dicts with
-    model, series, kind and central; 'ours' and 'peer' also low and high,
-    drawn as whiskers) except kind 'limit', drawn as a dashed line across
-    the model's bars; each bar labelled with its value."""
+    model, series, kind and central; 'ours', 'stock' (projected stock
+    torch) and 'peer' optionally low and high, drawn as whiskers) except kind 'limit', drawn as a dashed line
+    across the model's bars; each bar labelled with its value (`fmt`)."""
     plt = _pyplot()
     models = list(dict.fromkeys(b["model"] for b in bars))
     fig, ax = plt.subplots(figsize=(max(7.0, 3.2 * len(models) + 1.5), 5.5), layout="constrained")
@@ -83,10 +101,10 @@ def decode_chart(bars: list[dict], path: str | Path) -> None:
             label = b["series"] if b["series"] not in drawn else None
             drawn.add(b["series"])
             err = None
-            if b["kind"] in ("ours", "peer") and b["high"] > b["low"]:
+            if b["kind"] in ("ours", "stock", "peer") and b.get("high", 0) > b.get("low", 0):
                 err = [[b["central"] - b["low"]], [b["high"] - b["central"]]]
             ax.bar([x], [b["central"]], width * 0.92, yerr=err, capsize=3, color=colour, label=label)
-            ax.annotate(f"{b['central']:.0f}", (x, b.get("high", b["central"])), ha="center", va="bottom",
+            ax.annotate(fmt.format(b["central"]), (x, b.get("high", b["central"])), ha="center", va="bottom",
                         fontsize=7, xytext=(0, 2), textcoords="offset points")
         span = (left - width / 2, left + width * (len(mine) - 0.5))
         for b in bars:
@@ -95,11 +113,11 @@ def decode_chart(bars: list[dict], path: str | Path) -> None:
                 ax.plot(span, [b["central"]] * 2, style, color="black", linewidth=1.2,
                         label=b["series"] if b["series"] not in drawn else None)
                 drawn.add(b["series"])
-                ax.annotate(f"{b['central']:.0f}", (span[1], b["central"]), ha="left", va="center", fontsize=7,
+                ax.annotate(fmt.format(b["central"]), (span[1], b["central"]), ha="left", va="center", fontsize=7,
                             xytext=(2, 0), textcoords="offset points")
     ax.set_xticks(range(len(models)), models)
-    ax.set_ylabel("decode tokens/s, one sequence (M3 Ultra unless named)")
-    ax.set_title("Decode: stock torch and peers (published), mps_ext (simulated), byte limits", fontsize="medium")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize="medium")
     ax.grid(axis="y", color="#dddddd")
     ax.set_axisbelow(True)
     fig.legend(fontsize="small", ncols=3, loc="outside lower center")

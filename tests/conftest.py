@@ -1,7 +1,17 @@
 import os
 import sys
 
-import pytest
+# One torch (OpenMP) thread per test process, this one's and its
+# subprocesses': the suite's parallelism is pytest-xdist's workers, one a
+# core, and a second intra-op thread a worker oversubscribes the cores:
+# OpenMP's threads then wait on each other's barriers, and a tiny op takes
+# milliseconds (torch.conv1d of LFM2's short convolution, measured on this
+# 2-core machine under load: tests/models/test_optimize_short_conv.py 165 s
+# with 2 threads, 37 s with 1). Set before torch is imported; a value given
+# outside is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The CPU Metal executor is a package of its own (executor/), which
@@ -23,10 +33,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, EXECUTOR] + [p for p in os.env
 # running a 7-minute file after the other has finished. Measured on CI's
 # 2 cores (--durations): test_budgets.py about 450 s (its fp8 cases 203 s),
 # test_torch_matrix.py 40-90 s per torch release, the Apple corpus 113 s,
-# test_docs.py's decode census 2-5 min.
+# test_docs.py's decode census 2-5 min and its prefill census about 3 min, test_prefill_census.py 1-3 min.
 SPLIT_BY = {"tests/test_budgets.py": "op", "tests/test_torch_matrix.py": "version"}
 LONGEST_FIRST = ("tests/test_budgets.py", "tests/test_docs.py", "tests/test_torch_matrix.py",
-                 "tests/cpu_metal/test_corpus.py", "tests/models/test_architecture_sweep.py")
+                 "tests/cpu_metal/test_corpus.py", "tests/models/test_architecture_sweep.py",
+                 "tests/test_prefill_census.py")
 
 
 def xdist_group_of(item) -> str:

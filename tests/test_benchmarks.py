@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_runner_on_its_tiny_configuration(tmp_path, capsys):
-    png, decode_png = tmp_path / "plot.png", tmp_path / "decode.png"
-    results = runner.main(["--tiny", "--no-mac", "--png", str(png), "--decode-png", str(decode_png)])
+    png, decode_png, prefill_png = tmp_path / "plot.png", tmp_path / "decode.png", tmp_path / "prefill.png"
+    results = runner.main(["--tiny", "--no-mac", "--png", str(png), "--decode-png", str(decode_png),
+                           "--prefill-png", str(prefill_png)])
     out = capsys.readouterr().out
     for op in runner.OPS:
         cases = runner.op_cases(op, "tiny")
@@ -56,6 +57,13 @@ def test_the_runner_on_its_tiny_configuration(tmp_path, capsys):
     decode = out.split("## decode\n\n")[1]
     assert "| Qwen3-30B-A3B | 1 | 2.15 | compile | mps_ext |" in decode
     assert "Calibration" in decode and "jundot/omlx issue 2238" in decode
+    # The prefill census: a row per length and path on 2.15, what grows per chunk, the constants, the plot.
+    prefill = out.split("## prefill\n\n")[1]
+    for length in (512, 4096, 32768):
+        assert f"| Qwen3.6-35B-A3B | {length} | 2.15 | mps_ext |" in prefill
+    assert "| Qwen3.6-35B-A3B | 2.15 | stock | linear_attention+moe: " in prefill
+    assert "huggingface/huggingface.js" in prefill
+    assert matplotlib.image.imread(prefill_png).shape[0] > 100
 
 
 def test_a_case_that_reaches_no_kernel_is_an_error():
@@ -68,7 +76,8 @@ def test_unknown_op_is_refused(capsys):
     with pytest.raises(SystemExit):
         runner.main(["softmx", "--tiny"])
     assert (
-        f"no benchmark for softmx; the ops are {', '.join(runner.OPS)}, routing, decode" in capsys.readouterr().err
+        f"no benchmark for softmx; the ops are {', '.join(runner.OPS)}, routing, decode, prefill"
+        in capsys.readouterr().err
     )
 
 

@@ -161,6 +161,20 @@ def test_the_decode_tables_are_the_benchmarks(decode_blocks):
                 f"{rel}: the {name} table is not the benchmark's: python -m benchmarks decode --optimize --write-docs")
 
 
+def test_the_readme_prefill_table_is_the_benchmarks():
+    """README's time-to-first-token table is the prefill census's output
+    (every model, a 4096-token prompt, torch 2.15, stock and after
+    mps_ext.optimize, bf16 and fp8), to the character (regenerate it with
+    python -m benchmarks prefill --optimize --write-docs)."""
+    from benchmarks import bench_decode, bench_prefill
+    blocks = bench_prefill.doc_blocks(bench_prefill.doc_rows(mps_ext.optimize))
+    for rel, names in bench_prefill.DOCS.items():
+        written = bench_decode.blocks_in((ROOT / rel).read_text(), names, bench_prefill.DOC_COMMAND)
+        for name in names:
+            assert written[name] == blocks[name], (
+                f"{rel}: the {name} table is not the benchmark's: {bench_prefill.DOC_COMMAND}")
+
+
 def test_write_docs_rewrites_only_the_blocks_and_says_which_files(tmp_path):
     """--write-docs puts each block between its markers and leaves the rest
     of the file; a file whose blocks are current is not rewritten; a doc

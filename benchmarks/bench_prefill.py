@@ -1,0 +1,335 @@
+"""What a prompt's prefill costs on a Mac, counted from real model code, and
+the time to first token it projects on an M3 Ultra (benchmarks/prefill.py
+says how each figure is counted).
+
+    python -m benchmarks prefill [--tiny] [--optimize] [--prefill-png PATH] [--write-docs]
+
+Per model (Qwen3-30B-A3B, Qwen3.6-35B-A3B, LFM2.5-8B-A1B), per torch release
+(2.14, 2.15), per prompt length (512, 4096, 32768), stock torch and with
+mps_ext (with --optimize also after mps_ext.optimize, bf16 and after
+mps_ext.quantize_fp8), eager: matrix FLOPs, bytes, host calls, dispatches
+and syncs, by layer kind and for the whole prefill; the projected time to
+first token with the bound it hits, beside the compute limit and the
+published prefill rates of other engines.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import census, prefill, timeline  # noqa: E402
+from benchmarks.bench_decode import OPTIMIZED, OPTIMIZED_FP8, OURS, STOCK, variants  # noqa: E402
+from benchmarks.common import markdown  # noqa: E402
+
+DOC_LENGTH = 4096  # the length README's table and the plot show
+
+# Published prefill rates, one prompt (tok/s): (model, engine and weights, chip, prompt tokens, tok/s, source).
+# Only those of the census's models on an Ultra-class chip with the chip stated.
+PEERS = [
+    ("Qwen3-30B-A3B", "llama.cpp Q8_0", "M2 Ultra", 512, 2045.19, "ggml-org/llama.cpp PR 15616 (pp512)"),
+    ("Qwen3-30B-A3B", "llama.cpp Q8_0", "M2 Ultra", 2048, 2272.56, "ggml-org/llama.cpp PR 15616 (pp2048)"),
+    ("Qwen3-30B-A3B", "llama.cpp Q8_0", "M2 Ultra", 16384, 1022.81, "ggml-org/llama.cpp PR 15616 (pp16384)"),
+]
+PEERS_NOTE = ("No MLX prompt rate for these three models on an M2 or M3 Ultra with its chip stated was found in the "
+              "stored issues and pages (searched: MLX, mlx-lm, oMLX, Rapid-MLX); a peer's TTFT in the table above "
+              "is its prompt tokens over its rate at the nearest published length.")
+
+
+@dataclasses.dataclass
+class Row:
+    model: str
+    length: int
+    release: str
+    who: str
+    fp8: bool
+    counts: dict          # prefill.scale_counts
+    projection: prefill.Projection
+    ttft: tuple           # fast end, central, slow end (s)
+    flops: dict           # layer kind -> part -> FLOPs (one layer)
+    bytes: dict           # prefill.model_bytes
+
+
+def _as_is(model):
+    """A transform that keeps the model (trace_prefill then traces a copy)."""
+    return None
+
+
+# The variants a prefill row is counted for: decode's, but its fp8 LM head (one row of logits at the prefill:
+# no figure here would change).
+WHOS = (STOCK, OURS, OPTIMIZED, OPTIMIZED_FP8)
+
+
+def census_rows(models: list[str], lengths=prefill.LENGTHS, transform=None, releases=census.RELEASES,
+                whos=WHOS, log=None) -> list[Row]:
+    """Every (model, release, who, length) row: the stock prefill traced
+    once per trace length (it serves both releases), each mps_ext variant
+    (bench_decode.variants) in `whos` once per release and trace length."""
+    rows = []
+    for name in models:
+        spec = census.MODELS[name]
+        model = census.tiny_model(spec)
+        real = spec.config()
+        lengths_traced = prefill.trace_lengths(model.config)
+        kinds = [v for v in [(STOCK, None, False)] + variants(transform) if v[0] in whos]
+        start = time.perf_counter()
+        stock = {n: census.trace_prefill(model, n) for n in lengths_traced} if kinds[0][0] == STOCK else None
+        traces = {}
+        for who, tf, _ in kinds:
+            if who == STOCK:
+                continue
+            # Transformed once (mps_ext.optimize checks itself on a short generate: seconds), then traced on
+            # copies: the transform runs before run_model either way, so it is the same for every release.
+            ready = model
+            if tf is not None:
+                ready = copy.deepcopy(model)
+                ready = tf(ready) or ready
+            for r in releases:
+                traces[(who, r)] = {n: census.trace_prefill(ready, n, torch_release=r, transform=_as_is)
+                                    for n in lengths_traced}
+        if log:
+            log(f"  prefill {name} at {lengths_traced} tokens: traced in {time.perf_counter() - start:.1f} s")
+        for release in releases:
+            for who, _, fp8 in kinds:
+                pair = stock if who == STOCK else traces[(who, release)]
+                calls, _ = census.layer_calls(spec, pair[lengths_traced[-1]], model.config)
+                for length in lengths:
+                    counts = prefill.scale_counts(spec, pair, model.config, length, release, who != STOCK)
+                    rows.append(Row(name, length, release, who, fp8, counts,
+                                    prefill.project(spec, counts, calls, length, fp8),
+                                    prefill.ttft_range(spec, counts, calls, length, fp8),
+                                    {k: prefill.layer_flops(real, k, length) for k in counts["layers"]},
+                                    prefill.model_bytes(real, length, fp8)))
+    return rows
+
+
+def _f(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def _s(t: tuple) -> str:
+    lo, mid, hi = t
+    return f"{mid:.2f} ({lo:.2f}-{hi:.2f})"
+
+
+def census_table(rows: list[Row]) -> str:
+    out = []
+    for r in rows:
+        p, c = r.projection, r.counts
+        kinds = [k for k in c["per_kind"] if k != "head"]
+        out.append({
+            "model": r.model, "prompt": r.length, "torch": r.release, "": r.who,
+            "TFLOP": f"{p.flops / 1e12:.2f}", "GB": f"{p.bytes / 1e9:.1f}",
+            "host calls": _f(c["total"].host), "view calls": _f(c["total"].views),
+            "dispatches": _f(c["total"].dispatches), "syncs": _f(c["total"].syncs),
+            "per layer: host calls / dispatches": "; ".join(
+                f"{k} x{c['layers'][k]}: {_f(c['per_kind'][k].host)} / {_f(c['per_kind'][k].dispatches)}"
+                for k in kinds) + f"; outside the layers: {_f(c['per_kind']['head'].host)} / "
+                                  f"{_f(c['per_kind']['head'].dispatches)}",
+            "TTFT s": _s(r.ttft), "bound": p.bound,
+            "compute limit s": f"{p.limit_s:.2f}", "of the limit": f"{p.limit_s / p.ttft_s:.0%}",
+        })
+    return markdown(out, list(out[0]))
+
+
+def growth_table(rows: list[Row]) -> str:
+    """Per model, release and path, the calls a layer kind adds per chunk
+    of the delta rule (derived from the two traces): what grows with the
+    prompt."""
+    seen, out = set(), []
+    for r in rows:
+        key = (r.model, r.release, r.who)
+        if key in seen:
+            continue
+        seen.add(key)
+        grows = {k: v for k, v in r.counts["per_chunk"].items() if v.host or v.dispatches or v.views}
+        out.append({"model": r.model, "torch": r.release, "": r.who,
+                    f"per chunk of {prefill.CHUNK} tokens: host calls / views / dispatches": "; ".join(
+                        f"{k}: {_f(v.host)} / {_f(v.views)} / {_f(v.dispatches)}" for k, v in grows.items()) or
+                    "nothing grows"})
+    return markdown(out, list(out[0]))
+
+
+def work_table(rows: list[Row]) -> str:
+    """Per model and length, FLOPs and bytes by layer kind and part (the
+    real configs; the same for every path but the fp8 weights' bytes)."""
+    seen, out = set(), []
+    for r in rows:
+        if (r.model, r.length) in seen:
+            continue
+        seen.add((r.model, r.length))
+        real = census.MODELS[r.model].config()
+        out.append({"model": r.model, "prompt": r.length,
+                    "per layer: GFLOP by part": "; ".join(
+                        f"{k}: " + ", ".join(f"{part} {f / 1e9:,.1f}" for part, f in parts.items())
+                        for k, parts in r.flops.items()),
+                    "per layer: MB weights / activations / cache (bf16)": "; ".join(
+                        f"{k}: " + " / ".join(f"{v / 1e6:,.0f}" for n, v in prefill.layer_bytes(real, k, r.length)
+                                              .items() if n != "total") for k in r.flops),
+                    "TFLOP": f"{prefill.model_flops(real, r.length) / 1e12:.2f}",
+                    "GB bf16": f"{prefill.model_bytes(real, r.length)['total'] / 1e9:.1f}",
+                    "GB fp8": f"{prefill.model_bytes(real, r.length, fp8=True)['total'] / 1e9:.1f}"})
+    return markdown(out, list(out[0]))
+
+
+def kernel_table(rows: list[Row]) -> str:
+    """Which kernel does each part's matrix work, per model, release and
+    path, and the efficiency it is costed at."""
+    seen, out = set(), []
+    for r in rows:
+        key = (r.model, r.release, r.who)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append({"model": r.model, "torch": r.release, "": r.who, "kernels (efficiency of peak)": "; ".join(
+            f"{part}: {k} ({prefill.efficiency(k)[0]:.2f})" for part, k in r.projection.kernels.items())})
+    return markdown(out, list(out[0]))
+
+
+def peer_ttft(tok_s: float, tokens: int) -> float:
+    return tokens / tok_s
+
+
+def peers_table(rows: list[Row], length: int = DOC_LENGTH) -> str:
+    """Per model at `length` (torch 2.15): stock and the optimized paths
+    projected, the compute limit, and the published peers."""
+    out = []
+    for r in rows:
+        if r.length != length or r.release != "2.15" or r.who == OURS:
+            continue
+        out.append({"model": r.model, "engine": f"torch 2.15, {r.who} (projected)", "chip": "M3 Ultra",
+                    "prompt": length, "TTFT s": _s(r.ttft), "prompt tok/s": f"{length / r.ttft[1]:,.0f}",
+                    "source": "this census"})
+    for model in dict.fromkeys(r.model for r in rows if r.length == length):
+        p = next(r.projection for r in rows if r.model == model and r.length == length)
+        out.append({"model": model, "engine": "compute limit (bf16 FLOPs at peak)", "chip": "M3 Ultra",
+                    "prompt": length, "TTFT s": f"{p.limit_s:.2f}", "prompt tok/s": f"{length / p.limit_s:,.0f}",
+                    "source": "prefill.PEAK"})
+        for m, engine, chip, tokens, tok_s, source in PEERS:
+            if m == model:
+                out.append({"model": model, "engine": f"{engine} (published)", "chip": chip, "prompt": tokens,
+                            "TTFT s": f"{peer_ttft(tok_s, tokens):.2f}", "prompt tok/s": f"{tok_s:,.0f}",
+                            "source": source})
+    return markdown(out, list(out[0]))
+
+
+def readme_table(rows: list[Row]) -> str:
+    """README's short table: per model, a 4k prompt on torch 2.15, stock and
+    optimized (bf16, fp8): TTFT, its bound, the share of the compute limit."""
+    out = []
+    for r in rows:
+        if r.length != DOC_LENGTH or r.release != "2.15" or r.who == OURS:
+            continue
+        p = r.projection
+        out.append({"model": r.model, "": r.who, "TFLOP": f"{p.flops / 1e12:.1f}",
+                    "dispatches": _f(r.counts["total"].dispatches), "TTFT s (projected)": _s(r.ttft),
+                    "bound": p.bound, "of the compute limit": f"{p.limit_s / p.ttft_s:.0%}"})
+    return markdown(out, list(out[0]))
+
+
+def chart_bars(rows: list[Row], length: int = DOC_LENGTH) -> list[dict]:
+    """The prefill plot's bars (plot.prefill_chart): per model at `length`,
+    torch 2.15 stock and the optimized paths (projected, with ranges), the
+    peers (their TTFT at the rate of their nearest published length), the
+    compute limit (a line)."""
+    out = []
+    for model in dict.fromkeys(r.model for r in rows):
+        mine = [r for r in rows if r.model == model and r.length == length and r.release == "2.15" and r.who != OURS]
+        for r in mine:
+            lo, mid, hi = r.ttft
+            out.append({"model": model, "series": f"torch 2.15, {r.who} (projected)",
+                        "kind": "stock" if r.who == STOCK else "ours",
+                        "low": lo, "central": mid, "high": hi})
+        published = [p for p in PEERS if p[0] == model]
+        nearest = min((p[3] for p in published), key=lambda n: abs(n - length), default=None)
+        for m, engine, chip, tokens, tok_s, _ in published:
+            if tokens == nearest:
+                out.append({"model": model, "series": f"{engine}, {chip} (published pp{tokens} rate)", "kind": "peer",
+                            "central": peer_ttft(tok_s, length)})
+        if mine:
+            out.append({"model": model, "series": "compute limit (bf16 FLOPs at peak)", "kind": "limit",
+                        "central": mine[0].projection.limit_s})
+    return out
+
+
+def models_for(size: str) -> list[str]:
+    return ["Qwen3.6-35B-A3B"] if size == "tiny" else list(census.MODELS)
+
+
+def report(size: str = "full", transform=None, log=None) -> tuple[str, list[Row]]:
+    """The prefill benchmark's markdown, and its rows."""
+    models = models_for(size)
+    rows = census_rows(models, transform=transform, releases=("2.15",) if size == "tiny" else census.RELEASES,
+                       log=log)
+    notes = "\n".join(f"- {s.name}: {s.source}" for s in census.MODELS.values() if s.name in models)
+    doc = prefill.__doc__
+    text = f"""## prefill
+
+One prompt of each length through the model, as `model.generate`'s first forward runs it (a new cache, logits of the
+last position), bf16 weights (the fp8 rows: as mps_ext.quantize_fp8 leaves them), eager, on a Mac; counted from
+transformers' model code in tiny configurations traced at two lengths and scaled to the real configs. TTFT: time to
+first token, projected on an M3 Ultra, central (fast end-slow end); "of the limit": the compute limit (every matrix
+FLOP at the 16-bit peak) over the TTFT. Dispatches are a lower bound (an MPSGraph op counted as one, its internal
+kernels uncounted), bytes a lower bound (each operand once); the compute time is the part these figures project best.
+
+{census_table(rows)}
+
+Calls that grow with the prompt (the delta rule's loop over chunks, derived from the two traced lengths):
+
+{growth_table(rows)}
+
+Matrix work by layer kind (the real configs' dimensions):
+
+{work_table(rows)}
+
+The kernel that does each part's matrix work, and its efficiency (prefill.KERNEL_EFFICIENCY; a counted figure in
+prefill.MEASURED_EFFICIENCY replaces an assumption):
+
+{kernel_table(rows)}
+
+Beside published prefill rates ({DOC_LENGTH}-token prompt, torch 2.15):
+
+{peers_table(rows)}
+
+{PEERS_NOTE}
+
+Constants:
+{prefill.constants_text()}
+{timeline.constants_text()}
+
+How each figure is counted:
+
+{doc[doc.index("- Calls and dispatches"):].strip()}
+
+Models:
+{notes}
+"""
+    return text, rows
+
+
+# ------------------------------------------------------------------- docs --
+# README's prefill table, between markers `python -m benchmarks prefill --optimize --write-docs` rewrites and
+# tests/test_docs.py compares with what the census gives (bench_decode's blocks, its markers' helpers).
+DOCS = {"README.md": ("prefill",)}
+DOC_COMMAND = "python -m benchmarks prefill --optimize --write-docs"
+
+
+def doc_rows(transform) -> list[Row]:
+    """The rows README's table needs: every model at DOC_LENGTH on torch
+    2.15, stock and after `transform` (mps_ext.optimize), bf16 and fp8."""
+    return census_rows(list(census.MODELS), lengths=(DOC_LENGTH,), transform=transform, releases=("2.15",),
+                       whos=(STOCK, OPTIMIZED, OPTIMIZED_FP8))
+
+
+def doc_blocks(rows: list[Row]) -> dict[str, str]:
+    return {"prefill": readme_table(rows)}
+
+
+if __name__ == "__main__":
+    from benchmarks.common import run_as_script
+    run_as_script("prefill")

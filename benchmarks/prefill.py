@@ -1,0 +1,415 @@
+"""What a prompt's prefill costs, counted from real model code, and the
+time to first token (TTFT) it projects on an M3 Ultra.
+
+The prefill is the forward `model.generate` runs on the prompt: one
+sequence of `length` tokens, a new cache, logits of the last position only
+(census.trace_prefill). Counted as the decode census counts a step
+(benchmarks/census.py's rules: host calls, views, dispatches, syncs), with
+what a prompt changes:
+
+- Calls and dispatches per layer kind come from a tiny prefill traced at two
+  lengths, `trace_lengths`: whole chunks of the Gated DeltaNet reference
+  (transformers' torch_chunk_gated_delta_rule loops over chunks of CHUNK
+  tokens, so its calls grow with the prompt) and past the token slots where
+  mps_ext's MoE paths switch from their decode kernels to the prefill ones
+  (MOE_SLOTS), so that the tiny trace takes the path a real prompt takes.
+  Per layer kind, calls = base + per chunk x chunks(length), both derived
+  from the two traces (`scale_counts`); every other kind's calls are the
+  same at both lengths. torch's SDPA on a prompt: one dispatch
+  (census.sdpa_dispatches; a graph counted as one: a lower bound, as every
+  MPSGraph op here).
+- FLOPs (`layer_flops`): matrix products only (what simdgroup-matrix units
+  run), from the real config's dimensions at the real length: every
+  projection (2 x rows x in x out; routed experts top_k rows a token, the
+  router, a shared expert), attention's QK^T and PV over the causal half
+  (L(L+1)/2 query-key pairs a head), the chunked delta rule as transformers'
+  reference computes it (per value head and chunk of C: K_beta K^T and Q K^T,
+  2 C^2 d_k each; two unitriangular solves, C(C-1)(d_k + d_v); the state
+  pass, 2 C d_k d_v three times and 2 C^2 d_v; on the prompt padded to whole
+  chunks), and the LM head on one row. Pointwise work, norms, the
+  convolutions and the triangular-mask arithmetic are not counted (they
+  are bandwidth work; their bytes are not counted either: see below).
+  tests/test_prefill_census.py checks the formula against the FLOPs of the
+  traced tiny model's own calls (census.matrix_flops).
+- Bytes (`layer_bytes`): a lower bound, what kernels that read each operand
+  and write each result once would move: the weights (every expert a
+  prompt chooses, census.expected_experts; bf16, or as quantize_fp8 leaves
+  them), each projection's input and output rows, attention's Q, K, V and
+  output and the KV cache written, the DeltaNet state (fp32) read and
+  written once a chunk, the embedding rows and the LM head. Intermediate
+  tensors of the torch reference (the chunk's decay matrices, the padded
+  copies) are not counted.
+- Time to first token (`project`): compute at PEAK x the efficiency of the
+  kernel each part runs (KERNEL_EFFICIENCY, or a counted figure in
+  MEASURED_EFFICIENCY), the dispatches at timeline's GPU cost per dispatch,
+  bytes at its bandwidth; GPU time = max(compute, bytes) + dispatches; the
+  host's calls, views, syncs (each a round trip) and empty groups at
+  timeline's constants. Within one forward torch's MPS stream commits only
+  at a sync (benchmarks/timeline.py), so host and GPU time add up (without
+  a sync the GPU starts when the forward's buffer is committed); the row's
+  bound is the largest of compute, bytes, dispatches and host.
+Eager only: a prompt's shapes differ from call to call, and torch.compile
+with dynamic shapes is not counted here.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from benchmarks import census, timeline
+
+LENGTHS = (512, 4096, 32768)
+# transformers' torch_chunk_gated_delta_rule(chunk_size=64), the default the Qwen3.5/3.6 models call it with
+# (transformers 5 models/qwen3_5_moe/modeling_qwen3_5_moe.py); trace_lengths traces whole chunks of it.
+CHUNK = 64
+# mps_ext's MoE paths take their decode kernels up to 1024 token slots (mps_ext/passes/moe.py MAX_SLOTS,
+# tokens x (top_k + shared); mps_ext/fp8.py FP8Experts.DECODE_ROWS, tokens x top_k) and the prefill tiles
+# beyond: the tiny trace must be past it to run the path a real prompt runs.
+MOE_SLOTS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """A kernel's matrix throughput as a fraction of PEAK, and its source."""
+    value: float
+    source: str
+
+
+# The 16-bit simdgroup-matrix peak of an M3 Ultra (80-core GPU). Apple's GPUs have no 8-bit matrix unit
+# (philipturner/metal-benchmarks: "Matrix FFMA8" 0 per core-cycle), so fp8 weights are widened to 16 bits
+# before the product: the fp8 rows run at the same peak, at their kernels' efficiency.
+PEAK = {
+    "bf16": timeline.Constant(16.6e12, 28.4e12, 28.4e12, "FLOP/s",
+                              "M3 Ultra 80-core GPU, 28.4 TFLOPS (huggingface/huggingface.js "
+                              "packages/tasks/src/hardware.ts, FP32 figures for Apple silicon, PR 1044); F16 at the "
+                              "F32 rate from M1 on (philipturner/metal-benchmarks: GOPS16 = GOPS32); bf16 assumed at "
+                              "that rate (Apple9 family, native bfloat); low end: bf16 at 0.58x fp16, MLX's prompt "
+                              "tokens/s bf16 12.1 against fp16 20.7 on an M2 Ultra (ml-explore/mlx-examples PR 186, "
+                              "2024, before native bfloat)"),
+    "fp8": timeline.Constant(16.6e12, 28.4e12, 28.4e12, "FLOP/s",
+                             "no 8-bit matrix unit (philipturner/metal-benchmarks, Matrix FFMA8 0 a core-cycle): fp8 "
+                             "weights are converted and multiplied at the 16-bit rate above"),
+}
+# In a matrix-multiply kernel an Apple GPU core reaches 102.5 FFMA16 a cycle of its 128 ALUs
+# (philipturner/metal-benchmarks, "Matrix FFMA16", A15/M1 on): the most any kernel's efficiency can be.
+MATRIX_CEILING = 102.5 / 128
+_MLX_STEEL = 17.4e12 / 28.4e12  # MLX's measured fp16 matmul on an 80-core M3 Ultra (raullenchai/Rapid-MLX PR 258)
+_MPS_VS_MLX = 3.38 / 4.96       # torch MPS matmul time vs MLX's, M3 Ultra (TristanBilot/mlx-benchmark PR 40)
+_TORCH_MATMUL = Efficiency(
+    _MLX_STEEL * _MPS_VS_MLX,
+    f"torch's MPS matmul (MPSGraph): MLX's steel GEMM measured 17.4 TFLOPS fp16 on an 80-core M3 Ultra "
+    f"(raullenchai/Rapid-MLX PR 258: {_MLX_STEEL:.2f} of PEAK), torch MPS's matmul took 4.96 ms against MLX's 3.38 on "
+    f"an M3 Ultra (TristanBilot/mlx-benchmark PR 40): {_MLX_STEEL:.2f} x {_MPS_VS_MLX:.2f}")
+# One named figure per kernel that does a prefill's matrix work (census.Call.kernels' names, matched by
+# prefix; torch's own ops as "torch <op>"). Until the executor counts simdgroup-matrix efficiency (issue 32
+# point 2, branch mmeff), mps_ext's tiles carry stated assumptions; a counted figure goes in
+# MEASURED_EFFICIENCY under the same name and replaces the assumption (efficiency()).
+KERNEL_EFFICIENCY = {
+    "torch linear": _TORCH_MATMUL,
+    "torch mm": _TORCH_MATMUL,
+    "torch addmm": _TORCH_MATMUL,
+    "torch bmm": Efficiency(_TORCH_MATMUL.value, "as torch's matmul (the delta rule's per-chunk products are "
+                            "64-row batches: no published figure; likely lower)"),
+    "torch linalg_solve_triangular": Efficiency(_TORCH_MATMUL.value, "as torch's matmul (assumed; no published "
+                                                "figure for MPS's triangular solve)"),
+    "torch _grouped_mm": Efficiency(_TORCH_MATMUL.value, "as torch's matmul (torch 2.15's MPS _grouped_mm, or 2.14's "
+                                    "per-expert mm fallback: no published figure)"),
+    "torch _scaled_dot_product_attention_math_for_mps": Efficiency(
+        _TORCH_MATMUL.value, "as torch's matmul (assumed; MLX's SDPA reaches 0.88 of its own matmul at 4k on an M3 "
+        "Ultra, raullenchai/Rapid-MLX PR 258)"),
+    "gmm_tiled": Efficiency(_TORCH_MATMUL.value, "mps_ext's MoE prefill tile: not counted yet (issue 32 point 2); "
+                            "assumed torch's matmul's"),
+    "fp8_mm_tile": Efficiency(0.12 * _TORCH_MATMUL.value,
+                              "mps_ext's fp8 prefill tile (32 x 64, weights re-read rows/32 times): not counted yet "
+                              "(issue 32 point 2); assumed 0.12 x torch's matmul, what torch's own simdgroup fp8 GEMM "
+                              "measured against its bf16 one (pytorch PR 196916)"),
+    "gemv": Efficiency(_TORCH_MATMUL.value, "mps_ext's GEMV (the LM head's one row: bandwidth-bound; its FLOPs "
+                       "are negligible)"),
+    "lu_solve": Efficiency(_TORCH_MATMUL.value, "mps_ext's triangular solve (the linalg family, which takes the "
+                           "delta rule's solves on torch 2.14): not counted; assumed torch's matmul's"),
+}
+# Counted efficiencies (fraction of PEAK) by kernel name, from the executor's simdgroup-matrix counter (issue 32
+# point 2): empty until that counter lands; each entry replaces the kernel's assumption above.
+MEASURED_EFFICIENCY: dict[str, float] = {}
+# torch's CPU SDPA stands in for the Mac's in a trace on CPU: costed as torch's MPS SDPA.
+_SDPA_ON_MAC = "torch _scaled_dot_product_attention_math_for_mps"
+
+
+def efficiency(kernel: str) -> tuple[float, str]:
+    """(fraction of PEAK, source) of `kernel`: the counted figure if there
+    is one, else the assumption of KERNEL_EFFICIENCY; capped at
+    MATRIX_CEILING."""
+    if kernel in MEASURED_EFFICIENCY:
+        return min(MEASURED_EFFICIENCY[kernel], MATRIX_CEILING), "counted (executor simdgroup-matrix counter)"
+    if kernel not in KERNEL_EFFICIENCY:
+        raise KeyError(f"no efficiency for kernel {kernel!r}: add it to benchmarks/prefill.py KERNEL_EFFICIENCY "
+                       f"(with its source) or MEASURED_EFFICIENCY")
+    e = KERNEL_EFFICIENCY[kernel]
+    return min(e.value, MATRIX_CEILING), e.source
+
+
+# ----------------------------------------------------------------- lengths --
+def chunks(length: int) -> int:
+    """Chunks of the delta rule over a prompt of `length` (padded to whole chunks)."""
+    return -(-length // CHUNK)
+
+
+def trace_lengths(config) -> tuple[int, int]:
+    """Two prompt lengths for the tiny trace: whole chunks, consecutive,
+    the first past MOE_SLOTS token slots (top_k slots a token; a shared
+    expert's adds to mps_ext's count, so this is past both)."""
+    top_k = config.num_experts_per_tok
+    first = (MOE_SLOTS // top_k) // CHUNK + 1
+    return first * CHUNK, (first + 1) * CHUNK
+
+
+# ------------------------------------------------------------------- FLOPs --
+def _ffn_parts(c, ffn: str) -> tuple[list, list]:
+    """(routed matrices, other matrices) of a feed-forward block as
+    (rows, columns, per token): the routed experts' gate/up and down, top_k a
+    token; the dense MLP, or a shared expert and its gate, and the router."""
+    if ffn == "dense":
+        return [], census._ffn_weights(c, "dense", 0)[0]
+    matrices = census._ffn_weights(c, "moe", c.num_experts_per_tok)[0]
+    # _ffn_weights lists the routed experts' two slices first, then the shared expert's matrices
+    return matrices[:2], matrices[2:] + [(c.num_experts, c.hidden_size, 1)]
+
+
+def _mixer_matrices(c, mixer: str) -> list:
+    return {"full_attention": census._attn_weights, "linear_attention": census._deltanet_weights,
+            "conv": census._conv_weights}[mixer](c)[0]
+
+
+def _product_flops(matrices: list, rows: int) -> int:
+    return sum(2 * rows * n * r * k for r, k, n in matrices)
+
+
+def layer_flops(config, kind: str, length: int) -> dict[str, int]:
+    """Matrix FLOPs of one layer of `kind` ('mixer+ffn') over a prompt of
+    `length`, by part: 'projections' (the mixer's), 'attention' or 'delta
+    rule', 'ffn projections' (dense MLP, shared expert, router), 'experts'."""
+    c = config
+    mixer, ffn = kind.split("+")
+    out = {"projections": _product_flops(_mixer_matrices(c, mixer), length)}
+    if mixer == "full_attention":
+        hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        out["attention"] = 2 * c.num_attention_heads * (length * (length + 1) // 2) * 2 * hd  # QK^T and PV
+    elif mixer == "linear_attention":
+        C, dk, dv = CHUNK, c.linear_key_head_dim, c.linear_value_head_dim
+        per_chunk = 4 * C * C * dk + C * (C - 1) * (dk + dv) + 3 * 2 * C * dk * dv + 2 * C * C * dv
+        out["delta rule"] = c.linear_num_value_heads * chunks(length) * per_chunk
+    routed, other = _ffn_parts(c, ffn)
+    out["ffn projections"] = _product_flops(other, length)
+    if routed:
+        out["experts"] = _product_flops(routed, length)
+    return out
+
+
+def head_flops(config) -> dict[str, int]:
+    """The LM head on the last position (generate's logits_to_keep=1)."""
+    return {"head": 2 * config.vocab_size * config.hidden_size}
+
+
+def model_flops(config, length: int) -> int:
+    return (sum(sum(layer_flops(config, k, length).values()) for k in census.layer_kinds(config))
+            + sum(head_flops(config).values()))
+
+
+# ------------------------------------------------------------------- bytes --
+def layer_bytes(config, kind: str, length: int, fp8: bool = False, dtype_bytes: int = 2, state_bytes: int = 4) -> dict:
+    """Bytes one layer of `kind` moves in a prefill of `length` (a lower
+    bound: the module docstring): 'weights' (census.layer_bytes' weights for
+    the experts `length` tokens choose), 'activations' (each product's input
+    and output rows, attention's Q, K, V and output, the DeltaNet's q, k, v
+    and output), 'cache' (the KV cache written; the DeltaNet's fp32 state
+    read and written once a chunk)."""
+    c = config
+    mixer, ffn = kind.split("+")
+    weights = census.layer_bytes(c, kind, length, 0, fp8)["weights"]
+    routed, other = _ffn_parts(c, ffn)
+    rows = sum(n * (r + k) for r, k, n in _mixer_matrices(c, mixer) + routed + other)
+    acts = length * rows * dtype_bytes
+    cache = 0
+    if mixer == "full_attention":
+        hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        acts += length * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * hd * dtype_bytes
+        cache = length * 2 * c.num_key_value_heads * hd * dtype_bytes
+    elif mixer == "linear_attention":
+        kd, vd = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+        acts += length * (2 * kd + 2 * vd) * dtype_bytes
+        cache = chunks(length) * 2 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim \
+            * state_bytes
+    out = {"weights": weights, "activations": acts, "cache": cache}
+    out["total"] = sum(out.values())
+    return out
+
+
+def head_bytes(config, length: int) -> float:
+    """The embedding rows of the prompt, the final norm and the LM head
+    (census.head_bytes)."""
+    return sum(census.head_bytes(config, length).values())
+
+
+def model_bytes(config, length: int, fp8: bool = False) -> dict:
+    out = collections.Counter()
+    for kind in census.layer_kinds(config):
+        out.update(layer_bytes(config, kind, length, fp8))
+    out["weights"] += head_bytes(config, length)
+    out["total"] += head_bytes(config, length)
+    return dict(out)
+
+
+# ------------------------------------------------------------------ counts --
+def scale_counts(spec: census.Spec, traces: dict[int, census.Trace], tiny_config, length: int, release: str,
+                 ours: bool) -> dict:
+    """census.scale's counts (eager) at a prompt of `length`, from the tiny
+    prefill traced at the two lengths of `traces` ({length: trace}): per
+    layer kind and for the whole model, base + per chunk x chunks(length),
+    the per-chunk part the difference of the two traces over their
+    chunks'. 'per_chunk': that difference per layer kind (calls that grow
+    with the prompt)."""
+    (l1, t1), (l2, t2) = sorted(traces.items())
+    if chunks(l2) == chunks(l1):
+        raise ValueError(f"the traced lengths {l1} and {l2} have the same number of chunks of {CHUNK}")
+    a = census.scale(spec, t1, tiny_config, length, release, "eager", ours)
+    b = census.scale(spec, t2, tiny_config, length, release, "eager", ours)
+    steps = chunks(l2) - chunks(l1)
+
+    def at(x: census.Counts, y: census.Counts) -> tuple[census.Counts, census.Counts]:
+        per = (y + x * -1) * (1 / steps)
+        return x + per * (chunks(length) - chunks(l1)), per
+    per_kind, per_chunk = {}, {}
+    for k in a["per_kind"]:
+        per_kind[k], per_chunk[k] = at(a["per_kind"][k], b["per_kind"][k])
+    total, _ = at(a["total"], b["total"])
+    return {"per_kind": per_kind, "per_chunk": per_chunk, "layers": a["layers"], "total": total}
+
+
+_PROJECTION_OPS = {"linear", "fp8_linear", "mm", "addmm"}
+_EXPERT_OPS = {"_grouped_mm", "fp8_grouped_linear", "moe_experts", "moe_layer"}
+
+
+def part_of(call: census.Call) -> str | None:
+    """The part of layer_flops (or 'head') whose matrix work a traced call
+    does; None for a call without matrix work."""
+    if call.layer is None:
+        return "head" if call.op in _PROJECTION_OPS else None
+    if call.ffn:
+        if call.op in _EXPERT_OPS:
+            return "experts"
+        return "ffn projections" if call.op in _PROJECTION_OPS else None
+    if call.op.startswith("_scaled_dot_product"):
+        return "attention"
+    if call.op in ("bmm", "linalg_solve_triangular"):
+        return "delta rule"
+    return "projections" if call.op in _PROJECTION_OPS else None
+
+
+def kernels_of(call: census.Call) -> list[str]:
+    """The KERNEL_EFFICIENCY names of what a call runs: mps_ext's executor
+    kernels by their family's prefix, else torch's op (its CPU SDPA as the
+    Mac's)."""
+    if call.ours:
+        out = []
+        for name in call.kernels:
+            match = [k for k in (*KERNEL_EFFICIENCY, *MEASURED_EFFICIENCY) if name.startswith(k)]
+            out.append(max(match, key=len) if match else name)
+        return out
+    if call.op.startswith("_scaled_dot_product"):
+        return [_SDPA_ON_MAC]
+    return [f"torch {call.op}"]
+
+
+def part_kernels(calls: list[census.Call]) -> dict[str, str]:
+    """{part: the kernel that runs it}: of the calls of one layer kind (or
+    'pre'/'post'), the least efficient kernel among each part's calls (a
+    part of several kernels, such as fp8 projections beside the router left
+    in bf16, is costed at its slowest)."""
+    found = collections.defaultdict(set)
+    for call in calls:
+        part = part_of(call)
+        if part is not None:
+            found[part].update(kernels_of(call))
+    return {part: min(ks, key=lambda k: efficiency(k)[0]) for part, ks in found.items()}
+
+
+# -------------------------------------------------------------- projection --
+@dataclasses.dataclass
+class Projection:
+    flops: float
+    bytes: float
+    compute_s: float     # FLOPs at PEAK x each part's kernel efficiency
+    limit_s: float       # FLOPs at PEAK: the compute limit
+    bytes_s: float
+    dispatch_s: float
+    host_s: float
+    kernels: dict        # part -> kernel, over the model's layer kinds
+
+    @property
+    def gpu_s(self) -> float:
+        return max(self.compute_s, self.bytes_s) + self.dispatch_s
+
+    @property
+    def ttft_s(self) -> float:
+        return self.gpu_s + self.host_s
+
+    @property
+    def bound(self) -> str:
+        parts = {"compute": self.compute_s, "bytes": self.bytes_s, "dispatches": self.dispatch_s,
+                 "host": self.host_s}
+        return max(parts, key=parts.get)
+
+
+def project(spec: census.Spec, counts: dict, calls: dict, length: int, fp8: bool, which: str = "central") -> Projection:
+    """Time to first token of a prompt of `length`: `counts` from
+    scale_counts, `calls` the traced calls per layer kind (census.layer_calls)
+    whose kernels cost each part of the FLOPs."""
+    real = spec.config()
+    k = timeline.costs(which)
+    peak = getattr(PEAK["fp8" if fp8 else "bf16"], which)
+    compute = limit = flops = 0.0
+    used = {}
+    for kind, n in collections.Counter(census.layer_kinds(real)).items():
+        kernels = part_kernels(calls[kind])
+        for part, f in layer_flops(real, kind, length).items():
+            kernel = kernels.get(part)
+            if kernel is None:
+                raise ValueError(f"{spec.name} {kind}: the trace has no call doing its {part!r}")
+            used[part] = kernel
+            compute += n * f / (peak * efficiency(kernel)[0])
+            limit += n * f / peak
+            flops += n * f
+    head = part_kernels(calls["post"]).get("head")
+    f = sum(head_flops(real).values())
+    used["head"] = head
+    compute += f / (peak * efficiency(head)[0])
+    limit += f / peak
+    flops += f
+    b = model_bytes(real, length, fp8)["total"]
+    t = counts["total"]
+    host = t.host * k["host"] + t.views * k["view"] + t.syncs * k["round_trip"] + t.empty * k["empty_group"] \
+        + t.commits * k["commit"]
+    return Projection(flops, b, compute, limit, b / k["bandwidth"], t.dispatches * k["dispatch"], host, used)
+
+
+def ttft_range(spec, counts, calls, length, fp8) -> tuple[float, float, float]:
+    """TTFT (s) with every constant at its fast end, central, and slow end."""
+    return tuple(project(spec, counts, calls, length, fp8, w).ttft_s for w in ("high", "central", "low"))
+
+
+def constants_text() -> str:
+    """Every constant of the projection with its source."""
+    lines = [f"- peak ({dtype}): {k.low / 1e12:g}-{k.high / 1e12:g} TFLOPS, central {k.central / 1e12:g} ({k.source})"
+             for dtype, k in PEAK.items()]
+    lines.append(f"- matrix ceiling: {MATRIX_CEILING:.2f} of peak, the most any kernel reaches (philipturner/"
+                 f"metal-benchmarks: 102.5 FFMA16 a core-cycle inside a matrix multiplication, of 128)")
+    for name in KERNEL_EFFICIENCY:
+        value, source = efficiency(name)
+        lines.append(f"- efficiency of {name}: {value:.3f} of peak ({source})")
+    lines.append(f"- delta rule chunk: {CHUNK} tokens (transformers' torch_chunk_gated_delta_rule); mps_ext's MoE "
+                 f"decode kernels up to {MOE_SLOTS} token slots (mps_ext/passes/moe.py, mps_ext/fp8.py)")
+    lines.append("- bandwidth, dispatch, host, view, round_trip, empty_group, commit: as benchmarks/timeline.py's "
+                 "(decode's constants, below)")
+    return "\n".join(lines)
+
