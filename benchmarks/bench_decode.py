@@ -22,6 +22,7 @@ The simulation is calibrated on torch 2.14's and 2.15's published figures
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 import time
@@ -103,6 +104,24 @@ def variants(optimize=None) -> list[tuple[str, object, bool]]:
     return out
 
 
+def as_is(model):
+    """A transform that keeps the model (census.trace_step and trace_prefill
+    then trace a copy of it)."""
+    return None
+
+
+def transformed(model, transform):
+    """A copy of `model` after `transform` (None: `model` itself), to be
+    traced with `as_is` for every release, cache and length: made once, as
+    mps_ext.optimize checks each conversion on a probe and a short generate
+    (seconds), and it runs before run_model either way, so it is the same
+    for every release."""
+    if transform is None:
+        return model
+    ready = copy.deepcopy(model)
+    return transform(ready) or ready
+
+
 def kv_cache(who: str, mode: str) -> str:
     """The KV cache a row's step runs with (census.CACHES; see OPTIMIZED_ROWS)."""
     return "static" if mode == "compile" and who in OPTIMIZED_ROWS else "dynamic"
@@ -135,12 +154,13 @@ def census_rows(models: list[str], tokens: tuple[int, ...], context: int = CONTE
         model = census.tiny_model(spec)
         real = spec.config()
         kinds = variants(transform)
+        ready = {who: transformed(model, tf) for who, tf, _ in kinds}
         for t in tokens:
             start = time.perf_counter()
             stock = census.trace_step(model, t)
             caches = {who: {kv_cache(who, m) for m in modes} for who, _, _ in kinds}
-            traces = {(who, r, c): census.trace_step(model, t, torch_release=r, transform=tf, cache=c)
-                      for who, tf, _ in kinds for r in releases for c in caches[who]}
+            traces = {(who, r, c): census.trace_step(ready[who], t, torch_release=r, transform=as_is, cache=c)
+                      for who, _, _ in kinds for r in releases for c in caches[who]}
             loop = generate_loop.trace_loop(model, sampling, t, stop_check=stop_check)
             if log:
                 log(f"  decode {name} tokens={t}: traced in {time.perf_counter() - start:.1f} s")
@@ -484,14 +504,13 @@ def goals(rows: list[Row]) -> tuple[str, list[dict]]:
     19's (host calls per MoE block, dispatches per decoder layer, the most
     of any layer kind)."""
     out = []
-    k = timeline.costs()
     for r in rows:
         if r.tokens != 1 or r.who not in OPTIMIZED_ROWS:
             continue
         weights = "fp8" if r.fp8 else "bf16"
         # the fp8 goal is the fp8 head's
         goal = None if r.who == OPTIMIZED_FP8 else TOK_S_GOALS.get(r.model, {}).get(weights)
-        sim = r.sim
+        sim = r.sim  # its own simulation: the fp8 head is a row of its own (OPTIMIZED_FP8_HEAD)
         host, host_each = _most({kk: c for kk, c in r.ffn.items() if kk.endswith("+moe")}, "host")
         disp, disp_each = _most({kk: c for kk, c in r.per_kind.items() if kk != "head"}, "dispatches")
         hidden = sim.gpu_idle <= HIDDEN * sim.period

@@ -231,7 +231,8 @@ _FUSIBLE = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mea
             "gather", "embedding", "index_select", "fill_", "zero_", "zeros_like", "ones_like", "full_like", "full",
             "zeros", "ones", "new_zeros", "new_ones", "new_full", "arange", "constant_pad_nd", "slice_scatter",
             "select_scatter", "scalar_tensor", "one_hot", "stack", "repeat", "expand_copy", "masked_fill",
-            "index_put_", "index_put", "index_copy", "tril", "triu", "rsub", "pow", "where", "softplus", "silu", "sigmoid"}
+            "index_put_", "index_put", "index_copy", "tril", "triu", "rsub", "pow", "where", "softplus", "silu",
+            "sigmoid"}
 
 # mps_ext ops whose modules run torch's ops under torch.compile instead
 # (mps_ext.optimize's FusedRMSNorm: Inductor fuses a norm with the residual
