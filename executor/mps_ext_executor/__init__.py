@@ -305,6 +305,13 @@ class DispatchStats:
       threadgroup allocated; `threadgroups_per_core` what that and the
       registers leave resident on a core (threadgroups_per_core()).
     - buffer_names: the kernel's parameter name of each buffer index.
+    - compute (always counted): simdgroup_mmas (simdgroup_mmas_32: those
+      with 32-bit operands), matrix_loads_* / matrix_stores_* by memory
+      (threadgroup or device), once per simdgroup; instructions, the IR
+      instructions of the shader's own code its threads executed. Derived:
+      matrix_flops, flops_per_device_byte, flops_per_threadgroup_byte, and
+      the issue-slot estimate (issue_slots, matrix_slot_fraction; the model
+      at MMA_ISSUE_SLOTS).
     """
 
     kernel: str
