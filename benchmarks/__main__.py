@@ -127,6 +127,10 @@ def main(argv: list[str] | None = None) -> list[common.Result]:
         results += done
     if results:
         print(common.CASE_NOTES + "\n")
+        from benchmarks import efficiency
+        compute = efficiency.table(results)
+        if compute:
+            print(f"## Compute efficiency\n\n{compute}\n\n{efficiency.NOTES}\n")
         print(f"## Kernels\n\n{common.kernel_table(results)}\n")
         groups, table = legend(results, args.chip)
         if args.png:

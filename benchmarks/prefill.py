@@ -102,9 +102,8 @@ _TORCH_MATMUL = Efficiency(
     f"(raullenchai/Rapid-MLX PR 258: {_MLX_STEEL:.2f} of PEAK), torch MPS's matmul took 4.96 ms against MLX's 3.38 on "
     f"an M3 Ultra (TristanBilot/mlx-benchmark PR 40): {_MLX_STEEL:.2f} x {_MPS_VS_MLX:.2f}")
 # One named figure per kernel that does a prefill's matrix work (census.Call.kernels' names, matched by
-# prefix; torch's own ops as "torch <op>"). Until the executor counts simdgroup-matrix efficiency (issue 32
-# point 2, branch mmeff), mps_ext's tiles carry stated assumptions; a counted figure goes in
-# MEASURED_EFFICIENCY under the same name and replaces the assumption (efficiency()).
+# prefix, the longest; torch's own ops as "torch <op>"). A counted figure in MEASURED_EFFICIENCY (below) under
+# the same or a longer name replaces the assumption (efficiency()).
 KERNEL_EFFICIENCY = {
     "torch linear": _TORCH_MATMUL,
     "torch mm": _TORCH_MATMUL,
@@ -118,20 +117,31 @@ KERNEL_EFFICIENCY = {
     "torch _scaled_dot_product_attention_math_for_mps": Efficiency(
         _TORCH_MATMUL.value, "as torch's matmul (assumed; MLX's SDPA reaches 0.88 of its own matmul at 4k on an M3 "
         "Ultra, raullenchai/Rapid-MLX PR 258)"),
-    "gmm_tiled": Efficiency(_TORCH_MATMUL.value, "mps_ext's MoE prefill tile: not counted yet (issue 32 point 2); "
-                            "assumed torch's matmul's"),
+    "gmm_tiled": Efficiency(_TORCH_MATMUL.value, "mps_ext's MoE prefill tile, a variant without a counted figure "
+                            "(MEASURED_EFFICIENCY): assumed torch's matmul's"),
     "fp8_mm_tile": Efficiency(0.12 * _TORCH_MATMUL.value,
-                              "mps_ext's fp8 prefill tile (32 x 64, weights re-read rows/32 times): not counted yet "
-                              "(issue 32 point 2); assumed 0.12 x torch's matmul, what torch's own simdgroup fp8 GEMM "
-                              "measured against its bf16 one (pytorch PR 196916)"),
+                              "mps_ext's fp8 prefill tile (32 x 64, weights re-read rows/32 times), a variant "
+                              "without a counted figure (MEASURED_EFFICIENCY): assumed 0.12 x torch's matmul, what "
+                              "torch's own simdgroup fp8 GEMM measured against its bf16 one (pytorch PR 196916)"),
     "gemv": Efficiency(_TORCH_MATMUL.value, "mps_ext's GEMV (the LM head's one row: bandwidth-bound; its FLOPs "
                        "are negligible)"),
     "lu_solve": Efficiency(_TORCH_MATMUL.value, "mps_ext's triangular solve (the linalg family, which takes the "
                            "delta rule's solves on torch 2.14): not counted; assumed torch's matmul's"),
 }
-# Counted efficiencies (fraction of PEAK) by kernel name, from the executor's simdgroup-matrix counter (issue 32
-# point 2): empty until that counter lands; each entry replaces the kernel's assumption above.
-MEASURED_EFFICIENCY: dict[str, float] = {}
+# Counted efficiencies (fraction of PEAK) by kernel name, each replacing the kernel's assumption above: the
+# executor's counted useful share of issue slots (multiply-accumulates the product needs, DispatchStats.
+# matrix_slot_fraction: docs/dev/compute_efficiency.md, benchmarks/efficiency.py) of the tile over MLX's steel
+# GEMM's at a prefill's shape, run on the executor from MLX's source, times steel's measured efficiency on the
+# Mac (_MLX_STEEL): the executor's ratio carried to the chip by MLX's published figure. Ours is the same at any
+# row count (one tile shape); steel's is the tile MLX picks for a prefill's rows.
+_COUNTED = {  # kernel prefix: (ours, steel's, what was counted)
+    "fp8_mm_tile_bf16": (0.437, 0.514, "fp8_mm_tile_bf16_vec 0.437; steel bf16 64x64x16 (MLX's tile at 2048 "
+                                       "rows) 0.514"),
+    "gmm_tiled_bf16": (0.190, 0.420, "gmm_tiled_bf16 0.190; steel bf16 64x32x32 with every row used (a prompt's "
+                                     "experts get 16 rows and more) 0.420"),
+    "gmm_tiled_e4m3": (0.162, 0.420, "gmm_tiled_e4m3 0.162; steel bf16 64x32x32 with every row used 0.420"),
+}
+MEASURED_EFFICIENCY: dict[str, float] = {k: ours / steel * _MLX_STEEL for k, (ours, steel, _) in _COUNTED.items()}
 # torch's CPU SDPA stands in for the Mac's in a trace on CPU: costed as torch's MPS SDPA.
 _SDPA_ON_MAC = "torch _scaled_dot_product_attention_math_for_mps"
 
@@ -141,7 +151,11 @@ def efficiency(kernel: str) -> tuple[float, str]:
     is one, else the assumption of KERNEL_EFFICIENCY; capped at
     MATRIX_CEILING."""
     if kernel in MEASURED_EFFICIENCY:
-        return min(MEASURED_EFFICIENCY[kernel], MATRIX_CEILING), "counted (executor simdgroup-matrix counter)"
+        ours, steel, what = _COUNTED.get(kernel, (None, None, "counted"))
+        source = "counted (executor simdgroup-matrix counter)" if ours is None else (
+            f"counted: useful MMA share of issue slots on the executor, {what}: {ours / steel:.2f} x MLX's steel "
+            f"measured {_MLX_STEEL:.2f} of PEAK (raullenchai/Rapid-MLX PR 258)")
+        return min(MEASURED_EFFICIENCY[kernel], MATRIX_CEILING), source
     if kernel not in KERNEL_EFFICIENCY:
         raise KeyError(f"no efficiency for kernel {kernel!r}: add it to benchmarks/prefill.py KERNEL_EFFICIENCY "
                        f"(with its source) or MEASURED_EFFICIENCY")

@@ -39,6 +39,9 @@ def test_the_runner_on_its_tiny_configuration(tmp_path, capsys):
             assert f"| {name} |" in kernels
     reached = {d.kernel for r in results for d in r.stats}
     assert "softmax_segment_f16_f32_i32" in reached and "gemv_cols_f16_r2_vec" in reached
+    # The tiled case (fp8_linear at 128 rows) against MLX's steel GEMM.
+    compute = out.split("## Compute efficiency\n\n")[1].split("\n\n")[0].splitlines()
+    assert len(compute) == 3 and "| fp8_mm_tile_f16_vec |" in compute[2] and "steel MMA slots" in compute[0]
     # The plots: PNGs matplotlib reads back; the legend has each op's sums.
     assert matplotlib.image.imread(png).shape[0] > 100
     assert matplotlib.image.imread(decode_png).shape[0] > 100

@@ -69,7 +69,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import bench_moe, common
+from benchmarks import bench_moe, common, efficiency
 from benchmarks.__main__ import OPS, op_cases
 import mps_ext_executor as cpu_metal
 
@@ -268,7 +268,9 @@ BUDGET_CASES = {
     # the MoE expert's shape; prefill at 128 rows only: every prefill case runs the same 64 x 256 sample
     # block (bench_scaled_mm.product), which 512 and 2048 rows only scale
     "scaled_mm": [c.id for c in op_cases("scaled_mm", "quick")
-                  if "2048->768" in c.id and not re.search(r" rows=(512|2048) ", c.id)],
+                  if "2048->768" in c.id and not re.search(r" rows=(512|2048) ", c.id)]
+    # ... and one at 2048 rows, the same sample block, for the steel comparison: MLX picks another tile there
+    + ["scaled_mm 2048->768 float8_e4m3fn rows=2048 row"],
     "grouped_mm": [c.id for c in op_cases("grouped_mm", "quick")],  # the grouped products, on 256 columns
     # one decode token of a small MoE layer in each dtype (BUDGET_LAYER), and moe_experts misaligned
     "moe": [c.id for c in op_cases("moe", "quick") if not c.id.startswith("layer ")] + [c.id for c in BUDGET_ONLY],
@@ -428,7 +430,28 @@ UNEXAMINED_FIGURES: dict[str, tuple[int, int]] = {
     "lu_solve_c64_1": (2, 3), "lu_solve_c64_4": (10, 12), "lu_solve_c64_16": (2, 48),
     **{k: (8, 0) for k in LU_UNPACK},
 }
+# Where the prefill tiles miss steel's matrix efficiency (figures of benchmarks/efficiency.py: the MMAs' share of the
+# estimated issue slots, and the other slots per MMA; steel in bfloat16 for fp8 activations).
+STEEL_FP8 = ("fp8 activations, 2048->768: 0.402 of the slots on MMAs against steel's 0.450 at 128 rows (0.89x) and "
+             "0.514 at 2048 rows (0.78x, where MLX takes a 64 x 64 tile of 2 simdgroups); 26.8 other slots per MMA "
+             "against 22.0 and 17.0: the 32 x 64 tile and the fp8 decode")
+STEEL_F32 = ("float32 activations, 2048->768 at 128 rows: 0.443 against steel's 0.502 (0.88x); 22.6 other slots per "
+             "MMA against 17.8")
+STEEL_MISALIGNED = ("the element-load variants (activations 1 byte off 16-byte alignment), 2048->768 at 128 rows: "
+                    "0.345 to 0.381 of the slots on MMAs against steel's 0.450 to 0.502 (0.76x to 0.80x); 29 to 34 "
+                    "other slots per MMA against 18 to 22 (steel is measured on aligned operands: MLX's arrays are)")
+STEEL_GMM_F32 = ("float32, 128 rows over 8 experts (16 each), 768->2048: 0.213 of the slots on useful MMAs against "
+                 "steel's 0.238 (0.89x), though steel's 32 x 64 tile spends half its MMAs on padding rows; 66.7 other "
+                 "slots per MMA against 19.8")
 NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met yet}
+    # (issue 32) the prefill tiles' useful MMA slots against MLX's steel GEMM's at the same shapes
+    # (docs/dev/compute_efficiency.md has the whole table)
+    "steel": {
+        "fp8_mm_tile_fp8_vec": STEEL_FP8,
+        "fp8_mm_tile_f32_vec": STEEL_F32,
+        **{k: STEEL_MISALIGNED for k in names("fp8_mm_tile_{a}_scalar", a=("f32", "f16", "bf16", "fp8"))},
+        "gmm_tiled_f32": STEEL_GMM_F32,
+    },
     "coalescing": {
         "constant_pad_4_i32": PAD_SHORT_ROWS,
         **{k: SOFTMAX_STRIDED_BACKWARD for k in ("softmax_backward_strided_f32_f32_i32",
@@ -709,3 +732,31 @@ def test_decode_registers_hold_the_kernels_they_replaced(kernel):
     registers = library_infos()[kernel].registers
     assert registers <= allowed, (f"{kernel}: {registers} registers, over the {before} of the kernel it replaced"
                                   + (f" (raised to {allowed}: {why})" if why else ""))
+
+
+# ------------------------------------------ compute efficiency (issue 32) --
+# The prefill tiles' counted matrix efficiency (benchmarks/efficiency.py):
+# the multiply-accumulates the product needs, as a share of the estimated
+# issue slots (DispatchStats.matrix_slot_fraction, docs/dev/contributing.md,
+# "Compute efficiency"), at least 90% of MLX's steel GEMM's at the same
+# shape and dtype, run on the executor from MLX's own source.
+STEEL_SHARE = 0.9
+
+
+def steel_miss(d, op: str, case: str) -> str:
+    id_ = re.fullmatch(rf"{op} (.*) \(\d+ cores\)", case).group(1)
+    labels = next(c.labels for size in ("full", "quick") for c in op_cases(op, size) if c.id == id_)
+    ours, steel = efficiency.compare(op, labels, [d])
+    if ours.useful_slot_fraction >= STEEL_SHARE * steel.useful_slot_fraction:
+        return ""
+    return (f"useful MMA slots {ours.useful_slot_fraction:.3f} against steel's {steel.useful_slot_fraction:.3f} "
+            f"({ours.useful_slot_fraction / steel.useful_slot_fraction:.2f}x; other slots per MMA "
+            f"{ours.other_slots_per_mma:.1f} against {steel.other_slots_per_mma:.1f}; FLOPs / device byte "
+            f"{ours.flops_per_device_byte:.1f} against {steel.flops_per_device_byte:.1f})")
+
+
+@pytest.mark.parametrize("kernel", params("steel", [k for k in FP8_TILE + GMM_TILED if not BUDGETS[k].unreached]))
+def test_matrix_efficiency_against_steel(kernel):
+    op = BUDGETS[kernel].op
+    miss = {case: m for case, d in dispatches(kernel) for m in [steel_miss(d, op, case)] if m}
+    assert not miss, f"{kernel}: {miss}"

@@ -81,6 +81,14 @@ py::dict stats_to_dict(const cpu_metal::Stats& s) {
   d["threadgroup_memory"] = s.threadgroup_memory;
   d["threadgroup_bytes_read_distinct"] = s.threadgroup_bytes_read_distinct;
   d["unique_bytes_read"] = s.unique_bytes_read;
+  d["instructions"] = s.instructions;
+  d["max_instructions"] = s.max_instructions;
+  d["simdgroup_mmas"] = s.simdgroup_mmas;
+  d["simdgroup_mmas_32"] = s.simdgroup_mmas_32;
+  d["matrix_loads_threadgroup"] = s.matrix_loads_threadgroup;
+  d["matrix_loads_device"] = s.matrix_loads_device;
+  d["matrix_stores_threadgroup"] = s.matrix_stores_threadgroup;
+  d["matrix_stores_device"] = s.matrix_stores_device;
   return d;
 }
 

@@ -260,6 +260,9 @@ struct Counters {
   uint64_t tg_instructions = 0, bank_cycles = 0;                        // bank conflicts
   uint64_t group_read[MX_MAX_BUFFERS] = {};                             // per threadgroup, distinct bytes read, summed
   uint64_t tg_memory = 0;  // the most threadgroup memory one threadgroup allocated
+  // simdgroup_matrix operations, per simdgroup (Stats::matrix_*)
+  uint64_t mma = 0, mma_32 = 0, matrix_loads_tg = 0, matrix_loads_device = 0, matrix_stores_tg = 0,
+           matrix_stores_device = 0;
 
   void add(const Counters& o) {
     for (int i = 0; i < MX_MAX_BUFFERS; ++i) {
@@ -286,6 +289,12 @@ struct Counters {
     barriers += o.barriers;
     simd_barriers += o.simd_barriers;
     simd_ops += o.simd_ops;
+    mma += o.mma;
+    mma_32 += o.mma_32;
+    matrix_loads_tg += o.matrix_loads_tg;
+    matrix_loads_device += o.matrix_loads_device;
+    matrix_stores_tg += o.matrix_stores_tg;
+    matrix_stores_device += o.matrix_stores_device;
   }
 };
 
@@ -1313,6 +1322,7 @@ struct Worker {
       } else {
         fn(part, mask, hi - lo);
         counters.simd_ops++;
+        if (matrix) count_matrix(*first);
       }
       for (uint32_t i = lo; i < hi; ++i)
         if ((mask >> (i - lo)) & 1) {
@@ -1322,6 +1332,21 @@ struct Worker {
       progress = true;
     }
     return progress;
+  }
+
+  // A simdgroup_matrix operation the simdgroup completed: an MMA, or a load
+  // or store whose memory (the address in `arg`, mx_metal.h) is this
+  // worker's threadgroup arena or else device memory.
+  void count_matrix(const Lane& l) {
+    if (l.flags & MX_SIMD_MATRIX_MMA) {
+      counters.mma++;
+      if (l.flags & MX_SIMD_MATRIX_MMA_32) counters.mma_32++;
+      return;
+    }
+    const char* p = reinterpret_cast<const char*>(static_cast<uintptr_t>(l.arg));
+    bool tg = p >= arena && p < arena + kArenaSize;
+    if (l.flags & MX_SIMD_MATRIX_LOAD) ++(tg ? counters.matrix_loads_tg : counters.matrix_loads_device);
+    if (l.flags & MX_SIMD_MATRIX_STORE) ++(tg ? counters.matrix_stores_tg : counters.matrix_stores_device);
   }
 
   bool resolve_barrier() {
@@ -2034,6 +2059,14 @@ Stats Library::dispatch(const std::string& name, const Dispatch& dp) const {
   st.max_int32_divisions = ds.totals.max_ops[MX_OPS_INT32_DIVISIONS];
   st.max_float_divisions = ds.totals.max_ops[MX_OPS_FLOAT_DIVISIONS];
   st.threadgroup_memory = ds.totals.tg_memory;
+  st.instructions = ds.totals.ops[MX_OPS_INSTRUCTIONS];
+  st.max_instructions = ds.totals.max_ops[MX_OPS_INSTRUCTIONS];
+  st.simdgroup_mmas = ds.totals.mma;
+  st.simdgroup_mmas_32 = ds.totals.mma_32;
+  st.matrix_loads_threadgroup = ds.totals.matrix_loads_tg;
+  st.matrix_loads_device = ds.totals.matrix_loads_device;
+  st.matrix_stores_threadgroup = ds.totals.matrix_stores_tg;
+  st.matrix_stores_device = ds.totals.matrix_stores_device;
   st.counters = ds.counters;
   if (ds.counters) {
     st.cache_lines.assign(ds.totals.lines, ds.totals.lines + n);

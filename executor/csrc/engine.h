@@ -127,6 +127,16 @@ struct Stats {
   // The most threadgroup memory (bytes) one threadgroup allocated: the
   // [[threadgroup(i)]] buffers and the kernel's threadgroup variables.
   uint64_t threadgroup_memory = 0;
+  // Compute (always counted; docs/dev/contributing.md, "Compute efficiency"):
+  // IR instructions of the shader's own code the threads executed (total,
+  // and the most one thread did), and the simdgroup_matrix operations the
+  // simdgroups completed: 8x8x8 multiply-accumulates (those with 32-bit
+  // operands also in simdgroup_mmas_32), and loads and stores by the memory
+  // they move between the matrix and threadgroup or device memory.
+  uint64_t instructions = 0, max_instructions = 0;
+  uint64_t simdgroup_mmas = 0, simdgroup_mmas_32 = 0;
+  uint64_t matrix_loads_threadgroup = 0, matrix_loads_device = 0;
+  uint64_t matrix_stores_threadgroup = 0, matrix_stores_device = 0;
   // Measured only with Dispatch::counters (or a recorder asking for them):
   bool counters = false;
   // per buffer index: 128-byte lines the memory instructions of each

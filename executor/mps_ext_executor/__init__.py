@@ -73,6 +73,7 @@ __all__ = [
     "compile_library", "Library", "DispatchStats", "KernelInfo", "record", "set_default_seed", "worker_count",
     "FULL_OCCUPANCY_REGISTERS", "MAX_REGISTERS", "occupancy", "registers_for", "GPU", "gpu", "set_gpu",
     "THREADGROUP_MEMORY_PER_CORE", "MAX_THREADGROUP_MEMORY", "threadgroups_per_core",
+    "MMA_FMAS", "MMA_ISSUE_SLOTS", "MMA_ISSUE_SLOTS_32", "MATRIX_MEMORY_ISSUE_SLOTS",
     "run_model", "ModelReport", "CompileError", "Diagnostic", "KernelError", "OutOfBoundsError",
     "MisalignedAccessError",
     "BarrierDivergenceError", "RaceError", "DispatchError", "cache_dir", "MathMode", "math_mode", "set_math_mode",
@@ -116,6 +117,24 @@ def occupancy(registers: int) -> int:
     also the largest threadgroup its pipeline allows; 0 beyond
     MAX_REGISTERS, where the compiler spills."""
     return next((threads for most, threads in _OCCUPANCY if registers <= most), 0)
+
+
+# The compute counters' issue-slot model (DispatchStats.issue_slots; docs/dev/
+# contributing.md, "Compute efficiency"). A simdgroup issues one instruction
+# for its 32 lanes; an 8x8x8 simdgroup_multiply_accumulate is 512 FMAs and
+# occupies the simdgroup's issue for about 17 cycles with 16-bit operands
+# and 18 with 32-bit ones: Philip Turner's measured throughputs of
+# MATMUL<8x8xF16> (~17 cycles) and MATMUL<8x8xF32> (~18), M1 family
+# (github.com/philipturner/metal-benchmarks, README, "Intra-simd
+# communication"; a plain FFMA32 is 1 cycle there, so 512 FMAs over 32 lanes
+# is 16 slots at best). A simdgroup_load or simdgroup_store counts as one
+# slot: each lane moves its two adjacent elements, one memory instruction.
+# That one is an assumption (no published measurement), as is one slot per
+# IR instruction of the shader: the ratio is an estimate to compare tiled
+# kernels with each other, not a cycle count.
+MMA_FMAS = 8 * 8 * 8
+MMA_ISSUE_SLOTS, MMA_ISSUE_SLOTS_32 = 17, 18
+MATRIX_MEMORY_ISSUE_SLOTS = 1
 
 
 def registers_for(threads: int) -> int:
@@ -286,6 +305,13 @@ class DispatchStats:
       threadgroup allocated; `threadgroups_per_core` what that and the
       registers leave resident on a core (threadgroups_per_core()).
     - buffer_names: the kernel's parameter name of each buffer index.
+    - compute (always counted): simdgroup_mmas (simdgroup_mmas_32: those
+      with 32-bit operands), matrix_loads_* / matrix_stores_* by memory
+      (threadgroup or device), once per simdgroup; instructions, the IR
+      instructions of the shader's own code its threads executed. Derived:
+      matrix_flops, flops_per_device_byte, flops_per_threadgroup_byte, and
+      the issue-slot estimate (issue_slots, matrix_slot_fraction; the model
+      at MMA_ISSUE_SLOTS).
     """
 
     kernel: str
@@ -321,6 +347,18 @@ class DispatchStats:
     max_float_divisions_per_thread: int = 0
     # The most threadgroup memory one threadgroup allocated (always counted).
     threadgroup_memory: int = 0
+    # Compute (always counted): IR instructions of the shader's own code the
+    # threads executed (and the most one thread did), and the simdgroup_matrix
+    # operations the simdgroups completed: multiply-accumulates (those with
+    # 32-bit operands also in simdgroup_mmas_32), loads and stores by memory.
+    instructions: int = 0
+    max_instructions_per_thread: int = 0
+    simdgroup_mmas: int = 0
+    simdgroup_mmas_32: int = 0
+    matrix_loads_threadgroup: int = 0
+    matrix_loads_device: int = 0
+    matrix_stores_threadgroup: int = 0
+    matrix_stores_device: int = 0
     # Measured with counters=True only (`counters` says whether they were):
     counters: bool = False
     cache_lines: dict[int, int] = dataclasses.field(default_factory=dict)  # 128-byte lines touched per buffer
@@ -371,6 +409,14 @@ class DispatchStats:
             threadgroup_memory=d["threadgroup_memory"],
             threadgroup_bytes_read_distinct=per_buffer(d["threadgroup_bytes_read_distinct"]),
             unique_bytes_read=per_buffer(d["unique_bytes_read"]),
+            instructions=d["instructions"],
+            max_instructions_per_thread=d["max_instructions"],
+            simdgroup_mmas=d["simdgroup_mmas"],
+            simdgroup_mmas_32=d["simdgroup_mmas_32"],
+            matrix_loads_threadgroup=d["matrix_loads_threadgroup"],
+            matrix_loads_device=d["matrix_loads_device"],
+            matrix_stores_threadgroup=d["matrix_stores_threadgroup"],
+            matrix_stores_device=d["matrix_stores_device"],
         )
 
     def buffer(self, name: str) -> int:
@@ -450,6 +496,53 @@ class DispatchStats:
         serves from its constant cache, not from DRAM."""
         return sum(v for i, v in self.bytes_read.items() if i not in self.constant_buffers) + sum(
             v for i, v in self.bytes_written.items() if i not in self.constant_buffers)
+
+
+    # ------------------------------------------------ compute efficiency --
+    @property
+    def matrix_flops(self) -> int:
+        """FLOPs of the simdgroup multiply-accumulates (2 per FMA, 512 FMAs each)."""
+        return 2 * MMA_FMAS * self.simdgroup_mmas
+
+    @property
+    def threadgroup_bytes(self) -> int:
+        return self.threadgroup_bytes_read + self.threadgroup_bytes_written
+
+    @property
+    def flops_per_device_byte(self) -> float:
+        """Matrix FLOPs per byte moved over tensor buffers (memory_bytes_moved,
+        re-reads included: what the tiles ask of the caches and DRAM)."""
+        moved = self.memory_bytes_moved
+        return self.matrix_flops / moved if moved else 0.0
+
+    @property
+    def flops_per_threadgroup_byte(self) -> float:
+        """Matrix FLOPs per byte read or written in threadgroup memory."""
+        return self.matrix_flops / self.threadgroup_bytes if self.threadgroup_bytes else 0.0
+
+    @property
+    def matrix_issue_slots(self) -> float:
+        """Issue slots of the multiply-accumulates (MMA_ISSUE_SLOTS each,
+        MMA_ISSUE_SLOTS_32 with 32-bit operands)."""
+        return (MMA_ISSUE_SLOTS * (self.simdgroup_mmas - self.simdgroup_mmas_32)
+                + MMA_ISSUE_SLOTS_32 * self.simdgroup_mmas_32)
+
+    @property
+    def issue_slots(self) -> float:
+        """The estimate of the simdgroups' issue slots: the shader's executed
+        IR instructions over the 32 lanes a simdgroup issues them for, the
+        multiply-accumulates' slots, and MATRIX_MEMORY_ISSUE_SLOTS per
+        simdgroup_load and simdgroup_store."""
+        matrix_memory = (self.matrix_loads_threadgroup + self.matrix_loads_device + self.matrix_stores_threadgroup
+                         + self.matrix_stores_device)
+        return self.instructions / 32 + self.matrix_issue_slots + MATRIX_MEMORY_ISSUE_SLOTS * matrix_memory
+
+    @property
+    def matrix_slot_fraction(self) -> float:
+        """The share of issue_slots that are multiply-accumulates (1.0: the
+        simdgroups issue nothing but matrix products)."""
+        slots = self.issue_slots
+        return self.matrix_issue_slots / slots if slots else 0.0
 
 
 def _size3(value, what: str) -> list[int]:

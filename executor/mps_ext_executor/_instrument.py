@@ -64,7 +64,9 @@ After optimisation, count_ops adds counters of the 64-bit integer
 divisions and multiplications, 32-bit integer divisions by run-time values
 and IEEE float divisions that are left (see _counted_op), and
 kernel_info_table the static costs of each kernel (_analysis.py) as
-mx_library_kernel_info.
+mx_library_kernel_info. count_ops also counts the instructions of shader
+code each thread executes (_issued), for the issue-slot estimate of the
+compute counters (docs/dev/contributing.md, "Compute efficiency").
 """
 
 from __future__ import annotations
@@ -1007,6 +1009,32 @@ def _site_table(sites: list[str]) -> str:
 # ------------------------------------------------------- arithmetic work --
 # Keep in step with mx_abi.h.
 OPS_INT64_DIVISIONS, OPS_INT64_MULTIPLICATIONS, OPS_INT32_DIVISIONS, OPS_FLOAT_DIVISIONS = 0, 1, 2, 3
+OPS_INSTRUCTIONS = 4
+
+# Not issued by a GPU as instructions of their own: phis (register
+# assignment), and calls of LLVM's bookkeeping intrinsics.
+_NOT_ISSUED_RE = re.compile(r"^\s*(?:%[^=]+= )?(?:phi |(?:tail |musttail |notail )?call [^@]*@llvm\."
+                            r"(?:dbg|lifetime|assume|experimental\.noalias|invariant|pseudoprobe)\.?)")
+
+
+def _issued(inst: list[str], meta: "_Metadata", shader_function: bool) -> bool:
+    """Whether count_ops counts the instruction as one issue slot: an
+    instruction of the shader's own code (by its location, which inlining
+    keeps; without one, by its function's), not of the executor's stand-in
+    headers (whose simdgroup_matrix operations the engine counts itself) or
+    entry points, nor a call of the executor's hooks, and one a GPU issues
+    (not a phi or an LLVM bookkeeping intrinsic)."""
+    line = inst[0]
+    if _NOT_ISSUED_RE.match(line) or line.strip() == "unreachable":
+        return False
+    callee = _callee(inst)
+    if callee is not None and (callee in _HOOKS or callee.startswith("__mx_")):
+        return False
+    dbg = _DBG_RE.search(line)
+    if not dbg:
+        return shader_function
+    file = meta.innermost_file(dbg.group(1))
+    return not file.startswith(_EXECUTOR_FILES) and file != "?"
 
 _INT_OP_RE = re.compile(rf"^\s*({_NAME}) = (mul|sdiv|udiv|srem|urem)((?: nuw| nsw| exact)*) (.*)$")
 _FDIV_RE = re.compile(
@@ -1087,6 +1115,13 @@ def count_ops(ir: str) -> str:
     is not a multiply instruction and is not counted: scaling an index by an
     element size is a shift or part of the load's addressing.
 
+    It also counts, per basic block of shader code, the instructions the
+    block issues (_issued) into OPS_INSTRUCTIONS, before the block's
+    terminator: one count per executed IR instruction of the optimised
+    shader, the estimate of issue slots (an IR instruction is not one GPU
+    instruction; docs/dev/contributing.md, "Compute efficiency", says how
+    far the estimate goes).
+
     Each function that has such work calls @__mx_op_counts() once (the
     running thread's counters, mx_abi.h) and adds to them after each
     instruction."""
@@ -1102,26 +1137,36 @@ def count_ops(ir: str) -> str:
         counter[0] += 1
         return f"%__mxc{counter[0]}"
 
+    def add(which: int, n: int) -> list[list[str]]:
+        slot, old, total = fresh(), fresh(), fresh()
+        return [[f"  {slot} = getelementptr inbounds i64, ptr %__mxops, i64 {which}"],
+                [f"  {old} = load i64, ptr {slot}, align 8"],
+                [f"  {total} = add i64 {old}, {n}"],
+                [f"  store i64 {total}, ptr {slot}, align 8"]]
+
     for f in items:
         if not isinstance(f, _Function) or f.name in _HOOKS or f.name.startswith("mx_library_"):
             continue
+        file = meta.file_of_node(f.dbg) if f.dbg else "?"
+        shader = not file.startswith(_EXECUTOR_FILES) and file != "?"
         found = False
         for b in f.blocks:
             new: list[list[str]] = []
+            issued = 0
             for inst in b.insts:
                 new.append(inst)
+                if _issued(inst, meta, shader):
+                    issued += 1
                 counted = _counted_op(inst[0]) if len(inst) == 1 else None
                 if counted is None:
                     continue
                 dbg = _DBG_RE.search(inst[0])
                 if dbg and meta.innermost_file(dbg.group(1)).startswith(_EXECUTOR_FILES):
                     continue
-                which, n = counted
-                slot, old, total = fresh(), fresh(), fresh()
-                new += [[f"  {slot} = getelementptr inbounds i64, ptr %__mxops, i64 {which}"],
-                        [f"  {old} = load i64, ptr {slot}, align 8"],
-                        [f"  {total} = add i64 {old}, {n}"],
-                        [f"  store i64 {total}, ptr {slot}, align 8"]]
+                new += add(*counted)
+                found = True
+            if issued:  # before the terminator, which is counted too
+                new[-1:-1] = add(OPS_INSTRUCTIONS, issued)
                 found = True
             b.insts = new
         if not found:

@@ -459,3 +459,73 @@ def test_a_load_used_after_a_barrier_waits_behind_it(lib, name, after):
 
 def test_a_kernel_without_a_barrier_has_no_load_after_one(lib):
     assert lib.kernel_info("four_streams").loads_after_barrier == 0
+
+
+# ------------------------------------------------------- compute counters --
+# kernels/counters.metal matrix_counts: per simdgroup, one matrix load from
+# device and one from threadgroup memory, `steps` half MMAs and one float
+# one, one store to threadgroup and one to device memory.
+@pytest.mark.parametrize("groups,steps", [(1, 0), (3, 5)])
+def test_simdgroup_matrix_operations_are_counted_by_kind_and_memory(lib, groups, steps):
+    a = torch.randn(64).half()
+    out = torch.zeros(groups * 2 * 64)
+    s = lib.dispatch("matrix_counts", [out, a, np.uint32(steps)], threadgroups=groups, threads_per_threadgroup=64)
+    simdgroups = 2 * groups
+    assert s.simdgroup_mmas == simdgroups * (steps + 1)
+    assert s.simdgroup_mmas_32 == simdgroups
+    assert (s.matrix_loads_device, s.matrix_loads_threadgroup) == (simdgroups, simdgroups)
+    assert (s.matrix_stores_device, s.matrix_stores_threadgroup) == (simdgroups, simdgroups)
+    # Threadgroup memory per threadgroup: 64 halves staged (written once,
+    # read by each simdgroup's load), and each simdgroup's 64 floats stored.
+    assert s.threadgroup_bytes_written == groups * (64 * 2 + 2 * 64 * 4)
+    assert s.threadgroup_bytes_read == groups * 2 * 64 * 2
+    assert s.matrix_flops == 2 * 512 * simdgroups * (steps + 1)
+    assert s.flops_per_threadgroup_byte == s.matrix_flops / (s.threadgroup_bytes_read + s.threadgroup_bytes_written)
+    # Device: 128 bytes of `a` read by the staging and 128 by each
+    # simdgroup's load, 256 bytes of `out` written by each simdgroup.
+    assert s.memory_bytes_moved == groups * (128 + 2 * 128 + 2 * 256)
+    assert s.flops_per_device_byte == s.matrix_flops / s.memory_bytes_moved
+
+
+def test_matrix_issue_slots_follow_the_model(lib):
+    a = torch.randn(64).half()
+    s = lib.dispatch("matrix_counts", [torch.zeros(128), a, np.uint32(4)], threadgroups=1,
+                     threads_per_threadgroup=64)
+    # 2 simdgroups x (4 half MMAs + 1 float one), 4 loads and stores each.
+    assert s.matrix_issue_slots == 2 * (4 * cpu_metal.MMA_ISSUE_SLOTS + cpu_metal.MMA_ISSUE_SLOTS_32)
+    assert s.issue_slots == s.instructions / 32 + s.matrix_issue_slots + 2 * 4 * cpu_metal.MATRIX_MEMORY_ISSUE_SLOTS
+    assert 0 < s.matrix_slot_fraction < 1
+    assert s.matrix_slot_fraction == s.matrix_issue_slots / s.issue_slots
+
+
+def test_instructions_grow_by_the_same_count_each_loop_step(lib):
+    x = torch.randn(64)
+
+    def instructions(n):
+        s = lib.dispatch("instruction_loop", [torch.zeros(64), x, np.uint32(n)], threads=64,
+                         threads_per_threadgroup=64)
+        assert s.max_instructions_per_thread * 64 == s.instructions  # every thread runs the same code
+        return s.max_instructions_per_thread
+
+    i8, i16, i24 = instructions(8), instructions(16), instructions(24)
+    step = (i16 - i8) / 8
+    assert step >= 3 and step == int(step)  # a load, a multiply-add, the counter and the branch: a few, whole
+    assert i24 - i16 == i16 - i8
+    assert i8 > 8 * step  # and the code around the loop
+
+
+def test_the_executors_own_matrix_code_is_not_counted_as_instructions(lib):
+    # A multiply-accumulate is hundreds of instructions of the executor's
+    # stand-in (mx_metal.h); counted as the engine's MMAs, not as the
+    # shader's instructions: a step of the loop around it is a few (the
+    # counter, compare and branch, and the reloads of the operands from the
+    # memory the executor keeps matrices in: 7 in all, per lane, so under a
+    # quarter of a simdgroup's slot beside the MMA's 17).
+    a = torch.randn(64).half()
+
+    def instructions(steps):
+        return lib.dispatch("matrix_counts", [torch.zeros(128), a, np.uint32(steps)], threadgroups=1,
+                            threads_per_threadgroup=64).max_instructions_per_thread
+
+    per_step = (instructions(20) - instructions(10)) / 10
+    assert 1 <= per_step <= 8

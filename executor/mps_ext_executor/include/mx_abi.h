@@ -10,7 +10,7 @@
 #ifndef MX_ABI_H
 #define MX_ABI_H
 
-#define MX_ABI_VERSION 7u
+#define MX_ABI_VERSION 8u
 
 typedef unsigned int mx_u32;
 typedef unsigned long long mx_u64;
@@ -42,6 +42,14 @@ enum {
   MX_SIMD_UNIFORM = 1u,  // every lane of the simdgroup must take part
                          // (simdgroup_matrix operations, simdgroup_barrier)
   MX_SIMD_MATRIX = 2u,   // a simdgroup_matrix operation: needs 32 lanes
+  // Which simdgroup_matrix operation, for the engine's compute counters
+  // (Stats::matrix_*): a load or store passes the address of the memory as
+  // `arg` (the engine tells threadgroup from device memory by it); an
+  // MMA says whether its operands are 32-bit (they take longer to issue).
+  MX_SIMD_MATRIX_LOAD = 4u,
+  MX_SIMD_MATRIX_STORE = 8u,
+  MX_SIMD_MATRIX_MMA = 16u,
+  MX_SIMD_MATRIX_MMA_32 = 32u,
 };
 
 // Flags of a float-to-integer conversion check (__mx_convert_check): the
@@ -138,7 +146,8 @@ enum {
   MX_OPS_INT64_MULTIPLICATIONS = 1,  // mul of 64-bit integers, and divisions by a constant
   MX_OPS_INT32_DIVISIONS = 2,  // sdiv/udiv/srem/urem of 32-bit (or narrower) integers by a run-time value
   MX_OPS_FLOAT_DIVISIONS = 3,  // fdiv of float or half without fast-math flags (IEEE-rounded)
-  MX_OPS_COUNT = 4,
+  MX_OPS_INSTRUCTIONS = 4,  // IR instructions of shader code executed (count_ops: the issue-slot estimate)
+  MX_OPS_COUNT = 5,
 };
 
 // Parameter descriptions generated for each kernel.

@@ -1392,9 +1392,11 @@ inline void uniform_args_fn(const mx_simd_lane* l, mx_u32 mask, mx_u32) {
   for (int i = 0; i < 32; ++i)
     if (active(mask, i)) out<bool>(l, i, same);
 }
-inline void require_uniform(const matrix_args& a, const char* what) {
+// `kind` (MX_SIMD_MATRIX_LOAD or _STORE) and the address go to the engine's
+// counters of matrix loads and stores by address space.
+inline void require_uniform(const matrix_args& a, const char* what, mx_u32 kind) {
   bool same;
-  __mx_simd(&uniform_args_fn, &a, &same, 0, MX_SIMD_UNIFORM | MX_SIMD_MATRIX);
+  __mx_simd(&uniform_args_fn, &a, &same, (mx_i64)a.p, MX_SIMD_UNIFORM | MX_SIMD_MATRIX | kind);
   if (!same) __mx_api->fail(what);
 }
 // Element (row, col) of the matrix lives at this offset from the pointer.
@@ -1479,7 +1481,7 @@ inline void simdgroup_load(thread simdgroup_matrix<T, 8, 8>& d, P* src, ulong el
                            ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false,
                            const char* __file = __builtin_FILE(), mx_u32 __line = __builtin_LINE()) {
   __mx::matrix_args a{(const void*)src, elements_per_row, matrix_origin.x, matrix_origin.y, transpose_matrix};
-  __mx::require_uniform(a, "simdgroup_load: the lanes of a simdgroup passed different arguments");
+  __mx::require_uniform(a, "simdgroup_load: the lanes of a simdgroup passed different arguments", MX_SIMD_MATRIX_LOAD);
   __mx::require_plain_origin(a, "simdgroup_load", __file, __line);
   mx_u32 row, col;
   __mx::frag_coord(row, col);
@@ -1500,7 +1502,8 @@ inline void simdgroup_store(simdgroup_matrix<T, 8, 8> m, P* dst, ulong elements_
                             ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false,
                             const char* __file = __builtin_FILE(), mx_u32 __line = __builtin_LINE()) {
   __mx::matrix_args a{(const void*)dst, elements_per_row, matrix_origin.x, matrix_origin.y, transpose_matrix};
-  __mx::require_uniform(a, "simdgroup_store: the lanes of a simdgroup passed different arguments");
+  __mx::require_uniform(a, "simdgroup_store: the lanes of a simdgroup passed different arguments",
+                        MX_SIMD_MATRIX_STORE);
   __mx::require_plain_origin(a, "simdgroup_store", __file, __line);
   mx_u32 row, col;
   __mx::frag_coord(row, col);
@@ -1522,7 +1525,8 @@ inline void simdgroup_multiply_accumulate(thread simdgroup_matrix<TD, 8, 8>& d, 
                                           simdgroup_matrix<TB, 8, 8> b, simdgroup_matrix<TC, 8, 8> c) {
   __mx::mma_lane x{{(float)a.__e[0], (float)a.__e[1]}, {(float)b.__e[0], (float)b.__e[1]}, {(float)c.__e[0], (float)c.__e[1]}};
   float r[2];
-  __mx_simd(&__mx::mma_fn, &x, r, 0, MX_SIMD_UNIFORM | MX_SIMD_MATRIX);
+  constexpr mx_u32 wide = sizeof(TA) >= 4 || sizeof(TB) >= 4 ? MX_SIMD_MATRIX_MMA_32 : 0u;
+  __mx_simd(&__mx::mma_fn, &x, r, 0, MX_SIMD_UNIFORM | MX_SIMD_MATRIX | MX_SIMD_MATRIX_MMA | wide);
   d.__e[0] = TD(r[0]);
   d.__e[1] = TD(r[1]);
 }

@@ -337,3 +337,36 @@ kernel void load_before_barrier(device float* out [[buffer(0)]], const device fl
   }
   out[tid] = acc;
 }
+
+// ------------------------------------------------------ compute counters --
+// Each simdgroup of a 64-thread threadgroup (two simdgroups) loads an 8x8
+// half matrix from device memory and one from threadgroup memory, runs
+// `steps` half multiply-accumulates and one with float operands, and stores
+// its result once to threadgroup memory and once to device memory: per
+// simdgroup 1 + 1 loads, steps + 1 MMAs (1 of them 32-bit), 1 + 1 stores.
+kernel void matrix_counts(device float* out [[buffer(0)]], const device half* a [[buffer(1)]],
+                          constant uint& steps [[buffer(2)]], uint tid [[thread_index_in_threadgroup]],
+                          uint sg [[simdgroup_index_in_threadgroup]], uint group [[threadgroup_position_in_grid]]) {
+  threadgroup half staged[64];
+  threadgroup float result[2 * 64];
+  staged[tid] = a[tid];  // 64 threads, 64 elements
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  simdgroup_half8x8 x, y;
+  simdgroup_load(x, a, 8);
+  simdgroup_load(y, staged, 8);
+  simdgroup_float8x8 acc(0.0f);
+  for (uint s = 0; s < steps; ++s) simdgroup_multiply_accumulate(acc, x, y, acc);
+  simdgroup_float8x8 one(1.0f);
+  simdgroup_multiply_accumulate(acc, one, one, acc);
+  simdgroup_store(acc, result + 64 * sg, 8);
+  simdgroup_store(acc, out + 64 * (2 * group + sg), 8);
+}
+
+// A loop of `n` steps of plain arithmetic per thread: its instruction count
+// grows by the same amount for every step.
+kernel void instruction_loop(device float* out [[buffer(0)]], const device float* x [[buffer(1)]],
+                             constant uint& n [[buffer(2)]], uint tid [[thread_position_in_grid]]) {
+  float acc = 0.0f;
+  for (uint i = 0; i < n; ++i) acc = acc * x[i] + float(i);
+  out[tid] = acc;
+}
