@@ -22,6 +22,7 @@ The simulation is calibrated on torch 2.14's and 2.15's published figures
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 import time
@@ -36,6 +37,11 @@ STOCK = "stock"
 OURS = "mps_ext"
 OPTIMIZED = "mps_ext + optimize"
 OPTIMIZED_FP8 = "mps_ext + optimize, fp8"
+OPTIMIZED_FP8_HEAD = "mps_ext + optimize, fp8 + fp8 LM head"
+OPTIMIZED_ROWS = (OPTIMIZED, OPTIMIZED_FP8, OPTIMIZED_FP8_HEAD)
+# The KV cache of each row (census.CACHES): optimized and compiled, the static cache README and docs/decode.md
+# tell compile users to ask generate for (cache_implementation="static"), which Inductor writes in place; every
+# other row transformers' default DynamicCache (eager and optimized: appended in place by kv_append).
 CONTEXT = 4096           # tokens of context each sequence has when the step runs (KV cache and states)
 CONTEXTS = (1024, 4096, 32768)
 SAMPLING = "sampling"    # generate_loop.SAMPLING: the step a user runs with top-k/top-p
@@ -43,7 +49,7 @@ STOP_CHECK = "deferred"  # generate_loop.STOP_CHECKS: transformers' DeferredStop
 COMMIT_EVERY = (1, 2, 4, 8)  # mps_ext.stream.install_commits(every=k) candidates
 
 # Issue 31's goals (simulated, central, M3 Ultra, 4k context, generate with sampling, one sequence), on the
-# optimized path, eager and compiled alike; fp8 with an fp8 LM head (point 6, a what-if until it exists).
+# optimized path, eager and compiled alike; fp8 with an fp8 LM head (quantize_fp8(model, lm_head=True)).
 TOK_S_GOALS = {"Qwen3.6-35B-A3B": {"bf16": 90, "fp8": 140}, "LFM2.5-8B-A1B": {"bf16": 165, "fp8": 250}}
 # Issue 19's goals, checked on the optimized path.
 MOE_HOST_CALLS_GOAL = 4       # host calls per MoE block (router to combine, shared expert included)
@@ -68,7 +74,7 @@ class Row:
     tokens: int
     release: str
     mode: str
-    who: str                 # STOCK, OURS, OPTIMIZED or OPTIMIZED_FP8
+    who: str                 # STOCK, OURS or one of OPTIMIZED_ROWS
     fp8: bool                # weights as mps_ext.quantize_fp8 leaves them
     counts: census.Counts    # per step: the forward and generate's loop
     loop: census.Counts      # of which generate's loop
@@ -79,6 +85,8 @@ class Row:
     tok_s: tuple[float, float, float]  # slow end, central, fast end
     sim: timeline.Timeline   # the central simulation
     make: object = dataclasses.field(repr=False, default=None)  # make(**what_if) -> timeline.Step
+    fp8_head: bool = False   # the LM head in fp8 too (quantize_fp8(lm_head=True))
+    cache: str = "dynamic"   # the KV cache the step runs with (kv_cache())
 
     def per_token(self, x: float) -> float:
         return x / self.tokens
@@ -86,13 +94,37 @@ class Row:
 
 def variants(optimize=None) -> list[tuple[str, object, bool]]:
     """(who, transform, fp8) of each mps_ext row: mps_ext as imported and,
-    given `optimize` (mps_ext.optimize), the model after it, bf16 and after
-    mps_ext.quantize_fp8."""
+    given `optimize` (mps_ext.optimize), the model after it, bf16, after
+    mps_ext.quantize_fp8, and after quantize_fp8 with its LM head too."""
     out = [(OURS, None, False)]
     if optimize is not None:
         import mps_ext
-        out += [(OPTIMIZED, optimize, False), (OPTIMIZED_FP8, lambda m: optimize(mps_ext.quantize_fp8(m)), True)]
+        out += [(OPTIMIZED, optimize, False), (OPTIMIZED_FP8, lambda m: optimize(mps_ext.quantize_fp8(m)), True),
+                (OPTIMIZED_FP8_HEAD, lambda m: optimize(mps_ext.quantize_fp8(m, lm_head=True)), True)]
     return out
+
+
+def as_is(model):
+    """A transform that keeps the model (census.trace_step and trace_prefill
+    then trace a copy of it)."""
+    return None
+
+
+def transformed(model, transform):
+    """A copy of `model` after `transform` (None: `model` itself), to be
+    traced with `as_is` for every release, cache and length: made once, as
+    mps_ext.optimize checks each conversion on a probe and a short generate
+    (seconds), and it runs before run_model either way, so it is the same
+    for every release."""
+    if transform is None:
+        return model
+    ready = copy.deepcopy(model)
+    return transform(ready) or ready
+
+
+def kv_cache(who: str, mode: str) -> str:
+    """The KV cache a row's step runs with (census.CACHES; see OPTIMIZED_ROWS)."""
+    return "static" if mode == "compile" and who in OPTIMIZED_ROWS else "dynamic"
 
 
 def _maker(spec, trace, config, **base):
@@ -122,11 +154,13 @@ def census_rows(models: list[str], tokens: tuple[int, ...], context: int = CONTE
         model = census.tiny_model(spec)
         real = spec.config()
         kinds = variants(transform)
+        ready = {who: transformed(model, tf) for who, tf, _ in kinds}
         for t in tokens:
             start = time.perf_counter()
             stock = census.trace_step(model, t)
-            traces = {(who, r): census.trace_step(model, t, torch_release=r, transform=tf)
-                      for who, tf, _ in kinds for r in releases}
+            caches = {who: {kv_cache(who, m) for m in modes} for who, _, _ in kinds}
+            traces = {(who, r, c): census.trace_step(ready[who], t, torch_release=r, transform=as_is, cache=c)
+                      for who, _, _ in kinds for r in releases for c in caches[who]}
             loop = generate_loop.trace_loop(model, sampling, t, stop_check=stop_check)
             if log:
                 log(f"  decode {name} tokens={t}: traced in {time.perf_counter() - start:.1f} s")
@@ -134,19 +168,23 @@ def census_rows(models: list[str], tokens: tuple[int, ...], context: int = CONTE
             for release in releases:
                 for mode in modes:
                     for who, fp8 in [(STOCK, False)] + [(who, fp8) for who, _, fp8 in kinds]:
-                        trace = stock if who == STOCK else traces[(who, release)]
+                        cache = kv_cache(who, mode)
+                        trace = stock if who == STOCK else traces[(who, release, cache)]
                         ours = who != STOCK
-                        s = census.scale(spec, trace, model.config, t, release, mode, ours, context)
+                        head = who == OPTIMIZED_FP8_HEAD
+                        s = census.scale(spec, trace, model.config, t, release, mode, ours, context, cache)
                         copy = not census.appends_in_place(trace, mode)
-                        b = dict(census.step_bytes(real, t, context, fp8=fp8, cache_copy=copy), loop=loop_b)
+                        b = dict(census.step_bytes(real, t, context, fp8=fp8, fp8_head=head, cache_copy=copy,
+                                                   cache=cache), loop=loop_b)
                         make = _maker(spec, trace, model.config, loop=loop, release=release, mode=mode,
-                                      ours=ours, tokens=t, context=context, fp8=fp8, cache_copy=copy)
+                                      ours=ours, tokens=t, context=context, fp8=fp8, fp8_head=head,
+                                      cache_copy=copy, cache=cache)
                         k = timeline.costs()
                         st = make()
                         loop_counts = census.count(loop.calls, release, "eager", False)
                         rows.append(Row(name, t, release, mode, who, fp8, st.counts, loop_counts, s["per_kind"],
                                         s["ffn"], s["layers"], b, timeline.tok_s_range(make),
-                                        timeline.simulate(st, k), make))
+                                        timeline.simulate(st, k), make, head, cache))
     return rows
 
 
@@ -185,7 +223,7 @@ def census_table(rows: list[Row], context: int) -> str:
                 + f"; outside the layers: {_f(r.per_kind['head'].host)} / {_f(r.per_kind['head'].dispatches)}",
                 "MB / token": f"{(r.bytes['total'] + r.bytes['loop']) / r.tokens / 1e6:,.0f}",
                 "per layer: MB / token": "; ".join(
-                    f"{k}: {census.layer_bytes(real, k, r.tokens, context, r.fp8, cache_copy=copy)['total'] / r.tokens / 1e6:,.1f}"  # noqa: E501
+                    f"{k}: {census.layer_bytes(real, k, r.tokens, context, r.fp8, cache_copy=copy, cache=r.cache)['total'] / r.tokens / 1e6:,.1f}"  # noqa: E501
                     for k in kinds
                 ),
             }
@@ -232,11 +270,12 @@ def loop_table(models: list[str], contexts=CONTEXTS) -> str:
 def bytes_table(rows: list[Row], context: int) -> str:
     seen, out = set(), []
     for r in rows:
-        if (r.model, r.tokens, r.fp8) in seen:
+        if (r.model, r.tokens, r.fp8, r.fp8_head) in seen:
             continue
-        seen.add((r.model, r.tokens, r.fp8))
+        seen.add((r.model, r.tokens, r.fp8, r.fp8_head))
         b = r.bytes
-        out.append({"model": r.model, "tokens": r.tokens, "weights": "fp8 (quantize_fp8)" if r.fp8 else "bf16",
+        weights = ("fp8 (quantize_fp8, LM head too)" if r.fp8_head else "fp8 (quantize_fp8)") if r.fp8 else "bf16"
+        out.append({"model": r.model, "tokens": r.tokens, "weights": weights,
                     "weights MB": f"{b['weights'] / 1e6:,.0f}",
                     f"KV cache read by attention MB (context {context})": f"{b['kv_read'] / 1e6:,.1f}",
                     "KV cache copied by DynamicCache's torch.cat (read + written) MB": f"{b['kv_copy'] / 1e6:,.1f}",
@@ -309,7 +348,7 @@ def peers_table(rows: list[Row]) -> str:
                 out.append({"model": model, "": f"{engine}, {chip} (published)",
                             "tok/s": f"{lo}" if lo == hi else f"{lo}-{hi}", "source": source})
         for r in rows:
-            if r.model == model and r.tokens == 1 and r.release == "2.15" and r.who in (OPTIMIZED, OPTIMIZED_FP8):
+            if r.model == model and r.tokens == 1 and r.release == "2.15" and r.who in OPTIMIZED_ROWS:
                 out.append({"model": model, "": f"{r.who}, torch 2.15 {r.mode} (simulated)", "tok/s": _tok(r.tok_s),
                             "source": "this census (timeline.py)"})
         for label, fp8, head in (("bf16", False, False), ("fp8", True, False), ("fp8 with an fp8 LM head", True, True)):
@@ -364,7 +403,7 @@ def commit_table(rows: list[Row], loops: dict) -> tuple[str, list[dict]]:
     out = []
     k = timeline.costs()
     for r in rows:
-        if r.tokens != 1 or r.release != "2.15" or r.who not in (OPTIMIZED, OPTIMIZED_FP8):
+        if r.tokens != 1 or r.release != "2.15" or r.who not in OPTIMIZED_ROWS:
             continue
         n = sum(r.layers.values())
         for stop in generate_loop.STOP_CHECKS:
@@ -390,23 +429,22 @@ def commit_table(rows: list[Row], loops: dict) -> tuple[str, list[dict]]:
 
 
 def what_if(rows: list[Row]) -> tuple[str, list[dict]]:
-    """What issue 31's points 4-6 would buy on the optimized path (one
+    """What issue 31's points 4 and 5 would buy on the optimized path (one
     sequence, torch 2.15): simulated tokens/s (central) with each alone and
-    all together."""
+    both together. (Point 6, the fp8 LM head and the compiled cache without
+    copies, are rows of their own: OPTIMIZED_FP8_HEAD, kv_cache().)"""
     out = []
     k = timeline.costs()
     for r in rows:
-        if r.tokens != 1 or r.release != "2.15" or r.who not in (OPTIMIZED, OPTIMIZED_FP8):
+        if r.tokens != 1 or r.release != "2.15" or r.who not in OPTIMIZED_ROWS:
             continue
         spec = census.MODELS[r.model]
         fusions = _fusions(spec.config())
         cases = {"as today": {},
                  "4: one host call a decoder layer (eager)": {"layer_host_calls": 1},
-                 "5: norm into the GEMV, gate and cache append fused": {"dispatch_delta": fusions},
-                 "6: fp8 LM head": {"fp8_head": True} if r.fp8 else None,
-                 "6: compiled KV cache without copies": {"cache_copy": False} if r.mode == "compile" else None}
-        cases["all of them"] = {kk: v for case in cases.values() if case for kk, v in case.items()}
-        row = {"model": r.model, "weights": "fp8" if r.fp8 else "bf16", "mode": r.mode}
+                 "5: norm into the GEMV, gate and cache append fused": {"dispatch_delta": fusions}}
+        cases["both"] = {kk: v for case in cases.values() if case for kk, v in case.items()}
+        row = {"model": r.model, "": r.who, "mode": r.mode}
         for label, kw in cases.items():
             if kw is None or (label.startswith("4") and r.mode != "eager"):
                 row[label] = "-"
@@ -438,7 +476,7 @@ def context_table(rows: list[Row], contexts=CONTEXTS) -> str:
     and MB a step at each context."""
     out = []
     for r in rows:
-        if r.tokens != 1 or r.release != "2.15" or r.who not in (STOCK, OPTIMIZED, OPTIMIZED_FP8):
+        if r.tokens != 1 or r.release != "2.15" or r.who not in (STOCK, *OPTIMIZED_ROWS):
             continue
         row = {"model": r.model, "": r.who, "mode": r.mode}
         for n in contexts:
@@ -461,23 +499,23 @@ def _met(ok: bool) -> str:
 
 def goals(rows: list[Row]) -> tuple[str, list[dict]]:
     """On the optimized path, one sequence: issue 31's goals (simulated
-    tokens/s, central, against the goal of the model: fp8 with an fp8 LM
-    head, point 6's what-if; host time hidden behind the GPU) and issue
+    tokens/s, central, against the goal of the model: bf16, and fp8 with
+    an fp8 LM head; host time hidden behind the GPU) and issue
     19's (host calls per MoE block, dispatches per decoder layer, the most
     of any layer kind)."""
     out = []
-    k = timeline.costs()
     for r in rows:
-        if r.tokens != 1 or r.who not in (OPTIMIZED, OPTIMIZED_FP8):
+        if r.tokens != 1 or r.who not in OPTIMIZED_ROWS:
             continue
         weights = "fp8" if r.fp8 else "bf16"
-        goal = TOK_S_GOALS.get(r.model, {}).get(weights)
-        sim = _simulate(r.make, k, fp8_head=True) if r.fp8 else r.sim
+        # the fp8 goal is the fp8 head's
+        goal = None if r.who == OPTIMIZED_FP8 else TOK_S_GOALS.get(r.model, {}).get(weights)
+        sim = r.sim  # its own simulation: the fp8 head is a row of its own (OPTIMIZED_FP8_HEAD)
         host, host_each = _most({kk: c for kk, c in r.ffn.items() if kk.endswith("+moe")}, "host")
         disp, disp_each = _most({kk: c for kk, c in r.per_kind.items() if kk != "head"}, "dispatches")
         hidden = sim.gpu_idle <= HIDDEN * sim.period
-        out.append({"model": r.model, "torch": r.release, "weights": weights, "mode": r.mode,
-                    "tok/s (fp8: with an fp8 head)": f"{sim.tokens_per_s:.1f}",
+        out.append({"model": r.model, "torch": r.release, "": r.who, "mode": r.mode,
+                    "tok/s": f"{sim.tokens_per_s:.1f}",
                     "tok/s goal": "-" if goal is None else f">= {goal}: {_met(sim.tokens_per_s >= goal)}",
                     "host hidden behind the GPU (GPU idle ms a step)": f"{_met(hidden)} ({sim.gpu_idle * 1e3:.2f})",
                     "host calls per MoE block": f"{_f(host)} ({host_each})",
@@ -502,7 +540,7 @@ def chart_bars(rows: list[Row]) -> list[dict]:
                         "low": v, "central": v, "high": v})
         for r in rows:
             if (r.model == model and r.tokens == 1 and r.release == "2.15" and r.mode == "eager"
-                    and r.who in (OPTIMIZED, OPTIMIZED_FP8)):
+                    and r.who in OPTIMIZED_ROWS):
                 lo, mid, hi = r.tok_s
                 out.append({"model": model, "series": f"{r.who} (simulated, eager)", "kind": "ours",
                             "low": lo, "central": mid, "high": hi})

@@ -15,7 +15,6 @@ published prefill rates of other engines.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import census, prefill, timeline  # noqa: E402
-from benchmarks.bench_decode import OPTIMIZED, OPTIMIZED_FP8, OURS, STOCK, variants  # noqa: E402
+from benchmarks.bench_decode import OPTIMIZED, OPTIMIZED_FP8, OURS, STOCK, as_is, transformed, variants  # noqa: E402
 from benchmarks.common import markdown  # noqa: E402
 
 DOC_LENGTH = 4096  # the length README's table and the plot show
@@ -55,38 +54,32 @@ class Row:
     bytes: dict           # prefill.model_bytes
 
 
-def _as_is(model):
-    """A transform that keeps the model (trace_prefill then traces a copy)."""
-    return None
+# The variants a prefill row is counted for: decode's, but its fp8 LM head (one row of logits at the prefill:
+# no figure here would change).
+WHOS = (STOCK, OURS, OPTIMIZED, OPTIMIZED_FP8)
 
 
 def census_rows(models: list[str], lengths=prefill.LENGTHS, transform=None, releases=census.RELEASES,
-                whos=None, log=None) -> list[Row]:
+                whos=WHOS, log=None) -> list[Row]:
     """Every (model, release, who, length) row: the stock prefill traced
     once per trace length (it serves both releases), each mps_ext variant
-    (bench_decode.variants) once per release and trace length; `whos`
-    keeps some variants only."""
+    (bench_decode.variants) in `whos` once per release and trace length."""
     rows = []
     for name in models:
         spec = census.MODELS[name]
         model = census.tiny_model(spec)
         real = spec.config()
         lengths_traced = prefill.trace_lengths(model.config)
-        kinds = [v for v in [(STOCK, None, False)] + variants(transform) if whos is None or v[0] in whos]
+        kinds = [v for v in [(STOCK, None, False)] + variants(transform) if v[0] in whos]
         start = time.perf_counter()
         stock = {n: census.trace_prefill(model, n) for n in lengths_traced} if kinds[0][0] == STOCK else None
         traces = {}
         for who, tf, _ in kinds:
             if who == STOCK:
                 continue
-            # Transformed once (mps_ext.optimize checks itself on a short generate: seconds), then traced on
-            # copies: the transform runs before run_model either way, so it is the same for every release.
-            ready = model
-            if tf is not None:
-                ready = copy.deepcopy(model)
-                ready = tf(ready) or ready
+            ready = transformed(model, tf)
             for r in releases:
-                traces[(who, r)] = {n: census.trace_prefill(ready, n, torch_release=r, transform=_as_is)
+                traces[(who, r)] = {n: census.trace_prefill(ready, n, torch_release=r, transform=as_is)
                                     for n in lengths_traced}
         if log:
             log(f"  prefill {name} at {lengths_traced} tokens: traced in {time.perf_counter() - start:.1f} s")

@@ -231,7 +231,8 @@ _FUSIBLE = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mea
             "gather", "embedding", "index_select", "fill_", "zero_", "zeros_like", "ones_like", "full_like", "full",
             "zeros", "ones", "new_zeros", "new_ones", "new_full", "arange", "constant_pad_nd", "slice_scatter",
             "select_scatter", "scalar_tensor", "one_hot", "stack", "repeat", "expand_copy", "masked_fill",
-            "index_put_", "index_put", "tril", "triu", "rsub", "pow", "where", "softplus", "silu", "sigmoid"}
+            "index_put_", "index_put", "index_copy", "tril", "triu", "rsub", "pow", "where", "softplus", "silu",
+            "sigmoid"}
 
 # mps_ext ops whose modules run torch's ops under torch.compile instead
 # (mps_ext.optimize's FusedRMSNorm: Inductor fuses a norm with the residual
@@ -482,21 +483,54 @@ def _executor_counters(report):
     return counters
 
 
+# The KV caches a step can run with: transformers' DynamicCache (grows by
+# torch.cat, or in place by mps_ext.optimize's kv_append, eager) and its
+# StaticCache (cache_implementation="static": buffers of max_cache_len
+# positions allocated at the prefill, the new rows written in place by
+# index_copy_, and attention reading all max_cache_len positions under a
+# mask). Compiled, only the static cache writes in place: Inductor keeps
+# index_copy_ into the static buffers in place (tests/models/test_static_cache.py
+# reads its generated code), where DynamicCache's torch.cat copies the cache.
+CACHES = ("dynamic", "static")
+# Positions a static cache holds past the step's context. transformers
+# sizes it prompt + max_new_tokens; assumed: the counted step is 256 tokens
+# before the end of the reply it was sized for (attention reads those
+# positions too, masked).
+STATIC_HEADROOM = 256
+
+
+def attention_keys(context: int, cache: str = "dynamic") -> int:
+    """Keys attention reads in a decode step at `context`: the cache and the
+    new row (dynamic), or every position of a static cache (context +
+    STATIC_HEADROOM)."""
+    if cache not in CACHES:
+        raise ValueError(f"cache must be one of {CACHES}, not {cache!r}")
+    return context + 1 if cache == "dynamic" else context + STATIC_HEADROOM
+
+
 def trace_step(model, tokens: int = 1, context: int = 8, torch_release: str | None = None,
-               transform: Callable | None = None, seed: int = 0) -> Trace:
+               transform: Callable | None = None, seed: int = 0, cache: str = "dynamic") -> Trace:
     """One decode step of `tokens` sequences after a prefill of `context`
     tokens each: every aten call with its layer. With `torch_release`, the
     step runs under mps_ext's run_model with that release's policy, and each
     call's mps_ext dispatches are recorded. `transform(model)` (e.g. a future
     mps_ext.optimize) is applied before the prefill; it returns the model to
-    run (or None: changed in place)."""
+    run (or None: changed in place). `cache`: one of CACHES (static: a
+    StaticCache of attention_keys(context, "static") positions)."""
+    attention_keys(context, cache)  # checks `cache`
+
     def prepare(model, g):
         # The prefill too under run_model: the cache the step finds is the one mps_ext's path left (its KV
         # cache buffers, mps_ext/passes/attention.py), as on a Mac, not the one torch's CPU ops would.
         vocab = model.config.vocab_size
         ids = torch.randint(1, vocab, (tokens, context), generator=g)
         step = torch.randint(1, vocab, (tokens, 1), generator=g)
-        return dict(input_ids=step, past_key_values=model(ids, use_cache=True).past_key_values, use_cache=True)
+        past = None
+        if cache == "static":
+            from transformers.cache_utils import StaticCache
+            past = StaticCache(config=model.config, max_cache_len=attention_keys(context, cache))
+        past = model(ids, past_key_values=past, use_cache=True).past_key_values
+        return dict(input_ids=step, past_key_values=past, use_cache=True)
     return _trace_forward(model, prepare, torch_release, transform, seed)
 
 
@@ -724,19 +758,20 @@ def layer_calls(spec: Spec, trace: Trace, tiny_config) -> tuple[dict[str, list[C
 
 
 def scale(spec: Spec, trace: Trace, tiny_config, tokens: int, release: str, mode: str, ours: bool,
-          context: int | None = None) -> dict:
+          context: int | None = None, cache: str = "dynamic") -> dict:
     """Counts per layer kind (one layer, counted alone; 'ffn': of its
     feed-forward block alone), outside the layers ('head'), and for the
     whole real model of `spec`: its layers in their
     order, where under torch.compile a layer's trailing pointwise calls fuse
     with the next layer's leading ones (the residual add and the next norm).
     `context`: the tokens of context each sequence has (attention's key
-    length, sdpa_dispatches; default: the traced one)."""
+    length, sdpa_dispatches; default: the traced one) and `cache` the KV
+    cache the step runs with (attention_keys)."""
     real = spec.config()
     calls, sequence = layer_calls(spec, trace, tiny_config)
     kinds = collections.Counter(sequence)
     used = expected_experts(real.num_experts, real.num_experts_per_tok, tokens)
-    keys = None if context is None else context + 1  # the cache and the new row
+    keys = None if context is None else attention_keys(context, cache)
     per = {k: count(calls[k], release, mode, ours, real.num_experts, used, keys) for k in ["pre", *kinds, "post"]}
     total = Counts()
     for k in ["pre", *sequence, "post"]:
@@ -809,7 +844,8 @@ def weight_bytes(matrices: list, others: int, fp8: bool = False, dtype_bytes: in
 
 
 def layer_bytes(config, kind: str, tokens: int, context: int, fp8: bool = False, cache_bytes: int = 2,
-                state_bytes: int = 4, used: float | None = None, cache_copy: bool = True) -> dict:
+                state_bytes: int = 4, used: float | None = None, cache_copy: bool = True,
+                cache: str = "dynamic") -> dict:
     """Bytes one layer of `kind` ('mixer+ffn') reads and writes in a decode
     step of `tokens` sequences at `context`, from the config's dimensions:
     every weight a token needs once (routed experts: the distinct ones
@@ -819,8 +855,8 @@ def layer_bytes(config, kind: str, tokens: int, context: int, fp8: bool = False,
     torch.cat, also read and written whole once more; without, the new rows
     written in place: a static cache, or mps_ext.optimize's eager
     kv_append, which keeps DynamicCache's keys and values as views of
-    buffers with spare capacity), and the recurrent
-    and convolution states (read and written once: what a compiled or fused
+    buffers with spare capacity; `cache`: the cache attention reads,
+    attention_keys), and the recurrent and convolution states (read and written once: what a compiled or fused
     step moves; transformers' eager DeltaNet step passes over its fp32
     state in several pointwise calls, which is not counted). Activations
     (KB) left out."""
@@ -837,7 +873,8 @@ def layer_bytes(config, kind: str, tokens: int, context: int, fp8: bool = False,
     if mixer == "full_attention":
         hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
         per_token = 2 * c.num_key_value_heads * hd * cache_bytes
-        kv_read = tokens * (context + 1) * per_token  # attention reads the cache with the new rows
+        # attention reads the cache with the new rows (a static cache: all of it, attention_keys)
+        kv_read = tokens * attention_keys(context, cache) * per_token
         if cache_copy:  # torch.cat([cache, new]): the old cache and the new rows read, the grown cache written
             copy = 2 * tokens * (context + 1) * per_token
         else:  # a static cache, or kv_append: the new rows written in place
@@ -858,9 +895,12 @@ def layer_bytes(config, kind: str, tokens: int, context: int, fp8: bool = False,
 
 def appends_in_place(trace: Trace, mode: str) -> bool:
     """Whether the traced step's attention layers wrote their new key and
-    value rows in place (mps_ext's kv_append ran) rather than torch.cat
-    (layer_bytes' cache_copy), in `mode`: compiled, the fused forward keeps
-    DynamicCache's own update."""
+    value rows in place rather than torch.cat (layer_bytes' cache_copy), in
+    `mode`: a static cache's index_copy_ in either mode (compiled, Inductor
+    keeps it in place), mps_ext's kv_append eager (compiled, the fused
+    forward keeps DynamicCache's own update)."""
+    if any(c.op == "index_copy_" for c in trace.calls):
+        return True
     return mode == "eager" and any(c.op == "kv_append" and c.ours for c in trace.calls)
 
 

@@ -164,13 +164,13 @@ class Step:
 
 def step(spec: census.Spec, trace: census.Trace, tiny_config, loop: generate_loop.LoopTrace | None, release: str,
          mode: str, ours: bool, *, tokens: int, context: int, fp8: bool = False, fp8_head: bool = False,
-         cache_copy: bool = True, commit_after=(), layer_host_calls: int | None = None,
+         cache_copy: bool = True, cache: str = "dynamic", commit_after=(), layer_host_calls: int | None = None,
          dispatch_delta: dict | None = None) -> Step:
     """The ops of one decode step of `tokens` sequences at `context`: the
     forward (the traced layers in the real model's order, census.units'
     rules, `mode`), then generate's loop (`loop`, always eager; None: the
     forward alone). Bytes from census.layer_bytes / head_bytes (`fp8`,
-    `fp8_head`, `cache_copy`), spread over each layer's dispatches. What-ifs:
+    `fp8_head`, `cache_copy`, `cache`), spread over each layer's dispatches. What-ifs:
     a commit after each layer index in `commit_after`; `layer_host_calls`,
     the host calls a decoder layer costs eager (issue 31 point 4: one, the
     layer encoded from C++; the calls and views inside it cost nothing
@@ -184,11 +184,11 @@ def step(spec: census.Spec, trace: census.Trace, tiny_config, loop: generate_loo
     # each call copied with its segment as `layer`.
     flat = [dataclasses.replace(c, layer=seg) for seg in segments
             for c in calls[seg if isinstance(seg, str) else sequence[seg]]]
-    units = census.units(flat, release, mode, ours, real.num_experts, used, context + 1)
+    units = census.units(flat, release, mode, ours, real.num_experts, used, census.attention_keys(context, cache))
     head = census.head_bytes(real, tokens, fp8_head)
     seg_bytes = {"pre": head["pre"], "post": head["post"]}
     for i, kind in enumerate(sequence):
-        seg_bytes[i] = census.layer_bytes(real, kind, tokens, context, fp8, cache_copy=cache_copy)["total"]
+        seg_bytes[i] = census.layer_bytes(real, kind, tokens, context, fp8, cache_copy=cache_copy, cache=cache)["total"]
     seg_dispatches = dict.fromkeys(segments, 0.0)
     for call, c in units:
         seg_dispatches[call.layer] += c.dispatches

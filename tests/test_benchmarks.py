@@ -380,14 +380,68 @@ def test_decode_optimized_rows_count_mps_exts_dispatches():
     rows = bench_decode.census_rows(["Qwen3-30B-A3B"], (1,), releases=("2.15",), modes=("eager",),
                                     transform=mps_ext.optimize)
     by = {r.who: r for r in rows}
-    assert set(by) == {bench_decode.STOCK, bench_decode.OURS, bench_decode.OPTIMIZED, bench_decode.OPTIMIZED_FP8}
-    for who in (bench_decode.OPTIMIZED, bench_decode.OPTIMIZED_FP8):
+    assert set(by) == {bench_decode.STOCK, bench_decode.OURS, *bench_decode.OPTIMIZED_ROWS}
+    for who in bench_decode.OPTIMIZED_ROWS:
         ffn = by[who].ffn["full_attention+moe"]
         assert ffn.dispatches > ffn.host, who
-    assert by[bench_decode.OPTIMIZED_FP8].fp8 and not by[bench_decode.OPTIMIZED].fp8
-    assert by[bench_decode.OPTIMIZED_FP8].bytes["weights"] < by[bench_decode.OPTIMIZED].bytes["weights"]
+    fp8, head = by[bench_decode.OPTIMIZED_FP8], by[bench_decode.OPTIMIZED_FP8_HEAD]
+    assert fp8.fp8 and head.fp8 and head.fp8_head and not by[bench_decode.OPTIMIZED].fp8
+    assert head.bytes["weights"] < fp8.bytes["weights"] < by[bench_decode.OPTIMIZED].bytes["weights"]
+    assert head.tok_s[1] > fp8.tok_s[1]
     table, out = bench_decode.goals(rows)
-    assert [(g["weights"], g["mode"]) for g in out] == [("bf16", "eager"), ("fp8", "eager")]
+    assert [(g[""], g["mode"]) for g in out] == [(who, "eager") for who in bench_decode.OPTIMIZED_ROWS]
+
+
+def test_the_fp8_head_row_traces_a_quantized_head():
+    """OPTIMIZED_FP8_HEAD's transform is quantize_fp8(lm_head=True): the
+    traced LM head reads an fp8 byte an element (and a scale a row), not
+    bf16's two (what its bytes, census.head_bytes(fp8_head=True), assume)."""
+    from benchmarks import bench_decode
+    model = census.tiny_model(census.MODELS["Qwen3-30B-A3B"])
+    head = {}
+    for who, transform, _ in bench_decode.variants(mps_ext.optimize)[1:]:
+        trace = census.trace_step(model, 1, context=3, torch_release="2.15", transform=transform)
+        last = [c for c in trace.calls if c.layer is None and c.op in ("linear", "fp8_linear")][-1]
+        head[who] = (last.op, last.read)
+    v, h = model.config.vocab_size, model.config.hidden_size
+    x = 2 * h  # the final norm's output, bf16
+    assert head[bench_decode.OPTIMIZED] == head[bench_decode.OPTIMIZED_FP8] == ("linear", 2 * v * h + x)
+    assert head[bench_decode.OPTIMIZED_FP8_HEAD] == ("fp8_linear", v * h + 4 * v + x)
+
+
+def test_static_cache_census():
+    """A step with transformers' static cache: attention reads every
+    position of the cache (census.attention_keys), the new rows are
+    index_copy_'d in place (no torch.cat's copy, eager or compiled, and
+    under compile the update fuses into generated code: no more host calls
+    than the dynamic cache's); kv_cache gives the optimized compiled rows
+    the static cache and every other row the dynamic one."""
+    from benchmarks import bench_decode
+    spec = census.MODELS["Qwen3-30B-A3B"]
+    model = census.tiny_model(spec)
+    static, dynamic = (census.trace_step(model, 1, context=3, cache=c) for c in ("static", "dynamic"))
+    keys = census.attention_keys(3, "static")
+    assert keys == 3 + census.STATIC_HEADROOM and census.attention_keys(3) == 4
+    assert [c.keys for c in static.calls if c.op.startswith("_scaled_dot_product")] == [keys]
+    # the keys' and the values' torch.cat of the dynamic cache are gone (the rotary embedding's remain)
+    cats = [sum(c.op == "cat" and c.layer == 0 for c in t.calls) for t in (dynamic, static)]
+    assert cats[0] - cats[1] == 2 and sum(c.op == "index_copy_" for c in static.calls) == 2
+    for mode in census.MODES:
+        assert census.appends_in_place(static, mode)
+        assert not census.appends_in_place(dynamic, mode)
+    s, d = (census.scale(spec, t, model.config, 1, "2.15", "compile", False, 4096, c)["total"]
+            for t, c in ((static, "static"), (dynamic, "dynamic")))
+    assert s.host <= d.host and s.dispatches <= d.dispatches
+    real = spec.config()
+    b = census.layer_bytes(real, "full_attention+moe", 1, 4096, cache_copy=False, cache="static")
+    per_token = 2 * real.num_key_value_heads * real.head_dim * 2
+    assert b["kv_copy"] == 0 and b["kv_read"] == (4096 + census.STATIC_HEADROOM) * per_token
+    assert b["kv_written"] == per_token
+    with pytest.raises(ValueError, match="cache must be one of"):
+        census.attention_keys(8, "paged")
+    assert bench_decode.kv_cache(bench_decode.OPTIMIZED, "compile") == "static"
+    assert {bench_decode.kv_cache(w, m) for w in (bench_decode.STOCK, bench_decode.OURS) for m in census.MODES} \
+        == {bench_decode.kv_cache(bench_decode.OPTIMIZED_FP8, "eager")} == {"dynamic"}
 
 
 @pytest.mark.parametrize("release", ["2.15", "2.13"])
