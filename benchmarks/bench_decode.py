@@ -43,10 +43,14 @@ OPTIMIZED_ROWS = (OPTIMIZED, OPTIMIZED_FP8, OPTIMIZED_FP8_HEAD)
 # tell compile users to ask generate for (cache_implementation="static"), which Inductor writes in place; every
 # other row transformers' default DynamicCache (eager and optimized: appended in place by kv_append).
 CONTEXT = 4096           # tokens of context each sequence has when the step runs (KV cache and states)
-CONTEXTS = (1024, 4096, 32768)
+CONTEXTS = (1024, 4096, 32768, 131072)
 SAMPLING = "sampling"    # generate_loop.SAMPLING: the step a user runs with top-k/top-p
 STOP_CHECK = "deferred"  # generate_loop.STOP_CHECKS: transformers' DeferredStopCheck, as generate runs on MPS
-COMMIT_EVERY = (1, 2, 4, 8)  # mps_ext.stream.install_commits(every=k) candidates
+COMMIT_EVERY = (1, 2, 4, 8)
+# Sequences a step decodes at once (the full benchmark): the MoE kernels read each expert the batch chose once
+# (tests/ops/test_moe_layer.py::test_each_chosen_expert_is_read_once), so the weights a token costs fall with
+# the batch; mps_ext's decode GEMV takes up to 8 rows, the MoE decode kernels up to 1024 token slots.
+BATCHES = (1, 2, 4, 8, 16)  # mps_ext.stream.install_commits(every=k) candidates
 
 # Issue 31's goals (simulated, central, M3 Ultra, 4k context, generate with sampling, one sequence), on the
 # optimized path, eager and compiled alike; fp8 with an fp8 LM head (quantize_fp8(model, lm_head=True)).
@@ -487,6 +491,22 @@ def context_table(rows: list[Row], contexts=CONTEXTS) -> str:
     return markdown(out, list(out[0]))
 
 
+def batch_table(rows: list[Row]) -> str:
+    """Per model, torch 2.15, eager, stock and optimized: simulated tokens/s
+    of all the sequences together and MB a token, at each batch traced."""
+    batches = sorted({r.tokens for r in rows})
+    out = {}
+    for r in rows:
+        if r.release != "2.15" or r.mode != "eager" or r.who not in (STOCK, OPTIMIZED, OPTIMIZED_FP8):
+            continue
+        row = out.setdefault((r.model, r.who), {"model": r.model, "": r.who})
+        row[f"{r.tokens} seq: tok/s (MB / token)"] = (
+            f"{r.tok_s[1]:.0f} ({(r.bytes['total'] + r.bytes['loop']) / r.tokens / 1e6:,.0f})")
+    if not out:
+        return "(no rows)"
+    return markdown(list(out.values()), ["model", ""] + [f"{b} seq: tok/s (MB / token)" for b in batches])
+
+
 def _most(counts: dict, what: str) -> tuple[float, str]:
     """The largest `what` of Counts by layer kind, and each kind's."""
     values = {k: getattr(c, what) for k, c in counts.items()}
@@ -562,7 +582,7 @@ context and generate settings are not stated (simulated at this table's context,
 def models_for(size: str) -> tuple[list[str], tuple[int, ...]]:
     if size == "tiny":
         return ["Qwen3-30B-A3B"], (1,)
-    return list(census.MODELS), (1, 4)
+    return list(census.MODELS), BATCHES
 
 
 def report(size: str = "full", context: int = CONTEXT, transform=None, log=None) -> tuple[str, list[Row]]:
@@ -611,6 +631,11 @@ Calibration, stock torch with torch.compile against its published decode speed (
 By context (one sequence, torch 2.15):
 
 {context_table(rows)}
+
+By batch (sequences decoded together, each at the context above; torch 2.15, eager; the MoE layers read each expert
+the batch chose once, census.expected_experts; all the sequences' tokens/s):
+
+{batch_table(rows)}
 
 Commit points (mps_ext.stream.install_commits(model, every=k)), one sequence, torch 2.15, simulated tokens/s; the
 stop check decides: with DeferredStopCheck the host encodes a step while the GPU runs the previous one, so a step

@@ -193,6 +193,34 @@ def expert_of_slot(run, x, router, gate_up, gate_up_scale, down, down_scale, top
     return torch.empty_like(by_row).index_copy_(0, slot_of_row.long(), by_row)
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("kind", [torch.bfloat16, "fp8"], ids=str)
+def test_each_chosen_expert_is_read_once(tokens, kind):
+    """Decode of 1 to 16 sequences: the two expert products read each chosen
+    expert's weights once, however many of the sequences chose it (the
+    census's bytes, census.expected_experts, assume this): gate_up's and
+    down's bytes read are the distinct experts moe_route chose times one
+    expert's, and no weight byte is read twice."""
+    experts, top_k = 32, 4
+    args = layer(tokens, experts, top_k, 0, kind)
+    run = on("executor")
+    with cpu_metal.record(counters=True) as rec:
+        run("moe_layer", *args, top_k, True, False)
+    distinct = int(expert_of_slot(run, *args, top_k, 0).unique().numel())
+    assert tokens == 1 or distinct < tokens * top_k  # sequences share experts: the case this tests
+    _, _, gate_up, _, down, _ = args
+    seen = set()
+    for d in rec.dispatches:
+        bank = gate_up if d.kernel.startswith("gmm_decode_rows") else down if d.kernel.startswith(
+            "moe_down_combine") else None
+        if bank is None:
+            continue
+        w = next(i for i, n in d.buffer_names.items() if n == "w")
+        assert d.bytes_read[w] == d.unique_bytes_read[w] == distinct * bank[0].nbytes, (d.kernel, distinct)
+        seen.add(d.kernel.split("_bf16")[0])
+    assert seen == {"gmm_decode_rows", "moe_down_combine"}
+
+
 def test_every_down_combine_kernel_runs():
     """Each [[host_name]] of moe_down_combine is the variant one case of
     test_down_combine_kernels runs (and checks that it ran)."""
