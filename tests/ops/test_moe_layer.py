@@ -203,11 +203,13 @@ def test_each_chosen_expert_is_read_once(tokens, kind):
     expert's, and no weight byte is read twice."""
     experts, top_k = 32, 4
     args = layer(tokens, experts, top_k, 0, kind)
+    if tokens > 1:  # two sequences alike choose the same experts, whatever the random draw (others may too)
+        args[0][1] = args[0][0]
     run = on("executor")
     with cpu_metal.record(counters=True) as rec:
         run("moe_layer", *args, top_k, True, False)
     distinct = int(expert_of_slot(run, *args, top_k, 0).unique().numel())
-    assert tokens == 1 or distinct < tokens * top_k  # sequences share experts: the case this tests
+    assert tokens == 1 or distinct <= (tokens - 1) * top_k  # sequences share experts: the case this tests
     _, _, gate_up, _, down, _ = args
     seen = set()
     for d in rec.dispatches:
