@@ -126,16 +126,21 @@ def census_table(rows: list[Row]) -> str:
     return markdown(out, list(out[0]))
 
 
+def _first_per(rows: list[Row], key) -> list[Row]:
+    """The first row of each key(row), in order: the tables whose figures
+    are the same for every length (or every path) of a key."""
+    first = {}
+    for r in rows:
+        first.setdefault(key(r), r)
+    return list(first.values())
+
+
 def growth_table(rows: list[Row]) -> str:
     """Per model, release and path, the calls a layer kind adds per chunk
     of the delta rule (derived from the two traces): what grows with the
     prompt."""
-    seen, out = set(), []
-    for r in rows:
-        key = (r.model, r.release, r.who)
-        if key in seen:
-            continue
-        seen.add(key)
+    out = []
+    for r in _first_per(rows, lambda r: (r.model, r.release, r.who)):
         grows = {k: v for k, v in r.counts["per_chunk"].items() if v.host or v.dispatches or v.views}
         out.append({"model": r.model, "torch": r.release, "": r.who,
                     f"per chunk of {prefill.CHUNK} tokens: host calls / views / dispatches": "; ".join(
@@ -147,11 +152,8 @@ def growth_table(rows: list[Row]) -> str:
 def work_table(rows: list[Row]) -> str:
     """Per model and length, FLOPs and bytes by layer kind and part (the
     real configs; the same for every path but the fp8 weights' bytes)."""
-    seen, out = set(), []
-    for r in rows:
-        if (r.model, r.length) in seen:
-            continue
-        seen.add((r.model, r.length))
+    out = []
+    for r in _first_per(rows, lambda r: (r.model, r.length)):
         real = census.MODELS[r.model].config()
         out.append({"model": r.model, "prompt": r.length,
                     "per layer: GFLOP by part": "; ".join(
@@ -169,12 +171,8 @@ def work_table(rows: list[Row]) -> str:
 def kernel_table(rows: list[Row]) -> str:
     """Which kernel does each part's matrix work, per model, release and
     path, and the efficiency it is costed at."""
-    seen, out = set(), []
-    for r in rows:
-        key = (r.model, r.release, r.who)
-        if key in seen:
-            continue
-        seen.add(key)
+    out = []
+    for r in _first_per(rows, lambda r: (r.model, r.release, r.who)):
         out.append({"model": r.model, "torch": r.release, "": r.who, "kernels (efficiency of peak)": "; ".join(
             f"{part}: {k} ({prefill.efficiency(k)[0]:.2f})" for part, k in r.projection.kernels.items())})
     return markdown(out, list(out[0]))
