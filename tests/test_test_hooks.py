@@ -5,7 +5,11 @@ tools/build_config.py), the executor's are in its own package
 have none (tools/check_wheel.py looks for their names in _C)."""
 
 import re
+import struct
+import sys
 from pathlib import Path
+
+import pytest
 
 from tools import build_config
 
@@ -46,3 +50,31 @@ def test_the_flag_comes_from_the_environment(monkeypatch):
 def test_scripts_setup_builds_the_tests_product_with_the_hooks():
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     assert re.search(rf'{build_config.TEST_HOOKS_ENV}=1 python -m pip install [^\n]*-e "\.\[test\]"', setup)
+
+
+def test_the_build_leaves_out_debug_information(monkeypatch):
+    monkeypatch.delenv(build_config.DEBUG_INFO_ENV, raising=False)
+    assert "-g0" in build_config.compile_args("linux") and "-g0" in build_config.compile_args("darwin")
+    monkeypatch.setenv(build_config.DEBUG_INFO_ENV, "1")
+    assert "-g0" not in build_config.compile_args("darwin")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the ELF section table of the Linux build")
+def test_the_built_extensions_have_no_debug_information():
+    # -g0 comes after Python's own -g on BuildExtension's command line (post_cflags): this shows it won.
+    import mps_ext
+    import mps_ext_executor
+    for module in (mps_ext._C, mps_ext_executor._C):
+        sections = elf_section_names(Path(module.__file__))
+        assert ".text" in sections and ".debug_info" not in sections, (module.__file__, sorted(sections))
+
+
+def elf_section_names(path: Path) -> set[str]:
+    """The section names of a 64-bit little-endian ELF file."""
+    data = path.read_bytes()
+    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, f"{path}: not a 64-bit little-endian ELF"
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names_at = headers[shstrndx][4]  # sh_offset of the section-name string table
+    return {data[names_at + h[0]:data.index(b"\0", names_at + h[0])].decode() for h in headers}
