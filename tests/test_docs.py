@@ -175,6 +175,14 @@ def test_the_readme_prefill_table_is_the_benchmarks():
                 f"{rel}: the {name} table is not the benchmark's: {bench_prefill.DOC_COMMAND}")
 
 
+def test_the_long_context_table_is_the_benchmarks():
+    from benchmarks import bench_decode, release_sdpa
+    for rel, names in release_sdpa.DOCS.items():
+        written = bench_decode.blocks_in((ROOT / rel).read_text(), names, release_sdpa.DOC_COMMAND)
+        assert written["long context"] == "\n" + release_sdpa.table() + "\n", (
+            f"{rel}: the long-context table is not the benchmark's: {release_sdpa.DOC_COMMAND}")
+
+
 def test_write_docs_rewrites_only_the_blocks_and_says_which_files(tmp_path):
     """--write-docs puts each block between its markers and leaves the rest
     of the file; a file whose blocks are current is not rewritten; a doc

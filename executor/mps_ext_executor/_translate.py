@@ -177,6 +177,7 @@ class _Translator:
         self.address_space_classes: set[str] = set()
         self.tg_counter = 0
         self.type_names = self._type_names()
+        self.unevaluated = self._unevaluated_operands()
         self._line_cache = self._build_line_map()
         self._line_starts = [m[0] for m in self._line_cache]
 
@@ -201,6 +202,15 @@ class _Translator:
                 if j < len(toks) and toks[j].text == ";" and toks[j - 1].kind == "ident":
                     names.add(toks[j - 1].text)
         return frozenset(names - VECTOR_TYPES)
+
+    def _unevaluated_operands(self) -> list[tuple[int, int]]:
+        """Token ranges of the operands of decltype and sizeof: a constructor
+        rewritten there gets a site without its default arguments, which are
+        source-location builtins that clang cannot mangle when the operand is
+        part of a template's signature (c10/metal/utils.h's `common_dtype =
+        decltype(U(0) + V(0))`)."""
+        return [(k + 1, self.match(k + 1, "(", ")")) for k, tok in enumerate(self.toks)
+                if tok.text in ("decltype", "sizeof") and self.t(k + 1) == "("]
 
     # ----------------------------------------------------------- positions --
     def _build_line_map(self):
@@ -779,7 +789,8 @@ class _Translator:
 
     def _insert_site(self, paren: int):
         """After the '(' at token `paren`: the site argument of __mx_make."""
-        self.insert(self.toks[paren].end, "__mx::site()" if self.t(paren + 1) == ")" else "__mx::site(), ")
+        site = "__mx::site(nullptr, 0, 0)" if any(a < paren < b for a, b in self.unevaluated) else "__mx::site()"
+        self.insert(self.toks[paren].end, site if self.t(paren + 1) == ")" else f"{site}, ")
 
     # ------------------------------------------------- threadgroup variables --
     def _threadgroup_declaration(self, i: int):

@@ -168,3 +168,23 @@ def test_check_mode_lint(tmp_path, case):
     assert r.returncode == 1
     assert expected in r.stdout
     assert f"{path}:" in r.stdout  # file:line
+
+
+def test_a_constructor_in_a_template_signature_compiles():
+    # c10/metal/utils.h's `common_dtype = decltype(U(0) + V(0))` in a function's return type: the translator
+    # turns `U(0)` into a constructor call with a source site, whose default arguments (source-location
+    # builtins) clang could not mangle ("cannot yet mangle expression type SourceLocExpr").
+    lib = cpu_metal.compile_library("""
+#include <metal_stdlib>
+using namespace metal;
+template <typename U, typename V> using common_dtype = decltype(U(0) + V(0));
+template <typename T, typename U> common_dtype<T, U> add(T a, U b) { return a + b; }
+kernel void sum_of(device float* out [[buffer(0)]], device const float2* a [[buffer(1)]]) {
+  out[0] = add(a[0].x, int(a[0].y));
+  float2 v = add(a[0], a[0]);
+  out[1] = v.y;
+}
+""", filename="decltype_site.metal")
+    out = torch.zeros(2)
+    lib.dispatch("sum_of", [out, torch.tensor([[1.5, 2.0]])], threads=1)
+    assert out.tolist() == [3.5, 4.0]
