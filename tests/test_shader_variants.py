@@ -183,3 +183,20 @@ def test_sigmoid_gate_from_its_variant_gives_the_whole_librarys_bits():
     assert torch.equal(whole.view(torch.int16), variant.view(torch.int16))
     ref = x.double() * torch.sigmoid(gate[:, :n].double())
     assert torch.allclose(variant.double(), ref, rtol=2e-3, atol=2e-3)
+
+
+# ------------------------------------------------ the census's compile term --
+def test_the_census_counts_variants_run_and_whole_libraries():
+    from benchmarks import census, prefill
+
+    calls = [census.Call("linear", 0, "compute", False, 0, 0, 0, ours=1, kernels={"gemv_rows_f32_r1_q1_vec": 1}),
+             census.Call("linear", 1, "compute", False, 0, 0, 0, ours=2,
+                         kernels={"gemv_rows_f32_r1_q1_vec": 1, "sigmoid_gate_f16": 1}),
+             census.Call("mm", 1, "compute", False, 0, 0, 0)]  # torch's kernel: not ours
+    run = prefill.functions_run(census.Trace(calls=calls))
+    assert run == {"gemv_rows_f32_r1_q1_vec", "sigmoid_gate_f16"}
+    # Before, a first call compiled every variant of its library: counted by the executor's reader.
+    whole_count = sum(len(preprocessed_kernels(whole(lib), lib)) for lib in ("linear", "attention_gate"))
+    assert prefill.whole_library_functions(run) == whole_count
+    k = prefill.COMPILE_PER_FUNCTION
+    assert [prefill.compile_s(2, w) for w in ("high", "central", "low")] == [2 * k.low, 2 * k.central, 2 * k.high]
