@@ -124,7 +124,8 @@ class _Expander:
         if m.params is None or name in seen:
             return False
         seen.add(name)
-        return any(t.text == "host_name" or (t.text in self.macros and self._instantiates(t.text, seen)) for t in m.body)
+        return any(t.text == "host_name" or (t.text in self.macros and self._instantiates(t.text, seen))
+                   for t in m.body)
 
     def expand(self, toks: list[Tok], disabled: frozenset[str] = frozenset()) -> list[Tok]:
         """`toks` with every call of an instantiating macro expanded (rescanned as cpp does)."""
