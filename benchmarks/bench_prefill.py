@@ -52,6 +52,9 @@ class Row:
     ttft: tuple           # fast end, central, slow end (s)
     flops: dict           # layer kind -> part -> FLOPs (one layer)
     bytes: dict           # prefill.model_bytes
+    # mps_ext's rows, with first_call=True: the kernel variants the prompt runs ("prefill") and those the first
+    # decode step after it runs ("decode"), which each compile on their first call (prefill.COMPILE_PER_FUNCTION)
+    functions: dict | None = None
 
 
 # The variants a prefill row is counted for: decode's, but its fp8 LM head (one row of logits at the prefill:
@@ -60,10 +63,11 @@ WHOS = (STOCK, OURS, OPTIMIZED, OPTIMIZED_FP8)
 
 
 def census_rows(models: list[str], lengths=prefill.LENGTHS, transform=None, releases=census.RELEASES,
-                whos=WHOS, log=None) -> list[Row]:
+                whos=WHOS, log=None, first_call: bool = False) -> list[Row]:
     """Every (model, release, who, length) row: the stock prefill traced
     once per trace length (it serves both releases), each mps_ext variant
-    (bench_decode.variants) in `whos` once per release and trace length."""
+    (bench_decode.variants) in `whos` once per release and trace length;
+    with first_call also one decode step after the prompt (Row.functions)."""
     rows = []
     for name in models:
         spec = census.MODELS[name]
@@ -73,7 +77,7 @@ def census_rows(models: list[str], lengths=prefill.LENGTHS, transform=None, rele
         kinds = [v for v in [(STOCK, None, False)] + variants(transform) if v[0] in whos]
         start = time.perf_counter()
         stock = {n: census.trace_prefill(model, n) for n in lengths_traced} if kinds[0][0] == STOCK else None
-        traces = {}
+        traces, functions = {}, {}
         for who, tf, _ in kinds:
             if who == STOCK:
                 continue
@@ -81,6 +85,10 @@ def census_rows(models: list[str], lengths=prefill.LENGTHS, transform=None, rele
             for r in releases:
                 traces[(who, r)] = {n: census.trace_prefill(ready, n, torch_release=r, transform=as_is)
                                     for n in lengths_traced}
+                if first_call:  # the longer trace runs the path a real prompt runs (trace_lengths)
+                    step = census.trace_step(ready, context=lengths_traced[-1], torch_release=r, transform=as_is)
+                    functions[(who, r)] = {"prefill": prefill.functions_run(traces[(who, r)][lengths_traced[-1]]),
+                                           "decode": prefill.functions_run(step)}
         if log:
             log(f"  prefill {name} at {lengths_traced} tokens: traced in {time.perf_counter() - start:.1f} s")
         for release in releases:
@@ -93,7 +101,7 @@ def census_rows(models: list[str], lengths=prefill.LENGTHS, transform=None, rele
                                     prefill.project(spec, counts, calls, length, fp8),
                                     prefill.ttft_range(spec, counts, calls, length, fp8),
                                     {k: prefill.layer_flops(real, k, length) for k in counts["layers"]},
-                                    prefill.model_bytes(real, length, fp8)))
+                                    prefill.model_bytes(real, length, fp8), functions.get((who, release))))
     return rows
 
 
@@ -178,6 +186,27 @@ def kernel_table(rows: list[Row]) -> str:
     return markdown(out, list(out[0]))
 
 
+def first_call_table(rows: list[Row], length: int = DOC_LENGTH) -> str:
+    """Per model, release and mps_ext path at `length`: the kernel variants
+    the first prompt and the first decode step after it compile, and the
+    TTFT of the process's first prompt beside the warm one."""
+    out = []
+    for r in rows:
+        if r.functions is None or r.length != length:
+            continue
+        first, step = r.functions["prefill"], r.functions["decode"]
+        new = step - first
+        compile_s = tuple(prefill.compile_s(len(first), w) for w in ("high", "central", "low"))
+        out.append({"model": r.model, "torch": r.release, "": r.who,
+                    "variants: prompt / first step's new": f"{len(first)} / {len(new)}",
+                    "whole libraries (before): prompt": prefill.whole_library_functions(first),
+                    "compile s: prompt": _s(compile_s),
+                    "TTFT s: warm": _s(r.ttft),
+                    "TTFT s: first prompt": _s(tuple(t + c for t, c in zip(r.ttft, compile_s))),
+                    "first step adds s": f"{prefill.compile_s(len(new)):.2f}"})
+    return markdown(out, list(out[0])) if out else "(no mps_ext rows)"
+
+
 def peer_ttft(tok_s: float, tokens: int) -> float:
     return tokens / tok_s
 
@@ -252,7 +281,7 @@ def report(size: str = "full", transform=None, log=None) -> tuple[str, list[Row]
     """The prefill benchmark's markdown, and its rows."""
     models = models_for(size)
     rows = census_rows(models, transform=transform, releases=("2.15",) if size == "tiny" else census.RELEASES,
-                       log=log)
+                       log=log, first_call=True)
     notes = "\n".join(f"- {s.name}: {s.source}" for s in census.MODELS.values() if s.name in models)
     doc = prefill.__doc__
     text = f"""## prefill
@@ -279,6 +308,14 @@ prefill.MEASURED_EFFICIENCY replaces an assumption):
 
 {kernel_table(rows)}
 
+The first prompt of a process ({DOC_LENGTH} tokens): mps_ext's kernel variants compile on their first call, one
+variant at a time (the Mac backend; docs/dev/first_call.md), at prefill.COMPILE_PER_FUNCTION each (below); "whole
+libraries (before)": the variants compiled when a first call compiled its whole library. Variants as the tiny trace
+ran them (a real model's dimensions may pick other variants of the same kernels, about as many); torch's own kernels
+and MPSGraph graphs, which also build on first use, are not counted:
+
+{first_call_table(rows)}
+
 Beside published prefill rates ({DOC_LENGTH}-token prompt, torch 2.15):
 
 {peers_table(rows)}
@@ -287,6 +324,8 @@ Beside published prefill rates ({DOC_LENGTH}-token prompt, torch 2.15):
 
 Constants:
 {prefill.constants_text()}
+- compile of one kernel variant: {_s(tuple(prefill.compile_s(1, w) * 1e3 for w in ("high", "central", "low")))} ms
+  ({prefill.COMPILE_PER_FUNCTION.source})
 {timeline.constants_text()}
 
 How each figure is counted:

@@ -427,3 +427,47 @@ def constants_text() -> str:
                  "(decode's constants, below)")
     return "\n".join(lines)
 
+
+
+# -------------------------------------------------------------- first call --
+# The first prompt of a process also compiles each of mps_ext's kernel variants it runs: the Metal backend builds
+# a variant on its first call (csrc/backend/metal.mm, newLibraryWithSource of the library's code with that
+# variant's instantiation alone; docs/dev/first_call.md). Apart from the warm TTFT above: a term of its own.
+COMPILE_PER_FUNCTION = timeline.Constant(
+    0.026, 0.045, 0.070, "s",
+    "Metal compile of one function from source, on its first use: 26 ms, an MLX mx.fast.metal_kernel's first call "
+    "(26.02 ms against 0.38 ms warm, rajveer43/VeloxQuant-MLX issue 507); about 70 ms a newLibrary of one shader "
+    "variant on the render path, 84 variants in 3.8 s (45 ms each) compiled in the background (Apple silicon, "
+    "Kenix3/libultraship PR 1145). Cold: macOS keeps compiled shaders in a per-app cache, so a relaunch may find "
+    "them (the same PR; deepspeedai/DeepSpeed PR 8300), which the system may purge without notice (Blender's "
+    "Metal ShaderCache commit)")
+
+
+def functions_run(trace: census.Trace) -> set[str]:
+    """The kernel variants of mps_ext's that a traced forward ran."""
+    return {k for call in trace.calls if call.ours for k in call.kernels}
+
+
+def library_sizes() -> dict[str, tuple[str, int]]:
+    """Kernel variant -> (its library, the library's variant count): what a
+    first call compiled when a library compiled whole."""
+    from tools import shader_variants
+    from tools.embed_shaders import sources
+    out = {}
+    for name, text in sources().items():
+        kernels = [k for site in shader_variants.sites(text + "\n") for k in site.kernels]
+        out.update({k: (name, len(kernels)) for k in kernels})
+    return out
+
+
+def whole_library_functions(functions: set[str]) -> int:
+    """The variants compiled if each library `functions` use compiled whole."""
+    sizes = library_sizes()
+    return sum(dict(sizes[f] for f in functions).values())
+
+
+def compile_s(functions: int, which: str = "central") -> float:
+    """Seconds to compile `functions` variants; `which` as timeline.costs
+    ('low' the slow end, 'high' the fast end)."""
+    k = COMPILE_PER_FUNCTION
+    return functions * {"central": k.central, "low": k.high, "high": k.low}[which]

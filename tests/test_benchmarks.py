@@ -3,6 +3,7 @@ every op's markdown table, the kernel table, the decode census, and the
 plots; the census checked against independent counts."""
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,8 @@ def test_the_runner_on_its_tiny_configuration(tmp_path, capsys):
         assert f"| Qwen3.6-35B-A3B | {length} | 2.15 | mps_ext |" in prefill
     assert "| Qwen3.6-35B-A3B | 2.15 | stock | linear_attention+moe: " in prefill
     assert "huggingface/huggingface.js" in prefill
+    # The first prompt's compile term (docs/dev/first_call.md): mps_ext's row counts the variants it runs.
+    assert re.search(r"\| Qwen3\.6-35B-A3B \| 2\.15 \| mps_ext \| [1-9]\d* / \d+ \|", prefill)
     assert matplotlib.image.imread(prefill_png).shape[0] > 100
 
 

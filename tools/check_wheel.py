@@ -50,7 +50,7 @@ EXECUTOR_PATHS = ("mps_ext_executor/", "mps_ext/cpu_metal/", "executor/", "csrc/
 # MPS_EXT_TEST_HOOKS=1 has (csrc/python/ops_bindings.cpp, bind_test_hooks).
 EXECUTOR_STRINGS = ("_register_shader_source", "_simulate_metal_backend", "_set_executor_requested",
                     "_family_table_problem", "_define_family_again", "_set_index_limit", "_clear_unavailable",
-                    "_boxed_fallbacks", "_warn_without_override_warning")
+                    "_boxed_fallbacks", "_warn_without_override_warning", "_variant_source")
 
 
 def shader_marker(library: str) -> bytes:

@@ -32,6 +32,32 @@ const char* shader_source(const std::string& name) {
   TORCH_CHECK(false, "mps_ext: no shader library named '", name, "' was built in or registered");
 }
 
+std::string variant_source(const std::string& name, const std::string& kernel) {
+  const ShaderSource* library = nullptr;
+  for (int i = 0; i < kShaderSourceCount; ++i)
+    if (name == kShaderSources[i].name) library = &kShaderSources[i];
+  if (library == nullptr) return {};
+  const ShaderVariant* wanted = nullptr;
+  for (int i = 0; i < library->variant_count; ++i)
+    if (kernel == library->variants[i].kernel) wanted = &library->variants[i];
+  if (wanted == nullptr) return {};
+  std::string out(library->text);
+  // Sites in decreasing order of position, so earlier offsets stay valid; a
+  // site (one macro call) holds several variants and is edited once.
+  int edited = static_cast<int>(out.size());
+  for (int i = library->variant_count - 1; i >= 0; --i) {
+    const ShaderVariant& v = library->variants[i];
+    if (v.site_begin >= edited) continue;
+    edited = v.site_begin;
+    std::string kept = v.site_begin == wanted->site_begin ? wanted->statement : "";
+    // The site's newlines stay, after the statement, so later lines keep their numbers.
+    for (int c = v.site_begin; c < v.site_end; ++c)
+      if (out[c] == '\n') kept += '\n';
+    out.replace(v.site_begin, v.site_end - v.site_begin, kept);
+  }
+  return out;
+}
+
 void register_shader_source(const std::string& name, const std::string& source) {
   for (int i = 0; i < kShaderSourceCount; ++i)
     TORCH_CHECK(name != kShaderSources[i].name, "mps_ext: '", name,

@@ -3,9 +3,15 @@
 // op layer and launch.cpp, which CI runs through the CPU Metal executor; this
 // file is only compile-checked on Linux (tests/test_mac_host_code.py).
 //
-// - The embedded shader source is compiled once per library at run time
-//   (newLibraryWithSource: no Xcode needed on the user's Mac) and each
-//   pipeline state is cached by kernel name. Nothing depends on shapes.
+// - The embedded shader source is compiled at run time (newLibraryWithSource:
+//   no Xcode needed on the user's Mac), one kernel variant at a time: the
+//   library's code with only that kernel's explicit instantiation
+//   (variant_source, backend/shaders.h), since Metal compiles a template only
+//   where it is instantiated and a first call should not pay for the ~60
+//   variants of `linear` it does not use. Libraries registered at run time
+//   have no variant table and compile whole. Each library and pipeline state
+//   is cached by kernel name. Nothing depends on shapes. Across processes,
+//   Metal's own shader cache is relied on (docs/dev/first_call.md).
 // - A library or pipeline that does not build is reported as
 //   BackendUnavailable (saying which: the library or one kernel), never as
 //   an error: launch.cpp and route() decide what happens (the stock kernel
@@ -41,7 +47,8 @@ std::string describe(NSError* error) {
 }
 
 std::mutex g_mutex;
-// Per library: the compiled library, or why it did not compile.
+// Per "library/kernel" variant (or per library, for one compiled whole): the
+// compiled library, or why it did not compile.
 std::map<std::string, id<MTLLibrary>> g_libraries;
 std::map<std::string, std::string> g_library_errors;
 // Per "library/kernel": the pipeline, or why it did not build.
@@ -69,27 +76,33 @@ void set_safe_math(MTLCompileOptions* options) {
 #pragma clang diagnostic pop
 }
 
-// The library, or nil with `error` set. Called with g_mutex held.
-id<MTLLibrary> library(id<MTLDevice> device, const std::string& name, std::string& error) {
-  auto found = g_libraries.find(name);
+// The library that defines `kernel` (its variant's source, or the whole
+// library's when it has no variant table), or nil with `error` set;
+// `whole` says which. Called with g_mutex held.
+id<MTLLibrary> library(id<MTLDevice> device, const std::string& name, const std::string& kernel, bool& whole,
+                       std::string& error) {
+  std::string source = variant_source(name, kernel);
+  whole = source.empty();
+  const std::string key = whole ? name : name + "/" + kernel;
+  auto found = g_libraries.find(key);
   if (found != g_libraries.end()) return found->second;
-  auto failed = g_library_errors.find(name);
+  auto failed = g_library_errors.find(key);
   if (failed == g_library_errors.end()) {
     @autoreleasepool {
       MTLCompileOptions* options = [MTLCompileOptions new];
       options.languageVersion = MTLLanguageVersion3_1;  // bfloat; macOS 14 and later
       set_safe_math(options);
       NSError* ns_error = nil;
-      id<MTLLibrary> lib = [device newLibraryWithSource:[NSString stringWithUTF8String:shader_source(name)]
-                                                options:options
-                                                  error:&ns_error];
+      NSString* text = [NSString stringWithUTF8String:whole ? shader_source(name) : source.c_str()];
+      id<MTLLibrary> lib = [device newLibraryWithSource:text options:options error:&ns_error];
       if (lib != nil) {
-        g_libraries[name] = lib;
+        g_libraries[key] = lib;
         return lib;
       }
-      g_library_errors[name] = name + ".metal failed to compile: " + describe(ns_error);
+      g_library_errors[key] = name + ".metal" + (whole ? "" : " (the variant " + kernel + ")") +
+                              " failed to compile: " + describe(ns_error);
     }
-    failed = g_library_errors.find(name);
+    failed = g_library_errors.find(key);
   }
   error = failed->second;
   return nil;
@@ -99,7 +112,9 @@ id<MTLLibrary> library(id<MTLDevice> device, const std::string& name, std::strin
 
 PipelineInfo metal_pipeline(const std::string& library_name, const std::string& kernel) {
   std::string error;
-  bool whole_library = false;  // the library did not compile: none of its kernels can run
+  // The whole library did not compile: none of its kernels can run. A
+  // variant that does not compile is that kernel's failure alone.
+  bool whole_library = false;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     const std::string key = library_name + "/" + kernel;
@@ -110,8 +125,9 @@ PipelineInfo metal_pipeline(const std::string& library_name, const std::string& 
       error = failed->second;
     } else {
       id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
-      id<MTLLibrary> lib = library(device, library_name, error);
-      whole_library = lib == nil;
+      bool whole = false;
+      id<MTLLibrary> lib = library(device, library_name, kernel, whole, error);
+      whole_library = lib == nil && whole;
       if (lib != nil) {
         @autoreleasepool {
           id<MTLFunction> function = [lib newFunctionWithName:[NSString stringWithUTF8String:kernel.c_str()]];

@@ -7,6 +7,7 @@
 #include <torch/csrc/utils/pybind.h>  // torch.dtype <-> at::ScalarType
 
 #include "backend/launch.h"
+#include "backend/shaders.h"
 #include "ops/fp8.h"
 #include "dispatch/kernel_choice.h"
 #include "dispatch/registration.h"
@@ -52,6 +53,10 @@ void bind_test_hooks(py::module_& m) {
         forget_unavailable();
       },
       py::arg("family"));
+  // What the Metal backend compiles for one kernel (backend/shaders.h):
+  // tests compile it on the executor, since Linux has no Metal compiler.
+  m.def("_variant_source", &variant_source, py::arg("library"), py::arg("kernel"),
+        "The embedded library's source that defines `kernel` alone; empty when it has no such variant.");
   m.def("_boxed_fallbacks", &detail::boxed_fallbacks,
         "How many of route's fallbacks to torch's kernel went through a boxed call (tests: none should).");
   m.def(
