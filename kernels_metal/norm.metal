@@ -225,7 +225,7 @@ MPS_EXT_INLINE void qk_norm_rope_heads(device T* q_out,
   const uint np = (half_r + 31) / 32;  // slots of pairs' first halves (norm_params.h)
   for (uint j = 0; j < p.iterations; ++j) {
     const uint h = h0 + sg + j * simdgroups;
-    if (h >= h1) break;  // no barrier below: simdgroups may stop at different heads
+    if (h >= h1) break;   // no barrier below: simdgroups may stop at different heads
     if (h >= qk_heads) {  // a value row: neither normed nor rotated, copied beside its key
       const uint hv = h - qk_heads;
       const device T* x = v + b * p.v_stride_b + t * p.v_stride_t + hv * p.v_stride_h;

@@ -278,8 +278,8 @@ void check_qk_norm_rope(const char* op, const at::Tensor& q, const at::Tensor& k
     if (!w->has_value()) continue;
     const at::Tensor& t = **w;
     TORCH_CHECK(t.dim() == 1 && t.size(0) == D && t.scalar_type() == dt && t.device() == q.device(), "mps_ext ", op,
-                ": q_weight and k_weight must be 1-D of head_dim (", D, ") in q's dtype (", dt,
-                ") on q's device, got ", t.sizes(), " ", t.scalar_type(), " on ", t.device());
+                ": q_weight and k_weight must be 1-D of head_dim (", D, ") in q's dtype (", dt, ") on q's device, got ",
+                t.sizes(), " ", t.scalar_type(), " on ", t.device());
   }
   TORCH_CHECK(variant == "zero_centred" || variant == "weight", "mps_ext ", op,
               ": variant must be 'weight' (q_norm(x) = "
@@ -297,8 +297,7 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::T
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hk = k.size(2);
   auto q_out = at::empty({B, Hq, T, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   auto k_out = at::empty({B, Hk, T, D}, k.options().memory_format(at::MemoryFormat::Contiguous));
-  run_qk_norm_rope("qk_norm_rope", q, k, cos, sin, q_weight, k_weight, eps, variant, q_out, k_out, 0, nullptr,
-                   nullptr);
+  run_qk_norm_rope("qk_norm_rope", q, k, cos, sin, q_weight, k_weight, eps, variant, q_out, k_out, 0, nullptr, nullptr);
   return {q_out, k_out};
 }
 
@@ -314,17 +313,17 @@ at::Tensor qk_norm_rope_append(const at::Tensor& q, const at::Tensor& k, const a
   const char* op = "qk_norm_rope_append";
   check_qk_norm_rope(op, q, k, cos, sin, q_weight, k_weight, variant);
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hk = k.size(2);
-  TORCH_CHECK(v.sizes() == k.sizes() && v.scalar_type() == q.scalar_type() && v.device() == q.device(), "mps_ext ",
-              op, ": v must be k's shape ", k.sizes(), " and q's dtype and device, got ", v.sizes(), " ",
-              v.scalar_type(), " on ", v.device());
+  TORCH_CHECK(v.sizes() == k.sizes() && v.scalar_type() == q.scalar_type() && v.device() == q.device(), "mps_ext ", op,
+              ": v must be k's shape ", k.sizes(), " and q's dtype and device, got ", v.sizes(), " ", v.scalar_type(),
+              " on ", v.device());
   for (const at::Tensor* t : {&k_cache, &v_cache}) {
     TORCH_CHECK(t->scalar_type() == q.scalar_type() && t->device() == q.device(), "mps_ext ", op,
                 ": k_cache and v_cache must be q's dtype and device, got ", t->scalar_type(), " on ", t->device());
   }
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.size(0) == B && k_cache.size(1) == Hk && k_cache.size(3) == D,
-              "mps_ext ", op, ": k_cache and v_cache must be contiguous [", B, ", ", Hk,
-              ", capacity, ", D, "] of one shape, got ", k_cache.sizes(), " and ", v_cache.sizes(),
+              "mps_ext ", op, ": k_cache and v_cache must be contiguous [", B, ", ", Hk, ", capacity, ", D,
+              "] of one shape, got ", k_cache.sizes(), " and ", v_cache.sizes(),
               k_cache.is_contiguous() && v_cache.is_contiguous() ? "" : " (not contiguous)");
   TORCH_CHECK(start >= 0 && start + T <= k_cache.size(2), "mps_ext ", op, ": rows ", start, " to ", start + T,
               " do not fit a cache of capacity ", k_cache.size(2));

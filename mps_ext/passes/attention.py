@@ -18,9 +18,10 @@ the cache update (cache_update: kv_append into buffers with spare
 capacity, where DynamicLayer.update copies the whole cache twice with
 torch.cat); where both the norm and cache kernels run, that append is in
 qk_norm_rope's own dispatch (qk_norm_rope_append: the keys normed and
-rotated straight into the cache, the values copied beside them). The rest of the forward is the model's, line for line: its
-projections (nn.Linear, FP8Linear, or views of a fused q/k/v projection),
-the attention function transformers selects for the config
+rotated straight into the cache, the values copied beside them). The
+rest of the forward is the model's, line for line: its projections
+(nn.Linear, FP8Linear, or views of a fused q/k/v projection), the
+attention function transformers selects for the config
 (ALL_ATTENTION_FUNCTIONS of the layer's own modeling module, its
 eager_attention_forward as default), the sliding window where the layer has
 one, the output projection.
@@ -39,7 +40,7 @@ rotate_half one (interleaved pairs, a multimodal rope taking cos and sin of
 another shape) or a forward that does anything else is found, and the layer
 is left as it was, with the reason. At run time a cos of a rotary size the
 probe did not see runs the layer's own forward.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
