@@ -18,6 +18,9 @@ also write the sum and read it back.
 qk_norm_rope's minimum is q and k read once, both outputs written once,
 the weights once and each token's cos and sin once; the kernel reads cos,
 sin and a weight once per threadgroup (decode: one per 8 heads).
+qk_norm_rope_append (the same with the KV cache append in its dispatch)
+also reads v once and writes the new k and v rows into the cache once;
+qk_norm_rope then kv_append would also write k's rows and read them back.
 
 (The attention's other decode pieces are families of their own:
 benchmarks/bench_attention_gate.py, benchmarks/bench_kv_cache.py.)
@@ -69,11 +72,45 @@ QK_CASES = [  # (batch, tokens, q heads, k heads, head_dim, rotary_dim, dtype, v
 
 
 
-def prepare_qk(b, t, hq, hk, d, r, dtype, variant) -> Prepared:
+def _qk_inputs(b, t, hq, hk, d, r, dtype, variant):
+    """q, k, cos, sin and the two norm weights of a QK_CASES case."""
     q, k = torch.randn(b, t, hq, d).to(dtype), torch.randn(b, t, hk, d).to(dtype)
     angles = torch.randn(b, t, r // 2).repeat(1, 1, 2)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     qw, kw = ((torch.randn(d) * 0.1 + (1 if variant == "weight" else 0)).to(dtype) for _ in range(2))
+    return q, k, cos, sin, qw, kw
+
+
+# Rows already in the cache before qk_norm_rope_append's (a short context: the append moves only its own rows).
+APPEND_START = 8
+
+
+def prepare_qk_append(b, t, hq, hk, d, r, dtype, variant) -> Prepared:
+    """qk_norm_rope_append: the case's q/k norms and RoPE with v's and the
+    new k rows written into a cache at APPEND_START; against it on a Mac,
+    qk_norm_rope then kv_append (the two dispatches it replaces)."""
+    q, k, cos, sin, qw, kw = _qk_inputs(b, t, hq, hk, d, r, dtype, variant)
+    v = torch.randn(b, t, hk, d).to(dtype)
+    kc, vc = (torch.zeros(b, hk, APPEND_START + t, d, dtype=dtype) for _ in range(2))
+
+    def mac():
+        qm, km, vm, cm, sm, qwm, kwm, kcm, vcm = (x.to("mps") for x in (q, k, v, cos, sin, qw, kw, kc, vc))
+
+        def two():
+            _, ko = torch.ops.mps_ext.qk_norm_rope(qm, km, cm, sm, qwm, kwm, 1e-6, variant)
+            torch.ops.mps_ext.kv_append(kcm, vcm, ko, vm.transpose(1, 2), APPEND_START)
+
+        return (two, lambda: torch.ops.mps_ext.qk_norm_rope_append(qm, km, vm, cm, sm, qwm, kwm, 1e-6, variant, kcm,
+                                                                    vcm, APPEND_START))
+
+    # q, k and v read once, q's output and the new k and v rows written once, the weights, cos and sin once
+    minimum = 2 * (q.nbytes + k.nbytes + v.nbytes) + qw.nbytes + kw.nbytes + cos.nbytes + sin.nbytes
+    return Prepared(lambda: torch.ops.mps_ext.qk_norm_rope_append(q, k, v, cos, sin, qw, kw, 1e-6, variant, kc, vc,
+                                                                   APPEND_START), minimum, mac)
+
+
+def prepare_qk(b, t, hq, hk, d, r, dtype, variant) -> Prepared:
+    q, k, cos, sin, qw, kw = _qk_inputs(b, t, hq, hk, d, r, dtype, variant)
 
     def mac():
         from mps_ext.passes.norm import rms_norm_reference, rope_reference
@@ -131,8 +168,9 @@ def cases(size: str) -> list[Case]:
             continue
         shape = f"{b}x{t} q{hq} k{hk} d{d} r{r}"
         labels = {"shape": shape, "dtype": str(dtype)[6:], "variant": variant, "what": what}
-        out.append(Case("norm", f"qk_norm_rope {shape} {labels['dtype']} {variant}", labels,
-                        lambda a=(b, t, hq, hk, d, r, dtype, variant): prepare_qk(*a)))
+        for op, prep in (("qk_norm_rope", prepare_qk), ("qk_norm_rope_append", prepare_qk_append)):
+            out.append(Case("norm", f"{op} {shape} {labels['dtype']} {variant}", labels,
+                            lambda a=(b, t, hq, hk, d, r, dtype, variant), prep=prep: prep(*a)))
     return out
 
 

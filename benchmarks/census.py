@@ -239,11 +239,16 @@ _FUSIBLE = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mea
 # add before it, where the op would be one dispatch more; its attention's
 # qk_norm_rope: Inductor fuses the norms and the rotary embedding with their
 # neighbours; its output gate, sigmoid_gate, and its cache append,
-# kv_append, for which the compiled forward keeps the model's sigmoid, mul
-# and DynamicCache's torch.cat; its decoder layers' add_rms_norm: their own
+# kv_append (or, with the norms and rotary embedding, qk_norm_rope_append),
+# for which the compiled forward keeps the model's sigmoid, mul and
+# DynamicCache's torch.cat; its decoder layers' add_rms_norm: their own
 # forward's add and norm): compiled, each counts as the fusible calls it
 # stands for.
-_TORCH_WHEN_COMPILED = {"rms_norm", "add_rms_norm", "qk_norm_rope", "sigmoid_gate", "kv_append"}
+_TORCH_WHEN_COMPILED = {"rms_norm", "add_rms_norm", "qk_norm_rope", "sigmoid_gate", "kv_append",
+                        "qk_norm_rope_append"}
+# mps_ext's ops that write an attention layer's new key and value rows into
+# the cache in place (appends_in_place).
+_APPENDS = ("kv_append", "qk_norm_rope_append")
 
 
 @dataclasses.dataclass
@@ -854,7 +859,7 @@ def layer_bytes(config, kind: str, tokens: int, context: int, fp8: bool = False,
     attention; with `cache_copy`, as transformers' DynamicCache appends with
     torch.cat, also read and written whole once more; without, the new rows
     written in place: a static cache, or mps_ext.optimize's eager
-    kv_append, which keeps DynamicCache's keys and values as views of
+    kv_append (or qk_norm_rope_append), which keeps DynamicCache's keys and values as views of
     buffers with spare capacity; `cache`: the cache attention reads,
     attention_keys), and the recurrent and convolution states (read and written once: what a compiled or fused
     step moves; transformers' eager DeltaNet step passes over its fp32
@@ -897,11 +902,11 @@ def appends_in_place(trace: Trace, mode: str) -> bool:
     """Whether the traced step's attention layers wrote their new key and
     value rows in place rather than torch.cat (layer_bytes' cache_copy), in
     `mode`: a static cache's index_copy_ in either mode (compiled, Inductor
-    keeps it in place), mps_ext's kv_append eager (compiled, the fused
-    forward keeps DynamicCache's own update)."""
+    keeps it in place), mps_ext's kv_append or qk_norm_rope_append eager
+    (compiled, the fused forward keeps DynamicCache's own update)."""
     if any(c.op == "index_copy_" for c in trace.calls):
         return True
-    return mode == "eager" and any(c.op == "kv_append" and c.ours for c in trace.calls)
+    return mode == "eager" and any(c.op in _APPENDS and c.ours for c in trace.calls)
 
 
 def step_bytes(config, tokens: int, context: int, fp8: bool = False, fp8_head: bool = False, **kwargs) -> dict:

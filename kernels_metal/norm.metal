@@ -176,32 +176,36 @@ inline uint qk_rope_element(uint c, uint lane, uint np, uint half_r, uint R, uin
   return min(i, D);
 }
 
+// The body of qk_norm_rope and qk_norm_rope_append: heads 0 .. q_heads-1
+// are q's, the next k_heads k's, and the next v_heads (qk_norm_rope_append:
+// k_heads; qk_norm_rope: none) v's rows, copied as they are into v_out
+// beside k's in k_out: the KV cache append in this dispatch, where
+// kv_append would be one more after it. k_out's (and v_out's) rows are
+// [batch, k_heads, k_capacity, D], this call's written at k_start .. (a
+// cache with spare capacity; qk_norm_rope: k_capacity = tokens, k_start = 0).
 template <typename T>
-[[max_total_threads_per_threadgroup(QK_ROPE_MAX_SIMDGROUPS * 32)]]
-kernel void qk_norm_rope(device T* q_out [[buffer(0)]],
-                         device T* k_out [[buffer(1)]],
-                         const device T* q [[buffer(2)]],
-                         const device T* k [[buffer(3)]],
-                         const device T* cos_ [[buffer(4)]],
-                         const device T* sin_ [[buffer(5)]],
-                         const device T* q_w [[buffer(6)]],
-                         const device T* k_w [[buffer(7)]],
-                         constant QkNormRopeParams& p [[buffer(8)]],
-                         uint3 group [[threadgroup_position_in_grid]],
-                         uint3 tid3 [[thread_position_in_threadgroup]],
-                         uint3 threads3 [[threads_per_threadgroup]],
-                         uint sg [[simdgroup_index_in_threadgroup]],
-                         uint simdgroups [[simdgroups_per_threadgroup]],
-                         uint lane [[thread_index_in_simdgroup]]) {
-  // The token's cos and sin and the two weights, read once for all the
-  // group's heads (a thread's elements are at other lanes' for the next
-  // head, so registers would not do once heads loop).
-  threadgroup float cs[2][QK_ROPE_MAX_HEAD_DIM];
-  threadgroup float wt[2][QK_ROPE_MAX_HEAD_DIM];
-  // Metal wants the position attributes all of one width: the grid's is 3-D.
-  const uint tid = tid3.x, threads = threads3.x;
+MPS_EXT_INLINE void qk_norm_rope_heads(device T* q_out,
+                                       device T* k_out,
+                                       device T* v_out,
+                                       const device T* q,
+                                       const device T* k,
+                                       const device T* v,
+                                       const device T* cos_,
+                                       const device T* sin_,
+                                       const device T* q_w,
+                                       const device T* k_w,
+                                       constant QkNormRopeParams& p,
+                                       threadgroup float (*cs)[QK_ROPE_MAX_HEAD_DIM],
+                                       threadgroup float (*wt)[QK_ROPE_MAX_HEAD_DIM],
+                                       uint3 group,
+                                       uint tid,
+                                       uint threads,
+                                       uint sg,
+                                       uint simdgroups,
+                                       uint lane) {
   const uint t = group.x, b = group.y;
-  const uint heads = p.q_heads + p.k_heads;
+  const uint qk_heads = p.q_heads + p.k_heads;
+  const uint heads = qk_heads + p.v_heads;
   const uint h0 = group.z * p.heads_per_group;
   const uint h1 = min(h0 + p.heads_per_group, heads);
   const uint R = p.rotary_dim, half_r = R >> 1, D = p.head_dim;
@@ -211,7 +215,7 @@ kernel void qk_norm_rope(device T* q_out [[buffer(0)]],
     cs[1][i] = float(sin_[cs_off + i]);
   }
   // Only the weights of the tensors the group's heads belong to.
-  const bool use_q = p.q_norm != 0 && h0 < p.q_heads, use_k = p.k_norm != 0 && h1 > p.q_heads;
+  const bool use_q = p.q_norm != 0 && h0 < p.q_heads, use_k = p.k_norm != 0 && h0 < qk_heads && h1 > p.q_heads;
   for (uint i = tid; i < D; i += threads) {
     if (use_q) wt[0][i] = float(q_w[i]);
     if (use_k) wt[1][i] = float(k_w[i]);
@@ -221,13 +225,21 @@ kernel void qk_norm_rope(device T* q_out [[buffer(0)]],
   const uint np = (half_r + 31) / 32;  // slots of pairs' first halves (norm_params.h)
   for (uint j = 0; j < p.iterations; ++j) {
     const uint h = h0 + sg + j * simdgroups;
-    if (h >= h1) break;  // no barrier below: simdgroups may stop at different heads
+    if (h >= h1) break;   // no barrier below: simdgroups may stop at different heads
+    if (h >= qk_heads) {  // a value row: neither normed nor rotated, copied beside its key
+      const uint hv = h - qk_heads;
+      const device T* x = v + b * p.v_stride_b + t * p.v_stride_t + hv * p.v_stride_h;
+      device T* o = v_out + ((b * p.k_heads + hv) * p.k_capacity + p.k_start + t) * D;
+      for (uint i = lane; i < D; i += 32) o[i] = x[i];
+      continue;
+    }
     const bool is_q = h < p.q_heads;
     const uint hh = is_q ? h : h - p.q_heads;
     const device T* x = is_q ? q + b * p.q_stride_b + t * p.q_stride_t + hh * p.q_stride_h
                              : k + b * p.k_stride_b + t * p.k_stride_t + hh * p.k_stride_h;
     const uint H = is_q ? p.q_heads : p.k_heads;
-    device T* o = (is_q ? q_out : k_out) + ((b * H + hh) * p.tokens + t) * D;
+    const uint rows = is_q ? p.tokens : p.k_capacity, first = is_q ? 0u : p.k_start;
+    device T* o = (is_q ? q_out : k_out) + ((b * H + hh) * rows + first + t) * D;
     const bool norm = is_q ? p.q_norm != 0 : p.k_norm != 0;
     const uint wi = is_q ? 0u : 1u;
     float v[QK_ROPE_SLOTS];
@@ -276,8 +288,67 @@ kernel void qk_norm_rope(device T* q_out [[buffer(0)]],
   }
 }
 
+// The token's cos and sin and the two weights, read once for all the
+// group's heads (a thread's elements are at other lanes' for the next head,
+// so registers would not do once heads loop). Metal wants the position
+// attributes all of one width: the grid's is 3-D.
+template <typename T>
+[[max_total_threads_per_threadgroup(QK_ROPE_MAX_SIMDGROUPS * 32)]]
+kernel void qk_norm_rope(device T* q_out [[buffer(0)]],
+                         device T* k_out [[buffer(1)]],
+                         const device T* q [[buffer(2)]],
+                         const device T* k [[buffer(3)]],
+                         const device T* cos_ [[buffer(4)]],
+                         const device T* sin_ [[buffer(5)]],
+                         const device T* q_w [[buffer(6)]],
+                         const device T* k_w [[buffer(7)]],
+                         constant QkNormRopeParams& p [[buffer(8)]],
+                         uint3 group [[threadgroup_position_in_grid]],
+                         uint3 tid3 [[thread_position_in_threadgroup]],
+                         uint3 threads3 [[threads_per_threadgroup]],
+                         uint sg [[simdgroup_index_in_threadgroup]],
+                         uint simdgroups [[simdgroups_per_threadgroup]],
+                         uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float cs[2][QK_ROPE_MAX_HEAD_DIM];
+  threadgroup float wt[2][QK_ROPE_MAX_HEAD_DIM];
+  // No value rows (p.v_heads is 0): k and k_out stand in for v and v_out, never read or written.
+  qk_norm_rope_heads<T>(q_out, k_out, k_out, q, k, k, cos_, sin_, q_w, k_w, p, cs, wt, group, tid3.x, threads3.x, sg,
+                        simdgroups, lane);
+}
+
+// qk_norm_rope with the KV cache append: k's rows normed and rotated into
+// k_cache, v's copied into v_cache (both [batch, k_heads, capacity, D]) at
+// rows k_start .., q's into q_out as qk_norm_rope's.
+template <typename T>
+[[max_total_threads_per_threadgroup(QK_ROPE_MAX_SIMDGROUPS * 32)]]
+kernel void qk_norm_rope_append(device T* q_out [[buffer(0)]],
+                                device T* k_cache [[buffer(1)]],
+                                device T* v_cache [[buffer(2)]],
+                                const device T* q [[buffer(3)]],
+                                const device T* k [[buffer(4)]],
+                                const device T* v [[buffer(5)]],
+                                const device T* cos_ [[buffer(6)]],
+                                const device T* sin_ [[buffer(7)]],
+                                const device T* q_w [[buffer(8)]],
+                                const device T* k_w [[buffer(9)]],
+                                constant QkNormRopeParams& p [[buffer(10)]],
+                                uint3 group [[threadgroup_position_in_grid]],
+                                uint3 tid3 [[thread_position_in_threadgroup]],
+                                uint3 threads3 [[threads_per_threadgroup]],
+                                uint sg [[simdgroup_index_in_threadgroup]],
+                                uint simdgroups [[simdgroups_per_threadgroup]],
+                                uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float cs[2][QK_ROPE_MAX_HEAD_DIM];
+  threadgroup float wt[2][QK_ROPE_MAX_HEAD_DIM];
+  qk_norm_rope_heads<T>(q_out, k_cache, v_cache, q, k, v, cos_, sin_, q_w, k_w, p, cs, wt, group, tid3.x, threads3.x,
+                        sg, simdgroups, lane);
+}
+
 // clang-format off
 template [[host_name("qk_norm_rope_f32")]] kernel decltype(qk_norm_rope<float>) qk_norm_rope<float>;
 template [[host_name("qk_norm_rope_f16")]] kernel decltype(qk_norm_rope<half>) qk_norm_rope<half>;
 template [[host_name("qk_norm_rope_bf16")]] kernel decltype(qk_norm_rope<bfloat>) qk_norm_rope<bfloat>;
+template [[host_name("qk_norm_rope_append_f32")]] kernel decltype(qk_norm_rope_append<float>) qk_norm_rope_append<float>;
+template [[host_name("qk_norm_rope_append_f16")]] kernel decltype(qk_norm_rope_append<half>) qk_norm_rope_append<half>;
+template [[host_name("qk_norm_rope_append_bf16")]] kernel decltype(qk_norm_rope_append<bfloat>) qk_norm_rope_append<bfloat>;
 // clang-format on

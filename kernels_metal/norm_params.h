@@ -38,8 +38,10 @@ struct RmsNormParams {
 // k's head h - q_heads). Threadgroup (x, y, z) = (token t, batch b, head
 // group z): heads [z * heads_per_group, ...), its simdgroup s taking heads
 // s, s + simdgroups, ... (`iterations` of them). Strides are in elements;
-// the last dimension of q, k, cos and sin is contiguous; q_out and k_out
-// are [B, H, T, D] contiguous.
+// the last dimension of q, k, cos and sin is contiguous; q_out is
+// [B, Hq, T, D] contiguous, k_out (and qk_norm_rope_append's v_out)
+// [B, Hk, k_capacity, D]. qk_norm_rope_append's rows go on with v's Hk
+// after k's (h >= q_heads + k_heads: v's head h - q_heads - k_heads).
 struct QkNormRopeParams {
   uint32_t q_heads, k_heads;
   uint32_t tokens;      // T
@@ -47,6 +49,13 @@ struct QkNormRopeParams {
   uint32_t rotary_dim;  // R: even, <= D; the first R elements rotate, the rest pass through
   uint32_t q_stride_b, q_stride_t, q_stride_h;
   uint32_t k_stride_b, k_stride_t, k_stride_h;
+  // k's output rows [batch, k_heads, k_capacity, head_dim], this call's at
+  // k_start ..: qk_norm_rope_append's KV cache (qk_norm_rope: tokens, 0).
+  uint32_t k_capacity, k_start;
+  // qk_norm_rope_append: v's rows (k_heads of them, v_stride_* as k's),
+  // copied into the value cache beside the keys; qk_norm_rope: 0.
+  uint32_t v_heads;
+  uint32_t v_stride_b, v_stride_t, v_stride_h;
   uint32_t cs_stride_b, cs_stride_t;  // cos and sin (the same strides: the host checks)
   uint32_t heads_per_group;
   uint32_t iterations;      // ceil(heads_per_group / simdgroups)

@@ -1,7 +1,7 @@
 """Meta kernels (shapes and dtypes) of the torch.ops.mps_ext ops that do not
 take the aten op's own: the families' own ops (no aten op; _C.family_own_ops
 lists them: scaled_mm's fp8_linear, moe's moe_route, moe_experts,
-moe_combine and moe_layer, norm's rms_norm, add_rms_norm and qk_norm_rope,
+moe_combine and moe_layer, norm's rms_norm, add_rms_norm, qk_norm_rope and qk_norm_rope_append,
 attention_gate's sigmoid_gate, kv_cache's kv_append, linear_attention's
 linear_attention_decode, short_conv's short_conv_decode), fp8_grouped_linear
 and commit; the scaled_mm family, whose aten meta
@@ -133,6 +133,14 @@ def _qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, variant="weight"):
     return q.new_empty((b, hq, t, d)), k.new_empty((b, k.shape[2], t, d))
 
 
+# qk_norm_rope with the KV cache append (csrc/ops/norm.cpp): q_out as
+# _qk_norm_rope's; k's and v's rows written into the caches in place (the
+# schema's (a!), (b!)).
+def _qk_norm_rope_append(q, k, v, cos, sin, q_weight, k_weight, eps, variant, k_cache, v_cache, start):
+    b, t, hq, d = q.shape
+    return q.new_empty((b, hq, t, d))
+
+
 # The attention layer's output gate (csrc/ops/attention_gate.cpp): x's shape and dtype, contiguous.
 def _sigmoid_gate(x, gate):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -186,7 +194,8 @@ def register() -> None:
                      ("_scaled_grouped_mm_v2", _scaled_grouped_mm_v2), ("moe_route", _moe_route),
                      ("moe_experts", _moe_experts), ("moe_combine", _moe_combine), ("moe_layer", _moe_layer),
                      ("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm),
-                     ("qk_norm_rope", _qk_norm_rope), ("sigmoid_gate", _sigmoid_gate),
+                     ("qk_norm_rope", _qk_norm_rope), ("qk_norm_rope_append", _qk_norm_rope_append),
+                     ("sigmoid_gate", _sigmoid_gate),
                      ("kv_append", _kv_append), ("fp8_grouped_linear", _fp8_grouped_linear),
                      ("linear_attention_decode", _linear_attention_decode),
                      ("short_conv_decode", _short_conv_decode), ("commit", _commit)]:

@@ -294,19 +294,26 @@ def test_census_conv_state_bytes_match_what_the_cache_holds_and_the_op_moves(tok
 
 def test_census_counts_kv_appends_rows_not_a_copy_of_the_cache():
     """After mps_ext.optimize, eager, the attention layer writes its new K
-    and V rows in place (kv_append into the cache's spare capacity, one
-    dispatch): the executor's bytes of that call are the new rows read and
-    written once, layer_bytes(cache_copy=False)'s kv_written (the read is
-    an activation, which layer_bytes leaves out), and the step is costed
-    without torch.cat's copy; compiled, the forward keeps DynamicCache's
-    torch.cat, and the copy is costed."""
+    and V rows in place (into the cache's spare capacity, in the q/k norm
+    and rotary dispatch: qk_norm_rope_append): the executor's bytes of that
+    call are q, k and v read and written once (the k and v rows written:
+    layer_bytes(cache_copy=False)'s kv_written; the rest activations, which
+    layer_bytes leaves out) and cos, sin and the norm weights read, and the
+    step is costed without torch.cat's copy; compiled, the forward keeps
+    DynamicCache's torch.cat, and the copy is costed."""
     spec = census.MODELS["Qwen3-30B-A3B"]
     model = census.tiny_model(spec)
     trace = census.trace_step(model, 1, context=5, torch_release="2.15", transform=mps_ext.optimize)
-    (call,) = [c for c in trace.calls if c.op == "kv_append"]
+    (call,) = [c for c in trace.calls if c.op == "qk_norm_rope_append"]
+    assert not [c for c in trace.calls if c.op in ("kv_append", "qk_norm_rope")]
     assert not [c for c in trace.calls if c.op == "cat" and c.layer is not None]
     b = census.layer_bytes(model.config, "full_attention+moe", 1, 5, cache_copy=False)
-    assert call.ours == 1 and call.ours_bytes == 2 * b["kv_written"] > 0 and b["kv_copy"] == 0
+    c, size = model.config, next(model.parameters()).element_size()
+    q_bytes = c.num_attention_heads * c.head_dim * size  # the query row, read and written
+    # and per threadgroup at most cos, sin and the two weights (head_dim each)
+    staged = 4 * c.head_dim * size * -(-(c.num_attention_heads + 2 * c.num_key_value_heads) // 8)
+    assert call.ours == 1 and b["kv_copy"] == 0 and b["kv_written"] > 0
+    assert 2 * b["kv_written"] + 2 * q_bytes <= call.ours_bytes <= 2 * b["kv_written"] + 2 * q_bytes + staged
     assert census.appends_in_place(trace, "eager") and not census.appends_in_place(trace, "compile")
     assert not census.appends_in_place(census.trace_step(model, 1, context=5), "eager")
 

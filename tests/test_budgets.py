@@ -122,7 +122,7 @@ MOE_DOWN_COMBINE = names("moe_down_combine_{t}_{path}", t=("f32", "f16", "bf16",
                          path=("vec", "scalar"))
 RMS_NORM = names("rms_norm_{t}", t=("f32", "f16", "bf16"))
 ADD_RMS_NORM = names("add_rms_norm_{t}", t=("f32", "f16", "bf16"))
-QK_NORM_ROPE = names("qk_norm_rope_{t}", t=("f32", "f16", "bf16"))
+QK_NORM_ROPE = names("{op}_{t}", op=("qk_norm_rope", "qk_norm_rope_append"), t=("f32", "f16", "bf16"))
 ATTENTION = names("{op}_{t}", op=("sigmoid_gate", "kv_append"), t=("f32", "f16", "bf16"))
 LINEAR_ATTENTION = names("linear_attention_decode_{t}", t=("f32", "f16", "bf16"))
 SHORT_CONV = names("short_conv_decode_{t}", t=("f32", "f16", "bf16"))
@@ -505,7 +505,8 @@ DIVISIONS: dict[str, tuple[int, int]] = {
     # fp8_mm_tile: each lane's 4 weight rows' scale row n / sb_n_group, once a thread
     # (docs/dev/kernel_counters_occupancy.md)
     **{k: (4, 0) for k in FP8_TILE},
-    # qk_norm_rope: torch's mean (ss / D) and 1 / sqrt(...) per head row a simdgroup normalises; a simdgroup
+    # qk_norm_rope (and qk_norm_rope_append, whose value rows divide nothing): torch's mean (ss / D) and
+    # 1 / sqrt(...) per head row a simdgroup normalises; a simdgroup
     # takes its share of one token's head group (p.iterations rows, set by the head count, never by the
     # tokens): 2 at every decode case, where each simdgroup has one head
     **{k: (0, 2) for k in QK_NORM_ROPE},

@@ -60,6 +60,15 @@ def kv_append():
     return k_cache, v_cache
 
 
+def qk_norm_rope_append():
+    k_cache, v_cache = torch.zeros(1, 4, 8, 128), torch.zeros(1, 4, 8, 128)
+    q_out = torch.ops.mps_ext.qk_norm_rope_append(rand(1, 1, 16, 128, seed=1), rand(1, 1, 4, 128, seed=2),
+                                                  rand(1, 1, 4, 128, seed=7), rand(1, 1, 128, seed=3),
+                                                  rand(1, 1, 128, seed=4), rand(128, seed=5), rand(128, seed=6), 1e-6,
+                                                  "weight", k_cache, v_cache, 3)
+    return q_out, k_cache, v_cache
+
+
 def moe_layer():
     hidden, inter, experts = 2048, 32, 4
     return torch.ops.mps_ext.moe_layer(rand(2, hidden, seed=1), rand(experts, hidden, seed=2, scale=0.3),
@@ -107,6 +116,7 @@ CASES = [
          lambda: torch.ops.mps_ext.qk_norm_rope(rand(1, 1, 16, 128, seed=1), rand(1, 1, 4, 128, seed=2),
                                                 rand(1, 1, 128, seed=3), rand(1, 1, 128, seed=4),
                                                 rand(128, seed=5), rand(128, seed=6), 1e-6), 64),
+    Case("qk_norm_rope_append", "norm", "norm", "qk_norm_rope_append_", qk_norm_rope_append, 64),
     Case("sigmoid_gate", "attention_gate", "attention_gate", "sigmoid_gate_",
          lambda: torch.ops.mps_ext.sigmoid_gate(rand(4, 2048, seed=1), rand(4, 2048, seed=2)), 64),
     Case("kv_append", "kv_cache", "kv_cache", "kv_append_", kv_append, 64),

@@ -16,9 +16,12 @@ are one dispatch each where the kernels run, eager: the output gate
 it and runs sigmoid and mul) and, for a plain DynamicCache's DynamicLayer,
 the cache update (cache_update: kv_append into buffers with spare
 capacity, where DynamicLayer.update copies the whole cache twice with
-torch.cat). The rest of the forward is the model's, line for line: its
-projections (nn.Linear, FP8Linear, or views of a fused q/k/v projection),
-the attention function transformers selects for the config
+torch.cat); where both the norm and cache kernels run, that append is in
+qk_norm_rope's own dispatch (qk_norm_rope_append: the keys normed and
+rotated straight into the cache, the values copied beside them). The
+rest of the forward is the model's, line for line: its projections
+(nn.Linear, FP8Linear, or views of a fused q/k/v projection), the
+attention function transformers selects for the config
 (ALL_ATTENTION_FUNCTIONS of the layer's own modeling module, its
 eager_attention_forward as default), the sliding window where the layer has
 one, the output projection.
@@ -37,7 +40,7 @@ rotate_half one (interleaved pairs, a multimodal rope taking cos and sin of
 another shape) or a forward that does anything else is found, and the layer
 is left as it was, with the reason. At run time a cos of a rotary size the
 probe did not see runs the layer's own forward.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -53,9 +56,9 @@ from torch import nn
 from ._classes import fused_subclass, original_class, register_maker, register_mixin
 from ._protocol import Pass, _exact, mismatch
 from ._runtime import kernels_for
-from .norm import _FLOAT, MAX_HEAD_DIM, FusedRMSNorm, qk_norm_rope, qk_norm_rope_reference
+from .norm import _FLOAT, MAX_HEAD_DIM, FusedRMSNorm, qk_norm_rope, qk_norm_rope_reference, qk_op_args
 
-__all__ = ["AttentionPass", "FusedQKNormRopeMixin", "cache_update", "sigmoid_gate"]
+__all__ = ["AttentionPass", "FusedQKNormRopeMixin", "cache_update", "qk_norm_rope_append", "sigmoid_gate"]
 
 _NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"))
 _OUT = ("o_proj", "out_proj")
@@ -139,13 +142,20 @@ class FusedQKNormRopeMixin:
             # the op reads it there; the model's reshape(*input_shape, -1) would copy it.
             query, gate = torch.chunk(query.view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
         key = self.k_proj(hidden_states).view(hidden_shape)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(hidden_shape)
         cos, sin = position_embeddings
-        query_states, key_states = ops.qk(query.view(hidden_shape), key, cos, sin, getattr(self, plan.q_norm),
-                                          getattr(self, plan.k_norm))
-        if cache is not None:
-            key_states, value_states = ops.cache(cache, key_states, value_states, self.layer_idx,
-                                                 kwargs if plan.update_kwargs else None)
+        q_norm, k_norm = getattr(self, plan.q_norm), getattr(self, plan.k_norm)
+        # The cache append in the norm and rotary dispatch where it can be (ops.qk_append; None: it cannot).
+        fused = None if cache is None or ops.qk_append is None else ops.qk_append(
+            query.view(hidden_shape), key, value, cos, sin, q_norm, k_norm, cache, self.layer_idx)
+        if fused is not None:
+            query_states, key_states, value_states = fused
+        else:
+            query_states, key_states = ops.qk(query.view(hidden_shape), key, cos, sin, q_norm, k_norm)
+            value_states = value.transpose(1, 2)
+            if cache is not None:
+                key_states, value_states = ops.cache(cache, key_states, value_states, self.layer_idx,
+                                                     kwargs if plan.update_kwargs else None)
         attention_interface = self._mps_ext_functions.get_interface(self.config._attn_implementation,
                                                                     self._mps_ext_eager)
         window = {"sliding_window": self.sliding_window} if plan.sliding_window else {}
@@ -230,61 +240,100 @@ def _appends(cache, key: torch.Tensor, value: torch.Tensor, layer_idx, kernels: 
     return not kernels or kernels_for(key, "kv_cache")
 
 
+def _slot(cache, layer_idx: int, key: torch.Tensor, value: torch.Tensor, shape: tuple):
+    """(k_buf, v_buf, n): the buffers [b, h, capacity, d] of a DynamicLayer
+    (_appends) that take an update of `shape` (b, h, t, d) at rows n ..
+    n + t - 1, made anew (one copy of the cache) when it is full or the
+    layer's keys are not the views last set here (the first update, or
+    after crop, reorder, reset, batch_repeat_interleave, a torch.cat of the
+    layer's own update); None where the release's update must run (old
+    keys that torch.cat would refuse or promote). key and value: the new
+    rows, in any layout (the layer takes its dtype and device from them)."""
+    layer = cache.layers[layer_idx]
+    if not layer.is_initialized:
+        layer.lazy_initialization(key, value)
+    b, h, t, d = shape
+    held = layer.__dict__.get("_mps_ext_kv")
+    n = 0 if held is None else held[2].shape[-2]
+    if held is None or layer.keys is not held[2] or layer.values is not held[3] or n + t > held[0].shape[2] or \
+            held[0].shape[:2] != (b, h) or held[0].shape[3] != d or held[0].dtype != key.dtype or \
+            held[0].device != key.device:
+        old_k, old_v = layer.keys, layer.values
+        n = old_k.shape[-2] if old_k.numel() else 0
+        if n and (old_k.shape[:2] != (b, h) or old_k.shape[3] != d or old_v.shape != old_k.shape
+                  or old_k.dtype != key.dtype or old_v.dtype != key.dtype):
+            return None  # torch.cat would raise or promote
+        capacity = -(-(n + t) // KV_STEP) * KV_STEP
+        k_buf = key.new_empty((b, h, capacity, d))
+        v_buf = key.new_empty((b, h, capacity, d))
+        if n:
+            k_buf[:, :, :n].copy_(old_k)
+            v_buf[:, :, :n].copy_(old_v)
+        return k_buf, v_buf, n
+    return held[0], held[1], n
+
+
+def _filled(layer, k_buf: torch.Tensor, v_buf: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's keys and values after an update by _slot's buffers, now
+    filled to n rows: what DynamicLayer.update would leave and return."""
+    layer.keys, layer.values = k_buf[:, :, :n], v_buf[:, :, :n]
+    layer._mps_ext_kv = (k_buf, v_buf, layer.keys, layer.values)
+    return layer.keys, layer.values
+
+
 def cache_update(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs=None, *,
                  reference: bool = False):
     """cache.update(key_states, value_states, layer_idx), for a
     DynamicLayer (_appends) in one torch.ops.mps_ext.kv_append dispatch:
     the layer's keys and values are views [:, :, :n] of buffers with spare
-    capacity (KV_STEP positions at a time), the new rows written in place.
-    The layer holds what DynamicLayer.update would leave (its keys and
-    values of n positions, dtype, device, is_initialized), so
+    capacity (KV_STEP positions at a time, _slot), the new rows written in
+    place. The layer holds what DynamicLayer.update would leave (its keys
+    and values of n positions, dtype, device, is_initialized), so
     get_seq_length, the masks, crop, reorder and generate see the same
-    cache. A buffer is made anew, one copy of the cache, when it is full or
-    the layer's keys are not the views last set here (the first update, or
-    after crop, reorder, reset, batch_repeat_interleave, a torch.cat of the
-    layer's own update). `kwargs`: what the release passes update besides
-    (None: nothing). `reference`: torch's copies for kv_append (the probe's
-    path), wherever the kernel would run."""
-    if not _appends(cache, key_states, value_states, layer_idx, not reference):
+    cache. `kwargs`: what the release passes update besides (None:
+    nothing). `reference`: torch's copies for kv_append (the probe's path),
+    wherever the kernel would run."""
+    slot = _slot(cache, layer_idx, key_states, value_states, tuple(key_states.shape)) if _appends(
+        cache, key_states, value_states, layer_idx, not reference) else None
+    if slot is None:
         return _release_update(cache, key_states, value_states, layer_idx, kwargs)
-    layer = cache.layers[layer_idx]
-    if not layer.is_initialized:
-        layer.lazy_initialization(key_states, value_states)
-    b, h, t, d = key_states.shape
-    held = layer.__dict__.get("_mps_ext_kv")
-    n = 0 if held is None else held[2].shape[-2]
-    if held is None or layer.keys is not held[2] or layer.values is not held[3] or n + t > held[0].shape[2] or \
-            held[0].shape[:2] != (b, h) or held[0].shape[3] != d or held[0].dtype != key_states.dtype or \
-            held[0].device != key_states.device:
-        old_k, old_v = layer.keys, layer.values
-        n = old_k.shape[-2] if old_k.numel() else 0
-        if n and (old_k.shape[:2] != (b, h) or old_k.shape[3] != d or old_v.shape != old_k.shape
-                  or old_k.dtype != key_states.dtype or old_v.dtype != key_states.dtype):
-            return _release_update(
-                cache, key_states, value_states, layer_idx, kwargs
-            )  # torch.cat would raise or promote
-        capacity = -(-(n + t) // KV_STEP) * KV_STEP
-        k_buf = key_states.new_empty((b, h, capacity, d))
-        v_buf = key_states.new_empty((b, h, capacity, d))
-        if n:
-            k_buf[:, :, :n].copy_(old_k)
-            v_buf[:, :, :n].copy_(old_v)
-        held = (k_buf, v_buf)
-    else:
-        held = held[:2]
-    (kv_append_reference if reference else torch.ops.mps_ext.kv_append)(held[0], held[1], key_states, value_states, n)
-    layer.keys, layer.values = held[0][:, :, :n + t], held[1][:, :, :n + t]
-    layer._mps_ext_kv = (*held, layer.keys, layer.values)
-    return layer.keys, layer.values
+    k_buf, v_buf, n = slot
+    (kv_append_reference if reference else torch.ops.mps_ext.kv_append)(k_buf, v_buf, key_states, value_states, n)
+    return _filled(cache.layers[layer_idx], k_buf, v_buf, n + key_states.shape[-2])
+
+
+def qk_norm_rope_append(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, q_norm: nn.Module | None, k_norm: nn.Module | None, cache,
+                        layer_idx: int):
+    """qk_norm_rope then cache_update (query, key and value [B, T, H, D],
+    the projections' outputs viewed as heads) in one
+    torch.ops.mps_ext.qk_norm_rope_append dispatch, where both would run
+    their kernels (qk_op_args, _appends): the keys are normed and rotated
+    straight into the cache's buffer and the values copied beside them,
+    where kv_append would copy both again in a second dispatch; bit for bit
+    what the two give. Returns (query_states, keys, values) as the two
+    would; None where they must run instead."""
+    args = qk_op_args(query, key, cos, sin, q_norm, k_norm)
+    if args is None or not _appends(cache, key, value, layer_idx, True):
+        return None
+    b, t, h, d = key.shape
+    slot = _slot(cache, layer_idx, key, value, (b, h, t, d))
+    if slot is None:
+        return None
+    k_buf, v_buf, n = slot
+    query_states = torch.ops.mps_ext.qk_norm_rope_append(query, key, value, cos, sin, *args, k_buf, v_buf, n)
+    return (query_states, *_filled(cache.layers[layer_idx], k_buf, v_buf, n + t))
 
 
 class _Ops(typing.NamedTuple):
     qk: typing.Callable
     gate: typing.Callable
     cache: typing.Callable
+    # qk and cache in one call where it can (else None: then qk and cache run); None: never
+    qk_append: typing.Callable | None = None
 
 
-_KERNELS = _Ops(qk_norm_rope, sigmoid_gate, cache_update)
+_KERNELS = _Ops(qk_norm_rope, sigmoid_gate, cache_update, qk_norm_rope_append)
 _REFERENCE = _Ops(qk_norm_rope_reference, sigmoid_gate_reference, functools.partial(cache_update, reference=True))
 
 

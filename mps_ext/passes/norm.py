@@ -39,7 +39,8 @@ from torch import nn
 from ._protocol import Pass, mismatch
 from ._runtime import kernels_for
 
-__all__ = ["FusedRMSNorm", "NormPass", "add_rms_norm", "add_then_norm", "qk_norm_rope", "qk_norm_rope_reference"]
+__all__ = ["FusedRMSNorm", "NormPass", "add_rms_norm", "add_then_norm", "qk_norm_rope", "qk_norm_rope_reference",
+           "qk_op_args"]
 
 VARIANTS = ("weight", "zero_centred")
 MAX_ROW = 1024 * 8  # norm_params.h: RMS_NORM_MAX_THREADS * RMS_NORM_PER_THREAD
@@ -252,6 +253,19 @@ def _op_takes(q, k, cos, sin, qn, kn) -> bool:
     return kernels_for(q, "norm")
 
 
+def qk_op_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               q_norm: nn.Module | None, k_norm: nn.Module | None) -> tuple | None:
+    """(q_weight, k_weight, eps, variant): what torch.ops.mps_ext.qk_norm_rope
+    (and qk_norm_rope_append) take after q, k, cos and sin, where it runs
+    these (qk_norm_rope's docstring); None where it does not."""
+    qn, kn = _norm_of(q_norm), _norm_of(k_norm)
+    if qn is None or kn is None or not _op_takes(q, k, cos, sin, qn, kn):
+        return None
+    given = [n for n in (qn, kn) if n[0] is not None]
+    eps, variant = given[0][1:] if given else (1e-6, "weight")  # no norm: unused
+    return qn[0], kn[0], eps, variant
+
+
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  q_norm: nn.Module | None = None, k_norm: nn.Module | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,11 +283,9 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     one eps and variant; elsewhere (no CPU backend asked for, under torch.compile, where
     autograd needs a derivative, other dtypes or norms) the same steps with
     torch's ops and the norm modules themselves."""
-    qn, kn = _norm_of(q_norm), _norm_of(k_norm)
-    if qn is not None and kn is not None and _op_takes(q, k, cos, sin, qn, kn):
-        given = [n for n in (qn, kn) if n[0] is not None]
-        eps, variant = given[0][1:] if given else (1e-6, "weight")  # no norm: unused
-        return torch.ops.mps_ext.qk_norm_rope(q, k, cos, sin, qn[0], kn[0], eps, variant)
+    args = qk_op_args(q, k, cos, sin, q_norm, k_norm)
+    if args is not None:
+        return torch.ops.mps_ext.qk_norm_rope(q, k, cos, sin, *args)
     return qk_norm_rope_reference(q, k, cos, sin, q_norm, k_norm)
 
 

@@ -42,6 +42,13 @@ def without_swap(monkeypatch, model):
         return mps_ext.optimize(model)
 
 
+def qk_calls(report) -> int:
+    """The calls of qk_norm_rope and of qk_norm_rope_append (the same with
+    the KV cache append, where the layer has a DynamicCache) that ran."""
+    ops = report.families["norm"].ops
+    return sum(ops[op].ran for op in ("mps_ext::qk_norm_rope", "mps_ext::qk_norm_rope_append") if op in ops)
+
+
 # ----------------------------------------------------------- results --
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "fp8"])
 @pytest.mark.parametrize("name", list(ATTENTION))
@@ -74,9 +81,8 @@ def test_swapped_attention_matches_the_model_without_it(figures, monkeypatch, na
         theirs = prefill_and_decode(apart, prompt, step)
     figures.families = report.ran_kernels()
     # One call per attention layer and forward (prefill, decode); none without the swap.
-    assert report.families["norm"].ops["mps_ext::qk_norm_rope"].ran == 2 * len(layers)
-    assert "mps_ext::qk_norm_rope" not in theirs_report.families["norm"].ops or \
-        not theirs_report.families["norm"].ops["mps_ext::qk_norm_rope"].ran
+    assert qk_calls(report) == 2 * len(layers)
+    assert not qk_calls(theirs_report)
     assert torch.equal(ours[1], theirs[1])
     assert torch.equal(ours[0], theirs[0])
     for what, i in (("prefill", 0), ("decode", 1)):
@@ -95,7 +101,7 @@ def test_a_rotary_size_off_the_lanes_sums_in_another_order(monkeypatch):
     with run_model(RELEASE) as report:
         ours = prefill_and_decode(model, prompt, step)
         theirs = prefill_and_decode(apart, prompt, step)
-    assert report.families["norm"].ops["mps_ext::qk_norm_rope"].ran == 2
+    assert qk_calls(report) == 2
     for o, t in zip(ours, theirs):
         assert rel_err(o, t) <= 1e-6
 
@@ -113,22 +119,23 @@ def test_cpu_tensors_without_the_executor_run_the_models_steps(monkeypatch):
 
 # ----------------------------------------------------------- host calls and dispatches --
 # (layer kind, the norm and rotary calls qk_norm_rope stands for, the calls
-# sigmoid_gate and kv_append save: DynamicCache's 2 torch.cat become 1
-# kv_append; Qwen3.6's output gate, a copy of the strided gate, sigmoid and
-# mul, 1 sigmoid_gate)
-CENSUS = {"Qwen3-30B-A3B": ("full_attention+moe", 12, 1),
+# sigmoid_gate and the cache append save: DynamicCache's 2 torch.cat become
+# none, the append being in qk_norm_rope's call (qk_norm_rope_append);
+# Qwen3.6's output gate, a copy of the strided gate, sigmoid and mul, 1
+# sigmoid_gate)
+CENSUS = {"Qwen3-30B-A3B": ("full_attention+moe", 12, 2),
           # partial rotary: a cat more for q and for k
-          "Qwen3.6-35B-A3B": ("full_attention+moe", 14, 1 + 2),
-          "LFM2.5-8B-A1B": ("full_attention+moe", 12, 1)}
+          "Qwen3.6-35B-A3B": ("full_attention+moe", 14, 2 + 2),
+          "LFM2.5-8B-A1B": ("full_attention+moe", 12, 2)}
 
 
 @pytest.mark.parametrize("model_name", list(CENSUS))
 def test_an_attention_layer_loses_its_norm_and_rope_calls(monkeypatch, model_name):
     """benchmarks/census.py, one decode token after 8 of context, torch
     2.15's policy: an attention layer's 2 norms and the rotary embedding's
-    10 (partial rotary: 12) ops become one call of one dispatch, eager, the
-    cache's 2 torch.cat one kv_append and Qwen3.6's output gate (3 calls)
-    one sigmoid_gate; compiled, the count does not change (the layer leaves
+    10 (partial rotary: 12) ops and the cache's 2 torch.cat become one call
+    of one dispatch (qk_norm_rope_append), eager, and Qwen3.6's output gate
+    (3 calls) one sigmoid_gate; compiled, the count does not change (the layer leaves
     them to Inductor, which fuses them with their neighbours)."""
     from benchmarks import census
     spec = census.MODELS[model_name]
@@ -193,7 +200,7 @@ def test_state_dict_module_tree_and_a_second_optimize(monkeypatch):
     prompt, step = ids(), ids(1, seed=2)
     with run_model(RELEASE) as report:
         prefill_and_decode(clone, prompt, step)
-    assert report.families["norm"].ops["mps_ext::qk_norm_rope"].ran == 2
+    assert qk_calls(report) == 2
 
 
 def _interleaved_rope(q, k, cos, sin, unsqueeze_dim=1):
@@ -224,8 +231,7 @@ def test_an_attention_whose_rope_is_not_rotate_half_is_left(monkeypatch):
     assert not hasattr(model.model.layers[0].self_attn, "_mps_ext_attention")
     with run_model(RELEASE) as report:
         got = prefill_and_decode(model, prompt, step)
-    assert not report.families["norm"].ops.get("mps_ext::qk_norm_rope") or \
-        not report.families["norm"].ops["mps_ext::qk_norm_rope"].ran
+    assert not qk_calls(report)
     for g, w in zip(got, want):
         assert rel_err(g, w) < 1e-5
 
@@ -271,7 +277,7 @@ def test_dense_qwen3_and_lfm2(monkeypatch, name):
     with run_model(RELEASE) as report:
         ours = prefill_and_decode(model, prompt, step)
         theirs = prefill_and_decode(apart, prompt, step)
-    assert report.families["norm"].ops["mps_ext::qk_norm_rope"].ran == 2 * len(layers)
+    assert qk_calls(report) == 2 * len(layers)
     for o, t in zip(ours, theirs):
         assert torch.equal(o, t)
 
@@ -321,6 +327,19 @@ def gated_and_cached(monkeypatch, name, kind):
     return mps_ext.optimize(make(name, dtype, **HEAD.get(name, {}))), dtype
 
 
+def decode_twice(model, name):
+    """test_gate_and_cache_append_change_no_bit's decode: 10 greedy tokens,
+    crop(-3) where the cache crops (Qwen3-MoE's), 4 more after 3 tokens of
+    a second prompt; (the first logits, the second, the cache's length
+    after the first, the cache)."""
+    first, cache = greedy(model, ids(), 10)
+    length = cache.get_seq_length()
+    if name == "qwen3_moe":
+        cache.crop(-3)
+    second, cache = greedy(model, first.argmax(-1)[-3:].T, 4, cache)
+    return first, second, length, cache
+
+
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "fp8"])
 @pytest.mark.parametrize("name", list(ATTENTION))
 def test_gate_and_cache_append_change_no_bit(monkeypatch, name, kind):
@@ -329,28 +348,23 @@ def test_gate_and_cache_append_change_no_bit(monkeypatch, name, kind):
     same cache, after crop(-3) where the cache crops (Qwen3-MoE's; the
     hybrid caches of Qwen3.5-MoE and LFM2-MoE crop only after
     activate_past_recording):
-    the logits of the optimized model with sigmoid_gate and kv_append equal
+    the logits of the optimized model with sigmoid_gate and the cache append
+    (qk_norm_rope_append) equal
     those of the same model with the model's gate line and
     DynamicCache.update, bit for bit (float32 with an output gate: within
     float32's rounding, the exp of sigmoid being the C library's, not
     torch's SLEEF one); the caches hold the same keys and values, as
     transformers sees them, the layers' own DynamicLayer (views of buffers
-    with room to grow); one kv_append per attention layer and forward, one
-    sigmoid_gate per gated layer and forward, no torch.cat."""
+    with room to grow); one qk_norm_rope_append per attention layer and
+    forward, one sigmoid_gate per gated layer and forward, no torch.cat."""
     layers = ATTENTION[name][0]
     model, dtype = gated_and_cached(monkeypatch, name, kind)
     assert attention_layers(model) == layers
-    prompt = ids()
     gated = name == "qwen3_5_moe"
     crops = name == "qwen3_moe"
 
     def run():
-        first, cache = greedy(model, prompt, 10)
-        length = cache.get_seq_length()
-        if crops:
-            cache.crop(-3)
-        second, cache = greedy(model, first.argmax(-1)[-3:].T, 4, cache)
-        return first, second, length, cache
+        return decode_twice(model, name)
 
     with run_model(RELEASE) as report:
         ours, ours2, ours_len, cache = run()
@@ -358,9 +372,12 @@ def test_gate_and_cache_append_change_no_bit(monkeypatch, name, kind):
         m.setattr(fused_attention, "_KERNELS", _APART)
         theirs, theirs2, theirs_len, stock_cache = run()
     forwards = 11 + 5
-    assert ran(report, "mps_ext::kv_append") == forwards * len(layers)
+    # every append in the norm and rotary dispatch (qk_norm_rope_append), none on its own (kv_append)
+    assert ran(report, "mps_ext::qk_norm_rope_append") == forwards * len(layers)
+    assert not ran(report, "mps_ext::kv_append")
     assert ran(report, "mps_ext::sigmoid_gate") == forwards * gated
     assert not ran(theirs_report, "mps_ext::kv_append") and not ran(theirs_report, "mps_ext::sigmoid_gate")
+    assert not ran(theirs_report, "mps_ext::qk_norm_rope_append")
     assert ours_len == theirs_len == PROMPT + 10
     if gated and dtype == torch.float32:
         assert rel_err(ours, theirs) <= 1e-6 and rel_err(ours2, theirs2) <= 1e-6
@@ -377,9 +394,50 @@ def test_gate_and_cache_append_change_no_bit(monkeypatch, name, kind):
         )
 
 
+# The kernels' path before the cache append joined the norm and rotary
+# dispatch: qk_norm_rope, then kv_append.
+_UNFUSED = fused_attention._KERNELS._replace(qk_append=None)
+
+
+@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16", "fp8"])
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_cache_append_in_the_rope_dispatch_changes_no_bit(monkeypatch, name, kind):
+    """qk_norm_rope_append against the two dispatches it replaces
+    (qk_norm_rope, then kv_append), on the executor, whole models: the
+    logits of decode_twice (the cache buffers growing twice, a crop, a
+    second prompt), the caches' keys and values, and greedy generate's
+    tokens, bit for bit; one qk_norm_rope_append per attention layer and
+    forward and no qk_norm_rope or kv_append, against one of each."""
+    layers = ATTENTION[name][0]
+    if kind == "float16":
+        monkeypatch.setattr(fused_attention, "KV_STEP", GROWTH)
+        model = mps_ext.optimize(make(name, torch.float16, **HEAD.get(name, {})))
+    else:
+        model = gated_and_cached(monkeypatch, name, kind)[0]
+    ops = ("qk_norm_rope_append", "qk_norm_rope", "kv_append")
+    runs = {}
+    for label, kernels in (("fused", fused_attention._KERNELS), ("unfused", _UNFUSED)):
+        with monkeypatch.context() as m:
+            m.setattr(fused_attention, "_KERNELS", kernels)
+            with run_model(RELEASE) as report:
+                first, second, _, cache = decode_twice(model, name)
+            with run_model(RELEASE):
+                tokens = model.generate(ids(), max_new_tokens=6, do_sample=False)
+        runs[label] = (first, second, cache_contents(cache), tokens, {op: ran(report, f"mps_ext::{op}") for op in ops})
+    fused, unfused = runs["fused"], runs["unfused"]
+    assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
+    for (k, v), (uk, uv) in zip(fused[2], unfused[2], strict=True):
+        assert torch.equal(k, uk) and torch.equal(v, uv)
+    assert torch.equal(fused[3], unfused[3])
+    calls = (11 + 5) * len(layers)  # decode_twice's forwards, one append per attention layer
+    assert fused[4] == {"qk_norm_rope_append": calls, "qk_norm_rope": 0, "kv_append": 0}
+    assert unfused[4] == {"qk_norm_rope_append": 0, "qk_norm_rope": calls, "kv_append": calls}
+
+
 def test_no_cat_clone_sigmoid_or_mul_left(monkeypatch):
     """The aten calls of a gated attention layer's decode step (Qwen3.6's,
-    in the census's trace): one kv_append and one sigmoid_gate, no clone,
+    in the census's trace): one qk_norm_rope_append (the cache append in
+    the norm and rotary call) and one sigmoid_gate, no kv_append, clone,
     cat, sigmoid or mul; without the two changes, all of them."""
     from benchmarks import census
     tiny = census.tiny_model(census.MODELS["Qwen3.6-35B-A3B"])
@@ -393,15 +451,16 @@ def test_no_cat_clone_sigmoid_or_mul_left(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(fused_attention, "_KERNELS", _APART)
         theirs = ops(tiny)
-    assert ours.count("kv_append") == 1 and ours.count("sigmoid_gate") == 1
-    assert not {"clone", "cat", "sigmoid", "mul", "copy_"} & set(ours), ours
+    assert ours.count("qk_norm_rope_append") == 1 and ours.count("sigmoid_gate") == 1
+    assert not {"kv_append", "qk_norm_rope", "clone", "cat", "sigmoid", "mul", "copy_"} & set(ours), ours
     assert theirs.count("cat") == 2 and {"clone", "sigmoid", "mul"} <= set(theirs), theirs
 
 
 @mps_ext_executor.request()  # traced inside request(): the kernels' path, the one a Mac takes
 def test_compiled_gate_and_cache(monkeypatch):
     """Compiled (fullgraph): the model's own gate line and cache update in
-    the graph (no sigmoid_gate, no kv_append), the eager model's logits."""
+    the graph (no sigmoid_gate, no kv_append or qk_norm_rope_append), the
+    eager model's logits."""
     from test_fp8_flows import Float8Inspector
     monkeypatch.setattr(fused_attention, "KV_STEP", GROWTH)
     model = mps_ext.optimize(make("qwen3_5_moe", torch.bfloat16))
@@ -410,7 +469,7 @@ def test_compiled_gate_and_cache(monkeypatch):
     torch._dynamo.reset()
     inspector = Float8Inspector()
     got, _ = greedy(torch.compile(model, backend=inspector.backend, fullgraph=True), prompt, 5)
-    assert not {"sigmoid_gate", "kv_append"} & set(inspector.mps_ext_ops)
+    assert not {"sigmoid_gate", "kv_append", "qk_norm_rope_append"} & set(inspector.mps_ext_ops)
     torch.testing.assert_close(got, want)
 
 

@@ -94,9 +94,11 @@ def test_matches_transformers_modules(device, kind, dtype, shape):
 
 
 def test_every_kernel_is_tested():
-    # test_matches_transformers_modules, test_qk_norm_rope_bit_identical_to_transformers and
+    # test_matches_transformers_modules, test_qk_norm_rope_bit_identical_to_transformers,
+    # test_qk_norm_rope_append_is_qk_norm_rope_then_kv_append and
     # test_add_rms_norm_is_torchs_add_then_rms_norm run each dtype's kernels.
-    assert host_names("norm") == {f"{op}_{t}" for op in ("rms_norm", "add_rms_norm", "qk_norm_rope")
+    assert host_names("norm") == {f"{op}_{t}" for op in ("rms_norm", "add_rms_norm", "qk_norm_rope",
+                                                         "qk_norm_rope_append")
                                   for t in ("f32", "f16", "bf16")}
 
 
@@ -476,6 +478,121 @@ def test_qk_norm_rope_in_a_qwen3_5_attention():
         assert g.shape == w.shape
         torch.testing.assert_close(g, w, rtol=0.016, atol=0.016)  # bfloat16's last place at 1 to 2
         assert float((g != w).double().mean()) <= 0.02  # mean's sum order: rarely a rounding
+
+
+# ------------------------------------------------ qk_norm_rope_append --
+# qk_norm_rope with the KV cache append in its dispatch: what it replaces is
+# qk_norm_rope, then kv_append of its k and of v (the model's
+# v_proj(...).view(heads).transpose(1, 2)) into the cache.
+# (batch, tokens, q heads, k heads, head_dim, rotary_dim): a decode token of
+# each model the census counts (Qwen3-30B-A3B, Qwen3.6-35B-A3B,
+# LFM2.5-8B-A1B: their real head counts, heads spread over threadgroups),
+# and a prefill of 17 tokens (a token's heads in one threadgroup).
+APPEND_CASES = [("qwen3", (1, 1, 32, 4, 128, 128)), ("qwen3_5", (1, 1, 16, 2, 256, 64)),
+                ("lfm2", (1, 1, 32, 8, 64, 64)), ("lfm2", (1, 17, 6, 2, 64, 64))]
+APPEND_CAPACITY, APPEND_START = 32, 7
+
+
+def append_inputs(kind, shape, dtype):
+    """q, k, v as the attention views them (v: the last block of a fused
+    q/k/v projection's columns, strided), cos, sin, the norm weights, and
+    caches [b, hk, capacity, d] holding other values (so that a row written
+    where it should not be shows)."""
+    b, t, hq, hk, d, r = shape
+    q, k = heads(b, t, hq, hk, d, dtype, kind)
+    v = sample((b, t, 3 * hk * d), dtype, seed=6)[..., hk * d:2 * hk * d].view(b, t, hk, d)
+    cos, sin = rotary(b, t, r, dtype)
+    qm, km = qk_modules(kind, d, dtype)
+    caches = [sample((b, hk, APPEND_CAPACITY, d), dtype, seed=s) for s in (7, 8)]
+    return q, k, v, cos, sin, qm.weight.detach(), km.weight.detach(), caches
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind,shape", APPEND_CASES, ids=[f"{k}-{'x'.join(map(str, s))}" for k, s in APPEND_CASES])
+def test_qk_norm_rope_append_is_qk_norm_rope_then_kv_append(device, kind, shape, dtype):
+    """Any values: q_out and both whole caches bit for bit what qk_norm_rope
+    then kv_append (two dispatches) leave, in one dispatch that writes q_out
+    and the new k and v rows once, and nothing else of the caches."""
+    q, k, v, cos, sin, qw, kw, caches = append_inputs(kind, shape, dtype)
+    variant = MODULES[kind][1]
+    on = (lambda t: t.to("mps")) if device == "mps" else (lambda t: t)
+    want_q, k_rows = torch.ops.mps_ext.qk_norm_rope(*map(on, (q, k, cos, sin, qw, kw)), 1e-6, variant)
+    want_kc, want_vc = (on(c.clone()) for c in caches)
+    torch.ops.mps_ext.kv_append(want_kc, want_vc, k_rows, on(v).transpose(1, 2), APPEND_START)
+    kc, vc = (on(c.clone()) for c in caches)
+    with cpu_metal.record(counters=device == "executor") as rec:
+        got_q = torch.ops.mps_ext.qk_norm_rope_append(*map(on, (q, k, v, cos, sin, qw, kw)), 1e-6, variant, kc, vc,
+                                                       APPEND_START)
+    assert got_q.shape == want_q.shape and got_q.is_contiguous()
+    assert torch.equal(got_q.cpu(), want_q.cpu())
+    assert torch.equal(kc.cpu(), want_kc.cpu()) and torch.equal(vc.cpu(), want_vc.cpu())
+    if device == "executor":
+        (disp,) = rec.dispatches
+        assert disp.kernel == "qk_norm_rope_append_" + KERNEL[dtype]
+        assert disp.bytes_written == {0: got_q.nbytes, 1: k.nbytes, 2: v.nbytes}
+
+
+def test_qk_norm_rope_append_one_dispatch_for_two():
+    """A Qwen3-30B-A3B decode token: the fused dispatch moves what the two
+    it replaces move but the k rows' round trip through memory (written by
+    qk_norm_rope, read by kv_append), coalesced, no private stack, no bank
+    conflicts, no 64-bit division."""
+    dtype = torch.bfloat16
+    q, k, v, cos, sin, qw, kw, caches = append_inputs("qwen3", APPEND_CASES[0][1], dtype)
+    # Tensors of their own: the executor counts a buffer's bytes by address.
+    q, k, v = (x.clone() for x in (q, k, v))
+    with cpu_metal.record(counters=True) as two:
+        _, k_rows = torch.ops.mps_ext.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)
+        torch.ops.mps_ext.kv_append(*(c.clone() for c in caches), k_rows, v.transpose(1, 2), APPEND_START)
+    with cpu_metal.record(counters=True) as one:
+        torch.ops.mps_ext.qk_norm_rope_append(q, k, v, cos, sin, qw, kw, 1e-6, "weight", *caches, APPEND_START)
+    (disp,) = one.dispatches
+    assert len(two.dispatches) == 2
+    # The tensors' bytes (not the parameter struct, the last buffer, which every thread reads).
+    moved = [sum(n for i, n in d.bytes_read.items() if i != max(d.bytes_read)) + sum(d.bytes_written.values())
+             for d in (*two.dispatches, disp)]
+    # The fused kernel spreads v's rows over threadgroups of their own, which
+    # read cos, sin and the weights too: at most those more.
+    staged = 2 * cos.nbytes + qw.nbytes + kw.nbytes
+    assert moved[0] + moved[1] - 2 * k.nbytes <= moved[2] <= moved[0] + moved[1] - 2 * k.nbytes + staged
+    assert max(disp.coalescing.values()) <= 1.1, disp.coalescing
+    assert disp.kernel_info.private_bytes == 0 and disp.bank_conflict_cycles == 0 and disp.int64_divisions == 0
+
+
+def _append_args(**change):
+    args = dict(_qk_args(), v=torch.zeros(1, 2, 2, 64), k_cache=torch.zeros(1, 2, 8, 64),
+                v_cache=torch.zeros(1, 2, 8, 64), start=3)
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(v=torch.zeros(1, 2, 3, 64)), r"qk_norm_rope_append: v must be k's shape \[1, 2, 2, 64\]"),
+    (dict(v=torch.zeros(1, 2, 2, 64, dtype=torch.float16)), "v must be k's shape .* dtype and device, got .* Half"),
+    (dict(start=7), "qk_norm_rope_append: rows 7 to 9 do not fit a cache of capacity 8"),
+    (dict(start=-1), "rows -1 to 1 do not fit"),
+    (dict(k_cache=torch.zeros(1, 3, 8, 64), v_cache=torch.zeros(1, 3, 8, 64)),
+     r"k_cache and v_cache must be contiguous \[1, 2, capacity, 64\] of one shape, got \[1, 3, 8, 64\]"),
+    (dict(v_cache=torch.zeros(1, 2, 9, 64)), "of one shape, got .* and \\[1, 2, 9, 64\\]"),
+    (dict(k_cache=torch.zeros(1, 2, 64, 8).transpose(2, 3)), r"\(not contiguous\)"),
+    (dict(k_cache=torch.zeros(1, 2, 8, 64, dtype=torch.float16)), "k_cache and v_cache must be q's dtype"),
+    (dict(q=torch.zeros(2, 4, 64)), r"qk_norm_rope_append: q and k must be 4-D"),
+])
+def test_qk_norm_rope_append_bad_input(change, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.mps_ext.qk_norm_rope_append(**_append_args(**change))
+
+
+def test_qk_norm_rope_append_meta():
+    """The fake kernel gives q_out [B, Hq, T, D] of q's dtype; the caches
+    are written in place (the schema's (a!), (b!))."""
+    meta = {n: (t.to("meta") if isinstance(t, torch.Tensor) else t) for n, t in _append_args().items()}
+    qo = torch.ops.mps_ext.qk_norm_rope_append(**meta)
+    assert qo.shape == (1, 4, 2, 64) and qo.device.type == "meta"
+    schema = torch.ops.mps_ext.qk_norm_rope_append.default._schema
+    assert [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write] == [
+        "k_cache", "v_cache"]
 
 
 # ------------------------------------------------------ add_rms_norm --
