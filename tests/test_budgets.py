@@ -430,16 +430,10 @@ UNEXAMINED_FIGURES: dict[str, tuple[int, int]] = {
     "lu_solve_c64_1": (2, 3), "lu_solve_c64_4": (10, 12), "lu_solve_c64_16": (2, 48),
     **{k: (8, 0) for k in LU_UNPACK},
 }
-# Where the prefill tiles miss steel's matrix efficiency (figures of benchmarks/efficiency.py: the MMAs' share of the
-# estimated issue slots, and the other slots per MMA).
-STEEL_GMM_F32 = ("float32, 128 rows over 8 experts (16 each), 768->2048: 0.213 of the slots on useful MMAs against "
-                 "steel's 0.238 (0.89x), though steel's 32 x 64 tile spends half its MMAs on padding rows; 66.7 other "
-                 "slots per MMA against 19.8")
 NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met yet}
     # (issue 32) the prefill tiles' useful MMA slots against MLX's steel GEMM's at the same shapes
     # (docs/dev/compute_efficiency.md has the whole table)
     "steel": {
-        "gmm_tiled_f32": STEEL_GMM_F32,
     },
     "coalescing": {
         "constant_pad_4_i32": PAD_SHORT_ROWS,
