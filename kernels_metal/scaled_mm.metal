@@ -284,36 +284,20 @@ struct Fp8TileJob {
   bool w_vec;
   // The weight pieces of this thread (rows n0 + w_row(i)), each row's scale
   // times the unit, and scale_b's offset of its row (its 32-bit division once).
-  uint4 wq[4], wq_next[4];
-  float ws[4], ws_next[4];
+  uint4 wq[4];
+  float ws[4];
   long sb_row[4];
   // VEC: the activation pieces (rows m0 + piece_row(i)) and their row's
-  // scale times the unit. Element loads: xe[q] element r: row m0 + 16 sg +
-  // 4 q + r, K index 32 s + lane; xs[j]: row m0 + 16 sg + j's scale times
-  // the unit, loaded with the first stage of each scale block.
-  uint4 xq[VEC ? 4 : 1], xq_next[VEC ? 4 : 1];
-  Quad xe[VEC ? 1 : 4], xe_next[VEC ? 1 : 4];
-  float xs[XQ], xs_next[XQ];
-
-  // The next lines' registers become the current ones.
-  MPS_EXT_INLINE void take_w() {
-    MPS_EXT_UNROLL
-    for (int i = 0; i < 4; ++i) wq[i] = wq_next[i], ws[i] = ws_next[i];
-  }
-  MPS_EXT_INLINE void take_x() {
-    MPS_EXT_UNROLL
-    for (int i = 0; i < (VEC ? 4 : 1); ++i) xq[i] = xq_next[i];
-    MPS_EXT_UNROLL
-    for (int i = 0; i < (VEC ? 1 : 4); ++i) xe[i] = xe_next[i];
-    MPS_EXT_UNROLL
-    for (int i = 0; i < XQ; ++i) xs[i] = xs_next[i];
-  }
+  // scale times the unit. Element loads: xs[j], row m0 + 16 sg + j at K
+  // index 32 s + lane, decoded and scaled when loaded.
+  uint4 xq[VEC ? 4 : 1];
+  float xs[XQ];
 
   MPS_EXT_INLINE int piece_row(int i) const { return 16 * int(sg) + 4 * i + int(lane / 8); }
   // Piece i's first element of K in its line, of 16 / e-element pieces.
   MPS_EXT_INLINE int piece_k(int i, int e) const { return int(2 * ((b2 + uint(i)) % 4) + odd) * (16 / e); }
 
-  // Line `line` of the weights (a scale block) into the next registers.
+  // Line `line` of the weights (a scale block), once its last stage is staged.
   MPS_EXT_INLINE void load_w(int line) {
     MPS_EXT_UNROLL
     for (int i = 0; i < 4; ++i) {
@@ -325,13 +309,13 @@ struct Fp8TileJob {
         for (int e = 0; e < 16; ++e)
           if (gk + e < K) u[e / 4] |= uint(w[gn * p->w_n_stride + long(gk + e) * p->w_k_stride]) << (8 * (e % 4));
       }
-      wq_next[i] = u;
-      ws_next[i] = gn < N && gk < K ? scale_b[sb_row[i] + long(line) * p->sb_k_stride] * fp8_unit(w_format) : 0.0f;
+      wq[i] = u;
+      ws[i] = gn < N && gk < K ? scale_b[sb_row[i] + long(line) * p->sb_k_stride] * fp8_unit(w_format) : 0.0f;
     }
   }
 
-  // The activations of stages [A_STAGES line, A_STAGES (line + 1)) into the
-  // next registers.
+  // The activations of stages [A_STAGES line, A_STAGES (line + 1)), once
+  // the previous line's last stage is staged.
   MPS_EXT_INLINE void load_x(int line) {
     const float unit = A::unit(a_format);
     if (VEC) {
@@ -346,7 +330,7 @@ struct Fp8TileJob {
           for (int e = 0; e < 16 / E; ++e)
             if (gk + e < K) A::put16(u, e, x[gm * p->a_row_stride + gk + e]);
         }
-        xq_next[i] = u;
+        xq[i] = u;
         // The scales of the instruction's 4 rows, each with one address for
         // all lanes: 4 rows' block scales in one load would span several
         // lines of a row-major scale_a.
@@ -357,35 +341,35 @@ struct Fp8TileJob {
           const float v = gr < M && line * LINE < K ? scale_a_at(*p, scale_a, gr, line * LINE / FP8_SCALE_BLOCK) : 0.0f;
           scale = uint(r) == lane / 8 ? v : scale;
         }
-        xs_next[i] = scale * unit;
+        xs[i] = scale * unit;
       }
-    } else {
+    } else {  // 4 rows' elements decoded at once, each row scaled by its own
       const int r0 = m0 + 16 * int(sg), gk = line * TS + int(lane);
-      if (line % 4 == 0) {  // a new scale block: each row's scale, one address for all lanes
-        MPS_EXT_UNROLL
-        for (int j = 0; j < 16; ++j)
-          xs_next[j] = r0 + j < M && line * TS < K ? scale_a_at(*p, scale_a, r0 + j, line / 4) * unit : 0.0f;
-      }
       const device typename A::T* at = x + r0 * p->a_row_stride + long(gk) * p->a_k_stride;
       MPS_EXT_UNROLL
       for (int q = 0; q < 4; ++q) {
         Quad v = Quad(0);
+        float4 scale;
         MPS_EXT_UNROLL
-        for (int r = 0; r < 4; ++r)
-          if (r0 + 4 * q + r < M && gk < K) A::put(v, r, at[(4 * q + r) * p->a_row_stride]);
-        xe_next[q] = v;
+        for (int r = 0; r < 4; ++r) {
+          const int row = r0 + 4 * q + r;
+          if (row < M && gk < K) A::put(v, r, at[(4 * q + r) * p->a_row_stride]);
+          // one address for all lanes
+          scale[r] = row < M && line * TS < K ? scale_a_at(*p, scale_a, row, line / 4) * unit : 0.0f;
+        }
+        const float4 f = A::quad(v, a_format) * scale;
+        MPS_EXT_UNROLL
+        for (int r = 0; r < 4; ++r) xs[4 * q + r] = f[r];
       }
     }
   }
 
   // Piece i (a lane-dependent index) of four: selects, not an indexed
-  // array, which would go to private memory.
+  // array, which would go to private memory. By value: selects between
+  // loads of one array would fold into a load at a run-time index.
   template <typename V>
-  static V pick(thread const V* v, uint i) {
-    V r = v[0];
-    r = i == 1 ? v[1] : r;
-    r = i == 2 ? v[2] : r;
-    return i == 3 ? v[3] : r;
+  MPS_EXT_INLINE static V pick(V v0, V v1, V v2, V v3, uint i) {
+    return i == 0 ? v0 : i == 1 ? v1 : i == 2 ? v2 : v3;
   }
 
   // 16 bytes of E-byte elements, decoded, scaled, at `to` (4 / E float4s).
@@ -401,7 +385,7 @@ struct Fp8TileJob {
   MPS_EXT_INLINE void stage(int s) const {  // s: the stage in its block
     {  // weights: one piece of the 4 (E = 1): m = s % 4
       const uint i = (uint(s) - b2) % 4;
-      put<ActFp8, 1>(Bs + piece_row(int(i)) * S + 16 * int(odd), pick(wq, i), pick(ws, i), w_format);
+      put<ActFp8, 1>(Bs + piece_row(int(i)) * S + 16 * int(odd), pick(wq[0], wq[1], wq[2], wq[3], i), pick(ws[0], ws[1], ws[2], ws[3], i), w_format);
     }
     if (VEC && E == 4) {  // all 4 pieces each stage, in any order: no picking
       MPS_EXT_UNROLL
@@ -410,15 +394,11 @@ struct Fp8TileJob {
       MPS_EXT_UNROLL
       for (int j = 0; j < E; ++j) {  // m = E (s % A_STAGES) + j
         const uint i = (uint(E * (s % A_STAGES) + j) - b2) % 4;
-        put<A, E>(As + piece_row(int(i)) * S + int(2 * uint(j) + odd) * (16 / E), pick(xq, i), pick(xs, i), a_format);
+        put<A, E>(As + piece_row(int(i)) * S + int(2 * uint(j) + odd) * (16 / E), pick(xq[0], xq[1], xq[2], xq[3], i), pick(xs[0], xs[1], xs[2], xs[3], i), a_format);
       }
-    } else {  // 4 rows' elements decoded at once, each row scaled by its own
+    } else {
       MPS_EXT_UNROLL
-      for (int q = 0; q < 4; ++q) {
-        const float4 v = A::quad(xe[q], a_format) * float4(xs[4 * q], xs[4 * q + 1], xs[4 * q + 2], xs[4 * q + 3]);
-        MPS_EXT_UNROLL
-        for (int r = 0; r < 4; ++r) As[(16 * int(sg) + 4 * q + r) * S + int(lane)] = v[r];
-      }
+      for (int j = 0; j < 16; ++j) As[(16 * int(sg) + j) * S + int(lane)] = xs[j];
     }
   }
 
@@ -482,26 +462,22 @@ kernel void fp8_mm_tile(device uchar* y [[buffer(0)]],
   for (int i = 0; i < 4; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
-  // Each stage's loads are those of the next stage's lines (the weights'
-  // every 4 stages, the activations' every A_STAGES), issued before the
-  // stage's barriers into a second set of registers, which the stage after
-  // takes: no load waits behind a barrier.
+  // A stage stages the lines in registers, then loads the next lines where
+  // it was the last stage of one (the weights' every 4 stages, the
+  // activations' every A_STAGES), in flight during its products. One set of
+  // registers (a second, as a prefetch that no barrier waits for, took
+  // 129-159 registers): those loads follow the stage's first barrier.
   const int stages = (job.K + TS - 1) / TS;
   job.load_w(0);
   job.load_x(0);
-  job.take_w();
-  job.take_x();
   for (int s = 0; s < stages; ++s) {
-    const int t = s + 1;  // (loads past K give zeros)
-    const bool new_w = t % 4 == 0, new_x = t % Job::A_STAGES == 0;
-    if (new_w) job.load_w(t / 4);
-    if (new_x) job.load_x(t / Job::A_STAGES);
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous stage's products are done with the tiles
     job.stage(s % 4);
+    const int t = s + 1;  // (loads past K give zeros)
+    if (t % 4 == 0) job.load_w(t / 4);
+    if (t % Job::A_STAGES == 0) job.load_x(t / Job::A_STAGES);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     job.products(acc);
-    if (new_w) job.take_w();
-    if (new_x) job.take_x();
   }
 
   threadgroup_barrier(mem_flags::mem_threadgroup);  // the outputs take the tiles
