@@ -430,10 +430,23 @@ UNEXAMINED_FIGURES: dict[str, tuple[int, int]] = {
     "lu_solve_c64_1": (2, 3), "lu_solve_c64_4": (10, 12), "lu_solve_c64_16": (2, 48),
     **{k: (8, 0) for k in LU_UNPACK},
 }
+# fp8_mm_tile's 64 x 64 tile (issue 32): its 128 threads hold each operand's next 128-byte line (whole lines a load
+# instruction: the coalescing budget) in registers until its last stage is staged, then load the next one after
+# that stage's first barrier. A second set of registers loaded before the barrier (a prefetch) took 129 to 159
+# registers, over MAX_REGISTERS; one set is 115 to 123.
+FP8_TILE_LOADS_AFTER_BARRIER = ("fp8_mm_tile: the next line's loads follow the stage's first barrier (104 to 156 "
+                                "device loads of the stage loop's iteration, executor estimate): prefetched into a "
+                                "second set of registers they took 129 to 159 registers; 256-thread tiles (half the "
+                                "registers a thread) would allow both, not done yet")
+STEEL_ELEMENT_LOADS = ("fp8_mm_tile's element-load variants (activations 1 byte off 16-byte alignment) at 128 rows, "
+                       "2048->768: fp8 0.386 of the slots on useful MMAs against steel's 0.450 (0.86x; 28.7 other "
+                       "slots per MMA against 22.0: each row's scale_a loaded again every stage), float32 0.4515 "
+                       "against 0.502 (0.899x; 21.9 against 17.8); steel is measured on aligned operands")
 NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met yet}
     # (issue 32) the prefill tiles' useful MMA slots against MLX's steel GEMM's at the same shapes
     # (docs/dev/compute_efficiency.md has the whole table)
     "steel": {
+        **{k: STEEL_ELEMENT_LOADS for k in ("fp8_mm_tile_fp8_scalar", "fp8_mm_tile_f32_scalar")},
     },
     "coalescing": {
         "constant_pad_4_i32": PAD_SHORT_ROWS,
@@ -450,6 +463,7 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
     "no_bank_conflicts": {},
     "decode_registers": {},
     "no_load_after_barrier": {
+        **{k: FP8_TILE_LOADS_AFTER_BARRIER for k in FP8_TILE},
     },
     "threadgroups_per_core": {},
     "threadgroup_memory_residency": {},
