@@ -439,13 +439,13 @@ inline uint frag_col(uint lane) { return ((lane / 4) & 2) * 2 + (lane % 2) * 2; 
 // or origin[c * stride + r] when transposed. A float tile is the
 // fragment's own type (one simdgroup_load); a 16-bit one is converted by
 // each lane, its two elements at (fr, fc) and (fr, fc + 1).
-inline void tile_frag(thread simdgroup_float8x8& f, threadgroup const float* origin, uint stride, bool transposed,
-                      uint, uint) {
+inline void tile_frag(
+    thread simdgroup_float8x8& f, threadgroup const float* origin, uint stride, bool transposed, uint, uint) {
   simdgroup_load(f, origin, stride, ulong2(0), transposed);
 }
 template <typename S>
-inline void tile_frag(thread simdgroup_float8x8& f, threadgroup const S* origin, uint stride, bool transposed, uint fr,
-                      uint fc) {
+inline void tile_frag(
+    thread simdgroup_float8x8& f, threadgroup const S* origin, uint stride, bool transposed, uint fr, uint fc) {
   if (transposed) {
     f.thread_elements()[0] = float(origin[fc * stride + fr]);
     f.thread_elements()[1] = float(origin[(fc + 1) * stride + fr]);

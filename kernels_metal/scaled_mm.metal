@@ -375,17 +375,17 @@ struct Fp8TileJob {
   // 16 bytes of E-byte elements, decoded, scaled, at `to` (4 / E float4s).
   template <typename D, int BYTES>
   MPS_EXT_INLINE static void put(threadgroup float* to, uint4 u, float scale, uint format) {
-    typedef typename D::Quad Q;
     MPS_EXT_UNROLL
-    for (int q = 0; q < 4 / BYTES; ++q)
-      *(threadgroup float4*)(to + 4 * q) = D::quad(D::quad_at(u, q), format) * scale;
+    for (int q = 0; q < 4 / BYTES; ++q) *(threadgroup float4*)(to + 4 * q) = D::quad(D::quad_at(u, q), format) * scale;
   }
 
-  // Stage s into the tiles: the weights' pieces of it and the activations'.
+  // Stage s into the tiles: the weights' pieces of it (one of a thread's 4:
+  // E = 1, m = s % 4) and the activations'.
   MPS_EXT_INLINE void stage(int s) const {  // s: the stage in its block
-    {  // weights: one piece of the 4 (E = 1): m = s % 4
+    {
       const uint i = (uint(s) - b2) % 4;
-      put<ActFp8, 1>(Bs + piece_row(int(i)) * S + 16 * int(odd), pick(wq[0], wq[1], wq[2], wq[3], i), pick(ws[0], ws[1], ws[2], ws[3], i), w_format);
+      put<ActFp8, 1>(Bs + piece_row(int(i)) * S + 16 * int(odd), pick(wq[0], wq[1], wq[2], wq[3], i),
+                     pick(ws[0], ws[1], ws[2], ws[3], i), w_format);
     }
     if (VEC && E == 4) {  // all 4 pieces each stage, in any order: no picking
       MPS_EXT_UNROLL
@@ -394,7 +394,8 @@ struct Fp8TileJob {
       MPS_EXT_UNROLL
       for (int j = 0; j < E; ++j) {  // m = E (s % A_STAGES) + j
         const uint i = (uint(E * (s % A_STAGES) + j) - b2) % 4;
-        put<A, E>(As + piece_row(int(i)) * S + int(2 * uint(j) + odd) * (16 / E), pick(xq[0], xq[1], xq[2], xq[3], i), pick(xs[0], xs[1], xs[2], xs[3], i), a_format);
+        put<A, E>(As + piece_row(int(i)) * S + int(2 * uint(j) + odd) * (16 / E), pick(xq[0], xq[1], xq[2], xq[3], i),
+                  pick(xs[0], xs[1], xs[2], xs[3], i), a_format);
       }
     } else {
       MPS_EXT_UNROLL
