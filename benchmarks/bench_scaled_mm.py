@@ -12,15 +12,16 @@ stock torch's bf16 F.linear against FP8Linear. (The conversions to and from
 fp8 are the fp8 family's: benchmarks/bench_fp8.py.)
 
 Prefill on the executor would take hours at these shapes, so it is measured
-on a block of 2 x 4 tiles (64 rows, 256 columns, the full K) and scaled by
-the number of tiles: every 32 x 64 tile of fp8_mm_tile does the same work
-(it reads 32 activation rows and 64 weight rows over all of K, and the
+on a block of 1 x 4 tiles (64 rows, 256 columns, the full K) and scaled by
+the number of tiles: every 64 x 64 tile of fp8_mm_tile does the same work
+(it reads 64 activation rows and 64 weight rows over all of K, and the
 scales of those, and writes its outputs), and every shape here is a whole
 number of tiles. --check measures one prefill shape in full and compares.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -34,17 +35,20 @@ from benchmarks.common import Case, Prepared, measure, run_as_script  # noqa: E4
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 DECODE_ROWS = [1, 2, 4, 8]
 PREFILL_ROWS = [128, 512, 2048]
-TILE_M, TILE_N = 32, 64  # fp8_params.h: FP8_TILE_M, FP8_TILE_N
-SAMPLE_M, SAMPLE_N = 2 * TILE_M, 4 * TILE_N  # the block prefill is measured on
+# fp8_mm_tile's outputs a threadgroup, FP8_TILE_M x FP8_TILE_N of the header the kernel and the host share
+TILE_M, TILE_N = (int(re.search(rf"#define FP8_TILE_{d} (\d+)", (Path(__file__).resolve().parents[1] / "kernels_metal"
+                                                                  / "fp8_params.h").read_text()).group(1))
+                  for d in "MN")
+SAMPLE_M, SAMPLE_N = TILE_M, 4 * TILE_N  # the block prefill is measured on
 EXPERT = (2048, 768, "Qwen3-30B-A3B expert up")
 NOTES = """\
 w read / size: bytes read from the fp8 weight over its size; bound: what the product may read (decode <= 1.02,
-prefill <= rows / 32: each 32-row tile reads the weight once). 16-byte loads: share of the weight bytes read with
+prefill <= rows / 64: each 64-row tile reads the weight once). 16-byte loads: share of the weight bytes read with
 16-byte loads. act read / w size: activation bytes read over the weight's size (decode: every threadgroup stages the
-activation rows once for its simdgroups, from the GPU's caches; prefill: every 32 x 64 tile reads its 32 rows, N / 64 times). bytes / min
+activation rows once for its simdgroups, from the GPU's caches; prefill: every 64 x 64 tile reads its 64 rows, N / 64 times). bytes / min
 counts every read, re-reads included; us @chip counts the weight bytes as read and every other operand once (the
 re-read activations and scales stay in the caches). Prefill rows (rows > 8) are scaled from a 64 x 256 sample block
-(2 x 4 tiles, full K) by the tile count. Times (stock bf16 F.linear against FP8Linear) only on a Mac."""  # noqa: E501
+(1 x 4 tiles, full K) by the tile count. Times (stock bf16 F.linear against FP8Linear) only on a Mac."""  # noqa: E501
 
 
 def tiles(rows, n):
@@ -95,7 +99,7 @@ def product(kind, act, rows, k, n, recipe, misaligned) -> Prepared:
         (d,) = stats
         wi = d.buffer("w")
         return {"w read / size": f"{read(stats, 'w') / (n * k):.3f}",
-                "bound": f"{rows / 32:.0f}" if prefill else "1.02",
+                "bound": f"{rows / TILE_M:.0f}" if prefill else "1.02",
                 "16-byte loads": f"{d.read_widths[wi].get(16, 0) * 16 / d.bytes_read[wi]:.0%}",
                 "act read / w size": f"{read(stats, 'x') / (n * k):.3f}"}
 

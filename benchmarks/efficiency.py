@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 import mps_ext_executor as cpu_metal
+from benchmarks import bench_scaled_mm
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = "mlx/backend/metal/kernels"
@@ -187,7 +188,6 @@ def figures(stats: list[cpu_metal.DispatchStats], useful_flops: int, operands: d
 
 # ------------------------------------------------- the benchmark's cases --
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-SAMPLE_M, SAMPLE_N_FP8 = 64, 256  # bench_scaled_mm's prefill sample block (2 x 4 tiles of 32 x 64)
 SAMPLE_N_GROUPED = 256  # bench_grouped_mm.SAMPLE_N
 
 
@@ -222,7 +222,7 @@ def shape_of(op: str, labels: dict[str, str]) -> Shape | None:
         k, n = (int(v) for v in labels["K->N"].split("->"))
         dtype = _DTYPES.get(labels["activation"], torch.bfloat16)
         act = dtype.itemsize if labels["activation"] in _DTYPES else 1
-        return Shape(dtype, SAMPLE_M, min(SAMPLE_N_FP8, n), k, 1, rows, n, act, 1)
+        return Shape(dtype, bench_scaled_mm.SAMPLE_M, min(bench_scaled_mm.SAMPLE_N, n), k, 1, rows, n, act, 1)
     if op == "grouped_mm":
         rows = int(labels["tokens / rows"])
         m = re.search(r"(\d+)->(\d+), (\d+) experts", labels["model"])
@@ -261,8 +261,8 @@ def our_figures(shape: Shape, stats: list[cpu_metal.DispatchStats]) -> Figures:
     mine = tiled(stats)
     act, weight = next(v for p, v in _OPERANDS.items() if mine[0].kernel.startswith(p))
     threadgroups = sum(d.total_threadgroups for d in mine)
-    if shape.groups == 1:  # a sample block of 32 x 64 tiles
-        scale = -(-shape.full_m // 32) * -(-shape.full_n // 64) / threadgroups
+    if shape.groups == 1:  # a sample block of fp8_mm_tile's tiles
+        scale = bench_scaled_mm.tiles(shape.full_m, shape.full_n) / threadgroups
     else:  # the grouped products: a sample of the columns
         scale = shape.full_n / shape.n
     return figures(mine, shape.useful_flops,

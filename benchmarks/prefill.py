@@ -120,7 +120,7 @@ KERNEL_EFFICIENCY = {
     "gmm_tiled": Efficiency(_TORCH_MATMUL.value, "mps_ext's MoE prefill tile, a variant without a counted figure "
                             "(MEASURED_EFFICIENCY): assumed torch's matmul's"),
     "fp8_mm_tile": Efficiency(0.12 * _TORCH_MATMUL.value,
-                              "mps_ext's fp8 prefill tile (32 x 64, weights re-read rows/32 times), a variant "
+                              "mps_ext's fp8 prefill tile (64 x 64, weights re-read rows/64 times), a variant "
                               "without a counted figure (MEASURED_EFFICIENCY): assumed 0.12 x torch's matmul, what "
                               "torch's own simdgroup fp8 GEMM measured against its bf16 one (pytorch PR 196916)"),
     "gemv": Efficiency(_TORCH_MATMUL.value, "mps_ext's GEMV (the LM head's one row: bandwidth-bound; its FLOPs "
@@ -134,14 +134,34 @@ KERNEL_EFFICIENCY = {
 # GEMM's at a prefill's shape, run on the executor from MLX's source, times steel's measured efficiency on the
 # Mac (_MLX_STEEL): the executor's ratio carried to the chip by MLX's published figure. Ours is the same at any
 # row count (one tile shape); steel's is the tile MLX picks for a prefill's rows.
-_COUNTED = {  # kernel prefix: (ours, steel's, what was counted)
-    "fp8_mm_tile_bf16": (0.437, 0.514, "fp8_mm_tile_bf16_vec 0.437; steel bf16 64x64x16 (MLX's tile at 2048 "
-                                       "rows) 0.514"),
-    "gmm_tiled_bf16": (0.190, 0.420, "gmm_tiled_bf16 0.190; steel bf16 64x32x32 with every row used (a prompt's "
-                                     "experts get 16 rows and more) 0.420"),
-    "gmm_tiled_e4m3": (0.162, 0.420, "gmm_tiled_e4m3 0.162; steel bf16 64x32x32 with every row used 0.420"),
+@dataclasses.dataclass(frozen=True)
+class Counted:
+    """A tile's counted figure, where it was counted, and steel's beside it.
+    tests/test_budgets.py::test_prefill_counted_figures_are_the_counters
+    recounts both (benchmarks.efficiency.compare) at the budgets' benchmark
+    case, so they cannot drift from the kernels."""
+
+    kernel: str  # the variant counted
+    op: str  # its benchmark (benchmarks/bench_<op>.py) ...
+    case: str  # ... and case id there
+    steel_rows: int | None  # steel's useful share at this many rows of the case's shape; None: all its MMAs' share
+    ours: float  # the variant's useful MMA share of issue slots at the case
+    steel: float
+    what: str
+
+
+_COUNTED = {  # kernel prefix: its counted figure
+    "fp8_mm_tile_bf16": Counted("fp8_mm_tile_bf16_vec", "scaled_mm", "fp8_linear 2048->768 bfloat16 rows=128 row",
+                                2048, 0.516, 0.514, "fp8_mm_tile_bf16_vec 0.516; steel bf16 64x64x16 (MLX's tile at "
+                                "2048 rows) 0.514"),
+    "gmm_tiled_bf16": Counted("gmm_tiled_bf16", "grouped_mm", "_grouped_mm bfloat16 bfloat16 rows=128 nk", None,
+                              0.203, 0.420, "gmm_tiled_bf16 0.203; steel bf16 64x32x32 with every row used (a "
+                              "prompt's experts get 16 rows and more) 0.420"),
+    "gmm_tiled_e4m3": Counted("gmm_tiled_e4m3", "grouped_mm", "_scaled_grouped_mm fp8 float8_e4m3fn rows=128 nk",
+                              None, 0.171, 0.420, "gmm_tiled_e4m3 0.171; steel bf16 64x32x32 with every row used "
+                              "0.420"),
 }
-MEASURED_EFFICIENCY: dict[str, float] = {k: ours / steel * _MLX_STEEL for k, (ours, steel, _) in _COUNTED.items()}
+MEASURED_EFFICIENCY: dict[str, float] = {k: c.ours / c.steel * _MLX_STEEL for k, c in _COUNTED.items()}
 # torch's CPU SDPA stands in for the Mac's in a trace on CPU: costed as torch's MPS SDPA.
 _SDPA_ON_MAC = "torch _scaled_dot_product_attention_math_for_mps"
 
@@ -151,10 +171,10 @@ def efficiency(kernel: str) -> tuple[float, str]:
     is one, else the assumption of KERNEL_EFFICIENCY; capped at
     MATRIX_CEILING."""
     if kernel in MEASURED_EFFICIENCY:
-        ours, steel, what = _COUNTED.get(kernel, (None, None, "counted"))
-        source = "counted (executor simdgroup-matrix counter)" if ours is None else (
-            f"counted: useful MMA share of issue slots on the executor, {what}: {ours / steel:.2f} x MLX's steel "
-            f"measured {_MLX_STEEL:.2f} of PEAK (raullenchai/Rapid-MLX PR 258)")
+        c = _COUNTED.get(kernel)
+        source = "counted (executor simdgroup-matrix counter)" if c is None else (
+            f"counted: useful MMA share of issue slots on the executor, {c.what}: {c.ours / c.steel:.2f} x MLX's "
+            f"steel measured {_MLX_STEEL:.2f} of PEAK (raullenchai/Rapid-MLX PR 258)")
         return min(MEASURED_EFFICIENCY[kernel], MATRIX_CEILING), source
     if kernel not in KERNEL_EFFICIENCY:
         raise KeyError(f"no efficiency for kernel {kernel!r}: add it to benchmarks/prefill.py KERNEL_EFFICIENCY "

@@ -73,9 +73,10 @@ struct Fp8MatmulParams {
 // within its weight bytes (8 x 4 per element of K against 1 per output).
 // Simdgroups of a threadgroup: decode_geometry (csrc/dispatch/kernel_choice.h).
 #define FP8_GEMV_OUTPUTS(R, A_BYTES) ((R) >= 4 && (R) * (A_BYTES) <= 16 ? 1 : 2)
-// Prefill tiles: a threadgroup of 4 simdgroups computes 32 x 64 outputs,
-// stepping K by one scale block (whole cache lines of every row it reads).
-#define FP8_TILE_M 32
+// Prefill tiles: a threadgroup of 4 simdgroups computes 64 x 64 outputs,
+// K in stages of 32 elements staged through threadgroup memory, loaded a
+// whole 128-byte line of every row at a time (scaled_mm.metal).
+#define FP8_TILE_M 64
 #define FP8_TILE_N 64
-#define FP8_TILE_K FP8_SCALE_BLOCK
+#define FP8_TILE_STAGE 32  // elements of K a stage: 4 a scale block
 #define FP8_TILE_THREADS 128

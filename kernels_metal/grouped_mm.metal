@@ -406,13 +406,12 @@ kernel void gmm_decode_cols(device T* out [[buffer(0)]],
 // 32 x 32 tiles' simdgroups loaded 4 for 4).
 //
 // Operands are staged in threadgroup memory in their own type (float8
-// experts decoded once to half, exactly: e4m3 / 256 is a half), and each
-// lane builds its two elements of a float fragment from them
-// (thread_elements(), Apple's fragment layout, as MLX's steel GEMM does):
-// bfloat simdgroup matrices are MSL 3.1 and M1 has no bfloat arithmetic;
-// float fragments run on every Mac mps_ext supports, and accumulate in
-// float. The
-// result goes back through the same memory in the output's type, scaled,
+// experts decoded once to half, exactly: e4m3 / 256 is a half). Float
+// tiles load as fragments (simdgroup_load); from 16-bit ones each lane
+// builds its two elements of a float fragment (thread_elements(), Apple's
+// fragment layout, as MLX's steel GEMM does): bfloat simdgroup matrices are
+// MSL 3.1 and M1 has no bfloat arithmetic; float fragments run on every Mac
+// mps_ext supports, and accumulate in float. The result goes back through the same memory in the output's type, scaled,
 // so that the stores to `out` run along its contiguous rows.
 //
 // Layouts (rows of the staged tiles 16 bytes longer than the tile, so that
@@ -436,12 +435,25 @@ struct GmmStaged<uchar> {
 inline uint frag_row(uint lane) { return ((lane / 4) & 4) + (lane / 2) % 4; }
 inline uint frag_col(uint lane) { return ((lane / 4) & 2) * 2 + (lane % 2) * 2; }
 
-// The lane's two elements from two adjacent ones of threadgroup memory.
+// Fragment f of a staged tile: its element (r, c) at origin[r * stride + c],
+// or origin[c * stride + r] when transposed. A float tile is the
+// fragment's own type (one simdgroup_load); a 16-bit one is converted by
+// each lane, its two elements at (fr, fc) and (fr, fc + 1).
+inline void tile_frag(
+    thread simdgroup_float8x8& f, threadgroup const float* origin, uint stride, bool transposed, uint, uint) {
+  simdgroup_load(f, origin, stride, ulong2(0), transposed);
+}
 template <typename S>
-inline void frag_load(thread simdgroup_float8x8& f, threadgroup const S* at) {
-  const vec<S, 2> v = *(threadgroup const vec<S, 2>*)at;
-  f.thread_elements()[0] = float(v.x);
-  f.thread_elements()[1] = float(v.y);
+inline void tile_frag(
+    thread simdgroup_float8x8& f, threadgroup const S* origin, uint stride, bool transposed, uint fr, uint fc) {
+  if (transposed) {
+    f.thread_elements()[0] = float(origin[fc * stride + fr]);
+    f.thread_elements()[1] = float(origin[(fc + 1) * stride + fr]);
+  } else {  // two adjacent elements: one load
+    const vec<S, 2> v = *(threadgroup const vec<S, 2>*)(origin + fr * stride + fc);
+    f.thread_elements()[0] = float(v.x);
+    f.thread_elements()[1] = float(v.y);
+  }
 }
 
 template <typename T, typename TO>
@@ -505,12 +517,13 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
   for (uint j = 0; j < FN; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   const uint sr = (sg / 2) * (8 * FM), sc = (sg % 2) * (8 * FN);
   const uint fr = frag_row(lane), fc = frag_col(lane);
-  // B's staged layout: the lane's first element of fragment j at
-  // b_at + 8j * b_n_step, its second b_n_step further.
+  // B's staged layout: fragment j's origin at b_at + 8j * b_n_step, the
+  // tile Bs[n][k] (a fragment's transpose) or Bs[k][n].
   const bool b_k_major = p.b_k == 1;
   const uint b_n_step = b_k_major ? SBK : 1;
-  const uint b_at = b_k_major ? (sc + fc) * SBK + fr : fr * SBN + sc + fc;
+  const uint b_at = b_k_major ? sc * SBK : sc;
   const uint b_k_step = b_k_major ? 1 : SBN;
+  const uint b_stride = b_k_major ? SBK : SBN;
 
   for (uint g = g_begin; g < g_end; ++g) {
     // Rows [seg0, seg1) of this tile belong to group g; K runs over [k0, k1).
@@ -565,17 +578,11 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
         simdgroup_float8x8 am[FM];
         MPS_EXT_UNROLL
         for (uint i = 0; i < FM; ++i)
-          if (live[i]) frag_load(am[i], As + (sr + 8 * i + fr) * SA + kk + fc);
+          if (live[i]) tile_frag(am[i], As + (sr + 8 * i) * SA + kk, SA, false, fr, fc);
         MPS_EXT_UNROLL
         for (uint j = 0; j < FN; ++j) {
           simdgroup_float8x8 b;
-          threadgroup const S* at = Bs + b_at + 8 * j * b_n_step + kk * b_k_step;
-          if (b_k_major) {
-            b.thread_elements()[0] = float(at[0]);
-            b.thread_elements()[1] = float(at[SBK]);
-          } else {
-            frag_load(b, at);
-          }
+          tile_frag(b, Bs + b_at + 8 * j * b_n_step + kk * b_k_step, b_stride, b_k_major, fr, fc);
           MPS_EXT_UNROLL
           for (uint i = 0; i < FM; ++i)
             if (live[i]) simdgroup_multiply_accumulate(acc[i][j], am[i], b, acc[i][j]);

@@ -6,11 +6,10 @@
 //     rows: the one decode template of decode.h (linear.metal's gemv_rows with
 //     float8 weights, 16 a 16-byte load, and block scales).
 // fp8_mm_tile_<act>_<vec|scalar>     prefill: a threadgroup computes a
-//     32 x 64 tile of outputs with simdgroup_matrix 8x8 products, a 128-wide
-//     scale block of K a step: each simdgroup owns 16 of the columns and
-//     decodes their weights once, in registers, from its own 16-byte loads;
-//     the activation rows are decoded and scaled once into a float tile that
-//     all four read. Every weight byte is read once per 32 activation rows.
+//     64 x 64 tile of outputs with simdgroup_matrix 8x8 products, 2 x 2
+//     simdgroups of 32 x 32; both operands are decoded and scaled once, 32
+//     elements of K at a time, into float tiles that all four read. Every
+//     weight byte is read once per 64 activation rows.
 // <act> is the activation type: fp8 (e4m3fn or e5m2, p.a_format), f16,
 // bf16 or f32. vec: the host found the weight rows and activation rows
 // contiguous along K and 16-byte aligned; scalar: element loads, any strides
@@ -30,16 +29,19 @@ inline float4 fp8x4_to_float(uint u, uint format) { return fp8x4_decode(u, forma
 inline float fp8_unit(uint format) { return fp8_unit_of(format == FP8_TYPE_E5M2); }
 
 // Activation types: T, the decode.h format of fp8_gemv, and for
-// fp8_mm_tile `Quad`, the bits of 4 consecutive elements (one load), `quad`,
-// their values as floats, `put`, element e of a Quad from a single load,
-// and `unit`: values come divided by unit(format) (fp8x4_to_float's
+// fp8_mm_tile `Quad`, the bits of 4 consecutive elements, `quad`, their
+// values as floats, `quad_at`, Quad q of 16 bytes (one load), `put` and
+// `put16`, element e of a Quad or of 16 bytes from a single load, and
+// `unit`: values come divided by unit(format) (fp8x4_to_float's
 // convention for e4m3; 1 for everything else).
 struct ActFp8 {
   typedef uchar T;
   typedef DecodeFp8 Format;
   typedef uint Quad;
   static float4 quad(Quad q, uint format) { return fp8x4_to_float(q, format); }
+  static Quad quad_at(uint4 u, int q) { return u[q]; }
   static void put(thread Quad& q, int e, T v) { q |= uint(v) << (8 * e); }
+  static void put16(thread uint4& u, int e, T v) { u[e / 4] |= uint(v) << (8 * (e % 4)); }
   static float unit(uint format) { return fp8_unit(format); }
 };
 struct ActF16 {
@@ -47,7 +49,9 @@ struct ActF16 {
   typedef DecodeFloat<half> Format;
   typedef uint2 Quad;
   static float4 quad(Quad q, uint) { return float4(as_type<half4>(q)); }
+  static Quad quad_at(uint4 u, int q) { return uint2(u[2 * q], u[2 * q + 1]); }
   static void put(thread Quad& q, int e, T v) { q[e / 2] |= uint(as_type<ushort>(v)) << (16 * (e % 2)); }
+  static void put16(thread uint4& u, int e, T v) { u[e / 2] |= uint(as_type<ushort>(v)) << (16 * (e % 2)); }
   static float unit(uint) { return 1.0f; }
 };
 struct ActBF16 {
@@ -58,7 +62,9 @@ struct ActBF16 {
     return float4(as_type<float>(q.x << 16), as_type<float>(q.x & 0xFFFF0000u), as_type<float>(q.y << 16),
                   as_type<float>(q.y & 0xFFFF0000u));
   }
+  static Quad quad_at(uint4 u, int q) { return uint2(u[2 * q], u[2 * q + 1]); }
   static void put(thread Quad& q, int e, T v) { q[e / 2] |= uint(as_type<ushort>(v)) << (16 * (e % 2)); }
+  static void put16(thread uint4& u, int e, T v) { u[e / 2] |= uint(as_type<ushort>(v)) << (16 * (e % 2)); }
   static float unit(uint) { return 1.0f; }
 };
 struct ActF32 {
@@ -66,7 +72,9 @@ struct ActF32 {
   typedef DecodeFloat<float> Format;
   typedef uint4 Quad;
   static float4 quad(Quad q, uint) { return as_type<float4>(q); }
+  static Quad quad_at(uint4 u, int) { return u; }
   static void put(thread Quad& q, int e, T v) { q[e] = as_type<uint>(v); }
+  static void put16(thread uint4& u, int e, T v) { put(u, e, v); }
   static float unit(uint) { return 1.0f; }
 };
 
@@ -226,165 +234,190 @@ kernel void fp8_gemv(device uchar* y [[buffer(0)]],
 }
 
 // ---------------------------------------------------------- fp8_mm_tile --
-// The elements of an 8 x 8 simdgroup matrix that a lane holds
-// (thread_elements()): (row, col) and (row, col + 1), as Apple's GPUs lay
-// them out (the layout MLX's steel GEMM relies on, and the executor's).
-inline void fragment_coord(uint lane, thread uint& row, thread uint& col) {
-  const uint q = lane / 4;
-  row = (q & 4) + (lane / 2) % 4;
-  col = (q & 2) * 2 + (lane % 2) * 2;
-}
-
-// Bytes 0 and 2 of u, two float8 values, as floats in fp8x4_to_float's
-// convention (its even bytes: the same bits, the same values).
-inline float2 fp8_pair_to_float(uint u, uint format) {
-  const uint b = u & 0x00FF00FFu;
-  return float2(
-      as_type<half2>(format == FP8_TYPE_E5M2 ? b << 8 : e4m3x2_to_half_bits(b & 0x007F007Fu, b & 0x00800080u)));
-}
-
-// v[(e + r) % 4] at e: a lane's four values in the order it stores them.
-inline float4 rotate4(float4 v, uint r) {
-  v = (r & 1) ? v.yzwx : v;
-  return (r & 2) ? v.zwxy : v;
-}
-
-// The outputs of a simdgroup: rows 8 i, columns 16 sg + 8 jb. Apart from
-// the job, whose fields then stay registers (the matrices' addresses go to
-// the executor's simd calls).
-struct Fp8TileAcc {
-  simdgroup_float8x8 m[4][2];
-};
-
-// A threadgroup of 4 simdgroups computes 32 x 64 outputs (TM x TN); a
-// simdgroup owns 16 columns over all 32 rows, so that each weight is decoded
-// once in its threadgroup, by the lane that loaded it. A step of K is one
-// scale block (TK = 128), taken as 16 products of 8: product t pairs
-// fragment index j (0..7) with k = 16 j + t (the sum runs in that order),
-// which puts the weights a B-fragment lane needs for all 16 products in 16
-// consecutive bytes of each of its rows (fr: its k index, fc and fc + 1: its
-// columns): four 16-byte loads a lane, each simdgroup instruction 4 whole
-// rows of the block. The lane decodes and scales them in registers.
-// The activation rows are shared by the 4 simdgroups: each thread loads
-// 4 elements of each of 8 rows (a whole row an instruction) and decodes
-// them, scaled by their row's scale, into a tile of floats the simdgroups
-// read with simdgroup_load; the tile holds half of a block (products t = 8h..8h+7)
-// at a time, column 8 (t - 8h) + j of a row, rows S = 72 floats apart
-// (S = 8 mod 32: the 8 x 8 loads and stores meet no bank conflicts).
-// A block's device loads go into registers before the barrier that opens
-// the block (as llama.cpp's mul_mm does), so none waits behind a barrier.
+// A threadgroup of 4 simdgroups computes TM x TN = 64 x 64 outputs, 2 x 2
+// simdgroups of 32 x 32 (4 x 4 float accumulators): a step of 8 along K
+// loads 4 fragments of activations and 4 of weights for 16
+// multiply-accumulates (MLX's steel GEMM's arrangement at its 64 x 64
+// tiles). K runs in stages of TS = 32 elements, 4 to a scale block: each
+// stage both operands' 64 rows x 32 are decoded and scaled once, into float
+// tiles of threadgroup memory (As[m][k], Bs[n][k], rows S = 36 floats apart:
+// S = 4 mod 32, so the fragment loads and the threads' float4 stores meet
+// no bank conflicts), which the simdgroups read with simdgroup_load (Bs
+// transposed). So every weight byte is decoded once per threadgroup and
+// read once per 64 activation rows.
+//
+// Device loads: 16 bytes (VEC, and the weights when p.w_vec) take whole
+// 128-byte lines: a simdgroup instruction covers 4 rows x 128 bytes of its
+// 16 rows (16 sg + 4 i + lane / 8, i < 4), lane l on the line's 16-byte
+// piece (l % 8 + 2 i) % 8. A line is 128 / E elements of K (E: an element's
+// bytes; the weights' E = 1: a whole scale block), 4 / E stages. A thread
+// loads its 4 pieces of the next line in the stage before they are needed
+// (their values go only to the next stage: no load waits behind a barrier)
+// and keeps them until the last stage that uses them. The rotation by 2 i
+// gives each thread E of its 4 pieces in every stage (piece i's 16-byte
+// slot of the line is 2 m + l % 2, m = (l % 8 / 2 + i) % 4, in stage m / E):
+// every lane decodes the same amount. Element loads (the activations of the
+// scalar variants, weights without p.w_vec): 32 lanes on 32 consecutive
+// elements of K of a row, 16 rows a simdgroup, a stage at a time.
 template <typename A, bool VEC>
 struct Fp8TileJob {
-  enum { TM = FP8_TILE_M, TN = FP8_TILE_N, TK = FP8_TILE_K, S = 72 };
+  enum {
+    TM = FP8_TILE_M,
+    TN = FP8_TILE_N,
+    TS = FP8_TILE_STAGE,
+    S = 36,
+    E = sizeof(typename A::T),
+    A_STAGES = VEC ? 4 / E : 1,  // stages of one activation load
+    XQ = VEC ? 4 : 16,           // the activation pieces (16 bytes) or elements a thread holds
+  };
   typedef typename A::Quad Quad;
   const device typename A::T* x;
   const device uchar* w;
   constant Fp8MatmulParams* p;
   const device float* scale_a;
   const device float* scale_b;
-  threadgroup float* tile;  // [TM][S]
-  int M, N, K, blocks, m0, n0;
-  uint sg, lane, fr, fc;
+  threadgroup float* As;  // [TM][S]
+  threadgroup float* Bs;  // [TN][S]
+  int M, N, K, m0, n0;
+  uint a_format, w_format;
+  uint sg, lane, b2, odd;  // b2: lane % 8 / 2, odd: lane % 2
   bool w_vec;
-  // The activation chunks of this thread: 4 elements of row 8 sg + i (i <
-  // 8) each. VEC: elements [4 c, 4 c + 4) of the block, c = (lane + 2 i) %
-  // 32; element loads: k + 32 e (e < 4), k = (lane + 8 i) % 32, consecutive
-  // lanes on consecutive elements. Either way a chunk lies in the half of
-  // the block given by bit 1 of c (bit 3 of k), which flips with i: every
-  // thread stores 4 chunks of each half.
-  Quad xq[8];
-  float xs[8];  // their rows' scale_a times the unit
-  // The weights of this lane: rows n0 + 16 sg + 8 jb + fc + r (jb, r < 2),
-  // bytes [16 fr, 16 fr + 16) of the block, and their scales times the unit.
-  uint4 wq[2][2];
-  float2 ws[2];
-  long sb_row[2][2];  // scale_b's offset of each row's scales (its 32-bit division once)
+  // The weight pieces of this thread (rows n0 + w_row(i)), each row's scale
+  // times the unit, and scale_b's offset of its row (its 32-bit division once).
+  uint4 wq[4];
+  float ws[4];
+  long sb_row[4];
+  // VEC: the activation pieces (rows m0 + piece_row(i)) and their row's
+  // scale times the unit. Element loads: xs[j], row m0 + 16 sg + j at K
+  // index 32 s + lane, decoded and scaled when loaded.
+  uint4 xq[VEC ? 4 : 1];
+  float xs[XQ];
 
-  MPS_EXT_INLINE int w_row(int jb, int r) const { return n0 + 16 * int(sg) + 8 * jb + int(fc) + r; }
+  MPS_EXT_INLINE int piece_row(int i) const { return 16 * int(sg) + 4 * i + int(lane / 8); }
+  // Piece i's first element of K in its line, of 16 / e-element pieces.
+  MPS_EXT_INLINE int piece_k(int i, int e) const { return int(2 * ((b2 + uint(i)) % 4) + odd) * (16 / e); }
 
-  // Block kb's device loads; zeros past K, M and N.
-  MPS_EXT_INLINE void load(int kb) {
-    const int k0 = kb * TK;
+  // Line `line` of the weights (a scale block), once its last stage is staged.
+  MPS_EXT_INLINE void load_w(int line) {
     MPS_EXT_UNROLL
-    for (int i = 0; i < 8; ++i) {
-      const int gm = m0 + 8 * int(sg) + i;
-      Quad q = Quad(0);
-      if (VEC) {
-        const int gk = k0 + 4 * int((lane + 2 * uint(i)) % 32);
-        if (gm < M && gk + 4 <= K) {
-          q = *(const device Quad*)(x + gm * p->a_row_stride + gk);
-        } else if (gm < M) {
-          for (int e = 0; e < 4; ++e)
-            if (gk + e < K) A::put(q, e, x[gm * p->a_row_stride + gk + e]);
-        }
-      } else if (gm < M) {
-        const int gk = k0 + int((lane + 8 * uint(i)) % 32);
-        for (int e = 0; e < 4; ++e)
-          if (gk + 32 * e < K) A::put(q, e, x[gm * p->a_row_stride + long(gk + 32 * e) * p->a_k_stride]);
+    for (int i = 0; i < 4; ++i) {
+      const int gn = n0 + piece_row(i), gk = line * FP8_SCALE_BLOCK + piece_k(i, 1);
+      uint4 u = uint4(0u);
+      if (gn < N && w_vec && gk + 16 <= K) {
+        u = *(const device uint4*)(w + gn * p->w_n_stride + gk);
+      } else if (gn < N) {
+        for (int e = 0; e < 16; ++e)
+          if (gk + e < K) u[e / 4] |= uint(w[gn * p->w_n_stride + long(gk + e) * p->w_k_stride]) << (8 * (e % 4));
       }
-      xq[i] = q;
-      xs[i] = gm < M ? scale_a_at(*p, scale_a, gm, kb) * A::unit(p->a_format) : 0.0f;
-    }
-    MPS_EXT_UNROLL
-    for (int jb = 0; jb < 2; ++jb) {
-      MPS_EXT_UNROLL
-      for (int r = 0; r < 2; ++r) {
-        const int gn = w_row(jb, r), gk = k0 + 16 * int(fr);
-        uint4 u = uint4(0u);
-        if (gn < N && w_vec && gk + 16 <= K) {
-          u = *(const device uint4*)(w + gn * p->w_n_stride + gk);
-        } else if (gn < N) {
-          for (int e = 0; e < 16; ++e)
-            if (gk + e < K) u[e / 4] |= uint(w[gn * p->w_n_stride + long(gk + e) * p->w_k_stride]) << (8 * (e % 4));
-        }
-        wq[jb][r] = u;
-        ws[jb][r] = gn < N ? scale_b[sb_row[jb][r] + long(kb) * p->sb_k_stride] * fp8_unit(p->w_format) : 0.0f;
-      }
+      wq[i] = u;
+      ws[i] = gn < N && gk < K ? scale_b[sb_row[i] + long(line) * p->sb_k_stride] * fp8_unit(w_format) : 0.0f;
     }
   }
 
-  // Half h of the block into the tile: this thread's 4 chunks in it,
-  // decoded and scaled once. A lane stores its 4 values rotated
-  // (rotate4) so that the 32 lanes of each store meet 32 banks.
-  MPS_EXT_INLINE void stage(uint h) const {
-    const uint g = h ^ (VEC ? (lane >> 1) & 1 : (lane >> 3) & 1);
-    MPS_EXT_UNROLL
-    for (int q = 0; q < 4; ++q) {
-      const uint i = 2 * uint(q) + g;
-      float4 v = A::quad(g ? xq[2 * q + 1] : xq[2 * q], p->a_format) * (g ? xs[2 * q + 1] : xs[2 * q]);
-      uint base, step, rot;
-      if (VEC) {
-        const uint c = (lane + 2 * i) % 32;
-        base = 32 * (c & 1) + c / 4, step = 8, rot = 2 * (c & 1);
-      } else {
-        const uint k = (lane + 8 * i) % 32;
-        base = 8 * (lane % 8) + k / 16, step = 2, rot = ((lane >> 2) & 1) + 2 * g;
-      }
-      v = rotate4(v, rot);
-      threadgroup float* row = tile + (8 * sg + i) * S + base;
-      MPS_EXT_UNROLL
-      for (uint e = 0; e < 4; ++e) row[step * ((e + rot) % 4)] = v[e];
-    }
-  }
-
-  // Products t = 8 h + u (u < 8) from the tile and words 2 h and 2 h + 1
-  // of the weights: a B fragment is byte t of two weight rows.
-  MPS_EXT_INLINE void products(uint h, thread Fp8TileAcc& acc) const {
-    MPS_EXT_UNROLL
-    for (int u = 0; u < 8; ++u) {
-      const uint word = 2 * h + uint(u) / 4, shift = 8 * (uint(u) % 4);
-      simdgroup_float8x8 b[2];
-      MPS_EXT_UNROLL
-      for (int jb = 0; jb < 2; ++jb) {
-        const uint two = ((wq[jb][0][word] >> shift) & 0xFFu) | ((wq[jb][1][word] >> shift) << 16);
-        reinterpret_cast<thread float2&>(b[jb].thread_elements()) = fp8_pair_to_float(two, p->w_format) * ws[jb];
-      }
+  // The activations of stages [A_STAGES line, A_STAGES (line + 1)), once
+  // the previous line's last stage is staged.
+  MPS_EXT_INLINE void load_x(int line) {
+    const float unit = A::unit(a_format);
+    if (VEC) {
+      constexpr int LINE = 128 / E;  // elements of K
       MPS_EXT_UNROLL
       for (int i = 0; i < 4; ++i) {
-        simdgroup_float8x8 a;
-        simdgroup_load(a, tile + 8 * i * S + 8 * u, S);
+        const int gm = m0 + piece_row(i), gk = line * LINE + piece_k(i, E);
+        uint4 u = uint4(0u);
+        if (gm < M && gk + 16 / E <= K) {
+          u = *(const device uint4*)(x + gm * p->a_row_stride + gk);
+        } else if (gm < M) {
+          for (int e = 0; e < 16 / E; ++e)
+            if (gk + e < K) A::put16(u, e, x[gm * p->a_row_stride + gk + e]);
+        }
+        xq[i] = u;
+        // The scales of the instruction's 4 rows, each with one address for
+        // all lanes: 4 rows' block scales in one load would span several
+        // lines of a row-major scale_a.
+        float scale = 0.0f;
         MPS_EXT_UNROLL
-        for (int jb = 0; jb < 2; ++jb) simdgroup_multiply_accumulate(acc.m[i][jb], a, b[jb], acc.m[i][jb]);
+        for (int r = 0; r < 4; ++r) {
+          const int gr = m0 + 16 * int(sg) + 4 * i + r;
+          const float v = gr < M && line * LINE < K ? scale_a_at(*p, scale_a, gr, line * LINE / FP8_SCALE_BLOCK) : 0.0f;
+          scale = uint(r) == lane / 8 ? v : scale;
+        }
+        xs[i] = scale * unit;
+      }
+    } else {  // 4 rows' elements decoded at once, each row scaled by its own
+      const int r0 = m0 + 16 * int(sg), gk = line * TS + int(lane);
+      const device typename A::T* at = x + r0 * p->a_row_stride + long(gk) * p->a_k_stride;
+      MPS_EXT_UNROLL
+      for (int q = 0; q < 4; ++q) {
+        Quad v = Quad(0);
+        float4 scale;
+        MPS_EXT_UNROLL
+        for (int r = 0; r < 4; ++r) {
+          const int row = r0 + 4 * q + r;
+          if (row < M && gk < K) A::put(v, r, at[(4 * q + r) * p->a_row_stride]);
+          // one address for all lanes
+          scale[r] = row < M && line * TS < K ? scale_a_at(*p, scale_a, row, line / 4) * unit : 0.0f;
+        }
+        const float4 f = A::quad(v, a_format) * scale;
+        MPS_EXT_UNROLL
+        for (int r = 0; r < 4; ++r) xs[4 * q + r] = f[r];
+      }
+    }
+  }
+
+  // Piece i (a lane-dependent index) of four: selects, not an indexed
+  // array, which would go to private memory. By value: selects between
+  // loads of one array would fold into a load at a run-time index.
+  template <typename V>
+  MPS_EXT_INLINE static V pick(V v0, V v1, V v2, V v3, uint i) {
+    return i == 0 ? v0 : i == 1 ? v1 : i == 2 ? v2 : v3;
+  }
+
+  // 16 bytes of E-byte elements, decoded, scaled, at `to` (4 / E float4s).
+  template <typename D, int BYTES>
+  MPS_EXT_INLINE static void put(threadgroup float* to, uint4 u, float scale, uint format) {
+    MPS_EXT_UNROLL
+    for (int q = 0; q < 4 / BYTES; ++q) *(threadgroup float4*)(to + 4 * q) = D::quad(D::quad_at(u, q), format) * scale;
+  }
+
+  // Stage s into the tiles: the weights' pieces of it (one of a thread's 4:
+  // E = 1, m = s % 4) and the activations'.
+  MPS_EXT_INLINE void stage(int s) const {  // s: the stage in its block
+    {
+      const uint i = (uint(s) - b2) % 4;
+      put<ActFp8, 1>(Bs + piece_row(int(i)) * S + 16 * int(odd), pick(wq[0], wq[1], wq[2], wq[3], i),
+                     pick(ws[0], ws[1], ws[2], ws[3], i), w_format);
+    }
+    if (VEC && E == 4) {  // all 4 pieces each stage, in any order: no picking
+      MPS_EXT_UNROLL
+      for (int i = 0; i < 4; ++i) put<A, E>(As + piece_row(i) * S + piece_k(i, E), xq[i], xs[i], a_format);
+    } else if (VEC) {
+      MPS_EXT_UNROLL
+      for (int j = 0; j < E; ++j) {  // m = E (s % A_STAGES) + j
+        const uint i = (uint(E * (s % A_STAGES) + j) - b2) % 4;
+        put<A, E>(As + piece_row(int(i)) * S + int(2 * uint(j) + odd) * (16 / E), pick(xq[0], xq[1], xq[2], xq[3], i),
+                  pick(xs[0], xs[1], xs[2], xs[3], i), a_format);
+      }
+    } else {
+      MPS_EXT_UNROLL
+      for (int j = 0; j < 16; ++j) As[(16 * int(sg) + j) * S + int(lane)] = xs[j];
+    }
+  }
+
+  // One stage's products: 4 steps of 8 along K.
+  MPS_EXT_INLINE void products(thread simdgroup_float8x8 (&acc)[4][4]) const {
+    threadgroup const float* at = As + 32 * (sg / 2) * S;
+    threadgroup const float* bt = Bs + 32 * (sg % 2) * S;
+#pragma clang loop unroll(disable)
+    for (int kk = 0; kk < TS; kk += 8) {
+      simdgroup_float8x8 a[4];
+      MPS_EXT_UNROLL
+      for (int i = 0; i < 4; ++i) simdgroup_load(a[i], at + 8 * i * S + kk, S);
+      MPS_EXT_UNROLL
+      for (int j = 0; j < 4; ++j) {
+        simdgroup_float8x8 b;
+        simdgroup_load(b, bt + 8 * j * S + kk, S, ulong2(0), true);
+        MPS_EXT_UNROLL
+        for (int i = 0; i < 4; ++i) simdgroup_multiply_accumulate(acc[i][j], a[i], b, acc[i][j]);
       }
     }
   }
@@ -405,49 +438,58 @@ kernel void fp8_mm_tile(device uchar* y [[buffer(0)]],
                         uint sg [[simdgroup_index_in_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]]) {
   typedef Fp8TileJob<A, VEC> Job;
-  constexpr int TM = Job::TM, TN = Job::TN, TK = Job::TK, S = Job::S, THREADS = FP8_TILE_THREADS;
-  // Half a block of activations [row][8 t + j], then the outputs [row][column].
-  threadgroup float tile[TM * S];
+  constexpr int TM = Job::TM, TN = Job::TN, TS = Job::TS, S = Job::S, THREADS = FP8_TILE_THREADS;
+  constexpr int SC = TN + 4;  // the outputs' rows: 4 mod 32, as S
+  static_assert(TM == 64 && TN == 64 && THREADS == 128 && TS == 32, "2 x 2 simdgroups of 32 x 32, 32-wide stages");
+  static_assert(TM * SC <= (TM + TN) * S, "the outputs fit in the operands' memory");
+  // As then Bs; at the end the outputs [row][column].
+  threadgroup float tile[(TM + TN) * S];
   Job job;
   job.x = x;
   job.w = w;
   job.p = &p;
   job.scale_a = scale_a;
   job.scale_b = scale_b;
-  job.tile = tile;
+  job.As = tile;
+  job.Bs = tile + TM * S;
   // The host keeps M, N and K below 2^31.
-  job.M = int(p.m), job.N = int(p.n), job.K = int(p.k), job.blocks = (job.K + TK - 1) / TK;
+  job.M = int(p.m), job.N = int(p.n), job.K = int(p.k);
   job.m0 = int(group.y) * TM, job.n0 = int(group.x) * TN;
-  job.sg = sg, job.lane = lane;
-  fragment_coord(lane, job.fr, job.fc);
+  job.sg = sg, job.lane = lane, job.b2 = (lane % 8) / 2, job.odd = lane % 2;
   job.w_vec = VEC || p.w_vec != 0;
-  for (int jb = 0; jb < 2; ++jb)
-    for (int r = 0; r < 2; ++r) job.sb_row[jb][r] = scale_b_row(p, job.w_row(jb, r));
-  Fp8TileAcc acc;
+  job.a_format = p.a_format, job.w_format = p.w_format;  // read once, not after each stage's barrier
+  for (int i = 0; i < 4; ++i) job.sb_row[i] = scale_b_row(p, job.n0 + job.piece_row(i));
+  simdgroup_float8x8 acc[4][4];
   for (int i = 0; i < 4; ++i)
-    for (int jb = 0; jb < 2; ++jb) acc.m[i][jb] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (int j = 0; j < 4; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
-  for (int kb = 0; kb < job.blocks; ++kb) {
-    job.load(kb);  // in flight while the other simdgroups finish the previous block
-                   // A loop, not two copies: the tile addresses of a half are computed in
-                   // it, not all held across the block.
-#pragma clang loop unroll(disable)
-    for (uint h = 0; h < 2; ++h) {
-      threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous half's products are done with the tile
-      job.stage(h);
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      job.products(h, acc);
-    }
+  // A stage stages the lines in registers, then loads the next lines where
+  // it was the last stage of one (the weights' every 4 stages, the
+  // activations' every A_STAGES), in flight during its products. One set of
+  // registers (a second, as a prefetch that no barrier waits for, took
+  // 129-159 registers): those loads follow the stage's first barrier.
+  const int stages = (job.K + TS - 1) / TS;
+  job.load_w(0);
+  job.load_x(0);
+  for (int s = 0; s < stages; ++s) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous stage's products are done with the tiles
+    job.stage(s % 4);
+    const int t = s + 1;  // (loads past K give zeros)
+    if (t % 4 == 0) job.load_w(t / 4);
+    if (t % Job::A_STAGES == 0) job.load_x(t / Job::A_STAGES);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    job.products(acc);
   }
 
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // the outputs take the tile
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // the outputs take the tiles
   for (int i = 0; i < 4; ++i)
-    for (int jb = 0; jb < 2; ++jb) simdgroup_store(acc.m[i][jb], tile + 8 * i * S + 16 * int(sg) + 8 * jb, S);
+    for (int j = 0; j < 4; ++j)
+      simdgroup_store(acc[i][j], tile + (32 * int(sg / 2) + 8 * i) * SC + 32 * int(sg % 2) + 8 * j, SC);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (int e = int(tid); e < TM * TN; e += THREADS) {
     const int gm = job.m0 + e / TN, gn = job.n0 + e % TN;
     if (gm < job.M && gn < job.N)
-      store_output(y, gm * p.y_row_stride + long(gn) * p.y_n_stride, tile[(e / TN) * S + e % TN], gn, p, bias,
+      store_output(y, gm * p.y_row_stride + long(gn) * p.y_n_stride, tile[(e / TN) * SC + e % TN], gn, p, bias,
                    scale_result);
   }
 }
