@@ -297,7 +297,8 @@ kernel void linear_attention_chunk_prep(device float* qd [[buffer(0)]],
   // 3. The chunk's k k^T and q k^T, LA_GRAM_SLICE columns at a time: thread
   // t holds entries (t / LA_CHUNK + m * (LA_CHUNK_THREADS / LA_CHUNK),
   // t % LA_CHUNK): a simdgroup's lanes share a row i (a broadcast) and read
-  // consecutive rows j.
+  // consecutive rows j. A slice is staged a row per simdgroup pass, its
+  // lanes along dk (coalesced).
   constexpr uint per = LA_CHUNK * LA_CHUNK / LA_CHUNK_THREADS, step = LA_CHUNK_THREADS / LA_CHUNK;
   constexpr uint pitch = LA_GRAM_SLICE + 1;
   const uint j = t % LA_CHUNK, i0 = t / LA_CHUNK;
@@ -305,18 +306,18 @@ kernel void linear_attention_chunk_prep(device float* qd [[buffer(0)]],
   MPS_EXT_UNROLL
   for (uint m = 0; m < per; ++m) kk[m] = qk[m] = 0.0f;
   for (uint d0 = 0; d0 < dk; d0 += LA_GRAM_SLICE) {
-    for (uint e = t; e < LA_CHUNK * LA_GRAM_SLICE; e += LA_CHUNK_THREADS) {
-      const uint i = e / LA_GRAM_SLICE, dd = e % LA_GRAM_SLICE, d = d0 + dd;
+    const uint d = d0 + lane;
+    for (uint i = sg; i < LA_CHUNK; i += simdgroups) {
       const bool in = i < valid && d < dk;
-      qs[i * pitch + dd] = in ? at4(q, p.q_stride, b, t0 + i, kh, d) * inv_q[i] * p.q_scale : 0.0f;
-      ks[i * pitch + dd] = in ? at4(k, p.k_stride, b, t0 + i, kh, d) * inv_k[i] : 0.0f;
+      qs[i * pitch + lane] = in ? at4(q, p.q_stride, b, t0 + i, kh, d) * inv_q[i] * p.q_scale : 0.0f;
+      ks[i * pitch + lane] = in ? at4(k, p.k_stride, b, t0 + i, kh, d) * inv_k[i] : 0.0f;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    MPS_EXT_UNROLL
-    for (uint m = 0; m < per; ++m) {
-      const uint i = i0 + m * step;
-      for (uint dd = 0; dd < LA_GRAM_SLICE; ++dd) {
-        const float kj = ks[j * pitch + dd];
+    for (uint dd = 0; dd < LA_GRAM_SLICE; ++dd) {
+      const float kj = ks[j * pitch + dd];
+      MPS_EXT_UNROLL
+      for (uint m = 0; m < per; ++m) {
+        const uint i = i0 + m * step;
         kk[m] += ks[i * pitch + dd] * kj;
         qk[m] += qs[i * pitch + dd] * kj;
       }
@@ -356,13 +357,14 @@ kernel void linear_attention_chunk_prep(device float* qd [[buffer(0)]],
   }
   // 6. The decayed q and k the state pass reads, and the chunk's decay.
   const float last = gc[LA_CHUNK - 1];
-  for (uint e = t; e < LA_CHUNK * dk; e += LA_CHUNK_THREADS) {
-    const uint i = e / dk, d = e % dk;
+  for (uint i = sg; i < LA_CHUNK; i += simdgroups) {
     const bool in = i < valid;
-    const float qn = in ? at4(q, p.q_stride, b, t0 + i, kh, d) * inv_q[i] * p.q_scale : 0.0f;
-    const float kn = in ? at4(k, p.k_stride, b, t0 + i, kh, d) * inv_k[i] : 0.0f;
-    qd[(row0 + i) * dk + d] = qn * exp(gc[i]);
-    kd[(row0 + i) * dk + d] = kn * exp(last - gc[i]);
+    for (uint d = lane; d < dk; d += 32) {
+      const float qn = in ? at4(q, p.q_stride, b, t0 + i, kh, d) * inv_q[i] * p.q_scale : 0.0f;
+      const float kn = in ? at4(k, p.k_stride, b, t0 + i, kh, d) * inv_k[i] : 0.0f;
+      qd[(row0 + i) * dk + d] = qn * exp(gc[i]);
+      kd[(row0 + i) * dk + d] = kn * exp(last - gc[i]);
+    }
   }
   if (t == 0) chunk_decay[head * p.chunks + c] = exp(last);
 }
@@ -381,36 +383,37 @@ kernel void linear_attention_chunk_state(device T* out [[buffer(0)]],
                                          constant LinearAttentionChunkParams& p [[buffer(9)]],
                                          uint3 tg [[threadgroup_position_in_grid]],
                                          uint t [[thread_index_in_threadgroup]]) {
-  threadgroup float s[LA_STATE_ELEMS];               // [dk, tile] of the head's state
-  threadgroup float vn[LA_CHUNK * LA_MAX_TILE];       // [LA_CHUNK, tile]: the chunk's v_new
+  threadgroup float s[LA_STATE_ELEMS];          // [dk, tile] of the head's state
+  threadgroup float vn[LA_CHUNK * LA_MAX_TILE];  // [LA_CHUNK, tile]: the chunk's v_new
   const uint h = tg.y, b = tg.z, dk = p.dk, dv = p.dv, tile = p.tile;
   const uint c0 = tg.x * tile, cols = min(tile, dv - c0);
   const uint head = b * p.v_heads + h;
-  device float* fin = final_state + head * dk * dv + c0;
-  const device float* init = initial_state + head * dk * dv + c0;
-  // Element e of a [rows, tile] array: row e / tile, column e % tile; a
-  // simdgroup's lanes are consecutive columns of a row (tile 32: one row),
+  // A thread keeps one column of the tile (the host's tile is a power of two
+  // dividing the threadgroup) and every rows-th row of a [rows, tile] array:
+  // a simdgroup's lanes are consecutive columns of a row (tile 32: one row),
   // so the device rows they read are contiguous or one broadcast address.
-  for (uint e = t; e < dk * tile; e += LA_CHUNK_THREADS) {
-    const uint d = e / tile, col = e % tile;
-    s[e] = p.has_initial && col < cols ? init[d * dv + col] : 0.0f;
-  }
+  const uint col = t % tile, r0 = t / tile, rows = LA_CHUNK_THREADS / tile;
+  const bool live = col < cols;
+  device float* fin = final_state + head * dk * dv + c0 + col;
+  const device float* init = initial_state + head * dk * dv + c0 + col;
+  for (uint d = r0; d < dk; d += rows) s[d * tile + col] = p.has_initial && live ? init[d * dv] : 0.0f;
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint ch = 0; ch < p.chunks; ++ch) {
     const uint row0 = head * p.chunks * LA_CHUNK + ch * LA_CHUNK;
+    // Read before the iteration's barriers, so that it is not waited for behind one.
+    const float decay = chunk_decay[head * p.chunks + ch];
     // v_new = u - w S
-    for (uint e = t; e < LA_CHUNK * tile; e += LA_CHUNK_THREADS) {
-      const uint i = e / tile, col = e % tile;
+    for (uint i = r0; i < LA_CHUNK; i += rows) {
       const device float* wi = w + (row0 + i) * dk;
-      float acc = col < cols ? u[(row0 + i) * dv + c0 + col] : 0.0f;
+      float acc = live ? u[(row0 + i) * dv + c0 + col] : 0.0f;
       for (uint d = 0; d < dk; ++d) acc -= wi[d] * s[d * tile + col];
-      vn[e] = acc;
+      vn[i * tile + col] = acc;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // o = (q exp(gc)) S + attn v_new, the chunk's tokens only
-    for (uint e = t; e < LA_CHUNK * tile; e += LA_CHUNK_THREADS) {
-      const uint i = e / tile, col = e % tile, token = ch * LA_CHUNK + i;
-      if (col >= cols || token >= p.tokens) continue;
+    for (uint i = r0; i < LA_CHUNK; i += rows) {
+      const uint token = ch * LA_CHUNK + i;
+      if (!live || token >= p.tokens) continue;
       const device float* qi = qd + (row0 + i) * dk;
       const device float* ai = attn + (row0 + i) * LA_CHUNK;
       float o = 0.0f;
@@ -420,19 +423,18 @@ kernel void linear_attention_chunk_state(device T* out [[buffer(0)]],
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // S = exp(gc_last) S + (k exp(gc_last - gc))^T v_new
-    const float decay = chunk_decay[head * p.chunks + ch];
-    for (uint e = t; e < dk * tile; e += LA_CHUNK_THREADS) {
-      const uint d = e / tile, col = e % tile;
-      float acc = s[e] * decay;
-      for (uint i = 0; i < LA_CHUNK; ++i) acc += kd[(row0 + i) * dk + d] * vn[i * tile + col];
-      s[e] = acc;
+    for (uint d = r0; d < dk; d += rows) {
+      float acc = s[d * tile + col] * decay;
+      // Rolled: unrolled, its 64 key loads would all be live at once (a
+      // GPU compiler's registers, not loads in flight, would then limit it).
+      _Pragma("clang loop unroll(disable)") for (uint i = 0; i < LA_CHUNK; ++i) acc +=
+          kd[(row0 + i) * dk + d] * vn[i * tile + col];
+      s[d * tile + col] = acc;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
-  for (uint e = t; e < dk * tile; e += LA_CHUNK_THREADS) {
-    const uint d = e / tile, col = e % tile;
-    if (col < cols) fin[d * dv + col] = s[e];
-  }
+  if (live)
+    for (uint d = r0; d < dk; d += rows) fin[d * dv] = s[d * tile + col];
 }
 
 // clang-format off

@@ -63,6 +63,8 @@ struct LinearAttentionChunkParams {
 #define LA_GRAM_SLICE 32      // dk columns of q and k staged at a time for the chunk's q k^T and k k^T
 // The state pass keeps a [dk, tile] float32 slice of a head's state in
 // threadgroup memory (16 KiB), beside the chunk's new values [LA_CHUNK,
-// tile] (8 KiB): tile = min(32, LA_STATE_ELEMS / dk), 32 for dk <= 128.
+// tile] (8 KiB): tile = the largest power of two <= min(32, LA_STATE_ELEMS /
+// dk), 32 for dk <= 128, 16 up to 256 (a power of two: it divides the
+// threadgroup, so a thread keeps one column).
 #define LA_STATE_ELEMS 4096
 #define LA_MAX_TILE 32

@@ -125,6 +125,8 @@ ADD_RMS_NORM = names("add_rms_norm_{t}", t=("f32", "f16", "bf16"))
 QK_NORM_ROPE = names("qk_norm_rope_{t}", t=("f32", "f16", "bf16"))
 ATTENTION = names("{op}_{t}", op=("sigmoid_gate", "kv_append"), t=("f32", "f16", "bf16"))
 LINEAR_ATTENTION = names("linear_attention_decode_{t}", t=("f32", "f16", "bf16"))
+DELTANET_PREP = names("linear_attention_chunk_prep_{t}", t=("f32", "f16", "bf16"))
+DELTANET_STATE = names("linear_attention_chunk_state_{t}", t=("f32", "f16", "bf16"))
 SHORT_CONV = names("short_conv_decode_{t}", t=("f32", "f16", "bf16"))
 
 
@@ -224,6 +226,12 @@ BUDGETS: dict[str, Budget] = {
        for k in ATTENTION},
     # Gated DeltaNet decode: streams the recurrent state once, 1024 threads a group.
     **{k: Budget("linear_attention", full_occupancy=True) for k in LINEAR_ATTENTION},
+    # Gated DeltaNet prefill (issue 32): the chunk-parallel prep and the state pass, per-chunk matrix work in
+    # threadgroup memory, bound by arithmetic, as the prefill tiles. The prep reads a head's g and beta, 64
+    # values strided by v_heads (the layer's [batch, tokens, v_heads] layout): v_heads lines for a column, 4
+    # at the budget case's 4 heads, a few hundred bytes of the chunk's ~100 KB.
+    **{k: Budget("linear_attention", full_occupancy=False, lines=4.0) for k in DELTANET_PREP},
+    **{k: Budget("linear_attention", full_occupancy=False) for k in DELTANET_STATE},
     # LFM2's conv decode: streams its windows and in_proj's row once.
     **{k: Budget("short_conv", full_occupancy=True) for k in SHORT_CONV},
 }
@@ -490,6 +498,11 @@ def softmax_elements_a_thread(k):
 # Divisions per thread allowed beyond 0 (32-bit integer, float), each with
 # what they are: a fixed number per thread, none in a loop over the problem.
 DIVISIONS: dict[str, tuple[int, int]] = {
+    # the DeltaNet prefill kernels: the prep's key head (h / ratio), the state pass's column and row of its
+    # thread in the tile (t % tile, t / tile and 256 / tile: a power of two the CPU's IR keeps as a division),
+    # once a thread
+    **{k: (1, 0) for k in DELTANET_PREP},
+    **{k: (4, 0) for k in DELTANET_STATE},
     # the split's K range: k_begin and k_end, each a division by the split count, once a thread
     **{k: (2, 0) for k in GEMV_COLS},
     # softmax: the one 32-bit division of where a thread's pieces of the row start (whole pieces over the

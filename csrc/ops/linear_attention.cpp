@@ -235,7 +235,9 @@ std::tuple<at::Tensor, at::Tensor> linear_attention_chunk(const at::Tensor& q, c
   p.dv = static_cast<uint32_t>(dv);
   p.ratio = static_cast<uint32_t>(v_heads / k_heads);
   p.chunks = static_cast<uint32_t>(chunks);
-  p.tile = static_cast<uint32_t>(std::min<int64_t>(LA_MAX_TILE, LA_STATE_ELEMS / dk));
+  int64_t tile = LA_MAX_TILE;  // a power of two (the kernel's thread layout), the state slice within LA_STATE_ELEMS
+  while (tile * dk > LA_STATE_ELEMS) tile /= 2;
+  p.tile = static_cast<uint32_t>(tile);
   p.l2norm = use_qk_l2norm ? 1u : 0u;
   p.has_initial = has_initial ? 1u : 0u;
   for (int d = 0; d < 4; ++d) {
