@@ -347,12 +347,13 @@ kernel void linear_attention_chunk_prep(device float* qd [[buffer(0)]],
     for (uint i = 0; i < LA_CHUNK; ++i) {
       float rhs = 0.0f;
       if (i < valid) {
-        rhs = is_v ? at4(v, p.v_stride, b, t0 + i, h, col)
-                   : at4(k, p.k_stride, b, t0 + i, kh, col - dv) * inv_k[i] * exp(gc[i]);
-        rhs *= bt[i];
+        // beta v, and (k beta) exp(gc) in transformers' order
+        rhs = is_v ? at4(v, p.v_stride, b, t0 + i, h, col) * bt[i]
+                   : at4(k, p.k_stride, b, t0 + i, kh, col - dv) * inv_k[i] * bt[i] * exp(gc[i]);
       }
-      for (uint jj = 0; jj < i; ++jj) rhs -= a[i * (LA_CHUNK + 1) + jj] * x[jj * stride];
-      x[i * stride] = rhs;
+      float sum = 0.0f;
+      for (uint jj = 0; jj < i; ++jj) sum += a[i * (LA_CHUNK + 1) + jj] * x[jj * stride];
+      x[i * stride] = rhs - sum;
     }
   }
   // 6. The decayed q and k the state pass reads, and the chunk's decay.
@@ -404,10 +405,12 @@ kernel void linear_attention_chunk_state(device T* out [[buffer(0)]],
     const float decay = chunk_decay[head * p.chunks + ch];
     // v_new = u - w S
     for (uint i = r0; i < LA_CHUNK; i += rows) {
+      // The product summed on its own, then subtracted, as transformers
+      // (u - (w @ S)): the rounding of a float32 sum of small terms.
       const device float* wi = w + (row0 + i) * dk;
-      float acc = live ? u[(row0 + i) * dv + c0 + col] : 0.0f;
-      for (uint d = 0; d < dk; ++d) acc -= wi[d] * s[d * tile + col];
-      vn[i * tile + col] = acc;
+      float ws = 0.0f;
+      for (uint d = 0; d < dk; ++d) ws += wi[d] * s[d * tile + col];
+      vn[i * tile + col] = (live ? u[(row0 + i) * dv + c0 + col] : 0.0f) - ws;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // o = (q exp(gc)) S + attn v_new, the chunk's tokens only
@@ -416,20 +419,20 @@ kernel void linear_attention_chunk_state(device T* out [[buffer(0)]],
       if (!live || token >= p.tokens) continue;
       const device float* qi = qd + (row0 + i) * dk;
       const device float* ai = attn + (row0 + i) * LA_CHUNK;
-      float o = 0.0f;
-      for (uint d = 0; d < dk; ++d) o += qi[d] * s[d * tile + col];
-      for (uint jj = 0; jj <= i; ++jj) o += ai[jj] * vn[jj * tile + col];
-      out[((b * p.tokens + token) * p.v_heads + h) * dv + c0 + col] = T(o);
+      float inter = 0.0f, intra = 0.0f;  // added at the end, as transformers
+      for (uint d = 0; d < dk; ++d) inter += qi[d] * s[d * tile + col];
+      for (uint jj = 0; jj <= i; ++jj) intra += ai[jj] * vn[jj * tile + col];
+      out[((b * p.tokens + token) * p.v_heads + h) * dv + c0 + col] = T(inter + intra);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // S = exp(gc_last) S + (k exp(gc_last - gc))^T v_new
     for (uint d = r0; d < dk; d += rows) {
-      float acc = s[d * tile + col] * decay;
+      float acc = 0.0f;  // S decay + (k^T @ v_new): the product summed on its own, as transformers
       // Rolled: unrolled, its 64 key loads would all be live at once (a
       // GPU compiler's registers, not loads in flight, would then limit it).
       _Pragma("clang loop unroll(disable)") for (uint i = 0; i < LA_CHUNK; ++i) acc +=
           kd[(row0 + i) * dk + d] * vn[i * tile + col];
-      s[d * tile + col] = acc;
+      s[d * tile + col] = s[d * tile + col] * decay + acc;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }

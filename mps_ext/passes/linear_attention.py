@@ -49,8 +49,8 @@ from ._classes import fused_subclass, original_class, register_maker, register_m
 from ._protocol import Pass, _exact, mismatch
 from ._runtime import kernels_for
 
-__all__ = ["CHUNK_TOLERANCE", "FusedDecodeMixin", "LinearAttentionPass", "chunk_rule_float64", "gated_delta_step",
-           "install_chunk_rule", "linear_attention_decode_reference"]
+__all__ = ["CHUNK_TOLERANCE", "FusedDecodeMixin", "LinearAttentionPass", "chunk_rule_float64", "float64_rule",
+           "gated_delta_step", "install_chunk_rule", "linear_attention_decode_reference"]
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 _PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj")
@@ -149,15 +149,37 @@ def count_in_place_step(cache, layer_idx: int) -> None:
         count(layer_idx, 0)
 
 
+class _Float64Torch:
+    """torch, except that torch.float32 is torch.float64: the globals under
+    which transformers' chunked delta rule, which casts its inputs to
+    torch.float32, computes in float64."""
+
+    def __getattr__(self, name):
+        return torch.float64 if name == "float32" else getattr(torch, name)
+
+
+def float64_rule(rule):
+    """transformers' chunked delta rule function `rule` (its innermost
+    torch code, under any kernel-hub wrapper) computing in float64: the same
+    code object with `torch.float32` meaning float64."""
+    import inspect
+    import types
+    code = inspect.unwrap(rule)
+    return types.FunctionType(code.__code__, {**code.__globals__, "torch": _Float64Torch()}, code.__name__,
+                              code.__defaults__, code.__closure__)
+
+
 def chunk_rule_float64(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,
                        output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False, rule=None, **kwargs):
     """transformers' chunked delta rule `rule` (the original function the
-    wrapper holds) run in float64 (the oracle of linear_attention_chunk):
-    the output in query's dtype, the final state in float32, as the
-    float32 function returns them."""
-    out, state = rule(*(_exact(t) for t in (query, key, value)), g=_exact(g), beta=_exact(beta), chunk_size=chunk_size,
-                      initial_state=None if initial_state is None else _exact(initial_state),
-                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+    wrapper holds) run in float64 (float64_rule: the oracle of
+    linear_attention_chunk): the output in query's dtype, the final state
+    in float32, as the float32 function returns them."""
+    out, state = float64_rule(rule)(
+        *(_exact(t) for t in (query, key, value)), g=_exact(g), beta=_exact(beta), chunk_size=chunk_size,
+        initial_state=None if initial_state is None else _exact(initial_state), output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+    assert out.dtype == torch.float64, "the reference did not compute in float64"
     return out.to(query.dtype), None if state is None else state.float()
 
 

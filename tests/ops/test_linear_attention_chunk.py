@@ -19,7 +19,7 @@ import torch
 import mps_ext  # noqa: F401  (registers the ops)
 import mps_ext_executor as cpu_metal
 from mps_ext.passes import LinearAttentionPass, run_pass
-from mps_ext.passes.linear_attention import CHUNK_TOLERANCE, FusedDecodeMixin
+from mps_ext.passes.linear_attention import CHUNK_TOLERANCE, FusedDecodeMixin, float64_rule
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
 
 from test_linear_attention import clone_cache, layer_and_cache, rel_err
@@ -49,9 +49,22 @@ def inputs(batch, tokens, k_heads, v_heads, dk, dv, dtype, seed=0):
 
 
 def float64(q, k, v, g, beta, state, l2=True):
+    """transformers' own code computing in float64 (float64_rule: it casts to float32 as written)."""
     d = lambda t: None if t is None else t.double()  # noqa: E731
-    return original_rule()(d(q), d(k), d(v), g=d(g), beta=d(beta), initial_state=d(state), output_final_state=True,
-                           use_qk_l2norm_in_kernel=l2)
+    out, final = float64_rule(original_rule())(d(q), d(k), d(v), g=d(g), beta=d(beta), initial_state=d(state),
+                                                output_final_state=True, use_qk_l2norm_in_kernel=l2)
+    assert out.dtype == final.dtype == torch.float64
+    return out, final
+
+
+def test_the_oracle_is_float64():
+    """float64_rule really computes in float64: its result differs from transformers' float32 code's (which
+    it equals bit for bit if the cast to float32 were left in place)."""
+    q, k, v, g, beta, state = inputs(1, 70, 2, 2, 16, 8, torch.float32)
+    want, _ = float64(q, k, v, g, beta, state)
+    theirs, _ = original_rule()(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True)
+    assert 0 < rel_err(theirs, want) < 1e-5
 
 
 def ours(q, k, v, g, beta, state, l2=True):
@@ -80,12 +93,14 @@ def test_matches_float64_reference(dtype, tokens, with_state):
     assert rel_err(out, want) <= tol
     assert rel_err(final, want_state) <= CHUNK_TOLERANCE[torch.float32]
     if dtype == torch.float32:
-        # transformers' own float32 code against the same oracle: ours no worse (its error plus a float32 ulp
-        # of slack for the few cases where both are at the float32 floor).
+        # transformers' own float32 code against the same oracle. Both are a few float32 ulps off (1e-7 to
+        # 8e-7 here); the sums run in other orders (ours sequential, BLAS's blocked), so ours is within twice
+        # theirs plus two ulps, not below theirs case by case (measured: 0.4x to 1.8x of theirs).
         theirs, theirs_state = original_rule()(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
                                                use_qk_l2norm_in_kernel=True)
-        assert rel_err(out, want) <= rel_err(theirs, want) + 2.0 ** -23 * 8
-        assert rel_err(final, want_state) <= rel_err(theirs_state, want_state) + 2.0 ** -23 * 8
+        ulp = 2.0 ** -23
+        assert rel_err(out, want) <= 2 * rel_err(theirs, want) + 2 * ulp
+        assert rel_err(final, want_state) <= 2 * rel_err(theirs_state, want_state) + 2 * ulp
 
 
 # (tokens, k_heads, v_heads, dk, dv): float16; one value head per key head with dv past a 32-column tile (two
