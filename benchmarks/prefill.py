@@ -103,7 +103,7 @@ _TORCH_MATMUL = Efficiency(
     f"(raullenchai/Rapid-MLX PR 258: {_MLX_STEEL:.2f} of PEAK), torch MPS's matmul took 4.96 ms against MLX's 3.38 on "
     f"an M3 Ultra (TristanBilot/mlx-benchmark PR 40): {_MLX_STEEL:.2f} x {_MPS_VS_MLX:.2f}")
 # mps_ext's chunked delta rule's counted share of useful FMAs in its executed instructions (below).
-DELTA_RULE_FMA_SHARE = 0.087
+DELTA_RULE_FMA_SHARE = 0.089
 # One named figure per kernel that does a prefill's matrix work (census.Call.kernels' names, matched by
 # prefix, the longest; torch's own ops as "torch <op>"). A counted figure in MEASURED_EFFICIENCY (below) under
 # the same or a longer name replaces the assumption (efficiency()).
@@ -131,7 +131,7 @@ KERNEL_EFFICIENCY = {
     # mps_ext's chunked delta rule (linear_attention.metal: linear_attention_chunk_prep and _state), float32
     # FMAs on the shader cores, no simdgroup matrices: counted on the executor at Qwen3.6's head sizes (4 value
     # heads, 128 tokens, bf16; benchmarks/bench_linear_attention.py's prefill case) as the delta rule's useful
-    # FMAs (layer_flops' per-chunk count / 2) over the IR instructions both kernels' threads executed: 0.087.
+    # FMAs (layer_flops' per-chunk count / 2) over the IR instructions both kernels' threads executed: 0.089.
     # One FMA an issue slot is the ALUs' peak (an FFMA32 a lane a cycle, philipturner/metal-benchmarks), the
     # same FLOPs as PEAK's; one IR instruction one slot is the model of docs/dev/compute_efficiency.md, an
     # estimate (the CPU IR's 64-bit addresses and rolled loops count against it).

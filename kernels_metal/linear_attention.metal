@@ -330,9 +330,11 @@ kernel void linear_attention_chunk_prep(device float* qd [[buffer(0)]],
   MPS_EXT_UNROLL
   for (uint m = 0; m < per; ++m) {
     const uint i = i0 + m * step;
-    const float decay = exp(gc[i] - gc[j]);
-    a[i * (LA_CHUNK + 1) + j] = j < i ? bt[i] * kk[m] * decay : 0.0f;
-    attn[(row0 + i) * LA_CHUNK + j] = j <= i ? qk[m] * decay : 0.0f;
+    // As transformers: the exponent masked to -inf above the diagonal (no
+    // overflow there), so the products need no branch.
+    const float decay = exp(j <= i ? gc[i] - gc[j] : -INFINITY);
+    a[i * (LA_CHUNK + 1) + j] = float(j < i) * (bt[i] * kk[m] * decay);
+    attn[(row0 + i) * LA_CHUNK + j] = qk[m] * decay;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
