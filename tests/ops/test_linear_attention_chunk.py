@@ -193,7 +193,7 @@ def test_bad_input():
     q, k, v, g, beta, state = inputs(2, 5, 2, 4, 16, 8, torch.float32)
 
     def bad(match, **change):
-        a = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=state, use_qk_l2norm=True, **change)
+        a = {**dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=state, use_qk_l2norm=True), **change}
         with pytest.raises(RuntimeError, match=match):
             torch.ops.mps_ext.linear_attention_chunk(*a.values())
     bad("float32, float16 or bfloat16", q=q.double(), k=k.double(), v=v.double(), beta=beta.double())
