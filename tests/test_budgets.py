@@ -461,6 +461,13 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
         "gmm_tiled_f32": STEEL_GMM_F32,
     },
     "coalescing": {
+        # The layer hands q, k, v over as a transposed view of its convolution's output ([batch, channels,
+        # tokens] transposed: a channel's tokens are contiguous, a token's channels are `tokens` apart), and the
+        # prep kernel's lanes read along dk: every lane its own line (32.0 on q in the benchmark case, which
+        # takes the layer's layout). Not yet: lanes along tokens for that layout (or one copy to [tokens,
+        # channels] before the op).
+        **{k: "linear_attention_chunk_prep reads the layer's transposed q, k, v along dk: 32 lines an access "
+              "(lanes along tokens for that layout not yet written)" for k in DELTANET_PREP},
         "constant_pad_4_i32": PAD_SHORT_ROWS,
         **{k: SOFTMAX_STRIDED_BACKWARD for k in ("softmax_backward_strided_f32_f32_i32",
                                                  "softmax_backward_strided_bf16_bf16_i32")},
