@@ -1,7 +1,8 @@
 """A Gated DeltaNet decode step (torch.ops.mps_ext.linear_attention_decode,
 the linear_attention family): one dispatch between a linear-attention
-layer's projections, Qwen3.5/3.6's shapes; the cases of `python -m
-benchmarks linear_attention`.
+layer's projections, Qwen3.5/3.6's shapes; and its prefill core
+(torch.ops.mps_ext.linear_attention_chunk: the chunked delta rule, two
+dispatches); the cases of `python -m benchmarks linear_attention`.
 
     python benchmarks/bench_linear_attention.py [--quick | --tiny]   (the same)
 """
@@ -57,6 +58,34 @@ def deltanet(model: DeltaNet, tokens: int, dtype) -> Prepared:
     return Prepared(run, minimum)
 
 
+def prefill(model: DeltaNet, tokens: int, dtype, initial: bool = True) -> Prepared:
+    """The chunked delta rule of a prompt of `tokens` (linear_attention_chunk:
+    the chunk-parallel prep, then the state pass), q, k, v laid out as the
+    layer passes them (a transposed view of its convolution's output)."""
+    g = torch.Generator().manual_seed(tokens)
+    kd, vd = model.k_heads * model.dk, model.v_heads * model.dv
+    mixed = torch.randn(1, 2 * kd + vd, tokens, generator=g).to(dtype).transpose(1, 2)
+    q, k, v = torch.split(mixed, [kd, kd, vd], dim=-1)
+    q, k = q.reshape(1, tokens, model.k_heads, model.dk), k.reshape(1, tokens, model.k_heads, model.dk)
+    v = v.reshape(1, tokens, model.v_heads, model.dv)
+    gate = -torch.rand(1, tokens, model.v_heads, generator=g)
+    beta = torch.rand(1, tokens, model.v_heads, generator=g).to(dtype)
+    state = torch.randn(1, model.v_heads, model.dk, model.dv, generator=g) if initial else None
+
+    def run():
+        torch.ops.mps_ext.linear_attention_chunk(q, k, v, gate, beta, state, True)
+    # The inputs read once, the state read (if given) and written once, the output written once: the float32
+    # scratch between the two dispatches is above this minimum.
+    minimum = (mixed.nbytes + gate.nbytes + beta.nbytes + (2 if initial else 1) * 4 * model.v_heads * model.dk
+               * model.dv + tokens * vd * mixed.element_size())
+    return Prepared(run, minimum)
+
+
+# The prefill kernels at Qwen3.6's head sizes with 4 value heads of its 32 (the executor's cost grows with the
+# heads; each head's work is the same): what the budgets measure.
+PREFILL_BUDGET = DeltaNet("Qwen3.6 heads 2+4", 2, 4, 128, 128, 4)
+
+
 def cases(size: str) -> list[Case]:
     out = []
 
@@ -65,11 +94,21 @@ def cases(size: str) -> list[Case]:
         out.append(Case("linear_attention", f"deltanet {model.name} {labels['activation']} tokens={tokens}", labels,
                         lambda: deltanet(model, tokens, dtype)))
 
+    def add_prefill(model, tokens, dtype):
+        labels = {"case": "prefill", "model": model.name, "activation": str(dtype)[6:], "tokens": str(tokens)}
+        out.append(Case("linear_attention", f"prefill {model.name} {labels['activation']} tokens={tokens}", labels,
+                        lambda: prefill(model, tokens, dtype)))
+
     if size == "tiny":
         add(DeltaNet("tiny", 2, 4, 32, 16, 4), 1, torch.bfloat16)
+        add_prefill(DeltaNet("tiny", 2, 4, 32, 16, 4), 70, torch.bfloat16)
         return out
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         add(DELTANET, 1, dtype)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        add_prefill(PREFILL_BUDGET, 128, dtype)
+    if size == "full":
+        add_prefill(DELTANET, 512, torch.bfloat16)
     return out
 
 

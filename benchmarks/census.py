@@ -339,7 +339,10 @@ def matrix_flops(func, args, kwargs) -> int:
     products, what simdgroup-matrix units run on a Mac: linear, mm, addmm,
     bmm, baddbmm, _grouped_mm (its rows), SDPA (QK^T and PV over the pairs
     it attends, _attended_pairs) and a unitriangular solve (C(C-1) per
-    right-hand column); 0 for any other call (pointwise ops, reductions,
+    right-hand column), and mps_ext's chunked delta rule
+    (linear_attention_chunk: what transformers' reference multiplies for the
+    same call, per value head and chunk of 64 as prefill.layer_flops
+    counts it); 0 for any other call (pointwise ops, reductions,
     depthwise convolutions: bandwidth work, in the bytes)."""
     name = func._schema.name.split("::")[1]
     if name == "linear":
@@ -362,7 +365,24 @@ def matrix_flops(func, args, kwargs) -> int:
         a, b = args[0], args[1]
         c = a.shape[-1]
         return b.numel() // c * c * (c - 1)
+    if name == "linear_attention_chunk":
+        q, v = args[0], args[2]
+        batch, tokens, _, dk = q.shape
+        return batch * v.shape[2] * -(-tokens // DELTA_CHUNK) * delta_rule_chunk_flops(dk, v.shape[3])
     return 0
+
+
+# transformers' torch_chunk_gated_delta_rule(chunk_size=64), the default the Qwen3.5/3.6 models call it with,
+# and mps_ext's linear_attention_chunk's LA_CHUNK.
+DELTA_CHUNK = 64
+
+
+def delta_rule_chunk_flops(dk: int, dv: int, c: int = DELTA_CHUNK) -> int:
+    """Matrix FLOPs of the chunked delta rule per value head and chunk of c,
+    as transformers' reference computes it: K_beta K^T and Q K^T (2 c^2 dk
+    each), two unitriangular solves (c (c - 1) (dk + dv)), the state pass
+    (2 c dk dv three times, 2 c^2 dv)."""
+    return 4 * c * c * dk + c * (c - 1) * (dk + dv) + 3 * 2 * c * dk * dv + 2 * c * c * dv
 
 
 class _Tracer(TorchDispatchMode):

@@ -61,8 +61,9 @@ from benchmarks import census, timeline
 
 LENGTHS = (512, 4096, 32768)
 # transformers' torch_chunk_gated_delta_rule(chunk_size=64), the default the Qwen3.5/3.6 models call it with
-# (transformers 5 models/qwen3_5_moe/modeling_qwen3_5_moe.py); trace_lengths traces whole chunks of it.
-CHUNK = 64
+# (transformers 5 models/qwen3_5_moe/modeling_qwen3_5_moe.py), and mps_ext's linear_attention_chunk's;
+# trace_lengths traces whole chunks of it.
+CHUNK = census.DELTA_CHUNK
 # mps_ext's MoE paths take their decode kernels up to 1024 token slots (mps_ext/passes/moe.py MAX_SLOTS,
 # tokens x (top_k + shared); mps_ext/fp8.py FP8Experts.DECODE_ROWS, tokens x top_k) and the prefill tiles
 # beyond: the tiny trace must be past it to run the path a real prompt runs.
@@ -101,6 +102,8 @@ _TORCH_MATMUL = Efficiency(
     f"torch's MPS matmul (MPSGraph): MLX's steel GEMM measured 17.4 TFLOPS fp16 on an 80-core M3 Ultra "
     f"(raullenchai/Rapid-MLX PR 258: {_MLX_STEEL:.2f} of PEAK), torch MPS's matmul took 4.96 ms against MLX's 3.38 on "
     f"an M3 Ultra (TristanBilot/mlx-benchmark PR 40): {_MLX_STEEL:.2f} x {_MPS_VS_MLX:.2f}")
+# mps_ext's chunked delta rule's counted share of useful FMAs in its executed instructions (below).
+DELTA_RULE_FMA_SHARE = 0.089
 # One named figure per kernel that does a prefill's matrix work (census.Call.kernels' names, matched by
 # prefix, the longest; torch's own ops as "torch <op>"). A counted figure in MEASURED_EFFICIENCY (below) under
 # the same or a longer name replaces the assumption (efficiency()).
@@ -125,6 +128,17 @@ KERNEL_EFFICIENCY = {
                               "torch's own simdgroup fp8 GEMM measured against its bf16 one (pytorch PR 196916)"),
     "gemv": Efficiency(_TORCH_MATMUL.value, "mps_ext's GEMV (the LM head's one row: bandwidth-bound; its FLOPs "
                        "are negligible)"),
+    # mps_ext's chunked delta rule (linear_attention.metal: linear_attention_chunk_prep and _state), float32
+    # FMAs on the shader cores, no simdgroup matrices: counted on the executor at Qwen3.6's head sizes (4 value
+    # heads, 128 tokens, bf16; benchmarks/bench_linear_attention.py's prefill case) as the delta rule's useful
+    # FMAs (layer_flops' per-chunk count / 2) over the IR instructions both kernels' threads executed: 0.089.
+    # One FMA an issue slot is the ALUs' peak (an FFMA32 a lane a cycle, philipturner/metal-benchmarks), the
+    # same FLOPs as PEAK's; one IR instruction one slot is the model of docs/dev/compute_efficiency.md, an
+    # estimate (the CPU IR's 64-bit addresses and rolled loops count against it).
+    "linear_attention_chunk": Efficiency(DELTA_RULE_FMA_SHARE, "mps_ext's chunked delta rule (float32 FMAs, no "
+                                         "simdgroup matrix): counted on the executor, useful FMAs over executed IR "
+                                         f"instructions at Qwen3.6's head sizes, {DELTA_RULE_FMA_SHARE:.3f} "
+                                         "(one instruction an issue slot: an estimate)"),
     "lu_solve": Efficiency(_TORCH_MATMUL.value, "mps_ext's triangular solve (the linalg family, which takes the "
                            "delta rule's solves on torch 2.14): not counted; assumed torch's matmul's"),
 }
@@ -230,8 +244,7 @@ def layer_flops(config, kind: str, length: int) -> dict[str, int]:
         hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         out["attention"] = 2 * c.num_attention_heads * (length * (length + 1) // 2) * 2 * hd  # QK^T and PV
     elif mixer == "linear_attention":
-        C, dk, dv = CHUNK, c.linear_key_head_dim, c.linear_value_head_dim
-        per_chunk = 4 * C * C * dk + C * (C - 1) * (dk + dv) + 3 * 2 * C * dk * dv + 2 * C * C * dv
+        per_chunk = census.delta_rule_chunk_flops(c.linear_key_head_dim, c.linear_value_head_dim, CHUNK)
         out["delta rule"] = c.linear_num_value_heads * chunks(length) * per_chunk
     routed, other = _ffn_parts(c, ffn)
     out["ffn projections"] = _product_flops(other, length)
@@ -335,7 +348,7 @@ def part_of(call: census.Call) -> str | None:
         return "ffn projections" if call.op in _PROJECTION_OPS else None
     if call.op.startswith("_scaled_dot_product"):
         return "attention"
-    if call.op in ("bmm", "linalg_solve_triangular"):
+    if call.op in ("bmm", "linalg_solve_triangular", "linear_attention_chunk"):
         return "delta rule"
     return "projections" if call.op in _PROJECTION_OPS else None
 
@@ -441,7 +454,8 @@ def constants_text() -> str:
     for name in KERNEL_EFFICIENCY:
         value, source = efficiency(name)
         lines.append(f"- efficiency of {name}: {value:.3f} of peak ({source})")
-    lines.append(f"- delta rule chunk: {CHUNK} tokens (transformers' torch_chunk_gated_delta_rule); mps_ext's MoE "
+    lines.append(f"- delta rule chunk: {CHUNK} tokens (transformers' torch_chunk_gated_delta_rule, and mps_ext's "
+                 f"linear_attention_chunk); mps_ext's MoE "
                  f"decode kernels up to {MOE_SLOTS} token slots (mps_ext/passes/moe.py, mps_ext/fp8.py)")
     lines.append("- bandwidth, dispatch, host, view, round_trip, empty_group, commit: as benchmarks/timeline.py's "
                  "(decode's constants, below)")

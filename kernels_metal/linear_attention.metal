@@ -191,3 +191,268 @@ template [[host_name("linear_attention_decode_f16")]] kernel decltype(linear_att
 template [[host_name("linear_attention_decode_bf16")]] kernel decltype(linear_attention_decode<bfloat>)
     linear_attention_decode<bfloat>;
 // clang-format on
+
+// ---------------------------------------------------------------------------
+// Gated DeltaNet prefill: the chunked delta rule (transformers'
+// torch_chunk_gated_delta_rule, the algorithm of FLA's
+// chunk_gated_delta_rule), two dispatches:
+//   linear_attention_chunk_prep   a threadgroup per (chunk, value head,
+//     sequence), all in parallel: the chunk's cumulative log decay gc, q
+//     and k L2-normalised (q times dk^-0.5), the WY representation of its
+//     LA_CHUNK delta-rule steps: with A = strict_lower(beta_i k_i.k_j
+//     exp(gc_i - gc_j)), u = (I + A)^-1 (beta v) and w = (I + A)^-1 (beta
+//     k exp(gc)) by forward substitution; the intra-chunk attention
+//     lower(q_i.k_j exp(gc_i - gc_j)); q exp(gc), k exp(gc_last - gc) and
+//     the chunk's decay exp(gc_last). All float32, into scratch buffers.
+//   linear_attention_chunk_state  a threadgroup per (tile of value
+//     channels, value head, sequence): the sequential pass over the chunks
+//     on a [dk, tile] slice of the float32 state held in threadgroup memory
+//     (the value channels of the state are independent: k, g and beta are
+//     shared, so a slice needs no other): per chunk
+//       v_new = u - w S;  o = (q exp(gc)) S + attn v_new;
+//       S = exp(gc_last) S + (k exp(gc_last - gc))^T v_new.
+// Rounding: as transformers, everything is float32 from the inputs on, the
+// output rounded to the model's dtype once at the end. The sums run in
+// another order than torch's matmuls and triangular solve (the bound is in
+// mps_ext/passes/linear_attention.py, CHUNK_TOLERANCE).
+
+// The prep kernel's threadgroup arena: the two staged slices, which A
+// (64 x 65 floats) fits in too.
+#define LA_PREP_ARENA (2 * LA_CHUNK * (LA_GRAM_SLICE + 1))
+static_assert(LA_PREP_ARENA >= LA_CHUNK * (LA_CHUNK + 1), "A fits in the prep kernel's arena");
+
+template <typename T>
+MPS_EXT_INLINE float at4(const device T* x, constant uint32_t* s, uint b, uint t, uint h, uint d) {
+  return float(x[b * s[0] + t * s[1] + h * s[2] + d * s[3]]);
+}
+
+template <typename T>
+[[max_total_threads_per_threadgroup(LA_CHUNK_THREADS)]]
+kernel void linear_attention_chunk_prep(device float* qd [[buffer(0)]],
+                                        device float* kd [[buffer(1)]],
+                                        device float* w [[buffer(2)]],
+                                        device float* u [[buffer(3)]],
+                                        device float* attn [[buffer(4)]],
+                                        device float* chunk_decay [[buffer(5)]],
+                                        const device T* q [[buffer(6)]],
+                                        const device T* k [[buffer(7)]],
+                                        const device T* v [[buffer(8)]],
+                                        const device float* g [[buffer(9)]],
+                                        const device T* beta [[buffer(10)]],
+                                        constant LinearAttentionChunkParams& p [[buffer(11)]],
+                                        uint3 tg [[threadgroup_position_in_grid]],
+                                        uint t [[thread_index_in_threadgroup]],
+                                        uint lane [[thread_index_in_simdgroup]],
+                                        uint sg [[simdgroup_index_in_threadgroup]],
+                                        uint simdgroups [[simdgroups_per_threadgroup]]) {
+  threadgroup float gc[LA_CHUNK], bt[LA_CHUNK], inv_q[LA_CHUNK], inv_k[LA_CHUNK];
+  // The staged q and k slices during the Gram products, then A: never
+  // needed at once. Row pitches of 33 and 65 floats: a simdgroup's lanes
+  // reading consecutive rows of a column hit 32 different banks.
+  threadgroup float arena[LA_PREP_ARENA];
+  threadgroup float* qs = arena;
+  threadgroup float* ks = arena + LA_CHUNK * (LA_GRAM_SLICE + 1);
+  threadgroup float* a = arena;
+  const uint c = tg.x, h = tg.y, b = tg.z, kh = h / p.ratio, t0 = c * LA_CHUNK;
+  const uint valid = min(uint(LA_CHUNK), p.tokens - t0);
+  const uint dk = p.dk, dv = p.dv;
+  const uint head = b * p.v_heads + h, row0 = head * p.chunks * LA_CHUNK + t0;
+
+  // 1. Gates: g and beta of the chunk's tokens (0 past the end, as
+  // transformers pads them); the cumulative sum in token order.
+  if (t < LA_CHUNK) {
+    const bool in = t < valid;
+    gc[t] = in ? g[b * p.g_stride[0] + (t0 + t) * p.g_stride[1] + h * p.g_stride[2]] : 0.0f;
+    bt[t] = in ? float(beta[b * p.beta_stride[0] + (t0 + t) * p.beta_stride[1] + h * p.beta_stride[2]]) : 0.0f;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (t == 0) {
+    float s = 0.0f;
+    for (uint i = 0; i < LA_CHUNK; ++i) {
+      s += gc[i];
+      gc[i] = s;
+    }
+  }
+  // 2. L2 norms of q and k: a simdgroup per row, its lanes along dk
+  // (coalesced where dk is the contiguous dimension).
+  for (uint r = sg; r < 2 * LA_CHUNK; r += simdgroups) {
+    const uint i = r % LA_CHUNK;
+    const bool is_k = r >= LA_CHUNK;
+    float s = 0.0f;
+    if (i < valid) {
+      for (uint d = lane; d < dk; d += 32) {
+        const float x = is_k ? at4(k, p.k_stride, b, t0 + i, kh, d) : at4(q, p.q_stride, b, t0 + i, kh, d);
+        s += x * x;
+      }
+    }
+    s = simd_sum(s);
+    if (lane == 0) {
+      const float inv = p.l2norm ? rsqrt(s + LA_L2_EPS) : 1.0f;
+      if (is_k) inv_k[i] = inv;
+      else inv_q[i] = inv;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // 3. The chunk's k k^T and q k^T, LA_GRAM_SLICE columns at a time: thread
+  // t holds entries (t / LA_CHUNK + m * (LA_CHUNK_THREADS / LA_CHUNK),
+  // t % LA_CHUNK): a simdgroup's lanes share a row i (a broadcast) and read
+  // consecutive rows j. A slice is staged a row per simdgroup pass, its
+  // lanes along dk (coalesced).
+  constexpr uint per = LA_CHUNK * LA_CHUNK / LA_CHUNK_THREADS, step = LA_CHUNK_THREADS / LA_CHUNK;
+  constexpr uint pitch = LA_GRAM_SLICE + 1;
+  const uint j = t % LA_CHUNK, i0 = t / LA_CHUNK;
+  float kk[per], qk[per];
+  MPS_EXT_UNROLL
+  for (uint m = 0; m < per; ++m) kk[m] = qk[m] = 0.0f;
+  for (uint d0 = 0; d0 < dk; d0 += LA_GRAM_SLICE) {
+    const uint d = d0 + lane;
+    for (uint i = sg; i < LA_CHUNK; i += simdgroups) {
+      const bool in = i < valid && d < dk;
+      qs[i * pitch + lane] = in ? at4(q, p.q_stride, b, t0 + i, kh, d) * inv_q[i] * p.q_scale : 0.0f;
+      ks[i * pitch + lane] = in ? at4(k, p.k_stride, b, t0 + i, kh, d) * inv_k[i] : 0.0f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint dd = 0; dd < LA_GRAM_SLICE; ++dd) {
+      const float kj = ks[j * pitch + dd];
+      MPS_EXT_UNROLL
+      for (uint m = 0; m < per; ++m) {
+        const uint i = i0 + m * step;
+        kk[m] += ks[i * pitch + dd] * kj;
+        qk[m] += qs[i * pitch + dd] * kj;
+      }
+    }
+    // The next slice (or A) overwrites what was just read.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  // 4. A (strictly lower, beta and decay applied) into threadgroup memory;
+  // the intra-chunk attention (lower, diagonal included) to the device.
+  MPS_EXT_UNROLL
+  for (uint m = 0; m < per; ++m) {
+    const uint i = i0 + m * step;
+    // As transformers: the exponent masked to -inf above the diagonal (no
+    // overflow there), so the products need no branch.
+    const float decay = exp(j <= i ? gc[i] - gc[j] : -INFINITY);
+    a[i * (LA_CHUNK + 1) + j] = float(j < i) * (bt[i] * kk[m] * decay);
+    attn[(row0 + i) * LA_CHUNK + j] = qk[m] * decay;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // 5. Forward substitution, a thread per right-hand column (dv columns of
+  // beta v, then dk of beta k exp(gc)): x_i = rhs_i - sum_{j<i} A_ij x_j.
+  // A column's x_j are read back from where the thread wrote them (its own
+  // writes: no barrier), a row of A is a broadcast.
+  for (uint col = t; col < dv + dk; col += LA_CHUNK_THREADS) {
+    const bool is_v = col < dv;
+    device float* x = is_v ? u + row0 * dv + col : w + row0 * dk + (col - dv);
+    const uint stride = is_v ? dv : dk;
+    for (uint i = 0; i < LA_CHUNK; ++i) {
+      float rhs = 0.0f;
+      if (i < valid) {
+        // beta v, and (k beta) exp(gc) in transformers' order
+        rhs = is_v ? at4(v, p.v_stride, b, t0 + i, h, col) * bt[i]
+                   : at4(k, p.k_stride, b, t0 + i, kh, col - dv) * inv_k[i] * bt[i] * exp(gc[i]);
+      }
+      float sum = 0.0f;
+      for (uint jj = 0; jj < i; ++jj) sum += a[i * (LA_CHUNK + 1) + jj] * x[jj * stride];
+      x[i * stride] = rhs - sum;
+    }
+  }
+  // 6. The decayed q and k the state pass reads, and the chunk's decay.
+  const float last = gc[LA_CHUNK - 1];
+  for (uint i = sg; i < LA_CHUNK; i += simdgroups) {
+    const bool in = i < valid;
+    for (uint d = lane; d < dk; d += 32) {
+      const float qn = in ? at4(q, p.q_stride, b, t0 + i, kh, d) * inv_q[i] * p.q_scale : 0.0f;
+      const float kn = in ? at4(k, p.k_stride, b, t0 + i, kh, d) * inv_k[i] : 0.0f;
+      qd[(row0 + i) * dk + d] = qn * exp(gc[i]);
+      kd[(row0 + i) * dk + d] = kn * exp(last - gc[i]);
+    }
+  }
+  if (t == 0) chunk_decay[head * p.chunks + c] = exp(last);
+}
+
+template <typename T>
+[[max_total_threads_per_threadgroup(LA_CHUNK_THREADS)]]
+kernel void linear_attention_chunk_state(device T* out [[buffer(0)]],
+                                         device float* final_state [[buffer(1)]],
+                                         const device float* initial_state [[buffer(2)]],
+                                         const device float* qd [[buffer(3)]],
+                                         const device float* kd [[buffer(4)]],
+                                         const device float* w [[buffer(5)]],
+                                         const device float* u [[buffer(6)]],
+                                         const device float* attn [[buffer(7)]],
+                                         const device float* chunk_decay [[buffer(8)]],
+                                         constant LinearAttentionChunkParams& p [[buffer(9)]],
+                                         uint3 tg [[threadgroup_position_in_grid]],
+                                         uint t [[thread_index_in_threadgroup]]) {
+  threadgroup float s[LA_STATE_ELEMS];          // [dk, tile] of the head's state
+  threadgroup float vn[LA_CHUNK * LA_MAX_TILE];  // [LA_CHUNK, tile]: the chunk's v_new
+  const uint h = tg.y, b = tg.z, dk = p.dk, dv = p.dv, tile = p.tile;
+  const uint c0 = tg.x * tile, cols = min(tile, dv - c0);
+  const uint head = b * p.v_heads + h;
+  // A thread keeps one column of the tile (the host's tile is a power of two
+  // dividing the threadgroup) and every rows-th row of a [rows, tile] array:
+  // a simdgroup's lanes are consecutive columns of a row (tile 32: one row),
+  // so the device rows they read are contiguous or one broadcast address.
+  const uint col = t % tile, r0 = t / tile, rows = LA_CHUNK_THREADS / tile;
+  const bool live = col < cols;
+  device float* fin = final_state + head * dk * dv + c0 + col;
+  const device float* init = initial_state + head * dk * dv + c0 + col;
+  for (uint d = r0; d < dk; d += rows) s[d * tile + col] = p.has_initial && live ? init[d * dv] : 0.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint ch = 0; ch < p.chunks; ++ch) {
+    const uint row0 = head * p.chunks * LA_CHUNK + ch * LA_CHUNK;
+    // Read before the iteration's barriers, so that it is not waited for behind one.
+    const float decay = chunk_decay[head * p.chunks + ch];
+    // v_new = u - w S
+    for (uint i = r0; i < LA_CHUNK; i += rows) {
+      // The product summed on its own, then subtracted, as transformers
+      // (u - (w @ S)): the rounding of a float32 sum of small terms.
+      const device float* wi = w + (row0 + i) * dk;
+      float ws = 0.0f;
+      for (uint d = 0; d < dk; ++d) ws += wi[d] * s[d * tile + col];
+      vn[i * tile + col] = (live ? u[(row0 + i) * dv + c0 + col] : 0.0f) - ws;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // o = (q exp(gc)) S + attn v_new, the chunk's tokens only
+    for (uint i = r0; i < LA_CHUNK; i += rows) {
+      const uint token = ch * LA_CHUNK + i;
+      if (!live || token >= p.tokens) continue;
+      const device float* qi = qd + (row0 + i) * dk;
+      const device float* ai = attn + (row0 + i) * LA_CHUNK;
+      float inter = 0.0f, intra = 0.0f;  // added at the end, as transformers
+      for (uint d = 0; d < dk; ++d) inter += qi[d] * s[d * tile + col];
+      for (uint jj = 0; jj <= i; ++jj) intra += ai[jj] * vn[jj * tile + col];
+      out[((b * p.tokens + token) * p.v_heads + h) * dv + c0 + col] = T(inter + intra);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // S = exp(gc_last) S + (k exp(gc_last - gc))^T v_new
+    for (uint d = r0; d < dk; d += rows) {
+      float acc = 0.0f;  // S decay + (k^T @ v_new): the product summed on its own, as transformers
+      // Rolled: unrolled, its 64 key loads would all be live at once (a
+      // GPU compiler's registers, not loads in flight, would then limit it).
+      _Pragma("clang loop unroll(disable)") for (uint i = 0; i < LA_CHUNK; ++i) acc +=
+          kd[(row0 + i) * dk + d] * vn[i * tile + col];
+      s[d * tile + col] = s[d * tile + col] * decay + acc;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  if (live)
+    for (uint d = r0; d < dk; d += rows) fin[d * dv] = s[d * tile + col];
+}
+
+// clang-format off
+template [[host_name("linear_attention_chunk_prep_f32")]] kernel decltype(linear_attention_chunk_prep<float>)
+    linear_attention_chunk_prep<float>;
+template [[host_name("linear_attention_chunk_prep_f16")]] kernel decltype(linear_attention_chunk_prep<half>)
+    linear_attention_chunk_prep<half>;
+template [[host_name("linear_attention_chunk_prep_bf16")]] kernel decltype(linear_attention_chunk_prep<bfloat>)
+    linear_attention_chunk_prep<bfloat>;
+template [[host_name("linear_attention_chunk_state_f32")]] kernel decltype(linear_attention_chunk_state<float>)
+    linear_attention_chunk_state<float>;
+template [[host_name("linear_attention_chunk_state_f16")]] kernel decltype(linear_attention_chunk_state<half>)
+    linear_attention_chunk_state<half>;
+template [[host_name("linear_attention_chunk_state_bf16")]] kernel decltype(linear_attention_chunk_state<bfloat>)
+    linear_attention_chunk_state<bfloat>;
+// clang-format on

@@ -36,3 +36,35 @@ struct LinearAttentionParams {
 #define LA_MAX_RATIO 64              // value heads per key head
 #define LA_L2_EPS 1e-6f              // transformers' l2norm (and FLA's) epsilon
 #define LA_SOFTPLUS_THRESHOLD 20.0f  // F.softplus's default: above it, softplus(x) = x
+
+// Parameters of the Gated DeltaNet prefill kernels (linear_attention.metal's
+// linear_attention_chunk_prep / _state, csrc/ops/linear_attention.cpp's
+// linear_attention_chunk): transformers' torch_chunk_gated_delta_rule (FLA's
+// chunk_gated_delta_rule) over `tokens` tokens in chunks of LA_CHUNK.
+// Inputs as transformers passes them: q, k [batch, tokens, k_heads, dk],
+// v [batch, tokens, v_heads, dv] (any strides: the layer's are a transposed
+// view of its convolution's output), g (log decay, float32) and beta
+// [batch, tokens, v_heads]; strides in elements, in that order of
+// dimensions. Value head h reads key head h / ratio (repeat_interleave).
+struct LinearAttentionChunkParams {
+  uint32_t batch, tokens, k_heads, v_heads, dk, dv, ratio, chunks;
+  uint32_t tile;         // state columns (value channels) per threadgroup of the state pass
+  uint32_t l2norm;       // 1: q and k L2-normalised per head (use_qk_l2norm_in_kernel)
+  uint32_t has_initial;  // 1: the state pass starts from initial_state, else from zeros
+  uint32_t pad0;
+  uint32_t q_stride[4], k_stride[4], v_stride[4];
+  uint32_t g_stride[3], beta_stride[3];
+  float q_scale;  // dk^-0.5, multiplied into the (normalised) query as transformers does
+  float pad1;
+};
+
+#define LA_CHUNK 64           // tokens per chunk: transformers' chunk_size (and FLA's)
+#define LA_CHUNK_THREADS 256  // both prefill kernels' threadgroup (fixed: their least too)
+#define LA_GRAM_SLICE 32      // dk columns of q and k staged at a time for the chunk's q k^T and k k^T
+// The state pass keeps a [dk, tile] float32 slice of a head's state in
+// threadgroup memory (16 KiB), beside the chunk's new values [LA_CHUNK,
+// tile] (8 KiB): tile = the largest power of two <= min(32, LA_STATE_ELEMS /
+// dk), 32 for dk <= 128, 16 up to 256 (a power of two: it divides the
+// threadgroup, so a thread keeps one column).
+#define LA_STATE_ELEMS 4096
+#define LA_MAX_TILE 32

@@ -3,7 +3,7 @@ take the aten op's own: the families' own ops (no aten op; _C.family_own_ops
 lists them: scaled_mm's fp8_linear, moe's moe_route, moe_experts,
 moe_combine and moe_layer, norm's rms_norm, add_rms_norm, qk_norm_rope and qk_norm_rope_append,
 attention_gate's sigmoid_gate, kv_cache's kv_append, linear_attention's
-linear_attention_decode, short_conv's short_conv_decode), fp8_grouped_linear
+linear_attention_decode and linear_attention_chunk, short_conv's short_conv_decode), fp8_grouped_linear
 and commit; the scaled_mm family, whose aten meta
 functions check CUDA's layout rules (mat2 column-major, dimensions multiples
 of 16) that mps_ext does not need, so a traced model would fail where the
@@ -159,6 +159,16 @@ def _linear_attention_decode(qkv, z, b, a, conv_state, recurrent_state, conv_wei
     return qkv.new_empty((qkv.shape[0], recurrent_state.shape[1] * recurrent_state.shape[3]))
 
 
+# The Gated DeltaNet prefill core (csrc/ops/linear_attention.cpp): the
+# output [batch, tokens, v_heads, dv] in q's dtype and the final float32
+# state [batch, v_heads, dk, dv], both new and contiguous.
+def _linear_attention_chunk(q, k, v, g, beta, initial_state, use_qk_l2norm):
+    batch, tokens, _, dk = q.shape
+    v_heads, dv = v.shape[2], v.shape[3]
+    return (q.new_empty((batch, tokens, v_heads, dv)),
+            q.new_empty((batch, v_heads, dk, dv), dtype=torch.float32))
+
+
 # An LFM2 conv layer's decode step (csrc/ops/short_conv.cpp): C * conv
 # [batch, 1, hidden] in BCx's dtype, contiguous; the window is updated in
 # place (the schema's (a!)).
@@ -198,6 +208,7 @@ def register() -> None:
                      ("sigmoid_gate", _sigmoid_gate),
                      ("kv_append", _kv_append), ("fp8_grouped_linear", _fp8_grouped_linear),
                      ("linear_attention_decode", _linear_attention_decode),
+                     ("linear_attention_chunk", _linear_attention_chunk),
                      ("short_conv_decode", _short_conv_decode), ("commit", _commit)]:
         torch.library.register_fake(f"mps_ext::{name}", fn)
     _register_commit_effect()

@@ -125,6 +125,8 @@ ADD_RMS_NORM = names("add_rms_norm_{t}", t=("f32", "f16", "bf16"))
 QK_NORM_ROPE = names("{op}_{t}", op=("qk_norm_rope", "qk_norm_rope_append"), t=("f32", "f16", "bf16"))
 ATTENTION = names("{op}_{t}", op=("sigmoid_gate", "kv_append"), t=("f32", "f16", "bf16"))
 LINEAR_ATTENTION = names("linear_attention_decode_{t}", t=("f32", "f16", "bf16"))
+DELTANET_PREP = names("linear_attention_chunk_prep_{t}", t=("f32", "f16", "bf16"))
+DELTANET_STATE = names("linear_attention_chunk_state_{t}", t=("f32", "f16", "bf16"))
 SHORT_CONV = names("short_conv_decode_{t}", t=("f32", "f16", "bf16"))
 
 
@@ -224,6 +226,12 @@ BUDGETS: dict[str, Budget] = {
        for k in ATTENTION},
     # Gated DeltaNet decode: streams the recurrent state once, 1024 threads a group.
     **{k: Budget("linear_attention", full_occupancy=True) for k in LINEAR_ATTENTION},
+    # Gated DeltaNet prefill (issue 32): the chunk-parallel prep and the state pass, per-chunk matrix work in
+    # threadgroup memory, bound by arithmetic, as the prefill tiles. The prep reads a head's g and beta, 64
+    # values strided by v_heads (the layer's [batch, tokens, v_heads] layout): v_heads lines for a column, 4
+    # at the budget case's 4 heads, a few hundred bytes of the chunk's ~100 KB.
+    **{k: Budget("linear_attention", full_occupancy=False, lines=4.0) for k in DELTANET_PREP},
+    **{k: Budget("linear_attention", full_occupancy=False) for k in DELTANET_STATE},
     # LFM2's conv decode: streams its windows and in_proj's row once.
     **{k: Budget("short_conv", full_occupancy=True) for k in SHORT_CONV},
 }
@@ -449,6 +457,13 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
         **{k: STEEL_ELEMENT_LOADS for k in ("fp8_mm_tile_fp8_scalar", "fp8_mm_tile_f32_scalar")},
     },
     "coalescing": {
+        # The layer hands q, k, v over as a transposed view of its convolution's output ([batch, channels,
+        # tokens] transposed: a channel's tokens are contiguous, a token's channels are `tokens` apart), and the
+        # prep kernel's lanes read along dk: every lane its own line (32.0 on q in the benchmark case, which
+        # takes the layer's layout). Not yet: lanes along tokens for that layout (or one copy to [tokens,
+        # channels] before the op).
+        **{k: "linear_attention_chunk_prep reads the layer's transposed q, k, v along dk: 32 lines an access "
+              "(lanes along tokens for that layout not yet written)" for k in DELTANET_PREP},
         "constant_pad_4_i32": PAD_SHORT_ROWS,
         **{k: SOFTMAX_STRIDED_BACKWARD for k in ("softmax_backward_strided_f32_f32_i32",
                                                  "softmax_backward_strided_bf16_bf16_i32")},
@@ -460,7 +475,13 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
     "registers": {},
     "registers_fit_threadgroup": {},
     "no_private_memory": {},
-    "no_bank_conflicts": {},
+    "no_bank_conflicts": {
+        # 24 extra cycles a threadgroup (of ~12,000 threadgroup-memory instructions) whatever dk, dv and the
+        # length: they go with the strictly-lower mask of A (a variant storing A unmasked counts none; every
+        # access's addresses are one word a lane, 32 banks or a broadcast): not yet traced further.
+        **{k: "linear_attention_chunk_prep: 24 bank-conflict cycles a threadgroup, with A's strictly-lower mask "
+              "(not yet traced)" for k in DELTANET_PREP},
+    },
     "decode_registers": {},
     "no_load_after_barrier": {
         **{k: FP8_TILE_LOADS_AFTER_BARRIER for k in FP8_TILE},
@@ -487,6 +508,11 @@ def softmax_elements_a_thread(k):
 # Divisions per thread allowed beyond 0 (32-bit integer, float), each with
 # what they are: a fixed number per thread, none in a loop over the problem.
 DIVISIONS: dict[str, tuple[int, int]] = {
+    # the DeltaNet prefill kernels: the prep's key head (h / ratio), the state pass's column and row of its
+    # thread in the tile (t % tile, t / tile and 256 / tile: a power of two the CPU's IR keeps as a division),
+    # once a thread
+    **{k: (1, 0) for k in DELTANET_PREP},
+    **{k: (4, 0) for k in DELTANET_STATE},
     # the split's K range: k_begin and k_end, each a division by the split count, once a thread
     **{k: (2, 0) for k in GEMV_COLS},
     # softmax: the one 32-bit division of where a thread's pieces of the row start (whole pieces over the

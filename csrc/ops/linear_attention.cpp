@@ -10,12 +10,22 @@
 // model's dtype) and the recurrent state [B, v_heads, dk, dv] (float32), as
 // transformers' cache holds them. Returns the gated RMSNorm's output
 // [B, v_heads * dv] in the model's dtype, the output projection's input.
+//
+// torch.ops.mps_ext.linear_attention_chunk: the same layers' prefill core,
+// transformers' torch_chunk_gated_delta_rule (FLA's chunk_gated_delta_rule)
+// from q, k, v, g, beta and an optional float32 initial state to the output
+// [B, T, v_heads, dv] (the inputs' dtype) and the final float32 state; two
+// dispatches whatever the length (linear_attention_chunk_prep,
+// linear_attention_chunk_state) where transformers' code is ~688 ops a
+// layer at 4k tokens.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
+#include <string>
+#include <tuple>
 
 #include "backend/launch.h"
 #include "linear_attention_params.h"
@@ -146,6 +156,135 @@ at::Tensor linear_attention_decode(const at::Tensor& qkv, const at::Tensor& z, c
   return out;
 }
 
+// The prefill core. Shapes as transformers' torch_chunk_gated_delta_rule
+// takes them: q, k [B, T, k_heads, dk], v [B, T, v_heads, dv] (any strides),
+// g [B, T, v_heads] float32 (log decay), beta [B, T, v_heads] in q's dtype,
+// initial_state [B, v_heads, dk, dv] float32 or None.
+void check_offsets(const at::Tensor& t, const char* name) {
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    TORCH_CHECK(t.stride(d) >= 0, "linear_attention_chunk: ", name, " has a negative stride");
+    last += (t.size(d) - 1) * t.stride(d);
+  }
+  TORCH_CHECK(last <= UINT32_MAX, "linear_attention_chunk: ", name,
+              " spans 2^32 elements or more (the kernels' 32-bit indices)");
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_attention_chunk(const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v, const at::Tensor& g,
+                                                          const at::Tensor& beta,
+                                                          const c10::optional<at::Tensor>& initial_state,
+                                                          bool use_qk_l2norm) {
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
+              "linear_attention_chunk: q must be float32, float16 or bfloat16, got ", dt);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.sizes() == k.sizes(),
+              "linear_attention_chunk: q and k must be [batch, tokens, k_heads, dk] of one shape and v [batch, "
+              "tokens, v_heads, dv]; got q ",
+              q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  const int64_t batch = q.size(0), tokens = q.size(1), k_heads = q.size(2), dk = q.size(3);
+  const int64_t v_heads = v.size(2), dv = v.size(3);
+  TORCH_CHECK(v.size(0) == batch && v.size(1) == tokens, "linear_attention_chunk: v is ", v.sizes(), ", q ",
+              q.sizes(), ": batch and tokens must agree");
+  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt && beta.scalar_type() == dt,
+              "linear_attention_chunk: k, v and beta must be in q's dtype ", dt, ", got ", k.scalar_type(), ", ",
+              v.scalar_type(), ", ", beta.scalar_type());
+  TORCH_CHECK(g.scalar_type() == at::kFloat,
+              "linear_attention_chunk: g (the log decay) must be float32, as transformers computes it; got ",
+              g.scalar_type());
+  for (const at::Tensor* t : {&g, &beta})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == batch && t->size(1) == tokens && t->size(2) == v_heads,
+                "linear_attention_chunk: g and beta must be [", batch, ", ", tokens, ", ", v_heads, "], got ",
+                t->sizes());
+  TORCH_CHECK(k_heads >= 1 && v_heads % k_heads == 0, "linear_attention_chunk: v_heads (", v_heads,
+              ") must be a multiple of k_heads (", k_heads, ")");
+  TORCH_CHECK(dk >= 1 && dk <= LA_MAX_DK && dv >= 1, "linear_attention_chunk: takes key heads of 1 to ", LA_MAX_DK,
+              " and value heads of at least 1; got dk ", dk, ", dv ", dv);
+  const auto device = q.device();
+  for (const at::Tensor* t : {&k, &v, &g, &beta})
+    TORCH_CHECK(t->device() == device, "linear_attention_chunk: every tensor must be on ", device, ", one is on ",
+                t->device());
+  const bool has_initial = initial_state.has_value() && initial_state->defined();
+  if (has_initial) {
+    const at::Tensor& s = *initial_state;
+    TORCH_CHECK(s.dim() == 4 && s.size(0) == batch && s.size(1) == v_heads && s.size(2) == dk && s.size(3) == dv &&
+                    s.scalar_type() == at::kFloat && s.is_contiguous() && s.device() == device,
+                "linear_attention_chunk: initial_state must be contiguous float32 [", batch, ", ", v_heads, ", ", dk,
+                ", ", dv, "] on ", device, ", got ", s.sizes(), " ", s.scalar_type());
+  }
+  for (const at::Tensor* t : {&q, &k, &v, &g, &beta}) check_offsets(*t, "an input");
+  const int64_t chunks = ceil_div(tokens, LA_CHUNK), rows = batch * v_heads * chunks * LA_CHUNK;
+  TORCH_CHECK(rows * std::max<int64_t>({dk, dv, LA_CHUNK}) <= UINT32_MAX && batch * v_heads * dk * dv <= UINT32_MAX &&
+                  batch * tokens * v_heads * dv <= UINT32_MAX,
+              "linear_attention_chunk: ", batch, " sequences of ", tokens,
+              " tokens need scratch of 2^32 elements or more (the kernels' 32-bit indices); split the batch");
+
+  at::Tensor out = at::empty({batch, tokens, v_heads, dv}, q.options());
+  at::Tensor state = at::empty({batch, v_heads, dk, dv}, q.options().dtype(at::kFloat));
+  if (tokens == 0 || batch == 0 || v_heads == 0) {
+    if (has_initial) state.copy_(*initial_state);
+    else state.zero_();
+    return {out, state};
+  }
+  LinearAttentionChunkParams p{};
+  p.batch = static_cast<uint32_t>(batch);
+  p.tokens = static_cast<uint32_t>(tokens);
+  p.k_heads = static_cast<uint32_t>(k_heads);
+  p.v_heads = static_cast<uint32_t>(v_heads);
+  p.dk = static_cast<uint32_t>(dk);
+  p.dv = static_cast<uint32_t>(dv);
+  p.ratio = static_cast<uint32_t>(v_heads / k_heads);
+  p.chunks = static_cast<uint32_t>(chunks);
+  int64_t tile = LA_MAX_TILE;  // a power of two (the kernel's thread layout), the state slice within LA_STATE_ELEMS
+  while (tile * dk > LA_STATE_ELEMS) tile /= 2;
+  p.tile = static_cast<uint32_t>(tile);
+  p.l2norm = use_qk_l2norm ? 1u : 0u;
+  p.has_initial = has_initial ? 1u : 0u;
+  for (int d = 0; d < 4; ++d) {
+    p.q_stride[d] = static_cast<uint32_t>(q.stride(d));
+    p.k_stride[d] = static_cast<uint32_t>(k.stride(d));
+    p.v_stride[d] = static_cast<uint32_t>(v.stride(d));
+  }
+  for (int d = 0; d < 3; ++d) {
+    p.g_stride[d] = static_cast<uint32_t>(g.stride(d));
+    p.beta_stride[d] = static_cast<uint32_t>(beta.stride(d));
+  }
+  p.q_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dk)));
+
+  const char* type = kernel_type_name(dt);
+  const std::string prep = std::string("linear_attention_chunk_prep_") + type;
+  const std::string pass = std::string("linear_attention_chunk_state_") + type;
+  // Both kernels run their fixed threadgroup (their least) or neither is encoded.
+  for (const std::string* name : {&prep, &pass})
+    thread_budget(device, "linear_attention", *name, LA_CHUNK_THREADS, LA_CHUNK_THREADS);
+  // float32 scratch between the two dispatches, per (sequence, value head,
+  // padded token): q and k decayed, w [.., dk], u [.., dv], the intra-chunk
+  // attention [.., LA_CHUNK]; the chunks' decays.
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor qd = at::empty({rows, dk}, f32), kd = at::empty({rows, dk}, f32), w = at::empty({rows, dk}, f32);
+  at::Tensor u = at::empty({rows, dv}, f32), attn = at::empty({rows, LA_CHUNK}, f32);
+  at::Tensor decay = at::empty({batch * v_heads * chunks}, f32);
+  const std::array<uint32_t, 3> threads{LA_CHUNK_THREADS, 1, 1};
+  launch(Launch{"linear_attention",
+                prep,
+                {KernelArg::of(qd), KernelArg::of(kd), KernelArg::of(w), KernelArg::of(u), KernelArg::of(attn),
+                 KernelArg::of(decay), KernelArg::of(q), KernelArg::of(k), KernelArg::of(v), KernelArg::of(g),
+                 KernelArg::of(beta), KernelArg::value(p)},
+                {static_cast<uint32_t>(chunks), static_cast<uint32_t>(v_heads), static_cast<uint32_t>(batch)},
+                threads});
+  // Without an initial state the kernel reads none: the final state's
+  // buffer stands in for the binding.
+  const at::Tensor& init = has_initial ? *initial_state : state;
+  launch(Launch{"linear_attention",
+                pass,
+                {KernelArg::of(out), KernelArg::of(state), KernelArg::of(init), KernelArg::of(qd), KernelArg::of(kd),
+                 KernelArg::of(w), KernelArg::of(u), KernelArg::of(attn), KernelArg::of(decay), KernelArg::value(p)},
+                {static_cast<uint32_t>(ceil_div(dv, p.tile)), static_cast<uint32_t>(v_heads),
+                 static_cast<uint32_t>(batch)},
+                threads});
+  return {out, state};
+}
+
 using c10::DispatchKey;
 
 const RoutedOp kLinearAttentionDecode(FamilyId::linear_attention, "mps_ext::linear_attention_decode");
@@ -162,9 +301,24 @@ at::Tensor linear_attention_decode_impl(const at::Tensor& qkv, const at::Tensor&
   });
 }
 
-// Its Meta (fake) kernel, for torch.compile, is in mps_ext/_meta.py.
+const RoutedOp kLinearAttentionChunk(FamilyId::linear_attention, "mps_ext::linear_attention_chunk");
+
+template <DispatchKey K>
+std::tuple<at::Tensor, at::Tensor> linear_attention_chunk_impl(const at::Tensor& q, const at::Tensor& k,
+                                                               const at::Tensor& v, const at::Tensor& g,
+                                                               const at::Tensor& beta,
+                                                               const c10::optional<at::Tensor>& initial_state,
+                                                               bool use_qk_l2norm) {
+  return run_own(kLinearAttentionChunk, K,
+                 [&] { return linear_attention_chunk(q, k, v, g, beta, initial_state, use_qk_l2norm); });
+}
+
+// Their Meta (fake) kernels, for torch.compile, are in mps_ext/_meta.py.
 template <DispatchKey K>
 void register_linear_attention(FamilyOps& ops) {
+  ops.own("linear_attention_chunk(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state, "
+          "bool use_qk_l2norm) -> (Tensor, Tensor)",
+          TORCH_FN(linear_attention_chunk_impl<K>));
   ops.own("linear_attention_decode(Tensor qkv, Tensor z, Tensor b, Tensor a, Tensor(a!) conv_state, "
           "Tensor(b!) recurrent_state, Tensor conv_weight, Tensor A_log, Tensor dt_bias, Tensor norm_weight, "
           "int k_heads, float eps) -> Tensor",

@@ -10,10 +10,20 @@ part is one call of torch.ops.mps_ext.linear_attention_decode
 (csrc/ops/linear_attention.cpp, one dispatch): the convolution window and
 the float32 recurrent state of transformers' cache are updated in place,
 the gated RMSNorm is applied, and the projections stay the model's own
-modules (nn.Linear or quantize_fp8's FP8Linear). Prefill, a call without a
-cache (or one recording past states for speculative decoding), CPU tensors
-without a CPU backend asked for, and a forward that needs gradients run the layer's
-own forward.
+modules (nn.Linear or quantize_fp8's FP8Linear).
+
+Prefill (and any call that is not a cached decode step) runs the layer's
+own forward, except its chunked delta rule: transformers' forward calls its
+module's global torch_chunk_gated_delta_rule (FLA's chunk_gated_delta_rule
+where installed), about 688 ops a layer at 4k tokens; that name is given a
+wrapper once (install_chunk_rule) that, inside a converted layer's forward
+only, runs torch.ops.mps_ext.linear_attention_chunk (two dispatches) and
+everywhere else the original function. The final state it returns is what
+transformers' cache keeps, so decode continues from it. A call with
+gradients asked for (any input requiring grad), another chunk size,
+variable-length sequences (cu_seqlens) or beta in another dtype than q
+runs the original function (differentiable). CPU tensors without a CPU
+backend asked for run the layer's own forward.
 
 A layer is recognised by its parts, not its class: in_proj_qkv, in_proj_z,
 in_proj_b, in_proj_a, a depthwise conv1d without bias, A_log, dt_bias, a
@@ -27,6 +37,8 @@ left, with the reason.
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import math
 
 import torch
@@ -37,7 +49,8 @@ from ._classes import fused_subclass, original_class, register_maker, register_m
 from ._protocol import Pass, _exact, mismatch
 from ._runtime import kernels_for
 
-__all__ = ["FusedDecodeMixin", "LinearAttentionPass", "gated_delta_step", "linear_attention_decode_reference"]
+__all__ = ["CHUNK_TOLERANCE", "FusedDecodeMixin", "LinearAttentionPass", "chunk_rule_float64", "float64_rule",
+           "gated_delta_step", "install_chunk_rule", "linear_attention_decode_reference"]
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 _PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj")
@@ -48,6 +61,14 @@ CACHE_NAMES = ("cache", "cache_params", "past_key_values")
 # differ in summation order and library exp/rsqrt, and in fp16/bf16 a float32 difference can move a rounded
 # intermediate by an ulp), per dtype, relative to the output's largest magnitude.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+# The prefill core's bound (torch.ops.mps_ext.linear_attention_chunk against transformers'
+# torch_chunk_gated_delta_rule run in float64, tests/ops/test_linear_attention_chunk.py), per input dtype:
+# the largest difference of the output over the float64 output's largest magnitude, and of the final state over
+# its largest magnitude. Both compute in float32 from the inputs on; the output is rounded to the input dtype once
+# (half an ulp: 2^-9 of the magnitude in bfloat16, 2^-12 in float16); the float32 sums differ in order (the
+# chunk's triangular solve by forward substitution, its products as loops), measured below 2e-6 in float32 at up
+# to 200 tokens of unit-norm keys. The bound is the output's rounding plus float32 error at 1 to 200 tokens.
+CHUNK_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 def gated_delta_step(qkv, z, b, a, conv_state, recurrent_state, conv_weight, A_log, dt_bias, norm_weight,
@@ -128,14 +149,126 @@ def count_in_place_step(cache, layer_idx: int) -> None:
         count(layer_idx, 0)
 
 
+class _Float64Torch:
+    """torch, except that torch.float32 is torch.float64: the globals under
+    which transformers' chunked delta rule, which casts its inputs to
+    torch.float32, computes in float64."""
+
+    def __getattr__(self, name):
+        return torch.float64 if name == "float32" else getattr(torch, name)
+
+
+def float64_rule(rule):
+    """transformers' chunked delta rule function `rule` (its innermost
+    torch code, under any kernel-hub wrapper) computing in float64: the same
+    code object with `torch.float32` meaning float64."""
+    import inspect
+    import types
+    code = inspect.unwrap(rule)
+    return types.FunctionType(code.__code__, {**code.__globals__, "torch": _Float64Torch()}, code.__name__,
+                              code.__defaults__, code.__closure__)
+
+
+def chunk_rule_float64(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,
+                       output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False, rule=None, **kwargs):
+    """transformers' chunked delta rule `rule` (the original function the
+    wrapper holds) run in float64 (float64_rule: the oracle of
+    linear_attention_chunk): the output in query's dtype, the final state
+    in float32, as the float32 function returns them."""
+    out, state = float64_rule(rule)(
+        *(_exact(t) for t in (query, key, value)), g=_exact(g), beta=_exact(beta), chunk_size=chunk_size,
+        initial_state=None if initial_state is None else _exact(initial_state), output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+    assert out.dtype == torch.float64, "the reference did not compute in float64"
+    return out.to(query.dtype), None if state is None else state.float()
+
+
+class _Prefill:
+    """A converted layer's forward running: its mode (reference: the
+    probe's float64 rule instead of the kernel) and the calls the wrapper
+    took."""
+
+    def __init__(self, reference: bool):
+        self.reference, self.taken = reference, 0
+
+
+# Read by the chunk-rule wrapper: None outside converted layers' forwards, where it calls the original.
+_PREFILL: contextvars.ContextVar = contextvars.ContextVar("mps_ext_deltanet_prefill", default=None)
+_CHUNK_RULE = "torch_chunk_gated_delta_rule"
+
+
+def chunk_rule_call(original, args: tuple, kwargs: dict, reference: bool):
+    """linear_attention_chunk (reference: chunk_rule_float64) for a call of
+    transformers' chunked delta rule it takes, else None (module docstring)."""
+    names = ("query", "key", "value", "g", "beta", "chunk_size", "initial_state", "output_final_state",
+             "use_qk_l2norm_in_kernel")
+    call = dict(zip(names, args), **kwargs)
+    q, k, v, g, beta = (call.get(n) for n in names[:5])
+    init = call.get("initial_state")
+    tensors = [t for t in (q, k, v, g, beta, init) if t is not None]
+    if (len(tensors) < 5 or not all(isinstance(t, torch.Tensor) for t in tensors) or call.get("chunk_size", 64) != 64
+            or call.get("cu_seqlens") is not None or q.dtype not in _FLOAT or beta.dtype != q.dtype
+            or k.dtype != q.dtype or v.dtype != q.dtype or not g.is_floating_point()
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            or not (reference or kernels_for(q, "linear_attention"))):
+        return None
+    final = bool(call.get("output_final_state", False))
+    l2 = bool(call.get("use_qk_l2norm_in_kernel", False))
+    if reference:
+        return chunk_rule_float64(q, k, v, g, beta, initial_state=init, output_final_state=final,
+                                  use_qk_l2norm_in_kernel=l2, rule=original)
+    out, state = torch.ops.mps_ext.linear_attention_chunk(
+        q, k, v, g.float(), beta, None if init is None else init.float().contiguous(), l2)
+    return out, state if final else None
+
+
+def install_chunk_rule(cls: type) -> bool:
+    """Gives the module of a layer class's forward, once, the wrapper of its
+    chunked delta rule (module docstring); False if the module has none (a
+    forward that calls something else: prefill stays the layer's own)."""
+    import sys
+    module = sys.modules.get(cls.__module__)
+    original = getattr(module, _CHUNK_RULE, None)
+    if not callable(original):
+        return False
+    if getattr(original, "_mps_ext_chunk_rule", False):
+        return True
+
+    @functools.wraps(original)
+    def chunk_gated_delta_rule(*args, **kwargs):
+        mode = _PREFILL.get()
+        taken = None if mode is None else chunk_rule_call(original, args, kwargs, mode.reference)
+        if taken is None:
+            return original(*args, **kwargs)
+        mode.taken += 1
+        return taken
+
+    chunk_gated_delta_rule._mps_ext_chunk_rule = True
+    setattr(module, _CHUNK_RULE, chunk_gated_delta_rule)
+    return True
+
+
 @register_mixin
 class FusedDecodeMixin:
-    """The decode step of a Gated DeltaNet layer on linear_attention_decode;
-    everything else the layer's own forward (the next class in the MRO)."""
+    """The decode step of a Gated DeltaNet layer on linear_attention_decode,
+    its prefill's chunked delta rule on linear_attention_chunk; everything
+    else the layer's own forward (the next class in the MRO)."""
 
     def forward(self, *args, **kwargs):
         call = self._mps_ext_fused_call(False, args, kwargs)
-        return super().forward(*args, **kwargs) if call is None else call()
+        return self._mps_ext_prefill(False, args, kwargs) if call is None else call()
+
+    def _mps_ext_prefill(self, reference: bool, args: tuple, kwargs: dict, count: bool = False):
+        """The layer's own forward, its chunked delta rule on the kernel
+        (reference: chunk_rule_float64) where the wrapper takes it; count:
+        (output, calls the wrapper took)."""
+        mode = _Prefill(reference)
+        token = _PREFILL.set(mode)
+        try:
+            out = super().forward(*args, **kwargs)
+        finally:
+            _PREFILL.reset(token)
+        return (out, mode.taken) if count else out
 
     def _mps_ext_fused_call(self, reference: bool, args: tuple, kwargs: dict):
         """The call's decode step on the kernel (reference: with torch's ops,
@@ -277,6 +410,31 @@ def probe_decode_step(mod, original, make_states, tolerance: float) -> str | Non
     return None
 
 
+def probe_prefill(mod, original, tolerance: float) -> str | None:
+    """None if mod's forward (already swapped) on a prompt of more than a
+    chunk, its chunked delta rule by chunk_rule_float64, gives its own
+    forward's output within `tolerance` of its largest magnitude and the
+    wrapper took the call; else why not."""
+    from ._episode import difference
+    w = next(mod.parameters())
+    x = torch.randn(1, 70, _hidden_of(mod), generator=torch.Generator().manual_seed(1)).to(w.device, w.dtype)
+    modes = [(m, m.training) for m in mod.modules()]
+    mod.train(False)
+    try:
+        with torch.no_grad():
+            want = original(mod, x)
+            got, taken = mod._mps_ext_prefill(True, (x,), {}, count=True)
+    except Exception as e:  # noqa: BLE001 - a forward that is not transformers'
+        return f"its prefill raised on a probe: {type(e).__name__}: {e}"
+    finally:
+        for m, training in modes:
+            m.training = training
+    if not taken:
+        return f"its forward does not call its module's {_CHUNK_RULE} on a prompt"
+    d = difference(want, got, tolerance)
+    return mismatch(f"its prefill differs from its own forward on a probe ({d})") if d else None
+
+
 def _hidden_of(mod) -> int:
     p = mod.in_proj_qkv if hasattr(mod, "in_proj_qkv") else mod.in_proj
     return p.in_features
@@ -342,7 +500,8 @@ class LinearAttentionPass(RecurrentDecodePass):
     linear_attention_decode (its class swapped)."""
 
     name = "linear_attention"
-    title = "linear-attention layers on torch.ops.mps_ext.linear_attention_decode at decode"
+    title = ("linear-attention layers on torch.ops.mps_ext.linear_attention_decode at decode, "
+             "linear_attention_chunk at prefill")
     mixin = FusedDecodeMixin
     why_not = staticmethod(why_not)
     fused_class = staticmethod(_fused_class)
@@ -356,9 +515,22 @@ class LinearAttentionPass(RecurrentDecodePass):
     def tolerance(module) -> float:
         return TOLERANCE.get(module.A_log.dtype, 0.0)
 
+    def probe(self, model, name, module, plan):
+        cls = type(module)
+        why = super().probe(model, name, module, plan)
+        if why is not None or not install_chunk_rule(cls):
+            return why  # no chunk rule to hook: prefill stays the layer's own (describe says so)
+        module.__class__ = self.fused_class(cls)
+        try:
+            return probe_prefill(module, cls.forward, self.tolerance(module))
+        finally:
+            module.__class__ = cls
+
     @staticmethod
     def describe(module) -> str:
-        return (f"decode on linear_attention_decode ({module.num_v_heads} value heads, "
+        prefill = ("prefill's delta rule on linear_attention_chunk" if install_chunk_rule(original_class(type(module)))
+                   else f"prefill its own (its module has no {_CHUNK_RULE})")
+        return (f"decode on linear_attention_decode, {prefill} ({module.num_v_heads} value heads, "
                 f"{module.num_k_heads} key heads)")
 
     def witness(self, model, name):

@@ -60,12 +60,12 @@ def prefill_and_decode(model, prompt, step):
         return out.logits, model(step, past_key_values=out.past_key_values, use_cache=True).logits
 
 
-def generate_is_unchanged_by_optimize(model, op, runs, tokens=5):
-    """Greedy generate() of `tokens` gives the same tokens after
-    mps_ext.optimize(model) (each step reading the states the one before
-    wrote in place), with mps_ext's own `op` run `runs` times (counted in
-    its family, the one that lists it)."""
-    prompt = ids()
+def generate_is_unchanged_by_optimize(model, op, runs, tokens=5, prompt=PROMPT):
+    """Greedy generate() of `tokens` after a prompt of `prompt` tokens gives
+    the same tokens after mps_ext.optimize(model) (each step reading the
+    states the one before wrote in place), with mps_ext's own `op` run
+    `runs` times (counted in its family, the one that lists it)."""
+    prompt = ids(prompt)
     with torch.no_grad():
         want = model.generate(prompt, max_new_tokens=tokens, do_sample=False)
     mps_ext.optimize(model)

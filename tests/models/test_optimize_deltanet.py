@@ -49,6 +49,12 @@ def test_generate_gives_stock_tokens():
     generate_is_unchanged_by_optimize(make("qwen3_5_moe"), "linear_attention_decode", 4)  # 4 decode steps
 
 
+def test_generate_after_a_prompt_longer_than_a_chunk_gives_stock_tokens():
+    """A 70-token prompt (two chunks of the delta rule) prefilled on linear_attention_chunk, then decode on
+    linear_attention_decode from the state it left: the stock model's tokens."""
+    generate_is_unchanged_by_optimize(make("qwen3_5_moe"), "linear_attention_chunk", 1, tokens=4, prompt=70)
+
+
 def per_deltanet_layer(model):
     """(host calls, executor dispatches) of the linear-attention layer in one decode step."""
     ((_, calls, dispatches),) = decode_counts(model, deltanet_layers(model)[:1])
