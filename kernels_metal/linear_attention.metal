@@ -386,7 +386,7 @@ kernel void linear_attention_chunk_state(device T* out [[buffer(0)]],
                                          constant LinearAttentionChunkParams& p [[buffer(9)]],
                                          uint3 tg [[threadgroup_position_in_grid]],
                                          uint t [[thread_index_in_threadgroup]]) {
-  threadgroup float s[LA_STATE_ELEMS];          // [dk, tile] of the head's state
+  threadgroup float s[LA_STATE_ELEMS];           // [dk, tile] of the head's state
   threadgroup float vn[LA_CHUNK * LA_MAX_TILE];  // [LA_CHUNK, tile]: the chunk's v_new
   const uint h = tg.y, b = tg.z, dk = p.dk, dv = p.dv, tile = p.tile;
   const uint c0 = tg.x * tile, cols = min(tile, dv - c0);

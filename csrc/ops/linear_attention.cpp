@@ -170,9 +170,8 @@ void check_offsets(const at::Tensor& t, const char* name) {
               " spans 2^32 elements or more (the kernels' 32-bit indices)");
 }
 
-std::tuple<at::Tensor, at::Tensor> linear_attention_chunk(const at::Tensor& q, const at::Tensor& k,
-                                                          const at::Tensor& v, const at::Tensor& g,
-                                                          const at::Tensor& beta,
+std::tuple<at::Tensor, at::Tensor> linear_attention_chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                          const at::Tensor& g, const at::Tensor& beta,
                                                           const c10::optional<at::Tensor>& initial_state,
                                                           bool use_qk_l2norm) {
   const auto dt = q.scalar_type();
@@ -184,8 +183,8 @@ std::tuple<at::Tensor, at::Tensor> linear_attention_chunk(const at::Tensor& q, c
               q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
   const int64_t batch = q.size(0), tokens = q.size(1), k_heads = q.size(2), dk = q.size(3);
   const int64_t v_heads = v.size(2), dv = v.size(3);
-  TORCH_CHECK(v.size(0) == batch && v.size(1) == tokens, "linear_attention_chunk: v is ", v.sizes(), ", q ",
-              q.sizes(), ": batch and tokens must agree");
+  TORCH_CHECK(v.size(0) == batch && v.size(1) == tokens, "linear_attention_chunk: v is ", v.sizes(), ", q ", q.sizes(),
+              ": batch and tokens must agree");
   TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt && beta.scalar_type() == dt,
               "linear_attention_chunk: k, v and beta must be in q's dtype ", dt, ", got ", k.scalar_type(), ", ",
               v.scalar_type(), ", ", beta.scalar_type());
@@ -275,13 +274,13 @@ std::tuple<at::Tensor, at::Tensor> linear_attention_chunk(const at::Tensor& q, c
   // Without an initial state the kernel reads none: the final state's
   // buffer stands in for the binding.
   const at::Tensor& init = has_initial ? *initial_state : state;
-  launch(Launch{"linear_attention",
-                pass,
-                {KernelArg::of(out), KernelArg::of(state), KernelArg::of(init), KernelArg::of(qd), KernelArg::of(kd),
-                 KernelArg::of(w), KernelArg::of(u), KernelArg::of(attn), KernelArg::of(decay), KernelArg::value(p)},
-                {static_cast<uint32_t>(ceil_div(dv, p.tile)), static_cast<uint32_t>(v_heads),
-                 static_cast<uint32_t>(batch)},
-                threads});
+  launch(Launch{
+      "linear_attention",
+      pass,
+      {KernelArg::of(out), KernelArg::of(state), KernelArg::of(init), KernelArg::of(qd), KernelArg::of(kd),
+       KernelArg::of(w), KernelArg::of(u), KernelArg::of(attn), KernelArg::of(decay), KernelArg::value(p)},
+      {static_cast<uint32_t>(ceil_div(dv, p.tile)), static_cast<uint32_t>(v_heads), static_cast<uint32_t>(batch)},
+      threads});
   return {out, state};
 }
 

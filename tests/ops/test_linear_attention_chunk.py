@@ -22,7 +22,7 @@ from mps_ext.passes import LinearAttentionPass, run_pass
 from mps_ext.passes.linear_attention import CHUNK_TOLERANCE, FusedDecodeMixin, float64_rule
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
 
-from test_linear_attention import clone_cache, layer_and_cache, rel_err
+from test_linear_attention import layer_and_cache, rel_err
 
 NAME = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
