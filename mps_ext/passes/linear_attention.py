@@ -236,6 +236,8 @@ def install_chunk_rule(cls: type) -> bool:
 
     @functools.wraps(original)
     def chunk_gated_delta_rule(*args, **kwargs):
+        if torch.compiler.is_compiling():  # Dynamo cannot trace a ContextVar (FusedDecodeMixin.forward)
+            return original(*args, **kwargs)
         mode = _PREFILL.get()
         taken = None if mode is None else chunk_rule_call(original, args, kwargs, mode.reference)
         if taken is None:
@@ -256,7 +258,13 @@ class FusedDecodeMixin:
 
     def forward(self, *args, **kwargs):
         call = self._mps_ext_fused_call(False, args, kwargs)
-        return self._mps_ext_prefill(False, args, kwargs) if call is None else call()
+        if call is not None:
+            return call()
+        if torch.compiler.is_compiling():
+            # Under torch.compile the prefill is the layer's own forward: Dynamo cannot trace the ContextVar
+            # that routes the chunked delta rule to the kernel, and Inductor compiles the reference's ops.
+            return super().forward(*args, **kwargs)
+        return self._mps_ext_prefill(False, args, kwargs)
 
     def _mps_ext_prefill(self, reference: bool, args: tuple, kwargs: dict, count: bool = False):
         """The layer's own forward, its chunked delta rule on the kernel
