@@ -212,10 +212,10 @@ class _Reader(_translate._Translator):
         return p
 
     def _threadgroup_declaration(self, i):
-        j, depth, pointer = i, 0, False
+        j, depth, pointer, brackets = i, 0, False, _translate._Brackets()
         while j < len(self.toks) and not (self.t(j) == ";" and depth == 0):
             pointer = pointer or (depth == 0 and self.t(j) in ("*", "&", "&&"))
-            depth = _translate._nest(self.t(j), depth)
+            depth = brackets.step(self.t(j))
             j += 1
         if not pointer:  # `threadgroup T* p = ...;` is a thread's pointer into threadgroup memory
             self.threadgroup_vars.append((i, list(range(i + 1, j))))
@@ -495,7 +495,7 @@ def _declaration_kind(r: _Reader, idx: list[int]) -> tuple[str, int | None]:
         return "other", None  # a forward declaration or an elaborated type
     if "operator" in words:
         return "other", None
-    depth, name = 0, None
+    depth, name, brackets = 0, None, _translate._Brackets()
     for k in idx:
         s = r.t(k)
         if depth == 0:
@@ -507,7 +507,7 @@ def _declaration_kind(r: _Reader, idx: list[int]) -> tuple[str, int | None]:
                 return "variable", name
             if r.toks[k].kind == "ident":
                 name = k
-        depth = _translate._nest(s, depth)
+        depth = brackets.step(s)
     return "variable", name
 
 

@@ -195,9 +195,9 @@ class _Translator:
                     and (k + 2 >= len(toks) or toks[k + 2].text in (",", ">", "=", ">>")):
                 names.add(toks[k + 1].text)  # a template type parameter
             elif s == "typedef":
-                j, depth = k + 1, 0
+                j, depth, brackets = k + 1, 0, _Brackets()
                 while j < len(toks) and not (toks[j].text == ";" and depth == 0) and toks[j].text != "{":
-                    depth = _nest(toks[j].text, depth)
+                    depth = brackets.step(toks[j].text)
                     j += 1
                 if j < len(toks) and toks[j].text == ";" and toks[j - 1].kind == "ident":
                     names.add(toks[j - 1].text)
@@ -795,7 +795,7 @@ class _Translator:
     # ------------------------------------------------- threadgroup variables --
     def _threadgroup_declaration(self, i: int):
         """`threadgroup T a[N], b;` in a function -> references to engine storage."""
-        j, depth = i + 1, 0
+        j, depth, brackets = i + 1, 0, _Brackets()
         while j < len(self.toks) and not (self.t(j) == ";" and depth == 0):
             s = self.t(j)
             if depth == 0 and s in ("*", "&", "&&"):
@@ -803,19 +803,22 @@ class _Translator:
             if depth == 0 and s == "=":
                 self.problem(self.toks[i].start, "a threadgroup variable cannot have an initializer")
                 return None
-            depth = _nest(s, depth)
+            depth = brackets.step(s)
             j += 1
+        if j == len(self.toks):
+            self.problem(self.toks[i].start, "cannot parse this threadgroup declaration (no ';' ends it)")
+            return None
         parts = self._split_top_level(i + 1, j)  # one per declarator
         first = parts[0]
         # The first declarator's name: the last identifier at depth 0 before any '['.
-        depth, name_at = 0, None
+        depth, name_at, brackets = 0, None, _Brackets()
         for k in first:
             s = self.t(k)
             if s == "[" and depth == 0:
                 break
             if depth == 0 and self.toks[k].kind == "ident":
                 name_at = k
-            depth = _nest(s, depth)
+            depth = brackets.step(s)
         if name_at is None or name_at == first[0]:
             self.problem(self.toks[i].start, "cannot parse this threadgroup declaration")
             return None
@@ -844,14 +847,14 @@ class _Translator:
     # ----------------------------------------------------------- kernels --
     def _split_top_level(self, a: int, b: int) -> list[list[int]]:
         """Token indices of toks[a:b] split at commas outside brackets."""
-        parts, cur, depth = [], [], 0
+        parts, cur, depth, brackets = [], [], 0, _Brackets()
         for k in range(a, b):
             s = self.t(k)
             if s == "," and depth == 0:
                 parts.append(cur)
                 cur = []
                 continue
-            depth = _nest(s, depth)
+            depth = brackets.step(s)
             cur.append(k)
         if cur:
             parts.append(cur)
@@ -1101,15 +1104,29 @@ def _assign_buffer_indices(params: list[Param]):
             taken.add(n)
 
 
-def _nest(token: str, depth: int) -> int:
-    """Bracket depth after `token` ('<' and '>' count: these are declarations)."""
-    if token in ("(", "[", "{", "<"):
-        return depth + 1
-    if token in (")", "]", "}", ">"):
-        return depth - 1
-    if token == ">>":
-        return depth - 2
-    return depth
+class _Brackets:
+    """Bracket depth while scanning a declaration's tokens. (), [] and {}
+    always nest; '<' and '>' nest only outside () and [], where they are
+    template brackets (inside they are comparisons, as in `buf[N > 4 ? 8 :
+    4]`)."""
+
+    def __init__(self):
+        self.open: list[str] = []
+
+    def step(self, token: str) -> int:
+        """The depth after `token`."""
+        if token in ("(", "[", "{"):
+            self.open.append(token)
+        elif token in (")", "]", "}"):
+            while self.open and self.open.pop() == "<":
+                pass  # a '<' left open inside was a comparison
+        elif token == "<" and not any(b in "([" for b in self.open):
+            self.open.append(token)
+        elif token in (">", ">>"):
+            for _ in range(len(token)):
+                if self.open and self.open[-1] == "<":
+                    self.open.pop()
+        return len(self.open)
 
 
 def _qualified(namespace: tuple[str, ...], name: str) -> str:

@@ -188,3 +188,29 @@ kernel void sum_of(device float* out [[buffer(0)]], device const float2* a [[buf
     out = torch.zeros(2)
     lib.dispatch("sum_of", [out, torch.tensor([[1.5, 2.0]])], threads=1)
     assert out.tolist() == [3.5, 4.0]
+
+
+def test_threadgroup_array_sized_by_a_comparison():
+    # `>` and `?:` inside a threadgroup array's size are a comparison, not a template's closing bracket: the
+    # translator's declaration scan read them as brackets, ran past the end of the source and raised IndexError.
+    lib = cpu_metal.compile_library("""
+#include <metal_stdlib>
+using namespace metal;
+constant constexpr int N = 8;
+kernel void staged(device float* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  threadgroup float buf[N > 4 ? 8 : 4], tail[(N < 16) ? 2 : 1];
+  buf[i] = float(i) + 0.5f;
+  if (i < 2) tail[i] = float(sizeof(buf) / sizeof(float));
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[i] = buf[7 - i] + tail[i % 2];
+}
+""", filename="comparison_size.metal")
+    out = torch.zeros(8)
+    lib.dispatch("staged", [out], threads=8, threads_per_threadgroup=8)
+    assert out.tolist() == [7.5 - i + 8 for i in range(8)]
+
+
+def test_unterminated_threadgroup_declaration_is_a_compile_error():
+    with pytest.raises(cpu_metal.CompileError, match="threadgroup"):
+        cpu_metal.compile_library("kernel void k(device float* o [[buffer(0)]]) { threadgroup float t[4] }",
+                                  filename="unterminated.metal")
