@@ -136,8 +136,10 @@ kernel void kv_decode_attention(const device T* q [[buffer(0)]],
 }
 
 // The blocks of kv_decode_attention combined: threadgroup (query head,
-// batch), a thread per element of the head (head_dim threads); the blocks in
-// order, each weighted by exp2(m_block - m).
+// batch), a thread per element of the head (head_dim threads). The blocks'
+// maxima and sums are read once into threadgroup memory and each block's
+// weight exp2(m_block - m) computed once there; every thread then adds the
+// blocks in order.
 template <typename T>
 [[max_total_threads_per_threadgroup(KV_DECODE_MAX_HEAD_DIM)]]
 kernel void kv_decode_merge(const device float* partial_o [[buffer(0)]],
@@ -147,19 +149,31 @@ kernel void kv_decode_merge(const device float* partial_o [[buffer(0)]],
                             constant uint& blocks [[buffer(4)]],
                             uint2 group [[threadgroup_position_in_grid]],
                             uint2 tid2 [[thread_position_in_threadgroup]],
+                            uint2 threads2 [[threads_per_threadgroup]],
                             uint2 groups [[threadgroups_per_grid]]) {
-  const uint row = group.y * groups.x + group.x, d = tid2.x;
-  if (d >= head_dim) return;
-  const device float2* ml = partial_ml + row * blocks;
-  float m = -INFINITY;
-  for (uint j = 0; j < blocks; ++j) m = max(m, ml[j].x);
+  threadgroup float2 ml[KV_DECODE_MAX_BLOCKS];  // (maximum, sum), then (weight, weighted sum)
+  threadgroup float m_all;
+  const uint row = group.y * groups.x + group.x, tid = tid2.x, threads = threads2.x;
+  for (uint j = tid; j < blocks; j += threads) ml[j] = partial_ml[row * blocks + j];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid == 0) {
+    float m = -INFINITY;
+    for (uint j = 0; j < blocks; ++j) m = max(m, ml[j].x);
+    m_all = m;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint j = tid; j < blocks; j += threads) {
+    const float w = exp2(ml[j].x - m_all);
+    ml[j] = float2(w, ml[j].y * w);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid >= head_dim) return;
   float l = 0.0f, acc = 0.0f;
   for (uint j = 0; j < blocks; ++j) {
-    const float w = exp2(ml[j].x - m);
-    l += ml[j].y * w;
-    acc += partial_o[(row * blocks + j) * head_dim + d] * w;
+    l += ml[j].y;
+    acc += partial_o[(row * blocks + j) * head_dim + tid] * ml[j].x;
   }
-  out[row * head_dim + d] = T(acc / l);
+  out[row * head_dim + tid] = T(acc / l);
 }
 
 // clang-format off

@@ -58,3 +58,6 @@ struct DecodeAttentionParams {
 #define KV_DECODE_STREAM_SIMDGROUPS 8
 #define KV_DECODE_MAX_SIMDGROUPS 16
 #define KV_DECODE_MAX_HEAD_DIM 256
+// Blocks of keys a call splits into at most (kv_cache.cpp: its threadgroup
+// target, 256, over batch * kv_heads), merged in threadgroup memory.
+#define KV_DECODE_MAX_BLOCKS 256
