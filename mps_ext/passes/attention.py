@@ -340,9 +340,10 @@ def qk_norm_rope_append(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 # The attention functions decode_attention stands for: with no mask and one query row, both are
 # softmax(q k^T * scaling) v over every key, each query head on its key-value head (repeat_kv).
 _DECODE_IMPLEMENTATIONS = ("sdpa", "eager")
-# Keywords the decoder layers pass down that those functions ignore at that call (anything else, such as a
-# softcap or attention sinks, keeps the model's function).
-_DECODE_IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions"})
+# Keywords the models and decoder layers pass down that those functions ignore (anything else, such as a
+# softcap, attention sinks or a position bias, keeps the model's function).
+_DECODE_IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions",
+                                    "output_hidden_states", "output_router_logits", "return_dict"})
 DECODE_HEAD_DIMS = (64, 128, 256)  # kv_decode_attention's instantiations
 DECODE_MAX_GQA = 16
 

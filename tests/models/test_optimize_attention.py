@@ -509,7 +509,7 @@ def test_other_caches_keep_their_update():
 # Per model, heads kv_decode_attention takes (head_dim 64, 128 or 256) in the tiny configs: gqa 8, 4 and 4.
 DECODE_HEADS = {"qwen3_moe": dict(head_dim=128, num_attention_heads=8, num_key_value_heads=1),
                 "qwen3_5_moe": dict(head_dim=256, num_attention_heads=8, num_key_value_heads=2),
-                "lfm2_moe": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1)}
+                "lfm2_moe": dict(head_dim=64, num_attention_heads=4, num_key_value_heads=1)}
 
 
 @pytest.mark.parametrize("prompt", [PROMPT, 140], ids=["one-block", "two-blocks"])
