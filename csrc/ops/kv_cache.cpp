@@ -100,8 +100,8 @@ at::Tensor kv_decode_attention(const at::Tensor& q, const at::Tensor& k, const a
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v}) {
     TORCH_CHECK(t->scalar_type() == dt, "mps_ext kv_decode_attention: q, k and v must have one dtype, got ", dt,
                 " and ", t->scalar_type());
-    TORCH_CHECK(t->device() == q.device(), "mps_ext kv_decode_attention: q is on ", q.device(),
-                " and k or v on ", t->device());
+    TORCH_CHECK(t->device() == q.device(), "mps_ext kv_decode_attention: q is on ", q.device(), " and k or v on ",
+                t->device());
   }
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1,
               "mps_ext kv_decode_attention: q must be [batch, q_heads, 1, head_dim] (one decoded token), got ",
@@ -116,8 +116,7 @@ at::Tensor kv_decode_attention(const at::Tensor& q, const at::Tensor& k, const a
   const int64_t gqa = Hq / Hkv;
   TORCH_CHECK(gqa <= KV_DECODE_MAX_SIMDGROUPS, "mps_ext kv_decode_attention: at most ", KV_DECODE_MAX_SIMDGROUPS,
               " query heads per key-value head, got ", gqa);
-  TORCH_CHECK(D == 64 || D == 128 || D == 256, "mps_ext kv_decode_attention: head_dim must be 64, 128 or 256, got ",
-              D);
+  TORCH_CHECK(D == 64 || D == 128 || D == 256, "mps_ext kv_decode_attention: head_dim must be 64, 128 or 256, got ", D);
   TORCH_CHECK(n > 0 || B == 0, "mps_ext kv_decode_attention: no keys to attend to (k has ", n, " rows)");
   TORCH_CHECK(std::isfinite(scale), "mps_ext kv_decode_attention: scale must be finite, got ", scale);
   auto out = at::empty({B, Hq, 1, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
@@ -138,7 +137,8 @@ at::Tensor kv_decode_attention(const at::Tensor& q, const at::Tensor& k, const a
   TORCH_CHECK(fits_32bit(extent(qc)) && fits_32bit(extent(kc)) && fits_32bit(extent(vc)) &&
                   fits_32bit(B * Hq * blocks * D) && fits_32bit(n + per_block),
               "mps_ext kv_decode_attention: tensors past 2^31 elements are not supported, got k ", k.sizes());
-  TORCH_CHECK(blocks <= KV_DECODE_MAX_BLOCKS, "mps_ext kv_decode_attention: ", blocks, " blocks of keys");  // by the rule above
+  TORCH_CHECK(blocks <= KV_DECODE_MAX_BLOCKS, "mps_ext kv_decode_attention: ", blocks,
+              " blocks of keys");  // by the rule above
   TORCH_CHECK(B <= 65535, "mps_ext kv_decode_attention: at most 65535 sequences a call, got ", B);
   const std::string type = kernel_type_name(dt);
   const std::string kernel = "kv_decode_attention_" + type + "_" + std::to_string(D);
@@ -163,10 +163,8 @@ at::Tensor kv_decode_attention(const at::Tensor& q, const at::Tensor& k, const a
   p.v_stride_b = stride(vc, 0), p.v_stride_h = stride(vc, 1), p.v_stride_t = stride(vc, 2);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);  // log2(e)
   // One block: the kernel writes out and never touches the partials (out bound in their place).
-  const at::Tensor partial_o =
-      blocks > 1 ? at::empty({B * Hq * blocks * D}, q.options().dtype(at::kFloat)) : out;
-  const at::Tensor partial_ml =
-      blocks > 1 ? at::empty({B * Hq * blocks * 2}, q.options().dtype(at::kFloat)) : out;
+  const at::Tensor partial_o = blocks > 1 ? at::empty({B * Hq * blocks * D}, q.options().dtype(at::kFloat)) : out;
+  const at::Tensor partial_ml = blocks > 1 ? at::empty({B * Hq * blocks * 2}, q.options().dtype(at::kFloat)) : out;
   launch(Launch{"kv_cache",
                 kernel,
                 {KernelArg::of(qc), KernelArg::of(kc), KernelArg::of(vc), KernelArg::of(out), KernelArg::of(partial_o),
