@@ -520,6 +520,10 @@ def softmax_elements_a_thread(k):
 # Divisions per thread allowed beyond 0 (32-bit integer, float), each with
 # what they are: a fixed number per thread, none in a loop over the problem.
 DIVISIONS: dict[str, tuple[int, int]] = {
+    # decode attention: a simdgroup's query head and stream (sg % gqa, sg / gqa), and one block's 1 / l, once a
+    # thread; the merge's acc / l once a thread (neither grows with the keys)
+    **{k: (2, 1) for k in KV_DECODE},
+    **{k: (0, 1) for k in KV_DECODE_MERGE},
     # the DeltaNet prefill kernels: the prep's key head (h / ratio), the state pass's column and row of its
     # thread in the tile (t % tile, t / tile and 256 / tile: a power of two the CPU's IR keeps as a division),
     # once a thread
