@@ -222,13 +222,13 @@ def count_ours(shape: Shape, dtype: torch.dtype = torch.bfloat16, seed: int = 0)
     """kv_decode_attention at `shape` on the executor, counted as `count`
     counts torch's (cache: the k and v buffers). Raises if its output is
     not the attention (float64) within the dtype's rounding."""
-    import mps_ext  # noqa: F401  (torch.ops.mps_ext)
+    from . import common  # noqa: F401  (installs the executor as mps_ext's backend of CPU tensors)
 
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, shape.q_heads, 1, shape.head_dim, generator=g).to(dtype)
     k, v = (torch.randn(1, shape.kv_heads, shape.keys, shape.head_dim, generator=g).to(dtype) for _ in range(2))
     scale = shape.head_dim ** -0.5
-    with cpu_metal.record() as rec:
+    with cpu_metal.record() as rec, cpu_metal.request():
         out = torch.ops.mps_ext.kv_decode_attention(q, k, v, scale)
     kk, vv = (t.double().repeat_interleave(shape.gqa, dim=1) for t in (k, v))
     want = torch.softmax(q.double() @ kk.transpose(-1, -2) * scale, dim=-1) @ vv
