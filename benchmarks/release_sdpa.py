@@ -16,6 +16,14 @@ of one key-value head run side by side, reading the same rows) decides if
 the memory reads them once or gqa_factor times; the executor does not model
 those caches, and no Mac was at hand to time it. census.sdpa_dispatches is
 checked against the path the kernels' launch takes here.
+
+Beside them, mps_ext's own decode attention (torch.ops.mps_ext.kv_decode_attention,
+kernels_metal/kv_cache.metal; mps_ext.optimize's attention pass runs it at
+decode): a threadgroup per key-value head and block of keys, each key and
+value row loaded once into threadgroup memory for the gqa query heads that
+share it, the blocks merged in a second dispatch (`ours`: its bytes and
+dispatches by the op's launch rule, `OursGeometry`; tests/test_release_sdpa.py
+checks the rule against what the executor counts).
 """
 
 from __future__ import annotations
@@ -177,6 +185,67 @@ def count(shape: Shape, release: str = RELEASE) -> Counted:
     return Counted(shape, len(stats), cache, other)
 
 
+# ------------------------------------------------------------ mps_ext's own --
+# csrc/ops/kv_cache.cpp's launch of kv_decode_attention (kDecodeThreadgroups, kDecodeMinBlockKeys,
+# KV_DECODE_TILE_ELEMS and KV_DECODE_STREAM_SIMDGROUPS of kernels_metal/kv_cache_params.h), one sequence,
+# without a lower pipeline limit.
+OURS_THREADGROUPS, OURS_MIN_BLOCK_KEYS, OURS_TILE_ELEMS, OURS_STREAM_SIMDGROUPS = 256, 128, 2048, 8
+
+
+@dataclasses.dataclass(frozen=True)
+class OursGeometry:
+    blocks: int
+    streams: int  # simdgroups per query head
+
+    @classmethod
+    def of(cls, shape: Shape, batch: int = 1) -> "OursGeometry":
+        tile = OURS_TILE_ELEMS // shape.head_dim
+        want = max(1, -(-OURS_THREADGROUPS // (batch * shape.kv_heads)))
+        per_block = -(-max(OURS_MIN_BLOCK_KEYS, -(-shape.keys // want)) // tile) * tile
+        return cls(-(-shape.keys // per_block), max(1, OURS_STREAM_SIMDGROUPS // shape.gqa))
+
+
+def ours(shape: Shape, dtype_bytes: int = 2) -> Counted:
+    """kv_decode_attention's dispatches and requested bytes at `shape` (one
+    sequence) by its launch rule: the cache once; each simdgroup's query
+    head (blocks x streams reads of q); the output, or the blocks' float
+    partial sums, maxima and sums written and read back by the merge."""
+    geo = OursGeometry.of(shape)
+    h, d = shape.q_heads, shape.head_dim
+    other = h * geo.blocks * geo.streams * d * dtype_bytes + h * d * dtype_bytes
+    if geo.blocks > 1:
+        other += 2 * h * geo.blocks * (d * 4 + 8)
+    return Counted(shape, 1 + (geo.blocks > 1), shape.cache_bytes(dtype_bytes), other)
+
+
+def count_ours(shape: Shape, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Counted:
+    """kv_decode_attention at `shape` on the executor, counted as `count`
+    counts torch's (cache: the k and v buffers). Raises if its output is
+    not the attention (float64) within the dtype's rounding."""
+    from . import common  # noqa: F401  (installs the executor as mps_ext's backend of CPU tensors)
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, shape.q_heads, 1, shape.head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(1, shape.kv_heads, shape.keys, shape.head_dim, generator=g).to(dtype) for _ in range(2))
+    scale = shape.head_dim ** -0.5
+    with cpu_metal.record() as rec, cpu_metal.request():
+        out = torch.ops.mps_ext.kv_decode_attention(q, k, v, scale)
+    kk, vv = (t.double().repeat_interleave(shape.gqa, dim=1) for t in (k, v))
+    want = torch.softmax(q.double() @ kk.transpose(-1, -2) * scale, dim=-1) @ vv
+    bound = 1e-5 if dtype == torch.float32 else 2.0 ** -7 * max(1.0, want.abs().max().item())
+    if (out.double() - want).abs().max().item() > bound:
+        raise AssertionError(f"kv_decode_attention is not the attention at {shape}")
+    cache = other = 0
+    for s in rec.dispatches:
+        for i, b in s.bytes_read.items():
+            if s.buffer_names.get(i) in ("k", "v"):
+                cache += b
+            elif i not in s.constant_buffers:
+                other += b
+        other += sum(b for i, b in s.bytes_written.items())
+    return Counted(shape, len(rec.dispatches), cache, other)
+
+
 # The census's models' attention layers (their configs, benchmarks/census.py MODELS), one sequence.
 def shape_of(spec: census.Spec, keys: int) -> Shape:
     c = spec.config()
@@ -184,16 +253,19 @@ def shape_of(spec: census.Spec, keys: int) -> Shape:
                  or c.hidden_size // c.num_attention_heads, keys)
 
 
-CONTEXTS = (4096, 32768, 131072)
+CONTEXTS = (1024, 4096, 32768, 131072)
 
 
 def table(contexts=CONTEXTS) -> str:
     """Per model, one decoded token of one sequence: the attention layers'
-    key-value cache (what attention must read) and what torch's decode
+    key-value cache (what attention must read), what torch's decode
     kernels request (gqa_factor times it: counted at small shapes by
     tests/test_release_sdpa.py, the same at every length since each query
-    head walks its whole key-value head), in MB and in ms at the sustained
-    bandwidth (timeline.BANDWIDTH, its highest figure)."""
+    head walks its whole key-value head) and what mps_ext's
+    kv_decode_attention requests (`ours`: the cache once, plus its queries
+    and partial sums), in MB and in ms at the sustained bandwidth
+    (timeline.BANDWIDTH, its highest figure); and the dispatches of all
+    attention layers, torch's / ours."""
     from .common import markdown
     from .timeline import BANDWIDTH
 
@@ -201,16 +273,23 @@ def table(contexts=CONTEXTS) -> str:
     for name, spec in census.MODELS.items():
         layers = sum(k.startswith("full_attention") for k in census.layer_kinds(spec.config()))
         row = {"model": name, "attention layers": layers}
+        def mb(b):
+            return f"{b / 1e6:,.0f} ({b / BANDWIDTH.high * 1e3:.2f})"
+
         for n in contexts:
             s = shape_of(spec, n)
             once = layers * s.cache_bytes()
+            mine = ours(s)
             row["heads (q / kv)"] = f"{s.q_heads} / {s.kv_heads}"
-            row[f"{n // 1024}k: cache MB (ms)"] = f"{once / 1e6:,.0f} ({once / BANDWIDTH.high * 1e3:.2f})"
-            row[f"{n // 1024}k: requested MB (ms)"] = (f"{s.gqa * once / 1e6:,.0f} "
-                                                     f"({s.gqa * once / BANDWIDTH.high * 1e3:.2f})")
+            row[f"{n // 1024}k: cache MB (ms)"] = mb(once)
+            row[f"{n // 1024}k: torch requests MB (ms)"] = mb(s.gqa * once)
+            row[f"{n // 1024}k: ours requests MB (ms)"] = mb(layers * (mine.cache_bytes_read + mine.other_bytes))
+            row[f"{n // 1024}k: dispatches torch / ours"] = (f"{layers * census.sdpa_dispatches(n)} / "
+                                                            f"{layers * mine.dispatches}")
         rows.append(row)
     columns = ["model", "attention layers", "heads (q / kv)"] + [c for n in contexts for c in (
-        f"{n // 1024}k: cache MB (ms)", f"{n // 1024}k: requested MB (ms)")]
+        f"{n // 1024}k: cache MB (ms)", f"{n // 1024}k: torch requests MB (ms)",
+        f"{n // 1024}k: ours requests MB (ms)", f"{n // 1024}k: dispatches torch / ours")]
     return markdown(rows, columns)
 
 

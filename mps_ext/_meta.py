@@ -2,7 +2,7 @@
 take the aten op's own: the families' own ops (no aten op; _C.family_own_ops
 lists them: scaled_mm's fp8_linear, moe's moe_route, moe_experts,
 moe_combine and moe_layer, norm's rms_norm, add_rms_norm, qk_norm_rope and qk_norm_rope_append,
-attention_gate's sigmoid_gate, kv_cache's kv_append, linear_attention's
+attention_gate's sigmoid_gate, kv_cache's kv_append and kv_decode_attention, linear_attention's
 linear_attention_decode and linear_attention_chunk, short_conv's short_conv_decode), fp8_grouped_linear
 and commit; the scaled_mm family, whose aten meta
 functions check CUDA's layout rules (mat2 column-major, dimensions multiples
@@ -151,6 +151,11 @@ def _kv_append(k_cache, v_cache, k, v, start):
     return None
 
 
+# A decoded token's attention over the cache (csrc/ops/kv_cache.cpp): [batch, q_heads, 1, head_dim], contiguous.
+def _kv_decode_attention(q, k, v, scale):
+    return q.new_empty((q.shape[0], q.shape[1], 1, q.shape[3]))
+
+
 # A Gated DeltaNet decode step (csrc/ops/linear_attention.cpp): the gated
 # RMSNorm's output [batch, v_heads * dv] in qkv's dtype; the two states are
 # updated in place (the schema's (a!), (b!)).
@@ -206,7 +211,8 @@ def register() -> None:
                      ("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm),
                      ("qk_norm_rope", _qk_norm_rope), ("qk_norm_rope_append", _qk_norm_rope_append),
                      ("sigmoid_gate", _sigmoid_gate),
-                     ("kv_append", _kv_append), ("fp8_grouped_linear", _fp8_grouped_linear),
+                     ("kv_append", _kv_append), ("kv_decode_attention", _kv_decode_attention),
+                     ("fp8_grouped_linear", _fp8_grouped_linear),
                      ("linear_attention_decode", _linear_attention_decode),
                      ("linear_attention_chunk", _linear_attention_chunk),
                      ("short_conv_decode", _short_conv_decode), ("commit", _commit)]:

@@ -124,6 +124,13 @@ RMS_NORM = names("rms_norm_{t}", t=("f32", "f16", "bf16"))
 ADD_RMS_NORM = names("add_rms_norm_{t}", t=("f32", "f16", "bf16"))
 QK_NORM_ROPE = names("{op}_{t}", op=("qk_norm_rope", "qk_norm_rope_append"), t=("f32", "f16", "bf16"))
 ATTENTION = names("{op}_{t}", op=("sigmoid_gate", "kv_append"), t=("f32", "f16", "bf16"))
+KV_DECODE = names("kv_decode_attention_{t}_{d}", t=("f32", "f16", "bf16"), d=(64, 128, 256))
+KV_DECODE_MERGE = names("kv_decode_merge_{t}", t=("f32", "f16", "bf16"))
+# bench_kv_cache's decode cases (a model's heads each) take bf16 at 128, fp16 at 256 and float32 at 64, and the
+# merge in each dtype
+KV_DECODE_MEASURED = {"kv_decode_attention_bf16_128", "kv_decode_attention_f16_256", "kv_decode_attention_f32_64"}
+KV_DECODE_UNREACHED = ("a dtype and head dimension no benchmark case takes (tests/ops/test_kv_cache_decode.py runs "
+                       "every one against float64); the same template as the three measured")
 LINEAR_ATTENTION = names("linear_attention_decode_{t}", t=("f32", "f16", "bf16"))
 DELTANET_PREP = names("linear_attention_chunk_prep_{t}", t=("f32", "f16", "bf16"))
 DELTANET_STATE = names("linear_attention_chunk_state_{t}", t=("f32", "f16", "bf16"))
@@ -224,6 +231,11 @@ BUDGETS: dict[str, Budget] = {
     # the attention's output gate and cache append: each element moved once, a thread per element
     **{k: Budget("attention_gate" if k.startswith("sigmoid_gate_") else "kv_cache", full_occupancy=True)
        for k in ATTENTION},
+    # decode attention over the cache: each key and value row read once, staged in threadgroup memory for the
+    # query heads sharing it; the merge reads the blocks' partial sums once
+    **{k: Budget("kv_cache", full_occupancy=True, unreached="" if k in KV_DECODE_MEASURED else KV_DECODE_UNREACHED)
+       for k in KV_DECODE},
+    **{k: Budget("kv_cache", full_occupancy=True) for k in KV_DECODE_MERGE},
     # Gated DeltaNet decode: streams the recurrent state once, 1024 threads a group.
     **{k: Budget("linear_attention", full_occupancy=True) for k in LINEAR_ATTENTION},
     # Gated DeltaNet prefill (issue 32): the chunk-parallel prep and the state pass, per-chunk matrix work in
@@ -508,6 +520,10 @@ def softmax_elements_a_thread(k):
 # Divisions per thread allowed beyond 0 (32-bit integer, float), each with
 # what they are: a fixed number per thread, none in a loop over the problem.
 DIVISIONS: dict[str, tuple[int, int]] = {
+    # decode attention: a simdgroup's query head and stream (sg % gqa, sg / gqa), and one block's 1 / l, once a
+    # thread; the merge's acc / l once a thread (neither grows with the keys)
+    **{k: (2, 1) for k in KV_DECODE},
+    **{k: (0, 1) for k in KV_DECODE_MERGE},
     # the DeltaNet prefill kernels: the prep's key head (h / ratio), the state pass's column and row of its
     # thread in the tile (t % tile, t / tile and 256 / tile: a power of two the CPU's IR keeps as a division),
     # once a thread

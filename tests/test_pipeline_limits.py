@@ -120,6 +120,10 @@ CASES = [
     Case("sigmoid_gate", "attention_gate", "attention_gate", "sigmoid_gate_",
          lambda: torch.ops.mps_ext.sigmoid_gate(rand(4, 2048, seed=1), rand(4, 2048, seed=2)), 64),
     Case("kv_append", "kv_cache", "kv_cache", "kv_append_", kv_append, 64),
+    # gqa 4 at 256 threads (2 streams); at 128 one stream: the streams' partial softmaxes merged in another grouping
+    Case("kv_decode_attention", "kv_cache", "kv_cache", "kv_decode_attention_",
+         lambda: torch.ops.mps_ext.kv_decode_attention(rand(1, 8, 1, 128, seed=1), rand(1, 2, 300, 128, seed=2),
+                                                       rand(1, 2, 300, 128, seed=3), 128 ** -0.5), 128, exact=False),
     # A row the block shape now holds in fewer threads than it needs goes to the split shape: other sums.
     Case("softmax_block", "softmax", "softmax", "softmax_block_",
          lambda: torch.ops.mps_ext._softmax(rand(4, 4096, seed=1), 1, False), 128, exact=False),

@@ -18,13 +18,18 @@ the cache update (cache_update: kv_append into buffers with spare
 capacity, where DynamicLayer.update copies the whole cache twice with
 torch.cat); where both the norm and cache kernels run, that append is in
 qk_norm_rope's own dispatch (qk_norm_rope_append: the keys normed and
-rotated straight into the cache, the values copied beside them). The
-rest of the forward is the model's, line for line: its projections
-(nn.Linear, FP8Linear, or views of a fused q/k/v projection), the
-attention function transformers selects for the config
+rotated straight into the cache, the values copied beside them). At a
+decode step (one query token, no mask: the plain causal mask over the
+whole cache, which transformers leaves out) the attention function is
+torch.ops.mps_ext.kv_decode_attention where its kernels run
+(decode_attention: each cached key and value row read once for all the
+query heads sharing it, where torch's decode SDPA reads it once per query
+head). The rest of the forward is the model's, line for line: its
+projections (nn.Linear, FP8Linear, or views of a fused q/k/v projection),
+the attention function transformers selects for the config
 (ALL_ATTENTION_FUNCTIONS of the layer's own modeling module, its
-eager_attention_forward as default), the sliding window where the layer has
-one, the output projection.
+eager_attention_forward as default) everywhere else, the sliding window
+where the layer has one, the output projection.
 
 A layer is recognised by its parts, not its class: q_proj, k_proj, v_proj,
 o_proj (or out_proj), per-head q and k norms that fuse_norms made
@@ -58,7 +63,8 @@ from ._protocol import Pass, _exact, mismatch
 from ._runtime import kernels_for
 from .norm import _FLOAT, MAX_HEAD_DIM, FusedRMSNorm, qk_norm_rope, qk_norm_rope_reference, qk_op_args
 
-__all__ = ["AttentionPass", "FusedQKNormRopeMixin", "cache_update", "qk_norm_rope_append", "sigmoid_gate"]
+__all__ = ["AttentionPass", "FusedQKNormRopeMixin", "cache_update", "decode_attention", "qk_norm_rope_append",
+           "sigmoid_gate"]
 
 _NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"))
 _OUT = ("o_proj", "out_proj")
@@ -156,13 +162,18 @@ class FusedQKNormRopeMixin:
             if cache is not None:
                 key_states, value_states = ops.cache(cache, key_states, value_states, self.layer_idx,
                                                      kwargs if plan.update_kwargs else None)
-        attention_interface = self._mps_ext_functions.get_interface(self.config._attn_implementation,
-                                                                    self._mps_ext_eager)
         window = {"sliding_window": self.sliding_window} if plan.sliding_window else {}
-        attn_output, attn_weights = attention_interface(
-            self, query_states, key_states, value_states, attention_mask,
-            dropout=0.0 if not self.training else getattr(self, "attention_dropout", 0.0), scaling=self.scaling,
-            **window, **kwargs)
+        decoded = None if ops.attend is None else ops.attend(self, query_states, key_states, value_states,
+                                                             attention_mask, window, kwargs)
+        if decoded is not None:
+            attn_output, attn_weights = decoded, None
+        else:
+            attention_interface = self._mps_ext_functions.get_interface(self.config._attn_implementation,
+                                                                        self._mps_ext_eager)
+            attn_output, attn_weights = attention_interface(
+                self, query_states, key_states, value_states, attention_mask,
+                dropout=0.0 if not self.training else getattr(self, "attention_dropout", 0.0), scaling=self.scaling,
+                **window, **kwargs)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         if plan.gated:
             attn_output = ops.gate(attn_output, gate)
@@ -325,15 +336,59 @@ def qk_norm_rope_append(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return (query_states, *_filled(cache.layers[layer_idx], k_buf, v_buf, n + t))
 
 
+# ----------------------------------------------------------- decode attention --
+# The attention functions decode_attention stands for: with no mask and one query row, both are
+# softmax(q k^T * scaling) v over every key, each query head on its key-value head (repeat_kv).
+_DECODE_IMPLEMENTATIONS = ("sdpa", "eager")
+# Keywords the models and decoder layers pass down that those functions ignore (anything else, such as a
+# softcap, attention sinks or a position bias, keeps the model's function).
+_DECODE_IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions",
+                                    "output_hidden_states", "output_router_logits", "return_dict"})
+DECODE_HEAD_DIMS = (64, 128, 256)  # kv_decode_attention's instantiations
+DECODE_MAX_GQA = 16
+
+
+def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                     window: dict, kwargs: dict) -> torch.Tensor | None:
+    """The model's attention function at a decode step as one
+    torch.ops.mps_ext.kv_decode_attention call (two past 128 keys: blocks
+    of keys, then their merge), which reads each cached key and value row
+    once for all the query heads sharing it: where one query row (one
+    token) attends to the whole cache (no mask: the plain causal mask of
+    the last position, which transformers leaves out), with the sdpa or
+    eager function, no sliding window, no dropout, no attention weights
+    asked for, eager, no autograd, and the kernels run. Returns the
+    function's output ([batch, 1, heads, head_dim]), None where the
+    model's function must run."""
+    if attention_mask is not None or query.dim() != 4 or query.shape[2] != 1 or module.training or \
+            window.get("sliding_window") is not None or kwargs.get("output_attentions") or \
+            not _DECODE_IGNORED_KWARGS.issuperset(kwargs) or \
+            module.config._attn_implementation not in _DECODE_IMPLEMENTATIONS:
+        return None
+    if torch.compiler.is_compiling() or query.dtype not in _FLOAT or key.dtype != query.dtype or \
+            value.dtype != query.dtype or key.shape != value.shape or key.shape[2] == 0 or \
+            query.shape[-1] not in DECODE_HEAD_DIMS or key.shape[-1] != query.shape[-1] or \
+            query.shape[1] % key.shape[1] or query.shape[1] // key.shape[1] > DECODE_MAX_GQA:
+        return None
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return None
+    if not kernels_for(query, "kv_cache"):
+        return None
+    scaling = module.scaling if module.scaling is not None else query.shape[-1] ** -0.5
+    return torch.ops.mps_ext.kv_decode_attention(query, key, value, float(scaling)).transpose(1, 2)
+
+
 class _Ops(typing.NamedTuple):
     qk: typing.Callable
     gate: typing.Callable
     cache: typing.Callable
     # qk and cache in one call where it can (else None: then qk and cache run); None: never
     qk_append: typing.Callable | None = None
+    # the attention function at a decode step where it can (else None: the model's function); None: never
+    attend: typing.Callable | None = None
 
 
-_KERNELS = _Ops(qk_norm_rope, sigmoid_gate, cache_update, qk_norm_rope_append)
+_KERNELS = _Ops(qk_norm_rope, sigmoid_gate, cache_update, qk_norm_rope_append, decode_attention)
 _REFERENCE = _Ops(qk_norm_rope_reference, sigmoid_gate_reference, functools.partial(cache_update, reference=True))
 
 

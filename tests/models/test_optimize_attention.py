@@ -70,11 +70,14 @@ def test_swapped_attention_matches_the_model_without_it(figures, monkeypatch, na
     assert attention_layers(model) == layers and list(s["attention"].converted) == layers and not s["attention"].left
     assert all(what.startswith(f"{cls} -> ") for what in s["attention"].converted.values())
     assert not attention_layers(apart) and "attention" not in apart.optimize_summary.sections
+    # The model's attention function at decode too (kv_decode_attention sums in another order: its own tests,
+    # test_decode_attention_generates_the_stock_tokens), to see qk_norm_rope's bits.
+    monkeypatch.setattr(fused_attention, "_KERNELS", fused_attention._KERNELS._replace(attend=None))
     if kind == "float32" and name == "qwen3_5_moe":
         # The output gate's sigmoid in float32 is not torch's CPU one in the last bit (its exp:
         # test_gate_and_cache_append_change_no_bit): the model's gate line here, to see qk_norm_rope's bits.
         monkeypatch.setattr(fused_attention, "_KERNELS", fused_attention._KERNELS._replace(
-            gate=fused_attention.sigmoid_gate_reference))
+            gate=fused_attention.sigmoid_gate_reference, attend=None))
     with run_model(RELEASE) as report:
         ours = prefill_and_decode(model, prompt, step)
     with run_model(RELEASE) as theirs_report:
@@ -283,9 +286,10 @@ def test_dense_qwen3_and_lfm2(monkeypatch, name):
 
 
 # ----------------------------------------------------------- output gate and KV cache (issue 19) --
-# The forward's pieces without the two changes: the model's gate line and DynamicCache.update.
+# The forward's pieces without the two changes: the model's gate line and DynamicCache.update (the same
+# decode attention as _KERNELS: both caches hold the same rows).
 _APART = fused_attention._Ops(fused_attention.qk_norm_rope, fused_attention.sigmoid_gate_reference,
-                              fused_attention._release_update)
+                              fused_attention._release_update, attend=fused_attention.decode_attention)
 GROWTH = 4  # positions a cache buffer grows by in these tests (KV_STEP), so that a short decode crosses two
 
 
@@ -499,3 +503,58 @@ def test_other_caches_keep_their_update():
         assert ran(report, "mps_ext::kv_append") == 1
     assert torch.equal(keys, torch.cat([k, k], -2)) and torch.equal(values, torch.cat([v, v], -2))
     assert lazy.layers[0].keys is keys and lazy.get_seq_length() == 6
+
+
+# ----------------------------------------------------------- decode attention (issue 32, point 6) --
+# Per model, heads kv_decode_attention takes (head_dim 64, 128 or 256) in the tiny configs: gqa 8, 4 and 4.
+DECODE_HEADS = {"qwen3_moe": dict(head_dim=128, num_attention_heads=8, num_key_value_heads=1),
+                "qwen3_5_moe": dict(head_dim=256, num_attention_heads=8, num_key_value_heads=2),
+                "lfm2_moe": dict(head_dim=64, num_attention_heads=4, num_key_value_heads=1)}
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, 140], ids=["one-block", "two-blocks"])
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_decode_attention_generates_the_stock_tokens(name, prompt):
+    """Whole optimized models (float32) on the executor: greedy generate
+    gives the stock model's tokens, and the decode steps' logits are within
+    float32 rounding of the stock model's (1e-5 relative: the attention's
+    sums in another order); every decode step of every attention layer is
+    one kv_decode_attention call (one dispatch at 7 to 10 keys, two past
+    128: 141 to 144 keys), the prefill none. Planted: the op's scale
+    replaced by 1.0 fails the logits (relative error about 1e-1); the pass's
+    `attention_mask is not None` check dropped fails the padded batch
+    below."""
+    layers = ATTENTION[name][0]
+    overrides = dict(DECODE_HEADS[name], max_position_embeddings=512)
+    stock = make(name, torch.float32, **overrides)
+    model = mps_ext.optimize(make(name, torch.float32, **overrides))
+    assert attention_layers(model) == layers
+    new = 4
+    with run_model(RELEASE) as report:
+        tokens = model.generate(ids(prompt), max_new_tokens=new, do_sample=False)
+        logits, _ = greedy(model, ids(prompt), new)
+    want = stock.generate(ids(prompt), max_new_tokens=new, do_sample=False)
+    want_logits, _ = greedy(stock, ids(prompt), new)
+    assert torch.equal(tokens, want)
+    assert rel_err(logits, want_logits) <= 1e-5
+    # generate's and greedy's decode forwards (new - 1 and new), one call per attention layer each
+    assert ran(report, "mps_ext::kv_decode_attention") == (2 * new - 1) * len(layers)
+    kernels = report.families["kv_cache"].kernels
+    merges = sum(n for k, n in kernels.items() if k.startswith("kv_decode_merge_"))
+    assert merges == (0 if prompt + 2 * new <= 128 else (2 * new - 1) * len(layers))
+
+
+def test_decode_attention_leaves_a_padded_batch_to_the_model():
+    """A batch with left padding has a mask at decode: the model's
+    attention function runs (no kv_decode_attention call), and the tokens
+    are the stock model's."""
+    overrides = dict(DECODE_HEADS["qwen3_moe"], max_position_embeddings=512)
+    stock = make("qwen3_moe", torch.float32, **overrides)
+    model = mps_ext.optimize(make("qwen3_moe", torch.float32, **overrides))
+    prompt = torch.cat([ids(), ids(seed=2)])
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = 0
+    with run_model(RELEASE) as report:
+        tokens = model.generate(prompt, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert torch.equal(tokens, stock.generate(prompt, attention_mask=mask, max_new_tokens=3, do_sample=False))
+    assert not ran(report, "mps_ext::kv_decode_attention")

@@ -74,8 +74,9 @@ def test_kv_append_errors():
 
 
 def test_every_kernel_is_tested():
-    # test_kv_append_writes_the_rows_in_place runs each dtype's kernel.
-    assert host_names("kv_cache") == {f"kv_append_{t}" for t in ("f32", "f16", "bf16")}
+    # test_kv_append_writes_the_rows_in_place runs each dtype's kernel (test_kv_cache_decode.py the decode attention's).
+    assert {n for n in host_names("kv_cache") if n.startswith("kv_append")} == {
+        f"kv_append_{t}" for t in ("f32", "f16", "bf16")}
 
 
 def test_meta_kernel_and_compile():
