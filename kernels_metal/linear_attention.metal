@@ -242,6 +242,9 @@ template [[host_name("linear_attention_decode_bf16")]] kernel decltype(linear_at
 #define LA_RHS_PITCH (LA_RHS_SLICE + LA_TG_PAD)
 #define LA_PREP_STAGE (2 * LA_CHUNK * LA_GRAM_PITCH)
 #define LA_BLOCKS (LA_CHUNK / 8)  // 8-row blocks of a chunk
+// Lower blocks of a Gram product a simdgroup takes, at most: rows r and 7 - r
+// hold 9 lower blocks, split by column parity into 4 and 5.
+#define LA_GRAM_BLOCKS ((LA_BLOCKS + 2) / 2)
 static_assert(LA_CHUNK * LA_RHS_PITCH <= LA_PREP_STAGE, "a slice of the right-hand sides fits where q and k were staged");
 static_assert(LA_CHUNK_THREADS / 32 == LA_BLOCKS, "a simdgroup per 8-row block of a chunk");
 static_assert(LA_GRAM_SLICE % 8 == 0 && LA_RHS_SLICE == 32, "whole fragments; a simdgroup takes half a slice's columns");
@@ -281,7 +284,7 @@ kernel void linear_attention_chunk_prep(device float* qd [[buffer(0)]],
                                         uint lane [[thread_index_in_simdgroup]],
                                         uint sg [[simdgroup_index_in_threadgroup]],
                                         uint simdgroups [[simdgroups_per_threadgroup]]) {
-  threadgroup float gc[LA_CHUNK], bt[LA_CHUNK], inv_q[LA_CHUNK], inv_k[LA_CHUNK];
+  threadgroup float gc[LA_CHUNK], bt[LA_CHUNK], inv_q[LA_CHUNK], inv_k[LA_CHUNK], eq[LA_CHUNK], ek[LA_CHUNK];
   // m: the Gram products, then A below the diagonal with T^T above it, then
   // T^T (what the products with T load, transposed).
   threadgroup float m[LA_CHUNK * LA_T_PITCH];
@@ -329,21 +332,25 @@ kernel void linear_attention_chunk_prep(device float* qd [[buffer(0)]],
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
+  // The decays of q and k: exp(gc) and exp(gc_last - gc).
+  if (t < LA_CHUNK) {
+    eq[t] = exp(gc[t]);
+    ek[t] = exp(gc[LA_CHUNK - 1] - gc[t]);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
 
   // 3. K K^T and Q K^T, lower blocks only, LA_GRAM_SLICE columns of dk at a
   // time: row blocks la_row_block(sg, x), column blocks par, par + 2, ...
-  // (up to the row block: the diagonal block included). Row block x = 1's
-  // columns include x = 0's, so a step loads each K^T fragment once.
+  // up to the row block (the diagonal block included): LA_GRAM_BLOCKS or
+  // fewer blocks a simdgroup, listed in order (x, column), n0 of row block 0.
   const uint par = sg % 2;
   uint rb[2];
   MPS_EXT_UNROLL
   for (uint x = 0; x < 2; ++x) rb[x] = la_row_block(sg, x);
-  la_frag kk[2][LA_BLOCKS / 2], qk[2][LA_BLOCKS / 2];
+  const uint n0 = rb[0] >= par ? (rb[0] - par) / 2 + 1 : 0, nb = n0 + (rb[1] - par) / 2 + 1;
+  la_frag kk[LA_GRAM_BLOCKS], qk[LA_GRAM_BLOCKS];
   MPS_EXT_UNROLL
-  for (uint x = 0; x < 2; ++x) {
-    MPS_EXT_UNROLL
-    for (uint n = 0; n < LA_BLOCKS / 2; ++n) kk[x][n] = qk[x][n] = la_zero();
-  }
+  for (uint n = 0; n < LA_GRAM_BLOCKS; ++n) kk[n] = qk[n] = la_zero();
   for (uint d0 = 0; d0 < dkp; d0 += LA_GRAM_SLICE) {
     for (uint e = t; e < LA_CHUNK * LA_GRAM_SLICE; e += LA_CHUNK_THREADS) {
       const uint i = e / LA_GRAM_SLICE, col = e % LA_GRAM_SLICE, d = d0 + col;
@@ -353,25 +360,20 @@ kernel void linear_attention_chunk_prep(device float* qd [[buffer(0)]],
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint dd = 0; dd < LA_GRAM_SLICE; dd += 8) {
-      la_frag qa[2], ka[2], kb[LA_BLOCKS / 2];
+      la_frag qa[2], ka[2];
       MPS_EXT_UNROLL
       for (uint x = 0; x < 2; ++x) {
         simdgroup_load(qa[x], qs + 8 * rb[x] * LA_GRAM_PITCH + dd, LA_GRAM_PITCH);
         simdgroup_load(ka[x], ks + 8 * rb[x] * LA_GRAM_PITCH + dd, LA_GRAM_PITCH);
       }
       MPS_EXT_UNROLL
-      for (uint n = 0; n < LA_BLOCKS / 2; ++n) {
-        const uint cb = par + 2 * n;
-        if (cb <= rb[1]) simdgroup_load(kb[n], ks + 8 * cb * LA_GRAM_PITCH + dd, LA_GRAM_PITCH, ulong2(0), true);
-      }
-      MPS_EXT_UNROLL
-      for (uint x = 0; x < 2; ++x) {
-        MPS_EXT_UNROLL
-        for (uint n = 0; n < LA_BLOCKS / 2; ++n) {
-          if (par + 2 * n <= rb[x]) {
-            simdgroup_multiply_accumulate(kk[x][n], ka[x], kb[n], kk[x][n]);
-            simdgroup_multiply_accumulate(qk[x][n], qa[x], kb[n], qk[x][n]);
-          }
+      for (uint n = 0; n < LA_GRAM_BLOCKS; ++n) {
+        if (n < nb) {
+          const uint x = n < n0 ? 0 : 1, cb = par + 2 * (n < n0 ? n : n - n0);
+          la_frag kb;
+          simdgroup_load(kb, ks + 8 * cb * LA_GRAM_PITCH + dd, LA_GRAM_PITCH, ulong2(0), true);
+          simdgroup_multiply_accumulate(kk[n], ka[x], kb, kk[n]);
+          simdgroup_multiply_accumulate(qk[n], qa[x], kb, qk[n]);
         }
       }
     }
@@ -383,11 +385,10 @@ kernel void linear_attention_chunk_prep(device float* qd [[buffer(0)]],
   // above the stored blocks are not read (selected away).
   for (uint pass = 0; pass < 2; ++pass) {
     MPS_EXT_UNROLL
-    for (uint x = 0; x < 2; ++x) {
-      MPS_EXT_UNROLL
-      for (uint n = 0; n < LA_BLOCKS / 2; ++n) {
-        const uint cb = par + 2 * n;
-        if (cb <= rb[x]) simdgroup_store(pass == 0 ? qk[x][n] : kk[x][n], m + 8 * rb[x] * LA_T_PITCH + 8 * cb, LA_T_PITCH);
+    for (uint n = 0; n < LA_GRAM_BLOCKS; ++n) {
+      if (n < nb) {
+        const uint x = n < n0 ? 0 : 1, cb = par + 2 * (n < n0 ? n : n - n0);
+        simdgroup_store(pass == 0 ? qk[n] : kk[n], m + 8 * rb[x] * LA_T_PITCH + 8 * cb, LA_T_PITCH);
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -439,7 +440,7 @@ kernel void linear_attention_chunk_prep(device float* qd [[buffer(0)]],
       if (i < valid && d < real) {
         // beta v, and (k beta) exp(gc) in transformers' order
         r = is_v ? at4(v, p.v_stride, b, t0 + i, h, d) * bt[i]
-                 : at4(k, p.k_stride, b, t0 + i, kh, d) * inv_k[i] * bt[i] * exp(gc[i]);
+                 : at4(k, p.k_stride, b, t0 + i, kh, d) * inv_k[i] * bt[i] * eq[i];
       }
       rhs[i * LA_RHS_PITCH + col] = r;
     }
@@ -468,18 +469,19 @@ kernel void linear_attention_chunk_prep(device float* qd [[buffer(0)]],
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
   // 7. The decayed q and k the state pass reads (zeros in the padding), and
-  // the chunk's decay.
-  const float last = gc[LA_CHUNK - 1];
+  // the chunk's decay. (Written while the Gram products stage q and k, they
+  // took the prep kernel's registers from 119 to 129, over the budget.)
   for (uint i = sg; i < LA_CHUNK; i += simdgroups) {
     const bool in = i < valid;
     for (uint d = lane; d < dkp; d += 32) {
       const bool live = in && d < dk;
       const float qn = live ? at4(q, p.q_stride, b, t0 + i, kh, d) * inv_q[i] * p.q_scale : 0.0f;
       const float kn = live ? at4(k, p.k_stride, b, t0 + i, kh, d) * inv_k[i] : 0.0f;
-      qd[(row0 + i) * dkp + d] = qn * exp(gc[i]);
-      kd[(row0 + i) * dkp + d] = kn * exp(last - gc[i]);
+      qd[(row0 + i) * dkp + d] = qn * eq[i];
+      kd[(row0 + i) * dkp + d] = kn * ek[i];
     }
   }
+  const float last = gc[LA_CHUNK - 1];
   if (t == 0) chunk_decay[head * p.chunks + c] = exp(last);
 }
 
@@ -488,8 +490,10 @@ kernel void linear_attention_chunk_prep(device float* qd [[buffer(0)]],
 // chunk's v_new [LA_CHUNK, tile], then its output.
 #define LA_STATE_PITCH_MAX (LA_MAX_TILE + LA_TG_PAD)
 #define LA_STATE_ARRAY (LA_STATE_ELEMS + LA_TG_PAD * LA_MAX_DK)
-#define LA_STATE_ROW_BLOCKS (LA_MAX_DK / 8 / LA_BLOCKS)  // state row blocks a simdgroup updates, at most
 #define LA_TILE_BLOCKS (LA_MAX_TILE / 8)
+// State fragments a simdgroup updates, at most: tile x dkp is within
+// LA_STATE_ELEMS, over 8 simdgroups of 64 elements a fragment.
+#define LA_UPDATE_BLOCKS (LA_STATE_ELEMS / 64 / LA_BLOCKS)
 
 template <typename T>
 [[max_total_threads_per_threadgroup(LA_CHUNK_THREADS)]]
@@ -560,11 +564,11 @@ kernel void linear_attention_chunk_state(device T* out [[buffer(0)]],
     // o = (q exp(gc)) S + attn v_new (inter and intra summed apart, added at
     // the end, as transformers), rows 8 sg to 8 sg + 7; attn is lower
     // triangular in blocks: blocks 0 to sg.
-    la_frag inter[LA_TILE_BLOCKS], intra[LA_TILE_BLOCKS];
-    MPS_EXT_UNROLL
-    for (uint n = 0; n < LA_TILE_BLOCKS; ++n) inter[n] = intra[n] = la_zero();
+    la_frag o[LA_TILE_BLOCKS];
     {
       const device float* qr = qd + (row0 + 8 * sg) * dkp;
+      MPS_EXT_UNROLL
+      for (uint n = 0; n < LA_TILE_BLOCKS; ++n) o[n] = la_zero();
       for (uint d = 0; d < dkp; d += 8) {
         la_frag a;
         simdgroup_load(a, qr + d, dkp);
@@ -573,75 +577,71 @@ kernel void linear_attention_chunk_state(device T* out [[buffer(0)]],
           if (n < blocks) {
             la_frag sf;
             simdgroup_load(sf, s + d * pitch + 8 * n, pitch);
-            simdgroup_multiply_accumulate(inter[n], a, sf, inter[n]);
+            simdgroup_multiply_accumulate(o[n], a, sf, o[n]);
           }
         }
       }
+      // A column block at a time: one more accumulator live, not four.
       const device float* ar = attn + (row0 + 8 * sg) * LA_CHUNK;
-      for (uint l = 0; l <= sg; ++l) {
-        la_frag a;
-        simdgroup_load(a, ar + 8 * l, LA_CHUNK);
-        MPS_EXT_UNROLL
-        for (uint n = 0; n < LA_TILE_BLOCKS; ++n) {
-          if (n < blocks) {
-            la_frag vf;
+      MPS_EXT_UNROLL
+      for (uint n = 0; n < LA_TILE_BLOCKS; ++n) {
+        if (n < blocks) {
+          la_frag intra = la_zero();
+          for (uint l = 0; l <= sg; ++l) {
+            la_frag a, vf;
+            simdgroup_load(a, ar + 8 * l, LA_CHUNK);
             simdgroup_load(vf, vn + 8 * l * pitch + 8 * n, pitch);
-            simdgroup_multiply_accumulate(intra[n], a, vf, intra[n]);
+            simdgroup_multiply_accumulate(intra, a, vf, intra);
           }
+          MPS_EXT_UNROLL
+          for (uint e = 0; e < 2; ++e) o[n].thread_elements()[e] += intra.thread_elements()[e];
         }
       }
     }
     // S = exp(gc_last) S + (k exp(gc_last - gc))^T v_new: simdgroup sg has
-    // the state's row blocks sg, sg + 8, ...; (k ..)^T's block (rb, l) is
-    // k's (l, rb) loaded transposed.
-    la_frag upd[LA_STATE_ROW_BLOCKS][LA_TILE_BLOCKS];
+    // the state's row blocks sg, sg + 8, ... (dkp / 64 or fewer), each with
+    // the tile's column blocks: LA_UPDATE_BLOCKS or fewer fragments, listed
+    // by (row, column); (k ..)^T's block (rb, l) is k's (l, rb) loaded
+    // transposed.
+    const uint row_blocks = (dkp / 8 + LA_BLOCKS - 1 - sg) / LA_BLOCKS;
+    la_frag upd[LA_UPDATE_BLOCKS];
     MPS_EXT_UNROLL
-    for (uint x = 0; x < LA_STATE_ROW_BLOCKS; ++x) {
-      const uint rb = sg + LA_BLOCKS * x;
+    for (uint n = 0; n < LA_UPDATE_BLOCKS; ++n) upd[n] = la_zero();
+    for (uint l = 0; l < LA_BLOCKS; ++l) {
+      la_frag a;  // loaded with a row block's first column block, used by the rest
       MPS_EXT_UNROLL
-      for (uint n = 0; n < LA_TILE_BLOCKS; ++n) upd[x][n] = la_zero();
-      if (8 * rb < dkp) {
-        for (uint l = 0; l < LA_BLOCKS; ++l) {
-          la_frag a;
-          simdgroup_load(a, kd + (row0 + 8 * l) * dkp + 8 * rb, dkp, ulong2(0), true);
-          MPS_EXT_UNROLL
-          for (uint n = 0; n < LA_TILE_BLOCKS; ++n) {
-            if (n < blocks) {
-              la_frag vf;
-              simdgroup_load(vf, vn + 8 * l * pitch + 8 * n, pitch);
-              simdgroup_multiply_accumulate(upd[x][n], a, vf, upd[x][n]);
-            }
-          }
+      for (uint n = 0; n < LA_UPDATE_BLOCKS; ++n) {
+        if (n < row_blocks * blocks) {
+          const uint rb = sg + LA_BLOCKS * (n / blocks), cb = n % blocks;
+          if (cb == 0) simdgroup_load(a, kd + (row0 + 8 * l) * dkp + 8 * rb, dkp, ulong2(0), true);
+          la_frag vf;
+          simdgroup_load(vf, vn + 8 * l * pitch + 8 * cb, pitch);
+          simdgroup_multiply_accumulate(upd[n], a, vf, upd[n]);
         }
+      }
+    }
+    MPS_EXT_UNROLL
+    for (uint n = 0; n < LA_UPDATE_BLOCKS; ++n) {
+      if (n < row_blocks * blocks) {
+        const uint rb = sg + LA_BLOCKS * (n / blocks), cb = n % blocks;
+        la_frag old;
+        simdgroup_load(old, s + 8 * rb * pitch + 8 * cb, pitch);
         MPS_EXT_UNROLL
-        for (uint n = 0; n < LA_TILE_BLOCKS; ++n) {
-          if (n < blocks) {
-            la_frag old;
-            simdgroup_load(old, s + 8 * rb * pitch + 8 * n, pitch);
-            MPS_EXT_UNROLL
-            for (uint e = 0; e < 2; ++e)
-              upd[x][n].thread_elements()[e] = old.thread_elements()[e] * decay + upd[x][n].thread_elements()[e];
-          }
-        }
+        for (uint e = 0; e < 2; ++e) upd[n].thread_elements()[e] = old.thread_elements()[e] * decay + upd[n].thread_elements()[e];
       }
     }
     // Every simdgroup has read S and v_new: the new state and the output replace them.
     threadgroup_barrier(mem_flags::mem_threadgroup);
     MPS_EXT_UNROLL
-    for (uint x = 0; x < LA_STATE_ROW_BLOCKS; ++x) {
-      const uint rb = sg + LA_BLOCKS * x;
-      MPS_EXT_UNROLL
-      for (uint n = 0; n < LA_TILE_BLOCKS; ++n)
-        if (8 * rb < dkp && n < blocks) simdgroup_store(upd[x][n], s + 8 * rb * pitch + 8 * n, pitch);
-    }
-    MPS_EXT_UNROLL
-    for (uint n = 0; n < LA_TILE_BLOCKS; ++n) {
-      if (n < blocks) {
-        MPS_EXT_UNROLL
-        for (uint e = 0; e < 2; ++e) inter[n].thread_elements()[e] += intra[n].thread_elements()[e];
-        simdgroup_store(inter[n], vn + 8 * sg * pitch + 8 * n, pitch);
+    for (uint n = 0; n < LA_UPDATE_BLOCKS; ++n) {
+      if (n < row_blocks * blocks) {
+        const uint rb = sg + LA_BLOCKS * (n / blocks), cb = n % blocks;
+        simdgroup_store(upd[n], s + 8 * rb * pitch + 8 * cb, pitch);
       }
     }
+    MPS_EXT_UNROLL
+    for (uint n = 0; n < LA_TILE_BLOCKS; ++n)
+      if (n < blocks) simdgroup_store(o[n], vn + 8 * sg * pitch + 8 * n, pitch);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // The chunk's tokens' outputs, a row's columns on consecutive lanes.
     for (uint i = r0; i < LA_CHUNK; i += rows) {
