@@ -344,16 +344,19 @@ kernel void linear_attention_chunk_prep(device float* qd [[buffer(0)]],
   // up to the row block (the diagonal block included): LA_GRAM_BLOCKS or
   // fewer blocks a simdgroup, listed in order (x, column), n0 of row block 0.
   const uint par = sg % 2;
-  uint rb[2];
-  MPS_EXT_UNROLL
-  for (uint x = 0; x < 2; ++x) rb[x] = la_row_block(sg, x);
+  // (Selected by value below, never indexed at run time: that would put the
+  // arrays in stack memory.)
+  const uint rb[2] = {la_row_block(sg, 0), la_row_block(sg, 1)};
   const uint n0 = rb[0] >= par ? (rb[0] - par) / 2 + 1 : 0, nb = n0 + (rb[1] - par) / 2 + 1;
   la_frag kk[LA_GRAM_BLOCKS], qk[LA_GRAM_BLOCKS];
   MPS_EXT_UNROLL
   for (uint n = 0; n < LA_GRAM_BLOCKS; ++n) kk[n] = qk[n] = la_zero();
   for (uint d0 = 0; d0 < dkp; d0 += LA_GRAM_SLICE) {
     for (uint e = t; e < LA_CHUNK * LA_GRAM_SLICE; e += LA_CHUNK_THREADS) {
-      const uint i = e / LA_GRAM_SLICE, col = e % LA_GRAM_SLICE, d = d0 + col;
+      // A simdgroup's two half-rows are rows 4 apart: 4 x LA_GRAM_PITCH
+      // words, 16 banks on, so its 32 stores hit 32 banks.
+      const uint pair = e / 32, half = (e / LA_GRAM_SLICE) % 2, col = e % LA_GRAM_SLICE, d = d0 + col;
+      const uint i = 8 * (pair / 4) + pair % 4 + 4 * half;
       const bool in = i < valid && d < dk;
       qs[i * LA_GRAM_PITCH + col] = in ? at4(q, p.q_stride, b, t0 + i, kh, d) * inv_q[i] * p.q_scale : 0.0f;
       ks[i * LA_GRAM_PITCH + col] = in ? at4(k, p.k_stride, b, t0 + i, kh, d) * inv_k[i] : 0.0f;
@@ -369,11 +372,12 @@ kernel void linear_attention_chunk_prep(device float* qd [[buffer(0)]],
       MPS_EXT_UNROLL
       for (uint n = 0; n < LA_GRAM_BLOCKS; ++n) {
         if (n < nb) {
-          const uint x = n < n0 ? 0 : 1, cb = par + 2 * (n < n0 ? n : n - n0);
+          const bool first = n < n0;
+          const uint cb = par + 2 * (first ? n : n - n0);
           la_frag kb;
           simdgroup_load(kb, ks + 8 * cb * LA_GRAM_PITCH + dd, LA_GRAM_PITCH, ulong2(0), true);
-          simdgroup_multiply_accumulate(kk[n], ka[x], kb, kk[n]);
-          simdgroup_multiply_accumulate(qk[n], qa[x], kb, qk[n]);
+          simdgroup_multiply_accumulate(kk[n], first ? ka[0] : ka[1], kb, kk[n]);
+          simdgroup_multiply_accumulate(qk[n], first ? qa[0] : qa[1], kb, qk[n]);
         }
       }
     }
@@ -387,8 +391,9 @@ kernel void linear_attention_chunk_prep(device float* qd [[buffer(0)]],
     MPS_EXT_UNROLL
     for (uint n = 0; n < LA_GRAM_BLOCKS; ++n) {
       if (n < nb) {
-        const uint x = n < n0 ? 0 : 1, cb = par + 2 * (n < n0 ? n : n - n0);
-        simdgroup_store(pass == 0 ? qk[n] : kk[n], m + 8 * rb[x] * LA_T_PITCH + 8 * cb, LA_T_PITCH);
+        const bool first = n < n0;
+        const uint cb = par + 2 * (first ? n : n - n0);
+        simdgroup_store(pass == 0 ? qk[n] : kk[n], m + 8 * (first ? rb[0] : rb[1]) * LA_T_PITCH + 8 * cb, LA_T_PITCH);
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -513,7 +518,9 @@ kernel void linear_attention_chunk_state(device T* out [[buffer(0)]],
   threadgroup float s[LA_STATE_ARRAY];                     // [dkp][pitch]: the head's state, `tile` columns
   threadgroup float vn[LA_CHUNK * LA_STATE_PITCH_MAX];     // [LA_CHUNK][pitch]: v_new, then the chunk's output
   const uint h = tg.y, b = tg.z, dk = p.dk, dv = p.dv, tile = p.tile, pitch = tile + LA_TG_PAD;
-  const uint dkp = LA_FRAG_PAD(dk), dvp = LA_FRAG_PAD(dv), blocks = tile / 8;
+  // blocks = tile / 8, a power of two: fragment n's row and column block are n >> shift and n & (blocks - 1)
+  // (a division by a run-time value would be one an MMA).
+  const uint dkp = LA_FRAG_PAD(dk), dvp = LA_FRAG_PAD(dv), blocks = tile / 8, shift = ctz(blocks);
   const uint c0 = tg.x * tile, cols = min(tile, dv - c0);
   const uint head = b * p.v_heads + h;
   // Element passes: a thread keeps one column of the tile (a power of two
@@ -612,7 +619,7 @@ kernel void linear_attention_chunk_state(device T* out [[buffer(0)]],
       MPS_EXT_UNROLL
       for (uint n = 0; n < LA_UPDATE_BLOCKS; ++n) {
         if (n < row_blocks * blocks) {
-          const uint rb = sg + LA_BLOCKS * (n / blocks), cb = n % blocks;
+          const uint rb = sg + LA_BLOCKS * (n >> shift), cb = n & (blocks - 1);
           if (cb == 0) simdgroup_load(a, kd + (row0 + 8 * l) * dkp + 8 * rb, dkp, ulong2(0), true);
           la_frag vf;
           simdgroup_load(vf, vn + 8 * l * pitch + 8 * cb, pitch);
@@ -623,7 +630,7 @@ kernel void linear_attention_chunk_state(device T* out [[buffer(0)]],
     MPS_EXT_UNROLL
     for (uint n = 0; n < LA_UPDATE_BLOCKS; ++n) {
       if (n < row_blocks * blocks) {
-        const uint rb = sg + LA_BLOCKS * (n / blocks), cb = n % blocks;
+        const uint rb = sg + LA_BLOCKS * (n >> shift), cb = n & (blocks - 1);
         la_frag old;
         simdgroup_load(old, s + 8 * rb * pitch + 8 * cb, pitch);
         MPS_EXT_UNROLL
@@ -635,7 +642,7 @@ kernel void linear_attention_chunk_state(device T* out [[buffer(0)]],
     MPS_EXT_UNROLL
     for (uint n = 0; n < LA_UPDATE_BLOCKS; ++n) {
       if (n < row_blocks * blocks) {
-        const uint rb = sg + LA_BLOCKS * (n / blocks), cb = n % blocks;
+        const uint rb = sg + LA_BLOCKS * (n >> shift), cb = n & (blocks - 1);
         simdgroup_store(upd[n], s + 8 * rb * pitch + 8 * cb, pitch);
       }
     }
