@@ -153,8 +153,9 @@ KERNEL_EFFICIENCY = {
         DELTA_RULE_COUNTED.ours / DELTA_RULE_COUNTED.steel * _MLX_STEEL,
         f"counted: mps_ext's chunked delta rule (float32 simdgroup matrices), the delta rule's FLOPs in MMA issue "
         f"slots over both kernels' slots on the executor at Qwen3.6's head sizes, {DELTA_RULE_COUNTED.ours:.3f}; "
-        f"steel float32 32x64x16 (MLX's tile at 128 rows of 2048->768) {DELTA_RULE_COUNTED.steel:.3f}: {DELTA_RULE_COUNTED.ours / DELTA_RULE_COUNTED.steel:.2f}"
-        f" x MLX's steel measured {_MLX_STEEL:.2f} of PEAK (raullenchai/Rapid-MLX PR 258)"),
+        f"steel float32 32x64x16 (MLX's tile at 128 rows of 2048->768) {DELTA_RULE_COUNTED.steel:.3f}: "
+        f"{DELTA_RULE_COUNTED.ours / DELTA_RULE_COUNTED.steel:.2f} x MLX's steel measured {_MLX_STEEL:.2f} of PEAK "
+        f"(raullenchai/Rapid-MLX PR 258)"),
     "lu_solve": Efficiency(_TORCH_MATMUL.value, "mps_ext's triangular solve (the linalg family, which takes the "
                            "delta rule's solves on torch 2.14): not counted; assumed torch's matmul's"),
 }

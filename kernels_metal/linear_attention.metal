@@ -245,9 +245,11 @@ template [[host_name("linear_attention_decode_bf16")]] kernel decltype(linear_at
 // Lower blocks of a Gram product a simdgroup takes, at most: rows r and 7 - r
 // hold 9 lower blocks, split by column parity into 4 and 5.
 #define LA_GRAM_BLOCKS ((LA_BLOCKS + 2) / 2)
-static_assert(LA_CHUNK * LA_RHS_PITCH <= LA_PREP_STAGE, "a slice of the right-hand sides fits where q and k were staged");
+static_assert(LA_CHUNK * LA_RHS_PITCH <= LA_PREP_STAGE,
+              "a slice of the right-hand sides fits where q and k were staged");
 static_assert(LA_CHUNK_THREADS / 32 == LA_BLOCKS, "a simdgroup per 8-row block of a chunk");
-static_assert(LA_GRAM_SLICE % 8 == 0 && LA_RHS_SLICE == 32, "whole fragments; a simdgroup takes half a slice's columns");
+static_assert(LA_GRAM_SLICE % 8 == 0 && LA_RHS_SLICE == 32,
+              "whole fragments; a simdgroup takes half a slice's columns");
 
 template <typename T>
 MPS_EXT_INLINE float at4(const device T* x, constant uint32_t* s, uint b, uint t, uint h, uint d) {
@@ -515,8 +517,8 @@ kernel void linear_attention_chunk_state(device T* out [[buffer(0)]],
                                          uint3 tg [[threadgroup_position_in_grid]],
                                          uint t [[thread_index_in_threadgroup]],
                                          uint sg [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float s[LA_STATE_ARRAY];                     // [dkp][pitch]: the head's state, `tile` columns
-  threadgroup float vn[LA_CHUNK * LA_STATE_PITCH_MAX];     // [LA_CHUNK][pitch]: v_new, then the chunk's output
+  threadgroup float s[LA_STATE_ARRAY];                  // [dkp][pitch]: the head's state, `tile` columns
+  threadgroup float vn[LA_CHUNK * LA_STATE_PITCH_MAX];  // [LA_CHUNK][pitch]: v_new, then the chunk's output
   const uint h = tg.y, b = tg.z, dk = p.dk, dv = p.dv, tile = p.tile, pitch = tile + LA_TG_PAD;
   // blocks = tile / 8, a power of two: fragment n's row and column block are n >> shift and n & (blocks - 1)
   // (a division by a run-time value would be one an MMA).
@@ -562,7 +564,8 @@ kernel void linear_attention_chunk_state(device T* out [[buffer(0)]],
           la_frag un = la_zero();
           if (c0 + 8 * n < dvp) simdgroup_load(un, u + (row0 + 8 * sg) * dvp + c0 + 8 * n, dvp);
           MPS_EXT_UNROLL
-          for (uint e = 0; e < 2; ++e) acc[n].thread_elements()[e] = un.thread_elements()[e] - acc[n].thread_elements()[e];
+          for (uint e = 0; e < 2; ++e)
+            acc[n].thread_elements()[e] = un.thread_elements()[e] - acc[n].thread_elements()[e];
           simdgroup_store(acc[n], vn + 8 * sg * pitch + 8 * n, pitch);
         }
       }
@@ -634,7 +637,8 @@ kernel void linear_attention_chunk_state(device T* out [[buffer(0)]],
         la_frag old;
         simdgroup_load(old, s + 8 * rb * pitch + 8 * cb, pitch);
         MPS_EXT_UNROLL
-        for (uint e = 0; e < 2; ++e) upd[n].thread_elements()[e] = old.thread_elements()[e] * decay + upd[n].thread_elements()[e];
+        for (uint e = 0; e < 2; ++e)
+          upd[n].thread_elements()[e] = old.thread_elements()[e] * decay + upd[n].thread_elements()[e];
       }
     }
     // Every simdgroup has read S and v_new: the new state and the output replace them.
@@ -653,7 +657,8 @@ kernel void linear_attention_chunk_state(device T* out [[buffer(0)]],
     // The chunk's tokens' outputs, a row's columns on consecutive lanes.
     for (uint i = r0; i < LA_CHUNK; i += rows) {
       const uint token = ch * LA_CHUNK + i;
-      if (live && token < p.tokens) out[((b * p.tokens + token) * p.v_heads + h) * dv + c0 + col] = T(vn[i * pitch + col]);
+      if (live && token < p.tokens)
+        out[((b * p.tokens + token) * p.v_heads + h) * dv + c0 + col] = T(vn[i * pitch + col]);
     }
     // The next chunk's v_new overwrites the output just read.
     threadgroup_barrier(mem_flags::mem_threadgroup);

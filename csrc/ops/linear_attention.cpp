@@ -213,8 +213,8 @@ std::tuple<at::Tensor, at::Tensor> linear_attention_chunk(const at::Tensor& q, c
   }
   for (const at::Tensor* t : {&q, &k, &v, &g, &beta}) check_offsets(*t, "an input");
   const int64_t chunks = ceil_div(tokens, LA_CHUNK), rows = batch * v_heads * chunks * LA_CHUNK;
-  TORCH_CHECK(rows * std::max<int64_t>({LA_FRAG_PAD(dk), LA_FRAG_PAD(dv), LA_CHUNK}) <= UINT32_MAX && batch * v_heads * dk * dv <= UINT32_MAX &&
-                  batch * tokens * v_heads * dv <= UINT32_MAX,
+  TORCH_CHECK(rows * std::max<int64_t>({LA_FRAG_PAD(dk), LA_FRAG_PAD(dv), LA_CHUNK}) <= UINT32_MAX &&
+                  batch * v_heads * dk * dv <= UINT32_MAX && batch * tokens * v_heads * dv <= UINT32_MAX,
               "linear_attention_chunk: ", batch, " sequences of ", tokens,
               " tokens need scratch of 2^32 elements or more (the kernels' 32-bit indices); split the batch");
 
