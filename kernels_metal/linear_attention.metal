@@ -364,7 +364,8 @@ kernel void linear_attention_chunk_prep(device float* qd [[buffer(0)]],
       ks[i * LA_GRAM_PITCH + col] = in ? at4(k, p.k_stride, b, t0 + i, kh, d) * inv_k[i] : 0.0f;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint dd = 0; dd < LA_GRAM_SLICE; dd += 8) {
+    // Rolled: unrolled, both steps' fragments were live at once (registers: 128, one threadgroup a core).
+    _Pragma("clang loop unroll(disable)") for (uint dd = 0; dd < LA_GRAM_SLICE; dd += 8) {
       la_frag qa[2], ka[2];
       MPS_EXT_UNROLL
       for (uint x = 0; x < 2; ++x) {
