@@ -102,8 +102,28 @@ _TORCH_MATMUL = Efficiency(
     f"torch's MPS matmul (MPSGraph): MLX's steel GEMM measured 17.4 TFLOPS fp16 on an 80-core M3 Ultra "
     f"(raullenchai/Rapid-MLX PR 258: {_MLX_STEEL:.2f} of PEAK), torch MPS's matmul took 4.96 ms against MLX's 3.38 on "
     f"an M3 Ultra (TristanBilot/mlx-benchmark PR 40): {_MLX_STEEL:.2f} x {_MPS_VS_MLX:.2f}")
-# mps_ext's chunked delta rule's counted share of useful FMAs in its executed instructions (below).
-DELTA_RULE_FMA_SHARE = 0.089
+
+
+# mps_ext's chunked delta rule (linear_attention.metal: linear_attention_chunk_prep and _state), its products on
+# float32 simdgroup matrices (issue 32 point 3; before them, float32 FMAs: 0.089 of the ALUs' peak, counted as
+# useful FMAs over executed instructions). Counted on the executor at bench_linear_attention's prefill budget
+# case (Qwen3.6's head sizes, 4 value heads, 128 tokens, bf16): the delta rule's FLOPs as layer_flops counts them
+# (census.delta_rule_chunk_flops: whole K K^T and Q K^T, the solves; the kernels multiply only the lower blocks
+# of the triangular ones) in float32 MMAs' issue slots, over the issue slots of both kernels' dispatches
+# (benchmarks.efficiency.figures' useful_slot_fraction: the time the projection's FLOPs take, whatever the
+# kernels skip). Carried to the chip as the tiles' figures are (_COUNTED): over MLX's steel float32 GEMM's
+# useful share on the executor (the tile MLX picks at `steel_case`), times steel's measured efficiency on the
+# Mac. tests/test_budgets.py::test_prefill_delta_rule_figure_is_the_counter recounts both.
+@dataclasses.dataclass(frozen=True)
+class DeltaRuleCounted:
+    case: str  # bench_linear_attention's case id
+    ours: float  # the delta rule's FLOPs in MMA slots over both dispatches' issue slots, at the case
+    steel_case: str  # bench_scaled_mm's case id of steel's figure ...
+    steel: float  # ... its useful MMA share of issue slots
+
+
+DELTA_RULE_COUNTED = DeltaRuleCounted("prefill Qwen3.6 heads 2+4 bfloat16 tokens=128", 0.489,
+                                      "fp8_linear 2048->768 float32 rows=128 row", 0.502)
 # One named figure per kernel that does a prefill's matrix work (census.Call.kernels' names, matched by
 # prefix, the longest; torch's own ops as "torch <op>"). A counted figure in MEASURED_EFFICIENCY (below) under
 # the same or a longer name replaces the assumption (efficiency()).
@@ -128,17 +148,14 @@ KERNEL_EFFICIENCY = {
                               "torch's own simdgroup fp8 GEMM measured against its bf16 one (pytorch PR 196916)"),
     "gemv": Efficiency(_TORCH_MATMUL.value, "mps_ext's GEMV (the LM head's one row: bandwidth-bound; its FLOPs "
                        "are negligible)"),
-    # mps_ext's chunked delta rule (linear_attention.metal: linear_attention_chunk_prep and _state), float32
-    # FMAs on the shader cores, no simdgroup matrices: counted on the executor at Qwen3.6's head sizes (4 value
-    # heads, 128 tokens, bf16; benchmarks/bench_linear_attention.py's prefill case) as the delta rule's useful
-    # FMAs (layer_flops' per-chunk count / 2) over the IR instructions both kernels' threads executed: 0.089.
-    # One FMA an issue slot is the ALUs' peak (an FFMA32 a lane a cycle, philipturner/metal-benchmarks), the
-    # same FLOPs as PEAK's; one IR instruction one slot is the model of docs/dev/compute_efficiency.md, an
-    # estimate (the CPU IR's 64-bit addresses and rolled loops count against it).
-    "linear_attention_chunk": Efficiency(DELTA_RULE_FMA_SHARE, "mps_ext's chunked delta rule (float32 FMAs, no "
-                                         "simdgroup matrix): counted on the executor, useful FMAs over executed IR "
-                                         f"instructions at Qwen3.6's head sizes, {DELTA_RULE_FMA_SHARE:.3f} "
-                                         "(one instruction an issue slot: an estimate)"),
+    # mps_ext's chunked delta rule: counted (DELTA_RULE_COUNTED above).
+    "linear_attention_chunk": Efficiency(
+        DELTA_RULE_COUNTED.ours / DELTA_RULE_COUNTED.steel * _MLX_STEEL,
+        f"counted: mps_ext's chunked delta rule (float32 simdgroup matrices), the delta rule's FLOPs in MMA issue "
+        f"slots over both kernels' slots on the executor at Qwen3.6's head sizes, {DELTA_RULE_COUNTED.ours:.3f}; "
+        f"steel float32 32x64x16 (MLX's tile at 128 rows of 2048->768) {DELTA_RULE_COUNTED.steel:.3f}: "
+        f"{DELTA_RULE_COUNTED.ours / DELTA_RULE_COUNTED.steel:.2f} x MLX's steel measured {_MLX_STEEL:.2f} of PEAK "
+        f"(raullenchai/Rapid-MLX PR 258)"),
     "lu_solve": Efficiency(_TORCH_MATMUL.value, "mps_ext's triangular solve (the linalg family, which takes the "
                            "delta rule's solves on torch 2.14): not counted; assumed torch's matmul's"),
 }

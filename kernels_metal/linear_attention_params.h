@@ -60,11 +60,16 @@ struct LinearAttentionChunkParams {
 
 #define LA_CHUNK 64           // tokens per chunk: transformers' chunk_size (and FLA's)
 #define LA_CHUNK_THREADS 256  // both prefill kernels' threadgroup (fixed: their least too)
-#define LA_GRAM_SLICE 32      // dk columns of q and k staged at a time for the chunk's q k^T and k k^T
+#define LA_GRAM_SLICE 16      // dk columns of q and k staged at a time for the chunk's q k^T and k k^T
+// The kernels' products run on 8 x 8 simdgroup matrices: the float32
+// scratch between them (q and k decayed, w, u) has rows of dk and dv padded
+// with zeros to whole fragments.
+#define LA_FRAG_PAD(d) (((d) + 7) / 8 * 8)
 // The state pass keeps a [dk, tile] float32 slice of a head's state in
-// threadgroup memory (16 KiB), beside the chunk's new values [LA_CHUNK,
-// tile] (8 KiB): tile = the largest power of two <= min(32, LA_STATE_ELEMS /
-// dk), 32 for dk <= 128, 16 up to 256 (a power of two: it divides the
-// threadgroup, so a thread keeps one column).
+// threadgroup memory (16 KiB, rows 16 bytes longer than the tile), beside
+// the chunk's new values [LA_CHUNK, tile] (8 KiB): tile = the largest power
+// of two <= min(32, LA_STATE_ELEMS / LA_FRAG_PAD(dk)), 32 for dk <= 128, 16
+// up to 256 (a power of two: it divides the threadgroup, so a thread keeps
+// one column; at least 8, a fragment's width).
 #define LA_STATE_ELEMS 4096
 #define LA_MAX_TILE 32

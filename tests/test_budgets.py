@@ -69,7 +69,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import bench_moe, common, efficiency, prefill
+from benchmarks import bench_linear_attention, bench_moe, census, common, efficiency, prefill
 from benchmarks.__main__ import OPS, op_cases
 import mps_ext_executor as cpu_metal
 
@@ -238,12 +238,15 @@ BUDGETS: dict[str, Budget] = {
     **{k: Budget("kv_cache", full_occupancy=True) for k in KV_DECODE_MERGE},
     # Gated DeltaNet decode: streams the recurrent state once, 1024 threads a group.
     **{k: Budget("linear_attention", full_occupancy=True) for k in LINEAR_ATTENTION},
-    # Gated DeltaNet prefill (issue 32): the chunk-parallel prep and the state pass, per-chunk matrix work in
-    # threadgroup memory, bound by arithmetic, as the prefill tiles. The prep reads a head's g and beta, 64
+    # Gated DeltaNet prefill (issue 32): the chunk-parallel prep and the state pass, per-chunk products on
+    # simdgroup matrices, bound by arithmetic, as the prefill tiles. The prep reads a head's g and beta, 64
     # values strided by v_heads (the layer's [batch, tokens, v_heads] layout): v_heads lines for a column, 4
-    # at the budget case's 4 heads, a few hundred bytes of the chunk's ~100 KB.
+    # at the budget case's 4 heads, a few hundred bytes of the chunk's ~100 KB. Both move float32 scratch rows
+    # as 8 x 8 fragments (the prep stores w and u, the state pass loads w, u, q and k decayed and the intra
+    # attention): a fragment's 8 rows of 32 bytes are 8 lines for 2 lines' bytes (4.0), and the same
+    # simdgroup's next 3 fragments along the row take the rest of those lines.
     **{k: Budget("linear_attention", full_occupancy=False, lines=4.0) for k in DELTANET_PREP},
-    **{k: Budget("linear_attention", full_occupancy=False) for k in DELTANET_STATE},
+    **{k: Budget("linear_attention", full_occupancy=False, lines=4.0) for k in DELTANET_STATE},
     # LFM2's conv decode: streams its windows and in_proj's row once.
     **{k: Budget("short_conv", full_occupancy=True) for k in SHORT_CONV},
 }
@@ -488,11 +491,11 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
     "registers_fit_threadgroup": {},
     "no_private_memory": {},
     "no_bank_conflicts": {
-        # 24 extra cycles a threadgroup (of ~12,000 threadgroup-memory instructions) whatever dk, dv and the
-        # length: they go with the strictly-lower mask of A (a variant storing A unmasked counts none; every
-        # access's addresses are one word a lane, 32 banks or a broadcast): not yet traced further.
-        **{k: "linear_attention_chunk_prep: 24 bank-conflict cycles a threadgroup, with A's strictly-lower mask "
-              "(not yet traced)" for k in DELTANET_PREP},
+        # 72 extra cycles a threadgroup (of ~12,000 threadgroup-memory instructions) at the budget case, since
+        # the products moved to simdgroup matrices (24 before, with A's strictly-lower mask; the Gram
+        # staging's 4,096 of the first MMA version went with rows 4 apart): not yet traced further.
+        **{k: "linear_attention_chunk_prep: 72 bank-conflict cycles a threadgroup (not yet traced)"
+           for k in DELTANET_PREP},
     },
     "decode_registers": {},
     "no_load_after_barrier": {
@@ -803,6 +806,27 @@ def test_matrix_efficiency_against_steel(kernel):
     op = BUDGETS[kernel].op
     miss = {case: m for case, d in dispatches(kernel) for m in [steel_miss(d, op, case)] if m}
     assert not miss, f"{kernel}: {miss}"
+
+
+# In linear_attention's xdist group (parametrized by one of its kernels), on the measurement its budgets made.
+@pytest.mark.parametrize("kernel", [DELTANET_STATE[-1]])
+def test_prefill_delta_rule_figure_is_the_counter(kernel):
+    """benchmarks/prefill.py's counted efficiency of the chunked delta rule
+    (DELTA_RULE_COUNTED, the projection's linear_attention_chunk) is the
+    counter's: the delta rule's FLOPs in MMA slots over both kernels' issue
+    slots at its budget case, and steel's useful share at the case it names."""
+    c = prefill.DELTA_RULE_COUNTED
+    model = bench_linear_attention.PREFILL_BUDGET
+    labels = case_labels("linear_attention", c.case)
+    assert labels["model"] == model.name
+    stats = [d for k in (DELTANET_PREP + DELTANET_STATE) if k in measured("linear_attention")
+             for case, d in dispatches(k) if case.startswith(f"linear_attention {c.case} (")]
+    assert sorted(d.kernel for d in stats) == [f"linear_attention_chunk_{k}_bf16" for k in ("prep", "state")]
+    tokens = int(labels["tokens"])
+    flops = census.delta_rule_chunk_flops(model.dk, model.dv, prefill.CHUNK) * model.v_heads * prefill.chunks(tokens)
+    ours = efficiency.figures(stats, flops).useful_slot_fraction
+    steel = efficiency.steel_figures(efficiency.shape_of("scaled_mm", case_labels("scaled_mm", c.steel_case)))
+    assert (round(ours, 3), round(steel.useful_slot_fraction, 3)) == (c.ours, c.steel)
 
 
 # Parametrized by kernel, as the budgets are, so that tests/conftest.py runs each in its op's xdist group,

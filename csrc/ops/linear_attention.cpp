@@ -213,8 +213,8 @@ std::tuple<at::Tensor, at::Tensor> linear_attention_chunk(const at::Tensor& q, c
   }
   for (const at::Tensor* t : {&q, &k, &v, &g, &beta}) check_offsets(*t, "an input");
   const int64_t chunks = ceil_div(tokens, LA_CHUNK), rows = batch * v_heads * chunks * LA_CHUNK;
-  TORCH_CHECK(rows * std::max<int64_t>({dk, dv, LA_CHUNK}) <= UINT32_MAX && batch * v_heads * dk * dv <= UINT32_MAX &&
-                  batch * tokens * v_heads * dv <= UINT32_MAX,
+  TORCH_CHECK(rows * std::max<int64_t>({LA_FRAG_PAD(dk), LA_FRAG_PAD(dv), LA_CHUNK}) <= UINT32_MAX &&
+                  batch * v_heads * dk * dv <= UINT32_MAX && batch * tokens * v_heads * dv <= UINT32_MAX,
               "linear_attention_chunk: ", batch, " sequences of ", tokens,
               " tokens need scratch of 2^32 elements or more (the kernels' 32-bit indices); split the batch");
 
@@ -234,8 +234,10 @@ std::tuple<at::Tensor, at::Tensor> linear_attention_chunk(const at::Tensor& q, c
   p.dv = static_cast<uint32_t>(dv);
   p.ratio = static_cast<uint32_t>(v_heads / k_heads);
   p.chunks = static_cast<uint32_t>(chunks);
+  // Scratch rows padded to whole 8 x 8 fragments (the kernels' simdgroup matrices).
+  const int64_t dkp = LA_FRAG_PAD(dk), dvp = LA_FRAG_PAD(dv);
   int64_t tile = LA_MAX_TILE;  // a power of two (the kernel's thread layout), the state slice within LA_STATE_ELEMS
-  while (tile * dk > LA_STATE_ELEMS) tile /= 2;
+  while (tile * dkp > LA_STATE_ELEMS) tile /= 2;
   p.tile = static_cast<uint32_t>(tile);
   p.l2norm = use_qk_l2norm ? 1u : 0u;
   p.has_initial = has_initial ? 1u : 0u;
@@ -257,11 +259,12 @@ std::tuple<at::Tensor, at::Tensor> linear_attention_chunk(const at::Tensor& q, c
   for (const std::string* name : {&prep, &pass})
     thread_budget(device, "linear_attention", *name, LA_CHUNK_THREADS, LA_CHUNK_THREADS);
   // float32 scratch between the two dispatches, per (sequence, value head,
-  // padded token): q and k decayed, w [.., dk], u [.., dv], the intra-chunk
-  // attention [.., LA_CHUNK]; the chunks' decays.
+  // padded token): q and k decayed, w [.., dkp], u [.., dvp] (rows padded to
+  // whole fragments, zeros in the padding), the intra-chunk attention [..,
+  // LA_CHUNK]; the chunks' decays.
   const auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor qd = at::empty({rows, dk}, f32), kd = at::empty({rows, dk}, f32), w = at::empty({rows, dk}, f32);
-  at::Tensor u = at::empty({rows, dv}, f32), attn = at::empty({rows, LA_CHUNK}, f32);
+  at::Tensor qd = at::empty({rows, dkp}, f32), kd = at::empty({rows, dkp}, f32), w = at::empty({rows, dkp}, f32);
+  at::Tensor u = at::empty({rows, dvp}, f32), attn = at::empty({rows, LA_CHUNK}, f32);
   at::Tensor decay = at::empty({batch * v_heads * chunks}, f32);
   const std::array<uint32_t, 3> threads{LA_CHUNK_THREADS, 1, 1};
   launch(Launch{"linear_attention",

@@ -104,10 +104,13 @@ def test_matches_float64_reference(dtype, tokens, with_state):
 
 
 # (tokens, k_heads, v_heads, dk, dv): float16; one value head per key head with dv past a 32-column tile (two
-# tiles, the second partial) and dk past a 32-column Gram slice (the last partial); dk 256, the largest, whose
-# state pass takes tiles of 16 columns.
+# tiles, the second partial) and dk past a 16-column Gram slice (the last partial); dk 256, the largest, whose
+# state pass takes tiles of 16 columns; dk and dv not whole 8 x 8 fragments (the scratch rows padded to 24 and
+# 48: dk 20 ends inside the second Gram slice and a fragment, dv 44's second tile has 12 columns, the second
+# of its fragments partial).
 @pytest.mark.parametrize("shape, dtype", [((70, 2, 4, 16, 8), torch.float16), ((70, 3, 3, 40, 40), torch.float32),
-                                          ((66, 1, 2, 256, 20), torch.bfloat16)], ids=str)
+                                          ((66, 1, 2, 256, 20), torch.bfloat16),
+                                          ((70, 1, 2, 20, 44), torch.float32)], ids=str)
 def test_other_shapes_and_float16(shape, dtype):
     tokens, hk, hv, dk, dv = shape
     q, k, v, g, beta, state = inputs(1, tokens, hk, hv, dk, dv, dtype, seed=dk)
