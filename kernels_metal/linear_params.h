@@ -23,3 +23,9 @@ struct GemvParams {
   uint32_t has_bias;  // 0: bias is not read (addmm with beta = 0)
   uint32_t splits;    // gemv_cols: threadgroups along K; 1 writes y, more write partial sums
 };
+
+// rms_norm_gemv_rows (linear.metal): the bytes of the normed activation rows
+// a threadgroup keeps in threadgroup memory (rows * K * sizeof(T)), beside
+// the decode tile (DECODE_TILE_BYTES and its padding) within Metal's 32 KB:
+// a hidden size up to 8192 in half or bfloat at one row, 4096 in float.
+#define RMS_GEMV_NORMED_BYTES 16384
