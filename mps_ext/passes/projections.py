@@ -48,8 +48,9 @@ from torch.nn import functional as F
 
 from ..fp8 import BLOCK, FP8Linear, fp8_linear
 from ._protocol import Pass, _exact, mismatch
+from ._runtime import kernels_for
 
-__all__ = ["GROUPS", "ProjectionRows", "ProjectionsPass"]
+__all__ = ["GROUPS", "ProjectionRows", "ProjectionsPass", "norm_into_projection"]
 
 # Members of a group, in the order their rows are stacked (the order the
 # models call them).
@@ -152,6 +153,40 @@ class ProjectionRows(nn.Module):
 
 
 # ------------------------------------------------------------------ planning --
+# The groups that read a decoder layer's input norm (its mixer's
+# projections), by their first member: norm_into_projection's.
+_MIXER_GROUPS = ("q_proj", "in_proj_qkv", "in_proj_qkvz")
+# rms_norm_linear's bounds (csrc/ops/linear.cpp): kMaxDecodeRows rows, and
+# the normed rows' bytes a threadgroup keeps (linear_params.h: RMS_GEMV_NORMED_BYTES).
+_NORMED_ROWS, _NORMED_BYTES = 8, 16384
+
+
+def norm_into_projection(x: torch.Tensor, norm: nn.Module, mixer: nn.Module) -> torch.Tensor:
+    """norm(x), a decoder layer's input norm, for `mixer`, its attention or
+    linear attention: where the mixer's q/k/v (or in_proj) group is a fused
+    floating nn.Linear that mps_ext's GEMV runs at these rows (decode), the
+    norm and that GEMV are one torch.ops.mps_ext.rms_norm_linear dispatch,
+    whose product is handed to the group as the output of the normed
+    tensor returned (the group's _Memo, as its first member would leave it):
+    the mixer's projections of that tensor then take their rows of it with
+    no call. rms_norm_linear is bit for bit the norm, then the fused
+    layer's F.linear (csrc/ops/linear.cpp). Elsewhere norm(x)."""
+    first = next((m for m in (getattr(mixer, n, None) for n in _MIXER_GROUPS) if isinstance(m, ProjectionRows)), None)
+    if first is None or not first._memo.shared or not hasattr(norm, "op_takes") or not norm.op_takes(x):
+        return norm(x)
+    fused = first.fused
+    w, b = fused.weight, fused.bias
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (type(fused) is not nn.Linear or w.dtype != x.dtype or w.stride(-1) != 1 or rows > _NORMED_ROWS
+            or rows * x.shape[-1] * x.element_size() > _NORMED_BYTES or not kernels_for(x, "linear")
+            or (torch.is_grad_enabled() and (w.requires_grad or (b is not None and b.requires_grad)))):
+        return norm(x)
+    normed, y = torch.ops.mps_ext.rms_norm_linear(x, norm.weight, norm.eps, norm.variant, w, b)
+    m = first._memo
+    m.last, m.taken = (normed, y.split(m.sizes, -1)), (False,) * len(m.sizes)
+    return normed
+
+
 def _kind(m: nn.Module) -> tuple | str:
     """What a member is stored as: members of equal kinds concatenate; a
     str says why a member cannot be fused."""
