@@ -70,7 +70,7 @@ struct GemvInOut {
 // in threadgroup memory (DecodeRowLoads below), not x.
 template <typename T, int Q, bool NORMED = false>
 struct GemvJob {
-  enum { BLOCK_SCALED = 0, BUDGET = 24, TILE_BYTES = DECODE_TILE_BYTES };
+  enum { BLOCK_SCALED = 0, BUDGET = 24, TILE_BYTES = NORMED ? RMS_GEMV_TILE_BYTES : DECODE_TILE_BYTES };
   typename GemvInOut<T>::Operands op;
   GemvInOut<T> io;
   const threadgroup T* normed;
@@ -204,7 +204,7 @@ kernel void rms_norm_gemv_rows(device T* y [[buffer(0)]],
   rms_norm_rows_into<T>(normed, x, norm_w, np, sums, tid, threads, sg, simdgroups, lane);
   if (group == 0)
     for (uint i = tid; i < np.rows * np.n; i += threads) normed_out[i] = normed[i];
-  constexpr int TILE_WORDS = decode_tile_words<T, T, VEC, false>(R);
+  constexpr int TILE_WORDS = decode_tile_words<T, T, VEC, false>(R, RMS_GEMV_TILE_BYTES);
   threadgroup uint tile[TILE_WORDS];
   GemvJob<T, Q, true> job;
   job.io.init(job.op, y, x, w, p, bias);  // (p's x strides are the normed rows': 1 along K)

@@ -158,7 +158,7 @@ class ProjectionRows(nn.Module):
 _MIXER_GROUPS = ("q_proj", "in_proj_qkv", "in_proj_qkvz")
 # rms_norm_linear's bounds (csrc/ops/linear.cpp): kMaxDecodeRows rows, and
 # the normed rows' bytes a threadgroup keeps (linear_params.h: RMS_GEMV_NORMED_BYTES).
-_NORMED_ROWS, _NORMED_BYTES = 8, 16384
+_NORMED_ROWS, _NORMED_BYTES = 8, 8192
 
 
 def norm_into_projection(x: torch.Tensor, norm: nn.Module, mixer: nn.Module) -> torch.Tensor:
