@@ -105,10 +105,10 @@ def test_decode_shapes_with_a_team_of_several_simdgroups(device, dtype, rows, k,
         assert d.kernel.startswith("rms_norm_gemv_rows_")
         # Every weight byte once; per threadgroup (from the caches after the
         # first) x twice (its squares, then the normed values) and the norm
-        # weight once; normed written once, by one threadgroup.
+        # weight once a row; normed written once, by one threadgroup.
         groups = math.prod(d.threadgroups)
         assert d.bytes_read[W] == w.nbytes
-        assert d.bytes_read[X] == 2 * x.nbytes * groups and d.bytes_read[NORM_W] == k * dtype.itemsize * groups
+        assert d.bytes_read[X] == 2 * x.nbytes * groups and d.bytes_read[NORM_W] == rows * k * dtype.itemsize * groups
         assert d.bytes_written[NORMED] == x.nbytes
 
 
