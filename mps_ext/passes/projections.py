@@ -77,6 +77,7 @@ class _Memo:
         self.taken = (True,) * len(sizes)
         self.misses = 0
         self.shared = True
+        self.handed = False  # `last` is norm_into_projection's, not a member's
 
 
 class ProjectionRows(nn.Module):
@@ -119,13 +120,15 @@ class ProjectionRows(nn.Module):
         # also when threads share the model (the bookkeeping below may then only cost a recomputation).
         last = m.last
         if last is None or last[0] is not x or m.taken[self.index]:
-            if not all(m.taken):
+            # (A product norm_into_projection handed over that the mixer did not read is no sign that
+            # the members read different tensors.)
+            if not all(m.taken) and not m.handed:
                 m.misses += 1
                 if m.misses >= _MISSES_BEFORE_APART:
                     m.shared, m.last = False, None
                     return self._own_rows(x)
             last = (x, self.fused(x).split(m.sizes, -1))
-            m.last, m.taken = last, (False,) * len(m.sizes)
+            m.last, m.taken, m.handed = last, (False,) * len(m.sizes), False
         taken = tuple(t or i == self.index for i, t in enumerate(m.taken))
         m.taken = taken
         if all(taken):  # the group's output is not held past its last member
@@ -183,7 +186,7 @@ def norm_into_projection(x: torch.Tensor, norm: nn.Module, mixer: nn.Module) -> 
         return norm(x)
     normed, y = torch.ops.mps_ext.rms_norm_linear(x, norm.weight, norm.eps, norm.variant, w, b)
     m = first._memo
-    m.last, m.taken = (normed, y.split(m.sizes, -1)), (False,) * len(m.sizes)
+    m.last, m.taken, m.handed = (normed, y.split(m.sizes, -1)), (False,) * len(m.sizes), True
     return normed
 
 
