@@ -246,6 +246,10 @@ _FUSIBLE = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mea
 # stands for.
 _TORCH_WHEN_COMPILED = {"rms_norm", "add_rms_norm", "qk_norm_rope", "sigmoid_gate", "kv_append",
                         "qk_norm_rope_append"}
+# ... and rms_norm_linear (a decoder layer's input norm in its projection's
+# GEMV), which a compiled layer's own forward runs as the norm (generated,
+# with the ops before it) and the linear (our GEMV, the call's dispatch).
+_NORM_FIRST_WHEN_COMPILED = {"rms_norm_linear"}
 # mps_ext's ops that write an attention layer's new key and value rows into
 # the cache in place (appends_in_place).
 _APPENDS = ("kv_append", "qk_norm_rope_append")
@@ -676,6 +680,14 @@ def units(calls: list[Call], release: str, mode: str, ours: bool, experts: int |
             c.views += 0 if mode == "compile" else 1
             continue
         mine = ours and call.ours is not None
+        if mode == "compile" and mine and call.op in _NORM_FIRST_WHEN_COMPILED:
+            if not fused_run:  # the norm, generated (or fused into the run before it)
+                c.host += 1
+                c.dispatches += 1
+            c.host += 1  # the linear
+            c.dispatches += call.ours
+            fused_run = False
+            continue
         if mode == "compile" and _generated(call, ours):
             if not fused_run:
                 c.host += 1
@@ -765,8 +777,9 @@ def _fused_edges(calls: list[Call], ours: bool) -> tuple[bool, bool]:
     costed = [c for c in calls if c.kind != "view"]
     if not costed:
         return False, False
-    last = costed[-1]
-    return _generated(costed[0], ours), _generated(last, ours) or (ours and last.ours is not None
+    last, first = costed[-1], costed[0]
+    return _generated(first, ours) or (ours and first.ours is not None and first.op in _NORM_FIRST_WHEN_COMPILED), \
+        _generated(last, ours) or (ours and last.ours is not None
                                                                    and last.then_generated)
 
 
