@@ -367,8 +367,9 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
       const int r = i / (TP * AW), c = i / AW % TP, h = i % AW;
       if (c >= pieces) continue;
       if (VEC) {
-        const uint4 v =
-            r < rows ? DecodeRowLoads<Job>::piece(job, r, k0 + c * E + h * (16 / int(sizeof(typename XF::T)))) : uint4(0u);
+        const uint4 v = r < rows
+                            ? DecodeRowLoads<Job>::piece(job, r, k0 + c * E + h * (16 / int(sizeof(typename XF::T))))
+                            : uint4(0u);
         MPS_EXT_UNROLL
         for (int j = 0; j < 4; ++j) tile[(r * WA + h * 4 + j) * TS + c] = v[j];
       } else {

@@ -154,8 +154,9 @@ void run(const Problem& pr) {
   // The same variant and geometry with the norm as without (the sums' order
   // is the variant's): rms_norm_gemv_rows is bit for bit rms_norm, then this.
   DecodeGeometry g = decode_geometry(gpu, n, 1, 2, false, rows);
-  const std::string kernel = std::string(pr.norm ? "rms_norm_gemv_rows_" : "gemv_rows_") + type + "_r" + std::to_string(variant) + "_q" +
-                             std::to_string(g.outputs_per_simdgroup) + (vec ? "_vec" : "_scalar");
+  const std::string kernel = std::string(pr.norm ? "rms_norm_gemv_rows_" : "gemv_rows_") + type + "_r" +
+                             std::to_string(variant) + "_q" + std::to_string(g.outputs_per_simdgroup) +
+                             (vec ? "_vec" : "_scalar");
   g = fit_threads(g, n, thread_budget(pr.w.device(), "linear", kernel, DECODE_MAX_THREADS));
   launch(Launch{"linear",
                 kernel,
@@ -178,8 +179,8 @@ void check_normed_weight(const at::Tensor& x, const at::Tensor& weight, const c1
   if (bias && bias->defined())
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == x.scalar_type() &&
                     bias->device() == x.device(),
-                op, ": bias must be 1-D of N = ", weight.size(0), " in x's dtype and device, got ", bias->sizes(),
-                " ", bias->scalar_type(), " on ", bias->device());
+                op, ": bias must be 1-D of N = ", weight.size(0), " in x's dtype and device, got ", bias->sizes(), " ",
+                bias->scalar_type(), " on ", bias->device());
 }
 
 bool kernel_dtype(c10::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
