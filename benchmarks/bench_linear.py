@@ -7,7 +7,8 @@ bf16: F.linear's [N, K] weight (gemv_rows) at every shape, x @ W with W
 stored [K, N] (gemv_cols) at the shapes below the vocabulary size; fp32 at
 an MoE expert's shapes, and a weight 16-byte misaligned (the element-load
 kernels) at the MoE router's and an expert's (2 outputs per simdgroup). --quick leaves out the vocabulary-sized shapes and the 4096 x 14336
-ones. On a Mac, each timed call starts with the weight out of the
+ones. rms_norm_linear (the input norm in the GEMV that reads it) at the
+decoder layers' fused projections of Qwen3.6 and LFM2.5 (NORMED_SHAPES). On a Mac, each timed call starts with the weight out of the
 system-level cache (common.mac_times).
 """  # noqa: E501
 
@@ -79,6 +80,37 @@ def prepare(k, n, rows, dtype, layout, misaligned) -> Prepared:
                     dram_bytes=lambda stats: dram_bytes(stats, x))
 
 
+# A decoder layer's input norm in the GEMV of the projections that read it
+# (torch.ops.mps_ext.rms_norm_linear: mps_ext.optimize's decoder layers at
+# decode): (K -> N, model), bf16, one row, zero-centred norms (Qwen3.6) or
+# weight ones (LFM2.5). Its minimum is the linear's plus the norm's weight
+# read and the normed row written once.
+NORMED_SHAPES = [
+    (2048, 9216, "zero_centred", "Qwen3.6-35B-A3B attention q (with its gate) + k + v"),
+    (2048, 12352, "zero_centred", "Qwen3.6-35B-A3B Gated DeltaNet in_proj qkv + z + b + a"),
+    (2048, 3072, "weight", "LFM2.5-8B-A1B attention q + k + v"),
+]
+
+
+def prepare_normed(k, n, variant, dtype) -> Prepared:
+    from mps_ext.passes.norm import rms_norm_reference
+    w = (torch.randn(n, k) * k ** -0.5).to(dtype)
+    x = (torch.randn(1, k) * 3).to(dtype)
+    nw = (torch.randn(k) * 0.2 + (1 if variant == "weight" else 0)).to(dtype)
+    minimum = w.nbytes + 2 * x.nbytes + nw.nbytes + n * w.element_size()
+
+    def run():
+        return torch.ops.mps_ext.rms_norm_linear(x, nw, 1e-6, variant, w, None)
+
+    def mac():
+        wm, xm, nwm = w.to("mps"), x.to("mps"), nw.to("mps")
+        return (lambda: torch.nn.functional.linear(rms_norm_reference(xm, nwm, 1e-6, variant), wm),
+                lambda: torch.ops.mps_ext.rms_norm_linear(xm, nwm, 1e-6, variant, wm, None))
+
+    return Prepared(run, minimum, mac, lambda stats: weight_columns(stats, w, x),
+                    dram_bytes=lambda stats: dram_bytes(stats, x))
+
+
 def cases(size: str) -> list[Case]:
     plan = []  # (k, n, model, dtypes, layouts, misaligned)
     if size == "tiny":
@@ -105,6 +137,11 @@ def cases(size: str) -> list[Case]:
                     id_ = f"{k}->{n} {layout} {labels['dtype']} rows={rows}" + (" misaligned" if misaligned else "")
                     out.append(Case("linear", id_, labels,
                                     lambda a=(k, n, rows, dtype, layout, misaligned): prepare(*a)))
+    for k, n, variant, model in NORMED_SHAPES if size != "tiny" else [(256, 128, "weight", "tiny")]:
+        labels = {"K->N": f"{k}->{n}", "layer": f"{model}, with its input norm", "weight": "[N,K]",
+                  "dtype": "bfloat16", "rows": "1"}
+        out.append(Case("linear", f"rms_norm_linear {k}->{n} {variant} bfloat16 rows=1", labels,
+                        lambda a=(k, n, variant, torch.bfloat16): prepare_normed(*a)))
     return out
 
 

@@ -246,6 +246,10 @@ _FUSIBLE = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mea
 # stands for.
 _TORCH_WHEN_COMPILED = {"rms_norm", "add_rms_norm", "qk_norm_rope", "sigmoid_gate", "kv_append",
                         "qk_norm_rope_append"}
+# ... and rms_norm_linear (a decoder layer's input norm in its projection's
+# GEMV), which a compiled layer's own forward runs as the norm (generated,
+# with the ops before it) and the linear (our GEMV, the call's dispatch).
+_NORM_FIRST_WHEN_COMPILED = {"rms_norm_linear"}
 # mps_ext's ops that write an attention layer's new key and value rows into
 # the cache in place (appends_in_place).
 _APPENDS = ("kv_append", "qk_norm_rope_append")
@@ -336,7 +340,8 @@ def _attended_pairs(func, args, kwargs) -> int:
 
 def matrix_flops(func, args, kwargs) -> int:
     """FLOPs (a multiply-add is 2) of a call whose work is matrix
-    products, what simdgroup-matrix units run on a Mac: linear, mm, addmm,
+    products, what simdgroup-matrix units run on a Mac: linear (and
+    rms_norm_linear's), mm, addmm,
     bmm, baddbmm, _grouped_mm (its rows), SDPA (QK^T and PV over the pairs
     it attends, _attended_pairs) and a unitriangular solve (C(C-1) per
     right-hand column), and mps_ext's chunked delta rule
@@ -345,8 +350,8 @@ def matrix_flops(func, args, kwargs) -> int:
     counts it); 0 for any other call (pointwise ops, reductions,
     depthwise convolutions: bandwidth work, in the bytes)."""
     name = func._schema.name.split("::")[1]
-    if name == "linear":
-        x, w = args[0], args[1]
+    if name in ("linear", "rms_norm_linear"):  # (rms_norm_linear: the norm, then F.linear of its weight, args[4])
+        x, w = args[0], args[1 if name == "linear" else 4]
         return 2 * x.numel() // x.shape[-1] * w.shape[0] * w.shape[1]
     if name in ("mm", "bmm"):
         a, b = args[0], args[1]
@@ -675,6 +680,14 @@ def units(calls: list[Call], release: str, mode: str, ours: bool, experts: int |
             c.views += 0 if mode == "compile" else 1
             continue
         mine = ours and call.ours is not None
+        if mode == "compile" and mine and call.op in _NORM_FIRST_WHEN_COMPILED:
+            if not fused_run:  # the norm, generated (or fused into the run before it)
+                c.host += 1
+                c.dispatches += 1
+            c.host += 1  # the linear
+            c.dispatches += call.ours
+            fused_run = False
+            continue
         if mode == "compile" and _generated(call, ours):
             if not fused_run:
                 c.host += 1
@@ -764,8 +777,9 @@ def _fused_edges(calls: list[Call], ours: bool) -> tuple[bool, bool]:
     costed = [c for c in calls if c.kind != "view"]
     if not costed:
         return False, False
-    last = costed[-1]
-    return _generated(costed[0], ours), _generated(last, ours) or (ours and last.ours is not None
+    last, first = costed[-1], costed[0]
+    return _generated(first, ours) or (ours and first.ours is not None and first.op in _NORM_FIRST_WHEN_COMPILED), \
+        _generated(last, ours) or (ours and last.ours is not None
                                                                    and last.then_generated)
 
 

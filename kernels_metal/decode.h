@@ -267,6 +267,22 @@ MPS_EXT_INLINE void decode_products(thread const Job& job,
   }
 }
 
+// ------------------------------------------------- the activation loads --
+// decode_rows' reads of activation row r at element k: 16 bytes (VEC) or
+// one element as float, from the job's x_row(r) in device memory. A job
+// whose rows are elsewhere specialises this (linear.metal's rms_norm_gemv_rows:
+// rows it normed into threadgroup memory).
+template <typename Job>
+struct DecodeRowLoads {
+  static MPS_EXT_INLINE uint4 piece(thread const Job& job, int r, int k) {
+    return *(const device uint4*)(job.x_row(r) + k);
+  }
+  template <typename I>  // (the index as the caller computes it: int or long)
+  static MPS_EXT_INLINE float one(thread const Job& job, int r, I k) {
+    return job.op.xf.one(job.x_row(r)[k]);
+  }
+};
+
 // ---------------------------------------------------------- the kernel --
 // Run by every thread of the threadgroup (it has barriers). R: a power of
 // two >= job.rows; rows past them stage as 0. `tile`: decode_tile_words
@@ -325,7 +341,7 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
       MPS_EXT_UNROLL
       for (int r = 0; r < R; ++r) {
         if (r >= rows) continue;
-        const float v = job.op.xf.one(job.x_row(r)[k]) * wk;
+        const float v = DecodeRowLoads<Job>::one(job, r, k) * wk;
         acc[r][q] += SCALED ? v * DecodeScales<Job>::tail(job, r, q, k / 128) : v;
       }
     }
@@ -351,12 +367,13 @@ MPS_EXT_INLINE void decode_rows(thread const Job& job, threadgroup uint* tile, u
       const int r = i / (TP * AW), c = i / AW % TP, h = i % AW;
       if (c >= pieces) continue;
       if (VEC) {
-        const device typename XF::T* at = job.x_row(r) + k0 + c * E + h * (16 / int(sizeof(typename XF::T)));
-        const uint4 v = r < rows ? *(const device uint4*)at : uint4(0u);
+        const uint4 v = r < rows
+                            ? DecodeRowLoads<Job>::piece(job, r, k0 + c * E + h * (16 / int(sizeof(typename XF::T))))
+                            : uint4(0u);
         MPS_EXT_UNROLL
         for (int j = 0; j < 4; ++j) tile[(r * WA + h * 4 + j) * TS + c] = v[j];
       } else {
-        tile[r * TS + c] = as_type<uint>(r < rows ? job.op.xf.one(job.x_row(r)[long(k0 + c) * job.op.x_k]) : 0.0f);
+        tile[r * TS + c] = as_type<uint>(r < rows ? DecodeRowLoads<Job>::one(job, r, long(k0 + c) * job.op.x_k) : 0.0f);
       }
     }
     if (SCALED) DecodeScales<Job>::stage(job, k0, pieces * E, tid, threads);

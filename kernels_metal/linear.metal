@@ -20,6 +20,7 @@
 #include "linear_params.h"
 #include "pieces.h"
 using namespace metal;
+#include "rms_norm.h"
 
 MPS_EXT_INLINE float finish(float acc, constant GemvParams& p, float bias) {
   return p.has_bias ? p.alpha * acc + p.beta * bias : p.alpha * acc;
@@ -65,11 +66,14 @@ struct GemvInOut {
 };
 
 // gemv_rows: weight row n of output n, Q of them from the simdgroup's first.
-template <typename T, int Q>
+// NORMED (rms_norm_gemv_rows): the activation rows are `normed`, rows of K
+// in threadgroup memory (DecodeRowLoads below), not x.
+template <typename T, int Q, bool NORMED = false>
 struct GemvJob {
-  enum { BLOCK_SCALED = 0, BUDGET = 24, TILE_BYTES = DECODE_TILE_BYTES };
+  enum { BLOCK_SCALED = 0, BUDGET = 24, TILE_BYTES = NORMED ? RMS_GEMV_TILE_BYTES : DECODE_TILE_BYTES };
   typename GemvInOut<T>::Operands op;
   GemvInOut<T> io;
+  const threadgroup T* normed;
   long first;
   MPS_EXT_INLINE const device T* x_row(int r) const { return io.x_row(r); }
   MPS_EXT_INLINE bool live(int q) const { return first + q < io.p->n_out; }
@@ -79,6 +83,18 @@ struct GemvJob {
     MPS_EXT_UNROLL
     for (int q = 0; q < Q; ++q)
       if (lane == uint(r * Q + q) % 32 && live(q)) write_output(io.y, io.bias, *io.p, r, first + q, total[q]);
+  }
+};
+
+template <typename T, int Q>
+struct DecodeRowLoads<GemvJob<T, Q, true>> {
+  typedef GemvJob<T, Q, true> Job;
+  static MPS_EXT_INLINE uint4 piece(thread const Job& job, int r, int k) {
+    return *(const threadgroup uint4*)(job.normed + r * job.op.k + k);
+  }
+  template <typename I>
+  static MPS_EXT_INLINE float one(thread const Job& job, int r, I k) {
+    return float(job.normed[r * job.op.k + int(k)]);
   }
 };
 
@@ -117,6 +133,84 @@ kernel void gemv_rows(device T* y [[buffer(0)]],
   job.io.init(job.op, y, x, w, p, bias);
   job.first = (long(group) * simdgroups + sg) * Q;
   decode_rows<GemvJob<T, Q>, R, Q, VEC>(job, tile, tid, threads, lane);
+}
+
+// ---------------------------------------------------- rms_norm_gemv_rows --
+// gemv_rows of rms_norm(x): an RMSNorm and the projection that reads it
+// (a decoder layer's input norm and its fused q/k/v or in_proj GEMV) in one
+// dispatch. Every threadgroup norms the activation rows (at decode one row
+// of the hidden size, read from the caches after the first threadgroup)
+// into threadgroup memory, as rms_norm's team of 1 << np.team_shift threads
+// would (rms_norm.h: the same elements per lane, the same simd_sum and the
+// same order of the team's simdgroups, run here one after another by this
+// threadgroup's simdgroups), so that the normed values are rms_norm's to
+// the bit; then its outputs as gemv_rows from those rows. Threadgroup 0
+// also writes the normed rows to normed_out (the model's forward passes
+// them on to the attention, which reads their shape). The host takes rows *
+// K * sizeof(T) <= RMS_GEMV_NORMED_BYTES and x's rows contiguous.
+template <typename T>
+MPS_EXT_INLINE void rms_norm_rows_into(threadgroup T* normed,
+                                       const device T* x,
+                                       const device T* norm_w,
+                                       constant RmsNormParams& np,
+                                       threadgroup float* sums,
+                                       uint tid,
+                                       uint threads,
+                                       uint sg,
+                                       uint simdgroups,
+                                       uint lane) {
+  const uint team = 1u << np.team_shift, team_sgs = team / 32, n = np.n;
+  for (uint r = 0; r < np.rows; ++r) {
+    const device T* xr = x + r * np.row_stride;
+    for (uint s = sg; s < team_sgs; s += simdgroups) {  // the team's simdgroups, each by one of ours
+      const uint t = s * 32 + lane;
+      float v[RMS_NORM_PER_THREAD];
+      MPS_EXT_UNROLL
+      for (int c = 0; c < RMS_NORM_PER_THREAD; ++c) {
+        const uint i = rms_norm_element(c, t, team);
+        v[c] = i < n ? float(xr[i]) : 0.0f;
+      }
+      const float ss = simd_sum(rms_norm_squares(v));
+      if (lane == 0) sums[s] = ss;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // (A team of one simdgroup: its simd_sum, sums[0], is the total.)
+    const float inv = rms_norm_inverse(rms_norm_team_total(sums, team_sgs, sums[0]), n, np.eps);
+    for (uint i = tid; i < n; i += threads)
+      normed[r * n + i] = T(rms_norm_out<T>(float(xr[i]) * inv, float(norm_w[i]), np.zero_centred));
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // sums are the next row's; normed complete
+  }
+}
+
+template <typename T, int R, int Q, bool VEC>
+[[max_total_threads_per_threadgroup(DECODE_MAX_THREADS)]]
+kernel void rms_norm_gemv_rows(device T* y [[buffer(0)]],
+                               const device T* x [[buffer(1)]],
+                               const device T* w [[buffer(2)]],
+                               constant GemvParams& p [[buffer(3)]],
+                               const device T* bias [[buffer(4)]],
+                               device T* normed_out [[buffer(5)]],
+                               const device T* norm_w [[buffer(6)]],
+                               constant RmsNormParams& np [[buffer(7)]],
+                               uint group [[threadgroup_position_in_grid]],
+                               uint tid [[thread_index_in_threadgroup]],
+                               uint threads [[threads_per_threadgroup]],
+                               uint sg [[simdgroup_index_in_threadgroup]],
+                               uint simdgroups [[simdgroups_per_threadgroup]],
+                               uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup uint4 normed_mem[RMS_GEMV_NORMED_BYTES / 16];  // uint4: 16-byte aligned for the VEC loads
+  threadgroup float sums[RMS_NORM_MAX_THREADS / 32];
+  threadgroup T* normed = (threadgroup T*)normed_mem;
+  rms_norm_rows_into<T>(normed, x, norm_w, np, sums, tid, threads, sg, simdgroups, lane);
+  if (group == 0)
+    for (uint i = tid; i < np.rows * np.n; i += threads) normed_out[i] = normed[i];
+  constexpr int TILE_WORDS = decode_tile_words<T, T, VEC, false>(R, RMS_GEMV_TILE_BYTES);
+  threadgroup uint tile[TILE_WORDS];
+  GemvJob<T, Q, true> job;
+  job.io.init(job.op, y, x, w, p, bias);  // (p's x strides are the normed rows': 1 along K)
+  job.normed = normed;
+  job.first = (long(group) * simdgroups + sg) * Q;
+  decode_rows<GemvJob<T, Q, true>, R, Q, VEC>(job, tile, tid, threads, lane);
 }
 
 // ------------------------------------------------------------ gemv_cols --
@@ -181,6 +275,11 @@ kernel void gemv_cols_finish(device T* y [[buffer(0)]],
       gemv_cols<T, R, true>;                                                                                     \
   template [[host_name("gemv_cols_" #tname "_r" #R "_scalar")]] kernel decltype(gemv_cols<T, R, false>)         \
       gemv_cols<T, R, false>;
+#define INSTANTIATE_RMS_GEMV_ROWS(tname, T, R, Q)                                                               \
+  template [[host_name("rms_norm_gemv_rows_" #tname "_r" #R "_q" #Q "_vec")]] kernel                             \
+      decltype(rms_norm_gemv_rows<T, R, Q, true>) rms_norm_gemv_rows<T, R, Q, true>;                             \
+  template [[host_name("rms_norm_gemv_rows_" #tname "_r" #R "_q" #Q "_scalar")]] kernel                          \
+      decltype(rms_norm_gemv_rows<T, R, Q, false>) rms_norm_gemv_rows<T, R, Q, false>;
 // One output per simdgroup up to 2 rows: decode_geometry gives a
 // threadgroup at least `rows` outputs, taken up to a power of two, so 3 to
 // 8 rows always have 2 a simdgroup.
@@ -188,6 +287,9 @@ kernel void gemv_cols_finish(device T* y [[buffer(0)]],
   INSTANTIATE_GEMV_ROWS(tname, T, 1, 1) INSTANTIATE_GEMV_ROWS(tname, T, 2, 1)                                   \
   INSTANTIATE_GEMV_ROWS(tname, T, 1, 2) INSTANTIATE_GEMV_ROWS(tname, T, 2, 2)                                   \
   INSTANTIATE_GEMV_ROWS(tname, T, 4, 2) INSTANTIATE_GEMV_ROWS(tname, T, 8, 2)                                   \
+  INSTANTIATE_RMS_GEMV_ROWS(tname, T, 1, 1) INSTANTIATE_RMS_GEMV_ROWS(tname, T, 2, 1)                           \
+  INSTANTIATE_RMS_GEMV_ROWS(tname, T, 1, 2) INSTANTIATE_RMS_GEMV_ROWS(tname, T, 2, 2)                           \
+  INSTANTIATE_RMS_GEMV_ROWS(tname, T, 4, 2) INSTANTIATE_RMS_GEMV_ROWS(tname, T, 8, 2)                           \
   INSTANTIATE_GEMV_COLS(tname, T, 1) INSTANTIATE_GEMV_COLS(tname, T, 2)                                         \
   INSTANTIATE_GEMV_COLS(tname, T, 4) INSTANTIATE_GEMV_COLS(tname, T, 8)                                         \
   template [[host_name("gemv_cols_finish_" #tname)]] kernel decltype(gemv_cols_finish<T>) gemv_cols_finish<T>;

@@ -23,3 +23,14 @@ struct GemvParams {
   uint32_t has_bias;  // 0: bias is not read (addmm with beta = 0)
   uint32_t splits;    // gemv_cols: threadgroups along K; 1 writes y, more write partial sums
 };
+
+// rms_norm_gemv_rows (linear.metal): the bytes of the normed activation rows
+// a threadgroup keeps in threadgroup memory (rows * K * sizeof(T)): a hidden
+// size up to 4096 in half or bfloat at one row (Qwen3.6's and LFM2.5's
+// 2048 at two), 2048 in float; and its decode tile's, half gemv_rows'
+// (the tile's size changes no sum's order: a lane's pieces are consecutive
+// across tiles). With both, 12 KB a threadgroup keeps 5 on a core
+// (cpu_metal.THREADGROUP_MEMORY_PER_CORE), which its decode launches need
+// (tests/test_budgets.py's threadgroup-memory residency).
+#define RMS_GEMV_NORMED_BYTES 8192
+#define RMS_GEMV_TILE_BYTES 4096

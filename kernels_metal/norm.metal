@@ -14,13 +14,7 @@
 #include <metal_stdlib>
 #include "norm_params.h"
 using namespace metal;
-
-// The normed value times the weight, rounded where the models round (the
-// variants above), returned in float.
-template <typename T>
-inline float rms_norm_out(float normed, float w, uint zero_centred) {
-  return zero_centred ? float(T(normed * (1.0f + w))) : float(T(w * float(T(normed))));
-}
+#include "rms_norm.h"
 
 // The rows of x normed into out; with ADD (add_rms_norm) the rows of x + r
 // are, and that sum, rounded to T as torch's add rounds it, is also written
@@ -53,19 +47,17 @@ MPS_EXT_INLINE void rms_norm_rows(device T* out,
   float wv[PER];
   MPS_EXT_UNROLL
   for (int c = 0; c < PER; ++c) {
-    const uint i = uint(c) * team + t;
+    const uint i = rms_norm_element(c, t, team);
     wv[c] = team_live && i < p.n ? float(w[i]) : 0.0f;
   }
-  const float n = float(p.n);
   for (uint j = 0; j < p.iterations; ++j) {
     const uint row = team_index + j * p.teams;
     const bool live = team_live && row < p.rows;
     const device T* xr = x + row * p.row_stride;
     float v[PER];
-    float ss = 0.0f;
     MPS_EXT_UNROLL
     for (int c = 0; c < PER; ++c) {
-      const uint i = uint(c) * team + t;
+      const uint i = rms_norm_element(c, t, team);
       float e = 0.0f;
       if (live && i < p.n) {
         if (ADD) {
@@ -79,24 +71,20 @@ MPS_EXT_INLINE void rms_norm_rows(device T* out,
         }
       }
       v[c] = e;
-      // torch rounds the squares (pow) before summing them (mean): no fused multiply-add.
-      const float sq = v[c] * v[c];
-      ss += sq;
     }
-    ss = simd_sum(ss);
+    float ss = simd_sum(rms_norm_squares(v));
     if (team > 32) {  // the same for every thread: a uniform barrier
       threadgroup float* set = partial + (j & 1) * SET;
       if (lane == 0) set[sg] = ss;
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      ss = 0.0f;
-      for (uint s = 0; s < team / 32; ++s) ss += set[first_sg + s];
+      ss = rms_norm_team_total(set + first_sg, team / 32, ss);
     }
     if (!live) continue;
-    const float inv = 1.0f / sqrt(ss / n + p.eps);
+    const float inv = rms_norm_inverse(ss, p.n, p.eps);
     device T* o = out + row * p.n;
     MPS_EXT_UNROLL
     for (int c = 0; c < PER; ++c) {
-      const uint i = uint(c) * team + t;
+      const uint i = rms_norm_element(c, t, team);
       if (i < p.n) {
         const float normed = v[c] * inv;
         o[i] = T(rms_norm_out<T>(normed, wv[c], p.zero_centred));
@@ -221,7 +209,6 @@ MPS_EXT_INLINE void qk_norm_rope_heads(device T* q_out,
     if (use_k) wt[1][i] = float(k_w[i]);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  const float n = float(D);
   const uint np = (half_r + 31) / 32;  // slots of pairs' first halves (norm_params.h)
   for (uint j = 0; j < p.iterations; ++j) {
     const uint h = h0 + sg + j * simdgroups;
@@ -254,7 +241,7 @@ MPS_EXT_INLINE void qk_norm_rope_heads(device T* q_out,
     }
     if (norm) {  // uniform in the simdgroup: simd_sum sees every lane
       ss = simd_sum(ss);
-      const float inv = 1.0f / sqrt(ss / n + p.eps);
+      const float inv = rms_norm_inverse(ss, D, p.eps);
       MPS_EXT_UNROLL
       for (int c = 0; c < QK_ROPE_SLOTS; ++c) {
         const uint i = qk_rope_element(uint(c), lane, np, half_r, R, D);

@@ -125,6 +125,12 @@ def _add_rms_norm(x, residual, weight, eps, variant="weight"):
             torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
+# RMSNorm and the linear layer that reads it (csrc/ops/linear.cpp):
+# (normed, x's shape and dtype, contiguous; the product [..., N]).
+def _rms_norm_linear(x, norm_weight, eps, variant, weight, bias=None):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((*x.shape[:-1], weight.shape[0])))
+
+
 # q and k norms and rotary embedding (csrc/ops/norm.cpp): q [B, T, Hq, D]
 # and k [B, T, Hk, D] give [B, Hq, T, D] and [B, Hk, T, D] in their dtype,
 # contiguous.
@@ -208,7 +214,7 @@ def register() -> None:
                      ("_grouped_mm", _grouped_mm), ("_scaled_grouped_mm", _scaled_grouped_mm),
                      ("_scaled_grouped_mm_v2", _scaled_grouped_mm_v2), ("moe_route", _moe_route),
                      ("moe_experts", _moe_experts), ("moe_combine", _moe_combine), ("moe_layer", _moe_layer),
-                     ("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm),
+                     ("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm), ("rms_norm_linear", _rms_norm_linear),
                      ("qk_norm_rope", _qk_norm_rope), ("qk_norm_rope_append", _qk_norm_rope_append),
                      ("sigmoid_gate", _sigmoid_gate),
                      ("kv_append", _kv_append), ("kv_decode_attention", _kv_decode_attention),

@@ -85,6 +85,7 @@ def names(pattern: str, **axes) -> list[str]:
 
 GEMV_ROWS = [k for k in names("gemv_rows_{t}_r{r}_q{q}_{path}", t=("f32", "f16", "bf16"), r=(1, 2, 4, 8), q=(1, 2),
                                path=("vec", "scalar")) if "_r4_q1_" not in k and "_r8_q1_" not in k]
+RMS_GEMV_ROWS = ["rms_norm_" + k for k in GEMV_ROWS]  # the norm in the GEMV (linear.metal), gemv_rows' variants
 GEMV_COLS = names("gemv_cols_{t}_r{r}_{path}", t=("f32", "f16", "bf16"), r=(1, 2, 4, 8), path=("vec", "scalar"))
 GEMV_COLS_FINISH = names("gemv_cols_finish_{t}", t=("f32", "f16", "bf16"))
 # Softmax kernels come with 16-byte accesses (_i32_vec), element accesses
@@ -189,6 +190,13 @@ MOE_DOWN_COMBINE_SCALAR = ("the element-load variant, for expert rows not a mult
                            "same template as the _vec ones measured")
 
 
+# rms_norm_linear runs where a decoder layer's input norm feeds its fused projection at decode: one
+# row of a hidden state in the model's dtype, a weight aligned as nn.Linear allocates it.
+RMS_GEMV_UNREACHED = ("a row count, dtype or weight alignment of rms_norm_linear that no decode benchmark case "
+                      "takes (tests/ops/test_rms_norm_linear.py runs each, bit for bit rms_norm then gemv_rows); "
+                      "gemv_rows' template after the norm the measured bf16 r1 q2 vec variant runs")
+
+
 def lines(kernel):
     return MISALIGNED_LINES if kernel.endswith("_scalar") else 1.1
 
@@ -197,6 +205,11 @@ BUDGETS: dict[str, Budget] = {
     **{k: Budget("linear", full_occupancy=True, lines=lines(k), activation="x") for k in GEMV_ROWS},
     **{k: Budget("linear", full_occupancy=True, lines=lines(k), activation="x") for k in GEMV_COLS},
     **{k: Budget("linear", full_occupancy=True) for k in GEMV_COLS_FINISH},
+    # gemv_rows after the norm of its rows into threadgroup memory: the decode shape of a decoder
+    # layer's input norm and fused q/k/v (bench_linear.NORMED_SHAPES) measures the one the models run.
+    **{k: Budget("linear", full_occupancy=True, lines=lines(k), activation="x",
+                 unreached="" if k == "rms_norm_gemv_rows_bf16_r1_q2_vec" else RMS_GEMV_UNREACHED)
+       for k in RMS_GEMV_ROWS},
     **{k: Budget("softmax", full_occupancy=True, unreached=SOFTMAX_VEC_UNREACHED if "_block_bf16" in k else "")
        for k in SOFTMAX_VEC},
     # The element-access softmax kernels serve rows that do not start
@@ -282,7 +295,7 @@ BUDGET_ONLY = [bench_moe.layer_case(BUDGET_LAYER, 1, fp8, dtype)
 BUDGET_ONLY += [bench_moe.layer_case(BUDGET_LAYER, 1, fp8, torch.bfloat16, residual=True) for fp8 in (False, True)]
 BUDGET_CASES = {
     "softmax": [c.id for c in op_cases("softmax", "quick")],  # all but the 4096 x 4096 attention scores
-    "linear": _LINEAR_SMALL,
+    "linear": _LINEAR_SMALL + ["rms_norm_linear 2048->3072 weight bfloat16 rows=1"],
     "pad": ["1x320x64x64 float32 [1, 1, 1, 1]", "1x512x64x64 bfloat16 [0, 1, 0, 1]",
             "1x3x1024x1024 uint8 [16, 16, 16, 16]", "8x4000 int64 [0, 96]"],
     # batched small inverses and every 32 x 32 case (128 x 128 ones take a minute each)
@@ -558,6 +571,9 @@ DIVISIONS: dict[str, tuple[int, int]] = {
     # token's one row, so 2 a thread. Unlike rms_norm's, no case here gives a team several rows: the
     # layer's residual stream at prefill would (RMS_NORM_DIVISIONS), 2 per row a team takes
     **{k: (0, 2) for k in ADD_RMS_NORM},
+    # rms_norm_gemv_rows: rms_norm's 2 per row (ss / n and 1 / sqrt(...)), by every thread of each
+    # threadgroup for each of its 1 to 8 activation rows (the decode case: one)
+    **{k: (0, 2) for k in RMS_GEMV_ROWS},
 }
 
 

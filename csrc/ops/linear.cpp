@@ -8,6 +8,7 @@
 
 #include "backend/launch.h"
 #include "linear_params.h"
+#include "ops/norm.h"
 #include "dispatch/kernel_choice.h"
 #include "ops/ops.h"
 #include "dispatch/registration.h"
@@ -19,9 +20,16 @@ namespace {
 // One matrix-vector problem, y[r, n] = alpha * x[r, :] . w[n, :] + beta * bias[r, n],
 // given as 2-D strided views (x [rows, K], w [N, K], y and bias [rows, N])
 // of the caller's tensors: setting it up moves no data.
+// With `norm` (rms_norm_linear), x is rms_norm(norm.x) ([rows, K],
+// contiguous), which the kernel computes itself into norm.normed.
+struct NormedRows {
+  at::Tensor x, weight, normed;  // x: the norm's input rows, last dimension contiguous
+  RmsNormParams params;
+};
 struct Problem {
   at::Tensor x, w, y, bias;   // bias undefined: none
   float alpha = 1, beta = 0;  // as the kernel takes them
+  const NormedRows* norm = nullptr;
 };
 
 const char* type_name(c10::ScalarType t) {
@@ -104,11 +112,17 @@ void run(const Problem& pr) {
   // for gemv_cols' partial sums (buffer 5): the kernels never touch them then.
   at::Tensor partials;
   auto args = [&] {
-    std::vector<KernelArg> a{KernelArg::of(pr.y), KernelArg::of(pr.x), KernelArg::of(pr.w), KernelArg::value(p),
-                             KernelArg::of(pr.bias.defined() ? pr.bias : pr.y)};
+    std::vector<KernelArg> a{KernelArg::of(pr.y), KernelArg::of(pr.norm ? pr.norm->x : pr.x), KernelArg::of(pr.w),
+                             KernelArg::value(p), KernelArg::of(pr.bias.defined() ? pr.bias : pr.y)};
     if (cols) a.push_back(KernelArg::of(partials.defined() ? partials : pr.y));
+    if (pr.norm) {
+      a.push_back(KernelArg::of(pr.norm->normed));
+      a.push_back(KernelArg::of(pr.norm->weight));
+      a.push_back(KernelArg::value(pr.norm->params));
+    }
     return a;
   };
+  TORCH_CHECK(!(cols && pr.norm), "mps_ext rms_norm_linear: the weight must be contiguous along K");
   if (cols) {
     const bool vec = aligned16(pr.w, p.w_k_stride);
     const int64_t blocks = ceil_div(n, decode_cols_columns(vec, itemsize));
@@ -137,15 +151,36 @@ void run(const Problem& pr) {
   }
   const bool vec = p.w_k_stride == 1 && p.x_k_stride == 1 && aligned16(pr.w, p.w_n_stride) &&
                    aligned16(pr.x, rows > 1 ? p.x_row_stride : 0);
+  // The same variant and geometry with the norm as without (the sums' order
+  // is the variant's): rms_norm_gemv_rows is bit for bit rms_norm, then this.
   DecodeGeometry g = decode_geometry(gpu, n, 1, 2, false, rows);
-  const std::string kernel = "gemv_rows_" + type + "_r" + std::to_string(variant) + "_q" +
-                             std::to_string(g.outputs_per_simdgroup) + (vec ? "_vec" : "_scalar");
+  const std::string kernel = std::string(pr.norm ? "rms_norm_gemv_rows_" : "gemv_rows_") + type + "_r" +
+                             std::to_string(variant) + "_q" + std::to_string(g.outputs_per_simdgroup) +
+                             (vec ? "_vec" : "_scalar");
   g = fit_threads(g, n, thread_budget(pr.w.device(), "linear", kernel, DECODE_MAX_THREADS));
   launch(Launch{"linear",
                 kernel,
                 args(),
                 {static_cast<uint32_t>(g.threadgroups), 1, 1},
                 {static_cast<uint32_t>(32 * g.simdgroups), 1, 1}});
+}
+
+// rms_norm_linear's weight: F.linear's [N, K], contiguous along K (the
+// rows kernel); an error naming the argument otherwise.
+void check_normed_weight(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const char* op = "mps_ext rms_norm_linear";
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(-1), op, ": weight must be [N, ", x.size(-1),
+              "] (F.linear's, K the norm's row), got ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.device() == x.device(), op,
+              ": weight must be x's dtype and device (", x.scalar_type(), " on ", x.device(), "), got ",
+              weight.scalar_type(), " on ", weight.device());
+  TORCH_CHECK(weight.stride(1) == 1 || weight.size(1) == 1, op,
+              ": weight must be contiguous along K (F.linear's [N, K] layout), got strides ", weight.strides());
+  if (bias && bias->defined())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == x.scalar_type() &&
+                    bias->device() == x.device(),
+                op, ": bias must be 1-D of N = ", weight.size(0), " in x's dtype and device, got ", bias->sizes(), " ",
+                bias->scalar_type(), " on ", bias->device());
 }
 
 bool kernel_dtype(c10::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
@@ -243,6 +278,47 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::
   }
   run(pr);
   return y;
+}
+
+// ----------------------------------------------------- rms_norm_linear --
+// (rms_norm(x), F.linear(rms_norm(x), weight, bias)) in one dispatch,
+// rms_norm_gemv_rows: a decoder layer's input norm and the fused projection
+// that reads it (mps_ext/passes/decoder.py). Bit for bit mps_ext.rms_norm
+// then mps_ext's linear: the kernel norms as rms_norm's team would, and
+// picks the linear's variant and geometry. 1 to 8 rows whose normed bytes
+// fit the kernel's threadgroup memory; larger calls are the two ops.
+std::tuple<at::Tensor, at::Tensor> rms_norm_linear(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                                                   c10::string_view variant, const at::Tensor& weight,
+                                                   const c10::optional<at::Tensor>& bias) {
+  const bool zero_centred = check_norm("rms_norm_linear", x, norm_weight, variant);
+  check_normed_weight(x, weight, bias);
+  const int64_t k = x.size(-1), n = weight.size(0), rows = leading_rows(x);
+  at::Tensor normed = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  std::vector<int64_t> out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  at::Tensor y = at::empty(out_shape, x.options());
+  if (rows == 0) return {normed, y};
+  if (rows > kMaxDecodeRows || rows * k * x.itemsize() > RMS_GEMV_NORMED_BYTES || n == 0) {
+    normed = rms_norm(x, norm_weight, eps, variant);  // the two ops, as the model's code calls them
+    return {normed, at::linear(normed, weight, bias)};
+  }
+  NormedRows norm;
+  norm.x = norm_rows(x, k);
+  TORCH_CHECK(fits_32bit((rows - 1) * row_stride_of(norm.x) + k), "mps_ext rms_norm_linear: x past 2^31 elements");
+  norm.weight = norm_weight.contiguous();
+  norm.normed = normed.view({rows, k});
+  norm.params = rms_norm_params(rows, k, row_stride_of(norm.x), row_stride_of(norm.x), eps, zero_centred);
+  Problem pr;
+  pr.x = norm.normed;  // what the GEMV reads, as the kernel keeps it: rows of K
+  pr.w = weight;
+  pr.y = y.view({rows, n});
+  if (bias && bias->defined()) {
+    pr.bias = bias->expand({rows, n});
+    pr.beta = 1;
+  }
+  pr.norm = &norm;
+  run(pr);
+  return {normed, y};
 }
 
 // ----------------------------------------------------------- mm / addmm --
@@ -399,8 +475,22 @@ at::Tensor& addmm_out_impl(const at::Tensor& self, const at::Tensor& mat1, const
   return out;
 }
 
+const RoutedOp kRmsNormLinear(FamilyId::linear, "mps_ext::rms_norm_linear");
+
+template <DispatchKey K>
+std::tuple<at::Tensor, at::Tensor> rms_norm_linear_impl(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                                                        c10::string_view variant, const at::Tensor& weight,
+                                                        const c10::optional<at::Tensor>& bias) {
+  return run_own(kRmsNormLinear, K,
+                 [&] { return mps_ext::rms_norm_linear(x, norm_weight, eps, variant, weight, bias); });
+}
+
+// Its Meta (fake) kernel, for torch.compile, is in mps_ext/_meta.py.
 template <DispatchKey K>
 void register_linear(FamilyOps& ops) {
+  ops.own("rms_norm_linear(Tensor x, Tensor norm_weight, float eps, str variant, Tensor weight, Tensor? bias) -> "
+          "(Tensor, Tensor)",
+          TORCH_FN(rms_norm_linear_impl<K>));
   ops.aten("linear", TORCH_FN(linear_impl<K>));
   ops.aten("mm", TORCH_FN(mm_impl<K>));
   ops.aten("addmm", TORCH_FN(addmm_impl<K>));

@@ -23,6 +23,7 @@
 
 #include "backend/launch.h"
 #include "norm_params.h"
+#include "ops/norm.h"
 #include "dispatch/kernel_choice.h"
 #include "dispatch/registration.h"
 #include "dispatch/registry.h"
@@ -31,6 +32,8 @@ namespace mps_ext {
 namespace {
 
 constexpr int64_t kMaxRow = int64_t(RMS_NORM_MAX_THREADS) * RMS_NORM_PER_THREAD;
+
+}  // namespace
 
 // The checks rms_norm and add_rms_norm share (`op` names the one called);
 // whether the variant is zero-centred.
@@ -67,35 +70,15 @@ at::Tensor norm_rows(const at::Tensor& t, int64_t n) {
 
 int64_t row_stride_of(const at::Tensor& rows) { return rows.size(0) > 1 ? rows.stride(0) : rows.size(1); }
 
-// Launches op's kernel (rms_norm_<dtype> or add_rms_norm_<dtype>) over the
-// rows of `x_rows` [rows, n]; `buffers` are the kernel's tensors before its
-// parameters, `residual_rows` add_rms_norm's second input (x_rows itself
-// for rms_norm).
-void launch_norm(const char* op, std::vector<KernelArg> buffers, const at::Tensor& x_rows,
-                 const at::Tensor& residual_rows, double eps, bool zero_centred) {
-  const int64_t rows = x_rows.size(0), n = x_rows.size(1);
-  const int64_t row_stride = row_stride_of(x_rows), residual_row_stride = row_stride_of(residual_rows);
-  TORCH_CHECK(fits_32bit((rows - 1) * std::max(row_stride, residual_row_stride) + n) && fits_32bit(rows * n),
-              "mps_ext ", op, ": tensors past 2^31 elements are not supported, got ", rows, " rows of ", n);
-  // Team: the fewest threads (a power of two, at least a simdgroup) that
-  // hold the row at RMS_NORM_PER_THREAD elements each. The pipeline's
-  // threads bound it: a longer row is this call's fallback (elements a
-  // thread holds are registers, so no team takes more), shorter ones run.
-  // Fewer teams per threadgroup under a lower limit change no result: each
-  // row is its team's alone.
-  const std::string kernel = std::string(op) + "_" + kernel_type_name(x_rows.scalar_type());
-  const int64_t budget = thread_budget(x_rows.device(), "norm", kernel, RMS_NORM_MAX_THREADS);
+// Team: the fewest threads (a power of two, at least a simdgroup) that hold
+// the row at RMS_NORM_PER_THREAD elements each (rms_norm.h). It decides the
+// order of the row's sum, so rms_norm_gemv_rows (linear.cpp) norms with the
+// team rms_norm would.
+RmsNormParams rms_norm_params(int64_t rows, int64_t n, int64_t row_stride, int64_t residual_row_stride, double eps,
+                              bool zero_centred) {
   uint32_t shift = 5;
   while ((int64_t(1) << shift) * RMS_NORM_PER_THREAD < n) ++shift;
-  const int64_t team = int64_t(1) << shift;
-  if (team > budget) {
-    int64_t widest = 32;
-    while (2 * widest <= budget) widest *= 2;
-    throw CallNotTaken{because::past_pipeline(std::string("row elements"), widest * RMS_NORM_PER_THREAD)};
-  }
   const int64_t teams = ceil_div(rows, RMS_NORM_ROWS_PER_TEAM);
-  const int64_t group_threads = std::min<int64_t>(RMS_NORM_GROUP_THREADS, budget);
-  const int64_t teams_per_group = std::max<int64_t>(1, std::min<int64_t>(group_threads / team, teams));
   RmsNormParams p{};
   p.rows = static_cast<uint32_t>(rows);
   p.n = static_cast<uint32_t>(n);
@@ -106,6 +89,36 @@ void launch_norm(const char* op, std::vector<KernelArg> buffers, const at::Tenso
   p.iterations = static_cast<uint32_t>(ceil_div(rows, teams));
   p.zero_centred = zero_centred ? 1u : 0u;
   p.eps = static_cast<float>(eps);  // torch adds a Python float to a float32 tensor as a float32
+  return p;
+}
+
+namespace {
+
+// Launches op's kernel (rms_norm_<dtype> or add_rms_norm_<dtype>) over the
+// rows of `x_rows` [rows, n]; `buffers` are the kernel's tensors before its
+// parameters, `residual_rows` add_rms_norm's second input (x_rows itself
+// for rms_norm).
+void launch_norm(const char* op, std::vector<KernelArg> buffers, const at::Tensor& x_rows,
+                 const at::Tensor& residual_rows, double eps, bool zero_centred) {
+  const int64_t rows = x_rows.size(0), n = x_rows.size(1);
+  const int64_t row_stride = row_stride_of(x_rows), residual_row_stride = row_stride_of(residual_rows);
+  TORCH_CHECK(fits_32bit((rows - 1) * std::max(row_stride, residual_row_stride) + n) && fits_32bit(rows * n),
+              "mps_ext ", op, ": tensors past 2^31 elements are not supported, got ", rows, " rows of ", n);
+  // The pipeline's threads bound the team (rms_norm_params): a longer row
+  // is this call's fallback (elements a thread holds are registers, so no
+  // team takes more), shorter ones run. Fewer teams per threadgroup under a
+  // lower limit change no result: each row is its team's alone.
+  const std::string kernel = std::string(op) + "_" + kernel_type_name(x_rows.scalar_type());
+  const int64_t budget = thread_budget(x_rows.device(), "norm", kernel, RMS_NORM_MAX_THREADS);
+  const RmsNormParams p = rms_norm_params(rows, n, row_stride, residual_row_stride, eps, zero_centred);
+  const int64_t team = int64_t(1) << p.team_shift, teams = p.teams;
+  if (team > budget) {
+    int64_t widest = 32;
+    while (2 * widest <= budget) widest *= 2;
+    throw CallNotTaken{because::past_pipeline(std::string("row elements"), widest * RMS_NORM_PER_THREAD)};
+  }
+  const int64_t group_threads = std::min<int64_t>(RMS_NORM_GROUP_THREADS, budget);
+  const int64_t teams_per_group = std::max<int64_t>(1, std::min<int64_t>(group_threads / team, teams));
   buffers.push_back(KernelArg::value(p));
   launch(Launch{"norm",
                 kernel,
@@ -113,6 +126,8 @@ void launch_norm(const char* op, std::vector<KernelArg> buffers, const at::Tenso
                 {static_cast<uint32_t>(ceil_div(teams, teams_per_group)), 1, 1},
                 {static_cast<uint32_t>(teams_per_group * team), 1, 1}});
 }
+
+}  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c10::string_view variant) {
   const bool zero_centred = check_norm("rms_norm", x, weight, variant);
@@ -123,6 +138,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
   launch_norm("rms_norm", {KernelArg::of(out), KernelArg::of(rows), KernelArg::of(w)}, rows, rows, eps, zero_centred);
   return out;
 }
+
+namespace {
 
 // (x + residual, rms_norm(x + residual)), the sum rounded to x's dtype as
 // torch's add rounds it: a decoder layer's residual add and the norm after

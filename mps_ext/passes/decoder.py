@@ -46,6 +46,7 @@ from ._classes import fused_subclass, original_class, register_maker, register_m
 from ._protocol import Pass, mismatch
 from .moe import FusedMoEMixin
 from .norm import FusedRMSNorm, add_rms_norm, add_then_norm
+from .projections import norm_into_projection
 
 __all__ = ["DecoderPass", "FusedDecoderLayerMixin"]
 
@@ -145,8 +146,10 @@ class FusedDecoderLayerMixin:
         plan, layout = self._mps_ext_decoder, self._mps_ext_decoder.layout
         residual = arguments["hidden_states"]
         passed = {keyword: arguments[name] for name, keyword in plan.passed}
-        hidden_states = getattr(self, plan.mixer)(hidden_states=getattr(self, layout.input_norm)(residual), **passed,
-                                                  **arguments[plan.var_keyword])
+        mixer = getattr(self, plan.mixer)
+        norm = getattr(self, layout.input_norm)
+        normed = norm(residual) if add_norm is add_then_norm else norm_into_projection(residual, norm, mixer)
+        hidden_states = mixer(hidden_states=normed, **passed, **arguments[plan.var_keyword])
         if plan.mixer in _RETURNS_WEIGHTS:
             hidden_states, _ = hidden_states
         hidden_states, normed = add_norm(hidden_states, residual, getattr(self, layout.post_norm))

@@ -303,8 +303,12 @@ class FusedDecodeMixin:
 
         def step():
             count_in_place_step(cache, self.layer_idx)
-            x = hidden_states[:, 0]
-            core = op(self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x), conv_state,
+            # The projections of hidden_states itself, [B, 1, K], not of a view of it: the decoder
+            # layer may have handed their fused GEMV's product over for that very tensor
+            # (projections.norm_into_projection). The same GEMV rows either way.
+            x = hidden_states
+            core = op(self.in_proj_qkv(x)[:, 0], self.in_proj_z(x)[:, 0], self.in_proj_b(x)[:, 0],
+                      self.in_proj_a(x)[:, 0], conv_state,
                       recurrent_state, self.conv1d.weight.view(self.conv1d.weight.shape[0], -1), self.A_log,
                       self.dt_bias, self.norm.weight, self.num_k_heads, float(self.norm.variance_epsilon))
             return self.out_proj(core)[:, None]

@@ -48,8 +48,9 @@ from torch.nn import functional as F
 
 from ..fp8 import BLOCK, FP8Linear, fp8_linear
 from ._protocol import Pass, _exact, mismatch
+from ._runtime import kernels_for
 
-__all__ = ["GROUPS", "ProjectionRows", "ProjectionsPass"]
+__all__ = ["GROUPS", "ProjectionRows", "ProjectionsPass", "norm_into_projection"]
 
 # Members of a group, in the order their rows are stacked (the order the
 # models call them).
@@ -76,6 +77,7 @@ class _Memo:
         self.taken = (True,) * len(sizes)
         self.misses = 0
         self.shared = True
+        self.handed = False  # `last` is norm_into_projection's, not a member's
 
 
 class ProjectionRows(nn.Module):
@@ -118,13 +120,15 @@ class ProjectionRows(nn.Module):
         # also when threads share the model (the bookkeeping below may then only cost a recomputation).
         last = m.last
         if last is None or last[0] is not x or m.taken[self.index]:
-            if not all(m.taken):
+            # (A product norm_into_projection handed over that the mixer did not read is no sign that
+            # the members read different tensors.)
+            if not all(m.taken) and not m.handed:
                 m.misses += 1
                 if m.misses >= _MISSES_BEFORE_APART:
                     m.shared, m.last = False, None
                     return self._own_rows(x)
             last = (x, self.fused(x).split(m.sizes, -1))
-            m.last, m.taken = last, (False,) * len(m.sizes)
+            m.last, m.taken, m.handed = last, (False,) * len(m.sizes), False
         taken = tuple(t or i == self.index for i, t in enumerate(m.taken))
         m.taken = taken
         if all(taken):  # the group's output is not held past its last member
@@ -152,6 +156,40 @@ class ProjectionRows(nn.Module):
 
 
 # ------------------------------------------------------------------ planning --
+# The groups that read a decoder layer's input norm (its mixer's
+# projections), by their first member: norm_into_projection's.
+_MIXER_GROUPS = ("q_proj", "in_proj_qkv", "in_proj_qkvz")
+# rms_norm_linear's bounds (csrc/ops/linear.cpp): kMaxDecodeRows rows, and
+# the normed rows' bytes a threadgroup keeps (linear_params.h: RMS_GEMV_NORMED_BYTES).
+_NORMED_ROWS, _NORMED_BYTES = 8, 8192
+
+
+def norm_into_projection(x: torch.Tensor, norm: nn.Module, mixer: nn.Module) -> torch.Tensor:
+    """norm(x), a decoder layer's input norm, for `mixer`, its attention or
+    linear attention: where the mixer's q/k/v (or in_proj) group is a fused
+    floating nn.Linear that mps_ext's GEMV runs at these rows (decode), the
+    norm and that GEMV are one torch.ops.mps_ext.rms_norm_linear dispatch,
+    whose product is handed to the group as the output of the normed
+    tensor returned (the group's _Memo, as its first member would leave it):
+    the mixer's projections of that tensor then take their rows of it with
+    no call. rms_norm_linear is bit for bit the norm, then the fused
+    layer's F.linear (csrc/ops/linear.cpp). Elsewhere norm(x)."""
+    first = next((m for m in (getattr(mixer, n, None) for n in _MIXER_GROUPS) if isinstance(m, ProjectionRows)), None)
+    if first is None or not first._memo.shared or not hasattr(norm, "op_takes") or not norm.op_takes(x):
+        return norm(x)
+    fused = first.fused
+    w, b = fused.weight, fused.bias
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (type(fused) is not nn.Linear or w.dtype != x.dtype or w.stride(-1) != 1 or rows > _NORMED_ROWS
+            or rows * x.shape[-1] * x.element_size() > _NORMED_BYTES or not kernels_for(x, "linear")
+            or (torch.is_grad_enabled() and (w.requires_grad or (b is not None and b.requires_grad)))):
+        return norm(x)
+    normed, y = torch.ops.mps_ext.rms_norm_linear(x, norm.weight, norm.eps, norm.variant, w, b)
+    m = first._memo
+    m.last, m.taken, m.handed = (normed, y.split(m.sizes, -1)), (False,) * len(m.sizes), True
+    return normed
+
+
 def _kind(m: nn.Module) -> tuple | str:
     """What a member is stored as: members of equal kinds concatenate; a
     str says why a member cannot be fused."""

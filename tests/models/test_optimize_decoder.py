@@ -91,7 +91,10 @@ def test_swapped_layers_match_the_model_without_them(figures, monkeypatch, name,
         theirs = prefill_and_decode(apart, prompt, step)
     figures.families = report.ran_kernels()
     assert ran(report, "add_rms_norm") == 2 * count and not ran(theirs_report, "add_rms_norm")
-    assert ran(theirs_report, "rms_norm") - ran(report, "rms_norm") == 2 * count
+    # (An input norm the layer runs in its mixer's projection GEMV, rms_norm_linear, is no rms_norm call
+    # either: test_input_norm_in_the_projection_gemv_changes_no_bit.)
+    in_gemv = report.families["linear"].ops.get("mps_ext::rms_norm_linear")
+    assert ran(theirs_report, "rms_norm") - ran(report, "rms_norm") == 2 * count + (in_gemv.ran if in_gemv else 0)
     assert torch.equal(ours[0], theirs[0])
     assert torch.equal(ours[1], theirs[1])
     for what, i in (("prefill", 0), ("decode", 1)):
@@ -116,8 +119,9 @@ def test_a_layer_decodes_one_add_rms_norm_for_an_add_and_a_norm(monkeypatch, mod
     """benchmarks/census.py, one decode token after 8 of context, torch
     2.15's policy, every kind of layer (attention, DeltaNet, convolution;
     MoE and dense): eager, the layer's add and rms_norm after its mixer are
-    one add_rms_norm call of one dispatch, and a MoE layer's add after its
-    feed-forward is in moe_layer's last dispatch; compiled, the count does
+    one add_rms_norm call of one dispatch, a MoE layer's add after its
+    feed-forward is in moe_layer's last dispatch, and an attention or
+    DeltaNet layer's input norm is in its projection's GEMV; compiled, the count does
     not change (the layer leaves them to Inductor, and the census counts
     so)."""
     from benchmarks import census
@@ -138,10 +142,17 @@ def test_a_layer_decodes_one_add_rms_norm_for_an_add_and_a_norm(monkeypatch, mod
         ops = [c.op for c in layer]
         old = [c.op for c in before[kind]]
         assert ops.count("add_rms_norm") == 1 and "add_rms_norm" not in old, (kind, ops)
-        assert old.count("rms_norm") - ops.count("rms_norm") == 1, (kind, ops)
+        # The input norm of an attention or DeltaNet layer goes into its fused projection's GEMV
+        # (rms_norm_linear: one call and dispatch for rms_norm and linear); a short convolution's
+        # in_proj is no fused group.
+        in_gemv = ops.count("rms_norm_linear")
+        assert in_gemv == (0 if kind.startswith("conv") else 1), (kind, ops)
+        assert old.count("rms_norm") - ops.count("rms_norm") == 1 + in_gemv, (kind, ops)
+        assert old.count("linear") - ops.count("linear") == in_gemv, (kind, ops)
         # A MoE layer's second residual add moves into moe_layer's last dispatch (FusedMoE's residual).
-        saved = 2 if kind.endswith("+moe") else 1
-        assert old.count("add") - ops.count("add") == saved, (kind, ops)
+        adds = 2 if kind.endswith("+moe") else 1
+        assert old.count("add") - ops.count("add") == adds, (kind, ops)
+        saved = adds + in_gemv
         b, a = ({mode: census.count(calls, "2.15", mode, True) for mode in census.MODES}
                 for calls in (before[kind], layer))
         print(f"\n{model_name} {kind}, per layer eager: host calls {b['eager'].host:g} -> {a['eager'].host:g}, "
@@ -277,3 +288,48 @@ def test_arguments_bind_as_the_forwards_signature_binds_them(name):
         got = plan.bind(args, kwargs)
         assert got is not None and got.keys() == want.keys(), (args, kwargs)
         assert all(got[k] is want[k] or got[k] == want[k] for k in want), (args, kwargs)
+
+
+# ------------------------------------------------- the input norm in the GEMV --
+def total_dispatches(report):
+    return sum(f.dispatches for f in report.families.values())
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe", "lfm2_moe"])
+def test_input_norm_in_the_projection_gemv_changes_no_bit(monkeypatch, name, kind):
+    """A decoder layer whose mixer reads its input norm through a fused
+    floating q/k/v or in_proj GEMV (qwen3_moe's and lfm2_moe's attention,
+    qwen3_5_moe's attention and Gated DeltaNet; not lfm2_moe's short
+    convolution) runs the norm and that GEMV as one rms_norm_linear dispatch
+    at up to 8 rows: prefill and decode logits and greedy tokens bit-identical
+    to the same optimized model with the norm and the GEMV apart
+    (norm_into_projection replaced by the norm), one dispatch fewer per such
+    layer and call."""
+    from mps_ext.passes import decoder
+    model = make(name, getattr(torch, kind))
+    mps_ext.optimize(model)
+    prompt, step = ids(), ids(1, seed=2)
+    readers = sum(1 for m in model.modules() if isinstance(m, FusedDecoderLayerMixin)
+                  and any(isinstance(getattr(getattr(m, n, None), p, None), mps_ext.passes.projections.ProjectionRows)
+                          for n in ("self_attn", "linear_attn") for p in ("q_proj", "in_proj_qkv")))
+    assert readers == {"qwen3_moe": 2, "qwen3_5_moe": 2, "lfm2_moe": 1}[name]
+
+    def run():
+        with torch.no_grad(), run_model(RELEASE) as report:
+            logits = prefill_and_decode(model, prompt, step)
+            tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
+        return logits, tokens, report
+
+    ours, our_tokens, report = run()
+    with monkeypatch.context() as m:
+        m.setattr(decoder, "norm_into_projection", lambda x, norm, mixer: norm(x))
+        theirs, their_tokens, their_report = run()
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    assert torch.equal(our_tokens, their_tokens)
+    # Calls: the prefill and decode forwards, then generate's prefill and 3 decodes (the prompt's 6 rows
+    # take the kernel too: at most 8).
+    calls = readers * 6
+    fused = report.families["linear"].ops["mps_ext::rms_norm_linear"].ran
+    assert fused == calls and "mps_ext::rms_norm_linear" not in their_report.families["linear"].ops
+    assert total_dispatches(their_report) - total_dispatches(report) == calls

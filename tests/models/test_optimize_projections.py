@@ -21,6 +21,16 @@ from mps_ext.passes.projections import ProjectionRows
 from model_compare import RELEASE
 from test_optimize import decode_counts, ids, make, optimized_against_stock_and_float64, prefill_and_decode, rel_err
 
+
+@pytest.fixture(autouse=True)
+def norms_apart(monkeypatch):
+    """The groups' own calls: a decoder layer's input norm apart from the
+    group that reads it (mps_ext.passes.decoder would otherwise run the
+    group's GEMV with the norm, rms_norm_linear, outside the mixer these
+    tests count; tests/models/test_optimize_decoder.py tests that)."""
+    from mps_ext.passes import decoder
+    monkeypatch.setattr(decoder, "norm_into_projection", lambda x, norm, mixer: norm(x))
+
 QKV = ("q_proj", "k_proj", "v_proj")
 # Per model, the groups optimize fuses: (parent, members, the fused layer's name). The shared expert
 # of qwen3_5_moe is expert 8 of its block's banks, its gate_proj and up_proj views of them: left.

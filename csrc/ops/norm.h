@@ -1,0 +1,28 @@
+// What norm.cpp's RMSNorm shares with linear.cpp's rms_norm_linear (the
+// norm in the GEMV that reads it): the checks, the rows and the team,
+// which decides the order of a row's sum (kernels_metal/rms_norm.h).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
+
+#include "norm_params.h"
+
+namespace mps_ext {
+
+// rms_norm's checks of x, its weight and the variant (`op` names the op
+// called in errors); whether the variant is zero-centred.
+bool check_norm(const char* op, const at::Tensor& x, const at::Tensor& weight, c10::string_view variant);
+// t [..., n] as rows [rows, n] with a contiguous last dimension (a view
+// when the leading dimensions collapse).
+at::Tensor norm_rows(const at::Tensor& t, int64_t n);
+// torch.ops.mps_ext.rms_norm.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c10::string_view variant);
+// Elements between rows of such rows.
+int64_t row_stride_of(const at::Tensor& rows);
+// The kernels' parameters for `rows` rows of n: the team rms_norm runs a
+// row with, and the teams over the rows.
+RmsNormParams rms_norm_params(int64_t rows, int64_t n, int64_t row_stride, int64_t residual_row_stride, double eps,
+                              bool zero_centred);
+
+}  // namespace mps_ext
