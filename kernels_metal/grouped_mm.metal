@@ -594,15 +594,6 @@ MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
       k0 = min(group_start(offs, g, p.k), p.k);
       k1 = max(k0, group_end(offs, g, p.k));
     }
-    // A simdgroup skips its fragment rows that hold none of the group's rows
-    // (a tile spanning several groups passes over K once for each).
-    bool live[FM], any = false;
-    MPS_EXT_UNROLL
-    for (uint i = 0; i < FM; ++i) {
-      const uint row = r0 + sr + 8 * i;
-      live[i] = row < seg1 && row + 8 > seg0;
-      any = any || live[i];
-    }
     const device T* ag = a + ulong(g) * ulong(p.a_batch);
     const device T* bg = w + ulong(g) * ulong(p.b_batch);
     // 16-byte loads: K's pieces start 16 bytes apart only where K does (the K-split mode's groups start anywhere).
@@ -610,6 +601,9 @@ MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
     const bool vec_a = (p.tile_vec & GMM_TILE_VEC_A) && k_whole;
     const bool vec_b = (p.tile_vec & GMM_TILE_VEC_B) && (k_whole || !B_K_MAJOR);
     const uint row_lo = seg0 - r0, row_hi = seg1 - r0;
+    // The fragment rows that hold some of the group's rows: a simdgroup
+    // skips its others (a tile spanning several groups passes over K once
+    // for each), fragment i live when frag_lo <= sr + 8i < frag_hi.
     const uint frag_lo = row_lo / 8 * 8, frag_hi = (row_hi + 7) / 8 * 8;
     sa.init(tid, r0, k0, a_m, a_k);
     sa.load(ag, a_k, vec_a, row_lo, row_hi, k1 - k0);
@@ -631,7 +625,7 @@ MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
         gmm_load_b<B_K_MAJOR>(sb, bg, b_k, b_n, vec_b, n_end, k1 - next);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      if (!any) continue;  // uniform: none of this simdgroup's rows are the group's
+      if (sr + 8 * FM <= frag_lo || sr >= frag_hi) continue;  // uniform: none of this simdgroup's rows are the group's
       // Rolled: unrolled, the fragment addresses of a stage are loop
       // invariants a compiler keeps live across the whole K loop.
       _Pragma("clang loop unroll(disable)") for (uint kk = 0; kk < BK; kk += 8) {
@@ -640,14 +634,14 @@ MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
         simdgroup_float8x8 am[FM];
         MPS_EXT_UNROLL
         for (uint i = 0; i < FM; ++i)
-          if (live[i]) simdgroup_load(am[i], As + (sr + 8 * i) * SA + kk, SA);
+          if (sr + 8 * i >= frag_lo && sr + 8 * i < frag_hi) simdgroup_load(am[i], As + (sr + 8 * i) * SA + kk, SA);
         MPS_EXT_UNROLL
         for (uint j = 0; j < FN; ++j) {
           simdgroup_float8x8 b;
           simdgroup_load(b, Bs + b_at + 8 * j * b_n_step + kk * b_k_step, SB, ulong2(0), B_K_MAJOR);
           MPS_EXT_UNROLL
           for (uint i = 0; i < FM; ++i)
-            if (live[i]) simdgroup_multiply_accumulate(acc[i][j], am[i], b, acc[i][j]);
+            if (sr + 8 * i >= frag_lo && sr + 8 * i < frag_hi) simdgroup_multiply_accumulate(acc[i][j], am[i], b, acc[i][j]);
         }
       }
     }
