@@ -437,6 +437,23 @@ inline float4 piece_quad(uint4 u, uint q, bfloat) {
                 as_type<float>(y & 0xFFFF0000u));
 }
 inline float4 piece_quad(uint4 u, uint q, uchar) { return e4m3x4_to_float_div256(u[q]); }
+// A piece's floats at `to`. float8 e4m3: pieces without a NaN code (nearly
+// all) take fp8_codec.h's conversion without its NaN fix-up.
+template <typename T>
+inline void put_piece(threadgroup float* to, uint4 u) {
+  MPS_EXT_UNROLL
+  for (uint q = 0; q < 16 / sizeof(T) / 4; ++q) *(threadgroup float4*)(to + 4 * q) = piece_quad(u, q, T(0));
+}
+template <>
+inline void put_piece<uchar>(threadgroup float* to, uint4 u) {
+  if (e4m3x4_has_nan(u.x | u.y | u.z | u.w)) {
+    MPS_EXT_UNROLL
+    for (uint q = 0; q < 4; ++q) *(threadgroup float4*)(to + 4 * q) = e4m3x4_to_float_div256(u[q]);
+  } else {
+    MPS_EXT_UNROLL
+    for (uint q = 0; q < 4; ++q) *(threadgroup float4*)(to + 4 * q) = e4m3x4_finite_to_float_div256(u[q]);
+  }
+}
 // An element's bits, for building a piece from element loads.
 inline uint element_bits(float v) { return as_type<uint>(v); }
 inline uint element_bits(half v) { return uint(as_type<ushort>(v)); }
@@ -496,9 +513,7 @@ struct GmmStage {
     for (uint j = 0; j < J; ++j) {
       const uint r = row + j * ROW_STEP;
       if (r < row_lo || r >= row_hi) continue;
-      threadgroup float* to = tile + r * S + col;
-      MPS_EXT_UNROLL
-      for (uint q = 0; q < N / 4; ++q) *(threadgroup float4*)(to + 4 * q) = piece_quad(bits[j], q, T(0));
+      put_piece<T>(tile + r * S + col, bits[j]);
     }
   }
 };
