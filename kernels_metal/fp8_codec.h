@@ -100,9 +100,8 @@ inline float4 e4m3x4_to_float_div256(uint u) {
   return float4(float(even.x), float(odd.x), float(even.y), float(odd.y));
 }
 // The same for bytes known to hold no NaN code: the bits placed into half
-// bits and nothing more. e4m3x4_has_nan: whether some byte of the OR of
-// words (each byte an OR of bytes) has the magnitude 0x7F (the NaN codes;
-// a false alarm only takes the full conversion).
+// bits and nothing more. e4m3x4_has_nan: whether some byte of the word has
+// the magnitude 0x7F (the NaN codes).
 inline bool e4m3x4_has_nan(uint u) { return (((u & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u) != 0; }
 inline float4 e4m3x4_finite_to_float_div256(uint u) {
   const half2 even = as_type<half2>(((u & 0x007F007Fu) << 7) | ((u & 0x00800080u) << 8));  // bytes 0, 2

@@ -446,12 +446,12 @@ inline void put_piece(threadgroup float* to, uint4 u) {
 }
 template <>
 inline void put_piece<uchar>(threadgroup float* to, uint4 u) {
-  if (e4m3x4_has_nan(u.x | u.y | u.z | u.w)) {
-    MPS_EXT_UNROLL
-    for (uint q = 0; q < 4; ++q) *(threadgroup float4*)(to + 4 * q) = e4m3x4_to_float_div256(u[q]);
-  } else {
-    MPS_EXT_UNROLL
-    for (uint q = 0; q < 4; ++q) *(threadgroup float4*)(to + 4 * q) = e4m3x4_finite_to_float_div256(u[q]);
+  // (A branch per word: one store each, as the other types make, not one
+  // wide store of the whole piece, whose lanes' 64 bytes meet bank conflicts.)
+  MPS_EXT_UNROLL
+  for (uint q = 0; q < 4; ++q) {
+    if (e4m3x4_has_nan(u[q])) *(threadgroup float4*)(to + 4 * q) = e4m3x4_to_float_div256(u[q]);
+    else *(threadgroup float4*)(to + 4 * q) = e4m3x4_finite_to_float_div256(u[q]);
   }
 }
 // An element's bits, for building a piece from element loads.
