@@ -105,7 +105,7 @@ inline float4 e4m3x4_to_float_div256(uint u) {
 inline bool e4m3x4_has_nan(uint u) { return (((u & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u) != 0; }
 inline float4 e4m3x4_finite_to_float_div256(uint u) {
   const half2 even = as_type<half2>(((u & 0x007F007Fu) << 7) | ((u & 0x00800080u) << 8));  // bytes 0, 2
-  const half2 odd = as_type<half2>(((u & 0x7F007F00u) >> 1) | (u & 0x80008000u));         // bytes 1, 3
+  const half2 odd = as_type<half2>(((u & 0x7F007F00u) >> 1) | (u & 0x80008000u));          // bytes 1, 3
   return float4(float(even.x), float(odd.x), float(even.y), float(odd.y));
 }
 inline float4 e5m2x4_to_float(uint u) {

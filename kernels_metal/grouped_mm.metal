@@ -466,11 +466,11 @@ template <typename T, uint R, uint C>
 struct GmmStage {
   enum {
     E = sizeof(T),
-    N = 16 / E,                          // elements of a piece
-    P = C / N,                           // pieces of a row
-    J = R * P / GMM_TILE_THREADS,        // pieces of a thread
-    ROW_STEP = GMM_TILE_THREADS / P,     // rows between a thread's pieces
-    S = C + 4,                           // the float tile's row stride (4 mod 32)
+    N = 16 / E,                       // elements of a piece
+    P = C / N,                        // pieces of a row
+    J = R * P / GMM_TILE_THREADS,     // pieces of a thread
+    ROW_STEP = GMM_TILE_THREADS / P,  // rows between a thread's pieces
+    S = C + 4,                        // the float tile's row stride (4 mod 32)
     R_ROWS = R,
   };
   static_assert(J * GMM_TILE_THREADS == R * P && C % N == 0, "the threads own whole pieces");
@@ -488,8 +488,7 @@ struct GmmStage {
   }
   // The pieces of the stage whose tile rows [row_lo, row_hi) and columns
   // [0, col_hi) hold elements (the rest are zeros).
-  MPS_EXT_INLINE void load(
-      const device T* base, uint col_stride, bool vec, uint row_lo, uint row_hi, uint col_hi) {
+  MPS_EXT_INLINE void load(const device T* base, uint col_stride, bool vec, uint row_lo, uint row_hi, uint col_hi) {
     const uint cols = col < col_hi ? min(uint(N), col_hi - col) : 0;
     MPS_EXT_UNROLL
     for (uint j = 0; j < J; ++j) {
@@ -559,7 +558,8 @@ MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
   constexpr uint SC = BN + 16 / sizeof(TO);  // Cs[m][n]
   threadgroup float* As = tile;
   threadgroup float* Bs = tile + BM * SA;
-  threadgroup TO* Cs = (threadgroup TO*)tile;  // the result reuses the operands' memory once the last step has read them
+  // The result reuses the operands' memory once the last stage has read them.
+  threadgroup TO* Cs = (threadgroup TO*)tile;
   const uint r0 = tg.y * BM, n0 = tg.x * BN;
   const uint r1 = min(r0 + BM, p.m);
 
@@ -656,7 +656,8 @@ MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
           simdgroup_load(b, Bs + b_at + 8 * j * b_n_step + kk * b_k_step, SB, ulong2(0), B_K_MAJOR);
           MPS_EXT_UNROLL
           for (uint i = 0; i < FM; ++i)
-            if (sr + 8 * i >= frag_lo && sr + 8 * i < frag_hi) simdgroup_multiply_accumulate(acc[i][j], am[i], b, acc[i][j]);
+            if (sr + 8 * i >= frag_lo && sr + 8 * i < frag_hi)
+              simdgroup_multiply_accumulate(acc[i][j], am[i], b, acc[i][j]);
         }
       }
     }
@@ -715,8 +716,11 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
   threadgroup float tile[A_WORDS + B_WORDS];
   threadgroup uint row_group[BM];  // rows mode: each row's group, for the scales
   threadgroup uint first[1];
-  if (p.b_k == 1) gmm_tiled_body<T, TO, true>(out, a, w, offs, p, row_scale, col_scale, tile, row_group, first, tg, tpos.x, sg, lane);
-  else gmm_tiled_body<T, TO, false>(out, a, w, offs, p, row_scale, col_scale, tile, row_group, first, tg, tpos.x, sg, lane);
+  if (p.b_k == 1)
+    gmm_tiled_body<T, TO, true>(out, a, w, offs, p, row_scale, col_scale, tile, row_group, first, tg, tpos.x, sg, lane);
+  else
+    gmm_tiled_body<T, TO, false>(out, a, w, offs, p, row_scale, col_scale, tile, row_group, first, tg, tpos.x, sg,
+                                 lane);
 }
 
 // ------------------------------------------------------ instantiations --
