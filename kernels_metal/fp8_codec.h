@@ -99,6 +99,15 @@ inline float4 e4m3x4_to_float_div256(uint u) {
   const half2 odd = as_type<half2>(e4m3x2_to_half_bits((u >> 8) & 0x007F007Fu, (u >> 8) & 0x00800080u));  // bytes 1, 3
   return float4(float(even.x), float(odd.x), float(even.y), float(odd.y));
 }
+// The same for bytes known to hold no NaN code: the bits placed into half
+// bits and nothing more. e4m3x4_has_nan: whether some byte of the word has
+// the magnitude 0x7F (the NaN codes).
+inline bool e4m3x4_has_nan(uint u) { return (((u & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u) != 0; }
+inline float4 e4m3x4_finite_to_float_div256(uint u) {
+  const half2 even = as_type<half2>(((u & 0x007F007Fu) << 7) | ((u & 0x00800080u) << 8));  // bytes 0, 2
+  const half2 odd = as_type<half2>(((u & 0x7F007F00u) >> 1) | (u & 0x80008000u));          // bytes 1, 3
+  return float4(float(even.x), float(odd.x), float(even.y), float(odd.y));
+}
 inline float4 e5m2x4_to_float(uint u) {
   const half2 even = as_type<half2>((u & 0x00FF00FFu) << 8), odd = as_type<half2>(u & 0xFF00FF00u);
   return float4(float(even.x), float(odd.x), float(even.y), float(odd.y));

@@ -399,35 +399,122 @@ kernel void gmm_decode_cols(device T* out [[buffer(0)]],
 }
 
 // ------------------------------------------------------------ gmm_tiled --
-// One threadgroup: a GMM_TILE_M x GMM_TILE_N output tile, K in steps of
+// One threadgroup: a GMM_TILE_M x GMM_TILE_N output tile, K in stages of
 // GMM_TILE_K; 4 simdgroups in a 2 x 2 arrangement, each owning 32 x 32
 // outputs, 4 x 4 float accumulators (simdgroup_float8x8). A step of 8 along
-// K loads 4 fragments of A and 4 of B for 16 multiply-accumulates (the
-// 32 x 32 tiles' simdgroups loaded 4 for 4).
+// K loads 4 fragments of A and 4 of B for 16 multiply-accumulates (MLX's
+// steel GEMM's arrangement at its 64 x 64 tiles, and fp8_mm_tile's).
 //
-// Operands are staged in threadgroup memory in their own type (float8
-// experts decoded once to half, exactly: e4m3 / 256 is a half). Float
-// tiles load as fragments (simdgroup_load); from 16-bit ones each lane
-// builds its two elements of a float fragment (thread_elements(), Apple's
-// fragment layout, as MLX's steel GEMM does): bfloat simdgroup matrices are
-// MSL 3.1 and M1 has no bfloat arithmetic; float fragments run on every Mac
-// mps_ext supports, and accumulate in float. The result goes back through the same memory in the output's type, scaled,
-// so that the stores to `out` run along its contiguous rows.
+// Each stage both operands are decoded once into float tiles of threadgroup
+// memory (float8 experts as value / 256, exactly), which the simdgroups read
+// with simdgroup_load: float fragments run on every Mac mps_ext supports
+// (bfloat simdgroup matrices are MSL 3.1, and M1 has no bfloat arithmetic)
+// and accumulate in float. Layouts: A as As[m][k], B as Bs[n][k] when b's K
+// is contiguous (the MoE layout, read transposed) or Bs[k][n] when its N is;
+// rows 4 words longer than the tile (4 mod 32: the fragment loads and the
+// float4 stores meet no bank conflicts). The result goes back through the
+// same memory in the output's type, scaled, so that the stores to `out` run
+// along its contiguous rows.
 //
-// Layouts (rows of the staged tiles 16 bytes longer than the tile, so that
-// a row starts 4 banks after the one above it): A as As[m][k], B as
-// Bs[n][k] when b's K is contiguous (the MoE layout) or Bs[k][n] when its
-// N is, the result as Cs[m][n]: each filled with lanes along the dimension
-// contiguous in device memory (32 lanes on 32 consecutive elements, the
-// fewest cache lines), each fragment read with the 8 rows of a load on
-// distinct banks.
+// Staging (GmmStage): a thread owns E = sizeof(T) 16-byte pieces of each
+// operand's stage, at one column of the tile and rows 128 / P apart (P
+// pieces a row: consecutive lanes on consecutive pieces of a row, whole
+// lines), their offsets computed once per group and advanced by a stage at
+// a time (32-bit: the host keeps a group's offsets below 2^32). A stage's
+// pieces are loaded during the stage before (into registers, in flight
+// during its products) and decoded into the tiles after its barrier.
+// 16-byte loads where the host found the operand contiguous and 16-byte
+// aligned (p.tile_vec) and the piece lies wholly within the bounds;
+// element loads for the rest, zeros past the bounds.
+
+// Quad q of a piece's bits as floats (4 consecutive elements; float8 e4m3
+// as value / 256).
+inline float4 piece_quad(uint4 u, uint q, float) { return as_type<float4>(u); }
+inline float4 piece_quad(uint4 u, uint q, half) { return float4(as_type<half4>(uint2(u[2 * q], u[2 * q + 1]))); }
+inline float4 piece_quad(uint4 u, uint q, bfloat) {
+  const uint x = u[2 * q], y = u[2 * q + 1];
+  return float4(as_type<float>(x << 16), as_type<float>(x & 0xFFFF0000u), as_type<float>(y << 16),
+                as_type<float>(y & 0xFFFF0000u));
+}
+inline float4 piece_quad(uint4 u, uint q, uchar) { return e4m3x4_to_float_div256(u[q]); }
+// A piece's floats at `to`. float8 e4m3: pieces without a NaN code (nearly
+// all) take fp8_codec.h's conversion without its NaN fix-up.
 template <typename T>
-struct GmmStaged {
-  typedef T type;
-};
+inline void put_piece(threadgroup float* to, uint4 u) {
+  MPS_EXT_UNROLL
+  for (uint q = 0; q < 16 / sizeof(T) / 4; ++q) *(threadgroup float4*)(to + 4 * q) = piece_quad(u, q, T(0));
+}
 template <>
-struct GmmStaged<uchar> {
-  typedef half type;
+inline void put_piece<uchar>(threadgroup float* to, uint4 u) {
+  // (A branch per word: one store each, as the other types make, not one
+  // wide store of the whole piece, whose lanes' 64 bytes meet bank conflicts.)
+  MPS_EXT_UNROLL
+  for (uint q = 0; q < 4; ++q) {
+    if (e4m3x4_has_nan(u[q])) *(threadgroup float4*)(to + 4 * q) = e4m3x4_to_float_div256(u[q]);
+    else *(threadgroup float4*)(to + 4 * q) = e4m3x4_finite_to_float_div256(u[q]);
+  }
+}
+// An element's bits, for building a piece from element loads.
+inline uint element_bits(float v) { return as_type<uint>(v); }
+inline uint element_bits(half v) { return uint(as_type<ushort>(v)); }
+inline uint element_bits(bfloat v) { return uint(as_type<ushort>(v)); }
+inline uint element_bits(uchar v) { return uint(v); }
+
+// R x C elements of an operand's stage, the C columns along the operand's
+// row (contiguous in device memory when the pieces are loaded whole).
+template <typename T, uint R, uint C>
+struct GmmStage {
+  enum {
+    E = sizeof(T),
+    N = 16 / E,                       // elements of a piece
+    P = C / N,                        // pieces of a row
+    J = R * P / GMM_TILE_THREADS,     // pieces of a thread
+    ROW_STEP = GMM_TILE_THREADS / P,  // rows between a thread's pieces
+    S = C + 4,                        // the float tile's row stride (4 mod 32)
+    R_ROWS = R,
+  };
+  static_assert(J * GMM_TILE_THREADS == R * P && C % N == 0, "the threads own whole pieces");
+  uint4 bits[J];
+  // Piece j's first element in the group's matrix: off + j * jump (one
+  // offset kept, not J: registers).
+  uint off, jump;
+  uint row, col;  // the tile row of piece 0, the tile column of every piece
+
+  MPS_EXT_INLINE void init(uint tid, uint row0, uint col0, uint row_stride, uint col_stride) {
+    row = tid / P;
+    col = (tid % P) * N;
+    off = (row0 + row) * row_stride + (col0 + col) * col_stride;
+    jump = ROW_STEP * row_stride;
+  }
+  // The pieces of the stage whose tile rows [row_lo, row_hi) and columns
+  // [0, col_hi) hold elements (the rest are zeros).
+  MPS_EXT_INLINE void load(const device T* base, uint col_stride, bool vec, uint row_lo, uint row_hi, uint col_hi) {
+    const uint cols = col < col_hi ? min(uint(N), col_hi - col) : 0;
+    MPS_EXT_UNROLL
+    for (uint j = 0; j < J; ++j) {
+      const uint r = row + j * ROW_STEP;
+      const uint count = r >= row_lo && r < row_hi ? cols : 0;
+      uint4 u = uint4(0u);
+      if (vec && count == N) {
+        u = *(const device uint4*)(base + off + j * jump);
+      } else if (count > 0) {
+        for (uint e = 0; e < count; ++e)
+          u[e / (4 / E)] |= element_bits(base[off + j * jump + e * col_stride]) << (8 * E * (e % (4 / E)));
+      }
+      bits[j] = u;
+    }
+  }
+  MPS_EXT_INLINE void advance(uint elements) { off += elements; }
+  // The loaded pieces, decoded, into the float tile [R][S]; only those
+  // whose tile rows lie in [row_lo, row_hi) (rows outside are never read).
+  MPS_EXT_INLINE void put(threadgroup float* tile, uint row_lo, uint row_hi) const {
+    MPS_EXT_UNROLL
+    for (uint j = 0; j < J; ++j) {
+      const uint r = row + j * ROW_STEP;
+      if (r < row_lo || r >= row_hi) continue;
+      put_piece<T>(tile + r * S + col, bits[j]);
+    }
+  }
 };
 
 // A lane's place in an 8 x 8 fragment: its row and the first of its two
@@ -435,62 +522,44 @@ struct GmmStaged<uchar> {
 inline uint frag_row(uint lane) { return ((lane / 4) & 4) + (lane / 2) % 4; }
 inline uint frag_col(uint lane) { return ((lane / 4) & 2) * 2 + (lane % 2) * 2; }
 
-// Fragment f of a staged tile: its element (r, c) at origin[r * stride + c],
-// or origin[c * stride + r] when transposed. A float tile is the
-// fragment's own type (one simdgroup_load); a 16-bit one is converted by
-// each lane, its two elements at (fr, fc) and (fr, fc + 1).
-inline void tile_frag(
-    thread simdgroup_float8x8& f, threadgroup const float* origin, uint stride, bool transposed, uint, uint) {
-  simdgroup_load(f, origin, stride, ulong2(0), transposed);
-}
-template <typename S>
-inline void tile_frag(
-    thread simdgroup_float8x8& f, threadgroup const S* origin, uint stride, bool transposed, uint fr, uint fc) {
-  if (transposed) {
-    f.thread_elements()[0] = float(origin[fc * stride + fr]);
-    f.thread_elements()[1] = float(origin[(fc + 1) * stride + fr]);
-  } else {  // two adjacent elements: one load
-    const vec<S, 2> v = *(threadgroup const vec<S, 2>*)(origin + fr * stride + fc);
-    f.thread_elements()[0] = float(v.x);
-    f.thread_elements()[1] = float(v.y);
-  }
+// B's stage: the tile's columns [0, n_end) and K [0, k_end), as Bs[n][k]
+// (K_MAJOR) or Bs[k][n].
+template <bool K_MAJOR, typename Stage, typename T>
+MPS_EXT_INLINE void gmm_load_b(
+    thread Stage& st, const device T* bg, uint b_k, uint b_n, bool vec, uint n_end, uint k_end) {
+  if (K_MAJOR) st.load(bg, b_k, vec, 0, n_end, k_end);
+  else st.load(bg, b_n, vec, 0, k_end, n_end);
 }
 
-template <typename T, typename TO>
-[[max_total_threads_per_threadgroup(GMM_TILE_THREADS)]]
-kernel void gmm_tiled(device TO* out [[buffer(0)]],
-                      const device T* a [[buffer(1)]],
-                      const device T* w [[buffer(2)]],
-                      const device int* offs [[buffer(3)]],
-                      constant GroupedMMParams& p [[buffer(4)]],
-                      const device float* row_scale [[buffer(5)]],
-                      const device float* col_scale [[buffer(6)]],
-                      uint3 tg [[threadgroup_position_in_grid]],
-                      uint3 tpos [[thread_position_in_threadgroup]],
-                      uint sg [[simdgroup_index_in_threadgroup]],
-                      uint lane [[thread_index_in_simdgroup]]) {
-  typedef typename GmmStaged<T>::type S;
+// The kernel's body, for b's K contiguous (B_K_MAJOR) or not: one
+// specialisation each, so that neither keeps the other's staging registers.
+template <typename T, typename TO, bool B_K_MAJOR>
+MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
+                                   const device T* a,
+                                   const device T* w,
+                                   const device int* offs,
+                                   constant GroupedMMParams& p,
+                                   const device float* row_scale,
+                                   const device float* col_scale,
+                                   threadgroup float* tile,
+                                   threadgroup uint* row_group,
+                                   threadgroup uint* first,
+                                   uint3 tg,
+                                   uint tid,
+                                   uint sg,
+                                   uint lane) {
   constexpr uint BM = GMM_TILE_M, BN = GMM_TILE_N, BK = GMM_TILE_K, THREADS = GMM_TILE_THREADS;
   constexpr uint FM = 4, FN = 4;  // fragments a simdgroup owns along M and N
-  static_assert(THREADS == 128 && BM == 2 * 8 * FM && BN == 2 * 8 * FN, "2 x 2 simdgroups of 4 x 4 fragments");
-  static_assert(BK == 32 && BN % 32 == 0, "32 lanes stage 32 consecutive elements of a row");
-  // Row strides, 16 bytes past the row: a row starts 4 banks after the one above.
-  constexpr uint SA = BK + 16 / sizeof(S);   // As[m][k]
-  constexpr uint SBK = BK + 16 / sizeof(S);  // Bs[n][k]
-  constexpr uint SBN = BN + 16 / sizeof(S);  // Bs[k][n]
+  static_assert(THREADS == 128 && BM == 2 * 8 * FM && BN == 2 * 8 * FN && BK == 32, "2 x 2 simdgroups of 4 x 4");
+  typedef GmmStage<T, BM, BK> StageA;  // As[m][k]
+  // Bs[n][k] when b's K is contiguous, else Bs[k][n]
+  typedef GmmStage<T, B_K_MAJOR ? BN : BK, B_K_MAJOR ? BK : BN> StageB;
+  constexpr uint SA = StageA::S, SB = StageB::S;
   constexpr uint SC = BN + 16 / sizeof(TO);  // Cs[m][n]
-  constexpr uint A_BYTES = BM * SA * sizeof(S);
-  constexpr uint B_BYTES = (BN * SBK > BK * SBN ? BN * SBK : BK * SBN) * sizeof(S);
-  constexpr uint C_BYTES = BM * SC * sizeof(TO);
-  // The result reuses the operands' memory once the last step has read them.
-  constexpr uint MEM_WORDS = ((A_BYTES + B_BYTES > C_BYTES ? A_BYTES + B_BYTES : C_BYTES) + 15) / 16;
-  threadgroup float4 mem[MEM_WORDS];
-  threadgroup S* As = (threadgroup S*)mem;
-  threadgroup S* Bs = (threadgroup S*)((threadgroup uchar*)mem + A_BYTES);
-  threadgroup TO* Cs = (threadgroup TO*)mem;
-  threadgroup uint row_group[BM];  // rows mode: each row's group, for the scales
-  threadgroup uint first[1];
-  const uint tid = tpos.x;
+  threadgroup float* As = tile;
+  threadgroup float* Bs = tile + BM * SA;
+  // The result reuses the operands' memory once the last stage has read them.
+  threadgroup TO* Cs = (threadgroup TO*)tile;
   const uint r0 = tg.y * BM, n0 = tg.x * BN;
   const uint r1 = min(r0 + BM, p.m);
 
@@ -516,14 +585,15 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
   for (uint i = 0; i < FM; ++i) MPS_EXT_UNROLL
   for (uint j = 0; j < FN; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   const uint sr = (sg / 2) * (8 * FM), sc = (sg % 2) * (8 * FN);
-  const uint fr = frag_row(lane), fc = frag_col(lane);
-  // B's staged layout: fragment j's origin at b_at + 8j * b_n_step, the
-  // tile Bs[n][k] (a fragment's transpose) or Bs[k][n].
-  const bool b_k_major = p.b_k == 1;
-  const uint b_n_step = b_k_major ? SBK : 1;
-  const uint b_at = b_k_major ? sc * SBK : sc;
-  const uint b_k_step = b_k_major ? 1 : SBN;
-  const uint b_stride = b_k_major ? SBK : SBN;
+  // Strides within a group's matrices (32 bits: the host checks).
+  const uint a_m = uint(p.a_m), a_k = uint(p.a_k), b_k = uint(p.b_k), b_n = uint(p.b_n);
+
+  const uint n_end = p.n - n0;  // the tile's columns that exist
+  // B's staged layout: fragment j's origin at b_at + 8j * b_n_step + kk * b_k_step.
+  constexpr uint b_n_step = B_K_MAJOR ? SB : 1, b_k_step = B_K_MAJOR ? 1 : SB;
+  const uint b_at = B_K_MAJOR ? sc * SB : sc;
+  StageA sa;
+  StageB sb;
 
   for (uint g = g_begin; g < g_end; ++g) {
     // Rows [seg0, seg1) of this tile belong to group g; K runs over [k0, k1).
@@ -539,64 +609,67 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
       k0 = min(group_start(offs, g, p.k), p.k);
       k1 = max(k0, group_end(offs, g, p.k));
     }
-    // A simdgroup skips its fragment rows that hold none of the group's rows
-    // (a tile spanning several groups passes over K once for each).
-    bool live[FM];
-    MPS_EXT_UNROLL
-    for (uint i = 0; i < FM; ++i) {
-      const uint row = r0 + sr + 8 * i;
-      live[i] = row < seg1 && row + 8 > seg0;
-    }
     const device T* ag = a + ulong(g) * ulong(p.a_batch);
     const device T* bg = w + ulong(g) * ulong(p.b_batch);
+    // 16-byte loads: K's pieces start 16 bytes apart only where K does (the K-split mode's groups start anywhere).
+    const bool k_whole = k0 % (16 / sizeof(T)) == 0;
+    const bool vec_a = (p.tile_vec & GMM_TILE_VEC_A) && k_whole;
+    const bool vec_b = (p.tile_vec & GMM_TILE_VEC_B) && (k_whole || !B_K_MAJOR);
+    const uint row_lo = seg0 - r0, row_hi = seg1 - r0;
+    // The fragment rows that hold some of the group's rows: a simdgroup
+    // skips its others (a tile spanning several groups passes over K once
+    // for each), fragment i live when frag_lo <= sr + 8i < frag_hi.
+    const uint frag_lo = row_lo / 8 * 8, frag_hi = (row_hi + 7) / 8 * 8;
+    sa.init(tid, r0, k0, a_m, a_k);
+    sa.load(ag, a_k, vec_a, row_lo, row_hi, k1 - k0);
+    if (B_K_MAJOR) sb.init(tid, n0, k0, b_n, b_k);
+    else sb.init(tid, k0, n0, b_k, b_n);
+    gmm_load_b<B_K_MAJOR>(sb, bg, b_k, b_n, vec_b, n_end, k1 - k0);
     for (uint kt = k0; kt < k1; kt += BK) {
-      // A: lanes along K (a's rows are contiguous in the MoE layouts).
-      for (uint i = tid; i < BM * BK; i += THREADS) {
-        const uint kk = i % BK, mm = i / BK, row = r0 + mm, k = kt + kk;
-        As[mm * SA + kk] =
-            S(row >= seg0 && row < seg1 && k < k1 ? elem(ag[row * uint(p.a_m) + k * uint(p.a_k)]) : 0.0f);
-      }
-      // B: lanes along whichever of its dimensions is contiguous.
-      if (b_k_major) {
-        for (uint i = tid; i < BN * BK; i += THREADS) {
-          const uint kk = i % BK, c = i / BK, k = kt + kk, n = n0 + c;
-          Bs[c * SBK + kk] = S(k < k1 && n < p.n ? elem(bg[k + n * uint(p.b_n)]) : 0.0f);
-        }
-      } else {
-        for (uint i = tid; i < BN * BK; i += THREADS) {
-          const uint c = i % BN, kk = i / BN, k = kt + kk, n = n0 + c;
-          Bs[kk * SBN + c] = S(k < k1 && n < p.n ? elem(bg[k * uint(p.b_k) + n * uint(p.b_n)]) : 0.0f);
-        }
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous stage's products are done with the tiles
+      // A's rows of the fragments that hold some of the group's rows (the
+      // fragments the simdgroups read; their other rows are zeros).
+      sa.put(As, frag_lo, frag_hi);
+      sb.put(Bs, 0, StageB::R_ROWS);
+      // The next stage's pieces, in flight during this stage's products.
+      const uint next = kt + BK;
+      if (next < k1) {
+        sa.advance(BK * a_k);
+        sa.load(ag, a_k, vec_a, row_lo, row_hi, k1 - next);
+        sb.advance(BK * b_k);
+        gmm_load_b<B_K_MAJOR>(sb, bg, b_k, b_n, vec_b, n_end, k1 - next);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      // Rolled: unrolled, the 32 fragment addresses of a step are loop
-      // invariants a compiler keeps live across the whole K loop (123
-      // registers by the executor's estimate against 82).
+      if (sr + 8 * FM <= frag_lo || sr >= frag_hi) continue;  // uniform: none of this simdgroup's rows are the group's
+      // Rolled: unrolled, the fragment addresses of a stage are loop
+      // invariants a compiler keeps live across the whole K loop.
       _Pragma("clang loop unroll(disable)") for (uint kk = 0; kk < BK; kk += 8) {
         // am[i]: (m, k) = (sr + 8i + r, kk + c); b: (k, n) = (kk + r, sc + 8j + c),
         // one column block at a time (fewer live registers than all four).
         simdgroup_float8x8 am[FM];
         MPS_EXT_UNROLL
         for (uint i = 0; i < FM; ++i)
-          if (live[i]) tile_frag(am[i], As + (sr + 8 * i) * SA + kk, SA, false, fr, fc);
+          if (sr + 8 * i >= frag_lo && sr + 8 * i < frag_hi) simdgroup_load(am[i], As + (sr + 8 * i) * SA + kk, SA);
         MPS_EXT_UNROLL
         for (uint j = 0; j < FN; ++j) {
           simdgroup_float8x8 b;
-          tile_frag(b, Bs + b_at + 8 * j * b_n_step + kk * b_k_step, b_stride, b_k_major, fr, fc);
+          simdgroup_load(b, Bs + b_at + 8 * j * b_n_step + kk * b_k_step, SB, ulong2(0), B_K_MAJOR);
           MPS_EXT_UNROLL
           for (uint i = 0; i < FM; ++i)
-            if (live[i]) simdgroup_multiply_accumulate(acc[i][j], am[i], b, acc[i][j]);
+            if (sr + 8 * i >= frag_lo && sr + 8 * i < frag_hi)
+              simdgroup_multiply_accumulate(acc[i][j], am[i], b, acc[i][j]);
         }
       }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
     }
   }
 
   // Rows past offs[-1] belong to no group: torch leaves them unwritten too.
   const uint rows_end = p.mode == GMM_MODE_ROWS ? min(r1, group_end(offs, p.groups - 1, p.m)) : r1;
-  // row_group complete (with K = 0 no step's barrier followed its writes).
+  // The last stage's products are done with the tiles, and row_group is
+  // complete (with K = 0 no stage's barrier followed its writes).
   threadgroup_barrier(mem_flags::mem_threadgroup);
   // Each lane scales its elements and rounds them to the output's type.
+  const uint fr = frag_row(lane), fc = frag_col(lane);
   MPS_EXT_UNROLL
   for (uint i = 0; i < FM; ++i) {
     const uint r = sr + 8 * i + fr, m = r0 + r;
@@ -621,6 +694,33 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
     const uint c = i % BN, r = i / BN, m = r0 + r, n = n0 + c;
     if (m < rows_end && n < p.n) out[out_base + ulong(m) * ulong(p.out_m) + ulong(n) * ulong(p.out_n)] = Cs[r * SC + c];
   }
+}
+
+template <typename T, typename TO>
+[[max_total_threads_per_threadgroup(GMM_TILE_THREADS)]]
+kernel void gmm_tiled(device TO* out [[buffer(0)]],
+                      const device T* a [[buffer(1)]],
+                      const device T* w [[buffer(2)]],
+                      const device int* offs [[buffer(3)]],
+                      constant GroupedMMParams& p [[buffer(4)]],
+                      const device float* row_scale [[buffer(5)]],
+                      const device float* col_scale [[buffer(6)]],
+                      uint3 tg [[threadgroup_position_in_grid]],
+                      uint3 tpos [[thread_position_in_threadgroup]],
+                      uint sg [[simdgroup_index_in_threadgroup]],
+                      uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint BM = GMM_TILE_M, BN = GMM_TILE_N, BK = GMM_TILE_K;
+  // As[BM][BK + 4] then Bs, [BN][BK + 4] or [BK][BN + 4] (GmmStage's float tiles)
+  constexpr uint A_WORDS = BM * (BK + 4), B_WORDS = BN * (BK + 4) > BK * (BN + 4) ? BN * (BK + 4) : BK * (BN + 4);
+  static_assert(BM * (BN + 16 / sizeof(TO)) * sizeof(TO) <= (A_WORDS + B_WORDS) * 4, "the result fits in the tiles");
+  threadgroup float tile[A_WORDS + B_WORDS];
+  threadgroup uint row_group[BM];  // rows mode: each row's group, for the scales
+  threadgroup uint first[1];
+  if (p.b_k == 1)
+    gmm_tiled_body<T, TO, true>(out, a, w, offs, p, row_scale, col_scale, tile, row_group, first, tg, tpos.x, sg, lane);
+  else
+    gmm_tiled_body<T, TO, false>(out, a, w, offs, p, row_scale, col_scale, tile, row_group, first, tg, tpos.x, sg,
+                                 lane);
 }
 
 // ------------------------------------------------------ instantiations --

@@ -41,7 +41,8 @@ struct GroupedMMParams {
   // out's) to each sum once it is rounded to the output's type, as
   // `residual + layer(x)` rounds in torch.
   uint32_t slots, tokens, outputs_log2;
-  uint32_t residual, pad1;
+  uint32_t residual;
+  uint32_t tile_vec;  // gmm_tiled: GMM_TILE_VEC_A | GMM_TILE_VEC_B, the operands 16-byte loads may read
 };
 
 // Decode kernels: rows of one group handled by one threadgroup at a time
@@ -63,3 +64,7 @@ struct GroupedMMParams {
 #define GMM_TILE_N 64
 #define GMM_TILE_K 32
 #define GMM_TILE_THREADS 128
+// p.tile_vec: a's K (b's contiguous dimension, K or N) is contiguous, and its
+// rows (and b's groups) start at 16-byte aligned addresses.
+#define GMM_TILE_VEC_A 1
+#define GMM_TILE_VEC_B 2

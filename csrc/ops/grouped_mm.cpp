@@ -231,7 +231,7 @@ Reason problem_unsupported(const at::Tensor& a, const at::Tensor& b) {
 // activations with fp8 weights).
 // `fused`: mps_ext's MoE ops, which always take the decode kernel.
 void run(const Problem& pr, const at::Tensor& offs, const std::string& types, bool fused = false) {
-  const GroupedMMParams& p = pr.p;
+  GroupedMMParams p = pr.p;
   const int64_t item = pr.b.element_size();
   Launch l;
   l.library = "grouped_mm";
@@ -263,6 +263,11 @@ void run(const Problem& pr, const at::Tensor& offs, const std::string& types, bo
     l.threads_per_threadgroup = {DECODE_COLS_THREADS, 1, 1};
   } else {
     name = "gmm_tiled_" + types;
+    // 16-byte loads of a stage's pieces: a's K contiguous and its rows 16-byte
+    // aligned; b's contiguous dimension (K or N) likewise, and its groups.
+    const bool b_rows = (p.b_k == 1 && aligned16(pr.b, p.b_n)) || (p.b_k != 1 && p.b_n == 1 && aligned16(pr.b, p.b_k));
+    p.tile_vec = (p.a_k == 1 && aligned16(pr.a, p.a_m) && aligned16(pr.a, p.a_batch) ? GMM_TILE_VEC_A : 0) |
+                 (b_rows && aligned16(pr.b, p.b_batch) ? GMM_TILE_VEC_B : 0);
     l.threadgroups = {(p.n + GMM_TILE_N - 1) / GMM_TILE_N, (p.m + GMM_TILE_M - 1) / GMM_TILE_M,
                       p.mode == GMM_MODE_ROWS ? 1u : p.groups};
     l.threads_per_threadgroup = {GMM_TILE_THREADS, 1, 1};
