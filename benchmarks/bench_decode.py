@@ -443,7 +443,7 @@ def what_if(rows: list[Row]) -> tuple[str, list[dict]]:
         if r.tokens != 1 or r.release != "2.15" or r.who not in OPTIMIZED_ROWS:
             continue
         spec = census.MODELS[r.model]
-        fusions = _fusions(spec.config())
+        fusions = _fusions(spec.config(), input_norm_fused=r.who == OPTIMIZED and r.mode == "eager")
         cases = {"as today": {},
                  "4: one host call a decoder layer (eager)": {"layer_host_calls": 1},
                  "5: norm into the GEMV and gate fused": {"dispatch_delta": fusions}}
@@ -460,17 +460,21 @@ def what_if(rows: list[Row]) -> tuple[str, list[dict]]:
     return markdown(out, list(out[0])), out
 
 
-def _fusions(config) -> dict:
+def _fusions(config, input_norm_fused: bool) -> dict:
     """Issue 31 point 5's fusions not done yet, as dispatches each layer
     kind would lose: each RMSNorm into the GEMV that reads it (2 a layer)
     and, in full-attention layers where there is one (Qwen3.5/3.6), the
-    output gate into the projection's load (1). (The cache append in the
-    q/k-norm + rotary dispatch, qk_norm_rope_append, is done: counted in
-    the rows.)"""
+    output gate into the projection's load (1). Done and counted in the
+    rows: the cache append in the q/k-norm + rotary dispatch
+    (qk_norm_rope_append) and, eager with 16-bit weights, the input norm in
+    the attention's or DeltaNet's fused input projection (rms_norm_linear:
+    `input_norm_fused`; not in LFM2's convolution layers, whose in_proj is
+    no fused group)."""
     out = {}
     for kind in set(census.layer_kinds(config)):
-        n = 2
-        if kind.startswith("full_attention") and config.model_type.startswith("qwen3_5"):
+        mixer = kind.split("+")[0]
+        n = 1 if input_norm_fused and mixer in ("full_attention", "linear_attention") else 2
+        if mixer == "full_attention" and config.model_type.startswith("qwen3_5"):
             n += 1
         out[kind] = n
     return out

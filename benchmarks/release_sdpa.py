@@ -172,17 +172,24 @@ class Counted:
         return self.cache_bytes_read / self.shape.cache_bytes()
 
 
-def count(shape: Shape, release: str = RELEASE) -> Counted:
-    _, stats = run(shape, torch.bfloat16, release)
+def _counted(shape: Shape, dispatches, cache_buffers: tuple[str, str]) -> Counted:
+    """The dispatches' bytes: read from the buffers named `cache_buffers`
+    (the kernel's key and value parameters), and every other read and write
+    but the constant buffers."""
     cache = other = 0
-    for s in stats:
+    for s in dispatches:
         for i, b in s.bytes_read.items():
-            if s.buffer_names.get(i) in ("keys", "values"):
+            if s.buffer_names.get(i) in cache_buffers:
                 cache += b
             elif i not in s.constant_buffers:
                 other += b
-        other += sum(b for i, b in s.bytes_written.items())
-    return Counted(shape, len(stats), cache, other)
+        other += sum(s.bytes_written.values())
+    return Counted(shape, len(dispatches), cache, other)
+
+
+def count(shape: Shape, release: str = RELEASE) -> Counted:
+    _, stats = run(shape, torch.bfloat16, release)
+    return _counted(shape, stats, ("keys", "values"))
 
 
 # ------------------------------------------------------------ mps_ext's own --
@@ -235,15 +242,7 @@ def count_ours(shape: Shape, dtype: torch.dtype = torch.bfloat16, seed: int = 0)
     bound = 1e-5 if dtype == torch.float32 else 2.0 ** -7 * max(1.0, want.abs().max().item())
     if (out.double() - want).abs().max().item() > bound:
         raise AssertionError(f"kv_decode_attention is not the attention at {shape}")
-    cache = other = 0
-    for s in rec.dispatches:
-        for i, b in s.bytes_read.items():
-            if s.buffer_names.get(i) in ("k", "v"):
-                cache += b
-            elif i not in s.constant_buffers:
-                other += b
-        other += sum(b for i, b in s.bytes_written.items())
-    return Counted(shape, len(rec.dispatches), cache, other)
+    return _counted(shape, rec.dispatches, ("k", "v"))
 
 
 # The census's models' attention layers (their configs, benchmarks/census.py MODELS), one sequence.
