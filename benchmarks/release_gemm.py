@@ -140,6 +140,7 @@ class Shape:
     n: int
     groups: int
     nk: bool = True
+    full_n: int = 0  # the model's output columns `n` samples (a label; 0: n itself)
 
     @property
     def m(self) -> int:
@@ -200,30 +201,50 @@ def figures(shape: Shape, dtype: torch.dtype = torch.bfloat16) -> efficiency.Fig
                                "weight": ("mat_b", shape.groups * shape.n * shape.k * size)})
 
 
+def our_figures(shape: Shape) -> efficiency.Figures:
+    """mps_ext's _grouped_mm (gmm_tiled_<dtype>, bf16) at `shape` on the
+    executor, as bench_grouped_mm runs it (SAMPLE_N columns), counted as the
+    budgets count it (efficiency.our_figures)."""
+    from . import bench_grouped_mm, common  # noqa: F401  (common installs the executor as mps_ext's backend)
+
+    if not shape.nk or shape.n != bench_grouped_mm.SAMPLE_N:
+        raise ValueError(f"{shape}: bench_grouped_mm runs [E, N, K] weights on {bench_grouped_mm.SAMPLE_N} columns")
+    full_n = shape.full_n or shape.n
+    prepared = bench_grouped_mm.grouped("_grouped_mm", torch.bfloat16, shape.m, shape.k, full_n, shape.groups, "nk")
+    with cpu_metal.record() as rec, cpu_metal.request():
+        prepared.run()
+    return efficiency.our_figures(efficiency.Shape(torch.bfloat16, shape.rows, shape.n, shape.k, shape.groups,
+                                                   shape.rows, full_n, 2, 2), rec.dispatches)
+
+
 # The shapes the answer rests on (n: efficiency.SAMPLE_N_GROUPED of the output columns, as the budget case runs):
 # the grouped_mm budget case (Qwen3-30B-A3B expert down 768->2048, 8 experts, 16 rows each; its gmm_tiled_bf16 and
 # steel figures are prefill._COUNTED's) and Qwen3.6's experts (2048->512 gate/up, 512->2048 down) at 16, 32 and 64
 # rows an expert (torch's three tiles).
-BUDGET_CASE = Shape(16, 768, efficiency.SAMPLE_N_GROUPED, 8)
-QWEN36 = tuple(Shape(r, k, efficiency.SAMPLE_N_GROUPED, 8) for k in (2048, 512) for r in (16, 32, 64))
+BUDGET_CASE = Shape(16, 768, efficiency.SAMPLE_N_GROUPED, 8, full_n=2048)
+QWEN36 = tuple(Shape(r, k, efficiency.SAMPLE_N_GROUPED, 8, full_n=n) for k, n in ((2048, 512), (512, 2048))
+               for r in (16, 32, 64))
 
 
 def table(shapes=(BUDGET_CASE, *QWEN36)) -> str:
-    """Per shape: torch 2.15's tile, its useful MMA share of issue slots and
-    the rest of its counters, beside steel's at the same product (MLX's
-    tile for the full product, every row used)."""
+    """Per shape: torch 2.15's tile, its useful MMA share of issue slots,
+    beside mps_ext's gmm_tiled_bf16's and steel's at the same product
+    (MLX's tile for the full product, every row used)."""
     from .common import markdown
 
     rows = []
     for s in shapes:
-        mine = figures(s)
+        mine, ours = figures(s), our_figures(s)
         steel = efficiency.steel_figures(efficiency.Shape(torch.bfloat16, s.rows, s.n, s.k, s.groups, s.rows,
-                                                          s.n, 2, 2))
-        rows.append({"k->n": f"{s.k}->{s.n}", "rows / expert": s.rows, "torch tile": kernel_name(torch.bfloat16, s.bm),
+                                                          s.full_n or s.n, 2, 2))
+        rows.append({"k->n": f"{s.k}->{s.full_n or s.n}", "rows / expert": s.rows,
+                     "torch tile": kernel_name(torch.bfloat16, s.bm),
                      "torch useful MMA slots": f"{mine.useful_slot_fraction:.3f}",
                      "torch other slots / MMA": f"{mine.other_slots_per_mma:.1f}",
-                     "steel MMA slots": f"{steel.matrix_slot_fraction:.3f}",
-                     "torch / steel": f"{mine.useful_slot_fraction / steel.matrix_slot_fraction:.2f}"})
+                     "gmm_tiled_bf16 useful MMA slots": f"{ours.useful_slot_fraction:.3f}",
+                     "steel MMA slots (every row)": f"{steel.matrix_slot_fraction:.3f}",
+                     "torch / steel": f"{mine.useful_slot_fraction / steel.matrix_slot_fraction:.2f}",
+                     "ours / steel": f"{ours.useful_slot_fraction / steel.matrix_slot_fraction:.2f}"})
     return markdown(rows, list(rows[0]))
 
 
