@@ -55,6 +55,7 @@ def test_the_prefill_figure_is_the_counter():
     s = release_gemm.BUDGET_CASE
     assert c.kernel == release_gemm.kernel_name(torch.bfloat16, s.bm)
     torch_share = release_gemm.figures(s).useful_slot_fraction
-    steel = efficiency.steel_figures(efficiency.Shape(torch.bfloat16, s.rows, s.n, s.k, s.groups, s.rows, s.full_n, 2, 2))
+    steel = efficiency.steel_figures(efficiency.Shape(torch.bfloat16, s.rows, s.n, s.k, s.groups, s.rows, s.full_n,
+                                                      2, 2))
     assert (round(torch_share, 3), round(steel.matrix_slot_fraction, 3)) == (c.torch, c.steel)
     assert c.steel == prefill._COUNTED["gmm_tiled_bf16"].steel  # the same steel figure as ours is compared with
