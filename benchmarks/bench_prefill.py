@@ -98,8 +98,8 @@ def census_rows(models: list[str], lengths=prefill.LENGTHS, transform=None, rele
                 for length in lengths:
                     counts = prefill.scale_counts(spec, pair, model.config, length, release, who != STOCK)
                     rows.append(Row(name, length, release, who, fp8, counts,
-                                    prefill.project(spec, counts, calls, length, fp8),
-                                    prefill.ttft_range(spec, counts, calls, length, fp8),
+                                    prefill.project(spec, counts, calls, length, fp8, release=release),
+                                    prefill.ttft_range(spec, counts, calls, length, fp8, release),
                                     {k: prefill.layer_flops(real, k, length) for k in counts["layers"]},
                                     prefill.model_bytes(real, length, fp8), functions.get((who, release))))
     return rows

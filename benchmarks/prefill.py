@@ -135,8 +135,8 @@ KERNEL_EFFICIENCY = {
                             "64-row batches: no published figure; likely lower)"),
     "torch linalg_solve_triangular": Efficiency(_TORCH_MATMUL.value, "as torch's matmul (assumed; no published "
                                                 "figure for MPS's triangular solve)"),
-    "torch _grouped_mm": Efficiency(_TORCH_MATMUL.value, "as torch's matmul (torch 2.15's MPS _grouped_mm, or 2.14's "
-                                    "per-expert mm fallback: no published figure)"),
+    "torch _grouped_mm": Efficiency(_TORCH_MATMUL.value, "as torch's matmul (2.14's per-expert mm fallback: no "
+                                    "published figure; 2.15's own kernel is counted, RELEASE_COUNTED)"),
     "torch _scaled_dot_product_attention_math_for_mps": Efficiency(
         _TORCH_MATMUL.value, "as torch's matmul (assumed; MLX's SDPA reaches 0.88 of its own matmul at 4k on an M3 "
         "Ultra, raullenchai/Rapid-MLX PR 258)"),
@@ -193,6 +193,35 @@ _COUNTED = {  # kernel prefix: its counted figure
                               "0.420"),
 }
 MEASURED_EFFICIENCY: dict[str, float] = {k: c.ours / c.steel * _MLX_STEEL for k, c in _COUNTED.items()}
+
+
+# A release's own kernel for a torch op, counted on the executor from the release's source (benchmarks/
+# release_gemm.py: torch 2.15's _grouped_mm_mps simdgroup tile, launched as GroupedMM.mm launches it), carried to
+# the chip as the tiles' figures are: its useful MMA share over steel's at the same shape, times steel's measured
+# efficiency. kernels_of names the op "torch <op> (<release>)" on that release; other releases keep the op's
+# KERNEL_EFFICIENCY assumption (2.14's _grouped_mm: the per-expert mm fallback, MPSGraph's mm).
+# tests/test_release_gemm.py::test_the_prefill_figure_is_the_counter recounts both figures.
+@dataclasses.dataclass(frozen=True)
+class ReleaseCounted:
+    release: str  # census.RELEASES' name
+    op: str  # the aten op
+    kernel: str  # the release's kernel counted
+    shape: str  # where (release_gemm.BUDGET_CASE: the grouped_mm budget case gmm_tiled_bf16 is counted at)
+    torch: float  # its useful MMA share of issue slots, every threadgroup the host launches included
+    steel: float  # steel's MMA share with every row used, as _COUNTED["gmm_tiled_bf16"]'s
+
+    @property
+    def name(self) -> str:
+        return f"torch {self.op} ({self.release})"
+
+
+RELEASE_COUNTED = {c.name: c for c in (
+    ReleaseCounted("2.15", "_grouped_mm", "grouped_mm_rows_bfloat_bm16_u32",
+                   "8 experts x 16 rows, 768->2048 (256 sampled columns), weights [E, N, K] transposed, bf16",
+                   0.298, 0.420),
+)}
+for _c in RELEASE_COUNTED.values():
+    MEASURED_EFFICIENCY[_c.name] = _c.torch / _c.steel * _MLX_STEEL
 # torch's CPU SDPA stands in for the Mac's in a trace on CPU: costed as torch's MPS SDPA.
 _SDPA_ON_MAC = "torch _scaled_dot_product_attention_math_for_mps"
 
@@ -202,10 +231,17 @@ def efficiency(kernel: str) -> tuple[float, str]:
     is one, else the assumption of KERNEL_EFFICIENCY; capped at
     MATRIX_CEILING."""
     if kernel in MEASURED_EFFICIENCY:
-        c = _COUNTED.get(kernel)
-        source = "counted (executor simdgroup-matrix counter)" if c is None else (
-            f"counted: useful MMA share of issue slots on the executor, {c.what}: {c.ours / c.steel:.2f} x MLX's "
-            f"steel measured {_MLX_STEEL:.2f} of PEAK (raullenchai/Rapid-MLX PR 258)")
+        c, r = _COUNTED.get(kernel), RELEASE_COUNTED.get(kernel)
+        source = "counted (executor simdgroup-matrix counter)"
+        if c is not None:
+            source = (f"counted: useful MMA share of issue slots on the executor, {c.what}: {c.ours / c.steel:.2f} "
+                      f"x MLX's steel measured {_MLX_STEEL:.2f} of PEAK (raullenchai/Rapid-MLX PR 258)")
+        elif r is not None:
+            source = (f"counted: torch {r.release}'s own {r.kernel} (GroupedMM.metal, run on the executor as "
+                      f"GroupedMM.mm launches it, benchmarks/release_gemm.py) at {r.shape}, useful MMA share of "
+                      f"issue slots {r.torch:.3f}; steel bf16 64x32x32 with every row used {r.steel:.3f}: "
+                      f"{r.torch / r.steel:.2f} x MLX's steel measured {_MLX_STEEL:.2f} of PEAK "
+                      f"(raullenchai/Rapid-MLX PR 258)")
         return min(MEASURED_EFFICIENCY[kernel], MATRIX_CEILING), source
     if kernel not in KERNEL_EFFICIENCY:
         raise KeyError(f"no efficiency for kernel {kernel!r}: add it to benchmarks/prefill.py KERNEL_EFFICIENCY "
@@ -370,10 +406,11 @@ def part_of(call: census.Call) -> str | None:
     return "projections" if call.op in _PROJECTION_OPS else None
 
 
-def kernels_of(call: census.Call) -> list[str]:
+def kernels_of(call: census.Call, release: str | None = None) -> list[str]:
     """The KERNEL_EFFICIENCY names of what a call runs: mps_ext's executor
     kernels by their family's prefix, else torch's op (its CPU SDPA as the
-    Mac's)."""
+    Mac's; on `release`, the release's own kernel if RELEASE_COUNTED has
+    it)."""
     if call.ours:
         out = []
         for name in call.kernels:
@@ -382,10 +419,11 @@ def kernels_of(call: census.Call) -> list[str]:
         return out
     if call.op.startswith("_scaled_dot_product"):
         return [_SDPA_ON_MAC]
-    return [f"torch {call.op}"]
+    own = f"torch {call.op} ({release})"
+    return [own if own in RELEASE_COUNTED else f"torch {call.op}"]
 
 
-def part_kernels(calls: list[census.Call]) -> dict[str, str]:
+def part_kernels(calls: list[census.Call], release: str | None = None) -> dict[str, str]:
     """{part: the kernel that runs it}: of the calls of one layer kind (or
     'pre'/'post'), the least efficient kernel among each part's calls (a
     part of several kernels, such as fp8 projections beside the router left
@@ -394,7 +432,7 @@ def part_kernels(calls: list[census.Call]) -> dict[str, str]:
     for call in calls:
         part = part_of(call)
         if part is not None:
-            found[part].update(kernels_of(call))
+            found[part].update(kernels_of(call, release))
     return {part: min(ks, key=lambda k: efficiency(k)[0]) for part, ks in found.items()}
 
 
@@ -425,17 +463,19 @@ class Projection:
         return max(parts, key=parts.get)
 
 
-def project(spec: census.Spec, counts: dict, calls: dict, length: int, fp8: bool, which: str = "central") -> Projection:
+def project(spec: census.Spec, counts: dict, calls: dict, length: int, fp8: bool, which: str = "central",
+            release: str | None = None) -> Projection:
     """Time to first token of a prompt of `length`: `counts` from
     scale_counts, `calls` the traced calls per layer kind (census.layer_calls)
-    whose kernels cost each part of the FLOPs."""
+    whose kernels cost each part of the FLOPs (torch's ops as `release`
+    runs them, kernels_of)."""
     real = spec.config()
     k = timeline.costs(which)
     peak = getattr(PEAK["fp8" if fp8 else "bf16"], which)
     compute = limit = flops = 0.0
     used = {}
     for kind, n in collections.Counter(census.layer_kinds(real)).items():
-        kernels = part_kernels(calls[kind])
+        kernels = part_kernels(calls[kind], release)
         for part, f in layer_flops(real, kind, length).items():
             kernel = kernels.get(part)
             if kernel is None:
@@ -444,7 +484,7 @@ def project(spec: census.Spec, counts: dict, calls: dict, length: int, fp8: bool
             compute += n * f / (peak * efficiency(kernel)[0])
             limit += n * f / peak
             flops += n * f
-    head = part_kernels(calls["post"]).get("head")
+    head = part_kernels(calls["post"], release).get("head")
     f = sum(head_flops(real).values())
     used["head"] = head
     compute += f / (peak * efficiency(head)[0])
@@ -457,9 +497,9 @@ def project(spec: census.Spec, counts: dict, calls: dict, length: int, fp8: bool
     return Projection(flops, b, compute, limit, b / k["bandwidth"], t.dispatches * k["dispatch"], host, used)
 
 
-def ttft_range(spec, counts, calls, length, fp8) -> tuple[float, float, float]:
+def ttft_range(spec, counts, calls, length, fp8, release: str | None = None) -> tuple[float, float, float]:
     """TTFT (s) with every constant at its fast end, central, and slow end."""
-    return tuple(project(spec, counts, calls, length, fp8, w).ttft_s for w in ("high", "central", "low"))
+    return tuple(project(spec, counts, calls, length, fp8, w, release).ttft_s for w in ("high", "central", "low"))
 
 
 def constants_text() -> str:
@@ -468,7 +508,7 @@ def constants_text() -> str:
              for dtype, k in PEAK.items()]
     lines.append(f"- matrix ceiling: {MATRIX_CEILING:.2f} of peak, the most any kernel reaches (philipturner/"
                  f"metal-benchmarks: 102.5 FFMA16 a core-cycle inside a matrix multiplication, of 128)")
-    for name in KERNEL_EFFICIENCY:
+    for name in (*KERNEL_EFFICIENCY, *RELEASE_COUNTED):
         value, source = efficiency(name)
         lines.append(f"- efficiency of {name}: {value:.3f} of peak ({source})")
     lines.append(f"- delta rule chunk: {CHUNK} tokens (transformers' torch_chunk_gated_delta_rule, and mps_ext's "

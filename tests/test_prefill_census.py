@@ -96,3 +96,18 @@ def test_a_counted_efficiency_replaces_the_assumption(monkeypatch):
     with pytest.raises(KeyError, match="KERNEL_EFFICIENCY"):
         prefill.efficiency("no_such_kernel")
 
+
+
+def test_a_releases_own_kernel_costs_its_op_on_that_release_only():
+    """torch's _grouped_mm is costed by 2.15's counted tile on 2.15
+    (RELEASE_COUNTED: torch's share over steel's, times MLX's steel
+    measured) and by the MPSGraph assumption on 2.14 (the per-expert mm
+    fallback). Planted: kernels_of without the RELEASE_COUNTED lookup
+    fails the 2.15 line."""
+    call = census.Call("_grouped_mm", 0, "compute", False, 0, 0, 0, ffn=True)
+    c = prefill.RELEASE_COUNTED["torch _grouped_mm (2.15)"]
+    assert prefill.kernels_of(call, "2.14") == prefill.kernels_of(call) == ["torch _grouped_mm"]
+    assert prefill.kernels_of(call, "2.15") == [c.name]
+    assert prefill.efficiency(c.name)[0] == pytest.approx(c.torch / c.steel * prefill._MLX_STEEL)
+    assert prefill.efficiency("torch _grouped_mm")[0] == prefill._TORCH_MATMUL.value
+    assert prefill.part_kernels([call], "2.15") == {"experts": c.name}
