@@ -232,7 +232,7 @@ class FusedMoEMixin:
         res_inside = (residual is not None and not k.shared_apart and residual.shape == hidden_states.shape
                       and residual.dtype == x.dtype and residual.device == x.device and residual.is_contiguous())
         sc = k.scoring
-        bias = self.expert_bias.float() if k.uses_bias else None  # (a model-wide .to(dtype) casts the buffer)
+        bias = self._float_expert_bias() if k.uses_bias else None
         if reference:
             out = _reference_experts(k)(x, *_route_reference(k, x, bias))
         else:
@@ -245,6 +245,23 @@ class FusedMoEMixin:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         out = out.reshape(hidden_states.shape)
         return out if residual is None else residual + out
+
+    def _float_expert_bias(self) -> torch.Tensor:
+        """The block's expert_bias in float32, as moe_route reads it. A
+        model-wide .to(dtype) casts the buffer, and casting it back at every
+        call is a dispatch a MoE layer and token (LFM2.5: 22 of a decoded
+        token's ~300): eager, the cast is kept and made again only when the
+        buffer is another tensor (.to(), load_state_dict(assign=True)) or was
+        changed in place (its version counter: copy_, load_state_dict, a
+        training step's update). Compiled, Inductor fuses the cast."""
+        b = self.expert_bias
+        if b.dtype == torch.float32 or torch.compiler.is_compiling():
+            return b.float()
+        kept = self.__dict__.get("_mps_ext_float_bias")
+        if kept is None or kept[0] is not b or kept[1] != b._version:
+            kept = (b, b._version, b.detach().float())
+            self.__dict__["_mps_ext_float_bias"] = kept
+        return kept[2]
 
     def _apply(self, fn, recurse=True):
         # The banks first, once, and the block's views of them pointed there again: moved one by one,

@@ -241,6 +241,36 @@ def test_lfm2_moe_sigmoid_router_with_expert_bias(figures, kind):
     assert after == [(1, 4)] * 2 and all(b[0] >= 10 for b in before)
 
 
+
+def test_lfm2_moe_bfloat16_expert_bias_is_cast_once():
+    """A bfloat16 LFM2-MoE (its expert_bias buffer cast with the model):
+    moe_route reads the bias in float32, cast once and kept, not cast at
+    every call (a dispatch a MoE layer and token); an in-place change of
+    the buffer (a load_state_dict, a training step's update) is seen at the
+    next call, and so is a new buffer."""
+    model = make("lfm2_moe", torch.bfloat16)
+    stock = copy.deepcopy(model)
+    mps_ext.optimize(model)
+    per_moe_layer(model)  # the first decode after optimize may cast
+    assert per_moe_layer(model) == [(1, 4)] * 2, per_moe_layer.ops
+    block, stock_block = first_block(model), stock.get_submodule(blocks(model)[0])
+    x, _ = hidden_and_residual(1, torch.bfloat16)
+    with torch.no_grad():
+        for forced in ([0, 1], [5, 6], [2, 7]):
+            # A bias large enough to decide the selection alone: a stale one would pick other experts.
+            bias = torch.full((8,), -10.0)
+            bias[forced] = 10.0
+            if forced == [2, 7]:  # a new buffer in place of the old
+                block.expert_bias = bias.to(torch.bfloat16)
+            else:
+                block.expert_bias.copy_(bias)
+            stock_block.expert_bias.copy_(bias)
+            out, calls, _ = block_call(block, x)
+            assert calls == 2  # moe_layer and the cast of the changed bias
+            assert block_call(block, x)[1:] == (1, 4)  # kept
+            want = stock_block(x)
+            assert torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-2 * want.float().abs().max()), forced
+
 # ----------------------------------------------------------- host calls and dispatches --
 class _Calls(TorchDispatchMode):
     """Counts the aten and mps_ext ops that reach the backend (views, which
