@@ -69,9 +69,8 @@ void kv_append(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
   p.head_dim = static_cast<uint32_t>(D);
   p.capacity = static_cast<uint32_t>(cap);
   p.start = static_cast<uint32_t>(start);
-  auto stride = [](const at::Tensor& t, int64_t d) { return static_cast<uint32_t>(t.size(d) > 1 ? t.stride(d) : 0); };
-  p.k_stride_b = stride(kc, 0), p.k_stride_h = stride(kc, 1), p.k_stride_t = stride(kc, 2);
-  p.v_stride_b = stride(vc, 0), p.v_stride_h = stride(vc, 1), p.v_stride_t = stride(vc, 2);
+  p.k_stride_b = stride_or_zero(kc, 0), p.k_stride_h = stride_or_zero(kc, 1), p.k_stride_t = stride_or_zero(kc, 2);
+  p.v_stride_b = stride_or_zero(vc, 0), p.v_stride_h = stride_or_zero(vc, 1), p.v_stride_t = stride_or_zero(vc, 2);
   // The threads loop over the row: a lower pipeline limit means more passes.
   const std::string kernel = std::string("kv_append_") + kernel_type_name(dt);
   const int64_t threads =
@@ -157,10 +156,9 @@ at::Tensor kv_decode_attention(const at::Tensor& q, const at::Tensor& k, const a
   p.keys = static_cast<uint32_t>(n);
   p.keys_per_block = static_cast<uint32_t>(per_block);
   p.blocks = static_cast<uint32_t>(blocks);
-  auto stride = [](const at::Tensor& t, int64_t d) { return static_cast<uint32_t>(t.size(d) > 1 ? t.stride(d) : 0); };
-  p.q_stride_b = stride(qc, 0), p.q_stride_h = stride(qc, 1);
-  p.k_stride_b = stride(kc, 0), p.k_stride_h = stride(kc, 1), p.k_stride_t = stride(kc, 2);
-  p.v_stride_b = stride(vc, 0), p.v_stride_h = stride(vc, 1), p.v_stride_t = stride(vc, 2);
+  p.q_stride_b = stride_or_zero(qc, 0), p.q_stride_h = stride_or_zero(qc, 1);
+  p.k_stride_b = stride_or_zero(kc, 0), p.k_stride_h = stride_or_zero(kc, 1), p.k_stride_t = stride_or_zero(kc, 2);
+  p.v_stride_b = stride_or_zero(vc, 0), p.v_stride_h = stride_or_zero(vc, 1), p.v_stride_t = stride_or_zero(vc, 2);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);  // log2(e)
   // One block: the kernel writes out and never touches the partials (out bound in their place).
   const at::Tensor partial_o = blocks > 1 ? at::empty({B * Hq * blocks * D}, q.options().dtype(at::kFloat)) : out;

@@ -24,6 +24,7 @@
 #include "backend/launch.h"
 #include "norm_params.h"
 #include "ops/norm.h"
+#include "ops/ops.h"
 #include "dispatch/kernel_choice.h"
 #include "dispatch/registration.h"
 #include "dispatch/registry.h"
@@ -215,14 +216,13 @@ void run_qk_norm_rope(const char* op, const at::Tensor& q, const at::Tensor& k, 
   p.tokens = static_cast<uint32_t>(T);
   p.head_dim = static_cast<uint32_t>(D);
   p.rotary_dim = static_cast<uint32_t>(R);
-  auto stride = [](const at::Tensor& t, int64_t d) { return static_cast<uint32_t>(t.size(d) > 1 ? t.stride(d) : 0); };
-  p.q_stride_b = stride(qv, 0), p.q_stride_t = stride(qv, 1), p.q_stride_h = stride(qv, 2);
-  p.k_stride_b = stride(kv, 0), p.k_stride_t = stride(kv, 1), p.k_stride_h = stride(kv, 2);
+  p.q_stride_b = stride_or_zero(qv, 0), p.q_stride_t = stride_or_zero(qv, 1), p.q_stride_h = stride_or_zero(qv, 2);
+  p.k_stride_b = stride_or_zero(kv, 0), p.k_stride_t = stride_or_zero(kv, 1), p.k_stride_h = stride_or_zero(kv, 2);
   p.k_capacity = static_cast<uint32_t>(k_out.size(2));
   p.k_start = static_cast<uint32_t>(k_start);
   p.v_heads = static_cast<uint32_t>(v_heads);
-  p.v_stride_b = stride(vv, 0), p.v_stride_t = stride(vv, 1), p.v_stride_h = stride(vv, 2);
-  p.cs_stride_b = stride(cv, 0), p.cs_stride_t = stride(cv, 1);  // a batch of 1 broadcasts: stride 0
+  p.v_stride_b = stride_or_zero(vv, 0), p.v_stride_t = stride_or_zero(vv, 1), p.v_stride_h = stride_or_zero(vv, 2);
+  p.cs_stride_b = stride_or_zero(cv, 0), p.cs_stride_t = stride_or_zero(cv, 1);  // a batch of 1 broadcasts: stride 0
   p.heads_per_group = static_cast<uint32_t>(per_group);
   p.iterations = static_cast<uint32_t>(ceil_div(per_group, simdgroups));
   p.q_norm = q_weight.has_value() ? 1u : 0u;

@@ -10,6 +10,7 @@
 #include <c10/core/Scalar.h>
 #include <c10/util/Exception.h>
 
+#include <cstdint>
 #include <string>
 
 #include "dispatch/registry.h"
@@ -22,6 +23,17 @@ inline void check_float(const at::Tensor& t, const char* op, const char* name) {
   const auto dt = t.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, "mps_ext ", op, ": ", name,
               " must be float32, float16 or bfloat16, got ", dt);
+}
+
+// A kernel parameter's element stride of dim `d` of `t`: 0 where the size is 1
+// (a dim of one may have any stride; 0 reads the same element, as a
+// broadcast does), as uint32, the width the params structs hold.
+inline uint32_t stride_or_zero(const at::Tensor& t, int64_t d) {
+  const int64_t s = t.size(d) > 1 ? t.stride(d) : 0;
+  TORCH_CHECK(s >= 0 && s <= static_cast<int64_t>(UINT32_MAX), "mps_ext: a stride of ", s, " elements (dim ", d,
+              " of a tensor of shape ", t.sizes(),
+              ") does not fit the kernel's 32-bit offsets; pass a contiguous tensor");
+  return static_cast<uint32_t>(s);
 }
 
 // softmax.cpp: _softmax / _log_softmax and their backward.
