@@ -315,6 +315,26 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const c10::optio
   return out;
 }
 
+// ---------------------------------------------------- dense products --
+// A dense product is a grouped one with one group: the batched mode over the
+// operands seen with a batch dimension of 1. Its kernel reads no offs (the
+// output stands in for the buffer) and no batch strides (group 0 only).
+Reason dense_tiled_unsupported(const at::Tensor& a, const at::Tensor& b) { return problem_unsupported(a, b); }
+
+void dense_tiled(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(0) && out.size(0) == a.size(0) &&
+                  out.size(1) == b.size(1) && a.scalar_type() == b.scalar_type() &&
+                  out.scalar_type() == a.scalar_type(),
+              "mps_ext dense_tiled: out [M, N] = a [M, K] @ b [K, N] in one dtype, got ", a.sizes(), " @ ", b.sizes(),
+              " into ", out.sizes());
+  if (out.numel() == 0) return;
+  Problem pr = make_problem(a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0), 1, nullptr, nullptr);
+  // (Zero, not the views' sizes: they would only decide the 16-byte loads'
+  // alignment of a batch that does not exist.)
+  pr.p.a_batch = pr.p.b_batch = pr.p.out_batch = 0;
+  run(pr, out, type_name(a.scalar_type()));
+}
+
 // ---------------------------------------------------- _scaled_grouped_mm --
 namespace {
 
