@@ -10,6 +10,10 @@ kernels) at the MoE router's and an expert's (2 outputs per simdgroup). --quick 
 ones. rms_norm_linear (the input norm in the GEMV that reads it) at the
 decoder layers' fused projections of Qwen3.6 and LFM2.5 (NORMED_SHAPES). On a Mac, each timed call starts with the weight out of the
 system-level cache (common.mac_times).
+
+Prefill (PREFILL): F.linear past 8 rows in fp16 and bf16 (gmm_tiled_dense, a 64 x 64 tile a threadgroup), measured
+on one 64-row strip of 4 tiles (bench_scaled_mm's SAMPLE_M x SAMPLE_N block), which every other strip of the product
+repeats: the case stands for the whole product (its scale).
 """  # noqa: E501
 
 from __future__ import annotations
@@ -80,6 +84,38 @@ def prepare(k, n, rows, dtype, layout, misaligned) -> Prepared:
                     dram_bytes=lambda stats: dram_bytes(stats, x))
 
 
+# Prefill: (K -> N, model, rows), a dense projection's product past 8 rows.
+PREFILL = [(2048, 768, "a 2048-wide model's projection (Qwen3.6, Qwen3-30B-A3B: hidden 2048)", 128)]
+
+
+def prepare_prefill(k, n, rows, dtype) -> Prepared:
+    from benchmarks import bench_scaled_mm
+    run_rows, run_n = bench_scaled_mm.SAMPLE_M, min(bench_scaled_mm.SAMPLE_N, n)
+    w = (torch.randn(run_n, k) * k ** -0.5).to(dtype)
+    x = torch.randn(run_rows, k).to(dtype)
+    minimum = (rows * k + n * k + rows * n) * w.element_size()
+
+    def scale(stats):
+        return bench_scaled_mm.tiles(rows, n) / stats[0].total_threadgroups
+
+    def extras(stats):
+        (d,) = stats
+        wi = d.buffer("w")
+        return {"weight read / size": f"{d.bytes_read[wi] * scale(stats) / (n * k * w.element_size()):.3f}",
+                "16-byte loads": f"{d.read_widths[wi].get(16, 0) * 16 / d.bytes_read[wi]:.0%}",
+                "activation reads": f"{d.bytes_read[d.buffer('a')] * scale(stats) / (rows * k * x.element_size()):.0f}"}
+
+    def mac():
+        wm, xm = torch.randn(n, k, dtype=dtype, device="mps"), torch.randn(rows, k, dtype=dtype, device="mps")
+
+        def step():
+            return torch.nn.functional.linear(xm, wm)
+
+        return step, step
+
+    return Prepared(lambda: torch.ops.mps_ext.linear(x, w, None), minimum, mac, extras, scale)
+
+
 # A decoder layer's input norm in the GEMV of the projections that read it
 # (torch.ops.mps_ext.rms_norm_linear: mps_ext.optimize's decoder layers at
 # decode): (K -> N, model), bf16, one row, zero-centred norms (Qwen3.6) or
@@ -137,6 +173,12 @@ def cases(size: str) -> list[Case]:
                     id_ = f"{k}->{n} {layout} {labels['dtype']} rows={rows}" + (" misaligned" if misaligned else "")
                     out.append(Case("linear", id_, labels,
                                     lambda a=(k, n, rows, dtype, layout, misaligned): prepare(*a)))
+    for k, n, model, rows in PREFILL if size != "tiny" else []:
+        for dtype in (torch.float16, torch.bfloat16):
+            labels = {"K->N": f"{k}->{n}", "layer": model, "weight": "[N,K]", "dtype": str(dtype)[6:],
+                      "rows": str(rows)}
+            out.append(Case("linear", f"prefill {k}->{n} [N,K] {labels['dtype']} rows={rows}", labels,
+                            lambda a=(k, n, rows, dtype): prepare_prefill(*a)))
     for k, n, variant, model in NORMED_SHAPES if size != "tiny" else [(256, 128, "weight", "tiny")]:
         labels = {"K->N": f"{k}->{n}", "layer": f"{model}, with its input norm", "weight": "[N,K]",
                   "dtype": "bfloat16", "rows": "1"}

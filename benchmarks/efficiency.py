@@ -213,7 +213,7 @@ class Shape:
 
 
 def shape_of(op: str, labels: dict[str, str]) -> Shape | None:
-    """The Shape of a scaled_mm or grouped_mm benchmark case that runs a
+    """The Shape of a scaled_mm, grouped_mm or linear benchmark case that runs a
     tiled kernel (prefill: more than 8 rows per product), else None."""
     if op == "scaled_mm":
         rows = int(labels["rows"])
@@ -223,6 +223,14 @@ def shape_of(op: str, labels: dict[str, str]) -> Shape | None:
         dtype = _DTYPES.get(labels["activation"], torch.bfloat16)
         act = dtype.itemsize if labels["activation"] in _DTYPES else 1
         return Shape(dtype, bench_scaled_mm.SAMPLE_M, min(bench_scaled_mm.SAMPLE_N, n), k, 1, rows, n, act, 1)
+    if op == "linear":  # bench_linear's prefill cases: a SAMPLE_M x SAMPLE_N block of gmm_tiled_dense's tiles
+        rows = int(labels["rows"])
+        if rows <= 8:
+            return None
+        k, n = (int(v) for v in labels["K->N"].split("->"))
+        dtype = _DTYPES[labels["dtype"]]
+        return Shape(dtype, bench_scaled_mm.SAMPLE_M, min(bench_scaled_mm.SAMPLE_N, n), k, 1, rows, n,
+                     dtype.itemsize, dtype.itemsize)
     if op == "grouped_mm":
         rows = int(labels["tokens / rows"])
         m = re.search(r"(\d+)->(\d+), (\d+) experts", labels["model"])

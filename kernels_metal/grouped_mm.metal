@@ -25,6 +25,10 @@
 //                  In the rows mode a tile of 64 rows may span several
 //                  groups; it accumulates each group's rows against that
 //                  group's weights (other rows masked to zero).
+// gmm_tiled_dense  the same kernel for a dense product (linear.cpp's
+//                  F.linear / mm / addmm past 8 rows): the batched mode with
+//                  one group, fixed at compile time, so it never reads offs
+//                  and keeps none of the other modes' code.
 //
 // Element types: float, half, bfloat, and float8_e4m3fn bytes (uchar),
 // decoded as value / 256 (fp8_codec.h: e4m3 bits placed into half bits, four
@@ -533,7 +537,8 @@ MPS_EXT_INLINE void gmm_load_b(
 
 // The kernel's body, for b's K contiguous (B_K_MAJOR) or not: one
 // specialisation each, so that neither keeps the other's staging registers.
-template <typename T, typename TO, bool B_K_MAJOR>
+// DENSE: p's mode is GMM_MODE_BATCHED with one group (the host's contract).
+template <typename T, typename TO, bool B_K_MAJOR, bool DENSE>
 MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
                                    const device T* a,
                                    const device T* w,
@@ -562,10 +567,11 @@ MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
   threadgroup TO* Cs = (threadgroup TO*)tile;
   const uint r0 = tg.y * BM, n0 = tg.x * BN;
   const uint r1 = min(r0 + BM, p.m);
+  const uint mode = DENSE ? uint(GMM_MODE_BATCHED) : p.mode;
 
   // The groups this tile meets, [g_begin, g_end), and the K range of each.
   uint g_begin, g_end;
-  if (p.mode == GMM_MODE_ROWS) {
+  if (mode == GMM_MODE_ROWS) {
     if (sg == 0) {
       const uint g = find_group(offs, p.groups, p.m, r0, lane);
       if (lane == 0) first[0] = g;
@@ -598,14 +604,14 @@ MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
   for (uint g = g_begin; g < g_end; ++g) {
     // Rows [seg0, seg1) of this tile belong to group g; K runs over [k0, k1).
     uint seg0 = r0, seg1 = r1, k0 = 0, k1 = p.k;
-    if (p.mode == GMM_MODE_ROWS) {
+    if (mode == GMM_MODE_ROWS) {
       const uint start = group_start(offs, g, p.m);
       if (start >= r1) break;  // this group and all later ones start past the tile
       seg0 = max(r0, start);
       seg1 = min(r1, group_end(offs, g, p.m));
       if (seg0 >= seg1) continue;  // an empty group
       for (uint i = seg0 + tid; i < seg1; i += THREADS) row_group[i - r0] = g;
-    } else if (p.mode == GMM_MODE_K) {
+    } else if (mode == GMM_MODE_K) {
       k0 = min(group_start(offs, g, p.k), p.k);
       k1 = max(k0, group_end(offs, g, p.k));
     }
@@ -664,7 +670,7 @@ MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
   }
 
   // Rows past offs[-1] belong to no group: torch leaves them unwritten too.
-  const uint rows_end = p.mode == GMM_MODE_ROWS ? min(r1, group_end(offs, p.groups - 1, p.m)) : r1;
+  const uint rows_end = mode == GMM_MODE_ROWS ? min(r1, group_end(offs, p.groups - 1, p.m)) : r1;
   // The last stage's products are done with the tiles, and row_group is
   // complete (with K = 0 no stage's barrier followed its writes).
   threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -674,7 +680,7 @@ MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
   for (uint i = 0; i < FM; ++i) {
     const uint r = sr + 8 * i + fr, m = r0 + r;
     // (min: offsets out of order, which torch forbids, must still not read out of bounds)
-    const uint g = p.mode == GMM_MODE_ROWS ? min(row_group[r], p.groups - 1) : tg.z;
+    const uint g = mode == GMM_MODE_ROWS ? min(row_group[r], p.groups - 1) : tg.z;
     MPS_EXT_UNROLL
     for (uint j = 0; j < FN; ++j) {
       const uint c = sc + 8 * j + fc;
@@ -688,7 +694,7 @@ MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  const ulong out_base = p.mode == GMM_MODE_ROWS ? 0 : ulong(tg.z) * ulong(p.out_batch);
+  const ulong out_base = mode == GMM_MODE_ROWS ? 0 : ulong(tg.z) * ulong(p.out_batch);
   // Lanes along N (the output's rows are contiguous).
   for (uint i = tid; i < BM * BN; i += THREADS) {
     const uint c = i % BN, r = i / BN, m = r0 + r, n = n0 + c;
@@ -696,7 +702,7 @@ MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
   }
 }
 
-template <typename T, typename TO>
+template <typename T, typename TO, bool DENSE>
 [[max_total_threads_per_threadgroup(GMM_TILE_THREADS)]]
 kernel void gmm_tiled(device TO* out [[buffer(0)]],
                       const device T* a [[buffer(1)]],
@@ -717,10 +723,11 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
   threadgroup uint row_group[BM];  // rows mode: each row's group, for the scales
   threadgroup uint first[1];
   if (p.b_k == 1)
-    gmm_tiled_body<T, TO, true>(out, a, w, offs, p, row_scale, col_scale, tile, row_group, first, tg, tpos.x, sg, lane);
+    gmm_tiled_body<T, TO, true, DENSE>(out, a, w, offs, p, row_scale, col_scale, tile, row_group, first, tg, tpos.x,
+                                       sg, lane);
   else
-    gmm_tiled_body<T, TO, false>(out, a, w, offs, p, row_scale, col_scale, tile, row_group, first, tg, tpos.x, sg,
-                                 lane);
+    gmm_tiled_body<T, TO, false, DENSE>(out, a, w, offs, p, row_scale, col_scale, tile, row_group, first, tg, tpos.x,
+                                        sg, lane);
 }
 
 // ------------------------------------------------------ instantiations --
@@ -743,7 +750,9 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
   template [[host_name("gmm_decode_cols_" #tname "_scalar")]] kernel                                  \
       decltype(gmm_decode_cols<T, false>) gmm_decode_cols<T, false>;
 #define GMM_TILED(tname, T, TO) \
-  template [[host_name("gmm_tiled_" #tname)]] kernel decltype(gmm_tiled<T, TO>) gmm_tiled<T, TO>;
+  template [[host_name("gmm_tiled_" #tname)]] kernel decltype(gmm_tiled<T, TO, false>) gmm_tiled<T, TO, false>;
+#define GMM_TILED_DENSE(tname, T) \
+  template [[host_name("gmm_tiled_dense_" #tname)]] kernel decltype(gmm_tiled<T, T, true>) gmm_tiled<T, T, true>;
 // clang-format on
 
 GMM_DECODE_ROWS(f32, float, float, float)
@@ -762,3 +771,6 @@ GMM_TILED(f32, float, float)
 GMM_TILED(f16, half, half)
 GMM_TILED(bf16, bfloat, bfloat)
 GMM_TILED(e4m3, uchar, bfloat)
+// float32 stays torch's (linear.cpp): no dense variant.
+GMM_TILED_DENSE(f16, half)
+GMM_TILED_DENSE(bf16, bfloat)

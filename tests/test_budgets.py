@@ -118,6 +118,7 @@ GMM_DECODE = names(
 ) + names("gmm_decode_cols_{t}_{path}", t=("f32", "f16", "bf16"), path=("vec", "scalar"))
 _GMM_ROWS_OF_THE_LAYER = re.compile(r"gmm_decode_rows_(f32|f16|bf16)_vec$|gmm_decode_rows_bf16_e4m3w_")
 GMM_TILED = names("gmm_tiled_{t}", t=("f32", "f16", "bf16", "e4m3"))
+GMM_TILED_DENSE = names("gmm_tiled_dense_{t}", t=("f16", "bf16"))  # linear's prefill: gmm_tiled, one group
 MOE_ROUTE_COMBINE = names("moe_{step}_{t}", step=("route", "combine"), t=("f32", "f16", "bf16"))
 MOE_DOWN_COMBINE = names("moe_down_combine_{t}_{path}", t=("f32", "f16", "bf16", "bf16_e4m3w"),
                          path=("vec", "scalar"))
@@ -238,6 +239,7 @@ BUDGETS: dict[str, Budget] = {
     **{k: Budget("moe", full_occupancy=True, lines=lines(k), activation="a",
                  unreached=MOE_DOWN_COMBINE_SCALAR if k.endswith("_scalar") else "") for k in MOE_DOWN_COMBINE},
     **{k: Budget("grouped_mm", full_occupancy=False) for k in GMM_TILED},  # prefill tiles, as FP8's
+    **{k: Budget("linear", full_occupancy=False) for k in GMM_TILED_DENSE},  # the same tile, linear's prefill
     **{k: Budget("norm", full_occupancy=True) for k in RMS_NORM},  # streams a row through registers
     **{k: Budget("norm", full_occupancy=True) for k in ADD_RMS_NORM},  # rms_norm's rows, with the residual added
     **{k: Budget("norm", full_occupancy=True) for k in QK_NORM_ROPE},  # streams heads through registers, as RMSNorm
@@ -295,7 +297,8 @@ BUDGET_ONLY = [bench_moe.layer_case(BUDGET_LAYER, 1, fp8, dtype)
 BUDGET_ONLY += [bench_moe.layer_case(BUDGET_LAYER, 1, fp8, torch.bfloat16, residual=True) for fp8 in (False, True)]
 BUDGET_CASES = {
     "softmax": [c.id for c in op_cases("softmax", "quick")],  # all but the 4096 x 4096 attention scores
-    "linear": _LINEAR_SMALL + ["rms_norm_linear 2048->3072 weight bfloat16 rows=1"],
+    "linear": _LINEAR_SMALL + ["rms_norm_linear 2048->3072 weight bfloat16 rows=1"]
+    + [f"prefill 2048->768 [N,K] {t} rows=128" for t in ("float16", "bfloat16")],
     "pad": ["1x320x64x64 float32 [1, 1, 1, 1]", "1x512x64x64 bfloat16 [0, 1, 0, 1]",
             "1x3x1024x1024 uint8 [16, 16, 16, 16]", "8x4000 int64 [0, 96]"],
     # batched small inverses and every 32 x 32 case (128 x 128 ones take a minute each)
@@ -501,7 +504,7 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
                           "slice for 64 MMAs a stage, where steel's full tile gets 128"),
     },
     "coalescing": {
-        **{k: GMM_TILED_HALF_LINES for k in ("gmm_tiled_f16", "gmm_tiled_bf16", "gmm_tiled_e4m3")},
+        **{k: GMM_TILED_HALF_LINES for k in ("gmm_tiled_f16", "gmm_tiled_bf16", "gmm_tiled_e4m3", *GMM_TILED_DENSE)},
         # The layer hands q, k, v over as a transposed view of its convolution's output ([batch, channels,
         # tokens] transposed: a channel's tokens are contiguous, a token's channels are `tokens` apart), and the
         # prep kernel's lanes read along dk: every lane its own line (32.0 on q in the benchmark case, which
@@ -530,7 +533,7 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
     "decode_registers": {},
     "no_load_after_barrier": {
         **{k: FP8_TILE_LOADS_AFTER_BARRIER for k in FP8_TILE},
-        **{k: GMM_TILED_LOADS_AFTER_BARRIER for k in GMM_TILED},
+        **{k: GMM_TILED_LOADS_AFTER_BARRIER for k in GMM_TILED + GMM_TILED_DENSE},
     },
     "threadgroups_per_core": {},
     "threadgroup_memory_residency": {},
@@ -846,7 +849,8 @@ def steel_miss(d, op: str, case: str) -> str:
             f"{ours.flops_per_device_byte:.1f} against {steel.flops_per_device_byte:.1f})")
 
 
-@pytest.mark.parametrize("kernel", params("steel", [k for k in FP8_TILE + GMM_TILED if not BUDGETS[k].unreached]))
+@pytest.mark.parametrize("kernel", params("steel", [k for k in FP8_TILE + GMM_TILED + GMM_TILED_DENSE
+                                                   if not BUDGETS[k].unreached]))
 def test_matrix_efficiency_against_steel(kernel):
     op = BUDGETS[kernel].op
     miss = {case: m for case, d in dispatches(kernel) for m in [steel_miss(d, op, case)] if m}

@@ -345,7 +345,7 @@ def test_each_fallback_gives_torchs_result_counts_its_reason_and_calls_torch_unb
         mps_ext.set_enabled("pad", True)
     s = mps_ext.stats()
     assert [s[f]["ran"] for f in ("linear", "linalg", "pad")] == [0, 0, 0]
-    assert s["linear"]["fallbacks"] == {"more than 8 rows (a general matmul)": 1,
+    assert s["linear"]["fallbacks"] == {"float32 with more than 8 rows (a general matmul)": 1,
                                         "dtype Long (float32, float16 and bfloat16 are handled)": 1,
                                         "an out tensor of another dtype": 1, "policy: a test rule": 1}
     assert s["linalg"]["fallbacks"] == {"matrices of more than 512 rows": 1}

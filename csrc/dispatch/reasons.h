@@ -70,7 +70,8 @@
   A(rows_past, "matrices of more than {n} rows")                                                                    \
   /* linear */                                                                                                      \
   X(activation_offsets_past_2_31, "activation offsets past 2^31 elements")                                          \
-  X(rows_past_8, "more than 8 rows (a general matmul)")                                                             \
+  X(float32_rows_past_8, "float32 with more than 8 rows (a general matmul)")                                        \
+  X(tile_beta_alpha, "beta or alpha other than 1 with more than 8 rows")                                            \
   X(bias_not_1d_n, "a bias that is not 1-D of size N")                                                              \
   X(rows_do_not_flatten, "activation rows that do not flatten without a copy")                                      \
   X(out_of_another_dtype, "an out tensor of another dtype")                                                         \

@@ -140,6 +140,7 @@ struct Problem {
   at::Tensor a, b, out;             // bound as they are, with the strides in p
   at::Tensor row_scale, col_scale;  // undefined without scales
   at::Tensor rows_of;               // p.gather: the slot of each row (fused MoE ops)
+  bool dense = false;               // one batched group: gmm_tiled_dense (dense_tiled)
 };
 
 Problem make_problem(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, int64_t groups,
@@ -262,7 +263,7 @@ void run(const Problem& pr, const at::Tensor& offs, const std::string& types, bo
     l.threadgroups = {static_cast<uint32_t>(ceil_div(p.n, decode_cols_columns(vec, item))), p.m, 1};
     l.threads_per_threadgroup = {DECODE_COLS_THREADS, 1, 1};
   } else {
-    name = "gmm_tiled_" + types;
+    name = (pr.dense ? "gmm_tiled_dense_" : "gmm_tiled_") + types;
     // 16-byte loads of a stage's pieces: a's K contiguous and its rows 16-byte
     // aligned; b's contiguous dimension (K or N) likewise, and its groups.
     const bool b_rows = (p.b_k == 1 && aligned16(pr.b, p.b_n)) || (p.b_k != 1 && p.b_n == 1 && aligned16(pr.b, p.b_k));
@@ -313,6 +314,28 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const c10::optio
   if (out.numel() == 0 || groups == 0) return out;
   run(make_problem(a, b, out, groups, nullptr, nullptr), offs_for_kernel(offs, out), type_name(a.scalar_type()));
   return out;
+}
+
+// ---------------------------------------------------- dense products --
+// A dense product is a grouped one with one group: the batched mode over the
+// operands seen with a batch dimension of 1, run by gmm_tiled's dense
+// instantiation (the mode fixed at compile time). It reads no offs (the
+// output stands in for the buffer) and no batch strides (group 0 only).
+Reason dense_tiled_unsupported(const at::Tensor& a, const at::Tensor& b) { return problem_unsupported(a, b); }
+
+void dense_tiled(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(0) && out.size(0) == a.size(0) &&
+                  out.size(1) == b.size(1) && a.scalar_type() == b.scalar_type() &&
+                  out.scalar_type() == a.scalar_type(),
+              "mps_ext dense_tiled: out [M, N] = a [M, K] @ b [K, N] in one dtype, got ", a.sizes(), " @ ", b.sizes(),
+              " into ", out.sizes());
+  if (out.numel() == 0) return;
+  Problem pr = make_problem(a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0), 1, nullptr, nullptr);
+  // (Zero, not the views' sizes: they would only decide the 16-byte loads'
+  // alignment of a batch that does not exist.)
+  pr.p.a_batch = pr.p.b_batch = pr.p.out_batch = 0;
+  pr.dense = true;
+  run(pr, out, type_name(a.scalar_type()));
 }
 
 // ---------------------------------------------------- _scaled_grouped_mm --

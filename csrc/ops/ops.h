@@ -47,8 +47,9 @@ at::Tensor softmax_backward(const at::Tensor& grad, const at::Tensor& output, in
 Reason pad_unsupported(const at::Tensor& self, c10::IntArrayRef pad);
 at::Tensor constant_pad(const at::Tensor& self, c10::IntArrayRef pad, const c10::Scalar& value);
 
-// linear.cpp: aten::linear, aten::mm, aten::addmm (and their out= forms)
-// with 1 to 8 activation rows.
+// linear.cpp: aten::linear, aten::mm, aten::addmm (and their out= forms):
+// 1 to 8 activation rows as GEMVs; more rows (prefill) in float16 and
+// bfloat16 as gmm_tiled's dense product (grouped_mm.cpp's dense_tiled).
 Reason linear_unsupported(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 // `op`: the aten op called ("aten::mm.out"); `self`: addmm's bias (nullptr
@@ -71,6 +72,11 @@ at::Tensor& addmm_out(const at::Tensor& self, const at::Tensor& mat1, const at::
 Reason grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b);
 at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& offs,
                       const c10::optional<at::Tensor>& bias, c10::optional<c10::ScalarType> out_dtype);
+// A dense product out [M, N] = a [M, K] @ b [K, N] (2-D strided views, one
+// dtype, out not overlapping a or b): gmm_tiled in its batched mode with one
+// group, which reads no offsets (linear.cpp's prefill calls).
+Reason dense_tiled_unsupported(const at::Tensor& a, const at::Tensor& b);
+void dense_tiled(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out);
 Reason scaled_grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b);
 at::Tensor scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                              const at::Tensor& scale_b, const c10::optional<at::Tensor>& offs,
