@@ -30,6 +30,9 @@ class Condition(str, enum.Enum):
     ONE_ROW = "one_row"
     # _scaled_mm_v2 calls torch 2.15's kernel takes (csrc/ops/scaled_mm.cpp, policy).
     TORCH_SCALED_MM = "torch_scaled_mm"
+    # _grouped_mm calls but the bfloat16 prefills torch 2.15 runs on its
+    # simdgroup tile (csrc/ops/grouped_mm.cpp, policy).
+    TORCH_GROUPED_MM = "torch_grouped_mm"
 
     def describe(self) -> str:
         """The calls, in words (mps_ext.family_status)."""
@@ -37,6 +40,8 @@ class Condition(str, enum.Enum):
             Condition.ONE_ROW: "one row",
             Condition.TORCH_SCALED_MM: "tensor-wise and row-wise float8_e4m3fn, with outputs and bias torch's kernel "
                                        "takes, K and N, operand storage offsets and strides multiples of 16",
+            Condition.TORCH_GROUPED_MM: "all but bfloat16 2D x 3D and 3D x 2D products of more than 64 jagged rows "
+                                        "with K contiguous in both operands",
         }[self]
 
 
@@ -92,7 +97,7 @@ NATIVE: dict[str, list[Native]] = {
     ],
     "grouped_mm": [
         Native((2, 15), ("aten::_grouped_mm",), "torch 2.15 has its own Metal _grouped_mm, which reads offs only "
-               "on the GPU"),
+               "on the GPU", calls=Condition.TORCH_GROUPED_MM),
     ],
     "linear": [Native((2, 14), ("aten::mm", "aten::addmm", "aten::mm.out", "aten::addmm.out"),
                       "torch 2.14 has its own one-row GEMV for mm and addmm", calls=Condition.ONE_ROW)],

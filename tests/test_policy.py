@@ -115,11 +115,12 @@ def test_what_each_release_leaves_to_torch():
     assert left["aten::linalg_inv_ex"].scope() == "not complex64"
     assert left["aten::linalg_lu_factor_ex"].scope() == left["aten::linalg_lu"].scope() == "not pivot=False"
     assert _policy.steps_aside("linalg", ops["linalg"], "2.15.0") is None
-    # grouped_mm on 2.15: torch's Metal _grouped_mm; _scaled_grouped_mm, which
-    # no release has on MPS, stays (so the family is installed).
+    # grouped_mm on 2.15: torch's Metal _grouped_mm but for the bfloat16
+    # prefills the op picks (tests/ops/test_grouped_mm.py, policy);
+    # _scaled_grouped_mm, which no release has on MPS, stays.
     assert _policy.left_to_torch("grouped_mm", "2.14.1") == {}
     assert set(_policy.left_to_torch("grouped_mm", "2.15.0")) == {"aten::_grouped_mm"}
-    assert _policy.left_to_torch("grouped_mm", "2.15.0")["aten::_grouped_mm"].whole()
+    assert _policy.left_to_torch("grouped_mm", "2.15.0")["aten::_grouped_mm"].calls == _policy.Condition.TORCH_GROUPED_MM
     assert _policy.steps_aside("grouped_mm", ops["grouped_mm"], "2.15.0") is None
     for fam, natives in _policy.NATIVE.items():
         for native in natives:

@@ -80,9 +80,13 @@ constexpr size_t kFamilyCount = 0 MPS_EXT_FAMILIES(MPS_EXT_FAMILY_ONE);
 //     torch 2.14's own GEMV (linear.cpp).
 //   torch_scaled_mm: tensor-wise and row-wise float8_e4m3fn _scaled_mm_v2
 //     with outputs, bias and alignment torch 2.15's kernel takes (scaled_mm.cpp).
+//   torch_grouped_mm: every _grouped_mm call but the bfloat16 jagged-row
+//     prefills (more than 64 rows, the experts' K contiguous), which torch
+//     2.15 runs on its simdgroup tile and mps_ext on gmm_tiled (grouped_mm.cpp).
 #define MPS_EXT_CONDITIONS(X) \
   X(one_row)                  \
-  X(torch_scaled_mm)
+  X(torch_scaled_mm)          \
+  X(torch_grouped_mm)
 
 enum class Condition : uint8_t {
   all,  // no condition: route applies the rule (with its kept dtypes and arguments)

@@ -594,12 +594,38 @@ const RoutedOp kGroupedMm(FamilyId::grouped_mm, "aten::_grouped_mm"),
     kScaledGroupedMm(FamilyId::grouped_mm, "aten::_scaled_grouped_mm"),
     kScaledGroupedMmV2(FamilyId::grouped_mm, "aten::_scaled_grouped_mm_v2");
 
+// The policy, for a rule that leaves to torch the calls picked here
+// (mps_ext/_policy.py; on MPS from torch 2.15): torch's _grouped_mm_mps
+// (operations/GroupedMM.mm, grouped_mm_out_mps) takes a jagged-row product
+// (2D x 3D; 3D x 2D through its transpose) of at most min(32, groups) rows
+// with K contiguous in both operands to its few-rows kernel, which streams
+// each chosen expert's weights once, as mps_ext's decode kernel does. What
+// mps_ext takes back is only what docs/dev/policy.md counted better: bfloat16
+// jagged-row products of more than kDecodeMaxRows rows (where mps_ext runs
+// gmm_tiled; fewer run its decode kernel, not counted against torch's tile)
+// with K contiguous in both operands, which torch runs on its simdgroup tile.
+// Everything else (2D x 2D on torch's K-split tile, 3D x 3D on its bmm, other
+// dtypes and layouts) is the torch_grouped_mm condition's: the rule's reason,
+// or none. Shapes and strides only; offs is never read.
+Reason policy(c10::DispatchKey key, const at::Tensor& a, const at::Tensor& b) {
+  const Reason rule = kGroupedMm.picked(key, Condition::torch_grouped_mm);
+  if (!rule) return {};
+  const bool jagged_rows = a.dim() == 2 && b.dim() == 3, jagged_cols = a.dim() == 3 && b.dim() == 2;
+  if (!(jagged_rows || jagged_cols) || a.scalar_type() != at::kBFloat16) return rule;
+  // The jagged dimension: a's rows, or (transposed) b's columns.
+  const int64_t rows = jagged_rows ? a.size(0) : b.size(1);
+  const bool k_contiguous = a.stride(-1) == 1 && b.stride(-2) == 1;
+  return rows > kDecodeMaxRows && k_contiguous ? Reason() : rule;
+}
+
 template <DispatchKey K>
 at::Tensor grouped_mm_impl(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& offs,
                            const c10::optional<at::Tensor>& bias, c10::optional<c10::ScalarType> out_dtype) {
+  Reason why = grouped_mm_unsupported(a, b);
+  if (!why && a.dim() >= 2 && b.dim() >= 2) why = policy(K, a, b);
   return route<decltype(grouped_mm_impl<K>)>(
-      kGroupedMm, K, grouped_mm_unsupported(a, b), [&] { return mps_ext::grouped_mm(a, b, offs, bias, out_dtype); }, a,
-      b, offs, bias, out_dtype);
+      kGroupedMm, K, why, [&] { return mps_ext::grouped_mm(a, b, offs, bias, out_dtype); }, a, b, offs, bias,
+      out_dtype);
 }
 
 template <DispatchKey K>

@@ -478,3 +478,57 @@ def test_meta_kernel_gives_the_kernels_sizes_and_strides(layout, dtype):
     assert meta.device.type == "meta"
     for t in (got, meta):
         assert (t.shape, t.stride(), t.dtype) == (want.shape, want.stride(), want.dtype)
+
+
+# ------------------------------------------------------- policy (2.15) --
+def _policy_calls():
+    """(what, a, b, counts, mps_ext's kernel runs) under torch 2.15's rule
+    (mps_ext/_policy.py, torch_grouped_mm): mps_ext takes back only the
+    bfloat16 jagged-row products of more than 64 rows with K contiguous in
+    both operands (torch's simdgroup tile against gmm_tiled, counted in
+    docs/dev/policy.md); the rest stays with torch."""
+    bf16, k, n = torch.bfloat16, 32, 16
+    x = lambda m: randn(m, k, dtype=bf16)  # noqa: E731
+    return [
+        # torch's few-rows kernel (GroupedMM.mm: rows <= min(32, groups), K contiguous in both): decode
+        ("few rows", x(8), experts(16, n, k, bf16, "nk"), [1] * 8 + [0] * 8, False),
+        # torch's simdgroup tile, but mps_ext's decode kernel (not counted against it)
+        ("40 rows", x(40), experts(16, n, k, bf16, "nk"), [3] * 8 + [2] * 8, False),
+        ("64 rows", x(64), experts(4, n, k, bf16, "nk"), [16] * 4, False),
+        # a prefill: torch's simdgroup tile, mps_ext's gmm_tiled
+        ("65 rows", x(65), experts(4, n, k, bf16, "nk"), [16, 16, 16, 17], True),
+        ("3D x 2D, 100 columns", randn(4, n, k, dtype=bf16), x(100).t(), [25] * 4, True),
+        # not counted: another dtype, N contiguous weights, a's K strided, 2D x 2D, 3D x 3D (torch's bmm)
+        ("float32", randn(100, k), experts(4, n, k, torch.float32, "nk"), [25] * 4, False),
+        ("weights [E, K, N]", x(100), experts(4, n, k, bf16, "kn"), [25] * 4, False),
+        ("a's K strided", randn(k, 128, dtype=bf16).t(), experts(4, n, k, bf16, "nk"), [32] * 4, False),
+        ("2D x 2D", x(128).t().contiguous(), randn(128, n, dtype=bf16), [32] * 4, False),
+        ("3D x 3D", randn(4, 100, k, dtype=bf16), experts(4, n, k, bf16, "nk"), None, False),
+    ]
+
+
+def test_torch_2_15_takes_decode_and_mps_ext_bf16_prefill_by_shape_alone(cpu_policy):
+    """The 2.15 rule installed on the CPU key: each call goes where the rule
+    says, for two routings of the same shapes (the decision is the shapes'),
+    and nothing but torch's own CPU kernel (which copies offs to the CPU)
+    touches offs: the policy never reads it."""
+    from mps_ext import _policy
+    mps_ext._leave_to_torch("grouped_mm", _policy.left_to_torch("grouped_mm", "2.15.0"), "CPU")
+    for what, a, b, counts, ours in _policy_calls():
+        routings = [None] if counts is None else [counts, [sum(counts)] + [0] * (len(counts) - 1)]
+        for routing in routings:
+            offs = None if routing is None else offsets(routing)
+            mps_ext.reset_stats()
+            _GuardedOffsets.touched.clear()
+            got = torch.ops.mps_ext._grouped_mm(a, b, None if offs is None else guarded(offs))
+            s = mps_ext.stats()["grouped_mm"]
+            assert s["ran"] == int(ours), what
+            assert list(s["fallbacks"]) == ([] if ours else [mps_ext.POLICY_PREFIX + _policy.NATIVE["grouped_mm"][0]
+                                                              .what]), what
+            # torch's CPU fallback copies offs to the CPU (aten.to); mps_ext's decision reads nothing of it
+            assert _GuardedOffsets.touched == ([] if ours or offs is None else ["aten.to.dtype_layout"]), what
+            want = torch._grouped_mm(a, b, offs=offs)
+            if a.dim() == 2 and b.dim() == 3:
+                check_rows(got, want, offs, a.dtype, a.shape[-1])
+            else:
+                torch.testing.assert_close(got, want, **tol(a.dtype, a.shape[-1]))
