@@ -89,9 +89,13 @@ struct GemvJob {
 template <typename T, int Q>
 struct DecodeRowLoads<GemvJob<T, Q, true>> {
   typedef GemvJob<T, Q, true> Job;
-  static MPS_EXT_INLINE uint4 piece(thread const Job& job, int r, int k) { return rms_normed_piece(job.normed, job.op.k, r, k); }
+  static MPS_EXT_INLINE uint4 piece(thread const Job& job, int r, int k) {
+    return rms_normed_piece(job.normed, job.op.k, r, k);
+  }
   template <typename I>
-  static MPS_EXT_INLINE float one(thread const Job& job, int r, I k) { return rms_normed_one(job.normed, job.op.k, r, int(k)); }
+  static MPS_EXT_INLINE float one(thread const Job& job, int r, I k) {
+    return rms_normed_one(job.normed, job.op.k, r, int(k));
+  }
 };
 
 // gemv_cols: the weight's columns; with K split, partial sums.

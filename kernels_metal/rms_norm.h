@@ -98,8 +98,8 @@ MPS_EXT_INLINE void rms_norm_rows_into(threadgroup T* normed,
 // Threadgroup 0 writes the normed rows out too (the model's forward passes
 // them on to the attention, which reads their shape).
 template <typename T>
-MPS_EXT_INLINE void rms_norm_rows_out(device T* normed_out, const threadgroup T* normed, constant RmsNormParams& np,
-                                      uint group, uint tid, uint threads) {
+MPS_EXT_INLINE void rms_norm_rows_out(
+    device T* normed_out, const threadgroup T* normed, constant RmsNormParams& np, uint group, uint tid, uint threads) {
   if (group == 0)
     for (uint i = tid; i < np.rows * np.n; i += threads) normed_out[i] = normed[i];
 }

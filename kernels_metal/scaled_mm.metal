@@ -194,9 +194,13 @@ struct Fp8GemvJob {
 template <typename A, int Q>
 struct DecodeRowLoads<Fp8GemvJob<A, Q, true>> {
   typedef Fp8GemvJob<A, Q, true> Job;
-  static MPS_EXT_INLINE uint4 piece(thread const Job& job, int r, int k) { return rms_normed_piece(job.normed, job.op.k, r, k); }
+  static MPS_EXT_INLINE uint4 piece(thread const Job& job, int r, int k) {
+    return rms_normed_piece(job.normed, job.op.k, r, k);
+  }
   template <typename I>
-  static MPS_EXT_INLINE float one(thread const Job& job, int r, I k) { return rms_normed_one(job.normed, job.op.k, r, int(k)); }
+  static MPS_EXT_INLINE float one(thread const Job& job, int r, I k) {
+    return rms_normed_one(job.normed, job.op.k, r, int(k));
+  }
 };
 
 // The threadgroup memory of fp8_gemv_rows, which its kernels declare: the
@@ -278,8 +282,8 @@ kernel void fp8_gemv(device uchar* y [[buffer(0)]],
   threadgroup uint tile[fp8_gemv_tile_words<A, R, VEC, false>()];
   threadgroup float sa_tile[FP8_GEMV_SA_FLOATS(R)];
   threadgroup float sb_tile[FP8_GEMV_SB_FLOATS];
-  fp8_gemv_rows<A, R, VEC, false>(tile, sa_tile, sb_tile, y, x, nullptr, w, p, scale_a, scale_b, bias, scale_result, group, tid, threads, sg,
-                                  simdgroups, lane);
+  fp8_gemv_rows<A, R, VEC, false>(tile, sa_tile, sb_tile, y, x, nullptr, w, p, scale_a, scale_b, bias, scale_result,
+                                  group, tid, threads, sg, simdgroups, lane);
 }
 
 // ----------------------------------------------------- rms_norm_fp8_gemv --
@@ -320,8 +324,8 @@ kernel void rms_norm_fp8_gemv(device uchar* y [[buffer(0)]],
   threadgroup uint tile[fp8_gemv_tile_words<A, R, VEC, true>()];
   threadgroup float sa_tile[FP8_GEMV_SA_FLOATS(R)];
   threadgroup float sb_tile[FP8_GEMV_SB_FLOATS];
-  fp8_gemv_rows<A, R, VEC, true>(tile, sa_tile, sb_tile, y, x, normed, w, p, scale_a, scale_b, bias, scale_result, group, tid, threads, sg,
-                                 simdgroups, lane);
+  fp8_gemv_rows<A, R, VEC, true>(tile, sa_tile, sb_tile, y, x, normed, w, p, scale_a, scale_b, bias, scale_result,
+                                 group, tid, threads, sg, simdgroups, lane);
 }
 
 // ---------------------------------------------------------- fp8_mm_tile --
