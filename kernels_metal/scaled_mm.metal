@@ -279,7 +279,8 @@ kernel void fp8_gemv(device uchar* y [[buffer(0)]],
                      uint sg [[simdgroup_index_in_threadgroup]],
                      uint simdgroups [[simdgroups_per_threadgroup]],
                      uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup uint tile[fp8_gemv_tile_words<A, R, VEC, false>()];
+  constexpr int TILE_WORDS = fp8_gemv_tile_words<A, R, VEC, false>();
+  threadgroup uint tile[TILE_WORDS];
   threadgroup float sa_tile[FP8_GEMV_SA_FLOATS(R)];
   threadgroup float sb_tile[FP8_GEMV_SB_FLOATS];
   fp8_gemv_rows<A, R, VEC, false>(tile, sa_tile, sb_tile, y, x, nullptr, w, p, scale_a, scale_b, bias, scale_result,
@@ -321,7 +322,8 @@ kernel void rms_norm_fp8_gemv(device uchar* y [[buffer(0)]],
   threadgroup T* normed = (threadgroup T*)normed_mem;
   rms_norm_rows_into<T>(normed, x, norm_w, np, sums, tid, threads, sg, simdgroups, lane);
   rms_norm_rows_out(normed_out, (const threadgroup T*)normed, np, group, tid, threads);
-  threadgroup uint tile[fp8_gemv_tile_words<A, R, VEC, true>()];
+  constexpr int TILE_WORDS = fp8_gemv_tile_words<A, R, VEC, true>();
+  threadgroup uint tile[TILE_WORDS];
   threadgroup float sa_tile[FP8_GEMV_SA_FLOATS(R)];
   threadgroup float sb_tile[FP8_GEMV_SB_FLOATS];
   fp8_gemv_rows<A, R, VEC, true>(tile, sa_tile, sb_tile, y, x, normed, w, p, scale_a, scale_b, bias, scale_result,
