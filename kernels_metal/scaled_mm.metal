@@ -136,7 +136,7 @@ enum {
 template <typename A, int Q, bool NORMED = false>
 struct Fp8GemvJob {
   // (16: the block scales of a piece and their addresses stay live too)
-  enum { BLOCK_SCALED = 1, BUDGET = 16, TILE_BYTES = NORMED ? RMS_GEMV_TILE_BYTES : DECODE_TILE_BYTES };
+  enum { BLOCK_SCALED = 1, BUDGET = 16, TILE_BYTES = NORMED ? RMS_FP8_GEMV_TILE_BYTES : DECODE_TILE_BYTES };
   DecodeOperands<typename A::Format, DecodeFp8> op;
   device uchar* y;
   const device typename A::T* x;

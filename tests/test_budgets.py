@@ -468,6 +468,8 @@ RMS_NORM_DIVISIONS = ("rms_norm: 2 IEEE float divisions per row (ss / n, torch's
 # kernel -> (32-bit integer, float) divisions per thread measured, busiest thread over the cases
 UNEXAMINED_FIGURES: dict[str, tuple[int, int]] = {
     **{k: (16, 0) for k in FP8_GEMV},
+    # (after the norm: fp8_gemv's, and the norm's 2 per row, ss / n and 1 / sqrt(...))
+    **{k: (16, 2) for k in RMS_FP8_GEMV},
     **{k: (1, 1) for k in names("gmm_decode_rows_{t}_vec", t=("f32", "f16", "bf16", "bf16_e4m3w"))},
     **{k: (1, 0) for k in names("gmm_decode_cols_{t}_{path}", t=("f32", "f16", "bf16"), path=("vec", "scalar"))},
     **{k: (0, 16) for k in MOE_ROUTE_COMBINE if k.startswith("moe_route_")},
