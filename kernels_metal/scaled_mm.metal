@@ -132,11 +132,12 @@ enum {
 };
 
 // NORMED (rms_norm_fp8_gemv): the activation rows are `normed`, rows of K
-// in threadgroup memory (DecodeRowLoads below), not x.
-template <typename A, int Q, bool NORMED = false>
+// in threadgroup memory (DecodeRowLoads below), not x. TILE: the decode
+// tile's bytes (fp8_gemv_tile_bytes).
+template <typename A, int Q, bool NORMED = false, int TILE = DECODE_TILE_BYTES>
 struct Fp8GemvJob {
   // (16: the block scales of a piece and their addresses stay live too)
-  enum { BLOCK_SCALED = 1, BUDGET = 16, TILE_BYTES = NORMED ? RMS_FP8_GEMV_TILE_BYTES : DECODE_TILE_BYTES };
+  enum { BLOCK_SCALED = 1, BUDGET = 16, TILE_BYTES = TILE };
   DecodeOperands<typename A::Format, DecodeFp8> op;
   device uchar* y;
   const device typename A::T* x;
@@ -191,9 +192,9 @@ struct Fp8GemvJob {
   }
 };
 
-template <typename A, int Q>
-struct DecodeRowLoads<Fp8GemvJob<A, Q, true>> {
-  typedef Fp8GemvJob<A, Q, true> Job;
+template <typename A, int Q, int TILE>
+struct DecodeRowLoads<Fp8GemvJob<A, Q, true, TILE>> {
+  typedef Fp8GemvJob<A, Q, true, TILE> Job;
   static MPS_EXT_INLINE uint4 piece(thread const Job& job, int r, int k) {
     return rms_normed_piece(job.normed, job.op.k, r, k);
   }
@@ -203,12 +204,19 @@ struct DecodeRowLoads<Fp8GemvJob<A, Q, true>> {
   }
 };
 
+// The decode tile's bytes: after the norm, RMS_FP8_GEMV_TILE_BYTES for the
+// 16-byte variants (with the scales' tiles within the threadgroup memory
+// linear_params.h allows), RMS_GEMV_TILE_BYTES for element loads (their
+// tile of 1-element pieces must still hold a whole 128-element scale block
+// at 8 rows: decode_rows' static_assert).
+constexpr int fp8_gemv_tile_bytes(bool vec, bool normed) {
+  return !normed ? DECODE_TILE_BYTES : vec ? RMS_FP8_GEMV_TILE_BYTES : RMS_GEMV_TILE_BYTES;
+}
 // The threadgroup memory of fp8_gemv_rows, which its kernels declare: the
 // tile's words, and the scales' (sa_tile, sb_tile) floats.
 template <typename A, int R, bool VEC, bool NORMED>
 constexpr int fp8_gemv_tile_words() {
-  typedef Fp8GemvJob<A, FP8_GEMV_OUTPUTS(R, int(sizeof(typename A::T))), NORMED> Job;
-  return decode_tile_words<typename A::T, uchar, VEC, true>(R, int(Job::TILE_BYTES));
+  return decode_tile_words<typename A::T, uchar, VEC, true>(R, fp8_gemv_tile_bytes(VEC, NORMED));
 }
 #define FP8_GEMV_SA_FLOATS(R) ((R) * FP8_GEMV_TILE_BLOCKS)
 #define FP8_GEMV_SB_FLOATS (FP8_GEMV_TILE_BLOCKS * FP8_GEMV_SB_STRIDE)
@@ -236,7 +244,7 @@ MPS_EXT_INLINE void fp8_gemv_rows(threadgroup uint* tile,
                                   uint lane) {
   typedef typename A::T TX;
   constexpr int Q = FP8_GEMV_OUTPUTS(R, int(sizeof(TX)));
-  typedef Fp8GemvJob<A, Q, NORMED> Job;
+  typedef Fp8GemvJob<A, Q, NORMED, fp8_gemv_tile_bytes(VEC, NORMED)> Job;
   Job job;
   decode_format_e5m2(job.op.xf, p.a_format == FP8_TYPE_E5M2);
   decode_format_e5m2(job.op.wf, p.w_format == FP8_TYPE_E5M2);
