@@ -443,7 +443,7 @@ def what_if(rows: list[Row]) -> tuple[str, list[dict]]:
         if r.tokens != 1 or r.release != "2.15" or r.who not in OPTIMIZED_ROWS:
             continue
         spec = census.MODELS[r.model]
-        fusions = _fusions(spec.config(), input_norm_fused=r.who == OPTIMIZED and r.mode == "eager")
+        fusions = _fusions(spec.config(), input_norm_fused=r.mode == "eager")  # (r.who: OPTIMIZED_ROWS)
         cases = {"as today": {},
                  "4: one host call a decoder layer (eager)": {"layer_host_calls": 1},
                  "5: norm into the GEMV and gate fused": {"dispatch_delta": fusions}}
@@ -466,10 +466,10 @@ def _fusions(config, input_norm_fused: bool) -> dict:
     and, in full-attention layers where there is one (Qwen3.5/3.6), the
     output gate into the projection's load (1). Done and counted in the
     rows: the cache append in the q/k-norm + rotary dispatch
-    (qk_norm_rope_append) and, eager with 16-bit weights, the input norm in
-    the attention's or DeltaNet's fused input projection (rms_norm_linear:
-    `input_norm_fused`; not in LFM2's convolution layers, whose in_proj is
-    no fused group)."""
+    (qk_norm_rope_append) and, eager, the input norm in the attention's or
+    DeltaNet's fused input projection (rms_norm_linear, or
+    rms_norm_fp8_linear with fp8 weights: `input_norm_fused`; not in LFM2's
+    convolution layers, whose in_proj is no fused group)."""
     out = {}
     for kind in set(census.layer_kinds(config)):
         mixer = kind.split("+")[0]

@@ -7,7 +7,9 @@ _scaled_mm (fp8 activations and weights, row-wise and 128x128 block-wise
 scales) at the GEMV benchmark's shapes, decode (1, 2, 4, 8 rows) and prefill
 (128, 512, 2048 rows); fp8_linear (FP8Linear: fp32, fp16 or bf16
 activations, fp8 weights, row-wise scales) and a 16-byte-misaligned
-activation (the element-load kernels) at an MoE expert's shape. On a Mac,
+activation (the element-load kernels) at an MoE expert's shape;
+rms_norm_fp8_linear (a decoder layer's input norm in its fused fp8 q/k/v
+GEMV) at LFM2.5's attention, one bf16 row. On a Mac,
 stock torch's bf16 F.linear against FP8Linear. (The conversions to and from
 fp8 are the fp8 family's: benchmarks/bench_fp8.py.)
 
@@ -82,11 +84,17 @@ def product(kind, act, rows, k, n, recipe, misaligned) -> Prepared:
         run = scaled_mm(run_rows, k, run_n, recipe, misaligned)
         kb, nb = -(-k // 128), -(-n // 128)
         minimum = rows * k + n * k + ((rows + n) * 4 if recipe == "row" else (rows * kb + kb * nb) * 4) + rows * n * 2
-    else:
+    elif kind == "fp8_linear":
         x = torch.randn(run_rows * k + misaligned).to(act)[misaligned:].view(run_rows, k)
         w, ws = fp8(run_n, k), torch.rand(run_n) / 100
         run = lambda: torch.ops.mps_ext.fp8_linear(x, w, ws, "row", None)  # noqa: E731
         minimum = (rows * k + rows * n) * x.element_size() + n * k + n * 4
+    else:  # rms_norm_fp8_linear: fp8_linear of a decode row's input norm, which the GEMV computes
+        x, nw = (torch.randn(rows, k) * 3).to(act), (torch.randn(k) * 0.2 + 1).to(act)
+        w, ws = fp8(n, k), torch.rand(n) / 100
+        run = lambda: torch.ops.mps_ext.rms_norm_fp8_linear(x, nw, 1e-6, "weight", w, ws, "row", None)  # noqa: E731
+        # fp8_linear's, with the norm's weight read and the normed row written once
+        minimum = (2 * rows * k + k + rows * n) * x.element_size() + n * k + n * 4
 
     def scale(stats):
         return tiles(rows, n) / stats[0].total_threadgroups if prefill else 1
@@ -109,6 +117,11 @@ def product(kind, act, rows, k, n, recipe, misaligned) -> Prepared:
         layer = torch.nn.Linear(k, n, bias=False, device="mps", dtype=torch.bfloat16)
         q = mps_ext.FP8Linear.from_linear(layer, recipe)
         xm = torch.randn(rows, k, dtype=torch.bfloat16, device="mps")
+        if kind == "rms_norm_fp8_linear":
+            nwm = torch.ones(k, dtype=torch.bfloat16, device="mps")
+            return ((lambda: layer(torch.nn.functional.rms_norm(xm, (k,), nwm, 1e-6))),
+                    (lambda: torch.ops.mps_ext.rms_norm_fp8_linear(xm, nwm, 1e-6, "weight", q.weight, q.weight_scale,
+                                                                   recipe, None)))
         return (lambda: layer(xm)), (lambda: q(xm))
 
     return Prepared(run, minimum, mac, extras, scale,
@@ -147,6 +160,9 @@ def cases(size: str) -> list[Case]:
         for rows in DECODE_ROWS + PREFILL_ROWS[:1]:
             add("scaled_mm" if act == E4 else "fp8_linear", act, k, n, model + ", misaligned activation", rows, "row",
                 misaligned=1)
+    # A decoder layer's input norm in its fused fp8 q/k/v GEMV (mps_ext.optimize after quantize_fp8, decode)
+    add("rms_norm_fp8_linear", torch.bfloat16, 2048, 3072, "LFM2.5-8B-A1B attention q + k + v, with its input norm",
+        1, "row")
     return out
 
 

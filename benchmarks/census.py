@@ -246,10 +246,11 @@ _FUSIBLE = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mea
 # stands for.
 _TORCH_WHEN_COMPILED = {"rms_norm", "add_rms_norm", "qk_norm_rope", "sigmoid_gate", "kv_append",
                         "qk_norm_rope_append"}
-# ... and rms_norm_linear (a decoder layer's input norm in its projection's
-# GEMV), which a compiled layer's own forward runs as the norm (generated,
-# with the ops before it) and the linear (our GEMV, the call's dispatch).
-_NORM_FIRST_WHEN_COMPILED = {"rms_norm_linear"}
+# ... and rms_norm_linear and rms_norm_fp8_linear (a decoder layer's input
+# norm in its projection's GEMV, floating or fp8), which a compiled layer's
+# own forward runs as the norm (generated, with the ops before it) and the
+# linear (our GEMV, the call's dispatch).
+_NORM_FIRST_WHEN_COMPILED = {"rms_norm_linear", "rms_norm_fp8_linear"}
 # mps_ext's ops that write an attention layer's new key and value rows into
 # the cache in place (appends_in_place).
 _APPENDS = ("kv_append", "qk_norm_rope_append")

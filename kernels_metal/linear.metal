@@ -90,11 +90,11 @@ template <typename T, int Q>
 struct DecodeRowLoads<GemvJob<T, Q, true>> {
   typedef GemvJob<T, Q, true> Job;
   static MPS_EXT_INLINE uint4 piece(thread const Job& job, int r, int k) {
-    return *(const threadgroup uint4*)(job.normed + r * job.op.k + k);
+    return rms_normed_piece(job.normed, job.op.k, r, k);
   }
   template <typename I>
   static MPS_EXT_INLINE float one(thread const Job& job, int r, I k) {
-    return float(job.normed[r * job.op.k + int(k)]);
+    return rms_normed_one(job.normed, job.op.k, r, int(k));
   }
 };
 
@@ -138,50 +138,10 @@ kernel void gemv_rows(device T* y [[buffer(0)]],
 // ---------------------------------------------------- rms_norm_gemv_rows --
 // gemv_rows of rms_norm(x): an RMSNorm and the projection that reads it
 // (a decoder layer's input norm and its fused q/k/v or in_proj GEMV) in one
-// dispatch. Every threadgroup norms the activation rows (at decode one row
-// of the hidden size, read from the caches after the first threadgroup)
-// into threadgroup memory, as rms_norm's team of 1 << np.team_shift threads
-// would (rms_norm.h: the same elements per lane, the same simd_sum and the
-// same order of the team's simdgroups, run here one after another by this
-// threadgroup's simdgroups), so that the normed values are rms_norm's to
-// the bit; then its outputs as gemv_rows from those rows. Threadgroup 0
-// also writes the normed rows to normed_out (the model's forward passes
-// them on to the attention, which reads their shape). The host takes rows *
-// K * sizeof(T) <= RMS_GEMV_NORMED_BYTES and x's rows contiguous.
-template <typename T>
-MPS_EXT_INLINE void rms_norm_rows_into(threadgroup T* normed,
-                                       const device T* x,
-                                       const device T* norm_w,
-                                       constant RmsNormParams& np,
-                                       threadgroup float* sums,
-                                       uint tid,
-                                       uint threads,
-                                       uint sg,
-                                       uint simdgroups,
-                                       uint lane) {
-  const uint team = 1u << np.team_shift, team_sgs = team / 32, n = np.n;
-  for (uint r = 0; r < np.rows; ++r) {
-    const device T* xr = x + r * np.row_stride;
-    for (uint s = sg; s < team_sgs; s += simdgroups) {  // the team's simdgroups, each by one of ours
-      const uint t = s * 32 + lane;
-      float v[RMS_NORM_PER_THREAD];
-      MPS_EXT_UNROLL
-      for (int c = 0; c < RMS_NORM_PER_THREAD; ++c) {
-        const uint i = rms_norm_element(c, t, team);
-        v[c] = i < n ? float(xr[i]) : 0.0f;
-      }
-      const float ss = simd_sum(rms_norm_squares(v));
-      if (lane == 0) sums[s] = ss;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    // (A team of one simdgroup: its simd_sum, sums[0], is the total.)
-    const float inv = rms_norm_inverse(rms_norm_team_total(sums, team_sgs, sums[0]), n, np.eps);
-    for (uint i = tid; i < n; i += threads)
-      normed[r * n + i] = T(rms_norm_out<T>(float(xr[i]) * inv, float(norm_w[i]), np.zero_centred));
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // sums are the next row's; normed complete
-  }
-}
-
+// dispatch: the rows normed into threadgroup memory as rms_norm would
+// (rms_norm.h, rms_norm_rows_into), then its outputs as gemv_rows from
+// those rows; threadgroup 0 also writes them to normed_out. The host takes
+// rows * K * sizeof(T) <= RMS_GEMV_NORMED_BYTES and x's rows contiguous.
 template <typename T, int R, int Q, bool VEC>
 [[max_total_threads_per_threadgroup(DECODE_MAX_THREADS)]]
 kernel void rms_norm_gemv_rows(device T* y [[buffer(0)]],
@@ -202,8 +162,7 @@ kernel void rms_norm_gemv_rows(device T* y [[buffer(0)]],
   threadgroup float sums[RMS_NORM_MAX_THREADS / 32];
   threadgroup T* normed = (threadgroup T*)normed_mem;
   rms_norm_rows_into<T>(normed, x, norm_w, np, sums, tid, threads, sg, simdgroups, lane);
-  if (group == 0)
-    for (uint i = tid; i < np.rows * np.n; i += threads) normed_out[i] = normed[i];
+  rms_norm_rows_out(normed_out, normed, np, group, tid, threads);
   constexpr int TILE_WORDS = decode_tile_words<T, T, VEC, false>(R, RMS_GEMV_TILE_BYTES);
   threadgroup uint tile[TILE_WORDS];
   GemvJob<T, Q, true> job;

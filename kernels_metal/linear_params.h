@@ -34,3 +34,8 @@ struct GemvParams {
 // (tests/test_budgets.py's threadgroup-memory residency).
 #define RMS_GEMV_NORMED_BYTES 8192
 #define RMS_GEMV_TILE_BYTES 4096
+// rms_norm_fp8_gemv (scaled_mm.metal)'s decode tile, 16-byte variants:
+// half again, since fp8_gemv's block scales of a tile (sa_tile, sb_tile:
+// 2 KB) come on top, so that it too keeps within 12.8 KB a threadgroup (5 a
+// core; its element-load variants keep RMS_GEMV_TILE_BYTES).
+#define RMS_FP8_GEMV_TILE_BYTES 2048

@@ -48,3 +48,70 @@ template <typename T>
 inline float rms_norm_out(float normed, float w, uint zero_centred) {
   return zero_centred ? float(T(normed * (1.0f + w))) : float(T(w * float(T(normed))));
 }
+
+// ------------------------------------------- the norm in a decode GEMV --
+// A GEMV that norms its activation rows itself (linear.metal's
+// rms_norm_gemv_rows, scaled_mm.metal's rms_norm_fp8_gemv): every
+// threadgroup norms the rows (at decode one row of the hidden size, read
+// from the caches after the first threadgroup) into threadgroup memory,
+// `normed`, rows of n, as rms_norm's team of 1 << np.team_shift threads
+// would (the same elements per lane, the same simd_sum and the same order
+// of the team's simdgroups, run here one after another by this
+// threadgroup's simdgroups), so that the normed values are rms_norm's to
+// the bit; then decode.h's decode_rows reads them through the job's
+// DecodeRowLoads, rms_normed_piece and rms_normed_one. `sums`: at least
+// RMS_NORM_MAX_THREADS / 32 floats; x's rows np.row_stride apart.
+template <typename T>
+MPS_EXT_INLINE void rms_norm_rows_into(threadgroup T* normed,
+                                       const device T* x,
+                                       const device T* norm_w,
+                                       constant RmsNormParams& np,
+                                       threadgroup float* sums,
+                                       uint tid,
+                                       uint threads,
+                                       uint sg,
+                                       uint simdgroups,
+                                       uint lane) {
+  const uint team = 1u << np.team_shift, team_sgs = team / 32, n = np.n;
+  for (uint r = 0; r < np.rows; ++r) {
+    const device T* xr = x + r * np.row_stride;
+    for (uint s = sg; s < team_sgs; s += simdgroups) {  // the team's simdgroups, each by one of ours
+      const uint t = s * 32 + lane;
+      float v[RMS_NORM_PER_THREAD];
+      MPS_EXT_UNROLL
+      for (int c = 0; c < RMS_NORM_PER_THREAD; ++c) {
+        const uint i = rms_norm_element(c, t, team);
+        v[c] = i < n ? float(xr[i]) : 0.0f;
+      }
+      const float ss = simd_sum(rms_norm_squares(v));
+      if (lane == 0) sums[s] = ss;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // (A team of one simdgroup: its simd_sum, sums[0], is the total.)
+    const float inv = rms_norm_inverse(rms_norm_team_total(sums, team_sgs, sums[0]), n, np.eps);
+    for (uint i = tid; i < n; i += threads)
+      normed[r * n + i] = T(rms_norm_out<T>(float(xr[i]) * inv, float(norm_w[i]), np.zero_centred));
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // sums are the next row's; normed complete
+  }
+}
+
+// Threadgroup 0 writes the normed rows out too (the model's forward passes
+// them on to the attention, which reads their shape).
+template <typename T>
+MPS_EXT_INLINE void rms_norm_rows_out(
+    device T* normed_out, const threadgroup T* normed, constant RmsNormParams& np, uint group, uint tid, uint threads) {
+  if (group == 0)
+    for (uint i = tid; i < np.rows * np.n; i += threads) normed_out[i] = normed[i];
+}
+
+// A decode job's loads of normed rows of k: 16 bytes at element k of row r
+// (16-byte aligned: the caller's buffer is, and the host takes k * sizeof(T)
+// a multiple of 16 for its VEC variants), and one element.
+template <typename T>
+MPS_EXT_INLINE uint4 rms_normed_piece(const threadgroup T* normed, int k_row, int r, int k) {
+  return *(const threadgroup uint4*)(normed + r * k_row + k);
+}
+template <typename T>
+MPS_EXT_INLINE float rms_normed_one(const threadgroup T* normed, int k_row, int r, int k) {
+  return float(normed[r * k_row + k]);
+}

@@ -20,7 +20,9 @@
 #include "decode.h"
 #include "fp8_codec.h"
 #include "fp8_params.h"
+#include "linear_params.h"
 using namespace metal;
+#include "rms_norm.h"
 
 // Decoding by the float8 format code of an operand (p.a_format, p.w_format).
 // fp8x4_to_float gives e4m3 values divided by fp8_unit (256; see
@@ -129,13 +131,17 @@ enum {
   FP8_GEMV_SB_STRIDE = FP8_GEMV_TILE_OUTPUTS + 1,
 };
 
-template <typename A, int Q>
+// NORMED (rms_norm_fp8_gemv): the activation rows are `normed`, rows of K
+// in threadgroup memory (DecodeRowLoads below), not x. TILE: the decode
+// tile's bytes (fp8_gemv_tile_bytes).
+template <typename A, int Q, bool NORMED = false, int TILE = DECODE_TILE_BYTES>
 struct Fp8GemvJob {
   // (16: the block scales of a piece and their addresses stay live too)
-  enum { BLOCK_SCALED = 1, BUDGET = 16, TILE_BYTES = DECODE_TILE_BYTES };
+  enum { BLOCK_SCALED = 1, BUDGET = 16, TILE_BYTES = TILE };
   DecodeOperands<typename A::Format, DecodeFp8> op;
   device uchar* y;
   const device typename A::T* x;
+  const threadgroup typename A::T* normed;
   constant Fp8MatmulParams* p;
   const device float* scale_a;
   const device float* scale_b;
@@ -186,33 +192,65 @@ struct Fp8GemvJob {
   }
 };
 
-template <typename A, int R, bool VEC>
-[[max_total_threads_per_threadgroup(DECODE_MAX_THREADS)]]
-kernel void fp8_gemv(device uchar* y [[buffer(0)]],
-                     const device typename A::T* x [[buffer(1)]],
-                     const device uchar* w [[buffer(2)]],
-                     constant Fp8MatmulParams& p [[buffer(3)]],
-                     const device float* scale_a [[buffer(4)]],
-                     const device float* scale_b [[buffer(5)]],
-                     const device uchar* bias [[buffer(6)]],
-                     const device float* scale_result [[buffer(7)]],
-                     uint group [[threadgroup_position_in_grid]],
-                     uint tid [[thread_index_in_threadgroup]],
-                     uint threads [[threads_per_threadgroup]],
-                     uint sg [[simdgroup_index_in_threadgroup]],
-                     uint simdgroups [[simdgroups_per_threadgroup]],
-                     uint lane [[thread_index_in_simdgroup]]) {
+template <typename A, int Q, int TILE>
+struct DecodeRowLoads<Fp8GemvJob<A, Q, true, TILE>> {
+  typedef Fp8GemvJob<A, Q, true, TILE> Job;
+  static MPS_EXT_INLINE uint4 piece(thread const Job& job, int r, int k) {
+    return rms_normed_piece(job.normed, job.op.k, r, k);
+  }
+  template <typename I>
+  static MPS_EXT_INLINE float one(thread const Job& job, int r, I k) {
+    return rms_normed_one(job.normed, job.op.k, r, int(k));
+  }
+};
+
+// The decode tile's bytes: after the norm, RMS_FP8_GEMV_TILE_BYTES for the
+// 16-byte variants (with the scales' tiles within the threadgroup memory
+// linear_params.h allows), RMS_GEMV_TILE_BYTES for element loads (their
+// tile of 1-element pieces must still hold a whole 128-element scale block
+// at 8 rows: decode_rows' static_assert).
+constexpr int fp8_gemv_tile_bytes(bool vec, bool normed) {
+  return !normed ? DECODE_TILE_BYTES : vec ? RMS_FP8_GEMV_TILE_BYTES : RMS_GEMV_TILE_BYTES;
+}
+// The threadgroup memory of fp8_gemv_rows, which its kernels declare: the
+// tile's words, and the scales' (sa_tile, sb_tile) floats.
+template <typename A, int R, bool VEC, bool NORMED>
+constexpr int fp8_gemv_tile_words() {
+  return decode_tile_words<typename A::T, uchar, VEC, true>(R, fp8_gemv_tile_bytes(VEC, NORMED));
+}
+#define FP8_GEMV_SA_FLOATS(R) ((R) * FP8_GEMV_TILE_BLOCKS)
+#define FP8_GEMV_SB_FLOATS (FP8_GEMV_TILE_BLOCKS * FP8_GEMV_SB_STRIDE)
+
+// fp8_gemv's and rms_norm_fp8_gemv's decode: the job set up from the
+// kernel's arguments, then decode_rows. `normed`: NORMED's rows, else null.
+template <typename A, int R, bool VEC, bool NORMED>
+MPS_EXT_INLINE void fp8_gemv_rows(threadgroup uint* tile,
+                                  threadgroup float* sa_tile,
+                                  threadgroup float* sb_tile,
+                                  device uchar* y,
+                                  const device typename A::T* x,
+                                  const threadgroup typename A::T* normed,
+                                  const device uchar* w,
+                                  constant Fp8MatmulParams& p,
+                                  const device float* scale_a,
+                                  const device float* scale_b,
+                                  const device uchar* bias,
+                                  const device float* scale_result,
+                                  uint group,
+                                  uint tid,
+                                  uint threads,
+                                  uint sg,
+                                  uint simdgroups,
+                                  uint lane) {
   typedef typename A::T TX;
   constexpr int Q = FP8_GEMV_OUTPUTS(R, int(sizeof(TX)));
-  constexpr int TILE_WORDS = decode_tile_words<TX, uchar, VEC, true>(R);
-  threadgroup uint tile[TILE_WORDS];
-  threadgroup float sa_tile[R * FP8_GEMV_TILE_BLOCKS];
-  threadgroup float sb_tile[FP8_GEMV_TILE_BLOCKS * FP8_GEMV_SB_STRIDE];
-  Fp8GemvJob<A, Q> job;
+  typedef Fp8GemvJob<A, Q, NORMED, fp8_gemv_tile_bytes(VEC, NORMED)> Job;
+  Job job;
   decode_format_e5m2(job.op.xf, p.a_format == FP8_TYPE_E5M2);
   decode_format_e5m2(job.op.wf, p.w_format == FP8_TYPE_E5M2);
   job.y = y;
   job.x = x;
+  job.normed = normed;
   job.op.w = w;
   job.p = &p;
   job.scale_a = scale_a;
@@ -230,7 +268,74 @@ kernel void fp8_gemv(device uchar* y [[buffer(0)]],
   job.lane = lane;
   job.op.x_k = p.a_k_stride;
   job.op.w_k = p.w_k_stride;
-  decode_rows<Fp8GemvJob<A, Q>, R, Q, VEC>(job, tile, tid, threads, lane);
+  decode_rows<Job, R, Q, VEC>(job, tile, tid, threads, lane);
+}
+
+template <typename A, int R, bool VEC>
+[[max_total_threads_per_threadgroup(DECODE_MAX_THREADS)]]
+kernel void fp8_gemv(device uchar* y [[buffer(0)]],
+                     const device typename A::T* x [[buffer(1)]],
+                     const device uchar* w [[buffer(2)]],
+                     constant Fp8MatmulParams& p [[buffer(3)]],
+                     const device float* scale_a [[buffer(4)]],
+                     const device float* scale_b [[buffer(5)]],
+                     const device uchar* bias [[buffer(6)]],
+                     const device float* scale_result [[buffer(7)]],
+                     uint group [[threadgroup_position_in_grid]],
+                     uint tid [[thread_index_in_threadgroup]],
+                     uint threads [[threads_per_threadgroup]],
+                     uint sg [[simdgroup_index_in_threadgroup]],
+                     uint simdgroups [[simdgroups_per_threadgroup]],
+                     uint lane [[thread_index_in_simdgroup]]) {
+  constexpr int TILE_WORDS = fp8_gemv_tile_words<A, R, VEC, false>();
+  threadgroup uint tile[TILE_WORDS];
+  threadgroup float sa_tile[FP8_GEMV_SA_FLOATS(R)];
+  threadgroup float sb_tile[FP8_GEMV_SB_FLOATS];
+  fp8_gemv_rows<A, R, VEC, false>(tile, sa_tile, sb_tile, y, x, nullptr, w, p, scale_a, scale_b, bias, scale_result,
+                                  group, tid, threads, sg, simdgroups, lane);
+}
+
+// ----------------------------------------------------- rms_norm_fp8_gemv --
+// fp8_gemv of rms_norm(x) (mps_ext::rms_norm_fp8_linear): a decoder layer's
+// input norm and its fused q/k/v or in_proj projection quantised by
+// mps_ext.quantize_fp8, in one dispatch, as linear.metal's
+// rms_norm_gemv_rows for floating weights: the rows normed into
+// threadgroup memory as rms_norm would (rms_norm.h), threadgroup 0 writing
+// them to normed_out, then fp8_gemv's decode of those rows. Activations
+// f16, bf16 or f32 (x's and the norm's type); the host takes rows * K *
+// sizeof(T) <= RMS_GEMV_NORMED_BYTES, x's rows contiguous along K, and p's
+// activation strides the normed rows' (K, 1).
+template <typename A, int R, bool VEC>
+[[max_total_threads_per_threadgroup(DECODE_MAX_THREADS)]]
+kernel void rms_norm_fp8_gemv(device uchar* y [[buffer(0)]],
+                              const device typename A::T* x [[buffer(1)]],
+                              const device uchar* w [[buffer(2)]],
+                              constant Fp8MatmulParams& p [[buffer(3)]],
+                              const device float* scale_a [[buffer(4)]],
+                              const device float* scale_b [[buffer(5)]],
+                              const device uchar* bias [[buffer(6)]],
+                              const device float* scale_result [[buffer(7)]],
+                              device typename A::T* normed_out [[buffer(8)]],
+                              const device typename A::T* norm_w [[buffer(9)]],
+                              constant RmsNormParams& np [[buffer(10)]],
+                              uint group [[threadgroup_position_in_grid]],
+                              uint tid [[thread_index_in_threadgroup]],
+                              uint threads [[threads_per_threadgroup]],
+                              uint sg [[simdgroup_index_in_threadgroup]],
+                              uint simdgroups [[simdgroups_per_threadgroup]],
+                              uint lane [[thread_index_in_simdgroup]]) {
+  typedef typename A::T T;
+  threadgroup uint4 normed_mem[RMS_GEMV_NORMED_BYTES / 16];  // uint4: 16-byte aligned for the VEC loads
+  threadgroup float sums[RMS_NORM_MAX_THREADS / 32];
+  threadgroup T* normed = (threadgroup T*)normed_mem;
+  rms_norm_rows_into<T>(normed, x, norm_w, np, sums, tid, threads, sg, simdgroups, lane);
+  rms_norm_rows_out(normed_out, (const threadgroup T*)normed, np, group, tid, threads);
+  constexpr int TILE_WORDS = fp8_gemv_tile_words<A, R, VEC, true>();
+  threadgroup uint tile[TILE_WORDS];
+  threadgroup float sa_tile[FP8_GEMV_SA_FLOATS(R)];
+  threadgroup float sb_tile[FP8_GEMV_SB_FLOATS];
+  fp8_gemv_rows<A, R, VEC, true>(tile, sa_tile, sb_tile, y, x, normed, w, p, scale_a, scale_b, bias, scale_result,
+                                 group, tid, threads, sg, simdgroups, lane);
 }
 
 // ---------------------------------------------------------- fp8_mm_tile --
@@ -507,9 +612,21 @@ kernel void fp8_mm_tile(device uchar* y [[buffer(0)]],
       decltype(fp8_mm_tile<A, true>) fp8_mm_tile<A, true>;                                         \
   template [[host_name("fp8_mm_tile_" #aname "_scalar")]] kernel                                   \
       decltype(fp8_mm_tile<A, false>) fp8_mm_tile<A, false>;
+#define INSTANTIATE_RMS_FP8_GEMV_R(aname, A, R)                                                    \
+  template [[host_name("rms_norm_fp8_gemv_" #aname "_r" #R "_vec")]] kernel                        \
+      decltype(rms_norm_fp8_gemv<A, R, true>) rms_norm_fp8_gemv<A, R, true>;                       \
+  template [[host_name("rms_norm_fp8_gemv_" #aname "_r" #R "_scalar")]] kernel                     \
+      decltype(rms_norm_fp8_gemv<A, R, false>) rms_norm_fp8_gemv<A, R, false>;
+// The norm's types: floating activations.
+#define INSTANTIATE_RMS_FP8_GEMV(aname, A)                                                         \
+  INSTANTIATE_RMS_FP8_GEMV_R(aname, A, 1) INSTANTIATE_RMS_FP8_GEMV_R(aname, A, 2)                  \
+  INSTANTIATE_RMS_FP8_GEMV_R(aname, A, 4) INSTANTIATE_RMS_FP8_GEMV_R(aname, A, 8)
 // clang-format on
 
 INSTANTIATE_FP8_MM(fp8, ActFp8)
 INSTANTIATE_FP8_MM(f16, ActF16)
 INSTANTIATE_FP8_MM(bf16, ActBF16)
 INSTANTIATE_FP8_MM(f32, ActF32)
+INSTANTIATE_RMS_FP8_GEMV(f16, ActF16)
+INSTANTIATE_RMS_FP8_GEMV(bf16, ActBF16)
+INSTANTIATE_RMS_FP8_GEMV(f32, ActF32)

@@ -1,6 +1,6 @@
 """Meta kernels (shapes and dtypes) of the torch.ops.mps_ext ops that do not
 take the aten op's own: the families' own ops (no aten op; _C.family_own_ops
-lists them: scaled_mm's fp8_linear, moe's moe_route, moe_experts,
+lists them: scaled_mm's fp8_linear and rms_norm_fp8_linear, moe's moe_route, moe_experts,
 moe_combine and moe_layer, norm's rms_norm, add_rms_norm, qk_norm_rope and qk_norm_rope_append,
 attention_gate's sigmoid_gate, kv_cache's kv_append and kv_decode_attention, linear_attention's
 linear_attention_decode and linear_attention_chunk, short_conv's short_conv_decode), fp8_grouped_linear
@@ -131,6 +131,11 @@ def _rms_norm_linear(x, norm_weight, eps, variant, weight, bias=None):
     return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((*x.shape[:-1], weight.shape[0])))
 
 
+# ... with an FP8Linear's weight (csrc/ops/scaled_mm.cpp).
+def _rms_norm_fp8_linear(x, norm_weight, eps, variant, weight, weight_scale, granularity, bias=None):
+    return _rms_norm_linear(x, norm_weight, eps, variant, weight)
+
+
 # q and k norms and rotary embedding (csrc/ops/norm.cpp): q [B, T, Hq, D]
 # and k [B, T, Hk, D] give [B, Hq, T, D] and [B, Hk, T, D] in their dtype,
 # contiguous.
@@ -215,6 +220,7 @@ def register() -> None:
                      ("_scaled_grouped_mm_v2", _scaled_grouped_mm_v2), ("moe_route", _moe_route),
                      ("moe_experts", _moe_experts), ("moe_combine", _moe_combine), ("moe_layer", _moe_layer),
                      ("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm), ("rms_norm_linear", _rms_norm_linear),
+                     ("rms_norm_fp8_linear", _rms_norm_fp8_linear),
                      ("qk_norm_rope", _qk_norm_rope), ("qk_norm_rope_append", _qk_norm_rope_append),
                      ("sigmoid_gate", _sigmoid_gate),
                      ("kv_append", _kv_append), ("kv_decode_attention", _kv_decode_attention),

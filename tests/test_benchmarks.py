@@ -476,12 +476,14 @@ def test_optimized_layers_take_at_most_12_dispatches(name, release):
         assert not over, (mode, over)
 
 
-def test_fused_projections_count_as_one_gemv_and_their_split_as_views(monkeypatch):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_fused_projections_count_as_one_gemv_and_their_split_as_views(monkeypatch, fp8):
     """After mps_ext.optimize, the Gated DeltaNet layer's four input
     projections are one linear call of one dispatch, and q_proj, k_proj and
     v_proj one: per layer 3 and 2 host calls and dispatches fewer than
     optimize without the fusion (eager, one more: the input norm goes into
-    the fused GEMV, rms_norm_linear), and the split is views; compiled too. (It
+    the fused GEMV, rms_norm_linear), and the split is views; compiled too;
+    so too after mps_ext.quantize_fp8 (fp8_linear, rms_norm_fp8_linear). (It
     saved 1 more compiled while the attention copied Qwen3.6's output gate
     right after q_proj, a run of generated code of its own between the
     projections; the gate is now read as q_proj's view, and the model's
@@ -489,18 +491,21 @@ def test_fused_projections_count_as_one_gemv_and_their_split_as_views(monkeypatc
     from mps_ext.passes import projections as fused_projections
     spec = census.MODELS["Qwen3.6-35B-A3B"]
     model = census.tiny_model(spec)
+    transform = (lambda m: mps_ext.optimize(mps_ext.quantize_fp8(m))) if fp8 else mps_ext.optimize
+    products = ("fp8_linear", "rms_norm_fp8_linear") if fp8 else ("linear", "rms_norm_linear")
     traces = {}
     for fuse in (False, True):
         with monkeypatch.context() as m:
             if not fuse:
                 m.setattr(fused_projections, "GROUPS", ())
-            traces[fuse] = census.trace_step(model, 1, context=3, torch_release="2.15", transform=mps_ext.optimize)
+            traces[fuse] = census.trace_step(model, 1, context=3, torch_release="2.15", transform=transform)
     kinds = census.layer_kinds(model.config)
     for fuse, trace in traces.items():
         layers = census.by_layer(trace)
         for i, saved in ((kinds.index("linear_attention+moe"), 3), (kinds.index("full_attention+moe"), 2)):
-            # the fused projection takes the layer's input norm along (rms_norm_linear) where it can
-            linears = [c for c in layers[i] if c.op in ("linear", "rms_norm_linear")]
+            # the fused projection takes the layer's input norm along (rms_norm_linear, rms_norm_fp8_linear)
+            # where it can
+            linears = [c for c in layers[i] if c.op in products]
             n = 2 if fuse else 2 + saved  # and out_proj / o_proj
             assert len(linears) == n, (fuse, i)
             counted = census.count(linears, "2.15", "eager", True)

@@ -112,6 +112,8 @@ FP8_CONVERT = names("fp8_convert_{layout}_{pair}", layout=("dense", "strided"),
                     pair=[f"{a}_{b}" for a in _FLOATS for b in _FP8] + [f"{a}_{b}" for a in _FP8 for b in _FLOATS]
                     + ["e4m3_e5m2", "e5m2_e4m3"])
 FP8_GEMV = names("fp8_gemv_{a}_r{r}_{path}", a=("f32", "f16", "bf16", "fp8"), r=(1, 2, 4, 8), path=("vec", "scalar"))
+# the norm in the GEMV (scaled_mm.metal), fp8_gemv's variants of floating activations
+RMS_FP8_GEMV = ["rms_norm_" + k for k in FP8_GEMV if not k.startswith("fp8_gemv_fp8_")]
 FP8_TILE = names("fp8_mm_tile_{a}_{path}", a=("f32", "f16", "bf16", "fp8"), path=("vec", "scalar"))
 GMM_DECODE = names(
     "gmm_decode_rows_{t}_{path}", t=("f32", "f16", "bf16", "e4m3", "bf16_e4m3w"), path=("vec", "scalar")
@@ -197,6 +199,10 @@ RMS_GEMV_UNREACHED = ("a row count, dtype or weight alignment of rms_norm_linear
                       "takes (tests/ops/test_rms_norm_linear.py runs each, bit for bit rms_norm then gemv_rows); "
                       "gemv_rows' template after the norm the measured bf16 r1 q2 vec variant runs")
 
+RMS_FP8_GEMV_UNREACHED = ("a row count, dtype or weight alignment of rms_norm_fp8_linear that no decode benchmark "
+                          "case takes (tests/ops/test_rms_norm_fp8_linear.py runs each, bit for bit rms_norm then "
+                          "fp8_gemv); fp8_gemv's template after the norm the measured bf16 r1 vec variant runs")
+
 
 def lines(kernel):
     return MISALIGNED_LINES if kernel.endswith("_scalar") else 1.1
@@ -226,6 +232,11 @@ BUDGETS: dict[str, Budget] = {
     **{k: Budget("linalg", full_occupancy=False) for k in LU_SMALL + LU_PANEL + LU_SOLVE},
     **{k: Budget("fp8", full_occupancy=True) for k in FP8_CONVERT},
     **{k: Budget("scaled_mm", full_occupancy=True, lines=lines(k), activation="x") for k in FP8_GEMV},
+    # fp8_gemv after the norm of its rows into threadgroup memory: the decode shape of a decoder layer's
+    # input norm and fused fp8 q/k/v (bench_scaled_mm) measures the one the models run.
+    **{k: Budget("scaled_mm", full_occupancy=True, lines=lines(k), activation="x",
+                 unreached="" if k == "rms_norm_fp8_gemv_bf16_r1_vec" else RMS_FP8_GEMV_UNREACHED)
+       for k in RMS_FP8_GEMV},
     # Prefill tiles: simdgroup-matrix products that reuse each operand 32 or
     # 64 times, bound by arithmetic, not by how many threads hide latency.
     **{k: Budget("scaled_mm", full_occupancy=False, lines=lines(k)) for k in FP8_TILE},
@@ -309,7 +320,9 @@ BUDGET_CASES = {
     "scaled_mm": [c.id for c in op_cases("scaled_mm", "quick")
                   if "2048->768" in c.id and not re.search(r" rows=(512|2048) ", c.id)]
     # ... and one at 2048 rows, the same sample block, for the steel comparison: MLX picks another tile there
-    + ["scaled_mm 2048->768 float8_e4m3fn rows=2048 row"],
+    + ["scaled_mm 2048->768 float8_e4m3fn rows=2048 row"]
+    # ... and a decoder layer's input norm in its fused fp8 q/k/v GEMV (rms_norm_fp8_gemv)
+    + ["rms_norm_fp8_linear 2048->3072 bfloat16 rows=1 row"],
     "grouped_mm": [c.id for c in op_cases("grouped_mm", "quick")],  # the grouped products, on 256 columns
     # one decode token of a small MoE layer in each dtype (BUDGET_LAYER), and moe_experts misaligned
     "moe": [c.id for c in op_cases("moe", "quick") if not c.id.startswith("layer ")] + [c.id for c in BUDGET_ONLY],
@@ -458,6 +471,8 @@ RMS_NORM_DIVISIONS = ("rms_norm: 2 IEEE float divisions per row (ss / n, torch's
 # kernel -> (32-bit integer, float) divisions per thread measured, busiest thread over the cases
 UNEXAMINED_FIGURES: dict[str, tuple[int, int]] = {
     **{k: (16, 0) for k in FP8_GEMV},
+    # (after the norm: fp8_gemv's, and the norm's 2 per row, ss / n and 1 / sqrt(...))
+    **{k: (16, 2) for k in RMS_FP8_GEMV},
     **{k: (1, 1) for k in names("gmm_decode_rows_{t}_vec", t=("f32", "f16", "bf16", "bf16_e4m3w"))},
     **{k: (1, 0) for k in names("gmm_decode_cols_{t}_{path}", t=("f32", "f16", "bf16"), path=("vec", "scalar"))},
     **{k: (0, 16) for k in MOE_ROUTE_COMBINE if k.startswith("moe_route_")},

@@ -29,10 +29,6 @@ namespace {
 // of the caller's tensors: setting it up moves no data.
 // With `norm` (rms_norm_linear), x is rms_norm(norm.x) ([rows, K],
 // contiguous), which the kernel computes itself into norm.normed.
-struct NormedRows {
-  at::Tensor x, weight, normed;  // x: the norm's input rows, last dimension contiguous
-  RmsNormParams params;
-};
 struct Problem {
   at::Tensor x, w, y, bias;   // bias undefined: none
   float alpha = 1, beta = 0;  // as the kernel takes them
@@ -321,16 +317,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_linear(const at::Tensor& x, const at
   out_shape.back() = n;
   at::Tensor y = at::empty(out_shape, x.options());
   if (rows == 0) return {normed, y};
-  if (rows > kMaxDecodeRows || rows * k * x.itemsize() > RMS_GEMV_NORMED_BYTES || n == 0) {
+  if (!gemv_norms_rows(rows, k, x.itemsize()) || n == 0) {
     normed = rms_norm(x, norm_weight, eps, variant);  // the two ops, as the model's code calls them
     return {normed, at::linear(normed, weight, bias)};
   }
-  NormedRows norm;
-  norm.x = norm_rows(x, k);
-  TORCH_CHECK(fits_32bit((rows - 1) * row_stride_of(norm.x) + k), "mps_ext rms_norm_linear: x past 2^31 elements");
-  norm.weight = norm_weight.contiguous();
-  norm.normed = normed.view({rows, k});
-  norm.params = rms_norm_params(rows, k, row_stride_of(norm.x), row_stride_of(norm.x), eps, zero_centred);
+  const NormedRows norm = normed_rows("rms_norm_linear", x, norm_weight, normed, eps, zero_centred);
   Problem pr;
   pr.x = norm.normed;  // what the GEMV reads, as the kernel keeps it: rows of K
   pr.w = weight;

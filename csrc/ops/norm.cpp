@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "backend/launch.h"
+#include "linear_params.h"
 #include "norm_params.h"
 #include "ops/norm.h"
 #include "ops/ops.h"
@@ -91,6 +92,23 @@ RmsNormParams rms_norm_params(int64_t rows, int64_t n, int64_t row_stride, int64
   p.zero_centred = zero_centred ? 1u : 0u;
   p.eps = static_cast<float>(eps);  // torch adds a Python float to a float32 tensor as a float32
   return p;
+}
+
+bool gemv_norms_rows(int64_t rows, int64_t n, int64_t itemsize) {
+  return rows >= 1 && rows <= kMaxDecodeRows && rows * n * itemsize <= RMS_GEMV_NORMED_BYTES;
+}
+
+NormedRows normed_rows(const char* op, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& normed,
+                       double eps, bool zero_centred) {
+  const int64_t n = x.size(-1);
+  NormedRows norm;
+  norm.x = norm_rows(x, n);
+  const int64_t rows = norm.x.size(0);
+  TORCH_CHECK(fits_32bit((rows - 1) * row_stride_of(norm.x) + n), "mps_ext ", op, ": x past 2^31 elements");
+  norm.weight = weight.contiguous();
+  norm.normed = normed.view({rows, n});
+  norm.params = rms_norm_params(rows, n, row_stride_of(norm.x), row_stride_of(norm.x), eps, zero_centred);
+  return norm;
 }
 
 namespace {

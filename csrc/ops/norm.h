@@ -25,4 +25,21 @@ int64_t row_stride_of(const at::Tensor& rows);
 RmsNormParams rms_norm_params(int64_t rows, int64_t n, int64_t row_stride, int64_t residual_row_stride, double eps,
                               bool zero_centred);
 
+// The input norm a decode GEMV runs on its own activation rows
+// (linear.cpp's rms_norm_linear, scaled_mm.cpp's rms_norm_fp8_linear; the
+// kernels' rms_norm.h): x's rows (last dimension contiguous), the norm's
+// weight, the rows' output, and the kernel's parameters.
+struct NormedRows {
+  at::Tensor x, weight, normed;
+  RmsNormParams params;
+};
+// Whether the GEMV can norm `rows` rows of n elements of `itemsize` bytes
+// itself: a decode row count whose normed rows fit the threadgroup memory
+// the kernels keep for them (linear_params.h: RMS_GEMV_NORMED_BYTES).
+bool gemv_norms_rows(int64_t rows, int64_t n, int64_t itemsize);
+// x [..., n]'s rows as such a norm's, with `normed` (x's shape, contiguous)
+// their output; `op` names the op in errors.
+NormedRows normed_rows(const char* op, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& normed,
+                       double eps, bool zero_centred);
+
 }  // namespace mps_ext

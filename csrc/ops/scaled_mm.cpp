@@ -17,6 +17,7 @@
 #include "backend/launch.h"
 #include "fp8_params.h"
 #include "ops/fp8.h"
+#include "ops/norm.h"
 #include "dispatch/kernel_choice.h"
 #include "dispatch/registration.h"
 #include "dispatch/registry.h"
@@ -45,11 +46,14 @@ bool rows_vectorizable(const at::Tensor& t, int64_t k_stride, int64_t row_stride
 }
 
 // One scaled product: a [M, K] (fp8, or f32/f16/bf16 for fp8_linear),
-// w [N, K] fp8, y [M, N] written in its dtype.
+// w [N, K] fp8, y [M, N] written in its dtype. With `norm`
+// (rms_norm_fp8_linear, at most kMaxDecodeRows rows), a is rms_norm(norm->x),
+// norm->normed, which the decode kernel computes itself.
 struct Problem {
   at::Tensor a, w, y;
   at::Tensor scale_a, scale_b, bias, scale_result;  // undefined: absent
   Fp8MatmulParams p{};
+  const NormedRows* norm = nullptr;
 };
 
 // The variant policy.
@@ -95,7 +99,10 @@ void run(Problem& pr) {
   if (p.m <= kMaxDecodeRows) {
     const int64_t rows = row_variant(p.m);
     // reuse: the activation's bytes over the fp8 weight's, per output.
-    l.kernel = "fp8_gemv_" + act + "_r" + std::to_string(rows) + (vec ? "_vec" : "_scalar");
+    // The same variant and geometry with the norm as without (they decide
+    // the sums' order): rms_norm_fp8_gemv is bit for bit rms_norm, then this.
+    l.kernel = std::string(pr.norm ? "rms_norm_fp8_gemv_" : "fp8_gemv_") + act + "_r" + std::to_string(rows) +
+               (vec ? "_vec" : "_scalar");
     const DecodeGeometry g =
         fit_threads(decode_geometry(device_profile(pr.w.device()), p.n, 1, FP8_GEMV_OUTPUTS(rows, pr.a.itemsize()),
                                     false, p.m * pr.a.itemsize()),
@@ -104,6 +111,7 @@ void run(Problem& pr) {
     l.threadgroups = {static_cast<uint32_t>(g.threadgroups), 1, 1};
     l.threads_per_threadgroup = {static_cast<uint32_t>(32 * g.simdgroups), 1, 1};
   } else {
+    TORCH_CHECK(!pr.norm, "mps_ext rms_norm_fp8_linear: at most ", kMaxDecodeRows, " rows");  // (the caller's bound)
     TORCH_CHECK(ceil_div(p.m, FP8_TILE_M) <= 0xffffffffll && ceil_div(p.n, FP8_TILE_N) <= 0xffffffffll,
                 "mps_ext scaled_mm: too many tiles");
     l.kernel = "fp8_mm_tile_" + act + (vec ? "_vec" : "_scalar");
@@ -124,6 +132,14 @@ void run(Problem& pr) {
             KernelArg::of(pr.scale_b),
             or_else(pr.bias, pr.y),
             or_else(pr.scale_result, pr.scale_b)};
+  if (pr.norm) {
+    // buffer 1 is the norm's input rows; p's activation strides are the
+    // normed rows' (pr.a), as the kernel keeps them.
+    l.args[1] = KernelArg::of(pr.norm->x);
+    l.args.push_back(KernelArg::of(pr.norm->normed));
+    l.args.push_back(KernelArg::of(pr.norm->weight));
+    l.args.push_back(KernelArg::value(pr.norm->params));
+  }
   launch(l);
 }
 
@@ -384,27 +400,76 @@ at::Tensor linear_with_torch_ops(const at::Tensor& input, const at::Tensor& weig
   return at::linear(input, w.to(input.scalar_type()), bias);
 }
 
+// fp8_linear's product on mps_ext's kernels, input [..., K]; with `norm`,
+// the input's rows are rms_norm(norm->x) (rms_norm_fp8_linear).
+at::Tensor fp8_linear_ours(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_scale,
+                           const Fp8MatmulParams& p, const c10::optional<at::Tensor>& bias,
+                           const NormedRows* norm = nullptr) {
+  const int64_t N = weight.size(0), K_ = weight.size(1);
+  Problem pr;
+  pr.p = p;
+  pr.a = input.reshape({-1, K_});
+  pr.w = weight;
+  pr.y = at::empty({pr.a.size(0), N}, input.options());
+  pr.scale_b = weight_scale;
+  if (bias && bias->defined()) pr.bias = bias->reshape({N});
+  pr.norm = norm;
+  run(pr);
+  std::vector<int64_t> out_shape = input.sizes().vec();
+  out_shape.back() = N;
+  return pr.y.view(out_shape);
+}
+
 // torch has no kernel of its own: the fallback is linear_with_torch_ops.
 template <c10::DispatchKey K>
 at::Tensor fp8_linear_impl(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_scale,
                            c10::string_view granularity, const c10::optional<at::Tensor>& bias) {
   const Fp8MatmulParams p = linear_params(input, weight, weight_scale, granularity, bias);
-  auto ours = [&] {
-    const int64_t N = weight.size(0), K_ = weight.size(1);
-    Problem pr;
-    pr.p = p;
-    pr.a = input.reshape({-1, K_});
-    pr.w = weight;
-    pr.y = at::empty({pr.a.size(0), N}, input.options());
-    pr.scale_b = weight_scale;
-    if (bias && bias->defined()) pr.bias = bias->reshape({N});
-    run(pr);
-    std::vector<int64_t> out_shape = input.sizes().vec();
-    out_shape.back() = N;
-    return pr.y.view(out_shape);
-  };
+  auto ours = [&] { return fp8_linear_ours(input, weight, weight_scale, p, bias); };
   auto theirs = [&](Reason) { return linear_with_torch_ops(input, weight, weight_scale, granularity, bias); };
   return route_to(kFp8Linear, K, Reason(), ours, theirs, input, weight, weight_scale, bias);
+}
+
+// ------------------------------------------------- rms_norm_fp8_linear --
+// (rms_norm(x), fp8_linear(rms_norm(x), weight, ...)) in one dispatch,
+// rms_norm_fp8_gemv: a decoder layer's input norm and the fused projection
+// that reads it, quantised by mps_ext.quantize_fp8
+// (mps_ext/passes/projections.py, norm_into_projection): linear.cpp's
+// rms_norm_linear for FP8Linear. Bit for bit mps_ext.rms_norm then
+// fp8_linear: the kernel norms as rms_norm's team would and picks
+// fp8_linear's variant and geometry. Every granularity (the block scales
+// are fp8_gemv's). 1 to 8 rows whose normed bytes fit the kernel's
+// threadgroup memory; larger calls are the two ops.
+std::tuple<at::Tensor, at::Tensor> rms_norm_fp8_linear(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                                                       c10::string_view variant, const at::Tensor& weight,
+                                                       const at::Tensor& weight_scale, c10::string_view granularity,
+                                                       const c10::optional<at::Tensor>& bias) {
+  const bool zero_centred = check_norm("rms_norm_fp8_linear", x, norm_weight, variant);
+  const Fp8MatmulParams p = linear_params(x, weight, weight_scale, granularity, bias);
+  TORCH_CHECK(weight.device() == x.device() && weight_scale.device() == x.device() &&
+                  (!bias || !bias->defined() || bias->device() == x.device()),
+              "mps_ext rms_norm_fp8_linear: weight, weight_scale and bias must be on x's device (", x.device(), ")");
+  const int64_t k = x.size(-1), rows = x.numel() / std::max<int64_t>(k, 1);
+  if (!gemv_norms_rows(rows, k, x.itemsize()) || weight.size(0) == 0) {
+    const at::Tensor normed = rms_norm(x, norm_weight, eps, variant);  // the two ops, as the model's code calls them
+    return {normed, fp8_linear_ours(normed, weight, weight_scale, p, bias)};
+  }
+  at::Tensor normed = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const NormedRows norm = normed_rows("rms_norm_fp8_linear", x, norm_weight, normed, eps, zero_centred);
+  return {normed, fp8_linear_ours(normed, weight, weight_scale, p, bias, &norm)};
+}
+
+const RoutedOp kRmsNormFp8Linear(FamilyId::scaled_mm, "mps_ext::rms_norm_fp8_linear");
+
+template <c10::DispatchKey K>
+std::tuple<at::Tensor, at::Tensor> rms_norm_fp8_linear_impl(const at::Tensor& x, const at::Tensor& norm_weight,
+                                                            double eps, c10::string_view variant,
+                                                            const at::Tensor& weight, const at::Tensor& weight_scale,
+                                                            c10::string_view granularity,
+                                                            const c10::optional<at::Tensor>& bias) {
+  return run_own(kRmsNormFp8Linear, K, [&] {
+    return rms_norm_fp8_linear(x, norm_weight, eps, variant, weight, weight_scale, granularity, bias);
+  });
 }
 
 // Meta kernels: mps_ext/_meta.py.
@@ -414,6 +479,9 @@ void register_scaled_mm(FamilyOps& ops) {
   ops.aten("_scaled_mm_v2", TORCH_FN(scaled_mm_v2_impl<K>));
   ops.own("fp8_linear(Tensor input, Tensor weight, Tensor weight_scale, str granularity, Tensor? bias=None) -> Tensor",
           TORCH_FN(fp8_linear_impl<K>));
+  ops.own("rms_norm_fp8_linear(Tensor x, Tensor norm_weight, float eps, str variant, Tensor weight, "
+          "Tensor weight_scale, str granularity, Tensor? bias=None) -> (Tensor, Tensor)",
+          TORCH_FN(rms_norm_fp8_linear_impl<K>));
 }
 
 }  // namespace

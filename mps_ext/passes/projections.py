@@ -159,32 +159,45 @@ class ProjectionRows(nn.Module):
 # The groups that read a decoder layer's input norm (its mixer's
 # projections), by their first member: norm_into_projection's.
 _MIXER_GROUPS = ("q_proj", "in_proj_qkv", "in_proj_qkvz")
-# rms_norm_linear's bounds (csrc/ops/linear.cpp): kMaxDecodeRows rows, and
-# the normed rows' bytes a threadgroup keeps (linear_params.h: RMS_GEMV_NORMED_BYTES).
+# rms_norm_linear's and rms_norm_fp8_linear's bounds (csrc/ops/norm.cpp,
+# gemv_norms_rows): kMaxDecodeRows rows, and the normed rows' bytes a
+# threadgroup keeps (linear_params.h: RMS_GEMV_NORMED_BYTES).
 _NORMED_ROWS, _NORMED_BYTES = 8, 8192
 
 
 def norm_into_projection(x: torch.Tensor, norm: nn.Module, mixer: nn.Module) -> torch.Tensor:
     """norm(x), a decoder layer's input norm, for `mixer`, its attention or
     linear attention: where the mixer's q/k/v (or in_proj) group is a fused
-    floating nn.Linear that mps_ext's GEMV runs at these rows (decode), the
-    norm and that GEMV are one torch.ops.mps_ext.rms_norm_linear dispatch,
+    floating nn.Linear (or an FP8Linear of mps_ext.quantize_fp8) that
+    mps_ext's GEMV runs at these rows (decode), the norm and that GEMV are
+    one torch.ops.mps_ext.rms_norm_linear (rms_norm_fp8_linear) dispatch,
     whose product is handed to the group as the output of the normed
     tensor returned (the group's _Memo, as its first member would leave it):
     the mixer's projections of that tensor then take their rows of it with
-    no call. rms_norm_linear is bit for bit the norm, then the fused
-    layer's F.linear (csrc/ops/linear.cpp). Elsewhere norm(x)."""
+    no call. Each op is bit for bit the norm, then the fused layer's
+    F.linear (fp8_linear) (csrc/ops/linear.cpp, scaled_mm.cpp). Elsewhere
+    norm(x); so too with autograd recording (the ops have no backward)."""
     first = next((m for m in (getattr(mixer, n, None) for n in _MIXER_GROUPS) if isinstance(m, ProjectionRows)), None)
     if first is None or not first._memo.shared or not hasattr(norm, "op_takes") or not norm.op_takes(x):
         return norm(x)
     fused = first.fused
     w, b = fused.weight, fused.bias
     rows = x.numel() // max(x.shape[-1], 1)
-    if (type(fused) is not nn.Linear or w.dtype != x.dtype or w.stride(-1) != 1 or rows > _NORMED_ROWS
-            or rows * x.shape[-1] * x.element_size() > _NORMED_BYTES or not kernels_for(x, "linear")
-            or (torch.is_grad_enabled() and (w.requires_grad or (b is not None and b.requires_grad)))):
+    fp8 = type(fused) is FP8Linear
+    if fp8:
+        b = b.to(x.dtype) if b is not None and b.dtype != x.dtype else b  # (fp8_linear's cast)
+        takes = w.stride(-1) == 1 and kernels_for(x, "scaled_mm")
+    else:
+        takes = type(fused) is nn.Linear and w.dtype == x.dtype and w.stride(-1) == 1 and kernels_for(x, "linear")
+    if (not takes or rows > _NORMED_ROWS or rows * x.shape[-1] * x.element_size() > _NORMED_BYTES
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
+                                             or (b is not None and b.requires_grad)))):
         return norm(x)
-    normed, y = torch.ops.mps_ext.rms_norm_linear(x, norm.weight, norm.eps, norm.variant, w, b)
+    if fp8:
+        normed, y = torch.ops.mps_ext.rms_norm_fp8_linear(x, norm.weight, norm.eps, norm.variant, w,
+                                                          fused.weight_scale, fused.granularity, b)
+    else:
+        normed, y = torch.ops.mps_ext.rms_norm_linear(x, norm.weight, norm.eps, norm.variant, w, b)
     m = first._memo
     m.last, m.taken, m.handed = (normed, y.split(m.sizes, -1)), (False,) * len(m.sizes), True
     return normed

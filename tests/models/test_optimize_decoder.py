@@ -295,8 +295,11 @@ def total_dispatches(report):
     return sum(f.dispatches for f in report.families.values())
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe", "lfm2_moe"])
+# (Block scales: qwen3_5_moe's, whose tiny q/k/v rows are whole 128-row blocks; the others' groups stay apart
+# under block scales, _block_members.)
+@pytest.mark.parametrize("name,kind", [(name, kind) for name in ("qwen3_moe", "qwen3_5_moe", "lfm2_moe")
+                                       for kind in ("float32", "bfloat16", "bfloat16 fp8 row", "float32 fp8 tensor")]
+                         + [("qwen3_5_moe", "bfloat16 fp8 block")])
 def test_input_norm_in_the_projection_gemv_changes_no_bit(monkeypatch, name, kind):
     """A decoder layer whose mixer reads its input norm through a fused
     floating q/k/v or in_proj GEMV (qwen3_moe's and lfm2_moe's attention,
@@ -305,15 +308,21 @@ def test_input_norm_in_the_projection_gemv_changes_no_bit(monkeypatch, name, kin
     at up to 8 rows: prefill and decode logits and greedy tokens bit-identical
     to the same optimized model with the norm and the GEMV apart
     (norm_into_projection replaced by the norm), one dispatch fewer per such
-    layer and call."""
+    layer and call. So too after mps_ext.quantize_fp8 (each granularity; the
+    fused group an FP8Linear): one rms_norm_fp8_linear dispatch."""
     from mps_ext.passes import decoder
-    model = make(name, getattr(torch, kind))
+    dtype, *fp8 = kind.split()
+    model = make(name, getattr(torch, dtype))
+    if fp8:
+        mps_ext.quantize_fp8(model, granularity=fp8[1])
     mps_ext.optimize(model)
     prompt, step = ids(), ids(1, seed=2)
-    readers = sum(1 for m in model.modules() if isinstance(m, FusedDecoderLayerMixin)
-                  and any(isinstance(getattr(getattr(m, n, None), p, None), mps_ext.passes.projections.ProjectionRows)
-                          for n in ("self_attn", "linear_attn") for p in ("q_proj", "in_proj_qkv")))
+    groups = [getattr(getattr(m, n, None), p, None) for m in model.modules() if isinstance(m, FusedDecoderLayerMixin)
+              for n in ("self_attn", "linear_attn") for p in ("q_proj", "in_proj_qkv")]
+    groups = [g for g in groups if isinstance(g, mps_ext.passes.projections.ProjectionRows)]
+    readers = len(groups)
     assert readers == {"qwen3_moe": 2, "qwen3_5_moe": 2, "lfm2_moe": 1}[name]
+    assert all(isinstance(g.fused, mps_ext.FP8Linear if fp8 else torch.nn.Linear) for g in groups)
 
     def run():
         with torch.no_grad(), run_model(RELEASE) as report:
@@ -330,6 +339,7 @@ def test_input_norm_in_the_projection_gemv_changes_no_bit(monkeypatch, name, kin
     # Calls: the prefill and decode forwards, then generate's prefill and 3 decodes (the prompt's 6 rows
     # take the kernel too: at most 8).
     calls = readers * 6
-    fused = report.families["linear"].ops["mps_ext::rms_norm_linear"].ran
-    assert fused == calls and "mps_ext::rms_norm_linear" not in their_report.families["linear"].ops
+    family, op = ("scaled_mm", "mps_ext::rms_norm_fp8_linear") if fp8 else ("linear", "mps_ext::rms_norm_linear")
+    fused = report.families[family].ops[op].ran
+    assert fused == calls and op not in their_report.families[family].ops
     assert total_dispatches(their_report) - total_dispatches(report) == calls
