@@ -723,8 +723,8 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
   threadgroup uint row_group[BM];  // rows mode: each row's group, for the scales
   threadgroup uint first[1];
   if (p.b_k == 1)
-    gmm_tiled_body<T, TO, true, DENSE>(out, a, w, offs, p, row_scale, col_scale, tile, row_group, first, tg, tpos.x,
-                                       sg, lane);
+    gmm_tiled_body<T, TO, true, DENSE>(out, a, w, offs, p, row_scale, col_scale, tile, row_group, first, tg, tpos.x, sg,
+                                       lane);
   else
     gmm_tiled_body<T, TO, false, DENSE>(out, a, w, offs, p, row_scale, col_scale, tile, row_group, first, tg, tpos.x,
                                         sg, lane);

@@ -120,7 +120,8 @@ def test_what_each_release_leaves_to_torch():
     # _scaled_grouped_mm, which no release has on MPS, stays.
     assert _policy.left_to_torch("grouped_mm", "2.14.1") == {}
     assert set(_policy.left_to_torch("grouped_mm", "2.15.0")) == {"aten::_grouped_mm"}
-    assert _policy.left_to_torch("grouped_mm", "2.15.0")["aten::_grouped_mm"].calls == _policy.Condition.TORCH_GROUPED_MM
+    rule = _policy.left_to_torch("grouped_mm", "2.15.0")["aten::_grouped_mm"]
+    assert rule.calls == _policy.Condition.TORCH_GROUPED_MM
     assert _policy.steps_aside("grouped_mm", ops["grouped_mm"], "2.15.0") is None
     for fam, natives in _policy.NATIVE.items():
         for native in natives:

@@ -148,8 +148,15 @@ class FusedDecoderLayerMixin:
         passed = {keyword: arguments[name] for name, keyword in plan.passed}
         mixer = getattr(self, plan.mixer)
         norm = getattr(self, layout.input_norm)
-        normed = norm(residual) if add_norm is add_then_norm else norm_into_projection(residual, norm, mixer)
-        hidden_states = mixer(hidden_states=normed, **passed, **arguments[plan.var_keyword])
+        kwargs = {**passed, **arguments[plan.var_keyword]}
+        # A mixer that takes its first projection's product only on its own decode step (the short
+        # convolution's in_proj) says whether this call runs it.
+        takes = getattr(mixer, "_mps_ext_takes_product", None)
+        if add_norm is add_then_norm or (takes is not None and not takes(residual, kwargs)):
+            normed = norm(residual)
+        else:
+            normed = norm_into_projection(residual, norm, mixer)
+        hidden_states = mixer(hidden_states=normed, **kwargs)
         if plan.mixer in _RETURNS_WEIGHTS:
             hidden_states, _ = hidden_states
         hidden_states, normed = add_norm(hidden_states, residual, getattr(self, layout.post_norm))

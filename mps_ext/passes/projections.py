@@ -166,41 +166,60 @@ _NORMED_ROWS, _NORMED_BYTES = 8, 8192
 
 
 def norm_into_projection(x: torch.Tensor, norm: nn.Module, mixer: nn.Module) -> torch.Tensor:
-    """norm(x), a decoder layer's input norm, for `mixer`, its attention or
-    linear attention: where the mixer's q/k/v (or in_proj) group is a fused
+    """norm(x), a decoder layer's input norm, for `mixer`, its attention,
+    linear attention or short convolution: where the projection that reads
+    it first -- the mixer's fused q/k/v (or in_proj) group, or the short
+    convolution's in_proj (a mixer with _mps_ext_takes_product, whose
+    caller has asked it that this call runs its decode step) -- is a
     floating nn.Linear (or an FP8Linear of mps_ext.quantize_fp8) that
     mps_ext's GEMV runs at these rows (decode), the norm and that GEMV are
-    one torch.ops.mps_ext.rms_norm_linear (rms_norm_fp8_linear) dispatch,
-    whose product is handed to the group as the output of the normed
-    tensor returned (the group's _Memo, as its first member would leave it):
-    the mixer's projections of that tensor then take their rows of it with
-    no call. Each op is bit for bit the norm, then the fused layer's
-    F.linear (fp8_linear) (csrc/ops/linear.cpp, scaled_mm.cpp). Elsewhere
-    norm(x); so too with autograd recording (the ops have no backward)."""
+    one torch.ops.mps_ext.rms_norm_linear (rms_norm_fp8_linear) dispatch.
+    Its product is handed over as the projection of the normed tensor
+    returned: to the group's _Memo, as its first member would leave it (the
+    mixer's projections of that tensor then take their rows of it with no
+    call), or to the short convolution's step. Each op is bit for bit the
+    norm, then the layer's F.linear (fp8_linear) (csrc/ops/linear.cpp,
+    scaled_mm.cpp). Elsewhere norm(x); so too with autograd recording (the
+    ops have no backward)."""
     first = next((m for m in (getattr(mixer, n, None) for n in _MIXER_GROUPS) if isinstance(m, ProjectionRows)), None)
-    if first is None or not first._memo.shared or not hasattr(norm, "op_takes") or not norm.op_takes(x):
-        return norm(x)
-    fused = first.fused
-    w, b = fused.weight, fused.bias
+    if first is not None and first._memo.shared:
+        done = _norm_and_product(x, norm, first.fused)
+        if done is None:
+            return norm(x)
+        normed, y = done
+        m = first._memo
+        m.last, m.taken, m.handed = (normed, y.split(m.sizes, -1)), (False,) * len(m.sizes), True
+        return normed
+    if first is None and hasattr(mixer, "_mps_ext_takes_product"):
+        done = _norm_and_product(x, norm, mixer.in_proj)
+        if done is None:
+            return norm(x)
+        mixer.__dict__["_mps_ext_in_proj_product"] = done  # (normed, y): the step takes y for normed
+        return done[0]
+    return norm(x)
+
+
+def _norm_and_product(x: torch.Tensor, norm: nn.Module, layer: nn.Module) -> tuple | None:
+    """(norm(x), layer(norm(x))) in one rms_norm_linear (rms_norm_fp8_linear)
+    dispatch, or None where those ops do not take the call."""
+    if not hasattr(norm, "op_takes") or not norm.op_takes(x):
+        return None
+    w, b = getattr(layer, "weight", None), getattr(layer, "bias", None)
     rows = x.numel() // max(x.shape[-1], 1)
-    fp8 = type(fused) is FP8Linear
+    fp8 = type(layer) is FP8Linear
     if fp8:
         b = b.to(x.dtype) if b is not None and b.dtype != x.dtype else b  # (fp8_linear's cast)
         takes = w.stride(-1) == 1 and kernels_for(x, "scaled_mm")
     else:
-        takes = type(fused) is nn.Linear and w.dtype == x.dtype and w.stride(-1) == 1 and kernels_for(x, "linear")
+        takes = type(layer) is nn.Linear and w.dtype == x.dtype and w.stride(-1) == 1 and kernels_for(x, "linear")
     if (not takes or rows > _NORMED_ROWS or rows * x.shape[-1] * x.element_size() > _NORMED_BYTES
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
                                              or (b is not None and b.requires_grad)))):
-        return norm(x)
+        return None
     if fp8:
-        normed, y = torch.ops.mps_ext.rms_norm_fp8_linear(x, norm.weight, norm.eps, norm.variant, w,
-                                                          fused.weight_scale, fused.granularity, b)
-    else:
-        normed, y = torch.ops.mps_ext.rms_norm_linear(x, norm.weight, norm.eps, norm.variant, w, b)
-    m = first._memo
-    m.last, m.taken, m.handed = (normed, y.split(m.sizes, -1)), (False,) * len(m.sizes), True
-    return normed
+        return torch.ops.mps_ext.rms_norm_fp8_linear(x, norm.weight, norm.eps, norm.variant, w, layer.weight_scale,
+                                                     layer.granularity, b)
+    return torch.ops.mps_ext.rms_norm_linear(x, norm.weight, norm.eps, norm.variant, w, b)
 
 
 def _kind(m: nn.Module) -> tuple | str:

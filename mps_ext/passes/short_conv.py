@@ -98,13 +98,25 @@ class FusedShortConvMixin:
 
         def step():
             window = conv_state.clone(memory_format=torch.contiguous_format) if recording else conv_state
-            y = op(self.in_proj(hidden_states), window, w.view(w.shape[0], -1), b)
+            # in_proj's product of this very tensor, where norm_into_projection made it with the layer's
+            # input norm (one rms_norm_linear dispatch); else in_proj's own call.
+            handed = self.__dict__.pop("_mps_ext_in_proj_product", None)
+            projected = handed[1] if handed is not None and handed[0] is hidden_states else self.in_proj(hidden_states)
+            y = op(projected, window, w.view(w.shape[0], -1), b)
             if recording:
                 append(window[..., -1:], self.layer_idx, conv_kernel_size=k)
             else:
                 count_in_place_step(cache, self.layer_idx)
             return self.out_proj(y)
         return step
+
+
+    def _mps_ext_takes_product(self, hidden_states: torch.Tensor, kwargs: dict) -> bool:
+        """Whether a call with these arguments runs the decode step above,
+        which takes in_proj's product of its input from the decoder layer
+        (norm_into_projection: the layer's input norm and in_proj in one
+        dispatch); elsewhere the layer's own forward calls in_proj itself."""
+        return self._mps_ext_fused_call(False, (), {"hidden_states": hidden_states, **kwargs}) is not None
 
 
 def _fused_class(cls: type) -> type:

@@ -19,6 +19,7 @@ import mps_ext
 import mps_ext_executor
 from mps_ext_executor import run_model
 from mps_ext.passes.decoder import FusedDecoderLayerMixin
+from mps_ext.passes.short_conv import FusedShortConvMixin
 from model_compare import RELEASE, without_passes
 from test_optimize import (MODELS, ids, make, optimized_against_stock_and_float64, prefill_and_decode,
                            quantized_against_stock_and_float64)
@@ -93,8 +94,10 @@ def test_swapped_layers_match_the_model_without_them(figures, monkeypatch, name,
     assert ran(report, "add_rms_norm") == 2 * count and not ran(theirs_report, "add_rms_norm")
     # (An input norm the layer runs in its mixer's projection GEMV, rms_norm_linear, is no rms_norm call
     # either: test_input_norm_in_the_projection_gemv_changes_no_bit.)
-    in_gemv = report.families["linear"].ops.get("mps_ext::rms_norm_linear")
-    assert ran(theirs_report, "rms_norm") - ran(report, "rms_norm") == 2 * count + (in_gemv.ran if in_gemv else 0)
+    in_gemv = sum(report.families[f].ops[op].ran for f, op in (("linear", "mps_ext::rms_norm_linear"),
+                                                                ("scaled_mm", "mps_ext::rms_norm_fp8_linear"))
+                  if f in report.families and op in report.families[f].ops)
+    assert ran(theirs_report, "rms_norm") - ran(report, "rms_norm") == 2 * count + in_gemv
     assert torch.equal(ours[0], theirs[0])
     assert torch.equal(ours[1], theirs[1])
     for what, i in (("prefill", 0), ("decode", 1)):
@@ -142,11 +145,11 @@ def test_a_layer_decodes_one_add_rms_norm_for_an_add_and_a_norm(monkeypatch, mod
         ops = [c.op for c in layer]
         old = [c.op for c in before[kind]]
         assert ops.count("add_rms_norm") == 1 and "add_rms_norm" not in old, (kind, ops)
-        # The input norm of an attention or DeltaNet layer goes into its fused projection's GEMV
-        # (rms_norm_linear: one call and dispatch for rms_norm and linear); a short convolution's
-        # in_proj is no fused group.
+        # The input norm of an attention or DeltaNet layer goes into its fused projection's GEMV, and a
+        # short convolution's into its in_proj's at a decode step (rms_norm_linear: one call and dispatch
+        # for rms_norm and linear).
         in_gemv = ops.count("rms_norm_linear")
-        assert in_gemv == (0 if kind.startswith("conv") else 1), (kind, ops)
+        assert in_gemv == 1, (kind, ops)
         assert old.count("rms_norm") - ops.count("rms_norm") == 1 + in_gemv, (kind, ops)
         assert old.count("linear") - ops.count("linear") == in_gemv, (kind, ops)
         # A MoE layer's second residual add moves into moe_layer's last dispatch (FusedMoE's residual).
@@ -303,13 +306,15 @@ def total_dispatches(report):
 def test_input_norm_in_the_projection_gemv_changes_no_bit(monkeypatch, name, kind):
     """A decoder layer whose mixer reads its input norm through a fused
     floating q/k/v or in_proj GEMV (qwen3_moe's and lfm2_moe's attention,
-    qwen3_5_moe's attention and Gated DeltaNet; not lfm2_moe's short
-    convolution) runs the norm and that GEMV as one rms_norm_linear dispatch
-    at up to 8 rows: prefill and decode logits and greedy tokens bit-identical
-    to the same optimized model with the norm and the GEMV apart
-    (norm_into_projection replaced by the norm), one dispatch fewer per such
-    layer and call. So too after mps_ext.quantize_fp8 (each granularity; the
-    fused group an FP8Linear): one rms_norm_fp8_linear dispatch."""
+    qwen3_5_moe's attention and Gated DeltaNet) runs the norm and that GEMV
+    as one rms_norm_linear dispatch at up to 8 rows, and lfm2_moe's short
+    convolution its in_proj so at its decode steps (one token; a prompt runs
+    the layer's own forward): prefill and decode logits and greedy tokens
+    bit-identical to the same optimized model with the norm and the GEMV
+    apart (norm_into_projection replaced by the norm), one dispatch fewer
+    per such layer and call. So too after mps_ext.quantize_fp8 (each
+    granularity; the projection an FP8Linear): one rms_norm_fp8_linear
+    dispatch."""
     from mps_ext.passes import decoder
     dtype, *fp8 = kind.split()
     model = make(name, getattr(torch, dtype))
@@ -323,6 +328,9 @@ def test_input_norm_in_the_projection_gemv_changes_no_bit(monkeypatch, name, kin
     readers = len(groups)
     assert readers == {"qwen3_moe": 2, "qwen3_5_moe": 2, "lfm2_moe": 1}[name]
     assert all(isinstance(g.fused, mps_ext.FP8Linear if fp8 else torch.nn.Linear) for g in groups)
+    convs = [m.conv for m in model.modules() if isinstance(getattr(m, "conv", None), FusedShortConvMixin)]
+    assert len(convs) == {"qwen3_moe": 0, "qwen3_5_moe": 0, "lfm2_moe": 2}[name]
+    assert all(isinstance(c.in_proj, mps_ext.FP8Linear if fp8 else torch.nn.Linear) for c in convs)
 
     def run():
         with torch.no_grad(), run_model(RELEASE) as report:
@@ -337,8 +345,8 @@ def test_input_norm_in_the_projection_gemv_changes_no_bit(monkeypatch, name, kin
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
     assert torch.equal(our_tokens, their_tokens)
     # Calls: the prefill and decode forwards, then generate's prefill and 3 decodes (the prompt's 6 rows
-    # take the kernel too: at most 8).
-    calls = readers * 6
+    # take the kernel too: at most 8); a short convolution's 4 decodes.
+    calls = readers * 6 + len(convs) * 4
     family, op = ("scaled_mm", "mps_ext::rms_norm_fp8_linear") if fp8 else ("linear", "mps_ext::rms_norm_linear")
     fused = report.families[family].ops[op].ran
     assert fused == calls and op not in their_report.families[family].ops

@@ -112,11 +112,13 @@ def test_host_calls_and_dispatches_per_conv_layer(name):
     after = [(c, d) for _, c, d in decode_counts(model, conv_layers(model)[:1])]
     ops = decode_counts.ops
     print(f"\n{name} conv layer bf16, per decoded token (host calls, dispatches): before {before}, after {after}")
-    assert after == [(3, 3)]  # in_proj, short_conv_decode, out_proj
+    # short_conv_decode, out_proj; in_proj's product comes with the decoder layer's input norm, one
+    # rms_norm_linear dispatch of the layer's (test_optimize_decoder.py)
+    assert after == [(2, 2)]
     assert ops.get("mps_ext::short_conv_decode") == 1
     # Before: the two GEMVs are the executor's dispatches; the mul, cat, copy_, conv1d and mul between are
     # torch's (host calls here, a dispatch each on MPS).
-    assert before == [(after[0][0] + 4, 2)]
+    assert before == [(7, 2)]
 
 
 def test_summary_idempotent_and_state_dict():
