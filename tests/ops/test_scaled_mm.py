@@ -283,7 +283,9 @@ ACTS = {"fp8": E4, "f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.fl
 
 def test_every_matrix_kernel_runs():
     """Each [[host_name]] of scaled_mm.metal, through _scaled_mm (fp8
-    activations) or fp8_linear (the others), against float64."""
+    activations) or fp8_linear (the others), against float64; the GEMVs
+    with the input norm (rms_norm_fp8_gemv_*) run in
+    test_rms_norm_fp8_linear.py, which checks it runs each."""
     seen = set()
     for act, dtype in ACTS.items():
         for m in (1, 2, 3, 5, 40):
@@ -313,7 +315,8 @@ def test_every_matrix_kernel_runs():
     import embed_shaders
     lib = cpu_metal.compile_library(embed_shaders.flatten(root / "kernels_metal" / "scaled_mm.metal"),
                                     filename="scaled_mm.metal")
-    assert set(lib.function_names) == seen, sorted(set(lib.function_names) ^ seen)
+    matrix = {f for f in lib.function_names if not f.startswith("rms_norm_fp8_gemv_")}
+    assert matrix == seen, sorted(matrix ^ seen)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 8])
