@@ -236,6 +236,10 @@ Reason activation_unsupported(const at::Tensor& x) {
 
 // More than 8 rows: the tile's product a [M, K] @ b [K, N], if it takes it.
 bool tile_rows(int64_t rows) { return rows > kMaxDecodeRows; }
+// mm/addmm: the tile where neither operand is a GEMV's few rows (or columns).
+bool mm_on_tile(const at::Tensor& mat1, const at::Tensor& mat2) {
+  return tile_rows(std::min(mat1.size(0), mat2.size(1)));
+}
 
 Reason tile_unsupported(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() == at::kFloat) return because::float32_rows_past_8;
@@ -346,7 +350,7 @@ Reason mm_unsupported(const RoutedOp& op, const at::Tensor& mat1, const at::Tens
   if (mat1.dim() != 2 || mat2.dim() != 2 || mat1.size(1) != mat2.size(0))
     return because::shapes_torch_rejects;  // its error follows
   if (self && !self->defined()) return {};
-  if (tile_rows(std::min(mat1.size(0), mat2.size(1)))) return tile_unsupported(mat1, mat2);
+  if (mm_on_tile(mat1, mat2)) return tile_unsupported(mat1, mat2);
   // (The activation: see mm_transposed below.)
   why = activation_unsupported(mat1.size(0) <= mat2.size(1) && mat1.size(0) <= kMaxDecodeRows ? mat1 : mat2);
   if (why) return why;
@@ -361,7 +365,7 @@ Reason mm_unsupported(const RoutedOp& op, const at::Tensor& mat1, const at::Tens
 // (beta = 0), the product unscaled (alpha = 1).
 static Reason epilogue_unsupported(const at::Tensor& mat1, const at::Tensor& mat2, const c10::Scalar& beta,
                                    const c10::Scalar& alpha) {
-  if (!tile_rows(std::min(mat1.size(0), mat2.size(1)))) return {};
+  if (!mm_on_tile(mat1, mat2)) return {};
   if (beta.isComplex() || alpha.isComplex()) return because::tile_beta_alpha;
   const double b = beta.toDouble(), a = alpha.toDouble();
   return a != 1 || (b != 0 && b != 1) ? because::tile_beta_alpha : Reason{};
@@ -402,7 +406,7 @@ Reason out_unsupported(const at::Tensor& out, const at::Tensor& mat1, const at::
 // mat1 @ mat2 written into y ([M, N], contiguous); K == 0 writes zeros.
 static void mm_into(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& y) {
   if (y.numel() == 0) return;
-  if (tile_rows(std::min(mat1.size(0), mat2.size(1)))) run_tile(mat1, mat2, y, at::Tensor());
+  if (mm_on_tile(mat1, mat2)) run_tile(mat1, mat2, y, at::Tensor());
   else run(mm_problem(mat1, mat2, y));
 }
 
@@ -412,7 +416,7 @@ static void addmm_into(const at::Tensor& self, const at::Tensor& mat1, const at:
   TORCH_CHECK(self.dim() <= 2, "addmm: self must be a matrix or broadcastable to one, got ", self.dim(), " dims");
   at::Tensor b = self.expand({M, N});  // torch's error if it does not broadcast
   if (y.numel() == 0) return;
-  if (tile_rows(std::min(M, N))) {
+  if (mm_on_tile(mat1, mat2)) {
     // (beta is 0 or 1 and alpha 1: epilogue_unsupported. beta == 0: the
     // bias is not read, so NaN or inf in it do not reach y.)
     run_tile(mat1, mat2, y, beta.toDouble() != 0 ? self : at::Tensor());
