@@ -235,22 +235,20 @@ _FUSIBLE = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mea
             "sigmoid"}
 
 # mps_ext ops whose modules run torch's ops under torch.compile instead
-# (mps_ext.optimize's FusedRMSNorm: Inductor fuses a norm with the residual
-# add before it, where the op would be one dispatch more; its attention's
+# (mps_ext.optimize's FusedRMSNorm alone: Inductor fuses a norm with the
+# ops around it, where the op would be one dispatch more; its attention's
 # qk_norm_rope: Inductor fuses the norms and the rotary embedding with their
 # neighbours; its output gate, sigmoid_gate, and its cache append,
 # kv_append (or, with the norms and rotary embedding, qk_norm_rope_append),
 # for which the compiled forward keeps the model's sigmoid, mul and
-# DynamicCache's torch.cat; its decoder layers' add_rms_norm: their own
-# forward's add and norm): compiled, each counts as the fusible calls it
-# stands for.
-_TORCH_WHEN_COMPILED = {"rms_norm", "add_rms_norm", "qk_norm_rope", "sigmoid_gate", "kv_append",
-                        "qk_norm_rope_append"}
-# ... and rms_norm_linear and rms_norm_fp8_linear (a decoder layer's input
-# norm in its projection's GEMV, floating or fp8), which a compiled layer's
-# own forward runs as the norm (generated, with the ops before it) and the
-# linear (our GEMV, the call's dispatch).
-_NORM_FIRST_WHEN_COMPILED = {"rms_norm_linear", "rms_norm_fp8_linear"}
+# DynamicCache's torch.cat): compiled, each counts as the fusible calls it
+# stands for. A decoder layer's fused path (mps_ext.passes.decoder:
+# add_rms_norm, the input norm in the projection's GEMV, rms_norm_linear or
+# rms_norm_fp8_linear, and the second residual add in moe_layer) runs
+# compiled as eager: its neighbours are mps_ext's kernels, with nothing for
+# Inductor to fuse it with (tests/models/test_static_cache.py reads the
+# compiled graph).
+_TORCH_WHEN_COMPILED = {"rms_norm", "qk_norm_rope", "sigmoid_gate", "kv_append", "qk_norm_rope_append"}
 # mps_ext's ops that write an attention layer's new key and value rows into
 # the cache in place (appends_in_place).
 _APPENDS = ("kv_append", "qk_norm_rope_append")
@@ -270,10 +268,6 @@ class Call:
     ours: int | None = None  # mps_ext dispatches (None: the call ran torch's kernel)
     ours_bytes: int = 0
     ffn: bool = False        # made inside its layer's feed-forward block (the MoE block of a MoE layer)
-    # Compiled, a pointwise op Inductor generates follows this call: moe_layer's residual (the decoder
-    # layer's second add, which mps_ext.passes.decoder hands to moe_layer eager only; compiled the layer
-    # runs its own forward and the add is Inductor's, fused with the next layer's norm).
-    then_generated: bool = False
     # What the call does to the MPS stream besides encoding (STREAM_ACTIONS): "commit" (its command buffer
     # is committed, nothing waits: mps_ext's commit op, an asynchronous copy to the host, an event record),
     # "wait_previous" (the host waits for an event the previous step recorded: transformers'
@@ -462,9 +456,6 @@ class Trace:
         if name.startswith("_scaled_dot_product"):
             call.keys, call.queries = args[1].shape[-2], args[0].shape[-2]
         call.flops = matrix_flops(func, args, kwargs)
-        if name == "moe_layer":
-            residual = args[13] if len(args) > 13 else kwargs.get("residual")
-            call.then_generated = residual is not None
         if name == "_grouped_mm":
             a, b, offs = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("offs")
             counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
@@ -681,14 +672,6 @@ def units(calls: list[Call], release: str, mode: str, ours: bool, experts: int |
             c.views += 0 if mode == "compile" else 1
             continue
         mine = ours and call.ours is not None
-        if mode == "compile" and mine and call.op in _NORM_FIRST_WHEN_COMPILED:
-            if not fused_run:  # the norm, generated (or fused into the run before it)
-                c.host += 1
-                c.dispatches += 1
-            c.host += 1  # the linear
-            c.dispatches += call.ours
-            fused_run = False
-            continue
         if mode == "compile" and _generated(call, ours):
             if not fused_run:
                 c.host += 1
@@ -709,10 +692,6 @@ def units(calls: list[Call], release: str, mode: str, ours: bool, experts: int |
         if mine:
             c.host += 1
             c.dispatches += call.ours
-            if mode == "compile" and call.then_generated:  # the add Inductor generates after it
-                c.host += 1
-                c.dispatches += 1
-                fused_run = True
         elif call.op == "_grouped_mm" and old:
             # torch's fallback: offs copied to the CPU (a sync), then mm per expert
             e = experts if experts is not None else call.groups
@@ -779,9 +758,7 @@ def _fused_edges(calls: list[Call], ours: bool) -> tuple[bool, bool]:
     if not costed:
         return False, False
     last, first = costed[-1], costed[0]
-    return _generated(first, ours) or (ours and first.ours is not None and first.op in _NORM_FIRST_WHEN_COMPILED), \
-        _generated(last, ours) or (ours and last.ours is not None
-                                                                   and last.then_generated)
+    return _generated(first, ours), _generated(last, ours)
 
 
 def layer_calls(spec: Spec, trace: Trace, tiny_config) -> tuple[dict[str, list[Call]], list[str]]:
@@ -822,9 +799,7 @@ def scale(spec: Spec, trace: Trace, tiny_config, tokens: int, release: str, mode
         total.host -= merges
         total.dispatches -= merges
     per["head"] = per.pop("pre") + per.pop("post")
-    # The block's calls alone: the residual add a compiled layer makes after moe_layer is the layer's.
-    ffn = {k: count([dataclasses.replace(c, then_generated=False) for c in calls[k] if c.ffn], release, mode, ours,
-                    real.num_experts, used, keys) for k in kinds}
+    ffn = {k: count([c for c in calls[k] if c.ffn], release, mode, ours, real.num_experts, used, keys) for k in kinds}
     return {"per_kind": per, "ffn": ffn, "layers": dict(kinds), "total": total}
 
 

@@ -199,9 +199,10 @@ def test_torch_2_14_grouped_mm_fallback_costs_a_sync_and_a_call_per_chosen_exper
 
 
 def test_an_optimized_norm_counts_as_its_fusible_ops_when_compiled():
-    """FusedRMSNorm leaves its norm to Inductor under torch.compile (fused
-    with the residual add before it); eager, it is one call of mps_ext's
-    op. mps_ext's other ops stay extern calls compiled."""
+    """FusedRMSNorm alone leaves its norm to Inductor under torch.compile
+    (fused with the residual add before it); eager, it is one call of
+    mps_ext's op. mps_ext's other ops stay extern calls compiled, a decoder
+    layer's fused norms (add_rms_norm, rms_norm_linear) too."""
     add = census.Call("add", 0, "compute", True, 1, 1, 0)
     mm = census.Call("mm", 0, "compute", False, 1, 1, 1)
     norm = census.Call("rms_norm", 0, "compute", True, 1, 1, 1, ours=1)
@@ -211,6 +212,13 @@ def test_an_optimized_norm_counts_as_its_fusible_ops_when_compiled():
     compiled = census.count([mm, add, norm, moe], "2.15", "compile", True)
     assert (compiled.host, compiled.dispatches) == (3, 1 + 1 + 5)
     assert census._fused_edges([norm, mm], True) == (True, False)
+    add_norm = census.Call("add_rms_norm", 0, "compute", False, 1, 1, 1, ours=1)
+    norm_gemv = census.Call("rms_norm_linear", 0, "compute", False, 1, 1, 1, ours=1)
+    layer = [norm_gemv, mm, add_norm, moe]
+    assert census._fused_edges(layer, True) == (False, False)
+    for mode in census.MODES:
+        c = census.count(layer, "2.15", mode, True)
+        assert (c.host, c.dispatches) == (4, 1 + 1 + 1 + 5), mode
 
 
 def test_mps_ext_dispatches_are_the_executors():

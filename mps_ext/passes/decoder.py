@@ -126,8 +126,6 @@ class FusedDecoderLayerMixin:
         """The call on the fused path (reference: torch's add and the norm
         module for add_rms_norm, wherever it would run), as a function of no
         arguments; None where the layer's own forward runs."""
-        if torch.compiler.is_compiling():
-            return None
         plan = self._mps_ext_decoder
         arguments = plan.bind(args, kwargs)
         x = None if arguments is None else arguments["hidden_states"]
@@ -135,7 +133,7 @@ class FusedDecoderLayerMixin:
             return None
         if reference:
             return lambda: self._fused_forward(add_then_norm, arguments)
-        if not getattr(self, plan.layout.post_norm).op_takes(x):
+        if not getattr(self, plan.layout.post_norm).op_takes(x, compiled=True):
             return None
         return lambda: self._fused_forward(add_rms_norm, arguments)
 

@@ -80,15 +80,18 @@ class FusedRMSNorm(nn.Module):
             return torch.ops.mps_ext.rms_norm(x, self.weight, self.eps, self.variant)
         return rms_norm_reference(x, self.weight, self.eps, self.variant)
 
-    def op_takes(self, *xs: torch.Tensor) -> bool:
+    def op_takes(self, *xs: torch.Tensor, compiled: bool = False) -> bool:
         """Whether the norm's op (rms_norm of x; add_rms_norm of x and a
-        residual) runs for these inputs, or torch's ops do."""
+        residual) runs for these inputs, or torch's ops do. Compiled, only
+        where the caller says so (`compiled`): a norm alone is left to
+        Inductor, which fuses its ops with their neighbours (the residual
+        add before a layer's norms) into one generated kernel, where the op
+        would stand between them, one dispatch more; a decoder layer's fused
+        path (mps_ext.passes.decoder) has mps_ext's ops for neighbours, the
+        residual add in them, and takes the ops compiled as eager."""
         w = self.weight
-        # Compiled, Inductor fuses the norm's ops with their neighbours (the
-        # residual add before a layer's norms) into one generated kernel; the
-        # op would stand between them, one dispatch more.
         x = xs[0]
-        return (not torch.compiler.is_compiling() and all(t.dtype == w.dtype for t in xs) and x.dtype in _FLOAT
+        return ((compiled or not torch.compiler.is_compiling()) and all(t.dtype == w.dtype for t in xs) and x.dtype in _FLOAT
                 and 0 < x.shape[-1] <= MAX_ROW and all(t.shape == x.shape for t in xs) and kernels_for(x, "norm")
                 and not (torch.is_grad_enabled() and (w.requires_grad or any(t.requires_grad for t in xs))))
 
@@ -109,7 +112,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: FusedRMSNorm) ->
     its op (FusedRMSNorm.op_takes; x and residual of one shape and dtype),
     else torch's add and the norm module's own forward. The sum is torch's
     add to the bit; the normed rows are rms_norm's of that sum to the bit."""
-    if norm.op_takes(x, residual):
+    if norm.op_takes(x, residual, compiled=True):
         return torch.ops.mps_ext.add_rms_norm(x, residual, norm.weight, norm.eps, norm.variant)
     return add_then_norm(x, residual, norm)
 

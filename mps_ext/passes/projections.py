@@ -202,7 +202,7 @@ def norm_into_projection(x: torch.Tensor, norm: nn.Module, mixer: nn.Module) -> 
 def _norm_and_product(x: torch.Tensor, norm: nn.Module, layer: nn.Module) -> tuple | None:
     """(norm(x), layer(norm(x))) in one rms_norm_linear (rms_norm_fp8_linear)
     dispatch, or None where those ops do not take the call."""
-    if not hasattr(norm, "op_takes") or not norm.op_takes(x):
+    if not hasattr(norm, "op_takes") or not norm.op_takes(x, compiled=True):
         return None
     w, b = getattr(layer, "weight", None), getattr(layer, "bias", None)
     rows = x.numel() // max(x.shape[-1], 1)
