@@ -92,7 +92,8 @@ class FusedRMSNorm(nn.Module):
         w = self.weight
         x = xs[0]
         return ((compiled or not torch.compiler.is_compiling()) and all(t.dtype == w.dtype for t in xs)
-                and x.dtype in _FLOAT and 0 < x.shape[-1] <= MAX_ROW and all(t.shape == x.shape for t in xs) and kernels_for(x, "norm")
+                and x.dtype in _FLOAT and 0 < x.shape[-1] <= MAX_ROW and all(t.shape == x.shape for t in xs)
+                and kernels_for(x, "norm")
                 and not (torch.is_grad_enabled() and (w.requires_grad or any(t.requires_grad for t in xs))))
 
     def extra_repr(self) -> str:
