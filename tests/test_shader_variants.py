@@ -23,9 +23,9 @@ LIBRARIES = sorted(sources())
 
 
 def whole(library: str) -> str:
-    """The library's embedded text (tools/embed_shaders.py ends it with a newline): the executor's own builds
-    of it are cached under it."""
-    return sources()[library] + "\n"
+    """The library's embedded text (tools/embed_shaders.py's source): the executor's own builds of it are
+    cached under it."""
+    return sources()[library]
 
 
 def variant_source(library: str, kernel: str) -> str:

@@ -46,9 +46,19 @@ def flatten(path: Path, seen: set[Path] | None = None) -> str:
     return "\n".join(out)
 
 
+def source(library: str) -> str:
+    """The text the build embeds for kernels_metal/<library>.metal: flattened,
+    ending in a newline. The executor caches a build under its exact text, so
+    every build of a whole library compiles this one, as the product's own
+    first call does (executor/csrc/backend.cpp): a copy differing by a byte
+    (the flattened text without the newline) was a second compile of the
+    library in every test run, minutes of CPU for the large ones."""
+    return flatten(KERNELS / f"{library}.metal") + "\n"
+
+
 def sources() -> dict[str, str]:
-    """Library name (file stem) -> flattened source, for every kernels_metal/*.metal."""
-    return {p.stem: flatten(p) for p in sorted(KERNELS.glob("*.metal"))}
+    """Library name (file stem) -> source(name), for every kernels_metal/*.metal."""
+    return {p.stem: source(p.stem) for p in sorted(KERNELS.glob("*.metal"))}
 
 
 def _raw(text: str, what: str) -> str:
@@ -68,7 +78,6 @@ def generate(out_path: Path) -> None:
     ]
     entries = []
     for name, text in sources().items():
-        text += "\n"
         def at(offset: int) -> int:  # C++ indexes the UTF-8 bytes
             return len(text[:offset].encode())
 

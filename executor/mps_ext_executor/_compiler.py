@@ -24,6 +24,7 @@ $MPS_EXT_CACHE_DIR or ~/.cache/executor/mps_ext_executor.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
@@ -454,6 +455,22 @@ def build(source: str, defines: dict | None = None, filename: str = "shader.meta
         return Built(final / "library.so", json.loads(meta_path.read_text()))
 
     final.parent.mkdir(parents=True, exist_ok=True)
+    # One build of a key at a time, across threads and processes (the test
+    # suite's workers share the cache and start on the same libraries): the
+    # others wait for it and load its result instead of compiling the same
+    # library beside it, each at the cost of the whole pipeline. flock
+    # releases the GIL while it waits; the lock goes with the file's close,
+    # also when the process dies.
+    with open(final.parent / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if meta_path.exists():
+            return Built(final / "library.so", json.loads(meta_path.read_text()))
+        return _build_locked(source, defines, filename, check, mode, final)
+
+
+def _build_locked(source: str, defines: dict | None, filename: str, check: bool, mode: MathMode,
+                  final: Path) -> Built:
+    meta_path = final / "kernels.json"
     work = Path(tempfile.mkdtemp(prefix="build-", dir=final.parent))
     try:
         pre = preprocess(source, filename, defines)

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -130,6 +131,39 @@ def test_build_is_cached(tmp_path, monkeypatch):
     # a different define is a different build
     cpu_metal.compile_library(src, defines={"X": 1}, filename="scan.metal")
     assert len(list(tmp_path.glob("*/*/library.so"))) == 2
+
+
+def test_concurrent_builds_of_one_library_compile_it_once(tmp_path, monkeypatch):
+    """Builders of the same library (threads here; the suite's worker
+    processes share the cache the same way, flock locks being per open file)
+    wait for the first one's build and load it, instead of compiling it
+    beside it."""
+    from mps_ext_executor import _compiler
+    monkeypatch.setenv("MPS_EXT_CACHE_DIR", str(tmp_path))
+    src = (KERNELS / "scan.metal").read_text() + "\n// concurrent build test\n"
+    compiles = []
+    preprocess = _compiler.preprocess  # the first step of every build that is not a cache hit
+
+    def counting(*args, **kwargs):
+        compiles.append(1)
+        return preprocess(*args, **kwargs)
+
+    monkeypatch.setattr(_compiler, "preprocess", counting)
+    start = threading.Barrier(3)
+    paths = []
+
+    def build():
+        start.wait()  # all three miss the cache together
+        paths.append(cpu_metal.compile_library(src, filename="scan.metal").path)
+
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(paths) == 3 and len(set(paths)) == 1
+    assert len(compiles) == 1
+    assert len(list(tmp_path.glob("*/*/library.so"))) == 1
 
 
 def test_check_mode_passes_the_test_kernels():

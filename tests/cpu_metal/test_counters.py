@@ -297,13 +297,13 @@ def test_buffer_names_of_a_python_dispatch(lib):
 
 
 def test_dispatches_of_the_op_layer_carry_names_info_and_counters():
-    from tools.embed_shaders import flatten
+    from tools.embed_shaders import source
 
     x = torch.randn(4, 64)
     with cpu_metal.record(counters=True) as rec:
         out = torch.ops.mps_ext.constant_pad_nd(x, [1, 1], 0.0)
     (d,) = rec.dispatches
-    pad = cpu_metal.compile_library(flatten(ROOT / "kernels_metal" / "pad.metal"), filename="pad.metal")
+    pad = cpu_metal.compile_library(source("pad"), filename="pad.metal")
     names = {p["index"]: p["name"] for p in pad.parameters(d.kernel) if p["kind"] == "buffer"}
     assert d.buffer_names == names
     assert d.kernel_info == pad.kernel_info(d.kernel)

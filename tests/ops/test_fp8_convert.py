@@ -123,7 +123,7 @@ def _flattened(library):
     root = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root / "tools"))
     import embed_shaders
-    return embed_shaders.flatten(root / "kernels_metal" / f"{library}.metal")
+    return embed_shaders.source(library)
 
 
 def test_every_conversion_kernel_runs_dense_and_strided():

@@ -859,7 +859,7 @@ def host_names(path):
     import sys
     sys.path.insert(0, str(ROOT / "tools"))
     import embed_shaders
-    return set(cpu_metal.compile_library(embed_shaders.flatten(path), filename=path.name).function_names)
+    return set(cpu_metal.compile_library(embed_shaders.source(path.stem), filename=path.name).function_names)
 
 
 def test_every_kernel_instantiation_runs():

@@ -313,8 +313,7 @@ def test_every_matrix_kernel_runs():
     root = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root / "tools"))
     import embed_shaders
-    lib = cpu_metal.compile_library(embed_shaders.flatten(root / "kernels_metal" / "scaled_mm.metal"),
-                                    filename="scaled_mm.metal")
+    lib = cpu_metal.compile_library(embed_shaders.source("scaled_mm"), filename="scaled_mm.metal")
     matrix = {f for f in lib.function_names if not f.startswith("rms_norm_fp8_gemv_")}
     assert matrix == seen, sorted(matrix ^ seen)
 
