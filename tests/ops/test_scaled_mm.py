@@ -480,7 +480,7 @@ def test_fp8_linear_prefill_what_stays_on_fp8_mm_tile():
     w, ws = fp8(n, k), torch.rand(n, 1, generator=g) / 50
     block = torch.rand(1, 1, generator=g) / 50
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
-    strided_ws = torch.rand(n, 2, generator=g)[:, :1] / 50  # a row-wise scale whose elements are 2 apart
+    strided_ws = (torch.rand(n, 2, generator=g) / 50)[:, :1]  # a row-wise scale whose elements are 2 apart
     cases = [  # (what, input, weight, scale, granularity, bias, kernel)
         ("a bias (the tile's epilogue has none)", x, w, ws, "row", bias, "fp8_mm_tile_bf16_vec"),
         ("block scales (inside the sums)", x, w, block, "block", None, "fp8_mm_tile_bf16_vec"),
