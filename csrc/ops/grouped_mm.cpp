@@ -354,8 +354,9 @@ void dense_tiled_fp8(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
                   b.scalar_type() == at::kFloat8_e4m3fn && scale.scalar_type() == at::kFloat &&
                   (scale.numel() == 1 || (scale.dim() == 1 && scale.size(0) == b.size(1) && scale.stride(0) == 1)),
               "mps_ext dense_tiled_fp8: out [M, N] = a [M, K] (float16/bfloat16) @ b [K, N] (float8_e4m3fn) * scale "
-              "(float32, one element or N contiguous) in a's dtype, got ", a.sizes(), " ", t, " @ ", b.sizes(), " ",
-              b.scalar_type(), ", scale ", scale.sizes(), " into ", out.sizes());
+              "(float32, one element or N contiguous) in a's dtype, got ",
+              a.sizes(), " ", t, " @ ", b.sizes(), " ", b.scalar_type(), ", scale ", scale.sizes(), " into ",
+              out.sizes());
   if (out.numel() == 0) return;
   Problem pr = dense_problem(a, b, out);
   // The weights are decoded as value / 256 (gmm_tiled's e4m3 staging).
