@@ -6,8 +6,10 @@ benchmarks scaled_mm`.
 _scaled_mm (fp8 activations and weights, row-wise and 128x128 block-wise
 scales) at the GEMV benchmark's shapes, decode (1, 2, 4, 8 rows) and prefill
 (128, 512, 2048 rows); fp8_linear (FP8Linear: fp32, fp16 or bf16
-activations, fp8 weights, row-wise scales) and a 16-byte-misaligned
-activation (the element-load kernels) at an MoE expert's shape;
+activations, fp8 weights, row-wise scales; at 128 rows in 16 bits also
+128 x 128 block scales, which keep fp8_mm_tile where row-wise ones run
+gmm_tiled_dense_<act>_e4m3w) and a 16-byte-misaligned activation (the
+element-load kernels) at an MoE expert's shape;
 rms_norm_fp8_linear (a decoder layer's input norm in its fused fp8 q/k/v
 GEMV) at LFM2.5's attention, one bf16 row. On a Mac,
 stock torch's bf16 F.linear against FP8Linear. (The conversions to and from
@@ -15,7 +17,8 @@ fp8 are the fp8 family's: benchmarks/bench_fp8.py.)
 
 Prefill on the executor would take hours at these shapes, so it is measured
 on a block of 1 x 4 tiles (64 rows, 256 columns, the full K) and scaled by
-the number of tiles: every 64 x 64 tile of fp8_mm_tile does the same work
+the number of tiles: every 64 x 64 tile of fp8_mm_tile (and of the dense
+gmm_tiled) does the same work
 (it reads 64 activation rows and 64 weight rows over all of K, and the
 scales of those, and writes its outputs), and every shape here is a whole
 number of tiles. --check measures one prefill shape in full and compares.
