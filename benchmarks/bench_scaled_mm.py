@@ -6,8 +6,10 @@ benchmarks scaled_mm`.
 _scaled_mm (fp8 activations and weights, row-wise and 128x128 block-wise
 scales) at the GEMV benchmark's shapes, decode (1, 2, 4, 8 rows) and prefill
 (128, 512, 2048 rows); fp8_linear (FP8Linear: fp32, fp16 or bf16
-activations, fp8 weights, row-wise scales) and a 16-byte-misaligned
-activation (the element-load kernels) at an MoE expert's shape;
+activations, fp8 weights, row-wise scales; at 128 rows in 16 bits also
+128 x 128 block scales, which keep fp8_mm_tile where row-wise ones run
+gmm_tiled_dense_<act>_e4m3w) and a 16-byte-misaligned activation (the
+element-load kernels) at an MoE expert's shape;
 rms_norm_fp8_linear (a decoder layer's input norm in its fused fp8 q/k/v
 GEMV) at LFM2.5's attention, one bf16 row. On a Mac,
 stock torch's bf16 F.linear against FP8Linear. (The conversions to and from
@@ -15,7 +17,8 @@ fp8 are the fp8 family's: benchmarks/bench_fp8.py.)
 
 Prefill on the executor would take hours at these shapes, so it is measured
 on a block of 1 x 4 tiles (64 rows, 256 columns, the full K) and scaled by
-the number of tiles: every 64 x 64 tile of fp8_mm_tile does the same work
+the number of tiles: every 64 x 64 tile of fp8_mm_tile (and of the dense
+gmm_tiled) does the same work
 (it reads 64 activation rows and 64 weight rows over all of K, and the
 scales of those, and writes its outputs), and every shape here is a whole
 number of tiles. --check measures one prefill shape in full and compares.
@@ -77,7 +80,9 @@ def scaled_mm(rows, k, n, recipe, misaligned=0):
 
 def product(kind, act, rows, k, n, recipe, misaligned) -> Prepared:
     """kind "scaled_mm": fp8 activations; "fp8_linear": activations of dtype
-    `act`, row-wise weight scales. Prefill runs a SAMPLE_M x SAMPLE_N block."""
+    `act`, weight scales of granularity `recipe` ("row", or "block": 128 x
+    128, which keeps 16-bit prefill on fp8_mm_tile, where row-wise scales
+    take gmm_tiled_dense_<act>_e4m3w). Prefill runs a SAMPLE_M x SAMPLE_N block."""
     prefill = rows > 8
     run_rows, run_n = (SAMPLE_M, min(SAMPLE_N, n)) if prefill else (rows, n)
     if kind == "scaled_mm":
@@ -86,9 +91,11 @@ def product(kind, act, rows, k, n, recipe, misaligned) -> Prepared:
         minimum = rows * k + n * k + ((rows + n) * 4 if recipe == "row" else (rows * kb + kb * nb) * 4) + rows * n * 2
     elif kind == "fp8_linear":
         x = torch.randn(run_rows * k + misaligned).to(act)[misaligned:].view(run_rows, k)
-        w, ws = fp8(run_n, k), torch.rand(run_n) / 100
-        run = lambda: torch.ops.mps_ext.fp8_linear(x, w, ws, "row", None)  # noqa: E731
-        minimum = (rows * k + rows * n) * x.element_size() + n * k + n * 4
+        w = fp8(run_n, k)
+        ws = torch.rand(run_n) / 100 if recipe == "row" else torch.rand(-(-run_n // 128), -(-k // 128)) / 100
+        run = lambda: torch.ops.mps_ext.fp8_linear(x, w, ws, recipe, None)  # noqa: E731
+        minimum = (rows * k + rows * n) * x.element_size() + n * k + (n if recipe == "row" else -(-n // 128) *
+                                                                       -(-k // 128)) * 4
     else:  # rms_norm_fp8_linear: fp8_linear of a decode row's input norm, which the GEMV computes
         x, nw = (torch.randn(rows, k) * 3).to(act), (torch.randn(k) * 0.2 + 1).to(act)
         w, ws = fp8(n, k), torch.rand(n) / 100
@@ -106,10 +113,11 @@ def product(kind, act, rows, k, n, recipe, misaligned) -> Prepared:
     def extras(stats):
         (d,) = stats
         wi = d.buffer("w")
+        act = "a" if d.kernel.startswith("gmm_tiled") else "x"  # (gmm_tiled_dense_<act>_e4m3w's name for it)
         return {"w read / size": f"{read(stats, 'w') / (n * k):.3f}",
                 "bound": f"{rows / TILE_M:.0f}" if prefill else "1.02",
                 "16-byte loads": f"{d.read_widths[wi].get(16, 0) * 16 / d.bytes_read[wi]:.0%}",
-                "act read / w size": f"{read(stats, 'x') / (n * k):.3f}"}
+                "act read / w size": f"{read(stats, act) / (n * k):.3f}"}
 
     def mac():
         import mps_ext
@@ -144,7 +152,7 @@ def cases(size: str) -> list[Case]:
     if size == "tiny":
         add("scaled_mm", E4, 256, 128, "tiny", 1, "row")
         add("fp8_linear", torch.bfloat16, 256, 128, "tiny", 2, "row")
-        add("fp8_linear", torch.float16, 256, 128, "tiny", 128, "row")
+        add("fp8_linear", torch.float16, 256, 128, "tiny", 128, "block")  # fp8_mm_tile
         return out
     for k, n, model in SHAPES:
         if size == "quick" and n * k > 4096 * 4096:
@@ -153,13 +161,19 @@ def cases(size: str) -> list[Case]:
             for recipe in ("row", "block"):
                 add("scaled_mm", E4, k, n, model, rows, recipe)
     k, n, model = EXPERT
+    # 16-bit activations' prefill: row-wise scales on gmm_tiled_dense_<act>_e4m3w, block scales on fp8_mm_tile
+    sixteen = (torch.float16, torch.bfloat16)
     for act in (torch.float32, torch.float16, torch.bfloat16):
         for rows in DECODE_ROWS + PREFILL_ROWS[:1]:
             add("fp8_linear", act, k, n, model, rows, "row")
+        if act in sixteen:
+            add("fp8_linear", act, k, n, model, PREFILL_ROWS[0], "block")
     for act in (E4, torch.float32, torch.float16, torch.bfloat16):
         for rows in DECODE_ROWS + PREFILL_ROWS[:1]:
             add("scaled_mm" if act == E4 else "fp8_linear", act, k, n, model + ", misaligned activation", rows, "row",
                 misaligned=1)
+        if act in sixteen:
+            add("fp8_linear", act, k, n, model + ", misaligned activation", PREFILL_ROWS[0], "block", misaligned=1)
     # A decoder layer's input norm in its fused fp8 q/k/v GEMV (mps_ext.optimize after quantize_fp8, decode)
     add("rms_norm_fp8_linear", torch.bfloat16, 2048, 3072, "LFM2.5-8B-A1B attention q + k + v, with its input norm",
         1, "row")

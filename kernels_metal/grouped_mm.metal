@@ -28,7 +28,10 @@
 // gmm_tiled_dense  the same kernel for a dense product (linear.cpp's
 //                  F.linear / mm / addmm past 8 rows): the batched mode with
 //                  one group, fixed at compile time, so it never reads offs
-//                  and keeps none of the other modes' code.
+//                  and keeps none of the other modes' code. _e4m3w: 16-bit
+//                  activations with float8 e4m3 weights (scaled_mm.cpp's
+//                  fp8_linear past 8 rows, its weight scale applied to the
+//                  float sums, as the grouped products apply theirs).
 //
 // Element types: float, half, bfloat, and float8_e4m3fn bytes (uchar),
 // decoded as value / 256 (fp8_codec.h: e4m3 bits placed into half bits, four
@@ -106,7 +109,8 @@ inline float scale_of(
     constant GroupedMMParams& p, const device float* row_scale, const device float* col_scale, uint g, uint m, uint n) {
   float s = p.mul;
   if (p.scales & GMM_ROW_SCALE) s *= row_scale[ulong(g) * ulong(p.row_scale_batch) + m];
-  if (p.scales & GMM_COL_SCALE) s *= col_scale[ulong(g) * ulong(p.col_scale_batch) + n];
+  if (p.scales & GMM_COL_SCALE)
+    s *= col_scale[ulong(g) * ulong(p.col_scale_batch) + ((p.scales & GMM_COL_SCALE_ONE) ? 0 : n)];
   return s;
 }
 
@@ -538,10 +542,12 @@ MPS_EXT_INLINE void gmm_load_b(
 // The kernel's body, for b's K contiguous (B_K_MAJOR) or not: one
 // specialisation each, so that neither keeps the other's staging registers.
 // DENSE: p's mode is GMM_MODE_BATCHED with one group (the host's contract).
-template <typename T, typename TO, bool B_K_MAJOR, bool DENSE>
+// TA, TB: a's and w's elements (one type, or 16-bit activations with e4m3
+// weights: fp8_linear's prefill, each weight decoded once a stage as here).
+template <typename TA, typename TB, typename TO, bool B_K_MAJOR, bool DENSE>
 MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
-                                   const device T* a,
-                                   const device T* w,
+                                   const device TA* a,
+                                   const device TB* w,
                                    const device int* offs,
                                    constant GroupedMMParams& p,
                                    const device float* row_scale,
@@ -556,9 +562,9 @@ MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
   constexpr uint BM = GMM_TILE_M, BN = GMM_TILE_N, BK = GMM_TILE_K, THREADS = GMM_TILE_THREADS;
   constexpr uint FM = 4, FN = 4;  // fragments a simdgroup owns along M and N
   static_assert(THREADS == 128 && BM == 2 * 8 * FM && BN == 2 * 8 * FN && BK == 32, "2 x 2 simdgroups of 4 x 4");
-  typedef GmmStage<T, BM, BK> StageA;  // As[m][k]
+  typedef GmmStage<TA, BM, BK> StageA;  // As[m][k]
   // Bs[n][k] when b's K is contiguous, else Bs[k][n]
-  typedef GmmStage<T, B_K_MAJOR ? BN : BK, B_K_MAJOR ? BK : BN> StageB;
+  typedef GmmStage<TB, B_K_MAJOR ? BN : BK, B_K_MAJOR ? BK : BN> StageB;
   constexpr uint SA = StageA::S, SB = StageB::S;
   constexpr uint SC = BN + 16 / sizeof(TO);  // Cs[m][n]
   threadgroup float* As = tile;
@@ -615,12 +621,11 @@ MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
       k0 = min(group_start(offs, g, p.k), p.k);
       k1 = max(k0, group_end(offs, g, p.k));
     }
-    const device T* ag = a + ulong(g) * ulong(p.a_batch);
-    const device T* bg = w + ulong(g) * ulong(p.b_batch);
+    const device TA* ag = a + ulong(g) * ulong(p.a_batch);
+    const device TB* bg = w + ulong(g) * ulong(p.b_batch);
     // 16-byte loads: K's pieces start 16 bytes apart only where K does (the K-split mode's groups start anywhere).
-    const bool k_whole = k0 % (16 / sizeof(T)) == 0;
-    const bool vec_a = (p.tile_vec & GMM_TILE_VEC_A) && k_whole;
-    const bool vec_b = (p.tile_vec & GMM_TILE_VEC_B) && (k_whole || !B_K_MAJOR);
+    const bool vec_a = (p.tile_vec & GMM_TILE_VEC_A) && k0 % (16 / sizeof(TA)) == 0;
+    const bool vec_b = (p.tile_vec & GMM_TILE_VEC_B) && (k0 % (16 / sizeof(TB)) == 0 || !B_K_MAJOR);
     const uint row_lo = seg0 - r0, row_hi = seg1 - r0;
     // The fragment rows that hold some of the group's rows: a simdgroup
     // skips its others (a tile spanning several groups passes over K once
@@ -702,11 +707,11 @@ MPS_EXT_INLINE void gmm_tiled_body(device TO* out,
   }
 }
 
-template <typename T, typename TO, bool DENSE>
+template <typename TA, typename TB, typename TO, bool DENSE>
 [[max_total_threads_per_threadgroup(GMM_TILE_THREADS)]]
 kernel void gmm_tiled(device TO* out [[buffer(0)]],
-                      const device T* a [[buffer(1)]],
-                      const device T* w [[buffer(2)]],
+                      const device TA* a [[buffer(1)]],
+                      const device TB* w [[buffer(2)]],
                       const device int* offs [[buffer(3)]],
                       constant GroupedMMParams& p [[buffer(4)]],
                       const device float* row_scale [[buffer(5)]],
@@ -723,11 +728,11 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
   threadgroup uint row_group[BM];  // rows mode: each row's group, for the scales
   threadgroup uint first[1];
   if (p.b_k == 1)
-    gmm_tiled_body<T, TO, true, DENSE>(out, a, w, offs, p, row_scale, col_scale, tile, row_group, first, tg, tpos.x, sg,
-                                       lane);
+    gmm_tiled_body<TA, TB, TO, true, DENSE>(out, a, w, offs, p, row_scale, col_scale, tile, row_group, first, tg,
+                                            tpos.x, sg, lane);
   else
-    gmm_tiled_body<T, TO, false, DENSE>(out, a, w, offs, p, row_scale, col_scale, tile, row_group, first, tg, tpos.x,
-                                        sg, lane);
+    gmm_tiled_body<TA, TB, TO, false, DENSE>(out, a, w, offs, p, row_scale, col_scale, tile, row_group, first, tg,
+                                             tpos.x, sg, lane);
 }
 
 // ------------------------------------------------------ instantiations --
@@ -750,9 +755,11 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
   template [[host_name("gmm_decode_cols_" #tname "_scalar")]] kernel                                  \
       decltype(gmm_decode_cols<T, false>) gmm_decode_cols<T, false>;
 #define GMM_TILED(tname, T, TO) \
-  template [[host_name("gmm_tiled_" #tname)]] kernel decltype(gmm_tiled<T, TO, false>) gmm_tiled<T, TO, false>;
-#define GMM_TILED_DENSE(tname, T) \
-  template [[host_name("gmm_tiled_dense_" #tname)]] kernel decltype(gmm_tiled<T, T, true>) gmm_tiled<T, T, true>;
+  template [[host_name("gmm_tiled_" #tname)]] kernel decltype(gmm_tiled<T, T, TO, false>) gmm_tiled<T, T, TO, false>;
+// The output is the activations' type.
+#define GMM_TILED_DENSE(tname, TA, TB) \
+  template [[host_name("gmm_tiled_dense_" #tname)]] kernel \
+      decltype(gmm_tiled<TA, TB, TA, true>) gmm_tiled<TA, TB, TA, true>;
 // clang-format on
 
 GMM_DECODE_ROWS(f32, float, float, float)
@@ -772,5 +779,9 @@ GMM_TILED(f16, half, half)
 GMM_TILED(bf16, bfloat, bfloat)
 GMM_TILED(e4m3, uchar, bfloat)
 // float32 stays torch's (linear.cpp): no dense variant.
-GMM_TILED_DENSE(f16, half)
-GMM_TILED_DENSE(bf16, bfloat)
+GMM_TILED_DENSE(f16, half, half)
+GMM_TILED_DENSE(bf16, bfloat, bfloat)
+// fp8_linear past 8 rows (scaled_mm.cpp): 16-bit activations, e4m3 weights,
+// a tensor-wise (GMM_COL_SCALE_ONE) or row-wise weight scale.
+GMM_TILED_DENSE(f16_e4m3w, half, uchar)
+GMM_TILED_DENSE(bf16_e4m3w, bfloat, uchar)

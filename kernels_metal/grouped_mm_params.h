@@ -19,12 +19,15 @@
 #define GMM_MODE_BATCHED 2
 #define GMM_ROW_SCALE 1
 #define GMM_COL_SCALE 2
+// With GMM_COL_SCALE: col_scale holds one scale per group, at
+// g * col_scale_batch, for every n (fp8_linear's tensor-wise weight scale).
+#define GMM_COL_SCALE_ONE 4
 
 struct GroupedMMParams {
   uint32_t m, n, k;
   uint32_t groups;
   uint32_t mode;
-  uint32_t scales;  // GMM_ROW_SCALE | GMM_COL_SCALE: which of row_scale, col_scale are read
+  uint32_t scales;  // GMM_ROW_SCALE | GMM_COL_SCALE (| GMM_COL_SCALE_ONE): which of row_scale, col_scale are read
   // gmm_decode_rows only (the fused MoE ops of mps_ext):
   uint32_t swiglu;  // out[:, j] = silu(gate_j) * up_j with b's columns [gate | up]
   uint32_t gather;  // > 0: row r of `a` is a[rows[r] / gather] (a token's slots -> its row)

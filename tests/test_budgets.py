@@ -121,6 +121,8 @@ GMM_DECODE = names(
 _GMM_ROWS_OF_THE_LAYER = re.compile(r"gmm_decode_rows_(f32|f16|bf16)_vec$|gmm_decode_rows_bf16_e4m3w_")
 GMM_TILED = names("gmm_tiled_{t}", t=("f32", "f16", "bf16", "e4m3"))
 GMM_TILED_DENSE = names("gmm_tiled_dense_{t}", t=("f16", "bf16"))  # linear's prefill: gmm_tiled, one group
+# fp8_linear's prefill (16-bit activations, e4m3 weights, tensor-wise or row-wise scales): the same tile
+GMM_TILED_DENSE_FP8 = names("gmm_tiled_dense_{t}_e4m3w", t=("f16", "bf16"))
 MOE_ROUTE_COMBINE = names("moe_{step}_{t}", step=("route", "combine"), t=("f32", "f16", "bf16"))
 MOE_DOWN_COMBINE = names("moe_down_combine_{t}_{path}", t=("f32", "f16", "bf16", "bf16_e4m3w"),
                          path=("vec", "scalar"))
@@ -251,6 +253,7 @@ BUDGETS: dict[str, Budget] = {
                  unreached=MOE_DOWN_COMBINE_SCALAR if k.endswith("_scalar") else "") for k in MOE_DOWN_COMBINE},
     **{k: Budget("grouped_mm", full_occupancy=False) for k in GMM_TILED},  # prefill tiles, as FP8's
     **{k: Budget("linear", full_occupancy=False) for k in GMM_TILED_DENSE},  # the same tile, linear's prefill
+    **{k: Budget("scaled_mm", full_occupancy=False) for k in GMM_TILED_DENSE_FP8},  # and fp8_linear's
     **{k: Budget("norm", full_occupancy=True) for k in RMS_NORM},  # streams a row through registers
     **{k: Budget("norm", full_occupancy=True) for k in ADD_RMS_NORM},  # rms_norm's rows, with the residual added
     **{k: Budget("norm", full_occupancy=True) for k in QK_NORM_ROPE},  # streams heads through registers, as RMSNorm
@@ -520,6 +523,7 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
     },
     "coalescing": {
         **{k: GMM_TILED_HALF_LINES for k in ("gmm_tiled_f16", "gmm_tiled_bf16", "gmm_tiled_e4m3", *GMM_TILED_DENSE)},
+        **{k: GMM_TILED_HALF_LINES for k in GMM_TILED_DENSE_FP8},
         # The layer hands q, k, v over as a transposed view of its convolution's output ([batch, channels,
         # tokens] transposed: a channel's tokens are contiguous, a token's channels are `tokens` apart), and the
         # prep kernel's lanes read along dk: every lane its own line (32.0 on q in the benchmark case, which
@@ -549,6 +553,7 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
     "no_load_after_barrier": {
         **{k: FP8_TILE_LOADS_AFTER_BARRIER for k in FP8_TILE},
         **{k: GMM_TILED_LOADS_AFTER_BARRIER for k in GMM_TILED + GMM_TILED_DENSE},
+        **{k: GMM_TILED_LOADS_AFTER_BARRIER for k in GMM_TILED_DENSE_FP8},
     },
     "threadgroups_per_core": {},
     "threadgroup_memory_residency": {},
@@ -865,7 +870,7 @@ def steel_miss(d, op: str, case: str) -> str:
 
 
 @pytest.mark.parametrize("kernel", params("steel", [k for k in FP8_TILE + GMM_TILED + GMM_TILED_DENSE
-                                                   if not BUDGETS[k].unreached]))
+                                                   + GMM_TILED_DENSE_FP8 if not BUDGETS[k].unreached]))
 def test_matrix_efficiency_against_steel(kernel):
     op = BUDGETS[kernel].op
     miss = {case: m for case, d in dispatches(kernel) for m in [steel_miss(d, op, case)] if m}

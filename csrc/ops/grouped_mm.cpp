@@ -323,19 +323,47 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const c10::optio
 // output stands in for the buffer) and no batch strides (group 0 only).
 Reason dense_tiled_unsupported(const at::Tensor& a, const at::Tensor& b) { return problem_unsupported(a, b); }
 
-void dense_tiled(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(0) && out.size(0) == a.size(0) &&
-                  out.size(1) == b.size(1) && a.scalar_type() == b.scalar_type() &&
-                  out.scalar_type() == a.scalar_type(),
-              "mps_ext dense_tiled: out [M, N] = a [M, K] @ b [K, N] in one dtype, got ", a.sizes(), " @ ", b.sizes(),
-              " into ", out.sizes());
-  if (out.numel() == 0) return;
+namespace {
+// The batched problem of one group over out [M, N] = a [M, K] @ b [K, N].
+Problem dense_problem(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
   Problem pr = make_problem(a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0), 1, nullptr, nullptr);
   // (Zero, not the views' sizes: they would only decide the 16-byte loads'
   // alignment of a batch that does not exist.)
   pr.p.a_batch = pr.p.b_batch = pr.p.out_batch = 0;
   pr.dense = true;
-  run(pr, out, type_name(a.scalar_type()));
+  return pr;
+}
+
+bool dense_shapes(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
+  return a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(0) && out.size(0) == a.size(0) &&
+         out.size(1) == b.size(1) && out.scalar_type() == a.scalar_type();
+}
+}  // namespace
+
+void dense_tiled(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
+  TORCH_CHECK(dense_shapes(a, b, out) && a.scalar_type() == b.scalar_type(),
+              "mps_ext dense_tiled: out [M, N] = a [M, K] @ b [K, N] in one dtype, got ", a.sizes(), " @ ", b.sizes(),
+              " into ", out.sizes());
+  if (out.numel() == 0) return;
+  run(dense_problem(a, b, out), out, type_name(a.scalar_type()));
+}
+
+void dense_tiled_fp8(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale, const at::Tensor& out) {
+  const auto t = a.scalar_type();
+  TORCH_CHECK(dense_shapes(a, b, out) && (t == at::kHalf || t == at::kBFloat16) &&
+                  b.scalar_type() == at::kFloat8_e4m3fn && scale.scalar_type() == at::kFloat &&
+                  (scale.numel() == 1 || (scale.dim() == 1 && scale.size(0) == b.size(1) && scale.stride(0) == 1)),
+              "mps_ext dense_tiled_fp8: out [M, N] = a [M, K] (float16/bfloat16) @ b [K, N] (float8_e4m3fn) * scale "
+              "(float32, one element or N contiguous) in a's dtype, got ",
+              a.sizes(), " ", t, " @ ", b.sizes(), " ", b.scalar_type(), ", scale ", scale.sizes(), " into ",
+              out.sizes());
+  if (out.numel() == 0) return;
+  Problem pr = dense_problem(a, b, out);
+  // The weights are decoded as value / 256 (gmm_tiled's e4m3 staging).
+  pr.p.mul = 256.0f;
+  pr.p.scales = GMM_COL_SCALE | (scale.numel() == 1 ? GMM_COL_SCALE_ONE : 0);
+  pr.col_scale = scale;
+  run(pr, out, std::string(type_name(t)) + "_e4m3w");
 }
 
 // ---------------------------------------------------- _scaled_grouped_mm --

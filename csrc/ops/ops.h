@@ -77,6 +77,12 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const c10::optio
 // group, which reads no offsets (linear.cpp's prefill calls).
 Reason dense_tiled_unsupported(const at::Tensor& a, const at::Tensor& b);
 void dense_tiled(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out);
+// fp8_linear's product past 8 rows (scaled_mm.cpp): out [M, N] = a [M, K]
+// @ (b [K, N] * scale), a and out float16 or bfloat16, b float8_e4m3fn,
+// scale float32 of one element (tensor-wise) or [N] contiguous (one per
+// output column): gmm_tiled_dense_<a>_e4m3w, the scale applied to the float
+// sums. The caller checks dense_tiled_unsupported(a, b) first.
+void dense_tiled_fp8(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale, const at::Tensor& out);
 Reason scaled_grouped_mm_unsupported(const at::Tensor& a, const at::Tensor& b);
 at::Tensor scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                              const at::Tensor& scale_b, const c10::optional<at::Tensor>& offs,

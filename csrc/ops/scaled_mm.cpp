@@ -18,6 +18,7 @@
 #include "fp8_params.h"
 #include "ops/fp8.h"
 #include "ops/norm.h"
+#include "ops/ops.h"
 #include "dispatch/kernel_choice.h"
 #include "dispatch/registration.h"
 #include "dispatch/registry.h"
@@ -60,7 +61,9 @@ struct Problem {
 // - M <= 8 rows: fp8_gemv with R = the smallest of 1, 2, 4, 8 holding them;
 //   decode_geometry (dispatch/kernel_choice.h): up to DECODE_MAX_SIMDGROUPS simdgroups of up to
 //   FP8_GEMV_OUTPUTS(R, activation bytes) outputs.
-// - More rows: fp8_mm_tile, one threadgroup per 32 x 64 outputs.
+// - More rows: fp8_mm_tile, one threadgroup per 64 x 64 outputs
+//   (fp8_linear's 16-bit activations with tensor-wise or row-wise scales:
+//   gmm_tiled_dense_<act>_e4m3w instead, dense_tile_scale).
 // - vec (16-byte loads) when the weight rows and the activation rows are
 //   contiguous along K and 16-byte aligned; otherwise element loads
 //   (fp8_mm_tile's still load aligned weights 16 bytes at a time: w_vec).
@@ -400,6 +403,30 @@ at::Tensor linear_with_torch_ops(const at::Tensor& input, const at::Tensor& weig
   return at::linear(input, w.to(input.scalar_type()), bias);
 }
 
+// The weight scale as gmm_tiled_dense_<act>_e4m3w reads it (one element, or
+// N contiguous) when fp8_linear's call `pr` runs on that tile, else
+// undefined. The tile takes the prefill of 16-bit activations (more than
+// kMaxDecodeRows rows) on float8_e4m3fn weights with a tensor-wise or
+// row-wise scale (applied to the float sums, where fp8_mm_tile scales each
+// weight before its products: the same sums up to float32 rounding) and no
+// bias: it is gmm_tiled's dense tile, which counted 0.611 of its issue slots
+// in useful MMAs where fp8_mm_tile counts 0.516
+// (docs/dev/compute_efficiency.md). fp8_mm_tile keeps the rest: block
+// scales (a scale per 128 of K inside the sums), a bias (the tile's epilogue
+// has none), e5m2 weights (the tile decodes e4m3 only), float32 activations,
+// a row-wise scale whose elements are not contiguous, and operands past the
+// tile's 32-bit offsets.
+at::Tensor dense_tile_scale(const Problem& pr) {
+  const auto t = pr.a.scalar_type();
+  const int64_t N = pr.w.size(0);
+  if (pr.norm || pr.a.size(0) <= kMaxDecodeRows || (t != at::kHalf && t != at::kBFloat16) ||
+      pr.w.scalar_type() != at::kFloat8_e4m3fn || pr.bias.defined() || pr.p.sb_n_group != 1 ||
+      dense_tiled_unsupported(pr.a, pr.w.t()))
+    return {};
+  const at::Tensor s = pr.scale_b.reshape({pr.scale_b.numel()});  // tensor-wise: 1 element; row-wise: N
+  return s.numel() == 1 || (s.numel() == N && s.stride(0) == 1) ? s : at::Tensor();
+}
+
 // fp8_linear's product on mps_ext's kernels, input [..., K]; with `norm`,
 // the input's rows are rms_norm(norm->x) (rms_norm_fp8_linear).
 at::Tensor fp8_linear_ours(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_scale,
@@ -414,7 +441,9 @@ at::Tensor fp8_linear_ours(const at::Tensor& input, const at::Tensor& weight, co
   pr.scale_b = weight_scale;
   if (bias && bias->defined()) pr.bias = bias->reshape({N});
   pr.norm = norm;
-  run(pr);
+  const at::Tensor tile_scale = dense_tile_scale(pr);
+  if (tile_scale.defined()) dense_tiled_fp8(pr.a, pr.w.t(), tile_scale, pr.y);
+  else run(pr);
   std::vector<int64_t> out_shape = input.sizes().vec();
   out_shape.back() = N;
   return pr.y.view(out_shape);

@@ -209,7 +209,9 @@ def test_load_fp8_keeps_weights_fp8_and_runs_the_kernels(checkpoint):
         ours = logits(model, ids)
     ran = mps_ext.stats()
     kernels = [d.kernel for d in rec.dispatches]
-    fp8_mm = [k for k in kernels if k.startswith("fp8_gemv_" if moe else "fp8_mm_tile_")]
+    # (dense prefill: fp8_mm_tile with block scales, the dense tile gmm_tiled_dense_bf16_e4m3w with tensor-wise ones)
+    prefill_tiles = ("fp8_mm_tile_", "gmm_tiled_dense_bf16_e4m3w")
+    fp8_mm = [k for k in kernels if k.startswith(("fp8_gemv_",) if moe else prefill_tiles)]
     assert len(fp8_mm) == len(linears), kernels
     assert ran["scaled_mm"]["ran"] == len(linears) and not ran["scaled_mm"]["fallbacks"]
     if moe:

@@ -188,5 +188,6 @@ def test_backward_through_linear_matches_float64():
 
 
 def test_every_dense_kernel_is_tested():
-    assert {k for k in host_names("grouped_mm") if k.startswith("gmm_tiled_dense_")} == {
+    # (_e4m3w: fp8_linear's, tests/ops/test_scaled_mm.py)
+    assert {k for k in host_names("grouped_mm") if k.startswith("gmm_tiled_dense_") and not k.endswith("_e4m3w")} == {
         f"gmm_tiled_dense_{t}" for t in SHORT.values()}

@@ -23,6 +23,7 @@ import mps_ext
 from fp8_oracle import BLOCKWISE_1X128, BLOCKWISE_128X128, scaled_mm_reference
 from mps_ext import _policy
 import mps_ext_executor as cpu_metal
+from host_names import host_names
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 g = torch.Generator().manual_seed(0)
@@ -303,9 +304,14 @@ def test_every_matrix_kernel_runs():
                     x = torch.randn(m, k, generator=g).to(dtype)
                     if not aligned:
                         x = torch.randn(m * k + 1, generator=g).to(dtype)[1:].view(m, k)
+                    # A bias keeps 16-bit prefill on fp8_mm_tile (without one, row-wise
+                    # scales take gmm_tiled_dense_<act>_e4m3w: test_fp8_linear_prefill_on_the_dense_tile)
+                    bias = torch.randn(n, generator=g).to(dtype) if m > 8 else None
                     with cpu_metal.record() as rec:
-                        got = torch.ops.mps_ext.fp8_linear(x, w, ws, "row", None)
+                        got = torch.ops.mps_ext.fp8_linear(x, w, ws, "row", bias)
                     want = (x.double() @ (w.double() * ws.double()).t())
+                    if bias is not None:
+                        want = want + bias.double()
                 close(got, want.to(got.dtype), k)
                 seen.update(d.kernel for d in rec.dispatches)
     import sys
@@ -373,8 +379,10 @@ def test_prefill_decodes_each_weight_once_in_18_kib(act, path):
             got = torch.ops.mps_ext._scaled_mm(x, w.t(), torch.ones(m, 1), ws.t().contiguous(), out_dtype=torch.float32)
     else:
         x = torch.randn(m * k + misaligned, generator=g).to(ACTS[act])[misaligned:].view(m, k)
+        # (a zero bias keeps 16-bit activations on fp8_mm_tile)
+        bias = torch.zeros(n, dtype=x.dtype) if act in ("f16", "bf16") else None
         with cpu_metal.record(counters=True) as rec:
-            got = torch.ops.mps_ext.fp8_linear(x, w, ws, "row", None)
+            got = torch.ops.mps_ext.fp8_linear(x, w, ws, "row", bias)
     close(got, (x.double() @ (w.double() * ws.double()).t()).to(got.dtype), k)
     (d,) = rec.dispatches
     assert d.kernel == f"fp8_mm_tile_{act}_{path}"
@@ -385,6 +393,114 @@ def test_prefill_decodes_each_weight_once_in_18_kib(act, path):
     assert set(d.read_widths[d.buffer("w")]) == {16}  # aligned weights: 16 bytes a load, also beside element loads
     stages = -(-k // 32)
     assert d.threadgroup_bytes_written == tiles * ((64 + 64) * stages * 32 * 4 + 64 * 64 * 4)
+
+
+# ------------------------------------------- fp8_linear's prefill tile --
+# Past 8 rows, 16-bit activations on e4m3 weights with a tensor-wise or
+# row-wise scale and no bias run gmm_tiled_dense_<act>_e4m3w (grouped_mm.metal:
+# gmm_tiled's dense tile, each weight decoded once a K stage), the scale
+# applied to the float sums. The bound (stated, not measured): each product
+# x_k * w_k (bf16 or f16 times e4m3, decoded as w / 256) is exact in float32
+# (at most 11 + 4 significant bits); the kernel sums them in float32 in some
+# order (at most K roundings of relative 2^-24 each on partial sums bounded by
+# sum |x_k w_k|), multiplies by 256 * scale (two roundings) and rounds once to
+# the output's type: |got - exact| <= u * |exact| + (1 + u) (K + 2) 2^-24
+# sum_k |x_k w_k scale| (+ the smallest subnormal), u the output type's unit
+# roundoff (2^-11 half, 2^-8 bfloat).
+DENSE_UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+DENSE_TINY = {torch.float16: 2.0**-24, torch.bfloat16: 2.0**-133}
+
+
+def dense_tile_check(got, x, w, ws, granularity):
+    x64 = x.double()
+    w64 = w.double() * (ws.double().reshape(-1, 1) if granularity == "row" else ws.double().reshape(()))
+    exact = x64 @ w64.t()
+    k, u = x.shape[-1], DENSE_UNIT[got.dtype]
+    bound = u * exact.abs() + (1 + u) * (k + 2) * 2.0**-24 * (x64.abs() @ w64.abs().t()) + DENSE_TINY[got.dtype]
+    err = (got.double() - exact).abs()
+    assert got.shape == exact.shape and bool((err <= bound).all()), f"max error / bound {(err / bound).max():.3f}"
+
+
+def dense_scale(granularity, n):
+    return torch.rand(n, 1, generator=g) / 50 + 1e-3 if granularity == "row" else torch.tensor(0.0123)
+
+
+# Rows, N and K past the 64 x 64 tile and the 32-deep stage: 9 rows (one past the GEMVs), 70 = 64 + 6 rows,
+# N = 72 = 64 + 8, K = 96 (16-byte rows of both operands: 16-byte loads) and K = 40 (32 + 8: e4m3 rows of 40
+# bytes, element loads of the weights).
+@pytest.mark.parametrize("m,k,n", [(70, 96, 72), (9, 40, 24)])
+@pytest.mark.parametrize("layout", ["contiguous", "strided rows", "misaligned"])
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+@pytest.mark.parametrize("act", ["f16", "bf16"])
+def test_fp8_linear_prefill_on_the_dense_tile(act, granularity, layout, m, k, n):
+    dtype = ACTS[act]
+    w, ws = fp8(n, k), dense_scale(granularity, n)
+    if layout == "contiguous":
+        x = torch.randn(m, k, generator=g).to(dtype)
+    elif layout == "strided rows":  # every other 16 bytes of a wider row: K strided rows, still aligned
+        x = torch.randn(m, k + 8, generator=g).to(dtype)[:, :k]
+    else:  # one element off 16-byte alignment: element loads of the activations
+        x = torch.randn(m * k + 1, generator=g).to(dtype)[1:].view(m, k)
+    with cpu_metal.record(counters=True) as rec:
+        got = torch.ops.mps_ext.fp8_linear(x, w, ws, granularity, None)
+    dense_tile_check(got, x, w, ws, granularity)
+    (d,) = rec.dispatches
+    assert d.kernel == f"gmm_tiled_dense_{act}_e4m3w"
+    wi = d.buffer("w")
+    assert d.bytes_read[wi] == w.nbytes * -(-m // 64)  # each weight byte once per 64-row tile
+    if k % 16 == 0:
+        assert set(d.read_widths[wi]) == {16}  # e4m3 rows of whole 16-byte pieces: 16-byte loads only
+
+
+def test_fp8_linear_dense_tile_against_fp8_mm_tile_bit_for_bit():
+    # With power-of-two scales every partial sum of the dense tile (scale
+    # after the sums, weights as w / 256) is fp8_mm_tile's (scale on each
+    # weight) times a power of two, exactly; both tiles sum in the same
+    # order (2 x 2 simdgroups of 4 x 4 fragments, 32-deep stages, the same
+    # 8-deep steps): the same bits. A zero bias runs fp8_mm_tile.
+    m, k, n = 70, 208, 72  # K = 6 stages + 16: a partial last stage
+    for act in ("f16", "bf16"):
+        dtype = ACTS[act]
+        x, w = torch.randn(m, k, generator=g).to(dtype), fp8(n, k, scale=1.0)
+        for granularity, ws in (("tensor", torch.tensor(2.0**-7)),
+                                ("row", 2.0 ** -torch.randint(4, 12, (n, 1), generator=g).float())):
+            with cpu_metal.record() as rec:
+                dense = torch.ops.mps_ext.fp8_linear(x, w, ws, granularity, None)
+                tile = torch.ops.mps_ext.fp8_linear(x, w, ws, granularity, torch.zeros(n, dtype=dtype))
+            assert [d.kernel for d in rec.dispatches] == [f"gmm_tiled_dense_{act}_e4m3w", f"fp8_mm_tile_{act}_vec"]
+            assert torch.equal(dense, tile), (act, granularity)
+
+
+def test_fp8_linear_prefill_what_stays_on_fp8_mm_tile():
+    """The calls the dense tile does not take, and why (scaled_mm.cpp,
+    dense_tile_scale), each against float64."""
+    m, k, n = 20, 64, 40
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w, ws = fp8(n, k), torch.rand(n, 1, generator=g) / 50
+    block = torch.rand(1, 1, generator=g) / 50
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    strided_ws = (torch.rand(n, 2, generator=g) / 50)[:, :1]  # a row-wise scale whose elements are 2 apart
+    cases = [  # (what, input, weight, scale, granularity, bias, kernel)
+        ("a bias (the tile's epilogue has none)", x, w, ws, "row", bias, "fp8_mm_tile_bf16_vec"),
+        ("block scales (inside the sums)", x, w, block, "block", None, "fp8_mm_tile_bf16_vec"),
+        ("e5m2 weights (the tile decodes e4m3)", x, fp8(n, k, dtype=E5), ws, "row", None, "fp8_mm_tile_bf16_vec"),
+        ("float32 activations", x.float(), w, ws, "row", None, "fp8_mm_tile_f32_vec"),
+        ("a strided row-wise scale", x, w, strided_ws, "row", None, "fp8_mm_tile_bf16_vec"),
+        ("8 rows: the GEMV", x[:8], w, ws, "row", None, "fp8_gemv_bf16_r8_vec"),
+    ]
+    for what, xi, wi, si, gran, b, kernel in cases:
+        with cpu_metal.record() as rec:
+            got = torch.ops.mps_ext.fp8_linear(xi, wi, si, gran, b)
+        assert [d.kernel for d in rec.dispatches] == [kernel], what
+        scale = si.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k] if gran == "block" else \
+            si.double().reshape(-1, 1)
+        want = xi.double() @ (wi.double() * scale).t() + (b.double() if b is not None else 0)
+        close(got, want.to(got.dtype), k)
+
+
+def test_every_fp8_dense_tile_is_tested():
+    assert {k for k in host_names("grouped_mm") if k.endswith("_e4m3w") and k.startswith("gmm_tiled_dense_")} == {
+        f"gmm_tiled_dense_{a}_e4m3w" for a in ("f16", "bf16")}
 
 
 def torchs_cpu_kernel_runs():
