@@ -157,8 +157,13 @@ class FusedDecoderLayerMixin:
         hidden_states = mixer(hidden_states=normed, **kwargs)
         if plan.mixer in _RETURNS_WEIGHTS:
             hidden_states, _ = hidden_states
-        hidden_states, normed = add_norm(hidden_states, residual, getattr(self, layout.post_norm))
-        ffn = getattr(self, layout.ffn)
+        ffn, post_norm = getattr(self, layout.ffn), getattr(self, layout.post_norm)
+        if add_norm is add_rms_norm and isinstance(ffn, FusedMoEMixin):
+            # The add and the norm in the MoE router's dispatch, where both ops would run.
+            call = ffn._mps_ext_add_norm_call(hidden_states, residual, post_norm)
+            if call is not None:
+                return call()
+        hidden_states, normed = add_norm(hidden_states, residual, post_norm)
         if isinstance(ffn, FusedMoEMixin):
             return ffn(normed, residual=hidden_states)
         out = ffn(normed)
