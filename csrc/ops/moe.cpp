@@ -40,6 +40,11 @@
 // Where the output is converted after the kernel (fp8 banks under float32
 // or float16 x), torch adds it to the converted output.
 //
+// torch.ops.mps_ext.add_rms_norm_moe_layer: the decoder layer's residual add
+// and post-attention norm before the layer (add_rms_norm's), in the router
+// GEMV's dispatch: four dispatches where add_rms_norm and moe_layer take
+// five (below).
+//
 // A shared expert (Qwen3-Next, Qwen3.5/3.6-MoE) is expert E of the banks and
 // row E of the router (its sigmoid gate), as moe_route defines it, so it
 // costs no dispatch of its own. Prefill beyond moe_route's limit takes the
