@@ -105,7 +105,8 @@ MPS_EXT_INLINE void rms_norm_rows_into(threadgroup T* normed,
     // (A team of one simdgroup: its simd_sum, sums[0], is the total.)
     const float inv = rms_norm_inverse(rms_norm_team_total(sums, team_sgs, sums[0]), n, np.eps);
     for (uint i = tid; i < n; i += threads)
-      normed[r * n + i] = T(rms_norm_out<T>(rms_norm_input<T, ADD>(xr, rr, i) * inv, float(norm_w[i]), np.zero_centred));
+      normed[r * n + i] =
+          T(rms_norm_out<T>(rms_norm_input<T, ADD>(xr, rr, i) * inv, float(norm_w[i]), np.zero_centred));
     threadgroup_barrier(mem_flags::mem_threadgroup);  // sums are the next row's; normed complete
   }
 }
@@ -136,7 +137,8 @@ MPS_EXT_INLINE void rms_norm_sums_out(device T* sum_out,
   if (group != 0) return;
   for (uint r = 0; r < np.rows; ++r)
     for (uint i = tid; i < np.n; i += threads)
-      sum_out[r * np.n + i] = T(rms_norm_input<T, true>(x + r * np.row_stride, residual + r * np.residual_row_stride, i));
+      sum_out[r * np.n + i] =
+          T(rms_norm_input<T, true>(x + r * np.row_stride, residual + r * np.residual_row_stride, i));
 }
 
 // A decode job's loads of normed rows of k: 16 bytes at element k of row r

@@ -162,12 +162,11 @@ void run(const Problem& pr) {
   // The same variant and geometry with the norm as without (the sums' order
   // is the variant's): rms_norm_gemv_rows is bit for bit rms_norm, then this.
   DecodeGeometry g = decode_geometry(gpu, n, 1, 2, false, rows);
-  const char* family = !pr.norm                       ? "gemv_rows_"
+  const char* family = !pr.norm                      ? "gemv_rows_"
                        : pr.norm->residual.defined() ? "add_rms_norm_gemv_rows_"
                                                      : "rms_norm_gemv_rows_";
-  const std::string kernel = std::string(family) + type + "_r" +
-                             std::to_string(variant) + "_q" + std::to_string(g.outputs_per_simdgroup) +
-                             (vec ? "_vec" : "_scalar");
+  const std::string kernel = std::string(family) + type + "_r" + std::to_string(variant) + "_q" +
+                             std::to_string(g.outputs_per_simdgroup) + (vec ? "_vec" : "_scalar");
   g = fit_threads(g, n, thread_budget(pr.w.device(), "linear", kernel, DECODE_MAX_THREADS));
   launch(Launch{"linear",
                 kernel,
@@ -190,8 +189,8 @@ void check_normed_weight(const char* op, const at::Tensor& x, const at::Tensor& 
   if (bias && bias->defined())
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == x.scalar_type() &&
                     bias->device() == x.device(),
-                "mps_ext ", op, ": bias must be 1-D of N = ", weight.size(0), " in x's dtype and device, got ", bias->sizes(), " ",
-                bias->scalar_type(), " on ", bias->device());
+                "mps_ext ", op, ": bias must be 1-D of N = ", weight.size(0), " in x's dtype and device, got ",
+                bias->sizes(), " ", bias->scalar_type(), " on ", bias->device());
 }
 
 bool kernel_dtype(c10::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
@@ -378,14 +377,15 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_linear(const at::Tensor& x, const at
 // then mps_ext's linear; nullopt where the kernel does not take them
 // (norm_gemv) or the weight is not contiguous along K, for the caller to
 // run those ops.
-c10::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> add_rms_norm_gemv(
-    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
-    c10::string_view variant, const at::Tensor& weight) {
+c10::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> add_rms_norm_gemv(const at::Tensor& x,
+                                                                                const at::Tensor& residual,
+                                                                                const at::Tensor& norm_weight,
+                                                                                double eps, c10::string_view variant,
+                                                                                const at::Tensor& weight) {
   const char* op = "add_rms_norm_moe_layer";
   const bool zero_centred = check_norm(op, x, norm_weight, variant);
   check_residual(op, x, residual);
-  if (weight.dim() != 2 || !(weight.stride(1) == 1 || weight.size(1) == 1) || leading_rows(x) == 0)
-    return c10::nullopt;
+  if (weight.dim() != 2 || !(weight.stride(1) == 1 || weight.size(1) == 1) || leading_rows(x) == 0) return c10::nullopt;
   check_normed_weight(op, x, weight, c10::nullopt);
   at::Tensor sum = like_rows(x), normed = like_rows(x), y = product_of(x, weight.size(0));
   if (!norm_gemv(op, x, &residual, norm_weight, eps, zero_centred, weight, c10::nullopt, normed, &sum, y))

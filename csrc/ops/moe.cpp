@@ -215,8 +215,8 @@ at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Te
   const c10::optional<at::Tensor> no_bias;
   const at::Tensor logits =
       !linear_unsupported(x, router, no_bias) ? mps_ext::linear(x, router, no_bias) : at::linear(x, router);
-  return experts_of(x, logits, gate_up, gate_up_scale, down, down_scale, top_k, renormalize, shared_expert,
-                    expert_bias, sigmoid, scale, renorm_eps, residual);
+  return experts_of(x, logits, gate_up, gate_up_scale, down, down_scale, top_k, renormalize, shared_expert, expert_bias,
+                    sigmoid, scale, renorm_eps, residual);
 }
 
 // torch.ops.mps_ext.add_rms_norm_moe_layer: a decoder layer's `h = residual
@@ -232,9 +232,9 @@ at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Te
 std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_moe_layer(
     const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
     c10::string_view variant, const at::Tensor& router, const at::Tensor& gate_up,
-    const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
-    const c10::optional<at::Tensor>& down_scale, int64_t top_k, bool renormalize, bool shared_expert,
-    const c10::optional<at::Tensor>& expert_bias, bool sigmoid, double scale, double renorm_eps) {
+    const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down, const c10::optional<at::Tensor>& down_scale,
+    int64_t top_k, bool renormalize, bool shared_expert, const c10::optional<at::Tensor>& expert_bias, bool sigmoid,
+    double scale, double renorm_eps) {
   const char* op = "add_rms_norm_moe_layer";
   check_layer(op, x, router, gate_up, down, c10::nullopt);  // (h, its residual, is made here: x's shape, contiguous)
   if (auto fused = add_rms_norm_gemv(x, residual, norm_weight, eps, variant, router)) {
@@ -297,9 +297,9 @@ template <DispatchKey K>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_moe_layer_impl(
     const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
     c10::string_view variant, const at::Tensor& router, const at::Tensor& gate_up,
-    const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
-    const c10::optional<at::Tensor>& down_scale, int64_t top_k, bool renormalize, bool shared_expert,
-    const c10::optional<at::Tensor>& expert_bias, bool sigmoid, double scale, double renorm_eps) {
+    const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down, const c10::optional<at::Tensor>& down_scale,
+    int64_t top_k, bool renormalize, bool shared_expert, const c10::optional<at::Tensor>& expert_bias, bool sigmoid,
+    double scale, double renorm_eps) {
   return run_own(kAddRmsNormMoeLayer, K, [&] {
     return add_rms_norm_moe_layer(x, residual, norm_weight, eps, variant, router, gate_up, gate_up_scale, down,
                                   down_scale, top_k, renormalize, shared_expert, expert_bias, sigmoid, scale,

@@ -111,8 +111,7 @@ NormedRows normed_rows(const char* op, const at::Tensor& x, const at::Tensor& we
   norm.weight = weight.contiguous();
   norm.normed = normed.view({rows, n});
   if (sum) norm.sum = sum->view({rows, n});
-  norm.params =
-      rms_norm_params(rows, n, row_stride_of(norm.x), row_stride_of(residual_rows), eps, zero_centred);
+  norm.params = rms_norm_params(rows, n, row_stride_of(norm.x), row_stride_of(residual_rows), eps, zero_centred);
   return norm;
 }
 

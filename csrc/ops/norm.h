@@ -63,8 +63,10 @@ NormedRows normed_rows(const char* op, const at::Tensor& x, const at::Tensor& we
 // take them (more than 8 rows, normed rows past its threadgroup memory, a
 // weight not contiguous along K): the caller runs the two ops. For
 // moe.cpp's add_rms_norm_moe_layer, whose name the errors give.
-c10::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> add_rms_norm_gemv(
-    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
-    c10::string_view variant, const at::Tensor& weight);
+c10::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> add_rms_norm_gemv(const at::Tensor& x,
+                                                                                const at::Tensor& residual,
+                                                                                const at::Tensor& norm_weight,
+                                                                                double eps, c10::string_view variant,
+                                                                                const at::Tensor& weight);
 
 }  // namespace mps_ext
