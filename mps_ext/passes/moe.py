@@ -231,11 +231,13 @@ class FusedMoEMixin:
         the layer's output; None where that call would not stand for
         add_rms_norm then this block's moe_layer with the residual inside it
         (mps_ext.passes.decoder then runs those): the norm's op would not run
-        (FusedRMSNorm.op_takes), the block's fused call would not
+        (FusedRMSNorm.op_takes, compiled as eager: the decoder layer's fused
+        path), the block's fused call would not
         (_mps_ext_fused_call, asked of x: normed has its shape and dtype), or
         a shared expert runs apart."""
         k = self._mps_ext_moe
-        if k.shared_apart or not norm.op_takes(x, residual) or self._mps_ext_fused_call(False, (x,), {}) is None:
+        if k.shared_apart or not norm.op_takes(x, residual, compiled=True) or \
+                self._mps_ext_fused_call(False, (x,), {}) is None:
             return None
         return lambda: self._fused_add_norm(x, residual, norm)
 
