@@ -68,9 +68,11 @@ TINY = Model("tiny", 256, 8, 2, 1, 128)
 
 
 def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int = 0,
-          residual: bool = False) -> Prepared:
+          residual: bool = False, add_norm: bool = False) -> Prepared:
     """One MoE layer of `model` for `tokens` tokens, as mps_ext runs it
-    (`residual`: with the decoder layer's residual added in its last dispatch)."""
+    (`residual`: with the decoder layer's residual added in its last dispatch;
+    `add_norm`: also with the layer's residual add and post-attention norm
+    in the router's dispatch, add_rms_norm_moe_layer, x the mixer's output)."""
     g = torch.Generator().manual_seed(seed)
     h, e, f = model.hidden, model.experts + model.shared, model.ffn
     x = torch.randn(tokens, h, generator=g).to(dtype)
@@ -84,11 +86,17 @@ def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int 
     slots = model.top_k + model.shared
     ops = torch.ops.mps_ext
     out = {}
+    residual = residual or add_norm
     res = torch.randn(tokens, h, generator=g).to(dtype) if residual else None
+    norm_w = torch.ones(h, dtype=dtype)
 
     def run():
-        out["out"] = ops.moe_layer(x, router, w_gu, s_gu, w_d, s_d, model.top_k, True, bool(model.shared),
-                                   residual=res)
+        if add_norm:
+            out["out"] = ops.add_rms_norm_moe_layer(x, res, norm_w, 1e-6, "weight", router, w_gu, s_gu, w_d, s_d,
+                                                    model.top_k, True, bool(model.shared))[2]
+        else:
+            out["out"] = ops.moe_layer(x, router, w_gu, s_gu, w_d, s_d, model.top_k, True, bool(model.shared),
+                                       residual=res)
 
     def measures(stats):
         """The layer's figures: from the dispatches and what the run returned."""
@@ -164,12 +172,14 @@ def stock_layer_fn(model: Model, tokens: int, device: str = "mps"):
     return stock, ours
 
 
-def layer_case(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, residual: bool = False) -> Case:
+def layer_case(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, residual: bool = False,
+               add_norm: bool = False) -> Case:
     labels = {"case": "layer", "model": model.name, "experts": "fp8" if fp8 else str(dtype)[6:],
               "activation": str(dtype)[6:], "tokens / rows": str(tokens), "weight": ""}
     id_ = f"layer {model.name} {labels['experts']} tokens={tokens}" + (
-        f" {labels['activation']}" if dtype != torch.bfloat16 else "") + (" residual" if residual else "")
-    return Case("moe", id_, labels, lambda: layer(model, tokens, fp8, dtype, residual=residual))
+        f" {labels['activation']}" if dtype != torch.bfloat16 else "") + (" residual" if residual else "") + (
+        " add_norm" if add_norm else "")
+    return Case("moe", id_, labels, lambda: layer(model, tokens, fp8, dtype, residual=residual, add_norm=add_norm))
 
 
 def cases(size: str) -> list[Case]:

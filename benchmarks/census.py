@@ -456,6 +456,10 @@ class Trace:
         if name.startswith("_scaled_dot_product"):
             call.keys, call.queries = args[1].shape[-2], args[0].shape[-2]
         call.flops = matrix_flops(func, args, kwargs)
+        if name == "add_rms_norm_moe_layer":
+            # The MoE block's work, called by the decoder layer on the block's behalf (the layer's
+            # residual add and post-attention norm in its router's dispatch): the block's calls.
+            call.ffn = True
         if name == "_grouped_mm":
             a, b, offs = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("offs")
             counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())

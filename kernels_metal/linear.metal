@@ -142,7 +142,13 @@ kernel void gemv_rows(device T* y [[buffer(0)]],
 // (rms_norm.h, rms_norm_rows_into), then its outputs as gemv_rows from
 // those rows; threadgroup 0 also writes them to normed_out. The host takes
 // rows * K * sizeof(T) <= RMS_GEMV_NORMED_BYTES and x's rows contiguous.
-template <typename T, int R, int Q, bool VEC>
+// ADD (add_rms_norm_gemv_rows): the rows normed are x + residual, rounded
+// as add_rms_norm rounds them, which threadgroup 0 writes to sum_out too
+// (rms_norm_sums_out): a decoder layer's residual add, its post-attention
+// norm and the MoE router's GEMV that reads it (mps_ext::add_rms_norm_moe_layer).
+// Without ADD, residual and sum_out are not touched (the host binds x and
+// normed_out there).
+template <typename T, int R, int Q, bool VEC, bool ADD>
 [[max_total_threads_per_threadgroup(DECODE_MAX_THREADS)]]
 kernel void rms_norm_gemv_rows(device T* y [[buffer(0)]],
                                const device T* x [[buffer(1)]],
@@ -152,6 +158,8 @@ kernel void rms_norm_gemv_rows(device T* y [[buffer(0)]],
                                device T* normed_out [[buffer(5)]],
                                const device T* norm_w [[buffer(6)]],
                                constant RmsNormParams& np [[buffer(7)]],
+                               const device T* residual [[buffer(8)]],
+                               device T* sum_out [[buffer(9)]],
                                uint group [[threadgroup_position_in_grid]],
                                uint tid [[thread_index_in_threadgroup]],
                                uint threads [[threads_per_threadgroup]],
@@ -161,8 +169,9 @@ kernel void rms_norm_gemv_rows(device T* y [[buffer(0)]],
   threadgroup uint4 normed_mem[RMS_GEMV_NORMED_BYTES / 16];  // uint4: 16-byte aligned for the VEC loads
   threadgroup float sums[RMS_NORM_MAX_THREADS / 32];
   threadgroup T* normed = (threadgroup T*)normed_mem;
-  rms_norm_rows_into<T>(normed, x, norm_w, np, sums, tid, threads, sg, simdgroups, lane);
+  rms_norm_rows_into<T, ADD>(normed, x, residual, norm_w, np, sums, tid, threads, sg, simdgroups, lane);
   rms_norm_rows_out(normed_out, normed, np, group, tid, threads);
+  if (ADD) rms_norm_sums_out(sum_out, x, residual, np, group, tid, threads);
   constexpr int TILE_WORDS = decode_tile_words<T, T, VEC, false>(R, RMS_GEMV_TILE_BYTES);
   threadgroup uint tile[TILE_WORDS];
   GemvJob<T, Q, true> job;
@@ -234,11 +243,14 @@ kernel void gemv_cols_finish(device T* y [[buffer(0)]],
       gemv_cols<T, R, true>;                                                                                     \
   template [[host_name("gemv_cols_" #tname "_r" #R "_scalar")]] kernel decltype(gemv_cols<T, R, false>)         \
       gemv_cols<T, R, false>;
+#define INSTANTIATE_RMS_GEMV_VARIANT(prefix, tname, T, R, Q, VEC, vname, ADD)                                    \
+  template [[host_name(prefix "rms_norm_gemv_rows_" #tname "_r" #R "_q" #Q "_" vname)]] kernel                    \
+      decltype(rms_norm_gemv_rows<T, R, Q, VEC, ADD>) rms_norm_gemv_rows<T, R, Q, VEC, ADD>;
 #define INSTANTIATE_RMS_GEMV_ROWS(tname, T, R, Q)                                                               \
-  template [[host_name("rms_norm_gemv_rows_" #tname "_r" #R "_q" #Q "_vec")]] kernel                             \
-      decltype(rms_norm_gemv_rows<T, R, Q, true>) rms_norm_gemv_rows<T, R, Q, true>;                             \
-  template [[host_name("rms_norm_gemv_rows_" #tname "_r" #R "_q" #Q "_scalar")]] kernel                          \
-      decltype(rms_norm_gemv_rows<T, R, Q, false>) rms_norm_gemv_rows<T, R, Q, false>;
+  INSTANTIATE_RMS_GEMV_VARIANT("", tname, T, R, Q, true, "vec", false)                                          \
+  INSTANTIATE_RMS_GEMV_VARIANT("", tname, T, R, Q, false, "scalar", false)                                      \
+  INSTANTIATE_RMS_GEMV_VARIANT("add_", tname, T, R, Q, true, "vec", true)                                       \
+  INSTANTIATE_RMS_GEMV_VARIANT("add_", tname, T, R, Q, false, "scalar", true)
 // One output per simdgroup up to 2 rows: decode_geometry gives a
 // threadgroup at least `rows` outputs, taken up to a power of two, so 3 to
 // 8 rows always have 2 a simdgroup.

@@ -60,15 +60,8 @@ MPS_EXT_INLINE void rms_norm_rows(device T* out,
       const uint i = rms_norm_element(c, t, team);
       float e = 0.0f;
       if (live && i < p.n) {
-        if (ADD) {
-          // One rounding to T, as torch's add: float holds the sum of two
-          // halves or bfloats closely enough (24 >= 2 * 11 + 2 bits) that
-          // rounding it again to T gives the correctly rounded sum.
-          e = float(T(float(xr[i]) + float(r[row * p.residual_row_stride + i])));
-          sum_out[row * p.n + i] = T(e);
-        } else {
-          e = float(xr[i]);
-        }
+        e = rms_norm_input<T, ADD>(xr, r + row * p.residual_row_stride, i);  // (one rounding to T, as torch's add)
+        if (ADD) sum_out[row * p.n + i] = T(e);
       }
       v[c] = e;
     }

@@ -328,7 +328,7 @@ kernel void rms_norm_fp8_gemv(device uchar* y [[buffer(0)]],
   threadgroup uint4 normed_mem[RMS_GEMV_NORMED_BYTES / 16];  // uint4: 16-byte aligned for the VEC loads
   threadgroup float sums[RMS_NORM_MAX_THREADS / 32];
   threadgroup T* normed = (threadgroup T*)normed_mem;
-  rms_norm_rows_into<T>(normed, x, norm_w, np, sums, tid, threads, sg, simdgroups, lane);
+  rms_norm_rows_into<T, false>(normed, x, x, norm_w, np, sums, tid, threads, sg, simdgroups, lane);  // (no residual)
   rms_norm_rows_out(normed_out, (const threadgroup T*)normed, np, group, tid, threads);
   constexpr int TILE_WORDS = fp8_gemv_tile_words<A, R, VEC, true>();
   threadgroup uint tile[TILE_WORDS];

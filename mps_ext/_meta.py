@@ -1,7 +1,7 @@
 """Meta kernels (shapes and dtypes) of the torch.ops.mps_ext ops that do not
 take the aten op's own: the families' own ops (no aten op; _C.family_own_ops
 lists them: scaled_mm's fp8_linear and rms_norm_fp8_linear, moe's moe_route, moe_experts,
-moe_combine and moe_layer, norm's rms_norm, add_rms_norm, qk_norm_rope and qk_norm_rope_append,
+moe_combine, moe_layer and add_rms_norm_moe_layer, norm's rms_norm, add_rms_norm, qk_norm_rope and qk_norm_rope_append,
 attention_gate's sigmoid_gate, kv_cache's kv_append and kv_decode_attention, linear_attention's
 linear_attention_decode and linear_attention_chunk, short_conv's short_conv_decode), fp8_grouped_linear
 and commit; the scaled_mm family, whose aten meta
@@ -113,6 +113,15 @@ def _moe_layer(x, router, gate_up, gate_up_scale, down, down_scale, top_k, renor
     return x.new_empty((x.shape[0], down.shape[1]))
 
 
+# The residual add and post-attention norm with the whole layer
+# (csrc/ops/moe.cpp): (h, normed), each x's shape and dtype, contiguous, and
+# the layer's output [tokens, hidden] in x's dtype.
+def _add_rms_norm_moe_layer(x, residual, norm_weight, eps, variant, router, gate_up, gate_up_scale, down, down_scale,
+                            top_k, renormalize=True, shared_expert=False, expert_bias=None, sigmoid=False, scale=1.0,
+                            renorm_eps=0.0):
+    return (*_add_rms_norm(x, residual, norm_weight, eps, variant), x.new_empty((x.shape[0], down.shape[1])))
+
+
 # RMSNorm (csrc/ops/norm.cpp): x's shape and dtype, contiguous.
 def _rms_norm(x, weight, eps, variant="weight"):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -219,6 +228,7 @@ def register() -> None:
                      ("_grouped_mm", _grouped_mm), ("_scaled_grouped_mm", _scaled_grouped_mm),
                      ("_scaled_grouped_mm_v2", _scaled_grouped_mm_v2), ("moe_route", _moe_route),
                      ("moe_experts", _moe_experts), ("moe_combine", _moe_combine), ("moe_layer", _moe_layer),
+                     ("add_rms_norm_moe_layer", _add_rms_norm_moe_layer),
                      ("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm), ("rms_norm_linear", _rms_norm_linear),
                      ("rms_norm_fp8_linear", _rms_norm_fp8_linear),
                      ("qk_norm_rope", _qk_norm_rope), ("qk_norm_rope_append", _qk_norm_rope_append),

@@ -86,6 +86,8 @@ def names(pattern: str, **axes) -> list[str]:
 GEMV_ROWS = [k for k in names("gemv_rows_{t}_r{r}_q{q}_{path}", t=("f32", "f16", "bf16"), r=(1, 2, 4, 8), q=(1, 2),
                                path=("vec", "scalar")) if "_r4_q1_" not in k and "_r8_q1_" not in k]
 RMS_GEMV_ROWS = ["rms_norm_" + k for k in GEMV_ROWS]  # the norm in the GEMV (linear.metal), gemv_rows' variants
+ADD_RMS_GEMV_ROWS = ["add_" + k for k in RMS_GEMV_ROWS]  # with the residual add: a MoE layer's router
+ADD_RMS_GEMV_MEASURED = ("add_rms_norm_gemv_rows_bf16_r1_q1_vec", "add_rms_norm_gemv_rows_bf16_r1_q2_vec")
 GEMV_COLS = names("gemv_cols_{t}_r{r}_{path}", t=("f32", "f16", "bf16"), r=(1, 2, 4, 8), path=("vec", "scalar"))
 GEMV_COLS_FINISH = names("gemv_cols_finish_{t}", t=("f32", "f16", "bf16"))
 # Softmax kernels come with 16-byte accesses (_i32_vec), element accesses
@@ -201,6 +203,13 @@ RMS_GEMV_UNREACHED = ("a row count, dtype or weight alignment of rms_norm_linear
                       "takes (tests/ops/test_rms_norm_linear.py runs each, bit for bit rms_norm then gemv_rows); "
                       "gemv_rows' template after the norm the measured bf16 r1 q2 vec variant runs")
 
+# add_rms_norm_gemv_rows runs where a MoE decoder layer's residual add and post-attention norm feed its router
+# (add_rms_norm_moe_layer): a decode token's row, a router of 128 experts (BUDGET_LAYER's, Qwen3-30B's).
+ADD_RMS_GEMV_UNREACHED = ("a row count, dtype or router alignment of add_rms_norm_moe_layer that no budget case takes "
+                          "(tests/ops/test_add_rms_norm_moe_layer.py runs each, bit for bit add_rms_norm then "
+                          "moe_layer); rms_norm_gemv_rows' template with the residual added, as the measured bf16 r1 "
+                          "variants")
+
 RMS_FP8_GEMV_UNREACHED = ("a row count, dtype or weight alignment of rms_norm_fp8_linear that no decode benchmark "
                           "case takes (tests/ops/test_rms_norm_fp8_linear.py runs each, bit for bit rms_norm then "
                           "fp8_gemv); fp8_gemv's template after the norm the measured bf16 r1 vec variant runs")
@@ -219,6 +228,11 @@ BUDGETS: dict[str, Budget] = {
     **{k: Budget("linear", full_occupancy=True, lines=lines(k), activation="x",
                  unreached="" if k == "rms_norm_gemv_rows_bf16_r1_q2_vec" else RMS_GEMV_UNREACHED)
        for k in RMS_GEMV_ROWS},
+    # ... with the residual added first (a MoE layer's router): BUDGET_LAYER's add_norm case measures the
+    # bf16 one-row variants it takes on the 80-core (one output a simdgroup) and the 8-core GPU (two).
+    **{k: Budget("moe", full_occupancy=True, lines=lines(k), activation="x",
+                 unreached="" if k in ADD_RMS_GEMV_MEASURED else ADD_RMS_GEMV_UNREACHED)
+       for k in ADD_RMS_GEMV_ROWS},
     **{k: Budget("softmax", full_occupancy=True, unreached=SOFTMAX_VEC_UNREACHED if "_block_bf16" in k else "")
        for k in SOFTMAX_VEC},
     # The element-access softmax kernels serve rows that do not start
@@ -309,6 +323,8 @@ BUDGET_ONLY = [bench_moe.layer_case(BUDGET_LAYER, 1, fp8, dtype)
 # ... and with the decoder layer's residual (moe_layer's residual=), which moe_down_combine reads as it
 # stores: those loads meet the budgets too.
 BUDGET_ONLY += [bench_moe.layer_case(BUDGET_LAYER, 1, fp8, torch.bfloat16, residual=True) for fp8 in (False, True)]
+# ... and with the layer's residual add and post-attention norm in the router's dispatch (add_rms_norm_moe_layer)
+BUDGET_ONLY += [bench_moe.layer_case(BUDGET_LAYER, 1, False, torch.bfloat16, add_norm=True)]
 BUDGET_CASES = {
     "softmax": [c.id for c in op_cases("softmax", "quick")],  # all but the 4096 x 4096 attention scores
     "linear": _LINEAR_SMALL + ["rms_norm_linear 2048->3072 weight bfloat16 rows=1"]
@@ -615,6 +631,8 @@ DIVISIONS: dict[str, tuple[int, int]] = {
     # rms_norm_gemv_rows: rms_norm's 2 per row (ss / n and 1 / sqrt(...)), by every thread of each
     # threadgroup for each of its 1 to 8 activation rows (the decode case: one)
     **{k: (0, 2) for k in RMS_GEMV_ROWS},
+    # add_rms_norm_gemv_rows: the same, with the residual added first
+    **{k: (0, 2) for k in ADD_RMS_GEMV_ROWS},
 }
 
 

@@ -122,6 +122,11 @@ void run(const Problem& pr) {
       a.push_back(KernelArg::of(pr.norm->normed));
       a.push_back(KernelArg::of(pr.norm->weight));
       a.push_back(KernelArg::value(pr.norm->params));
+      // Without a residual the kernel reads none and writes no sums: x and
+      // normed stand in for them.
+      const bool add = pr.norm->residual.defined();
+      a.push_back(KernelArg::of(add ? pr.norm->residual : pr.norm->x));
+      a.push_back(KernelArg::of(add ? pr.norm->sum : pr.norm->normed));
     }
     return a;
   };
@@ -157,9 +162,11 @@ void run(const Problem& pr) {
   // The same variant and geometry with the norm as without (the sums' order
   // is the variant's): rms_norm_gemv_rows is bit for bit rms_norm, then this.
   DecodeGeometry g = decode_geometry(gpu, n, 1, 2, false, rows);
-  const std::string kernel = std::string(pr.norm ? "rms_norm_gemv_rows_" : "gemv_rows_") + type + "_r" +
-                             std::to_string(variant) + "_q" + std::to_string(g.outputs_per_simdgroup) +
-                             (vec ? "_vec" : "_scalar");
+  const char* family = !pr.norm                      ? "gemv_rows_"
+                       : pr.norm->residual.defined() ? "add_rms_norm_gemv_rows_"
+                                                     : "rms_norm_gemv_rows_";
+  const std::string kernel = std::string(family) + type + "_r" + std::to_string(variant) + "_q" +
+                             std::to_string(g.outputs_per_simdgroup) + (vec ? "_vec" : "_scalar");
   g = fit_threads(g, n, thread_budget(pr.w.device(), "linear", kernel, DECODE_MAX_THREADS));
   launch(Launch{"linear",
                 kernel,
@@ -170,20 +177,20 @@ void run(const Problem& pr) {
 
 // rms_norm_linear's weight: F.linear's [N, K], contiguous along K (the
 // rows kernel); an error naming the argument otherwise.
-void check_normed_weight(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  const char* op = "mps_ext rms_norm_linear";
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(-1), op, ": weight must be [N, ", x.size(-1),
+void check_normed_weight(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                         const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(-1), "mps_ext ", op, ": weight must be [N, ", x.size(-1),
               "] (F.linear's, K the norm's row), got ", weight.sizes());
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.device() == x.device(), op,
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.device() == x.device(), "mps_ext ", op,
               ": weight must be x's dtype and device (", x.scalar_type(), " on ", x.device(), "), got ",
               weight.scalar_type(), " on ", weight.device());
-  TORCH_CHECK(weight.stride(1) == 1 || weight.size(1) == 1, op,
+  TORCH_CHECK(weight.stride(1) == 1 || weight.size(1) == 1, "mps_ext ", op,
               ": weight must be contiguous along K (F.linear's [N, K] layout), got strides ", weight.strides());
   if (bias && bias->defined())
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == x.scalar_type() &&
                     bias->device() == x.device(),
-                op, ": bias must be 1-D of N = ", weight.size(0), " in x's dtype and device, got ", bias->sizes(), " ",
-                bias->scalar_type(), " on ", bias->device());
+                "mps_ext ", op, ": bias must be 1-D of N = ", weight.size(0), " in x's dtype and device, got ",
+                bias->sizes(), " ", bias->scalar_type(), " on ", bias->device());
 }
 
 bool kernel_dtype(c10::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
@@ -304,28 +311,20 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::
 }
 
 // ----------------------------------------------------- rms_norm_linear --
-// (rms_norm(x), F.linear(rms_norm(x), weight, bias)) in one dispatch,
-// rms_norm_gemv_rows: a decoder layer's input norm and the fused projection
-// that reads it (mps_ext/passes/decoder.py). Bit for bit mps_ext.rms_norm
-// then mps_ext's linear: the kernel norms as rms_norm's team would, and
-// picks the linear's variant and geometry. 1 to 8 rows whose normed bytes
-// fit the kernel's threadgroup memory; larger calls are the two ops.
-std::tuple<at::Tensor, at::Tensor> rms_norm_linear(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
-                                                   c10::string_view variant, const at::Tensor& weight,
-                                                   const c10::optional<at::Tensor>& bias) {
-  const bool zero_centred = check_norm("rms_norm_linear", x, norm_weight, variant);
-  check_normed_weight(x, weight, bias);
+namespace {
+
+// The norm of x's rows (of x + residual's, with one) and F.linear of the
+// normed rows, one dispatch of rms_norm_gemv_rows (add_rms_norm_gemv_rows)
+// into normed, y and the sums: true; false, with nothing launched, where the
+// kernel does not take them (more than 8 rows, normed rows past its
+// threadgroup memory, N = 0), for the caller to run the ops. Arguments
+// checked by the caller; x has rows.
+bool norm_gemv(const char* op, const at::Tensor& x, const at::Tensor* residual, const at::Tensor& norm_weight,
+               double eps, bool zero_centred, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+               const at::Tensor& normed, const at::Tensor* sum, const at::Tensor& y) {
   const int64_t k = x.size(-1), n = weight.size(0), rows = leading_rows(x);
-  at::Tensor normed = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  std::vector<int64_t> out_shape = x.sizes().vec();
-  out_shape.back() = n;
-  at::Tensor y = at::empty(out_shape, x.options());
-  if (rows == 0) return {normed, y};
-  if (!gemv_norms_rows(rows, k, x.itemsize()) || n == 0) {
-    normed = rms_norm(x, norm_weight, eps, variant);  // the two ops, as the model's code calls them
-    return {normed, at::linear(normed, weight, bias)};
-  }
-  const NormedRows norm = normed_rows("rms_norm_linear", x, norm_weight, normed, eps, zero_centred);
+  if (!gemv_norms_rows(rows, k, x.itemsize()) || n == 0) return false;
+  const NormedRows norm = normed_rows(op, x, norm_weight, normed, eps, zero_centred, residual, sum);
   Problem pr;
   pr.x = norm.normed;  // what the GEMV reads, as the kernel keeps it: rows of K
   pr.w = weight;
@@ -336,7 +335,62 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_linear(const at::Tensor& x, const at
   }
   pr.norm = &norm;
   run(pr);
+  return true;
+}
+
+at::Tensor like_rows(const at::Tensor& x) {
+  return at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+at::Tensor product_of(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  return at::empty(out_shape, x.options());
+}
+
+}  // namespace
+
+// (rms_norm(x), F.linear(rms_norm(x), weight, bias)) in one dispatch,
+// rms_norm_gemv_rows: a decoder layer's input norm and the fused projection
+// that reads it (mps_ext/passes/decoder.py). Bit for bit mps_ext.rms_norm
+// then mps_ext's linear: the kernel norms as rms_norm's team would, and
+// picks the linear's variant and geometry. 1 to 8 rows whose normed bytes
+// fit the kernel's threadgroup memory; larger calls are the two ops.
+std::tuple<at::Tensor, at::Tensor> rms_norm_linear(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                                                   c10::string_view variant, const at::Tensor& weight,
+                                                   const c10::optional<at::Tensor>& bias) {
+  const bool zero_centred = check_norm("rms_norm_linear", x, norm_weight, variant);
+  check_normed_weight("rms_norm_linear", x, weight, bias);
+  at::Tensor normed = like_rows(x), y = product_of(x, weight.size(0));
+  if (leading_rows(x) == 0) return {normed, y};
+  if (!norm_gemv("rms_norm_linear", x, nullptr, norm_weight, eps, zero_centred, weight, bias, normed, nullptr, y)) {
+    normed = rms_norm(x, norm_weight, eps, variant);  // the two ops, as the model's code calls them
+    return {normed, at::linear(normed, weight, bias)};
+  }
   return {normed, y};
+}
+
+// (x + residual, rms_norm(x + residual), F.linear(rms_norm(x + residual),
+// weight)), add_rms_norm_gemv_rows: a decoder layer's residual add, its
+// post-attention norm and the MoE router that reads it (moe.cpp's
+// add_rms_norm_moe_layer), one dispatch, bit for bit mps_ext.add_rms_norm
+// then mps_ext's linear; nullopt where the kernel does not take them
+// (norm_gemv) or the weight is not contiguous along K, for the caller to
+// run those ops.
+c10::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> add_rms_norm_gemv(const at::Tensor& x,
+                                                                                const at::Tensor& residual,
+                                                                                const at::Tensor& norm_weight,
+                                                                                double eps, c10::string_view variant,
+                                                                                const at::Tensor& weight) {
+  const char* op = "add_rms_norm_moe_layer";
+  const bool zero_centred = check_norm(op, x, norm_weight, variant);
+  check_residual(op, x, residual);
+  if (weight.dim() != 2 || !(weight.stride(1) == 1 || weight.size(1) == 1) || leading_rows(x) == 0) return c10::nullopt;
+  check_normed_weight(op, x, weight, c10::nullopt);
+  at::Tensor sum = like_rows(x), normed = like_rows(x), y = product_of(x, weight.size(0));
+  if (!norm_gemv(op, x, &residual, norm_weight, eps, zero_centred, weight, c10::nullopt, normed, &sum, y))
+    return c10::nullopt;
+  return std::make_tuple(sum, normed, y);
 }
 
 // ----------------------------------------------------------- mm / addmm --

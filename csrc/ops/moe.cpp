@@ -40,6 +40,11 @@
 // Where the output is converted after the kernel (fp8 banks under float32
 // or float16 x), torch adds it to the converted output.
 //
+// torch.ops.mps_ext.add_rms_norm_moe_layer: the decoder layer's residual add
+// and post-attention norm before the layer (add_rms_norm's), in the router
+// GEMV's dispatch: four dispatches where add_rms_norm and moe_layer take
+// five (below).
+//
 // A shared expert (Qwen3-Next, Qwen3.5/3.6-MoE) is expert E of the banks and
 // row E of the router (its sigmoid gate), as moe_route defines it, so it
 // costs no dispatch of its own. Prefill beyond moe_route's limit takes the
@@ -52,6 +57,7 @@
 #include "backend/launch.h"
 #include "moe_params.h"
 #include "ops/moe.h"
+#include "ops/norm.h"
 #include "ops/ops.h"
 #include "dispatch/registration.h"
 #include "dispatch/registry.h"
@@ -148,42 +154,47 @@ namespace {
 
 bool is_fp8(const at::Tensor& t) { return t.scalar_type() == at::kFloat8_e4m3fn; }
 
-at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Tensor& gate_up,
-                     const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
-                     const c10::optional<at::Tensor>& down_scale, int64_t top_k, bool renormalize, bool shared_expert,
-                     const c10::optional<at::Tensor>& expert_bias, bool sigmoid, double scale, double renorm_eps,
-                     const c10::optional<at::Tensor>& residual) {
+// moe_layer's checks of x, the router, the banks and the residual (`op`
+// names the op called).
+void check_layer(const char* op, const at::Tensor& x, const at::Tensor& router, const at::Tensor& gate_up,
+                 const at::Tensor& down, const c10::optional<at::Tensor>& residual) {
   const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
-              "moe_layer: x must be float32, float16 or bfloat16, got ", dt);
-  TORCH_CHECK(x.dim() == 2, "moe_layer: x [tokens, hidden] expected, got ", x.sizes());
-  TORCH_CHECK(router.dim() == 2 && router.size(1) == x.size(1) && router.scalar_type() == dt,
-              "moe_layer: router must be [experts (+1 shared), hidden] in x's dtype, got ", router.sizes(), " ",
+  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op,
+              ": x must be float32, float16 or bfloat16, got ", dt);
+  TORCH_CHECK(x.dim() == 2, op, ": x [tokens, hidden] expected, got ", x.sizes());
+  TORCH_CHECK(router.dim() == 2 && router.size(1) == x.size(1) && router.scalar_type() == dt, op,
+              ": router must be [experts (+1 shared), hidden] in x's dtype, got ", router.sizes(), " ",
               router.scalar_type(), " for x ", x.sizes(), " ", dt);
   const int64_t experts = router.size(0);
   TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(0) == experts && down.size(0) == experts &&
                   gate_up.size(2) == x.size(1) && down.size(1) == x.size(1) && gate_up.size(1) == 2 * down.size(2),
-              "moe_layer: gate_up [E, 2I, H] and down [E, H, I] with E the router's rows expected, got ",
-              gate_up.sizes(), " and ", down.sizes(), " for a router of ", experts, " rows");
+              op, ": gate_up [E, 2I, H] and down [E, H, I] with E the router's rows expected, got ", gate_up.sizes(),
+              " and ", down.sizes(), " for a router of ", experts, " rows");
   const bool fp8 = is_fp8(gate_up);
-  TORCH_CHECK(fp8 == is_fp8(down) && (fp8 || (gate_up.scalar_type() == dt && down.scalar_type() == dt)),
-              "moe_layer: banks must both be float8_e4m3fn (with scales) or both in x's dtype; got ",
-              gate_up.scalar_type(), " and ", down.scalar_type(), " for x ", dt);
+  TORCH_CHECK(fp8 == is_fp8(down) && (fp8 || (gate_up.scalar_type() == dt && down.scalar_type() == dt)), op,
+              ": banks must both be float8_e4m3fn (with scales) or both in x's dtype; got ", gate_up.scalar_type(),
+              " and ", down.scalar_type(), " for x ", dt);
   if (residual)
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == dt && residual->device() == x.device() &&
                     residual->is_contiguous(),
-                "moe_layer: residual must be a contiguous tensor of x's shape, dtype and device (", x.sizes(), " ", dt,
+                op, ": residual must be a contiguous tensor of x's shape, dtype and device (", x.sizes(), " ", dt,
                 " on ", x.device(), "), got ", residual->sizes(), " ", residual->scalar_type(), " on ",
                 residual->device(), residual->is_contiguous() ? "" : ", not contiguous");
-  if (x.size(0) == 0) return at::empty({0, x.size(1)}, x.options());
-  // The router's logits in the model's dtype, as the model computes them.
-  const c10::optional<at::Tensor> no_bias;
-  const at::Tensor logits =
-      !linear_unsupported(x, router, no_bias) ? mps_ext::linear(x, router, no_bias) : at::linear(x, router);
+}
+
+// The layer from its router's logits on (checked arguments, x with rows):
+// moe_route, the gate/up product of x, the down product with the combine
+// (and the residual's add).
+at::Tensor experts_of(const at::Tensor& x, const at::Tensor& logits, const at::Tensor& gate_up,
+                      const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
+                      const c10::optional<at::Tensor>& down_scale, int64_t top_k, bool renormalize, bool shared_expert,
+                      const c10::optional<at::Tensor>& expert_bias, bool sigmoid, double scale, double renorm_eps,
+                      const c10::optional<at::Tensor>& residual) {
+  const auto dt = x.scalar_type();
   auto [weights, offs, slot_of_row, row_of_slot] =
       moe_route(logits, top_k, renormalize, shared_expert, expert_bias, sigmoid, scale, renorm_eps);
   // The fp8 grouped kernels take bfloat16 activations.
-  const at::Tensor xe = fp8 && dt != at::kBFloat16 ? x.to(at::kBFloat16) : x;
+  const at::Tensor xe = is_fp8(gate_up) && dt != at::kBFloat16 ? x.to(at::kBFloat16) : x;
   const int64_t slots = top_k + (shared_expert ? 1 : 0);
   const at::Tensor h = moe_experts(xe, gate_up, gate_up_scale, offs, slot_of_row, slots, true);
   const bool fused = h.scalar_type() == dt;  // the kernel's output is x's dtype: it adds the residual
@@ -193,12 +204,58 @@ at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Te
   return residual ? at::add(*residual, out.to(dt)) : out.to(dt);
 }
 
+at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Tensor& gate_up,
+                     const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
+                     const c10::optional<at::Tensor>& down_scale, int64_t top_k, bool renormalize, bool shared_expert,
+                     const c10::optional<at::Tensor>& expert_bias, bool sigmoid, double scale, double renorm_eps,
+                     const c10::optional<at::Tensor>& residual) {
+  check_layer("moe_layer", x, router, gate_up, down, residual);
+  if (x.size(0) == 0) return at::empty({0, x.size(1)}, x.options());
+  // The router's logits in the model's dtype, as the model computes them.
+  const c10::optional<at::Tensor> no_bias;
+  const at::Tensor logits =
+      !linear_unsupported(x, router, no_bias) ? mps_ext::linear(x, router, no_bias) : at::linear(x, router);
+  return experts_of(x, logits, gate_up, gate_up_scale, down, down_scale, top_k, renormalize, shared_expert, expert_bias,
+                    sigmoid, scale, renorm_eps, residual);
+}
+
+// torch.ops.mps_ext.add_rms_norm_moe_layer: a decoder layer's `h = residual
+// + x`, `normed = post_norm(h)` and `h + moe(normed)` (mps_ext/passes/decoder.py),
+// add_rms_norm then moe_layer(normed, ..., residual=h) bit for bit, with the
+// add and the norm in the router GEMV's dispatch (linear.cpp's
+// add_rms_norm_gemv: every threadgroup adds and norms the rows itself,
+// threadgroup 0 writes h and normed for the rest of the layer): four
+// dispatches a decode step where the two ops take five. Where that kernel
+// does not take the rows (more than 8, normed rows past its threadgroup
+// memory, a router not contiguous along K), the two ops. Returns (h,
+// normed, out).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_moe_layer(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
+    c10::string_view variant, const at::Tensor& router, const at::Tensor& gate_up,
+    const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down, const c10::optional<at::Tensor>& down_scale,
+    int64_t top_k, bool renormalize, bool shared_expert, const c10::optional<at::Tensor>& expert_bias, bool sigmoid,
+    double scale, double renorm_eps) {
+  const char* op = "add_rms_norm_moe_layer";
+  check_layer(op, x, router, gate_up, down, c10::nullopt);  // (h, its residual, is made here: x's shape, contiguous)
+  if (auto fused = add_rms_norm_gemv(x, residual, norm_weight, eps, variant, router)) {
+    auto [h, normed, logits] = *fused;
+    return {h, normed,
+            experts_of(normed, logits, gate_up, gate_up_scale, down, down_scale, top_k, renormalize, shared_expert,
+                       expert_bias, sigmoid, scale, renorm_eps, h)};
+  }
+  auto [h, normed] = add_rms_norm(x, residual, norm_weight, eps, variant);
+  return {h, normed,
+          moe_layer(normed, router, gate_up, gate_up_scale, down, down_scale, top_k, renormalize, shared_expert,
+                    expert_bias, sigmoid, scale, renorm_eps, h)};
+}
+
 // Each op runs mps_ext's kernel (or says why it cannot: there is no torch
 // kernel to fall back to) and counts as a moe call.
 using c10::DispatchKey;
 
 const RoutedOp kMoeRoute(FamilyId::moe, "mps_ext::moe_route"), kMoeExperts(FamilyId::moe, "mps_ext::moe_experts"),
-    kMoeCombine(FamilyId::moe, "mps_ext::moe_combine"), kMoeLayer(FamilyId::moe, "mps_ext::moe_layer");
+    kMoeCombine(FamilyId::moe, "mps_ext::moe_combine"), kMoeLayer(FamilyId::moe, "mps_ext::moe_layer"),
+    kAddRmsNormMoeLayer(FamilyId::moe, "mps_ext::add_rms_norm_moe_layer");
 
 template <DispatchKey K>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_impl(const at::Tensor& logits, int64_t top_k,
@@ -236,6 +293,20 @@ at::Tensor moe_layer_impl(const at::Tensor& x, const at::Tensor& router, const a
   });
 }
 
+template <DispatchKey K>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_moe_layer_impl(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
+    c10::string_view variant, const at::Tensor& router, const at::Tensor& gate_up,
+    const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down, const c10::optional<at::Tensor>& down_scale,
+    int64_t top_k, bool renormalize, bool shared_expert, const c10::optional<at::Tensor>& expert_bias, bool sigmoid,
+    double scale, double renorm_eps) {
+  return run_own(kAddRmsNormMoeLayer, K, [&] {
+    return add_rms_norm_moe_layer(x, residual, norm_weight, eps, variant, router, gate_up, gate_up_scale, down,
+                                  down_scale, top_k, renormalize, shared_expert, expert_bias, sigmoid, scale,
+                                  renorm_eps);
+  });
+}
+
 // Their Meta (fake) kernels, for torch.compile, are in mps_ext/_meta.py.
 template <DispatchKey K>
 void register_moe(FamilyOps& ops) {
@@ -252,6 +323,11 @@ void register_moe(FamilyOps& ops) {
           "Tensor? expert_bias=None, bool sigmoid=False, float scale=1.0, float renorm_eps=0.0, "
           "Tensor? residual=None) -> Tensor",
           TORCH_FN(moe_layer_impl<K>));
+  ops.own("add_rms_norm_moe_layer(Tensor x, Tensor residual, Tensor norm_weight, float eps, str variant, "
+          "Tensor router, Tensor gate_up, Tensor? gate_up_scale, Tensor down, Tensor? down_scale, int top_k, "
+          "bool renormalize=True, bool shared_expert=False, Tensor? expert_bias=None, bool sigmoid=False, "
+          "float scale=1.0, float renorm_eps=0.0) -> (Tensor h, Tensor normed, Tensor out)",
+          TORCH_FN(add_rms_norm_moe_layer_impl<K>));
 }
 
 }  // namespace

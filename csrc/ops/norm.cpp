@@ -99,15 +99,19 @@ bool gemv_norms_rows(int64_t rows, int64_t n, int64_t itemsize) {
 }
 
 NormedRows normed_rows(const char* op, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& normed,
-                       double eps, bool zero_centred) {
+                       double eps, bool zero_centred, const at::Tensor* residual, const at::Tensor* sum) {
   const int64_t n = x.size(-1);
   NormedRows norm;
   norm.x = norm_rows(x, n);
   const int64_t rows = norm.x.size(0);
-  TORCH_CHECK(fits_32bit((rows - 1) * row_stride_of(norm.x) + n), "mps_ext ", op, ": x past 2^31 elements");
+  // Without a residual the kernel reads none: x's rows stand in for its stride.
+  const at::Tensor& residual_rows = residual ? (norm.residual = norm_rows(*residual, n)) : norm.x;
+  TORCH_CHECK(fits_32bit((rows - 1) * std::max(row_stride_of(norm.x), row_stride_of(residual_rows)) + n), "mps_ext ",
+              op, ": x past 2^31 elements");
   norm.weight = weight.contiguous();
   norm.normed = normed.view({rows, n});
-  norm.params = rms_norm_params(rows, n, row_stride_of(norm.x), row_stride_of(norm.x), eps, zero_centred);
+  if (sum) norm.sum = sum->view({rows, n});
+  norm.params = rms_norm_params(rows, n, row_stride_of(norm.x), row_stride_of(residual_rows), eps, zero_centred);
   return norm;
 }
 
@@ -158,7 +162,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
   return out;
 }
 
-namespace {
+void check_residual(const char* op, const at::Tensor& x, const at::Tensor& residual) {
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), "mps_ext ", op,
+              ": residual must have x's shape ", x.sizes(), " and dtype ", x.scalar_type(), " (no broadcasting), got ",
+              residual.sizes(), " ", residual.scalar_type());
+  TORCH_CHECK(residual.device() == x.device(), "mps_ext ", op, ": x is on ", x.device(), " and residual on ",
+              residual.device());
+}
 
 // (x + residual, rms_norm(x + residual)), the sum rounded to x's dtype as
 // torch's add rounds it: a decoder layer's residual add and the norm after
@@ -166,11 +176,7 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps, c10::string_view variant) {
   const bool zero_centred = check_norm("add_rms_norm", x, weight, variant);
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
-              "mps_ext add_rms_norm: residual must have x's shape ", x.sizes(), " and dtype ", x.scalar_type(),
-              " (no broadcasting), got ", residual.sizes(), " ", residual.scalar_type());
-  TORCH_CHECK(residual.device() == x.device(), "mps_ext add_rms_norm: x is on ", x.device(), " and residual on ",
-              residual.device());
+  check_residual("add_rms_norm", x, residual);
   auto sum = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   auto out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (out.numel() == 0) return {sum, out};
@@ -182,6 +188,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
       rows, residual_rows, eps, zero_centred);
   return {sum, out};
 }
+
+namespace {
 
 // The registers a lane needs for a head of D with R rotated (norm_params.h).
 int64_t qk_rope_slots(int64_t D, int64_t R) { return 2 * ceil_div(R, 64) + ceil_div(D - R, 32); }

@@ -10,7 +10,11 @@ rms_norm) and, after the feed-forward, `h + ffn(normed)` (an add). Here the
 first two are one torch.ops.mps_ext.add_rms_norm dispatch
 (mps_ext.passes.norm.add_rms_norm), and an optimized MoE feed-forward is called as
 `ffn(normed, residual=h)`, which returns the sum itself (so that its op can
-add it in its last dispatch); a dense MLP keeps `h + mlp(normed)`. The rest
+add it in its last dispatch); a dense MLP keeps `h + mlp(normed)`. Where an
+optimized MoE feed-forward would run its op on the normed rows with the
+sum inside, the add, the norm and the block are one
+torch.ops.mps_ext.add_rms_norm_moe_layer call instead (the add and the norm
+in the router GEMV's dispatch; FusedMoEMixin._mps_ext_add_norm_call). The rest
 of the forward is the model's, line for line: the input norm, the mixer
 called with the layer's arguments as the model's forward passes them.
 
@@ -157,8 +161,13 @@ class FusedDecoderLayerMixin:
         hidden_states = mixer(hidden_states=normed, **kwargs)
         if plan.mixer in _RETURNS_WEIGHTS:
             hidden_states, _ = hidden_states
-        hidden_states, normed = add_norm(hidden_states, residual, getattr(self, layout.post_norm))
-        ffn = getattr(self, layout.ffn)
+        ffn, post_norm = getattr(self, layout.ffn), getattr(self, layout.post_norm)
+        if add_norm is add_rms_norm and isinstance(ffn, FusedMoEMixin):
+            # The add and the norm in the MoE router's dispatch, where both ops would run.
+            call = ffn._mps_ext_add_norm_call(hidden_states, residual, post_norm)
+            if call is not None:
+                return call()
+        hidden_states, normed = add_norm(hidden_states, residual, post_norm)
         if isinstance(ffn, FusedMoEMixin):
             return ffn(normed, residual=hidden_states)
         out = ffn(normed)
@@ -307,7 +316,8 @@ class DecoderPass(Pass):
         module._mps_ext_decoder = plan
         ffn = getattr(module, plan.layout.ffn)
         return f"{cls.__name__} -> {plan.mixer}'s residual add and {plan.layout.post_norm} on add_rms_norm" + (
-            ", the second residual add in the MoE block's moe_layer call" if isinstance(ffn, FusedMoEMixin) else ""
+            " (at decode in the MoE router's dispatch: add_rms_norm_moe_layer), the second residual add in the MoE "
+            "block's moe_layer call" if isinstance(ffn, FusedMoEMixin) else ""
         )
 
     def witness(self, model, name):

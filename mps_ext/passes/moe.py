@@ -224,6 +224,32 @@ class FusedMoEMixin:
             return None
         return lambda: self._fused(reference, x, residual)
 
+    def _mps_ext_add_norm_call(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module):
+        """A decoder layer's `h = residual + x`, `normed = norm(h)` and `h +
+        self(normed)` as one add_rms_norm_moe_layer call (the add and the norm
+        in the router GEMV's dispatch), as a function of no arguments giving
+        the layer's output; None where that call would not stand for
+        add_rms_norm then this block's moe_layer with the residual inside it
+        (mps_ext.passes.decoder then runs those): the norm's op would not run
+        (FusedRMSNorm.op_takes, compiled as eager: the decoder layer's fused
+        path), the block's fused call would not
+        (_mps_ext_fused_call, asked of x: normed has its shape and dtype), or
+        a shared expert runs apart."""
+        k = self._mps_ext_moe
+        if k.shared_apart or not norm.op_takes(x, residual, compiled=True) or \
+                self._mps_ext_fused_call(False, (x,), {}) is None:
+            return None
+        return lambda: self._fused_add_norm(x, residual, norm)
+
+    def _fused_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        k, sc = self._mps_ext_moe, self._mps_ext_moe.scoring
+        rows = (-1, k.router.shape[1])
+        _, _, out = torch.ops.mps_ext.add_rms_norm_moe_layer(
+            x.reshape(rows), residual.reshape(rows), norm.weight, norm.eps, norm.variant, k.router, k.gate_up,
+            k.gate_up_scale, k.down, k.down_scale, k.top_k, k.renormalize, k.fused_shared,
+            self._float_expert_bias() if k.uses_bias else None, sc.sigmoid, sc.scale, sc.renorm_eps)
+        return out.reshape(x.shape)
+
     def _fused(self, reference: bool, hidden_states: torch.Tensor, residual):
         k = self._mps_ext_moe
         x = hidden_states.reshape(-1, k.router.shape[1])

@@ -51,9 +51,16 @@ def without_swap(monkeypatch, model):
         return mps_ext.optimize(model)
 
 
-def ran(report, op):
-    stats = report.families["norm"].ops.get(f"mps_ext::{op}")
+def ran(report, op, family="norm"):
+    stats = report.families[family].ops.get(f"mps_ext::{op}") if family in report.families else None
     return stats.ran if stats else 0
+
+
+def add_norms(report):
+    """The layers' residual adds and post-attention norms run as one
+    dispatch: add_rms_norm, or a MoE layer's in its router's GEMV
+    (add_rms_norm_moe_layer)."""
+    return ran(report, "add_rms_norm") + ran(report, "add_rms_norm_moe_layer", "moe")
 
 
 # ----------------------------------------------------------- results --
@@ -91,7 +98,7 @@ def test_swapped_layers_match_the_model_without_them(figures, monkeypatch, name,
     with run_model(RELEASE) as theirs_report:
         theirs = prefill_and_decode(apart, prompt, step)
     figures.families = report.ran_kernels()
-    assert ran(report, "add_rms_norm") == 2 * count and not ran(theirs_report, "add_rms_norm")
+    assert add_norms(report) == 2 * count and not add_norms(theirs_report)
     # (An input norm the layer runs in its mixer's projection GEMV, rms_norm_linear, is no rms_norm call
     # either: test_input_norm_in_the_projection_gemv_changes_no_bit.)
     in_gemv = sum(report.families[f].ops[op].ran for f, op in (("linear", "mps_ext::rms_norm_linear"),
@@ -122,13 +129,15 @@ def test_a_layer_decodes_one_add_rms_norm_for_an_add_and_a_norm(monkeypatch, mod
     """benchmarks/census.py, one decode token after 8 of context, torch
     2.15's policy, every kind of layer (attention, DeltaNet, convolution;
     MoE and dense): eager, the layer's add and rms_norm after its mixer are
-    one add_rms_norm call of one dispatch, a MoE layer's add after its
-    feed-forward is in moe_layer's last dispatch, and an attention or
+    one add_rms_norm call of one dispatch (a MoE layer's: in its router's
+    GEMV, the add_rms_norm_moe_layer call of the block), a MoE layer's add
+    after its feed-forward is in moe_layer's last dispatch, and an attention or
     DeltaNet layer's input norm is in its projection's GEMV; compiled, the
     same ops run (test_compiled_swapped_model), and the layer saves the
-    input norm's generated kernel and a MoE layer's trailing add, the
-    first add being one generated kernel with the post-attention norm
-    before as after."""
+    input norm's generated kernel and a MoE layer's trailing add and its
+    post-attention norm's generated kernel (in the router's dispatch), a
+    dense layer's first add being one generated kernel with the
+    post-attention norm before as after."""
     from benchmarks import census
     tiny = census.tiny_model(census.MODELS[model_name])
 
@@ -146,7 +155,12 @@ def test_a_layer_decodes_one_add_rms_norm_for_an_add_and_a_norm(monkeypatch, mod
         layer = after[kind]
         ops = [c.op for c in layer]
         old = [c.op for c in before[kind]]
-        assert ops.count("add_rms_norm") == 1 and "add_rms_norm" not in old, (kind, ops)
+        moe = kind.endswith("+moe")
+        # A MoE layer's add and norm go into its router's GEMV (add_rms_norm_moe_layer: one call for
+        # add_rms_norm and moe_layer, one dispatch fewer).
+        fused = "add_rms_norm_moe_layer" if moe else "add_rms_norm"
+        assert ops.count(fused) == 1 and fused not in old, (kind, ops)
+        assert "moe_layer" not in ops and "add_rms_norm" not in ops if moe else True, (kind, ops)
         # The input norm of an attention or DeltaNet layer goes into its fused projection's GEMV, and a
         # short convolution's into its in_proj's at a decode step (rms_norm_linear: one call and dispatch
         # for rms_norm and linear).
@@ -155,17 +169,18 @@ def test_a_layer_decodes_one_add_rms_norm_for_an_add_and_a_norm(monkeypatch, mod
         assert old.count("rms_norm") - ops.count("rms_norm") == 1 + in_gemv, (kind, ops)
         assert old.count("linear") - ops.count("linear") == in_gemv, (kind, ops)
         # A MoE layer's second residual add moves into moe_layer's last dispatch (FusedMoE's residual).
-        adds = 2 if kind.endswith("+moe") else 1
+        adds = 2 if moe else 1
         assert old.count("add") - ops.count("add") == adds, (kind, ops)
-        saved = adds + in_gemv
+        saved = adds + in_gemv + (1 if moe else 0)
         b, a = ({mode: census.count(calls, "2.15", mode, True) for mode in census.MODES}
                 for calls in (before[kind], layer))
         print(f"\n{model_name} {kind}, per layer eager: host calls {b['eager'].host:g} -> {a['eager'].host:g}, "
               f"dispatches {b['eager'].dispatches:g} -> {a['eager'].dispatches:g}")
         assert b["eager"].host - a["eager"].host == saved and b["eager"].dispatches - a["eager"].dispatches == saved
         # Compiled: Inductor would have fused the first add into the post-attention norm's kernel, so only
-        # the input norm's kernel and a MoE layer's trailing add are saved.
-        saved = in_gemv + (1 if kind.endswith("+moe") else 0)
+        # the input norm's kernel and a MoE layer's trailing add and that kernel (in the router's dispatch)
+        # are saved.
+        saved = in_gemv + (2 if moe else 0)
         print(f"{model_name} {kind}, per layer compiled: dispatches {b['compile'].dispatches:g} -> "
               f"{a['compile'].dispatches:g}")
         assert b["compile"].dispatches - a["compile"].dispatches == saved
@@ -181,7 +196,9 @@ def test_compiled_swapped_model(name):
     (mps_ext.passes.norm, FusedRMSNorm.op_takes' `compiled`): add_rms_norm
     in every layer, the input norm in the first projection's GEMV
     (rms_norm_linear, at the decode step for a convolution layer) and the
-    MoE layers' second add in moe_layer."""
+    MoE layers' add and norm in the router's dispatch and second add in the
+    down product's (add_rms_norm_moe_layer; lfm2_moe's dense layer
+    add_rms_norm)."""
     from test_fp8_flows import Float8Inspector
     model = mps_ext.optimize(make(name, torch.bfloat16))
     assert decoder_layers(model)
@@ -190,7 +207,8 @@ def test_compiled_swapped_model(name):
     torch._dynamo.reset()
     inspector = Float8Inspector()
     got = prefill_and_decode(torch.compile(model, backend=inspector.backend, fullgraph=True), prompt, step)
-    assert {"add_rms_norm", "rms_norm_linear", "moe_layer"} <= inspector.mps_ext_ops, inspector.mps_ext_ops
+    fused = {"rms_norm_linear", "add_rms_norm_moe_layer"} | ({"add_rms_norm"} if name == "lfm2_moe" else set())
+    assert fused <= inspector.mps_ext_ops, inspector.mps_ext_ops
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
 
@@ -218,7 +236,7 @@ def test_state_dict_module_tree_and_a_second_optimize(monkeypatch):
     prompt, step = ids(), ids(1, seed=2)
     with run_model(RELEASE) as report:
         prefill_and_decode(clone, prompt, step)
-    assert ran(report, "add_rms_norm") == 2 * 3
+    assert add_norms(report) == 2 * 3
     # A conv layer called positionally (hidden_states, position_embeddings, attention_mask): the same output.
     x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(3))
     conv = model.model.layers[0]
@@ -359,4 +377,52 @@ def test_input_norm_in_the_projection_gemv_changes_no_bit(monkeypatch, name, kin
     family, op = ("scaled_mm", "mps_ext::rms_norm_fp8_linear") if fp8 else ("linear", "mps_ext::rms_norm_linear")
     fused = report.families[family].ops[op].ran
     assert fused == calls and op not in their_report.families[family].ops
+    assert total_dispatches(their_report) - total_dispatches(report) == calls
+
+
+# ------------------------------------------------- the add and norm in the MoE router --
+# The MoE layers of each tiny model (test_optimize's configs).
+MOE_LAYERS = {"qwen3_moe": 2, "qwen3_5_moe": 2, "lfm2_moe": 2}
+
+
+@pytest.mark.parametrize("name,kind", [(name, kind) for name in MOE_LAYERS
+                                       for kind in ("float32", "bfloat16", "float16", "bfloat16 fp8")])
+def test_add_norm_in_the_moe_router_changes_no_bit(monkeypatch, name, kind):
+    """A MoE decoder layer runs its residual add, its post-attention norm
+    and its router's GEMV as one add_rms_norm_moe_layer call (the add and
+    the norm in the router's dispatch) at up to 8 rows: prefill and decode
+    logits and greedy tokens bit-identical to the same optimized model with
+    add_rms_norm and moe_layer apart (FusedMoEMixin._mps_ext_add_norm_call
+    declining), one dispatch fewer per MoE layer and call; so too after
+    mps_ext.quantize_fp8 (fp8 expert banks)."""
+    from mps_ext.passes.moe import FusedMoEMixin
+    dtype, *fp8 = kind.split()
+    model = make(name, getattr(torch, dtype))
+    if fp8:
+        mps_ext.quantize_fp8(model)
+    mps_ext.optimize(model)
+    prompt, step = ids(), ids(1, seed=2)
+    moe = sum(isinstance(getattr(m, n, None), FusedMoEMixin) for m in model.modules()
+              if isinstance(m, FusedDecoderLayerMixin) for n in ("mlp", "feed_forward"))
+    assert moe == MOE_LAYERS[name]
+
+    def run():
+        with torch.no_grad(), run_model(RELEASE) as report:
+            logits = prefill_and_decode(model, prompt, step)
+            tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
+        return logits, tokens, report
+
+    ours, our_tokens, report = run()
+    with monkeypatch.context() as m:
+        m.setattr(FusedMoEMixin, "_mps_ext_add_norm_call", lambda self, x, residual, norm: None)
+        theirs, their_tokens, their_report = run()
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    assert torch.equal(our_tokens, their_tokens)
+    # Calls: the prefill and decode forwards, then generate's prefill and 3 decodes (the prompt's 6 rows
+    # take the kernel too: at most 8).
+    calls = moe * 6
+    fused = "add_rms_norm_moe_layer"
+    assert ran(report, fused, "moe") == calls and not ran(their_report, fused, "moe")
+    assert ran(their_report, "moe_layer", "moe") - ran(report, "moe_layer", "moe") == calls
+    assert ran(their_report, "add_rms_norm") - ran(report, "add_rms_norm") == calls
     assert total_dispatches(their_report) - total_dispatches(report) == calls

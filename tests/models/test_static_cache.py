@@ -102,7 +102,7 @@ def test_compiled_optimized_model_generates_with_a_static_cache():
     """The forward of an optimized Qwen3-MoE compiled (aot_autograd: the
     graphs Inductor would get, run eagerly), generating with a static
     cache: the stock model's tokens; mps_ext's MoE layer and the decoder
-    layers' fused norms (add_rms_norm, rms_norm_linear) are in the graphs
+    layers' fused norms (add_rms_norm_moe_layer, rms_norm_linear) are in the graphs
     (the attention's q and k norms and rotary are left to Inductor
     compiled), the cache update is index_copy_ into the static buffers, and
     no graph breaks."""
@@ -125,8 +125,8 @@ def test_compiled_optimized_model_generates_with_a_static_cache():
     with torch.no_grad(), cpu_metal.request():
         got = model.generate(prompt, max_new_tokens=4, do_sample=False, cache_implementation="static")
     assert torch.equal(got, want)
-    assert {"mps_ext.moe_layer.default", "mps_ext.add_rms_norm.default", "mps_ext.rms_norm_linear.default"} <= ops, \
-        sorted(ops)
+    # (a MoE layer's add and post-attention norm in its router's dispatch, the block's op: add_rms_norm_moe_layer)
+    assert {"mps_ext.add_rms_norm_moe_layer.default", "mps_ext.rms_norm_linear.default"} <= ops, sorted(ops)
     assert "mps_ext.qk_norm_rope.default" not in ops, sorted(ops)
     assert "aten.index_copy.default" in ops, sorted(ops)  # functionalized index_copy_, reinplaced by Inductor
     assert not counters["graph_break"], dict(counters["graph_break"])
