@@ -325,6 +325,15 @@ def total_dispatches(report):
     return sum(f.dispatches for f in report.families.values())
 
 
+def _logits_tokens_report(model, prompt, step):
+    """Prefill and decode logits, 4 greedy tokens, and the run's report, on
+    mps_ext's kernels (run_model)."""
+    with torch.no_grad(), run_model(RELEASE) as report:
+        logits = prefill_and_decode(model, prompt, step)
+        tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    return logits, tokens, report
+
+
 # (Block scales: qwen3_5_moe's, whose tiny q/k/v rows are whole 128-row blocks; the others' groups stay apart
 # under block scales, _block_members.)
 @pytest.mark.parametrize("name,kind", [(name, kind) for name in ("qwen3_moe", "qwen3_5_moe", "lfm2_moe")
@@ -359,16 +368,10 @@ def test_input_norm_in_the_projection_gemv_changes_no_bit(monkeypatch, name, kin
     assert len(convs) == {"qwen3_moe": 0, "qwen3_5_moe": 0, "lfm2_moe": 2}[name]
     assert all(isinstance(c.in_proj, mps_ext.FP8Linear if fp8 else torch.nn.Linear) for c in convs)
 
-    def run():
-        with torch.no_grad(), run_model(RELEASE) as report:
-            logits = prefill_and_decode(model, prompt, step)
-            tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
-        return logits, tokens, report
-
-    ours, our_tokens, report = run()
+    ours, our_tokens, report = _logits_tokens_report(model, prompt, step)
     with monkeypatch.context() as m:
         m.setattr(decoder, "norm_into_projection", lambda x, norm, mixer: norm(x))
-        theirs, their_tokens, their_report = run()
+        theirs, their_tokens, their_report = _logits_tokens_report(model, prompt, step)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
     assert torch.equal(our_tokens, their_tokens)
     # Calls: the prefill and decode forwards, then generate's prefill and 3 decodes (the prompt's 6 rows
@@ -406,16 +409,10 @@ def test_add_norm_in_the_moe_router_changes_no_bit(monkeypatch, name, kind):
               if isinstance(m, FusedDecoderLayerMixin) for n in ("mlp", "feed_forward"))
     assert moe == MOE_LAYERS[name]
 
-    def run():
-        with torch.no_grad(), run_model(RELEASE) as report:
-            logits = prefill_and_decode(model, prompt, step)
-            tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
-        return logits, tokens, report
-
-    ours, our_tokens, report = run()
+    ours, our_tokens, report = _logits_tokens_report(model, prompt, step)
     with monkeypatch.context() as m:
         m.setattr(FusedMoEMixin, "_mps_ext_add_norm_call", lambda self, x, residual, norm: None)
-        theirs, their_tokens, their_report = run()
+        theirs, their_tokens, their_report = _logits_tokens_report(model, prompt, step)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
     assert torch.equal(our_tokens, their_tokens)
     # Calls: the prefill and decode forwards, then generate's prefill and 3 decodes (the prompt's 6 rows
