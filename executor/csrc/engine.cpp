@@ -449,6 +449,9 @@ struct Lane {
   uint32_t depth = 0, base = 0;
   Frame frames[kMaxFrames];
   mx_u64 ops[MX_OPS_COUNT] = {};  // 64-bit integer work (api op_counts)
+  // A device atomic's hook ran but its operation may not have: the
+  // threadgroup's `acquired` is read at this lane's next event (Worker::settle).
+  bool acquire_due = false;
 
   void reset() {
     state = LaneState::kUnstarted;
@@ -462,6 +465,7 @@ struct Lane {
     arg = 0;
     depth = base = 0;
     for (mx_u64& o : ops) o = 0;
+    acquire_due = false;
   }
 };
 
@@ -525,7 +529,7 @@ struct Worker {
   bool dirty = false;    // device writes since the last device fence
   bool pending = false;  // fenced writes not yet released by a device atomic
   uint32_t releases = 0;
-  uint64_t acquired = 0;  // atomic_seq of this threadgroup's latest device atomic
+  uint64_t acquired = 0;  // atomic_seq after this threadgroup's latest device atomic ran
   uint32_t verified = 0;  // the last shadow value found visible
 
   // threadgroup memory
@@ -1035,7 +1039,15 @@ struct Worker {
 
   [[gnu::noinline]] void device_visibility(const Bound& b, uintptr_t a, uint64_t size, uint32_t flags) {
     DispatchState& d = *ds;
+    settle();
     if (flags & MX_ACC_ATOMIC) {
+      // The hook runs before the operation, and other threadgroups run
+      // between them (this lane yields first), so numbers taken here need
+      // not follow the order the operations ran in. A release is numbered
+      // and recorded here, before its operation; the reader's number is
+      // taken at its next event, after its operation (settle). A release
+      // whose operation ran before the reader's then always has a number
+      // at most the reader's.
       uint64_t seq = d.atomic_seq.fetch_add(1) + 1;
       if ((flags & MX_ACC_WRITE) && pending) {
         pending = false;
@@ -1043,7 +1055,7 @@ struct Worker {
         d.releases[tag].push_back(seq);
         ++releases;
       }
-      acquired = seq;
+      current->acquire_due = true;
       return;
     }
     Shadow32& sh = d.shadows[(a - d.slot_base) >> kSlotShift];
@@ -1065,6 +1077,14 @@ struct Worker {
     }
   }
 
+  // This lane's last device atomic has run by the time the lane reaches
+  // its next access or barrier: what had been numbered by then precedes it.
+  void settle() {
+    if (!current->acquire_due) return;
+    current->acquire_due = false;
+    acquired = std::max(acquired, ds->atomic_seq.load());
+  }
+
   // Did the writer of shadow value v release the write before this
   // threadgroup's latest device atomic?
   bool visible(uint32_t v) {
@@ -1073,7 +1093,7 @@ struct Worker {
     auto it = d.releases.find(v >> 4);
     if (it == d.releases.end()) return false;
     size_t k = v & 15;  // the write came after the writer's k-th release
-    return it->second.size() > k && it->second[k] < acquired;
+    return it->second.size() > k && it->second[k] <= acquired;
   }
 
   [[noreturn]] void stale_read(const Bound& b, uintptr_t a, uint32_t v, uint32_t flags) {
@@ -1122,6 +1142,7 @@ struct Worker {
   void barrier(uint32_t scope, uint32_t mem) {
     Lane& l = *current;
     l.flags = mem;
+    if (ds->isolated) settle();
     if (scope == MX_SCOPE_SIMDGROUP) {
       l.simd_barrier = true;
       l.fn = nullptr;
