@@ -22,6 +22,7 @@ The simulation is calibrated on torch 2.14's and 2.15's published figures
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import sys
@@ -433,51 +434,66 @@ def commit_table(rows: list[Row], loops: dict) -> tuple[str, list[dict]]:
 
 
 def what_if(rows: list[Row]) -> tuple[str, list[dict]]:
-    """What issue 31's points 4 and 5 would buy on the optimized path (one
-    sequence, torch 2.15): simulated tokens/s (central) with each alone and
-    both together. (Point 6, the fp8 LM head and the compiled cache without
+    """What issue 31's points 4 and 5 would still buy on the optimized path
+    (one sequence, torch 2.15): simulated tokens/s (central) with each
+    remaining change alone and all together, and the dispatches a token each
+    leaves. (Point 6, the fp8 LM head and the compiled cache without
     copies, are rows of their own: OPTIMIZED_FP8_HEAD, kv_cache().)"""
     out = []
     k = timeline.costs()
     for r in rows:
         if r.tokens != 1 or r.release != "2.15" or r.who not in OPTIMIZED_ROWS:
             continue
-        spec = census.MODELS[r.model]
-        fusions = _fusions(spec.config(), input_norm_fused=r.mode == "eager")  # (r.who: OPTIMIZED_ROWS)
-        cases = {"as today": {},
-                 "4: one host call a decoder layer (eager)": {"layer_host_calls": 1},
-                 "5: norm into the GEMV and gate fused": {"dispatch_delta": fusions}}
-        cases["both"] = {kk: v for case in cases.values() if case for kk, v in case.items()}
+        cases = {"as today": {}, "4: one host call a decoder layer": {"layer_host_calls": 1} if r.mode == "eager"
+                 else None}
+        cases.update((f"5: {label}", delta and {"dispatch_delta": delta}) for label, delta in _fusions_left(r).items())
+        together = {kk: v for case in cases.values() if case for kk, v in case.items() if kk != "dispatch_delta"}
+        together["dispatch_delta"] = collections.Counter()
+        for case in cases.values():
+            together["dispatch_delta"].update((case or {}).get("dispatch_delta", {}))
+        cases["all"] = together
         row = {"model": r.model, "": r.who, "mode": r.mode}
         for label, kw in cases.items():
-            if kw is None or (label.startswith("4") and r.mode != "eager"):
+            if kw is None:
                 row[label] = "-"
                 continue
-            row[label] = f"{_simulate(r.make, k, **kw).tokens_per_s:.1f}"
+            step = r.make(**kw)
+            row[label] = f"{_simulate(r.make, k, **kw).tokens_per_s:.1f} ({step_dispatches(step):.0f})"
         out.append(row)
     if not out:
         return "(what-ifs are simulated on the optimized path: python -m benchmarks decode --optimize)", out
-    return markdown(out, list(out[0])), out
+    return markdown(out, list(out[0])) + "\n\n(tokens/s (dispatches a token); -: not in that row)", out
 
 
-def _fusions(config, input_norm_fused: bool) -> dict:
-    """Issue 31 point 5's fusions not done yet, as dispatches each layer
-    kind would lose: each RMSNorm into the GEMV that reads it (2 a layer)
-    and, in full-attention layers where there is one (Qwen3.5/3.6), the
-    output gate into the projection's load (1). Done and counted in the
-    rows: the cache append in the q/k-norm + rotary dispatch
-    (qk_norm_rope_append) and, eager, the input norm in the attention's or
-    DeltaNet's fused input projection (rms_norm_linear, or
-    rms_norm_fp8_linear with fp8 weights: `input_norm_fused`; not in LFM2's
-    convolution layers, whose in_proj is no fused group)."""
-    out = {}
-    for kind in set(census.layer_kinds(config)):
-        mixer = kind.split("+")[0]
-        n = 1 if input_norm_fused and mixer in ("full_attention", "linear_attention") else 2
-        if mixer == "full_attention" and config.model_type.startswith("qwen3_5"):
-            n += 1
-        out[kind] = n
-    return out
+def step_dispatches(step: timeline.Step) -> float:
+    """The dispatches of a step's ops (what-ifs included)."""
+    return sum(op.counts.dispatches for op in step.ops)
+
+
+def _fusions_left(r: Row) -> dict[str, dict]:
+    """Issue 31 point 5's fusions not done yet, as the dispatches each layer
+    kind (or the calls before the layers) would lose:
+    - the routing in the experts' gate/up kernel: moe_route's dispatch, one
+      a MoE layer (each gate/up threadgroup ranks the router's logits for
+      the slots it serves; threadgroup 0 writes the weights and row maps
+      for the down product);
+    - the output gate in the output projection's activation load (Qwen3.5/
+      3.6's full-attention layers): sigmoid_gate's dispatch;
+    - eager, the rotary tables (cos, sin of the step's positions, computed
+      by the model's rotary module before the layers: a dozen aten calls)
+      as one gather from tables made once: the calls before the layers but
+      the embedding and that gather (compiled, Inductor already fuses them).
+    Done and in the rows: the norms in the GEMVs that read them, the
+    post-attention add and norm in the router GEMV, the cache append in the
+    q/k-norm + rotary dispatch."""
+    config = census.MODELS[r.model].config()
+    kinds = set(census.layer_kinds(config))
+    gated = config.model_type.startswith("qwen3_5")
+    pre = sum(op.counts.dispatches for op in r.make().ops if op.where == "pre")
+    out = {"routing in the experts' kernel": {kind: 1 for kind in kinds if kind.endswith("+moe")},
+           "output gate in o_proj": {kind: 1 for kind in kinds if kind.startswith("full_attention") and gated},
+           "rotary tables as one gather": {"pre": pre - 2} if r.mode == "eager" and pre > 2 else {}}
+    return {label: delta or None for label, delta in out.items()}  # None: the row has no such calls
 
 
 def context_table(rows: list[Row], contexts=CONTEXTS) -> str:

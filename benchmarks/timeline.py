@@ -174,8 +174,8 @@ def step(spec: census.Spec, trace: census.Trace, tiny_config, loop: generate_loo
     a commit after each layer index in `commit_after`; `layer_host_calls`,
     the host calls a decoder layer costs eager (issue 31 point 4: one, the
     layer encoded from C++; the calls and views inside it cost nothing
-    more); `dispatch_delta`, dispatches a layer of a kind loses (point 5's
-    fusions)."""
+    more); `dispatch_delta`, dispatches a layer of a kind (or "pre",
+    "post": the calls outside the layers) loses (point 5's fusions)."""
     real = spec.config()
     calls, sequence = census.layer_calls(spec, trace, tiny_config)
     used = census.expected_experts(real.num_experts, real.num_experts_per_tok, tokens)
@@ -201,8 +201,8 @@ def step(spec: census.Spec, trace: census.Trace, tiny_config, loop: generate_loo
         n = seg_dispatches[seg]
         share = c.dispatches / n if n else 0.0
         cost = dataclasses.replace(c)
+        cost.dispatches -= delta.get(sequence[seg] if isinstance(seg, int) else seg, 0) * share
         if isinstance(seg, int):
-            cost.dispatches -= delta.get(sequence[seg], 0) * share
             if layer_host_calls is not None and mode == "eager":
                 first = i == 0 or units[i - 1][0].layer != seg
                 cost.host, cost.views, cost.empty = (layer_host_calls if first else 0), 0, 0
