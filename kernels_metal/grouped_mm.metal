@@ -509,8 +509,8 @@ struct GmmStage {
       if (vec && count == N) {
         u = *(const device uint4*)(base + o + j * step);
       } else if (count > 0) {
-        for (uint e = 0; e < count; ++e)
-          u[e / (4 / E)] |= element_bits(base[o + j * step + e * col_stride]) << (8 * E * (e % (4 / E)));
+        const device T* at = base + o + j * step;
+        for (uint e = 0; e < count; ++e) u[e / (4 / E)] |= element_bits(at[e * col_stride]) << (8 * E * (e % (4 / E)));
       }
       bits[j] = u;
     }
