@@ -496,18 +496,21 @@ struct GmmStage {
   }
   // The pieces of the stage whose tile rows [row_lo, row_hi) and columns
   // [0, col_hi) hold elements (the rest are zeros).
+  // (Members are read once into locals: to the executor a member is memory,
+  // read again after every access of the unrolled loops.)
   MPS_EXT_INLINE void load(const device T* base, uint col_stride, bool vec, uint row_lo, uint row_hi, uint col_hi) {
-    const uint cols = col < col_hi ? min(uint(N), col_hi - col) : 0;
+    const uint r0 = row, c0 = col, o = off, step = jump;
+    const uint cols = c0 < col_hi ? min(uint(N), col_hi - c0) : 0;
     MPS_EXT_UNROLL
     for (uint j = 0; j < J; ++j) {
-      const uint r = row + j * ROW_STEP;
+      const uint r = r0 + j * ROW_STEP;
       const uint count = r >= row_lo && r < row_hi ? cols : 0;
       uint4 u = uint4(0u);
       if (vec && count == N) {
-        u = *(const device uint4*)(base + off + j * jump);
+        u = *(const device uint4*)(base + o + j * step);
       } else if (count > 0) {
-        for (uint e = 0; e < count; ++e)
-          u[e / (4 / E)] |= element_bits(base[off + j * jump + e * col_stride]) << (8 * E * (e % (4 / E)));
+        const device T* at = base + o + j * step;
+        for (uint e = 0; e < count; ++e) u[e / (4 / E)] |= element_bits(at[e * col_stride]) << (8 * E * (e % (4 / E)));
       }
       bits[j] = u;
     }
@@ -516,11 +519,13 @@ struct GmmStage {
   // The loaded pieces, decoded, into the float tile [R][S]; only those
   // whose tile rows lie in [row_lo, row_hi) (rows outside are never read).
   MPS_EXT_INLINE void put(threadgroup float* tile, uint row_lo, uint row_hi) const {
+    const uint r0 = row;
+    threadgroup float* at = tile + col;
     MPS_EXT_UNROLL
     for (uint j = 0; j < J; ++j) {
-      const uint r = row + j * ROW_STEP;
+      const uint r = r0 + j * ROW_STEP;
       if (r < row_lo || r >= row_hi) continue;
-      put_piece<T>(tile + r * S + col, bits[j]);
+      put_piece<T>(at + r * S, bits[j]);
     }
   }
 };

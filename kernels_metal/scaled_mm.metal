@@ -32,8 +32,9 @@ inline float fp8_unit(uint format) { return fp8_unit_of(format == FP8_TYPE_E5M2)
 
 // Activation types: T, the decode.h format of fp8_gemv, and for
 // fp8_mm_tile `Quad`, the bits of 4 consecutive elements, `quad`, their
-// values as floats, `quad_at`, Quad q of 16 bytes (one load), `put` and
-// `put16`, element e of a Quad or of 16 bytes from a single load, and
+// values as floats, `quad_at`, Quad q of 16 bytes (one load), `put` (by
+// value: a reference keeps the executor's Quad in memory) and `put16`,
+// element e of a Quad or of 16 bytes from a single load, and
 // `unit`: values come divided by unit(format) (fp8x4_to_float's
 // convention for e4m3; 1 for everything else).
 struct ActFp8 {
@@ -42,7 +43,7 @@ struct ActFp8 {
   typedef uint Quad;
   static float4 quad(Quad q, uint format) { return fp8x4_to_float(q, format); }
   static Quad quad_at(uint4 u, int q) { return u[q]; }
-  static void put(thread Quad& q, int e, T v) { q |= uint(v) << (8 * e); }
+  static Quad put(Quad q, int e, T v) { return q | uint(v) << (8 * e); }
   static void put16(thread uint4& u, int e, T v) { u[e / 4] |= uint(v) << (8 * (e % 4)); }
   static float unit(uint format) { return fp8_unit(format); }
 };
@@ -52,7 +53,10 @@ struct ActF16 {
   typedef uint2 Quad;
   static float4 quad(Quad q, uint) { return float4(as_type<half4>(q)); }
   static Quad quad_at(uint4 u, int q) { return uint2(u[2 * q], u[2 * q + 1]); }
-  static void put(thread Quad& q, int e, T v) { q[e / 2] |= uint(as_type<ushort>(v)) << (16 * (e % 2)); }
+  static Quad put(Quad q, int e, T v) {
+    q[e / 2] |= uint(as_type<ushort>(v)) << (16 * (e % 2));
+    return q;
+  }
   static void put16(thread uint4& u, int e, T v) { u[e / 2] |= uint(as_type<ushort>(v)) << (16 * (e % 2)); }
   static float unit(uint) { return 1.0f; }
 };
@@ -65,7 +69,10 @@ struct ActBF16 {
                   as_type<float>(q.y & 0xFFFF0000u));
   }
   static Quad quad_at(uint4 u, int q) { return uint2(u[2 * q], u[2 * q + 1]); }
-  static void put(thread Quad& q, int e, T v) { q[e / 2] |= uint(as_type<ushort>(v)) << (16 * (e % 2)); }
+  static Quad put(Quad q, int e, T v) {
+    q[e / 2] |= uint(as_type<ushort>(v)) << (16 * (e % 2));
+    return q;
+  }
   static void put16(thread uint4& u, int e, T v) { u[e / 2] |= uint(as_type<ushort>(v)) << (16 * (e % 2)); }
   static float unit(uint) { return 1.0f; }
 };
@@ -75,8 +82,11 @@ struct ActF32 {
   typedef uint4 Quad;
   static float4 quad(Quad q, uint) { return as_type<float4>(q); }
   static Quad quad_at(uint4 u, int) { return u; }
-  static void put(thread Quad& q, int e, T v) { q[e] = as_type<uint>(v); }
-  static void put16(thread uint4& u, int e, T v) { put(u, e, v); }
+  static Quad put(Quad q, int e, T v) {
+    q[e] = as_type<uint>(v);
+    return q;
+  }
+  static void put16(thread uint4& u, int e, T v) { u = put(u, e, v); }
   static float unit(uint) { return 1.0f; }
 };
 
@@ -449,20 +459,29 @@ struct Fp8TileJob {
         xs[i] = scale * unit;
       }
     } else {  // 4 rows' elements decoded at once, each row scaled by its own
+      // Members and parameters read once a stage into locals, not again for
+      // each of the 16 elements and scales (a member is memory to the
+      // executor, read again after every access of the loop).
       const int r0 = m0 + 16 * int(sg), gk = line * TS + int(lane);
-      const device typename A::T* at = x + r0 * p->a_row_stride + long(gk) * p->a_k_stride;
+      const int rows = M - r0;  // the simdgroup's rows j < rows exist
+      const bool k_in = gk < K, block_in = line * TS < K;
+      const long row_stride = p->a_row_stride, sa_stride = p->sa_row_stride;
+      const device typename A::T* at = x + r0 * row_stride + long(gk) * p->a_k_stride;
+      // The rows' scales of the stage's block (scale_a_at's), one address for all lanes.
+      const bool has_scale = p->has_scale_a;
+      const device float* sa = scale_a + r0 * sa_stride + long(line / 4) * p->sa_k_stride;
+      const uint format = a_format;
       MPS_EXT_UNROLL
       for (int q = 0; q < 4; ++q) {
         Quad v = Quad(0);
         float4 scale;
         MPS_EXT_UNROLL
         for (int r = 0; r < 4; ++r) {
-          const int row = r0 + 4 * q + r;
-          if (row < M && gk < K) A::put(v, r, at[(4 * q + r) * p->a_row_stride]);
-          // one address for all lanes
-          scale[r] = row < M && line * TS < K ? scale_a_at(*p, scale_a, row, line / 4) * unit : 0.0f;
+          const int j = 4 * q + r;
+          if (j < rows && k_in) v = A::put(v, r, at[j * row_stride]);
+          scale[r] = j < rows && block_in ? (has_scale ? sa[j * sa_stride] : 1.0f) * unit : 0.0f;
         }
-        const float4 f = A::quad(v, a_format) * scale;
+        const float4 f = A::quad(v, format) * scale;
         MPS_EXT_UNROLL
         for (int r = 0; r < 4; ++r) xs[4 * q + r] = f[r];
       }

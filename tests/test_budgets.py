@@ -506,15 +506,11 @@ UNEXAMINED_FIGURES: dict[str, tuple[int, int]] = {
 # fp8_mm_tile's 64 x 64 tile (issue 32): its 128 threads hold each operand's next 128-byte line (whole lines a load
 # instruction: the coalescing budget) in registers until its last stage is staged, then load the next one after
 # that stage's first barrier. A second set of registers loaded before the barrier (a prefetch) took 129 to 159
-# registers, over MAX_REGISTERS; one set is 115 to 123.
+# registers, over MAX_REGISTERS; one set is 108 to 123.
 FP8_TILE_LOADS_AFTER_BARRIER = ("fp8_mm_tile: the next line's loads follow the stage's first barrier (104 to 156 "
                                 "device loads of the stage loop's iteration, executor estimate): prefetched into a "
                                 "second set of registers they took 129 to 159 registers; 256-thread tiles (half the "
                                 "registers a thread) would allow both, not done yet")
-STEEL_ELEMENT_LOADS = ("fp8_mm_tile's element-load variants (activations 1 byte off 16-byte alignment) at 128 rows, "
-                       "2048->768: fp8 0.386 of the slots on useful MMAs against steel's 0.450 (0.86x; 28.7 other "
-                       "slots per MMA against 22.0: each row's scale_a loaded again every stage), float32 0.4515 "
-                       "against 0.502 (0.899x; 21.9 against 17.8); steel is measured on aligned operands")
 # gmm_tiled's stages (issue 32 point 4): a thread's 16-byte pieces at one column of the 32-wide stage, consecutive
 # lanes on one row's pieces: a 16-bit row of a stage is 64 bytes, an e4m3 one 32, so a load instruction's 32 lanes
 # touch 8 or 16 rows' half or quarter lines (2.0 and 4.0 lines over the minimum; the 16-bit-staged kernel it replaced,
@@ -528,15 +524,9 @@ GMM_TILED_LOADS_AFTER_BARRIER = ("gmm_tiled: the next stage's pieces load after 
                                  "merge, not straight to the loop header (4 to 40 loads, executor analysis); "
                                  "unconditional loads (zeros past K) not done yet")
 NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met yet}
-    # (issue 32) the prefill tiles' useful MMA slots against MLX's steel GEMM's at the same shapes
+    # (issue 32) the prefill tiles' useful MMA slots against MLX's steel GEMM's at the same shapes: all met
     # (docs/dev/compute_efficiency.md has the whole table)
-    "steel": {
-        **{k: STEEL_ELEMENT_LOADS for k in ("fp8_mm_tile_fp8_scalar", "fp8_mm_tile_f32_scalar")},
-        "gmm_tiled_f32": ("gmm_tiled_f32 at 16 rows an expert (128 rows, 8 experts, 768->2048): 0.422 of the slots on "
-                          "useful MMAs against steel's 0.476 with every row used (0.89x; 24.7 other slots per MMA "
-                          "against 19.8): each 16-row group's pass stages the expert's whole 64 x 32 float weight "
-                          "slice for 64 MMAs a stage, where steel's full tile gets 128"),
-    },
+    "steel": {},
     "coalescing": {
         **{k: GMM_TILED_HALF_LINES for k in ("gmm_tiled_f16", "gmm_tiled_bf16", "gmm_tiled_e4m3", *GMM_TILED_DENSE)},
         **{k: GMM_TILED_HALF_LINES for k in GMM_TILED_DENSE_FP8},

@@ -395,6 +395,37 @@ def test_prefill_decodes_each_weight_once_in_18_kib(act, path):
     assert d.threadgroup_bytes_written == tiles * ((64 + 64) * stages * 32 * 4 + 64 * 64 * 4)
 
 
+@pytest.mark.parametrize("act", ["fp8", "f16", "bf16", "f32"])
+def test_prefill_element_loads_give_the_16_byte_loads_bits(act):
+    # fp8_mm_tile's element-load variant (activations one element off 16-byte
+    # alignment) stages the same decoded, scaled activations as the 16-byte
+    # one, and both sum in the same order: the same bits. fp8 with block-wise
+    # scales (a scale_a per row and 128 of K, has_scale_a), float activations
+    # without an activation scale (fp8_linear); 70 rows (a second tile with 6,
+    # simdgroups past M), K = 2 blocks + 80 (a partial block and stage).
+    m, k, n = 70, 336, 72
+    w = fp8(n, k)
+    if act == "fp8":
+        x = fp8(m * k + 1)
+        sa, sb = block_scales(m, k, n, 5)
+
+        def product(a):
+            return torch.ops.mps_ext._scaled_mm_v2(a, w.t(), [sa], [4], [], [sb], [5], [], None, torch.float32, [],
+                                                   False)
+    else:
+        x = torch.randn(m * k + 1, generator=g).to(ACTS[act])
+        ws = torch.rand(n, 1, generator=g) / 100
+        bias = torch.zeros(n, dtype=x.dtype) if act in ("f16", "bf16") else None  # keeps them on fp8_mm_tile
+
+        def product(a):
+            return torch.ops.mps_ext.fp8_linear(a, w, ws, "row", bias)
+    shifted = x[1:].view(m, k)  # one element off 16-byte alignment
+    with cpu_metal.record() as rec:
+        vec, scalar = product(shifted.clone()), product(shifted)
+    assert [d.kernel for d in rec.dispatches] == [f"fp8_mm_tile_{act}_vec", f"fp8_mm_tile_{act}_scalar"]
+    assert torch.equal(scalar, vec)
+
+
 # ------------------------------------------- fp8_linear's prefill tile --
 # Past 8 rows, 16-bit activations on e4m3 weights with a tensor-wise or
 # row-wise scale and no bias run gmm_tiled_dense_<act>_e4m3w (grouped_mm.metal:
