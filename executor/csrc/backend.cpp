@@ -35,8 +35,9 @@ std::map<std::string, std::shared_ptr<cpu_metal::Library>>& cache() {
 }
 
 // The library `kernel` of kernels_metal/<name>.metal runs from: the whole
-// library in the mode the process started in, the kernel alone in another
-// (_compiler.op_layer_library), kept under the name or under name:kernel.
+// library in the mode the process started in, the kernel's variant (the
+// text the Metal backend compiles for it alone) in another
+// (_compiler.op_layer_library); kept under the name or under name:kernel.
 std::shared_ptr<cpu_metal::Library> library(const std::string& name, const std::string& kernel) {
   const std::string one_kernel = name + ":" + kernel;
   {
@@ -55,8 +56,9 @@ std::shared_ptr<cpu_metal::Library> library(const std::string& name, const std::
   {
     py::gil_scoped_acquire gil;
     try {
-      py::tuple built = py::module_::import("mps_ext_executor._compiler")
-                            .attr("op_layer_library")(slot().shader_source(name), name, kernel);
+      py::tuple built =
+          py::module_::import("mps_ext_executor._compiler")
+              .attr("op_layer_library")(name, slot().shader_source(name), slot().variant_source(name, kernel));
       path = py::str(built[0]);
       whole = built[1].cast<bool>();
     } catch (py::error_already_set& e) {

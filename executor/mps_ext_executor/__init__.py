@@ -650,13 +650,11 @@ def compile_library(
     *,
     filename: str = "shader.metal",
     check_address_spaces: bool = True,
-    kernels=None,
 ) -> Library:
     """Compile MSL source (self-contained: the text Metal would get) into a
-    Library. `defines` become preprocessor macros; `kernels` (host names)
-    limits the library to those kernels. Compile errors raise CompileError
-    with file:line messages of the source."""
-    built = build(source, defines, filename, check_address_spaces, kernels=kernels)
+    Library. `defines` become preprocessor macros. Compile errors raise
+    CompileError with file:line messages of the source."""
+    built = build(source, defines, filename, check_address_spaces)
     return Library(str(built.path), built.kernels)
 
 

@@ -424,8 +424,7 @@ def check_source(source: str, name: str, include_dirs=()) -> list[str]:
     return findings
 
 
-def _cache_key(source: str, filename: str, defines: dict | None, check: bool, mode: MathMode,
-               kernels: tuple[str, ...] | None) -> str:
+def _cache_key(source: str, filename: str, defines: dict | None, check: bool, mode: MathMode) -> str:
     h = hashlib.sha256()
     for part in (
         _clang_identity(),
@@ -434,7 +433,6 @@ def _cache_key(source: str, filename: str, defines: dict | None, check: bool, mo
         filename,
         str(check),
         repr(mode),
-        repr(kernels),
         source,
     ):
         h.update(part.encode())
@@ -447,15 +445,11 @@ def _cache_key(source: str, filename: str, defines: dict | None, check: bool, mo
 
 
 def build(source: str, defines: dict | None = None, filename: str = "shader.metal",
-          check: bool = True, mode: MathMode | None = None, kernels=None) -> Built:
+          check: bool = True, mode: MathMode | None = None) -> Built:
     """Compile MSL source to a shared object (cached), in `mode` (by default
-    math_mode()). `kernels` (host names) compiles only those kernels: the
-    translator drops the explicit instantiations, so a kernel template is
-    instantiated by its entry point alone, and leaving out an entry point
-    leaves out its kernel's code."""
+    math_mode())."""
     mode = mode or _math_mode
-    kernels = tuple(sorted(set(kernels))) if kernels is not None else None
-    key = _cache_key(source, filename, defines, check, mode, kernels)
+    key = _cache_key(source, filename, defines, check, mode)
     final = cache_dir() / key[:2] / key
     meta_path = final / "kernels.json"
     if meta_path.exists():
@@ -472,35 +466,32 @@ def build(source: str, defines: dict | None = None, filename: str = "shader.meta
         fcntl.flock(lock, fcntl.LOCK_EX)
         if meta_path.exists():
             return Built(final / "library.so", json.loads(meta_path.read_text()))
-        return _build_locked(source, defines, filename, check, mode, kernels, final)
+        return _build_locked(source, defines, filename, check, mode, final)
 
 
-def op_layer_library(source: str, name: str, kernel: str) -> tuple[str, bool]:
-    """The library the op layer's launches of `kernel` (of
-    kernels_metal/<name>.metal, `source` its embedded text) load on the
-    executor (executor/csrc/backend.cpp), and whether it is the whole
-    library. In the mode the process started in, the whole library: one
-    build, cached, which every test and worker shares. In another mode (a
-    test's math_mode block) `kernel` alone: such a block launches a few
-    kernels, and building their whole libraries in its mode cost minutes
-    (the contraction-off tests' grouped_mm.metal took 257 s in a CI run)."""
-    whole = _math_mode == _STARTING_MODE
-    built = build(source, None, f"{name}.metal", kernels=None if whole else (kernel,))
-    return str(built.path), whole
+def op_layer_library(name: str, source: str, variant: str) -> tuple[str, bool]:
+    """The library the op layer's launches of a kernel of
+    kernels_metal/<name>.metal load on the executor
+    (executor/csrc/backend.cpp), and whether it is the whole library:
+    `source` is the library's embedded text, `variant` the text the Metal
+    backend compiles for the kernel alone (csrc/backend/shaders.h; empty
+    when the library has none). In the mode the process started in, the
+    whole library: one build, cached, which every test and worker shares.
+    In another mode (a test's math_mode block) the variant: such a block
+    launches a few kernels, and building their whole libraries in its mode
+    cost minutes (the contraction-off tests' grouped_mm.metal took 257 s in
+    a CI run)."""
+    whole = _math_mode == _STARTING_MODE or not variant
+    return str(build(source if whole else variant, None, f"{name}.metal").path), whole
 
 
 def _build_locked(source: str, defines: dict | None, filename: str, check: bool, mode: MathMode,
-                  kernels: tuple[str, ...] | None, final: Path) -> Built:
+                  final: Path) -> Built:
     meta_path = final / "kernels.json"
     work = Path(tempfile.mkdtemp(prefix="build-", dir=final.parent))
     try:
         pre = preprocess(source, filename, defines)
         tr = _translate.translate(pre)
-        if kernels is not None:
-            missing = set(kernels) - {k.host_name for k in tr.kernels}
-            if missing:
-                raise CompileError(f"{filename} has no kernel {', '.join(sorted(missing))}")
-            tr.kernels = [k for k in tr.kernels if k.host_name in kernels]
         tu, kernels, problems = translation_unit(pre, tr, defines=defines, contract=mode.contract)
         problems += [f"{filename}:{line}: function constant '{name}' ([[function_constant]]): the CPU Metal executor "
                      "has no pipeline to take its value from; pass the value as a buffer or a define"

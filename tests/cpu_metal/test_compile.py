@@ -167,54 +167,23 @@ def test_concurrent_builds_of_one_library_compile_it_once(tmp_path, monkeypatch)
     assert len(list(tmp_path.glob("*/*/library.so"))) == 1
 
 
-_FILL = """
-#include <metal_stdlib>
-using namespace metal;
-template <typename T>
-kernel void fill(device T* x [[buffer(0)]], uint i [[thread_position_in_grid]]) {
-  static_assert(sizeof(T) == 4, "fill of a 2-byte type");
-  x[i] = T(3);
-}
-template [[host_name("fill_f32")]] kernel decltype(fill<float>) fill<float>;
-template [[host_name("fill_i32")]] kernel decltype(fill<int>) fill<int>;
-"""
-
-
-def test_a_build_of_some_kernels_compiles_only_theirs():
-    """An entry point alone instantiates its kernel's template: a kernel left
-    out is not compiled at all (here fill_f16 would not compile)."""
-    src = _FILL + 'template [[host_name("fill_f16")]] kernel decltype(fill<half>) fill<half>;\n'
-    with pytest.raises(cpu_metal.CompileError, match="fill of a 2-byte type"):
-        cpu_metal.compile_library(src, filename="fill.metal")
-    lib = cpu_metal.compile_library(src, filename="fill.metal", kernels=["fill_i32", "fill_f32"])
-    assert lib.function_names == ["fill_f32", "fill_i32"]
-    x = torch.zeros(4)
-    lib.dispatch("fill_f32", [x], threads=4, threads_per_threadgroup=4)
-    assert x.tolist() == [3.0] * 4
-    with pytest.raises(cpu_metal.CompileError, match="fill.metal has no kernel fill_u8"):
-        cpu_metal.compile_library(src, filename="fill.metal", kernels=["fill_f32", "fill_u8"])
-
-
-def test_the_op_layer_builds_only_its_kernel_in_another_math_mode(tmp_path, monkeypatch):
+def test_the_op_layer_builds_only_its_kernels_variant_in_another_math_mode(tmp_path, monkeypatch):
     """In the mode the process started in, the op layer's first launch of a
     kernel builds its whole library (one build every test shares); in a
-    math_mode block, the kernel alone (_compiler.op_layer_library)."""
+    math_mode block, the kernel's variant, the text the Metal backend
+    compiles for it alone (_compiler.op_layer_library)."""
     monkeypatch.setenv("MPS_EXT_CACHE_DIR", str(tmp_path))
-    cpu_metal._C._register_shader_source("test_kernels_fill", _FILL)
-
-    def launch():
-        x = torch.zeros(4)
-        cpu_metal._C._launch("test_kernels_fill", "fill_f32", [x], [1, 1, 1], [4, 1, 1])
-        assert x.tolist() == [3.0] * 4
+    x, gate = torch.randn(4, 64), torch.randn(4, 64)
+    want = x * torch.sigmoid(gate)
 
     def libraries_built():
         return sorted(sorted(k["name"] for k in json.loads(p.read_text())) for p in tmp_path.glob("*/*/kernels.json"))
 
-    with cpu_metal.math_mode(perturb=1):
-        launch()
-    assert libraries_built() == [["fill_f32"]]
-    launch()
-    assert libraries_built() == [["fill_f32"], ["fill_f32", "fill_i32"]]
+    with cpu_metal.math_mode(contract=False):
+        torch.testing.assert_close(torch.ops.mps_ext.sigmoid_gate(x, gate), want)
+    assert libraries_built() == [["sigmoid_gate_f32"]]
+    torch.testing.assert_close(torch.ops.mps_ext.sigmoid_gate(x, gate), want)
+    assert libraries_built() == [["sigmoid_gate_bf16", "sigmoid_gate_f16", "sigmoid_gate_f32"], ["sigmoid_gate_f32"]]
 
 
 def test_check_mode_passes_the_test_kernels():
