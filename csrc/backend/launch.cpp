@@ -147,7 +147,8 @@ CpuBackend* cpu_backend() { return g_cpu_backend.load(std::memory_order_acquire)
 
 const BackendSlot& backend_slot() {
   static const BackendSlot slot{kBackendSlotVersion, sizeof(BackendSlot),     &register_cpu_backend,
-                                &shader_source_of,   &register_shader_source, &launch};
+                                &shader_source_of,   &register_shader_source, &launch,
+                                &variant_source};
   return slot;
 }
 

@@ -167,8 +167,12 @@ struct BackendSlot {
   void (*register_shader_source)(const std::string& name, const std::string& source);
   // launch() as the op layer calls it (route's BackendUnavailable aside).
   void (*launch)(const Launch& launch);
+  // The text the Metal backend compiles for `kernel` of built-in library
+  // `name` alone (backend/shaders.h); empty when the library has no variant
+  // table.
+  std::string (*variant_source)(const std::string& name, const std::string& kernel);
 };
-constexpr uint32_t kBackendSlotVersion = 1;
+constexpr uint32_t kBackendSlotVersion = 2;
 constexpr const char* kBackendSlotName = "mps_ext.backend_slot";
 const BackendSlot& backend_slot();
 

@@ -34,30 +34,40 @@ std::map<std::string, std::shared_ptr<cpu_metal::Library>>& cache() {
   return *c;
 }
 
-std::shared_ptr<cpu_metal::Library> library(const std::string& name) {
+// The library `kernel` of kernels_metal/<name>.metal runs from: the whole
+// library in the mode the process started in, the kernel's variant (the
+// text the Metal backend compiles for it alone) in another
+// (_compiler.op_layer_library); kept under the name or under name:kernel.
+std::shared_ptr<cpu_metal::Library> library(const std::string& name, const std::string& kernel) {
+  const std::string one_kernel = name + ":" + kernel;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = cache().find(name);
-    if (it != cache().end()) return it->second;
+    for (const std::string& key : {name, one_kernel}) {
+      auto it = cache().find(key);
+      if (it != cache().end()) return it->second;
+    }
   }
   // Built without holding g_mutex: the build runs Python, which releases the
   // GIL while the compiler runs, and a thread waiting for g_mutex while it
   // held the GIL would then deadlock the process. Two threads may both build
   // on a first call; the build is cached on disk and safe to run at once.
   std::string path;
+  bool whole = true;
   {
     py::gil_scoped_acquire gil;
     try {
-      py::object built = py::module_::import("mps_ext_executor._compiler")
-                             .attr("build")(slot().shader_source(name), py::none(), name + ".metal");
-      path = py::str(built.attr("path"));
+      py::tuple built =
+          py::module_::import("mps_ext_executor._compiler")
+              .attr("op_layer_library")(name, slot().shader_source(name), slot().variant_source(name, kernel));
+      path = py::str(built[0]);
+      whole = built[1].cast<bool>();
     } catch (py::error_already_set& e) {
       TORCH_CHECK(false, "mps_ext: the CPU Metal executor could not build ", name, ".metal: ", e.what());
     }
   }
   auto lib = cpu_metal::Library::load(path);
   std::lock_guard<std::mutex> lock(g_mutex);
-  auto& kept = cache()[name];
+  auto& kept = cache()[whole ? name : one_kernel];
   if (!kept) kept = lib;
   return kept;
 }
@@ -120,14 +130,14 @@ PipelineInfo executor_pipeline(const std::string& library_name, const std::strin
       return PipelineInfo{g_sim.max_threads};
     }
   }
-  library(library_name);
+  library(library_name, kernel);
   // The executor runs any threadgroup size Metal allows; it checks the
   // dispatch itself (DispatchError).
   return PipelineInfo{UINT64_MAX};
 }
 
 void executor_encode(const Launch& l) {
-  auto lib = library(l.library);
+  auto lib = library(l.library, l.kernel);
   cpu_metal::Dispatch d;
   for (const auto& a : l.args) {
     if (a.tensor.defined()) {

@@ -124,6 +124,7 @@ class MathMode:
 
 
 _math_mode = MathMode.from_environment()
+_STARTING_MODE = _math_mode
 
 
 def math_mode() -> MathMode:
@@ -466,6 +467,22 @@ def build(source: str, defines: dict | None = None, filename: str = "shader.meta
         if meta_path.exists():
             return Built(final / "library.so", json.loads(meta_path.read_text()))
         return _build_locked(source, defines, filename, check, mode, final)
+
+
+def op_layer_library(name: str, source: str, variant: str) -> tuple[str, bool]:
+    """The library the op layer's launches of a kernel of
+    kernels_metal/<name>.metal load on the executor
+    (executor/csrc/backend.cpp), and whether it is the whole library:
+    `source` is the library's embedded text, `variant` the text the Metal
+    backend compiles for the kernel alone (csrc/backend/shaders.h; empty
+    when the library has none). In the mode the process started in, the
+    whole library: one build, cached, which every test and worker shares.
+    In another mode (a test's math_mode block) the variant: such a block
+    launches a few kernels, and building their whole libraries in its mode
+    cost minutes (the contraction-off tests' grouped_mm.metal took 257 s in
+    a CI run)."""
+    whole = _math_mode == _STARTING_MODE or not variant
+    return str(build(source if whole else variant, None, f"{name}.metal").path), whole
 
 
 def _build_locked(source: str, defines: dict | None, filename: str, check: bool, mode: MathMode,

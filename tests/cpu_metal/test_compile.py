@@ -1,5 +1,6 @@
 """Compiling MSL: kernel names, errors mapped to the shader, defines, cache."""
 
+import json
 import subprocess
 import sys
 import threading
@@ -164,6 +165,25 @@ def test_concurrent_builds_of_one_library_compile_it_once(tmp_path, monkeypatch)
     assert len(paths) == 3 and len(set(paths)) == 1
     assert len(compiles) == 1
     assert len(list(tmp_path.glob("*/*/library.so"))) == 1
+
+
+def test_the_op_layer_builds_only_its_kernels_variant_in_another_math_mode(tmp_path, monkeypatch):
+    """In the mode the process started in, the op layer's first launch of a
+    kernel builds its whole library (one build every test shares); in a
+    math_mode block, the kernel's variant, the text the Metal backend
+    compiles for it alone (_compiler.op_layer_library)."""
+    monkeypatch.setenv("MPS_EXT_CACHE_DIR", str(tmp_path))
+    x, gate = torch.randn(4, 64), torch.randn(4, 64)
+    want = x * torch.sigmoid(gate)
+
+    def libraries_built():
+        return sorted(sorted(k["name"] for k in json.loads(p.read_text())) for p in tmp_path.glob("*/*/kernels.json"))
+
+    with cpu_metal.math_mode(contract=False):
+        torch.testing.assert_close(torch.ops.mps_ext.sigmoid_gate(x, gate), want)
+    assert libraries_built() == [["sigmoid_gate_f32"]]
+    torch.testing.assert_close(torch.ops.mps_ext.sigmoid_gate(x, gate), want)
+    assert libraries_built() == [["sigmoid_gate_bf16", "sigmoid_gate_f16", "sigmoid_gate_f32"], ["sigmoid_gate_f32"]]
 
 
 def test_check_mode_passes_the_test_kernels():

@@ -16,22 +16,34 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_two_threads_making_their_first_calls_do_not_deadlock(tmp_path):
-    """Each thread's first call builds linear.metal for the executor (a fresh
-    cache directory, so the build runs Python and the compiler). The build
-    used to run under a lock taken while holding the GIL, and released the
-    GIL inside: the other thread then waited for the lock holding the GIL."""
+    """Each thread's first call builds attention_gate.metal for the executor
+    (a fresh cache directory, so the build runs Python and the compiler).
+    The build used to run under a lock taken while holding the GIL, and
+    released the GIL inside: the other thread then waited for the lock
+    holding the GIL. The build sleeps first, releasing the GIL as the
+    compiler's subprocesses do, so that the second call comes while the
+    first builds however fast the library builds. With the lock planted
+    back into executor/csrc/backend.cpp (taken after the GIL) the process
+    deadlocked, with and without the sleep; the test used to build
+    linear.metal for its window, two minutes of CI's run."""
     code = """
-import threading, torch, mps_ext, mps_ext_executor
+import threading, time, torch, mps_ext, mps_ext_executor
+from mps_ext_executor import _compiler
 mps_ext_executor.install()  # mps_ext runs kernels on CPU tensors through it
 mps_ext_executor._C._set_requested(True)  # on a Mac CPU tensors reach the executor only when asked
+build = _compiler.build
+def slow_build(*args, **kwargs):
+    time.sleep(2)
+    return build(*args, **kwargs)
+_compiler.build = slow_build
 def work():
-    torch.ops.mps_ext.linear(torch.randn(3, 512), torch.randn(700, 512), None)
+    torch.ops.mps_ext.sigmoid_gate(torch.randn(4, 64), torch.randn(4, 64))
 threads = [threading.Thread(target=work) for _ in range(2)]
 for t in threads: t.start()
 for t in threads: t.join()
-print(mps_ext.stats()["linear"]["ran"])
+print(mps_ext.stats()["attention_gate"]["ran"])
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
                        env={**os.environ, "MPS_EXT_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "2"
