@@ -360,11 +360,12 @@ SMALL_GPU, LARGE_GPU = cpu_metal.GPU(cores=8, family=7), cpu_metal.GPU(cores=80,
 GPUS = {op: (LARGE_GPU, SMALL_GPU) for op in ("linear", "scaled_mm", "grouped_mm", "moe")}
 # The kernels whose launch the GPU changes: those the host sizes by
 # target_threadgroups (csrc/dispatch/kernel_choice.h: decode_geometry, and
-# linear.cpp's split of gemv_cols). Every other launch is the same on each
-# GPU, so after the first GPU of GPUS a case runs again only if it reached
-# one of these (the conversions, prefill tiles, routing and DeltaNet cases
-# run once).
-FOLLOWS_THE_GPU = ("gemv_rows_", "gemv_cols_", "fp8_gemv_", "gmm_decode_rows_")
+# linear.cpp's split of gemv_cols; the norm-first variants take their GEMV's
+# geometry). Every other launch is the same on each GPU, so after the first
+# GPU of GPUS a case runs again only if it reached one of these (the
+# conversions, prefill tiles, routing and DeltaNet cases run once).
+FOLLOWS_THE_GPU = ("gemv_rows_", "gemv_cols_", "fp8_gemv_", "gmm_decode_rows_", "rms_norm_gemv_rows_",
+                   "add_rms_norm_gemv_rows_", "rms_norm_fp8_gemv_")
 
 
 @functools.lru_cache(maxsize=None)
