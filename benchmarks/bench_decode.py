@@ -458,7 +458,7 @@ def what_if(rows: list[Row]) -> tuple[str, list[dict]]:
                 row[label] = "-"
                 continue
             step = r.make(**kw)
-            row[label] = f"{_simulate(r.make, k, **kw).tokens_per_s:.1f} ({step_dispatches(step):.0f})"
+            row[label] = f"{timeline.simulate(step, k).tokens_per_s:.1f} ({step_dispatches(step):.0f})"
         out.append(row)
     if not out:
         return "(what-ifs are simulated on the optimized path: python -m benchmarks decode --optimize)", out
