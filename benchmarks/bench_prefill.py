@@ -29,15 +29,31 @@ from benchmarks.common import markdown  # noqa: E402
 DOC_LENGTH = 4096  # the length README's table and the plot show
 
 # Published prefill rates, one prompt (tok/s): (model, engine and weights, chip, prompt tokens, tok/s, source).
-# Only those of the census's models on an Ultra-class chip with the chip stated.
+# Only those of the census's models on an Ultra-class chip (M2 or M3 Ultra) whose chip, engine, weights, prompt
+# length and rate are all stated; GPU cores where the source says them. Their weights (Q8_0, 8-bit, 6-bit) differ
+# from ours (bf16, fp8).
 PEERS = [
     ("Qwen3-30B-A3B", "llama.cpp Q8_0", "M2 Ultra", 512, 2045.19, "ggml-org/llama.cpp PR 15616 (pp512)"),
     ("Qwen3-30B-A3B", "llama.cpp Q8_0", "M2 Ultra", 2048, 2272.56, "ggml-org/llama.cpp PR 15616 (pp2048)"),
     ("Qwen3-30B-A3B", "llama.cpp Q8_0", "M2 Ultra", 16384, 1022.81, "ggml-org/llama.cpp PR 15616 (pp16384)"),
+    # The oMLX maintainer's table (cache misses forced) on "Apple Silicon, 512 GB": his machine is an M3 Ultra
+    # (jundot/omlx issue 2204: "On my M3 Ultra ..."), and 512 GB is an M3 Ultra configuration.
+    ("Qwen3.6-35B-A3B", "mlx-lm 6-bit", "M3 Ultra (512 GB)", 16384, 2512.2,
+     "jundot/omlx issue 936 (pp16384, mlx-lm column; chip: issue 2204)"),
+    ("Qwen3.6-35B-A3B", "oMLX 6-bit", "M3 Ultra (512 GB)", 16384, 2469.9,
+     "jundot/omlx issue 936 (pp16384, oMLX cache-off column; chip: issue 2204)"),
+    ("Qwen3.6-35B-A3B", "oMLX 0.5.0.dev2 8-bit", "M2 Ultra 60-core", 1024, 1110.0,
+     "jundot/omlx issue 2132 (8-bit, 1k context; 862.9 tok/s on oMLX 0.4.4)"),
 ]
-PEERS_NOTE = ("No MLX prompt rate for these three models on an M2 or M3 Ultra with its chip stated was found in the "
-              "stored issues and pages (searched: MLX, mlx-lm, oMLX, Rapid-MLX); a peer's TTFT in the table above "
-              "is its prompt tokens over its rate at the nearest published length.")
+PEERS_NOTE = ("A peer's TTFT above is the table's prompt length over the rate it published at the length in its "
+              "prompt column (the plot does the same). Peers whose figures could not be read or whose chip is not "
+              "stated are left out: www.lilaclabs.ai/blog/2026/05/13/qwen-3-6-gemma-4-on-m3-ultra-mac-studio "
+              "(Qwen3.6-35B-A3B, MLX and llama.cpp, BF16/8-bit/4-bit, 4K-256K, M3 Ultra 60-core: the stored copy's "
+              "excerpts stop before its results), jundot/omlx issue 2155 (Qwen3.6-35B-A3B, oMLX, M3 Ultra 80-core: its "
+              "tables were not readable), nicedreamzapp/claude-code-local issue 31 (mlx_lm.benchmark, "
+              "Qwen3.6-35B-A3B 4-bit, 1,518 tok/s at 512 and 1,777 at 1024 tokens, on a \"M4 Studio Ultra 64GB\", "
+              "a chip that does not exist). No prompt rate for LFM2-8B-A1B or LFM2.5-8B-A1B on an Ultra chip, and "
+              "none from MLX for Qwen3-30B-A3B on one, was found in the stored issues and pages.")
 
 
 @dataclasses.dataclass
@@ -211,6 +227,18 @@ def peer_ttft(tok_s: float, tokens: int) -> float:
     return tokens / tok_s
 
 
+def nearest_peers(model: str, length: int) -> list[tuple]:
+    """`model`'s PEERS rows, one per engine and chip: the one published at
+    the prompt length nearest `length` (the longer on a tie)."""
+    best = {}
+    for p in PEERS:
+        if p[0] == model:
+            key, kept = (p[1], p[2]), best.get((p[1], p[2]))
+            if kept is None or (abs(p[3] - length), -p[3]) < (abs(kept[3] - length), -kept[3]):
+                best[key] = p
+    return list(best.values())
+
+
 def peers_table(rows: list[Row], length: int = DOC_LENGTH) -> str:
     """Per model at `length` (torch 2.15): stock and the optimized paths
     projected, the compute limit, and the published peers."""
@@ -229,7 +257,7 @@ def peers_table(rows: list[Row], length: int = DOC_LENGTH) -> str:
         for m, engine, chip, tokens, tok_s, source in PEERS:
             if m == model:
                 out.append({"model": model, "engine": f"{engine} (published)", "chip": chip, "prompt": tokens,
-                            "TTFT s": f"{peer_ttft(tok_s, tokens):.2f}", "prompt tok/s": f"{tok_s:,.0f}",
+                            "TTFT s": f"{peer_ttft(tok_s, length):.2f}", "prompt tok/s": f"{tok_s:,.0f}",
                             "source": source})
     return markdown(out, list(out[0]))
 
@@ -251,7 +279,7 @@ def readme_table(rows: list[Row]) -> str:
 def chart_bars(rows: list[Row], length: int = DOC_LENGTH) -> list[dict]:
     """The prefill plot's bars (plot.prefill_chart): per model at `length`,
     torch 2.15 stock and the optimized paths (projected, with ranges), the
-    peers (their TTFT at the rate of their nearest published length), the
+    peers (each engine and chip: its TTFT at the rate of its nearest published length), the
     compute limit (a line)."""
     out = []
     for model in dict.fromkeys(r.model for r in rows):
@@ -261,12 +289,9 @@ def chart_bars(rows: list[Row], length: int = DOC_LENGTH) -> list[dict]:
             out.append({"model": model, "series": f"torch 2.15, {r.who} (projected)",
                         "kind": "stock" if r.who == STOCK else "ours",
                         "low": lo, "central": mid, "high": hi})
-        published = [p for p in PEERS if p[0] == model]
-        nearest = min((p[3] for p in published), key=lambda n: abs(n - length), default=None)
-        for m, engine, chip, tokens, tok_s, _ in published:
-            if tokens == nearest:
-                out.append({"model": model, "series": f"{engine}, {chip} (published pp{tokens} rate)", "kind": "peer",
-                            "central": peer_ttft(tok_s, length)})
+        for m, engine, chip, tokens, tok_s, _ in nearest_peers(model, length):
+            out.append({"model": model, "series": f"{engine}, {chip} (published pp{tokens} rate)", "kind": "peer",
+                        "central": peer_ttft(tok_s, length)})
         if mine:
             out.append({"model": model, "series": "compute limit (bf16 FLOPs at peak)", "kind": "limit",
                         "central": mine[0].projection.limit_s})

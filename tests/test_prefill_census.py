@@ -111,3 +111,20 @@ def test_a_releases_own_kernel_costs_its_op_on_that_release_only():
     assert prefill.efficiency(c.name)[0] == pytest.approx(c.torch / c.steel * prefill._MLX_STEEL)
     assert prefill.efficiency("torch _grouped_mm")[0] == prefill._TORCH_MATMUL.value
     assert prefill.part_kernels([call], "2.15") == {"experts": c.name}
+
+
+
+def test_the_prefill_plot_shows_each_peer_once_at_its_nearest_published_length(monkeypatch):
+    from types import SimpleNamespace
+
+    from benchmarks import bench_prefill
+    peers = [("M", "engine a", "chip x", 512, 1000.0, "s"), ("M", "engine a", "chip x", 2048, 2000.0, "s"),
+             ("M", "engine a", "chip y", 16384, 4000.0, "s"), ("M", "engine b", "chip x", 1024, 500.0, "s"),
+             ("M", "engine b", "chip x", 8192, 800.0, "s"), ("other", "engine a", "chip x", 4096, 9.0, "s")]
+    monkeypatch.setattr(bench_prefill, "PEERS", peers)
+    ours = SimpleNamespace(model="M", length=4096, release="2.15", who=bench_prefill.OPTIMIZED, ttft=(1.0, 1.2, 2.0),
+                           projection=SimpleNamespace(limit_s=0.8))
+    bars = {b["series"]: b["central"] for b in bench_prefill.chart_bars([ours], 4096) if b["kind"] == "peer"}
+    assert bars == {"engine a, chip x (published pp2048 rate)": 4096 / 2000.0,
+                    "engine a, chip y (published pp16384 rate)": 4096 / 4000.0,
+                    "engine b, chip x (published pp1024 rate)": 4096 / 500.0}
