@@ -77,7 +77,7 @@ def test_swapped_attention_matches_the_model_without_it(figures, monkeypatch, na
         # The output gate's sigmoid in float32 is not torch's CPU one in the last bit (its exp:
         # test_gate_and_cache_append_change_no_bit): the model's gate line here, to see qk_norm_rope's bits.
         monkeypatch.setattr(fused_attention, "_KERNELS", fused_attention._KERNELS._replace(
-            gate=fused_attention.sigmoid_gate_reference, attend=None))
+            gate=fused_attention.sigmoid_gate_reference, attend=None, gate_out=None))
     with run_model(RELEASE) as report:
         ours = prefill_and_decode(model, prompt, step)
     with run_model(RELEASE) as theirs_report:
@@ -124,11 +124,11 @@ def test_cpu_tensors_without_the_executor_run_the_models_steps(monkeypatch):
 # (layer kind, the norm and rotary calls qk_norm_rope stands for, the calls
 # sigmoid_gate and the cache append save: DynamicCache's 2 torch.cat become
 # none, the append being in qk_norm_rope's call (qk_norm_rope_append);
-# Qwen3.6's output gate, a copy of the strided gate, sigmoid and mul, 1
-# sigmoid_gate)
+# Qwen3.6's output gate, a copy of the strided gate, sigmoid and mul, and
+# o_proj's linear: 1 sigmoid_gate_linear)
 CENSUS = {"Qwen3-30B-A3B": ("full_attention+moe", 12, 2),
           # partial rotary: a cat more for q and for k
-          "Qwen3.6-35B-A3B": ("full_attention+moe", 14, 2 + 2),
+          "Qwen3.6-35B-A3B": ("full_attention+moe", 14, 2 + 3),
           "LFM2.5-8B-A1B": ("full_attention+moe", 12, 2)}
 
 
@@ -352,15 +352,18 @@ def test_gate_and_cache_append_change_no_bit(monkeypatch, name, kind):
     same cache, after crop(-3) where the cache crops (Qwen3-MoE's; the
     hybrid caches of Qwen3.5-MoE and LFM2-MoE crop only after
     activate_past_recording):
-    the logits of the optimized model with sigmoid_gate and the cache append
-    (qk_norm_rope_append) equal
+    the logits of the optimized model with sigmoid_gate (at a decode step
+    in o_proj's GEMV, sigmoid_gate_linear, but with fp8 weights) and the
+    cache append (qk_norm_rope_append) equal
     those of the same model with the model's gate line and
     DynamicCache.update, bit for bit (float32 with an output gate: within
     float32's rounding, the exp of sigmoid being the C library's, not
     torch's SLEEF one); the caches hold the same keys and values, as
     transformers sees them, the layers' own DynamicLayer (views of buffers
     with room to grow); one qk_norm_rope_append per attention layer and
-    forward, one sigmoid_gate per gated layer and forward, no torch.cat."""
+    forward, one sigmoid_gate per gated layer and prefill (and decode step,
+    with fp8 weights) and one sigmoid_gate_linear per gated layer and
+    decode step (none with fp8 weights), no torch.cat."""
     layers = ATTENTION[name][0]
     model, dtype = gated_and_cached(monkeypatch, name, kind)
     assert attention_layers(model) == layers
@@ -379,7 +382,11 @@ def test_gate_and_cache_append_change_no_bit(monkeypatch, name, kind):
     # every append in the norm and rotary dispatch (qk_norm_rope_append), none on its own (kv_append)
     assert ran(report, "mps_ext::qk_norm_rope_append") == forwards * len(layers)
     assert not ran(report, "mps_ext::kv_append")
-    assert ran(report, "mps_ext::sigmoid_gate") == forwards * gated
+    prefills = 2  # the two prompts; the rest decode steps (one token)
+    in_gemv = (forwards - prefills) * gated if kind != "fp8" else 0  # (o_proj an FP8Linear: sigmoid_gate)
+    assert ran(report, "mps_ext::sigmoid_gate") == forwards * gated - in_gemv
+    assert ran(report, "mps_ext::sigmoid_gate_linear") == in_gemv
+    assert not ran(theirs_report, "mps_ext::sigmoid_gate_linear")
     assert not ran(theirs_report, "mps_ext::kv_append") and not ran(theirs_report, "mps_ext::sigmoid_gate")
     assert not ran(theirs_report, "mps_ext::qk_norm_rope_append")
     assert ours_len == theirs_len == PROMPT + 10
@@ -438,11 +445,52 @@ def test_cache_append_in_the_rope_dispatch_changes_no_bit(monkeypatch, name, kin
     assert unfused[4] == {"qk_norm_rope_append": 0, "qk_norm_rope": calls, "kv_append": calls}
 
 
+# The kernels' path before the output gate joined o_proj's GEMV: sigmoid_gate, then o_proj's linear.
+_GATE_APART = fused_attention._KERNELS._replace(gate_out=None)
+
+
+@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16", "fp8"])
+def test_gate_in_the_output_gemv_changes_no_bit(monkeypatch, kind):
+    """sigmoid_gate_linear against the two dispatches it replaces
+    (sigmoid_gate, then o_proj's GEMV), on the executor, the whole tiny
+    Qwen3.5-MoE: the logits of decode_twice (prefills of 5 and 3 tokens,
+    14 decode steps) and greedy generate's tokens, bit for bit; one
+    sigmoid_gate_linear per gated layer and decode step and a sigmoid_gate
+    per prefill, against a sigmoid_gate every forward. With fp8 weights
+    o_proj is an FP8Linear, which the op does not take: the same calls
+    both ways."""
+    name = "qwen3_5_moe"
+    gated = ATTENTION[name][0]
+    layers = len(gated)
+    if kind == "float16":
+        model = mps_ext.optimize(make(name, torch.float16, **HEAD.get(name, {})))
+    else:
+        model = gated_and_cached(monkeypatch, name, kind)[0]
+    ops = ("sigmoid_gate_linear", "sigmoid_gate")
+    runs = {}
+    for label, kernels in (("fused", fused_attention._KERNELS), ("unfused", _GATE_APART)):
+        with monkeypatch.context() as m:
+            m.setattr(fused_attention, "_KERNELS", kernels)
+            with run_model(RELEASE) as report:
+                first, second, _, _ = decode_twice(model, name)
+            with run_model(RELEASE):
+                tokens = model.generate(ids(), max_new_tokens=6, do_sample=False)
+        runs[label] = (first, second, tokens, {op: ran(report, f"mps_ext::{op}") for op in ops})
+    fused, unfused = runs["fused"], runs["unfused"]
+    assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
+    assert torch.equal(fused[2], unfused[2])
+    forwards, decodes = 11 + 5, 10 + 4
+    in_gemv = 0 if kind == "fp8" else decodes * layers
+    assert fused[3] == {"sigmoid_gate_linear": in_gemv, "sigmoid_gate": forwards * layers - in_gemv}
+    assert unfused[3] == {"sigmoid_gate_linear": 0, "sigmoid_gate": forwards * layers}
+
+
 def test_no_cat_clone_sigmoid_or_mul_left(monkeypatch):
     """The aten calls of a gated attention layer's decode step (Qwen3.6's,
     in the census's trace): one qk_norm_rope_append (the cache append in
-    the norm and rotary call) and one sigmoid_gate, no kv_append, clone,
-    cat, sigmoid or mul; without the two changes, all of them."""
+    the norm and rotary call) and one sigmoid_gate_linear (the output gate
+    in o_proj's GEMV), no kv_append, sigmoid_gate, clone, cat, sigmoid or
+    mul; without the changes, all of them."""
     from benchmarks import census
     tiny = census.tiny_model(census.MODELS["Qwen3.6-35B-A3B"])
 
@@ -455,15 +503,17 @@ def test_no_cat_clone_sigmoid_or_mul_left(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(fused_attention, "_KERNELS", _APART)
         theirs = ops(tiny)
-    assert ours.count("qk_norm_rope_append") == 1 and ours.count("sigmoid_gate") == 1
-    assert not {"kv_append", "qk_norm_rope", "clone", "cat", "sigmoid", "mul", "copy_"} & set(ours), ours
+    assert ours.count("qk_norm_rope_append") == 1 and ours.count("sigmoid_gate_linear") == 1
+    assert not {"kv_append", "qk_norm_rope", "sigmoid_gate", "clone", "cat", "sigmoid", "mul", "copy_"} & set(ours), ours
     assert theirs.count("cat") == 2 and {"clone", "sigmoid", "mul"} <= set(theirs), theirs
 
 
 @mps_ext_executor.request()  # traced inside request(): the kernels' path, the one a Mac takes
 def test_compiled_gate_and_cache(monkeypatch):
     """Compiled (fullgraph): the model's own gate line and cache update in
-    the graph (no sigmoid_gate, no kv_append or qk_norm_rope_append), the
+    the graph (no sigmoid_gate, no kv_append or qk_norm_rope_append) but at
+    a decode step the gate in o_proj's GEMV (sigmoid_gate_linear, as
+    eager: the decode attention and o_proj around it are mps_ext's), the
     eager model's logits."""
     from test_fp8_flows import Float8Inspector
     monkeypatch.setattr(fused_attention, "KV_STEP", GROWTH)
@@ -474,6 +524,7 @@ def test_compiled_gate_and_cache(monkeypatch):
     inspector = Float8Inspector()
     got, _ = greedy(torch.compile(model, backend=inspector.backend, fullgraph=True), prompt, 5)
     assert not {"sigmoid_gate", "kv_append", "qk_norm_rope_append"} & set(inspector.mps_ext_ops)
+    assert "sigmoid_gate_linear" in inspector.mps_ext_ops
     torch.testing.assert_close(got, want)
 
 
