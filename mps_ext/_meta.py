@@ -1,6 +1,7 @@
 """Meta kernels (shapes and dtypes) of the torch.ops.mps_ext ops that do not
 take the aten op's own: the families' own ops (no aten op; _C.family_own_ops
-lists them: linear's rms_norm_linear and sigmoid_gate_linear, scaled_mm's fp8_linear and rms_norm_fp8_linear, moe's moe_route, moe_experts,
+lists them: linear's rms_norm_linear and sigmoid_gate_linear, scaled_mm's fp8_linear and rms_norm_fp8_linear,
+moe's moe_route, moe_experts,
 moe_combine, moe_layer and add_rms_norm_moe_layer, norm's rms_norm, add_rms_norm, qk_norm_rope and qk_norm_rope_append,
 attention_gate's sigmoid_gate, kv_cache's kv_append and kv_decode_attention, linear_attention's
 linear_attention_decode and linear_attention_chunk, short_conv's short_conv_decode), fp8_grouped_linear

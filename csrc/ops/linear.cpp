@@ -145,7 +145,7 @@ void run(const Problem& pr) {
     return a;
   };
   TORCH_CHECK(!(cols && (pr.norm || pr.gated)), "mps_ext rms_norm_linear, sigmoid_gate_linear: the weight must be "
-              "contiguous along K");
+                                                "contiguous along K");
   if (cols) {
     const bool vec = aligned16(pr.w, p.w_k_stride);
     const int64_t blocks = ceil_div(n, decode_cols_columns(vec, itemsize));
@@ -174,13 +174,14 @@ void run(const Problem& pr) {
   }
   // (Gated: the rows staged in threadgroup memory, 16-byte aligned, as the
   // fresh output of sigmoid_gate that gemv_rows would read.)
-  const bool x_vec = pr.gated ? rows == 1 || (p.k * itemsize) % 16 == 0 : aligned16(pr.x, rows > 1 ? p.x_row_stride : 0);
+  const bool x_vec =
+      pr.gated ? rows == 1 || (p.k * itemsize) % 16 == 0 : aligned16(pr.x, rows > 1 ? p.x_row_stride : 0);
   const bool vec = p.w_k_stride == 1 && p.x_k_stride == 1 && aligned16(pr.w, p.w_n_stride) && x_vec;
   // The same variant and geometry with the norm as without (the sums' order
   // is the variant's): rms_norm_gemv_rows is bit for bit rms_norm, then this.
   DecodeGeometry g = decode_geometry(gpu, n, 1, 2, false, rows);
-  const char* family = pr.gated                       ? "sigmoid_gate_gemv_rows_"
-                       : !pr.norm                      ? "gemv_rows_"
+  const char* family = pr.gated                      ? "sigmoid_gate_gemv_rows_"
+                       : !pr.norm                    ? "gemv_rows_"
                        : pr.norm->residual.defined() ? "add_rms_norm_gemv_rows_"
                                                      : "rms_norm_gemv_rows_";
   const std::string kernel = std::string(family) + type + "_r" + std::to_string(variant) + "_q" +
@@ -331,6 +332,22 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::
 // ----------------------------------------------------- rms_norm_linear --
 namespace {
 
+// The GEMV of rows a kernel stages itself (x_rows: [rows, K], their shape)
+// into y [..., N], with the bias if any.
+Problem staged_problem(const at::Tensor& x_rows, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                       const at::Tensor& y) {
+  const int64_t rows = x_rows.size(0), n = weight.size(0);
+  Problem pr;
+  pr.x = x_rows;
+  pr.w = weight;
+  pr.y = y.view({rows, n});
+  if (bias && bias->defined()) {
+    pr.bias = bias->expand({rows, n});
+    pr.beta = 1;
+  }
+  return pr;
+}
+
 // The norm of x's rows (of x + residual's, with one) and F.linear of the
 // normed rows, one dispatch of rms_norm_gemv_rows (add_rms_norm_gemv_rows)
 // into normed, y and the sums: true; false, with nothing launched, where the
@@ -343,14 +360,7 @@ bool norm_gemv(const char* op, const at::Tensor& x, const at::Tensor* residual, 
   const int64_t k = x.size(-1), n = weight.size(0), rows = leading_rows(x);
   if (!gemv_norms_rows(rows, k, x.itemsize()) || n == 0) return false;
   const NormedRows norm = normed_rows(op, x, norm_weight, normed, eps, zero_centred, residual, sum);
-  Problem pr;
-  pr.x = norm.normed;  // what the GEMV reads, as the kernel keeps it: rows of K
-  pr.w = weight;
-  pr.y = y.view({rows, n});
-  if (bias && bias->defined()) {
-    pr.bias = bias->expand({rows, n});
-    pr.beta = 1;
-  }
+  Problem pr = staged_problem(norm.normed, weight, bias, y);  // (normed: the rows as the kernel keeps them)
   pr.norm = &norm;
   run(pr);
   return true;
@@ -448,10 +458,11 @@ void check_gate_linear(const at::Tensor& x, const at::Tensor& gate, const at::Te
   check_float(x, op, "x");
   TORCH_CHECK(x.dim() >= 1, "mps_ext sigmoid_gate_linear: x must have a last dimension, got a 0-d tensor");
   TORCH_CHECK(gate.scalar_type() == x.scalar_type() && gate.device() == x.device(),
-              "mps_ext sigmoid_gate_linear: gate must be x's dtype and device (", x.scalar_type(), " on ",
-              x.device(), "), got ", gate.scalar_type(), " on ", gate.device());
+              "mps_ext sigmoid_gate_linear: gate must be x's dtype and device (", x.scalar_type(), " on ", x.device(),
+              "), got ", gate.scalar_type(), " on ", gate.device());
   const bool same = gate.sizes() == x.sizes();
-  const bool split = gate.dim() == x.dim() + 1 && gate.sizes().slice(0, x.dim() - 1) == x.sizes().slice(0, x.dim() - 1) &&
+  const bool split = gate.dim() == x.dim() + 1 &&
+                     gate.sizes().slice(0, x.dim() - 1) == x.sizes().slice(0, x.dim() - 1) &&
                      gate.size(-2) * gate.size(-1) == x.size(-1);
   TORCH_CHECK(same || split, "mps_ext sigmoid_gate_linear: gate must be x's shape ", x.sizes(),
               ", or it with the last dimension split in (heads, head_dim), got ", gate.sizes());
@@ -493,14 +504,7 @@ at::Tensor sigmoid_gate_linear(const at::Tensor& x, const at::Tensor& gate, cons
   gp.rows = static_cast<uint32_t>(rows);
   gp.n = static_cast<uint32_t>(k);
   gp.x_row_stride = static_cast<uint32_t>(rows > 1 ? x_row_stride : k);
-  Problem pr;
-  pr.x = g.x.as_strided({rows, k}, {x_row_stride, 1});  // (the staged rows' shape: the kernel reads `gated`)
-  pr.w = weight;
-  pr.y = y.view({rows, n});
-  if (bias && bias->defined()) {
-    pr.bias = bias->expand({rows, n});
-    pr.beta = 1;
-  }
+  Problem pr = staged_problem(g.x.as_strided({rows, k}, {x_row_stride, 1}), weight, bias, y);
   pr.gated = &g;
   run(pr);
   return y;

@@ -408,6 +408,23 @@ def test_gate_and_cache_append_change_no_bit(monkeypatch, name, kind):
         )
 
 
+def fused_and_unfused(monkeypatch, model, name, unfused_ops, ops):
+    """(fused, unfused): the model run with _KERNELS, then with
+    `unfused_ops`, each (decode_twice's first and second logits, the
+    cache's keys and values, greedy generate's 6 tokens, {op: calls of
+    mps_ext's `op` that ran in decode_twice} for `ops`)."""
+    runs = []
+    for kernels in (fused_attention._KERNELS, unfused_ops):
+        with monkeypatch.context() as m:
+            m.setattr(fused_attention, "_KERNELS", kernels)
+            with run_model(RELEASE) as report:
+                first, second, _, cache = decode_twice(model, name)
+            with run_model(RELEASE):
+                tokens = model.generate(ids(), max_new_tokens=6, do_sample=False)
+        runs.append((first, second, cache_contents(cache), tokens, {op: ran(report, f"mps_ext::{op}") for op in ops}))
+    return runs
+
+
 # The kernels' path before the cache append joined the norm and rotary
 # dispatch: qk_norm_rope, then kv_append.
 _UNFUSED = fused_attention._KERNELS._replace(qk_append=None)
@@ -428,17 +445,8 @@ def test_cache_append_in_the_rope_dispatch_changes_no_bit(monkeypatch, name, kin
         model = mps_ext.optimize(make(name, torch.float16, **HEAD.get(name, {})))
     else:
         model = gated_and_cached(monkeypatch, name, kind)[0]
-    ops = ("qk_norm_rope_append", "qk_norm_rope", "kv_append")
-    runs = {}
-    for label, kernels in (("fused", fused_attention._KERNELS), ("unfused", _UNFUSED)):
-        with monkeypatch.context() as m:
-            m.setattr(fused_attention, "_KERNELS", kernels)
-            with run_model(RELEASE) as report:
-                first, second, _, cache = decode_twice(model, name)
-            with run_model(RELEASE):
-                tokens = model.generate(ids(), max_new_tokens=6, do_sample=False)
-        runs[label] = (first, second, cache_contents(cache), tokens, {op: ran(report, f"mps_ext::{op}") for op in ops})
-    fused, unfused = runs["fused"], runs["unfused"]
+    fused, unfused = fused_and_unfused(monkeypatch, model, name, _UNFUSED,
+                                       ("qk_norm_rope_append", "qk_norm_rope", "kv_append"))
     assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
     for (k, v), (uk, uv) in zip(fused[2], unfused[2], strict=True):
         assert torch.equal(k, uk) and torch.equal(v, uv)
@@ -480,23 +488,13 @@ def test_gate_in_the_output_gemv_changes_no_bit(monkeypatch, kind):
         model = mps_ext.optimize(make(name, torch.float16, **HEAD.get(name, {})))
     else:
         model = gated_and_cached(monkeypatch, name, kind)[0]
-    ops = ("sigmoid_gate_linear", "sigmoid_gate")
-    runs = {}
-    for label, kernels in (("fused", fused_attention._KERNELS), ("unfused", _GATE_APART)):
-        with monkeypatch.context() as m:
-            m.setattr(fused_attention, "_KERNELS", kernels)
-            with run_model(RELEASE) as report:
-                first, second, _, _ = decode_twice(model, name)
-            with run_model(RELEASE):
-                tokens = model.generate(ids(), max_new_tokens=6, do_sample=False)
-        runs[label] = (first, second, tokens, {op: ran(report, f"mps_ext::{op}") for op in ops})
-    fused, unfused = runs["fused"], runs["unfused"]
+    fused, unfused = fused_and_unfused(monkeypatch, model, name, _GATE_APART, ("sigmoid_gate_linear", "sigmoid_gate"))
     assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
-    assert torch.equal(fused[2], unfused[2])
+    assert torch.equal(fused[3], unfused[3])
     forwards = 11 + 5
     in_gemv = 0 if kind == "fp8" else gates_in_gemv(model, dtype=next(model.parameters()).dtype) * layers
-    assert fused[3] == {"sigmoid_gate_linear": in_gemv, "sigmoid_gate": forwards * layers - in_gemv}
-    assert unfused[3] == {"sigmoid_gate_linear": 0, "sigmoid_gate": forwards * layers}
+    assert fused[4] == {"sigmoid_gate_linear": in_gemv, "sigmoid_gate": forwards * layers - in_gemv}
+    assert unfused[4] == {"sigmoid_gate_linear": 0, "sigmoid_gate": forwards * layers}
 
 
 def test_no_cat_clone_sigmoid_or_mul_left(monkeypatch):
@@ -518,7 +516,8 @@ def test_no_cat_clone_sigmoid_or_mul_left(monkeypatch):
         m.setattr(fused_attention, "_KERNELS", _APART)
         theirs = ops(tiny)
     assert ours.count("qk_norm_rope_append") == 1 and ours.count("sigmoid_gate_linear") == 1
-    assert not {"kv_append", "qk_norm_rope", "sigmoid_gate", "clone", "cat", "sigmoid", "mul", "copy_"} & set(ours), ours
+    left = {"kv_append", "qk_norm_rope", "sigmoid_gate", "clone", "cat", "sigmoid", "mul", "copy_"} & set(ours)
+    assert not left, ours
     assert theirs.count("cat") == 2 and {"clone", "sigmoid", "mul"} <= set(theirs), theirs
 
 

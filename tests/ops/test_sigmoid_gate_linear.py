@@ -13,28 +13,11 @@ import math
 import pytest
 import torch
 
-import mps_ext
 from host_names import host_names
 import mps_ext_executor as cpu_metal
+from test_rms_norm_linear import DEVICES, DTYPES, RQ, SHORT, aligned, randn  # (its variants are this op's)
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-DEVICES = ["executor"] + ([pytest.param("mps", marks=pytest.mark.mac)] if mps_ext.is_available() else [])
 X, W, GATE = 1, 2, 5  # buffer indices of sigmoid_gate_gemv_rows
-# (rows, outputs per simdgroup) of the variants, as test_linear.py's GEMV_ROWS_RQ.
-RQ = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (8, 2)]
-
-
-def randn(*shape, dtype, seed, scale=1.0):
-    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
-
-
-def aligned(rows, cols, dtype, vec, seed, scale=1.0):
-    """[rows, cols] whose rows start 16-byte aligned (vec) or one element off."""
-    step = (cols + 15) // 16 * 16 + 16
-    base = randn(rows * step + 16, dtype=dtype, seed=seed, scale=scale)
-    start = 0 if vec else 1
-    return base[start:start + rows * step].view(rows, step)[:, :cols]
 
 
 def attention_output(lead, heads, d, dtype, seed):
