@@ -596,7 +596,9 @@ def softmax_elements_a_thread(k):
 
 # Divisions per thread allowed beyond 0 (32-bit integer, float), each with
 # what they are: a fixed number per thread, none in a loop over the problem.
-GATE_GEMV_SIGMOIDS = 64  # (DIVISIONS) 4096 / 64 threads
+# (DIVISIONS) Qwen3.6's 4096-element row over the 80-core GPU's 96 threads a threadgroup (3 simdgroups of
+# 2 outputs: decode_geometry for N = 2048), ceil(4096 / 96); 8 on the 8-core's 512
+GATE_GEMV_SIGMOIDS = 43
 
 DIVISIONS: dict[str, tuple[int, int]] = {
     # decode attention: a simdgroup's query head and stream (sg % gqa, sg / gqa), and one block's 1 / l, once a
@@ -640,10 +642,11 @@ DIVISIONS: dict[str, tuple[int, int]] = {
     # add_rms_norm_gemv_rows: the same, with the residual added first
     **{k: (0, 2) for k in ADD_RMS_GEMV_ROWS},
     # sigmoid_gate_gemv_rows: where a thread's first staged element and its step fall in a head (two
-    # divisions, once a thread), and torch's sigmoid, 1 / (1 + exp(-g)), for each element of the gated
-    # rows a thread stages: rows * K / threads, by every threadgroup (the GEMV's work a thread is K * N /
-    # (threads * threadgroups) multiply-adds, far more); at the measured case, Qwen3.6's 4096-element row
-    **{k: (2, GATE_GEMV_SIGMOIDS) for k in GATE_GEMV_ROWS},
+    # divisions, once a thread; the compiled kernel has a third, once a thread too: measured 3 at both
+    # GPUs' geometries, the same at any K), and torch's sigmoid, 1 / (1 + exp(-g)), for each element of
+    # the gated rows a thread stages: rows * K / threads, by every threadgroup (the GEMV's work a thread
+    # is K * N / (threads * threadgroups) multiply-adds, far more); GATE_GEMV_SIGMOIDS at the measured case
+    **{k: (3, GATE_GEMV_SIGMOIDS) for k in GATE_GEMV_ROWS},
 }
 
 
