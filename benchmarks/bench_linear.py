@@ -8,7 +8,8 @@ stored [K, N] (gemv_cols) at the shapes below the vocabulary size; fp32 at
 an MoE expert's shapes, and a weight 16-byte misaligned (the element-load
 kernels) at the MoE router's and an expert's (2 outputs per simdgroup). --quick leaves out the vocabulary-sized shapes and the 4096 x 14336
 ones. rms_norm_linear (the input norm in the GEMV that reads it) at the
-decoder layers' fused projections of Qwen3.6 and LFM2.5 (NORMED_SHAPES). On a Mac, each timed call starts with the weight out of the
+decoder layers' fused projections of Qwen3.6 and LFM2.5 (NORMED_SHAPES); sigmoid_gate_linear (the
+attention's output gate in its o_proj's GEMV) at Qwen3.6's (GATED_SHAPES). On a Mac, each timed call starts with the weight out of the
 system-level cache (common.mac_times).
 
 Prefill (PREFILL): F.linear past 8 rows in fp16 and bf16 (gmm_tiled_dense, a 64 x 64 tile a threadgroup), measured
@@ -147,6 +148,35 @@ def prepare_normed(k, n, variant, dtype) -> Prepared:
                     dram_bytes=lambda stats: dram_bytes(stats, x))
 
 
+# An attention layer's output gate in the GEMV of its o_proj
+# (torch.ops.mps_ext.sigmoid_gate_linear: mps_ext.optimize's gated attention
+# at decode): (heads, head_dim, N, model), bf16, one row. Its minimum is the
+# linear's plus the gate's read (x's bytes again).
+GATED_SHAPES = [(16, 256, 2048, "Qwen3.6-35B-A3B attention o_proj")]
+
+
+def prepare_gated(heads, d, n, dtype) -> Prepared:
+    k = heads * d
+    w = (torch.randn(n, k) * k ** -0.5).to(dtype)
+    x = torch.randn(1, k).to(dtype)
+    gate = torch.chunk((torch.randn(1, heads, 2 * d) * 3).to(dtype), 2, dim=-1)[1]  # q_proj's second halves
+    minimum = w.nbytes + 2 * x.nbytes + n * w.element_size()
+
+    def run():
+        return torch.ops.mps_ext.sigmoid_gate_linear(x, gate, w, None)
+
+    def mac():
+        wm, xm, gm = w.to("mps"), x.to("mps"), gate.to("mps")
+        return (lambda: torch.nn.functional.linear(xm * torch.sigmoid(gm.reshape(xm.shape)), wm),
+                lambda: torch.ops.mps_ext.sigmoid_gate_linear(xm, gm, wm, None))
+
+    def moved(stats):  # x and the gate once (dram_bytes: every threadgroup reads them from the caches)
+        d = stats[0]
+        return dram_bytes(stats, x) - d.bytes_read[d.buffer("gate")] + x.nbytes
+
+    return Prepared(run, minimum, mac, lambda stats: weight_columns(stats, w, x), dram_bytes=moved)
+
+
 def cases(size: str) -> list[Case]:
     plan = []  # (k, n, model, dtypes, layouts, misaligned)
     if size == "tiny":
@@ -184,6 +214,11 @@ def cases(size: str) -> list[Case]:
                   "dtype": "bfloat16", "rows": "1"}
         out.append(Case("linear", f"rms_norm_linear {k}->{n} {variant} bfloat16 rows=1", labels,
                         lambda a=(k, n, variant, torch.bfloat16): prepare_normed(*a)))
+    for heads, d, n, model in GATED_SHAPES if size != "tiny" else [(2, 64, 128, "tiny")]:
+        labels = {"K->N": f"{heads * d}->{n}", "layer": f"{model}, with its output gate", "weight": "[N,K]",
+                  "dtype": "bfloat16", "rows": "1"}
+        out.append(Case("linear", f"sigmoid_gate_linear {heads * d}->{n} bfloat16 rows=1", labels,
+                        lambda a=(heads, d, n, torch.bfloat16): prepare_gated(*a)))
     return out
 
 

@@ -336,7 +336,7 @@ def _attended_pairs(func, args, kwargs) -> int:
 def matrix_flops(func, args, kwargs) -> int:
     """FLOPs (a multiply-add is 2) of a call whose work is matrix
     products, what simdgroup-matrix units run on a Mac: linear (and
-    rms_norm_linear's), mm, addmm,
+    rms_norm_linear's and sigmoid_gate_linear's), mm, addmm,
     bmm, baddbmm, _grouped_mm (its rows), SDPA (QK^T and PV over the pairs
     it attends, _attended_pairs) and a unitriangular solve (C(C-1) per
     right-hand column), and mps_ext's chunked delta rule
@@ -345,8 +345,10 @@ def matrix_flops(func, args, kwargs) -> int:
     counts it); 0 for any other call (pointwise ops, reductions,
     depthwise convolutions: bandwidth work, in the bytes)."""
     name = func._schema.name.split("::")[1]
-    if name in ("linear", "rms_norm_linear"):  # (rms_norm_linear: the norm, then F.linear of its weight, args[4])
-        x, w = args[0], args[1 if name == "linear" else 4]
+    if name in ("linear", "rms_norm_linear", "sigmoid_gate_linear"):
+        # (rms_norm_linear: the norm, then F.linear of its weight, args[4]; sigmoid_gate_linear: the output
+        # gate, then F.linear of args[2])
+        x, w = args[0], args[{"linear": 1, "rms_norm_linear": 4, "sigmoid_gate_linear": 2}[name]]
         return 2 * x.numel() // x.shape[-1] * w.shape[0] * w.shape[1]
     if name in ("mm", "bmm"):
         a, b = args[0], args[1]

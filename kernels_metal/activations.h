@@ -11,6 +11,16 @@
 // torch.sigmoid's formula: 1 / (1 + exp(-x)).
 MPS_EXT_INLINE float sigmoid(float x) { return 1.0f / (1.0f + metal::precise::exp(-x)); }
 
+// An attention layer's output gate, x * torch.sigmoid(gate), rounded where
+// torch rounds it: the sigmoid to T, then the product of two T in float32
+// to T (attention_gate.metal's sigmoid_gate; linear.metal's
+// sigmoid_gate_gemv_rows, which must give the same bits).
+template <typename T>
+MPS_EXT_INLINE T sigmoid_gated(T x, T gate) {
+  const T s = T(sigmoid(float(gate)));
+  return T(float(x) * float(s));
+}
+
 // F.silu's: x / (1 + exp(-x)).
 MPS_EXT_INLINE float silu(float x) { return x / (1.0f + metal::precise::exp(-x)); }
 

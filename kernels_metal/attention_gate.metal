@@ -24,8 +24,7 @@ kernel void sigmoid_gate(device T* out [[buffer(0)]],
   const uint col = group.x * threads2.x + tid2.x;
   if (col >= p.n) return;
   const uint row = group.y;
-  const T s = T(sigmoid(float(gate[row * p.gate_row_stride + col])));
-  out[row * p.n + col] = T(float(x[row * p.n + col]) * float(s));
+  out[row * p.n + col] = sigmoid_gated<T>(x[row * p.n + col], gate[row * p.gate_row_stride + col]);
 }
 
 // clang-format off

@@ -18,7 +18,9 @@
 #include <metal_stdlib>
 #include "decode.h"
 #include "linear_params.h"
+#include "attention_gate_params.h"
 #include "pieces.h"
+#include "activations.h"
 using namespace metal;
 #include "rms_norm.h"
 
@@ -66,8 +68,9 @@ struct GemvInOut {
 };
 
 // gemv_rows: weight row n of output n, Q of them from the simdgroup's first.
-// NORMED (rms_norm_gemv_rows): the activation rows are `normed`, rows of K
-// in threadgroup memory (DecodeRowLoads below), not x.
+// NORMED (rms_norm_gemv_rows, sigmoid_gate_gemv_rows): the activation rows
+// are `normed`, rows of K the kernel staged in threadgroup memory
+// (DecodeRowLoads below), not x.
 template <typename T, int Q, bool NORMED = false>
 struct GemvJob {
   enum { BLOCK_SCALED = 0, BUDGET = 24, TILE_BYTES = NORMED ? RMS_GEMV_TILE_BYTES : DECODE_TILE_BYTES };
@@ -181,6 +184,67 @@ kernel void rms_norm_gemv_rows(device T* y [[buffer(0)]],
   decode_rows<GemvJob<T, Q, true>, R, Q, VEC>(job, tile, tid, threads, lane);
 }
 
+// ------------------------------------------------ sigmoid_gate_gemv_rows --
+// gemv_rows of sigmoid_gate(x, gate): an attention layer's output gate and
+// its o_proj (Qwen3.5/3.6, Qwen3-Next) in one dispatch. Every threadgroup
+// stages the gated rows x * sigmoid(gate) in threadgroup memory, rounded as
+// sigmoid_gate rounds them (activations.h, sigmoid_gated: o_proj reads
+// them rounded to T), then computes its outputs as gemv_rows from those
+// rows: bit for bit sigmoid_gate, then gemv_rows of its output with the
+// same variant and geometry. At decode a row is a token's heads * head_dim
+// (4096 bytes in bfloat for Qwen3.6), read from the caches after the first
+// threadgroup. The host takes rows * K * sizeof(T) <= RMS_GEMV_NORMED_BYTES.
+template <typename T>
+MPS_EXT_INLINE void sigmoid_gate_rows_into(threadgroup T* gated,
+                                           const device T* x,
+                                           const device T* gate,
+                                           constant GateRowsParams& gp,
+                                           uint tid,
+                                           uint threads) {
+  const uint n = gp.n, d = gp.head_dim;
+  // Element i = h * d + j of a row: (h, j) of the first a thread takes and
+  // of its step, one division each, then carried (no division an element).
+  const uint h0 = tid / d, j0 = tid - h0 * d, step_h = threads / d, step_j = threads - step_h * d;
+  for (uint r = 0; r < gp.rows; ++r) {
+    const device T* xr = x + r * gp.x_row_stride;
+    const device T* gr = gate + r * gp.gate_row_stride;
+    uint h = h0, j = j0;
+    for (uint i = tid; i < n; i += threads) {
+      gated[r * n + i] = sigmoid_gated<T>(xr[i], gr[h * gp.gate_head_stride + j]);
+      h += step_h, j += step_j;
+      if (j >= d) h += 1, j -= d;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // the rows complete before any simdgroup reads them
+}
+
+template <typename T, int R, int Q, bool VEC>
+[[max_total_threads_per_threadgroup(DECODE_MAX_THREADS)]]
+kernel void sigmoid_gate_gemv_rows(device T* y [[buffer(0)]],
+                                   const device T* x [[buffer(1)]],
+                                   const device T* w [[buffer(2)]],
+                                   constant GemvParams& p [[buffer(3)]],
+                                   const device T* bias [[buffer(4)]],
+                                   const device T* gate [[buffer(5)]],
+                                   constant GateRowsParams& gp [[buffer(6)]],
+                                   uint group [[threadgroup_position_in_grid]],
+                                   uint tid [[thread_index_in_threadgroup]],
+                                   uint threads [[threads_per_threadgroup]],
+                                   uint sg [[simdgroup_index_in_threadgroup]],
+                                   uint simdgroups [[simdgroups_per_threadgroup]],
+                                   uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup uint4 gated_mem[RMS_GEMV_NORMED_BYTES / 16];  // uint4: 16-byte aligned for the VEC loads
+  threadgroup T* gated = (threadgroup T*)gated_mem;
+  sigmoid_gate_rows_into(gated, x, gate, gp, tid, threads);
+  constexpr int TILE_WORDS = decode_tile_words<T, T, VEC, false>(R, RMS_GEMV_TILE_BYTES);
+  threadgroup uint tile[TILE_WORDS];
+  GemvJob<T, Q, true> job;
+  job.io.init(job.op, y, x, w, p, bias);  // (p's x strides are the gated rows': 1 along K)
+  job.normed = gated;
+  job.first = (long(group) * simdgroups + sg) * Q;
+  decode_rows<GemvJob<T, Q, true>, R, Q, VEC>(job, tile, tid, threads, lane);
+}
+
 // ------------------------------------------------------------ gemv_cols --
 // Grid: (column blocks, splits of K). partials: [splits, rows, N] floats
 // when splits > 1 (then y is written by gemv_cols_finish).
@@ -250,7 +314,11 @@ kernel void gemv_cols_finish(device T* y [[buffer(0)]],
   INSTANTIATE_RMS_GEMV_VARIANT("", tname, T, R, Q, true, "vec", false)                                          \
   INSTANTIATE_RMS_GEMV_VARIANT("", tname, T, R, Q, false, "scalar", false)                                      \
   INSTANTIATE_RMS_GEMV_VARIANT("add_", tname, T, R, Q, true, "vec", true)                                       \
-  INSTANTIATE_RMS_GEMV_VARIANT("add_", tname, T, R, Q, false, "scalar", true)
+  INSTANTIATE_RMS_GEMV_VARIANT("add_", tname, T, R, Q, false, "scalar", true)                                     \
+  template [[host_name("sigmoid_gate_gemv_rows_" #tname "_r" #R "_q" #Q "_vec")]] kernel                         \
+      decltype(sigmoid_gate_gemv_rows<T, R, Q, true>) sigmoid_gate_gemv_rows<T, R, Q, true>;                     \
+  template [[host_name("sigmoid_gate_gemv_rows_" #tname "_r" #R "_q" #Q "_scalar")]] kernel                      \
+      decltype(sigmoid_gate_gemv_rows<T, R, Q, false>) sigmoid_gate_gemv_rows<T, R, Q, false>;
 // One output per simdgroup up to 2 rows: decode_geometry gives a
 // threadgroup at least `rows` outputs, taken up to a power of two, so 3 to
 // 8 rows always have 2 a simdgroup.

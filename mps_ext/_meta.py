@@ -1,6 +1,7 @@
 """Meta kernels (shapes and dtypes) of the torch.ops.mps_ext ops that do not
 take the aten op's own: the families' own ops (no aten op; _C.family_own_ops
-lists them: scaled_mm's fp8_linear and rms_norm_fp8_linear, moe's moe_route, moe_experts,
+lists them: linear's rms_norm_linear and sigmoid_gate_linear, scaled_mm's fp8_linear and rms_norm_fp8_linear,
+moe's moe_route, moe_experts,
 moe_combine, moe_layer and add_rms_norm_moe_layer, norm's rms_norm, add_rms_norm, qk_norm_rope and qk_norm_rope_append,
 attention_gate's sigmoid_gate, kv_cache's kv_append and kv_decode_attention, linear_attention's
 linear_attention_decode and linear_attention_chunk, short_conv's short_conv_decode), fp8_grouped_linear
@@ -145,6 +146,12 @@ def _rms_norm_fp8_linear(x, norm_weight, eps, variant, weight, weight_scale, gra
     return _rms_norm_linear(x, norm_weight, eps, variant, weight)
 
 
+# An attention layer's output gate and its o_proj (csrc/ops/linear.cpp):
+# the product [..., N] of x [..., K], in x's dtype.
+def _sigmoid_gate_linear(x, gate, weight, bias=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 # q and k norms and rotary embedding (csrc/ops/norm.cpp): q [B, T, Hq, D]
 # and k [B, T, Hk, D] give [B, Hq, T, D] and [B, Hk, T, D] in their dtype,
 # contiguous.
@@ -230,7 +237,7 @@ def register() -> None:
                      ("moe_experts", _moe_experts), ("moe_combine", _moe_combine), ("moe_layer", _moe_layer),
                      ("add_rms_norm_moe_layer", _add_rms_norm_moe_layer),
                      ("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm), ("rms_norm_linear", _rms_norm_linear),
-                     ("rms_norm_fp8_linear", _rms_norm_fp8_linear),
+                     ("rms_norm_fp8_linear", _rms_norm_fp8_linear), ("sigmoid_gate_linear", _sigmoid_gate_linear),
                      ("qk_norm_rope", _qk_norm_rope), ("qk_norm_rope_append", _qk_norm_rope_append),
                      ("sigmoid_gate", _sigmoid_gate),
                      ("kv_append", _kv_append), ("kv_decode_attention", _kv_decode_attention),

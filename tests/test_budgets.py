@@ -88,6 +88,7 @@ GEMV_ROWS = [k for k in names("gemv_rows_{t}_r{r}_q{q}_{path}", t=("f32", "f16",
 RMS_GEMV_ROWS = ["rms_norm_" + k for k in GEMV_ROWS]  # the norm in the GEMV (linear.metal), gemv_rows' variants
 ADD_RMS_GEMV_ROWS = ["add_" + k for k in RMS_GEMV_ROWS]  # with the residual add: a MoE layer's router
 ADD_RMS_GEMV_MEASURED = ("add_rms_norm_gemv_rows_bf16_r1_q1_vec", "add_rms_norm_gemv_rows_bf16_r1_q2_vec")
+GATE_GEMV_ROWS = ["sigmoid_gate_" + k for k in GEMV_ROWS]  # the output gate in the GEMV: an attention's o_proj
 GEMV_COLS = names("gemv_cols_{t}_r{r}_{path}", t=("f32", "f16", "bf16"), r=(1, 2, 4, 8), path=("vec", "scalar"))
 GEMV_COLS_FINISH = names("gemv_cols_finish_{t}", t=("f32", "f16", "bf16"))
 # Softmax kernels come with 16-byte accesses (_i32_vec), element accesses
@@ -210,6 +211,12 @@ ADD_RMS_GEMV_UNREACHED = ("a row count, dtype or router alignment of add_rms_nor
                           "moe_layer); rms_norm_gemv_rows' template with the residual added, as the measured bf16 r1 "
                           "variants")
 
+# sigmoid_gate_gemv_rows runs where a gated attention's output gate feeds its o_proj at decode
+# (sigmoid_gate_linear): a decode token's heads, Qwen3.6's 16 of 256 in bfloat16 (bench_linear.GATED_SHAPES).
+GATE_GEMV_UNREACHED = ("a row count, dtype or weight alignment of sigmoid_gate_linear that no decode benchmark case "
+                       "takes (tests/ops/test_sigmoid_gate_linear.py runs each, bit for bit sigmoid_gate then "
+                       "gemv_rows); gemv_rows' template after the gate the measured bf16 r1 q2 vec variant runs")
+
 RMS_FP8_GEMV_UNREACHED = ("a row count, dtype or weight alignment of rms_norm_fp8_linear that no decode benchmark "
                           "case takes (tests/ops/test_rms_norm_fp8_linear.py runs each, bit for bit rms_norm then "
                           "fp8_gemv); fp8_gemv's template after the norm the measured bf16 r1 vec variant runs")
@@ -233,6 +240,11 @@ BUDGETS: dict[str, Budget] = {
     **{k: Budget("moe", full_occupancy=True, lines=lines(k), activation="x",
                  unreached="" if k in ADD_RMS_GEMV_MEASURED else ADD_RMS_GEMV_UNREACHED)
        for k in ADD_RMS_GEMV_ROWS},
+    # ... after the attention's output gate of its rows into threadgroup memory: the decode shape of
+    # Qwen3.6's o_proj (bench_linear.GATED_SHAPES) measures the one the model runs.
+    **{k: Budget("linear", full_occupancy=True, lines=lines(k), activation="x",
+                 unreached="" if k == "sigmoid_gate_gemv_rows_bf16_r1_q2_vec" else GATE_GEMV_UNREACHED)
+       for k in GATE_GEMV_ROWS},
     **{k: Budget("softmax", full_occupancy=True, unreached=SOFTMAX_VEC_UNREACHED if "_block_bf16" in k else "")
        for k in SOFTMAX_VEC},
     # The element-access softmax kernels serve rows that do not start
@@ -327,7 +339,8 @@ BUDGET_ONLY += [bench_moe.layer_case(BUDGET_LAYER, 1, fp8, torch.bfloat16, resid
 BUDGET_ONLY += [bench_moe.layer_case(BUDGET_LAYER, 1, False, torch.bfloat16, add_norm=True)]
 BUDGET_CASES = {
     "softmax": [c.id for c in op_cases("softmax", "quick")],  # all but the 4096 x 4096 attention scores
-    "linear": _LINEAR_SMALL + ["rms_norm_linear 2048->3072 weight bfloat16 rows=1"]
+    "linear": _LINEAR_SMALL + ["rms_norm_linear 2048->3072 weight bfloat16 rows=1",
+                               "sigmoid_gate_linear 4096->2048 bfloat16 rows=1"]
     + [f"prefill 2048->768 [N,K] {t} rows=128" for t in ("float16", "bfloat16")],
     "pad": ["1x320x64x64 float32 [1, 1, 1, 1]", "1x512x64x64 bfloat16 [0, 1, 0, 1]",
             "1x3x1024x1024 uint8 [16, 16, 16, 16]", "8x4000 int64 [0, 96]"],
@@ -365,7 +378,7 @@ GPUS = {op: (LARGE_GPU, SMALL_GPU) for op in ("linear", "scaled_mm", "grouped_mm
 # GPU of GPUS a case runs again only if it reached one of these (the
 # conversions, prefill tiles, routing and DeltaNet cases run once).
 FOLLOWS_THE_GPU = ("gemv_rows_", "gemv_cols_", "fp8_gemv_", "gmm_decode_rows_", "rms_norm_gemv_rows_",
-                   "add_rms_norm_gemv_rows_", "rms_norm_fp8_gemv_")
+                   "add_rms_norm_gemv_rows_", "rms_norm_fp8_gemv_", "sigmoid_gate_gemv_rows_")
 
 
 @functools.lru_cache(maxsize=None)
@@ -583,6 +596,10 @@ def softmax_elements_a_thread(k):
 
 # Divisions per thread allowed beyond 0 (32-bit integer, float), each with
 # what they are: a fixed number per thread, none in a loop over the problem.
+# (DIVISIONS) Qwen3.6's 4096-element row over the 80-core GPU's 96 threads a threadgroup (3 simdgroups of
+# 2 outputs: decode_geometry for N = 2048), ceil(4096 / 96); 8 on the 8-core's 512
+GATE_GEMV_SIGMOIDS = 43
+
 DIVISIONS: dict[str, tuple[int, int]] = {
     # decode attention: a simdgroup's query head and stream (sg % gqa, sg / gqa), and one block's 1 / l, once a
     # thread; the merge's acc / l once a thread (neither grows with the keys)
@@ -624,6 +641,12 @@ DIVISIONS: dict[str, tuple[int, int]] = {
     **{k: (0, 2) for k in RMS_GEMV_ROWS},
     # add_rms_norm_gemv_rows: the same, with the residual added first
     **{k: (0, 2) for k in ADD_RMS_GEMV_ROWS},
+    # sigmoid_gate_gemv_rows: where a thread's first staged element and its step fall in a head (two
+    # divisions, once a thread; the compiled kernel has a third, once a thread too: measured 3 at both
+    # GPUs' geometries, the same at any K), and torch's sigmoid, 1 / (1 + exp(-g)), for each element of
+    # the gated rows a thread stages: rows * K / threads, by every threadgroup (the GEMV's work a thread
+    # is K * N / (threads * threadgroups) multiply-adds, far more); GATE_GEMV_SIGMOIDS at the measured case
+    **{k: (3, GATE_GEMV_SIGMOIDS) for k in GATE_GEMV_ROWS},
 }
 
 

@@ -37,6 +37,8 @@ int64_t row_stride(const at::Tensor& t) {
   return stride < 0 ? n : stride;
 }
 
+}  // namespace
+
 // out = x * sigmoid(gate): x and gate of one shape and dtype; gate may be a
 // strided view whose last dimension is contiguous. out is contiguous.
 at::Tensor sigmoid_gate(const at::Tensor& x, const at::Tensor& gate) {
@@ -77,6 +79,8 @@ at::Tensor sigmoid_gate(const at::Tensor& x, const at::Tensor& gate) {
                 {static_cast<uint32_t>(threads), 1, 1}});
   return out;
 }
+
+namespace {
 
 using c10::DispatchKey;
 

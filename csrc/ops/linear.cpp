@@ -13,6 +13,7 @@
 
 #include <algorithm>
 
+#include "attention_gate_params.h"
 #include "backend/launch.h"
 #include "linear_params.h"
 #include "ops/norm.h"
@@ -28,11 +29,18 @@ namespace {
 // given as 2-D strided views (x [rows, K], w [N, K], y and bias [rows, N])
 // of the caller's tensors: setting it up moves no data.
 // With `norm` (rms_norm_linear), x is rms_norm(norm.x) ([rows, K],
-// contiguous), which the kernel computes itself into norm.normed.
+// contiguous), which the kernel computes itself into norm.normed. With
+// `gated` (sigmoid_gate_linear), x is sigmoid_gate(gated.x, gated.gate),
+// which the kernel stages itself as rows of K (x stands for their shape).
+struct GatedRows {
+  at::Tensor x, gate;
+  GateRowsParams params;
+};
 struct Problem {
   at::Tensor x, w, y, bias;   // bias undefined: none
   float alpha = 1, beta = 0;  // as the kernel takes them
   const NormedRows* norm = nullptr;
+  const GatedRows* gated = nullptr;
 };
 
 const char* type_name(c10::ScalarType t) {
@@ -91,8 +99,9 @@ void run(const Problem& pr) {
   p.rows = rows;
   p.n_out = n;
   p.k = pr.x.size(1);
-  p.x_row_stride = pr.x.stride(0);
-  p.x_k_stride = pr.x.stride(1);
+  // (Staged rows, gated: rows of K, contiguous.)
+  p.x_row_stride = pr.gated ? p.k : pr.x.stride(0);
+  p.x_k_stride = pr.gated ? 1 : pr.x.stride(1);
   p.w_n_stride = pr.w.stride(0);
   p.w_k_stride = pr.w.stride(1);
   p.y_row_stride = pr.y.stride(0);
@@ -115,8 +124,9 @@ void run(const Problem& pr) {
   // for gemv_cols' partial sums (buffer 5): the kernels never touch them then.
   at::Tensor partials;
   auto args = [&] {
-    std::vector<KernelArg> a{KernelArg::of(pr.y), KernelArg::of(pr.norm ? pr.norm->x : pr.x), KernelArg::of(pr.w),
-                             KernelArg::value(p), KernelArg::of(pr.bias.defined() ? pr.bias : pr.y)};
+    const at::Tensor& x = pr.norm ? pr.norm->x : pr.gated ? pr.gated->x : pr.x;
+    std::vector<KernelArg> a{KernelArg::of(pr.y), KernelArg::of(x), KernelArg::of(pr.w), KernelArg::value(p),
+                             KernelArg::of(pr.bias.defined() ? pr.bias : pr.y)};
     if (cols) a.push_back(KernelArg::of(partials.defined() ? partials : pr.y));
     if (pr.norm) {
       a.push_back(KernelArg::of(pr.norm->normed));
@@ -128,9 +138,14 @@ void run(const Problem& pr) {
       a.push_back(KernelArg::of(add ? pr.norm->residual : pr.norm->x));
       a.push_back(KernelArg::of(add ? pr.norm->sum : pr.norm->normed));
     }
+    if (pr.gated) {
+      a.push_back(KernelArg::of(pr.gated->gate));
+      a.push_back(KernelArg::value(pr.gated->params));
+    }
     return a;
   };
-  TORCH_CHECK(!(cols && pr.norm), "mps_ext rms_norm_linear: the weight must be contiguous along K");
+  TORCH_CHECK(!(cols && (pr.norm || pr.gated)), "mps_ext rms_norm_linear, sigmoid_gate_linear: the weight must be "
+                                                "contiguous along K");
   if (cols) {
     const bool vec = aligned16(pr.w, p.w_k_stride);
     const int64_t blocks = ceil_div(n, decode_cols_columns(vec, itemsize));
@@ -157,12 +172,16 @@ void run(const Problem& pr) {
           {DECODE_COLS_THREADS, 1, 1}});
     return;
   }
-  const bool vec = p.w_k_stride == 1 && p.x_k_stride == 1 && aligned16(pr.w, p.w_n_stride) &&
-                   aligned16(pr.x, rows > 1 ? p.x_row_stride : 0);
+  // (Gated: the rows staged in threadgroup memory, 16-byte aligned, as the
+  // fresh output of sigmoid_gate that gemv_rows would read.)
+  const bool x_vec =
+      pr.gated ? rows == 1 || (p.k * itemsize) % 16 == 0 : aligned16(pr.x, rows > 1 ? p.x_row_stride : 0);
+  const bool vec = p.w_k_stride == 1 && p.x_k_stride == 1 && aligned16(pr.w, p.w_n_stride) && x_vec;
   // The same variant and geometry with the norm as without (the sums' order
   // is the variant's): rms_norm_gemv_rows is bit for bit rms_norm, then this.
   DecodeGeometry g = decode_geometry(gpu, n, 1, 2, false, rows);
-  const char* family = !pr.norm                      ? "gemv_rows_"
+  const char* family = pr.gated                      ? "sigmoid_gate_gemv_rows_"
+                       : !pr.norm                    ? "gemv_rows_"
                        : pr.norm->residual.defined() ? "add_rms_norm_gemv_rows_"
                                                      : "rms_norm_gemv_rows_";
   const std::string kernel = std::string(family) + type + "_r" + std::to_string(variant) + "_q" +
@@ -313,6 +332,22 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::
 // ----------------------------------------------------- rms_norm_linear --
 namespace {
 
+// The GEMV of rows a kernel stages itself (x_rows: [rows, K], their shape)
+// into y [..., N], with the bias if any.
+Problem staged_problem(const at::Tensor& x_rows, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                       const at::Tensor& y) {
+  const int64_t rows = x_rows.size(0), n = weight.size(0);
+  Problem pr;
+  pr.x = x_rows;
+  pr.w = weight;
+  pr.y = y.view({rows, n});
+  if (bias && bias->defined()) {
+    pr.bias = bias->expand({rows, n});
+    pr.beta = 1;
+  }
+  return pr;
+}
+
 // The norm of x's rows (of x + residual's, with one) and F.linear of the
 // normed rows, one dispatch of rms_norm_gemv_rows (add_rms_norm_gemv_rows)
 // into normed, y and the sums: true; false, with nothing launched, where the
@@ -325,14 +360,7 @@ bool norm_gemv(const char* op, const at::Tensor& x, const at::Tensor* residual, 
   const int64_t k = x.size(-1), n = weight.size(0), rows = leading_rows(x);
   if (!gemv_norms_rows(rows, k, x.itemsize()) || n == 0) return false;
   const NormedRows norm = normed_rows(op, x, norm_weight, normed, eps, zero_centred, residual, sum);
-  Problem pr;
-  pr.x = norm.normed;  // what the GEMV reads, as the kernel keeps it: rows of K
-  pr.w = weight;
-  pr.y = y.view({rows, n});
-  if (bias && bias->defined()) {
-    pr.bias = bias->expand({rows, n});
-    pr.beta = 1;
-  }
+  Problem pr = staged_problem(norm.normed, weight, bias, y);  // (normed: the rows as the kernel keeps them)
   pr.norm = &norm;
   run(pr);
   return true;
@@ -391,6 +419,95 @@ c10::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> add_rms_norm_gemv(
   if (!norm_gemv(op, x, &residual, norm_weight, eps, zero_centred, weight, c10::nullopt, normed, &sum, y))
     return c10::nullopt;
   return std::make_tuple(sum, normed, y);
+}
+
+// ------------------------------------------------- sigmoid_gate_linear --
+namespace {
+
+// gate's rows as the kernel reads them: `rows` rows (x's leading
+// dimensions) of K = heads * head_dim, each head's head_dim elements
+// contiguous; false where gate is not laid out so (the caller copies it).
+bool gate_rows(const at::Tensor& gate, int64_t x_dims, GateRowsParams& gp) {
+  const int64_t d = gate.size(-1);
+  if (!(gate.stride(-1) == 1 || d == 1)) return false;
+  int64_t row_stride = 0;
+  if (gate.dim() == x_dims) {  // [..., K]
+    gp.head_dim = static_cast<uint32_t>(d);
+    gp.gate_head_stride = 0;
+    if (!flat_rows(gate, row_stride)) return false;
+  } else {  // [..., heads, head_dim]: flat_rows of [..., heads] checks the leading dimensions
+    gp.head_dim = static_cast<uint32_t>(d);
+    gp.gate_head_stride = static_cast<uint32_t>(gate.size(-2) > 1 ? gate.stride(-2) : 0);
+    if (gate.stride(-2) < 0 || !flat_rows(gate.select(-1, 0), row_stride)) return false;
+  }
+  if (row_stride < 0) return false;
+  int64_t last = 0;
+  for (int64_t i = 0; i < gate.dim(); ++i) last += (gate.size(i) - 1) * gate.stride(i);
+  if (last > INT32_MAX) return false;
+  gp.gate_row_stride = static_cast<uint32_t>(row_stride);
+  return true;
+}
+
+// sigmoid_gate_linear's arguments: x [..., K]; gate of x's shape, or with
+// its last dimension split in (heads, head_dim) as q_proj leaves it; the
+// weight F.linear's [N, K], contiguous along K, and the bias, as
+// rms_norm_linear's.
+void check_gate_linear(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight,
+                       const c10::optional<at::Tensor>& bias) {
+  const char* op = "sigmoid_gate_linear";
+  check_float(x, op, "x");
+  TORCH_CHECK(x.dim() >= 1, "mps_ext sigmoid_gate_linear: x must have a last dimension, got a 0-d tensor");
+  TORCH_CHECK(gate.scalar_type() == x.scalar_type() && gate.device() == x.device(),
+              "mps_ext sigmoid_gate_linear: gate must be x's dtype and device (", x.scalar_type(), " on ", x.device(),
+              "), got ", gate.scalar_type(), " on ", gate.device());
+  const bool same = gate.sizes() == x.sizes();
+  const bool split = gate.dim() == x.dim() + 1 &&
+                     gate.sizes().slice(0, x.dim() - 1) == x.sizes().slice(0, x.dim() - 1) &&
+                     gate.size(-2) * gate.size(-1) == x.size(-1);
+  TORCH_CHECK(same || split, "mps_ext sigmoid_gate_linear: gate must be x's shape ", x.sizes(),
+              ", or it with the last dimension split in (heads, head_dim), got ", gate.sizes());
+  check_normed_weight(op, x, weight, bias);
+}
+
+}  // namespace
+
+// F.linear(x * sigmoid(gate), weight, bias) in one dispatch,
+// sigmoid_gate_gemv_rows: an attention layer's output gate and its o_proj
+// (Qwen3.5/3.6, Qwen3-Next; mps_ext/passes/attention.py). Bit for bit
+// mps_ext.sigmoid_gate then mps_ext's linear: the kernel rounds the gated
+// rows as sigmoid_gate does and picks the linear's variant and geometry. 1
+// to 8 rows whose bytes fit the kernel's threadgroup memory; other calls
+// (and K = 0 or N = 0) are the two ops.
+at::Tensor sigmoid_gate_linear(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight,
+                               const c10::optional<at::Tensor>& bias) {
+  check_gate_linear(x, gate, weight, bias);
+  const int64_t k = x.size(-1), n = weight.size(0), rows = leading_rows(x);
+  at::Tensor y = product_of(x, n);
+  if (rows == 0) return y;
+  if (!gemv_norms_rows(rows, k, x.itemsize()) || n == 0 || k == 0) {
+    const at::Tensor gated = sigmoid_gate(x.reshape(gate.sizes()), gate).view(x.sizes());
+    return at::linear(gated, weight, bias);  // the two ops, as the model's code calls them
+  }
+  GatedRows g;
+  g.x = x.stride(-1) == 1 || k == 1 ? x : x.contiguous();
+  int64_t x_row_stride;
+  if (!flat_rows(g.x, x_row_stride) || x_row_stride < 0 || activation_unsupported(g.x)) {
+    g.x = x.contiguous();
+    x_row_stride = k;
+  }
+  g.gate = gate;
+  GateRowsParams& gp = g.params;
+  if (!gate_rows(g.gate, x.dim(), gp)) {
+    g.gate = gate.contiguous();
+    TORCH_CHECK(gate_rows(g.gate, x.dim(), gp), "mps_ext sigmoid_gate_linear: gate's layout");
+  }
+  gp.rows = static_cast<uint32_t>(rows);
+  gp.n = static_cast<uint32_t>(k);
+  gp.x_row_stride = static_cast<uint32_t>(rows > 1 ? x_row_stride : k);
+  Problem pr = staged_problem(g.x.as_strided({rows, k}, {x_row_stride, 1}), weight, bias, y);
+  pr.gated = &g;
+  run(pr);
+  return y;
 }
 
 // ----------------------------------------------------------- mm / addmm --
@@ -582,12 +699,22 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_linear_impl(const at::Tensor& x, con
                  [&] { return mps_ext::rms_norm_linear(x, norm_weight, eps, variant, weight, bias); });
 }
 
-// Its Meta (fake) kernel, for torch.compile, is in mps_ext/_meta.py.
+const RoutedOp kSigmoidGateLinear(FamilyId::linear, "mps_ext::sigmoid_gate_linear");
+
+template <DispatchKey K>
+at::Tensor sigmoid_gate_linear_impl(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight,
+                                    const c10::optional<at::Tensor>& bias) {
+  return run_own(kSigmoidGateLinear, K, [&] { return mps_ext::sigmoid_gate_linear(x, gate, weight, bias); });
+}
+
+// Their Meta (fake) kernels, for torch.compile, are in mps_ext/_meta.py.
 template <DispatchKey K>
 void register_linear(FamilyOps& ops) {
   ops.own("rms_norm_linear(Tensor x, Tensor norm_weight, float eps, str variant, Tensor weight, Tensor? bias) -> "
           "(Tensor, Tensor)",
           TORCH_FN(rms_norm_linear_impl<K>));
+  ops.own("sigmoid_gate_linear(Tensor x, Tensor gate, Tensor weight, Tensor? bias) -> Tensor",
+          TORCH_FN(sigmoid_gate_linear_impl<K>));
   ops.aten("linear", TORCH_FN(linear_impl<K>));
   ops.aten("mm", TORCH_FN(mm_impl<K>));
   ops.aten("addmm", TORCH_FN(addmm_impl<K>));

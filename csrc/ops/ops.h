@@ -52,6 +52,10 @@ at::Tensor constant_pad(const at::Tensor& self, c10::IntArrayRef pad, const c10:
 // bfloat16 as gmm_tiled's dense product (grouped_mm.cpp's dense_tiled).
 Reason linear_unsupported(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+// attention_gate.cpp: torch.ops.mps_ext.sigmoid_gate, x * sigmoid(gate)
+// (linear.cpp's sigmoid_gate_linear runs it, then F.linear, where its
+// kernel does not take a call).
+at::Tensor sigmoid_gate(const at::Tensor& x, const at::Tensor& gate);
 // `op`: the aten op called ("aten::mm.out"); `self`: addmm's bias (nullptr
 // for mm); `key`: the dispatch key called (a
 // policy rule may leave one-row products on it to torch's own GEMV:

@@ -13,7 +13,9 @@ mps_ext.passes.norm.qk_norm_rope (torch.ops.mps_ext.qk_norm_rope where the
 kernels run, the same steps with torch's ops elsewhere). Two more pieces
 are one dispatch each where the kernels run, eager: the output gate
 (sigmoid_gate: the gate read where q_proj left it, where the model copies
-it and runs sigmoid and mul) and, for a plain DynamicCache's DynamicLayer,
+it and runs sigmoid and mul; at a decode step, where o_proj is a plain
+nn.Linear, the gate is in o_proj's GEMV instead, sigmoid_gate_linear: one
+dispatch for both) and, for a plain DynamicCache's DynamicLayer,
 the cache update (cache_update: kv_append into buffers with spare
 capacity, where DynamicLayer.update copies the whole cache twice with
 torch.cat); where both the norm and cache kernels run, that append is in
@@ -64,7 +66,7 @@ from ._runtime import kernels_for
 from .norm import _FLOAT, MAX_HEAD_DIM, FusedRMSNorm, qk_norm_rope, qk_norm_rope_reference, qk_op_args
 
 __all__ = ["AttentionPass", "FusedQKNormRopeMixin", "cache_update", "decode_attention", "qk_norm_rope_append",
-           "sigmoid_gate"]
+           "sigmoid_gate", "sigmoid_gate_linear"]
 
 _NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"))
 _OUT = ("o_proj", "out_proj")
@@ -175,9 +177,14 @@ class FusedQKNormRopeMixin:
                 dropout=0.0 if not self.training else getattr(self, "attention_dropout", 0.0), scaling=self.scaling,
                 **window, **kwargs)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        out = getattr(self, plan.out)
         if plan.gated:
+            # The gate in the output projection's dispatch where it can be (ops.gate_out; None: it cannot).
+            gated = None if ops.gate_out is None else ops.gate_out(attn_output, gate, out)
+            if gated is not None:
+                return gated, attn_weights
             attn_output = ops.gate(attn_output, gate)
-        return getattr(self, plan.out)(attn_output), attn_weights
+        return out(attn_output), attn_weights
 
 
 # ----------------------------------------------------------- the output gate --
@@ -200,6 +207,35 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
             and kernels_for(x, "attention_gate")):
         return torch.ops.mps_ext.sigmoid_gate(x.view(gate.shape), gate).view(x.shape)
     return sigmoid_gate_reference(x, gate)
+
+
+def sigmoid_gate_linear(x: torch.Tensor, gate: torch.Tensor, out: nn.Module) -> torch.Tensor | None:
+    """out(sigmoid_gate(x, gate)), the output gate and the output projection
+    that reads it, as one torch.ops.mps_ext.sigmoid_gate_linear dispatch
+    (bit for bit sigmoid_gate, then the layer's F.linear: csrc/ops/linear.cpp)
+    where its kernel takes the call: `out` a plain nn.Linear (no hooks) in
+    x's dtype, contiguous along K, at decode (the rows' bytes within what the
+    GEMV stages: the input norm's bounds, projections._NORMED_ROWS and
+    _NORMED_BYTES), where mps_ext's attention_gate and linear kernels both
+    run; None elsewhere (then sigmoid_gate and the layer's own call), and
+    where autograd needs a derivative (the op has none). Compiled too, as
+    rms_norm_linear: at decode the gate's neighbours are mps_ext's kernels
+    (the decode attention, o_proj's GEMV), nothing for Inductor to fuse it
+    with, so the op saves the compiled step its dispatch as it does eager's."""
+    from .projections import _NORMED_BYTES, _NORMED_ROWS
+    if type(out) is not nn.Linear or out._forward_hooks or out._forward_pre_hooks:
+        return None
+    w, b = out.weight, out.bias
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not (x.dtype in _FLOAT and gate.dtype == x.dtype and w.dtype == x.dtype and (b is None or b.dtype == x.dtype)
+            and x.numel() == gate.numel() and x.is_contiguous() and w.stride(-1) == 1
+            and 1 <= rows <= _NORMED_ROWS and rows * x.shape[-1] * x.element_size() <= _NORMED_BYTES):
+        return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, gate, w, b)):
+        return None
+    if not (kernels_for(x, "attention_gate") and kernels_for(x, "linear")):
+        return None
+    return torch.ops.mps_ext.sigmoid_gate_linear(x, gate, w, b)
 
 
 # ----------------------------------------------------------- the KV cache --
@@ -386,9 +422,11 @@ class _Ops(typing.NamedTuple):
     qk_append: typing.Callable | None = None
     # the attention function at a decode step where it can (else None: the model's function); None: never
     attend: typing.Callable | None = None
+    # gate and the output projection in one call where it can (else None: gate, then the layer); None: never
+    gate_out: typing.Callable | None = None
 
 
-_KERNELS = _Ops(qk_norm_rope, sigmoid_gate, cache_update, qk_norm_rope_append, decode_attention)
+_KERNELS = _Ops(qk_norm_rope, sigmoid_gate, cache_update, qk_norm_rope_append, decode_attention, sigmoid_gate_linear)
 _REFERENCE = _Ops(qk_norm_rope_reference, sigmoid_gate_reference, functools.partial(cache_update, reference=True))
 
 

@@ -77,7 +77,7 @@ def test_swapped_attention_matches_the_model_without_it(figures, monkeypatch, na
         # The output gate's sigmoid in float32 is not torch's CPU one in the last bit (its exp:
         # test_gate_and_cache_append_change_no_bit): the model's gate line here, to see qk_norm_rope's bits.
         monkeypatch.setattr(fused_attention, "_KERNELS", fused_attention._KERNELS._replace(
-            gate=fused_attention.sigmoid_gate_reference, attend=None))
+            gate=fused_attention.sigmoid_gate_reference, attend=None, gate_out=None))
     with run_model(RELEASE) as report:
         ours = prefill_and_decode(model, prompt, step)
     with run_model(RELEASE) as theirs_report:
@@ -124,12 +124,13 @@ def test_cpu_tensors_without_the_executor_run_the_models_steps(monkeypatch):
 # (layer kind, the norm and rotary calls qk_norm_rope stands for, the calls
 # sigmoid_gate and the cache append save: DynamicCache's 2 torch.cat become
 # none, the append being in qk_norm_rope's call (qk_norm_rope_append);
-# Qwen3.6's output gate, a copy of the strided gate, sigmoid and mul, 1
-# sigmoid_gate)
-CENSUS = {"Qwen3-30B-A3B": ("full_attention+moe", 12, 2),
+# Qwen3.6's output gate, a copy of the strided gate, sigmoid and mul, and
+# o_proj's linear: 1 sigmoid_gate_linear; compiled, that Inductor kernel
+# of the gate is the call saved)
+CENSUS = {"Qwen3-30B-A3B": ("full_attention+moe", 12, 2, 0),
           # partial rotary: a cat more for q and for k
-          "Qwen3.6-35B-A3B": ("full_attention+moe", 14, 2 + 2),
-          "LFM2.5-8B-A1B": ("full_attention+moe", 12, 2)}
+          "Qwen3.6-35B-A3B": ("full_attention+moe", 14, 2 + 3, 1),
+          "LFM2.5-8B-A1B": ("full_attention+moe", 12, 2, 0)}
 
 
 @pytest.mark.parametrize("model_name", list(CENSUS))
@@ -138,11 +139,14 @@ def test_an_attention_layer_loses_its_norm_and_rope_calls(monkeypatch, model_nam
     2.15's policy: an attention layer's 2 norms and the rotary embedding's
     10 (partial rotary: 12) ops and the cache's 2 torch.cat become one call
     of one dispatch (qk_norm_rope_append), eager, and Qwen3.6's output gate
-    (3 calls) one sigmoid_gate; compiled, the count does not change (the layer leaves
-    them to Inductor, which fuses them with their neighbours)."""
+    (3 calls) and its o_proj one sigmoid_gate_linear; compiled, the count
+    does not change (the layer leaves them to Inductor, which fuses them
+    with their neighbours) but for Qwen3.6's gate: the kernel Inductor
+    generated for it is in o_proj's dispatch (sigmoid_gate_linear runs
+    compiled too)."""
     from benchmarks import census
     spec = census.MODELS[model_name]
-    kind, calls, saved = CENSUS[model_name]
+    kind, calls, saved, compiled_saved = CENSUS[model_name]
     tiny = census.tiny_model(spec)
 
     def counts(transform):
@@ -159,8 +163,8 @@ def test_an_attention_layer_loses_its_norm_and_rope_calls(monkeypatch, model_nam
           f"dispatches {before['eager'].dispatches:g} -> {after['eager'].dispatches:g}")
     assert before["eager"].host - after["eager"].host == calls - 1 + saved
     assert before["eager"].dispatches - after["eager"].dispatches == calls - 1 + saved
-    assert (after["compile"].host, after["compile"].dispatches) == (before["compile"].host,
-                                                                     before["compile"].dispatches)
+    assert (after["compile"].host, after["compile"].dispatches) == (before["compile"].host - compiled_saved,
+                                                                     before["compile"].dispatches - compiled_saved)
 
 
 # ----------------------------------------------------------- torch.compile --
@@ -352,15 +356,18 @@ def test_gate_and_cache_append_change_no_bit(monkeypatch, name, kind):
     same cache, after crop(-3) where the cache crops (Qwen3-MoE's; the
     hybrid caches of Qwen3.5-MoE and LFM2-MoE crop only after
     activate_past_recording):
-    the logits of the optimized model with sigmoid_gate and the cache append
-    (qk_norm_rope_append) equal
+    the logits of the optimized model with sigmoid_gate (at a decode step
+    in o_proj's GEMV, sigmoid_gate_linear, but with fp8 weights) and the
+    cache append (qk_norm_rope_append) equal
     those of the same model with the model's gate line and
     DynamicCache.update, bit for bit (float32 with an output gate: within
     float32's rounding, the exp of sigmoid being the C library's, not
     torch's SLEEF one); the caches hold the same keys and values, as
     transformers sees them, the layers' own DynamicLayer (views of buffers
     with room to grow); one qk_norm_rope_append per attention layer and
-    forward, one sigmoid_gate per gated layer and forward, no torch.cat."""
+    forward, one sigmoid_gate per gated layer and prefill (and decode step,
+    with fp8 weights) and one sigmoid_gate_linear per gated layer and
+    decode step (none with fp8 weights), no torch.cat."""
     layers = ATTENTION[name][0]
     model, dtype = gated_and_cached(monkeypatch, name, kind)
     assert attention_layers(model) == layers
@@ -379,7 +386,10 @@ def test_gate_and_cache_append_change_no_bit(monkeypatch, name, kind):
     # every append in the norm and rotary dispatch (qk_norm_rope_append), none on its own (kv_append)
     assert ran(report, "mps_ext::qk_norm_rope_append") == forwards * len(layers)
     assert not ran(report, "mps_ext::kv_append")
-    assert ran(report, "mps_ext::sigmoid_gate") == forwards * gated
+    in_gemv = gates_in_gemv(model, dtype) * gated if kind != "fp8" else 0  # (o_proj an FP8Linear: sigmoid_gate)
+    assert ran(report, "mps_ext::sigmoid_gate") == forwards * gated - in_gemv
+    assert ran(report, "mps_ext::sigmoid_gate_linear") == in_gemv
+    assert not ran(theirs_report, "mps_ext::sigmoid_gate_linear")
     assert not ran(theirs_report, "mps_ext::kv_append") and not ran(theirs_report, "mps_ext::sigmoid_gate")
     assert not ran(theirs_report, "mps_ext::qk_norm_rope_append")
     assert ours_len == theirs_len == PROMPT + 10
@@ -396,6 +406,23 @@ def test_gate_and_cache_append_change_no_bit(monkeypatch, name, kind):
         assert k.untyped_storage().nbytes() == k[0, 0, 0].nbytes * k.shape[0] * k.shape[1] * (
             -(-k.shape[2] // GROWTH) * GROWTH
         )
+
+
+def fused_and_unfused(monkeypatch, model, name, unfused_ops, ops):
+    """(fused, unfused): the model run with _KERNELS, then with
+    `unfused_ops`, each (decode_twice's first and second logits, the
+    cache's keys and values, greedy generate's 6 tokens, {op: calls of
+    mps_ext's `op` that ran in decode_twice} for `ops`)."""
+    runs = []
+    for kernels in (fused_attention._KERNELS, unfused_ops):
+        with monkeypatch.context() as m:
+            m.setattr(fused_attention, "_KERNELS", kernels)
+            with run_model(RELEASE) as report:
+                first, second, _, cache = decode_twice(model, name)
+            with run_model(RELEASE):
+                tokens = model.generate(ids(), max_new_tokens=6, do_sample=False)
+        runs.append((first, second, cache_contents(cache), tokens, {op: ran(report, f"mps_ext::{op}") for op in ops}))
+    return runs
 
 
 # The kernels' path before the cache append joined the norm and rotary
@@ -418,17 +445,8 @@ def test_cache_append_in_the_rope_dispatch_changes_no_bit(monkeypatch, name, kin
         model = mps_ext.optimize(make(name, torch.float16, **HEAD.get(name, {})))
     else:
         model = gated_and_cached(monkeypatch, name, kind)[0]
-    ops = ("qk_norm_rope_append", "qk_norm_rope", "kv_append")
-    runs = {}
-    for label, kernels in (("fused", fused_attention._KERNELS), ("unfused", _UNFUSED)):
-        with monkeypatch.context() as m:
-            m.setattr(fused_attention, "_KERNELS", kernels)
-            with run_model(RELEASE) as report:
-                first, second, _, cache = decode_twice(model, name)
-            with run_model(RELEASE):
-                tokens = model.generate(ids(), max_new_tokens=6, do_sample=False)
-        runs[label] = (first, second, cache_contents(cache), tokens, {op: ran(report, f"mps_ext::{op}") for op in ops})
-    fused, unfused = runs["fused"], runs["unfused"]
+    fused, unfused = fused_and_unfused(monkeypatch, model, name, _UNFUSED,
+                                       ("qk_norm_rope_append", "qk_norm_rope", "kv_append"))
     assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
     for (k, v), (uk, uv) in zip(fused[2], unfused[2], strict=True):
         assert torch.equal(k, uk) and torch.equal(v, uv)
@@ -438,11 +456,53 @@ def test_cache_append_in_the_rope_dispatch_changes_no_bit(monkeypatch, name, kin
     assert unfused[4] == {"qk_norm_rope_append": 0, "qk_norm_rope": calls, "kv_append": calls}
 
 
+def gates_in_gemv(model, dtype) -> int:
+    """Of decode_twice's forwards (a prompt of PROMPT tokens, 10 decode
+    steps, a prompt of 3, 4 steps), those whose rows of a gated layer's
+    attention output the GEMV stages (sigmoid_gate_linear: at most 8 rows
+    of at most 8 KB; attention.sigmoid_gate_linear's bounds)."""
+    k = next(m.o_proj.in_features for m in model.modules() if isinstance(m, FusedQKNormRopeMixin))
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(rows <= 8 and rows * k * size <= 8192 for rows in [PROMPT] + [1] * 10 + [3] + [1] * 4)
+
+
+# The kernels' path before the output gate joined o_proj's GEMV: sigmoid_gate, then o_proj's linear.
+_GATE_APART = fused_attention._KERNELS._replace(gate_out=None)
+
+
+@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16", "fp8"])
+def test_gate_in_the_output_gemv_changes_no_bit(monkeypatch, kind):
+    """sigmoid_gate_linear against the two dispatches it replaces
+    (sigmoid_gate, then o_proj's GEMV), on the executor, the whole tiny
+    Qwen3.5-MoE: the logits of decode_twice (two prompts, 14 decode steps)
+    and greedy generate's tokens, bit for bit; one sigmoid_gate_linear per
+    gated layer and forward of rows the GEMV stages (gates_in_gemv: the
+    decode steps, and in 16-bit types the 3-token prompt) and a
+    sigmoid_gate for the others, against a sigmoid_gate every forward. With fp8 weights
+    o_proj is an FP8Linear, which the op does not take: the same calls
+    both ways."""
+    name = "qwen3_5_moe"
+    gated = ATTENTION[name][0]
+    layers = len(gated)
+    if kind == "float16":
+        model = mps_ext.optimize(make(name, torch.float16, **HEAD.get(name, {})))
+    else:
+        model = gated_and_cached(monkeypatch, name, kind)[0]
+    fused, unfused = fused_and_unfused(monkeypatch, model, name, _GATE_APART, ("sigmoid_gate_linear", "sigmoid_gate"))
+    assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
+    assert torch.equal(fused[3], unfused[3])
+    forwards = 11 + 5
+    in_gemv = 0 if kind == "fp8" else gates_in_gemv(model, dtype=next(model.parameters()).dtype) * layers
+    assert fused[4] == {"sigmoid_gate_linear": in_gemv, "sigmoid_gate": forwards * layers - in_gemv}
+    assert unfused[4] == {"sigmoid_gate_linear": 0, "sigmoid_gate": forwards * layers}
+
+
 def test_no_cat_clone_sigmoid_or_mul_left(monkeypatch):
     """The aten calls of a gated attention layer's decode step (Qwen3.6's,
     in the census's trace): one qk_norm_rope_append (the cache append in
-    the norm and rotary call) and one sigmoid_gate, no kv_append, clone,
-    cat, sigmoid or mul; without the two changes, all of them."""
+    the norm and rotary call) and one sigmoid_gate_linear (the output gate
+    in o_proj's GEMV), no kv_append, sigmoid_gate, clone, cat, sigmoid or
+    mul; without the changes, all of them."""
     from benchmarks import census
     tiny = census.tiny_model(census.MODELS["Qwen3.6-35B-A3B"])
 
@@ -455,15 +515,18 @@ def test_no_cat_clone_sigmoid_or_mul_left(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(fused_attention, "_KERNELS", _APART)
         theirs = ops(tiny)
-    assert ours.count("qk_norm_rope_append") == 1 and ours.count("sigmoid_gate") == 1
-    assert not {"kv_append", "qk_norm_rope", "clone", "cat", "sigmoid", "mul", "copy_"} & set(ours), ours
+    assert ours.count("qk_norm_rope_append") == 1 and ours.count("sigmoid_gate_linear") == 1
+    left = {"kv_append", "qk_norm_rope", "sigmoid_gate", "clone", "cat", "sigmoid", "mul", "copy_"} & set(ours)
+    assert not left, ours
     assert theirs.count("cat") == 2 and {"clone", "sigmoid", "mul"} <= set(theirs), theirs
 
 
 @mps_ext_executor.request()  # traced inside request(): the kernels' path, the one a Mac takes
 def test_compiled_gate_and_cache(monkeypatch):
     """Compiled (fullgraph): the model's own gate line and cache update in
-    the graph (no sigmoid_gate, no kv_append or qk_norm_rope_append), the
+    the graph (no sigmoid_gate, no kv_append or qk_norm_rope_append) but at
+    a decode step the gate in o_proj's GEMV (sigmoid_gate_linear, as
+    eager: the decode attention and o_proj around it are mps_ext's), the
     eager model's logits."""
     from test_fp8_flows import Float8Inspector
     monkeypatch.setattr(fused_attention, "KV_STEP", GROWTH)
@@ -474,6 +537,7 @@ def test_compiled_gate_and_cache(monkeypatch):
     inspector = Float8Inspector()
     got, _ = greedy(torch.compile(model, backend=inspector.backend, fullgraph=True), prompt, 5)
     assert not {"sigmoid_gate", "kv_append", "qk_norm_rope_append"} & set(inspector.mps_ext_ops)
+    assert "sigmoid_gate_linear" in inspector.mps_ext_ops
     torch.testing.assert_close(got, want)
 
 
