@@ -126,6 +126,8 @@ GMM_TILED_DENSE = names("gmm_tiled_dense_{t}", t=("f16", "bf16"))  # linear's pr
 # fp8_linear's prefill (16-bit activations, e4m3 weights, tensor-wise or row-wise scales): the same tile
 GMM_TILED_DENSE_FP8 = names("gmm_tiled_dense_{t}_e4m3w", t=("f16", "bf16"))
 MOE_ROUTE_COMBINE = names("moe_{step}_{t}", step=("route", "combine"), t=("f32", "f16", "bf16"))
+# moe_layer's gate/up product with the routing in its dispatch (the layer's three dispatches)
+MOE_GATE_UP_ROUTED = names("moe_gate_up_routed_{t}_vec", t=("f32", "f16", "bf16", "bf16_e4m3w"))
 MOE_DOWN_COMBINE = names("moe_down_combine_{t}_{path}", t=("f32", "f16", "bf16", "bf16_e4m3w"),
                          path=("vec", "scalar"))
 RMS_NORM = names("rms_norm_{t}", t=("f32", "f16", "bf16"))
@@ -262,6 +264,8 @@ BUDGETS: dict[str, Budget] = {
                  activation="a") for k in GMM_DECODE},
     **{k: Budget("moe", full_occupancy=True, lines=lines(k),
                  unreached=MOE_COMBINE_UNREACHED if "_combine_" in k else "") for k in MOE_ROUTE_COMBINE},
+    # moe_layer's gate/up product routing its own rows: gmm_decode_rows' GEMV after the routing
+    **{k: Budget("moe", full_occupancy=True, activation="a") for k in MOE_GATE_UP_ROUTED},
     # moe_layer's down product with the combine fused: a decode GEMV of the experts' rows, as gmm_decode_rows
     **{k: Budget("moe", full_occupancy=True, lines=lines(k), activation="a",
                  unreached=MOE_DOWN_COMBINE_SCALAR if k.endswith("_scalar") else "") for k in MOE_DOWN_COMBINE},
@@ -364,7 +368,8 @@ GPUS = {op: (LARGE_GPU, SMALL_GPU) for op in ("linear", "scaled_mm", "grouped_mm
 # geometry). Every other launch is the same on each GPU, so after the first
 # GPU of GPUS a case runs again only if it reached one of these (the
 # conversions, prefill tiles, routing and DeltaNet cases run once).
-FOLLOWS_THE_GPU = ("gemv_rows_", "gemv_cols_", "fp8_gemv_", "gmm_decode_rows_", "rms_norm_gemv_rows_",
+FOLLOWS_THE_GPU = ("gemv_rows_", "gemv_cols_", "fp8_gemv_", "gmm_decode_rows_", "moe_gate_up_routed_",
+                   "rms_norm_gemv_rows_",
                    "add_rms_norm_gemv_rows_", "rms_norm_fp8_gemv_")
 
 

@@ -159,10 +159,10 @@ def decode_blocks(decode_rows):
 def test_the_decode_what_ifs_take_out_the_dispatches_they_name(decode_rows):
     """The decode benchmark's what-ifs (the fusions issue 31 has left) take
     from each optimized row the dispatches the model's structure gives: one
-    a MoE layer (the routing), one a Qwen3.5/3.6 full-attention layer (the
-    output gate), and eager the rotary calls before the layers but two;
-    all of them together, their sum. Counted here from the real configs'
-    layer kinds, not from the what-if code."""
+    a Qwen3.5/3.6 full-attention layer (the output gate), and eager the
+    rotary calls before the layers but two; all of them together, their
+    sum. Counted here from the real configs' layer kinds, not from the
+    what-if code. (The routing in the experts' kernel is done: no what-if.)"""
     import collections
 
     from benchmarks import bench_decode, census
@@ -170,21 +170,19 @@ def test_the_decode_what_ifs_take_out_the_dispatches_they_name(decode_rows):
     assert {(r["model"], r["mode"]) for r in table} == {(m, mode) for m in census.MODELS for mode in census.MODES}
     for r in table:
         kinds = collections.Counter(census.layer_kinds(census.MODELS[r["model"]].config()))
-        moe = sum(n for k, n in kinds.items() if k.endswith("+moe"))
         gates = kinds["full_attention+moe"] if r["model"].startswith("Qwen3.6") else 0
 
         def cell(label):
             tok, dispatches = r[label].rstrip(")").split(" (")
             return float(tok), float(dispatches)
 
-        tok, today = cell("as today")
-        assert cell("5: routing in the experts' kernel")[1] == today - moe > 0
-        assert cell("5: routing in the experts' kernel")[0] > tok
+        _, today = cell("as today")
+        assert "5: routing in the experts' kernel" not in r
         if gates:
             assert cell("5: output gate in o_proj")[1] == today - gates
         else:
             assert r["5: output gate in o_proj"] == "-"
-        saved = moe + gates
+        saved = gates
         if r["mode"] == "eager":
             rotary = cell("5: rotary tables as one gather")[1]
             assert today - 20 < rotary < today - 5  # the step's rotary tables: a dozen or more calls
