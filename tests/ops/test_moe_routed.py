@@ -120,14 +120,18 @@ def test_ties_and_nan_logits_route_as_moe_route(dtype, sigmoid, case):
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_qwen3_6_and_lfm2_5_routing(tokens):
     """The census models' routers: 256 experts, top-8, softmax,
-    renormalised, a shared expert (Qwen3.6-35B-A3B); 32 experts, top-4,
-    sigmoid scores with a bias (LFM2.5), each on a threadgroup of fewer
-    threads than moe_route's 256 (the softmax sums in moe_route's order)."""
+    renormalised, a shared expert (Qwen3.6-35B-A3B; and not renormalised,
+    where the softmax's denominator shows in the weights' bits: a sum in
+    another order fails it); 32 experts, top-4, sigmoid scores with a bias
+    (LFM2.5), each on a threadgroup of fewer threads than moe_route's 256
+    (the softmax sums in moe_route's order)."""
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     gate_up, _, _, _ = banks(257, torch.bfloat16, inter=16)
-    got, want, d = routed_and_unfused(x, gate_up, None, logits_for(tokens, 257, torch.bfloat16), 8, True, True)
-    assert_same(got, want)
-    assert d[0].threads_per_threadgroup[0] < 256
+    for renormalize in (True, False):
+        got, want, d = routed_and_unfused(x, gate_up, None, logits_for(tokens, 257, torch.bfloat16), 8, renormalize,
+                                          True)
+        assert_same(got, want)
+        assert d[0].threads_per_threadgroup[0] < 256
     gate_up, _, _, _ = banks(32, torch.bfloat16, inter=16)
     bias = torch.randn(32, generator=torch.Generator().manual_seed(2)) * 0.3
     got, want, _ = routed_and_unfused(x, gate_up, None, logits_for(tokens, 32, torch.bfloat16), 4, True, False, bias,
@@ -135,12 +139,12 @@ def test_qwen3_6_and_lfm2_5_routing(tokens):
     assert_same(got, want)
 
 
-def layer_args(tokens, experts, top_k, shared, kind, inter=32):
+def layer_args(tokens, experts, top_k, shared, kind, inter=32, hidden=64):
     dtype = torch.bfloat16 if kind == "fp8" else kind
     g = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, 64, generator=g).to(dtype)
-    router = (torch.randn(experts + shared, 64, generator=g) * 0.3).to(dtype)
-    gate_up, gate_up_scale, down, down_scale = banks(experts + shared, kind, inter=inter)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    router = (torch.randn(experts + shared, hidden, generator=g) * 0.3).to(dtype)
+    gate_up, gate_up_scale, down, down_scale = banks(experts + shared, kind, hidden=hidden, inter=inter)
     return x, router, gate_up, gate_up_scale, down, down_scale
 
 
@@ -163,14 +167,14 @@ def test_the_layer_is_three_dispatches(kind):
 
 
 @pytest.mark.parametrize("case,why", [
-    ("unaligned", "expert rows of 18 elements: not 16-byte aligned, and the kernel has only _vec"),
+    ("unaligned", "x and gate_up rows of 60 elements: not 16-byte aligned, and the kernel has only _vec"),
     ("experts", "600 experts: past MOE_FUSED_MAX_EXPERTS keys in the tile"),
     ("slots", "16 tokens x 9 slots: past MOE_FUSED_MAX_SLOTS"),
 ])
 def test_shapes_the_routed_kernel_leaves_to_moe_route(case, why):
-    tokens, experts, inter = {"unaligned": (2, 8, 18), "experts": (1, 600, 8), "slots": (16, 8, 32)}[case]
+    tokens, experts, hidden = {"unaligned": (2, 8, 60), "experts": (1, 600, 64), "slots": (16, 8, 64)}[case]
     top_k = 8 if case == "slots" else 2
-    args = layer_args(tokens, experts, top_k, 1, torch.bfloat16, inter=inter)
+    args = layer_args(tokens, experts, top_k, 1, torch.bfloat16, inter=8 if case == "experts" else 32, hidden=hidden)
     with cpu_metal.record() as rec:
         out = torch.ops.mps_ext.moe_layer(*args, top_k, True, True)
     kernels = [d.kernel for d in rec.dispatches]
