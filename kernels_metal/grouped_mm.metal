@@ -14,6 +14,9 @@
 //                  row (and of every 8th after it) works, the others exit.
 //                  So experts nobody chose are never touched, and the
 //                  launch is the same whatever the routing.
+// moe_gate_up_routed  gmm_decode_rows's gate/up product of mps_ext's MoE
+//                  layer with moe_route's routing in the same dispatch
+//                  (each threadgroup routes from the router's logits).
 // moe_down_combine  gmm_decode_rows's down product of mps_ext's MoE layer
 //                  with each token's weighted sum of its slots as the
 //                  epilogue (moe_combine's, bit for bit): one dispatch.

@@ -20,14 +20,20 @@
 // Eager PyTorch on a Mac pays about 20 us of CPU per op it encodes, and a
 // MoE block written op by op (router, softmax, top-k, renormalisation, the
 // per-expert loop or grouped products with their sorting, combine, shared
-// expert) is dozens of ops; here the same layer is four dispatches encoded
+// expert) is dozens of ops; here the same layer is three dispatches encoded
 // by one call:
 //
 //   logits  = router GEMV of x                        (linear.cpp's kernels)
-//   weights, offs, slot_of_row, row_of_slot = moe_route(logits)
-//   h       = moe_experts(x, gate_up, swiglu)          (each chosen expert's rows read once)
+//   h, weights, offs, slot_of_row, row_of_slot = moe_gate_up_routed(x, gate_up, logits)
 //   out     = moe_down_combine(h, down, weights, row_of_slot[, residual])
 //
+// The second is moe_route(logits) then moe_experts(x, gate_up, offs,
+// slot_of_row, swiglu) in one kernel with the same bits (grouped_mm.metal:
+// every threadgroup routes the tokens itself; threadgroup (0, 0) writes
+// moe_route's outputs for the next dispatch). Where it does not take the
+// shapes (past MOE_FUSED_MAX_EXPERTS experts or MOE_FUSED_MAX_SLOTS token
+// slots, rows not 16-byte aligned: routed_gate_up below), those two
+// dispatches: four a layer.
 // The last is moe_experts(h, down) and moe_combine in one kernel with the
 // same bits (grouped_mm.cpp): a threadgroup owns a block of hidden columns,
 // takes each chosen expert's down rows of it once and sums each token's
@@ -42,8 +48,8 @@
 //
 // torch.ops.mps_ext.add_rms_norm_moe_layer: the decoder layer's residual add
 // and post-attention norm before the layer (add_rms_norm's), in the router
-// GEMV's dispatch: four dispatches where add_rms_norm and moe_layer take
-// five (below).
+// GEMV's dispatch: three dispatches where add_rms_norm and moe_layer take
+// four (below).
 //
 // A shared expert (Qwen3-Next, Qwen3.5/3.6-MoE) is expert E of the banks and
 // row E of the router (its sigmoid gate), as moe_route defines it, so it
@@ -281,8 +287,8 @@ at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Te
 // add_rms_norm then moe_layer(normed, ..., residual=h) bit for bit, with the
 // add and the norm in the router GEMV's dispatch (linear.cpp's
 // add_rms_norm_gemv: every threadgroup adds and norms the rows itself,
-// threadgroup 0 writes h and normed for the rest of the layer): four
-// dispatches a decode step where the two ops take five. Where that kernel
+// threadgroup 0 writes h and normed for the rest of the layer): three
+// dispatches a decode step where the two ops take four. Where that kernel
 // does not take the rows (more than 8, normed rows past its threadgroup
 // memory, a router not contiguous along K), the two ops. Returns (h,
 // normed, out).
