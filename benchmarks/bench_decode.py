@@ -473,10 +473,6 @@ def step_dispatches(step: timeline.Step) -> float:
 def _fusions_left(r: Row) -> dict[str, dict]:
     """Issue 31 point 5's fusions not done yet, as the dispatches each layer
     kind (or the calls before the layers) would lose:
-    - the routing in the experts' gate/up kernel: moe_route's dispatch, one
-      a MoE layer (each gate/up threadgroup ranks the router's logits for
-      the slots it serves; threadgroup 0 writes the weights and row maps
-      for the down product);
     - eager, the rotary tables (cos, sin of the step's positions, computed
       by the model's rotary module before the layers: a dozen aten calls)
       as one gather from tables made once: the calls before the layers but
@@ -484,12 +480,10 @@ def _fusions_left(r: Row) -> dict[str, dict]:
     Done and in the rows: the norms in the GEMVs that read them, the
     post-attention add and norm in the router GEMV, the cache append in the
     q/k-norm + rotary dispatch, the output gate in o_proj's GEMV
-    (sigmoid_gate_linear)."""
-    config = census.MODELS[r.model].config()
-    kinds = set(census.layer_kinds(config))
+    (sigmoid_gate_linear), the routing in the experts' gate/up kernel
+    (moe_gate_up_routed: moe_route's dispatch, one a MoE layer)."""
     pre = sum(op.counts.dispatches for op in r.make().ops if op.where == "pre")
-    out = {"routing in the experts' kernel": {kind: 1 for kind in kinds if kind.endswith("+moe")},
-           "rotary tables as one gather": {"pre": pre - 2} if r.mode == "eager" and pre > 2 else {}}
+    out = {"rotary tables as one gather": {"pre": pre - 2} if r.mode == "eager" and pre > 2 else {}}
     return {label: delta or None for label, delta in out.items()}  # None: the row has no such calls
 
 

@@ -10,12 +10,15 @@ against mps_ext's fused one.
     python -m benchmarks moe [--quick | --tiny]
     python benchmarks/bench_moe.py [--quick | --tiny]   (the same)
 
-The layer, as mps_ext runs it (torch.ops.mps_ext.moe_layer: 4 dispatches,
+The layer, as mps_ext runs it (torch.ops.mps_ext.moe_layer: 3 dispatches,
 nothing read on the host):
     logits = F.linear(x, router)                    router GEMV (mps_ext linear)
-    moe_route(logits, top_k)                        softmax, top-k, sort by expert, offsets
-    h = moe_experts(x, W_gate_up, ..., swiglu=True) gather + gate/up + silu(gate) * up
+    h = moe_gate_up_routed(x, W_gate_up, logits)    softmax, top-k, sort by expert, offsets (moe_route's,
+                                                    in each threadgroup) + gather + gate/up + silu(gate) * up
     out = moe_down_combine(h, W_down, weights, ...) down projection and each token's weighted sum
+(moe_route's own dispatch before the gate/up product where the routed
+kernel does not take the shapes: past 512 experts or 128 token slots, or
+rows not 16-byte aligned.)
 The shared expert (Qwen3.5/3.6) is expert E of the banks, chosen by every
 token with weight sigmoid(router row E). The same expert products are what
 F.grouped_mm runs (one dispatch each, no host sync) for model code that
@@ -100,7 +103,7 @@ def layer(model: Model, tokens: int, fp8: bool, dtype=torch.bfloat16, seed: int 
 
     def measures(stats):
         """The layer's figures: from the dispatches and what the run returned."""
-        if len(stats) == 3:  # torch's own one-row GEMV took the router (torch >= 2.15): count it
+        if "gemv" not in stats[0].kernel:  # torch's own one-row GEMV took the router (torch >= 2.15): count it
             router_read, extra_dispatch = router.nbytes, 1
         else:
             router_read, extra_dispatch = stats[0].bytes_read[stats[0].buffer("w")], 0

@@ -14,6 +14,9 @@
 //                  row (and of every 8th after it) works, the others exit.
 //                  So experts nobody chose are never touched, and the
 //                  launch is the same whatever the routing.
+// moe_gate_up_routed  gmm_decode_rows's gate/up product of mps_ext's MoE
+//                  layer with moe_route's routing in the same dispatch
+//                  (each threadgroup routes from the router's logits).
 // moe_down_combine  gmm_decode_rows's down product of mps_ext's MoE layer
 //                  with each token's weighted sum of its slots as the
 //                  epilogue (moe_combine's, bit for bit): one dispatch.
@@ -40,6 +43,7 @@
 #include "decode.h"
 #include "fp8_codec.h"
 #include "grouped_mm_params.h"
+#include "moe_route.h"
 #include "pieces.h"
 #include "activations.h"
 using namespace metal;
@@ -209,6 +213,49 @@ struct GmmDecodeJob {
   }
 };
 
+// The rows' work once the slot s is known and rows_at staged (a barrier
+// after both): the threadgroup's columns of the group's expert, each
+// applied to all the slot's rows.
+template <typename TA, typename TB, typename TO, bool VEC>
+MPS_EXT_INLINE void gmm_decode_rows_body(device TO* out,
+                                         const device TA* a,
+                                         const device TB* w,
+                                         constant GroupedMMParams& p,
+                                         const device float* row_scale,
+                                         const device float* col_scale,
+                                         RowSlot s,
+                                         threadgroup const uint* rows_at,
+                                         threadgroup uint* tile,
+                                         uint tg_x,
+                                         uint tid,
+                                         uint threads,
+                                         uint sg,
+                                         uint simdgroups,
+                                         uint lane) {
+  typedef GmmDecodeJob<TA, TB, TO, false> Job;
+  Job job;
+  job.io.init(job.op, out, a, w, p, s);
+  job.row_scale = row_scale;
+  job.col_scale = col_scale;
+  job.rows_at = rows_at;
+  // swiglu: one output, col0, of silu(gate) * up, from b's columns col0
+  // (gate) and half + col0 (up); else outputs col0 and col0 + 1.
+  const uint half_n = p.n / 2;
+  job.col0 = (tg_x * simdgroups + sg) * (p.swiglu ? 1 : GMM_ROWS_OUTPUTS);
+  MPS_EXT_UNROLL
+  for (int q = 0; q < GMM_ROWS_OUTPUTS; ++q) {
+    const uint c = p.swiglu ? job.col0 + q * half_n : job.col0 + q;
+    job.on[q] = p.swiglu ? job.col0 < half_n : c < p.n;
+    job.col[q] = job.on[q] ? c : 0;
+  }
+  // One specialisation per row count, so one routed row does not pay for 8.
+  constexpr int Q = GMM_ROWS_OUTPUTS;
+  if (s.rows == 1) decode_rows<Job, 1, Q, VEC>(job, tile, tid, threads, lane);
+  else if (s.rows == 2) decode_rows<Job, 2, Q, VEC>(job, tile, tid, threads, lane);
+  else if (s.rows <= 4) decode_rows<Job, 4, Q, VEC>(job, tile, tid, threads, lane);
+  else decode_rows<Job, 8, Q, VEC>(job, tile, tid, threads, lane);
+}
+
 template <typename TA, typename TB, typename TO, bool VEC>
 [[max_total_threads_per_threadgroup(DECODE_MAX_THREADS)]]
 kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
@@ -225,8 +272,7 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
                             uint sg [[simdgroup_index_in_threadgroup]],
                             uint simdgroups [[simdgroups_per_threadgroup]],
                             uint lane [[thread_index_in_simdgroup]]) {
-  typedef GmmDecodeJob<TA, TB, TO, false> Job;
-  constexpr int TILE_WORDS = decode_tile_words_any<TA, TB, VEC, false>(Job::TILE_BYTES);
+  constexpr int TILE_WORDS = decode_tile_words_any<TA, TB, VEC, false>(GmmDecodeJob<TA, TB, TO, false>::TILE_BYTES);
   threadgroup uint tile[TILE_WORDS];
   threadgroup uint rows_at[GMM_DECODE_MAX_ROWS];
   threadgroup uint shared[2];
@@ -241,27 +287,150 @@ kernel void gmm_decode_rows(device TO* out [[buffer(0)]],
     rows_at[tid] = 0;  // rows past the slot's: never read from `a`
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  Job job;
-  job.io.init(job.op, out, a, w, p, s);
-  job.row_scale = row_scale;
-  job.col_scale = col_scale;
-  job.rows_at = rows_at;
-  // swiglu: one output, col0, of silu(gate) * up, from b's columns col0
-  // (gate) and half + col0 (up); else outputs col0 and col0 + 1.
-  const uint half_n = p.n / 2;
-  job.col0 = (tg.x * simdgroups + sg) * (p.swiglu ? 1 : GMM_ROWS_OUTPUTS);
-  MPS_EXT_UNROLL
-  for (int q = 0; q < GMM_ROWS_OUTPUTS; ++q) {
-    const uint c = p.swiglu ? job.col0 + q * half_n : job.col0 + q;
-    job.on[q] = p.swiglu ? job.col0 < half_n : c < p.n;
-    job.col[q] = job.on[q] ? c : 0;
+  gmm_decode_rows_body<TA, TB, TO, VEC>(out, a, w, p, row_scale, col_scale, s, rows_at, tile, tg.x, tid, threads.x, sg,
+                                        simdgroups, lane);
+}
+
+// --------------------------------------------------- moe_gate_up_routed --
+// gmm_decode_rows's gate/up product of mps_ext's MoE layer (swiglu, each
+// slot's row its token's) from the router's logits, with moe_route's
+// dispatch folded in: every threadgroup routes the tokens itself
+// (moe_route.h, the same ids), in threadgroup memory, finds the slot of its
+// grid row as decode_slot would from moe_route's offs, and then does
+// gmm_decode_rows's work; threadgroup (0, 0) also writes what the next
+// dispatch, moe_down_combine, reads (weights, offs, slot_of_row,
+// row_of_slot: moe_route's outputs, bit for bit; the dispatch boundary
+// orders them, no other threadgroup reads them). Three dispatches a layer
+// where moe_route made four.
+//
+// The experts are chosen by counting, not by moe_route's top_k rounds of
+// threadgroup max (two barriers each): each thread takes experts e =
+// tid, tid + threads, ... and counts the experts that beat e's key (a
+// larger key, or an equal one at a smaller index: torch.topk's order and
+// ties, NaN first), stopping at top_k; e's rank, if below top_k, is its
+// slot. Every lane of a simdgroup reads the same key at a time (a
+// broadcast of threadgroup memory). The cost a threadgroup pays before it
+// streams its weights: for each token, its logits read (the experts' x 2
+// or 4 bytes, from cache after the first threadgroup), and at most
+// experts / threads x experts compares a thread, most experts leaving
+// after a few (a random expert meets top_k better ones within about
+// top_k x experts / its rank); two barriers a token and three after.
+// Measured on the executor (IR instructions, one token, bf16, the 80-core
+// geometry; gate/up against gmm_decode_rows on moe_route's outputs):
+// Qwen3.6 (2048 wide, 256 experts + shared, top 8, 333 threadgroups of
+// 448 threads) 424 more a thread (+23% on gmm_decode_rows' 1843), 3 more
+// barriers a threadgroup, where moe_route's one threadgroup ran 2113 a
+// thread; LFM2.5 (32 experts, sigmoid + bias, top 4, 448 threadgroups of
+// 512) 63 more a thread (+3%). The logits come from cache: 514 distinct
+// bytes, 171 KB over the threadgroups (Qwen3.6).
+// Threadgroup (0, 0) adds the softmax's denominators in moe_route's order
+// (route_softmax_sum) and the weights (one thread). Shapes past
+// MOE_FUSED_MAX_EXPERTS experts or MOE_FUSED_MAX_SLOTS slots, and rows
+// not 16-byte aligned, stay on moe_route (moe.cpp's choice). The keys,
+// the slots' experts and the partial sums live in the activation tile,
+// unused until the rows are staged: no threadgroup memory of their own.
+template <typename TA, typename TB, typename TO>
+[[max_total_threads_per_threadgroup(DECODE_MAX_THREADS)]]
+kernel void moe_gate_up_routed(device TO* out [[buffer(0)]],
+                               const device TA* a [[buffer(1)]],
+                               const device TB* w [[buffer(2)]],
+                               const device uchar* logits [[buffer(3)]],
+                               constant GroupedMMParams& p [[buffer(4)]],
+                               const device float* row_scale [[buffer(5)]],
+                               const device float* col_scale [[buffer(6)]],
+                               constant MoeRouteParams& rp [[buffer(7)]],
+                               const device float* expert_bias [[buffer(8)]],
+                               device float* weights [[buffer(9)]],
+                               device int* offs [[buffer(10)]],
+                               device int* slot_of_row [[buffer(11)]],
+                               device int* row_of_slot [[buffer(12)]],
+                               uint2 tg [[threadgroup_position_in_grid]],
+                               uint tid [[thread_index_in_threadgroup]],
+                               uint2 threads [[threads_per_threadgroup]],
+                               uint sg [[simdgroup_index_in_threadgroup]],
+                               uint simdgroups [[simdgroups_per_threadgroup]],
+                               uint lane [[thread_index_in_simdgroup]]) {
+  constexpr int TILE_WORDS = decode_tile_words_any<TA, TB, true, false>(GmmDecodeJob<TA, TB, TO, false>::TILE_BYTES);
+  static_assert(TILE_WORDS >= MOE_FUSED_MAX_EXPERTS + MOE_FUSED_MAX_SLOTS + MOE_ROUTE_THREADS / 32,
+                "the routing fits the activation tile");
+  threadgroup uint tile[TILE_WORDS];
+  threadgroup uint rows_at[GMM_DECODE_MAX_ROWS];
+  threadgroup uint shared[2];
+  threadgroup uint* keys = tile;
+  threadgroup int* ids = (threadgroup int*)(tile + MOE_FUSED_MAX_EXPERTS);
+  threadgroup float* sums = (threadgroup float*)(tile + MOE_FUSED_MAX_EXPERTS + MOE_FUSED_MAX_SLOTS);
+  const uint n = threads.x, slots = rp.top_k + rp.shared, total = rp.tokens * slots, row = tg.y;
+  const bool writer = tg.x == 0 && tg.y == 0;  // uniform in the threadgroup
+  for (uint t = 0; t < rp.tokens; ++t) {
+    const RouteLogitsAny lt{logits + ulong(t) * ulong(rp.logits_t_stride) * (rp.logits_type == MOE_LOGITS_F32 ? 4 : 2),
+                            rp.logits_e_stride, rp.logits_type};
+    for (uint e = tid; e < rp.experts; e += n) keys[e] = rank_key(route_rank_value(lt, e, lt.at(e), rp, expert_bias));
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint e = tid; e < rp.experts; e += n) {
+      const uint key = keys[e];
+      uint rank = 0;
+      for (uint j = 0; j < rp.experts && rank < rp.top_k; ++j)
+        rank += keys[j] > key || (keys[j] == key && j < e) ? 1 : 0;
+      if (rank < rp.top_k) ids[t * slots + rank] = int(e);
+    }
+    if (tid == 0 && rp.shared) ids[t * slots + rp.top_k] = int(rp.experts);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (writer) {
+      // Softmax: the max logit is the first chosen expert's (NaN if any is).
+      const bool softmax = rp.scoring == MOE_SCORING_SOFTMAX;
+      const float mx = softmax ? key_value(keys[ids[t * slots]]) : 0.0f;
+      const float sum = softmax ? route_softmax_sum(lt, rp.experts, mx, sg, lane, simdgroups, sums) : 0.0f;
+      if (tid == 0) {
+        float chosen_sum = 0.0f;
+        for (uint k = 0; k < rp.top_k; ++k) {
+          const float prob = route_weight(lt, lt.at(uint(ids[t * slots + k])), mx, sum, rp);
+          chosen_sum += prob;
+          weights[t * slots + k] = prob;
+        }
+        route_finish(chosen_sum, rp.shared ? lt.at(rp.experts) : 0.0f, rp, weights + t * slots);
+      }
+    }
+    // (The next token's keys overwrite these: every read of them is before
+    // the barrier above, or route_softmax_sum's.)
   }
-  // One specialisation per row count, so one routed row does not pay for 8.
-  constexpr int Q = GMM_ROWS_OUTPUTS;
-  if (s.rows == 1) decode_rows<Job, 1, Q, VEC>(job, tile, tid, threads.x, lane);
-  else if (s.rows == 2) decode_rows<Job, 2, Q, VEC>(job, tile, tid, threads.x, lane);
-  else if (s.rows <= 4) decode_rows<Job, 4, Q, VEC>(job, tile, tid, threads.x, lane);
-  else decode_rows<Job, 8, Q, VEC>(job, tile, tid, threads.x, lane);
+  // The slot of grid row `row`: the group (expert) of the slot sorted to
+  // it; it works if it is its group's first row, or 8, 16, ... past it (as
+  // decode_slot decides from offs), on that many of the group's rows, each
+  // its slot's token's row of `a`.
+  if (tid < GMM_DECODE_MAX_ROWS) rows_at[tid] = 0;
+  if (tid == 0) shared[1] = 0;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (writer) route_offsets(ids, total, rp.experts + rp.shared, tid, n, offs);
+  for (uint i = tid; i < total; i += n) {
+    const int r = route_row(ids, total, i);
+    if (writer) {
+      slot_of_row[r] = int(i);
+      row_of_slot[i] = r;
+    }
+    if (uint(r) >= row && uint(r) < row + GMM_DECODE_MAX_ROWS) rows_at[uint(r) - row] = (i / slots) * uint(p.a_m);
+    if (uint(r) == row) {
+      const int g = ids[i];
+      uint start = 0, end = 0;
+      for (uint j = 0; j < total; ++j) {
+        start += ids[j] < g ? 1 : 0;
+        end += ids[j] <= g ? 1 : 0;
+      }
+      shared[0] = uint(g);
+      shared[1] = (row - start) % GMM_DECODE_MAX_ROWS == 0 ? min(uint(GMM_DECODE_MAX_ROWS), end - row) : 0;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  RowSlot s;
+  s.g = shared[0];
+  s.row = row;
+  s.rows = shared[1];
+  if (s.rows == 0) return;  // uniform: not the first row of a chunk
+  // Rows past the slot's (another expert's) are never read from `a`; the
+  // tile's routing is dead once every thread is past this barrier.
+  if (tid >= s.rows && tid < GMM_DECODE_MAX_ROWS) rows_at[tid] = 0;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  gmm_decode_rows_body<TA, TB, TO, true>(out, a, w, p, row_scale, col_scale, s, rows_at, tile, tg.x, tid, n, sg,
+                                         simdgroups, lane);
 }
 
 // ----------------------------------------------------- moe_down_combine --
@@ -749,6 +918,10 @@ kernel void gmm_tiled(device TO* out [[buffer(0)]],
       decltype(gmm_decode_rows<TA, TB, TO, true>) gmm_decode_rows<TA, TB, TO, true>;                  \
   template [[host_name("gmm_decode_rows_" #tname "_scalar")]] kernel                                  \
       decltype(gmm_decode_rows<TA, TB, TO, false>) gmm_decode_rows<TA, TB, TO, false>;
+// Only _vec: rows not 16-byte aligned stay on moe_route and gmm_decode_rows.
+#define MOE_GATE_UP_ROUTED(tname, TA, TB, TO)                                                        \
+  template [[host_name("moe_gate_up_routed_" #tname "_vec")]] kernel                                  \
+      decltype(moe_gate_up_routed<TA, TB, TO>) moe_gate_up_routed<TA, TB, TO>;
 #define MOE_DOWN_COMBINE(tname, TA, TB, TO)                                                          \
   template [[host_name("moe_down_combine_" #tname "_vec")]] kernel                                    \
       decltype(moe_down_combine<TA, TB, TO, true>) moe_down_combine<TA, TB, TO, true>;                \
@@ -772,6 +945,10 @@ GMM_DECODE_ROWS(f16, half, half, half)
 GMM_DECODE_ROWS(bf16, bfloat, bfloat, bfloat)
 GMM_DECODE_ROWS(e4m3, uchar, uchar, bfloat)
 GMM_DECODE_ROWS(bf16_e4m3w, bfloat, uchar, bfloat)  // bfloat activations, e4m3 weights (mps_ext's MoE ops)
+MOE_GATE_UP_ROUTED(f32, float, float, float)
+MOE_GATE_UP_ROUTED(f16, half, half, half)
+MOE_GATE_UP_ROUTED(bf16, bfloat, bfloat, bfloat)
+MOE_GATE_UP_ROUTED(bf16_e4m3w, bfloat, uchar, bfloat)
 MOE_DOWN_COMBINE(f32, float, float, float)
 MOE_DOWN_COMBINE(f16, half, half, half)
 MOE_DOWN_COMBINE(bf16, bfloat, bfloat, bfloat)

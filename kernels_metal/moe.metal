@@ -6,55 +6,8 @@
 //                and nothing goes to the CPU).
 //   moe_combine  each token's expert outputs summed with its weights.
 #include <metal_stdlib>
-#include "moe_params.h"
-#include "activations.h"
+#include "moe_route.h"
 using namespace metal;
-
-// Logits ranked as torch.topk ranks them: NaN above every number. A uint
-// key in that order (a float's bits with the sign flipped, or all bits for
-// a negative number; every NaN the largest key) lets one uint simd_max
-// rank them, where a float max would drop a NaN. Keys of equal values are
-// equal (but -0 ranks below +0), and ties go to the smallest index.
-inline uint rank_key(float v) {
-  const uint b = as_type<uint>(v);
-  return isnan(v) ? 0xffffffffu : (b & 0x80000000u) ? ~b : b | 0x80000000u;
-}
-inline float key_value(uint k) {
-  return k == 0xffffffffu ? NAN : as_type<float>((k & 0x80000000u) ? k & 0x7fffffffu : ~k);
-}
-
-// The best (largest key, then smallest index) of every thread's candidate,
-// with the value the candidate carries, known to all threads. Two barriers;
-// `keys`, `idxs`, `vals` hold one entry per simdgroup.
-inline void best_of_threadgroup(thread uint& key,
-                                thread uint& i,
-                                thread float& val,
-                                uint sg,
-                                uint lane,
-                                uint simdgroups,
-                                threadgroup uint* keys,
-                                threadgroup uint* idxs,
-                                threadgroup float* vals) {
-  const uint best = simd_max(key);
-  const uint at = simd_min(key == best ? i : 0xffffffffu);
-  const float v = simd_shuffle(val, ushort(simd_min(key == best && i == at ? lane : 31u)));
-  if (lane == 0) {
-    keys[sg] = best;
-    idxs[sg] = at;
-    vals[sg] = v;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  key = keys[0];
-  i = idxs[0];
-  val = vals[0];
-  for (uint s = 1; s < simdgroups; ++s)
-    if (keys[s] > key || (keys[s] == key && idxs[s] < i)) {
-      key = keys[s];
-      i = idxs[s];
-      val = vals[s];
-    }
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // before the arrays are written again
-}
 
 template <typename T>
 [[max_total_threads_per_threadgroup(MOE_ROUTE_THREADS)]]
@@ -75,26 +28,23 @@ kernel void moe_route(device float* weights [[buffer(0)]],
   threadgroup float vals[MOE_ROUTE_THREADS / 32];
   threadgroup float sums[MOE_ROUTE_THREADS / 32];
   threadgroup int ids[MOE_MAX_SLOTS];
-  threadgroup int start[MOE_MAX_EXPERTS + 1];
   const uint slots = p.top_k + p.shared;
   const uint threads = simdgroups * 32;
 
   for (uint t = 0; t < p.tokens; ++t) {
-    const device T* lt = logits + ulong(t) * ulong(p.logits_t_stride);
-    const bool by_sigmoid = p.scoring == MOE_SCORING_SIGMOID;
+    const RouteLogits<T> lt{logits + ulong(t) * ulong(p.logits_t_stride), p.logits_e_stride};
     float l[PER];
     float r[PER];  // what ranks the experts: the logit, or the sigmoid score plus the bias
     bool taken[PER];
     for (uint j = 0; j < PER; ++j) {
       taken[j] = false;
       const uint e = tid + j * threads;
-      l[j] = e < p.experts ? float(lt[ulong(e) * ulong(p.logits_e_stride)]) : -INFINITY;
-      r[j] = l[j];
-      if (by_sigmoid && e < p.experts) r[j] = float(T(sigmoid(l[j]))) + (p.has_bias ? expert_bias[e] : 0.0f);
+      l[j] = e < p.experts ? lt.at(e) : -INFINITY;
+      r[j] = e < p.experts ? route_rank_value(lt, e, l[j], p, expert_bias) : l[j];
     }
     // The shared expert's gate, loaded now so that it does not wait behind
     // the barriers below.
-    const float shared_gate = p.shared && tid == 0 ? float(lt[ulong(p.experts) * ulong(p.logits_e_stride)]) : 0.0f;
+    const float shared_gate = p.shared && tid == 0 ? lt.at(p.experts) : 0.0f;
     // Softmax denominators: the max (NaN if a logit is, so that every
     // weight is NaN, as torch's softmax gives), then the sum of exponentials.
     uint mk = rank_key(l[0]);
@@ -103,18 +53,11 @@ kernel void moe_route(device float* weights [[buffer(0)]],
     float no_value = 0.0f;
     best_of_threadgroup(mk, unused, no_value, sg, lane, simdgroups, keys, idxs, vals);
     const float mx = key_value(mk);
-    float sum = 0.0f;
-    for (uint j = 0; j < PER; ++j) sum += l[j] == -INFINITY ? 0.0f : exp(l[j] - mx);
-    sum = simd_sum(sum);
-    if (lane == 0) sums[sg] = sum;
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    sum = 0.0f;
-    for (uint s = 0; s < simdgroups; ++s) sum += sums[s];
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const float sum = route_softmax_sum(lt, p.experts, mx, sg, lane, simdgroups, sums);
     // Top-k, one winner at a time; its owner drops it from its candidates.
     float chosen_sum = 0.0f;
     for (uint k = 0; k < p.top_k; ++k) {
-      // The winner carries its logit: its score is then known without a
+      // The winner carries its logit: its weight is then known without a
       // load after the barriers.
       uint key = 0, at = 0xffffffffu;
       float logit = 0.0f;
@@ -129,12 +72,7 @@ kernel void moe_route(device float* weights [[buffer(0)]],
       best_of_threadgroup(key, at, logit, sg, lane, simdgroups, keys, idxs, vals);
       for (uint j = 0; j < PER; ++j)
         if (tid + j * threads == at) taken[j] = true;
-      float prob;
-      if (by_sigmoid) {  // the chosen expert's score without its bias
-        prob = float(T(sigmoid(logit)));
-      } else {
-        prob = exp(key_value(key) - mx) / sum;
-      }
+      const float prob = route_weight(lt, logit, mx, sum, p);
       chosen_sum += prob;
       if (tid == 0) {
         ids[t * slots + k] = int(at);
@@ -142,41 +80,17 @@ kernel void moe_route(device float* weights [[buffer(0)]],
       }
     }
     if (tid == 0) {
-      if (p.renormalize)
-        for (uint k = 0; k < p.top_k; ++k) weights[t * slots + k] /= chosen_sum + p.renorm_eps;
-      for (uint k = 0; k < p.top_k; ++k) weights[t * slots + k] *= p.scale;
-      if (p.shared) {
-        ids[t * slots + p.top_k] = int(p.experts);
-        weights[t * slots + p.top_k] = sigmoid(shared_gate);
-      }
+      if (p.shared) ids[t * slots + p.top_k] = int(p.experts);
+      route_finish(chosen_sum, shared_gate, p, weights + t * slots);
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   // Counting sort of the slots by expert.
-  const uint total = p.tokens * slots, experts = p.experts + p.shared;
-  for (uint e = tid; e < experts; e += threads) {
-    int count = 0;
-    for (uint i = 0; i < total; ++i) count += ids[i] == int(e) ? 1 : 0;
-    start[e + 1] = count;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (tid == 0) {
-    start[0] = 0;
-    for (uint e = 0; e < experts; ++e) {
-      start[e + 1] += start[e];
-      offs[e] = start[e + 1];
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  // A slot's row: the slots of lower experts, then those of its own before
-  // it. Counted over `ids`, which every lane reads at one address at a time
-  // (a broadcast), not looked up in `start` at a per-lane expert (which
-  // would put lanes on one bank at experts 32 apart).
+  const uint total = p.tokens * slots;
+  route_offsets(ids, total, p.experts + p.shared, tid, threads, offs);
   for (uint i = tid; i < total; i += threads) {
-    const int e = ids[i];
-    int row = 0;
-    for (uint j = 0; j < total; ++j) row += ids[j] < e || (ids[j] == e && j < i) ? 1 : 0;
+    const int row = route_row(ids, total, i);
     slot_of_row[row] = int(i);
     row_of_slot[i] = row;
   }

@@ -21,8 +21,12 @@ struct MoeRouteParams {
   uint32_t scoring;
   int64_t logits_t_stride, logits_e_stride;
   float scale, renorm_eps;
-  uint32_t has_bias, pad;
+  uint32_t has_bias;
+  uint32_t logits_type;  // MOE_LOGITS_*: the logits' dtype (read by moe_gate_up_routed; moe_route's is its T)
 };
+#define MOE_LOGITS_F32 0
+#define MOE_LOGITS_F16 1
+#define MOE_LOGITS_BF16 2
 #define MOE_SCORING_SOFTMAX 0
 #define MOE_SCORING_SIGMOID 1
 
@@ -39,3 +43,10 @@ struct MoeCombineParams {
 // A combine thread computes this many outputs of a token, MOE_COMBINE_THREADS apart.
 #define MOE_COMBINE_OUTPUTS 8
 #define MOE_COMBINE_THREADS 64
+// moe_gate_up_routed (grouped_mm.metal): the routing its threadgroups do
+// themselves, kept in the threadgroup memory of their activation tile
+// before it is staged: one token's keys, one per expert, then every
+// slot's expert, then the softmax's partial sums. The host takes the
+// 4-dispatch path (moe_route) past these.
+#define MOE_FUSED_MAX_EXPERTS 512
+#define MOE_FUSED_MAX_SLOTS 128

@@ -69,7 +69,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import bench_linear_attention, bench_moe, census, common, efficiency, prefill
+from benchmarks import bench_grouped_mm, bench_linear_attention, bench_moe, census, common, efficiency, prefill
 from benchmarks.__main__ import OPS, op_cases
 import mps_ext_executor as cpu_metal
 
@@ -121,12 +121,16 @@ FP8_TILE = names("fp8_mm_tile_{a}_{path}", a=("f32", "f16", "bf16", "fp8"), path
 GMM_DECODE = names(
     "gmm_decode_rows_{t}_{path}", t=("f32", "f16", "bf16", "e4m3", "bf16_e4m3w"), path=("vec", "scalar")
 ) + names("gmm_decode_cols_{t}_{path}", t=("f32", "f16", "bf16"), path=("vec", "scalar"))
-_GMM_ROWS_OF_THE_LAYER = re.compile(r"gmm_decode_rows_(f32|f16|bf16)_vec$|gmm_decode_rows_bf16_e4m3w_")
+# (the layer's gate/up product is moe_gate_up_routed: gmm_decode_rows' float variants are measured by the
+# grouped products' decode cases, its fp8-weight ones by moe_experts' cases)
+_GMM_ROWS_OF_THE_LAYER = re.compile(r"gmm_decode_rows_bf16_e4m3w_")
 GMM_TILED = names("gmm_tiled_{t}", t=("f32", "f16", "bf16", "e4m3"))
 GMM_TILED_DENSE = names("gmm_tiled_dense_{t}", t=("f16", "bf16"))  # linear's prefill: gmm_tiled, one group
 # fp8_linear's prefill (16-bit activations, e4m3 weights, tensor-wise or row-wise scales): the same tile
 GMM_TILED_DENSE_FP8 = names("gmm_tiled_dense_{t}_e4m3w", t=("f16", "bf16"))
 MOE_ROUTE_COMBINE = names("moe_{step}_{t}", step=("route", "combine"), t=("f32", "f16", "bf16"))
+# moe_layer's gate/up product with the routing in its dispatch (the layer's three dispatches)
+MOE_GATE_UP_ROUTED = names("moe_gate_up_routed_{t}_vec", t=("f32", "f16", "bf16", "bf16_e4m3w"))
 MOE_DOWN_COMBINE = names("moe_down_combine_{t}_{path}", t=("f32", "f16", "bf16", "bf16_e4m3w"),
                          path=("vec", "scalar"))
 RMS_NORM = names("rms_norm_{t}", t=("f32", "f16", "bf16"))
@@ -274,6 +278,8 @@ BUDGETS: dict[str, Budget] = {
                  activation="a") for k in GMM_DECODE},
     **{k: Budget("moe", full_occupancy=True, lines=lines(k),
                  unreached=MOE_COMBINE_UNREACHED if "_combine_" in k else "") for k in MOE_ROUTE_COMBINE},
+    # moe_layer's gate/up product routing its own rows: gmm_decode_rows' GEMV after the routing
+    **{k: Budget("moe", full_occupancy=True, activation="a") for k in MOE_GATE_UP_ROUTED},
     # moe_layer's down product with the combine fused: a decode GEMV of the experts' rows, as gmm_decode_rows
     **{k: Budget("moe", full_occupancy=True, lines=lines(k), activation="a",
                  unreached=MOE_DOWN_COMBINE_SCALAR if k.endswith("_scalar") else "") for k in MOE_DOWN_COMBINE},
@@ -337,6 +343,25 @@ BUDGET_ONLY = [bench_moe.layer_case(BUDGET_LAYER, 1, fp8, dtype)
 BUDGET_ONLY += [bench_moe.layer_case(BUDGET_LAYER, 1, fp8, torch.bfloat16, residual=True) for fp8 in (False, True)]
 # ... and with the layer's residual add and post-attention norm in the router's dispatch (add_rms_norm_moe_layer)
 BUDGET_ONLY += [bench_moe.layer_case(BUDGET_LAYER, 1, False, torch.bfloat16, add_norm=True)]
+# moe_layer routes in its gate/up dispatch (moe_gate_up_routed); moe_route's own dispatch serves the layers past
+# that kernel's limits and FusedMoE's grouped path: BUDGET_LAYER's routing (one token, 128 experts, top 8) in each
+# dtype, and moe_experts with fp8 weights on aligned rows (its misaligned case is bench_moe's).
+
+
+def _route_case(dtype) -> common.Case:
+    def prepare():
+        g = torch.Generator().manual_seed(0)
+        logits = torch.randn(1, BUDGET_LAYER.experts, generator=g).to(dtype)
+        k = BUDGET_LAYER.top_k
+        return common.Prepared(lambda: torch.ops.mps_ext.moe_route(logits, k, True, False),
+                               logits.nbytes + k * 4 + BUDGET_LAYER.experts * 4 + 2 * k * 4)
+    labels = {"case": "moe_route", "model": "budget", "experts": str(BUDGET_LAYER.experts),
+              "activation": str(dtype)[6:], "tokens / rows": "1", "weight": ""}
+    return common.Case("moe", f"moe_route budget {str(dtype)[6:]} tokens=1", labels, prepare)
+
+
+BUDGET_ONLY += [_route_case(dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16)]
+BUDGET_ONLY += [bench_grouped_mm.grouped_case("moe_experts", torch.bfloat16, 64, "nk", op="moe")]
 BUDGET_CASES = {
     "softmax": [c.id for c in op_cases("softmax", "quick")],  # all but the 4096 x 4096 attention scores
     "linear": _LINEAR_SMALL + ["rms_norm_linear 2048->3072 weight bfloat16 rows=1",
@@ -377,8 +402,8 @@ GPUS = {op: (LARGE_GPU, SMALL_GPU) for op in ("linear", "scaled_mm", "grouped_mm
 # geometry). Every other launch is the same on each GPU, so after the first
 # GPU of GPUS a case runs again only if it reached one of these (the
 # conversions, prefill tiles, routing and DeltaNet cases run once).
-FOLLOWS_THE_GPU = ("gemv_rows_", "gemv_cols_", "fp8_gemv_", "gmm_decode_rows_", "rms_norm_gemv_rows_",
-                   "add_rms_norm_gemv_rows_", "rms_norm_fp8_gemv_", "sigmoid_gate_gemv_rows_")
+FOLLOWS_THE_GPU = ("gemv_rows_", "gemv_cols_", "fp8_gemv_", "gmm_decode_rows_", "moe_gate_up_routed_",
+                   "rms_norm_gemv_rows_", "add_rms_norm_gemv_rows_", "rms_norm_fp8_gemv_", "sigmoid_gate_gemv_rows_")
 
 
 @functools.lru_cache(maxsize=None)
@@ -506,7 +531,8 @@ UNEXAMINED_FIGURES: dict[str, tuple[int, int]] = {
     **{k: (16, 0) for k in FP8_GEMV},
     # (after the norm: fp8_gemv's, and the norm's 2 per row, ss / n and 1 / sqrt(...))
     **{k: (16, 2) for k in RMS_FP8_GEMV},
-    **{k: (1, 1) for k in names("gmm_decode_rows_{t}_vec", t=("f32", "f16", "bf16", "bf16_e4m3w"))},
+    # (gmm_decode_rows_*_vec: 1 and 1 where moe_layer's gate/up product ran it, the gather's i / slots among
+    # them; the cases that measure them now, the grouped products and moe_experts, gather nothing: none)
     **{k: (1, 0) for k in names("gmm_decode_cols_{t}_{path}", t=("f32", "f16", "bf16"), path=("vec", "scalar"))},
     **{k: (0, 16) for k in MOE_ROUTE_COMBINE if k.startswith("moe_route_")},
     **{k: (16, 6) for k in LINEAR_ATTENTION},
@@ -537,6 +563,17 @@ GMM_TILED_LOADS_AFTER_BARRIER = ("gmm_tiled: the next stage's pieces load after 
                                  "`if (next < k1)`, so their values reach the next iteration through that branch's "
                                  "merge, not straight to the loop header (4 to 40 loads, executor analysis); "
                                  "unconditional loads (zeros past K) not done yet")
+# moe_gate_up_routed (the routing in moe_layer's gate/up dispatch): what threadgroup (0, 0) adds to write
+# moe_route's outputs, as moe_route computes them.
+MOE_ROUTED_LOADS_AFTER_BARRIER = ("moe_gate_up_routed: threadgroup (0, 0) reads, after the token's ranking barriers, "
+                                  "the logits again for the softmax sums in moe_route's order, each chosen expert's "
+                                  "logit and the shared expert's gate (3 loads, executor analysis; the other "
+                                  "threadgroups none): the keys in threadgroup memory could serve the first two "
+                                  "(softmax), a score array the sigmoid weights; not done yet")
+MOE_ROUTED_DIVISIONS = ("moe_gate_up_routed: gmm_decode_rows' 1 32-bit division (a slot's token, i / slots) and 1 "
+                        "float, plus moe_route's 16 float divisions in thread 0 of threadgroup (0, 0): each chosen "
+                        "expert's exp / sum and its renormalisation, top_k each per token (1 and 17 at the budget "
+                        "layer, one token of top 8), so they grow with the tokens as moe_route's do")
 NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met yet}
     # (issue 32) the prefill tiles' useful MMA slots against MLX's steel GEMM's at the same shapes: all met
     # (docs/dev/compute_efficiency.md has the whole table)
@@ -571,6 +608,7 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
     },
     "decode_registers": {},
     "no_load_after_barrier": {
+        **{k: MOE_ROUTED_LOADS_AFTER_BARRIER for k in MOE_GATE_UP_ROUTED},
         **{k: FP8_TILE_LOADS_AFTER_BARRIER for k in FP8_TILE},
         **{k: GMM_TILED_LOADS_AFTER_BARRIER for k in GMM_TILED + GMM_TILED_DENSE},
         **{k: GMM_TILED_LOADS_AFTER_BARRIER for k in GMM_TILED_DENSE_FP8},
@@ -580,6 +618,7 @@ NOT_YET: dict[str, dict[str, str]] = {  # budget -> {kernel: why it is not met y
     "activation_rereads": {},
     "divisions": {
         **{k: DIVISIONS_UNEXAMINED.format(*UNEXAMINED_FIGURES[k]) for k in UNEXAMINED_FIGURES},
+        **{k: MOE_ROUTED_DIVISIONS for k in MOE_GATE_UP_ROUTED},
         **{k: RMS_NORM_DIVISIONS for k in RMS_NORM},
     },
 }

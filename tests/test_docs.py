@@ -159,10 +159,11 @@ def decode_blocks(decode_rows):
 def test_the_decode_what_ifs_take_out_the_dispatches_they_name(decode_rows):
     """The decode benchmark's what-ifs (the fusions issue 31 has left) take
     from each optimized row the dispatches the model's structure gives: one
-    a MoE layer (the routing), and eager the rotary calls before the layers
-    but two; all of them together, their sum. Counted here from the real
-    configs' layer kinds, not from the what-if code. (The output gate in
-    o_proj's GEMV is done: sigmoid_gate_linear, no what-if.)"""
+    eager the rotary calls before the layers but two; all of them together,
+    their sum. Counted here from the real configs' layer kinds, not from the
+    what-if code. (Done, no what-if: the routing in the experts' gate/up
+    kernel, moe_gate_up_routed; the output gate in o_proj's GEMV,
+    sigmoid_gate_linear.)"""
     import collections
 
     from benchmarks import bench_decode, census
@@ -170,17 +171,14 @@ def test_the_decode_what_ifs_take_out_the_dispatches_they_name(decode_rows):
     assert {(r["model"], r["mode"]) for r in table} == {(m, mode) for m in census.MODELS for mode in census.MODES}
     for r in table:
         kinds = collections.Counter(census.layer_kinds(census.MODELS[r["model"]].config()))
-        moe = sum(n for k, n in kinds.items() if k.endswith("+moe"))
 
         def cell(label):
             tok, dispatches = r[label].rstrip(")").split(" (")
             return float(tok), float(dispatches)
 
-        tok, today = cell("as today")
-        assert cell("5: routing in the experts' kernel")[1] == today - moe > 0
-        assert cell("5: routing in the experts' kernel")[0] > tok
-        assert "5: output gate in o_proj" not in r
-        saved = moe
+        _, today = cell("as today")
+        assert "5: routing in the experts' kernel" not in r and "5: output gate in o_proj" not in r
+        saved = 0
         if r["mode"] == "eager":
             rotary = cell("5: rotary tables as one gather")[1]
             assert today - 20 < rotary < today - 5  # the step's rotary tables: a dozen or more calls

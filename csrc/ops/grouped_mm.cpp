@@ -231,7 +231,11 @@ Reason problem_unsupported(const at::Tensor& a, const at::Tensor& b) {
 // `types`: the kernels' type suffix ("bf16", "e4m3", "bf16_e4m3w": bfloat
 // activations with fp8 weights).
 // `fused`: mps_ext's MoE ops, which always take the decode kernel.
-void run(const Problem& pr, const at::Tensor& offs, const std::string& types, bool fused = false) {
+// `routed`: moe_gate_up_routed's buffers 7-12 (the routing's parameters,
+// bias and outputs): the decode kernel that routes the rows itself from the
+// router's logits, bound where offs is (moe_experts_routed).
+void run(const Problem& pr, const at::Tensor& offs, const std::string& types, bool fused = false,
+         const std::vector<KernelArg>* routed = nullptr) {
   GroupedMMParams p = pr.p;
   const int64_t item = pr.b.element_size();
   Launch l;
@@ -250,7 +254,8 @@ void run(const Problem& pr, const at::Tensor& offs, const std::string& types, bo
     const int64_t outputs = p.swiglu ? p.n / 2 : p.n;
     const int64_t chunks = std::max<int64_t>(std::min<int64_t>(p.m, p.groups), 1);
     const int64_t rows = std::min<int64_t>(ceil_div(p.m, chunks), GMM_DECODE_MAX_ROWS);
-    name = "gmm_decode_rows_" + types + (vec ? "_vec" : "_scalar");
+    TORCH_INTERNAL_ASSERT(!routed || vec, "moe_gate_up_routed has only a _vec variant");
+    name = (routed ? "moe_gate_up_routed_" : "gmm_decode_rows_") + types + (vec ? "_vec" : "_scalar");
     const DecodeGeometry g = fit_threads(
         decode_geometry(device_profile(pr.b.device()), outputs, chunks,
                         p.swiglu ? GMM_ROWS_OUTPUTS / 2 : GMM_ROWS_OUTPUTS, true, rows * pr.a.element_size() / item),
@@ -281,6 +286,7 @@ void run(const Problem& pr, const at::Tensor& offs, const std::string& types, bo
     l.args.push_back(KernelArg::of(pr.col_scale.defined() ? pr.col_scale : pr.out));
   }
   if (name.rfind("gmm_decode_rows", 0) == 0) l.args.push_back(KernelArg::of(pr.rows_of.defined() ? pr.rows_of : offs));
+  if (routed) l.args.insert(l.args.end(), routed->begin(), routed->end());
   launch(l);
 }
 
@@ -476,7 +482,7 @@ namespace {
 // weight [experts, N, K] in x's dtype, or float8_e4m3fn with weight_scale
 // [experts, N] (float32) and bfloat16 x; offs int32 [experts].
 void check_moe_operands(const char* op, const at::Tensor& x, const at::Tensor& weight,
-                        const c10::optional<at::Tensor>& weight_scale, const at::Tensor& offs) {
+                        const c10::optional<at::Tensor>& weight_scale, const at::Tensor* offs) {
   const bool fp8 = weight.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && x.size(1) == weight.size(2), op,
               ": x [tokens or rows, K] and weight [experts, N, K] expected, got ", x.sizes(), " and ", weight.sizes());
@@ -492,8 +498,9 @@ void check_moe_operands(const char* op, const at::Tensor& x, const at::Tensor& w
                     weight_scale->size(0) == weight.size(0) && weight_scale->size(1) == weight.size(1) &&
                     weight_scale->stride(1) == 1,
                 op, ": weight_scale must be float32 [experts, N] contiguous in N, got ", weight_scale->sizes());
-  TORCH_CHECK(offs.dim() == 1 && offs.scalar_type() == at::kInt && offs.size(0) == weight.size(0), op,
-              ": offs must be int32 [experts]");
+  if (offs)
+    TORCH_CHECK(offs->dim() == 1 && offs->scalar_type() == at::kInt && offs->size(0) == weight.size(0), op,
+                ": offs must be int32 [experts]");
   const Reason why = problem_unsupported(x, weight);
   TORCH_CHECK(!why, op, ": ", why.text());
 }
@@ -527,7 +534,7 @@ Problem moe_problem(const at::Tensor& x, const at::Tensor& weight, const c10::op
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& weight_scale,
                        const at::Tensor& offs, const c10::optional<at::Tensor>& slot_of_row, int64_t slots_per_token,
                        bool swiglu) {
-  check_moe_operands("moe_experts", x, weight, weight_scale, offs);
+  check_moe_operands("moe_experts", x, weight, weight_scale, &offs);
   const int64_t rows = slot_of_row ? slot_of_row->numel() : x.size(0);
   if (slot_of_row)
     TORCH_CHECK(slot_of_row->scalar_type() == at::kInt && slot_of_row->dim() == 1 && slot_of_row->is_contiguous() &&
@@ -549,6 +556,31 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weight, const c10:
   return out;
 }
 
+// moe_experts(x, weight, weight_scale, offs, slot_of_row, slots, swiglu)
+// with the routing that makes offs and slot_of_row folded in
+// (moe_gate_up_routed, kernels_metal/grouped_mm.metal; moe.cpp's
+// experts_of): `rows` = tokens * slots routed rows, from the router's
+// `logits` and `route` (the kernel's buffers 7-12, moe.cpp's). nullopt,
+// with nothing launched, where the kernel does not take the operands: it
+// has only the 16-byte-load variant.
+c10::optional<at::Tensor> moe_experts_routed(const at::Tensor& x, const at::Tensor& weight,
+                                             const c10::optional<at::Tensor>& weight_scale, const at::Tensor& logits,
+                                             int64_t slots, int64_t rows, const std::vector<KernelArg>& route) {
+  check_moe_operands("moe_experts", x, weight, weight_scale, nullptr);
+  TORCH_CHECK(rows <= kFusedMaxRows && weight.size(1) % 2 == 0 && rows <= x.size(0) * slots,
+              "moe_experts_routed: at most ", kFusedMaxRows, " rows of swiglu [gate | up] weights");
+  if (weight.size(0) == 0 || weight.size(1) == 0 || rows == 0 ||
+      !(x.stride(1) == 1 && weight.stride(2) == 1 && aligned16(x, x.stride(0)) && aligned16(weight, weight.stride(1)) &&
+        aligned16(weight, weight.stride(0))))
+    return c10::nullopt;
+  at::Tensor out = at::empty({rows, weight.size(1) / 2}, x.options());
+  Problem pr = moe_problem(x, weight, weight_scale, rows, out);
+  pr.p.swiglu = 1;
+  pr.p.gather = static_cast<uint32_t>(slots);
+  run(pr, logits, weight_scale ? "bf16_e4m3w" : type_name(x.scalar_type()), true, &route);
+  return out;
+}
+
 // ------------------------------------------------------ moe_down_combine --
 // moe_experts(h, down, down_scale, offs) then moe_combine(y, weights,
 // row_of_slot) as one dispatch, with the same bits (moe_layer's decode;
@@ -562,7 +594,7 @@ at::Tensor moe_down_combine(const at::Tensor& h, const at::Tensor& down, const c
                             const c10::optional<at::Tensor>& residual) {
   static_assert(MOE_DOWN_Y_ELEMENTS >= GMM_ROWS_OUTPUTS * kFusedMaxRows,
                 "a threadgroup of one simdgroup keeps every routed row's outputs");
-  check_moe_operands("moe_down_combine", h, down, down_scale, offs);
+  check_moe_operands("moe_down_combine", h, down, down_scale, &offs);
   TORCH_CHECK(h.stride(1) == 1 && offs.is_contiguous(), "moe_down_combine: h's rows and offs must be contiguous");
   TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == at::kFloat && weights.is_contiguous() &&
                   row_of_slot.scalar_type() == at::kInt && row_of_slot.is_contiguous() &&

@@ -20,14 +20,20 @@
 // Eager PyTorch on a Mac pays about 20 us of CPU per op it encodes, and a
 // MoE block written op by op (router, softmax, top-k, renormalisation, the
 // per-expert loop or grouped products with their sorting, combine, shared
-// expert) is dozens of ops; here the same layer is four dispatches encoded
+// expert) is dozens of ops; here the same layer is three dispatches encoded
 // by one call:
 //
 //   logits  = router GEMV of x                        (linear.cpp's kernels)
-//   weights, offs, slot_of_row, row_of_slot = moe_route(logits)
-//   h       = moe_experts(x, gate_up, swiglu)          (each chosen expert's rows read once)
+//   h, weights, offs, slot_of_row, row_of_slot = moe_gate_up_routed(x, gate_up, logits)
 //   out     = moe_down_combine(h, down, weights, row_of_slot[, residual])
 //
+// The second is moe_route(logits) then moe_experts(x, gate_up, offs,
+// slot_of_row, swiglu) in one kernel with the same bits (grouped_mm.metal:
+// every threadgroup routes the tokens itself; threadgroup (0, 0) writes
+// moe_route's outputs for the next dispatch). Where it does not take the
+// shapes (past MOE_FUSED_MAX_EXPERTS experts or MOE_FUSED_MAX_SLOTS token
+// slots, rows not 16-byte aligned: routed_gate_up below), those two
+// dispatches: four a layer.
 // The last is moe_experts(h, down) and moe_combine in one kernel with the
 // same bits (grouped_mm.cpp): a threadgroup owns a block of hidden columns,
 // takes each chosen expert's down rows of it once and sums each token's
@@ -42,8 +48,8 @@
 //
 // torch.ops.mps_ext.add_rms_norm_moe_layer: the decoder layer's residual add
 // and post-attention norm before the layer (add_rms_norm's), in the router
-// GEMV's dispatch: four dispatches where add_rms_norm and moe_layer take
-// five (below).
+// GEMV's dispatch: three dispatches where add_rms_norm and moe_layer take
+// four (below).
 //
 // A shared expert (Qwen3-Next, Qwen3.5/3.6-MoE) is expert E of the banks and
 // row E of the router (its sigmoid gate), as moe_route defines it, so it
@@ -76,11 +82,19 @@ const char* float_name(c10::ScalarType t, const char* op) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k,
-                                                                     bool renormalize, bool shared_expert,
-                                                                     const c10::optional<at::Tensor>& expert_bias,
-                                                                     bool sigmoid, double scale, double renorm_eps) {
-  const char* types = float_name(logits.scalar_type(), "moe_route");
+namespace {
+
+// moe_route's checked arguments, parameters and outputs (moe_route launches
+// them; moe_layer's experts_of hands them to the gate/up kernel that routes
+// itself).
+struct Routing {
+  MoeRouteParams p{};
+  at::Tensor weights, offs, slot_of_row, row_of_slot;
+};
+
+Routing routing(const at::Tensor& logits, int64_t top_k, bool renormalize, bool shared_expert,
+                const c10::optional<at::Tensor>& expert_bias, bool sigmoid, double scale, double renorm_eps) {
+  float_name(logits.scalar_type(), "moe_route");
   TORCH_CHECK(!expert_bias || sigmoid, "moe_route: expert_bias is for sigmoid scoring");
   TORCH_CHECK(logits.dim() == 2, "moe_route: logits [tokens, experts] expected, got ", logits.sizes());
   const int64_t tokens = logits.size(0), experts = logits.size(1) - (shared_expert ? 1 : 0);
@@ -94,32 +108,77 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(const at::T
                     expert_bias->size(0) == experts && expert_bias->is_contiguous(),
                 "moe_route: expert_bias must be contiguous float32 [", experts, "], got ", expert_bias->sizes(), " ",
                 expert_bias->scalar_type());
+  Routing r;
   auto i32 = logits.options().dtype(at::kInt);
-  at::Tensor weights = at::empty({tokens, slots}, logits.options().dtype(at::kFloat));
-  at::Tensor offs = at::empty({experts + (shared_expert ? 1 : 0)}, i32);
-  at::Tensor slot_of_row = at::empty({tokens * slots}, i32), row_of_slot = at::empty({tokens * slots}, i32);
-  if (tokens > 0 || offs.numel() > 0) {
-    MoeRouteParams p{};
-    p.tokens = static_cast<uint32_t>(tokens);
-    p.experts = static_cast<uint32_t>(experts);
-    p.top_k = static_cast<uint32_t>(top_k);
-    p.shared = shared_expert ? 1 : 0;
-    p.renormalize = renormalize ? 1 : 0;
-    p.logits_t_stride = logits.stride(0);
-    p.logits_e_stride = logits.stride(1);
-    p.scoring = sigmoid ? MOE_SCORING_SIGMOID : MOE_SCORING_SOFTMAX;
-    p.scale = static_cast<float>(scale);
-    p.renorm_eps = static_cast<float>(renorm_eps);
-    p.has_bias = expert_bias ? 1 : 0;
-    // Without a bias the kernel reads none; the weights stand in for the buffer.
-    launch(Launch{"moe",
-                  std::string("moe_route_") + types,
-                  {KernelArg::of(weights), KernelArg::of(offs), KernelArg::of(slot_of_row), KernelArg::of(row_of_slot),
-                   KernelArg::of(logits), KernelArg::value(p), KernelArg::of(expert_bias ? *expert_bias : weights)},
-                  {1, 1, 1},
-                  {MOE_ROUTE_THREADS, 1, 1}});
-  }
-  return {weights, offs, slot_of_row, row_of_slot};
+  r.weights = at::empty({tokens, slots}, logits.options().dtype(at::kFloat));
+  r.offs = at::empty({experts + (shared_expert ? 1 : 0)}, i32);
+  r.slot_of_row = at::empty({tokens * slots}, i32), r.row_of_slot = at::empty({tokens * slots}, i32);
+  MoeRouteParams& p = r.p;
+  p.tokens = static_cast<uint32_t>(tokens);
+  p.experts = static_cast<uint32_t>(experts);
+  p.top_k = static_cast<uint32_t>(top_k);
+  p.shared = shared_expert ? 1 : 0;
+  p.renormalize = renormalize ? 1 : 0;
+  p.logits_t_stride = logits.stride(0);
+  p.logits_e_stride = logits.stride(1);
+  p.scoring = sigmoid ? MOE_SCORING_SIGMOID : MOE_SCORING_SOFTMAX;
+  p.scale = static_cast<float>(scale);
+  p.renorm_eps = static_cast<float>(renorm_eps);
+  p.has_bias = expert_bias ? 1 : 0;
+  const auto dt = logits.scalar_type();
+  p.logits_type = dt == at::kHalf ? MOE_LOGITS_F16 : dt == at::kBFloat16 ? MOE_LOGITS_BF16 : MOE_LOGITS_F32;
+  return r;
+}
+
+void launch_route(const Routing& r, const at::Tensor& logits, const c10::optional<at::Tensor>& expert_bias) {
+  if (r.p.tokens == 0 && r.offs.numel() == 0) return;
+  // Without a bias the kernel reads none; the weights stand in for the buffer.
+  launch(Launch{
+      "moe",
+      std::string("moe_route_") + float_name(logits.scalar_type(), "moe_route"),
+      {KernelArg::of(r.weights), KernelArg::of(r.offs), KernelArg::of(r.slot_of_row), KernelArg::of(r.row_of_slot),
+       KernelArg::of(logits), KernelArg::value(r.p), KernelArg::of(expert_bias ? *expert_bias : r.weights)},
+      {1, 1, 1},
+      {MOE_ROUTE_THREADS, 1, 1}});
+}
+
+// The layer's gate/up product with r's routing in its dispatch
+// (moe_gate_up_routed: r's outputs written there), where its threadgroups
+// hold the routing (a decode step's slots and experts) and its one variant
+// takes the operands: three dispatches a layer. nullopt, nothing launched:
+// moe_route's dispatch, then moe_experts.
+c10::optional<at::Tensor> routed_gate_up(const at::Tensor& xe, const at::Tensor& gate_up,
+                                         const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& logits,
+                                         const Routing& r, const c10::optional<at::Tensor>& expert_bias) {
+  if (r.p.experts > MOE_FUSED_MAX_EXPERTS || r.slot_of_row.numel() > MOE_FUSED_MAX_SLOTS) return c10::nullopt;
+  return moe_experts_routed(
+      xe, gate_up, gate_up_scale, logits, r.p.top_k + r.p.shared, r.slot_of_row.numel(),
+      {KernelArg::value(r.p), KernelArg::of(expert_bias ? *expert_bias : r.weights), KernelArg::of(r.weights),
+       KernelArg::of(r.offs), KernelArg::of(r.slot_of_row), KernelArg::of(r.row_of_slot)});
+}
+
+}  // namespace
+
+#ifdef MPS_EXT_TEST_HOOKS
+std::vector<at::Tensor> moe_routed_gate_up_for_tests(const at::Tensor& xe, const at::Tensor& gate_up,
+                                                     const c10::optional<at::Tensor>& gate_up_scale,
+                                                     const at::Tensor& logits, int64_t top_k, bool renormalize,
+                                                     bool shared_expert, const c10::optional<at::Tensor>& expert_bias,
+                                                     bool sigmoid, double scale, double renorm_eps) {
+  const Routing r = routing(logits, top_k, renormalize, shared_expert, expert_bias, sigmoid, scale, renorm_eps);
+  const c10::optional<at::Tensor> h = routed_gate_up(xe, gate_up, gate_up_scale, logits, r, expert_bias);
+  if (!h) return {};
+  return {*h, r.weights, r.offs, r.slot_of_row, r.row_of_slot};
+}
+#endif
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k,
+                                                                     bool renormalize, bool shared_expert,
+                                                                     const c10::optional<at::Tensor>& expert_bias,
+                                                                     bool sigmoid, double scale, double renorm_eps) {
+  const Routing r = routing(logits, top_k, renormalize, shared_expert, expert_bias, sigmoid, scale, renorm_eps);
+  launch_route(r, logits, expert_bias);
+  return {r.weights, r.offs, r.slot_of_row, r.row_of_slot};
 }
 
 at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& weights, const at::Tensor& row_of_slot) {
@@ -191,12 +250,16 @@ at::Tensor experts_of(const at::Tensor& x, const at::Tensor& logits, const at::T
                       const c10::optional<at::Tensor>& expert_bias, bool sigmoid, double scale, double renorm_eps,
                       const c10::optional<at::Tensor>& residual) {
   const auto dt = x.scalar_type();
-  auto [weights, offs, slot_of_row, row_of_slot] =
-      moe_route(logits, top_k, renormalize, shared_expert, expert_bias, sigmoid, scale, renorm_eps);
   // The fp8 grouped kernels take bfloat16 activations.
   const at::Tensor xe = is_fp8(gate_up) && dt != at::kBFloat16 ? x.to(at::kBFloat16) : x;
   const int64_t slots = top_k + (shared_expert ? 1 : 0);
-  const at::Tensor h = moe_experts(xe, gate_up, gate_up_scale, offs, slot_of_row, slots, true);
+  const Routing r = routing(logits, top_k, renormalize, shared_expert, expert_bias, sigmoid, scale, renorm_eps);
+  const c10::optional<at::Tensor> routed = routed_gate_up(xe, gate_up, gate_up_scale, logits, r, expert_bias);
+  if (!routed) launch_route(r, logits, expert_bias);
+  const at::Tensor& weights = r.weights;
+  const at::Tensor& offs = r.offs;
+  const at::Tensor& row_of_slot = r.row_of_slot;
+  const at::Tensor h = routed ? *routed : moe_experts(xe, gate_up, gate_up_scale, offs, r.slot_of_row, slots, true);
   const bool fused = h.scalar_type() == dt;  // the kernel's output is x's dtype: it adds the residual
   const at::Tensor out =
       moe_down_combine(h, down, down_scale, offs, weights, row_of_slot, fused ? residual : c10::nullopt);
@@ -224,8 +287,8 @@ at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& router, const at::Te
 // add_rms_norm then moe_layer(normed, ..., residual=h) bit for bit, with the
 // add and the norm in the router GEMV's dispatch (linear.cpp's
 // add_rms_norm_gemv: every threadgroup adds and norms the rows itself,
-// threadgroup 0 writes h and normed for the rest of the layer): four
-// dispatches a decode step where the two ops take five. Where that kernel
+// threadgroup 0 writes h and normed for the rest of the layer): three
+// dispatches a decode step where the two ops take four. Where that kernel
 // does not take the rows (more than 8, normed rows past its threadgroup
 // memory, a router not contiguous along K), the two ops. Returns (h,
 // normed, out).

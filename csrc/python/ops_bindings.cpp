@@ -9,6 +9,7 @@
 #include "backend/launch.h"
 #include "backend/shaders.h"
 #include "ops/fp8.h"
+#include "ops/moe.h"
 #include "dispatch/kernel_choice.h"
 #include "dispatch/registration.h"
 #include "dispatch/registry.h"
@@ -59,6 +60,11 @@ void bind_test_hooks(py::module_& m) {
         "The embedded library's source that defines `kernel` alone; empty when it has no such variant.");
   m.def("_boxed_fallbacks", &detail::boxed_fallbacks,
         "How many of route's fallbacks to torch's kernel went through a boxed call (tests: none should).");
+  m.def("_moe_routed_gate_up", &moe_routed_gate_up_for_tests, py::arg("x"), py::arg("gate_up"),
+        py::arg("gate_up_scale"), py::arg("logits"), py::arg("top_k"), py::arg("renormalize"), py::arg("shared_expert"),
+        py::arg("expert_bias"), py::arg("sigmoid"), py::arg("scale"), py::arg("renorm_eps"),
+        "moe_layer's gate/up dispatch with the routing folded in: [h, weights, offs, slot_of_row, row_of_slot], or "
+        "[] where the layer runs moe_route's dispatch instead.");
   m.def(
       "_warn_without_override_warning",
       [](const std::string& message) { without_override_warning([&] { TORCH_WARN(message); }); }, py::arg("message"));

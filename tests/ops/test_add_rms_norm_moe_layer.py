@@ -64,10 +64,10 @@ def case(tokens, experts, top_k, shared, kind, hidden=64, variant="weight"):
 @pytest.mark.parametrize("variant,shared", [("weight", 0), ("zero_centred", 1)])
 @pytest.mark.parametrize("kind", KINDS, ids=str)
 def test_is_add_rms_norm_then_moe_layer(device, kind, variant, shared, tokens):
-    """Bit for bit add_rms_norm then moe_layer(residual=h), in four
-    dispatches instead of five: the add, the norm and the router's logits
-    in the first (the GEMV variant the router would take), then moe_route,
-    the gate/up product and the down product with the combine."""
+    """Bit for bit add_rms_norm then moe_layer(residual=h), in three
+    dispatches instead of four: the add, the norm and the router's logits
+    in the first (the GEMV variant the router would take), then the gate/up
+    product with the routing, and the down product with the combine."""
     x, residual, nw, moe_args = case(tokens, 8, 2, shared, kind, variant=variant)
     fused, unfused, fused_d, unfused_d = both(device, x, residual, nw, variant, moe_args, (True, bool(shared)))
     assert_equal(fused, unfused)
@@ -76,10 +76,10 @@ def test_is_add_rms_norm_then_moe_layer(device, kind, variant, shared, tokens):
         w_t = "bf16_e4m3w" if kind == "fp8" else t
         r = {1: 1, 3: 4, 8: 8}[tokens]
         gemv = f"gemv_rows_{t}_r{r}_q{1 if r <= 2 else 2}_vec"  # (8 experts: two outputs a simdgroup from 3 rows)
-        assert [d.kernel for d in fused_d] == [f"add_rms_norm_{gemv}", f"moe_route_{t}", f"gmm_decode_rows_{w_t}_vec",
+        assert [d.kernel for d in fused_d] == [f"add_rms_norm_{gemv}", f"moe_gate_up_routed_{w_t}_vec",
                                                f"moe_down_combine_{w_t}_vec"]
         assert [d.kernel for d in unfused_d][:2] == [f"add_rms_norm_{t}", gemv]
-        assert len(unfused_d) == 5
+        assert len(unfused_d) == 4
 
 
 @pytest.mark.parametrize("variant", ["weight", "zero_centred"])

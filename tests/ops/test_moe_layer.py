@@ -2,9 +2,12 @@
 call, against the layer written with torch's CPU ops in float64 (softmax,
 topk, per-expert matmuls), and against the five ops it stands for (router
 GEMV, moe_route, moe_experts twice, moe_combine), bit for bit: it runs
-four dispatches, the down product and moe_combine fused (moe_down_combine
-of kernels_metal/grouped_mm.metal), which also adds a decoder layer's
-residual when given one (torch's `residual + moe_out`, bit for bit)."""
+three dispatches, the routing in the gate/up product (moe_gate_up_routed,
+tests/ops/test_moe_routed.py; moe_route's dispatch where that kernel does
+not take the shapes) and the down product and moe_combine fused
+(moe_down_combine of kernels_metal/grouped_mm.metal), which also adds a
+decoder layer's residual when given one (torch's `residual + moe_out`, bit
+for bit)."""
 
 import pytest
 import torch
@@ -93,11 +96,15 @@ def test_layer_matches_torch_and_is_the_five_ops(device, tokens, experts, top_k,
         kernels = [d.kernel for d in rec.dispatches]
         t = "bf16" if kind == "fp8" else {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[kind]
         w_t = "bf16_e4m3w" if kind == "fp8" else t
-        assert kernels[-3:] == [f"moe_route_{t}", f"gmm_decode_rows_{w_t}_vec", f"moe_down_combine_{w_t}_vec"], kernels
+        # The routing in the gate/up dispatch (tests/ops/test_moe_routed.py) up to its 128 token slots:
+        # 9 tokens x 8 slots; past them (9 x 9) moe_route's dispatch before it.
+        routed = tokens * (top_k + shared) <= 128
+        gate_up = [f"moe_gate_up_routed_{w_t}_vec"] if routed else [f"moe_route_{t}", f"gmm_decode_rows_{w_t}_vec"]
+        assert kernels[-3 + routed:] == gate_up + [f"moe_down_combine_{w_t}_vec"], kernels
         # The router's logits: mps_ext's GEMV (one dispatch) up to 8 rows; past them mps_ext's prefill tile
         # in 16-bit (fp8's activations are bf16), torch's CPU matmul in float32 (which linear leaves to
-        # torch): four dispatches but for float32 past 8 rows.
-        assert len(kernels) == 3 + (tokens <= 8 or kind != torch.float32), kernels
+        # torch): three dispatches but for float32 past 8 rows.
+        assert len(kernels) == 3 - routed + (tokens <= 8 or kind != torch.float32), kernels
         if kind == torch.float32:  # (rounded to f16 or bf16, sums in another order mostly round alike)
             assert_order_matters(y, w, row_of_slot, out)
 
@@ -214,14 +221,14 @@ def test_each_chosen_expert_is_read_once(tokens, kind):
     _, _, gate_up, _, down, _ = args
     seen = set()
     for d in rec.dispatches:
-        bank = gate_up if d.kernel.startswith("gmm_decode_rows") else down if d.kernel.startswith(
+        bank = gate_up if d.kernel.startswith("moe_gate_up_routed") else down if d.kernel.startswith(
             "moe_down_combine") else None
         if bank is None:
             continue
         w = next(i for i, n in d.buffer_names.items() if n == "w")
         assert d.bytes_read[w] == d.unique_bytes_read[w] == distinct * bank[0].nbytes, (d.kernel, distinct)
         seen.add(d.kernel.split("_bf16")[0])
-    assert seen == {"gmm_decode_rows", "moe_down_combine"}
+    assert seen == {"moe_gate_up_routed", "moe_down_combine"}
 
 
 def test_every_down_combine_kernel_runs():
@@ -286,7 +293,8 @@ def test_residual_is_added_in_the_last_dispatch(device, tokens, experts, top_k, 
     if device == "executor":
         kernels = [d.kernel for d in rec.dispatches]
         assert kernels == [d.kernel for d in plain.dispatches]
-        assert len(kernels) == 3 + (tokens <= 8 or kind != torch.float32), kernels  # (the router: as above)
+        routed = tokens * (top_k + shared) <= 128  # (the routing and the router: as above)
+        assert len(kernels) == 3 - routed + (tokens <= 8 or kind != torch.float32), kernels
         d = rec.dispatches[-1]
         assert d.kernel.startswith("moe_down_combine_")
         assert d.bytes_read[d.buffer("residual")] == residual.nbytes
