@@ -158,20 +158,15 @@ def decode_blocks(decode_rows):
 
 def test_the_decode_what_ifs_take_out_the_dispatches_they_name(decode_rows):
     """The decode benchmark's what-ifs (the fusions issue 31 has left) take
-    from each optimized row the dispatches the model's structure gives: one
-    eager the rotary calls before the layers but two; all of them together,
-    their sum. Counted here from the real configs' layer kinds, not from the
-    what-if code. (Done, no what-if: the routing in the experts' gate/up
+    from each optimized row the dispatches the model's structure gives:
+    eager, the rotary calls before the layers but two; all of them together,
+    their sum. Not counted from the what-if code. (Done, no what-if: the routing in the experts' gate/up
     kernel, moe_gate_up_routed; the output gate in o_proj's GEMV,
     sigmoid_gate_linear.)"""
-    import collections
-
     from benchmarks import bench_decode, census
     _, table = bench_decode.what_if(decode_rows)
     assert {(r["model"], r["mode"]) for r in table} == {(m, mode) for m in census.MODELS for mode in census.MODES}
     for r in table:
-        kinds = collections.Counter(census.layer_kinds(census.MODELS[r["model"]].config()))
-
         def cell(label):
             tok, dispatches = r[label].rstrip(")").split(" (")
             return float(tok), float(dispatches)
