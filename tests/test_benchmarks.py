@@ -506,7 +506,8 @@ def test_fused_projections_count_as_one_gemv_and_their_split_as_views(monkeypatc
     spec = census.MODELS["Qwen3.6-35B-A3B"]
     model = census.tiny_model(spec)
     transform = (lambda m: mps_ext.optimize(mps_ext.quantize_fp8(m))) if fp8 else mps_ext.optimize
-    products = ("fp8_linear", "rms_norm_fp8_linear") if fp8 else ("linear", "rms_norm_linear")
+    # (bf16: Qwen3.6's o_proj takes the output gate along, sigmoid_gate_linear; an fp8 o_proj does not)
+    products = ("fp8_linear", "rms_norm_fp8_linear") if fp8 else ("linear", "rms_norm_linear", "sigmoid_gate_linear")
     traces = {}
     for fuse in (False, True):
         with monkeypatch.context() as m:
