@@ -373,8 +373,9 @@ def test_every_gemv_kernel_is_tested():
     tested |= {f"gemv_cols_{t}_r{r}_{v}" for t in types for r in rows for v in ("vec", "scalar")}
     tested |= {f"gemv_cols_finish_{t}" for t in types}
     # (rms_norm_gemv_rows, the norm in the GEMV: test_rms_norm_linear.py's; add_rms_norm_gemv_rows, with the
-    # residual add: test_add_rms_norm_moe_layer.py's.)
-    fused = ("rms_norm_gemv_rows_", "add_rms_norm_gemv_rows_")
+    # residual add: test_add_rms_norm_moe_layer.py's; sigmoid_gate_gemv_rows, the attention's output gate in the
+    # GEMV: test_sigmoid_gate_linear.py's.)
+    fused = ("rms_norm_gemv_rows_", "add_rms_norm_gemv_rows_", "sigmoid_gate_gemv_rows_")
     assert {k for k in host_names("linear") if not k.startswith(fused)} == tested
 
 
