@@ -201,16 +201,19 @@ MPS_EXT_INLINE void sigmoid_gate_rows_into(threadgroup T* gated,
                                            constant GateRowsParams& gp,
                                            uint tid,
                                            uint threads) {
-  const uint n = gp.n, d = gp.head_dim;
+  // The parameters in locals: a constant-buffer member is read again at
+  // every use inside the loop (memory to the executor, a load to the GPU).
+  const uint n = gp.n, d = gp.head_dim, rows = gp.rows, x_stride = gp.x_row_stride;
+  const uint gate_stride = gp.gate_row_stride, head_stride = gp.gate_head_stride;
   // Element i = h * d + j of a row: (h, j) of the first a thread takes and
   // of its step, one division each, then carried (no division an element).
   const uint h0 = tid / d, j0 = tid - h0 * d, step_h = threads / d, step_j = threads - step_h * d;
-  for (uint r = 0; r < gp.rows; ++r) {
-    const device T* xr = x + r * gp.x_row_stride;
-    const device T* gr = gate + r * gp.gate_row_stride;
+  for (uint r = 0; r < rows; ++r) {
+    const device T* xr = x + r * x_stride;
+    const device T* gr = gate + r * gate_stride;
     uint h = h0, j = j0;
     for (uint i = tid; i < n; i += threads) {
-      gated[r * n + i] = sigmoid_gated<T>(xr[i], gr[h * gp.gate_head_stride + j]);
+      gated[r * n + i] = sigmoid_gated<T>(xr[i], gr[h * head_stride + j]);
       h += step_h, j += step_j;
       if (j >= d) h += 1, j -= d;
     }

@@ -71,6 +71,7 @@ compute counters (docs/dev/contributing.md, "Compute efficiency").
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 
@@ -140,6 +141,12 @@ def _align_bits(text: str) -> int:
     return min(align.bit_length() - 1, 15)
 
 
+@functools.lru_cache(maxsize=None)
+def _field_re(name: str) -> re.Pattern:
+    """A debug-info node's field `name: value` (a quoted string or up to the next , or ))."""
+    return re.compile(rf"\b{name}: (\"(?:[^\"\\]|\\.)*\"|[^,)]+)")
+
+
 class _Metadata:
     """Source positions from the debug metadata."""
 
@@ -149,12 +156,26 @@ class _Metadata:
             m = re.match(r"^(![0-9]+) = (?:distinct )?(.*)$", line)
             if m:
                 self.nodes[m.group(1)] = m.group(2)
+        # The nodes do not change: each lookup is answered once. count_ops
+        # asks the file of every instruction's location (about 260,000 in a
+        # large library, over far fewer distinct locations), and these
+        # lookups were most of its time.
+        self._fields: dict[tuple[str, str], str | None] = {}
+        self._files: dict[str | None, str] = {}
 
     def _field(self, node: str, name: str):
-        m = re.search(rf"\b{name}: (\"(?:[^\"\\]|\\.)*\"|[^,)]+)", self.nodes.get(node, ""))
-        return m.group(1) if m else None
+        key = (node, name)
+        if key not in self._fields:
+            m = _field_re(name).search(self.nodes.get(node, ""))
+            self._fields[key] = m.group(1) if m else None
+        return self._fields[key]
 
     def _file_of(self, scope: str | None) -> str:
+        if scope not in self._files:
+            self._files[scope] = self._find_file(scope)
+        return self._files[scope]
+
+    def _find_file(self, scope: str | None) -> str:
         seen = 0
         while scope and seen < 64:
             f = self._field(scope, "file")
