@@ -74,9 +74,9 @@ def decode_chart(bars: list[dict], path: str | Path) -> None:
 
 def prefill_chart(bars: list[dict], path: str | Path, length: int) -> None:
     """A PNG at `path`: time to first token per model (model_chart)."""
-    model_chart(bars, path, f"seconds to first token, a {length}-token prompt (M3 Ultra unless named)",
-                f"Prefill of a {length}-token prompt: torch 2.15 and mps_ext (projected), peers (published), "
-                "compute limit", "{:.2f}")
+    model_chart(bars, path, "seconds to first token",
+                f"Prefill of a {length}-token prompt, M3 Ultra unless named: torch 2.15 and mps_ext (projected), "
+                "peers (published), compute limit", "{:.2f}")
 
 
 def model_chart(bars: list[dict], path: str | Path, ylabel: str, title: str, fmt: str) -> None:
