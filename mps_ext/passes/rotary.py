@@ -185,12 +185,14 @@ class RotaryPositionsMixin:
         bound = None if torch.compiler.is_compiling() else self._mps_ext_bound(args, kwargs)
         if bound is None:
             return super().forward(*args, **kwargs)
-        rotary = getattr(self, self._mps_ext_rotary.attribute)
-        rotary.__dict__["_mps_ext_bound"] = bound
+        rotary = [getattr(self, a) for a in self._mps_ext_rotary.attributes]  # (Gemma 3: a local and a global)
+        for r in rotary:
+            r.__dict__["_mps_ext_bound"] = bound
         try:
             return super().forward(*args, **kwargs)
         finally:
-            rotary.__dict__.pop("_mps_ext_bound", None)
+            for r in rotary:
+                r.__dict__.pop("_mps_ext_bound", None)
 
     def _mps_ext_bound(self, args: tuple, kwargs: dict) -> tuple[int, int] | None:
         """(past + T, T) where this call makes its own positions arange(T) +
@@ -223,7 +225,7 @@ def _seen(past) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class _ModelPlan:
-    attribute: str  # the rotary module's name in the text model
+    attributes: tuple[str, ...]  # the converted rotary modules' names in the text model
     positional: tuple[str, ...]  # the text model's forward's parameters a caller may pass by position
 
 
@@ -290,7 +292,10 @@ def _make_table(module: nn.Module, forward, positions: int, dtype: torch.dtype, 
         for start in range(0, positions, _CHUNK):
             n = min(_CHUNK, positions - start)
             pos = torch.arange(start, start + n, device=device)[None]
-            out = forward(module, torch.empty(1, n, 0, dtype=dtype, device=device), pos)
+            try:
+                out = forward(module, torch.empty(1, n, 0, dtype=dtype, device=device), pos)
+            except Exception as e:  # noqa: BLE001 - a module that takes other arguments
+                return f"its forward raised on positions 0..{positions - 1} ({type(e).__name__}: {e})"
             if not (isinstance(out, tuple) and len(out) == 2 and all(
                     isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[:2] == (1, n) and t.dtype == dtype
                     for t in out) and out[0].shape == out[1].shape):
@@ -328,7 +333,7 @@ def _model_plan(parent: nn.Module, attribute: str) -> _ModelPlan | str:
         return (f"its text model ({type(parent).__name__}) does not make its positions as "
                 "arange(T) + past_key_values.get_seq_length() (transformers 5's decoder models do)")
     positional = tuple(p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD)
-    return _ModelPlan(attribute, positional)
+    return _ModelPlan((attribute,), positional)
 
 
 def _dtype_of(parent: nn.Module) -> torch.dtype | None:
@@ -427,7 +432,11 @@ class RotaryTablePass(Pass):
         module.__dict__["_mps_ext_rope_tag"] = _Tag.of(module, plan.table)
         parent = model.get_submodule(plan.parent) if plan.parent else model
         parent.__class__ = _positions_class(original_class(type(parent)))
-        parent._mps_ext_rotary = plan.model_plan
+        earlier = parent.__dict__.get("_mps_ext_rotary")
+        attributes = plan.model_plan.attributes
+        if earlier is not None:
+            attributes = (*(a for a in earlier.attributes if a not in attributes), *attributes)
+        parent._mps_ext_rotary = dataclasses.replace(plan.model_plan, attributes=attributes)
         generate = ""
         # Only where generate's model calls the text model with the positions generate gives (a CausalLM over
         # it): a vision-language model makes its own mrope positions from them.

@@ -49,7 +49,7 @@ class _Ops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.inside:
-            self.names.append(func.name())
+            self.names.append(func._schema.name)  # the op without its overload
         return func(*args, **(kwargs or {}))
 
     def __exit__(self, *exc):
