@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 
 import torch
 from torch import nn
@@ -235,8 +236,16 @@ def _table_class(cls: type) -> type:
 
 
 def _positions_class(cls: type) -> type:
-    return fused_subclass(RotaryPositionsMixin, cls, f"{cls.__name__} telling its rotary embedding the host bound "
+    made = fused_subclass(RotaryPositionsMixin, cls, f"{cls.__name__} telling its rotary embedding the host bound "
                           "of the positions it makes (mps_ext.optimize).")
+    # transformers' output capture (output_router_logits, output_hidden_states, ...) finds what a model records
+    # by the name of its class, registered when a model is made (PreTrainedModel.__init__): the made class's
+    # too, as a model of the original class would have registered it.
+    capture = sys.modules.get("transformers.utils.output_capturing")
+    registry = getattr(capture, "_CAN_RECORD_REGISTRY", None)
+    if isinstance(registry, dict) and str(made) not in registry:
+        dict.__setitem__(registry, str(made), getattr(cls, "_can_record_outputs", None))
+    return made
 
 
 register_maker(RotaryTableMixin, _table_class)

@@ -70,7 +70,7 @@ class _Reads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.name()
         if name.startswith("mps_ext::") or name in ("aten::linear", "aten::mm", "aten::addmm", "aten::t",
-                                                    "aten::index"):
+                                                    "aten::index.Tensor"):
             for a in (*args, *(kwargs or {}).values()):
                 if isinstance(a, torch.Tensor):
                     self.storages.add(a.untyped_storage().data_ptr())
