@@ -18,7 +18,7 @@ needs (`Pass.after`):
 | projections | projections reading one input (q/k/v, gate/up, ...) | one linear layer, one GEMV |
 | attention | attention with per-head q/k norms | q/k norms + rotary on qk_norm_rope; gate, KV cache append |
 | decoder_layers | decoder layers | residual add + post-attention norm on add_rms_norm |
-| rotary | text models' rotary embeddings (cos, sin of the positions) | eager, one gather from a table of their own outputs |
+| rotary | text models' rotary embeddings (cos, sin of positions) | eager, one gather from a table of their outputs |
 
 What each did is `model.optimize_summary` (OptimizeSummary: one Section per
 pass), also logged; a probe that finds a module computing something else
