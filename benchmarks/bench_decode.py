@@ -472,19 +472,17 @@ def step_dispatches(step: timeline.Step) -> float:
 
 def _fusions_left(r: Row) -> dict[str, dict]:
     """Issue 31 point 5's fusions not done yet, as the dispatches each layer
-    kind (or the calls before the layers) would lose:
-    - eager, the rotary tables (cos, sin of the step's positions, computed
-      by the model's rotary module before the layers: a dozen aten calls)
-      as one gather from tables made once: the calls before the layers but
-      the embedding and that gather (compiled, Inductor already fuses them).
-    Done and in the rows: the norms in the GEMVs that read them, the
-    post-attention add and norm in the router GEMV, the cache append in the
-    q/k-norm + rotary dispatch, the output gate in o_proj's GEMV
-    (sigmoid_gate_linear), the routing in the experts' gate/up kernel
-    (moe_gate_up_routed: moe_route's dispatch, one a MoE layer)."""
-    pre = sum(op.counts.dispatches for op in r.make().ops if op.where == "pre")
-    out = {"rotary tables as one gather": {"pre": pre - 2} if r.mode == "eager" and pre > 2 else {}}
-    return {label: delta or None for label, delta in out.items()}  # None: the row has no such calls
+    kind (or the calls before the layers, "pre") would lose: {label: delta,
+    or None where the row has no such calls}. None left: done and in the
+    rows are the norms in the GEMVs that read them, the post-attention add
+    and norm in the router GEMV, the cache append in the q/k-norm + rotary
+    dispatch, the output gate in o_proj's GEMV (sigmoid_gate_linear), the
+    routing in the experts' gate/up kernel (moe_gate_up_routed: moe_route's
+    dispatch, one a MoE layer) and, eager, the rotary tables as one gather
+    from tables made once (mps_ext/passes/rotary.py: the calls before the
+    layers are the embedding, the positions the model makes and that
+    gather)."""
+    return {}
 
 
 def context_table(rows: list[Row], contexts=CONTEXTS) -> str:

@@ -18,6 +18,7 @@ needs (`Pass.after`):
 | projections | projections reading one input (q/k/v, gate/up, ...) | one linear layer, one GEMV |
 | attention | attention with per-head q/k norms | q/k norms + rotary on qk_norm_rope; gate, KV cache append |
 | decoder_layers | decoder layers | residual add + post-attention norm on add_rms_norm |
+| rotary | text models' rotary embeddings (cos, sin of positions) | eager, one gather from a table of their outputs |
 
 What each did is `model.optimize_summary` (OptimizeSummary: one Section per
 pass), also logged; a probe that finds a module computing something else
@@ -39,16 +40,17 @@ from .linear_attention import LinearAttentionPass
 from .moe import FusedMoEMixin, MoEPass
 from .norm import FusedRMSNorm, NormPass
 from .projections import ProjectionsPass
+from .rotary import RotaryTablePass
 from .short_conv import ShortConvPass
 
 __all__ = ["PASSES", "AttentionPass", "DecoderPass", "FusedMoEMixin", "FusedRMSNorm", "LinearAttentionPass",
-           "MoEPass", "NormPass", "OptimizeSummary", "Pass", "ProjectionsPass", "Section", "ShortConvPass", "optimize",
-           "run_pass"]
+           "MoEPass", "NormPass", "OptimizeSummary", "Pass", "ProjectionsPass", "RotaryTablePass", "Section",
+           "ShortConvPass", "optimize", "run_pass"]
 
 logger = logging.getLogger(__name__)
 
 PASSES: tuple[Pass, ...] = (MoEPass(), LinearAttentionPass(), ShortConvPass(), NormPass(), ProjectionsPass(),
-                            AttentionPass(), DecoderPass())
+                            AttentionPass(), DecoderPass(), RotaryTablePass())
 
 
 def _check_order(passes) -> None:

@@ -61,7 +61,7 @@ def generate(model, tokens=4, **kwargs):
 
 class _Reads(TorchDispatchMode):
     """The storages of every tensor an mps_ext op (or a linear product:
-    the fused projections' GEMV) reads."""
+    the fused projections' GEMV; or a gather: the rotary table's) reads."""
 
     def __init__(self):
         super().__init__()
@@ -69,7 +69,8 @@ class _Reads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.name()
-        if name.startswith("mps_ext::") or name in ("aten::linear", "aten::mm", "aten::addmm", "aten::t"):
+        if name.startswith("mps_ext::") or name in ("aten::linear", "aten::mm", "aten::addmm", "aten::t",
+                                                    "aten::index.Tensor"):
             for a in (*args, *(kwargs or {}).values()):
                 if isinstance(a, torch.Tensor):
                     self.storages.add(a.untyped_storage().data_ptr())
@@ -78,9 +79,15 @@ class _Reads(TorchDispatchMode):
 
 def unrun(model) -> list[str]:
     """The summary's conversions whose kernel did not read their witness
-    tensor in a batched, padded greedy generate on the kernels' path."""
+    tensor in a batched, padded greedy generate on the kernels' path, or in
+    one of its prompts alone (without padding, generate lets the model make
+    its positions: the rotary table's gather runs there, not under
+    generate's positions of a padded batch)."""
+    prompt, _ = batch()
     with run_model(RELEASE), _Reads() as reads:
         generate(model)
+        with torch.no_grad():
+            model.generate(input_ids=prompt[:1], max_new_tokens=2, do_sample=False, pad_token_id=0)
     return [f"{p.name} {name}" for p in passes.PASSES for name in model.optimize_summary[p.name].converted
             if p.witness(model, name).untyped_storage().data_ptr() not in reads.storages]
 
@@ -88,7 +95,7 @@ def unrun(model) -> list[str]:
 # ----------------------------------------------------------- the registry --
 def test_the_registry_runs_each_pass_after_the_passes_it_needs():
     names = [p.name for p in passes.PASSES]
-    assert len(set(names)) == len(names) == 7
+    assert len(set(names)) == len(names) == 8
     for i, p in enumerate(passes.PASSES):
         assert set(p.after) <= set(names[:i]), p.name
         assert p.title and (not p.stateful or type(p).revert is not passes.Pass.revert)
@@ -159,15 +166,18 @@ def _model_where_it_converts(p):
     raise AssertionError(f"no test model has a module the {p.name} pass converts")
 
 
-def _plant(module: torch.nn.Module) -> None:
+def _plant(module: torch.nn.Module, per_call: bool = False) -> None:
     """The module's outputs scaled by 1.001: a module shaped as the pass
-    knows that computes something else."""
+    knows that computes something else. per_call: scaled by 1 + 0.001 x the
+    call's tokens (a rotary module whose rows are its own outputs whatever
+    they are, unless a position's row depends on the call)."""
     cls = type(module)
 
     class Planted(cls):
         def forward(self, *args, **kwargs):
             out = super().forward(*args, **kwargs)
-            return (out[0] * 1.001, *out[1:]) if isinstance(out, tuple) else out * 1.001
+            s = 1 + 0.001 * ((args[1] if len(args) > 1 else kwargs["position_ids"]).shape[-1] if per_call else 1)
+            return (out[0] * s, *out[1:]) if isinstance(out, tuple) else out * s
     module.__class__ = Planted
 
 
@@ -194,7 +204,7 @@ def test_every_pass_keeps_the_protocol(p):
         parent = planted.get_submodule(target.rpartition(".")[0])
         member = next(n for group in passes.projections.GROUPS for n in group if hasattr(parent, n))
         target = f"{target.rpartition('.')[0]}.{member}"
-    _plant(planted.get_submodule(target))
+    _plant(planted.get_submodule(target), per_call=p.name == "rotary")
     want = generate(planted)
     mps_ext.optimize(planted)
     s = planted.optimize_summary[p.name]
