@@ -393,7 +393,8 @@ def _sections(model: nn.Module) -> dict[str, tuple[dict[str, str], dict[str, str
     return out
 
 
-OPTIMIZE_SECTIONS = ("moe", "norms", "linear_attention", "short_conv", "projections", "attention", "decoder_layers")
+OPTIMIZE_SECTIONS = ("moe", "norms", "linear_attention", "short_conv", "projections", "attention", "decoder_layers",
+                     "rotary")
 FP8_SECTIONS = ("fp8",)
 # The passes, in order: (name, steps applied to a copy of the model, the sections its last step records).
 PASSES = (("optimize", ("optimize",), OPTIMIZE_SECTIONS),
@@ -609,11 +610,12 @@ def pinned_transformers() -> str:
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TABLE = ROOT / "docs" / "architectures.md"
 SHORT = {"moe": "MoE", "norms": "norm", "linear_attention": "DeltaNet", "short_conv": "conv", "projections": "proj",
-         "attention": "attn", "decoder_layers": "layer"}
+         "attention": "attn", "decoder_layers": "layer", "rotary": "rope"}
 WHAT = {"moe": "MoE blocks on moe_layer", "norms": "RMSNorms -> FusedRMSNorm",
         "linear_attention": "Gated DeltaNet layers", "short_conv": "LFM2 short convolutions",
         "projections": "projections that read one input, fused (one per group)",
         "attention": "attention layers on qk_norm_rope", "decoder_layers": "decoder layers on add_rms_norm",
+        "rotary": "rotary embeddings as one gather from a table",
         "fp8": "quantize_fp8: nn.Linear -> FP8Linear, expert banks -> FP8Experts"}
 STAGES = ("config", "build", "stock run")
 
@@ -648,9 +650,9 @@ def render(results: list[ArchResult], version: str) -> str:
            "A cell counts the modules converted (`/n`: n left, with reasons below): MoE (blocks on moe_layer), "
            "norm (RMSNorms), DeltaNet (Gated DeltaNet layers), conv (LFM2 short convolutions), proj (groups "
            "of projections fused), attn (attention layers on qk_norm_rope), layer (decoder layers on "
-           "add_rms_norm); Linear / Experts (FP8Linear, FP8Experts). **mismatch** and **crash** are bugs "
-           "(listed below); refused is a clear ValueError or TypeError of the pass; not run: the pass it "
-           "starts from did not run.", "", "## Totals", "",
+           "add_rms_norm), rope (rotary embeddings as one gather from a table); Linear / Experts (FP8Linear, "
+           "FP8Experts). **mismatch** and **crash** are bugs (listed below); refused is a clear ValueError or "
+           "TypeError of the pass; not run: the pass it starts from did not run.", "", "## Totals", "",
            f"{len(results)} architectures; {len(ran)} built and ran; {len(skipped)} skipped ("
            + ", ".join(f"{sum(r.skipped.startswith(st + ':') for r in skipped)} at {st}" for st in STAGES) + ").",
            "", "| pass | converted something | converted nothing | mismatch | crash | refused | not run |",
